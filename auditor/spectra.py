@@ -1,0 +1,230 @@
+"""Singular values of every unique factorizable weight: fast, exact enough, cached, in parallel.
+
+Only the values are needed, never U or V. The fast path takes the eigenvalues of the float64 Gram matrix of the short
+side (W^T W or W W^T): sigma_i = sqrt(lambda_i). Its absolute error in lambda is about k * eps64 * sigma_max^2, so
+sigma is off by at most sqrt(k * eps64) * sigma_max (4.7e-7 relative at k = 1024) and far less for all but
+near-zero values. A guard falls back to a float64 SVD (LAPACK gesdd) where that bound could exceed the tolerance, or
+where a cumulative energy lands so close to an energy target that the rank for it could flip.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import os
+import sys
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Iterable
+
+import numpy as np
+import torch
+
+from .layers import matrix_view
+from .results import Layer, Spectrum
+
+ENGINE_VERSION = "1"
+EPS64 = float(np.finfo(np.float64).eps)
+TOLERANCE = 1e-6  # singular values agree with a float64 SVD to this, relative to sigma_max
+TARGET_MARGIN = 1e-9  # an energy this close to a target sends the layer to the float64 SVD
+
+
+def default_cache_dir() -> Path:
+    env = os.environ.get("LOWRANK_AUDITOR_CACHE")
+    if env:
+        return Path(env)
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "lowrank-auditor" / "spectra"
+
+
+def gram_svdvals(a: torch.Tensor) -> np.ndarray:
+    """Singular values (descending) of a float64 matrix from the eigenvalues of its short-side Gram matrix."""
+    m, n = a.shape
+    g = a.T @ a if m >= n else a @ a.T
+    lam = torch.linalg.eigvalsh(g).flip(0).clamp_min_(0.0)
+    return lam.sqrt_().numpy()
+
+
+def svd_svdvals(a: torch.Tensor) -> np.ndarray:
+    return np.linalg.svd(a.numpy(), compute_uv=False)
+
+
+def needs_exact(sigma: np.ndarray, k: int, targets: Iterable[float]) -> bool:
+    """True when the Gram path's error bound could matter: tiny values at a large k, or a target on a knife edge."""
+    s2 = sigma.astype(np.float64) ** 2
+    total = s2.sum()
+    if total <= 0:
+        return False
+    lam_err = 4.0 * k * EPS64 * s2[0]
+    if math.sqrt(lam_err) > 0.1 * TOLERANCE * sigma[0] and (s2 < lam_err * 1e6).any():
+        return True
+    cum = np.cumsum(s2) / total
+    rel_err = lam_err * k / total
+    for t in targets:
+        if np.any(np.abs(cum - t) < max(TARGET_MARGIN, rel_err)):
+            return True
+    return False
+
+
+def needs_exact_energy(sig: np.ndarray, targets: Iterable[float]) -> bool:
+    """Grouped matrices: is a combined cumulative energy within the margin of a target?"""
+    s2 = (sig**2).sum(axis=0)
+    total = s2.sum()
+    if total <= 0:
+        return False
+    cum = np.cumsum(s2) / total
+    return any(np.any(np.abs(cum - t) < TARGET_MARGIN) for t in targets)
+
+
+def _hash(t: torch.Tensor, layer: Layer) -> str:
+    h = hashlib.blake2b(digest_size=20)
+    h.update(f"{ENGINE_VERSION}|{layer.kind}|{layer.m}x{layer.n}x{layer.groups}|{t.dtype}|".encode())
+    c = t.detach().contiguous()
+    if c.dtype == torch.bfloat16:
+        c = c.view(torch.int16)
+    h.update(c.numpy().tobytes() if c.dim() else c.reshape(1).numpy().tobytes())
+    return h.hexdigest()
+
+
+def skip_reason(t: torch.Tensor) -> str:
+    if t.device.type == "meta":
+        return "on the meta device: structure only, no values"
+    if t.is_quantized or t.dtype in (torch.int8, torch.uint8, torch.qint8, torch.quint8):
+        return f"quantized ({str(t.dtype).replace('torch.', '')}): dequantize before a spectral audit"
+    if not t.is_floating_point():
+        return f"not a floating-point tensor ({t.dtype})"
+    return ""
+
+
+def _finish(layer: Layer, sigma: np.ndarray, method: str, dtype: torch.dtype) -> Spectrum:
+    """Derived numbers from per-group singular values (groups x k)."""
+    s2 = sigma**2
+    frob2 = float(s2.sum())
+    cum = np.cumsum(s2.sum(axis=0)) / frob2  # every group cut at the same rank r
+    cum = np.minimum(cum, 1.0)
+    cum[-1] = 1.0
+    smax = float(sigma.max())
+    flat = sigma.ravel()
+    p = flat / flat.sum()
+    p = p[p > 0]
+    eff = float(math.exp(-(p * np.log(p)).sum()))
+    eps = float(torch.finfo(dtype).eps) if dtype.is_floating_point else EPS64
+    tol = smax * max(layer.m, layer.n) * eps
+    num_rank = int((sigma > tol).sum(axis=1).max())
+    return Spectrum(
+        layer=layer.name,
+        sigma=sigma.tolist(),
+        method=method,
+        frob2=frob2,
+        stable_rank=frob2 / (smax**2) if smax > 0 else 0.0,
+        effective_rank=eff,
+        numerical_rank=num_rank,
+        energy=cum.tolist(),
+    )
+
+
+@dataclass
+class SpectraStats:
+    computed: int = 0
+    cached: int = 0
+    exact_fallbacks: int = 0
+    skipped: int = 0
+
+
+class Engine:
+    def __init__(
+        self,
+        targets: Iterable[float] = (0.90, 0.95, 0.99),
+        cache_dir: Path | None = None,
+        use_cache: bool = True,
+        workers: int | None = None,
+        progress: bool | None = None,
+    ) -> None:
+        self.targets = tuple(targets)
+        self.cache_dir = cache_dir or default_cache_dir()
+        self.use_cache = use_cache
+        self.workers = workers or min(4, os.cpu_count() or 1)
+        self.progress = sys.stderr.isatty() if progress is None else progress
+        self.stats = SpectraStats()
+        self._lock = threading.Lock()
+
+    def one(self, layer: Layer, t: torch.Tensor) -> Spectrum:
+        reason = skip_reason(t)
+        if reason:
+            return self._skip(layer, reason)
+        t = t.detach()
+        key = _hash(t, layer) if self.use_cache else ""
+        if key:
+            path = self.cache_dir / key[:2] / f"{key}.npy"
+            if path.exists():
+                try:
+                    sigma = np.load(path)
+                    with self._lock:
+                        self.stats.cached += 1
+                    return _finish(layer, sigma, "cache", t.dtype)
+                except Exception:  # noqa: BLE001 - a corrupt cache entry is recomputed
+                    pass
+        mats = matrix_view(layer, t.to(torch.float64))
+        if not torch.isfinite(mats).all():
+            bad = int((~torch.isfinite(mats)).sum())
+            return self._skip(layer, f"non-finite values ({bad:,} NaN/Inf entries)")
+        if not mats.any():
+            return self._skip(layer, "all-zero weight")
+        k = min(layer.m, layer.n)
+        sig = np.empty((layer.groups, k))
+        method = "gram-eigh"
+        for gi in range(layer.groups):
+            sig[gi] = gram_svdvals(mats[gi])
+            if needs_exact(sig[gi], k, self.targets if layer.groups == 1 else ()):
+                sig[gi] = svd_svdvals(mats[gi])
+                method = "svd-f64"
+        if layer.groups > 1 and needs_exact_energy(sig, self.targets):
+            for gi in range(layer.groups):
+                sig[gi] = svd_svdvals(mats[gi])
+            method = "svd-f64"
+        if method == "svd-f64":
+            with self._lock:
+                self.stats.exact_fallbacks += 1
+        with self._lock:
+            self.stats.computed += 1
+        if key:
+            path = self.cache_dir / key[:2] / f"{key}.npy"
+            try:
+                path.parent.mkdir(parents=True, exist_ok=True)
+                tmp = path.with_suffix(f".{os.getpid()}.{threading.get_ident()}.tmp")
+                with open(tmp, "wb") as fh:
+                    np.save(fh, sig)
+                os.replace(tmp, path)
+            except OSError:
+                pass  # a read-only cache is not an error
+        return _finish(layer, sig, method, t.dtype)
+
+    def _skip(self, layer: Layer, reason: str) -> Spectrum:
+        with self._lock:
+            self.stats.skipped += 1
+        return Spectrum(layer=layer.name, sigma=None, skipped=reason)
+
+    def run(self, items: list[tuple[Layer, Callable[[], torch.Tensor]]]) -> dict[str, Spectrum]:
+        """Spectra for (layer, tensor loader) pairs, largest first so the pool stays busy."""
+        order = sorted(items, key=lambda it: -it[0].params)
+        out: dict[str, Spectrum] = {}
+        done = 0
+        total = len(order)
+
+        def work(item: tuple[Layer, Callable[[], torch.Tensor]]) -> Spectrum:
+            layer, load = item
+            with torch.no_grad():
+                return self.one(layer, load())
+
+        with ThreadPoolExecutor(max_workers=self.workers) as pool:
+            for (layer, _), spec in zip(order, pool.map(work, order)):
+                out[layer.name] = spec
+                done += 1
+                if self.progress:
+                    bar = "#" * int(30 * done / total)
+                    print(f"\rspectra [{bar:<30}] {done}/{total}", end="", file=sys.stderr, flush=True)
+        if self.progress and total:
+            print(file=sys.stderr)
+        return out
