@@ -1,0 +1,46 @@
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+
+
+@pytest.fixture(autouse=True)
+def _isolated_cache(tmp_path_factory, monkeypatch):
+    monkeypatch.setenv("LOWRANK_AUDITOR_CACHE", str(tmp_path_factory.getbasetemp() / "spectra-cache"))
+
+
+def run_cli(*args: str, cwd: Path | None = None, env: dict | None = None) -> subprocess.CompletedProcess:
+    e = dict(os.environ)
+    e.update(env or {})
+    return subprocess.run([sys.executable, "-m", "auditor", *map(str, args)], capture_output=True, text=True,
+                          cwd=cwd or ROOT, env=e, timeout=600)
+
+
+@pytest.fixture
+def cli():
+    return run_cli
+
+
+@pytest.fixture(scope="session")
+def digits_mlp():
+    sys.path.insert(0, str(ROOT / "sample_models"))
+    from digits import mlp
+
+    return mlp()
+
+
+@pytest.fixture(scope="session")
+def digits_cnn():
+    sys.path.insert(0, str(ROOT / "sample_models"))
+    from digits import cnn
+
+    return cnn()
