@@ -31,10 +31,8 @@ class Loaded:
 
 
 def parse_shape(text: str, flag: str) -> tuple[int, ...]:
-    try:
-        dims = tuple(int(x) for x in text.replace("x", ",").split(",") if x.strip())
-    except ValueError:
-        dims = ()
+    tokens = [t.strip() for t in text.replace("x", ",").split(",")]
+    dims = tuple(int(t) for t in tokens) if all(t.isdigit() for t in tokens) else ()
     if not dims or any(d <= 0 for d in dims):
         raise AuditError(f"{flag} {text!r} is not a shape", f"Give positive integers separated by commas, e.g. {flag} 1,3,224,224")
     return dims

@@ -5,7 +5,9 @@ The result records which method was used and why each earlier one failed, so the
 
 from __future__ import annotations
 
+import contextlib
 import inspect
+import io
 import warnings
 from dataclasses import dataclass, field
 from typing import Any
@@ -121,7 +123,7 @@ def trace(model: nn.Module, ex: ExampleInputs | None, hf: bool = False) -> Trace
             try:
                 from torch.fx.passes.shape_prop import ShapeProp
 
-                with torch.no_grad():
+                with torch.no_grad(), contextlib.redirect_stderr(io.StringIO()):  # ShapeProp prints tracebacks
                     ShapeProp(gm).propagate(*_positional(model, gm, ex))
                 return TraceResult(Method.SYMBOLIC, gm.graph, gm, failures=failures, has_shapes=True)
             except Exception as exc:  # noqa: BLE001

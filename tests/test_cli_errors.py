@@ -1,0 +1,78 @@
+"""Bad input through the command line: one clear line, exit code 2, no traceback, no report written."""
+
+import json
+
+import pytest
+
+
+def _assert_bad(res, *needles):
+    assert res.returncode == 2, res.stderr
+    assert "Traceback" not in res.stderr
+    lines = [l for l in res.stderr.splitlines() if l.strip()]
+    assert len(lines) == 1, res.stderr
+    assert lines[0].startswith("error: ")
+    for n in needles:
+        assert n in lines[0], lines[0]
+
+
+FACTORIES = '''
+import torch
+from torch import nn
+def good():
+    return nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4))
+def raises():
+    raise RuntimeError("cannot build today")
+def not_a_module():
+    return 42
+'''
+
+
+@pytest.fixture
+def factories(tmp_path):
+    p = tmp_path / "models.py"
+    p.write_text(FACTORIES)
+    return p
+
+
+def test_missing_file(cli, tmp_path):
+    _assert_bad(cli(tmp_path / "nope.py:f", "-o", tmp_path / "out", "--format", "json"), "does not exist")
+    assert not (tmp_path / "out").exists()
+
+
+def test_missing_factory_suggests_close_name(cli, factories):
+    _assert_bad(cli(f"{factories}:goood"), "no factory named 'goood'", "Did you mean good")
+
+
+def test_factory_that_raises(cli, factories):
+    _assert_bad(cli(f"{factories}:raises"), "raised RuntimeError: cannot build today")
+
+
+def test_factory_returning_non_module(cli, factories):
+    _assert_bad(cli(f"{factories}:not_a_module"), "returned int, not a torch.nn.Module")
+
+
+def test_unreadable_config(cli, tmp_path):
+    bad = tmp_path / "config.json"
+    bad.write_text("{ not json")
+    _assert_bad(cli(bad), "cannot read the Hugging Face config")
+
+
+def test_input_shape_that_does_not_fit(cli, factories, tmp_path):
+    out = tmp_path / "out"
+    res = cli(f"{factories}:good", "--input-shape", "2,17", "--format", "json,html", "-o", out)
+    _assert_bad(res, "do not fit the model", "float32[2, 17]")
+    assert not out.exists() or not any(out.iterdir())
+
+
+def test_bad_shape_text(cli, factories):
+    _assert_bad(cli(f"{factories}:good", "--input-shape", "2,x"), "is not a shape")
+
+
+def test_good_factory_exit_zero_and_json(cli, factories):
+    res = cli(f"{factories}:good", "--input-shape", "3,16", "--format", "json", "-q")
+    assert res.returncode == 0, res.stderr
+    data = json.loads(res.stdout)
+    assert data["format_version"] == 1
+    assert data["totals"]["params"] == 16 * 32 + 32 + 32 * 4 + 4
+    assert data["totals"]["macs"] == 3 * (16 * 32 + 32 * 4)
+    assert data["meta"]["trace_method"] == "torch.fx.symbolic_trace"
