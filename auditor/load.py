@@ -138,7 +138,7 @@ def _factory(spec: str, input_shape: Any, input_ids: Any, weights: str | None) -
     if weights:
         _load_state(out, weights)
     inputs = _inputs(None, input_shape, input_ids) if (input_shape or input_ids) else example
-    return Loaded(out, inputs, attr, spec)
+    return Loaded(out, inputs, type(out).__name__, spec)
 
 
 def _inputs(config: Any, input_shape: Any, input_ids: Any) -> Any:

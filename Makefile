@@ -1,0 +1,38 @@
+# Set-up pins torch to the CPU wheel first (a bare `torch` requirement would pull a multi-GB CUDA build);
+# the library itself only asks for torch>=2.3.
+PYTHON ?= python3
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+TORCH  ?= torch==2.13.0
+REPORTS ?= reports
+
+.PHONY: setup demo test system-deps docs clean
+
+$(VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q "$(TORCH)"
+	$(PY) -m pip install -q -e ".[test]"
+	touch $@
+
+setup: $(VENV)/.installed
+
+# Headless Chromium (browser test of the HTML report) and poppler (PDF to PNG), from Debian's packages.
+system-deps:
+	@command -v chromium >/dev/null 2>&1 && command -v pdftoppm >/dev/null 2>&1 || \
+	  { (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium poppler-utils fonts-dejavu-core >/dev/null) \
+	    || echo "note: could not install chromium/poppler-utils; the browser test will be skipped"; }
+
+demo: setup
+	$(VENV)/bin/lowrank-audit sample_models/digits.py:mlp --format text,json,md,html,pdf -o $(REPORTS) \
+	  --emit-plan $(REPORTS)/suggested-plan.toml
+	@echo "reports written to $(REPORTS)/ (open $(REPORTS)/lowrank-audit.html or .pdf)"
+
+test: setup system-deps
+	$(PY) -m pytest
+
+docs: setup
+	$(VENV)/bin/lowrank-audit rules --markdown > docs/rules.md
+
+clean:
+	rm -rf $(VENV) $(REPORTS)
