@@ -1,0 +1,192 @@
+"""Reports: HTML parsed back against the JSON, PDF text, escaping, atomic writes, the browser, notebook views."""
+
+import json
+import re
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+import auditor
+
+bs4 = pytest.importorskip("bs4")
+
+
+@pytest.fixture(scope="module")
+def audit_cnn():
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "sample_models"))
+    from digits import cnn
+
+    model, x = cnn()
+    return auditor.audit(model, x, cache=False, plan={"ranks": {"fc1": 24, "conv1": 4}})
+
+
+def test_html_rows_match_json(audit_cnn, tmp_path):
+    html = audit_cnn.to_html(tmp_path / "r.html")
+    data = json.loads(audit_cnn.to_json())
+    soup = bs4.BeautifulSoup(html, "html.parser")
+    rows = soup.select("#layer-table tbody tr")
+    assert [r["data-layer"] for r in rows] == [l["name"] for l in data["layers"]]
+    for row, layer in zip(rows, data["layers"]):
+        assert row.select_one("td.params").text == f"{layer['params']:,}"
+        assert row.select_one("td.be").text == f"{layer['break_even']:.1f}"
+        sugg = data["suggestions"][layer["name"]]["rank"]
+        assert row.select_one("td.rank").text == (str(sugg) if sugg is not None else "–")
+    assert f"{data['totals']['params']:,}" in soup.select_one("#summary").text
+    # the plan review table lists each planned layer, and every finding is shown with its code
+    assert [td.text for td in soup.select("#plan-table tbody td.name")] == ["fc1", "conv1"]
+    for f in data["findings"]:
+        assert f["code"] in soup.select_one("#findings").text
+    # self-contained: no external URL anywhere
+    assert not re.search(r'(src|href)="(?!data:)', html)
+    assert (tmp_path / "r.html").read_text(encoding="utf-8") == html
+
+
+def test_pdf_text_has_totals_and_top_layers(audit_cnn, tmp_path):
+    pypdf = pytest.importorskip("pypdf")
+    pytest.importorskip("weasyprint")
+    path = audit_cnn.to_pdf(tmp_path / "r.pdf")
+    reader = pypdf.PdfReader(str(path))
+    text = "\n".join(p.extract_text() for p in reader.pages)
+    assert f"{audit_cnn.total_params:,}" in text
+    for layer in audit_cnn.layers[:3]:
+        assert layer.name in text
+    assert "Page 1 of" in text and "Low-rank audit: DigitsCNN" in text
+    assert len(reader.pages) >= 2
+
+
+def test_pdf_fetcher_refuses_files_and_remote_urls():
+    wp = pytest.importorskip("weasyprint")
+    from auditor.render.pdf import url_fetcher
+
+    fetch = url_fetcher(wp)
+    for url in ("file:///etc/passwd", "http://example.com/x.png", "https://example.com/a.css"):
+        with pytest.raises(ValueError, match="refuses"):
+            (fetch.fetch if hasattr(fetch, "fetch") else fetch)(url)
+    tiny = "data:image/svg+xml;base64,PHN2ZyB4bWxucz0iaHR0cDovL3d3dy53My5vcmcvMjAwMC9zdmciLz4="
+    assert (fetch.fetch if hasattr(fetch, "fetch") else fetch)(tiny) is not None
+
+
+def test_missing_weasyprint_says_what_to_install(monkeypatch, audit_cnn, tmp_path):
+    import builtins
+
+    real = builtins.__import__
+
+    def fake(name, *a, **k):
+        if name == "weasyprint":
+            raise OSError("cannot load library 'libpango-1.0-0'")
+        return real(name, *a, **k)
+
+    monkeypatch.setattr(builtins, "__import__", fake)
+    with pytest.raises(auditor.AuditError, match="Pango") as exc:
+        audit_cnn.to_pdf(tmp_path / "x.pdf")
+    assert "pip install weasyprint" in exc.value.line()
+    assert not (tmp_path / "x.pdf").exists()
+    assert "<html" in audit_cnn.to_html()  # HTML keeps working
+
+
+class Evil(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.add_module("<script>alert(1)</script>", nn.Linear(8, 8))
+
+    def forward(self, x):
+        return getattr(self, "<script>alert(1)</script>")(x)
+
+
+def test_module_names_are_escaped():
+    a = auditor.audit(Evil(), torch.zeros(1, 8), cache=False, name="<b>model</b>")
+    html = a.to_html()
+    assert "<script>alert(1)</script>" not in html
+    assert "&lt;script&gt;alert(1)&lt;/script&gt;" in html
+    assert "<b>model</b>" not in html
+    assert "<script>alert" not in a._repr_html_()
+    assert "<script>" not in a.to_markdown()
+
+
+def test_reports_are_written_atomically(monkeypatch, audit_cnn, tmp_path):
+    from auditor.render import atomic_write
+
+    target = tmp_path / "report.html"
+    target.write_text("old complete report")
+    with pytest.raises(RuntimeError):
+        with atomic_write(target) as fh:
+            fh.write("half")
+            raise RuntimeError("interrupted")
+    assert target.read_text() == "old complete report"
+    assert list(tmp_path.iterdir()) == [target]  # no temporary file left behind
+
+
+def test_repr_html_and_markdown(audit_cnn):
+    compact = audit_cnn._repr_html_()
+    assert "DigitsCNN" in compact and "fc1" in compact and "LR0" in compact
+    md = audit_cnn.to_markdown()
+    assert md.startswith("## Low-rank audit: DigitsCNN")
+    assert "| `fc1` |" in md and audit_cnn.verdict_line in md
+    assert "### Findings" in md
+
+
+def test_to_pandas(audit_cnn):
+    pd = pytest.importorskip("pandas")
+    df = audit_cnn.to_pandas()
+    assert list(df["name"]) == [l.name for l in audit_cnn.layers]
+    assert int(df["params"].sum()) == audit_cnn.factorizable_params
+
+
+def test_baseline_diff(cli, tmp_path):
+    base = tmp_path / "base.json"
+    res = cli("sample_models/digits.py:mlp", "--format", "json", "-q", "-o", tmp_path / "b")
+    assert res.returncode == 0
+    shutil.copy(tmp_path / "b" / "lowrank-audit.json", base)
+    plan = tmp_path / "plan.toml"
+    plan.write_text('finetune = "1 epoch"\n[ranks]\n"fc2" = 300\n')
+    res = cli("sample_models/digits.py:mlp", "--plan", plan, "--baseline", base, "--format", "md", "-q")
+    assert res.returncode == 1
+    assert "### Since the baseline" in res.stdout and "new **LR001**" in res.stdout
+    bad = cli("sample_models/digits.py:mlp", "--baseline", tmp_path / "nope.json")
+    assert bad.returncode == 2 and "baseline" in bad.stderr
+
+
+def _chromium():
+    for name in ("chromium", "chromium-browser", "google-chrome"):
+        if shutil.which(name):
+            return shutil.which(name)
+    return None
+
+
+def _browse(html_path: Path, tmp_path: Path) -> tuple[str, str]:
+    flags = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+             "--disable-background-networking", "--disable-component-update", "--disable-sync",
+             f"--user-data-dir={tmp_path / 'profile'}", "--enable-logging=stderr", "--v=0",
+             "--virtual-time-budget=2000", "--dump-dom"]
+    res = subprocess.run([_chromium(), *flags, html_path.as_uri()], capture_output=True, text=True, timeout=120)
+    return res.stdout, res.stderr
+
+
+@pytest.mark.skipif(_chromium() is None, reason="chromium is not installed (make test installs it)")
+def test_html_in_headless_chromium_has_no_console_errors_and_sorts(audit_cnn, tmp_path):
+    def console_errors(log: str) -> list[str]:
+        return [l for l in log.splitlines() if "CONSOLE" in l and ("Uncaught" in l or "Error" in l)]
+
+    # the detector works: a page with a script error is caught
+    broken = tmp_path / "broken.html"
+    broken.write_text("<html><body><script>undefinedFunction();</script></body></html>")
+    assert console_errors(_browse(broken, tmp_path)[1])
+
+    html = audit_cnn.to_html()
+    # click the "params" header twice (ascending, then descending) and record the first row
+    probe = ("<script>window.addEventListener('load', function () {"
+             "var th = document.querySelectorAll('#layer-table th')[4]; th.click();"
+             "document.title = 'first:' + document.querySelector('#layer-table tbody tr').getAttribute('data-layer');"
+             "});</script></body>")
+    page = tmp_path / "report.html"
+    page.write_text(html.replace("</body>", probe), encoding="utf-8")
+    dom, log = _browse(page, tmp_path)
+    assert console_errors(log) == []
+    smallest = min(audit_cnn.layers, key=lambda l: l.params).name
+    assert f"<title>first:{smallest}</title>" in dom
