@@ -6,7 +6,7 @@ PY     := $(VENV)/bin/python
 TORCH  ?= torch==2.13.0
 REPORTS ?= reports
 
-.PHONY: setup demo test system-deps docs clean
+.PHONY: setup demo test system-deps docs clean bench
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -36,3 +36,17 @@ docs: setup
 
 clean:
 	rm -rf $(VENV) $(REPORTS)
+
+# Benchmarks run in their own venv so that weightwatcher (compared against) never enters the project's.
+BENCH_VENV ?= .bench-venv
+$(BENCH_VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(BENCH_VENV)
+	$(BENCH_VENV)/bin/python -m pip install -q "$(TORCH)"
+	$(BENCH_VENV)/bin/python -m pip install -q -e ".[test]" weightwatcher==0.7.7
+	touch $@
+
+bench: $(BENCH_VENV)/.installed
+	$(BENCH_VENV)/bin/python benchmarks/spectra.py
+	$(BENCH_VENV)/bin/python benchmarks/structure_7b.py
+	$(BENCH_VENV)/bin/python benchmarks/render.py
+	$(BENCH_VENV)/bin/python benchmarks/sharded_checkpoint.py

@@ -39,33 +39,71 @@ def default_cache_dir() -> Path:
     return Path(base) / "lowrank-auditor" / "spectra"
 
 
-def gram_svdvals(a: torch.Tensor) -> np.ndarray:
-    """Singular values (descending) of a float64 matrix from the eigenvalues of its short-side Gram matrix."""
+CHUNK_ELEMENTS = 1 << 22  # rows (or columns) are upcast to float64 this many elements at a time
+
+
+def gram64(a: torch.Tensor) -> np.ndarray:
+    """The float64 Gram matrix of the short side (W^T W or W W^T), upper triangle only (BLAS dsyrk: half the
+    flops of a general product), accumulated over blocks of the long side so that only one block at a time exists
+    in float64: memory stays near the stored tensor plus k x k."""
+    from scipy.linalg.blas import dsyrk
+
     m, n = a.shape
-    g = a.T @ a if m >= n else a @ a.T
-    lam = torch.linalg.eigvalsh(g).flip(0).clamp_min_(0.0)
-    return lam.sqrt_().numpy()
+    tall = m >= n
+    k, long = (n, m) if tall else (m, n)
+    step = max(1, CHUNK_ELEMENTS // max(k, 1))
+    g: np.ndarray | None = None
+    for start in range(0, long, step):
+        blk = (a[start:start + step] if tall else a[:, start:start + step]).numpy().astype(np.float64)
+        # blk is C-ordered; blk.T is the same memory in Fortran order, which BLAS reads without a copy
+        if g is None:
+            g = dsyrk(1.0, blk.T, trans=0 if tall else 1, lower=0)
+        else:
+            g = dsyrk(1.0, blk.T, beta=1.0, c=g, trans=0 if tall else 1, lower=0, overwrite_c=1)
+    assert g is not None
+    return g
+
+
+def eig_svdvals(g: np.ndarray) -> np.ndarray:
+    """Singular values (descending) from the eigenvalues of a Gram matrix given by its upper triangle."""
+    from scipy.linalg import eigh
+
+    lam = eigh(g, lower=False, eigvals_only=True, driver="evd", check_finite=False, overwrite_a=True)
+    return np.sqrt(np.clip(lam[::-1], 0.0, None))
+
+
+def gram_svdvals(a: torch.Tensor) -> np.ndarray:
+    """Singular values (descending) of a matrix from the eigenvalues of its float64 short-side Gram matrix."""
+    return eig_svdvals(gram64(a))
 
 
 def svd_svdvals(a: torch.Tensor) -> np.ndarray:
-    return np.linalg.svd(a.numpy(), compute_uv=False)
+    """The reference path: LAPACK's float64 SVD, values only."""
+    return np.linalg.svd(a.to(torch.float64).numpy(), compute_uv=False)
+
+
+def gram_error(k: int, lam_max: float) -> float:
+    """Expected size of the eigenvalue error of the float64 Gram path: the products are exact (float32 inputs),
+    the sums and the eigensolver add about eps64 * sqrt(k) * lambda_max; ten times that is the bound used."""
+    return 10.0 * math.sqrt(k) * EPS64 * lam_max
 
 
 def needs_exact(sigma: np.ndarray, k: int, targets: Iterable[float]) -> bool:
-    """True when the Gram path's error bound could matter: tiny values at a large k, or a target on a knife edge."""
+    """True when the Gram path could miss the tolerance, or an energy target sits on a knife edge.
+
+    A value sigma_i moves by at most min(sqrt(d), d / (2 sigma_i)) for an eigenvalue error d: only values below
+    d / (tol * sigma_max) can be off by more than tol * sigma_max / 2, and only if sqrt(d) is that large at all
+    (k above about 13,000)."""
     s2 = sigma.astype(np.float64) ** 2
     total = s2.sum()
     if total <= 0:
         return False
-    lam_err = 4.0 * k * EPS64 * s2[0]
-    if math.sqrt(lam_err) > 0.1 * TOLERANCE * sigma[0] and (s2 < lam_err * 1e6).any():
+    d = gram_error(k, s2[0])
+    if math.sqrt(d) > 0.5 * TOLERANCE * sigma[0] and (sigma < d / (TOLERANCE * sigma[0])).any():
         return True
     cum = np.cumsum(s2) / total
-    rel_err = lam_err * k / total
-    for t in targets:
-        if np.any(np.abs(cum - t) < max(TARGET_MARGIN, rel_err)):
-            return True
-    return False
+    margin = max(TARGET_MARGIN, k * d / total)
+    return any(np.any(np.abs(cum - t) < margin) for t in targets)
 
 
 def needs_exact_energy(sig: np.ndarray, targets: Iterable[float]) -> bool:
@@ -84,7 +122,7 @@ def _hash(t: torch.Tensor, layer: Layer) -> str:
     c = t.detach().contiguous()
     if c.dtype == torch.bfloat16:
         c = c.view(torch.int16)
-    h.update(c.numpy().tobytes() if c.dim() else c.reshape(1).numpy().tobytes())
+    h.update(memoryview(c.reshape(-1).numpy()).cast("B"))  # no copy; hashlib releases the GIL on big buffers
     return h.hexdigest()
 
 
@@ -166,17 +204,22 @@ class Engine:
                     return _finish(layer, sigma, "cache", t.dtype)
                 except Exception:  # noqa: BLE001 - a corrupt cache entry is recomputed
                     pass
-        mats = matrix_view(layer, t.to(torch.float64))
-        if not torch.isfinite(mats).all():
-            bad = int((~torch.isfinite(mats)).sum())
-            return self._skip(layer, f"non-finite values ({bad:,} NaN/Inf entries)")
-        if not mats.any():
-            return self._skip(layer, "all-zero weight")
+        if t.dtype in (torch.float16, torch.bfloat16):
+            t = t.float()  # upcast per tensor; float64 happens block by block inside gram64
+        mats = matrix_view(layer, t)
         k = min(layer.m, layer.n)
         sig = np.empty((layer.groups, k))
         method = "gram-eigh"
         for gi in range(layer.groups):
-            sig[gi] = gram_svdvals(mats[gi])
+            # The Gram matrix doubles as the health check: float32 products cannot overflow float64, so it is
+            # finite exactly when W is, and its trace (||W||_F^2) is zero exactly when W is all zero.
+            g = gram64(mats[gi])
+            if not np.isfinite(g).all():
+                bad = int((~torch.isfinite(mats)).sum())
+                return self._skip(layer, f"non-finite values ({bad:,} NaN/Inf entries)")
+            if gi == 0 and np.trace(g) == 0 and not mats.any():
+                return self._skip(layer, "all-zero weight")
+            sig[gi] = eig_svdvals(g)
             if needs_exact(sig[gi], k, self.targets if layer.groups == 1 else ()):
                 sig[gi] = svd_svdvals(mats[gi])
                 method = "svd-f64"
@@ -207,19 +250,35 @@ class Engine:
         return Spectrum(layer=layer.name, sigma=None, skipped=reason)
 
     def run(self, items: list[tuple[Layer, Callable[[], torch.Tensor]]]) -> dict[str, Spectrum]:
-        """Spectra for (layer, tensor loader) pairs, largest first so the pool stays busy."""
+        """Spectra for (layer, tensor loader) pairs, largest first so the pool stays busy.
+
+        Tensors are loaded only when a worker starts on them, and at most about two of the largest tensors' worth
+        of weights are in flight at once, so memory stays near the model's largest weight, not its size."""
         order = sorted(items, key=lambda it: -it[0].params)
         out: dict[str, Spectrum] = {}
-        done = 0
         total = len(order)
+        sizes = [4 * it[0].params for it in order]
+        budget = max(2 * max(sizes, default=0), 256 << 20)
+        inflight = [0]
+        cond = threading.Condition()
 
-        def work(item: tuple[Layer, Callable[[], torch.Tensor]]) -> Spectrum:
-            layer, load = item
-            with torch.no_grad():
-                return self.one(layer, load())
+        def work(i: int) -> Spectrum:
+            layer, load = order[i]
+            need = min(sizes[i], budget)
+            with cond:
+                cond.wait_for(lambda: inflight[0] == 0 or inflight[0] + need <= budget)
+                inflight[0] += need
+            try:
+                with torch.no_grad():
+                    return self.one(layer, load())
+            finally:
+                with cond:
+                    inflight[0] -= need
+                    cond.notify_all()
 
+        done = 0
         with ThreadPoolExecutor(max_workers=self.workers) as pool:
-            for (layer, _), spec in zip(order, pool.map(work, order)):
+            for (layer, _), spec in zip(order, pool.map(work, range(total))):
                 out[layer.name] = spec
                 done += 1
                 if self.progress:

@@ -1,0 +1,117 @@
+"""Spectral engine speed, side by side in one run.
+
+    python benchmarks/spectra.py            # weightwatcher column only where weightwatcher 0.7.7 is importable
+    make bench                              # the same, in a benchmark-only venv that has weightwatcher
+
+For each case it times (best of 3): the engine (cache off), a loop of torch.linalg.svdvals on the same matrices,
+the bare linear algebra the engine does (the same float64 Gram products and eigensolves, nothing else), and for the
+model weightwatcher's analyze(). Then a first and a cached re-audit, and the peak RSS.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _util import best, peak_rss_mb  # noqa: E402
+
+import auditor  # noqa: E402
+from auditor.layers import matrix_view  # noqa: E402
+from auditor.results import Kind, Layer  # noqa: E402
+from auditor.spectra import Engine, gram64  # noqa: E402
+
+
+def layer_for(m: int, n: int) -> Layer:
+    return Layer(name=f"{m}x{n}", param=f"{m}x{n}", kind=Kind.LINEAR, module_type="Linear", shape=(m, n), m=m, n=n)
+
+
+def bare(mats: list[torch.Tensor]) -> None:
+    from scipy.linalg import eigh
+
+    for a in mats:
+        eigh(gram64(a), lower=False, eigvals_only=True, driver="evd", check_finite=False, overwrite_a=True)
+
+
+def svdvals_loop(mats: list[torch.Tensor]) -> None:
+    for a in mats:
+        torch.linalg.svdvals(a)
+
+
+def row(name: str, engine: float, svd: float, lin: float, ww: float | None = None) -> None:
+    ww_s = f"{ww:8.2f}s  {ww / engine:6.1f}x" if ww is not None else "       -        -"
+    print(f"{name:<28} {engine:8.3f}s {svd:8.3f}s {svd / engine:6.2f}x {lin:8.3f}s {engine / lin:6.2f}x  {ww_s}")
+
+
+def bert_25m() -> torch.nn.Module:
+    from transformers import BertConfig, BertModel
+
+    torch.manual_seed(0)
+    return BertModel(BertConfig(hidden_size=384, num_hidden_layers=8, num_attention_heads=6,
+                                intermediate_size=1536, vocab_size=30522)).eval()
+
+
+def main() -> None:
+    torch.manual_seed(0)
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {os.cpu_count()} cores")
+    print(f"{'case':<28} {'engine':>9} {'svdvals':>9} {'speedup':>7} {'bare LA':>9} {'eng/LA':>7}  {'weightwatcher':>8}")
+    for m, n in [(1024, 1024), (4096, 1024), (30000, 768)]:
+        w = torch.randn(m, n) / n**0.5
+        layer = layer_for(m, n)
+        eng = Engine(use_cache=False, progress=False, workers=1)
+        t_eng = best(lambda: eng.one(layer, w))
+        t_svd = best(lambda: torch.linalg.svdvals(w))
+        t_lin = best(lambda: bare([w]))
+        row(f"{m}x{n} fp32", t_eng, t_svd, t_lin)
+        ref = np.linalg.svd(w.double().numpy(), compute_uv=False)
+        e_eng = np.max(np.abs(np.asarray(eng.one(layer, w).sigma[0]) - ref)) / ref[0]
+        e_svd = np.max(np.abs(torch.linalg.svdvals(w).double().numpy() - ref)) / ref[0]
+        print(f"{'':<28} max |sigma - float64 SVD| / sigma_max: engine {e_eng:.1e}, svdvals (fp32) {e_svd:.1e}")
+
+    model = bert_25m()
+    a = auditor.audit(model, spectra=False)
+    params = dict(model.named_parameters())
+    items = [(l, (lambda p=l.param: params[p])) for l in a.layers]
+    mats = [matrix_view(l, params[l.param].detach())[0] for l in a.layers]
+    n_params = a.total_params
+    eng = Engine(use_cache=False, progress=False)
+    t_eng = best(lambda: eng.run(items), repeat=2)
+    t_svd = best(lambda: svdvals_loop(mats), repeat=2)
+    t_lin = best(lambda: bare(mats), repeat=2)
+    t_ww = None
+    try:
+        import weightwatcher as ww
+
+        watcher = ww.WeightWatcher(model=model)
+        t0 = time.perf_counter()
+        watcher.analyze()
+        t_ww = time.perf_counter() - t0
+    except ImportError:
+        print("(weightwatcher not importable here: run `make bench` for that column)")
+    row(f"BERT-style {n_params / 1e6:.1f}M ({len(mats)} w)", t_eng, t_svd, t_lin, t_ww)
+
+    with tempfile.TemporaryDirectory() as cache:
+        first_eng = Engine(cache_dir=Path(cache), progress=False)
+        t0 = time.perf_counter()
+        first_eng.run(items)
+        t_first = time.perf_counter() - t0
+        again = Engine(cache_dir=Path(cache), progress=False)
+        t0 = time.perf_counter()
+        again.run(items)
+        t_again = time.perf_counter() - t0
+    print(f"cached re-audit: first {t_first:.3f}s, again {t_again:.3f}s = {100 * t_again / t_first:.1f}% of the first "
+          f"({again.stats.cached} of {len(items)} from cache)")
+    model_mb = sum(p.numel() * p.element_size() for p in model.parameters()) / 2**20
+    largest_mb = max(p.numel() * p.element_size() for p in model.parameters()) / 2**20
+    print(f"peak RSS {peak_rss_mb():.0f} MB; model {model_mb:.0f} MB + 3 x largest weight {largest_mb:.0f} MB = "
+          f"{model_mb + 3 * largest_mb:.0f} MB (the process also holds torch and transformers themselves)")
+
+
+if __name__ == "__main__":
+    main()
