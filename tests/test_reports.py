@@ -190,3 +190,13 @@ def test_html_in_headless_chromium_has_no_console_errors_and_sorts(audit_cnn, tm
     assert console_errors(log) == []
     smallest = min(audit_cnn.layers, key=lambda l: l.params).name
     assert f"<title>first:{smallest}</title>" in dom
+
+
+def test_json_validates_against_the_documented_schema(audit_cnn):
+    jsonschema = pytest.importorskip("jsonschema")
+    schema = json.loads((Path(__file__).resolve().parents[1] / "docs" / "schema.json").read_text())
+    jsonschema.validate(json.loads(audit_cnn.to_json(with_sigma=True)), schema)
+    broken = json.loads(audit_cnn.to_json())
+    broken["layers"][0]["kind"] = "banana"
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.validate(broken, schema)
