@@ -86,6 +86,22 @@ def _site(node: torch.fx.Node, fallback: str) -> str:
     return fallback
 
 
+def _call_index(node: torch.fx.Node) -> int:
+    """Which call of its innermost module this node belongs to (torch.export marks repeats as key@N)."""
+    stack = node.meta.get("nn_module_stack")
+    if stack:
+        m = re.search(r"@(\d+)$", str(list(stack.keys())[-1]))
+        if m:
+            return int(m.group(1))
+    return 0
+
+
+def _per_call(path: str, idx: int) -> str:
+    """A parameterless module (an activation) called several times is one graph node per call, so the graph
+    keeps the data flow instead of folding every use into a cycle."""
+    return path if idx == 0 else f"{path}@{idx}"
+
+
 @dataclass
 class GraphResult:
     graph: nx.DiGraph
@@ -219,7 +235,7 @@ def build(trace: TraceResult, model: nn.Module, table: ParamTable, layers: dict[
     if trace.method == Method.WALK:
         g = _walk_graph(trace, model, table, col)
     else:
-        g = _fx_graph(trace, table, col)
+        g = _fx_graph(trace, model, table, col)
     macs_known = trace.has_shapes
     for layer in layers.values():
         if macs_known:
@@ -266,14 +282,14 @@ def _bump(g: nx.DiGraph, node: str, kind: str, role: str) -> None:
         g.add_node(node, kind=kind, role=role, calls=1)
 
 
-def _fx_graph(trace: TraceResult, table: ParamTable, col: _Collector) -> nx.DiGraph:
-    assert trace.graph is not None and trace.root is not None
+def _fx_graph(trace: TraceResult, model: nn.Module, table: ParamTable, col: _Collector) -> nx.DiGraph:
+    assert trace.graph is not None
     g = nx.DiGraph(method=trace.method)
-    root = trace.root
-    modules = dict(root.named_modules())
+    modules = dict(model.named_modules())  # the user's modules: an exported graph module has none of them
     leafish = {p for p, m in modules.items() if not list(m.children())}
     carried: dict[str, str | None] = {}  # fx node name -> canonical param it carries (through pass-through ops)
     reps: dict[str, frozenset[str]] = {}  # fx node name -> graph nodes it stands for
+    calls_of: dict[str, int] = {}  # parameterless module path -> calls seen so far (symbolic_trace)
 
     def param_of(a: Any) -> str | None:
         return carried.get(a.name) if isinstance(a, torch.fx.Node) else None
@@ -320,9 +336,15 @@ def _fx_graph(trace: TraceResult, table: ParamTable, col: _Collector) -> nx.DiGr
                 canon = table.canonical.get(f"{path}.{pname}" if path else pname)
                 if canon:
                     col.add(canon, path, op, macs, lookups)
-            role = "weight" if costs else ("nonlinear" if not any(True for _ in mod.parameters()) else "module")
-            gid = path
-            _bump(g, gid, type(mod).__name__, role)
+            has_params = any(True for _ in mod.parameters())
+            role = "weight" if costs else ("module" if has_params else "nonlinear")
+            if has_params:
+                gid = path
+                _bump(g, gid, type(mod).__name__, role)
+            else:
+                calls_of[path] = calls_of.get(path, -1) + 1
+                gid = _per_call(path, calls_of[path])
+                g.add_node(gid, kind=type(mod).__name__, role=role, calls=1)
         else:
             op = op_name(node)
             flat = list(node.args) + list(node.kwargs.values())
@@ -366,9 +388,12 @@ def _fx_graph(trace: TraceResult, table: ParamTable, col: _Collector) -> nx.DiGr
                     if p in col.layers:
                         col.unsupported[op] = col.unsupported.get(op, 0) + 1
                 if stack_site and stack_site in leafish:
-                    gid = stack_site  # an activation or norm module decomposed into ops: one node
+                    # an activation or norm module decomposed into ops: one node per call
+                    has_params = any(True for _ in modules[stack_site].parameters())
+                    gid = stack_site if has_params else _per_call(stack_site, _call_index(node))
                     if gid not in g:
-                        g.add_node(gid, kind=type(modules[gid]).__name__, role=_role(op, modules[gid]), calls=1)
+                        mod = modules[stack_site]
+                        g.add_node(gid, kind=type(mod).__name__, role=_role(op, mod), calls=1)
                 else:
                     gid = node.name
                     g.add_node(gid, kind=op, role="nonlinear" if op in NONLINEAR else "op", calls=1)

@@ -193,3 +193,37 @@ def test_module_walk_when_nothing_traces():
     assert "module walk" in a.trace_summary and "export failed" in a.trace_summary
     assert a.layers[0].calls == 8 % 3 + 1  # |x| sums to 8 on the first pass
     assert a.layers[0].macs == a.layers[0].calls * 64
+
+
+@pytest.mark.parametrize("hf", [False, True])  # hf=True skips symbolic_trace: the torch.export graph
+def test_layer_graph_follows_data_flow(hf):
+    import sys
+    from pathlib import Path
+
+    import networkx as nx
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "sample_models"))
+    from digits import DigitsMLP
+
+    a = auditor.audit(DigitsMLP(), torch.zeros(2, 64), spectra=False, hf=hf)
+    g = a.graph
+    assert a.trace_method == ("torch.export" if hf else "torch.fx.symbolic_trace")
+    assert nx.is_directed_acyclic_graph(g)
+    assert list(nx.topological_sort(g)) == ["input:x", "fc1", "act", "fc2", "act@1", "fc3", "act@2", "head", "output"]
+    assert g.nodes["fc2"]["role"] == "weight" and g.nodes["act@1"]["role"] == "nonlinear"
+
+
+def test_shared_weight_module_is_one_node_with_its_call_count():
+    class Shared(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.block = nn.Linear(16, 16)
+
+        def forward(self, x):
+            for _ in range(3):
+                x = torch.tanh(self.block(x))
+            return x
+
+    a = one(Shared(), torch.zeros(1, 16))
+    assert a.graph.nodes["block"]["calls"] == 3
+    assert a.layers[0].calls == 3 and a.layers[0].macs == 3 * 16 * 16
