@@ -23,6 +23,7 @@ class Settings:
     align: int = 8  # suggested ranks are rounded up to a multiple of this when that stays below break-even
     min_share: float = 0.0025  # layers holding less of the parameters are "narrow" (LR003, skip narrow)
     min_break_even: float = 16.0  # layers whose break-even rank is below this leave no room (LR003)
+    min_compression: float = 1.1  # a suggested rank must compress at least this much, or the layer stays dense
     energy_floor: float = 0.90  # LR004: a planned rank keeping less energy than this
     negligible_share: float = 0.01  # LR008: a plan saving less than this share of the model
     wider_factor: float = 4.0  # LR009: a dense candidate this many times larger than a targeted layer

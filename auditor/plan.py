@@ -148,7 +148,7 @@ def review_plan(audit: "Audit", plan: Plan | None) -> PlanReview:
             macs_before=layer.macs, macs_after=(layer.macs_at(r) if saves else layer.macs),
             break_even=layer.break_even, compression=layer.compression(r),
             energy_kept=kept, error_bound=lrmath.relative_error(kept) if kept is not None else None,
-            verdict="factorize" if saves else ("above min(m, n)" if r > layer.max_rank else "no saving: keep dense"),
+            verdict="factorize" if saves else ("above min(m, n)" if r > layer.max_rank else "no saving"),
         ))
     macs_known = audit.macs_known
     return PlanReview(

@@ -36,6 +36,11 @@ def suggest(layer: Layer, spec: Spectrum | None, settings: Settings) -> Suggesti
                           f"{need / be:.2f}x the break-even {be:.1f}: factorizing would not save anything", **base)
     aligned = int(math.ceil(need / settings.align) * settings.align)
     r = aligned if aligned <= useful else need
+    if layer.compression(r) < settings.min_compression:
+        return Suggestion(layer.name, Verdict.KEEP_DENSE, None,
+                          f"{100 * settings.target_energy:g}% energy needs rank {need}, which compresses only "
+                          f"{layer.compression(r):.2f}x (below {settings.min_compression:g}x): not worth a factorization",
+                          **base)
     kept = spec.energy_at(r)
     return Suggestion(
         layer.name,

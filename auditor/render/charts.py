@@ -92,5 +92,5 @@ def energy_chart(audit: "Audit", top: int = 6) -> str | None:
     ax.set_ylim(0, 1.01)
     ax.set_xlabel("rank r as % of min(m, n)   (dotted: break-even; dot: suggested rank)")
     ax.set_ylabel("energy kept E(r)")
-    ax.legend(fontsize=7, loc="lower right", frameon=False)
+    ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.16), ncol=2, frameon=False)
     return _uri(fig)

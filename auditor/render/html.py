@@ -54,12 +54,16 @@ def context(audit: "Audit", charts: bool = True) -> dict[str, Any]:
 
     counts = audit.counts_by_severity()
     status = "fail" if counts["error"] else ("review" if counts["warning"] else "pass")
-    findings = []
-    for f in audit.findings:
-        r = RULES.get(f.code)
-        why = r.sections.get("Why it is bad", "").replace("\n", " ") if r else ""
-        findings.append({"severity": str(f.severity), "code": f.code, "slug": f.slug, "message": f.message,
-                         "fix": f.fix, "why": why, "layers": f.layers})
+    findings = [{"severity": str(f.severity), "code": f.code, "slug": f.slug, "message": f.message,
+                 "fix": f.fix, "layers": f.layers} for f in audit.findings]
+    groups: dict[str, dict[str, Any]] = {}
+    for f in findings:  # one box per rule: its explanation once, then each finding
+        if f["code"] not in groups:
+            r = RULES.get(f["code"])
+            why = r.sections.get("Why it is bad", "").replace("\n", " ") if r else ""
+            groups[f["code"]] = {"code": f["code"], "slug": f["slug"], "severity": f["severity"], "why": why,
+                                 "entries": []}
+        groups[f["code"]]["entries"].append(f)
     skipped = [(l.name, str(s.verdict), s.reason) for l in audit.layers
                if (s := audit.suggestions.get(l.name)) is not None and str(s.verdict) in ("skipped", "skip narrow")]
     settings = [(k, ", ".join(map(str, v)) if isinstance(v, tuple) else v) for k, v in asdict(audit.settings).items()]
@@ -69,6 +73,7 @@ def context(audit: "Audit", charts: bool = True) -> dict[str, Any]:
         "counts": counts,
         "status": status,
         "findings": findings,
+        "finding_groups": list(groups.values()),
         "skipped": skipped,
         "settings": settings,
         "holding80": audit.layers_holding(0.8),

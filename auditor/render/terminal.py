@@ -10,7 +10,7 @@ if TYPE_CHECKING:
     from ..core import Audit
 
 
-def render(audit: "Audit", width: int = 120, top: int = 40) -> str:
+def render(audit: "Audit", width: int = 120, top: int = 40) -> str:  # noqa: ARG001 - width kept for API
     out: list[str] = []
     out.append(f"lowrank-audit: {audit.model_name}  ({audit.source})")
     out.append(audit.trace_summary)
@@ -27,9 +27,9 @@ def render(audit: "Audit", width: int = 120, top: int = 40) -> str:
     cols = [("#", 3, ">"), ("layer", 0, "<"), ("kind", 12, "<"), ("m x n", 13, ">"), ("params", 12, ">"),
             ("share", 6, ">"), ("cum", 6, ">"), ("MACs", 9, ">"), ("break-even", 10, ">"), ("r90", 5, ">"),
             ("r95", 5, ">"), ("r99", 5, ">"), ("rank", 5, ">"), ("x", 6, ">"), ("verdict", 11, "<")]
-    fixed = sum(w for _, w, _ in cols) + 2 * (len(cols) - 1)
-    namew = max(16, min(60, width - fixed))
     rows = layer_rows(audit)
+    namew = max([16] + [len(r["name"]) + 2 for r in rows[:top]])
+    namew = min(namew, 56)
 
     def line(vals: list[str]) -> str:
         parts = []
