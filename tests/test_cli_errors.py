@@ -76,3 +76,38 @@ def test_good_factory_exit_zero_and_json(cli, factories):
     assert data["totals"]["params"] == 16 * 32 + 32 + 32 * 4 + 4
     assert data["totals"]["macs"] == 3 * (16 * 32 + 32 * 4)
     assert data["meta"]["trace_method"] == "torch.fx.symbolic_trace"
+
+
+def test_nan_weights_exit_2_without_a_report(cli, tmp_path):
+    p = tmp_path / "nan.py"
+    p.write_text("import torch\nfrom torch import nn\n"
+                 "def model():\n    m = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 4))\n"
+                 "    m[0].weight.data[1, 2] = float('nan')\n    return m\n")
+    res = cli(f"{p}:model", "--format", "html,json", "-o", tmp_path / "out")
+    _assert_bad(res, "LR010", "0 has non-finite values (1 NaN/Inf entries)")
+    assert not (tmp_path / "out").exists()
+
+
+def test_zoo_names_through_a_stand_in_registry(tmp_path, monkeypatch):
+    """torchvision:NAME / timm:NAME build with random init and load --weights; the registries themselves are
+    stood in for here (PyPI's torchvision does not import beside the pinned CPU torch)."""
+    import sys
+    import types
+
+    import torch
+    from torch import nn
+
+    from auditor.load import load_source
+
+    tv = types.ModuleType("torchvision")
+    tv.models = types.SimpleNamespace(get_model=lambda name, weights=None: nn.Sequential(nn.Linear(4, 3)))
+    monkeypatch.setitem(sys.modules, "torchvision", tv)
+    monkeypatch.setitem(sys.modules, "torchvision.models", tv.models)
+    state = {"0.weight": torch.ones(3, 4), "0.bias": torch.zeros(3)}
+    torch.save(state, tmp_path / "w.pt")
+    loaded = load_source("torchvision:tiny", weights=str(tmp_path / "w.pt"))
+    assert torch.equal(loaded.model[0].weight, torch.ones(3, 4))
+    monkeypatch.setitem(sys.modules, "timm", None)  # importing timm fails
+    with pytest.raises(Exception) as exc:
+        load_source("timm:resnet18")
+    assert "timm cannot be imported" in str(exc.value) and "pip install timm" in str(exc.value)
