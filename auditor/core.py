@@ -15,7 +15,7 @@ from torch import nn
 from . import __version__
 from .config import Settings, validate
 from .errors import AuditError
-from .results import Finding, Kind, Layer, PlanReview, Spectrum, Suggestion, Verdict
+from .results import Finding, Layer, PlanReview, Spectrum, Suggestion
 
 SCHEMA_VERSION = 1
 
@@ -254,13 +254,17 @@ def audit(
         if not isinstance(model, nn.Module):
             raise AuditError(f"expected a torch.nn.Module, got {type(model).__name__}",
                              "Return an nn.Module (or (module, example_inputs)) from the factory")
-        model.eval()
+        was_training = model.training
+        model.eval()  # dropout off while tracing; the caller's mode is restored below
         ex = ExampleInputs.of(example_inputs)
         is_hf = hf if hf is not None else type(model).__module__.startswith("transformers.")
         table = ParamTable.of(model)
         total = table.total
         layers_by = collect_layers(model, table)
-        tr = trace(model, ex, hf=is_hf)
+        try:
+            tr = trace(model, ex, hf=is_hf)
+        finally:
+            model.train(was_training)
         g = graph_mod.build(tr, model, table, layers_by)
         ranked = finalize_shares(layers_by, total)
         loaders = {l.name: (lambda p=l.param: table.tensor(p)) for l in ranked}

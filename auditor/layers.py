@@ -6,9 +6,12 @@ with every other name listed as an alias; parameters are counted once.
 
 from __future__ import annotations
 
+import inspect
 import math
 import sys
 from dataclasses import dataclass, field
+from functools import lru_cache
+from pathlib import Path
 
 import torch
 from torch import nn
@@ -59,9 +62,20 @@ def _hf_conv1d_type() -> type | None:
     return Conv1D
 
 
+@lru_cache(maxsize=None)
+def _class_source(cls: type) -> str:
+    name = f"{cls.__module__}.{cls.__qualname__}"
+    try:
+        file = inspect.getsourcefile(cls)
+        line = inspect.getsourcelines(cls)[1]
+    except (OSError, TypeError):
+        return name
+    return f"{name} ({Path(file).name}:{line})" if file else name
+
+
 def _source(mod: nn.Module) -> str:
-    cls = type(mod)
-    return f"{cls.__module__}.{cls.__qualname__}"
+    """The owning module's class and where it is defined."""
+    return _class_source(type(mod))
 
 
 def _join(prefix: str, name: str) -> str:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import math
 from dataclasses import asdict, dataclass, field
 from enum import Enum
 from typing import Any
@@ -101,7 +100,7 @@ class Layer:
     def macs_at(self, r: int) -> int | None:
         if self.macs is None:
             return None
-        return lrmath.macs_at_rank(self.m, self.n, r, self.macs_linear, self.lookups) * 1
+        return lrmath.macs_at_rank(self.m, self.n, r, self.macs_linear, self.lookups)
 
     def compression(self, r: int) -> float:
         return lrmath.compression(self.m, self.n, r)
@@ -241,10 +240,3 @@ class PlanReview:
             "items": [i.to_dict() for i in self.items],
         }
 
-
-def fmt_int(x: int | None) -> str:
-    return "-" if x is None else f"{x:,}"
-
-
-def fmt_pct(x: float | None, digits: int = 1) -> str:
-    return "-" if x is None or (isinstance(x, float) and math.isnan(x)) else f"{100 * x:.{digits}f}%"

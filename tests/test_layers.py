@@ -19,6 +19,8 @@ def test_conv2d_view_and_macs():
     (layer,) = a.layers
     assert (layer.m, layer.n, layer.groups) == (128, 576, 1)
     assert layer.params == 128 * 576
+    assert layer.view == "(out, in, 3x3) viewed as out x in*3x3"
+    assert layer.source.startswith("torch.nn.modules.conv.Conv2d (conv.py:")
     # counted per output position: 2 images x 8 x 8 positions, each 128 x 576 MACs
     assert layer.macs == 2 * 8 * 8 * 128 * 576
 
@@ -227,3 +229,10 @@ def test_shared_weight_module_is_one_node_with_its_call_count():
     a = one(Shared(), torch.zeros(1, 16))
     assert a.graph.nodes["block"]["calls"] == 3
     assert a.layers[0].calls == 3 and a.layers[0].macs == 3 * 16 * 16
+
+
+def test_audit_leaves_the_callers_training_mode_alone():
+    m = nn.Sequential(nn.Linear(4, 4), nn.Dropout(0.5))
+    m.train()
+    one(m, torch.zeros(1, 4))
+    assert m.training

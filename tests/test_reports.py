@@ -132,7 +132,7 @@ def test_repr_html_and_markdown(audit_cnn):
 
 
 def test_to_pandas(audit_cnn):
-    pd = pytest.importorskip("pandas")
+    pytest.importorskip("pandas")
     df = audit_cnn.to_pandas()
     assert list(df["name"]) == [l.name for l in audit_cnn.layers]
     assert int(df["params"].sum()) == audit_cnn.factorizable_params

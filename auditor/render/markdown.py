@@ -50,7 +50,7 @@ def render(audit: "Audit", top: int = 15, baseline: dict | None = None) -> str:
         if len(rv.items) > top:
             out.append(f"| … {len(rv.items) - top} more | | | | | | |")
         out.append("")
-    out.append(f"### Top layers by parameter share")
+    out.append("### Top layers by parameter share")
     out.append("")
     out.append("| # | layer | kind | m x n | params | share | cum. | r95 | verdict |")
     out.append("|---:|---|---|---:|---:|---:|---:|---:|---|")

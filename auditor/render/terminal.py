@@ -33,7 +33,7 @@ def render(audit: "Audit", width: int = 120, top: int = 40) -> str:  # noqa: ARG
 
     def line(vals: list[str]) -> str:
         parts = []
-        for (name, w, al), v in zip(cols, vals):
+        for (_, w, al), v in zip(cols, vals):
             w = w or namew
             v = v if len(v) <= w else "…" + v[-(w - 1):]
             parts.append(f"{v:{al}{w}}")
