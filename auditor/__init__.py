@@ -3,12 +3,25 @@
 >>> from auditor import lrmath
 >>> lrmath.break_even(4096, 4096)
 2048.0
+
+``import auditor`` does not import torch; ``auditor.audit`` does, on first use.
 """
+
+from __future__ import annotations
+
+from typing import Any
 
 __version__ = "0.1.0"
 
 from .config import Settings  # noqa: E402
-from .core import Audit, audit, audit_source  # noqa: E402
 from .errors import AuditError  # noqa: E402
 
 __all__ = ["Audit", "AuditError", "Settings", "audit", "audit_source", "__version__"]
+
+
+def __getattr__(name: str) -> Any:
+    if name in ("Audit", "audit", "audit_source"):
+        from . import core
+
+        return getattr(core, name)
+    raise AttributeError(f"module 'auditor' has no attribute {name!r}")

@@ -30,6 +30,23 @@ def cli():
     return run_cli
 
 
+@pytest.fixture
+def cli_inproc(capsys, monkeypatch):
+    """The command line's main() in this process: the same exit codes and output, without a new interpreter
+    starting torch each time. Subprocess tests (``cli``) still cover the real process boundary."""
+    from auditor.cli import main
+
+    def run(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess:
+        capsys.readouterr()
+        with monkeypatch.context() as m:
+            m.chdir(cwd or ROOT)
+            code = main([str(a) for a in args])
+        out, err = capsys.readouterr()
+        return subprocess.CompletedProcess(list(args), int(code), out, err)
+
+    return run
+
+
 @pytest.fixture(scope="session")
 def digits_mlp():
     sys.path.insert(0, str(ROOT / "sample_models"))

@@ -111,3 +111,12 @@ def test_zoo_names_through_a_stand_in_registry(tmp_path, monkeypatch):
     with pytest.raises(Exception) as exc:
         load_source("timm:resnet18")
     assert "timm cannot be imported" in str(exc.value) and "pip install timm" in str(exc.value)
+
+
+def test_import_auditor_does_not_import_torch():
+    import subprocess
+    import sys
+
+    code = "import sys, auditor; auditor.Settings(); print('torch' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "False"

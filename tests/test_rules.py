@@ -191,9 +191,9 @@ def test_cli_only_a_64x64_layer_of_10m_model(cli, fx):
     assert res.returncode == 1
 
 
-def test_cli_energy_below_floor(cli, tmp_path):
+def test_cli_energy_below_floor(cli_inproc, tmp_path):
     p = plan(tmp_path, 'finetune = "1 epoch"\n[ranks]\n"fc2" = 2\n')
-    res = cli("sample_models/digits.py:mlp", "--plan", p, "--format", "json", "-q")
+    res = cli_inproc("sample_models/digits.py:mlp", "--plan", p, "--format", "json", "-q")
     (f,) = [f for f in findings(res) if f["code"] == "LR004"]
     assert f["evidence"]["energy_kept"] < 0.9 and "% of the spectral energy" in f["message"]
 
@@ -216,7 +216,7 @@ def test_cli_chained_linears(cli, fx):
     assert [f["code"] for f in findings(res)] == ["LR007"]
 
 
-def test_cli_plan_errors_exit_2(cli, fx):
+def test_cli_plan_errors_exit_2(cli_inproc, fx):
     cases = [
         ('[ranks]\n"fc9" = 8\n', "matches no factorizable layer", "Closest layer names: fc3, fc2, fc1"),
         ('[ranks]\n"fc2" = 0\n', "must be positive", "layer fc2"),
@@ -227,40 +227,40 @@ def test_cli_plan_errors_exit_2(cli, fx):
     ]
     for body, a, b in cases:
         p = plan(fx, body, "bad.toml")
-        res = cli("sample_models/digits.py:mlp", "--plan", p, "-q", "--format", "html", "-o", fx / "out")
+        res = cli_inproc("sample_models/digits.py:mlp", "--plan", p, "-q", "--format", "html", "-o", fx / "out")
         assert res.returncode == 2, (body, res.stderr)
         assert a in res.stderr and b in res.stderr and "Traceback" not in res.stderr, res.stderr
         assert not (fx / "out").exists()
 
 
-def test_cli_json_plan_and_fraction_of_break_even(cli, tmp_path):
+def test_cli_json_plan_and_fraction_of_break_even(cli_inproc, tmp_path):
     p = plan(tmp_path, json.dumps({"ranks": {"fc*": "0.25be"}, "finetune": "1 epoch"}), "plan.json")
-    res = cli("sample_models/digits.py:mlp", "--plan", p, "--format", "json", "-q")
+    res = cli_inproc("sample_models/digits.py:mlp", "--plan", p, "--format", "json", "-q")
     assert res.returncode == 0, res.stderr
     items = {i["layer"]: i["rank"] for i in json.loads(res.stdout)["plan_review"]["items"]}
     assert items == {"fc1": 14, "fc2": 64, "fc3": 42}  # floor(0.25 * m*n/(m+n))
 
 
-def test_cli_exit_codes_and_deterministic_findings(cli, tmp_path):
+def test_cli_exit_codes_and_deterministic_findings(cli_inproc, tmp_path):
     p = plan(tmp_path, '[ranks]\n"fc2" = 300\n"fc1" = 4\n')
-    one = cli("sample_models/digits.py:mlp", "--plan", p, "--format", "json", "-q")
-    two = cli("sample_models/digits.py:mlp", "--plan", p, "--format", "json", "-q", "--no-cache")
+    one = cli_inproc("sample_models/digits.py:mlp", "--plan", p, "--format", "json", "-q")
+    two = cli_inproc("sample_models/digits.py:mlp", "--plan", p, "--format", "json", "-q", "--no-cache")
     assert one.returncode == two.returncode == 1
     assert findings(one) == findings(two)
-    assert cli("sample_models/digits.py:mlp", "-q").returncode == 0
-    assert cli("sample_models/digits.py:mlp", "--plan", p, "-q", "--fail-on", "never").returncode == 0
+    assert cli_inproc("sample_models/digits.py:mlp", "-q").returncode == 0
+    assert cli_inproc("sample_models/digits.py:mlp", "--plan", p, "-q", "--fail-on", "never").returncode == 0
 
 
-def test_cli_thresholds_precedence(cli, tmp_path):
+def test_cli_thresholds_precedence(cli_inproc, tmp_path):
     (tmp_path / "pyproject.toml").write_text('[tool.lowrank-auditor]\nenergy_floor = 0.5\n')
     p = plan(tmp_path, 'finetune = "x"\n[ranks]\n"fc2" = 4\n')
     root = str(__import__("pathlib").Path(__file__).resolve().parents[1])
     model = f"{root}/sample_models/digits.py:mlp"
     codes = lambda res: {f["code"] for f in findings(res)}  # noqa: E731
-    assert "LR004" not in codes(cli(model, "--plan", p, "--format", "json", "-q", cwd=tmp_path))
+    assert "LR004" not in codes(cli_inproc(model, "--plan", p, "--format", "json", "-q", cwd=tmp_path))
     p2 = plan(tmp_path, 'finetune = "x"\n[ranks]\n"fc2" = 4\n[thresholds]\nenergy_floor = 0.99\n', "p2.toml")
-    assert "LR004" in codes(cli(model, "--plan", p2, "--format", "json", "-q", cwd=tmp_path))
-    assert "LR004" not in codes(cli(model, "--plan", p2, "--energy-floor", "0.1", "--format", "json", "-q",
+    assert "LR004" in codes(cli_inproc(model, "--plan", p2, "--format", "json", "-q", cwd=tmp_path))
+    assert "LR004" not in codes(cli_inproc(model, "--plan", p2, "--energy-floor", "0.1", "--format", "json", "-q",
                                     cwd=tmp_path))
 
 
