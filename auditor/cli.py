@@ -30,6 +30,8 @@ def _parser() -> argparse.ArgumentParser:
                    help="a float input of this shape (repeat for several positional inputs)")
     g.add_argument("--input-ids", metavar="1,128", help="token ids of this shape, within the config's vocabulary")
     g.add_argument("--weights", metavar="FILE", help="a state dict (safetensors, or .pt loaded weights_only)")
+    g.add_argument("--tracer", choices=("auto", "symbolic", "export", "walk"), default="auto",
+                   help="auto: torch.fx.symbolic_trace, then torch.export, then a module walk (default)")
     g.add_argument("--structure-only", action="store_true",
                    help="build a Hugging Face config on the meta device: counts and shapes, no weights")
     g = p.add_argument_group("plan")
@@ -124,7 +126,7 @@ def run(args: argparse.Namespace) -> int:
                          structure_only=args.structure_only)
     result = audit(
         loaded.model, loaded.example_inputs, plan=args.plan, settings=settings, overrides=overrides,
-        name=loaded.name, source=loaded.source, hf=loaded.hf, spectra=not args.no_spectra,
+        name=loaded.name, source=loaded.source, tracer=args.tracer, spectra=not args.no_spectra,
         cache=not args.no_cache, cache_dir=Path(args.cache_dir) if args.cache_dir else None,
     )
     for f in result.findings:

@@ -213,7 +213,7 @@ def audit(
     cache: bool = True,
     cache_dir: Path | None = None,
     progress: bool | None = None,
-    hf: bool | None = None,
+    tracer: str = "auto",
 ) -> Audit:
     """Audit a model (an ``nn.Module``, or weights loaded by :func:`auditor.load.load_source`).
 
@@ -257,12 +257,11 @@ def audit(
         was_training = model.training
         model.eval()  # dropout off while tracing; the caller's mode is restored below
         ex = ExampleInputs.of(example_inputs)
-        is_hf = hf if hf is not None else type(model).__module__.startswith("transformers.")
         table = ParamTable.of(model)
         total = table.total
         layers_by = collect_layers(model, table)
         try:
-            tr = trace(model, ex, hf=is_hf)
+            tr = trace(model, ex, tracer=tracer)
         finally:
             model.train(was_training)
         g = graph_mod.build(tr, model, table, layers_by)
@@ -300,4 +299,4 @@ def audit_source(spec: str, **kwargs: Any) -> Audit:
                          input_ids=kwargs.pop("input_ids", None), weights=kwargs.pop("weights", None),
                          structure_only=kwargs.pop("structure_only", False))
     return audit(loaded.model, loaded.example_inputs, name=kwargs.pop("name", None) or loaded.name,
-                 source=loaded.source, hf=loaded.hf, **kwargs)
+                 source=loaded.source, **kwargs)

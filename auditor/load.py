@@ -27,7 +27,6 @@ class Loaded:
     example_inputs: Any
     name: str
     source: str
-    hf: bool = False
 
 
 def parse_shape(text: str, flag: str) -> tuple[int, ...]:
@@ -197,7 +196,7 @@ def _hf(config_file: Path, folder: Path | None, input_shape: Any, input_ids: Any
         if state is not None:
             _apply_state(model, state, str(folder))
     inputs = _inputs(config, input_shape, input_ids)
-    return Loaded(model, inputs, name, str(folder or config_file), hf=True)
+    return Loaded(model, inputs, name, str(folder or config_file))
 
 
 class _nullctx:

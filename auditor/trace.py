@@ -108,9 +108,18 @@ def _run_plain(model: nn.Module, ex: ExampleInputs) -> None:
         ) from None
 
 
-def trace(model: nn.Module, ex: ExampleInputs | None, hf: bool = False) -> TraceResult:
+TRACERS = ("auto", "symbolic", "export", "walk")
+
+
+def trace(model: nn.Module, ex: ExampleInputs | None, tracer: str = "auto") -> TraceResult:
+    """``tracer="auto"`` tries symbolic_trace, then torch.export, then the module walk; a named tracer starts
+    there (and still falls back to the walk if it fails)."""
+    if tracer not in TRACERS:
+        raise AuditError(f"unknown tracer {tracer!r}", f"Choose from {', '.join(TRACERS)}")
     failures: list[str] = []
-    if not hf:
+    if tracer == "walk":
+        return walk(model, ex, ["module walk chosen with --tracer walk"])
+    if tracer in ("auto", "symbolic"):
         try:
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")
@@ -130,9 +139,9 @@ def trace(model: nn.Module, ex: ExampleInputs | None, hf: bool = False) -> Trace
                 _run_plain(model, ex)
                 failures.append(f"{Method.SYMBOLIC} shape propagation failed: {first_line(exc)}")
     else:
-        failures.append(f"{Method.SYMBOLIC} skipped: Hugging Face models use control flow it cannot trace")
+        failures.append(f"{Method.SYMBOLIC} not tried: --tracer {tracer}")
 
-    if ex is not None:
+    if ex is not None and tracer != "symbolic":
         try:
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")
@@ -148,7 +157,7 @@ def trace(model: nn.Module, ex: ExampleInputs | None, hf: bool = False) -> Trace
         except Exception as exc:  # noqa: BLE001
             _run_plain(model, ex)
             failures.append(f"{Method.EXPORT} failed: {first_line(exc)}")
-    else:
+    elif ex is None:
         failures.append(f"{Method.EXPORT} not tried: no example inputs")
 
     return walk(model, ex, failures)

@@ -197,8 +197,8 @@ def test_module_walk_when_nothing_traces():
     assert a.layers[0].macs == a.layers[0].calls * 64
 
 
-@pytest.mark.parametrize("hf", [False, True])  # hf=True skips symbolic_trace: the torch.export graph
-def test_layer_graph_follows_data_flow(hf):
+@pytest.mark.parametrize("tracer", ["auto", "export"])
+def test_layer_graph_follows_data_flow(tracer):
     import sys
     from pathlib import Path
 
@@ -207,9 +207,9 @@ def test_layer_graph_follows_data_flow(hf):
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "sample_models"))
     from digits import DigitsMLP
 
-    a = auditor.audit(DigitsMLP(), torch.zeros(2, 64), spectra=False, hf=hf)
+    a = auditor.audit(DigitsMLP(), torch.zeros(2, 64), spectra=False, tracer=tracer)
     g = a.graph
-    assert a.trace_method == ("torch.export" if hf else "torch.fx.symbolic_trace")
+    assert a.trace_method == ("torch.export" if tracer == "export" else "torch.fx.symbolic_trace")
     assert nx.is_directed_acyclic_graph(g)
     assert list(nx.topological_sort(g)) == ["input:x", "fc1", "act", "fc2", "act@1", "fc3", "act@2", "head", "output"]
     assert g.nodes["fc2"]["role"] == "weight" and g.nodes["act@1"]["role"] == "nonlinear"
@@ -236,3 +236,10 @@ def test_audit_leaves_the_callers_training_mode_alone():
     m.train()
     one(m, torch.zeros(1, 4))
     assert m.training
+
+
+def test_tracer_walk_on_request_and_unknown_tracer():
+    a = one(nn.Sequential(nn.Linear(4, 4)), torch.zeros(1, 4), tracer="walk")
+    assert a.trace_method == "module walk" and a.layers[0].macs == 16
+    with pytest.raises(auditor.AuditError, match="unknown tracer"):
+        one(nn.Sequential(nn.Linear(4, 4)), tracer="fast")
