@@ -40,6 +40,10 @@ def render(audit: "Audit", top: int = 15, baseline: dict | None = None) -> str:
         what = "Suggested plan" if rv.source == "suggested" else f"Plan `{rv.source}`"
         out.append(f"### {what}: {rv.params_saved:,} parameters saved ({100 * rv.share_saved:.1f}% of the model)")
         out.append("")
+        if rv.source == "suggested":
+            out.append(f"Smallest ranks keeping {100 * audit.settings.target_energy:g}% of the spectral energy. Energy is "
+                       "not accuracy: measure each layer's rank floor and budget a recovery fine-tune.")
+            out.append("")
         out.append("| layer | m x n | rank | break-even | params before → after | energy kept | x |")
         out.append("|---|---:|---:|---:|---:|---:|---:|")
         for it in rv.items[:top]:
