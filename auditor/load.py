@@ -196,6 +196,9 @@ def _hf(config_file: Path, folder: Path | None, input_shape: Any, input_ids: Any
         if state is not None:
             _apply_state(model, state, str(folder))
     inputs = _inputs(config, input_shape, input_ids)
+    if structure_only and isinstance(inputs, dict):
+        # meta inputs for a meta model: torch.export traces shapes only, so MACs come without allocating anything
+        inputs = {k: v.to("meta") for k, v in inputs.items()}
     return Loaded(model, inputs, name, str(folder or config_file))
 
 

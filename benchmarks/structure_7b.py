@@ -38,6 +38,12 @@ def main() -> None:
           f"{a.layers_holding(0.8)} hold 80%")
     print(f"imports {t_import:.2f}s, build on meta {t_build:.2f}s, audit {t_audit:.2f}s, HTML {t_html:.2f}s "
           f"({len(html) / 1e6:.1f} MB); audit+build {t_build + t_audit:.2f}s (goal < 10 s)")
+    ids = {"input_ids": torch.zeros(1, 128, dtype=torch.long, device="meta")}
+    t4 = time.perf_counter()
+    b = auditor.audit(model, ids)
+    t_macs = time.perf_counter() - t4
+    print(f"with input_ids[1, 128] on meta: {b.trace_method} in {t_macs:.2f}s, {b.total_macs:,} MACs per forward "
+          f"(weight ops)")
     print(f"peak RSS {peak_rss_mb():.0f} MB (goal < 2048 MB; {before:.0f} MB before imports); "
           f"a float32 copy of the weights would be {a.total_params * 4 / 2**30:.1f} GiB")
 

@@ -132,6 +132,13 @@ def test_structure_only_flag_builds_on_meta(tmp_path, cli):
     expected = 2 * 1000 * 256 + 2 * (4 * 256 * 256 + 3 * 256 * 512 + 2 * 256) + 256
     assert data["totals"]["params"] == expected
     assert all(s["verdict"] == "skipped" for s in data["suggestions"].values())
+    # with token ids (on the meta device too), torch.export gives the MACs without allocating weights
+    res = cli(tmp_path / "llama" / "config.json", "--structure-only", "--input-ids", "1,16", "--format", "json", "-q")
+    data = json.loads(res.stdout)
+    assert data["meta"]["trace_method"] == "torch.export"
+    up = next(l for l in data["layers"] if l["name"] == "model.layers.0.mlp.up_proj")
+    assert up["macs"] == 16 * 512 * 256
+    assert data["totals"]["macs"] == 16 * (2 * (4 * 256 * 256 + 3 * 256 * 512) + 1000 * 256)
 
 
 def test_missing_shard_and_corrupt_file_exit_2(tmp_path, cli, digits_mlp):
