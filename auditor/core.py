@@ -16,6 +16,7 @@ from . import __version__
 from .config import Settings, validate
 from .errors import AuditError
 from .results import Finding, Layer, PlanReview, Spectrum, Suggestion
+from .trace import Method
 
 SCHEMA_VERSION = 1
 
@@ -65,9 +66,9 @@ class Audit:
     @property
     def trace_summary(self) -> str:
         text = f"Traced with {self.trace_method}"
-        if self.trace_method == "module walk":
+        if self.trace_method == Method.WALK:
             text += ": no data-flow graph, edges follow module call order"
-        if self.trace_method == "weights only":
+        if self.trace_method == Method.WEIGHTS:
             text = "No graph: layers inferred from tensor names and shapes (weights-only audit)"
         if self.trace_failures:
             text += " (" + "; ".join(self.trace_failures) + ")"
@@ -244,7 +245,7 @@ def audit(
         ranked = finalize_shares(layers_by, total)
         loaders: dict[str, Callable[[], torch.Tensor]] = {l.name: model.loader(l) for l in ranked}
         result = Audit(
-            model_name=name or model.name, source=model.source, trace_method="weights only", trace_failures=[],
+            model_name=name or model.name, source=model.source, trace_method=Method.WEIGHTS, trace_failures=[],
             inputs=None, total_params=total, layers=ranked, macs_known=False, settings=settings,
             graph=None, environment=environment(),
         )

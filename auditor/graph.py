@@ -119,7 +119,7 @@ class _Collector:
         layer = self.layers.get(canon)
         if layer is None:
             if op in LINEAR_OPS:
-                names = self._names(canon)
+                names = self.table.names_of(canon)
                 layer = layer_for_graph_param(canon, self.table.tensor(canon), op, names[1:])
                 if layer is None:
                     return None
@@ -135,9 +135,6 @@ class _Collector:
         layer.macs_linear += macs_linear
         layer.lookups += lookups
         return layer
-
-    def _names(self, canon: str) -> list[str]:
-        return next(v for v in self.table.names.values() if v[0] == canon)
 
 
 def _owner(param: str) -> str:
@@ -393,7 +390,7 @@ def _fx_graph(trace: TraceResult, model: nn.Module, table: ParamTable, col: _Col
                     gid = stack_site if has_params else _per_call(stack_site, _call_index(node))
                     if gid not in g:
                         mod = modules[stack_site]
-                        g.add_node(gid, kind=type(mod).__name__, role=_role(op, mod), calls=1)
+                        g.add_node(gid, kind=type(mod).__name__, role=_role(mod), calls=1)
                 else:
                     gid = node.name
                     g.add_node(gid, kind=op, role="nonlinear" if op in NONLINEAR else "op", calls=1)
@@ -404,7 +401,7 @@ def _fx_graph(trace: TraceResult, model: nn.Module, table: ParamTable, col: _Col
     return g
 
 
-def _role(op: str, mod: nn.Module) -> str:
+def _role(mod: nn.Module) -> str:
     if any(True for _ in mod.parameters(recurse=False)):
         return "module"
     return "nonlinear"

@@ -26,6 +26,7 @@ class ParamTable:
     names: dict[int, list[str]] = field(default_factory=dict)  # id(tensor) -> names, first = canonical
     tensors: dict[int, torch.Tensor] = field(default_factory=dict)
     canonical: dict[str, str] = field(default_factory=dict)  # any name -> canonical name
+    keys: dict[str, int] = field(default_factory=dict)  # canonical name -> id(tensor)
 
     @classmethod
     def of(cls, model: nn.Module) -> "ParamTable":
@@ -35,6 +36,7 @@ class ParamTable:
             if key not in table.names:
                 table.names[key] = []
                 table.tensors[key] = p
+                table.keys[name] = key
             table.names[key].append(name)
             table.canonical[name] = table.names[key][0]
         return table
@@ -44,11 +46,11 @@ class ParamTable:
         return sum(t.numel() for t in self.tensors.values())
 
     def tensor(self, name: str) -> torch.Tensor:
-        canon = self.canonical[name]
-        for key, names in self.names.items():
-            if names[0] == canon:
-                return self.tensors[key]
-        raise KeyError(name)  # pragma: no cover - canonical names always resolve
+        return self.tensors[self.keys[self.canonical[name]]]
+
+    def names_of(self, name: str) -> list[str]:
+        """Every name of the tensor, the canonical one first."""
+        return self.names[self.keys[self.canonical[name]]]
 
 
 def _hf_conv1d_type() -> type | None:
@@ -143,7 +145,7 @@ def collect_layers(model: nn.Module, table: ParamTable) -> dict[str, Layer]:
             if canon is None or canon in layers:
                 continue  # not a parameter (or a tied tensor already recorded under its first name)
             t = table.tensor(canon)
-            names = next(v for v in table.names.values() if v[0] == canon)
+            names = table.names_of(canon)
             layers[canon] = Layer(
                 name=path if pname == "weight" else full,
                 param=canon,
@@ -189,6 +191,4 @@ def matrix_view(layer: Layer, t: torch.Tensor) -> torch.Tensor:
         return t.reshape(g, cin_g, m, k).permute(0, 2, 1, 3).reshape(g, m, n)
     if layer.kind == Kind.CONV1D_HF:
         return t.t().reshape(1, m, n)
-    if layer.kind in (Kind.CONV, Kind.TENSOR) and t.dim() > 2:
-        return t.reshape(g, m, n)
     return t.reshape(g, m, n)

@@ -66,7 +66,7 @@ def load_source(
             return Loaded(WeightsOnly.open(path), None, path.name, str(path))
         raise AuditError(f"{spec} is a directory without config.json or safetensors files",
                          "Point to a Hugging Face checkpoint directory, a safetensors file, or file.py:factory")
-    if path.suffix == ".json" and path.name.endswith("config.json") or path.suffix == ".json" and path.is_file():
+    if path.suffix == ".json" and not spec.endswith(".safetensors.index.json"):
         if not path.is_file():
             raise AuditError(f"config file {spec} does not exist", "Check the path")
         return _hf(path, None, input_shape, input_ids, structure_only)

@@ -194,8 +194,8 @@ class Engine:
             return self._skip(layer, reason)
         t = t.detach()
         key = _hash(t, layer) if self.use_cache else ""
+        path = self.cache_dir / key[:2] / f"{key}.npy"
         if key:
-            path = self.cache_dir / key[:2] / f"{key}.npy"
             if path.exists():
                 try:
                     sigma = np.load(path)
@@ -233,7 +233,6 @@ class Engine:
         with self._lock:
             self.stats.computed += 1
         if key:
-            path = self.cache_dir / key[:2] / f"{key}.npy"
             try:
                 path.parent.mkdir(parents=True, exist_ok=True)
                 tmp = path.with_suffix(f".{os.getpid()}.{threading.get_ident()}.tmp")

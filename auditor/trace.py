@@ -73,13 +73,6 @@ class TraceResult:
     has_shapes: bool = False
     module_calls: list[tuple[str, list, Any]] = field(default_factory=list)  # walk: (path, in shapes, out shape)
 
-    @property
-    def summary(self) -> str:
-        text = f"traced with {self.method}"
-        if self.failures:
-            text += " (" + "; ".join(self.failures) + ")"
-        return text
-
 
 def _positional(model: nn.Module, gm: torch.fx.GraphModule, ex: ExampleInputs) -> list[Any]:
     """Inputs in the order of the traced graph's placeholders (the forward's parameters)."""
