@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import os
 import resource
 import sys
+import threading
 import time
 from typing import Callable
 
@@ -15,6 +17,41 @@ def best(fn: Callable[[], object], repeat: int = 3) -> float:
         fn()
         times.append(time.perf_counter() - t)
     return min(times)
+
+
+def rss_mb() -> float:
+    """Resident memory now (Linux /proc; 0 elsewhere)."""
+    try:
+        with open("/proc/self/statm") as fh:
+            return int(fh.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+    except OSError:
+        return 0.0
+
+
+class PeakSampler:
+    """Samples resident memory every few milliseconds in a thread: the peak above the level at the start."""
+
+    def __enter__(self) -> "PeakSampler":
+        self.base = rss_mb()
+        self.peak = self.base
+        self._stop = threading.Event()
+        self._t = threading.Thread(target=self._run, daemon=True)
+        self._t.start()
+        return self
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self.peak = max(self.peak, rss_mb())
+            time.sleep(0.002)
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._t.join()
+        self.peak = max(self.peak, rss_mb())
+
+    @property
+    def increase(self) -> float:
+        return self.peak - self.base
 
 
 def peak_rss_mb() -> float:

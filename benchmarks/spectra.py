@@ -20,7 +20,7 @@ import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _util import best, peak_rss_mb  # noqa: E402
+from _util import PeakSampler, best, peak_rss_mb  # noqa: E402
 
 import auditor  # noqa: E402
 from auditor.layers import matrix_view  # noqa: E402
@@ -109,8 +109,12 @@ def main() -> None:
           f"({again.stats.cached} of {len(items)} from cache)")
     model_mb = sum(p.numel() * p.element_size() for p in model.parameters()) / 2**20
     largest_mb = max(p.numel() * p.element_size() for p in model.parameters()) / 2**20
-    print(f"peak RSS {peak_rss_mb():.0f} MB; model {model_mb:.0f} MB + 3 x largest weight {largest_mb:.0f} MB = "
-          f"{model_mb + 3 * largest_mb:.0f} MB (the process also holds torch and transformers themselves)")
+    with PeakSampler() as mem:
+        Engine(use_cache=False, progress=False).run(items)
+    print(f"memory: {mem.base:.0f} MB resident before the spectra (torch, transformers and the {model_mb:.0f} MB "
+          f"model), +{mem.increase:.0f} MB at the peak while computing them; goal: model + 3 x largest weight = "
+          f"{model_mb:.0f} + {3 * largest_mb:.0f} MB, i.e. at most +{3 * largest_mb:.0f} MB "
+          f"({'met' if mem.increase <= 3 * largest_mb else 'NOT met'}); process peak {peak_rss_mb():.0f} MB")
 
 
 if __name__ == "__main__":

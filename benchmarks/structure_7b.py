@@ -23,7 +23,7 @@ def main() -> None:
 
     t_import = time.perf_counter() - t0
     cfg = transformers.LlamaConfig(hidden_size=4096, intermediate_size=11008, num_hidden_layers=32,
-                                   num_attention_heads=32, vocab_size=32000)
+                                   num_attention_heads=32, vocab_size=32000, use_cache=False)
     t1 = time.perf_counter()
     with torch.device("meta"):
         model = transformers.LlamaForCausalLM(cfg)
