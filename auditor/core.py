@@ -194,8 +194,16 @@ def environment() -> dict[str, str]:
     return env
 
 
+def natural_key(name: str) -> tuple:
+    """layer.2 before layer.10: digit runs compare as numbers."""
+    import re
+
+    return tuple(int(p) if p.isdigit() else p for p in re.split(r"(\d+)", name))
+
+
 def finalize_shares(layers: dict[str, Layer], total: int) -> list[Layer]:
-    ranked = sorted(layers.values(), key=lambda l: (-l.params, l.name))
+    """Largest first; equal sizes in natural name order (encoder.layer.2 before encoder.layer.10)."""
+    ranked = sorted(layers.values(), key=lambda l: (-l.params, natural_key(l.name)))
     for layer in ranked:
         layer.share = layer.params / total if total else 0.0
     return ranked

@@ -185,6 +185,7 @@ def _hf(config_file: Path, folder: Path | None, input_shape: Any, input_ids: Any
     cls = next((getattr(transformers, a) for a in archs if hasattr(transformers, a)), None)
     try:
         ctx = torch.device("meta") if structure_only else _nullctx()
+        torch.manual_seed(0)  # a config without weights gets the same random init every run: reproducible audits
         with ctx:
             model = cls._from_config(config) if cls is not None else transformers.AutoModel.from_config(config)
     except Exception as exc:  # noqa: BLE001
@@ -265,6 +266,7 @@ def _load_state(model: nn.Module, weights: str) -> None:
 
 
 def _zoo(lib: str, name: str) -> nn.Module:
+    torch.manual_seed(0)  # reproducible random init
     try:
         if lib == "torchvision":
             import torchvision.models as tvm

@@ -122,6 +122,15 @@ def test_hf_directory_with_weights(tmp_path, cli):
     assert ranks["0.95"] == int(np.searchsorted(cum, 0.95)) + 1  # the saved weights were loaded, not re-initialised
 
 
+def test_config_without_weights_is_reproducible(tmp_path):
+    from auditor.load import load_source
+
+    T.BertConfig(hidden_size=64, num_hidden_layers=1, num_attention_heads=2, intermediate_size=128,
+                 vocab_size=100, architectures=["BertModel"]).save_pretrained(tmp_path)
+    one, two = load_source(str(tmp_path)).model, load_source(str(tmp_path)).model
+    assert all(torch.equal(a, b) for a, b in zip(one.state_dict().values(), two.state_dict().values()))
+
+
 def test_structure_only_flag_builds_on_meta(tmp_path, cli):
     cfg = T.LlamaConfig(hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
                         vocab_size=1000, architectures=["LlamaForCausalLM"])

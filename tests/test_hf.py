@@ -17,6 +17,8 @@ def ids(n=16):
 def test_bert_base_unique_params():
     a = auditor.audit(transformers.BertModel(transformers.BertConfig()), spectra=False)
     assert a.total_params == 109_482_240
+    assert [l.name for l in a.layers[1:4]] == ["encoder.layer.0.intermediate.dense", "encoder.layer.0.output.dense",
+                                               "encoder.layer.1.intermediate.dense"]  # natural order among equals
     assert math.isclose(sum(l.share for l in a.layers) + a.rest_share, 1.0, rel_tol=1e-12)
 
 
