@@ -96,17 +96,20 @@ def main() -> None:
         print("(weightwatcher not importable here: run `make bench` for that column)")
     row(f"BERT-style {n_params / 1e6:.1f}M ({len(mats)} w)", t_eng, t_svd, t_lin, t_ww)
 
-    with tempfile.TemporaryDirectory() as cache:
-        first_eng = Engine(cache_dir=Path(cache), progress=False)
-        t0 = time.perf_counter()
-        first_eng.run(items)
-        t_first = time.perf_counter() - t0
-        again = Engine(cache_dir=Path(cache), progress=False)
-        t0 = time.perf_counter()
-        again.run(items)
-        t_again = time.perf_counter() - t0
+    firsts, agains = [], []
+    for _ in range(2):  # a first audit fills an empty cache; the re-audits then read it (best of each)
+        with tempfile.TemporaryDirectory() as cache:
+            t0 = time.perf_counter()
+            Engine(cache_dir=Path(cache), progress=False).run(items)
+            firsts.append(time.perf_counter() - t0)
+            for _ in range(3):
+                again = Engine(cache_dir=Path(cache), progress=False)
+                t0 = time.perf_counter()
+                again.run(items)
+                agains.append(time.perf_counter() - t0)
+    t_first, t_again = min(firsts), min(agains)
     print(f"cached re-audit: first {t_first:.3f}s, again {t_again:.3f}s = {100 * t_again / t_first:.1f}% of the first "
-          f"({again.stats.cached} of {len(items)} from cache)")
+          f"({again.stats.cached} of {len(items)} from cache; best of 2 and of 6)")
     model_mb = sum(p.numel() * p.element_size() for p in model.parameters()) / 2**20
     largest_mb = max(p.numel() * p.element_size() for p in model.parameters()) / 2**20
     with PeakSampler() as mem:
