@@ -39,27 +39,37 @@ def default_cache_dir() -> Path:
     return Path(base) / "lowrank-auditor" / "spectra"
 
 
-CHUNK_ELEMENTS = 1 << 22  # rows (or columns) are upcast to float64 this many elements at a time
+CHUNK_ELEMENTS = 1 << 20  # rows (or columns) are upcast to float64 this many elements at a time
 
 
 def gram64(a: torch.Tensor) -> np.ndarray:
     """The float64 Gram matrix of the short side (W^T W or W W^T), upper triangle only (BLAS dsyrk: half the
-    flops of a general product), accumulated over blocks of the long side so that only one block at a time exists
-    in float64: memory stays near the stored tensor plus k x k."""
+    flops of a general product), accumulated over blocks of the long side. Each block is upcast into one reused
+    float64 buffer, so memory stays near the stored tensor plus k x k, and no fresh pages are faulted in per block."""
     from scipy.linalg.blas import dsyrk
 
     m, n = a.shape
     tall = m >= n
     k, long = (n, m) if tall else (m, n)
-    step = max(1, CHUNK_ELEMENTS // max(k, 1))
+    step = max(1, min(long, CHUNK_ELEMENTS // max(k, 1)))
+    src = a.numpy() if a.dtype != torch.bfloat16 else a.float().numpy()
+    buf = np.empty((step, k) if tall else (k, step), dtype=np.float64)
     g: np.ndarray | None = None
     for start in range(0, long, step):
-        blk = (a[start:start + step] if tall else a[:, start:start + step]).numpy().astype(np.float64)
-        # blk is C-ordered; blk.T is the same memory in Fortran order, which BLAS reads without a copy
-        if g is None:
-            g = dsyrk(1.0, blk.T, trans=0 if tall else 1, lower=0)
+        stop = min(start + step, long)
+        if tall:
+            blk = buf[: stop - start]
+            np.copyto(blk, src[start:stop])
+            at = blk.T  # Fortran-ordered k x rows: BLAS reads it without a copy
         else:
-            g = dsyrk(1.0, blk.T, beta=1.0, c=g, trans=0 if tall else 1, lower=0, overwrite_c=1)
+            blk = buf[:, : stop - start]
+            np.copyto(blk, src[:, start:stop])
+            at = np.asfortranarray(blk.T) if stop - start != step else blk.T
+        trans = 0 if tall else 1
+        if g is None:
+            g = dsyrk(1.0, at, trans=trans, lower=0)
+        else:
+            g = dsyrk(1.0, at, beta=1.0, c=g, trans=trans, lower=0, overwrite_c=1)
     assert g is not None
     return g
 
