@@ -130,10 +130,7 @@ def run(args: argparse.Namespace) -> int:
         cache=not args.no_cache, cache_dir=Path(args.cache_dir) if args.cache_dir else None,
     )
     for f in result.findings:
-        r = RULES[f.code]
-        if r.input_error and (f.code != "LR010" or "non-finite" in str(f.evidence.get("reason", ""))):
-            if f.code == "LR002" and not args.plan:
-                continue
+        if RULES[f.code].input_error(f):
             raise AuditError(f"{f.code} {f.message}", f.fix)
 
     # Render everything first, then write each file atomically: no half-written report on failure.

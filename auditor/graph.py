@@ -18,7 +18,7 @@ import networkx as nx
 import torch
 from torch import nn
 
-from .layers import ParamTable, layer_for_graph_param
+from .layers import ParamTable, _hf_conv1d_type, _join, layer_for_graph_param
 from .results import Kind, Layer, Use
 from .trace import Method, TraceResult
 
@@ -136,15 +136,22 @@ class _Collector:
         layer.lookups += lookups
         return layer
 
+    def add_module_call(self, path: str, mod: nn.Module, ins: list, out: tuple | None) -> bool:
+        """Record one call of a leaf module as a use of each weight it owns; True if it owns any."""
+        costs = module_costs(mod, ins, out)
+        for pname, op, macs, lookups in costs:
+            canon = self.table.canonical.get(_join(path, pname))
+            if canon:
+                self.add(canon, path, op, macs, lookups)
+        return bool(costs)
+
 
 def _owner(param: str) -> str:
     return param.rsplit(".", 1)[0] if "." in param else ""
 
 
-def module_costs(path: str, mod: nn.Module, ins: list, out: tuple | None) -> list[tuple[str, str, int, int]]:
+def module_costs(mod: nn.Module, ins: list, out: tuple | None) -> list[tuple[str, str, int, int]]:
     """(local param name, op, macs_linear, lookups) for one call of a leaf module, from its input/output shapes."""
-    from .layers import _hf_conv1d_type
-
     x = ins[0] if ins else None
     res: list[tuple[str, str, int, int]] = []
     conv1d = _hf_conv1d_type()
@@ -230,7 +237,7 @@ def _function_costs(node: torch.fx.Node, op: str, params: dict[int, str]) -> lis
 def build(trace: TraceResult, model: nn.Module, table: ParamTable, layers: dict[str, Layer]) -> GraphResult:
     col = _Collector(table, layers)
     if trace.method == Method.WALK:
-        g = _walk_graph(trace, model, table, col)
+        g = _walk_graph(trace, model, col)
     else:
         g = _fx_graph(trace, model, table, col)
     macs_known = trace.has_shapes
@@ -244,18 +251,14 @@ def build(trace: TraceResult, model: nn.Module, table: ParamTable, layers: dict[
     return GraphResult(g, col.unsupported, macs_known)
 
 
-def _walk_graph(trace: TraceResult, model: nn.Module, table: ParamTable, col: _Collector) -> nx.DiGraph:
+def _walk_graph(trace: TraceResult, model: nn.Module, col: _Collector) -> nx.DiGraph:
     g = nx.DiGraph(method=trace.method)
     modules = dict(model.named_modules())
     prev: str | None = None
     if trace.module_calls:
         for path, ins, out in trace.module_calls:
             mod = modules[path]
-            costs = module_costs(path, mod, ins, out)
-            for pname, op, macs, lookups in costs:
-                canon = table.canonical.get(f"{path}.{pname}" if path else pname)
-                if canon:
-                    col.add(canon, path, op, macs, lookups)
+            costs = col.add_module_call(path, mod, ins, out)
             _bump(g, path, type(mod).__name__, "weight" if costs else "module")
             if prev is not None and prev != path:
                 g.add_edge(prev, path)
@@ -328,11 +331,7 @@ def _fx_graph(trace: TraceResult, model: nn.Module, table: ParamTable, col: _Col
                 reps[node.name] = srcs
                 continue
             ins = [_meta_shape(a) for a in node.args] + [_meta_shape(v) for v in node.kwargs.values()]
-            costs = module_costs(path, mod, ins, _meta_shape(node))
-            for pname, op, macs, lookups in costs:
-                canon = table.canonical.get(f"{path}.{pname}" if path else pname)
-                if canon:
-                    col.add(canon, path, op, macs, lookups)
+            costs = col.add_module_call(path, mod, ins, _meta_shape(node))
             has_params = any(True for _ in mod.parameters())
             role = "weight" if costs else ("module" if has_params else "nonlinear")
             if has_params:

@@ -91,11 +91,10 @@ def _rank(spec: Any, layer_name: str, be: float, pattern: str, spectrum: Any, so
         s = spec.strip()
         if s.lstrip("-").isdigit():
             spec = int(s)
-        elif _BE.match(s):
-            f = float(_BE.match(s).group(1))  # type: ignore[union-attr]
-            spec = max(1, math.floor(f * be))
-        elif _ENERGY.match(s):
-            e = float(_ENERGY.match(s).group(1))  # type: ignore[union-attr]
+        elif be_match := _BE.match(s):
+            spec = max(1, math.floor(float(be_match.group(1)) * be))
+        elif energy_match := _ENERGY.match(s):
+            e = float(energy_match.group(1))
             if not 0 < e <= 1:
                 raise AuditError(f"{where}: energy {e} is out of (0, 1]", "e.g. 'energy:0.95'")
             if spectrum is None or spectrum.sigma is None:

@@ -38,7 +38,8 @@ class Rule:
     slug: str
     severity: Severity
     check: Callable[[Context], Iterator[Finding]]
-    input_error: bool = False  # the command line treats a finding as bad input (exit 2, no report)
+    # Which of its findings the command line treats as bad input (exit 2, no report); the library keeps them all.
+    input_error: Callable[[Finding], bool] = lambda f: False
 
     @property
     def summary(self) -> str:
@@ -64,7 +65,8 @@ class Rule:
 RULES: dict[str, Rule] = {}
 
 
-def rule(code: str, slug: str, severity: Severity, input_error: bool = False):  # type: ignore[no-untyped-def]
+def rule(code: str, slug: str, severity: Severity,  # type: ignore[no-untyped-def]
+         input_error: Callable[[Finding], bool] = lambda f: False):
     def deco(fn: Callable[[Context], Iterator[Finding]]) -> Callable[[Context], Iterator[Finding]]:
         r = Rule(code, slug, severity, fn, input_error)
         missing = [s for s in SECTIONS if s not in r.sections]
@@ -115,7 +117,7 @@ def _lr001(ctx: Context) -> Iterator[Finding]:
             )
 
 
-@rule("LR002", "rank-above-matrix-rank", Severity.ERROR, input_error=True)
+@rule("LR002", "rank-above-matrix-rank", Severity.ERROR, input_error=lambda f: True)
 def _lr002(ctx: Context) -> Iterator[Finding]:
     """Planned rank above min(m, n).
 
@@ -388,7 +390,8 @@ def _lr009(ctx: Context) -> Iterator[Finding]:
         )
 
 
-@rule("LR010", "non-finite-or-zero-weight", Severity.ERROR, input_error=True)
+@rule("LR010", "non-finite-or-zero-weight", Severity.ERROR,
+      input_error=lambda f: "non-finite" in str(f.evidence.get("reason", "")))  # a dead (all-zero) layer is a finding
 def _lr010(ctx: Context) -> Iterator[Finding]:
     """Non-finite or all-zero weights.
 

@@ -111,19 +111,22 @@ def needs_exact(sigma: np.ndarray, k: int, targets: Iterable[float]) -> bool:
     d = gram_error(k, s2[0])
     if math.sqrt(d) > 0.5 * TOLERANCE * sigma[0] and (sigma < d / (TOLERANCE * sigma[0])).any():
         return True
+    return _near_target(s2, targets, max(TARGET_MARGIN, k * d / total))
+
+
+def _near_target(s2: np.ndarray, targets: Iterable[float], margin: float) -> bool:
+    """Does the cumulative energy of these squared values come within ``margin`` of any target?"""
+    total = s2.sum()
+    if total <= 0:
+        return False
     cum = np.cumsum(s2) / total
-    margin = max(TARGET_MARGIN, k * d / total)
     return any(np.any(np.abs(cum - t) < margin) for t in targets)
 
 
 def needs_exact_energy(sig: np.ndarray, targets: Iterable[float]) -> bool:
     """Grouped matrices: is a combined cumulative energy within the margin of a target?"""
-    s2 = (sig**2).sum(axis=0)
-    total = s2.sum()
-    if total <= 0:
-        return False
-    cum = np.cumsum(s2) / total
-    return any(np.any(np.abs(cum - t) < TARGET_MARGIN) for t in targets)
+    return _near_target((sig**2).sum(axis=0), targets, TARGET_MARGIN)
+
 
 
 def _hash(t: torch.Tensor, layer: Layer) -> str:

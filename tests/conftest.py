@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "sample_models"))  # the sample models' module, `digits`, for every test
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
@@ -49,7 +50,6 @@ def cli_inproc(capsys, monkeypatch):
 
 @pytest.fixture(scope="session")
 def digits_mlp():
-    sys.path.insert(0, str(ROOT / "sample_models"))
     from digits import mlp
 
     return mlp()
@@ -57,7 +57,6 @@ def digits_mlp():
 
 @pytest.fixture(scope="session")
 def digits_cnn():
-    sys.path.insert(0, str(ROOT / "sample_models"))
     from digits import cnn
 
     return cnn()

@@ -120,3 +120,13 @@ def test_import_auditor_does_not_import_torch():
     code = "import sys, auditor; auditor.Settings(); print('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "False"
+
+
+def test_all_zero_weight_is_a_finding_not_bad_input(cli_inproc, tmp_path):
+    p = tmp_path / "zero.py"
+    p.write_text("import torch\nfrom torch import nn\n"
+                 "def model():\n    m = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 4))\n"
+                 "    m[0].weight.data.zero_()\n    return m\n")
+    res = cli_inproc(f"{p}:model", "--format", "json", "-q")
+    assert res.returncode == 1  # an error finding, reported; not exit 2
+    assert [f["code"] for f in json.loads(res.stdout)["findings"] if f["code"] == "LR010"] == ["LR010"]

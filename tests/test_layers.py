@@ -199,12 +199,7 @@ def test_module_walk_when_nothing_traces():
 
 @pytest.mark.parametrize("tracer", ["auto", "export"])
 def test_layer_graph_follows_data_flow(tracer):
-    import sys
-    from pathlib import Path
-
     import networkx as nx
-
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "sample_models"))
     from digits import DigitsMLP
 
     a = auditor.audit(DigitsMLP(), torch.zeros(2, 64), spectra=False, tracer=tracer)

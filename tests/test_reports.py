@@ -17,9 +17,6 @@ bs4 = pytest.importorskip("bs4")
 
 @pytest.fixture(scope="module")
 def audit_cnn():
-    import sys
-
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "sample_models"))
     from digits import cnn
 
     model, x = cnn()
