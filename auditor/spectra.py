@@ -22,10 +22,11 @@ from typing import Callable, Iterable
 import numpy as np
 import torch
 
+from . import _lapack
 from .layers import matrix_view
 from .results import Layer, Spectrum
 
-ENGINE_VERSION = "2"
+ENGINE_VERSION = "3"
 EPS64 = float(np.finfo(np.float64).eps)
 TOLERANCE = 1e-6  # singular values agree with a float64 SVD to this, relative to sigma_max
 TARGET_MARGIN = 1e-9  # an energy this close to a target sends the layer to the float64 SVD
@@ -43,42 +44,47 @@ CHUNK_ELEMENTS = 1 << 20  # rows (or columns) are upcast to float64 this many el
 
 
 def gram64(a: torch.Tensor) -> np.ndarray:
-    """The float64 Gram matrix of the short side (W^T W or W W^T), upper triangle only (BLAS dsyrk: half the
-    flops of a general product), accumulated over blocks of the long side. Each block is upcast into one reused
-    float64 buffer, so memory stays near the stored tensor plus k x k, and no fresh pages are faulted in per block."""
-    from scipy.linalg.blas import dsyrk
-
+    """The float64 Gram matrix of the short side (W^T W or W W^T) as a Fortran-ordered array whose upper triangle
+    holds it (BLAS dsyrk: half the flops of a general product), accumulated over blocks of the long side. Each block
+    is upcast into one reused float64 buffer, so memory stays near the stored tensor plus k x k, and no fresh pages
+    are faulted in per block. Without the GIL (see ``_lapack``) where SciPy allows it."""
     m, n = a.shape
     tall = m >= n
     k, long = (n, m) if tall else (m, n)
     step = max(1, min(long, CHUNK_ELEMENTS // max(k, 1)))
     src = a.numpy() if a.dtype != torch.bfloat16 else a.float().numpy()
-    buf = np.empty((step, k) if tall else (k, step), dtype=np.float64)
-    g: np.ndarray | None = None
+    flat = np.empty(step * k, dtype=np.float64)
+    if _lapack.available():
+        g = np.zeros((k, k), dtype=np.float64, order="F")
+        for start in range(0, long, step):
+            rows = min(step, long - start)
+            blk = flat[: rows * k].reshape((rows, k) if tall else (k, rows))  # C-ordered and contiguous
+            np.copyto(blk, src[start : start + rows] if tall else src[:, start : start + rows])
+            _lapack.syrk(g, blk, k_rows=tall, beta=0.0 if start == 0 else 1.0)
+        return g
+    from scipy.linalg.blas import dsyrk  # SciPy's wrapper: same result, holds the GIL
+
+    gf: np.ndarray | None = None
     for start in range(0, long, step):
-        stop = min(start + step, long)
-        if tall:
-            blk = buf[: stop - start]
-            np.copyto(blk, src[start:stop])
-            at = blk.T  # Fortran-ordered k x rows: BLAS reads it without a copy
-        else:
-            blk = buf[:, : stop - start]
-            np.copyto(blk, src[:, start:stop])
-            at = np.asfortranarray(blk.T) if stop - start != step else blk.T
-        trans = 0 if tall else 1
-        if g is None:
-            g = dsyrk(1.0, at, trans=trans, lower=0)
-        else:
-            g = dsyrk(1.0, at, beta=1.0, c=g, trans=trans, lower=0, overwrite_c=1)
-    assert g is not None
-    return g
+        rows = min(step, long - start)
+        blk = flat[: rows * k].reshape((rows, k) if tall else (k, rows))
+        np.copyto(blk, src[start : start + rows] if tall else src[:, start : start + rows])
+        at, trans = (blk.T, 0) if tall else (blk.T, 1)  # Fortran-ordered views: no copies
+        gf = dsyrk(1.0, at, trans=trans, lower=0) if gf is None else dsyrk(
+            1.0, at, beta=1.0, c=gf, trans=trans, lower=0, overwrite_c=1)
+    assert gf is not None
+    return gf
 
 
 def eig_svdvals(g: np.ndarray) -> np.ndarray:
-    """Singular values (descending) from the eigenvalues of a Gram matrix given by its upper triangle."""
-    from scipy.linalg import eigh
+    """Singular values (descending) from the eigenvalues of a Gram matrix given by its upper triangle (the array
+    is overwritten)."""
+    if _lapack.available() and g.flags.f_contiguous:
+        lam = _lapack.eigvalsh_upper(g)
+    else:
+        from scipy.linalg import eigh
 
-    lam = eigh(g, lower=False, eigvals_only=True, driver="evd", check_finite=False, overwrite_a=True)
+        lam = eigh(g, lower=False, eigvals_only=True, driver="evd", check_finite=False, overwrite_a=True)
     return np.sqrt(np.clip(lam[::-1], 0.0, None))
 
 
@@ -129,13 +135,38 @@ def needs_exact_energy(sig: np.ndarray, targets: Iterable[float]) -> bool:
 
 
 
+HASH_PIECE = 16 << 20  # bytes: a tensor larger than this is hashed in pieces on all cores
+
+
+def _digest(piece: memoryview) -> bytes:
+    return hashlib.sha256(piece).digest()  # hashlib drops the GIL on big buffers: pieces hash side by side
+
+
+_hash_pool: ThreadPoolExecutor | None = None
+_hash_pool_lock = threading.Lock()
+
+
+def _pool() -> ThreadPoolExecutor:
+    global _hash_pool
+    with _hash_pool_lock:
+        if _hash_pool is None:
+            _hash_pool = ThreadPoolExecutor(max_workers=os.cpu_count() or 1, thread_name_prefix="auditor-hash")
+        return _hash_pool
+
+
 def _hash(t: torch.Tensor, layer: Layer) -> str:
-    h = hashlib.sha256()  # hardware-accelerated (SHA-NI) on current x86: about twice blake2b here
+    """Content key of a weight: sha256 (SHA-NI accelerated on current x86, about three times blake2b here) over the
+    layout and the sha256 of each 16 MiB piece of the raw bytes, the pieces hashed in parallel."""
+    h = hashlib.sha256()
     h.update(f"{ENGINE_VERSION}|{layer.kind}|{layer.m}x{layer.n}x{layer.groups}|{t.dtype}|".encode())
     c = t.detach().contiguous()
     if c.dtype == torch.bfloat16:
         c = c.view(torch.int16)
-    h.update(memoryview(c.reshape(-1).numpy()).cast("B"))  # no copy; hashlib releases the GIL on big buffers
+    raw = memoryview(c.reshape(-1).numpy()).cast("B")  # no copy
+    pieces = [raw[i : i + HASH_PIECE] for i in range(0, len(raw), HASH_PIECE)] or [raw]
+    digests = list(_pool().map(_digest, pieces)) if len(pieces) > 1 else [_digest(pieces[0])]
+    for d in digests:
+        h.update(d)
     return h.hexdigest()
 
 
@@ -207,11 +238,11 @@ class Engine:
             return self._skip(layer, reason)
         t = t.detach()
         key = _hash(t, layer) if self.use_cache else ""
-        path = self.cache_dir / key[:2] / f"{key}.npy"
+        path = self.cache_dir / key[:2] / f"{key}.f64"  # raw float64, groups x k: no header to parse
         if key:
             if path.exists():
                 try:
-                    sigma = np.load(path)
+                    sigma = np.fromfile(path, dtype=np.float64).reshape(layer.groups, min(layer.m, layer.n))
                     with self._lock:
                         self.stats.cached += 1
                     return _finish(layer, sigma, "cache", t.dtype)
@@ -250,7 +281,7 @@ class Engine:
                 path.parent.mkdir(parents=True, exist_ok=True)
                 tmp = path.with_suffix(f".{os.getpid()}.{threading.get_ident()}.tmp")
                 with open(tmp, "wb") as fh:
-                    np.save(fh, sig)
+                    sig.tofile(fh)
                 os.replace(tmp, path)
             except OSError:
                 pass  # a read-only cache is not an error
@@ -288,8 +319,13 @@ class Engine:
                     inflight[0] -= need
                     cond.notify_all()
 
+        # Layers run side by side only where the BLAS/LAPACK calls drop the GIL; each worker then gets an equal
+        # share of the cores for its BLAS (one thread each on a small machine), which beats one layer at a time on
+        # all cores: the eigensolver's matrix-vector half does not scale across threads, separate layers do.
+        workers = min(self.workers, total) if _lapack.available() else 1
+        cap = max(1, (os.cpu_count() or 1) // workers) if workers > 1 else None
         done = 0
-        with ThreadPoolExecutor(max_workers=self.workers) as pool:
+        with _lapack.blas_threads(cap), ThreadPoolExecutor(max_workers=workers) as pool:
             for (layer, _), spec in zip(order, pool.map(work, range(total))):
                 out[layer.name] = spec
                 done += 1

@@ -133,3 +133,83 @@ def test_emit_plan_round_trips(tmp_path, digits_mlp):
     b = auditor.audit(model, inputs, cache=False, plan=path)
     assert {i.layer: i.rank for i in b.review.items} == {i.layer: i.rank for i in a.review.items}
     assert [f.code for f in b.findings if f.code == "LR005"] == ["LR005"]  # the emitted plan asks for a budget
+
+
+@pytest.mark.parametrize("gil_free", [True, False], ids=["cython-pointers", "scipy-wrappers"])
+@pytest.mark.parametrize("shape", [(37, 5), (5, 37), (16, 16)])
+def test_gram_blocks_and_eigenvalues_match_float64(monkeypatch, gil_free, shape):
+    from auditor import _lapack, spectra
+
+    if gil_free and not _lapack.available():
+        pytest.skip("this SciPy publishes no Cython BLAS/LAPACK pointers")
+    monkeypatch.setattr(_lapack, "available", lambda: gil_free)
+    monkeypatch.setattr(spectra, "CHUNK_ELEMENTS", 35)  # blocks of 7 rows (or columns) and a short last block
+    w = torch.randn(*shape, generator=torch.Generator().manual_seed(5))
+    w64 = w.double().numpy()
+    ref = w64.T @ w64 if shape[0] >= shape[1] else w64 @ w64.T
+    g = spectra.gram64(w)
+    assert np.allclose(np.triu(g), np.triu(ref), rtol=0, atol=1e-13 * np.abs(ref).max())
+    lam = np.linalg.eigvalsh(ref)
+    got = spectra.eig_svdvals(g)
+    assert np.allclose(got, np.sqrt(np.clip(lam[::-1], 0, None)), rtol=0, atol=1e-12 * got[0])
+
+
+def test_parallel_run_caps_blas_threads_and_matches_one_at_a_time():
+    import os
+
+    from threadpoolctl import threadpool_info
+
+    from auditor import _lapack
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(48, 96), nn.ReLU(), nn.Linear(96, 32), nn.ReLU(), nn.Linear(32, 200))
+    layers = auditor.audit(model, spectra=False).layers
+    params = dict(model.named_parameters())
+    seen = []
+
+    def loader(name):
+        def load():
+            seen.append({i["filepath"]: i["num_threads"] for i in threadpool_info() if i["user_api"] == "blas"})
+            return params[name]
+
+        return load
+
+    items = [(layer, loader(layer.param)) for layer in layers]
+    before = {i["filepath"]: i["num_threads"] for i in threadpool_info() if i["user_api"] == "blas"}
+    two = Engine(use_cache=False, progress=False, workers=2).run(items)
+    cap = max(1, (os.cpu_count() or 1) // 2) if _lapack.available() else None
+    for threads in seen:
+        assert all(n == (cap or before[path]) for path, n in threads.items())
+    assert {i["filepath"]: i["num_threads"] for i in threadpool_info() if i["user_api"] == "blas"} == before
+    one = Engine(use_cache=False, progress=False, workers=1).run(items)
+    for name, sp in one.items():
+        assert np.allclose(two[name].sigma, sp.sigma, rtol=0, atol=1e-12 * sp.sigma[0][0])
+
+
+def test_cache_key_hashes_big_tensors_in_pieces_and_survives_a_corrupt_entry(tmp_path, monkeypatch):
+    import hashlib
+
+    from auditor import spectra
+
+    monkeypatch.setattr(spectra, "HASH_PIECE", 1000)  # bytes: a 30 x 20 float32 weight is 2,400 bytes, 3 pieces
+    lin = nn.Linear(20, 30, bias=False)
+    layer = auditor.audit(nn.Sequential(lin), spectra=False).layers[0]
+    raw = lin.weight.detach().numpy().tobytes()
+    expect = hashlib.sha256(f"{spectra.ENGINE_VERSION}|{layer.kind}|30x20x1|torch.float32|".encode())
+    for i in range(0, len(raw), 1000):
+        expect.update(hashlib.sha256(raw[i : i + 1000]).digest())
+    key = spectra._hash(lin.weight, layer)
+    assert key == expect.hexdigest()
+    with torch.no_grad():
+        lin.weight[-1, -1] += 1.0  # the last piece only
+    assert spectra._hash(lin.weight, layer) != key
+
+    eng = Engine(cache_dir=tmp_path, progress=False)
+    first = eng.one(layer, lin.weight)
+    entry = next(tmp_path.rglob("*.f64"))
+    assert entry.stat().st_size == 20 * 8
+    entry.write_bytes(b"\0" * 12)  # truncated: recomputed, not misread
+    again = Engine(cache_dir=tmp_path, progress=False)
+    assert again.one(layer, lin.weight).sigma == first.sigma and again.stats.computed == 1
+    third = Engine(cache_dir=tmp_path, progress=False)
+    assert third.one(layer, lin.weight).method == "cache" and third.stats.cached == 1
