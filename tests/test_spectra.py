@@ -186,22 +186,21 @@ def test_parallel_run_caps_blas_threads_and_matches_one_at_a_time():
         assert np.allclose(two[name].sigma, sp.sigma, rtol=0, atol=1e-12 * sp.sigma[0][0])
 
 
-def test_cache_key_hashes_big_tensors_in_pieces_and_survives_a_corrupt_entry(tmp_path, monkeypatch):
-    import hashlib
+@pytest.mark.parametrize("threads_from", [1 << 30, 100], ids=["one-thread", "all-cores"])
+def test_cache_key_is_blake3_of_layout_and_bytes_and_survives_a_corrupt_entry(tmp_path, monkeypatch, threads_from):
+    from blake3 import blake3
 
     from auditor import spectra
 
-    monkeypatch.setattr(spectra, "HASH_PIECE", 1000)  # bytes: a 30 x 20 float32 weight is 2,400 bytes, 3 pieces
+    monkeypatch.setattr(spectra, "HASH_THREADS_FROM", threads_from)
     lin = nn.Linear(20, 30, bias=False)
     layer = auditor.audit(nn.Sequential(lin), spectra=False).layers[0]
     raw = lin.weight.detach().numpy().tobytes()
-    expect = hashlib.sha256(f"{spectra.ENGINE_VERSION}|{layer.kind}|30x20x1|torch.float32|".encode())
-    for i in range(0, len(raw), 1000):
-        expect.update(hashlib.sha256(raw[i : i + 1000]).digest())
+    expect = blake3(f"{spectra.ENGINE_VERSION}|{layer.kind}|30x20x1|torch.float32|".encode() + raw).hexdigest()
     key = spectra._hash(lin.weight, layer)
-    assert key == expect.hexdigest()
+    assert key == expect
     with torch.no_grad():
-        lin.weight[-1, -1] += 1.0  # the last piece only
+        lin.weight[-1, -1] += 1.0
     assert spectra._hash(lin.weight, layer) != key
 
     eng = Engine(cache_dir=tmp_path, progress=False)
