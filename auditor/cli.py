@@ -56,6 +56,8 @@ def _parser() -> argparse.ArgumentParser:
     g.add_argument("--no-spectra", action="store_true", help="skip singular values (structure and counts only)")
     g.add_argument("--no-cache", action="store_true", help="do not read or write the spectrum cache")
     g.add_argument("--cache-dir", metavar="DIR", help="spectrum cache (default ~/.cache/lowrank-auditor)")
+    g.add_argument("-j", "--jobs", type=int, metavar="N",
+                   help="layers computed side by side, each with its share of the cores (default: cores, at most 4)")
     return p
 
 
@@ -111,6 +113,8 @@ def run(args: argparse.Namespace) -> int:
         raise AuditError(f"unknown format {', '.join(bad)}", f"Choose from {', '.join(FORMATS)}")
     if not args.output_dir and sum(f in ("json", "md") for f in formats) > 1:
         raise AuditError("json and md cannot both go to stdout", "Pass -o DIR to write them as files")
+    if args.jobs is not None and args.jobs < 1:
+        raise AuditError(f"--jobs {args.jobs}: at least one layer must run", "Pass --jobs 1 or more, or leave it out")
 
     settings = Settings().with_overrides(from_pyproject(), "pyproject.toml [tool.lowrank-auditor]")
     overrides = {k: v for k, v in {
@@ -127,7 +131,7 @@ def run(args: argparse.Namespace) -> int:
     result = audit(
         loaded.model, loaded.example_inputs, plan=args.plan, settings=settings, overrides=overrides,
         name=loaded.name, source=loaded.source, tracer=args.tracer, spectra=not args.no_spectra,
-        cache=not args.no_cache, cache_dir=Path(args.cache_dir) if args.cache_dir else None,
+        cache=not args.no_cache, cache_dir=Path(args.cache_dir) if args.cache_dir else None, jobs=args.jobs,
     )
     for f in result.findings:
         if RULES[f.code].input_error(f):

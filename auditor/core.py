@@ -223,12 +223,13 @@ def audit(
     cache_dir: Path | None = None,
     progress: bool | None = None,
     tracer: str = "auto",
+    jobs: int | None = None,
 ) -> Audit:
     """Audit a model (an ``nn.Module``, or weights loaded by :func:`auditor.load.load_source`).
 
     ``example_inputs``: a tensor, a tuple of positional inputs, a dict of keyword inputs, or (args, kwargs).
     ``plan``: a :class:`auditor.plan.Plan`, a path to a TOML/JSON plan, or a dict; without one the suggested ranks
-    are reviewed.
+    are reviewed. ``jobs``: layers whose spectra are computed side by side (default: the cores, at most 4).
     """
     from . import graph as graph_mod
     from .layers import ParamTable, collect_layers
@@ -289,7 +290,8 @@ def audit(
     result.notes = notes
 
     if spectra:
-        engine = Engine(settings.energy_targets, cache_dir=cache_dir, use_cache=cache, progress=progress)
+        engine = Engine(settings.energy_targets, cache_dir=cache_dir, use_cache=cache, workers=jobs,
+                        progress=progress)
         result.spectra = engine.run([(l, loaders[l.name]) for l in result.layers])
         result.spectra_stats = dict(vars(engine.stats))
     for layer in result.layers:

@@ -68,8 +68,12 @@ def test_bad_shape_text(cli, factories):
     _assert_bad(cli(f"{factories}:good", "--input-shape", "2,x"), "is not a shape")
 
 
+def test_jobs_below_one(cli, factories):
+    _assert_bad(cli(f"{factories}:good", "--jobs", "0"), "--jobs 0")
+
+
 def test_good_factory_exit_zero_and_json(cli, factories):
-    res = cli(f"{factories}:good", "--input-shape", "3,16", "--format", "json", "-q")
+    res = cli(f"{factories}:good", "--input-shape", "3,16", "--format", "json", "-q", "--jobs", "2")
     assert res.returncode == 0, res.stderr
     data = json.loads(res.stdout)
     assert data["format_version"] == 1
