@@ -245,8 +245,12 @@ class Engine:
                 return self._skip(layer, f"non-finite values ({bad:,} NaN/Inf entries)")
             if gi == 0 and np.trace(g) == 0 and not mats.any():
                 return self._skip(layer, "all-zero weight")
-            sig[gi] = eig_svdvals(g)
-            if needs_exact(sig[gi], k, self.targets if layer.groups == 1 else ()):
+            try:
+                sig[gi] = eig_svdvals(g)
+                exact = needs_exact(sig[gi], k, self.targets if layer.groups == 1 else ())
+            except np.linalg.LinAlgError:  # the eigensolver did not converge: the SVD decides
+                exact = True
+            if exact:
                 sig[gi] = svd_svdvals(mats[gi])
                 method = "svd-f64"
         if layer.groups > 1 and needs_exact_energy(sig, self.targets):

@@ -212,3 +212,19 @@ def test_cache_key_is_blake3_of_layout_and_bytes_and_survives_a_corrupt_entry(tm
     assert again.one(layer, lin.weight).sigma == first.sigma and again.stats.computed == 1
     third = Engine(cache_dir=tmp_path, progress=False)
     assert third.one(layer, lin.weight).method == "cache" and third.stats.cached == 1
+
+
+def test_eigensolver_failure_falls_back_to_float64_svd(monkeypatch):
+    from auditor import spectra
+
+    def fail(g):
+        raise np.linalg.LinAlgError("dsyevd failed to converge (info=3)")
+
+    monkeypatch.setattr(spectra, "eig_svdvals", fail)
+    lin = nn.Linear(12, 20, bias=False)
+    layer = auditor.audit(nn.Sequential(lin), spectra=False).layers[0]
+    eng = Engine(use_cache=False, progress=False)
+    sp = eng.one(layer, lin.weight)
+    ref = np.linalg.svd(lin.weight.detach().double().numpy(), compute_uv=False)
+    assert sp.method == "svd-f64" and eng.stats.exact_fallbacks == 1
+    assert np.max(np.abs(np.asarray(sp.sigma[0]) - ref)) <= 1e-12 * ref[0]
