@@ -19,6 +19,18 @@ def best(fn: Callable[[], object], repeat: int = 3) -> float:
     return min(times)
 
 
+def best_interleaved(fns: list[Callable[[], object]], rounds: int = 3) -> list[float]:
+    """Best time of each function over ``rounds`` rounds that run them in turn: a slow spell on a shared machine
+    then slows every contender alike instead of the one that happened to run during it."""
+    times = [float("inf")] * len(fns)
+    for _ in range(rounds):
+        for i, fn in enumerate(fns):
+            t = time.perf_counter()
+            fn()
+            times[i] = min(times[i], time.perf_counter() - t)
+    return times
+
+
 def rss_mb() -> float:
     """Resident memory now (Linux /proc; 0 elsewhere)."""
     try:

@@ -3,7 +3,7 @@
     python benchmarks/spectra.py            # weightwatcher column only where weightwatcher 0.7.7 is importable
     make bench                              # the same, in a benchmark-only venv that has weightwatcher
 
-For each case it times (best of 3): the engine (cache off), a loop of torch.linalg.svdvals on the same matrices,
+For each case it times, in interleaved rounds (best of 5 for a matrix, of 3 for the model): the engine (cache off), a loop of torch.linalg.svdvals on the same matrices,
 the bare linear algebra the engine does (the same float64 Gram products and eigensolves, one after another, nothing
 else), and for the model weightwatcher's analyze(). svdvals / bare LA is the ceiling for any engine that does this
 exact float64 work on one matrix: only a model, whose layers can run side by side, can go past it. Then a first and
@@ -22,7 +22,7 @@ import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _util import PeakSampler, best, peak_rss_mb  # noqa: E402
+from _util import PeakSampler, best, best_interleaved, peak_rss_mb  # noqa: E402
 
 import auditor  # noqa: E402
 from auditor.layers import matrix_view  # noqa: E402
@@ -65,9 +65,8 @@ def main() -> None:
         w = torch.randn(m, n) / n**0.5
         layer = layer_for(m, n)
         eng = Engine(use_cache=False, progress=False, workers=1)
-        t_eng = best(lambda: eng.one(layer, w))
-        t_svd = best(lambda: torch.linalg.svdvals(w))
-        t_lin = best(lambda: bare([w]))
+        t_eng, t_svd, t_lin = best_interleaved(
+            [lambda: eng.one(layer, w), lambda: torch.linalg.svdvals(w), lambda: bare([w])], rounds=5)
         row(f"{m}x{n} fp32", t_eng, t_svd, t_lin)
         ref = np.linalg.svd(w.double().numpy(), compute_uv=False)
         e_eng = np.max(np.abs(np.asarray(eng.one(layer, w).sigma[0]) - ref)) / ref[0]
@@ -84,17 +83,15 @@ def main() -> None:
     with PeakSampler() as mem:  # the first engine run on this model, before anything else has grown the heap
         Engine(use_cache=False, progress=False).run(items)
     eng = Engine(use_cache=False, progress=False)
-    t_eng = best(lambda: eng.run(items), repeat=2)
-    t_svd = best(lambda: svdvals_loop(mats), repeat=2)
-    t_lin = best(lambda: bare(mats), repeat=2)
-    t_ww = None
+    fns = [lambda: eng.run(items), lambda: svdvals_loop(mats), lambda: bare(mats)]
     try:
         import weightwatcher as ww
 
-        watcher = ww.WeightWatcher(model=model)
-        t_ww = best(watcher.analyze, repeat=2)
+        fns.append(ww.WeightWatcher(model=model).analyze)
     except ImportError:
         print("(weightwatcher not importable here: run `make bench` for that column)")
+    t_eng, t_svd, t_lin, *rest = best_interleaved(fns, rounds=3)
+    t_ww = rest[0] if rest else None
     row(f"BERT-style {n_params / 1e6:.1f}M ({len(mats)} w)", t_eng, t_svd, t_lin, t_ww)
 
     firsts, agains = [], []
