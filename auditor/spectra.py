@@ -53,26 +53,20 @@ def gram64(a: torch.Tensor) -> np.ndarray:
     step = max(1, min(long, CHUNK_ELEMENTS // max(k, 1)))
     src = a.numpy() if a.dtype != torch.bfloat16 else a.float().numpy()
     flat = np.empty(step * k, dtype=np.float64)
-    if _lapack.available():
-        g = np.zeros((k, k), dtype=np.float64, order="F")
-        for start in range(0, long, step):
-            rows = min(step, long - start)
-            blk = flat[: rows * k].reshape((rows, k) if tall else (k, rows))  # C-ordered and contiguous
-            np.copyto(blk, src[start : start + rows] if tall else src[:, start : start + rows])
-            _lapack.syrk(g, blk, k_rows=tall, beta=0.0 if start == 0 else 1.0)
-        return g
-    from scipy.linalg.blas import dsyrk  # SciPy's wrapper: same result, holds the GIL
-
-    gf: np.ndarray | None = None
+    g = np.zeros((k, k), dtype=np.float64, order="F")
+    gil_free = _lapack.available()
     for start in range(0, long, step):
         rows = min(step, long - start)
-        blk = flat[: rows * k].reshape((rows, k) if tall else (k, rows))
+        blk = flat[: rows * k].reshape((rows, k) if tall else (k, rows))  # C-ordered and contiguous
         np.copyto(blk, src[start : start + rows] if tall else src[:, start : start + rows])
-        at, trans = (blk.T, 0) if tall else (blk.T, 1)  # Fortran-ordered views: no copies
-        gf = dsyrk(1.0, at, trans=trans, lower=0) if gf is None else dsyrk(
-            1.0, at, beta=1.0, c=gf, trans=trans, lower=0, overwrite_c=1)
-    assert gf is not None
-    return gf
+        beta = 0.0 if start == 0 else 1.0
+        if gil_free:
+            _lapack.syrk(g, blk, k_rows=tall, beta=beta)
+        else:  # SciPy's wrapper: the same routine, holding the GIL; blk.T is a Fortran-ordered view, not a copy
+            from scipy.linalg.blas import dsyrk
+
+            g = dsyrk(1.0, blk.T, beta=beta, c=g, trans=0 if tall else 1, lower=0, overwrite_c=1)
+    return g
 
 
 def eig_svdvals(g: np.ndarray) -> np.ndarray:
@@ -138,8 +132,8 @@ HASH_THREADS_FROM = 4 << 20  # bytes: a tensor larger than this is hashed on all
 
 
 def _hash(t: torch.Tensor, layer: Layer) -> str:
-    """Content key of a weight: BLAKE3 (a cryptographic hash, SIMD and multithreaded: about 3.5 times sha256 per
-    core here, more on big tensors) over the layout and the raw bytes, read in place."""
+    """Content key of a weight: BLAKE3 (a cryptographic hash, SIMD and multithreaded: 1.8 times sha256 on one core
+    here, 3.6 times on two) over the layout and the raw bytes, read in place."""
     from blake3 import blake3
 
     c = t.detach().contiguous()
