@@ -55,6 +55,8 @@ def gram64(a: torch.Tensor) -> np.ndarray:
     flat = np.empty(step * k, dtype=np.float64)
     g = np.zeros((k, k), dtype=np.float64, order="F")
     gil_free = _lapack.available()
+    if not gil_free:
+        from scipy.linalg.blas import dsyrk  # SciPy's wrapper: the same routine, holding the GIL
     for start in range(0, long, step):
         rows = min(step, long - start)
         blk = flat[: rows * k].reshape((rows, k) if tall else (k, rows))  # C-ordered and contiguous
@@ -62,9 +64,7 @@ def gram64(a: torch.Tensor) -> np.ndarray:
         beta = 0.0 if start == 0 else 1.0
         if gil_free:
             _lapack.syrk(g, blk, k_rows=tall, beta=beta)
-        else:  # SciPy's wrapper: the same routine, holding the GIL; blk.T is a Fortran-ordered view, not a copy
-            from scipy.linalg.blas import dsyrk
-
+        else:  # blk.T is a Fortran-ordered view, not a copy
             g = dsyrk(1.0, blk.T, beta=beta, c=g, trans=0 if tall else 1, lower=0, overwrite_c=1)
     return g
 

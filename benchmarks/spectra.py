@@ -3,9 +3,9 @@
     python benchmarks/spectra.py            # weightwatcher column only where weightwatcher 0.7.7 is importable
     make bench                              # the same, in a benchmark-only venv that has weightwatcher
 
-For each case it times, in interleaved rounds (best of 5 for a matrix, of 3 for the model): the engine (cache off), a loop of torch.linalg.svdvals on the same matrices,
-the bare linear algebra the engine does (the same float64 Gram products and eigensolves, one after another, nothing
-else), and for the model weightwatcher's analyze(). svdvals / bare LA is the ceiling for any engine that does this
+For each case it times, in interleaved rounds (best of 5 for a matrix, of 3 for the model): the engine (cache off),
+a loop of torch.linalg.svdvals on the same matrices, the bare linear algebra the engine does (the same float64 Gram
+products and eigensolves, one after another, nothing else), and for the model weightwatcher's analyze(). svdvals / bare LA is the ceiling for any engine that does this
 exact float64 work on one matrix: only a model, whose layers can run side by side, can go past it. Then a first and
 a cached re-audit, and the peak RSS.
 """

@@ -167,20 +167,23 @@ def test_parallel_run_caps_blas_threads_and_matches_one_at_a_time():
     params = dict(model.named_parameters())
     seen = []
 
+    def blas_threads():
+        return {i["filepath"]: i["num_threads"] for i in threadpool_info() if i["user_api"] == "blas"}
+
     def loader(name):
         def load():
-            seen.append({i["filepath"]: i["num_threads"] for i in threadpool_info() if i["user_api"] == "blas"})
+            seen.append(blas_threads())
             return params[name]
 
         return load
 
     items = [(layer, loader(layer.param)) for layer in layers]
-    before = {i["filepath"]: i["num_threads"] for i in threadpool_info() if i["user_api"] == "blas"}
+    before = blas_threads()
     two = Engine(use_cache=False, progress=False, workers=2).run(items)
     cap = max(1, (os.cpu_count() or 1) // 2) if _lapack.available() else None
     for threads in seen:
         assert all(n == (cap or before[path]) for path, n in threads.items())
-    assert {i["filepath"]: i["num_threads"] for i in threadpool_info() if i["user_api"] == "blas"} == before
+    assert seen and blas_threads() == before
     one = Engine(use_cache=False, progress=False, workers=1).run(items)
     for name, sp in one.items():
         assert np.allclose(two[name].sigma, sp.sigma, rtol=0, atol=1e-12 * sp.sigma[0][0])
