@@ -62,24 +62,24 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _rules_main(argv: Sequence[str]) -> int:
-    from .rules import RULES, rule_doc, rules_markdown
+    from .rules import RULES, find_rule, rule_doc, rules_markdown
 
     p = argparse.ArgumentParser(prog="lowrank-audit rules", description="List the rules, or print one.")
-    p.add_argument("code", nargs="?", help="a rule code such as LR001")
+    p.add_argument("code", nargs="?", help="a rule code such as LR004, or its slug such as energy-below-floor")
     p.add_argument("--markdown", action="store_true", help="print docs/rules.md")
     a = p.parse_args(argv)
-    if a.markdown:
-        sys.stdout.write(rules_markdown())
-        return 0
-    if a.code:
-        r = RULES.get(a.code.upper())
-        if r is None:
-            print(f"error: no rule {a.code!r}. Known: {', '.join(RULES)}.", file=sys.stderr)
-            return ExitCode.BAD_INPUT
-        sys.stdout.write(rule_doc(r) + "\n")
-        return 0
-    for r in RULES.values():
-        print(f"{r.code}  {r.slug:<30} {str(r.severity):<8} {r.summary}")
+    try:
+        if a.markdown:
+            sys.stdout.write(rules_markdown())
+            return 0
+        if a.code:
+            sys.stdout.write(rule_doc(find_rule(a.code)) + "\n")
+            return 0
+        for r in RULES.values():
+            print(f"{r.code}  {r.slug:<30} {str(r.severity):<8} {r.summary}")
+    except AuditError as exc:
+        print(f"error: {exc.line()}", file=sys.stderr)
+        return ExitCode.BAD_INPUT
     return 0
 
 
