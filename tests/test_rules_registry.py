@@ -19,6 +19,7 @@ from auditor.results import Severity
 from auditor.rules import (
     BUILTIN, RULES, Need, RuleDefinitionError, Scope, evaluate, find_rule, rule, rules_markdown, run_rules, selected,
 )
+from auditor.rules.docs import PLUGIN_EXAMPLE
 from auditor.trace import Method
 
 DOC = """{summary}
@@ -212,29 +213,16 @@ def install(tmp_path, monkeypatch):
     RULES.reload()
 
 
-BIG_LAYER = '''
-from auditor.rules import Severity, rule
+BIG_LAYER = PLUGIN_EXAMPLE  # the example docs/rules.md shows
 
-@rule("XY001", "big-layer", Severity.WARNING)
-def big_layer(ctx, emit):
-    """A layer with more than a million weights.
 
-    ## What it flags
-    Big layers.
-
-    ## Why it is bad
-    They are big.
-
-    ## Example
-    A 4096 x 1024 linear layer.
-
-    ## Do instead
-    Factorize it.
-    """
-    for info in ctx.each_layer():
-        if info.layer.params > 1_000_000:
-            emit(f"{info.layer.name} is big", [info.layer.name], "Factorize it", params=info.layer.params)
-'''
+def big_low_rank() -> nn.Sequential:
+    """0: 4096 x 1024 of rank 8 (4,194,304 weights, suggested rank 8); 2: 64 x 4096."""
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(1024, 4096), nn.ReLU(), nn.Linear(4096, 64))
+    with torch.no_grad():
+        m[0].weight.copy_(torch.randn(4096, 8) @ torch.randn(8, 1024))
+    return m
 
 
 def test_a_plugin_rule_is_registered_listed_and_run(install, cli_inproc):
@@ -242,11 +230,16 @@ def test_a_plugin_rule_is_registered_listed_and_run(install, cli_inproc):
     assert list(RULES) == [*(r.code for r in BUILTIN), "XY001"]
     r = find_rule("big-layer")
     assert (r.code, r.origin, r.severity) == ("XY001", dist, Severity.WARNING)
-    a = _audit(select=("XY001",))
-    assert [(f.code, f.layers, f.evidence) for f in a.findings] == [("XY001", ["0"], {"params": 4096 * 1024})]
+    a = auditor.audit(big_low_rank(), None, plan={"ranks": {"2": 4}, "finetune": "x"},
+                      settings=auditor.Settings(select=("big-layer",)), cache=False)
+    assert [(f.code, f.layers, f.evidence) for f in a.findings] == [("XY001", ["0"], {"params": 4096 * 1024,
+                                                                                      "rank": 8})]
+    planned = auditor.audit(big_low_rank(), None, plan={"ranks": {"0": 8}, "finetune": "x"},
+                            settings=auditor.Settings(select=("XY001",)), cache=False)
+    assert planned.findings == []
     listing = cli_inproc("rules")
     assert listing.returncode == 0 and "XY001  big-layer" in listing.stdout
-    assert "## XY001 big-layer" in rules_markdown() and "XY001" not in rules_markdown(BUILTIN)
+    assert "## XY001 big-layer" in rules_markdown() and "## XY001" not in rules_markdown(BUILTIN)
 
 
 def test_a_plugin_can_name_a_rule_object(install):
@@ -281,9 +274,11 @@ def test_a_plugin_may_not_reuse_a_code_or_slug(install):
 
 
 def test_a_plugin_rule_that_crashes_while_running_is_one_clear_line(install):
-    dist = install(BIG_LAYER.replace('emit(f"{info.layer.name} is big"', 'emit(1 / 0'))
+    dist = install(BIG_LAYER.replace('emit(f"{layer.name} ({layer.params:,} weights) is left dense"', 'emit(1 / 0'))
+    assert "1 / 0" in BIG_LAYER.replace('emit(f"{layer.name} ({layer.params:,} weights) is left dense"', 'emit(1 / 0')
     with pytest.raises(AuditError, match=f"rule XY001 big-layer from {dist} failed: ZeroDivisionError"):
-        _audit(select=("XY001",))
+        auditor.audit(big_low_rank(), None, plan={"ranks": {"2": 4}}, settings=auditor.Settings(select=("XY001",)),
+                      cache=False)
 
 
 def test_docs_name_the_package_the_rules_live_in():
