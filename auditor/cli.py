@@ -63,6 +63,7 @@ def _parser() -> argparse.ArgumentParser:
 
 def _rules_main(argv: Sequence[str]) -> int:
     from .rules import RULES, find_rule, rule_doc, rules_markdown
+    from .rules.registry import BUILTIN_ORIGIN
 
     p = argparse.ArgumentParser(prog="lowrank-audit rules", description="List the rules, or print one.")
     p.add_argument("code", nargs="?", help="a rule code such as LR004, or its slug such as energy-below-floor")
@@ -76,7 +77,8 @@ def _rules_main(argv: Sequence[str]) -> int:
             sys.stdout.write(rule_doc(find_rule(a.code)) + "\n")
             return 0
         for r in RULES.values():
-            print(f"{r.code}  {r.slug:<30} {str(r.severity):<8} {r.summary}")
+            origin = "" if r.origin == BUILTIN_ORIGIN else f" (from {r.origin})"
+            print(f"{r.code}  {r.slug:<30} {str(r.severity):<8} {r.summary}{origin}")
     except AuditError as exc:
         print(f"error: {exc.line()}", file=sys.stderr)
         return ExitCode.BAD_INPUT

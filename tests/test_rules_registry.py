@@ -238,7 +238,8 @@ def test_a_plugin_rule_is_registered_listed_and_run(install, cli_inproc):
                             settings=auditor.Settings(select=("XY001",)), cache=False)
     assert planned.findings == []
     listing = cli_inproc("rules")
-    assert listing.returncode == 0 and "XY001  big-layer" in listing.stdout
+    assert listing.returncode == 0 and f"(from {dist})" in listing.stdout.splitlines()[-1] \
+        and "XY001  big-layer" in listing.stdout
     assert "## XY001 big-layer" in rules_markdown() and "## XY001" not in rules_markdown(BUILTIN)
 
 
@@ -283,3 +284,14 @@ def test_a_plugin_rule_that_crashes_while_running_is_one_clear_line(install):
 
 def test_docs_name_the_package_the_rules_live_in():
     assert "`auditor/rules/`" in Path(__file__).resolve().parents[1].joinpath("docs", "rules.md").read_text()
+
+
+def test_the_rules_import_no_torch_or_networkx():
+    import subprocess
+    import sys
+
+    code = ("import sys, auditor.rules as r; list(r.RULES); "
+            "print(sorted(m for m in ('torch', 'networkx', 'numpy') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                         cwd=Path(__file__).resolve().parents[1])
+    assert out.stdout.strip() == "[]", out.stderr

@@ -16,7 +16,8 @@ from dataclasses import dataclass, field
 from enum import Enum
 from importlib.metadata import EntryPoint, entry_points
 from types import ModuleType
-from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator, Mapping, Protocol
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from typing import TYPE_CHECKING, Any, Protocol
 
 from ..errors import AuditError
 from ..results import Finding, Severity, StrEnum
