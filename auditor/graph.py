@@ -44,6 +44,9 @@ NONLINEAR = frozenset(
     """.split()
 )
 SCALING = frozenset({"mul", "div", "add", "sub", "truediv", "neg"})
+# ops that read a parameter without multiplying by it as a matrix (positional tables added, tokens concatenated)
+ELEMENTWISE = SCALING | frozenset({"add_", "mul_", "cat", "stack", "where", "index_select", "gather", "expand",
+                                   "repeat", "sum", "mean", "norm", "layer_norm", "rms_norm", "group_norm"})
 
 
 # ---- op costs: one table ------------------------------------------------------------------------------------------
@@ -539,6 +542,13 @@ class _FxGraphBuilder:
         _bump(self.g, gid, op, "op")
         return gid
 
+    def bare_matrix(self, canon: str, op: str) -> bool:
+        """A 2-D parameter of no known module, read by an op that may multiply by it (not elementwise arithmetic,
+        not concatenation): it would be a layer if the op had a handle."""
+        if op in ELEMENTWISE or canon in self.table.skipped or canon not in self.table.keys:
+            return False
+        return self.table.tensor(canon).dim() == 2
+
     def costs(self, node: torch.fx.Node, op: str, weights: dict[Any, str]) -> list[Cost]:
         """The op's handle on the call; a weight it cannot cost gets a use without MACs and the op is listed."""
         if not self.trace.has_shapes:  # no MACs reported: only the uses matter
@@ -553,9 +563,9 @@ class _FxGraphBuilder:
         return res
 
     def other_op(self, node: torch.fx.Node, op: str, weights: dict[Any, str], stack_site: str) -> str:
-        for p in set(weights.values()):
-            if p in self.col.layers:
-                self.col.unsupported_op(op)  # a layer's weight read by an op we cannot cost
+        # a layer's weight, or a matrix no module claims, read by an op with no cost handle: listed, not zero
+        if any(p in self.col.layers or self.bare_matrix(p, op) for p in set(weights.values())):
+            self.col.unsupported_op(op)
         if stack_site and stack_site in self.leafish:
             # an activation or norm module decomposed into ops: one node per call
             mod = self.modules[stack_site]

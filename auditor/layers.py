@@ -84,16 +84,29 @@ class LayerSpec:
 
 
 _SPECS: dict[type, LayerSpec] = {}
+_USER_TYPES: set[type] = set()  # registered by users: traced as leaf modules, so their spec costs each call
 
 
-def register_layer_spec(module_type: type, spec: LayerSpec) -> None:
-    """Teach the auditor a module type (subclasses included, unless they have a spec of their own).
+def register_layer_spec(module_type: type, spec: LayerSpec | None) -> None:
+    """Teach the auditor a module type (subclasses included, unless they have a spec of their own); None forgets it.
 
-    Registering a type again replaces its spec; the most derived registered class in a module's MRO wins."""
+    Registering a type again replaces its spec; the most derived registered class in a module's MRO wins. A
+    registered type is a leaf for ``torch.fx.symbolic_trace`` (its calls are costed by ``spec.cost``, its weights
+    viewed by ``spec.view``); torch.export and the module walk see it as they see any module."""
     if not (isinstance(module_type, type) and issubclass(module_type, nn.Module)):
         raise TypeError(f"register_layer_spec needs an nn.Module subclass, got {module_type!r}")
-    _SPECS[module_type] = spec
+    if spec is None:
+        _SPECS.pop(module_type, None)
+        _USER_TYPES.discard(module_type)
+    else:
+        _SPECS[module_type] = spec
+        _USER_TYPES.add(module_type)
     spec_for_type.cache_clear()
+
+
+def is_user_leaf(mod: nn.Module) -> bool:
+    """Whether the module's type (or a base) was registered with :func:`register_layer_spec`."""
+    return any(base in _USER_TYPES for base in type(mod).__mro__)
 
 
 @lru_cache(maxsize=None)

@@ -118,6 +118,21 @@ def _run_plain(model: nn.Module, ex: ExampleInputs) -> None:
 TRACERS = ("auto", "symbolic", "export", "walk")
 
 
+class _Tracer(torch.fx.Tracer):
+    """symbolic_trace's tracer, with module types registered by users (``register_layer_spec``) kept as leaves."""
+
+    def is_leaf_module(self, m: nn.Module, module_qualified_name: str) -> bool:
+        from .layers import is_user_leaf
+
+        return is_user_leaf(m) or super().is_leaf_module(m, module_qualified_name)
+
+
+def _symbolic_trace(model: nn.Module) -> torch.fx.GraphModule:
+    tracer = _Tracer()
+    graph = tracer.trace(model)
+    return torch.fx.GraphModule(tracer.root, graph, type(model).__name__)
+
+
 def trace(model: nn.Module, ex: ExampleInputs | None, tracer: str = "auto") -> TraceResult:
     """``tracer="auto"`` tries symbolic_trace, then torch.export, then the module walk; a named tracer starts
     there (and still falls back to the walk if it fails)."""
@@ -130,7 +145,7 @@ def trace(model: nn.Module, ex: ExampleInputs | None, tracer: str = "auto") -> T
         try:
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")
-                gm = torch.fx.symbolic_trace(model)
+                gm = _symbolic_trace(model)
         except Exception as exc:  # noqa: BLE001 - any tracer failure moves on to the next method
             failures.append(f"{Method.SYMBOLIC} failed: {first_line(exc)}")
         else:
