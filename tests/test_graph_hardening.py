@@ -145,7 +145,8 @@ def test_float8_and_sparse_weights_are_listed_with_a_skip_reason():
     m = nn.Sequential(f8, sp)
     table = ParamTable.of(m)
     layers = collect_layers(m, table)
-    assert [(l.name, l.dtype, l.m, l.n) for l in layers.values()] == [("0", "float8_e4m3fn", 4, 8), ("1", "float32", 4, 8)]
+    assert [(l.name, l.dtype, l.m, l.n) for l in layers.values()] == [("0", "float8_e4m3fn", 4, 8),
+                                                                      ("1", "float32", 4, 8)]
     assert storage_skip_reason(table.tensor("0.weight")) == (
         "float8_e4m3fn storage: upcast to float32 or bfloat16 before a spectral audit")
     assert storage_skip_reason(table.tensor("1.weight")) == "stored sparse_coo: densify before a spectral audit"
