@@ -59,7 +59,7 @@ def short_label(text: str, width: int = 48) -> str:
     the end (the layer's own name) stay readable.
 
     >>> short_label("encoder.block.0.layer.0.SelfAttention.relative_attention_bias", 40)
-    'encoder.block.0.l…relative_attention_bias'
+    'encoder.block.0….relative_attention_bias'
     """
     text = safe_label(text)
     if len(text) <= width:
