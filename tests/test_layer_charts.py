@@ -73,6 +73,9 @@ def test_energy_chart_log_rank_axis_planned_and_measured():
     assert dots["suggested r=3"] == pytest.approx([3, e[2]]) and dots["planned r=5"] == pytest.approx([5, e[4]])
     assert list(ax2.lines[0].get_xdata()) == [2, 4, 8] and list(ax2.lines[0].get_ydata()) == [0.5, 0.9, 0.97]
     assert ax2.lines[1].get_ydata()[0] == 0.95 and ax2.get_ylabel() == "acc"
+    assert ax2.get_ylim() == ax.get_ylim() == (0, 1.02)  # a metric in [0, 1] shares the energy's scale
+    fig = build(lc._energy_fig, e, "fc", 96, 48, 32.0, 3, 5, 0.95, [(2, 21.5), (8, 9.1)], 9.5, "perplexity")
+    assert fig.axes[1].get_ylim()[1] > 21.5  # any other metric gets its own scale
     ticks = [t.get_text() for t in ax.get_xticklabels() if t.get_text()]
     assert "1" in ticks and "10" in ticks
 

@@ -247,6 +247,9 @@ def _energy_fig(energy: Curves, title: str, m: int | None, n: int | None, break_
             ax2.axhline(measured_floor, color="#ea580c", linewidth=0.8, linestyle=(0, (1, 2)),
                         label=f"floor {measured_floor:g}")
         ax2.set_ylabel(short_label(measured_label, 30), color="#ea580c")
+        values = [p[1] for p in pts] + ([measured_floor] if measured_floor is not None else [])
+        if values and 0 <= min(values) and max(values) <= 1:
+            ax2.set_ylim(0, 1.02)  # a metric in [0, 1] (accuracy) on the energy's scale: heights compare honestly
         h2, l2 = ax2.get_legend_handles_labels()
         handles, labels = handles + h2, labels + l2
     _log_rank_axis(ax, k)  # after twinx: the shared x axis keeps these ticks
