@@ -80,6 +80,17 @@ def test_energy_chart_log_rank_axis_planned_and_measured():
     assert "1" in ticks and "10" in ticks
 
 
+def test_long_spectra_drawn_at_exact_sampled_ranks(recwarn):
+    s = np.sort(np.random.default_rng(1).gamma(2, 1, 4096))[::-1]
+    fig = build(lc._spectrum_fig, s, "wide", None, None, None, None, None)
+    line = fig.axes[0].lines[0]
+    xs, ys = line.get_xdata(), line.get_ydata()
+    assert len(xs) <= lc.MAX_POINTS and xs[0] == 1 and xs[-1] == 4096 and list(xs[:5]) == [1, 2, 3, 4, 5]
+    assert np.array_equal(ys, s[xs - 1] / s[0])  # exact values at the ranks drawn, nothing interpolated
+    fig = build(lc._energy_fig, energy(s), "wide", None, None, None, None, None, None, None, None, "")
+    assert fig.axes[0].get_legend() is None and not [w for w in recwarn if "legend" in str(w.message)]
+
+
 def test_identical_curves_stay_distinguishable():
     s = spectrum()
     fig = build(lc._spectrum_fig, {"a": s, "b": s, "c": s}, "same", None, None, None, None, None)

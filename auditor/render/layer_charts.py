@@ -122,12 +122,24 @@ def _log_rank_axis(ax: Any, k: int) -> None:
     ax.xaxis.set_minor_formatter(ticker.NullFormatter())
 
 
-def _markevery(n: int, i: int) -> list[int]:
+MAX_POINTS = 400  # points drawn per curve: exact values at ranks spread evenly on the log axis
+
+
+def _sample(k: int) -> np.ndarray:
+    """0-based indices of the ranks drawn: all of them up to MAX_POINTS, else ranks spread evenly on the log axis
+    (the values there are exact; nothing is interpolated), always with the first and the last."""
+    if k <= MAX_POINTS:
+        return np.arange(k)
+    return np.unique(np.round(np.geomspace(1, k, MAX_POINTS)).astype(np.int64) - 1)
+
+
+def _markevery(xs: np.ndarray, i: int) -> list[int]:
     """Marker positions spread evenly on a log axis, shifted per series so equal curves show every marker set."""
-    if n <= 1:
+    if len(xs) <= 1:
         return [0]
-    pts = np.unique(np.round(np.geomspace(1, n, 9) * (1 + 0.07 * i)).astype(int) - 1)
-    return [int(p) for p in pts if 0 <= p < n]
+    want = np.geomspace(1, xs[-1], 9) * (1 + 0.07 * i)
+    pos = np.unique(np.clip(np.searchsorted(xs, want), 0, len(xs) - 1))
+    return [int(p) for p in pos]
 
 
 def _overlay(ax: Any, series: dict[str, np.ndarray], transform: Any) -> None:
@@ -135,16 +147,19 @@ def _overlay(ax: Any, series: dict[str, np.ndarray], transform: Any) -> None:
     if len(series) <= MAX_OVERLAY:
         for i, (label, y) in enumerate(series.items()):
             yy = transform(y)
-            xs = np.arange(1, len(yy) + 1)
-            ax.plot(xs, yy, color=PALETTE[i % 6], linestyle=STYLES[i % 6], marker=MARKERS[i % 6], markersize=3.5,
-                    markevery=_markevery(len(yy), i), markerfacecolor="none" if i % 2 else PALETTE[i % 6],
+            idx = _sample(len(yy))
+            xs = idx + 1
+            ax.plot(xs, yy[idx], color=PALETTE[i % 6], linestyle=STYLES[i % 6], marker=MARKERS[i % 6],
+                    markersize=3.5, markevery=_markevery(xs, i), markerfacecolor="none" if i % 2 else PALETTE[i % 6],
                     linewidth=1.4, label=short_label(label, 40) if label else None, zorder=3 + 0.01 * i)
         return
     k = max(len(y) for y in series.values())
     stack = np.full((len(series), k), np.nan)
     for i, y in enumerate(series.values()):
         stack[i, : len(y)] = transform(y)
-    xs = np.arange(1, k + 1)
+    idx = _sample(k)
+    stack = stack[:, idx]
+    xs = idx + 1
     with np.errstate(all="ignore"):
         lo, med, hi = np.nanmin(stack, 0), np.nanmedian(stack, 0), np.nanmax(stack, 0)
     ax.fill_between(xs, lo, hi, color=PALETTE[0], alpha=0.18, linewidth=0, label=f"{len(series)} members: min–max")
@@ -191,12 +206,14 @@ def _spectrum_fig(curves: Curves, title: str, m: int | None, n: int | None, brea
     from matplotlib import ticker
 
     ax.set_yscale("log")
+    ax.yaxis.set_major_locator(ticker.LogLocator(base=10, numticks=8))  # at most 8 labelled decades
     ax.yaxis.set_major_formatter(ticker.FuncFormatter(_fmt))
-    ax.yaxis.set_minor_formatter(ticker.NullFormatter())
+    ax.yaxis.set_minor_locator(ticker.NullLocator())  # minor ticks on many decades cost more than they tell
     ax.set_xlabel("index i (log scale)")
     ax.set_ylabel("σᵢ / σ₁ (log scale)")
     ax.grid(True, which="major", color="#e2e8f0", linewidth=0.6)
-    ax.legend(fontsize=7, frameon=False, loc="lower left")
+    if ax.get_legend_handles_labels()[0]:
+        ax.legend(fontsize=7, frameon=False, loc="lower left")
     _title(ax, title, m, n)
     return fig
 
@@ -253,8 +270,9 @@ def _energy_fig(energy: Curves, title: str, m: int | None, n: int | None, break_
         h2, l2 = ax2.get_legend_handles_labels()
         handles, labels = handles + h2, labels + l2
     _log_rank_axis(ax, k)  # after twinx: the shared x axis keeps these ticks
-    ax.legend(handles, labels, fontsize=7, frameon=False, loc="upper left", bbox_to_anchor=(1.08 if measured else 1.0,
-                                                                                             1.0))
+    if handles:
+        ax.legend(handles, labels, fontsize=7, frameon=False, loc="upper left",
+                  bbox_to_anchor=(1.08 if measured else 1.0, 1.0))
     _title(ax, title, m, n)
     return fig
 
