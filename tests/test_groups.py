@@ -189,7 +189,8 @@ def test_helpers():
     with pytest.raises(ValueError, match="surrogate"):
         toml_string("a\ud800")
     g = group_layers([LayerShape("features.0", 64, 27), LayerShape("features.3", 128, 576)])[0]
-    assert g.label == "features.*" and not g.same_shape and g.params_each is None and g.shapes == ((128, 576), (64, 27))[::-1]
+    assert g.label == "features.*" and not g.same_shape and g.params_each is None
+    assert g.shapes == ((64, 27), (128, 576)) and g.params == 64 * 27 + 128 * 576
 
 
 def assert_exact(globs: dict[str, int], ranks: dict[str, int], layers: list[LayerShape]) -> None:
