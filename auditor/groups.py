@@ -182,18 +182,23 @@ def _digit_globs(members: Sequence[str]) -> list[str]:
 
 
 def plan_globs(ranks: Mapping[str, int], names: Iterable[str] | None = None,
-               also_matched: Iterable[str] = ()) -> dict[str, int]:
+               also_matched: Mapping[str, str] | None = None) -> dict[str, int]:
     """Collapse a plan's per-layer ranks to group globs where every member of a group has the same rank.
 
     ``names``: every layer name a plan pattern could select (default: the keys of ``ranks``); a glob is emitted for
-    a group only when all its members among ``names`` are planned with one rank. ``also_matched``: other strings
-    :func:`auditor.plan.resolve` matches patterns against (the layers' parameter names); no glob may select one of
-    them unless it is a planned name. Every pattern returned selects exactly the layers it stands for, and names
+    a group only when all its members among ``names`` are planned with one rank. ``also_matched``: the other strings
+    :func:`auditor.plan.resolve` matches patterns against, each mapped to its layer's name (``{layer.param:
+    layer.name}``); a glob selecting one of them selects that layer. Every pattern returned selects exactly the
+    layers it stands for, and names
     with glob metacharacters are escaped, so resolving the result gives back ``ranks`` exactly. Order: the groups in
     natural order of their first member.
     """
     universe = list(dict.fromkeys([*(ranks if names is None else names), *ranks]))
-    others = [s for s in also_matched if s not in ranks]
+    keys = {n: n for n in universe} | {k: v for k, v in (also_matched or {}).items() if k not in universe}
+
+    def selects(globs: Sequence[str]) -> set[str]:
+        return {keys[k] for g in globs for k in glob_matches(g, keys)}
+
     out: dict[str, int] = {}
     for _, members_any in sorted(_buckets(universe).items(), key=lambda kv: natural_key(min(kv[1], key=natural_key))):
         members = sorted(members_any, key=natural_key)
@@ -205,12 +210,11 @@ def plan_globs(ranks: Mapping[str, int], names: Iterable[str] | None = None,
             r = rank_set.pop()
             want = set(members)
             glob = _patterns(members)[1]
-            if set(glob_matches(glob, universe)) == want and not glob_matches(glob, others):
+            if selects([glob]) == want:
                 out[glob] = r
                 continue
             narrow = _digit_globs(members)
-            if (set().union(*(glob_matches(g, universe) for g in narrow)) == want
-                    and not any(glob_matches(g, others) for g in narrow)):
+            if selects(narrow) == want:
                 out.update((g, r) for g in narrow)
                 continue
         for m in planned:

@@ -149,12 +149,24 @@ def test_llama_plan_globs_collapse_only_where_members_agree():
     assert_exact(globs, ranks, layers)
 
 
-def test_plan_globs_respect_parameter_names():
+def test_plan_globs_narrow_where_star_reaches_another_layer():
     layers = [LayerShape(f"blocks.{i}", 8, 8) for i in range(3)] + [LayerShape("blocks.9.extra", 8, 8)]
     names = [l.name for l in layers]
     ranks = {f"blocks.{i}": 2 for i in range(3)}
     assert plan_globs(ranks, names) == {"blocks.[0-9]": 2}  # "blocks.*" would select blocks.9.extra
     assert_exact(plan_globs(ranks, names), ranks, layers)
+
+
+def test_plan_globs_respect_parameter_names():
+    layers = [LayerShape(f"h.{i}", 8, 8) for i in range(3)] + [LayerShape("head", 8, 8)]
+    params = {l.name + ".weight": l.name for l in layers}
+    names = [l.name for l in layers]
+    ranks = {f"h.{i}": 2 for i in range(3)}
+    # "h.*" selects h.0.weight, which stands for h.0 itself: harmless, the glob stays
+    assert plan_globs(ranks, names, params) == {"h.*": 2}
+    params["h.7.weight"] = "head"  # a parameter named like a member but owned by another layer
+    assert plan_globs(ranks, names, params) == {"h.[0-9]": 2}
+    assert plan_globs(ranks, names, params | {"h.5": "head"}) == {"h.0": 2, "h.1": 2, "h.2": 2}
 
 
 @pytest.mark.parametrize("names", [
