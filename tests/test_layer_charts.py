@@ -91,6 +91,16 @@ def test_long_spectra_drawn_at_exact_sampled_ranks(recwarn):
     assert fig.axes[0].get_legend() is None and not [w for w in recwarn if "legend" in str(w.message)]
 
 
+def test_nested_single_group_and_marks_beyond_min_side():
+    s = spectrum()
+    fig = build(lc._spectrum_fig, [list(s)], "fc", 96, 48, 32.0, None, 60)  # Spectrum.sigma is groups x k
+    ax = fig.axes[0]
+    assert len(ax.lines) == 1 + 2 and ax.lines[0].get_label().startswith("_")  # one unnamed curve, two marks
+    assert ax.get_xlim()[1] == pytest.approx(60 * 1.15)  # a planned rank above min(m, n) stays in view
+    fig = build(lc._spectrum_fig, [list(s), list(s)], "conv", 96, 48, None, None, None)
+    assert [l.get_label() for l in fig.axes[0].lines] == ["group 0", "group 1"]
+
+
 def test_identical_curves_stay_distinguishable():
     s = spectrum()
     fig = build(lc._spectrum_fig, {"a": s, "b": s, "c": s}, "same", None, None, None, None, None)

@@ -99,7 +99,7 @@ def _as_series(curves: Curves) -> dict[str, np.ndarray]:
     if isinstance(curves, Mapping):
         return {str(k): np.asarray(v, dtype=np.float64).ravel() for k, v in curves.items()}
     arr = np.asarray(curves, dtype=np.float64)
-    if arr.ndim == 2:  # groups x k (grouped convolution)
+    if arr.ndim == 2 and arr.shape[0] > 1:  # groups x k (grouped convolution)
         return {f"group {i}": row for i, row in enumerate(arr)}
     return {"": arr.ravel()}
 
@@ -112,11 +112,12 @@ def _fmt(v: float, _pos: Any = None) -> str:
     return f"{v:g}"
 
 
-def _log_rank_axis(ax: Any, k: int) -> None:
+def _log_rank_axis(ax: Any, k: int, *marks: float | None) -> None:
+    """Log-scaled rank axis from 1 to k, widened to show any mark beyond k (a planned rank above min(m, n))."""
     from matplotlib import ticker
 
     ax.set_xscale("log")
-    ax.set_xlim(0.85, k * 1.15)
+    ax.set_xlim(0.85, max([k, *(x for x in marks if x is not None and x > 0)]) * 1.15)
     ax.xaxis.set_major_locator(ticker.LogLocator(base=10, subs=(1.0, 2.0, 5.0)))
     ax.xaxis.set_major_formatter(ticker.FuncFormatter(_fmt))
     ax.xaxis.set_minor_formatter(ticker.NullFormatter())
@@ -202,7 +203,7 @@ def _spectrum_fig(curves: Curves, title: str, m: int | None, n: int | None, brea
 
     _overlay(ax, series, rel)
     _rank_marks(ax, break_even, suggested, planned)
-    _log_rank_axis(ax, k)
+    _log_rank_axis(ax, k, break_even, suggested, planned)
     from matplotlib import ticker
 
     ax.set_yscale("log")
@@ -269,7 +270,7 @@ def _energy_fig(energy: Curves, title: str, m: int | None, n: int | None, break_
             ax2.set_ylim(0, 1.02)  # a metric in [0, 1] (accuracy) on the energy's scale: heights compare honestly
         h2, l2 = ax2.get_legend_handles_labels()
         handles, labels = handles + h2, labels + l2
-    _log_rank_axis(ax, k)  # after twinx: the shared x axis keeps these ticks
+    _log_rank_axis(ax, k, break_even, suggested, planned)  # after twinx: the shared x axis keeps these ticks
     if handles:
         ax.legend(handles, labels, fontsize=7, frameon=False, loc="upper left",
                   bbox_to_anchor=(1.08 if measured else 1.0, 1.0))
