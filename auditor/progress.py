@@ -60,7 +60,7 @@ class Progress:
             raise RuntimeError(f"phase {name!r} started inside phase {self._bar.desc!r}")
         start = time.perf_counter()
         if self.enabled:
-            from tqdm.auto import tqdm
+            from tqdm import tqdm  # the text bar: it writes to the stream given (tqdm.auto may pick a widget)
 
             fmt = None if total else "{desc} … {elapsed}"
             self._bar = tqdm(total=total, desc=name, unit=unit, file=self.stream, leave=True, mininterval=0.2,
