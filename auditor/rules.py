@@ -12,7 +12,7 @@ from . import lrmath
 from .results import Finding, PlanItem, Severity, Verdict
 
 if TYPE_CHECKING:
-    from .core import Audit
+    from .results import Audit
     from .plan import Plan
 
 SECTIONS = ("What it flags", "Why it is bad", "Example", "Do instead")
@@ -302,17 +302,15 @@ def _lr007(ctx: Context) -> Iterator[Finding]:
     Treat the pair as one factorized layer: leave it out of the plan, or merge it into one dense layer and
     factorize that once.
     """
-    from .graph import chained_linear_pairs
-
     g = ctx.audit.graph
-    if g is None:
+    if g is None or not g.data_flow:
         return
     by_site = {}
     for layer in ctx.audit.layers:
         for u in layer.uses:
             by_site.setdefault(u.site, layer)
     planned = {it.layer for it in ctx.items}
-    for a, b in chained_linear_pairs(g, {l.name: l for l in ctx.audit.layers}):
+    for a, b in g.chains:
         la, lb = by_site[a], by_site[b]
         inner = min(la.m, la.n, lb.m, lb.n)
         note = " and the plan factorizes it again" if {la.name, lb.name} & planned else ""
