@@ -568,9 +568,12 @@ class Audit:
         """One row per layer (the layer table's columns, rank columns named after the energy targets).
 
         >>> import auditor, torch
-        >>> a = auditor.audit(torch.nn.Linear(8, 4), options=auditor.AuditOptions(cache=False, progress=False))
-        >>> list(a.to_pandas()[["params", "r90", "r95", "r99"]].iloc[0])
-        [32, 4, 4, 4]
+        >>> lin = torch.nn.Linear(8, 4)
+        >>> _ = torch.nn.init.eye_(lin.weight)  # four equal singular values: E(r) = r / 4
+        >>> a = auditor.audit(lin, options=auditor.AuditOptions(cache=False, progress=False,
+        ...                                                    overrides={"energy_targets": [0.5, 0.9]}))
+        >>> list(a.to_pandas()[["params", "r50", "r90"]].iloc[0])
+        [32, 2, 4]
         """
         try:
             import pandas as pd

@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 import auditor
+from auditor.policy import verdict_line
 
 bs4 = pytest.importorskip("bs4")
 
@@ -20,7 +21,8 @@ def audit_cnn():
     from digits import cnn
 
     model, x = cnn()
-    return auditor.audit(model, x, cache=False, plan={"ranks": {"fc1": 24, "conv1": 4}})
+    return auditor.audit(model, x, plan={"ranks": {"fc1": 24, "conv1": 4}},
+                         options=auditor.AuditOptions(cache=False, progress=False))
 
 
 def test_html_rows_match_json(audit_cnn, tmp_path):
@@ -97,7 +99,7 @@ class Evil(nn.Module):
 
 
 def test_module_names_are_escaped():
-    a = auditor.audit(Evil(), torch.zeros(1, 8), cache=False, name="<b>model</b>")
+    a = auditor.audit(Evil(), torch.zeros(1, 8), options=auditor.AuditOptions(cache=False, name="<b>model</b>"))
     html = a.to_html()
     assert "<script>alert(1)</script>" not in html
     assert "&lt;script&gt;alert(1)&lt;/script&gt;" in html
@@ -124,7 +126,7 @@ def test_repr_html_and_markdown(audit_cnn):
     assert "DigitsCNN" in compact and "fc1" in compact and "LR0" in compact
     md = audit_cnn.to_markdown()
     assert md.startswith("## Low-rank audit: DigitsCNN")
-    assert "| `fc1` |" in md and audit_cnn.verdict_line in md
+    assert "| `fc1` |" in md and verdict_line(audit_cnn) in md
     assert "### Findings" in md
 
 
