@@ -195,6 +195,13 @@ def test_json_validates_against_the_documented_schema(audit_cnn):
     jsonschema = pytest.importorskip("jsonschema")
     schema = json.loads((Path(__file__).resolve().parents[1] / "docs" / "schema.json").read_text())
     jsonschema.validate(json.loads(audit_cnn.to_json(with_sigma=True)), schema)
+    base = json.loads(audit_cnn.to_json())
+    base["findings"].append({"code": "LR999", "message": "gone since", "layers": []})
+    with_baseline = json.loads(audit_cnn.to_json(baseline=base))
+    jsonschema.validate(with_baseline, schema)
+    with_baseline["baseline"]["saved_delta"] = "a lot"
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.validate(with_baseline, schema)
     broken = json.loads(audit_cnn.to_json())
     broken["layers"][0]["kind"] = "banana"
     with pytest.raises(jsonschema.ValidationError):
