@@ -53,7 +53,8 @@ class Severity(StrEnum):
 
     @property
     def order(self) -> int:
-        return {"error": 0, "warning": 1, "info": 2}[self.value]
+        """0 for errors, 1 for warnings, 2 for info: the order findings are listed in."""
+        return list(Severity).index(self)
 
 
 class TraceMethod(StrEnum):

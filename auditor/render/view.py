@@ -8,6 +8,8 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any, Callable
 
+from ..suggest import target_key
+
 if TYPE_CHECKING:
     from ..results import Audit, Finding
 
@@ -19,11 +21,6 @@ def rank_label(target: float) -> str:
     ['r80', 'r90', 'r95', 'r99', 'r99.9', 'r100']
     """
     return f"r{round(100 * target, 6):g}"
-
-
-def target_key(target: float) -> str:
-    """The key of an energy target in ``Suggestion.ranks_for`` (the same text as :func:`auditor.suggest.target_key`)."""
-    return f"{target:g}"
 
 
 @dataclass(frozen=True)
