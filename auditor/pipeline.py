@@ -19,7 +19,6 @@ pipeline; the stages below it (load, trace, layers, graph, spectra, suggest, pla
 
 from __future__ import annotations
 
-import copy
 import platform
 import re
 import sys
@@ -149,12 +148,17 @@ def layer_graph(g: "nx.DiGraph", method: TraceMethod, layers: dict[str, Layer]) 
     return LayerGraph(nodes, [(str(a), str(b)) for a, b in g.edges], method.data_flow, chains)
 
 
+def _copy(layer: Layer) -> Layer:
+    """A copy whose mutable parts (uses, aliases) are new too: what graph.build may change."""
+    return replace(layer, uses=[replace(u) for u in layer.uses], aliases=list(layer.aliases))
+
+
 def build_graph(traced: Traced, model: nn.Module, measured: Measured) -> Graphed:
     """Uses, call counts and MACs per weight from the traced graph. ``graph.build`` fills in the layers it is
     given, so it gets copies: ``measured`` stays as the measure stage made it."""
     from . import graph as graph_mod
 
-    layers = copy.deepcopy(measured.layers)
+    layers = {k: _copy(l) for k, l in measured.layers.items()}
     g = graph_mod.build(traced.result, model, measured.table, layers)
     method = TraceMethod(traced.result.method)
     return Graphed(layers, layer_graph(g.graph, method, layers), g.macs_known, dict(g.unsupported))
