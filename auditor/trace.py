@@ -10,33 +10,19 @@ import inspect
 import io
 import warnings
 from dataclasses import dataclass, field
-from enum import Enum
 from typing import Any
 
 import torch
 from torch import nn
 
+from .results import TraceMethod
+
 from .errors import AuditError, first_line
 
 
-class Method(str, Enum):
-    """How the model was read. A ``str`` enum: members compare equal to (and serialize as) their values."""
+# How the model was read: the results module owns the enum (plain data, no torch); the old name stays.
+Method = TraceMethod
 
-    SYMBOLIC = "torch.fx.symbolic_trace"
-    EXPORT = "torch.export"
-    WALK = "module walk"
-    WEIGHTS = "weights only"  # a checkpoint audited with no architecture code
-
-    def __str__(self) -> str:
-        return self.value
-
-    def __format__(self, spec: str) -> str:
-        return format(self.value, spec)
-
-    @property
-    def data_flow(self) -> bool:
-        """Whether the graph follows data (a tracer) rather than module call order (the walk) or nothing."""
-        return self in (Method.SYMBOLIC, Method.EXPORT)
 
 
 @dataclass

@@ -7,7 +7,7 @@ import io
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from ..core import Audit
+    from ..results import Audit
 
 PALETTE = ["#2563eb", "#0891b2", "#7c3aed", "#db2777", "#ea580c", "#16a34a"]
 

@@ -25,23 +25,12 @@ class LayerInfo(NamedTuple):
     planned: bool
 
 
-# ---- COMPAT: remove when core's LayerGraph (nodes, edges, data_flow, chains) is merged ----------------------------
 def _data_flow_and_chains(audit: "Audit") -> tuple[bool, list[tuple[str, str]]]:
-    """Whether the audit's graph follows data flow, and its chained linear pairs. Reads the new ``LayerGraph``
-    (``data_flow``, ``chains``) and, until that lands, today's networkx graph: that one follows data flow only when
-    symbolic_trace or torch.export made it (the module walk links layers in call order)."""
-    g: Any = audit.graph
-    if g is None:
+    """Whether the audit's graph follows data flow, and its chained linear pairs (empty without data flow)."""
+    g = audit.graph
+    if g is None or not g.data_flow:
         return False, []
-    if hasattr(g, "data_flow"):
-        return bool(g.data_flow), list(g.chains) if g.data_flow else []
-    from ..graph import chained_linear_pairs
-    from ..trace import Method
-
-    if audit.trace_method not in (Method.SYMBOLIC, Method.EXPORT):
-        return False, []
-    return True, chained_linear_pairs(g, {layer.name: layer for layer in audit.layers})
-# ---- end COMPAT ----------------------------------------------------------------------------------------------------
+    return True, list(g.chains)
 
 
 @dataclass
