@@ -162,38 +162,53 @@ def whitened_spectrum(layer: Layer, weight: torch.Tensor, inp: LayerInput, align
     return spec
 
 
+class Truncator:
+    """One layer's truncations at any rank from one decomposition: whitened under ``inp``, plain SVD without."""
+
+    def __init__(self, layer: Layer, weight: torch.Tensor, inp: LayerInput | None, damp: float = DAMP) -> None:
+        self.layer = layer
+        self.shape, self.dtype, self.device = tuple(weight.shape), weight.dtype, weight.device
+        self.f = function_matrices(layer, weight)
+        self.u: list[np.ndarray] = []
+        for g in range(self.f.shape[0]):
+            if inp is None:
+                self.u.append(np.linalg.svd(self.f[g], full_matrices=False)[0])
+            else:
+                gram = inp.gram if inp.diagonal else inp.gram[g]
+                self.u.append(decompose(self.f[g], gram, inp.diagonal, damp).u)
+
+    def factors(self, rank: int) -> tuple[np.ndarray, np.ndarray]:
+        """(groups, out, r) and (groups, r, in), float64, F ~ A B, each column/row pair balanced to equal norms."""
+        g_, m, n = self.f.shape
+        if rank < 1 or rank > min(m, n):
+            raise ValueError(f"rank {rank} outside 1..{min(m, n)} for {self.layer.name}")
+        a = np.empty((g_, m, rank))
+        b = np.empty((g_, rank, n))
+        for g in range(g_):
+            ur = self.u[g][:, :rank]
+            br = ur.T @ self.f[g]
+            s = np.sqrt(np.linalg.norm(br, axis=1))
+            s[s == 0] = 1.0
+            a[g] = ur * s[None, :]
+            b[g] = br / s[:, None]
+        return a, b
+
+    def weight(self, rank: int) -> torch.Tensor:
+        """The dense weight (stored layout, dtype and device) of the rank-``rank`` truncation."""
+        f = np.stack([self.u[g][:, :rank] @ (self.u[g][:, :rank].T @ self.f[g]) for g in range(self.f.shape[0])])
+        t = torch.from_numpy(f)
+        w = t[0].T if self.layer.kind in (Kind.EMBEDDING, Kind.CONV1D_HF) else t
+        return w.reshape(self.shape).to(dtype=self.dtype, device=self.device)
+
+
 def truncated_factors(layer: Layer, weight: torch.Tensor, rank: int, inp: LayerInput | None,
                       damp: float = DAMP) -> tuple[np.ndarray, np.ndarray]:
     """Factors (groups, out, r) and (groups, r, in), float64, with F ~ A B: whitened (A = U_r, B = U_r^T F) when
     ``inp`` is given, the plain SVD truncation otherwise; each column/row pair balanced to equal norms."""
-    f = function_matrices(layer, weight)
-    g_, m, n = f.shape
-    if rank < 1 or rank > min(m, n):
-        raise ValueError(f"rank {rank} outside 1..{min(m, n)} for {layer.name}")
-    a = np.empty((g_, m, rank))
-    b = np.empty((g_, rank, n))
-    for g in range(g_):
-        if inp is None:
-            u, _, _ = np.linalg.svd(f[g], full_matrices=False)
-        else:
-            gram = inp.gram if inp.diagonal else inp.gram[g]
-            u = decompose(f[g], gram, inp.diagonal, damp).u
-        ur = u[:, :rank]
-        br = ur.T @ f[g]
-        s = np.sqrt(np.linalg.norm(br, axis=1))
-        s[s == 0] = 1.0
-        a[g] = ur * s[None, :]
-        b[g] = br / s[:, None]
-    return a, b
+    return Truncator(layer, weight, inp, damp).factors(rank)
 
 
 def truncated_weight(layer: Layer, weight: torch.Tensor, rank: int, inp: LayerInput | None,
                      damp: float = DAMP) -> torch.Tensor:
     """The dense weight (stored layout and dtype) of the rank-``rank`` truncation: what the factorized layer computes."""
-    a, b = truncated_factors(layer, weight, rank, inp, damp)
-    f = torch.from_numpy(np.einsum("gmr,grn->gmn", a, b))
-    if layer.kind in (Kind.EMBEDDING, Kind.CONV1D_HF):
-        w = f[0].T
-    else:
-        w = f.reshape(weight.shape)
-    return w.reshape(weight.shape).to(dtype=weight.dtype, device=weight.device)
+    return Truncator(layer, weight, inp, damp).weight(rank)
