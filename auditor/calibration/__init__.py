@@ -16,11 +16,12 @@ from .inputs import Batch, Calibration, load_calibration, token_statistics
 from .metric import Evaluator, Measurement, Metric
 from .stats import InputStatistics, LayerInput, input_statistics
 from .sweep import Floor, Floors, measure_floors
+from .budget import BudgetPlan, Curves, FrontierPoint, Option, allocate, curves_from_floors, curves_from_spectra, plan_for_budget
 from .whiten import WhitenedSpectrum, truncated_factors, truncated_weight, whitened_spectrum
 from .tier1 import tier1
 
 __all__ = [
-    "Batch", "BudgetPlan", "Calibration", "Evaluator", "Floor", "Floors", "FrontierPoint", "InputStatistics", "LayerInput",
+    "Batch", "BudgetPlan", "Calibration", "Curves", "Option", "allocate", "Evaluator", "Floor", "Floors", "FrontierPoint", "InputStatistics", "LayerInput",
     "Measurement", "Metric", "WhitenedSpectrum", "curves_from_floors", "curves_from_spectra", "input_statistics",
     "load_calibration", "measure_floors", "plan_for_budget", "tier1", "token_statistics", "truncated_factors",
     "truncated_weight", "whitened_spectrum",
