@@ -133,11 +133,12 @@ def _two(layer: Layer, mod: nn.Module, r: int, a: np.ndarray | None, b: np.ndarr
 
 
 def factorize(model: nn.Module, plan: dict[str, int], calibration: Any = None, *, init: bool = True,
-              layers: dict[str, Layer] | None = None) -> nn.Module:
+              layers: dict[str, Layer] | None = None, reuse: dict[str, Any] | None = None) -> nn.Module:
     """A deep copy of ``model`` with each planned layer (``{layer name: rank}``) replaced by two; ``model`` is left
     untouched. ``calibration``: None (plain SVD), a ``Calibration`` (input statistics are gathered on ``model``), or
-    ``InputStatistics``. ``init=False`` builds the structure only (for ``load_factorized``)."""
-    from .calibration.whiten import truncated_factors
+    ``InputStatistics``. ``init=False`` builds the structure only (for ``load_factorized``). ``reuse``: a dict the
+    caller keeps across calls with the same model and calibration, so each layer is decomposed once."""
+    from .calibration.whiten import Truncator
 
     resolved = resolve_plan(model, plan, layers)
     stats = None
@@ -173,7 +174,12 @@ def factorize(model: nn.Module, plan: dict[str, int], calibration: Any = None, *
         a = b = None
         if init:
             inp = stats.layers.get(name) if stats is not None else None
-            a, b = truncated_factors(layer, old.weight, r, inp)
+            trunc = reuse.get(name) if reuse is not None else None
+            if trunc is None:
+                trunc = Truncator(layer, old.weight, inp)
+                if reuse is not None:
+                    reuse[name] = trunc
+            a, b = trunc.factors(r)
         replacement = _two(layer, old, r, a, b)
         replacement.train(old.training)
         for path in _paths_of(new, old):  # a module reached by several paths is replaced at each

@@ -282,3 +282,27 @@ def test_synthetic_token_ids_warn_and_text_does_not():
     text = inspect.getsource(inspect).encode()[: 16 * 64]  # real text, one byte per token
     ids = torch.tensor(list(text)).reshape(16, 64)
     assert load_calibration({"input": ids}, net).warnings == []
+
+
+def test_layers_reading_one_input_share_its_gram():
+    class QKV(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.q, self.k, self.v, self.o = (nn.Linear(6, 6) for _ in range(4))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            y = self.q(x) + self.k(x) * self.v(x)
+            return self.o(torch.tanh(y))
+
+    torch.manual_seed(6)
+    net = QKV()
+    xs = [torch.randn(5, 6) for _ in range(3)]
+    stats = input_statistics(net, by_name(collect_layers(net, ParamTable.of(net))), load_calibration(xs, net, holdout=0))
+    x = torch.cat(xs).double()
+    ref = (x.T @ x).numpy()
+    for name in ("q", "k", "v"):
+        np.testing.assert_allclose(stats.layers[name].gram[0], ref, rtol=1e-12)
+        assert stats.layers[name].rows == 15
+    with torch.no_grad():
+        h = torch.cat([torch.tanh(net.q(a) + net.k(a) * net.v(a)) for a in xs]).double()
+    np.testing.assert_allclose(stats.layers["o"].gram[0], (h.T @ h).numpy(), rtol=1e-5, atol=1e-6)

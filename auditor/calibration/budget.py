@@ -181,12 +181,13 @@ def plan_for_budget(model: nn.Module, layers: dict[str, Layer] | list[Layer], ca
     max_saved = sum(max(o.saved for o in opts) for opts in options.values())
     memo: dict[tuple[tuple[str, int], ...], FrontierPoint] = {}
     tries: list[FrontierPoint] = []
+    reuse: dict[str, object] = {}  # one decomposition per layer across every plan tried
 
     def measure(target: float) -> FrontierPoint:
         plan, saved, cost = allocate(curves, target)
         key = tuple(sorted(plan.items()))
         if key not in memo:  # each distinct plan is factorized and measured once
-            m = ev.measure(factorize(model, plan, stats)) if plan else ev.measure(model)
+            m = ev.measure(factorize(model, plan, stats, reuse=reuse)) if plan else ev.measure(model)
             memo[key] = FrontierPoint(int(target), plan, saved, saved / total, cost, m.value, m.ok, m.top1)
             tries.append(memo[key])
         return memo[key]

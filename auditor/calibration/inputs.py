@@ -294,14 +294,21 @@ def synthetic_warning(batches: list[Batch], model: nn.Module | None) -> str | No
     return None
 
 
-def load_calibration(source: Any, model: nn.Module | None = None, holdout: float = 0.25,
+def load_calibration(source: Any, model: nn.Module | None = None, holdout: Any = 0.25,
                      batch_size: int = 32, check_forward: bool = True) -> Calibration:
     """Load calibration batches and split off the held-out part.
 
     ``source``: a path (``.safetensors``, ``.pt``/``.pth``/``.bin``), ``file.py:fn`` or ``module:fn``, a dict of
-    tensors batched along dim 0, or an iterable of batches. With ``model`` the names are checked against its forward
-    and the first batch is run once, so inputs that do not fit fail here with one line (an ``AuditError``).
+    tensors batched along dim 0, or an iterable of batches. ``holdout``: the share of rows (or batches) held out, or
+    a second source of the same kinds that is held out whole. With ``model`` the names are checked against its
+    forward and the first batch is run once, so inputs that do not fit fail here with one line (an ``AuditError``).
     """
+    if not isinstance(holdout, (int, float)) or isinstance(holdout, bool):
+        fit = load_calibration(source, model, 0.0, batch_size, check_forward)
+        held = load_calibration(holdout, model, 0.0, batch_size, check_forward)
+        return Calibration(fit.fit, held.fit, f"{fit.source} (held out: {held.source})",
+                           hashlib.sha256((fit.digest + held.digest).encode()).hexdigest(),
+                           fit.warnings + [w for w in held.warnings if w not in fit.warnings])
     if not 0 <= holdout < 1:
         raise AuditError(f"held-out share {holdout} is not in [0, 1)", "Give e.g. --holdout 0.25")
     where = str(source) if isinstance(source, (str, Path)) else "<batches>"

@@ -76,19 +76,36 @@ def _module_path(layer: Layer) -> tuple[str, str]:
     return layer.name, "weight"
 
 
+SHARED_KEEP = 4  # recent inputs whose Gram is kept for the next layer reading the same tensor
+
+
 class _Acc:
     """A float64 Gram accumulator on the layer's device."""
 
-    def __init__(self, layer: Layer, n: int, groups: int = 1, diagonal: bool = False) -> None:
+    def __init__(self, layer: Layer, n: int, groups: int = 1, diagonal: bool = False,
+                 shared: dict[tuple[Any, ...], Any] | None = None) -> None:
         self.layer, self.n, self.groups, self.diagonal = layer, n, groups, diagonal
         self.gram: torch.Tensor | None = None
         self.rows = 0
         self.approximate = ""
+        self.shared = shared  # this batch's Grams by input tensor: q, k and v projections read one input once
 
     def add_rows(self, x: torch.Tensor) -> None:
         """x: (rows, groups * n) or (rows, n)."""
-        x = x.detach().reshape(-1, self.groups, self.n).to(torch.float64)
-        g = torch.einsum("rgi,rgj->gij", x, x) if self.groups > 1 else (x[:, 0].T @ x[:, 0])[None]
+        # the entry holds the tensor itself, so its memory cannot be reused by another tensor while the key lives
+        key = (x.data_ptr(), tuple(x.shape), tuple(x.stride()), x._version, x.dtype, self.groups, self.n)
+        hit = self.shared.get(key) if self.shared is not None else None
+        if hit is None:
+            src = x
+            x = x.detach().reshape(-1, self.groups, self.n).to(torch.float64)
+            g = torch.einsum("rgi,rgj->gij", x, x) if self.groups > 1 else (x[:, 0].T @ x[:, 0])[None]
+            if self.shared is not None:
+                while len(self.shared) >= SHARED_KEEP:
+                    self.shared.pop(next(iter(self.shared)))
+                self.shared[key] = (src, g)
+        else:
+            g = hit[1]
+            x = x.reshape(-1, self.groups, self.n)
         self.gram = g if self.gram is None else self.gram + g
         self.rows += x.shape[0]
 
@@ -219,6 +236,7 @@ def input_statistics(model: nn.Module, layers: dict[str, Layer] | list[Layer], b
     fit = batches.fit if isinstance(batches, Calibration) else list(batches)
     out = InputStatistics(batches=len(fit), digest=digest)
     accs: dict[str, _Acc] = {}
+    shared: dict[tuple[Any, ...], Any] = {}
     handles: list[Any] = []
     conv1d = _hf_conv1d()
     rnn_groups: dict[str, dict[str, _Acc]] = {}
@@ -231,10 +249,10 @@ def input_statistics(model: nn.Module, layers: dict[str, Layer] | list[Layer], b
             out.missing[layer.name] = "no module of that name in the model"
             continue
         if layer.kind == Kind.LINEAR and isinstance(mod, nn.Linear):
-            acc = accs[layer.name] = _Acc(layer, layer.n)
+            acc = accs[layer.name] = _Acc(layer, layer.n, shared=shared)
             handles.append(mod.register_forward_pre_hook(lambda m, a, acc=acc: acc.add_rows(a[0])))
         elif layer.kind == Kind.CONV1D_HF and conv1d is not None and isinstance(mod, conv1d):
-            acc = accs[layer.name] = _Acc(layer, layer.n)
+            acc = accs[layer.name] = _Acc(layer, layer.n, shared=shared)
             handles.append(mod.register_forward_pre_hook(lambda m, a, acc=acc: acc.add_rows(a[0])))
         elif layer.kind == Kind.CONV and isinstance(mod, nn.modules.conv._ConvNd) and not mod.transposed:
             acc = accs[layer.name] = _Acc(layer, layer.n, layer.groups)
@@ -250,7 +268,7 @@ def input_statistics(model: nn.Module, layers: dict[str, Layer] | list[Layer], b
             accs[layer.name] = _Acc(layer, layer.n)
             rnn_groups.setdefault(path, {})[layer.name] = accs[layer.name]
         elif layer.kind == Kind.MHA_IN_PROJ and isinstance(mod, nn.MultiheadAttention):
-            accs[layer.name] = _Acc(layer, layer.n)
+            accs[layer.name] = _Acc(layer, layer.n, shared=shared)
             mha.setdefault(path, {})[attr] = accs[layer.name]
         else:
             out.missing[layer.name] = f"no input statistics for {layer.module_type} ({layer.kind})"
@@ -277,7 +295,9 @@ def input_statistics(model: nn.Module, layers: dict[str, Layer] | list[Layer], b
         handles.append(model.get_submodule(path).register_forward_pre_hook(mha_hook, with_kwargs=True))
     try:
         for b in fit:
+            shared.clear()
             run(model, b)
+        shared.clear()
     finally:
         for h in handles:
             h.remove()
