@@ -306,3 +306,45 @@ def test_layers_reading_one_input_share_its_gram():
     with torch.no_grad():
         h = torch.cat([torch.tanh(net.q(a) + net.k(a) * net.v(a)) for a in xs]).double()
     np.testing.assert_allclose(stats.layers["o"].gram[0], (h.T @ h).numpy(), rtol=1e-5, atol=1e-6)
+
+
+def test_statistics_save_and_load(tmp_path, digits_cnn):
+    from auditor.calibration import InputStatistics
+
+    model = digits_cnn[0]
+    cal = load_calibration({"x": _digits(40).reshape(-1, 1, 8, 8)}, model, holdout=0)
+    stats = input_statistics(model, by_name(collect_layers(model, ParamTable.of(model))), cal)
+    stats.save(tmp_path / "s.npz")
+    back = InputStatistics.load(tmp_path / "s.npz")
+    assert back.digest == cal.digest and back.warnings == stats.warnings and set(back.layers) == set(stats.layers)
+    for k, v in stats.layers.items():
+        assert np.array_equal(back.layers[k].gram, v.gram) and back.layers[k].rows == v.rows
+
+
+def test_bidirectional_gru_hidden_statistics():
+    torch.manual_seed(7)
+    gru = nn.GRU(3, 4, bidirectional=True).double()
+    x = torch.randn(5, 2, 3, dtype=torch.float64)  # (time, batch, in)
+    h0 = torch.randn(2, 2, 4, dtype=torch.float64)
+
+    class Net(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.gru = gru
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.gru(x, h0)[0]
+
+    net = Net()
+    stats = input_statistics(net, by_name(collect_layers(net, ParamTable.of(net))), load_calibration([x], net, holdout=0))
+    for d, sfx in enumerate(["", "_reverse"]):
+        cell = nn.GRUCell(3, 4).double()
+        with torch.no_grad():
+            for k in ("weight_ih", "weight_hh", "bias_ih", "bias_hh"):
+                getattr(cell, k).copy_(getattr(gru, f"{k}_l0{sfx}"))
+            h, prev = h0[d], []
+            for t in (range(5) if d == 0 else range(4, -1, -1)):
+                prev.append(h)
+                h = cell(x[t], h)
+        hin = torch.cat(prev)
+        np.testing.assert_allclose(stats.layers[f"gru.weight_hh_l0{sfx}"].gram[0], (hin.T @ hin).numpy(), rtol=1e-10)

@@ -17,8 +17,10 @@ The result holds float64 NumPy arrays, never torch tensors.
 
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Callable
 
 import numpy as np
@@ -60,6 +62,23 @@ class InputStatistics:
 
     def __contains__(self, name: str) -> bool:
         return name in self.layers
+
+    def save(self, path: str | Path) -> None:
+        """Write every Gram and the metadata to one ``.npz`` file (for a cache keyed by the weights' and the
+        calibration's digests: the statistics depend on both)."""
+        arrays = {f"gram:{k}": v.gram for k, v in self.layers.items()}
+        meta = {"layers": {k: {f: getattr(v, f) for f in ("layer", "kind", "rows", "width", "groups", "diagonal",
+                                                          "approximate")} for k, v in self.layers.items()},
+                "missing": self.missing, "warnings": self.warnings, "batches": self.batches, "digest": self.digest}
+        with open(path, "wb") as fh:
+            np.savez(fh, __meta__=np.frombuffer(json.dumps(meta).encode(), dtype=np.uint8), **arrays)
+
+    @classmethod
+    def load(cls, path: str | Path) -> "InputStatistics":
+        with np.load(path, allow_pickle=False) as z:
+            meta = json.loads(bytes(z["__meta__"]).decode())
+            layers = {k: LayerInput(gram=z[f"gram:{k}"], **v) for k, v in meta["layers"].items()}
+        return cls(layers, meta["missing"], meta["warnings"], meta["batches"], meta["digest"])
 
 
 def by_name(layers: dict[str, Layer] | list[Layer]) -> dict[str, Layer]:
