@@ -348,3 +348,16 @@ def test_bidirectional_gru_hidden_statistics():
                 h = cell(x[t], h)
         hin = torch.cat(prev)
         np.testing.assert_allclose(stats.layers[f"gru.weight_hh_l0{sfx}"].gram[0], (hin.T @ hin).numpy(), rtol=1e-10)
+
+
+def test_held_out_source_and_share_as_text(tmp_path, digits_mlp):
+    from safetensors.torch import save_file
+
+    model = digits_mlp[0]
+    save_file({"x": _digits(40)}, str(tmp_path / "fit.safetensors"))
+    save_file({"x": _digits(60)[40:]}, str(tmp_path / "held.safetensors"))
+    cal = load_calibration(tmp_path / "fit.safetensors", model, holdout=str(tmp_path / "held.safetensors"))
+    assert (cal.fit_rows, cal.holdout_rows) == (40, 20)
+    assert load_calibration(tmp_path / "fit.safetensors", model, holdout="0.25").holdout_rows == 10
+    with pytest.raises(AuditError, match="not in \\[0, 1\\)"):
+        load_calibration(tmp_path / "fit.safetensors", model, holdout=1.5)

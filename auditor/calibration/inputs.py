@@ -303,6 +303,11 @@ def load_calibration(source: Any, model: nn.Module | None = None, holdout: Any =
     a second source of the same kinds that is held out whole. With ``model`` the names are checked against its
     forward and the first batch is run once, so inputs that do not fit fail here with one line (an ``AuditError``).
     """
+    if isinstance(holdout, str):
+        try:
+            holdout = float(holdout)  # --holdout 0.25 as given on the command line
+        except ValueError:
+            pass
     if not isinstance(holdout, (int, float)) or isinstance(holdout, bool):
         fit = load_calibration(source, model, 0.0, batch_size, check_forward)
         held = load_calibration(holdout, model, 0.0, batch_size, check_forward)

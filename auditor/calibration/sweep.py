@@ -22,11 +22,14 @@ import torch
 from torch import nn
 
 from .. import lrmath
-from ..results import Layer
+from ..results import Kind, Layer
 from .inputs import Calibration
 from .metric import Evaluator, Metric
 from .stats import InputStatistics, by_name, input_statistics
 from .whiten import Truncator, WhitenedSpectrum
+
+
+SWEPT = (Kind.LINEAR, Kind.CONV1D_HF, Kind.CONV, Kind.EMBEDDING, Kind.RNN, Kind.MHA_IN_PROJ, Kind.MATMUL)
 
 
 @dataclass
@@ -263,6 +266,10 @@ def measure_floors(model: nn.Module, layers: dict[str, Layer] | list[Layer], cal
     for name, layer in named.items():
         grid = _grid(layer, align)
         inp = stats.layers.get(name)
+        if layer.kind not in SWEPT:
+            floors[name] = Floor(name, None, None, None, None, None, False, None, init="",
+                                 reason=f"not swept: no truncation for {layer.kind} weights")
+            continue
         if not grid:
             floors[name] = Floor(name, None, None, None, None, None, True, None,
                                  reason=f"no multiple of {align} below break-even {layer.break_even:.1f}")
