@@ -141,3 +141,20 @@ def test_budgeted_plan_is_measured_all_at_once(mlp_setup):
     # tier-1 curves (no sweep) give a plan too, checked the same way
     t1 = plan_for_budget(model, layers, cal, curves_from_spectra(spectra, layers, 8), tolerance=0.02, stats=stats)
     assert t1.ok and t1.source == "tier1"
+
+
+def test_default_metric_against_a_direct_computation(mlp_setup):
+    from auditor.errors import AuditError
+
+    model, cal, *_ = mlp_setup
+    new = factorize(model, {"fc2": 4})
+    ev = Evaluator(model, cal, Metric(tolerance=0.05))
+    m = ev.measure(new)
+    x = torch.cat([b.kwargs["x"] for b in cal.holdout])
+    with torch.no_grad():
+        y, y0 = new(x).double(), model(x).double()
+    assert m.value == pytest.approx(float((y - y0).norm() / y0.norm()), rel=1e-9)
+    assert m.top1 == float((y.argmax(1) == y0.argmax(1)).double().mean())
+    assert m.ok == (m.value <= 0.05) and ev.cost(0.1) == pytest.approx(0.01)
+    with pytest.raises(AuditError, match="returned nan"):
+        Evaluator(model, cal, Metric(fn=lambda m, b: float("nan")))
