@@ -13,16 +13,19 @@ Inputs and results are plain dataclasses; only ``Calibration`` (the input batche
 from __future__ import annotations
 
 from .inputs import Batch, Calibration, load_calibration, token_statistics
-from .metric import Evaluator, Measurement, Metric
-from .stats import InputStatistics, LayerInput, input_statistics
-from .sweep import Floor, Floors, measure_floors
-from .budget import BudgetPlan, Curves, FrontierPoint, Option, allocate, curves_from_floors, curves_from_spectra, plan_for_budget
-from .whiten import WhitenedSpectrum, truncated_factors, truncated_weight, whitened_spectrum
+from .metric import Evaluator, Measurement, Metric, load_metric
+from .stats import InputStatistics, LayerInput, by_name, input_statistics
+from .whiten import Truncator, WhitenedSpectrum, truncated_factors, truncated_weight, whitened_spectrum
 from .tier1 import tier1
+from .sweep import Floor, Floors, measure_floors
+from .budget import (
+    BudgetPlan, Curves, FrontierPoint, Option, allocate, curves_from_floors, curves_from_spectra, plan_for_budget,
+)
 
 __all__ = [
-    "Batch", "BudgetPlan", "Calibration", "Curves", "Option", "allocate", "Evaluator", "Floor", "Floors", "FrontierPoint", "InputStatistics", "LayerInput",
-    "Measurement", "Metric", "WhitenedSpectrum", "curves_from_floors", "curves_from_spectra", "input_statistics",
-    "load_calibration", "measure_floors", "plan_for_budget", "tier1", "token_statistics", "truncated_factors",
-    "truncated_weight", "whitened_spectrum",
+    "Batch", "BudgetPlan", "Calibration", "Curves", "Evaluator", "Floor", "Floors", "FrontierPoint",
+    "InputStatistics", "LayerInput", "Measurement", "Metric", "Option", "Truncator", "WhitenedSpectrum", "allocate",
+    "by_name", "curves_from_floors", "curves_from_spectra", "input_statistics", "load_calibration", "load_metric",
+    "measure_floors", "plan_for_budget", "tier1", "token_statistics", "truncated_factors", "truncated_weight",
+    "whitened_spectrum",
 ]

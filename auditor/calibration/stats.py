@@ -28,7 +28,7 @@ import torch
 from torch import nn
 
 from ..results import Kind, Layer
-from .inputs import Batch, Calibration, model_device, run
+from .inputs import Batch, Calibration, run
 
 
 @dataclass
@@ -333,4 +333,4 @@ def input_statistics(model: nn.Module, layers: dict[str, Layer] | list[Layer], b
     return out
 
 
-__all__ = ["InputStatistics", "LayerInput", "by_name", "conv_patches", "input_statistics", "model_device"]
+__all__ = ["InputStatistics", "LayerInput", "by_name", "conv_patches", "input_statistics"]
