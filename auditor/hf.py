@@ -273,12 +273,21 @@ def _inputs(model: nn.Module, meta: nn.Module, config: Any, name: str, input_sha
         with torch.no_grad():
             meta(**{k: torch.empty(v.shape, dtype=v.dtype, device="meta") for k, v in made.items()})
     except Exception as exc:  # noqa: BLE001
+        if _meta_only(exc):  # the check itself cannot run on the meta device (e.g. .item()): keep the inputs
+            notes.append(f"No inputs given: {what} were made from the config; {hint}.")
+            return made
         notes.append(f"Inputs made from the config ({what}) do not fit {name} ({first_line(exc)[:160]}): MACs are "
                      "left out; pass the inputs the model needs.")
         return None
     notes.append(f"No inputs given: {what} were made from the config, so MACs and the data-flow graph are "
                  f"counted; {hint}.")
     return made
+
+
+def _meta_only(exc: Exception) -> bool:
+    """Whether a failure comes from running on the meta device (data-dependent ops, missing meta kernels) rather
+    than from inputs the model does not accept."""
+    return isinstance(exc, NotImplementedError) or "meta" in str(exc).lower()
 
 
 def _floats(shape: tuple[int, ...], device: torch.device) -> torch.Tensor:

@@ -409,8 +409,9 @@ def apply_weights(model: nn.Module, ckpt: Checkpoint | None, partial: bool = Fal
     notes: list[str] = []
     lost = _truly_missing(model, missing or set(), ignore_missing)
     params = {n: p for n, p in model.named_parameters(remove_duplicate=False)}
-    lost_params = [n for n in sorted(lost) if n in params]
-    lost_buffers = [n for n in sorted(lost) if n not in params]
+    order = [*params, *(n for n, _ in model.named_buffers(remove_duplicate=False))]  # the model's own order
+    lost_params = [n for n in order if n in lost and n in params]
+    lost_buffers = [n for n in order if n in lost and n not in params]
     if lost_params:
         total = sum(p.numel() for p in model.parameters())
         share = sum(params[n].numel() for n in lost_params) / total if total else 0.0
