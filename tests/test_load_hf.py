@@ -206,3 +206,20 @@ def test_encoder_decoder_gets_decoder_ids_and_given_ids_stay_on_meta(tmp_path):
     assert all(v.is_meta and tuple(v.shape) == (2, 10) for v in loaded.example_inputs.values())
     default = load_source(str(tmp_path))
     assert tuple(default.example_inputs["decoder_input_ids"].shape) == (1, 128)  # T5 has no position limit
+
+
+def test_config_with_weights_flag_loads_them(tmp_path):
+    model = save_bert(tmp_path / "ckpt")
+    bert_cfg().save_pretrained(tmp_path / "cfg")
+    loaded = load_source(str(tmp_path / "cfg" / "config.json"), weights=str(tmp_path / "ckpt" / "model.safetensors"))
+    assert torch.equal(loaded.model.encoder.layer[0].output.dense.weight, model.encoder.layer[0].output.dense.weight)
+    only = load_source(str(tmp_path / "cfg" / "config.json"), weights=str(tmp_path / "ckpt"), structure_only=True)
+    assert only.model.pooler.dense.weight.is_meta
+    assert f"Structure only: the weights in {tmp_path / 'ckpt'} were not read." in only.notes
+
+
+def test_weights_only_directory_with_empty_weight_map_is_an_error(tmp_path):
+    (tmp_path / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": {}}))
+    with pytest.raises(AuditError) as exc:
+        load_source(str(tmp_path))
+    assert str(tmp_path) in exc.value.what
