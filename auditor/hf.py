@@ -157,7 +157,8 @@ def load_hf(config_file: Path, folder: Path | None, input_shape: Any, input_ids:
                     "--structure-only for counts and shapes")
             model = _build(transformers, cls, config, config_file, meta=False)
             notes += apply_weights(model, ckpt, partial, prefix=getattr(model, "base_model_prefix", "") or "",
-                                   ignore_missing=getattr(model, "_keys_to_ignore_on_load_missing", None) or ())
+                                   ignore_missing=getattr(model, "_keys_to_ignore_on_load_missing", None) or (),
+                                   ignore_unexpected=getattr(model, "_keys_to_ignore_on_load_unexpected", None) or ())
         inputs = _inputs(model, meta, config, name, input_shape, input_ids, notes)
     return Loaded(model, inputs, name, str(folder or config_file), notes)
 

@@ -287,6 +287,7 @@ class Checkpoint:
         return cls(where, list(state), state.__getitem__)
 
 
+NOT_WEIGHTS = re.compile(r"(training_args\.bin|optimizer\.pt|scheduler\.pt|scaler\.pt|rng_state.*\.pth)$")
 UNREADABLE = ("*.h5", "*.msgpack", "*.gguf", "*.ckpt", "*.onnx", "*.npz", "*.keras")
 
 
@@ -311,7 +312,8 @@ def open_checkpoint(location: str | Path, flag: bool = False) -> Checkpoint | No
         return Checkpoint.of_dict(str(p), _bin_shards(p / "pytorch_model.bin.index.json"))
     if (p / "pytorch_model.bin").is_file():
         return Checkpoint.of_dict(str(p / "pytorch_model.bin"), safe_torch_load(p / "pytorch_model.bin"))
-    torch_files = sorted(f for ext in ("*.bin", "*.pt", "*.pth") for f in p.glob(ext) if f.is_file())
+    torch_files = sorted(f for ext in ("*.bin", "*.pt", "*.pth") for f in p.glob(ext)
+                         if flag and f.is_file() and not NOT_WEIGHTS.match(f.name))
     if len(torch_files) == 1:
         return Checkpoint.of_dict(str(torch_files[0]), safe_torch_load(torch_files[0]))
     if len(torch_files) > 1:
@@ -358,12 +360,13 @@ def _listing(names: Sequence[str], most: int = 5) -> str:
 
 
 def apply_weights(model: nn.Module, ckpt: Checkpoint | None, partial: bool = False, prefix: str = "",
-                  ignore_missing: Sequence[str] = ()) -> list[str]:
+                  ignore_missing: Sequence[str] = (), ignore_unexpected: Sequence[str] = ()) -> list[str]:
     """Copy a checkpoint's tensors into ``model`` (through ``load_state_dict``, a chunk at a time, so peak memory
     is the model plus one chunk) and return notes. Every parameter must be covered, directly or through a tied
     name: otherwise :class:`AuditError` lists the missing ones, unless ``partial`` (then a note does). ``prefix``:
     a base-model prefix (Hugging Face ``base_model_prefix``) the checkpoint's names may have or lack.
-    ``ignore_missing``: regular expressions for names the model may lack in any checkpoint."""
+    ``ignore_missing`` / ``ignore_unexpected``: regular expressions for names a checkpoint may lack or carry
+    without a note (Hugging Face ``_keys_to_ignore_on_load_missing`` / ``_unexpected``)."""
     if ckpt is None:
         return []
     where = ckpt.where
@@ -424,6 +427,7 @@ def apply_weights(model: nn.Module, ckpt: Checkpoint | None, partial: bool = Fal
     if lost_buffers:
         notes.append(f"{where} lacks {len(lost_buffers)} buffer(s), which keep their initial values: "
                      f"{_listing(lost_buffers)}.")
+    unexpected = {n for n in unexpected if not any(re.search(pat, n) for pat in ignore_unexpected)}
     if unexpected:
         notes.append(f"{len(unexpected)} tensor(s) in {where} are not part of the model and were ignored: "
                      f"{_listing(sorted(unexpected))}.")

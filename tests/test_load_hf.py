@@ -223,3 +223,20 @@ def test_weights_only_directory_with_empty_weight_map_is_an_error(tmp_path):
     with pytest.raises(AuditError) as exc:
         load_source(str(tmp_path))
     assert str(tmp_path) in exc.value.what
+
+
+def test_llama_7b_with_weights_is_refused_before_anything_is_allocated(tmp_path, monkeypatch):
+    """The issue's case: a 7B config on a 24 GB machine was killed by the OOM killer (exit 137)."""
+    from safetensors.torch import save_file
+
+    import auditor.hf as hf
+
+    T.LlamaConfig(hidden_size=4096, intermediate_size=11008, num_hidden_layers=32, num_attention_heads=32,
+                  vocab_size=32000, architectures=["LlamaForCausalLM"]).save_pretrained(tmp_path)
+    save_file({"model.norm.weight": torch.ones(4096)}, str(tmp_path / "model.safetensors"))
+    monkeypatch.setattr(hf, "available_memory", lambda: 24 << 30)
+    with pytest.raises(AuditError) as exc:
+        load_source(str(tmp_path))
+    params = 6_738_415_616
+    need = (params * 4 + 64 * 4 + hf.CHUNK_BYTES) / (1 << 30)  # float32 weights, rotary inv_freq, one chunk
+    assert f"needs about {need:.1f} GiB of memory ({params:,} parameters as float32), but only 24.0 GiB" in exc.value.what
