@@ -249,7 +249,8 @@ def _inputs(model: nn.Module, meta: nn.Module, config: Any, name: str, input_sha
     if input_ids is not None:
         if main != "input_ids":
             shape = ",".join(map(str, _image_shape(config))) if main == "pixel_values" else "1,..."
-            raise AuditError(f"{name} takes {main}, not token ids", f"Pass --input-shape {shape} instead of --input-ids")
+            raise AuditError(f"{name} takes {main}, not token ids",
+                             f"Pass --input-shape {shape} instead of --input-ids")
         if len(input_ids) != 2:
             raise AuditError(f"token ids for {name} are batch x sequence, not {'x'.join(map(str, input_ids))}",
                              "Pass two numbers, e.g. --input-ids 1,128")

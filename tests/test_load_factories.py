@@ -20,7 +20,8 @@ def write(tmp_path, body, name="f.py"):
 
 @pytest.mark.parametrize("body, spec, what", [
     ("import sys\nsys.exit(0)\n" + MODEL, "model", "importing {p} called sys.exit(0) instead of returning"),
-    (MODEL + "def bye():\n    raise SystemExit('done')\n", "bye", "factory bye() called sys.exit('done') instead of returning"),
+    (MODEL + "def bye():\n    raise SystemExit('done')\n", "bye",
+     "factory bye() called sys.exit('done') instead of returning"),
     ("class Odd(BaseException):\n    pass\n" + MODEL + "def odd():\n    raise Odd('strange')\n", "odd",
      "factory odd() raised Odd: strange"),
     ("raise GeneratorExit('at import')\n", "model", "importing {p} failed: GeneratorExit: at import"),
@@ -125,6 +126,6 @@ def test_good_shapes():
 
 def test_odd_shape_on_the_command_line_exits_2(cli_inproc):
     res = cli_inproc("sample_models/digits.py:mlp", "--input-shape", "1,,64")
-    assert res.returncode == 2 and res.stderr == ("error: --input-shape '1,,64' is not a shape: a dimension is missing "
-                                                  "between separators. Give positive whole numbers separated by commas, "
-                                                  "e.g. --input-shape 1,3,224,224.\n")
+    assert res.returncode == 2
+    assert res.stderr == ("error: --input-shape '1,,64' is not a shape: a dimension is missing between separators. "
+                          "Give positive whole numbers separated by commas, e.g. --input-shape 1,3,224,224.\n")

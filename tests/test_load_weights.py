@@ -33,7 +33,8 @@ def test_weights_file_missing_a_tensor_names_it(tmp_path, mlp_file):
     with pytest.raises(AuditError) as exc:
         load_source(f"{mlp_file}:model", weights=str(tmp_path / "w.pt"))
     # 82 parameters, 2.weight holds 24 of them
-    assert exc.value.what == f"{tmp_path / 'w.pt'} lacks 1 of the model's parameter tensors (29.3% of its parameters): 2.weight"
+    assert exc.value.what == (f"{tmp_path / 'w.pt'} lacks 1 of the model's parameter tensors "
+                              "(29.3% of its parameters): 2.weight")
     assert "--partial" in exc.value.fix and "\n" not in exc.value.line()
 
 
