@@ -106,13 +106,17 @@ def load_source(
         model = _zoo(lib, name)
         notes = apply_weights(model, open_checkpoint(weights, flag=True), partial) if weights else []
         return Loaded(model, _inputs(input_shape, input_ids), name, spec, notes)
+    if weights and (path.suffix in (".safetensors", ".bin", ".pt", ".pth") or spec.endswith(".index.json") or (
+            path.is_dir() and not (path / "config.json").is_file())):
+        raise AuditError(f"--weights applies to a model built from code or a config; {spec} is already a checkpoint",
+                         "Drop --weights, or give the factory or config.json the weights belong to")
     if path.is_dir():
         if (path / "config.json").is_file():
             from .hf import load_hf
 
             return load_hf(path / "config.json", path, input_shape, input_ids, weights, structure_only, partial)
         if list(path.glob("*.safetensors")) or (path / "model.safetensors.index.json").is_file():
-            return _weights_only(WeightsOnly.open(path), path.name, path, weights)
+            return _weights_only(WeightsOnly.open(path), path.name, path)
         raise AuditError(f"{spec} is a directory without config.json or safetensors files",
                          "Point to a Hugging Face checkpoint directory, a safetensors file, or file.py:factory")
     if path.suffix == ".json" and not spec.endswith(".safetensors.index.json"):
@@ -124,20 +128,17 @@ def load_source(
     if path.suffix == ".safetensors" or spec.endswith(".safetensors.index.json"):
         if not path.exists():
             raise AuditError(f"checkpoint {spec} does not exist", "Check the path")
-        return _weights_only(WeightsOnly.open(path), path.stem, path, weights)
+        return _weights_only(WeightsOnly.open(path), path.stem, path)
     if path.suffix in (".bin", ".pt", ".pth") and ":" not in path.name:
         if not path.exists():
             raise AuditError(f"checkpoint {spec} does not exist", "Check the path")
-        return _weights_only(WeightsOnly.from_state_dict(path), path.stem, path, weights)
+        return _weights_only(WeightsOnly.from_state_dict(path), path.stem, path)
     if ":" in spec:
         return _factory(spec, input_shape, input_ids, weights, partial)
     raise AuditError(f"cannot tell what kind of model source {spec!r} is", SOURCE_HELP)
 
 
-def _weights_only(w: "WeightsOnly", name: str, path: Path, weights: str | None) -> Loaded:
-    if weights:
-        raise AuditError(f"--weights applies to a model built from code or a config; {path} is already a checkpoint",
-                         "Drop --weights, or give the factory or config.json the weights belong to")
+def _weights_only(w: "WeightsOnly", name: str, path: Path) -> Loaded:
     if not w.index:
         raise AuditError(f"{path} holds no tensors", "Point at the checkpoint that holds the model's weights")
     return Loaded(w, None, name, str(path))
@@ -148,18 +149,20 @@ def _weights_only(w: "WeightsOnly", name: str, path: Path, weights: str | None) 
 
 
 @contextlib.contextmanager
-def _stdout_to_stderr() -> Iterator[None]:
+def stdout_to_stderr() -> Iterator[None]:
     """While the user's code runs, whatever it prints goes to stderr: stdout carries only the JSON/Markdown report.
     Both Python's ``sys.stdout`` and file descriptor 1 (for prints from C extensions) are redirected."""
     for stream in (sys.stdout, sys.stderr):
         with contextlib.suppress(Exception):
             stream.flush()
     saved: int | None = None
-    try:
+    with contextlib.suppress(OSError):
         saved = os.dup(1)
-        os.dup2(2, 1)
-    except OSError:
-        saved = None
+        try:
+            os.dup2(2, 1)
+        except OSError:
+            os.close(saved)
+            saved = None
     try:
         with contextlib.redirect_stdout(sys.stderr):
             yield
@@ -175,7 +178,7 @@ def _run_user_code(fn: Callable[[], Any], doing: str, failed: str, fix: str, exi
     """Call the user's code with stdout kept clean; any exception, ``sys.exit`` or other ``BaseException`` ends in
     an :class:`AuditError` (exit 2), except Ctrl-C, which still interrupts."""
     try:
-        with _stdout_to_stderr():
+        with stdout_to_stderr():
             return fn()
     except KeyboardInterrupt:
         raise
