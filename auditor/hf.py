@@ -137,6 +137,7 @@ def load_hf(config_file: Path, folder: Path | None, input_shape: Any, input_ids:
         else:
             ckpt = open_checkpoint(weights, flag=True) if weights else open_checkpoint(folder) if folder else None
         meta = _build(transformers, cls, config, config_file, meta=True)
+        name = archs[0] if archs else type(meta).__name__
         if ckpt is None:
             model = meta
             if not structure_only:
@@ -171,7 +172,10 @@ def _read_config(transformers: Any, config_file: Path, notes: list[str]) -> tupl
         raise AuditError(f"cannot read the Hugging Face config {config_file}: {first_line(exc)}", fix) from None
     if not isinstance(raw, dict) or "model_type" not in raw:
         raise AuditError(f"cannot read the Hugging Face config {config_file}: no 'model_type' key", fix)
-    removed = neutralise(raw)
+    try:
+        removed = neutralise(raw)
+    except RecursionError:
+        raise AuditError(f"cannot read the Hugging Face config {config_file}: it is nested too deeply", fix) from None
     remote = any(r.split(".")[-1] in REMOTE_CODE_KEYS for r in removed)
     try:
         config = transformers.AutoConfig.for_model(**raw)

@@ -185,7 +185,9 @@ def _run_user_code(fn: Callable[[], Any], doing: str, failed: str, fix: str, exi
     except AuditError:
         raise
     except SystemExit as exc:
-        raise AuditError(f"{doing} called sys.exit({exc.code!r}) instead of returning", exit_fix or fix) from None
+        code = repr(exc.code)
+        code = code if len(code) <= 60 else code[:57] + "..."
+        raise AuditError(f"{doing} called sys.exit({code}) instead of returning", exit_fix or fix) from None
     except BaseException as exc:  # noqa: BLE001 - the user's code failed in any way at all
         raise AuditError(f"{doing} {failed} {first_line(exc)}", fix) from None
 

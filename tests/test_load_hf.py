@@ -244,3 +244,14 @@ def test_llama_7b_with_weights_is_refused_before_anything_is_allocated(tmp_path,
     need = (params * 4 + 64 * 4 + hf.CHUNK_BYTES) / (1 << 30)  # float32 weights, rotary inv_freq, one chunk
     assert exc.value.what.endswith(f"needs about {need:.1f} GiB of memory ({params:,} parameters as float32), "
                                    "but only 24.0 GiB is available")
+
+
+def test_deeply_nested_config_is_one_error_or_loads(tmp_path):
+    for depth in (900, 990, 995, 5000):  # around the recursion limit, in json and in the config walk
+        (tmp_path / "config.json").write_text('{"model_type": "bert", "x": ' + "[" * depth + "]" * depth + "}")
+        try:
+            load_source(str(tmp_path / "config.json"))
+        except AuditError as exc:
+            assert "cannot read the Hugging Face config" in exc.what and depth >= 990
+        else:
+            assert depth < 5000
