@@ -118,7 +118,7 @@ def _gib(n: float) -> str:
 
 
 def load_hf(config_file: Path, folder: Path | None, input_shape: Any, input_ids: Any, weights: str | None,
-            structure_only: bool, partial: bool) -> Loaded:
+            structure_only: bool, partial: bool, auto_inputs: bool = True) -> Loaded:
     """Build the model a ``config.json`` describes (see :func:`auditor.load.load_source`), offline, with no code
     from the checkpoint, and load its weights (from ``weights``, else from ``folder``) if there are any."""
     with offline():
@@ -160,7 +160,7 @@ def load_hf(config_file: Path, folder: Path | None, input_shape: Any, input_ids:
             notes += apply_weights(model, ckpt, partial, prefix=getattr(model, "base_model_prefix", "") or "",
                                    ignore_missing=getattr(model, "_keys_to_ignore_on_load_missing", None) or (),
                                    ignore_unexpected=getattr(model, "_keys_to_ignore_on_load_unexpected", None) or ())
-        inputs = _inputs(model, meta, config, name, input_shape, input_ids, notes)
+        inputs = _inputs(model, meta, config, name, input_shape, input_ids, notes, auto_inputs)
     return Loaded(model, inputs, name, str(folder or config_file), notes)
 
 
@@ -232,7 +232,7 @@ def _image_shape(config: Any) -> tuple[int, ...]:
 
 
 def _inputs(model: nn.Module, meta: nn.Module, config: Any, name: str, input_shape: Any, input_ids: Any,
-            notes: list[str]) -> dict[str, torch.Tensor] | None:
+            notes: list[str], auto: bool = True) -> dict[str, torch.Tensor] | None:
     """Keyword inputs for the model's main input (``model.main_input_name``). Without any given, token ids (text)
     or pixel values (vision) of a typical size are made from the config and checked on the meta model first; on
     the meta device nothing is allocated."""
@@ -262,6 +262,8 @@ def _inputs(model: nn.Module, meta: nn.Module, config: Any, name: str, input_sha
             raise AuditError(f"a sequence of {input_ids[1]} tokens is longer than the {positions} positions {name} has",
                              f"Pass --input-ids {input_ids[0]},{min(positions, DEFAULT_SEQUENCE)}")
         return _token_inputs(config, tuple(input_ids), vocab or 1000, device)
+    if not auto:
+        return None
     # nothing given: make the main input from the config, so MACs and the data-flow graph come by default
     made: dict[str, torch.Tensor] | None = None
     what = hint = ""

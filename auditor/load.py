@@ -83,6 +83,7 @@ def load_source(
     weights: str | None = None,
     structure_only: bool = False,
     partial: bool = False,
+    auto_inputs: bool = True,
 ) -> Loaded:
     """Resolve a source string to a model and example inputs.
 
@@ -96,7 +97,8 @@ def load_source(
 
     ``weights``: a state dict file or checkpoint directory for a factory, zoo or config source. Every parameter
     the model has must be in it, or :class:`AuditError` names the missing ones; ``partial=True`` loads what is
-    there and lists the rest in ``Loaded.notes``.
+    there and lists the rest in ``Loaded.notes``. ``auto_inputs=False``: no inputs made from a config (tracing a
+    large model with inputs takes seconds to a minute; without, MACs are left out).
     """
     if not spec or not spec.strip():
         raise AuditError("the model source is empty", SOURCE_HELP)
@@ -114,7 +116,8 @@ def load_source(
         if (path / "config.json").is_file():
             from .hf import load_hf
 
-            return load_hf(path / "config.json", path, input_shape, input_ids, weights, structure_only, partial)
+            return load_hf(path / "config.json", path, input_shape, input_ids, weights, structure_only, partial,
+                           auto_inputs)
         if list(path.glob("*.safetensors")) or (path / "model.safetensors.index.json").is_file():
             return _weights_only(WeightsOnly.open(path), path.name, path)
         raise AuditError(f"{spec} is a directory without config.json or safetensors files",
@@ -124,7 +127,7 @@ def load_source(
             raise AuditError(f"config file {spec} does not exist", "Check the path")
         from .hf import load_hf
 
-        return load_hf(path, None, input_shape, input_ids, weights, structure_only, partial)
+        return load_hf(path, None, input_shape, input_ids, weights, structure_only, partial, auto_inputs)
     if path.suffix == ".safetensors" or spec.endswith(".safetensors.index.json"):
         if not path.exists():
             raise AuditError(f"checkpoint {spec} does not exist", "Check the path")

@@ -199,6 +199,8 @@ def test_default_token_ids_give_macs_on_real_weights(tmp_path):
     a = auditor.audit(loaded.model, loaded.example_inputs, spectra=False)
     assert a.layer("encoder.layer.0.intermediate.dense").macs == 64 * 64 * 32
     assert torch.equal(loaded.model.pooler.dense.weight, model.pooler.dense.weight)
+    bare = load_source(str(tmp_path), auto_inputs=False)
+    assert bare.example_inputs is None and not any("No inputs given" in n for n in bare.notes)
 
 
 def test_encoder_decoder_gets_decoder_ids_and_given_ids_stay_on_meta(tmp_path):
