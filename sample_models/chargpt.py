@@ -62,7 +62,7 @@ class Block(nn.Module):
         self.act = nn.GELU()
 
     def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        b, t, d = x.shape
+        b, t, d = x.size(0), x.size(1), x.size(2)  # not `x.shape` unpacked: fx cannot iterate a traced size
         hd = d // self.heads
         y = self.ln1(x)
         q = self.q(y).view(b, t, self.heads, hd).transpose(1, 2)
@@ -93,8 +93,9 @@ class CharGPT(nn.Module):
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         idx = idx.long()  # the shipped token files are uint8
         t = idx.size(1)
-        x = self.tok(idx) + self.pos(self.positions[:t])
-        mask = self.mask[:t, :t]
+        # narrow, not [:t]: a traced length cannot index a tensor, but torch functions take it
+        x = self.tok(idx) + self.pos(self.positions.narrow(0, 0, t))
+        mask = self.mask.narrow(0, 0, t).narrow(1, 0, t)
         for block in self.blocks:
             x = block(x, mask)
         return self.head(self.ln_f(x))

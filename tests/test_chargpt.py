@@ -70,7 +70,7 @@ def test_held_out_text_is_predicted_and_random_ids_are_not(gpt):
     assert loss == pytest.approx(HOLDOUT_LOSS, abs=0.01)
     unigram = (held[:, 1:] == torch.bincount(held.flatten().long()).argmax()).float().mean().item()
     assert 0.25 < unigram < 0.32  # the space character
-    assert acc > unigram + 0.25
+    assert acc > unigram + 0.2
     rand = torch.randint(0, 98, (256, 128), generator=torch.Generator().manual_seed(2))
     rloss, racc = next_char(model, rand)
     assert racc < 0.03  # chance is 1/98
