@@ -13,8 +13,8 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 from torch import nn
@@ -29,8 +29,7 @@ VOCAB = UNK + "\t\n" + "".join(chr(c) for c in range(32, 127))  # 98 characters
 _INDEX = {ch: i for i, ch in enumerate(VOCAB)}
 
 
-@dataclass(frozen=True)
-class Config:
+class Config(NamedTuple):  # not a dataclass: the CLI imports this file without registering it in sys.modules
     vocab: int = len(VOCAB)
     context: int = 128
     d_model: int = 192
@@ -112,7 +111,7 @@ def decode(ids: torch.Tensor) -> str:
 
 def metadata(cfg: Config) -> dict[str, str]:
     """What the weights file records besides tensors: the config and the vocabulary."""
-    return {"config": json.dumps(asdict(cfg)), "vocab": json.dumps(VOCAB)}
+    return {"config": json.dumps(cfg._asdict()), "vocab": json.dumps(VOCAB)}
 
 
 def load_ids(path: Path) -> torch.Tensor:
