@@ -213,9 +213,13 @@ def _factory(spec: str, input_shape: Any, input_ids: Any, weights: str | None, p
         module = importlib.util.module_from_spec(spec_obj)
         loader = spec_obj.loader
         sys.path.insert(0, str(file.parent.resolve()))
+        sys.modules[mod_name] = module  # as an import would: @dataclass and pickling look the module up by name
         try:
             _run_user_code(lambda: loader.exec_module(module), f"importing {target}", "failed:",
                            "Fix the error in that file", guard)
+        except BaseException:
+            sys.modules.pop(mod_name, None)
+            raise
         finally:
             sys.path.pop(0)
     else:
