@@ -297,3 +297,17 @@ def test_torch_backend_on_cpu_matches_float64_svd(shape, groups):
     for gi in range(groups):
         ref = np.linalg.svd(mats[gi], compute_uv=False)
         assert np.max(np.abs(np.asarray(got["w"].sigma[gi]) - ref)) <= 1e-10 * ref[0]
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+def test_gram_of_low_precision_weights_with_a_wide_range_is_exact(dtype):
+    from auditor.spectra import backend
+
+    w = torch.randn(50, 20, generator=torch.Generator().manual_seed(6)) * 1e-3
+    w[0, 0] = 1000.0  # scaled by 2^-10: the small entries must not be rounded in the half-precision format
+    w = w.to(dtype)
+    c = backend.scale_for(float(w.abs().max()))
+    assert c == 2.0**-10
+    w64 = w.double().numpy() * c
+    assert np.array_equal(np.triu(backend.gram64(w, c)), np.triu(w64.T @ w64)) or np.allclose(
+        np.triu(backend.gram64(w, c)), np.triu(w64.T @ w64), rtol=1e-15, atol=0)

@@ -83,14 +83,27 @@ def available_memory() -> int | None:
     return avail
 
 
+def _numpy(t: torch.Tensor) -> np.ndarray | None:
+    """A NumPy view of a CPU tensor (None for bfloat16, which NumPy lacks). NumPy does the per-block copies and
+    maxima single-threaded, so no second thread pool (torch's OpenMP) spins beside the BLAS workers."""
+    return t.numpy() if t.dtype != torch.bfloat16 else None
+
+
 def health(mats: torch.Tensor) -> float:
     """max |w| over the stack, read in blocks (no full-size temporary). Raises SkipSpectrum for NaN/Inf entries or an
     all-zero weight."""
+    if mats.device.type != "cpu":
+        mats = mats.to("cpu")
     flat = mats.reshape(mats.shape[0] * mats.shape[1], -1) if mats.numel() else mats.reshape(0, 1)
+    arr = _numpy(flat)
     step = max(1, CHUNK_ELEMENTS // max(flat.shape[1], 1))
     amax = 0.0
     for start in range(0, flat.shape[0], step):
-        v = float(flat[start : start + step].abs().amax())  # NaN propagates through amax (not through max())
+        if arr is not None:
+            blk = arr[start : start + step]
+            v = max(float(blk.max()), -float(blk.min()))  # NaN propagates through max/min, not through max()
+        else:
+            v = float(flat[start : start + step].abs().amax())
         if not math.isfinite(v):
             amax = v
             break
@@ -119,18 +132,22 @@ def gram64(a: torch.Tensor, scale: float = 1.0) -> np.ndarray:
     tall = m >= n
     k, long = (n, m) if tall else (m, n)
     step = max(1, min(long, CHUNK_ELEMENTS // max(k, 1)))
-    flat = torch.empty(step * k, dtype=torch.float64)
+    src = _numpy(a)
+    flat = np.empty(step * k, dtype=np.float64)
     g = np.zeros((k, k), dtype=np.float64, order="F")
     gil_free = _lapack.available()
     if not gil_free:
         from scipy.linalg.blas import dsyrk  # SciPy's wrapper: the same routine, holding the GIL
     for start in range(0, long, step):
         rows = min(step, long - start)
-        blk_t = flat[: rows * k].view((rows, k) if tall else (k, rows))  # C-ordered and contiguous
-        blk_t.copy_(a[start : start + rows] if tall else a[:, start : start + rows])
-        if scale != 1.0:
-            blk_t.mul_(scale)  # a power of two: exact
-        blk = blk_t.numpy()
+        blk = flat[: rows * k].reshape((rows, k) if tall else (k, rows))  # C-ordered and contiguous
+        if src is not None:
+            np.multiply(src[start : start + rows] if tall else src[:, start : start + rows], scale, out=blk,
+                        dtype=np.float64)  # upcast, then scale by a power of two: exact
+        else:  # bfloat16: torch converts the block
+            bt = torch.from_numpy(blk)
+            bt.copy_(a[start : start + rows] if tall else a[:, start : start + rows])
+            bt.mul_(scale)  # a power of two: exact
         beta = 0.0 if start == 0 else 1.0
         if gil_free:
             _lapack.syrk(g, blk, k_rows=tall, beta=beta, tile=SYRK_TILE)
@@ -311,7 +328,8 @@ class TorchBackend:
         method = "gram-eigh"
         if any(exact):
             for gi in range(groups):
-                a = mats[gi].to(device=dev, dtype=torch.float64) * c
-                sig[gi] = torch.linalg.svdvals(a).cpu().numpy()
+                if exact[gi]:
+                    a = mats[gi].to(device=dev, dtype=torch.float64) * c
+                    sig[gi] = torch.linalg.svdvals(a).cpu().numpy()
             method = "svd-f64"
         return unscale(sig, c), method
