@@ -92,11 +92,13 @@ class TensorRef:
                                  "The file is truncated or changed since it was opened; write it again")
             if self.nbytes == 0:
                 return torch.empty(self.shape, dtype=dtype)
-            mm = mmap.mmap(fd, 0, access=mmap.ACCESS_COPY)  # private: pages are copied on write, never stored
+            # Only this tensor's pages, private (copied on write, never stored): no commit charge for the file
+            start = self.offset - self.offset % mmap.ALLOCATIONGRANULARITY
+            mm = mmap.mmap(fd, self.offset + self.nbytes - start, offset=start, access=mmap.ACCESS_COPY)
         finally:
             os.close(fd)
-        raw = torch.frombuffer(mm, dtype=torch.uint8, count=self.nbytes, offset=self.offset)
-        if self.offset % max(1, dtype.itemsize):
+        raw = torch.frombuffer(mm, dtype=torch.uint8, count=self.nbytes, offset=self.offset - start)
+        if (self.offset - start) % max(1, dtype.itemsize):
             raw = raw.clone()  # an unaligned tensor: one aligned copy
         return raw.view(dtype).reshape(self.shape)
 
