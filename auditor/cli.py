@@ -218,7 +218,7 @@ def run(args: argparse.Namespace, written: list[Path] | None = None) -> int:
                             width=_terminal_width())
     ordered = sorted(dict.fromkeys(formats), key=lambda f: f != "text")  # the table first, as before
     outputs = {fmt: REPORTERS[fmt].render(result, context) for fmt in ordered if fmt != "text" or not args.quiet}
-    files = OutputSet()
+    files = OutputSet(written=written if written is not None else [])
     for fmt, content in outputs.items():
         if fmt in dest:
             files.add(dest[fmt], content)
@@ -230,10 +230,7 @@ def run(args: argparse.Namespace, written: list[Path] | None = None) -> int:
         for content in to_stdout:
             write_stdout(content)
 
-    done = files.commit(after=stdout)
-    if written is not None:
-        written.extend(done)
-    for path in done:
+    for path in files.commit(after=stdout):
         print(f"wrote {path}", file=sys.stderr)
     return exit_code(result)
 

@@ -19,11 +19,16 @@ import threading
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Iterator
+from typing import BinaryIO, Callable, Iterator
 
 from .errors import AuditError
 
 TMP_PREFIX = ".lowrank-audit-"  # the staging folders' names start with this (a killed run may leave one)
+
+
+def _open_new(path: Path) -> BinaryIO:
+    """Create ``path`` for writing (never an existing file); tests substitute one that fails like a full disk."""
+    return open(path, "xb")
 
 
 def _kind(mode: int) -> str:
@@ -119,7 +124,6 @@ class OutputSet:
     written: list[Path] = field(default_factory=list)
     _staging: dict[Path, Path] = field(default_factory=dict)  # destination folder -> its staging folder
     _created: list[Path] = field(default_factory=list)  # folders made for the outputs, outermost first
-    opener: Callable[[Path], object] = field(default=lambda p: open(p, "xb"))  # tests substitute a failing one
 
     def add(self, path: str | Path, data: str | bytes) -> None:
         p = Path(path)
@@ -145,7 +149,7 @@ class OutputSet:
                 if key not in self._staging:
                     self._staging[key] = Path(tempfile.mkdtemp(prefix=TMP_PREFIX, suffix=".tmp", dir=folder))
                 e.staged = self._staging[key] / e.path.name
-                with self.opener(e.staged) as fh:  # type: ignore[attr-defined]
+                with _open_new(e.staged) as fh:
                     fh.write(e.data)
                     fh.flush()
                     os.fsync(fh.fileno())
@@ -198,9 +202,9 @@ class OutputSet:
             state = ("no file was written and existing files were left as they were" if not left else
                      f"these could not be restored and are in place: {', '.join(map(str, left))}")
             raise AuditError(f"{what}; {state}", fix) from None
-        self.written = [e.path for e in self.entries]
+        self.written.extend(e.path for e in self.entries)  # in place: an interrupt from here on says so
         self._cleanup()
-        return self.written
+        return [e.path for e in self.entries]
 
     def rollback(self) -> list[Path]:
         """Undo what was moved (restore replaced files, remove new ones) and remove the staging folders and the

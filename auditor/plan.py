@@ -214,7 +214,8 @@ def resolve(audit: "Audit", plan: Plan) -> list[tuple[str, int, str, str]]:
     for pattern, spec in plan.ranks.items():
         hits = [l for l in audit.layers if fnmatch.fnmatchcase(l.name, pattern) or fnmatch.fnmatchcase(l.param, pattern)]
         if not hits:
-            close = difflib.get_close_matches(pattern, names, n=3, cutoff=0.4)
+            candidates = list(dict.fromkeys([*names, *(l.param for l in audit.layers)]))
+            close = difflib.get_close_matches(pattern, candidates, n=3, cutoff=0.4)
             hint = f"Closest layer names: {', '.join(close)}" if close else "List layers with --format json"
             raise AuditError(f"plan {plan.source}: pattern {pattern!r} matches no factorizable layer", hint)
         for layer in hits:
