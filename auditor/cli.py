@@ -176,6 +176,9 @@ def _destinations(args: argparse.Namespace, formats: list[str]) -> dict[str, Pat
             continue
         dest[fmt] = (out_dir or Path(".")) / f"lowrank-audit{REPORTERS[fmt].suffix}"
         check_destination(dest[fmt], f"--format {fmt}: report")
+        if args.plan and same_file(args.plan, dest[fmt]):
+            raise AuditError(f"the {fmt} report {dest[fmt]} would replace the plan under review",
+                             "Pass -o another folder, or move the plan")
     if args.emit_plan:
         plan_path = Path(args.emit_plan)
         if args.plan and same_file(args.plan, plan_path):

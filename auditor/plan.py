@@ -99,6 +99,9 @@ class Plan:
             raise AuditError(f"plan {source}: 'ranks' is {_what(ranks)}, not a table of pattern = rank",
                              'e.g. [ranks] "fc1" = 64')
         for pattern, spec in ranks.items():
+            if not isinstance(pattern, str) or not pattern:
+                raise AuditError(f"plan {source}: pattern {pattern!r} is not a layer name or glob",
+                                 'e.g. "encoder.layer.*.intermediate.dense" = 256')
             check_spec(spec, pattern, source)
         ft = data.get("finetune")
         if ft is not None and not isinstance(ft, str):

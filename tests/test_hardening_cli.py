@@ -310,3 +310,18 @@ def test_good_baseline_still_compares(cli_inproc, src, tmp_path):
     res = cli_inproc(src, "-q", "--format", "json", "-o", out, "--baseline", out / "lowrank-audit.json")
     assert res.returncode == 0, res.stderr
     assert json.loads((out / "lowrank-audit.json").read_text())["baseline"]["new_findings"] == []
+
+
+def test_report_over_the_plan_under_review(cli_inproc, src, tmp_path):
+    plan = tmp_path / "lowrank-audit.json"
+    plan.write_text('{"finetune": "x", "ranks": {"0": 8}}')
+    one_line(cli_inproc(src, "-q", "--plan", plan, "--format", "json", "-o", tmp_path), 2,
+             "would replace the plan under review")
+    assert plan.read_text() == '{"finetune": "x", "ranks": {"0": 8}}'
+
+
+def test_api_plan_with_a_non_text_pattern():
+    from auditor.plan import Plan
+
+    with pytest.raises(AuditError, match="pattern 1 is not a layer name or glob"):
+        Plan.from_dict({"ranks": {1: 8}}, "api")
