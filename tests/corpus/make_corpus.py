@@ -35,6 +35,7 @@ class Case:
     child: bool = False  # run in a child interpreter (memory limit, timeout, real stdout)
     stdout: str | None = None  # child only: a path for stdout ("/dev/full")
     env: dict[str, str] = field(default_factory=dict)  # child only
+    timeout: int = 180  # child only: seconds before the run counts as a hang
 
     @property
     def codes(self) -> tuple[int, ...]:
@@ -459,7 +460,7 @@ def model():
         big = torch.zeros(1).expand(30000, 30000)  # a 4-byte storage viewed as 30000 x 30000
         torch.save({"big.weight": big, "fc.weight": _low_rank()}, d / "w.pt")
         return [str(d / "w.pt"), "-q", "--format", "json", "-o", OUT]
-    add(Case("zero-stride-30000-squared", CR, zero_stride, (0, 2), None, child=True, owner="spectra"))
+    add(Case("zero-stride-30000-squared", CR, zero_stride, (0, 2), None, child=True, timeout=90, owner="spectra"))
 
     def fifo_in_cache(d: Path) -> list[str]:
         return [_mlp(d), "-q", "--cache-dir", str(d / "cache"), "--format", "json", "-o", OUT]
@@ -468,7 +469,8 @@ def model():
         for p in (d / "cache").rglob("*.f64"):
             p.unlink()
             os.mkfifo(p)  # reading it would block forever
-    add(Case("fifo-in-cache", CR, fifo_in_cache, 0, None, prepare=plant_fifos, child=True, owner="spectra"))
+    add(Case("fifo-in-cache", CR, fifo_in_cache, 0, None, prepare=plant_fifos, child=True,
+             timeout=60, owner="spectra"))
 
     def bare_7b(d: Path) -> list[str]:
         cfg = {"model_type": "llama", "architectures": ["LlamaForCausalLM"], "hidden_size": 4096,

@@ -17,7 +17,6 @@ from make_corpus import OUT, Case, cases  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 CHILD_MEMORY = 8 * 2**30  # address space for a child case: a blow-up fails, it does not take the machine down
-CHILD_TIMEOUT = 120
 
 
 def _param(case: Case):
@@ -43,9 +42,9 @@ def _child(case: Case, d: Path, argv: list[str]) -> subprocess.CompletedProcess:
     stdout = open(case.stdout, "w") if case.stdout else subprocess.PIPE
     try:
         return subprocess.run([sys.executable, "-m", "auditor", *argv], cwd=d, env=env, stdout=stdout,
-                              stderr=subprocess.PIPE, text=True, timeout=CHILD_TIMEOUT, preexec_fn=_limit)
+                              stderr=subprocess.PIPE, text=True, timeout=case.timeout, preexec_fn=_limit)
     except subprocess.TimeoutExpired:
-        pytest.fail(f"{case.name}: still running after {CHILD_TIMEOUT} s (a hang)")
+        pytest.fail(f"{case.name}: still running after {case.timeout} s (a hang)")
     finally:
         if case.stdout:
             stdout.close()  # type: ignore[union-attr]
