@@ -162,11 +162,15 @@ def loads_json(text: str) -> Any:
 def check_spec(spec: Any, pattern: str, source: str) -> None:
     """Raise AuditError unless ``spec`` is a rank spec: a whole number 1..MAX_RANK (not a bool, not a float),
     ``"<x>be"`` with x > 0, or ``"energy:<e>"`` with 0 < e <= 1."""
-    where = f"plan {source}, pattern {pattern!r}"
+    literal = not any(c in pattern for c in "*?[")
+    where = f"plan {source}, layer {pattern}" if literal else f"plan {source}, pattern {pattern!r}"
     if isinstance(spec, dict):
         raise AuditError(f"{where}: is a table, not a rank (an unquoted dotted pattern makes nested tables)",
                          f'Quote the pattern: "{pattern}.…" = 64')
-    if isinstance(spec, bool) or not isinstance(spec, (int, str)):
+    if isinstance(spec, (bool, float)):
+        shown = str(spec).lower() if isinstance(spec, bool) else repr(spec)
+        raise AuditError(f"{where}: rank {shown} is not an integer", _SPEC_HINT)
+    if not isinstance(spec, (int, str)):
         raise AuditError(f"{where}: rank {_what(spec)} is not a rank spec", _SPEC_HINT)
     if isinstance(spec, str):
         if m := _INT.match(spec):
@@ -183,7 +187,7 @@ def check_spec(spec: Any, pattern: str, source: str) -> None:
         else:
             raise AuditError(f"{where}: cannot read rank {spec[:60]!r}", _SPEC_HINT)
     if spec <= 0:
-        raise AuditError(f"{where}: rank {spec} must be at least 1", "Use a rank of at least 1, or remove the line")
+        raise AuditError(f"{where}: rank {spec} must be positive", "Use a rank of at least 1, or remove the line")
     if spec > MAX_RANK:
         raise AuditError(f"{where}: rank {str(spec)[:30]} is larger than any matrix", _SPEC_HINT)
 
