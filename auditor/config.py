@@ -145,7 +145,8 @@ def from_pyproject(start: Path | None = None) -> dict[str, Any]:
 # (low, high, low inclusive, high inclusive) per numeric setting; NaN and infinities never pass
 _RANGES: dict[str, tuple[float, float, bool, bool]] = {
     "target_energy": (0.0, 1.0, False, True), "energy_floor": (0.0, 1.0, False, True),
-    "align": (1, 2.0**40, True, True), "min_share": (0.0, 1.0, True, True), "min_break_even": (0.0, 2.0**40, True, True),
+    "align": (1, 2.0**40, True, True), "min_share": (0.0, 1.0, True, True),
+    "min_break_even": (0.0, 2.0**40, True, True),
     "min_compression": (0.0, 2.0**40, False, True), "negligible_share": (0.0, 1.0, True, True),
     "wider_factor": (0.0, 2.0**40, False, True), "tall_ratio": (1.0, 2.0**40, True, True),
     "tall_min_share": (0.0, 1.0, True, True),

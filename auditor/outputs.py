@@ -32,7 +32,8 @@ def _open_new(path: Path) -> BinaryIO:
 
 
 def _kind(mode: int) -> str:
-    for test, word in ((stat.S_ISREG, "a file"), (stat.S_ISDIR, "a folder"), (stat.S_ISLNK, "a symbolic link"), (stat.S_ISCHR, "a device"),
+    for test, word in ((stat.S_ISREG, "a file"), (stat.S_ISDIR, "a folder"), (stat.S_ISLNK, "a symbolic link"),
+                       (stat.S_ISCHR, "a device"),
                        (stat.S_ISBLK, "a block device"), (stat.S_ISFIFO, "a FIFO"), (stat.S_ISSOCK, "a socket")):
         if test(mode):
             return word
@@ -161,7 +162,8 @@ class OutputSet:
         if os.path.lexists(e.path):
             mode = os.lstat(e.path).st_mode
             if not stat.S_ISREG(mode):
-                raise AuditError(f"{e.path} is {_kind(mode)}; refusing to replace it", "Remove it or choose another path")
+                raise AuditError(f"{e.path} is {_kind(mode)}; refusing to replace it",
+                                 "Remove it or choose another path")
             e.backup = e.staged.with_name(".old-" + e.path.name)  # type: ignore[union-attr]
             try:
                 os.link(e.path, e.backup)  # the old content stays reachable; the rename below stays atomic
@@ -193,7 +195,8 @@ class OutputSet:
             if after is not None:
                 after()
         except BaseException as exc:
-            left = self.rollback()
+            with _sigint_deferred():  # a second Ctrl-C cannot cut the rollback short
+                left = self.rollback()
             if isinstance(exc, (KeyboardInterrupt, SystemExit)):
                 raise
             what = exc.what if isinstance(exc, AuditError) else _describe(exc)

@@ -54,7 +54,8 @@ NAMES = {
     "controls": ["a\x01b\x7f.weight", "c\x1b]0;title\x07.weight", "\u202eevil\u2028x.weight", "d\r\n\t.weight"],
     "globs": ["w[0]*?.weight", "w[1]*?.weight", "[!a].weight", "*.weight", "?.weight"],
     "quotes": ['q"\\\'.weight', "''' \"\"\".weight"],
-    "groups": [f"model.layers.{i}.mlp.down_proj.weight" for i in (0, 1, 2, 10)] + ["model.layers.x.mlp.down_proj.weight"],
+    "groups": [f"model.layers.{i}.mlp.down_proj.weight" for i in (0, 1, 2, 10)]
+    + ["model.layers.x.mlp.down_proj.weight"],
 }
 
 
