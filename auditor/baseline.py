@@ -35,17 +35,61 @@ class BaselineDiff:
         return {**asdict(self), "saved_delta": self.saved_delta}
 
 
+MAX_BASELINE_BYTES = 512 * 2**20
+
+
 def load(path: str | Path) -> dict[str, Any]:
+    """An earlier JSON report, checked for what :func:`compare` reads (one AuditError for anything else)."""
+    from .plan import loads_json
+
     p = Path(path)
+    fix = "Use a file written by --format json"
+    if not p.exists():
+        raise AuditError(f"baseline {p} does not exist", "Write one with --format json on the base branch")
+    if not p.is_file():
+        raise AuditError(f"baseline {p} is not a regular file", fix)
     try:
-        data = json.loads(p.read_text(encoding="utf-8"))
-    except FileNotFoundError:
-        raise AuditError(f"baseline {p} does not exist", "Write one with --format json on the base branch") from None
-    except (OSError, ValueError) as exc:
-        raise AuditError(f"baseline {p} is not readable JSON: {exc}", "Use a file written by --format json") from None
-    if not isinstance(data, dict) or "format_version" not in data or "findings" not in data:
-        raise AuditError(f"baseline {p} is not a lowrank-auditor JSON report", "Use a file written by --format json")
+        if p.stat().st_size > MAX_BASELINE_BYTES:
+            raise AuditError(f"baseline {p} is larger than {MAX_BASELINE_BYTES >> 20} MiB", fix)
+        data = loads_json(p.read_bytes().decode("utf-8"))
+    except OSError as exc:
+        raise AuditError(f"baseline {p} cannot be read: {exc.strerror or exc}", fix) from None
+    except RecursionError:
+        raise AuditError(f"baseline {p} is nested too deeply to be a report", fix) from None
+    except ValueError as exc:  # UnicodeDecodeError and JSONDecodeError are ValueErrors
+        detail = " ".join(str(exc).split())[:200]
+        raise AuditError(f"baseline {p} is not readable JSON: {detail}", fix) from None
+    check(data, str(p))
     return data
+
+
+def check(data: Any, source: str = "baseline") -> None:
+    """Raise AuditError unless ``data`` has the shape of a lowrank-auditor JSON report where compare reads it."""
+    def bad(what: str) -> AuditError:
+        return AuditError(f"baseline {source} is not a lowrank-auditor JSON report: {what}",
+                          "Use a file written by --format json")
+
+    if not isinstance(data, dict):
+        raise bad("the top level is not an object")
+    for key in ("format_version", "findings"):
+        if key not in data:
+            raise bad(f"'{key}' is missing")
+    findings = data["findings"]
+    if not isinstance(findings, list):
+        raise bad("'findings' is not a list")
+    for i, f in enumerate(findings):
+        if not isinstance(f, dict) or not isinstance(f.get("code"), str) or not isinstance(f.get("message"), str):
+            raise bad(f"finding {i} has no text 'code' and 'message'")
+        if not isinstance(f.get("layers", []), list) or not all(isinstance(n, str) for n in f.get("layers", [])):
+            raise bad(f"finding {i}: 'layers' is not a list of names")
+    layers = data.get("layers", [])
+    if not isinstance(layers, list) or not all(isinstance(l, dict) and isinstance(l.get("name"), str) for l in layers):
+        raise bad("'layers' is not a list of layers with names")
+    review = data.get("plan_review")
+    if review is not None:
+        saved = review.get("params_saved", 0) if isinstance(review, dict) else None
+        if isinstance(saved, bool) or not isinstance(saved, int):
+            raise bad("'plan_review' has no whole 'params_saved'")
 
 
 def _key(f: dict[str, Any]) -> tuple:
@@ -53,7 +97,8 @@ def _key(f: dict[str, Any]) -> tuple:
 
 
 def compare(audit: "Audit", base: dict[str, Any]) -> BaselineDiff:
-    """``base``: a JSON report as read by :func:`load`."""
+    """``base``: a JSON report as read by :func:`load` (a dict given directly is checked the same way)."""
+    check(base)
     now = [f.to_dict() for f in audit.findings]
     before = base.get("findings", [])
     now_keys = {_key(f) for f in now}

@@ -100,14 +100,33 @@ def main(argv: Sequence[str] | None = None) -> int:
     if argv and argv[0] == "rules":
         return _rules_main(argv[1:])
     args = _parser().parse_args(argv)
+    written: list[Path] = []
     try:
-        return run(args)
+        return run(args, written)
     except AuditError as exc:
         print(f"error: {exc.line()}", file=sys.stderr)
+        if "standard output" in exc.what:
+            _silence_stdout()
         return ExitCode.BAD_INPUT
     except KeyboardInterrupt:
-        print("interrupted: no report written", file=sys.stderr)
+        print(f"interrupted: {'wrote ' + ', '.join(map(str, written)) if written else 'no report written'}",
+              file=sys.stderr)
         return 130
+
+
+def _silence_stdout() -> None:
+    """After stdout failed (a full disk, a closed pipe): point its descriptor at /dev/null, so the interpreter's
+    final flush of what is still buffered cannot fail a second time with a traceback-like message."""
+    if sys.stdout is not sys.__stdout__:
+        return  # captured (tests, notebooks): nothing buffered at the process level
+    import os
+
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+    except (OSError, ValueError):
+        pass
 
 
 def options_from(args: argparse.Namespace) -> tuple["AuditOptions", "LoadOptions"]:
@@ -145,12 +164,47 @@ def _terminal_width() -> int:
     return shutil.get_terminal_size((160, 24)).columns if sys.stdout.isatty() else 160
 
 
-def run(args: argparse.Namespace) -> int:
+def _destinations(args: argparse.Namespace, formats: list[str]) -> dict[str, Path]:
+    """The file each file-bound format goes to, and ``plan`` for --emit-plan; every one checked before the audit:
+    -o must be (or become) a writable folder, nothing but a regular file is ever replaced, --emit-plan may not
+    name the plan under review or a report."""
+    from .outputs import check_destination, check_folder, same_file
+    from .render import REPORTERS
+
+    dest: dict[str, Path] = {}
+    out_dir = Path(args.output_dir) if args.output_dir else None
+    if out_dir is not None:
+        check_folder(out_dir, "-o")
+    for fmt in formats:
+        if fmt == "text" or (fmt in STDOUT_FORMATS and out_dir is None):
+            continue
+        dest[fmt] = (out_dir or Path(".")) / f"lowrank-audit{REPORTERS[fmt].suffix}"
+        check_destination(dest[fmt], f"--format {fmt}: report")
+        if args.plan and same_file(args.plan, dest[fmt]):
+            raise AuditError(f"the {fmt} report {dest[fmt]} would replace the plan under review",
+                             "Pass -o another folder, or move the plan")
+    if args.emit_plan:
+        plan_path = Path(args.emit_plan)
+        if args.plan and same_file(args.plan, plan_path):
+            raise AuditError(f"--emit-plan {plan_path} is the plan under review (--plan {args.plan})",
+                             "Write the suggested plan to another file")
+        for fmt, report in dest.items():
+            if same_file(report, plan_path):
+                raise AuditError(f"--emit-plan {plan_path} is also the {fmt} report", "Choose another file")
+        check_destination(plan_path, "--emit-plan")
+        dest["plan"] = plan_path
+    return dest
+
+
+def run(args: argparse.Namespace, written: list[Path] | None = None) -> int:
+    """The audit the flags ask for. Outputs are all or nothing (:mod:`auditor.outputs`); ``written`` receives the
+    paths once they are all in place (the interrupt message says exactly what exists)."""
     from . import baseline as baseline_mod
+    from .outputs import OutputSet, write_stdout
     from .pipeline import audit_source
     from .plan import emit_toml
     from .policy import exit_code, input_errors
-    from .render import REPORTERS, RenderContext, atomic_write
+    from .render import REPORTERS, RenderContext
 
     formats = [f.strip() for f in args.format.split(",") if f.strip()]
     bad = [f for f in formats if f not in REPORTERS]
@@ -159,33 +213,32 @@ def run(args: argparse.Namespace) -> int:
     if not args.output_dir and sum(f in STDOUT_FORMATS for f in formats) > 1:
         raise AuditError("json and md cannot both go to stdout", "Pass -o DIR to write them as files")
     options, load_options = options_from(args)
+    dest = _destinations(args, formats)
     base = baseline_mod.load(args.baseline) if args.baseline else None
 
     result = audit_source(args.model, plan=args.plan, options=options, load=load_options)
     for f in input_errors(result):
         raise AuditError(f"{f.code} {f.message}", f.fix)
 
-    # Render everything first, then write each file atomically: no half-written report on failure.
+    # Render everything first; then write all files or none, and stdout last (a failure there undoes the files).
     context = RenderContext(baseline=baseline_mod.compare(result, base) if base is not None else None,
                             width=_terminal_width())
     ordered = sorted(dict.fromkeys(formats), key=lambda f: f != "text")  # the table first, as before
     outputs = {fmt: REPORTERS[fmt].render(result, context) for fmt in ordered if fmt != "text" or not args.quiet}
-    plan_text = emit_toml(result) if args.emit_plan else None
-
-    out_dir = Path(args.output_dir) if args.output_dir else Path(".")
+    files = OutputSet(written=written if written is not None else [])
     for fmt, content in outputs.items():
-        reporter = REPORTERS[fmt]
-        if fmt == "text" or (fmt in STDOUT_FORMATS and not args.output_dir):
-            sys.stdout.write(content if isinstance(content, str) else content.decode())
-            continue
-        path = out_dir / f"lowrank-audit{reporter.suffix}"
-        with atomic_write(path, binary=reporter.binary) as fh:
-            fh.write(content)
+        if fmt in dest:
+            files.add(dest[fmt], content)
+    if "plan" in dest:
+        files.add(dest["plan"], emit_toml(result))
+    to_stdout = [content for fmt, content in outputs.items() if fmt not in dest]
+
+    def stdout() -> None:
+        for content in to_stdout:
+            write_stdout(content)
+
+    for path in files.commit(after=stdout):
         print(f"wrote {path}", file=sys.stderr)
-    if plan_text is not None:
-        with atomic_write(args.emit_plan) as fh:
-            fh.write(plan_text)
-        print(f"wrote {args.emit_plan}", file=sys.stderr)
     return exit_code(result)
 
 

@@ -3,6 +3,8 @@ plan file < command-line flags."""
 
 from __future__ import annotations
 
+import difflib
+import math
 import sys
 from dataclasses import dataclass, fields, replace
 from enum import Enum
@@ -58,34 +60,66 @@ class Settings:
                 close = ", ".join(sorted(known))
                 raise AuditError(f"unknown setting '{key}' in {origin}", f"Known settings: {close}")
             clean[name] = _coerce(name, value, getattr(self, name), origin)
+            _check_range(name, clean[name], origin)
         return replace(self, **clean)
+
+
+def _number(name: str, value: Any, want_int: bool, origin: str) -> int | float:
+    """A finite number from a number or (from the command line) its text; never a bool, never NaN or infinity."""
+    bad = AuditError(f"setting '{name}' in {origin} has a bad value {value!r}",
+                     f"Use a {'whole number' if want_int else 'finite number'}, e.g. {_EXAMPLES.get(name, 1)}")
+    if isinstance(value, bool) or not isinstance(value, (int, float, str)):
+        raise bad
+    if isinstance(value, str):
+        try:
+            value = int(value) if want_int else float(value)
+        except ValueError:
+            raise bad from None
+    if isinstance(value, float) and not math.isfinite(value):
+        raise bad
+    if want_int:
+        if isinstance(value, float):
+            if not value.is_integer():
+                raise bad
+            value = int(value)
+        return int(value)
+    return float(value)
 
 
 def _coerce(name: str, value: Any, default: Any, origin: str) -> Any:
     if isinstance(default, Enum):
+        if not isinstance(value, str):
+            raise AuditError(f"setting '{name}' in {origin} has a bad value {value!r}",
+                             f"Use one of {', '.join(str(m.value) for m in type(default))}")
         try:
-            return type(default)(str(value).strip().lower())
+            return type(default)(value.strip().lower())
         except ValueError:
-            known = ", ".join(str(m.value) for m in type(default))
-            raise AuditError(f"setting '{name}' in {origin} has a bad value {value!r}", f"Use one of {known}") from None
-    try:
-        if isinstance(default, tuple):
-            if isinstance(value, str):
-                value = [v.strip() for v in value.split(",") if v.strip()]
-            items = tuple(type(default[0])(v) if default else str(v) for v in value)
-            return items
-        if isinstance(default, bool):
-            return bool(value)
-        if isinstance(default, int) and not isinstance(default, bool):
-            if isinstance(value, float) and not value.is_integer():
-                raise ValueError
-            return int(value)
-        if isinstance(default, float):
-            return float(value)
-        return str(value)
-    except (TypeError, ValueError):
-        raise AuditError(f"setting '{name}' in {origin} has a bad value {value!r}",
-                         f"Use a value like {default!r}") from None
+            known = [str(m.value) for m in type(default)]
+            close = difflib.get_close_matches(value.strip().lower(), known, n=1)
+            hint = f"Did you mean {close[0]}? " if close else ""
+            raise AuditError(f"setting '{name}' in {origin} has a bad value {value!r}",
+                             f"{hint}Use one of {', '.join(known)}") from None
+    if isinstance(default, tuple):
+        if isinstance(value, str):
+            value = [v.strip() for v in value.split(",") if v.strip()]
+        if not isinstance(value, (list, tuple)):
+            raise AuditError(f"setting '{name}' in {origin} has a bad value {value!r}",
+                             f"Use a list, e.g. {list(default) or ['LR004']}")
+        if default and isinstance(default[0], float):
+            return tuple(float(_number(name, v, False, origin)) for v in value)
+        if not all(isinstance(v, str) for v in value):
+            raise AuditError(f"setting '{name}' in {origin} has a bad value {value!r}",
+                             "Use a list of rule codes, e.g. [\"LR004\"]")
+        return tuple(value)
+    if isinstance(default, bool):
+        if not isinstance(value, bool):
+            raise AuditError(f"setting '{name}' in {origin} has a bad value {value!r}", "Use true or false")
+        return value
+    if isinstance(default, (int, float)):
+        return _number(name, value, isinstance(default, int), origin)
+    if not isinstance(value, str):
+        raise AuditError(f"setting '{name}' in {origin} has a bad value {value!r}", f"Use text, e.g. {default!r}")
+    return value
 
 
 def from_pyproject(start: Path | None = None) -> dict[str, Any]:
@@ -96,18 +130,58 @@ def from_pyproject(start: Path | None = None) -> dict[str, Any]:
         if candidate.is_file():
             try:
                 data = tomllib.loads(candidate.read_text(encoding="utf-8"))
-            except (OSError, tomllib.TOMLDecodeError) as exc:
-                raise AuditError(f"cannot read {candidate}: {exc}", "Fix the TOML syntax") from None
-            return dict(data.get("tool", {}).get("lowrank-auditor", {}))
+            except (OSError, ValueError, RecursionError, tomllib.TOMLDecodeError) as exc:
+                detail = " ".join(str(exc).split())[:200]
+                raise AuditError(f"cannot read {candidate}: {detail}", "Fix the TOML syntax (UTF-8 text)") from None
+            tool = data.get("tool", {})
+            table = tool.get("lowrank-auditor", {}) if isinstance(tool, dict) else {}
+            if not isinstance(table, dict):
+                raise AuditError(f"{candidate}: [tool.lowrank-auditor] is not a table",
+                                 "Write it as a [tool.lowrank-auditor] table of settings")
+            return dict(table)
     return {}
 
 
+# (low, high, low inclusive, high inclusive) per numeric setting; NaN and infinities never pass
+_RANGES: dict[str, tuple[float, float, bool, bool]] = {
+    "target_energy": (0.0, 1.0, False, True), "energy_floor": (0.0, 1.0, False, True),
+    "align": (1, 2.0**40, True, True), "min_share": (0.0, 1.0, True, True),
+    "min_break_even": (0.0, 2.0**40, True, True),
+    "min_compression": (0.0, 2.0**40, False, True), "negligible_share": (0.0, 1.0, True, True),
+    "wider_factor": (0.0, 2.0**40, False, True), "tall_ratio": (1.0, 2.0**40, True, True),
+    "tall_min_share": (0.0, 1.0, True, True),
+}
+_EXAMPLES = {"target_energy": 0.95, "energy_floor": 0.9, "align": 8, "min_share": 0.0025, "min_break_even": 16,
+             "min_compression": 1.1, "negligible_share": 0.01, "wider_factor": 4, "tall_ratio": 8,
+             "tall_min_share": 0.05, "energy_targets": "0.9,0.95,0.99"}
+
+
+def _in_range(value: float, lo: float, hi: float, lo_in: bool, hi_in: bool) -> bool:
+    return math.isfinite(value) and (lo <= value if lo_in else lo < value) and (value <= hi if hi_in else value < hi)
+
+
+def _check_range(name: str, v: Any, origin: str = "") -> None:
+    where = f" in {origin}" if origin else ""
+    if name == "energy_targets":
+        if not v:
+            raise AuditError(f"energy_targets{where} is empty", "Give at least one, e.g. 0.9,0.95,0.99")
+        for t in v:
+            if not _in_range(t, 0.0, 1.0, False, True):
+                raise AuditError(f"energy target {t}{where} is out of range",
+                                 "Energy targets are fractions in (0, 1], e.g. 0.95")
+    elif name in _RANGES:
+        lo, hi, lo_in, hi_in = _RANGES[name]
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not _in_range(v, lo, hi, lo_in, hi_in):
+            span = (f"out of range {'[' if lo_in else '('}{lo:g}, {hi:g}{']' if hi_in else ')'}" if hi <= 1 else
+                    f"not a finite number {'at least' if lo_in else 'above'} {lo:g}")
+            raise AuditError(f"setting {name} = {v!r}{where} is {span}", f"e.g. {name} = {_EXAMPLES[name]}")
+
+
 def validate(s: Settings) -> Settings:
-    for t in (*s.energy_targets, s.target_energy, s.energy_floor):
-        if not 0.0 < t <= 1.0:
-            raise AuditError(f"energy {t} is out of range", "Energy targets are fractions in (0, 1], e.g. 0.95")
-    if s.align < 1:
-        raise AuditError(f"align must be at least 1, got {s.align}", "Use --align 8 (or 1 for no rounding)")
+    """Every setting in its range (NaN, infinities and negative thresholds refused), at least one energy target,
+    fail_on one of its words; an AuditError names the setting and an example."""
+    for name in ("energy_targets", *_RANGES):
+        _check_range(name, getattr(s, name))
     if not isinstance(s.fail_on, FailOn):
         try:
             s = replace(s, fail_on=FailOn(s.fail_on))

@@ -18,13 +18,18 @@ from typing import TYPE_CHECKING, Any
 from . import lrmath
 from .config import tomllib
 from .errors import AuditError
+from .groups import escape_glob, plan_globs, toml_string
 from .results import PlanItem, PlanOrigin, PlanReview, PlanVerdict, Verdict
 
 if TYPE_CHECKING:
     from .results import Audit
 
-_BE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*be\s*$", re.I)
-_ENERGY = re.compile(r"^\s*energy\s*:\s*([0-9]*\.?[0-9]+)\s*$", re.I)
+_INT = re.compile(r"^\s*([0-9]+)\s*$", re.ASCII)
+_BE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*be\s*$", re.I | re.ASCII)
+_ENERGY = re.compile(r"^\s*energy\s*:\s*([0-9]*\.?[0-9]+)\s*$", re.I | re.ASCII)
+MAX_RANK = 2**31 - 1  # no matrix a model holds has more rows; a larger rank is a typo, refused when the plan is read
+MAX_PLAN_BYTES = 16 * 2**20  # a plan is a small text file
+_SPEC_HINT = "Use a whole number such as 64, a fraction of break-even such as '0.5be', or 'energy:0.95'"
 
 
 @dataclass
@@ -46,30 +51,67 @@ class Plan:
 
     @classmethod
     def load(cls, path: Path) -> "Plan":
-        if not path.is_file():
+        """Read a TOML or JSON plan (JSON when the name ends in .json). Every defect is one AuditError: not a
+        regular file, too large, not UTF-8, bad syntax, duplicate keys, NaN/Infinity, nesting too deep."""
+        path = Path(path)
+        if not path.exists():
             raise AuditError(f"plan file {path} does not exist", "Write one with --emit-plan, then edit it")
-        text = path.read_text(encoding="utf-8")
+        if not path.is_file():
+            raise AuditError(f"plan {path} is not a regular file", "Pass a .toml or .json plan file")
         try:
-            data = json.loads(text) if path.suffix == ".json" else tomllib.loads(text)
+            size = path.stat().st_size
+            if size > MAX_PLAN_BYTES:
+                raise AuditError(f"plan file {path} is {size:,} bytes; a plan is a small text file",
+                                 "Pass a plan written by --emit-plan (docs/plan.md)")
+            raw = path.read_bytes()
+        except OSError as exc:
+            raise AuditError(f"cannot read plan file {path}: {exc.strerror or exc}", "Check the path") from None
+        try:
+            text = raw.decode("utf-8")
+        except UnicodeDecodeError as exc:
+            raise AuditError(f"plan file {path} is not UTF-8 text (byte 0x{raw[exc.start]:02x} at offset {exc.start})",
+                             "Save it as UTF-8") from None
+        is_json = path.suffix.lower() == ".json"
+        kind = "JSON" if is_json else "TOML"
+        try:
+            data = loads_json(text) if is_json else tomllib.loads(text)
+        except RecursionError:
+            raise AuditError(f"plan file {path} is nested too deeply to be a plan", "See docs/plan.md") from None
         except (ValueError, tomllib.TOMLDecodeError) as exc:
-            raise AuditError(f"plan file {path} is not valid {'JSON' if path.suffix == '.json' else 'TOML'}: {exc}",
+            detail = " ".join(str(exc).split())[:200]
+            raise AuditError(f"plan file {path} is not valid {kind}: {detail}",
                              "Fix the syntax (see docs/plan.md)") from None
         return cls.from_dict(data, str(path))
 
     @classmethod
-    def from_dict(cls, data: dict[str, Any], source: str) -> "Plan":
-        unknown = set(data) - {"ranks", "finetune", "thresholds"}
+    def from_dict(cls, data: Any, source: str) -> "Plan":
+        """A plan from its parsed form; rank specs are checked here (their syntax), ranks per layer in review."""
+        if not isinstance(data, dict):
+            raise AuditError(f"plan {source} is {_what(data)}, not a table of ranks",
+                             'A plan has a [ranks] table such as "fc1" = 64 (docs/plan.md)')
+        unknown = set(map(str, data)) - {"ranks", "finetune", "thresholds"}
         if unknown:
-            raise AuditError(f"plan {source} has unknown key(s) {', '.join(sorted(unknown))}",
+            shown = ", ".join(repr(k) for k in sorted(unknown)[:5]) + (", ..." if len(unknown) > 5 else "")
+            raise AuditError(f"plan {source} has unknown key(s) {shown}",
                              "A plan has [ranks], finetune and [thresholds] only (docs/plan.md)")
         ranks = data.get("ranks", {})
         if not isinstance(ranks, dict):
-            raise AuditError(f"plan {source}: 'ranks' must be a table of pattern = rank", 'e.g. "fc1" = 64')
+            raise AuditError(f"plan {source}: 'ranks' is {_what(ranks)}, not a table of pattern = rank",
+                             'e.g. [ranks] "fc1" = 64')
+        for pattern, spec in ranks.items():
+            if not isinstance(pattern, str) or not pattern:
+                raise AuditError(f"plan {source}: pattern {pattern!r} is not a layer name or glob",
+                                 'e.g. "encoder.layer.*.intermediate.dense" = 256')
+            check_spec(spec, pattern, source)
         ft = data.get("finetune")
+        if ft is not None and not isinstance(ft, str):
+            raise AuditError(f"plan {source}: 'finetune' is {_what(ft)}, not text",
+                             'e.g. finetune = "1 epoch on the training set, lr 1e-4"')
         thresholds = data.get("thresholds", {})
         if not isinstance(thresholds, dict):
-            raise AuditError(f"plan {source}: 'thresholds' must be a table", "e.g. energy_floor = 0.9")
-        return cls(dict(ranks), None if ft is None else str(ft), dict(thresholds), source)
+            raise AuditError(f"plan {source}: 'thresholds' is {_what(thresholds)}, not a table",
+                             "e.g. [thresholds] energy_floor = 0.9")
+        return cls(dict(ranks), ft, dict(thresholds), source)
 
     @property
     def has_finetune(self) -> bool:
@@ -79,35 +121,97 @@ class Plan:
         return text not in ("", "0", "none", "no", "false", "0 steps", "0 epochs")
 
 
-def _rank(spec: Any, layer_name: str, be: float, pattern: str, spectrum: Any, source: str) -> int:
-    where = f"plan {source}, pattern {pattern!r}, layer {layer_name}"
-    if isinstance(spec, bool):
-        raise AuditError(f"{where}: rank {spec!r} is not an integer", "Use an integer, '0.5be' or 'energy:0.95'")
-    if isinstance(spec, float):
-        if not spec.is_integer():
-            raise AuditError(f"{where}: rank {spec} is not an integer", "Ranks are whole numbers")
-        spec = int(spec)
+def _what(value: Any) -> str:
+    """A value's kind in a user's words: 'a list', 'text', 'null'."""
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return f"a boolean ({str(value).lower()})"
+    if isinstance(value, str):
+        return f"text ({value[:40]!r})"
+    if isinstance(value, (int, float)):
+        return f"a number ({value!r})"
+    return {dict: "a table", list: "a list"}.get(type(value), f"a {type(value).__name__}")
+
+
+def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in out:
+            raise ValueError(f"duplicate key {key!r}")
+        out[key] = value
+    return out
+
+
+def _no_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not a number JSON allows")
+
+
+def loads_json(text: str) -> Any:
+    """Strict JSON: duplicate keys and NaN/Infinity are errors (``json.loads`` keeps the last duplicate silently
+    and reads NaN); numbers too large for a float are errors too."""
+    def big_float(s: str) -> float:
+        v = float(s)
+        if not math.isfinite(v):
+            raise ValueError(f"number {s[:30]} is too large")
+        return v
+
+    return json.loads(text, object_pairs_hook=_no_duplicates, parse_constant=_no_constant, parse_float=big_float)
+
+
+def check_spec(spec: Any, pattern: str, source: str) -> None:
+    """Raise AuditError unless ``spec`` is a rank spec: a whole number 1..MAX_RANK (not a bool, not a float),
+    ``"<x>be"`` with x > 0, or ``"energy:<e>"`` with 0 < e <= 1."""
+    literal = not any(c in pattern for c in "*?[")
+    where = f"plan {source}, layer {pattern}" if literal else f"plan {source}, pattern {pattern!r}"
+    if isinstance(spec, dict):
+        raise AuditError(f"{where}: is a table, not a rank (an unquoted dotted pattern makes nested tables)",
+                         f'Quote the pattern: "{pattern}.…" = 64')
+    if isinstance(spec, (bool, float)):
+        shown = str(spec).lower() if isinstance(spec, bool) else repr(spec)
+        raise AuditError(f"{where}: rank {shown} is not an integer", _SPEC_HINT)
+    if not isinstance(spec, (int, str)):
+        raise AuditError(f"{where}: rank {_what(spec)} is not a rank spec", _SPEC_HINT)
     if isinstance(spec, str):
-        s = spec.strip()
-        if s.lstrip("-").isdigit():
-            spec = int(s)
-        elif be_match := _BE.match(s):
-            spec = max(1, math.floor(float(be_match.group(1)) * be))
-        elif energy_match := _ENERGY.match(s):
-            e = float(energy_match.group(1))
-            if not 0 < e <= 1:
-                raise AuditError(f"{where}: energy {e} is out of (0, 1]", "e.g. 'energy:0.95'")
-            if spectrum is None or spectrum.sigma is None:
-                raise AuditError(f"{where}: 'energy:' needs the layer's spectrum, which was not computed",
-                                 "Give an integer rank, or audit with spectra (no --no-spectra, real weights)")
-            spec = spectrum.rank_for(e)
+        if m := _INT.match(spec):
+            spec = int(m.group(1)) if len(m.group(1)) < 20 else MAX_RANK + 1
+        elif m := _BE.match(spec):
+            if not 0 < float(m.group(1)) <= 1e6:
+                raise AuditError(f"{where}: rank {spec!r} must be a fraction above 0 of break-even",
+                                 "e.g. '0.5be' (half the break-even rank)")
+            return
+        elif m := _ENERGY.match(spec):
+            if not 0 < float(m.group(1)) <= 1:
+                raise AuditError(f"{where}: energy {spec!r} is out of (0, 1]", "e.g. 'energy:0.95'")
+            return
         else:
-            raise AuditError(f"{where}: cannot read rank {spec!r}", "Use an integer, '0.5be' or 'energy:0.95'")
-    if not isinstance(spec, int):
-        raise AuditError(f"{where}: rank {spec!r} is not an integer", "Use an integer, '0.5be' or 'energy:0.95'")
+            raise AuditError(f"{where}: cannot read rank {spec[:60]!r}", _SPEC_HINT)
     if spec <= 0:
         raise AuditError(f"{where}: rank {spec} must be positive", "Use a rank of at least 1, or remove the line")
-    return spec
+    if spec > MAX_RANK:
+        raise AuditError(f"{where}: rank {str(spec)[:30]} is larger than any matrix", _SPEC_HINT)
+
+
+def _rank(spec: Any, layer_name: str, be: float, pattern: str, spectrum: Any, source: str) -> int:
+    """The rank ``spec`` (checked by :func:`check_spec`) asks for at this layer."""
+    check_spec(spec, pattern, source)
+    where = f"plan {source}, pattern {pattern!r}, layer {layer_name}"
+    if isinstance(spec, int):
+        return spec
+    if m := _INT.match(spec):
+        return int(m.group(1))
+    if m := _BE.match(spec):
+        r = math.floor(float(m.group(1)) * be)
+        if r < 1:
+            raise AuditError(f"{where}: {spec!r} of break-even {be:.1f} is rank {r}",
+                             "Use a larger fraction, or an integer rank of at least 1")
+        return r
+    m = _ENERGY.match(spec)
+    assert m is not None
+    if spectrum is None or spectrum.sigma is None:
+        raise AuditError(f"{where}: 'energy:' needs the layer's spectrum, which was not computed",
+                         "Give an integer rank, or audit with spectra (no --no-spectra, real weights)")
+    return int(spectrum.rank_for(float(m.group(1))))
 
 
 def resolve(audit: "Audit", plan: Plan) -> list[tuple[str, int, str, str]]:
@@ -117,7 +221,8 @@ def resolve(audit: "Audit", plan: Plan) -> list[tuple[str, int, str, str]]:
     for pattern, spec in plan.ranks.items():
         hits = [l for l in audit.layers if fnmatch.fnmatchcase(l.name, pattern) or fnmatch.fnmatchcase(l.param, pattern)]
         if not hits:
-            close = difflib.get_close_matches(pattern, names, n=3, cutoff=0.4)
+            candidates = list(dict.fromkeys([*names, *(l.param for l in audit.layers)]))
+            close = difflib.get_close_matches(pattern, candidates, n=3, cutoff=0.4)
             hint = f"Closest layer names: {', '.join(close)}" if close else "List layers with --format json"
             raise AuditError(f"plan {plan.source}: pattern {pattern!r} matches no factorizable layer", hint)
         for layer in hits:
@@ -161,29 +266,80 @@ def review_plan(audit: "Audit", plan: Plan | None) -> PlanReview:
     )
 
 
+def _comment(text: str) -> str:
+    """``text`` safe inside a ``#`` comment line: control, line-separator and bidi characters escaped as ``\\uXXXX``
+    (a name can never end the comment and start live TOML), lone surrogates as ``\\udXXX``."""
+    text = text.encode("utf-8", "backslashreplace").decode("utf-8")
+    return toml_string(text)[1:-1]
+
+
+def shared(layer: Any) -> bool:
+    """Whether a layer is tied or shared, as LR006 decides (more than one name, more than one use site, or more
+    than one call per forward): the suggested plan never targets one."""
+    return bool(layer.tied or layer.calls > 1)
+
+
 def emit_toml(audit: "Audit") -> str:
-    """The suggested plan as an editable TOML file: one pattern = rank per line."""
+    """The suggested plan as an editable TOML file that passes its own review: one ``pattern = rank`` per layer or
+    group (``model.layers.*.mlp.down_proj`` where every member has one rank), each pattern a properly escaped TOML
+    string that selects exactly its layers (glob characters in names escaped). Tied or shared weights (LR006) and
+    layers left dense appear only in comments, their names escaped so no name can become TOML."""
     s = audit.settings
     lines = [
-        f"# Compression plan suggested by lowrank-auditor for {audit.model_name} ({audit.source}).",
+        f"# Compression plan suggested by lowrank-auditor for {_comment(audit.model_name)} ({_comment(audit.source)}).",
         f"# Ranks keep >= {100 * s.target_energy:g}% spectral energy, rounded up to a multiple of {s.align}.",
         "# Edit a rank (an integer, \"0.5be\" = half the break-even rank, or \"energy:0.95\"), delete a line to keep",
         "# that layer dense, describe the recovery fine-tune, then review it:",
-        f"#   lowrank-audit {audit.source} --plan THIS_FILE",
+        f"#   lowrank-audit {_comment(audit.source)} --plan THIS_FILE",
         "",
         'finetune = ""  # the recovery fine-tune budget, e.g. "1 epoch on the training set, lr 1e-4"',
         "",
         "[ranks]",
     ]
+    ranks: dict[str, int] = {}
+    tied: list[str] = []
+    unwritable: list[str] = []
     for layer in audit.layers:
         sg = audit.suggestions.get(layer.name)
         if sg is None or sg.verdict is not Verdict.FACTORIZE or sg.rank is None:
             continue
-        lines.append(f"{json.dumps(layer.name)} = {sg.rank}  # {100 * (sg.energy_at_rank or 0):.1f}% energy, "
-                     f"{sg.compression:.2f}x, break-even {layer.break_even:.1f}, {layer.m}x{layer.n}")
+        try:
+            toml_string(layer.name)
+        except ValueError:
+            unwritable.append(layer.name)
+            continue
+        if shared(layer):
+            tied.append(layer.name)
+        else:
+            ranks[layer.name] = sg.rank
+    names = [l.name for l in audit.layers]
+    globs = plan_globs(ranks, names=names, also_matched={l.param: l.name for l in audit.layers})
+    for glob, r in globs.items():
+        members = [n for n in ranks if fnmatch.fnmatchcase(n, glob)] or [n for n in ranks if escape_glob(n) == glob]
+        layer = audit.layer(members[0])
+        sgs = [audit.suggestions[n] for n in members]
+        energy = min(sg.energy_at_rank or 0 for sg in sgs)
+        if len(members) == 1:
+            note = (f"{100 * energy:.1f}% energy, {sgs[0].compression:.2f}x, break-even {layer.break_even:.1f}, "
+                    f"{layer.m}x{layer.n}")
+        else:
+            shapes = "/".join(dict.fromkeys(f"{audit.layer(n).m}x{audit.layer(n).n}" for n in members))
+            note = f"{len(members)} layers of {shapes}, each keeping >= {100 * energy:.1f}% energy"
+        lines.append(f"{toml_string(glob)} = {r}  # {note}")
+    if tied:
+        lines += ["", "# Tied or shared weights are not targeted (LR006): factorizing one changes every use at once.",
+                  "# Untie it first, or check the error at every use, then uncomment its line:"]
+        for name in tied:
+            layer = audit.layer(name)
+            also = ", ".join(_comment(a) for a in [layer.param, *layer.aliases])
+            lines.append(f"# {toml_string(escape_glob(name))} = {audit.suggestions[name].rank}  "
+                         f"# names {also}; {layer.calls} use(s) per forward")
     kept_dense = [l for l in audit.layers if audit.suggestions[l.name].verdict is not Verdict.FACTORIZE]
-    if kept_dense:
+    if kept_dense or unwritable:
         lines += ["", "# Left dense:"]
         for l in kept_dense:
-            lines.append(f"# {l.name}: {audit.suggestions[l.name].verdict} ({audit.suggestions[l.name].reason})")
+            sg = audit.suggestions[l.name]
+            lines.append(f"# {_comment(l.name)}: {sg.verdict} ({_comment(sg.reason)})")
+        for name in unwritable:
+            lines.append(f"# {_comment(name)}: its name holds a lone surrogate, which no TOML file can hold")
     return "\n".join(lines) + "\n"

@@ -1,0 +1,255 @@
+"""All-or-nothing output for the command line: every report and the emitted plan are rendered first, written into a
+temporary folder beside each destination, then renamed into place; on any failure what was moved is rolled back
+(a replaced file gets its old content back), so a run leaves either every output or none. No torch here.
+
+Destinations are checked before the audit runs (:func:`check_destination`): an existing path that is not a regular
+file (a folder, a symbolic link, a device such as /dev/null, a FIFO) is never replaced, and a folder that cannot be
+written is refused while it is still cheap to say so.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import stat
+import sys
+import tempfile
+import threading
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import BinaryIO, Callable, Iterator
+
+from .errors import AuditError
+
+TMP_PREFIX = ".lowrank-audit-"  # the staging folders' names start with this (a killed run may leave one)
+
+
+def _open_new(path: Path) -> BinaryIO:
+    """Create ``path`` for writing (never an existing file); tests substitute one that fails like a full disk."""
+    return open(path, "xb")
+
+
+def _kind(mode: int) -> str:
+    for test, word in ((stat.S_ISREG, "a file"), (stat.S_ISDIR, "a folder"), (stat.S_ISLNK, "a symbolic link"),
+                       (stat.S_ISCHR, "a device"),
+                       (stat.S_ISBLK, "a block device"), (stat.S_ISFIFO, "a FIFO"), (stat.S_ISSOCK, "a socket")):
+        if test(mode):
+            return word
+    return "not a regular file"
+
+
+def _existing_ancestor(path: Path) -> Path:
+    for folder in [path, *path.parents]:
+        if os.path.lexists(folder):
+            return folder
+    return Path(".")
+
+
+def _probe(folder: Path, what: str) -> None:
+    """Create and remove an empty folder in ``folder``: the cheap proof that writing there can work at all
+    (a pseudo filesystem such as /proc, a read-only mount, missing permission)."""
+    try:
+        os.rmdir(tempfile.mkdtemp(prefix=TMP_PREFIX, suffix=".probe", dir=folder))
+    except OSError as exc:
+        raise AuditError(f"{what}: cannot write in {folder} ({exc.strerror or exc})",
+                         "Choose a folder you can write to") from None
+
+
+def check_folder(folder: str | Path, what: str) -> None:
+    """``folder`` is, or can become, a writable folder (``what`` names the flag in the error)."""
+    path = Path(folder)
+    if os.path.lexists(path) and not path.is_dir():
+        raise AuditError(f"{what} {path} is {_kind(os.lstat(path).st_mode)}, not a folder",
+                         "Pass a folder (it is created when missing)")
+    anc = _existing_ancestor(path)
+    if not anc.is_dir():
+        raise AuditError(f"{what} {path}: {anc} is {_kind(os.lstat(anc).st_mode)}, not a folder",
+                         "Pass a folder path whose parents are folders")
+    _probe(anc, f"{what} {path}")
+
+
+def check_destination(path: str | Path, what: str) -> None:
+    """``path`` may be written: it is missing or a regular file (replaced atomically), and its folder is writable."""
+    p = Path(path)
+    if os.path.lexists(p):
+        mode = os.lstat(p).st_mode
+        if stat.S_ISDIR(mode):
+            raise AuditError(f"{what} {p} is a folder", f"Pass a file path, such as {p / 'plan.toml'}")
+        if not stat.S_ISREG(mode):
+            raise AuditError(f"{what} {p} is {_kind(mode)}; refusing to replace it",
+                             "Pass the path of a regular file (an existing one is replaced atomically)")
+    check_folder(p.parent, f"{what} {p}: folder")
+
+
+def same_file(a: str | Path, b: str | Path) -> bool:
+    """Whether two paths name the same file (existing: by inode; otherwise by resolved path)."""
+    try:
+        return os.path.samefile(a, b)
+    except OSError:
+        return Path(a).resolve() == Path(b).resolve()
+
+
+@dataclass
+class _Entry:
+    path: Path
+    data: bytes
+    staged: Path | None = None
+    backup: Path | None = None  # the replaced file's old content, kept until the run succeeds
+    moved: bool = False
+
+
+@contextmanager
+def _sigint_deferred() -> Iterator[list[int]]:
+    """Hold Ctrl-C while files are renamed into place (a few renames), so an interrupt cannot split them; the
+    caller sees the held signal afterwards."""
+    held: list[int] = []
+    if threading.current_thread() is not threading.main_thread():
+        yield held
+        return
+    old = signal.getsignal(signal.SIGINT)
+    signal.signal(signal.SIGINT, lambda signum, frame: held.append(signum))
+    try:
+        yield held
+    finally:
+        signal.signal(signal.SIGINT, old)
+
+
+@dataclass
+class OutputSet:
+    """The files one run writes. ``add`` them, then ``commit``: all are written, or none (and the error says what
+    exists). ``written`` lists what is in place, for the interrupt message."""
+
+    entries: list[_Entry] = field(default_factory=list)
+    written: list[Path] = field(default_factory=list)
+    _staging: dict[Path, Path] = field(default_factory=dict)  # destination folder -> its staging folder
+    _created: list[Path] = field(default_factory=list)  # folders made for the outputs, outermost first
+
+    def add(self, path: str | Path, data: str | bytes) -> None:
+        p = Path(path)
+        if any(same_file(e.path, p) for e in self.entries):
+            raise AuditError(f"two outputs would be written to {p}", "Give --emit-plan a path outside the reports")
+        self.entries.append(_Entry(p, data.encode("utf-8") if isinstance(data, str) else data))
+
+    # -- staging -------------------------------------------------------------------------------------------------
+    def _mkdirs(self, folder: Path) -> None:
+        missing = [f for f in [folder, *folder.parents] if not os.path.lexists(f)]
+        for f in reversed(missing):
+            os.mkdir(f)
+            self._created.append(f)
+
+    def _stage(self) -> None:
+        umask = os.umask(0)
+        os.umask(umask)
+        for e in self.entries:
+            folder = e.path.parent
+            try:
+                self._mkdirs(folder)
+                key = folder.resolve()
+                if key not in self._staging:
+                    self._staging[key] = Path(tempfile.mkdtemp(prefix=TMP_PREFIX, suffix=".tmp", dir=folder))
+                e.staged = self._staging[key] / e.path.name
+                with _open_new(e.staged) as fh:
+                    fh.write(e.data)
+                    fh.flush()
+                    os.fsync(fh.fileno())
+                os.chmod(e.staged, 0o666 & ~umask)  # an ordinary file, as the user's umask makes them
+            except OSError as exc:
+                raise AuditError(f"cannot write {e.path}: {exc.strerror or exc}") from None
+
+    def _move(self, e: _Entry) -> None:
+        if os.path.lexists(e.path):
+            mode = os.lstat(e.path).st_mode
+            if not stat.S_ISREG(mode):
+                raise AuditError(f"{e.path} is {_kind(mode)}; refusing to replace it",
+                                 "Remove it or choose another path")
+            e.backup = e.staged.with_name(".old-" + e.path.name)  # type: ignore[union-attr]
+            try:
+                os.link(e.path, e.backup)  # the old content stays reachable; the rename below stays atomic
+            except OSError:
+                try:
+                    shutil.copy2(e.path, e.backup)  # a filesystem without hard links
+                except OSError as exc:
+                    raise AuditError(f"cannot keep a copy of {e.path} before replacing it: "
+                                     f"{exc.strerror or exc}") from None
+        try:
+            os.replace(e.staged, e.path)  # type: ignore[arg-type]
+        except OSError as exc:
+            raise AuditError(f"cannot move {e.path} into place: {exc.strerror or exc}") from None
+        e.moved = True
+
+    # -- the whole run -------------------------------------------------------------------------------------------
+    def commit(self, after: Callable[[], None] | None = None) -> list[Path]:
+        """Stage every file, rename each into place, run ``after`` (writing stdout), then drop the backups. Any
+        failure (or Ctrl-C) before the end restores what was there and raises; AuditError says what exists."""
+        interrupted = False
+        try:
+            self._stage()
+            with _sigint_deferred() as held:
+                for e in self.entries:
+                    self._move(e)
+            interrupted = bool(held)
+            if interrupted:
+                raise KeyboardInterrupt
+            if after is not None:
+                after()
+        except BaseException as exc:
+            with _sigint_deferred():  # a second Ctrl-C cannot cut the rollback short
+                left = self.rollback()
+            if isinstance(exc, (KeyboardInterrupt, SystemExit)):
+                raise
+            what = exc.what if isinstance(exc, AuditError) else _describe(exc)
+            fix = exc.fix if isinstance(exc, AuditError) and exc.fix else \
+                "Free space, or choose another -o / --emit-plan path"
+            state = ("no file was written and existing files were left as they were" if not left else
+                     f"these could not be restored and are in place: {', '.join(map(str, left))}")
+            raise AuditError(f"{what}; {state}", fix) from None
+        self.written.extend(e.path for e in self.entries)  # in place: an interrupt from here on says so
+        self._cleanup()
+        return [e.path for e in self.entries]
+
+    def rollback(self) -> list[Path]:
+        """Undo what was moved (restore replaced files, remove new ones) and remove the staging folders and the
+        folders made for the outputs. Returns the paths that could not be undone."""
+        left: list[Path] = []
+        for e in reversed(self.entries):
+            if not e.moved:
+                continue
+            try:
+                if e.backup is not None:
+                    os.replace(e.backup, e.path)
+                else:
+                    os.unlink(e.path)
+                e.moved = False
+            except OSError:
+                left.append(e.path)
+        self._cleanup()
+        for f in reversed(self._created):
+            try:
+                os.rmdir(f)
+            except OSError:
+                pass
+        return left
+
+    def _cleanup(self) -> None:
+        for tmp in self._staging.values():
+            shutil.rmtree(tmp, ignore_errors=True)
+        self._staging.clear()
+
+
+def _describe(exc: BaseException) -> str:
+    if isinstance(exc, OSError):
+        where = f" {exc.filename}" if exc.filename else ""
+        return f"cannot write{where}: {exc.strerror or exc}"
+    return f"cannot write the outputs: {type(exc).__name__}: {exc}"
+
+
+def write_stdout(text: str | bytes) -> None:
+    """Write to stdout and flush, so a full disk or a closed pipe is seen here and not at interpreter exit."""
+    try:
+        sys.stdout.write(text if isinstance(text, str) else text.decode())
+        sys.stdout.flush()
+    except OSError as exc:
+        raise AuditError(f"cannot write to standard output: {exc.strerror or exc}",
+                         "Redirect stdout to a writable file, or pass -o DIR") from None

@@ -1,0 +1,545 @@
+"""The hostile and broken inputs of issue 13, generated (no committed binaries): one case per kind, each with the
+exit code and the message fragment the command line must give.
+
+    python tests/corpus/make_corpus.py DIR        # write every case into DIR/<case>/ with its case.json
+
+``tests/corpus/test_corpus.py`` generates each case into a temporary folder and runs it. A case's ``argv`` is relative
+to its folder (``OUT`` stands for the -o folder); ``owner`` names the helper whose fix the case waits for (its test
+is a strict xfail until that fix is merged); ``child`` cases run in a separate interpreter with a memory limit and a
+timeout, because the failure they guard against is a crash, an OOM kill or a hang.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+OUT = "OUT"
+
+
+@dataclass
+class Case:
+    name: str
+    kind: str  # the issue's heading
+    make: Callable[[Path], list[str]]  # writes the inputs into the folder, returns argv
+    code: int | tuple[int, ...]  # the exit code (or the codes the issue leaves open)
+    fragment: str | None = None  # must appear in stderr (exit 2) or in stdout + stderr
+    absent: tuple[str, ...] = ()  # must appear in neither
+    check: Callable[[Path, Any, Callable], None] | None = None  # (folder, result, run) -> asserts more
+    prepare: Callable[[Path, Callable], None] | None = None  # (folder, run): a first run, before the case's own
+    owner: str | None = None  # helper whose fix is not in main yet: "load", "spectra", "wire"
+    child: bool = False  # run in a child interpreter (memory limit, timeout, real stdout)
+    stdout: str | None = None  # child only: a path for stdout ("/dev/full")
+    env: dict[str, str] = field(default_factory=dict)  # child only
+    timeout: int = 180  # child only: seconds before the run counts as a hang
+
+    @property
+    def codes(self) -> tuple[int, ...]:
+        return self.code if isinstance(self.code, tuple) else (self.code,)
+
+
+# -- small writers ---------------------------------------------------------------------------------------------------
+
+LOW_RANK = '''
+import torch
+from torch import nn
+def model():
+    g = torch.Generator().manual_seed(0)
+    m = nn.Sequential(nn.Linear(48, 64), nn.ReLU(), nn.Linear(64, 48), nn.ReLU(), nn.Linear(48, 4))
+    with torch.no_grad():
+        m[0].weight.copy_(torch.randn(64, 3, generator=g) @ torch.randn(3, 48, generator=g))
+        m[2].weight.copy_(torch.randn(48, 3, generator=g) @ torch.randn(3, 64, generator=g))
+    return m, (torch.zeros(1, 48),)
+'''
+
+
+def _py(d: Path, body: str, fn: str = "model") -> str:
+    """A factory file named after its folder (module names never collide between cases)."""
+    p = d / f"{d.name.replace('-', '_')}.py"
+    p.write_text("import torch\nfrom torch import nn\n" + body)
+    return f"{p}:{fn}"
+
+
+def _mlp(d: Path) -> str:
+    return _py(d, LOW_RANK)
+
+
+def _text(d: Path, name: str, content: str | bytes) -> Path:
+    p = d / name
+    p.write_bytes(content if isinstance(content, bytes) else content.encode())
+    return p
+
+
+def _safetensors(path: Path, tensors: dict[str, Any]) -> Path:
+    from safetensors.torch import save_file
+
+    save_file(tensors, str(path))
+    return path
+
+
+def _low_rank(m: int = 64, n: int = 48, r: int = 3, seed: int = 0, dtype: Any = None) -> Any:
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(m, r, generator=g, dtype=torch.float64) @ torch.randn(r, n, generator=g, dtype=torch.float64)
+    return w.to(dtype or torch.float32).contiguous()
+
+
+GPT2_CONFIG = {"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"], "vocab_size": 128, "n_positions": 16,
+               "n_embd": 32, "n_layer": 2, "n_head": 2, "bos_token_id": 0, "eos_token_id": 0}
+
+
+def _hf_dir(d: Path, config: dict | None = None) -> Path:
+    ck = d / "ckpt"
+    ck.mkdir()
+    (ck / "config.json").write_text(json.dumps(config or GPT2_CONFIG))
+    return ck
+
+
+def _plan(d: Path, content: str | bytes, suffix: str = ".toml") -> list[str]:
+    return [_mlp(d), "-q", "--plan", str(_text(d, "plan" + suffix, content)), "--format", "json", "-o", OUT]
+
+
+def _json_report(out: Path) -> dict:
+    def bare(c: str) -> Any:
+        raise AssertionError(f"bare {c} in the JSON report")
+
+    return json.loads((out / "lowrank-audit.json").read_text(), parse_constant=bare)
+
+
+# -- checks ----------------------------------------------------------------------------------------------------------
+
+def _emitted_plan_is_data_only(d: Path, res: Any, run: Callable) -> None:
+    from auditor.config import tomllib
+
+    data = tomllib.loads((d / OUT / "plan.toml").read_text(encoding="utf-8"))
+    assert set(data) == {"finetune", "ranks"}, data
+    again = run(str(d / "w.safetensors"), "-q", "--plan", str(d / OUT / "plan.toml"), "--format", "json")
+    assert again.returncode == 0, again.stderr  # reviewed: nothing but LR005 (a warning), no injected settings
+
+
+def _tied_not_targeted(d: Path, res: Any, run: Callable) -> None:
+    from auditor.config import tomllib
+
+    plan = d / OUT / "plan.toml"
+    assert "emb" not in tomllib.loads(plan.read_text())["ranks"]
+    plan.write_text(plan.read_text().replace('finetune = ""', 'finetune = "1 epoch"'))
+    again = run(_mlp_tied_spec(d), "-q", "--plan", str(plan), "--fail-on", "warning")
+    assert again.returncode == 0, again.stderr + again.stdout
+
+
+def _mlp_tied_spec(d: Path) -> str:
+    return f"{d / (d.name.replace('-', '_') + '.py')}:model"
+
+
+TIED = '''
+class Tied(nn.Module):
+    def __init__(self):
+        super().__init__()
+        g = torch.Generator().manual_seed(0)
+        self.emb = nn.Embedding(256, 64)
+        self.mid = nn.Linear(64, 64)
+        self.out = nn.Linear(64, 256, bias=False)
+        with torch.no_grad():
+            self.emb.weight.copy_(torch.randn(256, 3, generator=g) @ torch.randn(3, 64, generator=g))
+            self.mid.weight.copy_(torch.randn(64, 3, generator=g) @ torch.randn(3, 64, generator=g))
+        self.out.weight = self.emb.weight
+    def forward(self, ids):
+        return self.out(self.mid(self.emb(ids)))
+def model():
+    return Tied(), (torch.zeros(1, 8, dtype=torch.long),)
+'''
+
+
+def _layers_present(*names: str) -> Callable:
+    def check(d: Path, res: Any, run: Callable) -> None:
+        got = {l["name"] for l in _json_report(d / OUT)["layers"]}
+        assert set(names) <= got, (names, got)
+    return check
+
+
+def _valid_json(d: Path, res: Any, run: Callable) -> None:
+    _json_report(d / OUT)
+
+
+def _stdout_is_json(d: Path, res: Any, run: Callable) -> None:
+    assert json.loads(res.stdout)["format_version"] == 1
+
+
+def _counted_once(d: Path, res: Any, run: Callable) -> None:
+    assert _json_report(d / OUT)["totals"]["params"] == 64 * 48 + 48 * 32, "a tied tensor was counted twice"
+
+
+def _no_lr007(d: Path, res: Any, run: Callable) -> None:
+    assert not [f for f in _json_report(d / OUT)["findings"] if f["code"] == "LR007"]
+
+
+def _structure_or_memory(d: Path, res: Any, run: Callable) -> None:
+    text = (res.stdout + res.stderr).lower()
+    assert ("structure" in text) if res.returncode == 0 else ("memory" in text or "gb" in text), text[-500:]
+
+
+def _cache_entries_checked(d: Path, res: Any, run: Callable) -> None:
+    import numpy as np
+
+    first = _json_report(d / OUT)["suggestions"]
+    entries = [p for p in (d / "cache").rglob("*.f64")]
+    assert entries
+    for p in entries:
+        np.full(p.stat().st_size // 8, np.nan).tofile(p)  # same size, NaN content
+    again = run(_mlp(d), "-q", "--cache-dir", str(d / "cache"), "--format", "json", "-o", str(d / "out2"))
+    assert again.returncode == 0, again.stderr
+    assert _json_report(d / "out2")["suggestions"] == first
+
+
+def _home_untouched(d: Path, res: Any, run: Callable) -> None:
+    assert not any((d / "home").iterdir()), list((d / "home").rglob("*"))
+
+
+def _no_raw_controls(d: Path, res: Any, run: Callable) -> None:
+    md = (d / OUT / "lowrank-audit.md").read_text()
+    for text in (md, res.stdout):
+        assert "\x1b" not in text and "\u202e" not in text and "\n[PASS" not in text
+    assert "![x](http" not in md and "\n# evil" not in md
+
+
+# -- the cases -------------------------------------------------------------------------------------------------------
+
+def _cases() -> list[Case]:
+    import torch
+
+    c: list[Case] = []
+    add = c.append
+    W = "wrong audits that exit 0"
+    R = "reading or replacing what was not asked"
+    INJ = "injection"
+    CR = "crashes, hangs, blow-ups"
+    AON = "all-or-nothing output"
+    LV = "loose validation"
+
+    # ---- wrong audits that exit 0 (load, spectra, graph) ----
+    def hf_partial(d: Path) -> list[str]:
+        ck = _hf_dir(d)
+        _safetensors(ck / "model.safetensors", {"transformer.h.0.mlp.c_fc.weight": torch.zeros(32, 128)})
+        return [str(ck), "-q", "--format", "json", "-o", OUT]
+    add(Case("hf-checkpoint-covers-one-matrix", W, hf_partial, 2, "missing", owner="load"))
+
+    def hf_empty_map(d: Path) -> list[str]:
+        ck = _hf_dir(d)
+        _text(ck, "model.safetensors.index.json", json.dumps({"weight_map": {}}))
+        return [str(ck), "-q", "--format", "json", "-o", OUT]
+    add(Case("hf-index-weight-map-empty", W, hf_empty_map, 2, "missing", owner="load"))
+
+    def weights_missing(d: Path) -> list[str]:
+        torch.save({"0.weight": torch.zeros(64, 48), "0.bias": torch.zeros(64)}, d / "w.pt")
+        return [_mlp(d), "-q", "--weights", str(d / "w.pt"), "--format", "json", "-o", OUT]
+    add(Case("weights-missing-a-tensor", W, weights_missing, 2, "missing", owner="load"))
+
+    def weights_empty_dir(d: Path) -> list[str]:
+        (d / "wdir").mkdir()
+        return [_mlp(d), "-q", "--weights", str(d / "wdir"), "--format", "json", "-o", OUT]
+    add(Case("weights-dir-without-weights", W, weights_empty_dir, 2, None, owner="load"))
+
+    def bare_config(d: Path) -> list[str]:
+        return [str(_hf_dir(d) / "config.json"), "-q", "--format", "json", "-o", OUT]
+    add(Case("bare-config-random-weights", W, bare_config, (0, 2), None, check=_structure_or_memory, owner="load"))
+
+    def norms(d: Path) -> list[str]:
+        return [_py(d, '''
+from torch.nn.utils import parametrize, spectral_norm
+from torch.nn.utils.parametrizations import weight_norm
+class Sym(nn.Module):
+    def forward(self, w):
+        return w + w.T
+def model():
+    m = nn.Sequential(weight_norm(nn.Linear(32, 32)), spectral_norm(nn.Linear(32, 32)), nn.Linear(32, 32))
+    parametrize.register_parametrization(m[2], "weight", Sym())
+    return m, (torch.zeros(1, 32),)
+'''), "-q", "--format", "json", "-o", OUT]
+    add(Case("weight-norm-spectral-norm-parametrize", W, norms, (0, 1), check=_layers_present("0", "1", "2")))
+
+    def einsum(d: Path) -> list[str]:
+        return [_py(d, '''
+class E(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(64, 48))
+        self.fc = nn.Linear(48, 8)
+    def forward(self, x):
+        return self.fc(torch.einsum("bi,oi->bo", x, self.w)[:, :48])
+def model():
+    return E(), (torch.zeros(2, 48),)
+'''), "-q", "--format", "json", "-o", OUT]
+    add(Case("einsum-parameter-with-inputs", W, einsum, (0, 1), check=_layers_present("w", "fc")))
+
+    def tied_shards(d: Path) -> list[str]:
+        ck = d / "shards"
+        ck.mkdir()
+        a, b = _low_rank(64, 48), _low_rank(48, 32, seed=1)
+        _safetensors(ck / "model-00001-of-00002.safetensors", {"emb.weight": a, "fc.weight": b})
+        _safetensors(ck / "model-00002-of-00002.safetensors", {"head.weight": a.clone()})
+        _text(ck, "model.safetensors.index.json", json.dumps({"weight_map": {
+            "emb.weight": "model-00001-of-00002.safetensors", "fc.weight": "model-00001-of-00002.safetensors",
+            "head.weight": "model-00002-of-00002.safetensors"}}))
+        return [str(ck), "-q", "--format", "json", "-o", OUT]
+    add(Case("tied-tensor-twice-in-two-shards", W, tied_shards, (0, 1), check=_counted_once, owner="load"))
+
+    def walk_chains(d: Path) -> list[str]:
+        return [_py(d, '''
+class Attn(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.q_proj, self.k_proj = nn.Linear(64, 64), nn.Linear(64, 64)
+    def forward(self, x):
+        return self.q_proj(x) + self.k_proj(x)
+def model():
+    return Attn(), (torch.zeros(1, 64),)
+'''), "-q", "--tracer", "walk", "--format", "json", "-o", OUT]
+    add(Case("lr007-on-module-walk", W, walk_chains, (0, 1), check=_no_lr007))
+
+    def emitted_tied(d: Path) -> list[str]:
+        return [_py(d, TIED), "-q", "--emit-plan", f"{OUT}/plan.toml", "--format", "json", "-o", OUT]
+    add(Case("emitted-plan-targets-tied-weight", W, emitted_tied, 0, check=_tied_not_targeted))
+
+    def cache_nan(d: Path) -> list[str]:
+        return [_mlp(d), "-q", "--cache-dir", str(d / "cache"), "--format", "json", "-o", OUT]
+    add(Case("cache-entries-nan", W, cache_nan, 0, check=_cache_entries_checked, owner="spectra"))
+
+    def huge_values(d: Path) -> list[str]:
+        _safetensors(d / "w.safetensors", {"a.weight": _low_rank(dtype=torch.float64) * 1e200})
+        return [str(d / "w.safetensors"), "-q", "--format", "json", "-o", OUT]
+    add(Case("float64-near-1e200", W, huge_values, 0, absent=("non-finite",), check=_valid_json, owner="spectra"))
+
+    def tiny_values(d: Path) -> list[str]:
+        _safetensors(d / "w.safetensors", {"a.weight": _low_rank(dtype=torch.float64) * 1e-200})
+        return [str(d / "w.safetensors"), "-q", "--format", "json", "-o", OUT]
+    add(Case("float64-near-1e-200", W, tiny_values, (0, 1), check=_valid_json, owner="spectra"))
+
+    # ---- reading or replacing what was not asked ----
+    def traversal(target: str) -> Callable[[Path], list[str]]:
+        def make(d: Path) -> list[str]:
+            ck = d / "a" / "b"
+            ck.mkdir(parents=True)
+            _safetensors(d / "x.safetensors", {"stolen.weight": _low_rank()})
+            _safetensors(ck / "model-1.safetensors", {"fc.weight": _low_rank()})
+            path = target if target != "ABS" else str(d / "x.safetensors")
+            _text(ck, "model.safetensors.index.json", json.dumps({"weight_map": {
+                "fc.weight": "model-1.safetensors", "stolen.weight": path}}))
+            return [str(ck), "-q", "--format", "json", "-o", OUT]
+        return make
+    add(Case("shard-index-dotdot", R, traversal("../../x.safetensors"), 2, None, absent=("stolen",), owner="load"))
+    add(Case("shard-index-absolute", R, traversal("ABS"), 2, None, owner="load"))
+    add(Case("shard-index-etc-passwd", R, traversal("../../../../../../../../etc/passwd"), 2, None,
+             absent=("exists",)))
+
+    def emit_fifo(d: Path) -> list[str]:
+        os.mkfifo(d / "fifo")  # stands in for /dev/null: never replace a non-regular file
+        return [_mlp(d), "-q", "--emit-plan", str(d / "fifo")]
+    add(Case("emit-plan-over-a-device-or-fifo", R, emit_fifo, 2, "refusing to replace it"))
+
+    def emit_over_plan(d: Path) -> list[str]:
+        plan = _text(d, "plan.toml", 'finetune = "x"\n[ranks]\n"0" = 8\n')
+        return [_mlp(d), "-q", "--plan", str(plan), "--emit-plan", str(plan)]
+    add(Case("emit-plan-over-the-plan-under-review", R, emit_over_plan, 2, "is the plan under review"))
+
+    def remote_kernels(d: Path) -> list[str]:
+        ck = _hf_dir(d, {**GPT2_CONFIG, "attn_implementation": "kernels-community/flash-attn"})
+        return [str(ck / "config.json"), "--structure-only", "-q", "--format", "json", "-o", OUT]
+    add(Case("config-attn-implementation-from-hub", R, remote_kernels, (0, 2), None,
+             absent=("pip install kernels",), owner="load"))  # never reach the Hub kernel loader at all
+
+    def font_cache(d: Path) -> list[str]:
+        (d / "home").mkdir()
+        return [_mlp(d), "-q", "--format", "html", "-o", OUT]
+    add(Case("matplotlib-cache-under-home", R, font_cache, 0, check=_home_untouched, child=True,
+             env={"HOME": "HOME", "MPLCONFIGDIR": "", "XDG_CACHE_HOME": ""}, owner="wire"))
+
+    # ---- injection ----
+    def toml_injection(d: Path) -> list[str]:
+        _safetensors(d / "w.safetensors", {'tiny\n[thresholds]\nfail_on = "never"\n#': torch.randn(64, 48),
+                                           "fc.weight": _low_rank()})
+        return [str(d / "w.safetensors"), "-q", "--emit-plan", f"{OUT}/plan.toml", "--format", "json", "-o", OUT]
+    add(Case("emitted-plan-name-injection", INJ, toml_injection, 0, check=_emitted_plan_is_data_only))
+
+    def terminal_markdown(d: Path) -> list[str]:
+        _safetensors(d / "w.safetensors", {
+            "a\x1b]0;pwned\x07\x1b[2J.weight": _low_rank(), "b\nPASS: no errors.weight": _low_rank(seed=1),
+            "c`![x](http://e/x.png)\n# evil.weight": _low_rank(seed=2), "\u202ed.weight": _low_rank(seed=3)})
+        return [str(d / "w.safetensors"), "--format", "text,md", "-o", OUT]
+    add(Case("names-in-terminal-and-markdown", INJ, terminal_markdown, 0, check=_no_raw_controls, owner="wire"))
+
+    def mathtext(d: Path) -> list[str]:
+        _safetensors(d / "w.safetensors", {"$\\undefinedcmd{x}$.weight": _low_rank(),
+                                           "b.weight": _low_rank(seed=1)})
+        return [str(d / "w.safetensors"), "-q", "--format", "html", "-o", OUT]
+    add(Case("mathtext-name-in-charts", INJ, mathtext, 0, owner="wire"))
+
+    # ---- crashes, hangs, blow-ups ----
+    def no_factorizable(d: Path) -> list[str]:
+        return [_py(d, "def model():\n    return nn.LayerNorm(8), (torch.zeros(1, 8),)\n"),
+                "-q", "--format", "json", "-o", OUT]
+    add(Case("no-factorizable-layer", CR, no_factorizable, 0, owner="spectra"))
+
+    def empty_pt(d: Path) -> list[str]:
+        torch.save({}, d / "empty.pt")
+        return [str(d / "empty.pt"), "-q", "--format", "json", "-o", OUT]
+    add(Case("empty-pt", CR, empty_pt, (0, 2), None, owner="load"))
+
+    def zero_dims(d: Path) -> list[str]:
+        return [_py(d, "def model():\n    return nn.Sequential(nn.Linear(0, 8), nn.Linear(8, 4)), None\n"),
+                "-q", "--format", "json", "-o", OUT]
+    add(Case("zero-sized-dimension", CR, zero_dims, 0))
+
+    def float8(d: Path) -> list[str]:
+        _safetensors(d / "w.safetensors", {"a.weight": _low_rank().to(torch.float8_e4m3fn),
+                                           "b.weight": _low_rank(seed=1)})
+        return [str(d / "w.safetensors"), "-q", "--format", "json", "-o", OUT]
+    add(Case("float8-weights", CR, float8, 0, owner="spectra"))
+
+    def sparse(d: Path) -> list[str]:
+        torch.save({"a.weight": _low_rank().to_sparse(), "b.weight": _low_rank(seed=1)}, d / "w.pt")
+        return [str(d / "w.pt"), "-q", "--format", "json", "-o", OUT]
+    add(Case("sparse-weights-in-pt", CR, sparse, (0, 2), None, owner="spectra"))
+
+    def nonstring_keys(d: Path) -> list[str]:
+        torch.save({1: _low_rank(), "b.weight": _low_rank(seed=1)}, d / "w.pt")
+        return [str(d / "w.pt"), "-q", "--format", "json", "-o", OUT]
+    add(Case("non-string-keys-in-pt", CR, nonstring_keys, 2, None, owner="load"))
+
+    def lazy(d: Path) -> list[str]:
+        return [_py(d, "def model():\n    return nn.Sequential(nn.LazyLinear(8)), None\n"), "-q"]
+    add(Case("lazy-linear", CR, lazy, 2, "lazy"))
+
+    def cycle(d: Path) -> list[str]:
+        return [_py(d, "def model():\n    a = nn.Sequential(nn.Linear(8, 8))\n    b = nn.Sequential(a)\n"
+                       "    a.add_module('back', b)\n    return b, None\n"), "-q"]
+    add(Case("module-cycle", CR, cycle, 2, "cycle"))
+
+    def base_exception(d: Path) -> list[str]:
+        return [_py(d, "class Stop(BaseException):\n    pass\ndef model():\n    raise Stop('no')\n"), "-q"]
+    add(Case("factory-raises-baseexception", CR, base_exception, 2, "Stop", owner="load"))
+
+    def exit_at_import(d: Path) -> list[str]:
+        return [_py(d, "import sys\nsys.exit(0)\ndef model():\n    return nn.Linear(8, 8), None\n"), "-q"]
+    add(Case("sys-exit-at-factory-import", LV, exit_at_import, 2, None, owner="load"))
+
+    def prints(d: Path) -> list[str]:
+        return [_py(d, LOW_RANK.replace("    return m,", "    print('building...')\n    return m,")),
+                "-q", "--format", "json"]
+    add(Case("factory-prints-to-stdout", LV, prints, 0, check=_stdout_is_json, owner="load"))
+
+    def root_linear(d: Path) -> list[str]:
+        return [_py(d, "def model():\n    return nn.Linear(64, 48), (torch.zeros(1, 64),)\n"),
+                "-q", "--format", "json", "-o", OUT]
+    add(Case("root-linear-name", LV, root_linear, 0, check=_layers_present("Linear")))
+
+    add(Case("empty-model-spec", LV, lambda d: ["", "-q"], 2, None))
+
+    def legacy_bin(d: Path) -> list[str]:
+        torch.save({"0.weight": _low_rank(), "0.bias": torch.zeros(64), "2.weight": _low_rank(48, 64),
+                    "2.bias": torch.zeros(48), "4.weight": torch.zeros(4, 48), "4.bias": torch.zeros(4)},
+                   d / "w.bin", _use_new_zipfile_serialization=False)
+        return [_mlp(d), "-q", "--weights", str(d / "w.bin"), "--format", "json", "-o", OUT]
+    add(Case("legacy-non-zip-bin", LV, legacy_bin, (0, 1), None, owner="load"))
+
+    for shape, label in (("1,,48", "empty"), ("-1,48", "negative"), ("0,48", "zero"),
+                         ("99999999999,99999999999", "huge")):
+        add(Case(f"input-shape-{label}", CR, lambda d, shape=shape: [_mlp(d), "-q", f"--input-shape={shape}"], 2, None,
+                 owner="load" if label == "huge" else None))
+
+    def ids_meta(d: Path) -> list[str]:
+        return [str(_hf_dir(d) / "config.json"), "--structure-only", "--input-ids", "4096,1048576", "-q",
+                "--format", "json", "-o", OUT]
+    add(Case("input-ids-allocated-before-meta", CR, ids_meta, (0, 2), None, child=True, owner="load"))
+
+    def zero_stride(d: Path) -> list[str]:
+        big = torch.zeros(1).expand(30000, 30000)  # a 4-byte storage viewed as 30000 x 30000
+        torch.save({"big.weight": big, "fc.weight": _low_rank()}, d / "w.pt")
+        return [str(d / "w.pt"), "-q", "--format", "json", "-o", OUT]
+    add(Case("zero-stride-30000-squared", CR, zero_stride, (0, 2), None, child=True, timeout=90, owner="spectra"))
+
+    def fifo_in_cache(d: Path) -> list[str]:
+        return [_mlp(d), "-q", "--cache-dir", str(d / "cache"), "--format", "json", "-o", OUT]
+    def plant_fifos(d: Path, run: Callable) -> None:
+        assert run(*[a.replace(OUT, str(d / "first")) for a in fifo_in_cache(d)]).returncode == 0
+        for p in (d / "cache").rglob("*.f64"):
+            p.unlink()
+            os.mkfifo(p)  # reading it would block forever
+    add(Case("fifo-in-cache", CR, fifo_in_cache, 0, None, prepare=plant_fifos, child=True,
+             timeout=60, owner="spectra"))
+
+    def bare_7b(d: Path) -> list[str]:
+        cfg = {"model_type": "llama", "architectures": ["LlamaForCausalLM"], "hidden_size": 4096,
+               "intermediate_size": 11008, "num_hidden_layers": 32, "num_attention_heads": 32,
+               "num_key_value_heads": 32, "vocab_size": 32000, "max_position_embeddings": 4096}
+        return [str(_hf_dir(d, cfg) / "config.json"), "-q", "--format", "json", "-o", OUT]
+    add(Case("bare-7b-config-oom", CR, bare_7b, (0, 2), None, check=_structure_or_memory, child=True))
+
+    # ---- all-or-nothing output ----
+    add(Case("output-dir-is-a-file", AON, lambda d: [_mlp(d), "-q", "--format", "json", "-o",
+                                                      str(_text(d, "afile", "x"))], 2, "is a file, not a folder"))
+    add(Case("output-dir-under-proc", AON, lambda d: [_mlp(d), "-q", "--format", "json", "-o", "/proc/lra"], 2,
+             "cannot write in /proc"))
+    add(Case("emit-plan-at-a-folder", AON, lambda d: [_mlp(d), "-q", "--emit-plan", str(d)], 2, "is a folder"))
+    add(Case("stdout-to-dev-full", AON, lambda d: [_mlp(d), "--format", "json"], 2,
+             "cannot write to standard output", child=True, stdout="/dev/full"))
+
+    # ---- loose validation ----
+    add(Case("plan-0be", LV, lambda d: _plan(d, '[ranks]\n"0" = "0be"\n'), 2, "must be a fraction above 0"))
+    add(Case("plan-nan-threshold", LV, lambda d: _plan(d, '[ranks]\n"0" = 8\n[thresholds]\nenergy_floor = nan\n'),
+             2, "bad value nan"))
+    add(Case("plan-negative-threshold", LV, lambda d: _plan(d, '[ranks]\n"0" = 8\n[thresholds]\nmin_share = -1\n'),
+             2, "out of range"))
+    add(Case("plan-fail-on-typo", LV, lambda d: _plan(d, '[ranks]\n"0" = 8\n[thresholds]\nfail_on = "eror"\n'),
+             2, "Did you mean error"))
+    add(Case("select-typo", LV, lambda d: [_mlp(d), "-q", "--select", "LR0100"], 2, "matches no rule"))
+    add(Case("plan-duplicate-json-keys", LV, lambda d: _plan(d, '{"ranks": {"0": 8, "0": 9}}', ".json"), 2,
+             "duplicate key"))
+    add(Case("plan-bare-string", LV, lambda d: _plan(d, '"ranks"', ".json"), 2, "not a table of ranks",
+             absent=("unknown key",)))
+    add(Case("plan-list", LV, lambda d: _plan(d, "[1, 2]", ".json"), 2, "is a list"))
+    add(Case("plan-null", LV, lambda d: _plan(d, "null", ".json"), 2, "is null"))
+    add(Case("plan-deeply-nested", LV, lambda d: _plan(d, "[" * 50000 + "]" * 50000, ".json"), 2,
+             "nested too deeply"))
+    add(Case("plan-non-utf8", LV, lambda d: _plan(d, b"[ranks]\n\"\xc3\x28\" = 8\n"), 2, "not UTF-8"))
+    add(Case("plan-absurd-number", LV, lambda d: _plan(d, '{"ranks": {"0": 1e999}}', ".json"), 2, "too large"))
+    add(Case("plan-absurd-rank", LV, lambda d: _plan(d, '[ranks]\n"0" = 100000000000000000000\n'), 2,
+             "larger than any matrix"))
+    add(Case("plan-unknown-layer", LV, lambda d: _plan(d, '[ranks]\n"fc9" = 8\n'), 2, "matches no factorizable"))
+    for label, content, frag in (("not-json", "{", "not readable JSON"),
+                                 ("wrong-types", '{"format_version": 1, "findings": "none"}', "not a list"),
+                                 ("missing-keys", '{"layers": []}', "is missing")):
+        add(Case(f"baseline-{label}", LV, lambda d, content=content: [
+            _mlp(d), "-q", "--baseline", str(_text(d, "old.json", content)), "--format", "md", "-o", OUT], 2, frag))
+    return c
+
+
+CASES_BY_NAME: dict[str, Case] = {}
+
+
+def cases() -> list[Case]:
+    """Every case (built once; ``make`` writes its inputs when called)."""
+    if not CASES_BY_NAME:
+        CASES_BY_NAME.update((k.name, k) for k in _cases())
+    return list(CASES_BY_NAME.values())
+
+
+def main(argv: list[str]) -> int:
+    root = Path(argv[0] if argv else "corpus")
+    root.mkdir(parents=True, exist_ok=True)
+    for case in cases():
+        d = root / case.name
+        d.mkdir()
+        argv_ = case.make(d)
+        (d / "case.json").write_text(json.dumps({"kind": case.kind, "argv": argv_, "codes": case.codes,
+                                                 "fragment": case.fragment, "owner": case.owner}, indent=1))
+    print(f"{len(cases())} cases in {root}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
