@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 from ..policy import verdict_line
 from .base import RenderContext
+from .pages import group_rows, layer_pages, plan_rows, rank_changes
 from .view import finding_groups, human, layer_table, skipped_rows
 
 if TYPE_CHECKING:
@@ -58,19 +59,78 @@ def _why(code: str) -> str:
     return r.sections.get("Why it is bad", "").replace("\n", " ") if r else ""
 
 
-def context(audit: "Audit", ctx: RenderContext = RenderContext()) -> dict[str, Any]:
-    """The template's variables."""
-    from .charts import energy_chart, share_chart
+PDF_PAGES = 8  # groups (or layers) whose page the PDF carries, with matplotlib charts
+OVERVIEW_CURVES = 6
 
+
+def _share_chart(audit: "Audit", groups: list[Any]) -> str:
+    from .layer_charts import data_uri, group_share_chart
+
+    svg = group_share_chart([g.label for g in groups], [g.params for g in groups], audit.total_params,
+                            counts=[g.size for g in groups])
+    return data_uri(svg) if svg else ""
+
+
+def _overview_chart(audit: "Audit", groups: list[Any]) -> str | None:
+    """Energy curves of the largest groups (the first member's curve stands for a group of equal shapes)."""
+    from .layer_charts import data_uri, energy_chart
+
+    curves: dict[str, Any] = {}
+    for g in groups:
+        sp = audit.spectra.get(g.members[0].name)
+        if sp is not None and sp.energy:
+            curves[g.label + (f" ×{g.size}" if g.is_group else "")] = sp.energy
+        if len(curves) == OVERVIEW_CURVES:
+            break
+    if not curves:
+        return None
+    svg = energy_chart(curves, "Energy kept by the largest groups", target=audit.settings.target_energy)
+    return data_uri(svg) if svg else None
+
+
+def _pdf_images(audit: "Audit", page: Any) -> tuple[str, str] | None:
+    from .layer_charts import data_uri, energy_chart, spectrum_chart
+
+    names = page.members
+    sig = {n: audit.spectra[n].sigma[0] for n in names
+           if audit.spectra.get(n) is not None and audit.spectra[n].sigma is not None}
+    en = {n: audit.spectra[n].energy for n in names if audit.spectra.get(n) is not None and audit.spectra[n].energy}
+    if not sig or not en:
+        return None
+    one = len(names) == 1
+    s = spectrum_chart(next(iter(sig.values())) if one else sig, page.title, break_even=page.break_even,
+                       suggested=page.suggested, planned=page.planned)
+    e = energy_chart(next(iter(en.values())) if one else en, page.title, break_even=page.break_even,
+                     suggested=page.suggested, planned=page.planned, target=page.target, measured=page.measured)
+    return (data_uri(s), data_uri(e)) if s and e else None
+
+
+def context(audit: "Audit", ctx: RenderContext = RenderContext(), pdf: bool = False) -> dict[str, Any]:
+    """The template's variables. ``pdf``: the print variant (the top pages with matplotlib charts, an appendix
+    table of every layer) instead of a page per layer drawn as inline SVG."""
     counts = audit.counts
     table = layer_table(audit)
+    groups = group_rows(audit, table)
     settings = [(k, ", ".join(map(str, v)) if isinstance(v, tuple) else (str(v) if isinstance(v, Enum) else v))
                 for k, v in asdict(audit.settings).items()]
+    pages = layer_pages(audit, table, groups, charts=ctx.charts and not pdf, measured=ctx.measured)
+    if pdf:
+        pages = [p for p in pages if p.is_group or p.anchor in {g.anchor for g in groups if not g.is_group}]
+        pages = sorted(pages, key=lambda p: -p.params)[:PDF_PAGES]
+        if ctx.charts:
+            for p in pages:
+                p.images = _pdf_images(audit, p)
     return {
         "a": audit,
         "verdict": verdict_line(audit),
         "rank_columns": table.columns,
         "rows": table.rows,
+        "groups": groups,
+        "planned": table.planned,
+        "pages": pages,
+        "pdf": pdf,
+        "plan_rows": plan_rows(audit),
+        "rank_changes": rank_changes(audit, ctx.baseline_report),
         "counts": counts,
         "status": "fail" if counts.error else ("review" if counts.warning else "pass"),
         "findings": audit.findings,
@@ -79,9 +139,10 @@ def context(audit: "Audit", ctx: RenderContext = RenderContext()) -> dict[str, A
         "settings": settings,
         "holding80": audit.layers_holding(0.8),
         "plan_suggested": audit.review is None or audit.review.suggested,
+        "spectra_computed": bool(audit.spectra),
         "baseline": ctx.baseline,
-        "share_chart": share_chart(audit) if ctx.charts else "",
-        "energy_chart": energy_chart(audit) if ctx.charts else None,
+        "share_chart": _share_chart(audit, groups) if ctx.charts else "",
+        "energy_chart": _overview_chart(audit, groups) if ctx.charts else None,
         "created": _dt.date.today().isoformat(),
         "css": (template_dir() / "report.css").read_text(encoding="utf-8"),
         "human": human,
@@ -89,8 +150,8 @@ def context(audit: "Audit", ctx: RenderContext = RenderContext()) -> dict[str, A
     }
 
 
-def render(audit: "Audit", ctx: RenderContext = RenderContext()) -> str:
-    return _env().get_template("report.html").render(**context(audit, ctx))
+def render(audit: "Audit", ctx: RenderContext = RenderContext(), pdf: bool = False) -> str:
+    return _env().get_template("report.html").render(**context(audit, ctx, pdf=pdf))
 
 
 def render_compact(audit: "Audit", top: int = 10) -> str:
