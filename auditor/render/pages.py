@@ -63,6 +63,7 @@ class GroupRow:
     planned: str
     verdict: str  # "factorize", or "factorize 30 · keep dense 2"
     macs: int | None
+    compression: float | None = None  # m·n / (r·(m+n)) at the shown rank, when every member has it
 
     @property
     def size(self) -> int:
@@ -99,13 +100,15 @@ def group_rows(audit: "Audit", table: LayerTable) -> list[GroupRow]:
         first = rows[0]
         same = g.same_shape and len({(r.m, r.n, r.groups) for r in rows}) == 1
         macs = None if any(r.macs is None for r in rows) else sum(r.macs or 0 for r in rows)
+        shown = _common([r.planned if table.planned else r.suggested for r in rows])
+        comp = first.m * first.n / (shown * (first.m + first.n)) if same and shown else None
         out.append(GroupRow(
             label=g.label, pattern=g.pattern, anchor=ids[g.label] if g.is_group else first.anchor, members=rows,
             params=g.params, share=g.share, cumulative=acc, shape=first.shape if same else "mixed",
             break_even=first.break_even if same else None,
             ranks=tuple(summary_of([r.ranks[i] for r in rows]) for i in range(len(table.columns))),
             suggested=summary_of([r.suggested for r in rows]), planned=summary_of([r.planned for r in rows]),
-            verdict=_verdicts(rows), macs=macs,
+            verdict=_verdicts(rows), macs=macs, compression=comp,
         ))
     return out
 
