@@ -31,6 +31,7 @@ def _parser() -> argparse.ArgumentParser:
                "`lowrank-audit rules` lists the rules.",
     )
     p.add_argument("model", help="the model source")
+    _common_flags(p)
     g = p.add_argument_group("inputs")
     g.add_argument("--input-shape", action="append", metavar="1,3,224,224",
                    help="a float input of this shape (repeat for several positional inputs)")
@@ -67,6 +68,27 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
+def _common_flags(p: argparse.ArgumentParser) -> None:
+    """--version, --verbose and --progress/--no-progress."""
+    from . import __version__
+
+    p.add_argument("--version", action="version", version=f"lowrank-audit {__version__}")
+    p.add_argument("-v", "--verbose", action="store_true",
+                   help="print what torch logged while tracing (FX dumps, warnings) on stderr")
+    p.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,
+                   help="progress of each phase (load, trace, spectra, render) on stderr "
+                        "(default: only when stderr is a terminal); never on stdout")
+
+
+def _check_stdout(args: argparse.Namespace) -> None:
+    """Without -o, stdout carries one document: the table, or the JSON, or the Markdown."""
+    formats = [f.strip() for f in args.format.split(",") if f.strip()]
+    to_stdout = [f for f in dict.fromkeys(formats) if f in STDOUT_FORMATS or (f == "text" and not args.quiet)]
+    if not args.output_dir and len(to_stdout) > 1:
+        raise AuditError(f"--format {','.join(to_stdout)} would all go to stdout, and {to_stdout[-1]} would not be "
+                         "valid there", "Pass -o DIR to write them as files, -q to drop the table, or one format")
+
+
 def _rules_main(argv: Sequence[str]) -> int:
     from .rules import RULES, find_rule, rule_doc, rules_markdown
     from .rules.registry import BUILTIN_ORIGIN
@@ -97,8 +119,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _rules_main(argv[1:])
     args = _parser().parse_args(argv)
     try:
+        _check_stdout(args)
         return run(args)
     except AuditError as exc:
+        captured = getattr(exc, "captured", "")
+        if args.verbose and captured:
+            print(captured, file=sys.stderr)
         print(f"error: {exc.line()}", file=sys.stderr)
         return ExitCode.BAD_INPUT
     except KeyboardInterrupt:
@@ -125,6 +151,7 @@ def options_from(args: argparse.Namespace) -> tuple["AuditOptions", "LoadOptions
         settings=settings, overrides=overrides, overrides_origin="the command line", tracer=Tracer(args.tracer),
         spectra=not args.no_spectra, cache=not args.no_cache,
         cache_dir=Path(args.cache_dir) if args.cache_dir else None, jobs=args.jobs,
+        progress=getattr(args, "progress", None),
     )
     load_options = LoadOptions(
         input_shape=tuple(parse_shape(s, "--input-shape") for s in args.input_shape) if args.input_shape else None,
@@ -158,14 +185,20 @@ def run(args: argparse.Namespace) -> int:
     base = baseline_mod.load(args.baseline) if args.baseline else None
 
     result = audit_source(args.model, plan=args.plan, options=options, load=load_options)
+    if getattr(args, "verbose", False) and result.trace_log:
+        print(result.trace_log, file=sys.stderr)
     for f in input_errors(result):
         raise AuditError(f"{f.code} {f.message}", f.fix)
 
     # Render everything first, then write each file atomically: no half-written report on failure.
     context = RenderContext(baseline=baseline_mod.compare(result, base) if base is not None else None,
-                            width=_terminal_width())
+                            width=_terminal_width(), baseline_report=base)
     ordered = sorted(dict.fromkeys(formats), key=lambda f: f != "text")  # the table first, as before
-    outputs = {fmt: REPORTERS[fmt].render(result, context) for fmt in ordered if fmt != "text" or not args.quiet}
+    from .pipeline import render_reports
+    from .progress import Progress
+
+    outputs = render_reports(result, [f for f in ordered if f != "text" or not args.quiet], context,
+                             Progress(enabled=options.progress))
     plan_text = emit_toml(result) if args.emit_plan else None
 
     out_dir = Path(args.output_dir) if args.output_dir else Path(".")

@@ -384,7 +384,7 @@ def _as_baseline(baseline: "BaselineSource | None", audit: "Audit") -> Any:
     from .baseline import compare, load
 
     base = baseline if isinstance(baseline, dict) else load(baseline)
-    return RenderContext(baseline=compare(audit, base))
+    return RenderContext(baseline=compare(audit, base), baseline_report=base)
 
 
 @dataclass(frozen=True)
@@ -416,6 +416,7 @@ class Audit:
     graph: LayerGraph | None = None  # None in a weights-only audit
     environment: dict[str, str] = field(default_factory=dict)
     spectra_stats: dict[str, int] = field(default_factory=dict)
+    trace_log: str = field(default="", repr=False, compare=False)  # torch's logging while tracing (--verbose)
 
     # ---- lookups and derived numbers -------------------------------------------------------------------------
     @cached_property
