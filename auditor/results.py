@@ -636,7 +636,9 @@ class Audit:
         data = to_dict(self, with_sigma=with_sigma)
         ctx = _as_baseline(baseline, self)
         if ctx.baseline is not None:
-            data["baseline"] = ctx.baseline.to_dict()
+            from .render.jsonout import baseline_block
+
+            data["baseline"] = baseline_block(self, ctx)
         return json.dumps(data, indent=indent, sort_keys=False)
 
     def to_markdown(self, baseline: "BaselineSource | None" = None) -> str:
