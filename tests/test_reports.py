@@ -273,7 +273,7 @@ def test_baseline_diff_reaches_every_format(audit_cnn, tmp_path):
     ctx = RenderContext(baseline=diff)
     data = json.loads(REPORTERS["json"].render(audit_cnn, ctx))
     assert data["baseline"] == diff.to_dict()
-    assert json.loads(audit_cnn.to_json(baseline=base))["baseline"] == diff.to_dict()
+    assert json.loads(audit_cnn.to_json(baseline=base))["baseline"] == {**diff.to_dict(), "rank_changes": []}
     md = audit_cnn.to_markdown(baseline=base)
     assert "### Since the baseline" in md and f"new **{new.code}**" in md and "fixed **LR999**: gone since" in md
     text = REPORTERS["text"].render(audit_cnn, replace(ctx, width=200))

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 from ..policy import verdict_line
 from .base import RenderContext
 from .pages import group_rows, layer_pages, plan_rows, rank_changes
-from .view import finding_groups, human, layer_table, skipped_rows
+from .view import finding_groups, human, layer_table, skipped_rows, spectra_computed
 
 if TYPE_CHECKING:
     from ..results import Audit
@@ -139,7 +139,7 @@ def context(audit: "Audit", ctx: RenderContext = RenderContext(), pdf: bool = Fa
         "settings": settings,
         "holding80": audit.layers_holding(0.8),
         "plan_suggested": audit.review is None or audit.review.suggested,
-        "spectra_computed": bool(audit.spectra),
+        "spectra_computed": spectra_computed(audit),
         "baseline": ctx.baseline,
         "share_chart": _share_chart(audit, groups) if ctx.charts else "",
         "energy_chart": _overview_chart(audit, groups) if ctx.charts else None,

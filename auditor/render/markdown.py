@@ -17,7 +17,7 @@ from .base import RenderContext
 from .md_budget import DEFAULT_CAP, Section, fit_markdown
 from .pages import group_rows, plan_rows, rank_changes
 from .safe import md_code, md_text
-from .view import fmt_num, human, layer_table
+from .view import fmt_num, human, layer_table, spectra_computed
 
 if TYPE_CHECKING:
     from ..results import Audit
@@ -35,7 +35,7 @@ def _summary(audit: "Audit", context: RenderContext) -> list[str]:
     out.append(f"- {md_text(audit.trace_summary)}")
     out.append(f"- Findings: {c.error} error(s), {c.warning} warning(s), {c.info} info")
     rv = audit.review
-    if not audit.spectra:
+    if not spectra_computed(audit):
         out.append("- Spectra were not computed: no rank is suggested")
     elif rv is not None and rv.items:
         what = "Suggested plan" if rv.suggested else f"Plan {md_code(rv.source)}"

@@ -87,6 +87,13 @@ def _verdicts(rows: Sequence[LayerRow]) -> str:
     return " · ".join(f"{v} {c}" for v, c in counts.items())
 
 
+def _planned(rows: Sequence[LayerRow]) -> str:
+    """The planned ranks of a group's members: "8", "16–32", or "30 (1/4)" when the plan names only some."""
+    k = sum(r.planned is not None for r in rows)
+    text = summary_of([r.planned for r in rows])
+    return text if k in (0, len(rows)) else f"{text} ({k}/{len(rows)})"
+
+
 def group_rows(audit: "Audit", table: LayerTable) -> list[GroupRow]:
     """The table's rows grouped by block, largest group first."""
     by_name = {r.name: r for r in table.rows}
@@ -107,7 +114,7 @@ def group_rows(audit: "Audit", table: LayerTable) -> list[GroupRow]:
             params=g.params, share=g.share, cumulative=acc, shape=first.shape if same else "mixed",
             break_even=first.break_even if same else None,
             ranks=tuple(summary_of([r.ranks[i] for r in rows]) for i in range(len(table.columns))),
-            suggested=summary_of([r.suggested for r in rows]), planned=summary_of([r.planned for r in rows]),
+            suggested=summary_of([r.suggested for r in rows]), planned=_planned(rows),
             verdict=_verdicts(rows), macs=macs, compression=comp,
         ))
     return out

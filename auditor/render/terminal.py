@@ -8,6 +8,7 @@ table fits; the layer name column then takes the room that is left (long names a
 
 from __future__ import annotations
 
+import re
 import textwrap
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable
@@ -16,13 +17,13 @@ from ..policy import verdict_line
 from .base import RenderContext
 from .pages import GroupRow, group_rows, plan_rows, rank_changes
 from .safe import middle, term
-from .view import fmt_num, human, layer_table
+from .view import fmt_num, human, layer_table, spectra_computed
 
 if TYPE_CHECKING:
     from ..results import Audit
 
 MIN_WIDTH = 60
-NAME_MIN = 12
+NAME_MIN = 10
 GAP = 2
 
 
@@ -46,7 +47,7 @@ def _columns(labels: list[str], planned: bool) -> list[Column]:
         Column("layer", 0, "<", lambda i, g: _name(g), 100),
         Column("kind", 12, "<", lambda i, g: g.members[0].kind, 10),
         Column("m x n", 13, ">", lambda i, g: g.shape, 60),
-        Column("params", 13, ">", lambda i, g: f"{g.params:,}", 95),
+        Column("params", 12, ">", lambda i, g: f"{g.params:,}", 95),
         Column("share", 6, ">", lambda i, g: f"{100 * g.share:.1f}%", 90),
         Column("cum", 5, ">", lambda i, g: f"{100 * g.cumulative:.0f}%", 20),
         Column("MACs", 9, ">", lambda i, g: human(g.macs), 30),
@@ -56,7 +57,7 @@ def _columns(labels: list[str], planned: bool) -> list[Column]:
         cols.append(Column(label, max(5, len(label)), ">", lambda i, g, k=k: g.ranks[k] if g.ranks[k] != "–" else "-", 40 + k))
     if planned:
         cols += [Column("planned", 8, ">", lambda i, g: g.planned if g.planned != "–" else "dense", 88),
-                 Column("sugg.", 8, ">", lambda i, g: g.suggested if g.suggested != "–" else "-", 84)]
+                 Column("sugg.", 8, ">", lambda i, g: g.suggested if g.suggested != "–" else "-", 75)]
     else:
         cols.append(Column("rank", 8, ">", lambda i, g: g.suggested if g.suggested != "–" else "-", 85))
     cols += [
@@ -67,18 +68,27 @@ def _columns(labels: list[str], planned: bool) -> list[Column]:
 
 
 def _fit(cols: list[Column], width: int, name_want: int) -> tuple[list[Column], int]:
-    """The columns that fit in ``width`` (dropping the least useful first) and the name column's width."""
+    """The columns that fit in ``width`` (dropping the least useful first) and the name column's width (at least
+    a sixth of the line, so names stay readable before the less useful columns go)."""
     kept = list(cols)
+    name_min = max(NAME_MIN, min(28, width // 6, name_want))
 
     def fixed() -> int:
         return sum(c.width for c in kept if c.width) + GAP * (len(kept) - 1)
 
-    while fixed() + NAME_MIN > width:
+    while fixed() + name_min > width:
         droppable = [c for c in kept if c.keep < 100]
         if not droppable:
             break
         kept.remove(min(droppable, key=lambda c: c.keep))
-    return kept, max(NAME_MIN, min(name_want, width - fixed()))
+    return kept, max(name_min, min(name_want, width - fixed()))
+
+
+def _cut_name(text: str, width: int) -> str:
+    """A name cut in the middle, its " ×N" and " *" marks kept whole."""
+    m = re.match(r"(.*?)((?: ×\d+)?(?: \*)?)$", text, re.S)
+    label, marks = (m.group(1), m.group(2)) if m else (text, "")
+    return middle(label, max(4, width - len(marks))) + marks
 
 
 def _table(rows: list[GroupRow], cols: list[Column], namew: int) -> list[str]:
@@ -86,7 +96,7 @@ def _table(rows: list[GroupRow], cols: list[Column], namew: int) -> list[str]:
         parts = []
         for c, v in zip(cols, vals):
             w = c.width or namew
-            v = middle(v, w) if c.width == 0 else (v if len(v) <= w else "…" + v[-(w - 1):])
+            v = _cut_name(v, w) if c.width == 0 else (v if len(v) <= w else "…" + v[-(w - 1):])
             parts.append(f"{v:{c.align}{w}}")
         return (" " * GAP).join(parts).rstrip()
 
@@ -131,7 +141,7 @@ def render(audit: "Audit", context: RenderContext = RenderContext(), top: int = 
             + " rank; above 1 saves parameters", "  ")
     rv = audit.review
     out.append("")
-    if not audit.spectra:
+    if not spectra_computed(audit):
         say("spectra were not computed: no rank is suggested (drop --no-spectra, or load real weights)")
     elif rv is not None and rv.items:
         what = "suggested plan" if rv.suggested else f"plan {term(rv.source)}"

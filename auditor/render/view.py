@@ -141,6 +141,11 @@ def layer_table(audit: "Audit") -> LayerTable:
     return LayerTable(cols, rows, planned=rv is not None and not rv.suggested)
 
 
+def spectra_computed(audit: "Audit") -> bool:
+    """Whether any layer has singular values (False with --no-spectra, or with weights on the meta device)."""
+    return any(s.sigma is not None for s in audit.spectra.values())
+
+
 def layer_rows(audit: "Audit") -> list[LayerRow]:
     return layer_table(audit).rows
 
