@@ -13,8 +13,11 @@ from functools import lru_cache
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
+
 from ..policy import verdict_line
 from .base import RenderContext
+from .layer_charts import short_label
 from .pages import group_rows, layer_pages, plan_rows, rank_changes
 from .view import finding_groups, human, layer_table, skipped_rows, spectra_computed
 
@@ -59,7 +62,7 @@ def _why(code: str) -> str:
     return r.sections.get("Why it is bad", "").replace("\n", " ") if r else ""
 
 
-PDF_PAGES = 8  # groups (or layers) whose page the PDF carries, with matplotlib charts
+PDF_PAGES = 8  # the largest groups (or single layers) whose page the PDF carries; an appendix lists every layer
 OVERVIEW_CURVES = 6
 
 
@@ -71,38 +74,22 @@ def _share_chart(audit: "Audit", groups: list[Any]) -> str:
     return data_uri(svg) if svg else ""
 
 
-def _overview_chart(audit: "Audit", groups: list[Any]) -> str | None:
-    """Energy curves of the largest groups (the first member's curve stands for a group of equal shapes)."""
-    from .layer_charts import data_uri, energy_chart
+def _overview_chart(audit: "Audit", groups: list[Any]) -> Any:
+    """Energy curves of the largest groups (a group's first member stands for it), as inline SVG coordinates."""
+    from .pages import energy_svg
 
-    curves: dict[str, Any] = {}
+    curves, labels = [], []
     for g in groups:
         sp = audit.spectra.get(g.members[0].name)
         if sp is not None and sp.energy:
-            curves[g.label + (f" ×{g.size}" if g.is_group else "")] = sp.energy
+            curves.append(np.asarray(sp.energy, dtype=np.float64))
+            labels.append(short_label(g.label, 44) + (f" ×{g.size}" if g.is_group else ""))
         if len(curves) == OVERVIEW_CURVES:
             break
     if not curves:
         return None
-    svg = energy_chart(curves, "Energy kept by the largest groups", target=audit.settings.target_energy)
-    return data_uri(svg) if svg else None
-
-
-def _pdf_images(audit: "Audit", page: Any) -> tuple[str, str] | None:
-    from .layer_charts import data_uri, energy_chart, spectrum_chart
-
-    names = page.members
-    sig = {n: audit.spectra[n].sigma[0] for n in names
-           if audit.spectra.get(n) is not None and audit.spectra[n].sigma is not None}
-    en = {n: audit.spectra[n].energy for n in names if audit.spectra.get(n) is not None and audit.spectra[n].energy}
-    if not sig or not en:
-        return None
-    one = len(names) == 1
-    s = spectrum_chart(next(iter(sig.values())) if one else sig, page.title, break_even=page.break_even,
-                       suggested=page.suggested, planned=page.planned)
-    e = energy_chart(next(iter(en.values())) if one else en, page.title, break_even=page.break_even,
-                     suggested=page.suggested, planned=page.planned, target=page.target, measured=page.measured)
-    return (data_uri(s), data_uri(e)) if s and e else None
+    return energy_svg(curves, "largest groups", None, None, None, audit.settings.target_energy, None,
+                      labels=labels, wide=True)
 
 
 def context(audit: "Audit", ctx: RenderContext = RenderContext(), pdf: bool = False) -> dict[str, Any]:
@@ -113,13 +100,8 @@ def context(audit: "Audit", ctx: RenderContext = RenderContext(), pdf: bool = Fa
     groups = group_rows(audit, table)
     settings = [(k, ", ".join(map(str, v)) if isinstance(v, tuple) else (str(v) if isinstance(v, Enum) else v))
                 for k, v in asdict(audit.settings).items()]
-    pages = layer_pages(audit, table, groups, charts=ctx.charts and not pdf, measured=ctx.measured)
-    if pdf:
-        pages = [p for p in pages if p.is_group or p.anchor in {g.anchor for g in groups if not g.is_group}]
-        pages = sorted(pages, key=lambda p: -p.params)[:PDF_PAGES]
-        if ctx.charts:
-            for p in pages:
-                p.images = _pdf_images(audit, p)
+    pages = layer_pages(audit, table, groups, charts=ctx.charts, measured=ctx.measured,
+                        only={g.anchor for g in groups[:PDF_PAGES]} if pdf else None)
     return {
         "a": audit,
         "verdict": verdict_line(audit),

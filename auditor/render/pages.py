@@ -17,6 +17,7 @@ Nothing here imports torch.
 from __future__ import annotations
 
 import math
+from functools import lru_cache
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Sequence
 
@@ -261,6 +262,7 @@ W, H, L, T, R, B = 420, 230, 52, 14, 410, 190
 POINTS = 96  # points per curve, spread evenly on the log rank axis
 
 
+@lru_cache(maxsize=256)
 def _ranks(k: int) -> np.ndarray:
     return np.unique(np.round(np.logspace(0, math.log10(max(k, 1)), POINTS)).astype(int))
 
@@ -284,12 +286,14 @@ def _fmt_tick(v: float) -> str:
 
 
 class _Axes:
-    def __init__(self, k: int, marks: Sequence[float | None], y_lo: float, y_hi: float, y_log: bool) -> None:
+    def __init__(self, k: int, marks: Sequence[float | None], y_lo: float, y_hi: float, y_log: bool,
+                 right: int = R) -> None:
         self.x_hi = math.log10(max([k, *(m for m in marks if m)]) * 1.15)
+        self.right = right
         self.y_lo, self.y_hi, self.y_log = y_lo, y_hi, y_log
 
     def x(self, r: float) -> float:
-        return round(L + (R - L) * math.log10(max(r, 1)) / self.x_hi, 1) if self.x_hi > 0 else float(L)
+        return round(L + (self.right - L) * math.log10(max(r, 1)) / self.x_hi, 1) if self.x_hi > 0 else float(L)
 
     def y(self, v: float) -> float:
         t = (math.log10(v) if self.y_log else v)
@@ -353,17 +357,22 @@ def spectrum_svg(sigmas: list[np.ndarray], title: str, be: float | None, sug: in
 
 
 def energy_svg(energies: list[np.ndarray], title: str, be: float | None, sug: int | None, plan: int | None,
-               target: float | None, measured: Sequence[tuple[int, float]] | None) -> SvgChart | None:
+               target: float | None, measured: Sequence[tuple[int, float]] | None,
+               labels: Sequence[str] | None = None, wide: bool = False) -> SvgChart | None:
+    """E(r) against a log rank axis; ``labels`` name the curves in the legend (the overview of the largest
+    groups); ``wide``: twice the width."""
     es = [e for e in energies if len(e)]
     if not es:
         return None
     curves, band = _curves(es)
+    right, width = (2 * W - 10, 2 * W) if wide else (R, W)
     k = max(len(e) for e in es)
-    ax = _Axes(k, [be, sug, plan, *(r for r, _ in measured or [])], 0.0, 1.0, False)
+    ax = _Axes(k, [be, sug, plan, *(r for r, _ in measured or [])], 0.0, 1.0, False, right)
     lines = []
     for i, c in enumerate(curves):
         idx = _ranks(len(c)) - 1
-        lines.append(Line(_poly(ax, idx + 1, c[idx]), f"c{i % 6}", "median" if band else ""))
+        name = labels[i] if labels and i < len(labels) else ("median" if band else "")
+        lines.append(Line(_poly(ax, idx + 1, c[idx]), f"c{i % 6}", name))
     band_pts = ""
     if band is not None:
         lo, hi = band
@@ -381,7 +390,7 @@ def energy_svg(energies: list[np.ndarray], title: str, be: float | None, sug: in
             dots.append(Dot(ax.x(r), ax.y(v), cls, f"{name} r={r:,}: E={v:.3f}"))
     hm = [Mark(ax.y(target), "target", f"target {target:g}")] if target else []
     yt = [(ax.y(v), f"{v:g}") for v in (0.0, 0.25, 0.5, 0.75, 1.0)]
-    return SvgChart(title, "rank r (log)", "energy kept E(r)", W, H, L, T, R, B, ax.xticks(), yt, lines, band_pts,
+    return SvgChart(title, "rank r (log)", "energy kept E(r)", width, H, L, T, right, B, ax.xticks(), yt, lines, band_pts,
                     _rank_marks(ax, be, sug, plan), hm, dots)
 
 
@@ -413,7 +422,6 @@ class LayerPage:
     measured: list[tuple[int, float]] | None = None
     spectrum: SvgChart | None = None
     energy: SvgChart | None = None
-    images: tuple[str, str] | None = None  # data URIs of matplotlib charts (the PDF's top pages)
 
 
 def _sigma_rows(audit: "Audit", name: str) -> list[np.ndarray]:
@@ -435,8 +443,10 @@ def _common(values: Sequence[Any]) -> Any:
 
 
 def layer_pages(audit: "Audit", table: LayerTable, groups: list[GroupRow], *, charts: bool = True,
-                measured: dict[str, list[tuple[int, float]]] | None = None) -> list[LayerPage]:
-    """A page per group of two or more (first, largest first), then a page per layer (largest first)."""
+                measured: dict[str, list[tuple[int, float]]] | None = None,
+                only: set[str] | None = None) -> list[LayerPage]:
+    """A page per group of two or more (first, largest first), then a page per layer (largest first);
+    ``only``: just the pages with these anchors (the PDF's top groups), in group order."""
     measured = measured or {}
     target = audit.settings.target_energy
     pages: list[LayerPage] = []
@@ -462,6 +472,9 @@ def layer_pages(audit: "Audit", table: LayerTable, groups: list[GroupRow], *, ch
             p.energy = energy_svg(en, title, be, sug, plan, target, meas)
         return p
 
+    if only is not None:
+        return [page(g.anchor, g.label, g.members, g.is_group, g.label if g.is_group else g.members[0].name)
+                for g in groups if g.anchor in only]
     for g in groups:
         if g.is_group:
             pages.append(page(g.anchor, g.label, g.members, True, g.label))

@@ -71,7 +71,7 @@ def _fit(cols: list[Column], width: int, name_want: int) -> tuple[list[Column], 
     """The columns that fit in ``width`` (dropping the least useful first) and the name column's width (at least
     a sixth of the line, so names stay readable before the less useful columns go)."""
     kept = list(cols)
-    name_min = max(NAME_MIN, min(28, width // 6, name_want))
+    name_min = max(NAME_MIN, min(name_want, width // (4 if width >= 100 else 6)))
 
     def fixed() -> int:
         return sum(c.width for c in kept if c.width) + GAP * (len(kept) - 1)
