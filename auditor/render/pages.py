@@ -259,7 +259,7 @@ class SvgChart:
 
 
 W, H, L, T, R, B = 420, 230, 52, 14, 410, 190
-POINTS = 96  # points per curve, spread evenly on the log rank axis
+POINTS = 64  # points per curve, spread evenly on the log rank axis
 
 
 @lru_cache(maxsize=256)
