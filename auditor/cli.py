@@ -31,6 +31,7 @@ def _parser() -> argparse.ArgumentParser:
                "`lowrank-audit rules` lists the rules.",
     )
     p.add_argument("model", help="the model source")
+    _common_flags(p)
     g = p.add_argument_group("inputs")
     g.add_argument("--input-shape", action="append", metavar="1,3,224,224",
                    help="a float input of this shape (repeat for several positional inputs)")
@@ -71,6 +72,27 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
+def _common_flags(p: argparse.ArgumentParser) -> None:
+    """--version, --verbose and --progress/--no-progress."""
+    from . import __version__
+
+    p.add_argument("--version", action="version", version=f"lowrank-audit {__version__}")
+    p.add_argument("-v", "--verbose", action="store_true",
+                   help="print what torch logged while tracing (FX dumps, warnings) on stderr")
+    p.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,
+                   help="progress of each phase (load, trace, spectra, render) on stderr "
+                        "(default: only when stderr is a terminal); never on stdout")
+
+
+def _check_stdout(args: argparse.Namespace) -> None:
+    """Without -o, stdout carries one document: the table, or the JSON, or the Markdown."""
+    formats = [f.strip() for f in args.format.split(",") if f.strip()]
+    to_stdout = [f for f in dict.fromkeys(formats) if f in STDOUT_FORMATS or (f == "text" and not args.quiet)]
+    if not args.output_dir and len(to_stdout) > 1:
+        raise AuditError(f"--format {','.join(to_stdout)} would all go to stdout, and {to_stdout[-1]} would not be "
+                         "valid there", "Pass -o DIR to write them as files, -q to drop the table, or one format")
+
+
 def _rules_main(argv: Sequence[str]) -> int:
     from .rules import RULES, find_rule, rule_doc, rules_markdown
     from .rules.registry import BUILTIN_ORIGIN
@@ -102,8 +124,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     written: list[Path] = []
     try:
+        _check_stdout(args)
         return run(args, written)
     except AuditError as exc:
+        captured = getattr(exc, "captured", "")
+        if args.verbose and captured:
+            print(captured, file=sys.stderr)
         print(f"error: {exc.line()}", file=sys.stderr)
         if "standard output" in exc.what:
             _silence_stdout()
@@ -148,6 +174,7 @@ def options_from(args: argparse.Namespace) -> tuple["AuditOptions", "LoadOptions
         settings=settings, overrides=overrides, overrides_origin="the command line", tracer=Tracer(args.tracer),
         spectra=not args.no_spectra, cache=not args.no_cache,
         cache_dir=Path(args.cache_dir) if args.cache_dir else None, jobs=args.jobs,
+        progress=getattr(args, "progress", None),
     )
     load_options = LoadOptions(
         input_shape=tuple(parse_shape(s, "--input-shape") for s in args.input_shape) if args.input_shape else None,
@@ -217,14 +244,20 @@ def run(args: argparse.Namespace, written: list[Path] | None = None) -> int:
     base = baseline_mod.load(args.baseline) if args.baseline else None
 
     result = audit_source(args.model, plan=args.plan, options=options, load=load_options)
+    if getattr(args, "verbose", False) and result.trace_log:
+        print(result.trace_log, file=sys.stderr)
     for f in input_errors(result):
         raise AuditError(f"{f.code} {f.message}", f.fix)
 
     # Render everything first; then write all files or none, and stdout last (a failure there undoes the files).
     context = RenderContext(baseline=baseline_mod.compare(result, base) if base is not None else None,
-                            width=_terminal_width())
+                            width=_terminal_width(), baseline_report=base)
     ordered = sorted(dict.fromkeys(formats), key=lambda f: f != "text")  # the table first, as before
-    outputs = {fmt: REPORTERS[fmt].render(result, context) for fmt in ordered if fmt != "text" or not args.quiet}
+    from .pipeline import render_reports
+    from .progress import Progress
+
+    outputs = render_reports(result, [f for f in ordered if f != "text" or not args.quiet], context,
+                             Progress(enabled=options.progress))
     files = OutputSet(written=written if written is not None else [])
     for fmt, content in outputs.items():
         if fmt in dest:

@@ -45,6 +45,7 @@ if TYPE_CHECKING:
     from typing_extensions import Unpack
 
     from .options import OptionFields
+    from .progress import Progress
 
 Loader = Callable[[], torch.Tensor]
 
@@ -90,6 +91,7 @@ class Structure:
     unsupported: dict[str, int]
     notes: list[str]
     loaders: dict[str, Loader]  # layer name -> reads its tensor when called
+    log: str = ""  # what torch logged while tracing (``Audit.trace_log``, shown with --verbose)
 
 
 @dataclass(frozen=True)
@@ -177,13 +179,28 @@ def rank_layers(layers: dict[str, Layer], total: int) -> list[Layer]:
     return [replace(l, share=l.params / total if total else 0.0) for l in ranked]
 
 
-def module_structure(model: nn.Module, inputs: Any, options: AuditOptions) -> Structure:
+def module_structure(model: nn.Module, inputs: Any, options: AuditOptions,
+                     progress: "Progress | None" = None) -> Structure:
+    """Measure, trace and build the graph (the "trace" phase). Torch's own logging (FX graph dumps, fake-tensor
+    tracebacks, warnings) is captured while tracing: it is kept in ``Structure.log`` (``Audit.trace_log``), and
+    attached to an :class:`AuditError` raised while tracing as its ``captured`` attribute (``--verbose`` prints
+    it), so a failing trace ends in one line."""
+    from .progress import Progress, quiet_torch_logging
+
     if not isinstance(model, nn.Module):
         raise AuditError(f"expected a torch.nn.Module, got {type(model).__name__}",
                          "Return an nn.Module (or (module, example_inputs)) from the factory")
-    measured = measure(model)
-    traced = trace_model(model, inputs, options.tracer)
-    graphed = build_graph(traced, model, measured)
+    progress = progress or Progress(enabled=False)
+    with progress.phase("trace"):
+        measured = measure(model)
+        log = None
+        try:
+            with quiet_torch_logging() as log:
+                traced = trace_model(model, inputs, options.tracer)
+                graphed = build_graph(traced, model, measured)
+        except AuditError as exc:
+            exc.captured = log.text if log is not None else ""  # type: ignore[attr-defined]
+            raise
     total = measured.table.total
     ranked = rank_layers(graphed.layers, total)
     table = measured.table
@@ -197,7 +214,7 @@ def module_structure(model: nn.Module, inputs: Any, options: AuditOptions) -> St
         trace_method=TraceMethod(traced.result.method), trace_failures=list(traced.result.failures),
         inputs=traced.inputs.description if traced.inputs else None, total_params=total, layers=ranked,
         macs_known=graphed.macs_known, graph=graphed.graph, unsupported=graphed.unsupported, notes=notes,
-        loaders={l.name: (lambda p=l.param: table.tensor(p)) for l in ranked},
+        loaders={l.name: (lambda p=l.param: table.tensor(p)) for l in ranked}, log=log.text if log else "",
     )
 
 
@@ -213,15 +230,27 @@ def weights_structure(weights: "WeightsOnly", options: AuditOptions) -> Structur
     )
 
 
+SPECTRA_STEP = 16  # layers per engine run between progress updates (each run keeps its workers busy)
+
+
 def compute_spectra(layers: list[Layer], loaders: dict[str, Loader], settings: Settings,
-                    options: AuditOptions) -> Spectra:
+                    options: AuditOptions, progress: "Progress | None" = None) -> Spectra:
+    """Singular values per layer (the "spectra" phase); ``progress`` moves per finished batch of layers."""
     if not options.spectra:
         return Spectra({})
+    from .progress import Progress
     from .spectra import Engine
 
+    progress = progress or Progress(enabled=False)
     engine = Engine(settings.energy_targets, cache_dir=options.cache_dir, use_cache=options.cache,
-                    workers=options.jobs, progress=options.progress)
-    by_layer = engine.run([(l, loaders[l.name]) for l in layers])
+                    workers=options.jobs, progress=False)
+    items = [(l, loaders[l.name]) for l in layers]
+    by_layer: dict[str, Spectrum] = {}
+    step = max(SPECTRA_STEP, 2 * (options.jobs or 4))
+    with progress.phase("spectra", total=len(items)):
+        for i in range(0, len(items), step):
+            by_layer.update(engine.run(items[i:i + step]))
+            progress.update(len(by_layer), len(items))
     return Spectra(by_layer, dict(vars(engine.stats)))
 
 
@@ -282,23 +311,56 @@ def audit(model: Any, inputs: Any = None, *, plan: Any = None, options: AuditOpt
     """
     from .load import WeightsOnly
     from .plan import Plan
+    from .progress import Progress
 
     opts = (options or AuditOptions()).with_(**shortcuts) if shortcuts else (options or AuditOptions())
+    progress = _progress(opts)
     plan_obj = Plan.coerce(plan) if plan is not None else None
     settings = resolve_settings(opts, plan_obj)
     if isinstance(model, WeightsOnly):
         st = weights_structure(model, opts)
     else:
-        st = module_structure(model, inputs, opts)
-    spectra = compute_spectra(st.layers, st.loaders, settings, opts)
+        st = module_structure(model, inputs, opts, progress)
+    spectra = compute_spectra(st.layers, st.loaders, settings, opts, progress)
     result = Audit(
         model_name=st.model_name, source=st.source, trace_method=st.trace_method, trace_failures=st.trace_failures,
         inputs=st.inputs, total_params=st.total_params, layers=st.layers, macs_known=st.macs_known,
         settings=settings, spectra=spectra.by_layer, suggestions=suggest_ranks(st.layers, spectra.by_layer, settings),
         unsupported_ops=st.unsupported, notes=st.notes, graph=st.graph, environment=environment(),
-        spectra_stats=spectra.stats,
+        spectra_stats=spectra.stats, trace_log=st.log,
     )
     return check(review(result, plan_obj), plan_obj)
+
+
+def _progress(options: AuditOptions) -> "Progress":
+    """The one Progress of a run, made before any quiet block redirects stderr: ``options.progress`` None draws
+    only when stderr is a terminal."""
+    from .progress import Progress
+
+    return Progress(enabled=options.progress)
+
+
+def render_reports(result: Audit, formats: list[str], context: Any,
+                   progress: "Progress | None" = None) -> dict[str, str | bytes]:
+    """Every format of ``formats`` rendered (the "render" phase), nothing written: the caller writes each file
+    atomically once all are rendered.
+
+    >>> import auditor, torch
+    >>> a = auditor.audit(torch.nn.Linear(8, 4), spectra=False, progress=False)
+    >>> from auditor.render import RenderContext
+    >>> sorted(render_reports(a, ["json", "md"], RenderContext()))
+    ['json', 'md']
+    """
+    from .progress import Progress
+    from .render import REPORTERS
+
+    progress = progress or Progress(enabled=False)
+    with progress.phase("render", total=len(formats), unit="format"):
+        out: dict[str, str | bytes] = {}
+        for fmt in formats:
+            out[fmt] = REPORTERS[fmt].render(result, context)
+            progress.update(len(out), len(formats))
+    return out
 
 
 def audit_source(spec: str, *, plan: Any = None, options: AuditOptions | None = None,
@@ -311,8 +373,9 @@ def audit_source(spec: str, *, plan: Any = None, options: AuditOptions | None = 
     >>> a.model_name, a.total_params, a.inputs
     ('DigitsMLP', 429834, 'float32[16, 64]')
     """
-    loaded = load_model(spec, load or LoadOptions())
     opts = options or AuditOptions()
+    with _progress(opts).phase("load"):
+        loaded = load_model(spec, load or LoadOptions())
     opts = replace(opts, name=opts.name or loaded.name, source=loaded.source)
     result = audit(loaded.model, loaded.example_inputs, plan=plan, options=opts)
     if loaded.notes:  # what the loader decided (structure only, inputs made from the config, partial weights)

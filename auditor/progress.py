@@ -123,7 +123,9 @@ class _ListHandler(logging.Handler):
 def _torch_loggers() -> list[logging.Logger]:
     names = [n for n in list(logging.root.manager.loggerDict) if n == "torch" or n.startswith("torch.")]
     found = [logging.getLogger(n) for n in names]
-    return [lg for lg in found if lg.handlers or not lg.propagate or lg.name == "torch"]
+    # torch.__trace is the structured-trace logger (TORCH_TRACE): DEBUG records with empty messages, not for people
+    return [lg for lg in found if (lg.handlers or not lg.propagate or lg.name == "torch")
+            and not lg.name.startswith("torch.__trace")]
 
 
 @contextlib.contextmanager

@@ -18,6 +18,8 @@ from .config import FailOn, Settings, StrEnum
 if TYPE_CHECKING:
     import pandas
 
+    from .groups import Group
+
     from .baseline import BaselineSource
 
 __all__ = [
@@ -182,14 +184,37 @@ class Spectrum:
 
     @property
     def computed(self) -> bool:
+        """Whether singular values were computed (False: skipped, see ``skipped``)."""
         return self.sigma is not None
 
+    @property
+    def values(self) -> list[float] | None:
+        """The singular values as one flat list for an ungrouped layer (``sigma`` stays ``groups x k`` as the JSON
+        schema has it); for a grouped convolution, every group's values in group order. None when skipped.
+
+        >>> Spectrum("fc", [[3.0, 1.0]]).values, Spectrum("conv", [[2.0], [1.0]]).values
+        ([3.0, 1.0], [2.0, 1.0])
+        """
+        if self.sigma is None:
+            return None
+        return list(self.sigma[0]) if len(self.sigma) == 1 else [v for g in self.sigma for v in g]
+
     def energy_at(self, r: int) -> float:
+        """E(r): the share of ||W||_F^2 the best rank-r approximation keeps (0 for r <= 0, 1 past the end).
+
+        >>> Spectrum("fc", [[2.0, 1.0]], energy=[0.8, 1.0]).energy_at(1)
+        0.8
+        """
         if not self.energy or r <= 0:
             return 0.0
         return self.energy[min(r, len(self.energy)) - 1]
 
     def rank_for(self, target: float) -> int:
+        """The smallest rank keeping ``target`` of the energy.
+
+        >>> Spectrum("fc", [[2.0, 1.0]], energy=[0.8, 1.0]).rank_for(0.9)
+        2
+        """
         return lrmath.energy_rank(self.energy, target)
 
     def to_dict(self, with_sigma: bool = True) -> dict[str, Any]:
@@ -376,6 +401,11 @@ class LayerGraph:
         return [a for a, b in self.edges if b == name]
 
 
+LAYER_ROW_FIELDS = ("rank_order", "name", "kind", "module_type", "m", "n", "groups", "shape", "params", "share",
+                    "cumulative", "macs", "calls", "tied", "break_even", "suggested", "compression",
+                    "energy_at_rank", "verdict", "reason", "stable_rank", "effective_rank", "planned")
+
+
 def _as_baseline(baseline: "BaselineSource | None", audit: "Audit") -> Any:
     from .render import RenderContext
 
@@ -384,7 +414,7 @@ def _as_baseline(baseline: "BaselineSource | None", audit: "Audit") -> Any:
     from .baseline import compare, load
 
     base = baseline if isinstance(baseline, dict) else load(baseline)
-    return RenderContext(baseline=compare(audit, base))
+    return RenderContext(baseline=compare(audit, base), baseline_report=base)
 
 
 @dataclass(frozen=True)
@@ -416,6 +446,7 @@ class Audit:
     graph: LayerGraph | None = None  # None in a weights-only audit
     environment: dict[str, str] = field(default_factory=dict)
     spectra_stats: dict[str, int] = field(default_factory=dict)
+    trace_log: str = field(default="", repr=False, compare=False)  # torch's logging while tracing (--verbose)
 
     # ---- lookups and derived numbers -------------------------------------------------------------------------
     @cached_property
@@ -428,33 +459,116 @@ class Audit:
         return index
 
     def layer(self, name: str) -> Layer:
-        """The layer with this name (or tensor name), in O(1); KeyError when there is none."""
+        """The layer with this name (or tensor name), in O(1); KeyError when there is none.
+
+        >>> import auditor, torch
+        >>> a = auditor.audit(torch.nn.Sequential(torch.nn.Linear(8, 4)), spectra=False)
+        >>> a.layer("0").m, a.layer("0.weight").n
+        (4, 8)
+        """
         return self._by_name[name]
 
     @property
     def factorizable_params(self) -> int:
+        """Parameters in the factorizable weights (biases and norms are the rest).
+
+        >>> import auditor, torch
+        >>> a = auditor.audit(torch.nn.Linear(8, 4), spectra=False)
+        >>> a.factorizable_params, a.rest_params, round(a.rest_share, 3)
+        (32, 4, 0.111)
+        """
         return sum(layer.params for layer in self.layers)
 
     @property
     def rest_params(self) -> int:
+        """Parameters outside the factorizable weights (see :attr:`factorizable_params`)."""
         return self.total_params - self.factorizable_params
 
     @property
     def rest_share(self) -> float:
+        """:attr:`rest_params` as a share of all unique parameters."""
         return self.rest_params / self.total_params if self.total_params else 0.0
 
     @property
     def total_macs(self) -> int | None:
+        """Dense MACs per forward of the weight ops for the example inputs; None without inputs.
+
+        >>> import auditor, torch
+        >>> auditor.audit(torch.nn.Linear(8, 4), torch.zeros(2, 8), spectra=False).total_macs
+        64
+        """
         if not self.macs_known:
             return None
         return sum(layer.macs or 0 for layer in self.layers)
 
     @property
     def counts(self) -> SeverityCounts:
+        """Findings by severity.
+
+        >>> import auditor, torch
+        >>> auditor.audit(torch.nn.Linear(8, 4), spectra=False).counts.error
+        0
+        """
         return SeverityCounts.of(self.findings)
 
     @property
+    def stable_ranks(self) -> dict[str, float]:
+        """Stable rank ||W||_F^2 / sigma_1^2 per layer with a spectrum.
+
+        >>> import auditor, torch
+        >>> lin = torch.nn.Linear(8, 4)
+        >>> _ = torch.nn.init.eye_(lin.weight)
+        >>> auditor.audit(lin, cache=False, progress=False).stable_ranks
+        {'Linear': 4.0}
+        """
+        return {k: s.stable_rank for k, s in self.spectra.items() if s.sigma is not None}
+
+    @property
+    def effective_ranks(self) -> dict[str, float]:
+        """Effective rank exp(entropy of sigma / sum sigma) per layer with a spectrum (4 equal values: 4.0)."""
+        return {k: s.effective_rank for k, s in self.spectra.items() if s.sigma is not None}
+
+    def groups(self) -> "list[Group]":
+        """Layers grouped by block: names that differ only in integer components (``h.*.mlp.c_fc`` x 12), largest
+        group first; a layer with no siblings is a group of one.
+
+        >>> import auditor, torch
+        >>> m = torch.nn.Sequential(*[torch.nn.Linear(8, 8) for _ in range(3)])
+        >>> g = auditor.audit(m, spectra=False).groups()[0]
+        >>> g.label, g.size, g.params
+        ('*', 3, 192)
+        """
+        from .groups import group_layers
+
+        return group_layers(self.layers, self.total_params)
+
+    def emit_plan(self, path: str | Path | None = None) -> str:
+        """The suggested plan as an editable TOML file (the same text as ``--emit-plan``), written atomically to
+        ``path`` when given; returns the text.
+
+        >>> import auditor, torch
+        >>> a = auditor.audit(torch.nn.Linear(8, 4), spectra=False)
+        >>> "[ranks]" in a.emit_plan()
+        True
+        """
+        from .plan import emit_toml
+
+        text = emit_toml(self)
+        if path is not None:
+            from .render import atomic_write
+
+            with atomic_write(path) as fh:
+                fh.write(text)
+        return text
+
+    @property
     def trace_summary(self) -> str:
+        """How the layer graph was obtained, in one sentence.
+
+        >>> import auditor, torch
+        >>> auditor.audit(torch.nn.Linear(8, 4), torch.zeros(1, 8), spectra=False).trace_summary
+        'Traced with torch.fx.symbolic_trace.'
+        """
         if self.trace_method is TraceMethod.WEIGHTS:
             text = "No graph: layers inferred from tensor names and shapes (weights-only audit)"
         else:
@@ -466,6 +580,13 @@ class Audit:
         return text + "."
 
     def cumulative(self) -> list[float]:
+        """The running share of the model's parameters, largest layer first.
+
+        >>> import auditor, torch
+        >>> a = auditor.audit(torch.nn.Sequential(torch.nn.Linear(8, 8, bias=False), torch.nn.Linear(8, 4, bias=False)), spectra=False)
+        >>> a.cumulative()
+        [0.6666666666666666, 1.0]
+        """
         acc, out = 0.0, []
         for layer in self.layers:
             acc += layer.share
@@ -473,7 +594,13 @@ class Audit:
         return out
 
     def layers_holding(self, fraction: float) -> int:
-        """How many of the largest layers hold ``fraction`` of all parameters (0 if they never do)."""
+        """How many of the largest layers hold ``fraction`` of all parameters (0 if they never do).
+
+        >>> import auditor, torch
+        >>> a = auditor.audit(torch.nn.Sequential(torch.nn.Linear(8, 8, bias=False), torch.nn.Linear(8, 4, bias=False)), spectra=False)
+        >>> a.layers_holding(0.5), a.layers_holding(0.9)
+        (1, 2)
+        """
         for i, c in enumerate(self.cumulative(), start=1):
             if c + 1e-12 >= fraction:
                 return i
@@ -509,7 +636,9 @@ class Audit:
         data = to_dict(self, with_sigma=with_sigma)
         ctx = _as_baseline(baseline, self)
         if ctx.baseline is not None:
-            data["baseline"] = ctx.baseline.to_dict()
+            from .render.jsonout import baseline_block
+
+            data["baseline"] = baseline_block(self, ctx)
         return json.dumps(data, indent=indent, sort_keys=False)
 
     def to_markdown(self, baseline: "BaselineSource | None" = None) -> str:
@@ -557,7 +686,15 @@ class Audit:
         """The HTML report printed to PDF with WeasyPrint, written atomically to ``path``; returns the path.
 
         ``a.to_pdf("audit.pdf")`` needs WeasyPrint and Pango; without them it raises :class:`AuditError` saying
-        what to install, and writes nothing."""
+        what to install, and writes nothing. The PDF carries the pages of the largest groups and an appendix
+        table of every layer.
+
+        >>> import auditor, torch, tempfile, pathlib
+        >>> a = auditor.audit(torch.nn.Linear(8, 4), spectra=False)
+        >>> p = a.to_pdf(pathlib.Path(tempfile.mkdtemp()) / "a.pdf")  # doctest: +SKIP
+        >>> p.read_bytes()[:5]  # doctest: +SKIP
+        b'%PDF-'
+        """
         data = self._render("pdf", baseline)
         from .render import atomic_write
 
@@ -566,15 +703,17 @@ class Audit:
         return Path(path)
 
     def to_pandas(self) -> "pandas.DataFrame":
-        """One row per layer (the layer table's columns, rank columns named after the energy targets).
+        """One row per layer (the layer table's columns, rank columns named after the energy targets); the rank
+        columns, ``suggested`` and ``planned`` are nullable integers (``Int64``: ``<NA>`` where there is no rank).
 
         >>> import auditor, torch
         >>> lin = torch.nn.Linear(8, 4)
         >>> _ = torch.nn.init.eye_(lin.weight)  # four equal singular values: E(r) = r / 4
         >>> a = auditor.audit(lin, options=auditor.AuditOptions(cache=False, progress=False,
         ...                                                    overrides={"energy_targets": [0.5, 0.9]}))
-        >>> list(a.to_pandas()[["params", "r50", "r90"]].iloc[0])
-        [32, 2, 4]
+        >>> df = a.to_pandas()
+        >>> [int(v) for v in df[["params", "r50", "r90"]].iloc[0]], str(df["suggested"].dtype)
+        ([32, 2, 4], 'Int64')
         """
         try:
             import pandas as pd
@@ -586,7 +725,11 @@ class Audit:
 
         table = layer_table(self)
         labels = [c.label for c in table.columns]
-        return pd.DataFrame([row.record(labels) for row in table.rows])
+        df = pd.DataFrame([row.record(labels) for row in table.rows],
+                          columns=[*(f for f in LAYER_ROW_FIELDS), *labels])
+        for col in [*labels, "suggested", "planned", "macs"]:
+            df[col] = df[col].astype("Int64")
+        return df
 
     def _render(self, fmt: str, baseline: "BaselineSource | None") -> str | bytes:
         from .render import REPORTERS
@@ -594,6 +737,13 @@ class Audit:
         return REPORTERS[fmt].render(self, _as_baseline(baseline, self))
 
     def _repr_html_(self) -> str:
+        """The notebook view: summary, the top layers and the findings, styled inline (no reliance on the
+        notebook's CSS).
+
+        >>> import auditor, torch
+        >>> "text-align:right" in auditor.audit(torch.nn.Linear(8, 4), spectra=False)._repr_html_()
+        True
+        """
         from .render.html import render_compact
 
         return render_compact(self)

@@ -29,7 +29,7 @@ def test_html_rows_match_json(audit_cnn, tmp_path):
     html = audit_cnn.to_html(tmp_path / "r.html")
     data = json.loads(audit_cnn.to_json())
     soup = bs4.BeautifulSoup(html, "html.parser")
-    rows = soup.select("#layer-table tbody tr")
+    rows = soup.select("#layer-table tbody tr[data-layer]")
     assert [r["data-layer"] for r in rows] == [l["name"] for l in data["layers"]]
     for row, layer in zip(rows, data["layers"]):
         assert row.select_one("td.params").text == f"{layer['params']:,}"
@@ -42,7 +42,7 @@ def test_html_rows_match_json(audit_cnn, tmp_path):
     for f in data["findings"]:
         assert f["code"] in soup.select_one("#findings").text
     # self-contained: no external URL anywhere
-    assert not re.search(r'(src|href)="(?!data:)', html)
+    assert not re.search(r'(src|href)="(?!data:|#)', html)  # data URIs and in-page anchors only
     assert (tmp_path / "r.html").read_text(encoding="utf-8") == html
 
 
@@ -105,7 +105,9 @@ def test_module_names_are_escaped():
     assert "&lt;script&gt;alert(1)&lt;/script&gt;" in html
     assert "<b>model</b>" not in html
     assert "<script>alert" not in a._repr_html_()
-    assert "<script>" not in a.to_markdown()
+    md = a.to_markdown()
+    assert "`<script>alert(1)</script>`" in md  # literal inside a code span, which Markdown never parses
+    assert "<script>" not in re.sub(r"`[^`]*`", "", md)
 
 
 def test_reports_are_written_atomically(monkeypatch, audit_cnn, tmp_path):
@@ -235,7 +237,7 @@ def test_rank_columns_follow_the_energy_targets(digits_mlp, tmp_path):
     fc1 = next(line for line in a.to_text(width=200).splitlines() if " fc1 " in line)
     assert fc1.split()[-5:-3] == [str(r80["fc1"]), str(r90["fc1"])] and fc1.endswith("factorize")
     md = a.to_markdown()
-    assert "| cum. | r80 | r90 | verdict |" in md
+    assert "| cum. | r80 | r90 | rank | x | verdict |" in md
     assert f"| {r80['fc1']} | {r90['fc1']} |" in md.split("`fc1`")[-1].splitlines()[0]
     soup = bs4.BeautifulSoup(a.to_html(), "html.parser")
     heads = [th.text for th in soup.select("#layer-table th")]
@@ -250,7 +252,7 @@ def test_to_text_fits_the_width(audit_cnn, width):
     lines = text.splitlines()
     assert max(map(len, lines)) <= width
     header = next(line for line in lines if line.startswith("  #")).split()
-    assert {"layer", "params", "share", "rank", "verdict"} <= set(header)  # the essential columns always stay
+    assert {"layer", "params", "share", "planned", "verdict"} <= set(header)  # the essential columns always stay
     assert ("kind" in header) is (width >= 200)  # the least useful column goes first
     assert all(l.name in text for l in audit_cnn.layers)  # short layer names are never cut
 
@@ -271,7 +273,7 @@ def test_baseline_diff_reaches_every_format(audit_cnn, tmp_path):
     ctx = RenderContext(baseline=diff)
     data = json.loads(REPORTERS["json"].render(audit_cnn, ctx))
     assert data["baseline"] == diff.to_dict()
-    assert json.loads(audit_cnn.to_json(baseline=base))["baseline"] == diff.to_dict()
+    assert json.loads(audit_cnn.to_json(baseline=base))["baseline"] == {**diff.to_dict(), "rank_changes": []}
     md = audit_cnn.to_markdown(baseline=base)
     assert "### Since the baseline" in md and f"new **{new.code}**" in md and "fixed **LR999**: gone since" in md
     text = REPORTERS["text"].render(audit_cnn, replace(ctx, width=200))

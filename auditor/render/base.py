@@ -8,7 +8,7 @@ import tempfile
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import IO, TYPE_CHECKING, Iterator, Protocol, runtime_checkable
+from typing import IO, TYPE_CHECKING, Any, Iterator, Protocol, runtime_checkable
 
 if TYPE_CHECKING:
     from ..baseline import BaselineDiff
@@ -23,6 +23,8 @@ class RenderContext:
     width: int = 120  # the terminal table's line length (at least 60)
     with_sigma: bool = False  # JSON: every singular value
     charts: bool = True  # HTML/PDF: the matplotlib charts (off for the notebook's compact view)
+    baseline_report: "dict[str, Any] | None" = None  # the baseline's JSON as read: per-layer rank changes
+    measured: "dict[str, list[tuple[int, float]]] | None" = None  # calibration: layer or group label -> points
 
 
 @runtime_checkable

@@ -22,7 +22,8 @@ def _fig(w: float, h: float):  # type: ignore[no-untyped-def]
     import matplotlib.pyplot as plt
 
     matplotlib.rcParams.update({"svg.hashsalt": "lowrank-auditor", "svg.fonttype": "none", "font.size": 9,
-                                "font.family": "DejaVu Sans", "axes.spines.top": False, "axes.spines.right": False})
+                                "font.family": "DejaVu Sans", "axes.spines.top": False, "axes.spines.right": False,
+                                "text.parse_math": False, "text.usetex": False})  # names are text, never TeX
     return plt.subplots(figsize=(w, h))
 
 
@@ -36,7 +37,9 @@ def _uri(fig) -> str:  # type: ignore[no-untyped-def]
 
 
 def _short(name: str, width: int = 38) -> str:
-    return name if len(name) <= width else "…" + name[-(width - 1):]
+    from .layer_charts import short_label
+
+    return short_label(name, width)
 
 
 def share_chart(audit: "Audit", top: int = 12) -> str:

@@ -61,6 +61,20 @@ def to_dict(audit: "Audit", with_sigma: bool = False) -> dict[str, Any]:
     }
 
 
+def baseline_block(audit: "Audit", context: RenderContext) -> dict[str, Any]:
+    """The ``baseline`` block: the diff, plus ``rank_changes`` (layer, before, after; null = dense or absent)
+    when the baseline report itself is at hand."""
+    from .pages import rank_changes
+
+    assert context.baseline is not None
+    d = context.baseline.to_dict()
+    if context.baseline_report is not None:
+        d["rank_changes"] = [{"layer": c.layer, "before": c.before, "after": c.after,
+                              "present_before": c.present_before, "present_after": c.present_after}
+                             for c in rank_changes(audit, context.baseline_report)]
+    return d
+
+
 class JsonReporter:
     name = "json"
     suffix = ".json"
@@ -69,5 +83,5 @@ class JsonReporter:
     def render(self, audit: "Audit", context: RenderContext) -> str:
         data = to_dict(audit, with_sigma=context.with_sigma)
         if context.baseline is not None:
-            data["baseline"] = context.baseline.to_dict()
+            data["baseline"] = baseline_block(audit, context)
         return json.dumps(data, indent=2) + "\n"

@@ -52,7 +52,7 @@ def render_pdf(audit: "Audit", ctx: RenderContext = RenderContext()) -> bytes:
     from .html import render
 
     wp = _weasyprint()
-    html = render(audit, ctx)
+    html = render(audit, ctx, pdf=True)
     return wp.HTML(string=html, url_fetcher=url_fetcher(wp), base_url=None).write_pdf()
 
 

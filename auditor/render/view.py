@@ -5,7 +5,8 @@ Rank columns follow ``settings.energy_targets``: targets (0.8, 0.9) give the col
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+import re
+from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any, Callable
 
 from ..suggest import target_key
@@ -60,10 +61,18 @@ class LayerRow:
     reason: str
     stable_rank: float | None
     effective_rank: float | None
+    planned: int | None = None  # the given plan's rank (None without a plan, or when the plan skips the layer)
+    anchor: str = ""  # the id of the layer's own section in the HTML report
+
+    @property
+    def shown_rank(self) -> int | None:
+        """The rank the report leads with: the planned one when a plan is reviewed, else the suggested one."""
+        return self.planned if self.planned is not None else self.suggested
 
     def record(self, labels: list[str] | None = None) -> dict[str, Any]:
         """A flat dict (for pandas): the fields, with the rank columns under their labels."""
         d = asdict(self)
+        d.pop("anchor")
         ranks = d.pop("ranks")
         d.update(zip(labels if labels is not None else [f"rank{i}" for i in range(len(ranks))], ranks))
         return d
@@ -73,10 +82,41 @@ class LayerRow:
 class LayerTable:
     columns: list[RankColumn]
     rows: list[LayerRow]
+    planned: bool = False  # a plan the user gave is reviewed: tables lead with its ranks
+
+
+def given_plan(audit: "Audit") -> dict[str, int]:
+    """The ranks of a plan the user gave, by layer ({} without one: the suggested plan is not a given plan)."""
+    rv = audit.review
+    if rv is None or rv.suggested:
+        return {}
+    return {it.layer: it.rank for it in rv.items}
+
+
+def anchors(names: list[str], prefix: str = "layer-") -> dict[str, str]:
+    """A unique HTML id per name: the name with characters outside ``[A-Za-z0-9_.-]`` as ``_`` (a number added
+    where two names would meet).
+
+    >>> anchors(["h.0.fc", "h/0.fc", "a b"])
+    {'h.0.fc': 'layer-h.0.fc', 'h/0.fc': 'layer-h_0.fc', 'a b': 'layer-a_b'}
+    """
+    out: dict[str, str] = {}
+    used: set[str] = set()
+    for n in names:
+        base = prefix + (re.sub(r"[^A-Za-z0-9_.-]", "_", n) or "_")
+        a, i = base, 1
+        while a in used:
+            i += 1
+            a = f"{base}-{i}"
+        used.add(a)
+        out[n] = a
+    return out
 
 
 def layer_table(audit: "Audit") -> LayerTable:
     cols = rank_columns(audit)
+    planned = given_plan(audit)
+    ids = anchors([l.name for l in audit.layers])
     rows = []
     for i, (layer, cum) in enumerate(zip(audit.layers, audit.cumulative())):
         sg = audit.suggestions.get(layer.name)
@@ -95,8 +135,15 @@ def layer_table(audit: "Audit") -> LayerTable:
             reason=sg.reason if sg else "",
             stable_rank=sp.stable_rank if has_sigma else None,
             effective_rank=sp.effective_rank if has_sigma else None,
+            planned=planned.get(layer.name), anchor=ids[layer.name],
         ))
-    return LayerTable(cols, rows)
+    rv = audit.review
+    return LayerTable(cols, rows, planned=rv is not None and not rv.suggested)
+
+
+def spectra_computed(audit: "Audit") -> bool:
+    """Whether any layer has singular values (False with --no-spectra, or with weights on the meta device)."""
+    return any(s.sigma is not None for s in audit.spectra.values())
 
 
 def layer_rows(audit: "Audit") -> list[LayerRow]:

@@ -226,27 +226,27 @@ def _cases() -> list[Case]:
         ck = _hf_dir(d)
         _safetensors(ck / "model.safetensors", {"transformer.h.0.mlp.c_fc.weight": torch.zeros(32, 128)})
         return [str(ck), "-q", "--format", "json", "-o", OUT]
-    add(Case("hf-checkpoint-covers-one-matrix", W, hf_partial, 2, "missing", owner="load"))
+    add(Case("hf-checkpoint-covers-one-matrix", W, hf_partial, 2, "lacks"))
 
     def hf_empty_map(d: Path) -> list[str]:
         ck = _hf_dir(d)
         _text(ck, "model.safetensors.index.json", json.dumps({"weight_map": {}}))
         return [str(ck), "-q", "--format", "json", "-o", OUT]
-    add(Case("hf-index-weight-map-empty", W, hf_empty_map, 2, "missing", owner="load"))
+    add(Case("hf-index-weight-map-empty", W, hf_empty_map, 2, "missing"))
 
     def weights_missing(d: Path) -> list[str]:
         torch.save({"0.weight": torch.zeros(64, 48), "0.bias": torch.zeros(64)}, d / "w.pt")
         return [_mlp(d), "-q", "--weights", str(d / "w.pt"), "--format", "json", "-o", OUT]
-    add(Case("weights-missing-a-tensor", W, weights_missing, 2, "missing", owner="load"))
+    add(Case("weights-missing-a-tensor", W, weights_missing, 2, "lacks"))
 
     def weights_empty_dir(d: Path) -> list[str]:
         (d / "wdir").mkdir()
         return [_mlp(d), "-q", "--weights", str(d / "wdir"), "--format", "json", "-o", OUT]
-    add(Case("weights-dir-without-weights", W, weights_empty_dir, 2, None, owner="load"))
+    add(Case("weights-dir-without-weights", W, weights_empty_dir, 2, None))
 
     def bare_config(d: Path) -> list[str]:
         return [str(_hf_dir(d) / "config.json"), "-q", "--format", "json", "-o", OUT]
-    add(Case("bare-config-random-weights", W, bare_config, (0, 2), None, check=_structure_or_memory, owner="load"))
+    add(Case("bare-config-random-weights", W, bare_config, (0, 2), None, check=_structure_or_memory))
 
     def norms(d: Path) -> list[str]:
         return [_py(d, '''
@@ -286,7 +286,7 @@ def model():
             "emb.weight": "model-00001-of-00002.safetensors", "fc.weight": "model-00001-of-00002.safetensors",
             "head.weight": "model-00002-of-00002.safetensors"}}))
         return [str(ck), "-q", "--format", "json", "-o", OUT]
-    add(Case("tied-tensor-twice-in-two-shards", W, tied_shards, (0, 1), check=_counted_once, owner="load"))
+    add(Case("tied-tensor-twice-in-two-shards", W, tied_shards, (0, 1), check=_counted_once))
 
     def walk_chains(d: Path) -> list[str]:
         return [_py(d, '''
@@ -307,17 +307,17 @@ def model():
 
     def cache_nan(d: Path) -> list[str]:
         return [_mlp(d), "-q", "--cache-dir", str(d / "cache"), "--format", "json", "-o", OUT]
-    add(Case("cache-entries-nan", W, cache_nan, 0, check=_cache_entries_checked, owner="spectra"))
+    add(Case("cache-entries-nan", W, cache_nan, 0, check=_cache_entries_checked))
 
     def huge_values(d: Path) -> list[str]:
         _safetensors(d / "w.safetensors", {"a.weight": _low_rank(dtype=torch.float64) * 1e200})
         return [str(d / "w.safetensors"), "-q", "--format", "json", "-o", OUT]
-    add(Case("float64-near-1e200", W, huge_values, 0, absent=("non-finite",), check=_valid_json, owner="spectra"))
+    add(Case("float64-near-1e200", W, huge_values, 0, absent=("non-finite",), check=_valid_json))
 
     def tiny_values(d: Path) -> list[str]:
         _safetensors(d / "w.safetensors", {"a.weight": _low_rank(dtype=torch.float64) * 1e-200})
         return [str(d / "w.safetensors"), "-q", "--format", "json", "-o", OUT]
-    add(Case("float64-near-1e-200", W, tiny_values, (0, 1), check=_valid_json, owner="spectra"))
+    add(Case("float64-near-1e-200", W, tiny_values, (0, 1), check=_valid_json))
 
     # ---- reading or replacing what was not asked ----
     def traversal(target: str) -> Callable[[Path], list[str]]:
@@ -331,8 +331,8 @@ def model():
                 "fc.weight": "model-1.safetensors", "stolen.weight": path}}))
             return [str(ck), "-q", "--format", "json", "-o", OUT]
         return make
-    add(Case("shard-index-dotdot", R, traversal("../../x.safetensors"), 2, None, absent=("stolen",), owner="load"))
-    add(Case("shard-index-absolute", R, traversal("ABS"), 2, None, owner="load"))
+    add(Case("shard-index-dotdot", R, traversal("../../x.safetensors"), 2, None, absent=("stolen",)))
+    add(Case("shard-index-absolute", R, traversal("ABS"), 2, None))
     add(Case("shard-index-etc-passwd", R, traversal("../../../../../../../../etc/passwd"), 2, None,
              absent=("exists",)))
 
@@ -350,13 +350,13 @@ def model():
         ck = _hf_dir(d, {**GPT2_CONFIG, "attn_implementation": "kernels-community/flash-attn"})
         return [str(ck / "config.json"), "--structure-only", "-q", "--format", "json", "-o", OUT]
     add(Case("config-attn-implementation-from-hub", R, remote_kernels, (0, 2), None,
-             absent=("pip install kernels",), owner="load"))  # never reach the Hub kernel loader at all
+             absent=("pip install kernels",)))  # never reach the Hub kernel loader at all
 
     def font_cache(d: Path) -> list[str]:
         (d / "home").mkdir()
         return [_mlp(d), "-q", "--format", "html", "-o", OUT]
     add(Case("matplotlib-cache-under-home", R, font_cache, 0, check=_home_untouched, child=True,
-             env={"HOME": "HOME", "MPLCONFIGDIR": "", "XDG_CACHE_HOME": ""}, owner="wire"))
+             env={"HOME": "HOME", "MPLCONFIGDIR": "", "XDG_CACHE_HOME": ""}))
 
     # ---- injection ----
     def toml_injection(d: Path) -> list[str]:
@@ -382,12 +382,12 @@ def model():
     def no_factorizable(d: Path) -> list[str]:
         return [_py(d, "def model():\n    return nn.LayerNorm(8), (torch.zeros(1, 8),)\n"),
                 "-q", "--format", "json", "-o", OUT]
-    add(Case("no-factorizable-layer", CR, no_factorizable, 0, owner="spectra"))
+    add(Case("no-factorizable-layer", CR, no_factorizable, 0))
 
     def empty_pt(d: Path) -> list[str]:
         torch.save({}, d / "empty.pt")
         return [str(d / "empty.pt"), "-q", "--format", "json", "-o", OUT]
-    add(Case("empty-pt", CR, empty_pt, (0, 2), None, owner="load"))
+    add(Case("empty-pt", CR, empty_pt, (0, 2), None))
 
     def zero_dims(d: Path) -> list[str]:
         return [_py(d, "def model():\n    return nn.Sequential(nn.Linear(0, 8), nn.Linear(8, 4)), None\n"),
@@ -398,17 +398,17 @@ def model():
         _safetensors(d / "w.safetensors", {"a.weight": _low_rank().to(torch.float8_e4m3fn),
                                            "b.weight": _low_rank(seed=1)})
         return [str(d / "w.safetensors"), "-q", "--format", "json", "-o", OUT]
-    add(Case("float8-weights", CR, float8, 0, owner="spectra"))
+    add(Case("float8-weights", CR, float8, 0))
 
     def sparse(d: Path) -> list[str]:
         torch.save({"a.weight": _low_rank().to_sparse(), "b.weight": _low_rank(seed=1)}, d / "w.pt")
         return [str(d / "w.pt"), "-q", "--format", "json", "-o", OUT]
-    add(Case("sparse-weights-in-pt", CR, sparse, (0, 2), None, owner="spectra"))
+    add(Case("sparse-weights-in-pt", CR, sparse, (0, 2), None))
 
     def nonstring_keys(d: Path) -> list[str]:
         torch.save({1: _low_rank(), "b.weight": _low_rank(seed=1)}, d / "w.pt")
         return [str(d / "w.pt"), "-q", "--format", "json", "-o", OUT]
-    add(Case("non-string-keys-in-pt", CR, nonstring_keys, 2, None, owner="load"))
+    add(Case("non-string-keys-in-pt", CR, nonstring_keys, 2, None))
 
     def lazy(d: Path) -> list[str]:
         return [_py(d, "def model():\n    return nn.Sequential(nn.LazyLinear(8)), None\n"), "-q"]
@@ -421,16 +421,16 @@ def model():
 
     def base_exception(d: Path) -> list[str]:
         return [_py(d, "class Stop(BaseException):\n    pass\ndef model():\n    raise Stop('no')\n"), "-q"]
-    add(Case("factory-raises-baseexception", CR, base_exception, 2, "Stop", owner="load"))
+    add(Case("factory-raises-baseexception", CR, base_exception, 2, "Stop"))
 
     def exit_at_import(d: Path) -> list[str]:
         return [_py(d, "import sys\nsys.exit(0)\ndef model():\n    return nn.Linear(8, 8), None\n"), "-q"]
-    add(Case("sys-exit-at-factory-import", LV, exit_at_import, 2, None, owner="load"))
+    add(Case("sys-exit-at-factory-import", LV, exit_at_import, 2, None))
 
     def prints(d: Path) -> list[str]:
         return [_py(d, LOW_RANK.replace("    return m,", "    print('building...')\n    return m,")),
                 "-q", "--format", "json"]
-    add(Case("factory-prints-to-stdout", LV, prints, 0, check=_stdout_is_json, owner="load"))
+    add(Case("factory-prints-to-stdout", LV, prints, 0, check=_stdout_is_json))
 
     def root_linear(d: Path) -> list[str]:
         return [_py(d, "def model():\n    return nn.Linear(64, 48), (torch.zeros(1, 64),)\n"),
@@ -444,23 +444,23 @@ def model():
                     "2.bias": torch.zeros(48), "4.weight": torch.zeros(4, 48), "4.bias": torch.zeros(4)},
                    d / "w.bin", _use_new_zipfile_serialization=False)
         return [_mlp(d), "-q", "--weights", str(d / "w.bin"), "--format", "json", "-o", OUT]
-    add(Case("legacy-non-zip-bin", LV, legacy_bin, (0, 1), None, owner="load"))
+    add(Case("legacy-non-zip-bin", LV, legacy_bin, (0, 1), None))
 
     for shape, label in (("1,,48", "empty"), ("-1,48", "negative"), ("0,48", "zero"),
                          ("99999999999,99999999999", "huge")):
         add(Case(f"input-shape-{label}", CR, lambda d, shape=shape: [_mlp(d), "-q", f"--input-shape={shape}"], 2, None,
-                 owner="load" if label == "huge" else None))
+                 owner=None))
 
     def ids_meta(d: Path) -> list[str]:
         return [str(_hf_dir(d) / "config.json"), "--structure-only", "--input-ids", "4096,1048576", "-q",
                 "--format", "json", "-o", OUT]
-    add(Case("input-ids-allocated-before-meta", CR, ids_meta, (0, 2), None, child=True, owner="load"))
+    add(Case("input-ids-allocated-before-meta", CR, ids_meta, (0, 2), None, child=True))
 
     def zero_stride(d: Path) -> list[str]:
         big = torch.zeros(1).expand(30000, 30000)  # a 4-byte storage viewed as 30000 x 30000
         torch.save({"big.weight": big, "fc.weight": _low_rank()}, d / "w.pt")
         return [str(d / "w.pt"), "-q", "--format", "json", "-o", OUT]
-    add(Case("zero-stride-30000-squared", CR, zero_stride, (0, 2), None, child=True, timeout=90, owner="spectra"))
+    add(Case("zero-stride-30000-squared", CR, zero_stride, (0, 2), None, child=True, timeout=90))
 
     def fifo_in_cache(d: Path) -> list[str]:
         return [_mlp(d), "-q", "--cache-dir", str(d / "cache"), "--format", "json", "-o", OUT]
@@ -470,7 +470,7 @@ def model():
             p.unlink()
             os.mkfifo(p)  # reading it would block forever
     add(Case("fifo-in-cache", CR, fifo_in_cache, 0, None, prepare=plant_fifos, child=True,
-             timeout=60, owner="spectra"))
+             timeout=60))
 
     def bare_7b(d: Path) -> list[str]:
         cfg = {"model_type": "llama", "architectures": ["LlamaForCausalLM"], "hidden_size": 4096,

@@ -1,0 +1,263 @@
+"""Reports at transformer size: block groups, a page per layer, the plan where people look, the baseline's rank
+changes, Markdown under the PR-comment cap, and hostile names in every format."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+import torch
+from torch import nn
+
+import auditor
+from auditor.render import RenderContext
+from auditor.render.md_budget import GITHUB_COMMENT_LIMIT, measure
+from auditor.render.safe import md_code, md_text, middle, term
+
+bs4 = pytest.importorskip("bs4")
+
+
+class Block(nn.Module):
+    def __init__(self, d: int, h: int) -> None:
+        super().__init__()
+        self.up = nn.Linear(d, h, bias=False)
+        self.down = nn.Linear(h, d, bias=False)
+
+    def forward(self, x):
+        return x + self.down(torch.relu(self.up(x)))
+
+
+class Stack(nn.Module):
+    """Four blocks (up 32->96, down 96->32) and a head 32->10: groups layers.*.up and layers.*.down."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.layers = nn.ModuleList(Block(32, 96) for _ in range(4))
+        self.head = nn.Linear(32, 10, bias=False)
+
+    def forward(self, x):
+        for b in self.layers:
+            x = b(x)
+        return self.head(x)
+
+
+@pytest.fixture(scope="module")
+def stack_audit():
+    return auditor.audit(Stack(), torch.randn(2, 32), cache=False, progress=False)
+
+
+@pytest.fixture(scope="module")
+def planned_audit():
+    # layers.*.up at rank 8 (saves), layers.0.down at 30 (above break-even 24: no saving)
+    ranks = {**{f"layers.{i}.up": 8 for i in range(4)}, "layers.0.down": 30}
+    return auditor.audit(Stack(), torch.randn(2, 32), plan={"ranks": ranks}, cache=False, progress=False)
+
+
+def test_groups_in_html_table_markdown_and_terminal(stack_audit):
+    a = stack_audit
+    soup = bs4.BeautifulSoup(a.to_html(), "html.parser")
+    groups = soup.select("#layer-table tr.group")
+    assert [g["data-group"] for g in groups] == ["layers.*.down", "layers.*.up"]  # equal sizes: name order
+    up = groups[1]
+    assert up.select_one(":scope > td.params").text == f"{4 * 32 * 96:,}"  # 12,288
+    members = [tr["data-layer"] for tr in up.select("details table.members tr[data-layer]")]
+    assert members == [f"layers.{i}.up" for i in range(4)]
+    # the head stays a plain row, after the two groups
+    assert soup.select("#layer-table > tbody > tr")[2]["data-layer"] == "head"
+    md = a.to_markdown()
+    assert "| 2 | `layers.*.up` ×4 | 96x32 | 12,288 |" in md
+    text = a.to_text(width=120)
+    assert re.search(r"^\s+2\s+layers\.\*\.up ×4\s+(?:linear\s+)?96x32\s+12,288", text, re.M)
+    assert "groups of repeated blocks" in text
+    assert [g.label for g in a.groups()] == ["layers.*.down", "layers.*.up", "head"]
+
+
+def test_every_layer_and_group_has_its_own_page(stack_audit):
+    a = stack_audit
+    soup = bs4.BeautifulSoup(a.to_html(), "html.parser")
+    links = {x["href"][1:] for x in soup.select("#layer-table a[href^='#']")}
+    pages = {p["id"]: p for p in soup.select("#pages article.page")}
+    assert links <= set(pages)
+    assert {"group-layers._.up", "layer-layers.0.up", "layer-head"} <= set(pages)
+    page = pages["layer-layers.0.up"]
+    sp = a.spectra["layers.0.up"]
+    facts = {d.select_one("dt").text: d.select_one("dd").text for d in page.select("dl.facts > div")}
+    assert facts["stable rank"] == f"{sp.stable_rank:.1f}" and facts["effective rank"] == f"{sp.effective_rank:.1f}"
+    assert facts["break-even"] == "24.0"
+    assert page.select_one("svg.spectrum polyline.curve") and page.select_one("svg.energy polyline.curve")
+    assert page.select_one("svg.energy line.mark.be") is not None  # the break-even line
+    # a group of 4 overlays its 4 members' curves (up to 6 are drawn as they are)
+    assert len(pages["group-layers._.up"].select("svg.energy polyline.curve")) == 4
+    assert "no calibration data" in page.text
+
+
+def test_measured_curve_hook(stack_audit):
+    from auditor.render.html import render
+
+    pts = [(4, 0.5), (8, 0.7), (16, 0.9)]
+    html = render(stack_audit, RenderContext(measured={"layers.0.up": pts}))
+    page = bs4.BeautifulSoup(html, "html.parser").select_one("#layer-layers\\.0\\.up")
+    line = page.select_one("svg.energy polyline.measured")
+    assert line is not None and len(line["points"].split()) == 3
+    assert "no calibration data" not in page.text
+
+
+def test_plan_shown_where_people_look(planned_audit):
+    a = planned_audit
+    soup = bs4.BeautifulSoup(a.to_html(), "html.parser")
+    head = [th.text for th in soup.select("#layer-table > thead th")]
+    assert "planned" in head and "suggested" in head
+    up = soup.select_one('#layer-table tr[data-group="layers.*.up"]')
+    assert up.select_one("td.planned").text == "8"
+    # the item above break-even: its real after-count (30 * (96 + 32) = 3,840 > 3,072) and a flag, in every format
+    row = next(tr for tr in soup.select("#plan-table tbody tr") if tr.select_one("td.name").text == "layers.0.down")
+    assert row.select_one("td.after").text.startswith("3,840") and "flagged" in row["class"]
+    assert "above break-even 24.0" in row.text
+    text = a.to_text(width=160)
+    assert "! layers.0.down r=30: 3,072 -> 3,840 (x 0.80); above break-even 24.0" in text
+    assert re.search(r"layers\.\*\.up ×4 .*\s8\s+\S+\s+3\.00\s", text)  # 96*32 / (8 * 128)
+    assert re.search(r"layers\.\*\.down ×4 .*\s30 \(1/4\)\s", text)  # the plan names one member
+    md = a.to_markdown()
+    assert "| `layers.0.down` | 32x96 | 30 |" in md and "3,072 → 3,840 ⚠️ no saving: kept dense" in md
+    assert "| `layers.*.up` ×4 | 96x32 | 8 |" in md  # the group's members agree: one row
+    df = a.to_pandas()
+    assert str(df["planned"].dtype) == "Int64" and int(df.set_index("name").loc["layers.1.up", "planned"]) == 8
+    assert df.set_index("name")["planned"].isna()["head"]
+
+
+def test_baseline_rank_changes_in_every_format(stack_audit, planned_audit):
+    base = stack_audit.to_dict()  # the suggested plan
+    a = planned_audit
+    before = {it.layer: it.rank for it in stack_audit.review.items}
+    data = json.loads(a.to_json(baseline=base))["baseline"]
+    changes = {c["layer"]: (c["before"], c["after"]) for c in data["rank_changes"]}
+    assert changes["layers.0.up"] == (before.get("layers.0.up"), 8)
+    assert changes["layers.0.down"] == (before.get("layers.0.down"), 30)
+    expected_down = f"{before['layers.0.down']:,}" if "layers.0.down" in before else "dense"
+    assert f"rank  layers.0.down: {expected_down} -> 30" in a.to_text(width=160, baseline=base)
+    assert f"- rank `layers.0.down`: {expected_down} → 30" in a.to_markdown(baseline=base)
+    soup = bs4.BeautifulSoup(a.to_html(baseline=base), "html.parser")
+    rows = {tr.select_one("td.name").text: [td.text for td in tr.select("td")[1:]]
+            for tr in soup.select("#rank-changes tbody tr")}
+    assert rows["layers.0.down"] == [expected_down, "30"]
+
+
+def test_markdown_of_a_70b_config_fits_a_pr_comment():
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.LlamaConfig(hidden_size=8192, intermediate_size=28672, num_hidden_layers=80,
+                                   num_attention_heads=64, num_key_value_heads=8, vocab_size=32000, use_cache=False)
+    with torch.device("meta"):
+        model = transformers.LlamaForCausalLM(cfg)
+    a = auditor.audit(model, progress=False)  # meta device: structure only, nothing allocated
+    assert a.total_params == 68_976_648_192
+    md = a.to_markdown()
+    assert measure(md) < GITHUB_COMMENT_LIMIT
+    assert "| 1 | `model.layers.*.mlp.down_proj` ×80 | 8192x28672 | 18,790,481,920 |" in md
+    assert "Spectra were not computed" in md
+
+
+def test_markdown_cut_says_how_many_more():
+    names = [f"blk_{i}_{'x' * 60}" for i in range(1500)]  # 1,500 distinct names: no grouping helps
+    m = nn.Sequential()
+    for n in names:
+        m.add_module(n, nn.Linear(4, 4, bias=False))
+    a = auditor.audit(m, spectra=False, progress=False)
+    md = a.to_markdown()
+    assert measure(md) <= 60_000
+    shown = len(re.findall(r"^\| \d+ \| `blk_", md, re.M))
+    assert 0 < shown < 1500
+    assert f"_… {1500 - shown:,} more layer groups in the attached report._" in md
+    assert md.index("## Low-rank audit") == 0 and md.rstrip().endswith("</sub>")
+
+
+HOSTILE = ["evil`](http://x.example)", "![img](http://x.example/a.png)", "# heading", "<img src=x onerror=alert(1)>",
+           "\x1b[31mred\x1b[0m", "a\nb", "\u202eexe.txt", "ctl\x9b1m", "[link](javascript:alert(1))"]
+
+
+def test_safe_escapes_hostile_names():
+    for name in HOSTILE:
+        t = term(name)
+        assert not re.search(r"[\x00-\x1f\x7f-\x9f\u202a-\u202e\u2066-\u2069]", t), t
+        code = md_code(name)
+        fence = re.match(r"`+", code).group(0)
+        inner = code[len(fence):-len(fence)]
+        assert "`" * len(fence) not in inner and "\n" not in inner
+        txt = md_text(name)
+        assert "<" not in txt and "](" not in txt.replace("\\](", "") and "\n" not in txt
+    assert term("\x1b[31m") == "\\x1b[31m" and term("\u202e") == "\\u202e"
+
+
+class Hostile(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        for i, n in enumerate(["evil`](javascript:alert(1))", "x\x1b[2Jy", "\u202egnp-exe", "$\\undefinedcmd{x}$"]):
+            self.add_module(n, nn.Linear(8 + i, 8, bias=False))
+
+    def forward(self, x):
+        return x
+
+
+def test_hostile_names_in_markdown_terminal_and_charts():
+    a = auditor.audit(Hostile(), cache=False, progress=False)
+    text = a.to_text()
+    assert "\x1b" not in text and "\u202e" not in text
+    assert "x\\x1b[2Jy" in text and "\\u202egnp-exe" in text
+    md = a.to_markdown()
+    assert "\x1b" not in md and "\u202e" not in md
+    assert "`` evil`](javascript:alert(1)) ``" in md  # one backtick inside: a two-backtick fence holds it
+    assert "](javascript" not in re.sub(r"(`+) .*? \1|`[^`]*`", "", md)
+    a.to_html()  # the charts draw $\undefinedcmd{x}$ as text (mathtext off)
+    from auditor.render.charts import energy_chart, share_chart
+
+    assert share_chart(a).startswith("data:image/svg+xml") and energy_chart(a) is not None
+
+
+def test_long_names_are_cut_in_the_middle():
+    enc = "encoder.block.0.layer.0.SelfAttention.relative_attention_bias"
+    dec = "decoder.block.0.layer.0.SelfAttention.relative_attention_bias"
+    assert middle(enc, 30) != middle(dec, 30)
+    assert middle(enc, 40) == "encoder.block.0….relative_attention_bias"
+    m = nn.Module()
+    for n in ("encoder_block_0_layer_0_SelfAttention_relative_attention_bias_x",
+              "decoder_block_0_layer_0_SelfAttention_relative_attention_bias_x"):
+        m.add_module(n, nn.Embedding(32, 8))
+    a = auditor.audit(m, spectra=False, progress=False)
+    rows = [l for l in a.to_text(width=70).splitlines() if "relative" in l or "…" in l]
+    names = [r.split()[1] for r in rows if r.strip()[:1].isdigit()]
+    assert len(names) == 2 and {n[:7] for n in names} == {"encoder", "decoder"} and all("…" in n for n in names)
+
+
+def test_compression_header_is_explained(stack_audit):
+    soup = bs4.BeautifulSoup(stack_audit.to_html(), "html.parser")
+    x = next(th for th in soup.select("#layer-table > thead th") if th.text == "×")
+    assert "m·n / (r·(m+n))" in x["title"]
+    assert "x = compression m*n / (r*(m+n))" in stack_audit.to_text(width=120)
+    assert "x = compression m·n / (r·(m+n))" in stack_audit.to_markdown()
+
+
+def test_no_spectra_says_so_in_every_format():
+    a = auditor.audit(Stack(), torch.randn(2, 32), spectra=False, progress=False)
+    assert "spectra were not computed" in a.to_text() and "worth factorizing" not in a.to_text()
+    assert "Spectra were not computed" in a.to_markdown() and "worth factorizing" not in a.to_markdown()
+    html = a.to_html()
+    assert "Spectra were not computed" in html and "none reaches the target energy" not in html
+
+
+def test_repr_html_styles_itself(stack_audit):
+    soup = bs4.BeautifulSoup(stack_audit._repr_html_(), "html.parser")
+    div = soup.select_one("div.lowrank-audit")
+    assert "padding" in div["style"]
+    cells = soup.select("tbody td")
+    numeric = [td for td in cells if re.fullmatch(r"[\d,.%]+", td.text)]
+    assert numeric and all("text-align:right" in td["style"] for td in numeric)
+    assert soup.select("tbody tr")[0].select_one("td").text == "layers.*.down ×4"
+
+
+def test_emit_plan_and_spectrum_values(stack_audit, tmp_path):
+    text = stack_audit.emit_plan(tmp_path / "plan.toml")
+    assert (tmp_path / "plan.toml").read_text() == text and "[ranks]" in text
+    sp = stack_audit.spectra["head"]
+    assert sp.values == sp.sigma[0] and len(sp.values) == 10
+    assert stack_audit.stable_ranks["head"] == sp.stable_rank
