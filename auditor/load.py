@@ -628,6 +628,8 @@ class WeightsOnly:
 
         groups: dict[tuple, list[str]] = {}
         for k, (_, shape, dtype) in self.index.items():
+            if self._ref(k).layout != "strided":  # sparse or other layouts: no bytes to compare (skipped later)
+                continue
             if len(shape) >= 2 and any(s > 1 for s in shape):
                 groups.setdefault((shape, dtype), []).append(k)
         ties: dict[str, str] = {}
