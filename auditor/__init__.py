@@ -13,15 +13,18 @@ from typing import Any
 
 __version__ = "0.1.0"
 
-from .config import Settings  # noqa: E402
-from .errors import AuditError  # noqa: E402
+from .config import FailOn, Settings  # noqa: E402
+from .errors import AuditError, ExitCode  # noqa: E402
+from .options import AuditOptions, LoadOptions, Tracer  # noqa: E402
+from .results import Audit  # noqa: E402
 
-__all__ = ["Audit", "AuditError", "Settings", "audit", "audit_source", "__version__"]
+__all__ = ["Audit", "AuditError", "AuditOptions", "ExitCode", "FailOn", "LoadOptions", "Settings", "Tracer", "audit",
+           "audit_source", "__version__"]
 
 
 def __getattr__(name: str) -> Any:
-    if name in ("Audit", "audit", "audit_source"):
-        from . import core
+    if name in ("audit", "audit_source"):
+        from . import pipeline
 
-        return getattr(core, name)
+        return getattr(pipeline, name)
     raise AttributeError(f"module 'auditor' has no attribute {name!r}")

@@ -8,11 +8,17 @@ from __future__ import annotations
 import argparse
 import sys
 from pathlib import Path
-from typing import Sequence
+from typing import TYPE_CHECKING, Sequence
 
+from .config import FailOn
 from .errors import AuditError, ExitCode
+from .options import Tracer
 
-FORMATS = ("text", "json", "md", "html", "pdf")
+if TYPE_CHECKING:
+    from .options import AuditOptions, LoadOptions
+
+FORMATS = ("text", "json", "md", "html", "pdf")  # the built-in reporters of auditor.render, in this order
+STDOUT_FORMATS = ("json", "md")  # go to stdout when there is no --output-dir; text always does
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -29,8 +35,12 @@ def _parser() -> argparse.ArgumentParser:
     g.add_argument("--input-shape", action="append", metavar="1,3,224,224",
                    help="a float input of this shape (repeat for several positional inputs)")
     g.add_argument("--input-ids", metavar="1,128", help="token ids of this shape, within the config's vocabulary")
-    g.add_argument("--weights", metavar="FILE", help="a state dict (safetensors, or .pt loaded weights_only)")
-    g.add_argument("--tracer", choices=("auto", "symbolic", "export", "walk"), default="auto",
+    g.add_argument("--weights", metavar="PATH",
+                   help="a state dict (safetensors, or .pt/.bin loaded weights_only), or a folder of them; "
+                        "also accepted with a config.json")
+    g.add_argument("--partial", action="store_true",
+                   help="audit even when the checkpoint lacks some of the model's weights (they are listed)")
+    g.add_argument("--tracer", choices=[t.value for t in Tracer], default=Tracer.AUTO.value,
                    help="auto: torch.fx.symbolic_trace, then torch.export, then a module walk (default)")
     g.add_argument("--structure-only", action="store_true",
                    help="build a Hugging Face config on the meta device: counts and shapes, no weights")
@@ -42,7 +52,7 @@ def _parser() -> argparse.ArgumentParser:
     g.add_argument("-o", "--output-dir", metavar="DIR",
                    help="write reports here as lowrank-audit.{json,md,html,pdf}; without it json/md go to stdout")
     g.add_argument("--baseline", metavar="OLD.json", help="report what changed since an earlier JSON audit")
-    g.add_argument("--fail-on", choices=("error", "warning", "never"), help="exit 1 on findings at this level")
+    g.add_argument("--fail-on", choices=[f.value for f in FailOn], help="exit 1 on findings at this level")
     g.add_argument("-q", "--quiet", action="store_true", help="no terminal table")
     g = p.add_argument_group("thresholds (override pyproject.toml and the plan)")
     g.add_argument("--energy", metavar="0.9,0.95,0.99", help="energy targets to report ranks for")
@@ -62,24 +72,26 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _rules_main(argv: Sequence[str]) -> int:
-    from .rules import RULES, rule_doc, rules_markdown
+    from .rules import RULES, find_rule, rule_doc, rules_markdown
+    from .rules.registry import BUILTIN_ORIGIN
 
     p = argparse.ArgumentParser(prog="lowrank-audit rules", description="List the rules, or print one.")
-    p.add_argument("code", nargs="?", help="a rule code such as LR001")
+    p.add_argument("code", nargs="?", help="a rule code such as LR004, or its slug such as energy-below-floor")
     p.add_argument("--markdown", action="store_true", help="print docs/rules.md")
     a = p.parse_args(argv)
-    if a.markdown:
-        sys.stdout.write(rules_markdown())
-        return 0
-    if a.code:
-        r = RULES.get(a.code.upper())
-        if r is None:
-            print(f"error: no rule {a.code!r}. Known: {', '.join(RULES)}.", file=sys.stderr)
-            return ExitCode.BAD_INPUT
-        sys.stdout.write(rule_doc(r) + "\n")
-        return 0
-    for r in RULES.values():
-        print(f"{r.code}  {r.slug:<30} {str(r.severity):<8} {r.summary}")
+    try:
+        if a.markdown:
+            sys.stdout.write(rules_markdown())
+            return 0
+        if a.code:
+            sys.stdout.write(rule_doc(find_rule(a.code)) + "\n")
+            return 0
+        for r in RULES.values():
+            origin = "" if r.origin == BUILTIN_ORIGIN else f" (from {r.origin})"
+            print(f"{r.code}  {r.slug:<30} {str(r.severity):<8} {r.summary}{origin}")
+    except AuditError as exc:
+        print(f"error: {exc.line()}", file=sys.stderr)
+        return ExitCode.BAD_INPUT
     return 0
 
 
@@ -98,83 +110,83 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 130
 
 
-def run(args: argparse.Namespace) -> int:
-    from . import baseline as baseline_mod
+def options_from(args: argparse.Namespace) -> tuple["AuditOptions", "LoadOptions"]:
+    """The audit's and the loader's options from the flags: defaults < pyproject.toml < the plan < the flags
+    (the plan's thresholds are applied between ``settings`` and ``overrides`` by the pipeline)."""
     from .config import Settings, from_pyproject
-    from .core import audit
-    from .load import load_source, parse_shape
-    from .plan import emit_toml
-    from .render import atomic_write
-    from .rules import RULES
+    from .load import parse_shape
+    from .options import AuditOptions, LoadOptions
 
-    formats = [f.strip() for f in args.format.split(",") if f.strip()]
-    bad = [f for f in formats if f not in FORMATS]
-    if bad:
-        raise AuditError(f"unknown format {', '.join(bad)}", f"Choose from {', '.join(FORMATS)}")
-    if not args.output_dir and sum(f in ("json", "md") for f in formats) > 1:
-        raise AuditError("json and md cannot both go to stdout", "Pass -o DIR to write them as files")
     if args.jobs is not None and args.jobs < 1:
         raise AuditError(f"--jobs {args.jobs}: at least one layer must run", "Pass --jobs 1 or more, or leave it out")
-
     settings = Settings().with_overrides(from_pyproject(), "pyproject.toml [tool.lowrank-auditor]")
     overrides = {k: v for k, v in {
         "energy_targets": args.energy, "target_energy": args.target_energy, "align": args.align,
         "min_share": args.min_share, "energy_floor": args.energy_floor, "select": args.select,
         "ignore": args.ignore, "fail_on": args.fail_on,
     }.items() if v is not None}
-    shapes = [parse_shape(s, "--input-shape") for s in args.input_shape] if args.input_shape else None
-    ids = parse_shape(args.input_ids, "--input-ids") if args.input_ids else None
+    audit_options = AuditOptions(
+        settings=settings, overrides=overrides, overrides_origin="the command line", tracer=Tracer(args.tracer),
+        spectra=not args.no_spectra, cache=not args.no_cache,
+        cache_dir=Path(args.cache_dir) if args.cache_dir else None, jobs=args.jobs,
+    )
+    load_options = LoadOptions(
+        input_shape=tuple(parse_shape(s, "--input-shape") for s in args.input_shape) if args.input_shape else None,
+        input_ids=parse_shape(args.input_ids, "--input-ids") if args.input_ids else None,
+        weights=args.weights, structure_only=args.structure_only, partial=args.partial,
+    )
+    return audit_options, load_options
+
+
+def _terminal_width() -> int:
+    """The terminal's width; 160 when stdout is not a terminal (a CI log is wide)."""
+    import shutil
+
+    return shutil.get_terminal_size((160, 24)).columns if sys.stdout.isatty() else 160
+
+
+def run(args: argparse.Namespace) -> int:
+    from . import baseline as baseline_mod
+    from .pipeline import audit_source
+    from .plan import emit_toml
+    from .policy import exit_code, input_errors
+    from .render import REPORTERS, RenderContext, atomic_write
+
+    formats = [f.strip() for f in args.format.split(",") if f.strip()]
+    bad = [f for f in formats if f not in REPORTERS]
+    if bad:
+        raise AuditError(f"unknown format {', '.join(bad)}", f"Choose from {', '.join(REPORTERS)}")
+    if not args.output_dir and sum(f in STDOUT_FORMATS for f in formats) > 1:
+        raise AuditError("json and md cannot both go to stdout", "Pass -o DIR to write them as files")
+    options, load_options = options_from(args)
     base = baseline_mod.load(args.baseline) if args.baseline else None
 
-    loaded = load_source(args.model, input_shape=shapes, input_ids=ids, weights=args.weights,
-                         structure_only=args.structure_only)
-    result = audit(
-        loaded.model, loaded.example_inputs, plan=args.plan, settings=settings, overrides=overrides,
-        name=loaded.name, source=loaded.source, tracer=args.tracer, spectra=not args.no_spectra,
-        cache=not args.no_cache, cache_dir=Path(args.cache_dir) if args.cache_dir else None, jobs=args.jobs,
-    )
-    for f in result.findings:
-        if RULES[f.code].input_error(f):
-            raise AuditError(f"{f.code} {f.message}", f.fix)
+    result = audit_source(args.model, plan=args.plan, options=options, load=load_options)
+    for f in input_errors(result):
+        raise AuditError(f"{f.code} {f.message}", f.fix)
 
     # Render everything first, then write each file atomically: no half-written report on failure.
-    outputs: dict[str, str | bytes] = {}
-    for fmt in formats:
-        if fmt == "json":
-            data = result.to_dict()
-            if base is not None:
-                data["baseline"] = baseline_mod.compare(result, base)
-            import json
-
-            outputs["json"] = json.dumps(data, indent=2) + "\n"
-        elif fmt == "md":
-            from .render.markdown import render as md
-
-            outputs["md"] = md(result, baseline=base)
-        elif fmt == "html":
-            outputs["html"] = result.to_html()
-        elif fmt == "pdf":
-            from .render.pdf import render_pdf
-
-            outputs["pdf"] = render_pdf(result)
+    context = RenderContext(baseline=baseline_mod.compare(result, base) if base is not None else None,
+                            width=_terminal_width())
+    ordered = sorted(dict.fromkeys(formats), key=lambda f: f != "text")  # the table first, as before
+    outputs = {fmt: REPORTERS[fmt].render(result, context) for fmt in ordered if fmt != "text" or not args.quiet}
     plan_text = emit_toml(result) if args.emit_plan else None
 
-    if "text" in formats and not args.quiet:
-        sys.stdout.write(result.to_text())
     out_dir = Path(args.output_dir) if args.output_dir else Path(".")
     for fmt, content in outputs.items():
-        if fmt in ("json", "md") and not args.output_dir:
+        reporter = REPORTERS[fmt]
+        if fmt == "text" or (fmt in STDOUT_FORMATS and not args.output_dir):
             sys.stdout.write(content if isinstance(content, str) else content.decode())
             continue
-        path = out_dir / f"lowrank-audit.{fmt}"
-        with atomic_write(path, binary=isinstance(content, bytes)) as fh:
+        path = out_dir / f"lowrank-audit{reporter.suffix}"
+        with atomic_write(path, binary=reporter.binary) as fh:
             fh.write(content)
         print(f"wrote {path}", file=sys.stderr)
     if plan_text is not None:
         with atomic_write(args.emit_plan) as fh:
             fh.write(plan_text)
         print(f"wrote {args.emit_plan}", file=sys.stderr)
-    return result.exit_code()
+    return exit_code(result)
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import sys
 from dataclasses import dataclass, fields, replace
+from enum import Enum
 from pathlib import Path
 from typing import Any
 
@@ -14,6 +15,21 @@ if sys.version_info >= (3, 11):
     import tomllib
 else:  # pragma: no cover - Python 3.10
     import tomli as tomllib
+
+
+class StrEnum(str, Enum):
+    """An enum whose members are their words (``enum.StrEnum`` is Python 3.11+; this package supports 3.10)."""
+
+    def __str__(self) -> str:
+        return self.value
+
+
+class FailOn(StrEnum):
+    """The least severe finding that makes the command line exit 1."""
+
+    ERROR = "error"
+    WARNING = "warning"
+    NEVER = "never"
 
 
 @dataclass(frozen=True)
@@ -31,7 +47,7 @@ class Settings:
     tall_min_share: float = 0.05  # LR011: ... and it holds at least this share of the parameters
     select: tuple[str, ...] = ()  # only these rule codes (empty = all)
     ignore: tuple[str, ...] = ()  # never these rule codes
-    fail_on: str = "error"  # error | warning | never
+    fail_on: FailOn = FailOn.ERROR
 
     def with_overrides(self, values: dict[str, Any], origin: str) -> "Settings":
         known = {f.name: f for f in fields(self)}
@@ -46,6 +62,12 @@ class Settings:
 
 
 def _coerce(name: str, value: Any, default: Any, origin: str) -> Any:
+    if isinstance(default, Enum):
+        try:
+            return type(default)(str(value).strip().lower())
+        except ValueError:
+            known = ", ".join(str(m.value) for m in type(default))
+            raise AuditError(f"setting '{name}' in {origin} has a bad value {value!r}", f"Use one of {known}") from None
     try:
         if isinstance(default, tuple):
             if isinstance(value, str):
@@ -86,6 +108,10 @@ def validate(s: Settings) -> Settings:
             raise AuditError(f"energy {t} is out of range", "Energy targets are fractions in (0, 1], e.g. 0.95")
     if s.align < 1:
         raise AuditError(f"align must be at least 1, got {s.align}", "Use --align 8 (or 1 for no rounding)")
-    if s.fail_on not in ("error", "warning", "never"):
-        raise AuditError(f"fail_on must be error, warning or never, got {s.fail_on!r}", "Use --fail-on error")
+    if not isinstance(s.fail_on, FailOn):
+        try:
+            s = replace(s, fail_on=FailOn(s.fail_on))
+        except ValueError:
+            raise AuditError(f"fail_on must be error, warning or never, got {s.fail_on!r}",
+                             "Use --fail-on error") from None
     return s

@@ -1,9 +1,15 @@
 """The layer graph and MACs, read off the traced fx graph.
 
-Each fx node that reads a parameter through a weight op (linear, matmul, conv, embedding, recurrent) becomes a use
-of that weight, with MACs from the shapes seen in the graph. The networkx graph keeps weight ops, activations and the
-other ops that matter, and collapses shape-only ops (view, transpose, dropout, ...), so edges follow data flow between
-the nodes a reviewer cares about. A node is a module (or an op outside any leaf module) and knows how often it runs.
+Each fx node that reads a parameter through a weight op (linear, matmul, einsum, conv, embedding, recurrent) becomes
+a use of that weight, with MACs from the shapes seen in the graph. What an op costs is looked up in one table,
+``{op name: handle}``, that users extend with :func:`set_op_handle`; an op that reads a layer's weight and has no
+handle (or whose handle cannot cost the call) is counted in ``GraphResult.unsupported``, never silently as zero.
+A module call is costed by its :class:`~auditor.layers.LayerSpec`.
+
+The networkx graph keeps weight ops, activations and the other ops that matter, and collapses shape-only ops (view,
+transpose, dropout, ...), so edges follow data flow between the nodes a reviewer cares about. A node is a module
+(or an op outside any leaf module) and knows how often it runs. The module walk (no tracer worked) has no data flow:
+its edges follow call order, and ``GraphResult.data_flow`` is False so that no rule reads a chain into them.
 """
 
 from __future__ import annotations
@@ -12,13 +18,13 @@ import math
 import operator
 import re
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 import networkx as nx
 import torch
 from torch import nn
 
-from .layers import ParamTable, _hf_conv1d_type, _join, layer_for_graph_param
+from .layers import Cost, ParamTable, Shape, _join, layer_for_graph_param, spec_for
 from .results import Kind, Layer, Use
 from .trace import Method, TraceResult
 
@@ -37,14 +43,182 @@ NONLINEAR = frozenset(
     native_layer_norm scaled_dot_product_attention max_pool2d avg_pool2d adaptive_avg_pool2d max_pool1d
     """.split()
 )
-LINEAR_OPS = frozenset({"linear", "addmm", "mm", "matmul", "bmm", "baddbmm", "__matmul__", "einsum"})
-CONV_OPS = frozenset({"conv1d", "conv2d", "conv3d", "convolution", "_convolution", "conv_transpose1d",
-                      "conv_transpose2d", "conv_transpose3d"})
-EMBED_OPS = frozenset({"embedding", "embedding_bag", "_embedding_bag"})
-RNN_OPS = frozenset({"lstm", "gru", "rnn_tanh", "rnn_relu"})
-WEIGHT_OPS = LINEAR_OPS | CONV_OPS | EMBED_OPS | RNN_OPS
+SCALING = frozenset({"mul", "div", "add", "sub", "truediv", "neg"})
+# ops that read a parameter without multiplying by it as a matrix (positional tables added, tokens concatenated)
+ELEMENTWISE = SCALING | frozenset({"add_", "mul_", "cat", "stack", "where", "index_select", "gather", "expand",
+                                   "repeat", "sum", "mean", "norm", "layer_norm", "rms_norm", "group_norm"})
 
 
+# ---- op costs: one table ------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class OpCall:
+    """One call of an op that reads at least one weight, as a cost handle sees it.
+
+    ``inputs``: the positional arguments, then the keyword values, each a shape (tuple) for a tensor (None where
+    unknown), a list of those for a list argument, or the constant itself (an einsum equation, a flag).
+    ``weights``: position in ``inputs`` (or ``(position, index)`` inside a list argument) -> canonical weight name.
+    ``out``: the output's shape (None for a tuple output or where unknown).
+    """
+
+    op: str
+    inputs: tuple[Any, ...]
+    out: Shape | None
+    weights: dict[int | tuple[int, int], str]
+
+    def shape(self, key: int | tuple[int, int]) -> Shape | None:
+        v: Any = self.inputs
+        for i in (key,) if isinstance(key, int) else key:
+            if not isinstance(v, (list, tuple)) or i >= len(v):
+                return None
+            v = v[i]
+        return v if isinstance(v, tuple) and all(isinstance(s, int) for s in v) else None
+
+
+# A handle returns one Cost per weight it costs (Cost.param = the canonical name), or None when it cannot cost the
+# call (then the op is listed in GraphResult.unsupported and its weights get a use with no MACs).
+OpHandle = Callable[[OpCall], "list[Cost] | None"]
+
+_OP_HANDLES: dict[str, OpHandle] = {}
+_MATRIX_OPS: set[str] = set()  # ops whose 2-D weights become layers when no module spec claims them
+
+
+def op_key(name: str) -> str:
+    """``aten::einsum``, ``aten::einsum.default``, ``einsum`` -> ``einsum``: the name the graph reports."""
+    return name.split("::")[-1].split(".")[0]
+
+
+def set_op_handle(op: str, handle: OpHandle | None, *, matrix: bool = True) -> None:
+    """Cost op ``op`` (``"aten::einsum"``, ``"einsum"``, ...) with ``handle``; None removes the op's handle.
+
+    ``matrix``: a 2-D parameter this op reads, owned by no module with a spec, is a factorizable layer
+    (``Kind.MATMUL``), as for ``x @ W``."""
+    key = op_key(op)
+    _MATRIX_OPS.discard(key)
+    if handle is None:
+        _OP_HANDLES.pop(key, None)
+        return
+    _OP_HANDLES[key] = handle
+    if matrix:
+        _MATRIX_OPS.add(key)
+
+
+def op_handles() -> dict[str, OpHandle]:
+    """A copy of the op table."""
+    return dict(_OP_HANDLES)
+
+
+def _each_weight(call: OpCall, macs_of: Callable[[int | tuple[int, int], Shape, Shape], int]) -> list[Cost] | None:
+    """Apply ``macs_of(key, weight shape, out shape)`` to every weight; None if a shape is unknown."""
+    if call.out is None:
+        return None
+    res = []
+    for key, canon in call.weights.items():
+        w = call.shape(key)
+        if w is None:
+            return None
+        res.append(Cost(canon, call.op, macs_of(key, w, call.out)))
+    return res
+
+
+def _linear(call: OpCall) -> list[Cost] | None:
+    return _each_weight(call, lambda i, w, out: math.prod(out) * w[-1])
+
+
+def _addmm(call: OpCall) -> list[Cost] | None:  # addmm(bias, a, b), baddbmm(bias, a, b)
+    return _each_weight(call, lambda i, w, out: math.prod(out) * (w[-2] if i == 2 else w[-1]))
+
+
+def _matmul(call: OpCall) -> list[Cost] | None:  # the weight on the right contracts its rows
+    return _each_weight(call, lambda i, w, out: math.prod(out) * (w[-2] if i == 1 and len(w) >= 2 else w[-1]))
+
+
+def _conv(call: OpCall) -> list[Cost] | None:
+    transposed = call.op.startswith("conv_transpose") or (
+        call.op in ("convolution", "_convolution") and len(call.inputs) > 6 and bool(call.inputs[6])
+    )
+    x = call.shape(0)
+    if transposed and x is None:
+        return None
+    # per output position (per input position when transposed): every weight of one output (input) channel
+    return _each_weight(call, lambda i, w, out: (math.prod(x) if transposed else math.prod(out)) * math.prod(w[1:]))
+
+
+def _embedding(call: OpCall) -> list[Cost] | None:
+    res = []
+    for key, canon in call.weights.items():
+        idx = call.shape(1 if key == 0 else 0)  # F.embedding(ids, weight); aten.embedding(weight, ids)
+        if idx is None:
+            return None
+        res.append(Cost(canon, call.op, 0, math.prod(idx)))
+    return res
+
+
+def _rnn(call: OpCall) -> list[Cost] | None:
+    x = call.shape(0)
+    if x is None:
+        return None
+    positions = math.prod(x) // x[-1]
+    res = []
+    for key, canon in call.weights.items():
+        s = call.shape(key)
+        if s is not None and len(s) == 2:  # the gate matrices; biases are not layers
+            res.append(Cost(canon, call.op, positions * math.prod(s)))
+    return res
+
+
+def einsum_macs(equation: str, shapes: list[Shape]) -> int | None:
+    """Multiply-adds of a two-operand einsum: every output element sums over the contracted letters. None for
+    other operand counts (the cost then depends on the contraction order)."""
+    if len(shapes) != 2:
+        return None
+    eq = equation.replace(" ", "")
+    lhs, _, rhs = eq.partition("->")
+    terms = lhs.split(",")
+    if len(terms) != 2:
+        return None
+    sizes: dict[str, int] = {}
+    for term, shape in zip(terms, shapes):
+        letters = term.replace("...", "")
+        explicit = shape[len(shape) - len(letters):] if "..." in term else shape
+        if len(explicit) != len(letters):
+            return None
+        sizes.update(zip(letters, explicit))
+    if "->" not in eq:  # implicit output: the letters seen once
+        rhs = "".join(sorted(c for c in sizes if lhs.count(c) == 1))
+    contracted = [c for c in sizes if c not in rhs]
+    return math.prod(sizes[c] for c in contracted)
+
+
+def _einsum(call: OpCall) -> list[Cost] | None:
+    if call.out is None or not call.inputs or not isinstance(call.inputs[0], str):
+        return None
+    operands = call.inputs[1:]
+    if len(operands) == 1 and isinstance(operands[0], list):  # einsum(eq, [a, b])
+        operands = tuple(operands[0])
+    shapes = [s for s in operands if isinstance(s, tuple)]
+    if len(shapes) != len(operands):
+        return None
+    per_out = einsum_macs(call.inputs[0], shapes)
+    if per_out is None:
+        return None
+    return [Cost(canon, call.op, math.prod(call.out) * per_out) for canon in call.weights.values()]
+
+
+for _ops, _handle, _matrix in (
+    (("linear",), _linear, True),
+    (("addmm", "baddbmm"), _addmm, True),
+    (("mm", "matmul", "bmm", "__matmul__"), _matmul, True),
+    (("einsum",), _einsum, True),
+    (("conv1d", "conv2d", "conv3d", "convolution", "_convolution", "conv_transpose1d", "conv_transpose2d",
+      "conv_transpose3d"), _conv, False),
+    (("embedding", "embedding_bag", "_embedding_bag"), _embedding, False),
+    (("lstm", "gru", "rnn_tanh", "rnn_relu"), _rnn, False),
+):
+    for _op in _ops:
+        set_op_handle(_op, _handle, matrix=_matrix)
+
+
+# ---- fx helpers ---------------------------------------------------------------------------------------------------
 def op_name(node: torch.fx.Node) -> str:
     t = node.target
     if node.op == "call_method":
@@ -69,10 +243,6 @@ def _meta_shape(node: Any) -> tuple[int, ...] | None:
     if tm is not None and hasattr(tm, "shape"):
         return tuple(int(s) for s in tm.shape)
     return None
-
-
-def _numel(shape: tuple[int, ...] | None) -> int | None:
-    return None if shape is None else math.prod(shape)
 
 
 def _site(node: torch.fx.Node, fallback: str) -> str:
@@ -104,9 +274,13 @@ def _per_call(path: str, idx: int) -> str:
 
 @dataclass
 class GraphResult:
+    """The layer graph and what could not be costed. Plain data beside the networkx graph."""
+
     graph: nx.DiGraph
-    unsupported: dict[str, int] = field(default_factory=dict)  # op name -> count of param reads we could not cost
+    unsupported: dict[str, int] = field(default_factory=dict)  # op name -> count of weight reads not costed
     macs_known: bool = False
+    data_flow: bool = True  # False for the module walk: edges follow call order, not data
+    chains: list[tuple[str, str]] = field(default_factory=list)  # chained linear maps; empty without data flow
 
 
 class _Collector:
@@ -116,16 +290,16 @@ class _Collector:
         self.unsupported: dict[str, int] = {}
 
     def add(self, canon: str, site: str, op: str, macs_linear: int, lookups: int) -> Layer | None:
+        site = self.table.site(site)
         layer = self.layers.get(canon)
         if layer is None:
-            if op in LINEAR_OPS:
-                names = self.table.names_of(canon)
-                layer = layer_for_graph_param(canon, self.table.tensor(canon), op, names[1:])
-                if layer is None:
-                    return None
-                self.layers[canon] = layer
-            else:
+            if op not in _MATRIX_OPS or canon in self.table.skipped:
                 return None
+            names = self.table.names_of(canon)
+            layer = layer_for_graph_param(canon, self.table.tensor(canon), op, names[1:])
+            if layer is None:
+                return None
+            self.layers[canon] = layer
         for u in layer.uses:
             if u.site == site and u.op == op:
                 u.calls += 1
@@ -139,107 +313,37 @@ class _Collector:
     def add_module_call(self, path: str, mod: nn.Module, ins: list, out: tuple | None) -> bool:
         """Record one call of a leaf module as a use of each weight it owns; True if it owns any."""
         costs = module_costs(mod, ins, out)
-        for pname, op, macs, lookups in costs:
-            canon = self.table.canonical.get(_join(path, pname))
+        for c in costs:
+            canon = self.table.canonical.get(_join(path, c.param))
             if canon:
-                self.add(canon, path, op, macs, lookups)
+                self.add(canon, path, c.op, c.macs, c.lookups)
         return bool(costs)
+
+    def unsupported_op(self, op: str) -> None:
+        self.unsupported[op] = self.unsupported.get(op, 0) + 1
 
 
 def _owner(param: str) -> str:
     return param.rsplit(".", 1)[0] if "." in param else ""
 
 
-def module_costs(mod: nn.Module, ins: list, out: tuple | None) -> list[tuple[str, str, int, int]]:
-    """(local param name, op, macs_linear, lookups) for one call of a leaf module, from its input/output shapes."""
-    x = ins[0] if ins else None
-    res: list[tuple[str, str, int, int]] = []
-    conv1d = _hf_conv1d_type()
-    if isinstance(mod, nn.Linear) and out is not None:
-        res.append(("weight", "linear", math.prod(out) * mod.in_features, 0))
-    elif conv1d is not None and isinstance(mod, conv1d) and out is not None:
-        res.append(("weight", "linear", math.prod(out) * mod.weight.shape[0], 0))
-    elif isinstance(mod, nn.modules.conv._ConvNd):
-        k = math.prod(mod.weight.shape[1:])
-        if mod.transposed and x is not None:
-            res.append(("weight", "conv_transpose", math.prod(x) * k, 0))
-        elif out is not None:
-            res.append(("weight", "conv", math.prod(out) * k, 0))
-    elif isinstance(mod, (nn.Embedding, nn.EmbeddingBag)) and x is not None:
-        res.append(("weight", "embedding", 0, math.prod(x)))
-    elif isinstance(mod, nn.RNNBase) and x is not None:
-        positions = math.prod(x) // x[-1]
-        for pname, p in mod.named_parameters(recurse=False):
-            if p.dim() == 2:
-                res.append((pname, mod.mode.lower(), positions * p.numel(), 0))
-    elif isinstance(mod, nn.MultiheadAttention) and len(ins) >= 3 and all(s is not None for s in ins[:3]):
-        q, k, v = ins[:3]
-        e = mod.embed_dim
-        if mod.in_proj_weight is not None:
-            res.append(("in_proj_weight", "linear", (math.prod(q) + math.prod(k) + math.prod(v)) * e, 0))
-        else:
-            res.append(("q_proj_weight", "linear", math.prod(q) * e, 0))
-            res.append(("k_proj_weight", "linear", math.prod(k) * mod.kdim, 0))
-            res.append(("v_proj_weight", "linear", math.prod(v) * mod.vdim, 0))
-        res.append(("out_proj.weight", "linear", math.prod(q) * e, 0))
-    return res
-
-
-def _function_costs(node: torch.fx.Node, op: str, params: dict[int, str]) -> list[tuple[str, int, int]]:
-    """(canonical param, macs_linear, lookups) for a call_function/call_method weight op."""
-    args = list(node.args)
-    out = _meta_shape(node)
-    res: list[tuple[str, int, int]] = []
-
-    def shp(i: int) -> tuple[int, ...] | None:
-        return _meta_shape(args[i]) if i < len(args) else None
-
-    if op in RNN_OPS:
-        x = shp(0)
-        if x is None:
-            return [(p, 0, 0) for p in params.values()]
-        positions = math.prod(x) // x[-1]
-        flat = [a for a in args if isinstance(a, (list, tuple))]
-        for lst in flat:
-            for a in lst:
-                s = _meta_shape(a)
-                canon = params.get(id(a))
-                if canon is not None and s is not None and len(s) == 2:
-                    res.append((canon, positions * math.prod(s), 0))
-        return res
-    for i, canon in params.items():
-        if not isinstance(i, int) or i >= len(args):
-            continue
-        w = shp(i)
-        if op in EMBED_OPS:
-            idx = 1 if i == 0 else 0
-            res.append((canon, 0, _numel(shp(idx)) or 0))
-        elif out is None or w is None:
-            res.append((canon, 0, 0))
-        elif op == "linear":
-            res.append((canon, math.prod(out) * w[-1], 0))
-        elif op in ("addmm", "baddbmm"):
-            k = w[-2] if i == 2 else w[-1]
-            res.append((canon, math.prod(out) * k, 0))
-        elif op in ("mm", "matmul", "bmm", "__matmul__"):
-            k = w[-2] if i == 1 and len(w) >= 2 else w[-1]
-            res.append((canon, math.prod(out) * k, 0))
-        elif op in CONV_OPS:
-            transposed = op.startswith("conv_transpose") or (
-                op in ("convolution", "_convolution") and len(args) > 6 and bool(args[6])
-            )
-            k = math.prod(w[1:])
-            x = shp(0)
-            res.append((canon, (math.prod(x) if transposed and x else math.prod(out)) * k, 0))
-    return res
+def module_costs(mod: nn.Module, ins: list, out: tuple | None) -> list[Cost]:
+    """One :class:`Cost` (local param name, op, MACs, lookups) per weight for one call of a leaf module, from the
+    module's :class:`~auditor.layers.LayerSpec` and the call's shapes."""
+    spec = spec_for(mod)
+    return [] if spec is None else spec.cost(mod, ins, out)
 
 
 def build(trace: TraceResult, model: nn.Module, table: ParamTable, layers: dict[str, Layer]) -> GraphResult:
+    """The layer graph of a trace: uses and MACs are added to ``layers`` (and 2-D parameters multiplied by no known
+    module become ``Kind.MATMUL`` layers there)."""
     col = _Collector(table, layers)
-    if trace.method == Method.WALK:
-        g = _walk_graph(trace, model, col)
+    data_flow = trace.method != Method.WALK
+    if data_flow:
+        g = _FxGraphBuilder(trace, model, col).run()
     else:
-        g = _fx_graph(trace, model, table, col)
+        g = _walk_graph(trace, model, col)
+    g.graph["data_flow"] = data_flow
     macs_known = trace.has_shapes
     for layer in layers.values():
         if macs_known:
@@ -248,30 +352,32 @@ def build(trace: TraceResult, model: nn.Module, table: ParamTable, layers: dict[
             layer.macs = None
             layer.macs_linear = 0
             layer.lookups = 0
-    return GraphResult(g, col.unsupported, macs_known)
+    chains = chained_linear_pairs(g, layers) if data_flow else []
+    return GraphResult(g, col.unsupported, macs_known, data_flow, chains)
 
 
 def _walk_graph(trace: TraceResult, model: nn.Module, col: _Collector) -> nx.DiGraph:
-    g = nx.DiGraph(method=trace.method)
+    g = nx.DiGraph(method=str(trace.method))
     modules = dict(model.named_modules())
+    site = col.table.site
     prev: str | None = None
     if trace.module_calls:
         for path, ins, out in trace.module_calls:
             mod = modules[path]
             costs = col.add_module_call(path, mod, ins, out)
-            _bump(g, path, type(mod).__name__, "weight" if costs else "module")
-            if prev is not None and prev != path:
-                g.add_edge(prev, path)
-            prev = path
+            _bump(g, site(path), type(mod).__name__, "weight" if costs else "module")
+            if prev is not None and prev != site(path):
+                g.add_edge(prev, site(path))
+            prev = site(path)
         return g
     # no inputs: modules with weights in registration order, each called once as far as we know
     for layer in col.layers.values():
-        site = layer.name if layer.kind != Kind.RNN else _owner(layer.param)
-        col.add(layer.param, site, str(layer.kind), 0, 0)
-        _bump(g, site, layer.module_type, "weight")
-        if prev is not None and prev != site:
-            g.add_edge(prev, site)
-        prev = site
+        where = site(layer.name if layer.kind != Kind.RNN else _owner(layer.param))
+        col.add(layer.param, where, str(layer.kind), 0, 0)
+        _bump(g, where, layer.module_type, "weight")
+        if prev is not None and prev != where:
+            g.add_edge(prev, where)
+        prev = where
     return g
 
 
@@ -282,122 +388,202 @@ def _bump(g: nx.DiGraph, node: str, kind: str, role: str) -> None:
         g.add_node(node, kind=kind, role=role, calls=1)
 
 
-def _fx_graph(trace: TraceResult, model: nn.Module, table: ParamTable, col: _Collector) -> nx.DiGraph:
-    assert trace.graph is not None
-    g = nx.DiGraph(method=trace.method)
-    modules = dict(model.named_modules())  # the user's modules: an exported graph module has none of them
-    leafish = {p for p, m in modules.items() if not list(m.children())}
-    carried: dict[str, str | None] = {}  # fx node name -> canonical param it carries (through pass-through ops)
-    reps: dict[str, frozenset[str]] = {}  # fx node name -> graph nodes it stands for
-    calls_of: dict[str, int] = {}  # parameterless module path -> calls seen so far (symbolic_trace)
+class _FxGraphBuilder:
+    """Reads an fx graph node by node, one method per node kind, into the layer graph.
 
-    def param_of(a: Any) -> str | None:
-        return carried.get(a.name) if isinstance(a, torch.fx.Node) else None
+    ``carried`` follows which weight an fx value is (through pass-through ops, and through the ops that compute an
+    effective weight from its stored parameters); ``reps`` maps an fx value to the layer-graph nodes it stands for.
+    """
 
-    def inputs_of(node: torch.fx.Node) -> frozenset[str]:
+    def __init__(self, trace: TraceResult, model: nn.Module, col: _Collector):
+        assert trace.graph is not None
+        self.trace = trace
+        self.col = col
+        self.table = col.table
+        self.g = nx.DiGraph(method=str(trace.method))
+        self.modules = dict(model.named_modules())  # the user's modules: an exported graph module has none of them
+        self.leafish = {p for p, m in self.modules.items() if not list(m.children())}
+        self.carried: dict[str, str | None] = {}  # fx node name -> canonical weight it carries
+        self.reps: dict[str, frozenset[str]] = {}  # fx node name -> graph nodes it stands for
+        self.calls_of: dict[str, int] = {}  # parameterless module path -> calls seen so far (symbolic_trace)
+
+    def run(self) -> nx.DiGraph:
+        handlers = {"placeholder": self.placeholder, "get_attr": self.get_attr, "output": self.output,
+                    "call_module": self.call_module, "call_function": self.call_function,
+                    "call_method": self.call_function}
+        for node in self.trace.graph.nodes:  # type: ignore[union-attr]
+            handlers[node.op](node)
+        return self.g
+
+    # -- helpers
+    def param_of(self, a: Any) -> str | None:
+        return self.carried.get(a.name) if isinstance(a, torch.fx.Node) else None
+
+    def inputs_of(self, node: torch.fx.Node) -> frozenset[str]:
         acc: set[str] = set()
         for a in node.all_input_nodes:
-            acc |= reps.get(a.name, frozenset())
+            acc |= self.reps.get(a.name, frozenset())
         return frozenset(acc)
 
-    for node in trace.graph.nodes:
-        if node.op == "placeholder":
-            fqn = trace.placeholder_params.get(node.name)
-            if fqn is not None:
-                carried[node.name] = table.canonical.get(fqn)
-                reps[node.name] = frozenset()
-            elif node.name in trace.placeholder_params.values():  # pragma: no cover
-                reps[node.name] = frozenset()
-            else:
-                gid = f"input:{node.target}"
-                g.add_node(gid, kind="input", role="io", calls=1)
-                reps[node.name] = frozenset({gid})
-            continue
-        if node.op == "get_attr":
-            carried[node.name] = table.canonical.get(str(node.target))
-            reps[node.name] = frozenset()
-            continue
-        if node.op == "output":
-            g.add_node("output", kind="output", role="io", calls=1)
-            for src in inputs_of(node):
-                g.add_edge(src, "output")
-            continue
+    def weights_read(self, node: torch.fx.Node) -> dict[int | tuple[int, int], str]:
+        flat = list(node.args) + list(node.kwargs.values())
+        params: dict[int | tuple[int, int], str] = {}
+        for i, a in enumerate(flat):
+            p = self.param_of(a)
+            if p is not None:
+                params[i] = p
+            if isinstance(a, (list, tuple)):
+                for j, b in enumerate(a):
+                    pb = self.param_of(b)
+                    if pb is not None:
+                        params[(i, j)] = pb
+        return params
 
-        srcs = inputs_of(node)
-        if node.op == "call_module":
-            mod = modules[str(node.target)]
-            path = str(node.target)
-            if isinstance(mod, PASS_THROUGH_MODULES):
-                reps[node.name] = srcs
-                continue
-            ins = [_meta_shape(a) for a in node.args] + [_meta_shape(v) for v in node.kwargs.values()]
-            costs = col.add_module_call(path, mod, ins, _meta_shape(node))
-            has_params = any(True for _ in mod.parameters())
-            role = "weight" if costs else ("module" if has_params else "nonlinear")
-            if has_params:
-                gid = path
-                _bump(g, gid, type(mod).__name__, role)
-            else:
-                calls_of[path] = calls_of.get(path, -1) + 1
-                gid = _per_call(path, calls_of[path])
-                g.add_node(gid, kind=type(mod).__name__, role=role, calls=1)
-        else:
-            op = op_name(node)
-            flat = list(node.args) + list(node.kwargs.values())
-            params: dict[Any, str] = {}
-            for i, a in enumerate(flat):
-                p = param_of(a)
-                if p is not None:
-                    params[i] = p
-                if isinstance(a, (list, tuple)):
-                    for b in a:
-                        pb = param_of(b)
-                        if pb is not None:
-                            params[id(b)] = pb
-            if op in PASS_THROUGH:
-                src_param = param_of(node.args[0]) if node.args else None
-                if src_param is not None:
-                    carried[node.name] = src_param
-                reps[node.name] = srcs
-                continue
-            if op in ("mul", "div", "add", "sub", "truediv", "neg") and not any(
-                isinstance(a, torch.fx.Node) and reps.get(a.name) for a in node.args[1:]
-            ) and not params:
-                reps[node.name] = srcs  # scaling or shifting by a constant: no new node
-                continue
-            stack_site = _site(node, "")
-            if op in WEIGHT_OPS and params:
-                costs = _function_costs(node, op, params)
-                used = []
-                for canon, macs, lookups in costs:
-                    site = stack_site or _owner(canon)
-                    if col.add(canon, site, op, macs, lookups) is not None:
-                        used.append(site)
-                if used:
-                    gid = used[0]
-                    _bump(g, gid, op, "weight")
-                else:
-                    gid = stack_site if stack_site in leafish and stack_site else node.name
-                    _bump(g, gid, op, "op")
-            else:
-                for p in set(params.values()):
-                    if p in col.layers:
-                        col.unsupported[op] = col.unsupported.get(op, 0) + 1
-                if stack_site and stack_site in leafish:
-                    # an activation or norm module decomposed into ops: one node per call
-                    has_params = any(True for _ in modules[stack_site].parameters())
-                    gid = stack_site if has_params else _per_call(stack_site, _call_index(node))
-                    if gid not in g:
-                        mod = modules[stack_site]
-                        g.add_node(gid, kind=type(mod).__name__, role=_role(mod), calls=1)
-                else:
-                    gid = node.name
-                    g.add_node(gid, kind=op, role="nonlinear" if op in NONLINEAR else "op", calls=1)
+    def effective_of(self, weights: dict[Any, str], srcs: frozenset[str]) -> str | None:
+        """The effective weight this value computes, if it reads only that weight's stored parameters (or the
+        weight itself) and no data: weight_norm's g * v / |v|, spectral_norm's W / sigma."""
+        if not weights or srcs:
+            return None
+        found = {self.table.derived_of.get(p, p if p in self.table.computed else None) for p in weights.values()}
+        return found.pop() if len(found) == 1 and None not in found else None
+
+    def link(self, node: torch.fx.Node, srcs: frozenset[str], gid: str) -> None:
         for src in srcs:
             if src != gid:
-                g.add_edge(src, gid)
-        reps[node.name] = frozenset({gid})
-    return g
+                self.g.add_edge(src, gid)
+        self.reps[node.name] = frozenset({gid})
+
+    # -- one method per node kind
+    def placeholder(self, node: torch.fx.Node) -> None:
+        fqn = self.trace.placeholder_params.get(node.name)
+        if fqn is not None:
+            self.carried[node.name] = self.table.canonical.get(fqn)
+            self.reps[node.name] = frozenset()
+        elif node.name in self.trace.placeholder_buffers:  # a buffer is state, not data flowing in
+            self.reps[node.name] = frozenset()
+        else:
+            gid = f"input:{node.target}"
+            self.g.add_node(gid, kind="input", role="io", calls=1)
+            self.reps[node.name] = frozenset({gid})
+
+    def get_attr(self, node: torch.fx.Node) -> None:
+        self.carried[node.name] = self.table.canonical.get(str(node.target))
+        self.reps[node.name] = frozenset()
+
+    def output(self, node: torch.fx.Node) -> None:
+        self.g.add_node("output", kind="output", role="io", calls=1)
+        for src in self.inputs_of(node):
+            self.g.add_edge(src, "output")
+
+    def call_module(self, node: torch.fx.Node) -> None:
+        srcs = self.inputs_of(node)
+        path = str(node.target)
+        mod = self.modules[path]
+        if isinstance(mod, PASS_THROUGH_MODULES):
+            self.reps[node.name] = srcs
+            return
+        eff = self.effective_of(self.weights_read(node), srcs)
+        if eff is not None:  # a parametrization module computing a weight (symbolic_trace of its owner)
+            self.carried[node.name] = eff
+            self.reps[node.name] = srcs
+            return
+        ins = [_meta_shape(a) for a in node.args] + [_meta_shape(v) for v in node.kwargs.values()]
+        costs = self.col.add_module_call(path, mod, ins, _meta_shape(node))
+        has_params = any(True for _ in mod.parameters()) or spec_for(mod) is not None and bool(costs)
+        role = "weight" if costs else ("module" if has_params else "nonlinear")
+        if has_params:
+            gid = self.table.site(path)
+            _bump(self.g, gid, type(mod).__name__, role)
+        else:
+            self.calls_of[path] = self.calls_of.get(path, -1) + 1
+            gid = _per_call(path, self.calls_of[path])
+            self.g.add_node(gid, kind=type(mod).__name__, role=role, calls=1)
+        self.link(node, srcs, gid)
+
+    def call_function(self, node: torch.fx.Node) -> None:
+        """call_function and call_method: pass-through, effective-weight arithmetic, scaling, weight ops, others."""
+        srcs = self.inputs_of(node)
+        op = op_name(node)
+        weights = self.weights_read(node)
+        if op in PASS_THROUGH:
+            src_param = self.param_of(node.args[0]) if node.args else None
+            if src_param is not None:
+                self.carried[node.name] = src_param
+            self.reps[node.name] = srcs
+            return
+        eff = self.effective_of(weights, srcs)
+        if eff is not None:
+            self.carried[node.name] = eff
+            self.reps[node.name] = srcs
+            return
+        if op in SCALING and not weights and not any(
+            isinstance(a, torch.fx.Node) and self.reps.get(a.name) for a in node.args[1:]
+        ):
+            self.reps[node.name] = srcs  # scaling or shifting by a constant: no new node
+            return
+        stack_site = _site(node, "")
+        if weights and op in _OP_HANDLES:
+            gid = self.weight_op(node, op, weights, stack_site)
+        else:
+            gid = self.other_op(node, op, weights, stack_site)
+        self.link(node, srcs, gid)
+
+    def weight_op(self, node: torch.fx.Node, op: str, weights: dict[Any, str], stack_site: str) -> str:
+        costs = self.costs(node, op, weights)
+        used = []
+        for c in costs:
+            site = stack_site or _owner(c.param)
+            if self.col.add(c.param, site, c.op, c.macs, c.lookups) is not None:
+                used.append(self.table.site(site))
+        if used:
+            _bump(self.g, used[0], op, "weight")
+            return used[0]
+        gid = stack_site if stack_site in self.leafish and stack_site else node.name
+        _bump(self.g, gid, op, "op")
+        return gid
+
+    def bare_matrix(self, canon: str, op: str) -> bool:
+        """A 2-D parameter of no known module, read by an op that may multiply by it (not elementwise arithmetic,
+        not concatenation): it would be a layer if the op had a handle."""
+        if op in ELEMENTWISE or canon in self.table.skipped or canon not in self.table.keys:
+            return False
+        return self.table.tensor(canon).dim() == 2
+
+    def costs(self, node: torch.fx.Node, op: str, weights: dict[Any, str]) -> list[Cost]:
+        """The op's handle on the call; a weight it cannot cost gets a use without MACs and the op is listed."""
+        if not self.trace.has_shapes:  # no MACs reported: only the uses matter
+            return [Cost(canon, op) for canon in weights.values()]
+        inputs = tuple(_shape_or_value(a) for a in list(node.args) + list(node.kwargs.values()))
+        call = OpCall(op, inputs, _meta_shape(node), dict(weights))
+        res = _OP_HANDLES[op](call)
+        if res is None:
+            if any(canon in self.col.layers or op in _MATRIX_OPS for canon in weights.values()):
+                self.col.unsupported_op(op)
+            return [Cost(canon, op) for canon in weights.values()]
+        return res
+
+    def other_op(self, node: torch.fx.Node, op: str, weights: dict[Any, str], stack_site: str) -> str:
+        # a layer's weight, or a matrix no module claims, read by an op with no cost handle: listed, not zero
+        if any(p in self.col.layers or self.bare_matrix(p, op) for p in set(weights.values())):
+            self.col.unsupported_op(op)
+        if stack_site and stack_site in self.leafish:
+            # an activation or norm module decomposed into ops: one node per call
+            mod = self.modules[stack_site]
+            has_params = any(True for _ in mod.parameters())
+            gid = stack_site if has_params else _per_call(stack_site, _call_index(node))
+            if gid not in self.g:
+                self.g.add_node(gid, kind=type(mod).__name__, role=_role(mod), calls=1)
+            return gid
+        self.g.add_node(node.name, kind=op, role="nonlinear" if op in NONLINEAR else "op", calls=1)
+        return node.name
+
+
+def _shape_or_value(a: Any) -> Any:
+    if isinstance(a, torch.fx.Node):
+        return _meta_shape(a)
+    if isinstance(a, (list, tuple)):
+        return [_shape_or_value(b) for b in a]
+    return a
 
 
 def _role(mod: nn.Module) -> str:
@@ -408,7 +594,10 @@ def _role(mod: nn.Module) -> str:
 
 def chained_linear_pairs(g: nx.DiGraph, layers: dict[str, Layer]) -> list[tuple[str, str]]:
     """Pairs (a, b) of weight nodes where a feeds only b and b reads only a: two linear maps with nothing
-    nonlinear between them, which multiply out to one linear map."""
+    nonlinear between them, which multiply out to one linear map. Empty for a graph without data flow (the module
+    walk links modules in call order: q_proj -> k_proj is no chain)."""
+    if not g.graph.get("data_flow", True):
+        return []
     linear_kinds = {Kind.LINEAR, Kind.CONV1D_HF, Kind.MATMUL}
     site_kind: dict[str, Kind] = {}
     for layer in layers.values():

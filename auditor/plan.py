@@ -18,10 +18,10 @@ from typing import TYPE_CHECKING, Any
 from . import lrmath
 from .config import tomllib
 from .errors import AuditError
-from .results import PlanItem, PlanReview, Verdict
+from .results import PlanItem, PlanOrigin, PlanReview, PlanVerdict, Verdict
 
 if TYPE_CHECKING:
-    from .core import Audit
+    from .results import Audit
 
 _BE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*be\s*$", re.I)
 _ENERGY = re.compile(r"^\s*energy\s*:\s*([0-9]*\.?[0-9]+)\s*$", re.I)
@@ -128,13 +128,14 @@ def resolve(audit: "Audit", plan: Plan) -> list[tuple[str, int, str, str]]:
 
 
 def review_plan(audit: "Audit", plan: Plan | None) -> PlanReview:
+    """Each planned layer's rank, savings and energy kept; without a plan, the suggested ranks."""
     if plan is None:
-        entries = [(n, s.rank, f"energy:{audit.settings.target_energy:g}", "suggested")
-                   for n, s in audit.suggestions.items() if s.verdict == Verdict.FACTORIZE and s.rank]
-        source, finetune = "suggested", None
+        entries = [(n, s.rank, f"energy:{audit.settings.target_energy:g}", str(PlanOrigin.SUGGESTED))
+                   for n, s in audit.suggestions.items() if s.verdict is Verdict.FACTORIZE and s.rank]
+        origin, source, finetune = PlanOrigin.SUGGESTED, str(PlanOrigin.SUGGESTED), None
     else:
         entries = resolve(audit, plan)
-        source, finetune = plan.source, plan.finetune
+        origin, source, finetune = PlanOrigin.GIVEN, plan.source, plan.finetune
     items: list[PlanItem] = []
     for name, r, spec, pattern in entries:
         layer = audit.layer(name)
@@ -147,11 +148,12 @@ def review_plan(audit: "Audit", plan: Plan | None) -> PlanReview:
             macs_before=layer.macs, macs_after=(layer.macs_at(r) if saves else layer.macs),
             break_even=layer.break_even, compression=layer.compression(r),
             energy_kept=kept, error_bound=lrmath.relative_error(kept) if kept is not None else None,
-            verdict="factorize" if saves else ("above min(m, n)" if r > layer.max_rank else "no saving"),
+            verdict=(PlanVerdict.FACTORIZE if saves else
+                     PlanVerdict.ABOVE_MAX_RANK if r > layer.max_rank else PlanVerdict.NO_SAVING),
         ))
     macs_known = audit.macs_known
     return PlanReview(
-        source=source, items=items, finetune=finetune,
+        origin=origin, source=source, items=items, finetune=finetune,
         params_before=sum(i.params_before for i in items), params_after=sum(i.params_after for i in items),
         macs_before=sum(i.macs_before or 0 for i in items) if macs_known else None,
         macs_after=sum(i.macs_after or 0 for i in items) if macs_known else None,
@@ -175,11 +177,11 @@ def emit_toml(audit: "Audit") -> str:
     ]
     for layer in audit.layers:
         sg = audit.suggestions.get(layer.name)
-        if sg is None or sg.verdict != Verdict.FACTORIZE or sg.rank is None:
+        if sg is None or sg.verdict is not Verdict.FACTORIZE or sg.rank is None:
             continue
         lines.append(f"{json.dumps(layer.name)} = {sg.rank}  # {100 * (sg.energy_at_rank or 0):.1f}% energy, "
                      f"{sg.compression:.2f}x, break-even {layer.break_even:.1f}, {layer.m}x{layer.n}")
-    kept_dense = [l for l in audit.layers if audit.suggestions[l.name].verdict != Verdict.FACTORIZE]
+    kept_dense = [l for l in audit.layers if audit.suggestions[l.name].verdict is not Verdict.FACTORIZE]
     if kept_dense:
         lines += ["", "# Left dense:"]
         for l in kept_dense:

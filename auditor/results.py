@@ -1,17 +1,30 @@
-"""The audit's data: plain dataclasses, serializable, with derived numbers as properties. Renderers see only these."""
+"""The audit's data: plain dataclasses with derived numbers as properties. No torch, no networkx, no I/O.
+
+Every stage of :mod:`auditor.pipeline` returns values of these types, the renderers and the rules read only them,
+and :class:`Audit` is the whole result. The output methods (``Audit.to_json`` and the others) import a reporter
+from :mod:`auditor.render` when they are called, never at import time.
+"""
 
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
-from enum import Enum
-from typing import Any
+from functools import cached_property
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 from . import lrmath
+from .config import FailOn, Settings, StrEnum
 
+if TYPE_CHECKING:
+    import pandas
 
-class StrEnum(str, Enum):
-    def __str__(self) -> str:  # pragma: no cover - trivial
-        return self.value
+    from .baseline import BaselineSource
+
+__all__ = [
+    "Audit", "FailOn", "Finding", "GraphNode", "Kind", "Layer", "LayerGraph", "PlanItem", "PlanOrigin",
+    "PlanReview", "PlanVerdict", "Settings", "Severity", "SeverityCounts", "Spectrum", "SpectrumMethod",
+    "StrEnum", "Suggestion", "TraceMethod", "Use", "Verdict",
+]
 
 
 class Kind(StrEnum):
@@ -40,7 +53,42 @@ class Severity(StrEnum):
 
     @property
     def order(self) -> int:
-        return {"error": 0, "warning": 1, "info": 2}[self.value]
+        """0 for errors, 1 for warnings, 2 for info: the order findings are listed in."""
+        return list(Severity).index(self)
+
+
+class TraceMethod(StrEnum):
+    """How the layer graph was obtained (the values are the words the reports print)."""
+
+    SYMBOLIC = "torch.fx.symbolic_trace"
+    EXPORT = "torch.export"
+    WALK = "module walk"  # forward hooks: module call order, no data flow
+    WEIGHTS = "weights only"  # a checkpoint audited with no architecture code
+
+    @property
+    def data_flow(self) -> bool:
+        """Whether the graph's edges follow the data (an fx or export graph), not just the call order."""
+        return self in (TraceMethod.SYMBOLIC, TraceMethod.EXPORT)
+
+
+class SpectrumMethod(StrEnum):
+    GRAM_EIGH = "gram-eigh"  # eigenvalues of the float64 Gram matrix
+    SVD_F64 = "svd-f64"  # float64 SVD (the accuracy guard's fall-back)
+    CACHE = "cache"  # read from the spectrum cache
+    NONE = ""  # skipped: no spectrum
+
+
+class PlanVerdict(StrEnum):
+    FACTORIZE = "factorize"
+    ABOVE_MAX_RANK = "above min(m, n)"
+    NO_SAVING = "no saving"
+
+
+class PlanOrigin(StrEnum):
+    """Where a reviewed plan came from: the audit's own suggestions, or a plan the user gave (file or dict)."""
+
+    SUGGESTED = "suggested"
+    GIVEN = "given"
 
 
 @dataclass
@@ -121,13 +169,20 @@ class Spectrum:
 
     layer: str
     sigma: list[list[float]] | None  # groups x min(m, n); None when skipped
-    method: str = ""  # "gram-eigh" | "svd-f64" | "cache"
+    method: SpectrumMethod = SpectrumMethod.NONE
     skipped: str = ""  # why there is no spectrum
     frob2: float = 0.0
     stable_rank: float = 0.0
     effective_rank: float = 0.0
     numerical_rank: int = 0
     energy: list[float] = field(default_factory=list)  # cumulative energy E(r) for r = 1..min(m, n)
+
+    def __post_init__(self) -> None:
+        self.method = SpectrumMethod(self.method)  # producers may pass the plain word
+
+    @property
+    def computed(self) -> bool:
+        return self.sigma is not None
 
     def energy_at(self, r: int) -> float:
         if not self.energy or r <= 0:
@@ -139,6 +194,7 @@ class Spectrum:
 
     def to_dict(self, with_sigma: bool = True) -> dict[str, Any]:
         d = asdict(self)
+        d["method"] = str(self.method)
         if not with_sigma:
             d.pop("sigma")
         return d
@@ -174,6 +230,9 @@ class Finding:
     evidence: dict[str, Any] = field(default_factory=dict)
     fix: str = ""
 
+    def __post_init__(self) -> None:
+        self.severity = Severity(self.severity)
+
     def sort_key(self) -> tuple:
         return (self.severity.order, self.code, tuple(self.layers), self.message)
 
@@ -197,15 +256,21 @@ class PlanItem:
     compression: float
     energy_kept: float | None
     error_bound: float | None
-    verdict: str
+    verdict: PlanVerdict
+
+    def __post_init__(self) -> None:
+        self.verdict = PlanVerdict(self.verdict)
 
     def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        d = asdict(self)
+        d["verdict"] = str(self.verdict)
+        return d
 
 
 @dataclass
 class PlanReview:
-    source: str  # file path, or "suggested"
+    origin: PlanOrigin
+    source: str  # the plan file's path ("plan" for a dict), or "suggested"
     items: list[PlanItem]
     finetune: str | None
     params_before: int
@@ -213,6 +278,10 @@ class PlanReview:
     macs_before: int | None
     macs_after: int | None
     total_params: int
+
+    @property
+    def suggested(self) -> bool:
+        return self.origin is PlanOrigin.SUGGESTED
 
     @property
     def params_saved(self) -> int:
@@ -240,3 +309,295 @@ class PlanReview:
             "items": [i.to_dict() for i in self.items],
         }
 
+
+
+@dataclass(frozen=True)
+class SeverityCounts:
+    """How many findings of each severity: ``counts.error``, ``counts.warning``, ``counts.info``."""
+
+    error: int = 0
+    warning: int = 0
+    info: int = 0
+
+    @classmethod
+    def of(cls, findings: list[Finding]) -> "SeverityCounts":
+        sev = [f.severity for f in findings]
+        return cls(sev.count(Severity.ERROR), sev.count(Severity.WARNING), sev.count(Severity.INFO))
+
+    def at_least(self, level: Severity) -> int:
+        """Findings at ``level`` or more severe."""
+        return self.error + (self.warning if level is not Severity.ERROR else 0) + (
+            self.info if level is Severity.INFO else 0)
+
+
+@dataclass(frozen=True)
+class GraphNode:
+    """A node of the layer graph: a module, an op, an input or the output.
+
+    ``role``: "weight" (reads a factorizable weight), "nonlinear", "op", "module" or "io"; ``calls``: how often it
+    runs per forward (a shared module called three times is one node with calls=3)."""
+
+    name: str
+    kind: str
+    role: str
+    calls: int = 1
+
+
+@dataclass(frozen=True)
+class LayerGraph:
+    """The layer graph as plain data.
+
+    ``data_flow`` is True only for fx/export graphs, whose edges follow the tensors; a module walk's edges follow
+    call order, and a weights-only audit has no graph at all. ``chains``: pairs (a, b) of linear weight sites where
+    a feeds only b and b reads only a (one linear map of low rank); computed by the graph stage, and empty when
+    ``data_flow`` is False, because call order cannot tell a chain from a residual branch.
+
+    >>> g = LayerGraph([GraphNode("x", "input", "io"), GraphNode("fc", "Linear", "weight")], [("x", "fc")], True, [])
+    >>> g.node("fc").role, g.successors("x")
+    ('weight', ['fc'])
+    """
+
+    nodes: list[GraphNode]
+    edges: list[tuple[str, str]]
+    data_flow: bool
+    chains: list[tuple[str, str]] = field(default_factory=list)
+
+    @cached_property
+    def _index(self) -> dict[str, GraphNode]:
+        return {n.name: n for n in self.nodes}
+
+    def node(self, name: str) -> GraphNode:
+        return self._index[name]
+
+    def successors(self, name: str) -> list[str]:
+        return [b for a, b in self.edges if a == name]
+
+    def predecessors(self, name: str) -> list[str]:
+        return [a for a, b in self.edges if b == name]
+
+
+def _as_baseline(baseline: "BaselineSource | None", audit: "Audit") -> Any:
+    from .render import RenderContext
+
+    if baseline is None:
+        return RenderContext()
+    from .baseline import compare, load
+
+    base = baseline if isinstance(baseline, dict) else load(baseline)
+    return RenderContext(baseline=compare(audit, base))
+
+
+@dataclass(frozen=True)
+class Audit:
+    """The result of an audit: plain data, complete when :func:`auditor.audit` returns it.
+
+    >>> import auditor, torch
+    >>> a = auditor.audit(torch.nn.Sequential(torch.nn.Linear(64, 32)), torch.zeros(1, 64),
+    ...                   options=auditor.AuditOptions(cache=False, progress=False))
+    >>> a.total_params, a.layer("0").break_even, a.total_macs
+    (2080, 21.333333333333332, 2048)
+    """
+
+    model_name: str
+    source: str
+    trace_method: TraceMethod
+    trace_failures: list[str]
+    inputs: str | None
+    total_params: int
+    layers: list[Layer]  # factorizable weights, largest first
+    macs_known: bool
+    settings: Settings
+    spectra: dict[str, Spectrum] = field(default_factory=dict)
+    suggestions: dict[str, Suggestion] = field(default_factory=dict)
+    review: PlanReview | None = None
+    findings: list[Finding] = field(default_factory=list)
+    unsupported_ops: dict[str, int] = field(default_factory=dict)
+    notes: list[str] = field(default_factory=list)
+    graph: LayerGraph | None = None  # None in a weights-only audit
+    environment: dict[str, str] = field(default_factory=dict)
+    spectra_stats: dict[str, int] = field(default_factory=dict)
+
+    # ---- lookups and derived numbers -------------------------------------------------------------------------
+    @cached_property
+    def _by_name(self) -> dict[str, Layer]:
+        index: dict[str, Layer] = {}
+        for layer in self.layers:
+            index.setdefault(layer.param, layer)
+        for layer in self.layers:  # a layer's own name wins over another's tensor name
+            index[layer.name] = layer
+        return index
+
+    def layer(self, name: str) -> Layer:
+        """The layer with this name (or tensor name), in O(1); KeyError when there is none."""
+        return self._by_name[name]
+
+    @property
+    def factorizable_params(self) -> int:
+        return sum(layer.params for layer in self.layers)
+
+    @property
+    def rest_params(self) -> int:
+        return self.total_params - self.factorizable_params
+
+    @property
+    def rest_share(self) -> float:
+        return self.rest_params / self.total_params if self.total_params else 0.0
+
+    @property
+    def total_macs(self) -> int | None:
+        if not self.macs_known:
+            return None
+        return sum(layer.macs or 0 for layer in self.layers)
+
+    @property
+    def counts(self) -> SeverityCounts:
+        return SeverityCounts.of(self.findings)
+
+    @property
+    def trace_summary(self) -> str:
+        if self.trace_method is TraceMethod.WEIGHTS:
+            text = "No graph: layers inferred from tensor names and shapes (weights-only audit)"
+        else:
+            text = f"Traced with {self.trace_method}"
+            if self.trace_method is TraceMethod.WALK:
+                text += ": no data-flow graph, edges follow module call order"
+        if self.trace_failures:
+            text += " (" + "; ".join(self.trace_failures) + ")"
+        return text + "."
+
+    def cumulative(self) -> list[float]:
+        acc, out = 0.0, []
+        for layer in self.layers:
+            acc += layer.share
+            out.append(acc)
+        return out
+
+    def layers_holding(self, fraction: float) -> int:
+        """How many of the largest layers hold ``fraction`` of all parameters (0 if they never do)."""
+        for i, c in enumerate(self.cumulative(), start=1):
+            if c + 1e-12 >= fraction:
+                return i
+        return 0
+
+    # ---- output: each delegates to a reporter of auditor.render, imported on first use -----------------------
+    def to_dict(self, with_sigma: bool = False) -> dict[str, Any]:
+        """The JSON report as a dict (docs/schema.json); ``with_sigma`` adds every singular value.
+
+        >>> import auditor, torch
+        >>> a = auditor.audit(torch.nn.Linear(8, 4), options=auditor.AuditOptions(spectra=False))
+        >>> d = a.to_dict()
+        >>> d["format_version"], d["totals"]["params"], d["layers"][0]["name"]
+        (1, 36, 'Linear')
+        """
+        from .render.jsonout import to_dict
+
+        return to_dict(self, with_sigma=with_sigma)
+
+    def to_json(self, with_sigma: bool = False, indent: int | None = 2,
+                baseline: "BaselineSource | None" = None) -> str:
+        """The JSON report; ``baseline`` (an earlier JSON report: path or dict) adds a ``baseline`` block.
+
+        >>> import auditor, json, torch
+        >>> a = auditor.audit(torch.nn.Linear(8, 4), options=auditor.AuditOptions(spectra=False))
+        >>> json.loads(a.to_json(baseline=a.to_dict()))["baseline"]["new_findings"]
+        []
+        """
+        import json
+
+        from .render.jsonout import to_dict
+
+        data = to_dict(self, with_sigma=with_sigma)
+        ctx = _as_baseline(baseline, self)
+        if ctx.baseline is not None:
+            data["baseline"] = ctx.baseline.to_dict()
+        return json.dumps(data, indent=indent, sort_keys=False)
+
+    def to_markdown(self, baseline: "BaselineSource | None" = None) -> str:
+        """Markdown for a pull-request comment or a CI summary; ``baseline`` adds "Since the baseline".
+
+        >>> import auditor, torch
+        >>> a = auditor.audit(torch.nn.Linear(8, 4), options=auditor.AuditOptions(spectra=False), name="tiny")
+        >>> a.to_markdown().splitlines()[0]
+        '## Low-rank audit: tiny'
+        """
+        return self._render("md", baseline)  # type: ignore[return-value]
+
+    def to_text(self, width: int = 120, baseline: "BaselineSource | None" = None) -> str:
+        """The terminal table, no line longer than ``width`` (at least 60) characters.
+
+        >>> import auditor, torch
+        >>> a = auditor.audit(torch.nn.Linear(8, 4), options=auditor.AuditOptions(spectra=False))
+        >>> max(len(line) for line in a.to_text(width=70).splitlines()) <= 70
+        True
+        """
+        from dataclasses import replace
+
+        from .render import REPORTERS
+
+        ctx = replace(_as_baseline(baseline, self), width=width)
+        return REPORTERS["text"].render(self, ctx)  # type: ignore[return-value]
+
+    def to_html(self, path: str | Path | None = None, baseline: "BaselineSource | None" = None) -> str:
+        """One self-contained HTML page (written atomically to ``path`` when given); returns the HTML.
+
+        >>> import auditor, torch
+        >>> a = auditor.audit(torch.nn.Linear(8, 4), options=auditor.AuditOptions(spectra=False))
+        >>> a.to_html().startswith("<!DOCTYPE html>")
+        True
+        """
+        text = self._render("html", baseline)
+        if path is not None:
+            from .render import atomic_write
+
+            with atomic_write(path) as fh:
+                fh.write(text)
+        return text  # type: ignore[return-value]
+
+    def to_pdf(self, path: str | Path, baseline: "BaselineSource | None" = None) -> Path:
+        """The HTML report printed to PDF with WeasyPrint, written atomically to ``path``; returns the path.
+
+        ``a.to_pdf("audit.pdf")`` needs WeasyPrint and Pango; without them it raises :class:`AuditError` saying
+        what to install, and writes nothing."""
+        data = self._render("pdf", baseline)
+        from .render import atomic_write
+
+        with atomic_write(path, binary=True) as fh:
+            fh.write(data)
+        return Path(path)
+
+    def to_pandas(self) -> "pandas.DataFrame":
+        """One row per layer (the layer table's columns, rank columns named after the energy targets).
+
+        >>> import auditor, torch
+        >>> lin = torch.nn.Linear(8, 4)
+        >>> _ = torch.nn.init.eye_(lin.weight)  # four equal singular values: E(r) = r / 4
+        >>> a = auditor.audit(lin, options=auditor.AuditOptions(cache=False, progress=False,
+        ...                                                    overrides={"energy_targets": [0.5, 0.9]}))
+        >>> list(a.to_pandas()[["params", "r50", "r90"]].iloc[0])
+        [32, 2, 4]
+        """
+        try:
+            import pandas as pd
+        except ImportError:
+            from .errors import AuditError
+
+            raise AuditError("pandas is not installed", "pip install pandas") from None
+        from .render.view import layer_table
+
+        table = layer_table(self)
+        labels = [c.label for c in table.columns]
+        return pd.DataFrame([row.record(labels) for row in table.rows])
+
+    def _render(self, fmt: str, baseline: "BaselineSource | None") -> str | bytes:
+        from .render import REPORTERS
+
+        return REPORTERS[fmt].render(self, _as_baseline(baseline, self))
+
+    def _repr_html_(self) -> str:
+        from .render.html import render_compact
+
+        return render_compact(self)
+
+    def __repr__(self) -> str:
+        return (f"<Audit {self.model_name}: {self.total_params:,} params, {len(self.layers)} factorizable layers, "
+                f"{len(self.findings)} findings>")

@@ -10,6 +10,7 @@ from .results import Layer, Spectrum, Suggestion, Verdict
 
 
 def target_key(t: float) -> str:
+    """The key of an energy target in ``Suggestion.ranks_for``: ``0.9`` -> ``"0.9"``."""
     return f"{t:g}"
 
 

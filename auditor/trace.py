@@ -15,14 +15,14 @@ from typing import Any
 import torch
 from torch import nn
 
+from .results import TraceMethod
+
 from .errors import AuditError, first_line
 
 
-class Method:
-    SYMBOLIC = "torch.fx.symbolic_trace"
-    EXPORT = "torch.export"
-    WALK = "module walk"
-    WEIGHTS = "weights only"  # a checkpoint audited with no architecture code
+# How the model was read: the results module owns the enum (plain data, no torch); the old name stays.
+Method = TraceMethod
+
 
 
 @dataclass
@@ -65,10 +65,10 @@ def describe(args: tuple, kwargs: dict) -> str:
 
 @dataclass
 class TraceResult:
-    method: str
+    method: Method
     graph: torch.fx.Graph | None = None
-    root: nn.Module | None = None  # the module that owns the graph's get_attr targets
     placeholder_params: dict[str, str] = field(default_factory=dict)  # export: placeholder name -> parameter FQN
+    placeholder_buffers: dict[str, str] = field(default_factory=dict)  # export: placeholder name -> buffer FQN
     failures: list[str] = field(default_factory=list)  # "method: reason" for each method that failed first
     has_shapes: bool = False
     module_calls: list[tuple[str, list, Any]] = field(default_factory=list)  # walk: (path, in shapes, out shape)
@@ -104,6 +104,21 @@ def _run_plain(model: nn.Module, ex: ExampleInputs) -> None:
 TRACERS = ("auto", "symbolic", "export", "walk")
 
 
+class _Tracer(torch.fx.Tracer):
+    """symbolic_trace's tracer, with module types registered by users (``register_layer_spec``) kept as leaves."""
+
+    def is_leaf_module(self, m: nn.Module, module_qualified_name: str) -> bool:
+        from .layers import is_user_leaf
+
+        return is_user_leaf(m) or super().is_leaf_module(m, module_qualified_name)
+
+
+def _symbolic_trace(model: nn.Module) -> torch.fx.GraphModule:
+    tracer = _Tracer()
+    graph = tracer.trace(model)
+    return torch.fx.GraphModule(tracer.root, graph, type(model).__name__)
+
+
 def trace(model: nn.Module, ex: ExampleInputs | None, tracer: str = "auto") -> TraceResult:
     """``tracer="auto"`` tries symbolic_trace, then torch.export, then the module walk; a named tracer starts
     there (and still falls back to the walk if it fails)."""
@@ -116,18 +131,18 @@ def trace(model: nn.Module, ex: ExampleInputs | None, tracer: str = "auto") -> T
         try:
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")
-                gm = torch.fx.symbolic_trace(model)
+                gm = _symbolic_trace(model)
         except Exception as exc:  # noqa: BLE001 - any tracer failure moves on to the next method
             failures.append(f"{Method.SYMBOLIC} failed: {first_line(exc)}")
         else:
             if ex is None:
-                return TraceResult(Method.SYMBOLIC, gm.graph, gm, failures=failures)
+                return TraceResult(Method.SYMBOLIC, gm.graph, failures=failures)
             try:
                 from torch.fx.passes.shape_prop import ShapeProp
 
                 with torch.no_grad(), contextlib.redirect_stderr(io.StringIO()):  # ShapeProp prints tracebacks
                     ShapeProp(gm).propagate(*_positional(model, gm, ex))
-                return TraceResult(Method.SYMBOLIC, gm.graph, gm, failures=failures, has_shapes=True)
+                return TraceResult(Method.SYMBOLIC, gm.graph, failures=failures, has_shapes=True)
             except Exception as exc:  # noqa: BLE001
                 _run_plain(model, ex)
                 failures.append(f"{Method.SYMBOLIC} shape propagation failed: {first_line(exc)}")
@@ -142,8 +157,8 @@ def trace(model: nn.Module, ex: ExampleInputs | None, tracer: str = "auto") -> T
             return TraceResult(
                 Method.EXPORT,
                 ep.graph,
-                ep.graph_module,
                 placeholder_params=dict(ep.graph_signature.inputs_to_parameters),
+                placeholder_buffers=dict(ep.graph_signature.inputs_to_buffers),
                 failures=failures,
                 has_shapes=True,
             )

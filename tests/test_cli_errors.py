@@ -4,6 +4,8 @@ import json
 
 import pytest
 
+from auditor.errors import AuditError
+
 
 def _assert_bad(res, *needles):
     assert res.returncode == 2, res.stderr
@@ -112,9 +114,9 @@ def test_zoo_names_through_a_stand_in_registry(tmp_path, monkeypatch):
     loaded = load_source("torchvision:tiny", weights=str(tmp_path / "w.pt"))
     assert torch.equal(loaded.model[0].weight, torch.ones(3, 4))
     monkeypatch.setitem(sys.modules, "timm", None)  # importing timm fails
-    with pytest.raises(Exception) as exc:
+    with pytest.raises(AuditError) as exc:
         load_source("timm:resnet18")
-    assert "timm cannot be imported" in str(exc.value) and "pip install timm" in str(exc.value)
+    assert "timm cannot be imported" in exc.value.what and "pip install timm" in exc.value.fix
 
 
 def test_import_auditor_does_not_import_torch():

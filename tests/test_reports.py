@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 import auditor
+from auditor.policy import verdict_line
 
 bs4 = pytest.importorskip("bs4")
 
@@ -20,7 +21,8 @@ def audit_cnn():
     from digits import cnn
 
     model, x = cnn()
-    return auditor.audit(model, x, cache=False, plan={"ranks": {"fc1": 24, "conv1": 4}})
+    return auditor.audit(model, x, plan={"ranks": {"fc1": 24, "conv1": 4}},
+                         options=auditor.AuditOptions(cache=False, progress=False))
 
 
 def test_html_rows_match_json(audit_cnn, tmp_path):
@@ -97,7 +99,7 @@ class Evil(nn.Module):
 
 
 def test_module_names_are_escaped():
-    a = auditor.audit(Evil(), torch.zeros(1, 8), cache=False, name="<b>model</b>")
+    a = auditor.audit(Evil(), torch.zeros(1, 8), options=auditor.AuditOptions(cache=False, name="<b>model</b>"))
     html = a.to_html()
     assert "<script>alert(1)</script>" not in html
     assert "&lt;script&gt;alert(1)&lt;/script&gt;" in html
@@ -124,7 +126,7 @@ def test_repr_html_and_markdown(audit_cnn):
     assert "DigitsCNN" in compact and "fc1" in compact and "LR0" in compact
     md = audit_cnn.to_markdown()
     assert md.startswith("## Low-rank audit: DigitsCNN")
-    assert "| `fc1` |" in md and audit_cnn.verdict_line in md
+    assert "| `fc1` |" in md and verdict_line(audit_cnn) in md
     assert "### Findings" in md
 
 
@@ -193,7 +195,101 @@ def test_json_validates_against_the_documented_schema(audit_cnn):
     jsonschema = pytest.importorskip("jsonschema")
     schema = json.loads((Path(__file__).resolve().parents[1] / "docs" / "schema.json").read_text())
     jsonschema.validate(json.loads(audit_cnn.to_json(with_sigma=True)), schema)
+    base = json.loads(audit_cnn.to_json())
+    base["findings"].append({"code": "LR999", "message": "gone since", "layers": []})
+    with_baseline = json.loads(audit_cnn.to_json(baseline=base))
+    jsonschema.validate(with_baseline, schema)
+    with_baseline["baseline"]["saved_delta"] = "a lot"
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.validate(with_baseline, schema)
     broken = json.loads(audit_cnn.to_json())
     broken["layers"][0]["kind"] = "banana"
     with pytest.raises(jsonschema.ValidationError):
         jsonschema.validate(broken, schema)
+
+
+# ---- reporters: registry, rank columns from the energy targets, width, the baseline in every format -------------
+def test_registry_holds_every_format_as_a_reporter():
+    from auditor.render import REPORTERS, Reporter, register
+
+    assert list(REPORTERS) == ["text", "json", "md", "html", "pdf"]
+    assert all(isinstance(r, Reporter) and r.name == k for k, r in REPORTERS.items())
+    assert [r.suffix for r in REPORTERS.values()] == [".txt", ".json", ".md", ".html", ".pdf"]
+    with pytest.raises(TypeError, match="lacks"):
+        register(object())  # type: ignore[arg-type]
+
+
+def test_rank_columns_follow_the_energy_targets(digits_mlp, tmp_path):
+    pytest.importorskip("pandas")
+    model, x = digits_mlp
+    a = auditor.audit(model, x, options=auditor.AuditOptions(cache=False, progress=False,
+                                                             overrides={"energy_targets": [0.8, 0.9]}))
+    r80 = {l.name: a.spectra[l.name].rank_for(0.8) for l in a.layers}
+    r90 = {l.name: a.spectra[l.name].rank_for(0.9) for l in a.layers}
+    assert r80 != r90  # the two columns differ, so a swapped column would be caught
+    df = a.to_pandas()
+    assert list(df["r80"]) == [r80[l.name] for l in a.layers] and list(df["r90"]) == [r90[l.name] for l in a.layers]
+    assert "r95" not in df.columns and "r99" not in df.columns
+    header = next(line for line in a.to_text(width=200).splitlines() if line.startswith("  #"))
+    assert header.split()[-5:] == ["r80", "r90", "rank", "x", "verdict"]
+    fc1 = next(line for line in a.to_text(width=200).splitlines() if " fc1 " in line)
+    assert fc1.split()[-5:-3] == [str(r80["fc1"]), str(r90["fc1"])] and fc1.endswith("factorize")
+    md = a.to_markdown()
+    assert "| cum. | r80 | r90 | verdict |" in md
+    assert f"| {r80['fc1']} | {r90['fc1']} |" in md.split("`fc1`")[-1].splitlines()[0]
+    soup = bs4.BeautifulSoup(a.to_html(), "html.parser")
+    heads = [th.text for th in soup.select("#layer-table th")]
+    assert "r80" in heads and "r90" in heads and "r95" not in heads
+    row = soup.select_one('#layer-table tr[data-layer="fc1"]')
+    assert [td.text for td in row.select("td.r")] == [str(r80["fc1"]), str(r90["fc1"])]
+
+
+@pytest.mark.parametrize("width", [60, 80, 120, 200])
+def test_to_text_fits_the_width(audit_cnn, width):
+    text = audit_cnn.to_text(width=width)
+    lines = text.splitlines()
+    assert max(map(len, lines)) <= width
+    header = next(line for line in lines if line.startswith("  #")).split()
+    assert {"layer", "params", "share", "rank", "verdict"} <= set(header)  # the essential columns always stay
+    assert ("kind" in header) is (width >= 200)  # the least useful column goes first
+    assert all(l.name in text for l in audit_cnn.layers)  # short layer names are never cut
+
+
+def test_baseline_diff_reaches_every_format(audit_cnn, tmp_path):
+    from dataclasses import replace
+
+    from auditor.render import REPORTERS, RenderContext
+    from auditor.baseline import compare
+
+    base = json.loads(audit_cnn.to_json())
+    base["findings"] = base["findings"][1:] + [{"code": "LR999", "message": "gone since", "layers": []}]
+    base["plan_review"]["params_saved"] = 1000
+    new = audit_cnn.findings[0]
+    diff = compare(audit_cnn, base)
+    assert [f["code"] for f in diff.new_findings] == [new.code] and diff.fixed_findings[0]["code"] == "LR999"
+    assert diff.saved_delta == audit_cnn.review.params_saved - 1000
+    ctx = RenderContext(baseline=diff)
+    data = json.loads(REPORTERS["json"].render(audit_cnn, ctx))
+    assert data["baseline"] == diff.to_dict()
+    assert json.loads(audit_cnn.to_json(baseline=base))["baseline"] == diff.to_dict()
+    md = audit_cnn.to_markdown(baseline=base)
+    assert "### Since the baseline" in md and f"new **{new.code}**" in md and "fixed **LR999**: gone since" in md
+    text = REPORTERS["text"].render(audit_cnn, replace(ctx, width=200))
+    assert "since the baseline: 1 new finding(s), 1 fixed" in text and "fixed LR999 gone since" in text
+    soup = bs4.BeautifulSoup(audit_cnn.to_html(baseline=base), "html.parser")
+    section = soup.select_one("#baseline")
+    assert "fixed LR999: gone since" in section.text and f"new {new.code}" in section.text
+    assert f"{diff.saved_delta:+,}" in section.text
+    for fmt in ("json", "md", "text", "html"):  # without a baseline, no baseline section
+        out = REPORTERS[fmt].render(audit_cnn, RenderContext())
+        assert "LR999" not in out and "baseline" not in out.lower().replace("baseline_", "")
+
+
+def test_pdf_shows_the_baseline(audit_cnn, tmp_path):
+    pypdf = pytest.importorskip("pypdf")
+    pytest.importorskip("weasyprint")
+    base = json.loads(audit_cnn.to_json())
+    base["findings"].append({"code": "LR999", "message": "gone since", "layers": []})
+    path = audit_cnn.to_pdf(tmp_path / "b.pdf", baseline=base)
+    text = "\n".join(p.extract_text() for p in pypdf.PdfReader(str(path)).pages)
+    assert "Since the baseline" in text and "fixed LR999: gone since" in text

@@ -1,31 +1,35 @@
-"""Renderers: each reads an Audit (plain data) and writes one format. None of them touches torch."""
+"""Renderers: each reads an Audit (plain data) and a RenderContext and returns one format. None touches torch.
+
+``REPORTERS`` maps each ``--format`` word to its reporter, in the order the command line lists them; a new format
+is a class with ``name``, ``suffix``, ``binary`` and ``render(audit, context)`` passed to :func:`register`.
+
+>>> list(REPORTERS)
+['text', 'json', 'md', 'html', 'pdf']
+>>> REPORTERS["pdf"].suffix, REPORTERS["pdf"].binary
+('.pdf', True)
+"""
 
 from __future__ import annotations
 
-import os
-import tempfile
-from contextlib import contextmanager
-from pathlib import Path
-from typing import IO, Iterator
+from .base import RenderContext, Reporter, atomic_write
+from .html import HtmlReporter
+from .jsonout import JsonReporter
+from .markdown import MarkdownReporter
+from .pdf import PdfReporter
+from .terminal import TextReporter
+
+__all__ = ["REPORTERS", "RenderContext", "Reporter", "atomic_write", "register"]
+
+REPORTERS: dict[str, Reporter] = {}
 
 
-@contextmanager
-def atomic_write(path: str | Path, binary: bool = False) -> Iterator[IO]:
-    """Write to a temporary file beside ``path`` and rename it into place: an interrupted run leaves no
-    half-written report, and an existing report is replaced only by a complete one."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "wb" if binary else "w", **({} if binary else {"encoding": "utf-8"})) as fh:
-            yield fh
-        umask = os.umask(0)
-        os.umask(umask)
-        os.chmod(tmp, 0o666 & ~umask)  # mkstemp makes 0600; a report is an ordinary file
-        os.replace(tmp, path)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
-        raise
+def register(reporter: Reporter) -> Reporter:
+    """Add (or replace) the reporter for ``reporter.name``."""
+    if not isinstance(reporter, Reporter):
+        raise TypeError(f"{reporter!r} lacks name, suffix, binary or render(audit, context)")
+    REPORTERS[reporter.name] = reporter
+    return reporter
+
+
+for _r in (TextReporter(), JsonReporter(), MarkdownReporter(), HtmlReporter(), PdfReporter()):
+    register(_r)

@@ -1,21 +1,24 @@
 """HTML from the jinja2 templates in ``templates/`` (shipped in the wheel as ``auditor.templates``).
 
-One self-contained file: styles and charts inlined, nothing fetched. Autoescape is on for every template.
+One self-contained file: styles and charts inlined, nothing fetched. Autoescape is on for every template, and the
+templates receive data (view models and the Audit), never pre-built HTML.
 """
 
 from __future__ import annotations
 
 import datetime as _dt
 from dataclasses import asdict
+from enum import Enum
 from functools import lru_cache
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from . import atomic_write
-from .view import human, layer_rows
+from ..policy import verdict_line
+from .base import RenderContext
+from .view import finding_groups, human, layer_table, skipped_rows
 
 if TYPE_CHECKING:
-    from ..core import Audit
+    from ..results import Audit
 
 
 def template_dir() -> Path:
@@ -48,38 +51,37 @@ def _pct(x: float | None, digits: int = 1) -> str:
     return "–" if x is None else f"{100 * x:.{digits}f}%"
 
 
-def context(audit: "Audit", charts: bool = True) -> dict[str, Any]:
+def _why(code: str) -> str:
     from ..rules import RULES
+
+    r = RULES.get(code)
+    return r.sections.get("Why it is bad", "").replace("\n", " ") if r else ""
+
+
+def context(audit: "Audit", ctx: RenderContext = RenderContext()) -> dict[str, Any]:
+    """The template's variables."""
     from .charts import energy_chart, share_chart
 
-    counts = audit.counts_by_severity()
-    status = "fail" if counts["error"] else ("review" if counts["warning"] else "pass")
-    findings = [{"severity": str(f.severity), "code": f.code, "slug": f.slug, "message": f.message,
-                 "fix": f.fix, "layers": f.layers} for f in audit.findings]
-    groups: dict[str, dict[str, Any]] = {}
-    for f in findings:  # one box per rule: its explanation once, then each finding
-        if f["code"] not in groups:
-            r = RULES.get(f["code"])
-            why = r.sections.get("Why it is bad", "").replace("\n", " ") if r else ""
-            groups[f["code"]] = {"code": f["code"], "slug": f["slug"], "severity": f["severity"], "why": why,
-                                 "entries": []}
-        groups[f["code"]]["entries"].append(f)
-    skipped = [(l.name, str(s.verdict), s.reason) for l in audit.layers
-               if (s := audit.suggestions.get(l.name)) is not None and str(s.verdict) in ("skipped", "skip narrow")]
-    settings = [(k, ", ".join(map(str, v)) if isinstance(v, tuple) else v) for k, v in asdict(audit.settings).items()]
+    counts = audit.counts
+    table = layer_table(audit)
+    settings = [(k, ", ".join(map(str, v)) if isinstance(v, tuple) else (str(v) if isinstance(v, Enum) else v))
+                for k, v in asdict(audit.settings).items()]
     return {
         "a": audit,
-        "rows": layer_rows(audit),
+        "verdict": verdict_line(audit),
+        "rank_columns": table.columns,
+        "rows": table.rows,
         "counts": counts,
-        "status": status,
-        "findings": findings,
-        "finding_groups": list(groups.values()),
-        "skipped": skipped,
+        "status": "fail" if counts.error else ("review" if counts.warning else "pass"),
+        "findings": audit.findings,
+        "finding_groups": finding_groups(audit, _why),
+        "skipped": skipped_rows(audit),
         "settings": settings,
         "holding80": audit.layers_holding(0.8),
-        "plan_suggested": audit.review is None or audit.review.source == "suggested",
-        "share_chart": share_chart(audit) if charts else "",
-        "energy_chart": energy_chart(audit) if charts else None,
+        "plan_suggested": audit.review is None or audit.review.suggested,
+        "baseline": ctx.baseline,
+        "share_chart": share_chart(audit) if ctx.charts else "",
+        "energy_chart": energy_chart(audit) if ctx.charts else None,
         "created": _dt.date.today().isoformat(),
         "css": (template_dir() / "report.css").read_text(encoding="utf-8"),
         "human": human,
@@ -87,17 +89,19 @@ def context(audit: "Audit", charts: bool = True) -> dict[str, Any]:
     }
 
 
-def render(audit: "Audit") -> str:
-    return _env().get_template("report.html").render(**context(audit))
+def render(audit: "Audit", ctx: RenderContext = RenderContext()) -> str:
+    return _env().get_template("report.html").render(**context(audit, ctx))
 
 
 def render_compact(audit: "Audit", top: int = 10) -> str:
-    ctx = context(audit, charts=False)
-    return _env().get_template("compact.html").render(**ctx, top=top)
+    """The notebook view (``Audit._repr_html_``): summary, the top layers and the findings, no charts."""
+    return _env().get_template("compact.html").render(**context(audit, RenderContext(charts=False)), top=top)
 
 
-def write(audit: "Audit", path: str | Path) -> str:
-    text = render(audit)
-    with atomic_write(path) as fh:
-        fh.write(text)
-    return text
+class HtmlReporter:
+    name = "html"
+    suffix = ".html"
+    binary = False
+
+    def render(self, audit: "Audit", context: RenderContext) -> str:
+        return render(audit, context)

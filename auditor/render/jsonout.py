@@ -2,17 +2,25 @@
 
 from __future__ import annotations
 
+import json
+from dataclasses import asdict
+from enum import Enum
 from typing import TYPE_CHECKING, Any
 
+from ..policy import verdict_line
+from .base import RenderContext
+
 if TYPE_CHECKING:
-    from ..core import Audit
+    from ..results import Audit
 
 FORMAT_VERSION = 1
 
 
-def to_dict(audit: "Audit", with_sigma: bool = False) -> dict[str, Any]:
-    from dataclasses import asdict
+def _settings(audit: "Audit") -> dict[str, Any]:
+    return {k: (str(v) if isinstance(v, Enum) else v) for k, v in asdict(audit.settings).items()}
 
+
+def to_dict(audit: "Audit", with_sigma: bool = False) -> dict[str, Any]:
     g = audit.graph
     return {
         "format_version": FORMAT_VERSION,
@@ -21,12 +29,12 @@ def to_dict(audit: "Audit", with_sigma: bool = False) -> dict[str, Any]:
             "version": audit.environment.get("lowrank-auditor"),
             "model": audit.model_name,
             "source": audit.source,
-            "trace_method": audit.trace_method,
+            "trace_method": str(audit.trace_method),
             "trace_failures": audit.trace_failures,
             "trace_summary": audit.trace_summary,
             "inputs": audit.inputs,
             "environment": audit.environment,
-            "settings": asdict(audit.settings),
+            "settings": _settings(audit),
             "notes": audit.notes,
         },
         "totals": {
@@ -37,10 +45,10 @@ def to_dict(audit: "Audit", with_sigma: bool = False) -> dict[str, Any]:
             "macs": audit.total_macs,
             "layers": len(audit.layers),
             "layers_holding_80pct": audit.layers_holding(0.8),
-            "graph_nodes": g.number_of_nodes() if g is not None else None,
-            "graph_edges": g.number_of_edges() if g is not None else None,
+            "graph_nodes": len(g.nodes) if g is not None else None,
+            "graph_edges": len(g.edges) if g is not None else None,
         },
-        "verdict": audit.verdict_line,
+        "verdict": verdict_line(audit),
         "layers": [
             {**l.to_dict(), "cumulative_share": c} for l, c in zip(audit.layers, audit.cumulative())
         ],
@@ -51,3 +59,15 @@ def to_dict(audit: "Audit", with_sigma: bool = False) -> dict[str, Any]:
         "unsupported_ops": audit.unsupported_ops,
         "spectra_stats": audit.spectra_stats,
     }
+
+
+class JsonReporter:
+    name = "json"
+    suffix = ".json"
+    binary = False
+
+    def render(self, audit: "Audit", context: RenderContext) -> str:
+        data = to_dict(audit, with_sigma=context.with_sigma)
+        if context.baseline is not None:
+            data["baseline"] = context.baseline.to_dict()
+        return json.dumps(data, indent=2) + "\n"

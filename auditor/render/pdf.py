@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ..errors import AuditError
-from . import atomic_write
+from .base import RenderContext
 
 if TYPE_CHECKING:
-    from ..core import Audit
+    from ..results import Audit
 
 
 def _weasyprint():  # type: ignore[no-untyped-def]
@@ -48,16 +47,19 @@ def url_fetcher(wp: Any) -> Any:
     return fetch
 
 
-def render_pdf(audit: "Audit") -> bytes:
+def render_pdf(audit: "Audit", ctx: RenderContext = RenderContext()) -> bytes:
+    """The HTML report (with the same context) printed by WeasyPrint."""
     from .html import render
 
     wp = _weasyprint()
-    html = render(audit)
+    html = render(audit, ctx)
     return wp.HTML(string=html, url_fetcher=url_fetcher(wp), base_url=None).write_pdf()
 
 
-def write(audit: "Audit", path: str | Path) -> Path:
-    data = render_pdf(audit)
-    with atomic_write(path, binary=True) as fh:
-        fh.write(data)
-    return Path(path)
+class PdfReporter:
+    name = "pdf"
+    suffix = ".pdf"
+    binary = True
+
+    def render(self, audit: "Audit", context: RenderContext) -> bytes:
+        return render_pdf(audit, context)

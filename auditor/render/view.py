@@ -1,49 +1,106 @@
-"""View-model rows shared by the table renderers (terminal, Markdown, HTML, pandas)."""
+"""View models shared by the renderers (terminal, Markdown, HTML, pandas): typed rows built from an Audit.
+
+Rank columns follow ``settings.energy_targets``: targets (0.8, 0.9) give the columns r80 and r90.
+"""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from dataclasses import asdict, dataclass
+from typing import TYPE_CHECKING, Any, Callable
+
+from ..suggest import target_key
 
 if TYPE_CHECKING:
-    from ..core import Audit
+    from ..results import Audit, Finding
 
 
-def layer_rows(audit: "Audit") -> list[dict[str, Any]]:
+def rank_label(target: float) -> str:
+    """The column name of an energy target's rank.
+
+    >>> [rank_label(t) for t in (0.8, 0.9, 0.95, 0.99, 0.999, 1.0)]
+    ['r80', 'r90', 'r95', 'r99', 'r99.9', 'r100']
+    """
+    return f"r{round(100 * target, 6):g}"
+
+
+@dataclass(frozen=True)
+class RankColumn:
+    target: float
+    label: str  # "r95"
+
+
+def rank_columns(audit: "Audit") -> list[RankColumn]:
+    return [RankColumn(t, rank_label(t)) for t in audit.settings.energy_targets]
+
+
+@dataclass(frozen=True)
+class LayerRow:
+    """One row of the layer table."""
+
+    rank_order: int  # 1 = largest
+    name: str
+    kind: str
+    module_type: str
+    m: int
+    n: int
+    groups: int
+    shape: str  # "m x n", with " xGg" for grouped convs
+    params: int
+    share: float
+    cumulative: float
+    macs: int | None
+    calls: int
+    tied: bool
+    break_even: float
+    ranks: tuple[int | None, ...]  # one per rank column (energy target), None without a spectrum
+    suggested: int | None
+    compression: float | None
+    energy_at_rank: float | None
+    verdict: str
+    reason: str
+    stable_rank: float | None
+    effective_rank: float | None
+
+    def record(self, labels: list[str] | None = None) -> dict[str, Any]:
+        """A flat dict (for pandas): the fields, with the rank columns under their labels."""
+        d = asdict(self)
+        ranks = d.pop("ranks")
+        d.update(zip(labels if labels is not None else [f"rank{i}" for i in range(len(ranks))], ranks))
+        return d
+
+
+@dataclass(frozen=True)
+class LayerTable:
+    columns: list[RankColumn]
+    rows: list[LayerRow]
+
+
+def layer_table(audit: "Audit") -> LayerTable:
+    cols = rank_columns(audit)
     rows = []
-    cum = audit.cumulative()
-    for i, layer in enumerate(audit.layers):
+    for i, (layer, cum) in enumerate(zip(audit.layers, audit.cumulative())):
         sg = audit.suggestions.get(layer.name)
         sp = audit.spectra.get(layer.name)
-        ranks = sg.ranks_for if sg else {}
-        rows.append({
-            "rank_order": i + 1,
-            "name": layer.name,
-            "kind": str(layer.kind),
-            "module_type": layer.module_type,
-            "m": layer.m,
-            "n": layer.n,
-            "groups": layer.groups,
-            "shape": f"{layer.m}x{layer.n}" + (f" x{layer.groups}g" if layer.groups > 1 else ""),
-            "params": layer.params,
-            "share": layer.share,
-            "cumulative": cum[i],
-            "macs": layer.macs,
-            "calls": layer.calls,
-            "tied": layer.tied,
-            "break_even": layer.break_even,
-            "r90": ranks.get("0.9"),
-            "r95": ranks.get("0.95"),
-            "r99": ranks.get("0.99"),
-            "ranks_for": ranks,
-            "suggested": sg.rank if sg else None,
-            "compression": sg.compression if sg else None,
-            "energy_at_rank": sg.energy_at_rank if sg else None,
-            "verdict": str(sg.verdict) if sg else "",
-            "reason": sg.reason if sg else "",
-            "stable_rank": sp.stable_rank if sp and sp.sigma is not None else None,
-            "effective_rank": sp.effective_rank if sp and sp.sigma is not None else None,
-        })
-    return rows
+        ranks_for = sg.ranks_for if sg else {}
+        has_sigma = sp is not None and sp.sigma is not None
+        rows.append(LayerRow(
+            rank_order=i + 1, name=layer.name, kind=str(layer.kind), module_type=layer.module_type,
+            m=layer.m, n=layer.n, groups=layer.groups,
+            shape=f"{layer.m}x{layer.n}" + (f" x{layer.groups}g" if layer.groups > 1 else ""),
+            params=layer.params, share=layer.share, cumulative=cum, macs=layer.macs, calls=layer.calls,
+            tied=layer.tied, break_even=layer.break_even,
+            ranks=tuple(ranks_for.get(target_key(c.target)) for c in cols),
+            suggested=sg.rank if sg else None, compression=sg.compression if sg else None,
+            energy_at_rank=sg.energy_at_rank if sg else None, verdict=str(sg.verdict) if sg else "",
+            reason=sg.reason if sg else "",
+            stable_rank=sp.stable_rank if has_sigma else None,
+            effective_rank=sp.effective_rank if has_sigma else None,
+        ))
+    return LayerTable(cols, rows)
+
+
+def layer_rows(audit: "Audit") -> list[LayerRow]:
+    return layer_table(audit).rows
 
 
 def fmt_num(x: Any, digits: int = 1) -> str:
@@ -61,3 +118,39 @@ def human(x: int | None) -> str:
         if abs(x) >= div:
             return f"{x / div:.2f}{unit}"
     return str(x)
+
+
+@dataclass(frozen=True)
+class FindingGroup:
+    """The findings of one rule: its explanation once, then each finding."""
+
+    code: str
+    slug: str
+    severity: str
+    why: str  # the rule's "Why it is bad" section, one paragraph
+    entries: list["Finding"]
+
+
+def finding_groups(audit: "Audit", why: Callable[[str], str]) -> list[FindingGroup]:
+    """Findings grouped by rule code, in the findings' order; ``why(code)`` gives the rule's explanation."""
+    groups: dict[str, FindingGroup] = {}
+    for f in audit.findings:
+        if f.code not in groups:
+            groups[f.code] = FindingGroup(f.code, f.slug, str(f.severity), why(f.code), [])
+        groups[f.code].entries.append(f)
+    return list(groups.values())
+
+
+@dataclass(frozen=True)
+class SkippedRow:
+    name: str
+    verdict: str
+    reason: str
+
+
+def skipped_rows(audit: "Audit") -> list[SkippedRow]:
+    """Layers left out for want of a spectrum or of room (skipped, skip narrow), with the reason."""
+    from ..results import Verdict
+
+    return [SkippedRow(l.name, str(s.verdict), s.reason) for l in audit.layers
+            if (s := audit.suggestions.get(l.name)) is not None and s.verdict in (Verdict.SKIPPED, Verdict.SKIP_NARROW)]

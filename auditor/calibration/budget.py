@@ -1,0 +1,263 @@
+"""Tier 3: ranks for a whole model from per-layer curves, checked all at once.
+
+Each layer offers options (a rank below break-even: parameters saved, a cost) from its measured tier-2 points or its
+tier-1 error curve; keeping it dense costs nothing and saves nothing. The cost is what the layers add up to: the
+squared relative output error (single-layer errors combine roughly in quadrature) or a user metric's drop below the
+dense value. A Lagrangian relaxation picks, for a price mu per parameter, the option minimising cost - mu * saved in
+every layer; bisection on mu meets a removal target. The plan is then factorized and measured as a whole, since the
+sum of single-layer costs underestimates the combined error near the cliff, and the target is backed off (or grown)
+until the model-level metric holds. A frontier of 3-5 targets, each measured all at once, shows where the cliff is.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+from torch import nn
+
+from .. import lrmath
+from ..factorize import SUPPORTED, count_params, factorize
+from ..results import Layer
+from .inputs import Calibration
+from .metric import Evaluator, Metric
+from .stats import InputStatistics, by_name, input_statistics
+from .sweep import Floors
+from .whiten import WhitenedSpectrum
+
+
+@dataclass
+class Option:
+    rank: int
+    saved: int  # parameters removed at this rank
+    cost: float
+
+
+@dataclass
+class Curves:
+    """Per-layer options keyed by ``Layer.name``; ``source`` is "measured" (tier 2) or "tier1"."""
+
+    options: dict[str, list[Option]]
+    source: str
+
+
+def curves_from_floors(floors: Floors, layers: dict[str, Layer] | list[Layer]) -> Curves:
+    """Options from the tier-2 points: every measured rank below break-even, costed by its measured metric."""
+    named = by_name(layers)
+    out: dict[str, list[Option]] = {}
+    for name, f in floors.floors.items():
+        layer = named[name]
+        opts = []
+        for r, v in f.points:
+            if not lrmath.saves(layer.m, layer.n, r):
+                continue
+            cost = max(0.0, floors.reference - v) if floors.higher_is_better else v * v
+            opts.append(Option(r, layer.params - layer.params_at(r), cost))
+        if opts:
+            out[name] = opts
+    return Curves(out, "measured")
+
+
+def curves_from_spectra(spectra: dict[str, WhitenedSpectrum], layers: dict[str, Layer] | list[Layer],
+                        align: int = 8) -> Curves:
+    """Options from the tier-1 curves: every multiple of ``align`` below break-even, costed by the squared
+    layer-output error (a layer-level proxy; the all-at-once measurement corrects its scale)."""
+    named = by_name(layers)
+    out: dict[str, list[Option]] = {}
+    for name, spec in spectra.items():
+        layer = named[name]
+        useful = lrmath.max_useful_rank(layer.m, layer.n)
+        opts = [Option(r, layer.params - layer.params_at(r), spec.error_at(r) ** 2)
+                for r in range(align, useful + 1, align)]
+        if opts:
+            out[name] = opts
+    return Curves(out, "tier1")
+
+
+def _pick(options: dict[str, list[Option]], mu: float) -> tuple[dict[str, int], int, float]:
+    plan: dict[str, int] = {}
+    saved = 0
+    cost = 0.0
+    for name, opts in options.items():
+        best: Option | None = None
+        best_val = 0.0  # keeping the layer dense
+        for o in opts:
+            val = o.cost - mu * o.saved
+            if val < best_val or (val == best_val and best is not None and o.saved > best.saved) or (
+                    val == best_val and best is None and o.saved > 0 and val <= 0 and o.cost == 0):
+                best, best_val = o, val
+        if best is not None:
+            plan[name] = best.rank
+            saved += best.saved
+            cost += best.cost
+    return plan, saved, cost
+
+
+def allocate(curves: Curves, target_saved: float) -> tuple[dict[str, int], int, float]:
+    """The Lagrangian plan removing at least ``target_saved`` parameters at the least summed cost (or the most that
+    the options can remove): (plan, saved, predicted cost)."""
+    opts = curves.options
+    if target_saved <= 0:
+        return _pick(opts, 0.0)
+    hi = 1e-12
+    while _pick(opts, hi)[1] < target_saved and hi < 1e30:
+        hi *= 10
+    if hi >= 1e30:
+        return _pick(opts, hi)
+    lo = 0.0
+    for _ in range(200):
+        mid = (lo + hi) / 2 if lo == 0 else math.sqrt(lo * hi)
+        if _pick(opts, mid)[1] >= target_saved:
+            hi = mid
+        else:
+            lo = mid
+        if hi - lo <= 1e-12 * hi:
+            break
+    return _pick(opts, hi)
+
+
+@dataclass
+class FrontierPoint:
+    """One plan measured all at once."""
+
+    target: int  # parameters the allocation aimed to remove
+    plan: dict[str, int]
+    removed: int
+    removed_fraction: float
+    predicted_cost: float
+    metric: float
+    ok: bool
+    top1: float | None = None
+
+
+@dataclass
+class BudgetPlan:
+    """Tier-3 result: the chosen plan, its measured all-at-once metric, the tries and the frontier."""
+
+    plan: dict[str, int]
+    params_before: int
+    params_after: int
+    removed: int
+    removed_fraction: float
+    metric: float
+    ok: bool
+    top1: float | None
+    predicted_cost: float
+    metric_label: str
+    higher_is_better: bool
+    reference: float
+    tolerance: float
+    budget: float | None
+    source: str  # "measured" | "tier1"
+    tries: list[FrontierPoint] = field(default_factory=list)
+    frontier: list[FrontierPoint] = field(default_factory=list)
+    seconds: float = 0.0
+
+
+def plan_for_budget(model: nn.Module, layers: dict[str, Layer] | list[Layer], calibration: Calibration,
+                    curves: Curves, budget: float | None = None, tolerance: float | None = None,
+                    metric: Metric | Callable[..., float] | None = None, stats: InputStatistics | None = None,
+                    frontier: int = 5, max_tries: int = 10) -> BudgetPlan:
+    """Tier 3: a plan over ``curves`` checked all at once on the held-out batches.
+
+    With ``budget`` (a fraction of the model's parameters to remove) the first plan removes at least that share,
+    then backs off by bisection until the metric holds. Without it, the first plan is the largest whose predicted
+    cost fits the tolerance (tolerance^2 for the relative output error, the tolerance itself for a user metric);
+    it grows while the metric holds and backs off when it does not. Only layers ``factorize`` rewrites take part."""
+    t0 = time.perf_counter()
+    if metric is None or callable(metric) and not isinstance(metric, Metric):
+        metric = Metric(fn=metric)  # type: ignore[arg-type]
+    if tolerance is not None:
+        metric = Metric(metric.fn, tolerance, metric.name)
+    named = by_name(layers)
+    options = {k: v for k, v in curves.options.items() if k in named and named[k].kind in SUPPORTED}
+    curves = Curves(options, curves.source)
+    if stats is None:
+        stats = input_statistics(model, [named[k] for k in options], calibration)
+    ev = Evaluator(model, calibration, metric)
+    total = count_params(model)
+    max_saved = sum(max(o.saved for o in opts) for opts in options.values())
+    memo: dict[tuple[tuple[str, int], ...], FrontierPoint] = {}
+    tries: list[FrontierPoint] = []
+    reuse: dict[str, object] = {}  # one decomposition per layer across every plan tried
+
+    def measure(target: float) -> FrontierPoint:
+        plan, saved, cost = allocate(curves, target)
+        key = tuple(sorted(plan.items()))
+        if key not in memo:  # each distinct plan is factorized and measured once
+            m = ev.measure(factorize(model, plan, stats, reuse=reuse)) if plan else ev.measure(model)
+            memo[key] = FrontierPoint(int(target), plan, saved, saved / total, cost, m.value, m.ok, m.top1)
+            tries.append(memo[key])
+        return memo[key]
+
+    def back_off(ok_at: float, fail_at: float, steps: int) -> None:
+        for _ in range(steps + 20):  # repeated plans cost nothing; ``steps`` bounds the new measurements
+            if len(tries) >= max_tries or fail_at - ok_at < 1 or steps <= 0:
+                return
+            before = len(tries)
+            mid = (ok_at + fail_at) / 2
+            if measure(mid).ok:
+                ok_at = mid
+            else:
+                fail_at = mid
+            steps -= len(tries) - before
+
+    if budget is not None:
+        if not 0 < budget < 1:
+            from ..errors import AuditError
+
+            raise AuditError(f"budget {budget} is not a fraction in (0, 1)", "Give e.g. --budget 0.3")
+        target = min(budget * total, max_saved)
+        if not measure(target).ok:
+            back_off(0.0, target, max_tries - 1)
+    else:
+        cap = metric.tolerance if metric.higher_is_better else metric.tolerance ** 2
+        lo, hi = 0.0, float(max_saved)  # the largest target whose predicted cost fits the cap
+        for _ in range(40):
+            mid = (lo + hi) / 2
+            if allocate(curves, mid)[2] <= cap:
+                lo = mid
+            else:
+                hi = mid
+        target = max(lo, 1.0)
+        first = measure(target)
+        if first.ok:
+            ok_at = target
+            while len(tries) < max_tries - 3 and ok_at < max_saved:
+                nxt = min(max_saved, ok_at * 1.25)
+                if measure(nxt).ok:
+                    ok_at = nxt
+                else:
+                    back_off(ok_at, nxt, 3)
+                    break
+        else:
+            back_off(0.0, target, max_tries - 1)
+    held = [p for p in tries if p.ok]
+    if held:
+        best = max(held, key=lambda p: (p.removed, -p.predicted_cost))
+    else:
+        best = measure(0.0)  # nothing holds: the dense model
+    points = {tuple(sorted(best.plan.items())): best}
+    targets = [best.removed * f for f in (0.5, 1.5, 2.0)] + [max_saved]
+    if best.removed == 0:
+        targets = [max_saved * f for f in (0.25, 0.5, 0.75, 1.0)]
+    for t in targets:
+        if len(points) >= frontier:
+            break
+        if 0 < t <= max_saved:
+            p = measure(t)
+            points.setdefault(tuple(sorted(p.plan.items())), p)
+    for f in (0.25, 0.75, 0.1, 0.9):
+        if len(points) >= 3:
+            break
+        p = measure(max_saved * f)
+        points.setdefault(tuple(sorted(p.plan.items())), p)
+    m_best = best
+    return BudgetPlan(
+        plan=dict(m_best.plan), params_before=total, params_after=total - m_best.removed, removed=m_best.removed,
+        removed_fraction=m_best.removed_fraction, metric=m_best.metric, ok=m_best.ok, top1=m_best.top1,
+        predicted_cost=m_best.predicted_cost, metric_label=metric.label, higher_is_better=metric.higher_is_better,
+        reference=ev.reference, tolerance=metric.tolerance, budget=budget, source=curves.source,
+        tries=tries, frontier=sorted(points.values(), key=lambda p: p.removed), seconds=time.perf_counter() - t0)

@@ -1,0 +1,336 @@
+"""Tier 1, step 1: input statistics X^T X of every factorizable layer, accumulated in float64 by forward hooks during
+one pass over the calibration batches.
+
+What "the input X" of a layer is, per kind (rows of X are what one output row is computed from):
+- Linear, transformers' Conv1D: the input vectors, every leading dimension flattened (tokens, positions);
+- Conv1d/2d/3d: the unfolded patches (in/g * prod(kernel) wide, per group), with the module's own padding (zeros,
+  reflect, replicate, circular, ``'same'``), stride and dilation;
+- Embedding: one-hot rows, so X^T X is diagonal: the lookup count of every id (kept as a vector, never V x V);
+- LSTM/GRU/RNN: each layer's input sequence (``weight_ih``) and the hidden state the recurrence reads at each step
+  (``weight_hh``: h0, then the layer's own outputs shifted by one step, reversed for the backward direction), both
+  recomputed layer by layer with the module's own weights;
+- MultiheadAttention ``in_proj_weight``: the query (self-attention). With distinct query, key and value the three
+  Grams are summed and the layer is marked approximate.
+
+The result holds float64 NumPy arrays, never torch tensors.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+import numpy as np
+import torch
+from torch import nn
+
+from ..results import Kind, Layer
+from .inputs import Batch, Calibration, run
+
+
+@dataclass
+class LayerInput:
+    """The input statistics of one layer: ``gram`` is (groups, n, n) float64, or (n,) lookup counts when
+    ``diagonal`` (embeddings)."""
+
+    layer: str
+    kind: str
+    gram: np.ndarray
+    rows: int  # rows of X seen: tokens, positions, patches, lookups
+    width: int  # n, the input width of one group
+    groups: int = 1
+    diagonal: bool = False
+    approximate: str = ""  # why the layer-output error is not exact for this layer; empty when it is
+
+    @property
+    def singular(self) -> bool:
+        return self.rows < self.width
+
+
+@dataclass
+class InputStatistics:
+    """X^T X per layer (keyed by ``Layer.name``), the layers that got none and why, and warnings to show."""
+
+    layers: dict[str, LayerInput] = field(default_factory=dict)
+    missing: dict[str, str] = field(default_factory=dict)
+    warnings: list[str] = field(default_factory=list)
+    batches: int = 0
+    digest: str = ""  # the calibration's digest
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.layers
+
+    def save(self, path: str | Path) -> None:
+        """Write every Gram and the metadata to one ``.npz`` file (for a cache keyed by the weights' and the
+        calibration's digests: the statistics depend on both)."""
+        arrays = {f"gram:{k}": v.gram for k, v in self.layers.items()}
+        meta = {"layers": {k: {f: getattr(v, f) for f in ("layer", "kind", "rows", "width", "groups", "diagonal",
+                                                          "approximate")} for k, v in self.layers.items()},
+                "missing": self.missing, "warnings": self.warnings, "batches": self.batches, "digest": self.digest}
+        with open(path, "wb") as fh:
+            np.savez(fh, __meta__=np.frombuffer(json.dumps(meta).encode(), dtype=np.uint8), **arrays)
+
+    @classmethod
+    def load(cls, path: str | Path) -> "InputStatistics":
+        with np.load(path, allow_pickle=False) as z:
+            meta = json.loads(bytes(z["__meta__"]).decode())
+            layers = {k: LayerInput(gram=z[f"gram:{k}"], **v) for k, v in meta["layers"].items()}
+        return cls(layers, meta["missing"], meta["warnings"], meta["batches"], meta["digest"])
+
+
+def by_name(layers: dict[str, Layer] | list[Layer]) -> dict[str, Layer]:
+    """Layers keyed by ``Layer.name`` (module path; full parameter name for RNN and attention weights), from
+    ``collect_layers``' dict (keyed by parameter name) or a list."""
+    return {layer.name: layer for layer in (layers.values() if isinstance(layers, dict) else layers)}
+
+
+def _module_path(layer: Layer) -> tuple[str, str]:
+    """(owning module path, parameter attribute name)."""
+    if layer.kind in (Kind.RNN, Kind.MHA_IN_PROJ):
+        path, _, attr = layer.name.rpartition(".")
+        return path, attr
+    return layer.name, "weight"
+
+
+SHARED_KEEP = 4  # recent inputs whose Gram is kept for the next layer reading the same tensor
+
+
+class _Acc:
+    """A float64 Gram accumulator on the layer's device."""
+
+    def __init__(self, layer: Layer, n: int, groups: int = 1, diagonal: bool = False,
+                 shared: dict[tuple[Any, ...], Any] | None = None) -> None:
+        self.layer, self.n, self.groups, self.diagonal = layer, n, groups, diagonal
+        self.gram: torch.Tensor | None = None
+        self.rows = 0
+        self.approximate = ""
+        self.shared = shared  # this batch's Grams by input tensor: q, k and v projections read one input once
+
+    def add_rows(self, x: torch.Tensor) -> None:
+        """x: (rows, groups * n) or (rows, n)."""
+        # the entry holds the tensor itself, so its memory cannot be reused by another tensor while the key lives
+        key = (x.data_ptr(), tuple(x.shape), tuple(x.stride()), x._version, x.dtype, self.groups, self.n)
+        hit = self.shared.get(key) if self.shared is not None else None
+        if hit is None:
+            src = x
+            x = x.detach().reshape(-1, self.groups, self.n).to(torch.float64)
+            g = torch.einsum("rgi,rgj->gij", x, x) if self.groups > 1 else (x[:, 0].T @ x[:, 0])[None]
+            if self.shared is not None:
+                while len(self.shared) >= SHARED_KEEP:
+                    self.shared.pop(next(iter(self.shared)))
+                self.shared[key] = (src, g)
+        else:
+            g = hit[1]
+            x = x.reshape(-1, self.groups, self.n)
+        self.gram = g if self.gram is None else self.gram + g
+        self.rows += x.shape[0]
+
+    def add_counts(self, ids: torch.Tensor) -> None:
+        c = torch.bincount(ids.detach().reshape(-1).long(), minlength=self.n).to(torch.float64)[: self.n]
+        self.gram = c if self.gram is None else self.gram + c
+        self.rows += ids.numel()
+
+    def result(self) -> LayerInput | None:
+        if self.gram is None:
+            return None
+        return LayerInput(self.layer.name, str(self.layer.kind), self.gram.cpu().numpy(), self.rows, self.n,
+                          self.groups, self.diagonal, self.approximate)
+
+
+def conv_patches(mod: nn.modules.conv._ConvNd, x: torch.Tensor) -> torch.Tensor:
+    """The unfolded input patches of a (non-transposed) convolution: (N * positions, in_channels * prod(kernel)),
+    columns ordered (channel, kernel offsets) as the weight (out, in/g, *kernel) is flattened."""
+    nd = len(mod.kernel_size)
+    if x.dim() == nd + 1:  # unbatched
+        x = x[None]
+    pad = list(mod._reversed_padding_repeated_twice)
+    if any(pad):
+        mode = "constant" if mod.padding_mode == "zeros" else mod.padding_mode
+        x = nn.functional.pad(x, pad, mode=mode)
+    for d in range(nd):
+        k, s, dil = mod.kernel_size[d], mod.stride[d], mod.dilation[d]
+        x = x.unfold(2 + d, dil * (k - 1) + 1, s)
+        if dil > 1:
+            x = x[..., ::dil]
+    # x: (N, C, L1..Lnd, k1..knd) -> (N, L1..Lnd, C, k1..knd)
+    perm = [0, *range(2, 2 + nd), 1, *range(2 + nd, 2 + 2 * nd)]
+    x = x.permute(perm)
+    return x.reshape(-1, mod.in_channels * math.prod(mod.kernel_size))
+
+
+def _first(args: tuple[Any, ...], kwargs: dict[str, Any], name: str, i: int) -> Any:
+    return args[i] if len(args) > i else kwargs.get(name)
+
+
+def _rnn_clone(mod: nn.RNNBase, layer: int) -> nn.RNNBase:
+    """A one-layer copy of layer ``layer`` of ``mod`` (both directions), sequence-first."""
+    d = 2 if mod.bidirectional else 1
+    in_size = mod.input_size if layer == 0 else mod.hidden_size * d
+    kw: dict[str, Any] = dict(bias=mod.bias, batch_first=False, bidirectional=mod.bidirectional)
+    if mod.mode == "LSTM":
+        c: nn.RNNBase = nn.LSTM(in_size, mod.hidden_size, 1, **kw)
+    elif mod.mode == "GRU":
+        c = nn.GRU(in_size, mod.hidden_size, 1, **kw)
+    else:
+        c = nn.RNN(in_size, mod.hidden_size, 1, nonlinearity="tanh" if mod.mode == "RNN_TANH" else "relu", **kw)
+    c = c.to(device=mod.weight_ih_l0.device, dtype=mod.weight_ih_l0.dtype)
+    with torch.no_grad():
+        for sfx in ([""] + (["_reverse"] if mod.bidirectional else [])):
+            for kind in ("weight_ih", "weight_hh", "bias_ih", "bias_hh"):
+                src = getattr(mod, f"{kind}_l{layer}{sfx}", None)
+                if src is not None:
+                    getattr(c, f"{kind}_l0{sfx}").copy_(src)
+    return c.eval()
+
+
+def _rnn_hook(mod: nn.RNNBase, path: str, accs: dict[str, _Acc]) -> Callable[..., None]:
+    clones: dict[int, nn.RNNBase] = {}
+
+    def hook(_m: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        x = _first(args, kwargs, "input", 0)
+        hx = _first(args, kwargs, "hx", 1)
+        if not isinstance(x, torch.Tensor):
+            for a in accs.values():
+                a.approximate = "packed sequences are not read: no statistics"
+            return
+        unbatched = x.dim() == 2
+        seq = x[:, None] if unbatched else (x.transpose(0, 1) if mod.batch_first else x)  # (T, B, in)
+        d = 2 if mod.bidirectional else 1
+        h = mod.hidden_size
+        h0_all = hx[0] if isinstance(hx, tuple) else hx
+        c0_all = hx[1] if isinstance(hx, tuple) else None
+        if h0_all is not None and unbatched:
+            h0_all = h0_all[:, None]
+            c0_all = c0_all[:, None] if c0_all is not None else None
+        with torch.no_grad():
+            for layer in range(mod.num_layers):
+                names = {f"{path}.weight_ih_l{layer}{s}": ("ih", i) for i, s in enumerate(["", "_reverse"][:d])}
+                names.update({f"{path}.weight_hh_l{layer}{s}": ("hh", i) for i, s in enumerate(["", "_reverse"][:d])})
+                for name, (what, _i) in names.items():
+                    if what == "ih" and name in accs:
+                        accs[name].add_rows(seq.reshape(-1, seq.shape[-1]))
+                clone = clones.get(layer)
+                if clone is None:
+                    clone = clones[layer] = _rnn_clone(mod, layer)
+                b = seq.shape[1]
+                h0 = (h0_all[layer * d:(layer + 1) * d] if h0_all is not None
+                      else seq.new_zeros(d, b, h))
+                if mod.mode == "LSTM":
+                    c0 = c0_all[layer * d:(layer + 1) * d] if c0_all is not None else seq.new_zeros(d, b, h)
+                    out, _ = clone(seq, (h0, c0))
+                else:
+                    out, _ = clone(seq, h0)
+                for name, (what, i) in names.items():
+                    if what != "hh" or name not in accs:
+                        continue
+                    o = out[..., i * h:(i + 1) * h]
+                    prev = torch.cat([h0[i][None], o[:-1]]) if i == 0 else torch.cat([o[1:], h0[i][None]])
+                    accs[name].add_rows(prev.reshape(-1, h))
+                seq = out
+
+    return hook
+
+
+def _hf_conv1d() -> type | None:
+    import sys
+
+    if "transformers" not in sys.modules:
+        return None
+    try:
+        from transformers.pytorch_utils import Conv1D
+    except Exception:  # pragma: no cover
+        return None
+    return Conv1D
+
+
+def input_statistics(model: nn.Module, layers: dict[str, Layer] | list[Layer], batches: Calibration | list[Batch],
+                     ) -> InputStatistics:
+    """One forward pass over ``batches`` (a ``Calibration``: its fit part) with hooks that accumulate X^T X in
+    float64 for every layer they can read. Layers with no statistics are listed in ``missing`` with the reason."""
+    layer_list = list(by_name(layers).values())
+    digest = batches.digest if isinstance(batches, Calibration) else ""
+    fit = batches.fit if isinstance(batches, Calibration) else list(batches)
+    out = InputStatistics(batches=len(fit), digest=digest)
+    accs: dict[str, _Acc] = {}
+    shared: dict[tuple[Any, ...], Any] = {}
+    handles: list[Any] = []
+    conv1d = _hf_conv1d()
+    rnn_groups: dict[str, dict[str, _Acc]] = {}
+    mha: dict[str, dict[str, _Acc]] = {}
+    for layer in layer_list:
+        path, attr = _module_path(layer)
+        try:
+            mod = model.get_submodule(path)
+        except AttributeError:
+            out.missing[layer.name] = "no module of that name in the model"
+            continue
+        if layer.kind == Kind.LINEAR and isinstance(mod, nn.Linear):
+            acc = accs[layer.name] = _Acc(layer, layer.n, shared=shared)
+            handles.append(mod.register_forward_pre_hook(lambda m, a, acc=acc: acc.add_rows(a[0])))
+        elif layer.kind == Kind.CONV1D_HF and conv1d is not None and isinstance(mod, conv1d):
+            acc = accs[layer.name] = _Acc(layer, layer.n, shared=shared)
+            handles.append(mod.register_forward_pre_hook(lambda m, a, acc=acc: acc.add_rows(a[0])))
+        elif layer.kind == Kind.CONV and isinstance(mod, nn.modules.conv._ConvNd) and not mod.transposed:
+            acc = accs[layer.name] = _Acc(layer, layer.n, layer.groups)
+            handles.append(mod.register_forward_pre_hook(
+                lambda m, a, acc=acc: acc.add_rows(conv_patches(m, a[0]))))
+        elif layer.kind == Kind.EMBEDDING and type(mod) is nn.Embedding:
+            acc = accs[layer.name] = _Acc(layer, layer.m, diagonal=True)
+            handles.append(mod.register_forward_pre_hook(lambda m, a, acc=acc: acc.add_counts(a[0])))
+        elif layer.kind == Kind.RNN and isinstance(mod, nn.RNNBase):
+            if mod.proj_size > 0:
+                out.missing[layer.name] = "LSTM with proj_size: hidden statistics are not read"
+                continue
+            accs[layer.name] = _Acc(layer, layer.n)
+            rnn_groups.setdefault(path, {})[layer.name] = accs[layer.name]
+        elif layer.kind == Kind.MHA_IN_PROJ and isinstance(mod, nn.MultiheadAttention):
+            accs[layer.name] = _Acc(layer, layer.n, shared=shared)
+            mha.setdefault(path, {})[attr] = accs[layer.name]
+        else:
+            out.missing[layer.name] = f"no input statistics for {layer.module_type} ({layer.kind})"
+    for path, group in rnn_groups.items():
+        mod = model.get_submodule(path)
+        handles.append(mod.register_forward_pre_hook(_rnn_hook(mod, path, group), with_kwargs=True))
+    for path, group in mha.items():
+        def mha_hook(m: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], group=group) -> None:
+            q, k, v = (_first(args, kwargs, n, i) for i, n in enumerate(("query", "key", "value")))
+            if "in_proj_weight" in group:
+                acc = group["in_proj_weight"]
+                acc.add_rows(q.reshape(-1, acc.n))
+                if not (k is q and v is q):
+                    rows = acc.rows
+                    acc.add_rows(k.reshape(-1, acc.n))
+                    acc.add_rows(v.reshape(-1, acc.n))
+                    acc.rows = rows
+                    acc.approximate = ("query, key and value differ: their Grams are summed, so the layer-output "
+                                       "error is an estimate")
+            for attr, t in (("q_proj_weight", q), ("k_proj_weight", k), ("v_proj_weight", v)):
+                if attr in group:
+                    group[attr].add_rows(t.reshape(-1, group[attr].n))
+
+        handles.append(model.get_submodule(path).register_forward_pre_hook(mha_hook, with_kwargs=True))
+    try:
+        for b in fit:
+            shared.clear()
+            run(model, b)
+        shared.clear()
+    finally:
+        for h in handles:
+            h.remove()
+    for name, acc in accs.items():
+        res = acc.result()
+        if res is None:
+            out.missing[name] = "never called on the calibration inputs"
+            continue
+        out.layers[name] = res
+        if res.rows < res.width:
+            what = "lookups" if res.diagonal else "rows"
+            out.warnings.append(f"{name} saw {res.rows} calibration {what}, fewer than its input width {res.width}: "
+                                "its statistics are singular (damped); give more calibration data")
+    return out
+
+
+__all__ = ["InputStatistics", "LayerInput", "by_name", "conv_patches", "input_statistics"]

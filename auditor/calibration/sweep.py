@@ -1,0 +1,355 @@
+"""Tier 2: measured rank floors. Each layer is truncated alone (whitened), the model-level metric is measured on the
+held-out batches, and a bisection over ranks in multiples of ``align`` (starting at the tier-1 rank) finds the
+smallest rank that meets the tolerance there and at every larger rank tried.
+
+The prefix is not rerun for every evaluation: one recording pass stores, per held-out batch, the outputs of the
+modules that can run before a layer's block (the siblings of the block and of each of its ancestors; the block is
+the layer's deepest ancestor held in a ModuleList or Sequential, else its top-level child). While a layer is swept,
+each such module whose call finished before the layer's first call returns its stored output instead of computing
+it; later calls run for real. Everything after the layer runs as usual, so the metric is the same number a full
+forward pass gives.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+from torch import nn
+
+from .. import lrmath
+from ..results import Kind, Layer
+from .inputs import Calibration
+from .metric import Evaluator, Metric
+from .stats import InputStatistics, by_name, input_statistics
+from .whiten import Truncator, WhitenedSpectrum
+
+
+SWEPT = (Kind.LINEAR, Kind.CONV1D_HF, Kind.CONV, Kind.EMBEDDING, Kind.RNN, Kind.MHA_IN_PROJ, Kind.MATMUL)
+
+
+@dataclass
+class Floor:
+    """One layer's measured floor and the (rank, metric) points evaluated on the way."""
+
+    layer: str
+    floor: int | None  # smallest grid rank meeting the tolerance there and at every larger rank tried; None: none did
+    metric_at_floor: float | None
+    cliff_rank: int | None  # one grid step below the floor
+    cliff_metric: float | None
+    compression: float | None  # at the floor
+    keep_dense: bool  # the floor reaches break-even: "keep dense (measured)"
+    start_rank: int | None  # where the search started (the tier-1 rank, aligned)
+    points: list[tuple[int, float]] = field(default_factory=list)  # (rank, metric), by rank
+    top1: dict[int, float] = field(default_factory=dict)  # rank -> top-1 agreement (default metric)
+    init: str = "whitened"  # "whitened" | "svd" (no input statistics)
+    reason: str = ""
+
+
+@dataclass
+class Floors:
+    """Tier-2 results: per-layer floors keyed by ``Layer.name`` and how they were measured."""
+
+    floors: dict[str, Floor]
+    metric: str
+    higher_is_better: bool
+    tolerance: float
+    reference: float  # the dense model's metric (0 for the relative output error)
+    align: int
+    search: str  # "bisect" | "all"
+    evaluations: int
+    seconds: float
+    prefix_cache: bool
+
+
+def _ancestors(path: str) -> list[str]:
+    parts = path.split(".") if path else []
+    return ["", *(".".join(parts[: i + 1]) for i in range(len(parts)))]
+
+
+def block_of(model: nn.Module, path: str) -> str:
+    """The layer's block: its deepest ancestor whose parent is a ModuleList or Sequential, else its top-level child."""
+    chain = _ancestors(path)
+    best = chain[1] if len(chain) > 1 else ""
+    for i in range(1, len(chain)):
+        parent = model.get_submodule(chain[i - 1])
+        if isinstance(parent, (nn.ModuleList, nn.Sequential)):
+            best = chain[i]
+    return best
+
+
+class PrefixCache:
+    """Stored outputs of the modules that run before each swept layer's block, replayed while that layer is swept."""
+
+    def __init__(self, model: nn.Module, owners: dict[str, str], evaluator: Evaluator) -> None:
+        """``owners``: layer name -> owning module path."""
+        self.model = model
+        self.evaluator = evaluator
+        self.candidates: dict[str, set[str]] = {}  # layer -> module paths that may be replayed
+        for name, path in owners.items():
+            block = block_of(model, path)
+            chain = _ancestors(block)
+            cands: set[str] = set()
+            for i in range(len(chain) - 1):
+                parent = model.get_submodule(chain[i])
+                for child, _ in parent.named_children():
+                    full = f"{chain[i]}.{child}" if chain[i] else child
+                    if full != chain[i + 1]:
+                        cands.add(full)
+            self.candidates[name] = cands
+        self.owners = owners
+        self.all = set().union(*self.candidates.values()) if self.candidates else set()
+        self.starts: list[dict[str, list[int]]] = []  # batch -> module path -> start seq of each call
+        self.ends: list[dict[str, list[int]]] = []
+        self.outputs: list[dict[str, list[Any]]] = []
+        self.batch: int | None = None
+        self._ptrs = {self._key(b.args, b.kwargs): i for i, b in enumerate(evaluator.batches)}
+        self._record()
+
+    @staticmethod
+    def _key(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[int, ...]:
+        ts = [a for a in args if isinstance(a, torch.Tensor)] + [v for v in kwargs.values() if isinstance(v, torch.Tensor)]
+        return tuple(t.data_ptr() for t in ts)
+
+    def _record(self) -> None:
+        seq = [0]
+        handles = []
+        paths = {m: p for p, m in self.model.named_modules()}
+        needed = set(self.owners.values()) | self.all
+        for mod, path in paths.items():
+            if path not in needed:
+                continue
+
+            def pre(m: nn.Module, a: Any, path: str = path) -> None:
+                seq[0] += 1
+                self.starts[-1].setdefault(path, []).append(seq[0])
+
+            def post(m: nn.Module, a: Any, out: Any, path: str = path) -> None:
+                seq[0] += 1
+                self.ends[-1].setdefault(path, []).append(seq[0])
+                if path in self.all:
+                    self.outputs[-1].setdefault(path, []).append(_detach(out))
+
+            handles += [mod.register_forward_pre_hook(pre), mod.register_forward_hook(post)]
+        try:
+            with torch.no_grad():
+                for b in self.evaluator.batches:
+                    self.starts.append({})
+                    self.ends.append({})
+                    self.outputs.append({})
+                    self.model(*b.args, **b.kwargs)
+        finally:
+            for h in handles:
+                h.remove()
+
+    def replay(self, layer: str) -> "_Replay":
+        return _Replay(self, layer)
+
+
+def _detach(out: Any) -> Any:
+    if isinstance(out, torch.Tensor):
+        return out.detach()
+    if isinstance(out, tuple) and not hasattr(out, "_fields"):
+        return tuple(_detach(o) for o in out)
+    if isinstance(out, list):
+        return [_detach(o) for o in out]
+    return out
+
+
+def _clone(out: Any) -> Any:
+    if isinstance(out, torch.Tensor):
+        return out.clone()
+    if isinstance(out, tuple) and not hasattr(out, "_fields"):
+        return tuple(_clone(o) for o in out)
+    if isinstance(out, list):
+        return [_clone(o) for o in out]
+    return copy.copy(out)
+
+
+class _Replay:
+    """While active, candidate modules that finished before the layer's first call return their stored outputs."""
+
+    def __init__(self, cache: PrefixCache, layer: str) -> None:
+        self.cache, self.layer = cache, layer
+        owner = cache.owners[layer]
+        self.replayed: list[dict[str, int]] = []  # batch -> module -> calls replayed
+        for b in range(len(cache.starts)):
+            first = min(cache.starts[b].get(owner, [math.inf]))
+            self.replayed.append({p: sum(1 for e in cache.ends[b].get(p, []) if e < first)
+                                  for p in cache.candidates[layer]})
+        self.counts: dict[str, int] = {}
+        self.handles: list[Any] = []
+        self.patched: list[nn.Module] = []
+
+    def __enter__(self) -> "_Replay":
+        cache = self.cache
+
+        def root_pre(m: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+            cache.batch = cache._ptrs.get(cache._key(args, kwargs))
+            self.counts = {}
+
+        self.handles.append(cache.model.register_forward_pre_hook(root_pre, with_kwargs=True))
+        for path in cache.candidates[self.layer]:
+            if not any(r.get(path) for r in self.replayed):
+                continue
+            mod = cache.model.get_submodule(path)
+            original = mod.forward
+
+            def fwd(*args: Any, _path: str = path, _orig: Callable[..., Any] = original, **kwargs: Any) -> Any:
+                b = cache.batch
+                k = self.counts.get(_path, 0)
+                self.counts[_path] = k + 1
+                if b is not None and k < self.replayed[b].get(_path, 0):
+                    return _clone(cache.outputs[b][_path][k])
+                return _orig(*args, **kwargs)
+
+            mod.forward = fwd  # an instance attribute shadows the class's forward until removed
+            self.patched.append(mod)
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        for h in self.handles:
+            h.remove()
+        for mod in self.patched:
+            del mod.__dict__["forward"]
+        self.cache.batch = None
+
+
+def _grid(layer: Layer, align: int) -> list[int]:
+    useful = lrmath.max_useful_rank(layer.m, layer.n)
+    return list(range(align, useful + 1, align))
+
+
+def floor_from_points(points: dict[int, bool]) -> int | None:
+    """Smallest tried rank that holds, with every larger tried rank holding too; None if the largest fails."""
+    floor = None
+    for r in sorted(points, reverse=True):
+        if not points[r]:
+            break
+        floor = r
+    return floor
+
+
+def measure_floors(model: nn.Module, layers: dict[str, Layer] | list[Layer], calibration: Calibration,
+                   tolerance: float | None = None, align: int = 8, metric: Metric | Callable[..., float] | None = None,
+                   stats: InputStatistics | None = None, spectra: dict[str, WhitenedSpectrum] | None = None,
+                   search: str = "bisect", prefix_cache: bool = True,
+                   progress: Callable[[str], None] | None = None) -> Floors:
+    """Tier 2: per-layer measured floors on ``calibration``'s held-out batches.
+
+    ``metric``: a ``Metric``, a user function ``fn(model, batches) -> float`` (higher is better; ``tolerance`` in its
+    units), or None for the relative output error against the dense model (``tolerance`` default 0.01). ``search``:
+    "bisect" (from the tier-1 rank in ``spectra``) or "all" (every grid rank: the brute-force reference). ``model``
+    is not modified: the sweep runs on a copy in eval mode."""
+    t0 = time.perf_counter()
+    if search not in ("bisect", "all"):
+        raise ValueError(f"search must be 'bisect' or 'all', not {search!r}")
+    if metric is None or callable(metric) and not isinstance(metric, Metric):
+        metric = Metric(fn=metric)  # type: ignore[arg-type]
+    if tolerance is not None:
+        metric = Metric(metric.fn, tolerance, metric.name)
+    work = copy.deepcopy(model).eval()
+    named = by_name(layers)
+    if stats is None:
+        stats = input_statistics(work, named, calibration)
+    evaluator = Evaluator(work, calibration, metric)
+    from .stats import _module_path
+
+    params = dict(work.named_parameters(remove_duplicate=False))
+    owners = {name: _module_path(layer)[0] for name, layer in named.items()}
+    cache = PrefixCache(work, owners, evaluator) if prefix_cache else None
+    floors: dict[str, Floor] = {}
+    for name, layer in named.items():
+        grid = _grid(layer, align)
+        inp = stats.layers.get(name)
+        if layer.kind not in SWEPT:
+            floors[name] = Floor(name, None, None, None, None, None, False, None, init="",
+                                 reason=f"not swept: no truncation for {layer.kind} weights")
+            continue
+        if not grid:
+            floors[name] = Floor(name, None, None, None, None, None, True, None,
+                                 reason=f"no multiple of {align} below break-even {layer.break_even:.1f}")
+            continue
+        param = params[layer.param]
+        original = param.detach().clone()
+        trunc = Truncator(layer, original, inp)
+        results: dict[int, tuple[float, bool, float | None]] = {}
+
+        def evaluate(i: int) -> bool:
+            r = grid[i]
+            if r not in results:
+                with torch.no_grad():
+                    param.copy_(trunc.weight(r))
+                try:
+                    if cache is not None:
+                        with cache.replay(name):
+                            m = evaluator.measure(work)
+                    else:
+                        m = evaluator.measure(work)
+                finally:
+                    with torch.no_grad():
+                        param.copy_(original)
+                results[r] = (m.value, m.ok, m.top1)
+            return results[r][1]
+
+        start = None
+        if search == "all":
+            for i in range(len(grid)):
+                evaluate(i)
+        else:
+            spec = spectra.get(name) if spectra else None
+            target = metric.tolerance if metric.fn is None else 0.01
+            want = spec.rank_for(target) if spec is not None else grid[len(grid) // 2]
+            i = min(len(grid) - 1, max(0, math.ceil(want / align) - 1))
+            start = grid[i]
+            if evaluate(i):
+                hi, lo, step = i, -1, 1
+                while hi - step >= 0:
+                    j = hi - step
+                    if evaluate(j):
+                        hi, step = j, step * 2
+                    else:
+                        lo = j
+                        break
+            else:
+                lo, hi, step = i, len(grid), 1
+                while lo < len(grid) - 1:
+                    j = min(lo + step, len(grid) - 1)
+                    if evaluate(j):
+                        hi = j
+                        break
+                    lo, step = j, step * 2
+            while hi - lo > 1 and hi < len(grid):
+                mid = (lo + hi) // 2
+                if evaluate(mid):
+                    hi = mid
+                else:
+                    lo = mid
+        floor = floor_from_points({r: v[1] for r, v in results.items()})
+        if floor is not None and grid.index(floor) > 0:
+            evaluate(grid.index(floor) - 1)  # the cliff is always measured
+        cliff = grid[grid.index(floor) - 1] if floor is not None and grid.index(floor) > 0 else None
+        pts = sorted(results.items())
+        f = Floor(
+            layer=name, floor=floor,
+            metric_at_floor=results[floor][0] if floor is not None else None,
+            cliff_rank=cliff, cliff_metric=results[cliff][0] if cliff is not None else None,
+            compression=layer.compression(floor) if floor is not None else None,
+            keep_dense=floor is None, start_rank=start,
+            points=[(r, v[0]) for r, v in pts],
+            top1={r: v[2] for r, v in pts if v[2] is not None},
+            init="whitened" if inp is not None else "svd",
+        )
+        f.reason = (f"rank {floor} holds {metric.label} within {metric.tolerance:g} at {f.compression:.2f}x"
+                    if floor is not None else
+                    f"no rank below break-even {layer.break_even:.1f} holds {metric.label} within "
+                    f"{metric.tolerance:g}: keep dense (measured)")
+        floors[name] = f
+        if progress is not None:
+            progress(f"{name}: floor {floor} after {len(results)} evaluations")
+    return Floors(floors, metric.label, metric.higher_is_better, metric.tolerance, evaluator.reference, align,
+                  search, evaluator.evaluations, time.perf_counter() - t0, cache is not None)

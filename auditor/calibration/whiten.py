@@ -1,0 +1,214 @@
+"""Tier 1, step 2: whitened spectra and the layer-output error at every rank.
+
+Every layer computes ``y = F x`` for a function matrix F (out x in) per group: W for Linear, RNN and attention
+projections, W viewed per group for convolutions, the stored (in, out) weight transposed for transformers' Conv1D,
+and W^T (dim x vocab) for an embedding, whose inputs are one-hot rows. With G = X^T X (the input statistics) and S
+its damped Cholesky factor (S S^T = G + lambda I), the whitened singular values sigma_i are those of F S.
+
+The truncation kept at rank r is F_r = U_r U_r^T F, U_r the top-r left singular vectors of F S: the rank-r map that
+best preserves the layer's outputs on the calibration data. Its layer-output error is exactly
+
+    e(r)^2 = ||(F - F_r) X^T||^2 / ||F X^T||^2 = (sum_{i>r} q_i) / sum_i q_i,   q_i = u_i^T F G F^T u_i,
+
+which equals sqrt(sum of the dropped sigma_i^2) / ||F X^T|| when lambda = 0 and differs from it by the damping's
+share otherwise. The curve is computed from the q_i, so it is exact with damping too. Where the output side is the
+shorter one (out <= in), sigma_i^2 and u_i come from F (G + lambda I) F^T, which equals (F S)(F S)^T, without forming S.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from .. import lrmath
+from ..results import Kind, Layer
+from .stats import LayerInput
+
+DAMP = 1e-6  # lambda = DAMP * mean(diag G): enough for a Cholesky of a singular G, negligible otherwise
+ERROR_TARGETS = (0.01, 0.02, 0.05, 0.10)
+
+
+def function_matrices(layer: Layer, weight: torch.Tensor) -> np.ndarray:
+    """The layer's map as (groups, out, in) float64: y = F x for each group."""
+    w = weight.detach().to(torch.float64).cpu()
+    if layer.kind == Kind.EMBEDDING:
+        return w.T.contiguous().numpy()[None]
+    if layer.kind == Kind.CONV1D_HF:
+        return w.T.contiguous().numpy()[None]
+    if layer.kind == Kind.CONV:
+        return w.reshape(layer.groups, layer.m, layer.n).numpy()
+    return w.reshape(1, layer.m, layer.n).numpy()
+
+
+@dataclass
+class Basis:
+    """The whitened decomposition of one group: U (out x k) descending, sigma^2 (damped), q (exact energies)."""
+
+    u: np.ndarray
+    sigma2: np.ndarray
+    q: np.ndarray
+    total: float  # ||F X^T||^2
+    damping: float
+
+
+def decompose(f: np.ndarray, gram: np.ndarray, diagonal: bool = False, damp: float = DAMP) -> Basis:
+    """Whitened decomposition of one group's F (out x in) under G (in x in, or its diagonal)."""
+    m, n = f.shape
+    diag = gram if diagonal else np.diagonal(gram)
+    scale = float(np.mean(diag)) if diag.size else 0.0
+    lam = damp * scale if scale > 0 else damp
+    if diagonal and m > n:  # a tall map over one-hot inputs (tiny vocabulary): the dense route below
+        return decompose(f, np.diag(gram), False, damp)
+    if m <= n:
+        fg = f * gram[None, :] if diagonal else f @ gram
+        kk = fg @ f.T + lam * (f @ f.T)
+        vals, vecs = np.linalg.eigh((kk + kk.T) / 2)
+        order = np.argsort(vals)[::-1]
+        sigma2 = np.clip(vals[order], 0.0, None)
+        u = vecs[:, order]
+    else:
+        s = np.linalg.cholesky(gram + lam * np.eye(n))
+        k = f @ s  # m x n, m > n
+        vals, v = np.linalg.eigh(k.T @ k)
+        order = np.argsort(vals)[::-1]
+        sigma2 = np.clip(vals[order], 0.0, None)
+        sig = np.sqrt(sigma2)
+        keep = sig > sig[0] * 1e-13 if sig.size and sig[0] > 0 else np.zeros(len(sig), dtype=bool)
+        u = np.zeros((m, n))  # directions F never reaches keep zero columns: they carry no energy
+        u[:, keep] = (k @ v[:, order][:, keep]) / sig[keep]
+    t = u.T @ f  # k x n
+    q = np.sum((t * gram[None, :]) * t, axis=1) if diagonal else np.sum((t @ gram) * t, axis=1)
+    total = float(np.sum((f * gram[None, :]) * f)) if diagonal else float(np.sum((f @ gram) * f))
+    return Basis(u, sigma2, np.clip(q, 0.0, None), total, lam)
+
+
+@dataclass
+class WhitenedSpectrum:
+    """A layer's whitened spectrum and its layer-output error curve (plain numbers only)."""
+
+    layer: str
+    sigma: list[list[float]]  # groups x k: whitened singular values, descending
+    error: list[float]  # error[r] for r = 0..k: layer-output relative error at rank r (error[0] = 1)
+    output_norm: float  # ||F X^T||_F over the calibration rows (all groups)
+    rows: int
+    damping: float  # lambda added to the diagonal of X^T X (largest over groups)
+    ranks_for: dict[str, int] = field(default_factory=dict)  # error target -> smallest rank meeting it
+    suggested: int | None = None  # aligned data-aware rank below break-even; None: keep dense
+    verdict: str = ""  # "factorize" | "keep dense"
+    reason: str = ""
+    approximate: str = ""  # non-empty when the error is an estimate (see LayerInput.approximate)
+
+    def error_at(self, r: int) -> float:
+        return self.error[min(max(r, 0), len(self.error) - 1)]
+
+    def rank_for(self, target: float) -> int:
+        """Smallest rank whose layer-output error is at most ``target``."""
+        for r, e in enumerate(self.error):
+            if e <= target:
+                return r
+        return len(self.error) - 1
+
+    def dropped_sigma_error(self, r: int) -> float:
+        """sqrt(sum of dropped sigma_i^2) / ||F X^T||: the textbook formula (equal to ``error_at`` without damping)."""
+        dropped = sum(sum(s * s for s in g[r:]) for g in self.sigma)
+        return math.sqrt(dropped) / self.output_norm if self.output_norm > 0 else 0.0
+
+
+def whitened_bases(layer: Layer, weight: torch.Tensor, inp: LayerInput, damp: float = DAMP) -> list[Basis]:
+    f = function_matrices(layer, weight)
+    grams = [inp.gram] if inp.diagonal else list(inp.gram)
+    return [decompose(f[g], grams[g], inp.diagonal, damp) for g in range(f.shape[0])]
+
+
+def whitened_spectrum(layer: Layer, weight: torch.Tensor, inp: LayerInput, align: int = 8,
+                      target: float = 0.01, damp: float = DAMP) -> WhitenedSpectrum:
+    """The whitened spectrum of ``layer`` under its input statistics, the error curve, the ranks for 1, 2, 5 and 10%
+    layer-output error, and a suggested rank: the one for ``target`` rounded up to a multiple of ``align``, kept only
+    below break-even ("keep dense" otherwise)."""
+    bases = whitened_bases(layer, weight, inp, damp)
+    k = min(len(b.q) for b in bases)
+    total = sum(b.total for b in bases)
+    kept = np.zeros(k + 1)
+    for b in bases:
+        kept[1:] += np.cumsum(b.q[:k])
+    err = np.sqrt(np.clip(total - kept, 0.0, None) / total) if total > 0 else np.zeros(k + 1)
+    err[0] = 1.0 if total > 0 else 0.0
+    spec = WhitenedSpectrum(
+        layer=layer.name,
+        sigma=[np.sqrt(b.sigma2[:k]).tolist() for b in bases],
+        error=err.tolist(),
+        output_norm=math.sqrt(total),
+        rows=inp.rows,
+        damping=max(b.damping for b in bases),
+        approximate=inp.approximate,
+    )
+    spec.ranks_for = {f"{t:g}": spec.rank_for(t) for t in ERROR_TARGETS}
+    need = spec.rank_for(target)
+    useful = lrmath.max_useful_rank(layer.m, layer.n)
+    aligned = int(math.ceil(max(need, 1) / align) * align)
+    r = aligned if aligned <= useful else need
+    if r > useful or r < 1:
+        spec.verdict = "keep dense"
+        spec.reason = (f"{100 * target:g}% layer-output error needs rank {need}, at or above the useful maximum "
+                       f"{useful} (break-even {layer.break_even:.1f})")
+    else:
+        spec.suggested = r
+        spec.verdict = "factorize"
+        spec.reason = (f"rank {r} keeps the layer's outputs within {100 * spec.error_at(r):.2f}% on the calibration "
+                       f"data at {layer.compression(r):.2f}x compression")
+    return spec
+
+
+class Truncator:
+    """One layer's truncations at any rank from one decomposition: whitened under ``inp``, plain SVD without."""
+
+    def __init__(self, layer: Layer, weight: torch.Tensor, inp: LayerInput | None, damp: float = DAMP) -> None:
+        self.layer = layer
+        self.shape, self.dtype, self.device = tuple(weight.shape), weight.dtype, weight.device
+        self.f = function_matrices(layer, weight)
+        self.u: list[np.ndarray] = []
+        for g in range(self.f.shape[0]):
+            if inp is None:
+                self.u.append(np.linalg.svd(self.f[g], full_matrices=False)[0])
+            else:
+                gram = inp.gram if inp.diagonal else inp.gram[g]
+                self.u.append(decompose(self.f[g], gram, inp.diagonal, damp).u)
+
+    def factors(self, rank: int) -> tuple[np.ndarray, np.ndarray]:
+        """(groups, out, r) and (groups, r, in), float64, F ~ A B, each column/row pair balanced to equal norms."""
+        g_, m, n = self.f.shape
+        if rank < 1 or rank > min(m, n):
+            raise ValueError(f"rank {rank} outside 1..{min(m, n)} for {self.layer.name}")
+        a = np.empty((g_, m, rank))
+        b = np.empty((g_, rank, n))
+        for g in range(g_):
+            ur = self.u[g][:, :rank]
+            br = ur.T @ self.f[g]
+            s = np.sqrt(np.linalg.norm(br, axis=1))
+            s[s == 0] = 1.0
+            a[g] = ur * s[None, :]
+            b[g] = br / s[:, None]
+        return a, b
+
+    def weight(self, rank: int) -> torch.Tensor:
+        """The dense weight (stored layout, dtype and device) of the rank-``rank`` truncation."""
+        f = np.stack([self.u[g][:, :rank] @ (self.u[g][:, :rank].T @ self.f[g]) for g in range(self.f.shape[0])])
+        t = torch.from_numpy(f)
+        w = t[0].T if self.layer.kind in (Kind.EMBEDDING, Kind.CONV1D_HF) else t
+        return w.reshape(self.shape).to(dtype=self.dtype, device=self.device)
+
+
+def truncated_factors(layer: Layer, weight: torch.Tensor, rank: int, inp: LayerInput | None,
+                      damp: float = DAMP) -> tuple[np.ndarray, np.ndarray]:
+    """Factors (groups, out, r) and (groups, r, in), float64, with F ~ A B: whitened (A = U_r, B = U_r^T F) when
+    ``inp`` is given, the plain SVD truncation otherwise; each column/row pair balanced to equal norms."""
+    return Truncator(layer, weight, inp, damp).factors(rank)
+
+
+def truncated_weight(layer: Layer, weight: torch.Tensor, rank: int, inp: LayerInput | None,
+                     damp: float = DAMP) -> torch.Tensor:
+    """The dense weight (stored layout and dtype) of the rank-``rank`` truncation: what the factorized layer computes."""
+    return Truncator(layer, weight, inp, damp).weight(rank)

@@ -1,0 +1,97 @@
+"""What an audit is asked to do: one frozen :class:`AuditOptions`, shared by the API and the command line, and
+:class:`LoadOptions` for reading a model from a source string. No torch here."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields, replace
+from pathlib import Path
+from typing import Any, Mapping, TypedDict
+
+from .config import Settings, StrEnum
+from .errors import AuditError
+
+
+class Tracer(StrEnum):
+    """How to trace the model: ``auto`` tries symbolic_trace, then torch.export, then the module walk."""
+
+    AUTO = "auto"
+    SYMBOLIC = "symbolic"
+    EXPORT = "export"
+    WALK = "walk"
+
+
+@dataclass(frozen=True)
+class AuditOptions:
+    """Everything an audit is asked to do besides the model, its inputs and the plan.
+
+    Settings resolve in one order: ``settings`` (defaults, or what the caller read from pyproject.toml), then the
+    plan's ``[thresholds]``, then ``overrides`` (the command line's threshold flags, or a caller's dict).
+
+    >>> AuditOptions(spectra=False, jobs=2).tracer
+    <Tracer.AUTO: 'auto'>
+    >>> AuditOptions(tracer="fast")
+    Traceback (most recent call last):
+    ...
+    auditor.errors.AuditError: unknown tracer 'fast'. Choose from auto, symbolic, export, walk.
+    """
+
+    settings: Settings = field(default_factory=Settings)
+    overrides: Mapping[str, Any] = field(default_factory=dict)  # setting name -> value, applied last
+    overrides_origin: str = "the command line"  # named in the error when an override is bad
+    name: str | None = None  # the model's name in reports (default: the class name or the file's stem)
+    source: str = "python object"  # where the model came from, as the reports print it
+    spectra: bool = True  # compute singular values (False: structure and counts only)
+    cache: bool = True  # read and write the spectrum cache
+    cache_dir: Path | None = None  # default: $LOWRANK_AUDITOR_CACHE or ~/.cache/lowrank-auditor
+    jobs: int | None = None  # layers whose spectra are computed side by side (default: the cores, at most 4)
+    tracer: Tracer = Tracer.AUTO
+    progress: bool | None = None  # a progress bar on stderr (default: when stderr is a terminal)
+
+    def __post_init__(self) -> None:
+        try:
+            object.__setattr__(self, "tracer", Tracer(self.tracer))
+        except ValueError:
+            raise AuditError(f"unknown tracer {self.tracer!r}",
+                             f"Choose from {', '.join(t.value for t in Tracer)}") from None
+        if self.jobs is not None and self.jobs < 1:
+            raise AuditError(f"jobs={self.jobs}: at least one layer must run", "Use jobs=1 or more, or None")
+        if self.cache_dir is not None and not isinstance(self.cache_dir, Path):
+            object.__setattr__(self, "cache_dir", Path(self.cache_dir))
+        if self.settings is None:
+            object.__setattr__(self, "settings", Settings())
+
+    def with_(self, **changes: Any) -> "AuditOptions":
+        """A copy with some fields changed; unknown names raise TypeError naming the known ones."""
+        known = {f.name for f in fields(self)}
+        unknown = sorted(set(changes) - known)
+        if unknown:
+            raise TypeError(f"unknown audit option(s) {', '.join(unknown)}; AuditOptions has {', '.join(sorted(known))}")
+        return replace(self, **changes)
+
+
+class OptionFields(TypedDict, total=False):
+    """The fields of :class:`AuditOptions`, as keyword shortcuts of :func:`auditor.audit`."""
+
+    settings: Settings
+    overrides: Mapping[str, Any]
+    overrides_origin: str
+    name: str | None
+    source: str
+    spectra: bool
+    cache: bool
+    cache_dir: Path | None
+    jobs: int | None
+    tracer: Tracer | str
+    progress: bool | None
+
+
+@dataclass(frozen=True)
+class LoadOptions:
+    """How to read a model from a source string (see :func:`auditor.load.load_source`)."""
+
+    input_shape: tuple[tuple[int, ...], ...] | None = None  # one float input per shape
+    input_ids: tuple[int, ...] | None = None  # token ids of this shape, within the config's vocabulary
+    weights: str | None = None  # a state dict to load into a factory's or zoo model
+    structure_only: bool = False  # a Hugging Face config on the meta device: counts and shapes, no weights
+    partial: bool = False  # audit a checkpoint that lacks some weights (they are listed in a note), not an error
+    auto_inputs: bool = True  # a Hugging Face source without inputs makes token ids (or pixels) from its config

@@ -1,0 +1,320 @@
+"""The pipeline: named stages, each taking values and returning a new value; none changes what an earlier stage
+made. The stages, with their input and output types::
+
+    load_model      spec, LoadOptions                              -> Loaded (nn.Module or WeightsOnly, inputs)
+    resolve_settings AuditOptions, Plan | None                     -> Settings
+    measure         nn.Module                                      -> Measured (ParamTable, {param: Layer})
+    trace_model     nn.Module, inputs, Tracer                      -> Traced (TraceResult, ExampleInputs | None)
+    build_graph     Traced, nn.Module, Measured                    -> Graphed (new Layers with uses/MACs, LayerGraph)
+    rank_layers     {param: Layer}, total params                   -> [Layer] largest first, with shares
+    (module_structure / weights_structure combine the above into a Structure)
+    compute_spectra [Layer], loaders, Settings, AuditOptions       -> Spectra ({layer: Spectrum}, stats)
+    suggest_ranks   [Layer], {layer: Spectrum}, Settings           -> {layer: Suggestion}
+    review          Audit, Plan | None                             -> Audit with .review
+    check           Audit, Plan | None                             -> Audit with .findings
+
+:func:`audit` runs them in that order. Only this module, :mod:`auditor.cli` and ``auditor/__init__`` import the
+pipeline; the stages below it (load, trace, layers, graph, spectra, suggest, plan, rules) never import it.
+"""
+
+from __future__ import annotations
+
+import platform
+import re
+import sys
+from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING, Any, Callable
+
+import torch
+from torch import nn
+
+from . import __version__
+from .config import Settings, validate
+from .errors import AuditError
+from .options import AuditOptions, LoadOptions, Tracer
+from .results import Audit, GraphNode, Layer, LayerGraph, Spectrum, Suggestion, TraceMethod
+
+if TYPE_CHECKING:
+    import networkx as nx
+
+    from .layers import ParamTable
+    from .load import Loaded, WeightsOnly
+    from .plan import Plan
+    from .trace import ExampleInputs, TraceResult
+
+    from typing_extensions import Unpack
+
+    from .options import OptionFields
+
+Loader = Callable[[], torch.Tensor]
+
+
+# ---- values passed between stages ------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Measured:
+    """The model's unique tensors and its factorizable weights by module type (no uses or MACs yet)."""
+
+    table: "ParamTable"
+    layers: dict[str, Layer]  # canonical tensor name -> Layer, module order
+
+
+@dataclass(frozen=True)
+class Traced:
+    result: "TraceResult"
+    inputs: "ExampleInputs | None"
+
+
+@dataclass(frozen=True)
+class Graphed:
+    """The layers with their uses and MACs filled in from the graph (new objects), and the graph as plain data."""
+
+    layers: dict[str, Layer]
+    graph: LayerGraph
+    macs_known: bool
+    unsupported: dict[str, int]
+
+
+@dataclass(frozen=True)
+class Structure:
+    """Everything about the model but its spectra: what the rest of the pipeline needs, for any kind of source."""
+
+    model_name: str
+    source: str
+    trace_method: TraceMethod
+    trace_failures: list[str]
+    inputs: str | None
+    total_params: int
+    layers: list[Layer]  # largest first, shares set
+    macs_known: bool
+    graph: LayerGraph | None
+    unsupported: dict[str, int]
+    notes: list[str]
+    loaders: dict[str, Loader]  # layer name -> reads its tensor when called
+
+
+@dataclass(frozen=True)
+class Spectra:
+    by_layer: dict[str, Spectrum]
+    stats: dict[str, int] = field(default_factory=dict)
+
+
+# ---- stages ----------------------------------------------------------------------------------------------------
+def load_model(spec: str, options: LoadOptions) -> "Loaded":
+    """A source string -> a model (``nn.Module`` or ``WeightsOnly``), its example inputs, name and source."""
+    from .load import load_source
+
+    shapes = [tuple(s) for s in options.input_shape] if options.input_shape else None
+    return load_source(spec, input_shape=shapes, input_ids=options.input_ids, weights=options.weights,
+                       structure_only=options.structure_only, partial=options.partial,
+                       auto_inputs=options.auto_inputs)
+
+
+def resolve_settings(options: AuditOptions, plan: "Plan | None") -> Settings:
+    """The one precedence path: ``options.settings`` < the plan's [thresholds] < ``options.overrides``."""
+    settings = options.settings
+    if plan is not None and plan.thresholds:
+        settings = settings.with_overrides(plan.thresholds, plan.source)
+    if options.overrides:
+        settings = settings.with_overrides(dict(options.overrides), options.overrides_origin)
+    return validate(settings)
+
+
+def measure(model: nn.Module) -> Measured:
+    from .layers import ParamTable, collect_layers
+
+    table = ParamTable.of(model)
+    return Measured(table, collect_layers(model, table))
+
+
+def trace_model(model: nn.Module, inputs: Any, tracer: Tracer) -> Traced:
+    """Trace with dropout off; the caller's training mode is restored."""
+    from .trace import ExampleInputs, trace
+
+    ex = ExampleInputs.of(inputs)
+    was_training = model.training
+    model.eval()
+    try:
+        return Traced(trace(model, ex, tracer=str(tracer)), ex)
+    finally:
+        model.train(was_training)
+
+
+def layer_graph(g: "nx.DiGraph", method: TraceMethod, layers: dict[str, Layer]) -> LayerGraph:
+    """A networkx layer graph as plain data; chained linear pairs only where the edges are data flow."""
+    from .graph import chained_linear_pairs
+
+    nodes = [GraphNode(str(n), str(d.get("kind", "")), str(d.get("role", "")), int(d.get("calls", 1)))
+             for n, d in g.nodes(data=True)]
+    chains = [(str(a), str(b)) for a, b in chained_linear_pairs(g, layers)] if method.data_flow else []
+    return LayerGraph(nodes, [(str(a), str(b)) for a, b in g.edges], method.data_flow, chains)
+
+
+def _copy(layer: Layer) -> Layer:
+    """A copy whose mutable parts (uses, aliases) are new too: what graph.build may change."""
+    return replace(layer, uses=[replace(u) for u in layer.uses], aliases=list(layer.aliases))
+
+
+def build_graph(traced: Traced, model: nn.Module, measured: Measured) -> Graphed:
+    """Uses, call counts and MACs per weight from the traced graph. ``graph.build`` fills in the layers it is
+    given, so it gets copies: ``measured`` stays as the measure stage made it."""
+    from . import graph as graph_mod
+
+    layers = {k: _copy(l) for k, l in measured.layers.items()}
+    g = graph_mod.build(traced.result, model, measured.table, layers)
+    method = TraceMethod(traced.result.method)
+    return Graphed(layers, layer_graph(g.graph, method, layers), g.macs_known, dict(g.unsupported))
+
+
+def natural_key(name: str) -> tuple:
+    """layer.2 before layer.10: digit runs compare as numbers."""
+    return tuple(int(p) if p.isdigit() else p for p in re.split(r"(\d+)", name))
+
+
+def rank_layers(layers: dict[str, Layer], total: int) -> list[Layer]:
+    """Largest first, equal sizes in natural name order (encoder.layer.2 before encoder.layer.10), each a new Layer
+    with its share of the model's unique parameters."""
+    ranked = sorted(layers.values(), key=lambda l: (-l.params, natural_key(l.name)))
+    return [replace(l, share=l.params / total if total else 0.0) for l in ranked]
+
+
+def module_structure(model: nn.Module, inputs: Any, options: AuditOptions) -> Structure:
+    if not isinstance(model, nn.Module):
+        raise AuditError(f"expected a torch.nn.Module, got {type(model).__name__}",
+                         "Return an nn.Module (or (module, example_inputs)) from the factory")
+    measured = measure(model)
+    traced = trace_model(model, inputs, options.tracer)
+    graphed = build_graph(traced, model, measured)
+    total = measured.table.total
+    ranked = rank_layers(graphed.layers, total)
+    table = measured.table
+    notes = list(table.notes)
+    if not graphed.macs_known:
+        notes.append("No example inputs: MACs are left out (pass --input-shape or --input-ids to count them).")
+    if any(t.device.type == "meta" for t in table.tensors.values()):
+        notes.append("Weights are on the meta device: structure only, no spectra.")
+    return Structure(
+        model_name=options.name or type(model).__name__, source=options.source,
+        trace_method=TraceMethod(traced.result.method), trace_failures=list(traced.result.failures),
+        inputs=traced.inputs.description if traced.inputs else None, total_params=total, layers=ranked,
+        macs_known=graphed.macs_known, graph=graphed.graph, unsupported=graphed.unsupported, notes=notes,
+        loaders={l.name: (lambda p=l.param: table.tensor(p)) for l in ranked},
+    )
+
+
+def weights_structure(weights: "WeightsOnly", options: AuditOptions) -> Structure:
+    """A checkpoint without code: layers from tensor names and shapes, no graph, no MACs."""
+    ranked = rank_layers(weights.layers(), weights.total_params)
+    return Structure(
+        model_name=options.name or weights.name, source=weights.source, trace_method=TraceMethod.WEIGHTS,
+        trace_failures=[], inputs=None, total_params=weights.total_params, layers=ranked, macs_known=False,
+        graph=None, unsupported={},
+        notes=["No graph: weights-only audit; MACs, ties and chained layers cannot be known.", *weights.notes],
+        loaders={l.name: weights.loader(l) for l in ranked},
+    )
+
+
+def compute_spectra(layers: list[Layer], loaders: dict[str, Loader], settings: Settings,
+                    options: AuditOptions) -> Spectra:
+    if not options.spectra:
+        return Spectra({})
+    from .spectra import Engine
+
+    engine = Engine(settings.energy_targets, cache_dir=options.cache_dir, use_cache=options.cache,
+                    workers=options.jobs, progress=options.progress)
+    by_layer = engine.run([(l, loaders[l.name]) for l in layers])
+    return Spectra(by_layer, dict(vars(engine.stats)))
+
+
+def suggest_ranks(layers: list[Layer], spectra: dict[str, Spectrum], settings: Settings) -> dict[str, Suggestion]:
+    from .suggest import suggest
+
+    return {l.name: suggest(l, spectra.get(l.name), settings) for l in layers}
+
+
+def review(audit: Audit, plan: "Plan | None") -> Audit:
+    """The plan (or, without one, the suggested ranks) reviewed against the audit."""
+    from .plan import review_plan
+
+    return replace(audit, review=review_plan(audit, plan))
+
+
+def check(audit: Audit, plan: "Plan | None") -> Audit:
+    """The rules' findings, sorted by severity; a rule that cannot run here (no data flow, no spectra) is said in a
+    note."""
+    from .rules import evaluate
+
+    run = evaluate(audit, plan)
+    return replace(audit, findings=run.findings, notes=[*audit.notes, *run.notes])
+
+
+def environment() -> dict[str, str]:
+    import networkx
+    import numpy
+
+    env = {
+        "lowrank-auditor": __version__,
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "numpy": numpy.__version__,
+        "networkx": networkx.__version__,
+        "platform": platform.platform(terse=True),
+    }
+    if "transformers" in sys.modules:
+        env["transformers"] = str(getattr(sys.modules["transformers"], "__version__", "?"))
+    return env
+
+
+# ---- entry points ----------------------------------------------------------------------------------------------
+def audit(model: Any, inputs: Any = None, *, plan: Any = None, options: AuditOptions | None = None,
+          **shortcuts: "Unpack[OptionFields]") -> Audit:
+    """Audit a model: an ``nn.Module``, or a weights-only checkpoint from :func:`auditor.load.load_source`.
+
+    ``inputs``: a tensor, a tuple of positional inputs, a dict of keyword inputs, or (args, kwargs); without them
+    MACs are not counted. ``plan``: a :class:`auditor.plan.Plan`, a path to a TOML/JSON plan, or a dict; without
+    one the suggested ranks are reviewed. ``options``: an :class:`AuditOptions`. Any of its fields may also be
+    given as a keyword (``audit(m, x, spectra=False)`` is ``options=AuditOptions(spectra=False)``; a keyword
+    replaces that field of ``options``); other keywords raise TypeError.
+
+    >>> import auditor, torch
+    >>> a = auditor.audit(torch.nn.Sequential(torch.nn.Linear(64, 32)), torch.zeros(1, 64), spectra=False)
+    >>> a.total_params, a.total_macs, str(a.trace_method)
+    (2080, 2048, 'torch.fx.symbolic_trace')
+    """
+    from .load import WeightsOnly
+    from .plan import Plan
+
+    opts = (options or AuditOptions()).with_(**shortcuts) if shortcuts else (options or AuditOptions())
+    plan_obj = Plan.coerce(plan) if plan is not None else None
+    settings = resolve_settings(opts, plan_obj)
+    if isinstance(model, WeightsOnly):
+        st = weights_structure(model, opts)
+    else:
+        st = module_structure(model, inputs, opts)
+    spectra = compute_spectra(st.layers, st.loaders, settings, opts)
+    result = Audit(
+        model_name=st.model_name, source=st.source, trace_method=st.trace_method, trace_failures=st.trace_failures,
+        inputs=st.inputs, total_params=st.total_params, layers=st.layers, macs_known=st.macs_known,
+        settings=settings, spectra=spectra.by_layer, suggestions=suggest_ranks(st.layers, spectra.by_layer, settings),
+        unsupported_ops=st.unsupported, notes=st.notes, graph=st.graph, environment=environment(),
+        spectra_stats=spectra.stats,
+    )
+    return check(review(result, plan_obj), plan_obj)
+
+
+def audit_source(spec: str, *, plan: Any = None, options: AuditOptions | None = None,
+                 load: LoadOptions | None = None) -> Audit:
+    """Load a model from a source string (see :func:`auditor.load.load_source`) and audit it; the report's name
+    and source come from the loader unless ``options.name`` is set.
+
+    >>> import auditor
+    >>> a = auditor.audit_source("sample_models/digits.py:mlp", options=auditor.AuditOptions(spectra=False))
+    >>> a.model_name, a.total_params, a.inputs
+    ('DigitsMLP', 429834, 'float32[16, 64]')
+    """
+    loaded = load_model(spec, load or LoadOptions())
+    opts = options or AuditOptions()
+    opts = replace(opts, name=opts.name or loaded.name, source=loaded.source)
+    result = audit(loaded.model, loaded.example_inputs, plan=plan, options=opts)
+    if loaded.notes:  # what the loader decided (structure only, inputs made from the config, partial weights)
+        result = replace(result, notes=[*loaded.notes, *result.notes])
+    return result

@@ -1,0 +1,60 @@
+"""What the findings mean for a run: the one-line verdict every report prints, the command line's exit code, and
+which findings the command line treats as bad input. Plain functions of an Audit; no torch."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from .config import FailOn
+from .errors import ExitCode
+from .results import Severity
+
+if TYPE_CHECKING:
+    from .results import Audit, Finding
+
+
+def verdict_line(audit: "Audit") -> str:
+    """PASS / REVIEW / FAIL with the counts, and what the reviewed plan saves.
+
+    >>> from auditor.results import Audit, Finding, Settings, TraceMethod
+    >>> a = Audit("m", "x", TraceMethod.WALK, [], None, 10, [], False, Settings(),
+    ...           findings=[Finding("LR003", "narrow", Severity.WARNING, "narrow")])
+    >>> verdict_line(a)
+    'REVIEW: 1 warning(s)'
+    """
+    c = audit.counts
+    r = audit.review
+    saving = ""
+    if r is not None and r.items:
+        saving = (f"; the {'suggested' if r.suggested else 'planned'} ranks save "
+                  f"{r.params_saved:,} parameters ({100 * r.share_saved:.1f}% of the model)")
+    if c.error:
+        head = f"FAIL: {c.error} error(s), {c.warning} warning(s)"
+    elif c.warning:
+        head = f"REVIEW: {c.warning} warning(s)"
+    else:
+        head = "PASS: no errors or warnings"
+    return head + saving
+
+
+def exit_code(audit: "Audit", fail_on: FailOn | str | None = None) -> ExitCode:
+    """``ExitCode.FINDINGS`` when a finding is at or above ``fail_on`` (default: the audit's settings), else OK.
+
+    >>> from auditor.results import Audit, Finding, Settings, TraceMethod
+    >>> a = Audit("m", "x", TraceMethod.WALK, [], None, 10, [], False, Settings(),
+    ...           findings=[Finding("LR003", "narrow", Severity.WARNING, "narrow")])
+    >>> exit_code(a), exit_code(a, FailOn.WARNING), exit_code(a, "never")
+    (<ExitCode.OK: 0>, <ExitCode.FINDINGS: 1>, <ExitCode.OK: 0>)
+    """
+    level = FailOn(fail_on) if fail_on is not None else audit.settings.fail_on
+    if level is FailOn.NEVER:
+        return ExitCode.OK
+    floor = Severity.ERROR if level is FailOn.ERROR else Severity.WARNING
+    return ExitCode.FINDINGS if audit.counts.at_least(floor) else ExitCode.OK
+
+
+def input_errors(audit: "Audit") -> list["Finding"]:
+    """Findings that the command line reports as bad input (exit 2, no report): each rule decides for its own."""
+    from .rules import RULES
+
+    return [f for f in audit.findings if f.code in RULES and RULES[f.code].input_error(f)]

@@ -1,0 +1,165 @@
+"""Progress for every phase of an audit (load, trace, spectra, calibration, render), drawn by tqdm on stderr.
+
+Active only when the stream is a terminal or when asked (``Progress(enabled=True)``); silent otherwise, and never
+on stdout, where JSON and Markdown go. :func:`quiet_torch_logging` keeps torch's own logging (FX graph dumps,
+fake-tensor tracebacks, warnings) off the terminal while tracing and keeps the text for ``--verbose``.
+
+>>> import io
+>>> buf = io.StringIO()  # not a terminal: nothing is written
+>>> p = Progress(stream=buf)
+>>> with p.phase("spectra", total=3):
+...     p.update(3, 3)
+>>> buf.getvalue(), p.enabled
+('', False)
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import logging
+import os
+import sys
+import time
+import warnings
+from dataclasses import dataclass, field
+from typing import IO, Any, Iterator
+
+__all__ = ["PHASES", "CapturedLog", "Progress", "quiet_torch_logging"]
+
+PHASES = ("load", "trace", "spectra", "calibration", "render")
+
+
+def _is_tty(stream: IO[str]) -> bool:
+    try:
+        return bool(stream.isatty())
+    except (AttributeError, ValueError):  # no isatty, or a closed stream
+        return False
+
+
+class Progress:
+    """One progress line per phase on ``stream`` (default: stderr).
+
+    ``enabled``: None draws only when ``stream`` is a terminal; True draws whatever the stream is (forced, e.g.
+    ``--progress``); False never draws. A phase with a ``total`` shows a bar that :meth:`update` moves; one without
+    shows its name, then the time it took. Writing to stdout is refused: reports may be going there.
+    """
+
+    def __init__(self, enabled: bool | None = None, stream: IO[str] | None = None) -> None:
+        self.stream = sys.stderr if stream is None else stream
+        if self.stream is sys.stdout or self.stream is sys.__stdout__:
+            raise ValueError("progress goes to stderr, never to stdout (reports may be written there)")
+        self.enabled = _is_tty(self.stream) if enabled is None else bool(enabled)
+        self._bar: Any = None
+        self.timings: dict[str, float] = {}  # phase -> seconds, recorded whether drawn or not
+
+    @contextlib.contextmanager
+    def phase(self, name: str, total: int | None = None, unit: str = "layer") -> Iterator["Progress"]:
+        """Draw ``name`` while the block runs; call :meth:`update` inside for a phase with a known total."""
+        if self._bar is not None:
+            raise RuntimeError(f"phase {name!r} started inside phase {self._bar.desc!r}")
+        start = time.perf_counter()
+        if self.enabled:
+            from tqdm import tqdm  # the text bar: it writes to the stream given (tqdm.auto may pick a widget)
+
+            fmt = None if total else "{desc} … {elapsed}"
+            self._bar = tqdm(total=total, desc=name, unit=unit, file=self.stream, leave=True, mininterval=0.2,
+                             dynamic_ncols=_is_tty(self.stream), ascii=not _is_tty(self.stream),
+                             bar_format=fmt, disable=False)
+        try:
+            yield self
+        finally:
+            self.timings[name] = time.perf_counter() - start
+            bar, self._bar = self._bar, None
+            if bar is not None:
+                if bar.total is None:
+                    bar.bar_format = "{desc} " + f"{self.timings[name]:.1f}s"
+                bar.close()
+
+    def update(self, done: int, total: int | None = None) -> None:
+        """Progress callback: ``done`` of ``total`` units of the current phase are finished (absolute, not a
+        step). Safe to call with no phase open or when disabled (it does nothing then)."""
+        bar = self._bar
+        if bar is None:
+            return
+        if total is not None and total != bar.total:
+            bar.total = total
+            bar.bar_format = None
+        bar.update(max(0, done - bar.n))
+
+
+@dataclass
+class CapturedLog:
+    """What torch logged or warned while quieted: one line per record (multi-line messages kept whole)."""
+
+    records: list[str] = field(default_factory=list)
+    stderr: str = ""  # text written to sys.stderr inside the block (tracebacks printed by passes)
+
+    @property
+    def text(self) -> str:
+        """Everything captured, for ``--verbose``."""
+        parts = list(self.records)
+        if self.stderr.strip():
+            parts.append(self.stderr.rstrip("\n"))
+        return "\n".join(parts)
+
+    def __bool__(self) -> bool:
+        return bool(self.records) or bool(self.stderr.strip())
+
+
+class _ListHandler(logging.Handler):
+    def __init__(self, sink: list[str]) -> None:
+        super().__init__(logging.DEBUG)
+        self.sink = sink
+        self.setFormatter(logging.Formatter("%(levelname)s %(name)s: %(message)s"))
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            self.sink.append(self.format(record))
+        except Exception:  # noqa: BLE001 - a record that cannot be formatted is dropped, never raised
+            self.handleError(record)
+
+
+def _torch_loggers() -> list[logging.Logger]:
+    names = [n for n in list(logging.root.manager.loggerDict) if n == "torch" or n.startswith("torch.")]
+    found = [logging.getLogger(n) for n in names]
+    return [lg for lg in found if lg.handlers or not lg.propagate or lg.name == "torch"]
+
+
+@contextlib.contextmanager
+def quiet_torch_logging(capture_stderr: bool = True, enabled: bool | None = None) -> Iterator[CapturedLog]:
+    """Send torch's log records (``torch``, ``torch._dynamo``, ``torch.export``, ``torch.fx``... loggers) and
+    Python warnings raised inside the block to a :class:`CapturedLog` instead of stderr; with ``capture_stderr``
+    also what is printed to ``sys.stderr``. Log levels are left as they are: nothing more is logged than before.
+
+    ``enabled=None`` quiets unless the user set ``TORCH_LOGS`` (then they asked to see torch's logs); False
+    passes everything through and yields an empty log.
+    """
+    log = CapturedLog()
+    if enabled is None:
+        enabled = not os.environ.get("TORCH_LOGS")
+    if not enabled:
+        yield log
+        return
+    handler = _ListHandler(log.records)
+    saved: list[tuple[logging.Logger, list[logging.Handler], bool]] = []
+    for lg in _torch_loggers():
+        saved.append((lg, lg.handlers[:], lg.propagate))
+        lg.handlers = [handler]
+        lg.propagate = False
+    err = io.StringIO()
+
+    def show(message: Any, category: type[Warning], filename: str, lineno: int, file: Any = None,
+             line: str | None = None) -> None:
+        log.records.append(warnings.formatwarning(message, category, filename, lineno, line).rstrip("\n"))
+
+    try:
+        with warnings.catch_warnings():
+            warnings.showwarning = show
+            with (contextlib.redirect_stderr(err) if capture_stderr else contextlib.nullcontext()):
+                yield log
+    finally:
+        for lg, handlers, propagate in saved:
+            lg.handlers = handlers
+            lg.propagate = propagate
+        log.stderr = err.getvalue()

@@ -1,0 +1,89 @@
+"""Rule documentation in Markdown: one rule (``lowrank-audit rules LR004``) or all of them (docs/rules.md)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from .registry import ENTRY_POINT_GROUP, Rule
+
+# The example plugin that docs/rules.md shows; tests/test_rules_registry.py installs and runs this very text.
+PLUGIN_EXAMPLE = '''\
+from auditor.rules import Need, Scope, Severity, rule
+
+
+@rule("XY001", "big-layer", Severity.WARNING, scope=Scope.MODEL, needs={Need.SPECTRA})
+def big_layer(ctx, emit):
+    """A layer with more than a million weights that factorizes, left dense by the plan.
+
+    ## What it flags
+    Layers above a million weights that the spectral audit can factorize and the reviewed plan leaves dense
+    (without a plan file, the suggested ranks are reviewed).
+
+    ## Why it is bad
+    They hold the parameters; leaving them dense caps the saving.
+
+    ## Example
+    A 4096 x 1024 projection of rank 64.
+
+    ## Do instead
+    Add it to the plan at the suggested rank.
+    """
+    for layer, spectrum, suggestion, planned in ctx.each_layer():
+        if layer.params > 1_000_000 and not planned and suggestion and suggestion.rank:
+            emit(f"{layer.name} ({layer.params:,} weights) is left dense", [layer.name],
+                 f"Plan it at rank {suggestion.rank}", params=layer.params, rank=suggestion.rank)
+'''
+
+WRITING_A_RULE = f"""## Writing a rule
+
+A rule is a function `check(ctx, emit)` under `@rule(code, slug, severity, scope=..., needs=...)`. Its docstring
+is its documentation: a summary line, then the sections {{sections}}.
+
+- `ctx` holds the audit and the plan, with the lookups rules share: `ctx.plan_items()` yields each reviewed plan
+  item with its layer, `ctx.each_layer()` each layer with its spectrum, suggestion and whether it is planned;
+  `ctx.layer(name)`, `ctx.planned`, `ctx.chains` and `ctx.settings`.
+- `emit(message, layers, fix, **evidence)` records a finding with the rule's code, slug and severity.
+- `needs={{{{Need.DATA_FLOW}}}}` (or `Need.SPECTRA`, `Need.PLAN`): without it the rule is not run, and the audit's
+  notes say so.
+
+Built-in rules live in `auditor/rules/model.py`, `graph.py` and `plan.py`; each needs a failing and a passing
+row in `tests/test_rules_table.py`. Another package adds rules with an entry point in the group
+`{ENTRY_POINT_GROUP}` that names a module declaring rules (or a rule, or a list of them):
+
+```toml
+# the plugin's pyproject.toml
+[project.entry-points."{ENTRY_POINT_GROUP}"]
+big = "my_rules"
+```
+
+```python
+# my_rules.py
+{{example}}```
+
+A plugin that fails to load, or reuses a code or slug, stops the audit with one line naming it (exit 2).
+"""
+
+
+def rule_doc(r: Rule) -> str:
+    """The rule's page: heading, severity, what it needs, then the fixed sections."""
+    needs = f" Runs only with {' and '.join(sorted(map(str, r.needs)))}." if r.needs else ""
+    lines = [f"## {r.code} {r.slug}", "", f"*Severity: {r.severity}*. {r.summary}{needs}", ""]
+    for name, body in r.sections.items():
+        lines += [f"### {name}", "", body, ""]
+    return "\n".join(lines)
+
+
+def rules_markdown(rules: Iterable[Rule] | None = None) -> str:
+    """docs/rules.md: a table of the rules, then each rule's page. Default: every registered rule."""
+    from . import RULES
+
+    chosen = list(RULES.values() if rules is None else rules)
+    head = ["# Rules", "",
+            "Generated from the rule docstrings in `auditor/rules/` by `lowrank-audit rules --markdown`;",
+            "do not edit by hand. Other packages add rules too: see [Writing a rule](#writing-a-rule).", "", "| code | slug | severity | scope | flags |", "|---|---|---|---|---|"]
+    for r in chosen:
+        head.append(f"| {r.code} | {r.slug} | {r.severity} | {r.scope} | {r.summary} |")
+    from .registry import SECTIONS
+
+    howto = WRITING_A_RULE.format(sections=", ".join(SECTIONS), example=PLUGIN_EXAMPLE)
+    return "\n".join(head) + "\n\n" + "\n".join(rule_doc(r) for r in chosen) + "\n" + howto

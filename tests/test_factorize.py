@@ -1,0 +1,172 @@
+"""factorize(): exact parameter counts, outputs of the two-module layers, whitened init, save and load."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from auditor.calibration import input_statistics, load_calibration
+from auditor.calibration.stats import by_name
+from auditor.calibration.whiten import truncated_weight
+from auditor.errors import AuditError
+from auditor.factorize import count_params, factorize, load_factorized, predicted_params, save_factorized
+from auditor.layers import ParamTable, collect_layers
+
+
+def _digits(n: int) -> torch.Tensor:
+    from sklearn.datasets import load_digits
+
+    return torch.tensor(load_digits().data[:n], dtype=torch.float32) / 16.0
+
+
+def _state(model: nn.Module) -> dict[str, torch.Tensor]:
+    return {k: v.clone() for k, v in model.state_dict().items()}
+
+
+def test_parameter_count_is_exact_and_the_input_untouched(digits_mlp):
+    model = digits_mlp[0]
+    before = _state(model)
+    plan = {"fc1": 24, "fc2": 16, "fc3": 8}
+    new = factorize(model, plan)
+    # each planned layer: - m*n + r*(m+n); biases stay
+    dense = 64 * 512 + 512 + 512 * 512 + 512 + 512 * 256 + 256 + 256 * 10 + 10
+    expected = dense - 512 * 64 + 24 * 576 - 512 * 512 + 16 * 1024 - 256 * 512 + 8 * 768
+    assert count_params(model) == dense == 429_834
+    assert count_params(new) == predicted_params(model, plan) == expected == 40_202
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+    assert isinstance(new.fc2, nn.Sequential) and new.fc2[0].weight.shape == (16, 512)
+    assert new.fc2[0].bias is None and new.fc2[1].bias is not None
+
+
+def test_two_linears_compute_the_truncated_weight(digits_mlp):
+    model = digits_mlp[0]
+    x = _digits(200)
+    cal = load_calibration({"x": x}, model, holdout=0)
+    layers = by_name(collect_layers(model, ParamTable.of(model)))
+    stats = input_statistics(model, layers, cal)
+    for calibration in (None, stats):
+        new = factorize(model, {"fc2": 12}, calibration)
+        w_r = truncated_weight(layers["fc2"], model.fc2.weight, 12, None if calibration is None else stats.layers["fc2"])
+        h = torch.relu(model.fc1(x))
+        with torch.no_grad():
+            torch.testing.assert_close(new.fc2(h), nn.functional.linear(h, w_r, model.fc2.bias), rtol=1e-4, atol=1e-5)
+    # at full rank the factorization reproduces the dense layer
+    full = factorize(model, {"fc3": 256})
+    with torch.no_grad():
+        torch.testing.assert_close(full(x), model(x), rtol=1e-4, atol=1e-4)
+
+
+def test_whitened_init_keeps_outputs_closer_than_plain_svd(digits_mlp):
+    model = digits_mlp[0]
+    x = _digits(400)
+    cal = load_calibration({"x": x}, model, holdout=0)
+    with torch.no_grad():
+        ref = model(x)
+        plain = (factorize(model, {"fc2": 8})(x) - ref).norm()
+        white = (factorize(model, {"fc2": 8}, cal)(x) - ref).norm()
+    assert white < plain
+
+
+@pytest.mark.parametrize("conv", [
+    nn.Conv2d(6, 12, 3, padding=1, stride=2),
+    nn.Conv2d(6, 12, (3, 1), padding="same", groups=3, bias=False, padding_mode="reflect"),
+    nn.Conv1d(4, 8, 5, dilation=2, groups=2),
+    nn.Conv3d(2, 6, 2, stride=(1, 2, 2)),
+])
+def test_conv_factorization(conv):
+    torch.manual_seed(0)
+    net = nn.Sequential(conv)
+    layers = by_name(collect_layers(net, ParamTable.of(net)))
+    layer = layers["0"]
+    r = min(layer.m, layer.n) - 1
+    new = factorize(net, {"0": r})
+    g = conv.groups
+    dense = count_params(net)
+    assert count_params(new) == dense - g * layer.m * layer.n + g * r * (layer.m + layer.n)
+    x = torch.randn(2, conv.in_channels, *([12] * len(conv.kernel_size)))
+    w_r = truncated_weight(layer, conv.weight, r, None)
+    ref = conv._conv_forward(x, w_r, conv.bias)
+    with torch.no_grad():
+        torch.testing.assert_close(new(x), ref, rtol=1e-4, atol=1e-5)
+    full = factorize(net, {"0": min(layer.m, layer.n)})
+    with torch.no_grad():
+        torch.testing.assert_close(full(x), net(x), rtol=1e-4, atol=1e-5)
+
+
+def test_embedding_factorization():
+    torch.manual_seed(1)
+    emb = nn.Embedding(50, 16, padding_idx=0)
+    net = nn.Sequential(emb)
+    new = factorize(net, {"0": 6})
+    assert count_params(new) == 6 * (50 + 16) and isinstance(new[0][0], nn.Embedding)
+    ids = torch.randint(0, 50, (4, 7))
+    layer = by_name(collect_layers(net, ParamTable.of(net)))["0"]
+    with torch.no_grad():
+        torch.testing.assert_close(new(ids), truncated_weight(layer, emb.weight, 6, None)[ids], rtol=1e-5, atol=1e-6)
+    full = factorize(net, {"0": 16})
+    with torch.no_grad():
+        torch.testing.assert_close(full(ids), net(ids), rtol=1e-5, atol=1e-5)
+
+
+def test_hf_conv1d_factorization():
+    transformers = pytest.importorskip("transformers")
+    from transformers.pytorch_utils import Conv1D
+
+    torch.manual_seed(2)
+    c = Conv1D(24, 10)  # nf=out 24, nx=in 10; weight stored (in, out)
+    nn.init.normal_(c.bias)
+    net = nn.Sequential(c)
+    new = factorize(net, {"0": 4})
+    assert count_params(new) == 24 * 10 + 24 - 240 + 4 * 34
+    x = torch.randn(3, 5, 10)
+    full = factorize(net, {"0": 10})
+    with torch.no_grad():
+        torch.testing.assert_close(full(x), net(x), rtol=1e-4, atol=1e-5)
+    assert transformers is not None
+
+
+def test_save_and_load_round_trip(tmp_path, digits_cnn):
+    model = digits_cnn[0]
+    x = _digits(64).reshape(-1, 1, 8, 8)
+    cal = load_calibration({"x": x}, model, holdout=0)
+    plan = {"conv2": 16, "fc1": 24}
+    new = factorize(model, plan, cal)
+    save_factorized(new, plan, tmp_path / "out", source="digits.py:cnn")
+    back = load_factorized(model, tmp_path / "out")
+    with torch.no_grad():
+        assert torch.equal(back(x), new(x))
+    assert count_params(back) == count_params(new) == predicted_params(model, plan)
+    (tmp_path / "bad").mkdir()
+    with pytest.raises(AuditError, match="plan.json does not exist"):
+        load_factorized(model, tmp_path / "bad")
+
+
+def test_plan_errors(digits_mlp):
+    model = digits_mlp[0]
+    with pytest.raises(AuditError, match="Did you mean fc2"):
+        factorize(model, {"fc22": 8})
+    with pytest.raises(AuditError, match="not an integer in 1..512"):
+        factorize(model, {"fc2": 600})
+    with pytest.raises(AuditError, match="not an integer"):
+        factorize(model, {"fc2": 0})
+    lstm = nn.Sequential(nn.LSTM(8, 8))
+    with pytest.raises(AuditError, match="rewrites Linear"):
+        factorize(lstm, {"0.weight_ih_l0": 2})
+
+    class Tied(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.emb = nn.Embedding(20, 8)
+            self.head = nn.Linear(8, 20, bias=False)
+            self.head.weight = self.emb.weight
+
+    with pytest.raises(AuditError, match="shares its weight"):
+        factorize(Tied(), {"emb": 4})
+
+
+def test_a_module_reached_twice_is_replaced_once():
+    lin = nn.Linear(16, 16)
+    net = nn.Sequential(lin, nn.ReLU(), lin)
+    new = factorize(net, {"0": 4})
+    assert new[0] is new[2] and count_params(new) == 4 * 32 + 16

@@ -1,0 +1,148 @@
+"""Every rule, alone, on a case where it fires (with its exact evidence) and one where it does not, each built from
+a tiny purpose-built model whose numbers follow from its shapes. A rule without both rows fails the meta-test."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import pytest
+import torch
+from torch import nn
+
+import auditor
+from auditor.rules import RULES
+
+
+def wide() -> nn.Sequential:
+    """0: 4096 x 1024 (break-even 819.2), 2: 64 x 4096, 4: 64 x 64; 4,464,768 parameters with biases."""
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(1024, 4096), nn.ReLU(), nn.Linear(4096, 64), nn.ReLU(), nn.Linear(64, 64))
+
+
+WIDE_TOTAL = 1024 * 4096 + 4096 + 4096 * 64 + 64 + 64 * 64 + 64
+
+
+def diag4321() -> nn.Sequential:
+    """One 64 x 64 weight with singular values 4, 3, 2, 1: E(2) = 25/30, E(3) = 29/30."""
+    lin = nn.Linear(64, 64, bias=False)
+    with torch.no_grad():
+        lin.weight.zero_()
+        for i, s in enumerate((4.0, 3.0, 2.0, 1.0)):
+            lin.weight[i, i] = s
+    return nn.Sequential(lin)
+
+
+class Tied(nn.Module):
+    """A 1000 x 64 embedding that is also the output head (one tensor, two names, two uses)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(1000, 64)
+        self.mid = nn.Linear(64, 64)
+        self.head = nn.Linear(64, 1000, bias=False)
+        self.head.weight = self.emb.weight
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.relu(self.mid(self.emb(ids))))
+
+
+IDS = (torch.zeros(1, 8, dtype=torch.long),)
+
+
+def low_rank_then_small() -> nn.Sequential:
+    """0: 256 x 256 of rank 4 (factorizes at rank 8), 2: 16 x 256 (4,096 weights, 16x smaller)."""
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(256, 256), nn.ReLU(), nn.Linear(256, 16))
+    with torch.no_grad():
+        m[0].weight.copy_(torch.randn(256, 4) @ torch.randn(4, 256))
+    return m
+
+
+def tall_table() -> nn.Sequential:
+    """0: a 4000 x 64 embedding of rank 4 (256,000 of 260,160 parameters), 1: a 64 x 64 linear."""
+    torch.manual_seed(0)
+    emb = nn.Embedding(4000, 64)
+    emb.weight.data = torch.randn(4000, 4) @ torch.randn(4, 64)
+    return nn.Sequential(emb, nn.Linear(64, 64))
+
+
+def broken(nan: bool = True, zero: bool = True) -> nn.Sequential:
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 32))
+    if nan:
+        m[0].weight.data[0, 0] = float("nan")
+    if zero:
+        m[2].weight.data.zero_()
+    return m
+
+
+@dataclass
+class Case:
+    code: str
+    model: Callable[[], nn.Module]
+    inputs: Any = None
+    plan: dict | None = None
+    spectra: bool = False
+    # (layers, evidence) of each finding, in the runner's order; empty: the rule must stay quiet
+    expect: list[tuple[list[str], dict[str, Any]]] = field(default_factory=list)
+
+
+FT = {"finetune": "1 epoch"}
+CASES: dict[str, Case] = {
+    "LR001-fires": Case("LR001", wide, plan={"ranks": {"0": 820}, **FT}, expect=[(["0"], dict(
+        rank=820, break_even=819.2, m=4096, n=1024, params_dense=4096 * 1024, params_factored=820 * 5120))]),
+    "LR001-passes": Case("LR001", wide, plan={"ranks": {"0": 819}, **FT}),
+    "LR002-fires": Case("LR002", wide, plan={"ranks": {"2": 65}, **FT},
+                        expect=[(["2"], dict(rank=65, max_rank=64, m=64, n=4096))]),
+    "LR002-passes": Case("LR002", wide, plan={"ranks": {"2": 64}, **FT}),
+    "LR003-fires": Case("LR003", wide, plan={"ranks": {"4": 8}, **FT},
+                        expect=[(["4"], dict(share=4096 / WIDE_TOTAL, break_even=32.0, params=4096))]),
+    "LR003-passes": Case("LR003", wide, plan={"ranks": {"0": 256}, **FT}),
+    "LR004-fires": Case("LR004", diag4321, plan={"ranks": {"0": 2}, **FT}, spectra=True, expect=[(["0"], dict(
+        rank=2, energy_kept=round(25 / 30, 6), floor=0.9, error_bound=round(math.sqrt(5 / 30), 6)))]),
+    "LR004-passes": Case("LR004", diag4321, plan={"ranks": {"0": 3}, **FT}, spectra=True),
+    "LR005-fires": Case("LR005", wide, plan={"ranks": {"0": 256}}, expect=[([], dict(finetune=None))]),
+    "LR005-fires-none": Case("LR005", wide, plan={"ranks": {"0": 256}, "finetune": "none"},
+                             expect=[([], dict(finetune="none"))]),
+    "LR005-passes": Case("LR005", wide, plan={"ranks": {"0": 256}, "finetune": "2 epochs, lr 1e-4"}),
+    "LR006-fires": Case("LR006", Tied, IDS, plan={"ranks": {"emb": 16}, **FT},
+                        expect=[(["emb"], dict(aliases=["head.weight"], uses=["emb", "head"], calls=2))]),
+    "LR006-passes": Case("LR006", Tied, IDS, plan={"ranks": {"mid": 16}, **FT}),
+    "LR007-fires": Case("LR007", lambda: nn.Sequential(nn.Linear(512, 64), nn.Linear(64, 512)),
+                        torch.zeros(1, 512), expect=[(["0", "1"], dict(inner_rank=64))]),
+    "LR007-passes": Case("LR007", lambda: nn.Sequential(nn.Linear(512, 64), nn.GELU(), nn.Linear(64, 512)),
+                         torch.zeros(1, 512)),
+    "LR008-fires": Case("LR008", wide, plan={"ranks": {"4": 8}, **FT},
+                        expect=[([], dict(params_saved=4096 - 8 * 128, share_saved=3072 / WIDE_TOTAL))]),
+    "LR008-passes": Case("LR008", wide, plan={"ranks": {"0": 256}, **FT}),
+    "LR009-fires": Case("LR009", low_rank_then_small, plan={"ranks": {"2": 4}, **FT}, spectra=True,
+                        expect=[(["2", "0"], dict(smallest="2", wider=["0"]))]),
+    "LR009-passes": Case("LR009", low_rank_then_small, plan={"ranks": {"0": 8, "2": 4}, **FT}, spectra=True),
+    "LR010-fires": Case("LR010", broken, spectra=True, expect=[
+        (["0"], dict(reason="non-finite values (1 NaN/Inf entries)")), (["2"], dict(reason="all-zero weight"))]),
+    "LR010-passes": Case("LR010", lambda: broken(nan=False, zero=False), spectra=True),
+    "LR011-fires": Case("LR011", tall_table, IDS, plan={"ranks": {"1": 8}, **FT}, spectra=True,
+                        expect=[(["0"], dict(ratio=62.5, share=256000 / 260160, suggested_rank=8))]),
+    "LR011-passes": Case("LR011", tall_table, IDS, plan={"ranks": {"0": 8}, **FT}, spectra=True),
+}
+
+
+@pytest.mark.parametrize("case_id", sorted(CASES))
+def test_rule_case(case_id: str) -> None:
+    c = CASES[case_id]
+    a = auditor.audit(c.model(), c.inputs, plan=c.plan, settings=auditor.Settings(select=(c.code,)),
+                      spectra=c.spectra, cache=False)
+    got = [(f.layers, f.evidence) for f in a.findings]
+    assert got == c.expect, a.findings
+    r = RULES[c.code]
+    assert all((f.code, f.slug, f.severity) == (r.code, r.slug, r.severity) for f in a.findings)
+
+
+def test_every_registered_rule_has_a_failing_and_a_passing_case() -> None:
+    fires = {c.code for c in CASES.values() if c.expect}
+    passes = {c.code for c in CASES.values() if not c.expect}
+    missing = {code: [kind for kind, have in (("fires", fires), ("passes", passes)) if code not in have]
+               for code in RULES}
+    assert {k: v for k, v in missing.items() if v} == {}, "add rows to CASES for these rules"
