@@ -96,6 +96,7 @@ class Structure:
 class Spectra:
     by_layer: dict[str, Spectrum]
     stats: dict[str, int] = field(default_factory=dict)
+    where: str = "local"  # where the spectra were computed, for the report's environment
 
 
 # ---- stages ----------------------------------------------------------------------------------------------------
@@ -219,6 +220,14 @@ def compute_spectra(layers: list[Layer], loaders: dict[str, Loader], settings: S
         return Spectra({})
     from .spectra import Engine
 
+    if options.scheduler is not None:  # a Dask cluster (auditor/spectra/cluster.py); the client writes the cache
+        from .spectra.cluster import executor_for
+
+        with executor_for(options.scheduler, options.path_map) as ex:
+            engine = Engine(settings.energy_targets, cache_dir=options.cache_dir, use_cache=options.cache,
+                            progress=options.progress, executor=ex)
+            by_layer = engine.run([(l, loaders[l.name]) for l in layers])
+            return Spectra(by_layer, dict(vars(engine.stats)), where=ex.where)
     engine = Engine(settings.energy_targets, cache_dir=options.cache_dir, use_cache=options.cache,
                     workers=options.jobs, progress=options.progress)
     by_layer = engine.run([(l, loaders[l.name]) for l in layers])
@@ -295,7 +304,8 @@ def audit(model: Any, inputs: Any = None, *, plan: Any = None, options: AuditOpt
         model_name=st.model_name, source=st.source, trace_method=st.trace_method, trace_failures=st.trace_failures,
         inputs=st.inputs, total_params=st.total_params, layers=st.layers, macs_known=st.macs_known,
         settings=settings, spectra=spectra.by_layer, suggestions=suggest_ranks(st.layers, spectra.by_layer, settings),
-        unsupported_ops=st.unsupported, notes=st.notes, graph=st.graph, environment=environment(),
+        unsupported_ops=st.unsupported, notes=st.notes, graph=st.graph,
+        environment={**environment(), "spectra": spectra.where} if opts.spectra else environment(),
         spectra_stats=spectra.stats,
     )
     return check(review(result, plan_obj), plan_obj)
