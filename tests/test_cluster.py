@@ -22,7 +22,7 @@ from auditor.load import load_source  # noqa: E402
 HOST = "127.0.0.1"
 
 
-def _write_checkpoint(folder, big: int = 0) -> None:
+def _write_checkpoint(folder, big: int = 0, n_big: int = 1) -> None:
     """Two shards, a few weights of different shapes, a tied pair saved in both shards."""
     from safetensors.torch import save_file
 
@@ -33,8 +33,8 @@ def _write_checkpoint(folder, big: int = 0) -> None:
     s2 = {"model.layers.0.self_attn.q_proj.weight": torch.randn(40, 40, generator=g),
           "model.layers.0.self_attn.o_proj.weight": (torch.randn(40, 8, generator=g) @ torch.randn(8, 40, generator=g)),
           "lm_head.weight": emb.clone()}
-    if big:
-        s2["model.layers.1.mlp.up_proj.weight"] = torch.randn(big, big, generator=g)
+    for i in range(n_big if big else 0):
+        s2[f"model.layers.{i + 1}.mlp.up_proj.weight"] = torch.randn(big, big, generator=g)
     save_file(s1, str(folder / "model-00001-of-00002.safetensors"))
     save_file(s2, str(folder / "model-00002-of-00002.safetensors"))
     wm = {**{k: "model-00001-of-00002.safetensors" for k in s1}, **{k: "model-00002-of-00002.safetensors" for k in s2}}
@@ -213,3 +213,26 @@ def test_cancel_leaves_no_task_on_the_cluster(cluster, tmp_path):
     while any(client.processing().values()) and time.monotonic() < deadline:
         time.sleep(0.05)
     assert not any(client.processing().values())
+
+
+def test_ctrl_c_cancels_the_clusters_tasks(cluster, tmp_path):
+    _, client = cluster
+    ck = tmp_path / "ckpt"
+    ck.mkdir()
+    _write_checkpoint(ck, big=1536, n_big=8)  # about a second each: 4 s or more of queued work on 2 workers
+    main = threading.get_ident()
+
+    def interrupt_when_running() -> None:
+        deadline = time.monotonic() + 30
+        while not any(client.processing().values()) and time.monotonic() < deadline:
+            time.sleep(0.02)
+        signal.pthread_kill(main, signal.SIGINT)
+
+    threading.Thread(target=interrupt_when_running, daemon=True).start()
+    with pytest.raises(KeyboardInterrupt):
+        _audit(ck, scheduler=client, cache=False)
+    t0 = time.monotonic()
+    while any(client.processing().values()) and time.monotonic() - t0 < 10:
+        time.sleep(0.05)
+    # cancelled: the scheduler drops every task at once (uncancelled, the queue would take seconds to drain)
+    assert not any(client.processing().values()) and time.monotonic() - t0 < 1.5
