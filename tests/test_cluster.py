@@ -139,7 +139,8 @@ def test_path_map_to_nowhere_exits_2_naming_path_and_worker(cluster, tmp_path, c
     assert time.monotonic() - t0 < 30
 
 
-def test_unreachable_scheduler_exits_2_in_seconds(cli_inproc, tmp_path):
+@pytest.mark.parametrize("via", ["flag", "env"])
+def test_unreachable_scheduler_exits_2_in_seconds(cli_inproc, tmp_path, monkeypatch, via):
     s = socket.socket()
     s.bind((HOST, 0))
     port = s.getsockname()[1]
@@ -148,7 +149,11 @@ def test_unreachable_scheduler_exits_2_in_seconds(cli_inproc, tmp_path):
     ck.mkdir()
     _write_checkpoint(ck)
     t0 = time.monotonic()
-    res = cli_inproc(str(ck), "--no-cache", "-q", "--scheduler", f"tcp://{HOST}:{port}")
+    if via == "env":
+        monkeypatch.setenv("LOWRANK_AUDITOR_SCHEDULER", f"tcp://{HOST}:{port}")
+        res = cli_inproc(str(ck), "--no-cache", "-q")
+    else:
+        res = cli_inproc(str(ck), "--no-cache", "-q", "--scheduler", f"tcp://{HOST}:{port}")
     took = time.monotonic() - t0
     assert res.returncode == 2
     assert f"cannot reach the Dask scheduler at tcp://{HOST}:{port} within 5 s" in res.stderr
