@@ -179,6 +179,7 @@ class DaskExecutor:
         unlimited = any(v == 0 for v in limits.values())
         refused: list[tuple[int, Any]] = []
         futures: dict[Any, int] = {}
+        self._pending = []
         try:
             for i, (item, size) in enumerate(zip(prepared, sizes)):
                 if fn is compute_task and not unlimited and limits and size > largest:
@@ -193,7 +194,7 @@ class DaskExecutor:
                 fut = self.client.submit(run_on_worker, fn, item, pure=False, priority=len(prepared) - i,
                                          key=f"{getattr(fn, '__name__', 'task')}-{i}-{layer}-{os.urandom(4).hex()}")
                 futures[fut] = i
-            self._pending = list(futures)
+                self._pending.append(fut)  # cancellable from the first submission on (Ctrl-C while submitting)
             yield from refused
             for fut in as_completed(list(futures), loop=self.client.loop):
                 i = futures[fut]
