@@ -6,6 +6,7 @@ Exit codes: 0 clean, 1 findings at or above --fail-on, 2 bad input (one line on 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Sequence
@@ -69,6 +70,10 @@ def _parser() -> argparse.ArgumentParser:
     g.add_argument("--cache-dir", metavar="DIR", help="spectrum cache (default ~/.cache/lowrank-auditor)")
     g.add_argument("-j", "--jobs", type=int, metavar="N",
                    help="layers computed side by side, each with its share of the cores (default: cores, at most 4)")
+    g.add_argument("--scheduler", metavar="ADDR", default=os.environ.get("LOWRANK_AUDITOR_SCHEDULER") or None,
+                   help="compute spectra on a Dask cluster, e.g. tcp://host:8786 (default $LOWRANK_AUDITOR_SCHEDULER)")
+    g.add_argument("--path-map", action="append", default=[], metavar="CLIENT_PREFIX=WORKER_PREFIX",
+                   help="the checkpoint's path prefix here and on the Dask workers (repeatable)")
     return p
 
 
@@ -155,6 +160,14 @@ def _silence_stdout() -> None:
         pass
 
 
+def _path_map(entries: list[str]) -> tuple[tuple[str, str], ...]:
+    if not entries:
+        return ()
+    from .spectra.cluster import parse_path_map  # no distributed import: only the parsing
+
+    return parse_path_map(entries)
+
+
 def options_from(args: argparse.Namespace) -> tuple["AuditOptions", "LoadOptions"]:
     """The audit's and the loader's options from the flags: defaults < pyproject.toml < the plan < the flags
     (the plan's thresholds are applied between ``settings`` and ``overrides`` by the pipeline)."""
@@ -175,6 +188,7 @@ def options_from(args: argparse.Namespace) -> tuple["AuditOptions", "LoadOptions
         spectra=not args.no_spectra, cache=not args.no_cache,
         cache_dir=Path(args.cache_dir) if args.cache_dir else None, jobs=args.jobs,
         progress=getattr(args, "progress", None),
+        scheduler=args.scheduler, path_map=_path_map(args.path_map),
     )
     load_options = LoadOptions(
         input_shape=tuple(parse_shape(s, "--input-shape") for s in args.input_shape) if args.input_shape else None,

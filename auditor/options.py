@@ -46,6 +46,8 @@ class AuditOptions:
     jobs: int | None = None  # layers whose spectra are computed side by side (default: the cores, at most 4)
     tracer: Tracer = Tracer.AUTO
     progress: bool | None = None  # a progress bar on stderr (default: when stderr is a terminal)
+    scheduler: str | Any | None = None  # a Dask scheduler address or distributed.Client: spectra run there
+    path_map: tuple[tuple[str, str], ...] = ()  # (client prefix, worker prefix) for the cluster's file paths
 
     def __post_init__(self) -> None:
         try:
@@ -83,6 +85,8 @@ class OptionFields(TypedDict, total=False):
     jobs: int | None
     tracer: Tracer | str
     progress: bool | None
+    scheduler: str | Any | None
+    path_map: tuple[tuple[str, str], ...]
 
 
 @dataclass(frozen=True)
