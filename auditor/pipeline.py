@@ -257,7 +257,8 @@ def compute_spectra(layers: list[Layer], loaders: dict[str, Loader], settings: S
         with progress.phase("spectra", total=len(refs)):
             by_layer, stats = run_spectra(refs, targets=settings.energy_targets, executor=executor, cache=cache,
                                           progress=progress.update)
-    return Spectra(by_layer, dict(vars(stats)), where=executor.where)
+        where = "local" if options.scheduler is None else executor.where  # asked while the client is open
+    return Spectra(by_layer, dict(vars(stats)), where=where)
 
 
 def suggest_ranks(layers: list[Layer], spectra: dict[str, Spectrum], settings: Settings) -> dict[str, Suggestion]:
