@@ -19,6 +19,7 @@ if TYPE_CHECKING:
     import pandas
 
     from .baseline import BaselineSource
+    from .calresults import CalibrationReport
 
 __all__ = [
     "Audit", "FailOn", "Finding", "GraphNode", "Kind", "Layer", "LayerGraph", "PlanItem", "PlanOrigin",
@@ -416,6 +417,7 @@ class Audit:
     graph: LayerGraph | None = None  # None in a weights-only audit
     environment: dict[str, str] = field(default_factory=dict)
     spectra_stats: dict[str, int] = field(default_factory=dict)
+    calibration: "CalibrationReport | None" = None  # measured rank floors (auditor.calresults); None without data
 
     # ---- lookups and derived numbers -------------------------------------------------------------------------
     @cached_property
