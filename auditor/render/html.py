@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ..policy import verdict_line
+from . import calibration
 from .base import RenderContext
 from .view import finding_groups, human, layer_table, skipped_rows
 
@@ -86,6 +87,7 @@ def context(audit: "Audit", ctx: RenderContext = RenderContext()) -> dict[str, A
         "css": (template_dir() / "report.css").read_text(encoding="utf-8"),
         "human": human,
         "pct": _pct,
+        **calibration.html_context(audit, ctx.charts),
     }
 
 

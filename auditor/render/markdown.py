@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING
 
 from ..policy import verdict_line
 from ..results import Severity
+from . import calibration
 from .base import RenderContext
 from .view import fmt_num, human, layer_table
 
@@ -59,6 +60,7 @@ def render(audit: "Audit", context: RenderContext = RenderContext(), top: int = 
         if len(rv.items) > top:
             out.append(f"| … {len(rv.items) - top} more | | | | | | |")
         out.append("")
+    out += calibration.markdown(audit)
     table = layer_table(audit)
     labels = [col.label for col in table.columns]
     out.append("### Top layers by parameter share")

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable
 
 from ..policy import verdict_line
+from . import calibration
 from .base import RenderContext
 from .view import LayerRow, fmt_num, human, layer_table
 
@@ -117,6 +118,11 @@ def render(audit: "Audit", context: RenderContext = RenderContext(), top: int = 
             + (f"; MACs {rv.macs_before:,} -> {rv.macs_after:,}" if rv.macs_before is not None else ""), "  ")
     elif rv is not None:
         say("no layer is worth factorizing at the target energy" if rv.suggested else "the plan factorizes nothing")
+    if audit.calibration is not None:
+        out.append("")
+        for line in calibration.terminal(audit):
+            say(line, "  ")
+        out += [line[:width] for line in calibration.terminal_table(audit, min(40, max(12, width - 62)))]
     if audit.findings:
         out.append("")
         for f in audit.findings:
