@@ -35,7 +35,11 @@ def _parser() -> argparse.ArgumentParser:
     g.add_argument("--input-shape", action="append", metavar="1,3,224,224",
                    help="a float input of this shape (repeat for several positional inputs)")
     g.add_argument("--input-ids", metavar="1,128", help="token ids of this shape, within the config's vocabulary")
-    g.add_argument("--weights", metavar="FILE", help="a state dict (safetensors, or .pt loaded weights_only)")
+    g.add_argument("--weights", metavar="PATH",
+                   help="a state dict (safetensors, or .pt/.bin loaded weights_only), or a folder of them; "
+                        "also accepted with a config.json")
+    g.add_argument("--partial", action="store_true",
+                   help="audit even when the checkpoint lacks some of the model's weights (they are listed)")
     g.add_argument("--tracer", choices=[t.value for t in Tracer], default=Tracer.AUTO.value,
                    help="auto: torch.fx.symbolic_trace, then torch.export, then a module walk (default)")
     g.add_argument("--structure-only", action="store_true",
@@ -146,7 +150,7 @@ def options_from(args: argparse.Namespace) -> tuple["AuditOptions", "LoadOptions
     load_options = LoadOptions(
         input_shape=tuple(parse_shape(s, "--input-shape") for s in args.input_shape) if args.input_shape else None,
         input_ids=parse_shape(args.input_ids, "--input-ids") if args.input_ids else None,
-        weights=args.weights, structure_only=args.structure_only,
+        weights=args.weights, structure_only=args.structure_only, partial=args.partial,
     )
     return audit_options, load_options
 

@@ -1,18 +1,24 @@
 """Model sources: a Python factory, a Hugging Face config or checkpoint directory, a safetensors file or sharded
-checkpoint (weights only), torchvision and timm names. Never uses the network; never unpickles code."""
+checkpoint (weights only), torchvision and timm names. Never uses the network; never unpickles code.
+
+Weights that a source promises but does not hold are an error naming them (``partial=True`` audits anyway, with a
+note); a Hugging Face config without weights is built on the meta device (structure only), with a note."""
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import importlib.util
 import json
 import math
 import os
 import pickle
+import re
 import sys
+import zipfile
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator, Sequence
 
 import torch
 from torch import nn
@@ -23,18 +29,51 @@ from .results import Kind, Layer
 
 @dataclass
 class Loaded:
+    """A resolved model source: the model (an ``nn.Module`` or :class:`WeightsOnly`), example inputs for tracing
+    (or None), a display name, the source string, and notes on how it was loaded (missing or unused tensors,
+    inputs made from the config, a structure-only build)."""
+
     model: Any  # nn.Module or WeightsOnly
     example_inputs: Any
     name: str
     source: str
+    notes: list[str] = field(default_factory=list)
+
+
+MAX_INPUT_DIMS = 8
+MAX_INPUT_ELEMENTS = 1 << 28  # 268M elements: 1 GiB of float32 for one example input
+_DIGITS = re.compile(r"[0-9]{1,12}", re.ASCII)
 
 
 def parse_shape(text: str, flag: str) -> tuple[int, ...]:
-    tokens = [t.strip() for t in text.replace("x", ",").split(",")]
-    dims = tuple(int(t) for t in tokens) if all(t.isdigit() for t in tokens) else ()
-    if not dims or any(d <= 0 for d in dims):
-        raise AuditError(f"{flag} {text!r} is not a shape", f"Give positive integers separated by commas, e.g. {flag} 1,3,224,224")
+    """``"1,3,224,224"`` or ``"1x128"`` -> a tuple of positive ints; anything else is one clear error line."""
+    example = "1,128" if "ids" in flag else "1,3,224,224"
+    fix = f"Give positive whole numbers separated by commas, e.g. {flag} {example}"
+
+    def bad(reason: str) -> AuditError:
+        return AuditError(f"{flag} {text!r} is not a shape: {reason}", fix)
+
+    if not text.strip():
+        raise bad("it is empty")
+    tokens = [t.strip() for t in re.split(r"[,xX]", text.strip())]
+    if any(not t for t in tokens):
+        raise bad("a dimension is missing between separators")
+    for t in tokens:
+        if not _DIGITS.fullmatch(t):
+            what = "too large" if t.isascii() and t.isdigit() else "not a positive whole number"
+            raise bad(f"{t!r} is {what}")
+    dims = tuple(int(t) for t in tokens)
+    if any(d == 0 for d in dims):
+        raise bad("a dimension is 0")
+    if len(dims) > MAX_INPUT_DIMS:
+        raise bad(f"{len(dims)} dimensions, more than {MAX_INPUT_DIMS}")
+    if math.prod(dims) > MAX_INPUT_ELEMENTS:
+        raise bad(f"{math.prod(dims):,} elements, more than the {MAX_INPUT_ELEMENTS:,} an example input may have")
     return dims
+
+
+SOURCE_HELP = ("Use file.py:factory, package.module:factory, a Hugging Face directory or config.json, "
+               "a .safetensors file, or torchvision:NAME / timm:NAME")
 
 
 def load_source(
@@ -43,226 +82,184 @@ def load_source(
     input_ids: tuple[int, ...] | None = None,
     weights: str | None = None,
     structure_only: bool = False,
+    partial: bool = False,
+    auto_inputs: bool = True,
 ) -> Loaded:
     """Resolve a source string to a model and example inputs.
 
     - ``path/to/file.py:factory`` or ``package.module:factory``: a callable returning an ``nn.Module`` or
       ``(module, example_inputs)``;
-    - a directory with ``config.json`` (weights loaded if present), or a bare ``config.json``: a Hugging Face model;
+    - a directory with ``config.json`` (weights loaded if present), or a bare ``config.json``: a Hugging Face model.
+      Without weights (or with ``structure_only``) it is built on the meta device: counts, shapes and MACs only.
+      Without inputs, token ids (or pixel values) are made from the config;
     - a ``.safetensors`` file, a directory of safetensors shards, or a ``.bin``/``.pt`` state dict: weights only;
-    - ``torchvision:NAME`` or ``timm:NAME``: random init, ``--weights FILE`` loads a state dict.
+    - ``torchvision:NAME`` or ``timm:NAME``: random init, ``weights`` loads a state dict.
+
+    ``weights``: a state dict file or checkpoint directory for a factory, zoo or config source. Every parameter
+    the model has must be in it, or :class:`AuditError` names the missing ones; ``partial=True`` loads what is
+    there and lists the rest in ``Loaded.notes``. ``auto_inputs=False``: no inputs made from a config (tracing a
+    large model with inputs takes seconds to a minute; without, MACs are left out).
     """
+    if not spec or not spec.strip():
+        raise AuditError("the model source is empty", SOURCE_HELP)
     path = Path(spec)
     if spec.startswith(("torchvision:", "timm:")):
         lib, name = spec.split(":", 1)
         model = _zoo(lib, name)
-        if weights:
-            _load_state(model, weights)
-        return Loaded(model, _inputs(None, input_shape, input_ids), name, spec)
+        notes = apply_weights(model, open_checkpoint(weights, flag=True), partial) if weights else []
+        return Loaded(model, _inputs(input_shape, input_ids), name, spec, notes)
+    if weights and (path.suffix in (".safetensors", ".bin", ".pt", ".pth") or spec.endswith(".index.json") or (
+            path.is_dir() and not (path / "config.json").is_file())):
+        raise AuditError(f"--weights applies to a model built from code or a config; {spec} is already a checkpoint",
+                         "Drop --weights, or give the factory or config.json the weights belong to")
     if path.is_dir():
         if (path / "config.json").is_file():
-            return _hf(path / "config.json", path, input_shape, input_ids, structure_only)
+            from .hf import load_hf
+
+            return load_hf(path / "config.json", path, input_shape, input_ids, weights, structure_only, partial,
+                           auto_inputs)
         if list(path.glob("*.safetensors")) or (path / "model.safetensors.index.json").is_file():
-            return Loaded(WeightsOnly.open(path), None, path.name, str(path))
+            return _weights_only(WeightsOnly.open(path), path.name, path)
         raise AuditError(f"{spec} is a directory without config.json or safetensors files",
                          "Point to a Hugging Face checkpoint directory, a safetensors file, or file.py:factory")
     if path.suffix == ".json" and not spec.endswith(".safetensors.index.json"):
         if not path.is_file():
             raise AuditError(f"config file {spec} does not exist", "Check the path")
-        return _hf(path, None, input_shape, input_ids, structure_only)
+        from .hf import load_hf
+
+        return load_hf(path, None, input_shape, input_ids, weights, structure_only, partial, auto_inputs)
     if path.suffix == ".safetensors" or spec.endswith(".safetensors.index.json"):
         if not path.exists():
             raise AuditError(f"checkpoint {spec} does not exist", "Check the path")
-        return Loaded(WeightsOnly.open(path), None, path.stem, str(path))
+        return _weights_only(WeightsOnly.open(path), path.stem, path)
     if path.suffix in (".bin", ".pt", ".pth") and ":" not in path.name:
         if not path.exists():
             raise AuditError(f"checkpoint {spec} does not exist", "Check the path")
-        return Loaded(WeightsOnly.from_state_dict(path), None, path.stem, str(path))
+        return _weights_only(WeightsOnly.from_state_dict(path), path.stem, path)
     if ":" in spec:
-        return _factory(spec, input_shape, input_ids, weights)
-    raise AuditError(f"cannot tell what kind of model source {spec!r} is",
-                     "Use file.py:factory, package.module:factory, a Hugging Face directory or config.json, "
-                     "a .safetensors file, or torchvision:NAME / timm:NAME")
+        return _factory(spec, input_shape, input_ids, weights, partial)
+    raise AuditError(f"cannot tell what kind of model source {spec!r} is", SOURCE_HELP)
+
+
+def _weights_only(w: "WeightsOnly", name: str, path: Path) -> Loaded:
+    if not w.index:
+        raise AuditError(f"{path} holds no tensors", "Point at the checkpoint that holds the model's weights")
+    return Loaded(w, None, name, str(path))
 
 
 # ---------------------------------------------------------------------------------------------------------------
 # Python factories
 
 
-def _factory(spec: str, input_shape: Any, input_ids: Any, weights: str | None) -> Loaded:
+@contextlib.contextmanager
+def stdout_to_stderr() -> Iterator[None]:
+    """While the user's code runs, whatever it prints goes to stderr: stdout carries only the JSON/Markdown report.
+    Both Python's ``sys.stdout`` and file descriptor 1 (for prints from C extensions) are redirected."""
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            stream.flush()
+    saved: int | None = None
+    with contextlib.suppress(OSError):
+        saved = os.dup(1)
+        try:
+            os.dup2(2, 1)
+        except OSError:
+            os.close(saved)
+            saved = None
+    try:
+        with contextlib.redirect_stdout(sys.stderr):
+            yield
+    finally:
+        with contextlib.suppress(Exception):
+            sys.stderr.flush()
+        if saved is not None:
+            os.dup2(saved, 1)
+            os.close(saved)
+
+
+def _run_user_code(fn: Callable[[], Any], doing: str, failed: str, fix: str, exit_fix: str = "") -> Any:
+    """Call the user's code with stdout kept clean; any exception, ``sys.exit`` or other ``BaseException`` ends in
+    an :class:`AuditError` (exit 2), except Ctrl-C, which still interrupts."""
+    try:
+        with stdout_to_stderr():
+            return fn()
+    except KeyboardInterrupt:
+        raise
+    except AuditError:
+        raise
+    except SystemExit as exc:
+        code = repr(exc.code)
+        code = code if len(code) <= 60 else code[:57] + "..."
+        raise AuditError(f"{doing} called sys.exit({code}) instead of returning", exit_fix or fix) from None
+    except BaseException as exc:  # noqa: BLE001 - the user's code failed in any way at all
+        raise AuditError(f"{doing} {failed} {first_line(exc)}", fix) from None
+
+
+def _factory(spec: str, input_shape: Any, input_ids: Any, weights: str | None, partial: bool) -> Loaded:
     target, _, attr = spec.rpartition(":")
+    if not target.strip():
+        raise AuditError(f"{spec!r} names no file or module before the colon", "Use file.py:factory_function")
     if not attr.isidentifier():
         raise AuditError(f"{spec!r} does not name a factory after the colon", "Use file.py:factory_function")
+    guard = 'Put the script part of that file under `if __name__ == "__main__":`'
     if target.endswith(".py"):
         file = Path(target)
         if not file.is_file():
             raise AuditError(f"file {target} does not exist", "Check the path to the Python file")
         mod_name = f"_lowrank_factory_{abs(hash(str(file.resolve())))}"
         spec_obj = importlib.util.spec_from_file_location(mod_name, file)
-        assert spec_obj is not None and spec_obj.loader is not None
+        if spec_obj is None or spec_obj.loader is None:
+            raise AuditError(f"cannot import {target} as a Python file", "Check that it is a .py file")
         module = importlib.util.module_from_spec(spec_obj)
+        loader = spec_obj.loader
         sys.path.insert(0, str(file.parent.resolve()))
         try:
-            spec_obj.loader.exec_module(module)
-        except Exception as exc:  # noqa: BLE001 - the user's file failed to import
-            raise AuditError(f"importing {target} failed: {first_line(exc)}", "Fix the error in that file") from None
+            _run_user_code(lambda: loader.exec_module(module), f"importing {target}", "failed:",
+                           "Fix the error in that file", guard)
         finally:
             sys.path.pop(0)
     else:
-        try:
-            module = importlib.import_module(target)
-        except Exception as exc:  # noqa: BLE001
-            raise AuditError(f"cannot import module {target}: {first_line(exc)}",
-                             "Check the module path and that its package is installed") from None
+        module = _run_user_code(lambda: importlib.import_module(target), f"importing module {target}", "failed:",
+                                "Check the module path and that its package is installed", guard)
     fn = getattr(module, attr, None)
     if fn is None:
-        names = [n for n in dir(module) if callable(getattr(module, n)) and not n.startswith("_")]
-        import difflib
-
-        close = difflib.get_close_matches(attr, names, n=3)
-        hint = f"Did you mean {', '.join(close)}?" if close else f"Callables there: {', '.join(names[:8]) or 'none'}"
-        raise AuditError(f"{target} has no factory named {attr!r}", hint)
+        raise AuditError(f"{target} has no factory named {attr!r}", _factory_hint(module, attr))
     if not callable(fn):
         raise AuditError(f"{target}:{attr} is not callable", "Name a function that returns an nn.Module")
-    try:
-        out = fn()
-    except Exception as exc:  # noqa: BLE001
-        raise AuditError(f"factory {attr}() raised {first_line(exc)}", "Fix the factory so it builds the model") from None
+    out = _run_user_code(fn, f"factory {attr}()", "raised", "Fix the factory so it builds the model",
+                         "Return the model from the factory instead of exiting")
     example = None
     if isinstance(out, tuple) and len(out) == 2 and isinstance(out[0], nn.Module):
         out, example = out
     if not isinstance(out, nn.Module):
         raise AuditError(f"factory {attr}() returned {type(out).__name__}, not a torch.nn.Module",
                          "Return an nn.Module, or (module, example_inputs)")
-    if weights:
-        _load_state(out, weights)
-    inputs = _inputs(None, input_shape, input_ids) if (input_shape or input_ids) else example
-    return Loaded(out, inputs, type(out).__name__, spec)
+    notes = apply_weights(out, open_checkpoint(weights, flag=True), partial) if weights else []
+    inputs = _inputs(input_shape, input_ids) if (input_shape or input_ids) else example
+    return Loaded(out, inputs, type(out).__name__, spec, notes)
 
 
-def _inputs(config: Any, input_shape: Any, input_ids: Any) -> Any:
+def _factory_hint(module: Any, attr: str, most: int = 10) -> str:
+    """Close matches first, then the callables the module itself defines (any case, sorted), at most ``most``."""
+    import difflib
+
+    public = {n: v for n, v in vars(module).items() if not n.startswith("_") and callable(v)}
+    own = [n for n, v in public.items() if getattr(v, "__module__", None) == module.__name__]
+    names = sorted(own or public, key=lambda n: (n.lower(), n))
+    close = difflib.get_close_matches(attr, names, n=3)
+    listed = ", ".join(names[:most]) + (f", ... and {len(names) - most} more" if len(names) > most else "")
+    there = f"Callables there: {listed}" if names else "It defines no callables"
+    return (f"Did you mean {', '.join(close)}? " if close else "") + there
+
+
+def _inputs(input_shape: Any, input_ids: Any) -> Any:
+    """Example inputs for a factory or zoo model: random floats of each shape, or token ids below 1000."""
     gen = torch.Generator().manual_seed(0)
     if input_ids is not None:
-        vocab = getattr(config, "vocab_size", None) or 1000
-        ids = torch.randint(0, vocab, tuple(input_ids), generator=gen)
-        if config is None:
-            return (ids,)
-        kw: dict[str, Any] = {"input_ids": ids}
-        if getattr(config, "is_encoder_decoder", False):
-            kw["decoder_input_ids"] = torch.randint(0, vocab, tuple(input_ids), generator=gen)
-        return kw
+        return (torch.randint(0, 1000, tuple(input_ids), generator=gen),)
     if input_shape:
-        tensors = [torch.randn(tuple(s), generator=gen) for s in input_shape]
-        if config is not None:
-            return {"pixel_values": tensors[0]}
-        return tuple(tensors)
+        return tuple(torch.randn(tuple(s), generator=gen) for s in input_shape)
     return None
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# Hugging Face
-
-
-def _hf(config_file: Path, folder: Path | None, input_shape: Any, input_ids: Any, structure_only: bool) -> Loaded:
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
-    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
-    try:
-        import transformers
-    except ImportError:
-        raise AuditError("transformers is not installed", "pip install transformers") from None
-    try:
-        raw = json.loads(config_file.read_text(encoding="utf-8"))
-        if not isinstance(raw, dict) or "model_type" not in raw:
-            raise ValueError("no 'model_type' key")
-        config = transformers.AutoConfig.for_model(**raw)
-    except Exception as exc:  # noqa: BLE001
-        raise AuditError(f"cannot read the Hugging Face config {config_file}: {first_line(exc)}",
-                         "Give a config.json written by transformers (it needs a model_type)") from None
-    if hasattr(config, "use_cache"):
-        config.use_cache = False
-    archs = list(getattr(config, "architectures", None) or [])
-    cls = next((getattr(transformers, a) for a in archs if hasattr(transformers, a)), None)
-    try:
-        ctx = torch.device("meta") if structure_only else _nullctx()
-        torch.manual_seed(0)  # a config without weights gets the same random init every run: reproducible audits
-        with ctx:
-            model = cls._from_config(config) if cls is not None else transformers.AutoModel.from_config(config)
-    except Exception as exc:  # noqa: BLE001
-        raise AuditError(f"cannot build a model from {config_file}: {first_line(exc)}",
-                         "Check the config's model_type and sizes") from None
-    name = archs[0] if archs else type(model).__name__
-    if folder is not None and not structure_only:
-        state = _folder_state(folder)
-        if state is not None:
-            _apply_state(model, state, str(folder))
-    inputs = _inputs(config, input_shape, input_ids)
-    if structure_only and isinstance(inputs, dict):
-        # meta inputs for a meta model: torch.export traces shapes only, so MACs come without allocating anything
-        inputs = {k: v.to("meta") for k, v in inputs.items()}
-    return Loaded(model, inputs, name, str(folder or config_file))
-
-
-class _nullctx:
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, *a: Any) -> None:
-        return None
-
-
-def _folder_state(folder: Path) -> dict[str, torch.Tensor] | None:
-    if (folder / "model.safetensors.index.json").is_file() or (folder / "model.safetensors").is_file():
-        w = WeightsOnly.open(folder)
-        return {n: w.tensor(n) for n in w.index}
-    if (folder / "pytorch_model.bin").is_file():
-        return safe_torch_load(folder / "pytorch_model.bin")
-    return None
-
-
-def _apply_state(model: nn.Module, state: dict[str, torch.Tensor], where: str) -> None:
-    own = dict(model.state_dict())
-    for k, v in state.items():
-        if k in own and tuple(own[k].shape) != tuple(v.shape):
-            raise AuditError(f"tensor {k} in {where} has shape {tuple(v.shape)} but the config builds "
-                             f"{tuple(own[k].shape)}", "Use the config.json that belongs to these weights")
-    missing, unexpected = model.load_state_dict(state, strict=False)
-    tied = {n for n, _ in model.named_parameters(remove_duplicate=False)} - {n for n, _ in model.named_parameters()}
-    missing = [m for m in missing if m not in tied]
-    if unexpected and len(unexpected) == len(state):
-        raise AuditError(f"none of the tensors in {where} match the model built from its config",
-                         "Use the config.json that belongs to these weights")
-
-
-def safe_torch_load(path: Path) -> dict[str, torch.Tensor]:
-    """torch.load with weights_only=True: tensors and plain containers only; nothing in the file is executed."""
-    try:
-        obj = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
-    except pickle.UnpicklingError as exc:
-        raise AuditError(
-            f"refused to load {path}: it needs full unpickling, which can run code ({first_line(exc)[:120]})",
-            "Convert it to safetensors, or re-save a plain state_dict that torch.load(weights_only=True) accepts",
-        ) from None
-    except Exception as exc:  # noqa: BLE001
-        raise AuditError(f"cannot read checkpoint {path}: {first_line(exc)}",
-                         "Check that the file is a complete torch checkpoint") from None
-    if isinstance(obj, dict) and "state_dict" in obj and isinstance(obj["state_dict"], dict):
-        obj = obj["state_dict"]
-    if not isinstance(obj, dict) or not all(isinstance(v, torch.Tensor) for v in obj.values()):
-        raise AuditError(f"{path} does not hold a state dict of tensors", "Save model.state_dict()")
-    return obj
-
-
-def _load_state(model: nn.Module, weights: str) -> None:
-    p = Path(weights)
-    if not p.exists():
-        raise AuditError(f"weights file {weights} does not exist", "Check the --weights path")
-    if p.suffix == ".safetensors" or p.is_dir():
-        w = WeightsOnly.open(p)
-        state = {n: w.tensor(n) for n in w.index}
-    else:
-        state = safe_torch_load(p)
-    _apply_state(model, state, weights)
 
 
 def _zoo(lib: str, name: str) -> nn.Module:
@@ -279,6 +276,223 @@ def _zoo(lib: str, name: str) -> nn.Module:
         raise AuditError(f"{lib} cannot be imported ({first_line(exc)})", f"pip install {lib}") from None
     except Exception as exc:  # noqa: BLE001
         raise AuditError(f"{lib} has no model {name!r}: {first_line(exc)}", f"List names with {lib}'s model registry") from None
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Checkpoints applied to a model
+
+
+@dataclass
+class Checkpoint:
+    """The tensors of a checkpoint by name, read one at a time through ``get`` (memory-mapped where possible)."""
+
+    where: str
+    names: list[str]
+    get: Callable[[str], torch.Tensor]
+
+    @classmethod
+    def of_dict(cls, where: str, state: dict[str, torch.Tensor]) -> "Checkpoint":
+        return cls(where, list(state), state.__getitem__)
+
+
+NOT_WEIGHTS = re.compile(r"(training_args\.bin|optimizer\.pt|scheduler\.pt|scaler\.pt|rng_state.*\.pth)$")
+UNREADABLE = ("*.h5", "*.msgpack", "*.gguf", "*.ckpt", "*.onnx", "*.npz", "*.keras")
+
+
+def open_checkpoint(location: str | Path, flag: bool = False) -> Checkpoint | None:
+    """A weights file or checkpoint directory as a :class:`Checkpoint`; None for a directory without weights
+    (an error instead when ``flag``: the user named it with ``--weights``)."""
+    p = Path(location)
+    label = f"--weights {location}" if flag else str(location)
+    if not p.exists():
+        raise AuditError(f"weights file {location} does not exist", "Check the --weights path")
+    if p.is_file():
+        if p.suffix == ".safetensors" or p.name.endswith(".safetensors.index.json"):
+            w = WeightsOnly.open(p)
+            return Checkpoint(str(p), list(w.index), w.tensor)
+        if p.name.endswith(".bin.index.json"):
+            return Checkpoint.of_dict(str(p), _bin_shards(p))
+        return Checkpoint.of_dict(str(p), safe_torch_load(p))
+    if (p / "model.safetensors.index.json").is_file() or list(p.glob("*.safetensors")):
+        w = WeightsOnly.open(p)
+        return Checkpoint(str(p), list(w.index), w.tensor)
+    if (p / "pytorch_model.bin.index.json").is_file():
+        return Checkpoint.of_dict(str(p), _bin_shards(p / "pytorch_model.bin.index.json"))
+    if (p / "pytorch_model.bin").is_file():
+        return Checkpoint.of_dict(str(p / "pytorch_model.bin"), safe_torch_load(p / "pytorch_model.bin"))
+    torch_files = sorted(f for ext in ("*.bin", "*.pt", "*.pth") for f in p.glob(ext)
+                         if flag and f.is_file() and not NOT_WEIGHTS.match(f.name))
+    if len(torch_files) == 1:
+        return Checkpoint.of_dict(str(torch_files[0]), safe_torch_load(torch_files[0]))
+    if len(torch_files) > 1:
+        raise AuditError(f"{label} holds several checkpoint files ({', '.join(f.name for f in torch_files[:5])})",
+                         "Name the one to load, e.g. --weights DIR/FILE")
+    other = sorted(f.name for pat in UNREADABLE for f in p.glob(pat))
+    if other:
+        raise AuditError(f"{label} holds weights in a format the auditor does not read ({', '.join(other[:3])})",
+                         "Convert them to safetensors (or a state dict saved with torch.save)")
+    if flag:
+        raise AuditError(f"{label} holds no weights (no .safetensors, pytorch_model.bin, .pt or .pth file)",
+                         "Point --weights at the weights file or the checkpoint directory that holds it")
+    return None
+
+
+def _bin_shards(index: Path) -> dict[str, torch.Tensor]:
+    """The shards of ``pytorch_model.bin.index.json``, each loaded with ``weights_only=True``; only plain file
+    names beside the index are opened."""
+    try:
+        weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
+        if not isinstance(weight_map, dict):
+            raise ValueError("weight_map is not an object")
+    except Exception as exc:  # noqa: BLE001
+        raise AuditError(f"cannot read shard index {index}: {first_line(exc)}", "Check the index JSON") from None
+    files = sorted({str(f) for f in weight_map.values()})
+    for f in files:
+        if Path(f).name != f or f in ("", ".", ".."):
+            raise AuditError(f"shard index {index} names {f!r}, which is not a file beside it",
+                             "Shard names must be plain file names in the checkpoint directory")
+        if not (index.parent / f).is_file():
+            raise AuditError(f"shard {f} named in {index} is missing", "Copy every shard the index names")
+    state: dict[str, torch.Tensor] = {}
+    for f in files:
+        state.update(safe_torch_load(index.parent / f))
+    return state
+
+
+CHUNK_BYTES = 256 << 20  # tensors are copied into the model this many bytes at a time
+
+
+def _listing(names: Sequence[str], most: int = 5) -> str:
+    shown = ", ".join(names[:most])
+    return shown + (f", ... and {len(names) - most} more" if len(names) > most else "")
+
+
+def apply_weights(model: nn.Module, ckpt: Checkpoint | None, partial: bool = False, prefix: str = "",
+                  ignore_missing: Sequence[str] = (), ignore_unexpected: Sequence[str] = ()) -> list[str]:
+    """Copy a checkpoint's tensors into ``model`` (through ``load_state_dict``, a chunk at a time, so peak memory
+    is the model plus one chunk) and return notes. Every parameter must be covered, directly or through a tied
+    name: otherwise :class:`AuditError` lists the missing ones, unless ``partial`` (then a note does). ``prefix``:
+    a base-model prefix (Hugging Face ``base_model_prefix``) the checkpoint's names may have or lack.
+    ``ignore_missing`` / ``ignore_unexpected``: regular expressions for names a checkpoint may lack or carry
+    without a note (Hugging Face ``_keys_to_ignore_on_load_missing`` / ``_unexpected``)."""
+    if ckpt is None:
+        return []
+    where = ckpt.where
+    if not ckpt.names:
+        raise AuditError(f"{where} holds no tensors", "Point at the checkpoint that holds the model's weights")
+    own = {k: tuple(v.shape) for k, v in model.state_dict().items()}
+    rename = _best_rename(ckpt.names, set(own), prefix)
+    missing: set[str] | None = None
+    unexpected: set[str] = set()
+    chunk: dict[str, torch.Tensor] = {}
+    size = 0
+
+    def flush() -> None:
+        nonlocal missing, size
+        try:
+            result = model.load_state_dict(chunk, strict=False)
+        except Exception as exc:  # noqa: BLE001 - dtype or layout torch cannot copy
+            raise AuditError(f"cannot copy the tensors of {where} into the model: {first_line(exc)}",
+                             "Use the weights that belong to this model") from None
+        missing = set(result.missing_keys) if missing is None else missing & set(result.missing_keys)
+        unexpected.update(result.unexpected_keys)
+        chunk.clear()
+        size = 0
+
+    for name in ckpt.names:
+        key = rename(name)
+        if key not in own:
+            unexpected.add(key)
+            continue
+        t = ckpt.get(name)
+        if tuple(t.shape) != own[key]:
+            raise AuditError(f"tensor {name} in {where} has shape {tuple(t.shape)} but the model has "
+                             f"{own[key]}", "Use the config.json or factory that belongs to these weights")
+        chunk[key] = t
+        size += t.numel() * t.element_size()
+        if size >= CHUNK_BYTES:
+            flush()
+    if chunk or missing is None:
+        flush()
+    if unexpected and len(unexpected) >= len(ckpt.names):
+        raise AuditError(f"none of the tensors in {where} match the model ({_listing(sorted(unexpected), 3)})",
+                         "Use the config.json or factory that belongs to these weights")
+    notes: list[str] = []
+    lost = _truly_missing(model, missing or set(), ignore_missing)
+    params = {n: p for n, p in model.named_parameters(remove_duplicate=False)}
+    order = [*params, *(n for n, _ in model.named_buffers(remove_duplicate=False))]  # the model's own order
+    lost_params = [n for n in order if n in lost and n in params]
+    lost_buffers = [n for n in order if n in lost and n not in params]
+    if lost_params:
+        total = sum(p.numel() for p in model.parameters())
+        share = sum(params[n].numel() for n in lost_params) / total if total else 0.0
+        what = (f"{where} lacks {len(lost_params)} of the model's parameter tensors ({100 * share:.1f}% of its "
+                f"parameters): {_listing(lost_params)}")
+        if not partial:
+            raise AuditError(what, "Give the complete checkpoint (every shard) and the config it belongs to; a partial "
+                                   "audit (--partial) leaves those tensors at random initial values")
+        notes.append(f"Partial audit: {what}. They keep random initial values: their spectra describe noise.")
+    if lost_buffers:
+        notes.append(f"{where} lacks {len(lost_buffers)} buffer(s), which keep their initial values: "
+                     f"{_listing(lost_buffers)}.")
+    unexpected = {n for n in unexpected if not any(re.search(pat, n) for pat in ignore_unexpected)}
+    if unexpected:
+        notes.append(f"{len(unexpected)} tensor(s) in {where} are not part of the model and were ignored: "
+                     f"{_listing(sorted(unexpected))}.")
+    return notes
+
+
+def _best_rename(names: Sequence[str], own: set[str], prefix: str) -> Callable[[str], str]:
+    """Checkpoints of a task model audited as its base model (or the reverse) differ by ``prefix.``: pick the
+    renaming under which most names match the model."""
+    if not prefix:
+        return lambda n: n
+    p = prefix + "."
+    options: list[Callable[[str], str]] = [lambda n: n, lambda n: n[len(p):] if n.startswith(p) else n,
+                                           lambda n: n if n.startswith(p) else p + n]
+    scores = [sum(f(n) in own for n in names) for f in options]
+    return options[scores.index(max(scores))]
+
+
+def _truly_missing(model: nn.Module, missing: set[str], ignore: Sequence[str]) -> set[str]:
+    """Missing names, less those tied to a loaded name (one tensor under two names) and those matching
+    ``ignore``."""
+    groups: dict[int, set[str]] = {}
+    group_of: dict[str, set[str]] = {}
+    for n, t in [*model.named_parameters(remove_duplicate=False), *model.named_buffers(remove_duplicate=False)]:
+        group_of[n] = groups.setdefault(id(t), set())
+        group_of[n].add(n)
+    out = set()
+    for n in missing:
+        if any(re.search(pat, n) for pat in ignore):
+            continue
+        if not group_of.get(n, {n}) - missing:  # no name of this tensor was loaded
+            out.add(n)
+    return out
+
+
+def safe_torch_load(path: Path) -> dict[str, torch.Tensor]:
+    """torch.load with weights_only=True: tensors and plain containers only; nothing in the file is executed.
+    Zip checkpoints are memory-mapped; legacy (pre-1.6, non-zip) files are read whole, also ``weights_only``."""
+    try:
+        obj = torch.load(path, map_location="cpu", weights_only=True, mmap=zipfile.is_zipfile(path))
+    except pickle.UnpicklingError as exc:
+        raise AuditError(
+            f"refused to load {path}: it needs full unpickling, which can run code ({first_line(exc)[:120]})",
+            "Convert it to safetensors, or re-save a plain state_dict that torch.load(weights_only=True) accepts",
+        ) from None
+    except Exception as exc:  # noqa: BLE001
+        raise AuditError(f"cannot read checkpoint {path}: {first_line(exc)}",
+                         "Check that the file is a complete torch checkpoint") from None
+    if isinstance(obj, dict) and "state_dict" in obj and isinstance(obj["state_dict"], dict):
+        obj = obj["state_dict"]
+    if not isinstance(obj, dict) or not all(isinstance(v, torch.Tensor) for v in obj.values()):
+        raise AuditError(f"{path} does not hold a state dict of tensors", "Save model.state_dict()")
+    odd = [k for k in obj if not isinstance(k, str)]
+    if odd:
+        raise AuditError(f"{path} has {len(odd)} tensor name(s) that are not strings, e.g. {odd[0]!r}",
+                         "Save model.state_dict(), whose keys are parameter names")
+    return obj
 
 
 # ---------------------------------------------------------------------------------------------------------------

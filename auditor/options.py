@@ -113,3 +113,5 @@ class LoadOptions:
     input_ids: tuple[int, ...] | None = None  # token ids of this shape, within the config's vocabulary
     weights: str | None = None  # a state dict to load into a factory's or zoo model
     structure_only: bool = False  # a Hugging Face config on the meta device: counts and shapes, no weights
+    partial: bool = False  # audit a checkpoint that lacks some weights (they are listed in a note), not an error
+    auto_inputs: bool = True  # a Hugging Face source without inputs makes token ids (or pixels) from its config

@@ -106,7 +106,8 @@ def load_model(spec: str, options: LoadOptions) -> "Loaded":
 
     shapes = [tuple(s) for s in options.input_shape] if options.input_shape else None
     return load_source(spec, input_shape=shapes, input_ids=options.input_ids, weights=options.weights,
-                       structure_only=options.structure_only)
+                       structure_only=options.structure_only, partial=options.partial,
+                       auto_inputs=options.auto_inputs)
 
 
 def resolve_settings(options: AuditOptions, plan: "Plan | None") -> Settings:
@@ -336,4 +337,7 @@ def audit_source(spec: str, *, plan: Any = None, options: AuditOptions | None = 
     loaded = load_model(spec, load or LoadOptions())
     opts = options or AuditOptions()
     opts = replace(opts, name=opts.name or loaded.name, source=loaded.source)
-    return audit(loaded.model, loaded.example_inputs, plan=plan, options=opts)
+    result = audit(loaded.model, loaded.example_inputs, plan=plan, options=opts)
+    if loaded.notes:  # what the loader decided (structure only, inputs made from the config, partial weights)
+        result = replace(result, notes=[*loaded.notes, *result.notes])
+    return result

@@ -489,7 +489,7 @@ class Audit:
         >>> a = auditor.audit(torch.nn.Linear(8, 4), options=auditor.AuditOptions(spectra=False))
         >>> d = a.to_dict()
         >>> d["format_version"], d["totals"]["params"], d["layers"][0]["name"]
-        (1, 36, '')
+        (1, 36, 'Linear')
         """
         from .render.jsonout import to_dict
 

@@ -122,13 +122,19 @@ def test_hf_directory_with_weights(tmp_path, cli):
     assert ranks["0.95"] == int(np.searchsorted(cum, 0.95)) + 1  # the saved weights were loaded, not re-initialised
 
 
-def test_config_without_weights_is_reproducible(tmp_path):
+def test_config_without_weights_is_structure_only_with_inputs_from_the_config(tmp_path):
     from auditor.load import load_source
 
     T.BertConfig(hidden_size=64, num_hidden_layers=1, num_attention_heads=2, intermediate_size=128,
-                 vocab_size=100, architectures=["BertModel"]).save_pretrained(tmp_path)
-    one, two = load_source(str(tmp_path)).model, load_source(str(tmp_path)).model
-    assert all(torch.equal(a, b) for a, b in zip(one.state_dict().values(), two.state_dict().values()))
+                 vocab_size=100, max_position_embeddings=96, architectures=["BertModel"]).save_pretrained(tmp_path)
+    loaded = load_source(str(tmp_path))
+    assert all(t.device.type == "meta" for t in loaded.model.state_dict().values())  # nothing random, nothing big
+    assert any("No weights in" in n and "meta device" in n for n in loaded.notes)
+    ids = loaded.example_inputs["input_ids"]
+    assert ids.device.type == "meta" and tuple(ids.shape) == (1, 96)  # 128 capped at max_position_embeddings
+    a = auditor.audit(loaded.model, loaded.example_inputs, spectra=False)
+    assert a.trace_method == "torch.export"
+    assert a.layer("encoder.layer.0.intermediate.dense").macs == 96 * 128 * 64
 
 
 def test_structure_only_flag_builds_on_meta(tmp_path, cli):
@@ -172,7 +178,7 @@ def test_shapes_that_do_not_match_the_config_exit_2(tmp_path, cli):
     cfg.save_pretrained(tmp_path)
     save_file({"encoder.layer.0.intermediate.dense.weight": torch.zeros(99, 64)}, str(tmp_path / "model.safetensors"))
     res = cli(tmp_path)
-    assert res.returncode == 2 and "has shape (99, 64) but the config builds (128, 64)" in res.stderr
+    assert res.returncode == 2 and "has shape (99, 64) but the model has (128, 64)" in res.stderr
 
 
 class Payload:

@@ -13,6 +13,9 @@ PALETTE = ["#2563eb", "#0891b2", "#7c3aed", "#db2777", "#ea580c", "#16a34a"]
 
 
 def _fig(w: float, h: float):  # type: ignore[no-untyped-def]
+    from .._env import configure_matplotlib
+
+    configure_matplotlib()  # its font cache under our cache dir, never the user's home
     import matplotlib
 
     matplotlib.use("Agg", force=False)

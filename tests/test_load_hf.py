@@ -1,0 +1,259 @@
+"""Hugging Face sources: missing weights are errors, nothing is fetched or run from a config, memory is budgeted
+before a build, and inputs follow the model's main input (made from the config when none are given)."""
+
+import json
+import os
+
+import pytest
+import torch
+
+from auditor.errors import AuditError
+from auditor.load import load_source
+
+T = pytest.importorskip("transformers")
+
+
+def bert_cfg(**kw):
+    return T.BertConfig(hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64,
+                        vocab_size=50, max_position_embeddings=64, architectures=["BertModel"], **kw)
+
+
+def save_bert(folder, **kw):
+    torch.manual_seed(0)
+    model = T.BertModel(bert_cfg(**kw))
+    model.save_pretrained(folder)
+    return model
+
+
+def test_checkpoint_covering_one_matrix_is_an_error_naming_the_rest(tmp_path, cli_inproc):
+    from safetensors.torch import save_file
+
+    model = T.BertModel(bert_cfg())
+    bert_cfg().save_pretrained(tmp_path)
+    keep = "encoder.layer.0.intermediate.dense.weight"
+    save_file({keep: model.state_dict()[keep]}, str(tmp_path / "model.safetensors"))
+    with pytest.raises(AuditError) as exc:
+        load_source(str(tmp_path))
+    n_params = len(list(model.parameters()))
+    total = sum(p.numel() for p in model.parameters())
+    share = 100 * (total - 64 * 32) / total
+    assert exc.value.what.startswith(f"{tmp_path} lacks {n_params - 1} of the model's parameter tensors "
+                                     f"({share:.1f}% of its parameters): embeddings.word_embeddings.weight, ")
+    assert exc.value.what.endswith(f", ... and {n_params - 6} more")
+    res = cli_inproc(tmp_path, "--no-spectra", "-q")
+    assert res.returncode == 2 and res.stderr.count("\n") == 1 and "lacks" in res.stderr
+    loaded = load_source(str(tmp_path), partial=True)
+    assert torch.equal(loaded.model.encoder.layer[0].intermediate.dense.weight, model.state_dict()[keep])
+    assert loaded.notes[0].startswith(f"Partial audit: {tmp_path} lacks {n_params - 1} of")
+
+
+def test_empty_weight_map_is_an_error(tmp_path):
+    bert_cfg().save_pretrained(tmp_path)
+    (tmp_path / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": {}}))
+    with pytest.raises(AuditError) as exc:
+        load_source(str(tmp_path))
+    assert str(tmp_path) in exc.value.what
+
+
+def test_tied_head_saved_once_loads_whole(tmp_path):
+    cfg = T.GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=60, n_positions=40,
+                       architectures=["GPT2LMHeadModel"])
+    torch.manual_seed(0)
+    T.GPT2LMHeadModel(cfg).save_pretrained(tmp_path)  # lm_head.weight is tied to wte: not saved
+    loaded = load_source(str(tmp_path))
+    m = loaded.model
+    assert m.lm_head.weight is m.transformer.wte.weight
+    assert not any("lacks" in n for n in loaded.notes)
+    assert tuple(loaded.example_inputs["input_ids"].shape) == (1, 40)  # n_positions caps the default length
+
+
+def test_task_checkpoint_audited_as_base_model_strips_the_prefix(tmp_path):
+    torch.manual_seed(0)
+    task = T.BertForSequenceClassification(bert_cfg())
+    task.save_pretrained(tmp_path)
+    raw = json.loads((tmp_path / "config.json").read_text())
+    raw.pop("architectures")  # AutoModel builds BertModel, whose names lack "bert."
+    (tmp_path / "config.json").write_text(json.dumps(raw))
+    loaded = load_source(str(tmp_path))
+    assert type(loaded.model).__name__ == "BertModel"
+    assert torch.equal(loaded.model.encoder.layer[0].output.dense.weight,
+                       task.bert.encoder.layer[0].output.dense.weight)
+    (unused,) = [n for n in loaded.notes if "not part of the model" in n]
+    assert "classifier.weight" in unused
+
+
+def test_memory_is_estimated_before_building(tmp_path, monkeypatch):
+    import auditor.hf as hf
+
+    model = save_bert(tmp_path)
+    monkeypatch.setattr(hf, "available_memory", lambda: 1 << 20)
+    built = []
+    real_build = hf._build
+    monkeypatch.setattr(hf, "_build", lambda *a, meta: built.append(meta) or real_build(*a, meta=meta))
+    with pytest.raises(AuditError) as exc:
+        load_source(str(tmp_path))
+    assert built == [True]  # only the meta build ran
+    params = sum(p.numel() for p in model.parameters())
+    need = (sum(t.numel() for t in [*model.parameters(), *model.buffers()]) * 4 + hf.CHUNK_BYTES) / (1 << 30)
+    assert exc.value.what.endswith(f"needs about {need:.1f} GiB of memory ({params:,} parameters as float32), "
+                                   "but only 0.0 GiB is available")
+    assert "--structure-only" in exc.value.fix
+    assert load_source(str(tmp_path), structure_only=True).model.embeddings.word_embeddings.weight.is_meta
+
+
+def test_available_memory_is_a_positive_byte_count():
+    from auditor.hf import available_memory
+
+    have = available_memory()
+    assert have is None or 0 < have < 1 << 50
+
+
+def test_offline_is_forced_and_restored(tmp_path, monkeypatch):
+    import huggingface_hub.constants as constants
+
+    import auditor.hf as hf
+
+    bert_cfg().save_pretrained(tmp_path)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "0")
+    monkeypatch.delenv("TRANSFORMERS_OFFLINE", raising=False)
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+    seen = []
+    real_build = hf._build
+    monkeypatch.setattr(hf, "_build", lambda *a, meta: seen.append(
+        (os.environ.get("HF_HUB_OFFLINE"), os.environ.get("TRANSFORMERS_OFFLINE"), constants.HF_HUB_OFFLINE))
+        or real_build(*a, meta=meta))
+    load_source(str(tmp_path))
+    assert seen == [("1", "1", True)]
+    assert os.environ["HF_HUB_OFFLINE"] == "0" and "TRANSFORMERS_OFFLINE" not in os.environ
+    assert constants.HF_HUB_OFFLINE is False
+
+
+@pytest.mark.parametrize("attn", ["kernels-community/flash-attn", "someone/evil-kernel:fn", "flash_attention_2"])
+def test_hub_kernels_in_a_config_are_neutralised(tmp_path, attn):
+    bert_cfg().save_pretrained(tmp_path)
+    raw = json.loads((tmp_path / "config.json").read_text())
+    raw["attn_implementation"] = attn
+    (tmp_path / "config.json").write_text(json.dumps(raw))
+    loaded = load_source(str(tmp_path))
+    assert loaded.model.config._attn_implementation in ("sdpa", "eager")
+    (note,) = [n for n in loaded.notes if n.startswith("Ignored in config.json")]
+    assert f"attn_implementation={attn!r}" in note
+
+
+def test_neutralise_reaches_nested_configs():
+    from auditor.hf import neutralise
+
+    raw = {"model_type": "x", "auto_map": {"AutoModel": "m.M"}, "text_config": {"_attn_implementation": "a/b"},
+           "vision_config": {"attn_implementation": "sdpa", "experts_implementation": "org/k"},
+           "trust_remote_code": True}
+    assert neutralise(raw) == ["auto_map", "text_config._attn_implementation='a/b'",
+                               "vision_config.experts_implementation='org/k'", "trust_remote_code"]
+    assert raw == {"model_type": "x", "text_config": {}, "vision_config": {"attn_implementation": "sdpa"}}
+
+
+def test_remote_code_is_never_run(tmp_path):
+    bert_cfg().save_pretrained(tmp_path)
+    raw = json.loads((tmp_path / "config.json").read_text())
+    raw["auto_map"] = {"AutoModel": "modeling_evil.EvilModel"}
+    (tmp_path / "config.json").write_text(json.dumps(raw))
+    marker = tmp_path / "ran"
+    (tmp_path / "modeling_evil.py").write_text(f"open({str(marker)!r}, 'w')\n")
+    loaded = load_source(str(tmp_path))
+    assert type(loaded.model).__name__ == "BertModel" and not marker.exists()
+    assert any("auto_map" in n for n in loaded.notes)
+    raw["model_type"] = "evil-model"
+    raw.pop("architectures")
+    (tmp_path / "config.json").write_text(json.dumps(raw))
+    with pytest.raises(AuditError, match="code lives on the Hub"):
+        load_source(str(tmp_path))
+    assert not marker.exists()
+
+
+def test_text_model_refuses_a_float_shape_and_vision_model_token_ids(tmp_path):
+    bert_cfg().save_pretrained(tmp_path / "bert")
+    with pytest.raises(AuditError) as exc:
+        load_source(str(tmp_path / "bert"), input_shape=[(1, 16)])
+    assert "takes token ids (input_ids)" in exc.value.what and "--input-ids 1,128" in exc.value.fix
+    T.ViTConfig(hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64, image_size=32,
+                patch_size=8, num_channels=3, architectures=["ViTModel"]).save_pretrained(tmp_path / "vit")
+    with pytest.raises(AuditError) as exc:
+        load_source(str(tmp_path / "vit"), input_ids=(1, 16))
+    assert exc.value.line() == ("ViTModel takes pixel_values, not token ids. "
+                                "Pass --input-shape 1,3,32,32 instead of --input-ids.")
+    loaded = load_source(str(tmp_path / "vit"))
+    assert tuple(loaded.example_inputs["pixel_values"].shape) == (1, 3, 32, 32)
+    assert loaded.example_inputs["pixel_values"].is_meta
+    with pytest.raises(AuditError, match="longer than the 64 positions"):
+        load_source(str(tmp_path / "bert"), input_ids=(1, 65))
+
+
+def test_default_token_ids_give_macs_on_real_weights(tmp_path):
+    import auditor
+
+    model = save_bert(tmp_path)
+    loaded = load_source(str(tmp_path))
+    ids = loaded.example_inputs["input_ids"]
+    assert tuple(ids.shape) == (1, 64) and ids.dtype == torch.long and 0 <= ids.min() and ids.max() < 50
+    made = "No inputs given: token ids of shape 1 x 64 were made from the config, so MACs and the data-flow graph"
+    assert any(n.startswith(made) for n in loaded.notes)
+    a = auditor.audit(loaded.model, loaded.example_inputs, spectra=False)
+    assert a.layer("encoder.layer.0.intermediate.dense").macs == 64 * 64 * 32
+    assert torch.equal(loaded.model.pooler.dense.weight, model.pooler.dense.weight)
+    bare = load_source(str(tmp_path), auto_inputs=False)
+    assert bare.example_inputs is None and not any("No inputs given" in n for n in bare.notes)
+
+
+def test_encoder_decoder_gets_decoder_ids_and_given_ids_stay_on_meta(tmp_path):
+    T.T5Config(d_model=32, d_ff=64, num_layers=1, num_heads=2, d_kv=16, vocab_size=40,
+               architectures=["T5ForConditionalGeneration"]).save_pretrained(tmp_path)
+    loaded = load_source(str(tmp_path), input_ids=(2, 10))
+    assert set(loaded.example_inputs) == {"input_ids", "decoder_input_ids"}
+    assert all(v.is_meta and tuple(v.shape) == (2, 10) for v in loaded.example_inputs.values())
+    default = load_source(str(tmp_path))
+    assert tuple(default.example_inputs["decoder_input_ids"].shape) == (1, 128)  # T5 has no position limit
+
+
+def test_config_with_weights_flag_loads_them(tmp_path):
+    model = save_bert(tmp_path / "ckpt")
+    bert_cfg().save_pretrained(tmp_path / "cfg")
+    loaded = load_source(str(tmp_path / "cfg" / "config.json"), weights=str(tmp_path / "ckpt" / "model.safetensors"))
+    assert torch.equal(loaded.model.encoder.layer[0].output.dense.weight, model.encoder.layer[0].output.dense.weight)
+    only = load_source(str(tmp_path / "cfg" / "config.json"), weights=str(tmp_path / "ckpt"), structure_only=True)
+    assert only.model.pooler.dense.weight.is_meta
+    assert f"Structure only: the weights in {tmp_path / 'ckpt'} were not read." in only.notes
+
+
+def test_weights_only_directory_with_empty_weight_map_is_an_error(tmp_path):
+    (tmp_path / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": {}}))
+    with pytest.raises(AuditError) as exc:
+        load_source(str(tmp_path))
+    assert str(tmp_path) in exc.value.what
+
+
+def test_llama_7b_with_weights_is_refused_before_anything_is_allocated(tmp_path, monkeypatch):
+    """The issue's case: a 7B config on a 24 GB machine was killed by the OOM killer (exit 137)."""
+    from safetensors.torch import save_file
+
+    import auditor.hf as hf
+
+    T.LlamaConfig(hidden_size=4096, intermediate_size=11008, num_hidden_layers=32, num_attention_heads=32,
+                  vocab_size=32000, architectures=["LlamaForCausalLM"]).save_pretrained(tmp_path)
+    save_file({"model.norm.weight": torch.ones(4096)}, str(tmp_path / "model.safetensors"))
+    monkeypatch.setattr(hf, "available_memory", lambda: 24 << 30)
+    with pytest.raises(AuditError) as exc:
+        load_source(str(tmp_path))
+    params = 6_738_415_616
+    need = (params * 4 + 64 * 4 + hf.CHUNK_BYTES) / (1 << 30)  # float32 weights, rotary inv_freq, one chunk
+    assert exc.value.what.endswith(f"needs about {need:.1f} GiB of memory ({params:,} parameters as float32), "
+                                   "but only 24.0 GiB is available")
+
+
+def test_deeply_nested_config_is_one_error_or_loads(tmp_path):
+    for depth in (900, 990, 995, 5000):  # around the recursion limit, in json and in the config walk
+        (tmp_path / "config.json").write_text('{"model_type": "bert", "x": ' + "[" * depth + "]" * depth + "}")
+        try:
+            load_source(str(tmp_path / "config.json"))
+        except AuditError as exc:
+            assert "cannot read the Hugging Face config" in exc.what and depth >= 990
+        else:
+            assert depth < 5000
