@@ -196,24 +196,49 @@ def frontier_chart(cal: "CalibrationReport") -> str | None:
                    cal.higher_is_better, cal.reference)
 
 
+def _measured_fig(name: str, points: list[tuple[int, float]], curve: list[tuple[int, float]], limit: float,
+                  label: str, higher: bool, break_even: float, floor: int | None, m: int, n: int) -> Any:
+    from .layer_charts import PALETTE, _figure, _log_rank_axis, short_label
+
+    pts = sorted((r, v) for r, v in points if r > 0 and math.isfinite(v))
+    if not pts:
+        return None
+    fig, ax = _figure(5.6, 2.8)
+    _log_rank_axis(ax, min(m, n), break_even)
+    ax.plot([r for r, _ in pts], [v for _, v in pts], color=PALETTE[0], marker="o", markersize=4, linewidth=1.4,
+            label=f"{short_label(label, 30)} (measured, this layer alone)")
+    if not higher:  # the tier-1 layer-output error is in the same units as the default metric
+        c = [(r, e) for r, e in curve if r > 0 and math.isfinite(e)]
+        ax.plot([r for r, _ in c], [e for _, e in c], color="#94a3b8", linewidth=1.0, linestyle="--",
+                label="layer-output error (tier 1)")
+        top = max(v for _, v in pts)
+        ax.set_ylim(0, max(top, limit) * 1.3)
+    ax.axhline(limit, color="#ea580c", linewidth=0.9, linestyle="--", label=f"tolerance ({limit:g})")
+    ax.axvline(break_even, color="#334155", linewidth=0.8, linestyle=":", label=f"break-even {break_even:.1f}")
+    if floor is not None:
+        ax.axvline(floor, color="#16a34a", linewidth=1.0, label=f"measured floor {floor}")
+    ax.set_xlabel("rank r (log scale)")
+    ax.set_ylabel(short_label(label, 30))
+    ax.set_title(f"{short_label(name, 48)} ({m} x {n})", fontsize=9, loc="left")
+    ax.legend(fontsize=7, frameon=False, loc="upper left", bbox_to_anchor=(1.02, 1.0))
+    return fig
+
+
 def layer_charts(audit: "Audit", top: int = 8) -> list[tuple[str, str]]:
-    """(layer, SVG) per measured layer: its energy curve with the measured metric against rank (floor marked)."""
-    from .layer_charts import energy_chart
+    """(layer, SVG) per measured layer, largest first: the model-level metric with that layer alone truncated against
+    its rank (log axis), the tier-1 layer-output error beside it, tolerance, break-even and measured floor marked."""
+    from .layer_charts import _render
 
     cal = audit.calibration
     if cal is None:
         return []
+    limit = cal.reference - cal.tolerance if cal.higher_is_better else cal.tolerance
     out = []
     for name, pts in list(cal.measured_points().items())[:top]:
         layer = audit.layer(name)
-        spec = audit.spectra.get(name)
-        energy = spec.energy if spec is not None and spec.energy else [float("nan")] * layer.max_rank
         lc = cal.layers[name]
-        svg = energy_chart(energy, name, m=layer.m, n=layer.n, break_even=layer.break_even,
-                           suggested=lc.floor.floor if lc.floor is not None else None,
-                           measured=pts, measured_floor=(cal.reference - cal.tolerance if cal.higher_is_better
-                                                         else cal.tolerance),
-                           measured_label=cal.metric)
+        svg = _render(_measured_fig, name, pts, lc.curve, limit, cal.metric, cal.higher_is_better, layer.break_even,
+                      lc.floor.floor if lc.floor is not None else None, layer.m, layer.n)
         if svg:
             out.append((name, svg))
     return out
