@@ -60,7 +60,7 @@ def weights_hash(model: nn.Module) -> str:
         c = t.detach().contiguous().cpu()
         h.update(f"{name}:{tuple(c.shape)}:{c.dtype};".encode())
         if c.numel():
-            h.update(c.view(torch.uint8).numpy().tobytes() if c.dim() else c.reshape(1).view(torch.uint8).numpy().tobytes())
+            h.update(c.reshape(-1).view(torch.uint8).numpy().tobytes())
     return h.hexdigest()
 
 
