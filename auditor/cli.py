@@ -28,7 +28,7 @@ def _parser() -> argparse.ArgumentParser:
                     "singular-value spectra, suggested ranks, and a review of a compression plan.",
         epilog="Sources: file.py:factory, package.module:factory, a Hugging Face directory or config.json, a "
                ".safetensors file or sharded directory (weights only), torchvision:NAME, timm:NAME. "
-               "`lowrank-audit rules` lists the rules.",
+               "`lowrank-audit rules` lists the rules; `lowrank-audit factorize --help` applies a plan.",
     )
     p.add_argument("model", help="the model source")
     g = p.add_argument_group("inputs")
