@@ -192,3 +192,34 @@ def test_api_takes_the_same_calibration(digits_mlp):
     assert a.calibration.fit_rows == 150 and "recovery fine-tune" in a.calibration.finetune_note
     with pytest.raises(auditor.AuditError, match="need calibration data"):
         auditor.AuditOptions(measure_floor=True)
+
+
+def test_a_user_metric_in_its_own_units(cli_inproc, calib, tmp_path, digits_mlp):
+    """--metric file.py:fn (accuracy on the held-out digits, higher is better) with --tolerance in its units."""
+    from sklearn.datasets import load_digits
+
+    metric = tmp_path / "metrics.py"
+    metric.write_text(
+        "import torch\nfrom sklearn.datasets import load_digits\n\n"
+        f"LABELS = torch.tensor(load_digits().target[{ROWS * 3 // 4}:{ROWS}])\n\n"
+        "def accuracy(model, batches):\n"
+        "    pred = torch.cat([model(**b).argmax(-1) for b in batches])\n"
+        "    return float((pred == LABELS).double().mean())\n")
+    d = _json(cli_inproc, tmp_path, "--calibration", calib, "--metric", f"{metric}:accuracy", "--tolerance", "0.02",
+              "--no-cache")
+    c = d["calibration"]
+    model = digits_mlp[0]
+    x = torch.tensor(load_digits().data[ROWS * 3 // 4:ROWS], dtype=torch.float32) / 16.0
+    y = torch.tensor(load_digits().target[ROWS * 3 // 4:ROWS])
+
+    def acc(m: torch.nn.Module) -> float:
+        with torch.no_grad():
+            return float((m(x).argmax(-1) == y).double().mean())
+
+    assert (c["metric"], c["higher_is_better"], c["tolerance"]) == ("accuracy", True, 0.02)
+    assert c["reference"] == acc(model)
+    plan = {k: s["rank"] for k, s in d["suggestions"].items() if s["rank"] is not None}
+    cal = load_calibration(calib, model, 0.25)
+    got = acc(factorize(model, plan, input_statistics(model, _layers(model), cal)))
+    assert c["plan_check"]["measured"] == got and c["plan_check"]["ok"] == (got >= acc(model) - 0.02)
+    assert c["plan_check"]["predicted"] is None  # no layer-level prediction in a user metric's units
