@@ -1,4 +1,4 @@
-"""BLAS dsyrk and LAPACK dsyevd called without the GIL, and a cap on BLAS threads while layers run side by side.
+"""BLAS dsyrk/dgemm and LAPACK dsyevd called without the GIL, and a cap on BLAS threads while layers run side by side.
 
 SciPy's Python wrappers (``scipy.linalg.blas.dsyrk``, ``scipy.linalg.eigh``) hold the GIL for the whole call, so two
 Python threads running them take turns instead of sharing the cores. SciPy also publishes the same routines as C
@@ -41,29 +41,52 @@ def _routine(module: str, name: str, nargs: int) -> ctypes._CFuncPtr | None:  # 
 
 def available() -> bool:
     return _routine("scipy.linalg.cython_blas", "dsyrk", 10) is not None and (
-        _routine("scipy.linalg.cython_lapack", "dsyevd", 11) is not None
-    )
+        _routine("scipy.linalg.cython_lapack", "dsyevd", 11) is not None) and (
+        _routine("scipy.linalg.cython_blas", "dgemm", 13) is not None)
 
 
 def _ref(x: object) -> ctypes._Pointer:  # type: ignore[name-defined]
     return ctypes.byref(x)  # type: ignore[arg-type]
 
 
-def syrk(c: np.ndarray, a: np.ndarray, *, k_rows: bool, beta: float) -> None:
+def _int(v: int) -> ctypes._Pointer:  # type: ignore[name-defined]
+    return _ref(ctypes.c_int(v))
+
+
+def _dbl(v: float) -> ctypes._Pointer:  # type: ignore[name-defined]
+    return _ref(ctypes.c_double(v))
+
+
+def syrk(c: np.ndarray, a: np.ndarray, *, k_rows: bool, beta: float, tile: int | None = None) -> None:
     """C (n x n, Fortran order, upper triangle) = A^T A + beta C in place, for a C-ordered block ``a``.
 
     ``k_rows``: ``a`` is (rows x n) and the Gram runs over its rows (a tall matrix's W^T W); otherwise ``a`` is
-    (n x cols) and the Gram runs over its columns (a wide matrix's W W^T)."""
-    fn = _routine("scipy.linalg.cython_blas", "dsyrk", 10)
-    assert fn is not None and a.flags.c_contiguous and c.flags.f_contiguous and a.dtype == c.dtype == np.float64
-    if k_rows:  # Fortran sees the (rows x n) C array as A^T (n x rows): C = (A^T)(A^T)^T, no transpose
-        k, trans, lda = a.shape[0], b"N", a.shape[1]
-    else:  # Fortran sees (n x cols) as (cols x n): C = (.)^T (.)
-        k, trans, lda = a.shape[1], b"T", a.shape[1]
+    (n x cols) and the Gram runs over its columns (a wide matrix's W W^T). ``tile``: with n above it, the upper
+    triangle is built from tiles of at most ``tile`` (dsyrk on the diagonal, dgemm above it), because the threaded
+    dsyrk of SciPy's bundled OpenBLAS 0.3.30 writes out of bounds once n reaches about 28,000 (measured here:
+    n = 27,000 runs, n = 28,000 dies with SIGSEGV on 2 threads and runs on 1)."""
+    fsyrk = _routine("scipy.linalg.cython_blas", "dsyrk", 10)
+    fgemm = _routine("scipy.linalg.cython_blas", "dgemm", 13)
+    assert fsyrk is not None and fgemm is not None
+    assert a.flags.c_contiguous and c.flags.f_contiguous and a.dtype == c.dtype == np.float64
     n = c.shape[0]
-    fn(ctypes.c_char_p(b"U"), ctypes.c_char_p(trans), _ref(ctypes.c_int(n)), _ref(ctypes.c_int(k)),
-       _ref(ctypes.c_double(1.0)), a.ctypes.data_as(_P), _ref(ctypes.c_int(lda)), _ref(ctypes.c_double(beta)),
-       c.ctypes.data_as(_P), _ref(ctypes.c_int(n)))
+    if k_rows:  # Fortran sees the (rows x n) C array as X = A^T (n x rows): C = X X^T; row i of X at offset i
+        k, lda, step = a.shape[0], a.shape[1], 1
+        t_syrk, t_a, t_b = b"N", b"N", b"T"
+    else:  # Fortran sees (n x cols) as Y (cols x n): C = Y^T Y; column i of Y at offset i * cols
+        k, lda, step = a.shape[1], a.shape[1], a.shape[1]
+        t_syrk, t_a, t_b = b"T", b"T", b"N"
+    base, cbase, size = a.ctypes.data, c.ctypes.data, 8
+    width = n if not tile or n <= tile else tile
+    for i0 in range(0, n, width):
+        ni = min(width, n - i0)
+        ai = _P(base + i0 * step * size)
+        fsyrk(ctypes.c_char_p(b"U"), ctypes.c_char_p(t_syrk), _int(ni), _int(k), _dbl(1.0), ai, _int(lda),
+              _dbl(beta), _P(cbase + (i0 + i0 * n) * size), _int(n))
+        for j0 in range(i0 + width, n, width):
+            nj = min(width, n - j0)
+            fgemm(ctypes.c_char_p(t_a), ctypes.c_char_p(t_b), _int(ni), _int(nj), _int(k), _dbl(1.0), ai, _int(lda),
+                  _P(base + j0 * step * size), _int(lda), _dbl(beta), _P(cbase + (i0 + j0 * n) * size), _int(n))
 
 
 def eigvalsh_upper(g: np.ndarray) -> np.ndarray:

@@ -28,7 +28,7 @@ import torch
 from torch import nn
 
 from .errors import AuditError
-from .layers import ParamTable, collect_layers
+from .layers import ParamTable, collect_layers, hf_conv1d_type
 from .results import Kind, Layer
 
 FORMAT = "lowrank-auditor factorized"
@@ -71,18 +71,6 @@ def _set(model: nn.Module, path: str, new: nn.Module) -> None:
     parent, _, child = path.rpartition(".")
     owner = model.get_submodule(parent) if parent else model
     owner._modules[child] = new
-
-
-def _hf_conv1d() -> type | None:
-    import sys
-
-    if "transformers" not in sys.modules:
-        return None
-    try:
-        from transformers.pytorch_utils import Conv1D
-    except Exception:  # pragma: no cover
-        return None
-    return Conv1D
 
 
 def _two(layer: Layer, mod: nn.Module, r: int, a: np.ndarray | None, b: np.ndarray | None) -> nn.Module:
@@ -153,7 +141,7 @@ def factorize(model: nn.Module, plan: dict[str, int], calibration: Any = None, *
         else:
             raise AuditError(f"calibration is a {type(calibration).__name__}",
                              "Pass a Calibration (load_calibration) or InputStatistics")
-    conv1d = _hf_conv1d()
+    conv1d = hf_conv1d_type()
     for name, (layer, _) in resolved.items():
         mod = model.get_submodule(layer.name) if layer.kind in SUPPORTED else None
         ok = mod is not None and (

@@ -261,13 +261,14 @@ for _type, _spec in (
 
 def _register_hf_conv1d() -> None:
     """transformers' Conv1D, only once transformers is imported (importing it costs seconds)."""
-    conv1d = _hf_conv1d_type()
+    conv1d = hf_conv1d_type()
     if conv1d is not None and conv1d not in _SPECS:
         _SPECS[conv1d] = LayerSpec(_only_weight, _conv1d_hf_view, _conv1d_hf_cost)
         spec_for_type.cache_clear()
 
 
-def _hf_conv1d_type() -> type | None:
+def hf_conv1d_type() -> type | None:
+    """transformers' ``Conv1D`` (a linear layer stored (in, out)) when transformers is already imported, else None."""
     if "transformers" not in sys.modules:
         return None
     try:

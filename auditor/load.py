@@ -20,11 +20,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterator, Sequence
 
+import numpy as np
 import torch
 from torch import nn
 
 from .errors import AuditError, first_line
 from .results import Kind, Layer
+from .tensorref import DTYPES, MAX_HEADER, TensorRef, inside, open_regular, read_header
 
 
 @dataclass
@@ -213,9 +215,13 @@ def _factory(spec: str, input_shape: Any, input_ids: Any, weights: str | None, p
         module = importlib.util.module_from_spec(spec_obj)
         loader = spec_obj.loader
         sys.path.insert(0, str(file.parent.resolve()))
+        sys.modules[mod_name] = module  # as an import would: @dataclass and pickling look the module up by name
         try:
             _run_user_code(lambda: loader.exec_module(module), f"importing {target}", "failed:",
                            "Fix the error in that file", guard)
+        except BaseException:
+            sys.modules.pop(mod_name, None)
+            raise
         finally:
             sys.path.pop(0)
     else:
@@ -501,54 +507,89 @@ def safe_torch_load(path: Path) -> dict[str, torch.Tensor]:
 
 @dataclass
 class WeightsOnly:
-    """A checkpoint with no architecture code: tensors read one at a time through memory mapping."""
+    """A checkpoint with no architecture code: each safetensors header parsed once, tensors read one at a time
+    through memory mapping, and handed to the spectral engine as picklable :class:`TensorRef` file references.
+
+    Byte-identical matrices (the same tied tensor saved twice, e.g. in two shards) are one layer, found by content
+    hash (BLAKE3), the other names listed as its aliases and its parameters counted once."""
 
     name: str
     source: str
     index: dict[str, tuple[Path | None, tuple[int, ...], str]]  # tensor name -> (file, shape, dtype)
     state: dict[str, torch.Tensor] | None = None  # for .bin state dicts (already memory-mapped by torch.load)
     notes: list[str] = field(default_factory=list)
+    refs: dict[str, TensorRef] = field(default_factory=dict)  # tensor name -> file reference (safetensors)
+    _ties: dict[str, str] | None = None  # duplicate name -> canonical name, once computed
 
     @classmethod
     def open(cls, path: Path) -> "WeightsOnly":
-        from safetensors import safe_open
-
+        weight_map: dict[str, str] | None = None
         files: list[Path]
         if path.is_dir():
             idx = path / "model.safetensors.index.json"
             if idx.is_file():
-                files = cls._shards(idx)
+                files, weight_map = cls._shards(idx)
             else:
                 files = sorted(path.glob("*.safetensors"))
         elif path.name.endswith(".index.json"):
-            files = cls._shards(path)
+            files, weight_map = cls._shards(path)
         else:
             files = [path]
-        index: dict[str, tuple[Path | None, tuple[int, ...], str]] = {}
+        refs: dict[str, TensorRef] = {}
         for f in files:
-            try:
-                with safe_open(str(f), framework="pt") as fh:
-                    for k in fh.keys():
-                        sl = fh.get_slice(k)
-                        index[k] = (f, tuple(sl.get_shape()), str(sl.get_dtype()))
-            except Exception as exc:  # noqa: BLE001
-                raise AuditError(f"{f} is not a readable safetensors file: {first_line(exc)}",
-                                 "The file may be truncated or corrupt; download or write it again") from None
+            for k, ref in read_header(f).items():
+                if k in refs and (weight_map is None or weight_map.get(k) == Path(refs[k].path or "").name):
+                    if weight_map is None:
+                        raise AuditError(f"tensor {k} is in both {Path(refs[k].path or '').name} and {f.name}",
+                                         "Keep each tensor in one file, or add a model.safetensors.index.json")
+                    continue  # the index names the other shard for it
+                refs[k] = ref
+        if weight_map is not None:
+            lost = [k for k, fname in weight_map.items() if k not in refs or Path(refs[k].path or "").name != fname]
+            if lost:
+                raise AuditError(f"{len(lost)} tensor(s) named in the shard index are not in their shard: "
+                                 f"{', '.join(lost[:5])}{' ...' if len(lost) > 5 else ''}",
+                                 "Copy the complete checkpoint, or fix model.safetensors.index.json")
+        index = {k: (Path(r.path or ""), r.shape, _ST_CODES.get(r.dtype, r.dtype.upper())) for k, r in refs.items()}
         notes = [f"Read {len(files)} safetensors file(s) through memory mapping, one tensor at a time."]
-        return cls(path.stem if path.is_file() else path.name, str(path), index, notes=notes)
+        return cls(path.stem if path.is_file() else path.name, str(path), index, notes=notes, refs=refs)
 
     @staticmethod
-    def _shards(idx: Path) -> list[Path]:
+    def _shards(idx: Path) -> tuple[list[Path], dict[str, str]]:
+        """The shard files an index names, all inside its folder. Entries that are absolute or lead outside the
+        folder (``..``, symlinks) are refused with one line that says nothing about the file outside."""
         try:
-            wm = json.loads(idx.read_text(encoding="utf-8"))["weight_map"]
+            fd = open_regular(idx)
+            try:
+                raw = b""
+                while chunk := os.read(fd, 1 << 20):
+                    raw += chunk
+                    if len(raw) > MAX_HEADER:
+                        raise ValueError("larger than 100 MB")
+            finally:
+                os.close(fd)
+            doc = json.loads(raw.decode("utf-8"))
+            wm = doc.get("weight_map") if isinstance(doc, dict) else None
+        except AuditError:
+            raise
         except Exception as exc:  # noqa: BLE001
             raise AuditError(f"cannot read shard index {idx}: {first_line(exc)}", "Check the index JSON") from None
-        files = sorted({idx.parent / f for f in wm.values()})
+        if not isinstance(wm, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in wm.items()):
+            raise AuditError(f"shard index {idx} has no weight_map of tensor names to file names",
+                             'Write "weight_map": {"tensor.name": "model-00001-of-00002.safetensors", ...}')
+        if not wm:
+            raise AuditError(f"shard index {idx} has an empty weight_map", "Write the index that names every tensor")
+        folder = idx.parent
+        for fname in sorted(set(wm.values())):
+            if inside(folder, fname) is None:
+                raise AuditError(f"shard index {idx} names {fname!r}, which is not a file inside {folder}",
+                                 "Shards must sit in the index's folder; give plain file names")
+        files = sorted({folder / f for f in wm.values()})
         missing = [f.name for f in files if not f.is_file()]
         if missing:
             raise AuditError(f"shard(s) missing from {idx.parent}: {', '.join(missing)}",
                              "Copy every shard named in model.safetensors.index.json")
-        return files
+        return files, wm
 
     @classmethod
     def from_state_dict(cls, path: Path) -> "WeightsOnly":
@@ -558,24 +599,87 @@ class WeightsOnly:
 
     @property
     def total_params(self) -> int:
-        return sum(math.prod(s) for _, s, _ in self.index.values())
+        dups = self.ties()
+        return sum(math.prod(s) for k, (_, s, _) in self.index.items() if k not in dups)
+
+    def _ref(self, name: str) -> TensorRef:
+        if self.state is not None:
+            t = self.state[name]
+            return TensorRef.of_tensor(t, name, "", 0, 0)
+        return self.refs[name]
 
     def tensor(self, name: str) -> torch.Tensor:
-        if self.state is not None:
-            return self.state[name]
-        from safetensors import safe_open
+        return self._ref(name).load()
 
-        f = self.index[name][0]
-        with safe_open(str(f), framework="pt") as fh:
-            return fh.get_tensor(name)
+    def ref(self, layer: Layer) -> TensorRef:
+        """A picklable reference to the layer's tensor with its matrix view: a worker can read it alone."""
+        return self._ref(layer.param).with_view(str(layer.kind), layer.m, layer.n, layer.groups)
 
     def loader(self, layer: Layer) -> Callable[[], torch.Tensor]:
-        return lambda: self.tensor(layer.param)
+        return self.ref(layer)  # a TensorRef is callable; the spectral engine takes it as the reference it is
+
+    def ties(self) -> dict[str, str]:
+        """Byte-identical matrices: duplicate name -> canonical (first) name. Candidates share shape and dtype; a
+        16 KiB sample at three places rules most out, then BLAKE3 of all the bytes decides. All-zero tensors are
+        left apart (identical by content, not by tying)."""
+        if self._ties is not None:
+            return self._ties
+        from blake3 import blake3
+
+        groups: dict[tuple, list[str]] = {}
+        for k, (_, shape, dtype) in self.index.items():
+            if len(shape) >= 2 and any(s > 1 for s in shape):
+                groups.setdefault((shape, dtype), []).append(k)
+        ties: dict[str, str] = {}
+        for names in groups.values():
+            if len(names) < 2:
+                continue
+            by_sample: dict[bytes, list[str]] = {}
+            for k in names:
+                by_sample.setdefault(self._sample(k), []).append(k)
+            for same in by_sample.values():
+                if len(same) < 2:
+                    continue
+                by_hash: dict[str, list[str]] = {}
+                for k in same:
+                    raw = self._ref(k).raw_bytes()
+                    if not raw or not np.frombuffer(raw, dtype=np.uint8).any():
+                        continue
+                    h = blake3(max_threads=blake3.AUTO if len(raw) > 4 << 20 else 1)
+                    h.update(raw)
+                    by_hash.setdefault(h.hexdigest(), []).append(k)
+                for dup in by_hash.values():
+                    for k in dup[1:]:
+                        ties[k] = dup[0]
+        self._ties = ties
+        if ties:
+            shown = ", ".join(f"{k} = {v}" for k, v in list(ties.items())[:5])
+            self.notes.append(f"{len(ties)} byte-identical tensor(s) counted once, as aliases (BLAKE3): {shown}"
+                              + (" ..." if len(ties) > 5 else ""))
+        return ties
+
+    def _sample(self, name: str) -> bytes:
+        """16 KiB from the start, middle and end of a tensor's bytes."""
+        ref = self._ref(name)
+        size, n = ref.nbytes, 16 << 10
+        spots = sorted({0, max(0, size // 2 - n // 2), max(0, size - n)})
+        if ref.path is None:
+            raw = ref.raw_bytes()
+            return b"".join(bytes(raw[s : s + n]) for s in spots)
+        fd = open_regular(ref.path)
+        try:
+            return b"".join(os.pread(fd, min(n, size - s), ref.offset + s) for s in spots)
+        finally:
+            os.close(fd)
 
     def layers(self) -> dict[str, Layer]:
+        ties = self.ties()
+        aliases: dict[str, list[str]] = {}
+        for k, canon in ties.items():
+            aliases.setdefault(canon, []).append(k)
         out: dict[str, Layer] = {}
         for name, (_, shape, dtype) in self.index.items():
-            if len(shape) < 2 or not any(s > 1 for s in shape):
+            if len(shape) < 2 or not any(s > 1 for s in shape) or name in ties:
                 continue
             base = name[: -len(".weight")] if name.endswith(".weight") else name
             low = name.lower()
@@ -589,5 +693,9 @@ class WeightsOnly:
                 kind = Kind.CONV
                 view = f"{len(shape)}-D kernel viewed as dim0 x prod(rest)"
             out[name] = Layer(name=base, param=name, kind=kind, module_type="tensor", shape=tuple(shape),
-                              m=m, n=n, view=view, dtype=dtype.lower().replace("torch.", ""))
+                              m=m, n=n, view=view, dtype=dtype.lower().replace("torch.", ""),
+                              aliases=aliases.get(name, []))
         return out
+
+
+_ST_CODES = {torch_name: code for code, (torch_name, _) in DTYPES.items()}

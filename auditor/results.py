@@ -172,7 +172,7 @@ class Spectrum:
     sigma: list[list[float]] | None  # groups x min(m, n); None when skipped
     method: SpectrumMethod = SpectrumMethod.NONE
     skipped: str = ""  # why there is no spectrum
-    frob2: float = 0.0
+    frob2: float | None = 0.0  # None when ||W||_F^2 overflows float64 (|w| above about 1e154)
     stable_rank: float = 0.0
     effective_rank: float = 0.0
     numerical_rank: int = 0

@@ -129,3 +129,13 @@ def test_odd_shape_on_the_command_line_exits_2(cli_inproc):
     assert res.returncode == 2
     assert res.stderr == ("error: --input-shape '1,,64' is not a shape: a dimension is missing between separators. "
                           "Give positive whole numbers separated by commas, e.g. --input-shape 1,3,224,224.\n")
+
+
+def test_a_factory_file_with_a_dataclass_loads(tmp_path):
+    # dataclasses look their module up in sys.modules: a file imported by path must be registered there
+    (tmp_path / "m.py").write_text(
+        "from dataclasses import dataclass\nimport torch\n\n@dataclass\nclass Cfg:\n    d: int = 6\n\n"
+        "def build():\n    return torch.nn.Linear(Cfg().d, 4)\n"
+    )
+    loaded = load_source(f"{tmp_path / 'm.py'}:build")
+    assert sum(p.numel() for p in loaded.model.parameters()) == 6 * 4 + 4

@@ -1,4 +1,7 @@
-"""Singular values against numpy's float64 SVD, exact ranks for energy, skips, and the content-hash cache."""
+"""Singular values against numpy's float64 SVD, exact ranks for energy, skips, scaling, memory refusal, the cache."""
+
+import json
+import math
 
 import numpy as np
 import pytest
@@ -6,34 +9,43 @@ import torch
 from torch import nn
 
 import auditor
-from auditor.layers import matrix_view
-from auditor.spectra import Engine
+from auditor.spectra import Engine, compute_spectra
+from auditor.tensorref import TensorRef
 
 
-def reference(layer, tensor):
-    mats = matrix_view(layer, tensor.detach().to(torch.float64)).numpy()
-    return np.stack([np.linalg.svd(m, compute_uv=False) for m in mats])
+def stored_matrix(model, layer):
+    """The float64 matrix of a Linear or an ungrouped Conv2d weight, reshaped here by hand (out, in*kh*kw)."""
+    w = dict(model.named_parameters())[layer.param].detach().double().numpy()
+    return w.reshape(w.shape[0], -1)
+
+
+def rank_for(sigma, target):
+    """Smallest r whose leading r squared values hold at least ``target`` of the total, by a plain loop."""
+    s2 = [float(x) ** 2 for x in sigma]
+    total, acc = sum(s2), 0.0
+    for r, v in enumerate(s2, start=1):
+        acc += v
+        if acc >= target * total:
+            return r
+    return len(s2)
 
 
 @pytest.mark.parametrize("which", ["digits_mlp", "digits_cnn"])
 def test_sample_model_spectra_match_float64_svd(which, request):
     model, inputs = request.getfixturevalue(which)
     a = auditor.audit(model, inputs, cache=False)
-    params = dict(model.named_parameters())
     assert len(a.spectra) == len(a.layers) == 4
     for layer in a.layers:
+        assert layer.groups == 1
         sp = a.spectra[layer.name]
-        ref = reference(layer, params[layer.param])
-        got = np.asarray(sp.sigma)
+        ref = np.linalg.svd(stored_matrix(model, layer), compute_uv=False)
+        got = np.asarray(sp.sigma[0])
         assert got.shape == ref.shape
-        assert np.max(np.abs(got - ref)) <= 1e-6 * ref.max(), layer.name
-        # every rank-for-energy equals the float64 reference exactly
-        s2 = (ref**2).sum(axis=0)
-        cum = np.cumsum(s2) / s2.sum()
+        assert np.max(np.abs(got - ref)) <= 1e-6 * ref[0], layer.name
         for t in (0.90, 0.95, 0.99):
-            expected = int(np.searchsorted(cum, t, side="left")) + 1
-            assert sp.rank_for(t) == expected, (layer.name, t)
-        assert sp.stable_rank == pytest.approx((ref**2).sum() / ref.max() ** 2, rel=1e-9)
+            assert sp.rank_for(t) == rank_for(ref, t), (layer.name, t)
+        assert sp.stable_rank == pytest.approx((ref**2).sum() / ref[0] ** 2, rel=1e-9)
+        assert sp.frob2 == pytest.approx((stored_matrix(model, layer) ** 2).sum(), rel=1e-9)
 
 
 def test_derived_numbers_on_a_known_spectrum():
@@ -88,11 +100,68 @@ def test_bad_weights_are_skipped_with_a_reason(fill, reason):
     assert [f.code for f in a.findings if f.code == "LR010"] == ["LR010"]
 
 
-def test_meta_and_quantized_weights_are_skipped():
-    from auditor.spectra import skip_reason
+def ref_of(t, kind="linear", groups=1):
+    m, n = t.shape[0] // groups, math.prod(t.shape[1:])
+    return TensorRef.of_tensor(t, "w", kind, m, n, groups)
 
-    assert "meta device" in skip_reason(torch.empty(4, 4, device="meta"))
-    assert "quantized" in skip_reason(torch.zeros(4, 4, dtype=torch.int8))
+
+@pytest.mark.parametrize("make,reason", [
+    (lambda: torch.empty(4, 4, device="meta"), "meta device"),
+    (lambda: torch.zeros(4, 4, dtype=torch.int8), "quantized (int8)"),
+    (lambda: torch.quantize_per_tensor(torch.ones(4, 4), 0.1, 0, torch.qint8), "quantized (qint8)"),
+    (lambda: torch.ones(4, 4).to(torch.float8_e4m3fn), "float8_e4m3fn weights"),
+    (lambda: torch.eye(4).to_sparse(), "sparse_coo tensor"),
+    (lambda: torch.zeros(0, 4), "zero-sized"),
+    (lambda: torch.ones(4, 4, dtype=torch.complex64), "not a floating-point tensor (complex64)"),
+], ids=["meta", "int8", "qint8", "float8", "sparse", "zero-dim", "complex"])
+def test_weights_without_a_spectrum_get_a_reason_not_a_traceback(make, reason):
+    t = make()
+    spectra, stats = compute_spectra([("w", ref_of(t))], targets=(0.9,))
+    assert spectra["w"].sigma is None and reason in spectra["w"].skipped
+    assert stats.skipped == 1 and stats.computed == 0
+
+
+def test_a_model_with_no_factorizable_layer_audits_cleanly():
+    from auditor.spectra import SpectraStats
+
+    a = auditor.audit(nn.Sequential(nn.LayerNorm(8)), cache=False)
+    assert a.layers == [] and a.spectra == {} and a.spectra_stats["computed"] == 0
+    assert compute_spectra([], targets=(0.9,)) == ({}, SpectraStats())
+
+
+@pytest.mark.parametrize("c", [1e200, 1e-200, 2.0**1000, 2.0**-1000])
+def test_extreme_float64_scales_give_scaled_exact_spectra_and_valid_json(c):
+    u, _ = torch.linalg.qr(torch.randn(9, 9, dtype=torch.float64, generator=torch.Generator().manual_seed(7)))
+    v, _ = torch.linalg.qr(torch.randn(5, 5, dtype=torch.float64, generator=torch.Generator().manual_seed(8)))
+    s = torch.tensor([5.0, 3.0, 2.0, 1.0, 0.5], dtype=torch.float64)
+    w = (u[:, :5] * s) @ v.T * c
+    spectra, stats = compute_spectra([("w", ref_of(w))], targets=(0.9, 0.95, 0.99))
+    sp = spectra["w"]
+    assert sp.skipped == "" and stats.computed == 1
+    assert np.allclose(np.asarray(sp.sigma[0]) / c, s.numpy(), rtol=1e-12, atol=0)
+    total = 39.25  # 25 + 9 + 4 + 1 + 0.25
+    assert sp.energy == pytest.approx([25 / total, 34 / total, 38 / total, 39 / total, 1.0], rel=1e-12)
+    assert sp.stable_rank == pytest.approx(total / 25, rel=1e-12)
+    assert all(math.isfinite(e) for e in sp.energy) and math.isfinite(sp.effective_rank)
+    json.dumps(sp.to_dict(), allow_nan=False)  # no NaN or Infinity anywhere
+    if total * c * c > 1.7e308:
+        assert sp.frob2 is None  # ||W||_F^2 exceeds float64: left out, not Infinity
+    elif total * c * c > 1e-300:
+        assert sp.frob2 == pytest.approx(total * c * c, rel=1e-12)
+
+
+def test_a_short_side_beyond_lapack_indexing_or_memory_is_refused_before_anything_is_built(monkeypatch):
+    from auditor.spectra import backend
+
+    huge = torch.zeros(1).expand(46341, 46341)  # 4 bytes stored, 8 GiB as a float32 matrix
+    spectra, _ = compute_spectra([("w", ref_of(huge))], targets=(0.9,))
+    assert spectra["w"].skipped.startswith("short side 46,341 too large for an exact spectrum here: the float64 "
+                                           "Gram needs 16.0 GiB")
+    monkeypatch.setattr(backend, "available_memory", lambda: 3 << 30)
+    wide = torch.ones(1).expand(30000, 30000)
+    spectra, _ = compute_spectra([("w", ref_of(wide))], targets=(0.9,))
+    assert spectra["w"].skipped == ("short side 30,000 too large for an exact spectrum here: the float64 Gram needs "
+                                    "6.7 GiB, 3.0 GiB available")
 
 
 def test_cache_recomputes_only_changed_weights(tmp_path):
@@ -136,94 +205,77 @@ def test_emit_plan_round_trips(tmp_path, digits_mlp):
 
 
 @pytest.mark.parametrize("gil_free", [True, False], ids=["cython-pointers", "scipy-wrappers"])
-@pytest.mark.parametrize("shape", [(37, 5), (5, 37), (16, 16)])
-def test_gram_blocks_and_eigenvalues_match_float64(monkeypatch, gil_free, shape):
-    from auditor import _lapack, spectra
+@pytest.mark.parametrize("tile", [8192, 3], ids=["one-syrk", "tiles"])
+@pytest.mark.parametrize("shape", [(37, 5), (5, 37), (16, 16), (40, 11)])
+def test_gram_blocks_and_tiles_match_numpy_products(monkeypatch, gil_free, tile, shape):
+    from auditor import _lapack
+    from auditor.spectra import backend
 
     if gil_free and not _lapack.available():
         pytest.skip("this SciPy publishes no Cython BLAS/LAPACK pointers")
     monkeypatch.setattr(_lapack, "available", lambda: gil_free)
-    monkeypatch.setattr(spectra, "CHUNK_ELEMENTS", 35)  # blocks of 7 rows (or columns) and a short last block
+    monkeypatch.setattr(backend, "CHUNK_ELEMENTS", 35)  # blocks of a few rows (or columns), a short last block
+    monkeypatch.setattr(backend, "SYRK_TILE", tile)
     w = torch.randn(*shape, generator=torch.Generator().manual_seed(5))
     w64 = w.double().numpy()
     ref = w64.T @ w64 if shape[0] >= shape[1] else w64 @ w64.T
-    g = spectra.gram64(w)
-    assert np.allclose(np.triu(g), np.triu(ref), rtol=0, atol=1e-13 * np.abs(ref).max())
-    lam = np.linalg.eigvalsh(ref)
-    got = spectra.eig_svdvals(g)
+    g = backend.gram64(w, 0.25)
+    assert np.allclose(np.triu(g), np.triu(ref) / 16, rtol=0, atol=1e-13 * np.abs(ref).max())
+    lam = np.linalg.eigvalsh(ref / 16)
+    got = backend.eig_svdvals(g)
     assert np.allclose(got, np.sqrt(np.clip(lam[::-1], 0, None)), rtol=0, atol=1e-12 * got[0])
 
 
-def test_parallel_run_caps_blas_threads_and_matches_one_at_a_time():
+def test_parallel_run_caps_blas_threads_in_the_workers_and_matches_one_at_a_time():
     import os
 
     from threadpoolctl import threadpool_info
 
     from auditor import _lapack
-
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(48, 96), nn.ReLU(), nn.Linear(96, 32), nn.ReLU(), nn.Linear(32, 200))
-    layers = auditor.audit(model, spectra=False).layers
-    params = dict(model.named_parameters())
-    seen = []
+    from auditor.spectra import LapackBackend, ThreadExecutor
 
     def blas_threads():
         return {i["filepath"]: i["num_threads"] for i in threadpool_info() if i["user_api"] == "blas"}
 
-    def loader(name):
-        def load():
+    seen = []
+
+    class Recording(LapackBackend):
+        def svdvals(self, mats, targets):
             seen.append(blas_threads())
-            return params[name]
+            return super().svdvals(mats, targets)
 
-        return load
-
-    items = [(layer, loader(layer.param)) for layer in layers]
+    g = torch.Generator().manual_seed(0)
+    shapes = [(96, 48), (32, 96), (200, 32)]
+    items = [(f"w{i}", ref_of(torch.randn(m, n, generator=g))) for i, (m, n) in enumerate(shapes)]
     before = blas_threads()
-    two = Engine(use_cache=False, progress=False, workers=2).run(items)
+    two, _ = compute_spectra(items, targets=(0.9,), backend=Recording(), executor=ThreadExecutor(2))
     cap = max(1, (os.cpu_count() or 1) // 2) if _lapack.available() else None
+    assert len(seen) == 3
     for threads in seen:
         assert all(n == (cap or before[path]) for path, n in threads.items())
-    assert seen and blas_threads() == before
-    one = Engine(use_cache=False, progress=False, workers=1).run(items)
-    for name, sp in one.items():
-        assert np.allclose(two[name].sigma, sp.sigma, rtol=0, atol=1e-12 * sp.sigma[0][0])
+    assert blas_threads() == before
+    one, _ = compute_spectra(items, targets=(0.9,), executor=ThreadExecutor(1))
+    for i, (name, ref_obj) in enumerate(items):
+        ref = np.linalg.svd(ref_obj.data.double().numpy(), compute_uv=False)
+        assert np.allclose(two[name].sigma[0], one[name].sigma[0], rtol=0, atol=1e-12 * ref[0])
+        assert np.max(np.abs(np.asarray(one[name].sigma[0]) - ref)) <= 1e-6 * ref[0]
 
 
-@pytest.mark.parametrize("threads_from", [1 << 30, 100], ids=["one-thread", "all-cores"])
-def test_cache_key_is_blake3_of_layout_and_bytes_and_survives_a_corrupt_entry(tmp_path, monkeypatch, threads_from):
-    from blake3 import blake3
-
-    from auditor import spectra
-
-    monkeypatch.setattr(spectra, "HASH_THREADS_FROM", threads_from)
-    lin = nn.Linear(20, 30, bias=False)
-    layer = auditor.audit(nn.Sequential(lin), spectra=False).layers[0]
-    raw = lin.weight.detach().numpy().tobytes()
-    expect = blake3(f"{spectra.ENGINE_VERSION}|{layer.kind}|30x20x1|torch.float32|".encode() + raw).hexdigest()
-    key = spectra._hash(lin.weight, layer)
-    assert key == expect
-    with torch.no_grad():
-        lin.weight[-1, -1] += 1.0
-    assert spectra._hash(lin.weight, layer) != key
-
-    eng = Engine(cache_dir=tmp_path, progress=False)
-    first = eng.one(layer, lin.weight)
-    entry = next(tmp_path.rglob("*.f64"))
-    assert entry.stat().st_size == 20 * 8
-    entry.write_bytes(b"\0" * 12)  # truncated: recomputed, not misread
-    again = Engine(cache_dir=tmp_path, progress=False)
-    assert again.one(layer, lin.weight).sigma == first.sigma and again.stats.computed == 1
-    third = Engine(cache_dir=tmp_path, progress=False)
-    assert third.one(layer, lin.weight).method == "cache" and third.stats.cached == 1
+def test_progress_is_reported_through_the_callback():
+    calls = []
+    items = [(f"w{i}", ref_of(torch.randn(8, 6, generator=torch.Generator().manual_seed(i)))) for i in range(3)]
+    items.append(("meta", ref_of(torch.empty(4, 4, device="meta"))))
+    compute_spectra(items, targets=(0.9,), progress=lambda done, total: calls.append((done, total)))
+    assert calls == [(1, 4), (2, 4), (3, 4), (4, 4)]
 
 
 def test_eigensolver_failure_falls_back_to_float64_svd(monkeypatch):
-    from auditor import spectra
+    from auditor.spectra import backend
 
     def fail(g):
         raise np.linalg.LinAlgError("dsyevd failed to converge (info=3)")
 
-    monkeypatch.setattr(spectra, "eig_svdvals", fail)
+    monkeypatch.setattr(backend, "eig_svdvals", fail)
     lin = nn.Linear(12, 20, bias=False)
     layer = auditor.audit(nn.Sequential(lin), spectra=False).layers[0]
     eng = Engine(use_cache=False, progress=False)
@@ -231,3 +283,31 @@ def test_eigensolver_failure_falls_back_to_float64_svd(monkeypatch):
     ref = np.linalg.svd(lin.weight.detach().double().numpy(), compute_uv=False)
     assert sp.method == "svd-f64" and eng.stats.exact_fallbacks == 1
     assert np.max(np.abs(np.asarray(sp.sigma[0]) - ref)) <= 1e-12 * ref[0]
+
+
+@pytest.mark.parametrize("shape,groups", [((30, 12), 1), ((12, 30), 1), ((8, 2, 3, 3), 2)])
+def test_torch_backend_on_cpu_matches_float64_svd(shape, groups):
+    from auditor.spectra import TorchBackend
+
+    t = torch.randn(*shape, generator=torch.Generator().manual_seed(3))
+    kind = "conv" if t.dim() == 4 else "linear"
+    ref_obj = TensorRef.of_tensor(t, "w", kind, shape[0] // groups, math.prod(shape[1:]), groups)
+    got, _ = compute_spectra([("w", ref_obj)], targets=(0.9,), backend=TorchBackend("cpu"))
+    mats = t.double().reshape(groups, shape[0] // groups, -1).numpy()  # out channels split into groups, by hand
+    for gi in range(groups):
+        ref = np.linalg.svd(mats[gi], compute_uv=False)
+        assert np.max(np.abs(np.asarray(got["w"].sigma[gi]) - ref)) <= 1e-10 * ref[0]
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+def test_gram_of_low_precision_weights_with_a_wide_range_is_exact(dtype):
+    from auditor.spectra import backend
+
+    w = torch.randn(50, 20, generator=torch.Generator().manual_seed(6)) * 1e-3
+    w[0, 0] = 1000.0  # scaled by 2^-10: the small entries must not be rounded in the half-precision format
+    w = w.to(dtype)
+    c = backend.scale_for(float(w.abs().max()))
+    assert c == 2.0**-10
+    w64 = w.double().numpy() * c
+    g, ref = np.triu(backend.gram64(w, c)), np.triu(w64.T @ w64)
+    assert (np.abs(g - ref) <= 1e-12 * np.abs(ref) + 1e-16 * ref.max()).all()  # relative, even for tiny entries

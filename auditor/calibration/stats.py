@@ -27,6 +27,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from ..layers import hf_conv1d_type
 from ..results import Kind, Layer
 from .inputs import Batch, Calibration, run
 
@@ -234,18 +235,6 @@ def _rnn_hook(mod: nn.RNNBase, path: str, accs: dict[str, _Acc]) -> Callable[...
     return hook
 
 
-def _hf_conv1d() -> type | None:
-    import sys
-
-    if "transformers" not in sys.modules:
-        return None
-    try:
-        from transformers.pytorch_utils import Conv1D
-    except Exception:  # pragma: no cover
-        return None
-    return Conv1D
-
-
 def input_statistics(model: nn.Module, layers: dict[str, Layer] | list[Layer], batches: Calibration | list[Batch],
                      ) -> InputStatistics:
     """One forward pass over ``batches`` (a ``Calibration``: its fit part) with hooks that accumulate X^T X in
@@ -257,7 +246,7 @@ def input_statistics(model: nn.Module, layers: dict[str, Layer] | list[Layer], b
     accs: dict[str, _Acc] = {}
     shared: dict[tuple[Any, ...], Any] = {}
     handles: list[Any] = []
-    conv1d = _hf_conv1d()
+    conv1d = hf_conv1d_type()
     rnn_groups: dict[str, dict[str, _Acc]] = {}
     mha: dict[str, dict[str, _Acc]] = {}
     for layer in layer_list:
