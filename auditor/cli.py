@@ -29,7 +29,7 @@ def _parser() -> argparse.ArgumentParser:
                     "singular-value spectra, suggested ranks, and a review of a compression plan.",
         epilog="Sources: file.py:factory, package.module:factory, a Hugging Face directory or config.json, a "
                ".safetensors file or sharded directory (weights only), torchvision:NAME, timm:NAME. "
-               "`lowrank-audit rules` lists the rules.",
+               "`lowrank-audit rules` lists the rules; `lowrank-audit factorize --help` applies a plan.",
     )
     p.add_argument("model", help="the model source")
     _common_flags(p)
@@ -64,6 +64,19 @@ def _parser() -> argparse.ArgumentParser:
     g.add_argument("--energy-floor", type=float, help="LR004 floor (default 0.90)")
     g.add_argument("--select", metavar="CODES", help="only these rules, e.g. LR001,LR004")
     g.add_argument("--ignore", metavar="CODES", help="never these rules")
+    g = p.add_argument_group("calibration (measured rank floors; docs/calibration.md)")
+    g.add_argument("--calibration", metavar="FILE|module:fn",
+                   help="inputs to measure with: a safetensors/.pt file of tensors named after the forward's "
+                        "inputs, batched along dim 0, or file.py:fn / module:fn returning batches")
+    g.add_argument("--holdout", metavar="SHARE|FILE", help="share of the rows held out to measure (default 0.25), "
+                                                            "or a second file held out whole")
+    g.add_argument("--metric", metavar="module:fn",
+                   help="fn(model, batches) -> float, higher is better (default: relative output error)")
+    g.add_argument("--tolerance", type=float, help="allowed loss in the metric's units (default 0.01)")
+    g.add_argument("--measure-floor", action="store_true",
+                   help="tier 2: truncate each layer alone and bisect for its measured floor")
+    g.add_argument("--budget", type=float, metavar="FRACTION",
+                   help="tier 3: a plan removing this share of the parameters, checked all at once")
     g = p.add_argument_group("spectra")
     g.add_argument("--no-spectra", action="store_true", help="skip singular values (structure and counts only)")
     g.add_argument("--no-cache", action="store_true", help="do not read or write the spectrum cache")
@@ -126,6 +139,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] == "rules":
         return _rules_main(argv[1:])
+    if argv and argv[0] == "factorize":
+        from .cli_factorize import main as factorize_main
+
+        return factorize_main(argv[1:])
     args = _parser().parse_args(argv)
     written: list[Path] = []
     try:
@@ -188,7 +205,7 @@ def options_from(args: argparse.Namespace) -> tuple["AuditOptions", "LoadOptions
         spectra=not args.no_spectra, cache=not args.no_cache,
         cache_dir=Path(args.cache_dir) if args.cache_dir else None, jobs=args.jobs,
         progress=getattr(args, "progress", None),
-        scheduler=args.scheduler, path_map=_path_map(args.path_map),
+        scheduler=args.scheduler, path_map=_path_map(args.path_map), **calibration_options(args),
     )
     load_options = LoadOptions(
         input_shape=tuple(parse_shape(s, "--input-shape") for s in args.input_shape) if args.input_shape else None,
@@ -196,6 +213,19 @@ def options_from(args: argparse.Namespace) -> tuple["AuditOptions", "LoadOptions
         weights=args.weights, structure_only=args.structure_only, partial=args.partial,
     )
     return audit_options, load_options
+
+
+def calibration_options(args: argparse.Namespace) -> dict:
+    """The calibration flags as AuditOptions fields (checked there: --budget in (0, 1), the rest need data)."""
+    if args.calibration is None:
+        given = [f for f, v in (("--holdout", args.holdout), ("--metric", args.metric), ("--tolerance", args.tolerance),
+                                ("--measure-floor", args.measure_floor or None), ("--budget", args.budget)) if v]
+        if given:
+            raise AuditError(f"{', '.join(given)} need(s) calibration data", "Pass --calibration FILE as well")
+        return {}
+    return {"calibration": args.calibration, "holdout": args.holdout if args.holdout is not None else 0.25,
+            "metric": args.metric, "tolerance": args.tolerance, "measure_floor": args.measure_floor,
+            "budget": args.budget}
 
 
 def _terminal_width() -> int:

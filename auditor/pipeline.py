@@ -10,6 +10,7 @@ made. The stages, with their input and output types::
     (module_structure / weights_structure combine the above into a Structure)
     compute_spectra [Layer], loaders, Settings, AuditOptions       -> Spectra ({layer: Spectrum}, stats)
     suggest_ranks   [Layer], {layer: Spectrum}, Settings           -> {layer: Suggestion}
+    calibrate       nn.Module, Structure, AuditOptions             -> CalibrationReport, data-aware suggestions
     review          Audit, Plan | None                             -> Audit with .review
     check           Audit, Plan | None                             -> Audit with .findings
 
@@ -267,6 +268,21 @@ def suggest_ranks(layers: list[Layer], spectra: dict[str, Spectrum], settings: S
     return {l.name: suggest(l, spectra.get(l.name), settings) for l in layers}
 
 
+def calibrate(model: Any, st: Structure, spectra: Spectra, suggestions: dict[str, Suggestion], settings: Settings,
+              options: AuditOptions) -> tuple[Any, dict[str, Suggestion]]:
+    """The calibration stage (``auditor/calibration/stage.py``): tiers 1-3 as plain data, and the suggestions with
+    the data-aware rank. (None, suggestions) without calibration data."""
+    if options.calibration is None:
+        return None, suggestions
+    if not isinstance(model, nn.Module):
+        raise AuditError("calibration needs the model's code; a weights-only checkpoint cannot run a forward pass",
+                         "Audit a factory (file.py:fn) or a Hugging Face directory to use --calibration")
+    from .calibration.stage import calibrate as run_tiers, suggest_with
+
+    calibrated = run_tiers(model, st.layers, settings, options)
+    return calibrated, suggest_with(st.layers, spectra.by_layer, suggestions, calibrated.report, settings)
+
+
 def review(audit: Audit, plan: "Plan | None") -> Audit:
     """The plan (or, without one, the suggested ranks) reviewed against the audit."""
     from .plan import review_plan
@@ -329,15 +345,23 @@ def audit(model: Any, inputs: Any = None, *, plan: Any = None, options: AuditOpt
     else:
         st = module_structure(model, inputs, opts, progress)
     spectra = compute_spectra(st.layers, st.loaders, settings, opts, progress)
+    calibrated, suggestions = calibrate(model, st, spectra, suggest_ranks(st.layers, spectra.by_layer, settings),
+                                        settings, opts)
     result = Audit(
         model_name=st.model_name, source=st.source, trace_method=st.trace_method, trace_failures=st.trace_failures,
         inputs=st.inputs, total_params=st.total_params, layers=st.layers, macs_known=st.macs_known,
-        settings=settings, spectra=spectra.by_layer, suggestions=suggest_ranks(st.layers, spectra.by_layer, settings),
+        settings=settings, spectra=spectra.by_layer, suggestions=suggestions,
         unsupported_ops=st.unsupported, notes=st.notes, graph=st.graph,
         environment={**environment(), "spectra": spectra.where} if opts.spectra else environment(),
         spectra_stats=spectra.stats, trace_log=st.log,
+        calibration=calibrated.report if calibrated is not None else None,
     )
-    return check(review(result, plan_obj), plan_obj)
+    result = review(result, plan_obj)
+    if calibrated is not None:
+        from .calibration.stage import check_plan
+
+        result = replace(result, calibration=check_plan(calibrated, model, result))
+    return check(result, plan_obj)
 
 
 def _progress(options: AuditOptions) -> "Progress":

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from ..policy import verdict_line
+from . import calibration
 from .base import RenderContext
 from .layer_charts import short_label
 from .pages import group_rows, layer_pages, plan_rows, rank_changes
@@ -129,6 +130,7 @@ def context(audit: "Audit", ctx: RenderContext = RenderContext(), pdf: bool = Fa
         "css": (template_dir() / "report.css").read_text(encoding="utf-8"),
         "human": human,
         "pct": _pct,
+        **calibration.html_context(audit, ctx.charts),
     }
 
 
