@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from .md_budget import Section
-from .safe import md_code, md_text
+from .safe import md_code, md_text, middle, term
 
 if TYPE_CHECKING:
     from ..calresults import CalibrationReport
@@ -146,18 +146,18 @@ def terminal(audit: "Audit") -> list[str]:
     out += budget_lines(cal)
     out += [f"warning: {w}" for w in cal.warnings]
     out.append(FINETUNE)
-    return out
+    return [term(x) for x in out]  # messages may quote layer names
 
 
 def terminal_table(audit: "Audit", namew: int = 40) -> list[str]:
     cal = audit.calibration
     if cal is None or not cal.layers:
         return []
-    namew = max(12, min(namew, max(len(k) for k in cal.layers)))
+    namew = max(12, min(namew, max(len(term(k)) for k in cal.layers)))
     head = f"{'layer':<{namew}}  {'rows':>7}  {'r@1%':>5}  {'r@5%':>5}  {'data':>5}  {'floor':>6}  {'cliff':>14}"
     out = [head]
     for r in rows(cal):
-        name = r.layer if len(r.layer) <= namew else "…" + r.layer[-(namew - 1):]
+        name = middle(term(r.layer), namew)
         floor = "dense" if r.floor.startswith("keep") else r.floor
         sug = "dense" if r.suggested == "keep dense" else r.suggested
         out.append(f"{name:<{namew}}  {r.rows:>7,}  {str(r.r1):>5}  {str(r.r5):>5}  {sug:>5}  {floor:>6}  "
