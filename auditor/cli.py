@@ -126,9 +126,10 @@ def _rules_main(argv: Sequence[str]) -> int:
         if a.code:
             sys.stdout.write(rule_doc(find_rule(a.code)) + "\n")
             return 0
+        width = max((len(r.slug) for r in RULES.values()), default=0)
         for r in RULES.values():
             origin = "" if r.origin == BUILTIN_ORIGIN else f" (from {r.origin})"
-            print(f"{r.code}  {r.slug:<30} {str(r.severity):<8} {r.summary}{origin}")
+            print(f"{r.code}  {r.slug:<{width}}  {str(r.severity):<8} {r.summary}{origin}")
     except AuditError as exc:
         print(f"error: {exc.line()}", file=sys.stderr)
         return ExitCode.BAD_INPUT
