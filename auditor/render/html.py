@@ -19,7 +19,7 @@ import numpy as np
 from ..policy import verdict_line
 from .base import RenderContext
 from .layer_charts import short_label
-from .pages import group_rows, layer_pages, plan_rows, rank_changes
+from .pages import appendix_text, group_rows, layer_pages, plan_rows, rank_changes
 from .view import finding_groups, human, layer_table, skipped_rows, spectra_computed
 
 if TYPE_CHECKING:
@@ -132,7 +132,7 @@ def context(audit: "Audit", ctx: RenderContext = RenderContext(), pdf: bool = Fa
     plans = plan_rows(audit)
     skipped = skipped_rows(audit)
     fgroups = finding_groups(audit, _why)
-    cut = _pdf_cuts(table.rows, groups, plans, skipped, fgroups, audit) if pdf else {}
+    cut = _pdf_cuts(table.rows, groups, plans, skipped, fgroups, table.columns, table.planned) if pdf else {}
     return {
         "a": audit,
         "verdict": verdict_line(audit),
@@ -167,12 +167,13 @@ def context(audit: "Audit", ctx: RenderContext = RenderContext(), pdf: bool = Fa
 
 
 def _pdf_cuts(rows: list[Any], groups: list[Any], plans: list[Any], skipped: list[Any], fgroups: list[Any],
-              audit: "Audit") -> dict[str, Any]:
+              columns: list[Any], planned: bool) -> dict[str, Any]:
     """What the PDF leaves out, so that it can say so: rows past each cap, and how many names it shortens."""
     names = [r.name for r in rows] + [s.name for s in skipped]
     return {
         "table_rows": groups[:PDF_TABLE_CAP], "table_left": max(0, len(groups) - PDF_TABLE_CAP),
         "appendix_rows": rows[:PDF_APPENDIX_CAP], "appendix_left": max(0, len(rows) - PDF_APPENDIX_CAP),
+        "appendix_text": appendix_text(rows[:PDF_APPENDIX_CAP], [c.label for c in columns], planned, cut_middle),
         "plan_left": max(0, len(plans) - PDF_LIST_CAP), "skipped_left": max(0, len(skipped) - PDF_LIST_CAP),
         "findings_left": sum(max(0, len(g.entries) - PDF_LIST_CAP) for g in fgroups),
         "long_names": len({n for n in names if len(n) > PDF_NAME_MAX}),
