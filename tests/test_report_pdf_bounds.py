@@ -65,3 +65,25 @@ def test_pdf_of_3000_layers_states_the_appendix_cap():
     assert f"The {PDF_APPENDIX_CAP:,} largest of the 3,000 layers, one per row." in text
     assert (f"{3_000 - PDF_APPENDIX_CAP:,} more layers (the smallest) are left out of this PDF; the HTML and JSON "
             "reports list all 3,000.") in text
+
+
+def test_appendix_lines_align_and_long_names_take_a_line_of_their_own():
+    from auditor.render.pages import appendix_text
+    from auditor.render.view import LayerRow
+
+    def row(i, name, planned=None):
+        return LayerRow(rank_order=i, name=name, kind="linear", module_type="Linear", m=24, n=16, groups=1,
+                        shape="24x16", params=384, share=0.6316, cumulative=0.6316, macs=None, calls=1, tied=False,
+                        break_even=9.6, ranks=(10, 12, None), suggested=None, compression=None, energy_at_rank=None,
+                        verdict="skip narrow", reason="", stable_rank=None, effective_rank=None, planned=planned)
+
+    text = appendix_text([row(1, "fc1"), row(2, "n" * 50)], ["r90", "r95", "r99"], planned=True)
+    lines = text.split("\n")
+    w = 44  # the name column: the longest name, at most 44 characters
+    assert lines[0] == f"{'#':>5} {'layer':<{w}}       m × n      params   share  b-even    r90    r95    r99   plan   sugg verdict"
+    assert lines[1] == "─" * len(lines[0])
+    figures = "      24x16         384  63.16%     9.6     10     12      –  dense      – skip narrow"
+    assert lines[2] == f"    1 {'fc1':<{w}} {figures}"
+    assert lines[3] == "    2 " + "n" * 50
+    assert lines[4] == f"{'':>5} {'':<{w}} {figures}"
+    assert len(lines) == 5
