@@ -26,7 +26,10 @@ system-deps:
 demo: setup
 	$(VENV)/bin/lowrank-audit sample_models/digits.py:mlp --format text,json,md,html,pdf -o $(REPORTS) \
 	  --emit-plan $(REPORTS)/suggested-plan.toml
-	@echo "reports written to $(REPORTS)/ (open $(REPORTS)/lowrank-audit.html or .pdf)"
+	$(VENV)/bin/lowrank-audit sample_models/chargpt.py:chargpt --calibration sample_models/chargpt_calib.safetensors \
+	  --holdout sample_models/chargpt_holdout.safetensors --fail-on never --format text,json,md,html,pdf \
+	  -o $(REPORTS)/chargpt
+	@echo "reports written to $(REPORTS)/ (open $(REPORTS)/lowrank-audit.html or .pdf) and $(REPORTS)/chargpt/"
 
 test: setup system-deps
 	$(PY) -m pytest

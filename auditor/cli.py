@@ -6,6 +6,7 @@ Exit codes: 0 clean, 1 findings at or above --fail-on, 2 bad input (one line on 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Sequence
@@ -28,7 +29,7 @@ def _parser() -> argparse.ArgumentParser:
                     "singular-value spectra, suggested ranks, and a review of a compression plan.",
         epilog="Sources: file.py:factory, package.module:factory, a Hugging Face directory or config.json, a "
                ".safetensors file or sharded directory (weights only), torchvision:NAME, timm:NAME. "
-               "`lowrank-audit rules` lists the rules.",
+               "`lowrank-audit rules` lists the rules; `lowrank-audit factorize --help` applies a plan.",
     )
     p.add_argument("model", help="the model source")
     _common_flags(p)
@@ -63,12 +64,29 @@ def _parser() -> argparse.ArgumentParser:
     g.add_argument("--energy-floor", type=float, help="LR004 floor (default 0.90)")
     g.add_argument("--select", metavar="CODES", help="only these rules, e.g. LR001,LR004")
     g.add_argument("--ignore", metavar="CODES", help="never these rules")
+    g = p.add_argument_group("calibration (measured rank floors; docs/calibration.md)")
+    g.add_argument("--calibration", metavar="FILE|module:fn",
+                   help="inputs to measure with: a safetensors/.pt file of tensors named after the forward's "
+                        "inputs, batched along dim 0, or file.py:fn / module:fn returning batches")
+    g.add_argument("--holdout", metavar="SHARE|FILE", help="share of the rows held out to measure (default 0.25), "
+                                                            "or a second file held out whole")
+    g.add_argument("--metric", metavar="module:fn",
+                   help="fn(model, batches) -> float, higher is better (default: relative output error)")
+    g.add_argument("--tolerance", type=float, help="allowed loss in the metric's units (default 0.01)")
+    g.add_argument("--measure-floor", action="store_true",
+                   help="tier 2: truncate each layer alone and bisect for its measured floor")
+    g.add_argument("--budget", type=float, metavar="FRACTION",
+                   help="tier 3: a plan removing this share of the parameters, checked all at once")
     g = p.add_argument_group("spectra")
     g.add_argument("--no-spectra", action="store_true", help="skip singular values (structure and counts only)")
     g.add_argument("--no-cache", action="store_true", help="do not read or write the spectrum cache")
     g.add_argument("--cache-dir", metavar="DIR", help="spectrum cache (default ~/.cache/lowrank-auditor)")
     g.add_argument("-j", "--jobs", type=int, metavar="N",
                    help="layers computed side by side, each with its share of the cores (default: cores, at most 4)")
+    g.add_argument("--scheduler", metavar="ADDR", default=os.environ.get("LOWRANK_AUDITOR_SCHEDULER") or None,
+                   help="compute spectra on a Dask cluster, e.g. tcp://host:8786 (default $LOWRANK_AUDITOR_SCHEDULER)")
+    g.add_argument("--path-map", action="append", default=[], metavar="CLIENT_PREFIX=WORKER_PREFIX",
+                   help="the checkpoint's path prefix here and on the Dask workers (repeatable)")
     return p
 
 
@@ -121,6 +139,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] == "rules":
         return _rules_main(argv[1:])
+    if argv and argv[0] == "factorize":
+        from .cli_factorize import main as factorize_main
+
+        return factorize_main(argv[1:])
     args = _parser().parse_args(argv)
     written: list[Path] = []
     try:
@@ -155,6 +177,14 @@ def _silence_stdout() -> None:
         pass
 
 
+def _path_map(entries: list[str]) -> tuple[tuple[str, str], ...]:
+    if not entries:
+        return ()
+    from .spectra.cluster import parse_path_map  # no distributed import: only the parsing
+
+    return parse_path_map(entries)
+
+
 def options_from(args: argparse.Namespace) -> tuple["AuditOptions", "LoadOptions"]:
     """The audit's and the loader's options from the flags: defaults < pyproject.toml < the plan < the flags
     (the plan's thresholds are applied between ``settings`` and ``overrides`` by the pipeline)."""
@@ -175,6 +205,7 @@ def options_from(args: argparse.Namespace) -> tuple["AuditOptions", "LoadOptions
         spectra=not args.no_spectra, cache=not args.no_cache,
         cache_dir=Path(args.cache_dir) if args.cache_dir else None, jobs=args.jobs,
         progress=getattr(args, "progress", None),
+        scheduler=args.scheduler, path_map=_path_map(args.path_map), **calibration_options(args),
     )
     load_options = LoadOptions(
         input_shape=tuple(parse_shape(s, "--input-shape") for s in args.input_shape) if args.input_shape else None,
@@ -182,6 +213,19 @@ def options_from(args: argparse.Namespace) -> tuple["AuditOptions", "LoadOptions
         weights=args.weights, structure_only=args.structure_only, partial=args.partial,
     )
     return audit_options, load_options
+
+
+def calibration_options(args: argparse.Namespace) -> dict:
+    """The calibration flags as AuditOptions fields (checked there: --budget in (0, 1), the rest need data)."""
+    if args.calibration is None:
+        given = [f for f, v in (("--holdout", args.holdout), ("--metric", args.metric), ("--tolerance", args.tolerance),
+                                ("--measure-floor", args.measure_floor or None), ("--budget", args.budget)) if v]
+        if given:
+            raise AuditError(f"{', '.join(given)} need(s) calibration data", "Pass --calibration FILE as well")
+        return {}
+    return {"calibration": args.calibration, "holdout": args.holdout if args.holdout is not None else 0.25,
+            "metric": args.metric, "tolerance": args.tolerance, "measure_floor": args.measure_floor,
+            "budget": args.budget}
 
 
 def _terminal_width() -> int:

@@ -46,6 +46,15 @@ class AuditOptions:
     jobs: int | None = None  # layers whose spectra are computed side by side (default: the cores, at most 4)
     tracer: Tracer = Tracer.AUTO
     progress: bool | None = None  # a progress bar on stderr (default: when stderr is a terminal)
+    scheduler: str | Any | None = None  # a Dask scheduler address or distributed.Client: spectra run there
+    path_map: tuple[tuple[str, str], ...] = ()  # (client prefix, worker prefix) for the cluster's file paths
+    # calibration (docs/calibration.md): measured rank floors from the model's own inputs
+    calibration: Any = None  # a file, file.py:fn / module:fn, a dict of tensors, batches, or a Calibration
+    holdout: Any = 0.25  # share of the rows held out to measure (or a second source held out whole)
+    metric: Any = None  # file.py:fn / module:fn or fn(model, batches) -> float, higher is better; None: output error
+    tolerance: float | None = None  # in the metric's units (default 0.01 relative output error)
+    measure_floor: bool = False  # tier 2: each layer truncated alone, floor found by bisection
+    budget: float | None = None  # tier 3: a fraction of the parameters to remove, checked all at once
 
     def __post_init__(self) -> None:
         try:
@@ -59,6 +68,13 @@ class AuditOptions:
             object.__setattr__(self, "cache_dir", Path(self.cache_dir))
         if self.settings is None:
             object.__setattr__(self, "settings", Settings())
+        if self.budget is not None and not 0 < self.budget < 1:
+            raise AuditError(f"budget {self.budget} is not a fraction in (0, 1)", "Give e.g. budget=0.3")
+        if self.tolerance is not None and not self.tolerance >= 0:
+            raise AuditError(f"tolerance {self.tolerance} is negative", "Give a tolerance of 0 or more")
+        if self.calibration is None and (self.measure_floor or self.budget is not None or self.metric is not None):
+            raise AuditError("measure_floor, budget and metric need calibration data",
+                             "Pass calibration=FILE (on the command line --calibration FILE)")
 
     def with_(self, **changes: Any) -> "AuditOptions":
         """A copy with some fields changed; unknown names raise TypeError naming the known ones."""
@@ -83,6 +99,14 @@ class OptionFields(TypedDict, total=False):
     jobs: int | None
     tracer: Tracer | str
     progress: bool | None
+    scheduler: str | Any | None
+    path_map: tuple[tuple[str, str], ...]
+    calibration: Any
+    holdout: Any
+    metric: Any
+    tolerance: float | None
+    measure_floor: bool
+    budget: float | None
 
 
 @dataclass(frozen=True)

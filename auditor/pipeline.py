@@ -10,6 +10,7 @@ made. The stages, with their input and output types::
     (module_structure / weights_structure combine the above into a Structure)
     compute_spectra [Layer], loaders, Settings, AuditOptions       -> Spectra ({layer: Spectrum}, stats)
     suggest_ranks   [Layer], {layer: Spectrum}, Settings           -> {layer: Suggestion}
+    calibrate       nn.Module, Structure, AuditOptions             -> CalibrationReport, data-aware suggestions
     review          Audit, Plan | None                             -> Audit with .review
     check           Audit, Plan | None                             -> Audit with .findings
 
@@ -19,6 +20,7 @@ pipeline; the stages below it (load, trace, layers, graph, spectra, suggest, pla
 
 from __future__ import annotations
 
+import contextlib
 import platform
 import re
 import sys
@@ -98,6 +100,7 @@ class Structure:
 class Spectra:
     by_layer: dict[str, Spectrum]
     stats: dict[str, int] = field(default_factory=dict)
+    where: str = "local"  # where the spectra were computed, for the report's environment
 
 
 # ---- stages ----------------------------------------------------------------------------------------------------
@@ -230,7 +233,6 @@ def weights_structure(weights: "WeightsOnly", options: AuditOptions) -> Structur
     )
 
 
-SPECTRA_STEP = 16  # layers per engine run between progress updates (each run keeps its workers busy)
 
 
 def compute_spectra(layers: list[Layer], loaders: dict[str, Loader], settings: Settings,
@@ -239,25 +241,46 @@ def compute_spectra(layers: list[Layer], loaders: dict[str, Loader], settings: S
     if not options.spectra:
         return Spectra({})
     from .progress import Progress
-    from .spectra import Engine
+    from .spectra import SpectrumCache, ThreadExecutor, ref_for
+    from .spectra import compute_spectra as run_spectra
 
     progress = progress or Progress(enabled=False)
-    engine = Engine(settings.energy_targets, cache_dir=options.cache_dir, use_cache=options.cache,
-                    workers=options.jobs, progress=False)
-    items = [(l, loaders[l.name]) for l in layers]
-    by_layer: dict[str, Spectrum] = {}
-    step = max(SPECTRA_STEP, 2 * (options.jobs or 4))
-    with progress.phase("spectra", total=len(items)):
-        for i in range(0, len(items), step):
-            by_layer.update(engine.run(items[i:i + step]))
-            progress.update(len(by_layer), len(items))
-    return Spectra(by_layer, dict(vars(engine.stats)))
+    order = sorted(layers, key=lambda l: -l.params)  # largest first: they are submitted in that order
+    refs = [(l.name, ref_for(l, loaders[l.name])) for l in order]
+    cache = SpectrumCache(options.cache_dir) if options.cache else None
+    with contextlib.ExitStack() as stack:
+        if options.scheduler is not None:  # a Dask cluster (auditor/spectra/cluster.py); this side writes the cache
+            from .spectra.cluster import executor_for
+
+            executor: Any = stack.enter_context(executor_for(options.scheduler, options.path_map))
+        else:
+            executor = ThreadExecutor(options.jobs)
+        with progress.phase("spectra", total=len(refs)):
+            by_layer, stats = run_spectra(refs, targets=settings.energy_targets, executor=executor, cache=cache,
+                                          progress=progress.update)
+        where = "local" if options.scheduler is None else executor.where  # asked while the client is open
+    return Spectra(by_layer, dict(vars(stats)), where=where)
 
 
 def suggest_ranks(layers: list[Layer], spectra: dict[str, Spectrum], settings: Settings) -> dict[str, Suggestion]:
     from .suggest import suggest
 
     return {l.name: suggest(l, spectra.get(l.name), settings) for l in layers}
+
+
+def calibrate(model: Any, st: Structure, spectra: Spectra, suggestions: dict[str, Suggestion], settings: Settings,
+              options: AuditOptions) -> tuple[Any, dict[str, Suggestion]]:
+    """The calibration stage (``auditor/calibration/stage.py``): tiers 1-3 as plain data, and the suggestions with
+    the data-aware rank. (None, suggestions) without calibration data."""
+    if options.calibration is None:
+        return None, suggestions
+    if not isinstance(model, nn.Module):
+        raise AuditError("calibration needs the model's code; a weights-only checkpoint cannot run a forward pass",
+                         "Audit a factory (file.py:fn) or a Hugging Face directory to use --calibration")
+    from .calibration.stage import calibrate as run_tiers, suggest_with
+
+    calibrated = run_tiers(model, st.layers, settings, options)
+    return calibrated, suggest_with(st.layers, spectra.by_layer, suggestions, calibrated.report, settings)
 
 
 def review(audit: Audit, plan: "Plan | None") -> Audit:
@@ -322,14 +345,23 @@ def audit(model: Any, inputs: Any = None, *, plan: Any = None, options: AuditOpt
     else:
         st = module_structure(model, inputs, opts, progress)
     spectra = compute_spectra(st.layers, st.loaders, settings, opts, progress)
+    calibrated, suggestions = calibrate(model, st, spectra, suggest_ranks(st.layers, spectra.by_layer, settings),
+                                        settings, opts)
     result = Audit(
         model_name=st.model_name, source=st.source, trace_method=st.trace_method, trace_failures=st.trace_failures,
         inputs=st.inputs, total_params=st.total_params, layers=st.layers, macs_known=st.macs_known,
-        settings=settings, spectra=spectra.by_layer, suggestions=suggest_ranks(st.layers, spectra.by_layer, settings),
-        unsupported_ops=st.unsupported, notes=st.notes, graph=st.graph, environment=environment(),
+        settings=settings, spectra=spectra.by_layer, suggestions=suggestions,
+        unsupported_ops=st.unsupported, notes=st.notes, graph=st.graph,
+        environment={**environment(), "spectra": spectra.where} if opts.spectra else environment(),
         spectra_stats=spectra.stats, trace_log=st.log,
+        calibration=calibrated.report if calibrated is not None else None,
     )
-    return check(review(result, plan_obj), plan_obj)
+    result = review(result, plan_obj)
+    if calibrated is not None:
+        from .calibration.stage import check_plan
+
+        result = replace(result, calibration=check_plan(calibrated, model, result))
+    return check(result, plan_obj)
 
 
 def _progress(options: AuditOptions) -> "Progress":

@@ -21,6 +21,7 @@ if TYPE_CHECKING:
     from .groups import Group
 
     from .baseline import BaselineSource
+    from .calresults import CalibrationReport
 
 __all__ = [
     "Audit", "FailOn", "Finding", "GraphNode", "Kind", "Layer", "LayerGraph", "PlanItem", "PlanOrigin",
@@ -447,6 +448,7 @@ class Audit:
     environment: dict[str, str] = field(default_factory=dict)
     spectra_stats: dict[str, int] = field(default_factory=dict)
     trace_log: str = field(default="", repr=False, compare=False)  # torch's logging while tracing (--verbose)
+    calibration: "CalibrationReport | None" = None  # measured rank floors (auditor.calresults); None without data
 
     # ---- lookups and derived numbers -------------------------------------------------------------------------
     @cached_property

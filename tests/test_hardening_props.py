@@ -186,8 +186,6 @@ def test_emitted_plans_read_back_whatever_the_names(cli_inproc, spec):
 _RAW = {c for c in map(chr, range(0x20)) if c != "\n"} | {"\x7f", "\x85", "\u202e", "\u2028"}
 
 
-@pytest.mark.xfail(strict=True, reason="fixed by wire (issue 12: names escaped in Markdown and terminal output), "
-                                       "merged later")
 @settings(max_examples=10, deadline=None, derandomize=True, database=None,
           suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
 @given(spec=layers)

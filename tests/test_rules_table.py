@@ -78,6 +78,22 @@ def broken(nan: bool = True, zero: bool = True) -> nn.Sequential:
     return m
 
 
+def rank12() -> nn.Sequential:
+    """One 64 x 64 weight of rank 12 (diagonal 12, 11, ..., 1): on the alignment grid below break-even 32 (ranks 8,
+    16, 24), rank 8 drops four directions and rank 16 is exact, so the measured floor is 16 and the cliff rank 8."""
+    lin = nn.Linear(64, 64, bias=False)
+    with torch.no_grad():
+        lin.weight.zero_()
+        for i in range(12):
+            lin.weight[i, i] = 12.0 - i
+    return nn.Sequential(lin)
+
+
+def rows(n: int) -> dict[str, torch.Tensor]:
+    """n calibration rows of width 64 (a quarter held out: the statistics see n - round(n / 4))."""
+    return {"x": torch.randn(n, 64, generator=torch.Generator().manual_seed(0))}
+
+
 @dataclass
 class Case:
     code: str
@@ -87,6 +103,7 @@ class Case:
     spectra: bool = False
     # (layers, evidence) of each finding, in the runner's order; empty: the rule must stay quiet
     expect: list[tuple[list[str], dict[str, Any]]] = field(default_factory=list)
+    options: dict[str, Any] = field(default_factory=dict)  # more AuditOptions fields (calibration)
 
 
 FT = {"finetune": "1 epoch"}
@@ -126,6 +143,16 @@ CASES: dict[str, Case] = {
     "LR011-fires": Case("LR011", tall_table, IDS, plan={"ranks": {"1": 8}, **FT}, spectra=True,
                         expect=[(["0"], dict(ratio=62.5, share=256000 / 260160, suggested_rank=8))]),
     "LR011-passes": Case("LR011", tall_table, IDS, plan={"ranks": {"0": 8}, **FT}, spectra=True),
+    "LR012-fires": Case("LR012", rank12, plan={"ranks": {"0": 8}, **FT},
+                        options=dict(calibration=rows(200), measure_floor=True),
+                        expect=[(["0"], dict(rank=8, floor=16, cliff_rank=8))]),
+    "LR012-passes": Case("LR012", rank12, plan={"ranks": {"0": 16}, **FT},
+                         options=dict(calibration=rows(200), measure_floor=True)),
+    "LR013-fires": Case("LR013", rank12, plan={"ranks": {"0": 16}, **FT}, expect=[([], dict(plan="plan"))]),
+    "LR013-passes": Case("LR013", rank12, plan={"ranks": {"0": 16}, **FT}, options=dict(calibration=rows(200))),
+    "LR014-fires": Case("LR014", rank12, options=dict(calibration=rows(40)),
+                        expect=[(["0"], dict(rows=30, width=64))]),
+    "LR014-passes": Case("LR014", rank12, options=dict(calibration=rows(200))),
 }
 
 
@@ -133,7 +160,7 @@ CASES: dict[str, Case] = {
 def test_rule_case(case_id: str) -> None:
     c = CASES[case_id]
     a = auditor.audit(c.model(), c.inputs, plan=c.plan, settings=auditor.Settings(select=(c.code,)),
-                      spectra=c.spectra, cache=False)
+                      spectra=c.spectra, cache=False, **c.options)
     got = [(f.layers, f.evidence) for f in a.findings]
     assert got == c.expect, a.findings
     r = RULES[c.code]

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from ..policy import verdict_line
+from . import calibration
 from .base import RenderContext
 from .layer_charts import short_label
 from .pages import appendix_text, group_rows, layer_pages, plan_rows, rank_changes
@@ -160,6 +161,7 @@ def context(audit: "Audit", ctx: RenderContext = RenderContext(), pdf: bool = Fa
         "css": (template_dir() / "report.css").read_text(encoding="utf-8"),
         "human": human,
         "pct": _pct,
+        **calibration.html_context(audit, ctx.charts),
         "pn": cut_middle if pdf else _same,  # a name as the PDF shows it (the HTML keeps it whole)
         "pt": cut_runs if pdf else _same,  # a message as the PDF shows it
         "cut": cut,

@@ -8,6 +8,7 @@ from enum import Enum
 from typing import TYPE_CHECKING, Any
 
 from ..policy import verdict_line
+from . import calibration
 from .base import RenderContext
 
 if TYPE_CHECKING:
@@ -58,6 +59,7 @@ def to_dict(audit: "Audit", with_sigma: bool = False) -> dict[str, Any]:
         "findings": [f.to_dict() for f in audit.findings],
         "unsupported_ops": audit.unsupported_ops,
         "spectra_stats": audit.spectra_stats,
+        **calibration.json_block(audit),
     }
 
 

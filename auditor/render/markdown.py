@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 
 from ..policy import verdict_line
 from ..results import Severity
+from . import calibration
 from .base import RenderContext
 from .md_budget import DEFAULT_CAP, Section, fit_markdown
 from .pages import group_rows, plan_rows, rank_changes
@@ -134,7 +135,8 @@ def _layers(audit: "Audit") -> Section:
 
 def render(audit: "Audit", context: RenderContext = RenderContext(), cap: int = DEFAULT_CAP) -> str:
     """The Markdown report, at most ``cap`` UTF-16 units (default 60,000, under GitHub's 65,536)."""
-    sections = [s for s in (_baseline(audit, context), _findings(audit), _plan(audit), _layers(audit)) if s]
+    sections = [s for s in (_baseline(audit, context), _findings(audit), _plan(audit), calibration.markdown(audit),
+                            _layers(audit)) if s]
     tail = (f"<sub>lowrank-auditor {md_text(str(audit.environment.get('lowrank-auditor')))} · torch "
             f"{md_text(str(audit.environment.get('torch')))} · MACs {human(audit.total_macs)}</sub>")
     return fit_markdown("\n".join(_summary(audit, context)), sections, cap=cap, tail=tail).text

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable
 
 from ..policy import verdict_line
+from . import calibration
 from .base import RenderContext
 from .pages import GroupRow, group_rows, plan_rows, rank_changes
 from .safe import middle, term
@@ -154,6 +155,11 @@ def render(audit: "Audit", context: RenderContext = RenderContext(), top: int = 
                     f"(x {p.compression:.2f}); {p.flag}", "      ")
     elif rv is not None:
         say("no layer is worth factorizing at the target energy" if rv.suggested else "the plan factorizes nothing")
+    if audit.calibration is not None:
+        out.append("")
+        for line in calibration.terminal(audit):
+            say(line, "  ")
+        out += [line[:width] for line in calibration.terminal_table(audit, min(40, max(12, width - 62)))]
     if audit.findings:
         out.append("")
         for f in audit.findings:

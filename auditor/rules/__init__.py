@@ -10,6 +10,7 @@ that declares rules with :func:`rule`, a :class:`Rule`, or a list of them. They 
 from __future__ import annotations
 
 from ..results import Severity, Verdict
+from . import calibration as _calibration
 from . import graph as _graph
 from . import model as _model
 from . import plan as _plan
@@ -30,7 +31,8 @@ from .registry import (
 from .runner import RuleRun, Skipped, evaluate, run_rules, selected
 
 # The rules this package declares, in code order; RULES adds the plugins' when first read.
-BUILTIN: tuple[Rule, ...] = tuple(sorted((*rules_in(_model), *rules_in(_graph), *rules_in(_plan)),
+BUILTIN: tuple[Rule, ...] = tuple(sorted((*rules_in(_model), *rules_in(_graph), *rules_in(_plan),
+                                          *rules_in(_calibration)),
                                          key=lambda r: r.code))
 RULES: RuleRegistry = RuleRegistry(BUILTIN)
 

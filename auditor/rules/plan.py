@@ -127,10 +127,14 @@ def lr004(ctx: Context, emit: Emit) -> None:
 
     ## Do instead
     Use `"energy:0.95"` or the rank the report lists for 90/95/99% energy, and measure the accuracy after the
-    recovery fine-tune.
+    recovery fine-tune. With `--calibration` the suggested ranks come from the layer-output error on the model's own
+    inputs, and this rule leaves them alone (it still checks a plan you give).
     """
     floor = ctx.settings.energy_floor
+    cal = ctx.audit.calibration
     for it in ctx.items:
+        if cal is not None and ctx.audit.review is not None and ctx.audit.review.suggested and it.layer in cal.layers:
+            continue  # a data-aware suggestion: its layer-output error was measured, energy is the weaker guess
         if it.energy_kept is not None and it.energy_kept < floor:
             emit(f"rank {it.rank} for {it.layer} keeps {100 * it.energy_kept:.1f}% of the spectral energy, below the "
                  f"floor of {100 * floor:g}% (best relative error {it.error_bound:.3f})",

@@ -53,6 +53,7 @@ def model():
     with torch.no_grad():
         m[0].weight.copy_(torch.randn(64, 3, generator=g) @ torch.randn(3, 48, generator=g))
         m[2].weight.copy_(torch.randn(48, 3, generator=g) @ torch.randn(3, 64, generator=g))
+        m[4].weight.copy_(torch.randn(4, 48, generator=g))  # every weight seeded: two runs audit the same model
     return m, (torch.zeros(1, 48),)
 '''
 
@@ -200,7 +201,8 @@ def _cache_entries_checked(d: Path, res: Any, run: Callable) -> None:
         np.full(p.stat().st_size // 8, np.nan).tofile(p)  # same size, NaN content
     again = run(_mlp(d), "-q", "--cache-dir", str(d / "cache"), "--format", "json", "-o", str(d / "out2"))
     assert again.returncode == 0, again.stderr
-    assert _json_report(d / "out2")["suggestions"] == first
+    again_s = _json_report(d / "out2")["suggestions"]
+    assert again_s == first, {k: (first[k], again_s[k]) for k in first if first[k] != again_s.get(k)}
 
 
 def _home_untouched(d: Path, res: Any, run: Callable) -> None:
@@ -211,7 +213,10 @@ def _no_raw_controls(d: Path, res: Any, run: Callable) -> None:
     md = (d / OUT / "lowrank-audit.md").read_text()
     for text in (md, res.stdout):
         assert "\x1b" not in text and "\u202e" not in text and "\n[PASS" not in text
-    assert "![x](http" not in md and "\n# evil" not in md
+    import re
+
+    live = re.sub(r"(`+)(?!`).*?(?<!`)\1(?!`)", "", md)  # code spans are inert: markup inside them is text
+    assert "![x](http" not in live and "\n# evil" not in md, live
 
 
 # -- the cases -------------------------------------------------------------------------------------------------------
@@ -377,13 +382,13 @@ def model():
             "a\x1b]0;pwned\x07\x1b[2J.weight": _low_rank(), "b\nPASS: no errors.weight": _low_rank(seed=1),
             "c`![x](http://e/x.png)\n# evil.weight": _low_rank(seed=2), "\u202ed.weight": _low_rank(seed=3)})
         return [str(d / "w.safetensors"), "--format", "text,md", "-o", OUT]
-    add(Case("names-in-terminal-and-markdown", INJ, terminal_markdown, 0, check=_no_raw_controls, owner="wire"))
+    add(Case("names-in-terminal-and-markdown", INJ, terminal_markdown, 0, check=_no_raw_controls))
 
     def mathtext(d: Path) -> list[str]:
         _safetensors(d / "w.safetensors", {"$\\undefinedcmd{x}$.weight": _low_rank(),
                                            "b.weight": _low_rank(seed=1)})
         return [str(d / "w.safetensors"), "-q", "--format", "html", "-o", OUT]
-    add(Case("mathtext-name-in-charts", INJ, mathtext, 0, owner="wire"))
+    add(Case("mathtext-name-in-charts", INJ, mathtext, 0))
 
     # ---- crashes, hangs, blow-ups ----
     def no_factorizable(d: Path) -> list[str]:

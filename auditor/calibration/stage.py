@@ -1,0 +1,279 @@
+"""The pipeline's calibration stage: the three tiers run on an audit's layers, turned into plain data
+(:class:`auditor.calresults.CalibrationReport`), data-aware suggestions, and the reviewed plan measured all at once.
+
+    calibrate          nn.Module, [Layer], Settings, AuditOptions  -> Calibrated (report + what later steps reuse)
+    suggest_with       [Layer], {layer: Suggestion}, report, Settings -> {layer: Suggestion} (data-aware ranks)
+    check_plan         Calibrated, nn.Module, Audit               -> CalibrationReport with .plan_check
+
+Input statistics are cached on disk (``<cache dir>/calibration/<key>.npz``), keyed by a hash of every weight and
+buffer of the model, the calibration's digest and the layer names.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import time
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+
+from .. import lrmath
+from ..calresults import (
+    BudgetResult, CalibrationReport, FrontierPlan, LayerCalibration, LayerFloor, PlanCheck, subsample,
+)
+from ..errors import AuditError
+from ..results import Layer, Suggestion, Verdict
+from .inputs import Calibration, load_calibration
+from .metric import Evaluator, Metric, load_metric
+from .stats import InputStatistics, input_statistics
+from .whiten import WhitenedSpectrum
+
+if TYPE_CHECKING:
+    from ..config import Settings
+    from ..options import AuditOptions
+    from ..results import Audit, Spectrum
+
+SYNTHETIC_MARK = "looks like token ids drawn uniformly at random"
+
+
+@dataclass(frozen=True)
+class Calibrated:
+    """The report, and the objects the plan check reuses (the batches, statistics, tier-1 spectra, metric)."""
+
+    report: CalibrationReport
+    calibration: Calibration
+    stats: InputStatistics
+    spectra: dict[str, WhitenedSpectrum]
+    metric: Metric
+
+
+def weights_hash(model: nn.Module) -> str:
+    """BLAKE3 of every parameter's and buffer's name, shape, dtype and bytes."""
+    from blake3 import blake3
+
+    h = blake3()
+    for name, t in [*model.named_parameters(), *model.named_buffers()]:
+        c = t.detach().contiguous().cpu()
+        h.update(f"{name}:{tuple(c.shape)}:{c.dtype};".encode())
+        if c.numel():
+            h.update(c.reshape(-1).view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
+
+
+def cache_path(cache_dir: Path | None, model: nn.Module, calibration: Calibration, layers: list[Layer]) -> Path:
+    from ..spectra import default_cache_dir
+
+    key = hashlib.sha256("|".join([weights_hash(model), calibration.digest, *sorted(l.name for l in layers)])
+                         .encode()).hexdigest()
+    return (cache_dir or default_cache_dir()) / "calibration" / f"{key}.npz"
+
+
+def _statistics(model: nn.Module, layers: list[Layer], cal: Calibration, options: "AuditOptions",
+                ) -> tuple[InputStatistics, bool]:
+    path = cache_path(options.cache_dir, model, cal, layers) if options.cache else None
+    if path is not None and path.is_file():
+        try:
+            return InputStatistics.load(path), True
+        except Exception:  # noqa: BLE001 - a damaged cache entry is recomputed
+            pass
+    stats = input_statistics(model, layers, cal)
+    if path is not None:
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = path.with_suffix(".tmp")
+            stats.save(tmp)
+            tmp.replace(path)
+        except OSError:  # a read-only cache is not an error
+            pass
+    return stats, False
+
+
+def metric_of(options: "AuditOptions") -> Metric:
+    fn = options.metric
+    name = ""
+    if isinstance(fn, str):
+        name = fn.rpartition(":")[2]
+        fn = load_metric(fn)
+    m = Metric(fn=fn, name=name)
+    return Metric(m.fn, options.tolerance, m.name) if options.tolerance is not None else m
+
+
+def _sweepable(layer: Layer, settings: "Settings") -> bool:
+    """The layers the suggestions consider: not narrow (same gate as the weight-energy suggestion)."""
+    return (layer.share >= settings.min_share and layer.break_even >= settings.min_break_even
+            and lrmath.max_useful_rank(layer.m, layer.n) >= 1)
+
+
+def _floor(f: Any) -> LayerFloor:
+    return LayerFloor(f.floor, f.metric_at_floor, f.cliff_rank, f.cliff_metric, f.compression, f.keep_dense,
+                      [(int(r), float(v)) for r, v in f.points], f.reason)
+
+
+def one_blas_thread(fn: Any) -> Any:
+    """Run ``fn`` with NumPy's BLAS on one thread: the decompositions here are many small eigh calls, and
+    OpenBLAS threads spinning against torch's (or another process's) took a 512 x 512 eigh from 0.17 s to 2.8 s
+    on the 2-core machine under load."""
+    import functools
+
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        from threadpoolctl import threadpool_limits
+
+        with threadpool_limits(limits=1, user_api="blas"):
+            return fn(*args, **kwargs)
+
+    return wrapper
+
+
+@one_blas_thread
+def calibrate(model: nn.Module, layers: list[Layer], settings: "Settings", options: "AuditOptions") -> Calibrated:
+    """Tier 1 on every layer; tier 2 (``options.measure_floor``) and tier 3 (``options.budget``) on the layers that
+    are not narrow. Bad calibration data raises :class:`AuditError` with one line."""
+    from .budget import curves_from_floors, curves_from_spectra, plan_for_budget
+    from .sweep import measure_floors
+    from .whiten import whitened_spectrum
+
+    if any(p.device.type == "meta" for p in model.parameters()):
+        raise AuditError("calibration needs real weights; this model's weights are on the meta device",
+                         "Audit a model with weights (not --structure-only) to use --calibration")
+    was_training = model.training
+    model.eval()
+    try:
+        t0 = time.perf_counter()
+        cal = load_calibration(options.calibration, model, options.holdout)
+        metric = metric_of(options)
+        stats, cached = _statistics(model, layers, cal, options)
+        table = {n: p for n, p in model.named_parameters(remove_duplicate=False)}
+        target = metric.tolerance if not metric.higher_is_better else 0.01
+        spectra: dict[str, WhitenedSpectrum] = {}
+        per: dict[str, LayerCalibration] = {}
+        for layer in layers:
+            inp = stats.layers.get(layer.name)
+            if inp is None:
+                continue
+            spec = whitened_spectrum(layer, table[layer.param], inp, settings.align, target)
+            spectra[layer.name] = spec
+            per[layer.name] = LayerCalibration(
+                layer.name, inp.rows, inp.width, dict(spec.ranks_for), spec.suggested, spec.verdict, spec.reason,
+                subsample(spec.error), spec.damping, spec.approximate)
+        seconds = {"tier1": time.perf_counter() - t0}
+        swept = [l for l in layers if l.name in spectra and _sweepable(l, settings)]
+        evaluations = 0
+        floors = None
+        reference = 0.0
+        if options.measure_floor and swept:
+            t = time.perf_counter()
+            floors = measure_floors(model, swept, cal, metric=metric, align=settings.align, stats=stats,
+                                    spectra=spectra)
+            for name, f in floors.floors.items():
+                per[name].floor = _floor(f)
+            evaluations += floors.evaluations
+            reference = floors.reference
+            seconds["tier2"] = time.perf_counter() - t
+        budget = None
+        if options.budget is not None:
+            t = time.perf_counter()
+            untied = [l for l in swept if not l.aliases]
+            curves = (curves_from_floors(floors, untied) if floors is not None
+                      else curves_from_spectra({l.name: spectra[l.name] for l in untied}, untied, settings.align))
+            curves = type(curves)({k: v for k, v in curves.options.items() if k in {l.name for l in untied}},
+                                  curves.source)
+            bp = plan_for_budget(model, untied, cal, curves, budget=options.budget, metric=metric, stats=stats)
+            reference = bp.reference
+            evaluations += len(bp.tries)
+            budget = BudgetResult(dict(bp.plan), bp.source, bp.budget, bp.removed, bp.removed_fraction, bp.metric,
+                                  bp.ok, bp.top1, [FrontierPlan(p.removed, p.removed_fraction, p.metric, p.ok,
+                                                                len(p.plan), p.top1) for p in bp.frontier])
+            seconds["tier3"] = time.perf_counter() - t
+        warnings = list(dict.fromkeys([*cal.warnings, *stats.warnings]))
+        holdout = options.holdout
+        report = CalibrationReport(
+            source=str(options.calibration) if isinstance(options.calibration, (str, Path)) else cal.source,
+            holdout=str(holdout), digest=cal.digest, fit_rows=cal.fit_rows, holdout_rows=cal.holdout_rows,
+            metric=metric.label, higher_is_better=metric.higher_is_better, tolerance=metric.tolerance,
+            reference=reference, layers=per, missing=dict(stats.missing), warnings=warnings,
+            synthetic=any(SYNTHETIC_MARK in w for w in cal.warnings), measured_floors=floors is not None,
+            budget=budget, suggestions_from="measured floors" if floors is not None else "calibration",
+            statistics_cached=cached, seconds=seconds, evaluations=evaluations)
+        return Calibrated(report, cal, stats, spectra, metric)
+    finally:
+        model.train(was_training)
+
+
+def suggest_with(layers: list[Layer], spectra: dict[str, "Spectrum"], suggestions: dict[str, Suggestion],
+                 report: CalibrationReport, settings: "Settings") -> dict[str, Suggestion]:
+    """The suggestions with the data-aware rank where calibration reached the layer: the measured floor (tier 2)
+    or the tier-1 rank for the tolerance; elsewhere the weight-energy suggestion stays (the data-free fallback)."""
+    out = dict(suggestions)
+    for layer in layers:
+        lc = report.layers.get(layer.name)
+        old = suggestions.get(layer.name)
+        if lc is None or old is None or old.verdict in (Verdict.SKIP_NARROW,) or not _sweepable(layer, settings):
+            continue
+        if lc.floor is not None and lc.floor.floor is not None and not lc.floor.keep_dense:
+            r: int | None = lc.floor.floor
+            why = (f"measured floor: rank {r} keeps the model within tolerance ({report.metric} "
+                   f"{lc.floor.metric_at_floor:.4g})" + (f"; rank {lc.floor.cliff_rank} does not"
+                                                         if lc.floor.cliff_rank is not None else ""))
+        elif lc.floor is not None:
+            r, why = None, f"keep dense (measured): no rank below break-even holds. {lc.floor.reason}".strip()
+        elif lc.suggested is not None:
+            r, why = lc.suggested, f"calibration: {lc.reason}"
+        else:
+            r, why = None, f"calibration: {lc.reason}"
+        if r is None:
+            out[layer.name] = replace(old, verdict=Verdict.KEEP_DENSE, rank=None, reason=why, energy_at_rank=None,
+                                      error_bound=None, params_after=None, macs_after=None, compression=None)
+            continue
+        if layer.compression(r) < settings.min_compression:
+            out[layer.name] = replace(old, verdict=Verdict.KEEP_DENSE, rank=None, energy_at_rank=None,
+                                      error_bound=None, params_after=None, macs_after=None, compression=None,
+                                      reason=f"{why}; compresses only {layer.compression(r):.2f}x")
+            continue
+        spec = spectra.get(layer.name)
+        kept = spec.energy_at(r) if spec is not None and spec.computed else None
+        out[layer.name] = replace(old, verdict=Verdict.FACTORIZE, rank=r, reason=why, energy_at_rank=kept,
+                                  error_bound=lrmath.relative_error(kept) if kept is not None else None,
+                                  params_after=layer.params_at(r), macs_after=layer.macs_at(r),
+                                  compression=layer.compression(r))
+    return out
+
+
+@one_blas_thread
+def check_plan(cal: Calibrated, model: nn.Module, audit: "Audit") -> CalibrationReport:
+    """The reviewed plan (or the suggested ranks) factorized all at once with whitened initialisation and measured on
+    the held-out part: the model-level metric beside the tier-1 prediction sqrt(sum e_l^2)."""
+    from ..factorize import SUPPORTED, count_params, factorize
+
+    rv = audit.review
+    report = cal.report
+    if rv is None or not rv.items:
+        return report
+    plan: dict[str, int] = {}
+    left: list[str] = []
+    for it in rv.items:
+        layer = audit.layer(it.layer)
+        if it.rank > layer.max_rank or layer.kind not in SUPPORTED or layer.aliases:
+            left.append(it.layer)
+        else:
+            plan[it.layer] = it.rank
+    if not plan:
+        return replace(report, plan_check=PlanCheck(0, left, None, float("nan"), False))
+    was_training = model.training
+    model.eval()
+    try:
+        ev = Evaluator(model, cal.calibration, cal.metric)
+        new = factorize(model, plan, cal.stats)
+        m = ev.measure(new)
+        removed = count_params(model) - count_params(new)
+    finally:
+        model.train(was_training)
+    predicted = None
+    if not cal.metric.higher_is_better and all(k in cal.spectra for k in plan):
+        predicted = math.sqrt(sum(cal.spectra[k].error_at(r) ** 2 for k, r in plan.items()))
+    check = PlanCheck(len(plan), left, predicted, m.value, m.ok, m.top1, removed)
+    return replace(report, plan_check=check, reference=ev.reference)

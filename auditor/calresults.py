@@ -1,0 +1,144 @@
+"""The calibration stage's result as plain data (no torch, no I/O): what ``Audit.calibration`` holds and what the
+renderers and rules read. Built by :mod:`auditor.calibration.stage` from the library's tier results."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+ERROR_TARGETS = ("0.01", "0.02", "0.05", "0.1")  # keys of LayerCalibration.ranks_for: layer-output error
+CURVE_POINTS = 48  # the error curve is subsampled to at most this many ranks (log-spaced, every rank when fewer)
+
+
+@dataclass
+class LayerFloor:
+    """Tier 2 for one layer: the measured floor and the points measured on the way (rank, model-level metric)."""
+
+    floor: int | None  # smallest grid rank holding there and at every larger rank tried; None: none held
+    metric_at_floor: float | None
+    cliff_rank: int | None  # one grid step below the floor
+    cliff_metric: float | None
+    compression: float | None
+    keep_dense: bool  # "keep dense (measured)": no rank below break-even holds
+    points: list[tuple[int, float]] = field(default_factory=list)
+    reason: str = ""
+
+
+@dataclass
+class LayerCalibration:
+    """Tier 1 (and tier 2 when measured) for one layer."""
+
+    layer: str
+    rows: int  # calibration rows the layer saw (tokens, positions, patches, lookups)
+    width: int  # its input width n
+    ranks_for: dict[str, int]  # layer-output error target ("0.01") -> smallest rank meeting it
+    suggested: int | None  # data-aware rank (aligned, below break-even); None: keep dense
+    verdict: str  # "factorize" | "keep dense"
+    reason: str
+    curve: list[tuple[int, float]]  # (rank, layer-output relative error), subsampled
+    damping: float = 0.0
+    approximate: str = ""  # why the error is an estimate for this layer; empty when exact
+    floor: LayerFloor | None = None
+
+    @property
+    def singular(self) -> bool:
+        return self.rows < self.width
+
+
+@dataclass
+class FrontierPlan:
+    """A plan measured all at once: parameters removed against the model-level metric."""
+
+    removed: int
+    removed_fraction: float
+    metric: float
+    ok: bool
+    layers: int  # planned layers
+    top1: float | None = None
+
+
+@dataclass
+class BudgetResult:
+    """Tier 3: the plan chosen over the curves and checked all at once, and the frontier around it."""
+
+    plan: dict[str, int]
+    source: str  # "measured" (tier-2 curves) | "tier1"
+    budget: float | None  # the fraction asked to remove; None: as much as the tolerance allows
+    removed: int
+    removed_fraction: float
+    metric: float
+    ok: bool
+    top1: float | None
+    frontier: list[FrontierPlan] = field(default_factory=list)
+
+
+@dataclass
+class PlanCheck:
+    """The reviewed plan (or the suggested ranks) applied all at once with whitened initialisation and measured."""
+
+    layers: int  # planned layers that were factorized
+    left_out: list[str]  # planned layers factorize() cannot rewrite (RNN, attention in-projections, tied weights)
+    predicted: float | None  # sqrt(sum e_l^2) of the tier-1 layer-output errors (default metric only)
+    measured: float
+    ok: bool
+    top1: float | None = None
+    removed: int = 0  # parameters removed by the factorized layers
+
+
+@dataclass
+class CalibrationReport:
+    """What calibration data measured: tier 1 always, tier 2 with --measure-floor, tier 3 with --budget."""
+
+    source: str
+    holdout: str  # what was held out: a share ("0.25") or a file
+    digest: str  # sha256 of every calibration tensor
+    fit_rows: int
+    holdout_rows: int
+    metric: str  # the metric's label
+    higher_is_better: bool
+    tolerance: float
+    reference: float  # the dense model's metric on the held-out part (0 for the relative output error)
+    layers: dict[str, LayerCalibration] = field(default_factory=dict)
+    missing: dict[str, str] = field(default_factory=dict)  # layer -> why it has no statistics (keeps weight energy)
+    warnings: list[str] = field(default_factory=list)
+    synthetic: bool = False  # the inputs look like uniformly random token ids
+    measured_floors: bool = False  # tier 2 ran
+    budget: BudgetResult | None = None
+    plan_check: PlanCheck | None = None
+    suggestions_from: str = "calibration"  # "calibration" (tier 1) | "measured floors" (tier 2)
+    statistics_cached: bool = False  # input statistics read from the cache
+    seconds: dict[str, float] = field(default_factory=dict)  # tier -> seconds
+    evaluations: int = 0  # model-level metric evaluations (tiers 2 and 3)
+    finetune_note: str = "a recovery fine-tune follows factorization"
+
+    def layer(self, name: str) -> LayerCalibration | None:
+        return self.layers.get(name)
+
+    def measured_points(self) -> dict[str, list[tuple[int, float]]]:
+        """Per layer, the tier-2 (rank, metric) points; empty without --measure-floor."""
+        return {k: list(v.floor.points) for k, v in self.layers.items() if v.floor is not None and v.floor.points}
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        for v in d["layers"].values():
+            v["curve"] = [list(p) for p in v["curve"]]
+            if v["floor"] is not None:
+                v["floor"]["points"] = [list(p) for p in v["floor"]["points"]]
+        return d
+
+
+def subsample(error: list[float], points: int = CURVE_POINTS) -> list[tuple[int, float]]:
+    """(rank, error) at every rank when there are few, else at ``points`` log-spaced ranks (0 and the last kept).
+
+    >>> subsample([1.0, 0.5, 0.0])
+    [(0, 1.0), (1, 0.5), (2, 0.0)]
+    """
+    k = len(error) - 1
+    if k + 1 <= points:
+        return [(r, float(e)) for r, e in enumerate(error)]
+    import math
+
+    ranks = {0, k}
+    for i in range(points - 1):
+        ranks.add(int(round(math.exp(math.log(k) * i / (points - 2)))))
+    return [(r, float(error[r])) for r in sorted(ranks)]

@@ -1,0 +1,123 @@
+"""``lowrank-audit factorize SOURCE --plan P [--calibration C] -o DIR``: apply a plan and write the factorized model.
+
+The plan is reviewed first (the same audit as ``lowrank-audit SOURCE --plan P``: patterns, ``0.5be`` and
+``energy:0.95`` specs resolve to ranks there, and a rank above min(m, n) is bad input); then every planned layer is
+replaced by two, initialised by the SVD or, with calibration, by the whitened truncation. ``DIR`` receives
+``model.safetensors`` and ``plan.json`` (:func:`auditor.factorize.save_factorized`); read them back with
+``auditor.factorize.load_factorized(original_model, DIR)``. Exit codes: 0 written, 2 bad input (one line, nothing
+written).
+"""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+import sys
+import tempfile
+from pathlib import Path
+from typing import Sequence
+
+from .errors import AuditError, ExitCode
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="lowrank-audit factorize",
+        description="Apply a compression plan: each planned layer becomes two (SVD, or whitened with calibration); "
+                    "writes model.safetensors and plan.json. A recovery fine-tune follows.")
+    p.add_argument("model", help="the model source (file.py:factory, module:factory, a Hugging Face directory)")
+    p.add_argument("--plan", required=True, metavar="FILE", help="the plan (TOML or JSON, as for the audit)")
+    p.add_argument("-o", "--output-dir", required=True, metavar="DIR", help="where to write the factorized model")
+    p.add_argument("--force", action="store_true", help="replace the contents of a non-empty DIR")
+    p.add_argument("--calibration", metavar="FILE|module:fn", help="whitened initialisation from these inputs, and "
+                                                                   "the plan measured on the held-out part")
+    p.add_argument("--holdout", metavar="SHARE|FILE", help="held-out share or file (default 0.25)")
+    p.add_argument("--metric", metavar="module:fn", help="fn(model, batches) -> float, higher is better")
+    p.add_argument("--tolerance", type=float, help="allowed loss in the metric's units (default 0.01)")
+    p.add_argument("--weights", metavar="FILE", help="a state dict to load into the factory's model")
+    p.add_argument("--input-shape", action="append", metavar="1,3,224,224", help="example input shape")
+    p.add_argument("--input-ids", metavar="1,128", help="token ids of this shape")
+    p.add_argument("--no-cache", action="store_true", help="do not read or write the caches")
+    return p
+
+
+def _check_dir(out: Path, force: bool) -> None:
+    if out.exists() and not out.is_dir():
+        raise AuditError(f"{out} is a file", "Give -o a directory")
+    if out.is_dir() and any(out.iterdir()) and not force:
+        raise AuditError(f"{out} is not empty", "Choose an empty directory, or pass --force to replace its contents")
+
+
+def run(args: argparse.Namespace) -> int:
+    from .factorize import count_params, factorize, save_factorized
+    from .load import parse_shape
+    from .options import AuditOptions, LoadOptions
+    from .pipeline import audit, load_model
+    from .policy import input_errors
+
+    out = Path(args.output_dir)
+    _check_dir(out, args.force)
+    loaded = load_model(args.model, LoadOptions(
+        input_shape=tuple(parse_shape(s, "--input-shape") for s in args.input_shape) if args.input_shape else None,
+        input_ids=parse_shape(args.input_ids, "--input-ids") if args.input_ids else None, weights=args.weights))
+    from torch import nn
+
+    model = loaded.model
+    if not isinstance(model, nn.Module):
+        raise AuditError(f"{args.model} is a weights-only checkpoint: there is no module to factorize",
+                         "Give the model's code (file.py:factory or a Hugging Face directory)")
+    options = AuditOptions(name=loaded.name, source=loaded.source, cache=not args.no_cache, progress=False,
+                           calibration=args.calibration,
+                           holdout=args.holdout if args.holdout is not None else 0.25,
+                           metric=args.metric if args.calibration else None, tolerance=args.tolerance)
+    if args.calibration is None and (args.metric or args.tolerance is not None or args.holdout):
+        raise AuditError("--holdout, --metric and --tolerance need --calibration", "Pass --calibration FILE")
+    result = audit(model, loaded.example_inputs, plan=args.plan, options=options)
+    for f in input_errors(result):
+        raise AuditError(f"{f.code} {f.message}", f.fix)
+    rv = result.review
+    plan = {it.layer: it.rank for it in rv.items} if rv is not None else {}
+    if not plan:
+        raise AuditError(f"plan {args.plan} factorizes no layer of {loaded.name}", "Check the plan's patterns")
+    stats = None
+    if args.calibration is not None:
+        from .calibration import input_statistics, load_calibration
+
+        cal = load_calibration(args.calibration, model, options.holdout)
+        stats = input_statistics(model, [result.layer(k) for k in plan], cal)
+    new = factorize(model, plan, stats)
+    cr = result.calibration
+    pc = cr.plan_check if cr is not None else None
+    extra = {"init": "whitened" if stats is not None else "svd", "params_before": count_params(model)}
+    if pc is not None and cr is not None:
+        extra["measured"] = {"metric": cr.metric, "value": pc.measured, "holds": pc.ok, "tolerance": cr.tolerance,
+                             "predicted": pc.predicted, "top1": pc.top1, "calibration_digest": cr.digest}
+    # write beside the destination, then move into place: no half-written directory
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=out.parent, prefix=f".{out.name}.") as tmp:
+        save_factorized(new, plan, tmp, source=loaded.source, extra=extra)
+        if out.exists():
+            shutil.rmtree(out)
+        shutil.copytree(tmp, out)
+    before, after = count_params(model), count_params(new)
+    print(f"factorized {len(plan)} layers of {loaded.name}: {before:,} -> {after:,} parameters "
+          f"({100 * (before - after) / before:.1f}% removed), {extra['init']} initialisation", file=sys.stderr)
+    if pc is not None and cr is not None:
+        pred = f"predicted {pc.predicted:.4g} (layer-level), " if pc.predicted is not None else ""
+        print(f"{cr.metric} on the held-out part: {pred}measured {pc.measured:.4g} "
+              f"({'holds' if pc.ok else 'misses'} the tolerance {cr.tolerance:g})", file=sys.stderr)
+    print(f"wrote {out / 'model.safetensors'} and {out / 'plan.json'}; a recovery fine-tune follows "
+          "(load with auditor.factorize.load_factorized(model, DIR))", file=sys.stderr)
+    return ExitCode.OK
+
+
+def main(argv: Sequence[str]) -> int:
+    args = _parser().parse_args(list(argv))
+    try:
+        return run(args)
+    except AuditError as exc:
+        print(f"error: {exc.line()}", file=sys.stderr)
+        return ExitCode.BAD_INPUT
+    except KeyboardInterrupt:
+        print("interrupted: nothing written", file=sys.stderr)
+        return 130

@@ -1,0 +1,264 @@
+"""The calibration section of every report (``Audit.calibration``): JSON block, Markdown and terminal lines, and the
+HTML section's data (per-layer measured curves and the frontier chart). Plain data in, no torch."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from .md_budget import Section
+from .safe import md_code, md_text, middle, term
+
+if TYPE_CHECKING:
+    from ..calresults import CalibrationReport
+    from ..results import Audit
+
+FINETUNE = "A recovery fine-tune follows factorization: these numbers are before it."
+
+
+def json_block(audit: "Audit") -> dict[str, Any]:
+    """``{"calibration": ...}`` when the audit has calibration, else nothing (older reports are unchanged)."""
+    return {"calibration": audit.calibration.to_dict()} if audit.calibration is not None else {}
+
+
+def measured_points(audit: "Audit") -> dict[str, list[tuple[int, float]]] | None:
+    """Per layer, the tier-2 (rank, metric) points for the layer pages' ``measured`` hook; None without them."""
+    cal = audit.calibration
+    pts = cal.measured_points() if cal is not None else {}
+    return pts or None
+
+
+def _g(x: float | None, digits: int = 4) -> str:
+    return "–" if x is None or (isinstance(x, float) and math.isnan(x)) else f"{x:.{digits}g}"
+
+
+def _pct(x: float | None) -> str:
+    return "–" if x is None else f"{100 * x:.1f}%"
+
+
+def summary(cal: "CalibrationReport") -> str:
+    what = "measured floors (tier 2)" if cal.measured_floors else "tier 1 (one forward pass)"
+    return (f"Calibration {cal.source}: {cal.fit_rows:,} rows for statistics, {cal.holdout_rows:,} held out "
+            f"({cal.holdout}); {what}; metric {cal.metric}, tolerance {cal.tolerance:g}"
+            + (" (statistics from the cache)" if cal.statistics_cached else ""))
+
+
+def basis(cal: "CalibrationReport") -> str:
+    if cal.suggestions_from == "measured floors":
+        return "Suggested ranks: the measured floors (weight energy only where calibration did not reach a layer)."
+    return ("Suggested ranks: the data-aware rank for "
+            f"{100 * (cal.tolerance if not cal.higher_is_better else 0.01):g}% layer-output error on the calibration "
+            "data (weight energy only where calibration did not reach a layer).")
+
+
+def plan_line(cal: "CalibrationReport") -> str | None:
+    pc = cal.plan_check
+    if pc is None:
+        return None
+    if pc.layers == 0:
+        return "The plan was not measured: factorize() cannot rewrite any of its layers."
+    pred = f"predicted {_g(pc.predicted)} (sqrt of summed layer-output errors^2), " if pc.predicted is not None else ""
+    top1 = f", top-1 agreement {_pct(pc.top1)}" if pc.top1 is not None else ""
+    left = f"; not measured: {', '.join(pc.left_out)}" if pc.left_out else ""
+    return (f"Plan applied all at once ({pc.layers} layers, {pc.removed:,} parameters removed): {cal.metric} "
+            f"{pred}measured {_g(pc.measured)}{top1}: {'holds' if pc.ok else 'MISSES'} the tolerance "
+            f"{cal.tolerance:g}{left}.")
+
+
+@dataclass(frozen=True)
+class CalRow:
+    layer: str
+    rows: int
+    width: int
+    r1: int | None
+    r2: int | None
+    r5: int | None
+    r10: int | None
+    suggested: str
+    floor: str
+    cliff: str
+    compression: str
+
+
+def rows(cal: "CalibrationReport") -> list[CalRow]:
+    out = []
+    for name, lc in cal.layers.items():
+        f = lc.floor
+        floor = cliff = comp = "–"
+        if f is not None:
+            floor = "keep dense (measured)" if f.keep_dense else (str(f.floor) if f.floor is not None else "–")
+            if f.cliff_rank is not None:
+                cliff = f"{f.cliff_rank}: {_g(f.cliff_metric)}"
+            comp = f"{f.compression:.2f}x" if f.compression is not None else "–"
+        rf = lc.ranks_for
+        out.append(CalRow(name, lc.rows, lc.width, rf.get("0.01"), rf.get("0.02"), rf.get("0.05"), rf.get("0.1"),
+                          str(lc.suggested) if lc.suggested is not None else "keep dense", floor, cliff, comp))
+    return out
+
+
+def budget_lines(cal: "CalibrationReport") -> list[str]:
+    b = cal.budget
+    if b is None:
+        return []
+    ask = f"{100 * b.budget:g}% asked" if b.budget is not None else "as much as the tolerance allows"
+    top1 = f", top-1 {_pct(b.top1)}" if b.top1 is not None else ""
+    out = [f"Budget plan ({ask}, over {b.source} curves): {len(b.plan)} layers, {b.removed:,} parameters removed "
+           f"({_pct(b.removed_fraction)}); {cal.metric} {_g(b.metric)} measured all at once{top1}: "
+           f"{'holds' if b.ok else 'MISSES'} the tolerance."]
+    out.append("Frontier (all at once): " + ", ".join(
+        f"{_pct(p.removed_fraction)} removed -> {_g(p.metric)}{'' if p.ok else ' (fails)'}" for p in b.frontier))
+    return out
+
+
+def markdown(audit: "Audit") -> "Section | None":
+    """The calibration section of the Markdown report (rows cut last under the comment cap)."""
+    cal = audit.calibration
+    if cal is None:
+        return None
+    intro = [f"- {md_text(summary(cal))}", f"- {md_text(basis(cal))}"]
+    line = plan_line(cal)
+    if line:
+        intro.append(f"- {md_text(line)}")
+    intro += [f"- {md_text(b)}" for b in budget_lines(cal)]
+    intro += [f"- ⚠️ {md_text(w)}" for w in cal.warnings]
+    if cal.missing:
+        intro.append("- No statistics (weight energy kept): "
+                     + ", ".join(f"{md_code(k)} ({md_text(v)})" for k, v in cal.missing.items()))
+    intro.append(f"- {md_text(FINETUNE)}")
+    intro += ["", "| layer | rows | n | r@1% | r@2% | r@5% | r@10% | data-aware | floor | cliff (rank: metric) | x |",
+              "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    table = [f"| {md_code(r.layer)} | {r.rows:,} | {r.width} | {r.r1} | {r.r2} | {r.r5} | {r.r10} | {r.suggested} | "
+             f"{r.floor} | {r.cliff} | {r.compression} |" for r in rows(cal)]
+    return Section("### Calibration: measured rank floors", intro, table, noun="calibrated layers",
+                   title="Calibration")
+
+
+def terminal(audit: "Audit") -> list[str]:
+    """Lines (unwrapped prose first, then a fixed table) for the terminal reporter."""
+    cal = audit.calibration
+    if cal is None:
+        return []
+    out = [summary(cal), basis(cal)]
+    line = plan_line(cal)
+    if line:
+        out.append(line)
+    out += budget_lines(cal)
+    out += [f"warning: {w}" for w in cal.warnings]
+    out.append(FINETUNE)
+    return [term(x) for x in out]  # messages may quote layer names
+
+
+def terminal_table(audit: "Audit", namew: int = 40) -> list[str]:
+    cal = audit.calibration
+    if cal is None or not cal.layers:
+        return []
+    namew = max(12, min(namew, max(len(term(k)) for k in cal.layers)))
+    head = f"{'layer':<{namew}}  {'rows':>7}  {'r@1%':>5}  {'r@5%':>5}  {'data':>5}  {'floor':>6}  {'cliff':>14}"
+    out = [head]
+    for r in rows(cal):
+        name = middle(term(r.layer), namew)
+        floor = "dense" if r.floor.startswith("keep") else r.floor
+        sug = "dense" if r.suggested == "keep dense" else r.suggested
+        out.append(f"{name:<{namew}}  {r.rows:>7,}  {str(r.r1):>5}  {str(r.r5):>5}  {sug:>5}  {floor:>6}  "
+                   f"{r.cliff:>14}")
+    return out
+
+
+def _frontier_fig(points: list[tuple[float, float, bool]], chosen: float | None, tolerance: float, label: str,
+                  higher: bool, reference: float) -> Any:
+    from .layer_charts import PALETTE, _figure
+
+    if not points:
+        return None
+    fig, ax = _figure(5.6, 2.8)
+    xs = [100 * p[0] for p in points]
+    ys = [p[1] for p in points]
+    ax.plot(xs, ys, color=PALETTE[0], marker="o", markersize=4, linewidth=1.4)
+    for x, y, ok in zip(xs, ys, [p[2] for p in points]):
+        if not ok:
+            ax.plot([x], [y], marker="x", color="#dc2626", markersize=8)
+    limit = reference - tolerance if higher else tolerance
+    ax.axhline(limit, color="#ea580c", linewidth=0.9, linestyle="--", label=f"tolerance ({limit:g})")
+    if chosen is not None:
+        ax.axvline(100 * chosen, color="#16a34a", linewidth=0.9, linestyle=":", label="chosen plan")
+    ax.set_xlabel("parameters removed (% of the model)")
+    ax.set_ylabel(label)
+    ax.legend(fontsize=7, frameon=False)
+    return fig
+
+
+def frontier_chart(cal: "CalibrationReport") -> str | None:
+    """Parameters removed against the model-level metric, each plan measured all at once (SVG), or None."""
+    from .layer_charts import _render, short_label
+
+    b = cal.budget
+    if b is None or not b.frontier:
+        return None
+    pts = [(p.removed_fraction, p.metric, p.ok) for p in b.frontier if math.isfinite(p.metric)]
+    return _render(_frontier_fig, pts, b.removed_fraction, cal.tolerance, short_label(cal.metric, 30),
+                   cal.higher_is_better, cal.reference)
+
+
+def _measured_fig(name: str, points: list[tuple[int, float]], curve: list[tuple[int, float]], limit: float,
+                  label: str, higher: bool, break_even: float, floor: int | None, m: int, n: int) -> Any:
+    from .layer_charts import PALETTE, _figure, _log_rank_axis, short_label
+
+    pts = sorted((r, v) for r, v in points if r > 0 and math.isfinite(v))
+    if not pts:
+        return None
+    fig, ax = _figure(5.6, 2.8)
+    _log_rank_axis(ax, min(m, n), break_even)
+    ax.plot([r for r, _ in pts], [v for _, v in pts], color=PALETTE[0], marker="o", markersize=4, linewidth=1.4,
+            label=f"{short_label(label, 30)} (measured, this layer alone)")
+    if not higher:  # the tier-1 layer-output error is in the same units as the default metric
+        c = [(r, e) for r, e in curve if r > 0 and math.isfinite(e)]
+        ax.plot([r for r, _ in c], [e for _, e in c], color="#94a3b8", linewidth=1.0, linestyle="--",
+                label="layer-output error (tier 1)")
+        top = max(v for _, v in pts)
+        ax.set_ylim(0, max(top, limit) * 1.3)
+    ax.axhline(limit, color="#ea580c", linewidth=0.9, linestyle="--", label=f"tolerance ({limit:g})")
+    ax.axvline(break_even, color="#334155", linewidth=0.8, linestyle=":", label=f"break-even {break_even:.1f}")
+    if floor is not None:
+        ax.axvline(floor, color="#16a34a", linewidth=1.0, label=f"measured floor {floor}")
+    ax.set_xlabel("rank r (log scale)")
+    ax.set_ylabel(short_label(label, 30))
+    ax.set_title(f"{short_label(name, 48)} ({m} x {n})", fontsize=9, loc="left")
+    ax.legend(fontsize=7, frameon=False, loc="upper left", bbox_to_anchor=(1.02, 1.0))
+    return fig
+
+
+def layer_charts(audit: "Audit", top: int = 8) -> list[tuple[str, str]]:
+    """(layer, SVG) per measured layer, largest first: the model-level metric with that layer alone truncated against
+    its rank (log axis), the tier-1 layer-output error beside it, tolerance, break-even and measured floor marked."""
+    from .layer_charts import _render
+
+    cal = audit.calibration
+    if cal is None:
+        return []
+    limit = cal.reference - cal.tolerance if cal.higher_is_better else cal.tolerance
+    out = []
+    for name, pts in list(cal.measured_points().items())[:top]:
+        layer = audit.layer(name)
+        lc = cal.layers[name]
+        svg = _render(_measured_fig, name, pts, lc.curve, limit, cal.metric, cal.higher_is_better, layer.break_even,
+                      lc.floor.floor if lc.floor is not None else None, layer.m, layer.n)
+        if svg:
+            out.append((name, svg))
+    return out
+
+
+def html_context(audit: "Audit", charts: bool = True) -> dict[str, Any]:
+    """The template's ``calibration`` variable: None without calibration."""
+    from .layer_charts import data_uri
+
+    cal = audit.calibration
+    if cal is None:
+        return {"calibration": None}
+    front = frontier_chart(cal) if charts else None
+    return {"calibration": {
+        "summary": summary(cal), "basis": basis(cal), "plan": plan_line(cal), "budget": budget_lines(cal),
+        "warnings": cal.warnings, "missing": cal.missing, "finetune": FINETUNE, "rows": rows(cal),
+        "frontier": data_uri(front) if front else None,
+        "layer_charts": [(n, data_uri(s)) for n, s in layer_charts(audit)] if charts else [],
+    }}

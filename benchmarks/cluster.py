@@ -1,0 +1,107 @@
+"""A 2-worker Dask LocalCluster (127.0.0.1) against the local engine on the same sharded checkpoint, and the
+per-matrix times a 70B estimate is built from (docs/cluster.md).
+
+1. Per-task overhead: a checkpoint of many tiny tensors (the spectrum itself is microseconds), whole spectra stage
+   on the cluster and locally; overhead per task = (cluster - local) / tasks.
+2. Whole audit: a sharded checkpoint of mid-size matrices (the local engine and the cluster both use 2 cores here),
+   cache off, best of ``--repeat``; printed as the ratio cluster / local.
+3. Per-matrix parts on one core: the float64 Gram (m k^2 flops) and the eigensolver (k^3) for given shapes.
+
+    python benchmarks/cluster.py [--shapes 4096x11008,2048x7168] [--repeat 2]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _util import best  # noqa: E402
+
+
+def write_checkpoint(folder: Path, shapes: list[tuple[int, int]], shards: int = 2, seed: int = 0) -> None:
+    from safetensors.torch import save_file
+
+    g = torch.Generator().manual_seed(seed)
+    names = [f"model.layers.{i}.mlp.up_proj.weight" for i in range(len(shapes))]
+    per = -(-len(names) // shards)
+    wm = {}
+    for s in range(shards):
+        chunk = list(range(s * per, min(len(names), (s + 1) * per)))
+        fname = f"model-{s + 1:05d}-of-{shards:05d}.safetensors"
+        save_file({names[i]: torch.randn(*shapes[i], generator=g) for i in chunk}, str(folder / fname))
+        wm.update({names[i]: fname for i in chunk})
+    (folder / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": wm}))
+
+
+def audit_time(path: Path, repeat: int, **kw) -> float:
+    import auditor
+    from auditor.load import load_source
+
+    w = load_source(str(path)).model
+    return best(lambda: auditor.audit(w, cache=False, progress=False, **kw), repeat)
+
+
+def part_times(m: int, n: int) -> tuple[float, float]:
+    """(Gram seconds, eigensolver seconds) for one m x n float32 matrix on one BLAS thread."""
+    from threadpoolctl import threadpool_limits
+
+    from auditor.spectra.backend import eig_svdvals, gram64
+
+    w = torch.randn(m, n)
+    with threadpool_limits(1, user_api="blas"):
+        t = time.perf_counter()
+        g = gram64(w)
+        tg = time.perf_counter() - t
+        t = time.perf_counter()
+        eig_svdvals(g)
+        te = time.perf_counter() - t
+    return tg, te
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--tiny", type=int, default=400, help="tiny tensors for the overhead run")
+    ap.add_argument("--mid", default="1024x2752", help="shape of the whole-audit run's matrices")
+    ap.add_argument("--count", type=int, default=16, help="matrices in the whole-audit run")
+    ap.add_argument("--shapes", default="4096x11008,2048x7168", help="per-matrix timing shapes (k x m)")
+    ap.add_argument("--repeat", type=int, default=2)
+    a = ap.parse_args()
+
+    from distributed import Client, LocalCluster
+
+    with tempfile.TemporaryDirectory() as tmp:
+        tiny, mid = Path(tmp) / "tiny", Path(tmp) / "mid"
+        tiny.mkdir()
+        mid.mkdir()
+        write_checkpoint(tiny, [(16, 8)] * a.tiny)
+        k, m = map(int, a.mid.split("x"))
+        write_checkpoint(mid, [(k, m)] * a.count, seed=1)
+        with LocalCluster(processes=True, n_workers=2, threads_per_worker=1, host="127.0.0.1",
+                          dashboard_address=None, silence_logs=40) as lc, Client(lc, set_as_default=False) as c:
+            audit_time(tiny, 1, scheduler=c)  # workers import torch and the auditor once
+            t_tiny_c = audit_time(tiny, a.repeat, scheduler=c)
+            t_tiny_l = audit_time(tiny, a.repeat, jobs=2)
+            t_mid_c = audit_time(mid, a.repeat, scheduler=c)
+            t_mid_l = audit_time(mid, a.repeat, jobs=2)
+    print(f"{'':34}{'local (2 threads)':>18}{'dask (2 workers)':>18}{'ratio':>8}")
+    print(f"{f'{a.tiny} tiny tensors, whole audit':34}{t_tiny_l:>17.2f}s{t_tiny_c:>17.2f}s{t_tiny_c / t_tiny_l:>8.2f}")
+    print(f"{'  per task':34}{1e3 * t_tiny_l / a.tiny:>16.2f}ms{1e3 * t_tiny_c / a.tiny:>16.2f}ms")
+    print(f"  cluster overhead per task: {1e3 * (t_tiny_c - t_tiny_l) / a.tiny:.2f} ms")
+    print(f"{f'{a.count} x {a.mid}, whole audit':34}{t_mid_l:>17.2f}s{t_mid_c:>17.2f}s{t_mid_c / t_mid_l:>8.2f}")
+    print("per-matrix parts, one core (float64 Gram | eigensolver):")
+    for s in a.shapes.split(","):
+        k, m = map(int, s.split("x"))
+        tg, te = part_times(k, m)
+        print(f"  {k} x {m}: gram {tg:.2f} s ({2 * m * k * k / 2 / tg / 1e9:.1f} GFLOP/s for m k^2), "
+              f"eigh {te:.2f} s (k^3 / t = {k ** 3 / te / 1e9:.2f} G/s), total {tg + te:.2f} s")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,225 @@
+"""The calibration stage end to end on the digits MLP: the command line's numbers equal the library's (tier-1 ranks,
+measured floors, the budget plan), the statistics cache, `lowrank-audit factorize` and its round trip, and bad
+calibration data exiting 2 with one line and no report."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from threadpoolctl import threadpool_limits
+
+import auditor
+from auditor.calibration import (
+    curves_from_floors, input_statistics, load_calibration, measure_floors, plan_for_budget, tier1,
+)
+from auditor.calibration.stats import by_name
+from auditor.factorize import count_params, factorize, load_factorized, predicted_params
+from auditor.layers import ParamTable, collect_layers
+
+ROWS = 400  # 300 for statistics, 100 held out
+MODEL = "sample_models/digits.py:mlp"
+
+
+@pytest.fixture(autouse=True)
+def _one_blas_thread():
+    """The library's calls here run as the stage runs them (NumPy's BLAS on one thread): the same bits, and no
+    thread pools spinning on a loaded machine."""
+    with threadpool_limits(limits=1, user_api="blas"):
+        yield
+
+
+@pytest.fixture(scope="module")
+def calib(tmp_path_factory) -> Path:
+    from safetensors.torch import save_file
+    from sklearn.datasets import load_digits
+
+    x = torch.tensor(load_digits().data[:ROWS], dtype=torch.float32) / 16.0
+    path = tmp_path_factory.mktemp("calib") / "digits_calib.safetensors"
+    save_file({"x": x.contiguous()}, str(path))
+    return path
+
+
+def _layers(model: torch.nn.Module) -> dict:
+    return by_name(collect_layers(model, ParamTable.of(model)))
+
+
+def _json(cli_inproc, out: Path, *args: str, code: int = 0, fmt: str = "json") -> dict:
+    r = cli_inproc(MODEL, "--format", fmt, "-o", out, "-q", *args)
+    assert r.returncode == code, r.stderr
+    return json.loads((out / "lowrank-audit.json").read_text())
+
+
+def test_tier1_ranks_and_suggestions_are_the_librarys(cli_inproc, calib, tmp_path, digits_mlp):
+    model = digits_mlp[0]
+    d = _json(cli_inproc, tmp_path, "--calibration", calib, "--cache-dir", tmp_path / "cache", fmt="json,md")
+    md = (tmp_path / "lowrank-audit.md").read_text()
+    assert "### Calibration: measured rank floors" in md and "recovery fine-tune follows" in md
+    cal = load_calibration(calib, model, 0.25)
+    stats, spectra = tier1(model, _layers(model), cal)
+    got = d["calibration"]
+    assert (got["fit_rows"], got["holdout_rows"], got["digest"]) == (300, 100, cal.digest)
+    assert set(got["layers"]) == set(spectra) == {"fc1", "fc2", "fc3", "head"}
+    for name, spec in spectra.items():
+        lc = got["layers"][name]
+        assert lc["ranks_for"] == spec.ranks_for and lc["suggested"] == spec.suggested, name
+        assert lc["rows"] == 300 and lc["curve"][0] == [0, 1.0]
+        assert lc["curve"] == [[r, spec.error_at(r)] for r, _ in lc["curve"]], name
+    # the suggestions use the data-aware rank where the layer is not narrow; head (break-even 9.6) stays narrow
+    assert {k: s["rank"] for k, s in d["suggestions"].items()} == {
+        "fc1": spectra["fc1"].suggested, "fc2": spectra["fc2"].suggested, "fc3": spectra["fc3"].suggested,
+        "head": None}
+    assert d["suggestions"]["fc2"]["reason"].startswith("calibration: ")
+    assert not got["measured_floors"] and got["budget"] is None and not got["statistics_cached"]
+    pc = got["plan_check"]  # the suggested plan, factorized all at once and measured
+    plan = {k: s["rank"] for k, s in d["suggestions"].items() if s["rank"] is not None}
+    ev = auditor.calibration.Evaluator(model, cal)
+    want = ev.measure(factorize(model, plan, stats))
+    assert pc["layers"] == 3 and pc["measured"] == pytest.approx(want.value, rel=1e-9)
+    assert pc["ok"] == want.ok and pc["removed"] == count_params(model) - predicted_params(model, plan)
+    # a second run reads the input statistics from the cache, with the same numbers
+    again = _json(cli_inproc, tmp_path / "2", "--calibration", calib, "--cache-dir", tmp_path / "cache")
+    assert again["calibration"]["statistics_cached"]
+    assert again["calibration"]["layers"] == got["layers"]
+
+
+def test_floors_and_budget_are_the_librarys(cli_inproc, calib, tmp_path, digits_mlp):
+    model = digits_mlp[0]
+    d = _json(cli_inproc, tmp_path, "--calibration", calib, "--measure-floor", "--budget", "0.5", "--no-cache",
+              "--plan", _plan(tmp_path, {"fc1": 8, "fc2": 16}), code=1)  # LR012 is an error
+    cal = load_calibration(calib, model, 0.25)
+    layers = _layers(model)
+    stats, spectra = tier1(model, layers, cal)
+    swept = [layers[k] for k in ("fc2", "fc3", "fc1")]  # head is narrow
+    floors = measure_floors(model, swept, cal, stats=stats, spectra=spectra)
+    got = d["calibration"]["layers"]
+    for name, f in floors.floors.items():
+        assert (got[name]["floor"]["floor"], got[name]["floor"]["cliff_rank"]) == (f.floor, f.cliff_rank), name
+        assert got[name]["floor"]["points"] == [list(p) for p in f.points]
+    assert got["head"]["floor"] is None
+    assert {k: got[k]["floor"]["floor"] for k in ("fc1", "fc2", "fc3")} == {"fc1": 24, "fc2": 8, "fc3": 8}
+    # the suggestions are the measured floors
+    assert {k: d["suggestions"][k]["rank"] for k in ("fc1", "fc2", "fc3")} == {"fc1": 24, "fc2": 8, "fc3": 8}
+    bp = plan_for_budget(model, swept, cal, curves_from_floors(floors, swept), budget=0.5, stats=stats)
+    b = d["calibration"]["budget"]
+    assert b["plan"] == bp.plan and b["removed"] == bp.removed and b["ok"] is bp.ok is True
+    assert b["removed_fraction"] >= 0.5 and 3 <= len(b["frontier"]) <= 5
+    assert [p["removed"] for p in b["frontier"]] == [p.removed for p in bp.frontier]
+    # fc1 planned at 8, below its measured floor 24: LR012, an error
+    lr012 = [f for f in d["findings"] if f["code"] == "LR012"]
+    assert [(f["layers"], f["evidence"]) for f in lr012] == [(["fc1"], {"rank": 8, "floor": 24, "cliff_rank": 16})]
+
+
+def _plan(tmp_path: Path, ranks: dict[str, int]) -> Path:
+    p = tmp_path / "plan.toml"
+    p.write_text('finetune = "1 epoch"\n[ranks]\n' + "".join(f'{k} = {v}\n' for k, v in ranks.items()))
+    return p
+
+
+def test_factorize_writes_and_loads_back(cli_inproc, calib, tmp_path, digits_mlp):
+    model = digits_mlp[0]
+    plan = {"fc1": 24, "fc2": 16}
+    out = tmp_path / "fact"
+    r = cli_inproc("factorize", MODEL, "--plan", _plan(tmp_path, plan), "--calibration", calib, "-o", out,
+                   "--no-cache")
+    assert r.returncode == 0, r.stderr
+    assert "recovery fine-tune follows" in r.stderr and "measured" in r.stderr
+    meta = json.loads((out / "plan.json").read_text())
+    assert meta["plan"] == plan and meta["init"] == "whitened"
+    assert meta["params"] == predicted_params(model, plan) == 429_834 - 512 * 64 + 24 * 576 - 512 * 512 + 16 * 1024
+    back = load_factorized(model, out)
+    cal = load_calibration(calib, model, 0.25)
+    want = factorize(model, plan, input_statistics(model, _layers(model), cal))
+    x = cal.fit[0].kwargs["x"]  # DigitsMLP.forward(x): the file's tensor is its keyword input
+    with torch.no_grad():
+        assert torch.equal(back(x), want(x))
+    ev = auditor.calibration.Evaluator(model, cal)
+    assert meta["measured"]["value"] == pytest.approx(ev.measure(want).value, rel=1e-9)
+    # a non-empty directory is refused without --force
+    r = cli_inproc("factorize", MODEL, "--plan", tmp_path / "plan.toml", "-o", out)
+    assert r.returncode == 2 and r.stderr.count("\n") == 1 and "is not empty" in r.stderr
+    r = cli_inproc("factorize", MODEL, "--plan", tmp_path / "plan.toml", "-o", out, "--force", "--no-cache")
+    assert r.returncode == 0, r.stderr
+    assert json.loads((out / "plan.json").read_text())["init"] == "svd"
+
+
+def _write(path: Path, tensors: dict[str, torch.Tensor]) -> Path:
+    from safetensors.torch import save_file
+
+    save_file(tensors, str(path))
+    return path
+
+
+@pytest.mark.parametrize("case", ["shape", "empty", "nan", "missing", "budget-without-data", "bad-budget"])
+def test_bad_calibration_exits_2_with_one_line_and_no_report(cli_inproc, tmp_path, case):
+    out = tmp_path / "out"
+    args: list = []
+    if case == "shape":
+        args = ["--calibration", _write(tmp_path / "c.safetensors", {"x": torch.rand(40, 10)})]
+        want = "do not fit DigitsMLP.forward"
+    elif case == "empty":
+        (tmp_path / "c.safetensors").write_bytes(b"")
+        args, want = ["--calibration", tmp_path / "c.safetensors"], "is empty"
+    elif case == "nan":
+        x = torch.rand(40, 64)
+        x[3, 5] = float("nan")
+        args, want = ["--calibration", _write(tmp_path / "c.safetensors", {"x": x})], "NaN"
+    elif case == "missing":
+        args, want = ["--calibration", tmp_path / "nope.safetensors"], "does not exist"
+    elif case == "budget-without-data":
+        args, want = ["--budget", "0.3"], "need(s) calibration data"
+    else:
+        args = ["--calibration", _write(tmp_path / "c.safetensors", {"x": torch.rand(40, 64)}), "--budget", "1.5"]
+        want = "not a fraction"
+    r = cli_inproc(MODEL, "--format", "json,html", "-o", out, "--no-cache", *args)
+    assert r.returncode == 2, r.stderr
+    assert r.stderr.count("\n") == 1 and r.stderr.startswith("error: ") and want in r.stderr, r.stderr
+    assert not out.exists() or not any(out.iterdir())
+
+
+def test_api_takes_the_same_calibration(digits_mlp):
+    from sklearn.datasets import load_digits
+
+    model, inputs = digits_mlp
+    x = torch.tensor(load_digits().data[:200], dtype=torch.float32) / 16.0
+    a = auditor.audit(model, inputs, options=auditor.AuditOptions(calibration={"x": x}, cache=False, progress=False,
+                                                                 spectra=False))
+    cal = load_calibration({"x": x}, model, 0.25)
+    _, spectra = tier1(model, _layers(model), cal)
+    assert {k: v.suggested for k, v in a.calibration.layers.items()} == {k: s.suggested for k, s in spectra.items()}
+    assert a.calibration.fit_rows == 150 and "recovery fine-tune" in a.calibration.finetune_note
+    with pytest.raises(auditor.AuditError, match="need calibration data"):
+        auditor.AuditOptions(measure_floor=True)
+
+
+def test_a_user_metric_in_its_own_units(cli_inproc, calib, tmp_path, digits_mlp):
+    """--metric file.py:fn (accuracy on the held-out digits, higher is better) with --tolerance in its units."""
+    from sklearn.datasets import load_digits
+
+    metric = tmp_path / "metrics.py"
+    metric.write_text(
+        "import torch\nfrom sklearn.datasets import load_digits\n\n"
+        f"LABELS = torch.tensor(load_digits().target[{ROWS * 3 // 4}:{ROWS}])\n\n"
+        "def accuracy(model, batches):\n"
+        "    pred = torch.cat([model(**b).argmax(-1) for b in batches])\n"
+        "    return float((pred == LABELS).double().mean())\n")
+    d = _json(cli_inproc, tmp_path, "--calibration", calib, "--metric", f"{metric}:accuracy", "--tolerance", "0.02",
+              "--no-cache")
+    c = d["calibration"]
+    model = digits_mlp[0]
+    x = torch.tensor(load_digits().data[ROWS * 3 // 4:ROWS], dtype=torch.float32) / 16.0
+    y = torch.tensor(load_digits().target[ROWS * 3 // 4:ROWS])
+
+    def acc(m: torch.nn.Module) -> float:
+        with torch.no_grad():
+            return float((m(x).argmax(-1) == y).double().mean())
+
+    assert (c["metric"], c["higher_is_better"], c["tolerance"]) == ("accuracy", True, 0.02)
+    assert c["reference"] == acc(model)
+    plan = {k: s["rank"] for k, s in d["suggestions"].items() if s["rank"] is not None}
+    cal = load_calibration(calib, model, 0.25)
+    got = acc(factorize(model, plan, input_statistics(model, _layers(model), cal)))
+    assert c["plan_check"]["measured"] == got and c["plan_check"]["ok"] == (got >= acc(model) - 0.02)
+    assert c["plan_check"]["predicted"] is None  # no layer-level prediction in a user metric's units
