@@ -7,6 +7,7 @@ templates receive data (view models and the Audit), never pre-built HTML.
 from __future__ import annotations
 
 import datetime as _dt
+import re
 from dataclasses import asdict
 from enum import Enum
 from functools import lru_cache
@@ -19,7 +20,7 @@ from ..policy import verdict_line
 from . import calibration
 from .base import RenderContext
 from .layer_charts import short_label
-from .pages import group_rows, layer_pages, plan_rows, rank_changes
+from .pages import appendix_text, group_rows, layer_pages, plan_rows, rank_changes
 from .view import finding_groups, human, layer_table, skipped_rows, spectra_computed
 
 if TYPE_CHECKING:
@@ -64,6 +65,32 @@ def _why(code: str) -> str:
 
 
 PDF_PAGES = 8  # the largest groups (or single layers) whose page the PDF carries; an appendix lists every layer
+PDF_NAME_MAX = 96  # longest name (or unbroken run of characters) the PDF lays out; longer ones are cut in the middle
+PDF_TABLE_CAP = 200  # rows of the PDF's grouped layer table (its appendix lists the layers one per row)
+PDF_APPENDIX_CAP = 2000  # rows of the PDF's appendix; the rest are counted, and listed in the HTML and JSON reports
+PDF_LIST_CAP = 500  # rows of the PDF's findings, plan and skipped-layer lists
+
+
+def cut_middle(s: str, limit: int = PDF_NAME_MAX) -> str:
+    """``s`` at most ``limit`` characters: longer strings keep their head and tail around a "…" (so layout cost in the
+    PDF cannot grow with a name's length)."""
+    if len(s) <= limit:
+        return s
+    head = (limit - 1) // 2
+    return s[:head] + "…" + s[len(s) - (limit - 1 - head):]
+
+
+_LONG_RUN = re.compile(r"\S{%d,}" % (PDF_NAME_MAX + 1))
+
+
+def cut_runs(s: str, limit: int = PDF_NAME_MAX) -> str:
+    """``s`` with every unbroken run of more than ``limit`` non-space characters (a long name inside a message)
+    cut in the middle."""
+    return _LONG_RUN.sub(lambda m: cut_middle(m.group(0), limit), s) if len(s) > limit else s
+
+
+def _same(s: Any, limit: int = PDF_NAME_MAX) -> Any:
+    return s
 OVERVIEW_CURVES = 6
 
 
@@ -103,6 +130,10 @@ def context(audit: "Audit", ctx: RenderContext = RenderContext(), pdf: bool = Fa
                 for k, v in asdict(audit.settings).items()]
     pages = layer_pages(audit, table, groups, charts=ctx.charts, measured=ctx.measured,
                         only={g.anchor for g in groups[:PDF_PAGES]} if pdf else None)
+    plans = plan_rows(audit)
+    skipped = skipped_rows(audit)
+    fgroups = finding_groups(audit, _why)
+    cut = _pdf_cuts(table.rows, groups, plans, skipped, fgroups, table.columns, table.planned) if pdf else {}
     return {
         "a": audit,
         "verdict": verdict_line(audit),
@@ -112,13 +143,13 @@ def context(audit: "Audit", ctx: RenderContext = RenderContext(), pdf: bool = Fa
         "planned": table.planned,
         "pages": pages,
         "pdf": pdf,
-        "plan_rows": plan_rows(audit),
+        "plan_rows": plans[:PDF_LIST_CAP] if pdf else plans,
         "rank_changes": rank_changes(audit, ctx.baseline_report),
         "counts": counts,
         "status": "fail" if counts.error else ("review" if counts.warning else "pass"),
         "findings": audit.findings,
-        "finding_groups": finding_groups(audit, _why),
-        "skipped": skipped_rows(audit),
+        "finding_groups": fgroups,
+        "skipped": skipped[:PDF_LIST_CAP] if pdf else skipped,
         "settings": settings,
         "holding80": audit.layers_holding(0.8),
         "plan_suggested": audit.review is None or audit.review.suggested,
@@ -131,6 +162,24 @@ def context(audit: "Audit", ctx: RenderContext = RenderContext(), pdf: bool = Fa
         "human": human,
         "pct": _pct,
         **calibration.html_context(audit, ctx.charts),
+        "pn": cut_middle if pdf else _same,  # a name as the PDF shows it (the HTML keeps it whole)
+        "pt": cut_runs if pdf else _same,  # a message as the PDF shows it
+        "cut": cut,
+    }
+
+
+def _pdf_cuts(rows: list[Any], groups: list[Any], plans: list[Any], skipped: list[Any], fgroups: list[Any],
+              columns: list[Any], planned: bool) -> dict[str, Any]:
+    """What the PDF leaves out, so that it can say so: rows past each cap, and how many names it shortens."""
+    names = [r.name for r in rows] + [s.name for s in skipped]
+    return {
+        "table_rows": groups[:PDF_TABLE_CAP], "table_left": max(0, len(groups) - PDF_TABLE_CAP),
+        "appendix_rows": rows[:PDF_APPENDIX_CAP], "appendix_left": max(0, len(rows) - PDF_APPENDIX_CAP),
+        "appendix_text": appendix_text(rows[:PDF_APPENDIX_CAP], [c.label for c in columns], planned, cut_middle),
+        "plan_left": max(0, len(plans) - PDF_LIST_CAP), "skipped_left": max(0, len(skipped) - PDF_LIST_CAP),
+        "findings_left": sum(max(0, len(g.entries) - PDF_LIST_CAP) for g in fgroups),
+        "long_names": len({n for n in names if len(n) > PDF_NAME_MAX}),
+        "name_max": PDF_NAME_MAX, "list_cap": PDF_LIST_CAP,
     }
 
 

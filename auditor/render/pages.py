@@ -481,3 +481,33 @@ def layer_pages(audit: "Audit", table: LayerTable, groups: list[GroupRow], *, ch
     for r in table.rows:
         pages.append(page(r.anchor, r.name, [r], False, r.name))
     return pages
+
+
+APPENDIX_NAME_WIDTH = 44  # the name column of the PDF's appendix; a longer name takes a line of its own
+
+
+def appendix_text(rows: Sequence[LayerRow], labels: Sequence[str], planned: bool,
+                  name: Any = lambda s: s) -> str:
+    """The PDF's appendix as monospaced lines, one per layer (a header first): one text block lays out several
+    times faster in WeasyPrint than a table of the same rows. ``name`` shortens a name for print; a name wider than
+    the name column is printed on a line of its own, its figures on the next."""
+    names = [name(r.name) for r in rows]
+    w = max([5, *(min(len(n), APPENDIX_NAME_WIDTH) for n in names)])
+
+    def dash(x: Any) -> str:
+        return "–" if x is None else f"{x:,}" if isinstance(x, int) else str(x)
+
+    head = (f"{'#':>5} {'layer':<{w}} {'m × n':>11} {'params':>11} {'share':>7} {'b-even':>7} "
+            + " ".join(f"{c:>6}" for c in labels) + (f" {'plan':>6} {'sugg':>6}" if planned else f" {'rank':>6}") + " verdict")
+    out = [head, "─" * len(head)]
+    for r, n in zip(rows, names):
+        figures = (f"{r.shape:>11} {r.params:>11,} {100 * r.share:6.2f}% {r.break_even:7.1f} "
+                   + " ".join(f"{dash(x):>6}" for x in r.ranks)
+                   + (f" {'dense' if r.planned is None else dash(r.planned):>6}" if planned else "")
+                   + f" {dash(r.suggested):>6} {r.verdict}")
+        if len(n) > w:
+            out.append(f"{r.rank_order:>5} {n}")
+            out.append(f"{'':>5} {'':<{w}} {figures}")
+        else:
+            out.append(f"{r.rank_order:>5} {n:<{w}} {figures}")
+    return "\n".join(out)
