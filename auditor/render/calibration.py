@@ -52,6 +52,17 @@ def basis(cal: "CalibrationReport") -> str:
             "data (weight energy only where calibration did not reach a layer).")
 
 
+def suggested_plan_note(audit: "Audit") -> str:
+    """Where the suggested ranks come from, in one sentence for the plan section of every report."""
+    cal = audit.calibration
+    if cal is not None:
+        return (basis(cal) + " Rounded up to a multiple of "
+                f"{audit.settings.align} while below break-even; a recovery fine-tune follows.")
+    return (f"Smallest rank keeping {100 * audit.settings.target_energy:g}% of the spectral energy, rounded up to a "
+            f"multiple of {audit.settings.align} while below break-even. Energy is not accuracy: measure each layer's "
+            "rank floor (--calibration) and budget a recovery fine-tune before adopting it.")
+
+
 def plan_line(cal: "CalibrationReport") -> str | None:
     pc = cal.plan_check
     if pc is None:

@@ -153,6 +153,7 @@ def context(audit: "Audit", ctx: RenderContext = RenderContext(), pdf: bool = Fa
         "settings": settings,
         "holding80": audit.layers_holding(0.8),
         "plan_suggested": audit.review is None or audit.review.suggested,
+        "plan_note": calibration.suggested_plan_note(audit),
         "spectra_computed": spectra_computed(audit),
         "baseline": ctx.baseline,
         "share_chart": _share_chart(audit, groups) if ctx.charts else "",

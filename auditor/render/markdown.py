@@ -84,8 +84,7 @@ def _plan(audit: "Audit") -> Section | None:
     by_layer = {p.layer: p for p in plan_rows(audit)}
     intro: list[str] = []
     if rv.suggested:
-        intro += [f"Smallest ranks keeping {100 * audit.settings.target_energy:g}% of the spectral energy. Energy is "
-                  "not accuracy: measure each layer's rank floor and budget a recovery fine-tune.", ""]
+        intro += [md_text(calibration.suggested_plan_note(audit)), ""]
     intro.append("| layer | m x n | " + ("planned | suggested" if given else "rank") +
                  " | break-even | params before → after | energy kept | x |")
     intro.append("|---|---:|" + ("---:|---:|" if given else "---:|") + "---:|---:|---:|---:|")
