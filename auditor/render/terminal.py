@@ -153,6 +153,8 @@ def render(audit: "Audit", context: RenderContext = RenderContext(), top: int = 
             if p.flag:
                 say(f"  ! {term(p.layer)} r={p.rank:,}: {p.params_before:,} -> {p.params_after:,} "
                     f"(x {p.compression:.2f}); {p.flag}", "      ")
+        if rv.suggested and audit.calibration is None:  # a calibrated audit says it in its own section
+            say(calibration.suggested_plan_note(audit), "  ")
     elif rv is not None:
         say("no layer is worth factorizing at the target energy" if rv.suggested else "the plan factorizes nothing")
     if audit.calibration is not None:
