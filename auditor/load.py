@@ -18,6 +18,7 @@ import sys
 import zipfile
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import ModuleType
 from typing import Any, Callable, Iterator, Sequence
 
 import numpy as np
@@ -197,18 +198,16 @@ def _run_user_code(fn: Callable[[], Any], doing: str, failed: str, fix: str, exi
         raise AuditError(f"{doing} {failed} {first_line(exc)}", fix) from None
 
 
-def _factory(spec: str, input_shape: Any, input_ids: Any, weights: str | None, partial: bool) -> Loaded:
-    target, _, attr = spec.rpartition(":")
-    if not target.strip():
-        raise AuditError(f"{spec!r} names no file or module before the colon", "Use file.py:factory_function")
-    if not attr.isidentifier():
-        raise AuditError(f"{spec!r} does not name a factory after the colon", "Use file.py:factory_function")
+def import_user_module(target: str, what: str = "file") -> ModuleType:
+    """The module a ``file.py:fn`` or ``package.module:fn`` spec names, imported as a user's code is: a file is
+    registered in ``sys.modules`` (dataclasses and pickling look it up there), its folder is on ``sys.path`` while it
+    runs, its prints go to stderr, and any exception or exit becomes one :class:`AuditError` line."""
     guard = 'Put the script part of that file under `if __name__ == "__main__":`'
     if target.endswith(".py"):
         file = Path(target)
         if not file.is_file():
-            raise AuditError(f"file {target} does not exist", "Check the path to the Python file")
-        mod_name = f"_lowrank_factory_{abs(hash(str(file.resolve())))}"
+            raise AuditError(f"{what} {target} does not exist", "Check the path to the Python file")
+        mod_name = f"_lowrank_user_{abs(hash(str(file.resolve())))}"
         spec_obj = importlib.util.spec_from_file_location(mod_name, file)
         if spec_obj is None or spec_obj.loader is None:
             raise AuditError(f"cannot import {target} as a Python file", "Check that it is a .py file")
@@ -227,6 +226,16 @@ def _factory(spec: str, input_shape: Any, input_ids: Any, weights: str | None, p
     else:
         module = _run_user_code(lambda: importlib.import_module(target), f"importing module {target}", "failed:",
                                 "Check the module path and that its package is installed", guard)
+    return module
+
+
+def _factory(spec: str, input_shape: Any, input_ids: Any, weights: str | None, partial: bool) -> Loaded:
+    target, _, attr = spec.rpartition(":")
+    if not target.strip():
+        raise AuditError(f"{spec!r} names no file or module before the colon", "Use file.py:factory_function")
+    if not attr.isidentifier():
+        raise AuditError(f"{spec!r} does not name a factory after the colon", "Use file.py:factory_function")
+    module = import_user_module(target)
     fn = getattr(module, attr, None)
     if fn is None:
         raise AuditError(f"{target} has no factory named {attr!r}", _factory_hint(module, attr))

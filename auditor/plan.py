@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 from . import lrmath
 from .config import tomllib
-from .errors import AuditError
+from .errors import AuditError, no_duplicate_keys
 from .groups import escape_glob, plan_globs, toml_string
 from .results import PlanItem, PlanOrigin, PlanReview, PlanVerdict, Verdict
 
@@ -134,15 +134,6 @@ def _what(value: Any) -> str:
     return {dict: "a table", list: "a list"}.get(type(value), f"a {type(value).__name__}")
 
 
-def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for key, value in pairs:
-        if key in out:
-            raise ValueError(f"duplicate key {key!r}")
-        out[key] = value
-    return out
-
-
 def _no_constant(name: str) -> Any:
     raise ValueError(f"{name} is not a number JSON allows")
 
@@ -156,7 +147,7 @@ def loads_json(text: str) -> Any:
             raise ValueError(f"number {s[:30]} is too large")
         return v
 
-    return json.loads(text, object_pairs_hook=_no_duplicates, parse_constant=_no_constant, parse_float=big_float)
+    return json.loads(text, object_pairs_hook=no_duplicate_keys, parse_constant=_no_constant, parse_float=big_float)
 
 
 def check_spec(spec: Any, pattern: str, source: str) -> None:

@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from .errors import AuditError, first_line
+from .errors import AuditError, first_line, no_duplicate_keys
 
 # safetensors dtype code -> (torch dtype name, bits per element). Names torch lacks still get a byte size, so the
 # header can be checked and the tensor skipped with a reason instead of refused.
@@ -131,15 +131,6 @@ def open_regular(path: str | os.PathLike[str]) -> int:
     return fd
 
 
-def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for k, v in pairs:
-        if k in out:
-            raise ValueError(f"duplicate key {k!r} in the header")
-        out[k] = v
-    return out
-
-
 def read_header(path: str | os.PathLike[str]) -> dict[str, TensorRef]:
     """Every tensor in a safetensors file as a :class:`TensorRef` (matrix view not set yet: kind "", m = n = 0),
     from one read of its header. The header is checked as safetensors checks it: known dtypes, byte ranges that
@@ -157,7 +148,7 @@ def read_header(path: str | os.PathLike[str]) -> dict[str, TensorRef]:
             text = os.pread(fd, hlen, 8)
             if len(text) != hlen or not text.lstrip().startswith(b"{"):
                 raise ValueError("the header is not a JSON object")
-            header = json.loads(text.decode("utf-8"), object_pairs_hook=_no_duplicates)
+            header = json.loads(text.decode("utf-8"), object_pairs_hook=no_duplicate_keys)
             refs = _parse(header, str(path), 8 + hlen, size)
         except AuditError:
             raise

@@ -10,11 +10,8 @@ measure, never to compute input statistics.
 from __future__ import annotations
 
 import hashlib
-import importlib
-import importlib.util
 import inspect
 import math
-import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -187,27 +184,10 @@ def _as_batch(item: Any, i: int, where: str) -> Batch:
 
 
 def _import_fn(spec: str) -> Any:
+    from ..load import import_user_module
+
     target, _, attr = spec.rpartition(":")
-    if target.endswith(".py"):
-        file = Path(target)
-        if not file.is_file():
-            raise AuditError(f"calibration file {target} does not exist", "Check the path before the colon")
-        name = f"_lowrank_calibration_{abs(hash(str(file.resolve())))}"
-        spec_obj = importlib.util.spec_from_file_location(name, file)
-        assert spec_obj is not None and spec_obj.loader is not None
-        module = importlib.util.module_from_spec(spec_obj)
-        sys.path.insert(0, str(file.parent.resolve()))
-        try:
-            spec_obj.loader.exec_module(module)
-        except Exception as exc:  # noqa: BLE001
-            raise AuditError(f"importing {target} failed: {first_line(exc)}", "Fix the error in that file") from None
-        finally:
-            sys.path.pop(0)
-    else:
-        try:
-            module = importlib.import_module(target)
-        except Exception as exc:  # noqa: BLE001
-            raise AuditError(f"cannot import module {target}: {first_line(exc)}", "Check the module path") from None
+    module = import_user_module(target, "calibration file")
     fn = getattr(module, attr, None)
     if not callable(fn):
         raise AuditError(f"{target} has no function named {attr!r}", "Name a function that returns batches")
