@@ -234,47 +234,62 @@ def floor_from_points(points: dict[int, bool]) -> int | None:
     return floor
 
 
-def measure_floors(model: nn.Module, layers: dict[str, Layer] | list[Layer], calibration: Calibration,
-                   tolerance: float | None = None, align: int = 8, metric: Metric | Callable[..., float] | None = None,
-                   stats: InputStatistics | None = None, spectra: dict[str, WhitenedSpectrum] | None = None,
-                   search: str = "bisect", prefix_cache: bool = True,
-                   progress: Callable[[str], None] | None = None) -> Floors:
-    """Tier 2: per-layer measured floors on ``calibration``'s held-out batches.
+class Sweeper:
+    """Everything one needs to measure floors, built once: a working copy of the model in eval mode, the evaluator
+    (the dense reference on the held-out batches), the input statistics and the prefix cache. ``floor(name)``
+    measures one layer; it is what a cluster task runs, so a worker builds a Sweeper once and serves many layers.
 
     ``metric``: a ``Metric``, a user function ``fn(model, batches) -> float`` (higher is better; ``tolerance`` in its
-    units), or None for the relative output error against the dense model (``tolerance`` default 0.01). ``search``:
-    "bisect" (from the tier-1 rank in ``spectra``) or "all" (every grid rank: the brute-force reference). ``model``
-    is not modified: the sweep runs on a copy in eval mode."""
-    t0 = time.perf_counter()
-    if search not in ("bisect", "all"):
-        raise ValueError(f"search must be 'bisect' or 'all', not {search!r}")
-    if metric is None or callable(metric) and not isinstance(metric, Metric):
-        metric = Metric(fn=metric)  # type: ignore[arg-type]
-    if tolerance is not None:
-        metric = Metric(metric.fn, tolerance, metric.name)
-    work = copy.deepcopy(model).eval()
-    named = by_name(layers)
-    if stats is None:
-        stats = input_statistics(work, named, calibration)
-    evaluator = Evaluator(work, calibration, metric)
-    from .stats import _module_path
+    units), or None for the relative output error against the dense model (``tolerance`` default 0.01). ``model``
+    is not modified: the sweep runs on a copy."""
 
-    params = dict(work.named_parameters(remove_duplicate=False))
-    owners = {name: _module_path(layer)[0] for name, layer in named.items()}
-    cache = PrefixCache(work, owners, evaluator) if prefix_cache else None
-    floors: dict[str, Floor] = {}
-    for name, layer in named.items():
+    def __init__(self, model: nn.Module, layers: dict[str, Layer] | list[Layer], calibration: Calibration,
+                 tolerance: float | None = None, align: int = 8, metric: Metric | Callable[..., float] | None = None,
+                 stats: InputStatistics | None = None, spectra: dict[str, WhitenedSpectrum] | None = None,
+                 prefix_cache: bool = True) -> None:
+        if metric is None or callable(metric) and not isinstance(metric, Metric):
+            metric = Metric(fn=metric)  # type: ignore[arg-type]
+        if tolerance is not None:
+            metric = Metric(metric.fn, tolerance, metric.name)
+        self.metric = metric
+        self.align = align
+        self.work = copy.deepcopy(model).eval()
+        self.layers = by_name(layers)
+        self.stats = stats if stats is not None else input_statistics(self.work, self.layers, calibration)
+        self.spectra = spectra or {}
+        self.evaluator = Evaluator(self.work, calibration, metric)
+        from .stats import _module_path
+
+        self.params = dict(self.work.named_parameters(remove_duplicate=False))
+        owners = {name: _module_path(layer)[0] for name, layer in self.layers.items()}
+        self.cache = PrefixCache(self.work, owners, self.evaluator) if prefix_cache else None
+
+    @property
+    def evaluations(self) -> int:
+        return self.evaluator.evaluations
+
+    def _measure(self, name: str) -> Any:
+        if self.cache is not None:
+            with self.cache.replay(name):
+                return self.evaluator.measure(self.work)
+        return self.evaluator.measure(self.work)
+
+    def floor(self, name: str, search: str = "bisect") -> Floor:
+        """One layer's measured floor: truncated alone (whitened when it has input statistics), bisection over
+        multiples of ``align`` from the tier-1 rank ("bisect") or every grid rank ("all")."""
+        if search not in ("bisect", "all"):
+            raise ValueError(f"search must be 'bisect' or 'all', not {search!r}")
+        layer = self.layers[name]
+        align, metric = self.align, self.metric
         grid = _grid(layer, align)
-        inp = stats.layers.get(name)
+        inp = self.stats.layers.get(name)
         if layer.kind not in SWEPT:
-            floors[name] = Floor(name, None, None, None, None, None, False, None, init="",
-                                 reason=f"not swept: no truncation for {layer.kind} weights")
-            continue
+            return Floor(name, None, None, None, None, None, False, None, init="",
+                         reason=f"not swept: no truncation for {layer.kind} weights")
         if not grid:
-            floors[name] = Floor(name, None, None, None, None, None, True, None,
-                                 reason=f"no multiple of {align} below break-even {layer.break_even:.1f}")
-            continue
-        param = params[layer.param]
+            return Floor(name, None, None, None, None, None, True, None,
+                         reason=f"no multiple of {align} below break-even {layer.break_even:.1f}")
+        param = self.params[layer.param]
         original = param.detach().clone()
         trunc = Truncator(layer, original, inp)
         results: dict[int, tuple[float, bool, float | None]] = {}
@@ -285,11 +300,7 @@ def measure_floors(model: nn.Module, layers: dict[str, Layer] | list[Layer], cal
                 with torch.no_grad():
                     param.copy_(trunc.weight(r))
                 try:
-                    if cache is not None:
-                        with cache.replay(name):
-                            m = evaluator.measure(work)
-                    else:
-                        m = evaluator.measure(work)
+                    m = self._measure(name)
                 finally:
                     with torch.no_grad():
                         param.copy_(original)
@@ -301,7 +312,7 @@ def measure_floors(model: nn.Module, layers: dict[str, Layer] | list[Layer], cal
             for i in range(len(grid)):
                 evaluate(i)
         else:
-            spec = spectra.get(name) if spectra else None
+            spec = self.spectra.get(name)
             target = metric.tolerance if metric.fn is None else 0.01
             want = spec.rank_for(target) if spec is not None else grid[len(grid) // 2]
             i = min(len(grid) - 1, max(0, math.ceil(want / align) - 1))
@@ -348,8 +359,30 @@ def measure_floors(model: nn.Module, layers: dict[str, Layer] | list[Layer], cal
                     if floor is not None else
                     f"no rank below break-even {layer.break_even:.1f} holds {metric.label} within "
                     f"{metric.tolerance:g}: keep dense (measured)")
-        floors[name] = f
+        return f
+
+    def result(self, floors: dict[str, Floor], search: str, seconds: float) -> Floors:
+        """``Floors`` for ``floors`` measured by this sweeper (or by workers holding one like it)."""
+        return Floors(floors, self.metric.label, self.metric.higher_is_better, self.metric.tolerance,
+                      self.evaluator.reference, self.align, search, sum(len(f.points) for f in floors.values()),
+                      seconds, self.cache is not None)
+
+
+def measure_floors(model: nn.Module, layers: dict[str, Layer] | list[Layer], calibration: Calibration,
+                   tolerance: float | None = None, align: int = 8, metric: Metric | Callable[..., float] | None = None,
+                   stats: InputStatistics | None = None, spectra: dict[str, WhitenedSpectrum] | None = None,
+                   search: str = "bisect", prefix_cache: bool = True,
+                   progress: Callable[[str], None] | None = None) -> Floors:
+    """Tier 2: per-layer measured floors on ``calibration``'s held-out batches (see :class:`Sweeper` for the
+    arguments). ``search``: "bisect" (from the tier-1 rank in ``spectra``) or "all" (every grid rank: the
+    brute-force reference). ``model`` is not modified."""
+    t0 = time.perf_counter()
+    if search not in ("bisect", "all"):
+        raise ValueError(f"search must be 'bisect' or 'all', not {search!r}")
+    sweeper = Sweeper(model, layers, calibration, tolerance, align, metric, stats, spectra, prefix_cache)
+    floors: dict[str, Floor] = {}
+    for name in sweeper.layers:
+        floors[name] = f = sweeper.floor(name, search)
         if progress is not None:
-            progress(f"{name}: floor {floor} after {len(results)} evaluations")
-    return Floors(floors, metric.label, metric.higher_is_better, metric.tolerance, evaluator.reference, align,
-                  search, evaluator.evaluations, time.perf_counter() - t0, cache is not None)
+            progress(f"{name}: floor {f.floor} after {len(f.points)} evaluations")
+    return sweeper.result(floors, search, time.perf_counter() - t0)
