@@ -1,6 +1,7 @@
 """Tier 2: measured rank floors. Each layer is truncated alone (whitened), the model-level metric is measured on the
-held-out batches, and a bisection over ranks in multiples of ``align`` (starting at the tier-1 rank) finds the
-smallest rank that meets the tolerance there and at every larger rank tried.
+held-out batches, and a bracketing search over ranks in multiples of ``align`` (starting at the tier-1 rank, each
+next rank predicted from the tier-1 curve, else bisected) finds the smallest rank that meets the tolerance there and
+at every larger rank tried.
 
 The prefix is not rerun for every evaluation: one recording pass stores, per held-out batch, the outputs of the
 modules that can run before a layer's block (the siblings of the block and of each of its ancestors; the block is
