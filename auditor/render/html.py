@@ -121,8 +121,8 @@ def _overview_chart(audit: "Audit", groups: list[Any]) -> Any:
 
 
 def context(audit: "Audit", ctx: RenderContext = RenderContext(), pdf: bool = False) -> dict[str, Any]:
-    """The template's variables. ``pdf``: the print variant (the top pages with matplotlib charts, an appendix
-    table of every layer) instead of a page per layer drawn as inline SVG."""
+    """The template's variables. ``pdf``: the print variant (only the top groups' pages, an appendix table of every
+    layer) instead of a page per group and per layer; both draw their pages' charts as inline SVG."""
     counts = audit.counts
     table = layer_table(audit)
     groups = group_rows(audit, table)

@@ -7,9 +7,9 @@
 * :func:`rank_changes`: per-layer rank changes against an earlier JSON report.
 * :func:`layer_pages`: one page per group and per layer: singular values (log-log), energy against a log rank axis,
   break-even, suggested and planned rank, and ``measured`` (rank, metric) points once calibration provides them.
-  Its charts are :class:`SvgChart` coordinates that the template draws as inline SVG: a page for each of 1,000
-  layers costs milliseconds this way (matplotlib takes about half a second per chart; the PDF uses
-  :mod:`auditor.render.layer_charts` for its few top pages).
+  Its charts are :class:`SvgChart` coordinates that the template draws as inline SVG, in the HTML and the PDF
+  alike: a page for each of 1,000 layers costs milliseconds this way (matplotlib takes about half a second per
+  chart).
 
 Nothing here imports torch.
 """
