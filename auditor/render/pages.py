@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any, Sequence
 
 import numpy as np
 
-from ..groups import Group, group_layers
+from ..groups import Members, group_layers
 from .view import LayerRow, LayerTable, anchors, given_plan
 
 if TYPE_CHECKING:
@@ -47,7 +47,7 @@ def summary_of(values: Sequence[int | None]) -> str:
 
 
 @dataclass(frozen=True)
-class GroupRow:
+class GroupRow(Members):
     """A block group in the layer table: one line for all members, the members themselves as detail."""
 
     label: str  # "model.layers.*.mlp.down_proj"
@@ -65,14 +65,6 @@ class GroupRow:
     verdict: str  # "factorize", or "factorize 30 · keep dense 2"
     macs: int | None
     compression: float | None = None  # m·n / (r·(m+n)) at the shown rank, when every member has it
-
-    @property
-    def size(self) -> int:
-        return len(self.members)
-
-    @property
-    def is_group(self) -> bool:
-        return len(self.members) > 1
 
     @property
     def shown_rank(self) -> str:
@@ -119,10 +111,6 @@ def group_rows(audit: "Audit", table: LayerTable) -> list[GroupRow]:
             verdict=_verdicts(rows), macs=macs, compression=comp,
         ))
     return out
-
-
-def groups_of(audit: "Audit") -> list[Group]:
-    return group_layers(audit.layers, audit.total_params)
 
 
 # ---- the plan per layer ---------------------------------------------------------------------------------------
