@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any, Sequence
 import numpy as np
 
 from ..groups import Members, group_layers
-from .view import LayerRow, LayerTable, anchors, given_plan
+from .view import LayerRow, LayerTable, anchors
 
 if TYPE_CHECKING:
     from ..results import Audit

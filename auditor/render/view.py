@@ -6,7 +6,7 @@ Rank columns follow ``settings.energy_targets``: targets (0.8, 0.9) give the col
 from __future__ import annotations
 
 import re
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any, Callable
 
 from ..suggest import target_key
