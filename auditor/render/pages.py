@@ -316,6 +316,18 @@ def _curves(series: list[np.ndarray]) -> tuple[list[np.ndarray], tuple[np.ndarra
     return [np.nanmedian(stack, 0)], (np.nanmin(stack, 0), np.nanmax(stack, 0))
 
 
+def _band(ax: _Axes, band: tuple[np.ndarray, np.ndarray] | None, positive: bool) -> str:
+    """The min-max band as polygon points: the maxima left to right, then the minima back (``positive``: only
+    values above 0, for a log axis); "" without a band."""
+    if band is None:
+        return ""
+    lo, hi = band
+    idx = _ranks(len(lo)) - 1
+    up = [(float(x), float(y)) for x, y in zip(idx + 1, hi[idx]) if not positive or y > 0]
+    dn = [(float(x), float(y)) for x, y in zip(idx + 1, lo[idx]) if not positive or y > 0]
+    return " ".join(f"{ax.x(x)},{ax.y(y)}" for x, y in up + dn[::-1])
+
+
 def spectrum_svg(sigmas: list[np.ndarray], title: str, be: float | None, sug: int | None,
                  plan: int | None) -> SvgChart | None:
     norm = [s / s[0] for s in sigmas if len(s) and s[0] > 0]
@@ -332,13 +344,7 @@ def spectrum_svg(sigmas: list[np.ndarray], title: str, be: float | None, sug: in
         idx = _ranks(len(c)) - 1
         ys = np.where(c[idx] > 0, c[idx], np.nan)
         lines.append(Line(_poly(ax, idx + 1, ys), f"c{i % 6}", "median" if band else ""))
-    band_pts = ""
-    if band is not None:
-        lo, hi = band
-        idx = _ranks(len(lo)) - 1
-        up = [(float(x), float(y)) for x, y in zip(idx + 1, hi[idx]) if y > 0]
-        dn = [(float(x), float(y)) for x, y in zip(idx + 1, lo[idx]) if y > 0]
-        band_pts = " ".join(f"{ax.x(x)},{ax.y(y)}" for x, y in up + dn[::-1])
+    band_pts = _band(ax, band, positive=True)
     yt = [(ax.y(10.0 ** e), _fmt_tick(10.0 ** e)) for e in range(int(y_lo), 1, max(1, (-int(y_lo)) // 5 or 1))]
     return SvgChart(title, "index i (log)", "σᵢ / σ₁ (log)", W, H, L, T, R, B, ax.xticks(), yt, lines, band_pts,
                     _rank_marks(ax, be, sug, plan))
@@ -361,12 +367,7 @@ def energy_svg(energies: list[np.ndarray], title: str, be: float | None, sug: in
         idx = _ranks(len(c)) - 1
         name = labels[i] if labels and i < len(labels) else ("median" if band else "")
         lines.append(Line(_poly(ax, idx + 1, c[idx]), f"c{i % 6}", name))
-    band_pts = ""
-    if band is not None:
-        lo, hi = band
-        idx = _ranks(len(lo)) - 1
-        band_pts = " ".join([f"{ax.x(float(x))},{ax.y(float(y))}" for x, y in zip(idx + 1, hi[idx])]
-                            + [f"{ax.x(float(x))},{ax.y(float(y))}" for x, y in zip((idx + 1)[::-1], lo[idx][::-1])])
+    band_pts = _band(ax, band, positive=False)
     if measured:
         pts = sorted((int(r), float(v)) for r, v in measured if r > 0 and math.isfinite(v))
         lines.append(Line(" ".join(f"{ax.x(r)},{ax.y(v)}" for r, v in pts), "measured", "measured"))
