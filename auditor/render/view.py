@@ -167,6 +167,15 @@ def human(x: int | None) -> str:
     return str(x)
 
 
+def pct(x: float | None, digits: int = 1) -> str:
+    """A fraction as a percentage, ``–`` for None.
+
+    >>> pct(0.4567), pct(0.4567, 0), pct(None)
+    ('45.7%', '46%', '–')
+    """
+    return "–" if x is None else f"{100 * x:.{digits}f}%"
+
+
 @dataclass(frozen=True)
 class FindingGroup:
     """The findings of one rule: its explanation once, then each finding."""
