@@ -146,10 +146,6 @@ def spectra_computed(audit: "Audit") -> bool:
     return any(s.sigma is not None for s in audit.spectra.values())
 
 
-def layer_rows(audit: "Audit") -> list[LayerRow]:
-    return layer_table(audit).rows
-
-
 def fmt_num(x: Any, digits: int = 1) -> str:
     if x is None:
         return "-"
