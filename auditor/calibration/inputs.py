@@ -350,7 +350,7 @@ def load_calibration(source: Any, model: nn.Module | None = None, holdout: Any =
         except Exception as exc:  # noqa: BLE001 - the inputs do not fit the forward
             raise AuditError(f"calibration inputs from {where} do not fit {type(model).__name__}.forward: "
                              f"{first_line(exc)}", "Give inputs shaped like the model's example inputs") from None
-    warn = synthetic_warning(batches, model)
+    warn = synthetic_warning(batches if text_in is None else [Batch((), {"input_ids": text_in.text_ids()})], model)
     if warn:
         cal.warnings.append(warn)
     return cal

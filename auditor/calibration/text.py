@@ -46,6 +46,13 @@ class TextInputs:
     description: str
     tokens: int  # text tokens the file gave (no special tokens)
     window: int  # tokens per window, special tokens included
+    specials: tuple[int, int] = (0, 0)  # special tokens before and after each window's text
+
+    def text_ids(self) -> torch.Tensor:
+        """The windows' text tokens, without the special ones (what the synthetic-input check looks at: the same
+        [CLS] at every window's start would hide uniformly random text)."""
+        before, after = self.specials
+        return self.tensors["input_ids"][:, before:self.window - after]
 
 
 def is_text_file(path: Path) -> bool:
@@ -211,4 +218,4 @@ def text_inputs(path: Path, tokenizer: str | Path | None, model: nn.Module | Non
     left = len(ids) - count * chunk
     description = (f"tokenized by {type(tok).__name__} from {tokenizer}: {len(ids):,} tokens, {count} windows of "
                    f"{window}{specials}" + (f", the last {left} tokens left out" if left else ""))
-    return TextInputs(tensors, identity, description, len(ids), window)
+    return TextInputs(tensors, identity, description, len(ids), window, (len(before), len(after)))
