@@ -218,10 +218,13 @@ def test_synthetic_and_few_rows_warnings_still_apply(tmp_path, model):
     assert SYNTHETIC in cal.warnings[0]
 
 
-def test_in_memory_model_without_tokenizer_is_one_line(tmp_path, model, words):
+def test_in_memory_model_takes_the_tokenizer_as_an_option(tmp_path, hf_dir, model, words):
     text = _text(tmp_path / "calib.txt", words, 200)
     with pytest.raises(AuditError, match="is text, and the audited model has no tokenizer"):
         auditor.audit(model, calibration=str(text), spectra=False, progress=False)
+    # the tokenizer given as an option: 200 // 62 = 3 windows, 1 held out
+    a = auditor.audit(model, calibration=str(text), tokenizer=hf_dir, spectra=False, progress=False, cache=False)
+    assert (a.calibration.fit_rows, a.calibration.holdout_rows) == (2, 1)
 
 
 BAD = {
@@ -237,6 +240,8 @@ BAD = {
     "broken-tokenizer": "cannot load the tokenizer in {tok}: ",
     "too-long": "calibration window length 100 is longer than the 64 positions the model has",
     "length-not-text": "a calibration window length applies to a text file",
+    "vocabulary": "gives token id {top}, but the model's largest embedding has 400 rows. Use the tokenizer the model "
+                  "was trained with",
 }
 
 
@@ -266,6 +271,16 @@ def test_bad_text_calibration_exits_2_with_one_line_and_no_report(cli_inproc, tm
         shutil.copytree(hf_dir, tok)
         (tok / "tokenizer.json").write_text("{not json")
         source = str(tok)
+    elif case == "vocabulary":  # the same tokenizer beside a model with a smaller vocabulary
+        import transformers as T
+
+        tok = tmp_path / "small"
+        tok.mkdir()
+        for name in ("tokenizer.json", "tokenizer_config.json"):
+            shutil.copy(hf_dir / name, tok / name)
+        T.BertModel(T.BertConfig(vocab_size=400, hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
+                                 intermediate_size=64, max_position_embeddings=POSITIONS)).save_pretrained(tok)
+        source = str(tok)
     elif case == "too-long":
         extra = ["--calibration-length", "100"]
     else:
@@ -278,5 +293,7 @@ def test_bad_text_calibration_exits_2_with_one_line_and_no_report(cli_inproc, tm
     r = cli_inproc(source, "--calibration", text, *extra, "--format", "json,md", "-o", out, "-q", "--no-cache")
     assert r.returncode == 2, r.stderr
     assert r.stderr.count("\n") == 1 and r.stderr.startswith("error: "), r.stderr
-    assert BAD[case].format(text=text, tok=tok) in r.stderr, r.stderr
+    top = int(load_calibration(text, None, 0, tokenizer=hf_dir, length=POSITIONS).fit[0].args[0].max()) \
+        if case == "vocabulary" else None
+    assert BAD[case].format(text=text, tok=tok, top=top) in r.stderr, r.stderr
     assert not out.exists() or not any(out.iterdir())
