@@ -19,6 +19,8 @@ from auditor.calibration import load_calibration
 from auditor.calibration.text import is_text_file, tokenizer_home
 from auditor.errors import AuditError
 
+pytest.importorskip("transformers")
+
 POSITIONS = 64  # the model's positions: the default window
 CHUNK = POSITIONS - 2  # text tokens per window beside [CLS] and [SEP]
 WINDOWS = 12
@@ -106,7 +108,7 @@ def test_windows_rows_and_ids_are_the_tokenizers_own(tmp_path, hf_dir, tokenizer
         assert ids[i].tolist() == tokenizer(" ".join(words[i * CHUNK:(i + 1) * CHUNK]))["input_ids"]
     mask = torch.cat([cal.fit[0].kwargs["attention_mask"], cal.holdout[0].kwargs["attention_mask"]])
     assert mask.shape == (WINDOWS, POSITIONS) and int(mask.sum()) == WINDOWS * POSITIONS
-    assert cal.tokenized == (f"tokenized by TokenizersBackend from {hf_dir}: 751 tokens, 12 windows of 64 "
+    assert cal.tokenized == (f"tokenized by {type(tokenizer).__name__} from {hf_dir}: 751 tokens, 12 windows of 64 "
                              f"(62 text tokens and 2 special), the last 7 tokens left out")
     assert cal.warnings == []
     # a shorter window and no held-out share: 751 // 14 = 53 windows of 16, all fit
@@ -154,14 +156,14 @@ def test_text_rule(tmp_path):
     assert tokenizer_home("sample_models/digits.py:mlp") is None
 
 
-def test_cli_audit_with_a_text_file(cli_inproc, tmp_path, hf_dir, words):
+def test_cli_audit_with_a_text_file(cli_inproc, tmp_path, hf_dir, tokenizer, words):
     text = _text(tmp_path / "calib.txt", words, WINDOWS * CHUNK + LEFT)
     out = tmp_path / "out"
     r = cli_inproc(hf_dir, "--calibration", text, "--format", "json", "-o", out, "-q", "--no-cache")
     assert r.returncode == 0, r.stderr
     c = json.loads((out / "lowrank-audit.json").read_text())["calibration"]
     assert (c["fit_rows"], c["holdout_rows"], c["holdout"]) == (9, 3, "0.25")
-    assert c["source"].startswith(f"{text} (tokenized by TokenizersBackend from {hf_dir}: 751 tokens, 12 windows")
+    assert c["source"].startswith(f"{text} (tokenized by {type(tokenizer).__name__} from {hf_dir}: 751 tokens, 12 windows")
     assert c["layers"]["encoder.layer.0.attention.self.query"]["rows"] == 9 * POSITIONS
     # real text: not synthetic; only the pooler (one [CLS] row per window: 9 < 32) has too few rows
     assert not c["synthetic"] and [w.split(" saw ")[0] for w in c["warnings"]] == ["pooler.dense"]

@@ -92,7 +92,7 @@ def read_text(path: Path) -> str:
     """The file's text (UTF-8, a byte-order mark dropped); one-line errors for a non-UTF-8 or empty file."""
     data = path.read_bytes()
     try:
-        text = data.decode("utf-8-sig")
+        text = data.decode("utf-8").removeprefix("\ufeff")
     except UnicodeDecodeError as exc:
         raise AuditError(f"calibration text {path} is not UTF-8 (byte 0x{data[exc.start]:02x} at offset {exc.start})",
                          "Convert it to UTF-8, e.g. iconv -t utf-8") from None
@@ -114,10 +114,13 @@ def load_tokenizer(directory: Path) -> tuple[Any, str]:
     from ..hf import offline
     from ..load import stdout_to_stderr
 
+    try:
+        import transformers
+    except ImportError:
+        raise AuditError("a text calibration file needs transformers to load its tokenizer, and it is not installed",
+                         "pip install transformers, or give token ids as a safetensors file of input_ids") from None
     with offline(), stdout_to_stderr():
         try:
-            import transformers
-
             tok = transformers.AutoTokenizer.from_pretrained(str(directory), local_files_only=True,
                                                              trust_remote_code=False)
         except Exception as exc:  # noqa: BLE001 - any failure to build it is the directory's
