@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 from ..errors import AuditError, first_line
+from .text import is_text_source, text_inputs
 
 
 @dataclass
@@ -307,9 +308,7 @@ def load_calibration(source: Any, model: nn.Module | None = None, holdout: Any =
     where = str(source) if isinstance(source, (str, Path)) else "<batches>"
     split: tuple[list[Batch], list[Batch]] | None = None
     text_in = None
-    if isinstance(source, (str, Path)) and _is_text(Path(source)):
-        from .text import text_inputs
-
+    if is_text_source(source):
         names, _ = _forward_names(model)
         text_in = text_inputs(Path(source), tokenizer, model, length, attention_mask="attention_mask" in names)
         split = _batches_from_tensors(text_in.tensors, model, batch_size, where, holdout)
@@ -354,14 +353,6 @@ def load_calibration(source: Any, model: nn.Module | None = None, holdout: Any =
     if warn:
         cal.warnings.append(warn)
     return cal
-
-
-def _is_text(path: Path) -> bool:
-    if ":" in path.name and not path.exists():
-        return False  # file.py:fn
-    from .text import is_text_file
-
-    return is_text_file(path)
 
 
 def as_calibration(data: Any, model: nn.Module | None = None, holdout: float = 0.25) -> Calibration:

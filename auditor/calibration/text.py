@@ -72,6 +72,33 @@ def is_text_file(path: Path) -> bool:
     return b"\0" not in head
 
 
+def is_text_source(source: Any) -> bool:
+    """Whether a calibration source (a path, ``file.py:fn``, tensors, batches) is a text file."""
+    if not isinstance(source, (str, Path)):
+        return False
+    path = Path(source)
+    if ":" in path.name and not path.exists():
+        return False  # file.py:fn / module:fn
+    return is_text_file(path)
+
+
+def check_text_sources(sources: list[Any], tokenizer: str | Path | None) -> None:
+    """The checks on text calibration files that need no model (the file exists, is UTF-8 and not empty; there are
+    tokenizer files), run before an audit's slow stages so bad text fails at once; the rest come with
+    :func:`text_inputs`."""
+    for source in sources:
+        if is_text_source(source):
+            path = Path(source)
+            if not path.is_file():
+                raise AuditError(f"calibration file {path} does not exist", "Check the path given to --calibration")
+            if tokenizer is None:
+                raise AuditError(f"calibration file {path} is text, and the audited model has no tokenizer to turn "
+                                 "it into token ids", NO_TOKENIZER_FIX)
+            read_text(path)
+            if not tokenizer_files(Path(tokenizer)):
+                load_tokenizer(Path(tokenizer))  # raises: no tokenizer files
+
+
 def tokenizer_home(source: str | Path) -> Path | None:
     """The directory a Hugging Face source's tokenizer would sit in: the directory itself when it holds
     ``config.json``, or the folder of a ``config.json`` given alone; None for any other source."""
@@ -187,11 +214,7 @@ def text_inputs(path: Path, tokenizer: str | Path | None, model: nn.Module | Non
     (windows x length, int64), with ``attention_mask`` (ones) when ``attention_mask``. One-line
     :class:`AuditError` for: no tokenizer, a file that is not UTF-8, an empty or whitespace-only text, a tokenizer
     that does not load, and a text shorter than one window."""
-    if not path.is_file():
-        raise AuditError(f"calibration file {path} does not exist", "Check the path given to --calibration")
-    if tokenizer is None:
-        raise AuditError(f"calibration file {path} is text, and the audited model has no tokenizer to turn it into "
-                         "token ids", NO_TOKENIZER_FIX)
+    check_text_sources([path], tokenizer)
     text = read_text(path)
     tok, identity = load_tokenizer(Path(tokenizer))
     window = window_length(model, tok, length)
