@@ -144,7 +144,8 @@ def calibrate(model: nn.Module, layers: list[Layer], settings: "Settings", optio
     model.eval()
     try:
         t0 = time.perf_counter()
-        cal = load_calibration(options.calibration, model, options.holdout)
+        cal = load_calibration(options.calibration, model, options.holdout, tokenizer=options.tokenizer,
+                               length=options.calibration_length)
         metric = metric_of(options)
         stats, cached = _statistics(model, layers, cal, options)
         table = {n: p for n, p in model.named_parameters(remove_duplicate=False)}
@@ -188,7 +189,8 @@ def calibrate(model: nn.Module, layers: list[Layer], settings: "Settings", optio
         warnings = list(dict.fromkeys([*cal.warnings, *stats.warnings]))
         holdout = options.holdout
         report = CalibrationReport(
-            source=str(options.calibration) if isinstance(options.calibration, (str, Path)) else cal.source,
+            source=(str(options.calibration) if isinstance(options.calibration, (str, Path)) else cal.source)
+            + (f" ({cal.tokenized})" if cal.tokenized else ""),
             holdout=str(holdout), digest=cal.digest, fit_rows=cal.fit_rows, holdout_rows=cal.holdout_rows,
             metric=metric.label, higher_is_better=metric.higher_is_better, tolerance=metric.tolerance,
             reference=reference, layers=per, missing=dict(stats.missing), warnings=warnings,
