@@ -299,3 +299,20 @@ def test_bad_text_calibration_exits_2_with_one_line_and_no_report(cli_inproc, tm
         if case == "vocabulary" else None
     assert BAD[case].format(text=text, tok=tok, top=top) in r.stderr, r.stderr
     assert not out.exists() or not any(out.iterdir())
+
+
+def test_factorize_takes_a_text_file(cli_inproc, tmp_path, hf_dir, words):
+    """`lowrank-audit factorize` tokenizes a text calibration file like the audit: whitened init, plan measured."""
+    text = _text(tmp_path / "calib.txt", words, WINDOWS * CHUNK + LEFT)
+    plan = tmp_path / "plan.toml"
+    plan.write_text('[ranks]\n"encoder.layer.*.intermediate.dense" = 8\n')
+    out = tmp_path / "fact"
+    r = cli_inproc("factorize", hf_dir, "--plan", plan, "--calibration", text, "-o", out, "--no-cache")
+    assert r.returncode == 0, r.stderr
+    meta = json.loads((out / "plan.json").read_text())
+    assert meta["init"] == "whitened"
+    assert meta["plan"] == {"encoder.layer.0.intermediate.dense": 8, "encoder.layer.1.intermediate.dense": 8}
+    # two 64 x 32 Linears (2,048 weights each) become 8 * (64 + 32) = 768 each
+    assert meta["params_before"] - meta["params"] == 2 * (64 * 32 - 8 * (64 + 32))
+    r = cli_inproc("factorize", hf_dir, "--plan", plan, "--calibration-length", "16", "-o", tmp_path / "f2")
+    assert r.returncode == 2 and r.stderr.count("\n") == 1 and "need --calibration" in r.stderr
