@@ -305,6 +305,7 @@ def main() -> None:
     ap.add_argument("--align", type=int, default=8)
     ap.add_argument("--no-brute", action="store_true", help="skip the brute-force sweep")
     args = ap.parse_args()
+    sys.stdout.reconfigure(line_buffering=True)  # progress shows when redirected to a file
     only = set(args.only) if args.only else {c for c in CASES if c != "bert" or args.bert}
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {os.cpu_count()} cores; "
           f"load average {' '.join(f'{x:.2f}' for x in os.getloadavg())}\n")
