@@ -274,7 +274,7 @@ def bench_cost(name: str, model: torch.nn.Module, cal, tolerance: float, align: 
     for lname in sweeper.layers:
         n0, t = sweeper.evaluations, time.perf_counter()
         f = sweeper.floor(lname)
-        rows.append((lname, f, sweeper.evaluations - n0, time.perf_counter() - t))
+        rows.append((lname, f, sweeper.evaluations - n0, time.perf_counter() - t, replayed(sweeper, lname)))
     total_s = time.perf_counter() - t0
     evals = sum(r[2] for r in rows)
     print(f"  tier 2 bisection {total_s:.1f} s ({total_s / 60:.1f} min, goal < {goal_s / 60:.0f} min: "
@@ -282,18 +282,29 @@ def bench_cost(name: str, model: torch.nn.Module, cal, tolerance: float, align: 
           f"setup (copy, dense reference, prefix recording) {t_setup:.1f} s")
     print(f"  one plain forward over the held-out rows {t_held:.2f} s; {evals} of them would take {evals * t_held:.0f} s")
     groups: dict[str, list] = {}
-    for lname, f, n, s in rows:
+    for lname, f, n, s, rep in rows:
         parts = lname.split(".")
         key = ".".join(parts[:4]) if "layer" in parts else lname
-        groups.setdefault(key, []).append((f, n, s))
-    print(f"  {'block':<40} {'layers':>6} {'evals':>6} {'seconds':>8} {'s/eval':>7} {'vs forward':>10}  keep dense")
+        groups.setdefault(key, []).append((f, n, s, rep))
+    print(f"  {'block':<40} {'layers':>6} {'evals':>6} {'seconds':>8} {'s/eval':>7} {'vs forward':>10}  "
+          f"{'prefix replayed':<16} keep dense")
     for key, items in groups.items():
         n = sum(i[1] for i in items)
         s = sum(i[2] for i in items)
-        dense = sum(1 for f, _, _ in items if f.keep_dense)
+        dense = sum(1 for f, *_ in items if f.keep_dense)
         per = s / n if n else 0.0
-        print(f"  {key:<40} {len(items):>6} {n:>6} {s:>8.1f} {per:>7.2f} {per / t_held:>9.2f}x  {dense}")
+        print(f"  {key:<40} {len(items):>6} {n:>6} {s:>8.1f} {per:>7.2f} {per / t_held:>9.2f}x  {items[0][3]:<16} {dense}")
+    print("  (s/eval against the plain forward timed before the sweep: read it with the load average, which moves)")
     print()
+
+
+def replayed(sweeper: Sweeper, layer: str) -> str:
+    """How much of the prefix the cache replays for ``layer``: modules replayed of the candidates (first batch)."""
+    if sweeper.cache is None:
+        return "no cache"
+    counts = sweeper.cache.replay(layer).replayed
+    hit = sum(1 for v in counts[0].values() if v) if counts else 0
+    return f"{hit} of {len(sweeper.cache.candidates[layer])} modules"
 
 
 def main() -> None:
