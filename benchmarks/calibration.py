@@ -244,7 +244,7 @@ def bench(name: str, model: torch.nn.Module, cal, tolerance: float, align: int, 
         removed, m = measure(plan, init)
         if base is None:
             base = removed if same is not None else 0
-        ratio = f"{removed / base:.1f}x" if base else "-"  # read it with the "holds" column
+        ratio = f"{removed / base:.1f}x" if base and m.ok else "-"  # a plan that misses is not at the same quality
         top1 = f"{100 * m.top1:.1f}%" if m.top1 is not None else "-"
         print(f"  {label:<36} {len(plan):>6} {removed:>10,} {100 * removed / total:>6.1f}% {m.value:>9.4f} {top1:>7}"
               f"  {'yes' if m.ok else 'NO ':<5}  {ratio}")
