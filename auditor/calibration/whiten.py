@@ -63,12 +63,17 @@ def decompose(f: np.ndarray, gram: np.ndarray, diagonal: bool = False, damp: flo
     if diagonal and m > n:  # a tall map over one-hot inputs (tiny vocabulary): the dense route below
         return decompose(f, np.diag(gram), False, damp)
     if m <= n:
+        # M = F G F^T (out x out) once: the eigenproblem, the energies q_i = u_i^T M u_i and the total trace(M)
+        # all read it, so G is multiplied once (a 512 x 2048 layer: 4.9 s -> 3.0 s under load, equal to 1e-15)
         fg = f * gram[None, :] if diagonal else f @ gram
-        kk = fg @ f.T + lam * (f @ f.T)
-        vals, vecs = np.linalg.eigh((kk + kk.T) / 2)
+        mm = fg @ f.T
+        mm = (mm + mm.T) / 2
+        vals, vecs = np.linalg.eigh(mm + lam * (f @ f.T))
         order = np.argsort(vals)[::-1]
         sigma2 = np.clip(vals[order], 0.0, None)
         u = vecs[:, order]
+        q = np.sum((u.T @ mm) * u.T, axis=1)
+        total = float(np.trace(mm))
     else:
         s = np.linalg.cholesky(gram + lam * np.eye(n))
         k = f @ s  # m x n, m > n
@@ -79,9 +84,9 @@ def decompose(f: np.ndarray, gram: np.ndarray, diagonal: bool = False, damp: flo
         keep = sig > sig[0] * 1e-13 if sig.size and sig[0] > 0 else np.zeros(len(sig), dtype=bool)
         u = np.zeros((m, n))  # directions F never reaches keep zero columns: they carry no energy
         u[:, keep] = (k @ v[:, order][:, keep]) / sig[keep]
-    t = u.T @ f  # k x n
-    q = np.sum((t * gram[None, :]) * t, axis=1) if diagonal else np.sum((t @ gram) * t, axis=1)
-    total = float(np.sum((f * gram[None, :]) * f)) if diagonal else float(np.sum((f @ gram) * f))
+        t = u.T @ f  # k x n
+        q = np.sum((t * gram[None, :]) * t, axis=1) if diagonal else np.sum((t @ gram) * t, axis=1)
+        total = float(np.sum((f * gram[None, :]) * f)) if diagonal else float(np.sum(gram * (f.T @ f)))
     return Basis(u, sigma2, np.clip(q, 0.0, None), total, lam)
 
 
