@@ -122,7 +122,7 @@ def _cli_json(cli_inproc, out: Path, *args: str) -> dict:
 
 
 def test_cli_sweep_on_the_cluster_gives_the_local_json(cluster, calib_file, tmp_path, cli_inproc):
-    lc, _ = cluster
+    lc, client = cluster
     metric = tmp_path / "acc.py"
     metric.write_text("import torch\nfrom sklearn.datasets import load_digits\n\n"
                       f"LABELS = torch.tensor(load_digits().target[{ROWS - 300}:{ROWS}])\n\n\n"
@@ -140,6 +140,15 @@ def test_cli_sweep_on_the_cluster_gives_the_local_json(cluster, calib_file, tmp_
     floors = {k: v["floor"]["floor"] for k, v in remote["calibration"]["layers"].items() if v["floor"]}
     assert floors and len(floors) == len([v for v in local["calibration"]["layers"].values() if v["floor"]])
     assert remote == local  # every JSON number
+
+    def loaded_digits_by_source() -> bool:
+        import sys
+
+        return any(k.startswith("_lowrank_user_") and str(getattr(m, "__file__", "")).endswith("digits.py")
+                   for k, m in list(sys.modules.items()))
+
+    # a command-line run sends the source spec, not the model: the workers imported digits.py themselves
+    assert any(client.run(loaded_digits_by_source).values())
 
 
 def test_sweep_progress_counts_tasks(cluster, setup, capsys):
@@ -254,3 +263,33 @@ def test_url_to_a_missing_file_names_the_url_and_the_worker(cluster, tmp_path, c
     line = res.stderr.strip().splitlines()[-1]
     assert line.startswith("error: cannot open file:///nonexistent/lowrank-14/ckpt/model-0000")
     assert "(on Dask worker tcp://127.0.0.1:" in line and "--path-map" in line
+
+
+def test_ctrl_c_cancels_the_sweep_tasks_and_removes_the_plugin(cluster, setup):
+    _, client = cluster
+    model, cal, layers, stats, spectra = setup
+
+    def slow(m: torch.nn.Module, batches: list) -> float:  # 0.3 s per evaluation: several seconds of queued work
+        time.sleep(0.3)
+        return 1.0
+
+    main = threading.get_ident()
+
+    def interrupt_when_running() -> None:
+        deadline = time.monotonic() + 30
+        while not any("sweep_task" in str(k) for ks in client.processing().values() for k in ks) \
+                and time.monotonic() < deadline:
+            time.sleep(0.02)
+        signal.pthread_kill(main, signal.SIGINT)
+
+    threading.Thread(target=interrupt_when_running, daemon=True).start()
+    with pytest.raises(KeyboardInterrupt):
+        measure_floors_on_cluster(model, list(layers.values()), cal, Metric(slow, 0.01), 4, stats, spectra,
+                                  AuditOptions(scheduler=client))
+    t0 = time.monotonic()
+    while any(client.processing().values()) and time.monotonic() - t0 < 10:
+        time.sleep(0.05)
+    # cancelled at once (uncancelled, 4 layers of 0.3 s evaluations would keep both workers busy for seconds)
+    assert not any(client.processing().values()) and time.monotonic() - t0 < 1.5
+    plugins = client.run(lambda dask_worker: [k for k in dask_worker.plugins if k.startswith("lowrank-sweep-")])
+    assert not any(plugins.values())

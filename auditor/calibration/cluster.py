@@ -166,10 +166,12 @@ def result_task(task: ResultTask) -> "Floors":
 def _load_by_source(source: tuple[str, "LoadOptions"]) -> "nn.Module":
     from torch import nn
 
-    from ..pipeline import load_model
+    from ..load import load_source
 
     spec, load = source
-    loaded = load_model(spec, load)
+    loaded = load_source(spec, input_shape=[tuple(s) for s in load.input_shape] if load.input_shape else None,
+                         input_ids=load.input_ids, weights=load.weights, structure_only=load.structure_only,
+                         partial=load.partial, auto_inputs=load.auto_inputs)
     if not isinstance(loaded.model, nn.Module):
         raise AuditError(f"{spec} loads as weights only on this worker, not as a model with code",
                          "Check that every worker sees the same factory file (--path-map)")
