@@ -253,6 +253,24 @@ def payload_bytes(payload: SweepPayload) -> bytes:
             cloudpickle.unregister_pickle_by_value(m)
 
 
+def measured_part(calibration: "Calibration") -> "Calibration":
+    """What a worker's Sweeper measures on: the held-out batches (the fit part only fed tier 1's statistics, which
+    are sent as they are), each tensor in its own storage. A batch sliced from one big tensor would otherwise pickle
+    the whole of it, once per batch."""
+    import torch
+
+    from .inputs import Batch
+
+    def own(x: Any) -> Any:
+        if isinstance(x, torch.Tensor) and x.untyped_storage().nbytes() > x.numel() * x.element_size():
+            return x.clone()
+        return x
+
+    batches = [Batch(tuple(own(a) for a in b.args), {k: own(v) for k, v in b.kwargs.items()})
+               for b in calibration.measure]
+    return replace(calibration, fit=[], holdout=batches)
+
+
 def _remove_plugin(client: Any, name: str) -> None:
     try:
         client.unregister_worker_plugin(name)
@@ -278,7 +296,7 @@ def measure_floors_on_cluster(model: "nn.Module", layers: list["Layer"], calibra
         source = mapped_source(options.origin[0], options.origin[1], options.path_map)
     payload = SweepPayload(source=source, model=None if source is not None else model,
                            weights_hash=weights_hash(model) if source is not None else "",
-                           layers=list(layers), calibration=calibration, stats=stats, spectra=dict(spectra),
+                           layers=list(layers), calibration=measured_part(calibration), stats=stats, spectra=dict(spectra),
                            metric=metric, align=align)
     data = payload_bytes(payload)
     name = f"{PLUGIN_PREFIX}{uuid.uuid4().hex[:12]}"
