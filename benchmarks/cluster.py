@@ -121,7 +121,6 @@ def main() -> None:
         write_checkpoint(tiny, [(16, 8)] * a.tiny)
         k, m = map(int, a.mid.split("x"))
         write_checkpoint(mid, [(k, m)] * a.count, seed=1)
-        sweeps = []
         with LocalCluster(processes=True, n_workers=2, threads_per_worker=1, host="127.0.0.1",
                           dashboard_address=None, silence_logs=40) as lc, Client(lc, set_as_default=False) as c:
             audit_time(tiny, 1, scheduler=c)  # workers import torch and the auditor once
@@ -130,15 +129,18 @@ def main() -> None:
                 t_tiny_l = audit_time(tiny, a.repeat, jobs=2)
                 t_mid_c = audit_time(mid, a.repeat, scheduler=c)
                 t_mid_l = audit_time(mid, a.repeat, jobs=2)
-            for label, spec, cal in sweep_cases([n for n in a.sweep.split(",") if n], Path(tmp)):
-                local = min(sweep_seconds(spec, cal)[0] for _ in range(a.repeat))
-                runs = [sweep_seconds(spec, cal, scheduler=c) for _ in range(a.repeat)]
-                sweeps.append((label, local, min(r[0] for r in runs), runs[0][1], runs[0][2]))
-    if sweeps:
-        print(f"{'tier-2 sweep (--measure-floor)':34}{'local':>18}{'dask (2 workers)':>18}{'ratio':>8}")
-        for label, local, cluster, tasks, where in sweeps:
-            print(f"{f'{label}, {tasks} layers':34}{local:>17.2f}s{cluster:>17.2f}s{cluster / local:>8.2f}"
-                  f"   overhead per task {1e3 * (2 * cluster - local) / tasks:.0f} ms   [{where}]")
+            cases = sweep_cases([n for n in a.sweep.split(",") if n], Path(tmp))
+            if cases:  # each row printed as soon as it is measured
+                print(f"{'tier-2 sweep (--measure-floor)':34}{'local':>18}{'dask (2 workers)':>18}{'ratio':>8}",
+                      flush=True)
+            for label, spec, cal in cases:
+                runs = []
+                for _ in range(a.repeat):  # interleaved: a slow spell on a shared machine hits both alike
+                    runs.append((sweep_seconds(spec, cal), sweep_seconds(spec, cal, scheduler=c)))
+                local, cluster = min(r[0][0] for r in runs), min(r[1][0] for r in runs)
+                tasks, where = runs[0][1][1], runs[0][1][2]
+                print(f"{f'{label}, {tasks} layers':34}{local:>17.2f}s{cluster:>17.2f}s{cluster / local:>8.2f}"
+                      f"   overhead per task {1e3 * (2 * cluster - local) / tasks:.0f} ms   [{where}]", flush=True)
     if a.only_sweep:
         return
     print(f"{'':34}{'local (2 threads)':>18}{'dask (2 workers)':>18}{'ratio':>8}")

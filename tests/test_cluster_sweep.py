@@ -293,3 +293,19 @@ def test_ctrl_c_cancels_the_sweep_tasks_and_removes_the_plugin(cluster, setup):
     assert not any(client.processing().values()) and time.monotonic() - t0 < 1.5
     plugins = client.run(lambda dask_worker: [k for k in dask_worker.plugins if k.startswith("lowrank-sweep-")])
     assert not any(plugins.values())
+
+
+def test_a_factory_that_builds_another_model_on_the_workers_exits_2(cluster, calib_file, tmp_path, cli_inproc):
+    """Workers load the model from its source and check its weights: random initialisation gives other weights there,
+    and sweeping them would measure another model."""
+    lc, _ = cluster
+    factory = tmp_path / "unseeded.py"
+    factory.write_text("from torch import nn\n\n\ndef build():\n"
+                       "    return nn.Sequential(nn.Linear(64, 96), nn.ReLU(), nn.Linear(96, 96), nn.ReLU(),"
+                       " nn.Linear(96, 10))\n")
+    res = cli_inproc(f"{factory}:build", "-q", "--no-cache", "--no-spectra", "--calibration", calib_file,
+                     "--measure-floor", "--scheduler", lc.scheduler_address)
+    assert res.returncode == 2
+    line = res.stderr.strip().splitlines()[-1]
+    assert line.startswith(f"error: the model built from {factory}:build on this worker differs from the client's")
+    assert "(on Dask worker tcp://127.0.0.1:" in line and "--weights" in line

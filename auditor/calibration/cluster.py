@@ -132,6 +132,7 @@ class SweepPlugin(WorkerPlugin):
             model.eval()
             self._sweeper = Sweeper(model, p.layers, p.calibration, align=p.align, metric=p.metric, stats=p.stats,
                                     spectra=p.spectra)
+            self.payload = b""  # the sweeper holds what it needs (a replacement worker gets the scheduler's copy)
         return self._sweeper
 
     def run(self, fn: Callable[[Any], Any]) -> Any:
