@@ -152,7 +152,8 @@ def read_url_range(url: str, offset: int, nbytes: int, tensor: str = "") -> byte
                          "where the tensors are read (every Dask worker)") from None
     except ValueError as exc:  # "Protocol not known: foo"
         raise AuditError(f"cannot read {url}: fsspec has no filesystem for {scheme}:// ({first_line(exc)})",
-                         "Map to a URL fsspec can read (s3://, gs://, az://, file://, ...) or to a local path") from None
+                         "Map to a URL fsspec can read (s3://, gs://, az://, file://, ...) or to a local path",
+                         ) from None
     try:
         size = fs.size(path)
         data = fs.cat_file(path, start=offset, end=offset + nbytes) if nbytes else b""
@@ -164,7 +165,8 @@ def read_url_range(url: str, offset: int, nbytes: int, tensor: str = "") -> byte
     if size is not None and offset + nbytes > size or len(data) != nbytes:
         have = f"{size:,}" if size is not None else f"{offset + len(data):,} or fewer"
         raise AuditError(f"{url} is shorter than its header says ({have} bytes; tensor {tensor} ends at "
-                         f"{offset + nbytes:,})", "The file is truncated or changed since it was opened; write it again")
+                         f"{offset + nbytes:,})",
+                         "The file is truncated or changed since it was opened; write it again")
     return bytes(data)
 
 

@@ -68,7 +68,8 @@ def _same(remote, local) -> None:
     assert list(remote.floors) == list(local.floors)
     for name, f in local.floors.items():
         g = remote.floors[name]
-        assert (g.floor, g.cliff_rank, g.keep_dense, g.start_rank) == (f.floor, f.cliff_rank, f.keep_dense, f.start_rank)
+        assert (g.floor, g.cliff_rank, g.keep_dense, g.start_rank) == (
+            f.floor, f.cliff_rank, f.keep_dense, f.start_rank)
         assert g.points == f.points and g.top1 == f.top1  # every measured point, bit for bit
         assert (g.metric_at_floor, g.cliff_metric, g.compression, g.reason) == (
             f.metric_at_floor, f.cliff_metric, f.compression, f.reason)
@@ -127,7 +128,8 @@ def test_cli_sweep_on_the_cluster_gives_the_local_json(cluster, calib_file, tmp_
     metric.write_text("import torch\nfrom sklearn.datasets import load_digits\n\n"
                       f"LABELS = torch.tensor(load_digits().target[{ROWS - 300}:{ROWS}])\n\n\n"
                       "def accuracy(model, batches):\n"
-                      "    return float((torch.cat([model(**b).argmax(1) for b in batches]) == LABELS).float().mean())\n")
+                      "    preds = torch.cat([model(**b).argmax(1) for b in batches])\n"
+                      "    return float((preds == LABELS).float().mean())\n")
     args = ("--calibration", calib_file, "--measure-floor", "--metric", f"{metric}:accuracy", "--tolerance", "0.01")
     local = _cli_json(cli_inproc, tmp_path / "local", *args)
     remote = _cli_json(cli_inproc, tmp_path / "remote", *args, "--scheduler", lc.scheduler_address)

@@ -124,8 +124,9 @@ class SweepPlugin(WorkerPlugin):
 
             p: SweepPayload = cloudpickle.loads(self.payload)
             model = p.model if p.model is not None else _load_by_source(p.source)  # type: ignore[arg-type]
+            spec = p.source[0] if p.source is not None else ""
             if p.model is None and weights_hash(model) != p.weights_hash:
-                raise AuditError(f"the model built from {p.source[0]} on this worker differs from the client's "  # type: ignore[index]
+                raise AuditError(f"the model built from {spec} on this worker differs from the client's "
                                  "(its factory is not deterministic: random initialisation, or other files there)",
                                  "Give the factory fixed weights (--weights FILE), or pass the model itself to "
                                  "auditor.audit() so it is sent by value")
@@ -297,7 +298,8 @@ def measure_floors_on_cluster(model: "nn.Module", layers: list["Layer"], calibra
         source = mapped_source(options.origin[0], options.origin[1], options.path_map)
     payload = SweepPayload(source=source, model=None if source is not None else model,
                            weights_hash=weights_hash(model) if source is not None else "",
-                           layers=list(layers), calibration=measured_part(calibration), stats=stats, spectra=dict(spectra),
+                           layers=list(layers), calibration=measured_part(calibration), stats=stats,
+                           spectra=dict(spectra),
                            metric=metric, align=align)
     data = payload_bytes(payload)
     name = f"{PLUGIN_PREFIX}{uuid.uuid4().hex[:12]}"

@@ -233,8 +233,9 @@ class DaskExecutor:
                                      "See the workers' logs; a worker killed repeatedly (memory?) stops the task "
                                      "after distributed.scheduler.allowed-failures tries") from None
                 if isinstance(res, WorkerFailure):
+                    unseen = fn in (compute_task, hash_task) and res.what.startswith("cannot open")
                     hint = ("; every worker must see the checkpoint at the same path, or pass --path-map "
-                            "CLIENT_PREFIX=WORKER_PREFIX") if fn in (compute_task, hash_task) else ""
+                            "CLIENT_PREFIX=WORKER_PREFIX") if unseen else ""
                     raise AuditError(f"{res.what} (on Dask worker {res.worker})", res.fix + hint)
                 yield i, res
         finally:
