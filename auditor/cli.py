@@ -67,7 +67,10 @@ def _parser() -> argparse.ArgumentParser:
     g = p.add_argument_group("calibration (measured rank floors; docs/calibration.md)")
     g.add_argument("--calibration", metavar="FILE|module:fn",
                    help="inputs to measure with: a safetensors/.pt file of tensors named after the forward's "
-                        "inputs, batched along dim 0, or file.py:fn / module:fn returning batches")
+                        "inputs, batched along dim 0, file.py:fn / module:fn returning batches, or (for a Hugging "
+                        "Face directory with its tokenizer) a text file: .txt/.md/.rst/.py, or any UTF-8 file")
+    g.add_argument("--calibration-length", type=int, metavar="N",
+                   help="tokens per window of a text calibration file (default: the model's positions, at most 512)")
     g.add_argument("--holdout", metavar="SHARE|FILE", help="share of the rows held out to measure (default 0.25), "
                                                             "or a second file held out whole")
     g.add_argument("--metric", metavar="module:fn",
@@ -220,13 +223,14 @@ def calibration_options(args: argparse.Namespace) -> dict:
     """The calibration flags as AuditOptions fields (checked there: --budget in (0, 1), the rest need data)."""
     if args.calibration is None:
         given = [f for f, v in (("--holdout", args.holdout), ("--metric", args.metric), ("--tolerance", args.tolerance),
-                                ("--measure-floor", args.measure_floor or None), ("--budget", args.budget)) if v]
+                                ("--measure-floor", args.measure_floor or None), ("--budget", args.budget),
+                                ("--calibration-length", args.calibration_length)) if v is not None]
         if given:
             raise AuditError(f"{', '.join(given)} need(s) calibration data", "Pass --calibration FILE as well")
         return {}
     return {"calibration": args.calibration, "holdout": args.holdout if args.holdout is not None else 0.25,
             "metric": args.metric, "tolerance": args.tolerance, "measure_floor": args.measure_floor,
-            "budget": args.budget}
+            "budget": args.budget, "calibration_length": args.calibration_length}
 
 
 def _terminal_width() -> int:

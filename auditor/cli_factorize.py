@@ -32,6 +32,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--calibration", metavar="FILE|module:fn", help="whitened initialisation from these inputs, and "
                                                                    "the plan measured on the held-out part")
     p.add_argument("--holdout", metavar="SHARE|FILE", help="held-out share or file (default 0.25)")
+    p.add_argument("--calibration-length", type=int, metavar="N",
+                   help="tokens per window when --calibration is a text file (Hugging Face directory with a "
+                        "tokenizer; default: the model's positions, at most 512)")
     p.add_argument("--metric", metavar="module:fn", help="fn(model, batches) -> float, higher is better")
     p.add_argument("--tolerance", type=float, help="allowed loss in the metric's units (default 0.01)")
     p.add_argument("--weights", metavar="FILE", help="a state dict to load into the factory's model")
@@ -49,6 +52,7 @@ def _check_dir(out: Path, force: bool) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from .calibration.text import tokenizer_home
     from .factorize import count_params, factorize, save_factorized
     from .load import parse_shape
     from .options import AuditOptions, LoadOptions
@@ -69,9 +73,13 @@ def run(args: argparse.Namespace) -> int:
     options = AuditOptions(name=loaded.name, source=loaded.source, cache=not args.no_cache, progress=False,
                            calibration=args.calibration,
                            holdout=args.holdout if args.holdout is not None else 0.25,
-                           metric=args.metric if args.calibration else None, tolerance=args.tolerance)
-    if args.calibration is None and (args.metric or args.tolerance is not None or args.holdout):
-        raise AuditError("--holdout, --metric and --tolerance need --calibration", "Pass --calibration FILE")
+                           metric=args.metric if args.calibration else None, tolerance=args.tolerance,
+                           tokenizer=tokenizer_home(loaded.source) if args.calibration else None,
+                           calibration_length=args.calibration_length)
+    if args.calibration is None and (args.metric or args.tolerance is not None or args.holdout
+                                     or args.calibration_length is not None):
+        raise AuditError("--holdout, --metric, --tolerance and --calibration-length need --calibration",
+                         "Pass --calibration FILE")
     result = audit(model, loaded.example_inputs, plan=args.plan, options=options)
     for f in input_errors(result):
         raise AuditError(f"{f.code} {f.message}", f.fix)
@@ -83,7 +91,8 @@ def run(args: argparse.Namespace) -> int:
     if args.calibration is not None:
         from .calibration import input_statistics, load_calibration
 
-        cal = load_calibration(args.calibration, model, options.holdout)
+        cal = load_calibration(args.calibration, model, options.holdout, tokenizer=options.tokenizer,
+                               length=options.calibration_length)
         stats = input_statistics(model, [result.layer(k) for k in plan], cal)
     new = factorize(model, plan, stats)
     cr = result.calibration

@@ -22,7 +22,7 @@ import fnmatch
 from dataclasses import dataclass
 from typing import Any, Iterable, Mapping, Protocol, Sequence
 
-__all__ = ["Group", "LayerShape", "escape_glob", "glob_matches", "group_layers", "natural_key", "plan_globs",
+__all__ = ["Group", "LayerShape", "Members", "escape_glob", "glob_matches", "group_layers", "natural_key", "plan_globs",
            "toml_string"]
 
 
@@ -49,8 +49,25 @@ class LayerShape:
         return self.m * self.n * self.groups
 
 
+class Members:
+    """``size`` and ``is_group`` for anything with a ``members`` sequence: :class:`Group` (member names) and the
+    reports' :class:`auditor.render.pages.GroupRow` (member rows)."""
+
+    members: Sequence[Any]
+
+    @property
+    def size(self) -> int:
+        """How many members."""
+        return len(self.members)
+
+    @property
+    def is_group(self) -> bool:
+        """More than one member."""
+        return len(self.members) > 1
+
+
 @dataclass(frozen=True)
-class Group:
+class Group(Members):
     """Layers whose names differ only in integer path components (a single layer is a group of one).
 
     ``label`` is the name with varying indices shown as ``*`` (for people); ``pattern`` is the same with the
@@ -64,15 +81,6 @@ class Group:
     share: float  # params / the total given to group_layers
     shapes: tuple[tuple[int, int], ...]
     member_params: tuple[int, ...]
-
-    @property
-    def size(self) -> int:
-        return len(self.members)
-
-    @property
-    def is_group(self) -> bool:
-        """More than one member."""
-        return len(self.members) > 1
 
     @property
     def same_shape(self) -> bool:

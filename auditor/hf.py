@@ -218,6 +218,11 @@ def _positions(config: Any) -> int | None:
     return None
 
 
+def max_positions(config: Any) -> int | None:
+    """The positions a Hugging Face config gives its (text) model, if it says (``max_position_embeddings``, ...)."""
+    return _positions(_text_config(config)) or _positions(config)
+
+
 def _text_config(config: Any, decoder: bool = False) -> Any:
     with contextlib.suppress(Exception):
         return config.get_text_config(decoder=True) if decoder else config.get_text_config()

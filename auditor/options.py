@@ -56,6 +56,8 @@ class AuditOptions:
     tolerance: float | None = None  # in the metric's units (default 0.01 relative output error)
     measure_floor: bool = False  # tier 2: each layer truncated alone, floor found by bisection
     budget: float | None = None  # tier 3: a fraction of the parameters to remove, checked all at once
+    calibration_length: int | None = None  # tokens per window of a text file (default: the positions, at most 512)
+    tokenizer: Any = None  # the directory of the tokenizer for a text file (audit_source: the Hugging Face directory)
 
     def __post_init__(self) -> None:
         try:
@@ -76,6 +78,11 @@ class AuditOptions:
         if self.calibration is None and (self.measure_floor or self.budget is not None or self.metric is not None):
             raise AuditError("measure_floor, budget and metric need calibration data",
                              "Pass calibration=FILE (on the command line --calibration FILE)")
+        if self.calibration_length is not None and (isinstance(self.calibration_length, bool)
+                                                    or not isinstance(self.calibration_length, int)
+                                                    or self.calibration_length < 1):
+            raise AuditError(f"calibration_length {self.calibration_length!r} is not a positive whole number",
+                             "Give e.g. calibration_length=128 (on the command line --calibration-length 128)")
 
     def with_(self, **changes: Any) -> "AuditOptions":
         """A copy with some fields changed; unknown names raise TypeError naming the known ones."""
@@ -109,6 +116,8 @@ class OptionFields(TypedDict, total=False):
     tolerance: float | None
     measure_floor: bool
     budget: float | None
+    calibration_length: int | None
+    tokenizer: Any
 
 
 @dataclass(frozen=True)

@@ -410,6 +410,12 @@ def audit_source(spec: str, *, plan: Any = None, options: AuditOptions | None = 
     with _progress(opts).phase("load"):
         loaded = load_model(spec, load or LoadOptions())
     opts = replace(opts, name=opts.name or loaded.name, source=loaded.source, origin=(spec, load or LoadOptions()))
+    if opts.calibration is not None and isinstance(loaded.model, nn.Module):
+        from .calibration.text import check_text_sources, tokenizer_home
+
+        if opts.tokenizer is None:  # a text file is tokenized by the Hugging Face directory's own tokenizer
+            opts = replace(opts, tokenizer=tokenizer_home(loaded.source))
+        check_text_sources([opts.calibration, opts.holdout], opts.tokenizer)  # bad text fails before the spectra
     result = audit(loaded.model, loaded.example_inputs, plan=plan, options=opts)
     if loaded.notes:  # what the loader decided (structure only, inputs made from the config, partial weights)
         result = replace(result, notes=[*loaded.notes, *result.notes])

@@ -4,8 +4,8 @@ resident memory; and a PDF with one 10,000-character layer name (its time must n
 
 The models are stacks of repeated blocks (``blocks.N.up`` / ``blocks.N.down``, 128 <-> 256) plus distinct layers, so
 the grouped table, the group pages and a page per layer are all exercised; spectra are computed once per model
-(not timed). The HTML's per-layer pages are inline SVG drawn by the template; the PDF draws matplotlib charts for
-its top pages only.
+(not timed). Both the HTML's and the PDF's layer pages are inline SVG drawn by the templates (the PDF carries the top
+pages only).
 
     python benchmarks/render.py            # 100 and 1,000 layers, all formats, and the long name
     python benchmarks/render.py 10000      # the PDF alone for the sizes given

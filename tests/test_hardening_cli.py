@@ -15,24 +15,13 @@ import pytest
 
 from auditor import outputs
 from auditor.errors import AuditError
+from _factories import write_low_rank_mlp
 
-MODEL = '''
-import torch
-from torch import nn
-def model():
-    g = torch.Generator().manual_seed(0)
-    m = nn.Sequential(nn.Linear(64, 128), nn.ReLU(), nn.Linear(128, 64), nn.ReLU(), nn.Linear(64, 10))
-    with torch.no_grad():
-        m[0].weight.copy_(torch.randn(128, 4, generator=g) @ torch.randn(4, 64, generator=g))
-        m[2].weight.copy_(torch.randn(64, 4, generator=g) @ torch.randn(4, 128, generator=g))
-    return m, (torch.zeros(2, 64),)
-'''
 
 
 @pytest.fixture
 def src(tmp_path: Path) -> str:
-    (tmp_path / "m.py").write_text(MODEL)
-    return f"{tmp_path / 'm.py'}:model"
+    return write_low_rank_mlp(tmp_path, widths=(64, 128, 64, 10), rank=4, batch=2)
 
 
 def one_line(res, code: int = 2, *needles: str) -> str:

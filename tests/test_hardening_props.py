@@ -21,21 +21,11 @@ from safetensors.torch import save_file
 
 from auditor.config import Settings
 from auditor.groups import toml_string
+from _factories import write_low_rank_mlp
 
 BOUNDED = settings(max_examples=50, deadline=None, derandomize=True, database=None,
                    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
 
-MODEL = '''
-import torch
-from torch import nn
-def model():
-    g = torch.Generator().manual_seed(0)
-    m = nn.Sequential(nn.Linear(48, 64), nn.ReLU(), nn.Linear(64, 48), nn.ReLU(), nn.Linear(48, 4))
-    with torch.no_grad():
-        m[0].weight.copy_(torch.randn(64, 3, generator=g) @ torch.randn(3, 48, generator=g))
-        m[2].weight.copy_(torch.randn(48, 3, generator=g) @ torch.randn(3, 64, generator=g))
-    return m, (torch.zeros(1, 48),)
-'''
 
 
 def _files(root: Path) -> set[str]:
@@ -128,12 +118,12 @@ def _safe(k: str) -> bool:
 def test_any_plan_file_is_handled(cli_inproc, plan, as_json):
     with tempfile.TemporaryDirectory() as d:
         root = Path(d)
-        (root / "m.py").write_text(MODEL)
+        src = write_low_rank_mlp(root)
         path = root / ("plan.json" if as_json else "plan.toml")
         path.write_text(json.dumps(plan) if as_json else _toml(plan), encoding="utf-8", errors="surrogatepass")
         before = _files(root)
         out = root / "out"
-        res = cli_inproc(f"{root / 'm.py'}:model", "-q", "--plan", path, "--format", "json", "-o", out, cwd=root)
+        res = cli_inproc(src, "-q", "--plan", path, "--format", "json", "-o", out, cwd=root)
         _check_run(res, root, before, out)
         if res.returncode != 2:  # a plan the tool accepted: every rank it reviews is a whole number >= 1
             items = json.loads((out / "lowrank-audit.json").read_text())["plan_review"]["items"]

@@ -1,4 +1,4 @@
-"""Per-layer charts and the share-by-group chart: real SVG, log axes, marks, hostile names, no overlapping labels."""
+"""The share-by-group chart and the chart helpers: real SVG, hostile names, no overlapping labels."""
 
 from __future__ import annotations
 
@@ -6,7 +6,6 @@ import itertools
 import xml.etree.ElementTree as ET
 
 import matplotlib
-import numpy as np
 import pytest
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 
@@ -15,20 +14,6 @@ from auditor.render import layer_charts as lc
 
 HOSTILE = [r"$\undefinedcmd{x}$", "a$b$c^_{}", "\x1b]0;title\x07\x1b[31mred", "rtl\u202egpj.exe",
            "<script>alert(1)</script>&amp;", "line\nbreak", "x" * 10_000]
-
-
-def spectrum(m: int = 96, n: int = 48, seed: int = 0) -> np.ndarray:
-    """Singular values of a matrix with a known decaying spectrum (float64 SVD as the reference)."""
-    rng = np.random.default_rng(seed)
-    u, _ = np.linalg.qr(rng.standard_normal((m, n)))
-    v, _ = np.linalg.qr(rng.standard_normal((n, n)))
-    s = 2.0 ** -np.arange(n, dtype=np.float64) * 10
-    return np.linalg.svd(u @ np.diag(s) @ v.T, compute_uv=False)
-
-
-def energy(s: np.ndarray) -> list[float]:
-    e = np.cumsum(s**2)
-    return list(e / e[-1])
 
 
 def svg_texts(svg: str) -> list[str]:
@@ -44,88 +29,10 @@ def build(fn, *args):
     return fig
 
 
-def test_spectrum_chart_log_axes_and_marks():
-    s = spectrum()
-    assert np.allclose(s[:3], [10, 5, 2.5])
-    svg = lc.spectrum_chart(s, "encoder.fc", m=96, n=48, break_even=32.0, suggested=8, planned=12)
-    texts = svg_texts(svg)
-    assert "encoder.fc   (96 x 48)" in texts
-    assert {"break-even 32.0", "suggested r=8", "planned r=12"} <= set(texts)
-    assert svg == lc.spectrum_chart(s, "encoder.fc", m=96, n=48, break_even=32.0, suggested=8, planned=12)
-    fig = build(lc._spectrum_fig, s, "encoder.fc", 96, 48, 32.0, 8, 12)
-    ax = fig.axes[0]
-    assert ax.get_xscale() == "log" and ax.get_yscale() == "log"
-    y = ax.lines[0].get_ydata()
-    assert y[0] == 1.0 and y[10] == pytest.approx(2.0**-10, rel=1e-9)  # sigma_i / sigma_1, checked against the SVD
-    assert not any("mathdefault" in t for t in texts)
-
-
-def test_energy_chart_log_rank_axis_planned_and_measured():
-    s = spectrum()
-    e = energy(s)
-    svg = lc.energy_chart(e, "fc", m=96, n=48, break_even=32.0, suggested=3, planned=None, target=0.95)
-    texts = svg_texts(svg)
-    assert "suggested r=3" in texts and not any(t.startswith("planned") for t in texts)
-    fig = build(lc._energy_fig, e, "fc", 96, 48, 32.0, 3, 5, 0.95, [(2, 0.5), (4, 0.9), (8, 0.97)], 0.95, "acc")
-    ax, ax2 = fig.axes
-    assert ax.get_xscale() == "log" and ax2.get_xscale() == "log"
-    dots = {c.get_label(): c.get_offsets()[0].tolist() for c in ax.collections}
-    assert dots["suggested r=3"] == pytest.approx([3, e[2]]) and dots["planned r=5"] == pytest.approx([5, e[4]])
-    assert list(ax2.lines[0].get_xdata()) == [2, 4, 8] and list(ax2.lines[0].get_ydata()) == [0.5, 0.9, 0.97]
-    assert ax2.lines[1].get_ydata()[0] == 0.95 and ax2.get_ylabel() == "acc"
-    assert ax2.get_ylim() == ax.get_ylim() == (0, 1.02)  # a metric in [0, 1] shares the energy's scale
-    fig = build(lc._energy_fig, e, "fc", 96, 48, 32.0, 3, 5, 0.95, [(2, 21.5), (8, 9.1)], 9.5, "perplexity")
-    assert fig.axes[1].get_ylim()[1] > 21.5  # any other metric gets its own scale
-    ticks = [t.get_text() for t in ax.get_xticklabels() if t.get_text()]
-    assert "1" in ticks and "10" in ticks
-
-
-def test_long_spectra_drawn_at_exact_sampled_ranks(recwarn):
-    s = np.sort(np.random.default_rng(1).gamma(2, 1, 4096))[::-1]
-    fig = build(lc._spectrum_fig, s, "wide", None, None, None, None, None)
-    line = fig.axes[0].lines[0]
-    xs, ys = line.get_xdata(), line.get_ydata()
-    assert len(xs) <= lc.MAX_POINTS and xs[0] == 1 and xs[-1] == 4096 and list(xs[:5]) == [1, 2, 3, 4, 5]
-    assert np.array_equal(ys, s[xs - 1] / s[0])  # exact values at the ranks drawn, nothing interpolated
-    fig = build(lc._energy_fig, energy(s), "wide", None, None, None, None, None, None, None, None, "")
-    assert fig.axes[0].get_legend() is None and not [w for w in recwarn if "legend" in str(w.message)]
-
-
-def test_nested_single_group_and_marks_beyond_min_side():
-    s = spectrum()
-    fig = build(lc._spectrum_fig, [list(s)], "fc", 96, 48, 32.0, None, 60)  # Spectrum.sigma is groups x k
-    ax = fig.axes[0]
-    assert len(ax.lines) == 1 + 2 and ax.lines[0].get_label().startswith("_")  # one unnamed curve, two marks
-    assert ax.get_xlim()[1] == pytest.approx(60 * 1.15)  # a planned rank above min(m, n) stays in view
-    fig = build(lc._spectrum_fig, [list(s), list(s)], "conv", 96, 48, None, None, None)
-    assert [l.get_label() for l in fig.axes[0].lines] == ["group 0", "group 1"]
-
-
-def test_identical_curves_stay_distinguishable():
-    s = spectrum()
-    fig = build(lc._spectrum_fig, {"a": s, "b": s, "c": s}, "same", None, None, None, None, None)
-    lines = fig.axes[0].lines
-    assert len(lines) == 3
-    styles = {(l.get_color(), str(l.get_linestyle()), l.get_marker()) for l in lines}
-    assert len(styles) == 3
-    marks = [tuple(l.get_markevery()) for l in lines]
-    assert len(set(marks)) == 3  # markers shifted so every curve shows its own
-
-
-def test_many_members_drawn_as_band():
-    members = {f"h.{i}.mlp": spectrum(seed=i) for i in range(32)}
-    svg = lc.spectrum_chart(members, "h.*.mlp", m=96, n=48)
-    assert "32 members: min–max" in svg_texts(svg) and "median" in svg_texts(svg)
-
-
 @pytest.mark.parametrize("name", HOSTILE)
 def test_hostile_names_render(name):
-    s = spectrum()
-    for svg in (lc.spectrum_chart({name: s, name + "2": s}, name, suggested=4),
-                lc.energy_chart({name: energy(s)}, name, planned=4, measured=[(4, 0.9)], measured_label=name),
-                lc.group_share_chart([name, "b"], [60, 30], 100, counts=[3, 1])):
-        texts = " ".join(svg_texts(svg))
-        assert "\x1b" not in texts and "\u202e" not in texts and "\n" not in texts.replace("\n(dashed", "")
+    texts = " ".join(svg_texts(lc.group_share_chart([name, "b"], [60, 30], 100, counts=[3, 1])))
+    assert "\x1b" not in texts and "\u202e" not in texts and "\n" not in texts.replace("\n(dashed", "")
     if name.startswith("$"):
         assert name in texts  # drawn literally
         from matplotlib.figure import Figure
@@ -172,12 +79,27 @@ def test_share_labels_never_collide(case):
 
 
 def test_nothing_to_draw_and_bad_lengths():
-    assert lc.spectrum_chart([0.0, 0.0], "zero") is None
-    assert lc.spectrum_chart([], "empty") is None
-    assert lc.energy_chart([], "empty") is None
     assert lc.group_share_chart([], [], 0) is None
     with pytest.raises(ValueError, match="same length"):
         lc.group_share_chart(["a"], [1, 2], 3)
+
+
+def test_log_rank_axis_keeps_marks_beyond_min_side_in_view():
+    from matplotlib.figure import Figure
+
+    with matplotlib.rc_context(lc._RC):
+        fig = Figure()
+        ax = fig.subplots()
+        ax.plot([1, 48], [0.0, 1.0])
+        lc._log_rank_axis(ax, 48, 32.0, None, 60)  # a planned rank 60 above min(m, n) = 48
+        FigureCanvasAgg(fig).draw()
+    assert ax.get_xscale() == "log" and ax.get_xlim() == pytest.approx((0.85, 60 * 1.15))
+    lo, hi = ax.get_xlim()
+    shown = [t.get_text() for t, x in zip(ax.get_xticklabels(), ax.get_xticks()) if lo <= x <= hi]
+    assert shown == ["1", "2", "5", "10", "20", "50"]
+    ax.cla()
+    lc._log_rank_axis(ax, 48, None, 0, -1)  # absent or non-positive marks do not widen the axis
+    assert ax.get_xlim() == pytest.approx((0.85, 48 * 1.15))
 
 
 def test_labels():

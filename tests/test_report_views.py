@@ -3,6 +3,7 @@ changes, Markdown under the PR-comment cap, and hostile names in every format.""
 
 from __future__ import annotations
 
+import base64
 import json
 import re
 
@@ -208,10 +209,14 @@ def test_hostile_names_in_markdown_terminal_and_charts():
     assert "\x1b" not in md and "\u202e" not in md
     assert "`` evil`](javascript:alert(1)) ``" in md  # one backtick inside: a two-backtick fence holds it
     assert "](javascript" not in re.sub(r"(`+) .*? \1|`[^`]*`", "", md)
-    a.to_html()  # the charts draw $\undefinedcmd{x}$ as text (mathtext off)
-    from auditor.render.charts import energy_chart, share_chart
+    html = a.to_html()  # the share chart draws $\undefinedcmd{x}$ as text (mathtext off)
+    from auditor.render.html import context
 
-    assert share_chart(a).startswith("data:image/svg+xml") and energy_chart(a) is not None
+    ctx = context(a)
+    share = ctx["share_chart"]
+    assert ctx["energy_chart"] is not None  # the overview's energy curves (inline SVG)
+    assert share.startswith("data:image/svg+xml;base64,") and f'src="{share}"' in html
+    assert "$\\undefinedcmd{x}$" in base64.b64decode(share.split(",", 1)[1]).decode("utf-8")
 
 
 def test_long_names_are_cut_in_the_middle():

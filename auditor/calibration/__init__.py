@@ -2,8 +2,9 @@
 
 - Tier 1 (one forward pass): ``input_statistics`` accumulates X^T X per layer; ``whitened_spectrum`` gives the exact
   layer-output error at every rank and a data-aware suggested rank (``tier1`` does both for every layer).
-- Tier 2: ``measure_floors`` truncates each layer alone (whitened) and bisects for the smallest rank whose model-level
-  metric holds, with the prefix of the layer's block replayed from a cache.
+- Tier 2: ``measure_floors`` (a ``Sweeper`` per layer) truncates each layer alone (whitened) and searches, guided by
+  the tier-1 curve, for the smallest rank whose model-level metric holds, with the prefix of the layer's block
+  replayed from a cache.
 - Tier 3: ``plan_for_budget`` allocates ranks over the curves (Lagrangian), applies the whole plan at once with
   ``auditor.factorize.factorize`` and backs off until the model-level metric holds; it also measures a frontier.
 
@@ -16,16 +17,17 @@ from .inputs import Batch, Calibration, load_calibration, token_statistics
 from .metric import Evaluator, Measurement, Metric, load_metric
 from .stats import InputStatistics, LayerInput, by_name, input_statistics
 from .whiten import Truncator, WhitenedSpectrum, truncated_factors, truncated_weight, whitened_spectrum
-from .tier1 import tier1
-from .sweep import Floor, Floors, measure_floors
+from .tier1 import tier1, whitened_spectra
+from .sweep import Floor, Floors, Sweeper, measure_floors
+from .text import is_text_file, text_inputs, tokenizer_home
 from .budget import (
     BudgetPlan, Curves, FrontierPoint, Option, allocate, curves_from_floors, curves_from_spectra, plan_for_budget,
 )
 
 __all__ = [
     "Batch", "BudgetPlan", "Calibration", "Curves", "Evaluator", "Floor", "Floors", "FrontierPoint",
-    "InputStatistics", "LayerInput", "Measurement", "Metric", "Option", "Truncator", "WhitenedSpectrum", "allocate",
+    "InputStatistics", "LayerInput", "Measurement", "Metric", "Option", "Sweeper", "Truncator", "WhitenedSpectrum", "allocate",
     "by_name", "curves_from_floors", "curves_from_spectra", "input_statistics", "load_calibration", "load_metric",
     "measure_floors", "plan_for_budget", "tier1", "token_statistics", "truncated_factors", "truncated_weight",
-    "whitened_spectrum",
+    "whitened_spectra", "whitened_spectrum", "is_text_file", "text_inputs", "tokenizer_home",
 ]

@@ -2,8 +2,9 @@
 
 A source is a safetensors (or weights-only ``.pt``) file of named tensors batched along dim 0 that match the forward's
 keyword inputs (``input_ids``, ``attention_mask``, ...) or one positional input; ``file.py:fn`` / ``module:fn``
-returning an iterable of batches (a tensor, a tuple of positional inputs, or a dict of keyword inputs); or, from the
-API, such an iterable itself. The held-out part (the last ``holdout`` share of the rows or batches) is used only to
+returning an iterable of batches (a tensor, a tuple of positional inputs, or a dict of keyword inputs); a text file,
+tokenized with the model's tokenizer and cut into windows (:mod:`auditor.calibration.text`); or, from the API, such an
+iterable itself. The held-out part (the last ``holdout`` share of the rows or batches) is used only to
 measure, never to compute input statistics.
 """
 
@@ -20,6 +21,7 @@ import torch
 from torch import nn
 
 from ..errors import AuditError, first_line
+from .text import is_text_source, text_inputs
 
 
 @dataclass
@@ -55,6 +57,7 @@ class Calibration:
     source: str = "<batches>"
     digest: str = ""  # sha256 of the names, shapes, dtypes and bytes of every tensor: a cache key
     warnings: list[str] = field(default_factory=list)
+    tokenized: str = ""  # for a text file: the tokenizer, token count and windows (text.TextInputs.description)
 
     @property
     def fit_rows(self) -> int:
@@ -275,13 +278,17 @@ def synthetic_warning(batches: list[Batch], model: nn.Module | None) -> str | No
 
 
 def load_calibration(source: Any, model: nn.Module | None = None, holdout: Any = 0.25,
-                     batch_size: int = 32, check_forward: bool = True) -> Calibration:
+                     batch_size: int = 32, check_forward: bool = True, *, tokenizer: str | Path | None = None,
+                     length: int | None = None) -> Calibration:
     """Load calibration batches and split off the held-out part.
 
     ``source``: a path (``.safetensors``, ``.pt``/``.pth``/``.bin``), ``file.py:fn`` or ``module:fn``, a dict of
     tensors batched along dim 0, or an iterable of batches. ``holdout``: the share of rows (or batches) held out, or
     a second source of the same kinds that is held out whole. With ``model`` the names are checked against its
     forward and the first batch is run once, so inputs that do not fit fail here with one line (an ``AuditError``).
+    A text file (:func:`auditor.calibration.text.is_text_file`) is tokenized with the tokenizer in the directory
+    ``tokenizer`` into windows of ``length`` tokens (default: the model's positions, at most 512); the digest then
+    covers the tokenizer's files too.
     """
     if isinstance(holdout, str):
         try:
@@ -289,16 +296,26 @@ def load_calibration(source: Any, model: nn.Module | None = None, holdout: Any =
         except ValueError:
             pass
     if not isinstance(holdout, (int, float)) or isinstance(holdout, bool):
-        fit = load_calibration(source, model, 0.0, batch_size, check_forward)
-        held = load_calibration(holdout, model, 0.0, batch_size, check_forward)
+        fit = load_calibration(source, model, 0.0, batch_size, check_forward, tokenizer=tokenizer, length=length)
+        held = load_calibration(holdout, model, 0.0, batch_size, check_forward, tokenizer=tokenizer, length=length)
+        tokenized = "; ".join(f"{what}: {c.tokenized}" for what, c in (("fit", fit), ("held out", held))
+                              if c.tokenized)
         return Calibration(fit.fit, held.fit, f"{fit.source} (held out: {held.source})",
                            hashlib.sha256((fit.digest + held.digest).encode()).hexdigest(),
-                           fit.warnings + [w for w in held.warnings if w not in fit.warnings])
+                           fit.warnings + [w for w in held.warnings if w not in fit.warnings], tokenized)
     if not 0 <= holdout < 1:
         raise AuditError(f"held-out share {holdout} is not in [0, 1)", "Give e.g. --holdout 0.25")
     where = str(source) if isinstance(source, (str, Path)) else "<batches>"
     split: tuple[list[Batch], list[Batch]] | None = None
-    if isinstance(source, (str, Path)):
+    text_in = None
+    if is_text_source(source):
+        names, _ = _forward_names(model)
+        text_in = text_inputs(Path(source), tokenizer, model, length, attention_mask="attention_mask" in names)
+        split = _batches_from_tensors(text_in.tensors, model, batch_size, where, holdout)
+    elif length is not None:
+        raise AuditError(f"a calibration window length applies to a text file; {where} is not one",
+                         "Drop --calibration-length, or give a text file")
+    elif isinstance(source, (str, Path)):
         text = str(source)
         path = Path(text)
         if ":" in path.name and not path.exists():
@@ -323,13 +340,16 @@ def load_calibration(source: Any, model: nn.Module | None = None, holdout: Any =
     _check_finite(batches, where)
     fit, held = split if split is not None else _split(batches, holdout)
     cal = Calibration(fit, held, where, _digest(batches))
+    if text_in is not None:  # the same ids from another tokenizer are another calibration
+        cal.digest = hashlib.sha256(f"{cal.digest};tokenizer:{text_in.tokenizer_digest}".encode()).hexdigest()
+        cal.tokenized = text_in.description
     if model is not None and check_forward:
         try:
             run(model, fit[0])
         except Exception as exc:  # noqa: BLE001 - the inputs do not fit the forward
             raise AuditError(f"calibration inputs from {where} do not fit {type(model).__name__}.forward: "
                              f"{first_line(exc)}", "Give inputs shaped like the model's example inputs") from None
-    warn = synthetic_warning(batches, model)
+    warn = synthetic_warning(batches if text_in is None else [Batch((), {"input_ids": text_in.text_ids()})], model)
     if warn:
         cal.warnings.append(warn)
     return cal

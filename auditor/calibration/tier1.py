@@ -2,26 +2,47 @@
 
 from __future__ import annotations
 
+import os
+from concurrent.futures import ThreadPoolExecutor
+
+import torch
 from torch import nn
 
 from ..layers import ParamTable
 from ..results import Layer
 from .inputs import Calibration
-from .stats import InputStatistics, input_statistics
+from .stats import InputStatistics, by_name, input_statistics
 from .whiten import WhitenedSpectrum, whitened_spectrum
 
 
-def tier1(model: nn.Module, layers: dict[str, Layer], calibration: Calibration, align: int = 8,
-          target: float = 0.01, stats: InputStatistics | None = None) -> tuple[InputStatistics, dict[str, WhitenedSpectrum]]:
+def whitened_spectra(layers: dict[str, Layer] | list[Layer], weights: dict[str, torch.Tensor],
+                     stats: InputStatistics, align: int = 8, target: float = 0.01,
+                     jobs: int | None = None) -> dict[str, WhitenedSpectrum]:
+    """The whitened spectrum of every layer in ``layers`` that has input statistics, keyed by ``Layer.name`` in
+    the layers' order. ``weights``: parameter name -> tensor. The decompositions are many small eigh calls, so
+    they run on ``jobs`` threads (default: the CPU count), each with one BLAS thread: NumPy's LAPACK releases the
+    GIL, and one thread per core beats OpenBLAS threads spinning against each other."""
+    from threadpoolctl import threadpool_limits
+
+    todo = [(layer, stats.layers[layer.name]) for layer in by_name(layers).values() if layer.name in stats.layers]
+    jobs = max(1, min(jobs or os.cpu_count() or 1, len(todo) or 1))
+    with threadpool_limits(limits=1, user_api="blas"):
+        if jobs == 1:
+            done = [whitened_spectrum(layer, weights[layer.param], inp, align, target) for layer, inp in todo]
+        else:
+            with ThreadPoolExecutor(jobs) as pool:
+                done = list(pool.map(lambda t: whitened_spectrum(t[0], weights[t[0].param], t[1], align, target),
+                                     todo))
+    return {spec.layer: spec for spec in done}
+
+
+def tier1(model: nn.Module, layers: dict[str, Layer] | list[Layer], calibration: Calibration, align: int = 8,
+          target: float = 0.01, stats: InputStatistics | None = None,
+          jobs: int | None = None) -> tuple[InputStatistics, dict[str, WhitenedSpectrum]]:
     """Input statistics (unless given, e.g. from a cache) and the whitened spectrum of every layer that has them,
     keyed by ``Layer.name``. Layers without statistics are in ``stats.missing``: they keep the weight-energy rank."""
     if stats is None:
         stats = input_statistics(model, layers, calibration)
     table = ParamTable.of(model)
-    spectra: dict[str, WhitenedSpectrum] = {}
-    for layer in layers.values():
-        inp = stats.layers.get(layer.name)
-        if inp is None:
-            continue
-        spectra[layer.name] = whitened_spectrum(layer, table.tensor(layer.param), inp, align, target)
-    return stats, spectra
+    weights = {layer.param: table.tensor(layer.param) for layer in by_name(layers).values()}
+    return stats, whitened_spectra(layers, weights, stats, align, target, jobs)

@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Any
 
 from .md_budget import Section
 from .safe import md_code, md_text, middle, term
+from .view import pct
 
 if TYPE_CHECKING:
     from ..calresults import CalibrationReport
@@ -31,10 +32,6 @@ def measured_points(audit: "Audit") -> dict[str, list[tuple[int, float]]] | None
 
 def _g(x: float | None, digits: int = 4) -> str:
     return "–" if x is None or (isinstance(x, float) and math.isnan(x)) else f"{x:.{digits}g}"
-
-
-def _pct(x: float | None) -> str:
-    return "–" if x is None else f"{100 * x:.1f}%"
 
 
 def summary(cal: "CalibrationReport") -> str:
@@ -70,7 +67,7 @@ def plan_line(cal: "CalibrationReport") -> str | None:
     if pc.layers == 0:
         return "The plan was not measured: factorize() cannot rewrite any of its layers."
     pred = f"predicted {_g(pc.predicted)} (sqrt of summed layer-output errors^2), " if pc.predicted is not None else ""
-    top1 = f", top-1 agreement {_pct(pc.top1)}" if pc.top1 is not None else ""
+    top1 = f", top-1 agreement {pct(pc.top1)}" if pc.top1 is not None else ""
     left = f"; not measured: {', '.join(pc.left_out)}" if pc.left_out else ""
     return (f"Plan applied all at once ({pc.layers} layers, {pc.removed:,} parameters removed): {cal.metric} "
             f"{pred}measured {_g(pc.measured)}{top1}: {'holds' if pc.ok else 'MISSES'} the tolerance "
@@ -113,12 +110,12 @@ def budget_lines(cal: "CalibrationReport") -> list[str]:
     if b is None:
         return []
     ask = f"{100 * b.budget:g}% asked" if b.budget is not None else "as much as the tolerance allows"
-    top1 = f", top-1 {_pct(b.top1)}" if b.top1 is not None else ""
+    top1 = f", top-1 {pct(b.top1)}" if b.top1 is not None else ""
     out = [f"Budget plan ({ask}, over {b.source} curves): {len(b.plan)} layers, {b.removed:,} parameters removed "
-           f"({_pct(b.removed_fraction)}); {cal.metric} {_g(b.metric)} measured all at once{top1}: "
+           f"({pct(b.removed_fraction)}); {cal.metric} {_g(b.metric)} measured all at once{top1}: "
            f"{'holds' if b.ok else 'MISSES'} the tolerance."]
     out.append("Frontier (all at once): " + ", ".join(
-        f"{_pct(p.removed_fraction)} removed -> {_g(p.metric)}{'' if p.ok else ' (fails)'}" for p in b.frontier))
+        f"{pct(p.removed_fraction)} removed -> {_g(p.metric)}{'' if p.ok else ' (fails)'}" for p in b.frontier))
     return out
 
 

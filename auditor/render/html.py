@@ -21,7 +21,7 @@ from . import calibration
 from .base import RenderContext
 from .layer_charts import short_label
 from .pages import appendix_text, group_rows, layer_pages, plan_rows, rank_changes
-from .view import finding_groups, human, layer_table, skipped_rows, spectra_computed
+from .view import finding_groups, human, layer_table, pct, skipped_rows, spectra_computed
 
 if TYPE_CHECKING:
     from ..results import Audit
@@ -51,10 +51,6 @@ def _env():  # type: ignore[no-untyped-def]
         lstrip_blocks=True,
     )
     return env
-
-
-def _pct(x: float | None, digits: int = 1) -> str:
-    return "–" if x is None else f"{100 * x:.{digits}f}%"
 
 
 def _why(code: str) -> str:
@@ -121,8 +117,8 @@ def _overview_chart(audit: "Audit", groups: list[Any]) -> Any:
 
 
 def context(audit: "Audit", ctx: RenderContext = RenderContext(), pdf: bool = False) -> dict[str, Any]:
-    """The template's variables. ``pdf``: the print variant (the top pages with matplotlib charts, an appendix
-    table of every layer) instead of a page per layer drawn as inline SVG."""
+    """The template's variables. ``pdf``: the print variant (only the top groups' pages, an appendix table of every
+    layer) instead of a page per group and per layer; both draw their pages' charts as inline SVG."""
     counts = audit.counts
     table = layer_table(audit)
     groups = group_rows(audit, table)
@@ -161,7 +157,7 @@ def context(audit: "Audit", ctx: RenderContext = RenderContext(), pdf: bool = Fa
         "created": _dt.date.today().isoformat(),
         "css": (template_dir() / "report.css").read_text(encoding="utf-8"),
         "human": human,
-        "pct": _pct,
+        "pct": pct,
         **calibration.html_context(audit, ctx.charts),
         "pn": cut_middle if pdf else _same,  # a name as the PDF shows it (the HTML keeps it whole)
         "pt": cut_runs if pdf else _same,  # a message as the PDF shows it

@@ -1,39 +1,30 @@
-"""Charts for one layer or one group of layers, and the parameter share by group: matplotlib's SVG backend.
+"""Charts drawn with matplotlib's SVG backend: the parameter share by group (:func:`group_share_chart`), and the
+shared machinery (:func:`_render`, :func:`_figure`, :func:`_log_rank_axis`) that :mod:`auditor.render.calibration`
+draws its measured charts with. The per-layer spectrum and energy charts are inline SVG (:mod:`auditor.render.pages`).
 
-Each function takes plain numbers (lists or arrays, ints) and returns an SVG document as a string (``None`` where
-there is nothing to draw); :func:`data_uri` turns one into an ``<img src>``. Like :mod:`auditor.render.charts`,
-text stays text (``svg.fonttype = none``), the output is deterministic (fixed hash salt, no date), nothing is
-fetched. Names are drawn as plain text: mathtext is off (a name like ``$\\undefinedcmd{x}$`` would crash it) and
-control or bidirectional-override characters are shown as ``\\uXXXX``. Figures are built with
-``matplotlib.figure.Figure``, never pyplot, so nothing global is left behind.
-
-Overlaid curves get distinct colours, line styles and markers, so identical spectra stay visible; more than
-:data:`MAX_OVERLAY` curves are drawn as their median and min-max band.
+Each chart takes plain numbers (lists or arrays, ints) and returns an SVG document as a string (``None`` where
+there is nothing to draw); :func:`data_uri` turns one into an ``<img src>``. Text stays text
+(``svg.fonttype = none``), the output is deterministic (fixed hash salt, no date), nothing is fetched. Names are
+drawn as plain text: mathtext is off (a name like ``$\\undefinedcmd{x}$`` would crash it) and control or
+bidirectional-override characters are shown as ``\\uXXXX``. Figures are built with ``matplotlib.figure.Figure``,
+never pyplot, so nothing global is left behind.
 """
 
 from __future__ import annotations
 
 import base64
 import io
-import math
-from typing import Any, Mapping, Sequence
+from typing import Any, Sequence
 
 import numpy as np
 
-__all__ = ["MAX_OVERLAY", "data_uri", "energy_chart", "group_share_chart", "safe_label", "short_label",
-           "spectrum_chart"]
+__all__ = ["data_uri", "group_share_chart", "safe_label", "short_label"]
 
 PALETTE = ["#2563eb", "#0891b2", "#7c3aed", "#db2777", "#ea580c", "#16a34a"]
-STYLES = ["-", "--", "-.", ":", (0, (5, 1, 1, 1)), (0, (1, 1))]
-MARKERS = ["o", "s", "^", "D", "v", "P"]
-MAX_OVERLAY = 6
 GREY = "#94a3b8"
 _RC = {"svg.hashsalt": "lowrank-auditor", "svg.fonttype": "none", "font.size": 9, "font.family": "DejaVu Sans",
        "axes.spines.top": False, "axes.spines.right": False, "text.parse_math": False, "text.usetex": False,
        "axes.unicode_minus": False}
-
-Series = Sequence[float] | np.ndarray
-Curves = Series | Mapping[str, Series]
 
 
 def safe_label(text: str) -> str:
@@ -98,15 +89,6 @@ def _render(build: Any, *args: Any, **kwargs: Any) -> str | None:
         return None if fig is None else _svg(fig)
 
 
-def _as_series(curves: Curves) -> dict[str, np.ndarray]:
-    if isinstance(curves, Mapping):
-        return {str(k): np.asarray(v, dtype=np.float64).ravel() for k, v in curves.items()}
-    arr = np.asarray(curves, dtype=np.float64)
-    if arr.ndim == 2 and arr.shape[0] > 1:  # groups x k (grouped convolution)
-        return {f"group {i}": row for i, row in enumerate(arr)}
-    return {"": arr.ravel()}
-
-
 def _fmt(v: float, _pos: Any = None) -> str:
     if v <= 0:
         return ""
@@ -124,177 +106,6 @@ def _log_rank_axis(ax: Any, k: int, *marks: float | None) -> None:
     ax.xaxis.set_major_locator(ticker.LogLocator(base=10, subs=(1.0, 2.0, 5.0)))
     ax.xaxis.set_major_formatter(ticker.FuncFormatter(_fmt))
     ax.xaxis.set_minor_formatter(ticker.NullFormatter())
-
-
-MAX_POINTS = 400  # points drawn per curve: exact values at ranks spread evenly on the log axis
-
-
-def _sample(k: int) -> np.ndarray:
-    """0-based indices of the ranks drawn: all of them up to MAX_POINTS, else ranks spread evenly on the log axis
-    (the values there are exact; nothing is interpolated), always with the first and the last."""
-    if k <= MAX_POINTS:
-        return np.arange(k)
-    return np.unique(np.round(np.geomspace(1, k, MAX_POINTS)).astype(np.int64) - 1)
-
-
-def _markevery(xs: np.ndarray, i: int) -> list[int]:
-    """Marker positions spread evenly on a log axis, shifted per series so equal curves show every marker set."""
-    if len(xs) <= 1:
-        return [0]
-    want = np.geomspace(1, xs[-1], 9) * (1 + 0.07 * i)
-    pos = np.unique(np.clip(np.searchsorted(xs, want), 0, len(xs) - 1))
-    return [int(p) for p in pos]
-
-
-def _overlay(ax: Any, series: dict[str, np.ndarray], transform: Any) -> None:
-    """Each curve with its own colour, line style and marker; past MAX_OVERLAY, the median and min-max band."""
-    if len(series) <= MAX_OVERLAY:
-        for i, (label, y) in enumerate(series.items()):
-            yy = transform(y)
-            idx = _sample(len(yy))
-            xs = idx + 1
-            ax.plot(xs, yy[idx], color=PALETTE[i % 6], linestyle=STYLES[i % 6], marker=MARKERS[i % 6],
-                    markersize=3.5, markevery=_markevery(xs, i), markerfacecolor="none" if i % 2 else PALETTE[i % 6],
-                    linewidth=1.4, label=short_label(label, 40) if label else None, zorder=3 + 0.01 * i)
-        return
-    k = max(len(y) for y in series.values())
-    stack = np.full((len(series), k), np.nan)
-    for i, y in enumerate(series.values()):
-        stack[i, : len(y)] = transform(y)
-    idx = _sample(k)
-    stack = stack[:, idx]
-    xs = idx + 1
-    with np.errstate(all="ignore"):
-        lo, med, hi = np.nanmin(stack, 0), np.nanmedian(stack, 0), np.nanmax(stack, 0)
-    ax.fill_between(xs, lo, hi, color=PALETTE[0], alpha=0.18, linewidth=0, label=f"{len(series)} members: min–max")
-    ax.plot(xs, med, color=PALETTE[0], linewidth=1.4, label="median")
-
-
-def _rank_marks(ax: Any, break_even: float | None, suggested: int | None, planned: int | None,
-                y_of: Any = None) -> None:
-    if break_even is not None and break_even > 0:
-        ax.axvline(break_even, color="#64748b", linestyle=(0, (4, 2)), linewidth=1.0, zorder=2,
-                   label=f"break-even {break_even:,.1f}")
-    for rank, name, style in ((suggested, "suggested", dict(marker="o", s=42, color="#16a34a", zorder=6)),
-                              (planned, "planned", dict(marker="D", s=70, facecolors="none", edgecolors="#dc2626",
-                                                        linewidths=1.6, zorder=7))):
-        if rank is None or rank <= 0:
-            continue
-        if y_of is None:
-            ax.axvline(rank, color=style.get("color", "#dc2626"), linewidth=0.9,
-                       linestyle="-" if name == "planned" else ":", zorder=2, label=f"{name} r={rank:,}")
-        else:
-            ax.scatter([rank], [y_of(rank)], label=f"{name} r={rank:,}", **style)
-
-
-def _title(ax: Any, title: str, m: int | None, n: int | None) -> None:
-    shape = f"   ({m:,} x {n:,})" if m and n else ""
-    ax.set_title(short_label(title, 70) + shape, fontsize=9, loc="left")
-
-
-def _spectrum_fig(curves: Curves, title: str, m: int | None, n: int | None, break_even: float | None,
-                  suggested: int | None, planned: int | None) -> Any:
-    series = {k: v for k, v in _as_series(curves).items() if v.size and np.isfinite(v).all() and v.max() > 0}
-    if not series:
-        return None
-    k = max(len(v) for v in series.values())
-    fig, ax = _figure(7.2, 3.0)
-
-    def rel(s: np.ndarray) -> np.ndarray:
-        s = np.sort(np.abs(s))[::-1]
-        return np.where(s > 0, s / s[0], np.nan)
-
-    _overlay(ax, series, rel)
-    _rank_marks(ax, break_even, suggested, planned)
-    _log_rank_axis(ax, k, break_even, suggested, planned)
-    from matplotlib import ticker
-
-    ax.set_yscale("log")
-    ax.yaxis.set_major_locator(ticker.LogLocator(base=10, numticks=8))  # at most 8 labelled decades
-    ax.yaxis.set_major_formatter(ticker.FuncFormatter(_fmt))
-    ax.yaxis.set_minor_locator(ticker.NullLocator())  # minor ticks on many decades cost more than they tell
-    ax.set_xlabel("index i (log scale)")
-    ax.set_ylabel("σᵢ / σ₁ (log scale)")
-    ax.grid(True, which="major", color="#e2e8f0", linewidth=0.6)
-    if ax.get_legend_handles_labels()[0]:
-        ax.legend(fontsize=7, frameon=False, loc="lower left")
-    _title(ax, title, m, n)
-    return fig
-
-
-def spectrum_chart(sigma: Curves, title: str, *, m: int | None = None, n: int | None = None,
-                   break_even: float | None = None, suggested: int | None = None,
-                   planned: int | None = None) -> str | None:
-    """Singular values sigma_i / sigma_1 against i, both axes logarithmic, for one layer or a group.
-
-    ``sigma``: one sequence of singular values, a groups x k array (grouped convolution), or a mapping of member
-    name to sequence (a block group; more than :data:`MAX_OVERLAY` members are drawn as median and band).
-    Zero values are left out of the log axis. ``break_even`` (vertical dashed line), ``suggested`` and ``planned``
-    (vertical lines) mark ranks. None when no series has a positive finite value.
-    """
-    return _render(_spectrum_fig, sigma, title, m, n, break_even, suggested, planned)
-
-
-def _energy_fig(energy: Curves, title: str, m: int | None, n: int | None, break_even: float | None,
-                suggested: int | None, planned: int | None, target: float | None,
-                measured: Sequence[tuple[int, float]] | None, measured_floor: float | None, measured_label: str) -> Any:
-    series = {k: v for k, v in _as_series(energy).items() if v.size and np.isfinite(v).all()}
-    if not series:
-        return None
-    k = max(len(v) for v in series.values())
-    fig, ax = _figure(7.2, 3.4)
-    _overlay(ax, series, lambda y: y)
-    first = next(iter(series.values())) if len(series) <= MAX_OVERLAY else np.nanmedian(
-        np.vstack([np.pad(v, (0, k - len(v)), constant_values=np.nan) for v in series.values()]), 0)
-
-    def e_at(r: int) -> float:
-        return float(first[min(r, len(first)) - 1])
-
-    _rank_marks(ax, break_even, suggested, planned, y_of=e_at)
-    if target is not None:
-        ax.axhline(target, color="#64748b", linewidth=0.8, linestyle=":", zorder=1, label=f"target E = {target:g}")
-    ax.set_ylim(0, 1.02)
-    ax.set_xlabel("rank r (log scale)")
-    ax.set_ylabel("energy kept E(r)")
-    ax.grid(True, which="major", color="#e2e8f0", linewidth=0.6)
-    handles, labels = ax.get_legend_handles_labels()
-    if measured:
-        pts = sorted((int(r), float(v)) for r, v in measured if r > 0 and math.isfinite(v))
-        ax2 = ax.twinx()
-        ax2.spines["right"].set_visible(True)
-        ax2.plot([p[0] for p in pts], [p[1] for p in pts], color="#ea580c", marker="s", markersize=4,
-                 linewidth=1.3, linestyle="--", label=short_label(measured_label, 30) + " (measured)")
-        if measured_floor is not None:
-            ax2.axhline(measured_floor, color="#ea580c", linewidth=0.8, linestyle=(0, (1, 2)),
-                        label=f"floor {measured_floor:g}")
-        ax2.set_ylabel(short_label(measured_label, 30), color="#ea580c")
-        values = [p[1] for p in pts] + ([measured_floor] if measured_floor is not None else [])
-        if values and 0 <= min(values) and max(values) <= 1:
-            ax2.set_ylim(0, 1.02)  # a metric in [0, 1] (accuracy) on the energy's scale: heights compare honestly
-        h2, l2 = ax2.get_legend_handles_labels()
-        handles, labels = handles + h2, labels + l2
-    _log_rank_axis(ax, k, break_even, suggested, planned)  # after twinx: the shared x axis keeps these ticks
-    if handles:
-        ax.legend(handles, labels, fontsize=7, frameon=False, loc="upper left",
-                  bbox_to_anchor=(1.08 if measured else 1.0, 1.0))
-    _title(ax, title, m, n)
-    return fig
-
-
-def energy_chart(energy: Curves, title: str, *, m: int | None = None, n: int | None = None,
-                 break_even: float | None = None, suggested: int | None = None, planned: int | None = None,
-                 target: float | None = None, measured: Sequence[tuple[int, float]] | None = None,
-                 measured_floor: float | None = None, measured_label: str = "metric") -> str | None:
-    """Cumulative energy E(r) against rank r on a logarithmic rank axis, for one layer or a group.
-
-    ``energy``: E(r) for r = 1..min(m, n) (``Spectrum.energy``), or a mapping of member name to such curves.
-    Marks: ``break_even`` as a vertical dashed line, ``suggested`` (filled dot) and ``planned`` (open diamond; None
-    when there is no plan) on the curve, ``target`` as a horizontal line. ``measured``: (rank, metric) points from
-    calibration, drawn on their own right-hand axis with ``measured_floor`` as a horizontal line. None when no
-    curve is finite.
-    """
-    return _render(_energy_fig, energy, title, m, n, break_even, suggested, planned, target, measured,
-                   measured_floor, measured_label)
 
 
 def _share_fig(labels: Sequence[str], params: Sequence[int], total: int, counts: Sequence[int] | None,

@@ -7,9 +7,9 @@
 * :func:`rank_changes`: per-layer rank changes against an earlier JSON report.
 * :func:`layer_pages`: one page per group and per layer: singular values (log-log), energy against a log rank axis,
   break-even, suggested and planned rank, and ``measured`` (rank, metric) points once calibration provides them.
-  Its charts are :class:`SvgChart` coordinates that the template draws as inline SVG: a page for each of 1,000
-  layers costs milliseconds this way (matplotlib takes about half a second per chart; the PDF uses
-  :mod:`auditor.render.layer_charts` for its few top pages).
+  Its charts are :class:`SvgChart` coordinates that the template draws as inline SVG, in the HTML and the PDF
+  alike: a page for each of 1,000 layers costs milliseconds this way (matplotlib takes about half a second per
+  chart).
 
 Nothing here imports torch.
 """
@@ -23,8 +23,8 @@ from typing import TYPE_CHECKING, Any, Sequence
 
 import numpy as np
 
-from ..groups import Group, group_layers
-from .view import LayerRow, LayerTable, anchors, given_plan
+from ..groups import Members, group_layers
+from .view import LayerRow, LayerTable, anchors
 
 if TYPE_CHECKING:
     from ..results import Audit
@@ -47,7 +47,7 @@ def summary_of(values: Sequence[int | None]) -> str:
 
 
 @dataclass(frozen=True)
-class GroupRow:
+class GroupRow(Members):
     """A block group in the layer table: one line for all members, the members themselves as detail."""
 
     label: str  # "model.layers.*.mlp.down_proj"
@@ -65,14 +65,6 @@ class GroupRow:
     verdict: str  # "factorize", or "factorize 30 · keep dense 2"
     macs: int | None
     compression: float | None = None  # m·n / (r·(m+n)) at the shown rank, when every member has it
-
-    @property
-    def size(self) -> int:
-        return len(self.members)
-
-    @property
-    def is_group(self) -> bool:
-        return len(self.members) > 1
 
     @property
     def shown_rank(self) -> str:
@@ -119,10 +111,6 @@ def group_rows(audit: "Audit", table: LayerTable) -> list[GroupRow]:
             verdict=_verdicts(rows), macs=macs, compression=comp,
         ))
     return out
-
-
-def groups_of(audit: "Audit") -> list[Group]:
-    return group_layers(audit.layers, audit.total_params)
 
 
 # ---- the plan per layer ---------------------------------------------------------------------------------------
@@ -328,6 +316,18 @@ def _curves(series: list[np.ndarray]) -> tuple[list[np.ndarray], tuple[np.ndarra
     return [np.nanmedian(stack, 0)], (np.nanmin(stack, 0), np.nanmax(stack, 0))
 
 
+def _band(ax: _Axes, band: tuple[np.ndarray, np.ndarray] | None, positive: bool) -> str:
+    """The min-max band as polygon points: the maxima left to right, then the minima back (``positive``: only
+    values above 0, for a log axis); "" without a band."""
+    if band is None:
+        return ""
+    lo, hi = band
+    idx = _ranks(len(lo)) - 1
+    up = [(float(x), float(y)) for x, y in zip(idx + 1, hi[idx]) if not positive or y > 0]
+    dn = [(float(x), float(y)) for x, y in zip(idx + 1, lo[idx]) if not positive or y > 0]
+    return " ".join(f"{ax.x(x)},{ax.y(y)}" for x, y in up + dn[::-1])
+
+
 def spectrum_svg(sigmas: list[np.ndarray], title: str, be: float | None, sug: int | None,
                  plan: int | None) -> SvgChart | None:
     norm = [s / s[0] for s in sigmas if len(s) and s[0] > 0]
@@ -344,13 +344,7 @@ def spectrum_svg(sigmas: list[np.ndarray], title: str, be: float | None, sug: in
         idx = _ranks(len(c)) - 1
         ys = np.where(c[idx] > 0, c[idx], np.nan)
         lines.append(Line(_poly(ax, idx + 1, ys), f"c{i % 6}", "median" if band else ""))
-    band_pts = ""
-    if band is not None:
-        lo, hi = band
-        idx = _ranks(len(lo)) - 1
-        up = [(float(x), float(y)) for x, y in zip(idx + 1, hi[idx]) if y > 0]
-        dn = [(float(x), float(y)) for x, y in zip(idx + 1, lo[idx]) if y > 0]
-        band_pts = " ".join(f"{ax.x(x)},{ax.y(y)}" for x, y in up + dn[::-1])
+    band_pts = _band(ax, band, positive=True)
     yt = [(ax.y(10.0 ** e), _fmt_tick(10.0 ** e)) for e in range(int(y_lo), 1, max(1, (-int(y_lo)) // 5 or 1))]
     return SvgChart(title, "index i (log)", "σᵢ / σ₁ (log)", W, H, L, T, R, B, ax.xticks(), yt, lines, band_pts,
                     _rank_marks(ax, be, sug, plan))
@@ -373,12 +367,7 @@ def energy_svg(energies: list[np.ndarray], title: str, be: float | None, sug: in
         idx = _ranks(len(c)) - 1
         name = labels[i] if labels and i < len(labels) else ("median" if band else "")
         lines.append(Line(_poly(ax, idx + 1, c[idx]), f"c{i % 6}", name))
-    band_pts = ""
-    if band is not None:
-        lo, hi = band
-        idx = _ranks(len(lo)) - 1
-        band_pts = " ".join([f"{ax.x(float(x))},{ax.y(float(y))}" for x, y in zip(idx + 1, hi[idx])]
-                            + [f"{ax.x(float(x))},{ax.y(float(y))}" for x, y in zip((idx + 1)[::-1], lo[idx][::-1])])
+    band_pts = _band(ax, band, positive=False)
     if measured:
         pts = sorted((int(r), float(v)) for r, v in measured if r > 0 and math.isfinite(v))
         lines.append(Line(" ".join(f"{ax.x(r)},{ax.y(v)}" for r, v in pts), "measured", "measured"))

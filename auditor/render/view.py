@@ -6,7 +6,7 @@ Rank columns follow ``settings.energy_targets``: targets (0.8, 0.9) give the col
 from __future__ import annotations
 
 import re
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any, Callable
 
 from ..suggest import target_key
@@ -146,10 +146,6 @@ def spectra_computed(audit: "Audit") -> bool:
     return any(s.sigma is not None for s in audit.spectra.values())
 
 
-def layer_rows(audit: "Audit") -> list[LayerRow]:
-    return layer_table(audit).rows
-
-
 def fmt_num(x: Any, digits: int = 1) -> str:
     if x is None:
         return "-"
@@ -165,6 +161,15 @@ def human(x: int | None) -> str:
         if abs(x) >= div:
             return f"{x / div:.2f}{unit}"
     return str(x)
+
+
+def pct(x: float | None, digits: int = 1) -> str:
+    """A fraction as a percentage, ``–`` for None.
+
+    >>> pct(0.4567), pct(0.4567, 0), pct(None)
+    ('45.7%', '46%', '–')
+    """
+    return "–" if x is None else f"{100 * x:.{digits}f}%"
 
 
 @dataclass(frozen=True)

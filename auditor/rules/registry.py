@@ -13,7 +13,6 @@ import difflib
 import inspect
 import re
 from dataclasses import dataclass, field
-from enum import Enum
 from importlib.metadata import EntryPoint, entry_points
 from types import ModuleType
 from collections.abc import Callable, Iterable, Iterator, Mapping

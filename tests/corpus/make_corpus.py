@@ -18,6 +18,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
+if str(Path(__file__).resolve().parents[1]) not in sys.path:  # tests/, for the shared factories (also as a script)
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from _factories import low_rank_mlp  # noqa: E402
+
 OUT = "OUT"
 
 
@@ -44,18 +48,7 @@ class Case:
 
 # -- small writers ---------------------------------------------------------------------------------------------------
 
-LOW_RANK = '''
-import torch
-from torch import nn
-def model():
-    g = torch.Generator().manual_seed(0)
-    m = nn.Sequential(nn.Linear(48, 64), nn.ReLU(), nn.Linear(64, 48), nn.ReLU(), nn.Linear(48, 4))
-    with torch.no_grad():
-        m[0].weight.copy_(torch.randn(64, 3, generator=g) @ torch.randn(3, 48, generator=g))
-        m[2].weight.copy_(torch.randn(48, 3, generator=g) @ torch.randn(3, 64, generator=g))
-        m[4].weight.copy_(torch.randn(4, 48, generator=g))  # every weight seeded: two runs audit the same model
-    return m, (torch.zeros(1, 48),)
-'''
+LOW_RANK = low_rank_mlp()  # the model most cases audit: two rank-3 layers, every weight seeded
 
 
 def _py(d: Path, body: str, fn: str = "model") -> str:

@@ -1,0 +1,247 @@
+"""Calibration from a text file: tokenized with the audited Hugging Face directory's own tokenizer, offline.
+
+Which files are text (:func:`is_text_file`): a name ending ``.txt``, ``.text``, ``.md``, ``.rst`` or ``.py`` always
+(it must then be UTF-8); any other file not ending ``.safetensors``, ``.pt``, ``.pth`` or ``.bin`` when its bytes
+decode as UTF-8 and hold no NUL byte. Everything else is read as tensors (:mod:`auditor.calibration.inputs`).
+
+The text is encoded once without special tokens and cut into windows of a fixed length (default: the model's
+positions, at most 512): each window is ``prefix + chunk + suffix``, where prefix and suffix are the special tokens the
+tokenizer adds around one sequence (``[CLS]``/``[SEP]`` for BERT, none for GPT-2), so every window is what the
+tokenizer itself gives for its chunk. The tokens after the last whole window are left out (padding them would put pad
+positions into the input statistics). ``attention_mask`` (all ones) goes with ``input_ids`` when the forward takes it.
+"""
+
+from __future__ import annotations
+
+import codecs
+import hashlib
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..errors import AuditError, first_line
+
+TEXT_SUFFIXES = (".txt", ".text", ".md", ".rst", ".py")
+TENSOR_SUFFIXES = (".safetensors", ".pt", ".pth", ".bin")
+# what AutoTokenizer reads from a directory; any one of them means "a tokenizer is here"
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.txt", "vocab.json", "merges.txt",
+                   "tokenizer.model", "spiece.model", "sentencepiece.bpe.model", "special_tokens_map.json",
+                   "added_tokens.json")
+MAX_WINDOW = 512  # the default window is the model's positions, capped here
+SNIFF_BYTES = 1 << 16
+NO_TOKENIZER_FIX = ("Give token ids as a safetensors file of input_ids (batched along dim 0), or audit a Hugging Face "
+                    "directory that holds its tokenizer files")
+
+
+@dataclass(frozen=True)
+class TextInputs:
+    """A text file as windows of token ids: the named tensors, the tokenizer's identity (a SHA-256 of its class and
+    files, part of the calibration's digest) and a one-line description for the report."""
+
+    tensors: dict[str, torch.Tensor]
+    tokenizer_digest: str
+    description: str
+    tokens: int  # text tokens the file gave (no special tokens)
+    window: int  # tokens per window, special tokens included
+    specials: tuple[int, int] = (0, 0)  # special tokens before and after each window's text
+
+    def text_ids(self) -> torch.Tensor:
+        """The windows' text tokens, without the special ones (what the synthetic-input check looks at: the same
+        [CLS] at every window's start would hide uniformly random text)."""
+        before, after = self.specials
+        return self.tensors["input_ids"][:, before:self.window - after]
+
+
+def is_text_file(path: Path) -> bool:
+    """Whether a calibration file is text (the rule is in the module docstring)."""
+    suffix = path.suffix.lower()
+    if suffix in TEXT_SUFFIXES:
+        return True
+    if suffix in TENSOR_SUFFIXES or not path.is_file():
+        return False
+    decoder = codecs.getincrementaldecoder("utf-8")()
+    try:
+        with path.open("rb") as f:
+            head = f.read(SNIFF_BYTES)
+        decoder.decode(head, final=len(head) < SNIFF_BYTES)
+    except (OSError, UnicodeDecodeError):
+        return False
+    return b"\0" not in head
+
+
+def is_text_source(source: Any) -> bool:
+    """Whether a calibration source (a path, ``file.py:fn``, tensors, batches) is a text file."""
+    if not isinstance(source, (str, Path)):
+        return False
+    path = Path(source)
+    if ":" in path.name and not path.exists():
+        return False  # file.py:fn / module:fn
+    return is_text_file(path)
+
+
+def check_text_sources(sources: list[Any], tokenizer: str | Path | None) -> None:
+    """The checks on text calibration files that need no model (the file exists, is UTF-8 and not empty; there are
+    tokenizer files), run before an audit's slow stages so bad text fails at once; the rest come with
+    :func:`text_inputs`."""
+    for source in sources:
+        if is_text_source(source):
+            path = Path(source)
+            if not path.is_file():
+                raise AuditError(f"calibration file {path} does not exist", "Check the path given to --calibration")
+            if tokenizer is None:
+                raise AuditError(f"calibration file {path} is text, and the audited model has no tokenizer to turn "
+                                 "it into token ids", NO_TOKENIZER_FIX)
+            read_text(path)
+            if not tokenizer_files(Path(tokenizer)):
+                load_tokenizer(Path(tokenizer))  # raises: no tokenizer files
+
+
+def tokenizer_home(source: str | Path) -> Path | None:
+    """The directory a Hugging Face source's tokenizer would sit in: the directory itself when it holds
+    ``config.json``, or the folder of a ``config.json`` given alone; None for any other source."""
+    path = Path(source)
+    if path.is_dir() and (path / "config.json").is_file():
+        return path
+    if path.suffix == ".json" and path.is_file():
+        return path.parent
+    return None
+
+
+def tokenizer_files(directory: Path) -> list[Path]:
+    """The tokenizer files in ``directory``, in a fixed order."""
+    return [directory / n for n in TOKENIZER_FILES if (directory / n).is_file()]
+
+
+def read_text(path: Path) -> str:
+    """The file's text (UTF-8, a byte-order mark dropped); one-line errors for a non-UTF-8 or empty file."""
+    data = path.read_bytes()
+    try:
+        text = data.decode("utf-8").removeprefix("\ufeff")
+    except UnicodeDecodeError as exc:
+        raise AuditError(f"calibration text {path} is not UTF-8 (byte 0x{data[exc.start]:02x} at offset {exc.start})",
+                         "Convert it to UTF-8, e.g. iconv -t utf-8") from None
+    if not text.strip():
+        raise AuditError(f"calibration text {path} is {'empty' if not text else 'only whitespace'}",
+                         "Give a text file with the kind of text the model reads")
+    return text
+
+
+def load_tokenizer(directory: Path) -> tuple[Any, str]:
+    """The tokenizer in ``directory`` (``AutoTokenizer``, offline, local files only, no remote code) and its
+    identity: a SHA-256 of its class name and the bytes of its files."""
+    files = tokenizer_files(directory)
+    if not files:
+        raise AuditError(f"the calibration file is text, but {directory} holds no tokenizer files "
+                         f"({', '.join(TOKENIZER_FILES[:4])}, ...)",
+                         "Add the tokenizer files (tokenizer.save_pretrained(DIR)), or give token ids as a "
+                         "safetensors file of input_ids")
+    from ..hf import offline
+    from ..load import stdout_to_stderr
+
+    try:
+        import transformers
+    except ImportError:
+        raise AuditError("a text calibration file needs transformers to load its tokenizer, and it is not installed",
+                         "pip install transformers, or give token ids as a safetensors file of input_ids") from None
+    with offline(), stdout_to_stderr():
+        try:
+            tok = transformers.AutoTokenizer.from_pretrained(str(directory), local_files_only=True,
+                                                             trust_remote_code=False)
+        except Exception as exc:  # noqa: BLE001 - any failure to build it is the directory's
+            raise AuditError(f"cannot load the tokenizer in {directory}: {first_line(exc)}",
+                             "Save it with tokenizer.save_pretrained(DIR), or give token ids as a safetensors file "
+                             "of input_ids") from None
+    h = hashlib.sha256(f"{type(tok).__name__};".encode())
+    for f in files:
+        h.update(f"{f.name}:{f.stat().st_size};".encode())
+        h.update(f.read_bytes())
+    return tok, h.hexdigest()
+
+
+def _specials(tok: Any) -> tuple[list[int], list[int]]:
+    """The special token ids the tokenizer puts before and after one sequence, found by encoding a probe with and
+    without them."""
+    for probe in ("a", "the", "0"):
+        plain = list(tok(probe, add_special_tokens=False)["input_ids"])
+        full = list(tok(probe, add_special_tokens=True)["input_ids"])
+        if not plain:
+            continue
+        for i in range(len(full) - len(plain) + 1):
+            if full[i:i + len(plain)] == plain:
+                return full[:i], full[i + len(plain):]
+    return [], []
+
+
+def model_positions(model: nn.Module | None) -> int | None:
+    """The positions a Hugging Face model has (``max_position_embeddings``, ``n_positions``, ...), if it says."""
+    config = getattr(model, "config", None)
+    if config is None:
+        return None
+    from ..hf import max_positions
+
+    return max_positions(config)
+
+
+def window_length(model: nn.Module | None, tok: Any, length: int | None) -> int:
+    """``length`` checked against the model's positions, or the default: the positions (else the tokenizer's
+    ``model_max_length`` when it is a real limit), at most 512."""
+    positions = model_positions(model)
+    if length is not None:
+        if length < 1:
+            raise AuditError(f"calibration window length {length} is not positive", "Give e.g. --calibration-length 128")
+        if positions is not None and length > positions:
+            raise AuditError(f"calibration window length {length} is longer than the {positions} positions the "
+                             "model has", f"Give --calibration-length {min(positions, MAX_WINDOW)} or less")
+        return length
+    limit = getattr(tok, "model_max_length", None)
+    known = positions or (int(limit) if isinstance(limit, int) and 0 < limit < 1_000_000 else None)
+    return min(known or MAX_WINDOW, MAX_WINDOW)
+
+
+def _vocab(model: nn.Module | None) -> int | None:
+    if model is None:
+        return None
+    sizes = [m.num_embeddings for m in model.modules() if isinstance(m, (nn.Embedding, nn.EmbeddingBag))]
+    return max(sizes) if sizes else None
+
+
+def text_inputs(path: Path, tokenizer: str | Path | None, model: nn.Module | None, length: int | None = None,
+                attention_mask: bool = True) -> TextInputs:
+    """A text file tokenized with the tokenizer in the directory ``tokenizer`` and cut into windows: ``input_ids``
+    (windows x length, int64), with ``attention_mask`` (ones) when ``attention_mask``. One-line
+    :class:`AuditError` for: no tokenizer, a file that is not UTF-8, an empty or whitespace-only text, a tokenizer
+    that does not load, and a text shorter than one window."""
+    check_text_sources([path], tokenizer)
+    text = read_text(path)
+    tok, identity = load_tokenizer(Path(tokenizer))
+    window = window_length(model, tok, length)
+    before, after = _specials(tok)
+    chunk = window - len(before) - len(after)
+    if chunk < 1:
+        raise AuditError(f"a calibration window of {window} tokens leaves no room for text beside the tokenizer's "
+                         f"{len(before) + len(after)} special tokens", "Give a longer --calibration-length")
+    ids = list(tok(text, add_special_tokens=False, return_attention_mask=False, verbose=False)["input_ids"])
+    count = len(ids) // chunk
+    specials = f" ({chunk} text tokens and {len(before) + len(after)} special)" if before or after else ""
+    if count == 0:
+        raise AuditError(f"calibration text {path} gives {len(ids)} tokens, fewer than one window of {window}"
+                         f"{specials}", "Give a longer text, or a shorter window with --calibration-length N")
+    body = torch.tensor(ids[:count * chunk], dtype=torch.long).reshape(count, chunk)
+    parts = [torch.tensor(before, dtype=torch.long).expand(count, -1), body,
+             torch.tensor(after, dtype=torch.long).expand(count, -1)]
+    input_ids = torch.cat(parts, dim=1).contiguous()
+    vocab = _vocab(model)
+    top = int(input_ids.max())
+    if vocab is not None and top >= vocab:
+        raise AuditError(f"the tokenizer in {tokenizer} gives token id {top}, but the model's largest embedding has "
+                         f"{vocab} rows", "Use the tokenizer the model was trained with")
+    tensors = {"input_ids": input_ids}
+    if attention_mask:
+        tensors["attention_mask"] = torch.ones_like(input_ids)
+    left = len(ids) - count * chunk
+    description = (f"tokenized by {type(tok).__name__} from {tokenizer}: {len(ids):,} tokens, {count} windows of "
+                   f"{window}{specials}" + (f", the last {left} tokens left out" if left else ""))
+    return TextInputs(tensors, identity, description, len(ids), window, (len(before), len(after)))
