@@ -48,6 +48,7 @@ class AuditOptions:
     progress: bool | None = None  # a progress bar on stderr (default: when stderr is a terminal)
     scheduler: str | Any | None = None  # a Dask scheduler address or distributed.Client: spectra run there
     path_map: tuple[tuple[str, str], ...] = ()  # (client prefix, worker prefix) for the cluster's file paths
+    origin: Any = None  # (source spec, LoadOptions), set by audit_source: Dask sweep workers load the model from it
     # calibration (docs/calibration.md): measured rank floors from the model's own inputs
     calibration: Any = None  # a file, file.py:fn / module:fn, a dict of tensors, batches, or a Calibration
     holdout: Any = 0.25  # share of the rows held out to measure (or a second source held out whole)
@@ -108,6 +109,7 @@ class OptionFields(TypedDict, total=False):
     progress: bool | None
     scheduler: str | Any | None
     path_map: tuple[tuple[str, str], ...]
+    origin: Any
     calibration: Any
     holdout: Any
     metric: Any

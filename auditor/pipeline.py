@@ -352,7 +352,8 @@ def audit(model: Any, inputs: Any = None, *, plan: Any = None, options: AuditOpt
         inputs=st.inputs, total_params=st.total_params, layers=st.layers, macs_known=st.macs_known,
         settings=settings, spectra=spectra.by_layer, suggestions=suggestions,
         unsupported_ops=st.unsupported, notes=st.notes, graph=st.graph,
-        environment={**environment(), "spectra": spectra.where} if opts.spectra else environment(),
+        environment={**environment(), **({"spectra": spectra.where} if opts.spectra else {}),
+                     **({"sweep": calibrated.sweep} if calibrated is not None and calibrated.sweep else {})},
         spectra_stats=spectra.stats, trace_log=st.log,
         calibration=calibrated.report if calibrated is not None else None,
     )
@@ -408,7 +409,7 @@ def audit_source(spec: str, *, plan: Any = None, options: AuditOptions | None = 
     opts = options or AuditOptions()
     with _progress(opts).phase("load"):
         loaded = load_model(spec, load or LoadOptions())
-    opts = replace(opts, name=opts.name or loaded.name, source=loaded.source)
+    opts = replace(opts, name=opts.name or loaded.name, source=loaded.source, origin=(spec, load or LoadOptions()))
     if opts.calibration is not None and isinstance(loaded.model, nn.Module):
         from .calibration.text import check_text_sources, tokenizer_home
 

@@ -12,6 +12,7 @@ import json
 import math
 import mmap
 import os
+import re
 import stat
 import struct
 from dataclasses import dataclass
@@ -33,6 +34,17 @@ DTYPES: dict[str, tuple[str, int]] = {
     "F4": ("float4_e2m1fn_x2", 4), "F6_E2M3": ("float6_e2m3", 6), "F6_E3M2": ("float6_e3m2", 6),
 }
 MAX_HEADER = 100 << 20  # safetensors' own limit on the JSON header
+
+_URL = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*://")
+
+
+def is_url(path: str) -> bool:
+    """Whether ``path`` is a URL (``scheme://...``), read through fsspec, rather than a local path.
+
+    >>> is_url("s3://bucket/model.safetensors"), is_url("file:///mnt/x"), is_url("/mnt/x"), is_url("C:/x")
+    (True, True, False, False)
+    """
+    return bool(_URL.match(path))
 
 
 @dataclass(frozen=True, eq=False)
@@ -83,6 +95,10 @@ class TensorRef:
         if not isinstance(dtype, torch.dtype):
             raise AuditError(f"tensor {self.tensor} has dtype {self.dtype}, which this torch cannot read",
                              "Convert the checkpoint to float32, float16 or bfloat16")
+        if is_url(self.path):
+            raw = torch.frombuffer(bytearray(read_url_range(self.path, self.offset, self.nbytes, self.tensor)),
+                                   dtype=torch.uint8) if self.nbytes else torch.empty(0, dtype=torch.uint8)
+            return raw.view(dtype).reshape(self.shape)
         fd = open_regular(self.path)
         try:
             size = os.fstat(fd).st_size
@@ -116,6 +132,47 @@ class TensorRef:
                 t = t.to("cpu")
             t = t.contiguous()
         return memoryview(t.reshape(-1).view(torch.uint8).numpy()).cast("B")
+
+
+def read_url_range(url: str, offset: int, nbytes: int, tensor: str = "") -> bytes:
+    """``nbytes`` bytes at ``offset`` of the file at an fsspec URL (``s3://``, ``gs://``, ``file://``, ...). fsspec
+    is imported only here. A protocol fsspec cannot load, a missing file or a short one is one :class:`AuditError`
+    naming the URL (and what to install)."""
+    scheme = url.split("://", 1)[0]
+    try:
+        import fsspec
+    except ImportError:
+        raise AuditError(f"cannot read {url}: reading URLs needs fsspec", "pip install fsspec (and its package for "
+                         f"{scheme}://, e.g. s3fs) on every worker") from None
+    try:
+        fs, path = fsspec.core.url_to_fs(url)
+    except ImportError as exc:  # fsspec knows the protocol; its package is missing ("Install s3fs to access S3")
+        raise AuditError(f"cannot read {url}: fsspec needs a package for {scheme}:// ({first_line(exc)})",
+                         f"pip install {_FSSPEC_PACKAGES.get(scheme, 'the fsspec implementation for ' + scheme)} "
+                         "where the tensors are read (every Dask worker)") from None
+    except ValueError as exc:  # "Protocol not known: foo"
+        raise AuditError(f"cannot read {url}: fsspec has no filesystem for {scheme}:// ({first_line(exc)})",
+                         "Map to a URL fsspec can read (s3://, gs://, az://, file://, ...) or to a local path",
+                         ) from None
+    try:
+        size = fs.size(path)
+        data = fs.cat_file(path, start=offset, end=offset + nbytes) if nbytes else b""
+    except FileNotFoundError:
+        raise AuditError(f"cannot open {url}: No such file or directory",
+                         "Check that the file exists at that URL and is readable") from None
+    except OSError as exc:
+        raise AuditError(f"cannot read {url}: {first_line(exc)}", "Check the URL and its credentials") from None
+    if size is not None and offset + nbytes > size or len(data) != nbytes:
+        have = f"{size:,}" if size is not None else f"{offset + len(data):,} or fewer"
+        raise AuditError(f"{url} is shorter than its header says ({have} bytes; tensor {tensor} ends at "
+                         f"{offset + nbytes:,})",
+                         "The file is truncated or changed since it was opened; write it again")
+    return bytes(data)
+
+
+_FSSPEC_PACKAGES = {"s3": "s3fs", "s3a": "s3fs", "gs": "gcsfs", "gcs": "gcsfs", "az": "adlfs", "abfs": "adlfs",
+                    "adl": "adlfs", "hf": "huggingface_hub", "sftp": "paramiko", "ssh": "paramiko", "http": "aiohttp",
+                    "https": "aiohttp", "oci": "ocifs", "hdfs": "pyarrow", "arrow_hdfs": "pyarrow"}
 
 
 def open_regular(path: str | os.PathLike[str]) -> int:

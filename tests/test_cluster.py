@@ -16,7 +16,6 @@ import torch
 pytest.importorskip("distributed", reason="the Dask tests need `distributed` (pip install 'lowrank-auditor[dask]')")
 
 import auditor  # noqa: E402
-from auditor.errors import AuditError  # noqa: E402
 from auditor.load import load_source  # noqa: E402
 
 HOST = "127.0.0.1"
@@ -118,10 +117,16 @@ def test_task_larger_than_every_worker_limit_is_refused_before_it_runs(cluster, 
     assert a.spectra_stats["skipped"] == 1 and a.spectra_stats["computed"] == 4
 
 
-def test_in_memory_weights_are_refused(cluster):
+def test_in_memory_weights_are_computed_here_not_shipped(cluster):
+    """A module's parameters stay in this process (a cluster sweep needs the module, tests/test_cluster_sweep.py):
+    their spectra run on the local engine, and the report says so."""
     _, client = cluster
-    with pytest.raises(AuditError, match="in this process's memory"):
-        auditor.audit(torch.nn.Sequential(torch.nn.Linear(8, 8)), torch.zeros(1, 8), scheduler=client, cache=False)
+    m = torch.nn.Sequential(torch.nn.Linear(8, 12), torch.nn.ReLU(), torch.nn.Linear(12, 8))
+    remote = auditor.audit(m, torch.zeros(1, 8), scheduler=client, cache=False)
+    local = auditor.audit(m, torch.zeros(1, 8), cache=False)
+    assert remote.environment["spectra"] == "local (in-memory weights)"
+    assert remote.spectra_stats["computed"] == 2 and not any(client.processing().values())
+    assert _numbers(remote) == _numbers(local)
 
 
 def test_path_map_to_nowhere_exits_2_naming_path_and_worker(cluster, tmp_path, cli_inproc):

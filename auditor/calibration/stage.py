@@ -49,6 +49,7 @@ class Calibrated:
     stats: InputStatistics
     spectra: dict[str, WhitenedSpectrum]
     metric: Metric
+    sweep: str = ""  # where tier 2 ran: "local", "dask tcp://HOST:PORT (N workers)"; empty without tier 2
 
 
 def weights_hash(model: nn.Module) -> str:
@@ -162,10 +163,17 @@ def calibrate(model: nn.Module, layers: list[Layer], settings: "Settings", optio
         evaluations = 0
         floors = None
         reference = 0.0
+        sweep_where = ""
         if options.measure_floor and swept:
             t = time.perf_counter()
-            floors = measure_floors(model, swept, cal, metric=metric, align=settings.align, stats=stats,
-                                    spectra=spectra)
+            if options.scheduler is not None:  # one Dask task per layer (auditor/calibration/cluster.py)
+                from .cluster import measure_floors_on_cluster
+
+                floors, sweep_where = measure_floors_on_cluster(model, swept, cal, metric, settings.align, stats,
+                                                                spectra, options)
+            else:
+                floors, sweep_where = measure_floors(model, swept, cal, metric=metric, align=settings.align,
+                                                     stats=stats, spectra=spectra), "local"
             for name, f in floors.floors.items():
                 per[name].floor = _floor(f)
             evaluations += floors.evaluations
@@ -197,7 +205,7 @@ def calibrate(model: nn.Module, layers: list[Layer], settings: "Settings", optio
             synthetic=any(SYNTHETIC_MARK in w for w in cal.warnings), measured_floors=floors is not None,
             budget=budget, suggestions_from="measured floors" if floors is not None else "calibration",
             statistics_cached=cached, seconds=seconds, evaluations=evaluations)
-        return Calibrated(report, cal, stats, spectra, metric)
+        return Calibrated(report, cal, stats, spectra, metric, sweep_where)
     finally:
         model.train(was_training)
 

@@ -8,9 +8,11 @@ work.
 
 Decisions:
 
-- **Checkpoints only.** In-memory tensors (a module's parameters, a ``.bin`` state dict) are refused with one line:
-  shipping them would send every weight through this process's network link, which is what a local audit does
-  faster. The scheduler only ever sees references of a few hundred bytes.
+- **Checkpoints go to the cluster.** In-memory tensors (a module's parameters, a ``.bin`` state dict) are computed
+  here, on the local engine: shipping them would send every weight through this process's network link, which is
+  what a local audit does faster. ``where`` says so. The scheduler only ever sees references of a few hundred bytes.
+- **URLs.** A ``--path-map`` worker prefix may be an fsspec URL (``s3://bucket/ckpt``, ``file:///mnt/ckpt``): the
+  worker then reads its tensor's byte range through fsspec (:meth:`auditor.tensorref.TensorRef.load`).
 - **Memory.** A task whose bytes (tensor + the backend's working memory) exceed every worker's memory limit is refused
   before it runs: it becomes a skipped spectrum whose reason names the tensor and the largest limit. Tasks are not
   pinned to workers (a pinned task would wait forever for a worker that died and came back at a new address); on a
@@ -32,7 +34,7 @@ from dataclasses import dataclass, replace
 from typing import Any, Callable, Iterator, Sequence
 
 from ..errors import AuditError, first_line
-from ..tensorref import TensorRef
+from ..tensorref import TensorRef, is_url  # noqa: F401 - is_url: part of this module's interface
 
 CONNECT_TIMEOUT = float(os.environ.get("LOWRANK_AUDITOR_CONNECT_TIMEOUT", "5"))  # seconds to reach the scheduler
 WORKERS_TIMEOUT = 30.0  # seconds to wait for a first worker on a scheduler that has none
@@ -63,6 +65,8 @@ def map_path(path: str, path_map: Sequence[tuple[str, str]]) -> str:
     '/mnt/nfs/m/model.safetensors'
     >>> map_path("/database/x", [("/data", "/mnt/nfs")])
     '/database/x'
+    >>> map_path("/data/m/model.safetensors", [("/data", "s3://bucket/ckpts/")])
+    's3://bucket/ckpts/m/model.safetensors'
     """
     for client, worker in path_map:
         c = client.rstrip("/") or "/"
@@ -116,6 +120,8 @@ class DaskExecutor:
                              "pip install 'lowrank-auditor[dask]'") from None
         self.path_map = tuple(path_map)
         self._pending: list[Any] = []
+        self.local_items = 0  # in-memory tensors computed here (a module's parameters)
+        self.cluster_items = 0
         self._owned = False
         if isinstance(scheduler, distributed.Client):
             self.client = scheduler
@@ -146,32 +152,42 @@ class DaskExecutor:
 
     @property
     def where(self) -> str:
+        """``dask ADDR (N workers)``; ``local (in-memory weights)`` when every item ran here; both when mixed."""
         n = len(self._worker_limits())
-        return f"dask {self.address} ({n} worker{'s' if n != 1 else ''})"
+        cluster = f"dask {self.address} ({n} worker{'s' if n != 1 else ''})"
+        if self.local_items and not self.cluster_items:
+            return "local (in-memory weights)"
+        if self.local_items:
+            return f"{cluster}; {self.local_items} in-memory weights local"
+        return cluster
+
+    @staticmethod
+    def _in_memory(item: Any) -> bool:
+        ref = _ref_of(item)
+        return ref is not None and ref.path is None
 
     def _prepare(self, item: Any) -> Any:
         ref = _ref_of(item)
-        if ref is None:
+        if ref is None or ref.path is None:
             return item
-        if ref.path is None:
-            raise AuditError(f"tensor {ref.tensor} is in this process's memory, and a Dask cluster reads weights "
-                             "from checkpoint files",
-                             "Audit the safetensors checkpoint with --scheduler, or drop --scheduler for a module or "
-                             ".bin audit")
         mapped = map_path(ref.path, self.path_map)
         if mapped == ref.path:
             return item
         return replace(item, ref=TensorRef(ref.tensor, ref.shape, ref.dtype, ref.kind, ref.m, ref.n, ref.groups,
                                            mapped, ref.offset, ref.nbytes, None, ref.device, ref.layout))
 
-    def run(self, fn: Callable[[Any], Any], items: Sequence[Any], sizes: Sequence[int]) -> Iterator[tuple[int, Any]]:
+    def run(self, fn: Callable[[Any], Any], items: Sequence[Any], sizes: Sequence[int],
+            prefer: Sequence[str] = ()) -> Iterator[tuple[int, Any]]:
         """Submit every item as one task (highest priority first, as given), yield (index, result) as they finish.
-        Items too large for every worker come back as refusals without running."""
+        Items too large for every worker come back as refusals without running. Items whose tensor is in this
+        process's memory run here, on the local engine. ``prefer``: worker addresses to run on when they are
+        still there (any other worker otherwise)."""
         if not items:
             return
         from distributed import as_completed
 
-        from .work import SpectrumResult, SpectrumTask, compute_task
+        from .executor import ThreadExecutor
+        from .work import SpectrumResult, SpectrumTask, compute_task, hash_task
 
         prepared = [self._prepare(it) for it in items]
         limits = self._worker_limits()
@@ -182,6 +198,8 @@ class DaskExecutor:
         self._pending = []
         try:
             for i, (item, size) in enumerate(zip(prepared, sizes)):
+                if self._in_memory(item):
+                    continue
                 if fn is compute_task and not unlimited and limits and size > largest:
                     name = item.ref.tensor if isinstance(item, SpectrumTask) else f"item {i}"
                     reason = (f"{name} needs {_size(size)} (tensor + float64 Gram), more than any Dask worker's "
@@ -192,10 +210,17 @@ class DaskExecutor:
                     raise AuditError(reason, "Start workers with a larger --memory-limit")
                 layer = getattr(item, "layer", "")
                 fut = self.client.submit(run_on_worker, fn, item, pure=False, priority=len(prepared) - i,
-                                         key=f"{getattr(fn, '__name__', 'task')}-{i}-{layer}-{os.urandom(4).hex()}")
+                                         key=f"{getattr(fn, '__name__', 'task')}-{i}-{layer}-{os.urandom(4).hex()}",
+                                         workers=list(prefer) or None, allow_other_workers=bool(prefer))
                 futures[fut] = i
                 self._pending.append(fut)  # cancellable from the first submission on (Ctrl-C while submitting)
             yield from refused
+            local = [i for i, item in enumerate(prepared) if self._in_memory(item)]
+            self.local_items += len(local) if fn is compute_task else 0
+            self.cluster_items += len(futures) if fn is compute_task else 0
+            if local:  # meanwhile the cluster works on the rest
+                for j, res in ThreadExecutor().run(fn, [prepared[i] for i in local], [sizes[i] for i in local]):
+                    yield local[j], res
             for fut in as_completed(list(futures), loop=self.client.loop):
                 i = futures[fut]
                 try:
@@ -203,14 +228,15 @@ class DaskExecutor:
                 except AuditError:
                     raise
                 except Exception as exc:  # noqa: BLE001 - KilledWorker, a lost scheduler, a worker-side bug
-                    name = getattr(_ref_of(prepared[i]), "tensor", f"item {i}")
+                    name = getattr(_ref_of(prepared[i]), "tensor", None) or getattr(prepared[i], "layer", f"item {i}")
                     raise AuditError(f"the Dask cluster at {self.address} failed on {name}: {first_line(exc)}",
                                      "See the workers' logs; a worker killed repeatedly (memory?) stops the task "
                                      "after distributed.scheduler.allowed-failures tries") from None
                 if isinstance(res, WorkerFailure):
-                    raise AuditError(f"{res.what} (on Dask worker {res.worker})",
-                                     res.fix + "; every worker must see the checkpoint at the same path, or pass "
-                                     "--path-map CLIENT_PREFIX=WORKER_PREFIX")
+                    unseen = fn in (compute_task, hash_task) and res.what.startswith("cannot open")
+                    hint = ("; every worker must see the checkpoint at the same path, or pass --path-map "
+                            "CLIENT_PREFIX=WORKER_PREFIX") if unseen else ""
+                    raise AuditError(f"{res.what} (on Dask worker {res.worker})", res.fix + hint)
                 yield i, res
         finally:
             self.cancel()
