@@ -81,11 +81,7 @@ def _statistics(model: nn.Module, layers: list[Layer], cal: Calibration, options
             return InputStatistics.load(path), True
         except Exception:  # noqa: BLE001 - a damaged cache entry is recomputed
             pass
-    from threadpoolctl import threadpool_limits
-
-    # the Grams (dsyrk) run between the forward's own ops, never beside them: give BLAS torch's thread count here
-    with threadpool_limits(limits=torch.get_num_threads(), user_api="blas"):
-        stats = input_statistics(model, layers, cal)
+    stats = input_statistics(model, layers, cal)
     if path is not None:
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
