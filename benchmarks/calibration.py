@@ -205,7 +205,8 @@ def bench(name: str, model: torch.nn.Module, cal, tolerance: float, align: int, 
     print(line)
 
     t = time.perf_counter()
-    t3 = plan_for_budget(model, layers, cal, curves_from_floors(floors, layers), tolerance=tolerance, stats=stats)
+    t3 = plan_for_budget(model, layers, cal, curves_from_floors(floors, layers, spectra), tolerance=tolerance,
+                         stats=stats)
     t_plan = time.perf_counter() - t
     print(f"  tier 3 {t_plan:.2f} s, {len(t3.tries)} plans measured all at once")
 

@@ -102,7 +102,7 @@ def test_floors_and_budget_are_the_librarys(cli_inproc, calib, tmp_path, digits_
     assert {k: got[k]["floor"]["floor"] for k in ("fc1", "fc2", "fc3")} == {"fc1": 24, "fc2": 8, "fc3": 8}
     # the suggestions are the measured floors
     assert {k: d["suggestions"][k]["rank"] for k in ("fc1", "fc2", "fc3")} == {"fc1": 24, "fc2": 8, "fc3": 8}
-    bp = plan_for_budget(model, swept, cal, curves_from_floors(floors, swept), budget=0.5, stats=stats)
+    bp = plan_for_budget(model, swept, cal, curves_from_floors(floors, swept, spectra), budget=0.5, stats=stats)
     b = d["calibration"]["budget"]
     assert b["plan"] == bp.plan and b["removed"] == bp.removed and b["ok"] is bp.ok is True
     assert b["removed_fraction"] >= 0.5 and 3 <= len(b["frontier"]) <= 5

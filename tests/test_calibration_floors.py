@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 from torch import nn
@@ -11,6 +13,7 @@ from auditor.calibration.budget import curves_from_floors, curves_from_spectra
 from auditor.calibration.metric import Evaluator, Metric
 from auditor.calibration.stats import by_name
 from auditor.calibration.sweep import block_of, floor_from_points
+from auditor import lrmath
 from auditor.factorize import count_params, factorize
 from auditor.layers import ParamTable, collect_layers
 
@@ -158,3 +161,36 @@ def test_default_metric_against_a_direct_computation(mlp_setup):
     assert m.ok == (m.value <= 0.05) and ev.cost(0.1) == pytest.approx(0.01)
     with pytest.raises(AuditError, match="returned nan"):
         Evaluator(model, cal, Metric(fn=lambda m, b: float("nan")))
+
+
+def test_measured_curves_fill_unvisited_ranks_with_the_measured_gain(mlp_setup):
+    """Between the ranks the guided search measured, an option costs (g(r) e(r))^2: the tier-1 layer-output error
+    scaled by the measured/layer-output gain, log-linear in rank between measured ranks and flat beyond."""
+    model, cal, layers, stats, spectra, _ = mlp_setup
+    floors = measure_floors(model, layers, cal, 0.02, align=8, stats=stats, spectra=spectra)
+    sparse = curves_from_floors(floors, layers)
+    full = curves_from_floors(floors, layers, spectra)
+    for name, f in floors.floors.items():
+        layer = by_name(layers)[name]
+        grid = list(range(8, lrmath.max_useful_rank(layer.m, layer.n) + 1, 8))
+        opts = {o.rank: o for o in full.options.get(name, [])}
+        measured = {r: v for r, v in f.points if lrmath.saves(layer.m, layer.n, r)}
+        assert {o.rank: o.cost for o in sparse.options.get(name, [])} == {r: v * v for r, v in measured.items()}
+        if not measured:
+            continue
+        assert sorted(opts) == grid  # every grid rank below break-even is an option
+        spec = spectra[name]
+        gains = sorted((r, v / spec.error_at(r)) for r, v in f.points)
+        for r in grid:
+            if r in measured:
+                assert opts[r].cost == measured[r] ** 2
+                continue
+            below = [g for g in gains if g[0] < r]
+            above = [g for g in gains if g[0] > r]
+            if below and above:
+                (r1, g1), (r2, g2) = below[-1], above[0]
+                g = math.exp(math.log(g1) + (r - r1) / (r2 - r1) * (math.log(g2) - math.log(g1)))
+            else:
+                g = (above or below)[0 if above else -1][1]
+            assert opts[r].cost == pytest.approx((g * spec.error_at(r)) ** 2, rel=1e-12)
+            assert opts[r].saved == layer.params - layer.params_at(r)

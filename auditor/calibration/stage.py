@@ -183,7 +183,7 @@ def calibrate(model: nn.Module, layers: list[Layer], settings: "Settings", optio
         if options.budget is not None:
             t = time.perf_counter()
             untied = [l for l in swept if not l.aliases]
-            curves = (curves_from_floors(floors, untied) if floors is not None
+            curves = (curves_from_floors(floors, untied, spectra) if floors is not None
                       else curves_from_spectra({l.name: spectra[l.name] for l in untied}, untied, settings.align))
             curves = type(curves)({k: v for k, v in curves.options.items() if k in {l.name for l in untied}},
                                   curves.source)
