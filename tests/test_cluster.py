@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
 import signal
 import socket
 import threading
@@ -16,6 +15,7 @@ import torch
 pytest.importorskip("distributed", reason="the Dask tests need `distributed` (pip install 'lowrank-auditor[dask]')")
 
 import auditor  # noqa: E402
+from _cluster import kill_worker_mid_task  # noqa: E402
 from auditor.load import load_source  # noqa: E402
 
 HOST = "127.0.0.1"
@@ -176,30 +176,9 @@ def test_worker_killed_mid_task_is_replaced_and_the_audit_completes_identically(
     ck.mkdir()
     _write_checkpoint(ck, big=1536)
     local = _audit(ck, cache=False)
-    out: dict = {}
-
-    def run() -> None:
-        try:
-            out["audit"] = _audit(ck, scheduler=client, cache=False)
-        except BaseException as exc:  # noqa: BLE001 - reported by the assertion below
-            out["error"] = exc
-
-    th = threading.Thread(target=run)
-    th.start()
-    pids = client.run(os.getpid)  # worker address -> pid, all on this machine
-    victim = None
-    deadline = time.monotonic() + 30
-    while victim is None and time.monotonic() < deadline:
-        for addr, keys in client.processing().items():
-            if any("model.layers.1.mlp.up_proj" in str(k) for k in keys):
-                victim = addr
-        time.sleep(0.02)
-    assert victim is not None, "the big task never started"
-    time.sleep(0.2)  # inside the task (the 1536^2 Gram and eigh take about a second on one thread)
-    os.kill(pids[victim], signal.SIGKILL)
-    th.join(timeout=60)
-    assert not th.is_alive() and "error" not in out, out.get("error")
-    remote = out["audit"]
+    # inside the task: the 1536^2 Gram and eigh take about a second on one thread
+    remote, victim = kill_worker_mid_task(client, lambda: _audit(ck, scheduler=client, cache=False),
+                                          "model.layers.1.mlp.up_proj", settle=0.2)
     assert _numbers(remote) == _numbers(local)
     client.wait_for_workers(2, timeout=30)  # the nanny started a new worker in its place
     assert victim not in client.scheduler_info()["workers"]

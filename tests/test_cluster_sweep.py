@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import json
-import os
 import signal
 import threading
 import time
@@ -17,6 +16,7 @@ import torch
 pytest.importorskip("distributed", reason="the Dask tests need `distributed` (pip install 'lowrank-auditor[dask]')")
 
 import auditor  # noqa: E402
+from _cluster import kill_worker_mid_task  # noqa: E402
 from auditor.calibration import load_calibration, measure_floors, tier1  # noqa: E402
 from auditor.calibration.cluster import mapped_source, measure_floors_on_cluster  # noqa: E402
 from auditor.calibration.metric import Metric  # noqa: E402
@@ -186,31 +186,12 @@ def test_worker_killed_mid_sweep_is_replaced_and_the_floors_are_the_same(cluster
 
     only = [layers["fc1"], layers["fc2"], layers["fc3"]]
     local = measure_floors(model, only, cal, 0.01, align=4, metric=slow_accuracy, stats=stats, spectra=spectra)
-    out: dict = {}
-
-    def run() -> None:
-        try:
-            out["floors"] = measure_floors_on_cluster(model, only, cal, Metric(slow_accuracy, 0.01), 4, stats,
-                                                      spectra, AuditOptions(scheduler=client))[0]
-        except BaseException as exc:  # noqa: BLE001 - reported by the assertion below
-            out["error"] = exc
-
-    th = threading.Thread(target=run)
-    th.start()
-    pids = client.run(os.getpid)  # worker address -> pid, all on this machine
-    victim = None
-    deadline = time.monotonic() + 30
-    while victim is None and time.monotonic() < deadline:
-        for addr, keys in client.processing().items():
-            if any("sweep_task" in str(k) for k in keys):
-                victim = addr
-        time.sleep(0.02)
-    assert victim is not None, "no sweep task started"
-    time.sleep(0.5)  # inside the task: its worker is loading the model or measuring
-    os.kill(pids[victim], signal.SIGKILL)
-    th.join(timeout=90)
-    assert not th.is_alive() and "error" not in out, out.get("error")
-    _same(out["floors"], local)
+    # inside the task: its worker is loading the model or measuring
+    floors, victim = kill_worker_mid_task(
+        client, lambda: measure_floors_on_cluster(model, only, cal, Metric(slow_accuracy, 0.01), 4, stats, spectra,
+                                                  AuditOptions(scheduler=client))[0],
+        "sweep_task", settle=0.5, timeout=90)
+    _same(floors, local)
     client.wait_for_workers(2, timeout=30)  # the nanny started a new worker in its place
     assert victim not in client.scheduler_info()["workers"]
 
