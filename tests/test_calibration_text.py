@@ -242,6 +242,7 @@ BAD = {
     "broken-tokenizer": "cannot load the tokenizer in {tok}: ",
     "too-long": "calibration window length 100 is longer than the 64 positions the model has",
     "length-not-text": "a calibration window length applies to a text file",
+    "missing-holdout": "held-out file {text}.held does not exist. Check the path given to --holdout",
     "vocabulary": "gives token id {top}, but the model's largest embedding has 400 rows. Use the tokenizer the model "
                   "was trained with",
 }
@@ -285,6 +286,8 @@ def test_bad_text_calibration_exits_2_with_one_line_and_no_report(cli_inproc, tm
         source = str(tok)
     elif case == "too-long":
         extra = ["--calibration-length", "100"]
+    elif case == "missing-holdout":
+        extra = ["--holdout", f"{text}.held"]
     else:
         from safetensors.torch import save_file
 

@@ -297,7 +297,12 @@ def load_calibration(source: Any, model: nn.Module | None = None, holdout: Any =
             pass
     if not isinstance(holdout, (int, float)) or isinstance(holdout, bool):
         fit = load_calibration(source, model, 0.0, batch_size, check_forward, tokenizer=tokenizer, length=length)
-        held = load_calibration(holdout, model, 0.0, batch_size, check_forward, tokenizer=tokenizer, length=length)
+        try:
+            held = load_calibration(holdout, model, 0.0, batch_size, check_forward, tokenizer=tokenizer,
+                                    length=length)
+        except AuditError as exc:  # the same checks, said of the held-out source
+            raise AuditError(exc.what.replace("calibration file", "held-out file", 1),
+                             exc.fix.replace("--calibration", "--holdout")) from None
         tokenized = "; ".join(f"{what}: {c.tokenized}" for what, c in (("fit", fit), ("held out", held))
                               if c.tokenized)
         return Calibration(fit.fit, held.fit, f"{fit.source} (held out: {held.source})",

@@ -86,11 +86,12 @@ def check_text_sources(sources: list[Any], tokenizer: str | Path | None) -> None
     """The checks on text calibration files that need no model (the file exists, is UTF-8 and not empty; there are
     tokenizer files), run before an audit's slow stages so bad text fails at once; the rest come with
     :func:`text_inputs`."""
-    for source in sources:
+    for i, source in enumerate(sources):
         if is_text_source(source):
             path = Path(source)
             if not path.is_file():
-                raise AuditError(f"calibration file {path} does not exist", "Check the path given to --calibration")
+                what, flag = ("calibration", "--calibration") if i == 0 else ("held-out", "--holdout")
+                raise AuditError(f"{what} file {path} does not exist", f"Check the path given to {flag}")
             if tokenizer is None:
                 raise AuditError(f"calibration file {path} is text, and the audited model has no tokenizer to turn "
                                  "it into token ids", NO_TOKENIZER_FIX)
