@@ -78,11 +78,12 @@ class PlanCheck:
 
     layers: int  # planned layers that were factorized
     left_out: list[str]  # planned layers factorize() cannot rewrite (RNN, attention in-projections, tied weights)
-    predicted: float | None  # sqrt(sum e_l^2) of the tier-1 layer-output errors (default metric only)
+    predicted: float | None  # sqrt(sum e_l^2) of the single-layer errors (default metric only), see ``basis``
     measured: float
     ok: bool
     top1: float | None = None
     removed: int = 0  # parameters removed by the factorized layers
+    basis: str = ""  # what the e_l are: tier-1 layer-output errors, or single-layer model errors (tier 2)
 
 
 @dataclass

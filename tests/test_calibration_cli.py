@@ -4,6 +4,8 @@ calibration data exiting 2 with one line and no report."""
 
 from __future__ import annotations
 
+import math
+
 import json
 from pathlib import Path
 
@@ -79,6 +81,10 @@ def test_tier1_ranks_and_suggestions_are_the_librarys(cli_inproc, calib, tmp_pat
     want = ev.measure(factorize(model, plan, stats))
     assert pc["layers"] == 3 and pc["measured"] == pytest.approx(want.value, rel=1e-9)
     assert pc["ok"] == want.ok and pc["removed"] == count_params(model) - predicted_params(model, plan)
+    # without tier 2 the prediction sums the tier-1 layer-output errors in quadrature
+    assert pc["basis"] == "layer-output errors"
+    assert pc["predicted"] == pytest.approx(math.sqrt(sum(spectra[k].error_at(r) ** 2 for k, r in plan.items())),
+                                            rel=1e-12)
     # a second run reads the input statistics from the cache, with the same numbers
     again = _json(cli_inproc, tmp_path / "2", "--calibration", calib, "--cache-dir", tmp_path / "cache")
     assert again["calibration"]["statistics_cached"]
@@ -95,6 +101,15 @@ def test_floors_and_budget_are_the_librarys(cli_inproc, calib, tmp_path, digits_
     swept = [layers[k] for k in ("fc2", "fc3", "fc1")]  # head is narrow
     floors = measure_floors(model, swept, cal, stats=stats, spectra=spectra)
     got = d["calibration"]["layers"]
+    # with tier 2 the prediction sums single-layer model errors: fc1 at 8 and fc2 at 16, each measured or
+    # gain-scaled from the tier-1 curve
+    from auditor.calibration.budget import single_layer_error
+
+    pc = d["calibration"]["plan_check"]
+    assert pc["basis"].startswith("single-layer model errors")
+    assert pc["predicted"] == pytest.approx(math.sqrt(sum(
+        single_layer_error(floors.floors[k].points, spectra[k], r) ** 2 for k, r in {"fc1": 8, "fc2": 16}.items())),
+        rel=1e-12)
     for name, f in floors.floors.items():
         assert (got[name]["floor"]["floor"], got[name]["floor"]["cliff_rank"]) == (f.floor, f.cliff_rank), name
         assert got[name]["floor"]["points"] == [list(p) for p in f.points]

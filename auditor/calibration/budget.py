@@ -60,18 +60,30 @@ def curves_from_floors(floors: Floors, layers: dict[str, Layer] | list[Layer],
         costs = {r: (max(0.0, floors.reference - v) if floors.higher_is_better else v * v)
                  for r, v in measured.items()}
         spec = spectra.get(name) if spectra else None
-        if spec is not None and not floors.higher_is_better:
-            gains = sorted((r, v / spec.error_at(r)) for r, v in f.points
-                           if spec.error_at(r) > 0 and v > 0 and math.isfinite(v))
-            if gains:
-                useful = lrmath.max_useful_rank(layer.m, layer.n)
-                for r in range(floors.align, useful + 1, floors.align):
-                    if r not in costs:
-                        costs[r] = (_gain_at(gains, r) * spec.error_at(r)) ** 2
+        if spec is not None and not floors.higher_is_better and _gains(f.points, spec):
+            useful = lrmath.max_useful_rank(layer.m, layer.n)
+            for r in range(floors.align, useful + 1, floors.align):
+                if r not in costs:
+                    costs[r] = single_layer_error(f.points, spec, r) ** 2
         opts = [Option(r, layer.params - layer.params_at(r), c) for r, c in sorted(costs.items())]
         if opts:
             out[name] = opts
     return Curves(out, "measured")
+
+
+def _gains(points: list[tuple[int, float]], spec: WhitenedSpectrum) -> list[tuple[int, float]]:
+    return sorted((r, v / spec.error_at(r)) for r, v in points if spec.error_at(r) > 0 and v > 0 and math.isfinite(v))
+
+
+def single_layer_error(points: list[tuple[int, float]], spec: WhitenedSpectrum, r: int) -> float:
+    """The model-level relative output error of this layer truncated alone at rank ``r``: measured when tier 2
+    measured ``r`` (``points``: (rank, error)), else the tier-1 layer-output error scaled by the layer's measured gain
+    (log-linear between measured ranks, flat beyond), else (nothing measured) the layer-output error itself."""
+    for rank, v in points:
+        if rank == r:
+            return v
+    gains = _gains(points, spec)
+    return _gain_at(gains, r) * spec.error_at(r) if gains else spec.error_at(r)
 
 
 def _gain_at(gains: list[tuple[int, float]], r: int) -> float:

@@ -279,7 +279,16 @@ def check_plan(cal: Calibrated, model: nn.Module, audit: "Audit") -> Calibration
     finally:
         model.train(was_training)
     predicted = None
+    basis = ""
     if not cal.metric.higher_is_better and all(k in cal.spectra for k in plan):
-        predicted = math.sqrt(sum(cal.spectra[k].error_at(r) ** 2 for k, r in plan.items()))
-    check = PlanCheck(len(plan), left, predicted, m.value, m.ok, m.top1, removed)
+        from .budget import single_layer_error
+
+        def points(k: str) -> list[tuple[int, float]]:
+            lc = report.layers.get(k)
+            return list(lc.floor.points) if lc is not None and lc.floor is not None else []
+
+        predicted = math.sqrt(sum(single_layer_error(points(k), cal.spectra[k], r) ** 2 for k, r in plan.items()))
+        basis = ("single-layer model errors: measured, or layer-output errors scaled by the measured gain"
+                 if any(points(k) for k in plan) else "layer-output errors")
+    check = PlanCheck(len(plan), left, predicted, m.value, m.ok, m.top1, removed, basis)
     return replace(report, plan_check=check, reference=ev.reference)
