@@ -82,7 +82,7 @@ def test_tier1_ranks_and_suggestions_are_the_librarys(cli_inproc, calib, tmp_pat
     assert pc["layers"] == 3 and pc["measured"] == pytest.approx(want.value, rel=1e-9)
     assert pc["ok"] == want.ok and pc["removed"] == count_params(model) - predicted_params(model, plan)
     # without tier 2 the prediction sums the tier-1 layer-output errors in quadrature
-    assert pc["basis"] == "layer-output errors"
+    assert pc["basis"] == "tier-1 layer-output errors"
     assert pc["predicted"] == pytest.approx(math.sqrt(sum(spectra[k].error_at(r) ** 2 for k, r in plan.items())),
                                             rel=1e-12)
     # a second run reads the input statistics from the cache, with the same numbers

@@ -288,7 +288,7 @@ def check_plan(cal: Calibrated, model: nn.Module, audit: "Audit") -> Calibration
             return list(lc.floor.points) if lc is not None and lc.floor is not None else []
 
         predicted = math.sqrt(sum(single_layer_error(points(k), cal.spectra[k], r) ** 2 for k, r in plan.items()))
-        basis = ("single-layer model errors: measured, or layer-output errors scaled by the measured gain"
-                 if any(points(k) for k in plan) else "layer-output errors")
+        basis = ("single-layer model errors (measured, or tier-1 errors scaled by the measured gain)"
+                 if any(points(k) for k in plan) else "tier-1 layer-output errors")
     check = PlanCheck(len(plan), left, predicted, m.value, m.ok, m.top1, removed, basis)
     return replace(report, plan_check=check, reference=ev.reference)

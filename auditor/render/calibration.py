@@ -66,8 +66,8 @@ def plan_line(cal: "CalibrationReport") -> str | None:
         return None
     if pc.layers == 0:
         return "The plan was not measured: factorize() cannot rewrite any of its layers."
-    basis = pc.basis or "layer-output errors"
-    pred = f"predicted {_g(pc.predicted)} (sqrt of summed {basis}, squared), " if pc.predicted is not None else ""
+    basis = pc.basis or "tier-1 layer-output errors"
+    pred = f"predicted {_g(pc.predicted)} (the {basis} summed in quadrature), " if pc.predicted is not None else ""
     top1 = f", top-1 agreement {pct(pc.top1)}" if pc.top1 is not None else ""
     left = f"; not measured: {', '.join(pc.left_out)}" if pc.left_out else ""
     return (f"Plan applied all at once ({pc.layers} layers, {pc.removed:,} parameters removed): {cal.metric} "
