@@ -151,24 +151,24 @@ class PrefixCache:
         return _Replay(self, layer)
 
 
-def _detach(out: Any) -> Any:
+def _map_tensors(out: Any, fn: Callable[[torch.Tensor], Any], other: Callable[[Any], Any] = lambda o: o) -> Any:
+    """``fn`` on every tensor of a module's output (a tensor, or a plain tuple or list of them), ``other`` on the rest;
+    named tuples and other containers count as "the rest"."""
     if isinstance(out, torch.Tensor):
-        return out.detach()
+        return fn(out)
     if isinstance(out, tuple) and not hasattr(out, "_fields"):
-        return tuple(_detach(o) for o in out)
+        return tuple(_map_tensors(o, fn, other) for o in out)
     if isinstance(out, list):
-        return [_detach(o) for o in out]
-    return out
+        return [_map_tensors(o, fn, other) for o in out]
+    return other(out)
+
+
+def _detach(out: Any) -> Any:
+    return _map_tensors(out, torch.Tensor.detach)
 
 
 def _clone(out: Any) -> Any:
-    if isinstance(out, torch.Tensor):
-        return out.clone()
-    if isinstance(out, tuple) and not hasattr(out, "_fields"):
-        return tuple(_clone(o) for o in out)
-    if isinstance(out, list):
-        return [_clone(o) for o in out]
-    return copy.copy(out)
+    return _map_tensors(out, torch.Tensor.clone, copy.copy)
 
 
 class _Replay:
@@ -250,6 +250,11 @@ def _next_rank(grid: list[int], lo: int, hi: int, results: dict[int, tuple[float
     return want
 
 
+def _check_search(search: str) -> None:
+    if search not in ("bisect", "all"):
+        raise ValueError(f"search must be 'bisect' or 'all', not {search!r}")
+
+
 def floor_from_points(points: dict[int, bool]) -> int | None:
     """Smallest tried rank that holds, with every larger tried rank holding too; None if the largest fails."""
     floor = None
@@ -303,8 +308,7 @@ class Sweeper:
     def floor(self, name: str, search: str = "bisect") -> Floor:
         """One layer's measured floor: truncated alone (whitened when it has input statistics), bisection over
         multiples of ``align`` from the tier-1 rank ("bisect") or every grid rank ("all")."""
-        if search not in ("bisect", "all"):
-            raise ValueError(f"search must be 'bisect' or 'all', not {search!r}")
+        _check_search(search)
         layer = self.layers[name]
         align, metric = self.align, self.metric
         grid = _grid(layer, align)
@@ -391,8 +395,7 @@ def measure_floors(model: nn.Module, layers: dict[str, Layer] | list[Layer], cal
     arguments). ``search``: "bisect" (from the tier-1 rank in ``spectra``) or "all" (every grid rank: the
     brute-force reference). ``model`` is not modified."""
     t0 = time.perf_counter()
-    if search not in ("bisect", "all"):
-        raise ValueError(f"search must be 'bisect' or 'all', not {search!r}")
+    _check_search(search)  # before the sweeper's setup (a copy of the model and two passes over the held-out rows)
     sweeper = Sweeper(model, layers, calibration, tolerance, align, metric, stats, spectra, prefix_cache)
     floors: dict[str, Floor] = {}
     for name in sweeper.layers:
