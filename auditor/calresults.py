@@ -39,6 +39,8 @@ class LayerCalibration:
     damping: float = 0.0
     approximate: str = ""  # why the error is an estimate for this layer; empty when exact
     floor: LayerFloor | None = None
+    seen: int | None = None  # input directions the calibration saw: ids looked up (embeddings), rank of X^T X
+    spans: bool = True  # the calibration saw every input direction (seen == width); else data-free ranks stand
 
     @property
     def singular(self) -> bool:
@@ -63,13 +65,17 @@ class BudgetResult:
 
     plan: dict[str, int]
     source: str  # "measured" (tier-2 curves) | "tier1"
-    budget: float | None  # the fraction asked to remove; None: as much as the tolerance allows
+    budget: float | None  # the fraction asked to remove; None: the largest plan the tolerance allows
     removed: int
     removed_fraction: float
     metric: float
     ok: bool
     top1: float | None
     frontier: list[FrontierPlan] = field(default_factory=list)
+    evaluations: int = 0  # distinct plans factorized and measured by the search
+    exhausted: bool = False  # the search hit its measurement cap before the bracket closed
+    fixed: dict[str, int] = field(default_factory=dict)  # layers in every plan at their data-free rank
+    smallest_failing: int | None = None  # parameters removed by the smallest measured plan above it that failed
 
 
 @dataclass

@@ -28,6 +28,7 @@ def verdict_line(audit: "Audit") -> str:
     if r is not None and r.items:
         saving = (f"; the {'suggested' if r.suggested else 'planned'} ranks save "
                   f"{r.params_saved:,} parameters ({100 * r.share_saved:.1f}% of the model)")
+    saving += plan_check_clause(audit)
     if c.error:
         head = f"FAIL: {c.error} error(s), {c.warning} warning(s)"
     elif c.warning:
@@ -35,6 +36,23 @@ def verdict_line(audit: "Audit") -> str:
     else:
         head = "PASS: no errors or warnings"
     return head + saving
+
+
+def plan_check_clause(audit: "Audit") -> str:
+    """"; measured all at once: <metric> V <= T" (or "> T ... misses") when calibration measured the reviewed plan;
+    "; not measured all at once" when calibration was given but the plan could not be measured; else empty."""
+    cal = audit.calibration
+    r = audit.review
+    if cal is None or r is None or not r.items:
+        return ""
+    pc = cal.plan_check
+    if pc is None or pc.layers == 0 or pc.measured != pc.measured:
+        return "; not measured all at once"
+    if cal.higher_is_better:
+        return (f"; measured all at once: {cal.metric} {pc.measured:.4g} against the dense {cal.reference:.4g} "
+                f"(tolerance {cal.tolerance:g}: {'holds' if pc.ok else 'misses'})")
+    return (f"; measured all at once: {cal.metric} {pc.measured:.4g} {'<=' if pc.ok else '>'} tolerance "
+            f"{cal.tolerance:g}" + ("" if pc.ok else " (misses)"))
 
 
 def exit_code(audit: "Audit", fail_on: FailOn | str | None = None) -> ExitCode:

@@ -30,6 +30,11 @@ def suggest(layer: Layer, spec: Spectrum | None, settings: Settings) -> Suggesti
     if be < settings.min_break_even or useful < 1:
         return Suggestion(layer.name, Verdict.SKIP_NARROW, None,
                           f"break-even rank {be:.1f} leaves no room (below {settings.min_break_even:g})", **base)
+    if layer.tied or layer.calls > 1:  # LR006's test (plan.shared): one factorization would change every use
+        names = ", ".join([layer.param, *layer.aliases])
+        return Suggestion(layer.name, Verdict.KEEP_DENSE, None,
+                          f"tied or shared ({names}; {layer.calls} use(s) per forward): factorizing it changes every "
+                          "use at once; untie it, or plan it by hand and check the error at every use", **base)
     need = spec.rank_for(settings.target_energy)
     if need > useful:
         return Suggestion(layer.name, Verdict.KEEP_DENSE, None,

@@ -193,93 +193,109 @@ class BudgetPlan:
     tries: list[FrontierPoint] = field(default_factory=list)
     frontier: list[FrontierPoint] = field(default_factory=list)
     seconds: float = 0.0
+    exhausted: bool = False  # the search stopped at ``max_tries`` measurements before the bracket closed
+    smallest_failing: int | None = None  # parameters removed by the smallest measured plan above it that failed
+
+    @property
+    def evaluations(self) -> int:
+        """Distinct plans factorized and measured."""
+        return len(self.tries)
 
 
 def plan_for_budget(model: nn.Module, layers: dict[str, Layer] | list[Layer], calibration: Calibration,
                     curves: Curves, budget: float | None = None, tolerance: float | None = None,
                     metric: Metric | Callable[..., float] | None = None, stats: InputStatistics | None = None,
-                    frontier: int = 5, max_tries: int = 10) -> BudgetPlan:
-    """Tier 3: a plan over ``curves`` checked all at once on the held-out batches.
+                    frontier: int = 5, max_tries: int = 64, fixed: dict[str, int] | None = None) -> BudgetPlan:
+    """Tier 3: the largest plan over ``curves`` that holds the tolerance all at once on the held-out batches.
 
-    With ``budget`` (a fraction of the model's parameters to remove) the first plan removes at least that share,
-    then backs off by bisection until the metric holds. Without it, the first plan is the largest whose predicted
-    cost fits the tolerance (tolerance^2 for the relative output error, the tolerance itself for a user metric);
-    it grows while the metric holds and backs off when it does not. Only layers ``factorize`` rewrites take part."""
+    Each target (parameters to remove) gives one plan (:func:`allocate`); a plan is factorized and measured once
+    (repeated plans cost nothing). Without ``budget`` the search starts at the largest target whose predicted cost
+    fits the tolerance (tolerance^2 for the relative output error, the tolerance itself for a user metric), doubles
+    the target while the plan holds and halves it while it fails until the boundary is bracketed, then bisects until
+    no new plan lies between the largest plan that held and the smallest that failed. With ``budget`` (a fraction of
+    the model's parameters to remove) the first plan removes at least that share and the search only shrinks from
+    there. ``max_tries`` bounds the measurements (a safety net: the bracket closes long before it on every model
+    tried; :attr:`BudgetPlan.exhausted` says when it did not). ``fixed`` layers (name -> rank) are part of every plan
+    measured: layers whose rank comes from elsewhere (the data-free suggestion) but that the plan must hold with.
+    Only layers ``factorize`` rewrites take part. The model is measured in eval mode; its mode is restored."""
     t0 = time.perf_counter()
     if metric is None or callable(metric) and not isinstance(metric, Metric):
         metric = Metric(fn=metric)  # type: ignore[arg-type]
     if tolerance is not None:
         metric = Metric(metric.fn, tolerance, metric.name)
     named = by_name(layers)
-    options = {k: v for k, v in curves.options.items() if k in named and named[k].kind in SUPPORTED}
+    fixed = {k: int(r) for k, r in (fixed or {}).items()}
+    unknown = [k for k in fixed if k not in named]
+    if unknown:
+        from ..errors import AuditError
+
+        raise AuditError(f"fixed layer(s) {', '.join(unknown[:5])} are not among the layers given",
+                         "Pass every layer of the plan in layers")
+    options = {k: v for k, v in curves.options.items()
+               if k in named and named[k].kind in SUPPORTED and k not in fixed}
     curves = Curves(options, curves.source)
-    if stats is None:
-        stats = input_statistics(model, [named[k] for k in options], calibration)
-    ev = Evaluator(model, calibration, metric)
+    was_training = model.training
+    model.eval()
+    try:
+        if stats is None:
+            stats = input_statistics(model, [named[k] for k in [*options, *fixed] if k in named], calibration)
+        ev = Evaluator(model, calibration, metric)
+        return _search(model, ev, curves, named, stats, metric, budget, frontier, max_tries, fixed, t0)
+    finally:
+        model.train(was_training)
+
+
+def _search(model: nn.Module, ev: Evaluator, curves: Curves, named: dict[str, Layer], stats: InputStatistics,
+            metric: Metric, budget: float | None, frontier: int, max_tries: int, fixed: dict[str, int],
+            t0: float) -> BudgetPlan:
     total = count_params(model)
+    options = curves.options
     max_saved = sum(max(o.saved for o in opts) for opts in options.values())
+    fixed_saved = sum(named[k].params - named[k].params_at(r) for k, r in fixed.items())
     memo: dict[tuple[tuple[str, int], ...], FrontierPoint] = {}
+    by_target: dict[float, FrontierPoint] = {}
     tries: list[FrontierPoint] = []
     reuse: dict[str, object] = {}  # one decomposition per layer across every plan tried
 
     def measure(target: float) -> FrontierPoint:
+        if target in by_target:
+            return by_target[target]
         plan, saved, cost = allocate(curves, target)
+        plan = {**plan, **fixed}
+        saved += fixed_saved
         key = tuple(sorted(plan.items()))
         if key not in memo:  # each distinct plan is factorized and measured once
+            if len(tries) >= max_tries:  # the safety net: the last plan measured stands in
+                return tries[-1]
             m = ev.measure(factorize(model, plan, stats, reuse=reuse)) if plan else ev.measure(model)
             memo[key] = FrontierPoint(int(target), plan, saved, saved / total, cost, m.value, m.ok, m.top1)
             tries.append(memo[key])
+        by_target[target] = memo[key]
         return memo[key]
-
-    def back_off(ok_at: float, fail_at: float, steps: int) -> None:
-        for _ in range(steps + 20):  # repeated plans cost nothing; ``steps`` bounds the new measurements
-            if len(tries) >= max_tries or fail_at - ok_at < 1 or steps <= 0:
-                return
-            before = len(tries)
-            mid = (ok_at + fail_at) / 2
-            if measure(mid).ok:
-                ok_at = mid
-            else:
-                fail_at = mid
-            steps -= len(tries) - before
 
     if budget is not None:
         if not 0 < budget < 1:
             from ..errors import AuditError
 
             raise AuditError(f"budget {budget} is not a fraction in (0, 1)", "Give e.g. --budget 0.3")
-        target = min(budget * total, max_saved)
-        if not measure(target).ok:
-            back_off(0.0, target, max_tries - 1)
+        start = min(max(budget * total - fixed_saved, 0.0), float(max_saved))
     else:
         cap = metric.tolerance if metric.higher_is_better else metric.tolerance ** 2
         lo, hi = 0.0, float(max_saved)  # the largest target whose predicted cost fits the cap
-        for _ in range(40):
+        for _ in range(60):
             mid = (lo + hi) / 2
             if allocate(curves, mid)[2] <= cap:
                 lo = mid
             else:
                 hi = mid
-        target = max(lo, 1.0)
-        first = measure(target)
-        if first.ok:
-            ok_at = target
-            while len(tries) < max_tries - 3 and ok_at < max_saved:
-                nxt = min(max_saved, ok_at * 1.25)
-                if measure(nxt).ok:
-                    ok_at = nxt
-                else:
-                    back_off(ok_at, nxt, 3)
-                    break
-        else:
-            back_off(0.0, target, max_tries - 1)
-    held = [p for p in tries if p.ok]
-    if held:
-        best = max(held, key=lambda p: (p.removed, -p.predicted_cost))
-    else:
-        best = measure(0.0)  # nothing holds: the dense model
+        start = max(lo, 1.0) if max_saved else 0.0
+    ok_at, fail_at = _bracket(measure, start, float(max_saved), grow=budget is None)
+    _bisect(measure, ok_at, fail_at)
+    limit = float("inf") if budget is None else start
+    held = [p for p in tries if p.ok and p.target <= limit]
+    best = max(held, key=lambda p: (p.removed, -p.predicted_cost)) if held else measure(0.0)
     points = {tuple(sorted(best.plan.items())): best}
-    targets = [best.removed * f for f in (0.5, 1.5, 2.0)] + [max_saved]
+    targets = [best.target * f for f in (0.5, 1.5, 2.0)] + [max_saved]
     if best.removed == 0:
         targets = [max_saved * f for f in (0.25, 0.5, 0.75, 1.0)]
     for t in targets:
@@ -289,14 +305,55 @@ def plan_for_budget(model: nn.Module, layers: dict[str, Layer] | list[Layer], ca
             p = measure(t)
             points.setdefault(tuple(sorted(p.plan.items())), p)
     for f in (0.25, 0.75, 0.1, 0.9):
-        if len(points) >= 3:
+        if len(points) >= 3 or not max_saved:
             break
         p = measure(max_saved * f)
         points.setdefault(tuple(sorted(p.plan.items())), p)
-    m_best = best
+    held = [p for p in tries if p.ok and p.target <= limit]  # a frontier point may hold beyond the bracket
+    if held:
+        best = max(held, key=lambda p: (p.removed, -p.predicted_cost))
+    smallest_fail = min((p.removed for p in tries if not p.ok and p.removed > best.removed), default=None)
     return BudgetPlan(
-        plan=dict(m_best.plan), params_before=total, params_after=total - m_best.removed, removed=m_best.removed,
-        removed_fraction=m_best.removed_fraction, metric=m_best.metric, ok=m_best.ok, top1=m_best.top1,
-        predicted_cost=m_best.predicted_cost, metric_label=metric.label, higher_is_better=metric.higher_is_better,
+        plan=dict(best.plan), params_before=total, params_after=total - best.removed, removed=best.removed,
+        removed_fraction=best.removed_fraction, metric=best.metric, ok=best.ok, top1=best.top1,
+        predicted_cost=best.predicted_cost, metric_label=metric.label, higher_is_better=metric.higher_is_better,
         reference=ev.reference, tolerance=metric.tolerance, budget=budget, source=curves.source,
-        tries=tries, frontier=sorted(points.values(), key=lambda p: p.removed), seconds=time.perf_counter() - t0)
+        tries=tries, frontier=sorted(points.values(), key=lambda p: p.removed), seconds=time.perf_counter() - t0,
+        exhausted=len(tries) >= max_tries, smallest_failing=smallest_fail)
+
+
+def _bracket(measure: Callable[[float], FrontierPoint], start: float, top: float,
+             grow: bool) -> tuple[float, float | None]:
+    """(a target whose plan holds, a larger one whose plan fails, or None when the largest plan holds): from
+    ``start``, doubling while it holds (``grow``) and halving while it fails; 0 (the dense model) always holds."""
+    if measure(start).ok:
+        if not grow:
+            return start, None
+        ok_at = start
+        while ok_at < top:
+            nxt = min(top, max(2 * ok_at, 1.0))
+            if not measure(nxt).ok:
+                return ok_at, nxt
+            ok_at = nxt
+        return ok_at, None
+    fail_at = start
+    while fail_at >= 2:
+        nxt = fail_at / 2
+        if measure(nxt).ok:
+            return nxt, fail_at
+        fail_at = nxt
+    return 0.0, fail_at
+
+
+def _bisect(measure: Callable[[float], FrontierPoint], ok_at: float, fail_at: float | None) -> None:
+    """Narrow [ok_at, fail_at] until no new plan lies between (targets one parameter apart at the latest)."""
+    if fail_at is None:
+        return
+    ok_key, fail_key = measure(ok_at).plan, measure(fail_at).plan
+    while fail_at - ok_at > 1:
+        mid = (ok_at + fail_at) / 2
+        p = measure(mid)
+        if p.plan == ok_key or (p.ok and p.plan != fail_key):
+            ok_at, ok_key = mid, p.plan
+        else:
+            fail_at, fail_key = mid, p.plan

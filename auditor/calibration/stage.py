@@ -109,6 +109,37 @@ def _sweepable(layer: Layer, settings: "Settings") -> bool:
             and lrmath.max_useful_rank(layer.m, layer.n) >= 1)
 
 
+def _span(inp: Any) -> tuple[int, bool]:
+    """(input rows the calibration reached, whether that is all of them): for an embedding the ids looked up at
+    least once (a position table read only up to the calibration's sequence length, a vocabulary's unseen ids);
+    for other layers the rows of X, which cannot span the input width when fewer. (A Gram of full row count but lower
+    rank is left alone: a LayerNorm's output lies in a hyperplane for every input, held-out or not.)"""
+    import numpy as np
+
+    if inp.diagonal:
+        seen = int(np.count_nonzero(inp.gram > 0))
+        return seen, seen == inp.width
+    return int(inp.rows), inp.rows >= inp.width
+
+
+def _fixed_ranks(layers: list[Layer], suggestions: dict[str, Suggestion], planned: set[str],
+                 per: dict[str, LayerCalibration], settings: "Settings") -> dict[str, int]:
+    """The layers every measured plan includes at their data-free rank: factorized by the weight-energy suggestion,
+    rewritable by ``factorize``, but not ranked by calibration (no statistics, or inputs it did not span)."""
+    from ..factorize import SUPPORTED
+
+    out: dict[str, int] = {}
+    for layer in layers:
+        sg = suggestions.get(layer.name)
+        if (layer.name in planned or sg is None or sg.verdict is not Verdict.FACTORIZE or sg.rank is None
+                or layer.aliases or layer.kind not in SUPPORTED):
+            continue
+        lc = per.get(layer.name)
+        if lc is None or not lc.spans:
+            out[layer.name] = sg.rank
+    return out
+
+
 def _floor(f: Any) -> LayerFloor:
     return LayerFloor(f.floor, f.metric_at_floor, f.cliff_rank, f.cliff_metric, f.compression, f.keep_dense,
                       [(int(r), float(v)) for r, v in f.points], f.reason)
@@ -131,9 +162,13 @@ def one_blas_thread(fn: Any) -> Any:
 
 
 @one_blas_thread
-def calibrate(model: nn.Module, layers: list[Layer], settings: "Settings", options: "AuditOptions") -> Calibrated:
-    """Tier 1 on every layer; tier 2 (``options.measure_floor``) and tier 3 (``options.budget``) on the layers that
-    are not narrow. Bad calibration data raises :class:`AuditError` with one line."""
+def calibrate(model: nn.Module, layers: list[Layer], settings: "Settings", options: "AuditOptions",
+              suggestions: dict[str, Suggestion] | None = None) -> Calibrated:
+    """Tier 1 on every layer; tier 2 (``options.measure_floor``) on the layers that are not narrow and whose inputs
+    the calibration spans; tier 3 always: the largest plan over the measured (or tier-1) curves that holds the
+    tolerance all at once (``options.budget``: at most that share removed). ``suggestions`` (the data-free ones) give
+    the ranks of the layers calibration cannot rank, which every plan measured then includes. Bad calibration data
+    raises :class:`AuditError` with one line."""
     from .budget import curves_from_floors, curves_from_spectra, plan_for_budget
     from .sweep import measure_floors
     from .tier1 import whitened_spectra
@@ -159,7 +194,9 @@ def calibrate(model: nn.Module, layers: list[Layer], settings: "Settings", optio
                 name, inp.rows, inp.width, dict(spec.ranks_for), spec.suggested, spec.verdict, spec.reason,
                 subsample(spec.error), spec.damping, spec.approximate)
         seconds = {"tier1": time.perf_counter() - t0}
-        swept = [l for l in layers if l.name in spectra and _sweepable(l, settings)]
+        for name, lc in per.items():
+            lc.seen, lc.spans = _span(stats.layers[name])
+        swept = [l for l in layers if l.name in spectra and _sweepable(l, settings) and per[l.name].spans]
         evaluations = 0
         floors = None
         reference = 0.0
@@ -179,21 +216,26 @@ def calibrate(model: nn.Module, layers: list[Layer], settings: "Settings", optio
             evaluations += floors.evaluations
             reference = floors.reference
             seconds["tier2"] = time.perf_counter() - t
-        budget = None
-        if options.budget is not None:
-            t = time.perf_counter()
-            untied = [l for l in swept if not l.aliases]
-            curves = (curves_from_floors(floors, untied, spectra) if floors is not None
-                      else curves_from_spectra({l.name: spectra[l.name] for l in untied}, untied, settings.align))
-            curves = type(curves)({k: v for k, v in curves.options.items() if k in {l.name for l in untied}},
-                                  curves.source)
-            bp = plan_for_budget(model, untied, cal, curves, budget=options.budget, metric=metric, stats=stats)
-            reference = bp.reference
-            evaluations += len(bp.tries)
-            budget = BudgetResult(dict(bp.plan), bp.source, bp.budget, bp.removed, bp.removed_fraction, bp.metric,
-                                  bp.ok, bp.top1, [FrontierPlan(p.removed, p.removed_fraction, p.metric, p.ok,
-                                                                len(p.plan), p.top1) for p in bp.frontier])
-            seconds["tier3"] = time.perf_counter() - t
+        t = time.perf_counter()
+        from ..factorize import SUPPORTED
+
+        planned = [l for l in swept if not l.aliases and l.kind in SUPPORTED]
+        fixed = _fixed_ranks(layers, suggestions or {}, {l.name for l in planned}, per, settings)
+        curves = (curves_from_floors(floors, planned, spectra) if floors is not None
+                  else curves_from_spectra({l.name: spectra[l.name] for l in planned}, planned, settings.align))
+        named = {l.name: l for l in planned}
+        curves = type(curves)({k: [o for o in v if named[k].compression(o.rank) >= settings.min_compression]
+                               for k, v in curves.options.items() if k in named}, curves.source)
+        bp = plan_for_budget(model, layers, cal, curves, budget=options.budget, metric=metric, stats=stats,
+                             fixed=fixed)
+        reference = bp.reference
+        evaluations += bp.evaluations
+        budget = BudgetResult(dict(bp.plan), bp.source, bp.budget, bp.removed, bp.removed_fraction, bp.metric,
+                              bp.ok, bp.top1, [FrontierPlan(p.removed, p.removed_fraction, p.metric, p.ok,
+                                                            len(p.plan), p.top1) for p in bp.frontier],
+                              evaluations=bp.evaluations, exhausted=bp.exhausted, fixed=dict(fixed),
+                              smallest_failing=bp.smallest_failing)
+        seconds["tier3"] = time.perf_counter() - t
         warnings = list(dict.fromkeys([*cal.warnings, *stats.warnings]))
         holdout = options.holdout
         report = CalibrationReport(
@@ -212,34 +254,42 @@ def calibrate(model: nn.Module, layers: list[Layer], settings: "Settings", optio
 
 def suggest_with(layers: list[Layer], spectra: dict[str, "Spectrum"], suggestions: dict[str, Suggestion],
                  report: CalibrationReport, settings: "Settings") -> dict[str, Suggestion]:
-    """The suggestions with the data-aware rank where calibration reached the layer: the measured floor (tier 2)
-    or the tier-1 rank for the tolerance; elsewhere the weight-energy suggestion stays (the data-free fallback)."""
+    """The suggestions as the plan that holds the tolerance all at once (tier 3, ``report.budget``): its layers at
+    its ranks, every other calibrated layer dense. Per-layer floors and tier-1 ranks are evidence in the reasons,
+    never the plan. Where calibration did not rank a layer (no statistics, inputs it did not span) the data-free
+    suggestion stays; the plan was measured with it. Layers ``factorize`` cannot rewrite are kept dense."""
+    from ..factorize import SUPPORTED
+
     out = dict(suggestions)
+    b = report.budget
+    plan = b.plan if b is not None else {}
     for layer in layers:
         lc = report.layers.get(layer.name)
         old = suggestions.get(layer.name)
-        if lc is None or old is None or old.verdict in (Verdict.SKIP_NARROW,) or not _sweepable(layer, settings):
+        if lc is None or old is None or old.verdict in (Verdict.SKIP_NARROW, Verdict.SKIPPED) \
+                or not _sweepable(layer, settings):
             continue
-        if lc.floor is not None and lc.floor.floor is not None and not lc.floor.keep_dense:
-            r: int | None = lc.floor.floor
-            why = (f"measured floor: rank {r} keeps the model within tolerance ({report.metric} "
-                   f"{lc.floor.metric_at_floor:.4g})" + (f"; rank {lc.floor.cliff_rank} does not"
-                                                         if lc.floor.cliff_rank is not None else ""))
-        elif lc.floor is not None:
-            r, why = None, f"keep dense (measured): no rank below break-even holds. {lc.floor.reason}".strip()
-        elif lc.suggested is not None:
-            r, why = lc.suggested, f"calibration: {lc.reason}"
-        else:
-            r, why = None, f"calibration: {lc.reason}"
+        if not lc.spans:
+            what = "rows looked up" if layer.kind == "embedding" else "calibration rows for its input width"
+            note = (f"calibration did not span its inputs ({lc.seen:,} of {lc.width:,} {what}): the data-free "
+                    "suggestion stands")
+            out[layer.name] = replace(old, reason=f"{note}; {old.reason}")
+            continue
+        evidence = _evidence(lc, report)
+        if layer.kind not in SUPPORTED or layer.aliases:
+            why = ("tied or shared weight: factorizing one use changes every use" if layer.aliases
+                   else f"factorize cannot rewrite a {layer.kind} layer, so no plan measured it")
+            out[layer.name] = _dense(old, f"keep dense: {why}" + (f" ({evidence})" if evidence else ""))
+            continue
+        r = plan.get(layer.name)
         if r is None:
-            out[layer.name] = replace(old, verdict=Verdict.KEEP_DENSE, rank=None, reason=why, energy_at_rank=None,
-                                      error_bound=None, params_after=None, macs_after=None, compression=None)
+            held = (f"left dense by the largest plan that holds all at once ({report.metric} {b.metric:.4g} "
+                    f"<= {report.tolerance:g})" if b is not None and b.ok and b.plan
+                    else "no plan factorizing it held the tolerance all at once")
+            out[layer.name] = _dense(old, held + (f"; alone: {evidence}" if evidence else ""))
             continue
-        if layer.compression(r) < settings.min_compression:
-            out[layer.name] = replace(old, verdict=Verdict.KEEP_DENSE, rank=None, energy_at_rank=None,
-                                      error_bound=None, params_after=None, macs_after=None, compression=None,
-                                      reason=f"{why}; compresses only {layer.compression(r):.2f}x")
-            continue
+        why = (f"rank {r} in the plan that holds all at once ({len(plan)} layers, {report.metric} {b.metric:.4g} "
+               f"<= {report.tolerance:g})" + (f"; alone: {evidence}" if evidence else ""))
         spec = spectra.get(layer.name)
         kept = spec.energy_at(r) if spec is not None and spec.computed else None
         out[layer.name] = replace(old, verdict=Verdict.FACTORIZE, rank=r, reason=why, energy_at_rank=kept,
@@ -247,6 +297,24 @@ def suggest_with(layers: list[Layer], spectra: dict[str, "Spectrum"], suggestion
                                   params_after=layer.params_at(r), macs_after=layer.macs_at(r),
                                   compression=layer.compression(r))
     return out
+
+
+def _dense(old: Suggestion, why: str) -> Suggestion:
+    return replace(old, verdict=Verdict.KEEP_DENSE, rank=None, reason=why, energy_at_rank=None, error_bound=None,
+                   params_after=None, macs_after=None, compression=None)
+
+
+def _evidence(lc: LayerCalibration, report: CalibrationReport) -> str:
+    """What calibration measured of the layer alone: its measured floor, or its tier-1 rank."""
+    f = lc.floor
+    if f is not None and f.floor is not None and not f.keep_dense:
+        return (f"measured floor {f.floor} ({report.metric} {f.metric_at_floor:.4g})"
+                + (f", rank {f.cliff_rank} does not hold" if f.cliff_rank is not None else ""))
+    if f is not None:
+        return "no rank below break-even holds (measured)"
+    if lc.suggested is not None:
+        return f"tier-1 rank {lc.suggested} ({lc.reason})"
+    return f"tier 1: {lc.reason}" if lc.reason else ""
 
 
 @one_blas_thread

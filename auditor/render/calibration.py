@@ -42,11 +42,18 @@ def summary(cal: "CalibrationReport") -> str:
 
 
 def basis(cal: "CalibrationReport") -> str:
-    if cal.suggestions_from == "measured floors":
-        return "Suggested ranks: the measured floors (weight energy only where calibration did not reach a layer)."
-    return ("Suggested ranks: the data-aware rank for "
-            f"{100 * (cal.tolerance if not cal.higher_is_better else 0.01):g}% layer-output error on the calibration "
-            "data (weight energy only where calibration did not reach a layer).")
+    b = cal.budget
+    curves = "measured-floor" if cal.measured_floors else "tier-1"
+    if b is None:
+        return ("Suggested ranks: the data-aware rank for "
+                f"{100 * (cal.tolerance if not cal.higher_is_better else 0.01):g}% layer-output error on the "
+                "calibration data (weight energy only where calibration did not reach a layer).")
+    cap = f", at most {100 * b.budget:g}% of the parameters removed" if b.budget is not None else ""
+    fixed = (f"; {len(b.fixed)} layer(s) calibration did not rank keep their weight-energy rank and are in every "
+             "plan measured" if b.fixed else "")
+    return (f"Suggested ranks: the largest plan that holds the tolerance all at once{cap}, searched over the {curves} "
+            f"curves ({b.evaluations} plans factorized and measured on the held-out rows); per-layer floors and "
+            f"tier-1 ranks are evidence, not the plan{fixed}.")
 
 
 def suggested_plan_note(audit: "Audit") -> str:
@@ -110,14 +117,70 @@ def budget_lines(cal: "CalibrationReport") -> list[str]:
     b = cal.budget
     if b is None:
         return []
-    ask = f"{100 * b.budget:g}% asked" if b.budget is not None else "as much as the tolerance allows"
+    ask = f"at most {100 * b.budget:g}% removed" if b.budget is not None else "the largest the tolerance allows"
     top1 = f", top-1 {pct(b.top1)}" if b.top1 is not None else ""
-    out = [f"Budget plan ({ask}, over {b.source} curves): {len(b.plan)} layers, {b.removed:,} parameters removed "
-           f"({pct(b.removed_fraction)}); {cal.metric} {_g(b.metric)} measured all at once{top1}: "
-           f"{'holds' if b.ok else 'MISSES'} the tolerance."]
+    if not b.plan:
+        out = [f"Plan that holds ({ask}, over {b.source} curves, {b.evaluations} plans measured): none; every plan "
+               "measured missed the tolerance, so the suggestion keeps every calibrated layer dense."]
+    else:
+        out = [f"Plan that holds ({ask}, over {b.source} curves, {b.evaluations} plans measured): {len(b.plan)} "
+               f"layers, {b.removed:,} parameters removed ({pct(b.removed_fraction)}); {cal.metric} {_g(b.metric)} "
+               f"measured all at once{top1}: {'holds' if b.ok else 'MISSES'} the tolerance"
+               + (f"; the smallest larger plan measured ({b.smallest_failing:,} removed) does not."
+                  if b.smallest_failing is not None else ".")]
+    if b.exhausted:
+        out.append(f"The search stopped at its cap of {b.evaluations} measurements before the boundary was "
+                   "bracketed: a larger plan may hold.")
     out.append("Frontier (all at once): " + ", ".join(
-        f"{pct(p.removed_fraction)} removed -> {_g(p.metric)}{'' if p.ok else ' (fails)'}" for p in b.frontier))
+        f"{pct(p.removed_fraction)} removed \u2192 {_g(p.metric)}{'' if p.ok else ' (fails)'}" for p in b.frontier))
     return out
+
+
+@dataclass(frozen=True)
+class CheckCard:
+    value: str
+    detail: str
+    status: str  # "ok" | "bad" | "unknown"
+
+
+def check_card(audit: "Audit") -> CheckCard | None:
+    """The summary card of the reviewed plan's all-at-once measurement; None without calibration or a plan."""
+    cal = audit.calibration
+    rv = audit.review
+    if cal is None or rv is None or not rv.items:
+        return None
+    pc = cal.plan_check
+    if pc is None or pc.layers == 0 or not math.isfinite(pc.measured):
+        return CheckCard("not measured", "factorize() could not rewrite the plan's layers", "unknown")
+    top1 = f"; top-1 agreement {pct(pc.top1)}" if pc.top1 is not None else ""
+    sign = "\u2264" if pc.ok else ">"
+    return CheckCard(f"{_g(pc.measured)} {sign} {cal.tolerance:g}" if not cal.higher_is_better
+                     else f"{_g(pc.measured)} (dense {_g(cal.reference)})",
+                     f"{cal.metric} on {cal.holdout_rows:,} held-out rows, {pc.layers} layers at once: "
+                     f"{'holds' if pc.ok else 'misses the tolerance'}{top1}", "ok" if pc.ok else "bad")
+
+
+@dataclass(frozen=True)
+class FrontierRow:
+    removed: str
+    share: str
+    layers: int
+    metric: str
+    top1: str
+    holds: str
+    chosen: bool
+
+
+def frontier_rows(cal: "CalibrationReport") -> list[FrontierRow]:
+    """Every frontier plan (each measured all at once), fewest parameters removed first; ``chosen`` marks the plan
+    the suggestion is."""
+    b = cal.budget
+    if b is None:
+        return []
+    return [FrontierRow(f"{p.removed:,}", pct(p.removed_fraction), p.layers, _g(p.metric),
+                        pct(p.top1) if p.top1 is not None else "\u2013", "holds" if p.ok else "fails",
+                        p.removed == b.removed and p.ok == b.ok and bool(b.plan))
+            for p in b.frontier]
 
 
 def markdown(audit: "Audit") -> "Section | None":
@@ -125,21 +188,28 @@ def markdown(audit: "Audit") -> "Section | None":
     cal = audit.calibration
     if cal is None:
         return None
-    intro = [f"- {md_text(summary(cal))}", f"- {md_text(basis(cal))}"]
+    intro = [f"- {md_text(b)}" for b in budget_lines(cal)]
     line = plan_line(cal)
     if line:
         intro.append(f"- {md_text(line)}")
-    intro += [f"- {md_text(b)}" for b in budget_lines(cal)]
+    fr = frontier_rows(cal)
+    if fr:
+        intro += ["", "| removed | share | layers | " + md_text(cal.metric) + " | top-1 | all at once |",
+                  "|---:|---:|---:|---:|---:|---|"]
+        intro += [f"| {r.removed} | {r.share} | {r.layers} | {r.metric} | {r.top1} | "
+                  f"{'**' + r.holds + ' (suggested)**' if r.chosen else r.holds} |" for r in fr]
+        intro.append("")
+    intro += [f"- {md_text(summary(cal))}", f"- {md_text(basis(cal))}"]
     intro += [f"- ⚠️ {md_text(w)}" for w in cal.warnings]
     if cal.missing:
         intro.append("- No statistics (weight energy kept): "
                      + ", ".join(f"{md_code(k)} ({md_text(v)})" for k, v in cal.missing.items()))
     intro.append(f"- {md_text(FINETUNE)}")
-    intro += ["", "| layer | rows | n | r@1% | r@2% | r@5% | r@10% | data-aware | floor | cliff (rank: metric) | x |",
+    intro += ["", "| layer | rows | n | r@1% | r@2% | r@5% | r@10% | tier-1 | floor | cliff (rank: metric) | x |",
               "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     table = [f"| {md_code(r.layer)} | {r.rows:,} | {r.width} | {r.r1} | {r.r2} | {r.r5} | {r.r10} | {r.suggested} | "
              f"{r.floor} | {r.cliff} | {r.compression} |" for r in rows(cal)]
-    return Section("### Calibration: measured rank floors", intro, table, noun="calibrated layers",
+    return Section("### Calibration: the plan measured all at once", intro, table, noun="calibrated layers",
                    title="Calibration")
 
 
@@ -148,11 +218,11 @@ def terminal(audit: "Audit") -> list[str]:
     cal = audit.calibration
     if cal is None:
         return []
-    out = [summary(cal), basis(cal)]
+    out = budget_lines(cal)
     line = plan_line(cal)
     if line:
         out.append(line)
-    out += budget_lines(cal)
+    out += [summary(cal), basis(cal)]
     out += [f"warning: {w}" for w in cal.warnings]
     out.append(FINETUNE)
     return [term(x) for x in out]  # messages may quote layer names
@@ -163,7 +233,7 @@ def terminal_table(audit: "Audit", namew: int = 40) -> list[str]:
     if cal is None or not cal.layers:
         return []
     namew = max(12, min(namew, max(len(term(k)) for k in cal.layers)))
-    head = f"{'layer':<{namew}}  {'rows':>7}  {'r@1%':>5}  {'r@5%':>5}  {'data':>5}  {'floor':>6}  {'cliff':>14}"
+    head = f"{'layer':<{namew}}  {'rows':>7}  {'r@1%':>5}  {'r@5%':>5}  {'tier1':>5}  {'floor':>6}  {'cliff':>14}"
     out = [head]
     for r in rows(cal):
         name = middle(term(r.layer), namew)
@@ -188,9 +258,11 @@ def _frontier_fig(points: list[tuple[float, float, bool]], chosen: float | None,
         if not ok:
             ax.plot([x], [y], marker="x", color="#dc2626", markersize=8)
     limit = reference - tolerance if higher else tolerance
+    if not higher and all(y > 0 for y in ys) and limit > 0:  # errors span decades: a log axis shows the cliff
+        ax.set_yscale("log")
     ax.axhline(limit, color="#ea580c", linewidth=0.9, linestyle="--", label=f"tolerance ({limit:g})")
     if chosen is not None:
-        ax.axvline(100 * chosen, color="#16a34a", linewidth=0.9, linestyle=":", label="chosen plan")
+        ax.axvline(100 * chosen, color="#16a34a", linewidth=0.9, linestyle=":", label="suggested plan")
     ax.set_xlabel("parameters removed (% of the model)")
     ax.set_ylabel(label)
     ax.legend(fontsize=7, frameon=False)
@@ -268,6 +340,7 @@ def html_context(audit: "Audit", charts: bool = True) -> dict[str, Any]:
     return {"calibration": {
         "summary": summary(cal), "basis": basis(cal), "plan": plan_line(cal), "budget": budget_lines(cal),
         "warnings": cal.warnings, "missing": cal.missing, "finetune": FINETUNE, "rows": rows(cal),
-        "frontier": data_uri(front) if front else None,
+        "frontier": data_uri(front) if front else None, "frontier_rows": frontier_rows(cal),
+        "metric": cal.metric,
         "layer_charts": [(n, data_uri(s)) for n, s in layer_charts(audit)] if charts else [],
     }}

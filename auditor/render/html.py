@@ -149,6 +149,7 @@ def context(audit: "Audit", ctx: RenderContext = RenderContext(), pdf: bool = Fa
         "settings": settings,
         "holding80": audit.layers_holding(0.8),
         "plan_suggested": audit.review is None or audit.review.suggested,
+        "check_card": calibration.check_card(audit),
         "plan_note": calibration.suggested_plan_note(audit),
         "spectra_computed": spectra_computed(audit),
         "baseline": ctx.baseline,

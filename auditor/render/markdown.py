@@ -42,6 +42,9 @@ def _summary(audit: "Audit", context: RenderContext) -> list[str]:
         what = "Suggested plan" if rv.suggested else f"Plan {md_code(rv.source)}"
         out.append(f"- {what}: {len(rv.items):,} layers, {rv.params_saved:,} parameters saved "
                    f"({100 * rv.share_saved:.1f}% of the model)")
+        card = calibration.check_card(audit)
+        if card is not None:
+            out.append(f"- Measured all at once: **{md_text(card.value)}** ({md_text(card.detail)})")
     elif rv is not None:
         out.append("- No layer is worth factorizing at the target energy" if rv.suggested
                    else "- The plan factorizes nothing")
