@@ -270,6 +270,49 @@ def shared(layer: Any) -> bool:
     return bool(layer.tied or layer.calls > 1)
 
 
+def _measured_alone(audit: "Audit", members: list[str], rank: int) -> str | None:
+    """With calibration, what the layers' ranks were chosen by instead of energy: the largest single-layer error
+    measured at this rank (tier 2), else the largest tier-1 layer-output error at it; None without calibration."""
+    cal = audit.calibration
+    if cal is None or cal.budget is None:
+        return None
+    measured, tier1 = [], []
+    for n in members:
+        lc = cal.layers.get(n)
+        if lc is None or not lc.spans:
+            return None
+        pts = dict(lc.floor.points) if lc.floor is not None else {}
+        if rank in pts:
+            measured.append(pts[rank])
+        else:
+            curve = dict(lc.curve)
+            if rank in curve:
+                tier1.append(curve[rank])
+    if measured and len(measured) == len(members):
+        return f"alone: {_comment(cal.metric)} {max(measured):.3g} (measured)"
+    if tier1 and len(tier1) == len(members):
+        return f"alone: layer-output error {max(tier1):.3g} (tier 1)"
+    return "rank chosen by the all-at-once search"
+
+
+def plan_basis(audit: "Audit") -> list[str]:
+    """The header comment lines saying how the emitted ranks were chosen and measured."""
+    s = audit.settings
+    cal = audit.calibration
+    b = cal.budget if cal is not None else None
+    if b is None:
+        return [f"# Ranks keep >= {100 * s.target_energy:g}% spectral energy, rounded up to a multiple of {s.align}."]
+    curves = "measured-floor" if cal.measured_floors else "tier-1 (whitened)"
+    cap = f" removing at most {100 * b.budget:g}% of the parameters" if b.budget is not None else ""
+    pc = cal.plan_check
+    measured = (f"# Measured all at once on {cal.holdout_rows:,} held-out rows: {_comment(cal.metric)} "
+                f"{pc.measured:.4g} against the tolerance {cal.tolerance:g} ({'holds' if pc.ok else 'MISSES'})."
+                if pc is not None and pc.layers else "# Not measured all at once: no planned layer.")
+    return [f"# Ranks: the largest plan{cap} that holds the tolerance all at once, searched over the {curves} curves",
+            f"# ({b.evaluations} plans factorized and measured); per-layer floors are evidence, not the plan.",
+            measured]
+
+
 def emit_toml(audit: "Audit") -> str:
     """The suggested plan as an editable TOML file that passes its own review: one ``pattern = rank`` per layer or
     group (``model.layers.*.mlp.down_proj`` where every member has one rank), each pattern a properly escaped TOML
@@ -278,7 +321,7 @@ def emit_toml(audit: "Audit") -> str:
     s = audit.settings
     lines = [
         f"# Compression plan suggested by lowrank-auditor for {_comment(audit.model_name)} ({_comment(audit.source)}).",
-        f"# Ranks keep >= {100 * s.target_energy:g}% spectral energy, rounded up to a multiple of {s.align}.",
+        *plan_basis(audit),
         "# Edit a rank (an integer, \"0.5be\" = half the break-even rank, or \"energy:0.95\"), delete a line to keep",
         "# that layer dense, describe the recovery fine-tune, then review it:",
         f"#   lowrank-audit {_comment(audit.source)} --plan THIS_FILE",
@@ -310,9 +353,13 @@ def emit_toml(audit: "Audit") -> str:
         layer = audit.layer(members[0])
         sgs = [audit.suggestions[n] for n in members]
         energy = min(sg.energy_at_rank or 0 for sg in sgs)
+        alone = _measured_alone(audit, members, r)
         if len(members) == 1:
-            note = (f"{100 * energy:.1f}% energy, {sgs[0].compression:.2f}x, break-even {layer.break_even:.1f}, "
-                    f"{layer.m}x{layer.n}")
+            kept = alone if alone is not None else f"{100 * energy:.1f}% energy"
+            note = f"{kept}, {sgs[0].compression:.2f}x, break-even {layer.break_even:.1f}, {layer.m}x{layer.n}"
+        elif alone is not None:
+            shapes = "/".join(dict.fromkeys(f"{audit.layer(n).m}x{audit.layer(n).n}" for n in members))
+            note = f"{len(members)} layers of {shapes}; {alone}"
         else:
             shapes = "/".join(dict.fromkeys(f"{audit.layer(n).m}x{audit.layer(n).n}" for n in members))
             note = f"{len(members)} layers of {shapes}, each keeping >= {100 * energy:.1f}% energy"

@@ -39,7 +39,7 @@ def verdict_line(audit: "Audit") -> str:
 
 
 def plan_check_clause(audit: "Audit") -> str:
-    """"; measured all at once: <metric> V <= T" (or "> T ... misses") when calibration measured the reviewed plan;
+    """"; measured all at once: <metric> V, within the tolerance T" (or "misses the tolerance T") when calibration measured the reviewed plan;
     "; not measured all at once" when calibration was given but the plan could not be measured; else empty."""
     cal = audit.calibration
     r = audit.review
@@ -51,8 +51,8 @@ def plan_check_clause(audit: "Audit") -> str:
     if cal.higher_is_better:
         return (f"; measured all at once: {cal.metric} {pc.measured:.4g} against the dense {cal.reference:.4g} "
                 f"(tolerance {cal.tolerance:g}: {'holds' if pc.ok else 'misses'})")
-    return (f"; measured all at once: {cal.metric} {pc.measured:.4g} {'<=' if pc.ok else '>'} tolerance "
-            f"{cal.tolerance:g}" + ("" if pc.ok else " (misses)"))
+    return (f"; measured all at once: {cal.metric} {pc.measured:.4g}, "
+            + (f"within the tolerance {cal.tolerance:g}" if pc.ok else f"misses the tolerance {cal.tolerance:g}"))
 
 
 def exit_code(audit: "Audit", fail_on: FailOn | str | None = None) -> ExitCode:
