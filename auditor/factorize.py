@@ -10,9 +10,16 @@ Each planned layer stores groups * r * (m + n) numbers instead of groups * m * n
 the weight; with calibration (a ``Calibration`` or its ``InputStatistics``) from the whitened truncation, which keeps
 the layer's outputs on the calibration data as close as any rank-r map can. A recovery fine-tune follows either way.
 
-``save_factorized`` writes ``model.safetensors`` (the factorized module's weights) and ``plan.json``;
-``load_factorized(model, dir)`` rebuilds the factorized structure from the original model and the plan, then loads
-the weights.
+Only real floating-point weights (float16, bfloat16, float32, float64) are factorized: complex, quantized, integer,
+boolean and float8 layers are refused with one line (AuditError), as are tied weights (under either name). Ranks at
+or above break-even are allowed here (the full rank reproduces the layer); ``lowrank-audit factorize`` refuses them
+unless told otherwise.
+
+``save_factorized`` writes ``model.safetensors`` (the factorized module's weights), ``plan.json`` and the marker
+``lowrank-audit-factorized.json``, each staged and renamed into place (a symbolic link at an output's name is
+refused, never written through); ``load_factorized(model, dir)`` checks plan.json (UTF-8 JSON object of this format,
+positive integer ranks) and the tensors (names, shapes, dtypes, finite values) against the structure it rebuilds
+from the original model and the plan, then loads the weights: any mismatch is one AuditError line.
 """
 
 from __future__ import annotations
@@ -306,6 +313,10 @@ def write_factorized(factorized: nn.Module, plan: dict[str, int], folder: Path, 
             fh.write(json.dumps(data, indent=2, sort_keys=True) + "\n")
             fh.flush()
             os.fsync(fh.fileno())
+    umask = os.umask(0)
+    os.umask(umask)
+    for name in OUTPUT_FILES:  # ordinary files, as the user's umask makes them (safetensors creates its file 0600)
+        os.chmod(folder / name, 0o666 & ~umask)
 
 
 def save_factorized(factorized: nn.Module, plan: dict[str, int], directory: str | Path,

@@ -5,6 +5,11 @@ temporary folder beside each destination, then renamed into place; on any failur
 Destinations are checked before the audit runs (:func:`check_destination`): an existing path that is not a regular
 file (a folder, a symbolic link, a device such as /dev/null, a FIFO) is never replaced, and a folder that cannot be
 written is refused while it is still cheap to say so.
+
+A whole folder (``lowrank-audit factorize -o DIR``) is one output too: :func:`check_folder_output` says before any
+work whether DIR may receive it (never a symbolic link, the working folder or one above it, a folder holding an
+input, or a non-empty folder the caller does not recognise as its own), and :func:`write_folder` writes it beside
+DIR and renames it into place.
 """
 
 from __future__ import annotations

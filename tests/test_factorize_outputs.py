@@ -72,6 +72,9 @@ def test_force_replaces_a_previous_output_and_only_its_files(cli_inproc, tmp_pat
     r = cli_inproc("factorize", MODEL, "--plan", _plan(tmp_path, "fc2 = 8\n"), "-o", out, "--force", "--no-cache")
     assert r.returncode == 0, r.stderr
     assert read_plan(out) == {"fc2": 8} and previous_output(out) is None
+    umask = os.umask(0)
+    os.umask(umask)
+    assert {(out / n).stat().st_mode & 0o777 for n in os.listdir(out)} == {0o666 & ~umask}  # not safetensors' 0600
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".lowrank-audit-")]  # no staging left
 
 

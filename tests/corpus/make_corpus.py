@@ -610,8 +610,9 @@ def _factorize_cases() -> list[Case]:
                    "--no-cache")
     add(Case("factorize-complex-weights-calibrated", FZ, complex_calibrated, 2, "complex"))
 
-    quant = ("def model():\n    return nn.Sequential(torch.ao.nn.quantized.dynamic.Linear(48, 64)), "
-             "(torch.zeros(1, 48),)\n")
+    quant = ("import warnings\ndef model():\n    with warnings.catch_warnings():  # torch's deprecation notice\n"
+             "        warnings.simplefilter('ignore')\n"
+             "        return nn.Sequential(torch.ao.nn.quantized.dynamic.Linear(48, 64)), (torch.zeros(1, 48),)\n")
     add(Case("factorize-quantized-layer", FZ, lambda d: [*_fz(d, _py(d, quant)), "-o", OUT], 2, "is quantized"))
     ints = ("def model():\n    m = nn.Sequential(nn.Linear(48, 64))\n"
             "    m[0].weight = nn.Parameter(torch.ones(64, 48, dtype=torch.int8), requires_grad=False)\n"
