@@ -2,20 +2,23 @@
 
 The plan is reviewed first (the same audit as ``lowrank-audit SOURCE --plan P``: patterns, ``0.5be`` and
 ``energy:0.95`` specs resolve to ranks there, and a rank above min(m, n) is bad input); then every planned layer is
-replaced by two, initialised by the SVD or, with calibration, by the whitened truncation. ``DIR`` receives
-``model.safetensors`` and ``plan.json`` (:func:`auditor.factorize.save_factorized`); read them back with
-``auditor.factorize.load_factorized(original_model, DIR)``. Exit codes: 0 written, 2 bad input (one line, nothing
-written).
+replaced by two, initialised by the SVD or, with calibration, by the whitened truncation. A rank at or above a
+layer's break-even (LR001: the factors store at least as much as the weight) is refused unless
+``--allow-no-saving``; so are complex, quantized and other non-floating-point layers, and tied weights.
+
+``DIR`` receives ``model.safetensors``, ``plan.json`` and the marker ``lowrank-audit-factorized.json``
+(:func:`auditor.factorize.save_factorized`), written into a folder beside it and renamed into place; read them back
+with ``auditor.factorize.load_factorized(original_model, DIR)``. ``DIR`` must be new or empty; ``--force`` replaces
+only a previous output of this command (its marker, and nothing else in it), never a folder holding an input, the
+working folder or one above it, nor a symbolic link. Exit codes: 0 written, 2 bad input (one line, nothing written).
 """
 
 from __future__ import annotations
 
 import argparse
-import shutil
 import sys
-import tempfile
 from pathlib import Path
-from typing import Sequence
+from typing import Any, Sequence
 
 from .errors import AuditError, ExitCode
 
@@ -28,7 +31,10 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("model", help="the model source (file.py:factory, module:factory, a Hugging Face directory)")
     p.add_argument("--plan", required=True, metavar="FILE", help="the plan (TOML or JSON, as for the audit)")
     p.add_argument("-o", "--output-dir", required=True, metavar="DIR", help="where to write the factorized model")
-    p.add_argument("--force", action="store_true", help="replace the contents of a non-empty DIR")
+    p.add_argument("--force", action="store_true",
+                   help="replace DIR when it holds a previous output of lowrank-audit factorize (and nothing else)")
+    p.add_argument("--allow-no-saving", action="store_true",
+                   help="write layers whose rank is at or above break-even (LR001), which store more than before")
     p.add_argument("--calibration", metavar="FILE|module:fn", help="whitened initialisation from these inputs, and "
                                                                    "the plan measured on the held-out part")
     p.add_argument("--holdout", metavar="SHARE|FILE", help="held-out share or file (default 0.25)")
@@ -44,23 +50,55 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
-def _check_dir(out: Path, force: bool) -> None:
-    if out.exists() and not out.is_dir():
-        raise AuditError(f"{out} is a file", "Give -o a directory")
-    if out.is_dir() and any(out.iterdir()) and not force:
-        raise AuditError(f"{out} is not empty", "Choose an empty directory, or pass --force to replace its contents")
+def _inputs(args: argparse.Namespace) -> list[tuple[str, str]]:
+    """The run's inputs that are paths (a ``file.py:fn`` spec counts by its file): -o must never hold one."""
+    out: list[tuple[str, str]] = []
+    for label, value in (("the model source", args.model), ("the plan", args.plan),
+                         ("the calibration", args.calibration), ("the held-out file", args.holdout),
+                         ("the weights", args.weights), ("the metric", args.metric)):
+        if value:
+            out += [(label, c) for c in dict.fromkeys([value, value.rpartition(":")[0]]) if c]
+    return out
+
+
+def _check_dir(out: Path, args: argparse.Namespace) -> None:
+    from .factorize import previous_output
+    from .outputs import check_folder_output
+
+    check_folder_output(out, "-o", force=args.force, replaceable=previous_output, inputs=_inputs(args),
+                        tool="lowrank-audit factorize")
+
+
+def _no_saving(result: Any, plan: dict[str, int]) -> None:
+    """Refuse, as LR001 flags them, planned ranks at or above break-even: the factorized layer would grow."""
+    import math
+
+    from .lrmath import saves
+
+    for name, r in plan.items():
+        layer = result.layer(name)
+        if not saves(layer.m, layer.n, r):
+            be = layer.break_even
+            raise AuditError(
+                f"rank {r} for {name} ({layer.m}x{layer.n}) is at or above its break-even rank {be:.1f} (LR001): the "
+                f"factors store {layer.params_at(r):,} weights instead of {layer.params:,}",
+                f"Use a rank below {be:.1f} (e.g. {max(1, math.floor(be / 4))}), leave {name} out of the plan, or "
+                "pass --allow-no-saving to write it anyway")
 
 
 def run(args: argparse.Namespace) -> int:
     from .calibration.text import tokenizer_home
-    from .factorize import count_params, factorize, save_factorized
+    from .factorize import check_targets, count_params, factorize, write_factorized
     from .load import parse_shape
     from .options import AuditOptions, LoadOptions
+    from .outputs import write_folder
     from .pipeline import audit, load_model
+    from .plan import Plan
     from .policy import input_errors
 
     out = Path(args.output_dir)
-    _check_dir(out, args.force)
+    _check_dir(out, args)
+    plan_obj = Plan.coerce(args.plan)
     loaded = load_model(args.model, LoadOptions(
         input_shape=tuple(parse_shape(s, "--input-shape") for s in args.input_shape) if args.input_shape else None,
         input_ids=parse_shape(args.input_ids, "--input-ids") if args.input_ids else None, weights=args.weights))
@@ -80,13 +118,16 @@ def run(args: argparse.Namespace) -> int:
                                      or args.calibration_length is not None):
         raise AuditError("--holdout, --metric, --tolerance and --calibration-length need --calibration",
                          "Pass --calibration FILE")
-    result = audit(model, loaded.example_inputs, plan=args.plan, options=options)
+    check_targets(model, list(plan_obj.ranks))  # complex, quantized, unsupported or tied: before any calibration
+    result = audit(model, loaded.example_inputs, plan=plan_obj, options=options)
     for f in input_errors(result):
         raise AuditError(f"{f.code} {f.message}", f.fix)
     rv = result.review
     plan = {it.layer: it.rank for it in rv.items} if rv is not None else {}
     if not plan:
         raise AuditError(f"plan {args.plan} factorizes no layer of {loaded.name}", "Check the plan's patterns")
+    if not args.allow_no_saving:
+        _no_saving(result, plan)
     stats = None
     if args.calibration is not None:
         from .calibration import input_statistics, load_calibration
@@ -101,16 +142,14 @@ def run(args: argparse.Namespace) -> int:
     if pc is not None and cr is not None:
         extra["measured"] = {"metric": cr.metric, "value": pc.measured, "holds": pc.ok, "tolerance": cr.tolerance,
                              "predicted": pc.predicted, "top1": pc.top1, "calibration_digest": cr.digest}
-    # write beside the destination, then move into place: no half-written directory
-    out.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=out.parent, prefix=f".{out.name}.") as tmp:
-        save_factorized(new, plan, tmp, source=loaded.source, extra=extra)
-        if out.exists():
-            shutil.rmtree(out)
-        shutil.copytree(tmp, out)
+    # written into a folder beside the destination, then renamed into place: never a half-written directory
+    write_folder(out, lambda stage: write_factorized(new, plan, stage, source=loaded.source, extra=extra),
+                 recheck=lambda: _check_dir(out, args))
     before, after = count_params(model), count_params(new)
-    print(f"factorized {len(plan)} layers of {loaded.name}: {before:,} -> {after:,} parameters "
-          f"({100 * (before - after) / before:.1f}% removed), {extra['init']} initialisation", file=sys.stderr)
+    change = (f"{100 * (before - after) / before:.1f}% removed" if after <= before else
+              f"{100 * (after - before) / before:.1f}% more, ranks at or above break-even")
+    print(f"factorized {len(plan)} layers of {loaded.name}: {before:,} -> {after:,} parameters ({change}), "
+          f"{extra['init']} initialisation", file=sys.stderr)
     if pc is not None and cr is not None:
         pred = f"predicted {pc.predicted:.4g} (layer-level), " if pc.predicted is not None else ""
         print(f"{cr.metric} on the held-out part: {pred}measured {pc.measured:.4g} "

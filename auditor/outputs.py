@@ -5,6 +5,11 @@ temporary folder beside each destination, then renamed into place; on any failur
 Destinations are checked before the audit runs (:func:`check_destination`): an existing path that is not a regular
 file (a folder, a symbolic link, a device such as /dev/null, a FIFO) is never replaced, and a folder that cannot be
 written is refused while it is still cheap to say so.
+
+A whole folder (``lowrank-audit factorize -o DIR``) is one output too: :func:`check_folder_output` says before any
+work whether DIR may receive it (never a symbolic link, the working folder or one above it, a folder holding an
+input, or a non-empty folder the caller does not recognise as its own), and :func:`write_folder` writes it beside
+DIR and renames it into place.
 """
 
 from __future__ import annotations
@@ -19,7 +24,7 @@ import threading
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import BinaryIO, Callable, Iterator
+from typing import BinaryIO, Callable, Iterable, Iterator
 
 from .errors import AuditError
 
@@ -38,6 +43,9 @@ def _kind(mode: int) -> str:
         if test(mode):
             return word
     return "not a regular file"
+
+
+kind_of = _kind  # "a file", "a folder", "a symbolic link", ... for a mode from os.lstat
 
 
 def _existing_ancestor(path: Path) -> Path:
@@ -236,6 +244,103 @@ class OutputSet:
         for tmp in self._staging.values():
             shutil.rmtree(tmp, ignore_errors=True)
         self._staging.clear()
+
+
+# -- a whole folder as one output (lowrank-audit factorize -o DIR) ------------------------------------------------
+
+def check_folder_output(out: str | Path, what: str, *, force: bool, replaceable: Callable[[Path], str | None],
+                        inputs: Iterable[tuple[str, str | Path]] = (), tool: str = "this command") -> None:
+    """``out`` may receive a folder written as a whole (:func:`write_folder`): it is missing or an empty folder, or
+    with ``force`` a folder that ``replaceable(out)`` accepts (it returns None, or why not) - never a symbolic link,
+    the working folder or a folder above it, a folder holding one of ``inputs`` (label, path), or a folder whose
+    parent cannot be written (/proc, read-only, under a regular file)."""
+    p = Path(out)
+    if os.path.islink(p):
+        raise AuditError(f"{what} {p} is a symbolic link; refusing to write through it",
+                         "Pass the folder itself, or a new folder path")
+    if os.path.lexists(p) and not p.is_dir():
+        raise AuditError(f"{what} {p} is {_kind(os.lstat(p).st_mode)}, not a folder",
+                         "Pass a folder path (it is created when missing)")
+    target = p.resolve()
+    cwd = Path.cwd().resolve()
+    if target == cwd or target in cwd.parents:
+        raise AuditError(f"{what} {p} is the working folder" + ("" if target == cwd else " or holds it"),
+                         "Pass a new folder for the output, such as ./factorized")
+    for label, given in inputs:
+        q = Path(given)
+        if os.path.lexists(q) and (_within(q.resolve(), target) or _within(q.parent.resolve() / q.name, target)):
+            raise AuditError(f"{what} {p} holds {label} {q}, an input of this run; it would be replaced",
+                             "Write the output to another folder")
+    try:
+        entries = os.listdir(p) if p.is_dir() else []
+    except OSError as exc:
+        raise AuditError(f"{what} {p}: cannot read it ({exc.strerror or exc})", "Choose a folder you can write to") \
+            from None
+    if entries:
+        if not force:
+            raise AuditError(f"{what} {p} is not empty",
+                             f"Choose an empty or new folder, or pass --force to replace a previous output of {tool}")
+        why = replaceable(p)
+        if why is not None:
+            raise AuditError(f"{what} {p} {why}; --force replaces only a previous output of {tool}",
+                             "Choose another folder, or empty this one yourself")
+    check_folder(p.parent if p.parent != p else p, f"{what} {p}: folder")
+
+
+def _within(path: Path, folder: Path) -> bool:
+    return path == folder or folder in path.parents
+
+
+def write_folder(out: str | Path, fill: Callable[[Path], None], recheck: Callable[[], None] | None = None) -> None:
+    """Write the folder ``out`` as a whole: ``fill(staging)`` writes every file into a new folder beside ``out``,
+    which is then renamed into place (an existing ``out``, re-checked by ``recheck`` just before, is moved aside and
+    removed only after the new one is in place). On any failure nothing of the new output remains and an existing
+    ``out`` is left as it was; the error is one line."""
+    p = Path(out)
+    existed = os.path.lexists(p)
+    made: list[Path] = []
+    stage: Path | None = None
+    aside: Path | None = None
+    try:
+        for f in reversed([f for f in p.parents if not os.path.lexists(f)]):
+            os.mkdir(f)
+            made.append(f)
+        stage = Path(tempfile.mkdtemp(prefix=TMP_PREFIX, suffix=".tmp", dir=p.parent))
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(stage, 0o777 & ~umask)  # an ordinary folder once in place (mkdtemp makes it private)
+        fill(stage)
+        if recheck is not None:
+            recheck()
+        with _sigint_deferred():  # the two renames are not split by Ctrl-C
+            if os.path.lexists(p):
+                aside = Path(tempfile.mkdtemp(prefix=TMP_PREFIX, suffix=".old", dir=p.parent))
+                os.rename(p, aside / "old")
+            try:
+                os.rename(stage, p)
+            except OSError:
+                if aside is not None:
+                    os.rename(aside / "old", p)
+                    shutil.rmtree(aside, ignore_errors=True)
+                    aside = None
+                raise
+            stage = None
+    except BaseException as exc:
+        if stage is not None:
+            shutil.rmtree(stage, ignore_errors=True)
+        for f in reversed(made):
+            try:
+                os.rmdir(f)
+            except OSError:
+                pass
+        if isinstance(exc, (AuditError, KeyboardInterrupt, SystemExit)):
+            raise
+        why = exc.strerror or str(exc) if isinstance(exc, OSError) else f"{type(exc).__name__}: {exc}"
+        left = f" and {p} was left as it was" if existed else ""
+        raise AuditError(f"cannot write {p}: {why}; nothing was written{left}",
+                         "Free space, or choose another -o folder") from None
+    if aside is not None:
+        shutil.rmtree(aside, ignore_errors=True)
 
 
 def _describe(exc: BaseException) -> str:

@@ -212,6 +212,14 @@ def resolve(audit: "Audit", plan: Plan) -> list[tuple[str, int, str, str]]:
     for pattern, spec in plan.ranks.items():
         hits = [l for l in audit.layers if fnmatch.fnmatchcase(l.name, pattern) or fnmatch.fnmatchcase(l.param, pattern)]
         if not hits:
+            tied = [l for l in audit.layers for a in l.aliases
+                    if fnmatch.fnmatchcase(a, pattern) or fnmatch.fnmatchcase(a.rpartition(".")[0], pattern)]
+            if tied:  # a tied weight's other name: one tensor, listed once under its first owner
+                t = tied[0]
+                raise AuditError(f"plan {plan.source}: pattern {pattern!r} names a tied weight: one tensor with the "
+                                 f"names {', '.join([t.param, *t.aliases])}, audited as layer {t.name}",
+                                 f"Plan it as {t.name!r} (every use changes at once, LR006; lowrank-audit factorize "
+                                 "refuses tied weights), or untie the weights in the model first")
             candidates = list(dict.fromkeys([*names, *(l.param for l in audit.layers)]))
             close = difflib.get_close_matches(pattern, candidates, n=3, cutoff=0.4)
             hint = f"Closest layer names: {', '.join(close)}" if close else "List layers with --format json"

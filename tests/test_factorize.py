@@ -110,7 +110,7 @@ def test_embedding_factorization():
 
 
 def test_hf_conv1d_factorization():
-    transformers = pytest.importorskip("transformers")
+    pytest.importorskip("transformers")
     from transformers.pytorch_utils import Conv1D
 
     torch.manual_seed(2)
@@ -120,10 +120,14 @@ def test_hf_conv1d_factorization():
     new = factorize(net, {"0": 4})
     assert count_params(new) == 24 * 10 + 24 - 240 + 4 * 34
     x = torch.randn(3, 5, 10)
+    layer = by_name(collect_layers(net, ParamTable.of(net)))["0"]
+    w_r = truncated_weight(layer, c.weight, 4, None)  # in the stored (in, out) layout, as Conv1D computes x W + b
+    assert w_r.shape == (10, 24)
+    with torch.no_grad():
+        torch.testing.assert_close(new(x), x @ w_r + c.bias, rtol=1e-4, atol=1e-5)
     full = factorize(net, {"0": 10})
     with torch.no_grad():
         torch.testing.assert_close(full(x), net(x), rtol=1e-4, atol=1e-5)
-    assert transformers is not None
 
 
 def test_save_and_load_round_trip(tmp_path, digits_cnn):

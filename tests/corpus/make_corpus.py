@@ -40,6 +40,7 @@ class Case:
     stdout: str | None = None  # child only: a path for stdout ("/dev/full")
     env: dict[str, str] = field(default_factory=dict)  # child only
     timeout: int = 180  # child only: seconds before the run counts as a hang
+    fsize: int | None = None  # child only: RLIMIT_FSIZE in bytes (a write past it fails as on a full disk)
 
     @property
     def codes(self) -> tuple[int, ...]:
@@ -524,13 +525,244 @@ def model():
     return c
 
 
+# -- lowrank-audit factorize and its export (issue 19) ---------------------------------------------------------------
+
+FZ = "factorize and its export"
+SQUARE = "def model():\n    return nn.Sequential(nn.Linear(64, 64)), (torch.zeros(1, 64),)\n"
+
+
+def _fz(d: Path, spec: str, plan: str = '[ranks]\n"0" = 8\n', *more: str) -> list[str]:
+    return ["factorize", spec, "--plan", str(_text(d, "plan.toml", 'finetune = "1 epoch"\n' + plan)), *more]
+
+
+def _intact(*names: str) -> Callable:
+    """The files the refused run was pointed at are all still there, not emptied."""
+    def check(d: Path, res: Any, run: Callable) -> None:
+        for name in names:
+            p = d / name
+            assert p.is_file() and p.stat().st_size > 0, f"{name} was deleted"
+    return check
+
+
+def _nothing_beside(d: Path, res: Any, run: Callable) -> None:
+    assert not (d / OUT).exists(), "a half-written output is in place"
+    assert not [p for p in d.iterdir() if p.name.startswith(".lowrank-audit-")], list(d.iterdir())
+
+
+def _factorize_cases() -> list[Case]:
+    c: list[Case] = []
+    add = c.append
+
+    def over_inputs(d: Path) -> list[str]:
+        proj = d / "proj"
+        proj.mkdir()
+        spec = _py(proj, LOW_RANK)
+        argv = _fz(proj, spec)
+        return [*argv, "-o", str(proj), "--force"]
+    add(Case("factorize-force-over-its-inputs", FZ, over_inputs, 2, "an input of this run",
+             check=_intact("proj/proj.py", "proj/plan.toml")))
+
+    def over_cwd(d: Path) -> list[str]:
+        return [*_fz(d, _mlp(d)), "-o", ".", "--force"]
+    add(Case("factorize-force-over-the-working-folder", FZ, over_cwd, 2, "is the working folder",
+             check=_intact("factorize_force_over_the_working_folder.py", "plan.toml")))
+
+    def no_marker(d: Path) -> list[str]:
+        (d / "mine").mkdir()
+        _text(d / "mine", "notes.txt", "my own work")
+        return [*_fz(d, _mlp(d)), "-o", str(d / "mine"), "--force"]
+    add(Case("factorize-force-over-a-folder-without-marker", FZ, no_marker, 2,
+             "has no lowrank-audit-factorized.json", check=_intact("mine/notes.txt")))
+
+    def forged_marker(d: Path) -> list[str]:
+        (d / "mine").mkdir()
+        _text(d / "mine", "lowrank-audit-factorized.json", '{"tool": "lowrank-auditor"}')
+        _text(d / "mine", "data.bin", "precious")
+        return [*_fz(d, _mlp(d)), "-o", str(d / "mine"), "--force"]
+    add(Case("factorize-force-marker-beside-other-files", FZ, forged_marker, 2, "did not write",
+             check=_intact("mine/data.bin")))
+
+    def symlink_out(d: Path) -> list[str]:
+        (d / "real").mkdir()
+        os.symlink(d / "real", d / "lnk")
+        return [*_fz(d, _mlp(d)), "-o", str(d / "lnk")]
+    add(Case("factorize-output-is-a-symlink", FZ, symlink_out, 2, "is a symbolic link"))
+
+    add(Case("factorize-output-under-proc", FZ, lambda d: [*_fz(d, _mlp(d)), "-o", "/proc/lra-factorized"], 2,
+             "cannot write in /proc"))
+    add(Case("factorize-output-under-a-file", FZ,
+             lambda d: [*_fz(d, _mlp(d)), "-o", str(_text(d, "afile", "x") / "sub")], 2, "is a file, not a folder"))
+    add(Case("factorize-output-on-a-full-disk", FZ, lambda d: [*_fz(d, _mlp(d)), "-o", OUT, "--no-cache"], 2,
+             "cannot write", check=_nothing_beside, child=True, fsize=8192))
+
+    cplx = ('class M(nn.Module):\n    def __init__(self):\n        super().__init__()\n'
+            '        self.fc = nn.Linear(48, 64, dtype=torch.cfloat)\n'
+            '    def forward(self, x):\n        return self.fc(x.to(torch.cfloat)).abs()\n'
+            'def model():\n    return M(), (torch.zeros(1, 48),)\n')
+    add(Case("factorize-complex-weights", FZ, lambda d: _fz(d, _py(d, cplx), '[ranks]\nfc = 4\n', "-o", OUT), 2,
+             "complex"))
+
+    def complex_calibrated(d: Path) -> list[str]:
+        import torch
+
+        _safetensors(d / "cal.safetensors", {"x": torch.randn(64, 48, generator=torch.Generator().manual_seed(0))})
+        return _fz(d, _py(d, cplx), '[ranks]\nfc = 4\n', "--calibration", str(d / "cal.safetensors"), "-o", OUT,
+                   "--no-cache")
+    add(Case("factorize-complex-weights-calibrated", FZ, complex_calibrated, 2, "complex"))
+
+    quant = ("import warnings\ndef model():\n    with warnings.catch_warnings():  # torch's deprecation notice\n"
+             "        warnings.simplefilter('ignore')\n"
+             "        return nn.Sequential(torch.ao.nn.quantized.dynamic.Linear(48, 64)), (torch.zeros(1, 48),)\n")
+    add(Case("factorize-quantized-layer", FZ, lambda d: [*_fz(d, _py(d, quant)), "-o", OUT], 2, "is quantized"))
+    ints = ("def model():\n    m = nn.Sequential(nn.Linear(48, 64))\n"
+            "    m[0].weight = nn.Parameter(torch.ones(64, 48, dtype=torch.int8), requires_grad=False)\n"
+            "    return m, None\n")
+    add(Case("factorize-integer-weights", FZ, lambda d: [*_fz(d, _py(d, ints)), "-o", OUT], 2, "int8 weights"))
+    add(Case("factorize-rank-at-break-even", FZ,
+             lambda d: [*_fz(d, _py(d, SQUARE), '[ranks]\n"0" = 32\n'), "-o", OUT], 2,
+             "rank 32 for 0 (64x64) is at or above its break-even rank 32.0"))
+    add(Case("factorize-tied-second-name", FZ, lambda d: [*_fz(d, _py(d, TIED), "[ranks]\nout = 8\n"), "-o", OUT], 2,
+             "names a tied weight: one tensor with the names emb.weight, out.weight"))
+    add(Case("audit-plan-tied-second-name", FZ, lambda d: [
+        _py(d, TIED), "-q", "--plan", str(_text(d, "plan.toml", "[ranks]\nout = 8\n")), "--format", "json", "-o",
+        OUT], 2, "names a tied weight"))
+    return c
+
+
+@dataclass
+class LibCase:
+    """A hostile input to the Python API (``load_factorized``, ``save_factorized``): the call must raise AuditError
+    with one line holding ``fragment``, never another exception, and ``check`` (the folder) must hold after it."""
+
+    name: str
+    kind: str
+    make: Callable[[Path], Callable[[], Any]]  # writes the inputs, returns the call
+    fragment: str
+    check: Callable[[Path], None] | None = None
+
+
+def _low_rank_model() -> Any:
+    import torch
+    from torch import nn
+
+    ns: dict[str, Any] = {"torch": torch, "nn": nn}
+    exec(LOW_RANK, ns)  # noqa: S102 - the corpus' own factory text
+    return ns["model"]()[0]
+
+
+def _factorized(d: Path, plan: dict[str, int] | None = None) -> tuple[Any, Path]:
+    """The low-rank MLP, and a folder holding its factorization written by save_factorized."""
+    from auditor.factorize import factorize, save_factorized
+
+    model = _low_rank_model()
+    plan = plan or {"0": 8, "2": 8}
+    save_factorized(factorize(model, plan), plan, d / "fact")
+    return model, d / "fact"
+
+
+def _tamper_plan(content: str | bytes | Callable[[dict], Any]) -> Callable[[Path], Callable[[], Any]]:
+    def make(d: Path) -> Callable[[], Any]:
+        from auditor.factorize import load_factorized
+
+        model, fact = _factorized(d)
+        path = fact / "plan.json"
+        if callable(content):
+            path.write_text(json.dumps(content(json.loads(path.read_text()))))
+        else:
+            path.write_bytes(content if isinstance(content, bytes) else content.encode())
+        return lambda: load_factorized(model, fact)
+    return make
+
+
+def _tamper_weights(change: Callable[[dict], dict]) -> Callable[[Path], Callable[[], Any]]:
+    def make(d: Path) -> Callable[[], Any]:
+        from safetensors.torch import load_file, save_file
+
+        from auditor.factorize import load_factorized
+
+        model, fact = _factorized(d)
+        path = fact / "model.safetensors"
+        save_file(change(load_file(str(path))), str(path))
+        return lambda: load_factorized(model, fact)
+    return make
+
+
+def _with(meta: dict, **kw: Any) -> dict:
+    return {**meta, **kw}
+
+
+def _without(key: str) -> Callable[[dict], dict]:
+    return lambda meta: {k: v for k, v in meta.items() if k != key}
+
+
+def _outside_untouched(d: Path) -> None:
+    assert (d / "outside.json").read_text() == "keep me", "save_factorized wrote through the symbolic link"
+
+
+def _save_through_link(d: Path) -> Callable[[], Any]:
+    from auditor.factorize import factorize, save_factorized
+
+    model = _low_rank_model()
+    (d / "fact").mkdir()
+    _text(d, "outside.json", "keep me")
+    os.symlink(d / "outside.json", d / "fact" / "plan.json")
+    return lambda: save_factorized(factorize(model, {"0": 8}), {"0": 8}, d / "fact")
+
+
+def lib_cases() -> list[LibCase]:
+    import torch
+
+    L = "load_factorized on a tampered output"
+    c = [LibCase(f"load-plan-json-{label}", L, _tamper_plan(content), frag) for label, content, frag in (
+        ("list", "[1, 2]", "holds a list"),
+        ("null", "null", "holds null"),
+        ("string", '"eight"', "holds a string"),
+        ("rank-eight", lambda m: _with(m, plan={"0": "eight"}), "is eight, not a positive integer"),
+        ("rank-nan", '{"format": "lowrank-auditor factorized", "format_version": 1, "plan": {"0": NaN}}',
+         "NaN is not a number JSON allows"),
+        ("rank-1e400", '{"format": "lowrank-auditor factorized", "format_version": 1, "plan": {"0": 1e400}}',
+         "out of range"),
+        ("rank-float", lambda m: _with(m, plan={"0": 8.0, "2": 8}), "not a positive integer"),
+        ("rank-true", lambda m: _with(m, plan={"0": True}), "not a positive integer"),
+        ("invalid-utf8", b'{"format": "\xc3\x28"}', "not UTF-8"),
+        ("deeply-nested", "[" * 100000 + "]" * 100000, "nested too deeply"),
+        ("missing-format", _without("format"), "it has no format"),
+        ("missing-plan", _without("plan"), "has no plan"),
+        ("missing-version", _without("format_version"), "format_version None"),
+        ("duplicate-key", '{"format": "lowrank-auditor factorized", "format": 1}', "duplicate key"),
+        ("unknown-layer", lambda m: _with(m, plan={"9": 8}), "not a factorizable layer"),
+        ("ranks-not-the-tensors", lambda m: _with(m, plan={"0": 4, "2": 8}), "(plan.json gives 0 rank 4)"),
+    )]
+    W = "load_factorized on tampered weights"
+    c += [LibCase(f"load-weights-{label}", W, _tamper_weights(change), frag) for label, change, frag in (
+        ("nan", lambda t: {**t, "0.0.weight": torch.full_like(t["0.0.weight"], float("nan"))},
+         "0.0.weight holds NaN or infinite values"),
+        ("float64", lambda t: {**t, "0.0.weight": t["0.0.weight"].double()}, "0.0.weight is float64"),
+        ("missing-tensor", lambda t: {k: v for k, v in t.items() if k != "4.weight"}, "lacks 4.weight"),
+        ("extra-tensor", lambda t: {**t, "stowaway": torch.zeros(2)}, "tensors the plan does not build: stowaway"),
+        ("wrong-shape", lambda t: {**t, "4.bias": torch.zeros(5)}, "4.bias is [5] but the plan builds [4]"),
+    )]
+    c.append(LibCase("load-weights-not-safetensors", W, _garbage_weights, "is not a readable safetensors file"))
+    c.append(LibCase("save-factorized-through-a-symlinked-plan-json", "save_factorized", _save_through_link,
+                     "is a symbolic link; refusing to write through it", check=_outside_untouched))
+    return c
+
+
+def _garbage_weights(d: Path) -> Callable[[], Any]:
+    from auditor.factorize import load_factorized
+
+    model, fact = _factorized(d)
+    (fact / "model.safetensors").write_bytes(b"\xff" * 64)
+    return lambda: load_factorized(model, fact)
+
+
 CASES_BY_NAME: dict[str, Case] = {}
 
 
 def cases() -> list[Case]:
     """Every case (built once; ``make`` writes its inputs when called)."""
     if not CASES_BY_NAME:
-        CASES_BY_NAME.update((k.name, k) for k in _cases())
+        CASES_BY_NAME.update((k.name, k) for k in [*_cases(), *_factorize_cases()])
     return list(CASES_BY_NAME.values())
 
 
@@ -543,7 +775,12 @@ def main(argv: list[str]) -> int:
         argv_ = case.make(d)
         (d / "case.json").write_text(json.dumps({"kind": case.kind, "argv": argv_, "codes": case.codes,
                                                  "fragment": case.fragment, "owner": case.owner}, indent=1))
-    print(f"{len(cases())} cases in {root}")
+    for lib in lib_cases():  # the Python API's cases: the folder only (the call is in test_corpus.py)
+        d = root / lib.name
+        d.mkdir()
+        lib.make(d)
+        (d / "case.json").write_text(json.dumps({"kind": lib.kind, "api": True, "fragment": lib.fragment}, indent=1))
+    print(f"{len(cases())} command-line cases and {len(lib_cases())} API cases in {root}")
     return 0
 
 

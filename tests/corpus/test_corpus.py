@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from make_corpus import OUT, Case, cases  # noqa: E402
+from make_corpus import OUT, Case, LibCase, cases, lib_cases  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 CHILD_MEMORY = 8 * 2**30  # address space for a child case: a blow-up fails, it does not take the machine down
@@ -28,8 +28,12 @@ def _snapshot(d: Path) -> set[str]:
     return {str(p.relative_to(d)) for p in d.rglob("*")}
 
 
-def _limit() -> None:
-    resource.setrlimit(resource.RLIMIT_AS, (CHILD_MEMORY, CHILD_MEMORY))
+def _limits(case: Case):
+    def limit() -> None:
+        resource.setrlimit(resource.RLIMIT_AS, (CHILD_MEMORY, CHILD_MEMORY))
+        if case.fsize is not None:  # Python ignores SIGXFSZ: a write past it fails with EFBIG, as on a full disk
+            resource.setrlimit(resource.RLIMIT_FSIZE, (case.fsize, case.fsize))
+    return limit
 
 
 def _child(case: Case, d: Path, argv: list[str]) -> subprocess.CompletedProcess:
@@ -42,7 +46,7 @@ def _child(case: Case, d: Path, argv: list[str]) -> subprocess.CompletedProcess:
     stdout = open(case.stdout, "w") if case.stdout else subprocess.PIPE
     try:
         return subprocess.run([sys.executable, "-m", "auditor", *argv], cwd=d, env=env, stdout=stdout,
-                              stderr=subprocess.PIPE, text=True, timeout=case.timeout, preexec_fn=_limit)
+                              stderr=subprocess.PIPE, text=True, timeout=case.timeout, preexec_fn=_limits(case))
     except subprocess.TimeoutExpired:
         pytest.fail(f"{case.name}: still running after {case.timeout} s (a hang)")
     finally:
@@ -76,3 +80,19 @@ def test_case(case: Case, cli_inproc, tmp_path):
         assert not (d / OUT).exists() or not any((d / OUT).iterdir())
     if case.check:
         case.check(d, res, cli_inproc)
+
+
+@pytest.mark.parametrize("case", [pytest.param(c, id=c.name) for c in lib_cases()])
+def test_api_case(case: LibCase, tmp_path):
+    """The Python API on a hostile input: AuditError with one line naming the problem, never another exception."""
+    from auditor.errors import AuditError
+
+    d = tmp_path / case.name
+    d.mkdir()
+    call = case.make(d)
+    with pytest.raises(AuditError) as info:
+        call()
+    line = str(info.value)
+    assert "\n" not in line and case.fragment in line, line
+    if case.check:
+        case.check(d)
