@@ -89,6 +89,13 @@ def rank12() -> nn.Sequential:
     return nn.Sequential(lin)
 
 
+def tied_pair() -> nn.Sequential:
+    """Two 64 x 64 maps sharing one weight (rank12's): the plan check cannot factorize a tied weight."""
+    first, second = rank12()[0], nn.Linear(64, 64, bias=False)
+    second.weight = first.weight
+    return nn.Sequential(first, second)
+
+
 def rows(n: int) -> dict[str, torch.Tensor]:
     """n calibration rows of width 64 (a quarter held out: the statistics see n - round(n / 4))."""
     return {"x": torch.randn(n, 64, generator=torch.Generator().manual_seed(0))}
@@ -107,6 +114,7 @@ class Case:
 
 
 FT = {"finetune": "1 epoch"}
+LR015_MEASURED = 0.26230816941727564  # measured once; rel 1e-6 is far above any BLAS difference
 CASES: dict[str, Case] = {
     "LR001-fires": Case("LR001", wide, plan={"ranks": {"0": 820}, **FT}, expect=[(["0"], dict(
         rank=820, break_even=819.2, m=4096, n=1024, params_dense=4096 * 1024, params_factored=820 * 5120))]),
@@ -153,6 +161,16 @@ CASES: dict[str, Case] = {
     "LR014-fires": Case("LR014", rank12, options=dict(calibration=rows(40)),
                         expect=[(["0"], dict(rows=30, width=64))]),
     "LR014-passes": Case("LR014", rank12, options=dict(calibration=rows(200))),
+    # rank 8 drops four of rank12's directions: the measured error (the held-out rows' share of them) misses 1%;
+    # the largest plan that held is rank 16 (exact: 2,048 parameters removed at rounding-level error)
+    "LR015-fires": Case("LR015", rank12, plan={"ranks": {"0": 8}, **FT}, options=dict(calibration=rows(200)),
+                        expect=[([], dict(measured=pytest.approx(LR015_MEASURED, rel=1e-6), tolerance=0.01,
+                                          planned_layers=1, removed=4096 - 8 * 128, held_removed=4096 - 16 * 128,
+                                          held_metric=pytest.approx(0.0, abs=1e-6)))]),
+    "LR015-passes": Case("LR015", rank12, plan={"ranks": {"0": 16}, **FT}, options=dict(calibration=rows(200))),
+    "LR016-fires": Case("LR016", tied_pair, plan={"ranks": {"0": 16}, **FT}, options=dict(calibration=rows(200)),
+                        expect=[(["0"], dict(left_out=["0"]))]),
+    "LR016-passes": Case("LR016", rank12, plan={"ranks": {"0": 16}, **FT}, options=dict(calibration=rows(200))),
 }
 
 

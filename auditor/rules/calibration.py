@@ -158,7 +158,7 @@ def lr015(ctx: Context, emit: Emit) -> None:
     rv = ctx.audit.review
     if pc is None or pc.layers == 0 or pc.ok or rv is None:
         return
-    what = "suggested plan" if rv.suggested else f"plan {rv.source}"
+    what = "suggested plan" if rv.suggested else ("plan" if rv.source == "plan" else f"plan {rv.source}")
     b = cal.budget
     held = (f"; the largest plan that held removed {100 * b.removed_fraction:.1f}% of the parameters at "
             f"{b.metric:.4g}" if b is not None and b.ok and b.plan else "; no plan measured held it")
