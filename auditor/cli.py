@@ -1,4 +1,4 @@
-"""The command line: ``lowrank-audit MODEL [options]`` and ``lowrank-audit rules [CODE]``.
+"""The command line: ``lowrank-audit MODEL [options]``, ``lowrank-audit rules [CODE]`` and ``lowrank-audit check-plan``.
 
 Exit codes: 0 clean, 1 findings at or above --fail-on, 2 bad input (one line on stderr, no report written).
 """
@@ -29,7 +29,8 @@ def _parser() -> argparse.ArgumentParser:
                     "singular-value spectra, suggested ranks, and a review of a compression plan.",
         epilog="Sources: file.py:factory, package.module:factory, a Hugging Face directory or config.json, a "
                ".safetensors file or sharded directory (weights only), torchvision:NAME, timm:NAME. "
-               "`lowrank-audit rules` lists the rules; `lowrank-audit factorize --help` applies a plan.",
+               "`lowrank-audit rules` lists the rules; `lowrank-audit factorize --help` applies a plan; "
+               "`lowrank-audit check-plan PLAN... [--model SOURCE]` checks plan files (the pre-commit hook).",
     )
     p.add_argument("model", help="the model source")
     _common_flags(p)
@@ -153,6 +154,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] == "rules":
         return _rules_main(argv[1:])
+    if argv and argv[0] == "check-plan":
+        from .cli_plan import main as check_plan_main
+
+        return check_plan_main(argv[1:])
     if argv and argv[0] == "factorize":
         from .cli_factorize import main as factorize_main
 
