@@ -71,7 +71,8 @@ def _assigns(node: ast.AST, attr: str) -> bool:
     """``self.<attr> = ...``, ``self.<attr>: T = ...``, ``setattr(self, "<attr>", ...)`` or
     ``self.add_module("<attr>", ...)`` (and the other ``register_*`` calls)."""
     def is_self_attr(t: ast.AST) -> bool:
-        return isinstance(t, ast.Attribute) and t.attr == attr and isinstance(t.value, ast.Name) and t.value.id == "self"
+        return (isinstance(t, ast.Attribute) and t.attr == attr and isinstance(t.value, ast.Name)
+                and t.value.id == "self")
 
     if isinstance(node, ast.Assign):
         return any(is_self_attr(t) or (isinstance(t, ast.Tuple) and any(map(is_self_attr, t.elts)))

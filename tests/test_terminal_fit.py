@@ -190,3 +190,27 @@ def test_width_is_columns_or_100(cli_inproc, monkeypatch):
         lines = r.stdout.splitlines()
         assert max(map(len, lines)) <= width
         assert max(map(len, lines)) >= width - 8  # the prose is wrapped at that width, not at a narrower one
+
+
+def test_calibration_table_gives_way_without_cutting_numbers():
+    from auditor.render.calibration import CalRow
+    from auditor.render.terminal import CAL_STEPS, _cal_columns, _cell, fit
+
+    rows = [CalRow("model.layers.0.mlp.down_proj", 1_234_567, 11008, 1312, 1400, 904, 512, "928", "1,024",
+                   "896: 0.01234", "3.01x"),
+            CalRow("lm_head", 8, 4096, None, None, None, None, "keep dense", "keep dense (measured)", "–", "–")]
+    seen = {}
+    for width in (60, 80, 100, 120):
+        fitted = fit(_cal_columns(), rows, width, CAL_STEPS, name_floor=12)
+        lines = fitted.lines(rows)
+        assert max(map(len, lines)) <= width
+        for line, row in zip(lines[1:], rows):
+            for c, short in fitted.columns[1:]:
+                assert _cell(c, short, 1, row) in line  # every kept number whole
+        seen[width] = [(c.key, short) for c, short in fitted.columns]
+    whole = [("layer", False), ("rows", False), ("r1", False), ("r5", False), ("data", False), ("floor", False),
+             ("cliff", False)]
+    assert seen[120] == seen[100] == seen[80] == whole
+    assert seen[60] == [("layer", False), ("rows", True), ("r1", False), ("r5", False), ("data", False),
+                        ("floor", False)]  # 1,234,567 -> 1.23M first, then the cliff
+    assert "1.23M" in fit(_cal_columns(), rows, 60, CAL_STEPS, name_floor=12).lines(rows)[1]

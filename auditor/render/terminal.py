@@ -4,8 +4,9 @@ Every line fits ``context.width``: prose is wrapped, and each table column is as
 range (``64–126``) or verdict (``keep dense 1 · factorize 3``) is ever cut. When the line is too short the columns give
 way in a fixed order (:func:`layer_steps`: shortened, then dropped, least useful first), and a legend line says what
 was shortened or left out; the layer name column then takes the room that is left (long names are cut in the
-middle, so T5's ``encoder...relative_attention_bias`` and ``decoder...relative_attention_bias`` stay distinct). Names pass through
-:func:`auditor.render.safe.term`: no escape sequence, control character or direction override reaches the terminal.
+middle, so T5's ``encoder...relative_attention_bias`` and ``decoder...relative_attention_bias`` stay distinct).
+Names pass through :func:`auditor.render.safe.term`: no escape sequence, control character or direction override
+reaches the terminal.
 """
 
 from __future__ import annotations
