@@ -1,4 +1,4 @@
-"""The command line: ``lowrank-audit MODEL [options]`` and ``lowrank-audit rules [CODE]``.
+"""The command line: ``lowrank-audit MODEL [options]``, ``lowrank-audit rules [CODE]`` and ``lowrank-audit check-plan``.
 
 Exit codes: 0 clean, 1 findings at or above --fail-on, 2 bad input (one line on stderr, no report written).
 """
@@ -18,8 +18,8 @@ from .options import Tracer
 if TYPE_CHECKING:
     from .options import AuditOptions, LoadOptions
 
-FORMATS = ("text", "json", "md", "html", "pdf")  # the built-in reporters of auditor.render, in this order
-STDOUT_FORMATS = ("json", "md")  # go to stdout when there is no --output-dir; text always does
+FORMATS = ("text", "json", "md", "html", "pdf", "sarif", "github")  # the built-in reporters, in this order
+STDOUT_FORMATS = ("json", "md", "sarif")  # documents: to stdout without --output-dir, else files
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -29,7 +29,8 @@ def _parser() -> argparse.ArgumentParser:
                     "singular-value spectra, suggested ranks, and a review of a compression plan.",
         epilog="Sources: file.py:factory, package.module:factory, a Hugging Face directory or config.json, a "
                ".safetensors file or sharded directory (weights only), torchvision:NAME, timm:NAME. "
-               "`lowrank-audit rules` lists the rules; `lowrank-audit factorize --help` applies a plan.",
+               "`lowrank-audit rules` lists the rules; `lowrank-audit factorize --help` applies a plan; "
+               "`lowrank-audit check-plan PLAN... [--model SOURCE]` checks plan files (the pre-commit hook).",
     )
     p.add_argument("model", help="the model source")
     _common_flags(p)
@@ -50,9 +51,12 @@ def _parser() -> argparse.ArgumentParser:
     g.add_argument("--plan", metavar="FILE", help="a compression plan to review (TOML or JSON)")
     g.add_argument("--emit-plan", metavar="FILE", help="write the suggested plan as an editable TOML file")
     g = p.add_argument_group("output")
-    g.add_argument("--format", default="text", help=f"comma-separated, from {', '.join(FORMATS)} (default: text)")
+    g.add_argument("--format", default="text",
+                   help=f"comma-separated, from {', '.join(FORMATS)} (default: text); sarif is SARIF 2.1.0 for code "
+                        "scanning, github prints workflow-command annotations for a GitHub Actions log")
     g.add_argument("-o", "--output-dir", metavar="DIR",
-                   help="write reports here as lowrank-audit.{json,md,html,pdf}; without it json/md go to stdout")
+                   help="write reports here as lowrank-audit.{txt,json,md,html,pdf,sarif}; without it json/md/sarif "
+                        "go to stdout; the table (unless -q) and github annotations always go to stdout")
     g.add_argument("--baseline", metavar="OLD.json", help="report what changed since an earlier JSON audit")
     g.add_argument("--fail-on", choices=[f.value for f in FailOn], help="exit 1 on findings at this level")
     g.add_argument("-q", "--quiet", action="store_true", help="no terminal table")
@@ -110,14 +114,17 @@ def _common_flags(p: argparse.ArgumentParser) -> None:
 def _check_stdout(args: argparse.Namespace) -> None:
     """Without -o, stdout carries one document: the table, or the JSON, or the Markdown."""
     formats = [f.strip() for f in args.format.split(",") if f.strip()]
-    to_stdout = [f for f in dict.fromkeys(formats) if f in STDOUT_FORMATS or (f == "text" and not args.quiet)]
-    if not args.output_dir and len(to_stdout) > 1:
+    to_stdout = [f for f in dict.fromkeys(formats) if f in STDOUT_FORMATS or f == "github"
+                 or (f == "text" and not args.quiet)]
+    documents = [f for f in to_stdout if f in STDOUT_FORMATS]  # log lines (table, annotations) may share stdout
+    if not args.output_dir and len(to_stdout) > 1 and documents:
         raise AuditError(f"--format {','.join(to_stdout)} would all go to stdout, and {to_stdout[-1]} would not be "
                          "valid there", "Pass -o DIR to write them as files, -q to drop the table, or one format")
 
 
 def _rules_main(argv: Sequence[str]) -> int:
     from .rules import RULES, find_rule, rule_doc, rules_markdown
+    from .rules.docs import rule_url
     from .rules.registry import BUILTIN_ORIGIN
 
     p = argparse.ArgumentParser(prog="lowrank-audit rules", description="List the rules, or print one.")
@@ -129,7 +136,9 @@ def _rules_main(argv: Sequence[str]) -> int:
             sys.stdout.write(rules_markdown())
             return 0
         if a.code:
-            sys.stdout.write(rule_doc(find_rule(a.code)) + "\n")
+            r = find_rule(a.code)
+            url = rule_url(r)
+            sys.stdout.write(rule_doc(r) + (f"\nOnline: {url}\n" if url else "") + "\n")
             return 0
         width = max((len(r.slug) for r in RULES.values()), default=0)
         for r in RULES.values():
@@ -145,6 +154,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] == "rules":
         return _rules_main(argv[1:])
+    if argv and argv[0] == "check-plan":
+        from .cli_plan import main as check_plan_main
+
+        return check_plan_main(argv[1:])
     if argv and argv[0] == "factorize":
         from .cli_factorize import main as factorize_main
 
@@ -236,10 +249,10 @@ def calibration_options(args: argparse.Namespace) -> dict:
 
 
 def _terminal_width() -> int:
-    """The terminal's width; 160 when stdout is not a terminal (a CI log is wide)."""
+    """The table's width: $COLUMNS when set, else the terminal's width, else 100 (a pipe or a CI log)."""
     import shutil
 
-    return shutil.get_terminal_size((160, 24)).columns if sys.stdout.isatty() else 160
+    return shutil.get_terminal_size((100, 24)).columns
 
 
 def _destinations(args: argparse.Namespace, formats: list[str]) -> dict[str, Path]:
@@ -254,7 +267,7 @@ def _destinations(args: argparse.Namespace, formats: list[str]) -> dict[str, Pat
     if out_dir is not None:
         check_folder(out_dir, "-o")
     for fmt in formats:
-        if fmt == "text" or (fmt in STDOUT_FORMATS and out_dir is None):
+        if fmt == "github" or (out_dir is None and (fmt == "text" or fmt in STDOUT_FORMATS)):
             continue
         dest[fmt] = (out_dir or Path(".")) / f"lowrank-audit{REPORTERS[fmt].suffix}"
         check_destination(dest[fmt], f"--format {fmt}: report")
@@ -288,8 +301,9 @@ def run(args: argparse.Namespace, written: list[Path] | None = None) -> int:
     bad = [f for f in formats if f not in REPORTERS]
     if bad:
         raise AuditError(f"unknown format {', '.join(bad)}", f"Choose from {', '.join(REPORTERS)}")
-    if not args.output_dir and sum(f in STDOUT_FORMATS for f in formats) > 1:
-        raise AuditError("json and md cannot both go to stdout", "Pass -o DIR to write them as files")
+    if not args.output_dir and sum(f in STDOUT_FORMATS for f in dict.fromkeys(formats)) > 1:
+        both = " and ".join(f for f in dict.fromkeys(formats) if f in STDOUT_FORMATS)
+        raise AuditError(f"{both} cannot all go to stdout", "Pass -o DIR to write them as files")
     options, load_options = options_from(args)
     dest = _destinations(args, formats)
     base = baseline_mod.load(args.baseline) if args.baseline else None
@@ -307,7 +321,7 @@ def run(args: argparse.Namespace, written: list[Path] | None = None) -> int:
     from .pipeline import render_reports
     from .progress import Progress
 
-    outputs = render_reports(result, [f for f in ordered if f != "text" or not args.quiet], context,
+    outputs = render_reports(result, [f for f in ordered if f != "text" or not args.quiet or "text" in dest], context,
                              Progress(enabled=options.progress))
     files = OutputSet(written=written if written is not None else [])
     for fmt, content in outputs.items():
@@ -315,7 +329,8 @@ def run(args: argparse.Namespace, written: list[Path] | None = None) -> int:
             files.add(dest[fmt], content)
     if "plan" in dest:
         files.add(dest["plan"], emit_toml(result))
-    to_stdout = [content for fmt, content in outputs.items() if fmt not in dest]
+    to_stdout = [content for fmt, content in outputs.items()
+                 if fmt not in dest or (fmt == "text" and not args.quiet)]  # the table: on screen and in -o
 
     def stdout() -> None:
         for content in to_stdout:

@@ -205,7 +205,9 @@ def module_structure(model: nn.Module, inputs: Any, options: AuditOptions,
             exc.captured = log.text if log is not None else ""  # type: ignore[attr-defined]
             raise
     total = measured.table.total
-    ranked = rank_layers(graphed.layers, total)
+    from .sites import definition_site
+
+    ranked = [replace(l, defined_at=definition_site(model, l.param)) for l in rank_layers(graphed.layers, total)]
     table = measured.table
     notes = list(table.notes)
     if not graphed.macs_known:

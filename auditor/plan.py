@@ -278,6 +278,38 @@ def shared(layer: Any) -> bool:
     return bool(layer.tied or layer.calls > 1)
 
 
+def _key(name: str) -> Any:
+    """A ``[ranks]`` key for tomlkit: always a quoted (basic) string, so a pattern with dots is one key and never a
+    nested table. tomlkit escapes quotes, backslashes and control characters; a name that also holds a C1,
+    line-separator or bidirectional-override character (which TOML allows raw, but which would reorder or hide what
+    a reader sees) is written with those as ``\\uXXXX`` escapes too."""
+    from tomlkit.items import KeyType, SingleKey
+
+    if any(_hidden_char(c) for c in name):
+        return SingleKey(name, KeyType.Basic, original=toml_string(name))
+    return SingleKey(name, KeyType.Basic)
+
+
+def _comment_text(text: str) -> str:
+    """Our own text on a ``#`` line: quotes and backslashes as they are, but every control, line-separator, C1 and
+    bidi character (which could end the comment or reorder it) and lone surrogate as a visible escape. Names go
+    through :func:`_comment` first, which escapes their quotes and backslashes too."""
+    out = []
+    for c in text:
+        if 0xD800 <= ord(c) <= 0xDFFF:
+            out.append(f"\\u{ord(c):04x}")
+        elif ord(c) < 0x20 or _hidden_char(c):
+            out.append(toml_string(c)[1:-1])
+        else:
+            out.append(c)
+    return "".join(out)
+
+
+def _hidden_char(c: str) -> bool:
+    o = ord(c)
+    return 0x7F <= o <= 0x9F or 0x202A <= o <= 0x202E or 0x2066 <= o <= 0x2069 or c in "\u2028\u2029"
+
+
 def _measured_alone(audit: "Audit", members: list[str], rank: int) -> str | None:
     """With calibration, what the layers' ranks were chosen by instead of energy: the largest single-layer error
     measured at this rank (tier 2), else the largest tier-1 layer-output error at it; None without calibration."""
@@ -309,35 +341,47 @@ def plan_basis(audit: "Audit") -> list[str]:
     cal = audit.calibration
     b = cal.budget if cal is not None else None
     if b is None:
-        return [f"# Ranks keep >= {100 * s.target_energy:g}% spectral energy, rounded up to a multiple of {s.align}."]
+        return [f"Ranks keep >= {100 * s.target_energy:g}% spectral energy, rounded up to a multiple of {s.align}."]
     curves = "measured-floor" if cal.measured_floors else "tier-1 (whitened)"
     cap = f" removing at most {100 * b.budget:g}% of the parameters" if b.budget is not None else ""
     pc = cal.plan_check
-    measured = (f"# Measured all at once on {cal.holdout_rows:,} held-out rows: {_comment(cal.metric)} "
+    measured = (f"Measured all at once on {cal.holdout_rows:,} held-out rows: {_comment(cal.metric)} "
                 f"{pc.measured:.4g} against the tolerance {cal.tolerance:g} ({'holds' if pc.ok else 'MISSES'})."
-                if pc is not None and pc.layers else "# Not measured all at once: no planned layer.")
-    return [f"# Ranks: the largest plan{cap} that holds the tolerance all at once, searched over the {curves} curves",
-            f"# ({b.evaluations} plans factorized and measured); per-layer floors are evidence, not the plan.",
+                if pc is not None and pc.layers else "Not measured all at once: no planned layer.")
+    return [f"Ranks: the largest plan{cap} that holds the tolerance all at once, searched over the {curves} curves",
+            f"({b.evaluations} plans factorized and measured); per-layer floors are evidence, not the plan.",
             measured]
 
 
-def emit_toml(audit: "Audit") -> str:
-    """The suggested plan as an editable TOML file that passes its own review: one ``pattern = rank`` per layer or
-    group (``model.layers.*.mlp.down_proj`` where every member has one rank), each pattern a properly escaped TOML
-    string that selects exactly its layers (glob characters in names escaped). Tied or shared weights (LR006) and
-    layers left dense appear only in comments, their names escaped so no name can become TOML."""
-    s = audit.settings
-    lines = [
-        f"# Compression plan suggested by lowrank-auditor for {_comment(audit.model_name)} ({_comment(audit.source)}).",
+def default_header(audit: "Audit") -> list[str]:
+    """The comment lines at the top of an emitted plan (without their ``# ``): what it is, how the ranks were
+    chosen, how to edit and review it."""
+    return [
+        f"Compression plan suggested by lowrank-auditor for {_comment(audit.model_name)} ({_comment(audit.source)}).",
         *plan_basis(audit),
-        "# Edit a rank (an integer, \"0.5be\" = half the break-even rank, or \"energy:0.95\"), delete a line to keep",
-        "# that layer dense, describe the recovery fine-tune, then review it:",
-        f"#   lowrank-audit {_comment(audit.source)} --plan THIS_FILE",
-        "",
-        'finetune = ""  # the recovery fine-tune budget, e.g. "1 epoch on the training set, lr 1e-4"',
-        "",
-        "[ranks]",
+        "Edit a rank (an integer, \"0.5be\" = half the break-even rank, or \"energy:0.95\"), delete a line to keep",
+        "that layer dense, describe the recovery fine-tune, then review it:",
+        f"  lowrank-audit {_comment(audit.source)} --plan THIS_FILE",
     ]
+
+
+def emit_toml(audit: "Audit", header: list[str] | None = None) -> str:
+    """The suggested plan as an editable TOML file that passes its own review, written with tomlkit: one
+    ``pattern = rank`` per layer or group (``model.layers.*.mlp.down_proj`` where every member has one rank), each
+    pattern a quoted TOML key that selects exactly its layers (glob characters in names escaped), each with a
+    comment saying what the rank keeps. ``header``: the comment lines at the top (default :func:`default_header`).
+    Tied or shared weights (LR006) and layers left dense appear only in comments, their names escaped so no name
+    can become TOML."""
+    import tomlkit
+
+    doc = tomlkit.document()
+    for line in (default_header(audit) if header is None else header):
+        doc.add(tomlkit.comment(_comment_text(line)))
+    doc.add(tomlkit.nl())
+    doc.add("finetune", "")
+    _note(doc["finetune"], 'the recovery fine-tune budget, e.g. "1 epoch on the training set, lr 1e-4"')
+    doc.add(tomlkit.nl())
+    table = tomlkit.table()
     ranks: dict[str, int] = {}
     tied: list[str] = []
     unwritable: list[str] = []
@@ -371,21 +415,36 @@ def emit_toml(audit: "Audit") -> str:
         else:
             shapes = "/".join(dict.fromkeys(f"{audit.layer(n).m}x{audit.layer(n).n}" for n in members))
             note = f"{len(members)} layers of {shapes}, each keeping >= {100 * energy:.1f}% energy"
-        lines.append(f"{toml_string(glob)} = {r}  # {note}")
+        key = _key(glob)
+        table.add(key, r)
+        _note(table[glob], note)
     if tied:
-        lines += ["", "# Tied or shared weights are not targeted (LR006): factorizing one changes every use at once.",
-                  "# Untie it first, or check the error at every use, then uncomment its line:"]
+        table.add(tomlkit.nl())
+        table.add(tomlkit.comment("Tied or shared weights are not targeted (LR006): factorizing one changes every "
+                                  "use at once."))
+        table.add(tomlkit.comment("Untie it first, or check the error at every use, then uncomment its line:"))
         for name in tied:
             layer = audit.layer(name)
             also = ", ".join(_comment(a) for a in [layer.param, *layer.aliases])
-            lines.append(f"# {toml_string(escape_glob(name))} = {audit.suggestions[name].rank}  "
-                         f"# names {also}; {layer.calls} use(s) per forward")
+            line = tomlkit.document()  # the line it would be, rendered by tomlkit, then commented out
+            line.add(_key(escape_glob(name)), audit.suggestions[name].rank)
+            table.add(tomlkit.comment(_comment_text(f"{line.as_string().strip()}  # names {also}; {layer.calls} "
+                                                    "use(s) per forward")))
     kept_dense = [l for l in audit.layers if audit.suggestions[l.name].verdict is not Verdict.FACTORIZE]
     if kept_dense or unwritable:
-        lines += ["", "# Left dense:"]
+        table.add(tomlkit.nl())
+        table.add(tomlkit.comment("Left dense:"))
         for l in kept_dense:
             sg = audit.suggestions[l.name]
-            lines.append(f"# {_comment(l.name)}: {sg.verdict} ({_comment(sg.reason)})")
+            table.add(tomlkit.comment(f"{_comment(l.name)}: {sg.verdict} ({_comment(sg.reason)})"))
         for name in unwritable:
-            lines.append(f"# {_comment(name)}: its name holds a lone surrogate, which no TOML file can hold")
-    return "\n".join(lines) + "\n"
+            table.add(tomlkit.comment(f"{_comment(name)}: its name holds a lone surrogate, which no TOML file can "
+                                      "hold"))
+    doc.add("ranks", table)
+    return tomlkit.dumps(doc)
+
+
+def _note(item: Any, text: str) -> None:
+    """An inline comment after a value, two spaces before its ``#``."""
+    item.comment(_comment_text(text))
+    item.trivia.comment_ws = "  "

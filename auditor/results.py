@@ -124,6 +124,7 @@ class Layer:
     lookups: int = 0  # embedding rows gathered per forward
     share: float = 0.0  # of the model's unique parameters
     source: str = ""  # file:line of the owning module's class
+    defined_at: tuple[str, int] | None = None  # (file, line) where the user's code creates it (SARIF); not in JSON
 
     @property
     def params(self) -> int:
@@ -158,6 +159,7 @@ class Layer:
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
+        d.pop("defined_at")  # a path on this machine: the JSON report stays the same wherever it is made
         d["kind"] = str(self.kind)
         d["shape"] = list(self.shape)
         d["params"] = self.params

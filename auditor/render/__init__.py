@@ -4,7 +4,7 @@
 is a class with ``name``, ``suffix``, ``binary`` and ``render(audit, context)`` passed to :func:`register`.
 
 >>> list(REPORTERS)
-['text', 'json', 'md', 'html', 'pdf']
+['text', 'json', 'md', 'html', 'pdf', 'sarif', 'github']
 >>> REPORTERS["pdf"].suffix, REPORTERS["pdf"].binary
 ('.pdf', True)
 """
@@ -16,6 +16,7 @@ from .html import HtmlReporter
 from .jsonout import JsonReporter
 from .markdown import MarkdownReporter
 from .pdf import PdfReporter
+from .sarif import GithubReporter, SarifReporter
 from .terminal import TextReporter
 
 __all__ = ["REPORTERS", "RenderContext", "Reporter", "atomic_write", "register"]
@@ -31,5 +32,6 @@ def register(reporter: Reporter) -> Reporter:
     return reporter
 
 
-for _r in (TextReporter(), JsonReporter(), MarkdownReporter(), HtmlReporter(), PdfReporter()):
+for _r in (TextReporter(), JsonReporter(), MarkdownReporter(), HtmlReporter(), PdfReporter(), SarifReporter(),
+           GithubReporter()):
     register(_r)

@@ -1,9 +1,12 @@
 """The terminal table: block groups largest first, totals, the plan's savings, the findings and the baseline diff.
 
-Every line fits ``context.width``: prose is wrapped, and table columns are dropped, least useful first, until the
-table fits; the layer name column then takes the room that is left (long names are cut in the middle, so T5's
-``encoder...relative_attention_bias`` and ``decoder...relative_attention_bias`` stay distinct). Names pass through
-:func:`auditor.render.safe.term`: no escape sequence, control character or direction override reaches the terminal.
+Every line fits ``context.width``: prose is wrapped, and each table column is as wide as its widest cell, so no number,
+range (``64–126``) or verdict (``keep dense 1 · factorize 3``) is ever cut. When the line is too short the columns give
+way in a fixed order (:func:`layer_steps`: shortened, then dropped, least useful first), and a legend line says what
+was shortened or left out; the layer name column then takes the room that is left (long names are cut in the
+middle, so T5's ``encoder...relative_attention_bias`` and ``decoder...relative_attention_bias`` stay distinct).
+Names pass through :func:`auditor.render.safe.term`: no escape sequence, control character or direction override
+reaches the terminal.
 """
 
 from __future__ import annotations
@@ -11,7 +14,7 @@ from __future__ import annotations
 import re
 import textwrap
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 from ..policy import verdict_line
 from . import calibration
@@ -27,14 +30,92 @@ MIN_WIDTH = 60
 NAME_MIN = 10
 GAP = 2
 
+# Short kind words, for the first step of fitting a narrow table.
+KIND_SHORT = {"linear": "lin", "embedding": "emb", "hf_conv1d": "conv1d", "conv_transpose": "convT",
+              "mha_in_proj": "mha", "matmul": "mm", "tensor": "tens"}
+
 
 @dataclass(frozen=True)
 class Column:
+    """A table column. ``key`` names it in the fitting steps; ``short`` is its abbreviated form (a shorter title
+    and/or shorter cells that keep every number whole: 589,824 -> 589.82K)."""
+
+    key: str
     title: str
-    width: int  # 0: the name column, sized to fit
     align: str
-    cell: Callable[[int, GroupRow], str]
-    keep: int  # higher is kept longer when the width is short
+    cell: Callable[[int, Any], str]
+    short: "tuple[str, Callable[[int, Any], str]] | None" = None
+    name: bool = False  # the flexible column: cut in the middle when room is short
+    min_width: int = 0
+
+
+@dataclass(frozen=True)
+class Fitted:
+    """A table fitted to a width: its columns (abbreviated where ``short`` is set), their widths, and which
+    columns were dropped or abbreviated (in the order the steps ran)."""
+
+    columns: list[tuple[Column, bool]]  # (column, abbreviated)
+    widths: list[int]
+    dropped: list[str]
+    abbreviated: list[str]
+
+    def lines(self, rows: list[Any]) -> list[str]:
+        def line(vals: list[str]) -> str:
+            parts = []
+            for (c, _), w, v in zip(self.columns, self.widths, vals):
+                if c.name:
+                    v = _cut_name(v, w)
+                parts.append(f"{v:{c.align}{w}}")
+            return (" " * GAP).join(parts).rstrip()
+
+        head = [(c.short[0] if short and c.short else c.title) for c, short in self.columns]
+        return [line(head)] + [line([_cell(c, short, i, r) for c, short in self.columns])
+                               for i, r in enumerate(rows, 1)]
+
+    def has(self, key: str) -> bool:
+        return any(c.key == key for c, _ in self.columns)
+
+
+def _cell(c: Column, short: bool, i: int, row: Any) -> str:
+    return (c.short[1] if short and c.short else c.cell)(i, row)
+
+
+def fit(cols: list[Column], rows: list[Any], width: int, steps: list[tuple[str, str]],
+        name_floor: int = NAME_MIN) -> Fitted:
+    """The columns that fit ``width``: each column as wide as its widest cell or title (nothing is ever cut but the
+    name column), then ``steps`` applied in their fixed order, ``("short", key)`` abbreviating a column and
+    ``("drop", key)`` removing it, until the line fits with the name column at its floor (a quarter of the line,
+    at least ``name_floor``, or the longest name when that is shorter). The name column then takes the room left."""
+    state: dict[str, bool] = {c.key: False for c in cols}  # key -> abbreviated
+    kept = [c.key for c in cols]
+    by_key = {c.key: c for c in cols}
+    dropped: list[str] = []
+    abbreviated: list[str] = []
+
+    def natural(c: Column, short: bool) -> int:
+        title = c.short[0] if short and c.short else c.title
+        return max([c.min_width, len(title)] + [len(_cell(c, short, i, r)) for i, r in enumerate(rows, 1)])
+
+    name_want = max([natural(c, False) for c in cols if c.name] or [0])
+    floor = min(name_want, max(name_floor, width // 4))
+
+    def fixed() -> int:
+        return sum(natural(by_key[k], state[k]) for k in kept if not by_key[k].name) + GAP * (len(kept) - 1)
+
+    for action, key in steps:
+        if fixed() + floor <= width:
+            break
+        if key not in kept:
+            continue
+        if action == "drop":
+            kept.remove(key)
+            dropped.append(key)
+        elif by_key[key].short is not None and not state[key]:
+            state[key] = True
+            abbreviated.append(key)
+    room = width - fixed()
+    widths = [max(4, min(name_want, room)) if by_key[k].name else natural(by_key[k], state[k]) for k in kept]
+    return Fitted([(by_key[k], state[k]) for k in kept], widths, dropped, abbreviated)
 
 
 def _name(g: GroupRow) -> str:
@@ -42,47 +123,50 @@ def _name(g: GroupRow) -> str:
     return term(g.label) + (f" ×{g.size}" if g.is_group else "") + (" *" if tied else "")
 
 
+def _dash(text: str) -> str:
+    return "-" if text == "–" else text
+
+
 def _columns(labels: list[str], planned: bool) -> list[Column]:
     cols = [
-        Column("#", 3, ">", lambda i, g: str(i), 100),
-        Column("layer", 0, "<", lambda i, g: _name(g), 100),
-        Column("kind", 12, "<", lambda i, g: g.members[0].kind, 10),
-        Column("m x n", 13, ">", lambda i, g: g.shape, 60),
-        Column("params", 12, ">", lambda i, g: f"{g.params:,}", 95),
-        Column("share", 6, ">", lambda i, g: f"{100 * g.share:.1f}%", 90),
-        Column("cum", 5, ">", lambda i, g: f"{100 * g.cumulative:.0f}%", 20),
-        Column("MACs", 9, ">", lambda i, g: human(g.macs), 30),
-        Column("break-even", 10, ">", lambda i, g: fmt_num(g.break_even), 70),
+        Column("#", "#", ">", lambda i, g: str(i)),
+        Column("layer", "layer", "<", lambda i, g: _name(g), name=True),
+        Column("kind", "kind", "<", lambda i, g: g.members[0].kind,
+               short=("kind", lambda i, g: KIND_SHORT.get(g.members[0].kind, g.members[0].kind))),
+        Column("shape", "m x n", ">", lambda i, g: g.shape),
+        Column("params", "params", ">", lambda i, g: f"{g.params:,}", short=("params", lambda i, g: human(g.params))),
+        Column("share", "share", ">", lambda i, g: f"{100 * g.share:.1f}%"),
+        Column("cum", "cum", ">", lambda i, g: f"{100 * g.cumulative:.0f}%"),
+        Column("macs", "MACs", ">", lambda i, g: human(g.macs)),
+        Column("break-even", "break-even", ">", lambda i, g: fmt_num(g.break_even),
+               short=("b-e", lambda i, g: fmt_num(g.break_even))),
     ]
     for k, label in enumerate(labels):
-        cols.append(Column(label, max(5, len(label)), ">", lambda i, g, k=k: g.ranks[k] if g.ranks[k] != "–" else "-", 40 + k))
+        cols.append(Column(label, label, ">", lambda i, g, k=k: _dash(g.ranks[k])))
     if planned:
-        cols += [Column("planned", 8, ">", lambda i, g: g.planned if g.planned != "–" else "dense", 88),
-                 Column("sugg.", 8, ">", lambda i, g: g.suggested if g.suggested != "–" else "-", 75)]
+        cols += [Column("planned", "planned", ">", lambda i, g: g.planned if g.planned != "–" else "dense"),
+                 Column("sugg.", "sugg.", ">", lambda i, g: _dash(g.suggested))]
     else:
-        cols.append(Column("rank", 8, ">", lambda i, g: g.suggested if g.suggested != "–" else "-", 85))
+        cols.append(Column("rank", "rank", ">", lambda i, g: _dash(g.suggested)))
     cols += [
-        Column("x", 6, ">", lambda i, g: fmt_num(g.compression, 2), 50),
-        Column("verdict", 11, "<", lambda i, g: g.verdict, 80),
+        Column("x", "x", ">", lambda i, g: fmt_num(g.compression, 2)),
+        Column("verdict", "verdict", "<", lambda i, g: g.verdict),
     ]
     return cols
 
 
-def _fit(cols: list[Column], width: int, name_want: int) -> tuple[list[Column], int]:
-    """The columns that fit in ``width`` (dropping the least useful first) and the name column's width (at least
-    a sixth of the line, so names stay readable before the less useful columns go)."""
-    kept = list(cols)
-    name_min = max(NAME_MIN, min(name_want, width // (4 if width >= 100 else 6)))
-
-    def fixed() -> int:
-        return sum(c.width for c in kept if c.width) + GAP * (len(kept) - 1)
-
-    while fixed() + name_min > width:
-        droppable = [c for c in kept if c.keep < 100]
-        if not droppable:
-            break
-        kept.remove(min(droppable, key=lambda c: c.keep))
-    return kept, max(name_min, min(name_want, width - fixed()))
+def layer_steps(labels: list[str], target: str) -> list[tuple[str, str]]:
+    """The fixed order in which the layer table gives way to a narrow line: kind words shortened, the cumulative
+    share dropped, parameter counts in K/M, MACs, kind, the rank columns other than the target energy's (highest
+    target first), break-even's title, the compression, the shape, break-even, the target's rank column, the
+    suggested rank beside a planned one, the share, the parameters. The row number, the name, the rank shown and
+    the verdict always stay."""
+    others = [lab for lab in reversed(labels) if lab != target]
+    return ([("short", "kind"), ("drop", "cum"), ("short", "params"), ("drop", "macs"), ("drop", "kind")]
+            + [("drop", lab) for lab in others]
+            + [("short", "break-even"), ("drop", "x"), ("drop", "shape"), ("drop", "break-even")]
+            + [("drop", lab) for lab in labels if lab == target]
+            + [("drop", "sugg."), ("drop", "share"), ("drop", "params")])
 
 
 def _cut_name(text: str, width: int) -> str:
@@ -92,16 +176,39 @@ def _cut_name(text: str, width: int) -> str:
     return middle(label, max(4, width - len(marks))) + marks
 
 
-def _table(rows: list[GroupRow], cols: list[Column], namew: int) -> list[str]:
-    def line(vals: list[str]) -> str:
-        parts = []
-        for c, v in zip(cols, vals):
-            w = c.width or namew
-            v = _cut_name(v, w) if c.width == 0 else (v if len(v) <= w else "…" + v[-(w - 1):])
-            parts.append(f"{v:{c.align}{w}}")
-        return (" " * GAP).join(parts).rstrip()
+def _cal_columns() -> list[Column]:
+    return [
+        Column("layer", "layer", "<", lambda i, r: term(r.layer), name=True),
+        Column("rows", "rows", ">", lambda i, r: f"{r.rows:,}", short=("rows", lambda i, r: human(r.rows))),
+        Column("r1", "r@1%", ">", lambda i, r: _opt(r.r1)),
+        Column("r5", "r@5%", ">", lambda i, r: _opt(r.r5)),
+        Column("data", "data", ">", lambda i, r: "dense" if r.suggested == "keep dense" else r.suggested),
+        Column("floor", "floor", ">", lambda i, r: "dense" if r.floor.startswith("keep") else r.floor),
+        Column("cliff", "cliff", ">", lambda i, r: r.cliff),
+    ]
 
-    return [line([c.title for c in cols])] + [line([c.cell(i, g) for c in cols]) for i, g in enumerate(rows, 1)]
+
+CAL_STEPS = [("short", "rows"), ("drop", "cliff"), ("drop", "r1"), ("drop", "rows"), ("drop", "r5")]
+
+
+def _opt(v: Any) -> str:
+    return "-" if v is None else f"{v:,}"
+
+
+def _legend(fitted: Fitted, rows: list[Any], width: int) -> list[str]:
+    """What an abbreviated or dropped column means, in one line (nothing when the table is whole)."""
+    parts = []
+    if "kind" in fitted.abbreviated and fitted.has("kind"):
+        used = dict.fromkeys(g.members[0].kind for g in rows)
+        parts.append("kind: " + ", ".join(f"{KIND_SHORT[k]} = {k}" for k in used if k in KIND_SHORT))
+    if "break-even" in fitted.abbreviated and fitted.has("break-even"):
+        parts.append("b-e = break-even rank m*n/(m+n)")
+    if fitted.dropped:
+        titles = {c.key: c.title for c in _columns([], False)} | {"sugg.": "sugg."}
+        parts.append(f"left out to fit {width} columns: "
+                     f"{', '.join(titles.get(k, k) for k in fitted.dropped)} (widen the terminal, or see "
+                     "--format json/html)")
+    return ["; ".join(p for p in parts if p)] if any(parts) else []
 
 
 def render(audit: "Audit", context: RenderContext = RenderContext(), top: int = 40) -> str:
@@ -126,9 +233,10 @@ def render(audit: "Audit", context: RenderContext = RenderContext(), top: int = 
     table = layer_table(audit)
     groups = group_rows(audit, table)
     rows = groups[:top]
-    cols, namew = _fit(_columns([c.label for c in table.columns], table.planned), width,
-                       min(64, max([16] + [len(_name(g)) + 2 for g in rows])))
-    out += _table(rows, cols, namew)
+    labels = [c.label for c in table.columns]
+    target = next((c.label for c in table.columns if abs(c.target - audit.settings.target_energy) < 1e-12), "")
+    fitted = fit(_columns(labels, table.planned), rows, width, layer_steps(labels, target))
+    out += fitted.lines(rows)
     if len(groups) > top:
         say(f"... {len(groups) - top} more groups (see --format json/html)")
     grouped = sum(g.is_group for g in groups)
@@ -137,7 +245,9 @@ def render(audit: "Audit", context: RenderContext = RenderContext(), top: int = 
             "listed in the JSON and HTML reports)", "  ")
     if any(r.tied for r in table.rows):
         say("* tied or shared weight: counted once; every use listed in the JSON and HTML reports", "  ")
-    if any(c.title == "x" for c in cols):
+    for line in _legend(fitted, rows, width):
+        say(line, "  ")
+    if fitted.has("x"):
         say("x = compression m*n / (r*(m+n)) at the " + ("planned" if table.planned else "suggested")
             + " rank; above 1 saves parameters", "  ")
     rv = audit.review
@@ -161,11 +271,15 @@ def render(audit: "Audit", context: RenderContext = RenderContext(), top: int = 
         out.append("")
         for line in calibration.terminal(audit):
             say(line, "  ")
-        out += [line[:width] for line in calibration.terminal_table(audit, min(40, max(12, width - 62)))]
+        cal_rows = calibration.rows(audit.calibration) if audit.calibration.layers else []
+        if cal_rows:
+            out += fit(_cal_columns(), cal_rows, width, CAL_STEPS, name_floor=12).lines(cal_rows)
     if audit.findings:
         out.append("")
         for f in audit.findings:
             say(f"{f.severity.value:<7} {f.code} {term(f.message)}", " " * 14)
+            if f.fix:
+                say(f"{'':14}fix: {term(f.fix)}", " " * 19)
     if context.baseline is not None:
         d = context.baseline
         out.append("")

@@ -2,9 +2,39 @@
 
 from __future__ import annotations
 
+import os
+import re
 from collections.abc import Iterable
 
-from .registry import ENTRY_POINT_GROUP, Rule
+from .registry import BUILTIN_ORIGIN, ENTRY_POINT_GROUP, Rule
+
+# Where docs/rules.md is published: each rule's page is this address with the rule's heading anchor
+# (``#lr004-energy-below-floor``). SARIF helpUri and ``lowrank-audit rules CODE`` link there;
+# $LOWRANK_AUDITOR_DOCS_URL points a fork or a mirror at its own copy.
+DOCS_URL = "https://github.com/lowrank-auditor/lowrank-auditor/blob/main/docs/rules.md"
+
+
+def rule_anchor(r: Rule) -> str:
+    """The anchor GitHub gives the rule's heading ``## LR004 energy-below-floor`` in docs/rules.md: lower case,
+    spaces as hyphens, punctuation other than ``-`` and ``_`` dropped.
+
+    >>> from auditor.rules import find_rule
+    >>> rule_anchor(find_rule("LR004"))
+    'lr004-energy-below-floor'
+    """
+    return re.sub(r"[^\w\- ]", "", f"{r.code} {r.slug}".lower()).replace(" ", "-")
+
+
+def rule_url(r: Rule) -> str | None:
+    """The address of the rule's page in docs/rules.md; None for a plugin's rule (its docs live with the plugin).
+
+    >>> from auditor.rules import find_rule
+    >>> rule_url(find_rule("LR001")).endswith("docs/rules.md#lr001-rank-at-or-above-break-even")
+    True
+    """
+    if r.origin != BUILTIN_ORIGIN:
+        return None
+    return f"{os.environ.get('LOWRANK_AUDITOR_DOCS_URL') or DOCS_URL}#{rule_anchor(r)}"
 
 # The example plugin that docs/rules.md shows; tests/test_rules_registry.py installs and runs this very text.
 PLUGIN_EXAMPLE = '''\
@@ -82,7 +112,7 @@ def rules_markdown(rules: Iterable[Rule] | None = None) -> str:
             "Generated from the rule docstrings in `auditor/rules/` by `lowrank-audit rules --markdown`;",
             "do not edit by hand. Other packages add rules too: see [Writing a rule](#writing-a-rule).", "", "| code | slug | severity | scope | flags |", "|---|---|---|---|---|"]
     for r in chosen:
-        head.append(f"| {r.code} | {r.slug} | {r.severity} | {r.scope} | {r.summary} |")
+        head.append(f"| [{r.code}](#{rule_anchor(r)}) | {r.slug} | {r.severity} | {r.scope} | {r.summary} |")
     from .registry import SECTIONS
 
     howto = WRITING_A_RULE.format(sections=", ".join(SECTIONS), example=PLUGIN_EXAMPLE)
