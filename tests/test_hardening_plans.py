@@ -107,8 +107,10 @@ def test_own_plan_passes_own_review_on_tied_gpt2(cli_inproc, tmp_path):
     assert code == 0
     text = plan.read_text()
     ranks = tomllib.loads(text)["ranks"]
-    assert "transformer.wte" not in ranks and '# "transformer.wte" = 8  # names transformer.wte.weight, ' \
-        'lm_head.weight; 2 use(s) per forward' in text
+    # the tied embedding/decoder is not suggested (one factorization would change both uses): left dense, saying why
+    assert "transformer.wte" not in ranks and "# transformer.wte: keep dense (tied or shared (transformer.wte.weight, " \
+        "lm_head.weight; 2 use(s) per forward)" in text
+    assert suggested["suggestions"]["transformer.wte"]["verdict"] == "keep dense"
     assert ranks == {"transformer.h.*.attn.c_attn": 8, "transformer.h.*.attn.c_proj": 8,
                      "transformer.h.*.mlp.c_fc": 8, "transformer.h.*.mlp.c_proj": 8, "transformer.wpe": 8}
     code, reviewed = review(cli_inproc, src, "--plan", plan, "--fail-on", "warning")

@@ -214,9 +214,9 @@ def test_json_validates_against_the_documented_schema(audit_cnn):
 def test_registry_holds_every_format_as_a_reporter():
     from auditor.render import REPORTERS, Reporter, register
 
-    assert list(REPORTERS) == ["text", "json", "md", "html", "pdf"]
+    assert list(REPORTERS) == ["text", "json", "md", "html", "pdf", "sarif", "github"]
     assert all(isinstance(r, Reporter) and r.name == k for k, r in REPORTERS.items())
-    assert [r.suffix for r in REPORTERS.values()] == [".txt", ".json", ".md", ".html", ".pdf"]
+    assert [r.suffix for r in REPORTERS.values()] == [".txt", ".json", ".md", ".html", ".pdf", ".sarif", ".github.txt"]
     with pytest.raises(TypeError, match="lacks"):
         register(object())  # type: ignore[arg-type]
 
