@@ -110,7 +110,7 @@ def test_embedding_factorization():
 
 
 def test_hf_conv1d_factorization():
-    transformers = pytest.importorskip("transformers")
+    pytest.importorskip("transformers")
     from transformers.pytorch_utils import Conv1D
 
     torch.manual_seed(2)
@@ -119,11 +119,16 @@ def test_hf_conv1d_factorization():
     net = nn.Sequential(c)
     new = factorize(net, {"0": 4})
     assert count_params(new) == 24 * 10 + 24 - 240 + 4 * 34
+    assert [type(m) for m in new[0]] == [nn.Linear, nn.Linear] and new[0][0].weight.shape == (4, 10)
     x = torch.randn(3, 5, 10)
+    # the rank-4 Eckart-Young truncation of the stored (in, out) weight, from a float64 SVD: y = x W_4 + b
+    u, s, vh = torch.linalg.svd(c.weight.detach().double(), full_matrices=False)
+    w4 = (u[:, :4] * s[:4]) @ vh[:4]
+    with torch.no_grad():  # float32 layers against float64: 1e-4 relative is float32 rounding, not a rank error
+        torch.testing.assert_close(new(x).double(), x.double() @ w4 + c.bias.double(), rtol=1e-4, atol=1e-5)
     full = factorize(net, {"0": 10})
     with torch.no_grad():
         torch.testing.assert_close(full(x), net(x), rtol=1e-4, atol=1e-5)
-    assert transformers is not None
 
 
 def test_save_and_load_round_trip(tmp_path, digits_cnn):
