@@ -41,6 +41,11 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--input-shape", action="append", metavar="1,3,224,224", help="example input shape")
     p.add_argument("--input-ids", metavar="1,128", help="token ids of this shape")
     p.add_argument("--no-cache", action="store_true", help="do not read or write the caches")
+    from .export import add_cli_arguments as export_arguments
+    from .recover import add_cli_arguments as recover_arguments
+
+    recover_arguments(p)
+    export_arguments(p)
     return p
 
 
@@ -59,8 +64,12 @@ def run(args: argparse.Namespace) -> int:
     from .pipeline import audit, load_model
     from .policy import input_errors
 
+    from .export import cli_formats, cli_write
+    from .recover import cli_recover, cli_settings
+
     out = Path(args.output_dir)
     _check_dir(out, args.force)
+    recovery, formats = cli_settings(args), cli_formats(args)  # checked before any work
     loaded = load_model(args.model, LoadOptions(
         input_shape=tuple(parse_shape(s, "--input-shape") for s in args.input_shape) if args.input_shape else None,
         input_ids=parse_shape(args.input_ids, "--input-ids") if args.input_ids else None, weights=args.weights))
@@ -87,7 +96,7 @@ def run(args: argparse.Namespace) -> int:
     plan = {it.layer: it.rank for it in rv.items} if rv is not None else {}
     if not plan:
         raise AuditError(f"plan {args.plan} factorizes no layer of {loaded.name}", "Check the plan's patterns")
-    stats = None
+    stats = cal = None
     if args.calibration is not None:
         from .calibration import input_statistics, load_calibration
 
@@ -101,10 +110,15 @@ def run(args: argparse.Namespace) -> int:
     if pc is not None and cr is not None:
         extra["measured"] = {"metric": cr.metric, "value": pc.measured, "holds": pc.ok, "tolerance": cr.tolerance,
                              "predicted": pc.predicted, "top1": pc.top1, "calibration_digest": cr.digest}
+    if recovery is not None:
+        from .calibration.stage import metric_of
+
+        extra["recovery"] = cli_recover(recovery, new, model, cal, metric_of(options))
     # write beside the destination, then move into place: no half-written directory
     out.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=out.parent, prefix=f".{out.name}.") as tmp:
         save_factorized(new, plan, tmp, source=loaded.source, extra=extra)
+        exported = cli_write(tmp, new, cal, loaded.example_inputs, formats)
         if out.exists():
             shutil.rmtree(out)
         shutil.copytree(tmp, out)
@@ -117,7 +131,11 @@ def run(args: argparse.Namespace) -> int:
               f"({'holds' if pc.ok else 'misses'} the tolerance {cr.tolerance:g})", file=sys.stderr)
     print(f"wrote {out / 'model.safetensors'} and {out / 'plan.json'}; a recovery fine-tune follows "
           "(load with auditor.factorize.load_factorized(model, DIR))", file=sys.stderr)
-    return ExitCode.OK
+    if exported:
+        print(f"wrote {', '.join(str(out / f) for f in exported)}: loads with plain torch "
+              "(torch.export.load; see README.md)", file=sys.stderr)
+    stopped = str(extra.get("recovery", {}).get("stopped") or "")
+    return 130 if stopped.startswith("interrupted") else ExitCode.OK
 
 
 def main(argv: Sequence[str]) -> int:

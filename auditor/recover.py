@@ -388,7 +388,7 @@ def recover(factorized: nn.Module, dense: nn.Module, calibration: Calibration, *
                 if pt.fit_loss < best_loss:
                     best_loss, best_step, best_state = pt.fit_loss, step, snapshot()
     except KeyboardInterrupt:
-        stopped = f"interrupted at step {done + 1}"
+        stopped = f"interrupted after step {done}"
     finally:
         with torch.no_grad():
             for p, v in zip(params, best_state):
@@ -418,3 +418,74 @@ def summary(r: Recovery) -> str:
     return (f"recovery: {r.done} of {r.steps} steps ({r.objective}, {r.trainable}, lr {r.lr:g}, "
             f"{r.seconds_per_step:.3f} s/step), held-out {r.metric} {r.before.metric:.4g} -> {r.after.metric:.4g} "
             f"(kept step {r.kept_step}){top}{stop}")
+
+
+# --- the command line (lowrank-audit factorize ... --recover STEPS) ---------------------------------------------
+
+def add_cli_arguments(p: Any) -> None:
+    p.add_argument("--recover", metavar="STEPS", help="distil the factorized model toward the dense one for STEPS "
+                                                      "steps on the calibration's fit rows (needs --calibration)")
+    p.add_argument("--recover-lr", metavar="X", help=f"recovery learning rate (AdamW; default {DEFAULT_LR:g})")
+    p.add_argument("--recover-trainable", metavar="factors|all",
+                   help="what recovery trains: the factor weights (default) or every parameter")
+    p.add_argument("--recover-objective", metavar="auto|kl|mse",
+                   help="KL of the output distributions (logits), output MSE, or auto (KL for logits)")
+
+
+def cli_settings(args: Any) -> dict[str, Any] | None:
+    """The recovery settings from the command line, checked before any work: None without --recover."""
+    given = [f for f in ("recover_lr", "recover_trainable", "recover_objective") if getattr(args, f, None) is not None]
+    if getattr(args, "recover", None) is None:
+        if given:
+            raise AuditError(f"--{given[0].replace('_', '-')} needs --recover STEPS", "Add --recover 200, say")
+        return None
+    if getattr(args, "calibration", None) is None:
+        raise AuditError("--recover needs --calibration: recovery trains on its fit rows and measures on the "
+                         "held-out ones", "Pass --calibration FILE")
+    text = str(args.recover).strip()
+    try:
+        steps = int(text)
+    except ValueError:
+        raise AuditError(f"--recover {args.recover!r} is not a whole number of steps", "Give e.g. --recover 200") from None
+    lr: Any = DEFAULT_LR
+    if args.recover_lr is not None:
+        try:
+            lr = float(str(args.recover_lr).strip())
+        except ValueError:
+            raise AuditError(f"--recover-lr {args.recover_lr!r} is not a number", f"Give e.g. --recover-lr {DEFAULT_LR:g}") from None
+    out = {"steps": steps, "lr": lr, "trainable": args.recover_trainable or "factors",
+           "objective": args.recover_objective or "auto"}
+    _check_settings(out["steps"], out["lr"], out["trainable"], out["objective"], 0, None, None, 1.0)
+    return out
+
+
+def cli_recover(settings: dict[str, Any], factorized: nn.Module, dense: nn.Module, calibration: Calibration,
+                metric: Metric | None) -> dict[str, Any]:
+    """Run the recovery for the command line: a bar with the running loss on a terminal, one summary line; a loss
+    that became NaN is bad input (nothing is written). Returns the plan.json entry."""
+    import sys
+
+    from .progress import _is_tty
+
+    bar = None
+    report: Progress | None = None
+    if _is_tty(sys.stderr):
+        from tqdm import tqdm
+
+        bar = tqdm(total=settings["steps"], desc="recovery", unit="step", file=sys.stderr, leave=True, mininterval=0.2)
+
+        def report(done: int, total: int, loss: float) -> None:
+            bar.update(done - bar.n)
+            bar.set_postfix(loss=f"{loss:.4g}", refresh=False)
+
+    try:
+        r = recover(factorized, dense, calibration, steps=settings["steps"], lr=settings["lr"],
+                    trainable=settings["trainable"], objective=settings["objective"], metric=metric,
+                    eval_every=max(1, settings["steps"] // 5), progress=report)
+    finally:
+        if bar is not None:
+            bar.close()
+    if r.stopped is not None and not r.stopped.startswith("interrupted"):
+        raise AuditError(f"recovery stopped: {r.stopped}", "Lower --recover-lr (or check the inputs); nothing was written")
+    print(summary(r), file=sys.stderr)
+    return r.to_dict()
