@@ -42,6 +42,7 @@ def main() -> None:
     ap.add_argument("--budgets", default="0.3,0.5,0.7", help="fractions of the parameters to remove")
     ap.add_argument("--lr", type=float, default=1e-4)
     ap.add_argument("--trainable", default="factors", choices=("factors", "all"))
+    ap.add_argument("--objective", default="auto", choices=("auto", "kl", "mse"))
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--batch", type=int, default=8, help="windows per step (and per measured batch)")
     args = ap.parse_args()
@@ -59,7 +60,7 @@ def main() -> None:
     curves = curves_from_spectra(spectra, layers)
     total = count_params(model)
     print(f"char transformer: {total:,} parameters, {len(curves.options)} factorizable layers; fit {cal.fit_rows} "
-          f"windows, held out {cal.holdout_rows}, {args.batch} windows a step; lr {args.lr:g}, {args.trainable}, torch threads {args.threads}")
+          f"windows, held out {cal.holdout_rows}, {args.batch} windows a step; lr {args.lr:g}, {args.trainable}, objective {args.objective}, torch threads {args.threads}")
     rows = []
     for budget in budgets:
         plan, saved, _ = allocate(curves, budget * total)
@@ -67,7 +68,7 @@ def main() -> None:
         removed = 1 - count_params(new) / total
         t0 = time.perf_counter()
         rec = recover(new, model, cal, steps=checkpoints[-1], lr=args.lr, trainable=args.trainable,
-                      eval_at=checkpoints)
+                      objective=args.objective, eval_at=checkpoints)
         wall = time.perf_counter() - t0
         at = {p.step: p for p in rec.points}
         rows.append((removed, len(plan), rec, at, wall))
