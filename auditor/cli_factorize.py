@@ -47,6 +47,11 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--input-shape", action="append", metavar="1,3,224,224", help="example input shape")
     p.add_argument("--input-ids", metavar="1,128", help="token ids of this shape")
     p.add_argument("--no-cache", action="store_true", help="do not read or write the caches")
+    from .export import add_cli_arguments as export_arguments
+    from .recover import add_cli_arguments as recover_arguments
+
+    recover_arguments(p)
+    export_arguments(p)
     return p
 
 
@@ -96,8 +101,12 @@ def run(args: argparse.Namespace) -> int:
     from .plan import Plan
     from .policy import input_errors
 
+    from .export import cli_formats, cli_write
+    from .recover import cli_recover, cli_settings
+
     out = Path(args.output_dir)
     _check_dir(out, args)
+    recovery, formats = cli_settings(args), cli_formats(args)  # checked before any work
     plan_obj = Plan.coerce(args.plan)
     loaded = load_model(args.model, LoadOptions(
         input_shape=tuple(parse_shape(s, "--input-shape") for s in args.input_shape) if args.input_shape else None,
@@ -128,7 +137,7 @@ def run(args: argparse.Namespace) -> int:
         raise AuditError(f"plan {args.plan} factorizes no layer of {loaded.name}", "Check the plan's patterns")
     if not args.allow_no_saving:
         _no_saving(result, plan)
-    stats = None
+    stats = cal = None
     if args.calibration is not None:
         from .calibration import input_statistics, load_calibration
 
@@ -142,9 +151,18 @@ def run(args: argparse.Namespace) -> int:
     if pc is not None and cr is not None:
         extra["measured"] = {"metric": cr.metric, "value": pc.measured, "holds": pc.ok, "tolerance": cr.tolerance,
                              "predicted": pc.predicted, "top1": pc.top1, "calibration_digest": cr.digest}
+    if recovery is not None:
+        from .calibration.stage import metric_of
+
+        extra["recovery"] = cli_recover(recovery, new, model, cal, metric_of(options))
+    exported: list[str] = []
+
+    def write(stage: Any) -> None:
+        write_factorized(new, plan, stage, source=loaded.source, extra=extra)
+        exported[:] = cli_write(stage, new, cal, loaded.example_inputs, formats)
+
     # written into a folder beside the destination, then renamed into place: never a half-written directory
-    write_folder(out, lambda stage: write_factorized(new, plan, stage, source=loaded.source, extra=extra),
-                 recheck=lambda: _check_dir(out, args))
+    write_folder(out, write, recheck=lambda: _check_dir(out, args))
     before, after = count_params(model), count_params(new)
     change = (f"{100 * (before - after) / before:.1f}% removed" if after <= before else
               f"{100 * (after - before) / before:.1f}% more, ranks at or above break-even")
@@ -156,7 +174,11 @@ def run(args: argparse.Namespace) -> int:
               f"({'holds' if pc.ok else 'misses'} the tolerance {cr.tolerance:g})", file=sys.stderr)
     print(f"wrote {out / 'model.safetensors'} and {out / 'plan.json'}; a recovery fine-tune follows "
           "(load with auditor.factorize.load_factorized(model, DIR))", file=sys.stderr)
-    return ExitCode.OK
+    if exported:
+        print(f"wrote {', '.join(str(out / f) for f in exported)}: loads with plain torch "
+              "(torch.export.load; see README.md)", file=sys.stderr)
+    stopped = str(extra.get("recovery", {}).get("stopped") or "")
+    return 130 if stopped.startswith("interrupted") else ExitCode.OK
 
 
 def main(argv: Sequence[str]) -> int:

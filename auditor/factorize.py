@@ -286,6 +286,7 @@ MODEL_FILE = "model.safetensors"
 PLAN_FILE = "plan.json"
 MARKER = "lowrank-audit-factorized.json"  # written last by save_factorized: the folder is a complete output of it
 OUTPUT_FILES = (MODEL_FILE, PLAN_FILE, MARKER)
+EXPORT_FILES = ("model.pt2", "model.onnx", "README.md")  # what --export adds (auditor/export.py)
 TOOL = "lowrank-auditor"
 MAX_PLAN_BYTES = 16 * 2**20  # a plan.json is a few kB; a larger one is not one
 
@@ -376,7 +377,7 @@ def previous_output(directory: str | Path) -> str | None:
     if not isinstance(data, dict) or data.get("tool") != TOOL or data.get("format") != FORMAT:
         return f"has a {MARKER} that lowrank-audit factorize did not write"
     for entry in sorted(os.listdir(d)):
-        if entry not in OUTPUT_FILES:
+        if entry not in OUTPUT_FILES and entry not in EXPORT_FILES:
             return f"also holds {entry!r}, which lowrank-audit factorize did not write"
         if not stat.S_ISREG(os.lstat(d / entry).st_mode):
             return f"has {entry} as {_kind(d / entry)}"

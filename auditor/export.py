@@ -1,0 +1,441 @@
+"""A factorized model that loads without this tool: a ``torch.export`` program (``model.pt2``), optionally an ONNX
+file, and a README that says how to load them with plain torch.
+
+``export(model, example, directory, formats)`` traces the (factorized) module with ``torch.export.export`` on the
+example inputs (the first calibration batch, or the factory's example inputs), the batch dimension dynamic where the
+model allows it, saves ``model.pt2``, loads it back and checks that it reproduces the module's outputs on those
+inputs to 1e-5 relative (``||y_pt2 - y|| / ||y||`` over every output tensor); it returns the entry that goes into
+plan.json under ``"export"`` (file, sha256, size, inputs, the check). ``onnx`` needs the ``onnx`` and ``onnxscript``
+packages (``torch.onnx.export(..., dynamo=True)``) and is checked with onnxruntime when that is installed; without
+them it is refused with one line. ``readme(...)`` writes the README.
+
+``load_program(directory)`` is the tool's own loader: it reads plan.json strictly, refuses a ``model.pt2`` whose
+size or sha256 differs from what plan.json records, and checks that the program's factors have the planned ranks
+and its parameter count is the recorded one, each with one line; then it returns the ``ExportedProgram``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from .errors import AuditError, first_line, no_duplicate_keys
+
+PT2 = "model.pt2"
+ONNX = "model.onnx"
+README = "README.md"
+FORMATS = ("pt2", "onnx")
+TOLERANCE = 1e-5  # relative output error allowed between the exported program and the module
+ONNX_TOLERANCE = 1e-4  # onnxruntime's kernels differ from torch's in rounding
+MAX_PLAN_BYTES = 16 << 20
+
+
+def parse_formats(spec: str) -> tuple[str, ...]:
+    """``pt2``, ``onnx`` or ``pt2,onnx`` (``--export``); pt2 is always written (ONNX is exported from it)."""
+    names = [s.strip().lower() for s in str(spec).split(",") if s.strip()]
+    bad = [n for n in names if n not in FORMATS]
+    if not names or bad:
+        raise AuditError(f"--export {spec!r} names {', '.join(map(repr, bad)) or 'no format'}",
+                         "Give --export pt2, onnx or pt2,onnx")
+    if "onnx" in names:
+        check_onnx_available()
+    return tuple(f for f in FORMATS if f == "pt2" or f in names)
+
+
+def check_onnx_available() -> None:
+    missing = [m for m in ("onnx", "onnxscript") if importlib.util.find_spec(m) is None]
+    if missing:
+        raise AuditError(f"--export onnx needs the {' and '.join(missing)} package{'s' if len(missing) > 1 else ''}, "
+                         "which this Python does not have",
+                         "pip install onnx onnxscript (and onnxruntime to check the file), or use --export pt2")
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as fh:
+        for chunk in iter(lambda: fh.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _leaves(out: Any) -> list[torch.Tensor]:
+    """Every tensor in an output (tensor, tuple, list, dict, or an object pytree knows), in order."""
+    from torch.utils._pytree import tree_leaves
+
+    return [t for t in tree_leaves(out) if isinstance(t, torch.Tensor)]
+
+
+def relative_error(got: Any, want: Any) -> float:
+    """||got - want|| / ||want|| over every output tensor (float64); inf when the structures differ."""
+    a, b = _leaves(got), _leaves(want)
+    if len(a) != len(b) or any(x.shape != y.shape for x, y in zip(a, b)):
+        return math.inf
+    num = sum(float((x.double() - y.double()).pow(2).sum()) for x, y in zip(a, b) if y.is_floating_point())
+    den = sum(float(y.double().pow(2).sum()) for y in b if y.is_floating_point())
+    if any(not y.is_floating_point() and not torch.equal(x, y) for x, y in zip(a, b)):
+        return math.inf
+    return math.sqrt(num / den) if den > 0 else math.sqrt(num)
+
+
+class _Plain(nn.Module):
+    """Returns a Hugging Face ``ModelOutput`` (or another output class) as a plain dict of its tensors, so the
+    program loads with torch alone."""
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        out = self.model(*args, **kwargs)
+        return {k: v for k, v in out.items() if isinstance(v, torch.Tensor)}
+
+
+def _plain_output(out: Any) -> bool:
+    if isinstance(out, torch.Tensor):
+        return True
+    if type(out) in (tuple, list):
+        return all(_plain_output(o) for o in out)
+    if type(out) is dict:
+        return all(isinstance(k, str) and _plain_output(v) for k, v in out.items())
+    return out is None or isinstance(out, (int, float, bool))
+
+
+def _describe(t: torch.Tensor, dynamic: bool) -> dict[str, Any]:
+    shape: list[Any] = list(t.shape)
+    if dynamic and shape:
+        shape[0] = "batch"
+    return {"shape": shape, "dtype": str(t.dtype).replace("torch.", "")}
+
+
+def _example(example: Any) -> tuple[tuple, dict]:
+    from .calibration.inputs import Batch
+    from .trace import ExampleInputs
+
+    if isinstance(example, Batch):
+        return tuple(example.args), dict(example.kwargs)
+    ex = ExampleInputs.of(example)
+    if ex is None:
+        raise AuditError("there are no example inputs to export the model with",
+                         "Give --calibration, or a factory that returns (model, example_inputs)")
+    return tuple(ex.args), dict(ex.kwargs)
+
+
+def _export_program(model: nn.Module, args: tuple, kwargs: dict) -> tuple[Any, bool]:
+    """torch.export with the batch dimension (dim 0 of every tensor input) dynamic where the model allows it, else
+    with the example's static shapes; returns (program, dynamic)."""
+    from torch.export import Dim
+
+    from .progress import quiet_torch_logging
+
+    tensors = [a for a in list(args) + list(kwargs.values()) if isinstance(a, torch.Tensor)]
+    rows = {int(t.shape[0]) for t in tensors if t.dim() > 0}
+    errors: list[str] = []
+    tries: list[Any] = []
+    if len(rows) == 1 and next(iter(rows)) >= 2:
+        batch = Dim("batch")
+        spec_args = tuple({0: batch} if isinstance(a, torch.Tensor) and a.dim() > 0 else None for a in args)
+        spec_kwargs = {k: ({0: batch} if isinstance(v, torch.Tensor) and v.dim() > 0 else None)
+                       for k, v in kwargs.items()}
+        tries.append((spec_args, spec_kwargs) if kwargs else spec_args)
+    tries.append(None)
+    for dyn in tries:
+        try:
+            with quiet_torch_logging():
+                if dyn is not None and kwargs:
+                    # dynamic_shapes for (args, kwargs): a dict keyed by the forward's argument names
+                    import inspect
+
+                    names = list(inspect.signature(model.forward).parameters)
+                    spec = dict(zip(names, dyn[0]))
+                    spec.update(dyn[1])
+                    prog = torch.export.export(model, args, kwargs, dynamic_shapes=spec)
+                else:
+                    prog = torch.export.export(model, args, kwargs, dynamic_shapes=dyn)
+            return prog, dyn is not None
+        except Exception as exc:  # noqa: BLE001 - a model torch.export cannot trace
+            errors.append(first_line(exc))
+    raise AuditError(f"torch.export could not export the factorized model: {errors[-1]}",
+                     "Export the model by hand, or use model.safetensors with auditor.factorize.load_factorized")
+
+
+def export(model: nn.Module, example: Any, directory: str | Path, formats: tuple[str, ...] = ("pt2",)) -> dict[str, Any]:
+    """Write ``model.pt2`` (and ``model.onnx`` with "onnx" in ``formats``) into ``directory`` and return the
+    plan.json ``"export"`` entry; see the module docstring."""
+    out = Path(directory)
+    args, kwargs = _example(example)
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.no_grad():
+            ref = model(*args, **kwargs)
+        wrapped = not _plain_output(ref)
+        target = _Plain(model) if wrapped else model
+        if wrapped:
+            if not hasattr(ref, "items"):
+                raise AuditError(f"the model returns a {type(ref).__name__}, which a program loaded with plain torch "
+                                 "cannot rebuild", "Return tensors, tuples or dicts of tensors from forward")
+            with torch.no_grad():
+                ref = target(*args, **kwargs)
+        prog, dynamic = _export_program(target, args, kwargs)
+        torch.export.save(prog, str(out / PT2))
+        loaded = torch.export.load(str(out / PT2)).module()
+        with torch.no_grad():
+            err = relative_error(loaded(*args, **kwargs), ref)
+            checks = [{"rows": _rows(args, kwargs), "relative_error": err}]
+            if dynamic:  # another batch size than the example's
+                sub_args, sub_kwargs = _first_rows(args, kwargs, max(2, _rows(args, kwargs) - 1))
+                sub = relative_error(loaded(*sub_args, **sub_kwargs), target(*sub_args, **sub_kwargs))
+                checks.append({"rows": _rows(sub_args, sub_kwargs), "relative_error": sub})
+        worst = max(c["relative_error"] for c in checks)
+        if not worst <= TOLERANCE:
+            raise AuditError(f"the exported program's outputs differ from the factorized model's by {worst:.3g} "
+                             f"relative (allowed {TOLERANCE:g})", "Report this model: the export is not faithful")
+        inputs = [dict(name=f"arg{i}", **_describe(a, dynamic)) for i, a in enumerate(args)
+                  if isinstance(a, torch.Tensor)]
+        inputs += [dict(name=k, **_describe(v, dynamic)) for k, v in kwargs.items() if isinstance(v, torch.Tensor)]
+        outputs = [_describe(t, dynamic) for t in _leaves(ref)]
+        entry: dict[str, Any] = {"pt2": {
+            "file": PT2, "sha256": _sha256(out / PT2), "bytes": (out / PT2).stat().st_size,
+            "torch": torch.__version__.split("+")[0], "inputs": inputs, "outputs": outputs,
+            "positional": [f"arg{i}" for i, a in enumerate(args)], "keywords": list(kwargs),
+            "dynamic_batch": dynamic, "output_dict": wrapped, "prefix": "model." if wrapped else "",
+            "checks": checks, "tolerance": TOLERANCE}}
+        if "onnx" in formats:
+            entry["onnx"] = _onnx(target, args, kwargs, ref, out, dynamic)
+        return entry
+    finally:
+        model.train(was_training)
+
+
+def _rows(args: tuple, kwargs: dict) -> int:
+    for t in list(args) + list(kwargs.values()):
+        if isinstance(t, torch.Tensor) and t.dim() > 0:
+            return int(t.shape[0])
+    return 1
+
+
+def _first_rows(args: tuple, kwargs: dict, n: int) -> tuple[tuple, dict]:
+    def cut(x: Any) -> Any:
+        return x[:n] if isinstance(x, torch.Tensor) and x.dim() > 0 else x
+
+    return tuple(cut(a) for a in args), {k: cut(v) for k, v in kwargs.items()}
+
+
+def _onnx(model: nn.Module, args: tuple, kwargs: dict, ref: Any, out: Path, dynamic: bool) -> dict[str, Any]:
+    check_onnx_available()
+    from .progress import quiet_torch_logging
+
+    path = out / ONNX
+    try:
+        with quiet_torch_logging():
+            torch.onnx.export(model, args, str(path), kwargs=kwargs or None, dynamo=True, external_data=False)
+        import onnx
+
+        onnx.checker.check_model(str(path))
+    except Exception as exc:  # noqa: BLE001 - an op ONNX cannot express, or a failing exporter
+        raise AuditError(f"the ONNX export failed: {first_line(exc)}", "Use --export pt2") from None
+    entry: dict[str, Any] = {"file": ONNX, "sha256": _sha256(path), "bytes": path.stat().st_size,
+                             "checked_with": None, "relative_error": None}
+    if importlib.util.find_spec("onnxruntime") is not None:
+        import onnxruntime as ort
+
+        sess = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+        values = [a for a in list(args) + list(kwargs.values()) if isinstance(a, torch.Tensor)]
+        feed = {i.name: v.detach().cpu().numpy() for i, v in zip(sess.get_inputs(), values)}
+        got = [torch.from_numpy(o) for o in sess.run(None, feed)]
+        err = relative_error(got, _leaves(ref))
+        if not err <= ONNX_TOLERANCE:
+            raise AuditError(f"the ONNX file's outputs (onnxruntime) differ from the factorized model's by {err:.3g} "
+                             f"relative (allowed {ONNX_TOLERANCE:g})", "Use --export pt2")
+        entry.update(checked_with=f"onnxruntime {ort.__version__}", relative_error=err)
+    return entry
+
+
+def readme(directory: str | Path, meta: dict[str, Any]) -> Path:
+    """Write README.md: what the files are and how to load them with plain torch."""
+    e = meta["export"]["pt2"]
+    plan = meta.get("plan", {})
+
+    def literal(spec: dict[str, Any]) -> str:
+        shape = ", ".join("2" if s == "batch" else str(s) for s in spec["shape"])
+        dtype = spec["dtype"]
+        if dtype.startswith(("float", "bfloat", "complex")):
+            return f"torch.randn({shape}, dtype=torch.{dtype})" if shape else f"torch.tensor(0.0, dtype=torch.{dtype})"
+        if dtype == "bool":
+            return f"torch.ones({shape}, dtype=torch.bool)"
+        return f"torch.zeros({shape}, dtype=torch.{dtype})"
+
+    by_name = {i["name"]: i for i in e["inputs"]}
+    pos = [literal(by_name[n]) for n in e["positional"] if n in by_name]
+    kw = [f"{k}={literal(by_name[k])}" for k in e["keywords"] if k in by_name]
+    call = ", ".join(pos + kw)
+    shapes = "; ".join(f"{i['name']}: {i['dtype']}[{', '.join(map(str, i['shape']))}]" for i in e["inputs"])
+    batch = ("the batch dimension (`batch`) may be any size from 2 up" if e["dynamic_batch"]
+             else "the shapes are fixed to the example's")
+    out_kind = "a dict of tensors" if e["output_dict"] else "what the model's forward returns (tensors)"
+    removed = ""
+    if meta.get("params_before"):
+        removed = (f" ({meta['params_before']:,} -> {meta['params']:,} parameters, "
+                   f"{100 * (1 - meta['params'] / meta['params_before']):.1f}% removed)")
+    rec = meta.get("recovery")
+    rec_line = ""
+    if isinstance(rec, dict) and rec.get("after"):
+        rec_line = (f"\nRecovery: {rec['done']} distillation steps ({rec['objective']}, {rec['trainable']}), the state "
+                    f"after step {rec['kept_step']} kept: held-out {rec['metric']} {rec['before']['metric']:.4g} -> "
+                    f"{rec['after']['metric']:.4g}.\n")
+    onnx_line = ""
+    if "onnx" in meta["export"]:
+        o = meta["export"]["onnx"]
+        checked = f", checked with {o['checked_with']}" if o.get("checked_with") else ""
+        onnx_line = (f"\n`{ONNX}` holds the same graph for ONNX runtimes{checked}:\n\n```python\nimport onnxruntime\n"
+                     f"session = onnxruntime.InferenceSession(\"{ONNX}\")\n"
+                     "outputs = session.run(None, {i.name: x.numpy() for i, x in zip(session.get_inputs(), inputs)})\n"
+                     "```\n")
+    text = f"""# A factorized model
+
+`{meta.get('source') or 'the model'}` with {len(plan)} layer(s) replaced by two low-rank factors{removed},
+{meta.get('init', 'svd')} initialisation. Made by lowrank-auditor; loading it needs only torch
+({e['torch']} wrote it; `torch.export` programs load in that version or later).
+{rec_line}
+## Load it with plain torch
+
+```python
+import torch
+
+program = torch.export.load("{PT2}")   # a torch.export.ExportedProgram
+model = program.module()                # an nn.Module you call like the original
+with torch.no_grad():
+    outputs = model({call})
+```
+
+Inputs: {shapes} ({batch}). Outputs: {out_kind}. The program reproduces the factorized model's outputs to
+{e['tolerance']:g} relative (checked when it was written).
+
+To check the file is the one written: `hashlib.sha256(open("{PT2}", "rb").read()).hexdigest()` must be
+`{e['sha256']}`; lowrank-auditor's loader does this check and more:
+`auditor.export.load_program(DIR)`.
+{onnx_line}
+## The other files
+
+- `plan.json`: the plan (layer -> rank), parameter counts, the measured metric{' and the recovery' if rec else ''}.
+- `model.safetensors`: the same weights, keyed like the factorized module (`layer.0.weight` is the r x n factor,
+  `layer.1.weight` the m x r one); rebuilding that module needs the original model and the tool:
+  `auditor.factorize.load_factorized(original_model, DIR)`.
+"""
+    path = Path(directory) / README
+    path.write_text(text)
+    return path
+
+
+# --- the tool's loader --------------------------------------------------------------------------------------------
+
+def _read_meta(directory: Path) -> dict[str, Any]:
+    path = directory / "plan.json"
+    if path.is_symlink() or not path.is_file():
+        raise AuditError(f"{path} is not a regular file", "Point to a directory written by lowrank-audit factorize "
+                                                          "--export pt2")
+    if path.stat().st_size > MAX_PLAN_BYTES:
+        raise AuditError(f"{path} is {path.stat().st_size:,} bytes, too large for a plan", "Rewrite it with the tool")
+
+    def no_constants(name: str) -> Any:
+        raise ValueError(f"{name} is not a number JSON allows")
+
+    try:
+        meta = json.loads(path.read_bytes().decode("utf-8"), object_pairs_hook=no_duplicate_keys,
+                          parse_constant=no_constants)
+    except (UnicodeDecodeError, ValueError, RecursionError) as exc:
+        raise AuditError(f"{path} is not valid UTF-8 JSON: {first_line(exc)}", "Rewrite it with the tool") from None
+    from .factorize import FORMAT
+
+    if not isinstance(meta, dict) or meta.get("format") != FORMAT:
+        raise AuditError(f"{path} is not a factorized-model plan", "Point to a directory written by lowrank-audit "
+                                                                   "factorize")
+    plan = meta.get("plan")
+    if not isinstance(plan, dict) or not plan or not all(
+            isinstance(k, str) and type(v) is int and v >= 1 for k, v in plan.items()):
+        raise AuditError(f"{path} holds no valid plan (layer name -> positive integer rank)", "Rewrite it with the tool")
+    ex = meta.get("export")
+    e = ex.get("pt2") if isinstance(ex, dict) else None
+    if not isinstance(e, dict):
+        raise AuditError(f"{path} records no exported program", "Write one with lowrank-audit factorize --export pt2")
+    sha, size = e.get("sha256"), e.get("bytes")
+    if (e.get("file") != PT2 or not isinstance(sha, str) or len(sha) != 64
+            or any(c not in "0123456789abcdef" for c in sha) or type(size) is not int or size < 0
+            or not isinstance(e.get("prefix", ""), str) or type(meta.get("params")) is not int):
+        raise AuditError(f"{path} has a malformed export entry", "Rewrite it with the tool")
+    return meta
+
+
+def load_program(directory: str | Path) -> Any:
+    """The exported program in ``directory``, after checking it against plan.json (see the module docstring)."""
+    d = Path(directory)
+    meta = _read_meta(d)
+    e = meta["export"]["pt2"]
+    path = d / PT2
+    if path.is_symlink() or not path.is_file():
+        raise AuditError(f"{path} is not a regular file", "Export the model again")
+    if path.stat().st_size != e["bytes"] or _sha256(path) != e["sha256"]:
+        raise AuditError(f"{path} does not match the size and sha256 plan.json records: it was changed or damaged "
+                         "after it was written", "Export the model again")
+    try:
+        prog = torch.export.load(str(path))
+    except Exception as exc:  # noqa: BLE001 - a damaged archive
+        raise AuditError(f"cannot load {path}: {first_line(exc)}", "Export the model again") from None
+    state = prog.state_dict
+    prefix = e.get("prefix", "")
+    for layer, r in meta["plan"].items():
+        second = state.get(f"{prefix}{layer}.1.weight")
+        first = state.get(f"{prefix}{layer}.0.weight")
+        if first is None or second is None or second.dim() < 2:
+            raise AuditError(f"plan.json names {layer!r}, which the program has no factors for",
+                             "plan.json and model.pt2 come from different exports: export again")
+        if int(second.shape[1]) != r:
+            raise AuditError(f"plan.json gives {layer} rank {r}; the program's factors have rank {int(second.shape[1])}",
+                             "plan.json and model.pt2 come from different exports: export again")
+    seen: set[tuple[int, tuple[int, ...]]] = set()
+    params = 0
+    for n in prog.graph_signature.parameters:  # tied tensors once, as the tool counts them
+        t = state.get(n)
+        if t is not None and (t.data_ptr(), tuple(t.shape)) not in seen:
+            seen.add((t.data_ptr(), tuple(t.shape)))
+            params += int(t.numel())
+    if params != meta["params"]:
+        raise AuditError(f"plan.json records {meta['params']:,} parameters; the program holds {params:,}",
+                         "plan.json and model.pt2 come from different exports: export again")
+    return prog
+
+
+# --- the command line (lowrank-audit factorize ... --export pt2) -----------------------------------------------
+
+def add_cli_arguments(p: Any) -> None:
+    p.add_argument("--export", metavar="pt2|onnx", help="also write a torch.export program (model.pt2; onnx adds "
+                                                       "model.onnx) and a README saying how to load it with torch")
+
+
+def cli_formats(args: Any) -> tuple[str, ...]:
+    """The formats --export asks for, checked before any work (onnx without its packages is refused here)."""
+    return parse_formats(args.export) if getattr(args, "export", None) is not None else ()
+
+
+def cli_write(directory: str | Path, model: nn.Module, calibration: Any, example_inputs: Any,
+              formats: tuple[str, ...]) -> list[str]:
+    """Export ``model`` into ``directory`` (written by save_factorized), add the entry to its plan.json and write
+    the README; the example inputs are the first calibration batch, else the factory's. Returns the files added."""
+    if not formats:
+        return []
+    d = Path(directory)
+    example = calibration.fit[0] if calibration is not None and calibration.fit else example_inputs
+    entry = export(model, example, d, formats)
+    path = d / "plan.json"
+    meta = json.loads(path.read_text())
+    meta["export"] = entry
+    path.write_text(json.dumps(meta, indent=2, sort_keys=True) + "\n")
+    readme(d, meta)
+    return [PT2] + ([ONNX] if "onnx" in entry else []) + [README]
