@@ -242,7 +242,7 @@ def audit_source(spec: str, *, plan: Any = None, options: AuditOptions | None = 
 def _is_rank_table(plan: Any) -> bool:
     """``{layer or tensor name: rank}`` (what :func:`auditor.factorize.factorize` takes), not a plan file's table
     (which has ``ranks`` and may have ``finetune`` and ``thresholds``)."""
-    return isinstance(plan, dict) and not isinstance(plan.get("ranks"), dict)
+    return isinstance(plan, dict) and "ranks" not in plan
 
 
 def factorize(model: "nn.Module", plan: Any, calibration: Any = None) -> "nn.Module":

@@ -99,6 +99,10 @@ def test_factorize_refuses_bad_input_with_one_line(tmp_path):
         auditor.factorize(model, tmp_path / "missing.toml")
     with pytest.raises(AuditError, match="not a factorizable layer"):
         auditor.factorize(model, {"fc9": 2})
+    with pytest.raises(AuditError, match="'ranks' is a list, not a table"):
+        auditor.factorize(model, {"ranks": [2]})
+    with pytest.raises(AuditError, match="a plan must be a path or a dict, got int"):
+        auditor.factorize(model, 5)
     with pytest.raises(AuditError, match="needs the model as an nn.Module, got dict"):
         auditor.factorize({"0.weight": torch.eye(4)}, {"0": 2})
     empty = tmp_path / "empty.toml"
