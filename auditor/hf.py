@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from .errors import AuditError, first_line
-from .load import CHUNK_BYTES, Loaded, apply_weights, open_checkpoint
+from .checkpoint import CHUNK_BYTES, Loaded, apply_weights, open_checkpoint
 
 OFFLINE_VARS = ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE")
 REMOTE_CODE_KEYS = ("auto_map", "trust_remote_code", "custom_pipelines")

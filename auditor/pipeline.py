@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Any, Callable
 import torch
 from torch import nn
 
-from . import __version__
+from ._version import __version__
 from .config import Settings, validate
 from .errors import AuditError
 from .options import AuditOptions, LoadOptions, Tracer

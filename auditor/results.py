@@ -1,26 +1,21 @@
 """The audit's data: plain dataclasses with derived numbers as properties. No torch, no networkx, no I/O.
 
 Every stage of :mod:`auditor.pipeline` returns values of these types, the renderers and the rules read only them,
-and :class:`Audit` is the whole result. The output methods (``Audit.to_json`` and the others) import a reporter
-from :mod:`auditor.render` when they are called, never at import time.
+and :class:`Audit` is the whole result. Nothing here reads a result: the output methods people call
+(``a.to_json()``, ``a.to_html(path)``, the notebook view) belong to :class:`auditor.api.Audit`, the object
+:func:`auditor.audit` returns, and each is a function of :mod:`auditor.render.report`.
 """
 
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 from functools import cached_property
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from . import lrmath
 from .config import FailOn, Settings, StrEnum
 
 if TYPE_CHECKING:
-    import pandas
-
-    from .groups import Group
-
-    from .baseline import BaselineSource
     from .calresults import CalibrationReport
 
 __all__ = [
@@ -404,25 +399,10 @@ class LayerGraph:
         return [a for a, b in self.edges if b == name]
 
 
-LAYER_ROW_FIELDS = ("rank_order", "name", "kind", "module_type", "m", "n", "groups", "shape", "params", "share",
-                    "cumulative", "macs", "calls", "tied", "break_even", "suggested", "compression",
-                    "energy_at_rank", "verdict", "reason", "stable_rank", "effective_rank", "planned")
-
-
-def _as_baseline(baseline: "BaselineSource | None", audit: "Audit") -> Any:
-    from .render import RenderContext
-
-    if baseline is None:
-        return RenderContext()
-    from .baseline import compare, load
-
-    base = baseline if isinstance(baseline, dict) else load(baseline)
-    return RenderContext(baseline=compare(audit, base), baseline_report=base)
-
-
 @dataclass(frozen=True)
 class Audit:
-    """The result of an audit: plain data, complete when :func:`auditor.audit` returns it.
+    """The result of an audit as plain data, complete when :func:`auditor.pipeline.audit` returns it
+    (:func:`auditor.audit` returns it as :class:`auditor.api.Audit`, with the output methods).
 
     >>> import auditor, torch
     >>> a = auditor.audit(torch.nn.Sequential(torch.nn.Linear(64, 32)), torch.zeros(1, 64),
@@ -532,39 +512,6 @@ class Audit:
         """Effective rank exp(entropy of sigma / sum sigma) per layer with a spectrum (4 equal values: 4.0)."""
         return {k: s.effective_rank for k, s in self.spectra.items() if s.sigma is not None}
 
-    def groups(self) -> "list[Group]":
-        """Layers grouped by block: names that differ only in integer components (``h.*.mlp.c_fc`` x 12), largest
-        group first; a layer with no siblings is a group of one.
-
-        >>> import auditor, torch
-        >>> m = torch.nn.Sequential(*[torch.nn.Linear(8, 8) for _ in range(3)])
-        >>> g = auditor.audit(m, spectra=False).groups()[0]
-        >>> g.label, g.size, g.params
-        ('*', 3, 192)
-        """
-        from .groups import group_layers
-
-        return group_layers(self.layers, self.total_params)
-
-    def emit_plan(self, path: str | Path | None = None) -> str:
-        """The suggested plan as an editable TOML file (the same text as ``--emit-plan``), written atomically to
-        ``path`` when given; returns the text.
-
-        >>> import auditor, torch
-        >>> a = auditor.audit(torch.nn.Linear(8, 4), spectra=False)
-        >>> "[ranks]" in a.emit_plan()
-        True
-        """
-        from .plan import emit_toml
-
-        text = emit_toml(self)
-        if path is not None:
-            from .render import atomic_write
-
-            with atomic_write(path) as fh:
-                fh.write(text)
-        return text
-
     @property
     def trace_summary(self) -> str:
         """How the layer graph was obtained, in one sentence.
@@ -609,148 +556,6 @@ class Audit:
             if c + 1e-12 >= fraction:
                 return i
         return 0
-
-    # ---- output: each delegates to a reporter of auditor.render, imported on first use -----------------------
-    def to_dict(self, with_sigma: bool = False) -> dict[str, Any]:
-        """The JSON report as a dict (docs/schema.json); ``with_sigma`` adds every singular value.
-
-        >>> import auditor, torch
-        >>> a = auditor.audit(torch.nn.Linear(8, 4), options=auditor.AuditOptions(spectra=False))
-        >>> d = a.to_dict()
-        >>> d["format_version"], d["totals"]["params"], d["layers"][0]["name"]
-        (1, 36, 'Linear')
-        """
-        from .render.jsonout import to_dict
-
-        return to_dict(self, with_sigma=with_sigma)
-
-    def to_json(self, with_sigma: bool = False, indent: int | None = 2,
-                baseline: "BaselineSource | None" = None) -> str:
-        """The JSON report; ``baseline`` (an earlier JSON report: path or dict) adds a ``baseline`` block.
-
-        >>> import auditor, json, torch
-        >>> a = auditor.audit(torch.nn.Linear(8, 4), options=auditor.AuditOptions(spectra=False))
-        >>> json.loads(a.to_json(baseline=a.to_dict()))["baseline"]["new_findings"]
-        []
-        """
-        import json
-
-        from .render.jsonout import to_dict
-
-        data = to_dict(self, with_sigma=with_sigma)
-        ctx = _as_baseline(baseline, self)
-        if ctx.baseline is not None:
-            from .render.jsonout import baseline_block
-
-            data["baseline"] = baseline_block(self, ctx)
-        return json.dumps(data, indent=indent, sort_keys=False)
-
-    def to_markdown(self, baseline: "BaselineSource | None" = None) -> str:
-        """Markdown for a pull-request comment or a CI summary; ``baseline`` adds "Since the baseline".
-
-        >>> import auditor, torch
-        >>> a = auditor.audit(torch.nn.Linear(8, 4), options=auditor.AuditOptions(spectra=False), name="tiny")
-        >>> a.to_markdown().splitlines()[0]
-        '## Low-rank audit: tiny'
-        """
-        return self._render("md", baseline)  # type: ignore[return-value]
-
-    def to_text(self, width: int = 120, baseline: "BaselineSource | None" = None) -> str:
-        """The terminal table, no line longer than ``width`` (at least 60) characters.
-
-        >>> import auditor, torch
-        >>> a = auditor.audit(torch.nn.Linear(8, 4), options=auditor.AuditOptions(spectra=False))
-        >>> max(len(line) for line in a.to_text(width=70).splitlines()) <= 70
-        True
-        """
-        from dataclasses import replace
-
-        from .render import REPORTERS
-
-        ctx = replace(_as_baseline(baseline, self), width=width)
-        return REPORTERS["text"].render(self, ctx)  # type: ignore[return-value]
-
-    def to_html(self, path: str | Path | None = None, baseline: "BaselineSource | None" = None) -> str:
-        """One self-contained HTML page (written atomically to ``path`` when given); returns the HTML.
-
-        >>> import auditor, torch
-        >>> a = auditor.audit(torch.nn.Linear(8, 4), options=auditor.AuditOptions(spectra=False))
-        >>> a.to_html().startswith("<!DOCTYPE html>")
-        True
-        """
-        text = self._render("html", baseline)
-        if path is not None:
-            from .render import atomic_write
-
-            with atomic_write(path) as fh:
-                fh.write(text)
-        return text  # type: ignore[return-value]
-
-    def to_pdf(self, path: str | Path, baseline: "BaselineSource | None" = None) -> Path:
-        """The HTML report printed to PDF with WeasyPrint, written atomically to ``path``; returns the path.
-
-        ``a.to_pdf("audit.pdf")`` needs WeasyPrint and Pango; without them it raises :class:`AuditError` saying
-        what to install, and writes nothing. The PDF carries the pages of the largest groups and an appendix
-        table of every layer.
-
-        >>> import auditor, torch, tempfile, pathlib
-        >>> a = auditor.audit(torch.nn.Linear(8, 4), spectra=False)
-        >>> p = a.to_pdf(pathlib.Path(tempfile.mkdtemp()) / "a.pdf")  # doctest: +SKIP
-        >>> p.read_bytes()[:5]  # doctest: +SKIP
-        b'%PDF-'
-        """
-        data = self._render("pdf", baseline)
-        from .render import atomic_write
-
-        with atomic_write(path, binary=True) as fh:
-            fh.write(data)
-        return Path(path)
-
-    def to_pandas(self) -> "pandas.DataFrame":
-        """One row per layer (the layer table's columns, rank columns named after the energy targets); the rank
-        columns, ``suggested`` and ``planned`` are nullable integers (``Int64``: ``<NA>`` where there is no rank).
-
-        >>> import auditor, torch
-        >>> lin = torch.nn.Linear(8, 4)
-        >>> _ = torch.nn.init.eye_(lin.weight)  # four equal singular values: E(r) = r / 4
-        >>> a = auditor.audit(lin, options=auditor.AuditOptions(cache=False, progress=False,
-        ...                                                    overrides={"energy_targets": [0.5, 0.9]}))
-        >>> df = a.to_pandas()
-        >>> [int(v) for v in df[["params", "r50", "r90"]].iloc[0]], str(df["suggested"].dtype)
-        ([32, 2, 4], 'Int64')
-        """
-        try:
-            import pandas as pd
-        except ImportError:
-            from .errors import AuditError
-
-            raise AuditError("pandas is not installed", "pip install pandas") from None
-        from .render.view import layer_table
-
-        table = layer_table(self)
-        labels = [c.label for c in table.columns]
-        df = pd.DataFrame([row.record(labels) for row in table.rows],
-                          columns=[*(f for f in LAYER_ROW_FIELDS), *labels])
-        for col in [*labels, "suggested", "planned", "macs"]:
-            df[col] = df[col].astype("Int64")
-        return df
-
-    def _render(self, fmt: str, baseline: "BaselineSource | None") -> str | bytes:
-        from .render import REPORTERS
-
-        return REPORTERS[fmt].render(self, _as_baseline(baseline, self))
-
-    def _repr_html_(self) -> str:
-        """The notebook view: summary, the top layers and the findings, styled inline (no reliance on the
-        notebook's CSS).
-
-        >>> import auditor, torch
-        >>> "text-align:right" in auditor.audit(torch.nn.Linear(8, 4), spectra=False)._repr_html_()
-        True
-        """
-        from .render.html import render_compact
-
-        return render_compact(self)
 
     def __repr__(self) -> str:
         return (f"<Audit {self.model_name}: {self.total_params:,} params, {len(self.layers)} factorizable layers, "

@@ -53,9 +53,9 @@ def test_partial_audit_loads_what_is_there_and_notes_the_rest(tmp_path, mlp_file
 
 
 def test_complete_weights_load_exactly_in_chunks(tmp_path, mlp_file, monkeypatch):
-    import auditor.load as load_mod
+    import auditor.checkpoint as checkpoint
 
-    monkeypatch.setattr(load_mod, "CHUNK_BYTES", 1)  # one load_state_dict call per tensor
+    monkeypatch.setattr(checkpoint, "CHUNK_BYTES", 1)  # one load_state_dict call per tensor
     state = _state()
     from safetensors.torch import save_file
 

@@ -1,12 +1,10 @@
-"""The pipeline's shape: layering of imports, the entry points' signatures, stages that return new values, the
-plain-data layer graph, O(1) layer lookup and the exit-code policy."""
+"""The pipeline's shape: the entry points' signatures, stages that return new values, the plain-data layer graph,
+O(1) layer lookup and the exit-code policy (the import layering is tests/test_layering.py)."""
 
 from __future__ import annotations
 
-import ast
 import dataclasses
 import inspect
-from pathlib import Path
 
 import pytest
 import torch
@@ -17,74 +15,6 @@ from auditor import AuditOptions, FailOn
 from auditor.errors import ExitCode
 from auditor.policy import exit_code, verdict_line
 from auditor.results import Finding, LayerGraph, Severity, TraceMethod
-
-PKG = Path(auditor.__file__).resolve().parent
-
-
-def _imports(path: Path, package: list[str] | None = None) -> list[tuple[str, bool]]:
-    """(absolute module name, at module level?) for every run-time import in a file of the auditor package."""
-    if package is None:
-        package = list(path.relative_to(PKG.parent).with_suffix("").parts[:-1])
-    tree = ast.parse(path.read_text(encoding="utf-8"))
-    top = set(map(id, tree.body))
-    for node in tree.body:  # `if TYPE_CHECKING:` blocks import nothing at run time
-        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
-            top.discard(id(node))
-    type_only = {id(n) for node in tree.body if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test)
-                 for n in ast.walk(node)}
-    out = []
-    for node in ast.walk(tree):
-        if id(node) in type_only:
-            continue
-        level_top = id(node) in top
-        if isinstance(node, ast.Import):
-            out += [(a.name, level_top) for a in node.names]
-        elif isinstance(node, ast.ImportFrom):
-            if node.level:
-                base = package[: len(package) - node.level + 1]
-                mod = ".".join(base + ([node.module] if node.module else []))
-            else:
-                mod = node.module or ""
-            names = [f"{mod}.{a.name}" for a in node.names] if not node.module else [mod]
-            out += [(n, level_top) for n in names]
-    return out
-
-
-def _modules() -> dict[str, Path]:
-    return {".".join(p.relative_to(PKG.parent).with_suffix("").parts).removesuffix(".__init__"): p
-            for p in PKG.rglob("*.py") if "templates" not in p.parts}
-
-
-def test_renderers_and_results_import_no_torch_networkx_or_pipeline():
-    plain = [m for m in _modules() if m.startswith("auditor.render") or m in ("auditor.results", "auditor.options",
-                                                                                 "auditor.policy", "auditor.config")]
-    assert "auditor.render.html" in plain and "auditor.results" in plain
-    bad = [(m, imp) for m in plain for imp, _ in _imports(_modules()[m])
-           if imp.split(".")[0] in ("torch", "networkx") or imp.startswith("auditor.pipeline")]
-    assert bad == []
-
-
-def test_only_the_front_ends_import_the_pipeline_or_the_renderers():
-    fronts = {"auditor", "auditor.cli", "auditor.cli_factorize", "auditor.cli_plan", "auditor.pipeline",
-              "auditor.__main__"}
-    bad = []
-    for mod, path in _modules().items():
-        if mod in fronts or mod.startswith("auditor.render"):
-            continue
-        for imp, at_top in _imports(path):
-            if imp.startswith("auditor.pipeline"):
-                bad.append((mod, imp))
-            # Audit's output methods reach the reporters lazily, inside the method; nothing else may
-            if imp.startswith("auditor.render") and (mod != "auditor.results" or at_top):
-                bad.append((mod, imp))
-    assert bad == []
-
-
-def test_the_layering_check_catches_a_bad_import(tmp_path):
-    fake = tmp_path / "probe.py"
-    fake.write_text("import torch\nfrom ..pipeline import audit\ndef f():\n    from .html import render\n")
-    assert _imports(fake, ["auditor", "render"]) == [("torch", True), ("auditor.pipeline", True),
-                                                      ("auditor.render.html", False)]
 
 
 def test_entry_points_take_few_parameters():

@@ -89,14 +89,14 @@ def test_fifo_is_refused_without_blocking(tmp_path):
 
 
 def test_weights_only_parses_each_header_once(tmp_path, monkeypatch):
-    from auditor import load
+    from auditor import checkpoint
 
     tensors = {f"l{i}.weight": torch.randn(4, 3, generator=torch.Generator().manual_seed(i)) for i in range(40)}
     save_file(dict(list(tensors.items())[:25]), str(tmp_path / "a.safetensors"))
     save_file(dict(list(tensors.items())[25:]), str(tmp_path / "b.safetensors"))
     calls = []
-    real = load.read_header
-    monkeypatch.setattr(load, "read_header", lambda f: calls.append(f) or real(f))
+    real = checkpoint.read_header
+    monkeypatch.setattr(checkpoint, "read_header", lambda f: calls.append(f) or real(f))
     w = WeightsOnly.open(tmp_path)
     for name, t in tensors.items():
         assert torch.equal(w.tensor(name), t)

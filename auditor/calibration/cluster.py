@@ -119,7 +119,7 @@ class SweepPlugin(WorkerPlugin):
         if self._sweeper is None:
             import cloudpickle
 
-            from .stage import weights_hash
+            from .hashing import weights_hash
             from .sweep import Sweeper
 
             p: SweepPayload = cloudpickle.loads(self.payload)
@@ -290,7 +290,7 @@ def measure_floors_on_cluster(model: "nn.Module", layers: list["Layer"], calibra
     import uuid
 
     from ..progress import Progress
-    from .stage import weights_hash
+    from .hashing import weights_hash
 
     t0 = time.perf_counter()
     source = None

@@ -18,7 +18,6 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-import torch
 from torch import nn
 
 from .. import lrmath
@@ -27,6 +26,7 @@ from ..calresults import (
 )
 from ..errors import AuditError
 from ..results import Layer, Suggestion, Verdict
+from .hashing import weights_hash
 from .inputs import Calibration, load_calibration
 from .metric import Evaluator, Metric, load_metric
 from .stats import InputStatistics, input_statistics
@@ -50,19 +50,6 @@ class Calibrated:
     spectra: dict[str, WhitenedSpectrum]
     metric: Metric
     sweep: str = ""  # where tier 2 ran: "local", "dask tcp://HOST:PORT (N workers)"; empty without tier 2
-
-
-def weights_hash(model: nn.Module) -> str:
-    """BLAKE3 of every parameter's and buffer's name, shape, dtype and bytes."""
-    from blake3 import blake3
-
-    h = blake3()
-    for name, t in [*model.named_parameters(), *model.named_buffers()]:
-        c = t.detach().contiguous().cpu()
-        h.update(f"{name}:{tuple(c.shape)}:{c.dtype};".encode())
-        if c.numel():
-            h.update(c.reshape(-1).view(torch.uint8).numpy().tobytes())
-    return h.hexdigest()
 
 
 def cache_path(cache_dir: Path | None, model: nn.Module, calibration: Calibration, layers: list[Layer]) -> Path:

@@ -105,7 +105,7 @@ def rule_doc(r: Rule) -> str:
 
 def rules_markdown(rules: Iterable[Rule] | None = None) -> str:
     """docs/rules.md: a table of the rules, then each rule's page. Default: every registered rule."""
-    from . import RULES
+    from .builtin import RULES
 
     chosen = list(RULES.values() if rules is None else rules)
     head = ["# Rules", "",

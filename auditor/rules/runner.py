@@ -58,7 +58,7 @@ def selected(select: Iterable[str] = (), ignore: Iterable[str] = (),
              rules: Mapping[str, Rule] | None = None) -> list[Rule]:
     """The rules to run: those matching any of ``select`` (all when empty) and none of ``ignore``. A token is a
     code, a code prefix (``LR00``) or a slug. A token that matches no rule is an error, not a silent no-op."""
-    from . import RULES
+    from .builtin import RULES
 
     pool = list((RULES if rules is None else rules).values())
     select, ignore = [t.strip() for t in select if t.strip()], [t.strip() for t in ignore if t.strip()]

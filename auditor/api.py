@@ -1,0 +1,303 @@
+"""The public entry points: :func:`audit`, :func:`audit_source` and :func:`factorize` (``auditor.audit`` and the
+others), and :class:`Audit`, the object they return.
+
+:class:`auditor.results.Audit` is the result as plain data, which every stage, rule and reporter takes; this
+module's :class:`Audit` is the same dataclass with the output methods added (``to_json``, ``to_html``, the notebook
+view, ...), each a call into :mod:`auditor.render.report`. The plain result knows no reader; this layer wires them.
+
+Nothing here imports torch at import time (``import auditor`` stays light): the pipeline is imported on first use.
+"""
+
+from __future__ import annotations
+
+import types
+from dataclasses import fields
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from . import results
+from .errors import AuditError
+from .options import AuditOptions, LoadOptions
+
+if TYPE_CHECKING:
+    import pandas
+    from torch import nn
+    from typing_extensions import Unpack
+
+    from .baseline import BaselineSource
+    from .groups import Group
+    from .options import OptionFields
+
+__all__ = ["Audit", "audit", "audit_source", "factorize"]
+
+
+class Audit(results.Audit):
+    """The result of an audit (:class:`auditor.results.Audit`, plain data) with its output methods.
+
+    ``dataclasses.replace`` keeps the class; :meth:`of` wraps a plain result.
+
+    >>> import auditor, torch
+    >>> a = auditor.audit(torch.nn.Linear(8, 4), spectra=False)
+    >>> type(a).__module__, isinstance(a, auditor.results.Audit), Audit.of(a.plain()) == a
+    ('auditor.api', True, True)
+    """
+
+    @classmethod
+    def of(cls, result: results.Audit) -> "Audit":
+        """``result`` with the output methods (itself when it has them already)."""
+        if isinstance(result, cls):
+            return result
+        return cls(**{f.name: getattr(result, f.name) for f in fields(result)})
+
+    def plain(self) -> results.Audit:
+        """The same result as plain data (:class:`auditor.results.Audit`)."""
+        return results.Audit(**{f.name: getattr(self, f.name) for f in fields(self)})
+
+    # ---- analysis -------------------------------------------------------------------------------------------
+    def groups(self) -> "list[Group]":
+        """Layers grouped by block: names that differ only in integer components (``h.*.mlp.c_fc`` x 12), largest
+        group first; a layer with no siblings is a group of one.
+
+        >>> import auditor, torch
+        >>> m = torch.nn.Sequential(*[torch.nn.Linear(8, 8) for _ in range(3)])
+        >>> g = auditor.audit(m, spectra=False).groups()[0]
+        >>> g.label, g.size, g.params
+        ('*', 3, 192)
+        """
+        from .groups import group_layers
+
+        return group_layers(self.layers, self.total_params)
+
+    def emit_plan(self, path: str | Path | None = None) -> str:
+        """The suggested plan as an editable TOML file (the same text as ``--emit-plan``), written atomically to
+        ``path`` when given; returns the text.
+
+        >>> import auditor, torch
+        >>> a = auditor.audit(torch.nn.Linear(8, 4), spectra=False)
+        >>> "[ranks]" in a.emit_plan()
+        True
+        """
+        from .plan import emit_toml
+
+        text = emit_toml(self)
+        if path is not None:
+            from .render import atomic_write
+
+            with atomic_write(path) as fh:
+                fh.write(text)
+        return text
+
+    # ---- output: each is a function of auditor.render.report -------------------------------------------------
+    def to_dict(self, with_sigma: bool = False) -> dict[str, Any]:
+        """The JSON report as a dict (docs/schema.json); ``with_sigma`` adds every singular value.
+
+        >>> import auditor, torch
+        >>> a = auditor.audit(torch.nn.Linear(8, 4), options=auditor.AuditOptions(spectra=False))
+        >>> d = a.to_dict()
+        >>> d["format_version"], d["totals"]["params"], d["layers"][0]["name"]
+        (1, 36, 'Linear')
+        """
+        from .render import report
+
+        return report.to_dict(self, with_sigma=with_sigma)
+
+    def to_json(self, with_sigma: bool = False, indent: int | None = 2,
+                baseline: "BaselineSource | None" = None) -> str:
+        """The JSON report; ``baseline`` (an earlier JSON report: path or dict) adds a ``baseline`` block.
+
+        >>> import auditor, json, torch
+        >>> a = auditor.audit(torch.nn.Linear(8, 4), options=auditor.AuditOptions(spectra=False))
+        >>> json.loads(a.to_json(baseline=a.to_dict()))["baseline"]["new_findings"]
+        []
+        """
+        from .render import report
+
+        return report.to_json(self, with_sigma=with_sigma, indent=indent, baseline=baseline)
+
+    def to_markdown(self, baseline: "BaselineSource | None" = None) -> str:
+        """Markdown for a pull-request comment or a CI summary; ``baseline`` adds "Since the baseline".
+
+        >>> import auditor, torch
+        >>> a = auditor.audit(torch.nn.Linear(8, 4), options=auditor.AuditOptions(spectra=False), name="tiny")
+        >>> a.to_markdown().splitlines()[0]
+        '## Low-rank audit: tiny'
+        """
+        from .render import report
+
+        return report.to_markdown(self, baseline)
+
+    def to_text(self, width: int = 120, baseline: "BaselineSource | None" = None) -> str:
+        """The terminal table, no line longer than ``width`` (at least 60) characters.
+
+        >>> import auditor, torch
+        >>> a = auditor.audit(torch.nn.Linear(8, 4), options=auditor.AuditOptions(spectra=False))
+        >>> max(len(line) for line in a.to_text(width=70).splitlines()) <= 70
+        True
+        """
+        from .render import report
+
+        return report.to_text(self, width=width, baseline=baseline)
+
+    def to_html(self, path: str | Path | None = None, baseline: "BaselineSource | None" = None) -> str:
+        """One self-contained HTML page (written atomically to ``path`` when given); returns the HTML.
+
+        >>> import auditor, torch
+        >>> a = auditor.audit(torch.nn.Linear(8, 4), options=auditor.AuditOptions(spectra=False))
+        >>> a.to_html().startswith("<!DOCTYPE html>")
+        True
+        """
+        from .render import report
+
+        return report.to_html(self, path, baseline)
+
+    def to_pdf(self, path: str | Path, baseline: "BaselineSource | None" = None) -> Path:
+        """The HTML report printed to PDF with WeasyPrint, written atomically to ``path``; returns the path.
+
+        ``a.to_pdf("audit.pdf")`` needs WeasyPrint and Pango; without them it raises :class:`AuditError` saying
+        what to install, and writes nothing. The PDF carries the pages of the largest groups and an appendix
+        table of every layer.
+
+        >>> import auditor, torch, tempfile, pathlib
+        >>> a = auditor.audit(torch.nn.Linear(8, 4), spectra=False)
+        >>> p = a.to_pdf(pathlib.Path(tempfile.mkdtemp()) / "a.pdf")  # doctest: +SKIP
+        >>> p.read_bytes()[:5]  # doctest: +SKIP
+        b'%PDF-'
+        """
+        from .render import report
+
+        return report.to_pdf(self, path, baseline)
+
+    def to_pandas(self) -> "pandas.DataFrame":
+        """One row per layer (the layer table's columns, rank columns named after the energy targets); the rank
+        columns, ``suggested`` and ``planned`` are nullable integers (``Int64``: ``<NA>`` where there is no rank).
+
+        >>> import auditor, torch
+        >>> lin = torch.nn.Linear(8, 4)
+        >>> _ = torch.nn.init.eye_(lin.weight)  # four equal singular values: E(r) = r / 4
+        >>> a = auditor.audit(lin, options=auditor.AuditOptions(cache=False, progress=False,
+        ...                                                    overrides={"energy_targets": [0.5, 0.9]}))
+        >>> df = a.to_pandas()
+        >>> [int(v) for v in df[["params", "r50", "r90"]].iloc[0]], str(df["suggested"].dtype)
+        ([32, 2, 4], 'Int64')
+        """
+        from .render import report
+
+        return report.to_pandas(self)
+
+    def _render(self, fmt: str, baseline: "BaselineSource | None" = None) -> str | bytes:
+        """One format of :data:`auditor.render.REPORTERS` rendered, nothing written."""
+        from .render import report
+
+        return report.render(self, fmt, baseline)
+
+    def _repr_html_(self) -> str:
+        """The notebook view: summary, the top layers and the findings, styled inline (no reliance on the
+        notebook's CSS).
+
+        >>> import auditor, torch
+        >>> "text-align:right" in auditor.audit(torch.nn.Linear(8, 4), spectra=False)._repr_html_()
+        True
+        """
+        from .render import report
+
+        return report.notebook_html(self)
+
+
+def audit(model: Any, inputs: Any = None, *, plan: Any = None, options: AuditOptions | None = None,
+          **shortcuts: "Unpack[OptionFields]") -> Audit:
+    """Audit a model: an ``nn.Module``, or a weights-only checkpoint from :func:`auditor.load.load_source`.
+
+    ``inputs``: a tensor, a tuple of positional inputs, a dict of keyword inputs, or (args, kwargs); without them
+    MACs are not counted. ``plan``: a :class:`auditor.plan.Plan`, a path to a TOML/JSON plan, or a dict; without
+    one the suggested ranks are reviewed. ``options``: an :class:`AuditOptions`. Any of its fields may also be
+    given as a keyword (``audit(m, x, spectra=False)`` is ``options=AuditOptions(spectra=False)``; a keyword
+    replaces that field of ``options``); other keywords raise TypeError. The stages are those of
+    :func:`auditor.pipeline.audit`.
+
+    >>> import auditor, torch
+    >>> a = auditor.audit(torch.nn.Sequential(torch.nn.Linear(64, 32)), torch.zeros(1, 64), spectra=False)
+    >>> a.total_params, a.total_macs, str(a.trace_method)
+    (2080, 2048, 'torch.fx.symbolic_trace')
+    """
+    from . import pipeline
+
+    return Audit.of(pipeline.audit(model, inputs, plan=plan, options=options, **shortcuts))
+
+
+def audit_source(spec: str, *, plan: Any = None, options: AuditOptions | None = None,
+                 load: LoadOptions | None = None) -> Audit:
+    """Load a model from a source string (see :func:`auditor.load.load_source`) and audit it; the report's name
+    and source come from the loader unless ``options.name`` is set.
+
+    >>> import auditor
+    >>> a = auditor.audit_source("sample_models/digits.py:mlp", options=auditor.AuditOptions(spectra=False))
+    >>> a.model_name, a.total_params, a.inputs
+    ('DigitsMLP', 429834, 'float32[16, 64]')
+    """
+    from . import pipeline
+
+    return Audit.of(pipeline.audit_source(spec, plan=plan, options=options, load=load))
+
+
+def _is_rank_table(plan: Any) -> bool:
+    """``{layer or tensor name: rank}`` (what :func:`auditor.factorize.factorize` takes), not a plan file's table
+    (which has ``ranks`` and may have ``finetune`` and ``thresholds``)."""
+    return isinstance(plan, dict) and "ranks" not in plan
+
+
+def factorize(model: "nn.Module", plan: Any, calibration: Any = None) -> "nn.Module":
+    """A deep copy of ``model`` with each planned layer replaced by two (``model`` is left untouched).
+
+    ``plan``: ``{layer name: rank}``, or anything :func:`audit` accepts as a plan (a TOML/JSON path, a
+    :class:`auditor.plan.Plan`, a plan table with ``ranks``), whose patterns and specs (``"0.5be"``,
+    ``"energy:0.95"``) are reviewed against the model as the audit reviews them. ``calibration``: None (factors from
+    the plain SVD of each weight), a ``Calibration``, ``InputStatistics``, or any source
+    :func:`auditor.calibration.load_calibration` reads (a path, a dict of tensors; its default 25% held out): the
+    factors then come from the whitened truncation on the calibration part.
+
+    >>> import auditor, torch
+    >>> m = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU(), torch.nn.Linear(8, 4))
+    >>> new = auditor.factorize(m, {"0": 2})
+    >>> sum(p.numel() for p in new.parameters()), sum(p.numel() for p in m.parameters())
+    (76, 108)
+    """
+    from torch import nn
+
+    from .factorize import factorize as apply_plan
+    from .factorize import resolve_plan
+
+    if not isinstance(model, nn.Module):
+        raise AuditError(f"factorize() needs the model as an nn.Module, got {type(model).__name__}",
+                         "Load the model's code (a factory or a Hugging Face directory), not only its weights")
+    if _is_rank_table(plan):
+        ranks = dict(plan)
+    else:
+        from . import pipeline
+        from .policy import input_errors
+
+        result = pipeline.audit(model, plan=plan, options=AuditOptions(progress=False))
+        for f in input_errors(result):
+            raise AuditError(f"{f.code} {f.message}", f.fix)
+        ranks = {it.layer: it.rank for it in result.review.items} if result.review is not None else {}
+        if not ranks:
+            raise AuditError(f"the plan factorizes no layer of {result.model_name}", "Check the plan's patterns")
+    stats = None
+    if calibration is not None:
+        from .calibration.inputs import Calibration, load_calibration
+        from .calibration.stats import InputStatistics, input_statistics
+
+        if isinstance(calibration, InputStatistics):
+            stats = calibration
+        else:
+            cal = calibration if isinstance(calibration, Calibration) else load_calibration(calibration, model)
+            stats = input_statistics(model, [layer for layer, _ in resolve_plan(model, ranks).values()], cal)
+    return apply_plan(model, ranks, stats)
+
+
+class FactorizeModule(types.ModuleType):
+    """The class of the module ``auditor.factorize`` once imported: calling the module is :func:`factorize`, so
+    ``auditor.factorize(model, plan)`` works while ``import auditor.factorize as m`` and
+    ``from auditor.factorize import save_factorized`` keep reaching the module (see ``auditor/__init__.py``)."""
+
+    def __call__(self, model: "nn.Module", plan: Any, calibration: Any = None) -> "nn.Module":
+        return factorize(model, plan, calibration)

@@ -1,0 +1,111 @@
+"""The api layer: ``auditor.audit`` returns a front object over the plain result, and ``auditor.factorize`` is both
+the module and the top-level function that takes a plan the way ``audit`` does."""
+
+from __future__ import annotations
+
+import dataclasses
+import subprocess
+import sys
+
+import pytest
+import torch
+from torch import nn
+
+import auditor
+from auditor import api, pipeline, results
+from auditor.errors import AuditError
+from auditor.factorize import count_params
+from auditor.render import report
+
+OUTPUTS = ("to_dict", "to_json", "to_text", "to_markdown", "to_html", "to_pdf", "to_pandas", "_repr_html_", "groups",
+           "emit_plan", "_render")
+
+
+def _model() -> nn.Module:
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(16, 16, bias=False), nn.ReLU(), nn.Linear(16, 8, bias=False))
+    with torch.no_grad():
+        m[0].weight.copy_(torch.eye(16))  # 16 equal singular values: E(r) = r / 16
+    return m
+
+
+def test_the_plain_result_knows_no_reader_and_the_front_object_has_every_output():
+    assert [name for name in OUTPUTS if hasattr(results.Audit, name)] == []
+    assert all(callable(getattr(api.Audit, name)) for name in OUTPUTS)
+    assert auditor.Audit is api.Audit and issubclass(api.Audit, results.Audit)
+    plain = pipeline.audit(nn.Linear(8, 4), spectra=False)
+    assert type(plain) is results.Audit
+    a = api.Audit.of(plain)
+    assert type(a) is api.Audit and api.Audit.of(a) is a and a == api.Audit.of(plain) and type(a.plain()) is results.Audit
+    assert a.to_json() == report.to_json(plain) and a.to_markdown() == report.to_markdown(plain)
+    assert a.to_dict() == report.to_dict(plain) and a._repr_html_() == report.notebook_html(plain)
+    assert a._render("md") == a.to_markdown() and a.groups()[0].size == 1 and "[ranks]" in a.emit_plan()
+    moved = dataclasses.replace(a, notes=["a note"])
+    assert type(moved) is api.Audit and moved.notes == ["a note"] and '"a note"' in moved.to_json()
+    assert repr(a) == repr(plain) == "<Audit Linear: 36 params, 1 factorizable layers, 0 findings>"
+
+
+def test_audit_and_audit_source_return_the_front_object():
+    assert type(auditor.audit(nn.Linear(8, 4), spectra=False)) is api.Audit
+    a = auditor.audit_source("sample_models/digits.py:mlp", options=auditor.AuditOptions(spectra=False))
+    assert type(a) is api.Audit and a.model_name == "DigitsMLP"
+
+
+@pytest.mark.parametrize("first", [
+    "import auditor.factorize as m",  # the module first, by an import statement
+    "from auditor.calibration import budget; import auditor.factorize as m",  # a module that imports it, first
+    "import auditor; f = auditor.factorize; import auditor.factorize as m; assert f is m",  # the attribute first
+])
+def test_auditor_factorize_is_the_module_and_the_function(first):
+    code = (f"{first}\nimport auditor, torch\nfrom auditor.factorize import factorize, save_factorized\n"
+            "assert auditor.factorize is m and callable(m) and m.factorize is factorize and m.save_factorized\n"
+            "net = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 4))\n"
+            "print(sum(p.numel() for p in auditor.factorize(net, {'0': 2}).parameters()))\n")
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert (run.returncode, run.stdout, run.stderr) == (0, "76\n", "")  # 8*2 + 2*8 + 8 + 36
+
+
+def test_factorize_takes_a_plan_file_as_audit_does(tmp_path):
+    model = _model()
+    plan = tmp_path / "plan.toml"
+    plan.write_text('[ranks]\n"0" = "energy:0.25"\n"2" = "0.5be"\n', encoding="utf-8")
+    reviewed = {it.layer: it.rank for it in auditor.audit(model, plan=plan).review.items}
+    assert reviewed == {"0": 4, "2": 2}  # E(4) = 0.25; break-even 16*8/24 = 5.33, half of it floored
+    for given in (plan, str(plan), {"ranks": {"0": "energy:0.25", "2": "0.5be"}}, {"0": 4, "2": 2}):
+        new = auditor.factorize(model, given)
+        assert count_params(new) == 4 * (16 + 16) + 2 * (16 + 8) == 176
+        assert [type(new[i]).__name__ for i in (0, 2)] == ["Sequential", "Sequential"]
+    assert torch.equal(model[0].weight, torch.eye(16))  # the input untouched
+
+
+def test_factorize_with_calibration_data_matches_the_statistics_route():
+    from auditor.calibration import input_statistics, load_calibration
+    from auditor.factorize import factorize, resolve_plan
+
+    model = _model()
+    data = {"input": torch.randn(64, 16, generator=torch.Generator().manual_seed(1))}
+    cal = load_calibration(data, model)
+    want = factorize(model, {"2": 3}, input_statistics(model, [resolve_plan(model, {"2": 3})["2"][0]], cal)).state_dict()
+    for given in (data, cal):
+        got = auditor.factorize(model, {"2": 3}, calibration=given).state_dict()
+        assert list(got) == list(want) and all(torch.equal(got[k], want[k]) for k in want)
+    plain = auditor.factorize(model, {"2": 3}).state_dict()
+    assert not torch.equal(plain["2.0.weight"], want["2.0.weight"])  # the whitened factors differ from the SVD's
+
+
+def test_factorize_refuses_bad_input_with_one_line(tmp_path):
+    model = _model()
+    with pytest.raises(AuditError, match=r"plan file .*missing\.toml does not exist"):
+        auditor.factorize(model, tmp_path / "missing.toml")
+    with pytest.raises(AuditError, match="not a factorizable layer"):
+        auditor.factorize(model, {"fc9": 2})
+    with pytest.raises(AuditError, match="'ranks' is a list, not a table"):
+        auditor.factorize(model, {"ranks": [2]})
+    with pytest.raises(AuditError, match="a plan must be a path or a dict, got int"):
+        auditor.factorize(model, 5)
+    with pytest.raises(AuditError, match="needs the model as an nn.Module, got dict"):
+        auditor.factorize({"0.weight": torch.eye(4)}, {"0": 2})
+    empty = tmp_path / "empty.toml"
+    empty.write_text('[ranks]\n"nothing.*" = 2\n', encoding="utf-8")
+    with pytest.raises(AuditError, match=r"pattern 'nothing\.\*' matches no factorizable layer"):
+        auditor.factorize(model, empty)

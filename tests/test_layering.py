@@ -1,0 +1,201 @@
+"""Imports run one way: the import graph of the ``auditor`` package has no circle, and no module imports one of a
+higher layer than its own.
+
+Every import counts, wherever it is written: at module level, inside a function (a lazy import ties the modules
+just the same) and inside ``if TYPE_CHECKING:`` (a type annotation names the module, and a reader must understand
+it). What does not count is the implicit import of a parent package (``import auditor.x`` runs
+``auditor/__init__.py`` first): that is how Python loads packages, not a dependency the code chose.
+
+``LAYERS`` lists the layers from the top down; a module may import modules of its own layer (without a circle) and
+of the layers below it. Every module of the package must be in exactly one layer: a new module picks its room.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import networkx as nx
+import pytest
+
+import auditor
+
+PKG = Path(auditor.__file__).resolve().parent
+
+# From the top down. A name covers the module and, for a package, every module inside it.
+LAYERS: list[tuple[str, tuple[str, ...]]] = [
+    ("cli", ("auditor.__main__", "auditor.cli", "auditor.cli_factorize")),
+    ("api", ("auditor", "auditor.api")),  # auditor/__init__.py and the front object over the plain result
+    ("pipeline", ("auditor.pipeline",)),
+    ("report", ("auditor.render", "auditor.baseline", "auditor.policy")),
+    ("rules", ("auditor.rules",)),
+    # factorize.py applies a plan with calibration's whitened truncation, and calibration's budget and plan check
+    # build factorized models to measure them: one room (no module circle), to be split when kinds/ take the
+    # two-module replacements
+    ("calibration", ("auditor.calibration", "auditor.factorize")),
+    ("analysis", ("auditor.plan", "auditor.suggest", "auditor.groups")),
+    ("spectra", ("auditor.spectra",)),
+    ("structure", ("auditor.graph", "auditor.trace")),
+    ("sources", ("auditor.load", "auditor.hf", "auditor.checkpoint", "auditor.tensorref")),
+    ("kinds", ("auditor.layers",)),
+    ("model", ("auditor.results", "auditor.calresults")),
+    ("core", ("auditor.errors", "auditor.lrmath", "auditor.config", "auditor.options", "auditor.progress",
+              "auditor.outputs", "auditor._env", "auditor._lapack", "auditor._version")),
+]
+
+
+def modules(root: Path = PKG) -> dict[str, Path]:
+    """Module name -> file, for every ``.py`` file of the package (``auditor/__init__.py`` is ``auditor``)."""
+    return {".".join(p.relative_to(root.parent).with_suffix("").parts).removesuffix(".__init__"): p
+            for p in sorted(root.rglob("*.py")) if "templates" not in p.relative_to(root).parts}
+
+
+def imports_of(path: Path, module: str) -> list[tuple[str, list[str], int, str]]:
+    """(absolute module, names imported from it, line, where) for every import statement of a file; ``where`` is
+    "top", "function" (inside a def, class or any nested block) or "type-checking" (under ``if TYPE_CHECKING:``).
+    Relative imports are resolved against ``module`` (a package's ``__init__`` is the package itself)."""
+    tree = ast.parse(path.read_text(encoding="utf-8"), str(path))
+    package = module.split(".") if path.name == "__init__.py" else module.split(".")[:-1]
+    typing_only = {id(n) for node in ast.walk(tree) if isinstance(node, ast.If)
+                   and "TYPE_CHECKING" in ast.unparse(node.test) for stmt in node.body for n in ast.walk(stmt)}
+    top = {id(n) for n in tree.body}
+    out = []
+    for node in ast.walk(tree):
+        where = "type-checking" if id(node) in typing_only else "top" if id(node) in top else "function"
+        if isinstance(node, ast.Import):
+            out += [(a.name, [], node.lineno, where) for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                if node.level > len(package):
+                    raise ValueError(f"{path}:{node.lineno}: relative import above the top package")
+                base = ".".join(package[: len(package) - node.level + 1] + ([node.module] if node.module else []))
+            else:
+                base = node.module or ""
+            out.append((base, [a.name for a in node.names], node.lineno, where))
+    return sorted(out, key=lambda t: t[2])
+
+
+def import_graph(mods: dict[str, Path], root: Path = PKG) -> nx.DiGraph:
+    """Module -> module edges within ``mods``; each edge keeps where it was written (``file:line (where)``).
+    ``from X import name`` is an edge to ``X.name`` when that is a module, else to ``X`` (its longest prefix that
+    is a module)."""
+
+    def known(name: str) -> str | None:
+        parts = name.split(".")
+        while parts and ".".join(parts) not in mods:
+            parts.pop()
+        return ".".join(parts) if parts else None
+
+    g = nx.DiGraph()
+    g.add_nodes_from(mods)
+    for mod, path in mods.items():
+        for base, names, line, where in imports_of(path, mod):
+            targets = [f"{base}.{n}" if f"{base}.{n}" in mods else known(base) for n in names] or [known(base)]
+            for t in targets:
+                if t is not None and t != mod:
+                    g.add_edge(mod, t)
+                    g.edges[mod, t].setdefault("at", []).append(f"{path.relative_to(root.parent)}:{line} ({where})")
+    return g
+
+
+def layer_of(mod: str, layers: list[tuple[str, tuple[str, ...]]] = LAYERS) -> list[int]:
+    """The indices of the layers that claim ``mod`` (the longest matching name wins within a layer list)."""
+    best = max((len(n) for _, names in layers for n in names if mod == n or mod.startswith(n + ".")), default=0)
+    return [i for i, (_, names) in enumerate(layers) for n in names
+            if len(n) == best and (mod == n or mod.startswith(n + "."))]
+
+
+def circles(g: nx.DiGraph) -> list[str]:
+    """One line per strongly connected component of more than one module: its size and one circle through it."""
+    out = []
+    for comp in sorted(nx.strongly_connected_components(g), key=lambda c: (-len(c), sorted(c))):
+        if len(comp) > 1:
+            cycle = [a for a, _ in nx.find_cycle(g.subgraph(comp), source=min(comp))]
+            hops = [f"{a} -> {b} [{g.edges[a, b]['at'][0]}]" for a, b in zip(cycle, cycle[1:] + cycle[:1])]
+            out.append(f"{len(comp)} modules in one circle, e.g. " + "; ".join(hops))
+    return out
+
+
+def arrows_up(g: nx.DiGraph, layers: list[tuple[str, tuple[str, ...]]] = LAYERS) -> list[str]:
+    """Every edge from a module to one of a higher layer (a smaller index), with where it is written."""
+    out = []
+    for a, b in sorted(g.edges):
+        (la,), (lb,) = layer_of(a, layers), layer_of(b, layers)
+        if lb < la:
+            out.append(f"{a} ({layers[la][0]}) imports {b} ({layers[lb][0]}) at {', '.join(g.edges[a, b]['at'])}")
+    return out
+
+
+@pytest.fixture(scope="module")
+def graph() -> nx.DiGraph:
+    return import_graph(modules())
+
+
+def test_every_module_is_in_exactly_one_layer(graph):
+    bad = {m: [LAYERS[i][0] for i in layer_of(m)] for m in graph if len(layer_of(m)) != 1}
+    assert bad == {}, "add each module to one layer of LAYERS: " + repr(bad)
+    names = [n for _, ns in LAYERS for n in ns]
+    unused = [n for n in names if not any(m == n or m.startswith(n + ".") for m in graph)]
+    assert unused == [] and len(names) == len(set(names))
+
+
+def test_no_import_circles(graph):
+    found = circles(graph)
+    assert found == [], "\n".join(found)
+
+
+def test_imports_run_one_way(graph):
+    found = arrows_up(graph)
+    assert found == [], f"{len(found)} arrows up:\n" + "\n".join(found)
+
+
+def test_the_graph_counts_every_import_and_the_checks_catch_circles_and_arrows_up(tmp_path):
+    pkg = tmp_path / "auditor"
+    (pkg / "render").mkdir(parents=True)
+    files = {
+        "__init__.py": "from .results import Audit\n",
+        "results.py": "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from .render.html import page\n",
+        "errors.py": "import os\n",
+        "pipeline.py": "from . import errors, __version__\nimport auditor.results as r\n",
+        "render/__init__.py": "from .html import page\n",
+        "render/html.py": "from ..errors import AuditError\ndef page():\n    from ..pipeline import audit\n",
+    }
+    for name, text in files.items():
+        (pkg / name).write_text(text)
+    mods = modules(pkg)
+    assert sorted(mods) == ["auditor", "auditor.errors", "auditor.pipeline", "auditor.render", "auditor.render.html",
+                            "auditor.results"]
+    assert imports_of(pkg / "render/html.py", "auditor.render.html") == [
+        ("auditor.errors", ["AuditError"], 1, "top"), ("auditor.pipeline", ["audit"], 3, "function")]
+    g = import_graph(mods, pkg)
+    assert sorted(g.edges) == [
+        ("auditor", "auditor.results"), ("auditor.pipeline", "auditor"), ("auditor.pipeline", "auditor.errors"),
+        ("auditor.pipeline", "auditor.results"), ("auditor.render", "auditor.render.html"),
+        ("auditor.render.html", "auditor.errors"), ("auditor.render.html", "auditor.pipeline"),
+        ("auditor.results", "auditor.render.html")]
+    assert g.edges["auditor.results", "auditor.render.html"]["at"] == ["auditor/results.py:3 (type-checking)"]
+    found = circles(g)
+    assert found == ["4 modules in one circle, e.g. auditor -> auditor.results [auditor/__init__.py:1 (top)]; "
+                     "auditor.results -> auditor.render.html [auditor/results.py:3 (type-checking)]; "
+                     "auditor.render.html -> auditor.pipeline [auditor/render/html.py:3 (function)]; "
+                     "auditor.pipeline -> auditor [auditor/pipeline.py:1 (top)]"]
+    layers = [("api", ("auditor",)), ("pipeline", ("auditor.pipeline",)), ("report", ("auditor.render",)),
+              ("model", ("auditor.results",)), ("core", ("auditor.errors",))]
+    assert arrows_up(g, layers) == [
+        "auditor.pipeline (pipeline) imports auditor (api) at auditor/pipeline.py:1 (top)",
+        "auditor.render.html (report) imports auditor.pipeline (pipeline) at auditor/render/html.py:3 (function)",
+        "auditor.results (model) imports auditor.render.html (report) at auditor/results.py:3 (type-checking)"]
+
+
+def test_renderers_and_results_import_no_torch_networkx_or_pipeline():
+    """The plain-data and report modules stay light: no torch or networkx at run time (typing-only imports are
+    free), so reading and rendering a saved audit needs neither; the api layer imports them only when called."""
+    mods = modules()
+    plain = [m for m in mods if m.startswith("auditor.render") or m in (
+        "auditor.results", "auditor.calresults", "auditor.options", "auditor.policy", "auditor.config")]
+    assert "auditor.render.html" in plain and "auditor.results" in plain
+    heavy = ("torch", "networkx", "auditor.pipeline")
+    bad = [(m, base, line) for m in [*plain, "auditor", "auditor.api"] for base, _, line, where in imports_of(mods[m], m)
+           if (where == "top" or where == "function" and m in plain) and base.split(".")[0] in heavy[:2]
+           or where == "top" and base.startswith(heavy[2])]
+    assert bad == []
