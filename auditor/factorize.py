@@ -301,13 +301,13 @@ def write_factorized(factorized: nn.Module, plan: dict[str, int], folder: Path, 
     errors (a full disk: OSError, or safetensors' own I/O error) propagate as they come."""
     from safetensors.torch import save_model
 
-    import auditor
+    from ._version import __version__
 
     meta = {"format": FORMAT, "format_version": FORMAT_VERSION, "source": source,
             "plan": {k: int(v) for k, v in plan.items()}, "params": count_params(factorized),
             "note": "a recovery fine-tune follows factorization"}
     meta.update(extra or {})
-    marker = {"tool": TOOL, "version": auditor.__version__, "format": FORMAT, "files": [MODEL_FILE, PLAN_FILE]}
+    marker = {"tool": TOOL, "version": __version__, "format": FORMAT, "files": [MODEL_FILE, PLAN_FILE]}
     save_model(factorized, str(folder / MODEL_FILE))
     for name, data in ((PLAN_FILE, meta), (MARKER, marker)):
         with open(folder / name, "x", encoding="utf-8") as fh:

@@ -24,7 +24,7 @@ PKG = Path(auditor.__file__).resolve().parent
 
 # From the top down. A name covers the module and, for a package, every module inside it.
 LAYERS: list[tuple[str, tuple[str, ...]]] = [
-    ("cli", ("auditor.__main__", "auditor.cli", "auditor.cli_factorize")),
+    ("cli", ("auditor.__main__", "auditor.cli", "auditor.cli_factorize", "auditor.cli_plan")),
     ("api", ("auditor", "auditor.api")),  # auditor/__init__.py and the front object over the plain result
     ("pipeline", ("auditor.pipeline",)),
     ("report", ("auditor.render", "auditor.baseline", "auditor.policy")),
@@ -32,10 +32,10 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     # factorize.py applies a plan with calibration's whitened truncation, and calibration's budget and plan check
     # build factorized models to measure them: one room (no module circle), to be split when kinds/ take the
     # two-module replacements
-    ("calibration", ("auditor.calibration", "auditor.factorize")),
+    ("calibration", ("auditor.calibration", "auditor.factorize", "auditor.recover", "auditor.export")),
     ("analysis", ("auditor.plan", "auditor.suggest", "auditor.groups")),
     ("spectra", ("auditor.spectra",)),
-    ("structure", ("auditor.graph", "auditor.trace")),
+    ("structure", ("auditor.graph", "auditor.trace", "auditor.sites")),
     ("sources", ("auditor.load", "auditor.hf", "auditor.checkpoint", "auditor.tensorref")),
     ("kinds", ("auditor.layers",)),
     ("model", ("auditor.results", "auditor.calresults")),

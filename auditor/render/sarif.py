@@ -236,7 +236,7 @@ def _fingerprint(f: "Finding") -> str:
 
 def to_sarif(audit: "Audit", root: Path | None = None) -> dict[str, Any]:
     """The SARIF 2.1.0 log as a dict: one run, the rules of the findings, one result per finding."""
-    from .. import __version__
+    from .._version import __version__
     from ..rules import RULES
     from ..rules.docs import DOCS_URL
 
