@@ -231,6 +231,12 @@ def resolve(audit: "Audit", plan: Plan) -> list[tuple[str, int, str, str]]:
     return [(n, r, s, p) for n, (r, s, p) in sorted(chosen.items(), key=lambda kv: order[kv[0]])]
 
 
+def _narrow(audit: "Audit", name: str) -> bool:
+    """Whether the audit skips this layer as narrow (the layers table and "Skipped layers" say so)."""
+    sg = audit.suggestions.get(name)
+    return sg is not None and sg.verdict is Verdict.SKIP_NARROW
+
+
 def review_plan(audit: "Audit", plan: Plan | None) -> PlanReview:
     """Each planned layer's rank, savings and energy kept; without a plan, the suggested ranks."""
     if plan is None:
@@ -252,7 +258,8 @@ def review_plan(audit: "Audit", plan: Plan | None) -> PlanReview:
             macs_before=layer.macs, macs_after=(layer.macs_at(r) if saves else layer.macs),
             break_even=layer.break_even, compression=layer.compression(r),
             energy_kept=kept, error_bound=lrmath.relative_error(kept) if kept is not None else None,
-            verdict=(PlanVerdict.FACTORIZE if saves else
+            verdict=(PlanVerdict.NARROW if saves and _narrow(audit, name) else
+                     PlanVerdict.FACTORIZE if saves else
                      PlanVerdict.ABOVE_MAX_RANK if r > layer.max_rank else PlanVerdict.NO_SAVING),
         ))
     macs_known = audit.macs_known

@@ -78,6 +78,7 @@ class SpectrumMethod(StrEnum):
 
 class PlanVerdict(StrEnum):
     FACTORIZE = "factorize"
+    NARROW = "factorize (narrow: LR003)"  # saves, but the audit would skip the layer as narrow
     ABOVE_MAX_RANK = "above min(m, n)"
     NO_SAVING = "no saving"
 
