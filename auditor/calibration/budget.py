@@ -204,7 +204,19 @@ def plan_for_budget(model: nn.Module, layers: dict[str, Layer] | list[Layer], ca
     With ``budget`` (a fraction of the model's parameters to remove) the first plan removes at least that share,
     then backs off by bisection until the metric holds. Without it, the first plan is the largest whose predicted
     cost fits the tolerance (tolerance^2 for the relative output error, the tolerance itself for a user metric);
-    it grows while the metric holds and backs off when it does not. Only layers ``factorize`` rewrites take part."""
+    it grows while the metric holds and backs off when it does not. Only layers ``factorize`` rewrites take part.
+    ``model`` runs in eval mode; its modules' modes are restored afterwards."""
+    from .inputs import eval_mode
+
+    with eval_mode(model):
+        return _plan_for_budget(model, layers, calibration, curves, budget, tolerance, metric, stats, frontier,
+                                max_tries)
+
+
+def _plan_for_budget(model: nn.Module, layers: dict[str, Layer] | list[Layer], calibration: Calibration,
+                     curves: Curves, budget: float | None, tolerance: float | None,
+                     metric: Metric | Callable[..., float] | None, stats: InputStatistics | None,
+                     frontier: int, max_tries: int) -> BudgetPlan:
     t0 = time.perf_counter()
     if metric is None or callable(metric) and not isinstance(metric, Metric):
         metric = Metric(fn=metric)  # type: ignore[arg-type]
