@@ -268,7 +268,8 @@ def options_from(args: argparse.Namespace) -> tuple["AuditOptions", "LoadOptions
 
     if args.jobs is not None and args.jobs < 1:
         raise AuditError(f"--jobs {args.jobs}: at least one layer must run", "Pass --jobs 1 or more, or leave it out")
-    if args.path_map and not args.scheduler:
+    path_map = _path_map(args.path_map)  # each entry's syntax first, then whether it applies
+    if path_map and not args.scheduler:
         raise AuditError("--path-map applies to a Dask cluster, and no --scheduler is given (nor "
                          "$LOWRANK_AUDITOR_SCHEDULER)", "Pass --scheduler tcp://HOST:PORT as well, or drop --path-map")
     if args.scheduler:
@@ -287,7 +288,7 @@ def options_from(args: argparse.Namespace) -> tuple["AuditOptions", "LoadOptions
         spectra=not args.no_spectra, cache=not args.no_cache,
         cache_dir=Path(args.cache_dir) if args.cache_dir else None, jobs=args.jobs,
         progress=getattr(args, "progress", None),
-        scheduler=args.scheduler, path_map=_path_map(args.path_map), **calibration_options(args),
+        scheduler=args.scheduler, path_map=path_map, **calibration_options(args),
     )
     load_options = LoadOptions(
         input_shape=tuple(parse_shape(s, "--input-shape") for s in args.input_shape) if args.input_shape else None,
