@@ -163,8 +163,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     written: list[Path] = []
     try:
         return _dispatch(argv, written)
+    except UsageError as exc:
+        print(exc, file=sys.stderr)
+        return ExitCode.BAD_INPUT
     except SystemExit:
-        raise  # argparse: --help, --version (0) and usage errors (2, one line)
+        raise  # argparse: --help and --version (0); the factorize parser's usage errors (2)
     except KeyboardInterrupt:
         print(f"interrupted: {'wrote ' + ', '.join(map(str, written)) if written else 'no report written'}",
               file=sys.stderr)
@@ -228,12 +231,16 @@ def _reserve_standard_streams() -> None:
         sys.stderr = open(os.devnull, "w")  # noqa: SIM115 - lives as long as the process
 
 
+class UsageError(Exception):
+    """A command line argparse refuses, as the one line :func:`main` prints (exit 2)."""
+
+
 class _Parser(argparse.ArgumentParser):
     """argparse with a usage error as one line (``error: ... See lowrank-audit --help.``), exit 2, not the usage."""
 
     def error(self, message: str) -> "NoReturn":  # type: ignore[override]
         line = " ".join(message.split()).rstrip(".")
-        self.exit(ExitCode.BAD_INPUT, f"error: {line}. See {self.prog} --help.\n")
+        raise UsageError(f"error: {line}. See {self.prog} --help.")
 
 
 def _silence_stdout() -> None:

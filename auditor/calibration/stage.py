@@ -86,10 +86,10 @@ def statistics_memory(layers: list[Layer]) -> tuple[int, str]:
         if l.kind not in STATS_KINDS:
             continue
         if l.kind == Kind.EMBEDDING:
-            sizes.append((8 * l.m, f"{l.name} ({l.m:,} lookup counts)"))
+            sizes.append((8 * l.m, f"layer {l.name} ({l.m:,} lookup counts)"))
         else:
             g = max(1, int(l.groups or 1))
-            sizes.append((8 * g * l.n * l.n, f"{l.name} ({'%d x ' % g if g > 1 else ''}{l.n:,} x {l.n:,})"))
+            sizes.append((8 * g * l.n * l.n, f"layer {l.name} ({'%d x ' % g if g > 1 else ''}{l.n:,} x {l.n:,})"))
     if not sizes:
         return 0, ""
     big = max(sizes)
