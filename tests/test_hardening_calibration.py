@@ -640,3 +640,42 @@ def test_library_entry_points_run_in_eval_mode_and_restore_the_modes():
     be = plan_for_budget(copy_eval, list(layers.values()), cal, curves_from_spectra(spectra, list(layers.values())),
                          budget=0.3, stats=stats)
     assert bp.plan == be.plan and bp.metric == be.metric
+
+
+def test_a_metric_that_overflows_on_the_cut_model_is_not_refused(src):
+    from auditor.calibration import Evaluator, Metric, load_calibration
+    from auditor.load import load_source
+
+    m = load_source(f"{src}:model").model
+    cal = load_calibration([torch.randn(8, 48, generator=torch.Generator().manual_seed(s)) for s in range(3)], m,
+                           0.34)
+    with torch.no_grad():
+        dense = m(cal.holdout[0].args[0])
+
+    def neg_perplexity(model, batches):
+        err = float((model(batches[0]) - dense).pow(2).mean())
+        return -float("inf") if err > 1e-3 else -1.0  # exp() of a large loss overflows
+
+    Evaluator(m, cal, Metric(neg_perplexity, 0.01, "neg_perplexity"))
+    assert not cal.warnings
+
+
+def test_position_ids_and_labels_are_not_token_ids(src):
+    from auditor.calibration.inputs import check_batches
+    from auditor.load import load_source
+
+    m = load_source(f"{src}:ids").model
+    g = torch.Generator().manual_seed(0)
+    batches = [{"input_ids": torch.randint(0, 100, (2, 8), generator=g),
+                "position_ids": torch.arange(500, 508).expand(2, 8), "labels": torch.full((2, 8), -100)}
+               for _ in range(2)]
+    check_batches(_calibration_of(batches), m, probe=False)  # position 500 and label -100 are no vocabulary ids
+    batches[1]["input_ids"][0, 0] = 500
+    with pytest.raises(AuditError, match="input_ids in batch 1 from <batches> holds token id 500"):
+        check_batches(_calibration_of(batches), m, probe=False)
+
+
+def _calibration_of(batches):
+    from auditor.calibration.inputs import Batch, Calibration
+
+    return Calibration([Batch((), b) for b in batches], [])

@@ -521,12 +521,14 @@ def _describe(v: Any) -> str:
 
 
 def _token_input(name: str, t: torch.Tensor) -> bool:
-    """Integer inputs whose values index an embedding: positional ones and ``*ids`` keywords (not labels, whose
-    ignore index -100 is legitimate, and not masks)."""
+    """Integer inputs whose values index an embedding: positional ones and ``*ids`` / ``input*`` keywords (not labels,
+    whose ignore index -100 is legitimate, masks, position ids or lengths)."""
     if t.is_floating_point() or t.is_complex() or t.dtype == torch.bool:
         return False
     low = name.lower()
-    return "label" not in low and "mask" not in low and (name.startswith("arg") or "ids" in low or "input" in low)
+    if any(w in low for w in ("label", "mask", "position", "length")):
+        return False  # ignore indices (-100), masks, positions and lengths index no vocabulary
+    return name.startswith("arg") or "ids" in low or "input" in low
 
 
 def check_batches(cal: Calibration, model: nn.Module | None = None, probe: bool = True) -> None:

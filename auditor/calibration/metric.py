@@ -86,7 +86,7 @@ def _user_batch(b: Batch) -> Any:
 
 
 DETERMINISM = 1e-6  # two dense runs on one held-out batch may differ by this much (relative to the output's size)
-_CHECKED: dict[tuple[int, str, float], str] = {}  # (metric fn, calibration digest, tolerance) -> warning ("" none)
+_CHECKED: dict[tuple[Any, str, float], str] = {}  # (metric fn, calibration digest, tolerance) -> warning ("" none)
 
 
 def _rank1_(model: nn.Module) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -183,31 +183,40 @@ class Evaluator:
                              "of the forward before measuring")
 
     def _check_direction(self, dense: nn.Module, calibration: Calibration) -> None:
-        key = (id(self.metric.fn), calibration.digest, float(self.metric.tolerance))
+        fn: Any = self.metric.fn
+        try:
+            hash(fn)
+        except TypeError:
+            fn = id(fn)
+        key = (fn, calibration.digest, float(self.metric.tolerance))
         if key not in _CHECKED:
             saved = _rank1_(dense)
             if not saved:
                 return
             try:
-                cut = self._user(dense)
+                cut = self._user(dense, finite=False)
             finally:
                 with torch.no_grad():
                     for w, original in saved:
                         w.copy_(original)
             ref, tol, label = self.reference, self.metric.tolerance, self.metric.label
-            if cut > ref + tol:
+            if not math.isfinite(cut):  # e.g. a perplexity overflowing on the cut model: it fell, or says nothing
+                _CHECKED[key] = ""
+            elif cut > ref + tol:
                 raise AuditError(f"metric {label} rises when the model is cut down ({cut:.6g} with every layer at "
                                  f"rank 1, {ref:.6g} dense): it looks lower-is-better (a loss or an error), and every "
                                  "floor would come out at the smallest rank",
                                  "--metric must be higher-is-better: return the negative (e.g. -loss)")
-            _CHECKED[key] = ("" if cut < ref - tol else
-                             f"metric {label} barely moves when the model is cut down ({cut:.6g} with every layer at "
-                             f"rank 1, {ref:.6g} dense, tolerance {tol:g}): floors measured with it come out at the "
-                             "smallest ranks; use a metric that sees the model's quality, or a smaller --tolerance")
+            else:
+                _CHECKED[key] = ("" if cut < ref - tol else
+                                 f"metric {label} barely moves when the model is cut down ({cut:.6g} with every layer at "
+                                 f"rank 1, {ref:.6g} dense, tolerance {tol:g}): floors measured with it come out at "
+                                 "the smallest ranks; use a metric that sees the model's quality, or a smaller "
+                                 "--tolerance")
         if _CHECKED[key] and _CHECKED[key] not in calibration.warnings:
             calibration.warnings.append(_CHECKED[key])
 
-    def _user(self, model: nn.Module) -> float:
+    def _user(self, model: nn.Module, finite: bool = True) -> float:
         from ..load import _run_user_code
 
         label = self.metric.label
@@ -223,7 +232,7 @@ class Evaluator:
         except (TypeError, ValueError, OverflowError):
             raise AuditError(f"metric {label} returned {type(out).__name__}, not a number",
                              "Return a float, higher is better") from None
-        if not math.isfinite(v):
+        if finite and not math.isfinite(v):
             raise AuditError(f"metric {label} returned {v}", "Return a finite float, higher is better")
         return v
 
