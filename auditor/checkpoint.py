@@ -374,20 +374,33 @@ class WeightsOnly:
         return self.ref(layer)  # a TensorRef is callable; the spectral engine takes it as the reference it is
 
     def ties(self) -> dict[str, str]:
-        """Byte-identical matrices: duplicate name -> canonical (first) name. Candidates share shape and dtype; a
-        16 KiB sample at three places rules most out, then BLAKE3 of all the bytes decides. All-zero tensors are
-        left apart (identical by content, not by tying)."""
+        """Tied tensors: duplicate name -> canonical (first) name, for every tensor, vectors and scalars included
+        (a tied bias is counted once too). In a state dict, tensors sharing one storage (same offset, shape, stride
+        and dtype) are tied whatever they hold. Otherwise byte-identical tensors of one shape and dtype are: a 16 KiB
+        sample at three places rules most out, then BLAKE3 of all the bytes decides. Constant tensors (every
+        element the same: all zeros, all ones, a scalar) are left apart unless they share storage: such equality
+        comes from initialisation, not from tying."""
         if self._ties is not None:
             return self._ties
         from blake3 import blake3
 
+        ties: dict[str, str] = {}
+        if self.state is not None:
+            shared: dict[tuple, str] = {}
+            for k, t in self.state.items():
+                if not isinstance(t, torch.Tensor) or t.layout != torch.strided or t.numel() == 0 \
+                        or t.device.type == "meta":
+                    continue
+                key = (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), t.stride(), t.dtype)
+                if key in shared:
+                    ties[k] = shared[key]
+                else:
+                    shared[key] = k
         groups: dict[tuple, list[str]] = {}
         for k, (_, shape, dtype) in self.index.items():
-            if self._ref(k).layout != "strided":  # sparse or other layouts: no bytes to compare (skipped later)
-                continue
-            if len(shape) >= 2 and any(s > 1 for s in shape):
-                groups.setdefault((shape, dtype), []).append(k)
-        ties: dict[str, str] = {}
+            if k in ties or self._ref(k).layout != "strided" or math.prod(shape) < 2:
+                continue  # sparse or other layouts: no bytes to compare (skipped later); a scalar is constant
+            groups.setdefault((tuple(shape), dtype), []).append(k)
         for names in groups.values():
             if len(names) < 2:
                 continue
@@ -400,7 +413,7 @@ class WeightsOnly:
                 by_hash: dict[str, list[str]] = {}
                 for k in same:
                     raw = self._ref(k).raw_bytes()
-                    if not raw or not np.frombuffer(raw, dtype=np.uint8).any():
+                    if not raw or _constant(raw, math.prod(self.index[k][1])):
                         continue
                     h = blake3(max_threads=blake3.AUTO if len(raw) > 4 << 20 else 1)
                     h.update(raw)
@@ -453,6 +466,22 @@ class WeightsOnly:
                               m=m, n=n, view=view, dtype=dtype.lower().replace("torch.", ""),
                               aliases=aliases.get(name, []))
         return out
+
+
+def _constant(raw: memoryview, numel: int) -> bool:
+    """Whether every element of a tensor's bytes is the same value (all zeros, all ones, one number repeated)."""
+    a = np.frombuffer(raw, dtype=np.uint8)
+    if numel < 1 or a.size % numel:
+        return False
+    item = a.size // numel
+    head = a[: (min(numel, 4096)) * item].reshape(-1, item)
+    if not (head == head[0]).all():
+        return False  # the common case, decided on the first 4096 elements
+    for lo in range(0, numel, 1 << 20):  # in slices: no full-size temporary for a large tensor
+        rows = a[lo * item: min(numel, lo + (1 << 20)) * item].reshape(-1, item)
+        if not (rows == head[0]).all():
+            return False
+    return True
 
 
 _ST_CODES = {torch_name: code for code, (torch_name, _) in DTYPES.items()}

@@ -1,6 +1,7 @@
 """The command line: ``lowrank-audit MODEL [options]``, ``lowrank-audit rules [CODE]`` and ``lowrank-audit check-plan``.
 
-Exit codes: 0 clean, 1 findings at or above --fail-on, 2 bad input (one line on stderr, no report written).
+Exit codes: 0 clean, 1 findings at or above --fail-on, 2 bad input (one line on stderr, no report written), 3 an
+internal error (a bug: one line, the traceback with --verbose), 130 interrupted.
 """
 
 from __future__ import annotations
@@ -9,10 +10,10 @@ import argparse
 import os
 import sys
 from pathlib import Path
-from typing import TYPE_CHECKING, Sequence
+from typing import TYPE_CHECKING, NoReturn, Sequence
 
 from .config import FailOn
-from .errors import AuditError, ExitCode
+from .errors import AuditError, ExitCode, first_line
 from .options import Tracer
 
 if TYPE_CHECKING:
@@ -23,14 +24,16 @@ STDOUT_FORMATS = ("json", "md", "sarif")  # documents: to stdout without --outpu
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    p = _Parser(
         prog="lowrank-audit",
         description="Audit a PyTorch model before low-rank factorization: parameter shares, break-even ranks, "
                     "singular-value spectra, suggested ranks, and a review of a compression plan.",
         epilog="Sources: file.py:factory, package.module:factory, a Hugging Face directory or config.json, a "
                ".safetensors file or sharded directory (weights only), torchvision:NAME, timm:NAME. "
                "`lowrank-audit rules` lists the rules; `lowrank-audit factorize --help` applies a plan; "
-               "`lowrank-audit check-plan PLAN... [--model SOURCE]` checks plan files (the pre-commit hook).",
+               "`lowrank-audit check-plan PLAN... [--model SOURCE]` checks plan files (the pre-commit hook). "
+               "Exit codes: 0 clean, 1 findings at or above --fail-on, 2 bad input (one line, nothing written), "
+               "3 internal error (a bug; --verbose shows the traceback), 130 interrupted.",
     )
     p.add_argument("model", help="the model source")
     _common_flags(p)
@@ -75,6 +78,12 @@ def _parser() -> argparse.ArgumentParser:
                         "Face directory with its tokenizer) a text file: .txt/.md/.rst/.py, or any UTF-8 file")
     g.add_argument("--calibration-length", type=int, metavar="N",
                    help="tokens per window of a text calibration file (default: the model's positions, at most 512)")
+    g.add_argument("--calibration-max-rows", type=int, metavar="N",
+                   help="read at most this many calibration rows (examples, windows; default 100000): more is "
+                        "refused, so an endless generator stops")
+    g.add_argument("--calibration-max-bytes", metavar="SIZE",
+                   help="read at most this much calibration data, e.g. 4G (a file's size, a text file's, the tensors "
+                        "a function yields; default 1G)")
     g.add_argument("--holdout", metavar="SHARE|FILE", help="share of the rows held out to measure (default 0.25), "
                                                             "or a second file held out whole")
     g.add_argument("--metric", metavar="module:fn",
@@ -120,6 +129,9 @@ def _check_stdout(args: argparse.Namespace) -> None:
     if not args.output_dir and len(to_stdout) > 1 and documents:
         raise AuditError(f"--format {','.join(to_stdout)} would all go to stdout, and {to_stdout[-1]} would not be "
                          "valid there", "Pass -o DIR to write them as files, -q to drop the table, or one format")
+    if sys.stdout is None and (to_stdout if not args.output_dir else [f for f in to_stdout if f == "text"]):
+        raise AuditError(f"{STDOUT_CLOSED} (>&-), and the {'table' if 'text' in to_stdout else to_stdout[0]} "
+                         "would go there", "Redirect stdout to a file, or pass -q and -o DIR")
 
 
 def _rules_main(argv: Sequence[str]) -> int:
@@ -127,7 +139,7 @@ def _rules_main(argv: Sequence[str]) -> int:
     from .rules.docs import rule_url
     from .rules.registry import BUILTIN_ORIGIN
 
-    p = argparse.ArgumentParser(prog="lowrank-audit rules", description="List the rules, or print one.")
+    p = _Parser(prog="lowrank-audit rules", description="List the rules, or print one.")
     p.add_argument("code", nargs="?", help="a rule code such as LR004, or its slug such as energy-below-floor")
     p.add_argument("--markdown", action="store_true", help="print docs/rules.md")
     a = p.parse_args(argv)
@@ -151,7 +163,40 @@ def _rules_main(argv: Sequence[str]) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    """The command line: ``lowrank-audit MODEL ...``, ``rules`` or ``factorize``. Whatever happens inside, the exit
+    code is one of :class:`ExitCode` (or 130 on Ctrl-C): an unexpected exception, a bug of the tool, is one line and
+    exit 3 (``--verbose`` adds the traceback), never 1, which CI reads as findings."""
     argv = list(sys.argv[1:] if argv is None else argv)
+    _reserve_standard_streams()
+    verbose = any(a in ("-v", "--verbose") for a in argv)  # known before parsing: a crash anywhere shows it
+    written: list[Path] = []
+    try:
+        return _dispatch(argv, written)
+    except UsageError as exc:
+        print(exc, file=sys.stderr)
+        return ExitCode.BAD_INPUT
+    except SystemExit:
+        raise  # argparse: --help and --version (0); the factorize parser's usage errors (2)
+    except KeyboardInterrupt:
+        print(f"interrupted: {'wrote ' + ', '.join(map(str, written)) if written else 'no report written'}",
+              file=sys.stderr)
+        return 130
+    except BaseException as exc:  # noqa: BLE001 - a bug: one line and its own exit code, not a traceback and 1
+        return internal_error(exc, verbose)
+
+
+def internal_error(exc: BaseException, verbose: bool) -> int:
+    """Report an unexpected exception as one line (the traceback before it with ``verbose``); exit code 3."""
+    if verbose:
+        import traceback
+
+        traceback.print_exception(exc, file=sys.stderr)
+    hint = "" if verbose else "; rerun with --verbose for the traceback"
+    print(f"internal error: {first_line(exc)} (a bug in lowrank-audit, not in the input{hint})", file=sys.stderr)
+    return ExitCode.INTERNAL
+
+
+def _dispatch(argv: list[str], written: list[Path]) -> int:
     if argv and argv[0] == "rules":
         return _rules_main(argv[1:])
     if argv and argv[0] == "check-plan":
@@ -163,7 +208,6 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         return factorize_main(argv[1:])
     args = _parser().parse_args(argv)
-    written: list[Path] = []
     try:
         _check_stdout(args)
         return run(args, written)
@@ -175,16 +219,47 @@ def main(argv: Sequence[str] | None = None) -> int:
         if "standard output" in exc.what:
             _silence_stdout()
         return ExitCode.BAD_INPUT
-    except KeyboardInterrupt:
-        print(f"interrupted: {'wrote ' + ', '.join(map(str, written)) if written else 'no report written'}",
-              file=sys.stderr)
-        return 130
+
+
+STDOUT_CLOSED = "standard output is closed"
+
+
+def _reserve_standard_streams() -> None:
+    """Put /dev/null on descriptors 0-2 that were closed when the process started (``>&-``): otherwise the next file
+    the audit opens (a report, a checkpoint) gets descriptor 1, and stdout's writes, or the redirection of user code's
+    prints, would land in it. A closed stdout stays ``None`` (the reports meant for it are refused with one line); a
+    closed stderr becomes /dev/null, so error lines are dropped rather than written to stdout."""
+    for fd in (0, 1, 2):
+        try:
+            os.fstat(fd)
+        except OSError:
+            try:
+                new = os.open(os.devnull, os.O_RDWR)
+                if new != fd:
+                    os.dup2(new, fd)
+                    os.close(new)
+            except OSError:
+                pass
+    if sys.stderr is None:
+        sys.stderr = open(os.devnull, "w")  # noqa: SIM115 - lives as long as the process
+
+
+class UsageError(Exception):
+    """A command line argparse refuses, as the one line :func:`main` prints (exit 2)."""
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse with a usage error as one line (``error: ... See lowrank-audit --help.``), exit 2, not the usage."""
+
+    def error(self, message: str) -> "NoReturn":  # type: ignore[override]
+        line = " ".join(message.split()).rstrip(".")
+        raise UsageError(f"error: {line}. See {self.prog} --help.")
 
 
 def _silence_stdout() -> None:
     """After stdout failed (a full disk, a closed pipe): point its descriptor at /dev/null, so the interpreter's
     final flush of what is still buffered cannot fail a second time with a traceback-like message."""
-    if sys.stdout is not sys.__stdout__:
+    if sys.stdout is None or sys.stdout is not sys.__stdout__:
         return  # captured (tests, notebooks): nothing buffered at the process level
     import os
 
@@ -213,6 +288,15 @@ def options_from(args: argparse.Namespace) -> tuple["AuditOptions", "LoadOptions
 
     if args.jobs is not None and args.jobs < 1:
         raise AuditError(f"--jobs {args.jobs}: at least one layer must run", "Pass --jobs 1 or more, or leave it out")
+    path_map = _path_map(args.path_map)  # each entry's syntax first, then whether it applies
+    if path_map and not args.scheduler:
+        raise AuditError("--path-map applies to a Dask cluster, and no --scheduler is given (nor "
+                         "$LOWRANK_AUDITOR_SCHEDULER)", "Pass --scheduler tcp://HOST:PORT as well, or drop --path-map")
+    if args.scheduler:
+        from .spectra.cluster import check_address, env_connect_timeout  # no distributed import: only the parsing
+
+        check_address(args.scheduler)
+        env_connect_timeout()
     settings = Settings().with_overrides(from_pyproject(), "pyproject.toml [tool.lowrank-auditor]")
     overrides = {k: v for k, v in {
         "energy_targets": args.energy, "target_energy": args.target_energy, "align": args.align,
@@ -224,7 +308,7 @@ def options_from(args: argparse.Namespace) -> tuple["AuditOptions", "LoadOptions
         spectra=not args.no_spectra, cache=not args.no_cache,
         cache_dir=Path(args.cache_dir) if args.cache_dir else None, jobs=args.jobs,
         progress=getattr(args, "progress", None),
-        scheduler=args.scheduler, path_map=_path_map(args.path_map), **calibration_options(args),
+        scheduler=args.scheduler, path_map=path_map, **calibration_options(args),
     )
     load_options = LoadOptions(
         input_shape=tuple(parse_shape(s, "--input-shape") for s in args.input_shape) if args.input_shape else None,
@@ -236,16 +320,23 @@ def options_from(args: argparse.Namespace) -> tuple["AuditOptions", "LoadOptions
 
 def calibration_options(args: argparse.Namespace) -> dict:
     """The calibration flags as AuditOptions fields (checked there: --budget in (0, 1), the rest need data)."""
+    from .calibration.inputs import parse_size
+
     if args.calibration is None:
         given = [f for f, v in (("--holdout", args.holdout), ("--metric", args.metric), ("--tolerance", args.tolerance),
                                 ("--measure-floor", args.measure_floor or None), ("--budget", args.budget),
-                                ("--calibration-length", args.calibration_length)) if v is not None]
+                                ("--calibration-length", args.calibration_length),
+                                ("--calibration-max-rows", args.calibration_max_rows),
+                                ("--calibration-max-bytes", args.calibration_max_bytes)) if v is not None]
         if given:
             raise AuditError(f"{', '.join(given)} need(s) calibration data", "Pass --calibration FILE as well")
         return {}
     return {"calibration": args.calibration, "holdout": args.holdout if args.holdout is not None else 0.25,
             "metric": args.metric, "tolerance": args.tolerance, "measure_floor": args.measure_floor,
-            "budget": args.budget, "calibration_length": args.calibration_length}
+            "budget": args.budget, "calibration_length": args.calibration_length,
+            **({"calibration_max_rows": args.calibration_max_rows} if args.calibration_max_rows is not None else {}),
+            **({"calibration_max_bytes": parse_size(args.calibration_max_bytes)}
+               if args.calibration_max_bytes is not None else {})}
 
 
 def _terminal_width() -> int:

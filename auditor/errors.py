@@ -10,6 +10,7 @@ class ExitCode(IntEnum):
     OK = 0
     FINDINGS = 1  # findings at or above --fail-on
     BAD_INPUT = 2  # the input could not be audited; nothing was written
+    INTERNAL = 3  # an unexpected error inside the tool (a bug): one line, the traceback with --verbose
 
 
 class AuditError(Exception):

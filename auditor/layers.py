@@ -31,7 +31,7 @@ import sys
 from dataclasses import dataclass, field
 from functools import lru_cache
 from pathlib import Path
-from typing import Callable, Iterable, Sequence
+from typing import Any, Callable, Iterable, Sequence
 
 import torch
 from torch import nn
@@ -284,10 +284,10 @@ class ParamTable:
     """Every unique parameter tensor of a model, by identity, with all of its names; plus the weights a module
     computes (parametrized, weight-normed) or keeps outside its parameters (quantized, packed)."""
 
-    names: dict[int, list[str]] = field(default_factory=dict)  # id(tensor) -> names, first = canonical
-    tensors: dict[int, torch.Tensor] = field(default_factory=dict)
+    names: dict[Any, list[str]] = field(default_factory=dict)  # storage key -> names, first = canonical
+    tensors: dict[Any, torch.Tensor] = field(default_factory=dict)
     canonical: dict[str, str] = field(default_factory=dict)  # any name -> canonical name
-    keys: dict[str, int] = field(default_factory=dict)  # canonical name -> id(tensor)
+    keys: dict[str, Any] = field(default_factory=dict)  # canonical name -> storage key
     computed: dict[str, torch.Tensor] = field(default_factory=dict)  # effective weight name -> its value
     stored_as: dict[str, list[str]] = field(default_factory=dict)  # effective weight -> canonical stored params
     derived_of: dict[str, str] = field(default_factory=dict)  # stored canonical param -> effective weight name
@@ -306,7 +306,7 @@ class ParamTable:
                     f"parameter {name!r} is not initialized yet (a lazy module such as LazyLinear)",
                     "Run the model once on an example input before auditing, so lazy modules get their shapes",
                 )
-            key = id(p)
+            key = _storage_key(p)
             if key not in table.names:
                 table.names[key] = []
                 table.tensors[key] = p
@@ -368,6 +368,21 @@ class ParamTable:
     def notes(self) -> list[str]:
         """One line per weight that was found but not made a layer, saying why."""
         return [f"Skipped {name}: {why}." for name, why in self.skipped.items()]
+
+
+def _storage_key(p: torch.Tensor) -> Any:
+    """What makes two parameters one tensor: the same object, or two Parameter objects viewing the same bytes of one
+    storage (same offset, shape, stride and dtype: ``b.weight = nn.Parameter(a.weight.data)``). Meta and empty
+    tensors have no storage to compare and are keyed by identity."""
+    if p.device.type == "meta" or p.numel() == 0 or p.layout != torch.strided:
+        return id(p)
+    try:
+        ptr = p.untyped_storage().data_ptr()
+    except (RuntimeError, NotImplementedError):  # tensor subclasses without a plain storage
+        return id(p)
+    if not ptr:
+        return id(p)
+    return (p.device.type, p.device.index, ptr, p.storage_offset(), tuple(p.shape), p.stride(), p.dtype)
 
 
 def check_tree(model: nn.Module) -> None:

@@ -191,7 +191,10 @@ def import_user_module(target: str, what: str = "file") -> ModuleType:
     if target.endswith(".py"):
         file = Path(target)
         if not file.is_file():
-            raise AuditError(f"{what} {target} does not exist", "Check the path to the Python file")
+            from .calibration.inputs import describe_missing
+
+            raise AuditError(f"{what} {target} {describe_missing(file) or 'is not a regular file'}",
+                             "Check the path to the Python file")
         mod_name = f"_lowrank_user_{abs(hash(str(file.resolve())))}"
         spec_obj = importlib.util.spec_from_file_location(mod_name, file)
         if spec_obj is None or spec_obj.loader is None:

@@ -3,12 +3,17 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any, Mapping, TypedDict
 
 from .config import Settings, StrEnum
 from .errors import AuditError
+
+
+CALIBRATION_MAX_ROWS = 100_000  # calibration rows (examples, windows) read at most unless raised
+CALIBRATION_MAX_BYTES = 1 << 30  # calibration bytes (a file's size, the tensors a function yields) read at most
 
 
 class Tracer(StrEnum):
@@ -58,6 +63,8 @@ class AuditOptions:
     budget: float | None = None  # tier 3: a fraction of the parameters to remove, checked all at once
     calibration_length: int | None = None  # tokens per window of a text file (default: the positions, at most 512)
     tokenizer: Any = None  # the directory of the tokenizer for a text file (audit_source: the Hugging Face directory)
+    calibration_max_rows: int | None = CALIBRATION_MAX_ROWS  # read at most this many rows (None: no cap)
+    calibration_max_bytes: int | None = CALIBRATION_MAX_BYTES  # read at most this many bytes (None: no cap)
 
     def __post_init__(self) -> None:
         try:
@@ -73,8 +80,20 @@ class AuditOptions:
             object.__setattr__(self, "settings", Settings())
         if self.budget is not None and not 0 < self.budget < 1:
             raise AuditError(f"budget {self.budget} is not a fraction in (0, 1)", "Give e.g. budget=0.3")
-        if self.tolerance is not None and not self.tolerance >= 0:
-            raise AuditError(f"tolerance {self.tolerance} is negative", "Give a tolerance of 0 or more")
+        if self.tolerance is not None:
+            if isinstance(self.tolerance, bool) or not isinstance(self.tolerance, (int, float)):
+                raise AuditError(f"tolerance {self.tolerance!r} is not a number", "Give e.g. tolerance=0.01")
+            if not math.isfinite(self.tolerance):
+                raise AuditError(f"tolerance {self.tolerance} is not a finite number",
+                                 "Give a finite tolerance of 0 or more, e.g. --tolerance 0.01")
+            if self.tolerance < 0:
+                raise AuditError(f"tolerance {self.tolerance} is negative", "Give a tolerance of 0 or more")
+        for name in ("calibration_max_rows", "calibration_max_bytes"):
+            v = getattr(self, name)
+            if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
+                flag = "--" + name.replace("_", "-")
+                raise AuditError(f"{name} {v!r} is not a positive whole number",
+                                 f"Give e.g. {flag} {'200000' if 'rows' in name else '4G'}, or None for no cap")
         if self.calibration is None and (self.measure_floor or self.budget is not None or self.metric is not None):
             raise AuditError("measure_floor, budget and metric need calibration data",
                              "Pass calibration=FILE (on the command line --calibration FILE)")
@@ -118,6 +137,8 @@ class OptionFields(TypedDict, total=False):
     budget: float | None
     calibration_length: int | None
     tokenizer: Any
+    calibration_max_rows: int | None
+    calibration_max_bytes: int | None
 
 
 @dataclass(frozen=True)

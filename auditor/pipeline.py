@@ -417,7 +417,8 @@ def audit_source(spec: str, *, plan: Any = None, options: AuditOptions | None = 
 
         if opts.tokenizer is None:  # a text file is tokenized by the Hugging Face directory's own tokenizer
             opts = replace(opts, tokenizer=tokenizer_home(loaded.source))
-        check_text_sources([opts.calibration, opts.holdout], opts.tokenizer)  # bad text fails before the spectra
+        check_text_sources([opts.calibration, opts.holdout], opts.tokenizer,  # bad text fails before the spectra
+                           opts.calibration_max_bytes)
     result = audit(loaded.model, loaded.example_inputs, plan=plan, options=opts)
     if loaded.notes:  # what the loader decided (structure only, inputs made from the config, partial weights)
         result = replace(result, notes=[*loaded.notes, *result.notes])

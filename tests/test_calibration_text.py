@@ -6,6 +6,7 @@ with one line and no report."""
 from __future__ import annotations
 
 import json
+import os
 import random
 import shutil
 import sysconfig
@@ -243,6 +244,12 @@ BAD = {
     "too-long": "calibration window length 100 is longer than the 64 positions the model has",
     "length-not-text": "a calibration window length applies to a text file",
     "missing-holdout": "held-out file {text}.held does not exist. Check the path given to --holdout",
+    "one-window": "calibration text {text} gives one window of 64 tokens, so nothing can be held out of it "
+                  "(--holdout 0.25). Give a longer text",
+    "fifo": "calibration file {text} is a FIFO (named pipe), not a file. Check the path given to --calibration",
+    "folder": "calibration file {text} is a folder, not a file",
+    "over-the-cap": "calibration text {text} is 1.5 KiB, more than the 1.0 KiB calibration data is capped at. Give a "
+                    "smaller sample of the text, or raise the cap with --calibration-max-bytes 1G",
     "vocabulary": "gives token id {top}, but the model's largest embedding has 400 rows. Use the tokenizer the model "
                   "was trained with",
 }
@@ -288,6 +295,14 @@ def test_bad_text_calibration_exits_2_with_one_line_and_no_report(cli_inproc, tm
         extra = ["--calibration-length", "100"]
     elif case == "missing-holdout":
         extra = ["--holdout", f"{text}.held"]
+    elif case == "one-window":
+        _text(text, words, CHUNK + 5)  # one window and 5 tokens: 0.25 of it cannot be held out
+    elif case in ("fifo", "folder"):
+        text.unlink()
+        os.mkfifo(text) if case == "fifo" else text.mkdir()
+    elif case == "over-the-cap":
+        text.write_text("x" * 1536)
+        extra = ["--calibration-max-bytes", "1K"]
     else:
         from safetensors.torch import save_file
 

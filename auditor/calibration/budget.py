@@ -234,15 +234,13 @@ def plan_for_budget(model: nn.Module, layers: dict[str, Layer] | list[Layer], ca
     options = {k: v for k, v in curves.options.items()
                if k in named and named[k].kind in SUPPORTED and k not in fixed}
     curves = Curves(options, curves.source)
-    was_training = model.training
-    model.eval()
-    try:
+    from .inputs import eval_mode
+
+    with eval_mode(model):  # every module's own mode is restored afterwards
         if stats is None:
             stats = input_statistics(model, [named[k] for k in [*options, *fixed] if k in named], calibration)
         ev = Evaluator(model, calibration, metric)
         return _search(model, ev, curves, named, stats, metric, budget, frontier, max_tries, fixed, t0)
-    finally:
-        model.train(was_training)
 
 
 def _search(model: nn.Module, ev: Evaluator, curves: Curves, named: dict[str, Layer], stats: InputStatistics,

@@ -10,17 +10,20 @@ measure, never to compute input statistics.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import inspect
 import math
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterable, Iterator
 
 import torch
 from torch import nn
 
 from ..errors import AuditError, first_line
+from ..options import CALIBRATION_MAX_BYTES, CALIBRATION_MAX_ROWS
 from .text import is_text_source, text_inputs
 
 
@@ -86,6 +89,78 @@ def run(model: nn.Module, batch: Batch) -> Any:
         return model(*b.args, **b.kwargs)
 
 
+@contextlib.contextmanager
+def eval_mode(model: nn.Module) -> Iterator[nn.Module]:
+    """The model in eval mode (dropout off, batch norm on its running statistics) while the block runs, then every
+    module back in the mode it had (a caller's model half in training mode comes back exactly so)."""
+    modes = [(m, m.training) for m in model.modules()]
+    model.eval()
+    try:
+        yield model
+    finally:
+        for m, training in modes:
+            m.training = training
+
+
+MAX_ROWS = CALIBRATION_MAX_ROWS  # calibration rows (examples, windows) read at most, unless the caller raises it
+MAX_BYTES = CALIBRATION_MAX_BYTES  # bytes of calibration data (a file, the tensors a function yields) read at most
+MAX_SHAPE_PROBES = 8  # later batches of a new shape run through the forward once each, at most this many
+
+
+def size_text(n: float) -> str:
+    """Bytes as GiB, MiB or KiB (binary units), for messages.
+
+    >>> size_text(3 << 30), size_text(1536), size_text(80e9)
+    ('3.0 GiB', '1.5 KiB', '74.5 GiB')
+    """
+    for unit, shift in (("GiB", 30), ("MiB", 20), ("KiB", 10)):
+        if n >= 1 << shift:
+            return f"{n / (1 << shift):.1f} {unit}"
+    return f"{int(n)} bytes"
+
+
+def parse_size(text: str, flag: str = "--calibration-max-bytes") -> int:
+    """``2G``, ``500M``, ``64K``, ``1T`` (binary units, optional ``iB``/``B``) or a plain number of bytes.
+
+    >>> parse_size("2G"), parse_size("1.5MiB"), parse_size("4096")
+    (2147483648, 1572864, 4096)
+    """
+    import re
+
+    m = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]*)?)\s*([kmgt]?)(?:i?b)?\s*", str(text), re.IGNORECASE)
+    value = float(m.group(1)) * (1 << (10 * " kmgt".index(m.group(2).lower() or " "))) if m else math.nan
+    if not (math.isfinite(value) and 1 <= value < 2**63):
+        raise AuditError(f"{flag} {text!r} is not a size", f"Give bytes with a unit, e.g. {flag} 4G")
+    return int(value)
+
+
+def describe_missing(path: Path) -> str:
+    """What is at ``path`` when it is not a readable regular file, in words: "does not exist", "is a folder",
+    "is a FIFO (named pipe)", "is a device", "cannot be read (permission denied)"."""
+    import stat
+
+    try:
+        st = path.stat()
+    except FileNotFoundError:
+        return "does not exist" if not path.is_symlink() else "is a symbolic link to nothing"
+    except NotADirectoryError:
+        return "does not exist (a part of its path is a file)"
+    except OSError as exc:
+        return f"cannot be read ({(exc.strerror or str(exc)).lower()})"
+    mode = st.st_mode
+    if stat.S_ISDIR(mode):
+        return "is a folder, not a file"
+    if stat.S_ISFIFO(mode):
+        return "is a FIFO (named pipe), not a file"
+    if stat.S_ISCHR(mode) or stat.S_ISBLK(mode):
+        return "is a device, not a file"
+    if stat.S_ISSOCK(mode):
+        return "is a socket, not a file"
+    if not os.access(path, os.R_OK):
+        return "cannot be read (permission denied)"
+    return ""
+
+
 def _digest(batches: list[Batch]) -> str:
     h = hashlib.sha256()
     for b in batches:
@@ -96,11 +171,17 @@ def _digest(batches: list[Batch]) -> str:
     return h.hexdigest()
 
 
-def _read_file(path: Path) -> dict[str, torch.Tensor]:
-    if not path.is_file():
-        raise AuditError(f"calibration file {path} does not exist", "Check the path given to --calibration")
-    if path.stat().st_size == 0:
+def _read_file(path: Path, max_bytes: int | None = MAX_BYTES) -> dict[str, torch.Tensor]:
+    what = describe_missing(path)
+    if what:
+        raise AuditError(f"calibration file {path} {what}", "Check the path given to --calibration")
+    size = path.stat().st_size
+    if size == 0:
         raise AuditError(f"calibration file {path} is empty", "Save the inputs with safetensors.torch.save_file")
+    if max_bytes is not None and size > max_bytes:
+        raise AuditError(f"calibration file {path} is {size_text(size)}, more than the {size_text(max_bytes)} "
+                         "calibration data is capped at", "Give a smaller sample (a few hundred rows is typical), "
+                         f"or raise the cap with --calibration-max-bytes {-(-size // (1 << 30))}G")
     if path.suffix == ".safetensors":
         from safetensors.torch import load_file
 
@@ -136,7 +217,8 @@ def _forward_names(model: nn.Module | None) -> tuple[set[str], bool]:
 
 
 def _batches_from_tensors(named: dict[str, torch.Tensor], model: nn.Module | None, batch_size: int,
-                          where: str, holdout: float) -> tuple[list[Batch], list[Batch]]:
+                          where: str, holdout: float, max_rows: int | None = MAX_ROWS,
+                          unit: str = "rows") -> tuple[list[Batch], list[Batch]]:
     if not named:
         raise AuditError(f"calibration file {where} holds no tensors", "Save at least one input tensor")
     sizes = {k: (int(v.shape[0]) if v.dim() > 0 else None) for k, v in named.items()}
@@ -150,6 +232,13 @@ def _batches_from_tensors(named: dict[str, torch.Tensor], model: nn.Module | Non
     rows = next(iter(sizes.values()))
     if rows == 0:
         raise AuditError(f"calibration file {where} holds zero rows", "Save at least one example")
+    if max_rows is not None and rows > max_rows:
+        raise AuditError(f"calibration source {where} holds {rows:,} {unit}, more than the cap of {max_rows:,}",
+                         f"Give a smaller sample, or raise the cap with --calibration-max-rows {rows}")
+    if holdout > 0 and rows < 2:
+        raise AuditError(f"calibration source {where} holds one row, so nothing can be held out of it "
+                         f"(--holdout {holdout:g})", "Give more rows, a second file with --holdout FILE, "
+                         "or --holdout 0")
     names, var_kw = _forward_names(model)
     positional = len(named) == 1 and next(iter(named)) not in names
     unknown = [k for k in named if k not in names]
@@ -277,32 +366,80 @@ def synthetic_warning(batches: list[Batch], model: nn.Module | None) -> str | No
     return None
 
 
+def _read_batches(items: Iterable[Any], where: str, max_rows: int | None, max_bytes: int | None,
+                  user: str = "") -> list[Batch]:
+    """The batches an iterable yields, read until it ends or a cap is passed (an endless generator stops there with
+    one line). ``user``: the ``file.py:fn`` whose generator this is; its exceptions and exits become one line."""
+    from ..load import _run_user_code
+
+    out: list[Batch] = []
+    rows = size = 0
+
+    def read() -> None:
+        nonlocal rows, size
+        for i, x in enumerate(items):
+            b = _as_batch(x, i, where)
+            out.append(b)
+            rows += max(1, b.rows)  # a batch of no rows still counts: an endless stream of them must end too
+            size += sum(t.numel() * t.element_size() for _, t in b.tensors())
+            if max_rows is not None and rows > max_rows:
+                raise AuditError(f"calibration source {where} yields more than {max_rows:,} rows (stopped reading "
+                                 f"at batch {i})", "Yield fewer batches (a few hundred rows is typical), or raise "
+                                 f"the cap with --calibration-max-rows {2 * max_rows}")
+            if max_bytes is not None and size > max_bytes:
+                raise AuditError(f"calibration source {where} yields more than {size_text(max_bytes)} of tensors "
+                                 f"(stopped reading at batch {i})", "Yield fewer or smaller batches, or raise the "
+                                 f"cap with --calibration-max-bytes {-(-2 * max_bytes // (1 << 30))}G")
+
+    if user:
+        _run_user_code(read, f"calibration function {user}()", "raised", "Fix the function that yields batches",
+                       "Return (or yield) the batches instead of exiting")
+    else:
+        read()
+    return out
+
+
 def load_calibration(source: Any, model: nn.Module | None = None, holdout: Any = 0.25,
                      batch_size: int = 32, check_forward: bool = True, *, tokenizer: str | Path | None = None,
-                     length: int | None = None) -> Calibration:
+                     length: int | None = None, max_rows: int | None = MAX_ROWS,
+                     max_bytes: int | None = MAX_BYTES) -> Calibration:
     """Load calibration batches and split off the held-out part.
 
     ``source``: a path (``.safetensors``, ``.pt``/``.pth``/``.bin``), ``file.py:fn`` or ``module:fn``, a dict of
     tensors batched along dim 0, or an iterable of batches. ``holdout``: the share of rows (or batches) held out, or
-    a second source of the same kinds that is held out whole. With ``model`` the names are checked against its
-    forward and the first batch is run once, so inputs that do not fit fail here with one line (an ``AuditError``).
+    a second source of the same kinds that is held out whole. Every batch, fit and held out, is checked against the
+    first (:func:`check_batches`: structure, dtypes, token ids, masks); with ``model`` the names are checked against
+    its forward and the first batch (and the first of each other shape) is run once, so inputs that do not fit fail
+    here with one line (an ``AuditError``) naming the batch. ``max_rows`` and ``max_bytes`` cap what is read (a
+    file's size, a text file's size, the tensors a function yields; None: no cap).
     A text file (:func:`auditor.calibration.text.is_text_file`) is tokenized with the tokenizer in the directory
     ``tokenizer`` into windows of ``length`` tokens (default: the model's positions, at most 512); the digest then
     covers the tokenizer's files too.
     """
+    cal = _load(source, model, holdout, batch_size, check_forward, tokenizer, length, max_rows, max_bytes)
+    check_batches(cal, model, probe=check_forward)
+    return cal
+
+
+def _load(source: Any, model: nn.Module | None, holdout: Any, batch_size: int, check_forward: bool,
+          tokenizer: str | Path | None, length: int | None, max_rows: int | None,
+          max_bytes: int | None) -> Calibration:
     if isinstance(holdout, str):
         try:
             holdout = float(holdout)  # --holdout 0.25 as given on the command line
         except ValueError:
             pass
     if not isinstance(holdout, (int, float)) or isinstance(holdout, bool):
-        fit = load_calibration(source, model, 0.0, batch_size, check_forward, tokenizer=tokenizer, length=length)
+        fit = _load(source, model, 0.0, batch_size, check_forward, tokenizer, length, max_rows, max_bytes)
         try:
-            held = load_calibration(holdout, model, 0.0, batch_size, check_forward, tokenizer=tokenizer,
-                                    length=length)
+            held = _load(holdout, model, 0.0, batch_size, check_forward, tokenizer, length, max_rows, max_bytes)
         except AuditError as exc:  # the same checks, said of the held-out source
             raise AuditError(exc.what.replace("calibration file", "held-out file", 1),
                              exc.fix.replace("--calibration", "--holdout")) from None
+        if max_rows is not None and fit.fit_rows + held.fit_rows > max_rows:
+            raise AuditError(f"the calibration and held-out sources hold {fit.fit_rows + held.fit_rows:,} rows, more "
+                             f"than the cap of {max_rows:,}", "Give fewer rows, or raise the cap with "
+                             f"--calibration-max-rows {fit.fit_rows + held.fit_rows}")
         tokenized = "; ".join(f"{what}: {c.tokenized}" for what, c in (("fit", fit), ("held out", held))
                               if c.tokenized)
         return Calibration(fit.fit, held.fit, f"{fit.source} (held out: {held.source})",
@@ -315,8 +452,14 @@ def load_calibration(source: Any, model: nn.Module | None = None, holdout: Any =
     text_in = None
     if is_text_source(source):
         names, _ = _forward_names(model)
-        text_in = text_inputs(Path(source), tokenizer, model, length, attention_mask="attention_mask" in names)
-        split = _batches_from_tensors(text_in.tensors, model, batch_size, where, holdout)
+        text_in = text_inputs(Path(source), tokenizer, model, length, attention_mask="attention_mask" in names,
+                              max_bytes=max_bytes)
+        windows = int(text_in.tensors["input_ids"].shape[0])
+        if holdout > 0 and windows < 2:
+            raise AuditError(f"calibration text {where} gives one window of {text_in.window} tokens, so nothing can "
+                             f"be held out of it (--holdout {holdout:g})", "Give a longer text, a shorter window "
+                             "with --calibration-length N, a second file with --holdout FILE, or --holdout 0")
+        split = _batches_from_tensors(text_in.tensors, model, batch_size, where, holdout, max_rows, "windows")
     elif length is not None:
         raise AuditError(f"a calibration window length applies to a text file; {where} is not one",
                          "Drop --calibration-length, or give a text file")
@@ -325,19 +468,21 @@ def load_calibration(source: Any, model: nn.Module | None = None, holdout: Any =
         path = Path(text)
         if ":" in path.name and not path.exists():
             fn = _import_fn(text)
-            try:
-                items = list(fn())
-            except AuditError:
-                raise
-            except Exception as exc:  # noqa: BLE001
-                raise AuditError(f"{text}() raised {first_line(exc)}", "Fix the function that yields batches") from None
-            batches = [_as_batch(x, i, text) for i, x in enumerate(items)]
+            from ..load import _run_user_code
+
+            items = _run_user_code(fn, f"calibration function {text}()", "raised",
+                                   "Fix the function that yields batches",
+                                   "Return (or yield) the batches instead of exiting")
+            if not isinstance(items, Iterable) or isinstance(items, (str, bytes, torch.Tensor, dict)):
+                raise AuditError(f"{text}() returned {type(items).__name__}, not batches",
+                                 "Return (or yield) a list of tensors, tuples of positional inputs, or dicts")
+            batches = _read_batches(items, text, max_rows, max_bytes, user=text)
         else:
-            split = _batches_from_tensors(_read_file(path), model, batch_size, text, holdout)
+            split = _batches_from_tensors(_read_file(path, max_bytes), model, batch_size, text, holdout, max_rows)
     elif isinstance(source, dict):
-        split = _batches_from_tensors(dict(source), model, batch_size, where, holdout)
+        split = _batches_from_tensors(dict(source), model, batch_size, where, holdout, max_rows)
     else:
-        batches = [_as_batch(x, i, where) for i, x in enumerate(source)]
+        batches = _read_batches(source, where, max_rows, max_bytes)
     if split is not None:
         batches = split[0] + split[1]
     if not batches:
@@ -358,6 +503,100 @@ def load_calibration(source: Any, model: nn.Module | None = None, holdout: Any =
     if warn:
         cal.warnings.append(warn)
     return cal
+
+
+def _signature(b: Batch) -> tuple[Any, ...]:
+    """What must be the same in every batch: the positional inputs (a tensor's dtype and rank, or another value's
+    type) and the keyword names with the same per value."""
+    def one(v: Any) -> Any:
+        return ("tensor", v.dtype, v.dim()) if isinstance(v, torch.Tensor) else type(v).__name__
+
+    return tuple(one(a) for a in b.args), tuple(sorted((k, one(v)) for k, v in b.kwargs.items()))
+
+
+def _describe(v: Any) -> str:
+    if isinstance(v, torch.Tensor):
+        return f"{str(v.dtype).replace('torch.', '')} {v.dim()}-D"
+    return type(v).__name__
+
+
+def _token_input(name: str, t: torch.Tensor) -> bool:
+    """Integer inputs whose values index an embedding: positional ones and ``*ids`` / ``input*`` keywords (not labels,
+    whose ignore index -100 is legitimate, masks, position ids or lengths)."""
+    if t.is_floating_point() or t.is_complex() or t.dtype == torch.bool:
+        return False
+    low = name.lower()
+    if any(w in low for w in ("label", "mask", "position", "length")):
+        return False  # ignore indices (-100), masks, positions and lengths index no vocabulary
+    return name.startswith("arg") or "ids" in low or "input" in low
+
+
+def check_batches(cal: Calibration, model: nn.Module | None = None, probe: bool = True) -> None:
+    """Every calibration batch, fit and held out, checked cheaply before any work, each failure one line naming the
+    batch: the same structure as the first batch (positional inputs, keyword names, each tensor's dtype and rank),
+    token ids in the model's vocabulary (0 <= id < rows of its largest embedding), no ``attention_mask`` row that
+    masks everything. With ``model`` and ``probe``, the first batch of every other shape (at most
+    ``MAX_SHAPE_PROBES``) runs through the forward once, so another width fails here, not in the middle of tier 1."""
+    labelled = [(f"batch {i}", b) for i, b in enumerate(cal.fit)]
+    labelled += [(f"held-out batch {i}", b) for i, b in enumerate(cal.holdout)]
+    if not labelled:
+        return
+    where = cal.source
+    first = _signature(labelled[0][1])
+    vocab = _vocab(model)
+    hf = getattr(model, "config", None) is not None
+    for label, b in labelled:
+        sig = _signature(b)
+        if sig != first:
+            ref = labelled[0][1]
+            if len(b.args) != len(ref.args) or set(b.kwargs) != set(ref.kwargs):
+                have = f"{len(b.args)} positional and keywords {sorted(b.kwargs) or 'none'}"
+                want = f"{len(ref.args)} positional and keywords {sorted(ref.kwargs) or 'none'}"
+            else:
+                pairs = [(f"input {i}", x, y) for i, (x, y) in enumerate(zip(b.args, ref.args))]
+                pairs += [(k, b.kwargs[k], ref.kwargs[k]) for k in sorted(b.kwargs)]
+                name, x, y = next((n, x, y) for n, x, y in pairs if _signature(Batch((x,)))
+                                  != _signature(Batch((y,))))
+                have, want = f"{name} {_describe(x)}", f"{_describe(y)}"
+            raise AuditError(f"calibration {label} from {where} has other inputs than batch 0: {have}, where batch 0 "
+                             f"has {want}", "Give every batch the same inputs, with the same dtypes")
+        for name, t in b.tensors():
+            if t.numel() == 0:
+                continue
+            if vocab is not None and _token_input(name, t):
+                lo, hi = int(t.min()), int(t.max())
+                if lo < 0 or hi >= vocab:
+                    bad = lo if lo < 0 else hi
+                    raise AuditError(f"calibration input {name} in {label} from {where} holds token id {bad}, "
+                                     f"outside the model's vocabulary (0 to {vocab - 1}: its largest embedding has "
+                                     f"{vocab} rows)", "Tokenize with the model's own tokenizer")
+            if name == "attention_mask" and t.dim() >= 1 and (hf or not t.is_floating_point()):
+                dead = (t.reshape(t.shape[0], -1) == 0).all(dim=1)
+                if bool(dead.any()):
+                    row = int(dead.nonzero()[0])
+                    whole = bool(dead.all())
+                    raise AuditError(f"calibration attention_mask in {label} from {where} is all zeros "
+                                     + ("" if whole else f"in row {row} ") + "(every position masked out): nothing "
+                                     "the model computes there is measured", "Give 1 on the real tokens and 0 on "
+                                     "padding only, and leave out rows with no tokens")
+    if model is None or not probe:
+        return
+    shapes = {tuple(tuple(t.shape[1:]) for _, t in labelled[0][1].tensors())}
+    tried = 0
+    for label, b in labelled[1:]:
+        shape = tuple(tuple(t.shape[1:]) for _, t in b.tensors())
+        if shape in shapes or tried >= MAX_SHAPE_PROBES:
+            continue
+        shapes.add(shape)
+        tried += 1
+        try:
+            run(model, b)
+        except Exception as exc:  # noqa: BLE001 - the batch does not fit the forward
+            sizes = ", ".join(f"{n} {'x'.join(map(str, t.shape))}" for n, t in b.tensors())
+            first_sizes = ", ".join(f"{'x'.join(map(str, t.shape))}" for _, t in labelled[0][1].tensors())
+            raise AuditError(f"calibration {label} from {where} ({sizes}; batch 0: {first_sizes}) does not fit "
+                             f"{type(model).__name__}.forward: {first_line(exc)}",
+                             "Give every batch the width the model takes") from None
 
 
 def as_calibration(data: Any, model: nn.Module | None = None, holdout: float = 0.25) -> Calibration:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import hashlib
 import math
+import os
 import time
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -25,7 +26,7 @@ from ..calresults import (
     BudgetResult, CalibrationReport, FrontierPlan, LayerCalibration, LayerFloor, PlanCheck, subsample,
 )
 from ..errors import AuditError
-from ..results import Layer, Suggestion, Verdict
+from ..results import Kind, Layer, Suggestion, Verdict
 from .hashing import weights_hash
 from .inputs import Calibration, load_calibration
 from .metric import Evaluator, Metric, load_metric
@@ -60,20 +61,72 @@ def cache_path(cache_dir: Path | None, model: nn.Module, calibration: Calibratio
     return (cache_dir or default_cache_dir()) / "calibration" / f"{key}.npz"
 
 
+STATS_KINDS = (Kind.LINEAR, Kind.CONV1D_HF, Kind.CONV, Kind.EMBEDDING, Kind.RNN, Kind.MHA_IN_PROJ)  # what is read
+
+
+def statistics_memory(layers: list[Layer]) -> tuple[int, str]:
+    """Bytes the input statistics of ``layers`` take, and the largest one in words: a float64 Gram, groups x n x n,
+    per layer (a vector of n lookup counts for an embedding), plus two more of the largest: one batch's Gram being
+    added to the running sum, and the new sum."""
+    sizes: list[tuple[int, str]] = []
+    for l in layers:
+        if l.kind not in STATS_KINDS:
+            continue
+        if l.kind == Kind.EMBEDDING:
+            sizes.append((8 * l.m, f"layer {l.name} ({l.m:,} lookup counts)"))
+        else:
+            g = max(1, int(l.groups or 1))
+            sizes.append((8 * g * l.n * l.n, f"layer {l.name} ({'%d x ' % g if g > 1 else ''}{l.n:,} x {l.n:,})"))
+    if not sizes:
+        return 0, ""
+    big = max(sizes)
+    return sum(b for b, _ in sizes) + 2 * big[0], big[1]
+
+
 def _statistics(model: nn.Module, layers: list[Layer], cal: Calibration, options: "AuditOptions",
                 ) -> tuple[InputStatistics, bool]:
+    """The input statistics of ``layers``: from the cache when an entry saved under this key is intact and fits
+    the layers (checksum, shapes, finite, symmetric, PSD checks), else computed (and cached). Refused with one line,
+    before any is allocated, when the float64 Grams need more memory than is available."""
+    from ..spectra.backend import available_memory
+    from .inputs import size_text
+    from .stats import StatisticsMismatch, by_name, gram_problem
+
+    need, largest = statistics_memory(layers)
+    avail = available_memory()
+    if avail is not None and need > avail:
+        raise AuditError(f"calibration statistics need about {size_text(need)} of memory (a float64 Gram n x n per "
+                         f"layer input; the largest: {largest}), and {size_text(avail)} is available",
+                         "Run on a machine with more memory, or audit without --calibration (the weight spectra "
+                         "need no input Grams)")
     path = cache_path(options.cache_dir, model, cal, layers) if options.cache else None
+    named = by_name(layers)
     if path is not None and path.is_file():
         try:
-            return InputStatistics.load(path), True
-        except Exception:  # noqa: BLE001 - a damaged cache entry is recomputed
+            stats = InputStatistics.load(path, key=path.stem)
+            for name, inp in stats.layers.items():
+                layer = named.get(name)
+                if layer is None or inp.width != (layer.m if inp.diagonal else layer.n) or gram_problem(inp):
+                    raise StatisticsMismatch(f"{name} does not fit the layer")
+            if stats.digest != cal.digest or set(stats.layers) | set(stats.missing) != set(named):
+                raise StatisticsMismatch("another calibration or other layers")
+            return stats, True
+        except Exception:  # noqa: BLE001 - a damaged, foreign or invalid entry is recomputed (and replaced)
             pass
-    stats = input_statistics(model, layers, cal)
+    try:
+        stats = input_statistics(model, layers, cal)
+    except AuditError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - a batch the forward refuses, said in one line
+        from ..errors import first_line
+
+        raise AuditError(f"the forward failed on the calibration batches while reading input statistics: "
+                         f"{first_line(exc)}", "Give every batch the inputs and width the model takes") from None
     if path is not None:
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
-            tmp = path.with_suffix(".tmp")
-            stats.save(tmp)
+            tmp = path.with_name(f".{path.stem}.{os.getpid()}.tmp")
+            stats.save(tmp, key=path.stem)
             tmp.replace(path)
         except OSError:  # a read-only cache is not an error
             pass
@@ -168,7 +221,8 @@ def calibrate(model: nn.Module, layers: list[Layer], settings: "Settings", optio
     try:
         t0 = time.perf_counter()
         cal = load_calibration(options.calibration, model, options.holdout, tokenizer=options.tokenizer,
-                               length=options.calibration_length)
+                               length=options.calibration_length, max_rows=options.calibration_max_rows,
+                               max_bytes=options.calibration_max_bytes)
         metric = metric_of(options)
         stats, cached = _statistics(model, layers, cal, options)
         table = {n: p for n, p in model.named_parameters(remove_duplicate=False)}

@@ -29,7 +29,7 @@ from torch import nn
 
 from ..layers import hf_conv1d_type
 from ..results import Kind, Layer
-from .inputs import Batch, Calibration, run
+from .inputs import Batch, Calibration, eval_mode, run
 
 
 @dataclass
@@ -64,22 +64,91 @@ class InputStatistics:
     def __contains__(self, name: str) -> bool:
         return name in self.layers
 
-    def save(self, path: str | Path) -> None:
+    def save(self, path: str | Path, key: str = "") -> None:
         """Write every Gram and the metadata to one ``.npz`` file (for a cache keyed by the weights' and the
-        calibration's digests: the statistics depend on both)."""
-        arrays = {f"gram:{k}": v.gram for k, v in self.layers.items()}
+        calibration's digests: the statistics depend on both). The metadata holds ``key`` and a BLAKE3 checksum over
+        the key, the metadata and every Gram's bytes, which :meth:`load` verifies."""
+        arrays = {f"gram:{k}": np.ascontiguousarray(v.gram, dtype=np.float64) for k, v in self.layers.items()}
         meta = {"layers": {k: {f: getattr(v, f) for f in ("layer", "kind", "rows", "width", "groups", "diagonal",
                                                           "approximate")} for k, v in self.layers.items()},
-                "missing": self.missing, "warnings": self.warnings, "batches": self.batches, "digest": self.digest}
+                "missing": self.missing, "warnings": self.warnings, "batches": self.batches, "digest": self.digest,
+                "key": key}
+        meta["checksum"] = _checksum(meta, arrays)
         with open(path, "wb") as fh:
             np.savez(fh, __meta__=np.frombuffer(json.dumps(meta).encode(), dtype=np.uint8), **arrays)
 
     @classmethod
-    def load(cls, path: str | Path) -> "InputStatistics":
+    def load(cls, path: str | Path, key: str | None = None) -> "InputStatistics":
+        """Read what :meth:`save` wrote. Raises :class:`StatisticsMismatch` unless the entry is intact and, with
+        ``key``, was saved under that key: the checksum matches, and every Gram has its layer's shape, is finite,
+        symmetric and passes the cheap positive-semidefinite checks (non-negative diagonal, |G_ij| <= sqrt(G_ii
+        G_jj)); lookup counts are non-negative."""
         with np.load(path, allow_pickle=False) as z:
             meta = json.loads(bytes(z["__meta__"]).decode())
-            layers = {k: LayerInput(gram=z[f"gram:{k}"], **v) for k, v in meta["layers"].items()}
+            if not isinstance(meta, dict) or not isinstance(meta.get("layers"), dict):
+                raise StatisticsMismatch("no metadata")
+            if key is not None and meta.get("key") != key:
+                raise StatisticsMismatch("saved under another key")
+            names = [f"gram:{k}" for k in meta["layers"]]
+            if set(z.files) != {"__meta__", *names}:
+                raise StatisticsMismatch("other arrays than the metadata names")
+            arrays = {n: z[n] for n in names}
+        check = meta.pop("checksum", None)
+        if check != _checksum(meta, arrays):
+            raise StatisticsMismatch("checksum")
+        layers = {k: LayerInput(gram=arrays[f"gram:{k}"], **v) for k, v in meta["layers"].items()}
+        for inp in layers.values():
+            problem = gram_problem(inp)
+            if problem:
+                raise StatisticsMismatch(f"{inp.layer}: {problem}")
         return cls(layers, meta["missing"], meta["warnings"], meta["batches"], meta["digest"])
+
+
+class StatisticsMismatch(ValueError):
+    """A cached statistics entry that is damaged, from another calibration, or not a valid set of Grams."""
+
+
+def _checksum(meta: dict[str, Any], arrays: dict[str, np.ndarray]) -> str:
+    from blake3 import blake3
+
+    h = blake3(json.dumps(meta, sort_keys=True).encode())
+    for name in sorted(arrays):
+        a = np.ascontiguousarray(arrays[name])
+        h.update(f"|{name}:{a.shape}:{a.dtype.str}|".encode())
+        h.update(a.tobytes())
+    return h.hexdigest()
+
+
+GRAM_SLACK = 1e-9  # symmetry and Cauchy-Schwarz hold to this share of the largest diagonal entry (float64 sums)
+
+
+def gram_problem(inp: LayerInput) -> str:
+    """Why ``inp`` is not a valid set of input statistics (empty when it is): its Gram's shape for its width and
+    groups, dtype float64, finite values, counts (embeddings) non-negative, a Gram symmetric with a non-negative
+    diagonal and |G_ij| <= sqrt(G_ii G_jj), all within ``GRAM_SLACK`` of the largest diagonal entry. O(n^2)."""
+    g = inp.gram
+    if not isinstance(g, np.ndarray) or g.dtype != np.float64:
+        return "not a float64 array"
+    if isinstance(inp.rows, bool) or not isinstance(inp.rows, int) or inp.rows < 0:
+        return f"rows {inp.rows!r}"
+    want = (inp.width,) if inp.diagonal else (inp.groups, inp.width, inp.width)
+    if g.shape != want:
+        return f"shape {g.shape}, expected {want}"
+    if not np.isfinite(g).all():
+        return "non-finite values"
+    if inp.diagonal:
+        return "negative counts" if (g < 0).any() else ""
+    diag = np.diagonal(g, axis1=1, axis2=2)
+    if (diag < 0).any():
+        return "a negative diagonal entry"
+    top = float(diag.max()) if diag.size else 0.0
+    slack = GRAM_SLACK * top
+    if (np.abs(g - g.transpose(0, 2, 1)) > slack).any():
+        return "not symmetric"
+    root = np.sqrt(diag)
+    if (np.abs(g) > root[:, :, None] * root[:, None, :] * (1 + GRAM_SLACK) + slack).any():
+        return "not positive semidefinite (an entry exceeds sqrt(G_ii G_jj))"
+    return ""
 
 
 def by_name(layers: dict[str, Layer] | list[Layer]) -> dict[str, Layer]:
@@ -237,8 +306,8 @@ def _rnn_hook(mod: nn.RNNBase, path: str, accs: dict[str, _Acc]) -> Callable[...
 
 def input_statistics(model: nn.Module, layers: dict[str, Layer] | list[Layer], batches: Calibration | list[Batch],
                      ) -> InputStatistics:
-    """One forward pass over ``batches`` (a ``Calibration``: its fit part) with hooks that accumulate X^T X in
-    float64 for every layer they can read. Layers with no statistics are listed in ``missing`` with the reason."""
+    """One forward pass over ``batches`` (a ``Calibration``: its fit part), in eval mode, with hooks that accumulate
+    X^T X in float64 for every layer they can read. Layers with no statistics are listed in ``missing`` with the reason."""
     layer_list = list(by_name(layers).values())
     digest = batches.digest if isinstance(batches, Calibration) else ""
     fit = batches.fit if isinstance(batches, Calibration) else list(batches)
@@ -302,9 +371,10 @@ def input_statistics(model: nn.Module, layers: dict[str, Layer] | list[Layer], b
 
         handles.append(model.get_submodule(path).register_forward_pre_hook(mha_hook, with_kwargs=True))
     try:
-        for b in fit:
-            shared.clear()
-            run(model, b)
+        with eval_mode(model):  # dropout off, batch norm on its running statistics; the caller's modes come back
+            for b in fit:
+                shared.clear()
+                run(model, b)
         shared.clear()
     finally:
         for h in handles:

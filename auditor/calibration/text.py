@@ -23,6 +23,7 @@ import torch
 from torch import nn
 
 from ..errors import AuditError, first_line
+from ..options import CALIBRATION_MAX_BYTES as MAX_BYTES  # a text file larger than this is refused (unless raised)
 
 TEXT_SUFFIXES = (".txt", ".text", ".md", ".rst", ".py")
 TENSOR_SUFFIXES = (".safetensors", ".pt", ".pth", ".bin")
@@ -82,20 +83,24 @@ def is_text_source(source: Any) -> bool:
     return is_text_file(path)
 
 
-def check_text_sources(sources: list[Any], tokenizer: str | Path | None) -> None:
-    """The checks on text calibration files that need no model (the file exists, is UTF-8 and not empty; there are
-    tokenizer files), run before an audit's slow stages so bad text fails at once; the rest come with
-    :func:`text_inputs`."""
+def check_text_sources(sources: list[Any], tokenizer: str | Path | None,
+                       max_bytes: int | None = MAX_BYTES) -> None:
+    """The checks on text calibration files that need no model (the file is a readable regular file no larger than
+    ``max_bytes``, None: no cap; it is UTF-8 and not empty; there are tokenizer files), run before an audit's slow
+    stages so bad text fails at once; the rest come with :func:`text_inputs`."""
+    from .inputs import describe_missing
+
     for i, source in enumerate(sources):
         if is_text_source(source):
             path = Path(source)
-            if not path.is_file():
-                what, flag = ("calibration", "--calibration") if i == 0 else ("held-out", "--holdout")
-                raise AuditError(f"{what} file {path} does not exist", f"Check the path given to {flag}")
+            what, flag = ("calibration", "--calibration") if i == 0 else ("held-out", "--holdout")
+            problem = describe_missing(path)
+            if problem:
+                raise AuditError(f"{what} file {path} {problem}", f"Check the path given to {flag}")
             if tokenizer is None:
                 raise AuditError(f"calibration file {path} is text, and the audited model has no tokenizer to turn "
                                  "it into token ids", NO_TOKENIZER_FIX)
-            read_text(path)
+            read_text(path, max_bytes)
             if not tokenizer_files(Path(tokenizer)):
                 load_tokenizer(Path(tokenizer))  # raises: no tokenizer files
 
@@ -116,8 +121,17 @@ def tokenizer_files(directory: Path) -> list[Path]:
     return [directory / n for n in TOKENIZER_FILES if (directory / n).is_file()]
 
 
-def read_text(path: Path) -> str:
-    """The file's text (UTF-8, a byte-order mark dropped); one-line errors for a non-UTF-8 or empty file."""
+def read_text(path: Path, max_bytes: int | None = None) -> str:
+    """The file's text (UTF-8, a byte-order mark dropped); one-line errors for a non-UTF-8 or empty file, and for one
+    larger than ``max_bytes`` (checked before a byte is read)."""
+    if max_bytes is not None:
+        from .inputs import size_text
+
+        size = path.stat().st_size
+        if size > max_bytes:
+            raise AuditError(f"calibration text {path} is {size_text(size)}, more than the {size_text(max_bytes)} "
+                             "calibration data is capped at", "Give a smaller sample of the text, or raise the cap "
+                             f"with --calibration-max-bytes {-(-size // (1 << 30))}G")
     data = path.read_bytes()
     try:
         text = data.decode("utf-8").removeprefix("\ufeff")
@@ -210,13 +224,13 @@ def _vocab(model: nn.Module | None) -> int | None:
 
 
 def text_inputs(path: Path, tokenizer: str | Path | None, model: nn.Module | None, length: int | None = None,
-                attention_mask: bool = True) -> TextInputs:
+                attention_mask: bool = True, max_bytes: int | None = None) -> TextInputs:
     """A text file tokenized with the tokenizer in the directory ``tokenizer`` and cut into windows: ``input_ids``
     (windows x length, int64), with ``attention_mask`` (ones) when ``attention_mask``. One-line
     :class:`AuditError` for: no tokenizer, a file that is not UTF-8, an empty or whitespace-only text, a tokenizer
     that does not load, and a text shorter than one window."""
-    check_text_sources([path], tokenizer)
-    text = read_text(path)
+    check_text_sources([path], tokenizer, max_bytes)
+    text = read_text(path, max_bytes)
     tok, identity = load_tokenizer(Path(tokenizer))
     window = window_length(model, tok, length)
     before, after = _specials(tok)

@@ -36,10 +36,77 @@ from typing import Any, Callable, Iterator, Sequence
 from ..errors import AuditError, first_line
 from ..tensorref import TensorRef, is_url  # noqa: F401 - is_url: part of this module's interface
 
-CONNECT_TIMEOUT = float(os.environ.get("LOWRANK_AUDITOR_CONNECT_TIMEOUT", "5"))  # seconds to reach the scheduler
+CONNECT_TIMEOUT = 5.0  # seconds to reach the scheduler, unless $LOWRANK_AUDITOR_CONNECT_TIMEOUT says otherwise
+TIMEOUT_ENV = "LOWRANK_AUDITOR_CONNECT_TIMEOUT"
 WORKERS_TIMEOUT = 30.0  # seconds to wait for a first worker on a scheduler that has none
 GIB = float(1 << 30)
 SCHEDULER_ENV = "LOWRANK_AUDITOR_SCHEDULER"
+
+
+def env_connect_timeout() -> float:
+    """Seconds to reach the scheduler: ``$LOWRANK_AUDITOR_CONNECT_TIMEOUT`` (a positive number) or 5.
+
+    >>> os.environ[TIMEOUT_ENV] = "2.5"; env_connect_timeout()
+    2.5
+    >>> os.environ[TIMEOUT_ENV] = "soon"; env_connect_timeout()
+    Traceback (most recent call last):
+    ...
+    auditor.errors.AuditError: $LOWRANK_AUDITOR_CONNECT_TIMEOUT='soon' is not a number of seconds. Set it to a \
+positive number such as 5, or unset it.
+    >>> del os.environ[TIMEOUT_ENV]
+    """
+    import math
+
+    text = os.environ.get(TIMEOUT_ENV, "").strip()
+    if not text:
+        return CONNECT_TIMEOUT
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not (math.isfinite(value) and 0 < value <= 86400):
+        raise AuditError(f"${TIMEOUT_ENV}={text!r} is not a number of seconds",
+                         "Set it to a positive number such as 5, or unset it")
+    return value
+
+
+def check_address(address: str) -> str:
+    """A scheduler address the command line can connect to: ``tcp://HOST:PORT`` or ``HOST:PORT`` (tcp), checked
+    before any Dask client exists (a failed client leaves a traceback behind seconds later). TLS, UCX and in-process
+    addresses are refused with the reason; the Python API takes a ``distributed.Client`` for those.
+
+    >>> check_address("tcp://10.0.0.5:8786"), check_address("localhost:8786"), check_address("tcp://[::1]:8786")
+    ('tcp://10.0.0.5:8786', 'tcp://localhost:8786', 'tcp://[::1]:8786')
+    >>> check_address("tls://h:8786")
+    Traceback (most recent call last):
+    ...
+    auditor.errors.AuditError: --scheduler 'tls://h:8786': tls:// needs TLS certificates (a distributed.Security), \
+which the command line does not take. Use a tcp:// scheduler, or pass a distributed.Client with its security to \
+auditor.audit(scheduler=...).
+    """
+    import re
+
+    text = str(address).strip()
+    scheme, sep, rest = text.partition("://")
+    if not sep:
+        scheme, rest = "tcp", text
+    scheme = scheme.lower()
+    fix = "Give the scheduler as tcp://HOST:PORT, e.g. tcp://10.0.0.5:8786 (`dask scheduler` prints it)"
+    if scheme in ("tls", "wss"):
+        raise AuditError(f"--scheduler {text!r}: {scheme}:// needs TLS certificates (a distributed.Security), which "
+                         "the command line does not take", "Use a tcp:// scheduler, or pass a distributed.Client with "
+                         "its security to auditor.audit(scheduler=...)")
+    if scheme in ("ucx", "inproc", "ws"):
+        why = {"ucx": "needs UCX and the ucx-py package, which this tool does not set up",
+               "inproc": "is a scheduler inside another process's memory", "ws": "is not supported here"}[scheme]
+        raise AuditError(f"--scheduler {text!r}: {scheme}:// {why}",
+                         "Use a tcp:// scheduler, or pass a distributed.Client to auditor.audit(scheduler=...)")
+    if scheme != "tcp":
+        raise AuditError(f"--scheduler {text!r} has the unknown scheme {scheme}://", fix)
+    m = re.fullmatch(r"(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9_.-]+):([0-9]{1,5})", rest)
+    if m is None or not 1 <= int(m.group(2)) <= 65535:
+        raise AuditError(f"--scheduler {text!r} is not a scheduler address (HOST:PORT, port 1 to 65535)", fix)
+    return f"tcp://{rest}"
 
 
 def parse_path_map(entries: Sequence[str]) -> tuple[tuple[str, str], ...]:
@@ -112,7 +179,10 @@ class DaskExecutor:
     ``path_map``: (client prefix, worker prefix) pairs applied to every file reference before it is sent."""
 
     def __init__(self, scheduler: Any, path_map: Sequence[tuple[str, str]] = (),
-                 connect_timeout: float = CONNECT_TIMEOUT) -> None:
+                 connect_timeout: float | None = None) -> None:
+        if not hasattr(scheduler, "submit"):  # an address, not a client: checked before distributed is imported
+            scheduler = check_address(scheduler)
+        timeout = connect_timeout if connect_timeout is not None else env_connect_timeout()
         try:
             import distributed
         except ImportError:
@@ -128,9 +198,9 @@ class DaskExecutor:
         else:
             address = str(scheduler)
             try:
-                self.client = distributed.Client(address, timeout=connect_timeout, set_as_default=False)
+                self.client = distributed.Client(address, timeout=timeout, set_as_default=False)
             except (OSError, TimeoutError, ValueError) as exc:
-                raise AuditError(f"cannot reach the Dask scheduler at {address} within {connect_timeout:g} s "
+                raise AuditError(f"cannot reach the Dask scheduler at {address} within {timeout:g} s "
                                  f"({first_line(exc)})",
                                  "Start it with `dask scheduler` (and `dask worker ADDRESS`), or check --scheduler "
                                  f"/ ${SCHEDULER_ENV}") from None

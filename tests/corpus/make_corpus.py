@@ -37,7 +37,7 @@ class Case:
     prepare: Callable[[Path, Callable], None] | None = None  # (folder, run): a first run, before the case's own
     owner: str | None = None  # helper whose fix is not in main yet: "load", "spectra", "wire"
     child: bool = False  # run in a child interpreter (memory limit, timeout, real stdout)
-    stdout: str | None = None  # child only: a path for stdout ("/dev/full")
+    stdout: str | None = None  # child only: a path for stdout ("/dev/full"), or "CLOSED" (started with >&-)
     env: dict[str, str] = field(default_factory=dict)  # child only
     timeout: int = 180  # child only: seconds before the run counts as a hang
     fsize: int | None = None  # child only: RLIMIT_FSIZE in bytes (a write past it fails as on a full disk)
@@ -211,6 +211,145 @@ def _no_raw_controls(d: Path, res: Any, run: Callable) -> None:
 
     live = re.sub(r"(`+)(?!`).*?(?<!`)\1(?!`)", "", md)  # code spans are inert: markup inside them is text
     assert "![x](http" not in live and "\n# evil" not in md, live
+
+
+
+# issue 19: the calibration inputs and the command line (a factory with calibration functions and metrics)
+CAL = LOW_RANK.replace("def model():\n", "def model():\n    torch.manual_seed(0)\n") + """
+import sys
+
+
+def rows(n=16, width=48, seed=1):
+    return torch.randn(n, width, generator=torch.Generator().manual_seed(seed))
+
+
+def cal(offset=0):
+    return [rows(seed=s + offset) for s in range(4)]
+
+
+def cal_other():
+    return cal(10)
+
+
+def wide_held_out():
+    return [rows(), rows(seed=2), rows(width=40)]
+
+
+def endless():
+    while True:
+        yield rows(2)
+
+
+class Custom(BaseException):
+    pass
+
+
+def cal_custom():
+    raise Custom("from the calibration")
+
+
+def metric_exit0(model, batches):
+    sys.exit(0)
+
+
+TARGETS = []
+
+
+def mse(model, batches):
+    if not TARGETS:  # the first call scores the dense model
+        with torch.no_grad():
+            TARGETS.extend(model(b) for b in batches)
+    return float(sum((model(b) - t).pow(2).mean() for b, t in zip(batches, TARGETS)))
+
+
+class Noisy(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(48, 64)
+        self.out = nn.Linear(64, 4)
+
+    def forward(self, x):
+        return self.out(self.fc(x) + 0.1 * torch.randn(x.shape[0], 64))
+
+
+def noisy():
+    torch.manual_seed(0)
+    return Noisy(), (torch.zeros(1, 48),)
+
+
+class Ids(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(100, 32)
+        self.fc = nn.Linear(32, 32)
+
+    def forward(self, input_ids, attention_mask=None):
+        h = self.fc(self.emb(input_ids))
+        return h if attention_mask is None else h * attention_mask[..., None]
+
+
+def ids():
+    torch.manual_seed(0)
+    return Ids(), {"input_ids": torch.zeros(1, 8, dtype=torch.long)}
+
+
+def ids_cal(bad=None, mask=None):
+    g = torch.Generator().manual_seed(0)
+    out = [{"input_ids": torch.randint(0, 100, (4, 8), generator=g),
+            "attention_mask": torch.ones(4, 8, dtype=torch.long)} for _ in range(4)]
+    if bad is not None:
+        out[-1]["input_ids"][1, 2] = bad
+    if mask is not None:
+        out[2]["attention_mask"] = mask
+    return out
+
+
+def ids_oov():
+    return ids_cal(bad=100)
+
+
+def mask_zero():
+    return ids_cal(mask=torch.zeros(4, 8, dtype=torch.long))
+
+
+def wide():
+    return nn.Sequential(nn.Linear(200_000, 8, bias=False), nn.Linear(8, 4)), (torch.zeros(1, 200_000),)
+
+
+def wide_cal():
+    return [torch.zeros(2, 200_000)]
+"""
+
+
+def _cal(d: Path) -> str:
+    """The issue-19 factory file of this case; returns its path (``PATH:fn`` names a function in it)."""
+    return _py(d, CAL).rpartition(":")[0]
+
+
+def _statistics_entry_from_another_calibration(d: Path, run: Callable) -> None:
+    src = _cal(d)
+    for cache, fn, out in (("cache", "cal", "first"), ("other", "cal_other", "o")):
+        res = run(f"{src}:model", "-q", "--calibration", f"{src}:{fn}", "--cache-dir", str(d / cache),
+                  "--format", "json", "-o", str(d / out))
+        assert res.returncode == 0, res.stderr
+    [mine] = list((d / "cache" / "calibration").glob("*.npz"))
+    [foreign] = list((d / "other" / "calibration").glob("*.npz"))
+    mine.write_bytes(foreign.read_bytes())  # the other calibration's statistics under this one's key
+    import shutil
+
+    shutil.rmtree(d / "other")
+
+
+def _statistics_recomputed(d: Path, res: Any, run: Callable) -> None:
+    cal = _json_report(d / OUT)["calibration"]
+    first = json.loads((d / "first" / "lowrank-audit.json").read_text())["calibration"]
+    assert cal["statistics_cached"] is False
+    assert {k: v["ranks_for"] for k, v in cal["layers"].items()} == \
+        {k: v["ranks_for"] for k, v in first["layers"].items()}
+
+
+def _tied_bias_once(d: Path, res: Any, run: Callable) -> None:
+    assert _json_report(d / OUT)["totals"]["params"] == 25 + 25 * 16 + 16 * 16, "a tied bias was counted twice"
 
 
 # -- the cases -------------------------------------------------------------------------------------------------------
@@ -522,6 +661,80 @@ def model():
                                  ("missing-keys", '{"layers": []}', "is missing")):
         add(Case(f"baseline-{label}", LV, lambda d, content=content: [
             _mlp(d), "-q", "--baseline", str(_text(d, "old.json", content)), "--format", "md", "-o", OUT], 2, frag))
+
+    # ---- issue 19: exit codes, calibration inputs, the statistics cache, metrics, words, counting ----
+    EX = "exit codes"
+    CI = "calibration inputs checked and capped"
+    SC = "the statistics cache"
+    MF = "metric and forward"
+    WD = "misleading words"
+    CT = "counting"
+
+    def h19(fn: str, *extra: str, model: str = "model") -> Callable[[Path], list[str]]:
+        def make(d: Path) -> list[str]:
+            src = _cal(d)
+            return [f"{src}:{model}", "-q", "--no-cache", "--calibration", f"{src}:{fn}",
+                    *(e.replace("PY:", f"{src}:") for e in extra)]
+        return make
+    add(Case("metric-calls-sys-exit-0", EX, h19("cal", "--metric", "PY:metric_exit0", "--measure-floor"), 2,
+             "called sys.exit(0) instead of returning"))
+    add(Case("calibration-raises-a-custom-base-exception", EX, h19("cal_custom"), 2, "raised Custom: from the "
+             "calibration"))
+    add(Case("usage-error-is-one-line", EX, lambda d: [_mlp(d), "--frobnicate"], 2,
+             "unrecognized arguments: --frobnicate. See lowrank-audit --help", absent=("usage:",)))
+    add(Case("stdout-closed", EX, lambda d: [_mlp(d), "--format", "json"], 2, "standard output is closed",
+             child=True, stdout="CLOSED"))
+    add(Case("held-out-batch-of-another-width", CI, h19("wide_held_out"), 2, "held-out batch 0 from"))
+    add(Case("token-id-outside-the-vocabulary", CI, h19("ids_oov", model="ids"), 2, "holds token id 100, outside"))
+    add(Case("all-zero-attention-mask", CI, h19("mask_zero", model="ids"), 2, "is all zeros (every position"))
+    add(Case("endless-calibration-generator", CI, h19("endless"), 2, "yields more than 100,000 rows",
+             child=True, timeout=120))
+    add(Case("calibration-file-over-the-byte-cap", CI, lambda d: [
+        _mlp(d), "-q", "--no-cache", "--calibration", str(_safetensors(d / "c.safetensors",
+                                                                       {"input": torch.zeros(4096, 48)})),
+        "--calibration-max-bytes", "100K"], 2, "more than the 100.0 KiB calibration data is capped at"))
+    add(Case("gram-of-a-200000-wide-input", CI, h19("wide_cal", "--holdout", "0", "--no-spectra", model="wide"), 2,
+             "calibration statistics need about", child=True, timeout=120))
+    add(Case("one-row-calibration-with-holdout", CI, lambda d: [
+        _mlp(d), "-q", "--no-cache", "--calibration", str(_safetensors(d / "c.safetensors",
+                                                                       {"input": torch.zeros(1, 48)}))], 2,
+        "holds one row, so nothing can be held out of it"))
+
+    def foreign_entry(d: Path) -> list[str]:
+        src = _cal(d)
+        return [f"{src}:model", "-q", "--calibration", f"{src}:cal", "--cache-dir", str(d / "cache"),
+                "--format", "json", "-o", OUT]
+    add(Case("statistics-entry-from-another-calibration", SC, foreign_entry, 0,
+             prepare=_statistics_entry_from_another_calibration, check=_statistics_recomputed))
+    add(Case("lower-is-better-metric", MF, h19("cal", "--metric", "PY:mse", "--measure-floor"), 2,
+             "it looks lower-is-better"))
+    add(Case("noise-in-the-forward", MF, h19("cal", "--measure-floor", model="noisy"), 2,
+             "the model's forward does not repeat"))
+
+    def fifo_calibration(d: Path) -> list[str]:
+        os.mkfifo(d / "c.safetensors")
+        return [_mlp(d), "-q", "--calibration", str(d / "c.safetensors")]
+    add(Case("calibration-is-a-fifo", WD, fifo_calibration, 2, "is a FIFO (named pipe), not a file",
+             absent=("does not exist",), child=True, timeout=60))
+    add(Case("tolerance-nan", WD, h19("cal", "--tolerance", "nan"), 2, "tolerance nan is not a finite number",
+             absent=("negative",)))
+    add(Case("path-map-without-scheduler", WD, lambda d: [_mlp(d), "-q", "--path-map", "/a=/b"], 2,
+             "no --scheduler is given", child=True, env={"LOWRANK_AUDITOR_SCHEDULER": ""}))
+    add(Case("scheduler-ucx", WD, lambda d: [_mlp(d), "-q", "--scheduler", "ucx://127.0.0.1:8786"], 2,
+             "ucx:// needs UCX"))
+    add(Case("scheduler-garbage", WD, lambda d: [_mlp(d), "-q", "--scheduler", "not an address"], 2,
+             "is not a scheduler address"))
+    add(Case("connect-timeout-not-a-number", WD, lambda d: [_mlp(d), "-q", "--scheduler", "tcp://127.0.0.1:8786"],
+             2, "is not a number of seconds", child=True, env={"LOWRANK_AUDITOR_CONNECT_TIMEOUT": "soon"}))
+
+    def tied_bias(d: Path) -> list[str]:
+        g = torch.Generator().manual_seed(0)
+        bias = torch.randn(25, generator=g)
+        _safetensors(d / "w.safetensors", {"cls.predictions.bias": bias, "cls.predictions.decoder.bias": bias.clone(),
+                                           "cls.predictions.decoder.weight": torch.randn(25, 16, generator=g),
+                                           "fc.weight": torch.randn(16, 16, generator=g)})
+        return [str(d / "w.safetensors"), "-q", "--format", "json", "-o", OUT]
+    add(Case("tied-bias-in-a-weights-only-checkpoint", CT, tied_bias, (0, 1), check=_tied_bias_once))
     return c
 
 

@@ -43,14 +43,16 @@ def _child(case: Case, d: Path, argv: list[str]) -> subprocess.CompletedProcess:
             env.pop(k, None)
         else:
             env[k] = str(d / "home") if v == "HOME" else v
-    stdout = open(case.stdout, "w") if case.stdout else subprocess.PIPE
+    closed = case.stdout == "CLOSED"  # descriptor 1 closed before the interpreter starts, as `>&-` does
+    stdout = None if closed else open(case.stdout, "w") if case.stdout else subprocess.PIPE
     try:
         return subprocess.run([sys.executable, "-m", "auditor", *argv], cwd=d, env=env, stdout=stdout,
-                              stderr=subprocess.PIPE, text=True, timeout=case.timeout, preexec_fn=_limits(case))
+                              stderr=subprocess.PIPE, text=True, timeout=case.timeout,
+                              preexec_fn=(lambda: (_limits(case)(), os.close(1))) if closed else _limits(case))
     except subprocess.TimeoutExpired:
         pytest.fail(f"{case.name}: still running after {case.timeout} s (a hang)")
     finally:
-        if case.stdout:
+        if case.stdout and not closed:
             stdout.close()  # type: ignore[union-attr]
 
 
