@@ -191,7 +191,7 @@ def import_user_module(target: str, what: str = "file") -> ModuleType:
     if target.endswith(".py"):
         file = Path(target)
         if not file.is_file():
-            from .calibration.inputs import describe_missing
+            from .errors import describe_missing
 
             raise AuditError(f"{what} {target} {describe_missing(file) or 'is not a regular file'}",
                              "Check the path to the Python file")

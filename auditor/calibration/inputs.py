@@ -22,7 +22,7 @@ from typing import Any, Iterable, Iterator
 import torch
 from torch import nn
 
-from ..errors import AuditError, first_line
+from ..errors import AuditError, describe_missing, first_line, size_text
 from ..options import CALIBRATION_MAX_BYTES, CALIBRATION_MAX_ROWS
 from .text import is_text_source, text_inputs
 
@@ -107,18 +107,6 @@ MAX_BYTES = CALIBRATION_MAX_BYTES  # bytes of calibration data (a file, the tens
 MAX_SHAPE_PROBES = 8  # later batches of a new shape run through the forward once each, at most this many
 
 
-def size_text(n: float) -> str:
-    """Bytes as GiB, MiB or KiB (binary units), for messages.
-
-    >>> size_text(3 << 30), size_text(1536), size_text(80e9)
-    ('3.0 GiB', '1.5 KiB', '74.5 GiB')
-    """
-    for unit, shift in (("GiB", 30), ("MiB", 20), ("KiB", 10)):
-        if n >= 1 << shift:
-            return f"{n / (1 << shift):.1f} {unit}"
-    return f"{int(n)} bytes"
-
-
 def parse_size(text: str, flag: str = "--calibration-max-bytes") -> int:
     """``2G``, ``500M``, ``64K``, ``1T`` (binary units, optional ``iB``/``B``) or a plain number of bytes.
 
@@ -132,33 +120,6 @@ def parse_size(text: str, flag: str = "--calibration-max-bytes") -> int:
     if not (math.isfinite(value) and 1 <= value < 2**63):
         raise AuditError(f"{flag} {text!r} is not a size", f"Give bytes with a unit, e.g. {flag} 4G")
     return int(value)
-
-
-def describe_missing(path: Path) -> str:
-    """What is at ``path`` when it is not a readable regular file, in words: "does not exist", "is a folder",
-    "is a FIFO (named pipe)", "is a device", "cannot be read (permission denied)"."""
-    import stat
-
-    try:
-        st = path.stat()
-    except FileNotFoundError:
-        return "does not exist" if not path.is_symlink() else "is a symbolic link to nothing"
-    except NotADirectoryError:
-        return "does not exist (a part of its path is a file)"
-    except OSError as exc:
-        return f"cannot be read ({(exc.strerror or str(exc)).lower()})"
-    mode = st.st_mode
-    if stat.S_ISDIR(mode):
-        return "is a folder, not a file"
-    if stat.S_ISFIFO(mode):
-        return "is a FIFO (named pipe), not a file"
-    if stat.S_ISCHR(mode) or stat.S_ISBLK(mode):
-        return "is a device, not a file"
-    if stat.S_ISSOCK(mode):
-        return "is a socket, not a file"
-    if not os.access(path, os.R_OK):
-        return "cannot be read (permission denied)"
-    return ""
 
 
 def _digest(batches: list[Batch]) -> str:

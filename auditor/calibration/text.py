@@ -88,7 +88,7 @@ def check_text_sources(sources: list[Any], tokenizer: str | Path | None,
     """The checks on text calibration files that need no model (the file is a readable regular file no larger than
     ``max_bytes``, None: no cap; it is UTF-8 and not empty; there are tokenizer files), run before an audit's slow
     stages so bad text fails at once; the rest come with :func:`text_inputs`."""
-    from .inputs import describe_missing
+    from ..errors import describe_missing
 
     for i, source in enumerate(sources):
         if is_text_source(source):
@@ -125,7 +125,7 @@ def read_text(path: Path, max_bytes: int | None = None) -> str:
     """The file's text (UTF-8, a byte-order mark dropped); one-line errors for a non-UTF-8 or empty file, and for one
     larger than ``max_bytes`` (checked before a byte is read)."""
     if max_bytes is not None:
-        from .inputs import size_text
+        from ..errors import size_text
 
         size = path.stat().st_size
         if size > max_bytes:
