@@ -118,12 +118,13 @@ def budget_lines(cal: "CalibrationReport") -> list[str]:
     if b is None:
         return []
     ask = f"at most {100 * b.budget:g}% removed" if b.budget is not None else "the largest the tolerance allows"
+    over = {"tier1": "tier-1", "measured": "measured-floor"}.get(b.source, b.source)
     top1 = f", top-1 {pct(b.top1)}" if b.top1 is not None else ""
     if not b.plan:
-        out = [f"Plan that holds ({ask}, over {b.source} curves, {b.evaluations} plans measured): none; every plan "
+        out = [f"Plan that holds ({ask}, over {over} curves, {b.evaluations} plans measured): none; every plan "
                "measured missed the tolerance, so the suggestion keeps every calibrated layer dense."]
     else:
-        out = [f"Plan that holds ({ask}, over {b.source} curves, {b.evaluations} plans measured): {len(b.plan)} "
+        out = [f"Plan that holds ({ask}, over {over} curves, {b.evaluations} plans measured): {len(b.plan)} "
                f"layers, {b.removed:,} parameters removed ({pct(b.removed_fraction)}); {cal.metric} {_g(b.metric)} "
                f"measured all at once{top1}: {'holds' if b.ok else 'MISSES'} the tolerance"
                + (f"; the smallest larger plan measured ({b.smallest_failing:,} removed) does not."
@@ -154,7 +155,7 @@ def check_card(audit: "Audit") -> CheckCard | None:
         return CheckCard("not measured", "factorize() could not rewrite the plan's layers", "unknown")
     top1 = f"; top-1 agreement {pct(pc.top1)}" if pc.top1 is not None else ""
     sign = "\u2264" if pc.ok else ">"
-    return CheckCard(f"{_g(pc.measured)} {sign} {cal.tolerance:g}" if not cal.higher_is_better
+    return CheckCard(f"{_g(pc.measured, 2)} {sign} {cal.tolerance:g}" if not cal.higher_is_better
                      else f"{_g(pc.measured)} (dense {_g(cal.reference)})",
                      f"{cal.metric} on {cal.holdout_rows:,} held-out rows, {pc.layers} layers at once: "
                      f"{'holds' if pc.ok else 'misses the tolerance'}{top1}", "ok" if pc.ok else "bad")
@@ -259,7 +260,11 @@ def _frontier_fig(points: list[tuple[float, float, bool]], chosen: float | None,
             ax.plot([x], [y], marker="x", color="#dc2626", markersize=8)
     limit = reference - tolerance if higher else tolerance
     if not higher and all(y > 0 for y in ys) and limit > 0:  # errors span decades: a log axis shows the cliff
+        from matplotlib.ticker import FuncFormatter, NullFormatter
+
         ax.set_yscale("log")
+        ax.yaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))  # plain text: math text is off
+        ax.yaxis.set_minor_formatter(NullFormatter())
     ax.axhline(limit, color="#ea580c", linewidth=0.9, linestyle="--", label=f"tolerance ({limit:g})")
     if chosen is not None:
         ax.axvline(100 * chosen, color="#16a34a", linewidth=0.9, linestyle=":", label="suggested plan")
