@@ -355,9 +355,11 @@ def plan_basis(audit: "Audit") -> list[str]:
     measured = (f"Measured all at once on {cal.holdout_rows:,} held-out rows: {_comment(cal.metric)} "
                 f"{pc.measured:.4g} against the tolerance {cal.tolerance:g} ({'holds' if pc.ok else 'MISSES'})."
                 if pc is not None and pc.layers else "Not measured all at once: no planned layer.")
-    return [f"Ranks: the largest plan{cap} that holds the tolerance all at once, searched over the {curves} curves",
-            f"({b.evaluations} plans factorized and measured); per-layer floors are evidence, not the plan.",
-            measured]
+    import textwrap
+
+    text = (f"Ranks: the largest plan{cap} that holds the tolerance all at once, searched over the {curves} curves "
+            f"({b.evaluations} plans factorized and measured); per-layer floors are evidence, not the plan.")
+    return [*textwrap.wrap(text, 112), *textwrap.wrap(measured, 112)]
 
 
 def default_header(audit: "Audit") -> list[str]:
