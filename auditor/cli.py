@@ -116,7 +116,8 @@ def _common_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("-v", "--verbose", action="store_true",
                    help="print what torch logged while tracing (FX dumps, warnings) on stderr")
     p.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,
-                   help="progress of each phase (load, trace, spectra, render) on stderr "
+                   help="progress of each phase (load, trace, spectra, calibration: statistics, tiers 1-3, plan check; "
+                        "render) on stderr "
                         "(default: only when stderr is a terminal); never on stdout")
 
 

@@ -271,9 +271,10 @@ def suggest_ranks(layers: list[Layer], spectra: dict[str, Spectrum], settings: S
 
 
 def calibrate(model: Any, st: Structure, spectra: Spectra, suggestions: dict[str, Suggestion], settings: Settings,
-              options: AuditOptions) -> tuple[Any, dict[str, Suggestion]]:
+              options: AuditOptions, progress: "Progress | None" = None) -> tuple[Any, dict[str, Suggestion]]:
     """The calibration stage (``auditor/calibration/stage.py``): tiers 1-3 as plain data, and the suggestions with
-    the data-aware rank. (None, suggestions) without calibration data."""
+    the data-aware rank. (None, suggestions) without calibration data. ``progress`` draws each of its phases
+    (default: none drawn)."""
     if options.calibration is None:
         return None, suggestions
     if not isinstance(model, nn.Module):
@@ -281,7 +282,7 @@ def calibrate(model: Any, st: Structure, spectra: Spectra, suggestions: dict[str
                          "Audit a factory (file.py:fn) or a Hugging Face directory to use --calibration")
     from .calibration.stage import calibrate as run_tiers, suggest_with
 
-    calibrated = run_tiers(model, st.layers, settings, options, suggestions)
+    calibrated = run_tiers(model, st.layers, settings, options, suggestions, progress=progress)
     return calibrated, suggest_with(st.layers, spectra.by_layer, suggestions, calibrated.report, settings)
 
 
@@ -348,7 +349,7 @@ def audit(model: Any, inputs: Any = None, *, plan: Any = None, options: AuditOpt
         st = module_structure(model, inputs, opts, progress)
     spectra = compute_spectra(st.layers, st.loaders, settings, opts, progress)
     calibrated, suggestions = calibrate(model, st, spectra, suggest_ranks(st.layers, spectra.by_layer, settings),
-                                        settings, opts)
+                                        settings, opts, progress)
     result = Audit(
         model_name=st.model_name, source=st.source, trace_method=st.trace_method, trace_failures=st.trace_failures,
         inputs=st.inputs, total_params=st.total_params, layers=st.layers, macs_known=st.macs_known,
@@ -363,7 +364,8 @@ def audit(model: Any, inputs: Any = None, *, plan: Any = None, options: AuditOpt
     if calibrated is not None:
         from .calibration.stage import check_plan
 
-        result = replace(result, calibration=check_plan(calibrated, model, result))
+        with progress.phase("plan check"):
+            result = replace(result, calibration=check_plan(calibrated, model, result))
     return check(result, plan_obj)
 
 

@@ -1,4 +1,7 @@
-"""Progress for every phase of an audit (load, trace, spectra, calibration, render), drawn by tqdm on stderr.
+"""Progress for every phase of an audit, drawn by tqdm on stderr: load, trace, spectra; with calibration data the
+calibration data, statistics (per batch), tier 1 (whitened spectra, per layer), tier 2 (per layer swept, with the
+evaluations so far), tier 3 (plans measured so far: their count is not known beforehand, so no ETA) and the plan
+check; render; and, for ``factorize --recover``, recovery (per step, with the running loss).
 
 Active only when the stream is a terminal or when asked (``Progress(enabled=True)``); silent otherwise, and never
 on stdout, where JSON and Markdown go. :func:`quiet_torch_logging` keeps torch's own logging (FX graph dumps,
@@ -27,7 +30,8 @@ from typing import IO, Any, Iterator
 
 __all__ = ["PHASES", "CapturedLog", "Progress", "quiet_torch_logging"]
 
-PHASES = ("load", "trace", "spectra", "calibration", "render")
+PHASES = ("load", "trace", "spectra", "calibration data", "statistics", "tier 1 spectra", "tier 2 floors",
+          "tier 3 plan search", "plan check", "render", "recovery")
 
 
 def _is_tty(stream: IO[str]) -> bool:
@@ -37,12 +41,18 @@ def _is_tty(stream: IO[str]) -> bool:
         return False
 
 
+def _counted(unit: str, n: int) -> str:
+    """The head of a counted phase's line: ``{desc}: 5 plans``."""
+    return "{desc}: {n_fmt} " + unit.replace("{", "{{").replace("}", "}}") + ("" if n == 1 else "s")
+
+
 class Progress:
     """One progress line per phase on ``stream`` (default: stderr).
 
     ``enabled``: None draws only when ``stream`` is a terminal; True draws whatever the stream is (forced, e.g.
-    ``--progress``); False never draws. A phase with a ``total`` shows a bar that :meth:`update` moves; one without
-    shows its name, then the time it took. Writing to stdout is refused: reports may be going there.
+    ``--progress``); False never draws. A phase with a ``total`` shows a bar that :meth:`update` moves, with an ETA;
+    one without shows its name, then the time it took, or, once :meth:`update` reports a count, the count so far
+    (``tier 3: 5 plans``: no ETA, the count is not known). Writing to stdout is refused: reports may be going there.
     """
 
     def __init__(self, enabled: bool | None = None, stream: IO[str] | None = None) -> None:
@@ -51,6 +61,7 @@ class Progress:
             raise ValueError("progress goes to stderr, never to stdout (reports may be written there)")
         self.enabled = _is_tty(self.stream) if enabled is None else bool(enabled)
         self._bar: Any = None
+        self._counted = False  # the open phase has no total but reports a count
         self.timings: dict[str, float] = {}  # phase -> seconds, recorded whether drawn or not
 
     @contextlib.contextmanager
@@ -71,22 +82,30 @@ class Progress:
         finally:
             self.timings[name] = time.perf_counter() - start
             bar, self._bar = self._bar, None
+            counted, self._counted = self._counted, False
             if bar is not None:
                 if bar.total is None:
-                    bar.bar_format = "{desc} " + f"{self.timings[name]:.1f}s"
+                    bar.bar_format = (_counted(bar.unit, bar.n) + "{postfix} " if counted else "{desc} ") \
+                        + f"{self.timings[name]:.1f}s"
                 bar.close()
 
-    def update(self, done: int, total: int | None = None) -> None:
+    def update(self, done: int, total: int | None = None, note: str | None = None) -> None:
         """Progress callback: ``done`` of ``total`` units of the current phase are finished (absolute, not a
-        step). Safe to call with no phase open or when disabled (it does nothing then)."""
+        step); ``note`` is shown after the counts (``12 evaluations``, ``loss 0.031``). In a phase without a total,
+        ``done`` is a count whose end is not known. Safe to call with no phase open or when disabled (it does
+        nothing then)."""
         bar = self._bar
         if bar is None:
             return
         if total is not None and total != bar.total:
             bar.total = total
             bar.bar_format = None
+        elif bar.total is None:
+            self._counted = True
+            bar.bar_format = _counted(bar.unit, done) + "{postfix} … {elapsed}"
+        if note is not None:
+            bar.set_postfix_str(note, refresh=False)
         bar.update(max(0, done - bar.n))
-
 
 @dataclass
 class CapturedLog:

@@ -460,31 +460,23 @@ def cli_settings(args: Any) -> dict[str, Any] | None:
 
 
 def cli_recover(settings: dict[str, Any], factorized: nn.Module, dense: nn.Module, calibration: Calibration,
-                metric: Metric | None) -> dict[str, Any]:
-    """Run the recovery for the command line: a bar with the running loss on a terminal, one summary line; a loss
-    that became NaN is bad input (nothing is written). Returns the plan.json entry."""
+                metric: Metric | None, bar: Any = None) -> dict[str, Any]:
+    """Run the recovery for the command line: a "recovery" phase of ``bar`` (an :class:`auditor.progress.Progress`;
+    default: drawn when stderr is a terminal) with the running loss, one summary line; a loss that became NaN is bad
+    input (nothing is written). Returns the plan.json entry."""
     import sys
 
-    from .progress import _is_tty
+    from .progress import Progress as Bar
 
-    bar = None
-    report: Progress | None = None
-    if _is_tty(sys.stderr):
-        from tqdm import tqdm
+    bar = bar if bar is not None else Bar()
 
-        bar = tqdm(total=settings["steps"], desc="recovery", unit="step", file=sys.stderr, leave=True, mininterval=0.2)
+    def report(done: int, total: int, loss: float) -> None:
+        bar.update(done, total, note=f"loss {loss:.4g}")
 
-        def report(done: int, total: int, loss: float) -> None:
-            bar.update(done - bar.n)
-            bar.set_postfix(loss=f"{loss:.4g}", refresh=False)
-
-    try:
+    with bar.phase("recovery", total=settings["steps"], unit="step"):
         r = recover(factorized, dense, calibration, steps=settings["steps"], lr=settings["lr"],
                     trainable=settings["trainable"], objective=settings["objective"], metric=metric,
-                    eval_every=max(1, settings["steps"] // 5), progress=report)
-    finally:
-        if bar is not None:
-            bar.close()
+                    eval_every=max(1, settings["steps"] // 5), progress=report if bar.enabled else None)
     if r.stopped is not None and not r.stopped.startswith("interrupted"):
         raise AuditError(f"recovery stopped: {r.stopped}", "Lower --recover-lr (or check the inputs); nothing was written")
     print(summary(r), file=sys.stderr)

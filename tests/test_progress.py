@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import io
+import re
 import logging
 import sys
 import warnings
@@ -116,3 +117,138 @@ def test_quiet_respects_torch_logs_and_disabled(how, monkeypatch, capfd):
         logging.getLogger("torch._dynamo").warning("dynamo says")
     assert handlers and not any(isinstance(h, _ListHandler) for h in handlers)
     assert not log and log.text == "" and "shown" in capfd.readouterr().err
+
+
+def test_a_phase_without_a_total_counts_when_told_and_shows_no_eta():
+    buf = io.StringIO()
+    p = Progress(enabled=True, stream=buf)
+    with p.phase("tier 3 plan search", unit="plan"):
+        p.update(1)
+    assert re.fullmatch(r"tier 3 plan search: 1 plan \d+\.\ds", _lines(buf.getvalue())[-1])  # singular
+    with p.phase("tier 3 plan search", unit="plan"):
+        p.update(2)
+        p.update(5, note="last held")
+    lines = _lines(buf.getvalue())
+    assert lines[-1].startswith("tier 3 plan search: 5 plans, last held ") and lines[-1].endswith("s")
+    assert not any("%" in l or "<" in l for l in lines)  # no bar, no ETA: the count is not known
+    with p.phase("trace"):  # the next phase without a count is a plain timed line again
+        pass
+    assert buf.getvalue().replace("\r", "\n").splitlines()[-1].startswith("trace ")
+
+
+# ---- progress through a calibrated audit (issue 21): every calibration phase with its counts -------------------
+CAL_ROWS = 800  # 600 fit rows: fc1 (64 wide), fc2 and fc3 (512 wide) span their inputs and are swept; head is narrow
+
+
+@pytest.fixture(scope="module")
+def digits_calibration(tmp_path_factory):
+    from safetensors.torch import save_file
+    from sklearn.datasets import load_digits
+
+    x = torch.tensor(load_digits().data[:CAL_ROWS], dtype=torch.float32) / 16.0
+    path = tmp_path_factory.mktemp("calib") / "digits_calib.safetensors"
+    save_file({"x": x.contiguous()}, str(path))
+    return path
+
+
+def _lines(text: str) -> list[str]:
+    return [l.strip() for l in text.replace("\r", "\n").splitlines() if l.strip()]
+
+
+def _last(lines: list[str], phase: str) -> str:
+    """The phase's final line (tqdm redraws it in place; the last drawing stays on the terminal)."""
+    found = [l for l in lines if l.startswith(phase + ":") or l.startswith(phase + " ")]
+    assert found, f"no {phase!r} line in {lines}"
+    return found[-1]
+
+
+def test_a_calibrated_audit_reports_every_calibration_phase(digits_calibration, digits_mlp, tmp_path, capfd,
+                                                             monkeypatch):
+    from threadpoolctl import threadpool_limits
+
+    import auditor
+    from auditor.calibration import load_calibration
+
+    model, x = digits_mlp
+    calls: list[tuple[str, int, int | None, str | None]] = []  # every update, whether tqdm redraws it or not
+    update = Progress.update
+
+    def spy(self, done, total=None, note=None):
+        calls.append((self._bar.desc if self._bar is not None else "", done, total, note))
+        update(self, done, total, note)
+
+    monkeypatch.setattr(Progress, "update", spy)
+    with threadpool_limits(limits=1, user_api="blas"):
+        a = auditor.audit(model, x, calibration=digits_calibration, measure_floor=True, progress=True,
+                          cache_dir=tmp_path / "cache")
+    out, err = capfd.readouterr()
+    assert out == ""
+    lines = _lines(err)
+    cr = a.calibration
+    fit = len(load_calibration(digits_calibration, model, 0.25).fit)
+    assert fit == 19  # 600 fit rows in batches of 32
+    swept = [n for n, lc in cr.layers.items() if lc.floor is not None]
+    assert sorted(swept) == ["fc1", "fc2", "fc3"]
+    sweep_evals = sum(len(cr.layers[n].floor.points) for n in swept)
+    plans = cr.budget.evaluations
+    assert sweep_evals > 3 and plans >= 2 and cr.evaluations == sweep_evals + plans
+
+    assert _last(lines, "calibration data").endswith("s")
+    assert f"| {fit}/{fit} [" in _last(lines, "statistics")
+    assert "| 4/4 [" in _last(lines, "tier 1 spectra")  # every layer with statistics, head included
+    t2 = _last(lines, "tier 2 floors")
+    assert "| 3/3 [" in t2 and t2.endswith(f", {sweep_evals} evaluations]")
+    # the evaluations are counted as they run, one by one within a layer, and once more as each layer ends
+    t2 = [(done, total, note) for phase, done, total, note in calls if phase == "tier 2 floors"]
+    evals = [int(n.split()[0]) for _, _, n in t2]
+    assert len(t2) == 1 + sweep_evals + 3 and evals[0] == 0 and evals == sorted(evals)
+    assert set(evals) == set(range(sweep_evals + 1)) and {t for _, t, _ in t2} == {3}
+    assert [d for d, _, _ in t2] == sorted(d for d, _, _ in t2) and t2[-1][0] == 3
+    assert [d for phase, d, _, _ in calls if phase == "tier 3 plan search"] == list(range(1, plans + 1))
+    assert [d for phase, d, _, _ in calls if phase == "statistics"] == list(range(1, fit + 1))
+    assert [d for phase, d, _, _ in calls if phase == "tier 1 spectra"] == [1, 2, 3, 4]
+    assert re.fullmatch(rf"tier 3 plan search: {plans} plans \d+\.\ds", _last(lines, "tier 3 plan search"))
+    assert _last(lines, "plan check").endswith("s")
+    # the counted phases have an ETA while they run ("elapsed<remaining"); the plan search has none
+    assert re.search(r"statistics: +\d+%\|.*\| \d+/19 \[\d\d:\d\d<\d\d:\d\d", err)
+    assert not any("<" in l for l in lines if l.startswith("tier 3"))
+    order = ["trace", "spectra", "calibration data", "statistics", "tier 1 spectra", "tier 2 floors",
+             "tier 3 plan search", "plan check"]
+    assert [err.index(p) for p in order] == sorted(err.index(p) for p in order)
+
+    # the second run reads the statistics from the cache and says so
+    with threadpool_limits(limits=1, user_api="blas"):
+        b = auditor.audit(model, x, calibration=digits_calibration, progress=True, cache_dir=tmp_path / "cache")
+    lines = _lines(capfd.readouterr().err)
+    assert b.calibration.statistics_cached
+    assert f"| {fit}/{fit} [" in _last(lines, "statistics") and _last(lines, "statistics").endswith(", cached]")
+    assert not any(l.startswith("tier 2") for l in lines)  # no --measure-floor: no sweep
+
+
+@pytest.mark.parametrize("progress", [False, None])  # off, and the default when stderr is not a terminal
+def test_a_calibrated_audit_without_progress_writes_nothing(progress, digits_calibration, digits_mlp, capfd):
+    import auditor
+
+    model, x = digits_mlp
+    a = auditor.audit(model, x, calibration=digits_calibration, measure_floor=True, progress=progress, cache=False)
+    assert a.calibration.measured_floors and a.calibration.budget.evaluations >= 2  # the phases ran
+    assert capfd.readouterr() == ("", "")
+
+
+def test_recovery_steps_are_a_phase_with_the_running_loss(digits_calibration, digits_mlp, capsys):
+    from auditor.calibration import load_calibration
+    from auditor.factorize import factorize
+    from auditor.recover import cli_recover
+
+    model = digits_mlp[0]
+    cal = load_calibration(digits_calibration, model, 0.25)
+    settings = {"steps": 10, "lr": 1e-3, "trainable": "factors", "objective": "auto"}
+    buf = io.StringIO()
+    entry = cli_recover(settings, factorize(model, {"fc1": 8}), model, cal, None, bar=Progress(enabled=True, stream=buf))
+    lines = _lines(buf.getvalue())
+    assert entry["done"] == 10
+    assert re.search(r"^recovery: 100%\|.*\| 10/10 \[.*, loss \d", _last(lines, "recovery"))
+    silent = io.StringIO()
+    cli_recover(settings, factorize(model, {"fc1": 8}), model, cal, None, bar=Progress(stream=silent))
+    assert silent.getvalue() == ""
+    assert capsys.readouterr().out == ""  # the summary line goes to stderr

@@ -205,7 +205,8 @@ class BudgetPlan:
 def plan_for_budget(model: nn.Module, layers: dict[str, Layer] | list[Layer], calibration: Calibration,
                     curves: Curves, budget: float | None = None, tolerance: float | None = None,
                     metric: Metric | Callable[..., float] | None = None, stats: InputStatistics | None = None,
-                    frontier: int = 5, max_tries: int = 64, fixed: dict[str, int] | None = None) -> BudgetPlan:
+                    frontier: int = 5, max_tries: int = 64, fixed: dict[str, int] | None = None,
+                    progress: Callable[[int], None] | None = None) -> BudgetPlan:
     """Tier 3: the largest plan over ``curves`` that holds the tolerance all at once on the held-out batches.
 
     Each target (parameters to remove) gives one plan (:func:`allocate`); a plan is factorized and measured once
@@ -217,7 +218,8 @@ def plan_for_budget(model: nn.Module, layers: dict[str, Layer] | list[Layer], ca
     there. ``max_tries`` bounds the measurements (a safety net: the bracket closes long before it on every model
     tried; :attr:`BudgetPlan.exhausted` says when it did not). ``fixed`` layers (name -> rank) are part of every plan
     measured: layers whose rank comes from elsewhere (the data-free suggestion) but that the plan must hold with.
-    Only layers ``factorize`` rewrites take part. The model is measured in eval mode; its mode is restored."""
+    Only layers ``factorize`` rewrites take part. The model is measured in eval mode; its mode is restored.
+    ``progress(plans measured so far)`` is called after each plan is measured (how many there will be is not known)."""
     t0 = time.perf_counter()
     if metric is None or callable(metric) and not isinstance(metric, Metric):
         metric = Metric(fn=metric)  # type: ignore[arg-type]
@@ -240,12 +242,12 @@ def plan_for_budget(model: nn.Module, layers: dict[str, Layer] | list[Layer], ca
         if stats is None:
             stats = input_statistics(model, [named[k] for k in [*options, *fixed] if k in named], calibration)
         ev = Evaluator(model, calibration, metric)
-        return _search(model, ev, curves, named, stats, metric, budget, frontier, max_tries, fixed, t0)
+        return _search(model, ev, curves, named, stats, metric, budget, frontier, max_tries, fixed, t0, progress)
 
 
 def _search(model: nn.Module, ev: Evaluator, curves: Curves, named: dict[str, Layer], stats: InputStatistics,
             metric: Metric, budget: float | None, frontier: int, max_tries: int, fixed: dict[str, int],
-            t0: float) -> BudgetPlan:
+            t0: float, progress: Callable[[int], None] | None = None) -> BudgetPlan:
     total = count_params(model)
     options = curves.options
     max_saved = sum(max(o.saved for o in opts) for opts in options.values())
@@ -268,6 +270,8 @@ def _search(model: nn.Module, ev: Evaluator, curves: Curves, named: dict[str, La
             m = ev.measure(factorize(model, plan, stats, reuse=reuse)) if plan else ev.measure(model)
             memo[key] = FrontierPoint(int(target), plan, saved, saved / total, cost, m.value, m.ok, m.top1)
             tries.append(memo[key])
+            if progress is not None:
+                progress(len(tries))
         by_target[target] = memo[key]
         return memo[key]
 

@@ -36,6 +36,7 @@ from .whiten import WhitenedSpectrum
 if TYPE_CHECKING:
     from ..config import Settings
     from ..options import AuditOptions
+    from ..progress import Progress
     from ..results import Audit, Spectrum
 
 SYNTHETIC_MARK = "looks like token ids drawn uniformly at random"
@@ -84,7 +85,7 @@ def statistics_memory(layers: list[Layer]) -> tuple[int, str]:
 
 
 def _statistics(model: nn.Module, layers: list[Layer], cal: Calibration, options: "AuditOptions",
-                ) -> tuple[InputStatistics, bool]:
+                progress: "Progress | None" = None) -> tuple[InputStatistics, bool]:
     """The input statistics of ``layers``: from the cache when an entry saved under this key is intact and fits
     the layers (checksum, shapes, finite, symmetric, PSD checks), else computed (and cached). Refused with one line,
     before any is allocated, when the float64 Grams need more memory than is available."""
@@ -110,11 +111,13 @@ def _statistics(model: nn.Module, layers: list[Layer], cal: Calibration, options
                     raise StatisticsMismatch(f"{name} does not fit the layer")
             if stats.digest != cal.digest or set(stats.layers) | set(stats.missing) != set(named):
                 raise StatisticsMismatch("another calibration or other layers")
+            if progress is not None:
+                progress.update(len(cal.fit), len(cal.fit), note="cached")
             return stats, True
         except Exception:  # noqa: BLE001 - a damaged, foreign or invalid entry is recomputed (and replaced)
             pass
     try:
-        stats = input_statistics(model, layers, cal)
+        stats = input_statistics(model, layers, cal, progress=progress.update if progress is not None else None)
     except AuditError:
         raise
     except Exception as exc:  # noqa: BLE001 - a batch the forward refuses, said in one line
@@ -203,12 +206,15 @@ def one_blas_thread(fn: Any) -> Any:
 
 @one_blas_thread
 def calibrate(model: nn.Module, layers: list[Layer], settings: "Settings", options: "AuditOptions",
-              suggestions: dict[str, Suggestion] | None = None) -> Calibrated:
+              suggestions: dict[str, Suggestion] | None = None, progress: "Progress | None" = None) -> Calibrated:
     """Tier 1 on every layer; tier 2 (``options.measure_floor``) on the layers that are not narrow and whose inputs
     the calibration spans; tier 3 always: the largest plan over the measured (or tier-1) curves that holds the
     tolerance all at once (``options.budget``: at most that share removed). ``suggestions`` (the data-free ones) give
     the ranks of the layers calibration cannot rank, which every plan measured then includes. Bad calibration data
-    raises :class:`AuditError` with one line."""
+    raises :class:`AuditError` with one line. ``progress`` (default: none drawn) gets one phase per step: calibration
+    data, statistics (per batch), tier 1 (per layer), tier 2 (per layer, evaluations so far; a cluster sweep draws its
+    own), tier 3 (plans measured so far)."""
+    from ..progress import Progress
     from .budget import curves_from_floors, curves_from_spectra, plan_for_budget
     from .sweep import measure_floors
     from .tier1 import whitened_spectra
@@ -216,18 +222,22 @@ def calibrate(model: nn.Module, layers: list[Layer], settings: "Settings", optio
     if any(p.device.type == "meta" for p in model.parameters()):
         raise AuditError("calibration needs real weights; this model's weights are on the meta device",
                          "Audit a model with weights (not --structure-only) to use --calibration")
+    progress = progress or Progress(enabled=False)
     was_training = model.training
     model.eval()
     try:
         t0 = time.perf_counter()
-        cal = load_calibration(options.calibration, model, options.holdout, tokenizer=options.tokenizer,
-                               length=options.calibration_length, max_rows=options.calibration_max_rows,
-                               max_bytes=options.calibration_max_bytes)
-        metric = metric_of(options)
-        stats, cached = _statistics(model, layers, cal, options)
+        with progress.phase("calibration data"):
+            cal = load_calibration(options.calibration, model, options.holdout, tokenizer=options.tokenizer,
+                                   length=options.calibration_length, max_rows=options.calibration_max_rows,
+                                   max_bytes=options.calibration_max_bytes)
+            metric = metric_of(options)
+        with progress.phase("statistics", total=len(cal.fit), unit="batch"):
+            stats, cached = _statistics(model, layers, cal, options, progress)
         table = {n: p for n, p in model.named_parameters(remove_duplicate=False)}
         target = metric.tolerance if not metric.higher_is_better else 0.01
-        spectra = whitened_spectra(layers, table, stats, settings.align, target)
+        with progress.phase("tier 1 spectra", total=sum(1 for l in layers if l.name in stats.layers)):
+            spectra = whitened_spectra(layers, table, stats, settings.align, target, progress=progress.update)
         per: dict[str, LayerCalibration] = {}
         for name, spec in spectra.items():
             inp = stats.layers[name]
@@ -250,8 +260,12 @@ def calibrate(model: nn.Module, layers: list[Layer], settings: "Settings", optio
                 floors, sweep_where = measure_floors_on_cluster(model, swept, cal, metric, settings.align, stats,
                                                                 spectra, options)
             else:
-                floors, sweep_where = measure_floors(model, swept, cal, metric=metric, align=settings.align,
-                                                     stats=stats, spectra=spectra), "local"
+                def steps(done: int, total: int, evaluations: int) -> None:
+                    progress.update(done, total, note=f"{evaluations} evaluation{'s' if evaluations != 1 else ''}")
+
+                with progress.phase("tier 2 floors", total=len(swept)):
+                    floors, sweep_where = measure_floors(model, swept, cal, metric=metric, align=settings.align,
+                                                         stats=stats, spectra=spectra, steps=steps), "local"
             for name, f in floors.floors.items():
                 per[name].floor = _floor(f)
             evaluations += floors.evaluations
@@ -267,8 +281,9 @@ def calibrate(model: nn.Module, layers: list[Layer], settings: "Settings", optio
         named = {l.name: l for l in planned}
         curves = type(curves)({k: [o for o in v if named[k].compression(o.rank) >= settings.min_compression]
                                for k, v in curves.options.items() if k in named}, curves.source)
-        bp = plan_for_budget(model, layers, cal, curves, budget=options.budget, metric=metric, stats=stats,
-                             fixed=fixed)
+        with progress.phase("tier 3 plan search", unit="plan"):
+            bp = plan_for_budget(model, layers, cal, curves, budget=options.budget, metric=metric, stats=stats,
+                                 fixed=fixed, progress=progress.update)
         reference = bp.reference
         evaluations += bp.evaluations
         budget = BudgetResult(dict(bp.plan), bp.source, bp.budget, bp.removed, bp.removed_fraction, bp.metric,

@@ -305,9 +305,10 @@ def _rnn_hook(mod: nn.RNNBase, path: str, accs: dict[str, _Acc]) -> Callable[...
 
 
 def input_statistics(model: nn.Module, layers: dict[str, Layer] | list[Layer], batches: Calibration | list[Batch],
-                     ) -> InputStatistics:
+                     progress: Callable[[int, int], None] | None = None) -> InputStatistics:
     """One forward pass over ``batches`` (a ``Calibration``: its fit part), in eval mode, with hooks that accumulate
-    X^T X in float64 for every layer they can read. Layers with no statistics are listed in ``missing`` with the reason."""
+    X^T X in float64 for every layer they can read. Layers with no statistics are listed in ``missing`` with the reason.
+    ``progress(done, total)`` is called after each batch."""
     layer_list = list(by_name(layers).values())
     digest = batches.digest if isinstance(batches, Calibration) else ""
     fit = batches.fit if isinstance(batches, Calibration) else list(batches)
@@ -372,9 +373,11 @@ def input_statistics(model: nn.Module, layers: dict[str, Layer] | list[Layer], b
         handles.append(model.get_submodule(path).register_forward_pre_hook(mha_hook, with_kwargs=True))
     try:
         with eval_mode(model):  # dropout off, batch norm on its running statistics; the caller's modes come back
-            for b in fit:
+            for i, b in enumerate(fit):
                 shared.clear()
                 run(model, b)
+                if progress is not None:
+                    progress(i + 1, len(fit))
         shared.clear()
     finally:
         for h in handles:

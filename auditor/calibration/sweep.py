@@ -294,6 +294,7 @@ class Sweeper:
         self.params = dict(self.work.named_parameters(remove_duplicate=False))
         owners = {name: _module_path(layer)[0] for name, layer in self.layers.items()}
         self.cache = PrefixCache(self.work, owners, self.evaluator) if prefix_cache else None
+        self.on_evaluation: Callable[[int], None] | None = None  # called with the evaluations so far after each
 
     @property
     def evaluations(self) -> int:
@@ -302,8 +303,12 @@ class Sweeper:
     def _measure(self, name: str) -> Any:
         if self.cache is not None:
             with self.cache.replay(name):
-                return self.evaluator.measure(self.work)
-        return self.evaluator.measure(self.work)
+                m = self.evaluator.measure(self.work)
+        else:
+            m = self.evaluator.measure(self.work)
+        if self.on_evaluation is not None:
+            self.on_evaluation(self.evaluations)
+        return m
 
     def floor(self, name: str, search: str = "bisect") -> Floor:
         """One layer's measured floor: truncated alone (whitened when it has input statistics), bisection over
@@ -390,16 +395,24 @@ def measure_floors(model: nn.Module, layers: dict[str, Layer] | list[Layer], cal
                    tolerance: float | None = None, align: int = 8, metric: Metric | Callable[..., float] | None = None,
                    stats: InputStatistics | None = None, spectra: dict[str, WhitenedSpectrum] | None = None,
                    search: str = "bisect", prefix_cache: bool = True,
-                   progress: Callable[[str], None] | None = None) -> Floors:
+                   progress: Callable[[str], None] | None = None,
+                   steps: Callable[[int, int, int], None] | None = None) -> Floors:
     """Tier 2: per-layer measured floors on ``calibration``'s held-out batches (see :class:`Sweeper` for the
     arguments). ``search``: "bisect" (from the tier-1 rank in ``spectra``) or "all" (every grid rank: the
-    brute-force reference). ``model`` is not modified."""
+    brute-force reference). ``model`` is not modified. ``progress(line)`` is told each layer's floor;
+    ``steps(layers done, layers, evaluations so far)`` is called after each evaluation and each layer."""
     t0 = time.perf_counter()
     _check_search(search)  # before the sweeper's setup (a copy of the model and two passes over the held-out rows)
     sweeper = Sweeper(model, layers, calibration, tolerance, align, metric, stats, spectra, prefix_cache)
     floors: dict[str, Floor] = {}
+    base = sweeper.evaluations  # the evaluator's own checks of the dense model are not the sweep's
+    if steps is not None:
+        steps(0, len(sweeper.layers), 0)
+        sweeper.on_evaluation = lambda n: steps(len(floors), len(sweeper.layers), n - base)
     for name in sweeper.layers:
         floors[name] = f = sweeper.floor(name, search)
         if progress is not None:
             progress(f"{name}: floor {f.floor} after {len(f.points)} evaluations")
+        if steps is not None:
+            steps(len(floors), len(sweeper.layers), sweeper.evaluations - base)
     return sweeper.result(floors, search, time.perf_counter() - t0)
