@@ -434,3 +434,16 @@ def test_measured_floor_charts_for_every_measured_layer(stack_audit):
     assert ax.get_legend() is None and ax2.get_legend() is None  # one legend for all charts, in the report
     assert 8 / 1.5 < ax.get_xlim()[0] < 8  # the axis starts just below the first measured rank, not at 1
     assert ax.get_title(loc="left") == "layers.0.up (96 x 32): break-even 24.0, measured floor 16"
+
+
+def test_frontier_log_ticks_are_plain_numbers():
+    import re as _re
+
+    from auditor.render.calibration import _frontier_fig
+    from auditor.render.layer_charts import _svg
+
+    pts = [(0.856, 0.0052, True), (0.867, 0.0089, True), (0.889, 0.0209, False), (0.899, 0.0642, False)]
+    svg = _svg(_frontier_fig(pts, 0.867, 0.01, "relative output error", False, 0.0))
+    assert "mathdefault" not in svg and "times10" not in svg  # TeX source showed up in the browsers' SVG
+    labels = [t for t in _re.findall(r"<!-- ([^>]*) -->", svg) if t[:1].isdigit() and "." in t]
+    assert labels == ["0.01", "0.005", "0.02", "0.05"]  # 1, 2 and 5 of each decade, no crowded minor labels

@@ -262,9 +262,12 @@ def _frontier_fig(points: list[tuple[float, float, bool]], chosen: float | None,
         from matplotlib import ticker
 
         ax.set_yscale("log")
-        plain = ticker.FuncFormatter(lambda v, _: f"{v:g}")  # 0.02, not TeX markup the SVG shows as source
-        ax.yaxis.set_major_formatter(plain)
-        ax.yaxis.set_minor_formatter(plain)
+        def plain(v: float, _: Any) -> str:  # 0.02, not TeX markup the SVG shows as source; 1, 2 and 5 only
+            mant = v / 10 ** math.floor(math.log10(v)) if v > 0 else 0.0
+            return f"{v:g}" if any(abs(mant - k) < 1e-6 for k in (1, 2, 5)) else ""
+
+        ax.yaxis.set_major_formatter(ticker.FuncFormatter(plain))
+        ax.yaxis.set_minor_formatter(ticker.FuncFormatter(plain))
     ax.axhline(limit, color="#ea580c", linewidth=0.9, linestyle="--", label=f"tolerance ({limit:g})")
     if chosen is not None:
         ax.axvline(100 * chosen, color="#16a34a", linewidth=0.9, linestyle=":", label="suggested plan")
