@@ -63,10 +63,17 @@ def test_groups_in_html_table_markdown_and_terminal(stack_audit):
     assert [g["data-group"] for g in groups] == ["layers.*.down", "layers.*.up"]  # equal sizes: name order
     up = groups[1]
     assert up.select_one(":scope > td.params").text == f"{4 * 32 * 96:,}"  # 12,288
-    members = [tr["data-layer"] for tr in up.select("details table.members tr[data-layer]")]
+    # the members are sibling rows of the group's row, in its own tbody (not a table nested in the name cell)
+    body = up.find_parent("tbody")
+    members = [tr["data-layer"] for tr in body.select(":scope > tr.member")]
     assert members == [f"layers.{i}.up" for i in range(4)]
+    assert not soup.select("#layer-table td table") and not soup.select("#layer-table td details")
+    first = body.select_one(":scope > tr.member")
+    assert len(first.select(":scope > td")) == len(up.select(":scope > td"))  # every column, as a layer's row
+    assert first.select_one("td.params").text == f"{32 * 96:,}" and first.select_one("a")["href"] == "#layer-layers.0.up"
     # the head stays a plain row, after the two groups
-    assert soup.select("#layer-table > tbody > tr")[2]["data-layer"] == "head"
+    assert [b.select_one("tr")["data-layer" if i == 2 else "data-group"]
+            for i, b in enumerate(soup.select("#layer-table > tbody"))] == ["layers.*.down", "layers.*.up", "head"]
     md = a.to_markdown()
     assert "| 2 | `layers.*.up` ×4 | 96x32 | 12,288 |" in md
     text = a.to_text(width=120)
@@ -266,3 +273,177 @@ def test_emit_plan_and_spectrum_values(stack_audit, tmp_path):
     sp = stack_audit.spectra["head"]
     assert sp.values == sp.sigma[0] and len(sp.values) == 10
     assert stack_audit.stable_ranks["head"] == sp.stable_rank
+
+
+# ---- HTML/PDF layout: order of the sections, grouped skipped layers, wording and rounding (issue 21) -------------
+def _section_ids(html: str) -> list[str]:
+    return [s["id"] for s in bs4.BeautifulSoup(html, "html.parser").select("main > section")]
+
+
+@pytest.fixture(scope="module")
+def meta_stack_audit():
+    with torch.device("meta"):
+        model = Stack()
+    return auditor.audit(model, cache=False, progress=False)
+
+
+def test_findings_come_first_in_the_html_and_after_the_plan_in_the_pdf(planned_audit, stack_audit):
+    from auditor.render.html import render
+
+    assert planned_audit.findings  # layers.0.down is planned above its break-even
+    ids = _section_ids(render(planned_audit))
+    assert ids[:3] == ["summary", "findings", "plan"]
+    assert ids.index("findings") < ids.index("shares") < ids.index("energy")  # before any chart
+    pdf = _section_ids(render(planned_audit, pdf=True))
+    assert pdf[:3] == ["summary", "plan", "findings"]
+    # the drill-down after them, the per-layer pages last (only the appendix and reference material follow)
+    assert pdf.index("findings") < pdf.index("layers") < pdf.index("pages") < pdf.index("appendix")
+    assert pdf[pdf.index("pages"):] == ["pages", "appendix", "method", "environment"]
+    # no findings: the HTML says so further down instead of first
+    ids = _section_ids(render(stack_audit))
+    assert not stack_audit.findings and ids.index("findings") > ids.index("layers")
+
+
+def test_skipped_layers_are_grouped_like_layers(meta_stack_audit):
+    from auditor.render.html import render
+
+    a = meta_stack_audit
+    soup = bs4.BeautifulSoup(render(a), "html.parser")
+    table = soup.select_one("#skipped table")
+    groups = table.select("tr.group")
+    assert [g["data-group"] for g in groups] == ["layers.*.down", "layers.*.up"]
+    assert [td.text for td in groups[0].select("td")][1:3] == ["×4", "skipped"]
+    assert "on the meta device" in groups[0].select("td")[3].text
+    # members are sibling rows of their group; the head is one plain row: 3 rows with a badge, not 9
+    body = groups[1].find_parent("tbody")
+    assert [tr["data-layer"] for tr in body.select("tr.member")] == [f"layers.{i}.up" for i in range(4)]
+    assert len(table.select("span.pill")) == 3
+    assert table.select("tbody > tr:not(.member)")[-1]["data-layer"] == "head"
+    assert "9 weights in 3 groups" in soup.select_one("#skipped p.note").text
+    # the PDF lists the groups only
+    pdf = bs4.BeautifulSoup(render(a, pdf=True), "html.parser").select_one("#skipped table")
+    assert len(pdf.select("tr.group")) == 2 and not pdf.select("tr.member") and not pdf.select("button")
+
+
+def test_pdf_has_no_interactive_wording(planned_audit):
+    from auditor.render.html import render
+
+    html = render(planned_audit)
+    assert "Click a column to sort" in html and "button" in html  # the HTML's table sorts and opens groups
+    printed = render(planned_audit, pdf=True)
+    soup = bs4.BeautifulSoup(printed, "html.parser")
+    assert not soup.select("script, button, details, .noprint")
+    words = soup.get_text(" ")
+    for w in ("Click", "click", "▸", "button", "opens"):
+        assert w not in words, w
+
+
+def test_pdf_text_is_in_reading_order_without_click(planned_audit):
+    pypdf = pytest.importorskip("pypdf")
+    pytest.importorskip("weasyprint")
+    import io
+
+    from auditor.render.pdf import render_pdf
+
+    reader = pypdf.PdfReader(io.BytesIO(render_pdf(planned_audit)))
+    text = " ".join(" ".join(p.extract_text() for p in reader.pages).split())
+    assert "lick" not in text  # "Click ..." / "click ..."
+    at = [text.index(h) for h in ("Plan review", "Findings", "Where the parameters are", "Layers", "Top layers",
+                                  "Appendix: every layer")]
+    assert at == sorted(at)
+    assert "planned ranks save" in reader.pages[0].extract_text().replace("\n", " ")  # the verdict on page 1
+
+
+def test_shares_round_alike_in_the_table_the_pages_and_the_card(planned_audit):
+    from auditor.render.html import render
+    from auditor.render.view import share_pct
+
+    a = planned_audit
+    soup = bs4.BeautifulSoup(render(a), "html.parser")
+    head = soup.select_one("#layer-table tr[data-layer='head']")
+    share = a.layer("head").share
+    assert head.select("td")[4].text == share_pct(share) == f"{100 * share:.1f}%"
+    page = soup.select_one("#layer-head")
+    facts = {d.select_one("dt").text: d.select_one("dd").text for d in page.select("dl.facts > div")}
+    assert facts["params"] == f"{a.layer('head').params:,} ({share_pct(share)})"
+    assert share_pct(a.review.share_saved) in soup.select_one("#summary .cards").text
+    assert share_pct(0.6099) == share_pct(0.61) == "61.0%" and share_pct(0.00049) == "0.049%"
+
+
+def test_a_trace_failure_reads_as_a_sentence(stack_audit):
+    import dataclasses
+
+    from auditor.render.html import render
+    from auditor.render.view import trace_sentence
+
+    raw = "torch.fx.symbolic_trace failed: ValueError: code: co_varnames is too small"
+    a = dataclasses.replace(stack_audit, trace_method=auditor.results.TraceMethod.EXPORT, trace_failures=[raw])
+    s = trace_sentence(a)
+    assert s == ("Traced with torch.export, because torch.fx.symbolic_trace could not trace the model's forward code "
+                 "(the JSON report's trace_failures gives the error).")
+    html = render(a)
+    assert s in bs4.BeautifulSoup(html, "html.parser").select_one("#summary").text
+    assert "co_varnames" not in html and "ValueError" not in html
+    b = dataclasses.replace(stack_audit, trace_method=auditor.results.TraceMethod.WALK,
+                            trace_failures=["torch.fx.symbolic_trace not tried: --tracer walk",
+                                            "torch.export not tried: no example inputs"])
+    assert trace_sentence(b) == ("Traced with module walk: no data-flow graph, edges follow module call order, because "
+                                 "torch.fx.symbolic_trace was not tried (--tracer walk) and torch.export was not tried "
+                                 "(no example inputs).")
+
+
+def test_chart_legends_draw_each_line_as_the_chart_does(planned_audit):
+    from auditor.render.html import render
+
+    soup = bs4.BeautifulSoup(render(planned_audit), "html.parser")
+    energy = soup.select_one("#energy")
+    curves = energy.select("svg.lchart polyline.curve")
+    swatches = energy.select("ul.clegend li svg line")
+    assert len(curves) >= 3
+    # each curve's legend entry has its colour and dashes; the colours differ
+    for c, s in zip(curves, swatches):
+        assert (c["stroke"], c["stroke-dasharray"]) == (s["stroke"], s["stroke-dasharray"])
+    assert len({c["stroke"] for c in curves}) == len(curves)
+    assert len({c["stroke-dasharray"] for c in curves}) == len(curves)
+    # the band from 0.9 to 1 takes more than half the plot's height (it took a tenth on a linear axis)
+    ticks = {t.text: float(t["y"]) for t in energy.select("svg.lchart text.tick") if t.text in ("0", "0.9", "1")}
+    assert (ticks["0.9"] - ticks["1"]) / (ticks["0"] - ticks["1"]) == pytest.approx(0.55, abs=0.01)
+
+
+def test_measured_floor_charts_for_every_measured_layer(stack_audit):
+    from types import SimpleNamespace
+
+    from auditor.render import calibration
+
+    a = stack_audit
+    names = [l.name for l in a.layers]
+    assert len(names) == 9  # more than the 8 charts there used to be at most
+    lcs = {n: SimpleNamespace(curve=[(r, 0.5 / r) for r in (1, 2, 4, 8, 16, 24)],
+                              floor=SimpleNamespace(floor=16, points=[(8, 0.02), (16, 0.008), (24, 0.004)]))
+           for n in names}
+    cal = SimpleNamespace(reference=0.0, tolerance=0.01, higher_is_better=False, metric="relative output error",
+                          layers=lcs, measured_points=lambda: {n: lc.floor.points for n, lc in lcs.items()})
+    charts = calibration.layer_charts(SimpleNamespace(calibration=cal, layers=a.layers, layer=a.layer))
+    assert [n for n, _ in charts] == names  # every layer with points, largest first
+    layer = a.layer("layers.0.up")
+    fig = calibration._measured_fig("layers.0.up", lcs["layers.0.up"].floor.points, lcs["layers.0.up"].curve, 0.01,
+                                    "relative output error", False, layer.break_even, 16, layer.m, layer.n)
+    ax, ax2 = fig.axes  # the tier-1 layer-output error on its own (right-hand) axis
+    assert ax.get_ylabel() == "relative output error" and ax2.get_ylabel() == "layer-output error"
+    assert [l.get_label() for l in ax2.get_lines()] == ["layer-output error (tier 1, right axis)"]
+    assert ax.get_legend() is None and ax2.get_legend() is None  # one legend for all charts, in the report
+    assert 8 / 1.5 < ax.get_xlim()[0] < 8  # the axis starts just below the first measured rank, not at 1
+    assert ax.get_title(loc="left") == "layers.0.up (96 x 32): break-even 24.0, measured floor 16"
+
+
+def test_frontier_log_ticks_are_plain_numbers():
+    import re as _re
+
+    from auditor.render.calibration import _frontier_fig
+    from auditor.render.layer_charts import _svg
+
+    pts = [(0.856, 0.0052, True), (0.867, 0.0089, True), (0.889, 0.0209, False), (0.899, 0.0642, False)]
+    svg = _svg(_frontier_fig(pts, 0.867, 0.01, "relative output error", False, 0.0))
+    assert "mathdefault" not in svg and "times10" not in svg  # TeX source showed up in the browsers' SVG
+    labels = [t for t in _re.findall(r"<!-- ([^>]*) -->", svg) if t[:1].isdigit() and "." in t]
+    assert labels == ["0.01", "0.005", "0.02", "0.05"]  # 1, 2 and 5 of each decade, no crowded minor labels

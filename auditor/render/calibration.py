@@ -260,11 +260,16 @@ def _frontier_fig(points: list[tuple[float, float, bool]], chosen: float | None,
             ax.plot([x], [y], marker="x", color="#dc2626", markersize=8)
     limit = reference - tolerance if higher else tolerance
     if not higher and all(y > 0 for y in ys) and limit > 0:  # errors span decades: a log axis shows the cliff
-        from matplotlib.ticker import FuncFormatter, NullFormatter
+        from matplotlib import ticker
 
         ax.set_yscale("log")
-        ax.yaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))  # plain text: math text is off
-        ax.yaxis.set_minor_formatter(NullFormatter())
+
+        def plain(v: float, _: Any) -> str:  # 0.02, not TeX markup the SVG shows as source; 1, 2 and 5 only
+            mant = v / 10 ** math.floor(math.log10(v)) if v > 0 else 0.0
+            return f"{v:g}" if any(abs(mant - k) < 1e-6 for k in (1, 2, 5)) else ""
+
+        ax.yaxis.set_major_formatter(ticker.FuncFormatter(plain))
+        ax.yaxis.set_minor_formatter(ticker.FuncFormatter(plain))
     ax.axhline(limit, color="#ea580c", linewidth=0.9, linestyle="--", label=f"tolerance ({limit:g})")
     if chosen is not None:
         ax.axvline(100 * chosen, color="#16a34a", linewidth=0.9, linestyle=":", label="suggested plan")
@@ -288,6 +293,8 @@ def frontier_chart(cal: "CalibrationReport") -> str | None:
 
 def _measured_fig(name: str, points: list[tuple[int, float]], curve: list[tuple[int, float]], limit: float,
                   label: str, higher: bool, break_even: float, floor: int | None, m: int, n: int) -> Any:
+    """The model's metric with this layer alone truncated (left axis) and the tier-1 layer-output error (right axis,
+    its own units), against the rank on a log axis that starts just below the first measured rank; one legend."""
     from .layer_charts import PALETTE, _figure, _log_rank_axis, short_label
 
     pts = sorted((r, v) for r, v in points if r > 0 and math.isfinite(v))
@@ -295,12 +302,22 @@ def _measured_fig(name: str, points: list[tuple[int, float]], curve: list[tuple[
         return None
     fig, ax = _figure(5.6, 2.8)
     _log_rank_axis(ax, min(m, n), break_even)
+    first = pts[0][0]
+    ax.set_xlim(max(0.85, first / 1.4), ax.get_xlim()[1])  # the axis starts near the data, not at rank 1
     ax.plot([r for r, _ in pts], [v for _, v in pts], color=PALETTE[0], marker="o", markersize=4, linewidth=1.4,
-            label=f"{short_label(label, 30)} (measured, this layer alone)")
-    if not higher:  # the tier-1 layer-output error is in the same units as the default metric
-        c = [(r, e) for r, e in curve if r > 0 and math.isfinite(e)]
-        ax.plot([r for r, _ in c], [e for _, e in c], color="#94a3b8", linewidth=1.0, linestyle="--",
-                label="layer-output error (tier 1)")
+            label=f"{short_label(label, 30)} (this layer alone)")
+    handles = []
+    c = [(r, e) for r, e in curve if r >= first / 1.4 and math.isfinite(e)]
+    if c:
+        ax2 = ax.twinx()
+        ax2.plot([r for r, _ in c], [e for _, e in c], color="#7c3aed", linewidth=1.0, linestyle="--",
+                 label="layer-output error (tier 1, right axis)")
+        ax2.set_ylabel("layer-output error", fontsize=8, color="#7c3aed")
+        ax2.tick_params(axis="y", labelsize=7, colors="#7c3aed")
+        ax2.set_ylim(bottom=0)
+        ax2.spines["right"].set_visible(True)
+        handles = ax2.get_legend_handles_labels()[0]
+    if not higher:
         top = max(v for _, v in pts)
         ax.set_ylim(0, max(top, limit) * 1.3)
     ax.axhline(limit, color="#ea580c", linewidth=0.9, linestyle="--", label=f"tolerance ({limit:g})")
@@ -309,14 +326,16 @@ def _measured_fig(name: str, points: list[tuple[int, float]], curve: list[tuple[
         ax.axvline(floor, color="#16a34a", linewidth=1.0, label=f"measured floor {floor}")
     ax.set_xlabel("rank r (log scale)")
     ax.set_ylabel(short_label(label, 30))
-    ax.set_title(f"{short_label(name, 48)} ({m} x {n})", fontsize=9, loc="left")
-    ax.legend(fontsize=7, frameon=False, loc="upper left", bbox_to_anchor=(1.02, 1.0))
+    facts = f"break-even {break_even:.1f}" + (f", measured floor {floor}" if floor is not None else "")
+    ax.set_title(f"{short_label(name, 48)} ({m} x {n}): {facts}", fontsize=9, loc="left")
+    del handles  # one legend for all the layer charts, in the report (templates/_calibration.html)
     return fig
 
 
-def layer_charts(audit: "Audit", top: int = 8) -> list[tuple[str, str]]:
-    """(layer, SVG) per measured layer, largest first: the model-level metric with that layer alone truncated against
-    its rank (log axis), the tier-1 layer-output error beside it, tolerance, break-even and measured floor marked."""
+def layer_charts(audit: "Audit", top: int | None = None) -> list[tuple[str, str]]:
+    """(layer, SVG) per calibrated layer with measured points (every one, attention included; ``top``: the first
+    ``top`` only), largest first: the model-level metric with that layer alone truncated against its rank (log
+    axis), the tier-1 layer-output error on its own right-hand axis, tolerance, break-even and measured floor."""
     from .layer_charts import _render
 
     cal = audit.calibration
@@ -324,7 +343,10 @@ def layer_charts(audit: "Audit", top: int = 8) -> list[tuple[str, str]]:
         return []
     limit = cal.reference - cal.tolerance if cal.higher_is_better else cal.tolerance
     out = []
-    for name, pts in list(cal.measured_points().items())[:top]:
+    items = [(n, p) for n, p in cal.measured_points().items() if p and n in cal.layers]
+    order = {l.name: i for i, l in enumerate(audit.layers)}
+    items.sort(key=lambda t: order.get(t[0], len(order)))
+    for name, pts in items[:top]:
         layer = audit.layer(name)
         lc = cal.layers[name]
         svg = _render(_measured_fig, name, pts, lc.curve, limit, cal.metric, cal.higher_is_better, layer.break_even,

@@ -21,7 +21,8 @@ from . import calibration
 from .base import RenderContext
 from .layer_charts import short_label
 from .pages import appendix_text, group_rows, layer_pages, plan_rows, rank_changes
-from .view import finding_groups, human, layer_table, pct, skipped_rows, spectra_computed
+from .view import (finding_groups, human, layer_table, pct, share_pct, skipped_groups, skipped_rows, spectra_computed,
+                   trace_sentence)
 
 if TYPE_CHECKING:
     from ..results import Audit
@@ -116,6 +117,26 @@ def _overview_chart(audit: "Audit", groups: list[Any]) -> Any:
                       labels=labels, wide=True)
 
 
+# The order of the report's sections. The HTML puts the findings first when there are any (after the summary);
+# the PDF reads top to bottom: summary, plan, findings, then the drill-down, the per-layer pages last.
+SECTIONS_HTML = ("summary", "findings", "plan", "calibration", "shares", "layers", "energy", "pages", "baseline",
+                 "skipped", "method", "environment")
+SECTIONS_PDF = ("summary", "plan", "findings", "calibration", "shares", "layers", "energy", "baseline", "skipped",
+                "pages", "appendix", "method", "environment")
+
+
+def sections(pdf: bool, findings: bool) -> list[str]:
+    """The section ids in the order the report shows them; an HTML report without findings says so after the
+    skipped layers instead of first."""
+    if pdf:
+        return list(SECTIONS_PDF)
+    order = list(SECTIONS_HTML)
+    if not findings:
+        order.remove("findings")
+        order.insert(order.index("skipped") + 1, "findings")
+    return order
+
+
 def context(audit: "Audit", ctx: RenderContext = RenderContext(), pdf: bool = False) -> dict[str, Any]:
     """The template's variables. ``pdf``: the print variant (only the top groups' pages, an appendix table of every
     layer) instead of a page per group and per layer; both draw their pages' charts as inline SVG."""
@@ -128,8 +149,9 @@ def context(audit: "Audit", ctx: RenderContext = RenderContext(), pdf: bool = Fa
                         only={g.anchor for g in groups[:PDF_PAGES]} if pdf else None)
     plans = plan_rows(audit)
     skipped = skipped_rows(audit)
+    sgroups = skipped_groups(audit, skipped)
     fgroups = finding_groups(audit, _why)
-    cut = _pdf_cuts(table.rows, groups, plans, skipped, fgroups, table.columns, table.planned) if pdf else {}
+    cut = _pdf_cuts(table.rows, groups, plans, skipped, fgroups, table.columns, table.planned, len(sgroups)) if pdf else {}
     return {
         "a": audit,
         "verdict": verdict_line(audit),
@@ -145,7 +167,11 @@ def context(audit: "Audit", ctx: RenderContext = RenderContext(), pdf: bool = Fa
         "status": "fail" if counts.error else ("review" if counts.warning else "pass"),
         "findings": audit.findings,
         "finding_groups": fgroups,
-        "skipped": skipped[:PDF_LIST_CAP] if pdf else skipped,
+        "skipped": skipped,
+        "skipped_groups": sgroups[:PDF_LIST_CAP] if pdf else sgroups,
+        "sections": sections(pdf, bool(fgroups)),
+        "trace": trace_sentence(audit),
+        "share": share_pct,
         "settings": settings,
         "holding80": audit.layers_holding(0.8),
         "plan_suggested": audit.review is None or audit.review.suggested,
@@ -167,14 +193,14 @@ def context(audit: "Audit", ctx: RenderContext = RenderContext(), pdf: bool = Fa
 
 
 def _pdf_cuts(rows: list[Any], groups: list[Any], plans: list[Any], skipped: list[Any], fgroups: list[Any],
-              columns: list[Any], planned: bool) -> dict[str, Any]:
+              columns: list[Any], planned: bool, skipped_groups: int) -> dict[str, Any]:
     """What the PDF leaves out, so that it can say so: rows past each cap, and how many names it shortens."""
     names = [r.name for r in rows] + [s.name for s in skipped]
     return {
         "table_rows": groups[:PDF_TABLE_CAP], "table_left": max(0, len(groups) - PDF_TABLE_CAP),
         "appendix_rows": rows[:PDF_APPENDIX_CAP], "appendix_left": max(0, len(rows) - PDF_APPENDIX_CAP),
         "appendix_text": appendix_text(rows[:PDF_APPENDIX_CAP], [c.label for c in columns], planned, cut_middle),
-        "plan_left": max(0, len(plans) - PDF_LIST_CAP), "skipped_left": max(0, len(skipped) - PDF_LIST_CAP),
+        "plan_left": max(0, len(plans) - PDF_LIST_CAP), "skipped_left": max(0, skipped_groups - PDF_LIST_CAP),
         "findings_left": sum(max(0, len(g.entries) - PDF_LIST_CAP) for g in fgroups),
         "long_names": len({n for n in names if len(n) > PDF_NAME_MAX}),
         "name_max": PDF_NAME_MAX, "list_cap": PDF_LIST_CAP,

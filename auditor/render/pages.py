@@ -247,6 +247,7 @@ class SvgChart:
 
 
 W, H, L, T, R, B = 420, 230, 52, 14, 410, 190
+SPLIT_SHARE = 0.55  # of an energy chart's height, for E between the split (0.9, or a lower target) and 1
 POINTS = 64  # points per curve, spread evenly on the log rank axis
 
 
@@ -275,10 +276,11 @@ def _fmt_tick(v: float) -> str:
 
 class _Axes:
     def __init__(self, k: int, marks: Sequence[float | None], y_lo: float, y_hi: float, y_log: bool,
-                 right: int = R) -> None:
+                 right: int = R, split: float | None = None) -> None:
         self.x_hi = math.log10(max([k, *(m for m in marks if m)]) * 1.15)
         self.right = right
         self.y_lo, self.y_hi, self.y_log = y_lo, y_hi, y_log
+        self.split = split  # a linear axis whose top (split..y_hi) takes the upper SPLIT_SHARE of the height
 
     def x(self, r: float) -> float:
         return round(L + (self.right - L) * math.log10(max(r, 1)) / self.x_hi, 1) if self.x_hi > 0 else float(L)
@@ -286,7 +288,13 @@ class _Axes:
     def y(self, v: float) -> float:
         t = (math.log10(v) if self.y_log else v)
         t = min(max(t, self.y_lo), self.y_hi)
-        return round(B - (B - T) * (t - self.y_lo) / (self.y_hi - self.y_lo), 1)
+        s = self.split
+        if s is not None and self.y_lo < s < self.y_hi:  # two linear pieces meeting at the split
+            f = (t - self.y_lo) / (s - self.y_lo) * (1 - SPLIT_SHARE) if t <= s else \
+                (1 - SPLIT_SHARE) + (t - s) / (self.y_hi - s) * SPLIT_SHARE
+        else:
+            f = (t - self.y_lo) / (self.y_hi - self.y_lo)
+        return round(B - (B - T) * f, 1)
 
     def xticks(self) -> list[tuple[float, str]]:
         return [(self.x(v), _fmt_tick(v)) for v in _log_ticks(0, self.x_hi) if v >= 1]
@@ -361,7 +369,8 @@ def energy_svg(energies: list[np.ndarray], title: str, be: float | None, sug: in
     curves, band = _curves(es)
     right, width = (2 * W - 10, 2 * W) if wide else (R, W)
     k = max(len(e) for e in es)
-    ax = _Axes(k, [be, sug, plan, *(r for r, _ in measured or [])], 0.0, 1.0, False, right)
+    split = min(0.9, target) if target and target > 0.5 else 0.9
+    ax = _Axes(k, [be, sug, plan, *(r for r, _ in measured or [])], 0.0, 1.0, False, right, split=split)
     lines = []
     for i, c in enumerate(curves):
         idx = _ranks(len(c)) - 1
@@ -378,8 +387,9 @@ def energy_svg(energies: list[np.ndarray], title: str, be: float | None, sug: in
             v = float(first[min(r, len(first)) - 1])
             dots.append(Dot(ax.x(r), ax.y(v), cls, f"{name} r={r:,}: E={v:.3f}"))
     hm = [Mark(ax.y(target), "target", f"target {target:g}")] if target else []
-    yt = [(ax.y(v), f"{v:g}") for v in (0.0, 0.25, 0.5, 0.75, 1.0)]
-    return SvgChart(title, "rank r (log)", "energy kept E(r)", width, H, L, T, right, B, ax.xticks(), yt, lines, band_pts,
+    upper = [split, round((1 + split) / 2, 4), 1.0]
+    yt = [(ax.y(v), f"{v:g}") for v in sorted({0.0, 0.5, *upper})]
+    return SvgChart(title, "rank r (log)", f"E(r), {split:g}–1 enlarged", width, H, L, T, right, B, ax.xticks(), yt, lines, band_pts,
                     _rank_marks(ax, be, sug, plan), hm, dots)
 
 

@@ -206,3 +206,90 @@ def skipped_rows(audit: "Audit") -> list[SkippedRow]:
 
     return [SkippedRow(l.name, str(s.verdict), s.reason) for l in audit.layers
             if (s := audit.suggestions.get(l.name)) is not None and s.verdict in (Verdict.SKIPPED, Verdict.SKIP_NARROW)]
+
+
+def share_pct(x: float | None) -> str:
+    """A share (of the model's parameters, of a plan's saving) as the reports print it, in every format: one decimal
+    place, two significant digits below 0.1% (so a small layer does not read 0.0%), ``–`` for None.
+
+    >>> share_pct(0.6099), share_pct(0.61), share_pct(0.004567), share_pct(0.0000123), share_pct(0.0), share_pct(None)
+    ('61.0%', '61.0%', '0.5%', '0.0012%', '0.0%', '–')
+    """
+    if x is None:
+        return "–"
+    v = 100 * x
+    return f"{v:.1f}%" if v == 0 or abs(v) >= 0.1 else f"{v:.2g}%"
+
+
+def _failure_clause(failure: str) -> str:
+    """One tracer's failure ("torch.fx.symbolic_trace failed: ValueError: ...") as a clause without the raw
+    exception; anything of another form is kept as it is."""
+    for method in ("torch.fx.symbolic_trace", "torch.export"):
+        if not failure.startswith(method + " "):
+            continue
+        rest = failure[len(method) + 1:]
+        if rest.startswith("shape propagation failed"):
+            return f"{method} traced the model but could not propagate shapes through it"
+        if rest.startswith("failed"):
+            return f"{method} could not trace the model's forward code"
+        if rest.startswith("not tried: "):
+            return f"{method} was not tried ({rest[len('not tried: '):]})"
+    return failure
+
+
+def trace_sentence(audit: "Audit") -> str:
+    """How the layer graph was obtained, as one readable sentence for the HTML and PDF reports: tracer failures
+    are said in words, their raw exceptions left to the JSON report (``trace_failures``)."""
+    from ..results import TraceMethod
+
+    m = audit.trace_method
+    if m is TraceMethod.WEIGHTS:
+        text = "No graph: layers inferred from tensor names and shapes (weights-only audit)"
+    else:
+        text = f"Traced with {m}"
+        if m is TraceMethod.WALK:
+            text += ": no data-flow graph, edges follow module call order"
+    fails = [_failure_clause(f) for f in audit.trace_failures]
+    raw = any(c != f and "could not" in c for c, f in zip(fails, audit.trace_failures))
+    if fails:
+        text += ", because " + " and ".join(fails)
+        if raw:
+            text += " (the JSON report's trace_failures gives the error)"
+    return text + "."
+
+
+@dataclass(frozen=True)
+class SkippedGroup:
+    """Skipped layers of one block pattern (``layers.*.mlp.down_proj`` ×32), as the layer table groups layers."""
+
+    label: str
+    members: list[SkippedRow]
+    verdict: str  # "skipped", or "skipped 30 · skip narrow 2"
+    reason: str  # the members' common reason, or "" when they differ
+
+    @property
+    def size(self) -> int:
+        return len(self.members)
+
+    @property
+    def is_group(self) -> bool:
+        return len(self.members) > 1
+
+
+def skipped_groups(audit: "Audit", rows: list[SkippedRow] | None = None) -> list[SkippedGroup]:
+    """The skipped layers grouped by block (:func:`auditor.groups.group_layers`), largest group first."""
+    from ..groups import group_layers
+
+    rows = skipped_rows(audit) if rows is None else rows
+    by_name = {r.name: r for r in rows}
+    layers = [l for l in audit.layers if l.name in by_name]
+    out = []
+    for g in group_layers(layers, audit.total_params):
+        members = [by_name[n] for n in g.members]
+        counts: dict[str, int] = {}
+        for r in members:
+            counts[r.verdict] = counts.get(r.verdict, 0) + 1
+        verdict = next(iter(counts)) if len(counts) == 1 else " · ".join(f"{v} {c}" for v, c in counts.items())
+        reasons = {r.reason for r in members}
+        out.append(SkippedGroup(g.label, members, verdict, reasons.pop() if len(reasons) == 1 else ""))
+    return out
