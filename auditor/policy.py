@@ -22,20 +22,24 @@ def verdict_line(audit: "Audit") -> str:
     >>> verdict_line(a)
     'REVIEW: 1 warning(s)'
     """
-    c = audit.counts
     r = audit.review
     saving = ""
     if r is not None and r.items:
         saving = (f"; the {'suggested' if r.suggested else 'planned'} ranks save "
                   f"{r.params_saved:,} parameters ({100 * r.share_saved:.1f}% of the model)")
     saving += plan_check_clause(audit)
+    return verdict_head(audit) + saving
+
+
+def verdict_head(audit: "Audit") -> str:
+    """The verdict's first part, PASS / REVIEW / FAIL with the counts (the Markdown puts the saving and the
+    measurement in its plan card instead)."""
+    c = audit.counts
     if c.error:
-        head = f"FAIL: {c.error} error(s), {c.warning} warning(s)"
-    elif c.warning:
-        head = f"REVIEW: {c.warning} warning(s)"
-    else:
-        head = "PASS: no errors or warnings"
-    return head + saving
+        return f"FAIL: {c.error} error(s), {c.warning} warning(s)"
+    if c.warning:
+        return f"REVIEW: {c.warning} warning(s)"
+    return "PASS: no errors or warnings"
 
 
 def plan_check_clause(audit: "Audit") -> str:

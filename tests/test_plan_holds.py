@@ -39,10 +39,24 @@ def _verdicts(out: Path, stdout: str) -> dict[str, str]:
     return {
         "json": json.loads((out / "lowrank-audit.json").read_text())["verdict"],
         "text": " ".join(stdout.split()),  # the terminal wraps the line
-        "md": next(l.strip("*") for l in md.splitlines() if l.startswith("**")),
+        "md": "\n".join(md.split("\n\n")[1:3]),  # the verdict's head in bold, then the plan card
         "html": html.select_one(".verdict").get_text(" ", strip=True),
         "pdf": " ".join(pdf.split()),
     }
+
+
+def _same_verdict(v: dict[str, str], ok: bool) -> None:
+    """Every format says the JSON verdict; the Markdown splits it: the head in bold, then the saving and the
+    all-at-once measurement in its plan card (as percentages, the Markdown's one unit convention)."""
+    for fmt, line in v.items():
+        if fmt != "md":
+            assert " ".join(v["json"].split()) in line, (fmt, line)
+    head, saving = v["json"].split("; ")[:2]
+    n = saving.split(" save ")[1].split(" ")[0]
+    md = v["md"].splitlines()
+    assert md[0] == f"**{head}**" and f"**{n} parameters saved**" in md[1], v["md"]
+    assert md[2].startswith(f"- **Measured all at once**: {'✅' if ok else '🛑'} **")
+    assert ("holds" if ok else "misses the tolerance") in md[2]
 
 
 @pytest.mark.parametrize("tier", ["tier1", "floors", "budget"])
@@ -74,8 +88,7 @@ def test_emitted_plan_holds_when_factorized(cli_inproc, calib, tmp_path, tier):
     # every format says the same verdict, and it names the all-at-once measurement
     v = _verdicts(out, r.stdout)
     assert v["json"].startswith("PASS") and "measured all at once" in v["json"]
-    for fmt, line in v.items():
-        assert " ".join(v["json"].split()) in line, (fmt, line)
+    _same_verdict(v, ok=True)
 
 
 def test_a_plan_that_misses_the_tolerance_is_an_error_in_every_format(cli_inproc, calib, tmp_path):
@@ -96,8 +109,7 @@ def test_a_plan_that_misses_the_tolerance_is_an_error_in_every_format(cli_inproc
     assert f"{pc['measured']:.4g}" in lr015[0]["message"] and "largest plan that held" in lr015[0]["message"]
     v = _verdicts(out, r.stdout)
     assert v["json"].startswith("FAIL: 1 error(s)") and v["json"].endswith(f"{pc['measured']:.4g}, misses the tolerance 0.01")
-    for fmt, line in v.items():
-        assert " ".join(v["json"].split()) in line, (fmt, line)
+    _same_verdict(v, ok=False)
 
 
 def test_short_calibration_leaves_the_position_table_data_free(tmp_path):

@@ -128,8 +128,8 @@ def test_plan_shown_where_people_look(planned_audit):
     assert re.search(r"layers\.\*\.up ×4 .*\s8\s+\S+\s+3\.00\s", text)  # 96*32 / (8 * 128)
     assert re.search(r"layers\.\*\.down ×4 .*\s30 \(1/4\)\s", text)  # the plan names one member
     md = a.to_markdown()
-    assert "| `layers.0.down` | 32x96 | 30 |" in md and "3,072 → 3,840 ⚠️ no saving: kept dense" in md
-    assert "| `layers.*.up` ×4 | 96x32 | 8 |" in md  # the group's members agree: one row
+    assert "| `layers.0.down` | 30 |" in md and "3,072 → 3,840 ⚠️ no saving: kept dense" in md
+    assert "| `layers.*.up` ×4 | 8 |" in md  # the group's members agree: one row
     df = a.to_pandas()
     assert str(df["planned"].dtype) == "Int64" and int(df.set_index("name").loc["layers.1.up", "planned"]) == 8
     assert df.set_index("name")["planned"].isna()["head"]

@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 import auditor
-from auditor.policy import verdict_line
+from auditor.policy import verdict_head, verdict_line
 
 bs4 = pytest.importorskip("bs4")
 
@@ -128,7 +128,10 @@ def test_repr_html_and_markdown(audit_cnn):
     assert "DigitsCNN" in compact and "fc1" in compact and "LR0" in compact
     md = audit_cnn.to_markdown()
     assert md.startswith("## Low-rank audit: DigitsCNN")
-    assert "| `fc1` |" in md and verdict_line(audit_cnn) in md
+    # the verdict's head in bold, the saving once, in the plan card under it
+    assert "| `fc1` |" in md and md.splitlines()[2] == f"**{verdict_head(audit_cnn)}**"
+    assert md.count(f"{audit_cnn.review.params_saved:,}") == 1
+    assert f"**{audit_cnn.review.params_saved:,} parameters saved**" in md.splitlines()[4]
     assert "### Findings" in md
 
 
@@ -237,8 +240,8 @@ def test_rank_columns_follow_the_energy_targets(digits_mlp, tmp_path):
     fc1 = next(line for line in a.to_text(width=200).splitlines() if " fc1 " in line)
     assert fc1.split()[-5:-3] == [str(r80["fc1"]), str(r90["fc1"])] and fc1.endswith("factorize")
     md = a.to_markdown()
-    assert "| cum. | r80 | r90 | rank | x | verdict |" in md
-    assert f"| {r80['fc1']} | {r90['fc1']} |" in md.split("`fc1`")[-1].splitlines()[0]
+    assert "| break-even | r80 / r90 | rank | x | verdict |" in md
+    assert f"| {r80['fc1']} / {r90['fc1']} |" in md.split("`fc1`")[-1].splitlines()[0]
     soup = bs4.BeautifulSoup(a.to_html(), "html.parser")
     heads = [th.text for th in soup.select("#layer-table th")]
     assert "r80" in heads and "r90" in heads and "r95" not in heads

@@ -7,7 +7,7 @@ import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from .md_budget import Section
+from .md_budget import Section, percent
 from .safe import md_code, md_text, middle, term
 from .view import pct
 
@@ -184,34 +184,132 @@ def frontier_rows(cal: "CalibrationReport") -> list[FrontierRow]:
             for p in b.frontier]
 
 
-def markdown(audit: "Audit") -> "Section | None":
-    """The calibration section of the Markdown report (rows cut last under the comment cap)."""
+def md_value(cal: "CalibrationReport", v: float | None) -> str:
+    """The metric as the Markdown writes it: the relative output error (lower is better) as a percentage, like
+    every share and error there; a user metric (higher is better) in its own units, 4 significant digits."""
+    if v is None or not math.isfinite(v):
+        return "\u2013"
+    return _g(v) if cal.higher_is_better else percent(v)
+
+
+def md_tolerance(cal: "CalibrationReport") -> str:
+    return f"{cal.tolerance:g}" if cal.higher_is_better else percent(cal.tolerance)
+
+
+def md_card_value(audit: "Audit", card: CheckCard) -> str:
+    """The plan card's measurement in the Markdown's units ("0.58% \u2264 1.0%"); ``card.value`` when unmeasured."""
+    cal, pc = audit.calibration, audit.calibration.plan_check if audit.calibration is not None else None
+    if cal is None or pc is None or card.status == "unknown":
+        return card.value
+    if cal.higher_is_better:
+        return f"{md_value(cal, pc.measured)} (dense {md_value(cal, cal.reference)}, tolerance {md_tolerance(cal)})"
+    sign = "\u2264" if pc.ok else ">"
+    return f"{md_value(cal, pc.measured)} {sign} {md_tolerance(cal)}"
+
+
+def _md_lines(cal: "CalibrationReport") -> tuple[list[str], list[str]]:
+    """The calibration bullets of the Markdown: (always open, open while they fit)."""
+    what = "measured floors (tier 2)" if cal.measured_floors else "tier 1 (one forward pass)"
+    lines = [f"- Data {md_text(middle(cal.source, 100))}: {cal.fit_rows:,} rows for statistics, "
+             f"{cal.holdout_rows:,} held out ({md_text(middle(cal.holdout, 100))}); {what}; metric "
+             f"{md_text(middle(cal.metric, 80))}, tolerance {md_tolerance(cal)}"
+             + (" (statistics from the cache)" if cal.statistics_cached else "")]
+    b = cal.budget
+    if b is not None:
+        ask = f"at most {percent(b.budget)} removed" if b.budget is not None else "the largest plan that holds"
+        if not b.plan:
+            lines.append(f"- Search ({ask}): none of the {b.evaluations} plans measured all at once holds the "
+                         "tolerance, so every calibrated layer stays dense")
+        else:
+            lines.append(f"- Search ({ask}, over the {b.source} curves): {b.evaluations} plans measured all at once"
+                         + (f"; the smallest larger plan measured ({b.smallest_failing:,} parameters removed) "
+                            "misses the tolerance" if b.smallest_failing is not None else ""))
+        if b.exhausted:
+            lines.append(f"- ⚠️ The search stopped at its cap of {b.evaluations} measurements before the boundary "
+                         "was bracketed: a larger plan may hold")
+        if b.fixed:
+            lines.append(f"- {len(b.fixed)} layer(s) calibration did not rank keep their weight-energy rank in "
+                         "every plan measured")
+    pc = cal.plan_check
+    if pc is not None and pc.layers == 0:
+        lines.append("- The plan was not measured: factorize() cannot rewrite any of its layers")
+    elif pc is not None and pc.predicted is not None:
+        lines.append(f"- Predicted {md_value(cal, pc.predicted)} ({md_text(pc.basis or 'tier-1 layer-output errors')}"
+                     f" summed in quadrature), measured {md_value(cal, pc.measured)} all at once")
+    if pc is not None and pc.left_out:
+        names = ", ".join(md_code(middle(n, 60)) for n in pc.left_out[:5])
+        more = f" and {len(pc.left_out) - 5:,} more" if len(pc.left_out) > 5 else ""
+        lines.append(f"- Not measured (factorize() cannot rewrite them): {names}{more}")
+    if cal.missing:
+        lines.append(f"- {len(cal.missing):,} layer(s) had no statistics and keep their weight-energy rank "
+                     "(listed below)")
+    lines.append(f"- {md_text(FINETUNE)}")
+    return lines, [f"- ⚠️ {md_text(w)}" for w in cal.warnings]
+
+
+def markdown(audit: "Audit", room: Any = None) -> list[Section]:
+    """The calibration sections of the Markdown report: the bullets open, the frontier open while short, the
+    per-layer table and the layers without statistics folded. ``room`` (:class:`auditor.render.markdown.Room`)
+    is what is left of the open part; without it, the optional parts are folded."""
+    from .markdown import fold_if
+
     cal = audit.calibration
     if cal is None:
-        return None
-    intro = [f"- {md_text(b)}" for b in budget_lines(cal)]
-    line = plan_line(cal)
-    if line:
-        intro.append(f"- {md_text(line)}")
-    fr = frontier_rows(cal)
-    if fr:
-        intro += ["", "| removed | share | layers | " + md_text(cal.metric) + " | top-1 | all at once |",
-                  "|---:|---:|---:|---:|---:|---|"]
-        intro += [f"| {r.removed} | {r.share} | {r.layers} | {r.metric} | {r.top1} | "
-                  f"{'**' + r.holds + ' (suggested)**' if r.chosen else r.holds} |" for r in fr]
-        intro.append("")
-    intro += [f"- {md_text(summary(cal))}", f"- {md_text(basis(cal))}"]
-    intro += [f"- ⚠️ {md_text(w)}" for w in cal.warnings]
+        return []
+    lines, warnings = _md_lines(cal)
+    out = []
+    if room is not None:
+        room.left -= sum(len(x.encode("utf-8")) + 1 for x in lines)
+    if warnings and room is not None and room.take(warnings):
+        lines += warnings
+        warnings = []
+    out.append(Section("### Calibration", lines, [], noun="calibration lines", title="Calibration"))
+    if warnings:
+        out.append(Section("", [], warnings, noun="calibration warnings", title="Calibration warnings",
+                           fold=f"{len(warnings):,} calibration warning{'s' if len(warnings) > 1 else ''}"))
+    b = cal.budget
+    if b is not None and b.frontier:
+        head = ["parameters removed", "share", "layers", md_text(middle(cal.metric, 40)), "top-1", "all at once"]
+        rows = []
+        for r, p in zip(frontier_rows(cal), b.frontier):
+            holds = f"**{r.holds} (suggested)**" if r.chosen else r.holds
+            rows.append(f"| {r.removed} | {percent(p.removed_fraction)} | {r.layers} | {md_value(cal, p.metric)} | "
+                        f"{percent(p.top1)} | {holds} |")
+        s = Section("", ["Every plan measured all at once, fewest parameters removed first:", "",
+                         "| " + " | ".join(head) + " |", "|---:|---:|---:|---:|---:|---|"], rows,
+                    noun="frontier plans", title="Frontier")
+        if room is None:
+            s.fold = f"Frontier: {len(rows):,} plans measured all at once"
+            out.append(s)
+        else:
+            out.append(fold_if(s, room, f"Frontier: {len(rows):,} plans measured all at once", columns=len(head)))
+    if cal.layers:
+        head = ["layer", "rows", "n", "r@1% / 2% / 5% / 10%", "tier-1", "floor", "cliff (rank: metric)", "x"]
+        rows = []
+        for n, lc in cal.layers.items():
+            f = lc.floor
+            floor = cliff = comp = "\u2013"
+            if f is not None:
+                floor = "keep dense (measured)" if f.keep_dense else (str(f.floor) if f.floor is not None else "\u2013")
+                if f.cliff_rank is not None:
+                    cliff = f"{f.cliff_rank}: {md_value(cal, f.cliff_metric)}"
+                comp = f"{f.compression:.2f}" if f.compression is not None else "\u2013"
+            rf = lc.ranks_for
+            ranks = " / ".join(str(rf.get(k)) if rf.get(k) is not None else "\u2013"
+                               for k in ("0.01", "0.02", "0.05", "0.1"))
+            sug = str(lc.suggested) if lc.suggested is not None else "keep dense"
+            rows.append(f"| {md_code(n)} | {lc.rows:,} | {lc.width:,} | {ranks} | {sug} | {floor} | {cliff} | {comp} |")
+        out.append(Section("", ["Per layer: the ranks that keep the layer-output error under 1%, 2%, 5% and 10% on "
+                                "the calibration data (tier 1), the tier-1 suggestion, the measured floor and "
+                                "cliff (tier 2) and the compression at the floor.", "",
+                                "| " + " | ".join(head) + " |", "|---|---:|---:|---:|---:|---:|---:|---:|"], rows,
+                           noun="calibrated layers", title="Calibrated layers",
+                           fold=f"{len(rows):,} calibrated layers, {len(head)} columns"))
     if cal.missing:
-        intro.append("- No statistics (weight energy kept): "
-                     + ", ".join(f"{md_code(k)} ({md_text(v)})" for k, v in cal.missing.items()))
-    intro.append(f"- {md_text(FINETUNE)}")
-    intro += ["", "| layer | rows | n | r@1% | r@2% | r@5% | r@10% | tier-1 | floor | cliff (rank: metric) | x |",
-              "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
-    table = [f"| {md_code(r.layer)} | {r.rows:,} | {r.width} | {r.r1} | {r.r2} | {r.r5} | {r.r10} | {r.suggested} | "
-             f"{r.floor} | {r.cliff} | {r.compression} |" for r in rows(cal)]
-    return Section("### Calibration: the plan measured all at once", intro, table, noun="calibrated layers",
-                   title="Calibration")
+        rows = [f"- {md_code(k)}: {md_text(v)}" for k, v in cal.missing.items()]
+        out.append(Section("", [], rows, noun="layers without statistics", title="Layers without statistics",
+                           fold=f"{len(rows):,} layer{'s' if len(rows) > 1 else ''} without statistics"))
+    return out
 
 
 def terminal(audit: "Audit") -> list[str]:

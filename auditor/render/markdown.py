@@ -1,9 +1,14 @@
-"""Markdown for a pull-request comment or a CI job summary, under GitHub's comment limit.
+"""Markdown for a pull-request comment or a CI job summary: read in ten seconds, under GitHub's comment limit.
 
-The summary comes first (verdict, totals, findings count, plan savings); then, while they fit in
-:data:`auditor.render.md_budget.DEFAULT_CAP` characters: what changed since the baseline (findings, per-layer rank
-changes), the findings, the plan by block group (planned and suggested rank, real before/after counts) and the
-layer groups; then one line saying how many rows and sections are left for the attached report. Every name goes
+The open part (what shows before any fold is expanded) stays under :data:`auditor.render.md_budget.OPEN_LIMIT`
+bytes for any model: the verdict, the plan card (what the plan saves and, with calibration, its all-at-once
+measurement), the findings; then the plan, the calibration and the layers. A table is shown open only when it has
+at most :data:`ROWS_OPEN` rows and :data:`COLS_OPEN` columns and fits what is left of the open part; every other
+table, and the findings past the first :data:`ROWS_OPEN`, sit inside ``<details>``. The whole text stays under
+:data:`auditor.render.md_budget.DEFAULT_CAP` characters (rows cut last, with one line saying what is left out).
+
+One unit convention: shares and errors are percentages, rounded by :func:`auditor.render.md_budget.percent` (one
+decimal from 1% up, two significant digits below); a user metric is printed in its own units. Every name goes
 through :mod:`auditor.render.safe`, so a layer name cannot open a link, an image, a heading or raw HTML.
 """
 
@@ -11,43 +16,78 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from ..policy import verdict_line
+from ..policy import verdict_head
 from ..results import Severity
 from . import calibration
 from .base import RenderContext
-from .md_budget import DEFAULT_CAP, Section, fit_markdown
+from .md_budget import DEFAULT_CAP, OPEN_LIMIT, Section, fit_markdown, measure, percent
 from .pages import group_rows, plan_rows, rank_changes
-from .safe import md_code, md_text
+from .safe import md_code, md_text, middle
 from .view import fmt_num, human, layer_table, spectra_computed
 
 if TYPE_CHECKING:
     from ..results import Audit
 
 ICON = {Severity.ERROR: "🛑", Severity.WARNING: "⚠️", Severity.INFO: "ℹ️"}
+ROWS_OPEN = 8  # a longer table (or list of findings) is folded
+COLS_OPEN = 7  # a wider table is folded (GitHub's comment column is about 880 px)
+FINDINGS_ROOM = 4_500  # bytes of findings shown open at most; the rest are folded
+RESERVE = 1_200  # bytes of the open part kept for headings, <summary> lines, the closing note and the tail
+
+
+class Room:
+    """What is left of the open part, in UTF-8 bytes; each block asks before it is shown open."""
+
+    def __init__(self, total: int) -> None:
+        self.left = total
+
+    def take(self, lines: list[str], limit: int | None = None) -> bool:
+        size = sum(len(x.encode("utf-8")) + 1 for x in lines)
+        if size > self.left or (limit is not None and size > limit):
+            return False
+        self.left -= size
+        return True
+
+
+def _num(x: float | int | None, digits: int = 1) -> str:
+    return "\u2013" if x is None else fmt_num(x, digits)
+
+
+def name(text: str, width: int = 120) -> str:
+    """A model-given name in running text, cut in the middle past ``width`` characters."""
+    return md_text(middle(text, width))
+
+
+def _plan_card(audit: "Audit") -> list[str]:
+    rv = audit.review
+    out = []
+    if rv is not None and rv.items:
+        what = "suggested" if rv.suggested else md_code(middle(rv.source, 80))
+        out.append(f"- **Plan** ({what}): {len(rv.items):,} layers factorized, **{rv.params_saved:,} parameters "
+                   f"saved** ({percent(rv.share_saved)} of {audit.total_params:,})")
+        card = calibration.check_card(audit)
+        if card is not None:
+            icon = {"ok": "✅", "bad": "🛑"}.get(card.status, "❔")
+            out.append(f"- **Measured all at once**: {icon} **{md_text(calibration.md_card_value(audit, card))}**: "
+                       f"{name(card.detail, 300)}")
+    elif not spectra_computed(audit):
+        out.append("- **Plan**: none. Spectra were not computed, so no rank is suggested")
+    elif rv is not None:
+        out.append("- **Plan**: none; no layer is worth factorizing at the target energy" if rv.suggested
+                   else "- **Plan**: it factorizes nothing")
+    return out
 
 
 def _summary(audit: "Audit", context: RenderContext) -> list[str]:
     c = audit.counts
-    out = [f"## Low-rank audit: {md_text(audit.model_name)}", "", f"**{md_text(verdict_line(audit))}**", ""]
+    out = [f"## Low-rank audit: {name(audit.model_name)}", "", f"**{md_text(verdict_head(audit))}**", ""]
+    out += _plan_card(audit)
+    out.append(f"- **Findings**: {c.error} error(s), {c.warning} warning(s), {c.info} info")
     macs = audit.total_macs
-    out.append(f"- Parameters: **{audit.total_params:,}** unique, {audit.factorizable_params:,} factorizable in "
-               f"{len(audit.layers)} layers; {audit.layers_holding(0.8)} layers hold 80%")
-    out.append(f"- MACs per forward: {fmt_num(macs) if macs is not None else 'not counted (no inputs)'}")
-    out.append(f"- {md_text(audit.trace_summary)}")
-    out.append(f"- Findings: {c.error} error(s), {c.warning} warning(s), {c.info} info")
-    rv = audit.review
-    if not spectra_computed(audit):
-        out.append("- Spectra were not computed: no rank is suggested")
-    elif rv is not None and rv.items:
-        what = "Suggested plan" if rv.suggested else f"Plan {md_code(rv.source)}"
-        out.append(f"- {what}: {len(rv.items):,} layers, {rv.params_saved:,} parameters saved "
-                   f"({100 * rv.share_saved:.1f}% of the model)")
-        card = calibration.check_card(audit)
-        if card is not None:
-            out.append(f"- Measured all at once: **{md_text(card.value)}** ({md_text(card.detail)})")
-    elif rv is not None:
-        out.append("- No layer is worth factorizing at the target energy" if rv.suggested
-                   else "- The plan factorizes nothing")
+    out.append(f"- Model: {audit.total_params:,} parameters, {audit.factorizable_params:,} factorizable in "
+               f"{len(audit.layers):,} layers ({audit.layers_holding(0.8):,} hold 80%); MACs per forward "
+               f"{fmt_num(macs) if macs is not None else 'not counted (no inputs)'}")
+    out.append(f"- {name(audit.trace_summary, 300)}")
     if context.baseline is not None:
         d = context.baseline
         out.append(f"- Since the baseline: {len(d.new_findings)} new finding(s), {len(d.fixed_findings)} fixed; "
@@ -55,7 +95,39 @@ def _summary(audit: "Audit", context: RenderContext) -> list[str]:
     return out
 
 
-def _baseline(audit: "Audit", context: RenderContext) -> Section | None:
+def fold_if(section: Section, room: Room, fold: str, *, columns: int = 0, limit: int | None = None) -> Section:
+    """``section`` open when its rows are few, its table narrow and it fits the room left; else folded."""
+    lines = [*section.intro, *section.rows]
+    if len(section.rows) <= ROWS_OPEN and columns <= COLS_OPEN and room.take(lines, limit):
+        return section
+    section.fold = fold
+    return section
+
+
+def _findings(audit: "Audit", room: Room) -> list[Section]:
+    if not audit.findings:
+        return []
+    rows = []
+    for sev in Severity:
+        for f in (f for f in audit.findings if f.severity is sev):
+            rows.append(f"- {ICON[sev]} **{f.code}** `{f.slug}`: {md_text(f.message)}. _{md_text(f.fix)}._")
+    k, used = 0, 0
+    while k < min(len(rows), ROWS_OPEN):  # errors first, then warnings: the first ones are shown open
+        size = len(rows[k].encode("utf-8")) + 1
+        if used + size > min(FINDINGS_ROOM, room.left):
+            break
+        used += size
+        k += 1
+    room.left -= used
+    out = [Section("### Findings", [], rows[:k], noun="findings", title="Findings")]
+    if k < len(rows):
+        out.append(Section("" if k else "### Findings", [], rows[k:], noun="findings",
+                           title="More findings" if k else "Findings",
+                           fold=f"{len(rows) - k:,} {'more ' if k else ''}finding{'s' if len(rows) - k > 1 else ''}"))
+    return [s for s in out if s.rows]
+
+
+def _baseline(audit: "Audit", context: RenderContext, room: Room) -> Section | None:
     d = context.baseline
     if d is None:
         return None
@@ -66,20 +138,11 @@ def _baseline(audit: "Audit", context: RenderContext) -> Section | None:
     rows += [f"- rank {md_code(c.layer)}: {c.text()}" for c in rank_changes(audit, context.baseline_report)]
     if not rows:
         rows = ["- no finding and no planned rank changed"]
-    return Section("### Since the baseline", [], rows, noun="changes", title="Since the baseline")
+    s = Section("### Since the baseline", [], rows, noun="changes", title="Since the baseline")
+    return fold_if(s, room, f"{len(rows):,} changes since the baseline")
 
 
-def _findings(audit: "Audit") -> Section | None:
-    if not audit.findings:
-        return None
-    rows = []
-    for sev in Severity:
-        for f in (f for f in audit.findings if f.severity is sev):
-            rows.append(f"- {ICON[sev]} **{f.code}** `{f.slug}`: {md_text(f.message)}. _{md_text(f.fix)}._")
-    return Section("### Findings", [], rows, noun="findings", title="Findings")
-
-
-def _plan(audit: "Audit") -> Section | None:
+def _plan(audit: "Audit", room: Room) -> Section | None:
     rv = audit.review
     if rv is None or not rv.items:
         return None
@@ -88,60 +151,80 @@ def _plan(audit: "Audit") -> Section | None:
     intro: list[str] = []
     if rv.suggested:
         intro += [md_text(calibration.suggested_plan_note(audit)), ""]
-    intro.append("| layer | m x n | " + ("planned | suggested" if given else "rank") +
-                 " | break-even | params before → after | energy kept | x |")
-    intro.append("|---|---:|" + ("---:|---:|" if given else "---:|") + "---:|---:|---:|---:|")
+    head = ["layer", *(["planned", "suggested"] if given else ["rank"]), "break-even", "params before → after",
+            "energy kept", "x"]
+    intro.append("| " + " | ".join(head) + " |")
+    intro.append("|---|" + "---:|" * (len(head) - 1))
     rows = []
     for g in group_rows(audit, layer_table(audit)):
         items = [by_layer[r.name] for r in g.members if r.name in by_layer]
         if not items:
             continue
         same = len(items) == len(g.members) and len({(p.rank, p.suggested) for p in items}) == 1 and g.shape != "mixed"
-        if g.is_group and same:
-            units = [(md_code(g.label) + f" ×{g.size}", g.shape, items)]
-        else:
-            units = [(md_code(p.layer), next(r.shape for r in g.members if r.name == p.layer), [p]) for p in items]
-        for name, shape, ps in units:
+        units = [(md_code(g.label) + f" ×{g.size}", items)] if g.is_group and same else \
+            [(md_code(p.layer), [p]) for p in items]
+        for label, ps in units:
             p = ps[0]
             before, after = sum(q.params_before for q in ps), sum(q.params_after for q in ps)
             flag = " ⚠️ no saving: kept dense" if p.flag else ""
-            ek = "-" if p.energy_kept is None else f"{100 * p.energy_kept:.1f}%"
-            ranks = f"{p.rank:,} | {fmt_num(p.suggested)}" if given else f"{p.rank:,}"
-            rows.append(f"| {name} | {shape} | {ranks} | {p.break_even:.1f} | {before:,} → {after:,}{flag} | "
-                        f"{ek} | {p.compression:.2f} |")
-    what = "Suggested plan" if rv.suggested else f"Plan {md_code(rv.source)}"
-    return Section(f"### {what}: {rv.params_saved:,} parameters saved ({100 * rv.share_saved:.1f}% of the model)",
-                   intro, rows, noun="plan rows", title="Plan")
+            ranks = f"{p.rank:,} | {_num(p.suggested)}" if given else f"{p.rank:,}"
+            rows.append(f"| {label} | {ranks} | {p.break_even:.1f} | {before:,} → {after:,}{flag} | "
+                        f"{percent(p.energy_kept)} | {p.compression:.2f} |")
+    what = "Suggested plan" if rv.suggested else f"Plan {md_code(middle(rv.source, 80))}"
+    s = Section(f"### {what} by layer", intro, rows, noun="plan rows", title="Plan")
+    return fold_if(s, room, f"{len(rows):,} plan rows, {len(head)} columns", columns=len(head))
 
 
-def _layers(audit: "Audit") -> Section:
+def _layers(audit: "Audit", room: Room) -> Section:
     table = layer_table(audit)
-    labels = [col.label for col in table.columns]
     planned = table.planned
-    intro = ["Layers whose names differ only in an index form one group (`*`, ×N members); x = compression "
-             "m·n / (r·(m+n)) at the " + ("planned" if planned else "suggested") + " rank (above 1 saves parameters).",
+    spectra = spectra_computed(audit)
+    labels = [col.label for col in table.columns] if spectra else []
+    head = ["#", "layer", "m x n", "params", "share", "break-even"]
+    if labels:
+        head.append(" / ".join(labels))
+    if spectra or planned:
+        head += ["planned", "suggested"] if planned else ["rank"]
+        head.append("x")
+    head.append("verdict")
+    intro = ["Layers whose names differ only in an index form one group (`*`, ×N members); break-even: the rank "
+             "at which r·(m+n) = m·n"
+             + ("; x = compression m·n / (r·(m+n)) at the " + ("planned" if planned else "suggested")
+                + " rank (above 1 saves parameters)." if spectra or planned else
+                "; spectra were not computed, so no rank is suggested."),
              "",
-             "| # | layer | m x n | params | share | cum. | " + " | ".join(labels)
-             + (" | planned | suggested" if planned else " | rank") + " | x | verdict |",
-             "|---:|---|---:|---:|---:|---:|" + "---:|" * len(labels) + ("---:|---:|" if planned else "---:|")
-             + "---:|---|"]
+             "| " + " | ".join(head) + " |",
+             "|---:|---|---:|---:|---:|---:|" + "---:|" * (len(head) - 7) + "---|"]
     rows = []
     for i, g in enumerate(group_rows(audit, table), 1):
-        name = md_code(g.label) + (f" ×{g.size}" if g.is_group else "")
-        ranks = " | ".join(g.ranks)
-        rk = (f"{g.planned if g.planned != '–' else 'dense'} | {g.suggested}" if planned else g.suggested)
-        rows.append(f"| {i} | {name} | {g.shape} | {g.params:,} | {100 * g.share:.1f}% | {100 * g.cumulative:.0f}% "
-                    f"| {ranks} | {rk} | {fmt_num(g.compression, 2)} | {g.verdict} |")
-    return Section("### Layers by parameter share", intro, rows, noun="layer groups", title="Layers")
+        cells = [str(i), md_code(g.label) + (f" ×{g.size}" if g.is_group else ""), g.shape, f"{g.params:,}",
+                 percent(g.share), _num(g.break_even)]
+        if labels:
+            cells.append(" / ".join(g.ranks))
+        if spectra or planned:
+            cells.append(f"{g.planned if g.planned != '–' else 'dense'} | {g.suggested}" if planned else g.suggested)
+            cells.append(_num(g.compression, 2))
+        cells.append(g.verdict)
+        rows.append("| " + " | ".join(cells) + " |")
+    s = Section("### Layers by parameter share", intro, rows, noun="layer groups", title="Layers")
+    return fold_if(s, room, f"{len(rows):,} layer group{'s' if len(rows) != 1 else ''} of {len(audit.layers):,} "
+                            f"layers, {len(head)} columns", columns=len(head))
 
 
 def render(audit: "Audit", context: RenderContext = RenderContext(), cap: int = DEFAULT_CAP) -> str:
     """The Markdown report, at most ``cap`` UTF-16 units (default 60,000, under GitHub's 65,536)."""
-    sections = [s for s in (_baseline(audit, context), _findings(audit), _plan(audit), calibration.markdown(audit),
-                            _layers(audit)) if s]
+    summary = "\n".join(_summary(audit, context))
     tail = (f"<sub>lowrank-auditor {md_text(str(audit.environment.get('lowrank-auditor')))} · torch "
             f"{md_text(str(audit.environment.get('torch')))} · MACs {human(audit.total_macs)}</sub>")
-    return fit_markdown("\n".join(_summary(audit, context)), sections, cap=cap, tail=tail).text
+    room = Room(OPEN_LIMIT - RESERVE - len(summary.encode("utf-8")) - len(tail.encode("utf-8")))
+    sections = _findings(audit, room)
+    for s in (_plan(audit, room), *calibration.markdown(audit, room), _baseline(audit, context, room),
+              _layers(audit, room)):
+        if s is not None:
+            sections.append(s)
+    text = fit_markdown(summary, sections, cap=cap, tail=tail).text
+    assert measure(text) <= cap
+    return text
 
 
 class MarkdownReporter:

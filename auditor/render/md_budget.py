@@ -4,6 +4,9 @@ The summary always comes first; then sections, row by row, while they fit; then 
 left out ("… 9,871 more layers and 2 more sections (Findings, Plan) in the attached report"). A section is started
 only when its heading, its table header and at least one row fit; a table is never cut inside a row.
 
+A section with a ``fold`` puts its intro and rows inside ``<details><summary>fold</summary>`` (blank lines around the
+table, so GitHub renders it), closed by ``</details>`` even when the cap cuts its rows; the closing line goes after it.
+
 Lengths are counted in UTF-16 code units, as GitHub (JavaScript) counts them: an emoji counts 2, so the cap holds
 however the length is measured (code points, or UTF-16 units).
 
@@ -17,13 +20,46 @@ however the length is measured (code points, or UTF-16 units).
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 from typing import Sequence
 
-__all__ = ["DEFAULT_CAP", "GITHUB_COMMENT_LIMIT", "Fitted", "Section", "fit_markdown", "measure"]
+__all__ = ["DEFAULT_CAP", "GITHUB_COMMENT_LIMIT", "OPEN_LIMIT", "Fitted", "Section", "fit_markdown", "measure",
+           "open_part", "percent"]
 
 GITHUB_COMMENT_LIMIT = 65_536
 DEFAULT_CAP = 60_000  # leaves room for a bot's own header or an edit marker under GitHub's limit
+OPEN_LIMIT = 10_000  # UTF-8 bytes shown before any <details> is opened: what a reviewer reads first
+
+_FOLDED = re.compile(r"^<details>.*?^</details>$", re.S | re.M)
+
+
+def percent(x: float | None) -> str:
+    """A share or an error (a fraction) as the Markdown writes every one: a percentage with one decimal from 1% up,
+    two significant digits below it, ``<0.01%`` below that; ``–`` for None or NaN.
+
+    >>> [percent(x) for x in (0.60994, 1.0, 0.01, 0.005805, 0.0004, 0.0, -0.02, 3e-7, None)]
+    ['61.0%', '100.0%', '1.0%', '0.58%', '0.04%', '0%', '-2.0%', '<0.01%', '–']
+    """
+    if x is None or x != x:
+        return "\u2013"
+    v = 100 * x
+    if v == 0:
+        return "0%"
+    if abs(v) >= 0.995:
+        return f"{v:.1f}%"
+    if abs(v) >= 0.01:
+        return f"{v:.2g}%"
+    return "<0.01%" if v > 0 else ">-0.01%"
+
+
+def open_part(text: str) -> str:
+    """``text`` without its folded blocks (``<details>`` ... ``</details>`` lines): what shows unexpanded.
+
+    >>> open_part("a\\n<details><summary>s</summary>\\n\\n| t |\\n\\n</details>\\nb\\n")
+    'a\\n\\nb\\n'
+    """
+    return _FOLDED.sub("", text)
 
 
 def measure(text: str) -> int:
@@ -36,7 +72,8 @@ class Section:
     """A heading, lines that always go with it (a table header, an intro sentence), then rows that may be cut.
 
     ``noun`` names the rows in the "N more" line ("layers", "findings", "rank changes"). Rows must be single
-    lines (a row with a newline is refused: it could not be cut cleanly).
+    lines (a row with a newline is refused: it could not be cut cleanly). ``fold``, when set, is the plain text
+    (no markup, no names: it goes into raw HTML) of a ``<summary>`` that folds the intro and the rows.
     """
 
     heading: str
@@ -44,6 +81,18 @@ class Section:
     rows: list[str] = field(default_factory=list)
     noun: str = "rows"
     title: str = ""  # short name for the omitted-sections list; default: the heading without leading '#'
+    fold: str = ""  # the <details> summary that folds intro and rows; empty: shown open
+
+    def opening(self) -> list[str]:
+        """The lines before the rows: heading, the <details> opening, the intro."""
+        out = [self.heading, ""] if self.heading else []
+        if self.fold:
+            out += [f"<details><summary>{self.fold}</summary>", ""]
+        return out + list(self.intro)
+
+    def closing(self) -> list[str]:
+        """The lines after the rows (the end of the fold), before any note."""
+        return ["", "</details>"] if self.fold else []
 
     @property
     def name(self) -> str:
@@ -102,7 +151,7 @@ def fit_markdown(summary: str, sections: Sequence[Section], *, cap: int = DEFAUL
     if not 0 < cap <= GITHUB_COMMENT_LIMIT:
         raise ValueError(f"cap {cap} must be between 1 and {GITHUB_COMMENT_LIMIT:,} (GitHub's comment limit)")
     for s in sections:
-        if any("\n" in r or "\r" in r for r in [s.heading, *s.intro, *s.rows]):
+        if any("\n" in r or "\r" in r for r in [s.heading, s.fold, *s.intro, *s.rows]):
             raise ValueError(f"section {s.name!r}: a row or heading holds a line break")
     head = summary.rstrip("\n").split("\n") + [""]
     foot = tail.rstrip("\n").split("\n") if tail else []
@@ -112,8 +161,8 @@ def fit_markdown(summary: str, sections: Sequence[Section], *, cap: int = DEFAUL
     shown = 0
     for i, s in enumerate(sections):
         later = list(sections[i + 1:])
-        block = [s.heading, "", *s.intro] if s.heading else list(s.intro)
-        full = block + s.rows + [""]
+        block, end = s.opening(), s.closing()
+        full = block + s.rows + end + [""]
         closing_none = _closing(0, s.noun, later, where)
         if used + _lines_len(full) + (_lines_len(_note(closing_none)) if later else 0) <= cap:
             out += full  # the whole section fits, with room to announce any later cut
@@ -129,7 +178,7 @@ def fit_markdown(summary: str, sections: Sequence[Section], *, cap: int = DEFAUL
         k, size = 0, used + _lines_len(block)
         while k < len(s.rows):
             closing = _closing(len(s.rows) - k - 1, s.noun, later, where)
-            if size + measure(s.rows[k]) + 1 + _lines_len(_note(closing)) > cap:
+            if size + measure(s.rows[k]) + 1 + _lines_len(end) + _lines_len(_note(closing)) > cap:
                 break
             size += measure(s.rows[k]) + 1
             k += 1
@@ -140,7 +189,7 @@ def fit_markdown(summary: str, sections: Sequence[Section], *, cap: int = DEFAUL
                 raise ValueError(f"cap {cap} cannot hold the summary, the tail and the closing line")
             out += _note(closing)[1:] if out[-1] == "" else _note(closing)
             return _done(out, foot, cap, shown, 0, rest)
-        out += block + s.rows[:k] + _note(_closing(len(s.rows) - k, s.noun, later, where))
+        out += block + s.rows[:k] + end + _note(_closing(len(s.rows) - k, s.noun, later, where))
         return _done(out, foot, cap, shown + k, len(s.rows) - k, later)
     if used > cap:
         raise ValueError(f"cap {cap} cannot hold the summary and the tail ({used:,} characters)")

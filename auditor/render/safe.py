@@ -7,8 +7,8 @@ code span; on a terminal it must not move the cursor, change colours, start a ne
 
 >>> md_code("evil`](http://x)")
 '`` evil`](http://x) ``'
->>> md_text("# [a](http://x) <b>")
-'# \\\\[a\\\\](http://x) &lt;b&gt;'
+>>> md_text("# [a](http://x) <b> -> c")
+'# \\\\[a\\\\](http://x) &lt;b> -> c'
 >>> term("a\\x1b[31mred\\u202e")
 'a\\\\x1b[31mred\\\\u202e'
 >>> middle("encoder.block.0.layer.0.SelfAttention.relative_attention_bias", 40)
@@ -60,10 +60,11 @@ _MD_SPECIAL = re.compile(r"([\\`*_\[\]|~])")
 
 def md_text(text: str) -> str:
     """A name in running Markdown text (mid-line, or a table cell): the characters that open code, emphasis,
-    links and images, strike-through or a cell break are backslash-escaped and ``<`` ``>`` ``&`` written as
-    entities, so no link, image, emphasis, autolink or raw HTML can come from it (with ``[`` escaped, ``![`` and
-    ``](`` cannot form; a heading needs the line start, which a name never has here)."""
-    t = visible(text).replace("&", "&amp;").replace("<", "&lt;").replace(">", "&gt;")
+    links and images, strike-through or a cell break are backslash-escaped and ``<`` ``&`` written as entities,
+    so no link, image, emphasis, autolink or raw HTML can come from it (with ``[`` escaped, ``![`` and ``](``
+    cannot form; a heading or a block quote needs the line start, which a name never has here). ``>`` stays as
+    it is: without ``<`` it opens nothing mid-line, and "->" reads as written in the Markdown source too."""
+    t = visible(text).replace("&", "&amp;").replace("<", "&lt;")
     return _MD_SPECIAL.sub(r"\\\1", t)
 
 
