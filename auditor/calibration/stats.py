@@ -201,6 +201,8 @@ class _Acc:
         self.rows += x.shape[0]
 
     def add_counts(self, ids: torch.Tensor, keep: torch.Tensor | None = None) -> None:
+        if keep is not None and ids.dim() == keep.dim() and ids.shape[0] == 1 and ids.shape[1:] == keep.shape[1:]:
+            ids = ids.expand(keep.shape)  # positions looked up once for the batch (1, T): once per real token
         ids = _real_rows(ids, keep, 0)  # a pad looked up at a masked position is no lookup of the text
         c = torch.bincount(ids.detach().reshape(-1).long(), minlength=self.n).to(torch.float64)[: self.n]
         self.gram = c if self.gram is None else self.gram + c
