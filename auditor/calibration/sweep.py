@@ -6,8 +6,9 @@ at every larger rank tried.
 The prefix is not rerun for every evaluation: one recording pass stores, per held-out batch, the outputs of the
 modules that can run before a layer's block (the siblings of the block and of each of its ancestors; the block is
 the layer's deepest ancestor held in a ModuleList or Sequential, else its top-level child). While a layer is swept,
-each such module whose call finished before the layer's first call returns its stored output instead of computing
-it; later calls run for real. Everything after the layer runs as usual, so the metric is the same number a full
+each such module whose call finished before the first call of any module holding the layer's weight returns its
+stored output instead of computing it (never a module holding that weight); later calls run for real. A call is
+matched to its recorded batch by the identity of its input tensors, never by their data pointers (a slice shares one). Everything after the layer runs as usual, so the metric is the same number a full
 forward pass gives.
 """
 
