@@ -86,9 +86,14 @@ def _parser() -> argparse.ArgumentParser:
                         "a function yields; default 1G)")
     g.add_argument("--holdout", metavar="SHARE|FILE", help="share of the rows held out to measure (default 0.25), "
                                                             "or a second file held out whole")
-    g.add_argument("--metric", metavar="module:fn",
-                   help="fn(model, batches) -> float, higher is better (default: relative output error)")
-    g.add_argument("--tolerance", type=float, help="allowed loss in the metric's units (default 0.01)")
+    g.add_argument("--metric", metavar="NAME|module:fn",
+                   help="perplexity (held-out next-token perplexity, lower is better, judged by its relative "
+                        "increase), kl (mean next-token KL from the dense model, lower is better), output-error "
+                        "(relative error of the outputs, lower is better), or fn(model, batches) -> float, higher "
+                        "is better (default: perplexity for a causal LM, else output-error)")
+    g.add_argument("--tolerance", type=float,
+                   help="allowed loss (default 0.01): the relative perplexity increase (0.02 = +2%%), the KL in "
+                        "nats per token, the relative output error, or a user metric's drop in its units")
     g.add_argument("--measure-floor", action="store_true",
                    help="tier 2: truncate each layer alone and bisect for its measured floor")
     g.add_argument("--budget", type=float, metavar="FRACTION",

@@ -41,8 +41,11 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--calibration-length", type=int, metavar="N",
                    help="tokens per window when --calibration is a text file (Hugging Face directory with a "
                         "tokenizer; default: the model's positions, at most 512)")
-    p.add_argument("--metric", metavar="module:fn", help="fn(model, batches) -> float, higher is better")
-    p.add_argument("--tolerance", type=float, help="allowed loss in the metric's units (default 0.01)")
+    p.add_argument("--metric", metavar="NAME|module:fn",
+                   help="perplexity, kl, output-error, or fn(model, batches) -> float, higher is better (default: "
+                        "perplexity for a causal LM, else output-error; as for the audit)")
+    p.add_argument("--tolerance", type=float, help="allowed loss in the metric's units (default 0.01; perplexity: "
+                                                   "the relative increase)")
     p.add_argument("--weights", metavar="FILE", help="a state dict to load into the factory's model")
     p.add_argument("--input-shape", action="append", metavar="1,3,224,224", help="example input shape")
     p.add_argument("--input-ids", metavar="1,128", help="token ids of this shape")
@@ -61,6 +64,8 @@ def _inputs(args: argparse.Namespace) -> list[tuple[str, str]]:
     for label, value in (("the model source", args.model), ("the plan", args.plan),
                          ("the calibration", args.calibration), ("the held-out file", args.holdout),
                          ("the weights", args.weights), ("the metric", args.metric)):
+        if label == "the metric" and value and ":" not in value:
+            continue  # a metric's name (perplexity, kl), not a path
         if value:
             out += [(label, c) for c in dict.fromkeys([value, value.rpartition(":")[0]]) if c]
     return out
@@ -140,10 +145,12 @@ def run(args: argparse.Namespace) -> int:
     stats = cal = None
     if args.calibration is not None:
         from .calibration import input_statistics, load_calibration
+        from .calibration.inputs import eval_mode
 
         cal = load_calibration(args.calibration, model, options.holdout, tokenizer=options.tokenizer,
                                length=options.calibration_length)
-        stats = input_statistics(model, [result.layer(k) for k in plan], cal)
+        with eval_mode(model):  # the statistics the audit measured the plan with: dropout off, as there
+            stats = input_statistics(model, [result.layer(k) for k in plan], cal)
     new = factorize(model, plan, stats)
     cr = result.calibration
     pc = cr.plan_check if cr is not None else None
@@ -154,7 +161,7 @@ def run(args: argparse.Namespace) -> int:
     if recovery is not None:
         from .calibration.stage import metric_of
 
-        extra["recovery"] = cli_recover(recovery, new, model, cal, metric_of(options))
+        extra["recovery"] = cli_recover(recovery, new, model, cal, metric_of(options, model, cal))
     exported: list[str] = []
 
     def write(stage: Any) -> None:

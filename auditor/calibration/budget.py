@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Callable
 
 from torch import nn
@@ -224,7 +224,7 @@ def plan_for_budget(model: nn.Module, layers: dict[str, Layer] | list[Layer], ca
     if metric is None or callable(metric) and not isinstance(metric, Metric):
         metric = Metric(fn=metric)  # type: ignore[arg-type]
     if tolerance is not None:
-        metric = Metric(metric.fn, tolerance, metric.name)
+        metric = replace(metric, tolerance=tolerance)  # keeps the metric's kind (perplexity, kl, ...)
     named = by_name(layers)
     fixed = {k: int(r) for k, r in (fixed or {}).items()}
     unknown = [k for k in fixed if k not in named]

@@ -1,10 +1,20 @@
 """The model-level metric: how far a truncated model is from the dense one on the held-out batches.
 
-By default the relative error of the model's outputs against the dense model's, ||y - y_dense||_F / ||y_dense||_F
-over every held-out output (logits for models that return them), with top-1 agreement shown beside it; it holds when
-it is at most the tolerance. A user metric ``fn(model, batches) -> float`` is higher-is-better (accuracy, negative
-loss); it holds when it is at least the dense model's value minus the tolerance, in the metric's own units. ``batches``
-is a list of what the calibration source yielded: a tensor, a tuple of positional inputs, or a dict of keyword inputs.
+Every metric declares its direction (``Metric.higher_is_better``) and what the tolerance means:
+- ``output`` (the default for models that are not causal language models): the relative error of the model's
+  outputs against the dense model's, ||y - y_dense||_F / ||y_dense||_F over every held-out output (logits for models
+  that return them; positions with ``attention_mask`` 0 left out), with top-1 agreement shown beside it; lower is
+  better, it holds when it is at most the tolerance;
+- ``perplexity`` (the default for a causal LM): next-token cross-entropy on the held-out text, pads and masked
+  positions (``attention_mask`` 0, ``labels`` -100) left out. The measured value is the relative increase of the
+  perplexity over the dense model's (``reference``): lower is better, it holds when it is at most the tolerance
+  (0.02 = +2%);
+- ``kl``: the mean next-token KL divergence KL(dense || model) in nats per real token, computed batch by batch (the
+  dense model's logits of one batch at a time, never all of them): lower is better, it holds when it is at most the
+  tolerance;
+- a user metric ``fn(model, batches) -> float`` is higher-is-better (accuracy, negative loss); it holds when it is at
+  least the dense model's value minus the tolerance, in the metric's own units. ``batches`` is a list of what the
+  calibration source yielded: a tensor, a tuple of positional inputs, or a dict of keyword inputs.
 """
 
 from __future__ import annotations
@@ -42,39 +52,129 @@ def main_output(out: Any) -> torch.Tensor:
                      "Give --metric module:fn that scores the model")
 
 
+KINDS = ("output", "perplexity", "kl", "user")
+NAMES = {"output-error": "output", "output": "output", "perplexity": "perplexity", "ppl": "perplexity",
+         "kl": "kl"}  # --metric NAME
+LABELS = {"output": "relative output error", "perplexity": "perplexity increase", "kl": "next-token KL"}
+
+
 def load_metric(spec: str) -> UserMetric:
     """``file.py:fn`` or ``module:fn`` for --metric."""
     if ":" not in spec:
-        raise AuditError(f"--metric {spec!r} does not name a function", "Use --metric file.py:fn or module:fn")
+        raise AuditError(f"--metric {spec!r} is neither a metric name nor a function",
+                         "Use --metric perplexity, kl, output-error, or file.py:fn / module:fn")
     return _import_fn(spec)
 
 
 @dataclass
 class Measurement:
-    """One metric value, whether it holds, and (default metric) top-1 agreement with the dense model."""
+    """One metric value, whether it holds, top-1 agreement with the dense model (built-in metrics), and for
+    perplexity the model's perplexity itself (``value`` is its relative increase)."""
 
     value: float
     ok: bool
     top1: float | None = None
+    absolute: float | None = None
 
 
 @dataclass
 class Metric:
-    """What is measured and how much may be lost."""
+    """What is measured, which way is better, and how much may be lost.
 
-    fn: UserMetric | None = None  # None: relative output error against the dense model
+    ``kind``: "output", "perplexity", "kl" or "user"; empty: "user" with ``fn``, else "output". The direction is
+    declared by the kind: a user metric is higher-is-better, the built-in ones are lower-is-better and zero on the
+    dense model (perplexity as its relative increase)."""
+
+    fn: UserMetric | None = None  # a user metric; None: a built-in one
     tolerance: float = DEFAULT_TOLERANCE
     name: str = ""
+    kind: str = ""
+
+    def __post_init__(self) -> None:
+        if not self.kind:
+            self.kind = "user" if self.fn is not None else "output"
+        if self.kind not in KINDS:
+            raise ValueError(f"metric kind must be one of {', '.join(KINDS)}, not {self.kind!r}")
+        if (self.kind == "user") != (self.fn is not None):
+            raise ValueError(f"a {self.kind!r} metric {'needs' if self.kind == 'user' else 'takes no'} function")
 
     @property
     def higher_is_better(self) -> bool:
-        return self.fn is not None
+        return self.kind == "user"
+
+    @property
+    def output_error(self) -> bool:
+        """The relative output error: the tier-1 layer-output errors predict it (in its units)."""
+        return self.kind == "output"
 
     @property
     def label(self) -> str:
         if self.name:
             return self.name
-        return getattr(self.fn, "__name__", "metric") if self.fn is not None else "relative output error"
+        return getattr(self.fn, "__name__", "metric") if self.fn is not None else LABELS[self.kind]
+
+
+def is_causal_lm(model: nn.Module, batch: "Batch | None" = None) -> bool:
+    """A causal language model: a Hugging Face ``*ForCausalLM`` / ``*LMHeadModel``, or (not a Hugging Face model) one
+    that takes ``input_ids`` and returns logits over its vocabulary (the rows of its largest embedding) at every
+    position of ``batch``. Masked LMs and encoders are not."""
+    name = type(model).__name__
+    if name.endswith("ForCausalLM") or name.endswith("LMHeadModel"):
+        return True
+    if getattr(model, "config", None) is not None or batch is None:
+        return False
+    ids = batch.kwargs.get("input_ids")
+    if not isinstance(ids, torch.Tensor) or ids.dim() != 2 or ids.is_floating_point():
+        return False
+    vocab = max((m.num_embeddings for m in model.modules() if isinstance(m, nn.Embedding)), default=None)
+    if vocab is None:
+        return False
+    try:
+        with torch.no_grad():
+            y = main_output(model(*batch.args, **batch.kwargs))
+    except Exception:  # noqa: BLE001 - no logits to read: not a language model this test recognises
+        return False
+    return tuple(y.shape) == (*ids.shape, vocab) and y.is_floating_point()
+
+
+def _row_mask(b: Batch) -> torch.Tensor | None:
+    """The real positions of a batch: ``attention_mask`` != 0 when it is 2-D (batch, positions); None when there is
+    no such mask or it keeps every position."""
+    m = b.kwargs.get("attention_mask")
+    if not isinstance(m, torch.Tensor) or m.dim() != 2:
+        return None
+    keep = m != 0
+    return None if bool(keep.all()) else keep
+
+
+def _targets(b: Batch) -> tuple[torch.Tensor, torch.Tensor]:
+    """(next-token targets, which of them count) of a batch: the ids (or ``labels``) shifted by one, counted where
+    the target is real and not -100, and the position predicting it real too."""
+    ids = b.kwargs.get("labels")
+    if not isinstance(ids, torch.Tensor):
+        ids = b.kwargs.get("input_ids")
+    if not isinstance(ids, torch.Tensor):
+        ids = next((a for a in b.args if isinstance(a, torch.Tensor)), None)
+    if not isinstance(ids, torch.Tensor) or ids.dim() != 2 or ids.is_floating_point():
+        raise AuditError("a next-token metric needs 2-D integer token ids (input_ids) in every held-out batch",
+                         "Give input_ids (batch, positions), or use --metric output-error")
+    tgt = ids[:, 1:].long()
+    keep = tgt != -100
+    mask = b.kwargs.get("attention_mask")
+    if isinstance(mask, torch.Tensor) and mask.shape == ids.shape:
+        keep = keep & (mask[:, 1:] != 0) & (mask[:, :-1] != 0)
+    return tgt.clamp_min(0), keep
+
+
+def _next_token_logprobs(y: torch.Tensor, b: Batch) -> tuple[torch.Tensor, torch.Tensor]:
+    """Float32 log-probabilities at the counted positions (rows, vocab) and their targets (rows,)."""
+    tgt, keep = _targets(b)
+    if y.dim() != 3 or y.shape[:2] != (tgt.shape[0], tgt.shape[1] + 1):
+        raise AuditError(f"a next-token metric needs logits (batch, positions, vocab) for the input ids "
+                         f"{tuple(tgt.shape[0:1]) + (tgt.shape[1] + 1,)}; the model returned {tuple(y.shape)}",
+                         "Use --metric output-error, or a user metric, for this model")
+    logits = y[:, :-1][keep]
+    return torch.log_softmax(logits.float(), dim=-1), tgt[keep]
 
 
 def _user_batch(b: Batch) -> Any:
@@ -130,21 +230,84 @@ class Evaluator:
 
     def __init__(self, dense: nn.Module, calibration: Calibration, metric: Metric | None = None) -> None:
         self.metric = metric or Metric()
+        if not calibration.holdout:
+            raise AuditError(f"the calibration from {calibration.source} holds nothing out (--holdout 0): the "
+                             f"measured numbers (tiers 2 and 3, the plan check) would come from the "
+                             f"{calibration.fit_rows} rows the statistics were fitted on",
+                             "Give a held-out share (--holdout 0.25) or a held-out file (--holdout FILE)")
         device = model_device(dense)
         self.batches = [b.to(device) for b in calibration.measure]
         self.user_batches = [_user_batch(b) for b in self.batches]
         self._ref: list[torch.Tensor] = []
+        self._dense: nn.Module | None = None
         self.evaluations = 0
-        if self.metric.fn is None:
+        kind = self.metric.kind
+        if kind == "output":
             with torch.no_grad():
                 self._ref = [main_output(self._forward(dense, b, i)).detach() for i, b in enumerate(self.batches)]
-            self._ref_norm2 = sum(float(r.double().pow(2).sum()) for r in self._ref)
+            self._ref_norm2 = sum(float(self._masked(r, b).double().pow(2).sum())
+                                  for r, b in zip(self._ref, self.batches))
+            self.reference = 0.0
+        elif kind == "perplexity":
+            self.reference = self._perplexity(dense)[0]
+            if not (math.isfinite(self.reference) and self.reference > 0):
+                raise AuditError(f"the dense model's held-out perplexity is {self.reference}",
+                                 "Check the held-out text and the model's weights (a NaN or infinite logit)")
+        elif kind == "kl":
+            # the dense logits of one batch at a time, recomputed by a frozen copy: never all of them at once
+            # (128 x 2048 tokens over a 128k vocabulary would be 67 GB); the caller may change ``dense`` in place
+            import copy
+
+            self._dense = copy.deepcopy(dense).eval()
+            for p in self._dense.parameters():
+                p.requires_grad_(False)
             self.reference = 0.0
         else:
             self.reference = self._user(dense)
         self._check_repeats(dense)
         if self.metric.fn is not None:
             self._check_direction(dense, calibration)
+
+    @staticmethod
+    def _masked(y: torch.Tensor, b: Batch) -> torch.Tensor:
+        """The output at the real positions only (rows with ``attention_mask`` 0 left out) when it is (batch,
+        positions, features) under the mask; the whole output otherwise."""
+        keep = _row_mask(b)
+        if keep is None or y.dim() != 3 or tuple(y.shape[:2]) != tuple(keep.shape):
+            return y
+        return y[keep]
+
+    def _perplexity(self, model: nn.Module) -> tuple[float, float | None]:
+        """(held-out perplexity, top-1 agreement: None), streamed batch by batch in float64 sums."""
+        nll = 0.0
+        count = 0
+        with torch.no_grad():
+            for i, b in enumerate(self.batches):
+                logp, tgt = _next_token_logprobs(main_output(self._forward(model, b, i)), b)
+                nll -= float(logp.gather(1, tgt[:, None]).double().sum())
+                count += int(tgt.numel())
+        if count == 0:
+            raise AuditError("the held-out batches hold no next-token position to score (every target masked or "
+                             "padding)", "Give held-out text of at least two real tokens per row")
+        return math.exp(nll / count) if nll / count < 700 else math.inf, None
+
+    def _kl(self, model: nn.Module) -> tuple[float, float | None]:
+        """(mean next-token KL(dense || model) per counted position, top-1 agreement), batch by batch."""
+        assert self._dense is not None
+        total = 0.0
+        count = agree = 0
+        with torch.no_grad():
+            for i, b in enumerate(self.batches):
+                p, _ = _next_token_logprobs(main_output(self._forward(self._dense, b, i)), b)
+                q, _ = _next_token_logprobs(main_output(self._forward(model, b, i)), b)
+                kl = (p.exp() * (p - q)).sum(-1)
+                total += float(kl.double().sum())
+                count += int(kl.numel())
+                agree += int((p.argmax(-1) == q.argmax(-1)).sum())
+        if count == 0:
+            raise AuditError("the held-out batches hold no next-token position to score (every target masked or "
+                             "padding)", "Give held-out text of at least two real tokens per row")
+        return total / count, agree / count
 
     def _forward(self, model: nn.Module, b: Batch, i: int) -> Any:
         try:
@@ -242,25 +405,37 @@ class Evaluator:
         return value <= self.metric.tolerance
 
     def cost(self, value: float) -> float:
-        """What a planner adds up: squared relative error (errors combine roughly in quadrature), or the drop of a
-        user metric below the dense value."""
+        """What a planner adds up: squared relative error (errors combine roughly in quadrature; the perplexity
+        increase and the KL alike), or the drop of a user metric below the dense value."""
         if self.metric.higher_is_better:
             return max(0.0, self.reference - value)
         return value * value
 
     def measure(self, model: nn.Module) -> Measurement:
         self.evaluations += 1
-        if self.metric.fn is not None:
+        kind = self.metric.kind
+        if kind == "user":
             v = self._user(model)
             return Measurement(v, self.holds(v))
+        if kind == "perplexity":
+            ppl, _ = self._perplexity(model)
+            v = ppl / self.reference - 1.0 if math.isfinite(ppl) else math.inf
+            return Measurement(v, self.holds(v), None, ppl)
+        if kind == "kl":
+            v, top1 = self._kl(model)
+            return Measurement(v, self.holds(v), top1)
         err2 = 0.0
         agree = rows = 0
         with torch.no_grad():
             for i, (b, ref) in enumerate(zip(self.batches, self._ref)):
                 y = main_output(self._forward(model, b, i))
-                err2 += float((y.double() - ref.double()).pow(2).sum())
-                if ref.dim() >= 1 and ref.shape[-1] >= 2:
-                    agree += int((y.argmax(-1) == ref.argmax(-1)).sum())
-                    rows += ref[..., 0].numel()
+                if y.shape != ref.shape:
+                    raise AuditError(f"the model's output on held-out batch {i} is {tuple(y.shape)}, the dense "
+                                     f"model's {tuple(ref.shape)}", "Measure a model made from the dense one")
+                y, r = self._masked(y, b), self._masked(ref, b)
+                err2 += float((y.double() - r.double()).pow(2).sum())
+                if r.dim() >= 1 and r.shape[-1] >= 2:
+                    agree += int((y.argmax(-1) == r.argmax(-1)).sum())
+                    rows += r[..., 0].numel()
         value = math.sqrt(err2 / self._ref_norm2) if self._ref_norm2 > 0 else math.sqrt(err2)
         return Measurement(value, self.holds(value), agree / rows if rows else None)

@@ -136,14 +136,26 @@ def _statistics(model: nn.Module, layers: list[Layer], cal: Calibration, options
     return stats, False
 
 
-def metric_of(options: "AuditOptions") -> Metric:
+def metric_of(options: "AuditOptions", model: nn.Module | None = None, cal: Calibration | None = None) -> Metric:
+    """The metric ``options.metric`` names: "perplexity", "kl", "output-error", ``file.py:fn`` / ``module:fn``, a
+    function, or a ``Metric``; None follows the model: perplexity for a causal LM (:func:`is_causal_lm`, probed on the
+    first held-out batch of ``cal``), the relative output error otherwise."""
+    from .metric import NAMES, is_causal_lm
+
     fn = options.metric
-    name = ""
-    if isinstance(fn, str):
-        name = fn.rpartition(":")[2]
-        fn = load_metric(fn)
-    m = Metric(fn=fn, name=name)
-    return Metric(m.fn, options.tolerance, m.name) if options.tolerance is not None else m
+    if isinstance(fn, Metric):
+        m = fn
+    elif fn is None:
+        batch = cal.measure[0] if cal is not None and cal.measure else None
+        causal = model is not None and is_causal_lm(model, batch)
+        m = Metric(kind="perplexity" if causal else "output")
+    elif isinstance(fn, str) and fn.strip().lower() in NAMES:
+        m = Metric(kind=NAMES[fn.strip().lower()])
+    elif isinstance(fn, str):
+        m = Metric(fn=load_metric(fn), name=fn.rpartition(":")[2])
+    else:
+        m = Metric(fn=fn)
+    return replace(m, tolerance=options.tolerance) if options.tolerance is not None else m
 
 
 def _sweepable(layer: Layer, settings: "Settings") -> bool:
@@ -231,11 +243,11 @@ def calibrate(model: nn.Module, layers: list[Layer], settings: "Settings", optio
             cal = load_calibration(options.calibration, model, options.holdout, tokenizer=options.tokenizer,
                                    length=options.calibration_length, max_rows=options.calibration_max_rows,
                                    max_bytes=options.calibration_max_bytes)
-            metric = metric_of(options)
+            metric = metric_of(options, model, cal)
         with progress.phase("statistics", total=len(cal.fit), unit="batch"):
             stats, cached = _statistics(model, layers, cal, options, progress)
         table = {n: p for n, p in model.named_parameters(remove_duplicate=False)}
-        target = metric.tolerance if not metric.higher_is_better else 0.01
+        target = metric.tolerance if metric.output_error else 0.01
         with progress.phase("tier 1 spectra", total=sum(1 for l in layers if l.name in stats.layers)):
             spectra = whitened_spectra(layers, table, stats, settings.align, target, progress=progress.update)
         per: dict[str, LayerCalibration] = {}
@@ -404,7 +416,7 @@ def check_plan(cal: Calibrated, model: nn.Module, audit: "Audit") -> Calibration
         model.train(was_training)
     predicted = None
     basis = ""
-    if not cal.metric.higher_is_better and all(k in cal.spectra for k in plan):
+    if cal.metric.output_error and all(k in cal.spectra for k in plan):
         from .budget import single_layer_error
 
         def points(k: str) -> list[tuple[int, float]]:

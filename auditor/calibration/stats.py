@@ -179,13 +179,15 @@ class _Acc:
         self.approximate = ""
         self.shared = shared  # this batch's Grams by input tensor: q, k and v projections read one input once
 
-    def add_rows(self, x: torch.Tensor) -> None:
-        """x: (rows, groups * n) or (rows, n)."""
+    def add_rows(self, x: torch.Tensor, keep: torch.Tensor | None = None) -> None:
+        """x: (rows, groups * n) or (rows, n), or (batch, positions, ...) with ``keep`` (batch, positions): the real
+        positions (``attention_mask`` != 0), the only rows counted."""
         # the entry holds the tensor itself, so its memory cannot be reused by another tensor while the key lives
         key = (x.data_ptr(), tuple(x.shape), tuple(x.stride()), x._version, x.dtype, self.groups, self.n)
         hit = self.shared.get(key) if self.shared is not None else None
+        src = x
+        x = _real_rows(x, keep)
         if hit is None:
-            src = x
             x = x.detach().reshape(-1, self.groups, self.n).to(torch.float64)
             g = torch.einsum("rgi,rgj->gij", x, x) if self.groups > 1 else (x[:, 0].T @ x[:, 0])[None]
             if self.shared is not None:
@@ -198,7 +200,10 @@ class _Acc:
         self.gram = g if self.gram is None else self.gram + g
         self.rows += x.shape[0]
 
-    def add_counts(self, ids: torch.Tensor) -> None:
+    def add_counts(self, ids: torch.Tensor, keep: torch.Tensor | None = None) -> None:
+        if keep is not None and ids.dim() == keep.dim() and ids.shape[0] == 1 and ids.shape[1:] == keep.shape[1:]:
+            ids = ids.expand(keep.shape)  # positions looked up once for the batch (1, T): once per real token
+        ids = _real_rows(ids, keep, 0)  # a pad looked up at a masked position is no lookup of the text
         c = torch.bincount(ids.detach().reshape(-1).long(), minlength=self.n).to(torch.float64)[: self.n]
         self.gram = c if self.gram is None else self.gram + c
         self.rows += ids.numel()
@@ -208,6 +213,25 @@ class _Acc:
             return None
         return LayerInput(self.layer.name, str(self.layer.kind), self.gram.cpu().numpy(), self.rows, self.n,
                           self.groups, self.diagonal, self.approximate)
+
+
+def _real_rows(x: torch.Tensor, keep: torch.Tensor | None, features: int = 1) -> torch.Tensor:
+    """``x`` at the real positions only, when it is (batch, positions, ``features`` more dimensions) with ``keep``
+    (batch, positions) its leading dimensions; else as is (a layer whose rows are not the batch's positions, as a
+    pooled (batch, width) input)."""
+    if keep is None or x.dim() != keep.dim() + features or tuple(x.shape[:keep.dim()]) != tuple(keep.shape):
+        return x
+    return x[keep.to(x.device)]
+
+
+def _batch_mask(b: Batch) -> torch.Tensor | None:
+    """The real positions of a batch: ``attention_mask`` != 0 when it is 2-D (batch, positions); None when there is
+    none or it keeps every position (then nothing is selected, and the sums are bit for bit those without it)."""
+    m = b.kwargs.get("attention_mask")
+    if not isinstance(m, torch.Tensor) or m.dim() != 2:
+        return None
+    keep = m != 0
+    return None if bool(keep.all()) else keep
 
 
 def conv_patches(mod: nn.modules.conv._ConvNd, x: torch.Tensor) -> torch.Tensor:
@@ -319,6 +343,7 @@ def input_statistics(model: nn.Module, layers: dict[str, Layer] | list[Layer], b
     conv1d = hf_conv1d_type()
     rnn_groups: dict[str, dict[str, _Acc]] = {}
     mha: dict[str, dict[str, _Acc]] = {}
+    mask: list[torch.Tensor | None] = [None]  # the current batch's real positions (attention_mask), for the hooks
     for layer in layer_list:
         path, attr = _module_path(layer)
         try:
@@ -328,17 +353,17 @@ def input_statistics(model: nn.Module, layers: dict[str, Layer] | list[Layer], b
             continue
         if layer.kind == Kind.LINEAR and isinstance(mod, nn.Linear):
             acc = accs[layer.name] = _Acc(layer, layer.n, shared=shared)
-            handles.append(mod.register_forward_pre_hook(lambda m, a, acc=acc: acc.add_rows(a[0])))
+            handles.append(mod.register_forward_pre_hook(lambda m, a, acc=acc: acc.add_rows(a[0], mask[0])))
         elif layer.kind == Kind.CONV1D_HF and conv1d is not None and isinstance(mod, conv1d):
             acc = accs[layer.name] = _Acc(layer, layer.n, shared=shared)
-            handles.append(mod.register_forward_pre_hook(lambda m, a, acc=acc: acc.add_rows(a[0])))
+            handles.append(mod.register_forward_pre_hook(lambda m, a, acc=acc: acc.add_rows(a[0], mask[0])))
         elif layer.kind == Kind.CONV and isinstance(mod, nn.modules.conv._ConvNd) and not mod.transposed:
             acc = accs[layer.name] = _Acc(layer, layer.n, layer.groups)
             handles.append(mod.register_forward_pre_hook(
                 lambda m, a, acc=acc: acc.add_rows(conv_patches(m, a[0]))))
         elif layer.kind == Kind.EMBEDDING and type(mod) is nn.Embedding:
             acc = accs[layer.name] = _Acc(layer, layer.m, diagonal=True)
-            handles.append(mod.register_forward_pre_hook(lambda m, a, acc=acc: acc.add_counts(a[0])))
+            handles.append(mod.register_forward_pre_hook(lambda m, a, acc=acc: acc.add_counts(a[0], mask[0])))
         elif layer.kind == Kind.RNN and isinstance(mod, nn.RNNBase):
             if mod.proj_size > 0:
                 out.missing[layer.name] = "LSTM with proj_size: hidden statistics are not read"
@@ -375,6 +400,7 @@ def input_statistics(model: nn.Module, layers: dict[str, Layer] | list[Layer], b
         with eval_mode(model):  # dropout off, batch norm on its running statistics; the caller's modes come back
             for i, b in enumerate(fit):
                 shared.clear()
+                mask[0] = _batch_mask(b)
                 run(model, b)
                 if progress is not None:
                     progress(i + 1, len(fit))

@@ -6,8 +6,9 @@ at every larger rank tried.
 The prefix is not rerun for every evaluation: one recording pass stores, per held-out batch, the outputs of the
 modules that can run before a layer's block (the siblings of the block and of each of its ancestors; the block is
 the layer's deepest ancestor held in a ModuleList or Sequential, else its top-level child). While a layer is swept,
-each such module whose call finished before the layer's first call returns its stored output instead of computing
-it; later calls run for real. Everything after the layer runs as usual, so the metric is the same number a full
+each such module whose call finished before the first call of any module holding the layer's weight returns its
+stored output instead of computing it (never a module holding that weight); later calls run for real. A call is
+matched to its recorded batch by the identity of its input tensors, never by their data pointers (a slice shares one). Everything after the layer runs as usual, so the metric is the same number a full
 forward pass gives.
 """
 
@@ -16,7 +17,7 @@ from __future__ import annotations
 import copy
 import math
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Callable
 
 import torch
@@ -86,9 +87,13 @@ def block_of(model: nn.Module, path: str) -> str:
 class PrefixCache:
     """Stored outputs of the modules that run before each swept layer's block, replayed while that layer is swept."""
 
-    def __init__(self, model: nn.Module, owners: dict[str, str], evaluator: Evaluator) -> None:
-        """``owners``: layer name -> owning module path."""
+    def __init__(self, model: nn.Module, owners: dict[str, str], evaluator: Evaluator,
+                 uses: dict[str, set[str]] | None = None) -> None:
+        """``owners``: layer name -> owning module path; ``uses``: layer name -> every module path holding its
+        weight (a tied weight has several). No module holding a use of the layer under test (or containing one)
+        is replayed, and replay stops at the first call of any use."""
         self.model = model
+        self.uses = {name: {path} | set((uses or {}).get(name, ())) for name, path in owners.items()}
         self.evaluator = evaluator
         self.candidates: dict[str, set[str]] = {}  # layer -> module paths that may be replayed
         for name, path in owners.items():
@@ -99,7 +104,8 @@ class PrefixCache:
                 parent = model.get_submodule(chain[i])
                 for child, _ in parent.named_children():
                     full = f"{chain[i]}.{child}" if chain[i] else child
-                    if full != chain[i + 1]:
+                    if full != chain[i + 1] and not any(u == full or u.startswith(full + ".")
+                                                          for u in self.uses[name]):
                         cands.add(full)
             self.candidates[name] = cands
         self.owners = owners
@@ -112,15 +118,22 @@ class PrefixCache:
         self._record()
 
     @staticmethod
-    def _key(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[int, ...]:
-        ts = [a for a in args if isinstance(a, torch.Tensor)] + [v for v in kwargs.values() if isinstance(v, torch.Tensor)]
-        return tuple(t.data_ptr() for t in ts)
+    def _key(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, ...]:
+        """A call's inputs as the recorded batch they are, or not: each tensor's identity (the evaluator holds the
+        batches, so no other live tensor has it), shape, stride, offset and version, and the keyword names. A slice
+        or a copy of a batch (same data pointer, other tensor) or a batch changed in place matches none."""
+        def one(t: Any) -> Any:
+            if not isinstance(t, torch.Tensor):
+                return None
+            return (id(t), tuple(t.shape), tuple(t.stride()), t.storage_offset(), t._version)
+
+        return (tuple(one(a) for a in args), tuple((k, one(v)) for k, v in kwargs.items()))
 
     def _record(self) -> None:
         seq = [0]
         handles = []
         paths = {m: p for p, m in self.model.named_modules()}
-        needed = set(self.owners.values()) | self.all
+        needed = set(self.owners.values()) | self.all | set().union(*self.uses.values())
         for mod, path in paths.items():
             if path not in needed:
                 continue
@@ -176,10 +189,10 @@ class _Replay:
 
     def __init__(self, cache: PrefixCache, layer: str) -> None:
         self.cache, self.layer = cache, layer
-        owner = cache.owners[layer]
         self.replayed: list[dict[str, int]] = []  # batch -> module -> calls replayed
         for b in range(len(cache.starts)):
-            first = min(cache.starts[b].get(owner, [math.inf]))
+            # the first call of any module holding the weight under test: a tied use declared later may run first
+            first = min((s for u in cache.uses[layer] for s in cache.starts[b].get(u, [])), default=math.inf)
             self.replayed.append({p: sum(1 for e in cache.ends[b].get(p, []) if e < first)
                                   for p in cache.candidates[layer]})
         self.counts: dict[str, int] = {}
@@ -281,7 +294,7 @@ class Sweeper:
         if metric is None or callable(metric) and not isinstance(metric, Metric):
             metric = Metric(fn=metric)  # type: ignore[arg-type]
         if tolerance is not None:
-            metric = Metric(metric.fn, tolerance, metric.name)
+            metric = replace(metric, tolerance=tolerance)
         self.metric = metric
         self.align = align
         self.work = copy.deepcopy(model).eval()
@@ -293,7 +306,13 @@ class Sweeper:
 
         self.params = dict(self.work.named_parameters(remove_duplicate=False))
         owners = {name: _module_path(layer)[0] for name, layer in self.layers.items()}
-        self.cache = PrefixCache(self.work, owners, self.evaluator) if prefix_cache else None
+        holders: dict[int, set[str]] = {}  # id of a parameter -> every module path holding it directly
+        for path, mod in self.work.named_modules(remove_duplicate=False):
+            for p in mod.parameters(recurse=False):
+                holders.setdefault(id(p), set()).add(path)
+        uses = {name: holders.get(id(self.params[layer.param]), set()) if layer.param in self.params else set()
+                for name, layer in self.layers.items()}
+        self.cache = PrefixCache(self.work, owners, self.evaluator, uses) if prefix_cache else None
         self.on_evaluation: Callable[[int], None] | None = None  # called with the evaluations so far after each
 
     @property
@@ -348,11 +367,11 @@ class Sweeper:
                 evaluate(i)
         else:
             spec = self.spectra.get(name)
-            target = metric.tolerance if metric.fn is None else 0.01
+            target = metric.tolerance if metric.output_error else 0.01
             want = spec.rank_for(target) if spec is not None else grid[len(grid) // 2]
             i = min(len(grid) - 1, max(0, math.ceil(want / align) - 1))
             start = grid[i]
-            guide = spec if metric.fn is None else None
+            guide = spec if metric.output_error else None
             lo, hi = -1, len(grid)  # grid[lo] fails (or lo = -1), grid[hi] holds with every larger rank tried
             nxt = i
             while hi - lo > 1:
