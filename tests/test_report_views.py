@@ -77,7 +77,7 @@ def test_groups_in_html_table_markdown_and_terminal(stack_audit):
     md = a.to_markdown()
     assert "| 2 | `layers.*.up` ×4 | 96x32 | 12,288 |" in md
     text = a.to_text(width=120)
-    assert re.search(r"^\s+2\s+layers\.\*\.up ×4\s+(?:linear\s+)?96x32\s+12,288", text, re.M)
+    assert re.search(r"^\s*2\s+layers\.\*\.up ×4\s+(?:linear\s+)?96x32\s+12,288", text, re.M)
     assert "groups of repeated blocks" in text
     assert [g.label for g in a.groups()] == ["layers.*.down", "layers.*.up", "head"]
 
