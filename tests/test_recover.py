@@ -94,7 +94,7 @@ def test_heldout_rows_never_reach_the_optimiser(setup):
     assert held_ids & {i for g, i in calls if not g} == held_ids  # the held-out rows are measured (no grad)
     assert not held_ids & set(grad_calls)
     # and what is trained does not depend on them: other held-out rows give the same bits
-    other = load_calibration({"x": _x(0, 600)}, model, holdout=_x(1000, 1200), batch_size=32)
+    other = load_calibration({"x": _x(0, 600)}, model, holdout={"x": _x(1000, 1200)}, batch_size=32)
     assert [torch.equal(a.kwargs["x"], b.kwargs["x"]) for a, b in zip(cal.fit, other.fit)] == [True] * 19
     one, two = factorize(model, PLAN), factorize(model, PLAN)
     r1 = recover(one, model, cal, steps=12, lr=1e-3, eval_every=4)
