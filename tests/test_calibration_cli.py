@@ -58,7 +58,7 @@ def test_tier1_ranks_and_suggestions_are_the_librarys(cli_inproc, calib, tmp_pat
     model = digits_mlp[0]
     d = _json(cli_inproc, tmp_path, "--calibration", calib, "--cache-dir", tmp_path / "cache", fmt="json,md")
     md = (tmp_path / "lowrank-audit.md").read_text()
-    assert "### Calibration: the plan measured all at once" in md and "recovery fine-tune follows" in md
+    assert "### Calibration" in md and "recovery fine-tune follows" in md
     cal = load_calibration(calib, model, 0.25)
     stats, spectra = tier1(model, _layers(model), cal)
     got = d["calibration"]

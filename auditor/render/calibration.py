@@ -251,7 +251,7 @@ def markdown(audit: "Audit", room: Any = None) -> list[Section]:
     """The calibration sections of the Markdown report: the bullets open, the frontier open while short, the
     per-layer table and the layers without statistics folded. ``room`` (:class:`auditor.render.markdown.Room`)
     is what is left of the open part; without it, the optional parts are folded."""
-    from .markdown import fold_if
+    from .md_budget import fold_if
 
     cal = audit.calibration
     if cal is None:

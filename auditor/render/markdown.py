@@ -20,7 +20,7 @@ from ..policy import verdict_head
 from ..results import Severity
 from . import calibration
 from .base import RenderContext
-from .md_budget import DEFAULT_CAP, OPEN_LIMIT, Section, fit_markdown, measure, percent
+from .md_budget import COLS_OPEN, ROWS_OPEN, Room, fold_if, DEFAULT_CAP, OPEN_LIMIT, Section, fit_markdown, measure, percent
 from .pages import group_rows, plan_rows, rank_changes
 from .safe import md_code, md_text, middle
 from .view import fmt_num, human, layer_table, spectra_computed
@@ -29,24 +29,8 @@ if TYPE_CHECKING:
     from ..results import Audit
 
 ICON = {Severity.ERROR: "🛑", Severity.WARNING: "⚠️", Severity.INFO: "ℹ️"}
-ROWS_OPEN = 8  # a longer table (or list of findings) is folded
-COLS_OPEN = 7  # a wider table is folded (GitHub's comment column is about 880 px)
 FINDINGS_ROOM = 4_500  # bytes of findings shown open at most; the rest are folded
 RESERVE = 1_200  # bytes of the open part kept for headings, <summary> lines, the closing note and the tail
-
-
-class Room:
-    """What is left of the open part, in UTF-8 bytes; each block asks before it is shown open."""
-
-    def __init__(self, total: int) -> None:
-        self.left = total
-
-    def take(self, lines: list[str], limit: int | None = None) -> bool:
-        size = sum(len(x.encode("utf-8")) + 1 for x in lines)
-        if size > self.left or (limit is not None and size > limit):
-            return False
-        self.left -= size
-        return True
 
 
 def _num(x: float | int | None, digits: int = 1) -> str:
@@ -93,15 +77,6 @@ def _summary(audit: "Audit", context: RenderContext) -> list[str]:
         out.append(f"- Since the baseline: {len(d.new_findings)} new finding(s), {len(d.fixed_findings)} fixed; "
                    f"parameters saved {d.saved_before:,} → {d.saved_after:,} ({d.saved_delta:+,})")
     return out
-
-
-def fold_if(section: Section, room: Room, fold: str, *, columns: int = 0, limit: int | None = None) -> Section:
-    """``section`` open when its rows are few, its table narrow and it fits the room left; else folded."""
-    lines = [*section.intro, *section.rows]
-    if len(section.rows) <= ROWS_OPEN and columns <= COLS_OPEN and room.take(lines, limit):
-        return section
-    section.fold = fold
-    return section
 
 
 def _findings(audit: "Audit", room: Room) -> list[Section]:

@@ -203,3 +203,30 @@ def _done(out: list[str], foot: list[str], cap: int, shown: int, cut_rows: int, 
     text = "\n".join(lines).rstrip("\n") + "\n"
     assert measure(text) <= cap, (measure(text), cap)  # the arithmetic above guarantees it
     return Fitted(text, cap, shown, cut_rows, [s.name for s in later], sum(len(s.rows) for s in later))
+
+
+ROWS_OPEN = 8  # a longer table (or list of findings) is folded
+COLS_OPEN = 7  # a wider table is folded (GitHub's comment column is about 880 px)
+
+
+class Room:
+    """What is left of the open part, in UTF-8 bytes; each block asks before it is shown open."""
+
+    def __init__(self, total: int) -> None:
+        self.left = total
+
+    def take(self, lines: list[str], limit: int | None = None) -> bool:
+        size = sum(len(x.encode("utf-8")) + 1 for x in lines)
+        if size > self.left or (limit is not None and size > limit):
+            return False
+        self.left -= size
+        return True
+
+
+def fold_if(section: Section, room: Room, fold: str, *, columns: int = 0, limit: int | None = None) -> Section:
+    """``section`` open when its rows are few, its table narrow and it fits the room left; else folded."""
+    lines = [*section.intro, *section.rows]
+    if len(section.rows) <= ROWS_OPEN and columns <= COLS_OPEN and room.take(lines, limit):
+        return section
+    section.fold = fold
+    return section
