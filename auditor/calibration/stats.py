@@ -19,9 +19,10 @@ from __future__ import annotations
 
 import json
 import math
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import numpy as np
 import torch
@@ -328,97 +329,140 @@ def _rnn_hook(mod: nn.RNNBase, path: str, accs: dict[str, _Acc]) -> Callable[...
     return hook
 
 
+class StatisticsHooks:
+    """Forward hooks that accumulate X^T X for ``layers`` while ``model`` (or any of its submodules) runs.
+
+    The seam between what a layer kind reads (the hooks attached here) and how the batches are driven (one pass over
+    the whole model in :func:`input_statistics`, or one block at a time): attach, run each batch inside
+    ``with hooks.batch(mask):``, then :meth:`close` for the result. Layers with no statistics are in ``missing``."""
+
+    def __init__(self, model: nn.Module, layers: dict[str, Layer] | list[Layer]) -> None:
+        self.accs: dict[str, _Acc] = {}
+        self.missing: dict[str, str] = {}
+        self._shared: dict[tuple[Any, ...], Any] = {}
+        self._handles: list[Any] = []
+        self._mask: list[torch.Tensor | None] = [None]  # the current batch's real positions, for the hooks
+        try:
+            self._attach(model, list(by_name(layers).values()))
+        except BaseException:
+            self.remove()
+            raise
+
+    def _attach(self, model: nn.Module, layer_list: list[Layer]) -> None:
+        accs, shared, handles, mask = self.accs, self._shared, self._handles, self._mask
+        conv1d = hf_conv1d_type()
+        rnn_groups: dict[str, dict[str, _Acc]] = {}
+        mha: dict[str, dict[str, _Acc]] = {}
+        for layer in layer_list:
+            path, attr = _module_path(layer)
+            try:
+                mod = model.get_submodule(path)
+            except AttributeError:
+                self.missing[layer.name] = "no module of that name in the model"
+                continue
+            if layer.kind == Kind.LINEAR and isinstance(mod, nn.Linear):
+                acc = accs[layer.name] = _Acc(layer, layer.n, shared=shared)
+                handles.append(mod.register_forward_pre_hook(lambda m, a, acc=acc: acc.add_rows(a[0], mask[0])))
+            elif layer.kind == Kind.CONV1D_HF and conv1d is not None and isinstance(mod, conv1d):
+                acc = accs[layer.name] = _Acc(layer, layer.n, shared=shared)
+                handles.append(mod.register_forward_pre_hook(lambda m, a, acc=acc: acc.add_rows(a[0], mask[0])))
+            elif layer.kind == Kind.CONV and isinstance(mod, nn.modules.conv._ConvNd) and not mod.transposed:
+                acc = accs[layer.name] = _Acc(layer, layer.n, layer.groups)
+                handles.append(mod.register_forward_pre_hook(
+                    lambda m, a, acc=acc: acc.add_rows(conv_patches(m, a[0]))))
+            elif layer.kind == Kind.EMBEDDING and type(mod) is nn.Embedding:
+                acc = accs[layer.name] = _Acc(layer, layer.m, diagonal=True)
+                handles.append(mod.register_forward_pre_hook(lambda m, a, acc=acc: acc.add_counts(a[0], mask[0])))
+            elif layer.kind == Kind.RNN and isinstance(mod, nn.RNNBase):
+                if mod.proj_size > 0:
+                    self.missing[layer.name] = "LSTM with proj_size: hidden statistics are not read"
+                    continue
+                accs[layer.name] = _Acc(layer, layer.n)
+                rnn_groups.setdefault(path, {})[layer.name] = accs[layer.name]
+            elif layer.kind == Kind.MHA_IN_PROJ and isinstance(mod, nn.MultiheadAttention):
+                accs[layer.name] = _Acc(layer, layer.n, shared=shared)
+                mha.setdefault(path, {})[attr] = accs[layer.name]
+            else:
+                self.missing[layer.name] = f"no input statistics for {layer.module_type} ({layer.kind})"
+        for path, group in rnn_groups.items():
+            mod = model.get_submodule(path)
+            handles.append(mod.register_forward_pre_hook(_rnn_hook(mod, path, group), with_kwargs=True))
+        for path, group in mha.items():
+            handles.append(model.get_submodule(path).register_forward_pre_hook(_mha_hook(group), with_kwargs=True))
+
+    @contextmanager
+    def batch(self, mask: torch.Tensor | None = None) -> Iterator[None]:
+        """Run one batch through the hooked modules inside this block. ``mask``: (batch, positions) real positions
+        (``attention_mask`` != 0), or None for every row. Inputs shared by several layers (q, k and v) are
+        multiplied once per batch."""
+        self._shared.clear()
+        self._mask[0] = mask
+        try:
+            yield
+        finally:
+            self._shared.clear()
+            self._mask[0] = None
+
+    def remove(self) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()
+
+    def close(self, batches: int = 0, digest: str = "") -> InputStatistics:
+        """Remove the hooks and return what they accumulated."""
+        self.remove()
+        out = InputStatistics(batches=batches, digest=digest, missing=dict(self.missing))
+        for name, acc in self.accs.items():
+            res = acc.result()
+            if res is None:
+                out.missing[name] = "never called on the calibration inputs"
+                continue
+            out.layers[name] = res
+            if res.rows < res.width:
+                what = "lookups" if res.diagonal else "rows"
+                out.warnings.append(f"{name} saw {res.rows} calibration {what}, fewer than its input width "
+                                    f"{res.width}: its statistics are singular (damped); give more calibration data")
+        return out
+
+
+def _mha_hook(group: dict[str, _Acc]) -> Callable[..., None]:
+    def hook(m: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        q, k, v = (_first(args, kwargs, n, i) for i, n in enumerate(("query", "key", "value")))
+        if "in_proj_weight" in group:
+            acc = group["in_proj_weight"]
+            acc.add_rows(q.reshape(-1, acc.n))
+            if not (k is q and v is q):
+                rows = acc.rows
+                acc.add_rows(k.reshape(-1, acc.n))
+                acc.add_rows(v.reshape(-1, acc.n))
+                acc.rows = rows
+                acc.approximate = ("query, key and value differ: their Grams are summed, so the layer-output "
+                                   "error is an estimate")
+        for attr, t in (("q_proj_weight", q), ("k_proj_weight", k), ("v_proj_weight", v)):
+            if attr in group:
+                group[attr].add_rows(t.reshape(-1, group[attr].n))
+
+    return hook
+
+
 def input_statistics(model: nn.Module, layers: dict[str, Layer] | list[Layer], batches: Calibration | list[Batch],
                      progress: Callable[[int, int], None] | None = None) -> InputStatistics:
     """One forward pass over ``batches`` (a ``Calibration``: its fit part), in eval mode, with hooks that accumulate
     X^T X in float64 for every layer they can read. Layers with no statistics are listed in ``missing`` with the reason.
     ``progress(done, total)`` is called after each batch."""
-    layer_list = list(by_name(layers).values())
     digest = batches.digest if isinstance(batches, Calibration) else ""
     fit = batches.fit if isinstance(batches, Calibration) else list(batches)
-    out = InputStatistics(batches=len(fit), digest=digest)
-    accs: dict[str, _Acc] = {}
-    shared: dict[tuple[Any, ...], Any] = {}
-    handles: list[Any] = []
-    conv1d = hf_conv1d_type()
-    rnn_groups: dict[str, dict[str, _Acc]] = {}
-    mha: dict[str, dict[str, _Acc]] = {}
-    mask: list[torch.Tensor | None] = [None]  # the current batch's real positions (attention_mask), for the hooks
-    for layer in layer_list:
-        path, attr = _module_path(layer)
-        try:
-            mod = model.get_submodule(path)
-        except AttributeError:
-            out.missing[layer.name] = "no module of that name in the model"
-            continue
-        if layer.kind == Kind.LINEAR and isinstance(mod, nn.Linear):
-            acc = accs[layer.name] = _Acc(layer, layer.n, shared=shared)
-            handles.append(mod.register_forward_pre_hook(lambda m, a, acc=acc: acc.add_rows(a[0], mask[0])))
-        elif layer.kind == Kind.CONV1D_HF and conv1d is not None and isinstance(mod, conv1d):
-            acc = accs[layer.name] = _Acc(layer, layer.n, shared=shared)
-            handles.append(mod.register_forward_pre_hook(lambda m, a, acc=acc: acc.add_rows(a[0], mask[0])))
-        elif layer.kind == Kind.CONV and isinstance(mod, nn.modules.conv._ConvNd) and not mod.transposed:
-            acc = accs[layer.name] = _Acc(layer, layer.n, layer.groups)
-            handles.append(mod.register_forward_pre_hook(
-                lambda m, a, acc=acc: acc.add_rows(conv_patches(m, a[0]))))
-        elif layer.kind == Kind.EMBEDDING and type(mod) is nn.Embedding:
-            acc = accs[layer.name] = _Acc(layer, layer.m, diagonal=True)
-            handles.append(mod.register_forward_pre_hook(lambda m, a, acc=acc: acc.add_counts(a[0], mask[0])))
-        elif layer.kind == Kind.RNN and isinstance(mod, nn.RNNBase):
-            if mod.proj_size > 0:
-                out.missing[layer.name] = "LSTM with proj_size: hidden statistics are not read"
-                continue
-            accs[layer.name] = _Acc(layer, layer.n)
-            rnn_groups.setdefault(path, {})[layer.name] = accs[layer.name]
-        elif layer.kind == Kind.MHA_IN_PROJ and isinstance(mod, nn.MultiheadAttention):
-            accs[layer.name] = _Acc(layer, layer.n, shared=shared)
-            mha.setdefault(path, {})[attr] = accs[layer.name]
-        else:
-            out.missing[layer.name] = f"no input statistics for {layer.module_type} ({layer.kind})"
-    for path, group in rnn_groups.items():
-        mod = model.get_submodule(path)
-        handles.append(mod.register_forward_pre_hook(_rnn_hook(mod, path, group), with_kwargs=True))
-    for path, group in mha.items():
-        def mha_hook(m: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], group=group) -> None:
-            q, k, v = (_first(args, kwargs, n, i) for i, n in enumerate(("query", "key", "value")))
-            if "in_proj_weight" in group:
-                acc = group["in_proj_weight"]
-                acc.add_rows(q.reshape(-1, acc.n))
-                if not (k is q and v is q):
-                    rows = acc.rows
-                    acc.add_rows(k.reshape(-1, acc.n))
-                    acc.add_rows(v.reshape(-1, acc.n))
-                    acc.rows = rows
-                    acc.approximate = ("query, key and value differ: their Grams are summed, so the layer-output "
-                                       "error is an estimate")
-            for attr, t in (("q_proj_weight", q), ("k_proj_weight", k), ("v_proj_weight", v)):
-                if attr in group:
-                    group[attr].add_rows(t.reshape(-1, group[attr].n))
-
-        handles.append(model.get_submodule(path).register_forward_pre_hook(mha_hook, with_kwargs=True))
+    hooks = StatisticsHooks(model, layers)
     try:
         with eval_mode(model):  # dropout off, batch norm on its running statistics; the caller's modes come back
             for i, b in enumerate(fit):
-                shared.clear()
-                mask[0] = _batch_mask(b)
-                run(model, b)
+                with hooks.batch(_batch_mask(b)):
+                    run(model, b)
                 if progress is not None:
                     progress(i + 1, len(fit))
-        shared.clear()
     finally:
-        for h in handles:
-            h.remove()
-    for name, acc in accs.items():
-        res = acc.result()
-        if res is None:
-            out.missing[name] = "never called on the calibration inputs"
-            continue
-        out.layers[name] = res
-        if res.rows < res.width:
-            what = "lookups" if res.diagonal else "rows"
-            out.warnings.append(f"{name} saw {res.rows} calibration {what}, fewer than its input width {res.width}: "
-                                "its statistics are singular (damped); give more calibration data")
-    return out
+        hooks.remove()
+    return hooks.close(len(fit), digest)
 
 
-__all__ = ["InputStatistics", "LayerInput", "by_name", "conv_patches", "input_statistics"]
+__all__ = ["InputStatistics", "LayerInput", "StatisticsHooks", "by_name", "conv_patches", "input_statistics"]
