@@ -2,7 +2,7 @@
 
     PYTHONPATH=. python tests/gold/make_gold.py
 
-Each scenario audits a sample model from sample_models/digits.py and stores ``to_dict(with_sigma=True)`` with the
+Each scenario audits a sample model from sample_models/ (digits.py, chargpt.py) and stores ``to_dict(with_sigma=True)`` with the
 environment and version fields scrubbed; tests/test_gold.py compares the current code with these files number for
 number.
 """
@@ -25,6 +25,8 @@ SCENARIOS: dict[str, tuple[str, dict[str, Any] | None]] = {
     "cnn-plan": ("cnn", {"finetune": "1 epoch", "ranks": {"fc1": 24, "conv1": 4, "conv2": "energy:0.95"}}),
     # weights only: the MLP's checkpoint without its code (no graph, no MACs)
     "mlp-weights": ("sample_models/digits_mlp.safetensors", {"ranks": {"fc1.weight": 16}}),
+    # the char transformer (sample_models/chargpt.py): attention, tied embedding, layer norms
+    "chargpt": ("chargpt:chargpt", None),
 }
 
 
@@ -45,7 +47,12 @@ def run(name: str) -> dict[str, Any]:
     import auditor
 
     factory, plan = SCENARIOS[name]
-    if factory.endswith(".safetensors"):
+    if ":" in factory:
+        import importlib
+
+        mod, fn = factory.split(":")
+        model, inputs = getattr(importlib.import_module(mod), fn)()
+    elif factory.endswith(".safetensors"):
         from auditor.load import load_source
 
         model, inputs = load_source(str(ROOT / factory)).model, None
@@ -59,6 +66,6 @@ def run(name: str) -> dict[str, Any]:
 
 
 if __name__ == "__main__":
-    for scenario in SCENARIOS:
+    for scenario in sys.argv[1:] or SCENARIOS:
         (HERE / f"{scenario}.json").write_text(json.dumps(run(scenario), indent=1, sort_keys=True) + "\n")
         print("wrote", scenario)
