@@ -402,14 +402,8 @@ def render_reports(result: Audit, formats: list[str], context: Any,
 
 def audit_source(spec: str, *, plan: Any = None, options: AuditOptions | None = None,
                  load: LoadOptions | None = None) -> Audit:
-    """Load a model from a source string (see :func:`auditor.load.load_source`) and audit it; the report's name
-    and source come from the loader unless ``options.name`` is set.
-
-    >>> import auditor
-    >>> a = auditor.audit_source("sample_models/digits.py:mlp", options=auditor.AuditOptions(spectra=False))
-    >>> a.model_name, a.total_params, a.inputs
-    ('DigitsMLP', 429834, 'float32[16, 64]')
-    """
+    """Load a model from a source string and audit it, as plain data (the public :func:`auditor.api.audit_source`
+    wraps it with the output methods)."""
     opts = options or AuditOptions()
     with _progress(opts).phase("load"):
         loaded = load_model(spec, load or LoadOptions())
