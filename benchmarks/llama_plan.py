@@ -57,9 +57,13 @@ def perplexity(model: nn.Module, seqs: torch.Tensor, batch: int = 16) -> float:
 def grams(model: nn.Module, names: list[str], seqs: torch.Tensor, batch: int = 16) -> dict[str, torch.Tensor]:
     mods = dict(model.named_modules())
     out = {n: torch.zeros(mods[n].in_features, mods[n].in_features, dtype=torch.float64) for n in names}
-    hooks = [mods[n].register_forward_pre_hook(
-        lambda m, args, n=n: out[n].add_(args[0].reshape(-1, args[0].shape[-1]).double().T
-                                         @ args[0].reshape(-1, args[0].shape[-1]).double())) for n in names]
+    def hook(n: str):
+        def add(_m: nn.Module, args: tuple) -> None:  # returns None: the inputs pass unchanged
+            x = args[0].reshape(-1, args[0].shape[-1]).double()
+            out[n].add_(x.T @ x)
+        return add
+
+    hooks = [mods[n].register_forward_pre_hook(hook(n)) for n in names]
     try:
         for chunk in seqs.split(batch):
             model(input_ids=chunk)
