@@ -29,7 +29,9 @@ demo: setup
 	$(VENV)/bin/lowrank-audit sample_models/chargpt.py:chargpt --calibration sample_models/chargpt_calib.safetensors \
 	  --holdout sample_models/chargpt_holdout.safetensors --fail-on never --format text,json,md,html,pdf \
 	  -o $(REPORTS)/chargpt
-	@echo "reports written to $(REPORTS)/ (open $(REPORTS)/lowrank-audit.html or .pdf) and $(REPORTS)/chargpt/"
+	$(VENV)/bin/lowrank-audit sample_models/llama --calibration sample_models/llama/calib.txt \
+	  --holdout sample_models/llama/holdout.txt --fail-on never --format text,json,md,html,pdf -o $(REPORTS)/llama
+	@echo "reports written to $(REPORTS)/ (open $(REPORTS)/lowrank-audit.html or .pdf), $(REPORTS)/chargpt/ and $(REPORTS)/llama/"
 
 test: setup system-deps
 	$(PY) -m pytest

@@ -1,0 +1,192 @@
+"""Train the sample Llama (a Hugging Face ``LlamaForCausalLM``) and its byte-level BPE tokenizer on the Python standard
+library's sources, and save both as a Hugging Face directory with a calibration text and a held-out text.
+
+    python sample_models/train_llama.py
+
+Architecture: Llama's (RMSNorm, rotary positions, SwiGLU MLP, no biases) with grouped-query attention: 8 query heads
+and 2 key/value heads of width 32 (hidden 256), 4 decoder blocks, MLP width 688, 256 positions, untied output head;
+3,819,776 parameters.
+
+Text: the top-level ``*.py`` files of the running interpreter's standard library (``sysconfig``'s ``stdlib`` path),
+in sorted order. Every 8th file (the 1st, 9th, ...) is held out; the rest is training text, which the tokenizer (BPE
+over bytes, 2,048 ids, ``tokenizers``) and the model learn from. ``llama/holdout.txt`` is the held-out files' start
+(whole lines, at most 128 KiB); ``llama/calib.txt`` is the same amount of training text taken from the files 5th,
+13th, ... (never a held-out file). The shipped files were made with CPython 3.11.7's library; another version's
+sources give slightly different numbers.
+
+Writes ``llama/``: ``config.json``, ``model.safetensors`` (the weights rounded to bfloat16, to keep the sample small;
+the config says float32, so the model is built and run in float32 with those rounded values), ``tokenizer.json``,
+``tokenizer_config.json``, ``calib.txt`` and ``holdout.txt``. Deterministic (fixed seeds, two threads, a fixed
+number of steps); about 3 minutes on two idle CPU cores (8 with the cores shared). Prints the held-out loss and perplexity with the float32
+weights and with the bfloat16 weights as shipped.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import sysconfig
+import time
+from pathlib import Path
+
+import torch
+from torch import nn
+
+HERE = Path(__file__).resolve().parent
+OUT = HERE / "llama"
+CALIB = OUT / "calib.txt"
+HOLDOUT = OUT / "holdout.txt"
+
+VOCAB = 2048
+EOS, PAD = "<|endoftext|>", "<pad>"  # ids 0 and 1
+CONTEXT = 256
+STEPS = 200
+BATCH = 12  # windows of CONTEXT + 1 tokens per step
+PEAK_LR = 3e-3
+WARMUP = 20
+HOLDOUT_EVERY = 8
+CALIB_OFFSET = 4  # calibration text: the training files i % 8 == 4
+TEXT_BYTES = 128 * 1024  # each of calib.txt and holdout.txt, cut at a line end
+
+
+def config() -> dict:
+    return {
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": VOCAB, "hidden_size": 256,
+        "intermediate_size": 688, "num_hidden_layers": 4, "num_attention_heads": 8, "num_key_value_heads": 2,
+        "head_dim": 32, "hidden_act": "silu", "max_position_embeddings": CONTEXT, "rms_norm_eps": 1e-5,
+        "rope_theta": 10000.0, "attention_bias": False, "mlp_bias": False, "tie_word_embeddings": False,
+        "initializer_range": 0.02, "bos_token_id": None, "eos_token_id": 0, "pad_token_id": 1, "use_cache": False,
+        "dtype": "float32",
+    }
+
+
+def sources() -> list[tuple[str, str]]:
+    """(file name, text) of the stdlib's top-level sources, sorted by name."""
+    files = sorted(Path(sysconfig.get_paths()["stdlib"]).glob("*.py"))
+    return [(f.name, f.read_text(encoding="utf-8", errors="replace")) for f in files]
+
+
+def cut(texts: list[str], limit: int) -> str:
+    """The texts joined, cut to at most ``limit`` UTF-8 bytes at a line end."""
+    joined = "".join(t if t.endswith("\n") else t + "\n" for t in texts)
+    data = joined.encode("utf-8")[:limit]
+    return data[:data.rfind(b"\n") + 1].decode("utf-8")
+
+
+def train_tokenizer(train_texts: list[str]):
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=VOCAB, min_frequency=2, special_tokens=[EOS, PAD],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tok.train_from_iterator(train_texts, trainer=trainer)
+    return tok
+
+
+def encode(tok, texts: list[str]) -> torch.Tensor:
+    """All texts' ids, each file followed by the end-of-text id."""
+    ids: list[int] = []
+    for enc in tok.encode_batch(texts):
+        ids += enc.ids + [0]
+    return torch.tensor(ids, dtype=torch.long)
+
+
+def windows(ids: torch.Tensor, n: int, length: int) -> torch.Tensor:
+    starts = torch.linspace(0, len(ids) - length, n).long()
+    return torch.stack([ids[s:s + length] for s in starts.tolist()])
+
+
+@torch.no_grad()
+def evaluate(model: nn.Module, seqs: torch.Tensor, batch: int = 16) -> float:
+    """Mean next-token cross-entropy (nats per token) over ``seqs``."""
+    model.eval()
+    loss, count = 0.0, 0
+    for chunk in seqs.split(batch):
+        logits = model(input_ids=chunk[:, :-1]).logits.flatten(0, 1).float()
+        target = chunk[:, 1:].flatten()
+        loss += nn.functional.cross_entropy(logits, target, reduction="sum").item()
+        count += target.numel()
+    return loss / count
+
+
+def lr_at(step: int) -> float:
+    if step < WARMUP:
+        return PEAK_LR * (step + 1) / WARMUP
+    progress = (step - WARMUP) / max(1, STEPS - WARMUP)
+    return PEAK_LR * (0.05 + 0.95 * 0.5 * (1 + math.cos(math.pi * progress)))
+
+
+def train(model: nn.Module, data: torch.Tensor, val: torch.Tensor) -> tuple[float, float]:
+    decay = [p for p in model.parameters() if p.dim() > 1]
+    other = [p for p in model.parameters() if p.dim() <= 1]
+    opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": other, "weight_decay": 0.0}],
+                            lr=PEAK_LR, betas=(0.9, 0.95))
+    g = torch.Generator().manual_seed(1)
+    n = CONTEXT + 1
+    start = time.perf_counter()
+    for step in range(STEPS):
+        model.train()
+        for group in opt.param_groups:
+            group["lr"] = lr_at(step)
+        starts = torch.randint(0, len(data) - n, (BATCH,), generator=g)
+        chunk = torch.stack([data[s:s + n] for s in starts.tolist()])
+        logits = model(input_ids=chunk[:, :-1]).logits
+        loss = nn.functional.cross_entropy(logits.flatten(0, 1), chunk[:, 1:].flatten())
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        if step % 50 == 0 or step == STEPS - 1:
+            print(f"step {step:4d}  train {loss.item():.3f}  val {evaluate(model, val[:16]):.3f} nats/token  "
+                  f"{time.perf_counter() - start:.0f} s", flush=True)
+    return loss.item(), time.perf_counter() - start
+
+
+def main() -> None:
+    from safetensors.torch import save_file
+    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+    torch.set_num_threads(2)
+    files = sources()
+    train_files = [t for i, (_, t) in enumerate(files) if i % HOLDOUT_EVERY]
+    held_files = [t for i, (_, t) in enumerate(files) if i % HOLDOUT_EVERY == 0]
+    calib_files = [t for i, (_, t) in enumerate(files) if i % HOLDOUT_EVERY == CALIB_OFFSET]
+    tok = train_tokenizer(train_files)
+    data, held = encode(tok, train_files), encode(tok, held_files)
+    print(f"{len(files)} files; training {len(data):,} tokens, held out {len(held):,} tokens "
+          f"({len(held_files)} files: {', '.join(n for i, (n, _) in enumerate(files) if i % 8 == 0)[:60]}...)")
+
+    cfg = config()
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(**cfg)).float()
+    val = windows(held, 128, CONTEXT + 1)
+    last, seconds = train(model, data, val)
+    loss32 = evaluate(model, val)
+
+    OUT.mkdir(exist_ok=True)
+    state = {k: v.detach().to(torch.bfloat16).contiguous() for k, v in model.state_dict().items()}
+    save_file(state, str(OUT / "model.safetensors"), metadata={"format": "pt"})
+    (OUT / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=EOS, pad_token=PAD, model_max_length=CONTEXT)
+    fast.save_pretrained(str(OUT))
+    for extra in ("special_tokens_map.json", "chat_template.jinja"):
+        (OUT / extra).unlink(missing_ok=True)
+    CALIB.write_text(cut(calib_files, TEXT_BYTES), encoding="utf-8")
+    HOLDOUT.write_text(cut(held_files, TEXT_BYTES), encoding="utf-8")
+
+    model.load_state_dict({k: v.float() for k, v in state.items()})
+    loss16 = evaluate(model, val)
+    params = sum(p.numel() for p in model.parameters())
+    print(f"{params:,} params, {STEPS} steps x {BATCH} x {CONTEXT} tokens in {seconds:.0f} s; last train loss "
+          f"{last:.4f}")
+    for label, loss in (("fp32", loss32), ("bf16 as shipped", loss16)):
+        print(f"held-out (128 windows of {CONTEXT + 1}, {label}): {loss:.4f} nats/token, perplexity "
+              f"{math.exp(loss):.3f}")
+    for path in sorted(OUT.iterdir()):
+        print(f"{path.stat().st_size:,} bytes -> llama/{path.name}")
+
+
+if __name__ == "__main__":
+    main()
