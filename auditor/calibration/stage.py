@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 from torch import nn
 
-from .. import lrmath
+from .. import kinds, lrmath
 from ..calresults import (
     BudgetResult, CalibrationReport, FrontierPlan, LayerCalibration, LayerFloor, PlanCheck, subsample,
 )
@@ -62,7 +62,8 @@ def cache_path(cache_dir: Path | None, model: nn.Module, calibration: Calibratio
     return (cache_dir or default_cache_dir()) / "calibration" / f"{key}.npz"
 
 
-STATS_KINDS = (Kind.LINEAR, Kind.CONV1D_HF, Kind.CONV, Kind.EMBEDDING, Kind.RNN, Kind.MHA_IN_PROJ)  # what is read
+STATS_KINDS = kinds.registry.KindSet(lambda k: type(k).statistics is not kinds.LayerKind.statistics,
+                                     "read for input statistics")  # a live view of auditor.kinds
 
 
 def statistics_memory(layers: list[Layer]) -> tuple[int, str]:
