@@ -346,9 +346,11 @@ def suggest_with(layers: list[Layer], spectra: dict[str, "Spectrum"], suggestion
             continue
         evidence = _evidence(lc, report)
         if layer.kind not in SUPPORTED or layer.aliases:
+            refusal = "" if layer.aliases else kinds.for_kind(layer.kind).cannot_factorize
             why = ("tied or shared weight: factorizing one use changes every use" if layer.aliases
+                   else f"{layer.kind} cannot be factorized: {refusal}" if refusal  # and was not swept
                    else f"factorize cannot rewrite a {layer.kind} layer, so no plan measured it")
-            out[layer.name] = _dense(old, f"keep dense: {why}" + (f" ({evidence})" if evidence else ""))
+            out[layer.name] = _dense(old, f"keep dense: {why}" + (f" ({evidence})" if evidence and not refusal else ""))
             continue
         r = plan.get(layer.name)
         if r is None:
