@@ -1,9 +1,11 @@
 """Find every factorizable weight of a module tree and describe it as a matrix view.
 
-Module types are one table: a :class:`LayerSpec` per module type says which weights the module owns, how each is
-viewed as ``groups`` matrices of m x n (and its :class:`~auditor.results.Kind`), and what one call costs given the
-call's input and output shapes. :func:`collect_layers` and :func:`auditor.graph.module_costs` both read that table;
-:func:`register_layer_spec` adds a user's own module type::
+Module types are one table, kept by :mod:`auditor.kinds` (each kind module lists the types it finds): a
+:class:`LayerSpec` per module type says which weights the module owns, how each is viewed as ``groups`` matrices of
+m x n (and its kind), and what one call costs given the call's input and output shapes. :func:`collect_layers` and
+:func:`auditor.graph.module_costs` both read that table; :func:`register_layer_spec` adds a user's own module type
+whose weights are plain matrices (a kind with statistics, sweeps and a replacement is a
+:class:`auditor.kinds.LayerKind`)::
 
     register_layer_spec(LowRankLinear, LayerSpec(
         weights=lambda mod: ("u", "v"),
