@@ -22,7 +22,8 @@ import torch
 from torch import nn
 
 from .errors import AuditError, first_line
-from .results import Kind, Layer
+from . import kinds
+from .results import Layer
 from .tensorref import DTYPES, MAX_HEADER, TensorRef, inside, open_regular, read_header
 
 
@@ -452,16 +453,11 @@ class WeightsOnly:
             if len(shape) < 2 or not any(s > 1 for s in shape) or name in ties:
                 continue
             base = name[: -len(".weight")] if name.endswith(".weight") else name
-            low = name.lower()
-            if len(shape) == 2:
-                m, n = shape
-                emb = any(w in low for w in ("embed", "wte", "wpe", "word_embeddings", "tok_embeddings", "shared"))
-                kind = Kind.EMBEDDING if emb else Kind.TENSOR
-                view = "2-D tensor as stored"
-            else:
-                m, n = shape[0], math.prod(shape[1:])
-                kind = Kind.CONV
-                view = f"{len(shape)}-D kernel viewed as dim0 x prod(rest)"
+            found = kinds.guess(name, tuple(shape))  # the kinds read the name and shape (auditor/kinds)
+            if found is None:
+                continue
+            kind_of, m, n, view = found
+            kind = kind_of.kind
             out[name] = Layer(name=base, param=name, kind=kind, module_type="tensor", shape=tuple(shape),
                               m=m, n=n, view=view, dtype=dtype.lower().replace("torch.", ""),
                               aliases=aliases.get(name, []))

@@ -3,7 +3,9 @@
 - Linear (and transformers' Conv1D) -> Linear(in, r, bias=False) then Linear(r, out, bias as before);
 - Conv1d/2d/3d -> the same convolution with r outputs per group (no bias), then a 1x1 convolution to the original
   outputs (groups kept, bias as before);
-- Embedding -> Embedding(V, r) then Linear(r, dim, bias=False).
+- Embedding -> Embedding(V, r) then Linear(r, dim, bias=False);
+- a kind registered in :mod:`auditor.kinds` -> what its ``replace`` builds (each replacement lives in its kind's
+  module). Kinds that say they cannot be factorized (LSTM/GRU/RNN gates, MultiheadAttention's in_proj) are refused.
 
 Each planned layer stores groups * r * (m + n) numbers instead of groups * m * n, so the new module has exactly
 ``dense - sum(m*n*groups) + sum(r*(m+n)*groups)`` parameters. Without calibration the factors come from the SVD of
@@ -40,13 +42,14 @@ import torch
 from torch import nn
 
 from .errors import AuditError, first_line, no_duplicate_keys
-from .layers import ParamTable, collect_layers, hf_conv1d_type
+from . import kinds
+from .layers import ParamTable, collect_layers
 from .outputs import TMP_PREFIX, kind_of
-from .results import Kind, Layer
+from .results import Layer
 
 FORMAT = "lowrank-auditor factorized"
 FORMAT_VERSION = 1
-SUPPORTED = (Kind.LINEAR, Kind.CONV1D_HF, Kind.CONV, Kind.EMBEDDING)
+SUPPORTED = kinds.registry.SUPPORTED  # the kinds with a two-module replacement (a live view of auditor.kinds)
 
 
 def _tied_use(key: str, layers: dict[str, Layer]) -> Layer | None:
@@ -122,18 +125,14 @@ def check_dtype(name: str, layer: Layer, mod: nn.Module | None = None) -> None:
 
 def check_layers(model: nn.Module, resolved: dict[str, tuple[Layer, int]]) -> None:
     """Every planned layer can be rewritten: a supported module, real floating-point weights, not tied elsewhere."""
-    conv1d = hf_conv1d_type()
     for name, (layer, _) in resolved.items():
         mod = _module(model, layer)
         check_dtype(name, layer, mod)
-        ok = mod is not None and (
-            (layer.kind == Kind.LINEAR and isinstance(mod, nn.Linear))
-            or (layer.kind == Kind.CONV1D_HF and conv1d is not None and isinstance(mod, conv1d))
-            or (layer.kind == Kind.CONV and isinstance(mod, nn.modules.conv._ConvNd) and not mod.transposed)
-            or (layer.kind == Kind.EMBEDDING and type(mod) is nn.Embedding))
-        if not ok:
-            raise AuditError(f"factorize() rewrites Linear, Conv1D, Conv1d/2d/3d and Embedding layers; {name} is "
-                             f"{layer.module_type} ({layer.kind})", "Leave it out of the plan")
+        kind = kinds.for_kind(layer.kind)
+        if mod is None or not kind.accepts(mod):
+            why = f": {kind.cannot_factorize}" if kind.cannot_factorize else ""
+            raise AuditError(f"factorize() rewrites {kinds.rewritable_labels()} layers; {name} is "
+                             f"{layer.module_type} ({layer.kind}){why}", "Leave it out of the plan")
         others = [a for a in layer.aliases if model.get_submodule(a.rpartition(".")[0]) is not mod]
         if others:
             names = ", ".join([layer.param, *layer.aliases])
@@ -143,10 +142,10 @@ def check_layers(model: nn.Module, resolved: dict[str, tuple[Layer, int]]) -> No
 
 
 def _module(model: nn.Module, layer: Layer) -> nn.Module | None:
-    if layer.kind not in SUPPORTED:
+    if not kinds.for_kind(layer.kind).factorizable:
         return None
     try:
-        return model.get_submodule(layer.name)
+        return model.get_submodule(kinds.for_kind(layer.kind).module_path(layer)[0])
     except AttributeError:
         return None
 
@@ -190,50 +189,8 @@ def _set(model: nn.Module, path: str, new: nn.Module) -> None:
 
 
 def _two(layer: Layer, mod: nn.Module, r: int, a: np.ndarray | None, b: np.ndarray | None) -> nn.Module:
-    """The two-module replacement of ``mod`` at rank r; factors a (g, out, r), b (g, r, in) when given."""
-    w = getattr(mod, "weight")
-    kw: dict[str, Any] = dict(device=w.device, dtype=w.dtype)
-    bias = getattr(mod, "bias", None)
-
-    def fill(p: torch.Tensor, x: np.ndarray) -> None:
-        with torch.no_grad():
-            p.copy_(torch.from_numpy(np.ascontiguousarray(x)).reshape(p.shape))
-
-    if layer.kind in (Kind.LINEAR, Kind.CONV1D_HF):
-        first = nn.Linear(layer.n, r, bias=False, **kw)
-        second = nn.Linear(r, layer.m, bias=bias is not None, **kw)
-        if a is not None and b is not None:
-            fill(first.weight, b[0])
-            fill(second.weight, a[0])
-        if bias is not None:
-            with torch.no_grad():
-                second.bias.copy_(bias)
-        return nn.Sequential(first, second)
-    if layer.kind == Kind.CONV:
-        assert isinstance(mod, nn.modules.conv._ConvNd)
-        cls = {1: nn.Conv1d, 2: nn.Conv2d, 3: nn.Conv3d}[len(mod.kernel_size)]
-        g = mod.groups
-        first = cls(mod.in_channels, g * r, mod.kernel_size, stride=mod.stride, padding=mod.padding,
-                    dilation=mod.dilation, groups=g, bias=False, padding_mode=mod.padding_mode, **kw)
-        second = cls(g * r, mod.out_channels, 1, groups=g, bias=bias is not None, **kw)
-        if a is not None and b is not None:
-            fill(first.weight, b)  # (g, r, in/g * k) -> (g*r, in/g, *k)
-            fill(second.weight, a)  # (g, out/g, r) -> (out, r, 1...)
-        if bias is not None:
-            with torch.no_grad():
-                second.bias.copy_(bias)
-        return nn.Sequential(first, second)
-    assert isinstance(mod, nn.Embedding)
-    if mod.max_norm is not None:
-        raise AuditError(f"{layer.name} renormalises its rows (max_norm): a factorized table cannot reproduce it",
-                         "Leave it out of the plan")
-    first = nn.Embedding(layer.m, r, padding_idx=mod.padding_idx, scale_grad_by_freq=mod.scale_grad_by_freq,
-                         sparse=mod.sparse, **kw)
-    second = nn.Linear(r, layer.n, bias=False, **kw)
-    if a is not None and b is not None:
-        fill(first.weight, b[0].T)  # E = B^T (V x r)
-        fill(second.weight, a[0])  # (dim x r)
-    return nn.Sequential(first, second)
+    """The two-module replacement of ``mod`` at rank r (its kind's); factors a (g, out, r), b (g, r, in) when given."""
+    return kinds.for_kind(layer.kind).replace(layer, mod, r, a, b)
 
 
 def factorize(model: nn.Module, plan: dict[str, int], calibration: Any = None, *, init: bool = True,
@@ -260,13 +217,14 @@ def factorize(model: nn.Module, plan: dict[str, int], calibration: Any = None, *
                              "Pass a Calibration (load_calibration) or InputStatistics")
     new = copy.deepcopy(model)
     for name, (layer, r) in resolved.items():
-        old = new.get_submodule(layer.name)
+        path, attr = kinds.for_kind(layer.kind).module_path(layer)
+        old = new.get_submodule(path)
         a = b = None
         if init:
             inp = stats.layers.get(name) if stats is not None else None
             trunc = reuse.get(name) if reuse is not None else None
             if trunc is None:
-                trunc = Truncator(layer, old.weight, inp)
+                trunc = Truncator(layer, getattr(old, attr), inp)
                 if reuse is not None:
                     reuse[name] = trunc
             a, b = trunc.factors(r)

@@ -24,8 +24,9 @@ import networkx as nx
 import torch
 from torch import nn
 
+from . import kinds
 from .layers import Cost, ParamTable, Shape, _join, layer_for_graph_param, spec_for
-from .results import Kind, Layer, Use
+from .results import Layer, Use
 from .trace import Method, TraceResult
 
 # Ops that only move, reshape or copy data (or drop it out at eval time): collapsed in the layer graph, and a
@@ -372,7 +373,7 @@ def _walk_graph(trace: TraceResult, model: nn.Module, col: _Collector) -> nx.DiG
         return g
     # no inputs: modules with weights in registration order, each called once as far as we know
     for layer in col.layers.values():
-        where = site(layer.name if layer.kind != Kind.RNN else _owner(layer.param))
+        where = site(kinds.for_kind(layer.kind).graph_site(layer))
         col.add(layer.param, where, str(layer.kind), 0, 0)
         _bump(g, where, layer.module_type, "weight")
         if prev is not None and prev != where:
@@ -598,11 +599,11 @@ def chained_linear_pairs(g: nx.DiGraph, layers: dict[str, Layer]) -> list[tuple[
     walk links modules in call order: q_proj -> k_proj is no chain)."""
     if not g.graph.get("data_flow", True):
         return []
-    linear_kinds = {Kind.LINEAR, Kind.CONV1D_HF, Kind.MATMUL}
-    site_kind: dict[str, Kind] = {}
+    site_kind: dict[str, str] = {}
     for layer in layers.values():
         for u in layer.uses:
-            site_kind.setdefault(u.site, layer.kind)
+            site_kind.setdefault(u.site, str(layer.kind))
+    linear_kinds = {k for k in set(site_kind.values()) if kinds.for_kind(k).linear_chain}
     pairs = []
     for b in g.nodes:
         if site_kind.get(b) not in linear_kinds:

@@ -1,9 +1,11 @@
 """Find every factorizable weight of a module tree and describe it as a matrix view.
 
-Module types are one table: a :class:`LayerSpec` per module type says which weights the module owns, how each is
-viewed as ``groups`` matrices of m x n (and its :class:`~auditor.results.Kind`), and what one call costs given the
-call's input and output shapes. :func:`collect_layers` and :func:`auditor.graph.module_costs` both read that table;
-:func:`register_layer_spec` adds a user's own module type::
+Module types are one table, kept by :mod:`auditor.kinds` (each kind module lists the types it finds): a
+:class:`LayerSpec` per module type says which weights the module owns, how each is viewed as ``groups`` matrices of
+m x n (and its kind), and what one call costs given the call's input and output shapes. :func:`collect_layers` and
+:func:`auditor.graph.module_costs` both read that table; :func:`register_layer_spec` adds a user's own module type
+whose weights are plain matrices (a kind with statistics, sweeps and a replacement is a
+:class:`auditor.kinds.LayerKind`)::
 
     register_layer_spec(LowRankLinear, LayerSpec(
         weights=lambda mod: ("u", "v"),
@@ -26,12 +28,10 @@ A weight owned by the root module itself (the model *is* an ``nn.Linear``) is na
 from __future__ import annotations
 
 import inspect
-import math
-import sys
 from dataclasses import dataclass, field
 from functools import lru_cache
 from pathlib import Path
-from typing import Any, Callable, Iterable, Sequence
+from typing import Any, Iterable
 
 import torch
 from torch import nn
@@ -40,51 +40,11 @@ from torch.nn.utils.spectral_norm import SpectralNorm
 from torch.nn.utils.weight_norm import WeightNorm
 
 from .errors import AuditError
+from .kinds import registry
+from .kinds.base import Cost, LayerSpec, MatrixView, Shape
+from .kinds.hf_conv1d import hf_conv1d_type
+from .kinds.registry import is_user_leaf, spec_types
 from .results import Kind, Layer
-
-Shape = tuple[int, ...]
-
-
-@dataclass(frozen=True)
-class MatrixView:
-    """How one stored weight is read as ``groups`` matrices of ``m`` x ``n``; ``view`` says it in words."""
-
-    kind: Kind
-    m: int
-    n: int
-    groups: int = 1
-    view: str = "(out, in) as stored"
-
-
-@dataclass(frozen=True)
-class Cost:
-    """What one call of a module costs for one of its weights (``param`` is the name local to the module)."""
-
-    param: str
-    op: str
-    macs: int = 0  # multiply-accumulates by the weight
-    lookups: int = 0  # rows gathered (embeddings)
-
-
-@dataclass(frozen=True)
-class LayerSpec:
-    """How the auditor reads one module type.
-
-    ``weights(mod)``: local names of the factorizable weights the module owns (attributes, possibly computed).
-    ``view(mod, name, shape)``: the matrix view of one of them, from its stored shape.
-    ``cost(mod, ins, out)``: the :class:`Cost` of one call for each weight, from the call's input shapes (None
-    where unknown) and output shape; a weight read by the call but not costed here gets no use.
-    ``tensor(mod, name)``: the weight itself (default ``getattr(mod, name)``; quantized modules call ``weight()``).
-    """
-
-    weights: Callable[[nn.Module], Iterable[str]]
-    view: Callable[[nn.Module, str, Shape], MatrixView]
-    cost: Callable[[nn.Module, list[Shape | None], Shape | None], list[Cost]]
-    tensor: Callable[[nn.Module, str], torch.Tensor | None] = lambda mod, name: getattr(mod, name, None)
-
-
-_SPECS: dict[type, LayerSpec] = {}
-_USER_TYPES: set[type] = set()  # registered by users: traced as leaf modules, so their spec costs each call
 
 
 def register_layer_spec(module_type: type, spec: LayerSpec | None) -> None:
@@ -92,190 +52,24 @@ def register_layer_spec(module_type: type, spec: LayerSpec | None) -> None:
 
     Registering a type again replaces its spec; the most derived registered class in a module's MRO wins. A
     registered type is a leaf for ``torch.fx.symbolic_trace`` (its calls are costed by ``spec.cost``, its weights
-    viewed by ``spec.view``); torch.export and the module walk see it as they see any module."""
+    viewed by ``spec.view``); torch.export and the module walk see it as they see any module. The kind of each weight
+    is what its view says (``Kind.MATMUL`` for a weight with no behaviour of its own); a kind that also reads
+    statistics, sweeps and factorizes is a :class:`auditor.kinds.LayerKind` given to :func:`auditor.kinds.register`."""
     if not (isinstance(module_type, type) and issubclass(module_type, nn.Module)):
         raise TypeError(f"register_layer_spec needs an nn.Module subclass, got {module_type!r}")
     if spec is None:
-        _SPECS.pop(module_type, None)
-        _USER_TYPES.discard(module_type)
+        registry.remove_type(module_type)
     else:
-        _SPECS[module_type] = spec
-        _USER_TYPES.add(module_type)
-    spec_for_type.cache_clear()
+        registry.add_type(module_type, spec, None, user=True)
 
 
-def is_user_leaf(mod: nn.Module) -> bool:
-    """Whether the module's type (or a base) was registered with :func:`register_layer_spec`."""
-    return any(base in _USER_TYPES for base in type(mod).__mro__)
-
-
-@lru_cache(maxsize=None)
 def spec_for_type(cls: type) -> LayerSpec | None:
-    _register_hf_conv1d()
-    for base in cls.__mro__:
-        spec = _SPECS.get(base)
-        if spec is not None:
-            return spec
-    return None
+    return registry.spec_for_type(cls)
 
 
 def spec_for(mod: nn.Module) -> LayerSpec | None:
     """The spec of the module's type (or of its nearest registered base class), None if it owns no weights we know."""
-    return spec_for_type(type(mod))
-
-
-# ---- the built-in module types ---------------------------------------------------------------------------------
-def _only_weight(mod: nn.Module) -> tuple[str, ...]:
-    """("weight",) if the module has one: a parameter, a parametrized weight or a hook-computed tensor. Reading
-    a parametrized weight would compute it (and run spectral_norm's power iteration in training mode), so the
-    presence is checked without reading it."""
-    if parametrize.is_parametrized(mod, "weight"):
-        return ("weight",)
-    w = mod._parameters.get("weight", mod.__dict__.get("weight"))
-    if not isinstance(w, torch.Tensor) or isinstance(w, nn.parameter.UninitializedParameter):
-        return ()
-    return ("weight",)
-
-
-def _linear_view(mod: nn.Module, name: str, shape: Shape) -> MatrixView:
-    return MatrixView(Kind.LINEAR, shape[0], shape[1])
-
-
-def _linear_cost(mod: nn.Module, ins: list[Shape | None], out: Shape | None) -> list[Cost]:
-    return [] if out is None else [Cost("weight", "linear", math.prod(out) * mod.in_features)]
-
-
-def _conv1d_hf_view(mod: nn.Module, name: str, shape: Shape) -> MatrixView:
-    i, o = shape
-    return MatrixView(Kind.CONV1D_HF, o, i, 1, "stored (in, out); viewed transposed as (out, in)")
-
-
-def _conv1d_hf_cost(mod: nn.Module, ins: list[Shape | None], out: Shape | None) -> list[Cost]:
-    return [] if out is None else [Cost("weight", "linear", math.prod(out) * mod.weight.shape[0])]
-
-
-def _conv_view(mod: nn.Module, name: str, shape: Shape) -> MatrixView:
-    g = mod.groups
-    k = math.prod(shape[2:])
-    ks = "x".join(str(s) for s in shape[2:])
-    if mod.transposed:
-        cin, cout_g = shape[0], shape[1]
-        m, n = cout_g, (cin // g) * k
-        view = f"(in, out/g, {ks}) viewed as out/g x in/g*{ks} per group"
-        kind = Kind.CONV_TRANSPOSE
-    else:
-        cout, cin_g = shape[0], shape[1]
-        m, n = cout // g, cin_g * k
-        view = f"(out, in/g, {ks}) viewed as out/g x in/g*{ks} per group"
-        kind = Kind.CONV
-    if g == 1:
-        view = view.replace("/g", "").replace(" per group", "")
-    return MatrixView(kind, m, n, g, view)
-
-
-def _conv_cost(mod: nn.Module, ins: list[Shape | None], out: Shape | None) -> list[Cost]:
-    x = ins[0] if ins else None
-    kernel = math.prod(mod.kernel_size)
-    if mod.transposed:  # weight (in, out/g, *kernel): each input element meets out/g * kernel weights
-        k = mod.out_channels // mod.groups * kernel
-        return [] if x is None else [Cost("weight", "conv_transpose", math.prod(x) * k)]
-    k = mod.in_channels // mod.groups * kernel  # weight (out, in/g, *kernel)
-    return [] if out is None else [Cost("weight", "conv", math.prod(out) * k)]
-
-
-def _embedding_view(mod: nn.Module, name: str, shape: Shape) -> MatrixView:
-    return MatrixView(Kind.EMBEDDING, shape[0], shape[1], 1, "(num_embeddings, dim) as stored")
-
-
-def _embedding_cost(mod: nn.Module, ins: list[Shape | None], out: Shape | None) -> list[Cost]:
-    x = ins[0] if ins else None
-    return [] if x is None else [Cost("weight", "embedding", 0, math.prod(x))]
-
-
-def _rnn_weights(mod: nn.Module) -> list[str]:
-    return [n for n, p in mod.named_parameters(recurse=False) if p.dim() == 2]
-
-
-def _rnn_view(mod: nn.Module, name: str, shape: Shape) -> MatrixView:
-    gates = {"LSTM": 4, "GRU": 3}.get(mod.mode, 1)
-    return MatrixView(Kind.RNN, shape[0], shape[1], 1, f"{gates} gate matrices stacked: ({gates}*hidden, in)")
-
-
-def _rnn_cost(mod: nn.Module, ins: list[Shape | None], out: Shape | None) -> list[Cost]:
-    x = ins[0] if ins else None
-    if x is None:
-        return []
-    positions = math.prod(x) // x[-1]
-    return [Cost(n, mod.mode.lower(), positions * p.numel())
-            for n, p in mod.named_parameters(recurse=False) if p.dim() == 2]
-
-
-_MHA_WEIGHTS = ("in_proj_weight", "q_proj_weight", "k_proj_weight", "v_proj_weight")
-
-
-def _mha_weights(mod: nn.Module) -> list[str]:
-    return [n for n in _MHA_WEIGHTS if getattr(mod, n, None) is not None]
-
-
-def _mha_view(mod: nn.Module, name: str, shape: Shape) -> MatrixView:
-    view = "q, k, v stacked: (3*embed, embed)" if name == "in_proj_weight" else "(embed, kdim) as stored"
-    return MatrixView(Kind.MHA_IN_PROJ, shape[0], shape[1], 1, view)
-
-
-def _mha_cost(mod: nn.Module, ins: list[Shape | None], out: Shape | None) -> list[Cost]:
-    if len(ins) < 3 or any(s is None for s in ins[:3]):
-        return []
-    q, k, v = (math.prod(s) for s in ins[:3])  # type: ignore[arg-type]
-    e = mod.embed_dim
-    if mod.in_proj_weight is not None:
-        res = [Cost("in_proj_weight", "linear", (q + k + v) * e)]
-    else:
-        res = [Cost("q_proj_weight", "linear", q * e), Cost("k_proj_weight", "linear", k * mod.kdim),
-               Cost("v_proj_weight", "linear", v * mod.vdim)]
-    # the functional attention reads out_proj.weight directly: its module is never called
-    return res + [Cost("out_proj.weight", "linear", q * e)]
-
-
-def _call_weight(mod: nn.Module, name: str) -> torch.Tensor | None:
-    w = getattr(mod, name, None)
-    return w() if callable(w) else w
-
-
-LINEAR_SPEC = LayerSpec(_only_weight, _linear_view, _linear_cost)
-CONV_SPEC = LayerSpec(_only_weight, _conv_view, _conv_cost)
-
-for _type, _spec in (
-    (nn.Linear, LINEAR_SPEC),
-    (nn.modules.conv._ConvNd, CONV_SPEC),
-    (nn.Embedding, LayerSpec(_only_weight, _embedding_view, _embedding_cost)),
-    (nn.EmbeddingBag, LayerSpec(_only_weight, _embedding_view, _embedding_cost)),
-    (nn.RNNBase, LayerSpec(_rnn_weights, _rnn_view, _rnn_cost)),
-    (nn.MultiheadAttention, LayerSpec(_mha_weights, _mha_view, _mha_cost)),
-    # quantized modules keep their weight packed and hand it out by a call: listed, counted, spectra skipped
-    (torch.ao.nn.quantized.Linear, LayerSpec(lambda m: ("weight",), _linear_view, _linear_cost, _call_weight)),
-    (torch.ao.nn.quantized.modules.conv._ConvNd, LayerSpec(lambda m: ("weight",), _conv_view, _conv_cost,
-                                                           _call_weight)),
-):
-    _SPECS[_type] = _spec
-
-
-def _register_hf_conv1d() -> None:
-    """transformers' Conv1D, only once transformers is imported (importing it costs seconds)."""
-    conv1d = hf_conv1d_type()
-    if conv1d is not None and conv1d not in _SPECS:
-        _SPECS[conv1d] = LayerSpec(_only_weight, _conv1d_hf_view, _conv1d_hf_cost)
-        spec_for_type.cache_clear()
-
-
-def hf_conv1d_type() -> type | None:
-    """transformers' ``Conv1D`` (a linear layer stored (in, out)) when transformers is already imported, else None."""
-    if "transformers" not in sys.modules:
-        return None
-    try:
-        from transformers.pytorch_utils import Conv1D
-    except Exception:  # pragma: no cover - very old or broken transformers
-        return None
-    return Conv1D
+    return registry.spec_for_type(type(mod))
 
 
 # ---- the parameter table -----------------------------------------------------------------------------------------
@@ -563,27 +357,10 @@ def layer_for_graph_param(canon: str, t: torch.Tensor, op: str, aliases: list[st
     )
 
 
-def _conv_transpose_matrices(t: torch.Tensor, g: int, m: int, n: int) -> torch.Tensor:
-    k = math.prod(t.shape[2:])
-    cin_g = t.shape[0] // g
-    return t.reshape(g, cin_g, m, k).permute(0, 2, 1, 3).reshape(g, m, n)
-
-
-# How a stored tensor of each kind becomes (groups, m, n); kinds not listed reshape as stored.
-MATRICES_OF_KIND: dict[Kind, Callable[[torch.Tensor, int, int, int], torch.Tensor]] = {
-    Kind.CONV_TRANSPOSE: _conv_transpose_matrices,
-    Kind.CONV1D_HF: lambda t, g, m, n: t.t().reshape(1, m, n),
-}
-
-
 def matrix_view(layer: Layer, t: torch.Tensor) -> torch.Tensor:
     """The tensor as ``groups`` matrices of m x n (singular values do not depend on transposition)."""
-    g, m, n = layer.groups, layer.m, layer.n
-    f = MATRICES_OF_KIND.get(layer.kind)
-    return f(t, g, m, n) if f is not None else t.reshape(g, m, n)
+    return registry.for_kind(layer.kind).matrices(t, layer.groups, layer.m, layer.n)
 
 
-def spec_types() -> Sequence[type]:
-    """The module types with a spec, built-in and registered (transformers' Conv1D once transformers is loaded)."""
-    _register_hf_conv1d()
-    return tuple(_SPECS)
+__all__ = ["Cost", "LayerSpec", "MatrixView", "ParamTable", "Shape", "collect_layers", "hf_conv1d_type",
+           "is_user_leaf", "matrix_view", "module_weights", "register_layer_spec", "spec_for", "spec_types"]

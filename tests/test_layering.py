@@ -37,7 +37,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("spectra", ("auditor.spectra",)),
     ("structure", ("auditor.graph", "auditor.trace", "auditor.sites")),
     ("sources", ("auditor.load", "auditor.hf", "auditor.checkpoint", "auditor.tensorref")),
-    ("kinds", ("auditor.layers",)),
+    ("kinds", ("auditor.kinds", "auditor.layers")),  # one module per layer kind, its registry, the module walk
     ("model", ("auditor.results", "auditor.calresults")),
     ("core", ("auditor.errors", "auditor.lrmath", "auditor.config", "auditor.options", "auditor.progress",
               "auditor.outputs", "auditor._env", "auditor._lapack", "auditor._version")),

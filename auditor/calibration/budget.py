@@ -55,7 +55,9 @@ def curves_from_floors(floors: Floors, layers: dict[str, Layer] | list[Layer],
     named = by_name(layers)
     out: dict[str, list[Option]] = {}
     for name, f in floors.floors.items():
-        layer = named[name]
+        layer = named.get(name)
+        if layer is None:  # measured but not planned (tied, or a kind factorize cannot rewrite)
+            continue
         measured = {r: v for r, v in f.points if lrmath.saves(layer.m, layer.n, r)}
         costs = {r: (max(0.0, floors.reference - v) if floors.higher_is_better else v * v)
                  for r, v in measured.items()}

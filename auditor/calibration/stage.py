@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 from torch import nn
 
-from .. import lrmath
+from .. import kinds, lrmath
 from ..calresults import (
     BudgetResult, CalibrationReport, FrontierPlan, LayerCalibration, LayerFloor, PlanCheck, subsample,
 )
@@ -62,7 +62,8 @@ def cache_path(cache_dir: Path | None, model: nn.Module, calibration: Calibratio
     return (cache_dir or default_cache_dir()) / "calibration" / f"{key}.npz"
 
 
-STATS_KINDS = (Kind.LINEAR, Kind.CONV1D_HF, Kind.CONV, Kind.EMBEDDING, Kind.RNN, Kind.MHA_IN_PROJ)  # what is read
+STATS_KINDS = kinds.registry.KindSet(lambda k: type(k).statistics is not kinds.LayerKind.statistics,
+                                     "read for input statistics")  # a live view of auditor.kinds
 
 
 def statistics_memory(layers: list[Layer]) -> tuple[int, str]:
@@ -345,9 +346,11 @@ def suggest_with(layers: list[Layer], spectra: dict[str, "Spectrum"], suggestion
             continue
         evidence = _evidence(lc, report)
         if layer.kind not in SUPPORTED or layer.aliases:
+            refusal = "" if layer.aliases else kinds.for_kind(layer.kind).cannot_factorize
             why = ("tied or shared weight: factorizing one use changes every use" if layer.aliases
+                   else f"{layer.kind} cannot be factorized: {refusal}" if refusal  # and was not swept
                    else f"factorize cannot rewrite a {layer.kind} layer, so no plan measured it")
-            out[layer.name] = _dense(old, f"keep dense: {why}" + (f" ({evidence})" if evidence else ""))
+            out[layer.name] = _dense(old, f"keep dense: {why}" + (f" ({evidence})" if evidence and not refusal else ""))
             continue
         r = plan.get(layer.name)
         if r is None:

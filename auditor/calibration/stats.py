@@ -18,7 +18,6 @@ The result holds float64 NumPy arrays, never torch tensors.
 from __future__ import annotations
 
 import json
-import math
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -28,8 +27,9 @@ import numpy as np
 import torch
 from torch import nn
 
-from ..layers import hf_conv1d_type
-from ..results import Kind, Layer
+from .. import kinds
+from ..kinds.conv import conv_patches
+from ..results import Layer
 from .inputs import Batch, Calibration, eval_mode, run
 
 
@@ -160,10 +160,7 @@ def by_name(layers: dict[str, Layer] | list[Layer]) -> dict[str, Layer]:
 
 def _module_path(layer: Layer) -> tuple[str, str]:
     """(owning module path, parameter attribute name)."""
-    if layer.kind in (Kind.RNN, Kind.MHA_IN_PROJ):
-        path, _, attr = layer.name.rpartition(".")
-        return path, attr
-    return layer.name, "weight"
+    return kinds.for_kind(layer.kind).module_path(layer)
 
 
 SHARED_KEEP = 4  # recent inputs whose Gram is kept for the next layer reading the same tensor
@@ -235,98 +232,29 @@ def _batch_mask(b: Batch) -> torch.Tensor | None:
     return None if bool(keep.all()) else keep
 
 
-def conv_patches(mod: nn.modules.conv._ConvNd, x: torch.Tensor) -> torch.Tensor:
-    """The unfolded input patches of a (non-transposed) convolution: (N * positions, in_channels * prod(kernel)),
-    columns ordered (channel, kernel offsets) as the weight (out, in/g, *kernel) is flattened."""
-    nd = len(mod.kernel_size)
-    if x.dim() == nd + 1:  # unbatched
-        x = x[None]
-    pad = list(mod._reversed_padding_repeated_twice)
-    if any(pad):
-        mode = "constant" if mod.padding_mode == "zeros" else mod.padding_mode
-        x = nn.functional.pad(x, pad, mode=mode)
-    for d in range(nd):
-        k, s, dil = mod.kernel_size[d], mod.stride[d], mod.dilation[d]
-        x = x.unfold(2 + d, dil * (k - 1) + 1, s)
-        if dil > 1:
-            x = x[..., ::dil]
-    # x: (N, C, L1..Lnd, k1..knd) -> (N, L1..Lnd, C, k1..knd)
-    perm = [0, *range(2, 2 + nd), 1, *range(2 + nd, 2 + 2 * nd)]
-    x = x.permute(perm)
-    return x.reshape(-1, mod.in_channels * math.prod(mod.kernel_size))
+class _Feeds:
+    """What a layer kind reads its inputs through (:class:`auditor.kinds.Feeds`): accumulators owned by ``hooks``,
+    the current batch's real positions, and forward pre-hooks that :meth:`StatisticsHooks.remove` takes off."""
 
+    def __init__(self, hooks: "StatisticsHooks") -> None:
+        self._hooks = hooks
 
-def _first(args: tuple[Any, ...], kwargs: dict[str, Any], name: str, i: int) -> Any:
-    return args[i] if len(args) > i else kwargs.get(name)
+    def rows(self, layer: Layer, n: int, groups: int = 1, shared: bool = False) -> _Acc:
+        acc = self._hooks.accs[layer.name] = _Acc(layer, n, groups, shared=self._hooks._shared if shared else None)
+        return acc
 
+    def counts(self, layer: Layer, n: int) -> _Acc:
+        acc = self._hooks.accs[layer.name] = _Acc(layer, n, diagonal=True)
+        return acc
 
-def _rnn_clone(mod: nn.RNNBase, layer: int) -> nn.RNNBase:
-    """A one-layer copy of layer ``layer`` of ``mod`` (both directions), sequence-first."""
-    d = 2 if mod.bidirectional else 1
-    in_size = mod.input_size if layer == 0 else mod.hidden_size * d
-    kw: dict[str, Any] = dict(bias=mod.bias, batch_first=False, bidirectional=mod.bidirectional)
-    if mod.mode == "LSTM":
-        c: nn.RNNBase = nn.LSTM(in_size, mod.hidden_size, 1, **kw)
-    elif mod.mode == "GRU":
-        c = nn.GRU(in_size, mod.hidden_size, 1, **kw)
-    else:
-        c = nn.RNN(in_size, mod.hidden_size, 1, nonlinearity="tanh" if mod.mode == "RNN_TANH" else "relu", **kw)
-    c = c.to(device=mod.weight_ih_l0.device, dtype=mod.weight_ih_l0.dtype)
-    with torch.no_grad():
-        for sfx in ([""] + (["_reverse"] if mod.bidirectional else [])):
-            for kind in ("weight_ih", "weight_hh", "bias_ih", "bias_hh"):
-                src = getattr(mod, f"{kind}_l{layer}{sfx}", None)
-                if src is not None:
-                    getattr(c, f"{kind}_l0{sfx}").copy_(src)
-    return c.eval()
+    def mask(self) -> torch.Tensor | None:
+        return self._hooks._mask[0]
 
+    def hook(self, mod: nn.Module, fn: Callable[..., None], with_kwargs: bool = False) -> None:
+        self._hooks._handles.append(mod.register_forward_pre_hook(fn, with_kwargs=with_kwargs))
 
-def _rnn_hook(mod: nn.RNNBase, path: str, accs: dict[str, _Acc]) -> Callable[..., None]:
-    clones: dict[int, nn.RNNBase] = {}
-
-    def hook(_m: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-        x = _first(args, kwargs, "input", 0)
-        hx = _first(args, kwargs, "hx", 1)
-        if not isinstance(x, torch.Tensor):
-            for a in accs.values():
-                a.approximate = "packed sequences are not read: no statistics"
-            return
-        unbatched = x.dim() == 2
-        seq = x[:, None] if unbatched else (x.transpose(0, 1) if mod.batch_first else x)  # (T, B, in)
-        d = 2 if mod.bidirectional else 1
-        h = mod.hidden_size
-        h0_all = hx[0] if isinstance(hx, tuple) else hx
-        c0_all = hx[1] if isinstance(hx, tuple) else None
-        if h0_all is not None and unbatched:
-            h0_all = h0_all[:, None]
-            c0_all = c0_all[:, None] if c0_all is not None else None
-        with torch.no_grad():
-            for layer in range(mod.num_layers):
-                names = {f"{path}.weight_ih_l{layer}{s}": ("ih", i) for i, s in enumerate(["", "_reverse"][:d])}
-                names.update({f"{path}.weight_hh_l{layer}{s}": ("hh", i) for i, s in enumerate(["", "_reverse"][:d])})
-                for name, (what, _i) in names.items():
-                    if what == "ih" and name in accs:
-                        accs[name].add_rows(seq.reshape(-1, seq.shape[-1]))
-                clone = clones.get(layer)
-                if clone is None:
-                    clone = clones[layer] = _rnn_clone(mod, layer)
-                b = seq.shape[1]
-                h0 = (h0_all[layer * d:(layer + 1) * d] if h0_all is not None
-                      else seq.new_zeros(d, b, h))
-                if mod.mode == "LSTM":
-                    c0 = c0_all[layer * d:(layer + 1) * d] if c0_all is not None else seq.new_zeros(d, b, h)
-                    out, _ = clone(seq, (h0, c0))
-                else:
-                    out, _ = clone(seq, h0)
-                for name, (what, i) in names.items():
-                    if what != "hh" or name not in accs:
-                        continue
-                    o = out[..., i * h:(i + 1) * h]
-                    prev = torch.cat([h0[i][None], o[:-1]]) if i == 0 else torch.cat([o[1:], h0[i][None]])
-                    accs[name].add_rows(prev.reshape(-1, h))
-                seq = out
-
-    return hook
+    def missing(self, layer: Layer, reason: str) -> None:
+        self._hooks.missing[layer.name] = reason
 
 
 class StatisticsHooks:
@@ -349,46 +277,26 @@ class StatisticsHooks:
             raise
 
     def _attach(self, model: nn.Module, layer_list: list[Layer]) -> None:
-        accs, shared, handles, mask = self.accs, self._shared, self._handles, self._mask
-        conv1d = hf_conv1d_type()
-        rnn_groups: dict[str, dict[str, _Acc]] = {}
-        mha: dict[str, dict[str, _Acc]] = {}
+        """Each layer's kind attaches what reads its inputs (auditor/kinds), once per owning module."""
+        feeds = _Feeds(self)
+        groups: dict[tuple[str, str], tuple[Any, nn.Module, list[Layer]]] = {}
         for layer in layer_list:
-            path, attr = _module_path(layer)
+            kind = kinds.for_kind(layer.kind)
+            path, _ = kind.module_path(layer)
             try:
                 mod = model.get_submodule(path)
             except AttributeError:
                 self.missing[layer.name] = "no module of that name in the model"
                 continue
-            if layer.kind == Kind.LINEAR and isinstance(mod, nn.Linear):
-                acc = accs[layer.name] = _Acc(layer, layer.n, shared=shared)
-                handles.append(mod.register_forward_pre_hook(lambda m, a, acc=acc: acc.add_rows(a[0], mask[0])))
-            elif layer.kind == Kind.CONV1D_HF and conv1d is not None and isinstance(mod, conv1d):
-                acc = accs[layer.name] = _Acc(layer, layer.n, shared=shared)
-                handles.append(mod.register_forward_pre_hook(lambda m, a, acc=acc: acc.add_rows(a[0], mask[0])))
-            elif layer.kind == Kind.CONV and isinstance(mod, nn.modules.conv._ConvNd) and not mod.transposed:
-                acc = accs[layer.name] = _Acc(layer, layer.n, layer.groups)
-                handles.append(mod.register_forward_pre_hook(
-                    lambda m, a, acc=acc: acc.add_rows(conv_patches(m, a[0]))))
-            elif layer.kind == Kind.EMBEDDING and type(mod) is nn.Embedding:
-                acc = accs[layer.name] = _Acc(layer, layer.m, diagonal=True)
-                handles.append(mod.register_forward_pre_hook(lambda m, a, acc=acc: acc.add_counts(a[0], mask[0])))
-            elif layer.kind == Kind.RNN and isinstance(mod, nn.RNNBase):
-                if mod.proj_size > 0:
-                    self.missing[layer.name] = "LSTM with proj_size: hidden statistics are not read"
-                    continue
-                accs[layer.name] = _Acc(layer, layer.n)
-                rnn_groups.setdefault(path, {})[layer.name] = accs[layer.name]
-            elif layer.kind == Kind.MHA_IN_PROJ and isinstance(mod, nn.MultiheadAttention):
-                accs[layer.name] = _Acc(layer, layer.n, shared=shared)
-                mha.setdefault(path, {})[attr] = accs[layer.name]
-            else:
+            if not kind.accepts(mod):
                 self.missing[layer.name] = f"no input statistics for {layer.module_type} ({layer.kind})"
-        for path, group in rnn_groups.items():
-            mod = model.get_submodule(path)
-            handles.append(mod.register_forward_pre_hook(_rnn_hook(mod, path, group), with_kwargs=True))
-        for path, group in mha.items():
-            handles.append(model.get_submodule(path).register_forward_pre_hook(_mha_hook(group), with_kwargs=True))
+                continue
+            groups.setdefault((str(kind.kind), path), (kind, mod, []))[2].append(layer)
+        for (_, path), (kind, mod, group) in groups.items():
+            kind.statistics(path, mod, group, feeds)
+        order = [layer.name for layer in layer_list]  # accumulators and reasons in the layers' order
+        self.accs = {n: self.accs[n] for n in order if n in self.accs}
+        self.missing = {n: self.missing[n] for n in order if n in self.missing}
 
     @contextmanager
     def batch(self, mask: torch.Tensor | None = None) -> Iterator[None]:
@@ -423,26 +331,6 @@ class StatisticsHooks:
                 out.warnings.append(f"{name} saw {res.rows} calibration {what}, fewer than its input width "
                                     f"{res.width}: its statistics are singular (damped); give more calibration data")
         return out
-
-
-def _mha_hook(group: dict[str, _Acc]) -> Callable[..., None]:
-    def hook(m: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-        q, k, v = (_first(args, kwargs, n, i) for i, n in enumerate(("query", "key", "value")))
-        if "in_proj_weight" in group:
-            acc = group["in_proj_weight"]
-            acc.add_rows(q.reshape(-1, acc.n))
-            if not (k is q and v is q):
-                rows = acc.rows
-                acc.add_rows(k.reshape(-1, acc.n))
-                acc.add_rows(v.reshape(-1, acc.n))
-                acc.rows = rows
-                acc.approximate = ("query, key and value differ: their Grams are summed, so the layer-output "
-                                   "error is an estimate")
-        for attr, t in (("q_proj_weight", q), ("k_proj_weight", k), ("v_proj_weight", v)):
-            if attr in group:
-                group[attr].add_rows(t.reshape(-1, group[attr].n))
-
-    return hook
 
 
 def input_statistics(model: nn.Module, layers: dict[str, Layer] | list[Layer], batches: Calibration | list[Batch],

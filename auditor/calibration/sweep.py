@@ -23,15 +23,15 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
-from .. import lrmath
-from ..results import Kind, Layer
+from .. import kinds, lrmath
+from ..results import Layer
 from .inputs import Calibration
 from .metric import Evaluator, Metric
 from .stats import InputStatistics, by_name, input_statistics
 from .whiten import Truncator, WhitenedSpectrum
 
 
-SWEPT = (Kind.LINEAR, Kind.CONV1D_HF, Kind.CONV, Kind.EMBEDDING, Kind.RNN, Kind.MHA_IN_PROJ, Kind.MATMUL)
+SWEPT = kinds.registry.SWEPT  # the kinds a floor is measured for (a live view of auditor.kinds)
 
 
 @dataclass
@@ -337,9 +337,11 @@ class Sweeper:
         align, metric = self.align, self.metric
         grid = _grid(layer, align)
         inp = self.stats.layers.get(name)
-        if layer.kind not in SWEPT:
-            return Floor(name, None, None, None, None, None, False, None, init="",
-                         reason=f"not swept: no truncation for {layer.kind} weights")
+        kind = kinds.for_kind(layer.kind)
+        if not kind.swept or kind.cannot_factorize:
+            why = (f"{layer.kind} cannot be factorized: {kind.cannot_factorize}" if kind.cannot_factorize
+                   else f"no truncation for {layer.kind} weights")
+            return Floor(name, None, None, None, None, None, False, None, init="", reason=f"not swept: {why}")
         if not grid:
             return Floor(name, None, None, None, None, None, True, None,
                          reason=f"no multiple of {align} below break-even {layer.break_even:.1f}")

@@ -23,8 +23,8 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from .. import lrmath
-from ..results import Kind, Layer
+from .. import kinds, lrmath
+from ..results import Layer
 from .stats import LayerInput
 
 DAMP = 1e-6  # lambda = DAMP * mean(diag G): enough for a Cholesky of a singular G, negligible otherwise
@@ -34,13 +34,7 @@ ERROR_TARGETS = (0.01, 0.02, 0.05, 0.10)
 def function_matrices(layer: Layer, weight: torch.Tensor) -> np.ndarray:
     """The layer's map as (groups, out, in) float64: y = F x for each group."""
     w = weight.detach().to(torch.float64).cpu()
-    if layer.kind == Kind.EMBEDDING:
-        return w.T.contiguous().numpy()[None]
-    if layer.kind == Kind.CONV1D_HF:
-        return w.T.contiguous().numpy()[None]
-    if layer.kind == Kind.CONV:
-        return w.reshape(layer.groups, layer.m, layer.n).numpy()
-    return w.reshape(1, layer.m, layer.n).numpy()
+    return kinds.for_kind(layer.kind).function_matrices(layer, w)
 
 
 @dataclass
@@ -202,7 +196,7 @@ class Truncator:
         """The dense weight (stored layout, dtype and device) of the rank-``rank`` truncation."""
         f = np.stack([self.u[g][:, :rank] @ (self.u[g][:, :rank].T @ self.f[g]) for g in range(self.f.shape[0])])
         t = torch.from_numpy(f)
-        w = t[0].T if self.layer.kind in (Kind.EMBEDDING, Kind.CONV1D_HF) else t
+        w = kinds.for_kind(self.layer.kind).stored(self.layer, t)
         return w.reshape(self.shape).to(dtype=self.dtype, device=self.device)
 
 

@@ -15,7 +15,8 @@ from typing import Callable, Iterable, Sequence
 import numpy as np
 import torch
 
-from ..results import Kind, Layer, Spectrum
+from .. import kinds
+from ..results import Spectrum
 from ..tensorref import TensorRef
 from .backend import EPS64, LapackBackend, SkipSpectrum, SpectralBackend
 from .cache import SpectrumCache
@@ -104,11 +105,8 @@ def hash_task(task: SpectrumTask) -> str:
 
 
 def _view(ref: TensorRef, t: torch.Tensor) -> torch.Tensor:
-    from ..layers import matrix_view
-
-    layer = Layer(name=ref.tensor, param=ref.tensor, kind=Kind(ref.kind), module_type="", shape=tuple(t.shape),
-                  m=ref.m, n=ref.n, groups=ref.groups)
-    return matrix_view(layer, t)
+    """The tensor as its kind reads it: (groups, m, n)."""
+    return kinds.for_kind(ref.kind).matrices(t, ref.groups, ref.m, ref.n)
 
 
 def compute_task(task: SpectrumTask) -> SpectrumResult:

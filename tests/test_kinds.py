@@ -1,0 +1,175 @@
+"""A layer kind is one object handed to ``auditor.kinds.register``: a new kind defined here, with its own weight
+layout, gets counts and MACs, spectra, input statistics, a tier-2 floor and factorize; and the kinds that say they
+cannot be factorized (LSTM gates, MultiheadAttention's in_proj) are neither suggested for it nor swept."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+import auditor
+from auditor import kinds
+from auditor.calibration import load_calibration
+from auditor.calibration.stats import input_statistics
+from auditor.errors import AuditError
+from auditor.factorize import SUPPORTED, factorize
+from auditor.calibration.sweep import SWEPT
+from auditor.kinds import Cost, LayerKind, LayerSpec, MatrixView, fill
+from auditor.layers import ParamTable, collect_layers
+from auditor.results import Kind, Verdict
+
+
+class FusedQKV(nn.Module):
+    """q, k and v projections of one input in one weight stored (3, out, in); returns (..., 3, out)."""
+
+    def __init__(self, d_in: int, d_out: int) -> None:
+        super().__init__()
+        self.in_features, self.out_features = d_in, d_out
+        self.weight = nn.Parameter(torch.randn(3, d_out, d_in) / d_in ** 0.5)
+        self.bias = nn.Parameter(torch.randn(3, d_out) / 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.einsum("...i,koi->...ko", x, self.weight) + self.bias
+
+
+class FusedQKVKind(LayerKind):
+    """The whole kind: found as FusedQKV modules, viewed as one 3*out x in matrix, fed its input rows, swept, and
+    replaced by Linear(in, r) -> Linear(r, 3*out) -> Unflatten to (3, out)."""
+
+    kind = "fused_qkv"
+    label = "FusedQKV"
+    finds = {FusedQKV: LayerSpec(
+        weights=lambda mod: ("weight",),
+        view=lambda mod, name, s: MatrixView("fused_qkv", s[0] * s[1], s[2], 1, "(3, out, in) viewed as 3*out x in"),
+        cost=lambda mod, ins, out: [] if out is None else [Cost("weight", "linear", math.prod(out) * mod.in_features)])}
+    swept = True
+
+    def accepts(self, mod: nn.Module) -> bool:
+        return isinstance(mod, FusedQKV)
+
+    def statistics(self, path, mod, layers, feeds) -> None:
+        for layer in layers:
+            feed = feeds.rows(layer, layer.n)
+            feeds.hook(mod, lambda m, a, feed=feed: feed.add_rows(a[0], feeds.mask()))
+
+    def replace(self, layer, mod, r, a, b) -> nn.Module:
+        first = nn.Linear(layer.n, r, bias=False, dtype=mod.weight.dtype)
+        second = nn.Linear(r, layer.m, dtype=mod.weight.dtype)
+        if a is not None and b is not None:
+            fill(first.weight, b[0])
+            fill(second.weight, a[0])
+        with torch.no_grad():
+            second.bias.copy_(mod.bias.reshape(-1))
+        return nn.Sequential(first, second, nn.Unflatten(-1, (3, mod.out_features)))
+
+
+@pytest.fixture
+def fused():
+    kind = kinds.register(FusedQKVKind())
+    try:
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), FusedQKV(32, 24), nn.Flatten(-2), nn.Linear(72, 10))
+        with torch.no_grad():  # a weight of rank 8: its floor is rank 8, the first multiple of align
+            model[2].weight.copy_((torch.randn(72, 8) @ torch.randn(8, 32)).reshape(3, 24, 32) / 16)
+        yield model, torch.randn(256, 16)
+    finally:
+        kinds.unregister(kind)
+
+
+def test_a_new_kind_registered_by_one_object_gets_counts_spectra_statistics_floors_and_factorize(fused):
+    model, x = fused
+    assert "fused_qkv" in SUPPORTED and "fused_qkv" in SWEPT and kinds.for_module(model[2]).kind == "fused_qkv"
+    a = auditor.audit(model, x[:4], calibration={"x": x}, measure_floor=True, cache=False, progress=False)
+    layer = a.layer("2")
+    assert (layer.kind, layer.module_type, layer.m, layer.n, layer.groups) == ("fused_qkv", "FusedQKV", 72, 32, 1)
+    assert layer.params == 3 * 24 * 32 and layer.macs == 4 * 72 * 32  # 4 rows of the example input
+    w = model[2].weight.detach().double().reshape(72, 32)
+    sigma = np.asarray(a.spectra["2"].sigma[0])
+    assert np.allclose(sigma, torch.linalg.svdvals(w).numpy(), rtol=1e-5, atol=1e-6 * float(sigma[0]))
+    cal = a.calibration
+    assert "2" not in cal.missing and cal.layers["2"].suggested == 8
+    assert cal.layers["2"].floor.floor == 8 and cal.layers["2"].floor.metric_at_floor < 1e-5
+    assert a.suggestions["2"].verdict is Verdict.FACTORIZE and a.suggestions["2"].rank == 8
+
+
+def test_the_new_kinds_statistics_are_x_transpose_x_and_full_rank_factorize_is_the_dense_module(fused):
+    model, x = fused
+    layers = collect_layers(model, ParamTable.of(model))
+    cal = load_calibration({"x": x}, model, holdout=0.25, batch_size=64)
+    stats = input_statistics(model, layers, cal)
+    seen: list[torch.Tensor] = []
+    h = model[2].register_forward_pre_hook(lambda m, a: seen.append(a[0].detach().double()))
+    with torch.no_grad():
+        for b in cal.fit:
+            model(*b.args, **b.kwargs)
+    h.remove()
+    xs = torch.cat(seen)
+    inp = stats.layers["2"]
+    assert (inp.kind, inp.rows, inp.width) == ("fused_qkv", xs.shape[0], 32)
+    assert np.allclose(inp.gram[0], (xs.T @ xs).numpy(), rtol=1e-12, atol=1e-9)
+    for calibration in (None, stats):
+        f = factorize(model, {"2": 32}, calibration)
+        assert isinstance(f[2], nn.Sequential) and isinstance(f[2][2], nn.Unflatten)
+        with torch.no_grad():
+            assert torch.allclose(f(x), model(x), rtol=0, atol=1e-6)
+            assert torch.allclose(f[2](xs.float()), model[2](xs.float()), rtol=0, atol=1e-6)
+
+
+def test_an_unregistered_kind_is_no_longer_found_nor_rewritten(fused):
+    model, _ = fused
+    kinds.unregister(kinds.for_kind("fused_qkv"))
+    assert "fused_qkv" not in SUPPORTED and kinds.for_module(model[2]) is None
+    assert "2" not in {l.name for l in collect_layers(model, ParamTable.of(model)).values()}
+    assert kinds.rewritable_labels() == "Linear, Conv1D, Conv1d/2d/3d and Embedding"
+
+
+class RecurrentAttention(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lstm = nn.LSTM(32, 64, batch_first=True)
+        self.attn = nn.MultiheadAttention(64, 4, batch_first=True)
+        self.head = nn.Linear(64, 64)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h, _ = self.lstm(x)
+        a, _ = self.attn(h, h, h, need_weights=False)
+        return self.head(a)
+
+
+def test_lstm_gates_and_mha_in_proj_are_neither_suggested_for_factorization_nor_swept():
+    torch.manual_seed(0)
+    model = RecurrentAttention().eval()
+    x = torch.randn(32, 6, 32)
+    a = auditor.audit(model, x[:2], calibration={"x": x}, measure_floor=True, cache=False, progress=False)
+    refused = {"lstm.weight_ih_l0": "rnn", "lstm.weight_hh_l0": "rnn", "attn.in_proj_weight": "mha_in_proj"}
+    for name, kind in refused.items():
+        layer = a.layer(name)
+        assert str(layer.kind) == kind and layer.break_even >= 16  # not narrow: refused for its kind alone
+        assert kind not in SUPPORTED and kind not in SWEPT
+        sg = a.suggestions[name]
+        assert sg.verdict is not Verdict.FACTORIZE and sg.rank is None
+        assert sg.reason.startswith(f"keep dense: {kind} cannot be factorized: ") and "measured" not in sg.reason
+        assert a.spectra[name].sigma is not None  # the spectrum is kept
+        lc = a.calibration.layers[name]  # and the tier-1 statistics
+        assert lc.rows > 0 and lc.floor is not None and lc.floor.floor is None and lc.floor.points == []
+        assert lc.floor.reason.startswith(f"not swept: {kind} cannot be factorized: ")
+    assert "fused recurrence" in a.calibration.layers["lstm.weight_ih_l0"].floor.reason
+    assert "fused attention call" in a.calibration.layers["attn.in_proj_weight"].floor.reason
+    data_free = auditor.audit(model, x[:2], cache=False, progress=False).suggestions
+    assert data_free["lstm.weight_hh_l0"].reason.startswith("rnn cannot be factorized: its gate matrices")
+    assert data_free["attn.in_proj_weight"].reason.startswith("mha_in_proj cannot be factorized: MultiheadAttention")
+    assert a.suggestions["head"].verdict is not None  # the Linear after them is judged as ever
+    with pytest.raises(AuditError, match=r"lstm\.weight_ih_l0 is LSTM \(rnn\): its gate matrices"):
+        factorize(model, {"lstm.weight_ih_l0": 8})
+
+
+def test_weights_only_guesses_come_from_the_kinds():
+    assert kinds.guess("model.embed_tokens.weight", (100, 16))[0].kind == Kind.EMBEDDING
+    assert kinds.guess("layers.0.mlp.up.weight", (64, 16))[0].kind == Kind.TENSOR
+    k, m, n, view = kinds.guess("conv.weight", (8, 3, 3, 3))
+    assert (k.kind, m, n, view) == (Kind.CONV, 8, 27, "4-D kernel viewed as dim0 x prod(rest)")
+    assert kinds.guess("scale", (16,)) is None
