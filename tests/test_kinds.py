@@ -173,3 +173,19 @@ def test_weights_only_guesses_come_from_the_kinds():
     k, m, n, view = kinds.guess("conv.weight", (8, 3, 3, 3))
     assert (k.kind, m, n, view) == (Kind.CONV, 8, 27, "4-D kernel viewed as dim0 x prod(rest)")
     assert kinds.guess("scale", (16,)) is None
+
+
+def test_transposed_convolution_is_audited_but_never_suggested():
+    """A kind with no replacement says so, so no suggestion asks for what factorize() would refuse."""
+    import auditor
+    from auditor.factorize import factorize as fz
+
+    model = nn.Sequential(nn.Conv2d(3, 64, 3), nn.ConvTranspose2d(64, 64, 3))
+    a = auditor.audit(model, (torch.randn(2, 3, 12, 12),), options=auditor.AuditOptions(cache=False, progress=False))
+    s = a.suggestions
+    assert s["1"].verdict != "factorize" and "transposed convolution" in s["1"].reason
+    assert s["0"].verdict == "keep dense"  # narrow: 64 x 27
+    spec = {l.name: l for l in a.layers}["1"]
+    assert (spec.m, spec.n) == (64, 576) and a.spectra["1"].sigma[0][0] > 0
+    with pytest.raises(Exception, match="transposed convolution"):
+        fz(model, {"1": 8})

@@ -1,4 +1,4 @@
-"""Convolutions (``nn.Conv1d/2d/3d``, and the transposed ones, which are found and viewed but not rewritten).
+"""Convolutions (``nn.Conv1d/2d/3d``, and the transposed ones, which are found and viewed but cannot be factorized).
 
 A convolution's weight (out, in/g, *kernel) is ``g`` matrices of out/g x in/g * prod(kernel); a transposed one's
 (in, out/g, *kernel) is read per group as out/g x in/g * prod(kernel). Statistics: the unfolded input patches, with
@@ -119,9 +119,11 @@ def _transpose_matrices(t: torch.Tensor, g: int, m: int, n: int) -> torch.Tensor
 
 
 class ConvTransposeKind(LayerKind):
-    """Found by :class:`ConvKind` (one module type, two views); not swept, no replacement today."""
+    """Found by :class:`ConvKind` (one module type, two views); neither swept nor suggested: no replacement."""
 
     kind = Kind.CONV_TRANSPOSE
+    cannot_factorize = ("factorize() has no two-module replacement for a transposed convolution (its weight is read "
+                        "(in, out/g, *kernel) by the adjoint of a convolution)")
 
     def matrices(self, t: torch.Tensor, groups: int, m: int, n: int) -> torch.Tensor:
         return _transpose_matrices(t, groups, m, n)
