@@ -26,7 +26,7 @@ from ..calresults import (
     CalibrationReport, LayerCalibration, PlanCheck, subsample,
 )
 from ..errors import AuditError
-from ..results import Kind, Layer, Suggestion, Verdict
+from ..results import Layer, Suggestion, Verdict
 from .inputs import Calibration
 from .metric import Metric
 from .session import STATS_KINDS, CalibrationSession, _statistics, cache_path, metric_of, statistics_memory
