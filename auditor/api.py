@@ -251,7 +251,8 @@ def factorize(model: "nn.Module", plan: Any, calibration: Any = None) -> "nn.Mod
     ``plan``: ``{layer name: rank}``, or anything :func:`audit` accepts as a plan (a TOML/JSON path, a
     :class:`auditor.plan.Plan`, a plan table with ``ranks``), whose patterns and specs (``"0.5be"``,
     ``"energy:0.95"``) are reviewed against the model as the audit reviews them. ``calibration``: None (factors from
-    the plain SVD of each weight), a ``Calibration``, ``InputStatistics``, or any source
+    the plain SVD of each weight), a ``CalibrationSession`` (an audit's: its statistics are reused), a
+    ``Calibration``, ``InputStatistics``, or any source
     :func:`auditor.calibration.load_calibration` reads (a path, a dict of tensors; its default 25% held out): the
     factors then come from the whitened truncation on the calibration part.
 
@@ -264,7 +265,6 @@ def factorize(model: "nn.Module", plan: Any, calibration: Any = None) -> "nn.Mod
     from torch import nn
 
     from .factorize import factorize as apply_plan
-    from .factorize import resolve_plan
 
     if not isinstance(model, nn.Module):
         raise AuditError(f"factorize() needs the model as an nn.Module, got {type(model).__name__}",
@@ -281,17 +281,13 @@ def factorize(model: "nn.Module", plan: Any, calibration: Any = None) -> "nn.Mod
         ranks = {it.layer: it.rank for it in result.review.items} if result.review is not None else {}
         if not ranks:
             raise AuditError(f"the plan factorizes no layer of {result.model_name}", "Check the plan's patterns")
-    stats = None
     if calibration is not None:
-        from .calibration.inputs import Calibration, load_calibration
-        from .calibration.stats import InputStatistics, input_statistics
+        from .calibration.session import CalibrationSession
+        from .calibration.stats import InputStatistics
 
-        if isinstance(calibration, InputStatistics):
-            stats = calibration
-        else:
-            cal = calibration if isinstance(calibration, Calibration) else load_calibration(calibration, model)
-            stats = input_statistics(model, [layer for layer, _ in resolve_plan(model, ranks).values()], cal)
-    return apply_plan(model, ranks, stats)
+        if not isinstance(calibration, InputStatistics):  # data becomes a session; a session is used as it is
+            calibration = CalibrationSession.of(calibration, model)
+    return apply_plan(model, ranks, calibration)
 
 
 class FactorizeModule(types.ModuleType):

@@ -1,10 +1,35 @@
 """The calibration stage's result as plain data (no torch, no I/O): what ``Audit.calibration`` holds and what the
-renderers and rules read. Built by :mod:`auditor.calibration.stage` from the library's tier results."""
+renderers and rules read. These are also what the tiers return: tier 2 (``calibration.sweep``) gives a
+:class:`LayerFloor` per layer, tier 3 (``calibration.budget``) a :class:`BudgetResult` with its
+:class:`FrontierPlan` points; the stage puts them into the report as they are.
+
+A field marked ``WORKING`` is the measuring code's (where a search started, each plan's ranks, every plan tried):
+it lives on the object but is not part of the report (:meth:`CalibrationReport.to_dict` leaves it out)."""
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field, fields, is_dataclass
 from typing import Any
+
+WORKING = {"report": False}  # dataclass field metadata: kept on the object, left out of the report
+
+
+def working(default: Any = None, factory: Any = None) -> Any:
+    """A field the tiers fill for their callers that the report leaves out."""
+    if factory is not None:
+        return field(default_factory=factory, metadata=WORKING)
+    return field(default=default, metadata=WORKING)
+
+
+def report_dict(obj: Any) -> Any:
+    """``dataclasses.asdict`` without the ``WORKING`` fields (tuples stay tuples, as there)."""
+    if is_dataclass(obj) and not isinstance(obj, type):
+        return {f.name: report_dict(getattr(obj, f.name)) for f in fields(obj) if f.metadata.get("report", True)}
+    if isinstance(obj, dict):
+        return {k: report_dict(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)) and not hasattr(obj, "_fields"):
+        return type(obj)(report_dict(v) for v in obj)
+    return obj
 
 ERROR_TARGETS = ("0.01", "0.02", "0.05", "0.1")  # keys of LayerCalibration.ranks_for: layer-output error
 CURVE_POINTS = 48  # the error curve is subsampled to at most this many ranks (log-spaced, every rank when fewer)
@@ -20,8 +45,12 @@ class LayerFloor:
     cliff_metric: float | None
     compression: float | None
     keep_dense: bool  # "keep dense (measured)": no rank below break-even holds
-    points: list[tuple[int, float]] = field(default_factory=list)
+    points: list[tuple[int, float]] = field(default_factory=list)  # (rank, metric), by rank
     reason: str = ""
+    layer: str = working("")
+    start_rank: int | None = working(None)  # where the search started (the tier-1 rank, aligned)
+    top1: dict[int, float] = working(factory=dict)  # rank -> top-1 agreement (built-in metrics)
+    init: str = working("whitened")  # "whitened" | "svd" (no input statistics) | "" (not swept)
 
 
 @dataclass
@@ -57,6 +86,9 @@ class FrontierPlan:
     ok: bool
     layers: int  # planned layers
     top1: float | None = None
+    target: int = working(0)  # parameters the allocation aimed to remove
+    plan: dict[str, int] = working(factory=dict)  # the plan's ranks
+    predicted_cost: float = working(0.0)  # the summed single-layer costs the allocation predicted
 
 
 @dataclass
@@ -76,6 +108,15 @@ class BudgetResult:
     exhausted: bool = False  # the search hit its measurement cap before the bracket closed
     fixed: dict[str, int] = field(default_factory=dict)  # layers in every plan at their data-free rank
     smallest_failing: int | None = None  # parameters removed by the smallest measured plan above it that failed
+    params_before: int = working(0)
+    params_after: int = working(0)
+    predicted_cost: float = working(0.0)
+    metric_label: str = working("")
+    higher_is_better: bool = working(False)
+    reference: float = working(0.0)  # the dense model's metric
+    tolerance: float = working(0.0)
+    tries: list[FrontierPlan] = working(factory=list)  # every distinct plan measured, in order
+    seconds: float = working(0.0)
 
 
 @dataclass
@@ -126,7 +167,7 @@ class CalibrationReport:
         return {k: list(v.floor.points) for k, v in self.layers.items() if v.floor is not None and v.floor.points}
 
     def to_dict(self) -> dict[str, Any]:
-        d = asdict(self)
+        d = report_dict(self)
         for v in d["layers"].values():
             v["curve"] = [list(p) for p in v["curve"]]
             if v["floor"] is not None:

@@ -10,8 +10,9 @@ import argparse
 import os
 import sys
 from pathlib import Path
-from typing import TYPE_CHECKING, NoReturn, Sequence
+from typing import TYPE_CHECKING, Sequence
 
+from .cli_parser import UsageError, _Parser
 from .config import FailOn
 from .errors import AuditError, ExitCode, first_line
 from .options import Tracer
@@ -182,7 +183,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(exc, file=sys.stderr)
         return ExitCode.BAD_INPUT
     except SystemExit:
-        raise  # argparse: --help and --version (0); the factorize parser's usage errors (2)
+        raise  # argparse: --help and --version (0)
     except KeyboardInterrupt:
         print(f"interrupted: {'wrote ' + ', '.join(map(str, written)) if written else 'no report written'}",
               file=sys.stderr)
@@ -248,18 +249,6 @@ def _reserve_standard_streams() -> None:
                 pass
     if sys.stderr is None:
         sys.stderr = open(os.devnull, "w")  # noqa: SIM115 - lives as long as the process
-
-
-class UsageError(Exception):
-    """A command line argparse refuses, as the one line :func:`main` prints (exit 2)."""
-
-
-class _Parser(argparse.ArgumentParser):
-    """argparse with a usage error as one line (``error: ... See lowrank-audit --help.``), exit 2, not the usage."""
-
-    def error(self, message: str) -> "NoReturn":  # type: ignore[override]
-        line = " ".join(message.split()).rstrip(".")
-        raise UsageError(f"error: {line}. See {self.prog} --help.")
 
 
 def _silence_stdout() -> None:

@@ -24,7 +24,9 @@ from .errors import AuditError, ExitCode
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    from .cli_parser import _Parser
+
+    p = _Parser(
         prog="lowrank-audit factorize",
         description="Apply a compression plan: each planned layer becomes two (SVD, or whitened with calibration); "
                     "writes model.safetensors and plan.json. A recovery fine-tune follows.")
@@ -102,7 +104,7 @@ def run(args: argparse.Namespace) -> int:
     from .load import parse_shape
     from .options import AuditOptions, LoadOptions
     from .outputs import write_folder
-    from .pipeline import audit, load_model
+    from .pipeline import audit_session, load_model
     from .plan import Plan
     from .policy import input_errors
 
@@ -133,7 +135,7 @@ def run(args: argparse.Namespace) -> int:
         raise AuditError("--holdout, --metric, --tolerance and --calibration-length need --calibration",
                          "Pass --calibration FILE")
     check_targets(model, list(plan_obj.ranks))  # complex, quantized, unsupported or tied: before any calibration
-    result = audit(model, loaded.example_inputs, plan=plan_obj, options=options)
+    result, session = audit_session(model, loaded.example_inputs, plan=plan_obj, options=options)
     for f in input_errors(result):
         raise AuditError(f"{f.code} {f.message}", f.fix)
     rv = result.review
@@ -142,26 +144,18 @@ def run(args: argparse.Namespace) -> int:
         raise AuditError(f"plan {args.plan} factorizes no layer of {loaded.name}", "Check the plan's patterns")
     if not args.allow_no_saving:
         _no_saving(result, plan)
-    stats = cal = None
-    if args.calibration is not None:
-        from .calibration import input_statistics, load_calibration
-        from .calibration.inputs import eval_mode
-
-        cal = load_calibration(args.calibration, model, options.holdout, tokenizer=options.tokenizer,
-                               length=options.calibration_length)
-        with eval_mode(model):  # the statistics the audit measured the plan with: dropout off, as there
-            stats = input_statistics(model, [result.layer(k) for k in plan], cal)
-    new = factorize(model, plan, stats)
+    # the audit's session: the batches it read, the statistics it measured the plan with, its dense reference
+    new = factorize(model, plan, session)
+    cal = session.calibration if session is not None else None
     cr = result.calibration
     pc = cr.plan_check if cr is not None else None
-    extra = {"init": "whitened" if stats is not None else "svd", "params_before": count_params(model)}
+    extra = {"init": "whitened" if session is not None else "svd", "params_before": count_params(model)}
     if pc is not None and cr is not None:
         extra["measured"] = {"metric": cr.metric, "value": pc.measured, "holds": pc.ok, "tolerance": cr.tolerance,
                              "predicted": pc.predicted, "top1": pc.top1, "calibration_digest": cr.digest}
     if recovery is not None:
-        from .calibration.stage import metric_of
-
-        extra["recovery"] = cli_recover(recovery, new, model, cal, metric_of(options, model, cal))
+        extra["recovery"] = cli_recover(recovery, new, model, session if session is not None else cal,
+                                        session.metric if session is not None else None)
     exported: list[str] = []
 
     def write(stage: Any) -> None:
@@ -189,7 +183,13 @@ def run(args: argparse.Namespace) -> int:
 
 
 def main(argv: Sequence[str]) -> int:
-    args = _parser().parse_args(list(argv))
+    from .cli_parser import UsageError
+
+    try:
+        args = _parser().parse_args(list(argv))
+    except UsageError as exc:
+        print(str(exc), file=sys.stderr)
+        return ExitCode.BAD_INPUT
     try:
         return run(args)
     except AuditError as exc:

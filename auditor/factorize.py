@@ -196,8 +196,8 @@ def _two(layer: Layer, mod: nn.Module, r: int, a: np.ndarray | None, b: np.ndarr
 def factorize(model: nn.Module, plan: dict[str, int], calibration: Any = None, *, init: bool = True,
               layers: dict[str, Layer] | None = None, reuse: dict[str, Any] | None = None) -> nn.Module:
     """A deep copy of ``model`` with each planned layer (``{layer name: rank}``) replaced by two; ``model`` is left
-    untouched. ``calibration``: None (plain SVD), a ``Calibration`` (input statistics are gathered on ``model``), or
-    ``InputStatistics``. ``init=False`` builds the structure only (for ``load_factorized``). ``reuse``: a dict the
+    untouched. ``calibration``: None (plain SVD), a ``CalibrationSession`` (its statistics, read once), a
+    ``Calibration`` (input statistics are gathered on ``model``, in eval mode), or ``InputStatistics``. ``init=False`` builds the structure only (for ``load_factorized``). ``reuse``: a dict the
     caller keeps across calls with the same model and calibration, so each layer is decomposed once."""
     from .calibration.whiten import Truncator
 
@@ -206,15 +206,17 @@ def factorize(model: nn.Module, plan: dict[str, int], calibration: Any = None, *
     stats = None
     if calibration is not None and init:
         from .calibration.inputs import Calibration
-        from .calibration.stats import InputStatistics, input_statistics
+        from .calibration.session import CalibrationSession
+        from .calibration.stats import InputStatistics
 
         if isinstance(calibration, InputStatistics):
             stats = calibration
-        elif isinstance(calibration, Calibration):
-            stats = input_statistics(model, [l for l, _ in resolved.values()], calibration)
+        elif isinstance(calibration, (Calibration, CalibrationSession)):
+            planned = [l for l, _ in resolved.values()]  # the session's statistics when they cover the plan
+            stats = CalibrationSession.of(calibration, model, layers=planned).statistics(planned)
         else:
             raise AuditError(f"calibration is a {type(calibration).__name__}",
-                             "Pass a Calibration (load_calibration) or InputStatistics")
+                             "Pass a CalibrationSession, a Calibration (load_calibration) or InputStatistics")
     new = copy.deepcopy(model)
     for name, (layer, r) in resolved.items():
         path, attr = kinds.for_kind(layer.kind).module_path(layer)

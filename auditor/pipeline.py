@@ -39,6 +39,8 @@ from .results import Audit, GraphNode, Layer, LayerGraph, Spectrum, Suggestion, 
 if TYPE_CHECKING:
     import networkx as nx
 
+    from .calibration.session import CalibrationSession
+
     from .layers import ParamTable
     from .load import Loaded, WeightsOnly
     from .plan import Plan
@@ -335,11 +337,19 @@ def audit(model: Any, inputs: Any = None, *, plan: Any = None, options: AuditOpt
     >>> a.total_params, a.total_macs, str(a.trace_method)
     (2080, 2048, 'torch.fx.symbolic_trace')
     """
+    opts = (options or AuditOptions()).with_(**shortcuts) if shortcuts else (options or AuditOptions())
+    return audit_session(model, inputs, plan=plan, options=opts)[0]
+
+
+def audit_session(model: Any, inputs: Any = None, *, plan: Any = None,
+                  options: AuditOptions | None = None) -> "tuple[Audit, CalibrationSession | None]":
+    """:func:`audit`, and the calibration session it measured with (None without calibration data): the model, the
+    batches, the input statistics and the evaluator with its dense reference, for a caller that goes on to
+    factorize or recover with them (``lowrank-audit factorize``) instead of reading and measuring all again."""
     from .load import WeightsOnly
     from .plan import Plan
-    from .progress import Progress
 
-    opts = (options or AuditOptions()).with_(**shortcuts) if shortcuts else (options or AuditOptions())
+    opts = options or AuditOptions()
     progress = _progress(opts)
     plan_obj = Plan.coerce(plan) if plan is not None else None
     settings = resolve_settings(opts, plan_obj)
@@ -366,7 +376,7 @@ def audit(model: Any, inputs: Any = None, *, plan: Any = None, options: AuditOpt
 
         with progress.phase("plan check"):
             result = replace(result, calibration=check_plan(calibrated, model, result))
-    return check(result, plan_obj)
+    return check(result, plan_obj), calibrated.session if calibrated is not None else None
 
 
 def _progress(options: AuditOptions) -> "Progress":

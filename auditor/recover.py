@@ -40,6 +40,7 @@ from torch import nn
 
 from .calibration.inputs import Batch, Calibration, model_device
 from .calibration.metric import Evaluator, Metric, main_output
+from .calibration.session import CalibrationSession
 from .errors import AuditError
 
 TRAINABLE = ("factors", "all")
@@ -219,7 +220,7 @@ def _schedule(step: int, steps: int, warmup: int) -> float:
     return max(0.0, (steps - step + 1) / max(1, steps - warmup))
 
 
-def recover(factorized: nn.Module, dense: nn.Module, calibration: Calibration, *, steps: int,
+def recover(factorized: nn.Module, dense: nn.Module, calibration: "Calibration | CalibrationSession", *, steps: int,
             lr: float = DEFAULT_LR, trainable: str = "factors", seed: int = 0, eval_every: int | None = None,
             eval_at: Sequence[int] = (), objective: str = "auto", metric: Metric | None = None, warmup: int | None = None, clip: float = 1.0,
             progress: Progress | None = None) -> Recovery:
@@ -227,6 +228,10 @@ def recover(factorized: nn.Module, dense: nn.Module, calibration: Calibration, *
     measure the held-out metric before, every ``eval_every`` steps, at the steps in ``eval_at`` and after; see the
     module docstring."""
     _check_settings(steps, lr, trainable, objective, seed, eval_every, warmup, clip)
+    session = None
+    if isinstance(calibration, CalibrationSession):  # its evaluator: the dense reference is not measured again
+        session = CalibrationSession.of(calibration, dense, metric=metric)
+        calibration = session.calibration
     if not isinstance(calibration, Calibration):
         raise AuditError(f"recovery calibration is a {type(calibration).__name__}",
                          "Pass a Calibration (auditor.calibration.load_calibration)")
@@ -259,7 +264,7 @@ def recover(factorized: nn.Module, dense: nn.Module, calibration: Calibration, *
     params = list(chosen.values())
     flags = {id(p): p.requires_grad for p in factorized.parameters()}
     dense_flags = {id(p): p.requires_grad for p in dense.parameters()}
-    ev = Evaluator(dense, calibration, metric)
+    ev = session.evaluator if session is not None else Evaluator(dense, calibration, metric)
     held = ev.batches  # the held-out batches (calibration.measure), on the model's device
     targets = _Targets(dense, fit)
     held_targets = _Targets(dense, held)

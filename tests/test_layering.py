@@ -24,7 +24,7 @@ PKG = Path(auditor.__file__).resolve().parent
 
 # From the top down. A name covers the module and, for a package, every module inside it.
 LAYERS: list[tuple[str, tuple[str, ...]]] = [
-    ("cli", ("auditor.__main__", "auditor.cli", "auditor.cli_factorize", "auditor.cli_plan")),
+    ("cli", ("auditor.__main__", "auditor.cli", "auditor.cli_factorize", "auditor.cli_parser", "auditor.cli_plan")),
     ("api", ("auditor", "auditor.api")),  # auditor/__init__.py and the front object over the plain result
     ("pipeline", ("auditor.pipeline",)),
     ("report", ("auditor.render", "auditor.baseline", "auditor.policy")),

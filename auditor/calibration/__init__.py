@@ -8,7 +8,12 @@
 - Tier 3: ``plan_for_budget`` allocates ranks over the curves (Lagrangian), applies the whole plan at once with
   ``auditor.factorize.factorize`` and backs off until the model-level metric holds; it also measures a frontier.
 
-Inputs and results are plain dataclasses; only ``Calibration`` (the input batches) holds tensors.
+A ``CalibrationSession`` (``session.py``) owns what they all measure with: the model, the batches, the input
+statistics (computed once), the metric and one ``Evaluator`` (the dense reference measured once); every tier, the plan
+check and ``auditor.factorize.factorize`` take one, or build one from the data they are given.
+
+Inputs and results are plain dataclasses (tier 2 and 3 return the report's own types, ``auditor.calresults``); only
+``Calibration`` (the input batches) and the session hold tensors.
 """
 
 from __future__ import annotations
@@ -16,6 +21,7 @@ from __future__ import annotations
 from .inputs import Batch, Calibration, load_calibration, token_statistics
 from .metric import Evaluator, Measurement, Metric, load_metric
 from .stats import InputStatistics, LayerInput, by_name, input_statistics
+from .session import CalibrationSession
 from .whiten import Truncator, WhitenedSpectrum, truncated_factors, truncated_weight, whitened_spectrum
 from .tier1 import tier1, whitened_spectra
 from .sweep import Floor, Floors, Sweeper, measure_floors
@@ -25,7 +31,7 @@ from .budget import (
 )
 
 __all__ = [
-    "Batch", "BudgetPlan", "Calibration", "Curves", "Evaluator", "Floor", "Floors", "FrontierPoint",
+    "Batch", "BudgetPlan", "Calibration", "CalibrationSession", "Curves", "Evaluator", "Floor", "Floors", "FrontierPoint",
     "InputStatistics", "LayerInput", "Measurement", "Metric", "Option", "Sweeper", "Truncator", "WhitenedSpectrum", "allocate",
     "by_name", "curves_from_floors", "curves_from_spectra", "input_statistics", "load_calibration", "load_metric",
     "measure_floors", "plan_for_budget", "tier1", "token_statistics", "truncated_factors", "truncated_weight",

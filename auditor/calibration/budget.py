@@ -13,17 +13,19 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass
 from typing import Callable
 
 from torch import nn
 
 from .. import lrmath
+from ..calresults import BudgetResult, FrontierPlan
 from ..factorize import SUPPORTED, count_params, factorize
 from ..results import Layer
 from .inputs import Calibration
 from .metric import Evaluator, Metric
-from .stats import InputStatistics, by_name, input_statistics
+from .session import CalibrationSession
+from .stats import InputStatistics, by_name
 from .sweep import Floors
 from .whiten import WhitenedSpectrum
 
@@ -59,10 +61,10 @@ def curves_from_floors(floors: Floors, layers: dict[str, Layer] | list[Layer],
         if layer is None:  # measured but not planned (tied, or a kind factorize cannot rewrite)
             continue
         measured = {r: v for r, v in f.points if lrmath.saves(layer.m, layer.n, r)}
-        costs = {r: (max(0.0, floors.reference - v) if floors.higher_is_better else v * v)
+        costs = {r: metric_cost(floors.kind, floors.higher_is_better, floors.reference, v)
                  for r, v in measured.items()}
         spec = spectra.get(name) if spectra else None
-        if spec is not None and not floors.higher_is_better and _gains(f.points, spec):
+        if spec is not None and floors.kind != "user" and _gains(f.points, spec):
             useful = lrmath.max_useful_rank(layer.m, layer.n)
             for r in range(floors.align, useful + 1, floors.align):
                 if r not in costs:
@@ -71,6 +73,15 @@ def curves_from_floors(floors: Floors, layers: dict[str, Layer] | list[Layer],
         if opts:
             out[name] = opts
     return Curves(out, "measured")
+
+
+def metric_cost(kind: str, higher_is_better: bool, reference: float, value: float) -> float:
+    """What a planner adds up for one measured value: the squared value of a built-in metric (relative errors,
+    the perplexity increase and the KL combine roughly in quadrature), or how far a user metric moved the wrong way
+    from the dense value, in its units."""
+    if kind != "user":
+        return value * value
+    return max(0.0, reference - value) if higher_is_better else max(0.0, value - reference)
 
 
 def _gains(points: list[tuple[int, float]], spec: WhitenedSpectrum) -> list[tuple[int, float]]:
@@ -159,56 +170,15 @@ def allocate(curves: Curves, target_saved: float) -> tuple[dict[str, int], int, 
     return _pick(opts, hi)
 
 
-@dataclass
-class FrontierPoint:
-    """One plan measured all at once."""
-
-    target: int  # parameters the allocation aimed to remove
-    plan: dict[str, int]
-    removed: int
-    removed_fraction: float
-    predicted_cost: float
-    metric: float
-    ok: bool
-    top1: float | None = None
+FrontierPoint = FrontierPlan  # one plan measured all at once: the report's type (auditor/calresults.py)
+BudgetPlan = BudgetResult  # tier 3's result: the report's type, returned as it is
 
 
-@dataclass
-class BudgetPlan:
-    """Tier-3 result: the chosen plan, its measured all-at-once metric, the tries and the frontier."""
-
-    plan: dict[str, int]
-    params_before: int
-    params_after: int
-    removed: int
-    removed_fraction: float
-    metric: float
-    ok: bool
-    top1: float | None
-    predicted_cost: float
-    metric_label: str
-    higher_is_better: bool
-    reference: float
-    tolerance: float
-    budget: float | None
-    source: str  # "measured" | "tier1"
-    tries: list[FrontierPoint] = field(default_factory=list)
-    frontier: list[FrontierPoint] = field(default_factory=list)
-    seconds: float = 0.0
-    exhausted: bool = False  # the search stopped at ``max_tries`` measurements before the bracket closed
-    smallest_failing: int | None = None  # parameters removed by the smallest measured plan above it that failed
-
-    @property
-    def evaluations(self) -> int:
-        """Distinct plans factorized and measured."""
-        return len(self.tries)
-
-
-def plan_for_budget(model: nn.Module, layers: dict[str, Layer] | list[Layer], calibration: Calibration,
-                    curves: Curves, budget: float | None = None, tolerance: float | None = None,
+def plan_for_budget(model: nn.Module, layers: dict[str, Layer] | list[Layer],
+                    calibration: Calibration | CalibrationSession, curves: Curves, budget: float | None = None, tolerance: float | None = None,
                     metric: Metric | Callable[..., float] | None = None, stats: InputStatistics | None = None,
                     frontier: int = 5, max_tries: int = 64, fixed: dict[str, int] | None = None,
-                    progress: Callable[[int], None] | None = None) -> BudgetPlan:
+                    progress: Callable[[int], None] | None = None) -> BudgetResult:
     """Tier 3: the largest plan over ``curves`` that holds the tolerance all at once on the held-out batches.
 
     Each target (parameters to remove) gives one plan (:func:`allocate`); a plan is factorized and measured once
@@ -223,10 +193,6 @@ def plan_for_budget(model: nn.Module, layers: dict[str, Layer] | list[Layer], ca
     Only layers ``factorize`` rewrites take part. The model is measured in eval mode; its mode is restored.
     ``progress(plans measured so far)`` is called after each plan is measured (how many there will be is not known)."""
     t0 = time.perf_counter()
-    if metric is None or callable(metric) and not isinstance(metric, Metric):
-        metric = Metric(fn=metric)  # type: ignore[arg-type]
-    if tolerance is not None:
-        metric = replace(metric, tolerance=tolerance)  # keeps the metric's kind (perplexity, kl, ...)
     named = by_name(layers)
     fixed = {k: int(r) for k, r in (fixed or {}).items()}
     unknown = [k for k in fixed if k not in named]
@@ -238,28 +204,28 @@ def plan_for_budget(model: nn.Module, layers: dict[str, Layer] | list[Layer], ca
     options = {k: v for k, v in curves.options.items()
                if k in named and named[k].kind in SUPPORTED and k not in fixed}
     curves = Curves(options, curves.source)
-    from .inputs import eval_mode
-
-    with eval_mode(model):  # every module's own mode is restored afterwards
-        if stats is None:
-            stats = input_statistics(model, [named[k] for k in [*options, *fixed] if k in named], calibration)
-        ev = Evaluator(model, calibration, metric)
-        return _search(model, ev, curves, named, stats, metric, budget, frontier, max_tries, fixed, t0, progress)
+    planned = {k: named[k] for k in [*options, *fixed] if k in named}
+    session = CalibrationSession.of(calibration, model, metric=metric, tolerance=tolerance, layers=planned,
+                                    stats=stats)  # a metric given keeps its kind (perplexity, kl, ...)
+    with session.measuring():  # every module's own mode is restored afterwards
+        stats = session.statistics(planned)
+        return _search(model, session.evaluator, curves, named, stats, session.metric, budget, frontier, max_tries,
+                       fixed, t0, progress)
 
 
 def _search(model: nn.Module, ev: Evaluator, curves: Curves, named: dict[str, Layer], stats: InputStatistics,
             metric: Metric, budget: float | None, frontier: int, max_tries: int, fixed: dict[str, int],
-            t0: float, progress: Callable[[int], None] | None = None) -> BudgetPlan:
+            t0: float, progress: Callable[[int], None] | None = None) -> BudgetResult:
     total = count_params(model)
     options = curves.options
     max_saved = sum(max(o.saved for o in opts) for opts in options.values())
     fixed_saved = sum(named[k].params - named[k].params_at(r) for k, r in fixed.items())
-    memo: dict[tuple[tuple[str, int], ...], FrontierPoint] = {}
-    by_target: dict[float, FrontierPoint] = {}
-    tries: list[FrontierPoint] = []
+    memo: dict[tuple[tuple[str, int], ...], FrontierPlan] = {}
+    by_target: dict[float, FrontierPlan] = {}
+    tries: list[FrontierPlan] = []
     reuse: dict[str, object] = {}  # one decomposition per layer across every plan tried
 
-    def measure(target: float) -> FrontierPoint:
+    def measure(target: float) -> FrontierPlan:
         if target in by_target:
             return by_target[target]
         plan, saved, cost = allocate(curves, target)
@@ -270,7 +236,8 @@ def _search(model: nn.Module, ev: Evaluator, curves: Curves, named: dict[str, La
             if len(tries) >= max_tries:  # the safety net: the last plan measured stands in
                 return tries[-1]
             m = ev.measure(factorize(model, plan, stats, reuse=reuse)) if plan else ev.measure(model)
-            memo[key] = FrontierPoint(int(target), plan, saved, saved / total, cost, m.value, m.ok, m.top1)
+            memo[key] = FrontierPlan(saved, saved / total, m.value, m.ok, len(plan), m.top1, target=int(target),
+                                     plan=plan, predicted_cost=cost)
             tries.append(memo[key])
             if progress is not None:
                 progress(len(tries))
@@ -284,7 +251,7 @@ def _search(model: nn.Module, ev: Evaluator, curves: Curves, named: dict[str, La
             raise AuditError(f"budget {budget} is not a fraction in (0, 1)", "Give e.g. --budget 0.3")
         start = min(max(budget * total - fixed_saved, 0.0), float(max_saved))
     else:
-        cap = metric.tolerance if metric.higher_is_better else metric.tolerance ** 2
+        cap = metric.tolerance if metric.kind == "user" else metric.tolerance ** 2
         lo, hi = 0.0, float(max_saved)  # the largest target whose predicted cost fits the cap
         for _ in range(60):
             mid = (lo + hi) / 2
@@ -317,16 +284,17 @@ def _search(model: nn.Module, ev: Evaluator, curves: Curves, named: dict[str, La
     if held:
         best = max(held, key=lambda p: (p.removed, -p.predicted_cost))
     smallest_fail = min((p.removed for p in tries if not p.ok and p.removed > best.removed), default=None)
-    return BudgetPlan(
-        plan=dict(best.plan), params_before=total, params_after=total - best.removed, removed=best.removed,
+    return BudgetResult(
+        plan=dict(best.plan), source=curves.source, budget=budget, removed=best.removed,
         removed_fraction=best.removed_fraction, metric=best.metric, ok=best.ok, top1=best.top1,
-        predicted_cost=best.predicted_cost, metric_label=metric.label, higher_is_better=metric.higher_is_better,
-        reference=ev.reference, tolerance=metric.tolerance, budget=budget, source=curves.source,
-        tries=tries, frontier=sorted(points.values(), key=lambda p: p.removed), seconds=time.perf_counter() - t0,
-        exhausted=len(tries) >= max_tries, smallest_failing=smallest_fail)
+        frontier=sorted(points.values(), key=lambda p: p.removed), evaluations=len(tries),
+        exhausted=len(tries) >= max_tries, fixed=dict(fixed), smallest_failing=smallest_fail,
+        params_before=total, params_after=total - best.removed, predicted_cost=best.predicted_cost,
+        metric_label=metric.label, higher_is_better=metric.higher_is_better, reference=ev.reference,
+        tolerance=metric.tolerance, tries=tries, seconds=time.perf_counter() - t0)
 
 
-def _bracket(measure: Callable[[float], FrontierPoint], start: float, top: float,
+def _bracket(measure: Callable[[float], FrontierPlan], start: float, top: float,
              grow: bool) -> tuple[float, float | None]:
     """(a target whose plan holds, a larger one whose plan fails, or None when the largest plan holds): from
     ``start``, doubling while it holds (``grow``) and halving while it fails; 0 (the dense model) always holds."""
@@ -349,7 +317,7 @@ def _bracket(measure: Callable[[float], FrontierPoint], start: float, top: float
     return 0.0, fail_at
 
 
-def _bisect(measure: Callable[[float], FrontierPoint], ok_at: float, fail_at: float | None) -> None:
+def _bisect(measure: Callable[[float], FrontierPlan], ok_at: float, fail_at: float | None) -> None:
     """Narrow [ok_at, fail_at] until no new plan lies between (targets one parameter apart at the latest)."""
     if fail_at is None:
         return

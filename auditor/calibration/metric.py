@@ -12,9 +12,11 @@ Every metric declares its direction (``Metric.higher_is_better``) and what the t
 - ``kl``: the mean next-token KL divergence KL(dense || model) in nats per real token, computed batch by batch (the
   dense model's logits of one batch at a time, never all of them): lower is better, it holds when it is at most the
   tolerance;
-- a user metric ``fn(model, batches) -> float`` is higher-is-better (accuracy, negative loss); it holds when it is at
-  least the dense model's value minus the tolerance, in the metric's own units. ``batches`` is a list of what the
-  calibration source yielded: a tensor, a tuple of positional inputs, or a dict of keyword inputs.
+- a user metric ``fn(model, batches) -> float`` declares its direction: higher-is-better by default (accuracy,
+  negative loss), holding when it is at least the dense model's value minus the tolerance; or
+  ``Metric(fn, higher_is_better=False)`` (a loss), holding when it is at most the dense model's value plus the
+  tolerance; either in the metric's own units. ``batches`` is a list of what the calibration source yielded: a
+  tensor, a tuple of positional inputs, or a dict of keyword inputs.
 """
 
 from __future__ import annotations
@@ -56,6 +58,7 @@ KINDS = ("output", "perplexity", "kl", "user")
 NAMES = {"output-error": "output", "output": "output", "perplexity": "perplexity", "ppl": "perplexity",
          "kl": "kl"}  # --metric NAME
 LABELS = {"output": "relative output error", "perplexity": "perplexity increase", "kl": "next-token KL"}
+HIGHER_IS_BETTER = {"output": False, "perplexity": False, "kl": False}  # the built-in kinds' declared directions
 
 
 def load_metric(spec: str) -> UserMetric:
@@ -81,14 +84,16 @@ class Measurement:
 class Metric:
     """What is measured, which way is better, and how much may be lost.
 
-    ``kind``: "output", "perplexity", "kl" or "user"; empty: "user" with ``fn``, else "output". The direction is
-    declared by the kind: a user metric is higher-is-better, the built-in ones are lower-is-better and zero on the
-    dense model (perplexity as its relative increase)."""
+    ``kind``: "output", "perplexity", "kl" or "user"; empty: "user" with ``fn``, else "output". Every metric
+    declares its direction in ``higher_is_better``: the built-in kinds are lower-is-better (``HIGHER_IS_BETTER``) and
+    zero on the dense model (perplexity as its relative increase), and cannot be declared otherwise; a user metric
+    is higher-is-better unless it says ``higher_is_better=False``."""
 
     fn: UserMetric | None = None  # a user metric; None: a built-in one
     tolerance: float = DEFAULT_TOLERANCE
     name: str = ""
     kind: str = ""
+    higher_is_better: bool | None = None  # None: the kind's own (a user metric: True)
 
     def __post_init__(self) -> None:
         if not self.kind:
@@ -97,10 +102,14 @@ class Metric:
             raise ValueError(f"metric kind must be one of {', '.join(KINDS)}, not {self.kind!r}")
         if (self.kind == "user") != (self.fn is not None):
             raise ValueError(f"a {self.kind!r} metric {'needs' if self.kind == 'user' else 'takes no'} function")
-
-    @property
-    def higher_is_better(self) -> bool:
-        return self.kind == "user"
+        own = HIGHER_IS_BETTER.get(self.kind)
+        if self.higher_is_better is None:
+            self.higher_is_better = True if own is None else own
+        elif not isinstance(self.higher_is_better, bool):
+            raise ValueError(f"higher_is_better must be True or False, not {self.higher_is_better!r}")
+        elif own is not None and self.higher_is_better != own:
+            raise ValueError(f"the {self.kind!r} metric is {'higher' if own else 'lower'}-is-better; it cannot be "
+                             "declared otherwise")
 
     @property
     def output_error(self) -> bool:
@@ -186,7 +195,7 @@ def _user_batch(b: Batch) -> Any:
 
 
 DETERMINISM = 1e-6  # two dense runs on one held-out batch may differ by this much (relative to the output's size)
-_CHECKED: dict[tuple[Any, str, float], str] = {}  # (metric fn, calibration digest, tolerance) -> warning ("" none)
+_CHECKED: dict[tuple[Any, str, float, bool], str] = {}  # (fn, digest, tolerance, direction) -> warning ("" none)
 
 
 def _rank1_(model: nn.Module) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -351,7 +360,7 @@ class Evaluator:
             hash(fn)
         except TypeError:
             fn = id(fn)
-        key = (fn, calibration.digest, float(self.metric.tolerance))
+        key = (fn, calibration.digest, float(self.metric.tolerance), bool(self.metric.higher_is_better))
         if key not in _CHECKED:
             saved = _rank1_(dense)
             if not saved:
@@ -363,15 +372,23 @@ class Evaluator:
                     for w, original in saved:
                         w.copy_(original)
             ref, tol, label = self.reference, self.metric.tolerance, self.metric.label
+            up = bool(self.metric.higher_is_better)
+            worse, wrong = (ref - cut, cut - ref) if up else (cut - ref, ref - cut)  # how far it moved each way
             if not math.isfinite(cut):  # e.g. a perplexity overflowing on the cut model: it fell, or says nothing
                 _CHECKED[key] = ""
-            elif cut > ref + tol:
+            elif wrong > tol and up:
                 raise AuditError(f"metric {label} rises when the model is cut down ({cut:.6g} with every layer at "
                                  f"rank 1, {ref:.6g} dense): it looks lower-is-better (a loss or an error), and every "
                                  "floor would come out at the smallest rank",
-                                 "--metric must be higher-is-better: return the negative (e.g. -loss)")
+                                 "--metric must be higher-is-better: return the negative (e.g. -loss), or declare "
+                                 "Metric(fn, higher_is_better=False)")
+            elif wrong > tol:
+                raise AuditError(f"metric {label} falls when the model is cut down ({cut:.6g} with every layer at "
+                                 f"rank 1, {ref:.6g} dense), but it is declared lower-is-better: every floor would "
+                                 "come out at the smallest rank",
+                                 "Declare it higher-is-better (Metric(fn), the default), or return a loss")
             else:
-                _CHECKED[key] = ("" if cut < ref - tol else
+                _CHECKED[key] = ("" if worse > tol else
                                  f"metric {label} barely moves when the model is cut down ({cut:.6g} with every layer at "
                                  f"rank 1, {ref:.6g} dense, tolerance {tol:g}): floors measured with it come out at "
                                  "the smallest ranks; use a metric that sees the model's quality, or a smaller "
@@ -400,16 +417,23 @@ class Evaluator:
         return v
 
     def holds(self, value: float) -> bool:
+        """Within the tolerance, in the metric's declared direction: a built-in metric (zero on the dense model) at
+        most the tolerance; a user metric at most the tolerance worse than the dense model's value."""
+        tol = self.metric.tolerance
+        if self.metric.kind != "user":
+            return value <= tol
         if self.metric.higher_is_better:
-            return value >= self.reference - self.metric.tolerance
-        return value <= self.metric.tolerance
+            return value >= self.reference - tol
+        return value <= self.reference + tol
 
     def cost(self, value: float) -> float:
         """What a planner adds up: squared relative error (errors combine roughly in quadrature; the perplexity
-        increase and the KL alike), or the drop of a user metric below the dense value."""
+        increase and the KL alike), or how far a user metric moved the wrong way from the dense value."""
+        if self.metric.kind != "user":
+            return value * value
         if self.metric.higher_is_better:
             return max(0.0, self.reference - value)
-        return value * value
+        return max(0.0, value - self.reference)
 
     def measure(self, model: nn.Module) -> Measurement:
         self.evaluations += 1

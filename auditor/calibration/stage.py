@@ -5,15 +5,15 @@
     suggest_with       [Layer], {layer: Suggestion}, report, Settings -> {layer: Suggestion} (data-aware ranks)
     check_plan         Calibrated, nn.Module, Audit               -> CalibrationReport with .plan_check
 
-Input statistics are cached on disk (``<cache dir>/calibration/<key>.npz``), keyed by a hash of every weight and
-buffer of the model, the calibration's digest and the layer names.
+Everything is measured through one :class:`~auditor.calibration.session.CalibrationSession` (the batches, the input
+statistics, cached on disk under ``<cache dir>/calibration/<key>.npz`` and keyed by a hash of every weight and buffer
+of the model, the calibration's digest and the layer names, the metric and one evaluator); ``Calibrated`` keeps it
+for the plan check and for ``lowrank-audit factorize``.
 """
 
 from __future__ import annotations
 
-import hashlib
 import math
-import os
 import time
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -23,15 +23,18 @@ from torch import nn
 
 from .. import kinds, lrmath
 from ..calresults import (
-    BudgetResult, CalibrationReport, FrontierPlan, LayerCalibration, LayerFloor, PlanCheck, subsample,
+    CalibrationReport, LayerCalibration, PlanCheck, subsample,
 )
 from ..errors import AuditError
-from ..results import Kind, Layer, Suggestion, Verdict
-from .hashing import weights_hash
-from .inputs import Calibration, load_calibration
-from .metric import Evaluator, Metric, load_metric
-from .stats import InputStatistics, input_statistics
+from ..results import Layer, Suggestion, Verdict
+from .inputs import Calibration
+from .metric import Metric
+from .session import STATS_KINDS, CalibrationSession, _statistics, cache_path, metric_of, statistics_memory
+from .stats import InputStatistics
 from .whiten import WhitenedSpectrum
+
+__all__ = ["Calibrated", "STATS_KINDS", "_statistics", "cache_path", "calibrate", "check_plan", "metric_of",
+           "statistics_memory", "suggest_with"]
 
 if TYPE_CHECKING:
     from ..config import Settings
@@ -44,119 +47,24 @@ SYNTHETIC_MARK = "looks like token ids drawn uniformly at random"
 
 @dataclass(frozen=True)
 class Calibrated:
-    """The report, and the objects the plan check reuses (the batches, statistics, tier-1 spectra, metric)."""
+    """The report, the session the plan check (and the CLI's factorize) measure with, and the tier-1 spectra."""
 
     report: CalibrationReport
-    calibration: Calibration
-    stats: InputStatistics
+    session: CalibrationSession
     spectra: dict[str, WhitenedSpectrum]
-    metric: Metric
     sweep: str = ""  # where tier 2 ran: "local", "dask tcp://HOST:PORT (N workers)"; empty without tier 2
 
+    @property
+    def calibration(self) -> Calibration:
+        return self.session.calibration
 
-def cache_path(cache_dir: Path | None, model: nn.Module, calibration: Calibration, layers: list[Layer]) -> Path:
-    from ..spectra import default_cache_dir
+    @property
+    def stats(self) -> InputStatistics:
+        return self.session.stats
 
-    key = hashlib.sha256("|".join([weights_hash(model), calibration.digest, *sorted(l.name for l in layers)])
-                         .encode()).hexdigest()
-    return (cache_dir or default_cache_dir()) / "calibration" / f"{key}.npz"
-
-
-STATS_KINDS = kinds.registry.KindSet(lambda k: type(k).statistics is not kinds.LayerKind.statistics,
-                                     "read for input statistics")  # a live view of auditor.kinds
-
-
-def statistics_memory(layers: list[Layer]) -> tuple[int, str]:
-    """Bytes the input statistics of ``layers`` take, and the largest one in words: a float64 Gram, groups x n x n,
-    per layer (a vector of n lookup counts for an embedding), plus two more of the largest: one batch's Gram being
-    added to the running sum, and the new sum."""
-    sizes: list[tuple[int, str]] = []
-    for l in layers:
-        if l.kind not in STATS_KINDS:
-            continue
-        if l.kind == Kind.EMBEDDING:
-            sizes.append((8 * l.m, f"layer {l.name} ({l.m:,} lookup counts)"))
-        else:
-            g = max(1, int(l.groups or 1))
-            sizes.append((8 * g * l.n * l.n, f"layer {l.name} ({'%d x ' % g if g > 1 else ''}{l.n:,} x {l.n:,})"))
-    if not sizes:
-        return 0, ""
-    big = max(sizes)
-    return sum(b for b, _ in sizes) + 2 * big[0], big[1]
-
-
-def _statistics(model: nn.Module, layers: list[Layer], cal: Calibration, options: "AuditOptions",
-                progress: "Progress | None" = None) -> tuple[InputStatistics, bool]:
-    """The input statistics of ``layers``: from the cache when an entry saved under this key is intact and fits
-    the layers (checksum, shapes, finite, symmetric, PSD checks), else computed (and cached). Refused with one line,
-    before any is allocated, when the float64 Grams need more memory than is available."""
-    from ..spectra.backend import available_memory
-    from .inputs import size_text
-    from .stats import StatisticsMismatch, by_name, gram_problem
-
-    need, largest = statistics_memory(layers)
-    avail = available_memory()
-    if avail is not None and need > avail:
-        raise AuditError(f"calibration statistics need about {size_text(need)} of memory (a float64 Gram n x n per "
-                         f"layer input; the largest: {largest}), and {size_text(avail)} is available",
-                         "Run on a machine with more memory, or audit without --calibration (the weight spectra "
-                         "need no input Grams)")
-    path = cache_path(options.cache_dir, model, cal, layers) if options.cache else None
-    named = by_name(layers)
-    if path is not None and path.is_file():
-        try:
-            stats = InputStatistics.load(path, key=path.stem)
-            for name, inp in stats.layers.items():
-                layer = named.get(name)
-                if layer is None or inp.width != (layer.m if inp.diagonal else layer.n) or gram_problem(inp):
-                    raise StatisticsMismatch(f"{name} does not fit the layer")
-            if stats.digest != cal.digest or set(stats.layers) | set(stats.missing) != set(named):
-                raise StatisticsMismatch("another calibration or other layers")
-            if progress is not None:
-                progress.update(len(cal.fit), len(cal.fit), note="cached")
-            return stats, True
-        except Exception:  # noqa: BLE001 - a damaged, foreign or invalid entry is recomputed (and replaced)
-            pass
-    try:
-        stats = input_statistics(model, layers, cal, progress=progress.update if progress is not None else None)
-    except AuditError:
-        raise
-    except Exception as exc:  # noqa: BLE001 - a batch the forward refuses, said in one line
-        from ..errors import first_line
-
-        raise AuditError(f"the forward failed on the calibration batches while reading input statistics: "
-                         f"{first_line(exc)}", "Give every batch the inputs and width the model takes") from None
-    if path is not None:
-        try:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            tmp = path.with_name(f".{path.stem}.{os.getpid()}.tmp")
-            stats.save(tmp, key=path.stem)
-            tmp.replace(path)
-        except OSError:  # a read-only cache is not an error
-            pass
-    return stats, False
-
-
-def metric_of(options: "AuditOptions", model: nn.Module | None = None, cal: Calibration | None = None) -> Metric:
-    """The metric ``options.metric`` names: "perplexity", "kl", "output-error", ``file.py:fn`` / ``module:fn``, a
-    function, or a ``Metric``; None follows the model: perplexity for a causal LM (:func:`is_causal_lm`, probed on the
-    first held-out batch of ``cal``), the relative output error otherwise."""
-    from .metric import NAMES, is_causal_lm
-
-    fn = options.metric
-    if isinstance(fn, Metric):
-        m = fn
-    elif fn is None:
-        batch = cal.measure[0] if cal is not None and cal.measure else None
-        causal = model is not None and is_causal_lm(model, batch)
-        m = Metric(kind="perplexity" if causal else "output")
-    elif isinstance(fn, str) and fn.strip().lower() in NAMES:
-        m = Metric(kind=NAMES[fn.strip().lower()])
-    elif isinstance(fn, str):
-        m = Metric(fn=load_metric(fn), name=fn.rpartition(":")[2])
-    else:
-        m = Metric(fn=fn)
-    return replace(m, tolerance=options.tolerance) if options.tolerance is not None else m
+    @property
+    def metric(self) -> Metric:
+        return self.session.metric
 
 
 def _sweepable(layer: Layer, settings: "Settings") -> bool:
@@ -194,11 +102,6 @@ def _fixed_ranks(layers: list[Layer], suggestions: dict[str, Suggestion], planne
         if lc is None or not lc.spans:
             out[layer.name] = sg.rank
     return out
-
-
-def _floor(f: Any) -> LayerFloor:
-    return LayerFloor(f.floor, f.metric_at_floor, f.cliff_rank, f.cliff_metric, f.compression, f.keep_dense,
-                      [(int(r), float(v)) for r, v in f.points], f.reason)
 
 
 def one_blas_thread(fn: Any) -> Any:
@@ -241,12 +144,15 @@ def calibrate(model: nn.Module, layers: list[Layer], settings: "Settings", optio
     try:
         t0 = time.perf_counter()
         with progress.phase("calibration data"):
-            cal = load_calibration(options.calibration, model, options.holdout, tokenizer=options.tokenizer,
-                                   length=options.calibration_length, max_rows=options.calibration_max_rows,
-                                   max_bytes=options.calibration_max_bytes)
-            metric = metric_of(options, model, cal)
+            session = CalibrationSession.from_options(model, layers, options)
+            cal, metric = session.calibration, session.metric
+            if metric.kind == "user" and not metric.higher_is_better:  # the report reads a user metric so
+                raise AuditError(f"metric {metric.label} is declared lower-is-better; the audit's reports read a "
+                                 "user metric as higher-is-better", "Return the negative (e.g. -loss) from the "
+                                 "metric, or measure with the library calls (measure_floors, plan_for_budget)")
         with progress.phase("statistics", total=len(cal.fit), unit="batch"):
-            stats, cached = _statistics(model, layers, cal, options, progress)
+            stats = session.statistics(progress=progress)
+            cached = session.cached
         table = {n: p for n, p in model.named_parameters(remove_duplicate=False)}
         target = metric.tolerance if metric.output_error else 0.01
         with progress.phase("tier 1 spectra", total=sum(1 for l in layers if l.name in stats.layers)):
@@ -271,16 +177,16 @@ def calibrate(model: nn.Module, layers: list[Layer], settings: "Settings", optio
                 from .cluster import measure_floors_on_cluster
 
                 floors, sweep_where = measure_floors_on_cluster(model, swept, cal, metric, settings.align, stats,
-                                                                spectra, options)
+                                                                spectra, options)  # the workers' own sessions
             else:
                 def steps(done: int, total: int, evaluations: int) -> None:
                     progress.update(done, total, note=f"{evaluations} evaluation{'s' if evaluations != 1 else ''}")
 
                 with progress.phase("tier 2 floors", total=len(swept)):
-                    floors, sweep_where = measure_floors(model, swept, cal, metric=metric, align=settings.align,
-                                                         stats=stats, spectra=spectra, steps=steps), "local"
+                    floors, sweep_where = measure_floors(model, swept, session, align=settings.align,
+                                                         spectra=spectra, steps=steps), "local"
             for name, f in floors.floors.items():
-                per[name].floor = _floor(f)
+                per[name].floor = f
             evaluations += floors.evaluations
             reference = floors.reference
             seconds["tier2"] = time.perf_counter() - t
@@ -295,15 +201,10 @@ def calibrate(model: nn.Module, layers: list[Layer], settings: "Settings", optio
         curves = type(curves)({k: [o for o in v if named[k].compression(o.rank) >= settings.min_compression]
                                for k, v in curves.options.items() if k in named}, curves.source)
         with progress.phase("tier 3 plan search", unit="plan"):
-            bp = plan_for_budget(model, layers, cal, curves, budget=options.budget, metric=metric, stats=stats,
-                                 fixed=fixed, progress=progress.update)
-        reference = bp.reference
-        evaluations += bp.evaluations
-        budget = BudgetResult(dict(bp.plan), bp.source, bp.budget, bp.removed, bp.removed_fraction, bp.metric,
-                              bp.ok, bp.top1, [FrontierPlan(p.removed, p.removed_fraction, p.metric, p.ok,
-                                                            len(p.plan), p.top1) for p in bp.frontier],
-                              evaluations=bp.evaluations, exhausted=bp.exhausted, fixed=dict(fixed),
-                              smallest_failing=bp.smallest_failing)
+            budget = plan_for_budget(model, layers, session, curves, budget=options.budget, fixed=fixed,
+                                     progress=progress.update)
+        reference = budget.reference
+        evaluations += budget.evaluations
         seconds["tier3"] = time.perf_counter() - t
         warnings = list(dict.fromkeys([*cal.warnings, *stats.warnings]))
         holdout = options.holdout
@@ -316,7 +217,7 @@ def calibrate(model: nn.Module, layers: list[Layer], settings: "Settings", optio
             synthetic=any(SYNTHETIC_MARK in w for w in cal.warnings), measured_floors=floors is not None,
             budget=budget, suggestions_from="measured floors" if floors is not None else "calibration",
             statistics_cached=cached, seconds=seconds, evaluations=evaluations)
-        return Calibrated(report, cal, stats, spectra, metric, sweep_where)
+        return Calibrated(report, session, spectra, sweep_where)
     finally:
         model.train(was_training)
 
@@ -408,15 +309,15 @@ def check_plan(cal: Calibrated, model: nn.Module, audit: "Audit") -> Calibration
             plan[it.layer] = it.rank
     if not plan:
         return replace(report, plan_check=PlanCheck(0, left, None, float("nan"), False))
-    was_training = model.training
-    model.eval()
-    try:
-        ev = Evaluator(model, cal.calibration, cal.metric)
-        new = factorize(model, plan, cal.stats)
+    session = cal.session
+    if session.model is not model:
+        raise AuditError("the plan check was given another model than the one calibrated",
+                         "Check the plan on the audited model")
+    with session.measuring():
+        ev = session.evaluator
+        new = factorize(model, plan, session)
         m = ev.measure(new)
         removed = count_params(model) - count_params(new)
-    finally:
-        model.train(was_training)
     predicted = None
     basis = ""
     if cal.metric.output_error and all(k in cal.spectra for k in plan):

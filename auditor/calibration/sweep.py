@@ -17,39 +17,26 @@ from __future__ import annotations
 import copy
 import math
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
 from torch import nn
 
 from .. import kinds, lrmath
+from ..calresults import LayerFloor
 from ..results import Layer
 from .inputs import Calibration
 from .metric import Evaluator, Metric
-from .stats import InputStatistics, by_name, input_statistics
+from .session import CalibrationSession
+from .stats import InputStatistics, by_name
 from .whiten import Truncator, WhitenedSpectrum
 
 
 SWEPT = kinds.registry.SWEPT  # the kinds a floor is measured for (a live view of auditor.kinds)
 
 
-@dataclass
-class Floor:
-    """One layer's measured floor and the (rank, metric) points evaluated on the way."""
-
-    layer: str
-    floor: int | None  # smallest grid rank meeting the tolerance there and at every larger rank tried; None: none did
-    metric_at_floor: float | None
-    cliff_rank: int | None  # one grid step below the floor
-    cliff_metric: float | None
-    compression: float | None  # at the floor
-    keep_dense: bool  # the floor reaches break-even: "keep dense (measured)"
-    start_rank: int | None  # where the search started (the tier-1 rank, aligned)
-    points: list[tuple[int, float]] = field(default_factory=list)  # (rank, metric), by rank
-    top1: dict[int, float] = field(default_factory=dict)  # rank -> top-1 agreement (default metric)
-    init: str = "whitened"  # "whitened" | "svd" (no input statistics)
-    reason: str = ""
+Floor = LayerFloor  # one layer's measured floor: the report's type (auditor/calresults.py), returned as it is
 
 
 @dataclass
@@ -66,6 +53,7 @@ class Floors:
     evaluations: int
     seconds: float
     prefix_cache: bool
+    kind: str = "output"  # the metric's kind (auditor/calibration/metric.py): how its values become costs
 
 
 def _ancestors(path: str) -> list[str]:
@@ -279,29 +267,32 @@ def floor_from_points(points: dict[int, bool]) -> int | None:
 
 
 class Sweeper:
-    """Everything one needs to measure floors, built once: a working copy of the model in eval mode, the evaluator
-    (the dense reference on the held-out batches), the input statistics and the prefix cache. ``floor(name)``
-    measures one layer; it is what a cluster task runs, so a worker builds a Sweeper once and serves many layers.
+    """Everything one needs to measure floors, built once: a working copy of the model in eval mode, and from the
+    calibration session the evaluator (the dense reference on the held-out batches, measured once) and the input
+    statistics, plus the prefix cache. ``floor(name)`` measures one layer; it is what a cluster task runs, so a
+    worker builds a Sweeper once and serves many layers.
 
-    ``metric``: a ``Metric``, a user function ``fn(model, batches) -> float`` (higher is better; ``tolerance`` in its
-    units), or None for the relative output error against the dense model (``tolerance`` default 0.01). ``model``
-    is not modified: the sweep runs on a copy."""
+    ``calibration``: a :class:`~auditor.calibration.session.CalibrationSession` (its metric, statistics and
+    evaluator are used), or calibration data (a session is built). ``metric``: a ``Metric``, a user function
+    ``fn(model, batches) -> float`` (higher is better; ``tolerance`` in its units), or None for the session's metric
+    (the relative output error against the dense model, ``tolerance`` default 0.01, without one). ``model`` is not
+    modified: the sweep runs on a copy."""
 
-    def __init__(self, model: nn.Module, layers: dict[str, Layer] | list[Layer], calibration: Calibration,
+    def __init__(self, model: nn.Module, layers: dict[str, Layer] | list[Layer],
+                 calibration: Calibration | CalibrationSession,
                  tolerance: float | None = None, align: int = 8, metric: Metric | Callable[..., float] | None = None,
                  stats: InputStatistics | None = None, spectra: dict[str, WhitenedSpectrum] | None = None,
                  prefix_cache: bool = True) -> None:
-        if metric is None or callable(metric) and not isinstance(metric, Metric):
-            metric = Metric(fn=metric)  # type: ignore[arg-type]
-        if tolerance is not None:
-            metric = replace(metric, tolerance=tolerance)
-        self.metric = metric
-        self.align = align
-        self.work = copy.deepcopy(model).eval()
         self.layers = by_name(layers)
-        self.stats = stats if stats is not None else input_statistics(self.work, self.layers, calibration)
+        session = CalibrationSession.of(calibration, model, metric=metric, tolerance=tolerance, layers=self.layers,
+                                        stats=stats)
+        self.session = session
+        self.metric = session.metric
+        self.align = align
+        self.stats = session.statistics(self.layers)
+        self.work = copy.deepcopy(model).eval()
         self.spectra = spectra or {}
-        self.evaluator = Evaluator(self.work, calibration, metric)
+        self.evaluator = session.evaluator  # measures the working copy against the dense model's reference
         from .stats import _module_path
 
         self.params = dict(self.work.named_parameters(remove_duplicate=False))
@@ -341,9 +332,9 @@ class Sweeper:
         if not kind.swept or kind.cannot_factorize:
             why = (f"{layer.kind} cannot be factorized: {kind.cannot_factorize}" if kind.cannot_factorize
                    else f"no truncation for {layer.kind} weights")
-            return Floor(name, None, None, None, None, None, False, None, init="", reason=f"not swept: {why}")
+            return Floor(None, None, None, None, None, False, layer=name, init="", reason=f"not swept: {why}")
         if not grid:
-            return Floor(name, None, None, None, None, None, True, None,
+            return Floor(None, None, None, None, None, True, layer=name,
                          reason=f"no multiple of {align} below break-even {layer.break_even:.1f}")
         param = self.params[layer.param]
         original = param.detach().clone()
@@ -409,10 +400,11 @@ class Sweeper:
         """``Floors`` for ``floors`` measured by this sweeper (or by workers holding one like it)."""
         return Floors(floors, self.metric.label, self.metric.higher_is_better, self.metric.tolerance,
                       self.evaluator.reference, self.align, search, sum(len(f.points) for f in floors.values()),
-                      seconds, self.cache is not None)
+                      seconds, self.cache is not None, self.metric.kind)
 
 
-def measure_floors(model: nn.Module, layers: dict[str, Layer] | list[Layer], calibration: Calibration,
+def measure_floors(model: nn.Module, layers: dict[str, Layer] | list[Layer],
+                   calibration: Calibration | CalibrationSession,
                    tolerance: float | None = None, align: int = 8, metric: Metric | Callable[..., float] | None = None,
                    stats: InputStatistics | None = None, spectra: dict[str, WhitenedSpectrum] | None = None,
                    search: str = "bisect", prefix_cache: bool = True,

@@ -13,7 +13,8 @@ from torch import nn
 from ..layers import ParamTable
 from ..results import Layer
 from .inputs import Calibration
-from .stats import InputStatistics, by_name, input_statistics
+from .session import CalibrationSession
+from .stats import InputStatistics, by_name
 from .whiten import WhitenedSpectrum, whitened_spectrum
 
 
@@ -43,13 +44,14 @@ def whitened_spectra(layers: dict[str, Layer] | list[Layer], weights: dict[str, 
     return {spec.layer: spec for spec in done}
 
 
-def tier1(model: nn.Module, layers: dict[str, Layer] | list[Layer], calibration: Calibration, align: int = 8,
-          target: float = 0.01, stats: InputStatistics | None = None,
+def tier1(model: nn.Module, layers: dict[str, Layer] | list[Layer], calibration: Calibration | CalibrationSession,
+          align: int = 8, target: float = 0.01, stats: InputStatistics | None = None,
           jobs: int | None = None) -> tuple[InputStatistics, dict[str, WhitenedSpectrum]]:
-    """Input statistics (unless given, e.g. from a cache) and the whitened spectrum of every layer that has them,
-    keyed by ``Layer.name``. Layers without statistics are in ``stats.missing``: they keep the weight-energy rank."""
+    """Input statistics (the session's, or ``stats`` when given, e.g. from a cache) and the whitened spectrum of
+    every layer that has them, keyed by ``Layer.name``. Layers without statistics are in ``stats.missing``: they keep
+    the weight-energy rank."""
     if stats is None:
-        stats = input_statistics(model, layers, calibration)
+        stats = CalibrationSession.of(calibration, model, layers=layers).statistics(layers)
     table = ParamTable.of(model)
     weights = {layer.param: table.tensor(layer.param) for layer in by_name(layers).values()}
     return stats, whitened_spectra(layers, weights, stats, align, target, jobs)

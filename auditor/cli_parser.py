@@ -1,0 +1,19 @@
+"""The command line's argument parser: a usage error is one line (``error: ... See PROG --help.``) and exit 2, for
+``lowrank-audit`` and each of its subcommands alike."""
+
+from __future__ import annotations
+
+import argparse
+from typing import NoReturn
+
+
+class UsageError(Exception):
+    """A command line argparse refuses, as the one line the command prints (exit 2)."""
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse with a usage error as one line (``error: ... See lowrank-audit --help.``), exit 2, not the usage."""
+
+    def error(self, message: str) -> NoReturn:  # type: ignore[override]
+        line = " ".join(message.split()).rstrip(".")
+        raise UsageError(f"error: {line}. See {self.prog} --help.")
