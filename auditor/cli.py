@@ -303,7 +303,9 @@ def options_from(args: argparse.Namespace) -> tuple["AuditOptions", "LoadOptions
 
         check_address(args.scheduler)
         env_connect_timeout()
-    settings = Settings().with_overrides(from_pyproject(), "pyproject.toml [tool.lowrank-auditor]")
+    from .rules import RULES
+
+    settings = Settings().with_overrides(from_pyproject(), "pyproject.toml [tool.lowrank-auditor]", RULES.settings())
     overrides = {k: v for k, v in {
         "energy_targets": args.energy, "target_energy": args.target_energy, "align": args.align,
         "min_share": args.min_share, "energy_floor": args.energy_floor, "select": args.select,

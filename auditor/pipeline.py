@@ -115,13 +115,17 @@ def load_model(spec: str, options: LoadOptions) -> "Loaded":
 
 
 def resolve_settings(options: AuditOptions, plan: "Plan | None") -> Settings:
-    """The one precedence path: ``options.settings`` < the plan's [thresholds] < ``options.overrides``."""
+    """The one precedence path: ``options.settings`` < the plan's [thresholds] < ``options.overrides``; besides the
+    global settings, those the registered rules declare (each rule's own thresholds, plugins' included)."""
+    from .rules import RULES
+
+    declared = RULES.settings()
     settings = options.settings
     if plan is not None and plan.thresholds:
-        settings = settings.with_overrides(plan.thresholds, plan.source)
+        settings = settings.with_overrides(plan.thresholds, plan.source, declared)
     if options.overrides:
-        settings = settings.with_overrides(dict(options.overrides), options.overrides_origin)
-    return validate(settings)
+        settings = settings.with_overrides(dict(options.overrides), options.overrides_origin, declared)
+    return validate(settings, declared)
 
 
 def measure(model: nn.Module) -> Measured:
