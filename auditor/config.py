@@ -56,7 +56,7 @@ class Setting:
     >>> floor.coerce(1.5, "plan.toml")
     Traceback (most recent call last):
     ...
-    auditor.errors.AuditError: setting energy_floor = 1.5 in plan.toml is out of range (0, 1]. e.g. energy_floor = 0.9
+    auditor.errors.AuditError: setting energy_floor = 1.5 in plan.toml is out of range (0, 1]. e.g. energy_floor = 0.9.
     """
 
     name: str

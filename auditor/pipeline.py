@@ -247,9 +247,12 @@ def compute_spectra(layers: list[Layer], loaders: dict[str, Loader], settings: S
     if not options.spectra:
         return Spectra({})
     from .progress import Progress
-    from .spectra import SpectrumCache, ThreadExecutor, ref_for
+    from .spectra import SpectrumCache, ThreadExecutor, backend_for, ref_for
     from .spectra import compute_spectra as run_spectra
 
+    # torch-cuda without CUDA here is one line before any work; on a Dask cluster the workers compute, and a worker
+    # without CUDA skips the layer with that reason
+    backend = backend_for(options.spectra_backend, here=options.scheduler is None)
     progress = progress or Progress(enabled=False)
     order = sorted(layers, key=lambda l: -l.params)  # largest first: they are submitted in that order
     refs = [(l.name, ref_for(l, loaders[l.name])) for l in order]
@@ -262,8 +265,8 @@ def compute_spectra(layers: list[Layer], loaders: dict[str, Loader], settings: S
         else:
             executor = ThreadExecutor(options.jobs)
         with progress.phase("spectra", total=len(refs)):
-            by_layer, stats = run_spectra(refs, targets=settings.energy_targets, executor=executor, cache=cache,
-                                          progress=progress.update)
+            by_layer, stats = run_spectra(refs, targets=settings.energy_targets, backend=backend, executor=executor,
+                                          cache=cache, progress=progress.update)
         where = "local" if options.scheduler is None else executor.where  # asked while the client is open
     return Spectra(by_layer, dict(vars(stats)), where=where)
 
