@@ -146,3 +146,23 @@ def test_a_badly_declared_setting_says_what_is_wrong():
                          ({"name": "xy_e", "default": 1, "doc": " "}, "needs a one-line doc")]:
         with pytest.raises(ValueError, match=says):
             Setting(**kwargs)
+
+
+def test_the_design_recipe_rule_runs_as_written(install):
+    """docs/design.md's worked example, as a plugin (its relative imports made absolute), flags what it says."""
+    import re
+    from pathlib import Path
+
+    text = (Path(__file__).resolve().parents[1] / "docs" / "design.md").read_text(encoding="utf-8")
+    recipe = text.split("### Adding a rule", 1)[1]
+    code = re.search(r"```python\n(.*?)\n```\n\n- The check", recipe, re.S).group(1)
+    for rel, absolute in (("...config", "auditor.config"), ("...results", "auditor.results"),
+                          ("..context", "auditor.rules.context"), ("..registry", "auditor.rules.registry")):
+        code = code.replace(f"from {rel} import", f"from {absolute} import")
+    install(code.replace("LR017", "XY017"))
+    plan = {"ranks": {"0": 12, "2": 16}, "finetune": "x"}
+    a = auditor.audit(big_low_rank(), plan=plan, settings=Settings(select=("XY017",)), spectra=False, cache=False)
+    assert [(f.code, f.layers, f.fix) for f in a.findings] == [("XY017", ["0"], "Use rank 16")]
+    b = auditor.audit(big_low_rank(), plan={**plan, "thresholds": {"rank_multiple": 4}},
+                      settings=Settings(select=("XY017",)), spectra=False, cache=False)
+    assert b.findings == []
