@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Sequence
 from .cli_parser import UsageError, _Parser
 from .config import FailOn
 from .errors import AuditError, ExitCode, first_line
-from .options import Tracer
+from .options import SpectraBackend, Tracer
 
 if TYPE_CHECKING:
     from .options import AuditOptions, LoadOptions
@@ -101,6 +101,9 @@ def _parser() -> argparse.ArgumentParser:
                    help="tier 3: a plan removing this share of the parameters, checked all at once")
     g = p.add_argument_group("spectra")
     g.add_argument("--no-spectra", action="store_true", help="skip singular values (structure and counts only)")
+    g.add_argument("--spectra-backend", choices=[b.value for b in SpectraBackend], default=SpectraBackend.LAPACK.value,
+                   help="what computes the singular values: lapack (CPU float64 Gram + LAPACK, the default), "
+                        "torch-cpu or torch-cuda (the same in torch on that device); each keeps its own cache entries")
     g.add_argument("--no-cache", action="store_true", help="do not read or write the spectrum cache")
     g.add_argument("--cache-dir", metavar="DIR", help="spectrum cache (default ~/.cache/lowrank-auditor)")
     g.add_argument("-j", "--jobs", type=int, metavar="N",
@@ -292,7 +295,9 @@ def options_from(args: argparse.Namespace) -> tuple["AuditOptions", "LoadOptions
 
         check_address(args.scheduler)
         env_connect_timeout()
-    settings = Settings().with_overrides(from_pyproject(), "pyproject.toml [tool.lowrank-auditor]")
+    from .rules import RULES
+
+    settings = Settings().with_overrides(from_pyproject(), "pyproject.toml [tool.lowrank-auditor]", RULES.settings())
     overrides = {k: v for k, v in {
         "energy_targets": args.energy, "target_energy": args.target_energy, "align": args.align,
         "min_share": args.min_share, "energy_floor": args.energy_floor, "select": args.select,
@@ -300,7 +305,7 @@ def options_from(args: argparse.Namespace) -> tuple["AuditOptions", "LoadOptions
     }.items() if v is not None}
     audit_options = AuditOptions(
         settings=settings, overrides=overrides, overrides_origin="the command line", tracer=Tracer(args.tracer),
-        spectra=not args.no_spectra, cache=not args.no_cache,
+        spectra_backend=SpectraBackend(args.spectra_backend), spectra=not args.no_spectra, cache=not args.no_cache,
         cache_dir=Path(args.cache_dir) if args.cache_dir else None, jobs=args.jobs,
         progress=getattr(args, "progress", None),
         scheduler=args.scheduler, path_map=path_map, **calibration_options(args),

@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import difflib
 import math
+import re
 import sys
-from dataclasses import dataclass, fields, replace
+from collections.abc import Iterable, Mapping
+from dataclasses import MISSING, dataclass, fields, replace
 from enum import Enum
 from pathlib import Path
 from typing import Any
@@ -34,40 +36,169 @@ class FailOn(StrEnum):
     NEVER = "never"
 
 
+_NAME = re.compile(r"^[a-z][a-z0-9_]*$")
+_TAIL = ("select", "ignore", "fail_on")  # listed after the rules' settings in reports (as_dict)
+
+
 @dataclass(frozen=True)
+class Setting:
+    """A setting a rule declares and owns: its name (the key in ``[tool.lowrank-auditor]``, a plan's
+    ``[thresholds]`` and ``overrides``), default, one-line meaning, and for a number its allowed range.
+
+    The default's type is the setting's type: a float, an int, a bool, text, or a tuple of floats or of text.
+    Values are read as the global settings are: a number from TOML or from text, never a bool, NaN or infinity,
+    then checked against ``low``/``high``.
+
+    >>> floor = Setting("energy_floor", 0.90, "planned ranks keeping less energy are flagged", low=0.0, high=1.0,
+    ...                 low_inclusive=False)
+    >>> floor.coerce("0.8", "the command line")
+    0.8
+    >>> floor.coerce(1.5, "plan.toml")
+    Traceback (most recent call last):
+    ...
+    auditor.errors.AuditError: setting energy_floor = 1.5 in plan.toml is out of range (0, 1]. e.g. energy_floor = 0.9.
+    """
+
+    name: str
+    default: Any
+    doc: str
+    low: float | None = None
+    high: float | None = None
+    low_inclusive: bool = True
+    high_inclusive: bool = True
+    example: Any = None  # shown in the error for a bad value (default: the default)
+
+    def __post_init__(self) -> None:
+        if not _NAME.match(self.name):
+            raise ValueError(f"setting name {self.name!r} must be lowercase words joined by '_', like energy_floor")
+        if not self.doc.strip():
+            raise ValueError(f"setting {self.name!r} needs a one-line doc (what it does)")
+        numeric = isinstance(self.default, (int, float)) and not isinstance(self.default, bool)
+        if (self.low is not None or self.high is not None) and not numeric:
+            raise ValueError(f"setting {self.name!r}: a range needs a numeric default, got {self.default!r}")
+        if numeric:
+            if not math.isfinite(self.default):
+                raise ValueError(f"setting {self.name!r}: the default {self.default!r} is not a finite number")
+            lo, hi, lo_in, hi_in = self.bounds
+            if not _in_range(self.default, lo, hi, lo_in, hi_in):
+                raise ValueError(f"setting {self.name!r}: the default {self.default!r} is outside its range")
+
+    @property
+    def bounds(self) -> tuple[float, float, bool, bool]:
+        """(low, high, low inclusive, high inclusive); an open end is +-2**40 (the global settings' cap)."""
+        return (-(2.0**40) if self.low is None else self.low, 2.0**40 if self.high is None else self.high,
+                self.low_inclusive, self.high_inclusive)
+
+    @property
+    def range_text(self) -> str:
+        """The allowed values in words, as docs/rules.md prints them: ``(0, 1]``, ``at least 1``, ``any``."""
+        if not isinstance(self.default, (int, float)) or isinstance(self.default, bool):
+            return "true or false" if isinstance(self.default, bool) else "any"
+        if self.low is not None and self.high is not None:
+            return (f"{'[' if self.low_inclusive else '('}{self.low:g}, {self.high:g}"
+                    f"{']' if self.high_inclusive else ')'}")
+        if self.low is not None:
+            return f"{'at least' if self.low_inclusive else 'above'} {self.low:g}"
+        if self.high is not None:
+            return f"{'at most' if self.high_inclusive else 'below'} {self.high:g}"
+        return "any finite number"
+
+    def check(self, value: Any, origin: str = "") -> None:
+        """An AuditError naming the setting and an example when a number is missing or out of its range."""
+        if isinstance(self.default, (int, float)) and not isinstance(self.default, bool):
+            lo, hi, lo_in, hi_in = self.bounds
+            _range_error(self.name, value, origin, lo, hi, lo_in, hi_in,
+                         self.default if self.example is None else self.example)
+
+    def coerce(self, value: Any, origin: str) -> Any:
+        """The value read from a config file, a plan or the command line, checked; AuditError when bad."""
+        example = self.default if self.example is None else self.example
+        out = _coerce(self.name, value, self.default, origin, example)
+        self.check(out, origin)
+        return out
+
+
+@dataclass(frozen=True, init=False)
 class Settings:
+    """The audit's settings. The fields are the global ones; the thresholds rules declare (:class:`Setting`, e.g.
+    LR004's ``energy_floor``) live in ``rule_settings`` and read as attributes too (``settings.energy_floor``).
+    ``Settings(energy_floor=0.5)`` sets one; unknown names are refused when the audit resolves its settings against
+    the registered rules (:func:`validate`)."""
+
     energy_targets: tuple[float, ...] = (0.90, 0.95, 0.99)  # ranks reported for each
     target_energy: float = 0.95  # the suggestion keeps at least this much spectral energy
     align: int = 8  # suggested ranks are rounded up to a multiple of this when that stays below break-even
     min_share: float = 0.0025  # layers holding less of the parameters are "narrow" (LR003, skip narrow)
     min_break_even: float = 16.0  # layers whose break-even rank is below this leave no room (LR003)
     min_compression: float = 1.1  # a suggested rank must compress at least this much, or the layer stays dense
-    energy_floor: float = 0.90  # LR004: a planned rank keeping less energy than this
-    negligible_share: float = 0.01  # LR008: a plan saving less than this share of the model
-    wider_factor: float = 4.0  # LR009: a dense candidate this many times larger than a targeted layer
-    tall_ratio: float = 8.0  # LR011: max(m, n) / min(m, n) at or above this is a tall, thin matrix
-    tall_min_share: float = 0.05  # LR011: ... and it holds at least this share of the parameters
     select: tuple[str, ...] = ()  # only these rule codes (empty = all)
     ignore: tuple[str, ...] = ()  # never these rule codes
     fail_on: FailOn = FailOn.ERROR
+    rule_settings: tuple[tuple[str, Any], ...] = ()  # (name, value) of the settings rules declare
 
-    def with_overrides(self, values: dict[str, Any], origin: str) -> "Settings":
-        known = {f.name: f for f in fields(self)}
+    def __init__(self, **values: Any) -> None:
+        own = {f.name: f for f in fields(Settings)}
+        rule_values = dict(values.pop("rule_settings", ()) or ())
+        for name, f in own.items():
+            if name == "rule_settings":
+                continue
+            if name in values:
+                value = values.pop(name)
+            else:
+                value = f.default if f.default is not MISSING else f.default_factory()  # type: ignore[misc]
+            object.__setattr__(self, name, value)
+        rule_values.update(values)  # the rest: rule settings, checked against the declared ones by validate()
+        object.__setattr__(self, "rule_settings", tuple(rule_values.items()))
+
+    def __getattr__(self, name: str) -> Any:
+        if not name.startswith("_"):
+            try:
+                pairs = object.__getattribute__(self, "rule_settings")
+            except AttributeError:
+                pairs = ()
+            for key, value in pairs:
+                if key == name:
+                    return value
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+
+    def value(self, setting: Setting) -> Any:
+        """A rule setting's value here, its default when it is not set."""
+        for key, value in self.rule_settings:
+            if key == setting.name:
+                return value
+        return setting.default
+
+    def as_dict(self) -> dict[str, Any]:
+        """Every setting by name, as reports list them: the global ones, the rules' (in rule order), then select,
+        ignore and fail_on."""
+        head = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "rule_settings"}
+        tail = {k: head.pop(k) for k in _TAIL}
+        return {**head, **dict(self.rule_settings), **tail}
+
+    def with_overrides(self, values: Mapping[str, Any], origin: str, declared: Iterable[Setting] = ()) -> "Settings":
+        """These settings with ``values`` read over them (from ``origin``, named in errors); ``declared``: the
+        settings the registered rules own, accepted besides the global ones."""
+        known = {f.name: f for f in fields(self) if f.name != "rule_settings"}
+        owned = {d.name: d for d in declared}
         clean: dict[str, Any] = {}
+        rules = dict(self.rule_settings)
         for key, value in values.items():
-            name = key.replace("-", "_")
-            if name not in known:
-                close = ", ".join(sorted(known))
+            name = str(key).replace("-", "_")
+            if name in owned:
+                rules[name] = owned[name].coerce(value, origin)
+            elif name in known:
+                clean[name] = _coerce(name, value, getattr(self, name), origin, _EXAMPLES.get(name, 1))
+                _check_range(name, clean[name], origin)
+            else:
+                close = ", ".join(sorted([*known, *owned]))
                 raise AuditError(f"unknown setting '{key}' in {origin}", f"Known settings: {close}")
-            clean[name] = _coerce(name, value, getattr(self, name), origin)
-            _check_range(name, clean[name], origin)
-        return replace(self, **clean)
+        return replace(self, **clean, rule_settings=tuple(rules.items()))
 
 
-def _number(name: str, value: Any, want_int: bool, origin: str) -> int | float:
+def _number(name: str, value: Any, want_int: bool, origin: str, example: Any = 1) -> int | float:
     """A finite number from a number or (from the command line) its text; never a bool, never NaN or infinity."""
     bad = AuditError(f"setting '{name}' in {origin} has a bad value {value!r}",
-                     f"Use a {'whole number' if want_int else 'finite number'}, e.g. {_EXAMPLES.get(name, 1)}")
+                     f"Use a {'whole number' if want_int else 'finite number'}, e.g. {example}")
     if isinstance(value, bool) or not isinstance(value, (int, float, str)):
         raise bad
     if isinstance(value, str):
@@ -86,7 +217,7 @@ def _number(name: str, value: Any, want_int: bool, origin: str) -> int | float:
     return float(value)
 
 
-def _coerce(name: str, value: Any, default: Any, origin: str) -> Any:
+def _coerce(name: str, value: Any, default: Any, origin: str, example: Any = 1) -> Any:
     if isinstance(default, Enum):
         if not isinstance(value, str):
             raise AuditError(f"setting '{name}' in {origin} has a bad value {value!r}",
@@ -106,7 +237,7 @@ def _coerce(name: str, value: Any, default: Any, origin: str) -> Any:
             raise AuditError(f"setting '{name}' in {origin} has a bad value {value!r}",
                              f"Use a list, e.g. {list(default) or ['LR004']}")
         if default and isinstance(default[0], float):
-            return tuple(float(_number(name, v, False, origin)) for v in value)
+            return tuple(float(_number(name, v, False, origin, example)) for v in value)
         if not all(isinstance(v, str) for v in value):
             raise AuditError(f"setting '{name}' in {origin} has a bad value {value!r}",
                              "Use a list of rule codes, e.g. [\"LR004\"]")
@@ -116,7 +247,7 @@ def _coerce(name: str, value: Any, default: Any, origin: str) -> Any:
             raise AuditError(f"setting '{name}' in {origin} has a bad value {value!r}", "Use true or false")
         return value
     if isinstance(default, (int, float)):
-        return _number(name, value, isinstance(default, int), origin)
+        return _number(name, value, isinstance(default, int), origin, example)
     if not isinstance(value, str):
         raise AuditError(f"setting '{name}' in {origin} has a bad value {value!r}", f"Use text, e.g. {default!r}")
     return value
@@ -142,22 +273,34 @@ def from_pyproject(start: Path | None = None) -> dict[str, Any]:
     return {}
 
 
-# (low, high, low inclusive, high inclusive) per numeric setting; NaN and infinities never pass
+# (low, high, low inclusive, high inclusive) per numeric global setting; NaN and infinities never pass. The rules'
+# thresholds (energy_floor, ...) are declared with their ranges in their rule's module (auditor/rules/).
 _RANGES: dict[str, tuple[float, float, bool, bool]] = {
-    "target_energy": (0.0, 1.0, False, True), "energy_floor": (0.0, 1.0, False, True),
+    "target_energy": (0.0, 1.0, False, True),
     "align": (1, 2.0**40, True, True), "min_share": (0.0, 1.0, True, True),
     "min_break_even": (0.0, 2.0**40, True, True),
-    "min_compression": (0.0, 2.0**40, False, True), "negligible_share": (0.0, 1.0, True, True),
-    "wider_factor": (0.0, 2.0**40, False, True), "tall_ratio": (1.0, 2.0**40, True, True),
-    "tall_min_share": (0.0, 1.0, True, True),
+    "min_compression": (0.0, 2.0**40, False, True),
 }
-_EXAMPLES = {"target_energy": 0.95, "energy_floor": 0.9, "align": 8, "min_share": 0.0025, "min_break_even": 16,
-             "min_compression": 1.1, "negligible_share": 0.01, "wider_factor": 4, "tall_ratio": 8,
-             "tall_min_share": 0.05, "energy_targets": "0.9,0.95,0.99"}
+_EXAMPLES = {"target_energy": 0.95, "align": 8, "min_share": 0.0025, "min_break_even": 16,
+             "min_compression": 1.1, "energy_targets": "0.9,0.95,0.99"}
 
 
 def _in_range(value: float, lo: float, hi: float, lo_in: bool, hi_in: bool) -> bool:
     return math.isfinite(value) and (lo <= value if lo_in else lo < value) and (value <= hi if hi_in else value < hi)
+
+
+def _range_error(name: str, v: Any, origin: str, lo: float, hi: float, lo_in: bool, hi_in: bool,
+                 example: Any) -> None:
+    """Raise an AuditError when ``v`` is not a number in the range (NaN and infinities never are)."""
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not _in_range(v, lo, hi, lo_in, hi_in):
+        where = f" in {origin}" if origin else ""
+        if hi <= 1 or (lo > -(2.0**40) and hi < 2.0**40):
+            span = f"out of range {'[' if lo_in else '('}{lo:g}, {hi:g}{']' if hi_in else ')'}"
+        elif lo > -(2.0**40):
+            span = f"not a finite number {'at least' if lo_in else 'above'} {lo:g}"
+        else:
+            span = f"not a finite number {'at most' if hi_in else 'below'} {hi:g}"
+        raise AuditError(f"setting {name} = {v!r}{where} is {span}", f"e.g. {name} = {example}")
 
 
 def _check_range(name: str, v: Any, origin: str = "") -> None:
@@ -170,16 +313,14 @@ def _check_range(name: str, v: Any, origin: str = "") -> None:
                 raise AuditError(f"energy target {t}{where} is out of range",
                                  "Energy targets are fractions in (0, 1], e.g. 0.95")
     elif name in _RANGES:
-        lo, hi, lo_in, hi_in = _RANGES[name]
-        if isinstance(v, bool) or not isinstance(v, (int, float)) or not _in_range(v, lo, hi, lo_in, hi_in):
-            span = (f"out of range {'[' if lo_in else '('}{lo:g}, {hi:g}{']' if hi_in else ')'}" if hi <= 1 else
-                    f"not a finite number {'at least' if lo_in else 'above'} {lo:g}")
-            raise AuditError(f"setting {name} = {v!r}{where} is {span}", f"e.g. {name} = {_EXAMPLES[name]}")
+        _range_error(name, v, origin, *_RANGES[name], _EXAMPLES[name])
 
 
-def validate(s: Settings) -> Settings:
+def validate(s: Settings, declared: Iterable[Setting] = ()) -> Settings:
     """Every setting in its range (NaN, infinities and negative thresholds refused), at least one energy target,
-    fail_on one of its words; an AuditError names the setting and an example."""
+    fail_on one of its words; an AuditError names the setting and an example. ``declared``: the settings the
+    registered rules own. Each gets its value or its default, in declaration order (so reports list every one),
+    and a rule setting no rule declares is an error naming the known ones."""
     for name in ("energy_targets", *_RANGES):
         _check_range(name, getattr(s, name))
     if not isinstance(s.fail_on, FailOn):
@@ -188,4 +329,12 @@ def validate(s: Settings) -> Settings:
         except ValueError:
             raise AuditError(f"fail_on must be error, warning or never, got {s.fail_on!r}",
                              "Use --fail-on error") from None
-    return s
+    owned = {d.name: d for d in declared}
+    given = dict(s.rule_settings)
+    unknown = [k for k in given if k not in owned]
+    if unknown:
+        known = sorted([*(f.name for f in fields(s) if f.name != "rule_settings"), *owned])
+        raise AuditError(f"unknown setting '{unknown[0]}'", f"Known settings: {', '.join(known)}")
+    for name, value in given.items():
+        owned[name].check(value)
+    return replace(s, rule_settings=tuple((d.name, given.get(d.name, d.default)) for d in owned.values()))

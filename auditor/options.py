@@ -25,6 +25,16 @@ class Tracer(StrEnum):
     WALK = "walk"
 
 
+class SpectraBackend(StrEnum):
+    """What computes the singular values (auditor/spectra/backend.py): ``lapack`` (CPU float64 Gram + dsyevd, the
+    default), ``torch-cpu`` or ``torch-cuda`` (the same path with torch's linear algebra on that device). Each keeps
+    its own cache entries."""
+
+    LAPACK = "lapack"
+    TORCH_CPU = "torch-cpu"
+    TORCH_CUDA = "torch-cuda"
+
+
 @dataclass(frozen=True)
 class AuditOptions:
     """Everything an audit is asked to do besides the model, its inputs and the plan.
@@ -50,6 +60,7 @@ class AuditOptions:
     cache_dir: Path | None = None  # default: $LOWRANK_AUDITOR_CACHE or ~/.cache/lowrank-auditor
     jobs: int | None = None  # layers whose spectra are computed side by side (default: the cores, at most 4)
     tracer: Tracer = Tracer.AUTO
+    spectra_backend: SpectraBackend = SpectraBackend.LAPACK  # what computes the singular values
     progress: bool | None = None  # a progress bar on stderr (default: when stderr is a terminal)
     scheduler: str | Any | None = None  # a Dask scheduler address or distributed.Client: spectra run there
     path_map: tuple[tuple[str, str], ...] = ()  # (client prefix, worker prefix) for the cluster's file paths
@@ -72,6 +83,11 @@ class AuditOptions:
         except ValueError:
             raise AuditError(f"unknown tracer {self.tracer!r}",
                              f"Choose from {', '.join(t.value for t in Tracer)}") from None
+        try:
+            object.__setattr__(self, "spectra_backend", SpectraBackend(self.spectra_backend))
+        except ValueError:
+            raise AuditError(f"unknown spectra backend {self.spectra_backend!r}",
+                             f"Choose from {', '.join(b.value for b in SpectraBackend)}") from None
         if self.jobs is not None and self.jobs < 1:
             raise AuditError(f"jobs={self.jobs}: at least one layer must run", "Use jobs=1 or more, or None")
         if self.cache_dir is not None and not isinstance(self.cache_dir, Path):
@@ -125,6 +141,7 @@ class OptionFields(TypedDict, total=False):
     cache_dir: Path | None
     jobs: int | None
     tracer: Tracer | str
+    spectra_backend: SpectraBackend | str
     progress: bool | None
     scheduler: str | Any | None
     path_map: tuple[tuple[str, str], ...]

@@ -117,13 +117,17 @@ def load_model(spec: str, options: LoadOptions) -> "Loaded":
 
 
 def resolve_settings(options: AuditOptions, plan: "Plan | None") -> Settings:
-    """The one precedence path: ``options.settings`` < the plan's [thresholds] < ``options.overrides``."""
+    """The one precedence path: ``options.settings`` < the plan's [thresholds] < ``options.overrides``; besides the
+    global settings, those the registered rules declare (each rule's own thresholds, plugins' included)."""
+    from .rules import RULES
+
+    declared = RULES.settings()
     settings = options.settings
     if plan is not None and plan.thresholds:
-        settings = settings.with_overrides(plan.thresholds, plan.source)
+        settings = settings.with_overrides(plan.thresholds, plan.source, declared)
     if options.overrides:
-        settings = settings.with_overrides(dict(options.overrides), options.overrides_origin)
-    return validate(settings)
+        settings = settings.with_overrides(dict(options.overrides), options.overrides_origin, declared)
+    return validate(settings, declared)
 
 
 def measure(model: nn.Module) -> Measured:
@@ -245,9 +249,12 @@ def compute_spectra(layers: list[Layer], loaders: dict[str, Loader], settings: S
     if not options.spectra:
         return Spectra({})
     from .progress import Progress
-    from .spectra import SpectrumCache, ThreadExecutor, ref_for
+    from .spectra import SpectrumCache, ThreadExecutor, backend_for, ref_for
     from .spectra import compute_spectra as run_spectra
 
+    # torch-cuda without CUDA here is one line before any work; on a Dask cluster the workers compute, and a worker
+    # without CUDA skips the layer with that reason
+    backend = backend_for(options.spectra_backend, here=options.scheduler is None)
     progress = progress or Progress(enabled=False)
     order = sorted(layers, key=lambda l: -l.params)  # largest first: they are submitted in that order
     refs = [(l.name, ref_for(l, loaders[l.name])) for l in order]
@@ -260,8 +267,8 @@ def compute_spectra(layers: list[Layer], loaders: dict[str, Loader], settings: S
         else:
             executor = ThreadExecutor(options.jobs)
         with progress.phase("spectra", total=len(refs)):
-            by_layer, stats = run_spectra(refs, targets=settings.energy_targets, executor=executor, cache=cache,
-                                          progress=progress.update)
+            by_layer, stats = run_spectra(refs, targets=settings.energy_targets, backend=backend, executor=executor,
+                                          cache=cache, progress=progress.update)
         where = "local" if options.scheduler is None else executor.where  # asked while the client is open
     return Spectra(by_layer, dict(vars(stats)), where=where)
 

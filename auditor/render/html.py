@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import datetime as _dt
 import re
-from dataclasses import asdict
 from enum import Enum
 from functools import lru_cache
 from pathlib import Path
@@ -144,7 +143,7 @@ def context(audit: "Audit", ctx: RenderContext = RenderContext(), pdf: bool = Fa
     table = layer_table(audit)
     groups = group_rows(audit, table)
     settings = [(k, ", ".join(map(str, v)) if isinstance(v, tuple) else (str(v) if isinstance(v, Enum) else v))
-                for k, v in asdict(audit.settings).items()]
+                for k, v in audit.settings.as_dict().items()]
     pages = layer_pages(audit, table, groups, charts=ctx.charts, measured=ctx.measured,
                         only={g.anchor for g in groups[:PDF_PAGES]} if pdf else None)
     plans = plan_rows(audit)

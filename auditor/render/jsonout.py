@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-from dataclasses import asdict
 from enum import Enum
 from typing import TYPE_CHECKING, Any
 
@@ -18,7 +17,7 @@ FORMAT_VERSION = 1
 
 
 def _settings(audit: "Audit") -> dict[str, Any]:
-    return {k: (str(v) if isinstance(v, Enum) else v) for k, v in asdict(audit.settings).items()}
+    return {k: (str(v) if isinstance(v, Enum) else v) for k, v in audit.settings.as_dict().items()}
 
 
 def to_dict(audit: "Audit", with_sigma: bool = False) -> dict[str, Any]:

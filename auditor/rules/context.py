@@ -6,12 +6,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import cached_property
 from collections.abc import Iterator
-from typing import TYPE_CHECKING, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from ..results import Layer, PlanItem, Spectrum, Suggestion
 
 if TYPE_CHECKING:
-    from ..config import Settings
+    from ..config import Setting, Settings
     from ..plan import Plan
     from ..results import Audit
 
@@ -43,6 +43,11 @@ class Context:
     @property
     def settings(self) -> "Settings":
         return self.audit.settings
+
+    def setting(self, setting: "Setting") -> Any:
+        """The value of a setting a rule declares (``settings=[...]`` in ``@rule``): what the config file, the plan
+        or the command line set, else its default."""
+        return self.audit.settings.value(setting)
 
     @property
     def items(self) -> list[PlanItem]:

@@ -38,16 +38,18 @@ def rule_url(r: Rule) -> str | None:
 
 # The example plugin that docs/rules.md shows; tests/test_rules_registry.py installs and runs this very text.
 PLUGIN_EXAMPLE = '''\
-from auditor.rules import Need, Scope, Severity, rule
+from auditor.rules import Need, Scope, Setting, Severity, rule
+
+BIG = Setting("big_layer_weights", 1_000_000, "layers with more weights than this are flagged", low=1)
 
 
-@rule("XY001", "big-layer", Severity.WARNING, scope=Scope.MODEL, needs={Need.SPECTRA})
+@rule("XY001", "big-layer", Severity.WARNING, scope=Scope.MODEL, needs={Need.SPECTRA}, settings=[BIG])
 def big_layer(ctx, emit):
-    """A layer with more than a million weights that factorizes, left dense by the plan.
+    """A layer with more than `big_layer_weights` weights that factorizes, left dense by the plan.
 
     ## What it flags
-    Layers above a million weights that the spectral audit can factorize and the reviewed plan leaves dense
-    (without a plan file, the suggested ranks are reviewed).
+    Layers above `big_layer_weights` weights (default a million) that the spectral audit can factorize and the
+    reviewed plan leaves dense (without a plan file, the suggested ranks are reviewed).
 
     ## Why it is bad
     They hold the parameters; leaving them dense caps the saving.
@@ -58,8 +60,9 @@ def big_layer(ctx, emit):
     ## Do instead
     Add it to the plan at the suggested rank.
     """
+    limit = ctx.setting(BIG)
     for layer, spectrum, suggestion, planned in ctx.each_layer():
-        if layer.params > 1_000_000 and not planned and suggestion and suggestion.rank:
+        if layer.params > limit and not planned and suggestion and suggestion.rank:
             emit(f"{layer.name} ({layer.params:,} weights) is left dense", [layer.name],
                  f"Plan it at rank {suggestion.rank}", params=layer.params, rank=suggestion.rank)
 '''
@@ -75,9 +78,13 @@ is its documentation: a summary line, then the sections {{sections}}.
 - `emit(message, layers, fix, **evidence)` records a finding with the rule's code, slug and severity.
 - `needs={{{{Need.DATA_FLOW}}}}` (or `Need.SPECTRA`, `Need.PLAN`): without it the rule is not run, and the audit's
   notes say so.
+- `settings=[Setting(name, default, doc, low=..., high=...)]`: the thresholds the rule owns; it reads one with
+  `ctx.setting(SETTING)`. They are set like the global settings: `[tool.lowrank-auditor]` in pyproject.toml, a
+  plan's `[thresholds]`, or `overrides` of `auditor.audit`, and checked the same way (a bad value or a name no rule
+  declares is one line, exit 2). Reports list them with the other settings; the rule's page shows them.
 
-Built-in rules live in `auditor/rules/model.py`, `graph.py` and `plan.py`; each needs a failing and a passing
-row in `tests/test_rules_table.py`. Another package adds rules with an entry point in the group
+Built-in rules live in `auditor/rules/builtin/`, one module per rule named after its code (`lr004.py`); each needs
+a failing and a passing row in `tests/test_rules_table.py`. Another package adds rules with an entry point in the group
 `{ENTRY_POINT_GROUP}` that names a module declaring rules (or a rule, or a list of them):
 
 ```toml
@@ -94,12 +101,24 @@ A plugin that fails to load, or reuses a code or slug, stops the audit with one 
 """
 
 
+def _shown(value: object) -> str:
+    if isinstance(value, float):
+        return f"{value:g}"
+    if isinstance(value, tuple):
+        return ", ".join(map(_shown, value)) or "none"
+    return str(value).lower() if isinstance(value, bool) else str(value)
+
+
 def rule_doc(r: Rule) -> str:
-    """The rule's page: heading, severity, what it needs, then the fixed sections."""
+    """The rule's page: heading, severity, what it needs, the fixed sections, then the settings it owns."""
     needs = f" Runs only with {' and '.join(sorted(map(str, r.needs)))}." if r.needs else ""
     lines = [f"## {r.code} {r.slug}", "", f"*Severity: {r.severity}*. {r.summary}{needs}", ""]
     for name, body in r.sections.items():
         lines += [f"### {name}", "", body, ""]
+    if r.settings:
+        lines += ["### Settings", "", "| setting | default | allowed | what it does |", "|---|---|---|---|"]
+        lines += [f"| `{s.name}` | {_shown(s.default)} | {s.range_text} | {s.doc} |" for s in r.settings]
+        lines += [""]
     return "\n".join(lines)
 
 
@@ -110,7 +129,9 @@ def rules_markdown(rules: Iterable[Rule] | None = None) -> str:
     chosen = list(RULES.values() if rules is None else rules)
     head = ["# Rules", "",
             "Generated from the rule docstrings in `auditor/rules/` by `lowrank-audit rules --markdown`;",
-            "do not edit by hand. Other packages add rules too: see [Writing a rule](#writing-a-rule).", "", "| code | slug | severity | scope | flags |", "|---|---|---|---|---|"]
+            "do not edit by hand. Other packages add rules too: see [Writing a rule](#writing-a-rule).", "",
+            "A rule's settings (the table on its page) are set in `[tool.lowrank-auditor]` of pyproject.toml or in a",
+            "plan's `[thresholds]`; `energy_floor` also with `--energy-floor`.", "", "| code | slug | severity | scope | flags |", "|---|---|---|---|---|"]
     for r in chosen:
         head.append(f"| [{r.code}](#{rule_anchor(r)}) | {r.slug} | {r.severity} | {r.scope} | {r.summary} |")
     from .registry import SECTIONS

@@ -4,7 +4,9 @@ through the ``lowrank_auditor.rules`` entry-point group.
 A rule is a function ``check(ctx, emit)`` decorated with ``@rule(code, slug, severity, ...)``. The decorator turns
 it into a :class:`Rule`; the runner hands the function a bound ``emit`` that writes the code, slug and severity into
 every finding, so a rule body says only what it found. A rule declares what it needs (``needs={Need.DATA_FLOW}``)
-and the runner skips it, with a note, when the audit lacks that.
+and the runner skips it, with a note, when the audit lacks that. A rule owns its thresholds
+(``settings=[Setting(...)]``): they are read from ``[tool.lowrank-auditor]``, a plan's ``[thresholds]`` and the
+command line like the global settings, and the rule reads them with ``ctx.setting(...)``.
 """
 
 from __future__ import annotations
@@ -12,12 +14,13 @@ from __future__ import annotations
 import difflib
 import inspect
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields, replace
 from importlib.metadata import EntryPoint, entry_points
 from types import ModuleType
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import TYPE_CHECKING, Any, Protocol
 
+from ..config import Setting, Settings
 from ..errors import AuditError
 from ..results import Finding, Severity, StrEnum
 
@@ -73,6 +76,7 @@ class Rule:
     # Which of its findings the command line treats as bad input (exit 2, no report); the library keeps them all.
     input_error: Callable[[Finding], bool] = field(default=_never, repr=False)
     origin: str = BUILTIN_ORIGIN  # the distribution that provides it
+    settings: tuple[Setting, ...] = ()  # the thresholds it owns, read like the global settings
 
     @property
     def summary(self) -> str:
@@ -96,10 +100,14 @@ class Rule:
         return Finding(self.code, self.slug, self.severity, message, list(layers), dict(evidence), fix)
 
 
+_GLOBAL = frozenset(f.name for f in fields(Settings))
+
+
 def rule(code: str, slug: str, severity: Severity | str, *, scope: Scope | str = Scope.MODEL,
-         needs: Iterable[Need | str] = (), input_error: Callable[[Finding], bool] | None = None
-         ) -> Callable[[Check], Rule]:
-    """Declare a rule. The decorated function ``check(ctx, emit)`` becomes a :class:`Rule`.
+         needs: Iterable[Need | str] = (), input_error: Callable[[Finding], bool] | None = None,
+         settings: Iterable[Setting] = ()) -> Callable[[Check], Rule]:
+    """Declare a rule. The decorated function ``check(ctx, emit)`` becomes a :class:`Rule`. ``settings``: the
+    thresholds it owns (:class:`~auditor.config.Setting`); it reads them with ``ctx.setting(SETTING)``.
 
     >>> from auditor.rules import rule, Severity
     >>> @rule("XY001", "always-quiet", Severity.INFO)
@@ -128,9 +136,19 @@ def rule(code: str, slug: str, severity: Severity | str, *, scope: Scope | str =
             raise RuleDefinitionError(f"{where}: the code must be capital letters then 3+ digits, like LR001")
         if not _SLUG.match(slug):
             raise RuleDefinitionError(f"{where}: the slug {slug!r} must be lowercase words joined by '-'")
+        own = tuple(settings)
+        bad = next((s for s in own if not isinstance(s, Setting)), None)
+        if bad is not None:
+            raise RuleDefinitionError(f"{where}: settings must be auditor.config.Setting objects, got {bad!r}")
+        names = [s.name for s in own]
+        twice = sorted({n for n in names if names.count(n) > 1})
+        taken = sorted(set(names) & _GLOBAL)
+        if twice or taken:
+            raise RuleDefinitionError(f"{where}: the setting {(twice or taken)[0]!r} is "
+                                      + ("declared twice" if twice else "a global setting; give yours another name"))
         try:
             r = Rule(code, slug, Severity(severity), fn, Scope(scope), frozenset(Need(n) for n in needs),
-                     input_error or _never)
+                     input_error or _never, settings=own)
         except ValueError as exc:
             raise RuleDefinitionError(f"{where}: {exc}") from None
         missing = [s for s in SECTIONS if s not in r.sections]
@@ -175,7 +193,7 @@ def _plugin_rules(ep: EntryPoint) -> list[Rule]:
             f"{_first_line(exc)}",
             f"Fix or uninstall {dist or 'the package that declares it'} (entry-point group {ENTRY_POINT_GROUP})",
         ) from None
-    return [Rule(r.code, r.slug, r.severity, r.check, r.scope, r.needs, r.input_error, origin) for r in found]
+    return [replace(r, origin=origin) for r in found]
 
 
 class RuleRegistry(Mapping[str, Rule]):
@@ -186,6 +204,13 @@ class RuleRegistry(Mapping[str, Rule]):
         self._builtin = list(builtin)
         self._plugins = plugins
         self._rules: dict[str, Rule] | None = None
+        owners: dict[str, Rule] = {}
+        for r in self._builtin:
+            for s in r.settings:
+                if s.name in owners:
+                    raise RuleDefinitionError(f"{r.code} and {owners[s.name].code} both declare the setting "
+                                              f"{s.name!r}")
+                owners[s.name] = r
 
     def _load(self) -> dict[str, Rule]:
         if self._rules is not None:
@@ -200,9 +225,21 @@ class RuleRegistry(Mapping[str, Rule]):
                             f"rule plugin '{ep.name}' ({ep.value}, from {r.origin}) declares {r.code} {r.slug}, "
                             f"which {clash.origin} already declares as {clash.code} {clash.slug}",
                             f"Give the plugin's rule another code and slug, or uninstall {r.origin}")
+                    for s in r.settings:
+                        owner = next((o for o in rules.values() if any(t.name == s.name for t in o.settings)), None)
+                        if owner is not None:
+                            raise AuditError(
+                                f"rule plugin '{ep.name}' ({ep.value}, from {r.origin}) declares the setting "
+                                f"'{s.name}' for {r.code}, which {owner.origin} already declares for {owner.code} "
+                                f"{owner.slug}", f"Give the plugin's setting another name, or uninstall {r.origin}")
                     rules[r.code] = r
         self._rules = rules
         return rules
+
+    def settings(self) -> tuple[Setting, ...]:
+        """The settings the registered rules own, in rule order: what config files, plans and flags may set
+        besides the global settings."""
+        return tuple(s for r in self._load().values() for s in r.settings)
 
     def reload(self) -> None:
         """Forget the loaded plugins; the next use looks up the entry points again."""

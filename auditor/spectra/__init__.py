@@ -4,8 +4,8 @@ The parts, each replaceable:
 
 - :class:`SpectralBackend` (``backend.py``): computes singular values of a matrix stack. Default
   :class:`LapackBackend` (CPU float64 Gram + dsyevd, guarded, float64 SVD fallback); :class:`TorchBackend` runs the
-  same on a torch device.
-- :class:`SpectrumCache` (``cache.py``): values by content key on disk, validated on read.
+  same on a torch device. :func:`backend_for` gives the one ``AuditOptions.spectra_backend`` names.
+- :class:`SpectrumCache` (``cache.py``): values by content key and backend on disk, validated on read.
 - :class:`Executor` (``executor.py``): runs picklable work items, yields results as they complete, cancels.
   Default :class:`ThreadExecutor`; :class:`ProcessExecutor` runs them in spawned processes.
 - Work items (``work.py``): :class:`SpectrumTask` (layer name + :class:`auditor.tensorref.TensorRef` + targets +
@@ -25,9 +25,9 @@ import torch
 from ..results import Layer, Spectrum
 from ..tensorref import TensorRef
 from .backend import (CHUNK_ELEMENTS, EPS64, TARGET_MARGIN, TOLERANCE, LapackBackend, SkipSpectrum, SpectralBackend,
-                      TorchBackend, available_memory, eig_svdvals, gram64, needs_exact, needs_exact_energy,
-                      svd_svdvals)
-from .cache import SpectrumCache, default_cache_dir
+                      TorchBackend, available_memory, backend_for, cache_id, eig_svdvals, gram64, needs_exact,
+                      needs_exact_energy, svd_svdvals)
+from .cache import SpectrumCache, default_cache_dir, entry_key
 from .executor import Executor, FuturesExecutor, ProcessExecutor, ThreadExecutor
 from .work import (ENGINE_VERSION, SpectraStats, SpectrumResult, SpectrumTask, compute_spectra, compute_task,
                    content_key, finish, hash_task, memory_need, skip_reason)
@@ -36,7 +36,7 @@ __all__ = [
     "CHUNK_ELEMENTS", "ENGINE_VERSION", "EPS64", "TARGET_MARGIN", "TOLERANCE", "Engine", "Executor",
     "FuturesExecutor", "LapackBackend", "ProcessExecutor", "SkipSpectrum", "SpectraStats", "SpectralBackend",
     "SpectrumCache", "SpectrumResult", "SpectrumTask", "TensorRef", "ThreadExecutor", "TorchBackend",
-    "available_memory", "compute_spectra", "compute_task", "content_key", "default_cache_dir", "eig_svdvals",
+    "available_memory", "backend_for", "cache_id", "compute_spectra", "compute_task", "content_key", "default_cache_dir", "eig_svdvals", "entry_key",
     "finish", "gram64", "hash_task", "memory_need", "needs_exact", "needs_exact_energy", "ref_for", "skip_reason",
     "svd_svdvals",
 ]

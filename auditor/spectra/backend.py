@@ -239,6 +239,11 @@ class LapackBackend:
 
     name: str = "lapack-gram"
 
+    @property
+    def cache_id(self) -> str:
+        """What the spectrum cache keys this backend's entries by (see :func:`auditor.spectra.cache.entry_key`)."""
+        return self.name
+
     def memory_need(self, m: int, n: int, groups: int) -> int:
         k = min(m, n)
         return 8 * (k * k + min(CHUNK_ELEMENTS, max(m, n) * k) + groups * k)
@@ -305,12 +310,17 @@ class TorchBackend:
     device: str = "cuda"
     name: str = "torch"
 
+    @property
+    def cache_id(self) -> str:
+        """``torch-cpu`` or ``torch-cuda`` (any CUDA index): the cache keeps each device type's entries apart."""
+        return f"{self.name}-{torch.device(self.device).type}"
+
     def memory_need(self, m: int, n: int, groups: int) -> int:
         return 8 * (m * n + min(m, n) ** 2)  # host side is untouched; this is device memory
 
     def refuse(self, m: int, n: int, groups: int) -> str:
         if self.device.startswith("cuda"):
-            if not torch.cuda.is_available():
+            if here and not torch.cuda.is_available():
                 return f"device {self.device} is not available"
             free, _ = torch.cuda.mem_get_info(torch.device(self.device))
             need = self.memory_need(m, n, groups)
@@ -346,3 +356,32 @@ class TorchBackend:
                     sig[gi] = torch.linalg.svdvals(a).cpu().numpy()
             method = "svd-f64"
         return unscale(sig, c), method
+
+
+def backend_for(choice: str, here: bool = True) -> SpectralBackend:
+    """The backend an :class:`auditor.options.SpectraBackend` names: ``lapack`` (the default), ``torch-cpu``,
+    ``torch-cuda``. An AuditError for any other name, and, when it is to run ``here`` (not on a cluster's
+    workers), for ``torch-cuda`` where torch sees no CUDA device (every layer would be skipped)."""
+    from ..errors import AuditError
+    from ..options import SpectraBackend
+
+    try:
+        which = SpectraBackend(choice)
+    except ValueError:
+        raise AuditError(f"unknown spectra backend {choice!r}",
+                         f"Choose from {', '.join(b.value for b in SpectraBackend)}") from None
+    if which == SpectraBackend.TORCH_CUDA:
+        if here and not torch.cuda.is_available():
+            raise AuditError("spectra backend torch-cuda needs a CUDA device, and torch sees none "
+                             f"(torch {torch.__version__}, CUDA build: {torch.version.cuda or 'no'})",
+                             "Use --spectra-backend lapack (the default) or torch-cpu")
+        return TorchBackend("cuda")
+    if which == SpectraBackend.TORCH_CPU:
+        return TorchBackend("cpu")
+    return LapackBackend()
+
+
+def cache_id(backend: SpectralBackend) -> str:
+    """The name the spectrum cache keys a backend's entries by: its ``cache_id`` where it has one, else its
+    ``name``."""
+    return str(getattr(backend, "cache_id", None) or backend.name)

@@ -5,6 +5,10 @@ BLAKE3 over the key and those values. A read accepts an entry only if it is a re
 it is opened non-blocking and checked before a byte is read) of exactly the right size whose checksum matches and
 whose values are finite, non-negative and descending within rounding; anything else is a miss and is recomputed.
 Writes go to a temporary file renamed into place, so concurrent audits sharing a cache never see half an entry.
+
+Entries are kept apart per spectral backend: a cache is bound to one (:meth:`SpectrumCache.for_backend`), and the
+key of an entry is :func:`entry_key` of the tensor's content key and that backend, so switching backends never
+reads values another backend computed.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ from pathlib import Path
 import numpy as np
 
 CHECK = 32  # bytes of BLAKE3 after the values
+DEFAULT_BACKEND = "lapack-gram"  # LapackBackend's cache id: its entries keep the plain content key
 DESCENDING_SLACK = 1e-9  # sigma[i+1] may exceed sigma[i] by this much of sigma_max (eigensolver rounding)
 
 
@@ -27,6 +32,21 @@ def default_cache_dir() -> Path:
         return Path(env)
     base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
     return Path(base) / "lowrank-auditor" / "spectra"
+
+
+def entry_key(key: str, backend: str = DEFAULT_BACKEND) -> str:
+    """The cache key of one tensor's values from one backend: the content key itself for the default LAPACK backend
+    (caches written before backends were selectable stay valid), BLAKE3 over the backend's cache id and the content
+    key for any other; empty for an empty key (nothing cached).
+
+    >>> entry_key("ab" * 32) == "ab" * 32 != entry_key("ab" * 32, "torch-cpu") != entry_key("ab" * 32, "torch-cuda")
+    True
+    """
+    if not key or backend == DEFAULT_BACKEND:
+        return key
+    from blake3 import blake3
+
+    return blake3(f"backend|{backend}|{key}".encode()).hexdigest()
 
 
 def _check(key: str, payload: bytes) -> bytes:
@@ -46,21 +66,32 @@ def valid(sigma: np.ndarray) -> bool:
 
 
 class SpectrumCache:
-    """get/put singular values by content key. Safe to share between threads, processes and concurrent audits."""
+    """get/put singular values by content key, for one backend (``backend``: its cache id; default the LAPACK
+    backend's). Safe to share between threads, processes and concurrent audits."""
 
-    def __init__(self, directory: Path | str | None = None) -> None:
+    def __init__(self, directory: Path | str | None = None, backend: str = DEFAULT_BACKEND) -> None:
         self.directory = Path(directory) if directory is not None else default_cache_dir()
+        self.backend = backend
+
+    def for_backend(self, backend: str) -> "SpectrumCache":
+        """This cache directory, for another backend's entries (itself when it is the same backend)."""
+        return self if backend == self.backend else SpectrumCache(self.directory, backend)
 
     def path(self, key: str) -> Path:
-        return self.directory / key[:2] / f"{key}.f64"
+        """Where the entry of this content key lies (for this cache's backend)."""
+        return self._file(entry_key(key, self.backend))
+
+    def _file(self, entry: str) -> Path:
+        return self.directory / entry[:2] / f"{entry}.f64"
 
     def get(self, key: str, groups: int, k: int) -> np.ndarray | None:
         """The cached (groups x k) values, or None when absent, unreadable or failing validation."""
         if not key:
             return None
+        key = entry_key(key, self.backend)
         size = groups * k * 8
         try:
-            fd = os.open(self.path(key), os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_NOFOLLOW", 0))
+            fd = os.open(self._file(key), os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_NOFOLLOW", 0))
         except OSError:
             return None
         try:
@@ -87,8 +118,9 @@ class SpectrumCache:
         """Store values atomically; False (and no error) where the cache cannot be written."""
         if not key or not valid(sigma):
             return False
-        payload = np.ascontiguousarray(sigma, dtype="<f8").tobytes()
         path = self.path(key)
+        key = entry_key(key, self.backend)
+        payload = np.ascontiguousarray(sigma, dtype="<f8").tobytes()
         tmp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.{uuid.uuid4().hex[:8]}.tmp")
         try:
             path.parent.mkdir(parents=True, exist_ok=True)

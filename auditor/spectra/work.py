@@ -18,7 +18,7 @@ import torch
 from .. import kinds
 from ..results import Spectrum
 from ..tensorref import TensorRef
-from .backend import EPS64, LapackBackend, SkipSpectrum, SpectralBackend
+from .backend import EPS64, LapackBackend, SkipSpectrum, SpectralBackend, cache_id
 from .cache import SpectrumCache
 from .executor import Executor, ThreadExecutor
 
@@ -185,6 +185,8 @@ def compute_spectra(
     pairs = list(items)
     backend = backend or LapackBackend()
     executor = executor or ThreadExecutor()
+    if cache is not None:
+        cache = cache.for_backend(cache_id(backend))  # each backend's values apart: never another's
     tg = tuple(targets)
     total = len(pairs)
     results: dict[int, SpectrumResult] = {}

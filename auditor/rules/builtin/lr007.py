@@ -1,11 +1,11 @@
-"""Rules on how the layers are connected. They need a data-flow graph: the module walk links layers in call order
-(q_proj -> k_proj), which says nothing about what feeds what."""
+"""The graph rule LR007: two linear maps chained with nothing nonlinear between. It needs a data-flow graph: the
+module walk links layers in call order (q_proj -> k_proj), which says nothing about what feeds what."""
 
 from __future__ import annotations
 
-from ..results import Severity
-from .context import Context
-from .registry import Emit, Need, Scope, rule
+from ...results import Severity
+from ..context import Context
+from ..registry import Emit, Need, Scope, rule
 
 
 @rule("LR007", "chained-linear-maps", Severity.INFO, scope=Scope.GRAPH, needs={Need.DATA_FLOW})
