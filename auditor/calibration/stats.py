@@ -522,13 +522,14 @@ def _mha_hook(group: dict[str, _Acc]) -> Callable[..., None]:
 
 
 def input_statistics(model: nn.Module, layers: dict[str, Layer] | list[Layer], batches: Calibration | list[Batch],
-                     progress: Callable[[int, int], None] | None = None) -> InputStatistics:
+                     progress: Callable[[int, int], None] | None = None,
+                     batch_dtype: torch.dtype = torch.float64) -> InputStatistics:
     """One forward pass over ``batches`` (a ``Calibration``: its fit part), in eval mode, with hooks that accumulate
     X^T X in float64 for every layer they can read. Layers with no statistics are listed in ``missing`` with the reason.
     ``progress(done, total)`` is called after each batch."""
     digest = batches.digest if isinstance(batches, Calibration) else ""
     fit = batches.fit if isinstance(batches, Calibration) else list(batches)
-    hooks = StatisticsHooks(model, layers)
+    hooks = StatisticsHooks(model, layers, batch_dtype)
     try:
         with eval_mode(model):  # dropout off, batch norm on its running statistics; the caller's modes come back
             for i, b in enumerate(fit):
