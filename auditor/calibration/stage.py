@@ -30,7 +30,7 @@ from ..results import Kind, Layer, Suggestion, Verdict
 from .hashing import weights_hash
 from .inputs import Calibration, load_calibration
 from .metric import Evaluator, Metric, load_metric
-from .stats import InputStatistics, input_statistics
+from .stats import InputStatistics
 from .whiten import WhitenedSpectrum
 
 if TYPE_CHECKING:
@@ -117,7 +117,10 @@ def _statistics(model: nn.Module, layers: list[Layer], cal: Calibration, options
         except Exception:  # noqa: BLE001 - a damaged, foreign or invalid entry is recomputed (and replaced)
             pass
     try:
-        stats = input_statistics(model, layers, cal, progress=progress.update if progress is not None else None)
+        from .stream import stream_statistics  # block by block when the model has repeated blocks, else one pass
+
+        stats = stream_statistics(model, layers, cal, device=options.device, offload=options.offload,
+                                  progress=progress.update if progress is not None else None)
     except AuditError:
         raise
     except Exception as exc:  # noqa: BLE001 - a batch the forward refuses, said in one line
