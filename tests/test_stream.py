@@ -188,3 +188,50 @@ def test_cuda_streamed_matches_cpu(offload):
     gpu = stream_statistics(model, layers, cal, device="cuda", offload=offload)
     assert next(model.parameters()).device.type == "cpu"
     _assert_equal_stats(gpu, cpu, tol=1e-5)
+
+
+def test_blocks_fed_other_inputs_fall_back_to_one_pass():
+    """Blocks that each get their own extra input (here a per-block scale) are not streamed: the check on the first
+    batch sees it, and the one-pass statistics come back (equal to input_statistics, no block callbacks)."""
+    from torch import nn
+
+    class Blk(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(6, 6)
+
+        def forward(self, x, scale):
+            return torch.tanh(self.fc(x * scale))
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.blocks = nn.ModuleList(Blk() for _ in range(3))
+
+        def forward(self, x):
+            for i, b in enumerate(self.blocks):
+                x = b(x, torch.tensor(float(i + 1)))
+            return x
+
+    torch.manual_seed(4)
+    m = Net().eval()
+    layers = _layers(m)
+    assert find_blocks(m, layers) is not None
+    cal = load_calibration({"x": torch.randn(16, 6)}, m, holdout=0.25)
+    calls: list[int] = []
+    st = stream_statistics(m, layers, cal, on_block=lambda i, s: calls.append(i))
+    assert calls == [-1]
+    _assert_equal_stats(st, input_statistics(m, layers, cal), tol=0.0)
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--device", "tpu"], "error: unknown device 'tpu'"),
+    (["--device", "cuda:7"], "error: device 'cuda:7' is not available"),
+])
+def test_cli_device_errors(cli_inproc, flags, message):
+    if torch.cuda.is_available() and "cuda" in flags[1]:
+        pytest.skip("a GPU is here")
+    r = cli_inproc("sample_models/digits.py:mlp", "--calibration", "sample_models/digits_mlp.safetensors", *flags)
+    assert r.returncode == 2 and r.stderr.strip().splitlines() == [r.stderr.strip()] and r.stderr.startswith(message)
+    r = cli_inproc("sample_models/digits.py:mlp", "--offload")
+    assert r.returncode == 2 and "--offload need(s) calibration data" in r.stderr
