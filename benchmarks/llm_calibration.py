@@ -123,18 +123,19 @@ def main() -> None:
     ap.add_argument("--cap-gb", type=float, default=24.0, help="address-space cap of each subprocess (default 24)")
     ap.add_argument("--timeout", type=float, default=600.0, help="seconds per configuration (default 600)")
     ap.add_argument("--json", metavar="FILE", help="also write the rows as JSON")
+    ap.add_argument("--depths", default="2,4,8", help="depths of the width-1024 configs (default 2,4,8)")
     a = ap.parse_args()
     rows = []
     if a.only != "tinyllama":
-        for name in ("d2", "d4", "d8"):
+        for name in (f"d{d.strip()}" for d in a.depths.split(",")):
             for mode in ("stream", "onepass"):
                 r = run(name, mode, a.cap_gb, a.timeout)
                 rows.append(r)
                 _print(r)
         for mode in ("stream", "onepass"):
-            lo = next(r for r in rows if r["name"] == "d2" and r["mode"] == mode)
-            hi = next(r for r in rows if r["name"] == "d8" and r["mode"] == mode)
-            if "error" in lo or "error" in hi:
+            lo = next((r for r in rows if r["name"] == "d2" and r["mode"] == mode), None)
+            hi = next((r for r in rows if r["name"] == "d8" and r["mode"] == mode), None)
+            if lo is None or hi is None or "error" in lo or "error" in hi:
                 continue
             grow = hi["peak_mib"] - lo["peak_mib"]
             wgrow = hi["weights_mib"] - lo["weights_mib"]
