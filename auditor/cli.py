@@ -99,6 +99,11 @@ def _parser() -> argparse.ArgumentParser:
                    help="tier 2: truncate each layer alone and bisect for its measured floor")
     g.add_argument("--budget", type=float, metavar="FRACTION",
                    help="tier 3: a plan removing this share of the parameters, checked all at once")
+    g.add_argument("--device", metavar="cpu|cuda|cuda:N|auto",
+                   help="where calibration statistics are read (forward and X^T X sums; default: the CPU)")
+    g.add_argument("--offload", action="store_true",
+                   help="keep the weights on the CPU and move each repeated block to --device only while it runs "
+                        "(no effect with --device cpu)")
     g = p.add_argument_group("spectra")
     g.add_argument("--no-spectra", action="store_true", help="skip singular values (structure and counts only)")
     g.add_argument("--spectra-backend", choices=[b.value for b in SpectraBackend], default=SpectraBackend.LAPACK.value,
@@ -318,6 +323,13 @@ def options_from(args: argparse.Namespace) -> tuple["AuditOptions", "LoadOptions
     return audit_options, load_options
 
 
+def _device(spec: str) -> str:
+    """``--device`` checked before the model loads: an unknown or unavailable device is one line, exit 2."""
+    from .calibration.stream import resolve_device
+
+    return str(resolve_device(spec))
+
+
 def calibration_options(args: argparse.Namespace) -> dict:
     """The calibration flags as AuditOptions fields (checked there: --budget in (0, 1), the rest need data)."""
     from .calibration.inputs import parse_size
@@ -327,13 +339,16 @@ def calibration_options(args: argparse.Namespace) -> dict:
                                 ("--measure-floor", args.measure_floor or None), ("--budget", args.budget),
                                 ("--calibration-length", args.calibration_length),
                                 ("--calibration-max-rows", args.calibration_max_rows),
-                                ("--calibration-max-bytes", args.calibration_max_bytes)) if v is not None]
+                                ("--calibration-max-bytes", args.calibration_max_bytes),
+                                ("--device", args.device), ("--offload", args.offload or None)) if v is not None]
         if given:
             raise AuditError(f"{', '.join(given)} need(s) calibration data", "Pass --calibration FILE as well")
         return {}
     return {"calibration": args.calibration, "holdout": args.holdout if args.holdout is not None else 0.25,
             "metric": args.metric, "tolerance": args.tolerance, "measure_floor": args.measure_floor,
             "budget": args.budget, "calibration_length": args.calibration_length,
+            **({"device": _device(args.device)} if args.device is not None else {}),
+            **({"offload": True} if args.offload else {}),
             **({"calibration_max_rows": args.calibration_max_rows} if args.calibration_max_rows is not None else {}),
             **({"calibration_max_bytes": parse_size(args.calibration_max_bytes)}
                if args.calibration_max_bytes is not None else {})}

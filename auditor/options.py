@@ -76,6 +76,8 @@ class AuditOptions:
     tokenizer: Any = None  # the directory of the tokenizer for a text file (audit_source: the Hugging Face directory)
     calibration_max_rows: int | None = CALIBRATION_MAX_ROWS  # read at most this many rows (None: no cap)
     calibration_max_bytes: int | None = CALIBRATION_MAX_BYTES  # read at most this many bytes (None: no cap)
+    device: str | None = None  # statistics: cpu, cuda, cuda:N or auto (None: where the model is)
+    offload: bool = False  # statistics: each repeated block on the device only while it runs
 
     def __post_init__(self) -> None:
         try:
@@ -110,6 +112,11 @@ class AuditOptions:
                 flag = "--" + name.replace("_", "-")
                 raise AuditError(f"{name} {v!r} is not a positive whole number",
                                  f"Give e.g. {flag} {'200000' if 'rows' in name else '4G'}, or None for no cap")
+        if self.device is not None:
+            import re
+
+            if not isinstance(self.device, str) or not re.fullmatch(r"cpu|auto|cuda(:\d+)?", self.device.strip().lower()):
+                raise AuditError(f"unknown device {self.device!r}", "Give device='cpu', 'cuda', 'cuda:N' or 'auto'")
         if self.calibration is None and (self.measure_floor or self.budget is not None or self.metric is not None):
             raise AuditError("measure_floor, budget and metric need calibration data",
                              "Pass calibration=FILE (on the command line --calibration FILE)")
@@ -156,6 +163,8 @@ class OptionFields(TypedDict, total=False):
     tokenizer: Any
     calibration_max_rows: int | None
     calibration_max_bytes: int | None
+    device: str | None
+    offload: bool
 
 
 @dataclass(frozen=True)

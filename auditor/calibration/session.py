@@ -106,7 +106,10 @@ def _statistics(model: nn.Module, layers: list[Layer], cal: Calibration, options
         except Exception:  # noqa: BLE001 - a damaged, foreign or invalid entry is recomputed (and replaced)
             pass
     try:
-        stats = input_statistics(model, layers, cal, progress=progress.update if progress is not None else None)
+        from .stream import stream_statistics  # block by block when the model has repeated blocks, else one pass
+
+        stats = stream_statistics(model, layers, cal, device=options.device, offload=options.offload,
+                                  progress=progress.update if progress is not None else None)
     except AuditError:
         raise
     except Exception as exc:  # noqa: BLE001 - a batch the forward refuses, said in one line

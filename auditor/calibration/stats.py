@@ -166,16 +166,80 @@ def _module_path(layer: Layer) -> tuple[str, str]:
 SHARED_KEEP = 4  # recent inputs whose Gram is kept for the next layer reading the same tensor
 
 
+class _Sum:
+    """A running float64 sum that several accumulators may point at: q, k and v (gate and up) read one input
+    tensor every batch, so they keep one Gram, not three. ``last`` is the product added in the current batch (None
+    between batches), ``batches`` how many were added."""
+
+    __slots__ = ("gram", "last", "batches", "users", "array")
+
+    def __init__(self) -> None:
+        self.gram: torch.Tensor | None = None
+        self.last: torch.Tensor | None = None
+        self.batches = 0
+        self.users = 1
+        self.array: np.ndarray | None = None  # the result, converted once for every accumulator pointing here
+
+
 class _Acc:
-    """A float64 Gram accumulator on the layer's device."""
+    """A float64 Gram accumulator on the layer's device. ``batch_dtype``: the dtype each batch's X^T X is formed in
+    (float64; float32 on a GPU), always added into a float64 sum."""
 
     def __init__(self, layer: Layer, n: int, groups: int = 1, diagonal: bool = False,
                  shared: dict[tuple[Any, ...], Any] | None = None) -> None:
         self.layer, self.n, self.groups, self.diagonal = layer, n, groups, diagonal
-        self.gram: torch.Tensor | None = None
+        self.sum: _Sum | None = None
+        self.batches = 0  # products this accumulator has taken into its sum
         self.rows = 0
         self.approximate = ""
         self.shared = shared  # this batch's Grams by input tensor: q, k and v projections read one input once
+        self.batch_dtype = torch.float64
+
+    @property
+    def gram(self) -> torch.Tensor | None:
+        return self.sum.gram if self.sum is not None else None
+
+    def _take(self, g: torch.Tensor, src: _Sum | None = None) -> None:
+        """Add this batch's product ``g`` to the running sum. The first accumulator of a batch to add to a shared sum
+        adds; the others that got the same product only count it; one that got another product leaves the shared
+        sum (with its own history) first. ``src``: the sum of the accumulator that formed ``g``, joined when this
+        accumulator has nothing yet and that sum holds ``g`` alone."""
+        s = self.sum
+        if s is None and src is not None and src.batches == 1 and src.last is g:
+            self.sum, self.batches = src, 1
+            src.users += 1
+            return
+        if s is not None and s.batches == self.batches + 1 and s.last is g:
+            self.batches += 1  # already in the shared sum
+            return
+        if s is None or s.batches != self.batches:  # nothing yet, or the shared sum took another product this batch
+            self._leave()
+            s = self.sum = self.sum or _Sum()
+        s.gram = g if s.gram is None else s.gram + g
+        s.last = g
+        s.batches += 1
+        self.batches += 1
+
+    def _leave(self) -> None:
+        """Leave a shared sum that took one more product this batch than this accumulator: keep this one's history
+        (the sum without that product) in a sum of its own."""
+        s = self.sum
+        if s is None or s.batches == self.batches:
+            return
+        s.users -= 1
+        own = _Sum()
+        own.batches = self.batches
+        own.gram = None if self.batches == 0 else s.gram - s.last
+        self.sum = own if self.batches else None
+
+    def settle(self) -> None:
+        """At the end of a batch: an accumulator whose shared sum took a product it did not get leaves it."""
+        if self.sum is not None and self.sum.batches != self.batches:
+            self._leave()
+
+    def end_batch(self) -> None:
+        if self.sum is not None:
+            self.sum.last = None
 
     def add_rows(self, x: torch.Tensor, keep: torch.Tensor | None = None) -> None:
         """x: (rows, groups * n) or (rows, n), or (batch, positions, ...) with ``keep`` (batch, positions): the real
@@ -186,16 +250,18 @@ class _Acc:
         src = x
         x = _real_rows(x, keep)
         if hit is None:
-            x = x.detach().reshape(-1, self.groups, self.n).to(torch.float64)
+            x = x.detach().reshape(-1, self.groups, self.n).to(self.batch_dtype)
             g = torch.einsum("rgi,rgj->gij", x, x) if self.groups > 1 else (x[:, 0].T @ x[:, 0])[None]
+            g = g.to(torch.float64)
+            self._take(g)
             if self.shared is not None:
                 while len(self.shared) >= SHARED_KEEP:
                     self.shared.pop(next(iter(self.shared)))
-                self.shared[key] = (src, g)
+                self.shared[key] = (src, g, self.sum)
         else:
             g = hit[1]
             x = x.reshape(-1, self.groups, self.n)
-        self.gram = g if self.gram is None else self.gram + g
+            self._take(g, hit[2])
         self.rows += x.shape[0]
 
     def add_counts(self, ids: torch.Tensor, keep: torch.Tensor | None = None) -> None:
@@ -203,13 +269,16 @@ class _Acc:
             ids = ids.expand(keep.shape)  # positions looked up once for the batch (1, T): once per real token
         ids = _real_rows(ids, keep, 0)  # a pad looked up at a masked position is no lookup of the text
         c = torch.bincount(ids.detach().reshape(-1).long(), minlength=self.n).to(torch.float64)[: self.n]
-        self.gram = c if self.gram is None else self.gram + c
+        self._take(c)
         self.rows += ids.numel()
 
     def result(self) -> LayerInput | None:
-        if self.gram is None:
+        s = self.sum
+        if s is None or s.gram is None:
             return None
-        return LayerInput(self.layer.name, str(self.layer.kind), self.gram.cpu().numpy(), self.rows, self.n,
+        if s.array is None:
+            s.array = s.gram.cpu().numpy()
+        return LayerInput(self.layer.name, str(self.layer.kind), s.array, self.rows, self.n,
                           self.groups, self.diagonal, self.approximate)
 
 
@@ -264,7 +333,8 @@ class StatisticsHooks:
     the whole model in :func:`input_statistics`, or one block at a time): attach, run each batch inside
     ``with hooks.batch(mask):``, then :meth:`close` for the result. Layers with no statistics are in ``missing``."""
 
-    def __init__(self, model: nn.Module, layers: dict[str, Layer] | list[Layer]) -> None:
+    def __init__(self, model: nn.Module, layers: dict[str, Layer] | list[Layer],
+                 batch_dtype: torch.dtype = torch.float64) -> None:
         self.accs: dict[str, _Acc] = {}
         self.missing: dict[str, str] = {}
         self._shared: dict[tuple[Any, ...], Any] = {}
@@ -275,6 +345,8 @@ class StatisticsHooks:
         except BaseException:
             self.remove()
             raise
+        for acc in self.accs.values():
+            acc.batch_dtype = batch_dtype
 
     def _attach(self, model: nn.Module, layer_list: list[Layer]) -> None:
         """Each layer's kind attaches what reads its inputs (auditor/kinds), once per owning module."""
@@ -310,6 +382,10 @@ class StatisticsHooks:
         finally:
             self._shared.clear()
             self._mask[0] = None
+            for acc in self.accs.values():
+                acc.settle()
+            for acc in self.accs.values():
+                acc.end_batch()
 
     def remove(self) -> None:
         for h in self._handles:
@@ -334,13 +410,14 @@ class StatisticsHooks:
 
 
 def input_statistics(model: nn.Module, layers: dict[str, Layer] | list[Layer], batches: Calibration | list[Batch],
-                     progress: Callable[[int, int], None] | None = None) -> InputStatistics:
+                     progress: Callable[[int, int], None] | None = None,
+                     batch_dtype: torch.dtype = torch.float64) -> InputStatistics:
     """One forward pass over ``batches`` (a ``Calibration``: its fit part), in eval mode, with hooks that accumulate
     X^T X in float64 for every layer they can read. Layers with no statistics are listed in ``missing`` with the reason.
     ``progress(done, total)`` is called after each batch."""
     digest = batches.digest if isinstance(batches, Calibration) else ""
     fit = batches.fit if isinstance(batches, Calibration) else list(batches)
-    hooks = StatisticsHooks(model, layers)
+    hooks = StatisticsHooks(model, layers, batch_dtype)
     try:
         with eval_mode(model):  # dropout off, batch norm on its running statistics; the caller's modes come back
             for i, b in enumerate(fit):

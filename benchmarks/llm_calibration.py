@@ -1,0 +1,162 @@
+"""Tier 1 on Llama-shaped models: peak resident memory and wall time, block by block against one pass.
+
+    python benchmarks/llm_calibration.py                 # width 1024 at depth 2, 4 and 8: streaming vs one pass
+    python benchmarks/llm_calibration.py --tinyllama     # ... and the TinyLlama-shaped 1.1B config in bf16
+    python benchmarks/llm_calibration.py --only tinyllama --cap-gb 24 --timeout 600
+
+The models are ``transformers.LlamaForCausalLM`` built from configs here with random weights (no model hub): this
+measures cost only, never quality. Width 1024, 16 query / 4 key-value heads, intermediate 2816, vocabulary 32000,
+fed 24 windows of 128 random token ids (batches of 4); the 1.1B config (hidden 2048, 22 layers, 32 heads, 4 key-value
+heads, intermediate 5632, vocabulary 32000) in bfloat16, fed 64 windows of 256 tokens (batches of 4).
+
+Tier 1 is the input statistics and every layer's whitened spectrum:
+- streaming: ``stream_statistics`` with a callback that computes the block's whitened spectra and drops its Grams
+  (``keep=False``), so one block's statistics are alive at once;
+- one pass: ``input_statistics`` (every Gram alive), then ``whitened_spectra``.
+Each configuration runs in a fresh subprocess under an address-space cap (``resource.setrlimit(RLIMIT_AS)``); its
+peak RSS is the child's ``ru_maxrss``. The summary line: the growth of peak RSS from depth 2 to depth 8 over the
+growth of the weights' bytes (goal: at most 1.3x for streaming).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+CONFIGS = {
+    "d2": dict(hidden=1024, layers=2, heads=16, kv=4, inter=2816, vocab=32000, windows=24, tokens=128, dtype="float32"),
+    "d4": dict(hidden=1024, layers=4, heads=16, kv=4, inter=2816, vocab=32000, windows=24, tokens=128, dtype="float32"),
+    "d8": dict(hidden=1024, layers=8, heads=16, kv=4, inter=2816, vocab=32000, windows=24, tokens=128, dtype="float32"),
+    "tinyllama": dict(hidden=2048, layers=22, heads=32, kv=4, inter=5632, vocab=32000, windows=64, tokens=256,
+                      dtype="bfloat16"),
+}
+BATCH = 4
+
+
+def build(c: dict):
+    import torch
+    import transformers
+
+    cfg = transformers.LlamaConfig(hidden_size=c["hidden"], intermediate_size=c["inter"],
+                                   num_hidden_layers=c["layers"], num_attention_heads=c["heads"],
+                                   num_key_value_heads=c["kv"], vocab_size=c["vocab"],
+                                   max_position_embeddings=max(2048, c["tokens"]))
+    torch.manual_seed(0)
+    dtype = getattr(torch, c["dtype"])
+    torch.set_default_dtype(dtype)
+    try:
+        model = transformers.LlamaForCausalLM(cfg).eval()
+    finally:
+        torch.set_default_dtype(torch.float32)
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, c["vocab"], (c["windows"], c["tokens"]), generator=g)
+    return model, ids
+
+
+def child(name: str, mode: str) -> dict:
+    import resource
+
+    import torch
+
+    from auditor.calibration.inputs import Batch
+    from auditor.calibration.stats import input_statistics
+    from auditor.calibration.stream import stream_statistics
+    from auditor.calibration.tier1 import whitened_spectra
+    from auditor.layers import ParamTable, collect_layers
+
+    torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+    c = CONFIGS[name]
+    model, ids = build(c)
+    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    layers = collect_layers(model, ParamTable.of(model))
+    table = {n: p for n, p in model.named_parameters(remove_duplicate=False)}
+    batches = [Batch(kwargs={"input_ids": ids[i:i + BATCH]}) for i in range(0, len(ids), BATCH)]
+    base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    t = time.perf_counter()
+    done = 0
+    if mode == "stream":
+        def on_block(i, st):
+            nonlocal done
+            done += len(whitened_spectra(layers, table, st))
+
+        stream_statistics(model, layers, batches, keep=False, on_block=on_block)
+    else:
+        stats = input_statistics(model, layers, batches)
+        done = len(whitened_spectra(layers, table, stats))
+        grams = [inp.gram for inp in stats.layers.values()]
+        distinct = {id(g): g.nbytes for g in grams}
+        shared = (sum(distinct.values()) / 2**20, sum(g.nbytes for g in grams) / 2**20)
+    seconds = time.perf_counter() - t
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return {"name": name, "mode": mode, "weights_mib": weights / 2**20, "peak_mib": peak / 1024,
+            "before_mib": base / 1024, "seconds": seconds, "spectra": done, "layers": len(layers),
+            **({"grams_mib": shared} if mode == "onepass" else {})}
+
+
+def run(name: str, mode: str, cap_gb: float, timeout: float) -> dict:
+    code = (f"import resource,sys,json; cap=int({cap_gb}*2**30); resource.setrlimit(resource.RLIMIT_AS,(cap,cap)); "
+            f"sys.path.insert(0,{str(ROOT)!r}); sys.path.insert(0,{str(ROOT / 'benchmarks')!r}); "
+            f"import llm_calibration as b; print('RESULT', json.dumps(b.child({name!r},{mode!r})))")
+    env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    try:
+        p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=timeout, env=env)
+    except subprocess.TimeoutExpired:
+        return {"name": name, "mode": mode, "error": f"did not finish within {timeout:.0f} s"}
+    for line in p.stdout.splitlines():
+        if line.startswith("RESULT "):
+            return json.loads(line[7:])
+    tail = (p.stderr.strip().splitlines() or ["no output"])[-1]
+    return {"name": name, "mode": mode, "error": f"exit {p.returncode}: {tail}"}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--tinyllama", action="store_true", help="also the 1.1B bf16 config (streaming only)")
+    ap.add_argument("--only", choices=["depths", "tinyllama"], help="one part")
+    ap.add_argument("--cap-gb", type=float, default=24.0, help="address-space cap of each subprocess (default 24)")
+    ap.add_argument("--timeout", type=float, default=600.0, help="seconds per configuration (default 600)")
+    ap.add_argument("--json", metavar="FILE", help="also write the rows as JSON")
+    ap.add_argument("--depths", default="2,4,8", help="depths of the width-1024 configs (default 2,4,8)")
+    a = ap.parse_args()
+    rows = []
+    if a.only != "tinyllama":
+        for name in (f"d{d.strip()}" for d in a.depths.split(",")):
+            for mode in ("stream", "onepass"):
+                r = run(name, mode, a.cap_gb, a.timeout)
+                rows.append(r)
+                _print(r)
+        for mode in ("stream", "onepass"):
+            lo = next((r for r in rows if r["name"] == "d2" and r["mode"] == mode), None)
+            hi = next((r for r in rows if r["name"] == "d8" and r["mode"] == mode), None)
+            if lo is None or hi is None or "error" in lo or "error" in hi:
+                continue
+            grow = hi["peak_mib"] - lo["peak_mib"]
+            wgrow = hi["weights_mib"] - lo["weights_mib"]
+            print(f"{mode:8s} depth 2 -> 8: peak RSS +{grow:,.0f} MiB for +{wgrow:,.0f} MiB of weights: "
+                  f"{grow / wgrow:.2f}x" + ("  (goal <= 1.3x)" if mode == "stream" else ""))
+    if a.tinyllama or a.only == "tinyllama":
+        rows.append(run("tinyllama", "stream", a.cap_gb, a.timeout))
+        _print(rows[-1])
+    if a.json:
+        Path(a.json).write_text(json.dumps(rows, indent=1))
+
+
+def _print(r: dict) -> None:
+    if "error" in r:
+        print(f"{r['name']:9s} {r['mode']:8s} {r['error']}", flush=True)
+        return
+    print(f"{r['name']:9s} {r['mode']:8s} weights {r['weights_mib']:8,.0f} MiB  peak RSS {r['peak_mib']:8,.0f} MiB  "
+          f"tier 1 {r['seconds']:7.1f} s  ({r['spectra']} spectra of {r['layers']} layers)"
+          + (f"  Grams {r['grams_mib'][0]:,.0f} MiB (one per layer: {r['grams_mib'][1]:,.0f})" if "grams_mib" in r
+             else ""), flush=True)
+
+
+if __name__ == "__main__":
+    main()
