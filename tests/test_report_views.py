@@ -498,3 +498,44 @@ def test_frontier_log_ticks_are_plain_numbers():
     assert "mathdefault" not in svg and "times10" not in svg  # TeX source showed up in the browsers' SVG
     labels = [t for t in _re.findall(r"<!-- ([^>]*) -->", svg) if t[:1].isdigit() and "." in t]
     assert labels == ["0.01", "0.005", "0.02", "0.05"]  # 1, 2 and 5 of each decade, no crowded minor labels
+
+
+def test_pdf_has_no_interactive_wording(planned_audit):
+    from auditor.render.html import render
+
+    soup = bs4.BeautifulSoup(render(planned_audit, pdf=True), "html.parser")
+    text = soup.get_text(" ")
+    for word in ("Click", "click", "button", "opens", "open the group"):
+        assert word not in text, word
+    assert not soup.select("script") and not soup.select("button")
+    assert "Click a column to sort" in bs4.BeautifulSoup(render(planned_audit), "html.parser").get_text(" ")
+
+
+def test_plan_tables_show_the_measured_error_of_calibrated_layers(planned_audit):
+    import dataclasses
+
+    from auditor.calresults import CalibrationReport, LayerCalibration, LayerFloor
+    from auditor.render.calibration import measured_error, rows
+    from auditor.render.html import render
+
+    lcs = {"layers.0.up": LayerCalibration("layers.0.up", 64, 32, {}, 8, "factorize", "", [(4, 0.09), (6, 0.04)],
+                                           floor=LayerFloor(8, 0.004, 4, 0.03, 3.0, False, [(4, 0.03), (8, 0.0041)])),
+           "layers.1.up": LayerCalibration("layers.1.up", 64, 32, {}, 8, "factorize", "", [(4, 0.09), (6, 0.05)])}
+    cal = CalibrationReport("calib.safetensors", "0.25", "", 64, 16, "relative output error", False, 0.01, 0.0,
+                            layers=lcs)
+    assert measured_error(cal, "layers.0.up", 8).text(cal) == "0.41% (tier 2, layer alone)"
+    assert measured_error(cal, "layers.1.up", 8).text(cal) == "\u2264 5.0% (tier 1, layer output)"  # rank 6 below
+    assert measured_error(cal, "layers.1.up", 6).text(cal) == "5.0% (tier 1, layer output)"
+    assert measured_error(cal, "layers.1.up", 2) is None and measured_error(cal, "head", 8) is None
+    # one row builder, each format its own formatter
+    assert rows(cal)[0].cliff == "4: 0.03" and rows(cal, lambda v: f"{100 * v:.1f}%", "")[0].cliff == "4: 3.0%"
+    assert rows(cal)[0].compression == "3.00x" and rows(cal, times="")[0].compression == "3.00"
+    a = dataclasses.replace(planned_audit, calibration=cal)
+    soup = bs4.BeautifulSoup(render(a, RenderContext(charts=False)), "html.parser")
+    head = [th.text for th in soup.select("#plan-table thead th")]
+    assert head.index("measured error") < head.index("energy kept (data-free)")
+    cells = {tr.select_one("td.name").text: tr.select_one("td.measured").text for tr in soup.select("#plan-table tbody tr")}
+    assert cells["layers.0.up"] == "0.41% (tier 2, layer alone)" and cells["layers.0.down"] == "not measured"
+    md = a.to_markdown()
+    assert "| measured error, else energy kept (data-free) |" in md
+    assert "| `layers.0.up` | 8 | – | 24.0 | 3,072 → 1,024 | 0.41% (tier 2, layer alone) |" in md

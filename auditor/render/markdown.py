@@ -137,7 +137,8 @@ def _plan(audit: "Audit", room: Room) -> Section | None:
         items = [by_layer[r.name] for r in g.members if r.name in by_layer]
         if not items:
             continue
-        same = len(items) == len(g.members) and len({(p.rank, p.suggested) for p in items}) == 1 and g.shape != "mixed"
+        same = (len(items) == len(g.members) and len({(p.rank, p.suggested) for p in items}) == 1
+                and g.shape != "mixed" and len({p.measured_error is None for p in items}) == 1)  # measured or not, all
         units = [(md_code(g.label) + f" ×{g.size}", items)] if g.is_group and same else \
             [(md_code(p.layer), [p]) for p in items]
         for label, ps in units:
