@@ -165,7 +165,7 @@ def _rules_main(argv: Sequence[str]) -> int:
         if a.code:
             r = find_rule(a.code)
             url = rule_url(r)
-            sys.stdout.write(rule_doc(r) + (f"\nOnline: {url}\n" if url else "") + "\n")
+            sys.stdout.write(rule_doc(r) + (f"\nDocumented in {url}\n" if url else "") + "\n")
             return 0
         width = max((len(r.slug) for r in RULES.values()), default=0)
         for r in RULES.values():

@@ -109,3 +109,58 @@ def test_labels():
     assert lc.safe_label("a\x1bb\u2066") == "a\\u001Bb\\u2066"
     assert lc.data_uri("<svg/>") == "data:image/svg+xml;base64,PHN2Zy8+"
     assert group_layers([LayerShape("a", 2, 2)])[0].label == "a"
+
+
+# ---- the layer pages' charts, the energy overview and the shared legend (matplotlib only) -----------------------
+def _page(**kw):
+    import numpy as np
+
+    sig = [np.array([1.0, 0.5, 0.1, 0.02, 0.001])]
+    en = [np.cumsum(sig[0] ** 2) / np.sum(sig[0] ** 2)]
+    args = dict(be=2.5, sug=2, plan=3, target=0.95, measured=None, metric="relative output error") | kw
+    return build(lc._page_fig, sig, en, args["be"], args["sug"], args["plan"], args["target"], args["measured"],
+                 args["metric"])
+
+
+def test_page_chart_axes_and_a_log_axis_where_the_data_span_decades():
+    fig = _page(measured=[[(2, 0.5), (3, 0.01), (4, 0.001)]])
+    spec, energy, meas = fig.axes
+    assert [a.get_gid() for a in fig.axes] == ["panel-spectrum", "panel-energy", "panel-measured"]
+    assert spec.get_yscale() == "log" and spec.get_xscale() == "log"
+    assert energy.get_yscale() == "log" and energy.yaxis_inverted()  # 1 - E, E growing upwards
+    assert meas.get_yscale() == "log"  # 0.5 to 0.001: more than two decades
+    assert 2 / 1.5 < meas.get_xlim()[0] < 2  # the measured axis starts just below the first rank measured
+    assert "\\mathdefault" not in " ".join(t.get_text() for t in spec.get_yticklabels())
+    flat = _page(measured=[[(2, 0.05), (3, 0.02), (4, 0.01)]]).axes[2]
+    assert flat.get_yscale() == "linear"  # under two decades: linear
+    assert energy.get_legend() is None and spec.get_legend() is None  # one legend for every page, drawn apart
+
+
+def test_page_legend_swatches_are_the_lines_styles():
+    from matplotlib.colors import to_hex
+
+    fig = _page()
+    marks = {l.get_gid(): l for l in fig.axes[1].get_lines() if (l.get_gid() or "").startswith("mark-")}
+    assert set(marks) == {"mark-break-even", "mark-suggested", "mark-planned", "mark-target"}
+    kinds = ["break-even", "suggested", "planned", "target", "curve"]
+    legend = build(lc._legend_fig, [(k, k) for k in kinds]).legends[0]
+    for kind, h in zip(kinds, legend.legend_handles):
+        line = marks.get(f"mark-{kind}") or next(l for l in fig.axes[1].get_lines() if l.get_gid() == "curve-0")
+        assert (to_hex(h.get_color()), h.get_linestyle(), h.get_linewidth()) == \
+            (to_hex(line.get_color()), line.get_linestyle(), line.get_linewidth()), kind
+        assert h._dash_pattern == line._dash_pattern, kind  # the very dashes, not only "dashed"
+    assert len({to_hex(lc.STYLE[k]["color"]) for k in ("break-even", "suggested", "planned", "measured")}) == 4
+
+
+def test_charts_are_deterministic_and_carry_no_date():
+    import numpy as np
+
+    e = [np.linspace(0.1, 1.0, 40)]
+    one = lc.energy_overview_chart(e, ["a"], 0.9)
+    assert one == lc.energy_overview_chart(e, ["a"], 0.9)
+    assert "<dc:date>" not in one and "dc:date" not in one
+    s = lc.page_chart([np.linspace(1, 0.01, 40)], e, break_even=20.0, target=0.9)
+    assert s == lc.page_chart([np.linspace(1, 0.01, 40)], e, break_even=20.0, target=0.9)
+    assert lc.page_chart([], []) is None and lc.legend_chart([]) is None
+    for name in HOSTILE:
+        svg_texts(lc.energy_overview_chart(e, [name], 0.9))  # well-formed, no script

@@ -19,6 +19,17 @@ from auditor.render.safe import md_code, md_text, middle, term
 bs4 = pytest.importorskip("bs4")
 
 
+def chart_ids(node, unique: bool = True):
+    """The ids (matplotlib gids) inside the one chart <img> under ``node``: a set, or every id in order."""
+    import xml.etree.ElementTree as ET
+
+    imgs = [i for i in node.select("img") if i["src"].startswith("data:image/svg+xml;base64,")]
+    assert len(imgs) == 1
+    root = ET.fromstring(base64.b64decode(imgs[0]["src"].split(",", 1)[1]))
+    ids = [el.get("id") for el in root.iter() if el.get("id")]
+    return set(ids) if unique else ids
+
+
 class Block(nn.Module):
     def __init__(self, d: int, h: int) -> None:
         super().__init__()
@@ -94,11 +105,15 @@ def test_every_layer_and_group_has_its_own_page(stack_audit):
     facts = {d.select_one("dt").text: d.select_one("dd").text for d in page.select("dl.facts > div")}
     assert facts["stable rank"] == f"{sp.stable_rank:.1f}" and facts["effective rank"] == f"{sp.effective_rank:.1f}"
     assert facts["break-even"] == "24.0"
-    assert page.select_one("svg.spectrum polyline.curve") and page.select_one("svg.energy polyline.curve")
-    assert page.select_one("svg.energy line.mark.be") is not None  # the break-even line
-    # a group of 4 overlays its 4 members' curves (up to 6 are drawn as they are)
-    assert len(pages["group-layers._.up"].select("svg.energy polyline.curve")) == 4
+    ids = chart_ids(page)  # one matplotlib SVG: a spectrum and an energy panel, break-even marked
+    assert {"panel-spectrum", "panel-energy", "curve-0", "mark-break-even", "mark-target"} <= ids
+    assert "panel-measured" not in ids
+    # a group of 4 overlays its 4 members' curves (up to 6 are drawn as they are), in each panel
+    group = chart_ids(pages["group-layers._.up"], unique=False)
+    assert sorted(i for i in group if i.startswith("curve-")) == [f"curve-{i}" for i in range(4) for _ in range(2)]
     assert "no calibration data" in page.text
+    # no hand-drawn inline SVG is left: every chart is an <img> of a matplotlib SVG
+    assert not soup.select("svg") and not soup.select("polyline")
 
 
 def test_measured_curve_hook(stack_audit):
@@ -107,8 +122,8 @@ def test_measured_curve_hook(stack_audit):
     pts = [(4, 0.5), (8, 0.7), (16, 0.9)]
     html = render(stack_audit, RenderContext(measured={"layers.0.up": pts}))
     page = bs4.BeautifulSoup(html, "html.parser").select_one("#layer-layers\\.0\\.up")
-    line = page.select_one("svg.energy polyline.measured")
-    assert line is not None and len(line["points"].split()) == 3
+    ids = chart_ids(page)
+    assert {"panel-measured", "measured-0"} <= ids  # a third panel: the metric has its own axis, not the energy's
     assert "no calibration data" not in page.text
 
 
@@ -221,7 +236,7 @@ def test_hostile_names_in_markdown_terminal_and_charts():
 
     ctx = context(a)
     share = ctx["share_chart"]
-    assert ctx["energy_chart"] is not None  # the overview's energy curves (inline SVG)
+    assert ctx["energy_chart"].startswith("data:image/svg+xml;base64,")  # the overview's energy curves
     assert share.startswith("data:image/svg+xml;base64,") and f'src="{share}"' in html
     assert "$\\undefinedcmd{x}$" in base64.b64decode(share.split(",", 1)[1]).decode("utf-8")
 
@@ -394,20 +409,56 @@ def test_a_trace_failure_reads_as_a_sentence(stack_audit):
 
 def test_chart_legends_draw_each_line_as_the_chart_does(planned_audit):
     from auditor.render.html import render
+    from auditor.render.layer_charts import _energy_label
 
     soup = bs4.BeautifulSoup(render(planned_audit), "html.parser")
-    energy = soup.select_one("#energy")
-    curves = energy.select("svg.lchart polyline.curve")
-    swatches = energy.select("ul.clegend li svg line")
-    assert len(curves) >= 3
-    # each curve's legend entry has its colour and dashes; the colours differ
-    for c, s in zip(curves, swatches):
-        assert (c["stroke"], c["stroke-dasharray"]) == (s["stroke"], s["stroke-dasharray"])
-    assert len({c["stroke"] for c in curves}) == len(curves)
-    assert len({c["stroke-dasharray"] for c in curves}) == len(curves)
-    # the band from 0.9 to 1 takes more than half the plot's height (it took a tenth on a linear axis)
-    ticks = {t.text: float(t["y"]) for t in energy.select("svg.lchart text.tick") if t.text in ("0", "0.9", "1")}
-    assert (ticks["0.9"] - ticks["1"]) / (ticks["0"] - ticks["1"]) == pytest.approx(0.55, abs=0.01)
+    root = chart_svg(soup.select_one("#energy"))
+    curves = {el.get("id"): style_of(el) for el in root.iter() if (el.get("id") or "").startswith("curve-")}
+    assert list(curves) == ["curve-0", "curve-1", "curve-2"]
+    legend = next(el for el in root.iter() if el.get("id") == "legend_1")  # drawn by matplotlib, from the lines
+    swatches = [style_of(el) for el in legend.iter() if (el.get("id") or "").startswith("line2d_")]
+    assert swatches[:3] == list(curves.values())  # each swatch has its line's colour, width and dashes
+    assert len({c["stroke"] for c in curves.values()}) == 3  # three colours
+    assert len({c.get("stroke-dasharray", "none") for c in curves.values()}) == 3  # and three dash patterns
+    from auditor.render import layer_charts as lc
+    import numpy as np
+
+    es = [np.asarray(planned_audit.spectra[n].energy) for n in ("layers.0.down", "layers.0.up", "head")]
+    ax = build(lc._overview_fig, es, ["a", "b", "c"], 0.95).axes[0]
+    # the band from E = 0.9 to 1 takes most of the height: the axis is 1 - E on a log scale, labelled with E
+    assert ax.get_yscale() == "log" and ax.yaxis_inverted()
+    lo, hi = sorted(ax.get_ylim())
+    import math
+
+    assert math.log(0.1 / lo) / math.log(hi / lo) > 0.6  # a tenth of it on a linear axis
+    assert [_energy_label(v) for v in (1, 0.1, 0.01, 0.001, 0.3)] == ["0", "0.9", "0.99", "0.999", ""]
+
+
+def chart_svg(node):
+    import xml.etree.ElementTree as ET
+
+    imgs = [i for i in node.select("img") if i["src"].startswith("data:image/svg+xml;base64,")]
+    assert len(imgs) == 1
+    return ET.fromstring(base64.b64decode(imgs[0]["src"].split(",", 1)[1]))
+
+
+def style_of(group) -> dict:
+    """The stroke of the first path inside an SVG group, as a dict of its style properties."""
+    path = next(el for el in group.iter() if el.tag.endswith("}path") and "stroke" in (el.get("style") or ""))
+    props = dict(kv.split(":", 1) for kv in path.get("style").replace(" ", "").split(";") if ":" in kv)
+    return {k: v for k, v in props.items() if k in ("stroke", "stroke-width", "stroke-dasharray")}
+
+
+def build(fn, *args):
+    import matplotlib
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+
+    from auditor.render import layer_charts as lc
+
+    with matplotlib.rc_context(lc._RC):
+        fig = fn(*args)
+        FigureCanvasAgg(fig).draw()  # tests only: to read the legend as drawn
+    return fig
 
 
 def test_measured_floor_charts_for_every_measured_layer(stack_audit):
@@ -447,3 +498,44 @@ def test_frontier_log_ticks_are_plain_numbers():
     assert "mathdefault" not in svg and "times10" not in svg  # TeX source showed up in the browsers' SVG
     labels = [t for t in _re.findall(r"<!-- ([^>]*) -->", svg) if t[:1].isdigit() and "." in t]
     assert labels == ["0.01", "0.005", "0.02", "0.05"]  # 1, 2 and 5 of each decade, no crowded minor labels
+
+
+def test_pdf_has_no_interactive_wording(planned_audit):
+    from auditor.render.html import render
+
+    soup = bs4.BeautifulSoup(render(planned_audit, pdf=True), "html.parser")
+    text = soup.get_text(" ")
+    for word in ("Click", "click", "button", "opens", "open the group"):
+        assert word not in text, word
+    assert not soup.select("script") and not soup.select("button")
+    assert "Click a column to sort" in bs4.BeautifulSoup(render(planned_audit), "html.parser").get_text(" ")
+
+
+def test_plan_tables_show_the_measured_error_of_calibrated_layers(planned_audit):
+    import dataclasses
+
+    from auditor.calresults import CalibrationReport, LayerCalibration, LayerFloor
+    from auditor.render.calibration import measured_error, rows
+    from auditor.render.html import render
+
+    lcs = {"layers.0.up": LayerCalibration("layers.0.up", 64, 32, {}, 8, "factorize", "", [(4, 0.09), (6, 0.04)],
+                                           floor=LayerFloor(8, 0.004, 4, 0.03, 3.0, False, [(4, 0.03), (8, 0.0041)])),
+           "layers.1.up": LayerCalibration("layers.1.up", 64, 32, {}, 8, "factorize", "", [(4, 0.09), (6, 0.05)])}
+    cal = CalibrationReport("calib.safetensors", "0.25", "", 64, 16, "relative output error", False, 0.01, 0.0,
+                            layers=lcs)
+    assert measured_error(cal, "layers.0.up", 8).text(cal) == "0.41% (tier 2, layer alone)"
+    assert measured_error(cal, "layers.1.up", 8).text(cal) == "\u2264 5.0% (tier 1, layer output)"  # rank 6 below
+    assert measured_error(cal, "layers.1.up", 6).text(cal) == "5.0% (tier 1, layer output)"
+    assert measured_error(cal, "layers.1.up", 2) is None and measured_error(cal, "head", 8) is None
+    # one row builder, each format its own formatter
+    assert rows(cal)[0].cliff == "4: 0.03" and rows(cal, lambda v: f"{100 * v:.1f}%", "")[0].cliff == "4: 3.0%"
+    assert rows(cal)[0].compression == "3.00x" and rows(cal, times="")[0].compression == "3.00"
+    a = dataclasses.replace(planned_audit, calibration=cal)
+    soup = bs4.BeautifulSoup(render(a, RenderContext(charts=False)), "html.parser")
+    head = [th.text for th in soup.select("#plan-table thead th")]
+    assert head.index("measured error") < head.index("energy kept (data-free)")
+    cells = {tr.select_one("td.name").text: tr.select_one("td.measured").text for tr in soup.select("#plan-table tbody tr")}
+    assert cells["layers.0.up"] == "0.41% (tier 2, layer alone)" and cells["layers.0.down"] == "not measured"
+    md = a.to_markdown()
+    assert "| measured error, else energy kept (data-free) |" in md
+    assert "| `layers.0.up` | 8 | – | 24.0 | 3,072 → 1,024 | 0.41% (tier 2, layer alone) |" in md

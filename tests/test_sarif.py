@@ -79,14 +79,31 @@ def test_plan_findings_point_at_the_plan_lines(planned):
     assert run["originalUriBaseIds"]["%SRCROOT%"]["uri"] == d.resolve().as_uri() + "/"
 
 
-def test_rules_carry_help_and_links_into_docs_rules_md(planned):
+def test_rules_carry_help_and_links_into_docs_rules_md(planned, monkeypatch):
+    from auditor.rules import find_rule
+    from auditor.rules.docs import rule_url
+
     a, d = planned
-    rules = to_sarif(a, root=d)["runs"][0]["tool"]["driver"]["rules"]
+    # no published address is known (pyproject.toml has no [project.urls]): the rule's anchor in docs/rules.md,
+    # and SARIF, whose helpUri must be an absolute URI, carries the help text without one
+    monkeypatch.delenv("LOWRANK_AUDITOR_DOCS_URL", raising=False)
+    assert rule_url(find_rule("LR001")) == "docs/rules.md#lr001-rank-at-or-above-break-even"
+    log = to_sarif(a, root=d)
+    validate(log)
+    driver = log["runs"][0]["tool"]["driver"]
+    assert "informationUri" not in driver and not [r for r in driver["rules"] if "helpUri" in r]
+    assert all(r["help"]["markdown"].startswith(f"## {r['id']} ") for r in driver["rules"])
+    # a published copy: every helpUri is that address with the rule's heading anchor
+    monkeypatch.setenv("LOWRANK_AUDITOR_DOCS_URL", "https://docs.example.org/lowrank/docs/rules.md")
+    log = to_sarif(a, root=d)
+    validate(log)
+    assert log["runs"][0]["tool"]["driver"]["informationUri"] == "https://docs.example.org/lowrank"
+    rules = log["runs"][0]["tool"]["driver"]["rules"]
     anchors = github_anchors((ROOT / "docs" / "rules.md").read_text(encoding="utf-8"))
     assert [r["id"] for r in rules] == ["LR001", "LR004", "LR005", "LR009", "LR013"]
     for r in rules:
         url, anchor = r["helpUri"].split("#")
-        assert url.endswith("/docs/rules.md") and anchor in anchors, anchor
+        assert url == "https://docs.example.org/lowrank/docs/rules.md" and anchor in anchors, anchor
         assert r["help"]["markdown"].startswith(f"## {r['id']} ") and "### Do instead" in r["help"]["markdown"]
         assert r["name"] and r["shortDescription"]["text"] and r["fullDescription"]["text"]
     lr001 = rules[0]

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Callable
 
 from .md_budget import Section, percent
 from .safe import md_code, md_text, middle, term
@@ -97,20 +97,58 @@ class CalRow:
     compression: str
 
 
-def rows(cal: "CalibrationReport") -> list[CalRow]:
+def rows(cal: "CalibrationReport", value: Callable[[float | None], str] = _g, times: str = "x") -> list[CalRow]:
+    """The per-layer rows of every format; ``value`` writes a metric (the cliff's), ``times`` follows a
+    compression ("2.50x"; the Markdown's column header says it)."""
     out = []
     for name, lc in cal.layers.items():
         f = lc.floor
-        floor = cliff = comp = "–"
+        floor = cliff = comp = "\u2013"
         if f is not None:
-            floor = "keep dense (measured)" if f.keep_dense else (str(f.floor) if f.floor is not None else "–")
+            floor = "keep dense (measured)" if f.keep_dense else (str(f.floor) if f.floor is not None else "\u2013")
             if f.cliff_rank is not None:
-                cliff = f"{f.cliff_rank}: {_g(f.cliff_metric)}"
-            comp = f"{f.compression:.2f}x" if f.compression is not None else "–"
+                cliff = f"{f.cliff_rank}: {value(f.cliff_metric)}"
+            comp = f"{f.compression:.2f}{times}" if f.compression is not None else "\u2013"
         rf = lc.ranks_for
         out.append(CalRow(name, lc.rows, lc.width, rf.get("0.01"), rf.get("0.02"), rf.get("0.05"), rf.get("0.1"),
                           str(lc.suggested) if lc.suggested is not None else "keep dense", floor, cliff, comp))
     return out
+
+
+@dataclass(frozen=True)
+class MeasuredError:
+    """What calibration measured for one layer at one rank: ``value`` (a fraction, or the metric's own units when
+    higher is better), ``exact`` (False: an upper bound, the error at the largest rank measured below this one),
+    ``tier`` (2: the model's metric with this layer alone truncated; 1: the layer's output error)."""
+
+    value: float
+    exact: bool
+    tier: int
+
+    def text(self, cal: "CalibrationReport") -> str:
+        """"0.41% (tier 2, layer alone)", "≤ 0.80% (tier 1, layer output)"."""
+        v = _g(self.value) if self.tier == 2 and cal.higher_is_better else percent(self.value)
+        what = "tier 2, layer alone" if self.tier == 2 else "tier 1, layer output"
+        bound = "" if self.exact else "\u2264 "
+        return f"{bound}{v} ({what})"
+
+
+def measured_error(cal: "CalibrationReport | None", layer: str, rank: int) -> MeasuredError | None:
+    """The measured number behind a calibrated layer's rank: the tier-2 point at that rank if one was measured,
+    else the tier-1 layer-output error there (an upper bound from the curve's point at the next rank below, the
+    error falling with the rank); None where calibration did not reach the layer or did not see all its inputs."""
+    lc = cal.layers.get(layer) if cal is not None else None
+    if lc is None or not lc.spans:
+        return None
+    if lc.floor is not None:
+        for r, v in lc.floor.points:
+            if r == rank and math.isfinite(v):
+                return MeasuredError(float(v), True, 2)
+    below = [(r, e) for r, e in lc.curve if r <= rank and math.isfinite(e)]
+    if not below:
+        return None
+    r, e = max(below)
+    return MeasuredError(float(e), r == rank, 1)
 
 
 def budget_lines(cal: "CalibrationReport") -> list[str]:
@@ -270,45 +308,36 @@ def markdown(audit: "Audit", room: Any = None) -> list[Section]:
     b = cal.budget
     if b is not None and b.frontier:
         head = ["parameters removed", "share", "layers", md_text(middle(cal.metric, 40)), "top-1", "all at once"]
-        rows = []
+        frows = []
         for r, p in zip(frontier_rows(cal), b.frontier):
             holds = f"**{r.holds} (suggested)**" if r.chosen else r.holds
-            rows.append(f"| {r.removed} | {percent(p.removed_fraction)} | {r.layers} | {md_value(cal, p.metric)} | "
+            frows.append(f"| {r.removed} | {percent(p.removed_fraction)} | {r.layers} | {md_value(cal, p.metric)} | "
                         f"{percent(p.top1)} | {holds} |")
         s = Section("", ["Every plan measured all at once, fewest parameters removed first:", "",
-                         "| " + " | ".join(head) + " |", "|---:|---:|---:|---:|---:|---|"], rows,
+                         "| " + " | ".join(head) + " |", "|---:|---:|---:|---:|---:|---|"], frows,
                     noun="frontier plans", title="Frontier")
         if room is None:
-            s.fold = f"Frontier: {len(rows):,} plans measured all at once"
+            s.fold = f"Frontier: {len(frows):,} plans measured all at once"
             out.append(s)
         else:
-            out.append(fold_if(s, room, f"Frontier: {len(rows):,} plans measured all at once", columns=len(head)))
+            out.append(fold_if(s, room, f"Frontier: {len(frows):,} plans measured all at once", columns=len(head)))
     if cal.layers:
         head = ["layer", "rows", "n", "r@1% / 2% / 5% / 10%", "tier-1", "floor", "cliff (rank: metric)", "x"]
-        rows = []
-        for n, lc in cal.layers.items():
-            f = lc.floor
-            floor = cliff = comp = "\u2013"
-            if f is not None:
-                floor = "keep dense (measured)" if f.keep_dense else (str(f.floor) if f.floor is not None else "\u2013")
-                if f.cliff_rank is not None:
-                    cliff = f"{f.cliff_rank}: {md_value(cal, f.cliff_metric)}"
-                comp = f"{f.compression:.2f}" if f.compression is not None else "\u2013"
-            rf = lc.ranks_for
-            ranks = " / ".join(str(rf.get(k)) if rf.get(k) is not None else "\u2013"
-                               for k in ("0.01", "0.02", "0.05", "0.1"))
-            sug = str(lc.suggested) if lc.suggested is not None else "keep dense"
-            rows.append(f"| {md_code(n)} | {lc.rows:,} | {lc.width:,} | {ranks} | {sug} | {floor} | {cliff} | {comp} |")
+        lrows = []
+        for r in rows(cal, lambda v: md_value(cal, v), times=""):
+            ranks = " / ".join(str(x) if x is not None else "\u2013" for x in (r.r1, r.r2, r.r5, r.r10))
+            lrows.append(f"| {md_code(r.layer)} | {r.rows:,} | {r.width:,} | {ranks} | {r.suggested} | {r.floor} | "
+                         f"{r.cliff} | {r.compression} |")
         out.append(Section("", ["Per layer: the ranks that keep the layer-output error under 1%, 2%, 5% and 10% on "
                                 "the calibration data (tier 1), the tier-1 suggestion, the measured floor and "
                                 "cliff (tier 2) and the compression at the floor.", "",
-                                "| " + " | ".join(head) + " |", "|---|---:|---:|---:|---:|---:|---:|---:|"], rows,
+                                "| " + " | ".join(head) + " |", "|---|---:|---:|---:|---:|---:|---:|---:|"], lrows,
                            noun="calibrated layers", title="Calibrated layers",
-                           fold=f"{len(rows):,} calibrated layers, {len(head)} columns"))
+                           fold=f"{len(lrows):,} calibrated layers, {len(head)} columns"))
     if cal.missing:
-        rows = [f"- {md_code(k)}: {md_text(v)}" for k, v in cal.missing.items()]
-        out.append(Section("", [], rows, noun="layers without statistics", title="Layers without statistics",
-                           fold=f"{len(rows):,} layer{'s' if len(rows) > 1 else ''} without statistics"))
+        mrows = [f"- {md_code(k)}: {md_text(v)}" for k, v in cal.missing.items()]
+        out.append(Section("", [], mrows, noun="layers without statistics", title="Layers without statistics",
+                           fold=f"{len(mrows):,} layer{'s' if len(mrows) > 1 else ''} without statistics"))
     return out
 
 
@@ -345,7 +374,7 @@ def terminal_table(audit: "Audit", namew: int = 40) -> list[str]:
 
 def _frontier_fig(points: list[tuple[float, float, bool]], chosen: float | None, tolerance: float, label: str,
                   higher: bool, reference: float) -> Any:
-    from .layer_charts import PALETTE, _figure
+    from .layer_charts import PALETTE, STYLE, _figure
 
     if not points:
         return None
@@ -355,7 +384,7 @@ def _frontier_fig(points: list[tuple[float, float, bool]], chosen: float | None,
     ax.plot(xs, ys, color=PALETTE[0], marker="o", markersize=4, linewidth=1.4)
     for x, y, ok in zip(xs, ys, [p[2] for p in points]):
         if not ok:
-            ax.plot([x], [y], marker="x", color="#dc2626", markersize=8)
+            ax.plot([x], [y], marker="x", color=PALETTE[4], markersize=8)
     limit = reference - tolerance if higher else tolerance
     if not higher and all(y > 0 for y in ys) and limit > 0:  # errors span decades: a log axis shows the cliff
         from matplotlib import ticker
@@ -368,9 +397,9 @@ def _frontier_fig(points: list[tuple[float, float, bool]], chosen: float | None,
 
         ax.yaxis.set_major_formatter(ticker.FuncFormatter(plain))
         ax.yaxis.set_minor_formatter(ticker.FuncFormatter(plain))
-    ax.axhline(limit, color="#ea580c", linewidth=0.9, linestyle="--", label=f"tolerance ({limit:g})")
+    ax.axhline(limit, label=f"tolerance ({limit:g})", **STYLE["tolerance"])
     if chosen is not None:
-        ax.axvline(100 * chosen, color="#16a34a", linewidth=0.9, linestyle=":", label="suggested plan")
+        ax.axvline(100 * chosen, label="suggested plan", **STYLE["suggested"])
     ax.set_xlabel("parameters removed (% of the model)")
     ax.set_ylabel(label)
     ax.legend(fontsize=7, frameon=False)
@@ -392,8 +421,9 @@ def frontier_chart(cal: "CalibrationReport") -> str | None:
 def _measured_fig(name: str, points: list[tuple[int, float]], curve: list[tuple[int, float]], limit: float,
                   label: str, higher: bool, break_even: float, floor: int | None, m: int, n: int) -> Any:
     """The model's metric with this layer alone truncated (left axis) and the tier-1 layer-output error (right axis,
-    its own units), against the rank on a log axis that starts just below the first measured rank; one legend."""
-    from .layer_charts import PALETTE, _figure, _log_rank_axis, short_label
+    its own units), against the rank on a log axis that starts just below the first measured rank. A metric that
+    spans more than two decades gets a log axis. No legend: :data:`FLOOR_LEGEND` is the one every chart shares."""
+    from .layer_charts import STYLE, _figure, _log_rank_axis, _log_y, short_label
 
     pts = sorted((r, v) for r, v in points if r > 0 and math.isfinite(v))
     if not pts:
@@ -402,32 +432,44 @@ def _measured_fig(name: str, points: list[tuple[int, float]], curve: list[tuple[
     _log_rank_axis(ax, min(m, n), break_even)
     first = pts[0][0]
     ax.set_xlim(max(0.85, first / 1.4), ax.get_xlim()[1])  # the axis starts near the data, not at rank 1
-    ax.plot([r for r, _ in pts], [v for _, v in pts], color=PALETTE[0], marker="o", markersize=4, linewidth=1.4,
-            label=f"{short_label(label, 30)} (this layer alone)")
-    handles = []
+    ax.plot([r for r, _ in pts], [v for _, v in pts], gid="metric", label=f"{short_label(label, 30)} (this layer alone)",
+            **STYLE["measured"])
     c = [(r, e) for r, e in curve if r >= first / 1.4 and math.isfinite(e)]
     if c:
         ax2 = ax.twinx()
-        ax2.plot([r for r, _ in c], [e for _, e in c], color="#7c3aed", linewidth=1.0, linestyle="--",
-                 label="layer-output error (tier 1, right axis)")
-        ax2.set_ylabel("layer-output error", fontsize=8, color="#7c3aed")
-        ax2.tick_params(axis="y", labelsize=7, colors="#7c3aed")
-        ax2.set_ylim(bottom=0)
+        ax2.plot([r for r, _ in c], [e for _, e in c], gid="layer-error",
+                 label="layer-output error (tier 1, right axis)", **STYLE["layer-error"])
+        ax2.set_ylabel("layer-output error", fontsize=8)
+        ax2.tick_params(axis="y", labelsize=7)
+        es = [e for _, e in c]
+        if min(es) > 0 and max(es) / min(es) > 100:
+            _log_y(ax2)
+        else:
+            ax2.set_ylim(bottom=0)
         ax2.spines["right"].set_visible(True)
-        handles = ax2.get_legend_handles_labels()[0]
-    if not higher:
-        top = max(v for _, v in pts)
-        ax.set_ylim(0, max(top, limit) * 1.3)
-    ax.axhline(limit, color="#ea580c", linewidth=0.9, linestyle="--", label=f"tolerance ({limit:g})")
-    ax.axvline(break_even, color="#334155", linewidth=0.8, linestyle=":", label=f"break-even {break_even:.1f}")
+    ys = [v for _, v in pts]
+    if not higher and min(ys) > 0 and max(ys + [limit]) / min(ys + [limit]) > 100:  # spans decades: log
+        _log_y(ax)
+    elif not higher:
+        ax.set_ylim(0, max(max(ys), limit) * 1.3)
+    ax.axhline(limit, gid="tolerance", label=f"tolerance ({limit:g})", **STYLE["tolerance"])
+    ax.axvline(break_even, gid="break-even", label=f"break-even {break_even:.1f}", **STYLE["break-even"])
     if floor is not None:
-        ax.axvline(floor, color="#16a34a", linewidth=1.0, label=f"measured floor {floor}")
+        ax.axvline(floor, gid="floor", label=f"measured floor {floor}", **STYLE["floor"])
     ax.set_xlabel("rank r (log scale)")
     ax.set_ylabel(short_label(label, 30))
     facts = f"break-even {break_even:.1f}" + (f", measured floor {floor}" if floor is not None else "")
     ax.set_title(f"{short_label(name, 48)} ({m} x {n}): {facts}", fontsize=9, loc="left")
-    del handles  # one legend for all the layer charts, in the report (templates/_calibration.html)
     return fig
+
+
+def floor_legend(metric: str) -> list[tuple[str, str]]:
+    """The one legend of the per-layer floor charts, in the styles :func:`_measured_fig` draws with."""
+    from .layer_charts import short_label
+
+    return [("measured", f"{short_label(metric, 40)}, this layer alone (left axis)"),
+            ("layer-error", "layer-output error, tier 1 (right axis)"), ("tolerance", "tolerance"),
+            ("break-even", "break-even rank"), ("floor", "measured floor")]
 
 
 def layer_charts(audit: "Audit", top: int | None = None) -> list[tuple[str, str]]:
@@ -456,16 +498,18 @@ def layer_charts(audit: "Audit", top: int | None = None) -> list[tuple[str, str]
 
 def html_context(audit: "Audit", charts: bool = True) -> dict[str, Any]:
     """The template's ``calibration`` variable: None without calibration."""
-    from .layer_charts import data_uri
+    from .layer_charts import data_uri, legend_chart
 
     cal = audit.calibration
     if cal is None:
         return {"calibration": None}
     front = frontier_chart(cal) if charts else None
+    floors = [(n, data_uri(s)) for n, s in layer_charts(audit)] if charts else []
+    legend = legend_chart(floor_legend(cal.metric)) if floors else None
     return {"calibration": {
         "summary": summary(cal), "basis": basis(cal), "plan": plan_line(cal), "budget": budget_lines(cal),
         "warnings": cal.warnings, "missing": cal.missing, "finetune": FINETUNE, "rows": rows(cal),
         "frontier": data_uri(front) if front else None, "frontier_rows": frontier_rows(cal),
         "metric": cal.metric,
-        "layer_charts": [(n, data_uri(s)) for n, s in layer_charts(audit)] if charts else [],
+        "layer_charts": floors, "floor_legend": data_uri(legend) if legend else "",
     }}

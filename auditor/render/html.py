@@ -19,7 +19,7 @@ from ..policy import verdict_line
 from . import calibration
 from .base import RenderContext
 from .layer_charts import short_label
-from .pages import appendix_text, group_rows, layer_pages, plan_rows, rank_changes
+from .pages import appendix_text, group_rows, layer_pages, page_legend, plan_rows, rank_changes
 from .view import (finding_groups, human, layer_table, pct, share_pct, skipped_groups, skipped_rows, spectra_computed,
                    trace_sentence)
 
@@ -98,9 +98,9 @@ def _share_chart(audit: "Audit", groups: list[Any]) -> str:
     return data_uri(svg) if svg else ""
 
 
-def _overview_chart(audit: "Audit", groups: list[Any]) -> Any:
-    """Energy curves of the largest groups (a group's first member stands for it), as inline SVG coordinates."""
-    from .pages import energy_svg
+def _overview_chart(audit: "Audit", groups: list[Any]) -> str:
+    """Energy curves of the largest groups (a group's first member stands for it), as a ``data:`` URI ("" without)."""
+    from .layer_charts import data_uri, energy_overview_chart
 
     curves, labels = [], []
     for g in groups:
@@ -110,10 +110,15 @@ def _overview_chart(audit: "Audit", groups: list[Any]) -> Any:
             labels.append(short_label(g.label, 44) + (f" ×{g.size}" if g.is_group else ""))
         if len(curves) == OVERVIEW_CURVES:
             break
-    if not curves:
-        return None
-    return energy_svg(curves, "largest groups", None, None, None, audit.settings.target_energy, None,
-                      labels=labels, wide=True)
+    svg = energy_overview_chart(curves, labels, audit.settings.target_energy) if curves else None
+    return data_uri(svg) if svg else ""
+
+
+def _page_legend(pages: list[Any]) -> str:
+    from .layer_charts import data_uri, legend_chart
+
+    svg = legend_chart(page_legend(pages))
+    return data_uri(svg) if svg else ""
 
 
 # The order of the report's sections. The HTML puts the findings first when there are any (after the summary);
@@ -138,7 +143,7 @@ def sections(pdf: bool, findings: bool) -> list[str]:
 
 def context(audit: "Audit", ctx: RenderContext = RenderContext(), pdf: bool = False) -> dict[str, Any]:
     """The template's variables. ``pdf``: the print variant (only the top groups' pages, an appendix table of every
-    layer) instead of a page per group and per layer; both draw their pages' charts as inline SVG."""
+    layer) instead of a page per group and per layer; both show the same matplotlib SVG charts."""
     counts = audit.counts
     table = layer_table(audit)
     groups = group_rows(audit, table)
@@ -179,7 +184,8 @@ def context(audit: "Audit", ctx: RenderContext = RenderContext(), pdf: bool = Fa
         "spectra_computed": spectra_computed(audit),
         "baseline": ctx.baseline,
         "share_chart": _share_chart(audit, groups) if ctx.charts else "",
-        "energy_chart": _overview_chart(audit, groups) if ctx.charts else None,
+        "energy_chart": _overview_chart(audit, groups) if ctx.charts else "",
+        "page_legend": _page_legend(pages) if ctx.charts else "",
         "created": _dt.date.today().isoformat(),
         "css": (template_dir() / "report.css").read_text(encoding="utf-8"),
         "human": human,

@@ -1,6 +1,13 @@
-"""Charts drawn with matplotlib's SVG backend: the parameter share by group (:func:`group_share_chart`), and the
-shared machinery (:func:`_render`, :func:`_figure`, :func:`_log_rank_axis`) that :mod:`auditor.render.calibration`
-draws its measured charts with. The per-layer spectrum and energy charts are inline SVG (:mod:`auditor.render.pages`).
+"""Every chart of the HTML and PDF reports, drawn with matplotlib's SVG backend: the parameter share by group
+(:func:`group_share_chart`), the energy overview of the largest groups (:func:`energy_overview_chart`), each layer
+page's spectrum and energy panels (:func:`page_chart`), the one legend those pages share (:func:`legend_chart`), and
+the shared machinery (:func:`_render`, :func:`_figure`, :func:`_log_rank_axis`, :data:`STYLE`) that
+:mod:`auditor.render.calibration` draws its measured charts with.
+
+Energy is drawn as 1 - E(r) on a log axis, labelled with E itself (0.9, 0.99, 0.999): the band from 0.9 to 1, where
+every target lies, takes most of the height instead of a tenth of it. Every line's style comes from :data:`STYLE`
+(or :data:`PALETTE` with :data:`DASHES` for the overview's curves), and legends are drawn by matplotlib from the
+same styles, so a legend's swatch is always the line it names. Colours are the Okabe-Ito colour-blind-safe set.
 
 Each chart takes plain numbers (lists or arrays, ints) and returns an SVG document as a string (``None`` where
 there is nothing to draw); :func:`data_uri` turns one into an ``<img src>``. Text stays text
@@ -14,14 +21,35 @@ from __future__ import annotations
 
 import base64
 import io
+import math
 from typing import Any, Sequence
 
 import numpy as np
 
-__all__ = ["data_uri", "group_share_chart", "safe_label", "short_label"]
+__all__ = ["data_uri", "energy_overview_chart", "group_share_chart", "legend_chart", "page_chart", "safe_label",
+           "short_label"]
 
-PALETTE = ["#2563eb", "#0891b2", "#7c3aed", "#db2777", "#ea580c", "#16a34a"]
+# Okabe-Ito: distinguishable with every common colour-vision deficiency; each overview curve also has its own dashes
+PALETTE = ["#0072B2", "#E69F00", "#009E73", "#CC79A7", "#D55E00", "#56B4E9"]
+DASHES: list[Any] = ["-", (0, (5, 2)), (0, (6, 2, 1, 2)), (0, (1, 1.5)), (0, (8, 2, 1, 2, 1, 2)), (0, (3, 3))]
 GREY = "#94a3b8"
+# each kind of line, as the charts and their legends draw it
+STYLE: dict[str, dict[str, Any]] = {
+    "curve": {"color": "#0072B2", "linewidth": 1.2},  # a layer's (or a member's) curve
+    "median": {"color": "#0072B2", "linewidth": 1.6},  # the median of a group of more than MAX_CURVES members
+    "band": {"color": "#56B4E9", "alpha": 0.35, "linewidth": 0},  # their min-max band
+    "break-even": {"color": "#555555", "linewidth": 1.1, "linestyle": (0, (1, 2))},
+    "suggested": {"color": "#009E73", "linewidth": 1.3, "linestyle": (0, (5, 2))},
+    "planned": {"color": "#D55E00", "linewidth": 1.4, "linestyle": "-"},
+    "target": {"color": "#000000", "linewidth": 0.9, "linestyle": (0, (6, 2, 1, 2))},
+    "measured": {"color": "#CC79A7", "linewidth": 1.3, "linestyle": "-", "marker": "o", "markersize": 3.5},
+    "tolerance": {"color": "#E69F00", "linewidth": 1.0, "linestyle": (0, (4, 2))},
+    "layer-error": {"color": "#56B4E9", "linewidth": 1.1, "linestyle": (0, (5, 1.5, 1, 1.5))},
+    "floor": {"color": "#009E73", "linewidth": 1.3, "linestyle": "-"},
+}
+MAX_CURVES = 6  # a page draws up to this many member curves as they are; more as their median and min-max band
+POINTS = 64  # points per curve, spread evenly on the log rank axis
+E_FLOOR = 1e-6  # the energy axis ends at E = 0.999999 (1 - E below it is rounding)
 _RC = {"svg.hashsalt": "lowrank-auditor", "svg.fonttype": "none", "font.size": 9, "font.family": "DejaVu Sans",
        "axes.spines.top": False, "axes.spines.right": False, "text.parse_math": False, "text.usetex": False,
        "axes.unicode_minus": False}
@@ -97,15 +125,40 @@ def _fmt(v: float, _pos: Any = None) -> str:
     return f"{v:g}"
 
 
+def _decade(v: float, _pos: Any = None) -> str:
+    """A decade tick as a plain number: 1, 0.1, 0.01, 0.001, then 1e-4 (never TeX source); other ticks unlabelled."""
+    if v <= 0:
+        return ""
+    e = math.log10(v)
+    if abs(e - round(e)) > 1e-9:
+        return ""
+    e = int(round(e))
+    return f"{10.0 ** e:g}" if -3 <= e <= 5 else f"1e{e}"
+
+
 def _log_rank_axis(ax: Any, k: int, *marks: float | None) -> None:
-    """Log-scaled rank axis from 1 to k, widened to show any mark beyond k (a planned rank above min(m, n))."""
+    """Log-scaled rank axis from 1 to k, widened to show any mark beyond k (a planned rank above min(m, n)); ticks at
+    1, 2 and 5 of each decade up to two decades, 1 and 3 up to three, then decades only (labels never crowd)."""
     from matplotlib import ticker
 
     ax.set_xscale("log")
-    ax.set_xlim(0.85, max([k, *(x for x in marks if x is not None and x > 0)]) * 1.15)
-    ax.xaxis.set_major_locator(ticker.LogLocator(base=10, subs=(1.0, 2.0, 5.0)))
+    hi = max([k, *(x for x in marks if x is not None and x > 0)]) * 1.15
+    ax.set_xlim(0.85, hi)
+    span = math.log10(hi / 0.85)
+    subs = (1.0, 2.0, 5.0) if span <= 2.1 else (1.0, 3.0) if span <= 3.1 else (1.0,)
+    ax.xaxis.set_major_locator(ticker.LogLocator(base=10, subs=subs))
     ax.xaxis.set_major_formatter(ticker.FuncFormatter(_fmt))
     ax.xaxis.set_minor_formatter(ticker.NullFormatter())
+
+
+def _log_y(ax: Any) -> None:
+    """A log y axis with plain decade labels (see :func:`_decade`)."""
+    from matplotlib import ticker
+
+    ax.set_yscale("log")
+    ax.yaxis.set_major_locator(ticker.LogLocator(base=10, numticks=10))
+    ax.yaxis.set_major_formatter(ticker.FuncFormatter(_decade))
+    ax.yaxis.set_minor_formatter(ticker.NullFormatter())
 
 
 def _share_fig(labels: Sequence[str], params: Sequence[int], total: int, counts: Sequence[int] | None,
@@ -163,3 +216,212 @@ def group_share_chart(labels: Sequence[str], params: Sequence[int], total: int, 
     (shown as ``×32``); ``total``: the model's unique parameters. None when ``total`` is 0 or there are no groups.
     """
     return _render(_share_fig, labels, params, total, counts, top)
+
+
+
+# ---- spectra and energy ---------------------------------------------------------------------------------------
+def _ranks(k: int) -> np.ndarray:
+    """About POINTS ranks from 1 to k, evenly spread on a log axis (a curve of 4,096 points draws as 64)."""
+    return np.unique(np.round(np.logspace(0, math.log10(max(k, 1)), POINTS)).astype(int))
+
+
+def _energy_label(v: float, _pos: Any = None) -> str:
+    """A tick of the 1 - E axis labelled with E: 0.1 -> "0.9", 0.001 -> "0.999", 1 -> "0"."""
+    if v <= 0 or v > 1:
+        return ""
+    e = math.log10(v)
+    if abs(e - round(e)) > 1e-9:
+        return ""
+    k = -int(round(e))
+    return "0" if k == 0 else f"{1 - v:.{k}f}"
+
+
+def _energy_axis(ax: Any, lo: float) -> None:
+    """The y axis as 1 - E(r) on a log scale from ``lo`` to 1, its ticks labelled with E (0, 0.9, 0.99, ...)."""
+    from matplotlib import ticker
+
+    ax.set_yscale("log")
+    ax.set_ylim(lo, 1.05)
+    ax.invert_yaxis()  # E grows upwards, as on a linear energy axis
+    ax.yaxis.set_major_locator(ticker.LogLocator(base=10, numticks=12))
+    ax.yaxis.set_major_formatter(ticker.FuncFormatter(_energy_label))
+    ax.yaxis.set_minor_formatter(ticker.NullFormatter())
+    ax.set_ylabel("energy kept E(r)\n(log scale of 1 − E)")
+
+
+def _left_out(e: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(ranks, 1 - E) of a curve at the drawn ranks, points with 1 - E at or below rounding left out."""
+    idx = _ranks(len(e)) - 1
+    rest = 1.0 - e[idx]
+    keep = rest > E_FLOOR / 2
+    return idx[keep] + 1, rest[keep]
+
+
+def _energy_lo(curves: Sequence[np.ndarray]) -> float:
+    low = [float(np.min(1.0 - c[c < 1.0 - E_FLOOR / 2])) for c in curves if np.any(c < 1.0 - E_FLOOR / 2)]
+    return max(10.0 ** math.floor(math.log10(min(low))), E_FLOOR) if low else 0.1
+
+
+def _stack(series: Sequence[np.ndarray]) -> np.ndarray:
+    k = max(len(s) for s in series)
+    return np.vstack([np.pad(s, (0, k - len(s)), constant_values=np.nan) for s in series])
+
+
+def _marks(ax: Any, be: float | None, sug: int | None, plan: int | None) -> None:
+    for x, kind, label in ((be, "break-even", "break-even"), (sug, "suggested", "suggested rank"),
+                           (plan, "planned", "planned rank")):
+        if x:
+            ax.axvline(x, gid=f"mark-{kind}", label=label, **STYLE[kind])
+
+
+def _spectrum_panel(ax: Any, sigmas: Sequence[np.ndarray], be: float | None, sug: int | None,
+                    plan: int | None) -> None:
+    norm = [s / s[0] for s in sigmas]
+    k = max(len(s) for s in norm)
+    _log_rank_axis(ax, k, be, sug, plan)
+    pos = [float(np.min(s[s > 0])) for s in norm if np.any(s > 0)]
+    if len(norm) > MAX_CURVES:
+        st = _stack(norm)
+        idx = _ranks(k) - 1
+        with np.errstate(all="ignore"):
+            lo, hi, med = np.nanmin(st, 0)[idx], np.nanmax(st, 0)[idx], np.nanmedian(st, 0)[idx]
+        ok = lo > 0
+        ax.fill_between(idx[ok] + 1, lo[ok], hi[ok], gid="band", **STYLE["band"])
+        ax.plot(idx[med > 0] + 1, med[med > 0], gid="median", **STYLE["median"])
+    else:
+        for i, s in enumerate(norm):
+            idx = _ranks(len(s)) - 1
+            v = s[idx]
+            ax.plot(idx[v > 0] + 1, v[v > 0], gid=f"curve-{i}", **STYLE["curve"])
+    _log_y(ax)
+    ax.set_ylim(max(10.0 ** math.floor(math.log10(min(pos))), 1e-16) if pos else 0.1, 1.5)
+    _marks(ax, be, sug, plan)
+    ax.set_xlabel("index i (log scale)")
+    ax.set_ylabel("σᵢ / σ₁ (log scale)")
+    ax.set_title("singular values", fontsize=9, loc="left")
+
+
+def _energy_panel(ax: Any, energies: Sequence[np.ndarray], be: float | None, sug: int | None, plan: int | None,
+                  target: float | None) -> None:
+    k = max(len(e) for e in energies)
+    _log_rank_axis(ax, k, be, sug, plan)
+    _energy_axis(ax, _energy_lo(energies))
+    if len(energies) > MAX_CURVES:
+        st = _stack(energies)
+        idx = _ranks(k) - 1
+        with np.errstate(all="ignore"):
+            lo, hi, med = (1 - np.nanmax(st, 0)[idx], 1 - np.nanmin(st, 0)[idx], 1 - np.nanmedian(st, 0)[idx])
+        ok = hi > E_FLOOR / 2
+        ax.fill_between(idx[ok] + 1, np.maximum(lo[ok], E_FLOOR / 2), hi[ok], gid="band", **STYLE["band"])
+        ax.plot(idx[med > E_FLOOR / 2] + 1, med[med > E_FLOOR / 2], gid="median", **STYLE["median"])
+    else:
+        for i, e in enumerate(energies):
+            x, y = _left_out(e)
+            ax.plot(x, y, gid=f"curve-{i}", **STYLE["curve"])
+    if target:
+        ax.axhline(max(1 - target, E_FLOOR), gid="mark-target", label=f"target E = {target:g}", **STYLE["target"])
+    _marks(ax, be, sug, plan)
+    ax.set_xlabel("rank r (log scale)")
+    ax.set_title("energy", fontsize=9, loc="left")
+
+
+def _measured_panel(ax: Any, measured: Sequence[Sequence[tuple[int, float]]], k: int, label: str) -> None:
+    series = [sorted((int(r), float(v)) for r, v in pts if r > 0 and math.isfinite(v)) for pts in measured]
+    series = [s for s in series if s]
+    first = min(s[0][0] for s in series)
+    _log_rank_axis(ax, k, *(r for s in series for r, _ in s))
+    ax.set_xlim(max(0.85, first / 1.4), ax.get_xlim()[1])  # from just below the first measured rank
+    for i, pts in enumerate(series):
+        ax.plot([r for r, _ in pts], [v for _, v in pts], gid=f"measured-{i}", **STYLE["measured"])
+    ys = [v for s in series for _, v in s]
+    if min(ys) > 0 and max(ys) / min(ys) > 100:  # spans more than two decades
+        _log_y(ax)
+    ax.set_xlabel("rank r (log scale)")
+    ax.set_ylabel(short_label(label, 30))
+    ax.set_title("measured, the layer alone truncated", fontsize=9, loc="left")
+
+
+def _page_fig(sigmas: Sequence[np.ndarray], energies: Sequence[np.ndarray], be: float | None, sug: int | None,
+              plan: int | None, target: float | None, measured: Sequence[Sequence[tuple[int, float]]] | None,
+              metric: str) -> Any:
+    sigmas = [np.asarray(s, dtype=np.float64) for s in sigmas if len(s) and s[0] > 0]
+    energies = [np.asarray(e, dtype=np.float64) for e in energies if len(e)]
+    meas = [s for s in (measured or []) if any(r > 0 and math.isfinite(v) for r, v in s)]
+    panels = [p for p, have in (("spectrum", sigmas), ("energy", energies), ("measured", meas)) if have]
+    if not panels:
+        return None
+    fig, axes = _figure(3.6 * len(panels), 2.5, ncols=len(panels), gridspec_kw={"wspace": 0.75})
+    axes = np.atleast_1d(axes)
+    for ax, p in zip(axes, panels):
+        ax.set_gid(f"panel-{p}")
+        if p == "spectrum":
+            _spectrum_panel(ax, sigmas, be, sug, plan)
+        elif p == "energy":
+            _energy_panel(ax, energies, be, sug, plan, target)
+        else:
+            _measured_panel(ax, meas, max([len(e) for e in energies] + [len(s) for s in sigmas] + [1]), metric)
+    return fig
+
+
+def page_chart(sigmas: Sequence[np.ndarray], energies: Sequence[np.ndarray], *, break_even: float | None = None,
+               suggested: int | None = None, planned: int | None = None, target: float | None = None,
+               measured: Sequence[Sequence[tuple[int, float]]] | None = None,
+               metric: str = "measured metric") -> str | None:
+    """A layer's (or a group's) page chart: singular values σᵢ/σ₁ (log-log) and energy E(r) (1 - E on a log axis)
+    against the rank, break-even, suggested and planned ranks as vertical lines, the target energy as a horizontal
+    one; a third panel with the ``measured`` (rank, metric) points (a series per layer) when calibration gives them. A group of more
+    than :data:`MAX_CURVES` members is drawn as the median and min-max band. No legend: :func:`legend_chart` draws
+    the one legend every page shares. None when there is nothing to draw."""
+    return _render(_page_fig, sigmas, energies, break_even, suggested, planned, target, measured, metric)
+
+
+def _overview_fig(energies: Sequence[np.ndarray], labels: Sequence[str], target: float | None) -> Any:
+    es = [np.asarray(e, dtype=np.float64) for e in energies if len(e)]
+    if not es:
+        return None
+    fig, ax = _figure(7.6, 3.2)
+    _log_rank_axis(ax, max(len(e) for e in es))
+    _energy_axis(ax, _energy_lo(es))
+    for i, e in enumerate(es):
+        x, y = _left_out(e)
+        ax.plot(x, y, color=PALETTE[i % len(PALETTE)], linestyle=DASHES[i % len(DASHES)], linewidth=1.5,
+                label=safe_label(labels[i]) if i < len(labels) else f"curve {i + 1}", gid=f"curve-{i}")
+    if target:
+        ax.axhline(max(1 - target, E_FLOOR), gid="mark-target", label=f"target E = {target:g}", **STYLE["target"])
+    ax.set_xlabel("rank r (log scale)")
+    ax.legend(fontsize=7, frameon=False, loc="upper left", bbox_to_anchor=(1.01, 1.0), handlelength=3.2)
+    return fig
+
+
+def energy_overview_chart(energies: Sequence[np.ndarray], labels: Sequence[str],
+                          target: float | None = None) -> str | None:
+    """Energy curves of the largest groups, each its own colour and dashes, with a legend drawn from the same lines;
+    None without curves."""
+    return _render(_overview_fig, energies, labels, target)
+
+
+def _legend_fig(entries: Sequence[tuple[str, str]]) -> Any:
+    from matplotlib.lines import Line2D
+    from matplotlib.patches import Patch
+
+    if not entries:
+        return None
+    handles = []
+    for kind, label in entries:
+        st = STYLE[kind]
+        if kind == "band":
+            handles.append(Patch(facecolor=st["color"], alpha=st["alpha"], label=label))
+        else:
+            handles.append(Line2D([], [], label=label, **st))
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(7.6, 0.3 + 0.2 * math.ceil(len(handles) / 4)))
+    fig.legend(handles=handles, loc="center", ncols=min(4, len(handles)), frameon=False, fontsize=8,
+               handlelength=3.2)
+    return fig
+
+
+def legend_chart(entries: Sequence[tuple[str, str]]) -> str | None:
+    """One legend for a set of charts, as (kind of :data:`STYLE`, label) entries: each swatch is drawn with the
+    style its charts draw that kind of line with. None without entries."""
+    return _render(_legend_fig, entries)

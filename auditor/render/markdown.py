@@ -126,8 +126,10 @@ def _plan(audit: "Audit", room: Room) -> Section | None:
     intro: list[str] = []
     if rv.suggested:
         intro += [md_text(calibration.suggested_plan_note(audit)), ""]
+    cal = audit.calibration is not None
+    # with calibration, a measured layer's cell gives its measured error, the others their data-free energy
     head = ["layer", *(["planned", "suggested"] if given else ["rank"]), "break-even", "params before → after",
-            "energy kept", "x"]
+            "measured error, else energy kept (data-free)" if cal else "energy kept", "x"]
     intro.append("| " + " | ".join(head) + " |")
     intro.append("|---|" + "---:|" * (len(head) - 1))
     rows = []
@@ -135,7 +137,8 @@ def _plan(audit: "Audit", room: Room) -> Section | None:
         items = [by_layer[r.name] for r in g.members if r.name in by_layer]
         if not items:
             continue
-        same = len(items) == len(g.members) and len({(p.rank, p.suggested) for p in items}) == 1 and g.shape != "mixed"
+        same = (len(items) == len(g.members) and len({(p.rank, p.suggested) for p in items}) == 1
+                and g.shape != "mixed" and len({p.measured_error is None for p in items}) == 1)  # measured or not, all
         units = [(md_code(g.label) + f" ×{g.size}", items)] if g.is_group and same else \
             [(md_code(p.layer), [p]) for p in items]
         for label, ps in units:
@@ -143,8 +146,15 @@ def _plan(audit: "Audit", room: Room) -> Section | None:
             before, after = sum(q.params_before for q in ps), sum(q.params_after for q in ps)
             flag = " ⚠️ no saving: kept dense" if p.flag else ""
             ranks = f"{p.rank:,} | {_num(p.suggested)}" if given else f"{p.rank:,}"
+            errs = [q.measured_error for q in ps]
+            if cal and all(errs):  # a group's members measured apart: the largest of their errors
+                up = -1 if audit.calibration.higher_is_better else 1  # type: ignore[union-attr]
+                worst = max(range(len(ps)), key=lambda i: up * errs[i].value if errs[i].tier == 2 else errs[i].value)
+                kept = md_text(("" if len(set(q.measured for q in ps)) == 1 else "up to ") + ps[worst].measured)
+            else:
+                kept = f"{percent(p.energy_kept)} energy (data-free)" if cal else percent(p.energy_kept)
             rows.append(f"| {label} | {ranks} | {p.break_even:.1f} | {before:,} → {after:,}{flag} | "
-                        f"{percent(p.energy_kept)} | {p.compression:.2f} |")
+                        f"{kept} | {p.compression:.2f} |")
     what = "Suggested plan" if rv.suggested else f"Plan {md_code(middle(rv.source, 80))}"
     s = Section(f"### {what} by layer", intro, rows, noun="plan rows", title="Plan")
     return fold_if(s, room, f"{len(rows):,} plan rows, {len(head)} columns", columns=len(head))

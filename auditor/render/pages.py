@@ -7,30 +7,31 @@
 * :func:`rank_changes`: per-layer rank changes against an earlier JSON report.
 * :func:`layer_pages`: one page per group and per layer: singular values (log-log), energy against a log rank axis,
   break-even, suggested and planned rank, and ``measured`` (rank, metric) points once calibration provides them.
-  Its charts are :class:`SvgChart` coordinates that the template draws as inline SVG, in the HTML and the PDF
-  alike: a page for each of 1,000 layers costs milliseconds this way (matplotlib takes about half a second per
-  chart).
+  The charts are matplotlib SVG (:func:`auditor.render.layer_charts.page_chart`), the same in the HTML and the PDF.
+  matplotlib takes a good part of a second per chart, so only the pages of the table's rows (a group, or a layer in
+  no group) get one, the :data:`CHART_PAGES` largest; a member's page points to its group's chart, which draws it.
 
 Nothing here imports torch.
 """
 
 from __future__ import annotations
 
-import math
-from functools import lru_cache
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Sequence
 
 import numpy as np
 
 from ..groups import Members, group_layers
-from .view import LayerRow, LayerTable, anchors
+from .layer_charts import MAX_CURVES
+from .view import LayerRow, LayerTable, anchors, verdict_summary as _verdicts
 
 if TYPE_CHECKING:
     from ..results import Audit
 
-__all__ = ["GroupRow", "LayerPage", "PlanRow", "RankChange", "SvgChart", "group_rows", "layer_pages", "plan_rows",
-           "rank_changes", "summary_of"]
+__all__ = ["GroupRow", "LayerPage", "PlanRow", "RankChange", "group_rows", "layer_pages", "plan_rows", "rank_changes",
+           "summary_of"]
+
+CHART_PAGES = 40  # pages with a chart: the largest groups and ungrouped layers (see the module's docstring)
 
 
 def summary_of(values: Sequence[int | None]) -> str:
@@ -69,15 +70,6 @@ class GroupRow(Members):
     @property
     def shown_rank(self) -> str:
         return self.planned if self.planned != "–" else self.suggested
-
-
-def _verdicts(rows: Sequence[LayerRow]) -> str:
-    counts: dict[str, int] = {}
-    for r in rows:
-        counts[r.verdict or "–"] = counts.get(r.verdict or "–", 0) + 1
-    if len(counts) == 1:
-        return next(iter(counts))
-    return " · ".join(f"{v} {c}" for v, c in counts.items())
 
 
 def _planned(rows: Sequence[LayerRow]) -> str:
@@ -133,9 +125,15 @@ class PlanRow:
     error_bound: float | None
     macs_after: int | None
     verdict: str
+    measured: str = ""  # the measured error at this rank where calibration reached the layer ("" where not)
+    measured_error: Any = None  # that number (:class:`auditor.render.calibration.MeasuredError`), or None
 
 
 def plan_rows(audit: "Audit") -> list[PlanRow]:
+    """The reviewed (or suggested) plan per item; ``measured`` where calibration measured the layer (its measured
+    error comes before the data-free energy numbers in every report)."""
+    from .calibration import measured_error
+
     rv = audit.review
     if rv is None:
         return []
@@ -152,9 +150,10 @@ def plan_rows(audit: "Audit") -> list[PlanRow]:
             flag = f"above break-even {layer.break_even:,.1f}: A·B would hold {after - layer.params:+,} more; kept dense"
         else:
             flag = ""
+        me = measured_error(audit.calibration, it.layer, it.rank)
         out.append(PlanRow(it.layer, ids.get(it.layer, ""), it.rank, sg.rank if sg else None, it.break_even,
                            it.params_before, after, saves, flag, it.compression, it.energy_kept, it.error_bound,
-                           it.macs_after, str(it.verdict)))
+                           it.macs_after, str(it.verdict), me.text(audit.calibration) if me else "", me))
     return out
 
 
@@ -201,205 +200,14 @@ def rank_changes(audit: "Audit", base: dict[str, Any] | None) -> list[RankChange
     return out
 
 
-# ---- charts as coordinates ------------------------------------------------------------------------------------
-@dataclass(frozen=True)
-class Line:
-    points: str  # "x,y x,y ..." in the chart's pixel space
-    cls: str
-    label: str = ""
-
-
-@dataclass(frozen=True)
-class Mark:
-    pos: float  # pixel x (vertical marks) or y (horizontal marks)
-    cls: str
-    label: str
-
-
-@dataclass(frozen=True)
-class Dot:
-    x: float
-    y: float
-    cls: str
-    label: str
-
-
-@dataclass(frozen=True)
-class SvgChart:
-    """A small chart as coordinates for the template's inline SVG (``templates/chart.html``)."""
-
-    title: str
-    x_label: str
-    y_label: str
-    width: int
-    height: int
-    left: int
-    top: int
-    right: int  # x of the plot box's right edge
-    bottom: int  # y of its bottom edge
-    xticks: list[tuple[float, str]]
-    yticks: list[tuple[float, str]]
-    lines: list[Line]
-    band: str = ""  # polygon points of a min-max band
-    vmarks: list[Mark] = field(default_factory=list)
-    hmarks: list[Mark] = field(default_factory=list)
-    dots: list[Dot] = field(default_factory=list)
-
-
-W, H, L, T, R, B = 420, 230, 52, 14, 410, 190
-SPLIT_SHARE = 0.55  # of an energy chart's height, for E between the split (0.9, or a lower target) and 1
-POINTS = 64  # points per curve, spread evenly on the log rank axis
-
-
-@lru_cache(maxsize=256)
-def _ranks(k: int) -> np.ndarray:
-    return np.unique(np.round(np.logspace(0, math.log10(max(k, 1)), POINTS)).astype(int))
-
-
-def _log_ticks(lo: float, hi: float) -> list[float]:
-    """Decade ticks between 10**lo and 10**hi (with 2 and 5 when the span is under two decades)."""
-    out = []
-    for e in range(math.floor(lo), math.ceil(hi) + 1):
-        for m in ((1, 2, 5) if hi - lo < 2 else (1,)):
-            v = m * 10.0 ** e
-            if lo - 1e-9 <= math.log10(v) <= hi + 1e-9:
-                out.append(v)
-    return out
-
-
-def _fmt_tick(v: float) -> str:
-    if v >= 1:
-        return f"{int(round(v)):,}"
-    e = int(round(math.log10(v)))
-    return f"1e{e}" if abs(v - 10.0 ** e) < 1e-12 * 10.0 ** e else f"{v:g}"
-
-
-class _Axes:
-    def __init__(self, k: int, marks: Sequence[float | None], y_lo: float, y_hi: float, y_log: bool,
-                 right: int = R, split: float | None = None) -> None:
-        self.x_hi = math.log10(max([k, *(m for m in marks if m)]) * 1.15)
-        self.right = right
-        self.y_lo, self.y_hi, self.y_log = y_lo, y_hi, y_log
-        self.split = split  # a linear axis whose top (split..y_hi) takes the upper SPLIT_SHARE of the height
-
-    def x(self, r: float) -> float:
-        return round(L + (self.right - L) * math.log10(max(r, 1)) / self.x_hi, 1) if self.x_hi > 0 else float(L)
-
-    def y(self, v: float) -> float:
-        t = (math.log10(v) if self.y_log else v)
-        t = min(max(t, self.y_lo), self.y_hi)
-        s = self.split
-        if s is not None and self.y_lo < s < self.y_hi:  # two linear pieces meeting at the split
-            f = (t - self.y_lo) / (s - self.y_lo) * (1 - SPLIT_SHARE) if t <= s else \
-                (1 - SPLIT_SHARE) + (t - s) / (self.y_hi - s) * SPLIT_SHARE
-        else:
-            f = (t - self.y_lo) / (self.y_hi - self.y_lo)
-        return round(B - (B - T) * f, 1)
-
-    def xticks(self) -> list[tuple[float, str]]:
-        return [(self.x(v), _fmt_tick(v)) for v in _log_ticks(0, self.x_hi) if v >= 1]
-
-
-def _poly(ax: _Axes, xs: np.ndarray, ys: np.ndarray) -> str:
-    return " ".join(f"{ax.x(float(x))},{ax.y(float(y))}" for x, y in zip(xs, ys) if math.isfinite(y))
-
-
-def _rank_marks(ax: _Axes, be: float | None, sug: int | None, plan: int | None) -> list[Mark]:
-    out = []
-    if be:
-        out.append(Mark(ax.x(be), "be", f"break-even {be:,.1f}"))
-    if sug:
-        out.append(Mark(ax.x(sug), "sug", f"suggested r={sug:,}"))
-    if plan:
-        out.append(Mark(ax.x(plan), "plan", f"planned r={plan:,}"))
-    return out
-
-
-def _curves(series: list[np.ndarray]) -> tuple[list[np.ndarray], tuple[np.ndarray, np.ndarray] | None]:
-    """Up to 6 curves as they are; more as their median with a min-max band."""
-    if len(series) <= 6:
-        return series, None
-    k = max(len(s) for s in series)
-    stack = np.vstack([np.pad(s, (0, k - len(s)), constant_values=np.nan) for s in series])
-    return [np.nanmedian(stack, 0)], (np.nanmin(stack, 0), np.nanmax(stack, 0))
-
-
-def _band(ax: _Axes, band: tuple[np.ndarray, np.ndarray] | None, positive: bool) -> str:
-    """The min-max band as polygon points: the maxima left to right, then the minima back (``positive``: only
-    values above 0, for a log axis); "" without a band."""
-    if band is None:
-        return ""
-    lo, hi = band
-    idx = _ranks(len(lo)) - 1
-    up = [(float(x), float(y)) for x, y in zip(idx + 1, hi[idx]) if not positive or y > 0]
-    dn = [(float(x), float(y)) for x, y in zip(idx + 1, lo[idx]) if not positive or y > 0]
-    return " ".join(f"{ax.x(x)},{ax.y(y)}" for x, y in up + dn[::-1])
-
-
-def spectrum_svg(sigmas: list[np.ndarray], title: str, be: float | None, sug: int | None,
-                 plan: int | None) -> SvgChart | None:
-    norm = [s / s[0] for s in sigmas if len(s) and s[0] > 0]
-    if not norm:
-        return None
-    curves, band = _curves(norm)
-    k = max(len(s) for s in norm)
-    positive = [float(np.min(s[s > 0])) for s in norm if np.any(s > 0)]
-    y_lo = max(math.floor(math.log10(min(positive))) if positive else -1, -16)
-    y_lo = min(y_lo, -1)
-    ax = _Axes(k, [be, sug, plan], y_lo, 0.0, True)
-    lines = []
-    for i, c in enumerate(curves):
-        idx = _ranks(len(c)) - 1
-        ys = np.where(c[idx] > 0, c[idx], np.nan)
-        lines.append(Line(_poly(ax, idx + 1, ys), f"c{i % 6}", "median" if band else ""))
-    band_pts = _band(ax, band, positive=True)
-    yt = [(ax.y(10.0 ** e), _fmt_tick(10.0 ** e)) for e in range(int(y_lo), 1, max(1, (-int(y_lo)) // 5 or 1))]
-    return SvgChart(title, "index i (log)", "σᵢ / σ₁ (log)", W, H, L, T, R, B, ax.xticks(), yt, lines, band_pts,
-                    _rank_marks(ax, be, sug, plan))
-
-
-def energy_svg(energies: list[np.ndarray], title: str, be: float | None, sug: int | None, plan: int | None,
-               target: float | None, measured: Sequence[tuple[int, float]] | None,
-               labels: Sequence[str] | None = None, wide: bool = False) -> SvgChart | None:
-    """E(r) against a log rank axis; ``labels`` name the curves in the legend (the overview of the largest
-    groups); ``wide``: twice the width."""
-    es = [e for e in energies if len(e)]
-    if not es:
-        return None
-    curves, band = _curves(es)
-    right, width = (2 * W - 10, 2 * W) if wide else (R, W)
-    k = max(len(e) for e in es)
-    split = min(0.9, target) if target and target > 0.5 else 0.9
-    ax = _Axes(k, [be, sug, plan, *(r for r, _ in measured or [])], 0.0, 1.0, False, right, split=split)
-    lines = []
-    for i, c in enumerate(curves):
-        idx = _ranks(len(c)) - 1
-        name = labels[i] if labels and i < len(labels) else ("median" if band else "")
-        lines.append(Line(_poly(ax, idx + 1, c[idx]), f"c{i % 6}", name))
-    band_pts = _band(ax, band, positive=False)
-    if measured:
-        pts = sorted((int(r), float(v)) for r, v in measured if r > 0 and math.isfinite(v))
-        lines.append(Line(" ".join(f"{ax.x(r)},{ax.y(v)}" for r, v in pts), "measured", "measured"))
-    first = curves[0]
-    dots = []
-    for r, cls, name in ((sug, "sug", "suggested"), (plan, "plan", "planned")):
-        if r:
-            v = float(first[min(r, len(first)) - 1])
-            dots.append(Dot(ax.x(r), ax.y(v), cls, f"{name} r={r:,}: E={v:.3f}"))
-    hm = [Mark(ax.y(target), "target", f"target {target:g}")] if target else []
-    upper = [split, round((1 + split) / 2, 4), 1.0]
-    yt = [(ax.y(v), f"{v:g}") for v in sorted({0.0, 0.5, *upper})]
-    return SvgChart(title, "rank r (log)", f"E(r), {split:g}–1 enlarged", width, H, L, T, right, B, ax.xticks(), yt, lines, band_pts,
-                    _rank_marks(ax, be, sug, plan), hm, dots)
-
-
 # ---- layer pages ----------------------------------------------------------------------------------------------
 @dataclass
 class LayerPage:
     """One layer's (or one group's) own section of the HTML report.
 
-    ``measured``: (rank, metric) points from calibration for this layer or group; None until a calibration stage
-    fills it in (:func:`layer_pages` takes them as ``measured={name or group label: points}``).
+    ``measured``: (rank, metric) points from calibration, one series per layer (a group's: its members'); None
+    without them. ``chart``: the page's chart as a ``data:`` URI, "" when the page has none; ``chart_at``: then the
+    (anchor, title) of the group page whose chart draws this layer, if any.
     """
 
     anchor: str
@@ -418,9 +226,9 @@ class LayerPage:
     stable_rank: float | None
     effective_rank: float | None
     energy_at_rank: float | None
-    measured: list[tuple[int, float]] | None = None
-    spectrum: SvgChart | None = None
-    energy: SvgChart | None = None
+    measured: list[list[tuple[int, float]]] | None = None
+    chart: str = ""
+    chart_at: tuple[str, str] | None = None
 
 
 def _sigma_rows(audit: "Audit", name: str) -> list[np.ndarray]:
@@ -441,14 +249,41 @@ def _common(values: Sequence[Any]) -> Any:
     return values[0] if values and all(v == values[0] for v in values) else None
 
 
+def page_legend(pages: Sequence[LayerPage]) -> list[tuple[str, str]]:
+    """The one legend of the pages' charts: (kind, label) for each kind of line some charted page draws."""
+    charted = [p for p in pages if p.chart]
+    if not charted:
+        return []
+    out = [("curve", "a layer (each member of a group)")]
+    if any(p.is_group and len(p.members) > MAX_CURVES for p in charted):
+        out += [("median", "median of the members"), ("band", "min–max of the members")]
+    out += [("break-even", "break-even rank")]
+    if any(p.suggested for p in charted):
+        out.append(("suggested", "suggested rank"))
+    if any(p.planned for p in charted):
+        out.append(("planned", "planned rank"))
+    out.append(("target", "target energy"))
+    if any(p.measured for p in charted):
+        out.append(("measured", "measured metric, the layer alone truncated"))
+    return out
+
+
 def layer_pages(audit: "Audit", table: LayerTable, groups: list[GroupRow], *, charts: bool = True,
                 measured: dict[str, list[tuple[int, float]]] | None = None,
                 only: set[str] | None = None) -> list[LayerPage]:
     """A page per group of two or more (first, largest first), then a page per layer (largest first);
-    ``only``: just the pages with these anchors (the PDF's top groups), in group order."""
-    measured = measured or {}
+    ``only``: just the pages with these anchors (the PDF's top groups), in group order. ``measured``: (rank, metric)
+    points per layer name (or group label); default: the calibration's measured floors.
+
+    Charts (``charts``): the table's rows first (each group, each layer in no group), largest first, then the
+    groups' members while fewer than :data:`CHART_PAGES` pages have one."""
+    from .calibration import measured_points
+    from .layer_charts import data_uri, page_chart
+
+    if measured is None:
+        measured = measured_points(audit) or {}
+    metric = audit.calibration.metric if audit.calibration is not None else "measured metric"
     target = audit.settings.target_energy
-    pages: list[LayerPage] = []
 
     def page(anchor: str, title: str, rows: list[LayerRow], is_group: bool, key: str) -> LayerPage:
         names = [r.name for r in rows]
@@ -458,28 +293,40 @@ def layer_pages(audit: "Audit", table: LayerTable, groups: list[GroupRow], *, ch
         sr = [r.stable_rank for r in rows if r.stable_rank is not None]
         er = [r.effective_rank for r in rows if r.effective_rank is not None]
         ea = [r.energy_at_rank for r in rows if r.energy_at_rank is not None]
-        meas = measured.get(key)
-        p = LayerPage(anchor, title, is_group, names, _common([r.shape for r in rows]) or "mixed",
-                      sum(r.params for r in rows), sum(r.share for r in rows), be, sug, plan, target,
-                      _verdicts(rows), rows[0].reason if not is_group else "",
-                      float(np.median(sr)) if sr else None, float(np.median(er)) if er else None,
-                      float(np.median(ea)) if ea else None, meas)
-        if charts:
-            sig = [s for n in names for s in _sigma_rows(audit, n)]
-            en = [e for n in names for e in _energy(audit, n)]
-            p.spectrum = spectrum_svg(sig, title, be, sug, plan)
-            p.energy = energy_svg(en, title, be, sug, plan, target, meas)
-        return p
+        series = [measured[key]] if measured.get(key) else [measured[n] for n in names if measured.get(n)]
+        return LayerPage(anchor, title, is_group, names, _common([r.shape for r in rows]) or "mixed",
+                         sum(r.params for r in rows), sum(r.share for r in rows), be, sug, plan, target,
+                         _verdicts(rows), rows[0].reason if not is_group else "",
+                         float(np.median(sr)) if sr else None, float(np.median(er)) if er else None,
+                         float(np.median(ea)) if ea else None, series or None)
+
+    def draw(p: LayerPage) -> None:
+        sig = [s for n in p.members for s in _sigma_rows(audit, n)]
+        en = [e for n in p.members for e in _energy(audit, n)]
+        svg = page_chart(sig, en, break_even=p.break_even, suggested=p.suggested, planned=p.planned,
+                         target=p.target, measured=p.measured, metric=metric)
+        p.chart = data_uri(svg) if svg else ""
 
     if only is not None:
-        return [page(g.anchor, g.label, g.members, g.is_group, g.label if g.is_group else g.members[0].name)
-                for g in groups if g.anchor in only]
-    for g in groups:
-        if g.is_group:
-            pages.append(page(g.anchor, g.label, g.members, True, g.label))
-    for r in table.rows:
-        pages.append(page(r.anchor, r.name, [r], False, r.name))
-    return pages
+        pages = [page(g.anchor, g.label, g.members, g.is_group, g.label if g.is_group else g.members[0].name)
+                 for g in groups if g.anchor in only]
+        for p in pages if charts else []:
+            draw(p)
+        return pages
+    group_pages = [page(g.anchor, g.label, g.members, True, g.label) for g in groups if g.is_group]
+    layer_pages_ = [page(r.anchor, r.name, [r], False, r.name) for r in table.rows]
+    if charts:
+        by_anchor = {p.anchor: p for p in group_pages + layer_pages_}
+        rows_first = [by_anchor[g.anchor] for g in groups]  # a group's page, or a layer in no group's
+        shown = {id(p) for p in rows_first}
+        members = [p for p in layer_pages_ if id(p) not in shown]
+        for p in (rows_first + members)[:CHART_PAGES]:
+            draw(p)
+        of_group = {m: (g.anchor, g.label) for g in groups if g.is_group for m in (r.name for r in g.members)}
+        for p in layer_pages_:
+            if not p.chart and p.title in of_group and by_anchor[of_group[p.title][0]].chart:
+                p.chart_at = of_group[p.title]
+    return group_pages + layer_pages_
 
 
 APPENDIX_NAME_WIDTH = 44  # the name column of the PDF's appendix; a longer name takes a line of its own

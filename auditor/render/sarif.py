@@ -209,6 +209,13 @@ def _message(f: "Finding") -> str:
 
 
 # ---- SARIF ---------------------------------------------------------------------------------------------------
+def _absolute(url: str) -> bool:
+    """Whether ``url`` is an absolute URI (a scheme, then ``:``), as SARIF's ``format: uri`` fields require."""
+    import re
+
+    return re.match(r"[A-Za-z][A-Za-z0-9+.-]*:", url) is not None
+
+
 def _descriptor(r: "Rule") -> dict[str, Any]:
     from ..rules.docs import rule_doc, rule_url
 
@@ -223,7 +230,7 @@ def _descriptor(r: "Rule") -> dict[str, Any]:
         "properties": {"tags": ["low-rank", str(r.scope)], "slug": r.slug},
     }
     url = rule_url(r)
-    if url:
+    if url and _absolute(url):  # SARIF's helpUri is an absolute URI; the help text above carries the rule's docs
         d["helpUri"] = url
     return d
 
@@ -238,8 +245,11 @@ def to_sarif(audit: "Audit", root: Path | None = None) -> dict[str, Any]:
     """The SARIF 2.1.0 log as a dict: one run, the rules of the findings, one result per finding."""
     from .._version import __version__
     from ..rules import RULES
+    import os
+
     from ..rules.docs import DOCS_URL
 
+    docs = os.environ.get("LOWRANK_AUDITOR_DOCS_URL") or DOCS_URL
     root = (root or Path.cwd()).resolve()
     codes = list(dict.fromkeys(f.code for f in audit.findings))
     rules = [r for r in RULES.values() if r.code in codes]
@@ -271,7 +281,8 @@ def to_sarif(audit: "Audit", root: Path | None = None) -> dict[str, Any]:
     run: dict[str, Any] = {
         "tool": {"driver": {
             "name": "lowrank-audit", "fullName": f"lowrank-auditor {__version__}", "version": __version__,
-            "semanticVersion": __version__, "informationUri": DOCS_URL.rsplit("/docs/", 1)[0],
+            "semanticVersion": __version__,
+            **({"informationUri": docs.rsplit("/docs/", 1)[0]} if _absolute(docs) and "/docs/" in docs else {}),
             "rules": [_descriptor(r) for r in rules],
         }},
         "originalUriBaseIds": {SRCROOT: {"uri": root.as_uri() + "/"}},

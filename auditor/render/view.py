@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import asdict, dataclass
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 from ..suggest import target_key
 
@@ -276,6 +276,19 @@ class SkippedGroup:
         return len(self.members) > 1
 
 
+def verdict_summary(rows: Sequence[Any]) -> str:
+    """A group's verdicts in one cell: the common verdict, else each with its count in first-seen order.
+
+    >>> from types import SimpleNamespace as S
+    >>> verdict_summary([S(verdict="factorize"), S(verdict="keep dense"), S(verdict="factorize")])
+    'factorize 2 · keep dense 1'
+    """
+    counts: dict[str, int] = {}
+    for r in rows:
+        counts[r.verdict or "–"] = counts.get(r.verdict or "–", 0) + 1
+    return next(iter(counts)) if len(counts) == 1 else " · ".join(f"{v} {c}" for v, c in counts.items())
+
+
 def skipped_groups(audit: "Audit", rows: list[SkippedRow] | None = None) -> list[SkippedGroup]:
     """The skipped layers grouped by block (:func:`auditor.groups.group_layers`), largest group first."""
     from ..groups import group_layers
@@ -286,10 +299,6 @@ def skipped_groups(audit: "Audit", rows: list[SkippedRow] | None = None) -> list
     out = []
     for g in group_layers(layers, audit.total_params):
         members = [by_name[n] for n in g.members]
-        counts: dict[str, int] = {}
-        for r in members:
-            counts[r.verdict] = counts.get(r.verdict, 0) + 1
-        verdict = next(iter(counts)) if len(counts) == 1 else " · ".join(f"{v} {c}" for v, c in counts.items())
         reasons = {r.reason for r in members}
-        out.append(SkippedGroup(g.label, members, verdict, reasons.pop() if len(reasons) == 1 else ""))
+        out.append(SkippedGroup(g.label, members, verdict_summary(members), reasons.pop() if len(reasons) == 1 else ""))
     return out

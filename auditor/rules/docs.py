@@ -8,10 +8,10 @@ from collections.abc import Iterable
 
 from .registry import BUILTIN_ORIGIN, ENTRY_POINT_GROUP, Rule
 
-# Where docs/rules.md is published: each rule's page is this address with the rule's heading anchor
-# (``#lr004-energy-below-floor``). SARIF helpUri and ``lowrank-audit rules CODE`` link there;
-# $LOWRANK_AUDITOR_DOCS_URL points a fork or a mirror at its own copy.
-DOCS_URL = "https://github.com/lowrank-auditor/lowrank-auditor/blob/main/docs/rules.md"
+# Where the rules are documented: docs/rules.md in this project's source tree, with the rule's heading anchor
+# (``docs/rules.md#lr004-energy-below-floor``). pyproject.toml names no project URL, so no web address is claimed;
+# $LOWRANK_AUDITOR_DOCS_URL gives the absolute address of a published copy (SARIF's helpUri needs one).
+DOCS_URL = "docs/rules.md"
 
 
 def rule_anchor(r: Rule) -> str:
