@@ -9,10 +9,10 @@ import torch
 from torch import nn
 
 import auditor
-from auditor import graph
-from auditor.layers import Cost, LayerSpec, MatrixView, ParamTable, collect_layers, register_layer_spec, spec_for
+from auditor.structure import graph
+from auditor.structure.layers import Cost, LayerSpec, MatrixView, ParamTable, collect_layers, register_layer_spec, spec_for
 from auditor.results import Kind
-from auditor.trace import Method, trace
+from auditor.structure.trace import Method, trace
 
 
 def one(model, inputs=None, **kw):
@@ -160,7 +160,7 @@ def test_graph_result_chains_with_data_flow():
     x = torch.zeros(1, 512)
     table = ParamTable.of(m)
     layers = collect_layers(m, table)
-    g = graph.build(trace(m, auditor.trace.ExampleInputs.of(x)), m, table, layers)
+    g = graph.build(trace(m, auditor.structure.trace.ExampleInputs.of(x)), m, table, layers)
     assert (g.data_flow, g.chains, g.macs_known, g.unsupported) == (True, [("0", "1")], True, {})
     assert layers["0.weight"].macs == 512 * 64
 

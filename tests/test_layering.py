@@ -35,9 +35,9 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("calibration", ("auditor.calibration", "auditor.factorize", "auditor.recover", "auditor.export")),
     ("analysis", ("auditor.plan", "auditor.suggest", "auditor.groups")),
     ("spectra", ("auditor.spectra",)),
-    ("structure", ("auditor.graph", "auditor.trace", "auditor.sites")),
-    ("sources", ("auditor.load", "auditor.hf", "auditor.checkpoint", "auditor.tensorref")),
-    ("kinds", ("auditor.kinds", "auditor.layers")),  # one module per layer kind, its registry, the module walk
+    ("structure", ("auditor.structure",)),  # trace, op costs and the layer graph, the module walk, definition sites
+    ("sources", ("auditor.sources",)),  # source strings -> models: factories, Hugging Face, checkpoints, tensor refs
+    ("kinds", ("auditor.kinds",)),  # one module per layer kind and their registry
     ("model", ("auditor.results", "auditor.calresults")),
     ("core", ("auditor.errors", "auditor.lrmath", "auditor.config", "auditor.options", "auditor.progress",
               "auditor.outputs", "auditor._env", "auditor._lapack", "auditor._version")),

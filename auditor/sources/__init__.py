@@ -20,12 +20,12 @@ from typing import Any, Callable, Iterator
 import torch
 from torch import nn
 
-# Checkpoints and weights-only reading live in auditor.checkpoint (below this module and auditor.hf); the names
+# Checkpoints and weights-only reading live in auditor.sources.checkpoint (below this module and auditor.sources.hf); the names
 # stay importable from here
 from .checkpoint import (  # noqa: F401
     CHUNK_BYTES, Checkpoint, Loaded, WeightsOnly, apply_weights, open_checkpoint, safe_torch_load,
 )
-from .errors import AuditError, first_line
+from ..errors import AuditError, first_line
 
 
 MAX_INPUT_DIMS = 8
@@ -191,7 +191,7 @@ def import_user_module(target: str, what: str = "file") -> ModuleType:
     if target.endswith(".py"):
         file = Path(target)
         if not file.is_file():
-            from .errors import describe_missing
+            from ..errors import describe_missing
 
             raise AuditError(f"{what} {target} {describe_missing(file) or 'is not a regular file'}",
                              "Check the path to the Python file")

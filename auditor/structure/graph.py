@@ -4,7 +4,7 @@ Each fx node that reads a parameter through a weight op (linear, matmul, einsum,
 a use of that weight, with MACs from the shapes seen in the graph. What an op costs is looked up in one table,
 ``{op name: handle}``, that users extend with :func:`set_op_handle`; an op that reads a layer's weight and has no
 handle (or whose handle cannot cost the call) is counted in ``GraphResult.unsupported``, never silently as zero.
-A module call is costed by its :class:`~auditor.layers.LayerSpec`.
+A module call is costed by its :class:`~auditor.structure.layers.LayerSpec`.
 
 The networkx graph keeps weight ops, activations and the other ops that matter, and collapses shape-only ops (view,
 transpose, dropout, ...), so edges follow data flow between the nodes a reviewer cares about. A node is a module
@@ -24,9 +24,9 @@ import networkx as nx
 import torch
 from torch import nn
 
-from . import kinds
+from .. import kinds
 from .layers import Cost, ParamTable, Shape, _join, layer_for_graph_param, spec_for
-from .results import Layer, Use
+from ..results import Layer, Use
 from .trace import Method, TraceResult
 
 # Ops that only move, reshape or copy data (or drop it out at eval time): collapsed in the layer graph, and a
@@ -330,7 +330,7 @@ def _owner(param: str) -> str:
 
 def module_costs(mod: nn.Module, ins: list, out: tuple | None) -> list[Cost]:
     """One :class:`Cost` (local param name, op, MACs, lookups) per weight for one call of a leaf module, from the
-    module's :class:`~auditor.layers.LayerSpec` and the call's shapes."""
+    module's :class:`~auditor.structure.layers.LayerSpec` and the call's shapes."""
     spec = spec_for(mod)
     return [] if spec is None else spec.cost(mod, ins, out)
 

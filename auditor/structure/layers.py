@@ -3,7 +3,7 @@
 Module types are one table, kept by :mod:`auditor.kinds` (each kind module lists the types it finds): a
 :class:`LayerSpec` per module type says which weights the module owns, how each is viewed as ``groups`` matrices of
 m x n (and its kind), and what one call costs given the call's input and output shapes. :func:`collect_layers` and
-:func:`auditor.graph.module_costs` both read that table; :func:`register_layer_spec` adds a user's own module type
+:func:`auditor.structure.graph.module_costs` both read that table; :func:`register_layer_spec` adds a user's own module type
 whose weights are plain matrices (a kind with statistics, sweeps and a replacement is a
 :class:`auditor.kinds.LayerKind`)::
 
@@ -39,12 +39,12 @@ from torch.nn.utils import parametrize
 from torch.nn.utils.spectral_norm import SpectralNorm
 from torch.nn.utils.weight_norm import WeightNorm
 
-from .errors import AuditError
-from .kinds import registry
-from .kinds.base import Cost, LayerSpec, MatrixView, Shape
-from .kinds.hf_conv1d import hf_conv1d_type
-from .kinds.registry import is_user_leaf, spec_types
-from .results import Kind, Layer
+from ..errors import AuditError
+from ..kinds import registry
+from ..kinds.base import Cost, LayerSpec, MatrixView, Shape
+from ..kinds.hf_conv1d import hf_conv1d_type
+from ..kinds.registry import is_user_leaf, spec_types
+from ..results import Kind, Layer
 
 
 def register_layer_spec(module_type: type, spec: LayerSpec | None) -> None:
