@@ -150,30 +150,23 @@ def trace_model(model: nn.Module, inputs: Any, tracer: Tracer) -> Traced:
         model.train(was_training)
 
 
-def layer_graph(g: "nx.DiGraph", method: TraceMethod, layers: dict[str, Layer]) -> LayerGraph:
-    """A networkx layer graph as plain data; chained linear pairs only where the edges are data flow."""
-    from .structure.graph import chained_linear_pairs
-
+def layer_graph(g: "nx.DiGraph", method: TraceMethod, chains: list[tuple[str, str]]) -> LayerGraph:
+    """A networkx layer graph as plain data; the chained linear pairs (from ``graph.build``) only where the edges
+    are data flow."""
     nodes = [GraphNode(str(n), str(d.get("kind", "")), str(d.get("role", "")), int(d.get("calls", 1)))
              for n, d in g.nodes(data=True)]
-    chains = [(str(a), str(b)) for a, b in chained_linear_pairs(g, layers)] if method.data_flow else []
+    chains = [(str(a), str(b)) for a, b in chains] if method.data_flow else []
     return LayerGraph(nodes, [(str(a), str(b)) for a, b in g.edges], method.data_flow, chains)
 
 
-def _copy(layer: Layer) -> Layer:
-    """A copy whose mutable parts (uses, aliases) are new too: what graph.build may change."""
-    return replace(layer, uses=[replace(u) for u in layer.uses], aliases=list(layer.aliases))
-
-
 def build_graph(traced: Traced, model: nn.Module, measured: Measured) -> Graphed:
-    """Uses, call counts and MACs per weight from the traced graph. ``graph.build`` fills in the layers it is
-    given, so it gets copies: ``measured`` stays as the measure stage made it."""
+    """Uses, call counts and MACs per weight from the traced graph, costed with this audit's copy of the op table.
+    ``graph.build`` returns new layer records: ``measured`` stays as the measure stage made it."""
     from .structure import graph as graph_mod
 
-    layers = {k: _copy(l) for k, l in measured.layers.items()}
-    g = graph_mod.build(traced.result, model, measured.table, layers)
+    g = graph_mod.build(traced.result, model, measured.table, measured.layers, ops=graph_mod.default_ops())
     method = TraceMethod(traced.result.method)
-    return Graphed(layers, layer_graph(g.graph, method, layers), g.macs_known, dict(g.unsupported))
+    return Graphed(g.layers, layer_graph(g.graph, method, g.chains), g.macs_known, dict(g.unsupported))
 
 
 def natural_key(name: str) -> tuple:

@@ -2,9 +2,14 @@
 
 Each fx node that reads a parameter through a weight op (linear, matmul, einsum, conv, embedding, recurrent) becomes
 a use of that weight, with MACs from the shapes seen in the graph. What an op costs is looked up in one table,
-``{op name: handle}``, that users extend with :func:`set_op_handle`; an op that reads a layer's weight and has no
-handle (or whose handle cannot cost the call) is counted in ``GraphResult.unsupported``, never silently as zero.
-A module call is costed by its :class:`~auditor.structure.layers.LayerSpec`.
+``{op name: handle}`` (an :class:`OpTable`); users extend the default table with :func:`set_op_handle`, and each
+audit builds its graph with a copy of it (:func:`default_ops`), so a handle set while an audit runs does not change
+it halfway. An op that reads a layer's weight and has no handle (or whose handle cannot cost the call) is counted in
+``GraphResult.unsupported``, never silently as zero. A module call is costed by its
+:class:`~auditor.kinds.base.LayerSpec`.
+
+:func:`build` reads the layer records it is given and returns new ones (uses, call counts, MACs filled in, and the
+2-D parameters multiplied by no known module added as ``Kind.MATMUL`` layers), with the chained linear pairs.
 
 The networkx graph keeps weight ops, activations and the other ops that matter, and collapses shape-only ops (view,
 transpose, dropout, ...), so edges follow data flow between the nodes a reviewer cares about. A node is a module
@@ -17,7 +22,7 @@ from __future__ import annotations
 import math
 import operator
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Callable
 
 import networkx as nx
@@ -79,8 +84,6 @@ class OpCall:
 # call (then the op is listed in GraphResult.unsupported and its weights get a use with no MACs).
 OpHandle = Callable[[OpCall], "list[Cost] | None"]
 
-_OP_HANDLES: dict[str, OpHandle] = {}
-_MATRIX_OPS: set[str] = set()  # ops whose 2-D weights become layers when no module spec claims them
 
 
 def op_key(name: str) -> str:
@@ -88,24 +91,57 @@ def op_key(name: str) -> str:
     return name.split("::")[-1].split(".")[0]
 
 
+@dataclass
+class OpTable:
+    """Op name -> cost handle, and the ops whose 2-D weights become layers when no module spec claims them.
+
+    >>> t = OpTable()
+    >>> t.set("aten::tensordot", lambda call: None, matrix=False)
+    >>> ("tensordot" in t, "tensordot" in t.matrix_ops, "tensordot" in t.copy())
+    (True, False, True)
+    """
+
+    handles: dict[str, OpHandle] = field(default_factory=dict)
+    matrix_ops: set[str] = field(default_factory=set)
+
+    def set(self, op: str, handle: OpHandle | None, *, matrix: bool = True) -> None:
+        """Cost ``op`` with ``handle`` (None removes it); ``matrix``: see :func:`set_op_handle`."""
+        key = op_key(op)
+        self.matrix_ops.discard(key)
+        if handle is None:
+            self.handles.pop(key, None)
+            return
+        self.handles[key] = handle
+        if matrix:
+            self.matrix_ops.add(key)
+
+    def copy(self) -> "OpTable":
+        return OpTable(dict(self.handles), set(self.matrix_ops))
+
+    def __contains__(self, op: object) -> bool:
+        return op in self.handles
+
+
+DEFAULT_OPS = OpTable()  # the built-in handles and the users' own (set_op_handle); each audit copies it
+
+
 def set_op_handle(op: str, handle: OpHandle | None, *, matrix: bool = True) -> None:
-    """Cost op ``op`` (``"aten::einsum"``, ``"einsum"``, ...) with ``handle``; None removes the op's handle.
+    """Cost op ``op`` (``"aten::einsum"``, ``"einsum"``, ...) with ``handle`` in every audit started afterwards;
+    None removes the op's handle.
 
     ``matrix``: a 2-D parameter this op reads, owned by no module with a spec, is a factorizable layer
     (``Kind.MATMUL``), as for ``x @ W``."""
-    key = op_key(op)
-    _MATRIX_OPS.discard(key)
-    if handle is None:
-        _OP_HANDLES.pop(key, None)
-        return
-    _OP_HANDLES[key] = handle
-    if matrix:
-        _MATRIX_OPS.add(key)
+    DEFAULT_OPS.set(op, handle, matrix=matrix)
 
 
 def op_handles() -> dict[str, OpHandle]:
-    """A copy of the op table."""
-    return dict(_OP_HANDLES)
+    """A copy of the default op table's handles."""
+    return dict(DEFAULT_OPS.handles)
+
+
+def default_ops() -> OpTable:
+    """A copy of the default op table: the one table an audit's graph is built with."""
+    return DEFAULT_OPS.copy()
 
 
 def _each_weight(call: OpCall, macs_of: Callable[[int | tuple[int, int], Shape, Shape], int]) -> list[Cost] | None:
@@ -216,7 +252,7 @@ for _ops, _handle, _matrix in (
     (("lstm", "gru", "rnn_tanh", "rnn_relu"), _rnn, False),
 ):
     for _op in _ops:
-        set_op_handle(_op, _handle, matrix=_matrix)
+        DEFAULT_OPS.set(_op, _handle, matrix=_matrix)
 
 
 # ---- fx helpers ---------------------------------------------------------------------------------------------------
@@ -282,34 +318,51 @@ class GraphResult:
     macs_known: bool = False
     data_flow: bool = True  # False for the module walk: edges follow call order, not data
     chains: list[tuple[str, str]] = field(default_factory=list)  # chained linear maps; empty without data flow
+    layers: dict[str, Layer] = field(default_factory=dict)  # new records: the given layers with uses and MACs
 
 
 class _Collector:
-    def __init__(self, table: ParamTable, layers: dict[str, Layer]):
+    """What the graph adds to each layer, kept apart from the records it was given: uses by (site, op) with their
+    call counts, linear MACs and lookups; plus the layers found only in the graph (bare 2-D parameters)."""
+
+    def __init__(self, table: ParamTable, layers: dict[str, Layer], ops: OpTable):
         self.table = table
-        self.layers = layers
+        self.layers = dict(layers)  # the given records (read, never changed) and the graph's own, in order
+        self.ops = ops
         self.unsupported: dict[str, int] = {}
+        self.uses: dict[str, dict[tuple[str, str], int]] = {
+            k: {(u.site, u.op): u.calls for u in l.uses} for k, l in layers.items()}
+        self.macs_linear = {k: l.macs_linear for k, l in layers.items()}
+        self.lookups = {k: l.lookups for k, l in layers.items()}
 
     def add(self, canon: str, site: str, op: str, macs_linear: int, lookups: int) -> Layer | None:
         site = self.table.site(site)
         layer = self.layers.get(canon)
         if layer is None:
-            if op not in _MATRIX_OPS or canon in self.table.skipped:
+            if op not in self.ops.matrix_ops or canon in self.table.skipped:
                 return None
             names = self.table.names_of(canon)
             layer = layer_for_graph_param(canon, self.table.tensor(canon), op, names[1:])
             if layer is None:
                 return None
             self.layers[canon] = layer
-        for u in layer.uses:
-            if u.site == site and u.op == op:
-                u.calls += 1
-                break
-        else:
-            layer.uses.append(Use(site=site, op=op, calls=1))
-        layer.macs_linear += macs_linear
-        layer.lookups += lookups
+            self.uses[canon] = {(u.site, u.op): u.calls for u in layer.uses}
+            self.macs_linear[canon], self.lookups[canon] = layer.macs_linear, layer.lookups
+        uses = self.uses[canon]
+        uses[(site, op)] = uses.get((site, op), 0) + 1
+        self.macs_linear[canon] += macs_linear
+        self.lookups[canon] += lookups
         return layer
+
+    def records(self, macs_known: bool) -> dict[str, Layer]:
+        """New layer records: each given (or found) layer with its uses, MACs and lookups."""
+        out = {}
+        for k, l in self.layers.items():
+            uses = [Use(site=s, op=o, calls=n) for (s, o), n in self.uses[k].items()]
+            ml, lk = (self.macs_linear[k], self.lookups[k]) if macs_known else (0, 0)
+            out[k] = replace(l, uses=uses, aliases=list(l.aliases), macs=ml if macs_known else None, macs_linear=ml,
+                             lookups=lk)
+        return out
 
     def add_module_call(self, path: str, mod: nn.Module, ins: list, out: tuple | None) -> bool:
         """Record one call of a leaf module as a use of each weight it owns; True if it owns any."""
@@ -335,10 +388,12 @@ def module_costs(mod: nn.Module, ins: list, out: tuple | None) -> list[Cost]:
     return [] if spec is None else spec.cost(mod, ins, out)
 
 
-def build(trace: TraceResult, model: nn.Module, table: ParamTable, layers: dict[str, Layer]) -> GraphResult:
-    """The layer graph of a trace: uses and MACs are added to ``layers`` (and 2-D parameters multiplied by no known
-    module become ``Kind.MATMUL`` layers there)."""
-    col = _Collector(table, layers)
+def build(trace: TraceResult, model: nn.Module, table: ParamTable, layers: dict[str, Layer],
+          ops: OpTable | None = None) -> GraphResult:
+    """The layer graph of a trace, costed with ``ops`` (a copy of the default table when None). ``layers`` is only
+    read: ``GraphResult.layers`` holds new records with the uses and MACs, plus the 2-D parameters multiplied by no
+    known module as ``Kind.MATMUL`` layers; the chained linear pairs are computed here, once."""
+    col = _Collector(table, layers, ops if ops is not None else default_ops())
     data_flow = trace.method != Method.WALK
     if data_flow:
         g = _FxGraphBuilder(trace, model, col).run()
@@ -346,15 +401,9 @@ def build(trace: TraceResult, model: nn.Module, table: ParamTable, layers: dict[
         g = _walk_graph(trace, model, col)
     g.graph["data_flow"] = data_flow
     macs_known = trace.has_shapes
-    for layer in layers.values():
-        if macs_known:
-            layer.macs = layer.macs_linear
-        else:
-            layer.macs = None
-            layer.macs_linear = 0
-            layer.lookups = 0
-    chains = chained_linear_pairs(g, layers) if data_flow else []
-    return GraphResult(g, col.unsupported, macs_known, data_flow, chains)
+    records = col.records(macs_known)
+    chains = chained_linear_pairs(g, records) if data_flow else []
+    return GraphResult(g, col.unsupported, macs_known, data_flow, chains, records)
 
 
 def _walk_graph(trace: TraceResult, model: nn.Module, col: _Collector) -> nx.DiGraph:
@@ -523,7 +572,7 @@ class _FxGraphBuilder:
             self.reps[node.name] = srcs  # scaling or shifting by a constant: no new node
             return
         stack_site = _site(node, "")
-        if weights and op in _OP_HANDLES:
+        if weights and op in self.col.ops:
             gid = self.weight_op(node, op, weights, stack_site)
         else:
             gid = self.other_op(node, op, weights, stack_site)
@@ -556,9 +605,9 @@ class _FxGraphBuilder:
             return [Cost(canon, op) for canon in weights.values()]
         inputs = tuple(_shape_or_value(a) for a in list(node.args) + list(node.kwargs.values()))
         call = OpCall(op, inputs, _meta_shape(node), dict(weights))
-        res = _OP_HANDLES[op](call)
+        res = self.col.ops.handles[op](call)
         if res is None:
-            if any(canon in self.col.layers or op in _MATRIX_OPS for canon in weights.values()):
+            if any(canon in self.col.layers or op in self.col.ops.matrix_ops for canon in weights.values()):
                 self.col.unsupported_op(op)
             return [Cost(canon, op) for canon in weights.values()]
         return res
