@@ -289,7 +289,7 @@ def test_the_exported_model_measures_what_plan_json_says(cli_inproc, tmp_path):
     from safetensors.torch import save_file
 
     from auditor.factorize import load_factorized
-    from auditor.sources import import_user_module
+    from auditor.sources.factory import import_user_module
 
     src = tmp_path / "drop.py"
     src.write_text(FACTORY)

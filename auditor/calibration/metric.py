@@ -397,7 +397,7 @@ class Evaluator:
             calibration.warnings.append(_CHECKED[key])
 
     def _user(self, model: nn.Module, finite: bool = True) -> float:
-        from ..sources import _run_user_code
+        from ..sources.factory import _run_user_code
 
         label = self.metric.label
 

@@ -154,7 +154,7 @@ def load_tokenizer(directory: Path) -> tuple[Any, str]:
                          "Add the tokenizer files (tokenizer.save_pretrained(DIR)), or give token ids as a "
                          "safetensors file of input_ids")
     from ..sources.hf import offline
-    from ..sources import stdout_to_stderr
+    from ..sources.factory import stdout_to_stderr
 
     try:
         import transformers
