@@ -15,7 +15,7 @@ made. The stages, with their input and output types::
     check           Audit, Plan | None                             -> Audit with .findings
 
 :func:`audit` runs them in that order. Only this module, :mod:`auditor.cli` and ``auditor/__init__`` import the
-pipeline; the stages below it (load, trace, layers, graph, spectra, suggest, plan, rules) never import it.
+pipeline; the stages below it (sources/, structure/, spectra/, suggest, plan, rules/, calibration/) never import it.
 """
 
 from __future__ import annotations
