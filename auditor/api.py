@@ -205,7 +205,7 @@ class Audit(results.Audit):
 
 def audit(model: Any, inputs: Any = None, *, plan: Any = None, options: AuditOptions | None = None,
           **shortcuts: "Unpack[OptionFields]") -> Audit:
-    """Audit a model: an ``nn.Module``, or a weights-only checkpoint from :func:`auditor.load.load_source`.
+    """Audit a model: an ``nn.Module``, or a weights-only checkpoint from :func:`auditor.sources.load_source`.
 
     ``inputs``: a tensor, a tuple of positional inputs, a dict of keyword inputs, or (args, kwargs); without them
     MACs are not counted. ``plan``: a :class:`auditor.plan.Plan`, a path to a TOML/JSON plan, or a dict; without
@@ -226,7 +226,7 @@ def audit(model: Any, inputs: Any = None, *, plan: Any = None, options: AuditOpt
 
 def audit_source(spec: str, *, plan: Any = None, options: AuditOptions | None = None,
                  load: LoadOptions | None = None) -> Audit:
-    """Load a model from a source string (see :func:`auditor.load.load_source`) and audit it; the report's name
+    """Load a model from a source string (see :func:`auditor.sources.load_source`) and audit it; the report's name
     and source come from the loader unless ``options.name`` is set.
 
     >>> import auditor

@@ -286,7 +286,7 @@ def options_from(args: argparse.Namespace) -> tuple["AuditOptions", "LoadOptions
     """The audit's and the loader's options from the flags: defaults < pyproject.toml < the plan < the flags
     (the plan's thresholds are applied between ``settings`` and ``overrides`` by the pipeline)."""
     from .config import Settings, from_pyproject
-    from .load import parse_shape
+    from .sources import parse_shape
     from .options import AuditOptions, LoadOptions
 
     if args.jobs is not None and args.jobs < 1:

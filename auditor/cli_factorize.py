@@ -101,7 +101,7 @@ def _no_saving(result: Any, plan: dict[str, int]) -> None:
 def run(args: argparse.Namespace) -> int:
     from .calibration.text import tokenizer_home
     from .factorize import check_targets, count_params, factorize, write_factorized
-    from .load import parse_shape
+    from .sources import parse_shape
     from .options import AuditOptions, LoadOptions
     from .outputs import write_folder
     from .pipeline import audit_session, load_model

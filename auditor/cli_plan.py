@@ -37,7 +37,7 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _review(model: str, plan: Path, args: argparse.Namespace) -> int:
-    from .load import parse_shape
+    from .sources import parse_shape
     from .options import AuditOptions, LoadOptions
     from .pipeline import audit_source
     from .policy import exit_code, input_errors

@@ -116,7 +116,7 @@ def _describe(t: torch.Tensor, dynamic: bool) -> dict[str, Any]:
 
 def _example(example: Any) -> tuple[tuple, dict]:
     from .calibration.inputs import Batch
-    from .trace import ExampleInputs
+    from .structure.trace import ExampleInputs
 
     if isinstance(example, Batch):
         return tuple(example.args), dict(example.kwargs)

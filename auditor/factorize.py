@@ -43,7 +43,7 @@ from torch import nn
 
 from .errors import AuditError, first_line, no_duplicate_keys
 from . import kinds
-from .layers import ParamTable, collect_layers
+from .structure.layers import ParamTable, collect_layers
 from .outputs import TMP_PREFIX, kind_of
 from .results import Layer
 

@@ -169,7 +169,7 @@ class OptionFields(TypedDict, total=False):
 
 @dataclass(frozen=True)
 class LoadOptions:
-    """How to read a model from a source string (see :func:`auditor.load.load_source`)."""
+    """How to read a model from a source string (see :func:`auditor.sources.load_source`)."""
 
     input_shape: tuple[tuple[int, ...], ...] | None = None  # one float input per shape
     input_ids: tuple[int, ...] | None = None  # token ids of this shape, within the config's vocabulary

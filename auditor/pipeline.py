@@ -15,7 +15,7 @@ made. The stages, with their input and output types::
     check           Audit, Plan | None                             -> Audit with .findings
 
 :func:`audit` runs them in that order. Only this module, :mod:`auditor.cli` and ``auditor/__init__`` import the
-pipeline; the stages below it (load, trace, layers, graph, spectra, suggest, plan, rules) never import it.
+pipeline; the stages below it (sources/, structure/, spectra/, suggest, plan, rules/, calibration/) never import it.
 """
 
 from __future__ import annotations
@@ -41,10 +41,10 @@ if TYPE_CHECKING:
 
     from .calibration.session import CalibrationSession
 
-    from .layers import ParamTable
-    from .load import Loaded, WeightsOnly
+    from .structure.layers import ParamTable
+    from .sources import Loaded, WeightsOnly
     from .plan import Plan
-    from .trace import ExampleInputs, TraceResult
+    from .structure.trace import ExampleInputs, TraceResult
 
     from typing_extensions import Unpack
 
@@ -108,7 +108,7 @@ class Spectra:
 # ---- stages ----------------------------------------------------------------------------------------------------
 def load_model(spec: str, options: LoadOptions) -> "Loaded":
     """A source string -> a model (``nn.Module`` or ``WeightsOnly``), its example inputs, name and source."""
-    from .load import load_source
+    from .sources import load_source
 
     shapes = [tuple(s) for s in options.input_shape] if options.input_shape else None
     return load_source(spec, input_shape=shapes, input_ids=options.input_ids, weights=options.weights,
@@ -131,7 +131,7 @@ def resolve_settings(options: AuditOptions, plan: "Plan | None") -> Settings:
 
 
 def measure(model: nn.Module) -> Measured:
-    from .layers import ParamTable, collect_layers
+    from .structure.layers import ParamTable, collect_layers
 
     table = ParamTable.of(model)
     return Measured(table, collect_layers(model, table))
@@ -139,7 +139,7 @@ def measure(model: nn.Module) -> Measured:
 
 def trace_model(model: nn.Module, inputs: Any, tracer: Tracer) -> Traced:
     """Trace with dropout off; the caller's training mode is restored."""
-    from .trace import ExampleInputs, trace
+    from .structure.trace import ExampleInputs, trace
 
     ex = ExampleInputs.of(inputs)
     was_training = model.training
@@ -150,30 +150,23 @@ def trace_model(model: nn.Module, inputs: Any, tracer: Tracer) -> Traced:
         model.train(was_training)
 
 
-def layer_graph(g: "nx.DiGraph", method: TraceMethod, layers: dict[str, Layer]) -> LayerGraph:
-    """A networkx layer graph as plain data; chained linear pairs only where the edges are data flow."""
-    from .graph import chained_linear_pairs
-
+def layer_graph(g: "nx.DiGraph", method: TraceMethod, chains: list[tuple[str, str]]) -> LayerGraph:
+    """A networkx layer graph as plain data; the chained linear pairs (from ``graph.build``) only where the edges
+    are data flow."""
     nodes = [GraphNode(str(n), str(d.get("kind", "")), str(d.get("role", "")), int(d.get("calls", 1)))
              for n, d in g.nodes(data=True)]
-    chains = [(str(a), str(b)) for a, b in chained_linear_pairs(g, layers)] if method.data_flow else []
+    chains = [(str(a), str(b)) for a, b in chains] if method.data_flow else []
     return LayerGraph(nodes, [(str(a), str(b)) for a, b in g.edges], method.data_flow, chains)
 
 
-def _copy(layer: Layer) -> Layer:
-    """A copy whose mutable parts (uses, aliases) are new too: what graph.build may change."""
-    return replace(layer, uses=[replace(u) for u in layer.uses], aliases=list(layer.aliases))
-
-
 def build_graph(traced: Traced, model: nn.Module, measured: Measured) -> Graphed:
-    """Uses, call counts and MACs per weight from the traced graph. ``graph.build`` fills in the layers it is
-    given, so it gets copies: ``measured`` stays as the measure stage made it."""
-    from . import graph as graph_mod
+    """Uses, call counts and MACs per weight from the traced graph, costed with this audit's copy of the op table.
+    ``graph.build`` returns new layer records: ``measured`` stays as the measure stage made it."""
+    from .structure import graph as graph_mod
 
-    layers = {k: _copy(l) for k, l in measured.layers.items()}
-    g = graph_mod.build(traced.result, model, measured.table, layers)
+    g = graph_mod.build(traced.result, model, measured.table, measured.layers, ops=graph_mod.default_ops())
     method = TraceMethod(traced.result.method)
-    return Graphed(layers, layer_graph(g.graph, method, layers), g.macs_known, dict(g.unsupported))
+    return Graphed(g.layers, layer_graph(g.graph, method, g.chains), g.macs_known, dict(g.unsupported))
 
 
 def natural_key(name: str) -> tuple:
@@ -211,7 +204,7 @@ def module_structure(model: nn.Module, inputs: Any, options: AuditOptions,
             exc.captured = log.text if log is not None else ""  # type: ignore[attr-defined]
             raise
     total = measured.table.total
-    from .sites import definition_site
+    from .structure.sites import definition_site
 
     ranked = [replace(l, defined_at=definition_site(model, l.param)) for l in rank_layers(graphed.layers, total)]
     table = measured.table
@@ -331,7 +324,7 @@ def environment() -> dict[str, str]:
 # ---- entry points ----------------------------------------------------------------------------------------------
 def audit(model: Any, inputs: Any = None, *, plan: Any = None, options: AuditOptions | None = None,
           **shortcuts: "Unpack[OptionFields]") -> Audit:
-    """Audit a model: an ``nn.Module``, or a weights-only checkpoint from :func:`auditor.load.load_source`.
+    """Audit a model: an ``nn.Module``, or a weights-only checkpoint from :func:`auditor.sources.load_source`.
 
     ``inputs``: a tensor, a tuple of positional inputs, a dict of keyword inputs, or (args, kwargs); without them
     MACs are not counted. ``plan``: a :class:`auditor.plan.Plan`, a path to a TOML/JSON plan, or a dict; without
@@ -353,7 +346,7 @@ def audit_session(model: Any, inputs: Any = None, *, plan: Any = None,
     """:func:`audit`, and the calibration session it measured with (None without calibration data): the model, the
     batches, the input statistics and the evaluator with its dense reference, for a caller that goes on to
     factorize or recover with them (``lowrank-audit factorize``) instead of reading and measuring all again."""
-    from .load import WeightsOnly
+    from .sources import WeightsOnly
     from .plan import Plan
 
     opts = options or AuditOptions()

@@ -54,7 +54,7 @@ from auditor.calibration.stats import by_name  # noqa: E402
 from auditor.calibration.sweep import Sweeper  # noqa: E402
 from auditor.calibration.tier1 import whitened_spectra  # noqa: E402
 from auditor.factorize import SUPPORTED, count_params, factorize  # noqa: E402
-from auditor.layers import ParamTable, collect_layers  # noqa: E402
+from auditor.structure.layers import ParamTable, collect_layers  # noqa: E402
 from auditor.suggest import suggest  # noqa: E402
 
 ENERGY_GRID = (0.90, 0.95, 0.955, 0.96, 0.965, 0.97, 0.98, 0.99, 0.995, 0.999, 0.9999)

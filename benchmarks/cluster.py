@@ -48,7 +48,7 @@ def write_checkpoint(folder: Path, shapes: list[tuple[int, int]], shards: int = 
 
 def audit_time(path: Path, repeat: int, **kw) -> float:
     import auditor
-    from auditor.load import load_source
+    from auditor.sources import load_source
 
     w = load_source(str(path)).model
     return best(lambda: auditor.audit(w, cache=False, progress=False, **kw), repeat)

@@ -40,7 +40,7 @@ def main() -> None:
     from auditor.calibration.stream import resolve_device, stream_statistics
     from auditor.calibration.tier1 import whitened_spectra
     from auditor.errors import AuditError
-    from auditor.layers import ParamTable, collect_layers
+    from auditor.structure.layers import ParamTable, collect_layers
 
     try:
         dev = resolve_device(a.device or ("cpu" if a.tiny else "cuda"))

@@ -32,7 +32,7 @@ from auditor.calibration.budget import allocate, curves_from_spectra  # noqa: E4
 from auditor.calibration.stats import by_name  # noqa: E402
 from auditor.calibration.tier1 import tier1  # noqa: E402
 from auditor.factorize import SUPPORTED, count_params, factorize  # noqa: E402
-from auditor.layers import ParamTable, collect_layers  # noqa: E402
+from auditor.structure.layers import ParamTable, collect_layers  # noqa: E402
 from auditor.recover import recover  # noqa: E402
 
 

@@ -20,7 +20,7 @@ import torch
 CHILD = r"""
 import resource, sys, time
 import auditor
-from auditor.load import load_source
+from auditor.sources import load_source
 t = time.perf_counter()
 w = load_source(sys.argv[1]).model
 a = auditor.audit(w, cache=False, progress=False)
@@ -75,7 +75,7 @@ def many_tensors(folder: Path, count: int = 10_000) -> None:
     from safetensors.torch import save_file
 
     import auditor
-    from auditor.load import WeightsOnly
+    from auditor.sources import WeightsOnly
 
     g = torch.Generator().manual_seed(1)
     path = folder / "experts.safetensors"

@@ -25,7 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _util import PeakSampler, best, best_interleaved, peak_rss_mb  # noqa: E402
 
 import auditor  # noqa: E402
-from auditor.layers import matrix_view  # noqa: E402
+from auditor.structure.layers import matrix_view  # noqa: E402
 from auditor.results import Kind, Layer  # noqa: E402
 from auditor.spectra import Engine, eig_svdvals, gram64  # noqa: E402
 

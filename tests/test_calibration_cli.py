@@ -19,7 +19,7 @@ from auditor.calibration import (
 )
 from auditor.calibration.stats import by_name
 from auditor.factorize import count_params, factorize, load_factorized, predicted_params
-from auditor.layers import ParamTable, collect_layers
+from auditor.structure.layers import ParamTable, collect_layers
 
 ROWS = 400  # 300 for statistics, 100 held out
 MODEL = "sample_models/digits.py:mlp"

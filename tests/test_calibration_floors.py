@@ -15,7 +15,7 @@ from auditor.calibration.stats import by_name
 from auditor.calibration.sweep import block_of, floor_from_points
 from auditor import lrmath
 from auditor.factorize import count_params, factorize
-from auditor.layers import ParamTable, collect_layers
+from auditor.structure.layers import ParamTable, collect_layers
 
 
 def _data(image: bool = False) -> tuple[torch.Tensor, torch.Tensor]:

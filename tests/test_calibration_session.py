@@ -19,7 +19,7 @@ from auditor.calibration import (
 )
 from auditor.calresults import BudgetResult, FrontierPlan, LayerFloor
 from auditor.factorize import factorize, load_factorized
-from auditor.layers import ParamTable, collect_layers
+from auditor.structure.layers import ParamTable, collect_layers
 
 ROWS = 400
 MODEL = "sample_models/digits.py:mlp"

@@ -89,7 +89,7 @@ def _text(path: Path, words: list[str], n: int, start: int = 0) -> Path:
 
 @pytest.fixture(scope="module")
 def model(hf_dir):
-    from auditor.load import load_source
+    from auditor.sources import load_source
 
     return load_source(str(hf_dir)).model
 

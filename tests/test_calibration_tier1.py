@@ -13,7 +13,7 @@ from auditor.calibration import input_statistics, load_calibration, tier1, white
 from auditor.calibration.stats import by_name, conv_patches
 from auditor.calibration.whiten import function_matrices, truncated_weight
 from auditor.errors import AuditError
-from auditor.layers import ParamTable, collect_layers
+from auditor.structure.layers import ParamTable, collect_layers
 
 
 def _digits(n: int | None = None) -> torch.Tensor:

@@ -8,7 +8,7 @@ from torch import nn
 
 import auditor
 from auditor.results import Kind
-from auditor.trace import Method
+from auditor.structure.trace import Method
 
 # measured by sample_models/train_chargpt.py on the shipped held-out file (float16 weights)
 HOLDOUT_LOSS = 1.7782  # nats per character

@@ -79,7 +79,7 @@ def _write_shards(state: dict, folder, n: int = 3) -> None:
 def test_weights_only_sharded_matches_module_audit(tmp_path, digits_cnn):
     model, x = digits_cnn
     _write_shards(model.state_dict(), tmp_path)
-    from auditor.load import load_source
+    from auditor.sources import load_source
 
     loaded = load_source(str(tmp_path))
     w = auditor.audit(loaded.model, cache=False)
@@ -97,7 +97,7 @@ def test_bf16_safetensors_upcast_per_tensor(tmp_path):
 
     w = torch.randn(64, 32, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
     save_file({"proj.weight": w, "proj.bias": torch.zeros(64, dtype=torch.bfloat16)}, str(tmp_path / "m.safetensors"))
-    from auditor.load import load_source
+    from auditor.sources import load_source
 
     a = auditor.audit(load_source(str(tmp_path / "m.safetensors")).model, cache=False)
     assert a.total_params == 64 * 32 + 64
@@ -123,7 +123,7 @@ def test_hf_directory_with_weights(tmp_path, cli):
 
 
 def test_config_without_weights_is_structure_only_with_inputs_from_the_config(tmp_path):
-    from auditor.load import load_source
+    from auditor.sources import load_source
 
     T.BertConfig(hidden_size=64, num_hidden_layers=1, num_attention_heads=2, intermediate_size=128,
                  vocab_size=100, max_position_embeddings=96, architectures=["BertModel"]).save_pretrained(tmp_path)

@@ -103,7 +103,7 @@ def test_zoo_names_through_a_stand_in_registry(tmp_path, monkeypatch):
     import torch
     from torch import nn
 
-    from auditor.load import load_source
+    from auditor.sources import load_source
 
     tv = types.ModuleType("torchvision")
     tv.models = types.SimpleNamespace(get_model=lambda name, weights=None: nn.Sequential(nn.Linear(4, 3)))

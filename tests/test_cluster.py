@@ -16,7 +16,7 @@ pytest.importorskip("distributed", reason="the Dask tests need `distributed` (pi
 
 import auditor  # noqa: E402
 from _cluster import kill_worker_mid_task  # noqa: E402
-from auditor.load import load_source  # noqa: E402
+from auditor.sources import load_source  # noqa: E402
 
 HOST = "127.0.0.1"
 

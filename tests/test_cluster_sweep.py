@@ -21,8 +21,8 @@ from auditor.calibration import load_calibration, measure_floors, tier1  # noqa:
 from auditor.calibration.cluster import mapped_source, measure_floors_on_cluster  # noqa: E402
 from auditor.calibration.metric import Metric  # noqa: E402
 from auditor.calibration.stats import by_name  # noqa: E402
-from auditor.layers import ParamTable, collect_layers  # noqa: E402
-from auditor.load import load_source  # noqa: E402
+from auditor.structure.layers import ParamTable, collect_layers  # noqa: E402
+from auditor.sources import load_source  # noqa: E402
 from auditor.options import AuditOptions, LoadOptions  # noqa: E402
 from test_cluster import _write_checkpoint, cluster  # noqa: E402,F401 - the fixture: one 2-worker LocalCluster
 

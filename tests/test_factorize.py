@@ -11,7 +11,7 @@ from auditor.calibration.stats import by_name
 from auditor.calibration.whiten import truncated_weight
 from auditor.errors import AuditError
 from auditor.factorize import count_params, factorize, load_factorized, predicted_params, save_factorized
-from auditor.layers import ParamTable, collect_layers
+from auditor.structure.layers import ParamTable, collect_layers
 
 
 def _digits(n: int) -> torch.Tensor:

@@ -9,7 +9,7 @@ from torch import nn
 from torch.nn.utils import parametrizations, parametrize
 
 import auditor
-from auditor.layers import ParamTable, check_tree, collect_layers, storage_skip_reason
+from auditor.structure.layers import ParamTable, check_tree, collect_layers, storage_skip_reason
 
 
 def one(model, inputs=None, **kw):

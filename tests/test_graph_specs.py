@@ -9,10 +9,10 @@ import torch
 from torch import nn
 
 import auditor
-from auditor import graph
-from auditor.layers import Cost, LayerSpec, MatrixView, ParamTable, collect_layers, register_layer_spec, spec_for
+from auditor.structure import graph
+from auditor.structure.layers import Cost, LayerSpec, MatrixView, ParamTable, collect_layers, register_layer_spec, spec_for
 from auditor.results import Kind
-from auditor.trace import Method, trace
+from auditor.structure.trace import Method, trace
 
 
 def one(model, inputs=None, **kw):
@@ -149,6 +149,60 @@ def test_set_op_handle_costs_a_new_op():
     assert "tensordot" not in graph.op_handles()
 
 
+def tensordot_handle(call):
+    w = call.shape(1)
+    return None if call.out is None or w is None else [
+        Cost(canon, call.op, math.prod(call.out) * w[0]) for canon in call.weights.values()]
+
+
+def test_build_returns_new_records_and_reads_only_the_op_table_it_is_given():
+    m = TensorDot(32, 48)
+    table = ParamTable.of(m)
+    layers = collect_layers(m, table)
+    assert layers == {}  # a bare parameter: a layer only once an op with a matrix handle reads it
+    ops = graph.default_ops()
+    ops.set("aten::tensordot", tensordot_handle)
+    tr = trace(m, auditor.structure.trace.ExampleInputs.of(torch.zeros(5, 32)))
+    g = graph.build(tr, m, table, layers, ops=ops)
+    (layer,) = g.layers.values()
+    assert (layer.param, layer.macs, [(u.site, u.op, u.calls) for u in layer.uses]) == (
+        "w", 5 * 48 * 32, [("TensorDot", "tensordot", 1)])
+    assert layers == {} and "tensordot" not in graph.op_handles()  # nothing it was handed changed, nor the default
+    plain = graph.build(tr, m, table, layers)  # the default table: no handle, the read is listed as unsupported
+    assert (plain.layers, plain.unsupported) == ({}, {"tensordot": 1})
+
+
+def test_an_audit_copies_the_op_table_when_it_starts():
+    """A handle set while an audit runs (here: from inside a handle) changes the next audit, not this one."""
+    calls = []
+    builtin = graph.op_handles()["einsum"]
+
+    def einsum_then_unset(call):
+        calls.append(call.op)
+        graph.set_op_handle("einsum", None)  # the default table loses einsum; this audit's copy keeps it
+        return builtin(call)
+
+    graph.set_op_handle("einsum", einsum_then_unset)
+
+    class Two(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = nn.Parameter(torch.randn(8, 4)), nn.Parameter(torch.randn(4, 6))
+
+        def forward(self, x):
+            return torch.einsum("bi,ij->bj", torch.einsum("bi,ij->bj", x, self.a), self.b)
+
+    try:
+        first = one(Two(), torch.zeros(3, 8), tracer="symbolic")
+        assert calls == ["einsum", "einsum"] and first.unsupported_ops == {}
+        assert {l.name: l.macs for l in first.layers} == {"a": 3 * 4 * 8, "b": 3 * 6 * 4}
+        second = one(Two(), torch.zeros(3, 8), tracer="symbolic")
+        assert calls == ["einsum", "einsum"] and second.unsupported_ops == {"einsum": 2}
+    finally:
+        graph.set_op_handle("einsum", builtin)
+    assert graph.op_handles()["einsum"] is builtin and "einsum" in graph.DEFAULT_OPS.matrix_ops
+
+
 def test_einsum_macs_closed_form():
     assert graph.einsum_macs("bij,bjk->bik", [(2, 3, 4), (2, 4, 5)]) == 4
     assert graph.einsum_macs("ij,ij->", [(3, 4), (3, 4)]) == 12
@@ -160,9 +214,10 @@ def test_graph_result_chains_with_data_flow():
     x = torch.zeros(1, 512)
     table = ParamTable.of(m)
     layers = collect_layers(m, table)
-    g = graph.build(trace(m, auditor.trace.ExampleInputs.of(x)), m, table, layers)
+    g = graph.build(trace(m, auditor.structure.trace.ExampleInputs.of(x)), m, table, layers)
     assert (g.data_flow, g.chains, g.macs_known, g.unsupported) == (True, [("0", "1")], True, {})
-    assert layers["0.weight"].macs == 512 * 64
+    assert g.layers["0.weight"].macs == 512 * 64
+    assert (layers["0.weight"].macs, layers["0.weight"].uses) == (None, [])  # the given records are only read
 
 
 def test_module_walk_has_no_data_flow_and_no_chains():
@@ -172,7 +227,7 @@ def test_module_walk_has_no_data_flow_and_no_chains():
     g = graph.build(trace(m, None, tracer="walk"), m, table, layers)
     assert (g.data_flow, g.chains) == (False, [])
     assert list(g.graph.edges) == [("0", "1")]  # call order, kept for the picture
-    assert graph.chained_linear_pairs(g.graph, layers) == []
+    assert graph.chained_linear_pairs(g.graph, g.layers) == []
     assert [f.code for f in one(m, tracer="walk").findings if f.code == "LR007"] == []
 
 

@@ -304,7 +304,7 @@ def test_token_ids_and_masks_of_every_batch(cli_inproc, src, fn, said):
 
 def test_a_later_batch_of_another_length_that_fits_is_accepted(src):
     from auditor.calibration import load_calibration
-    from auditor.load import load_source
+    from auditor.sources import load_source
 
     m = load_source(f"{src}:ids").model
     g = torch.Generator().manual_seed(0)
@@ -360,7 +360,7 @@ def test_the_grams_memory_is_estimated_before_allocating(cli_inproc, src, monkey
 
 def test_statistics_memory_counts_every_layer():
     from auditor.calibration.stage import statistics_memory
-    from auditor.layers import ParamTable, collect_layers
+    from auditor.structure.layers import ParamTable, collect_layers
 
     m = nn.Sequential(nn.Linear(10, 20), nn.Conv2d(4, 6, 3, groups=2), nn.Embedding(50, 7))
     need, largest = statistics_memory(list(collect_layers(m, ParamTable.of(m)).values()))
@@ -429,8 +429,8 @@ def test_a_damaged_or_foreign_statistics_entry_is_recomputed(cli_inproc, src, tm
 def test_statistics_round_trip_and_key(tmp_path, src):
     from auditor.calibration import input_statistics, load_calibration
     from auditor.calibration.stats import InputStatistics, StatisticsMismatch
-    from auditor.layers import ParamTable, collect_layers
-    from auditor.load import load_source
+    from auditor.structure.layers import ParamTable, collect_layers
+    from auditor.sources import load_source
 
     m = load_source(f"{src}:model").model
     stats = input_statistics(m, collect_layers(m, ParamTable.of(m)), load_calibration([torch.randn(16, 48)], m, 0))
@@ -461,7 +461,7 @@ def test_a_higher_is_better_metric_is_accepted(cli_inproc, src, tmp_path):
 
 def test_a_metric_blind_to_truncation_is_a_warning(src):
     from auditor.calibration import Evaluator, Metric, load_calibration
-    from auditor.load import load_source
+    from auditor.sources import load_source
 
     m = load_source(f"{src}:model").model
     cal = load_calibration([torch.randn(8, 48) for _ in range(3)], m, 0.34)
@@ -471,7 +471,7 @@ def test_a_metric_blind_to_truncation_is_a_warning(src):
 
 def test_the_direction_check_restores_every_weight_bit_for_bit(src):
     from auditor.calibration import Evaluator, Metric, load_calibration
-    from auditor.load import load_source
+    from auditor.sources import load_source
 
     m = load_source(f"{src}:model").model
     before = {k: v.clone() for k, v in m.state_dict().items()}
@@ -582,7 +582,7 @@ def test_a_tied_bias_is_counted_once_in_a_weights_only_audit(tmp_path):
 
 
 def test_shared_storage_in_a_state_dict_is_counted_once_whatever_it_holds(tmp_path):
-    from auditor.load import WeightsOnly
+    from auditor.sources import WeightsOnly
 
     z = torch.zeros(30)
     torch.save({"a.bias": z, "b.bias": z, "c.bias": torch.zeros(30), "w.weight": torch.ones(4, 30)},
@@ -592,7 +592,7 @@ def test_shared_storage_in_a_state_dict_is_counted_once_whatever_it_holds(tmp_pa
 
 
 def test_two_parameter_objects_on_one_storage_are_one_tensor():
-    from auditor.layers import ParamTable
+    from auditor.structure.layers import ParamTable
 
     m = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8))
     m[1].weight = nn.Parameter(m[0].weight.data)  # another Parameter object, the same bytes
@@ -615,7 +615,7 @@ def _dropout_model() -> nn.Module:
 def test_library_entry_points_run_in_eval_mode_and_restore_the_modes():
     from auditor.calibration import curves_from_spectra, input_statistics, load_calibration, plan_for_budget, tier1
     from auditor.factorize import factorize
-    from auditor.layers import ParamTable, collect_layers
+    from auditor.structure.layers import ParamTable, collect_layers
 
     m = _dropout_model()
     modes = [x.training for x in m.modules()]
@@ -644,7 +644,7 @@ def test_library_entry_points_run_in_eval_mode_and_restore_the_modes():
 
 def test_a_metric_that_overflows_on_the_cut_model_is_not_refused(src):
     from auditor.calibration import Evaluator, Metric, load_calibration
-    from auditor.load import load_source
+    from auditor.sources import load_source
 
     m = load_source(f"{src}:model").model
     cal = load_calibration([torch.randn(8, 48, generator=torch.Generator().manual_seed(s)) for s in range(3)], m,
@@ -662,7 +662,7 @@ def test_a_metric_that_overflows_on_the_cut_model_is_not_refused(src):
 
 def test_position_ids_and_labels_are_not_token_ids(src):
     from auditor.calibration.inputs import check_batches
-    from auditor.load import load_source
+    from auditor.sources import load_source
 
     m = load_source(f"{src}:ids").model
     g = torch.Generator().manual_seed(0)

@@ -19,7 +19,7 @@ from auditor.errors import AuditError
 from auditor.factorize import SUPPORTED, factorize
 from auditor.calibration.sweep import SWEPT
 from auditor.kinds import Cost, LayerKind, LayerSpec, MatrixView, fill
-from auditor.layers import ParamTable, collect_layers
+from auditor.structure.layers import ParamTable, collect_layers
 from auditor.results import Kind, Verdict
 
 

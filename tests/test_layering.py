@@ -22,10 +22,14 @@ import auditor
 
 PKG = Path(auditor.__file__).resolve().parent
 
+# Modules kept only so that a public path users import still works (each re-exports names from the module's new home)
+SHIMS = ("graph", "layers", "load")
+
 # From the top down. A name covers the module and, for a package, every module inside it.
 LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("cli", ("auditor.__main__", "auditor.cli", "auditor.cli_factorize", "auditor.cli_parser", "auditor.cli_plan")),
-    ("api", ("auditor", "auditor.api")),  # auditor/__init__.py and the front object over the plain result
+    # auditor/__init__.py and the front object over the plain result; the moved modules' public paths, kept for users
+    ("api", ("auditor", "auditor.api", *(f"auditor.{m}" for m in SHIMS))),
     ("pipeline", ("auditor.pipeline",)),
     ("report", ("auditor.render", "auditor.baseline", "auditor.policy")),
     ("rules", ("auditor.rules",)),
@@ -35,9 +39,9 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("calibration", ("auditor.calibration", "auditor.factorize", "auditor.recover", "auditor.export")),
     ("analysis", ("auditor.plan", "auditor.suggest", "auditor.groups")),
     ("spectra", ("auditor.spectra",)),
-    ("structure", ("auditor.graph", "auditor.trace", "auditor.sites")),
-    ("sources", ("auditor.load", "auditor.hf", "auditor.checkpoint", "auditor.tensorref")),
-    ("kinds", ("auditor.kinds", "auditor.layers")),  # one module per layer kind, its registry, the module walk
+    ("structure", ("auditor.structure",)),  # trace, op costs and the layer graph, the module walk, definition sites
+    ("sources", ("auditor.sources",)),  # source strings -> models: factories, Hugging Face, checkpoints, tensor refs
+    ("kinds", ("auditor.kinds",)),  # one module per layer kind and their registry
     ("model", ("auditor.results", "auditor.calresults")),
     ("core", ("auditor.errors", "auditor.lrmath", "auditor.config", "auditor.options", "auditor.progress",
               "auditor.outputs", "auditor._env", "auditor._lapack", "auditor._version")),
@@ -199,3 +203,25 @@ def test_renderers_and_results_import_no_torch_networkx_or_pipeline():
            if (where == "top" or where == "function" and m in plain) and base.split(".")[0] in heavy[:2]
            or where == "top" and base.startswith(heavy[2])]
     assert bad == []
+
+
+def test_the_moved_modules_public_paths_are_re_exports_that_nothing_inside_imports(graph):
+    """``auditor.load`` / ``auditor.graph`` / ``auditor.layers`` re-export (the same objects) from their new homes,
+    define nothing of their own, and no module of the package imports them."""
+    import importlib
+
+    import auditor.kinds.base
+    import auditor.sources
+    import auditor.structure.graph
+    import auditor.structure.layers
+
+    homes = {"load": [auditor.sources], "graph": [auditor.structure.graph],
+             "layers": [auditor.structure.layers, auditor.kinds.base]}
+    for name in SHIMS:
+        shim = importlib.import_module(f"auditor.{name}")
+        tree = ast.parse(Path(shim.__file__).read_text(encoding="utf-8"))
+        assert all(isinstance(n, ast.ImportFrom) for n in tree.body[1:]), name  # a docstring, then imports only
+        public = [n for n in vars(shim) if not n.startswith("_")]
+        assert public and all(any(getattr(h, n, None) is getattr(shim, n) for h in homes[name]) for n in public)
+        assert [m for m in graph.predecessors(f"auditor.{name}")] == [], name
+    assert auditor.graph.set_op_handle is auditor.structure.graph.set_op_handle

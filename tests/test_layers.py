@@ -81,7 +81,7 @@ def test_grouped_and_transposed_convs():
 
 
 def test_conv_transpose_view_matches_direct_reshape():
-    from auditor.layers import matrix_view
+    from auditor.structure.layers import matrix_view
 
     conv = nn.ConvTranspose2d(6, 4, 3, groups=2)
     a = one(conv)

@@ -22,7 +22,7 @@ from auditor.calibration.stage import metric_of
 from auditor.calibration.stats import by_name
 from auditor.calibration.sweep import measure_floors
 from auditor.errors import AuditError
-from auditor.layers import ParamTable, collect_layers
+from auditor.structure.layers import ParamTable, collect_layers
 
 transformers = pytest.importorskip("transformers")
 
@@ -289,7 +289,7 @@ def test_the_exported_model_measures_what_plan_json_says(cli_inproc, tmp_path):
     from safetensors.torch import save_file
 
     from auditor.factorize import load_factorized
-    from auditor.load import import_user_module
+    from auditor.sources.factory import import_user_module
 
     src = tmp_path / "drop.py"
     src.write_text(FACTORY)

@@ -7,7 +7,7 @@ import sys
 import pytest
 
 from auditor.errors import AuditError
-from auditor.load import load_source, parse_shape
+from auditor.sources import load_source, parse_shape
 
 MODEL = "from torch import nn\ndef model():\n    return nn.Sequential(nn.Linear(8, 6), nn.ReLU(), nn.Linear(6, 4))\n"
 

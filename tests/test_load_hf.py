@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from auditor.errors import AuditError
-from auditor.load import load_source
+from auditor.sources import load_source
 
 T = pytest.importorskip("transformers")
 
@@ -83,7 +83,7 @@ def test_task_checkpoint_audited_as_base_model_strips_the_prefix(tmp_path):
 
 
 def test_memory_is_estimated_before_building(tmp_path, monkeypatch):
-    import auditor.hf as hf
+    import auditor.sources.hf as hf
 
     model = save_bert(tmp_path)
     monkeypatch.setattr(hf, "available_memory", lambda: 1 << 20)
@@ -102,7 +102,7 @@ def test_memory_is_estimated_before_building(tmp_path, monkeypatch):
 
 
 def test_available_memory_is_a_positive_byte_count():
-    from auditor.hf import available_memory
+    from auditor.sources.hf import available_memory
 
     have = available_memory()
     assert have is None or 0 < have < 1 << 50
@@ -111,7 +111,7 @@ def test_available_memory_is_a_positive_byte_count():
 def test_offline_is_forced_and_restored(tmp_path, monkeypatch):
     import huggingface_hub.constants as constants
 
-    import auditor.hf as hf
+    import auditor.sources.hf as hf
 
     bert_cfg().save_pretrained(tmp_path)
     monkeypatch.setenv("HF_HUB_OFFLINE", "0")
@@ -141,7 +141,7 @@ def test_hub_kernels_in_a_config_are_neutralised(tmp_path, attn):
 
 
 def test_neutralise_reaches_nested_configs():
-    from auditor.hf import neutralise
+    from auditor.sources.hf import neutralise
 
     raw = {"model_type": "x", "auto_map": {"AutoModel": "m.M"}, "text_config": {"_attn_implementation": "a/b"},
            "vision_config": {"attn_implementation": "sdpa", "experts_implementation": "org/k"},
@@ -234,7 +234,7 @@ def test_llama_7b_with_weights_is_refused_before_anything_is_allocated(tmp_path,
     """The issue's case: a 7B config on a 24 GB machine was killed by the OOM killer (exit 137)."""
     from safetensors.torch import save_file
 
-    import auditor.hf as hf
+    import auditor.sources.hf as hf
 
     T.LlamaConfig(hidden_size=4096, intermediate_size=11008, num_hidden_layers=32, num_attention_heads=32,
                   vocab_size=32000, architectures=["LlamaForCausalLM"]).save_pretrained(tmp_path)

@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from auditor.errors import AuditError
-from auditor.load import load_source
+from auditor.sources import load_source
 
 FACTORY = "from torch import nn\ndef model():\n    return nn.Sequential(nn.Linear(8, 6), nn.ReLU(), nn.Linear(6, 4))\n"
 
@@ -53,7 +53,7 @@ def test_partial_audit_loads_what_is_there_and_notes_the_rest(tmp_path, mlp_file
 
 
 def test_complete_weights_load_exactly_in_chunks(tmp_path, mlp_file, monkeypatch):
-    import auditor.checkpoint as checkpoint
+    import auditor.sources.checkpoint as checkpoint
 
     monkeypatch.setattr(checkpoint, "CHUNK_BYTES", 1)  # one load_state_dict call per tensor
     state = _state()

@@ -89,7 +89,7 @@ def test_layer_graph_is_plain_data_with_chains_only_for_data_flow(tracer, data_f
 def test_weights_only_audit_has_no_graph(tmp_path):
     from safetensors.torch import save_file
 
-    from auditor.load import load_source
+    from auditor.sources import load_source
 
     save_file({"a.weight": torch.randn(32, 16), "b.weight": torch.randn(4, 32)}, str(tmp_path / "m.safetensors"))
     a = auditor.audit(load_source(str(tmp_path / "m.safetensors")).model, options=AuditOptions(cache=False))

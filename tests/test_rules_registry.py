@@ -20,7 +20,7 @@ from auditor.rules import (
     BUILTIN, RULES, Need, RuleDefinitionError, Scope, evaluate, find_rule, rule, rules_markdown, run_rules, selected,
 )
 from auditor.rules.docs import PLUGIN_EXAMPLE
-from auditor.trace import Method
+from auditor.structure.trace import Method
 
 DOC = """{summary}
 

@@ -10,7 +10,7 @@ from torch import nn
 
 import auditor
 from auditor.spectra import Engine, compute_spectra
-from auditor.tensorref import TensorRef
+from auditor.sources.tensorref import TensorRef
 
 
 def stored_matrix(model, layer):

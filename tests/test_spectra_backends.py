@@ -16,7 +16,7 @@ from auditor.errors import AuditError
 from auditor.options import AuditOptions, SpectraBackend
 from auditor.spectra import (LapackBackend, SpectrumCache, TorchBackend, backend_for, compute_spectra, content_key,
                              entry_key)
-from auditor.tensorref import TensorRef
+from auditor.sources.tensorref import TensorRef
 
 EPS64 = float(np.finfo(np.float64).eps)
 

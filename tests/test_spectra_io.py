@@ -14,9 +14,9 @@ from safetensors.torch import save_file
 
 import auditor
 from auditor.errors import AuditError
-from auditor.load import WeightsOnly
+from auditor.sources import WeightsOnly
 from auditor.spectra import SpectrumCache, ThreadExecutor, compute_spectra, content_key
-from auditor.tensorref import TensorRef, read_header
+from auditor.sources.tensorref import TensorRef, read_header
 
 
 def _mixed(path):
@@ -89,7 +89,7 @@ def test_fifo_is_refused_without_blocking(tmp_path):
 
 
 def test_weights_only_parses_each_header_once(tmp_path, monkeypatch):
-    from auditor import checkpoint
+    from auditor.sources import checkpoint
 
     tensors = {f"l{i}.weight": torch.randn(4, 3, generator=torch.Generator().manual_seed(i)) for i in range(40)}
     save_file(dict(list(tensors.items())[:25]), str(tmp_path / "a.safetensors"))

@@ -13,7 +13,7 @@ from auditor.calibration import input_statistics, load_calibration
 from auditor.calibration.stats import StatisticsHooks, by_name
 from auditor.calibration.stream import find_blocks, resolve_device, stream_statistics
 from auditor.errors import AuditError
-from auditor.layers import ParamTable, collect_layers
+from auditor.structure.layers import ParamTable, collect_layers
 
 
 def _tiny_llama():

@@ -168,7 +168,7 @@ def result_task(task: ResultTask) -> "Floors":
 def _load_by_source(source: tuple[str, "LoadOptions"]) -> "nn.Module":
     from torch import nn
 
-    from ..load import load_source
+    from ..sources import load_source
 
     spec, load = source
     loaded = load_source(spec, input_shape=[tuple(s) for s in load.input_shape] if load.input_shape else None,

@@ -237,7 +237,7 @@ def _as_batch(item: Any, i: int, where: str) -> Batch:
 
 
 def _import_fn(spec: str) -> Any:
-    from ..load import import_user_module
+    from ..sources.factory import import_user_module
 
     target, _, attr = spec.rpartition(":")
     module = import_user_module(target, "calibration file")
@@ -331,7 +331,7 @@ def _read_batches(items: Iterable[Any], where: str, max_rows: int | None, max_by
                   user: str = "") -> list[Batch]:
     """The batches an iterable yields, read until it ends or a cap is passed (an endless generator stops there with
     one line). ``user``: the ``file.py:fn`` whose generator this is; its exceptions and exits become one line."""
-    from ..load import _run_user_code
+    from ..sources.factory import _run_user_code
 
     out: list[Batch] = []
     rows = size = 0
@@ -429,7 +429,7 @@ def _load(source: Any, model: nn.Module | None, holdout: Any, batch_size: int, c
         path = Path(text)
         if ":" in path.name and not path.exists():
             fn = _import_fn(text)
-            from ..load import _run_user_code
+            from ..sources.factory import _run_user_code
 
             items = _run_user_code(fn, f"calibration function {text}()", "raised",
                                    "Fix the function that yields batches",

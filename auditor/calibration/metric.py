@@ -201,7 +201,7 @@ _CHECKED: dict[tuple[Any, str, float, bool], str] = {}  # (fn, digest, tolerance
 def _rank1_(model: nn.Module) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """Cut every Linear, convolution and transformers Conv1D weight of ``model`` to rank 1 in place (the leading
     singular pair by 30 power iterations, seeded); returns (parameter, original) pairs to restore exactly."""
-    from ..layers import hf_conv1d_type
+    from ..kinds.hf_conv1d import hf_conv1d_type
 
     conv1d = hf_conv1d_type()
     kinds = (nn.Linear, nn.modules.conv._ConvNd) + ((conv1d,) if conv1d is not None else ())
@@ -397,7 +397,7 @@ class Evaluator:
             calibration.warnings.append(_CHECKED[key])
 
     def _user(self, model: nn.Module, finite: bool = True) -> float:
-        from ..load import _run_user_code
+        from ..sources.factory import _run_user_code
 
         label = self.metric.label
 

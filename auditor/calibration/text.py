@@ -153,8 +153,8 @@ def load_tokenizer(directory: Path) -> tuple[Any, str]:
                          f"({', '.join(TOKENIZER_FILES[:4])}, ...)",
                          "Add the tokenizer files (tokenizer.save_pretrained(DIR)), or give token ids as a "
                          "safetensors file of input_ids")
-    from ..hf import offline
-    from ..load import stdout_to_stderr
+    from ..sources.hf import offline
+    from ..sources.factory import stdout_to_stderr
 
     try:
         import transformers
@@ -195,7 +195,7 @@ def model_positions(model: nn.Module | None) -> int | None:
     config = getattr(model, "config", None)
     if config is None:
         return None
-    from ..hf import max_positions
+    from ..sources.hf import max_positions
 
     return max_positions(config)
 

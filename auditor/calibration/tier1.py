@@ -10,7 +10,7 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
-from ..layers import ParamTable
+from ..structure.layers import ParamTable
 from ..results import Layer
 from .inputs import Calibration
 from .session import CalibrationSession

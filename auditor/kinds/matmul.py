@@ -1,5 +1,5 @@
 """Two kinds with no module of their own: ``matmul``, a 2-D parameter multiplied in the graph (``x @ W``) or the
-weight of a module type registered with :func:`auditor.layers.register_layer_spec`; and ``tensor``, a 2-D tensor
+weight of a module type registered with :func:`auditor.structure.layers.register_layer_spec`; and ``tensor``, a 2-D tensor
 of a weights-only checkpoint (no graph), the catch-all guess. Both are viewed as stored; a matmul weight is swept
 (truncated in place), neither has a two-module replacement."""
 

@@ -8,7 +8,7 @@ The parts, each replaceable:
 - :class:`SpectrumCache` (``cache.py``): values by content key and backend on disk, validated on read.
 - :class:`Executor` (``executor.py``): runs picklable work items, yields results as they complete, cancels.
   Default :class:`ThreadExecutor`; :class:`ProcessExecutor` runs them in spawned processes.
-- Work items (``work.py``): :class:`SpectrumTask` (layer name + :class:`auditor.tensorref.TensorRef` + targets +
+- Work items (``work.py``): :class:`SpectrumTask` (layer name + :class:`auditor.sources.tensorref.TensorRef` + targets +
   backend) -> :class:`SpectrumResult`; :func:`compute_spectra` ties them together.
 
 :class:`Engine` is the older entry point, kept as a thin adapter over :func:`compute_spectra`.
@@ -23,7 +23,7 @@ from typing import Callable, Iterable
 import torch
 
 from ..results import Layer, Spectrum
-from ..tensorref import TensorRef
+from ..sources.tensorref import TensorRef
 from .backend import (CHUNK_ELEMENTS, EPS64, TARGET_MARGIN, TOLERANCE, LapackBackend, SkipSpectrum, SpectralBackend,
                       TorchBackend, available_memory, backend_for, cache_id, eig_svdvals, gram64, needs_exact,
                       needs_exact_energy, svd_svdvals)

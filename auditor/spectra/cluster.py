@@ -1,6 +1,6 @@
 """A Dask distributed executor: every weight's spectrum is one task on a cluster.
 
-Tasks carry a :class:`auditor.tensorref.TensorRef` (file, tensor name, byte range, dtype, matrix view), never the
+Tasks carry a :class:`auditor.sources.tensorref.TensorRef` (file, tensor name, byte range, dtype, matrix view), never the
 tensor: each worker opens the checkpoint itself (a shared filesystem, with an optional client-to-worker path prefix
 map). Results are the singular values, the content key and the method; the client writes its own
 :class:`~auditor.spectra.cache.SpectrumCache` as for a local run, so a re-audit on one machine reuses the cluster's
@@ -12,7 +12,7 @@ Decisions:
   here, on the local engine: shipping them would send every weight through this process's network link, which is
   what a local audit does faster. ``where`` says so. The scheduler only ever sees references of a few hundred bytes.
 - **URLs.** A ``--path-map`` worker prefix may be an fsspec URL (``s3://bucket/ckpt``, ``file:///mnt/ckpt``): the
-  worker then reads its tensor's byte range through fsspec (:meth:`auditor.tensorref.TensorRef.load`).
+  worker then reads its tensor's byte range through fsspec (:meth:`auditor.sources.tensorref.TensorRef.load`).
 - **Memory.** A task whose bytes (tensor + the backend's working memory) exceed every worker's memory limit is refused
   before it runs: it becomes a skipped spectrum whose reason names the tensor and the largest limit. Tasks are not
   pinned to workers (a pinned task would wait forever for a worker that died and came back at a new address); on a
@@ -34,7 +34,7 @@ from dataclasses import dataclass, replace
 from typing import Any, Callable, Iterator, Sequence
 
 from ..errors import AuditError, first_line
-from ..tensorref import TensorRef, is_url  # noqa: F401 - is_url: part of this module's interface
+from ..sources.tensorref import TensorRef, is_url  # noqa: F401 - is_url: part of this module's interface
 
 CONNECT_TIMEOUT = 5.0  # seconds to reach the scheduler, unless $LOWRANK_AUDITOR_CONNECT_TIMEOUT says otherwise
 TIMEOUT_ENV = "LOWRANK_AUDITOR_CONNECT_TIMEOUT"

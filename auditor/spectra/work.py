@@ -17,7 +17,7 @@ import torch
 
 from .. import kinds
 from ..results import Spectrum
-from ..tensorref import TensorRef
+from ..sources.tensorref import TensorRef
 from .backend import EPS64, LapackBackend, SkipSpectrum, SpectralBackend, cache_id
 from .cache import SpectrumCache
 from .executor import Executor, ThreadExecutor

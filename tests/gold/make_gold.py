@@ -53,7 +53,7 @@ def run(name: str) -> dict[str, Any]:
         mod, fn = factory.split(":")
         model, inputs = getattr(importlib.import_module(mod), fn)()
     elif factory.endswith(".safetensors"):
-        from auditor.load import load_source
+        from auditor.sources import load_source
 
         model, inputs = load_source(str(ROOT / factory)).model, None
     else:

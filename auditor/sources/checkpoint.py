@@ -2,7 +2,7 @@
 dicts loaded with ``weights_only=True``), copied into a model (:func:`apply_weights`) or read with no architecture code
 (:class:`WeightsOnly`); and :class:`Loaded`, what every model source resolves to.
 
-The loaders of :mod:`auditor.load` (factories, weight files) and :mod:`auditor.hf` (Hugging Face directories) both
+The loaders of :mod:`auditor.sources` (factories, weight files) and :mod:`auditor.sources.hf` (Hugging Face directories) both
 build on this module; it imports neither."""
 
 from __future__ import annotations
@@ -21,9 +21,9 @@ import numpy as np
 import torch
 from torch import nn
 
-from .errors import AuditError, first_line
-from . import kinds
-from .results import Layer
+from ..errors import AuditError, first_line
+from .. import kinds
+from ..results import Layer
 from .tensorref import DTYPES, MAX_HEADER, TensorRef, inside, open_regular, read_header
 
 

@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from .errors import AuditError, first_line, no_duplicate_keys
+from ..errors import AuditError, first_line, no_duplicate_keys
 
 # safetensors dtype code -> (torch dtype name, bits per element). Names torch lacks still get a byte size, so the
 # header can be checked and the tensor skipped with a reason instead of refused.
@@ -53,7 +53,7 @@ class TensorRef:
 
     ``path``/``offset``/``nbytes``: the safetensors file and the absolute byte range of the tensor's data in it
     (``path`` None: the tensor is ``data``). ``kind``, ``m``, ``n``, ``groups``: the matrix view (see
-    :func:`auditor.layers.matrix_view`). ``dtype`` is torch's name ("float32", "bfloat16"); ``device`` and
+    :func:`auditor.structure.layers.matrix_view`). ``dtype`` is torch's name ("float32", "bfloat16"); ``device`` and
     ``layout`` describe an in-memory tensor ("cpu", "strided")."""
 
     tensor: str

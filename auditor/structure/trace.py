@@ -15,9 +15,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from .results import TraceMethod
+from ..results import TraceMethod
 
-from .errors import AuditError, first_line
+from ..errors import AuditError, first_line
 
 
 # How the model was read: the results module owns the enum (plain data, no torch); the old name stays.
@@ -108,7 +108,7 @@ class _Tracer(torch.fx.Tracer):
     """symbolic_trace's tracer, with module types registered by users (``register_layer_spec``) kept as leaves."""
 
     def is_leaf_module(self, m: nn.Module, module_qualified_name: str) -> bool:
-        from .layers import is_user_leaf
+        from ..kinds.registry import is_user_leaf
 
         return is_user_leaf(m) or super().is_leaf_module(m, module_qualified_name)
 

@@ -13,7 +13,7 @@ from typing import Any, Iterator
 import torch
 from torch import nn
 
-from .errors import AuditError, first_line
+from ..errors import AuditError, first_line
 from .checkpoint import CHUNK_BYTES, Loaded, apply_weights, open_checkpoint
 
 OFFLINE_VARS = ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE")
@@ -119,7 +119,7 @@ def _gib(n: float) -> str:
 
 def load_hf(config_file: Path, folder: Path | None, input_shape: Any, input_ids: Any, weights: str | None,
             structure_only: bool, partial: bool, auto_inputs: bool = True) -> Loaded:
-    """Build the model a ``config.json`` describes (see :func:`auditor.load.load_source`), offline, with no code
+    """Build the model a ``config.json`` describes (see :func:`auditor.sources.load_source`), offline, with no code
     from the checkpoint, and load its weights (from ``weights``, else from ``folder``) if there are any."""
     with offline():
         try:
