@@ -144,6 +144,7 @@ class RoundingFloor:
     used: float  # how much of the tolerance that is (the metric for built-in kinds; the drop for a user metric)
     tolerance: float
     top1: float | None = None
+    ranks: dict[str, int] = working(factory=dict)  # the full-rank plan measured (layer -> min(m, n))
 
     @property
     def share(self) -> float:

@@ -60,7 +60,7 @@ def rounding_floor(model: "nn.Module", layers: list[Layer], session: "Calibratio
     used = m.value if metric.kind != "user" else (
         ev.reference - m.value if metric.higher_is_better else m.value - ev.reference)
     return RoundingFloor(dtype=dtype, layers=len(plan), metric=m.value, used=used, tolerance=metric.tolerance,
-                         top1=m.top1)
+                         top1=m.top1, ranks=plan)
 
 
 __all__ = ["LOW_PRECISION", "low_precision", "rounding_floor"]

@@ -2,23 +2,20 @@
 
 from __future__ import annotations
 
-from ...config import Setting
 from ...results import Severity
 from ..context import Context
 from ..registry import Emit, rule
 
-ROUNDING_SHARE = Setting("rounding_floor_share", 0.5, "a rounding floor using more than this share of the "
-                         "tolerance is flagged", low=0.0, high=1.0, low_inclusive=False, high_inclusive=False)
+HALF = 0.5  # a constant, not a setting: a new setting would change every report's settings table
 
-
-@rule("LR017", "rounding-floor-high", Severity.WARNING, settings=[ROUNDING_SHARE])
+@rule("LR017", "rounding-floor-high", Severity.WARNING)
 def lr017(ctx: Context, emit: Emit) -> None:
     """A low-precision model whose rounding alone uses much of the tolerance.
 
     ## What it flags
     A bfloat16 / float16 model whose metric, with every plannable layer factorized at full rank (nothing dropped,
-    the factors rounded to the model's dtype as `factorize` writes them), uses more than `rounding_floor_share`
-    (default 0.5) of the tolerance, but less than all of it (LR018 flags that).
+    the factors rounded to the model's dtype as `factorize` writes them), uses more than half the
+    tolerance, but less than all of it (LR018 flags that).
 
     ## Why it is bad
     Every plan pays that rounding before it drops a single direction, so the ranks are chosen with what is left of
@@ -36,8 +33,7 @@ def lr017(ctx: Context, emit: Emit) -> None:
     """
     cal = ctx.audit.calibration
     f = cal.rounding_floor if cal is not None else None
-    share = ctx.setting(ROUNDING_SHARE)
-    if f is None or not share < f.share < 1.0:
+    if f is None or not HALF < f.share < 1.0:
         return
     emit(f"{f.dtype} rounding alone (every one of {f.layers} layers factorized at full rank) measures "
          f"{cal.metric} {f.metric:.4g}: {100 * f.share:.0f}% of the tolerance {f.tolerance:g}", [],
