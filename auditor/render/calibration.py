@@ -89,7 +89,7 @@ def rounding_line(cal: "CalibrationReport", value: Any = None) -> str | None:
     if f is None:
         return None
     v = value or _g
-    share = f"{100 * f.share:.0f}%" if math.isfinite(f.share) else "all"
+    share = f"{100 * f.share:.0f}%" if math.isfinite(f.share) else "all of it" if f.share > 0 else "not a number"
     return (f"{f.dtype} rounding alone ({f.layers} layer{'s' if f.layers != 1 else ''} factorized at full rank, "
             f"nothing dropped): {v(f.used)} of the tolerance {v(f.tolerance)} ({share}); plans are judged against "
             "the whole tolerance, this rounding included.")
