@@ -134,6 +134,25 @@ class PlanCheck:
 
 
 @dataclass
+class RoundingFloor:
+    """A bfloat16 / float16 model's metric with every plannable layer factorized at full rank (nothing dropped, the
+    factors in the model's dtype): what rounding alone costs every plan (``auditor.calibration.rounding``)."""
+
+    dtype: str  # "bfloat16" | "float16"
+    layers: int  # layers factorized at full rank
+    metric: float  # the measured metric
+    used: float  # how much of the tolerance that is (the metric for built-in kinds; the drop for a user metric)
+    tolerance: float
+    top1: float | None = None
+    ranks: dict[str, int] = working(factory=dict)  # the full-rank plan measured (layer -> min(m, n))
+
+    @property
+    def share(self) -> float:
+        """The share of the tolerance rounding alone uses (1 or more: nothing can be judged above it)."""
+        return self.used / self.tolerance if self.tolerance > 0 else float("inf")
+
+
+@dataclass
 class CalibrationReport:
     """What calibration data measured: tier 1 always, tier 2 with --measure-floor, tier 3 with --budget."""
 
@@ -158,6 +177,7 @@ class CalibrationReport:
     seconds: dict[str, float] = field(default_factory=dict)  # tier -> seconds
     evaluations: int = 0  # model-level metric evaluations (tiers 2 and 3)
     finetune_note: str = "a recovery fine-tune follows factorization"
+    rounding_floor: RoundingFloor | None = None  # bf16 / fp16 models only; the JSON leaves it out when None
 
     def layer(self, name: str) -> LayerCalibration | None:
         return self.layers.get(name)
@@ -168,6 +188,8 @@ class CalibrationReport:
 
     def to_dict(self) -> dict[str, Any]:
         d = report_dict(self)
+        if d.get("rounding_floor") is None:  # float32 / float64 models: not measured, reports unchanged
+            d.pop("rounding_floor", None)
         for v in d["layers"].values():
             v["curve"] = [list(p) for p in v["curve"]]
             if v["floor"] is not None:

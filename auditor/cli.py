@@ -89,11 +89,14 @@ def _parser() -> argparse.ArgumentParser:
                                                             "or a second file held out whole")
     g.add_argument("--metric", metavar="NAME|module:fn",
                    help="perplexity (held-out next-token perplexity, lower is better, judged by its relative "
-                        "increase), kl (mean next-token KL from the dense model, lower is better), output-error "
+                        "increase), kl (mean next-token KL from the dense model, lower is better), masked-perplexity "
+                        "(alias masked-ce: cross-entropy at the masked positions of a masked LM against their labels, "
+                        "pads excluded, judged by the relative increase of its perplexity), output-error "
                         "(relative error of the outputs, lower is better), or fn(model, batches) -> float, higher "
-                        "is better (default: perplexity for a causal LM, else output-error)")
+                        "is better (default: perplexity for a causal LM, masked-perplexity for a masked LM, else "
+                        "output-error)")
     g.add_argument("--tolerance", type=float,
-                   help="allowed loss (default 0.01): the relative perplexity increase (0.02 = +2%%), the KL in "
+                   help="allowed loss (default 0.01): the relative (masked-token) perplexity increase (0.02 = +2%%), the KL in "
                         "nats per token, the relative output error, or a user metric's drop in its units")
     g.add_argument("--measure-floor", action="store_true",
                    help="tier 2: truncate each layer alone and bisect for its measured floor")

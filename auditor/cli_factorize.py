@@ -44,8 +44,9 @@ def _parser() -> argparse.ArgumentParser:
                    help="tokens per window when --calibration is a text file (Hugging Face directory with a "
                         "tokenizer; default: the model's positions, at most 512)")
     p.add_argument("--metric", metavar="NAME|module:fn",
-                   help="perplexity, kl, output-error, or fn(model, batches) -> float, higher is better (default: "
-                        "perplexity for a causal LM, else output-error; as for the audit)")
+                   help="perplexity, kl, masked-perplexity, output-error, or fn(model, batches) -> float, higher is "
+                        "better (default: perplexity for a causal LM, masked-perplexity for a masked LM, else "
+                        "output-error; as for the audit)")
     p.add_argument("--tolerance", type=float, help="allowed loss in the metric's units (default 0.01; perplexity: "
                                                    "the relative increase)")
     p.add_argument("--weights", metavar="FILE", help="a state dict to load into the factory's model")

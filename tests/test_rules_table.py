@@ -101,6 +101,16 @@ def rows(n: int) -> dict[str, torch.Tensor]:
     return {"x": torch.randn(n, 64, generator=torch.Generator().manual_seed(0))}
 
 
+def bf16_mlp() -> nn.Sequential:
+    """Two bfloat16 layers, 128 x 64 and 128 x 128: at full rank (64, 128) rounding alone measures about 0.0052."""
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(64, 128), nn.ReLU(), nn.Linear(128, 128)).to(torch.bfloat16)
+
+
+def bf16_rows(tolerance: float) -> dict[str, Any]:
+    return dict(calibration={"x": rows(200)["x"].bfloat16()}, tolerance=tolerance)
+
+
 @dataclass
 class Case:
     code: str
@@ -115,6 +125,11 @@ class Case:
 
 FT = {"finetune": "1 epoch"}
 LR015_MEASURED = 0.26230816941727564  # measured once; rel 1e-6 is far above any BLAS difference
+# bf16 rounding noise: the factors' basis (LAPACK's, thread count and CPU kernels) moves it by ~1%; the tolerances
+# below put it at 0.26, 0.69 and 1.29 of theirs, far from the thresholds 0.5 and 1
+BF16_FLOOR = 0.00517370131033798
+BF16_EVIDENCE = dict(dtype="bfloat16", floor=pytest.approx(BF16_FLOOR, rel=0.05),
+                     used=pytest.approx(BF16_FLOOR, rel=0.05), factorized=2)
 CASES: dict[str, Case] = {
     "LR001-fires": Case("LR001", wide, plan={"ranks": {"0": 820}, **FT}, expect=[(["0"], dict(
         rank=820, break_even=819.2, m=4096, n=1024, params_dense=4096 * 1024, params_factored=820 * 5120))]),
@@ -171,6 +186,13 @@ CASES: dict[str, Case] = {
     "LR016-fires": Case("LR016", tied_pair, plan={"ranks": {"0": 16}, **FT}, options=dict(calibration=rows(200)),
                         expect=[(["0"], dict(left_out=["0"]))]),
     "LR016-passes": Case("LR016", rank12, plan={"ranks": {"0": 16}, **FT}, options=dict(calibration=rows(200))),
+    "LR017-fires": Case("LR017", bf16_mlp, options=bf16_rows(0.0075),
+                        expect=[([], dict(BF16_EVIDENCE, tolerance=0.0075))]),
+    "LR017-passes": Case("LR017", bf16_mlp, options=bf16_rows(0.02)),
+    "LR017-passes-float32": Case("LR017", rank12, options=dict(calibration=rows(200), tolerance=1e-9)),
+    "LR018-fires": Case("LR018", bf16_mlp, options=bf16_rows(0.004),
+                        expect=[([], dict(BF16_EVIDENCE, tolerance=0.004))]),
+    "LR018-passes": Case("LR018", bf16_mlp, options=bf16_rows(0.0075)),
 }
 
 

@@ -9,6 +9,13 @@ Every metric declares its direction (``Metric.higher_is_better``) and what the t
   positions (``attention_mask`` 0, ``labels`` -100) left out. The measured value is the relative increase of the
   perplexity over the dense model's (``reference``): lower is better, it holds when it is at most the tolerance
   (0.02 = +2%);
+- ``masked`` (the default for a masked LM, a Hugging Face ``*ForMaskedLM``): the cross-entropy at the masked
+  positions against their labels, read as the masked-token perplexity exp(mean cross-entropy). The masked positions
+  are those whose ``labels`` are not -100 (the Hugging Face collator's convention) and whose ``attention_mask`` is not
+  0; a batch without ``labels`` scores every real position against its own input id (what
+  ``BertForMaskedLM(labels=input_ids)`` scores), with a warning on the calibration. The measured value is the
+  relative increase over the dense model's masked-token perplexity: lower is better, it holds when it is at most the
+  tolerance (0.02 = +2%), as for ``perplexity``;
 - ``kl``: the mean next-token KL divergence KL(dense || model) in nats per real token, computed batch by batch (the
   dense model's logits of one batch at a time, never all of them): lower is better, it holds when it is at most the
   tolerance;
@@ -54,18 +61,22 @@ def main_output(out: Any) -> torch.Tensor:
                      "Give --metric module:fn that scores the model")
 
 
-KINDS = ("output", "perplexity", "kl", "user")
+KINDS = ("output", "perplexity", "kl", "masked", "user")
 NAMES = {"output-error": "output", "output": "output", "perplexity": "perplexity", "ppl": "perplexity",
-         "kl": "kl"}  # --metric NAME
-LABELS = {"output": "relative output error", "perplexity": "perplexity increase", "kl": "next-token KL"}
-HIGHER_IS_BETTER = {"output": False, "perplexity": False, "kl": False}  # the built-in kinds' declared directions
+         "kl": "kl", "masked-ce": "masked", "masked-perplexity": "masked", "mlm": "masked"}  # --metric NAME
+LABELS = {"output": "relative output error", "perplexity": "perplexity increase", "kl": "next-token KL",
+          "masked": "masked-token perplexity increase"}
+HIGHER_IS_BETTER = {"output": False, "perplexity": False, "kl": False, "masked": False}  # declared directions
+NO_LABELS = ("masked-token metric: no held-out batch carries labels, so every real token is scored as its own "
+             "target (nothing is masked, and a masked LM sees the token it predicts); give labels (-100 at the "
+             "positions not masked) and input_ids with the mask token there to score masked positions")
 
 
 def load_metric(spec: str) -> UserMetric:
     """``file.py:fn`` or ``module:fn`` for --metric."""
     if ":" not in spec:
         raise AuditError(f"--metric {spec!r} is neither a metric name nor a function",
-                         "Use --metric perplexity, kl, output-error, or file.py:fn / module:fn")
+                         "Use --metric perplexity, kl, masked-perplexity, output-error, or file.py:fn / module:fn")
     return _import_fn(spec)
 
 
@@ -146,6 +157,11 @@ def is_causal_lm(model: nn.Module, batch: "Batch | None" = None) -> bool:
     return tuple(y.shape) == (*ids.shape, vocab) and y.is_floating_point()
 
 
+def is_masked_lm(model: nn.Module) -> bool:
+    """A masked language model: a Hugging Face ``*ForMaskedLM`` (BERT, RoBERTa, DistilBERT, ...)."""
+    return type(model).__name__.endswith("ForMaskedLM")
+
+
 def _row_mask(b: Batch) -> torch.Tensor | None:
     """The real positions of a batch: ``attention_mask`` != 0 when it is 2-D (batch, positions); None when there is
     no such mask or it keeps every position."""
@@ -184,6 +200,39 @@ def _next_token_logprobs(y: torch.Tensor, b: Batch) -> tuple[torch.Tensor, torch
                          "Use --metric output-error, or a user metric, for this model")
     logits = y[:, :-1][keep]
     return torch.log_softmax(logits.float(), dim=-1), tgt[keep]
+
+
+def _masked_targets(b: Batch) -> tuple[torch.Tensor, torch.Tensor, bool]:
+    """(targets, which of them count, whether they came from ``labels``) of a masked-LM batch: ``labels`` where
+    they are not -100, else every input id; positions with ``attention_mask`` 0 never count."""
+    ids = b.kwargs.get("input_ids")
+    if not isinstance(ids, torch.Tensor):
+        ids = next((a for a in b.args if isinstance(a, torch.Tensor)), None)
+    if not isinstance(ids, torch.Tensor) or ids.dim() != 2 or ids.is_floating_point():
+        raise AuditError("a masked-token metric needs 2-D integer token ids (input_ids) in every held-out batch",
+                         "Give input_ids (batch, positions), or use --metric output-error")
+    labels = b.kwargs.get("labels")
+    given = isinstance(labels, torch.Tensor)
+    if given and (labels.shape != ids.shape or labels.is_floating_point()):
+        raise AuditError(f"a masked-token metric needs integer labels shaped like input_ids {tuple(ids.shape)}; "
+                         f"a held-out batch has {labels.dtype} labels {tuple(labels.shape)}",
+                         "Give labels (batch, positions): the original id at masked positions, -100 elsewhere")
+    tgt = (labels if given else ids).long()
+    keep = tgt != -100
+    mask = b.kwargs.get("attention_mask")
+    if isinstance(mask, torch.Tensor) and mask.shape == ids.shape:
+        keep = keep & (mask != 0)
+    return tgt.clamp_min(0), keep, given
+
+
+def _masked_logprobs(y: torch.Tensor, b: Batch) -> tuple[torch.Tensor, torch.Tensor]:
+    """Float32 log-probabilities at the masked positions (rows, vocab) and their targets (rows,)."""
+    tgt, keep, _ = _masked_targets(b)
+    if y.dim() != 3 or tuple(y.shape[:2]) != tuple(tgt.shape):
+        raise AuditError(f"a masked-token metric needs logits (batch, positions, vocab) for the input ids "
+                         f"{tuple(tgt.shape)}; the model returned {tuple(y.shape)}",
+                         "Use --metric output-error, or a user metric, for this model")
+    return torch.log_softmax(y[keep].float(), dim=-1), tgt[keep]
 
 
 def _user_batch(b: Batch) -> Any:
@@ -257,10 +306,14 @@ class Evaluator:
             self._ref_norm2 = sum(float(self._masked(r, b).double().pow(2).sum())
                                   for r, b in zip(self._ref, self.batches))
             self.reference = 0.0
-        elif kind == "perplexity":
+        elif kind in ("perplexity", "masked"):
+            if kind == "masked" and self.batches and not any(_masked_targets(b)[2] for b in self.batches) \
+                    and NO_LABELS not in calibration.warnings:
+                calibration.warnings.append(NO_LABELS)
             self.reference = self._perplexity(dense)[0]
             if not (math.isfinite(self.reference) and self.reference > 0):
-                raise AuditError(f"the dense model's held-out perplexity is {self.reference}",
+                what = "masked-token perplexity" if kind == "masked" else "perplexity"
+                raise AuditError(f"the dense model's held-out {what} is {self.reference}",
                                  "Check the held-out text and the model's weights (a NaN or infinite logit)")
         elif kind == "kl":
             # the dense logits of one batch at a time, recomputed by a frozen copy: never all of them at once
@@ -287,14 +340,20 @@ class Evaluator:
         return y[keep]
 
     def _perplexity(self, model: nn.Module) -> tuple[float, float | None]:
-        """(held-out perplexity, top-1 agreement: None), streamed batch by batch in float64 sums."""
+        """(held-out perplexity, top-1 agreement: None), streamed batch by batch in float64 sums: next-token for
+        ``perplexity``, at the masked positions for ``masked``."""
+        masked = self.metric.kind == "masked"
+        scored = _masked_logprobs if masked else _next_token_logprobs
         nll = 0.0
         count = 0
         with torch.no_grad():
             for i, b in enumerate(self.batches):
-                logp, tgt = _next_token_logprobs(main_output(self._forward(model, b, i)), b)
+                logp, tgt = scored(main_output(self._forward(model, b, i)), b)
                 nll -= float(logp.gather(1, tgt[:, None]).double().sum())
                 count += int(tgt.numel())
+        if count == 0 and masked:
+            raise AuditError("the held-out batches hold no masked position to score (every label -100 or padding)",
+                             "Give labels with the original id at the masked positions")
         if count == 0:
             raise AuditError("the held-out batches hold no next-token position to score (every target masked or "
                              "padding)", "Give held-out text of at least two real tokens per row")
@@ -441,7 +500,7 @@ class Evaluator:
         if kind == "user":
             v = self._user(model)
             return Measurement(v, self.holds(v))
-        if kind == "perplexity":
+        if kind in ("perplexity", "masked"):
             ppl, _ = self._perplexity(model)
             v = ppl / self.reference - 1.0 if math.isfinite(ppl) else math.inf
             return Measurement(v, self.holds(v), None, ppl)

@@ -129,10 +129,11 @@ def _statistics(model: nn.Module, layers: list[Layer], cal: Calibration, options
 
 
 def metric_of(options: "AuditOptions", model: nn.Module | None = None, cal: Calibration | None = None) -> Metric:
-    """The metric ``options.metric`` names: "perplexity", "kl", "output-error", ``file.py:fn`` / ``module:fn``, a
-    function, or a ``Metric``; None follows the model: perplexity for a causal LM (:func:`is_causal_lm`, probed on the
-    first held-out batch of ``cal``), the relative output error otherwise."""
-    from .metric import NAMES, is_causal_lm
+    """The metric ``options.metric`` names: "perplexity", "kl", "masked-perplexity" (alias "masked-ce", "mlm"),
+    "output-error", ``file.py:fn`` / ``module:fn``, a function, or a ``Metric``; None follows the model: perplexity
+    for a causal LM (:func:`is_causal_lm`, probed on the first held-out batch of ``cal``), the masked-token
+    perplexity for a masked LM (:func:`is_masked_lm`), the relative output error otherwise."""
+    from .metric import NAMES, is_causal_lm, is_masked_lm
 
     fn = options.metric
     if isinstance(fn, Metric):
@@ -140,7 +141,8 @@ def metric_of(options: "AuditOptions", model: nn.Module | None = None, cal: Cali
     elif fn is None:
         batch = cal.measure[0] if cal is not None and cal.measure else None
         causal = model is not None and is_causal_lm(model, batch)
-        m = Metric(kind="perplexity" if causal else "output")
+        m = Metric(kind="perplexity" if causal else "masked" if model is not None and is_masked_lm(model)
+                   else "output")
     elif isinstance(fn, str) and fn.strip().lower() in NAMES:
         m = Metric(kind=NAMES[fn.strip().lower()])
     elif isinstance(fn, str):

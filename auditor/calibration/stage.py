@@ -200,7 +200,16 @@ def calibrate(model: nn.Module, layers: list[Layer], settings: "Settings", optio
         named = {l.name: l for l in planned}
         curves = type(curves)({k: [o for o in v if named[k].compression(o.rank) >= settings.min_compression]
                                for k, v in curves.options.items() if k in named}, curves.source)
-        with progress.phase("tier 3 plan search", unit="plan"):
+        from .rounding import rounding_floor
+
+        # bf16 / fp16 weights: what every plannable layer at full rank (nothing dropped) measures: rounding alone
+        t_round = time.perf_counter()
+        rounding = rounding_floor(model, [*planned, *(l for l in layers if l.name in fixed)], session)
+        if rounding is not None:
+            evaluations += 1
+            seconds["rounding"] = time.perf_counter() - t_round
+            t += seconds["rounding"]
+        with progress.phase("tier 3 plan search", unit="plan"):  # judged against the tolerance as given: the floor is part of every plan's cost
             budget = plan_for_budget(model, layers, session, curves, budget=options.budget, fixed=fixed,
                                      progress=progress.update)
         reference = budget.reference
@@ -216,7 +225,7 @@ def calibrate(model: nn.Module, layers: list[Layer], settings: "Settings", optio
             reference=reference, layers=per, missing=dict(stats.missing), warnings=warnings,
             synthetic=any(SYNTHETIC_MARK in w for w in cal.warnings), measured_floors=floors is not None,
             budget=budget, suggestions_from="measured floors" if floors is not None else "calibration",
-            statistics_cached=cached, seconds=seconds, evaluations=evaluations)
+            statistics_cached=cached, seconds=seconds, evaluations=evaluations, rounding_floor=rounding)
         return Calibrated(report, session, spectra, sweep_where)
     finally:
         model.train(was_training)

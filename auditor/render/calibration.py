@@ -82,6 +82,19 @@ def plan_line(cal: "CalibrationReport") -> str | None:
             f"{cal.tolerance:g}{left}.")
 
 
+def rounding_line(cal: "CalibrationReport", value: Any = None) -> str | None:
+    """What rounding alone costs a bfloat16 / float16 model (every plannable layer at full rank), in one sentence;
+    None when it was not measured (float32 / float64 weights). ``value`` writes a number in the report's units."""
+    f = cal.rounding_floor
+    if f is None:
+        return None
+    v = value or _g
+    share = f"{100 * f.share:.0f}%" if math.isfinite(f.share) else "all of it" if f.share > 0 else "not a number"
+    return (f"{f.dtype} rounding alone ({f.layers} layer{'s' if f.layers != 1 else ''} factorized at full rank, "
+            f"nothing dropped): {v(f.used)} of the tolerance {v(f.tolerance)} ({share}); plans are judged against "
+            "the whole tolerance, this rounding included.")
+
+
 @dataclass(frozen=True)
 class CalRow:
     layer: str
@@ -192,6 +205,9 @@ def check_card(audit: "Audit") -> CheckCard | None:
     if pc is None or pc.layers == 0 or not math.isfinite(pc.measured):
         return CheckCard("not measured", "factorize() could not rewrite the plan's layers", "unknown")
     top1 = f"; top-1 agreement {pct(pc.top1)}" if pc.top1 is not None else ""
+    f = cal.rounding_floor
+    if f is not None:
+        top1 += f"; {f.dtype} rounding alone: {_g(f.used)} of the tolerance {f.tolerance:g}"
     sign = "\u2264" if pc.ok else ">"
     return CheckCard(f"{_g(pc.measured, 2)} {sign} {cal.tolerance:g}" if not cal.higher_is_better
                      else f"{_g(pc.measured)} (dense {_g(cal.reference)})",
@@ -252,6 +268,9 @@ def _md_lines(cal: "CalibrationReport") -> tuple[list[str], list[str]]:
              f"{cal.holdout_rows:,} held out ({md_text(middle(cal.holdout, 100))}); {what}; metric "
              f"{md_text(middle(cal.metric, 80))}, tolerance {md_tolerance(cal)}"
              + (" (statistics from the cache)" if cal.statistics_cached else "")]
+    rounding = rounding_line(cal, lambda x: md_value(cal, x) if not cal.higher_is_better else _g(x))
+    if rounding:
+        lines.append(f"- {md_text(rounding)}")
     b = cal.budget
     if b is not None:
         ask = f"at most {percent(b.budget)} removed" if b.budget is not None else "the largest plan that holds"
@@ -348,6 +367,9 @@ def terminal(audit: "Audit") -> list[str]:
         return []
     out = budget_lines(cal)
     line = plan_line(cal)
+    if line:
+        out.append(line)
+    line = rounding_line(cal)
     if line:
         out.append(line)
     out += [summary(cal), basis(cal)]
@@ -507,7 +529,8 @@ def html_context(audit: "Audit", charts: bool = True) -> dict[str, Any]:
     floors = [(n, data_uri(s)) for n, s in layer_charts(audit)] if charts else []
     legend = legend_chart(floor_legend(cal.metric)) if floors else None
     return {"calibration": {
-        "summary": summary(cal), "basis": basis(cal), "plan": plan_line(cal), "budget": budget_lines(cal),
+        "summary": summary(cal), "basis": basis(cal), "plan": plan_line(cal),
+        "budget": budget_lines(cal) + [x for x in [rounding_line(cal)] if x],
         "warnings": cal.warnings, "missing": cal.missing, "finetune": FINETUNE, "rows": rows(cal),
         "frontier": data_uri(front) if front else None, "frontier_rows": frontier_rows(cal),
         "metric": cal.metric,

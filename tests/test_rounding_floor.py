@@ -1,0 +1,85 @@
+"""The rounding floor of a low-precision model: the digits MLP cast to bfloat16 (and float16), every plannable layer
+factorized at full rank, measures what a hand computation of the relative output error gives; a float32 model gets
+no floor and its report no new line or key."""
+
+from __future__ import annotations
+
+import copy
+import json
+import math
+
+import pytest
+import torch
+
+import auditor
+from auditor.calibration import load_calibration
+from auditor.factorize import factorize
+
+
+@pytest.fixture(scope="module")
+def rows():
+    from digits import digits
+
+    return digits(400)
+
+
+def _cast(model: torch.nn.Module, dtype: torch.dtype) -> torch.nn.Module:
+    return copy.deepcopy(model).to(dtype).eval()
+
+
+def _hand(model: torch.nn.Module, x: torch.Tensor, ranks: dict[str, int], threads: int | None = 1) -> float:
+    """The relative output error on the held-out quarter with ``ranks`` factorized (statistics from the rest)."""
+    from threadpoolctl import threadpool_limits
+
+    cal = load_calibration(x, model, holdout=0.25)
+    with threadpool_limits(limits=threads, user_api="blas"):  # the calibration stage decomposes on one thread
+        new = factorize(model, ranks, cal)
+    err2 = ref2 = 0.0
+    rows = 0
+    with torch.no_grad():
+        for b in cal.measure:  # batch by batch, as the evaluator runs them (a bf16 matmul depends on its shape)
+            y, y0 = new(*b.args).double(), model(*b.args).double()
+            err2 += float((y - y0).pow(2).sum())
+            ref2 += float(y0.pow(2).sum())
+            rows += y0.numel() // 10
+    assert rows == 100
+    return math.sqrt(err2 / ref2)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_the_floor_is_the_full_rank_plan_measured(digits_mlp, rows, dtype):
+    model = _cast(digits_mlp[0], dtype)
+    x = rows.to(dtype)
+    a = auditor.audit(model, (x[:1],), calibration=x, cache=False, progress=False)
+    f = a.calibration.rounding_floor
+    assert f is not None and f.dtype == str(dtype).removeprefix("torch.")
+    assert f.ranks == {"fc1": 64, "fc2": 512, "fc3": 256} == {n: a.layer(n).max_rank for n in f.ranks}
+    assert f.layers == 3 and f.tolerance == 0.01 and f.used == f.metric
+    assert f.metric == pytest.approx(_hand(model, x, f.ranks), rel=1e-6)
+    # LAPACK on more threads picks another basis of the factors, so other entries round: the same floor to ~1%
+    assert f.metric == pytest.approx(_hand(model, x, f.ranks, threads=None), rel=0.05)
+    assert f.metric > (1e-4 if dtype == torch.bfloat16 else 1e-5)  # rounding, not float32 noise (below)
+    assert _hand(_cast(digits_mlp[0], torch.float32), rows, f.ranks) < 1e-5
+    d = a.calibration.to_dict()["rounding_floor"]
+    assert d == {"dtype": f.dtype, "layers": 3, "metric": f.metric, "used": f.metric, "tolerance": 0.01,
+                 "top1": f.top1}
+    from auditor.render.calibration import rounding_line, terminal
+
+    line = rounding_line(a.calibration)
+    assert line.startswith(f"{f.dtype} rounding alone (3 layers factorized at full rank, nothing dropped): "
+                           f"{f.metric:.4g} of the tolerance 0.01 ({100 * f.metric / 0.01:.0f}%)")
+    assert any(line.split(":")[0] in t for t in terminal(a))
+
+
+def test_a_float32_model_gets_no_floor(digits_mlp, rows):
+    a = auditor.audit(*digits_mlp, calibration=rows, cache=False, progress=False)
+    cal = a.calibration
+    assert cal.rounding_floor is None and "rounding" not in cal.seconds
+    assert "rounding_floor" not in cal.to_dict()
+    from auditor.render.calibration import html_context, rounding_line, terminal
+
+    assert rounding_line(cal) is None
+    assert not any("rounding" in t for t in terminal(a))
+    assert not any("rounding" in t for t in html_context(a, charts=False)["calibration"]["budget"])
+    assert "rounding" not in json.dumps(cal.to_dict())
+    assert not [f for f in a.findings if f.code in ("LR017", "LR018")]
