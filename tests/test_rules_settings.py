@@ -159,7 +159,7 @@ def test_the_design_recipe_rule_runs_as_written(install):
     for rel, absolute in (("...config", "auditor.config"), ("...results", "auditor.results"),
                           ("..context", "auditor.rules.context"), ("..registry", "auditor.rules.registry")):
         code = code.replace(f"from {rel} import", f"from {absolute} import")
-    install(code.replace("LR019", "XY017"))
+    install(code.replace("LR020", "XY017"))
     plan = {"ranks": {"0": 12, "2": 16}, "finetune": "x"}
     a = auditor.audit(big_low_rank(), plan=plan, settings=Settings(select=("XY017",)), spectra=False, cache=False)
     assert [(f.code, f.layers, f.fix) for f in a.findings] == [("XY017", ["0"], "Use rank 16")]
