@@ -92,7 +92,7 @@ def test_each_frontier_plan_is_recovered_on_fit_rows_and_measured_on_heldout_row
     assert before[407040][0] == pytest.approx(0.063236, abs=1e-5) and not before[407040][1]
     assert after[407040][0] == pytest.approx(0.061555, abs=1e-5) and after[407040][1]
     assert after[402432][0] == pytest.approx(0.019373, abs=1e-5)
-    assert audit.calibration.recovery_note() == "" and not [f for f in audit.findings if f.code == "LR017"]
+    assert audit.calibration.recovery_note() == "" and not [f for f in audit.findings if f.code == "LR019"]
     assert "recovery: holds" not in audit.calibration.to_dict()
 
 
@@ -131,8 +131,8 @@ def test_choose_after_recovery_picks_a_larger_plan_marked_everywhere(evidence, c
     assert not b["ok"] and b["metric"] == pytest.approx(0.063236, abs=1e-5)  # before the fine-tune: it misses
     assert b["recovery"] == {**b["recovery"], "steps": STEPS, "choose_after": True, "objective": "mse"}
     note = "holds after a 40-step recovery fine-tune (relative output error 0.06156); before it: 0.06324, misses 0.0625"
-    assert note in d["verdict"] and d["verdict"].startswith("REVIEW: 1 warning")  # LR017, not LR015: it holds after
-    assert [f["code"] for f in d["findings"] if f["code"] in ("LR015", "LR017")] == ["LR017"]
+    assert note in d["verdict"] and d["verdict"].startswith("REVIEW: 1 warning")  # LR019, not LR015: it holds after
+    assert [f["code"] for f in d["findings"] if f["code"] in ("LR015", "LR019")] == ["LR019"]
     text = " ".join((out / "lowrank-audit.txt").read_text().split())  # the terminal's lines wrapped
     assert "Plan chosen after recovery" in text and "It needs that fine-tune" in text and note in text
     md = (out / "lowrank-audit.md").read_text()

@@ -187,12 +187,12 @@ CASES: dict[str, Case] = {
     "LR016-passes": Case("LR016", rank12, plan={"ranks": {"0": 16}, **FT}, options=dict(calibration=rows(200))),
     # the digits MLP: the plan removing 407,040 parameters misses 0.0625 before 40 recovery steps, holds after them
     # (tests/test_recovery_frontier.py)
-    "LR017-fires": Case("LR017", lambda: digits_mlp(), spectra=True, options=dict(
+    "LR019-fires": Case("LR019", lambda: digits_mlp(), spectra=True, options=dict(
         calibration={"x": digits_rows()}, budget=0.95, tolerance=0.0625, recover_steps=40, recover_objective="mse",
         choose_after_recovery=True), expect=[([], dict(removed=407040, before=pytest.approx(0.063236, abs=1e-5),
                                                        after=pytest.approx(0.061555, abs=1e-5), tolerance=0.0625,
                                                        steps=40))]),
-    "LR017-passes": Case("LR017", rank12, options=dict(calibration=rows(200), budget=0.5)),
+    "LR019-passes": Case("LR019", rank12, options=dict(calibration=rows(200), budget=0.5)),
 }
 
 

@@ -1,4 +1,4 @@
-"""The calibration rule LR017: the suggested plan holds the tolerance only after a recovery fine-tune."""
+"""The calibration rule LR019: the suggested plan holds the tolerance only after a recovery fine-tune."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from ..context import Context
 from ..registry import Emit, Scope, rule
 
 
-@rule("LR017", "plan-needs-recovery", Severity.WARNING, scope=Scope.PLAN)
+@rule("LR019", "plan-needs-recovery", Severity.WARNING, scope=Scope.PLAN)
 def lr017(ctx: Context, emit: Emit) -> None:
     """The suggested plan holds the tolerance only after the recovery fine-tune it was chosen with.
 
