@@ -77,8 +77,39 @@ class LayerCalibration:
 
 
 @dataclass
+class FrontierRecovery:
+    """One frontier plan measured again after the recovery fine-tune (``auditor.recover.recover``: distillation
+    toward the dense model on the fit rows, from the whitened factors the plan was measured at; held-out rows only
+    measured). ``metric``/``ok``/``top1`` are the held-out measurement of the state recovery kept."""
+
+    metric: float
+    ok: bool
+    top1: float | None
+    steps: int  # training steps taken
+    rows: int  # fit rows trained on (the rows of every batch stepped, repeats counted)
+    tokens: int  # output positions trained on: tokens for a language model, examples for a classifier
+    seconds: float  # the training steps and the measurements, for this plan
+    kept_step: int  # the step whose state was kept (lowest fit loss; 0: the factorized initialisation)
+    stopped: str | None = None  # why the run ended before its steps, or None
+
+
+@dataclass
+class RecoverySetup:
+    """How the frontier was measured again after recovery (``--recover STEPS`` with the audit's ``--budget``)."""
+
+    steps: int
+    lr: float
+    trainable: str  # "factors" | "all"
+    objective: str  # "auto" | "kl" | "mse" as asked
+    seed: int
+    choose_after: bool  # --choose-after-recovery: the suggestion is chosen on the recovered curve
+    seconds: float = 0.0  # every plan's recovery together
+
+
+@dataclass
 class FrontierPlan:
-    """A plan measured all at once: parameters removed against the model-level metric."""
+    """A plan measured all at once: parameters removed against the model-level metric (before any fine-tune), and
+    with ``--recover`` the same plan measured again after the recovery fine-tune (``recovered``)."""
 
     removed: int
     removed_fraction: float
@@ -89,6 +120,7 @@ class FrontierPlan:
     target: int = working(0)  # parameters the allocation aimed to remove
     plan: dict[str, int] = working(factory=dict)  # the plan's ranks
     predicted_cost: float = working(0.0)  # the summed single-layer costs the allocation predicted
+    recovered: FrontierRecovery | None = None  # after the recovery fine-tune (--recover); None: not recovered
 
 
 @dataclass
@@ -108,6 +140,8 @@ class BudgetResult:
     exhausted: bool = False  # the search hit its measurement cap before the bracket closed
     fixed: dict[str, int] = field(default_factory=dict)  # layers in every plan at their data-free rank
     smallest_failing: int | None = None  # parameters removed by the smallest measured plan above it that failed
+    recovery: RecoverySetup | None = None  # --recover: every frontier plan measured again after the fine-tune
+    chosen_after_recovery: bool = False  # the plan holds only after that fine-tune (metric/ok: before it)
     params_before: int = working(0)
     params_after: int = working(0)
     predicted_cost: float = working(0.0)
@@ -117,6 +151,12 @@ class BudgetResult:
     tolerance: float = working(0.0)
     tries: list[FrontierPlan] = working(factory=list)  # every distinct plan measured, in order
     seconds: float = working(0.0)
+
+    @property
+    def recovered(self) -> "FrontierRecovery | None":
+        """The chosen plan measured after the recovery fine-tune (``--recover``), or None."""
+        return next((p.recovered for p in self.frontier if p.removed == self.removed and p.recovered is not None),
+                    None)
 
 
 @dataclass
@@ -179,6 +219,17 @@ class CalibrationReport:
     finetune_note: str = "a recovery fine-tune follows factorization"
     rounding_floor: RoundingFloor | None = None  # bf16 / fp16 models only; the JSON leaves it out when None
 
+    def recovery_note(self) -> str:
+        """How the suggested plan holds when ``--choose-after-recovery`` chose it on the recovered curve: "holds
+        after a 200-step recovery fine-tune (kl 0.0081); before it: 0.0195, misses 0.01"; else empty."""
+        b = self.budget
+        if b is None or not b.chosen_after_recovery or b.recovery is None:
+            return ""
+        rec = b.recovered
+        after = f" ({self.metric} {rec.metric:.4g})" if rec is not None else ""
+        return (f"holds after a {b.recovery.steps}-step recovery fine-tune{after}; before it: {b.metric:.4g}, "
+                f"{'holds' if b.ok else 'misses'} {self.tolerance:g}")
+
     def layer(self, name: str) -> LayerCalibration | None:
         return self.layers.get(name)
 
@@ -190,6 +241,12 @@ class CalibrationReport:
         d = report_dict(self)
         if d.get("rounding_floor") is None:  # float32 / float64 models: not measured, reports unchanged
             d.pop("rounding_floor", None)
+        b = d.get("budget")
+        if b is not None and b.get("recovery") is None:  # without --recover the report is as it was
+            b.pop("recovery", None)
+            b.pop("chosen_after_recovery", None)
+            for p in b.get("frontier", []):
+                p.pop("recovered", None)
         for v in d["layers"].values():
             v["curve"] = [list(p) for p in v["curve"]]
             if v["floor"] is not None:

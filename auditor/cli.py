@@ -102,6 +102,12 @@ def _parser() -> argparse.ArgumentParser:
                    help="tier 2: truncate each layer alone and bisect for its measured floor")
     g.add_argument("--budget", type=float, metavar="FRACTION",
                    help="tier 3: a plan removing this share of the parameters, checked all at once")
+    from .recover import add_cli_arguments as recover_arguments
+
+    recover_arguments(g, audit=True)
+    g.add_argument("--choose-after-recovery", action="store_true",
+                   help="suggest the largest frontier plan that holds the tolerance after the --recover fine-tune "
+                        "(marked as needing it); default: the plan that holds before it")
     g.add_argument("--device", metavar="cpu|cuda|cuda:N|auto",
                    help="where calibration statistics are read (forward and X^T X sums; default: the CPU)")
     g.add_argument("--offload", action="store_true",
@@ -337,6 +343,7 @@ def calibration_options(args: argparse.Namespace) -> dict:
     """The calibration flags as AuditOptions fields (checked there: --budget in (0, 1), the rest need data)."""
     from .calibration.inputs import parse_size
 
+    recovery = _recovery_options(args)
     if args.calibration is None:
         given = [f for f, v in (("--holdout", args.holdout), ("--metric", args.metric), ("--tolerance", args.tolerance),
                                 ("--measure-floor", args.measure_floor or None), ("--budget", args.budget),
@@ -354,7 +361,26 @@ def calibration_options(args: argparse.Namespace) -> dict:
             **({"offload": True} if args.offload else {}),
             **({"calibration_max_rows": args.calibration_max_rows} if args.calibration_max_rows is not None else {}),
             **({"calibration_max_bytes": parse_size(args.calibration_max_bytes)}
-               if args.calibration_max_bytes is not None else {})}
+               if args.calibration_max_bytes is not None else {}), **recovery}
+
+
+def _recovery_options(args: argparse.Namespace) -> dict:
+    """--recover and its flags (those of ``lowrank-audit factorize --recover``) as AuditOptions fields, checked
+    before the model loads: each needs the one before it, and --recover needs --calibration and --budget."""
+    from .recover import cli_settings
+
+    if getattr(args, "choose_after_recovery", False) and args.recover is None:
+        raise AuditError("--choose-after-recovery needs --recover STEPS: it chooses on the curve measured after "
+                         "that fine-tune", "Add --recover 200, say, or drop --choose-after-recovery")
+    settings = cli_settings(args)  # --recover-lr without --recover, --recover without --calibration, 0 steps
+    if settings is None:
+        return {}
+    if args.budget is None:
+        raise AuditError("--recover needs --budget: it measures the frontier of the budgeted plan search again "
+                         "after the fine-tune", "Pass --budget FRACTION as well, e.g. --budget 0.5")
+    return {"recover_steps": settings["steps"], "recover_lr": settings["lr"],
+            "recover_trainable": settings["trainable"], "recover_objective": settings["objective"],
+            "choose_after_recovery": bool(args.choose_after_recovery)}
 
 
 def _terminal_width() -> int:

@@ -78,6 +78,13 @@ class AuditOptions:
     calibration_max_bytes: int | None = CALIBRATION_MAX_BYTES  # read at most this many bytes (None: no cap)
     device: str | None = None  # statistics: cpu, cuda, cuda:N or auto (None: where the model is)
     offload: bool = False  # statistics: each repeated block on the device only while it runs
+    # tier 3 after a recovery fine-tune (docs/calibration.md): each frontier plan measured again after it
+    recover_steps: int | None = None  # recovery steps per frontier plan (needs calibration and budget)
+    recover_lr: float = 1e-4  # AdamW learning rate (auditor.recover.DEFAULT_LR)
+    recover_trainable: str = "factors"  # "factors" (the factor weights) | "all" (every parameter)
+    recover_objective: str = "auto"  # "auto" (KL for logits, else MSE) | "kl" | "mse"
+    recover_seed: int = 0
+    choose_after_recovery: bool = False  # the suggestion: the largest plan that holds after the recovery
 
     def __post_init__(self) -> None:
         try:
@@ -120,11 +127,40 @@ class AuditOptions:
         if self.calibration is None and (self.measure_floor or self.budget is not None or self.metric is not None):
             raise AuditError("measure_floor, budget and metric need calibration data",
                              "Pass calibration=FILE (on the command line --calibration FILE)")
+        self._check_recovery()
         if self.calibration_length is not None and (isinstance(self.calibration_length, bool)
                                                     or not isinstance(self.calibration_length, int)
                                                     or self.calibration_length < 1):
             raise AuditError(f"calibration_length {self.calibration_length!r} is not a positive whole number",
                              "Give e.g. calibration_length=128 (on the command line --calibration-length 128)")
+
+    def _check_recovery(self) -> None:
+        """The recovery settings (those of ``lowrank-audit factorize --recover``), checked before any work."""
+        if self.recover_steps is None:
+            if self.choose_after_recovery:
+                raise AuditError("choose_after_recovery needs recover_steps: the recovered curve is measured by it",
+                                 "Add --recover STEPS (recover_steps=200, say)")
+            return
+        v = self.recover_steps
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise AuditError(f"recovery steps {v!r} is not a positive integer",
+                             "Give --recover a positive number of steps, e.g. --recover 200")
+        if self.calibration is None or self.budget is None:
+            raise AuditError("recover_steps needs calibration data and a budget: it measures the frontier of the "
+                             "budgeted plan search again after a recovery fine-tune",
+                             "Pass --calibration FILE and --budget FRACTION (e.g. --budget 0.5) as well")
+        lr = self.recover_lr
+        if isinstance(lr, bool) or not isinstance(lr, (int, float)) or not math.isfinite(lr) or lr <= 0:
+            raise AuditError(f"recovery learning rate {lr!r} is not a positive finite number",
+                             "Give e.g. --recover-lr 0.0001")
+        if self.recover_trainable not in ("factors", "all"):
+            raise AuditError(f"recovery trainable {self.recover_trainable!r} is neither 'factors' nor 'all'",
+                             "Give --recover-trainable factors (the factor weights only) or all")
+        if self.recover_objective not in ("auto", "kl", "mse"):
+            raise AuditError(f"recovery objective {self.recover_objective!r} is not one of auto, kl, mse",
+                             "Give auto, kl (output distributions) or mse (output values)")
+        if isinstance(self.recover_seed, bool) or not isinstance(self.recover_seed, int):
+            raise AuditError(f"recovery seed {self.recover_seed!r} is not an integer", "Give an integer seed")
 
     def with_(self, **changes: Any) -> "AuditOptions":
         """A copy with some fields changed; unknown names raise TypeError naming the known ones."""
@@ -165,6 +201,12 @@ class OptionFields(TypedDict, total=False):
     calibration_max_bytes: int | None
     device: str | None
     offload: bool
+    recover_steps: int | None
+    recover_lr: float
+    recover_trainable: str
+    recover_objective: str
+    recover_seed: int
+    choose_after_recovery: bool
 
 
 @dataclass(frozen=True)

@@ -359,7 +359,15 @@ def plan_basis(audit: "Audit") -> list[str]:
 
     text = (f"Ranks: the largest plan{cap} that holds the tolerance all at once, searched over the {curves} curves "
             f"({b.evaluations} plans factorized and measured); per-layer floors are evidence, not the plan.")
-    return [*textwrap.wrap(text, 112), *textwrap.wrap(measured, 112)]
+    out = [*textwrap.wrap(text, 112), *textwrap.wrap(measured, 112)]
+    note = cal.recovery_note()
+    if note:
+        rc = b.recovery
+        out += textwrap.wrap(f"Chosen after recovery (--choose-after-recovery): the plan {_comment(note)}. Budget "
+                             f"that fine-tune before adopting it (distillation toward the dense model, lr "
+                             f"{rc.lr:g}, {rc.trainable}, seed {rc.seed}; lowrank-audit factorize --recover "
+                             f"{rc.steps}).", 112)
+    return out
 
 
 def default_header(audit: "Audit") -> list[str]:

@@ -28,6 +28,9 @@ def verdict_line(audit: "Audit") -> str:
         saving = (f"; the {'suggested' if r.suggested else 'planned'} ranks save "
                   f"{r.params_saved:,} parameters ({100 * r.share_saved:.1f}% of the model)")
     saving += plan_check_clause(audit)
+    note = audit.calibration.recovery_note() if audit.calibration is not None else ""
+    if note and r is not None and r.suggested:
+        saving += f"; chosen after recovery: {note}"
     return verdict_head(audit) + saving
 
 

@@ -92,6 +92,8 @@ class Recovery:
     holdout_rows: int = 0
     skipped_steps: int = 0  # fp16 steps skipped for overflowing gradients
     seconds: float = 0.0  # training steps only (measurements excluded)
+    rows_trained: int = 0  # fit rows the steps trained on (every batch stepped, repeats counted)
+    tokens_trained: int = 0  # output positions the steps trained on (tokens of a language model, else examples)
 
     @property
     def seconds_per_step(self) -> float:
@@ -323,6 +325,7 @@ def recover(factorized: nn.Module, dense: nn.Module, calibration: "Calibration |
     gen = torch.Generator().manual_seed(seed)
     order: list[int] = []
     seconds = 0.0
+    rows_trained = tokens_trained = 0
     running: float | None = None
     try:
         for p in factorized.parameters():
@@ -342,7 +345,8 @@ def recover(factorized: nn.Module, dense: nn.Module, calibration: "Calibration |
                 p.grad = None
             opt.zero_grad(set_to_none=True)
             with torch.enable_grad():
-                loss = distill_loss(main_output(factorized(*b.args, **b.kwargs)), targets[i], objective)
+                tgt = targets[i]
+                loss = distill_loss(main_output(factorized(*b.args, **b.kwargs)), tgt, objective)
                 value = float(loss.detach())
                 if not math.isfinite(value):
                     stopped = f"the loss became {value} at step {step} (lr {lr:g})"
@@ -368,6 +372,8 @@ def recover(factorized: nn.Module, dense: nn.Module, calibration: "Calibration |
                 stopped = f"the gradient became NaN or infinite at step {step} (lr {lr:g})"
                 break
             bad_in_a_row = 0
+            rows_trained += rows[i]
+            tokens_trained += tgt.numel() // tgt.shape[-1] if tgt.dim() >= 2 else rows[i]
             torch.nn.utils.clip_grad_norm_(masters, clip)
             opt.step()
             if master:
@@ -411,7 +417,7 @@ def recover(factorized: nn.Module, dense: nn.Module, calibration: "Calibration |
         higher_is_better=ev.metric.higher_is_better, tolerance=ev.metric.tolerance, reference=ev.reference,
         before=points[0], after=after, kept_step=best_step, points=points, stopped=stopped,
         fit_rows=sum(rows), fit_batches=len(fit), holdout_rows=sum(b.rows for b in held), skipped_steps=skipped,
-        seconds=seconds)
+        seconds=seconds, rows_trained=rows_trained, tokens_trained=tokens_trained)
 
 
 def summary(r: Recovery) -> str:
@@ -427,9 +433,14 @@ def summary(r: Recovery) -> str:
 
 # --- the command line (lowrank-audit factorize ... --recover STEPS) ---------------------------------------------
 
-def add_cli_arguments(p: Any) -> None:
-    p.add_argument("--recover", metavar="STEPS", help="distil the factorized model toward the dense one for STEPS "
-                                                      "steps on the calibration's fit rows (needs --calibration)")
+def add_cli_arguments(p: Any, audit: bool = False) -> None:
+    """The recovery flags: ``lowrank-audit factorize`` (``audit=False``) recovers the model it writes; the audit
+    (``audit=True``) recovers every frontier plan of ``--budget`` and measures it again."""
+    p.add_argument("--recover", metavar="STEPS", help=(
+        "measure every frontier plan of --budget again after STEPS steps of recovery (distillation toward the dense "
+        "model on the calibration's fit rows, from the whitened factors; needs --calibration and --budget)" if audit
+        else "distil the factorized model toward the dense one for STEPS steps on the calibration's fit rows "
+             "(needs --calibration)"))
     p.add_argument("--recover-lr", metavar="X", help=f"recovery learning rate (AdamW; default {DEFAULT_LR:g})")
     p.add_argument("--recover-trainable", metavar="factors|all",
                    help="what recovery trains: the factor weights (default) or every parameter")

@@ -96,6 +96,20 @@ def tied_pair() -> nn.Sequential:
     return nn.Sequential(first, second)
 
 
+def digits_mlp() -> nn.Module:
+    """The sample digits MLP (sample_models/digits.py), trained and cached there."""
+    from digits import mlp
+
+    return mlp()[0]
+
+
+def digits_rows() -> torch.Tensor:
+    """800 digits images, 64 pixels in [0, 1] (600 for statistics and recovery, 200 held out)."""
+    from sklearn.datasets import load_digits
+
+    return torch.tensor(load_digits().data[:800], dtype=torch.float32) / 16.0
+
+
 def rows(n: int) -> dict[str, torch.Tensor]:
     """n calibration rows of width 64 (a quarter held out: the statistics see n - round(n / 4))."""
     return {"x": torch.randn(n, 64, generator=torch.Generator().manual_seed(0))}
@@ -193,6 +207,14 @@ CASES: dict[str, Case] = {
     "LR018-fires": Case("LR018", bf16_mlp, options=bf16_rows(0.004),
                         expect=[([], dict(BF16_EVIDENCE, tolerance=0.004))]),
     "LR018-passes": Case("LR018", bf16_mlp, options=bf16_rows(0.0075)),
+    # the digits MLP: the plan removing 407,040 parameters misses 0.0625 before 40 recovery steps, holds after them
+    # (tests/test_recovery_frontier.py)
+    "LR019-fires": Case("LR019", lambda: digits_mlp(), spectra=True, options=dict(
+        calibration={"x": digits_rows()}, budget=0.95, tolerance=0.0625, recover_steps=40, recover_objective="mse",
+        choose_after_recovery=True), expect=[([], dict(removed=407040, before=pytest.approx(0.063236, abs=1e-5),
+                                                       after=pytest.approx(0.061555, abs=1e-5), tolerance=0.0625,
+                                                       steps=40))]),
+    "LR019-passes": Case("LR019", rank12, options=dict(calibration=rows(200), budget=0.5)),
 }
 
 

@@ -329,3 +329,69 @@ def _bisect(measure: Callable[[float], FrontierPlan], ok_at: float, fail_at: flo
             ok_at, ok_key = mid, p.plan
         else:
             fail_at, fail_key = mid, p.plan
+
+
+def recover_frontier(model: nn.Module, session: CalibrationSession, result: BudgetResult, *, steps: int,
+                     lr: float = 1e-4, trainable: str = "factors", objective: str = "auto", seed: int = 0,
+                     choose_after: bool = False,
+                     progress: Callable[[int, int], None] | None = None) -> BudgetResult:
+    """Every frontier plan of ``result`` measured again after the same recovery fine-tune
+    (:func:`auditor.recover.recover`: distillation toward ``model`` on the session's fit batches, the held-out ones
+    only measured, with the session's evaluator), each from the whitened factors it was measured at; the plan's
+    ``recovered`` says what it measured and what it cost. With a budget, the plan at the budget and the smallest
+    plan that failed below it join the frontier (the plans recovery can move across the tolerance).
+
+    ``choose_after``: the suggestion becomes the largest plan (within the budget) whose recovered metric holds the
+    tolerance, when it removes more than the plan chosen before recovery (which holds without a fine-tune);
+    ``chosen_after_recovery`` then marks it, and ``metric``/``ok`` stay its measurement before the fine-tune.
+    ``progress(plans recovered, plans)`` after each. The model is measured in eval mode; its mode is restored."""
+    from dataclasses import replace
+
+    from ..calresults import FrontierRecovery, RecoverySetup
+    from ..recover import recover
+
+    t0 = time.perf_counter()
+    limit = result.budget * result.params_before if result.budget is not None else float("inf")
+    points = {tuple(sorted(p.plan.items())): p for p in result.frontier}
+    if result.budget is not None and result.tries:
+        extra = [result.tries[0]]  # the search's first plan: the one at the budget
+        extra += [p for p in result.tries if not p.ok and p.removed == result.smallest_failing]
+        for p in extra:
+            if p.plan and p.removed <= limit:
+                points.setdefault(tuple(sorted(p.plan.items())), p)
+    frontier = sorted(points.values(), key=lambda p: p.removed)
+    todo = [p for p in frontier if p.plan]
+    out: list[FrontierPlan] = []
+    done = 0
+    with session.measuring():
+        for p in frontier:
+            if not p.plan:  # the dense model: nothing to recover
+                out.append(p)
+                continue
+            t = time.perf_counter()
+            new = factorize(model, p.plan, session)  # the whitened factors the plan was measured at
+            r = recover(new, model, session, steps=steps, lr=lr, trainable=trainable, objective=objective,
+                        seed=seed, metric=session.metric)
+            del new
+            if r.stopped is not None and r.stopped.startswith("interrupted"):
+                raise KeyboardInterrupt
+            rec = FrontierRecovery(r.after.metric, r.after.ok, r.after.top1, r.done, r.rows_trained,
+                                   r.tokens_trained, time.perf_counter() - t, r.kept_step, r.stopped)
+            out.append(replace(p, recovered=rec))
+            done += 1
+            if progress is not None:
+                progress(done, len(todo))
+    setup = RecoverySetup(steps, float(lr), trainable, objective, seed, choose_after, time.perf_counter() - t0)
+    new_result = replace(result, frontier=out, recovery=setup)
+    if not choose_after:
+        return new_result
+    held = [p for p in out if p.recovered is not None and p.recovered.ok and p.removed <= limit]
+    best = max(held, key=lambda p: (p.removed, -p.predicted_cost), default=None)
+    if best is None or (result.ok and result.plan and best.removed <= result.removed):
+        return new_result  # the plan that holds without a fine-tune is at least as large
+    total = result.params_before
+    later = [p.removed for p in out if p.recovered is not None and not p.recovered.ok and p.removed > best.removed]
+    return replace(new_result, plan=dict(best.plan), removed=best.removed, removed_fraction=best.removed_fraction,
+                   metric=best.metric, ok=best.ok, top1=best.top1, params_after=total - best.removed,
+                   predicted_cost=best.predicted_cost, chosen_after_recovery=True,
+                   smallest_failing=min(later, default=None))

@@ -215,6 +215,17 @@ def calibrate(model: nn.Module, layers: list[Layer], settings: "Settings", optio
         reference = budget.reference
         evaluations += budget.evaluations
         seconds["tier3"] = time.perf_counter() - t
+        if options.recover_steps is not None:  # every frontier plan again after the recovery fine-tune
+            from .budget import recover_frontier
+
+            t = time.perf_counter()
+            with progress.phase("tier 3 recovery", unit="plan"):
+                budget = recover_frontier(
+                    model, session, budget, steps=options.recover_steps, lr=options.recover_lr,
+                    trainable=options.recover_trainable, objective=options.recover_objective,
+                    seed=options.recover_seed, choose_after=options.choose_after_recovery,
+                    progress=lambda done, total: progress.update(done, total))
+            seconds["recovery"] = time.perf_counter() - t
         warnings = list(dict.fromkeys([*cal.warnings, *stats.warnings]))
         holdout = options.holdout
         report = CalibrationReport(
@@ -269,8 +280,10 @@ def suggest_with(layers: list[Layer], spectra: dict[str, "Spectrum"], suggestion
                     else "no plan factorizing it held the tolerance all at once")
             out[layer.name] = _dense(old, held + (f"; alone: {evidence}" if evidence else ""))
             continue
-        why = (f"rank {r} in the plan that holds all at once ({len(plan)} layers, {report.metric} {b.metric:.4g} "
-               f"<= {report.tolerance:g})" + (f"; alone: {evidence}" if evidence else ""))
+        note = report.recovery_note()
+        why = ((f"rank {r} in the largest plan that {note} ({len(plan)} layers)" if note else
+                f"rank {r} in the plan that holds all at once ({len(plan)} layers, {report.metric} {b.metric:.4g} "
+                f"<= {report.tolerance:g})") + (f"; alone: {evidence}" if evidence else ""))
         spec = spectra.get(layer.name)
         kept = spec.energy_at(r) if spec is not None and spec.computed else None
         out[layer.name] = replace(old, verdict=Verdict.FACTORIZE, rank=r, reason=why, energy_at_rank=kept,

@@ -171,9 +171,16 @@ def budget_lines(cal: "CalibrationReport") -> list[str]:
     ask = f"at most {100 * b.budget:g}% removed" if b.budget is not None else "the largest the tolerance allows"
     over = {"tier1": "tier-1", "measured": "measured-floor"}.get(b.source, b.source)
     top1 = f", top-1 {pct(b.top1)}" if b.top1 is not None else ""
+    note = cal.recovery_note()
     if not b.plan:
         out = [f"Plan that holds ({ask}, over {over} curves, {b.evaluations} plans measured): none; every plan "
                "measured missed the tolerance, so the suggestion keeps every calibrated layer dense."]
+    elif note:
+        out = [f"Plan chosen after recovery ({ask}, over {over} curves, --choose-after-recovery): {len(b.plan)} "
+               f"layers, {b.removed:,} parameters removed ({pct(b.removed_fraction)}); it {note} (measured all "
+               f"at once{top1} before it). It needs that fine-tune."
+               + (f" The smallest larger plan recovered ({b.smallest_failing:,} removed) does not hold after it."
+                  if b.smallest_failing is not None else "")]
     else:
         out = [f"Plan that holds ({ask}, over {over} curves, {b.evaluations} plans measured): {len(b.plan)} "
                f"layers, {b.removed:,} parameters removed ({pct(b.removed_fraction)}); {cal.metric} {_g(b.metric)} "
@@ -184,8 +191,34 @@ def budget_lines(cal: "CalibrationReport") -> list[str]:
         out.append(f"The search stopped at its cap of {b.evaluations} measurements before the boundary was "
                    "bracketed: a larger plan may hold.")
     out.append("Frontier (all at once): " + ", ".join(
-        f"{pct(p.removed_fraction)} removed \u2192 {_g(p.metric)}{'' if p.ok else ' (fails)'}" for p in b.frontier))
+        f"{pct(p.removed_fraction)} removed \u2192 {_g(p.metric)}{'' if p.ok else ' (fails)'}"
+        + (f", after recovery {_g(p.recovered.metric)}{'' if p.recovered.ok else ' (fails)'}"
+           if p.recovered is not None else "") for p in b.frontier))
+    line = recovery_cost(cal)
+    if line:
+        out.append(line)
     return out
+
+
+def recovery_cost(cal: "CalibrationReport") -> str:
+    """What the recovered curve cost: the settings, and steps, rows (tokens) and seconds per plan; empty without
+    --recover."""
+    b = cal.budget
+    rc = b.recovery if b is not None else None
+    if rc is None:
+        return ""
+    recs = [p.recovered for p in b.frontier if p.recovered is not None]
+    if not recs:
+        return f"Recovery ({rc.steps} steps): no frontier plan factorizes a layer, nothing was recovered."
+    per = ", ".join(f"{pct(p.removed_fraction)}: {p.recovered.steps} steps, {p.recovered.rows:,} rows "
+                    f"({p.recovered.tokens:,} tokens), {p.recovered.seconds:.1f} s"
+                    + (f" (stopped: {p.recovered.stopped})" if p.recovered.stopped else "")
+                    for p in b.frontier if p.recovered is not None)
+    choose = ("the suggestion is chosen on the recovered curve" if rc.choose_after
+              else "the suggestion is the plan that holds before it; the recovered numbers are evidence")
+    return (f"Recovery per frontier plan: {rc.steps} steps of distillation toward the dense model on the fit rows "
+            f"(lr {rc.lr:g}, {rc.trainable}, objective {rc.objective}, seed {rc.seed}), from the whitened factors, "
+            f"measured on the held-out rows; {choose}. Cost per plan: {per}; {rc.seconds:.1f} s in all.")
 
 
 @dataclass(frozen=True)
@@ -224,18 +257,40 @@ class FrontierRow:
     top1: str
     holds: str
     chosen: bool
+    recovered: str = ""  # the metric after the recovery fine-tune ("" without --recover)
+    recovered_holds: str = ""  # "holds" | "fails" after it
+    cost: str = ""  # "200 steps, 1,600 rows (102,400 tokens), 12.3 s"
 
 
 def frontier_rows(cal: "CalibrationReport") -> list[FrontierRow]:
     """Every frontier plan (each measured all at once), fewest parameters removed first; ``chosen`` marks the plan
-    the suggestion is."""
+    the suggestion is; with --recover, each plan's metric after the fine-tune and what it cost."""
     b = cal.budget
     if b is None:
         return []
-    return [FrontierRow(f"{p.removed:,}", pct(p.removed_fraction), p.layers, _g(p.metric),
-                        pct(p.top1) if p.top1 is not None else "\u2013", "holds" if p.ok else "fails",
-                        p.removed == b.removed and p.ok == b.ok and bool(b.plan))
-            for p in b.frontier]
+    out = []
+    for p in b.frontier:
+        rec = p.recovered
+        chosen = p.removed == b.removed and bool(b.plan) and (p.ok == b.ok or b.chosen_after_recovery)
+        extra = ((_g(rec.metric), "holds" if rec.ok else "fails",
+                  f"{rec.steps} steps, {rec.rows:,} rows ({rec.tokens:,} tokens), {rec.seconds:.1f} s")
+                 if rec is not None else ("\u2013" if b.recovery is not None else "", "", ""))
+        out.append(FrontierRow(f"{p.removed:,}", pct(p.removed_fraction), p.layers, _g(p.metric),
+                               pct(p.top1) if p.top1 is not None else "\u2013", "holds" if p.ok else "fails",
+                               chosen, *extra))
+    return out
+
+
+def frontier_series(cal: "CalibrationReport") -> dict[str, list[tuple[float, float, bool]]]:
+    """The frontier chart's data: ``before`` (each plan measured all at once) and, with --recover, ``after`` (the
+    same plans after the recovery fine-tune), as (share removed, metric, holds), finite values only."""
+    b = cal.budget
+    if b is None:
+        return {"before": [], "after": []}
+    before = [(p.removed_fraction, p.metric, p.ok) for p in b.frontier if math.isfinite(p.metric)]
+    after = [(p.removed_fraction, p.recovered.metric, p.recovered.ok) for p in b.frontier
+             if p.recovered is not None and math.isfinite(p.recovered.metric)]
+    return {"before": before, "after": after}
 
 
 def md_value(cal: "CalibrationReport", v: float | None) -> str:
@@ -287,6 +342,13 @@ def _md_lines(cal: "CalibrationReport") -> tuple[list[str], list[str]]:
         if b.fixed:
             lines.append(f"- {len(b.fixed)} layer(s) calibration did not rank keep their weight-energy rank in "
                          "every plan measured")
+        note = cal.recovery_note()
+        if note:
+            lines.append(f"- ⚠️ The suggested plan was chosen after recovery (--choose-after-recovery): it "
+                         f"{md_text(note)}; it needs that fine-tune")
+        cost = recovery_cost(cal)
+        if cost:
+            lines.append(f"- {md_text(cost)}")
     pc = cal.plan_check
     if pc is not None and pc.layers == 0:
         lines.append("- The plan was not measured: factorize() cannot rewrite any of its layers")
@@ -327,13 +389,28 @@ def markdown(audit: "Audit", room: Any = None) -> list[Section]:
     b = cal.budget
     if b is not None and b.frontier:
         head = ["parameters removed", "share", "layers", md_text(middle(cal.metric, 40)), "top-1", "all at once"]
+        rc = b.recovery
+        if rc is not None:
+            head += [f"after {rc.steps} steps", "after recovery", "recovery cost"]
         frows = []
         for r, p in zip(frontier_rows(cal), b.frontier):
-            holds = f"**{r.holds} (suggested)**" if r.chosen else r.holds
+            holds = r.holds
+            if r.chosen:
+                holds = (f"**{r.holds} (suggested: holds after recovery, needs the fine-tune)**"
+                         if b.chosen_after_recovery else f"**{r.holds} (suggested)**")
+            more = ""
+            if rc is not None:
+                rec = p.recovered
+                more = (f" {md_value(cal, rec.metric)} | {r.recovered_holds} | {md_text(r.cost)} |" if rec is not None
+                        else " \u2013 | \u2013 | \u2013 |")
             frows.append(f"| {r.removed} | {percent(p.removed_fraction)} | {r.layers} | {md_value(cal, p.metric)} | "
-                        f"{percent(p.top1)} | {holds} |")
-        s = Section("", ["Every plan measured all at once, fewest parameters removed first:", "",
-                         "| " + " | ".join(head) + " |", "|---:|---:|---:|---:|---:|---|"], frows,
+                        f"{percent(p.top1)} | {holds} |{more}")
+        intro = "Every plan measured all at once, fewest parameters removed first"
+        if rc is not None:
+            intro += (f", and again after {rc.steps} steps of recovery fine-tune (distillation on the fit rows, "
+                      "measured on the held-out rows)")
+        s = Section("", [intro + ":", "", "| " + " | ".join(head) + " |",
+                         "|---:|---:|---:|---:|---:|---|" + ("---:|---|---|" if rc is not None else "")], frows,
                     noun="frontier plans", title="Frontier")
         if room is None:
             s.fold = f"Frontier: {len(frows):,} plans measured all at once"
@@ -395,7 +472,8 @@ def terminal_table(audit: "Audit", namew: int = 40) -> list[str]:
 
 
 def _frontier_fig(points: list[tuple[float, float, bool]], chosen: float | None, tolerance: float, label: str,
-                  higher: bool, reference: float) -> Any:
+                  higher: bool, reference: float, after: list[tuple[float, float, bool]] | None = None,
+                  steps: int = 0) -> Any:
     from .layer_charts import PALETTE, STYLE, _figure
 
     if not points:
@@ -403,7 +481,12 @@ def _frontier_fig(points: list[tuple[float, float, bool]], chosen: float | None,
     fig, ax = _figure(5.6, 2.8)
     xs = [100 * p[0] for p in points]
     ys = [p[1] for p in points]
-    ax.plot(xs, ys, color=PALETTE[0], marker="o", markersize=4, linewidth=1.4)
+    ax.plot(xs, ys, color=PALETTE[0], marker="o", markersize=4, linewidth=1.4,
+            label="before recovery" if after else None)
+    if after:  # the same plans after the recovery fine-tune (--recover)
+        ax.plot([100 * p[0] for p in after], [p[1] for p in after], color=PALETTE[3], marker="s", markersize=4,
+                linewidth=1.2, linestyle="--", label=f"after {steps} recovery steps")
+        ys = ys + [p[1] for p in after]
     for x, y, ok in zip(xs, ys, [p[2] for p in points]):
         if not ok:
             ax.plot([x], [y], marker="x", color=PALETTE[4], markersize=8)
@@ -435,9 +518,10 @@ def frontier_chart(cal: "CalibrationReport") -> str | None:
     b = cal.budget
     if b is None or not b.frontier:
         return None
-    pts = [(p.removed_fraction, p.metric, p.ok) for p in b.frontier if math.isfinite(p.metric)]
-    return _render(_frontier_fig, pts, b.removed_fraction, cal.tolerance, short_label(cal.metric, 30),
-                   cal.higher_is_better, cal.reference)
+    series = frontier_series(cal)
+    return _render(_frontier_fig, series["before"], b.removed_fraction, cal.tolerance, short_label(cal.metric, 30),
+                   cal.higher_is_better, cal.reference, series["after"],
+                   b.recovery.steps if b.recovery is not None else 0)
 
 
 def _measured_fig(name: str, points: list[tuple[int, float]], curve: list[tuple[int, float]], limit: float,
@@ -529,9 +613,12 @@ def html_context(audit: "Audit", charts: bool = True) -> dict[str, Any]:
     floors = [(n, data_uri(s)) for n, s in layer_charts(audit)] if charts else []
     legend = legend_chart(floor_legend(cal.metric)) if floors else None
     return {"calibration": {
-        "summary": summary(cal), "basis": basis(cal), "plan": plan_line(cal),
-        "budget": budget_lines(cal) + [x for x in [rounding_line(cal)] if x],
-        "warnings": cal.warnings, "missing": cal.missing, "finetune": FINETUNE, "rows": rows(cal),
+        "summary": summary(cal), "basis": basis(cal), "plan": plan_line(cal), "budget": budget_lines(cal) + [x for x in [rounding_line(cal)] if x],
+        "warnings": cal.warnings, "missing": cal.missing, "rows": rows(cal),
+        "finetune": FINETUNE if not cal.recovery_note() else FINETUNE + " The suggested plan was chosen after "
+                    "recovery: it " + cal.recovery_note() + "; it needs that fine-tune.",
+        "recovery": recovery_cost(cal), "recovered_steps": cal.budget.recovery.steps
+        if cal.budget is not None and cal.budget.recovery is not None else None,
         "frontier": data_uri(front) if front else None, "frontier_rows": frontier_rows(cal),
         "metric": cal.metric,
         "layer_charts": floors, "floor_legend": data_uri(legend) if legend else "",

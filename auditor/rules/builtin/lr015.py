@@ -31,11 +31,16 @@ def lr015(ctx: Context, emit: Emit) -> None:
     ## Do instead
     Use the plan the audit measured to hold (`--emit-plan` writes it; `--budget` caps its share), or raise the
     ranks of the layers with the largest single-layer errors and measure again.
+
+    A suggested plan chosen with `--choose-after-recovery` (it holds after the `--recover` fine-tune, measured) is
+    flagged by LR019 instead: the verdict, the plan header and every report say that it needs that fine-tune.
     """
     cal = ctx.audit.calibration
     pc = cal.plan_check if cal is not None else None
     rv = ctx.audit.review
     if pc is None or pc.layers == 0 or pc.ok or rv is None:
+        return
+    if rv.suggested and cal.recovery_note():  # --choose-after-recovery: it holds after that fine-tune (LR019)
         return
     what = "suggested plan" if rv.suggested else ("plan" if rv.source == "plan" else f"plan {rv.source}")
     b = cal.budget
