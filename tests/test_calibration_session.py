@@ -92,7 +92,7 @@ def test_cli_factorize_reuses_the_audits_statistics_and_records_the_exported_mod
     r = cli_inproc(MODEL, "--calibration", calib, "--plan", plan, "--format", "json")
     assert r.returncode in (0, 1), r.stderr
     audited = json.loads(r.stdout)["calibration"]["plan_check"]["measured"]
-    assert list((tmp_path / "cache" / "calibration").glob("*.npz"))  # the audit wrote its statistics
+    assert list((tmp_path / "cache" / "calibration").glob("*/meta.json"))  # the audit wrote its statistics
     stats_calls = _count(monkeypatch, session_mod, "input_statistics")
     evaluators = _count_evaluators(monkeypatch)
     out = tmp_path / "fact"
