@@ -149,3 +149,16 @@ def test_a_tall_map_is_whitened_exactly_without_forming_f_s():
     assert b.total == pytest.approx(float(np.sum((f @ x.T) ** 2)), rel=1e-12)
     assert np.allclose(np.abs(np.sum(b.u * u, axis=0)), 1.0, atol=1e-7)  # the same directions (up to sign)
     assert decompose(f, gram, need_u=False).u is None
+
+
+def test_a_spill_that_cannot_be_written_is_one_line(monkeypatch):
+    from auditor.errors import AuditError
+
+    model, cal = _tiny_llama()
+
+    def full(self, layers):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(GramStore, "put", full)
+    with pytest.raises(AuditError, match="cannot write the input statistics to .*: No space left on device"):
+        _statistics(model, _layers(model), cal, AuditOptions(cache=False))

@@ -140,7 +140,12 @@ def _statistics(model: nn.Module, layers: list[Layer], cal: Calibration, options
     def block(i: int, st: InputStatistics) -> None:
         if on_block is not None:
             on_block(i, st)
-        store.put(st.layers)
+        try:
+            store.put(st.layers)
+        except OSError as exc:
+            raise AuditError(f"cannot write the input statistics to {store.dir}: {exc.strerror or exc}",
+                             "Free disk space there, or give --cache-dir a directory with room (without a cache: "
+                             "set TMPDIR)") from None
 
     try:
         from .stream import stream_statistics  # block by block when the model has repeated blocks, else one pass
