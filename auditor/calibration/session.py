@@ -87,6 +87,26 @@ def statistics_memory(layers: list[Layer], model: nn.Module | None = None) -> tu
     return max(sum(p) for p in parts) + 2 * big[0], big[1]
 
 
+_LIBC: Any = None
+
+
+def _trim() -> None:
+    """Hand the freed heap back to the system (glibc's ``malloc_trim``; nothing elsewhere): the freed Grams of a
+    block would otherwise stay in the process's heap, and its resident size grow with the depth."""
+    import ctypes
+    import ctypes.util
+
+    global _LIBC
+    if _LIBC is None:
+        try:
+            _LIBC = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+            _LIBC.malloc_trim  # noqa: B018 - glibc only
+        except (OSError, AttributeError):
+            _LIBC = False
+    if _LIBC:
+        _LIBC.malloc_trim(0)
+
+
 def _statistics(model: nn.Module, layers: list[Layer], cal: Calibration, options: "AuditOptions",
                 progress: "Progress | None" = None,
                 on_block: "Callable[[int, InputStatistics], None] | None" = None) -> tuple[InputStatistics, bool]:
@@ -146,6 +166,8 @@ def _statistics(model: nn.Module, layers: list[Layer], cal: Calibration, options
             raise AuditError(f"cannot write the input statistics to {store.dir}: {exc.strerror or exc}",
                              "Free disk space there, or give --cache-dir a directory with room (without a cache: "
                              "set TMPDIR)") from None
+        _trim()
+
 
     try:
         from .stream import stream_statistics  # block by block when the model has repeated blocks, else one pass
