@@ -162,3 +162,15 @@ def test_a_spill_that_cannot_be_written_is_one_line(monkeypatch):
     monkeypatch.setattr(GramStore, "put", full)
     with pytest.raises(AuditError, match="cannot write the input statistics to .*: No space left on device"):
         _statistics(model, _layers(model), cal, AuditOptions(cache=False))
+
+
+def test_spilled_statistics_pickle_as_their_grams():
+    """A cluster's workers get the Grams themselves, not a path on this machine."""
+    import pickle
+
+    model, cal = _tiny_llama()
+    stats, _ = _statistics(model, _layers(model), cal, AuditOptions(cache=False))
+    back = pickle.loads(pickle.dumps(stats))
+    assert type(back.layers) is dict and list(back.layers) == list(stats.layers)
+    for name, inp in back.layers.items():
+        assert type(inp.gram) is np.ndarray and np.array_equal(inp.gram, stats.layers[name].gram), name
