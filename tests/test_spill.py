@@ -174,3 +174,16 @@ def test_spilled_statistics_pickle_as_their_grams():
     assert type(back.layers) is dict and list(back.layers) == list(stats.layers)
     for name, inp in back.layers.items():
         assert type(inp.gram) is np.ndarray and np.array_equal(inp.gram, stats.layers[name].gram), name
+
+
+def test_the_memory_refusal_counts_one_block_when_streaming():
+    from auditor.calibration.session import statistics_memory
+
+    model, _ = _tiny_llama()
+    layers = _layers(model)
+    block = 8 * (4 * 64 * 64 + 2 * 64 * 64 + 96 * 96)  # q, k, v, o, gate, up (64 wide), down (96 wide)
+    outside = 8 * 101 + 8 * 64 * 64  # the embedding's lookup counts, the head
+    need, largest = statistics_memory(layers, model)
+    assert need == max(block, outside) + 2 * 8 * 96 * 96 and largest.endswith("(96 x 96)")
+    every = statistics_memory(layers)[0]  # without the model: every layer's, as one pass keeps them
+    assert every == 2 * block + outside + 2 * 8 * 96 * 96
