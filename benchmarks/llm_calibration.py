@@ -10,8 +10,9 @@ fed 24 windows of 128 random token ids (batches of 4); the 1.1B config (hidden 2
 heads, intermediate 5632, vocabulary 32000) in bfloat16, fed 64 windows of 256 tokens (batches of 4).
 
 Tier 1 is the input statistics and every layer's whitened spectrum:
-- streaming: ``stream_statistics`` with a callback that computes the block's whitened spectra and drops its Grams
-  (``keep=False``), so one block's statistics are alive at once;
+- streaming: the audit's own path, ``CalibrationSession.statistics(spectra=...)`` without a cache: the statistics
+  stream block by block, each block's whitened spectra are computed as its statistics complete, and its Grams are
+  spilled to a temporary directory (one ``.npy`` per distinct Gram), so one block's Grams are in memory at a time;
 - one pass: ``input_statistics`` (every Gram alive), then ``whitened_spectra``.
 Each configuration runs in a fresh subprocess under an address-space cap (``resource.setrlimit(RLIMIT_AS)``); its
 peak RSS is the child's ``ru_maxrss``. The summary line: the growth of peak RSS from depth 2 to depth 8 over the
@@ -60,7 +61,7 @@ def build(c: dict):
     return model, ids
 
 
-def child(name: str, mode: str) -> dict:
+def child(name: str, mode: str, over: dict | None = None) -> dict:
     import resource
 
     import torch
@@ -72,7 +73,7 @@ def child(name: str, mode: str) -> dict:
     from auditor.structure.layers import ParamTable, collect_layers
 
     torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
-    c = CONFIGS[name]
+    c = {**CONFIGS[name], **(over or {})}
     model, ids = build(c)
     weights = sum(p.numel() * p.element_size() for p in model.parameters())
     layers = collect_layers(model, ParamTable.of(model))
@@ -81,12 +82,15 @@ def child(name: str, mode: str) -> dict:
     base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     t = time.perf_counter()
     done = 0
-    if mode == "stream":
-        def on_block(i, st):
-            nonlocal done
-            done += len(whitened_spectra(layers, table, st))
+    if mode == "stream":  # the audit's path: the session streams, whitens per block and spills the Grams
+        from auditor.calibration.inputs import Calibration
+        from auditor.calibration.session import CalibrationSession
+        from auditor.options import AuditOptions
 
-        stream_statistics(model, layers, batches, keep=False, on_block=on_block)
+        cal = Calibration(batches, [], "benchmark", digest=f"bench-{name}")
+        session = CalibrationSession(model, cal, layers=layers, options=AuditOptions(cache=False))
+        session.statistics(spectra=(8, 0.01))
+        done = len(session.spectra(8, 0.01))
     else:
         stats = input_statistics(model, layers, batches)
         done = len(whitened_spectra(layers, table, stats))
@@ -95,15 +99,15 @@ def child(name: str, mode: str) -> dict:
         shared = (sum(distinct.values()) / 2**20, sum(g.nbytes for g in grams) / 2**20)
     seconds = time.perf_counter() - t
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return {"name": name, "mode": mode, "weights_mib": weights / 2**20, "peak_mib": peak / 1024,
+    return {"name": name, "mode": mode, "vocab": c["vocab"], "windows": c["windows"], "weights_mib": weights / 2**20, "peak_mib": peak / 1024,
             "before_mib": base / 1024, "seconds": seconds, "spectra": done, "layers": len(layers),
             **({"grams_mib": shared} if mode == "onepass" else {})}
 
 
-def run(name: str, mode: str, cap_gb: float, timeout: float) -> dict:
+def run(name: str, mode: str, cap_gb: float, timeout: float, over: dict | None = None) -> dict:
     code = (f"import resource,sys,json; cap=int({cap_gb}*2**30); resource.setrlimit(resource.RLIMIT_AS,(cap,cap)); "
             f"sys.path.insert(0,{str(ROOT)!r}); sys.path.insert(0,{str(ROOT / 'benchmarks')!r}); "
-            f"import llm_calibration as b; print('RESULT', json.dumps(b.child({name!r},{mode!r})))")
+            f"import llm_calibration as b; print('RESULT', json.dumps(b.child({name!r},{mode!r},{over!r})))")
     env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
     try:
         p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=timeout, env=env)
@@ -124,12 +128,23 @@ def main() -> None:
     ap.add_argument("--timeout", type=float, default=600.0, help="seconds per configuration (default 600)")
     ap.add_argument("--json", metavar="FILE", help="also write the rows as JSON")
     ap.add_argument("--depths", default="2,4,8", help="depths of the width-1024 configs (default 2,4,8)")
+    ap.add_argument("--vocab", type=int, help="vocabulary of the width-1024 configs (default 32000)")
+    ap.add_argument("--windows", type=int, help="calibration windows of the width-1024 configs (default 24)")
+    ap.add_argument("--tiny-windows", type=int, help="calibration windows of the 1.1B config (default 64)")
+    ap.add_argument("--modes", default="stream,onepass", help="which of stream,onepass to run (default both)")
     a = ap.parse_args()
+    over = {k: v for k, v in (("vocab", a.vocab), ("windows", a.windows)) if v is not None}
+    tiny = {"windows": a.tiny_windows} if a.tiny_windows else {}
+    if over:
+        print(f"width-1024 configs with {over} instead of the defaults "
+              f"(vocab {CONFIGS['d2']['vocab']}, windows {CONFIGS['d2']['windows']})", flush=True)
+    if tiny:
+        print(f"1.1B config with {tiny['windows']} windows of 256 tokens instead of 64", flush=True)
     rows = []
     if a.only != "tinyllama":
         for name in (f"d{d.strip()}" for d in a.depths.split(",")):
-            for mode in ("stream", "onepass"):
-                r = run(name, mode, a.cap_gb, a.timeout)
+            for mode in a.modes.split(","):
+                r = run(name, mode, a.cap_gb, a.timeout, over)
                 rows.append(r)
                 _print(r)
         for mode in ("stream", "onepass"):
@@ -142,7 +157,7 @@ def main() -> None:
             print(f"{mode:8s} depth 2 -> 8: peak RSS +{grow:,.0f} MiB for +{wgrow:,.0f} MiB of weights: "
                   f"{grow / wgrow:.2f}x" + ("  (goal <= 1.3x)" if mode == "stream" else ""))
     if a.tinyllama or a.only == "tinyllama":
-        rows.append(run("tinyllama", "stream", a.cap_gb, a.timeout))
+        rows.append(run("tinyllama", "stream", a.cap_gb, a.timeout, tiny))
         _print(rows[-1])
     if a.json:
         Path(a.json).write_text(json.dumps(rows, indent=1))

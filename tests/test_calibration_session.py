@@ -13,6 +13,7 @@ import torch
 import auditor
 import auditor.calibration.metric as metric_mod
 import auditor.calibration.session as session_mod
+import auditor.calibration.stream as stream_mod
 from auditor.calibration import (
     CalibrationSession, Evaluator, Metric, curves_from_spectra, load_calibration, measure_floors, plan_for_budget,
     tier1,
@@ -73,7 +74,7 @@ def _plan(tmp_path: Path, ranks: dict[str, int]) -> Path:
 
 def test_an_audit_reads_statistics_once_and_builds_one_evaluator(monkeypatch, calib, digits_mlp):
     model = digits_mlp[0]
-    stats_calls = _count(monkeypatch, session_mod, "input_statistics")
+    stats_calls = _count(monkeypatch, stream_mod, "stream_statistics")
     evaluators = _count_evaluators(monkeypatch)
     a = auditor.audit(model, torch.zeros(1, 64), plan={"ranks": {"fc1": 24, "fc2": 16}}, calibration=calib,
                       measure_floor=True, cache=False, progress=False)
@@ -92,8 +93,8 @@ def test_cli_factorize_reuses_the_audits_statistics_and_records_the_exported_mod
     r = cli_inproc(MODEL, "--calibration", calib, "--plan", plan, "--format", "json")
     assert r.returncode in (0, 1), r.stderr
     audited = json.loads(r.stdout)["calibration"]["plan_check"]["measured"]
-    assert list((tmp_path / "cache" / "calibration").glob("*.npz"))  # the audit wrote its statistics
-    stats_calls = _count(monkeypatch, session_mod, "input_statistics")
+    assert list((tmp_path / "cache" / "calibration").glob("*/meta.json"))  # the audit wrote its statistics
+    stats_calls = _count(monkeypatch, stream_mod, "stream_statistics")
     evaluators = _count_evaluators(monkeypatch)
     out = tmp_path / "fact"
     r = cli_inproc("factorize", MODEL, "--plan", plan, "--calibration", calib, "-o", out)
@@ -110,7 +111,7 @@ def test_cli_factorize_reuses_the_audits_statistics_and_records_the_exported_mod
 
 
 def test_cli_factorize_without_cache_reads_statistics_once(cli_inproc, monkeypatch, calib, tmp_path):
-    stats_calls = _count(monkeypatch, session_mod, "input_statistics")
+    stats_calls = _count(monkeypatch, stream_mod, "stream_statistics")
     loads = _count(monkeypatch, session_mod, "load_calibration")
     r = cli_inproc("factorize", MODEL, "--plan", _plan(tmp_path, {"fc1": 24}), "--calibration", calib,
                    "-o", tmp_path / "f", "--no-cache")

@@ -389,41 +389,75 @@ def _ranks(c: dict) -> dict:
     return {k: v["ranks_for"] for k, v in c["layers"].items()}
 
 
-@pytest.mark.parametrize("damage", ["foreign", "nan", "shape", "negative", "asymmetric", "bytes", "not-psd"])
+def _entry(cache: Path) -> Path:
+    [meta] = list((cache / "calibration").glob("*/meta.json"))
+    return meta.parent
+
+
+@pytest.mark.parametrize("damage", ["foreign", "nan", "shape", "negative", "asymmetric", "bytes", "not-psd", "meta",
+                                    "gone"])
 def test_a_damaged_or_foreign_statistics_entry_is_recomputed(cli_inproc, src, tmp_path, damage):
+    from auditor.calibration.stats import InputStatistics, replace_gram
+
     cache = tmp_path / "cache"
     first = _tier1(cli_inproc, src, tmp_path / "1", cache)
     assert first["statistics_cached"] is False
     assert _tier1(cli_inproc, src, tmp_path / "2", cache)["statistics_cached"] is True
-    [entry] = list((cache / "calibration").glob("*.npz"))
+    entry = _entry(cache)
+    gram_file = entry / InputStatistics.open(entry).layers.meta["2"]["file"]
     if damage == "foreign":  # another calibration's entry copied over this one's
         other = _tier1(cli_inproc, src, tmp_path / "o", tmp_path / "c2", cal="cal_other")
         assert _ranks(other) != _ranks(first)
-        [foreign] = list((tmp_path / "c2" / "calibration").glob("*.npz"))
-        shutil.copy(foreign, entry)
-    elif damage == "bytes":
-        raw = bytearray(entry.read_bytes())
-        raw[len(raw) // 2] ^= 0xFF
-        entry.write_bytes(bytes(raw))
+        shutil.rmtree(entry)
+        shutil.copytree(_entry(tmp_path / "c2"), entry)
+    elif damage in ("bytes", "meta"):
+        f = gram_file if damage == "bytes" else entry / "meta.json"
+        raw = bytearray(f.read_bytes())
+        raw[len(raw) // 2] ^= 0x01
+        f.write_bytes(bytes(raw))
+    elif damage == "gone":
+        gram_file.unlink()
     else:
-        from auditor.calibration.stats import InputStatistics
-
-        stats = InputStatistics.load(entry)
-        g = stats.layers["2"].gram
+        stats = InputStatistics.open(entry)
+        layers = {k: replace_gram(v, np.array(v.gram)) for k, v in stats.layers.items()}
+        g = layers["2"].gram
         if damage == "nan":
             g[0, 1, 1] = np.nan
         elif damage == "shape":
-            stats.layers["2"].gram = g[:, :10, :10].copy()
+            layers["2"].gram = g[:, :10, :10].copy()
         elif damage == "negative":
             g[0, 3, 3] = -1.0
         elif damage == "asymmetric":
             g[0, 1, 2] += 1.0
         else:
             g[0, 1, 2] = g[0, 2, 1] = 2 * np.sqrt(g[0, 1, 1] * g[0, 2, 2])
-        stats.save(entry, key=entry.stem)  # a valid checksum: the content checks must catch it
+        InputStatistics(layers, stats.missing, stats.warnings, stats.batches, stats.digest).spill(
+            entry, key=entry.name)  # valid checksums: the content checks must catch it
     again = _tier1(cli_inproc, src, tmp_path / "3", cache)
     assert again["statistics_cached"] is False and _ranks(again) == _ranks(first)
     assert _tier1(cli_inproc, src, tmp_path / "4", cache)["statistics_cached"] is True  # rewritten, intact
+
+
+def test_a_spilled_gram_that_changes_during_the_audit_is_refused(tmp_path, src):
+    from auditor.calibration import input_statistics, load_calibration
+    from auditor.calibration.stats import InputStatistics, StatisticsMismatch
+    from auditor.layers import ParamTable, collect_layers
+    from auditor.load import load_source
+
+    m = load_source(f"{src}:model").model
+    stats = input_statistics(m, collect_layers(m, ParamTable.of(m)), load_calibration([torch.randn(16, 48)], m, 0))
+    spilled = stats.spill(tmp_path / "s", key="abc")
+    assert all(np.array_equal(spilled.layers[k].gram, v.gram) for k, v in stats.layers.items())
+    f = tmp_path / "s" / spilled.layers.meta["2"]["file"]
+    raw = bytearray(f.read_bytes())
+    raw[-8] ^= 0x01  # the lowest mantissa bit of the last entry: still a valid Gram, only the checksum sees it
+    f.write_bytes(bytes(raw))
+    with pytest.raises(StatisticsMismatch, match="2: its Gram file g.*changed"):
+        spilled.layers["2"]
+    with pytest.raises(StatisticsMismatch, match="changed"):
+        InputStatistics.open(tmp_path / "s", key="abc")
+    with pytest.raises(StatisticsMismatch, match="another key"):
+        InputStatistics.open(tmp_path / "s", key="abd")
 
 
 def test_statistics_round_trip_and_key(tmp_path, src):

@@ -25,7 +25,7 @@ import hashlib
 import os
 from dataclasses import replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Iterator
+from typing import TYPE_CHECKING, Any, Callable, Iterator
 
 from torch import nn
 
@@ -43,60 +43,101 @@ if TYPE_CHECKING:
 
 
 def cache_path(cache_dir: Path | None, model: nn.Module, calibration: Calibration, layers: list[Layer]) -> Path:
+    """The statistics' cache entry: a directory ``<cache dir>/calibration/<key>`` (``meta.json`` and one ``.npy``
+    per distinct Gram, :meth:`InputStatistics.spill`)."""
     from ..spectra import default_cache_dir
 
     key = hashlib.sha256("|".join([weights_hash(model), calibration.digest, *sorted(l.name for l in layers)])
                          .encode()).hexdigest()
-    return (cache_dir or default_cache_dir()) / "calibration" / f"{key}.npz"
+    return (cache_dir or default_cache_dir()) / "calibration" / key
 
 
 STATS_KINDS = kinds.registry.KindSet(lambda k: type(k).statistics is not kinds.LayerKind.statistics,
                                      "read for input statistics")  # a live view of auditor.kinds
 
 
-def statistics_memory(layers: list[Layer]) -> tuple[int, str]:
-    """Bytes the input statistics of ``layers`` take, and the largest one in words: a float64 Gram, groups x n x n,
-    per layer (a vector of n lookup counts for an embedding), plus two more of the largest: one batch's Gram being
-    added to the running sum, and the new sum."""
-    sizes: list[tuple[int, str]] = []
-    for l in layers:
-        if l.kind not in STATS_KINDS:
-            continue
-        if l.kind == Kind.EMBEDDING:
-            sizes.append((8 * l.m, f"layer {l.name} ({l.m:,} lookup counts)"))
-        else:
-            g = max(1, int(l.groups or 1))
-            sizes.append((8 * g * l.n * l.n, f"layer {l.name} ({'%d x ' % g if g > 1 else ''}{l.n:,} x {l.n:,})"))
+def _gram_bytes(layer: Layer) -> tuple[int, str]:
+    if layer.kind == Kind.EMBEDDING:
+        return 8 * layer.m, f"layer {layer.name} ({layer.m:,} lookup counts)"
+    g = max(1, int(layer.groups or 1))
+    return (8 * g * layer.n * layer.n,
+            f"layer {layer.name} ({'%d x ' % g if g > 1 else ''}{layer.n:,} x {layer.n:,})")
+
+
+def statistics_memory(layers: list[Layer], model: nn.Module | None = None) -> tuple[int, str]:
+    """Bytes of input statistics alive at once while they are read, and the largest Gram in words. Without
+    ``model``, or when it has no repeated blocks (:func:`~auditor.calibration.stream.find_blocks`): every layer's
+    float64 Gram (groups x n x n; n lookup counts for an embedding), as the one pass keeps them all. With blocks, the
+    statistics are streamed and each block's Grams spilled to disk before the next: the larger of one block's Grams
+    and the outside layers' (embeddings, output head). Plus two more of the largest: one batch's product being added
+    to the running sum, and the new sum. Layers reading one input (q, k and v) share one Gram when they run, but
+    which do is only seen then: each is counted here, so the estimate is high by the shared ones."""
+    sizes = [_gram_bytes(l) for l in layers if l.kind in STATS_KINDS]
     if not sizes:
         return 0, ""
     big = max(sizes)
-    return sum(b for b, _ in sizes) + 2 * big[0], big[1]
+    found = None
+    if model is not None:
+        from .stream import find_blocks
+
+        found = find_blocks(model, [l for l in layers if l.kind in STATS_KINDS])
+    if found is None:
+        return sum(b for b, _ in sizes) + 2 * big[0], big[1]
+    parts = [[_gram_bytes(l)[0] for l in ls] for ls in [*found.layers, found.outside]]
+    return max(sum(p) for p in parts) + 2 * big[0], big[1]
+
+
+_LIBC: Any = None
+
+
+def _trim() -> None:
+    """Hand the freed heap back to the system (glibc's ``malloc_trim``; nothing elsewhere): the freed Grams of a
+    block would otherwise stay in the process's heap, and its resident size grow with the depth."""
+    import ctypes
+    import ctypes.util
+
+    global _LIBC
+    if _LIBC is None:
+        try:
+            _LIBC = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+            _LIBC.malloc_trim  # noqa: B018 - glibc only
+        except (OSError, AttributeError):
+            _LIBC = False
+    if _LIBC:
+        _LIBC.malloc_trim(0)
 
 
 def _statistics(model: nn.Module, layers: list[Layer], cal: Calibration, options: "AuditOptions",
-                progress: "Progress | None" = None) -> tuple[InputStatistics, bool]:
+                progress: "Progress | None" = None,
+                on_block: "Callable[[int, InputStatistics], None] | None" = None) -> tuple[InputStatistics, bool]:
     """The input statistics of ``layers``: from the cache when an entry saved under this key is intact and fits
-    the layers (checksum, shapes, finite, symmetric, PSD checks), else computed (and cached). Refused with one line,
-    before any is allocated, when the float64 Grams need more memory than is available."""
+    the layers (checksums, shapes, finite, symmetric, PSD checks), else computed. Refused with one line, before any
+    is allocated, when the float64 Grams alive at once (:func:`statistics_memory`) need more memory than is
+    available. Computed, they are read block by block where the model has repeated blocks; ``on_block(i, stats)``
+    gets each block's statistics while they are in memory, and they are then written to disk: to the cache entry
+    (``options.cache``), else to a temporary directory removed with the statistics. The result's ``layers`` is a
+    :class:`~auditor.calibration.stats.GramStore` that reads one layer's Gram back when asked for."""
+    import shutil
+
     from ..spectra.backend import available_memory
     from .inputs import size_text
-    from .stats import StatisticsMismatch, gram_problem
+    from .stats import GramStore, StatisticsMismatch
 
-    need, largest = statistics_memory(layers)
+    need, largest = statistics_memory(layers, model)
     avail = available_memory()
     if avail is not None and need > avail:
         raise AuditError(f"calibration statistics need about {size_text(need)} of memory (a float64 Gram n x n per "
                          f"layer input; the largest: {largest}), and {size_text(avail)} is available",
                          "Run on a machine with more memory, or audit without --calibration (the weight spectra "
                          "need no input Grams)")
-    path = cache_path(options.cache_dir, model, cal, layers) if options.cache else None
+    entry = cache_path(options.cache_dir, model, cal, layers) if options.cache else None
     named = by_name(layers)
-    if path is not None and path.is_file():
+    if entry is not None and (entry / "meta.json").is_file():
         try:
-            stats = InputStatistics.load(path, key=path.stem)
-            for name, inp in stats.layers.items():
+            stats = InputStatistics.open(entry, key=entry.name)
+            for name, m in stats.layers.meta.items():  # type: ignore[union-attr]
                 layer = named.get(name)
-                if layer is None or inp.width != (layer.m if inp.diagonal else layer.n) or gram_problem(inp):
+                if layer is None or m["width"] != (layer.m if m["diagonal"] else layer.n):
                     raise StatisticsMismatch(f"{name} does not fit the layer")
             if stats.digest != cal.digest or set(stats.layers) | set(stats.missing) != set(named):
                 raise StatisticsMismatch("another calibration or other layers")
@@ -105,25 +146,56 @@ def _statistics(model: nn.Module, layers: list[Layer], cal: Calibration, options
             return stats, True
         except Exception:  # noqa: BLE001 - a damaged, foreign or invalid entry is recomputed (and replaced)
             pass
+    store = None
+    if entry is not None:
+        tmp = entry.with_name(f".{entry.name}.{os.getpid()}.tmp")
+        try:
+            shutil.rmtree(tmp, ignore_errors=True)
+            store = GramStore(tmp, temporary=True)  # removed unless it becomes the entry
+        except OSError:  # a read-only cache is not an error: a temporary directory then
+            store = None
+    if store is None:
+        store = GramStore()
+
+    def block(i: int, st: InputStatistics) -> None:
+        if on_block is not None:
+            on_block(i, st)
+        try:
+            store.put(st.layers)
+        except OSError as exc:
+            raise AuditError(f"cannot write the input statistics to {store.dir}: {exc.strerror or exc}",
+                             "Free disk space there, or give --cache-dir a directory with room (without a cache: "
+                             "set TMPDIR)") from None
+        _trim()
+
+
     try:
         from .stream import stream_statistics  # block by block when the model has repeated blocks, else one pass
 
         stats = stream_statistics(model, layers, cal, device=options.device, offload=options.offload,
+                                  on_block=block, keep=False,
                                   progress=progress.update if progress is not None else None)
     except AuditError:
+        store.close()
         raise
     except Exception as exc:  # noqa: BLE001 - a batch the forward refuses, said in one line
         from ..errors import first_line
 
+        store.close()
         raise AuditError(f"the forward failed on the calibration batches while reading input statistics: "
                          f"{first_line(exc)}", "Give every batch the inputs and width the model takes") from None
-    if path is not None:
+    stats.layers = store
+    if entry is not None and store.dir.name.startswith(f".{entry.name}."):
         try:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            tmp = path.with_name(f".{path.stem}.{os.getpid()}.tmp")
-            stats.save(tmp, key=path.stem)
-            tmp.replace(path)
-        except OSError:  # a read-only cache is not an error
+            stats.spill(store.dir, key=entry.name)
+            if entry.exists():
+                shutil.rmtree(entry)
+            store.dir.replace(entry)
+            store.dir = entry
+            if store._remove is not None:
+                store._remove.detach()
+            store.temporary, store._remove = False, None
+        except OSError:  # the temporary directory stays, removed with the statistics
             pass
     return stats, False
 
@@ -238,21 +310,56 @@ class CalibrationSession:
         return s is not None and all(k in s.layers or k in s.missing for k in by_name(layers))
 
     def statistics(self, layers: dict[str, Layer] | list[Layer] | None = None,
-                   progress: "Progress | None" = None) -> InputStatistics:
+                   progress: "Progress | None" = None,
+                   spectra: tuple[int, float] | None = None) -> InputStatistics:
         """The input statistics: computed once (through the cache with the audit's options), then reused. Asked for
-        ``layers`` the session's statistics do not cover (a caller's own set), they are read for those."""
+        ``layers`` the session's statistics do not cover (a caller's own set), they are read for those.
+        ``spectra=(align, target)``: while the statistics are computed, tier 1's whitened spectra are computed too,
+        block by block as each block's statistics complete (before its Grams leave memory), and kept for
+        :meth:`spectra`."""
         want = by_name(layers) if layers is not None else self.layers
         if self._stats is not None and (layers is None or self.covers(want)):
             return self._stats
+        got: dict[str, Any] = {}
+        on_block = None
+        if spectra is not None and layers is None:
+            from .tier1 import whitened_spectra
+
+            table = {n: p for n, p in self.model.named_parameters(remove_duplicate=False)}
+
+            def on_block(_i: int, st: InputStatistics) -> None:
+                got.update(whitened_spectra([want[k] for k in st.layers if k in want], table, st, *spectra))
+
         with self.measuring():
             if self.options is not None:
-                stats, cached = _statistics(self.model, list(want.values()), self.calibration, self.options, progress)
+                stats, cached = _statistics(self.model, list(want.values()), self.calibration, self.options, progress,
+                                            on_block=on_block)
             else:
                 stats, cached = input_statistics(self.model, want, self.calibration,
                                                  progress=progress.update if progress is not None else None), False
+                if on_block is not None:
+                    on_block(-1, stats)
         if self._stats is None:
             self._held.update(stats=stats, cached=cached)
+            if got:
+                self._held.setdefault("spectra", {})[spectra] = {k: got[k] for k in want if k in got}
         return stats
+
+    def spectra(self, align: int = 8, target: float = 0.01,
+                progress: "Callable[[int, int], None] | None" = None) -> dict[str, Any]:
+        """Tier 1's whitened spectra of the session's layers, keyed by ``Layer.name`` in the layers' order: those
+        computed with the statistics (``statistics(spectra=(align, target))``), else from the statistics, each
+        layer's Gram read when its spectrum is computed."""
+        from .tier1 import whitened_spectra
+
+        held = self._held.setdefault("spectra", {})
+        if (align, target) not in held:
+            table = {n: p for n, p in self.model.named_parameters(remove_duplicate=False)}
+            held[(align, target)] = whitened_spectra(list(self.layers.values()), table, self.stats, align, target,
+                                                     progress=progress)
+        elif progress is not None:
+            progress(len(held[(align, target)]), len(held[(align, target)]))
+        return held[(align, target)]
 
     @property
     def stats(self) -> InputStatistics:

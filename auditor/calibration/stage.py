@@ -133,8 +133,6 @@ def calibrate(model: nn.Module, layers: list[Layer], settings: "Settings", optio
     from ..progress import Progress
     from .budget import curves_from_floors, curves_from_spectra, plan_for_budget
     from .sweep import measure_floors
-    from .tier1 import whitened_spectra
-
     if any(p.device.type == "meta" for p in model.parameters()):
         raise AuditError("calibration needs real weights; this model's weights are on the meta device",
                          "Audit a model with weights (not --structure-only) to use --calibration")
@@ -150,13 +148,12 @@ def calibrate(model: nn.Module, layers: list[Layer], settings: "Settings", optio
                 raise AuditError(f"metric {metric.label} is declared lower-is-better; the audit's reports read a "
                                  "user metric as higher-is-better", "Return the negative (e.g. -loss) from the "
                                  "metric, or measure with the library calls (measure_floors, plan_for_budget)")
-        with progress.phase("statistics", total=len(cal.fit), unit="batch"):
-            stats = session.statistics(progress=progress)
-            cached = session.cached
-        table = {n: p for n, p in model.named_parameters(remove_duplicate=False)}
         target = metric.tolerance if metric.output_error else 0.01
+        with progress.phase("statistics", total=len(cal.fit), unit="batch"):  # and tier 1, block by block
+            stats = session.statistics(progress=progress, spectra=(settings.align, target))
+            cached = session.cached
         with progress.phase("tier 1 spectra", total=sum(1 for l in layers if l.name in stats.layers)):
-            spectra = whitened_spectra(layers, table, stats, settings.align, target, progress=progress.update)
+            spectra = session.spectra(settings.align, target, progress=progress.update)
         per: dict[str, LayerCalibration] = {}
         for name, spec in spectra.items():
             inp = stats.layers[name]

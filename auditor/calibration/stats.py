@@ -18,6 +18,12 @@ The result holds float64 NumPy arrays, never torch tensors.
 from __future__ import annotations
 
 import json
+import os
+import re
+import shutil
+import tempfile
+import weakref
+from collections.abc import MutableMapping
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -52,11 +58,95 @@ class LayerInput:
         return self.rows < self.width
 
 
+FIELDS = ("layer", "kind", "rows", "width", "groups", "diagonal", "approximate")
+
+
+def _file_checksum(a: np.ndarray) -> str:
+    from blake3 import blake3
+
+    h = blake3(f"|{a.shape}:{a.dtype.str}|".encode())
+    h.update(memoryview(np.ascontiguousarray(a)).cast("B"))
+    return h.hexdigest()
+
+
+class GramStore(MutableMapping):
+    """Input statistics kept on disk, one ``.npy`` per distinct Gram (q, k and v sharing one input share one file),
+    read back memory-mapped when a layer's entry is asked for: ``store[name]`` is a fresh :class:`LayerInput` whose
+    Gram is a read-only map of its file, checked against the BLAKE3 checksum written with it (a file that changed
+    raises :class:`StatisticsMismatch`). Only the metadata stays in memory, so the Grams in RAM are the ones a caller
+    holds. ``temporary``: the directory is removed when the store is closed or garbage-collected (and at exit)."""
+
+    def __init__(self, directory: str | Path | None = None, temporary: bool | None = None) -> None:
+        if directory is None:
+            directory = tempfile.mkdtemp(prefix="lowrank-audit-grams-")
+            temporary = True if temporary is None else temporary
+        self.dir = Path(directory)
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self.temporary = bool(temporary)
+        self.meta: dict[str, dict[str, Any]] = {}  # name -> LayerInput fields and "file"
+        self.files: dict[str, str] = {}  # file -> checksum
+        self._remove = weakref.finalize(self, shutil.rmtree, str(self.dir), True) if self.temporary else None
+
+    def put(self, layers: dict[str, LayerInput]) -> None:
+        """Write ``layers``' Grams, one file per distinct array among them."""
+        written: dict[int, str] = {}
+        for name, inp in layers.items():
+            f = written.get(id(inp.gram))
+            if f is None:
+                f = written[id(inp.gram)] = f"g{len(self.files)}.npy"
+                a = np.ascontiguousarray(inp.gram, dtype=np.float64)
+                tmp = self.dir / f".{f}.{os.getpid()}.tmp"
+                with open(tmp, "wb") as fh:
+                    np.save(fh, a, allow_pickle=False)
+                tmp.replace(self.dir / f)
+                self.files[f] = _file_checksum(a)
+            self.meta[name] = {**{k: getattr(inp, k) for k in FIELDS}, "file": f}
+
+    def __setitem__(self, name: str, inp: LayerInput) -> None:
+        self.put({name: inp})
+
+    def __getitem__(self, name: str) -> LayerInput:
+        m = self.meta[name]
+        f = m["file"]
+        try:
+            a = np.load(self.dir / f, mmap_mode="r", allow_pickle=False)
+        except (OSError, ValueError) as exc:
+            raise StatisticsMismatch(f"{name}: its Gram file {f} cannot be read ({exc})") from None
+        if _file_checksum(a) != self.files.get(f):
+            raise StatisticsMismatch(f"{name}: its Gram file {f} changed (checksum)")
+        return LayerInput(gram=a, **{k: m[k] for k in FIELDS})
+
+    def __delitem__(self, name: str) -> None:
+        del self.meta[name]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.meta)
+
+    def __len__(self) -> int:
+        return len(self.meta)
+
+    def __contains__(self, name: object) -> bool:
+        return name in self.meta
+
+    def __reduce__(self) -> tuple[Any, ...]:  # pickled (to a cluster's workers) as the Grams themselves
+        return dict, ({k: replace_gram(v, np.array(v.gram)) for k, v in self.items()},)
+
+    def close(self) -> None:
+        """Remove a temporary store's directory now."""
+        if self._remove is not None:
+            self._remove()
+
+
+def replace_gram(inp: LayerInput, gram: np.ndarray) -> LayerInput:
+    return LayerInput(gram=gram, **{k: getattr(inp, k) for k in FIELDS})
+
+
 @dataclass
 class InputStatistics:
-    """X^T X per layer (keyed by ``Layer.name``), the layers that got none and why, and warnings to show."""
+    """X^T X per layer (keyed by ``Layer.name``), the layers that got none and why, and warnings to show.
+    ``layers`` is a dict, or a :class:`GramStore` whose Grams are read from disk on demand."""
 
-    layers: dict[str, LayerInput] = field(default_factory=dict)
+    layers: "dict[str, LayerInput] | GramStore" = field(default_factory=dict)
     missing: dict[str, str] = field(default_factory=dict)
     warnings: list[str] = field(default_factory=list)
     batches: int = 0
@@ -77,6 +167,60 @@ class InputStatistics:
         meta["checksum"] = _checksum(meta, arrays)
         with open(path, "wb") as fh:
             np.savez(fh, __meta__=np.frombuffer(json.dumps(meta).encode(), dtype=np.uint8), **arrays)
+
+    def _meta(self, key: str) -> dict[str, Any]:
+        return {"missing": self.missing, "warnings": self.warnings, "batches": self.batches, "digest": self.digest,
+                "key": key}
+
+    def spill(self, directory: str | Path, key: str = "") -> "InputStatistics":
+        """Write every Gram to ``directory`` (one ``.npy`` per distinct Gram, see :class:`GramStore`; the Grams of a
+        store already there are not rewritten) and ``meta.json``: the layers' fields, the files' BLAKE3 checksums,
+        ``key``, and a checksum over all of it, which :meth:`open` verifies. Returns the statistics reading from
+        there."""
+        directory = Path(directory)
+        store = self.layers if isinstance(self.layers, GramStore) and self.layers.dir == directory else None
+        if store is None:
+            store = GramStore(directory, temporary=False)
+            store.put(dict(self.layers))
+        meta = {**self._meta(key), "layers": store.meta, "files": store.files}
+        meta["checksum"] = _checksum(meta, {})
+        tmp = directory / f".meta.{os.getpid()}.tmp"
+        tmp.write_text(json.dumps(meta))
+        tmp.replace(directory / "meta.json")
+        return InputStatistics(store, dict(self.missing), list(self.warnings), self.batches, self.digest)
+
+    @classmethod
+    def open(cls, directory: str | Path, key: str | None = None) -> "InputStatistics":
+        """Read what :meth:`spill` wrote, the Grams left on disk (memory-mapped when asked for). Raises
+        :class:`StatisticsMismatch` unless ``meta.json`` is intact and, with ``key``, was written under that key,
+        and every Gram file matches its checksum and passes :func:`gram_problem` (each read once, one at a time)."""
+        directory = Path(directory)
+        try:
+            meta = json.loads((directory / "meta.json").read_text())
+        except (OSError, ValueError) as exc:
+            raise StatisticsMismatch(f"no readable metadata ({exc})") from None
+        if not isinstance(meta, dict) or not isinstance(meta.get("layers"), dict) \
+                or not isinstance(meta.get("files"), dict):
+            raise StatisticsMismatch("no metadata")
+        if key is not None and meta.get("key") != key:
+            raise StatisticsMismatch("saved under another key")
+        check = meta.pop("checksum", None)
+        if check != _checksum(meta, {}):
+            raise StatisticsMismatch("checksum")
+        store = GramStore(directory, temporary=False)
+        store.files = {str(k): str(v) for k, v in meta["files"].items()}
+        for name, m in meta["layers"].items():
+            if not isinstance(m, dict) or set(m) != {*FIELDS, "file"} or m["file"] not in store.files \
+                    or not re.fullmatch(r"g\d+\.npy", str(m["file"])):
+                raise StatisticsMismatch(f"{name}: bad metadata")
+            store.meta[name] = m
+        for name in store:
+            inp = store[name]  # the checksum
+            problem = gram_problem(inp)
+            del inp
+            if problem:
+                raise StatisticsMismatch(f"{name}: {problem}")
+        return cls(store, meta["missing"], meta["warnings"], meta["batches"], meta["digest"])
 
     @classmethod
     def load(cls, path: str | Path, key: str | None = None) -> "InputStatistics":
@@ -430,4 +574,4 @@ def input_statistics(model: nn.Module, layers: dict[str, Layer] | list[Layer], b
     return hooks.close(len(fit), digest)
 
 
-__all__ = ["InputStatistics", "LayerInput", "StatisticsHooks", "by_name", "conv_patches", "input_statistics"]
+__all__ = ["GramStore", "InputStatistics", "LayerInput", "StatisticsHooks", "by_name", "conv_patches", "input_statistics"]

@@ -41,46 +41,68 @@ def function_matrices(layer: Layer, weight: torch.Tensor) -> np.ndarray:
 class Basis:
     """The whitened decomposition of one group: U (out x k) descending, sigma^2 (damped), q (exact energies)."""
 
-    u: np.ndarray
+    u: np.ndarray | None
     sigma2: np.ndarray
     q: np.ndarray
     total: float  # ||F X^T||^2
     damping: float
 
 
-def decompose(f: np.ndarray, gram: np.ndarray, diagonal: bool = False, damp: float = DAMP) -> Basis:
-    """Whitened decomposition of one group's F (out x in) under G (in x in, or its diagonal)."""
+CHUNK = 4096  # columns of a wide one-hot map (an embedding's vocabulary) multiplied at a time
+
+
+def decompose(f: np.ndarray, gram: np.ndarray, diagonal: bool = False, damp: float = DAMP,
+              need_u: bool = True) -> Basis:
+    """Whitened decomposition of one group's F (out x in) under G (in x in, or its diagonal). ``need_u=False``: the
+    spectrum and energies only (``u`` is None where it would be out x in: a tall map such as an output head).
+
+    Working memory beyond F: out x in once (F G) for a dense map with out <= in; for an embedding's one-hot inputs
+    out x ``CHUNK`` (its vocabulary in chunks); for a tall map (out > in) in x in matrices only: F^T F is formed
+    once, and (F S)^T (F S) = S^T (F^T F) S, so F S (out x in) is never formed; U = F S V / sigma (out x in) only
+    with ``need_u``."""
     m, n = f.shape
     diag = gram if diagonal else np.diagonal(gram)
     scale = float(np.mean(diag)) if diag.size else 0.0
     lam = damp * scale if scale > 0 else damp
     if diagonal and m > n:  # a tall map over one-hot inputs (tiny vocabulary): the dense route below
-        return decompose(f, np.diag(gram), False, damp)
+        return decompose(f, np.diag(gram), False, damp, need_u)
     if m <= n:
         # M = F G F^T (out x out) once: the eigenproblem, the energies q_i = u_i^T M u_i and the total trace(M)
         # all read it, so G is multiplied once (a 512 x 2048 layer: 4.9 s -> 3.0 s under load, equal to 1e-15)
-        fg = f * gram[None, :] if diagonal else f @ gram
-        mm = fg @ f.T
+        if diagonal:
+            mm = np.zeros((m, m))
+            ff = np.zeros((m, m))
+            for c in range(0, n, CHUNK):
+                fc = f[:, c:c + CHUNK]
+                mm += (fc * gram[None, c:c + CHUNK]) @ fc.T
+                ff += fc @ fc.T
+        else:
+            mm = (f @ gram) @ f.T
+            ff = f @ f.T
         mm = (mm + mm.T) / 2
-        vals, vecs = np.linalg.eigh(mm + lam * (f @ f.T))
+        vals, vecs = np.linalg.eigh(mm + lam * ff)
         order = np.argsort(vals)[::-1]
         sigma2 = np.clip(vals[order], 0.0, None)
         u = vecs[:, order]
         q = np.sum((u.T @ mm) * u.T, axis=1)
         total = float(np.trace(mm))
     else:
-        s = np.linalg.cholesky(gram + lam * np.eye(n))
-        k = f @ s  # m x n, m > n
-        vals, v = np.linalg.eigh(k.T @ k)
+        g = np.diag(gram) if diagonal else gram
+        s = np.linalg.cholesky(g + lam * np.eye(n))
+        a = f.T @ f  # n x n
+        a = (a + a.T) / 2
+        kk = s.T @ a @ s  # (F S)^T (F S)
+        vals, v = np.linalg.eigh((kk + kk.T) / 2)
         order = np.argsort(vals)[::-1]
         sigma2 = np.clip(vals[order], 0.0, None)
         sig = np.sqrt(sigma2)
         keep = sig > sig[0] * 1e-13 if sig.size and sig[0] > 0 else np.zeros(len(sig), dtype=bool)
-        u = np.zeros((m, n))  # directions F never reaches keep zero columns: they carry no energy
-        u[:, keep] = (k @ v[:, order][:, keep]) / sig[keep]
-        t = u.T @ f  # k x n
-        q = np.sum((t * gram[None, :]) * t, axis=1) if diagonal else np.sum((t @ gram) * t, axis=1)
-        total = float(np.sum((f * gram[None, :]) * f)) if diagonal else float(np.sum(gram * (f.T @ f)))
+        w = np.zeros((n, n))  # u_i = F w_i; directions F never reaches keep zero columns: they carry no energy
+        w[:, keep] = (s @ v[:, order][:, keep]) / sig[keep]
+        t = w.T @ a  # u^T F, k x n
+        q = np.sum((t @ g) * t, axis=1)
+        total = float(np.sum(g * a))
+        u = f @ w if need_u else None
     return Basis(u, sigma2, np.clip(q, 0.0, None), total, lam)
 
 
@@ -116,10 +138,11 @@ class WhitenedSpectrum:
         return math.sqrt(dropped) / self.output_norm if self.output_norm > 0 else 0.0
 
 
-def whitened_bases(layer: Layer, weight: torch.Tensor, inp: LayerInput, damp: float = DAMP) -> list[Basis]:
+def whitened_bases(layer: Layer, weight: torch.Tensor, inp: LayerInput, damp: float = DAMP,
+                   need_u: bool = True) -> list[Basis]:
     f = function_matrices(layer, weight)
     grams = [inp.gram] if inp.diagonal else list(inp.gram)
-    return [decompose(f[g], grams[g], inp.diagonal, damp) for g in range(f.shape[0])]
+    return [decompose(f[g], grams[g], inp.diagonal, damp, need_u) for g in range(f.shape[0])]
 
 
 def whitened_spectrum(layer: Layer, weight: torch.Tensor, inp: LayerInput, align: int = 8,
@@ -127,7 +150,7 @@ def whitened_spectrum(layer: Layer, weight: torch.Tensor, inp: LayerInput, align
     """The whitened spectrum of ``layer`` under its input statistics, the error curve, the ranks for 1, 2, 5 and 10%
     layer-output error, and a suggested rank: the one for ``target`` rounded up to a multiple of ``align``, kept only
     below break-even ("keep dense" otherwise)."""
-    bases = whitened_bases(layer, weight, inp, damp)
+    bases = whitened_bases(layer, weight, inp, damp, need_u=False)
     k = min(len(b.q) for b in bases)
     total = sum(b.total for b in bases)
     kept = np.zeros(k + 1)
