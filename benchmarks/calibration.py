@@ -52,7 +52,7 @@ from auditor.calibration import (  # noqa: E402
 from auditor.calibration.inputs import run  # noqa: E402
 from auditor.calibration.stats import by_name  # noqa: E402
 from auditor.calibration.sweep import Sweeper  # noqa: E402
-from auditor.calibration.tier1 import whitened_spectra  # noqa: E402
+from auditor.calibration.whiten import whitened_spectra  # noqa: E402
 from auditor.factorize import SUPPORTED, count_params, factorize  # noqa: E402
 from auditor.structure.layers import ParamTable, collect_layers  # noqa: E402
 from auditor.suggest import suggest  # noqa: E402

@@ -38,7 +38,7 @@ def main() -> None:
 
     from auditor.calibration.inputs import Batch
     from auditor.calibration.stream import resolve_device, stream_statistics
-    from auditor.calibration.tier1 import whitened_spectra
+    from auditor.calibration.whiten import whitened_spectra
     from auditor.errors import AuditError
     from auditor.structure.layers import ParamTable, collect_layers
 

@@ -69,7 +69,7 @@ def child(name: str, mode: str, over: dict | None = None) -> dict:
     from auditor.calibration.inputs import Batch
     from auditor.calibration.stats import input_statistics
     from auditor.calibration.stream import stream_statistics
-    from auditor.calibration.tier1 import whitened_spectra
+    from auditor.calibration.whiten import whitened_spectra
     from auditor.structure.layers import ParamTable, collect_layers
 
     torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))

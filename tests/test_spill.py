@@ -15,7 +15,7 @@ from auditor.calibration import input_statistics, load_calibration
 from auditor.calibration import stats as stats_mod
 from auditor.calibration.session import CalibrationSession, _statistics
 from auditor.calibration.stats import GramStore
-from auditor.calibration.tier1 import whitened_spectra
+from auditor.calibration.whiten import whitened_spectra
 from auditor.calibration.whiten import DAMP, decompose
 from auditor.layers import ParamTable, collect_layers
 from auditor.options import AuditOptions

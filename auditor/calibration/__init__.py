@@ -23,7 +23,8 @@ from .metric import Evaluator, Measurement, Metric, load_metric
 from .stats import InputStatistics, LayerInput, by_name, input_statistics
 from .session import CalibrationSession
 from .whiten import Truncator, WhitenedSpectrum, truncated_factors, truncated_weight, whitened_spectrum
-from .tier1 import tier1, whitened_spectra
+from .tier1 import tier1
+from .whiten import whitened_spectra
 from .sweep import Floor, Floors, Sweeper, measure_floors
 from .text import is_text_file, text_inputs, tokenizer_home
 from .budget import (

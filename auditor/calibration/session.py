@@ -323,7 +323,7 @@ class CalibrationSession:
         got: dict[str, Any] = {}
         on_block = None
         if spectra is not None and layers is None:
-            from .tier1 import whitened_spectra
+            from .whiten import whitened_spectra
 
             table = {n: p for n, p in self.model.named_parameters(remove_duplicate=False)}
 
@@ -350,7 +350,7 @@ class CalibrationSession:
         """Tier 1's whitened spectra of the session's layers, keyed by ``Layer.name`` in the layers' order: those
         computed with the statistics (``statistics(spectra=(align, target))``), else from the statistics, each
         layer's Gram read when its spectrum is computed."""
-        from .tier1 import whitened_spectra
+        from .whiten import whitened_spectra
 
         held = self._held.setdefault("spectra", {})
         if (align, target) not in held:

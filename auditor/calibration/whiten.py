@@ -17,8 +17,12 @@ shorter one (out <= in), sigma_i^2 and u_i come from F (G + lambda I) F^T, which
 
 from __future__ import annotations
 
+import contextlib
 import math
+import os
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Callable
 
 import numpy as np
 import torch
@@ -26,6 +30,9 @@ import torch
 from .. import kinds, lrmath
 from ..results import Layer
 from .stats import LayerInput
+
+if TYPE_CHECKING:
+    from .stats import InputStatistics
 
 DAMP = 1e-6  # lambda = DAMP * mean(diag G): enough for a Cholesky of a singular G, negligible otherwise
 ERROR_TARGETS = (0.01, 0.02, 0.05, 0.10)
@@ -234,3 +241,31 @@ def truncated_weight(layer: Layer, weight: torch.Tensor, rank: int, inp: LayerIn
                      damp: float = DAMP) -> torch.Tensor:
     """The dense weight (stored layout and dtype) of the rank-``rank`` truncation: what the factorized layer computes."""
     return Truncator(layer, weight, inp, damp).weight(rank)
+
+
+def whitened_spectra(layers: dict[str, Layer] | list[Layer], weights: dict[str, torch.Tensor],
+                     stats: "InputStatistics", align: int = 8, target: float = 0.01,
+                     jobs: int | None = None,
+                     progress: Callable[[int, int], None] | None = None) -> dict[str, WhitenedSpectrum]:
+    """The whitened spectrum of every layer in ``layers`` that has input statistics, keyed by ``Layer.name`` in
+    the layers' order. ``weights``: parameter name -> tensor. The decompositions are many small eigh calls, so
+    they run on ``jobs`` threads (default: the CPU count), each with one BLAS thread: NumPy's LAPACK releases the
+    GIL, and one thread per core beats OpenBLAS threads spinning against each other. ``progress(done, total)`` is
+    called (on the calling thread) as each layer's spectrum comes back, in the layers' order."""
+    from threadpoolctl import threadpool_limits
+
+    from .stats import by_name
+
+    todo = [(layer, stats.layers[layer.name]) for layer in by_name(layers).values() if layer.name in stats.layers]
+    jobs = max(1, min(jobs or os.cpu_count() or 1, len(todo) or 1))
+    def one(t: tuple[Layer, Any]) -> WhitenedSpectrum:
+        return whitened_spectrum(t[0], weights[t[0].param], t[1], align, target)
+
+    done: list[WhitenedSpectrum] = []
+    with threadpool_limits(limits=1, user_api="blas"):
+        with (ThreadPoolExecutor(jobs) if jobs > 1 else contextlib.nullcontext()) as pool:
+            for spec in (pool.map(one, todo) if pool is not None else map(one, todo)):
+                done.append(spec)
+                if progress is not None:
+                    progress(len(done), len(todo))
+    return {spec.layer: spec for spec in done}

@@ -171,6 +171,26 @@ class LayerKind:
         return f"<layer kind {self.kind}>"
 
 
+class NamedByParameter:
+    """Mixin for a kind whose layers are named after their parameter (``lstm.weight_ih_l0``, ``attn.in_proj_weight``):
+    the owning module is the name's prefix."""
+
+    def module_path(self, layer: Layer) -> tuple[str, str]:
+        path, _, attr = layer.name.rpartition(".")
+        return path, attr
+
+
+class StoredTransposed:
+    """Mixin for a kind that stores its map transposed, (in, out): an Embedding's (V, H) table is the map H x V of a
+    one-hot row, transformers' Conv1D keeps (in, out)."""
+
+    def function_matrices(self, layer: Layer, w: torch.Tensor) -> np.ndarray:
+        return w.T.contiguous().numpy()[None]
+
+    def stored(self, layer: Layer, f: torch.Tensor) -> torch.Tensor:
+        return f[0].T
+
+
 def rows_hook(feed: Feed, feeds: Feeds) -> Callable[..., None]:
     """A pre-hook feeding the module's first input as rows, at the batch's real positions."""
     return lambda m, a: feed.add_rows(a[0], feeds.mask())

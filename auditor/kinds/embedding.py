@@ -8,14 +8,13 @@ from __future__ import annotations
 
 import math
 
-import numpy as np
 import torch
 from torch import nn
 
 from ..errors import AuditError
 from ..results import Kind, Layer
 from ._weights import only_weight
-from .base import Cost, Feeds, LayerKind, LayerSpec, MatrixView, Shape, fill
+from .base import Cost, Feeds, LayerKind, LayerSpec, MatrixView, Shape, StoredTransposed, fill
 
 NAME_WORDS = ("embed", "wte", "wpe", "word_embeddings", "tok_embeddings", "shared")  # weights-only guesses
 
@@ -32,7 +31,7 @@ def _cost(mod: nn.Module, ins: list[Shape | None], out: Shape | None) -> list[Co
 SPEC = LayerSpec(only_weight, _view, _cost)
 
 
-class EmbeddingKind(LayerKind):
+class EmbeddingKind(StoredTransposed, LayerKind):
     kind = Kind.EMBEDDING
     label = "Embedding"
     finds = {nn.Embedding: SPEC, nn.EmbeddingBag: LayerSpec(only_weight, _view, _cost)}
@@ -46,12 +45,6 @@ class EmbeddingKind(LayerKind):
 
     def accepts(self, mod: nn.Module) -> bool:
         return type(mod) is nn.Embedding
-
-    def function_matrices(self, layer: Layer, w: torch.Tensor) -> np.ndarray:
-        return w.T.contiguous().numpy()[None]
-
-    def stored(self, layer: Layer, f: torch.Tensor) -> torch.Tensor:
-        return f[0].T
 
     def statistics(self, path: str, mod: nn.Module, layers: list[Layer], feeds: Feeds) -> None:
         for layer in layers:

@@ -8,14 +8,14 @@ from __future__ import annotations
 import math
 import sys
 
-import numpy as np
 import torch
 from torch import nn
 
-from ..results import Kind, Layer
+from ..results import Kind
 from . import registry
-from ._weights import linear_pair, only_weight
-from .base import Cost, Feeds, LayerKind, LayerSpec, MatrixView, Shape, rows_hook
+from ._weights import only_weight
+from .base import Cost, LayerSpec, MatrixView, Shape, StoredTransposed
+from .linear import LinearKind
 
 
 def hf_conv1d_type() -> type | None:
@@ -41,7 +41,7 @@ def _cost(mod: nn.Module, ins: list[Shape | None], out: Shape | None) -> list[Co
 SPEC = LayerSpec(only_weight, _view, _cost)
 
 
-class HFConv1DKind(LayerKind):
+class HFConv1DKind(StoredTransposed, LinearKind):
     kind = Kind.CONV1D_HF
     label = "Conv1D"
     finds: dict = {}  # filled by _register once transformers is imported
@@ -54,19 +54,6 @@ class HFConv1DKind(LayerKind):
 
     def matrices(self, t: torch.Tensor, groups: int, m: int, n: int) -> torch.Tensor:
         return t.t().reshape(1, m, n)
-
-    def function_matrices(self, layer: Layer, w: torch.Tensor) -> np.ndarray:
-        return w.T.contiguous().numpy()[None]
-
-    def stored(self, layer: Layer, f: torch.Tensor) -> torch.Tensor:
-        return f[0].T
-
-    def statistics(self, path: str, mod: nn.Module, layers: list[Layer], feeds: Feeds) -> None:
-        for layer in layers:
-            feeds.hook(mod, rows_hook(feeds.rows(layer, layer.n, shared=True), feeds))
-
-    def replace(self, layer, mod, r, a, b):
-        return linear_pair(layer.n, layer.m, r, getattr(mod, "bias", None), a, b, mod.weight)
 
 
 KIND = HFConv1DKind()

@@ -14,7 +14,7 @@ from typing import Any, Callable
 from torch import nn
 
 from ..results import Kind, Layer
-from .base import Cost, Feed, Feeds, LayerKind, LayerSpec, MatrixView, Shape
+from .base import Cost, Feed, Feeds, LayerKind, LayerSpec, MatrixView, NamedByParameter, Shape
 
 _WEIGHTS = ("in_proj_weight", "q_proj_weight", "k_proj_weight", "v_proj_weight")
 
@@ -69,15 +69,11 @@ def _hook(group: dict[str, Feed]) -> Callable[..., None]:
     return hook
 
 
-class MHAInProjKind(LayerKind):
+class MHAInProjKind(NamedByParameter, LayerKind):
     kind = Kind.MHA_IN_PROJ
     finds = {nn.MultiheadAttention: SPEC}
     cannot_factorize = ("MultiheadAttention reads its input projection inside the fused attention call, and "
                         "factorize() has no two-module replacement for it")
-
-    def module_path(self, layer: Layer) -> tuple[str, str]:
-        path, _, attr = layer.name.rpartition(".")
-        return path, attr
 
     def statistics(self, path: str, mod: nn.Module, layers: list[Layer], feeds: Feeds) -> None:
         group = {self.module_path(layer)[1]: feeds.rows(layer, layer.n, shared=True) for layer in layers}

@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from ..results import Kind, Layer
-from .base import Cost, Feed, Feeds, LayerKind, LayerSpec, MatrixView, Shape
+from .base import Cost, Feed, Feeds, LayerKind, LayerSpec, MatrixView, NamedByParameter, Shape
 
 
 def _weights(mod: nn.Module) -> list[str]:
@@ -112,15 +112,11 @@ def _hook(mod: nn.RNNBase, path: str, accs: dict[str, Feed]) -> Callable[..., No
     return hook
 
 
-class RNNKind(LayerKind):
+class RNNKind(NamedByParameter, LayerKind):
     kind = Kind.RNN
     finds = {nn.RNNBase: SPEC}
     cannot_factorize = ("its gate matrices are read inside the fused recurrence, and factorize() has no two-module "
                         "replacement for an LSTM, GRU or RNN")
-
-    def module_path(self, layer: Layer) -> tuple[str, str]:
-        path, _, attr = layer.name.rpartition(".")
-        return path, attr
 
     def graph_site(self, layer: Layer) -> str:
         return layer.param.rpartition(".")[0]
