@@ -332,11 +332,13 @@ def _statistics_entry_from_another_calibration(d: Path, run: Callable) -> None:
         res = run(f"{src}:model", "-q", "--calibration", f"{src}:{fn}", "--cache-dir", str(d / cache),
                   "--format", "json", "-o", str(d / out))
         assert res.returncode == 0, res.stderr
-    [mine] = list((d / "cache" / "calibration").glob("*.npz"))
-    [foreign] = list((d / "other" / "calibration").glob("*.npz"))
-    mine.write_bytes(foreign.read_bytes())  # the other calibration's statistics under this one's key
     import shutil
 
+    # an entry is a directory <key>/ (meta.json and one .npy per distinct Gram)
+    [mine] = [p for p in (d / "cache" / "calibration").iterdir() if p.is_dir()]
+    [foreign] = [p for p in (d / "other" / "calibration").iterdir() if p.is_dir()]
+    shutil.rmtree(mine)
+    shutil.copytree(foreign, mine)  # the other calibration's statistics under this one's key
     shutil.rmtree(d / "other")
 
 
