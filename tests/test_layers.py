@@ -176,6 +176,15 @@ def test_untraceable_model_falls_back_and_says_why():
     assert a.trace_method == "torch.export"
     assert "symbolic_trace failed" in a.trace_summary
     assert a.layer("b").macs == 2 * 4 * 8
+    # the reports people read say it in words; the raw exception stays in the JSON's trace_failures
+    raw = a.trace_failures[0].split(": ", 1)[1]
+    assert raw and raw in a.to_json()
+    import html
+
+    for text in (a.to_text(width=120), html.unescape(a.to_html())):
+        assert "torch.fx.symbolic_trace could not trace the model's forward code" in text.replace("\n", " ")
+        assert raw not in text
+    assert raw not in a.to_markdown()
 
 
 def test_module_walk_when_nothing_traces():

@@ -23,7 +23,7 @@ from .base import RenderContext
 from .md_budget import COLS_OPEN, ROWS_OPEN, Room, fold_if, DEFAULT_CAP, OPEN_LIMIT, Section, fit_markdown, measure, percent
 from .pages import group_rows, plan_rows, rank_changes
 from .safe import md_code, md_text, middle
-from .view import fmt_num, human, layer_table, spectra_computed
+from .view import fmt_num, human, layer_table, spectra_computed, trace_sentence
 
 if TYPE_CHECKING:
     from ..results import Audit
@@ -71,7 +71,7 @@ def _summary(audit: "Audit", context: RenderContext) -> list[str]:
     out.append(f"- Model: {audit.total_params:,} parameters, {audit.factorizable_params:,} factorizable in "
                f"{len(audit.layers):,} layers ({audit.layers_holding(0.8):,} hold 80%); MACs per forward "
                f"{fmt_num(macs) if macs is not None else 'not counted (no inputs)'}")
-    out.append(f"- {name(audit.trace_summary, 300)}")
+    out.append(f"- {name(trace_sentence(audit), 300)}")
     if context.baseline is not None:
         d = context.baseline
         out.append(f"- Since the baseline: {len(d.new_findings)} new finding(s), {len(d.fixed_findings)} fixed; "

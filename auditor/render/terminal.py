@@ -21,7 +21,7 @@ from . import calibration
 from .base import RenderContext
 from .pages import GroupRow, group_rows, plan_rows, rank_changes
 from .safe import middle, term
-from .view import fmt_num, human, layer_table, spectra_computed
+from .view import fmt_num, human, layer_table, spectra_computed, trace_sentence
 
 if TYPE_CHECKING:
     from ..results import Audit
@@ -219,7 +219,7 @@ def render(audit: "Audit", context: RenderContext = RenderContext(), top: int = 
         out.extend(textwrap.wrap(text, width, subsequent_indent=indent, break_on_hyphens=False) or [""])
 
     say(f"lowrank-audit: {term(audit.model_name)}  ({term(audit.source)})")
-    say(term(audit.trace_summary))
+    say(term(trace_sentence(audit)))
     macs = audit.total_macs
     say(f"parameters {audit.total_params:,} unique; factorizable {audit.factorizable_params:,} "
         f"in {len(audit.layers)} layers; rest {audit.rest_params:,} ({100 * audit.rest_share:.1f}%)"
