@@ -60,3 +60,15 @@ def digits_cnn():
     from digits import cnn
 
     return cnn()
+
+
+@pytest.fixture(autouse=True)
+def _sigint_as_python_sets_it():
+    """Every test starts with Python's own Ctrl-C handler (KeyboardInterrupt), whatever an earlier test or library
+    installed: the Ctrl-C tests send a real SIGINT, and a handler left behind would swallow it."""
+    import signal
+
+    before = signal.getsignal(signal.SIGINT)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, before if before is not None else signal.default_int_handler)
