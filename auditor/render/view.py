@@ -9,6 +9,7 @@ import re
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any, Callable, Sequence
 
+from ..groups import Members
 from ..suggest import target_key
 
 if TYPE_CHECKING:
@@ -259,21 +260,13 @@ def trace_sentence(audit: "Audit") -> str:
 
 
 @dataclass(frozen=True)
-class SkippedGroup:
+class SkippedGroup(Members):
     """Skipped layers of one block pattern (``layers.*.mlp.down_proj`` ×32), as the layer table groups layers."""
 
     label: str
     members: list[SkippedRow]
     verdict: str  # "skipped", or "skipped 30 · skip narrow 2"
     reason: str  # the members' common reason, or "" when they differ
-
-    @property
-    def size(self) -> int:
-        return len(self.members)
-
-    @property
-    def is_group(self) -> bool:
-        return len(self.members) > 1
 
 
 def verdict_summary(rows: Sequence[Any]) -> str:
