@@ -113,6 +113,10 @@ def _parser() -> argparse.ArgumentParser:
     g.add_argument("--offload", action="store_true",
                    help="keep the weights on the CPU and move each repeated block to --device only while it runs "
                         "(no effect with --device cpu)")
+    g.add_argument("--compute-dtype", choices=["model", "float32"],
+                   help="the dtype calibration statistics are read in: model (its own, the default) or float32 "
+                        "(bf16/fp16 weights upcast one block at a time: on a CPU without bf16 matrix units bf16 is "
+                        "hundreds of times slower)")
     g = p.add_argument_group("spectra")
     g.add_argument("--no-spectra", action="store_true", help="skip singular values (structure and counts only)")
     g.add_argument("--spectra-backend", choices=[b.value for b in SpectraBackend], default=SpectraBackend.LAPACK.value,
@@ -350,7 +354,8 @@ def calibration_options(args: argparse.Namespace) -> dict:
                                 ("--calibration-length", args.calibration_length),
                                 ("--calibration-max-rows", args.calibration_max_rows),
                                 ("--calibration-max-bytes", args.calibration_max_bytes),
-                                ("--device", args.device), ("--offload", args.offload or None)) if v is not None]
+                                ("--device", args.device), ("--offload", args.offload or None),
+                                ("--compute-dtype", args.compute_dtype)) if v is not None]
         if given:
             raise AuditError(f"{', '.join(given)} need(s) calibration data", "Pass --calibration FILE as well")
         return {}
@@ -359,6 +364,7 @@ def calibration_options(args: argparse.Namespace) -> dict:
             "budget": args.budget, "calibration_length": args.calibration_length,
             **({"device": _device(args.device)} if args.device is not None else {}),
             **({"offload": True} if args.offload else {}),
+            **({"compute_dtype": args.compute_dtype} if args.compute_dtype not in (None, "model") else {}),
             **({"calibration_max_rows": args.calibration_max_rows} if args.calibration_max_rows is not None else {}),
             **({"calibration_max_bytes": parse_size(args.calibration_max_bytes)}
                if args.calibration_max_bytes is not None else {}), **recovery}

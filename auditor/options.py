@@ -78,6 +78,7 @@ class AuditOptions:
     calibration_max_bytes: int | None = CALIBRATION_MAX_BYTES  # read at most this many bytes (None: no cap)
     device: str | None = None  # statistics: cpu, cuda, cuda:N or auto (None: where the model is)
     offload: bool = False  # statistics: each repeated block on the device only while it runs
+    compute_dtype: str | None = None  # statistics: "float32" runs bf16/fp16 weights upcast, a block at a time
     # tier 3 after a recovery fine-tune (docs/calibration.md): each frontier plan measured again after it
     recover_steps: int | None = None  # recovery steps per frontier plan (needs calibration and budget)
     recover_lr: float = 1e-4  # AdamW learning rate (auditor.recover.DEFAULT_LR)
@@ -99,6 +100,11 @@ class AuditOptions:
                              f"Choose from {', '.join(b.value for b in SpectraBackend)}") from None
         if self.jobs is not None and self.jobs < 1:
             raise AuditError(f"jobs={self.jobs}: at least one layer must run", "Use jobs=1 or more, or None")
+        if self.compute_dtype is not None:
+            from .calibration.stream import compute_dtype_for
+
+            dt = compute_dtype_for(self.compute_dtype)
+            object.__setattr__(self, "compute_dtype", None if dt is None else str(dt).replace("torch.", ""))
         if self.cache_dir is not None and not isinstance(self.cache_dir, Path):
             object.__setattr__(self, "cache_dir", Path(self.cache_dir))
         if self.settings is None:
@@ -201,6 +207,7 @@ class OptionFields(TypedDict, total=False):
     calibration_max_bytes: int | None
     device: str | None
     offload: bool
+    compute_dtype: str | None
     recover_steps: int | None
     recover_lr: float
     recover_trainable: str

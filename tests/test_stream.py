@@ -3,6 +3,7 @@ distinct input, the device option, and the float32-per-batch path."""
 
 from __future__ import annotations
 
+import copy
 import math
 
 import numpy as np
@@ -235,3 +236,37 @@ def test_cli_device_errors(cli_inproc, flags, message):
     assert r.returncode == 2 and r.stderr.strip().splitlines() == [r.stderr.strip()] and r.stderr.startswith(message)
     r = cli_inproc("sample_models/digits.py:mlp", "--offload")
     assert r.returncode == 2 and "--offload need(s) calibration data" in r.stderr
+
+
+def test_bf16_read_in_float32_one_block_at_a_time():
+    """--compute-dtype float32: a bf16 model's statistics equal those of its float32 copy (the bf16 weights are exact
+    in float32), one block is upcast at a time, and every weight comes back bf16 and bit-identical."""
+    model = _tiny_llama().to(torch.bfloat16)
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    layers = _layers(model)
+    cal = load_calibration(_padded_batches(), model, holdout=0.25)
+    blocks = model.model.layers
+    seen: list[list[torch.dtype]] = []
+    hooks = [b.self_attn.q_proj.register_forward_hook(lambda m, a, o: seen.append([blk.self_attn.q_proj.weight.dtype
+                                                                                   for blk in blocks]))
+             for b in blocks]
+    try:
+        got = stream_statistics(model, layers, cal, compute_dtype="float32")
+    finally:
+        for h in hooks:
+            h.remove()
+    # block 0 alone, then block 1 alone, upcast while it runs (the first run checks block 0's output's shape)
+    fit = len(cal.fit)
+    assert [tuple(s) for s in seen] == [(torch.float32, torch.bfloat16)] * (fit + 1) + \
+        [(torch.bfloat16, torch.float32)] * fit
+    for n, p in model.named_parameters():
+        assert p.dtype == torch.bfloat16 and torch.equal(p, before[n]), n
+    ref = copy.deepcopy(model).float()
+    _assert_equal_stats(got, input_statistics(ref, _layers(ref), cal), tol=1e-10)
+    with pytest.raises(AuditError, match="unknown compute dtype 'int8'"):
+        stream_statistics(model, layers, cal, compute_dtype="int8")
+
+
+def test_cli_compute_dtype_needs_calibration(cli_inproc):
+    r = cli_inproc("sample_models/digits.py:mlp", "--compute-dtype", "float32")
+    assert r.returncode == 2 and "--compute-dtype need(s) calibration data" in r.stderr

@@ -42,13 +42,16 @@ if TYPE_CHECKING:
     from ..progress import Progress
 
 
-def cache_path(cache_dir: Path | None, model: nn.Module, calibration: Calibration, layers: list[Layer]) -> Path:
+def cache_path(cache_dir: Path | None, model: nn.Module, calibration: Calibration, layers: list[Layer],
+               compute_dtype: str | None = None) -> Path:
     """The statistics' cache entry: a directory ``<cache dir>/calibration/<key>`` (``meta.json`` and one ``.npy``
-    per distinct Gram, :meth:`InputStatistics.spill`)."""
+    per distinct Gram, :meth:`InputStatistics.spill`); statistics read in another compute dtype have their own."""
     from ..spectra import default_cache_dir
 
-    key = hashlib.sha256("|".join([weights_hash(model), calibration.digest, *sorted(l.name for l in layers)])
-                         .encode()).hexdigest()
+    parts = [weights_hash(model), calibration.digest, *sorted(l.name for l in layers)]
+    if compute_dtype is not None:
+        parts.append(f"compute={compute_dtype}")
+    key = hashlib.sha256("|".join(parts).encode()).hexdigest()
     return (cache_dir or default_cache_dir()) / "calibration" / key
 
 
@@ -130,7 +133,7 @@ def _statistics(model: nn.Module, layers: list[Layer], cal: Calibration, options
                          f"layer input; the largest: {largest}), and {size_text(avail)} is available",
                          "Run on a machine with more memory, or audit without --calibration (the weight spectra "
                          "need no input Grams)")
-    entry = cache_path(options.cache_dir, model, cal, layers) if options.cache else None
+    entry = cache_path(options.cache_dir, model, cal, layers, options.compute_dtype) if options.cache else None
     named = by_name(layers)
     if entry is not None and (entry / "meta.json").is_file():
         try:
@@ -173,7 +176,7 @@ def _statistics(model: nn.Module, layers: list[Layer], cal: Calibration, options
         from .stream import stream_statistics  # block by block when the model has repeated blocks, else one pass
 
         stats = stream_statistics(model, layers, cal, device=options.device, offload=options.offload,
-                                  on_block=block, keep=False,
+                                  compute_dtype=options.compute_dtype, on_block=block, keep=False,
                                   progress=progress.update if progress is not None else None)
     except AuditError:
         store.close()
