@@ -1,15 +1,21 @@
-"""What a recovery fine-tune buys on the sample char transformer: plans at about 30%, 50% and 70% of the parameters
-removed, the held-out metric before recovery and after 50, 200 and 500 distillation steps, and seconds per step.
+"""What a recovery fine-tune buys on the sample char transformer and the sample Llama: plans at about 30%, 50% and
+70% of the parameters removed, the held-out metric before recovery and after 50, 200 and 500 distillation steps, and
+seconds per step.
 
     python benchmarks/recovery.py                    # steps 50, 200, 500 (one run of 500 steps per plan, measured
                                                      # at each checkpoint), lr 1e-4, factors only, 8 windows a step
     python benchmarks/recovery.py --steps 50,200 --lr 3e-4 --trainable all --budgets 0.5
+    python benchmarks/recovery.py --model llama      # the sample Llama, judged by held-out perplexity
 
 Plans: the Lagrangian allocation (``auditor.calibration.budget.allocate``) over the tier-1 whitened error curves at
 the target removal, without the back-off of ``plan_for_budget`` (the point is to see plans past the tolerance);
 whitened initialisation. Calibration: ``chargpt_calib.safetensors`` (64 windows of 128 characters: the fit rows the
 recovery trains on, 8 a step by default) and ``chargpt_holdout.safetensors`` (256 windows from held-out files: only measured on). The
 metric is the audit's: relative logit error against the dense model, with top-1 agreement, and the held-out KL.
+``--model llama``: ``sample_models/llama`` (Hugging Face directory, float32 in memory) with its ``calib.txt`` (the fit
+windows of 256 tokens) and ``holdout.txt``, tokenized as the audit does; the metric is the audit's default for a
+causal LM, the held-out perplexity's relative increase (the table also gives the perplexity itself and the held-out
+next-token KL, the distillation loss).
 Each checkpoint is the state after that many steps of one run whose learning-rate schedule spans the longest run
 (``recover(..., eval_every=...)``), not separate shorter runs.
 """
@@ -45,22 +51,43 @@ def main() -> None:
     ap.add_argument("--objective", default="auto", choices=("auto", "kl", "mse"))
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--batch", type=int, default=8, help="windows per step (and per measured batch)")
+    ap.add_argument("--model", default="chargpt", choices=("chargpt", "llama"))
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     checkpoints = sorted({int(s) for s in args.steps.split(",")})
     budgets = [float(b) for b in args.budgets.split(",")]
 
-    from chargpt import CALIB, HOLDOUT, chargpt
+    metric = None
+    if args.model == "llama":
+        import transformers
 
-    model, _ = chargpt()
-    cal = load_calibration(str(CALIB), model, str(HOLDOUT), batch_size=args.batch)
+        from auditor.calibration.metric import Metric
+
+        here = ROOT / "sample_models" / "llama"
+        model = transformers.AutoModelForCausalLM.from_pretrained(str(here), dtype=torch.float32).eval()
+        cal = load_calibration(str(here / "calib.txt"), model, str(here / "holdout.txt"), batch_size=args.batch,
+                               tokenizer=here)
+        metric = Metric(kind="perplexity")
+        name = "sample Llama"
+    else:
+        from chargpt import CALIB, HOLDOUT, chargpt
+
+        model, _ = chargpt()
+        cal = load_calibration(str(CALIB), model, str(HOLDOUT), batch_size=args.batch)
+        name = "char transformer"
     layers = by_name(collect_layers(model, ParamTable.of(model)))
     layers = {k: v for k, v in layers.items() if v.kind in SUPPORTED}
     stats, spectra = tier1(model, layers, cal)
     curves = curves_from_spectra(spectra, layers)
     total = count_params(model)
-    print(f"char transformer: {total:,} parameters, {len(curves.options)} factorizable layers; fit {cal.fit_rows} "
-          f"windows, held out {cal.holdout_rows}, {args.batch} windows a step; lr {args.lr:g}, {args.trainable}, objective {args.objective}, torch threads {args.threads}")
+    dense_ppl = None
+    if metric is not None:
+        from auditor.calibration.metric import Evaluator
+
+        dense_ppl = Evaluator(model, cal, metric).reference
+    print(f"{name}: {total:,} parameters, {len(curves.options)} factorizable layers; fit {cal.fit_rows} "
+          f"windows, held out {cal.holdout_rows}, {args.batch} windows a step; lr {args.lr:g}, {args.trainable}, objective {args.objective}, torch threads {args.threads}"
+          + (f"; dense held-out perplexity {dense_ppl:.3f}" if dense_ppl is not None else ""))
     rows = []
     for budget in budgets:
         plan, saved, _ = allocate(curves, budget * total)
@@ -68,7 +95,7 @@ def main() -> None:
         removed = 1 - count_params(new) / total
         t0 = time.perf_counter()
         rec = recover(new, model, cal, steps=checkpoints[-1], lr=args.lr, trainable=args.trainable,
-                      objective=args.objective, eval_at=checkpoints)
+                      objective=args.objective, eval_at=checkpoints, metric=metric)
         wall = time.perf_counter() - t0
         at = {p.step: p for p in rec.points}
         rows.append((removed, len(plan), rec, at, wall))
@@ -85,6 +112,8 @@ def main() -> None:
             if p is None:
                 return "-"
             top = f", top-1 {100 * p.top1:.1f}%" if p.top1 is not None else ""
+            if dense_ppl is not None:  # the relative increase, the perplexity, the held-out KL
+                return f"+{100 * p.metric:.2f}% (ppl {dense_ppl * (1 + p.metric):.2f}, KL {p.loss:.4f})"
             return f"{p.metric:.4f} (KL {p.loss:.4f}{top})"
 
         print(f"| {100 * removed:.1f}% | {n} | {cell(0)} | " + " | ".join(cell(s) for s in checkpoints)
