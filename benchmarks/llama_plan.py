@@ -118,6 +118,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", type=Path, default=ROOT / "sample_models" / "llama")
     ap.add_argument("--steps", type=int, default=12, help="bisection steps over the uniform fraction")
+    ap.add_argument("--measure-floor", action="store_true",
+                    help="the audit with --measure-floor: its plan from tier-2 curves (measured per layer)")
     args = ap.parse_args()
     torch.set_num_threads(2)
     from transformers import AutoTokenizer, LlamaForCausalLM
@@ -125,13 +127,14 @@ def main() -> None:
     calib, holdout = args.model / "calib.txt", args.model / "holdout.txt"
     t = time.perf_counter()
     audit = auditor.audit_source(str(args.model), options=auditor.AuditOptions(
-        calibration=str(calib), holdout=str(holdout), cache=False, progress=False))
+        calibration=str(calib), holdout=str(holdout), cache=False, progress=False, measure_floor=args.measure_floor))
     cal = audit.calibration
     plan = {i.layer: i.rank for i in audit.review.items}
     check = cal.plan_check
     print(f"tool: {audit.model_name}, {audit.total_params:,} parameters; {cal.fit_rows} calibration rows, "
           f"{cal.holdout_rows} held out; metric {cal.metric}, tolerance {cal.tolerance:g}; dense "
-          f"{cal.reference:.4f}; audit {time.perf_counter() - t:.0f} s")
+          f"{cal.reference:.4f}; audit {time.perf_counter() - t:.0f} s"
+          + ("; tier 2 (--measure-floor)" if args.measure_floor else ""))
     print(f"  suggested plan: {len(plan)} layers; the tool measured {check.measured:.4f} "
           f"({'holds' if check.ok else 'MISSES'}), removing {check.removed:,} parameters")
     for layer, rank in sorted(plan.items()):
