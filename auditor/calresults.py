@@ -70,6 +70,7 @@ class LayerCalibration:
     floor: LayerFloor | None = None
     seen: int | None = None  # input directions the calibration saw: ids looked up (embeddings), rank of X^T X
     spans: bool = True  # the calibration saw every input direction (seen == width); else data-free ranks stand
+    probes: list[tuple[int, float]] = field(default_factory=list)  # (rank, metric) measured alone: tier 3's gains
 
     @property
     def singular(self) -> bool:

@@ -100,6 +100,9 @@ def _parser() -> argparse.ArgumentParser:
                         "nats per token, the relative output error, or a user metric's drop in its units")
     g.add_argument("--measure-floor", action="store_true",
                    help="tier 2: truncate each layer alone and bisect for its measured floor")
+    g.add_argument("--no-probe", action="store_true",
+                   help="tier 3 without --measure-floor: skip the sensitivity probes (each layer measured alone at "
+                        "two ranks) and cost every layer by its tier-1 layer-output error as it is")
     g.add_argument("--budget", type=float, metavar="FRACTION",
                    help="tier 3: a plan removing this share of the parameters, checked all at once")
     from .recover import add_cli_arguments as recover_arguments
@@ -351,6 +354,7 @@ def calibration_options(args: argparse.Namespace) -> dict:
     if args.calibration is None:
         given = [f for f, v in (("--holdout", args.holdout), ("--metric", args.metric), ("--tolerance", args.tolerance),
                                 ("--measure-floor", args.measure_floor or None), ("--budget", args.budget),
+                                ("--no-probe", args.no_probe or None),
                                 ("--calibration-length", args.calibration_length),
                                 ("--calibration-max-rows", args.calibration_max_rows),
                                 ("--calibration-max-bytes", args.calibration_max_bytes),
@@ -362,6 +366,7 @@ def calibration_options(args: argparse.Namespace) -> dict:
     return {"calibration": args.calibration, "holdout": args.holdout if args.holdout is not None else 0.25,
             "metric": args.metric, "tolerance": args.tolerance, "measure_floor": args.measure_floor,
             "budget": args.budget, "calibration_length": args.calibration_length,
+            **({"probe_sensitivity": False} if args.no_probe else {}),
             **({"device": _device(args.device)} if args.device is not None else {}),
             **({"offload": True} if args.offload else {}),
             **({"compute_dtype": args.compute_dtype} if args.compute_dtype not in (None, "model") else {}),

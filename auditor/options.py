@@ -72,6 +72,7 @@ class AuditOptions:
     tolerance: float | None = None  # in the metric's units (default 0.01 relative output error)
     measure_floor: bool = False  # tier 2: each layer truncated alone, floor found by bisection
     budget: float | None = None  # tier 3: a fraction of the parameters to remove, checked all at once
+    probe_sensitivity: bool = True  # tier 3 without tier 2: each layer measured alone at two ranks, to scale its costs
     calibration_length: int | None = None  # tokens per window of a text file (default: the positions, at most 512)
     tokenizer: Any = None  # the directory of the tokenizer for a text file (audit_source: the Hugging Face directory)
     calibration_max_rows: int | None = CALIBRATION_MAX_ROWS  # read at most this many rows (None: no cap)
@@ -201,6 +202,7 @@ class OptionFields(TypedDict, total=False):
     tolerance: float | None
     measure_floor: bool
     budget: float | None
+    probe_sensitivity: bool
     calibration_length: int | None
     tokenizer: Any
     calibration_max_rows: int | None

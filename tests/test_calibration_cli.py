@@ -56,7 +56,8 @@ def _json(cli_inproc, out: Path, *args: str, code: int = 0, fmt: str = "json") -
 
 def test_tier1_ranks_and_suggestions_are_the_librarys(cli_inproc, calib, tmp_path, digits_mlp):
     model = digits_mlp[0]
-    d = _json(cli_inproc, tmp_path, "--calibration", calib, "--cache-dir", tmp_path / "cache", fmt="json,md")
+    d = _json(cli_inproc, tmp_path, "--calibration", calib, "--cache-dir", tmp_path / "cache", "--no-probe",
+              fmt="json,md")
     md = (tmp_path / "lowrank-audit.md").read_text()
     assert "### Calibration" in md and "recovery fine-tune follows" in md
     cal = load_calibration(calib, model, 0.25)
@@ -88,6 +89,7 @@ def test_tier1_ranks_and_suggestions_are_the_librarys(cli_inproc, calib, tmp_pat
     # the boundary is bracketed: a measured plan removing more failed, unless the largest plan held
     assert bp.smallest_failing is not None and any(not t.ok and t.removed > bp.removed for t in bp.tries)
     assert not got["measured_floors"] and got["budget"]["budget"] is None and not got["statistics_cached"]
+    assert got["budget"]["source"] == "tier1" and all(not lc["probes"] for lc in got["layers"].values())
     pc = got["plan_check"]  # the suggested plan, factorized all at once and measured
     ev = auditor.calibration.Evaluator(model, cal)
     want = ev.measure(factorize(model, plan, stats))
@@ -102,9 +104,49 @@ def test_tier1_ranks_and_suggestions_are_the_librarys(cli_inproc, calib, tmp_pat
     assert pc["predicted"] == pytest.approx(math.sqrt(sum(spectra[k].error_at(r) ** 2 for k, r in plan.items())),
                                             rel=1e-9)
     # a second run reads the input statistics from the cache, with the same numbers
-    again = _json(cli_inproc, tmp_path / "2", "--calibration", calib, "--cache-dir", tmp_path / "cache")
+    again = _json(cli_inproc, tmp_path / "2", "--calibration", calib, "--cache-dir", tmp_path / "cache", "--no-probe")
     assert again["calibration"]["statistics_cached"]
     assert again["calibration"]["layers"] == got["layers"]
+
+
+def test_default_plan_scales_tier1_by_probed_sensitivity(cli_inproc, calib, tmp_path, digits_mlp):
+    """The default tier 3 (no --measure-floor): each planned layer truncated alone at its smallest grid rank and at
+    its tier-1 rank, measured; the plan is the library's over the curves those gains scale, and holds all at once."""
+    from auditor.calibration.sweep import probe_ranks, probe_sensitivity
+    from auditor.calibration.whiten import Truncator
+
+    model = digits_mlp[0]
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    d = _json(cli_inproc, tmp_path, "--calibration", calib, "--no-cache", fmt="json,md")
+    cal = load_calibration(calib, model, 0.25)
+    layers = _layers(model)
+    stats, spectra = tier1(model, layers, cal)
+    got = d["calibration"]
+    swept = [layers["fc1"]]  # the only layer calibration spans and is not narrow
+    assert probe_ranks(layers["fc1"], spectra["fc1"], 8, 0.01) == [8, 48]  # 48: its rank for 1% output error
+    assert [lc["probes"] != [] for lc in got["layers"].values()] == [k == "fc1" for k in got["layers"]]
+    # each probe is the model with that layer alone at its whitened truncation, measured on the held-out rows
+    ev = auditor.calibration.Evaluator(model, cal)
+    for r, value in got["layers"]["fc1"]["probes"]:
+        import copy
+
+        one = copy.deepcopy(model)
+        with torch.no_grad():
+            one.fc1.weight.copy_(Truncator(layers["fc1"], model.fc1.weight.detach(), stats.layers["fc1"]).weight(r))
+        assert value == pytest.approx(ev.measure(one).value, rel=1e-9), r
+    probes = probe_sensitivity(model, swept, cal, spectra)
+    assert [list(p) for p in probes.floors["fc1"].points] == got["layers"]["fc1"]["probes"]
+    assert probes.evaluations == 2 and all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
+    bp = plan_for_budget(model, list(layers.values()), cal,
+                         _curves(curves_from_floors(probes, swept, spectra, source="probed"), swept), stats=stats,
+                         fixed=got["budget"]["fixed"])
+    b = got["budget"]
+    assert b["source"] == "probed" and b["plan"] == bp.plan and b["removed"] == bp.removed and bp.ok
+    assert got["evaluations"] >= 2 + len(bp.tries)
+    pc = got["plan_check"]
+    assert pc["ok"] and pc["basis"].startswith("single-layer model errors")
+    md = (tmp_path / "lowrank-audit.md").read_text()
+    assert "over the sensitivity-scaled tier-1 curves" in md
 
 
 def test_floors_and_budget_are_the_librarys(cli_inproc, calib, tmp_path, digits_mlp):

@@ -46,14 +46,16 @@ class Curves:
 
 
 def curves_from_floors(floors: Floors, layers: dict[str, Layer] | list[Layer],
-                       spectra: dict[str, WhitenedSpectrum] | None = None) -> Curves:
+                       spectra: dict[str, WhitenedSpectrum] | None = None, source: str = "measured") -> Curves:
     """Options from the tier-2 points: every measured rank below break-even, costed by its measured metric.
 
     With ``spectra`` (tier 1) and the default metric, the grid ranks the search did not visit are options too,
     costed by the layer's measured gain times its tier-1 layer-output error, (g(r) e(r))^2, where g is the ratio
     of measured to layer-output error at the measured ranks, interpolated (log-linear in rank) between them and held
     flat beyond. The guided search measures about 3 ranks per layer; without these the allocation could only pick
-    among those (on the char transformer the budgeted plan removed 27% instead of 50% at the same tolerance)."""
+    among those (on the char transformer the budgeted plan removed 27% instead of 50% at the same tolerance).
+    ``floors`` may also be sensitivity probes (:func:`~auditor.calibration.sweep.probe_sensitivity`, ``source``
+    "probed"): two measured ranks a layer, the same gains between them."""
     named = by_name(layers)
     out: dict[str, list[Option]] = {}
     for name, f in floors.floors.items():
@@ -72,7 +74,7 @@ def curves_from_floors(floors: Floors, layers: dict[str, Layer] | list[Layer],
         opts = [Option(r, layer.params - layer.params_at(r), c) for r, c in sorted(costs.items())]
         if opts:
             out[name] = opts
-    return Curves(out, "measured")
+    return Curves(out, source)
 
 
 def metric_cost(kind: str, higher_is_better: bool, reference: float, value: float) -> float:

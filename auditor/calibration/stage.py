@@ -192,7 +192,24 @@ def calibrate(model: nn.Module, layers: list[Layer], settings: "Settings", optio
 
         planned = [l for l in swept if not l.aliases and l.kind in SUPPORTED]
         fixed = _fixed_ranks(layers, suggestions or {}, {l.name for l in planned}, per, settings)
+        probes = None
+        if floors is None and options.probe_sensitivity and metric.kind != "user" and planned:
+            from .sweep import probe_sensitivity
+
+            t_probe = time.perf_counter()
+
+            def probed(done: int, total: int, n: int) -> None:
+                progress.update(done, total, note=f"{n} evaluation{'s' if n != 1 else ''}")
+
+            with progress.phase("sensitivity probes", total=len(planned)):
+                probes = probe_sensitivity(model, planned, session, spectra, settings.align, target, steps=probed)
+            evaluations += probes.evaluations
+            seconds["probes"] = time.perf_counter() - t_probe
+            t += seconds["probes"]
+            for name, f in probes.floors.items():
+                per[name].probes = list(f.points)
         curves = (curves_from_floors(floors, planned, spectra) if floors is not None
+                  else curves_from_floors(probes, planned, spectra, source="probed") if probes is not None
                   else curves_from_spectra({l.name: spectra[l.name] for l in planned}, planned, settings.align))
         named = {l.name: l for l in planned}
         curves = type(curves)({k: [o for o in v if named[k].compression(o.rank) >= settings.min_compression]
@@ -344,7 +361,9 @@ def check_plan(cal: Calibrated, model: nn.Module, audit: "Audit") -> Calibration
 
         def points(k: str) -> list[tuple[int, float]]:
             lc = report.layers.get(k)
-            return list(lc.floor.points) if lc is not None and lc.floor is not None else []
+            if lc is None:
+                return []
+            return list(lc.floor.points) if lc.floor is not None else list(lc.probes)
 
         predicted = math.sqrt(sum(single_layer_error(points(k), cal.spectra[k], r) ** 2 for k, r in plan.items()))
         basis = ("single-layer model errors (measured, or tier-1 errors scaled by the measured gain)"

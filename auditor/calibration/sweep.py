@@ -396,11 +396,74 @@ class Sweeper:
                     f"{metric.tolerance:g}: keep dense (measured)")
         return f
 
+    def probe(self, name: str, ranks: list[int]) -> Floor:
+        """The layer truncated alone (whitened) at each of ``ranks`` and measured: a :class:`Floor` holding those
+        points and no floor. What tier 3 scales tier 1's layer-output errors by when tier 2 is not run."""
+        layer = self.layers[name]
+        param = self.params[layer.param]
+        original = param.detach().clone()
+        inp = self.stats.layers.get(name)
+        trunc = Truncator(layer, original, inp)
+        points: list[tuple[int, float]] = []
+        top1: dict[int, float] = {}
+        for r in sorted(set(ranks)):
+            with torch.no_grad():
+                param.copy_(trunc.weight(r))
+            try:
+                m = self._measure(name)
+            finally:
+                with torch.no_grad():
+                    param.copy_(original)
+            points.append((r, m.value))
+            if m.top1 is not None:
+                top1[r] = m.top1
+        return Floor(None, None, None, None, None, False, points=points, layer=name, top1=top1,
+                     init="whitened" if inp is not None else "svd",
+                     reason=f"probed at rank{'s' if len(points) > 1 else ''} {', '.join(str(r) for r, _ in points)}")
+
     def result(self, floors: dict[str, Floor], search: str, seconds: float) -> Floors:
         """``Floors`` for ``floors`` measured by this sweeper (or by workers holding one like it)."""
         return Floors(floors, self.metric.label, self.metric.higher_is_better, self.metric.tolerance,
                       self.evaluator.reference, self.align, search, sum(len(f.points) for f in floors.values()),
                       seconds, self.cache is not None, self.metric.kind)
+
+
+def probe_ranks(layer: Layer, spec: WhitenedSpectrum | None, align: int, target: float) -> list[int]:
+    """Where a layer's sensitivity is probed: the smallest grid rank, and the grid rank at or above the one tier 1
+    gives for ``target`` (the gain between them is interpolated, flat beyond)."""
+    grid = _grid(layer, align)
+    if not grid:
+        return []
+    want = spec.rank_for(target) if spec is not None else grid[len(grid) // 2]
+    i = min(len(grid) - 1, max(0, math.ceil(want / align) - 1))
+    return sorted({grid[0], grid[i]})
+
+
+def probe_sensitivity(model: nn.Module, layers: dict[str, Layer] | list[Layer],
+                      calibration: Calibration | CalibrationSession, spectra: dict[str, WhitenedSpectrum],
+                      align: int = 8, target: float = 0.01,
+                      steps: Callable[[int, int, int], None] | None = None) -> Floors:
+    """Each layer truncated alone at its :func:`probe_ranks` and measured on the held-out batches (at most two
+    evaluations a layer): ``Floors`` whose points, not floors, are what counts (``search`` "probe"). A layer's
+    tier-1 layer-output error times its measured gain is its model-level cost in tier 3
+    (:func:`~auditor.calibration.budget.curves_from_floors`): a layer whose errors the rest of the model hides
+    costs less than one whose errors reach the output. ``model`` is not modified."""
+    t0 = time.perf_counter()
+    sweeper = Sweeper(model, layers, calibration, None, align, None, None, spectra)
+    base = sweeper.evaluations
+    out: dict[str, Floor] = {}
+    if steps is not None:
+        steps(0, len(sweeper.layers), 0)
+        sweeper.on_evaluation = lambda n: steps(len(out), len(sweeper.layers), n - base)
+    for name, layer in sweeper.layers.items():
+        ranks = probe_ranks(layer, spectra.get(name), align, target)
+        if ranks and kinds.for_kind(layer.kind).swept and not kinds.for_kind(layer.kind).cannot_factorize:
+            out[name] = sweeper.probe(name, ranks)
+        if steps is not None:
+            steps(len(out), len(sweeper.layers), sweeper.evaluations - base)
+    result = sweeper.result(out, "probe", time.perf_counter() - t0)
+    result.evaluations = sweeper.evaluations - base
+    return result
 
 
 def measure_floors(model: nn.Module, layers: dict[str, Layer] | list[Layer],

@@ -41,9 +41,18 @@ def summary(cal: "CalibrationReport") -> str:
             + (" (statistics from the cache)" if cal.statistics_cached else ""))
 
 
+CURVES = {"tier1": "tier-1", "measured": "measured-floor", "probed": "sensitivity-scaled tier-1"}
+
+
 def basis(cal: "CalibrationReport") -> str:
     b = cal.budget
-    curves = "measured-floor" if cal.measured_floors else "tier-1"
+    curves = ("measured-floor" if cal.measured_floors else
+              "sensitivity-scaled tier-1" if cal.budget is not None and cal.budget.source == "probed" else "tier-1")
+    probed = sum(len(lc.probes) for lc in cal.layers.values())
+    if curves.startswith("sensitivity") and probed:
+        n = sum(1 for lc in cal.layers.values() if lc.probes)
+        curves += (f" (each layer's layer-output error times its model-level sensitivity, measured with the layer "
+                   f"truncated alone: {n} layers, {probed} evaluations)")
     if b is None:
         return ("Suggested ranks: the data-aware rank for "
                 f"{100 * (cal.tolerance if not cal.higher_is_better else 0.01):g}% layer-output error on the "
@@ -169,7 +178,7 @@ def budget_lines(cal: "CalibrationReport") -> list[str]:
     if b is None:
         return []
     ask = f"at most {100 * b.budget:g}% removed" if b.budget is not None else "the largest the tolerance allows"
-    over = {"tier1": "tier-1", "measured": "measured-floor"}.get(b.source, b.source)
+    over = CURVES.get(b.source, b.source)
     top1 = f", top-1 {pct(b.top1)}" if b.top1 is not None else ""
     note = cal.recovery_note()
     if not b.plan:
@@ -333,7 +342,7 @@ def _md_lines(cal: "CalibrationReport") -> tuple[list[str], list[str]]:
             lines.append(f"- Search ({ask}): none of the {b.evaluations} plans measured all at once holds the "
                          "tolerance, so every calibrated layer stays dense")
         else:
-            lines.append(f"- Search ({ask}, over the {b.source} curves): {b.evaluations} plans measured all at once"
+            lines.append(f"- Search ({ask}, over the {CURVES.get(b.source, b.source)} curves): {b.evaluations} plans measured all at once"
                          + (f"; the smallest larger plan measured ({b.smallest_failing:,} parameters removed) "
                             "misses the tolerance" if b.smallest_failing is not None else ""))
         if b.exhausted:
