@@ -139,3 +139,17 @@ def test_a_factory_file_with_a_dataclass_loads(tmp_path):
     )
     loaded = load_source(f"{tmp_path / 'm.py'}:build")
     assert sum(p.numel() for p in loaded.model.parameters()) == 6 * 4 + 4
+
+
+def test_input_shape_follows_a_bf16_model(tmp_path, cli_inproc):
+    """--input-shape for a bfloat16 model makes bfloat16 inputs: the audit traces it and counts its MACs (float32
+    inputs made the forward fail: a dtype mismatch in the first Linear)."""
+    (tmp_path / "half.py").write_text(
+        "import torch\nfrom torch import nn\n\n"
+        "def mlp():\n    torch.manual_seed(0)\n"
+        "    return nn.Sequential(nn.Linear(64, 96), nn.ReLU(), nn.Linear(96, 10)).to(torch.bfloat16)\n")
+    r = cli_inproc(f"{tmp_path / 'half.py'}:mlp", "--input-shape", "4,64", "--format", "json", "-o", tmp_path / "out",
+                   "-q", "--no-cache")
+    assert r.returncode == 0, r.stderr
+    d = json.loads((tmp_path / "out" / "lowrank-audit.json").read_text())
+    assert d["totals"]["macs"] == 4 * (64 * 96 + 96 * 10)

@@ -19,7 +19,7 @@ from pathlib import Path
 
 from ..errors import AuditError
 from .checkpoint import Loaded, WeightsOnly, apply_weights, open_checkpoint
-from .factory import _factory, _inputs, _zoo
+from .factory import _factory, _inputs, _zoo, float_dtype
 
 __all__ = ["Loaded", "WeightsOnly", "SOURCE_HELP", "load_source", "parse_shape"]
 
@@ -91,7 +91,7 @@ def load_source(
         lib, name = spec.split(":", 1)
         model = _zoo(lib, name)
         notes = apply_weights(model, open_checkpoint(weights, flag=True), partial) if weights else []
-        return Loaded(model, _inputs(input_shape, input_ids), name, spec, notes)
+        return Loaded(model, _inputs(input_shape, input_ids, float_dtype(model)), name, spec, notes)
     if weights and (path.suffix in (".safetensors", ".bin", ".pt", ".pth") or spec.endswith(".index.json") or (
             path.is_dir() and not (path / "config.json").is_file())):
         raise AuditError(f"--weights applies to a model built from code or a config; {spec} is already a checkpoint",

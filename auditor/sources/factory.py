@@ -121,8 +121,14 @@ def _factory(spec: str, input_shape: Any, input_ids: Any, weights: str | None, p
         raise AuditError(f"factory {attr}() returned {type(out).__name__}, not a torch.nn.Module",
                          "Return an nn.Module, or (module, example_inputs)")
     notes = apply_weights(out, open_checkpoint(weights, flag=True), partial) if weights else []
-    inputs = _inputs(input_shape, input_ids) if (input_shape or input_ids) else example
+    inputs = _inputs(input_shape, input_ids, float_dtype(out)) if (input_shape or input_ids) else example
     return Loaded(out, inputs, type(out).__name__, spec, notes)
+
+
+def float_dtype(model: nn.Module) -> torch.dtype:
+    """The dtype made-up float inputs take: the model's first floating parameter's (a bf16 model gets bf16 inputs,
+    which its forward accepts), float32 without one."""
+    return next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
 
 
 def _factory_hint(module: Any, attr: str, most: int = 10) -> str:
@@ -138,13 +144,14 @@ def _factory_hint(module: Any, attr: str, most: int = 10) -> str:
     return (f"Did you mean {', '.join(close)}? " if close else "") + there
 
 
-def _inputs(input_shape: Any, input_ids: Any) -> Any:
-    """Example inputs for a factory or zoo model: random floats of each shape, or token ids below 1000."""
+def _inputs(input_shape: Any, input_ids: Any, dtype: torch.dtype = torch.float32) -> Any:
+    """Example inputs for a factory or zoo model: random floats of each shape (in ``dtype``), or token ids below
+    1000."""
     gen = torch.Generator().manual_seed(0)
     if input_ids is not None:
         return (torch.randint(0, 1000, tuple(input_ids), generator=gen),)
     if input_shape:
-        return tuple(torch.randn(tuple(s), generator=gen) for s in input_shape)
+        return tuple(torch.randn(tuple(s), generator=gen).to(dtype) for s in input_shape)
     return None
 
 

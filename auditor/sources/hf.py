@@ -15,6 +15,7 @@ from torch import nn
 
 from ..errors import AuditError, first_line
 from .checkpoint import CHUNK_BYTES, Loaded, apply_weights, open_checkpoint
+from .factory import float_dtype
 
 OFFLINE_VARS = ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE")
 REMOTE_CODE_KEYS = ("auto_map", "trust_remote_code", "custom_pipelines")
@@ -254,7 +255,7 @@ def _inputs(model: nn.Module, meta: nn.Module, config: Any, name: str, input_sha
         if len(input_shape) > 1:
             raise AuditError(f"{name} takes one float input ({main}); {len(input_shape)} shapes were given",
                              "Pass one --input-shape")
-        return {main: _floats(tuple(input_shape[0]), device)}
+        return {main: _floats(tuple(input_shape[0]), device, float_dtype(model))}
     if input_ids is not None:
         if main != "input_ids":
             shape = ",".join(map(str, _image_shape(config))) if main == "pixel_values" else "1,..."
@@ -278,7 +279,7 @@ def _inputs(model: nn.Module, meta: nn.Module, config: Any, name: str, input_sha
         hint = "--input-ids B,S picks another shape"
     elif main == "pixel_values":
         shape = _image_shape(config)
-        made, what = {main: _floats(shape, device)}, f"pixel values of shape {' x '.join(map(str, shape))}"
+        made, what = {main: _floats(shape, device, float_dtype(model))}, f"pixel values of shape {' x '.join(map(str, shape))}"
         hint = "--input-shape picks another shape"
     if made is None:
         return None
@@ -303,10 +304,10 @@ def _meta_only(exc: Exception) -> bool:
     return isinstance(exc, NotImplementedError) or "meta" in str(exc).lower()
 
 
-def _floats(shape: tuple[int, ...], device: torch.device) -> torch.Tensor:
+def _floats(shape: tuple[int, ...], device: torch.device, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     if device.type == "meta":
-        return torch.empty(shape, device="meta")
-    return torch.randn(shape, generator=torch.Generator().manual_seed(0))
+        return torch.empty(shape, device="meta", dtype=dtype)
+    return torch.randn(shape, generator=torch.Generator().manual_seed(0)).to(dtype)
 
 
 def _token_inputs(config: Any, shape: tuple[int, ...], vocab: int, device: torch.device) -> dict[str, torch.Tensor]:
