@@ -137,9 +137,13 @@ def test_a_budget_of_zero_stores_nothing_and_everything_runs(llama):
 
 def test_bad_budgets_are_refused(llama):
     model, cal, layers, stats, _ = llama
-    for bad in (-1, 1.5, True, "1G"):
-        with pytest.raises(ValueError, match="prefix_cache_bytes must be a whole number of bytes"):
-            Sweeper(model, layers, cal, align=8, stats=stats, prefix_cache_bytes=bad)
+    for bad in (-1, 1.5, True, "1G", float("nan")):
+        for cache in (True, False):
+            with pytest.raises(ValueError, match="prefix_cache_bytes must be a whole number of bytes"):
+                Sweeper(model, layers, cal, align=8, stats=stats, prefix_cache=cache, prefix_cache_bytes=bad)
+    import numpy as np
+
+    assert Sweeper(model, layers, cal, align=8, stats=stats, prefix_cache_bytes=np.int64(5)).cache.budget == 5
     assert 0 <= default_cache_bytes() <= 8 * 2**30
 
 

@@ -23,6 +23,7 @@ from __future__ import annotations
 import copy
 import heapq
 import math
+import operator
 import time
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -93,6 +94,19 @@ def default_cache_bytes() -> int:
     return CACHE_FALLBACK if avail is None else max(0, min(int(avail * CACHE_SHARE), CACHE_CAP))
 
 
+def check_cache_bytes(budget: Any) -> int | None:
+    """``prefix_cache_bytes`` as an int (None stays None), or ValueError naming what is wrong."""
+    if budget is None:
+        return None
+    try:
+        n = None if isinstance(budget, bool) else operator.index(budget)
+    except TypeError:
+        n = None
+    if n is None or n < 0:
+        raise ValueError(f"prefix_cache_bytes must be a whole number of bytes, 0 or more, not {budget!r}")
+    return n
+
+
 def _tensors(out: Any, seen: set[int], depth: int = 0) -> list[torch.Tensor]:
     """Every tensor an output holds: in tuples, lists, dicts (a Hugging Face ``ModelOutput``) and the attributes of
     other objects (a key/value cache), to a bounded depth; each object once."""
@@ -141,8 +155,7 @@ class PrefixCache:
         weight (a tied weight has several). No module holding a use of the layer under test (or containing one)
         is replayed, and replay stops at the first call of any use."""
         self.model = model
-        if budget is not None and (isinstance(budget, bool) or not isinstance(budget, int) or budget < 0):
-            raise ValueError(f"prefix_cache_bytes must be a whole number of bytes, 0 or more, not {budget!r}")
+        budget = check_cache_bytes(budget)
         self.budget = default_cache_bytes() if budget is None else budget
         self.bytes = self.peak_bytes = self.dropped = 0
         self.uses = {name: {path} | set((uses or {}).get(name, ())) for name, path in owners.items()}
@@ -403,6 +416,7 @@ class Sweeper:
                  tolerance: float | None = None, align: int = 8, metric: Metric | Callable[..., float] | None = None,
                  stats: InputStatistics | None = None, spectra: dict[str, WhitenedSpectrum] | None = None,
                  prefix_cache: bool = True, prefix_cache_bytes: int | None = None) -> None:
+        check_cache_bytes(prefix_cache_bytes)  # before the session's passes over the data
         self.layers = by_name(layers)
         session = CalibrationSession.of(calibration, model, metric=metric, tolerance=tolerance, layers=self.layers,
                                         stats=stats)
