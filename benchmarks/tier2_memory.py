@@ -1,7 +1,8 @@
 """Tier 2 on small Llama-shaped models: peak resident memory of the measured floors, prefix cache unbounded vs bounded.
 
-    python benchmarks/tier2_memory.py                     # depth 2, 4 and 8; modes copy, unbounded, bounded
-    python benchmarks/tier2_memory.py --depths 2,8 --budget-mib 4 --windows 48
+    python benchmarks/tier2_memory.py                     # depth 2, 4 and 8; modes unbounded, bounded
+    git archive COMMIT auditor | tar -x -C /tmp/before     # a checkout of the package before the bounded cache
+    python benchmarks/tier2_memory.py --before /tmp/before  # ... and mode "before" run on it
 
 The models are ``transformers.LlamaForCausalLM`` built from a config here with random weights (cost only, never
 quality): hidden 256, intermediate 688, vocabulary 2048, 4 query / 2 key-value heads, fed 8 calibration windows and
@@ -9,9 +10,11 @@ quality): hidden 256, intermediate 688, vocabulary 2048, 4 query / 2 key-value h
 last block's down_proj (bisection over multiples of 32, the default perplexity metric): every earlier block's output
 is a prefix-cache candidate, so the unbounded cache grows with the depth.
 
-Modes, each in a fresh subprocess (its peak RSS is the child's ``ru_maxrss``):
-- ``copy``: a deep copy of the model kept alive beside the sweep and the prefix cache unbounded: what the sweeper
-  held before it worked in place (a working copy, every candidate output of every held-out batch);
+Modes, each in a fresh subprocess (its peak RSS is the child's ``ru_maxrss``; "sweep +" is that peak less the RSS
+peak before the sweep started: the sweep's own memory, without the interpreter's and the libraries' noise):
+- ``before`` (with ``--before DIR``): the package in DIR (imported instead of this one) with its defaults: there
+  the sweeper worked on a deep copy of the model and stored every candidate module's output of every held-out batch;
+- ``copy``: a deep copy of the model kept alive beside the sweep (what a working copy costs), prefix cache unbounded;
 - ``unbounded``: in place, the prefix cache unbounded (``prefix_cache_bytes=2**40``);
 - ``bounded``: in place, the prefix cache at ``--budget-mib`` (default 4 MiB).
 The floors of every mode are printed; they must be equal (the budget changes the time, never the numbers).
@@ -64,7 +67,10 @@ def child(depth: int, mode: str, windows: int, budget_mib: float) -> dict:
     budget = 2**40 if mode in ("copy", "unbounded") else int(budget_mib * 2**20)
     base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     t = time.perf_counter()
-    floors = measure_floors(model, swept, cal, align=32, prefix_cache_bytes=budget)
+    if mode == "before":  # the old package: no budget keyword, its own copy of the model
+        floors = measure_floors(model, swept, cal, align=32)
+    else:
+        floors = measure_floors(model, swept, cal, align=32, prefix_cache_bytes=budget)
     seconds = time.perf_counter() - t
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     del held
@@ -75,12 +81,14 @@ def child(depth: int, mode: str, windows: int, budget_mib: float) -> dict:
             "held_out_tokens": windows * c["tokens"]}
 
 
-def run(depth: int, mode: str, windows: int, budget_mib: float, cap_gb: float, timeout: float) -> dict:
+def run(depth: int, mode: str, windows: int, budget_mib: float, cap_gb: float, timeout: float,
+        before: str = "") -> dict:
+    root = before if mode == "before" else str(ROOT)
     code = (f"import resource,sys,json; cap=int({cap_gb}*2**30); resource.setrlimit(resource.RLIMIT_AS,(cap,cap)); "
-            f"sys.path.insert(0,{str(ROOT)!r}); sys.path.insert(0,{str(ROOT / 'benchmarks')!r}); "
+            f"sys.path.insert(0,{root!r}); sys.path.insert(0,{str(ROOT / 'benchmarks')!r}); "
             f"import tier2_memory as b; "
             f"print('RESULT', json.dumps(b.child({depth!r},{mode!r},{windows!r},{budget_mib!r})))")
-    env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    env = {**os.environ, "PYTHONPATH": f"{root}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
     try:
         p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=timeout, env=env)
     except subprocess.TimeoutExpired:
@@ -95,7 +103,10 @@ def run(depth: int, mode: str, windows: int, budget_mib: float, cap_gb: float, t
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--depths", default="2,4,8", help="decoder blocks (default 2,4,8)")
-    ap.add_argument("--modes", default="copy,unbounded,bounded", help="which of copy,unbounded,bounded to run")
+    ap.add_argument("--modes", default="unbounded,bounded",
+                    help="which of before,copy,unbounded,bounded to run (default unbounded,bounded; with --before: "
+                         "before,unbounded,bounded)")
+    ap.add_argument("--before", metavar="DIR", default="", help="a folder holding an older auditor package")
     ap.add_argument("--windows", type=int, default=24, help="held-out windows of 256 tokens (default 24)")
     ap.add_argument("--budget-mib", type=float, default=4.0, help="the bounded prefix cache's budget (default 4)")
     ap.add_argument("--cap-gb", type=float, default=8.0, help="address-space cap of each subprocess (default 8)")
@@ -104,15 +115,20 @@ def main() -> None:
     a = ap.parse_args()
     depths = [int(d) for d in a.depths.split(",")]
     modes = a.modes.split(",")
+    if a.before and "before" not in modes:
+        modes.insert(0, "before")
+    if "before" in modes and not (Path(a.before) / "auditor").is_dir():
+        ap.error("mode before needs --before DIR, a folder holding an auditor package")
     rows = []
     for d in depths:
         for mode in modes:
-            r = run(d, mode, a.windows, a.budget_mib, a.cap_gb, a.timeout)
+            r = run(d, mode, a.windows, a.budget_mib, a.cap_gb, a.timeout, a.before)
             rows.append(r)
             if "error" in r:
                 print(f"depth {d} {mode:9s} {r['error']}", flush=True)
                 continue
-            print(f"depth {d} {mode:9s} weights {r['weights_mib']:6.1f} MiB  peak RSS {r['peak_mib']:7.1f} MiB  "
+            print(f"depth {d} {mode:9s} weights {r['weights_mib']:6.1f} MiB  peak RSS {r['peak_mib']:7.1f} MiB "
+                  f"(sweep +{r['peak_mib'] - r['before_mib']:5.1f})  "
                   f"tier 2 {r['seconds']:6.1f} s  {r['evaluations']} evaluations  floors {r['floors']}", flush=True)
         same = [r for r in rows if r.get("depth") == d and "points" in r]
         if len(same) > 1:
@@ -123,8 +139,9 @@ def main() -> None:
         if len(got) > 1:
             lo, hi = got[0], got[-1]
             grow, wgrow = hi["peak_mib"] - lo["peak_mib"], hi["weights_mib"] - lo["weights_mib"]
-            print(f"{mode:9s} depth {lo['depth']} -> {hi['depth']}: peak RSS +{grow:,.1f} MiB for "
-                  f"+{wgrow:,.1f} MiB of weights ({grow / wgrow:.2f}x)")
+            sweep = (hi["peak_mib"] - hi["before_mib"]) - (lo["peak_mib"] - lo["before_mib"])
+            print(f"{mode:9s} depth {lo['depth']} -> {hi['depth']}: peak RSS +{grow:,.1f} MiB, the sweep's own growth "
+                  f"+{sweep:,.1f} MiB, for +{wgrow:,.1f} MiB of weights")
     if a.json:
         Path(a.json).write_text(json.dumps(rows, indent=1))
 

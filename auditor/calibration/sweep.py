@@ -394,7 +394,7 @@ def floor_from_points(points: dict[int, bool]) -> int | None:
 
 
 class Sweeper:
-    """Everything one needs to measure floors, built once: a working copy of the model in eval mode, and from the
+    """Everything one needs to measure floors, built once: the model (swept in place), and from the
     calibration session the evaluator (the dense reference on the held-out batches, measured once) and the input
     statistics, plus the prefix cache. ``floor(name)`` measures one layer; it is what a cluster task runs, so a
     worker builds a Sweeper once and serves many layers.
@@ -426,7 +426,7 @@ class Sweeper:
         self.stats = session.statistics(self.layers)
         self.work = model  # swept in place: one layer's weight at a time, restored after each evaluation
         self.spectra = spectra or {}
-        self.evaluator = session.evaluator  # measures the working copy against the dense model's reference
+        self.evaluator = session.evaluator  # measures the swept model against the dense model's reference
         from .stats import _module_path
 
         self.params = dict(self.work.named_parameters(remove_duplicate=False))
