@@ -172,6 +172,49 @@ def allocate(curves: Curves, target_saved: float) -> tuple[dict[str, int], int, 
     return _pick(opts, hi)
 
 
+REUSE_SHARE = 0.25  # of the memory available when tier 3 starts, for the decompositions kept across plans
+REUSE_CAP = 8 * 2**30  # bytes, at most, by default
+REUSE_FALLBACK = 2 * 2**30  # bytes by default where the available memory cannot be read
+
+
+def default_reuse_bytes() -> int:
+    """The default budget of :class:`Decompositions`: a quarter of the memory available now, at most 8 GiB; 2 GiB
+    where it cannot be read."""
+    from ..spectra.backend import available_memory
+
+    avail = available_memory()
+    return REUSE_FALLBACK if avail is None else max(0, min(int(avail * REUSE_SHARE), REUSE_CAP))
+
+
+def _truncator_bytes(trunc: object) -> int:
+    """The float64 arrays a :class:`~auditor.calibration.whiten.Truncator` holds: the weight F and each group's U."""
+    f = getattr(trunc, "f", None)
+    return int(getattr(f, "nbytes", 0)) + sum(int(u.nbytes) for u in getattr(trunc, "u", ()))
+
+
+class Decompositions(dict):
+    """The per-layer decompositions (``factorize``'s ``reuse``) kept across the plans tier 3 measures, at most
+    ``budget`` bytes of them (None: :func:`default_reuse_bytes`): a float64 weight and its U per layer would be
+    about twice the model's weights in float64 for every layer at once. A decomposition that does not fit is not
+    kept, and is computed again for the next plan that needs it (the same factors: the same arrays in, the same
+    LAPACK calls). ``bytes``: what is kept."""
+
+    def __init__(self, budget: int | None = None) -> None:
+        super().__init__()
+        self.budget = default_reuse_bytes() if budget is None else int(budget)
+        self.bytes = 0
+        self.refused = 0
+
+    def __setitem__(self, key: str, value: object) -> None:
+        n = _truncator_bytes(value)
+        old = _truncator_bytes(self[key]) if key in self else 0
+        if self.bytes - old + n > self.budget:
+            self.refused += 1
+            return
+        super().__setitem__(key, value)
+        self.bytes += n - old
+
+
 FrontierPoint = FrontierPlan  # one plan measured all at once: the report's type (auditor/calresults.py)
 BudgetPlan = BudgetResult  # tier 3's result: the report's type, returned as it is
 
@@ -180,7 +223,7 @@ def plan_for_budget(model: nn.Module, layers: dict[str, Layer] | list[Layer],
                     calibration: Calibration | CalibrationSession, curves: Curves, budget: float | None = None, tolerance: float | None = None,
                     metric: Metric | Callable[..., float] | None = None, stats: InputStatistics | None = None,
                     frontier: int = 5, max_tries: int = 64, fixed: dict[str, int] | None = None,
-                    progress: Callable[[int], None] | None = None) -> BudgetResult:
+                    progress: Callable[[int], None] | None = None, reuse_bytes: int | None = None) -> BudgetResult:
     """Tier 3: the largest plan over ``curves`` that holds the tolerance all at once on the held-out batches.
 
     Each target (parameters to remove) gives one plan (:func:`allocate`); a plan is factorized and measured once
@@ -193,7 +236,9 @@ def plan_for_budget(model: nn.Module, layers: dict[str, Layer] | list[Layer],
     tried; :attr:`BudgetPlan.exhausted` says when it did not). ``fixed`` layers (name -> rank) are part of every plan
     measured: layers whose rank comes from elsewhere (the data-free suggestion) but that the plan must hold with.
     Only layers ``factorize`` rewrites take part. The model is measured in eval mode; its mode is restored.
-    ``progress(plans measured so far)`` is called after each plan is measured (how many there will be is not known)."""
+    ``progress(plans measured so far)`` is called after each plan is measured (how many there will be is not known).
+    ``reuse_bytes``: the budget of the per-layer decompositions kept across plans (:class:`Decompositions`; None: its
+    default; 0 decomposes every layer again for every plan). One plan's factorized copy is alive at a time."""
     t0 = time.perf_counter()
     named = by_name(layers)
     fixed = {k: int(r) for k, r in (fixed or {}).items()}
@@ -212,12 +257,13 @@ def plan_for_budget(model: nn.Module, layers: dict[str, Layer] | list[Layer],
     with session.measuring():  # every module's own mode is restored afterwards
         stats = session.statistics(planned)
         return _search(model, session.evaluator, curves, named, stats, session.metric, budget, frontier, max_tries,
-                       fixed, t0, progress)
+                       fixed, t0, progress, reuse_bytes)
 
 
 def _search(model: nn.Module, ev: Evaluator, curves: Curves, named: dict[str, Layer], stats: InputStatistics,
             metric: Metric, budget: float | None, frontier: int, max_tries: int, fixed: dict[str, int],
-            t0: float, progress: Callable[[int], None] | None = None) -> BudgetResult:
+            t0: float, progress: Callable[[int], None] | None = None,
+            reuse_bytes: int | None = None) -> BudgetResult:
     total = count_params(model)
     options = curves.options
     max_saved = sum(max(o.saved for o in opts) for opts in options.values())
@@ -225,7 +271,7 @@ def _search(model: nn.Module, ev: Evaluator, curves: Curves, named: dict[str, La
     memo: dict[tuple[tuple[str, int], ...], FrontierPlan] = {}
     by_target: dict[float, FrontierPlan] = {}
     tries: list[FrontierPlan] = []
-    reuse: dict[str, object] = {}  # one decomposition per layer across every plan tried
+    reuse = Decompositions(reuse_bytes)  # each layer decomposed once across the plans, within a byte budget
 
     def measure(target: float) -> FrontierPlan:
         if target in by_target:

@@ -10,12 +10,20 @@ each such module whose call finished before the first call of any module holding
 stored output instead of computing it (never a module holding that weight); later calls run for real. A call is
 matched to its recorded batch by the identity of its input tensors, never by their data pointers (a slice shares one). Everything after the layer runs as usual, so the metric is the same number a full
 forward pass gives.
+
+The stored outputs are bounded by a byte budget (``prefix_cache_bytes``; default :func:`default_cache_bytes`): the
+earliest calls of every batch are kept (a module early in the forward is replayed for every layer after it), and
+calls beyond the budget are not stored and run for real when replayed, from their real inputs: the numbers are the
+same at any budget, only the time changes. The sweep works on the caller's model in place, one layer's weight at a
+time, restored bit for bit after every evaluation.
 """
 
 from __future__ import annotations
 
 import copy
+import heapq
 import math
+import operator
 import time
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -26,7 +34,7 @@ from torch import nn
 from .. import kinds, lrmath
 from ..calresults import LayerFloor
 from ..results import Layer
-from .inputs import Calibration
+from .inputs import Calibration, eval_mode
 from .metric import Evaluator, Metric
 from .session import CalibrationSession
 from .stats import InputStatistics, by_name
@@ -72,15 +80,84 @@ def block_of(model: nn.Module, path: str) -> str:
     return best
 
 
+CACHE_SHARE = 0.25  # of the memory available when the sweep starts, for the prefix cache by default
+CACHE_CAP = 8 * 2**30  # bytes, at most, by default
+CACHE_FALLBACK = 2 * 2**30  # bytes by default where the available memory cannot be read
+
+
+def default_cache_bytes() -> int:
+    """The prefix cache's default budget: a quarter of the memory available now (MemAvailable, lowered to the
+    cgroup's room), at most 8 GiB; 2 GiB where it cannot be read."""
+    from ..spectra.backend import available_memory
+
+    avail = available_memory()
+    return CACHE_FALLBACK if avail is None else max(0, min(int(avail * CACHE_SHARE), CACHE_CAP))
+
+
+def check_cache_bytes(budget: Any) -> int | None:
+    """``prefix_cache_bytes`` as an int (None stays None), or ValueError naming what is wrong."""
+    if budget is None:
+        return None
+    try:
+        n = None if isinstance(budget, bool) else operator.index(budget)
+    except TypeError:
+        n = None
+    if n is None or n < 0:
+        raise ValueError(f"prefix_cache_bytes must be a whole number of bytes, 0 or more, not {budget!r}")
+    return n
+
+
+def _tensors(out: Any, seen: set[int], depth: int = 0) -> list[torch.Tensor]:
+    """Every tensor an output holds: in tuples, lists, dicts (a Hugging Face ``ModelOutput``) and the attributes of
+    other objects (a key/value cache), to a bounded depth; each object once."""
+    if id(out) in seen or depth > 8:
+        return []
+    seen.add(id(out))
+    if isinstance(out, torch.Tensor):
+        return [out]
+    if isinstance(out, (str, bytes, int, float, bool, type(None))):
+        return []
+    items: Any
+    if isinstance(out, dict):
+        items = out.values()
+    elif isinstance(out, (tuple, list, set, frozenset)):
+        items = out
+    else:
+        items = getattr(out, "__dict__", {}).values()
+    found: list[torch.Tensor] = []
+    for o in items:
+        found += _tensors(o, seen, depth + 1)
+    return found
+
+
+def _storages(out: Any) -> dict[tuple[str, int], int]:
+    """(device, storage address) -> bytes of every storage an output's tensors keep alive: a view keeps its whole
+    storage, and two views of one storage count once."""
+    got: dict[tuple[str, int], int] = {}
+    for t in _tensors(out, set()):
+        st = t.untyped_storage()
+        got[(str(t.device), st.data_ptr())] = st.nbytes()
+    return got
+
+
 class PrefixCache:
-    """Stored outputs of the modules that run before each swept layer's block, replayed while that layer is swept."""
+    """Stored outputs of the modules that run before each swept layer's block, replayed while that layer is swept.
+
+    At most ``budget`` bytes of outputs are stored (None: :func:`default_cache_bytes`; 0 stores nothing): the
+    storages their tensors keep alive, each counted once. When a call's output would take the store over the budget,
+    the stored calls latest in their batch's forward go first (the new one included), so every batch keeps its
+    earliest calls. A call not stored runs for real when replayed. ``bytes``: the bytes stored; ``peak_bytes``: the
+    most ever stored once a call was admitted (never above the budget); ``dropped``: calls recorded but not kept."""
 
     def __init__(self, model: nn.Module, owners: dict[str, str], evaluator: Evaluator,
-                 uses: dict[str, set[str]] | None = None) -> None:
+                 uses: dict[str, set[str]] | None = None, budget: int | None = None) -> None:
         """``owners``: layer name -> owning module path; ``uses``: layer name -> every module path holding its
         weight (a tied weight has several). No module holding a use of the layer under test (or containing one)
         is replayed, and replay stops at the first call of any use."""
         self.model = model
+        budget = check_cache_bytes(budget)
+        self.budget = default_cache_bytes() if budget is None else budget
+        self.bytes = self.peak_bytes = self.dropped = 0
         self.uses = {name: {path} | set((uses or {}).get(name, ())) for name, path in owners.items()}
         self.evaluator = evaluator
         self.candidates: dict[str, set[str]] = {}  # layer -> module paths that may be replayed
@@ -120,8 +197,52 @@ class PrefixCache:
     def _record(self) -> None:
         seq = [0]
         handles = []
+        heap: list[tuple[int, int, int, str]] = []  # (-position in its batch, -batch, -call, path): latest on top
+        refs: dict[tuple[str, int], list[int]] = {}  # storage -> [outputs holding it, its bytes]
+        held: dict[tuple[int, str, int], dict[tuple[str, int], int]] = {}  # (batch, path, call) -> its storages
+        cut: dict[int, int] = {}  # batch -> the earliest position dropped: nothing later in that batch is stored
+
+        def release(key: tuple[int, str, int]) -> None:
+            for st in held.pop(key):
+                refs[st][0] -= 1
+                if refs[st][0] == 0:
+                    self.bytes -= refs.pop(st)[1]
+
+        def keep(path: str, out: Any) -> None:
+            b = len(self.outputs) - 1
+            if self.budget == 0 or b in cut:  # a later call of a batch that lost one: its path's stored calls
+                self.dropped += 1             # must stay its earliest ones
+                return
+            stored = self.outputs[b].setdefault(path, [])
+            k = len(stored)
+            stored.append(out)
+            key = (b, path, k)
+            held[key] = sts = _storages(out)
+            for st, nbytes in sts.items():
+                r = refs.setdefault(st, [0, nbytes])
+                if r[0] == 0:
+                    self.bytes += nbytes
+                r[0] += 1
+            heapq.heappush(heap, (-seq[0], -b, -k, path))
+            while self.bytes > self.budget:  # the latest calls go first; a path loses its last stored call first
+                npos, nb, nk, npath = heapq.heappop(heap)
+                cut[-nb] = min(cut.get(-nb, -npos), -npos)
+                release((-nb, npath, -nk))
+                self.outputs[-nb][npath].pop()
+                self.dropped += 1
+            self.peak_bytes = max(self.peak_bytes, self.bytes)
+
         paths = {m: p for p, m in self.model.named_modules()}
         needed = set(self.owners.values()) | self.all | set().union(*self.uses.values())
+        swept_by: dict[str, set[str]] = {}  # candidate path -> the layers it may be replayed for
+        used_by: dict[str, set[str]] = {}  # module path -> the layers whose weight it holds
+        for name, cands in self.candidates.items():
+            for p in cands:
+                swept_by.setdefault(p, set()).add(name)
+            for u in self.uses[name]:
+                used_by.setdefault(u, set()).add(name)
+        started: set[str] = set()  # the layers one of whose uses has started in this batch
+
         for mod, path in paths.items():
             if path not in needed:
                 continue
@@ -129,17 +250,20 @@ class PrefixCache:
             def pre(m: nn.Module, a: Any, path: str = path) -> None:
                 seq[0] += 1
                 self.starts[-1].setdefault(path, []).append(seq[0])
+                started.update(used_by.get(path, ()))
 
             def post(m: nn.Module, a: Any, out: Any, path: str = path) -> None:
                 seq[0] += 1
                 self.ends[-1].setdefault(path, []).append(seq[0])
-                if path in self.all:
-                    self.outputs[-1].setdefault(path, []).append(_detach(out))
+                if path in self.all and not swept_by[path] <= started:  # replayable for a layer not yet reached:
+                    keep(path, _detach(out))  # a call after every such layer's first use is never replayed
 
             handles += [mod.register_forward_pre_hook(pre), mod.register_forward_hook(post)]
         try:
             with torch.no_grad():
                 for b in self.evaluator.batches:
+                    seq[0] = 0  # positions count within their batch
+                    started.clear()
                     self.starts.append({})
                     self.ends.append({})
                     self.outputs.append({})
@@ -147,6 +271,8 @@ class PrefixCache:
         finally:
             for h in handles:
                 h.remove()
+        # a path's stored calls are always its earliest ones (positions grow with the call, and a call that is not
+        # replayable for any layer is followed by none that is), so its k-th call is stored when k < len(outputs)
 
     def replay(self, layer: str) -> "_Replay":
         return _Replay(self, layer)
@@ -181,7 +307,8 @@ class _Replay:
         for b in range(len(cache.starts)):
             # the first call of any module holding the weight under test: a tied use declared later may run first
             first = min((s for u in cache.uses[layer] for s in cache.starts[b].get(u, [])), default=math.inf)
-            self.replayed.append({p: sum(1 for e in cache.ends[b].get(p, []) if e < first)
+            stored = cache.outputs[b]
+            self.replayed.append({p: min(len(stored.get(p, ())), sum(1 for e in cache.ends[b].get(p, []) if e < first))
                                   for p in cache.candidates[layer]})
         self.counts: dict[str, int] = {}
         self.handles: list[Any] = []
@@ -267,7 +394,7 @@ def floor_from_points(points: dict[int, bool]) -> int | None:
 
 
 class Sweeper:
-    """Everything one needs to measure floors, built once: a working copy of the model in eval mode, and from the
+    """Everything one needs to measure floors, built once: the model (swept in place), and from the
     calibration session the evaluator (the dense reference on the held-out batches, measured once) and the input
     statistics, plus the prefix cache. ``floor(name)`` measures one layer; it is what a cluster task runs, so a
     worker builds a Sweeper once and serves many layers.
@@ -275,14 +402,21 @@ class Sweeper:
     ``calibration``: a :class:`~auditor.calibration.session.CalibrationSession` (its metric, statistics and
     evaluator are used), or calibration data (a session is built). ``metric``: a ``Metric``, a user function
     ``fn(model, batches) -> float`` (higher is better; ``tolerance`` in its units), or None for the session's metric
-    (the relative output error against the dense model, ``tolerance`` default 0.01, without one). ``model`` is not
-    modified: the sweep runs on a copy."""
+    (the relative output error against the dense model, ``tolerance`` default 0.01, without one).
+
+    The sweep works on ``model`` itself, not a copy (a copy would double the weights, and a KL metric's frozen dense
+    copy would triple them): each evaluation writes one layer's truncated weight into it and writes the original
+    back (bit for bit, also when the evaluation raises or is interrupted), and the model is in eval mode only while
+    the sweeper records or measures; every module's mode is restored after. Between calls the model is exactly as
+    given; do not run it on another thread while ``floor`` runs. ``prefix_cache_bytes``: the prefix cache's budget
+    (None: :func:`default_cache_bytes`; 0 stores nothing and every module runs)."""
 
     def __init__(self, model: nn.Module, layers: dict[str, Layer] | list[Layer],
                  calibration: Calibration | CalibrationSession,
                  tolerance: float | None = None, align: int = 8, metric: Metric | Callable[..., float] | None = None,
                  stats: InputStatistics | None = None, spectra: dict[str, WhitenedSpectrum] | None = None,
-                 prefix_cache: bool = True) -> None:
+                 prefix_cache: bool = True, prefix_cache_bytes: int | None = None) -> None:
+        check_cache_bytes(prefix_cache_bytes)  # before the session's passes over the data
         self.layers = by_name(layers)
         session = CalibrationSession.of(calibration, model, metric=metric, tolerance=tolerance, layers=self.layers,
                                         stats=stats)
@@ -290,9 +424,9 @@ class Sweeper:
         self.metric = session.metric
         self.align = align
         self.stats = session.statistics(self.layers)
-        self.work = copy.deepcopy(model).eval()
+        self.work = model  # swept in place: one layer's weight at a time, restored after each evaluation
         self.spectra = spectra or {}
-        self.evaluator = session.evaluator  # measures the working copy against the dense model's reference
+        self.evaluator = session.evaluator  # measures the swept model against the dense model's reference
         from .stats import _module_path
 
         self.params = dict(self.work.named_parameters(remove_duplicate=False))
@@ -303,7 +437,10 @@ class Sweeper:
                 holders.setdefault(id(p), set()).add(path)
         uses = {name: holders.get(id(self.params[layer.param]), set()) if layer.param in self.params else set()
                 for name, layer in self.layers.items()}
-        self.cache = PrefixCache(self.work, owners, self.evaluator, uses) if prefix_cache else None
+        self.cache = None
+        if prefix_cache:
+            with eval_mode(self.work):
+                self.cache = PrefixCache(self.work, owners, self.evaluator, uses, prefix_cache_bytes)
         self.on_evaluation: Callable[[int], None] | None = None  # called with the evaluations so far after each
 
     @property
@@ -311,11 +448,12 @@ class Sweeper:
         return self.evaluator.evaluations
 
     def _measure(self, name: str) -> Any:
-        if self.cache is not None:
-            with self.cache.replay(name):
+        with eval_mode(self.work):
+            if self.cache is not None:
+                with self.cache.replay(name):
+                    m = self.evaluator.measure(self.work)
+            else:
                 m = self.evaluator.measure(self.work)
-        else:
-            m = self.evaluator.measure(self.work)
         if self.on_evaluation is not None:
             self.on_evaluation(self.evaluations)
         return m
@@ -344,9 +482,11 @@ class Sweeper:
         def evaluate(i: int) -> bool:
             r = grid[i]
             if r not in results:
-                with torch.no_grad():
-                    param.copy_(trunc.weight(r))
+                w = trunc.weight(r)
                 try:
+                    with torch.no_grad():
+                        param.copy_(w)
+                    del w
                     m = self._measure(name)
                 finally:
                     with torch.no_grad():
@@ -470,16 +610,18 @@ def measure_floors(model: nn.Module, layers: dict[str, Layer] | list[Layer],
                    calibration: Calibration | CalibrationSession,
                    tolerance: float | None = None, align: int = 8, metric: Metric | Callable[..., float] | None = None,
                    stats: InputStatistics | None = None, spectra: dict[str, WhitenedSpectrum] | None = None,
-                   search: str = "bisect", prefix_cache: bool = True,
+                   search: str = "bisect", prefix_cache: bool = True, prefix_cache_bytes: int | None = None,
                    progress: Callable[[str], None] | None = None,
                    steps: Callable[[int, int, int], None] | None = None) -> Floors:
     """Tier 2: per-layer measured floors on ``calibration``'s held-out batches (see :class:`Sweeper` for the
     arguments). ``search``: "bisect" (from the tier-1 rank in ``spectra``) or "all" (every grid rank: the
-    brute-force reference). ``model`` is not modified. ``progress(line)`` is told each layer's floor;
-    ``steps(layers done, layers, evaluations so far)`` is called after each evaluation and each layer."""
+    brute-force reference). ``model`` is swept in place and comes back bit for bit as it was (see :class:`Sweeper`);
+    ``prefix_cache_bytes`` bounds the prefix cache (None: :func:`default_cache_bytes`). ``progress(line)`` is told
+    each layer's floor; ``steps(layers done, layers, evaluations so far)`` is called after each evaluation and each layer."""
     t0 = time.perf_counter()
-    _check_search(search)  # before the sweeper's setup (a copy of the model and two passes over the held-out rows)
-    sweeper = Sweeper(model, layers, calibration, tolerance, align, metric, stats, spectra, prefix_cache)
+    _check_search(search)  # before the sweeper's setup (two passes over the held-out rows)
+    sweeper = Sweeper(model, layers, calibration, tolerance, align, metric, stats, spectra, prefix_cache,
+                      prefix_cache_bytes)
     floors: dict[str, Floor] = {}
     base = sweeper.evaluations  # the evaluator's own checks of the dense model are not the sweep's
     if steps is not None:
