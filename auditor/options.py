@@ -102,10 +102,7 @@ class AuditOptions:
         if self.jobs is not None and self.jobs < 1:
             raise AuditError(f"jobs={self.jobs}: at least one layer must run", "Use jobs=1 or more, or None")
         if self.compute_dtype is not None:
-            from .calibration.stream import compute_dtype_for
-
-            dt = compute_dtype_for(self.compute_dtype)
-            object.__setattr__(self, "compute_dtype", None if dt is None else str(dt).replace("torch.", ""))
+            object.__setattr__(self, "compute_dtype", compute_dtype_name(self.compute_dtype))
         if self.cache_dir is not None and not isinstance(self.cache_dir, Path):
             object.__setattr__(self, "cache_dir", Path(self.cache_dir))
         if self.settings is None:
@@ -216,6 +213,18 @@ class OptionFields(TypedDict, total=False):
     recover_objective: str
     recover_seed: int
     choose_after_recovery: bool
+
+
+def compute_dtype_name(spec: Any) -> str | None:
+    """``model``/None (the model's own dtype), ``float32``/``fp32`` or ``float64``/``fp64`` (or that torch dtype) as
+    the name of the dtype calibration statistics are read in; anything else is one :class:`AuditError` line."""
+    if spec is None:
+        return None
+    text = str(spec).strip().lower().replace("torch.", "")
+    names = {"model": None, "float32": "float32", "fp32": "float32", "float64": "float64", "fp64": "float64"}
+    if text not in names:
+        raise AuditError(f"unknown compute dtype {spec!r}", "Give --compute-dtype model or float32")
+    return names[text]
 
 
 @dataclass(frozen=True)

@@ -221,19 +221,12 @@ class _Precision:
 
 
 def compute_dtype_for(spec: str | torch.dtype | None) -> torch.dtype | None:
-    """``model``/None (the model's own dtype), ``float32`` or ``float64`` as the dtype statistics are computed in."""
-    if spec is None or isinstance(spec, torch.dtype):
-        if spec is not None and spec not in (torch.float32, torch.float64):
-            raise AuditError(f"compute dtype {spec} is not float32 or float64", "Give float32 (or model)")
-        return spec
-    text = str(spec).strip().lower()
-    if text == "model":
-        return None
-    if text in ("float32", "fp32"):
-        return torch.float32
-    if text in ("float64", "fp64"):
-        return torch.float64
-    raise AuditError(f"unknown compute dtype {spec!r}", "Give --compute-dtype model or float32")
+    """``model``/None (the model's own dtype), ``float32`` or ``float64`` as the dtype statistics are computed in
+    (:func:`auditor.options.compute_dtype_name`)."""
+    from ..options import compute_dtype_name
+
+    name = compute_dtype_name(spec)
+    return None if name is None else getattr(torch, name)
 
 
 def stream_statistics(model: nn.Module, layers: dict[str, Layer] | list[Layer], batches: Calibration | list[Batch],
