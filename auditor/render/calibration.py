@@ -49,10 +49,11 @@ def basis(cal: "CalibrationReport") -> str:
     curves = ("measured-floor" if cal.measured_floors else
               "sensitivity-scaled tier-1" if cal.budget is not None and cal.budget.source == "probed" else "tier-1")
     probed = sum(len(lc.probes) for lc in cal.layers.values())
+    how = ""
     if curves.startswith("sensitivity") and probed:
         n = sum(1 for lc in cal.layers.values() if lc.probes)
-        curves += (f" (each layer's layer-output error times its model-level sensitivity, measured with the layer "
-                   f"truncated alone: {n} layers, {probed} evaluations)")
+        how = (f"; each layer's layer-output error times its model-level sensitivity, measured with the layer "
+               f"truncated alone: {n} layers, {probed} evaluations")
     if b is None:
         return ("Suggested ranks: the data-aware rank for "
                 f"{100 * (cal.tolerance if not cal.higher_is_better else 0.01):g}% layer-output error on the "
@@ -61,7 +62,7 @@ def basis(cal: "CalibrationReport") -> str:
     fixed = (f"; {len(b.fixed)} layer(s) calibration did not rank keep their weight-energy rank and are in every "
              "plan measured" if b.fixed else "")
     return (f"Suggested ranks: the largest plan that holds the tolerance all at once{cap}, searched over the {curves} "
-            f"curves ({b.evaluations} plans factorized and measured on the held-out rows); per-layer floors and "
+            f"curves ({b.evaluations} plans factorized and measured on the held-out rows{how}); per-layer floors and "
             f"tier-1 ranks are evidence, not the plan{fixed}.")
 
 
