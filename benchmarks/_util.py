@@ -69,3 +69,27 @@ class PeakSampler:
 def peak_rss_mb() -> float:
     kb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return kb / 1024 if sys.platform != "darwin" else kb / 1024 / 1024
+
+
+def run_capped(module: str, call: str, cap_gb: float, timeout: float, root: str, label: dict) -> dict:
+    """``module.call`` (a Python expression returning a JSON-able dict, e.g. ``child(2, 'stream')``) in a fresh
+    interpreter under an address-space cap of ``cap_gb`` GiB, with ``root`` first on the path (the package under
+    test) and this folder after it. The dict it returns, or ``label`` with an ``error`` saying why there is none (a
+    timeout, or the child's last line of stderr)."""
+    import json
+    import subprocess
+
+    here = os.path.dirname(os.path.abspath(__file__))
+    code = (f"import resource,sys,json; cap=int({cap_gb}*2**30); resource.setrlimit(resource.RLIMIT_AS,(cap,cap)); "
+            f"sys.path.insert(0,{root!r}); sys.path.insert(0,{here!r}); "
+            f"import {module} as b; print('RESULT', json.dumps(b.{call}))")
+    env = {**os.environ, "PYTHONPATH": f"{root}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    try:
+        p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=timeout, env=env)
+    except subprocess.TimeoutExpired:
+        return {**label, "error": f"did not finish within {timeout:.0f} s"}
+    for line in p.stdout.splitlines():
+        if line.startswith("RESULT "):
+            return json.loads(line[7:])
+    tail = (p.stderr.strip().splitlines() or ["no output"])[-1]
+    return {**label, "error": f"exit {p.returncode}: {tail}"}

@@ -26,7 +26,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -108,19 +107,10 @@ def child(name: str, mode: str, over: dict | None = None) -> dict:
 
 
 def run(name: str, mode: str, cap_gb: float, timeout: float, over: dict | None = None) -> dict:
-    code = (f"import resource,sys,json; cap=int({cap_gb}*2**30); resource.setrlimit(resource.RLIMIT_AS,(cap,cap)); "
-            f"sys.path.insert(0,{str(ROOT)!r}); sys.path.insert(0,{str(ROOT / 'benchmarks')!r}); "
-            f"import llm_calibration as b; print('RESULT', json.dumps(b.child({name!r},{mode!r},{over!r})))")
-    env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
-    try:
-        p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=timeout, env=env)
-    except subprocess.TimeoutExpired:
-        return {"name": name, "mode": mode, "error": f"did not finish within {timeout:.0f} s"}
-    for line in p.stdout.splitlines():
-        if line.startswith("RESULT "):
-            return json.loads(line[7:])
-    tail = (p.stderr.strip().splitlines() or ["no output"])[-1]
-    return {"name": name, "mode": mode, "error": f"exit {p.returncode}: {tail}"}
+    from _util import run_capped
+
+    return run_capped("llm_calibration", f"child({name!r},{mode!r},{over!r})", cap_gb, timeout, str(ROOT),
+                      {"name": name, "mode": mode})
 
 
 def main() -> None:

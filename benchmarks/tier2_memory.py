@@ -25,7 +25,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -83,21 +82,11 @@ def child(depth: int, mode: str, windows: int, budget_mib: float) -> dict:
 
 def run(depth: int, mode: str, windows: int, budget_mib: float, cap_gb: float, timeout: float,
         before: str = "") -> dict:
+    from _util import run_capped
+
     root = before if mode == "before" else str(ROOT)
-    code = (f"import resource,sys,json; cap=int({cap_gb}*2**30); resource.setrlimit(resource.RLIMIT_AS,(cap,cap)); "
-            f"sys.path.insert(0,{root!r}); sys.path.insert(0,{str(ROOT / 'benchmarks')!r}); "
-            f"import tier2_memory as b; "
-            f"print('RESULT', json.dumps(b.child({depth!r},{mode!r},{windows!r},{budget_mib!r})))")
-    env = {**os.environ, "PYTHONPATH": f"{root}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
-    try:
-        p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=timeout, env=env)
-    except subprocess.TimeoutExpired:
-        return {"depth": depth, "mode": mode, "error": f"did not finish within {timeout:.0f} s"}
-    for line in p.stdout.splitlines():
-        if line.startswith("RESULT "):
-            return json.loads(line[7:])
-    tail = (p.stderr.strip().splitlines() or ["no output"])[-1]
-    return {"depth": depth, "mode": mode, "error": f"exit {p.returncode}: {tail}"}
+    return run_capped("tier2_memory", f"child({depth!r},{mode!r},{windows!r},{budget_mib!r})", cap_gb, timeout, root,
+                      {"depth": depth, "mode": mode})
 
 
 def main() -> None:
