@@ -378,6 +378,13 @@ def _next_rank(grid: list[int], lo: int, hi: int, results: dict[int, tuple[float
     return want
 
 
+def _tier1_index(grid: list[int], spec: WhitenedSpectrum | None, align: int, target: float) -> int:
+    """The index in ``grid`` of the grid rank at or above tier 1's rank for ``target`` (the grid's middle without a
+    spectrum), clamped to the grid: where tier 2's search starts and the upper sensitivity probe."""
+    want = spec.rank_for(target) if spec is not None else grid[len(grid) // 2]
+    return min(len(grid) - 1, max(0, math.ceil(want / align) - 1))
+
+
 def _check_search(search: str) -> None:
     if search not in ("bisect", "all"):
         raise ValueError(f"search must be 'bisect' or 'all', not {search!r}")
@@ -501,8 +508,7 @@ class Sweeper:
         else:
             spec = self.spectra.get(name)
             target = metric.tolerance if metric.output_error else 0.01
-            want = spec.rank_for(target) if spec is not None else grid[len(grid) // 2]
-            i = min(len(grid) - 1, max(0, math.ceil(want / align) - 1))
+            i = _tier1_index(grid, spec, align, target)
             start = grid[i]
             guide = spec if metric.output_error else None
             lo, hi = -1, len(grid)  # grid[lo] fails (or lo = -1), grid[hi] holds with every larger rank tried
@@ -574,9 +580,7 @@ def probe_ranks(layer: Layer, spec: WhitenedSpectrum | None, align: int, target:
     grid = _grid(layer, align)
     if not grid:
         return []
-    want = spec.rank_for(target) if spec is not None else grid[len(grid) // 2]
-    i = min(len(grid) - 1, max(0, math.ceil(want / align) - 1))
-    return sorted({grid[0], grid[i]})
+    return sorted({grid[0], grid[_tier1_index(grid, spec, align, target)]})
 
 
 def probe_sensitivity(model: nn.Module, layers: dict[str, Layer] | list[Layer],
@@ -601,9 +605,7 @@ def probe_sensitivity(model: nn.Module, layers: dict[str, Layer] | list[Layer],
             out[name] = sweeper.probe(name, ranks)
         if steps is not None:
             steps(len(out), len(sweeper.layers), sweeper.evaluations - base)
-    result = sweeper.result(out, "probe", time.perf_counter() - t0)
-    result.evaluations = sweeper.evaluations - base
-    return result
+    return sweeper.result(out, "probe", time.perf_counter() - t0)  # its evaluations: one per point
 
 
 def measure_floors(model: nn.Module, layers: dict[str, Layer] | list[Layer],
