@@ -12,8 +12,12 @@ not passed.
 
 A model has repeated blocks when some ``nn.ModuleList`` of at least two children of one class holds more than half of
 the layers read; the longest such list is used. Models without one, or whose blocks are not called one after another
-with the same inputs apart from the hidden state (checked on the first batch before any statistics are taken), get
-the one-pass :func:`auditor.calibration.stats.input_statistics`. Both give the same statistics (to float64 rounding).
+with the same inputs apart from the hidden state, or whose forward does anything to a block's output before the
+next block reads it (a ReLU, a scaling, a flip, a permutation, a residual from elsewhere), get the one-pass
+:func:`auditor.calibration.stats.input_statistics`: both are checked on the first batch before any statistics are
+taken, with every block returning distinct random values that the next block must receive exactly. Both paths give the
+same statistics (to float64 rounding). What the check cannot see is code between blocks that acts only on some values
+(e.g. a clamp beyond 1e3 that these values never reach).
 """
 
 from __future__ import annotations
@@ -378,14 +382,37 @@ def _stream(model: nn.Module, found: Blocks, fit: list[Batch], digest: str, dev:
     return result
 
 
+def _probe(h: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
+    """A tensor shaped like the hidden state ``h`` whose values any operation between two blocks would change: signed
+    random numbers of magnitudes from 1e-3 to 1e3, all distinct (a ReLU, a scaling, a clamp, a flip, a permutation, an
+    added constant or a rounding each changes some); integer states are passed through as they are."""
+    if not h.is_floating_point():
+        return h
+    sign = torch.randint(0, 2, tuple(h.shape), generator=gen).mul(2).sub(1)
+    mag = torch.rand(tuple(h.shape), generator=gen, dtype=torch.float64).mul(6).sub(3)
+    return (sign * torch.pow(10.0, mag)).to(dtype=h.dtype, device=h.device)
+
+
+def _unchanged(h: Any, probe: torch.Tensor, values: torch.Tensor) -> bool:
+    """Block ``i + 1`` reads block ``i``'s output as it was returned: the same tensor (or an exact copy), its values
+    untouched."""
+    if not isinstance(h, torch.Tensor):
+        return False
+    if not probe.is_floating_point():
+        return h is probe
+    return h.shape == values.shape and h.dtype == values.dtype and bool(torch.equal(h, values.to(h.device)))
+
+
 def _check_sequential(model: nn.Module, blocks: list[nn.Module], batch: Batch,
                       first: tuple[tuple[Any, ...], dict[str, Any]], shape: Any) -> None:
     """Run ``batch`` with every block passing its hidden input through (in the output structure ``shape``), and
     raise :class:`_NotSequential` unless each block is called once, in order, with the first block's other inputs."""
     calls: list[int] = []
     problem: list[str] = []
+    sent: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # block i's probe output, and a copy of its values
     saved = [(blk, blk.__dict__.get("forward")) for blk in blocks]
     args0, kw0 = first
+    gen = torch.Generator().manual_seed(0x5EED)
 
     def through(i: int) -> Callable[..., Any]:
         def fwd(*args: Any, **kwargs: Any) -> Any:
@@ -402,6 +429,11 @@ def _check_sequential(model: nn.Module, blocks: list[nn.Module], batch: Batch,
             if not isinstance(h, torch.Tensor) or set(kw) != set(kw0_) or not _same(rest, rest0) \
                     or not all(_same(kw0_[k], kw[k]) for k in kw):
                 problem.append(f"block {i} got other inputs than block 0")
+            elif i > 0 and (i - 1 not in sent or not _unchanged(h, *sent[i - 1])):
+                problem.append(f"the model changes block {i - 1}'s output before block {i} reads it")
+            if isinstance(h, torch.Tensor):
+                h = _probe(h, gen)
+                sent[i] = (h, h.clone())
             if isinstance(shape, torch.Tensor):
                 return h
             return (h, *shape[1:])
