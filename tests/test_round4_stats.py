@@ -77,3 +77,139 @@ def test_nothing_between_blocks_is_still_streamed():
     assert calls == [0, 1, 2]
     got = _grams(st)
     assert got.keys() == ref.keys() and all(np.allclose(got[k], ref[k], rtol=1e-12, atol=0) for k in ref)
+
+
+# -- the statistics cache's key ----------------------------------------------------------------------------------
+
+SRC = '''
+import torch
+from torch import nn
+
+SCALE = {scale}
+
+
+def helper(h):
+    return h {helper}
+
+
+class M(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(6, 6)
+        self.out = nn.Linear(6, 3)
+        self.alpha = {alpha}
+
+    def forward(self, x):
+        return self.out(helper(self.fc(x)) {op} * SCALE * self.alpha)
+'''
+BASE = {"scale": "1.0", "helper": "+ 0", "alpha": "2.0", "op": ""}
+EDITS = {"scale": ["1.5", "0.5", "-1.0"], "helper": ["* 1", "- 0", ".relu()", ".flip(-1)"],
+         "alpha": ["2.5", "3.0", "1"], "op": [".relu()", ".tanh()", "+ 1", ".flip(-1)"]}
+
+
+def _model(seed: int, **edits):
+    ns: dict = {}
+    exec(compile(SRC.format(**{**BASE, **edits}), "<factory>", "exec"), ns)  # noqa: S102 - the test's own source
+    torch.manual_seed(seed)
+    return ns["M"]().eval()
+
+
+def _key(model, cal, compute=None, device=None, layers=None):
+    from auditor.calibration.session import statistics_key
+
+    layers = layers if layers is not None else collect_layers(model, ParamTable.of(model))
+    return statistics_key(model, cal, layers, compute, device)
+
+
+def _rows(seed: int, n: int = 16) -> torch.Tensor:
+    return torch.randn(n, 6, generator=torch.Generator().manual_seed(seed))
+
+
+hypothesis = pytest.importorskip("hypothesis")
+from hypothesis import given, settings, strategies as st  # noqa: E402
+
+INGREDIENTS = ["weights", "code", "rows", "row-order", "holdout", "batching", "dtype", "compute-dtype",
+               "tokenizer", "window", "layers", "buffer", "attribute"]
+
+
+@settings(max_examples=60, deadline=None, derandomize=True)
+@given(st.sampled_from(INGREDIENTS), st.integers(0, 2**16), st.data())
+def test_each_key_ingredient_changed_misses_the_cache(ingredient, seed, data):
+    from auditor.calibration.inputs import Calibration
+
+    model = _model(seed % 7)
+    x = _rows(seed)
+    cal = load_calibration({"x": x}, model, holdout=0.25, batch_size=4)
+    base = _key(model, cal)
+    assert _key(_model(seed % 7), load_calibration({"x": x.clone()}, model, holdout=0.25, batch_size=4)) == base
+    if ingredient == "weights":
+        other = _model(seed % 7)
+        i, j = data.draw(st.integers(0, 5)), data.draw(st.integers(0, 5))
+        with torch.no_grad():
+            other.fc.weight[i, j] = torch.nextafter(other.fc.weight[i, j], torch.tensor(10.0))
+        assert _key(other, cal) != base
+    elif ingredient in ("code", "attribute"):
+        field = data.draw(st.sampled_from(list(EDITS) if ingredient == "code" else ["alpha"]))
+        other = _model(seed % 7, **{field: data.draw(st.sampled_from(EDITS[field]))})
+        other.load_state_dict(model.state_dict())
+        assert _key(other, cal) != base
+    elif ingredient == "rows":
+        y = x.clone()
+        y[data.draw(st.integers(0, 11)), data.draw(st.integers(0, 5))] += 1.0  # a fit row (the first 12 of 16)
+        assert _key(model, load_calibration({"x": y}, model, holdout=0.25, batch_size=4)) != base
+    elif ingredient == "row-order":
+        perm = data.draw(st.permutations(range(12)))
+        if list(perm) == list(range(12)):
+            perm = [1, 0, *range(2, 12)]
+        y = torch.cat([x[list(perm)], x[12:]])
+        assert _key(model, load_calibration({"x": y}, model, holdout=0.25, batch_size=4)) != base
+    elif ingredient == "holdout":
+        share = data.draw(st.sampled_from([0.0, 0.1, 0.5, 0.75]))
+        assert _key(model, load_calibration({"x": x}, model, holdout=share, batch_size=4)) != base
+    elif ingredient == "batching":
+        assert _key(model, load_calibration({"x": x}, model, holdout=0.25,
+                                            batch_size=data.draw(st.sampled_from([1, 3, 5, 16])))) != base
+    elif ingredient == "dtype":
+        other = _model(seed % 7).to(data.draw(st.sampled_from([torch.float64, torch.bfloat16, torch.float16])))
+        assert _key(other, cal) != base
+    elif ingredient == "compute-dtype":
+        assert _key(model, cal, compute=data.draw(st.sampled_from(["float32", "float64"]))) != base
+    elif ingredient == "tokenizer":  # the same ids from another tokenizer: only the calibration's digest differs
+        other = Calibration(cal.fit, cal.holdout, cal.source, data.draw(st.text(min_size=1)) + cal.digest)
+        assert _key(model, other) != base
+    elif ingredient == "window":  # another window length: the same text cut into rows of another width
+        flat = x.reshape(-1)
+        w = data.draw(st.sampled_from([3, 4, 8]))
+        other = load_calibration({"x": flat[: (flat.numel() // w) * w].reshape(-1, w)}, None, holdout=0.25,
+                                 batch_size=4)
+        assert _key(model, other) != base
+    elif ingredient == "layers":
+        layers = list(collect_layers(model, ParamTable.of(model)).values())
+        assert _key(model, cal, layers=layers[:1]) != base
+    elif ingredient == "buffer":
+        other = _model(seed % 7)
+        other.register_buffer("temperature", torch.tensor(float(data.draw(st.integers(1, 9)))))
+        assert _key(other, cal) != base
+
+
+def test_the_key_is_the_same_in_another_process(tmp_path):
+    """A cache is shared between runs: the key of the same model and data must not depend on the process (object
+    addresses, set order, hash seeds)."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = tmp_path / "k.py"
+    script.write_text(
+        "import sys, torch\n"
+        f"sys.path.insert(0, {str(Path(__file__).parent)!r})\n"
+        "from test_round4_stats import _model, _key, _rows\n"
+        "from auditor.calibration import load_calibration\n"
+        "m = _model(3)\n"
+        "print(_key(m, load_calibration({'x': _rows(5)}, m, holdout=0.25, batch_size=4)))\n")
+    root = str(Path(__file__).resolve().parents[1])
+    keys = {subprocess.run([sys.executable, str(script)], capture_output=True, text=True, check=True, cwd=root,
+                           env={**os.environ, "PYTHONPATH": root, "PYTHONHASHSEED": str(s)}).stdout
+            for s in (1, 2)}
+    assert len(keys) == 1 and len(keys.pop().strip()) == 64

@@ -7,7 +7,7 @@ A :class:`CalibrationSession` owns, for one model:
   every measurement);
 - the :class:`~auditor.calibration.stats.InputStatistics` of its layers, computed once, lazily, on first use (read
   from and written to the on-disk cache when the session has the audit's options: ``<cache dir>/calibration/<key>.npz``,
-  keyed by a hash of every weight and buffer of the model, the calibration's digest and the layer names);
+  keyed by everything that determines them: :func:`statistics_key`);
 - the :class:`~auditor.calibration.metric.Metric`, and ONE :class:`~auditor.calibration.metric.Evaluator` on the
   held-out batches, built on first use: the dense reference (the dense model's outputs, or its perplexity, or its
   user-metric value) is computed once and every later measurement compares against it.
@@ -32,7 +32,7 @@ from torch import nn
 from ..errors import AuditError
 from .. import kinds
 from ..results import Kind, Layer
-from .hashing import weights_hash
+from .hashing import code_hash, weights_hash
 from .inputs import Calibration, eval_mode, load_calibration
 from .metric import Evaluator, Metric, load_metric
 from .stats import InputStatistics, by_name, input_statistics
@@ -42,16 +42,37 @@ if TYPE_CHECKING:
     from ..progress import Progress
 
 
+STATISTICS_KEY_VERSION = 2  # 1 (until issue 32): weights, the whole calibration's digest, layers, compute dtype
+
+
+def statistics_key(model: nn.Module, calibration: Calibration, layers: list[Layer], compute_dtype: str | None = None,
+                   device: str | None = None) -> str:
+    """The statistics cache's key: a hash of everything that determines the statistics. The weights and buffers
+    (names, shapes, dtypes, bytes: :func:`~auditor.calibration.hashing.weights_hash`), the code the model runs and
+    its non-weight state (:func:`~auditor.calibration.hashing.code_hash`: an edited forward or hyperparameter is
+    another key), the exact fit rows in their batches (the held-out split changes which rows those are), the whole
+    calibration's digest (the tokenizer's files for a text file; the window length is in the rows' shapes), the
+    layers, the compute dtype, and the dtype each batch's product is formed in (float32 on a GPU, float64 on the
+    CPU)."""
+    from .inputs import _digest, model_device
+    from .stream import batch_dtype_for, compute_dtype_for, resolve_device
+
+    dev = resolve_device(device) if device is not None else None
+    bdt = batch_dtype_for(dev if dev is not None else model_device(model))
+    compute = compute_dtype_for(compute_dtype)
+    parts = [f"v{STATISTICS_KEY_VERSION}", weights_hash(model), code_hash(model), f"fit={_digest(calibration.fit)}",
+             f"fit_batches={len(calibration.fit)}", f"all={calibration.digest}", *sorted(by_name(layers)),
+             f"compute={compute}", f"batch={bdt}"]
+    return hashlib.sha256("|".join(parts).encode()).hexdigest()
+
+
 def cache_path(cache_dir: Path | None, model: nn.Module, calibration: Calibration, layers: list[Layer],
-               compute_dtype: str | None = None) -> Path:
+               compute_dtype: str | None = None, device: str | None = None) -> Path:
     """The statistics' cache entry: a directory ``<cache dir>/calibration/<key>`` (``meta.json`` and one ``.npy``
-    per distinct Gram, :meth:`InputStatistics.spill`); statistics read in another compute dtype have their own."""
+    per distinct Gram, :meth:`InputStatistics.spill`), keyed by :func:`statistics_key`."""
     from ..spectra import default_cache_dir
 
-    parts = [weights_hash(model), calibration.digest, *sorted(l.name for l in layers)]
-    if compute_dtype is not None:
-        parts.append(f"compute={compute_dtype}")
-    key = hashlib.sha256("|".join(parts).encode()).hexdigest()
+    key = statistics_key(model, calibration, layers, compute_dtype, device)
     return (cache_dir or default_cache_dir()) / "calibration" / key
 
 
@@ -133,7 +154,8 @@ def _statistics(model: nn.Module, layers: list[Layer], cal: Calibration, options
                          f"layer input; the largest: {largest}), and {size_text(avail)} is available",
                          "Run on a machine with more memory, or audit without --calibration (the weight spectra "
                          "need no input Grams)")
-    entry = cache_path(options.cache_dir, model, cal, layers, options.compute_dtype) if options.cache else None
+    entry = (cache_path(options.cache_dir, model, cal, layers, options.compute_dtype, options.device)
+             if options.cache else None)
     named = by_name(layers)
     if entry is not None and (entry / "meta.json").is_file():
         try:
@@ -378,4 +400,4 @@ class CalibrationSession:
         return self._evaluator
 
 
-__all__ = ["CalibrationSession", "as_metric", "cache_path", "metric_of", "statistics_memory"]
+__all__ = ["CalibrationSession", "as_metric", "cache_path", "metric_of", "statistics_key", "statistics_memory"]

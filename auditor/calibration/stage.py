@@ -6,8 +6,8 @@
     check_plan         Calibrated, nn.Module, Audit               -> CalibrationReport with .plan_check
 
 Everything is measured through one :class:`~auditor.calibration.session.CalibrationSession` (the batches, the input
-statistics, cached on disk under ``<cache dir>/calibration/<key>.npz`` and keyed by a hash of every weight and buffer
-of the model, the calibration's digest and the layer names, the metric and one evaluator); ``Calibrated`` keeps it
+statistics, cached on disk under ``<cache dir>/calibration/<key>/`` and keyed by everything that determines them,
+:func:`~auditor.calibration.session.statistics_key`, the metric and one evaluator); ``Calibrated`` keeps it
 for the plan check and for ``lowrank-audit factorize``.
 """
 
