@@ -492,6 +492,55 @@ def _token_input(name: str, t: torch.Tensor) -> bool:
     return name.startswith("arg") or "ids" in low or "input" in low
 
 
+IGNORE_INDEX = -100  # a label that is not scored (PyTorch's cross-entropy and Hugging Face's collators)
+
+
+def _label_input(name: str, t: torch.Tensor) -> bool:
+    """Integer ``labels`` (or ``*label*``) inputs: token ids or class ids, with -100 for positions not scored."""
+    return "label" in name.lower() and not (t.is_floating_point() or t.is_complex() or t.dtype == torch.bool)
+
+
+def _where_in(t: torch.Tensor, bad: torch.Tensor) -> str:
+    """The first ``True`` of ``bad`` (shaped like ``t``) in words: row and position."""
+    idx = [int(i) for i in bad.nonzero()[0]]
+    names = ("row", "position")
+    return ", ".join(f"{names[k] if k < 2 else f'index {k}'} {i}" for k, i in enumerate(idx))
+
+
+def token_value_problem(t: torch.Tensor, vocab: int | None, labels: bool) -> str | None:
+    """What is wrong with token ids (``labels``: labels) ``t``, as the end of one line, or None: an id must be in
+    0 .. ``vocab`` - 1; a label must be that or -100 (:data:`IGNORE_INDEX`); any other negative label would be
+    clamped to token 0 and scored as if it were one. One validator for ids and labels, at loading and at scoring.
+
+    >>> token_value_problem(torch.tensor([[1, -100, -5]]), 10, labels=True)
+    'holds -5 at row 0, position 2: a label is a token id (0 to 9) or -100, the ignore index'
+    >>> token_value_problem(torch.tensor([[1, 12]]), 10, labels=False)
+    'holds token id 12 at row 0, position 1, outside the vocabulary (0 to 9)'
+    """
+    if t.numel() == 0:
+        return None
+    t = t.detach()
+    if labels:
+        bad = (t < 0) & (t != IGNORE_INDEX)
+        if vocab is not None:
+            bad |= t >= vocab
+        if not bool(bad.any()):
+            return None
+        v = int(t[bad][0]) if t.dim() else int(t)
+        ids = f"a token id (0 to {vocab - 1})" if vocab is not None else "a token or class id (0 or more)"
+        at = f" at {_where_in(t, bad)}" if t.dim() else ""
+        return f"holds {v}{at}: a label is {ids} or {IGNORE_INDEX}, the ignore index"
+    bad = t < 0
+    if vocab is not None:
+        bad |= t >= vocab
+    if not bool(bad.any()):
+        return None
+    v = int(t[bad][0]) if t.dim() else int(t)
+    at = f" at {_where_in(t, bad)}" if t.dim() else ""
+    span = f"0 to {vocab - 1}" if vocab is not None else "0 or more"
+    return f"holds token id {v}{at}, outside the vocabulary ({span})"
+
+
 def check_batches(cal: Calibration, model: nn.Module | None = None, probe: bool = True) -> None:
     """Every calibration batch, fit and held out, checked cheaply before any work, each failure one line naming the
     batch: the same structure as the first batch (positional inputs, keyword names, each tensor's dtype and rank),
@@ -531,6 +580,12 @@ def check_batches(cal: Calibration, model: nn.Module | None = None, probe: bool 
                     raise AuditError(f"calibration input {name} in {label} from {where} holds token id {bad}, "
                                      f"outside the model's vocabulary (0 to {vocab - 1}: its largest embedding has "
                                      f"{vocab} rows)", "Tokenize with the model's own tokenizer")
+            if _label_input(name, t):  # token-level labels (shaped like 2-D ids) are token ids; others class ids
+                token_level = t.dim() >= 2
+                problem = token_value_problem(t, vocab if token_level else None, labels=True)
+                if problem:
+                    raise AuditError(f"calibration input {name} in {label} from {where} {problem}",
+                                     f"Give {IGNORE_INDEX} where a position is not scored and the target id elsewhere")
             if name == "attention_mask" and t.dim() >= 1 and (hf or not t.is_floating_point()):
                 dead = (t.reshape(t.shape[0], -1) == 0).all(dim=1)
                 if bool(dead.any()):

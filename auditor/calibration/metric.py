@@ -36,6 +36,7 @@ import torch
 from torch import nn
 
 from ..errors import AuditError, first_line
+from .inputs import IGNORE_INDEX as IGNORE
 from .inputs import Batch, Calibration, _import_fn, model_device
 
 UserMetric = Callable[[nn.Module, list[Any]], float]
@@ -202,6 +203,32 @@ def _next_token_logprobs(y: torch.Tensor, b: Batch) -> tuple[torch.Tensor, torch
     return torch.log_softmax(logits.float(), dim=-1), tgt[keep]
 
 
+def _check_targets(b: Batch, width: int, what: str, i: int | None = None) -> None:
+    """The ids (or ``labels``) a token metric scores must index the model's ``width`` logits
+    (:func:`~auditor.calibration.inputs.token_value_problem`, the loader's own validator): one line naming the value
+    and where, else."""
+    from .inputs import token_value_problem
+
+    labels = isinstance(b.kwargs.get("labels"), torch.Tensor)
+    name = "labels" if labels else "input_ids"
+    t = b.kwargs.get(name)
+    if not isinstance(t, torch.Tensor):
+        t = next((a for a in b.args if isinstance(a, torch.Tensor)), None)
+        name = "input ids"
+    if not isinstance(t, torch.Tensor):
+        return
+    mask = b.kwargs.get("attention_mask")
+    if isinstance(mask, torch.Tensor) and mask.shape == t.shape:  # padding is not scored
+        t = torch.where(mask != 0, t, torch.full_like(t, IGNORE if labels else 0))
+    problem = token_value_problem(t, width, labels=labels)
+    if problem:
+        batch = f"held-out batch {i}" if i is not None else "a held-out batch"
+        raise AuditError(f"calibration {name} in {batch} {problem.replace('the vocabulary', 'the logits')}: the "
+                         f"{what} metric scores them against the model's {width} logits",
+                         "Give ids the model's output covers (tokenize with its own tokenizer), or use --metric "
+                         "output-error")
+
+
 def _masked_targets(b: Batch) -> tuple[torch.Tensor, torch.Tensor, bool]:
     """(targets, which of them count, whether they came from ``labels``) of a masked-LM batch: ``labels`` where
     they are not -100, else every input id; positions with ``attention_mask`` 0 never count."""
@@ -348,7 +375,10 @@ class Evaluator:
         count = 0
         with torch.no_grad():
             for i, b in enumerate(self.batches):
-                logp, tgt = scored(main_output(self._forward(model, b, i)), b)
+                y = main_output(self._forward(model, b, i))
+                if isinstance(y, torch.Tensor) and y.dim() == 3:
+                    _check_targets(b, y.shape[-1], "masked-token" if masked else "next-token", i)
+                logp, tgt = scored(y, b)
                 nll -= float(logp.gather(1, tgt[:, None]).double().sum())
                 count += int(tgt.numel())
         if count == 0 and masked:
