@@ -213,3 +213,37 @@ def test_the_key_is_the_same_in_another_process(tmp_path):
                            env={**os.environ, "PYTHONPATH": root, "PYTHONHASHSEED": str(s)}).stdout
             for s in (1, 2)}
     assert len(keys) == 1 and len(keys.pop().strip()) == 64
+
+
+# -- non-finite activations ----------------------------------------------------------------------------------------
+
+class _LogNet(nn.Module):
+    """log(|fc(x)|) is -inf where fc(x) is 0: the batch whose row is all zeros gives -inf activations."""
+
+    def __init__(self, blocks: bool) -> None:
+        super().__init__()
+        self.inp = nn.Linear(6, 6, bias=False)
+        self.blocks = nn.ModuleList(_Blk() for _ in range(3 if blocks else 1))
+
+    def forward(self, x):
+        h = torch.log(self.inp(x).abs())
+        for b in self.blocks:
+            h = b(h)
+        return h
+
+
+@pytest.mark.parametrize("blocks", [True, False], ids=["streamed", "one-pass"])
+def test_non_finite_activations_name_the_layer_and_the_batch(blocks):
+    from auditor.errors import AuditError
+
+    torch.manual_seed(0)
+    m = _LogNet(blocks).eval()
+    layers = collect_layers(m, ParamTable.of(m))
+    x = torch.randn(16, 6, generator=torch.Generator().manual_seed(1))
+    x[9] = 0.0  # batch 2 of 4 rows
+    cal = load_calibration({"x": x}, m, holdout=0.25, batch_size=4)
+    with pytest.raises(AuditError) as info:
+        stream_statistics(m, layers, cal)
+    line = str(info.value)
+    assert "\n" not in line and "NaN or infinite values on calibration batch 2" in line
+    assert "input of layer blocks.0.fc" in line

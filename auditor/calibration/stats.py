@@ -34,6 +34,7 @@ import torch
 from torch import nn
 
 from .. import kinds
+from ..errors import AuditError
 from ..kinds.conv import conv_patches
 from ..results import Layer
 from .inputs import Batch, Calibration, eval_mode, run
@@ -325,6 +326,27 @@ class _Sum:
         self.array: np.ndarray | None = None  # the result, converted once for every accumulator pointing here
 
 
+class NonFiniteInput(Exception):
+    """A layer's input on a calibration batch holds NaN or infinite values (``activations``), or its product X^T X
+    overflows ``dtype``; :meth:`StatisticsHooks.batch` turns it into one line naming the layer and the batch."""
+
+    def __init__(self, layer: str, activations: bool, dtype: torch.dtype) -> None:
+        super().__init__(layer)
+        self.layer, self.activations, self.dtype = layer, activations, dtype
+
+    def error(self, index: int | None) -> AuditError:
+        batch = f"calibration batch {index}" if index is not None else "a calibration batch"
+        if self.activations:
+            return AuditError(f"the forward produced NaN or infinite values on {batch}: the input of layer "
+                              f"{self.layer} holds them, so its statistics cannot be read",
+                              "Check the model's weights and that batch's inputs (a float16/bf16 overflow: "
+                              "--compute-dtype float32)")
+        return AuditError(f"the input statistics of layer {self.layer} overflow "
+                          f"{str(self.dtype).replace('torch.', '')} on {batch} (its inputs are finite but too large "
+                          f"to square)", "Scale the inputs down, or read the statistics on the CPU (--device cpu, "
+                          "float64 products)")
+
+
 class _Acc:
     """A float64 Gram accumulator on the layer's device. ``batch_dtype``: the dtype each batch's X^T X is formed in
     (float64; float32 on a GPU), always added into a float64 sum."""
@@ -397,6 +419,8 @@ class _Acc:
             x = x.detach().reshape(-1, self.groups, self.n).to(self.batch_dtype)
             g = torch.einsum("rgi,rgj->gij", x, x) if self.groups > 1 else (x[:, 0].T @ x[:, 0])[None]
             g = g.to(torch.float64)
+            if not bool(torch.isfinite(g).all()):
+                raise NonFiniteInput(self.layer.name, not bool(torch.isfinite(x).all()), self.batch_dtype)
             self._take(g)
             if self.shared is not None:
                 while len(self.shared) >= SHARED_KEEP:
@@ -515,14 +539,17 @@ class StatisticsHooks:
         self.missing = {n: self.missing[n] for n in order if n in self.missing}
 
     @contextmanager
-    def batch(self, mask: torch.Tensor | None = None) -> Iterator[None]:
+    def batch(self, mask: torch.Tensor | None = None, index: int | None = None) -> Iterator[None]:
         """Run one batch through the hooked modules inside this block. ``mask``: (batch, positions) real positions
         (``attention_mask`` != 0), or None for every row. Inputs shared by several layers (q, k and v) are
-        multiplied once per batch."""
+        multiplied once per batch. A layer input holding NaN or infinite values raises :class:`AuditError` naming
+        the layer and the batch (``index``)."""
         self._shared.clear()
         self._mask[0] = mask
         try:
             yield
+        except NonFiniteInput as exc:
+            raise exc.error(index) from None
         finally:
             self._shared.clear()
             self._mask[0] = None
@@ -565,7 +592,7 @@ def input_statistics(model: nn.Module, layers: dict[str, Layer] | list[Layer], b
     try:
         with eval_mode(model):  # dropout off, batch norm on its running statistics; the caller's modes come back
             for i, b in enumerate(fit):
-                with hooks.batch(_batch_mask(b)):
+                with hooks.batch(_batch_mask(b), i):
                     run(model, b)
                 if progress is not None:
                     progress(i + 1, len(fit))

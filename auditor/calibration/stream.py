@@ -341,7 +341,7 @@ def _stream(model: nn.Module, found: Blocks, fit: list[Batch], digest: str, dev:
             hooks = StatisticsHooks(model, found.layers[i], bdt)
             try:
                 for j, (args, kwargs) in enumerate(kept):
-                    with hooks.batch(masks[j]):
+                    with hooks.batch(masks[j], j):
                         out = blk(*args, **kwargs)
                     if i == len(blocks) - 1:
                         finals.append(out)
@@ -365,7 +365,7 @@ def _stream(model: nn.Module, found: Blocks, fit: list[Batch], digest: str, dev:
                     blk.forward = lambda *a, **k: finals[current[0]]  # type: ignore[method-assign]
                 for j, b in enumerate(fit):
                     current[0] = j
-                    with hooks.batch(masks[j]):
+                    with hooks.batch(masks[j], j):
                         bb = b.to(dev)
                         model(*bb.args, **bb.kwargs)
             finally:
