@@ -154,6 +154,12 @@ class BudgetResult:
     seconds: float = working(0.0)
 
     @property
+    def nothing_to_plan(self) -> bool:
+        """No plan measured removes anything: the model has no layer ``factorize`` rewrites (an identity, a model
+        of norms), so the empty plan is the answer, not a failure."""
+        return not self.plan and not any(p.removed for p in [*self.frontier, *self.tries])
+
+    @property
     def recovered(self) -> "FrontierRecovery | None":
         """The chosen plan measured after the recovery fine-tune (``--recover``), or None."""
         return next((p.recovered for p in self.frontier if p.removed == self.removed and p.recovered is not None),

@@ -141,6 +141,9 @@ def run(args: argparse.Namespace) -> int:
         raise AuditError(f"{f.code} {f.message}", f.fix)
     rv = result.review
     plan = {it.layer: it.rank for it in rv.items} if rv is not None else {}
+    if not plan and not result.layers:
+        raise AuditError(f"plan {args.plan} factorizes no layer of {loaded.name}: the model has no weight matrix "
+                         "factorize can rewrite", "Nothing to factorize: use the model as it is")
     if not plan:
         raise AuditError(f"plan {args.plan} factorizes no layer of {loaded.name}", "Check the plan's patterns")
     if not args.allow_no_saving:

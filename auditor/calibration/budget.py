@@ -284,7 +284,7 @@ def _search(model: nn.Module, ev: Evaluator, curves: Curves, named: dict[str, La
             if len(tries) >= max_tries:  # the safety net: the last plan measured stands in
                 return tries[-1]
             m = ev.measure(factorize(model, plan, stats, reuse=reuse)) if plan else ev.measure(model)
-            memo[key] = FrontierPlan(saved, saved / total, m.value, m.ok, len(plan), m.top1, target=int(target),
+            memo[key] = FrontierPlan(saved, saved / total if total else 0.0, m.value, m.ok, len(plan), m.top1, target=int(target),
                                      plan=plan, predicted_cost=cost)
             tries.append(memo[key])
             if progress is not None:

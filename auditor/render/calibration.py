@@ -182,7 +182,9 @@ def budget_lines(cal: "CalibrationReport") -> list[str]:
     over = CURVES.get(b.source, b.source)
     top1 = f", top-1 {pct(b.top1)}" if b.top1 is not None else ""
     note = cal.recovery_note()
-    if not b.plan:
+    if b.nothing_to_plan:
+        out = [f"Plan ({ask}): none needed; no layer of the model can be factorized, so nothing can be removed."]
+    elif not b.plan:
         out = [f"Plan that holds ({ask}, over {over} curves, {b.evaluations} plans measured): none; every plan "
                "measured missed the tolerance, so the suggestion keeps every calibrated layer dense."]
     elif note:
@@ -339,7 +341,9 @@ def _md_lines(cal: "CalibrationReport") -> tuple[list[str], list[str]]:
     b = cal.budget
     if b is not None:
         ask = f"at most {percent(b.budget)} removed" if b.budget is not None else "the largest plan that holds"
-        if not b.plan:
+        if b.nothing_to_plan:
+            lines.append(f"- Search ({ask}): no layer of the model can be factorized, so nothing can be removed")
+        elif not b.plan:
             lines.append(f"- Search ({ask}): none of the {b.evaluations} plans measured all at once holds the "
                          "tolerance, so every calibrated layer stays dense")
         else:
