@@ -247,3 +247,60 @@ def test_non_finite_activations_name_the_layer_and_the_batch(blocks):
     line = str(info.value)
     assert "\n" not in line and "NaN or infinite values on calibration batch 2" in line
     assert "input of layer blocks.0.fc" in line
+
+
+# -- cache files that are not files, entries that change under a run -----------------------------------------------
+
+def _spilled(tmp_path):
+    from auditor.calibration.stats import InputStatistics
+
+    torch.manual_seed(0)
+    m = _Net(None).eval()
+    layers = collect_layers(m, ParamTable.of(m))
+    st = input_statistics(m, layers, load_calibration({"x": _rows(1)}, m, holdout=0.25))
+    entry = tmp_path / "entry"
+    st.spill(entry, key="k")
+    return InputStatistics, entry
+
+
+@pytest.mark.parametrize("victim", ["g0.npy", "meta.json"])
+def test_a_fifo_in_a_cache_entry_is_refused_at_once(tmp_path, victim):
+    """A FIFO put where a Gram file or the metadata was: opened without blocking and refused (no hang)."""
+    import os
+
+    from auditor.calibration.stats import StatisticsMismatch
+
+    InputStatistics, entry = _spilled(tmp_path)
+    (entry / victim).unlink()
+    os.mkfifo(entry / victim)
+    with pytest.raises(StatisticsMismatch, match="not a regular file"):
+        InputStatistics.open(entry, key="k")
+
+
+@pytest.mark.parametrize("change", ["removed", "rewritten", "fifo", "truncated-copy"])
+def test_an_entry_changed_under_a_reader_is_one_line(tmp_path, change):
+    """Statistics opened from an entry that another run then removes or rewrites: reading a Gram afterwards raises
+    an AuditError with one line (exit 2), never an internal error."""
+    import os
+    import shutil
+
+    from auditor.errors import AuditError
+
+    InputStatistics, entry = _spilled(tmp_path)
+    st = InputStatistics.open(entry, key="k")
+    name = next(iter(st.layers))
+    if change == "removed":
+        shutil.rmtree(entry)
+    elif change == "rewritten":
+        for f in entry.glob("g*.npy"):
+            np.save(f, np.eye(6))
+    elif change == "fifo":
+        for f in entry.glob("g*.npy"):
+            f.unlink()
+            os.mkfifo(f)
+    else:
+        for f in entry.glob("g*.npy"):
+            f.write_bytes(f.read_bytes()[:100])
+    with pytest.raises(AuditError) as info:
+        st.layers[name]
+    assert "\n" not in str(info.value) and "changed while this audit was reading them" in str(info.value)

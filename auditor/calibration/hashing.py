@@ -36,6 +36,15 @@ def _external(obj: object) -> bool:
     return mod == "builtins" or mod.split(".")[0] in ("torch", "numpy", "typing", "functools", "collections")
 
 
+def _const_repr(c: object) -> str:
+    """A code constant in words that do not depend on the process (a frozenset's order follows the hash seed)."""
+    if isinstance(c, (frozenset, set)):
+        return "{" + ",".join(sorted(_const_repr(x) for x in c)) + "}"
+    if isinstance(c, tuple):
+        return "(" + ",".join(_const_repr(x) for x in c) + ")"
+    return repr(c)
+
+
 class _CodeHasher:
     """The code a model runs, as bytes: every module class's methods (their bytecode, constants and names, not line
     numbers), the functions and classes those reach through their globals, and every module's own non-tensor
@@ -60,7 +69,7 @@ class _CodeHasher:
             if isinstance(c, types.CodeType):
                 self.code(c, depth)
             else:
-                self.h.update(repr(c).encode())
+                self.h.update(_const_repr(c).encode())
 
     def _names(self, co: object) -> list[str]:
         import types
@@ -104,7 +113,7 @@ class _CodeHasher:
         if id(c) in self.seen or _external(c):
             return
         self.seen.add(id(c))
-        self.h.update(f"class:{c.__module__}.{c.__qualname__};".encode())
+        self.h.update(f"class:{c.__qualname__};".encode())  # not the module: a factory file's is named at random
         for k in c.__mro__:
             if _external(k) or k is object:
                 continue
@@ -155,7 +164,7 @@ class _CodeHasher:
             if isinstance(d, dict):
                 self.value(d, depth + 1)
         else:
-            self.h.update(f"obj:{type(v).__module__}.{type(v).__qualname__};".encode())
+            self.h.update(f"obj:{type(v).__qualname__};".encode())
             if not _external(type(v)):
                 self.cls(type(v), depth)
                 state = getattr(v, "__dict__", None)
@@ -181,7 +190,7 @@ def code_hash(model: nn.Module) -> str:
     c = _CodeHasher()
     c.h.update(f"torch:{torch.__version__};".encode())
     for name, mod in model.named_modules():
-        c.h.update(f"module:{name}:{type(mod).__module__}.{type(mod).__qualname__};".encode())
+        c.h.update(f"module:{name}:{type(mod).__qualname__};".encode())
         c.cls(type(mod))
         for k, v in sorted(vars(mod).items()):
             if k in _MODULE_STATE:

@@ -70,6 +70,50 @@ def _file_checksum(a: np.ndarray) -> str:
     return h.hexdigest()
 
 
+def _open_regular(path: Path) -> Any:
+    """``path`` opened for reading (binary) when it is a regular file, never following a symbolic link and never
+    blocking: a FIFO, a device or a socket put where a cache file was raises :class:`StatisticsMismatch` at once
+    (opened with ``O_NONBLOCK``, checked with ``fstat`` on the descriptor itself, so nothing can be swapped in
+    between)."""
+    import stat
+
+    flags = os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
+    try:
+        fd = os.open(path, flags)
+    except OSError as exc:
+        raise StatisticsMismatch(f"{path.name} cannot be opened ({exc.strerror or exc})") from None
+    try:
+        mode = os.fstat(fd).st_mode
+        if not stat.S_ISREG(mode):
+            raise StatisticsMismatch(f"{path.name} is not a regular file")
+        if hasattr(os, "set_blocking"):
+            os.set_blocking(fd, True)
+        return os.fdopen(fd, "rb")
+    except BaseException:
+        os.close(fd)
+        raise
+
+
+def _map_npy(path: Path) -> np.ndarray:
+    """A read-only memory map of the ``.npy`` file ``path`` (a regular file: :func:`_open_regular`)."""
+    from numpy.lib import format as npy
+
+    with _open_regular(path) as fh:
+        version = npy.read_magic(fh)
+        if version == (1, 0):
+            shape, fortran, dtype = npy.read_array_header_1_0(fh)
+        elif version == (2, 0):
+            shape, fortran, dtype = npy.read_array_header_2_0(fh)
+        else:
+            raise ValueError(f"npy format version {version}")
+        if dtype.hasobject:
+            raise ValueError("an array of objects")
+        offset = fh.tell()
+        if int(np.prod(shape)) == 0:
+            return np.empty(shape, dtype=dtype)
+        return np.memmap(fh, dtype=dtype, mode="r", shape=shape, order="F" if fortran else "C", offset=offset)
+
+
 class GramStore(MutableMapping):
     """Input statistics kept on disk, one ``.npy`` per distinct Gram (q, k and v sharing one input share one file),
     read back memory-mapped when a layer's entry is asked for: ``store[name]`` is a fresh :class:`LayerInput` whose
@@ -110,11 +154,13 @@ class GramStore(MutableMapping):
         m = self.meta[name]
         f = m["file"]
         try:
-            a = np.load(self.dir / f, mmap_mode="r", allow_pickle=False)
+            a = _map_npy(self.dir / f)
+        except StatisticsChanged:
+            raise
         except (OSError, ValueError) as exc:
-            raise StatisticsMismatch(f"{name}: its Gram file {f} cannot be read ({exc})") from None
+            raise StatisticsChanged(f"{name}: its Gram file {f} cannot be read ({exc})", self.dir) from None
         if _file_checksum(a) != self.files.get(f):
-            raise StatisticsMismatch(f"{name}: its Gram file {f} changed (checksum)")
+            raise StatisticsChanged(f"{name}: its Gram file {f} changed (checksum)", self.dir)
         return LayerInput(gram=a, **{k: m[k] for k in FIELDS})
 
     def __delitem__(self, name: str) -> None:
@@ -197,7 +243,8 @@ class InputStatistics:
         and every Gram file matches its checksum and passes :func:`gram_problem` (each read once, one at a time)."""
         directory = Path(directory)
         try:
-            meta = json.loads((directory / "meta.json").read_text())
+            with _open_regular(directory / "meta.json") as fh:
+                meta = json.loads(fh.read(1 << 26).decode())
         except (OSError, ValueError) as exc:
             raise StatisticsMismatch(f"no readable metadata ({exc})") from None
         if not isinstance(meta, dict) or not isinstance(meta.get("layers"), dict) \
@@ -229,7 +276,7 @@ class InputStatistics:
         ``key``, was saved under that key: the checksum matches, and every Gram has its layer's shape, is finite,
         symmetric and passes the cheap positive-semidefinite checks (non-negative diagonal, |G_ij| <= sqrt(G_ii
         G_jj)); lookup counts are non-negative."""
-        with np.load(path, allow_pickle=False) as z:
+        with _open_regular(Path(path)) as fh, np.load(fh, allow_pickle=False) as z:
             meta = json.loads(bytes(z["__meta__"]).decode())
             if not isinstance(meta, dict) or not isinstance(meta.get("layers"), dict):
                 raise StatisticsMismatch("no metadata")
@@ -252,6 +299,16 @@ class InputStatistics:
 
 class StatisticsMismatch(ValueError):
     """A cached statistics entry that is damaged, from another calibration, or not a valid set of Grams."""
+
+
+class StatisticsChanged(StatisticsMismatch, AuditError):
+    """A Gram file of statistics in use changed or went away under the audit (another run rewrote or removed the
+    cache entry, or something not a regular file stands in its place): one line, exit 2, not an internal error."""
+
+    def __init__(self, what: str, directory: Path | None = None) -> None:
+        where = f" in {directory}" if directory is not None else ""
+        AuditError.__init__(self, f"the input statistics{where} changed while this audit was reading them: {what}",
+                            "Run again (they are recomputed), and give runs that may overlap their own --cache-dir")
 
 
 def _checksum(meta: dict[str, Any], arrays: dict[str, np.ndarray]) -> str:
