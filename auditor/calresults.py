@@ -221,6 +221,7 @@ class CalibrationReport:
     plan_check: PlanCheck | None = None
     suggestions_from: str = "calibration"  # "calibration" (tier 1) | "measured floors" (tier 2)
     statistics_cached: bool = False  # input statistics read from the cache
+    compute_dtype: str | None = working(None)  # --compute-dtype the statistics were read in (None: the model's)
     seconds: dict[str, float] = field(default_factory=dict)  # tier -> seconds
     evaluations: int = 0  # model-level metric evaluations (tiers 2 and 3)
     finetune_note: str = "a recovery fine-tune follows factorization"

@@ -53,6 +53,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--input-shape", action="append", metavar="1,3,224,224", help="example input shape")
     p.add_argument("--input-ids", metavar="1,128", help="token ids of this shape")
     p.add_argument("--no-cache", action="store_true", help="do not read or write the caches")
+    p.add_argument("--compute-dtype", choices=["model", "float32"],
+                   help="the dtype calibration statistics are read in (default: the plan's compute_dtype, else the "
+                        "model's own): give what the audit used, so the factors are the ones it measured")
     from .export import add_cli_arguments as export_arguments
     from .recover import add_cli_arguments as recover_arguments
 
@@ -99,6 +102,21 @@ def _no_saving(result: Any, plan: dict[str, int]) -> None:
                 "pass --allow-no-saving to write it anyway")
 
 
+def _compute_dtype(args: argparse.Namespace, plan: Any) -> str | None:
+    """The dtype statistics are read in: ``--compute-dtype``, else the plan's ``compute_dtype`` (what the audit that
+    emitted it used), else the model's own (None). A flag that contradicts the plan is refused: the factors would
+    not be the ones the audit measured."""
+    given = args.compute_dtype
+    planned = getattr(plan, "compute_dtype", None)
+    if given is not None and planned is not None and (given if given != "model" else None) != planned:
+        raise AuditError(f"--compute-dtype {given} contradicts plan {args.plan}, whose ranks were measured with "
+                         f"statistics read in {planned} (compute_dtype = \"{planned}\")",
+                         f"Drop --compute-dtype (the plan's {planned} is used), or edit the plan's compute_dtype")
+    if given is not None:
+        return None if given == "model" else given
+    return planned
+
+
 def run(args: argparse.Namespace) -> int:
     from .calibration.text import tokenizer_home
     from .factorize import check_targets, count_params, factorize, write_factorized
@@ -130,11 +148,12 @@ def run(args: argparse.Namespace) -> int:
                            holdout=args.holdout if args.holdout is not None else 0.25,
                            metric=args.metric if args.calibration else None, tolerance=args.tolerance,
                            tokenizer=tokenizer_home(loaded.source) if args.calibration else None,
-                           calibration_length=args.calibration_length)
+                           calibration_length=args.calibration_length,
+                           compute_dtype=_compute_dtype(args, plan_obj) if args.calibration else None)
     if args.calibration is None and (args.metric or args.tolerance is not None or args.holdout
-                                     or args.calibration_length is not None):
-        raise AuditError("--holdout, --metric, --tolerance and --calibration-length need --calibration",
-                         "Pass --calibration FILE")
+                                     or args.calibration_length is not None or args.compute_dtype is not None):
+        raise AuditError("--holdout, --metric, --tolerance, --calibration-length and --compute-dtype need "
+                         "--calibration", "Pass --calibration FILE")
     check_targets(model, list(plan_obj.ranks))  # complex, quantized, unsupported or tied: before any calibration
     result, session = audit_session(model, loaded.example_inputs, plan=plan_obj, options=options)
     for f in input_errors(result):

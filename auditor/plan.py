@@ -38,6 +38,7 @@ class Plan:
     finetune: str | None = None
     thresholds: dict[str, Any] = field(default_factory=dict)
     source: str = "plan"
+    compute_dtype: str | None = None  # the dtype the audit read statistics in ("float32"); factorize reads them so
 
     @classmethod
     def coerce(cls, value: Any) -> "Plan":
@@ -89,7 +90,7 @@ class Plan:
         if not isinstance(data, dict):
             raise AuditError(f"plan {source} is {_what(data)}, not a table of ranks",
                              'A plan has a [ranks] table such as "fc1" = 64 (docs/plan.md)')
-        unknown = set(map(str, data)) - {"ranks", "finetune", "thresholds"}
+        unknown = set(map(str, data)) - {"ranks", "finetune", "thresholds", "compute_dtype"}
         if unknown:
             shown = ", ".join(repr(k) for k in sorted(unknown)[:5]) + (", ..." if len(unknown) > 5 else "")
             raise AuditError(f"plan {source} has unknown key(s) {shown}",
@@ -111,7 +112,11 @@ class Plan:
         if not isinstance(thresholds, dict):
             raise AuditError(f"plan {source}: 'thresholds' is {_what(thresholds)}, not a table",
                              "e.g. [thresholds] energy_floor = 0.9")
-        return cls(dict(ranks), ft, dict(thresholds), source)
+        compute = data.get("compute_dtype")
+        if compute is not None and compute not in ("model", "float32"):
+            raise AuditError(f"plan {source}: 'compute_dtype' is {_what(compute)}, not \"model\" or \"float32\"",
+                             'e.g. compute_dtype = "float32" (the dtype its statistics were read in)')
+        return cls(dict(ranks), ft, dict(thresholds), source, None if compute in (None, "model") else compute)
 
     @property
     def has_finetune(self) -> bool:
@@ -397,6 +402,10 @@ def emit_toml(audit: "Audit", header: list[str] | None = None) -> str:
     doc.add(tomlkit.nl())
     doc.add("finetune", "")
     _note(doc["finetune"], 'the recovery fine-tune budget, e.g. "1 epoch on the training set, lr 1e-4"')
+    compute = getattr(audit.calibration, "compute_dtype", None) if audit.calibration is not None else None
+    if compute:  # factorize reads the statistics (its whitened initialisation) in the dtype these ranks came from
+        doc.add("compute_dtype", compute)
+        _note(doc["compute_dtype"], "the dtype calibration statistics were read in; factorize reads them so too")
     doc.add(tomlkit.nl())
     table = tomlkit.table()
     ranks: dict[str, int] = {}

@@ -250,7 +250,8 @@ def calibrate(model: nn.Module, layers: list[Layer], settings: "Settings", optio
             reference=reference, layers=per, missing=dict(stats.missing), warnings=warnings,
             synthetic=any(SYNTHETIC_MARK in w for w in cal.warnings), measured_floors=floors is not None,
             budget=budget, suggestions_from="measured floors" if floors is not None else "calibration",
-            statistics_cached=cached, seconds=seconds, evaluations=evaluations, rounding_floor=rounding)
+            statistics_cached=cached, seconds=seconds, evaluations=evaluations, rounding_floor=rounding,
+            compute_dtype=options.compute_dtype)
         return Calibrated(report, session, spectra, sweep_where)
     finally:
         model.train(was_training)
