@@ -330,6 +330,12 @@ class Evaluator:
         if kind == "output":
             with torch.no_grad():
                 self._ref = [main_output(self._forward(dense, b, i)).detach() for i, b in enumerate(self.batches)]
+            for i, r in enumerate(self._ref):
+                if r.is_floating_point() and not bool(torch.isfinite(r).all()):
+                    raise AuditError(f"the dense model's output on held-out batch {i} holds NaN or infinite values, "
+                                     "so the relative output error cannot be measured",
+                                     "Check the model's weights and that batch's inputs, or give a metric of your "
+                                     "own")
             self._ref_norm2 = sum(float(self._masked(r, b).double().pow(2).sum())
                                   for r, b in zip(self._ref, self.batches))
             self.reference = 0.0
@@ -431,7 +437,7 @@ class Evaluator:
         else:
             x, y = first.double(), again.double()
             both_nan = torch.isnan(x) & torch.isnan(y)
-            d = torch.where(both_nan, torch.zeros_like(x), (x - y).abs())
+            d = torch.where(both_nan | (x == y), torch.zeros_like(x), (x - y).abs())  # the same infinity: equal
             scale = float(torch.where(torch.isfinite(x), x.abs(), torch.zeros_like(x)).max()) if x.numel() else 0.0
             worst = float(d.max()) if d.numel() else 0.0
             diff = worst / scale if scale > 0 else worst

@@ -15,6 +15,29 @@ W = "wrong audits that exit 0"
 CR = "crashes, hangs, blow-ups"
 LV = "loose validation"
 
+OUTPUT_INF = '''
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(8, 16)
+        self.out = nn.Linear(16, 4)
+
+    def forward(self, x):
+        return self.out(torch.relu(self.fc(x))) / (x[:, :1] != 7).float()  # infinite where x[:, 0] == 7
+
+
+def model():
+    torch.manual_seed(0)
+    return Net(), (torch.ones(1, 8),)
+
+
+def cal():
+    g = torch.Generator().manual_seed(0)
+    out = [torch.randn(8, 8, generator=g) for _ in range(4)]
+    out[-1][2, 0] = 7.0  # the held-out batch
+    return out
+'''
+
 # -- models and data ---------------------------------------------------------------------------------------------
 
 BLOCKS = '''
@@ -338,6 +361,13 @@ def cases() -> list[Case]:
         return [f"{src}:model", "-q", "--calibration", f"{src}:cal", "--no-cache", "--format", "json", "-o", OUT]
     add(Case("forward-makes-infinities-on-a-batch", LV, nan, 2,
              "the forward produced NaN or infinite values on calibration batch 2: the input of layer blocks.0.fc"))
+
+    def output_inf(d: Path) -> list[str]:
+        src = _src(d, OUTPUT_INF)
+        return [f"{src}:model", "-q", "--calibration", f"{src}:cal", "--no-cache", "--format", "json", "-o", OUT]
+    add(Case("forward-output-infinite-on-held-out-batch", LV, output_inf, 2,
+             "the dense model's output on held-out batch 0 holds NaN or infinite values",
+             absent=("does not repeat",)))
 
     # degenerate models: nothing factorizable
     def degenerate(fn: str, *flags: str) -> Callable[[Path], list[str]]:
