@@ -175,7 +175,8 @@ def _statistics(model: nn.Module, layers: list[Layer], cal: Calibration, options
     if entry is not None:
         tmp = entry.with_name(f".{entry.name}.{os.getpid()}.tmp")
         try:
-            shutil.rmtree(tmp, ignore_errors=True)
+            with contextlib.suppress(OSError):
+                _clear(tmp)
             store = GramStore(tmp, temporary=True)  # removed unless it becomes the entry
         except OSError:  # a read-only cache is not an error: a temporary directory then
             store = None
@@ -213,8 +214,7 @@ def _statistics(model: nn.Module, layers: list[Layer], cal: Calibration, options
     if entry is not None and store.dir.name.startswith(f".{entry.name}."):
         try:
             stats.spill(store.dir, key=entry.name)
-            if entry.exists():
-                shutil.rmtree(entry)
+            _clear(entry)
             store.dir.replace(entry)
             store.dir = entry
             if store._remove is not None:
@@ -223,6 +223,22 @@ def _statistics(model: nn.Module, layers: list[Layer], cal: Calibration, options
         except OSError:  # the temporary directory stays, removed with the statistics
             pass
     return stats, False
+
+
+def _clear(entry: Path) -> None:
+    """Remove what stands at ``entry``: a directory (the old entry) with its files, anything else (a file, a link, a
+    FIFO) by unlinking it; ``shutil.rmtree`` would open a FIFO and wait for a writer forever."""
+    import shutil
+    import stat
+
+    try:
+        mode = os.lstat(entry).st_mode
+    except FileNotFoundError:
+        return
+    if stat.S_ISDIR(mode):
+        shutil.rmtree(entry)
+    else:
+        os.unlink(entry)
 
 
 def metric_of(options: "AuditOptions", model: nn.Module | None = None, cal: Calibration | None = None) -> Metric:

@@ -297,12 +297,23 @@ def _edit_forward(d: Path, run: Callable) -> None:
 
 
 def _fifo(victim: str) -> Callable[[Path, Callable], None]:
+    """After a first run, something that is not a regular file where ``victim`` was: a FIFO for the Gram file,
+    the metadata or the whole entry, a link to /dev/zero for the Gram file."""
     def prepare(d: Path, run: Callable) -> None:
+        import shutil
+
         _first_run()(d, run)
         [entry] = [p for p in (d / "cache" / "calibration").iterdir() if p.is_dir()]
-        target = entry / ("g0.npy" if victim == "gram" else "meta.json")
+        if victim == "entry":
+            shutil.rmtree(entry)
+            os.mkfifo(entry)
+            return
+        target = entry / ("meta.json" if victim == "meta" else "g0.npy")
         target.unlink()
-        os.mkfifo(target)
+        if victim == "gram-link":
+            os.symlink("/dev/zero", target)
+        else:
+            os.mkfifo(target)
     return prepare
 
 
@@ -336,8 +347,10 @@ def cases() -> list[Case]:
              child=True))
 
     # cache files that are not files (a hang before): refused at once, recomputed
-    for victim in ("gram", "meta"):
-        add(Case(f"cache-{victim}-file-is-a-fifo", CR, simple(), 0, prepare=_fifo(victim), check=_recomputed,
+    labels = {"gram": "gram-file-is-a-fifo", "meta": "meta-file-is-a-fifo", "entry": "entry-is-a-fifo",
+              "gram-link": "gram-file-links-to-dev-zero"}
+    for victim, label in labels.items():
+        add(Case(f"cache-{label}", CR, simple(), 0, prepare=_fifo(victim), check=_recomputed,
                  child=True, timeout=120))
 
     # ids and labels at the calibration boundary
