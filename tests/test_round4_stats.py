@@ -304,3 +304,25 @@ def test_an_entry_changed_under_a_reader_is_one_line(tmp_path, change):
     with pytest.raises(AuditError) as info:
         st.layers[name]
     assert "\n" not in str(info.value) and "changed while this audit was reading them" in str(info.value)
+
+
+def test_a_model_whose_code_cannot_be_hashed_is_not_cached(tmp_path, monkeypatch):
+    """What cannot be keyed is never trusted: the statistics are computed (and not cached), no error."""
+    from auditor.calibration import hashing
+    from auditor.calibration.session import _statistics
+    from auditor.options import AuditOptions
+
+    def boom(model):
+        raise RuntimeError("unhashable")
+
+    monkeypatch.setattr(hashing, "code_hash", boom)
+    monkeypatch.setattr("auditor.calibration.session.code_hash", boom)
+    torch.manual_seed(0)
+    m = _Net(None).eval()
+    layers = list(collect_layers(m, ParamTable.of(m)).values())
+    cal = load_calibration({"x": _rows(1)}, m, holdout=0.25)
+    opts = AuditOptions(cache_dir=tmp_path / "cache", progress=False)
+    for _ in range(2):
+        stats, cached = _statistics(m, layers, cal, opts)
+        assert not cached and set(stats.layers) == {l.name for l in layers}
+    assert not (tmp_path / "cache" / "calibration").exists() or not any((tmp_path / "cache" / "calibration").iterdir())

@@ -154,8 +154,14 @@ def _statistics(model: nn.Module, layers: list[Layer], cal: Calibration, options
                          f"layer input; the largest: {largest}), and {size_text(avail)} is available",
                          "Run on a machine with more memory, or audit without --calibration (the weight spectra "
                          "need no input Grams)")
-    entry = (cache_path(options.cache_dir, model, cal, layers, options.compute_dtype, options.device)
-             if options.cache else None)
+    entry = None
+    if options.cache:
+        try:
+            entry = cache_path(options.cache_dir, model, cal, layers, options.compute_dtype, options.device)
+        except AuditError:
+            raise
+        except Exception:  # noqa: BLE001 - what cannot be keyed is not cached (never trusted), and not an error
+            entry = None
     named = by_name(layers)
     if entry is not None and (entry / "meta.json").is_file():
         try:
