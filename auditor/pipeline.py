@@ -352,6 +352,8 @@ def audit_session(model: Any, inputs: Any = None, *, plan: Any = None,
     opts = options or AuditOptions()
     progress = _progress(opts)
     plan_obj = Plan.coerce(plan) if plan is not None else None
+    if plan_obj is not None and plan_obj.compute_dtype and opts.compute_dtype is None and opts.calibration is not None:
+        opts = replace(opts, compute_dtype=plan_obj.compute_dtype)  # the dtype the plan's ranks were measured in
     settings = resolve_settings(opts, plan_obj)
     if isinstance(model, WeightsOnly):
         st = weights_structure(model, opts)

@@ -419,6 +419,14 @@ def cases() -> list[Case]:
     add(Case("factorize-compute-dtype-contradicts-plan", LV, bf16_contradicts, 2,
              "--compute-dtype model contradicts plan"))
 
+    def bf16_review(d: Path) -> list[str]:
+        src = _src(d, BF16)
+        (d / "plan.toml").write_text('finetune = "1 epoch"\ncompute_dtype = "float32"\n[ranks]\n"2" = 8\n')
+        return [f"{src}:model", "-q", "--calibration", f"{src}:cal", "--cache-dir", str(d / "cache"), "--plan",
+                str(d / "plan.toml"), "--format", "json", "-o", OUT]
+    add(Case("plan-review-reads-statistics-in-the-plans-dtype", W, bf16_review, (0, 1),
+             prepare=_first_run("--compute-dtype", "float32"), check=_from_cache))
+
     def bad_plan_dtype(d: Path) -> list[str]:
         src = _src(d, BF16)
         (d / "plan.toml").write_text('compute_dtype = "float16"\n[ranks]\n"2" = 8\n')
