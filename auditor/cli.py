@@ -173,20 +173,23 @@ def _rules_main(argv: Sequence[str]) -> int:
     p = _Parser(prog="lowrank-audit rules", description="List the rules, or print one.")
     p.add_argument("code", nargs="?", help="a rule code such as LR004, or its slug such as energy-below-floor")
     p.add_argument("--markdown", action="store_true", help="print docs/rules.md")
+    from .outputs import print_stdout, write_stdout
+    from .render.safe import term
+
     a = p.parse_args(argv)
     try:
         if a.markdown:
-            sys.stdout.write(rules_markdown())
+            write_stdout(rules_markdown())
             return 0
         if a.code:
             r = find_rule(a.code)
             url = rule_url(r)
-            sys.stdout.write(rule_doc(r) + (f"\nDocumented in {url}\n" if url else "") + "\n")
+            write_stdout(rule_doc(r) + (f"\nDocumented in {url}\n" if url else "") + "\n")
             return 0
         width = max((len(r.slug) for r in RULES.values()), default=0)
-        for r in RULES.values():
-            origin = "" if r.origin == BUILTIN_ORIGIN else f" (from {r.origin})"
-            print(f"{r.code}  {r.slug:<{width}}  {str(r.severity):<8} {r.summary}{origin}")
+        for r in RULES.values():  # a third-party rule's texts are data: no escape sequence reaches the terminal
+            origin = "" if r.origin == BUILTIN_ORIGIN else f" (from {term(str(r.origin))})"
+            print_stdout(f"{r.code}  {term(r.slug):<{width}}  {str(r.severity):<8} {term(r.summary)}{origin}")
     except AuditError as exc:
         print(f"error: {exc.line()}", file=sys.stderr)
         return ExitCode.BAD_INPUT
@@ -212,6 +215,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"interrupted: {'wrote ' + ', '.join(map(str, written)) if written else 'no report written'}",
               file=sys.stderr)
         return 130
+    except BrokenPipeError:  # a closed pipe on stderr (2>&1 | head) or a stray print: end quietly, as SIGPIPE would
+        from .outputs import silence
+
+        silence(sys.stdout)
+        silence(sys.stderr)
+        return 128 + 13  # the shell's status for a process ended by SIGPIPE (git log | head under pipefail)
     except BaseException as exc:  # noqa: BLE001 - a bug: one line and its own exit code, not a traceback and 1
         return internal_error(exc, verbose)
 
@@ -273,21 +282,18 @@ def _reserve_standard_streams() -> None:
                 pass
     if sys.stderr is None:
         sys.stderr = open(os.devnull, "w")  # noqa: SIM115 - lives as long as the process
+    elif sys.stderr is sys.__stderr__:
+        from .outputs import QuietStderr
+
+        sys.stderr = QuietStderr(sys.stderr)  # type: ignore[assignment]
 
 
 def _silence_stdout() -> None:
     """After stdout failed (a full disk, a closed pipe): point its descriptor at /dev/null, so the interpreter's
     final flush of what is still buffered cannot fail a second time with a traceback-like message."""
-    if sys.stdout is None or sys.stdout is not sys.__stdout__:
-        return  # captured (tests, notebooks): nothing buffered at the process level
-    import os
+    from .outputs import silence
 
-    try:
-        devnull = os.open(os.devnull, os.O_WRONLY)
-        os.dup2(devnull, sys.stdout.fileno())
-        os.close(devnull)
-    except (OSError, ValueError):
-        pass
+    silence(sys.stdout)
 
 
 def _path_map(entries: list[str]) -> tuple[tuple[str, str], ...]:

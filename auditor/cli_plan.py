@@ -41,6 +41,7 @@ def _review(model: str, plan: Path, args: argparse.Namespace) -> int:
     from .options import AuditOptions, LoadOptions
     from .pipeline import audit_source
     from .policy import exit_code, input_errors
+    from .outputs import print_stdout
     from .render.safe import term
     from .render.sarif import Locator
 
@@ -56,7 +57,7 @@ def _review(model: str, plan: Path, args: argparse.Namespace) -> int:
         where = locate.where(f)
         line = where.line if where is not None and where.path == plan.resolve() else 1
         fix = f" (fix: {term(f.fix)})" if f.fix else ""
-        print(f"{plan}:{line}: {f.severity} {f.code} {term(f.message)}{fix}")
+        print_stdout(f"{term(str(plan))}:{line}: {f.severity} {f.code} {term(f.message)}{fix}")
     return int(exit_code(result, args.fail_on))
 
 

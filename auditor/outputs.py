@@ -350,11 +350,79 @@ def _describe(exc: BaseException) -> str:
     return f"cannot write the outputs: {type(exc).__name__}: {exc}"
 
 
+def silence(stream: "object | None") -> None:
+    """Point a standard stream's descriptor at /dev/null after it failed (a closed pipe, a full disk), so neither a
+    later write nor the interpreter's final flush of what is still buffered can fail again with a message."""
+    stream = getattr(stream, "_stream", stream)  # QuietStderr
+    if stream is None or stream not in (sys.__stdout__, sys.__stderr__):
+        return  # captured (tests, notebooks): nothing buffered at the process level
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, stream.fileno())  # type: ignore[attr-defined]
+        os.close(devnull)
+    except (OSError, ValueError, AttributeError):
+        pass
+
+
+_reader_gone: set[int] = set()  # id() of the stdout objects whose reader closed the pipe
+
+
+def stdout_reader_gone() -> bool:
+    """Whether the reader of stdout stopped reading (``lowrank-audit rules | head``): what follows is dropped."""
+    return id(sys.stdout) in _reader_gone
+
+
 def write_stdout(text: str | bytes) -> None:
-    """Write to stdout and flush, so a full disk or a closed pipe is seen here and not at interpreter exit."""
+    """Write to stdout and flush, so a full disk is seen here and not at interpreter exit (an AuditError, exit 2).
+
+    A reader that stopped early (``| head``: a closed pipe, EPIPE) is normal, as for ``git log | head``: the rest is
+    dropped without a message and the run ends with its own exit code; every later write is a no-op."""
+    import errno
+
+    if stdout_reader_gone() or sys.stdout is None:
+        return
     try:
         sys.stdout.write(text if isinstance(text, str) else text.decode())
         sys.stdout.flush()
     except OSError as exc:
+        if isinstance(exc, BrokenPipeError) or exc.errno in (errno.EPIPE, errno.ECONNRESET):
+            _reader_gone.add(id(sys.stdout))
+            silence(sys.stdout)
+            return
         raise AuditError(f"cannot write to standard output: {exc.strerror or exc}",
                          "Redirect stdout to a writable file, or pass -o DIR") from None
+
+
+def print_stdout(*parts: object) -> None:
+    """``print`` through :func:`write_stdout` (a closed pipe ends the output quietly)."""
+    write_stdout(" ".join(map(str, parts)) + "\n")
+
+
+class QuietStderr:
+    """The process's stderr, dropping what a closed pipe refuses (``2>&1 | head``) instead of raising
+    BrokenPipeError: the run's messages are a log, and losing the log's reader must not change the exit code."""
+
+    def __init__(self, stream: "object") -> None:
+        self._stream = stream
+        self._gone = False
+
+    def write(self, text: str) -> int:
+        if not self._gone:
+            try:
+                return self._stream.write(text)  # type: ignore[attr-defined]
+            except BrokenPipeError:
+                self._gone = True
+                silence(self._stream)
+        return len(text)
+
+    def flush(self) -> None:
+        if not self._gone:
+            try:
+                self._stream.flush()  # type: ignore[attr-defined]
+            except BrokenPipeError:
+                self._gone = True
+                silence(self._stream)
+
+    def __getattr__(self, name: str) -> "object":
+        return getattr(self._stream, name)
+
