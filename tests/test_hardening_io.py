@@ -1,0 +1,60 @@
+"""Issue 32, part B: what the tool writes and prints. The Action's audit step with hostile inputs, a closed pipe on
+stdout and stderr, and the properties behind the corpus cases of ``tests/corpus/round4_io.py``."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+DIGITS = f"{ROOT / 'sample_models' / 'digits.py'}:mlp"
+
+
+# ---- the Action ------------------------------------------------------------------------------------------------
+def _action_step(tmp_path: Path, **inputs: str) -> tuple[subprocess.CompletedProcess, list[str], str]:
+    """The audit step as the runner runs it; the raw lines of $GITHUB_OUTPUT (a second line would be an injection)."""
+    yaml = pytest.importorskip("yaml")
+    from test_integrations import _env, _shim
+
+    action = yaml.safe_load((ROOT / "action.yml").read_text(encoding="utf-8"))
+    step = next(s for s in action["runs"]["steps"] if s.get("id") == "audit")
+    values = {**{k: str(v.get("default", "")) for k, v in action["inputs"].items()}, **inputs}
+    env = _env()
+    for name, expr in step["env"].items():
+        env[name] = values[expr.removeprefix("${{ inputs.").removesuffix(" }}")]
+    env["PATH"] = f"{_shim(tmp_path / 'bin')}{os.pathsep}{env['PATH']}"
+    env["GITHUB_OUTPUT"] = str(tmp_path / "github_output")
+    env["GITHUB_STEP_SUMMARY"] = str(tmp_path / "summary.md")
+    r = subprocess.run(["bash", "-e", "-c", step["run"]], capture_output=True, text=True, cwd=tmp_path, env=env,
+                       timeout=600)
+    return r, (tmp_path / "github_output").read_text().splitlines(), (tmp_path / "summary.md").read_text()
+
+
+@pytest.mark.parametrize("field", ["output-dir", "plan", "model", "fail-on"])
+def test_action_input_with_a_line_break_adds_no_output_line(tmp_path, field):
+    inputs = {"model": DIGITS, "args": "--no-spectra", field: "x\nexit-code=0"}
+    r, lines, summary = _action_step(tmp_path, **inputs)
+    assert r.returncode == 0, r.stderr
+    assert lines == ["exit-code=2"], lines  # one line: the failing step cannot be turned into a passing one
+    assert f"the {field} input holds a line break" in r.stderr and "line break" in summary
+    assert not any(p.name.startswith("x") for p in tmp_path.iterdir())
+
+
+def test_action_model_that_looks_like_an_option_is_a_model(tmp_path):
+    r, lines, _ = _action_step(tmp_path, model="--version", args="--no-spectra")
+    assert lines[-1] == "exit-code=2" and lines.count("exit-code=2") == 1, (lines, r.stderr)
+    assert "lowrank-audit " not in r.stdout  # --version was not read as the option
+    assert "error: " in r.stderr and "--version" in r.stderr
+
+
+def test_action_args_are_not_glob_expanded(tmp_path):
+    (tmp_path / "--no-spectra").write_text("")  # a file a glob in args would expand to
+    (tmp_path / "--oops").write_text("")
+    r, lines, _ = _action_step(tmp_path, model=DIGITS, args="--energy 0.9 --select LR00*")
+    # "LR00*" reaches the tool as written: it is a rule-code pattern the tool refuses, not a list of file names
+    assert lines[-1] == "exit-code=2", (lines, r.stderr)
+    assert "LR00*" in r.stderr and "--oops" not in r.stderr, r.stderr
