@@ -411,10 +411,11 @@ def _destinations(args: argparse.Namespace, formats: list[str]) -> dict[str, Pat
     """The file each file-bound format goes to, and ``plan`` for --emit-plan; every one checked before the audit:
     -o must be (or become) a writable folder, nothing but a regular file is ever replaced, --emit-plan may not
     name the plan under review or a report."""
-    from .outputs import check_destination, check_folder, same_file
+    from .outputs import check_destination, check_folder, check_not_input, same_file
     from .render import REPORTERS
 
     dest: dict[str, Path] = {}
+    inputs = run_inputs(args)
     out_dir = Path(args.output_dir) if args.output_dir else None
     if out_dir is not None:
         check_folder(out_dir, "-o")
@@ -426,6 +427,7 @@ def _destinations(args: argparse.Namespace, formats: list[str]) -> dict[str, Pat
         if args.plan and same_file(args.plan, dest[fmt]):
             raise AuditError(f"the {fmt} report {dest[fmt]} would replace the plan under review",
                              "Pass -o another folder, or move the plan")
+        check_not_input(dest[fmt], f"the {fmt} report", inputs)
     if args.emit_plan:
         plan_path = Path(args.emit_plan)
         if args.plan and same_file(args.plan, plan_path):
@@ -434,9 +436,22 @@ def _destinations(args: argparse.Namespace, formats: list[str]) -> dict[str, Pat
         for fmt, report in dest.items():
             if same_file(report, plan_path):
                 raise AuditError(f"--emit-plan {plan_path} is also the {fmt} report", "Choose another file")
+        check_not_input(plan_path, "--emit-plan", inputs)
         check_destination(plan_path, "--emit-plan")
         dest["plan"] = plan_path
     return dest
+
+
+def run_inputs(args: argparse.Namespace) -> list[tuple[str, str | Path | None]]:
+    """Every file or folder the run reads, as (label, value given): no output may replace one of them."""
+    from .config import nearest_pyproject
+
+    metric = getattr(args, "metric", None)
+    return [("the model source", args.model), ("--weights", getattr(args, "weights", None)),
+            ("the plan under review", getattr(args, "plan", None)),
+            ("--calibration", getattr(args, "calibration", None)), ("--holdout", getattr(args, "holdout", None)),
+            ("--metric", metric if metric and ":" in metric else None),
+            ("--baseline", getattr(args, "baseline", None)), ("the settings file", nearest_pyproject())]
 
 
 def run(args: argparse.Namespace, written: list[Path] | None = None) -> int:

@@ -63,8 +63,12 @@ def _parser() -> argparse.ArgumentParser:
 
 def _inputs(args: argparse.Namespace) -> list[tuple[str, str]]:
     """The run's inputs that are paths (a ``file.py:fn`` spec counts by its file): -o must never hold one."""
+    from .config import nearest_pyproject
+
     out: list[tuple[str, str]] = []
+    settings = nearest_pyproject()
     for label, value in (("the model source", args.model), ("the plan", args.plan),
+                         ("the settings file", str(settings) if settings else None),
                          ("the calibration", args.calibration), ("the held-out file", args.holdout),
                          ("the weights", args.weights), ("the metric", args.metric)):
         if label == "the metric" and value and ":" not in value:

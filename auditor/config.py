@@ -253,6 +253,15 @@ def _coerce(name: str, value: Any, default: Any, origin: str, example: Any = 1) 
     return value
 
 
+def nearest_pyproject(start: Path | None = None) -> Path | None:
+    """The pyproject.toml the settings come from: the nearest at or above ``start`` (default: the working folder)."""
+    here = (start or Path.cwd()).resolve()
+    for folder in [here, *here.parents]:
+        if (folder / "pyproject.toml").is_file():
+            return folder / "pyproject.toml"
+    return None
+
+
 def from_pyproject(start: Path | None = None) -> dict[str, Any]:
     """The [tool.lowrank-auditor] table of the nearest pyproject.toml at or above ``start``."""
     here = (start or Path.cwd()).resolve()

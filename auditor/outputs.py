@@ -99,6 +99,35 @@ def same_file(a: str | Path, b: str | Path) -> bool:
         return Path(a).resolve() == Path(b).resolve()
 
 
+def spec_paths(value: str | Path | None) -> list[str]:
+    """The paths an input given on the command line may name: itself, and for ``file.py:fn`` (a factory, a
+    calibration or metric function) its file. Names that are not paths (a share, a metric's name) name nothing."""
+    if value is None or str(value) == "":
+        return []
+    text = str(value)
+    return list(dict.fromkeys(c for c in (text, text.rpartition(":")[0]) if c and os.path.lexists(c)))
+
+
+def check_not_input(path: str | Path, what: str, inputs: Iterable[tuple[str, str | Path | None]]) -> None:
+    """Refuse an output ``path`` that is an input of the run (``inputs``: (label, value) as given, ``file.py:fn``
+    counting by its file): the same file by path, through a symbolic link or as a hard link (device and inode), or an
+    existing file inside an input folder (a Hugging Face directory, a sharded checkpoint) that the output would
+    replace. Every output of every command goes through here before any work is done."""
+    p = Path(path)
+    exists = os.path.lexists(p)
+    for label, value in inputs:
+        for given in spec_paths(value):
+            q = Path(given)
+            if q.is_dir():
+                hit = exists and _within(p.parent.resolve() / p.name, q.resolve())
+            else:
+                hit = same_file(p, q)
+            if hit:
+                where = f"{label} {given}" if not q.is_dir() else f"a file of {label} {given}"
+                raise AuditError(f"{what} {p} is {where}, an input of this run; writing it would replace the input",
+                                 "Write the output to another path")
+
+
 @dataclass
 class _Entry:
     path: Path

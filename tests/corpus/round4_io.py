@@ -1,0 +1,143 @@
+"""Issue 32, part B (hardening round 4): what the tool writes and prints. Outputs that would replace an input of the
+run, workflow commands and escape sequences from file names, a closed pipe, numbers JSON cannot hold, the emitted
+recovery command, plans that silence their own review, settings of the wrong type, and exports that never unpickle.
+
+Registered in ``make_corpus.cases()``; each case is built on the helpers of ``make_corpus``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any, Callable
+
+from make_corpus import OUT, Case, _mlp, _py, _safetensors, _text  # noqa: F401
+
+IO = "outputs that are inputs"
+
+
+def _rows(n: int = 32, width: int = 48, seed: int = 1) -> Any:
+    import torch
+
+    return torch.randn(n, width, generator=torch.Generator().manual_seed(seed))
+
+
+def _calibration(d: Path, name: str = "cal.safetensors", seed: int = 1) -> Path:
+    return _safetensors(d / name, {"input": _rows(seed=seed)})
+
+
+def _unchanged(*names: str) -> Callable:
+    """The inputs named are as they were before the run (their bytes, recorded by ``make``)."""
+    def check(d: Path, res: Any, run: Callable) -> None:
+        for n in names:
+            before = (d / (n + ".before")).read_bytes()
+            assert (d / n).read_bytes() == before, f"{n} was replaced"
+    return check
+
+
+def _keep(d: Path, *names: str) -> None:
+    for n in names:
+        (d / (n + ".before")).write_bytes((d / n).read_bytes())
+
+
+def _output_is_input_cases() -> list[Case]:
+    def source(d: Path) -> list[str]:
+        spec = _mlp(d)
+        _keep(d, Path(spec.rpartition(":")[0]).name)
+        return [spec, "-q", "--no-spectra", "--emit-plan", spec.rpartition(":")[0]]
+
+    def calibration(which: str) -> Callable[[Path], list[str]]:
+        def make(d: Path) -> list[str]:
+            _calibration(d)
+            _calibration(d, "held.safetensors", seed=2)
+            _keep(d, "cal.safetensors", "held.safetensors")
+            return [_mlp(d), "-q", "--no-spectra", "--calibration", str(d / "cal.safetensors"), "--holdout",
+                    str(d / "held.safetensors"), "--emit-plan", str(d / which)]
+        return make
+
+    def pyproject(d: Path) -> list[str]:
+        _text(d, "pyproject.toml", "[tool.lowrank-auditor]\nalign = 8\n")
+        _keep(d, "pyproject.toml")
+        return [_mlp(d), "-q", "--no-spectra", "--emit-plan", "pyproject.toml"]
+
+    def baseline_first(d: Path, run: Callable) -> None:
+        r = run(_spec(d), "-q", "--no-spectra", "--format", "json", "-o", str(d / "reports"))
+        assert r.returncode == 0, r.stderr
+        _keep(d, "reports/lowrank-audit.json")
+
+    def baseline(emit: bool) -> Callable[[Path], list[str]]:
+        def make(d: Path) -> list[str]:
+            spec = _mlp(d)
+            base = str(d / "reports" / "lowrank-audit.json")
+            if emit:
+                return [spec, "-q", "--no-spectra", "--baseline", base, "--emit-plan", base]
+            return [spec, "-q", "--no-spectra", "--baseline", base, "--format", "json", "-o", str(d / "reports")]
+        return make
+
+    def hard_link(d: Path) -> list[str]:
+        spec = _mlp(d)
+        _keep(d, Path(spec.rpartition(":")[0]).name)
+        os.link(spec.rpartition(":")[0], d / "linked.py")
+        return [spec, "-q", "--no-spectra", "--emit-plan", str(d / "linked.py")]
+
+    def weights_file(d: Path) -> list[str]:
+        import torch
+
+        _safetensors(d / "w.safetensors", {"fc.weight": torch.randn(64, 48)})
+        _keep(d, "w.safetensors")
+        return [str(d / "w.safetensors"), "-q", "--no-spectra", "--emit-plan", str(d / "w.safetensors")]
+
+    def report_in_input_folder(d: Path) -> list[str]:
+        import torch
+
+        (d / "shards").mkdir()
+        _safetensors(d / "shards" / "lowrank-audit.json", {"fc.weight": torch.randn(64, 48)})
+        _keep(d, "shards/lowrank-audit.json")
+        return [str(d / "shards" / "lowrank-audit.json"), "-q", "--no-spectra", "--format", "json", "-o",
+                str(d / "shards")]
+
+    def metric_file(d: Path) -> list[str]:
+        _calibration(d)
+        metric = _text(d, "metric.py", "def score(model, batches):\n    return 1.0\n")
+        _keep(d, "metric.py")
+        return [_mlp(d), "-q", "--no-spectra", "--calibration", str(d / "cal.safetensors"), "--metric",
+                f"{metric}:score", "--emit-plan", str(metric)]
+
+    frag = "an input of this run; writing it would replace the input"
+    return [
+        Case("emit-plan-is-the-factory-source", IO, source, 2, "--emit-plan", absent=("Traceback",),
+             check=_checked(frag)),
+        Case("emit-plan-is-the-calibration-file", IO, calibration("cal.safetensors"), 2,
+             "is --calibration", check=_unchanged("cal.safetensors")),
+        Case("emit-plan-is-the-held-out-file", IO, calibration("held.safetensors"), 2,
+             "is --holdout", check=_unchanged("held.safetensors")),
+        Case("emit-plan-is-pyproject-toml", IO, pyproject, 2, "is the settings file",
+             check=_unchanged("pyproject.toml")),
+        Case("emit-plan-is-the-baseline", IO, baseline(True), 2, "is --baseline", prepare=baseline_first,
+             check=_unchanged("reports/lowrank-audit.json")),
+        Case("json-report-is-the-baseline", IO, baseline(False), 2, "is --baseline", prepare=baseline_first,
+             check=_unchanged("reports/lowrank-audit.json")),
+        Case("emit-plan-is-a-hard-link-to-the-source", IO, hard_link, 2, "is the model source"),
+        Case("emit-plan-is-the-checkpoint", IO, weights_file, 2, "is the model source",
+             check=_unchanged("w.safetensors")),
+        Case("report-replaces-the-checkpoint-in-its-folder", IO, report_in_input_folder, 2,
+             "an input of this run", check=_unchanged("shards/lowrank-audit.json")),
+        Case("emit-plan-is-the-metric-file", IO, metric_file, 2, "is --metric", check=_unchanged("metric.py")),
+    ]
+
+
+def _spec(d: Path) -> str:
+    return f"{d / (d.name.replace('-', '_') + '.py')}:model"
+
+
+def _checked(fragment: str) -> Callable:
+    def check(d: Path, res: Any, run: Callable) -> None:
+        assert fragment in res.stderr, res.stderr
+        name = _spec(d).rpartition(":")[0]
+        assert Path(name).read_bytes() == (d / (Path(name).name + ".before")).read_bytes()
+    return check
+
+
+def cases() -> list[Case]:
+    return [*_output_is_input_cases()]
