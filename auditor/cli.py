@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Sequence
 
 from .cli_parser import UsageError, _Parser
 from .config import FailOn
-from .errors import AuditError, ExitCode, first_line
+from .errors import AuditError, ExitCode, escape, first_line
 from .options import SpectraBackend, Tracer
 
 if TYPE_CHECKING:
@@ -212,7 +212,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except SystemExit:
         raise  # argparse: --help and --version (0)
     except KeyboardInterrupt:
-        print(f"interrupted: {'wrote ' + ', '.join(map(str, written)) if written else 'no report written'}",
+        print(f"interrupted: {'wrote ' + ', '.join(escape(str(w)) for w in written) if written else 'no report written'}",
               file=sys.stderr)
         return 130
     except BrokenPipeError:  # a closed pipe on stderr (2>&1 | head) or a stray print: end quietly, as SIGPIPE would
@@ -504,7 +504,7 @@ def run(args: argparse.Namespace, written: list[Path] | None = None) -> int:
             write_stdout(content)
 
     for path in files.commit(after=stdout):
-        print(f"wrote {path}", file=sys.stderr)
+        print(f"wrote {escape(str(path))}", file=sys.stderr)
     return exit_code(result)
 
 

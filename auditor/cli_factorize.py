@@ -20,7 +20,7 @@ import sys
 from pathlib import Path
 from typing import Any, Sequence
 
-from .errors import AuditError, ExitCode
+from .errors import AuditError, ExitCode, escape
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -172,16 +172,16 @@ def run(args: argparse.Namespace) -> int:
     before, after = count_params(model), count_params(new)
     change = (f"{100 * (before - after) / before:.1f}% removed" if after <= before else
               f"{100 * (after - before) / before:.1f}% more, ranks at or above break-even")
-    print(f"factorized {len(plan)} layers of {loaded.name}: {before:,} -> {after:,} parameters ({change}), "
+    print(f"factorized {len(plan)} layers of {escape(loaded.name)}: {before:,} -> {after:,} parameters ({change}), "
           f"{extra['init']} initialisation", file=sys.stderr)
     if pc is not None and cr is not None:
         pred = f"predicted {pc.predicted:.4g} (layer-level), " if pc.predicted is not None else ""
         print(f"{cr.metric} on the held-out part: {pred}measured {pc.measured:.4g} "
               f"({'holds' if pc.ok else 'misses'} the tolerance {cr.tolerance:g})", file=sys.stderr)
-    print(f"wrote {out / 'model.safetensors'} and {out / 'plan.json'}; a recovery fine-tune follows "
+    print(f"wrote {escape(str(out / 'model.safetensors'))} and {escape(str(out / 'plan.json'))}; a recovery fine-tune follows "
           "(load with auditor.factorize.load_factorized(model, DIR))", file=sys.stderr)
     if exported:
-        print(f"wrote {', '.join(str(out / f) for f in exported)}: loads with plain torch "
+        print(f"wrote {', '.join(escape(str(out / f)) for f in exported)}: loads with plain torch "
               "(torch.export.load; see README.md)", file=sys.stderr)
     stopped = str(extra.get("recovery", {}).get("stopped") or "")
     return 130 if stopped.startswith("interrupted") else ExitCode.OK

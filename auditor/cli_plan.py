@@ -33,6 +33,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--structure-only", action="store_true", help="as for the audit (no spectra: specs only)")
     p.add_argument("--fail-on", choices=[f.value for f in FailOn], default=FailOn.ERROR.value,
                    help="exit 1 on findings at this level (default: error)")
+    p.add_argument("--format", choices=["text", "github"], default="text",
+                   help="text: PLAN:LINE: severity CODE message (default); github: workflow-command annotations "
+                        "for a GitHub Actions log (every field escaped)")
     return p
 
 
@@ -41,7 +44,7 @@ def _review(model: str, plan: Path, args: argparse.Namespace) -> int:
     from .options import AuditOptions, LoadOptions
     from .pipeline import audit_source
     from .policy import exit_code, input_errors
-    from .outputs import print_stdout
+    from .outputs import print_stdout, write_stdout
     from .render.safe import term
     from .render.sarif import Locator
 
@@ -52,6 +55,11 @@ def _review(model: str, plan: Path, args: argparse.Namespace) -> int:
     result = audit_source(model, plan=str(plan), options=AuditOptions(progress=False), load=load)
     for f in input_errors(result):
         raise AuditError(f"{f.code} {f.message}", f.fix)
+    if args.format == "github":
+        from .render.sarif import github_annotations
+
+        write_stdout(github_annotations(result))
+        return int(exit_code(result, args.fail_on))
     locate = Locator(result)
     for f in result.findings:
         where = locate.where(f)

@@ -139,5 +139,59 @@ def _checked(fragment: str) -> Callable:
     return check
 
 
+# -- workflow commands and escape sequences from names --------------------------------------------------------------
+
+ESC = "escaping of names"
+HOSTILE = "p\n::error::owned\x1b[2J\u202e.toml"  # a new line that starts a workflow command, a screen clear, RLO
+OVER = 'finetune = "x"\n[ranks]\n"fc2" = 300\n'  # LR001 on the sample MLP: an error finding placed in the plan
+
+
+def _digits() -> str:
+    return f"{Path(__file__).resolve().parents[2] / 'sample_models' / 'digits.py'}:mlp"
+
+
+def _inert(d: Path, res: Any, run: Callable) -> None:
+    """No raw control character reaches stdout or stderr, and every stdout line is one workflow command (or one
+    check-plan line) of this run: none starts with what the file name carried."""
+    import re
+
+    text = res.stdout + res.stderr
+    assert not re.search(r"[\x00-\x08\x0b-\x1f\x7f-\x9f\u202a-\u202e\u2066-\u2069]", text), repr(text[-400:])
+    for line in res.stdout.splitlines():
+        assert not line.startswith("::error::owned"), line
+        assert re.match(r"^(::(error|warning|notice) |p\\n::error::owned)", line) or not line.startswith("::"), line
+
+
+def _escape_cases() -> list[Case]:
+    def plan(fmt: str | None, content: str = OVER, audit: bool = False) -> Callable[[Path], list[str]]:
+        def make(d: Path) -> list[str]:
+            path = _text(d, HOSTILE, content)
+            if audit:
+                return [_digits(), "--no-spectra", "--plan", str(path), "--format", fmt or "text", "-q"]
+            return ["check-plan", "--model", _digits(), *(["--format", fmt] if fmt else []), str(path)]
+        return make
+
+    def written(d: Path) -> list[str]:
+        return [_mlp(d), "-q", "--no-spectra", "--format", "json", "-o", OUT + "/r\x1b[2J\u202e"]
+
+    def report_in_named_folder(d: Path, res: Any, run: Callable) -> None:
+        _inert(d, res, run)
+        assert (d / OUT / "r\x1b[2J\u202e" / "lowrank-audit.json").is_file()
+
+    return [
+        Case("check-plan-github-newline-in-plan-name", ESC, plan("github"), 1, "::error file=p%0A%3A%3Aerror",
+             check=_inert),
+        Case("check-plan-text-escape-in-plan-name", ESC, plan(None), 1, "p\\n::error::owned\\x1b[2J\\u202e.toml:3: error",
+             check=_inert),
+        Case("check-plan-bad-plan-escape-in-name", ESC, plan(None, '[ranks]\n"fc2" = "bad"\n'), 2,
+             "cannot read rank 'bad'", check=_inert),
+        Case("audit-github-newline-in-plan-name", ESC, plan("github", audit=True), 1,
+             "title=LR001 rank-at-or-above-break-even", check=_inert),
+        Case("audit-sarif-newline-in-plan-name", ESC, plan("sarif", audit=True), 1, '"ruleId": "LR001"',
+             check=_inert),
+        Case("wrote-line-escape-in-output-folder", ESC, written, 0, "wrote ", check=report_in_named_folder),
+    ]
+
+
 def cases() -> list[Case]:
-    return [*_output_is_input_cases()]
+    return [*_output_is_input_cases(), *_escape_cases()]
