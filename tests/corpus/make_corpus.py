@@ -37,7 +37,7 @@ class Case:
     prepare: Callable[[Path, Callable], None] | None = None  # (folder, run): a first run, before the case's own
     owner: str | None = None  # helper whose fix is not in main yet: "load", "spectra", "wire"
     child: bool = False  # run in a child interpreter (memory limit, timeout, real stdout)
-    stdout: str | None = None  # child only: a path for stdout ("/dev/full"), or "CLOSED" (started with >&-)
+    stdout: str | None = None  # child only: a path for stdout ("/dev/full"), "CLOSED" (started with >&-) or "EPIPE"
     env: dict[str, str] = field(default_factory=dict)  # child only
     timeout: int = 180  # child only: seconds before the run counts as a hang
     fsize: int | None = None  # child only: RLIMIT_FSIZE in bytes (a write past it fails as on a full disk)

@@ -193,5 +193,42 @@ def _escape_cases() -> list[Case]:
     ]
 
 
+# -- a reader that stops early -----------------------------------------------------------------------------------
+
+PIPE = "closed pipe"
+
+
+def _quiet(d: Path, res: Any, run: Callable) -> None:
+    assert res.stderr.strip() == "" or "error" not in res.stderr.lower(), res.stderr[-500:]
+
+
+def _pipe_cases() -> list[Case]:
+    def plans(d: Path) -> list[str]:
+        return ["check-plan", "--model", _digits(), *[str(_text(d, f"plan{i:02d}.toml", OVER)) for i in range(12)]]
+
+    def rules(*more: str) -> Callable[[Path], list[str]]:
+        return lambda d: ["rules", *more]
+
+    def table(d: Path) -> list[str]:
+        return [_mlp(d), "--no-spectra", "--format", "text,json", "-o", OUT]
+
+    return [
+        Case("rules-into-a-closed-pipe", PIPE, rules(), 0, None, check=_quiet, child=True, stdout="EPIPE",
+             timeout=120),
+        Case("rules-markdown-into-a-closed-pipe", PIPE, rules("--markdown"), 0, None, check=_quiet, child=True,
+             stdout="EPIPE", timeout=120),
+        Case("check-plan-12-plans-into-a-closed-pipe", PIPE, plans, 1, None, check=_quiet, child=True,
+             stdout="EPIPE", timeout=600),
+        Case("audit-table-into-a-closed-pipe", PIPE, table, 0, None, check=_reports_kept, child=True,
+             stdout="EPIPE", timeout=300),
+    ]
+
+
+def _reports_kept(d: Path, res: Any, run: Callable) -> None:
+    """The reader of the table stopped; the files are the run's outputs all the same."""
+    _quiet(d, res, run)
+    json.loads((d / OUT / "lowrank-audit.json").read_text())
+
+
 def cases() -> list[Case]:
-    return [*_output_is_input_cases(), *_escape_cases()]
+    return [*_output_is_input_cases(), *_escape_cases(), *_pipe_cases()]
