@@ -27,6 +27,7 @@ import torch
 from torch import nn
 
 from .errors import AuditError, first_line, no_duplicate_keys
+from .outputs import strict_json
 
 PT2 = "model.pt2"
 ONNX = "model.onnx"
@@ -447,6 +448,6 @@ def cli_write(directory: str | Path, model: nn.Module, calibration: Any, example
     path = d / "plan.json"
     meta = json.loads(path.read_text())
     meta["export"] = entry
-    path.write_text(json.dumps(meta, indent=2, sort_keys=True) + "\n")
+    path.write_text(strict_json(meta, indent=2, sort_keys=True) + "\n")
     readme(d, meta)
     return [PT2] + ([ONNX] if "onnx" in entry else []) + [README]

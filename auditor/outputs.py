@@ -99,6 +99,39 @@ def same_file(a: str | Path, b: str | Path) -> bool:
         return Path(a).resolve() == Path(b).resolve()
 
 
+NON_FINITE = "non_finite"  # the top-level key naming the numbers strict_json wrote as null
+
+
+def strict_json(data: object, **dumps: object) -> str:
+    """``json.dumps`` that every JSON reader (the tool's own strict ones included) reads back: a float that is not
+    finite (a perplexity that overflowed, an infinite measured error) is written as ``null``, and a top-level object
+    gains ``"non_finite": {JSON pointer: "inf" | "-inf" | "nan"}`` saying which number it was; never the
+    ``Infinity`` or ``NaN`` that plain ``json.dumps`` writes and strict parsers refuse.
+
+    >>> strict_json({"a": [1.0, float("inf")], "b": {"c": float("nan")}})
+    '{"a": [1.0, null], "b": {"c": null}, "non_finite": {"/a/1": "inf", "/b/c": "nan"}}'
+    """
+    import json
+    import math
+
+    found: dict[str, str] = {}
+
+    def clean(value: object, pointer: str) -> object:
+        if isinstance(value, float) and not math.isfinite(value):
+            found[pointer] = "nan" if math.isnan(value) else "inf" if value > 0 else "-inf"
+            return None
+        if isinstance(value, dict):
+            return {k: clean(v, f"{pointer}/{str(k).replace('~', '~0').replace('/', '~1')}") for k, v in value.items()}
+        if isinstance(value, (list, tuple)):
+            return [clean(v, f"{pointer}/{i}") for i, v in enumerate(value)]
+        return value
+
+    out = clean(data, "")
+    if found and isinstance(out, dict):
+        out = {**out, NON_FINITE: {**(out.get(NON_FINITE) or {}), **found}}  # type: ignore[dict-item]
+    return json.dumps(out, allow_nan=False, **dumps)  # type: ignore[arg-type]
+
+
 def spec_paths(value: str | Path | None) -> list[str]:
     """The paths an input given on the command line may name: itself, and for ``file.py:fn`` (a factory, a
     calibration or metric function) its file. Names that are not paths (a share, a metric's name) name nothing."""

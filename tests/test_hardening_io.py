@@ -58,3 +58,54 @@ def test_action_args_are_not_glob_expanded(tmp_path):
     # "LR00*" reaches the tool as written: it is a rule-code pattern the tool refuses, not a list of file names
     assert lines[-1] == "exit-code=2", (lines, r.stderr)
     assert "LR00*" in r.stderr and "--oops" not in r.stderr, r.stderr
+
+
+# ---- what the tool writes reads back -------------------------------------------------------------------------
+from hypothesis import given, settings, strategies as st  # noqa: E402
+
+_leaf = st.one_of(st.none(), st.booleans(), st.integers(-10**6, 10**6), st.floats(allow_nan=True, allow_infinity=True),
+                  st.text(max_size=6))
+_tree = st.recursive(_leaf, lambda kids: st.one_of(st.lists(kids, max_size=4),
+                                                   st.dictionaries(st.text(max_size=4), kids, max_size=4)),
+                     max_leaves=25)
+
+
+def _pointer(doc: object, pointer: str) -> object:
+    for part in pointer.split("/")[1:]:
+        key = part.replace("~1", "/").replace("~0", "~")
+        doc = doc[int(key)] if isinstance(doc, list) else doc[key]  # type: ignore[index]
+    return doc
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.dictionaries(st.text(max_size=4).filter(lambda k: k != "non_finite"), _tree, max_size=5))
+def test_strict_json_reads_back_with_every_strict_reader(data):
+    """Any report-shaped data: the text is strict JSON (the readers of plan files, baselines and plan.json accept
+    it), every non-finite number is null there and named under non_finite, and nothing else changes."""
+    import json
+    import math
+
+    from auditor.outputs import strict_json
+    from auditor.plan import loads_json
+
+    text = strict_json(data)
+    back = loads_json(text)  # the tool's own strict reader (no NaN/Infinity, no duplicate keys)
+    flat: list[float] = []
+
+    def walk(x: object) -> None:
+        if isinstance(x, float) and not math.isfinite(x):
+            flat.append(x)
+        elif isinstance(x, dict):
+            [walk(v) for v in x.values()]
+        elif isinstance(x, list):
+            [walk(v) for v in x]
+
+    walk(data)
+    named = back.pop("non_finite", {})
+    assert len(named) == len(flat)
+    for pointer, word in named.items():
+        assert _pointer(back, pointer) is None and word in ("inf", "-inf", "nan")
+        original = _pointer(data, pointer)
+        assert word == ("nan" if math.isnan(original) else "inf" if original > 0 else "-inf")
+    if not flat:
+        assert text == json.dumps(data)

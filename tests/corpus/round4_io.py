@@ -230,5 +230,88 @@ def _reports_kept(d: Path, res: Any, run: Callable) -> None:
     json.loads((d / OUT / "lowrank-audit.json").read_text())
 
 
+# -- numbers JSON cannot hold -------------------------------------------------------------------------------------
+
+NUM = "numbers the tool cannot read back"
+BLOWUP = '''
+
+class Blowup(nn.Module):
+    """exp(1000 * (fc(x) - the same product from a frozen copy)): ones on the dense model, infinite once fc is cut,
+    so the measured output error of any plan is infinite."""
+
+    def __init__(self):
+        super().__init__()
+        g = torch.Generator().manual_seed(0)
+        self.fc = nn.Linear(48, 64, bias=False)
+        with torch.no_grad():
+            self.fc.weight.copy_(torch.randn(64, 48, generator=g))
+        self.register_buffer("frozen", self.fc.weight.detach().clone())
+
+    def forward(self, x):
+        return torch.exp(1000.0 * (self.fc(x) - torch.nn.functional.linear(x, self.frozen)))
+
+
+def model():
+    return Blowup().eval(), (torch.zeros(1, 48),)
+
+
+def cal():
+    return [torch.randn(16, 48, generator=torch.Generator().manual_seed(s)) for s in range(4)]
+'''
+
+
+def _strict(path: Path) -> dict:
+    def bare(c: str) -> Any:
+        raise AssertionError(f"bare {c} in {path.name}")
+
+    return json.loads(path.read_text(), parse_constant=bare)
+
+
+def _infinite_audit(d: Path) -> list[str]:
+    spec = _py(d, BLOWUP)
+    plan = _text(d, "plan.toml", 'finetune = "x"\n[ranks]\n"fc" = 4\n')
+    return [spec, "--calibration", spec.replace(":model", ":cal"), "--plan", str(plan), "--format", "json", "-o",
+            OUT, "-q", "--no-cache"]
+
+
+def _infinite_read_back(d: Path, res: Any, run: Callable) -> None:
+    report = _strict(d / OUT / "lowrank-audit.json")
+    assert report["calibration"]["plan_check"]["measured"] is None, report["calibration"]["plan_check"]
+    assert report["non_finite"]["/calibration/plan_check/measured"] == "inf", report.get("non_finite")
+    spec = _spec(d)
+    again = run(spec, "--calibration", spec.replace(":model", ":cal"), "--plan", str(d / "plan.toml"), "-q",
+                "--no-cache", "--baseline", str(d / OUT / "lowrank-audit.json"), "--format", "json", "-o",
+                str(d / OUT / "again"))
+    assert again.returncode == 1, again.stderr  # the baseline the tool wrote is one it reads
+    assert _strict(d / OUT / "again" / "lowrank-audit.json")["baseline"]["new_findings"] == []
+
+
+def _infinite_factorize(d: Path) -> list[str]:
+    argv = _infinite_audit(d)
+    return ["factorize", argv[0], "--plan", argv[4], "--calibration", argv[2], "-o", OUT, "--no-cache"]
+
+
+def _factorized_loads(d: Path, res: Any, run: Callable) -> None:
+    import importlib.util
+
+    from auditor.factorize import load_factorized
+
+    meta = _strict(d / OUT / "plan.json")
+    assert meta["measured"]["value"] is None and meta["non_finite"] == {"/measured/value": "inf"}, meta
+    spec = importlib.util.spec_from_file_location(d.name.replace("-", "_"), _spec(d).rpartition(":")[0])
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)  # type: ignore[union-attr]
+    load_factorized(mod.model()[0], d / OUT)  # the model it just wrote loads
+
+
+def _number_cases() -> list[Case]:
+    return [
+        Case("audit-infinite-measured-metric-reads-back", NUM, _infinite_audit, 1, None,
+             absent=("Infinity",), check=_infinite_read_back),
+        Case("factorize-infinite-measured-metric-loads", NUM, _infinite_factorize, 0, "measured inf",
+             check=_factorized_loads),
+    ]
+
+
 def cases() -> list[Case]:
-    return [*_output_is_input_cases(), *_escape_cases(), *_pipe_cases()]
+    return [*_output_is_input_cases(), *_escape_cases(), *_pipe_cases(), *_number_cases()]
