@@ -307,7 +307,7 @@ def _path_map(entries: list[str]) -> tuple[tuple[str, str], ...]:
 def options_from(args: argparse.Namespace) -> tuple["AuditOptions", "LoadOptions"]:
     """The audit's and the loader's options from the flags: defaults < pyproject.toml < the plan < the flags
     (the plan's thresholds are applied between ``settings`` and ``overrides`` by the pipeline)."""
-    from .config import Settings, from_pyproject
+    from .config import repo_settings
     from .sources import parse_shape
     from .options import AuditOptions, LoadOptions
 
@@ -324,14 +324,15 @@ def options_from(args: argparse.Namespace) -> tuple["AuditOptions", "LoadOptions
         env_connect_timeout()
     from .rules import RULES
 
-    settings = Settings().with_overrides(from_pyproject(), "pyproject.toml [tool.lowrank-auditor]", RULES.settings())
+    settings, plan_may_relax = repo_settings(RULES.settings())
     overrides = {k: v for k, v in {
         "energy_targets": args.energy, "target_energy": args.target_energy, "align": args.align,
         "min_share": args.min_share, "energy_floor": args.energy_floor, "select": args.select,
         "ignore": args.ignore, "fail_on": args.fail_on,
     }.items() if v is not None}
     audit_options = AuditOptions(
-        settings=settings, overrides=overrides, overrides_origin="the command line", tracer=Tracer(args.tracer),
+        settings=settings, overrides=overrides, overrides_origin="the command line", plan_may_relax=plan_may_relax,
+        tracer=Tracer(args.tracer),
         spectra_backend=SpectraBackend(args.spectra_backend), spectra=not args.no_spectra, cache=not args.no_cache,
         cache_dir=Path(args.cache_dir) if args.cache_dir else None, jobs=args.jobs,
         progress=getattr(args, "progress", None),
@@ -427,7 +428,8 @@ def _destinations(args: argparse.Namespace, formats: list[str]) -> dict[str, Pat
         if args.plan and same_file(args.plan, dest[fmt]):
             raise AuditError(f"the {fmt} report {dest[fmt]} would replace the plan under review",
                              "Pass -o another folder, or move the plan")
-        check_not_input(dest[fmt], f"the {fmt} report", inputs)
+        # the one exception: the JSON report may advance the --baseline it was compared with (a ratchet in CI)
+        check_not_input(dest[fmt], f"the {fmt} report", [i for i in inputs if fmt != "json" or i[0] != "--baseline"])
     if args.emit_plan:
         plan_path = Path(args.emit_plan)
         if args.plan and same_file(args.plan, plan_path):

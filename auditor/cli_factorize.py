@@ -129,7 +129,12 @@ def run(args: argparse.Namespace) -> int:
     if not isinstance(model, nn.Module):
         raise AuditError(f"{args.model} is a weights-only checkpoint: there is no module to factorize",
                          "Give the model's code (file.py:factory or a Hugging Face directory)")
+    from .config import repo_settings
+    from .rules import RULES
+
+    settings, plan_may_relax = repo_settings(RULES.settings())  # the repository's settings, as for the audit
     options = AuditOptions(name=loaded.name, source=loaded.source, cache=not args.no_cache, progress=False,
+                           settings=settings, plan_may_relax=plan_may_relax,
                            calibration=args.calibration,
                            holdout=args.holdout if args.holdout is not None else 0.25,
                            metric=args.metric if args.calibration else None, tolerance=args.tolerance,

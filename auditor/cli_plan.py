@@ -14,9 +14,12 @@ from __future__ import annotations
 import argparse
 import sys
 from pathlib import Path
-from typing import Sequence
+from typing import TYPE_CHECKING, Sequence
 
 from .errors import AuditError, ExitCode
+
+if TYPE_CHECKING:
+    from .plan import Plan
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -52,7 +55,12 @@ def _review(model: str, plan: Path, args: argparse.Namespace) -> int:
         input_shape=tuple(parse_shape(s, "--input-shape") for s in args.input_shape) if args.input_shape else None,
         input_ids=parse_shape(args.input_ids, "--input-ids") if args.input_ids else None,
         weights=args.weights, structure_only=args.structure_only)
-    result = audit_source(model, plan=str(plan), options=AuditOptions(progress=False), load=load)
+    from .config import repo_settings
+    from .rules import RULES
+
+    settings, plan_may_relax = repo_settings(RULES.settings())  # the repository's settings, as for the audit
+    result = audit_source(model, plan=str(plan), options=AuditOptions(settings=settings, progress=False,
+                                                                      plan_may_relax=plan_may_relax), load=load)
     for f in input_errors(result):
         raise AuditError(f"{f.code} {f.message}", f.fix)
     if args.format == "github":
@@ -69,6 +77,18 @@ def _review(model: str, plan: Path, args: argparse.Namespace) -> int:
     return int(exit_code(result, args.fail_on))
 
 
+def _check_thresholds(plan: "Plan") -> None:
+    from .config import check_plan_relaxes, repo_settings, validate
+    from .rules import RULES
+
+    declared = RULES.settings()
+    settings, plan_may_relax = repo_settings(declared)
+    relaxed = settings.with_overrides(plan.thresholds, plan.source, declared, typed=True)
+    if not plan_may_relax:
+        check_plan_relaxes(settings, relaxed, plan.source)
+    validate(relaxed, declared)
+
+
 def main(argv: Sequence[str]) -> int:
     from .plan import Plan
 
@@ -77,7 +97,9 @@ def main(argv: Sequence[str]) -> int:
     for name in args.plans:
         plan = Path(name)
         try:
-            Plan.load(plan)
+            loaded = Plan.load(plan)
+            if loaded.thresholds:  # checked as the audit checks them: valid, and not silencing this plan's review
+                _check_thresholds(loaded)
             if args.model:
                 code = max(code, _review(args.model, plan, args))
         except AuditError as exc:

@@ -109,3 +109,22 @@ def test_strict_json_reads_back_with_every_strict_reader(data):
         assert word == ("nan" if math.isnan(original) else "inf" if original > 0 else "-inf")
     if not flat:
         assert text == json.dumps(data)
+
+
+@settings(max_examples=200, deadline=None)
+@given(steps=st.integers(1, 10**6), lr=st.floats(1e-9, 10.0, allow_nan=False, allow_infinity=False),
+       trainable=st.sampled_from(["factors", "all"]), objective=st.sampled_from(["auto", "kl", "mse"]))
+def test_emitted_recovery_command_repeats_the_measured_setting(steps, lr, trainable, objective):
+    """The ``lowrank-audit factorize`` command an emitted plan and LR019 quote, parsed by factorize's own parser,
+    gives back exactly the recovery the audit measured (the objective and the learning rate's every bit included)."""
+    import shlex
+
+    from auditor.calresults import RecoverySetup
+    from auditor.cli_factorize import _parser
+    from auditor.recover import cli_settings
+
+    command = RecoverySetup(steps, lr, trainable, objective, 0, True).command()
+    argv = shlex.split(command)
+    assert argv[:2] == ["lowrank-audit", "factorize"]
+    args = _parser().parse_args(["m.py:model", "--plan", "p.toml", "-o", "out", "--calibration", "c.pt", *argv[2:]])
+    assert cli_settings(args) == {"steps": steps, "lr": lr, "trainable": trainable, "objective": objective}

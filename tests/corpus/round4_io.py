@@ -116,8 +116,8 @@ def _output_is_input_cases() -> list[Case]:
              check=_unchanged("pyproject.toml")),
         Case("emit-plan-is-the-baseline", IO, baseline(True), 2, "is --baseline", prepare=baseline_first,
              check=_unchanged("reports/lowrank-audit.json")),
-        Case("json-report-is-the-baseline", IO, baseline(False), 2, "is --baseline", prepare=baseline_first,
-             check=_unchanged("reports/lowrank-audit.json")),
+        Case("json-report-advances-the-baseline", IO, baseline(False), 0, None, prepare=baseline_first,
+             check=_advanced),  # the one exception: a ratchet (test_hardening_cli's good baseline)
         Case("emit-plan-is-a-hard-link-to-the-source", IO, hard_link, 2, "is the model source"),
         Case("emit-plan-is-the-checkpoint", IO, weights_file, 2, "is the model source",
              check=_unchanged("w.safetensors")),
@@ -125,6 +125,11 @@ def _output_is_input_cases() -> list[Case]:
              "an input of this run", check=_unchanged("shards/lowrank-audit.json")),
         Case("emit-plan-is-the-metric-file", IO, metric_file, 2, "is --metric", check=_unchanged("metric.py")),
     ]
+
+
+def _advanced(d: Path, res: Any, run: Callable) -> None:
+    report = json.loads((d / "reports" / "lowrank-audit.json").read_text())
+    assert report["baseline"]["new_findings"] == [], report["baseline"]
 
 
 def _spec(d: Path) -> str:
@@ -313,5 +318,66 @@ def _number_cases() -> list[Case]:
     ]
 
 
+# -- plans that silence their own review; settings of the wrong type --------------------------------------------
+
+REVIEW = "settings and plans that silence their own review"
+SILENCERS = {
+    "ignore-every-rule": 'ignore = ["LR"]',
+    "ignore-the-error": 'ignore = ["LR001"]',
+    "fail-on-never": 'fail_on = "never"',
+    "select-nothing-relevant": 'select = ["LR011"]',
+}
+
+
+def _silencing_plan(body: str, hook: bool, allow: str | None = None) -> Callable[[Path], list[str]]:
+    def make(d: Path) -> list[str]:
+        if allow is not None:
+            _text(d, "pyproject.toml", f"[tool.lowrank-auditor]\n{allow}\n")
+        plan = _text(d, "plan.toml", OVER + f"[thresholds]\n{body}\n")
+        if hook:  # the pre-commit hook's command, with and without the model
+            return ["check-plan", str(plan)]
+        return [_digits(), "-q", "--no-spectra", "--plan", str(plan)]
+    return make
+
+
+def _pyproject(body: str, hook: bool = False) -> Callable[[Path], list[str]]:
+    def make(d: Path) -> list[str]:
+        _text(d, "pyproject.toml", f"[tool.lowrank-auditor]\n{body}\n")
+        plan = _text(d, "plan.toml", OVER)
+        return ["check-plan", "--model", _digits(), str(plan)] if hook else [_digits(), "-q", "--no-spectra"]
+    return make
+
+
+def _review_cases() -> list[Case]:
+    out = []
+    for label, body in SILENCERS.items():
+        out.append(Case(f"plan-thresholds-{label}", REVIEW, _silencing_plan(body, False), 2,
+                        "which would silence the review of this very plan"))
+        out.append(Case(f"check-plan-thresholds-{label}", REVIEW, _silencing_plan(body, True), 2,
+                        "plan_may_relax_review = true"))
+    out += [
+        Case("plan-thresholds-tighten-is-fine", REVIEW, _silencing_plan('fail_on = "warning"', False), 1, None),
+        Case("plan-thresholds-relax-allowed-by-pyproject", REVIEW,
+             _silencing_plan('ignore = ["LR001"]', False, "plan_may_relax_review = true"), 0, None),
+        Case("pyproject-relax-flag-not-a-boolean", REVIEW,
+             _silencing_plan('ignore = ["LR001"]', False, 'plan_may_relax_review = "yes"'), 2,
+             "plan_may_relax_review' in "),
+    ]
+    for label, key, value, frag in (("align-text", "align", '"16"', "is text '16', not a whole number"),
+                                    ("floor-text", "energy_floor", '"0.5"', "is text '0.5', not a number"),
+                                    ("select-text", "select", '"LR001"', "is text 'LR001', not a list"),
+                                    ("targets-number", "energy_targets", "0.9", "is a number 0.9, not a list"),
+                                    ("align-list", "align", "[8]", "has a bad value [8]"),
+                                    ("fail-on-number", "fail_on", "1", "has a bad value 1")):
+        for hook in (False, True):
+            out.append(Case(f"{'check-plan-' if hook else ''}pyproject-{label}", REVIEW,
+                            _pyproject(f"{key} = {value}", hook), 2, frag, check=_names_the_file))
+    return out
+
+
+def _names_the_file(d: Path, res: Any, run: Callable) -> None:
+    assert " in pyproject.toml [tool.lowrank-auditor] " in res.stderr, res.stderr  # the file, from its folder
+
+
 def cases() -> list[Case]:
-    return [*_output_is_input_cases(), *_escape_cases(), *_pipe_cases(), *_number_cases()]
+    return [*_output_is_input_cases(), *_escape_cases(), *_pipe_cases(), *_number_cases(), *_review_cases()]
