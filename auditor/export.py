@@ -10,7 +10,8 @@ packages (``torch.onnx.export(..., dynamo=True)``) and is checked with onnxrunti
 them it is refused with one line. ``readme(...)`` writes the README.
 
 ``load_program(directory)`` is the tool's own loader: it reads plan.json strictly, refuses a ``model.pt2`` whose
-size or sha256 differs from what plan.json records, and checks that the program's factors have the planned ranks
+size or sha256 differs from what plan.json records, refuses (:func:`check_archive`, whatever the checksums say) an
+archive holding a member that torch would unpickle beyond plain tensors, and checks that the program's factors have the planned ranks
 and its parameter count is the recorded one, each with one line; then it returns the ``ExportedProgram``.
 """
 
@@ -137,6 +138,10 @@ def _export_program(model: nn.Module, args: tuple, kwargs: dict) -> tuple[Any, b
 
     tensors = [a for a in list(args) + list(kwargs.values()) if isinstance(a, torch.Tensor)]
     rows = {int(t.shape[0]) for t in tensors if t.dim() > 0}
+    dyn_args, dyn_kwargs = args, kwargs
+    if rows == {1}:  # the factory's one example row: traced on two copies, so the batch can stay dynamic
+        dyn_args, dyn_kwargs = _repeat_rows(args, kwargs)
+        rows = {2}
     errors: list[str] = []
     tries: list[Any] = []
     if len(rows) == 1 and next(iter(rows)) >= 2:
@@ -156,9 +161,11 @@ def _export_program(model: nn.Module, args: tuple, kwargs: dict) -> tuple[Any, b
                     names = list(inspect.signature(model.forward).parameters)
                     spec = dict(zip(names, dyn[0]))
                     spec.update(dyn[1])
-                    prog = torch.export.export(model, args, kwargs, dynamic_shapes=spec)
+                    prog = torch.export.export(model, dyn_args, dyn_kwargs, dynamic_shapes=spec)
+                elif dyn is not None:
+                    prog = torch.export.export(model, dyn_args, dyn_kwargs, dynamic_shapes=dyn)
                 else:
-                    prog = torch.export.export(model, args, kwargs, dynamic_shapes=dyn)
+                    prog = torch.export.export(model, args, kwargs)
             return prog, dyn is not None
         except Exception as exc:  # noqa: BLE001 - a model torch.export cannot trace
             errors.append(first_line(exc))
@@ -191,7 +198,7 @@ def export(model: nn.Module, example: Any, directory: str | Path, formats: tuple
             err = relative_error(loaded(*args, **kwargs), ref)
             checks = [{"rows": _rows(args, kwargs), "relative_error": err}]
             if dynamic:  # another batch size than the example's
-                sub_args, sub_kwargs = _first_rows(args, kwargs, max(2, _rows(args, kwargs) - 1))
+                sub_args, sub_kwargs = _other_rows(args, kwargs)
                 sub = relative_error(loaded(*sub_args, **sub_kwargs), target(*sub_args, **sub_kwargs))
                 checks.append({"rows": _rows(sub_args, sub_kwargs), "relative_error": sub})
         worst = max(c["relative_error"] for c in checks)
@@ -220,6 +227,21 @@ def _rows(args: tuple, kwargs: dict) -> int:
         if isinstance(t, torch.Tensor) and t.dim() > 0:
             return int(t.shape[0])
     return 1
+
+
+def _repeat_rows(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    """The example with its one row given twice (dim 0 of every tensor input)."""
+    def two(x: Any) -> Any:
+        return torch.cat([x, x]) if isinstance(x, torch.Tensor) and x.dim() > 0 else x
+
+    return tuple(two(a) for a in args), {k: two(v) for k, v in kwargs.items()}
+
+
+def _other_rows(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    """Inputs with another batch size than the example's, to check a dynamic batch: one row fewer (two at least),
+    or two copies of a one-row example."""
+    n = _rows(args, kwargs)
+    return _repeat_rows(args, kwargs) if n == 1 else _first_rows(args, kwargs, max(2, n - 1))
 
 
 def _first_rows(args: tuple, kwargs: dict, n: int) -> tuple[tuple, dict]:
@@ -259,7 +281,7 @@ def _onnx(prog: Any, args: tuple, kwargs: dict, ref: Any, out: Path, dynamic: bo
 
         err = relative_error(outputs(args, kwargs), _leaves(ref))
         if dynamic:  # another batch size than the example's, against the program (the factorized model's outputs)
-            sub_args, sub_kwargs = _first_rows(args, kwargs, max(2, _rows(args, kwargs) - 1))
+            sub_args, sub_kwargs = _other_rows(args, kwargs)
             with torch.no_grad():
                 want = _leaves(prog.module()(*sub_args, **sub_kwargs))
             err = max(err, relative_error(outputs(sub_args, sub_kwargs), want))
@@ -289,7 +311,9 @@ def readme(directory: str | Path, meta: dict[str, Any]) -> Path:
     kw = [f"{k}={literal(by_name[k])}" for k in e["keywords"] if k in by_name]
     call = ", ".join(pos + kw)
     shapes = "; ".join(f"{i['name']}: {i['dtype']}[{', '.join(map(str, i['shape']))}]" for i in e["inputs"])
-    batch = ("the batch dimension (`batch`) may be any size from 2 up" if e["dynamic_batch"]
+    batch = ("the batch dimension (`batch`) is dynamic, checked at " +
+             " and ".join(f"{c['rows']} row{'s' if c['rows'] != 1 else ''}" for c in e.get("checks", []))
+             if e["dynamic_batch"]
              else "the shapes are fixed to the example's")
     out_kind = "a dict of tensors" if e["output_dict"] else "what the model's forward returns (tensors)"
     removed = ""
@@ -348,6 +372,118 @@ To check the file is the one written: `hashlib.sha256(open("{PT2}", "rb").read()
 
 # --- the tool's loader --------------------------------------------------------------------------------------------
 
+MAX_SAMPLE_BYTES = 64 << 20  # the sample inputs' torch.save archive a program carries (read to scan it)
+_MEMBERS = ("archive_format", "archive_version", ".data/version", ".data/serialization_id", "byteorder")
+_SAFE_GLOBALS = {("torch._utils", "_rebuild_tensor_v2"), ("torch._utils", "_rebuild_tensor"),
+                 ("torch._utils", "_rebuild_parameter"), ("collections", "OrderedDict"), ("torch", "Size"),
+                 ("torch", "device")}
+
+
+def _safe_global(module: str, name: str) -> bool:
+    if (module, name) in _SAFE_GLOBALS:
+        return True
+    if module == "torch" and (name.endswith("Storage") or isinstance(getattr(torch, name, None), torch.dtype)):
+        return True  # typed storages (torch.FloatStorage) and dtypes (torch.float32)
+    return False
+
+
+def _scan_pickle(data: bytes, where: str) -> None:
+    """A static scan of a pickle's opcodes (nothing is unpickled): every global it would import must be a tensor
+    rebuild function, a storage type, a dtype or OrderedDict; STACK_GLOBAL, INST and OBJ (names computed at load
+    time) are refused, as torch.save never writes them for tensors."""
+    import pickletools
+
+    try:
+        for op, arg, _ in pickletools.genops(data):
+            if op.name == "GLOBAL":
+                module, _sp, name = str(arg).partition(" ")
+                if not _safe_global(module, name):
+                    raise AuditError(f"{where} imports {module}.{name} when unpickled: code a program does not need",
+                                     "Do not load it; export the model again from a trusted copy")
+            elif op.name in ("STACK_GLOBAL", "INST", "OBJ"):
+                raise AuditError(f"{where} computes what it imports when unpickled ({op.name})",
+                                 "Do not load it; export the model again from a trusted copy")
+    except AuditError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - a truncated or malformed pickle
+        raise AuditError(f"{where} is not a readable pickle: {first_line(exc)}", "Export the model again") from None
+
+
+def check_archive(path: str | Path) -> None:
+    """Refuse a ``.pt2`` archive that would run pickled code when torch loads it, before anything in it is
+    deserialized and whatever checksums stand beside it: only the members ``torch.export.save`` writes for a plain
+    program may be present (no AOTInductor code, no extra files); no weight or constant is stored as a pickle, a
+    custom or opaque object; and the sample inputs (the one pickle torch writes, and loads with ``weights_only=False``
+    when the restricted load fails) import nothing but tensor rebuilders, storages and dtypes."""
+    import io
+    import zipfile
+
+    p = Path(path)
+    try:
+        zf = zipfile.ZipFile(p)
+    except (OSError, zipfile.BadZipFile, ValueError) as exc:
+        raise AuditError(f"{p} is not a torch.export archive (a zip file): {first_line(exc)}",
+                         "Export the model again") from None
+    with zf:
+        names = zf.namelist()
+        roots = {n.split("/", 1)[0] for n in names}
+        if len(roots) != 1:
+            raise AuditError(f"{p} holds {len(roots)} top-level folders, not one program archive",
+                             "Export the model again")
+        root = next(iter(roots)) + "/"
+
+        def refuse(member: str, why: str) -> AuditError:
+            return AuditError(f"{p} holds {member} {why}; refusing to load it (a pickle there would run code)",
+                              "Do not load it; export the model again from a trusted copy")
+
+        configs: list[str] = []
+        samples: list[str] = []
+        for n in names:
+            rel = n[len(root):]
+            if rel in _MEMBERS or rel.endswith("/") or (rel.startswith("models/") and rel.endswith(".json")):
+                continue
+            if rel.startswith(("data/weights/", "data/constants/")):
+                if rel.endswith("_config.json"):
+                    configs.append(n)
+                elif rel.endswith((".pt", ".pkl", ".pickle")):
+                    raise refuse(rel, "(a pickled weight or constant file)")
+                continue
+            if rel.startswith("data/sample_inputs/") and rel.endswith(".pt"):
+                samples.append(n)
+                continue
+            raise refuse(rel, "(a member torch.export.save does not write for a plain program)")
+        import json as _json
+
+        for n in configs:
+            try:
+                cfg = _json.loads(zf.read(n).decode("utf-8"), parse_constant=lambda c: None)
+            except (ValueError, RecursionError, OSError, zipfile.BadZipFile) as exc:
+                raise refuse(n[len(root):], f"(unreadable: {first_line(exc)})") from None
+            entries = cfg.get("config") if isinstance(cfg, dict) else None
+            if not isinstance(entries, dict):
+                raise refuse(n[len(root):], "(not a payload config)")
+            for fqn, meta in entries.items():
+                if not isinstance(meta, dict):
+                    raise refuse(n[len(root):], "(not a payload config)")
+                name = str(meta.get("path_name", ""))
+                if meta.get("use_pickle") or name.startswith(("custom_obj", "opaque_obj")) or not name.startswith(
+                        ("weight_", "tensor_")):
+                    raise refuse(n[len(root):], f"with {str(fqn)[:80]!r} stored as a pickle or an object")
+        for n in samples:
+            info = zf.getinfo(n)
+            if info.file_size > MAX_SAMPLE_BYTES:
+                raise refuse(n[len(root):], f"of {info.file_size:,} bytes (sample inputs)")
+            try:
+                inner = zipfile.ZipFile(io.BytesIO(zf.read(n)))
+            except (zipfile.BadZipFile, ValueError, OSError) as exc:
+                raise refuse(n[len(root):], f"(not a torch.save archive: {first_line(exc)})") from None
+            with inner:
+                for m in inner.infolist():
+                    if m.filename.endswith(".pkl"):
+                        if m.file_size > MAX_SAMPLE_BYTES:
+                            raise refuse(f"{n[len(root):]}:{m.filename}", "(an oversized pickle)")
+                        _scan_pickle(inner.read(m), f"{p} member {n[len(root):]}:{m.filename}")
+
 def _read_meta(directory: Path) -> dict[str, Any]:
     path = directory / "plan.json"
     if path.is_symlink() or not path.is_file():
@@ -388,14 +524,15 @@ def _read_meta(directory: Path) -> dict[str, Any]:
 def load_program(directory: str | Path) -> Any:
     """The exported program in ``directory``, after checking it against plan.json (see the module docstring)."""
     d = Path(directory)
-    meta = _read_meta(d)
-    e = meta["export"]["pt2"]
     path = d / PT2
     if path.is_symlink() or not path.is_file():
         raise AuditError(f"{path} is not a regular file", "Export the model again")
+    meta = _read_meta(d)
+    e = meta["export"]["pt2"]
     if path.stat().st_size != e["bytes"] or _sha256(path) != e["sha256"]:
         raise AuditError(f"{path} does not match the size and sha256 plan.json records: it was changed or damaged "
                          "after it was written", "Export the model again")
+    check_archive(path)  # whatever plan.json says (a forger updates both): no pickle runs, before torch reads it
     try:
         prog = torch.export.load(str(path))
     except Exception as exc:  # noqa: BLE001 - a damaged archive
@@ -443,7 +580,13 @@ def cli_write(directory: str | Path, model: nn.Module, calibration: Any, example
     if not formats:
         return []
     d = Path(directory)
-    example = calibration.fit[0] if calibration is not None and calibration.fit else example_inputs
+    # the model's own example inputs: the program is called as the model is (its signature, its dtypes), not as the
+    # calibration file stores its rows (a keyword, uint8 ids); a calibration batch only when there are none
+    from .structure.trace import ExampleInputs
+
+    own = ExampleInputs.of(example_inputs) if example_inputs is not None else None
+    example = example_inputs if own is not None else (calibration.fit[0] if calibration is not None and
+                                                      calibration.fit else example_inputs)
     entry = export(model, example, d, formats)
     path = d / "plan.json"
     meta = json.loads(path.read_text())

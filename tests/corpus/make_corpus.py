@@ -958,6 +958,9 @@ def lib_cases() -> list[LibCase]:
         ("wrong-shape", lambda t: {**t, "4.bias": torch.zeros(5)}, "4.bias is [5] but the plan builds [4]"),
     )]
     c.append(LibCase("load-weights-not-safetensors", W, _garbage_weights, "is not a readable safetensors file"))
+    from round4_io import lib_cases as round4_io  # issue 32, part B: exports that never unpickle
+
+    c += round4_io()
     c.append(LibCase("save-factorized-through-a-symlinked-plan-json", "save_factorized", _save_through_link,
                      "is a symbolic link; refusing to write through it", check=_outside_untouched))
     return c

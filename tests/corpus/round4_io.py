@@ -12,7 +12,7 @@ import os
 from pathlib import Path
 from typing import Any, Callable
 
-from make_corpus import OUT, Case, _mlp, _py, _safetensors, _text  # noqa: F401
+from make_corpus import OUT, Case, LibCase, _factorized, _mlp, _py, _safetensors, _text  # noqa: F401
 
 IO = "outputs that are inputs"
 
@@ -381,3 +381,141 @@ def _names_the_file(d: Path, res: Any, run: Callable) -> None:
 
 def cases() -> list[Case]:
     return [*_output_is_input_cases(), *_escape_cases(), *_pipe_cases(), *_number_cases(), *_review_cases()]
+
+
+# -- exports that never unpickle (the Python API: auditor.export.load_program) ------------------------------------
+
+EXPORT = "load_program on a forged archive"
+RAN = "ran.txt"  # what the planted code would create
+
+
+class _Payload:
+    """A pickle that runs code when loaded: creates a file (the case checks it never appears)."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+
+    def __reduce__(self) -> tuple:
+        return (exec, (f"open({self.path!r}, 'w').write('ran')",))
+
+
+def _exported(d: Path) -> Path:
+    """A factorized low-rank MLP with its program exported, as lowrank-audit factorize --export pt2 writes it."""
+    import torch
+
+    from auditor.export import cli_write
+    from auditor.factorize import factorize
+
+    model, fact = _factorized(d)
+    cli_write(fact, factorize(model, {"0": 8, "2": 8}), None, (torch.zeros(1, 48),), ("pt2",))
+    return fact
+
+
+def _forge(d: Path, change: Callable[[dict[str, bytes], str], None]) -> Callable[[], Any]:
+    """Rewrite model.pt2's members with ``change(members, root)``, then update plan.json's size and sha256 as a
+    forger would; returns the load."""
+    import hashlib
+    import zipfile
+
+    from auditor.export import load_program
+
+    fact = _exported(d)
+    pt2 = fact / "model.pt2"
+    with zipfile.ZipFile(pt2) as zf:
+        members = {n: zf.read(n) for n in zf.namelist()}
+    root = next(iter(members)).split("/", 1)[0] + "/"
+    change(members, root)
+    with zipfile.ZipFile(pt2, "w") as zf:
+        for n, data in members.items():
+            zf.writestr(n, data)
+    meta = json.loads((fact / "plan.json").read_text())
+    meta["export"]["pt2"].update(sha256=hashlib.sha256(pt2.read_bytes()).hexdigest(), bytes=pt2.stat().st_size)
+    (fact / "plan.json").write_text(json.dumps(meta))
+    return lambda: load_program(fact)
+
+
+def _torch_save(obj: Any, protocol: int = 2) -> bytes:
+    import io
+
+    import torch
+
+    buf = io.BytesIO()
+    torch.save(obj, buf, pickle_protocol=protocol)
+    return buf.getvalue()
+
+
+def _sample_inputs(d: Path, obj: Callable[[Path], Any], protocol: int = 2) -> Callable[[], Any]:
+    def change(m: dict[str, bytes], root: str) -> None:
+        name = next(n for n in m if n.startswith(root + "data/sample_inputs/"))
+        m[name] = _torch_save(obj(d), protocol)
+    return _forge(d, change)
+
+
+def _pickled_weight(d: Path) -> Callable[[], Any]:
+    def change(m: dict[str, bytes], root: str) -> None:
+        cfg_name = next(n for n in m if n.endswith("_weights_config.json"))
+        cfg = json.loads(m[cfg_name])
+        first = next(iter(cfg["config"].values()))
+        first["use_pickle"] = True
+        m[root + "data/weights/" + first["path_name"]] = _torch_save(_Payload(str(d / RAN)))
+        m[cfg_name] = json.dumps(cfg).encode()
+    return _forge(d, change)
+
+
+def _opaque_constant(d: Path) -> Callable[[], Any]:
+    import pickle
+
+    def change(m: dict[str, bytes], root: str) -> None:
+        cfg_name = next(n for n in m if n.endswith("_constants_config.json"))
+        m[cfg_name] = json.dumps({"config": {"c": {"path_name": "opaque_obj_0", "is_param": False,
+                                                    "use_pickle": False, "tensor_meta": None}}}).encode()
+        m[root + "data/constants/opaque_obj_0"] = pickle.dumps(_Payload(str(d / RAN)))
+    return _forge(d, change)
+
+
+def _extra_member(path: str, data: bytes = b"") -> Callable[[Path], Callable[[], Any]]:
+    def make(d: Path) -> Callable[[], Any]:
+        def change(m: dict[str, bytes], root: str) -> None:
+            m[root + path] = data or _torch_save(_Payload(str(d / RAN)))
+        return _forge(d, change)
+    return make
+
+
+def _not_a_zip(d: Path) -> Callable[[], Any]:
+    import hashlib
+
+    from auditor.export import load_program
+
+    fact = _exported(d)
+    (fact / "model.pt2").write_bytes(_torch_save(_Payload(str(d / RAN)))[:0] + b"\x80\x02cos\nsystem\n.")
+    meta = json.loads((fact / "plan.json").read_text())
+    data = (fact / "model.pt2").read_bytes()
+    meta["export"]["pt2"].update(sha256=hashlib.sha256(data).hexdigest(), bytes=len(data))
+    (fact / "plan.json").write_text(json.dumps(meta))
+    return lambda: load_program(fact)
+
+
+def _never_ran(d: Path) -> None:
+    assert not (d / RAN).exists(), "the planted pickle ran"
+
+
+def lib_cases() -> list[LibCase]:
+    return [
+        LibCase("load-program-pickle-in-sample-inputs", EXPORT,
+                lambda d: _sample_inputs(d, lambda d: ((_Payload(str(d / RAN)),), {})),
+                ".exec when unpickled", check=_never_ran),
+        LibCase("load-program-stack-global-in-sample-inputs", EXPORT,
+                lambda d: _sample_inputs(d, lambda d: ((_Payload(str(d / RAN)),), {}), protocol=4),
+                "computes what it imports when unpickled", check=_never_ran),
+        LibCase("load-program-pickled-weight", EXPORT, _pickled_weight, "stored as a pickle or an object",
+                check=_never_ran),
+        LibCase("load-program-opaque-constant", EXPORT, _opaque_constant, "stored as a pickle or an object",
+                check=_never_ran),
+        LibCase("load-program-legacy-constants-file", EXPORT, _extra_member("data/constants/model.pt"),
+                "a pickled weight or constant file", check=_never_ran),
+        LibCase("load-program-aoti-member", EXPORT, _extra_member("data/aotinductor/model/model.so", b"ELF"),
+                "a member torch.export.save does not write", check=_never_ran),
+        LibCase("load-program-extra-file", EXPORT, _extra_member("extra/evil.pkl"),
+                "a member torch.export.save does not write", check=_never_ran),
+        LibCase("load-program-not-a-zip", EXPORT, _not_a_zip, "is not a torch.export archive", check=_never_ran),
+    ]
