@@ -2,8 +2,9 @@
 file, and a README that says how to load them with plain torch.
 
 ``export(model, example, directory, formats)`` traces the (factorized) module with ``torch.export.export`` on the
-example inputs (the first calibration batch, or the factory's example inputs), the batch dimension dynamic where the
-model allows it, saves ``model.pt2``, loads it back and checks that it reproduces the module's outputs on those
+example inputs (the model's own, from its factory, so the program is called as the model is: its positional and
+keyword inputs and their dtypes; the first calibration batch only when there are none), the batch dimension dynamic
+where the model allows it, saves ``model.pt2``, loads it back and checks that it reproduces the module's outputs on those
 inputs to 1e-5 relative (``||y_pt2 - y|| / ||y||`` over every output tensor); it returns the entry that goes into
 plan.json under ``"export"`` (file, sha256, size, inputs, the check). ``onnx`` needs the ``onnx`` and ``onnxscript``
 packages (``torch.onnx.export(..., dynamo=True)``) and is checked with onnxruntime when that is installed; without
@@ -272,19 +273,26 @@ def _onnx(prog: Any, args: tuple, kwargs: dict, ref: Any, out: Path, dynamic: bo
     if importlib.util.find_spec("onnxruntime") is not None:
         import onnxruntime as ort
 
-        sess = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+        stage = "loaded by onnxruntime"
+        try:  # each step says what failed: an exporter or runtime error is not a full disk
+            sess = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
 
-        def outputs(a: tuple, kw: dict) -> list[torch.Tensor]:
-            values = [v for v in list(a) + list(kw.values()) if isinstance(v, torch.Tensor)]
-            feed = {i.name: v.detach().cpu().numpy() for i, v in zip(sess.get_inputs(), values)}
-            return [torch.from_numpy(o) for o in sess.run(None, feed)]
+            def outputs(a: tuple, kw: dict) -> list[torch.Tensor]:
+                values = [v for v in list(a) + list(kw.values()) if isinstance(v, torch.Tensor)]
+                feed = {i.name: v.detach().cpu().numpy() for i, v in zip(sess.get_inputs(), values)}
+                return [torch.from_numpy(o) for o in sess.run(None, feed)]
 
-        err = relative_error(outputs(args, kwargs), _leaves(ref))
-        if dynamic:  # another batch size than the example's, against the program (the factorized model's outputs)
-            sub_args, sub_kwargs = _other_rows(args, kwargs)
-            with torch.no_grad():
-                want = _leaves(prog.module()(*sub_args, **sub_kwargs))
-            err = max(err, relative_error(outputs(sub_args, sub_kwargs), want))
+            stage = "run by onnxruntime on the example"
+            err = relative_error(outputs(args, kwargs), _leaves(ref))
+            if dynamic:  # another batch size than the example's, against the program (the factorized model's outputs)
+                sub_args, sub_kwargs = _other_rows(args, kwargs)
+                stage = f"run by onnxruntime on {_rows(sub_args, sub_kwargs)} rows"
+                with torch.no_grad():
+                    want = _leaves(prog.module()(*sub_args, **sub_kwargs))
+                err = max(err, relative_error(outputs(sub_args, sub_kwargs), want))
+        except Exception as exc:  # noqa: BLE001 - an op onnxruntime lacks, a shape it refuses
+            raise AuditError(f"the ONNX file was written but could not be {stage}: {first_line(exc)}",
+                             "Use --export pt2 (the program loads with plain torch)") from None
         if not err <= ONNX_TOLERANCE:
             raise AuditError(f"the ONNX file's outputs (onnxruntime) differ from the factorized model's by {err:.3g} "
                              f"relative (allowed {ONNX_TOLERANCE:g})", "Use --export pt2")

@@ -397,10 +397,14 @@ def write_folder(out: str | Path, fill: Callable[[Path], None], recheck: Callabl
                 pass
         if isinstance(exc, (AuditError, KeyboardInterrupt, SystemExit)):
             raise
-        why = exc.strerror or str(exc) if isinstance(exc, OSError) else f"{type(exc).__name__}: {exc}"
         left = f" and {p} was left as it was" if existed else ""
-        raise AuditError(f"cannot write {p}: {why}; nothing was written{left}",
-                         "Free space, or choose another -o folder") from None
+        if isinstance(exc, OSError):
+            raise AuditError(f"cannot write {p}: {exc.strerror or exc}; nothing was written{left}",
+                             "Free space, or choose another -o folder") from None
+        from .errors import first_line  # a step of filling the folder failed, not the disk: say which error
+
+        raise AuditError(f"{p} could not be completed: {first_line(exc)}; nothing was written{left}",
+                         "The error above is the cause (not the disk)") from None
     if aside is not None:
         shutil.rmtree(aside, ignore_errors=True)
 

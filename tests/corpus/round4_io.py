@@ -379,8 +379,67 @@ def _names_the_file(d: Path, res: Any, run: Callable) -> None:
     assert " in pyproject.toml [tool.lowrank-auditor] " in res.stderr, res.stderr  # the file, from its folder
 
 
+# -- the exported program is called like the model -----------------------------------------------------------------
+
+EXPORTS = "factorize --export"
+CHAR = '''
+
+class Char(nn.Module):
+    """Called as model(idx) with int64 ids, like the char transformer; its calibration file stores uint8 ids."""
+
+    def __init__(self):
+        super().__init__()
+        g = torch.Generator().manual_seed(0)
+        self.emb = nn.Embedding(64, 48)
+        self.fc = nn.Linear(48, 64)
+        self.head = nn.Linear(64, 64)
+        with torch.no_grad():
+            self.fc.weight.copy_(torch.randn(64, 3, generator=g) @ torch.randn(3, 48, generator=g))
+
+    def forward(self, idx):
+        return self.head(torch.relu(self.fc(self.emb(idx.long()))))
+
+
+def model():
+    torch.manual_seed(0)
+    return Char().eval(), (torch.zeros(1, 8, dtype=torch.long),)
+'''
+
+
+def _char_export(d: Path) -> list[str]:
+    import torch
+
+    spec = _py(d, CHAR)
+    ids = torch.randint(0, 64, (32, 8), generator=torch.Generator().manual_seed(1), dtype=torch.long)
+    _safetensors(d / "ids.safetensors", {"idx": ids.to(torch.uint8)})
+    plan = _text(d, "plan.toml", '[ranks]\n"fc" = 4\n')
+    return ["factorize", spec, "--plan", str(plan), "--calibration", str(d / "ids.safetensors"), "--export", "pt2",
+            "-o", OUT, "--no-cache"]
+
+
+def _called_like_the_model(d: Path, res: Any, run: Callable) -> None:
+    """Plain torch, as the README says: positional int64 ids of the model's own kind, one row and three."""
+    import torch
+
+    from auditor.export import load_program
+
+    program = torch.export.load(str(d / OUT / "model.pt2")).module()
+    for rows in (1, 3):
+        ids = torch.randint(0, 64, (rows, 8), generator=torch.Generator().manual_seed(rows))
+        assert program(ids).shape == (rows, 8, 64)
+    meta = json.loads((d / OUT / "plan.json").read_text())["export"]["pt2"]
+    assert meta["positional"] == ["arg0"] and meta["keywords"] == [] and meta["inputs"][0]["dtype"] == "int64", meta
+    load_program(d / OUT)  # and the tool's own loader accepts what it wrote
+
+
+def _export_cases() -> list[Case]:
+    return [Case("factorize-export-called-like-the-model", EXPORTS, _char_export, 0, "model.pt2",
+                 check=_called_like_the_model)]
+
+
 def cases() -> list[Case]:
-    return [*_output_is_input_cases(), *_escape_cases(), *_pipe_cases(), *_number_cases(), *_review_cases()]
+    return [*_output_is_input_cases(), *_escape_cases(), *_pipe_cases(), *_number_cases(), *_review_cases(),
+            *_export_cases()]
 
 
 # -- exports that never unpickle (the Python API: auditor.export.load_program) ------------------------------------
