@@ -431,6 +431,9 @@ def _destinations(args: argparse.Namespace, formats: list[str]) -> dict[str, Pat
         # the one exception: the JSON report may advance the --baseline it was compared with (a ratchet in CI)
         check_not_input(dest[fmt], f"the {fmt} report", [i for i in inputs if fmt != "json" or i[0] != "--baseline"])
     if args.emit_plan:
+        if args.emit_plan == "-":  # not stdout: that carries the reports
+            raise AuditError("--emit-plan - would write a file named '-', not to standard output",
+                             "Give the plan a file path (./- for a file named '-')")
         plan_path = Path(args.emit_plan)
         if args.plan and same_file(args.plan, plan_path):
             raise AuditError(f"--emit-plan {plan_path} is the plan under review (--plan {args.plan})",

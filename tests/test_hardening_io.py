@@ -128,3 +128,17 @@ def test_emitted_recovery_command_repeats_the_measured_setting(steps, lr, traina
     assert argv[:2] == ["lowrank-audit", "factorize"]
     args = _parser().parse_args(["m.py:model", "--plan", "p.toml", "-o", "out", "--calibration", "c.pt", *argv[2:]])
     assert cli_settings(args) == {"steps": steps, "lr": lr, "trainable": trainable, "objective": objective}
+
+
+def test_action_never_publishes_a_planted_report(tmp_path):
+    """A checkout that plants lowrank-audit/lowrank-audit.md and .sarif as links to a secret: the audit refuses to
+    write through them (exit 2), and the step neither copies the secret into the job summary nor names it for the
+    SARIF upload."""
+    secret = tmp_path / "secret.txt"
+    secret.write_text("TOKEN=hunter2\n")
+    (tmp_path / "lowrank-audit").mkdir()
+    for name in ("lowrank-audit.md", "lowrank-audit.sarif"):
+        (tmp_path / "lowrank-audit" / name).symlink_to(secret)
+    r, lines, summary = _action_step(tmp_path, model=DIGITS, args="--no-spectra")
+    assert lines == ["exit-code=2"], (lines, r.stderr)
+    assert "hunter2" not in summary and summary.startswith("lowrank-audit wrote no report (exit 2)")

@@ -124,6 +124,8 @@ def _output_is_input_cases() -> list[Case]:
         Case("report-replaces-the-checkpoint-in-its-folder", IO, report_in_input_folder, 2,
              "an input of this run", check=_unchanged("shards/lowrank-audit.json")),
         Case("emit-plan-is-the-metric-file", IO, metric_file, 2, "is --metric", check=_unchanged("metric.py")),
+        Case("emit-plan-dash-is-not-stdout", IO, lambda d: [_mlp(d), "-q", "--no-spectra", "--emit-plan", "-"], 2,
+             "would write a file named '-'"),
     ]
 
 
