@@ -300,6 +300,11 @@ def _onnx(prog: Any, args: tuple, kwargs: dict, ref: Any, out: Path, dynamic: bo
     return entry
 
 
+def _number(value: Any) -> str:
+    """A measured value as the README prints it; null in plan.json is a number that was not finite."""
+    return f"{value:.4g}" if isinstance(value, (int, float)) else "not finite"
+
+
 def readme(directory: str | Path, meta: dict[str, Any]) -> Path:
     """Write README.md: what the files are and how to load them with plain torch."""
     e = meta["export"]["pt2"]
@@ -332,8 +337,8 @@ def readme(directory: str | Path, meta: dict[str, Any]) -> Path:
     rec_line = ""
     if isinstance(rec, dict) and rec.get("after"):
         rec_line = (f"\nRecovery: {rec['done']} distillation steps ({rec['objective']}, {rec['trainable']}), the state "
-                    f"after step {rec['kept_step']} kept: held-out {rec['metric']} {rec['before']['metric']:.4g} -> "
-                    f"{rec['after']['metric']:.4g}.\n")
+                    f"after step {rec['kept_step']} kept: held-out {rec['metric']} {_number(rec['before']['metric'])} -> "
+                    f"{_number(rec['after']['metric'])}.\n")
     onnx_line = ""
     if "onnx" in meta["export"]:
         o = meta["export"]["onnx"]
