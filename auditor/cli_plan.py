@@ -85,7 +85,9 @@ def _check_thresholds(plan: "Plan") -> None:
     settings, plan_may_relax = repo_settings(declared)
     relaxed = settings.with_overrides(plan.thresholds, plan.source, declared, typed=True)
     if not plan_may_relax:
-        check_plan_relaxes(settings, relaxed, plan.source)
+        from .rules.runner import selected
+
+        check_plan_relaxes(settings, relaxed, plan.source, lambda sel, ign: {r.code for r in selected(sel, ign)})
     validate(relaxed, declared)
 
 

@@ -7,7 +7,7 @@ import difflib
 import math
 import re
 import sys
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import MISSING, dataclass, fields, replace
 from enum import Enum
 from pathlib import Path
@@ -344,18 +344,26 @@ def repo_settings(declared: Iterable[Setting] = (), start: Path | None = None) -
     return Settings().with_overrides(table, origin, declared, typed=True), allow
 
 
-def check_plan_relaxes(before: "Settings", after: "Settings", plan: str) -> None:
+def check_plan_relaxes(before: "Settings", after: "Settings", plan: str,
+                       active: "Callable[[tuple[str, ...], tuple[str, ...]], set[str]] | None" = None) -> None:
     """A plan's ``[thresholds]`` cannot silence the review of that plan: it may tighten it (more rules, a stricter
-    ``fail_on``) and tune the rules' thresholds, but not ignore a rule, narrow ``select`` or lower ``fail_on``
-    below what the repository's settings give, unless its pyproject.toml allows it (``plan_may_relax_review``)."""
-    ignored = [c for c in after.ignore if c not in before.ignore]
-    dropped = ([c for c in before.select if c not in after.select] if before.select else
-               (["every rule but " + ", ".join(after.select)] if after.select else []))
+    ``fail_on``) and tune the rules' thresholds, but not turn a rule off (``ignore``, a narrower ``select``) or lower
+    ``fail_on`` below what the repository's settings give, unless its pyproject.toml allows it
+    (``plan_may_relax_review``). ``active(select, ignore)``: the rule codes a selection runs (codes, prefixes and
+    slugs resolved by the rule registry); without it the tokens are compared as written."""
     what = []
-    if ignored:
-        what.append(f"ignores {', '.join(ignored)}")
-    if dropped:
-        what.append(f"selects away {', '.join(dropped)}")
+    if active is not None:
+        lost = sorted(active(before.select, before.ignore) - active(after.select, after.ignore))
+        if lost:
+            what.append(f"turns off {', '.join(lost)}")
+    else:
+        ignored = [c for c in after.ignore if c not in before.ignore]
+        dropped = ([c for c in before.select if c not in after.select] if before.select else
+                   (["every rule but " + ", ".join(after.select)] if after.select else []))
+        if ignored:
+            what.append(f"ignores {', '.join(ignored)}")
+        if dropped:
+            what.append(f"selects away {', '.join(dropped)}")
     if _FAIL_ON_STRICTNESS[after.fail_on] < _FAIL_ON_STRICTNESS[before.fail_on]:
         what.append(f"lowers fail_on from {before.fail_on} to {after.fail_on}")
     if what:

@@ -328,6 +328,8 @@ SILENCERS = {
     "ignore-the-error": 'ignore = ["LR001"]',
     "fail-on-never": 'fail_on = "never"',
     "select-nothing-relevant": 'select = ["LR011"]',
+    "ignore-by-slug": 'ignore = ["rank-at-or-above-break-even"]',
+    "ignore-by-prefix": 'ignore = ["LR00"]',
 }
 
 
@@ -359,6 +361,8 @@ def _review_cases() -> list[Case]:
                         "plan_may_relax_review = true"))
     out += [
         Case("plan-thresholds-tighten-is-fine", REVIEW, _silencing_plan('fail_on = "warning"', False), 1, None),
+        Case("plan-thresholds-select-every-rule-is-fine", REVIEW, _silencing_plan('select = ["LR"]', False), 1,
+             None),
         Case("plan-thresholds-relax-allowed-by-pyproject", REVIEW,
              _silencing_plan('ignore = ["LR001"]', False, "plan_may_relax_review = true"), 0, None),
         Case("pyproject-relax-flag-not-a-boolean", REVIEW,
