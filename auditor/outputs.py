@@ -398,10 +398,15 @@ def write_folder(out: str | Path, fill: Callable[[Path], None], recheck: Callabl
         if isinstance(exc, (AuditError, KeyboardInterrupt, SystemExit)):
             raise
         left = f" and {p} was left as it was" if existed else ""
+        from .errors import first_line
+
         if isinstance(exc, OSError):
             raise AuditError(f"cannot write {p}: {exc.strerror or exc}; nothing was written{left}",
                              "Free space, or choose another -o folder") from None
-        from .errors import first_line  # a step of filling the folder failed, not the disk: say which error
+        if any(w in str(exc) for w in ("I/O error", "os error", "No space left")):  # safetensors' own I/O error
+            raise AuditError(f"cannot write {p}: {first_line(exc)}; nothing was written{left}",
+                             "Free space, or choose another -o folder") from None
+        # a step of filling the folder failed (an exporter, a runtime), not the disk: say which error
 
         raise AuditError(f"{p} could not be completed: {first_line(exc)}; nothing was written{left}",
                          "The error above is the cause (not the disk)") from None
