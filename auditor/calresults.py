@@ -106,6 +106,16 @@ class RecoverySetup:
     choose_after: bool  # --choose-after-recovery: the suggestion is chosen on the recovered curve
     seconds: float = 0.0  # every plan's recovery together
 
+    def command(self) -> str:
+        """The ``lowrank-audit factorize`` flags that repeat this recovery as it was measured (every setting spelled
+        out, the learning rate as its exact float), for an emitted plan or a finding to quote.
+
+        >>> RecoverySetup(40, 1e-4, "factors", "mse", 0, True).command()
+        'lowrank-audit factorize --recover 40 --recover-lr 0.0001 --recover-trainable factors --recover-objective mse'
+        """
+        return (f"lowrank-audit factorize --recover {int(self.steps)} --recover-lr {float(self.lr)!r} "
+                f"--recover-trainable {self.trainable} --recover-objective {self.objective}")
+
 
 @dataclass
 class FrontierPlan:

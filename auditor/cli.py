@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Sequence
 
 from .cli_parser import UsageError, _Parser
 from .config import FailOn
-from .errors import AuditError, ExitCode, first_line
+from .errors import AuditError, ExitCode, escape, first_line
 from .options import SpectraBackend, Tracer
 
 if TYPE_CHECKING:
@@ -173,20 +173,23 @@ def _rules_main(argv: Sequence[str]) -> int:
     p = _Parser(prog="lowrank-audit rules", description="List the rules, or print one.")
     p.add_argument("code", nargs="?", help="a rule code such as LR004, or its slug such as energy-below-floor")
     p.add_argument("--markdown", action="store_true", help="print docs/rules.md")
+    from .outputs import print_stdout, write_stdout
+    from .render.safe import term
+
     a = p.parse_args(argv)
     try:
         if a.markdown:
-            sys.stdout.write(rules_markdown())
+            write_stdout(rules_markdown())
             return 0
         if a.code:
             r = find_rule(a.code)
             url = rule_url(r)
-            sys.stdout.write(rule_doc(r) + (f"\nDocumented in {url}\n" if url else "") + "\n")
+            write_stdout(rule_doc(r) + (f"\nDocumented in {url}\n" if url else "") + "\n")
             return 0
         width = max((len(r.slug) for r in RULES.values()), default=0)
-        for r in RULES.values():
-            origin = "" if r.origin == BUILTIN_ORIGIN else f" (from {r.origin})"
-            print(f"{r.code}  {r.slug:<{width}}  {str(r.severity):<8} {r.summary}{origin}")
+        for r in RULES.values():  # a third-party rule's texts are data: no escape sequence reaches the terminal
+            origin = "" if r.origin == BUILTIN_ORIGIN else f" (from {term(str(r.origin))})"
+            print_stdout(f"{r.code}  {term(r.slug):<{width}}  {str(r.severity):<8} {term(r.summary)}{origin}")
     except AuditError as exc:
         print(f"error: {exc.line()}", file=sys.stderr)
         return ExitCode.BAD_INPUT
@@ -209,9 +212,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     except SystemExit:
         raise  # argparse: --help and --version (0)
     except KeyboardInterrupt:
-        print(f"interrupted: {'wrote ' + ', '.join(map(str, written)) if written else 'no report written'}",
+        print(f"interrupted: {'wrote ' + ', '.join(escape(str(w)) for w in written) if written else 'no report written'}",
               file=sys.stderr)
         return 130
+    except BrokenPipeError:  # a closed pipe on stderr (2>&1 | head) or a stray print: end quietly, as SIGPIPE would
+        from .outputs import silence
+
+        silence(sys.stdout)
+        silence(sys.stderr)
+        return 128 + 13  # the shell's status for a process ended by SIGPIPE (git log | head under pipefail)
     except BaseException as exc:  # noqa: BLE001 - a bug: one line and its own exit code, not a traceback and 1
         return internal_error(exc, verbose)
 
@@ -273,21 +282,18 @@ def _reserve_standard_streams() -> None:
                 pass
     if sys.stderr is None:
         sys.stderr = open(os.devnull, "w")  # noqa: SIM115 - lives as long as the process
+    elif sys.stderr is sys.__stderr__:
+        from .outputs import QuietStderr
+
+        sys.stderr = QuietStderr(sys.stderr)  # type: ignore[assignment]
 
 
 def _silence_stdout() -> None:
     """After stdout failed (a full disk, a closed pipe): point its descriptor at /dev/null, so the interpreter's
     final flush of what is still buffered cannot fail a second time with a traceback-like message."""
-    if sys.stdout is None or sys.stdout is not sys.__stdout__:
-        return  # captured (tests, notebooks): nothing buffered at the process level
-    import os
+    from .outputs import silence
 
-    try:
-        devnull = os.open(os.devnull, os.O_WRONLY)
-        os.dup2(devnull, sys.stdout.fileno())
-        os.close(devnull)
-    except (OSError, ValueError):
-        pass
+    silence(sys.stdout)
 
 
 def _path_map(entries: list[str]) -> tuple[tuple[str, str], ...]:
@@ -301,7 +307,7 @@ def _path_map(entries: list[str]) -> tuple[tuple[str, str], ...]:
 def options_from(args: argparse.Namespace) -> tuple["AuditOptions", "LoadOptions"]:
     """The audit's and the loader's options from the flags: defaults < pyproject.toml < the plan < the flags
     (the plan's thresholds are applied between ``settings`` and ``overrides`` by the pipeline)."""
-    from .config import Settings, from_pyproject
+    from .config import repo_settings
     from .sources import parse_shape
     from .options import AuditOptions, LoadOptions
 
@@ -318,14 +324,15 @@ def options_from(args: argparse.Namespace) -> tuple["AuditOptions", "LoadOptions
         env_connect_timeout()
     from .rules import RULES
 
-    settings = Settings().with_overrides(from_pyproject(), "pyproject.toml [tool.lowrank-auditor]", RULES.settings())
+    settings, plan_may_relax = repo_settings(RULES.settings())
     overrides = {k: v for k, v in {
         "energy_targets": args.energy, "target_energy": args.target_energy, "align": args.align,
         "min_share": args.min_share, "energy_floor": args.energy_floor, "select": args.select,
         "ignore": args.ignore, "fail_on": args.fail_on,
     }.items() if v is not None}
     audit_options = AuditOptions(
-        settings=settings, overrides=overrides, overrides_origin="the command line", tracer=Tracer(args.tracer),
+        settings=settings, overrides=overrides, overrides_origin="the command line", plan_may_relax=plan_may_relax,
+        tracer=Tracer(args.tracer),
         spectra_backend=SpectraBackend(args.spectra_backend), spectra=not args.no_spectra, cache=not args.no_cache,
         cache_dir=Path(args.cache_dir) if args.cache_dir else None, jobs=args.jobs,
         progress=getattr(args, "progress", None),
@@ -405,10 +412,11 @@ def _destinations(args: argparse.Namespace, formats: list[str]) -> dict[str, Pat
     """The file each file-bound format goes to, and ``plan`` for --emit-plan; every one checked before the audit:
     -o must be (or become) a writable folder, nothing but a regular file is ever replaced, --emit-plan may not
     name the plan under review or a report."""
-    from .outputs import check_destination, check_folder, same_file
+    from .outputs import check_destination, check_folder, check_not_input, same_file
     from .render import REPORTERS
 
     dest: dict[str, Path] = {}
+    inputs = run_inputs(args)
     out_dir = Path(args.output_dir) if args.output_dir else None
     if out_dir is not None:
         check_folder(out_dir, "-o")
@@ -420,7 +428,12 @@ def _destinations(args: argparse.Namespace, formats: list[str]) -> dict[str, Pat
         if args.plan and same_file(args.plan, dest[fmt]):
             raise AuditError(f"the {fmt} report {dest[fmt]} would replace the plan under review",
                              "Pass -o another folder, or move the plan")
+        # the one exception: the JSON report may advance the --baseline it was compared with (a ratchet in CI)
+        check_not_input(dest[fmt], f"the {fmt} report", [i for i in inputs if fmt != "json" or i[0] != "--baseline"])
     if args.emit_plan:
+        if args.emit_plan == "-":  # not stdout: that carries the reports
+            raise AuditError("--emit-plan - would write a file named '-', not to standard output",
+                             "Give the plan a file path (./- for a file named '-')")
         plan_path = Path(args.emit_plan)
         if args.plan and same_file(args.plan, plan_path):
             raise AuditError(f"--emit-plan {plan_path} is the plan under review (--plan {args.plan})",
@@ -428,9 +441,22 @@ def _destinations(args: argparse.Namespace, formats: list[str]) -> dict[str, Pat
         for fmt, report in dest.items():
             if same_file(report, plan_path):
                 raise AuditError(f"--emit-plan {plan_path} is also the {fmt} report", "Choose another file")
+        check_not_input(plan_path, "--emit-plan", inputs)
         check_destination(plan_path, "--emit-plan")
         dest["plan"] = plan_path
     return dest
+
+
+def run_inputs(args: argparse.Namespace) -> list[tuple[str, str | Path | None]]:
+    """Every file or folder the run reads, as (label, value given): no output may replace one of them."""
+    from .config import nearest_pyproject
+
+    metric = getattr(args, "metric", None)
+    return [("the model source", args.model), ("--weights", getattr(args, "weights", None)),
+            ("the plan under review", getattr(args, "plan", None)),
+            ("--calibration", getattr(args, "calibration", None)), ("--holdout", getattr(args, "holdout", None)),
+            ("--metric", metric if metric and ":" in metric else None),
+            ("--baseline", getattr(args, "baseline", None)), ("the settings file", nearest_pyproject())]
 
 
 def run(args: argparse.Namespace, written: list[Path] | None = None) -> int:
@@ -483,7 +509,7 @@ def run(args: argparse.Namespace, written: list[Path] | None = None) -> int:
             write_stdout(content)
 
     for path in files.commit(after=stdout):
-        print(f"wrote {path}", file=sys.stderr)
+        print(f"wrote {escape(str(path))}", file=sys.stderr)
     return exit_code(result)
 
 

@@ -20,7 +20,7 @@ import sys
 from pathlib import Path
 from typing import Any, Sequence
 
-from .errors import AuditError, ExitCode
+from .errors import AuditError, ExitCode, escape
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -66,8 +66,12 @@ def _parser() -> argparse.ArgumentParser:
 
 def _inputs(args: argparse.Namespace) -> list[tuple[str, str]]:
     """The run's inputs that are paths (a ``file.py:fn`` spec counts by its file): -o must never hold one."""
+    from .config import nearest_pyproject
+
     out: list[tuple[str, str]] = []
+    settings = nearest_pyproject()
     for label, value in (("the model source", args.model), ("the plan", args.plan),
+                         ("the settings file", str(settings) if settings else None),
                          ("the calibration", args.calibration), ("the held-out file", args.holdout),
                          ("the weights", args.weights), ("the metric", args.metric)):
         if label == "the metric" and value and ":" not in value:
@@ -143,7 +147,12 @@ def run(args: argparse.Namespace) -> int:
     if not isinstance(model, nn.Module):
         raise AuditError(f"{args.model} is a weights-only checkpoint: there is no module to factorize",
                          "Give the model's code (file.py:factory or a Hugging Face directory)")
+    from .config import repo_settings
+    from .rules import RULES
+
+    settings, plan_may_relax = repo_settings(RULES.settings())  # the repository's settings, as for the audit
     options = AuditOptions(name=loaded.name, source=loaded.source, cache=not args.no_cache, progress=False,
+                           settings=settings, plan_may_relax=plan_may_relax,
                            calibration=args.calibration,
                            holdout=args.holdout if args.holdout is not None else 0.25,
                            metric=args.metric if args.calibration else None, tolerance=args.tolerance,
@@ -190,16 +199,16 @@ def run(args: argparse.Namespace) -> int:
     before, after = count_params(model), count_params(new)
     change = (f"{100 * (before - after) / before:.1f}% removed" if after <= before else
               f"{100 * (after - before) / before:.1f}% more, ranks at or above break-even")
-    print(f"factorized {len(plan)} layers of {loaded.name}: {before:,} -> {after:,} parameters ({change}), "
+    print(f"factorized {len(plan)} layers of {escape(loaded.name)}: {before:,} -> {after:,} parameters ({change}), "
           f"{extra['init']} initialisation", file=sys.stderr)
     if pc is not None and cr is not None:
         pred = f"predicted {pc.predicted:.4g} (layer-level), " if pc.predicted is not None else ""
         print(f"{cr.metric} on the held-out part: {pred}measured {pc.measured:.4g} "
               f"({'holds' if pc.ok else 'misses'} the tolerance {cr.tolerance:g})", file=sys.stderr)
-    print(f"wrote {out / 'model.safetensors'} and {out / 'plan.json'}; a recovery fine-tune follows "
+    print(f"wrote {escape(str(out / 'model.safetensors'))} and {escape(str(out / 'plan.json'))}; a recovery fine-tune follows "
           "(load with auditor.factorize.load_factorized(model, DIR))", file=sys.stderr)
     if exported:
-        print(f"wrote {', '.join(str(out / f) for f in exported)}: loads with plain torch "
+        print(f"wrote {', '.join(escape(str(out / f)) for f in exported)}: loads with plain torch "
               "(torch.export.load; see README.md)", file=sys.stderr)
     stopped = str(extra.get("recovery", {}).get("stopped") or "")
     return 130 if stopped.startswith("interrupted") else ExitCode.OK

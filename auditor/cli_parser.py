@@ -15,5 +15,7 @@ class _Parser(argparse.ArgumentParser):
     """argparse with a usage error as one line (``error: ... See lowrank-audit --help.``), exit 2, not the usage."""
 
     def error(self, message: str) -> NoReturn:  # type: ignore[override]
-        line = " ".join(message.split()).rstrip(".")
+        from .errors import visible
+
+        line = visible(" ".join(message.split()).rstrip("."))  # an argument's escape sequences shown, not run
         raise UsageError(f"error: {line}. See {self.prog} --help.")

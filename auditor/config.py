@@ -7,7 +7,7 @@ import difflib
 import math
 import re
 import sys
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import MISSING, dataclass, fields, replace
 from enum import Enum
 from pathlib import Path
@@ -110,9 +110,12 @@ class Setting:
             _range_error(self.name, value, origin, lo, hi, lo_in, hi_in,
                          self.default if self.example is None else self.example)
 
-    def coerce(self, value: Any, origin: str) -> Any:
-        """The value read from a config file, a plan or the command line, checked; AuditError when bad."""
+    def coerce(self, value: Any, origin: str, typed: bool = False) -> Any:
+        """The value read from a config file, a plan or the command line, checked; AuditError when bad. ``typed``:
+        from a TOML or JSON file, where a number or a list must be written as one (not as text)."""
         example = self.default if self.example is None else self.example
+        if typed:
+            _typed(self.name, value, self.default, origin, example)
         out = _coerce(self.name, value, self.default, origin, example)
         self.check(out, origin)
         return out
@@ -175,9 +178,11 @@ class Settings:
         tail = {k: head.pop(k) for k in _TAIL}
         return {**head, **dict(self.rule_settings), **tail}
 
-    def with_overrides(self, values: Mapping[str, Any], origin: str, declared: Iterable[Setting] = ()) -> "Settings":
+    def with_overrides(self, values: Mapping[str, Any], origin: str, declared: Iterable[Setting] = (),
+                       typed: bool = False) -> "Settings":
         """These settings with ``values`` read over them (from ``origin``, named in errors); ``declared``: the
-        settings the registered rules own, accepted besides the global ones."""
+        settings the registered rules own, accepted besides the global ones. ``typed``: the values come from a
+        TOML or JSON file (pyproject.toml, a plan), where a number written as text is the wrong type."""
         known = {f.name: f for f in fields(self) if f.name != "rule_settings"}
         owned = {d.name: d for d in declared}
         clean: dict[str, Any] = {}
@@ -185,14 +190,43 @@ class Settings:
         for key, value in values.items():
             name = str(key).replace("-", "_")
             if name in owned:
-                rules[name] = owned[name].coerce(value, origin)
+                rules[name] = owned[name].coerce(value, origin, typed)
             elif name in known:
+                if typed:
+                    _typed(name, value, getattr(self, name), origin, _EXAMPLES.get(name, 1))
                 clean[name] = _coerce(name, value, getattr(self, name), origin, _EXAMPLES.get(name, 1))
                 _check_range(name, clean[name], origin)
             else:
                 close = ", ".join(sorted([*known, *owned]))
                 raise AuditError(f"unknown setting '{key}' in {origin}", f"Known settings: {close}")
         return replace(self, **clean, rule_settings=tuple(rules.items()))
+
+
+def _typed(name: str, value: Any, default: Any, origin: str, example: Any) -> None:
+    """In a TOML or JSON file a setting has its type: a number is a number and a list a list, not text (the command
+    line's flags are text; there "8" and "0.9,0.95" are read as numbers)."""
+    if isinstance(default, Enum) or isinstance(default, bool):
+        return  # fail_on is a word; a bool is checked by _coerce
+    if isinstance(default, tuple):
+        want = "a list" + (f", e.g. {name} = {list(example) if isinstance(example, tuple) else '[0.9, 0.95]'}"
+                           if default and isinstance(default[0], float) else f', e.g. {name} = ["LR004"]')
+        if not isinstance(value, (list, tuple)):
+            raise AuditError(f"setting '{name}' in {origin} is {_toml_kind(value)} {value!r}, not a list",
+                             f"Write it as {want}")
+        return
+    if isinstance(default, (int, float)) and isinstance(value, str):
+        try:
+            float(value)
+        except ValueError:
+            return  # not a number at all: _coerce says so
+        kind = "a whole number" if isinstance(default, int) else "a number"
+        raise AuditError(f"setting '{name}' in {origin} is text {value!r}, not {kind}",
+                         f"Write it without quotes, e.g. {name} = {example}")
+
+
+def _toml_kind(value: Any) -> str:
+    return {str: "text", bool: "a boolean", int: "a number", float: "a number", dict: "a table"}.get(
+        type(value), type(value).__name__)
 
 
 def _number(name: str, value: Any, want_int: bool, origin: str, example: Any = 1) -> int | float:
@@ -253,6 +287,15 @@ def _coerce(name: str, value: Any, default: Any, origin: str, example: Any = 1) 
     return value
 
 
+def nearest_pyproject(start: Path | None = None) -> Path | None:
+    """The pyproject.toml the settings come from: the nearest at or above ``start`` (default: the working folder)."""
+    here = (start or Path.cwd()).resolve()
+    for folder in [here, *here.parents]:
+        if (folder / "pyproject.toml").is_file():
+            return folder / "pyproject.toml"
+    return None
+
+
 def from_pyproject(start: Path | None = None) -> dict[str, Any]:
     """The [tool.lowrank-auditor] table of the nearest pyproject.toml at or above ``start``."""
     here = (start or Path.cwd()).resolve()
@@ -271,6 +314,63 @@ def from_pyproject(start: Path | None = None) -> dict[str, Any]:
                                  "Write it as a [tool.lowrank-auditor] table of settings")
             return dict(table)
     return {}
+
+
+PLAN_MAY_RELAX = "plan_may_relax_review"  # [tool.lowrank-auditor]: may a plan's [thresholds] relax its own review?
+_FAIL_ON_STRICTNESS = {FailOn.NEVER: 0, FailOn.ERROR: 1, FailOn.WARNING: 2}
+
+
+def repo_settings(declared: Iterable[Setting] = (), start: Path | None = None) -> tuple["Settings", bool]:
+    """The repository's own settings: defaults < ``[tool.lowrank-auditor]`` of the nearest pyproject.toml (every
+    value checked: a wrong type is one AuditError naming the key, the type it needs and the file), and whether that
+    table lets a plan's ``[thresholds]`` relax the plan's own review (``plan_may_relax_review = true``; default
+    false, see :func:`check_plan_relaxes`)."""
+    path = nearest_pyproject(start)
+    table = from_pyproject(start)
+    shown = "pyproject.toml"
+    if path is not None:
+        try:
+            shown = str(path.relative_to(Path.cwd().resolve()))  # pyproject.toml, as run from the repository root
+        except ValueError:
+            shown = str(path)
+    origin = f"{shown} [tool.lowrank-auditor]"
+    allow: Any = False
+    for key in (PLAN_MAY_RELAX, PLAN_MAY_RELAX.replace("_", "-")):
+        if key in table:
+            allow = table.pop(key)
+            if not isinstance(allow, bool):
+                raise AuditError(f"setting '{key}' in {origin} has a bad value {allow!r}: it needs a boolean",
+                                 f"Write {PLAN_MAY_RELAX} = true or false")
+    return Settings().with_overrides(table, origin, declared, typed=True), allow
+
+
+def check_plan_relaxes(before: "Settings", after: "Settings", plan: str,
+                       active: "Callable[[tuple[str, ...], tuple[str, ...]], set[str]] | None" = None) -> None:
+    """A plan's ``[thresholds]`` cannot silence the review of that plan: it may tighten it (more rules, a stricter
+    ``fail_on``) and tune the rules' thresholds, but not turn a rule off (``ignore``, a narrower ``select``) or lower
+    ``fail_on`` below what the repository's settings give, unless its pyproject.toml allows it
+    (``plan_may_relax_review``). ``active(select, ignore)``: the rule codes a selection runs (codes, prefixes and
+    slugs resolved by the rule registry); without it the tokens are compared as written."""
+    what = []
+    if active is not None:
+        lost = sorted(active(before.select, before.ignore) - active(after.select, after.ignore))
+        if lost:
+            what.append(f"turns off {', '.join(lost)}")
+    else:
+        ignored = [c for c in after.ignore if c not in before.ignore]
+        dropped = ([c for c in before.select if c not in after.select] if before.select else
+                   (["every rule but " + ", ".join(after.select)] if after.select else []))
+        if ignored:
+            what.append(f"ignores {', '.join(ignored)}")
+        if dropped:
+            what.append(f"selects away {', '.join(dropped)}")
+    if _FAIL_ON_STRICTNESS[after.fail_on] < _FAIL_ON_STRICTNESS[before.fail_on]:
+        what.append(f"lowers fail_on from {before.fail_on} to {after.fail_on}")
+    if what:
+        raise AuditError(f"plan {plan}: its [thresholds] {' and '.join(what)}, which would silence the review of "
+                         "this very plan",
+                         f"Remove that from the plan (pass --ignore or --fail-on on the command line instead), or let "
+                         f"plans do it with {PLAN_MAY_RELAX} = true in [tool.lowrank-auditor] of pyproject.toml")
 
 
 # (low, high, low inclusive, high inclusive) per numeric global setting; NaN and infinities never pass. The rules'

@@ -2,15 +2,17 @@
 file, and a README that says how to load them with plain torch.
 
 ``export(model, example, directory, formats)`` traces the (factorized) module with ``torch.export.export`` on the
-example inputs (the first calibration batch, or the factory's example inputs), the batch dimension dynamic where the
-model allows it, saves ``model.pt2``, loads it back and checks that it reproduces the module's outputs on those
+example inputs (the model's own, from its factory, so the program is called as the model is: its positional and
+keyword inputs and their dtypes; the first calibration batch only when there are none), the batch dimension dynamic
+where the model allows it, saves ``model.pt2``, loads it back and checks that it reproduces the module's outputs on those
 inputs to 1e-5 relative (``||y_pt2 - y|| / ||y||`` over every output tensor); it returns the entry that goes into
 plan.json under ``"export"`` (file, sha256, size, inputs, the check). ``onnx`` needs the ``onnx`` and ``onnxscript``
 packages (``torch.onnx.export(..., dynamo=True)``) and is checked with onnxruntime when that is installed; without
 them it is refused with one line. ``readme(...)`` writes the README.
 
 ``load_program(directory)`` is the tool's own loader: it reads plan.json strictly, refuses a ``model.pt2`` whose
-size or sha256 differs from what plan.json records, and checks that the program's factors have the planned ranks
+size or sha256 differs from what plan.json records, refuses (:func:`check_archive`, whatever the checksums say) an
+archive holding a member that torch would unpickle beyond plain tensors, and checks that the program's factors have the planned ranks
 and its parameter count is the recorded one, each with one line; then it returns the ``ExportedProgram``.
 """
 
@@ -27,6 +29,7 @@ import torch
 from torch import nn
 
 from .errors import AuditError, first_line, no_duplicate_keys
+from .outputs import strict_json
 
 PT2 = "model.pt2"
 ONNX = "model.onnx"
@@ -136,6 +139,10 @@ def _export_program(model: nn.Module, args: tuple, kwargs: dict) -> tuple[Any, b
 
     tensors = [a for a in list(args) + list(kwargs.values()) if isinstance(a, torch.Tensor)]
     rows = {int(t.shape[0]) for t in tensors if t.dim() > 0}
+    dyn_args, dyn_kwargs = args, kwargs
+    if rows == {1}:  # the factory's one example row: traced on two copies, so the batch can stay dynamic
+        dyn_args, dyn_kwargs = _repeat_rows(args, kwargs)
+        rows = {2}
     errors: list[str] = []
     tries: list[Any] = []
     if len(rows) == 1 and next(iter(rows)) >= 2:
@@ -155,9 +162,11 @@ def _export_program(model: nn.Module, args: tuple, kwargs: dict) -> tuple[Any, b
                     names = list(inspect.signature(model.forward).parameters)
                     spec = dict(zip(names, dyn[0]))
                     spec.update(dyn[1])
-                    prog = torch.export.export(model, args, kwargs, dynamic_shapes=spec)
+                    prog = torch.export.export(model, dyn_args, dyn_kwargs, dynamic_shapes=spec)
+                elif dyn is not None:
+                    prog = torch.export.export(model, dyn_args, dyn_kwargs, dynamic_shapes=dyn)
                 else:
-                    prog = torch.export.export(model, args, kwargs, dynamic_shapes=dyn)
+                    prog = torch.export.export(model, args, kwargs)
             return prog, dyn is not None
         except Exception as exc:  # noqa: BLE001 - a model torch.export cannot trace
             errors.append(first_line(exc))
@@ -190,7 +199,7 @@ def export(model: nn.Module, example: Any, directory: str | Path, formats: tuple
             err = relative_error(loaded(*args, **kwargs), ref)
             checks = [{"rows": _rows(args, kwargs), "relative_error": err}]
             if dynamic:  # another batch size than the example's
-                sub_args, sub_kwargs = _first_rows(args, kwargs, max(2, _rows(args, kwargs) - 1))
+                sub_args, sub_kwargs = _other_rows(args, kwargs)
                 sub = relative_error(loaded(*sub_args, **sub_kwargs), target(*sub_args, **sub_kwargs))
                 checks.append({"rows": _rows(sub_args, sub_kwargs), "relative_error": sub})
         worst = max(c["relative_error"] for c in checks)
@@ -221,6 +230,21 @@ def _rows(args: tuple, kwargs: dict) -> int:
     return 1
 
 
+def _repeat_rows(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    """The example with its one row given twice (dim 0 of every tensor input)."""
+    def two(x: Any) -> Any:
+        return torch.cat([x, x]) if isinstance(x, torch.Tensor) and x.dim() > 0 else x
+
+    return tuple(two(a) for a in args), {k: two(v) for k, v in kwargs.items()}
+
+
+def _other_rows(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    """Inputs with another batch size than the example's, to check a dynamic batch: one row fewer (two at least),
+    or two copies of a one-row example."""
+    n = _rows(args, kwargs)
+    return _repeat_rows(args, kwargs) if n == 1 else _first_rows(args, kwargs, max(2, n - 1))
+
+
 def _first_rows(args: tuple, kwargs: dict, n: int) -> tuple[tuple, dict]:
     def cut(x: Any) -> Any:
         return x[:n] if isinstance(x, torch.Tensor) and x.dim() > 0 else x
@@ -249,24 +273,36 @@ def _onnx(prog: Any, args: tuple, kwargs: dict, ref: Any, out: Path, dynamic: bo
     if importlib.util.find_spec("onnxruntime") is not None:
         import onnxruntime as ort
 
-        sess = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+        stage = "loaded by onnxruntime"
+        try:  # each step says what failed: an exporter or runtime error is not a full disk
+            sess = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
 
-        def outputs(a: tuple, kw: dict) -> list[torch.Tensor]:
-            values = [v for v in list(a) + list(kw.values()) if isinstance(v, torch.Tensor)]
-            feed = {i.name: v.detach().cpu().numpy() for i, v in zip(sess.get_inputs(), values)}
-            return [torch.from_numpy(o) for o in sess.run(None, feed)]
+            def outputs(a: tuple, kw: dict) -> list[torch.Tensor]:
+                values = [v for v in list(a) + list(kw.values()) if isinstance(v, torch.Tensor)]
+                feed = {i.name: v.detach().cpu().numpy() for i, v in zip(sess.get_inputs(), values)}
+                return [torch.from_numpy(o) for o in sess.run(None, feed)]
 
-        err = relative_error(outputs(args, kwargs), _leaves(ref))
-        if dynamic:  # another batch size than the example's, against the program (the factorized model's outputs)
-            sub_args, sub_kwargs = _first_rows(args, kwargs, max(2, _rows(args, kwargs) - 1))
-            with torch.no_grad():
-                want = _leaves(prog.module()(*sub_args, **sub_kwargs))
-            err = max(err, relative_error(outputs(sub_args, sub_kwargs), want))
+            stage = "run by onnxruntime on the example"
+            err = relative_error(outputs(args, kwargs), _leaves(ref))
+            if dynamic:  # another batch size than the example's, against the program (the factorized model's outputs)
+                sub_args, sub_kwargs = _other_rows(args, kwargs)
+                stage = f"run by onnxruntime on {_rows(sub_args, sub_kwargs)} rows"
+                with torch.no_grad():
+                    want = _leaves(prog.module()(*sub_args, **sub_kwargs))
+                err = max(err, relative_error(outputs(sub_args, sub_kwargs), want))
+        except Exception as exc:  # noqa: BLE001 - an op onnxruntime lacks, a shape it refuses
+            raise AuditError(f"the ONNX file was written but could not be {stage}: {first_line(exc)}",
+                             "Use --export pt2 (the program loads with plain torch)") from None
         if not err <= ONNX_TOLERANCE:
             raise AuditError(f"the ONNX file's outputs (onnxruntime) differ from the factorized model's by {err:.3g} "
                              f"relative (allowed {ONNX_TOLERANCE:g})", "Use --export pt2")
         entry.update(checked_with=f"onnxruntime {ort.__version__}", relative_error=err)
     return entry
+
+
+def _number(value: Any) -> str:
+    """A measured value as the README prints it; null in plan.json is a number that was not finite."""
+    return f"{value:.4g}" if isinstance(value, (int, float)) else "not finite"
 
 
 def readme(directory: str | Path, meta: dict[str, Any]) -> Path:
@@ -288,7 +324,9 @@ def readme(directory: str | Path, meta: dict[str, Any]) -> Path:
     kw = [f"{k}={literal(by_name[k])}" for k in e["keywords"] if k in by_name]
     call = ", ".join(pos + kw)
     shapes = "; ".join(f"{i['name']}: {i['dtype']}[{', '.join(map(str, i['shape']))}]" for i in e["inputs"])
-    batch = ("the batch dimension (`batch`) may be any size from 2 up" if e["dynamic_batch"]
+    batch = ("the batch dimension (`batch`) is dynamic, checked at " +
+             " and ".join(f"{c['rows']} row{'s' if c['rows'] != 1 else ''}" for c in e.get("checks", []))
+             if e["dynamic_batch"]
              else "the shapes are fixed to the example's")
     out_kind = "a dict of tensors" if e["output_dict"] else "what the model's forward returns (tensors)"
     removed = ""
@@ -299,8 +337,8 @@ def readme(directory: str | Path, meta: dict[str, Any]) -> Path:
     rec_line = ""
     if isinstance(rec, dict) and rec.get("after"):
         rec_line = (f"\nRecovery: {rec['done']} distillation steps ({rec['objective']}, {rec['trainable']}), the state "
-                    f"after step {rec['kept_step']} kept: held-out {rec['metric']} {rec['before']['metric']:.4g} -> "
-                    f"{rec['after']['metric']:.4g}.\n")
+                    f"after step {rec['kept_step']} kept: held-out {rec['metric']} {_number(rec['before']['metric'])} -> "
+                    f"{_number(rec['after']['metric'])}.\n")
     onnx_line = ""
     if "onnx" in meta["export"]:
         o = meta["export"]["onnx"]
@@ -347,6 +385,118 @@ To check the file is the one written: `hashlib.sha256(open("{PT2}", "rb").read()
 
 # --- the tool's loader --------------------------------------------------------------------------------------------
 
+MAX_SAMPLE_BYTES = 64 << 20  # the sample inputs' torch.save archive a program carries (read to scan it)
+_MEMBERS = ("archive_format", "archive_version", ".data/version", ".data/serialization_id", "byteorder")
+_SAFE_GLOBALS = {("torch._utils", "_rebuild_tensor_v2"), ("torch._utils", "_rebuild_tensor"),
+                 ("torch._utils", "_rebuild_parameter"), ("collections", "OrderedDict"), ("torch", "Size"),
+                 ("torch", "device")}
+
+
+def _safe_global(module: str, name: str) -> bool:
+    if (module, name) in _SAFE_GLOBALS:
+        return True
+    if module == "torch" and (name.endswith("Storage") or isinstance(getattr(torch, name, None), torch.dtype)):
+        return True  # typed storages (torch.FloatStorage) and dtypes (torch.float32)
+    return False
+
+
+def _scan_pickle(data: bytes, where: str) -> None:
+    """A static scan of a pickle's opcodes (nothing is unpickled): every global it would import must be a tensor
+    rebuild function, a storage type, a dtype or OrderedDict; STACK_GLOBAL, INST and OBJ (names computed at load
+    time) are refused, as torch.save never writes them for tensors."""
+    import pickletools
+
+    try:
+        for op, arg, _ in pickletools.genops(data):
+            if op.name == "GLOBAL":
+                module, _sp, name = str(arg).partition(" ")
+                if not _safe_global(module, name):
+                    raise AuditError(f"{where} imports {module}.{name} when unpickled: code a program does not need",
+                                     "Do not load it; export the model again from a trusted copy")
+            elif op.name in ("STACK_GLOBAL", "INST", "OBJ"):
+                raise AuditError(f"{where} computes what it imports when unpickled ({op.name})",
+                                 "Do not load it; export the model again from a trusted copy")
+    except AuditError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - a truncated or malformed pickle
+        raise AuditError(f"{where} is not a readable pickle: {first_line(exc)}", "Export the model again") from None
+
+
+def check_archive(path: str | Path) -> None:
+    """Refuse a ``.pt2`` archive that would run pickled code when torch loads it, before anything in it is
+    deserialized and whatever checksums stand beside it: only the members ``torch.export.save`` writes for a plain
+    program may be present (no AOTInductor code, no extra files); no weight or constant is stored as a pickle, a
+    custom or opaque object; and the sample inputs (the one pickle torch writes, and loads with ``weights_only=False``
+    when the restricted load fails) import nothing but tensor rebuilders, storages and dtypes."""
+    import io
+    import zipfile
+
+    p = Path(path)
+    try:
+        zf = zipfile.ZipFile(p)
+    except (OSError, zipfile.BadZipFile, ValueError) as exc:
+        raise AuditError(f"{p} is not a torch.export archive (a zip file): {first_line(exc)}",
+                         "Export the model again") from None
+    with zf:
+        names = zf.namelist()
+        roots = {n.split("/", 1)[0] for n in names}
+        if len(roots) != 1:
+            raise AuditError(f"{p} holds {len(roots)} top-level folders, not one program archive",
+                             "Export the model again")
+        root = next(iter(roots)) + "/"
+
+        def refuse(member: str, why: str) -> AuditError:
+            return AuditError(f"{p} holds {member} {why}; refusing to load it (a pickle there would run code)",
+                              "Do not load it; export the model again from a trusted copy")
+
+        configs: list[str] = []
+        samples: list[str] = []
+        for n in names:
+            rel = n[len(root):]
+            if rel in _MEMBERS or rel.endswith("/") or (rel.startswith("models/") and rel.endswith(".json")):
+                continue
+            if rel.startswith(("data/weights/", "data/constants/")):
+                if rel.endswith("_config.json"):
+                    configs.append(n)
+                elif rel.endswith((".pt", ".pkl", ".pickle")):
+                    raise refuse(rel, "(a pickled weight or constant file)")
+                continue
+            if rel.startswith("data/sample_inputs/") and rel.endswith(".pt"):
+                samples.append(n)
+                continue
+            raise refuse(rel, "(a member torch.export.save does not write for a plain program)")
+        import json as _json
+
+        for n in configs:
+            try:
+                cfg = _json.loads(zf.read(n).decode("utf-8"), parse_constant=lambda c: None)
+            except (ValueError, RecursionError, OSError, zipfile.BadZipFile) as exc:
+                raise refuse(n[len(root):], f"(unreadable: {first_line(exc)})") from None
+            entries = cfg.get("config") if isinstance(cfg, dict) else None
+            if not isinstance(entries, dict):
+                raise refuse(n[len(root):], "(not a payload config)")
+            for fqn, meta in entries.items():
+                if not isinstance(meta, dict):
+                    raise refuse(n[len(root):], "(not a payload config)")
+                name = str(meta.get("path_name", ""))
+                if meta.get("use_pickle") or name.startswith(("custom_obj", "opaque_obj")) or not name.startswith(
+                        ("weight_", "tensor_")):
+                    raise refuse(n[len(root):], f"with {str(fqn)[:80]!r} stored as a pickle or an object")
+        for n in samples:
+            info = zf.getinfo(n)
+            if info.file_size > MAX_SAMPLE_BYTES:
+                raise refuse(n[len(root):], f"of {info.file_size:,} bytes (sample inputs)")
+            try:
+                inner = zipfile.ZipFile(io.BytesIO(zf.read(n)))
+            except (zipfile.BadZipFile, ValueError, OSError) as exc:
+                raise refuse(n[len(root):], f"(not a torch.save archive: {first_line(exc)})") from None
+            with inner:
+                for m in inner.infolist():
+                    if m.filename.endswith(".pkl"):
+                        if m.file_size > MAX_SAMPLE_BYTES:
+                            raise refuse(f"{n[len(root):]}:{m.filename}", "(an oversized pickle)")
+                        _scan_pickle(inner.read(m), f"{p} member {n[len(root):]}:{m.filename}")
+
 def _read_meta(directory: Path) -> dict[str, Any]:
     path = directory / "plan.json"
     if path.is_symlink() or not path.is_file():
@@ -387,14 +537,15 @@ def _read_meta(directory: Path) -> dict[str, Any]:
 def load_program(directory: str | Path) -> Any:
     """The exported program in ``directory``, after checking it against plan.json (see the module docstring)."""
     d = Path(directory)
-    meta = _read_meta(d)
-    e = meta["export"]["pt2"]
     path = d / PT2
     if path.is_symlink() or not path.is_file():
         raise AuditError(f"{path} is not a regular file", "Export the model again")
+    meta = _read_meta(d)
+    e = meta["export"]["pt2"]
     if path.stat().st_size != e["bytes"] or _sha256(path) != e["sha256"]:
         raise AuditError(f"{path} does not match the size and sha256 plan.json records: it was changed or damaged "
                          "after it was written", "Export the model again")
+    check_archive(path)  # whatever plan.json says (a forger updates both): no pickle runs, before torch reads it
     try:
         prog = torch.export.load(str(path))
     except Exception as exc:  # noqa: BLE001 - a damaged archive
@@ -442,11 +593,17 @@ def cli_write(directory: str | Path, model: nn.Module, calibration: Any, example
     if not formats:
         return []
     d = Path(directory)
-    example = calibration.fit[0] if calibration is not None and calibration.fit else example_inputs
+    # the model's own example inputs: the program is called as the model is (its signature, its dtypes), not as the
+    # calibration file stores its rows (a keyword, uint8 ids); a calibration batch only when there are none
+    from .structure.trace import ExampleInputs
+
+    own = ExampleInputs.of(example_inputs) if example_inputs is not None else None
+    example = example_inputs if own is not None else (calibration.fit[0] if calibration is not None and
+                                                      calibration.fit else example_inputs)
     entry = export(model, example, d, formats)
     path = d / "plan.json"
     meta = json.loads(path.read_text())
     meta["export"] = entry
-    path.write_text(json.dumps(meta, indent=2, sort_keys=True) + "\n")
+    path.write_text(strict_json(meta, indent=2, sort_keys=True) + "\n")
     readme(d, meta)
     return [PT2] + ([ONNX] if "onnx" in entry else []) + [README]

@@ -44,7 +44,7 @@ from torch import nn
 from .errors import AuditError, first_line, no_duplicate_keys
 from . import kinds
 from .structure.layers import ParamTable, collect_layers
-from .outputs import TMP_PREFIX, kind_of
+from .outputs import TMP_PREFIX, kind_of, strict_json
 from .results import Layer
 
 FORMAT = "lowrank-auditor factorized"
@@ -271,7 +271,7 @@ def write_factorized(factorized: nn.Module, plan: dict[str, int], folder: Path, 
     save_model(factorized, str(folder / MODEL_FILE))
     for name, data in ((PLAN_FILE, meta), (MARKER, marker)):
         with open(folder / name, "x", encoding="utf-8") as fh:
-            fh.write(json.dumps(data, indent=2, sort_keys=True) + "\n")
+            fh.write(strict_json(data, indent=2, sort_keys=True) + "\n")  # read back by read_meta
             fh.flush()
             os.fsync(fh.fileno())
     umask = os.umask(0)

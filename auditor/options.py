@@ -53,6 +53,7 @@ class AuditOptions:
     settings: Settings = field(default_factory=Settings)
     overrides: Mapping[str, Any] = field(default_factory=dict)  # setting name -> value, applied last
     overrides_origin: str = "the command line"  # named in the error when an override is bad
+    plan_may_relax: bool = False  # may the plan's [thresholds] ignore rules or lower fail_on (pyproject allows it)
     name: str | None = None  # the model's name in reports (default: the class name or the file's stem)
     source: str = "python object"  # where the model came from, as the reports print it
     spectra: bool = True  # compute singular values (False: structure and counts only)

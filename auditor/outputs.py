@@ -99,6 +99,68 @@ def same_file(a: str | Path, b: str | Path) -> bool:
         return Path(a).resolve() == Path(b).resolve()
 
 
+NON_FINITE = "non_finite"  # the top-level key naming the numbers strict_json wrote as null
+
+
+def strict_json(data: object, **dumps: object) -> str:
+    """``json.dumps`` that every JSON reader (the tool's own strict ones included) reads back: a float that is not
+    finite (a perplexity that overflowed, an infinite measured error) is written as ``null``, and a top-level object
+    gains ``"non_finite": {JSON pointer: "inf" | "-inf" | "nan"}`` saying which number it was; never the
+    ``Infinity`` or ``NaN`` that plain ``json.dumps`` writes and strict parsers refuse.
+
+    >>> strict_json({"a": [1.0, float("inf")], "b": {"c": float("nan")}})
+    '{"a": [1.0, null], "b": {"c": null}, "non_finite": {"/a/1": "inf", "/b/c": "nan"}}'
+    """
+    import json
+    import math
+
+    found: dict[str, str] = {}
+
+    def clean(value: object, pointer: str) -> object:
+        if isinstance(value, float) and not math.isfinite(value):
+            found[pointer] = "nan" if math.isnan(value) else "inf" if value > 0 else "-inf"
+            return None
+        if isinstance(value, dict):
+            return {k: clean(v, f"{pointer}/{str(k).replace('~', '~0').replace('/', '~1')}") for k, v in value.items()}
+        if isinstance(value, (list, tuple)):
+            return [clean(v, f"{pointer}/{i}") for i, v in enumerate(value)]
+        return value
+
+    out = clean(data, "")
+    if found and isinstance(out, dict):
+        out = {**out, NON_FINITE: {**(out.get(NON_FINITE) or {}), **found}}  # type: ignore[dict-item]
+    return json.dumps(out, allow_nan=False, **dumps)  # type: ignore[arg-type]
+
+
+def spec_paths(value: str | Path | None) -> list[str]:
+    """The paths an input given on the command line may name: itself, and for ``file.py:fn`` (a factory, a
+    calibration or metric function) its file. Names that are not paths (a share, a metric's name) name nothing."""
+    if value is None or str(value) == "":
+        return []
+    text = str(value)
+    return list(dict.fromkeys(c for c in (text, text.rpartition(":")[0]) if c and os.path.lexists(c)))
+
+
+def check_not_input(path: str | Path, what: str, inputs: Iterable[tuple[str, str | Path | None]]) -> None:
+    """Refuse an output ``path`` that is an input of the run (``inputs``: (label, value) as given, ``file.py:fn``
+    counting by its file): the same file by path, through a symbolic link or as a hard link (device and inode), or an
+    existing file inside an input folder (a Hugging Face directory, a sharded checkpoint) that the output would
+    replace. Every output of every command goes through here before any work is done."""
+    p = Path(path)
+    exists = os.path.lexists(p)
+    for label, value in inputs:
+        for given in spec_paths(value):
+            q = Path(given)
+            if q.is_dir():
+                hit = exists and _within(p.parent.resolve() / p.name, q.resolve())
+            else:
+                hit = same_file(p, q)
+            if hit:
+                where = f"{label} {given}" if not q.is_dir() else f"a file of {label} {given}"
+                raise AuditError(f"{what} {p} is {where}, an input of this run; writing it would replace the input",
+                                 "Write the output to another path")
+
+
 @dataclass
 class _Entry:
     path: Path
@@ -335,10 +397,19 @@ def write_folder(out: str | Path, fill: Callable[[Path], None], recheck: Callabl
                 pass
         if isinstance(exc, (AuditError, KeyboardInterrupt, SystemExit)):
             raise
-        why = exc.strerror or str(exc) if isinstance(exc, OSError) else f"{type(exc).__name__}: {exc}"
         left = f" and {p} was left as it was" if existed else ""
-        raise AuditError(f"cannot write {p}: {why}; nothing was written{left}",
-                         "Free space, or choose another -o folder") from None
+        from .errors import first_line
+
+        if isinstance(exc, OSError):
+            raise AuditError(f"cannot write {p}: {exc.strerror or exc}; nothing was written{left}",
+                             "Free space, or choose another -o folder") from None
+        if any(w in str(exc) for w in ("I/O error", "os error", "No space left")):  # safetensors' own I/O error
+            raise AuditError(f"cannot write {p}: {first_line(exc)}; nothing was written{left}",
+                             "Free space, or choose another -o folder") from None
+        # a step of filling the folder failed (an exporter, a runtime), not the disk: say which error
+
+        raise AuditError(f"{p} could not be completed: {first_line(exc)}; nothing was written{left}",
+                         "The error above is the cause (not the disk)") from None
     if aside is not None:
         shutil.rmtree(aside, ignore_errors=True)
 
@@ -350,11 +421,79 @@ def _describe(exc: BaseException) -> str:
     return f"cannot write the outputs: {type(exc).__name__}: {exc}"
 
 
+def silence(stream: "object | None") -> None:
+    """Point a standard stream's descriptor at /dev/null after it failed (a closed pipe, a full disk), so neither a
+    later write nor the interpreter's final flush of what is still buffered can fail again with a message."""
+    stream = getattr(stream, "_stream", stream)  # QuietStderr
+    if stream is None or stream not in (sys.__stdout__, sys.__stderr__):
+        return  # captured (tests, notebooks): nothing buffered at the process level
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, stream.fileno())  # type: ignore[attr-defined]
+        os.close(devnull)
+    except (OSError, ValueError, AttributeError):
+        pass
+
+
+_reader_gone: set[int] = set()  # id() of the stdout objects whose reader closed the pipe
+
+
+def stdout_reader_gone() -> bool:
+    """Whether the reader of stdout stopped reading (``lowrank-audit rules | head``): what follows is dropped."""
+    return id(sys.stdout) in _reader_gone
+
+
 def write_stdout(text: str | bytes) -> None:
-    """Write to stdout and flush, so a full disk or a closed pipe is seen here and not at interpreter exit."""
+    """Write to stdout and flush, so a full disk is seen here and not at interpreter exit (an AuditError, exit 2).
+
+    A reader that stopped early (``| head``: a closed pipe, EPIPE) is normal, as for ``git log | head``: the rest is
+    dropped without a message and the run ends with its own exit code; every later write is a no-op."""
+    import errno
+
+    if stdout_reader_gone() or sys.stdout is None:
+        return
     try:
         sys.stdout.write(text if isinstance(text, str) else text.decode())
         sys.stdout.flush()
     except OSError as exc:
+        if isinstance(exc, BrokenPipeError) or exc.errno in (errno.EPIPE, errno.ECONNRESET):
+            _reader_gone.add(id(sys.stdout))
+            silence(sys.stdout)
+            return
         raise AuditError(f"cannot write to standard output: {exc.strerror or exc}",
                          "Redirect stdout to a writable file, or pass -o DIR") from None
+
+
+def print_stdout(*parts: object) -> None:
+    """``print`` through :func:`write_stdout` (a closed pipe ends the output quietly)."""
+    write_stdout(" ".join(map(str, parts)) + "\n")
+
+
+class QuietStderr:
+    """The process's stderr, dropping what a closed pipe refuses (``2>&1 | head``) instead of raising
+    BrokenPipeError: the run's messages are a log, and losing the log's reader must not change the exit code."""
+
+    def __init__(self, stream: "object") -> None:
+        self._stream = stream
+        self._gone = False
+
+    def write(self, text: str) -> int:
+        if not self._gone:
+            try:
+                return self._stream.write(text)  # type: ignore[attr-defined]
+            except BrokenPipeError:
+                self._gone = True
+                silence(self._stream)
+        return len(text)
+
+    def flush(self) -> None:
+        if not self._gone:
+            try:
+                self._stream.flush()  # type: ignore[attr-defined]
+            except BrokenPipeError:
+                self._gone = True
+                silence(self._stream)
+
+    def __getattr__(self, name: str) -> "object":
+        return getattr(self._stream, name)
+

@@ -31,7 +31,7 @@ import torch
 from torch import nn
 
 from ._version import __version__
-from .config import Settings, validate
+from .config import Settings, check_plan_relaxes, validate
 from .errors import AuditError
 from .options import AuditOptions, LoadOptions, Tracer
 from .results import Audit, GraphNode, Layer, LayerGraph, Spectrum, Suggestion, TraceMethod
@@ -116,6 +116,13 @@ def load_model(spec: str, options: LoadOptions) -> "Loaded":
                        auto_inputs=options.auto_inputs)
 
 
+def active_rules(select: tuple[str, ...], ignore: tuple[str, ...]) -> set[str]:
+    """The codes of the rules a selection runs (the registry resolves codes, prefixes and slugs)."""
+    from .rules.runner import selected
+
+    return {r.code for r in selected(select, ignore)}
+
+
 def resolve_settings(options: AuditOptions, plan: "Plan | None") -> Settings:
     """The one precedence path: ``options.settings`` < the plan's [thresholds] < ``options.overrides``; besides the
     global settings, those the registered rules declare (each rule's own thresholds, plugins' included)."""
@@ -124,7 +131,10 @@ def resolve_settings(options: AuditOptions, plan: "Plan | None") -> Settings:
     declared = RULES.settings()
     settings = options.settings
     if plan is not None and plan.thresholds:
-        settings = settings.with_overrides(plan.thresholds, plan.source, declared)
+        relaxed = settings.with_overrides(plan.thresholds, plan.source, declared, typed=True)
+        if not options.plan_may_relax:  # a plan cannot silence its own review (pyproject.toml may allow it)
+            check_plan_relaxes(settings, relaxed, plan.source, active_rules)
+        settings = relaxed
     if options.overrides:
         settings = settings.with_overrides(dict(options.overrides), options.overrides_origin, declared)
     return validate(settings, declared)

@@ -370,8 +370,8 @@ def plan_basis(audit: "Audit") -> list[str]:
         rc = b.recovery
         out += textwrap.wrap(f"Chosen after recovery (--choose-after-recovery): the plan {_comment(note)}. Budget "
                              f"that fine-tune before adopting it (distillation toward the dense model, lr "
-                             f"{rc.lr:g}, {rc.trainable}, seed {rc.seed}; lowrank-audit factorize --recover "
-                             f"{rc.steps}).", 112)
+                             f"{rc.lr:g}, {rc.trainable}, seed {rc.seed}; "
+                             f"{rc.command()}).", 112)
     return out
 
 

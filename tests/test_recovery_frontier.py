@@ -140,7 +140,9 @@ def test_choose_after_recovery_picks_a_larger_plan_marked_everywhere(evidence, c
     assert "chosen after recovery (--choose-after-recovery)" in md
     plan = " ".join((out / "plan.toml").read_text().replace("\n# ", " ").split())
     assert "Chosen after recovery (--choose-after-recovery): the plan holds after a 40-step recovery" in plan
-    assert "lowrank-audit factorize --recover 40" in plan
+    # the command repeats the recovery as measured: every setting, the objective included (issue 32)
+    assert "lowrank-audit factorize --recover 40 --recover-lr 0.0001 --recover-trainable factors " \
+           "--recover-objective mse" in plan
     # each frontier point's cost, in words
     assert "Cost per plan: 47.6%: 40 steps, 1,256 rows (1,256 tokens)" in text
 

@@ -6,6 +6,7 @@ import json
 from enum import Enum
 from typing import TYPE_CHECKING, Any
 
+from ..outputs import strict_json
 from ..policy import verdict_line
 from . import calibration
 from .base import RenderContext
@@ -85,4 +86,4 @@ class JsonReporter:
         data = to_dict(audit, with_sigma=context.with_sigma)
         if context.baseline is not None:
             data["baseline"] = baseline_block(audit, context)
-        return json.dumps(data, indent=2) + "\n"
+        return strict_json(data, indent=2) + "\n"  # no Infinity/NaN: null, named under "non_finite"

@@ -65,7 +65,9 @@ def to_json(audit: "Audit", with_sigma: bool = False, indent: int | None = 2,
     ctx = context(audit, baseline)
     if ctx.baseline is not None:
         data["baseline"] = baseline_block(audit, ctx)
-    return json.dumps(data, indent=indent, sort_keys=False)
+    from ..outputs import strict_json
+
+    return strict_json(data, indent=indent, sort_keys=False)
 
 
 def to_markdown(audit: "Audit", baseline: "BaselineSource | None" = None) -> str:

@@ -19,35 +19,9 @@ from __future__ import annotations
 
 import re
 
-__all__ = ["md_code", "md_text", "middle", "term", "visible"]
+__all__ = ["escape", "md_code", "md_text", "middle", "term", "visible"]
 
-_BIDI = set(range(0x202A, 0x202F)) | set(range(0x2066, 0x206A)) | {0x200E, 0x200F, 0x061C}
-_SEPARATORS = {0x2028, 0x2029, 0x85}
-
-
-def _hidden(o: int) -> bool:
-    return o < 0x20 or 0x7F <= o <= 0x9F or o in _BIDI or o in _SEPARATORS or 0xD800 <= o <= 0xDFFF
-
-
-def visible(text: str) -> str:
-    """``text`` with control (C0, DEL, C1), line-separator and bidirectional-override characters written as
-    visible escapes (``\\x1b``, ``\\n``, ``\\u202e``): one line, read in the order it is stored."""
-    out = []
-    for c in text:
-        o = ord(c)
-        if not _hidden(o):
-            out.append(c)
-        elif c == "\n":
-            out.append("\\n")
-        elif c == "\t":
-            out.append("\\t")
-        elif c == "\r":
-            out.append("\\r")
-        elif o <= 0xFF:
-            out.append(f"\\x{o:02x}")
-        else:
-            out.append(f"\\u{o:04x}")
-    return "".join(out)
+from ..errors import escape, visible  # the one escaping function (core: error lines use it too)
 
 
 def term(text: str) -> str:

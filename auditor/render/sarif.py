@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any
 from urllib.parse import quote
 
 from .base import RenderContext
-from .safe import visible
+from .safe import escape, visible
 
 if TYPE_CHECKING:
     from ..results import Audit, Finding
@@ -262,7 +262,7 @@ def to_sarif(audit: "Audit", root: Path | None = None) -> dict[str, Any]:
             "level": LEVELS.get(str(f.severity), "warning"),
             "message": {"text": _message(f)},
             "partialFingerprints": {"lowrankAuditFinding/v1": _fingerprint(f)},
-            "properties": {"slug": f.slug, "layers": list(f.layers)},
+            "properties": {"slug": f.slug, "layers": [escape(name, "sarif") for name in f.layers]},
         }
         if f.code in index:
             res["ruleIndex"] = index[f.code]
@@ -275,7 +275,8 @@ def to_sarif(audit: "Audit", root: Path | None = None) -> dict[str, Any]:
             loc: dict[str, Any] = {"physicalLocation": {"artifactLocation": art,
                                                         "region": {"startLine": max(1, where.line)}}}
             if f.layers:
-                loc["logicalLocations"] = [{"fullyQualifiedName": name, "kind": "member"} for name in f.layers[:8]]
+                loc["logicalLocations"] = [{"fullyQualifiedName": escape(name, "sarif"), "kind": "member"}
+                                           for name in f.layers[:8]]
             res["locations"] = [loc]
         results.append(res)
     run: dict[str, Any] = {
@@ -305,12 +306,12 @@ class SarifReporter:
 
 # ---- GitHub Actions workflow commands ------------------------------------------------------------------------
 def escape_data(text: str) -> str:
-    """A workflow command's message: ``%``, CR and LF escaped (the runner's own rule).
+    """A workflow command's message (:func:`auditor.render.safe.escape` to ``github``).
 
     >>> escape_data("50% of\\nit")
     '50%25 of%0Ait'
     """
-    return text.replace("%", "%25").replace("\r", "%0D").replace("\n", "%0A")
+    return escape(text, "github")
 
 
 def escape_property(text: str) -> str:
@@ -319,7 +320,7 @@ def escape_property(text: str) -> str:
     >>> escape_property("a,b: c")
     'a%2Cb%3A c'
     """
-    return escape_data(text).replace(":", "%3A").replace(",", "%2C")
+    return escape(text, "github-property")
 
 
 def github_annotations(audit: "Audit") -> str:

@@ -37,7 +37,7 @@ class Case:
     prepare: Callable[[Path, Callable], None] | None = None  # (folder, run): a first run, before the case's own
     owner: str | None = None  # helper whose fix is not in main yet: "load", "spectra", "wire"
     child: bool = False  # run in a child interpreter (memory limit, timeout, real stdout)
-    stdout: str | None = None  # child only: a path for stdout ("/dev/full"), or "CLOSED" (started with >&-)
+    stdout: str | None = None  # child only: a path for stdout ("/dev/full"), "CLOSED" (started with >&-) or "EPIPE"
     env: dict[str, str] = field(default_factory=dict)  # child only
     timeout: int = 180  # child only: seconds before the run counts as a hang
     fsize: int | None = None  # child only: RLIMIT_FSIZE in bytes (a write past it fails as on a full disk)
@@ -958,6 +958,9 @@ def lib_cases() -> list[LibCase]:
         ("wrong-shape", lambda t: {**t, "4.bias": torch.zeros(5)}, "4.bias is [5] but the plan builds [4]"),
     )]
     c.append(LibCase("load-weights-not-safetensors", W, _garbage_weights, "is not a readable safetensors file"))
+    from round4_io import lib_cases as round4_io  # issue 32, part B: exports that never unpickle
+
+    c += round4_io()
     c.append(LibCase("save-factorized-through-a-symlinked-plan-json", "save_factorized", _save_through_link,
                      "is a symbolic link; refusing to write through it", check=_outside_untouched))
     return c
@@ -977,10 +980,10 @@ CASES_BY_NAME: dict[str, Case] = {}
 def cases() -> list[Case]:
     """Every case (built once; ``make`` writes its inputs when called)."""
     if not CASES_BY_NAME:
-        CASES_BY_NAME.update((k.name, k) for k in [*_cases(), *_factorize_cases()])
+        from round4_io import cases as round4_io  # issue 32, part B: what the tool writes and prints
         from round4_stats import cases as round4_stats  # issue 32, part A
 
-        CASES_BY_NAME.update((k.name, k) for k in round4_stats())
+        CASES_BY_NAME.update((k.name, k) for k in [*_cases(), *_factorize_cases(), *round4_io(), *round4_stats()])
     return list(CASES_BY_NAME.values())
 
 

@@ -44,7 +44,11 @@ def _child(case: Case, d: Path, argv: list[str]) -> subprocess.CompletedProcess:
         else:
             env[k] = str(d / "home") if v == "HOME" else v
     closed = case.stdout == "CLOSED"  # descriptor 1 closed before the interpreter starts, as `>&-` does
-    stdout = None if closed else open(case.stdout, "w") if case.stdout else subprocess.PIPE
+    stdout = None if closed else open(case.stdout, "w") if case.stdout not in (None, "EPIPE") else subprocess.PIPE
+    if case.stdout == "EPIPE":  # a reader that stopped reading (`| head`): a pipe whose read end is closed
+        read, write = os.pipe()
+        os.close(read)
+        stdout = os.fdopen(write, "w")
     try:
         return subprocess.run([sys.executable, "-m", "auditor", *argv], cwd=d, env=env, stdout=stdout,
                               stderr=subprocess.PIPE, text=True, timeout=case.timeout,

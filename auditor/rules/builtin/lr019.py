@@ -39,7 +39,7 @@ def lr019(ctx: Context, emit: Emit) -> None:
     b = cal.budget
     rec = b.recovered
     emit(f"the suggested plan ({b.removed:,} parameters removed) {note}", [],
-         f"Budget a {b.recovery.steps}-step recovery fine-tune (lowrank-audit factorize --recover "
-         f"{b.recovery.steps}), or drop --choose-after-recovery for the plan that holds without it",
+         f"Budget a {b.recovery.steps}-step recovery fine-tune ({b.recovery.command()}), or drop "
+         "--choose-after-recovery for the plan that holds without it",
          removed=b.removed, before=b.metric, after=rec.metric if rec is not None else None,
          tolerance=cal.tolerance, steps=b.recovery.steps)
