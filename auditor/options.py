@@ -91,6 +91,7 @@ class AuditOptions:
     measure_speed: bool = False  # time the reviewed plan's layers, their time break-even ranks, the whole model
     latency_shape: tuple[int, ...] | None = None  # also time the layers at this batch (x positions)
     budget_latency: float | None = None  # a share of the dense latency to remove: the plan chosen by time
+    speed_clock: Any = None  # seconds, called around each timed block (tests: a fake clock); None: the wall clock
 
     def __post_init__(self) -> None:
         try:
@@ -237,6 +238,7 @@ class OptionFields(TypedDict, total=False):
     measure_speed: bool
     latency_shape: tuple[int, ...] | None
     budget_latency: float | None
+    speed_clock: Any
 
 
 def compute_dtype_name(spec: Any) -> str | None:

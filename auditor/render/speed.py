@@ -91,15 +91,15 @@ def _model_lines(sp: SpeedReport) -> list[str]:
             out.append(f"exported {fmt}: {_spread(r.timing)}{mem(r)}")
     lp = sp.latency_plan
     if lp is not None:
-        if lp.met:
-            measured = (f"; measured {100 * (lp.measured.timing.median / m.dense.timing.median - 1):+.0f}%"
-                        .replace("+-", "-") if lp.measured is not None and m is not None else "")
+        if lp.met and lp.measured is not None and m is not None:
+            change = lp.measured.timing.median / m.dense.timing.median - 1
             out.append(f"--budget-latency {lp.target:g}: {len(lp.ranks)} layers, {lp.params_removed:,} parameters "
-                       f"removed, predicted latency {100 * lp.predicted_change:+.0f}%".replace("+-", "-") + measured
+                       f"removed, latency measured {100 * change:+.0f}% (the layer times predicted "
+                       f"{100 * lp.predicted_change:+.0f}%)".replace("+-", "-")
                        + (f"; left dense: {', '.join(lp.dropped)}" if lp.dropped else ""))
         else:
-            out.append(f"--budget-latency {lp.target:g}: no plan removes that share of the latency (the planned "
-                       f"layers that save time predict {100 * lp.predicted_change:+.0f}%)".replace("+-", "-"))
+            out.append(f"--budget-latency {lp.target:g}: no plan tried (the planned layers, then those that cost "
+                       "time left dense) removes that share of the measured latency")
     return out
 
 

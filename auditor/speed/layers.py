@@ -177,11 +177,11 @@ def factorized_module(layer: Layer, mod: nn.Module, rank: int) -> nn.Module:
 
 def rank_grid(m: int, n: int, align: int) -> tuple[list[int], int]:
     """(ranks to bisect, the grid step): multiples of a step (``align`` or more, about :data:`GRID_POINTS` ranks)
-    up to the parameter break-even m*n/(m+n) (1..break-even when it is below ``align``)."""
+    up to the parameter break-even m*n/(m+n); every rank up to it when there are no more than GRID_POINTS."""
     be = m * n / (m + n)
     top = max(1, math.floor(be))
     align = max(1, align)
-    if top < align:
+    if top <= GRID_POINTS:
         return list(range(1, top + 1)), 1
     step = max(align, math.ceil(top / GRID_POINTS / align) * align)
     return list(range(step, top + 1, step)), step

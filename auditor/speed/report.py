@@ -79,7 +79,7 @@ class TimeBreakEven:
 
     def label(self) -> str:
         if self.rank is None:
-            return f"none (rank {self.probes[0][0] if self.probes else self.step} is already slower)"
+            return f"none (rank {min((r for r, _ in self.probes), default=1)} is already slower)"
         return f"{'>=' if self.capped else ''}{self.rank}"
 
 
@@ -126,9 +126,10 @@ class ModelSpeed:
 
 @dataclass(frozen=True)
 class LatencyPlan:
-    """``--budget-latency F``: the plan saving the most parameters whose latency, predicted from the layers'
-    measured times (dense model time minus each layer's saving times its calls), removes at least ``target`` of the
-    dense model's latency; ``ranks`` empty when none does."""
+    """``--budget-latency F``: the plan saving the most parameters whose whole-model latency, measured, removes at
+    least ``target`` of the dense model's latency: every planned layer, then (while the target is missed) the layers
+    that cost time left dense, the worst first; ``ranks`` empty when none of those tried does. ``predicted_change``
+    is what the layer times alone predict for it (dense model time minus each layer's saving times its calls)."""
 
     target: float
     ranks: dict[str, int]

@@ -39,47 +39,60 @@ def cache_folder(options: "AuditOptions") -> Path | None:
     return (options.cache_dir or cache_root()) / "speed"
 
 
-def latency_plan(target: float, items: list[tuple["Layer", int]], timed: dict[str, LayerSpeed],
-                 dense_s: float) -> LatencyPlan:
-    """The plan saving the most parameters whose predicted latency removes ``target`` of ``dense_s``: every planned
-    layer, then (while the target is missed) the layers that cost time left dense, the worst time per parameter
-    saved first; none when even the layers that save time do not reach it. A layer's saving is (dense - factorized)
-    times its calls per forward; an untimed layer counts as saving none."""
-    def saving(layer: "Layer") -> float:
-        s = timed.get(layer.name)
-        return (s.dense.median - s.factorized.median) * max(1, layer.calls) if s is not None else 0.0
+MAX_CANDIDATES = 4  # whole-model runs --budget-latency may add (each a fresh process)
 
-    keep = list(items)
-    dropped: list[str] = []
-    costly = sorted((it for it in items if saving(it[0]) < 0),
-                    key=lambda it: saving(it[0]) / max(1, it[0].params - it[0].params_at(it[1])))
 
-    def predicted() -> float:
-        return -sum(saving(l) for l, _ in keep) / dense_s if dense_s > 0 else 0.0
+def _saving(layer: "Layer", timed: dict[str, LayerSpeed]) -> float:
+    """Seconds per forward a layer's factorized form saves: (dense - factorized) times its calls; 0 untimed."""
+    s = timed.get(layer.name)
+    return (s.dense.median - s.factorized.median) * max(1, layer.calls) if s is not None else 0.0
 
+
+def candidates(items: list[tuple["Layer", int]], timed: dict[str, LayerSpeed]) -> list[list[tuple["Layer", int]]]:
+    """Plans by decreasing parameter saving: every planned layer, then with the layers that cost time left dense
+    one more at a time, the worst time per parameter saved first."""
+    costly = sorted((it for it in items if _saving(it[0], timed) < 0),
+                    key=lambda it: _saving(it[0], timed) / max(1, it[0].params - it[0].params_at(it[1])))
+    out = [list(items)]
     for it in costly:
-        if predicted() <= -target:
+        out.append([x for x in out[-1] if x is not it])
+    return out
+
+
+def latency_plan(target: float, items: list[tuple["Layer", int]], timed: dict[str, LayerSpeed],
+                 dense: ModelRun, run: Any) -> LatencyPlan:
+    """``--budget-latency``: the first of :func:`candidates` whose whole-model latency, measured by ``run(plan)``
+    (a ModelRun), removes ``target`` of the dense latency; candidates whose layer times predict a miss by far are
+    not run. At most :data:`MAX_CANDIDATES` are run; none meeting it is a plan with no ranks."""
+    base = dense.timing.median
+    tried = 0
+    dropped: list[str] = []
+    predicted = 0.0
+    for plan in candidates(items, timed):
+        dropped = [l.name for l, _ in items if all(l is not x for x, _ in plan)]
+        predicted = -sum(_saving(l, timed) for l, _ in plan) / base if base > 0 else 0.0
+        if not plan or tried >= MAX_CANDIDATES:
             break
-        keep.remove(it)
-        dropped.append(it[0].name)
-    change = predicted()
-    if change > -target:
-        return LatencyPlan(target, {}, 0, change, tuple(dropped))
-    return LatencyPlan(target, {l.name: r for l, r in keep}, sum(l.params - l.params_at(r) for l, r in keep),
-                       change, tuple(dropped))
+        tried += 1
+        measured = run({l.name: r for l, r in plan})
+        if measured.timing.median <= base * (1 - target):
+            return LatencyPlan(target, {l.name: r for l, r in plan},
+                               sum(l.params - l.params_at(r) for l, r in plan), predicted, tuple(dropped), measured)
+    return LatencyPlan(target, {}, 0, predicted, tuple(dropped))
 
 
 def _whole(model: nn.Module, args: tuple, kwargs: dict, plan: dict[str, int], options: "AuditOptions",
            device: str, threads: int, lead: tuple[int, ...] | None) -> tuple[ModelRun, str]:
     from .model import lead_shape, measure_subprocess, run_model
 
-    if options.origin is not None:
+    if options.origin is not None and options.speed_clock is None:
         source, load = options.origin
         return measure_subprocess(source, load, plan, device, threads, lead), "subprocess"
     from ..factorize import factorize
 
     a, k = lead_shape(args, kwargs, lead)
-    return run_model(factorize(model, plan, init=False) if plan else model, a, k, device), "in-process"
+    return run_model(factorize(model, plan, init=False) if plan else model, a, k, device,
+                     clock=options.speed_clock), "in-process"
 
 
 def measure_speed(model: Any, inputs: Any, audit: "Audit", options: "AuditOptions") -> SpeedReport:
@@ -96,9 +109,14 @@ def measure_speed(model: Any, inputs: Any, audit: "Audit", options: "AuditOption
     device = _device(options.device)
     threads = torch.get_num_threads()
     items = [(audit.layer(it.layer), it.rank) for it in (audit.review.items if audit.review else [])]
-    timer = Timer(device=device, cache=TimeCache(cache_folder(options)))
+    timer = Timer(device=device, cache=TimeCache(cache_folder(options)), clock=options.speed_clock)
     lead = tuple(options.latency_shape) if options.latency_shape else None
     rows, break_even, notes = time_layers(model, ex.args, ex.kwargs, items, timer, audit.settings.align, lead)
+    noisy = [s for s in rows for t in (s.dense, s.factorized) if t.iqr > 0.5 * t.median]
+    if noisy:
+        notes.append(f"{len({s.layer for s in noisy})} timed layer(s) spread by more than half their median "
+                     "(interquartile range): the machine is busy, or its threads wait on each other; time on a quiet "
+                     "machine, or with fewer threads (OMP_NUM_THREADS=1), before trusting small differences.")
     if timer.hits:
         notes.append(f"{timer.hits} layer time(s) read from the cache ({cache_folder(options)}).")
     dtype = str(next((p.dtype for p in model.parameters()), torch.float32)).removeprefix("torch.")
@@ -113,10 +131,14 @@ def measure_speed(model: Any, inputs: Any, audit: "Audit", options: "AuditOption
     except (RuntimeError, AuditError) as exc:
         return replace(report, notes=[*report.notes, f"Whole model not timed: {exc}."])
     if options.budget_latency is not None:
-        lp = latency_plan(options.budget_latency, items, timed=report.traced(), dense_s=dense.timing.median)
-        if lp.met:
-            run = fact if lp.ranks == plan else _whole(model, ex.args, ex.kwargs, lp.ranks, options, device,
-                                                       threads, None)[0]
-            lp = replace(lp, measured=run)
+        def run(ranks: dict[str, int]) -> ModelRun:
+            if ranks == plan:
+                return fact
+            return _whole(model, ex.args, ex.kwargs, ranks, options, device, threads, None)[0]
+
+        try:
+            lp = latency_plan(options.budget_latency, items, report.traced(), dense, run)
+        except (RuntimeError, AuditError) as exc:
+            return replace(report, notes=[*report.notes, f"--budget-latency not measured: {exc}."])
         report = replace(report, latency_plan=lp)
     return report
