@@ -186,6 +186,11 @@ def test_speed_sections_in_json_text_and_markdown_only_when_measured():
     assert row["speedup"] == pytest.approx(312.144 / (64 * 1.024 + 100))
     assert d["model"]["where"] == "in-process" and d["model"]["factorized"]["params"] == 512 + 64 * 1024
     assert d["model"]["speedup"] == pytest.approx(row["speedup"])  # the model is that one layer
+    jsonschema = pytest.importorskip("jsonschema")
+    from pathlib import Path
+
+    schema = json.loads((Path(__file__).resolve().parents[1] / "docs" / "schema.json").read_text())
+    jsonschema.validate(json.loads(a.to_json()), schema)
     md = a.to_markdown()
     assert f"- **Speed**: size -75%, latency -47% on cpu ({_threads()}), batch 1" in md
     assert "### Speed (measured)" in md and "| `0` | 64 | 1x512 | 4.00 | 4.00 |" in md

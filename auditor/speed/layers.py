@@ -26,7 +26,7 @@ from torch import nn
 from .. import kinds
 from ..results import Kind, Layer
 from .report import LayerSpeed, TimeBreakEven
-from .timing import Clock, Timing, measure_many
+from .timing import MIN_BLOCKS, WARMUP_CALLS, Clock, Timing, measure_many
 
 TIMED_KINDS = (Kind.LINEAR, Kind.CONV1D_HF, Kind.CONV, Kind.EMBEDDING)  # a module called with one input tensor
 GRID_POINTS = 32  # the break-even grid has about this many ranks: five or six measurements by bisection
@@ -91,6 +91,8 @@ class Timer:
     clock: Clock | None = None
     min_time: float = 0.2
     env: dict[str, Any] | None = None
+    min_blocks: int = MIN_BLOCKS
+    warmup: int = WARMUP_CALLS
 
     def __post_init__(self) -> None:
         self.env = self.env or {"device": self.device, "device_name": device_name(self.device),
@@ -112,7 +114,7 @@ class Timer:
         live = [m.to(self.device).eval() for m, _ in mods]
         with torch.inference_mode():
             ts = measure_many([lambda m=m: m(x) for m in live], device=self.device, clock=self.clock,
-                              min_time=self.min_time)
+                              min_time=self.min_time, min_blocks=self.min_blocks, warmup=self.warmup)
         if use_cache:
             for k, t in zip(keys, ts):
                 self.cache.put(k, t)
@@ -175,15 +177,15 @@ def factorized_module(layer: Layer, mod: nn.Module, rank: int) -> nn.Module:
         return kinds.for_kind(layer.kind).replace(layer, mod, rank, None, None)
 
 
-def rank_grid(m: int, n: int, align: int) -> tuple[list[int], int]:
+def rank_grid(m: int, n: int, align: int, points: int = GRID_POINTS) -> tuple[list[int], int]:
     """(ranks to bisect, the grid step): multiples of a step (``align`` or more, about :data:`GRID_POINTS` ranks)
     up to the parameter break-even m*n/(m+n); every rank up to it when there are no more than GRID_POINTS."""
     be = m * n / (m + n)
     top = max(1, math.floor(be))
     align = max(1, align)
-    if top <= GRID_POINTS:
+    if top <= points:
         return list(range(1, top + 1)), 1
-    step = max(align, math.ceil(top / GRID_POINTS / align) * align)
+    step = max(align, math.ceil(top / points / align) * align)
     return list(range(step, top + 1, step)), step
 
 
@@ -208,11 +210,11 @@ def bisect_break_even(grid: list[int], faster: Callable[[int], bool]) -> tuple[i
 
 
 def time_break_even(layer: Layer, mod: nn.Module, x: torch.Tensor, timer: Timer, align: int, at: str,
-                    dense: Timing | None = None) -> TimeBreakEven:
+                    dense: Timing | None = None, points: int = GRID_POINTS) -> TimeBreakEven:
     """Bisect a rank grid for the last rank whose factorized module is faster than the dense one; each probe is
     timed side by side with the dense module, so both see the same load."""
     what = repr(mod)
-    grid, step = rank_grid(layer.m, layer.n, align)
+    grid, step = rank_grid(layer.m, layer.n, align, points)
     probes: list[tuple[int, Timing]] = []
     first: list[Timing] = []
 
