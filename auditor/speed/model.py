@@ -106,7 +106,7 @@ def run_model(model: nn.Module, args: tuple, kwargs: dict, device: str = "cpu", 
 def _worker(spec: dict[str, Any]) -> dict[str, Any]:
     """In the fresh process: load, factorize (when a plan is given), measure."""
     from ..options import LoadOptions
-    from ..pipeline import load_model
+    from ..sources import load_source
     from ..structure.trace import ExampleInputs
 
     torch.set_num_threads(int(spec["threads"]))
@@ -114,7 +114,10 @@ def _worker(spec: dict[str, Any]) -> dict[str, Any]:
     for k in ("input_shape", "input_ids"):
         if load.get(k) is not None:
             load[k] = tuple(tuple(s) for s in load[k]) if k == "input_shape" else tuple(load[k])
-    loaded = load_model(spec["source"], LoadOptions(**load))
+    o = LoadOptions(**load)  # read as pipeline.load_model reads it
+    loaded = load_source(spec["source"], input_shape=[tuple(s) for s in o.input_shape] if o.input_shape else None,
+                         input_ids=o.input_ids, weights=o.weights, structure_only=o.structure_only,
+                         partial=o.partial, auto_inputs=o.auto_inputs)
     model = loaded.model
     ex = ExampleInputs.of(loaded.example_inputs) or ExampleInputs()
     args, kwargs = lead_shape(ex.args, ex.kwargs, tuple(spec["lead"]) if spec.get("lead") else None)
