@@ -250,3 +250,22 @@ def test_layer_timing_on_cuda_uses_events():
     timer = Timer(device="cuda", min_time=0.01)
     (t,), _ = timer.times([(lin, "Linear(256, 256) cuda")], torch.zeros(4, 256))
     assert t.median > 0 and t.blocks >= 5
+
+
+def test_html_speed_section_only_when_measured(monkeypatch):
+    """The HTML (and so the PDF) gains a speed table with x time beside x params and x MACs; other reports do not."""
+    from pathlib import Path
+
+    import auditor.render.html as html
+
+    monkeypatch.setattr(html, "template_dir", lambda: Path(__file__).resolve().parents[1] / "templates")
+    html._env.cache_clear()
+    try:
+        page = _slow_plan_audit(240).to_html()
+        plain = auditor.audit(nn.Sequential(nn.Linear(512, 512)), torch.zeros(1, 512), spectra=False,
+                              cache=False).to_html()
+    finally:
+        html._env.cache_clear()
+    assert '<section id="speed">' in page and "<th title=\"dense time / factorized time, measured; above 1 is faster\">× time</th>" in page
+    assert "<td>240</td><td>1x512</td><td>1.07</td><td>1.07</td><td>312 µs ±0 ns</td><td>346 µs ±0 ns</td><td>0.90</td><td>200</td><td>256.0</td>" in page
+    assert 'id="speed"' not in plain

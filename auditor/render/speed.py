@@ -144,3 +144,12 @@ def markdown(audit: "Audit", room: Room) -> list[Section]:
             f"{r.x_time:.2f} | {md_text(r.time_break_even)} | {r.param_break_even:.1f} |" for r in rows(audit)]
     s = Section("### Speed (measured)", intro, body, noun="timed layers", title="Speed")
     return [fold_if(s, room, f"{len(body):,} timed layer{'s' if len(body) != 1 else ''}", columns=len(head))]
+
+
+def html_context(audit: "Audit") -> dict | None:
+    """The HTML/PDF template's ``speed`` variable (templates/_speed.html): None without a speed measurement."""
+    sp = audit.speed
+    if sp is None:
+        return None
+    return {"where": sp.where(), "dtype": sp.dtype, "summary": summary_line(audit), "rows": rows(audit),
+            "model": _model_lines(sp), "notes": list(sp.notes)}
