@@ -91,8 +91,8 @@ def _model_lines(sp: SpeedReport) -> list[str]:
             out.append(f"exported {fmt}: {_spread(r.timing)}{mem(r)}")
     lp = sp.latency_plan
     if lp is not None:
-        if lp.met and lp.measured is not None and m is not None:
-            change = lp.measured.timing.median / m.dense.timing.median - 1
+        if lp.met and lp.measured is not None and lp.dense is not None:
+            change = lp.measured.timing.median / lp.dense.timing.median - 1
             out.append(f"--budget-latency {lp.target:g}: {len(lp.ranks)} layers, {lp.params_removed:,} parameters "
                        f"removed, latency measured {100 * change:+.0f}% (the layer times predicted "
                        f"{100 * lp.predicted_change:+.0f}%)".replace("+-", "-")

@@ -103,14 +103,14 @@ def run_model(model: nn.Module, args: tuple, kwargs: dict, device: str = "cpu", 
     return ModelRun(t, int(peak), memory, params)
 
 
-def _worker(spec: dict[str, Any]) -> dict[str, Any]:
-    """In the fresh process: load, factorize (when a plan is given), measure."""
+def _build(spec: dict[str, Any]) -> tuple[nn.Module, tuple, dict]:
+    """In the fresh process: load the model from its source, factorize it when a plan is given (the dense model
+    dropped and the allocator trimmed before anything is measured)."""
     from ..options import LoadOptions
     from ..sources import load_source
     from ..structure.trace import ExampleInputs
 
-    torch.set_num_threads(int(spec["threads"]))
-    load = spec["load"]
+    load = dict(spec["load"])
     for k in ("input_shape", "input_ids"):
         if load.get(k) is not None:
             load[k] = tuple(tuple(s) for s in load[k]) if k == "input_shape" else tuple(load[k])
@@ -128,37 +128,172 @@ def _worker(spec: dict[str, Any]) -> dict[str, Any]:
         dense = model
         model = factorize(dense, spec["plan"], init=False)
         del dense
-        gc.collect()
-        _trim()
-    run = run_model(model, args, kwargs, spec["device"], min_time=float(spec.get("min_time", 0.5)))
-    return run.to_dict()
+    gc.collect()
+    _trim()
+    return model, args, kwargs
 
 
-def measure_subprocess(source: str, load: Any, plan: dict[str, int], device: str, threads: int,
-                       lead: tuple[int, ...] | None = None, timeout: float = TIMEOUT_S,
-                       min_time: float = 0.5) -> ModelRun:
-    """One fresh process measuring the model from ``source`` (dense when ``plan`` is empty). A failure or a
-    timeout is a RuntimeError with one line."""
-    spec = {"source": source, "load": asdict(load), "plan": plan, "device": device, "threads": threads,
-            "lead": list(lead) if lead else None, "min_time": min_time}
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([os.path.dirname(os.path.dirname(os.path.dirname(
-        os.path.abspath(__file__)))), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep)}
+def _serve(spec: dict[str, Any], reply: Any) -> None:
+    """The worker: build, reset the peak memory, warm up and size a block (at least MIN_BLOCK_S), say ``ready``;
+    then time one block per ``b`` line read, and on ``q`` report the peak memory."""
+    from ..structure.layers import ParamTable
+    from .timing import MIN_BLOCK_S
+
+    torch.set_num_threads(int(spec["threads"]))
+    device = spec["device"]
+    model, args, kwargs = _build(spec)
+    params = ParamTable.of(model).total
+    model = model.to(device).eval()
+    args = tuple(a.to(device) if isinstance(a, torch.Tensor) else a for a in args)
+    kwargs = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in kwargs.items()}
+    cuda = device.startswith("cuda")
+    gc.collect()
+    if cuda:
+        torch.cuda.reset_peak_memory_stats(device)
+        memory = "cuda-max-allocated"
+    else:
+        memory = "rss" if _rss_reset() else "rss-process-peak"
+    timer = _block_timer(device)
+
+    def say(d: dict[str, Any]) -> None:
+        reply.write(json.dumps(d) + "\n")
+        reply.flush()
+
+    with torch.inference_mode():
+        def fn() -> None:
+            model(*args, **kwargs)
+
+        for _ in range(2):
+            fn()
+        calls = 1
+        while timer(fn, calls) < MIN_BLOCK_S and calls < 1 << 20:
+            calls *= 2
+        say({"ready": True, "calls": calls, "params": params})
+        for line in sys.stdin:
+            if line.strip() == "b":
+                say({"t": timer(fn, calls) / calls})
+            else:
+                break
+    peak = torch.cuda.max_memory_allocated(device) if cuda else _rss_peak()
+    say({"peak_bytes": int(peak), "memory": memory})
+
+
+def _block_timer(device: str) -> Any:
+    """seconds for ``calls`` calls of ``fn``: CUDA events on a GPU, else the wall clock."""
+    import time
+
+    if device.startswith("cuda"):
+        def cuda_block(fn: Any, calls: int) -> float:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            for _ in range(calls):
+                fn()
+            end.record()
+            torch.cuda.synchronize(device)
+            return start.elapsed_time(end) / 1e3
+        return cuda_block
+
+    def cpu_block(fn: Any, calls: int) -> float:
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        return time.perf_counter() - t0
+    return cpu_block
+
+
+class _Worker:
+    """One fresh process serving blocks (``_serve``) over its stdin/stdout; any failure or the deadline is a
+    RuntimeError with one line."""
+
+    def __init__(self, spec: dict[str, Any], deadline: float) -> None:
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join([os.path.dirname(os.path.dirname(os.path.dirname(
+            os.path.abspath(__file__)))), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep)}
+        self.deadline = deadline
+        import tempfile
+
+        self.err = tempfile.TemporaryFile(mode="w+")  # noqa: SIM115 - closed in kill(); a pipe could fill up
+        self.p = subprocess.Popen([sys.executable, "-m", "auditor.speed.model"], stdin=subprocess.PIPE,
+                                  stdout=subprocess.PIPE, stderr=self.err, text=True, env=env, bufsize=1)
+        assert self.p.stdin is not None
+        self.p.stdin.write(json.dumps(spec) + "\n")
+        self.p.stdin.flush()
+
+    def read(self) -> dict[str, Any]:
+        import select
+        import time
+
+        assert self.p.stdout is not None
+        while True:
+            left = self.deadline - time.monotonic()
+            if left <= 0:
+                self.kill()
+                raise RuntimeError("the whole-model timing did not finish in time")
+            ready, _, _ = select.select([self.p.stdout], [], [], left)
+            if not ready:
+                continue
+            line = self.p.stdout.readline()
+            if not line:
+                self.p.wait(timeout=5)
+                self.err.seek(0)
+                err = [l for l in self.err.read().splitlines() if l.strip()]
+                raise RuntimeError(f"the whole-model timing failed: {err[-1] if err else f'exit {self.p.returncode}'}")
+            if line.startswith("{"):
+                return json.loads(line)
+
+    def ask(self, what: str) -> dict[str, Any]:
+        assert self.p.stdin is not None
+        self.p.stdin.write(what + "\n")
+        self.p.stdin.flush()
+        return self.read()
+
+    def kill(self) -> None:
+        if self.p.poll() is None:
+            self.p.kill()
+            self.p.wait()
+        self.err.close()
+
+
+def measure_subprocesses(source: str, load: Any, plans: list[dict[str, int]], device: str, threads: int,
+                         lead: tuple[int, ...] | None = None, timeout: float = TIMEOUT_S, min_time: float = 0.5,
+                         min_blocks: int = 5, max_blocks: int = 200) -> list[ModelRun]:
+    """The model from ``source`` under each plan (``{}``: dense), each in its own fresh process, built one after
+    the other (so that their peak memories are their own), then timed in interleaved blocks (a, b, a, b, ...) so
+    that a change of the machine's load falls on all alike. A failure or the timeout is a RuntimeError."""
+    import time
+
+    from .timing import Timing
+
+    deadline = time.monotonic() + timeout
+    workers: list[_Worker] = []
     try:
-        done = subprocess.run([sys.executable, "-m", "auditor.speed.model"], input=json.dumps(spec),
-                              capture_output=True, text=True, timeout=timeout, env=env)
-    except subprocess.TimeoutExpired:
-        raise RuntimeError(f"the whole-model timing did not finish in {timeout:.0f} s") from None
-    lines = [l for l in done.stdout.splitlines() if l.startswith("{")]
-    if done.returncode != 0 or not lines:
-        err = [l for l in done.stderr.strip().splitlines() if l.strip()]
-        raise RuntimeError(f"the whole-model timing failed: {err[-1] if err else f'exit {done.returncode}'}")
-    return ModelRun.from_dict(json.loads(lines[-1]))
+        ready = []
+        for plan in plans:
+            w = _Worker({"source": source, "load": asdict(load), "plan": plan, "device": device,
+                         "threads": threads, "lead": list(lead) if lead else None}, deadline)
+            workers.append(w)
+            ready.append(w.read())
+        per: list[list[float]] = [[] for _ in plans]
+        while any(len(p) < max_blocks and (len(p) < min_blocks or sum(p) * r["calls"] < min_time)
+                  for p, r in zip(per, ready)):
+            for i, w in enumerate(workers):
+                if len(per[i]) < max_blocks:
+                    per[i].append(float(w.ask("b")["t"]))
+        out = []
+        for i, w in enumerate(workers):
+            end = w.ask("q")
+            out.append(ModelRun(Timing.of(per[i], int(ready[i]["calls"])), end.get("peak_bytes"),
+                                str(end.get("memory", "")), int(ready[i]["params"])))
+        return out
+    finally:
+        for w in workers:
+            w.kill()
 
 
 def main() -> int:
-    spec = json.loads(sys.stdin.read())
-    out = _worker(spec)
-    sys.stdout.write(json.dumps(out) + "\n")
+    spec = json.loads(sys.stdin.readline())
+    reply = os.fdopen(os.dup(1), "w")
+    sys.stdout = sys.stderr  # what the model's code prints cannot mix with the replies
+    _serve(spec, reply)
     return 0
 
 

@@ -137,6 +137,7 @@ class LatencyPlan:
     predicted_change: float  # relative latency change the layer times predict (-0.2: 20% faster)
     dropped: tuple[str, ...]  # planned layers left dense to meet the target
     measured: ModelRun | None = None  # the chosen plan, end to end
+    dense: ModelRun | None = None  # the dense model, timed side by side with it
 
     @property
     def met(self) -> bool:
@@ -145,7 +146,8 @@ class LatencyPlan:
     def to_dict(self) -> dict[str, Any]:
         return {"target": self.target, "met": self.met, "ranks": self.ranks, "params_removed": self.params_removed,
                 "predicted_change": self.predicted_change, "dropped": list(self.dropped),
-                "measured": self.measured.to_dict() if self.measured is not None else None}
+                "measured": self.measured.to_dict() if self.measured is not None else None,
+                "dense": self.dense.to_dict() if self.dense is not None else None}
 
 
 @dataclass(frozen=True)

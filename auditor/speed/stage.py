@@ -60,39 +60,43 @@ def candidates(items: list[tuple["Layer", int]], timed: dict[str, LayerSpeed]) -
 
 
 def latency_plan(target: float, items: list[tuple["Layer", int]], timed: dict[str, LayerSpeed],
-                 dense: ModelRun, run: Any) -> LatencyPlan:
+                 run: Any) -> LatencyPlan:
     """``--budget-latency``: the first of :func:`candidates` whose whole-model latency, measured by ``run(plan)``
-    (a ModelRun), removes ``target`` of the dense latency; candidates whose layer times predict a miss by far are
-    not run. At most :data:`MAX_CANDIDATES` are run; none meeting it is a plan with no ranks."""
-    base = dense.timing.median
+    (a (dense, factorized) pair of ModelRuns timed side by side), removes ``target`` of the dense latency. At most
+    :data:`MAX_CANDIDATES` are run; none meeting it is a plan with no ranks."""
     tried = 0
     dropped: list[str] = []
     predicted = 0.0
     for plan in candidates(items, timed):
-        dropped = [l.name for l, _ in items if all(l is not x for x, _ in plan)]
-        predicted = -sum(_saving(l, timed) for l, _ in plan) / base if base > 0 else 0.0
         if not plan or tried >= MAX_CANDIDATES:
             break
+        dropped = [l.name for l, _ in items if all(l is not x for x, _ in plan)]
         tried += 1
-        measured = run({l.name: r for l, r in plan})
+        dense, measured = run({l.name: r for l, r in plan})
+        base = dense.timing.median
+        predicted = -sum(_saving(l, timed) for l, _ in plan) / base if base > 0 else 0.0
         if measured.timing.median <= base * (1 - target):
             return LatencyPlan(target, {l.name: r for l, r in plan},
-                               sum(l.params - l.params_at(r) for l, r in plan), predicted, tuple(dropped), measured)
+                               sum(l.params - l.params_at(r) for l, r in plan), predicted, tuple(dropped), measured,
+                               dense)
     return LatencyPlan(target, {}, 0, predicted, tuple(dropped))
 
 
-def _whole(model: nn.Module, args: tuple, kwargs: dict, plan: dict[str, int], options: "AuditOptions",
-           device: str, threads: int, lead: tuple[int, ...] | None) -> tuple[ModelRun, str]:
-    from .model import lead_shape, measure_subprocess, run_model
+def _pair(model: nn.Module, args: tuple, kwargs: dict, plan: dict[str, int], options: "AuditOptions",
+          device: str, threads: int) -> tuple[ModelRun, ModelRun, str]:
+    """The dense model and the model under ``plan``, end to end: each in a fresh process from the audit's source,
+    timed in interleaved blocks; an audited Python object (no source to reload) or a fake clock in this process."""
+    from .model import measure_subprocesses, run_model
 
     if options.origin is not None and options.speed_clock is None:
         source, load = options.origin
-        return measure_subprocess(source, load, plan, device, threads, lead), "subprocess"
+        dense, fact = measure_subprocesses(source, load, [{}, plan], device, threads)
+        return dense, fact, "subprocess"
     from ..factorize import factorize
 
-    a, k = lead_shape(args, kwargs, lead)
-    return run_model(factorize(model, plan, init=False) if plan else model, a, k, device,
-                     clock=options.speed_clock), "in-process"
+    dense = run_model(model, args, kwargs, device, clock=options.speed_clock)
+    fact = run_model(factorize(model, plan, init=False), args, kwargs, device, clock=options.speed_clock)
+    return dense, fact, "in-process"
 
 
 def measure_speed(model: Any, inputs: Any, audit: "Audit", options: "AuditOptions") -> SpeedReport:
@@ -125,19 +129,18 @@ def measure_speed(model: Any, inputs: Any, audit: "Audit", options: "AuditOption
         return replace(report, notes=[*notes, "No planned layer: the whole model is not timed."])
     plan = {l.name: r for l, r in items}
     try:
-        dense, where = _whole(model, ex.args, ex.kwargs, {}, options, device, threads, None)
-        fact, _ = _whole(model, ex.args, ex.kwargs, plan, options, device, threads, None)
+        dense, fact, where = _pair(model, ex.args, ex.kwargs, plan, options, device, threads)
         report = replace(report, model=ModelSpeed(dense, fact, ex.description, where))
     except (RuntimeError, AuditError) as exc:
         return replace(report, notes=[*report.notes, f"Whole model not timed: {exc}."])
     if options.budget_latency is not None:
-        def run(ranks: dict[str, int]) -> ModelRun:
+        def run(ranks: dict[str, int]) -> tuple[ModelRun, ModelRun]:
             if ranks == plan:
-                return fact
-            return _whole(model, ex.args, ex.kwargs, ranks, options, device, threads, None)[0]
+                return dense, fact
+            return _pair(model, ex.args, ex.kwargs, ranks, options, device, threads)[:2]
 
         try:
-            lp = latency_plan(options.budget_latency, items, report.traced(), dense, run)
+            lp = latency_plan(options.budget_latency, items, report.traced(), run)
         except (RuntimeError, AuditError) as exc:
             return replace(report, notes=[*report.notes, f"--budget-latency not measured: {exc}."])
         report = replace(report, latency_plan=lp)
