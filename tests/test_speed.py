@@ -269,3 +269,20 @@ def test_html_speed_section_only_when_measured(monkeypatch):
     assert '<section id="speed">' in page and "<th title=\"dense time / factorized time, measured; above 1 is faster\">× time</th>" in page
     assert "<td>240</td><td>1x512</td><td>1.07</td><td>1.07</td><td>312 µs ±0 ns</td><td>346 µs ±0 ns</td><td>0.90</td><td>200</td><td>256.0</td>" in page
     assert 'id="speed"' not in plain
+
+
+def test_cli_factorize_export_measure_speed_times_the_pt2_program_too(cli, tmp_path):
+    """Each of dense, factorized and the exported .pt2 in its own process: one line each (times not checked)."""
+    from _factories import write_low_rank_mlp
+
+    src = write_low_rank_mlp(tmp_path, widths=(48, 64, 48, 4), rank=3)
+    plan = tmp_path / "plan.toml"
+    plan.write_text('finetune = "none"\n[ranks]\n"0" = 8\n')
+    r = cli("factorize", src, "--plan", plan, "-o", tmp_path / "out", "--export", "pt2", "--measure-speed",
+            env={"OMP_NUM_THREADS": "1"})
+    assert r.returncode == 0, r.stderr
+    lines = r.stderr.splitlines()
+    start = lines.index("speed on cpu (1 thread), median ±half the IQR per forward, peak RSS:")
+    assert [l.split(":")[0].strip() for l in lines[start + 1:start + 4]] == ["dense", "factorized",
+                                                                          "model.pt2 (torch)"]
+    assert "x time 1.00" in lines[start + 1] and "MiB" in lines[start + 3]

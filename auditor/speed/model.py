@@ -122,6 +122,11 @@ def _build(spec: dict[str, Any]) -> tuple[nn.Module, tuple, dict]:
     ex = ExampleInputs.of(loaded.example_inputs) or ExampleInputs()
     args, kwargs = lead_shape(ex.args, ex.kwargs, tuple(spec["lead"]) if spec.get("lead") else None)
     del loaded  # the dense model lives on only as ``model`` (dropped below when a plan is applied)
+    if spec.get("program"):  # an exported program, run on the source's example inputs
+        del model
+        gc.collect()
+        _trim()
+        return _program(spec["program"], spec["format"]), args, kwargs
     if spec.get("plan"):
         from ..factorize import factorize
 
@@ -133,6 +138,32 @@ def _build(spec: dict[str, Any]) -> tuple[nn.Module, tuple, dict]:
     return model, args, kwargs
 
 
+class _OnnxModel:
+    """An ONNX file in onnxruntime (CPU), called like the module it was exported from."""
+
+    def __init__(self, path: str) -> None:
+        import onnxruntime as ort
+
+        self.sess = ort.InferenceSession(path, providers=["CPUExecutionProvider"])
+        self.names = [i.name for i in self.sess.get_inputs()]
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        values = [v for v in list(args) + list(kwargs.values()) if isinstance(v, torch.Tensor)]
+        return self.sess.run(None, {n: v.numpy() for n, v in zip(self.names, values)})
+
+    def to(self, device: str) -> "_OnnxModel":
+        return self
+
+    def eval(self) -> "_OnnxModel":
+        return self
+
+
+def _program(path: str, fmt: str) -> Any:
+    if fmt == "onnx":
+        return _OnnxModel(path)
+    return torch.export.load(path).module()
+
+
 def _serve(spec: dict[str, Any], reply: Any) -> None:
     """The worker: build, reset the peak memory, warm up and size a block (at least MIN_BLOCK_S), say ``ready``;
     then time one block per ``b`` line read, and on ``q`` report the peak memory."""
@@ -142,8 +173,9 @@ def _serve(spec: dict[str, Any], reply: Any) -> None:
     torch.set_num_threads(int(spec["threads"]))
     device = spec["device"]
     model, args, kwargs = _build(spec)
-    params = ParamTable.of(model).total
-    model = model.to(device).eval()
+    params = ParamTable.of(model).total if isinstance(model, nn.Module) else 0
+    if isinstance(model, nn.Module) and not spec.get("program"):  # an exported program stays as loaded (CPU)
+        model = model.to(device).eval()
     args = tuple(a.to(device) if isinstance(a, torch.Tensor) else a for a in args)
     kwargs = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in kwargs.items()}
     cuda = device.startswith("cuda")
@@ -255,7 +287,8 @@ class _Worker:
 
 def measure_subprocesses(source: str, load: Any, plans: list[dict[str, int]], device: str, threads: int,
                          lead: tuple[int, ...] | None = None, timeout: float = TIMEOUT_S, min_time: float = 0.5,
-                         min_blocks: int = 5, max_blocks: int = 200) -> list[ModelRun]:
+                         min_blocks: int = 5, max_blocks: int = 200,
+                         programs: list[tuple[str, str]] = ()) -> list[ModelRun]:
     """The model from ``source`` under each plan (``{}``: dense), each in its own fresh process, built one after
     the other (so that their peak memories are their own), then timed in interleaved blocks (a, b, a, b, ...) so
     that a change of the machine's load falls on all alike. A failure or the timeout is a RuntimeError."""
@@ -267,12 +300,15 @@ def measure_subprocesses(source: str, load: Any, plans: list[dict[str, int]], de
     workers: list[_Worker] = []
     try:
         ready = []
-        for plan in plans:
-            w = _Worker({"source": source, "load": asdict(load), "plan": plan, "device": device,
-                         "threads": threads, "lead": list(lead) if lead else None}, deadline)
+        base = {"source": source, "load": asdict(load), "device": device, "threads": threads,
+                "lead": list(lead) if lead else None}
+        specs = [{**base, "plan": plan} for plan in plans]
+        specs += [{**base, "program": str(path), "format": fmt, "device": "cpu"} for path, fmt in programs]
+        for spec in specs:
+            w = _Worker(spec, deadline)
             workers.append(w)
             ready.append(w.read())
-        per: list[list[float]] = [[] for _ in plans]
+        per: list[list[float]] = [[] for _ in specs]
         while any(len(p) < max_blocks and (len(p) < min_blocks or sum(p) * r["calls"] < min_time)
                   for p, r in zip(per, ready)):
             for i, w in enumerate(workers):
