@@ -147,7 +147,8 @@ def break_even_4096(device: str) -> None:
         timer = Timer(device=device, min_time=min_time, min_blocks=3, warmup=1)
         t0 = time.perf_counter()
         be = time_break_even(layer, lin, x, timer, align=8, at="traced", points=points)
-        probes = ", ".join(f"r={r}: {t.median * 1e3:.3f} ms" for r, t in be.probes)
+        probes = ", ".join(f"r={r}: {t.median * 1e3:.3f} ms (dense beside it {d.median * 1e3:.3f})"
+                           for (r, t), d in zip(be.probes, be.paired))
         print(f"\n4096x4096 Linear, input {'x'.join(map(str, x.shape))} on {device} ({torch.get_num_threads()} "
               f"threads): time break-even rank {be.label()} (grid step {be.step}, parameter break-even "
               f"{be.param_break_even:.0f}); dense {be.dense.median * 1e3:.3f} ms; probes {probes}; "

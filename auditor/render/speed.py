@@ -36,8 +36,14 @@ def summary_line(audit: "Audit") -> str | None:
     if sp is None or sp.model is None or rv is None or not audit.total_params:
         return None
     size = rv.model_params_after / audit.total_params - 1
-    return (f"size {100 * size:+.0f}%, latency {100 * sp.model.latency_change:+.0f}% on {sp.where()}, "
-            f"{_batch(sp.model.inputs)}").replace("+-", "-")
+    return (f"size {_pct(size)}, latency {_pct(sp.model.latency_change)} on {sp.where()}, "
+            f"{_batch(sp.model.inputs)}")
+
+
+def _pct(x: float) -> str:
+    """A relative change as a signed percent, one decimal below 1%: ``-57%``, ``-0.2%``, ``+3%``."""
+    v = 100 * x
+    return f"{v:+.1f}%" if abs(v) < 1 else f"{v:+.0f}%"
 
 
 @dataclass(frozen=True)

@@ -227,7 +227,8 @@ def time_break_even(layer: Layer, mod: nn.Module, x: torch.Tensor, timer: Timer,
 
     rank, _ = bisect_break_even(grid, faster)
     return TimeBreakEven(str(layer.kind), layer.m, layer.n, tuple(x.shape), at, rank, step, layer.break_even,
-                         rank is not None and rank == grid[-1], dense or first[0], tuple(probes), (layer.name,))
+                         rank is not None and rank == grid[-1], dense or first[0], tuple(probes), (layer.name,),
+                         tuple(first))
 
 
 def time_layers(model: nn.Module, args: tuple, kwargs: dict, planned: list[tuple[Layer, int]], timer: Timer,

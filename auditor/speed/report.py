@@ -70,12 +70,14 @@ class TimeBreakEven:
     dense: Timing
     probes: tuple[tuple[int, Timing], ...]  # (rank, factorized time) of each rank measured, in measuring order
     layers: tuple[str, ...] = ()
+    paired: tuple[Timing, ...] = ()  # the dense time measured side by side with each probe (what it was judged by)
 
     def to_dict(self) -> dict[str, Any]:
         return {"kind": self.kind, "m": self.m, "n": self.n, "input_shape": list(self.input_shape), "at": self.at,
                 "rank": self.rank, "step": self.step, "param_break_even": round(self.param_break_even, 4),
                 "capped": self.capped, "dense": self.dense.to_dict(), "layers": list(self.layers),
-                "probes": [{"rank": r, **t.to_dict()} for r, t in self.probes]}
+                "probes": [{"rank": r, **t.to_dict(), **({"dense_median_s": d.median} if d is not None else {})}
+                           for (r, t), d in zip(self.probes, [*self.paired, *[None] * len(self.probes)])]}
 
     def label(self) -> str:
         if self.rank is None:
