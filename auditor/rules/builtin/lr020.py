@@ -2,25 +2,24 @@
 
 from __future__ import annotations
 
-from ...config import Setting
 from ...results import Severity
 from ..context import Context
 from ..registry import Emit, Scope, rule
 from ...speed.report import seconds
 
-SPEED_TOLERANCE = Setting("speed_tolerance", 0.05, "a factorized layer slower than its dense form by more than this "
-                          "share of the dense time is flagged (LR020)", low=0.0, high=10.0)
+SPEED_TOLERANCE = 0.05  # slower than dense by more than this share of the dense time: flagged (a constant, not a
+# setting: a setting would enter every report's settings block, and audits without speed must read as before)
 
 
-@rule("LR020", "factorized-slower", Severity.WARNING, scope=Scope.PLAN, settings=[SPEED_TOLERANCE])
+@rule("LR020", "factorized-slower", Severity.WARNING, scope=Scope.PLAN)
 def lr020(ctx: Context, emit: Emit) -> None:
     """A planned layer is slower factorized than dense, measured.
 
     ## What it flags
     With `--measure-speed`: a planned layer whose factorized form (the two modules `factorize` writes, timed on the
     audit's device at the input the trace saw, or at `--latency-shape`) takes longer per call than its dense form,
-    by more than `speed_tolerance` (default 0.05, 5%) of the dense time. The finding gives both times and the time
-    break-even rank: the largest rank measured to be faster than dense at that shape, if any.
+    by more than 5% of the dense time. The finding gives both times and the time break-even rank: the largest rank
+    measured to be faster than dense at that shape, if any.
 
     ## Why it is bad
     Fewer parameters and MACs do not make a layer faster. At batch 1 a layer is memory-bound and a factorized one is
@@ -40,7 +39,7 @@ def lr020(ctx: Context, emit: Emit) -> None:
     sp = ctx.audit.speed
     if sp is None:
         return
-    tol = ctx.setting(SPEED_TOLERANCE)
+    tol = SPEED_TOLERANCE
     planned = ctx.planned
     for s in sp.layers:
         if s.layer not in planned or s.factorized.median <= s.dense.median * (1 + tol):
