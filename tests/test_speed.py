@@ -286,3 +286,9 @@ def test_cli_factorize_export_measure_speed_times_the_pt2_program_too(cli, tmp_p
     assert [l.split(":")[0].strip() for l in lines[start + 1:start + 4]] == ["dense", "factorized",
                                                                           "model.pt2 (torch)"]
     assert "x time 1.00" in lines[start + 1] and "MiB" in lines[start + 3]
+
+
+def test_cli_measure_speed_on_a_weights_only_checkpoint_is_one_line_and_exit_2(cli_inproc):
+    r = cli_inproc("sample_models/digits_mlp.safetensors", "--measure-speed", "-q", "--no-cache")
+    assert r.returncode == 2 and "--measure-speed needs the model's code" in r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1
