@@ -161,20 +161,21 @@ def test_seconds_reads_as_a_person_would_write_it():
 
 # ---- through the audit: LR020, the reports ------------------------------------------------------------------
 def _slow_plan_audit(rank: int, **kw):
-    """A 512x512 layer at batch 1 on the cost clock: dense 312.1 us, factorized 1,024 r ns + 100 us."""
+    """A 512x512 layer at batch 1 on a cost clock a thousand times slower than the default (so that a block is one
+    call and the audit measures few): dense 312.1 ms, factorized 1,024 r us + 100 ms."""
     torch.manual_seed(0)
     return auditor.audit(nn.Sequential(nn.Linear(512, 512)), torch.zeros(1, 512), plan={"ranks": {"0": rank}},
-                         spectra=False, cache=False, measure_speed=True, speed_clock=CostClock(), **kw)
+                         spectra=False, cache=False, measure_speed=True, speed_clock=CostClock(1e-6, 50e-3), **kw)
 
 
 def test_lr020_flags_a_layer_planned_past_its_time_break_even_with_both_times_and_the_faster_rank():
     a = _slow_plan_audit(240, settings=auditor.Settings(select=("LR020",)))
     [f] = a.findings
     assert f.code == "LR020" and f.layers == ["0"]
-    assert f.evidence == dict(rank=240, factorized_s=pytest.approx(345.76e-6), dense_s=pytest.approx(312.144e-6),
+    assert f.evidence == dict(rank=240, factorized_s=pytest.approx(345.76e-3), dense_s=pytest.approx(312.144e-3),
                               device="cpu", threads=torch.get_num_threads(), input_shape=[1, 512], at="traced",
                               time_break_even=200)
-    assert "346 µs against 312 µs dense" in f.message and "rank 200 or below is faster" in f.message
+    assert "346 ms against 312 ms dense" in f.message and "rank 200 or below is faster" in f.message
 
 
 def test_speed_sections_in_json_text_and_markdown_only_when_measured():
@@ -182,7 +183,7 @@ def test_speed_sections_in_json_text_and_markdown_only_when_measured():
     d = json.loads(a.to_json())["speed"]
     assert (d["device"], d["dtype"], d["threads"]) == ("cpu", "float32", torch.get_num_threads())
     [row] = d["layers"]
-    assert row["dense"]["median_s"] == pytest.approx(312.144e-6) and {"q1_s", "q3_s", "iqr_s"} <= set(row["dense"])
+    assert row["dense"]["median_s"] == pytest.approx(312.144e-3) and {"q1_s", "q3_s", "iqr_s"} <= set(row["dense"])
     assert row["speedup"] == pytest.approx(312.144 / (64 * 1.024 + 100))
     assert d["model"]["where"] == "in-process" and d["model"]["factorized"]["params"] == 512 + 64 * 1024
     assert d["model"]["speedup"] == pytest.approx(row["speedup"])  # the model is that one layer
@@ -266,8 +267,10 @@ def test_html_speed_section_only_when_measured(monkeypatch):
                               cache=False).to_html()
     finally:
         html._env.cache_clear()
-    assert '<section id="speed">' in page and "<th title=\"dense time / factorized time, measured; above 1 is faster\">× time</th>" in page
-    assert "<td>240</td><td>1x512</td><td>1.07</td><td>1.07</td><td>312 µs ±0 ns</td><td>346 µs ±0 ns</td><td>0.90</td><td>200</td><td>256.0</td>" in page
+    assert '<section id="speed">' in page
+    assert '<th title="dense time / factorized time, measured; above 1 is faster">× time</th>' in page
+    assert ("<td>240</td><td>1x512</td><td>1.07</td><td>1.07</td><td>312 ms ±0 ns</td><td>346 ms ±0 ns</td>"
+            "<td>0.90</td><td>200</td><td>256.0</td>") in page
     assert 'id="speed"' not in plain
 
 

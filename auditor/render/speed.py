@@ -140,9 +140,9 @@ def markdown(audit: "Audit", room: Room) -> list[Section]:
     if sp is None:
         return []
     head = ["layer", "rank", "input", "x params", "x MACs", "dense", "factorized", "x time", "time b-e", "b-e"]
-    intro = [f"Measured on {md_text(sp.where())}, {md_text(sp.dtype)}: median ± half the IQR per call; x time = dense / "
-             "factorized (above 1 is faster); time b-e = the largest rank measured faster than dense at that input; "
-             "b-e = the parameter break-even m·n/(m+n).", ""]
+    intro = [f"Measured on {md_text(sp.where())}, {md_text(sp.dtype)}: median ± half the IQR per call; "
+             "x time = dense / factorized (above 1 is faster); time b-e = the largest rank measured faster than dense "
+             "at that input; b-e = the parameter break-even m·n/(m+n).", ""]
     intro += [f"- {md_text(l)}" for l in _model_lines(sp)] + ([""] if sp.model or sp.latency_plan else [])
     intro += ["| " + " | ".join(head) + " |", "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     body = [f"| {md_code(r.layer)} | {r.rank:,} | {r.input_shape} | {r.x_params:.2f} | "

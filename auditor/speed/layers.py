@@ -121,7 +121,8 @@ class Timer:
         return ts, False
 
 
-def capture_inputs(model: nn.Module, args: tuple, kwargs: dict, modules: dict[str, nn.Module]) -> dict[str, torch.Tensor]:
+def capture_inputs(model: nn.Module, args: tuple, kwargs: dict,
+                   modules: dict[str, nn.Module]) -> dict[str, torch.Tensor]:
     """Module path -> the first input tensor it was called with during one forward (eval, no grad)."""
     seen: dict[str, torch.Tensor] = {}
     hooks = []

@@ -17,7 +17,9 @@ from typing import Any, Callable
 
 Clock = Callable[[], float]
 
-MIN_BLOCK_S = 0.0005  # a block lasts at least this long: the clock's overhead (~100 ns) is below 0.1%; short enough that most blocks fit between two preemptions on a busy machine
+# a block lasts at least this long: the clock's overhead (~100 ns) is below 0.1%, and the block short enough that
+# most blocks fit between two preemptions on a busy machine
+MIN_BLOCK_S = 0.0005
 MIN_TIME_S = 0.2  # blocks are added until they total this much
 MIN_BLOCKS = 5  # and at least this many blocks (a median and quartiles need a few)
 MAX_BLOCKS = 200
