@@ -93,8 +93,6 @@ def _model_lines(sp: SpeedReport) -> list[str]:
         out.append(f"whole model on {m.inputs} ({m.where}): dense {_spread(m.dense.timing)}{mem(m.dense)}; "
                    f"factorized {_spread(m.factorized.timing)}{mem(m.factorized)}; x time {m.ratio:.2f} "
                    f"(latency {100 * m.latency_change:+.0f}%)".replace("+-", "-"))
-        for fmt, r in m.exports.items():
-            out.append(f"exported {fmt}: {_spread(r.timing)}{mem(r)}")
     lp = sp.latency_plan
     if lp is not None:
         if lp.met and lp.measured is not None and lp.dense is not None:

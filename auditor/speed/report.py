@@ -109,7 +109,6 @@ class ModelSpeed:
     factorized: ModelRun
     inputs: str  # the input shapes the forwards ran at
     where: str  # "subprocess" (a fresh process each) or "in-process"
-    exports: dict[str, ModelRun] = field(default_factory=dict)  # "pt2" / "onnx" -> the exported program's run
 
     @property
     def ratio(self) -> float:
@@ -122,8 +121,7 @@ class ModelSpeed:
 
     def to_dict(self) -> dict[str, Any]:
         return {"dense": self.dense.to_dict(), "factorized": self.factorized.to_dict(), "speedup": self.ratio,
-                "latency_change": self.latency_change, "inputs": self.inputs, "where": self.where,
-                "exports": {k: v.to_dict() for k, v in self.exports.items()}}
+                "latency_change": self.latency_change, "inputs": self.inputs, "where": self.where}
 
 
 @dataclass(frozen=True)
