@@ -295,3 +295,23 @@ def test_cli_measure_speed_on_a_weights_only_checkpoint_is_one_line_and_exit_2(c
     r = cli_inproc("sample_models/digits_mlp.safetensors", "--measure-speed", "-q", "--no-cache")
     assert r.returncode == 2 and "--measure-speed needs the model's code" in r.stderr
     assert len(r.stderr.strip().splitlines()) == 1
+
+
+def test_budget_frontier_plans_are_timed_end_to_end_beside_the_dense_model():
+    """With --budget, the calibration's frontier plans (at most 4, spread over it) each timed whole; on the cost
+    clock each factorized model's parameter count is exact and its time follows from its ranks."""
+    torch.manual_seed(0)
+    lin = nn.Linear(64, 64, bias=False)
+    with torch.no_grad():
+        lin.weight.copy_(torch.randn(64, 4) @ torch.randn(4, 64))
+    rows = {"x": torch.randn(200, 64, generator=torch.Generator().manual_seed(0))}
+    a = auditor.audit(nn.Sequential(lin), torch.zeros(1, 64), cache=False, calibration=rows, budget=0.5,
+                      measure_speed=True, speed_clock=CostClock(1e-6, 50e-3))
+    sp, frontier = a.speed, a.calibration.budget.frontier
+    assert 1 <= len(sp.frontier) <= 4 and sp.frontier_dense.timing.median == pytest.approx(4096e-6 + 50e-3)
+    by_removed = {p.removed: p for p in frontier}
+    for f in sp.frontier:
+        r = by_removed[f.removed].plan["0"]
+        assert f.run.params == 4096 - f.removed == r * 128
+        assert f.run.timing.median == pytest.approx(r * 128e-6 + 100e-3)
+    assert "frontier (--budget), latency beside the dense model's" in a.to_text()

@@ -93,6 +93,11 @@ def _model_lines(sp: SpeedReport) -> list[str]:
         out.append(f"whole model on {m.inputs} ({m.where}): dense {_spread(m.dense.timing)}{mem(m.dense)}; "
                    f"factorized {_spread(m.factorized.timing)}{mem(m.factorized)}; x time {m.ratio:.2f} "
                    f"(latency {100 * m.latency_change:+.0f}%)".replace("+-", "-"))
+    if sp.frontier and sp.frontier_dense is not None:
+        base = sp.frontier_dense.timing.median
+        out.append("frontier (--budget), latency beside the dense model's " + seconds(base) + ": " + "; ".join(
+            f"{f.removed:,} removed ({100 * f.removed_fraction:.1f}%, {f.layers} layers) "
+            f"{seconds(f.run.timing.median)}, {_pct(f.run.timing.median / base - 1)}" for f in sp.frontier))
     lp = sp.latency_plan
     if lp is not None:
         if lp.met and lp.measured is not None and lp.dense is not None:

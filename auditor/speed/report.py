@@ -151,6 +151,20 @@ class LatencyPlan:
 
 
 @dataclass(frozen=True)
+class FrontierSpeed:
+    """One plan of the calibration's frontier (``--budget``), timed end to end beside the dense model."""
+
+    removed: int
+    removed_fraction: float
+    layers: int
+    run: ModelRun
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"removed": self.removed, "removed_fraction": self.removed_fraction, "layers": self.layers,
+                **self.run.to_dict()}
+
+
+@dataclass(frozen=True)
 class SpeedReport:
     device: str
     dtype: str
@@ -161,6 +175,8 @@ class SpeedReport:
     model: ModelSpeed | None = None
     latency_plan: LatencyPlan | None = None
     notes: list[str] = field(default_factory=list)
+    frontier: list[FrontierSpeed] = field(default_factory=list)  # with --budget: the frontier's plans, timed
+    frontier_dense: ModelRun | None = None  # the dense model timed beside them
 
     def traced(self) -> dict[str, LayerSpeed]:
         """Layer name -> its timing at the traced input shape."""
@@ -183,4 +199,5 @@ class SpeedReport:
                 "break_even": [b.to_dict() for b in self.break_even],
                 "model": self.model.to_dict() if self.model is not None else None,
                 "latency_plan": self.latency_plan.to_dict() if self.latency_plan is not None else None,
-                "notes": self.notes}
+                "notes": self.notes, "frontier": [f.to_dict() for f in self.frontier],
+                "frontier_dense": self.frontier_dense.to_dict() if self.frontier_dense is not None else None}

@@ -13,7 +13,7 @@ from torch import nn
 
 from ..errors import AuditError
 from .layers import TimeCache, Timer, time_layers
-from .report import LatencyPlan, LayerSpeed, ModelRun, ModelSpeed, SpeedReport
+from .report import FrontierSpeed, LatencyPlan, LayerSpeed, ModelRun, ModelSpeed, SpeedReport
 
 if TYPE_CHECKING:
     from ..options import AuditOptions
@@ -99,6 +99,46 @@ def _pair(model: nn.Module, args: tuple, kwargs: dict, plan: dict[str, int], opt
     return dense, fact, "in-process"
 
 
+MAX_FRONTIER = 4  # frontier plans timed end to end (each a process alive at once beside the dense one)
+
+
+def _spread_pick(n: int, k: int) -> list[int]:
+    """``k`` indices spread over ``range(n)``, the first and the last included (all when ``n <= k``).
+
+    >>> _spread_pick(3, 4), _spread_pick(9, 4)
+    ([0, 1, 2], [0, 3, 5, 8])
+    """
+    if n <= k:
+        return list(range(n))
+    return sorted({round(i * (n - 1) / (k - 1)) for i in range(k)})
+
+
+def time_frontier(model: nn.Module, args: tuple, kwargs: dict, audit: "Audit", options: "AuditOptions",
+                  device: str, threads: int) -> tuple[list[FrontierSpeed], ModelRun | None]:
+    """The calibration frontier's plans (``--budget``; at most :data:`MAX_FRONTIER`, spread over it) end to end,
+    side by side with the dense model: in fresh processes from the source, else in this process."""
+    from .model import measure_subprocesses, run_model
+
+    cal = audit.calibration
+    budget = cal.budget if cal is not None else None
+    if budget is None or not budget.frontier:
+        return [], None
+    chosen = [budget.frontier[i] for i in _spread_pick(len(budget.frontier), MAX_FRONTIER)]
+    chosen = [p for p in chosen if p.plan]
+    if not chosen:
+        return [], None
+    if options.origin is not None and options.speed_clock is None:
+        source, load = options.origin
+        dense, *runs = measure_subprocesses(source, load, [{}, *(p.plan for p in chosen)], device, threads)
+    else:
+        from ..factorize import factorize
+
+        dense = run_model(model, args, kwargs, device, clock=options.speed_clock)
+        runs = [run_model(factorize(model, p.plan, init=False), args, kwargs, device, clock=options.speed_clock)
+                for p in chosen]
+    return [FrontierSpeed(p.removed, p.removed_fraction, p.layers, r) for p, r in zip(chosen, runs)], dense
+
+
 def measure_speed(model: Any, inputs: Any, audit: "Audit", options: "AuditOptions") -> SpeedReport:
     """Time the reviewed plan (the user's or the suggested ranks) on ``options.device`` (default: the CPU)."""
     from ..structure.trace import ExampleInputs
@@ -133,6 +173,11 @@ def measure_speed(model: Any, inputs: Any, audit: "Audit", options: "AuditOption
         report = replace(report, model=ModelSpeed(dense, fact, ex.description, where))
     except (RuntimeError, AuditError) as exc:
         return replace(report, notes=[*report.notes, f"Whole model not timed: {exc}."])
+    try:
+        frontier, fdense = time_frontier(model, ex.args, ex.kwargs, audit, options, device, threads)
+        report = replace(report, frontier=frontier, frontier_dense=fdense)
+    except (RuntimeError, AuditError) as exc:
+        report = replace(report, notes=[*report.notes, f"Frontier plans not timed: {exc}."])
     if options.budget_latency is not None:
         def run(ranks: dict[str, int]) -> tuple[ModelRun, ModelRun]:
             if ranks == plan:
