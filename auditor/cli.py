@@ -112,7 +112,8 @@ def _parser() -> argparse.ArgumentParser:
                    help="suggest the largest frontier plan that holds the tolerance after the --recover fine-tune "
                         "(marked as needing it); default: the plan that holds before it")
     g.add_argument("--device", metavar="cpu|cuda|cuda:N|auto",
-                   help="where calibration statistics are read (forward and X^T X sums; default: the CPU)")
+                   help="where calibration statistics are read (forward and X^T X sums; default: the CPU), and "
+                        "where --measure-speed times")
     g.add_argument("--offload", action="store_true",
                    help="keep the weights on the CPU and move each repeated block to --device only while it runs "
                         "(no effect with --device cpu)")
@@ -120,6 +121,16 @@ def _parser() -> argparse.ArgumentParser:
                    help="the dtype calibration statistics are read in: model (its own, the default) or float32 "
                         "(bf16/fp16 weights upcast one block at a time: on a CPU without bf16 matrix units bf16 is "
                         "hundreds of times slower)")
+    g = p.add_argument_group("speed (measured latency and memory; docs/performance.md)")
+    g.add_argument("--measure-speed", action="store_true",
+                   help="time each planned layer dense and factorized at the traced input, its time break-even rank, "
+                        "and the whole model dense vs factorized (latency, peak memory, a fresh process each), on "
+                        "--device (default: the CPU, at torch's thread count)")
+    g.add_argument("--latency-shape", metavar="64,128",
+                   help="also time the layers at this batch (x positions); implies --measure-speed")
+    g.add_argument("--budget-latency", type=float, metavar="FRACTION",
+                   help="the plan saving the most parameters whose measured layer times remove this share of the "
+                        "dense model's latency; implies --measure-speed")
     g = p.add_argument_group("spectra")
     g.add_argument("--no-spectra", action="store_true", help="skip singular values (structure and counts only)")
     g.add_argument("--spectra-backend", choices=[b.value for b in SpectraBackend], default=SpectraBackend.LAPACK.value,
@@ -336,7 +347,7 @@ def options_from(args: argparse.Namespace) -> tuple["AuditOptions", "LoadOptions
         spectra_backend=SpectraBackend(args.spectra_backend), spectra=not args.no_spectra, cache=not args.no_cache,
         cache_dir=Path(args.cache_dir) if args.cache_dir else None, jobs=args.jobs,
         progress=getattr(args, "progress", None),
-        scheduler=args.scheduler, path_map=path_map, **calibration_options(args),
+        scheduler=args.scheduler, path_map=path_map, **calibration_options(args), **speed_options(args),
     )
     load_options = LoadOptions(
         input_shape=tuple(parse_shape(s, "--input-shape") for s in args.input_shape) if args.input_shape else None,
@@ -353,6 +364,28 @@ def _device(spec: str) -> str:
     return str(resolve_device(spec))
 
 
+def _speed_asked(args: argparse.Namespace) -> bool:
+    return bool(getattr(args, "measure_speed", False) or getattr(args, "latency_shape", None)
+                or getattr(args, "budget_latency", None) is not None)
+
+
+def speed_options(args: argparse.Namespace) -> dict:
+    """--measure-speed, --latency-shape, --budget-latency as AuditOptions fields; --device without calibration is
+    where the speed is measured."""
+    if not _speed_asked(args):
+        return {}
+    from .sources import parse_shape
+
+    out: dict = {"measure_speed": True}
+    if args.latency_shape:
+        out["latency_shape"] = parse_shape(args.latency_shape, "--latency-shape")
+    if args.budget_latency is not None:
+        out["budget_latency"] = args.budget_latency
+    if args.device is not None and args.calibration is None:
+        out["device"] = _device(args.device)
+    return out
+
+
 def calibration_options(args: argparse.Namespace) -> dict:
     """The calibration flags as AuditOptions fields (checked there: --budget in (0, 1), the rest need data)."""
     from .calibration.inputs import parse_size
@@ -365,7 +398,8 @@ def calibration_options(args: argparse.Namespace) -> dict:
                                 ("--calibration-length", args.calibration_length),
                                 ("--calibration-max-rows", args.calibration_max_rows),
                                 ("--calibration-max-bytes", args.calibration_max_bytes),
-                                ("--device", args.device), ("--offload", args.offload or None),
+                                ("--device", None if _speed_asked(args) else args.device),
+                                ("--offload", args.offload or None),
                                 ("--compute-dtype", args.compute_dtype)) if v is not None]
         if given:
             raise AuditError(f"{', '.join(given)} need(s) calibration data", "Pass --calibration FILE as well")

@@ -56,6 +56,10 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--compute-dtype", choices=["model", "float32"],
                    help="the dtype calibration statistics are read in (default: the plan's compute_dtype, else the "
                         "model's own): give what the audit used, so the factors are the ones it measured")
+    p.add_argument("--measure-speed", action="store_true",
+                   help="time the dense and the factorized model end to end (and with --export the .pt2 in torch, "
+                        "the ONNX in onnxruntime), each in a fresh process, at the example inputs on the CPU; peak "
+                        "memory each (docs/performance.md)")
     from .export import add_cli_arguments as export_arguments
     from .recover import add_cli_arguments as recover_arguments
 
@@ -210,8 +214,41 @@ def run(args: argparse.Namespace) -> int:
     if exported:
         print(f"wrote {', '.join(escape(str(out / f)) for f in exported)}: loads with plain torch "
               "(torch.export.load; see README.md)", file=sys.stderr)
+    if getattr(args, "measure_speed", False):
+        _speed(args, loaded, plan, out, exported)
     stopped = str(extra.get("recovery", {}).get("stopped") or "")
     return 130 if stopped.startswith("interrupted") else ExitCode.OK
+
+
+def _speed(args: argparse.Namespace, loaded: Any, plan: dict[str, int], out: Path, exported: list[str]) -> None:
+    """--measure-speed: the dense model, the factorized one and each exported program, end to end in fresh
+    processes timed side by side; one line each on stderr (a failure is a note: the files are written)."""
+    import torch
+
+    from .options import LoadOptions
+    from .sources import parse_shape
+    from .speed.model import measure_subprocesses
+    from .speed.report import seconds
+
+    load = LoadOptions(
+        input_shape=tuple(parse_shape(s, "--input-shape") for s in args.input_shape) if args.input_shape else None,
+        input_ids=parse_shape(args.input_ids, "--input-ids") if args.input_ids else None, weights=args.weights)
+    programs = [(str(out / f), f.rsplit(".", 1)[1]) for f in exported if f.endswith((".pt2", ".onnx"))]
+    names = ["dense", "factorized", *(f"{Path(p).name} ({'onnxruntime' if k == 'onnx' else 'torch'})"
+                                      for p, k in programs)]
+    try:
+        runs = measure_subprocesses(args.model, load, [{}, plan], "cpu",
+                                    torch.get_num_threads(), programs=programs)
+    except RuntimeError as exc:
+        print(f"note: speed not measured: {exc}", file=sys.stderr)
+        return
+    n = torch.get_num_threads()
+    print(f"speed on cpu ({n} thread{'s' if n != 1 else ''}), median ±half the IQR per forward, peak RSS:",
+          file=sys.stderr)
+    for name, r in zip(names, runs):
+        ratio = runs[0].timing.median / r.timing.median if r.timing.median else float("inf")
+        print(f"  {name}: {seconds(r.timing.median)} ±{seconds(r.timing.iqr / 2)}, x time {ratio:.2f}, "
+              f"peak {(r.peak_bytes or 0) / 2**20:,.0f} MiB", file=sys.stderr)
 
 
 def main(argv: Sequence[str]) -> int:

@@ -88,6 +88,11 @@ class AuditOptions:
     recover_objective: str = "auto"  # "auto" (KL for logits, else MSE) | "kl" | "mse"
     recover_seed: int = 0
     choose_after_recovery: bool = False  # the suggestion: the largest plan that holds after the recovery
+    # speed (docs/performance.md): the plan's layers and model timed on ``device`` (default: the CPU)
+    measure_speed: bool = False  # time the reviewed plan's layers, their time break-even ranks, the whole model
+    latency_shape: tuple[int, ...] | None = None  # also time the layers at this batch (x positions)
+    budget_latency: float | None = None  # a share of the dense latency to remove: the plan chosen by time
+    speed_clock: Any = None  # seconds, called around each timed block (tests: a fake clock); None: the wall clock
 
     def __post_init__(self) -> None:
         try:
@@ -133,6 +138,7 @@ class AuditOptions:
             raise AuditError("measure_floor, budget and metric need calibration data",
                              "Pass calibration=FILE (on the command line --calibration FILE)")
         self._check_recovery()
+        self._check_speed()
         if self.calibration_length is not None and (isinstance(self.calibration_length, bool)
                                                     or not isinstance(self.calibration_length, int)
                                                     or self.calibration_length < 1):
@@ -166,6 +172,22 @@ class AuditOptions:
                              "Give auto, kl (output distributions) or mse (output values)")
         if isinstance(self.recover_seed, bool) or not isinstance(self.recover_seed, int):
             raise AuditError(f"recovery seed {self.recover_seed!r} is not an integer", "Give an integer seed")
+
+    def _check_speed(self) -> None:
+        """--latency-shape and --budget-latency ask for the speed measurement; each checked before any work."""
+        if self.latency_shape is not None:
+            shape = tuple(self.latency_shape)
+            if not shape or any(isinstance(d, bool) or not isinstance(d, int) or d < 1 for d in shape):
+                raise AuditError(f"latency shape {self.latency_shape!r} is not positive whole numbers",
+                                 "Give the batch (and positions), e.g. --latency-shape 64,128")
+            object.__setattr__(self, "latency_shape", shape)
+        b = self.budget_latency
+        if b is not None:
+            if isinstance(b, bool) or not isinstance(b, (int, float)) or not 0 < b < 1:
+                raise AuditError(f"latency budget {b!r} is not a fraction in (0, 1)",
+                                 "Give the share of the dense latency to remove, e.g. --budget-latency 0.2")
+        if self.latency_shape is not None or b is not None:
+            object.__setattr__(self, "measure_speed", True)
 
     def with_(self, **changes: Any) -> "AuditOptions":
         """A copy with some fields changed; unknown names raise TypeError naming the known ones."""
@@ -214,6 +236,10 @@ class OptionFields(TypedDict, total=False):
     recover_objective: str
     recover_seed: int
     choose_after_recovery: bool
+    measure_speed: bool
+    latency_shape: tuple[int, ...] | None
+    budget_latency: float | None
+    speed_clock: Any
 
 
 def compute_dtype_name(spec: Any) -> str | None:

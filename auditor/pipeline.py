@@ -388,7 +388,20 @@ def audit_session(model: Any, inputs: Any = None, *, plan: Any = None,
 
         with progress.phase("plan check"):
             result = replace(result, calibration=check_plan(calibrated, model, result))
+    if opts.measure_speed:
+        result = measure_speed(model, inputs, result, opts, progress)
     return check(result, plan_obj), calibrated.session if calibrated is not None else None
+
+
+def measure_speed(model: Any, inputs: Any, audit: Audit, options: AuditOptions,
+                  progress: "Progress | None" = None) -> Audit:
+    """The speed stage (``auditor/speed/stage.py``, only with ``measure_speed``): the reviewed plan's layers and
+    the whole model timed dense and factorized, before the rules run (LR020 reads it)."""
+    from .progress import Progress
+    from .speed.stage import measure_speed as run_speed
+
+    with (progress or Progress(enabled=False)).phase("speed"):
+        return replace(audit, speed=run_speed(model, inputs, audit, options))
 
 
 def _progress(options: AuditOptions) -> "Progress":

@@ -17,6 +17,7 @@ from .config import FailOn, Settings, StrEnum
 
 if TYPE_CHECKING:
     from .calresults import CalibrationReport
+    from .speed.report import SpeedReport
 
 __all__ = [
     "Audit", "FailOn", "Finding", "GraphNode", "Kind", "Layer", "LayerGraph", "PlanItem", "PlanOrigin",
@@ -432,6 +433,7 @@ class Audit:
     spectra_stats: dict[str, int] = field(default_factory=dict)
     trace_log: str = field(default="", repr=False, compare=False)  # torch's logging while tracing (--verbose)
     calibration: "CalibrationReport | None" = None  # measured rank floors (auditor.calresults); None without data
+    speed: "SpeedReport | None" = None  # measured latency and memory (auditor.speed); None unless asked
 
     # ---- lookups and derived numbers -------------------------------------------------------------------------
     @cached_property

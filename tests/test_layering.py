@@ -33,6 +33,8 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("pipeline", ("auditor.pipeline",)),
     ("report", ("auditor.render", "auditor.baseline", "auditor.policy")),
     ("rules", ("auditor.rules",)),
+    # --measure-speed: times the modules factorize writes (auditor/speed); its plain report and timer sit in "model"
+    ("speed", ("auditor.speed",)),
     # factorize.py applies a plan with calibration's whitened truncation, and calibration's budget and plan check
     # build factorized models to measure them: one room (no module circle), to be split when kinds/ take the
     # two-module replacements
@@ -42,7 +44,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("structure", ("auditor.structure",)),  # trace, op costs and the layer graph, the module walk, definition sites
     ("sources", ("auditor.sources",)),  # source strings -> models: factories, Hugging Face, checkpoints, tensor refs
     ("kinds", ("auditor.kinds",)),  # one module per layer kind and their registry
-    ("model", ("auditor.results", "auditor.calresults")),
+    ("model", ("auditor.results", "auditor.calresults", "auditor.speed.report", "auditor.speed.timing")),
     ("core", ("auditor.errors", "auditor.lrmath", "auditor.config", "auditor.options", "auditor.progress",
               "auditor.outputs", "auditor._env", "auditor._lapack", "auditor._version")),
 ]

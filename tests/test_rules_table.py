@@ -14,6 +14,8 @@ from torch import nn
 import auditor
 from auditor.rules import RULES
 
+from _speedclock import CostClock
+
 
 def wide() -> nn.Sequential:
     """0: 4096 x 1024 (break-even 819.2), 2: 64 x 4096, 4: 64 x 64; 4,464,768 parameters with biases."""
@@ -215,6 +217,19 @@ CASES: dict[str, Case] = {
                                                        after=pytest.approx(0.061555, abs=1e-5), tolerance=0.0625,
                                                        steps=40))]),
     "LR019-passes": Case("LR019", rank12, options=dict(calibration=rows(200), budget=0.5)),
+    # a 512x512 layer at batch 1 timed on a cost clock (tests/_speedclock.py, 1 us per MAC and 50 ms per call, so a
+    # block is one call): dense 312.1 ms, factorized at rank r 1,024 r us + 100 ms: rank 240 is 11% slower, the last
+    # rank on the grid of 8 that is faster is 200
+    "LR020-fires": Case("LR020", lambda: nn.Sequential(nn.Linear(512, 512)), torch.zeros(1, 512),
+                        plan={"ranks": {"0": 240}, **FT},
+                        options=dict(measure_speed=True, speed_clock=CostClock(1e-6, 50e-3)),
+                        expect=[(["0"], dict(rank=240, factorized_s=pytest.approx(345.76e-3),
+                                             dense_s=pytest.approx(312.144e-3), device="cpu",
+                                             threads=torch.get_num_threads(), input_shape=[1, 512], at="traced",
+                                             time_break_even=200))]),
+    "LR020-passes": Case("LR020", lambda: nn.Sequential(nn.Linear(512, 512)), torch.zeros(1, 512),
+                         plan={"ranks": {"0": 192}, **FT},
+                         options=dict(measure_speed=True, speed_clock=CostClock(1e-6, 50e-3))),
 }
 
 

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from ..policy import verdict_line
-from . import calibration
+from . import calibration, speed
 from .base import RenderContext
 from .layer_charts import short_label
 from .pages import appendix_text, group_rows, layer_pages, page_legend, plan_rows, rank_changes
@@ -141,6 +141,13 @@ def sections(pdf: bool, findings: bool) -> list[str]:
     return order
 
 
+def _with_speed(order: list[str], audit: "Audit") -> list[str]:
+    """The speed section after the calibration's, only when the speed was measured (other reports unchanged)."""
+    if audit.speed is not None:
+        order.insert(order.index("calibration") + 1, "speed")
+    return order
+
+
 def context(audit: "Audit", ctx: RenderContext = RenderContext(), pdf: bool = False) -> dict[str, Any]:
     """The template's variables. ``pdf``: the print variant (only the top groups' pages, an appendix table of every
     layer) instead of a page per group and per layer; both show the same matplotlib SVG charts."""
@@ -173,7 +180,8 @@ def context(audit: "Audit", ctx: RenderContext = RenderContext(), pdf: bool = Fa
         "finding_groups": fgroups,
         "skipped": skipped,
         "skipped_groups": sgroups[:PDF_LIST_CAP] if pdf else sgroups,
-        "sections": sections(pdf, bool(fgroups)),
+        "sections": _with_speed(sections(pdf, bool(fgroups)), audit),
+        "speed": speed.html_context(audit),
         "trace": trace_sentence(audit),
         "share": share_pct,
         "settings": settings,

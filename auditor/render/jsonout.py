@@ -60,6 +60,7 @@ def to_dict(audit: "Audit", with_sigma: bool = False) -> dict[str, Any]:
         "unsupported_ops": audit.unsupported_ops,
         "spectra_stats": audit.spectra_stats,
         **calibration.json_block(audit),
+        **({"speed": audit.speed.to_dict()} if audit.speed is not None else {}),  # only when measured
     }
 
 

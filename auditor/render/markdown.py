@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 
 from ..policy import verdict_head
 from ..results import Severity
-from . import calibration
+from . import calibration, speed
 from .base import RenderContext
 from .md_budget import COLS_OPEN, ROWS_OPEN, Room, fold_if, DEFAULT_CAP, OPEN_LIMIT, Section, fit_markdown, measure, percent
 from .pages import group_rows, plan_rows, rank_changes
@@ -66,6 +66,9 @@ def _summary(audit: "Audit", context: RenderContext) -> list[str]:
     c = audit.counts
     out = [f"## Low-rank audit: {name(audit.model_name)}", "", f"**{md_text(verdict_head(audit))}**", ""]
     out += _plan_card(audit)
+    line = speed.summary_line(audit)  # only when the speed was measured (--measure-speed)
+    if line is not None:
+        out.append(f"- **Speed**: {md_text(line)}")
     out.append(f"- **Findings**: {c.error} error(s), {c.warning} warning(s), {c.info} info")
     macs = audit.total_macs
     out.append(f"- Model: {audit.total_params:,} parameters, {audit.factorizable_params:,} factorizable in "
@@ -203,7 +206,8 @@ def render(audit: "Audit", context: RenderContext = RenderContext(), cap: int = 
             f"{md_text(str(audit.environment.get('torch')))} · MACs {human(audit.total_macs)}</sub>")
     room = Room(OPEN_LIMIT - RESERVE - len(summary.encode("utf-8")) - len(tail.encode("utf-8")))
     sections = _findings(audit, room)
-    for s in (_plan(audit, room), *calibration.markdown(audit, room), _baseline(audit, context, room),
+    for s in (_plan(audit, room), *calibration.markdown(audit, room), *speed.markdown(audit, room),
+              _baseline(audit, context, room),
               _layers(audit, room)):
         if s is not None:
             sections.append(s)

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable
 
 from ..policy import verdict_line
-from . import calibration
+from . import calibration, speed
 from .base import RenderContext
 from .pages import GroupRow, group_rows, plan_rows, rank_changes
 from .safe import middle, term
@@ -274,6 +274,9 @@ def render(audit: "Audit", context: RenderContext = RenderContext(), top: int = 
         cal_rows = calibration.rows(audit.calibration) if audit.calibration.layers else []
         if cal_rows:
             out += fit(_cal_columns(), cal_rows, width, CAL_STEPS, name_floor=12).lines(cal_rows)
+    if audit.speed is not None:  # only when the speed was measured (--measure-speed)
+        out.append("")
+        out += speed.terminal(audit)
     if audit.findings:
         out.append("")
         for f in audit.findings:

@@ -1,0 +1,337 @@
+"""Whole-model latency and peak memory, dense and factorized, each in a fresh Python process
+(``python -m auditor.speed.model``), so that one model's allocations cannot inflate the other's peak. The worker
+reloads the model from its source string, applies the plan with ``factorize`` (structure only: factor values do not
+change the time), resets the peak RSS (``/proc/self/clear_refs``), runs the forwards and prints one JSON line.
+An audited Python object has no source to reload: it is measured in this process, and the report says so.
+
+Memory: on the CPU the peak resident set while the forwards ran (the weights plus the activations); on CUDA
+``torch.cuda.max_memory_allocated``.
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import os
+import resource
+import subprocess
+import sys
+from dataclasses import asdict
+from typing import Any
+
+import torch
+from torch import nn
+
+from .report import ModelRun
+from .timing import Clock, measure
+
+TIMEOUT_S = 600.0  # one subprocess at most this long (the audit goes on without the whole-model numbers)
+
+
+def _trim() -> None:
+    """Hand the memory the allocator kept after the dense model was freed back to the system (glibc), so that the
+    factorized model's peak RSS is its own."""
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
+
+
+def _rss_reset() -> bool:
+    """Reset the process's peak RSS to its current RSS (Linux 4.0+); False where that cannot be done."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False
+
+
+def _rss_peak() -> int:
+    try:
+        with open("/proc/self/status", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def lead_shape(args: tuple, kwargs: dict, lead: tuple[int, ...] | None) -> tuple[tuple, dict]:
+    """The inputs at another batch/sequence: each tensor's leading dims become ``lead`` (integer ids stay within
+    the values seen)."""
+    if lead is None:
+        return args, kwargs
+
+    def one(x: Any) -> Any:
+        if not isinstance(x, torch.Tensor) or x.dim() < len(lead):
+            return x
+        shape = (*lead, *x.shape[len(lead):])
+        if x.is_floating_point():
+            return torch.randn(shape, dtype=x.dtype)
+        if x.dtype == torch.bool:
+            return torch.ones(shape, dtype=x.dtype)
+        hi = int(x.max().item()) + 1 if x.numel() else 1
+        lo = int(x.min().item()) if x.numel() else 0
+        return torch.randint(lo, max(hi, lo + 1), shape, dtype=x.dtype)
+
+    return tuple(one(a) for a in args), {k: one(v) for k, v in kwargs.items()}
+
+
+def run_model(model: nn.Module, args: tuple, kwargs: dict, device: str = "cpu", clock: Clock | None = None,
+              min_time: float = 0.5) -> ModelRun:
+    """Time ``model(*args, **kwargs)`` (eval, inference mode) and its peak memory, in this process."""
+    from ..structure.layers import ParamTable
+
+    params = ParamTable.of(model).total
+    model = model.to(device).eval()
+    args = tuple(a.to(device) if isinstance(a, torch.Tensor) else a for a in args)
+    kwargs = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in kwargs.items()}
+    gc.collect()
+    cuda = device.startswith("cuda")
+    if cuda:
+        torch.cuda.reset_peak_memory_stats(device)
+        memory = "cuda-max-allocated"
+    else:
+        memory = "rss" if _rss_reset() else "rss-process-peak"
+    with torch.inference_mode():
+        t = measure(lambda: model(*args, **kwargs), device=device, clock=clock, min_time=min_time)
+    peak = torch.cuda.max_memory_allocated(device) if cuda else _rss_peak()
+    return ModelRun(t, int(peak), memory, params)
+
+
+def _build(spec: dict[str, Any]) -> tuple[nn.Module, tuple, dict]:
+    """In the fresh process: load the model from its source, factorize it when a plan is given (the dense model
+    dropped and the allocator trimmed before anything is measured)."""
+    from ..options import LoadOptions
+    from ..sources import load_source
+    from ..structure.trace import ExampleInputs
+
+    load = dict(spec["load"])
+    for k in ("input_shape", "input_ids"):
+        if load.get(k) is not None:
+            load[k] = tuple(tuple(s) for s in load[k]) if k == "input_shape" else tuple(load[k])
+    o = LoadOptions(**load)  # read as pipeline.load_model reads it
+    loaded = load_source(spec["source"], input_shape=[tuple(s) for s in o.input_shape] if o.input_shape else None,
+                         input_ids=o.input_ids, weights=o.weights, structure_only=o.structure_only,
+                         partial=o.partial, auto_inputs=o.auto_inputs)
+    model = loaded.model
+    ex = ExampleInputs.of(loaded.example_inputs) or ExampleInputs()
+    args, kwargs = lead_shape(ex.args, ex.kwargs, tuple(spec["lead"]) if spec.get("lead") else None)
+    del loaded  # the dense model lives on only as ``model`` (dropped below when a plan is applied)
+    if spec.get("program"):  # an exported program, run on the source's example inputs
+        del model
+        gc.collect()
+        _trim()
+        return _program(spec["program"], spec["format"]), args, kwargs
+    if spec.get("plan"):
+        from ..factorize import factorize
+
+        dense = model
+        model = factorize(dense, spec["plan"], init=False)
+        del dense
+    gc.collect()
+    _trim()
+    return model, args, kwargs
+
+
+class _OnnxModel:
+    """An ONNX file in onnxruntime (CPU), called like the module it was exported from."""
+
+    def __init__(self, path: str) -> None:
+        import onnxruntime as ort
+
+        self.sess = ort.InferenceSession(path, providers=["CPUExecutionProvider"])
+        self.names = [i.name for i in self.sess.get_inputs()]
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        values = [v for v in list(args) + list(kwargs.values()) if isinstance(v, torch.Tensor)]
+        return self.sess.run(None, {n: v.numpy() for n, v in zip(self.names, values)})
+
+    def to(self, device: str) -> "_OnnxModel":
+        return self
+
+    def eval(self) -> "_OnnxModel":
+        return self
+
+
+def _program(path: str, fmt: str) -> Any:
+    if fmt == "onnx":
+        return _OnnxModel(path)
+    return torch.export.load(path).module()
+
+
+def _serve(spec: dict[str, Any], reply: Any) -> None:
+    """The worker: build, reset the peak memory, warm up and size a block (at least MIN_BLOCK_S), say ``ready``;
+    then time one block per ``b`` line read, and on ``q`` report the peak memory."""
+    from ..structure.layers import ParamTable
+    from .timing import MIN_BLOCK_S
+
+    torch.set_num_threads(int(spec["threads"]))
+    device = spec["device"]
+    model, args, kwargs = _build(spec)
+    params = ParamTable.of(model).total if isinstance(model, nn.Module) else 0
+    if isinstance(model, nn.Module) and not spec.get("program"):  # an exported program stays as loaded (CPU)
+        model = model.to(device).eval()
+    args = tuple(a.to(device) if isinstance(a, torch.Tensor) else a for a in args)
+    kwargs = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in kwargs.items()}
+    cuda = device.startswith("cuda")
+    gc.collect()
+    if cuda:
+        torch.cuda.reset_peak_memory_stats(device)
+        memory = "cuda-max-allocated"
+    else:
+        memory = "rss" if _rss_reset() else "rss-process-peak"
+    timer = _block_timer(device)
+
+    def say(d: dict[str, Any]) -> None:
+        reply.write(json.dumps(d) + "\n")
+        reply.flush()
+
+    with torch.inference_mode():
+        def fn() -> None:
+            model(*args, **kwargs)
+
+        for _ in range(2):
+            fn()
+        calls = 1
+        while timer(fn, calls) < MIN_BLOCK_S and calls < 1 << 20:
+            calls *= 2
+        say({"ready": True, "calls": calls, "params": params})
+        for line in sys.stdin:
+            if line.strip() == "b":
+                say({"t": timer(fn, calls) / calls})
+            else:
+                break
+    peak = torch.cuda.max_memory_allocated(device) if cuda else _rss_peak()
+    say({"peak_bytes": int(peak), "memory": memory})
+
+
+def _block_timer(device: str) -> Any:
+    """seconds for ``calls`` calls of ``fn``: CUDA events on a GPU, else the wall clock."""
+    import time
+
+    if device.startswith("cuda"):
+        def cuda_block(fn: Any, calls: int) -> float:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            for _ in range(calls):
+                fn()
+            end.record()
+            torch.cuda.synchronize(device)
+            return start.elapsed_time(end) / 1e3
+        return cuda_block
+
+    def cpu_block(fn: Any, calls: int) -> float:
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        return time.perf_counter() - t0
+    return cpu_block
+
+
+class _Worker:
+    """One fresh process serving blocks (``_serve``) over its stdin/stdout; any failure or the deadline is a
+    RuntimeError with one line."""
+
+    def __init__(self, spec: dict[str, Any], deadline: float) -> None:
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join([os.path.dirname(os.path.dirname(os.path.dirname(
+            os.path.abspath(__file__)))), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep)}
+        self.deadline = deadline
+        import tempfile
+
+        self.err = tempfile.TemporaryFile(mode="w+")  # noqa: SIM115 - closed in kill(); a pipe could fill up
+        self.p = subprocess.Popen([sys.executable, "-m", "auditor.speed.model"], stdin=subprocess.PIPE,
+                                  stdout=subprocess.PIPE, stderr=self.err, text=True, env=env, bufsize=1)
+        assert self.p.stdin is not None
+        self.p.stdin.write(json.dumps(spec) + "\n")
+        self.p.stdin.flush()
+
+    def read(self) -> dict[str, Any]:
+        import select
+        import time
+
+        assert self.p.stdout is not None
+        while True:
+            left = self.deadline - time.monotonic()
+            if left <= 0:
+                self.kill()
+                raise RuntimeError("the whole-model timing did not finish in time")
+            ready, _, _ = select.select([self.p.stdout], [], [], left)
+            if not ready:
+                continue
+            line = self.p.stdout.readline()
+            if not line:
+                self.p.wait(timeout=5)
+                self.err.seek(0)
+                err = [l for l in self.err.read().splitlines() if l.strip()]
+                raise RuntimeError(f"the whole-model timing failed: {err[-1] if err else f'exit {self.p.returncode}'}")
+            if line.startswith("{"):
+                return json.loads(line)
+
+    def ask(self, what: str) -> dict[str, Any]:
+        assert self.p.stdin is not None
+        self.p.stdin.write(what + "\n")
+        self.p.stdin.flush()
+        return self.read()
+
+    def kill(self) -> None:
+        if self.p.poll() is None:
+            self.p.kill()
+            self.p.wait()
+        self.err.close()
+
+
+def measure_subprocesses(source: str, load: Any, plans: list[dict[str, int]], device: str, threads: int,
+                         lead: tuple[int, ...] | None = None, timeout: float = TIMEOUT_S, min_time: float = 0.5,
+                         min_blocks: int = 5, max_blocks: int = 200,
+                         programs: list[tuple[str, str]] = ()) -> list[ModelRun]:
+    """The model from ``source`` under each plan (``{}``: dense), each in its own fresh process, built one after
+    the other (so that their peak memories are their own), then timed in interleaved blocks (a, b, a, b, ...) so
+    that a change of the machine's load falls on all alike. A failure or the timeout is a RuntimeError."""
+    import time
+
+    from .timing import Timing
+
+    deadline = time.monotonic() + timeout
+    workers: list[_Worker] = []
+    try:
+        ready = []
+        base = {"source": source, "load": asdict(load), "device": device, "threads": threads,
+                "lead": list(lead) if lead else None}
+        specs = [{**base, "plan": plan} for plan in plans]
+        specs += [{**base, "program": str(path), "format": fmt, "device": "cpu"} for path, fmt in programs]
+        for spec in specs:
+            w = _Worker(spec, deadline)
+            workers.append(w)
+            ready.append(w.read())
+        per: list[list[float]] = [[] for _ in specs]
+        while any(len(p) < max_blocks and (len(p) < min_blocks or sum(p) * r["calls"] < min_time)
+                  for p, r in zip(per, ready)):
+            for i, w in enumerate(workers):
+                if len(per[i]) < max_blocks:
+                    per[i].append(float(w.ask("b")["t"]))
+        out = []
+        for i, w in enumerate(workers):
+            end = w.ask("q")
+            out.append(ModelRun(Timing.of(per[i], int(ready[i]["calls"])), end.get("peak_bytes"),
+                                str(end.get("memory", "")), int(ready[i]["params"])))
+        return out
+    finally:
+        for w in workers:
+            w.kill()
+
+
+def main() -> int:
+    spec = json.loads(sys.stdin.readline())
+    reply = os.fdopen(os.dup(1), "w")
+    sys.stdout = sys.stderr  # what the model's code prints cannot mix with the replies
+    _serve(spec, reply)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
