@@ -1,6 +1,7 @@
 """The command line: ``lowrank-audit MODEL [options]``, ``lowrank-audit rules [CODE]`` and ``lowrank-audit check-plan``.
 
-Exit codes: 0 clean, 1 findings at or above --fail-on, 2 bad input (one line on stderr, no report written), 3 an
+Exit codes: 0 clean (the verdict PASS, or UNMEASURED: nothing measured the plan, or REVIEW / FAIL below --fail-on),
+1 findings at or above --fail-on (``--fail-on unmeasured``: anything but PASS), 2 bad input (one line on stderr, no report written), 3 an
 internal error (a bug: one line, the traceback with --verbose), 130 interrupted.
 """
 
@@ -33,7 +34,8 @@ def _parser() -> argparse.ArgumentParser:
                ".safetensors file or sharded directory (weights only), torchvision:NAME, timm:NAME. "
                "`lowrank-audit rules` lists the rules; `lowrank-audit factorize --help` applies a plan; "
                "`lowrank-audit check-plan PLAN... [--model SOURCE]` checks plan files (the pre-commit hook). "
-               "Exit codes: 0 clean, 1 findings at or above --fail-on, 2 bad input (one line, nothing written), "
+               "Exit codes: 0 clean (the verdict PASS, or UNMEASURED: nothing measured the plan, or REVIEW / FAIL below --fail-on),
+1 findings at or above --fail-on (``--fail-on unmeasured``: anything but PASS), 2 bad input (one line, nothing written), "
                "3 internal error (a bug; --verbose shows the traceback), 130 interrupted.",
     )
     p.add_argument("model", help="the model source")
@@ -62,7 +64,8 @@ def _parser() -> argparse.ArgumentParser:
                    help="write reports here as lowrank-audit.{txt,json,md,html,pdf,sarif}; without it json/md/sarif "
                         "go to stdout; the table (unless -q) and github annotations always go to stdout")
     g.add_argument("--baseline", metavar="OLD.json", help="report what changed since an earlier JSON audit")
-    g.add_argument("--fail-on", choices=[f.value for f in FailOn], help="exit 1 on findings at this level")
+    g.add_argument("--fail-on", choices=[f.value for f in FailOn], help="exit 1 on findings at this level (default error; unmeasured: also when the verdict is "
+                        "REVIEW or UNMEASURED, anything but PASS)")
     g.add_argument("-q", "--quiet", action="store_true", help="no terminal table")
     g = p.add_argument_group("thresholds (override pyproject.toml and the plan)")
     g.add_argument("--energy", metavar="0.9,0.95,0.99", help="energy targets to report ranks for")

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from ..policy import verdict_line
+from ..policy import status, verdict_line
 from . import calibration
 from .base import RenderContext
 from .layer_charts import short_label
@@ -168,7 +168,7 @@ def context(audit: "Audit", ctx: RenderContext = RenderContext(), pdf: bool = Fa
         "plan_rows": plans[:PDF_LIST_CAP] if pdf else plans,
         "rank_changes": rank_changes(audit, ctx.baseline_report),
         "counts": counts,
-        "status": "fail" if counts.error else ("review" if counts.warning else "pass"),
+        "status": str(status(audit)),
         "findings": audit.findings,
         "finding_groups": fgroups,
         "skipped": skipped,

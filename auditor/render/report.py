@@ -97,7 +97,7 @@ def to_pdf(audit: "Audit", path: str | Path, baseline: "BaselineSource | None" =
 
 
 def to_pandas(audit: "Audit") -> "pandas.DataFrame":
-    """One row per layer (the layer table's columns, rank columns named after the energy targets); the rank
+    """One row per layer indexed by its name (the layer table's columns, rank columns named after the energy targets); the rank
     columns, ``suggested``, ``planned`` and ``macs`` are nullable integers (``Int64``)."""
     try:
         import pandas as pd
@@ -110,6 +110,7 @@ def to_pandas(audit: "Audit") -> "pandas.DataFrame":
     df = pd.DataFrame([row.record(labels) for row in table.rows], columns=[*LAYER_ROW_FIELDS, *labels])
     for col in [*labels, "suggested", "planned", "macs"]:
         df[col] = df[col].astype("Int64")
+    df.index = pd.Index(df["name"], name="layer")  # df.loc["fc1"]; the name column stays
     return df
 
 

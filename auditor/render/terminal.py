@@ -21,7 +21,7 @@ from . import calibration
 from .base import RenderContext
 from .pages import GroupRow, group_rows, plan_rows, rank_changes
 from .safe import middle, term
-from .view import fmt_num, human, layer_table, spectra_computed, trace_sentence
+from .view import factorized_count, fmt_num, human, layer_table, spectra_computed, trace_sentence
 
 if TYPE_CHECKING:
     from ..results import Audit
@@ -179,16 +179,17 @@ def _cut_name(text: str, width: int) -> str:
 def _cal_columns() -> list[Column]:
     return [
         Column("layer", "layer", "<", lambda i, r: term(r.layer), name=True),
+        Column("plan", "plan rank", ">", lambda i, r: r.plan),
         Column("rows", "rows", ">", lambda i, r: f"{r.rows:,}", short=("rows", lambda i, r: human(r.rows))),
         Column("r1", "r@1%", ">", lambda i, r: _opt(r.r1)),
         Column("r5", "r@5%", ">", lambda i, r: _opt(r.r5)),
-        Column("data", "data", ">", lambda i, r: "dense" if r.suggested == "keep dense" else r.suggested),
-        Column("floor", "floor", ">", lambda i, r: "dense" if r.floor.startswith("keep") else r.floor),
+        Column("data", "tier-1 (evidence)", ">", lambda i, r: r.suggested, short=("tier-1", lambda i, r: r.suggested)),
+        Column("floor", "floor (evidence)", ">", lambda i, r: r.floor, short=("floor", lambda i, r: r.floor)),
         Column("cliff", "cliff", ">", lambda i, r: r.cliff),
     ]
 
 
-CAL_STEPS = [("short", "rows"), ("drop", "cliff"), ("drop", "r1"), ("drop", "rows"), ("drop", "r5")]
+CAL_STEPS = [("short", "rows"), ("short", "data"), ("short", "floor"), ("drop", "cliff"), ("drop", "r1"), ("drop", "rows"), ("drop", "r5")]
 
 
 def _opt(v: Any) -> str:
@@ -209,6 +210,28 @@ def _legend(fitted: Fitted, rows: list[Any], width: int) -> list[str]:
                      f"{', '.join(titles.get(k, k) for k in fitted.dropped)} (widen the terminal, or see "
                      "--format json/html)")
     return ["; ".join(p for p in parts if p)] if any(parts) else []
+
+
+def _index_key(name: str) -> list[Any]:
+    return [int(t) if t.isdigit() else t for t in re.split(r"(\d+)", name)]
+
+
+def plan_rank_lines(audit: "Audit", groups: list[GroupRow]) -> list[str]:
+    """The plan's rank of every layer, one line per block group, members in index order: "ranks:
+    layers.*.fc ×4: 40, 72, 88, 104", "head: 48"; a group of one rank "layers.*.up ×4: 8"; "dense" where the plan
+    leaves a member dense. Groups the plan does not touch are left out."""
+    from .calibration import plan_ranks
+
+    ranks = plan_ranks(audit)
+    parts = []
+    for g in groups:
+        names = sorted((r.name for r in g.members), key=_index_key)
+        if not any(n in ranks for n in names):
+            continue
+        vals = [f"{ranks[n]:,}" if n in ranks else "dense" for n in names]
+        shown = vals[0] if len(set(vals)) == 1 else ", ".join(vals)
+        parts.append(f"{term(g.label)}{f' ×{g.size}' if g.is_group else ''}: {shown}")
+    return ["ranks: " + "; ".join(parts)] if parts else []
 
 
 def render(audit: "Audit", context: RenderContext = RenderContext(), top: int = 40) -> str:
@@ -256,9 +279,13 @@ def render(audit: "Audit", context: RenderContext = RenderContext(), top: int = 
         say("spectra were not computed: no rank is suggested (drop --no-spectra, or load real weights)")
     elif rv is not None and rv.items:
         what = "suggested plan" if rv.suggested else f"plan {term(rv.source)}"
-        say(f"{what}: {len(rv.items)} layers, {rv.params_before:,} -> {rv.params_after:,} params; model "
+        n = factorized_count(audit)
+        count = f"{n} layers" if n == len(rv.items) else f"{n} of {len(rv.items)} planned layers factorized"
+        say(f"{what}: {count}, {rv.params_before:,} -> {rv.params_after:,} params; model "
             f"{audit.total_params:,} -> {rv.model_params_after:,} ({100 * rv.share_saved:.1f}% saved)"
             + (f"; MACs {rv.macs_before:,} -> {rv.macs_after:,}" if rv.macs_before is not None else ""), "  ")
+        for line in plan_rank_lines(audit, groups):
+            say(line, "      ")
         for p in plan_rows(audit):
             if p.flag:
                 say(f"  ! {term(p.layer)} r={p.rank:,}: {p.params_before:,} -> {p.params_after:,} "
@@ -271,7 +298,8 @@ def render(audit: "Audit", context: RenderContext = RenderContext(), top: int = 
         out.append("")
         for line in calibration.terminal(audit):
             say(line, "  ")
-        cal_rows = calibration.rows(audit.calibration) if audit.calibration.layers else []
+        cal_rows = (calibration.rows(audit.calibration, plan=calibration.plan_ranks(audit))
+                    if audit.calibration.layers else [])
         if cal_rows:
             out += fit(_cal_columns(), cal_rows, width, CAL_STEPS, name_floor=12).lines(cal_rows)
     if audit.findings:
