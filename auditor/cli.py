@@ -1,8 +1,8 @@
 """The command line: ``lowrank-audit MODEL [options]``, ``lowrank-audit rules [CODE]`` and ``lowrank-audit check-plan``.
 
 Exit codes: 0 clean (the verdict PASS, or UNMEASURED: nothing measured the plan, or REVIEW / FAIL below --fail-on),
-1 findings at or above --fail-on (``--fail-on unmeasured``: anything but PASS), 2 bad input (one line on stderr, no report written), 3 an
-internal error (a bug: one line, the traceback with --verbose), 130 interrupted.
+1 findings at or above --fail-on (``--fail-on unmeasured``: anything but PASS), 2 bad input (one line on stderr, no
+report written), 3 an internal error (a bug: one line, the traceback with --verbose), 130 interrupted.
 """
 
 from __future__ import annotations
@@ -34,8 +34,10 @@ def _parser() -> argparse.ArgumentParser:
                ".safetensors file or sharded directory (weights only), torchvision:NAME, timm:NAME. "
                "`lowrank-audit rules` lists the rules; `lowrank-audit factorize --help` applies a plan; "
                "`lowrank-audit check-plan PLAN... [--model SOURCE]` checks plan files (the pre-commit hook). "
-               "Exit codes: 0 clean (the verdict PASS, or UNMEASURED: nothing measured the plan, or REVIEW / FAIL below --fail-on),
-1 findings at or above --fail-on (``--fail-on unmeasured``: anything but PASS), 2 bad input (one line, nothing written), "
+               "Verdicts: PASS (nothing found, the plan measured with --calibration), UNMEASURED (nothing found, "
+               "but no calibration data measured the ranks: energy-based estimates), REVIEW (warnings), FAIL "
+               "(errors). Exit codes: 0 clean, 1 findings at or above --fail-on (unmeasured: anything but PASS), "
+               "2 bad input (one line, nothing written), "
                "3 internal error (a bug; --verbose shows the traceback), 130 interrupted.",
     )
     p.add_argument("model", help="the model source")
@@ -67,6 +69,9 @@ def _parser() -> argparse.ArgumentParser:
     g.add_argument("--fail-on", choices=[f.value for f in FailOn], help="exit 1 on findings at this level (default error; unmeasured: also when the verdict is "
                         "REVIEW or UNMEASURED, anything but PASS)")
     g.add_argument("-q", "--quiet", action="store_true", help="no terminal table")
+    g.add_argument("--width", type=int, metavar="N",
+                   help="the text table's line length (at least 60; 0: wide). Default: the terminal's width on a "
+                        "terminal ($COLUMNS when set); wide (every column kept) in the .txt report and off a terminal")
     g = p.add_argument_group("thresholds (override pyproject.toml and the plan)")
     g.add_argument("--energy", metavar="0.9,0.95,0.99", help="energy targets to report ranks for")
     g.add_argument("--target-energy", type=float, help="energy the suggested rank keeps (default 0.95)")
@@ -397,11 +402,20 @@ def _recovery_options(args: argparse.Namespace) -> dict:
             "choose_after_recovery": bool(args.choose_after_recovery)}
 
 
-def _terminal_width() -> int:
-    """The table's width: $COLUMNS when set, else the terminal's width, else 100 (a pipe or a CI log)."""
+def _terminal_width(asked: int | None = None) -> int:
+    """The on-screen table's width: --width when given, else $COLUMNS when set, else the terminal's width when
+    stdout is a terminal, else 0: wide (a pipe or a CI log keeps every column and every name whole)."""
     import shutil
 
-    return shutil.get_terminal_size((100, 24)).columns
+    if asked is not None:
+        return asked
+    if os.environ.get("COLUMNS", "").strip().isdigit():
+        return int(os.environ["COLUMNS"])
+    try:
+        tty = sys.stdout.isatty()
+    except (AttributeError, ValueError):
+        tty = False
+    return shutil.get_terminal_size((100, 24)).columns if tty else 0
 
 
 def _destinations(args: argparse.Namespace, formats: list[str]) -> dict[str, Path]:
@@ -453,6 +467,8 @@ def run(args: argparse.Namespace, written: list[Path] | None = None) -> int:
     if not args.output_dir and sum(f in STDOUT_FORMATS for f in dict.fromkeys(formats)) > 1:
         both = " and ".join(f for f in dict.fromkeys(formats) if f in STDOUT_FORMATS)
         raise AuditError(f"{both} cannot all go to stdout", "Pass -o DIR to write them as files")
+    if getattr(args, "width", None) is not None and args.width < 0:
+        raise AuditError(f"--width {args.width} is negative", "Pass 0 for a wide table, or a line length of 60 or more")
     options, load_options = options_from(args)
     dest = _destinations(args, formats)
     base = baseline_mod.load(args.baseline) if args.baseline else None
@@ -464,8 +480,11 @@ def run(args: argparse.Namespace, written: list[Path] | None = None) -> int:
         raise AuditError(f"{f.code} {f.message}", f.fix)
 
     # Render everything first; then write all files or none, and stdout last (a failure there undoes the files).
+    from dataclasses import replace
+
+    width = getattr(args, "width", None)
     context = RenderContext(baseline=baseline_mod.compare(result, base) if base is not None else None,
-                            width=_terminal_width(), baseline_report=base)
+                            width=_terminal_width(width), baseline_report=base)
     ordered = sorted(dict.fromkeys(formats), key=lambda f: f != "text")  # the table first, as before
     from .pipeline import render_reports
     from .progress import Progress
@@ -474,6 +493,8 @@ def run(args: argparse.Namespace, written: list[Path] | None = None) -> int:
                              Progress(enabled=options.progress))
     files = OutputSet(written=written if written is not None else [])
     for fmt, content in outputs.items():
+        if fmt == "text" and fmt in dest and context.width != (width or 0):  # the .txt report: wide unless --width
+            content = REPORTERS["text"].render(result, replace(context, width=width or 0))
         if fmt in dest:
             files.add(dest[fmt], content)
     if "plan" in dest:

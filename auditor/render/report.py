@@ -74,7 +74,8 @@ def to_markdown(audit: "Audit", baseline: "BaselineSource | None" = None) -> str
 
 
 def to_text(audit: "Audit", width: int = 120, baseline: "BaselineSource | None" = None) -> str:
-    """The terminal table, no line longer than ``width`` (at least 60) characters."""
+    """The terminal table, no line longer than ``width`` (at least 60) characters; ``width=0``: every column kept
+    (the .txt report's form)."""
     return REPORTERS["text"].render(audit, replace(context(audit, baseline), width=width))  # type: ignore[return-value]
 
 

@@ -169,27 +169,53 @@ def layer_steps(labels: list[str], target: str) -> list[tuple[str, str]]:
             + [("drop", "sugg."), ("drop", "share"), ("drop", "params")])
 
 
+def dotted(name: str, width: int) -> str:
+    """``name`` in ``width`` characters, whole path components dropped from the middle, never a word cut: the first
+    component and the last ones kept where they fit (``encoder.….relative_attention_bias``), else the last ones
+    (``….0.mlp.down_proj``); only a last component longer than the width is cut (in its middle).
+
+    >>> dotted("model.layers.0.mlp.down_proj", 20), dotted("encoder.block.0.layer.0.SelfAttention.relative_attention_bias", 40)
+    ('….0.mlp.down_proj', 'encoder.….relative_attention_bias')
+    """
+    if len(name) <= width:
+        return name
+    parts = name.split(".")
+
+    def most(head: str) -> tuple[int, str]:  # the most tail components that fit after head
+        for k in range(len(parts) - 1 - bool(head), 0, -1):
+            cand = f"{head}….{'.'.join(parts[-k:])}"
+            if len(cand) <= width:
+                return k, cand
+        return 0, ""
+
+    k_first, with_first = most(parts[0] + ".")
+    k_tail, tail_only = most("")
+    if k_first and k_first >= k_tail - 1:  # the first component (encoder, decoder) at the cost of one more
+        return with_first
+    return tail_only or middle(name, width)
+
+
 def _cut_name(text: str, width: int) -> str:
-    """A name cut in the middle, its " ×N" and " *" marks kept whole."""
+    """A name shortened at its dots (:func:`dotted`), its " ×N" and " *" marks kept whole."""
     m = re.match(r"(.*?)((?: ×\d+)?(?: \*)?)$", text, re.S)
     label, marks = (m.group(1), m.group(2)) if m else (text, "")
-    return middle(label, max(4, width - len(marks))) + marks
+    return dotted(label, max(4, width - len(marks))) + marks
 
 
 def _cal_columns() -> list[Column]:
     return [
         Column("layer", "layer", "<", lambda i, r: term(r.layer), name=True),
-        Column("plan", "plan rank", ">", lambda i, r: r.plan),
+        Column("plan", "plan", ">", lambda i, r: r.plan),
         Column("rows", "rows", ">", lambda i, r: f"{r.rows:,}", short=("rows", lambda i, r: human(r.rows))),
         Column("r1", "r@1%", ">", lambda i, r: _opt(r.r1)),
         Column("r5", "r@5%", ">", lambda i, r: _opt(r.r5)),
-        Column("data", "tier-1 (evidence)", ">", lambda i, r: r.suggested, short=("tier-1", lambda i, r: r.suggested)),
-        Column("floor", "floor (evidence)", ">", lambda i, r: r.floor, short=("floor", lambda i, r: r.floor)),
+        Column("data", "tier-1", ">", lambda i, r: r.suggested),
+        Column("floor", "floor", ">", lambda i, r: r.floor),
         Column("cliff", "cliff", ">", lambda i, r: r.cliff),
     ]
 
 
-CAL_STEPS = [("short", "rows"), ("short", "data"), ("short", "floor"), ("drop", "cliff"), ("drop", "r1"), ("drop", "rows"), ("drop", "r5")]
+CAL_STEPS = [("short", "rows"), ("drop", "cliff"), ("drop", "r1"), ("drop", "rows"), ("drop", "r5")]
 
 
 def _opt(v: Any) -> str:
@@ -234,8 +260,15 @@ def plan_rank_lines(audit: "Audit", groups: list[GroupRow]) -> list[str]:
     return ["ranks: " + "; ".join(parts)] if parts else []
 
 
+WIDE_PROSE = 100  # a wide table's (width 0) prose still wraps here
+
+
 def render(audit: "Audit", context: RenderContext = RenderContext(), top: int = 40) -> str:
-    width = max(MIN_WIDTH, context.width)
+    """The table at ``context.width`` columns; width 0 is wide (the .txt report, a CI log, a pipe): every column
+    kept and every name whole, whatever the line's length, the prose wrapped at :data:`WIDE_PROSE`."""
+    wide = context.width <= 0
+    width = WIDE_PROSE if wide else max(MIN_WIDTH, context.width)
+    table_width = 1 << 20 if wide else width
     out: list[str] = []
 
     def say(text: str, indent: str = "") -> None:
@@ -258,7 +291,7 @@ def render(audit: "Audit", context: RenderContext = RenderContext(), top: int = 
     rows = groups[:top]
     labels = [c.label for c in table.columns]
     target = next((c.label for c in table.columns if abs(c.target - audit.settings.target_energy) < 1e-12), "")
-    fitted = fit(_columns(labels, table.planned), rows, width, layer_steps(labels, target))
+    fitted = fit(_columns(labels, table.planned), rows, table_width, layer_steps(labels, target))
     out += fitted.lines(rows)
     if len(groups) > top:
         say(f"... {len(groups) - top} more groups (see --format json/html)")
@@ -301,7 +334,10 @@ def render(audit: "Audit", context: RenderContext = RenderContext(), top: int = 
         cal_rows = (calibration.rows(audit.calibration, plan=calibration.plan_ranks(audit))
                     if audit.calibration.layers else [])
         if cal_rows:
-            out += fit(_cal_columns(), cal_rows, width, CAL_STEPS, name_floor=12).lines(cal_rows)
+            say("Per layer: plan = the plan's rank (measured all at once, \"dense\": the plan keeps the layer); "
+                "evidence, not the plan: r@1%, r@5%, tier-1 = the tier-1 ranks for 1%, 5% and the tolerance, floor = "
+                "the measured floor (tier 2); > b-e: only a rank past break-even meets it alone", "  ")
+            out += fit(_cal_columns(), cal_rows, table_width, CAL_STEPS, name_floor=12).lines(cal_rows)
     if audit.findings:
         out.append("")
         for f in audit.findings:

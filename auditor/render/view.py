@@ -91,13 +91,14 @@ def plan_outcome(verdict: Any) -> str:
 
     >>> from auditor.results import PlanVerdict
     >>> [plan_outcome(v) for v in PlanVerdict] + [plan_outcome(None)]
-    ['factorize', 'factorize (narrow)', 'kept dense (rank above min(m, n))', 'kept dense (no saving)', 'dense (not in plan)']
+    ['factorize', 'factorize (narrow)', 'kept dense', 'kept dense', 'not planned']
+
+    "kept dense": the plan names the layer at a rank that saves nothing (the plan's flag says why).
     """
     from ..results import PlanVerdict
 
     return {PlanVerdict.FACTORIZE: "factorize", PlanVerdict.NARROW: "factorize (narrow)",
-            PlanVerdict.ABOVE_MAX_RANK: "kept dense (rank above min(m, n))",
-            PlanVerdict.NO_SAVING: "kept dense (no saving)"}.get(verdict, "dense (not in plan)")
+            PlanVerdict.ABOVE_MAX_RANK: "kept dense", PlanVerdict.NO_SAVING: "kept dense"}.get(verdict, "not planned")
 
 
 def factorized_count(audit: "Audit") -> int:
