@@ -153,10 +153,13 @@ def _common_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--version", action="version", version=f"lowrank-audit {__version__}")
     p.add_argument("-v", "--verbose", action="store_true",
                    help="print what torch logged while tracing (FX dumps, warnings) on stderr")
-    p.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,
+    p.add_argument("--progress", nargs="?", const="always", choices=["never", "auto", "always"], default=None,
+                   metavar="never|auto|always",
                    help="progress of each phase (load, trace, spectra, calibration: statistics, tiers 1-3, plan check; "
-                        "render) on stderr "
-                        "(default: only when stderr is a terminal); never on stdout")
+                        "render) on stderr, never on stdout. auto (the default): a bar on a terminal, else (CI, a log, "
+                        "a notebook) one plain line per calibration phase with its counts, elapsed time and an "
+                        "estimate; always (--progress alone): every phase; never (--no-progress): nothing")
+    p.add_argument("--no-progress", dest="progress", action="store_const", const="never", help=argparse.SUPPRESS)
 
 
 def _check_stdout(args: argparse.Namespace) -> None:
@@ -336,7 +339,7 @@ def options_from(args: argparse.Namespace) -> tuple["AuditOptions", "LoadOptions
         settings=settings, overrides=overrides, overrides_origin="the command line", tracer=Tracer(args.tracer),
         spectra_backend=SpectraBackend(args.spectra_backend), spectra=not args.no_spectra, cache=not args.no_cache,
         cache_dir=Path(args.cache_dir) if args.cache_dir else None, jobs=args.jobs,
-        progress=getattr(args, "progress", None),
+        progress={"always": True, "never": False}.get(getattr(args, "progress", None) or "auto", "auto"),
         scheduler=args.scheduler, path_map=path_map, **calibration_options(args),
     )
     load_options = LoadOptions(
