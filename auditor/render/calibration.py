@@ -214,7 +214,7 @@ def budget_lines(cal: "CalibrationReport") -> list[str]:
                   if b.smallest_failing is not None else "")]
     else:
         out = [f"Plan that holds ({ask}, over {over} curves, {b.evaluations} plans measured): {len(b.plan)} "
-               f"layers, {b.removed:,} parameters removed ({pct(b.removed_fraction)}); {cal.metric} {_g(b.metric)} "
+               f"layers, {b.removed:,} parameters removed ({pct(b.removed_fraction)}); {metric_change(cal, b.metric)} "
                f"measured all at once{top1}: {'holds' if b.ok else 'MISSES'} the tolerance"
                + (f"; the smallest larger plan measured ({b.smallest_failing:,} removed) does not."
                   if b.smallest_failing is not None else ".")]
