@@ -339,11 +339,17 @@ def render(audit: "Audit", context: RenderContext = RenderContext(), top: int = 
                 "the measured floor (tier 2); > b-e: only a rank past break-even meets it alone", "  ")
             out += fit(_cal_columns(), cal_rows, table_width, CAL_STEPS, name_floor=12).lines(cal_rows)
     if audit.findings:
+        from .sarif import Locator, _relative_path
+
         out.append("")
+        locate = Locator(audit)
         for f in audit.findings:
             say(f"{f.severity.value:<7} {f.code} {term(f.message)}", " " * 14)
             if f.fix:
                 say(f"{'':14}fix: {term(f.fix)}", " " * 19)
+            where = locate.where(f)
+            if where is not None:  # path:line, the form editors and terminals open
+                say(f"{'':14}at {term(_relative_path(where.path))}:{max(1, where.line)}", " " * 17)
     if context.baseline is not None:
         d = context.baseline
         out.append("")
