@@ -91,18 +91,18 @@ def cut_runs(s: str, limit: int = PDF_NAME_MAX) -> str:
 
 
 def wrap_dots(s: Any, limit: int = PDF_NAME_MAX) -> Any:
-    """A layer name for a table cell of the HTML: escaped, with a line-break opportunity (``<wbr>``) after each dot
-    and underscore, so a long name wraps between its components, never inside a word.
+    """A layer name for a table cell of the HTML: escaped, with a line-break opportunity (``<wbr>``) after each dot,
+    so a long name wraps between its components, never inside one.
 
     >>> str(wrap_dots("model.layers.0.self_attn<x>"))
-    'model.<wbr>layers.<wbr>0.<wbr>self_<wbr>attn&lt;x&gt;'
+    'model.<wbr>layers.<wbr>0.<wbr>self_attn&lt;x&gt;'
     """
     from markupsafe import Markup, escape
 
     if not isinstance(s, str):
         return s
-    return Markup("").join(Markup(f"{escape(p)}<wbr>") if p.endswith((".", "_")) else escape(p)
-                           for p in re.split(r"(?<=[._])", s) if p)
+    return Markup("").join(Markup(f"{escape(p)}<wbr>") if p.endswith(".") else escape(p)
+                           for p in re.split(r"(?<=[.])", s) if p)
 
 
 def _same(s: Any, limit: int = PDF_NAME_MAX) -> Any:
@@ -130,7 +130,8 @@ def _overview_chart(audit: "Audit", groups: list[Any]) -> str:
             labels.append(short_label(g.label, 44) + (f" ×{g.size}" if g.is_group else ""))
         if len(curves) == OVERVIEW_CURVES:
             break
-    svg = energy_overview_chart(curves, labels, audit.settings.target_energy) if curves else None
+    target = audit.settings.target_energy if audit.calibration is None else None  # calibration chose the ranks
+    svg = energy_overview_chart(curves, labels, target) if curves else None
     return data_uri(svg) if svg else ""
 
 
