@@ -502,7 +502,10 @@ def run(args: argparse.Namespace, written: list[Path] | None = None) -> int:
             files.add(dest[fmt], content)
     if "plan" in dest:
         files.add(dest["plan"], emit_toml(result))
-    to_stdout = [content for fmt, content in outputs.items()
+    from .render.terminal import colour, use_colour
+
+    to_stdout = [colour(content) if fmt == "text" and isinstance(content, str) and use_colour(sys.stdout) else content
+                 for fmt, content in outputs.items()
                  if fmt not in dest or (fmt == "text" and not args.quiet)]  # the table: on screen and in -o
 
     def stdout() -> None:

@@ -65,7 +65,7 @@ def check(md: str) -> dict:
         if rows > 8:
             assert (cols, rows) not in tables(shown)
     lines = md.splitlines()
-    assert lines[0].startswith("## Low-rank audit: ") and lines[1] == "" and re.fullmatch(r"\*\*(PASS|REVIEW|FAIL)\b.*\*\*", lines[2])
+    assert lines[0].startswith("## Low-rank audit: ") and lines[1] == "" and re.fullmatch(r"\*\*(PASS|REVIEW|FAIL|UNMEASURED)\b.*\*\*", lines[2])
     assert lines[4].startswith("- **Plan**")
     # one unit convention: shares and errors are percentages (finding messages are the rules' own words)
     prose = "\n".join(l for l in lines if not l.startswith("- 🛑") and not l.startswith("- ⚠️ **")

@@ -270,3 +270,19 @@ def test_layout_probe_catches_a_wide_element_and_a_tall_cell(tmp_path):
     phone = _measure(page, 400, tmp_path)
     assert phone["page"] > 400 and phone["wide"] == ["DIV. 900"], phone  # the scrolling box's child is not counted
     assert phone["tall"] and phone["tall"][0].startswith("one two three four five six")
+
+
+def test_colour_only_on_a_terminal_without_no_colour(audits, monkeypatch):
+    from auditor.render.terminal import colour, use_colour
+
+    class Tty(io.StringIO):
+        def isatty(self) -> bool:
+            return True
+
+    monkeypatch.delenv("NO_COLOR", raising=False)
+    assert use_colour(Tty()) and not use_colour(io.StringIO())
+    monkeypatch.setenv("NO_COLOR", "1")
+    assert not use_colour(Tty())
+    text = colour(audits["review-bad"].to_text(width=0))
+    assert "\x1b[1;31mFAIL\x1b[0m: 1 error(s)" in text and "\x1b[31merror\x1b[0m   LR001" in text
+    assert "\x1b" not in audits["review-bad"].to_text(width=0)  # the .txt report and a pipe: plain

@@ -372,6 +372,31 @@ def render(audit: "Audit", context: RenderContext = RenderContext(), top: int = 
     return "\n".join(out) + "\n"
 
 
+ANSI = {"PASS": "32", "UNMEASURED": "35", "REVIEW": "33", "FAIL": "31", "error": "31", "warning": "33", "info": "36"}
+
+
+def colour(text: str) -> str:
+    r"""The table with ANSI colour for a terminal: the verdict's word (PASS green, UNMEASURED magenta, REVIEW yellow,
+    FAIL red) and each finding's severity. The caller decides (a terminal, and ``NO_COLOR`` unset).
+
+    >>> colour("error   LR001 x\nFAIL: 1 error(s)\n")
+    '\x1b[31merror\x1b[0m   LR001 x\n\x1b[1;31mFAIL\x1b[0m: 1 error(s)\n'
+    """
+    text = re.sub(r"(?m)^(error|warning|info)(?= +LR)", lambda m: f"\x1b[{ANSI[m.group(1)]}m{m.group(1)}\x1b[0m", text)
+    return re.sub(r"(?m)^(PASS|UNMEASURED|REVIEW|FAIL)(?=:)", lambda m: f"\x1b[1;{ANSI[m.group(1)]}m{m.group(1)}\x1b[0m",
+                  text)
+
+
+def use_colour(stream: Any) -> bool:
+    """Colour only on a terminal, and never with ``NO_COLOR`` set (https://no-color.org)."""
+    import os
+
+    try:
+        return bool(stream.isatty()) and not os.environ.get("NO_COLOR")
+    except (AttributeError, ValueError):
+        return False
+
+
 class TextReporter:
     name = "text"
     suffix = ".txt"
