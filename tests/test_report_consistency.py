@@ -264,7 +264,7 @@ def test_notebook_view_inherits_the_theme(audits):
 @pytest.mark.skipif(_chromium() is None, reason="chromium is not installed (make system-deps installs it)")
 def test_layout_probe_catches_a_wide_element_and_a_tall_cell(tmp_path):
     """The control: the probe above sees a block wider than the phone and a cell of many lines."""
-    page = ('<html><body><div style="width:900px">wide</div><div style="overflow-x:auto"><div style="width:900px">'
+    page = ('<html><body style="margin:0"><div style="width:900px">wide</div><div style="overflow-x:auto"><div style="width:900px">'
             'scrolls in its box</div></div><table><tr><td style="width:30px">one two three four five six</td></tr>'
             '</table></body></html>')
     phone = _measure(page, 400, tmp_path)
@@ -272,7 +272,9 @@ def test_layout_probe_catches_a_wide_element_and_a_tall_cell(tmp_path):
     assert phone["tall"] and phone["tall"][0].startswith("one two three four five six")
 
 
-def test_colour_only_on_a_terminal_without_no_colour(audits, monkeypatch):
+def test_colour_only_on_a_terminal_without_no_colour(monkeypatch):
+    import torch
+
     from auditor.render.terminal import colour, use_colour
 
     class Tty(io.StringIO):
@@ -283,6 +285,8 @@ def test_colour_only_on_a_terminal_without_no_colour(audits, monkeypatch):
     assert use_colour(Tty()) and not use_colour(io.StringIO())
     monkeypatch.setenv("NO_COLOR", "1")
     assert not use_colour(Tty())
-    text = colour(audits["review-bad"].to_text(width=0))
+    a = auditor.audit(torch.nn.Linear(64, 64), plan={"finetune": "x", "ranks": {"Linear": 40}}, cache=False,
+                      progress=False)  # 40 is above the break-even rank 32: LR001, FAIL
+    text = colour(a.to_text(width=0))
     assert "\x1b[1;31mFAIL\x1b[0m: 1 error(s)" in text and "\x1b[31merror\x1b[0m   LR001" in text
-    assert "\x1b" not in audits["review-bad"].to_text(width=0)  # the .txt report and a pipe: plain
+    assert "\x1b" not in a.to_text(width=0)  # the .txt report and a pipe: plain
