@@ -227,6 +227,25 @@ def main(argv: Sequence[str] | None = None) -> int:
         return internal_error(exc, verbose)
 
 
+PROGRESS_WHEN = ("never", "auto", "always")
+
+
+def _progress_alone(argv: list[str]) -> list[str]:
+    """``--progress`` not followed by one of its words is ``--progress=always``, so ``--progress MODEL`` keeps MODEL
+    as the model (argparse would take it for the word).
+
+    >>> _progress_alone(["--progress", "m.py:f", "--progress", "never"])
+    ['--progress=always', 'm.py:f', '--progress', 'never']
+    """
+    out = list(argv)
+    for i, a in enumerate(out):
+        if a == "--":
+            break
+        if a == "--progress" and (i + 1 == len(out) or out[i + 1] not in PROGRESS_WHEN):
+            out[i] = "--progress=always"
+    return out
+
+
 def internal_error(exc: BaseException, verbose: bool) -> int:
     """Report an unexpected exception as one line (the traceback before it with ``verbose``); exit code 3."""
     if verbose:
@@ -249,7 +268,7 @@ def _dispatch(argv: list[str], written: list[Path]) -> int:
         from .cli_factorize import main as factorize_main
 
         return factorize_main(argv[1:])
-    args = _parser().parse_args(argv)
+    args = _parser().parse_args(_progress_alone(argv))
     try:
         _check_stdout(args)
         return run(args, written)
