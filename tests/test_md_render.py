@@ -148,8 +148,8 @@ def test_char_transformer_with_calibration(cli_inproc, tmp_path):
            f"on {cal['holdout_rows']:,} held-out rows, {pc['layers']} layers at once" in md
     n_plan, n_cal = len(d["plan_review"]["items"]), len(cal["layers"])
     assert n_plan > 8 and f"<details><summary>{n_plan} plan rows, 6 columns</summary>" in md
-    assert f"<details><summary>{n_cal} calibrated layers, 8 columns</summary>" in md
-    assert (8, n_cal) in facts["tables"] and (6, n_plan) in facts["tables"]
+    assert f"<details><summary>{n_cal} calibrated layers, 9 columns</summary>" in md  # the plan's rank first
+    assert (9, n_cal) in facts["tables"] and (6, n_plan) in facts["tables"]
     frontier = cal["budget"]["frontier"]
     assert (6, len(frontier)) in tables(facts["shown"]) and "**holds (suggested)**" in facts["shown"]
     assert "tolerance 1.0%" in md and "0.01" not in md.replace("0.01%", "")

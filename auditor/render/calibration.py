@@ -275,7 +275,10 @@ def check_card(audit: "Audit") -> CheckCard | None:
     sign = "\u2264" if pc.ok else ">"
     return CheckCard(f"{_g(pc.measured, 2)} {sign} {cal.tolerance:g}" if not cal.higher_is_better
                      else f"{_g(pc.measured)} (dense {_g(cal.reference)})",
-                     f"{metric_change(cal, pc.measured)}; {cal.holdout_rows:,} held-out rows, {pc.layers} layers at once: "
+                     (f"{metric_change(cal, pc.measured)}; {cal.holdout_rows:,} held-out rows"  # with its baseline
+                      if cal.reference > 0 or cal.higher_is_better
+                      else f"{cal.metric} on {cal.holdout_rows:,} held-out rows")
+                     + f", {pc.layers} layers at once: "
                      f"{'holds' if pc.ok else 'misses the tolerance'}{top1}", "ok" if pc.ok else "bad")
 
 
