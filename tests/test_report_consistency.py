@@ -133,7 +133,7 @@ def test_no_layer_table_contradicts_the_plan(audits, rendered, key):
         elif rank_col == "suggested":
             assert row[rank_col] is pd.NA or row["verdict"] in ("skip narrow", "skipped"), (name, row[rank_col])
     if key == "review-bad":  # planned above break-even: the plan keeps it dense, and the table says so
-        assert df.loc["fc1", "verdict"] == "kept dense" and df.loc["head", "verdict"] == "factorize (narrow)"
+        assert df.loc["fc1", "verdict"] == "kept dense" and df.loc["head", "verdict"] == "factorize"  # narrow: LR003
         assert "3 of 4 planned layers factorized" in _flat(r["text"])
         assert "3 layers factorized (1 planned at a rank that saves nothing, kept dense)" in r["md"]
         lr001 = next(f for f in a.findings if f.code == "LR001")

@@ -91,13 +91,14 @@ def plan_outcome(verdict: Any) -> str:
 
     >>> from auditor.results import PlanVerdict
     >>> [plan_outcome(v) for v in PlanVerdict] + [plan_outcome(None)]
-    ['factorize', 'factorize (narrow)', 'kept dense', 'kept dense', 'not planned']
+    ['factorize', 'factorize', 'kept dense', 'kept dense', 'not planned']
 
-    "kept dense": the plan names the layer at a rank that saves nothing (the plan's flag says why).
+    "kept dense": the plan names the layer at a rank that saves nothing (the plan's flag says why); a narrow layer
+    the plan factorizes is "factorize" here (LR003 and the plan table say it is narrow).
     """
     from ..results import PlanVerdict
 
-    return {PlanVerdict.FACTORIZE: "factorize", PlanVerdict.NARROW: "factorize (narrow)",
+    return {PlanVerdict.FACTORIZE: "factorize", PlanVerdict.NARROW: "factorize",
             PlanVerdict.ABOVE_MAX_RANK: "kept dense", PlanVerdict.NO_SAVING: "kept dense"}.get(verdict, "not planned")
 
 
