@@ -36,9 +36,9 @@ def _parser() -> argparse.ArgumentParser:
                "`lowrank-audit check-plan PLAN... [--model SOURCE]` checks plan files (the pre-commit hook). "
                "Verdicts: PASS (nothing found, the plan measured with --calibration), UNMEASURED (nothing found, "
                "but no calibration data measured the ranks: energy-based estimates), REVIEW (warnings), FAIL "
-               "(errors). Exit codes: 0 clean, 1 findings at or above --fail-on (unmeasured: anything but PASS), "
-               "2 bad input (one line, nothing written), "
-               "3 internal error (a bug; --verbose shows the traceback), 130 interrupted.",
+               "(errors). Exit codes: 0 clean, 1 findings at or above --fail-on, 2 bad input (one line, nothing "
+               "written), 3 internal error (a bug; --verbose shows the traceback), 130 interrupted; --fail-on "
+               "unmeasured exits 1 on anything but PASS.",
     )
     p.add_argument("model", help="the model source")
     _common_flags(p)
@@ -157,8 +157,8 @@ def _common_flags(p: argparse.ArgumentParser) -> None:
                    metavar="never|auto|always",
                    help="progress of each phase (load, trace, spectra, calibration: statistics, tiers 1-3, plan check; "
                         "render) on stderr, never on stdout. auto (the default): a bar on a terminal, else (CI, a log, "
-                        "a notebook) one plain line per calibration phase with its counts, elapsed time and an "
-                        "estimate; always (--progress alone): every phase; never (--no-progress): nothing")
+                        "a notebook) one plain line per calibration phase of 10 s or more with its counts, elapsed "
+                        "time and an estimate; always (--progress alone): every phase; never (--no-progress): nothing")
     p.add_argument("--no-progress", dest="progress", action="store_const", const="never", help=argparse.SUPPRESS)
 
 

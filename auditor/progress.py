@@ -5,7 +5,8 @@ check; render; and, for ``factorize --recover``, recovery (per step, with the ru
 
 Active when the stream is a terminal or when asked (``Progress(enabled=True)``); ``enabled="auto"`` (the command
 line's default) adds, off a terminal (CI, a log, a notebook), one plain line per long phase (calibration, the plan
-check, recovery) with its counts and time, and an interim line with an estimate every 30 s; silent otherwise, and
+check, recovery; 10 s or more) with its counts and time, and an interim line with an estimate every 30 s; silent
+otherwise, and
 never on stdout, where JSON and Markdown go. :func:`quiet_torch_logging` keeps torch's own logging (FX graph dumps,
 fake-tensor tracebacks, warnings) off the terminal while tracing and keeps the text for ``--verbose``.
 
@@ -132,6 +133,7 @@ class Progress:
 LONG_PHASES = frozenset({"statistics", "tier 1 spectra", "tier 2 floors", "sensitivity probes", "tier 3 plan search",
                          "tier 3 recovery", "plan check", "recovery", "sweep"})  # the phases "auto" reports off a terminal
 PLAIN_EVERY = 30.0  # seconds between a long phase's interim lines
+PLAIN_MIN = 10.0  # a phase quicker than this writes no line (a quick run, or one that fails, stays one line long)
 
 
 class _Plain:
@@ -143,11 +145,13 @@ class _Plain:
         self.done = 0
         self.note: str | None = None
         self.last = start
+        self.said = False  # an interim line was written: the closing line follows whatever the time
 
     def _count(self, n: int) -> str:
         return f"{n:,} {self.unit}{'' if n == 1 else 's'}"
 
     def _say(self, text: str) -> None:
+        self.said = True
         self.stream.write(text + "\n")
         self.stream.flush()
 
@@ -168,6 +172,8 @@ class _Plain:
             self._say(f"{self.name}: {self._count(done)} so far, {spent:.0f}s" + (f" ({self.note})" if self.note else ""))
 
     def close(self, seconds: float) -> None:
+        if seconds < PLAIN_MIN and not self.said:
+            return
         n = self.total if self.total else self.done
         what = f"{self._count(n)} in " if n else ""
         self._say(f"{self.name}: {what}{seconds:.1f}s" + (f" ({self.note})" if self.note else ""))

@@ -262,6 +262,7 @@ def test_auto_off_a_terminal_writes_plain_lines_for_long_phases(monkeypatch):
     import auditor.progress as progress_mod
 
     monkeypatch.setattr(progress_mod, "PLAIN_EVERY", 0.0)  # every update is due: the interim lines show
+    monkeypatch.setattr(progress_mod, "PLAIN_MIN", 0.0)  # and every long phase's closing line
     buf = io.StringIO()
     p = Progress(enabled="auto", stream=buf)
     assert p.plain and not p.enabled
@@ -280,3 +281,13 @@ def test_auto_off_a_terminal_writes_plain_lines_for_long_phases(monkeypatch):
     assert len(lines) == 7 and lines[5].startswith("tier 3 plan search: 5 plans so far")
     tty = FakeTTY()  # on a terminal, auto is the bar
     assert Progress(enabled="auto", stream=tty).enabled and not Progress(enabled="auto", stream=tty).plain
+
+
+def test_auto_says_nothing_for_a_quick_long_phase():
+    """A calibration phase under PLAIN_MIN seconds writes nothing: a quick run, or one that fails with its one-line
+    error, keeps stderr as it was."""
+    buf = io.StringIO()
+    p = Progress(enabled="auto", stream=buf)
+    with p.phase("tier 1 spectra", total=3):
+        p.update(3, 3)
+    assert buf.getvalue() == ""
