@@ -87,6 +87,39 @@ class Audit(results.Audit):
                 fh.write(text)
         return text
 
+    # ---- verdict -------------------------------------------------------------------------------------------
+    @property
+    def status(self) -> str:
+        """The verdict's word: ``"pass"``, ``"review"``, ``"fail"`` or ``"unmeasured"`` (nothing found, but no
+        calibration data measured the plan); the JSON report's ``status``.
+
+        >>> import auditor, torch
+        >>> a = auditor.audit(torch.nn.Linear(8, 4), spectra=False)
+        >>> a.status, a.measured, a.exit_code, a.findings
+        ('unmeasured', False, 0, [])
+        """
+        from .policy import status
+
+        return str(status(self))
+
+    @property
+    def measured(self) -> bool:
+        """Whether calibration data measured the suggested or reviewed plan (the JSON report's ``measured``)."""
+        from .policy import measured
+
+        return measured(self)
+
+    @property
+    def exit_code(self) -> int:
+        """The command line's exit code for this audit at its ``fail_on`` setting: 0, or 1 for findings at it."""
+        from .policy import exit_code
+
+        return int(exit_code(self))
+
+    def __str__(self) -> str:
+        """The terminal table (``print(a)``); ``repr(a)`` stays one line."""
+        return self.to_text()
+
     # ---- output: each is a function of auditor.render.report -------------------------------------------------
     def to_dict(self, with_sigma: bool = False) -> dict[str, Any]:
         """The JSON report as a dict (docs/schema.json); ``with_sigma`` adds every singular value.
@@ -168,8 +201,9 @@ class Audit(results.Audit):
         return report.to_pdf(self, path, baseline)
 
     def to_pandas(self) -> "pandas.DataFrame":
-        """One row per layer (the layer table's columns, rank columns named after the energy targets); the rank
-        columns, ``suggested`` and ``planned`` are nullable integers (``Int64``: ``<NA>`` where there is no rank).
+        """One row per layer, indexed by the layer's name (the layer table's columns, rank columns named after the
+        energy targets); the rank columns, ``suggested`` and ``planned`` are nullable integers (``Int64``: ``<NA>``
+        where there is no rank).
 
         >>> import auditor, torch
         >>> lin = torch.nn.Linear(8, 4)
@@ -177,7 +211,7 @@ class Audit(results.Audit):
         >>> a = auditor.audit(lin, options=auditor.AuditOptions(cache=False, progress=False,
         ...                                                    overrides={"energy_targets": [0.5, 0.9]}))
         >>> df = a.to_pandas()
-        >>> [int(v) for v in df[["params", "r50", "r90"]].iloc[0]], str(df["suggested"].dtype)
+        >>> [int(v) for v in df.loc["Linear", ["params", "r50", "r90"]]], str(df["suggested"].dtype)
         ([32, 2, 4], 'Int64')
         """
         from .render import report

@@ -1,7 +1,8 @@
 """The command line: ``lowrank-audit MODEL [options]``, ``lowrank-audit rules [CODE]`` and ``lowrank-audit check-plan``.
 
-Exit codes: 0 clean, 1 findings at or above --fail-on, 2 bad input (one line on stderr, no report written), 3 an
-internal error (a bug: one line, the traceback with --verbose), 130 interrupted.
+Exit codes: 0 clean (the verdict PASS, or UNMEASURED: nothing measured the plan, or REVIEW / FAIL below --fail-on),
+1 findings at or above --fail-on (``--fail-on unmeasured``: anything but PASS), 2 bad input (one line on stderr, no
+report written), 3 an internal error (a bug: one line, the traceback with --verbose), 130 interrupted.
 """
 
 from __future__ import annotations
@@ -33,8 +34,11 @@ def _parser() -> argparse.ArgumentParser:
                ".safetensors file or sharded directory (weights only), torchvision:NAME, timm:NAME. "
                "`lowrank-audit rules` lists the rules; `lowrank-audit factorize --help` applies a plan; "
                "`lowrank-audit check-plan PLAN... [--model SOURCE]` checks plan files (the pre-commit hook). "
-               "Exit codes: 0 clean, 1 findings at or above --fail-on, 2 bad input (one line, nothing written), "
-               "3 internal error (a bug; --verbose shows the traceback), 130 interrupted.",
+               "Verdicts: PASS (nothing found, the plan measured with --calibration), UNMEASURED (nothing found, "
+               "but no calibration data measured the ranks: energy-based estimates), REVIEW (warnings), FAIL "
+               "(errors). Exit codes: 0 clean, 1 findings at or above --fail-on, 2 bad input (one line, nothing "
+               "written), 3 internal error (a bug; --verbose shows the traceback), 130 interrupted; --fail-on "
+               "unmeasured exits 1 on anything but PASS.",
     )
     p.add_argument("model", help="the model source")
     _common_flags(p)
@@ -62,8 +66,12 @@ def _parser() -> argparse.ArgumentParser:
                    help="write reports here as lowrank-audit.{txt,json,md,html,pdf,sarif}; without it json/md/sarif "
                         "go to stdout; the table (unless -q) and github annotations always go to stdout")
     g.add_argument("--baseline", metavar="OLD.json", help="report what changed since an earlier JSON audit")
-    g.add_argument("--fail-on", choices=[f.value for f in FailOn], help="exit 1 on findings at this level")
+    g.add_argument("--fail-on", choices=[f.value for f in FailOn], help="exit 1 on findings at this level (default error; unmeasured: also when the verdict is "
+                        "REVIEW or UNMEASURED, anything but PASS)")
     g.add_argument("-q", "--quiet", action="store_true", help="no terminal table")
+    g.add_argument("--width", type=int, metavar="N",
+                   help="the text table's line length (at least 60; 0: wide). Default: the terminal's width on a "
+                        "terminal ($COLUMNS when set); wide (every column kept) in the .txt report and off a terminal")
     g = p.add_argument_group("thresholds (override pyproject.toml and the plan)")
     g.add_argument("--energy", metavar="0.9,0.95,0.99", help="energy targets to report ranks for")
     g.add_argument("--target-energy", type=float, help="energy the suggested rank keeps (default 0.95)")
@@ -156,10 +164,13 @@ def _common_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--version", action="version", version=f"lowrank-audit {__version__}")
     p.add_argument("-v", "--verbose", action="store_true",
                    help="print what torch logged while tracing (FX dumps, warnings) on stderr")
-    p.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,
+    p.add_argument("--progress", nargs="?", const="always", choices=["never", "auto", "always"], default=None,
+                   metavar="never|auto|always",
                    help="progress of each phase (load, trace, spectra, calibration: statistics, tiers 1-3, plan check; "
-                        "render) on stderr "
-                        "(default: only when stderr is a terminal); never on stdout")
+                        "render) on stderr, never on stdout. auto (the default): a bar on a terminal, else (CI, a log, "
+                        "a notebook) one plain line per calibration phase of 10 s or more with its counts, elapsed "
+                        "time and an estimate; always (--progress alone): every phase; never (--no-progress): nothing")
+    p.add_argument("--no-progress", dest="progress", action="store_const", const="never", help=argparse.SUPPRESS)
 
 
 def _check_stdout(args: argparse.Namespace) -> None:
@@ -236,6 +247,25 @@ def main(argv: Sequence[str] | None = None) -> int:
         return internal_error(exc, verbose)
 
 
+PROGRESS_WHEN = ("never", "auto", "always")
+
+
+def _progress_alone(argv: list[str]) -> list[str]:
+    """``--progress`` not followed by one of its words is ``--progress=always``, so ``--progress MODEL`` keeps MODEL
+    as the model (argparse would take it for the word).
+
+    >>> _progress_alone(["--progress", "m.py:f", "--progress", "never"])
+    ['--progress=always', 'm.py:f', '--progress', 'never']
+    """
+    out = list(argv)
+    for i, a in enumerate(out):
+        if a == "--":
+            break
+        if a == "--progress" and (i + 1 == len(out) or out[i + 1] not in PROGRESS_WHEN):
+            out[i] = "--progress=always"
+    return out
+
+
 def internal_error(exc: BaseException, verbose: bool) -> int:
     """Report an unexpected exception as one line (the traceback before it with ``verbose``); exit code 3."""
     if verbose:
@@ -258,7 +288,7 @@ def _dispatch(argv: list[str], written: list[Path]) -> int:
         from .cli_factorize import main as factorize_main
 
         return factorize_main(argv[1:])
-    args = _parser().parse_args(argv)
+    args = _parser().parse_args(_progress_alone(argv))
     try:
         _check_stdout(args)
         return run(args, written)
@@ -346,7 +376,7 @@ def options_from(args: argparse.Namespace) -> tuple["AuditOptions", "LoadOptions
         tracer=Tracer(args.tracer),
         spectra_backend=SpectraBackend(args.spectra_backend), spectra=not args.no_spectra, cache=not args.no_cache,
         cache_dir=Path(args.cache_dir) if args.cache_dir else None, jobs=args.jobs,
-        progress=getattr(args, "progress", None),
+        progress={"always": True, "never": False}.get(getattr(args, "progress", None) or "auto", "auto"),
         scheduler=args.scheduler, path_map=path_map, **calibration_options(args), **speed_options(args),
     )
     load_options = LoadOptions(
@@ -435,11 +465,20 @@ def _recovery_options(args: argparse.Namespace) -> dict:
             "choose_after_recovery": bool(args.choose_after_recovery)}
 
 
-def _terminal_width() -> int:
-    """The table's width: $COLUMNS when set, else the terminal's width, else 100 (a pipe or a CI log)."""
+def _terminal_width(asked: int | None = None) -> int:
+    """The on-screen table's width: --width when given, else $COLUMNS when set, else the terminal's width when
+    stdout is a terminal, else 0: wide (a pipe or a CI log keeps every column and every name whole)."""
     import shutil
 
-    return shutil.get_terminal_size((100, 24)).columns
+    if asked is not None:
+        return asked
+    if os.environ.get("COLUMNS", "").strip().isdigit():
+        return int(os.environ["COLUMNS"])
+    try:
+        tty = sys.stdout.isatty()
+    except (AttributeError, ValueError):
+        tty = False
+    return shutil.get_terminal_size((100, 24)).columns if tty else 0
 
 
 def _destinations(args: argparse.Namespace, formats: list[str]) -> dict[str, Path]:
@@ -510,6 +549,8 @@ def run(args: argparse.Namespace, written: list[Path] | None = None) -> int:
     if not args.output_dir and sum(f in STDOUT_FORMATS for f in dict.fromkeys(formats)) > 1:
         both = " and ".join(f for f in dict.fromkeys(formats) if f in STDOUT_FORMATS)
         raise AuditError(f"{both} cannot all go to stdout", "Pass -o DIR to write them as files")
+    if getattr(args, "width", None) is not None and args.width < 0:
+        raise AuditError(f"--width {args.width} is negative", "Pass 0 for a wide table, or a line length of 60 or more")
     options, load_options = options_from(args)
     dest = _destinations(args, formats)
     base = baseline_mod.load(args.baseline) if args.baseline else None
@@ -521,8 +562,11 @@ def run(args: argparse.Namespace, written: list[Path] | None = None) -> int:
         raise AuditError(f"{f.code} {f.message}", f.fix)
 
     # Render everything first; then write all files or none, and stdout last (a failure there undoes the files).
+    from dataclasses import replace
+
+    width = getattr(args, "width", None)
     context = RenderContext(baseline=baseline_mod.compare(result, base) if base is not None else None,
-                            width=_terminal_width(), baseline_report=base)
+                            width=_terminal_width(width), baseline_report=base)
     ordered = sorted(dict.fromkeys(formats), key=lambda f: f != "text")  # the table first, as before
     from .pipeline import render_reports
     from .progress import Progress
@@ -531,11 +575,16 @@ def run(args: argparse.Namespace, written: list[Path] | None = None) -> int:
                              Progress(enabled=options.progress))
     files = OutputSet(written=written if written is not None else [])
     for fmt, content in outputs.items():
+        if fmt == "text" and fmt in dest and context.width != (width or 0):  # the .txt report: wide unless --width
+            content = REPORTERS["text"].render(result, replace(context, width=width or 0))
         if fmt in dest:
             files.add(dest[fmt], content)
     if "plan" in dest:
         files.add(dest["plan"], emit_toml(result))
-    to_stdout = [content for fmt, content in outputs.items()
+    from .render.terminal import colour, use_colour
+
+    to_stdout = [colour(content) if fmt == "text" and isinstance(content, str) and use_colour(sys.stdout) else content
+                 for fmt, content in outputs.items()
                  if fmt not in dest or (fmt == "text" and not args.quiet)]  # the table: on screen and in -o
 
     def stdout() -> None:

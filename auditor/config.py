@@ -33,6 +33,7 @@ class FailOn(StrEnum):
 
     ERROR = "error"
     WARNING = "warning"
+    UNMEASURED = "unmeasured"  # a warning, an error, or a plan calibration did not measure (status not "pass")
     NEVER = "never"
 
 
@@ -427,7 +428,7 @@ def validate(s: Settings, declared: Iterable[Setting] = ()) -> Settings:
         try:
             s = replace(s, fail_on=FailOn(s.fail_on))
         except ValueError:
-            raise AuditError(f"fail_on must be error, warning or never, got {s.fail_on!r}",
+            raise AuditError(f"fail_on must be error, warning, unmeasured or never, got {s.fail_on!r}",
                              "Use --fail-on error") from None
     owned = {d.name: d for d in declared}
     given = dict(s.rule_settings)

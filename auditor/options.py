@@ -62,7 +62,8 @@ class AuditOptions:
     jobs: int | None = None  # layers whose spectra are computed side by side (default: the cores, at most 4)
     tracer: Tracer = Tracer.AUTO
     spectra_backend: SpectraBackend = SpectraBackend.LAPACK  # what computes the singular values
-    progress: bool | None = None  # a progress bar on stderr (default: when stderr is a terminal)
+    progress: bool | str | None = None  # a progress bar on stderr (default: when stderr is a terminal; "auto": also
+    # one plain line per calibration phase when it is not, as the command line does)
     scheduler: str | Any | None = None  # a Dask scheduler address or distributed.Client: spectra run there
     path_map: tuple[tuple[str, str], ...] = ()  # (client prefix, worker prefix) for the cluster's file paths
     origin: Any = None  # (source spec, LoadOptions), set by audit_source: Dask sweep workers load the model from it
@@ -212,7 +213,7 @@ class OptionFields(TypedDict, total=False):
     jobs: int | None
     tracer: Tracer | str
     spectra_backend: SpectraBackend | str
-    progress: bool | None
+    progress: bool | str | None
     scheduler: str | Any | None
     path_map: tuple[tuple[str, str], ...]
     origin: Any

@@ -3,6 +3,8 @@ which findings the command line treats as bad input. Plain functions of an Audit
 
 from __future__ import annotations
 
+import math
+from enum import StrEnum
 from typing import TYPE_CHECKING
 
 from .config import FailOn
@@ -10,11 +12,58 @@ from .errors import ExitCode
 from .results import Severity
 
 if TYPE_CHECKING:
+    from .calresults import CalibrationReport
     from .results import Audit, Finding
 
 
+class Status(StrEnum):
+    """What a report's verdict says, for people and CI alike (the JSON's ``status``).
+
+    ``unmeasured``: no error or warning, but nothing measured the plan (a data-free audit, or a plan reviewed
+    without calibration data, or one calibration could not apply): its ranks are energy-based estimates. Exit
+    code 0 like ``pass`` unless ``--fail-on unmeasured`` asks otherwise.
+    """
+
+    PASS = "pass"
+    REVIEW = "review"
+    FAIL = "fail"
+    UNMEASURED = "unmeasured"
+
+
+def measured(audit: "Audit") -> bool:
+    """Whether calibration data measured what the report suggests or reviews: the plan applied all at once on the
+    held-out rows (or the suggested ranks chosen by a plan search that measured them), or nothing to measure (the
+    plan factorizes nothing). False for a data-free audit."""
+    cal = audit.calibration
+    if cal is None:
+        return False
+    r = audit.review
+    if r is None or not r.items:
+        return True
+    pc = cal.plan_check
+    if pc is not None and pc.layers > 0 and pc.measured == pc.measured:
+        return True
+    return bool(r.suggested and cal.budget is not None and cal.budget.plan)
+
+
+def status(audit: "Audit") -> Status:
+    """FAIL with an error, REVIEW with a warning, else PASS when the plan was measured, UNMEASURED when not.
+
+    >>> from auditor.results import Audit, Finding, Settings, TraceMethod
+    >>> a = Audit("m", "x", TraceMethod.WALK, [], None, 10, [], False, Settings())
+    >>> str(status(a))
+    'unmeasured'
+    """
+    c = audit.counts
+    if c.error:
+        return Status.FAIL
+    if c.warning:
+        return Status.REVIEW
+    return Status.PASS if measured(audit) else Status.UNMEASURED
+
+
 def verdict_line(audit: "Audit") -> str:
-    """PASS / REVIEW / FAIL with the counts, and what the reviewed plan saves.
+    """PASS / REVIEW / FAIL / UNMEASURED with the counts, and what the reviewed plan saves.
 
     >>> from auditor.results import Audit, Finding, Settings, TraceMethod
     >>> a = Audit("m", "x", TraceMethod.WALK, [], None, 10, [], False, Settings(),
@@ -42,11 +91,16 @@ def verdict_head(audit: "Audit") -> str:
         return f"FAIL: {c.error} error(s), {c.warning} warning(s)"
     if c.warning:
         return f"REVIEW: {c.warning} warning(s)"
+    if not measured(audit):
+        if audit.calibration is not None:
+            return "UNMEASURED: no errors or warnings, but the plan was not measured all at once"
+        return "UNMEASURED: no errors or warnings; the ranks are energy-based estimates (measure with --calibration)"
     return "PASS: no errors or warnings"
 
 
 def plan_check_clause(audit: "Audit") -> str:
-    """"; measured all at once: <metric> V, within the tolerance T" (or "misses the tolerance T") when calibration measured the reviewed plan;
+    """"; measured all at once: held-out perplexity 153.77 -> 155.17 (+0.91%, tolerance +1%): holds" (or MISSES) when
+    calibration measured the reviewed plan (:func:`auditor.render.calibration.metric_change`);
     "; not measured all at once" when calibration was given but the plan could not be measured; else empty."""
     cal = audit.calibration
     r = audit.review
@@ -55,15 +109,34 @@ def plan_check_clause(audit: "Audit") -> str:
     pc = cal.plan_check
     if pc is None or pc.layers == 0 or pc.measured != pc.measured:
         return "; not measured all at once"
+    return f"; measured all at once: {metric_change(cal, pc.measured)}: {'holds' if pc.ok else 'MISSES'}"
+
+
+def metric_change(cal: "CalibrationReport", value: float | None) -> str:
+    """A measured metric in the user's units with its dense baseline and the tolerance, the same words in every
+    format: "held-out perplexity 153.77 -> 155.17 (+0.91%, tolerance +1%)" for a perplexity judged by its relative
+    increase, "held-out accuracy 0.9 -> 0.88 (tolerance -0.05)" for a metric where higher is better, "relative output
+    error 0.009937 (tolerance 0.01)" otherwise.
+
+    >>> from auditor.calresults import CalibrationReport as C
+    >>> metric_change(C("c", "0.25", "", 1, 1, "perplexity increase", False, 0.01, 153.77), 0.009112)
+    'held-out perplexity 153.77 -> 155.17 (+0.91%, tolerance +1%)'
+    """
+    if value is None or not math.isfinite(value):
+        return f"{cal.metric}: not measured"
+    label = cal.metric
+    if label.endswith("perplexity increase") and cal.reference > 0 and not cal.higher_is_better:
+        what = label[: -len(" increase")]
+        return (f"held-out {what} {cal.reference:.2f} -> {cal.reference * (1 + value):.2f} "
+                f"({100 * value:+.2f}%, tolerance +{100 * cal.tolerance:g}%)")
     if cal.higher_is_better:
-        return (f"; measured all at once: {cal.metric} {pc.measured:.4g} against the dense {cal.reference:.4g} "
-                f"(tolerance {cal.tolerance:g}: {'holds' if pc.ok else 'misses'})")
-    return (f"; measured all at once: {cal.metric} {pc.measured:.4g}, "
-            + (f"within the tolerance {cal.tolerance:g}" if pc.ok else f"misses the tolerance {cal.tolerance:g}"))
+        return f"held-out {label} {cal.reference:.4g} -> {value:.4g} (tolerance -{cal.tolerance:g})"
+    return f"{label} {value:.4g} (tolerance {cal.tolerance:g})"
 
 
 def exit_code(audit: "Audit", fail_on: FailOn | str | None = None) -> ExitCode:
-    """``ExitCode.FINDINGS`` when a finding is at or above ``fail_on`` (default: the audit's settings), else OK.
+    """``ExitCode.FINDINGS`` when a finding is at or above ``fail_on`` (default: the audit's settings), or with
+    ``unmeasured`` when the plan was not measured or a warning or error was found; else OK.
 
     >>> from auditor.results import Audit, Finding, Settings, TraceMethod
     >>> a = Audit("m", "x", TraceMethod.WALK, [], None, 10, [], False, Settings(),
@@ -74,6 +147,8 @@ def exit_code(audit: "Audit", fail_on: FailOn | str | None = None) -> ExitCode:
     level = FailOn(fail_on) if fail_on is not None else audit.settings.fail_on
     if level is FailOn.NEVER:
         return ExitCode.OK
+    if level is FailOn.UNMEASURED:
+        return ExitCode.FINDINGS if status(audit) is not Status.PASS else ExitCode.OK
     floor = Severity.ERROR if level is FailOn.ERROR else Severity.WARNING
     return ExitCode.FINDINGS if audit.counts.at_least(floor) else ExitCode.OK
 

@@ -3,8 +3,11 @@ calibration data, statistics (per batch), tier 1 (whitened spectra, per layer), 
 evaluations so far), tier 3 (plans measured so far: their count is not known beforehand, so no ETA) and the plan
 check; render; and, for ``factorize --recover``, recovery (per step, with the running loss).
 
-Active only when the stream is a terminal or when asked (``Progress(enabled=True)``); silent otherwise, and never
-on stdout, where JSON and Markdown go. :func:`quiet_torch_logging` keeps torch's own logging (FX graph dumps,
+Active when the stream is a terminal or when asked (``Progress(enabled=True)``); ``enabled="auto"`` (the command
+line's default) adds, off a terminal (CI, a log, a notebook), one plain line per long phase (calibration, the plan
+check, recovery; 10 s or more) with its counts and time, and an interim line with an estimate every 30 s; silent
+otherwise, and
+never on stdout, where JSON and Markdown go. :func:`quiet_torch_logging` keeps torch's own logging (FX graph dumps,
 fake-tensor tracebacks, warnings) off the terminal while tracing and keeps the text for ``--verbose``.
 
 >>> import io
@@ -28,7 +31,7 @@ import warnings
 from dataclasses import dataclass, field
 from typing import IO, Any, Iterator
 
-__all__ = ["PHASES", "CapturedLog", "Progress", "quiet_torch_logging"]
+__all__ = ["LONG_PHASES", "PHASES", "CapturedLog", "Progress", "quiet_torch_logging"]
 
 PHASES = ("load", "trace", "spectra", "calibration data", "statistics", "tier 1 spectra", "tier 2 floors",
           "tier 3 plan search", "plan check", "render", "recovery")
@@ -55,11 +58,15 @@ class Progress:
     (``tier 3: 5 plans``: no ETA, the count is not known). Writing to stdout is refused: reports may be going there.
     """
 
-    def __init__(self, enabled: bool | None = None, stream: IO[str] | None = None) -> None:
+    def __init__(self, enabled: bool | str | None = None, stream: IO[str] | None = None) -> None:
         self.stream = sys.stderr if stream is None else stream
         if self.stream is sys.stdout or self.stream is sys.__stdout__:
             raise ValueError("progress goes to stderr, never to stdout (reports may be written there)")
-        self.enabled = _is_tty(self.stream) if enabled is None else bool(enabled)
+        tty = _is_tty(self.stream)
+        # "auto" (the command line's default): a bar on a terminal, else plain lines for the long phases
+        self.plain = enabled == "auto" and not tty
+        self.enabled = tty if enabled is None or enabled == "auto" else bool(enabled)
+        self._plain: "_Plain | None" = None
         self._bar: Any = None
         self._counted = False  # the open phase has no total but reports a count
         self.timings: dict[str, float] = {}  # phase -> seconds, recorded whether drawn or not
@@ -67,9 +74,22 @@ class Progress:
     @contextlib.contextmanager
     def phase(self, name: str, total: int | None = None, unit: str = "layer") -> Iterator["Progress"]:
         """Draw ``name`` while the block runs; call :meth:`update` inside for a phase with a known total."""
-        if self._bar is not None:
-            raise RuntimeError(f"phase {name!r} started inside phase {self._bar.desc!r}")
+        if self._bar is not None or self._plain is not None:
+            inner = self._bar.desc if self._bar is not None else self._plain.name  # type: ignore[union-attr]
+            raise RuntimeError(f"phase {name!r} started inside phase {inner!r}")
         start = time.perf_counter()
+        if self.plain and name in LONG_PHASES:
+            self._plain = _Plain(name, total, unit, start, self.stream)
+            ok = False
+            try:
+                yield self
+                ok = True
+            finally:
+                self.timings[name] = time.perf_counter() - start
+                plain, self._plain = self._plain, None
+                if ok:
+                    plain.close(self.timings[name])
+            return
         if self.enabled:
             from tqdm import tqdm  # the text bar: it writes to the stream given (tqdm.auto may pick a widget)
 
@@ -94,6 +114,9 @@ class Progress:
         step); ``note`` is shown after the counts (``12 evaluations``, ``loss 0.031``). In a phase without a total,
         ``done`` is a count whose end is not known. Safe to call with no phase open or when disabled (it does
         nothing then)."""
+        if self._plain is not None:
+            self._plain.update(done, total, note)
+            return
         bar = self._bar
         if bar is None:
             return
@@ -106,6 +129,55 @@ class Progress:
         if note is not None:
             bar.set_postfix_str(note, refresh=False)
         bar.update(max(0, done - bar.n))
+
+LONG_PHASES = frozenset({"statistics", "tier 1 spectra", "tier 2 floors", "sensitivity probes", "tier 3 plan search",
+                         "tier 3 recovery", "plan check", "recovery", "sweep"})  # the phases "auto" reports off a terminal
+PLAIN_EVERY = 30.0  # seconds between a long phase's interim lines
+PLAIN_MIN = 10.0  # a phase quicker than this writes no line (a quick run, or one that fails, stays one line long)
+
+
+class _Plain:
+    """One phase as plain lines (a CI log, a pipe, a notebook): "tier 2 floors: 3/12 layers, 31s, about 93s left"
+    at most every :data:`PLAIN_EVERY` seconds while it runs, then "tier 2 floors: 12 layers in 124.0s"."""
+
+    def __init__(self, name: str, total: int | None, unit: str, start: float, stream: IO[str]) -> None:
+        self.name, self.total, self.unit, self.start, self.stream = name, total, unit, start, stream
+        self.done = 0
+        self.note: str | None = None
+        self.last = start
+        self.said = False  # an interim line was written: the closing line follows whatever the time
+
+    def _count(self, n: int) -> str:
+        return f"{n:,} {self.unit}{'' if n == 1 else 's'}"
+
+    def _say(self, text: str) -> None:
+        self.said = True
+        self.stream.write(text + "\n")
+        self.stream.flush()
+
+    def update(self, done: int, total: int | None, note: str | None) -> None:
+        self.done, self.total = done, total if total is not None else self.total
+        self.note = note if note is not None else self.note
+        now = time.perf_counter()
+        if now - self.last < PLAIN_EVERY:
+            return
+        self.last = now
+        spent = now - self.start
+        if self.total:
+            left = spent * (self.total - done) / done if done else None
+            eta = f", about {left:.0f}s left" if left is not None else ""
+            self._say(f"{self.name}: {done:,}/{self._count(self.total)}, {spent:.0f}s{eta}"
+                      + (f" ({self.note})" if self.note else ""))
+        else:
+            self._say(f"{self.name}: {self._count(done)} so far, {spent:.0f}s" + (f" ({self.note})" if self.note else ""))
+
+    def close(self, seconds: float) -> None:
+        if seconds < PLAIN_MIN and not self.said:
+            return
+        n = self.total if self.total else self.done
+        what = f"{self._count(n)} in " if n else ""
+        self._say(f"{self.name}: {what}{seconds:.1f}s" + (f" ({self.note})" if self.note else ""))
+
 
 @dataclass
 class CapturedLog:

@@ -98,7 +98,7 @@ def test_tier1_ranks_and_suggestions_are_the_librarys(cli_inproc, calib, tmp_pat
     assert pc["measured"] == pytest.approx(bp.metric, rel=1e-9) and pc["measured"] <= got["tolerance"]
     assert d["verdict"].startswith("REVIEW: 2 warning(s)")  # LR014 on fc2 and fc3: 300 rows for 512 inputs
     assert d["verdict"].endswith("measured all at once: relative output error "
-                                 f"{pc['measured']:.4g}, within the tolerance 0.01")
+                                 f"{pc['measured']:.4g} (tolerance 0.01): holds")
     # without tier 2 the prediction sums the tier-1 layer-output errors in quadrature
     assert pc["basis"] == "tier-1 layer-output errors"
     assert pc["predicted"] == pytest.approx(math.sqrt(sum(spectra[k].error_at(r) ** 2 for k, r in plan.items())),

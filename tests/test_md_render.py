@@ -65,7 +65,7 @@ def check(md: str) -> dict:
         if rows > 8:
             assert (cols, rows) not in tables(shown)
     lines = md.splitlines()
-    assert lines[0].startswith("## Low-rank audit: ") and lines[1] == "" and re.fullmatch(r"\*\*(PASS|REVIEW|FAIL)\b.*\*\*", lines[2])
+    assert lines[0].startswith("## Low-rank audit: ") and lines[1] == "" and re.fullmatch(r"\*\*(PASS|REVIEW|FAIL|UNMEASURED)\b.*\*\*", lines[2])
     assert lines[4].startswith("- **Plan**")
     # one unit convention: shares and errors are percentages (finding messages are the rules' own words)
     prose = "\n".join(l for l in lines if not l.startswith("- 🛑") and not l.startswith("- ⚠️ **")
@@ -148,8 +148,8 @@ def test_char_transformer_with_calibration(cli_inproc, tmp_path):
            f"on {cal['holdout_rows']:,} held-out rows, {pc['layers']} layers at once" in md
     n_plan, n_cal = len(d["plan_review"]["items"]), len(cal["layers"])
     assert n_plan > 8 and f"<details><summary>{n_plan} plan rows, 6 columns</summary>" in md
-    assert f"<details><summary>{n_cal} calibrated layers, 8 columns</summary>" in md
-    assert (8, n_cal) in facts["tables"] and (6, n_plan) in facts["tables"]
+    assert f"<details><summary>{n_cal} calibrated layers, 9 columns</summary>" in md  # the plan's rank first
+    assert (9, n_cal) in facts["tables"] and (6, n_plan) in facts["tables"]
     frontier = cal["budget"]["frontier"]
     assert (6, len(frontier)) in tables(facts["shown"]) and "**holds (suggested)**" in facts["shown"]
     assert "tolerance 1.0%" in md and "0.01" not in md.replace("0.01%", "")

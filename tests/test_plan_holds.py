@@ -108,7 +108,7 @@ def test_a_plan_that_misses_the_tolerance_is_an_error_in_every_format(cli_inproc
     assert ev["held_removed"] == b["removed"] and b["ok"]
     assert f"{pc['measured']:.4g}" in lr015[0]["message"] and "largest plan that held" in lr015[0]["message"]
     v = _verdicts(out, r.stdout)
-    assert v["json"].startswith("FAIL: 1 error(s)") and v["json"].endswith(f"{pc['measured']:.4g}, misses the tolerance 0.01")
+    assert v["json"].startswith("FAIL: 1 error(s)") and v["json"].endswith(f"{pc['measured']:.4g} (tolerance 0.01): MISSES")
     _same_verdict(v, ok=False)
 
 

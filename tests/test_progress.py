@@ -254,3 +254,40 @@ def test_recovery_steps_are_a_phase_with_the_running_loss(digits_calibration, di
     cli_recover(settings, factorize(model, {"fc1": 8}), model, cal, None, bar=Progress(stream=silent))
     assert silent.getvalue() == ""
     assert capsys.readouterr().out == ""  # the summary line goes to stderr
+
+
+def test_auto_off_a_terminal_writes_plain_lines_for_long_phases(monkeypatch):
+    """--progress auto (the command line's default) off a terminal: nothing for the quick phases, one plain line per
+    long phase with its count and time, and interim lines with the count so far and an estimate."""
+    import auditor.progress as progress_mod
+
+    monkeypatch.setattr(progress_mod, "PLAIN_EVERY", 0.0)  # every update is due: the interim lines show
+    monkeypatch.setattr(progress_mod, "PLAIN_MIN", 0.0)  # and every long phase's closing line
+    buf = io.StringIO()
+    p = Progress(enabled="auto", stream=buf)
+    assert p.plain and not p.enabled
+    with p.phase("load"):
+        pass
+    with p.phase("tier 2 floors", total=4):
+        for i in range(1, 5):
+            p.update(i, 4, note=f"{2 * i} evaluations")
+    with p.phase("tier 3 plan search", unit="plan"):
+        p.update(5)
+    lines = buf.getvalue().splitlines()
+    assert "\r" not in buf.getvalue() and not any(l.startswith("load") for l in lines)
+    assert re.fullmatch(r"tier 2 floors: 1/4 layers, \d+s, about \d+s left \(2 evaluations\)", lines[0]), lines
+    assert re.fullmatch(r"tier 2 floors: 4 layers in \d+\.\ds \(8 evaluations\)", lines[4]), lines
+    assert re.fullmatch(r"tier 3 plan search: 5 plans in \d+\.\ds", lines[-1]), lines
+    assert len(lines) == 7 and lines[5].startswith("tier 3 plan search: 5 plans so far")
+    tty = FakeTTY()  # on a terminal, auto is the bar
+    assert Progress(enabled="auto", stream=tty).enabled and not Progress(enabled="auto", stream=tty).plain
+
+
+def test_auto_says_nothing_for_a_quick_long_phase():
+    """A calibration phase under PLAIN_MIN seconds writes nothing: a quick run, or one that fails with its one-line
+    error, keeps stderr as it was."""
+    buf = io.StringIO()
+    p = Progress(enabled="auto", stream=buf)
+    with p.phase("tier 1 spectra", total=3):
+        p.update(3, 3)
+    assert buf.getvalue() == ""

@@ -302,7 +302,7 @@ def meta_stack_audit():
     return auditor.audit(model, cache=False, progress=False)
 
 
-def test_findings_come_first_in_the_html_and_after_the_plan_in_the_pdf(planned_audit, stack_audit):
+def test_findings_come_first_in_the_html_and_in_the_pdf(planned_audit, stack_audit):
     from auditor.render.html import render
 
     assert planned_audit.findings  # layers.0.down is planned above its break-even
@@ -310,7 +310,7 @@ def test_findings_come_first_in_the_html_and_after_the_plan_in_the_pdf(planned_a
     assert ids[:3] == ["summary", "findings", "plan"]
     assert ids.index("findings") < ids.index("shares") < ids.index("energy")  # before any chart
     pdf = _section_ids(render(planned_audit, pdf=True))
-    assert pdf[:3] == ["summary", "plan", "findings"]
+    assert pdf[:3] == ["summary", "findings", "plan"]  # the HTML's order: verdict, findings, plan
     # the drill-down after them, the per-layer pages last (only the appendix and reference material follow)
     assert pdf.index("findings") < pdf.index("layers") < pdf.index("pages") < pdf.index("appendix")
     assert pdf[pdf.index("pages"):] == ["pages", "appendix", "method", "environment"]
@@ -363,7 +363,7 @@ def test_pdf_text_is_in_reading_order_without_click(planned_audit):
     reader = pypdf.PdfReader(io.BytesIO(render_pdf(planned_audit)))
     text = " ".join(" ".join(p.extract_text() for p in reader.pages).split())
     assert "lick" not in text  # "Click ..." / "click ..."
-    at = [text.index(h) for h in ("Plan review", "Findings", "Where the parameters are", "Layers", "Top layers",
+    at = [text.index(h) for h in ("Findings", "Plan review", "Where the parameters are", "Layers", "Top layers",
                                   "Appendix: every layer")]
     assert at == sorted(at)
     assert "planned ranks save" in reader.pages[0].extract_text().replace("\n", " ")  # the verdict on page 1

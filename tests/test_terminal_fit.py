@@ -129,7 +129,7 @@ def test_group_rows_with_mixed_verdicts_and_a_plan_fit(mixed_audit, width):
     assert header == want[width]
     text = mixed_audit.to_text(width=width)
     row = next(l for l in text.splitlines() if "×4" in l)
-    assert row.endswith("factorize 3 · keep dense 1")
+    assert row.endswith("factorize 2 · not planned 2")  # the plan's outcome, not the audit's own suggestion
     assert "8–16 (2/4)" in row  # the plan names two of the four members: the range and the count whole
 
 
@@ -166,30 +166,40 @@ def test_text_with_output_dir_writes_a_file(cli_inproc, tmp_path, monkeypatch):
     r = cli_inproc("sample_models/digits.py:mlp", "--no-cache", "--format", "text,json", "-o", out)
     assert r.returncode == 0, r.stderr
     txt = (out / "lowrank-audit.txt").read_text(encoding="utf-8")
-    assert txt == r.stdout  # the table on screen and in the file, at the same $COLUMNS
-    assert max(map(len, txt.splitlines())) <= 80 and "fc2" in txt
+    assert max(map(len, r.stdout.splitlines())) <= 80  # on screen at $COLUMNS
+    assert txt != r.stdout and "fc2" in txt  # the file is wide: every column kept
+    assert "left out to fit" not in txt and "m x n" in txt.split("#  layer")[1].splitlines()[0]
     assert f"wrote {out / 'lowrank-audit.txt'}" in r.stderr.splitlines()
     q = cli_inproc("sample_models/digits.py:mlp", "--no-cache", "--format", "text", "-o", out, "-q")
     assert q.returncode == 0 and q.stdout == "" and (out / "lowrank-audit.txt").read_text(encoding="utf-8") == txt
 
 
-def test_width_is_columns_or_100(cli_inproc, monkeypatch):
+def test_width_is_flag_or_columns_or_wide(cli_inproc, monkeypatch):
+    """--width, else $COLUMNS, else (stdout not a terminal: a pipe, a CI log) wide: every column and name whole."""
     import os
 
     def no_terminal(*a):
         raise OSError("not a terminal")
 
     monkeypatch.setattr(os, "get_terminal_size", no_terminal)  # as in a pipe or a CI log, even under a terminal
-    for env, width in (("72", 72), (None, 100)):
+    for env, flag, width in (("72", None, 72), (None, "90", 90), ("72", "0", None), (None, None, None)):
         if env is None:
             monkeypatch.delenv("COLUMNS", raising=False)
         else:
             monkeypatch.setenv("COLUMNS", env)
-        r = cli_inproc("sample_models/chargpt.py:chargpt", "--no-cache")
+        r = cli_inproc("sample_models/chargpt.py:chargpt", "--no-cache", *(["--width", flag] if flag else []))
         assert r.returncode == 0, r.stderr
         lines = r.stdout.splitlines()
-        assert max(map(len, lines)) <= width
-        assert max(map(len, lines)) >= width - 8  # the prose is wrapped at that width, not at a narrower one
+        if width is not None:
+            assert max(map(len, lines)) <= width
+            assert max(map(len, lines)) >= width - 8  # the prose is wrapped at that width, not at a narrower one
+        else:
+            head = next(l for l in lines if l.startswith("#  layer")).split()
+            assert head == ["#", "layer", "kind", "m", "x", "n", "params", "share", "cum", "MACs", "break-even",
+                            "r90", "r95", "r99", "rank", "x", "verdict"]
+            assert "left out to fit" not in r.stdout and "…" not in r.stdout  # nothing dropped, no name cut
+    bad = cli_inproc("sample_models/chargpt.py:chargpt", "--no-cache", "--width", "-1")
+    assert bad.returncode == 2 and "--width -1 is negative" in bad.stderr
 
 
 def test_calibration_table_gives_way_without_cutting_numbers():
@@ -197,8 +207,8 @@ def test_calibration_table_gives_way_without_cutting_numbers():
     from auditor.render.terminal import CAL_STEPS, _cal_columns, _cell, fit
 
     rows = [CalRow("model.layers.0.mlp.down_proj", 1_234_567, 11008, 1312, 1400, 904, 512, "928", "1,024",
-                   "896: 0.01234", "3.01x"),
-            CalRow("lm_head", 8, 4096, None, None, None, None, "keep dense", "keep dense (measured)", "–", "–")]
+                   "896: 0.01234", "3.01x", "1,024"),
+            CalRow("lm_head", 8, 4096, None, None, None, None, "> b-e", "> b-e", "–", "–", "dense")]
     seen = {}
     for width in (60, 80, 100, 120):
         fitted = fit(_cal_columns(), rows, width, CAL_STEPS, name_floor=12)
@@ -208,9 +218,9 @@ def test_calibration_table_gives_way_without_cutting_numbers():
             for c, short in fitted.columns[1:]:
                 assert _cell(c, short, 1, row) in line  # every kept number whole
         seen[width] = [(c.key, short) for c, short in fitted.columns]
-    whole = [("layer", False), ("rows", False), ("r1", False), ("r5", False), ("data", False), ("floor", False),
+    whole = [("layer", False), ("plan", False), ("rows", False), ("r1", False), ("r5", False), ("data", False), ("floor", False),
              ("cliff", False)]
     assert seen[120] == seen[100] == seen[80] == whole
-    assert seen[60] == [("layer", False), ("rows", True), ("r1", False), ("r5", False), ("data", False),
+    assert seen[60] == [("layer", False), ("plan", False), ("rows", True), ("r1", False), ("r5", False), ("data", False),
                         ("floor", False)]  # 1,234,567 -> 1.23M first, then the cliff
     assert "1.23M" in fit(_cal_columns(), rows, 60, CAL_STEPS, name_floor=12).lines(rows)[1]

@@ -20,7 +20,7 @@ class RenderContext:
     """What a report shows besides the audit itself; every reporter receives the same context."""
 
     baseline: "BaselineDiff | None" = None  # the comparison with an earlier JSON report; each format shows it
-    width: int = 120  # the terminal table's line length (at least 60)
+    width: int = 120  # the terminal table's line length (at least 60; 0: wide, every column kept)
     with_sigma: bool = False  # JSON: every singular value
     charts: bool = True  # HTML/PDF: the matplotlib charts (off for the notebook's compact view)
     baseline_report: "dict[str, Any] | None" = None  # the baseline's JSON as read: per-layer rank changes

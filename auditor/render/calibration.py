@@ -7,6 +7,7 @@ import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable
 
+from ..policy import metric_change
 from .md_budget import Section, percent
 from .safe import md_code, md_text, middle, term
 from .view import pct
@@ -89,7 +90,7 @@ def plan_line(cal: "CalibrationReport") -> str | None:
     left = f"; not measured: {', '.join(pc.left_out)}" if pc.left_out else ""
     return (f"Plan applied all at once ({pc.layers} layers, {pc.removed:,} parameters removed): {cal.metric} "
             f"{pred}measured {_g(pc.measured)}{top1}: {'holds' if pc.ok else 'MISSES'} the tolerance "
-            f"{cal.tolerance:g}{left}.")
+            f"{cal.tolerance:g}; {metric_change(cal, pc.measured)}{left}.")
 
 
 def rounding_line(cal: "CalibrationReport", value: Any = None) -> str | None:
@@ -114,27 +115,47 @@ class CalRow:
     r2: int | None
     r5: int | None
     r10: int | None
-    suggested: str
-    floor: str
+    suggested: str  # evidence: the tier-1 rank for the tolerance ("> b-e": none below break-even holds it)
+    floor: str  # evidence: the measured floor (tier 2)
     cliff: str
     compression: str
+    plan: str = "dense"  # the plan's rank, what every report leads with ("dense": the plan keeps the layer)
 
 
-def rows(cal: "CalibrationReport", value: Callable[[float | None], str] = _g, times: str = "x") -> list[CalRow]:
+ABOVE_BE = "> b-e"  # evidence past break-even: the layer-output error needs a rank that saves nothing
+
+
+def plan_ranks(audit: "Audit") -> dict[str, int]:
+    """The reviewed plan's rank per layer (the suggested plan, or the one given) where it factorizes the layer; a
+    layer the plan leaves dense, or plans at a rank that saves nothing, is absent."""
+    from ..results import PlanVerdict
+
+    rv = audit.review
+    if rv is None:
+        return {}
+    return {it.layer: it.rank for it in rv.items if it.verdict in (PlanVerdict.FACTORIZE, PlanVerdict.NARROW)}
+
+
+def rows(cal: "CalibrationReport", value: Callable[[float | None], str] = _g, times: str = "x",
+         plan: dict[str, int] | None = None) -> list[CalRow]:
     """The per-layer rows of every format; ``value`` writes a metric (the cliff's), ``times`` follows a
-    compression ("2.50x"; the Markdown's column header says it)."""
+    compression ("2.50x"; the Markdown's column header says it); ``plan`` (:func:`plan_ranks`) gives the plan
+    column. The tier-1 rank and the floor are evidence: past break-even they read "> b-e", never "keep dense",
+    since the plan (measured all at once) may still factorize the layer."""
     out = []
+    plan = plan or {}
     for name, lc in cal.layers.items():
         f = lc.floor
         floor = cliff = comp = "\u2013"
         if f is not None:
-            floor = "keep dense (measured)" if f.keep_dense else (str(f.floor) if f.floor is not None else "\u2013")
+            floor = ABOVE_BE if f.keep_dense else (str(f.floor) if f.floor is not None else "\u2013")
             if f.cliff_rank is not None:
                 cliff = f"{f.cliff_rank}: {value(f.cliff_metric)}"
             comp = f"{f.compression:.2f}{times}" if f.compression is not None else "\u2013"
         rf = lc.ranks_for
         out.append(CalRow(name, lc.rows, lc.width, rf.get("0.01"), rf.get("0.02"), rf.get("0.05"), rf.get("0.1"),
-                          str(lc.suggested) if lc.suggested is not None else "keep dense", floor, cliff, comp))
+                          str(lc.suggested) if lc.suggested is not None else ABOVE_BE, floor, cliff, comp,
+                          str(plan[name]) if name in plan else "dense"))
     return out
 
 
@@ -195,7 +216,7 @@ def budget_lines(cal: "CalibrationReport") -> list[str]:
                   if b.smallest_failing is not None else "")]
     else:
         out = [f"Plan that holds ({ask}, over {over} curves, {b.evaluations} plans measured): {len(b.plan)} "
-               f"layers, {b.removed:,} parameters removed ({pct(b.removed_fraction)}); {cal.metric} {_g(b.metric)} "
+               f"layers, {b.removed:,} parameters removed ({pct(b.removed_fraction)}); {metric_change(cal, b.metric)} "
                f"measured all at once{top1}: {'holds' if b.ok else 'MISSES'} the tolerance"
                + (f"; the smallest larger plan measured ({b.smallest_failing:,} removed) does not."
                   if b.smallest_failing is not None else ".")]
@@ -256,7 +277,10 @@ def check_card(audit: "Audit") -> CheckCard | None:
     sign = "\u2264" if pc.ok else ">"
     return CheckCard(f"{_g(pc.measured, 2)} {sign} {cal.tolerance:g}" if not cal.higher_is_better
                      else f"{_g(pc.measured)} (dense {_g(cal.reference)})",
-                     f"{cal.metric} on {cal.holdout_rows:,} held-out rows, {pc.layers} layers at once: "
+                     (f"{metric_change(cal, pc.measured)}; {cal.holdout_rows:,} held-out rows"  # with its baseline
+                      if cal.reference > 0 or cal.higher_is_better
+                      else f"{cal.metric} on {cal.holdout_rows:,} held-out rows")
+                     + f", {pc.layers} layers at once: "
                      f"{'holds' if pc.ok else 'misses the tolerance'}{top1}", "ok" if pc.ok else "bad")
 
 
@@ -432,16 +456,18 @@ def markdown(audit: "Audit", room: Any = None) -> list[Section]:
         else:
             out.append(fold_if(s, room, f"Frontier: {len(frows):,} plans measured all at once", columns=len(head)))
     if cal.layers:
-        head = ["layer", "rows", "n", "r@1% / 2% / 5% / 10%", "tier-1", "floor", "cliff (rank: metric)", "x"]
+        head = ["layer", "plan rank", "rows", "n", "evidence: r@1% / 2% / 5% / 10%", "evidence: tier-1",
+                "evidence: floor", "cliff (rank: metric)", "x"]
         lrows = []
-        for r in rows(cal, lambda v: md_value(cal, v), times=""):
+        for r in rows(cal, lambda v: md_value(cal, v), times="", plan=plan_ranks(audit)):
             ranks = " / ".join(str(x) if x is not None else "\u2013" for x in (r.r1, r.r2, r.r5, r.r10))
-            lrows.append(f"| {md_code(r.layer)} | {r.rows:,} | {r.width:,} | {ranks} | {r.suggested} | {r.floor} | "
-                         f"{r.cliff} | {r.compression} |")
-        out.append(Section("", ["Per layer: the ranks that keep the layer-output error under 1%, 2%, 5% and 10% on "
-                                "the calibration data (tier 1), the tier-1 suggestion, the measured floor and "
-                                "cliff (tier 2) and the compression at the floor.", "",
-                                "| " + " | ".join(head) + " |", "|---|---:|---:|---:|---:|---:|---:|---:|"], lrows,
+            lrows.append(f"| {md_code(r.layer)} | **{r.plan}** | {r.rows:,} | {r.width:,} | {ranks} | {r.suggested} | "
+                         f"{r.floor} | {r.cliff} | {r.compression} |")
+        out.append(Section("", ["Per layer: the plan's rank (measured all at once), then the evidence: the ranks "
+                                "that keep the layer-output error under 1%, 2%, 5% and 10% on the calibration data "
+                                "(tier 1), the tier-1 rank for the tolerance, the measured floor and cliff (tier 2) "
+                                "and the compression at the floor; > b-e: only a rank past break-even meets it.", "",
+                                "| " + " | ".join(head) + " |", "|---|---:|---:|---:|---:|---:|---:|---:|---:|"], lrows,
                            noun="calibrated layers", title="Calibrated layers",
                            fold=f"{len(lrows):,} calibrated layers, {len(head)} columns"))
     if cal.missing:
@@ -467,22 +493,6 @@ def terminal(audit: "Audit") -> list[str]:
     out += [f"warning: {w}" for w in cal.warnings]
     out.append(FINETUNE)
     return [term(x) for x in out]  # messages may quote layer names
-
-
-def terminal_table(audit: "Audit", namew: int = 40) -> list[str]:
-    cal = audit.calibration
-    if cal is None or not cal.layers:
-        return []
-    namew = max(12, min(namew, max(len(term(k)) for k in cal.layers)))
-    head = f"{'layer':<{namew}}  {'rows':>7}  {'r@1%':>5}  {'r@5%':>5}  {'tier1':>5}  {'floor':>6}  {'cliff':>14}"
-    out = [head]
-    for r in rows(cal):
-        name = middle(term(r.layer), namew)
-        floor = "dense" if r.floor.startswith("keep") else r.floor
-        sug = "dense" if r.suggested == "keep dense" else r.suggested
-        out.append(f"{name:<{namew}}  {r.rows:>7,}  {str(r.r1):>5}  {str(r.r5):>5}  {sug:>5}  {floor:>6}  "
-                   f"{r.cliff:>14}")
-    return out
 
 
 def _frontier_fig(points: list[tuple[float, float, bool]], chosen: float | None, tolerance: float, label: str,
@@ -628,7 +638,7 @@ def html_context(audit: "Audit", charts: bool = True) -> dict[str, Any]:
     legend = legend_chart(floor_legend(cal.metric)) if floors else None
     return {"calibration": {
         "summary": summary(cal), "basis": basis(cal), "plan": plan_line(cal), "budget": budget_lines(cal) + [x for x in [rounding_line(cal)] if x],
-        "warnings": cal.warnings, "missing": cal.missing, "rows": rows(cal),
+        "warnings": cal.warnings, "missing": cal.missing, "rows": rows(cal, plan=plan_ranks(audit)),
         "finetune": FINETUNE if not cal.recovery_note() else FINETUNE + " The suggested plan was chosen after "
                     "recovery: it " + cal.recovery_note() + "; it needs that fine-tune.",
         "recovery": recovery_cost(cal), "recovered_steps": cal.budget.recovery.steps

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from ..policy import verdict_line
+from ..policy import status, verdict_line
 from . import calibration, speed
 from .base import RenderContext
 from .layer_charts import short_label
@@ -28,6 +28,11 @@ if TYPE_CHECKING:
 
 
 def template_dir() -> Path:
+    """The templates beside this source tree when it is a checkout (so a second checkout or worktree sharing one
+    environment renders with its own templates), else the installed package's ``auditor.templates``."""
+    root = Path(__file__).resolve().parents[2]
+    if (root / "pyproject.toml").is_file() and (root / "templates" / "report.html").is_file():
+        return root / "templates"
     try:
         from importlib.resources import files
 
@@ -85,6 +90,21 @@ def cut_runs(s: str, limit: int = PDF_NAME_MAX) -> str:
     return _LONG_RUN.sub(lambda m: cut_middle(m.group(0), limit), s) if len(s) > limit else s
 
 
+def wrap_dots(s: Any, limit: int = PDF_NAME_MAX) -> Any:
+    """A layer name for a table cell of the HTML: escaped, with a line-break opportunity (``<wbr>``) after each dot,
+    so a long name wraps between its components, never inside one.
+
+    >>> str(wrap_dots("model.layers.0.self_attn<x>"))
+    'model.<wbr>layers.<wbr>0.<wbr>self_attn&lt;x&gt;'
+    """
+    from markupsafe import Markup, escape
+
+    if not isinstance(s, str):
+        return s
+    return Markup("").join(Markup(f"{escape(p)}<wbr>") if p.endswith(".") else escape(p)
+                           for p in re.split(r"(?<=[.])", s) if p)
+
+
 def _same(s: Any, limit: int = PDF_NAME_MAX) -> Any:
     return s
 OVERVIEW_CURVES = 6
@@ -110,7 +130,8 @@ def _overview_chart(audit: "Audit", groups: list[Any]) -> str:
             labels.append(short_label(g.label, 44) + (f" ×{g.size}" if g.is_group else ""))
         if len(curves) == OVERVIEW_CURVES:
             break
-    svg = energy_overview_chart(curves, labels, audit.settings.target_energy) if curves else None
+    target = audit.settings.target_energy if audit.calibration is None else None  # calibration chose the ranks
+    svg = energy_overview_chart(curves, labels, target) if curves else None
     return data_uri(svg) if svg else ""
 
 
@@ -121,11 +142,11 @@ def _page_legend(pages: list[Any]) -> str:
     return data_uri(svg) if svg else ""
 
 
-# The order of the report's sections. The HTML puts the findings first when there are any (after the summary);
-# the PDF reads top to bottom: summary, plan, findings, then the drill-down, the per-layer pages last.
+# The order of the report's sections, the same in both: the verdict (summary), the findings when there are any,
+# the plan, calibration, then the drill-down; the PDF keeps the per-layer pages and the appendix last.
 SECTIONS_HTML = ("summary", "findings", "plan", "calibration", "shares", "layers", "energy", "pages", "baseline",
                  "skipped", "method", "environment")
-SECTIONS_PDF = ("summary", "plan", "findings", "calibration", "shares", "layers", "energy", "baseline", "skipped",
+SECTIONS_PDF = ("summary", "findings", "plan", "calibration", "shares", "layers", "energy", "baseline", "skipped",
                 "pages", "appendix", "method", "environment")
 
 
@@ -175,7 +196,7 @@ def context(audit: "Audit", ctx: RenderContext = RenderContext(), pdf: bool = Fa
         "plan_rows": plans[:PDF_LIST_CAP] if pdf else plans,
         "rank_changes": rank_changes(audit, ctx.baseline_report),
         "counts": counts,
-        "status": "fail" if counts.error else ("review" if counts.warning else "pass"),
+        "status": str(status(audit)),
         "findings": audit.findings,
         "finding_groups": fgroups,
         "skipped": skipped,
@@ -200,6 +221,7 @@ def context(audit: "Audit", ctx: RenderContext = RenderContext(), pdf: bool = Fa
         "pct": pct,
         **calibration.html_context(audit, ctx.charts),
         "pn": cut_middle if pdf else _same,  # a name as the PDF shows it (the HTML keeps it whole)
+        "wn": cut_middle if pdf else wrap_dots,  # a name in a table cell: wraps at its dots in the HTML
         "pt": cut_runs if pdf else _same,  # a message as the PDF shows it
         "cut": cut,
     }

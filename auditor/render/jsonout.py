@@ -7,7 +7,7 @@ from enum import Enum
 from typing import TYPE_CHECKING, Any
 
 from ..outputs import strict_json
-from ..policy import verdict_line
+from ..policy import measured, status, verdict_line
 from . import calibration
 from .base import RenderContext
 
@@ -50,6 +50,8 @@ def to_dict(audit: "Audit", with_sigma: bool = False) -> dict[str, Any]:
             "graph_edges": len(g.edges) if g is not None else None,
         },
         "verdict": verdict_line(audit),
+        "status": str(status(audit)),
+        "measured": measured(audit),
         "layers": [
             {**l.to_dict(), "cumulative_share": c} for l, c in zip(audit.layers, audit.cumulative())
         ],

@@ -325,7 +325,8 @@ def _energy_panel(ax: Any, energies: Sequence[np.ndarray], be: float | None, sug
     ax.set_title("energy", fontsize=9, loc="left")
 
 
-def _measured_panel(ax: Any, measured: Sequence[Sequence[tuple[int, float]]], k: int, label: str) -> None:
+def _measured_panel(ax: Any, measured: Sequence[Sequence[tuple[int, float]]], k: int, label: str,
+                    tolerance: float | None = None, title: str = "measured, the layer alone truncated") -> None:
     series = [sorted((int(r), float(v)) for r, v in pts if r > 0 and math.isfinite(v)) for pts in measured]
     series = [s for s in series if s]
     first = min(s[0][0] for s in series)
@@ -336,14 +337,16 @@ def _measured_panel(ax: Any, measured: Sequence[Sequence[tuple[int, float]]], k:
     ys = [v for s in series for _, v in s]
     if min(ys) > 0 and max(ys) / min(ys) > 100:  # spans more than two decades
         _log_y(ax)
+    if tolerance is not None and tolerance > 0:  # the line the rank was chosen against
+        ax.axhline(tolerance, gid="tolerance", **STYLE["tolerance"])
     ax.set_xlabel("rank r (log scale)")
     ax.set_ylabel(short_label(label, 30))
-    ax.set_title("measured, the layer alone truncated", fontsize=9, loc="left")
+    ax.set_title(title, fontsize=9, loc="left")
 
 
 def _page_fig(sigmas: Sequence[np.ndarray], energies: Sequence[np.ndarray], be: float | None, sug: int | None,
               plan: int | None, target: float | None, measured: Sequence[Sequence[tuple[int, float]]] | None,
-              metric: str) -> Any:
+              metric: str, tolerance: float | None = None, measured_title: str | None = None) -> Any:
     sigmas = [np.asarray(s, dtype=np.float64) for s in sigmas if len(s) and s[0] > 0]
     energies = [np.asarray(e, dtype=np.float64) for e in energies if len(e)]
     meas = [s for s in (measured or []) if any(r > 0 and math.isfinite(v) for r, v in s)]
@@ -359,20 +362,25 @@ def _page_fig(sigmas: Sequence[np.ndarray], energies: Sequence[np.ndarray], be: 
         elif p == "energy":
             _energy_panel(ax, energies, be, sug, plan, target)
         else:
-            _measured_panel(ax, meas, max([len(e) for e in energies] + [len(s) for s in sigmas] + [1]), metric)
+            _measured_panel(ax, meas, max([len(e) for e in energies] + [len(s) for s in sigmas] + [1]), metric,
+                            tolerance, measured_title or "measured, the layer alone truncated")
     return fig
 
 
 def page_chart(sigmas: Sequence[np.ndarray], energies: Sequence[np.ndarray], *, break_even: float | None = None,
                suggested: int | None = None, planned: int | None = None, target: float | None = None,
                measured: Sequence[Sequence[tuple[int, float]]] | None = None,
-               metric: str = "measured metric") -> str | None:
+               metric: str = "measured metric", tolerance: float | None = None,
+               measured_title: str | None = None) -> str | None:
     """A layer's (or a group's) page chart: singular values σᵢ/σ₁ (log-log) and energy E(r) (1 - E on a log axis)
     against the rank, break-even, suggested and planned ranks as vertical lines, the target energy as a horizontal
-    one; a third panel with the ``measured`` (rank, metric) points (a series per layer) when calibration gives them. A group of more
+    one; a third panel with the ``measured`` (rank, metric) points (a series per layer) when calibration gives them
+    (the tier-2 metric, or the tier-1 layer-output error curve), with the ``tolerance`` they were judged against
+    as a horizontal line (a calibrated audit passes no energy ``target``: energy chose nothing there). A group of more
     than :data:`MAX_CURVES` members is drawn as the median and min-max band. No legend: :func:`legend_chart` draws
     the one legend every page shares. None when there is nothing to draw."""
-    return _render(_page_fig, sigmas, energies, break_even, suggested, planned, target, measured, metric)
+    return _render(_page_fig, sigmas, energies, break_even, suggested, planned, target, measured, metric, tolerance,
+                   measured_title)
 
 
 def _overview_fig(energies: Sequence[np.ndarray], labels: Sequence[str], target: float | None) -> Any:

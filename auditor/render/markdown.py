@@ -23,7 +23,7 @@ from .base import RenderContext
 from .md_budget import COLS_OPEN, ROWS_OPEN, Room, fold_if, DEFAULT_CAP, OPEN_LIMIT, Section, fit_markdown, measure, percent
 from .pages import group_rows, plan_rows, rank_changes
 from .safe import md_code, md_text, middle
-from .view import fmt_num, human, layer_table, spectra_computed, trace_sentence
+from .view import factorized_count, fmt_num, human, layer_table, spectra_computed, trace_sentence
 
 if TYPE_CHECKING:
     from ..results import Audit
@@ -47,7 +47,11 @@ def _plan_card(audit: "Audit") -> list[str]:
     out = []
     if rv is not None and rv.items:
         what = "suggested" if rv.suggested else md_code(middle(rv.source, 80))
-        out.append(f"- **Plan** ({what}): {len(rv.items):,} layers factorized, **{rv.params_saved:,} parameters "
+        n = factorized_count(audit)
+        kept = len(rv.items) - n
+        out.append(f"- **Plan** ({what}): {n:,} layers factorized"
+                   + (f" ({kept:,} planned at a rank that saves nothing, kept dense)" if kept else "")
+                   + f", **{rv.params_saved:,} parameters "
                    f"saved** ({percent(rv.share_saved)} of {audit.total_params:,})")
         card = calibration.check_card(audit)
         if card is not None:

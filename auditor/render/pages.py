@@ -262,9 +262,12 @@ def page_legend(pages: Sequence[LayerPage]) -> list[tuple[str, str]]:
         out.append(("suggested", "suggested rank"))
     if any(p.planned for p in charted):
         out.append(("planned", "planned rank"))
-    out.append(("target", "target energy"))
+    if any(p.target for p in charted):
+        out.append(("target", "target energy"))
     if any(p.measured for p in charted):
-        out.append(("measured", "measured metric, the layer alone truncated"))
+        out.append(("measured", "measured error, the layer alone truncated"))
+        if all(p.target is None for p in charted):  # a calibrated audit's pages draw the tolerance instead
+            out.append(("tolerance", "tolerance"))
     return out
 
 
@@ -280,10 +283,19 @@ def layer_pages(audit: "Audit", table: LayerTable, groups: list[GroupRow], *, ch
     from .calibration import measured_points
     from .layer_charts import data_uri, page_chart
 
+    cal = audit.calibration
+    tolerance: float | None = None
+    title: str | None = None
     if measured is None:
         measured = measured_points(audit) or {}
-    metric = audit.calibration.metric if audit.calibration is not None else "measured metric"
-    target = audit.settings.target_energy
+        if cal is not None and measured:  # tier 2: the model's metric, judged against the tolerance
+            tolerance = cal.reference - cal.tolerance if cal.higher_is_better else cal.tolerance
+        elif cal is not None:  # tier 1: the layer-output error curve the ranks were searched over
+            measured = {k: [(r, e) for r, e in lc.curve] for k, lc in cal.layers.items() if lc.curve}
+            tolerance = cal.tolerance if not cal.higher_is_better else 0.01
+            title = "layer-output error (tier 1), the layer alone"
+    metric = ("layer-output error" if title else cal.metric) if cal is not None else "measured metric"
+    target = audit.settings.target_energy if cal is None else None  # with calibration, energy chose no rank
 
     def page(anchor: str, title: str, rows: list[LayerRow], is_group: bool, key: str) -> LayerPage:
         names = [r.name for r in rows]
@@ -304,7 +316,8 @@ def layer_pages(audit: "Audit", table: LayerTable, groups: list[GroupRow], *, ch
         sig = [s for n in p.members for s in _sigma_rows(audit, n)]
         en = [e for n in p.members for e in _energy(audit, n)]
         svg = page_chart(sig, en, break_even=p.break_even, suggested=p.suggested, planned=p.planned,
-                         target=p.target, measured=p.measured, metric=metric)
+                         target=p.target, measured=p.measured, metric=metric, tolerance=tolerance,
+                         measured_title=title)
         p.chart = data_uri(svg) if svg else ""
 
     if only is not None:

@@ -76,7 +76,8 @@ def to_markdown(audit: "Audit", baseline: "BaselineSource | None" = None) -> str
 
 
 def to_text(audit: "Audit", width: int = 120, baseline: "BaselineSource | None" = None) -> str:
-    """The terminal table, no line longer than ``width`` (at least 60) characters."""
+    """The terminal table, no line longer than ``width`` (at least 60) characters; ``width=0``: every column kept
+    (the .txt report's form)."""
     return REPORTERS["text"].render(audit, replace(context(audit, baseline), width=width))  # type: ignore[return-value]
 
 
@@ -99,7 +100,7 @@ def to_pdf(audit: "Audit", path: str | Path, baseline: "BaselineSource | None" =
 
 
 def to_pandas(audit: "Audit") -> "pandas.DataFrame":
-    """One row per layer (the layer table's columns, rank columns named after the energy targets); the rank
+    """One row per layer indexed by its name (the layer table's columns, rank columns named after the energy targets); the rank
     columns, ``suggested``, ``planned`` and ``macs`` are nullable integers (``Int64``)."""
     try:
         import pandas as pd
@@ -112,6 +113,7 @@ def to_pandas(audit: "Audit") -> "pandas.DataFrame":
     df = pd.DataFrame([row.record(labels) for row in table.rows], columns=[*LAYER_ROW_FIELDS, *labels])
     for col in [*labels, "suggested", "planned", "macs"]:
         df[col] = df[col].astype("Int64")
+    df.index = pd.Index(df["name"], name="layer")  # df.loc["fc1"]; the name column stays
     return df
 
 

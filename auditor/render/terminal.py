@@ -21,7 +21,7 @@ from . import calibration, speed
 from .base import RenderContext
 from .pages import GroupRow, group_rows, plan_rows, rank_changes
 from .safe import middle, term
-from .view import fmt_num, human, layer_table, spectra_computed, trace_sentence
+from .view import factorized_count, fmt_num, human, layer_table, spectra_computed, trace_sentence
 
 if TYPE_CHECKING:
     from ..results import Audit
@@ -169,21 +169,48 @@ def layer_steps(labels: list[str], target: str) -> list[tuple[str, str]]:
             + [("drop", "sugg."), ("drop", "share"), ("drop", "params")])
 
 
+def dotted(name: str, width: int) -> str:
+    """``name`` in ``width`` characters, whole path components dropped from the middle, never a word cut: the first
+    component and the last ones kept where they fit (``encoder.….relative_attention_bias``), else the last ones
+    (``….0.mlp.down_proj``); only a last component longer than the width is cut (in its middle).
+
+    >>> dotted("model.layers.0.mlp.down_proj", 20), dotted("encoder.block.0.layer.0.SelfAttention.relative_attention_bias", 40)
+    ('….0.mlp.down_proj', 'encoder.….relative_attention_bias')
+    """
+    if len(name) <= width:
+        return name
+    parts = name.split(".")
+
+    def most(head: str) -> tuple[int, str]:  # the most tail components that fit after head
+        for k in range(len(parts) - 1 - bool(head), 0, -1):
+            cand = f"{head}….{'.'.join(parts[-k:])}"
+            if len(cand) <= width:
+                return k, cand
+        return 0, ""
+
+    k_first, with_first = most(parts[0] + ".")
+    k_tail, tail_only = most("")
+    if k_first and k_first >= k_tail - 1:  # the first component (encoder, decoder) at the cost of one more
+        return with_first
+    return tail_only or middle(name, width)
+
+
 def _cut_name(text: str, width: int) -> str:
-    """A name cut in the middle, its " ×N" and " *" marks kept whole."""
+    """A name shortened at its dots (:func:`dotted`), its " ×N" and " *" marks kept whole."""
     m = re.match(r"(.*?)((?: ×\d+)?(?: \*)?)$", text, re.S)
     label, marks = (m.group(1), m.group(2)) if m else (text, "")
-    return middle(label, max(4, width - len(marks))) + marks
+    return dotted(label, max(4, width - len(marks))) + marks
 
 
 def _cal_columns() -> list[Column]:
     return [
         Column("layer", "layer", "<", lambda i, r: term(r.layer), name=True),
+        Column("plan", "plan", ">", lambda i, r: r.plan),
         Column("rows", "rows", ">", lambda i, r: f"{r.rows:,}", short=("rows", lambda i, r: human(r.rows))),
         Column("r1", "r@1%", ">", lambda i, r: _opt(r.r1)),
         Column("r5", "r@5%", ">", lambda i, r: _opt(r.r5)),
-        Column("data", "data", ">", lambda i, r: "dense" if r.suggested == "keep dense" else r.suggested),
-        Column("floor", "floor", ">", lambda i, r: "dense" if r.floor.startswith("keep") else r.floor),
+        Column("data", "tier-1", ">", lambda i, r: r.suggested),
+        Column("floor", "floor", ">", lambda i, r: r.floor),
         Column("cliff", "cliff", ">", lambda i, r: r.cliff),
     ]
 
@@ -211,8 +238,37 @@ def _legend(fitted: Fitted, rows: list[Any], width: int) -> list[str]:
     return ["; ".join(p for p in parts if p)] if any(parts) else []
 
 
+def _index_key(name: str) -> list[Any]:
+    return [int(t) if t.isdigit() else t for t in re.split(r"(\d+)", name)]
+
+
+def plan_rank_lines(audit: "Audit", groups: list[GroupRow]) -> list[str]:
+    """The plan's rank of every layer, one line per block group, members in index order: "ranks:
+    layers.*.fc ×4: 40, 72, 88, 104", "head: 48"; a group of one rank "layers.*.up ×4: 8"; "dense" where the plan
+    leaves a member dense. Groups the plan does not touch are left out."""
+    from .calibration import plan_ranks
+
+    ranks = plan_ranks(audit)
+    parts = []
+    for g in groups:
+        names = sorted((r.name for r in g.members), key=_index_key)
+        if not any(n in ranks for n in names):
+            continue
+        vals = [f"{ranks[n]:,}" if n in ranks else "dense" for n in names]
+        shown = vals[0] if len(set(vals)) == 1 else ", ".join(vals)
+        parts.append(f"{term(g.label)}{f' ×{g.size}' if g.is_group else ''}: {shown}")
+    return ["ranks: " + "; ".join(parts)] if parts else []
+
+
+WIDE_PROSE = 100  # a wide table's (width 0) prose still wraps here
+
+
 def render(audit: "Audit", context: RenderContext = RenderContext(), top: int = 40) -> str:
-    width = max(MIN_WIDTH, context.width)
+    """The table at ``context.width`` columns; width 0 is wide (the .txt report, a CI log, a pipe): every column
+    kept and every name whole, whatever the line's length, the prose wrapped at :data:`WIDE_PROSE`."""
+    wide = context.width <= 0
+    width = WIDE_PROSE if wide else max(MIN_WIDTH, context.width)
+    table_width = 1 << 20 if wide else width
     out: list[str] = []
 
     def say(text: str, indent: str = "") -> None:
@@ -235,7 +291,7 @@ def render(audit: "Audit", context: RenderContext = RenderContext(), top: int = 
     rows = groups[:top]
     labels = [c.label for c in table.columns]
     target = next((c.label for c in table.columns if abs(c.target - audit.settings.target_energy) < 1e-12), "")
-    fitted = fit(_columns(labels, table.planned), rows, width, layer_steps(labels, target))
+    fitted = fit(_columns(labels, table.planned), rows, table_width, layer_steps(labels, target))
     out += fitted.lines(rows)
     if len(groups) > top:
         say(f"... {len(groups) - top} more groups (see --format json/html)")
@@ -256,9 +312,13 @@ def render(audit: "Audit", context: RenderContext = RenderContext(), top: int = 
         say("spectra were not computed: no rank is suggested (drop --no-spectra, or load real weights)")
     elif rv is not None and rv.items:
         what = "suggested plan" if rv.suggested else f"plan {term(rv.source)}"
-        say(f"{what}: {len(rv.items)} layers, {rv.params_before:,} -> {rv.params_after:,} params; model "
+        n = factorized_count(audit)
+        count = f"{n} layers" if n == len(rv.items) else f"{n} of {len(rv.items)} planned layers factorized"
+        say(f"{what}: {count}, {rv.params_before:,} -> {rv.params_after:,} params; model "
             f"{audit.total_params:,} -> {rv.model_params_after:,} ({100 * rv.share_saved:.1f}% saved)"
             + (f"; MACs {rv.macs_before:,} -> {rv.macs_after:,}" if rv.macs_before is not None else ""), "  ")
+        for line in plan_rank_lines(audit, groups):
+            say(line, "      ")
         for p in plan_rows(audit):
             if p.flag:
                 say(f"  ! {term(p.layer)} r={p.rank:,}: {p.params_before:,} -> {p.params_after:,} "
@@ -271,18 +331,28 @@ def render(audit: "Audit", context: RenderContext = RenderContext(), top: int = 
         out.append("")
         for line in calibration.terminal(audit):
             say(line, "  ")
-        cal_rows = calibration.rows(audit.calibration) if audit.calibration.layers else []
+        cal_rows = (calibration.rows(audit.calibration, plan=calibration.plan_ranks(audit))
+                    if audit.calibration.layers else [])
         if cal_rows:
-            out += fit(_cal_columns(), cal_rows, width, CAL_STEPS, name_floor=12).lines(cal_rows)
+            say("Per layer: plan = the plan's rank (measured all at once, \"dense\": the plan keeps the layer); "
+                "evidence, not the plan: r@1%, r@5%, tier-1 = the tier-1 ranks for 1%, 5% and the tolerance, floor = "
+                "the measured floor (tier 2); > b-e: only a rank past break-even meets it alone", "  ")
+            out += fit(_cal_columns(), cal_rows, table_width, CAL_STEPS, name_floor=12).lines(cal_rows)
     if audit.speed is not None:  # only when the speed was measured (--measure-speed)
         out.append("")
         out += speed.terminal(audit)
     if audit.findings:
+        from .sarif import Locator, _relative_path
+
         out.append("")
+        locate = Locator(audit)
         for f in audit.findings:
             say(f"{f.severity.value:<7} {f.code} {term(f.message)}", " " * 14)
             if f.fix:
                 say(f"{'':14}fix: {term(f.fix)}", " " * 19)
+            where = locate.where(f)
+            if where is not None:  # path:line, the form editors and terminals open
+                say(f"{'':14}at {term(_relative_path(where.path))}:{max(1, where.line)}", " " * 17)
     if context.baseline is not None:
         d = context.baseline
         out.append("")
@@ -303,6 +373,31 @@ def render(audit: "Audit", context: RenderContext = RenderContext(), top: int = 
     out.append("")
     say(term(verdict_line(audit)))
     return "\n".join(out) + "\n"
+
+
+ANSI = {"PASS": "32", "UNMEASURED": "35", "REVIEW": "33", "FAIL": "31", "error": "31", "warning": "33", "info": "36"}
+
+
+def colour(text: str) -> str:
+    r"""The table with ANSI colour for a terminal: the verdict's word (PASS green, UNMEASURED magenta, REVIEW yellow,
+    FAIL red) and each finding's severity. The caller decides (a terminal, and ``NO_COLOR`` unset).
+
+    >>> colour("error   LR001 x\nFAIL: 1 error(s)\n")
+    '\x1b[31merror\x1b[0m   LR001 x\n\x1b[1;31mFAIL\x1b[0m: 1 error(s)\n'
+    """
+    text = re.sub(r"(?m)^(error|warning|info)(?= +LR)", lambda m: f"\x1b[{ANSI[m.group(1)]}m{m.group(1)}\x1b[0m", text)
+    return re.sub(r"(?m)^(PASS|UNMEASURED|REVIEW|FAIL)(?=:)", lambda m: f"\x1b[1;{ANSI[m.group(1)]}m{m.group(1)}\x1b[0m",
+                  text)
+
+
+def use_colour(stream: Any) -> bool:
+    """Colour only on a terminal, and never with ``NO_COLOR`` set (https://no-color.org)."""
+    import os
+
+    try:
+        return bool(stream.isatty()) and not os.environ.get("NO_COLOR")
+    except (AttributeError, ValueError):
+        return False
 
 
 class TextReporter:

@@ -86,6 +86,30 @@ class LayerTable:
     planned: bool = False  # a plan the user gave is reviewed: tables lead with its ranks
 
 
+def plan_outcome(verdict: Any) -> str:
+    """What the plan does to a layer, as the layer tables' verdict column says it when a plan is reviewed.
+
+    >>> from auditor.results import PlanVerdict
+    >>> [plan_outcome(v) for v in PlanVerdict] + [plan_outcome(None)]
+    ['factorize', 'factorize', 'kept dense', 'kept dense', 'not planned']
+
+    "kept dense": the plan names the layer at a rank that saves nothing (the plan's flag says why); a narrow layer
+    the plan factorizes is "factorize" here (LR003 and the plan table say it is narrow).
+    """
+    from ..results import PlanVerdict
+
+    return {PlanVerdict.FACTORIZE: "factorize", PlanVerdict.NARROW: "factorize",
+            PlanVerdict.ABOVE_MAX_RANK: "kept dense", PlanVerdict.NO_SAVING: "kept dense"}.get(verdict, "not planned")
+
+
+def factorized_count(audit: "Audit") -> int:
+    """How many of the reviewed plan's layers it factorizes (a rank that saves nothing keeps the layer dense)."""
+    from ..results import PlanVerdict
+
+    rv = audit.review
+    return 0 if rv is None else sum(it.verdict in (PlanVerdict.FACTORIZE, PlanVerdict.NARROW) for it in rv.items)
+
+
 def given_plan(audit: "Audit") -> dict[str, int]:
     """The ranks of a plan the user gave, by layer ({} without one: the suggested plan is not a given plan)."""
     rv = audit.review
@@ -117,6 +141,8 @@ def anchors(names: list[str], prefix: str = "layer-") -> dict[str, str]:
 def layer_table(audit: "Audit") -> LayerTable:
     cols = rank_columns(audit)
     planned = given_plan(audit)
+    outcome = ({it.layer: plan_outcome(it.verdict) for it in audit.review.items}
+               if audit.review is not None and not audit.review.suggested else None)
     ids = anchors([l.name for l in audit.layers])
     rows = []
     for i, (layer, cum) in enumerate(zip(audit.layers, audit.cumulative())):
@@ -132,7 +158,9 @@ def layer_table(audit: "Audit") -> LayerTable:
             tied=layer.tied, break_even=layer.break_even,
             ranks=tuple(ranks_for.get(target_key(c.target)) for c in cols),
             suggested=sg.rank if sg else None, compression=sg.compression if sg else None,
-            energy_at_rank=sg.energy_at_rank if sg else None, verdict=str(sg.verdict) if sg else "",
+            energy_at_rank=sg.energy_at_rank if sg else None,
+            verdict=(outcome.get(layer.name, plan_outcome(None)) if outcome is not None
+                     else str(sg.verdict) if sg else ""),  # a reviewed plan: the plan's outcome, not the suggestion
             reason=sg.reason if sg else "",
             stable_rank=sp.stable_rank if has_sigma else None,
             effective_rank=sp.effective_rank if has_sigma else None,

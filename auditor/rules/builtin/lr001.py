@@ -35,10 +35,14 @@ def lr001(ctx: Context, emit: Emit) -> None:
     """
     for it, layer in ctx.plan_items():
         if it.rank <= layer.max_rank and not lrmath.saves(layer.m, layer.n, it.rank):
+            sg = ctx.audit.suggestions.get(it.layer)
+            # the report's own suggestion when it saves (the number the layer table shows), else a quarter of break-even
+            example = (f"e.g. {sg.rank}, the suggested rank" if sg is not None and sg.rank
+                       and lrmath.saves(layer.m, layer.n, sg.rank)
+                       else f"e.g. {max(1, math.floor(layer.break_even / 4))}")
             emit(f"rank {it.rank} for {it.layer} ({layer.m}x{layer.n}) is at or above the break-even rank "
                  f"{layer.break_even:.1f}: {layer.params_at(it.rank):,} weights instead of {layer.params:,}",
                  [it.layer],
-                 f"Use a rank below {layer.break_even:.1f} (e.g. {max(1, math.floor(layer.break_even / 4))}) "
-                 "or keep it dense",
+                 f"Use a rank below {layer.break_even:.1f} ({example}) or keep it dense",
                  rank=it.rank, break_even=round(layer.break_even, 1), m=layer.m, n=layer.n,
                  params_dense=layer.params, params_factored=layer.params_at(it.rank))

@@ -43,6 +43,14 @@ def lr004(ctx: Context, emit: Emit) -> None:
         if it.energy_kept is not None and it.energy_kept < floor:
             emit(f"rank {it.rank} for {it.layer} keeps {100 * it.energy_kept:.1f}% of the spectral energy, below the "
                  f"floor of {100 * floor:g}% (best relative error {it.error_bound:.3f})",
-                 [it.layer], f"Raise the rank (see the ranks for {100 * floor:g}% in the layer table)",
+                 [it.layer], _raise_hint(ctx, it.layer, floor),
                  rank=it.rank, energy_kept=round(it.energy_kept, 6), floor=floor,
                  error_bound=round(it.error_bound or 0.0, 6))
+
+
+def _raise_hint(ctx: Context, layer: str, floor: float) -> str:
+    """The fix, naming the rank itself (the layer table may have dropped the energy columns to fit)."""
+    sp = ctx.audit.spectra.get(layer)
+    if sp is not None and sp.energy:
+        return f"Raise the rank to at least {sp.rank_for(floor)}, the rank keeping {100 * floor:g}% of the energy"
+    return f"Raise the rank (see the ranks for {100 * floor:g}% in the layer table)"
