@@ -55,6 +55,8 @@ def plan_check_clause(audit: "Audit") -> str:
     pc = cal.plan_check
     if pc is None or pc.layers == 0 or pc.measured != pc.measured:
         return "; not measured all at once"
+    if pc.verification is not None and not cal.higher_is_better:
+        return "; measured all at once: " + pc.verification.words(cal.tolerance, cal.metric)
     if cal.higher_is_better:
         return (f"; measured all at once: {cal.metric} {pc.measured:.4g} against the dense {cal.reference:.4g} "
                 f"(tolerance {cal.tolerance:g}: {'holds' if pc.ok else 'misses'})")

@@ -294,7 +294,8 @@ class CalibrationSession:
                                length=options.calibration_length, max_rows=options.calibration_max_rows,
                                max_bytes=options.calibration_max_bytes)
         session = cls(model, cal, metric_of(options, model, cal), layers=layers, options=options)
-        session.split = bool(cal.holdout)
+        # a user metric fn(model, batches) may line its own labels up with every held-out row: never cut
+        session.split = bool(cal.holdout) and session.metric.kind != "user"
         session.confidence = float(getattr(options, "confidence", 0.9))
         return session
 

@@ -93,6 +93,14 @@ def plan_line(cal: "CalibrationReport") -> str | None:
     pred = f"predicted {_g(pc.predicted)} (the {basis} {summed}), " if pc.predicted is not None else ""
     top1 = f", top-1 agreement {pct(pc.top1)}" if pc.top1 is not None else ""
     left = f"; not measured: {', '.join(pc.left_out)}" if pc.left_out else ""
+    v = pc.verification
+    if v is not None:
+        ci = (f" ({100 * v.confidence:g}% interval {_g(v.low)} to {_g(v.high)})" if v.low is not None
+              and v.high is not None else " (no interval)")
+        judged = "holds" if v.ok else "STRADDLES" if v.straddles else "MISSES"
+        return (f"Plan applied all at once ({pc.layers} layers, {pc.removed:,} parameters removed): {cal.metric} "
+                f"{pred}measured {_g(pc.measured)} on {v.rows:,} verification rows the search never read{ci}"
+                f"{top1}: {judged} the tolerance {cal.tolerance:g}{left}.")
     return (f"Plan applied all at once ({pc.layers} layers, {pc.removed:,} parameters removed): {cal.metric} "
             f"{pred}measured {_g(pc.measured)}{top1}: {'holds' if pc.ok else 'MISSES'} the tolerance "
             f"{cal.tolerance:g}{left}.")
@@ -257,6 +265,10 @@ def check_card(audit: "Audit") -> CheckCard | None:
     f = cal.rounding_floor
     if f is not None:
         top1 += f"; {f.dtype} rounding alone: {_g(f.used)} of the tolerance {f.tolerance:g}"
+    v = pc.verification
+    if v is not None and v.low is not None and v.high is not None:
+        top1 += (f"; {100 * v.confidence:g}% interval {_g(v.low)} to {_g(v.high)} over {v.rows:,} verification rows"
+                 + (": straddles the tolerance" if v.straddles else ""))
     sign = "\u2264" if pc.ok else ">"
     return CheckCard(f"{_g(pc.measured, 2)} {sign} {cal.tolerance:g}" if not cal.higher_is_better
                      else f"{_g(pc.measured)} (dense {_g(cal.reference)})",
@@ -372,6 +384,8 @@ def _md_lines(cal: "CalibrationReport") -> tuple[list[str], list[str]]:
         summed = "added up" if (pc.basis or "").endswith("which add up") else "summed in quadrature"
         lines.append(f"- Predicted {md_value(cal, pc.predicted)} ({md_text(pc.basis or 'tier-1 layer-output errors')}"
                      f" {summed}), measured {md_value(cal, pc.measured)} all at once")
+    if pc is not None and pc.verification is not None:
+        lines.append(f"- Verification: {md_text(pc.verification.words(cal.tolerance, cal.metric))}")
     if pc is not None and pc.left_out:
         names = ", ".join(md_code(middle(n, 60)) for n in pc.left_out[:5])
         more = f" and {len(pc.left_out) - 5:,} more" if len(pc.left_out) > 5 else ""
