@@ -202,7 +202,8 @@ def calibrate(model: nn.Module, layers: list[Layer], settings: "Settings", optio
             t_grad = time.perf_counter()
             with progress.phase("sensitivity gradients", total=len(cal.fit), unit="batch"):
                 with session.measuring():
-                    gradients = gradient_sensitivity(model, planned, cal, metric, stats, spectra,
+                    gradients = gradient_sensitivity(model, [*planned, *(l for l in layers if l.name in fixed)],
+                                                     cal, metric, stats, spectra,
                                                      progress=progress.update)
             seconds["gradients"] = time.perf_counter() - t_grad
             t += seconds["gradients"]

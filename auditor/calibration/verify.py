@@ -188,15 +188,18 @@ class Verifier:
         ok = hi is not None and hi <= tol
         straddles = hi is not None and lo <= tol < hi
         return Verification(value, lo, hi, self.confidence, self.rows, ok, straddles,
-                            self._needed(None if hi is None else (hi - lo) / 2))
+                            self._needed(None if hi is None else (hi - lo) / 2, value if straddles else None))
 
-    def _needed(self, half: float | None) -> int | None:
-        """Verification rows that would resolve the tolerance (half-width at most ``RESOLVE`` of it), when these do
-        not; None when they do (or nothing can be said)."""
+    def _needed(self, half: float | None, straddling: float | None = None) -> int | None:
+        """Verification rows that would resolve the tolerance, when these do not (None when they do, or nothing
+        can be said): a half-width at most ``RESOLVE`` of the tolerance and, for a value whose interval straddles
+        it, at most the value's distance from it (the interval shrinks as one over the square root of the rows)."""
         tol = self.metric.tolerance
         if half is None:
             return None if self.metric.kind == "user" else max(MIN_ROWS, 2 * self.rows)
         want = RESOLVE * tol
+        if straddling is not None and straddling != tol:
+            want = min(want, abs(straddling - tol))
         if self.rows >= MIN_ROWS and half <= want:
             return None
         return max(MIN_ROWS, int(math.ceil(self.rows * (half / want) ** 2))) if half > 0 else MIN_ROWS
