@@ -247,7 +247,8 @@ def plan_for_budget(model: nn.Module, layers: dict[str, Layer] | list[Layer],
                     calibration: Calibration | CalibrationSession, curves: Curves, budget: float | None = None, tolerance: float | None = None,
                     metric: Metric | Callable[..., float] | None = None, stats: InputStatistics | None = None,
                     frontier: int = 5, max_tries: int = 64, fixed: dict[str, int] | None = None,
-                    progress: Callable[[int], None] | None = None, reuse_bytes: int | None = None) -> BudgetResult:
+                    progress: Callable[[int], None] | None = None, reuse_bytes: int | None = None,
+                    reuse: "Decompositions | None" = None) -> BudgetResult:
     """Tier 3: the largest plan over ``curves`` that holds the tolerance all at once on the held-out batches.
 
     Each target (parameters to remove) gives one plan (:func:`allocate`); a plan is factorized and measured once
@@ -262,7 +263,8 @@ def plan_for_budget(model: nn.Module, layers: dict[str, Layer] | list[Layer],
     Only layers ``factorize`` rewrites take part. The model is measured in eval mode; its mode is restored.
     ``progress(plans measured so far)`` is called after each plan is measured (how many there will be is not known).
     ``reuse_bytes``: the budget of the per-layer decompositions kept across plans (:class:`Decompositions`; None: its
-    default; 0 decomposes every layer again for every plan). One plan's factorized copy is alive at a time."""
+    default; 0 decomposes every layer again for every plan), or ``reuse``: a :class:`Decompositions` of the caller's
+    (the audit's, kept for the verification and the plan check). One plan's factorized copy is alive at a time."""
     t0 = time.perf_counter()
     named = by_name(layers)
     fixed = {k: int(r) for k, r in (fixed or {}).items()}
@@ -281,13 +283,13 @@ def plan_for_budget(model: nn.Module, layers: dict[str, Layer] | list[Layer],
     with session.measuring():  # every module's own mode is restored afterwards
         stats = session.statistics(planned)
         return _search(model, session.evaluator, curves, named, stats, session.metric, budget, frontier, max_tries,
-                       fixed, t0, progress, reuse_bytes)
+                       fixed, t0, progress, reuse_bytes, reuse)
 
 
 def _search(model: nn.Module, ev: Evaluator, curves: Curves, named: dict[str, Layer], stats: InputStatistics,
             metric: Metric, budget: float | None, frontier: int, max_tries: int, fixed: dict[str, int],
             t0: float, progress: Callable[[int], None] | None = None,
-            reuse_bytes: int | None = None) -> BudgetResult:
+            reuse_bytes: int | None = None, reuse: "Decompositions | None" = None) -> BudgetResult:
     total = count_params(model)
     options = curves.options
     max_saved = sum(max(o.saved for o in opts) for opts in options.values())
@@ -295,7 +297,8 @@ def _search(model: nn.Module, ev: Evaluator, curves: Curves, named: dict[str, La
     memo: dict[tuple[tuple[str, int], ...], FrontierPlan] = {}
     by_target: dict[float, FrontierPlan] = {}
     tries: list[FrontierPlan] = []
-    reuse = Decompositions(reuse_bytes)  # each layer decomposed once across the plans, within a byte budget
+    if reuse is None:
+        reuse = Decompositions(reuse_bytes)  # each layer decomposed once across the plans, within a byte budget
 
     def measure(target: float) -> FrontierPlan:
         if target in by_target:

@@ -54,6 +54,7 @@ class Calibrated:
     spectra: dict[str, WhitenedSpectrum]
     sweep: str = ""  # where tier 2 ran: "local", "dask tcp://HOST:PORT (N workers)"; empty without tier 2
     gradients: Any = None  # the gradient sensitivity (auditor/calibration/fisher.py) tier 3 searched over, if any
+    reuse: Any = None  # tier 3's decompositions (budget.Decompositions), reused by the plan check
 
     @property
     def calibration(self) -> Calibration:
@@ -242,9 +243,12 @@ def calibrate(model: nn.Module, layers: list[Layer], settings: "Settings", optio
             evaluations += 1
             seconds["rounding"] = time.perf_counter() - t_round
             t += seconds["rounding"]
+        from .budget import Decompositions
+
+        reuse = Decompositions()  # each layer decomposed once for the search, the verification and the plan check
         with progress.phase("tier 3 plan search", unit="plan"):  # judged against the tolerance as given: the floor is part of every plan's cost
             budget = plan_for_budget(model, layers, session, curves, budget=options.budget, fixed=fixed,
-                                     progress=progress.update)
+                                     progress=progress.update, reuse=reuse)
         reference = budget.reference
         evaluations += budget.evaluations
         seconds["tier3"] = time.perf_counter() - t
@@ -262,7 +266,7 @@ def calibrate(model: nn.Module, layers: list[Layer], settings: "Settings", optio
         if session.verifier is not None:  # the plan chosen by its interval on rows the search never read
             t = time.perf_counter()
             with progress.phase("verification", unit="plan"):
-                budget = _verify(model, session, budget, stats)
+                budget = _verify(model, session, budget, stats, reuse)
             seconds["verification"] = time.perf_counter() - t
             evaluations += session.verifier.evaluations
             v = budget.verification
@@ -284,7 +288,7 @@ def calibrate(model: nn.Module, layers: list[Layer], settings: "Settings", optio
             synthetic=any(SYNTHETIC_MARK in w for w in cal.warnings), measured_floors=floors is not None,
             budget=budget, suggestions_from="measured floors" if floors is not None else "calibration",
             statistics_cached=cached, seconds=seconds, evaluations=evaluations, rounding_floor=rounding)
-        return Calibrated(report, session, spectra, sweep_where, gradients)
+        return Calibrated(report, session, spectra, sweep_where, gradients, reuse)
     finally:
         model.train(was_training)
 
@@ -292,7 +296,8 @@ def calibrate(model: nn.Module, layers: list[Layer], settings: "Settings", optio
 VERIFY_TRIES = 6  # plans verified at most, from the largest that held on the search rows down
 
 
-def _verify(model: nn.Module, session: CalibrationSession, budget: Any, stats: InputStatistics) -> Any:
+def _verify(model: nn.Module, session: CalibrationSession, budget: Any, stats: InputStatistics,
+            reuse: Any = None) -> Any:
     """Tier 3's plan verified on the held-out rows the search never read: the largest plan that held on the search
     rows whose verification interval ends within the tolerance (at most ``VERIFY_TRIES`` verified, largest first;
     the smallest verified stands, said to miss or straddle, when none does). The dense model is never verified: it
@@ -304,7 +309,7 @@ def _verify(model: nn.Module, session: CalibrationSession, budget: Any, stats: I
     if budget.chosen_after_recovery or not budget.plan:
         if budget.plan:
             with session.measuring():
-                v = ver.measure(factorize(model, budget.plan, stats))
+                v = ver.measure(factorize(model, budget.plan, stats, reuse=reuse))
             return replace(budget, verification=replace(v, search_rows=search_rows))
         return budget
     limit = budget.budget * budget.params_before if budget.budget is not None else float("inf")
@@ -321,7 +326,7 @@ def _verify(model: nn.Module, session: CalibrationSession, budget: Any, stats: I
     chosen = v = None
     with session.measuring():
         for p in held[:VERIFY_TRIES]:
-            v = ver.measure(factorize(model, p.plan, stats))
+            v = ver.measure(factorize(model, p.plan, stats, reuse=reuse))
             chosen = p
             if v.ok:
                 break
@@ -434,7 +439,7 @@ def check_plan(cal: Calibrated, model: nn.Module, audit: "Audit") -> Calibration
     verification = None
     with session.measuring():
         ev = session.evaluator
-        new = factorize(model, plan, session)
+        new = factorize(model, plan, session, reuse=cal.reuse)
         removed = count_params(model) - count_params(new)
         b = report.budget
         if session.verifier is not None:  # the verification rows, with the interval: memoized for the suggested plan
