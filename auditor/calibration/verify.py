@@ -177,10 +177,11 @@ class Verifier:
             return Verification(m.value, None, None, self.confidence, self.rows, m.ok, False, self._needed(None))
         sums = self._sums(model)
         value = self._value(sums)
+        self.rows = n = len(sums[-1])  # the outputs' rows (windows, examples): what is resampled
         lo = hi = None
-        if self.rows >= 2:
+        if n >= 2:
             rng = np.random.default_rng(SEED)
-            draws = rng.integers(0, self.rows, size=(RESAMPLES, self.rows))
+            draws = rng.integers(0, n, size=(RESAMPLES, n))
             vals = np.array([self._value(sums, d) for d in draws])
             a = (1 - self.confidence) / 2
             lo, hi = (float(x) for x in np.quantile(vals, [a, 1 - a]))
