@@ -265,10 +265,6 @@ def check_card(audit: "Audit") -> CheckCard | None:
     f = cal.rounding_floor
     if f is not None:
         top1 += f"; {f.dtype} rounding alone: {_g(f.used)} of the tolerance {f.tolerance:g}"
-    v = pc.verification
-    if v is not None and v.low is not None and v.high is not None:
-        top1 += (f"; {100 * v.confidence:g}% interval {_g(v.low)} to {_g(v.high)} over {v.rows:,} verification rows"
-                 + (": straddles the tolerance" if v.straddles else ""))
     sign = "\u2264" if pc.ok else ">"
     return CheckCard(f"{_g(pc.measured, 2)} {sign} {cal.tolerance:g}" if not cal.higher_is_better
                      else f"{_g(pc.measured)} (dense {_g(cal.reference)})",
@@ -384,8 +380,14 @@ def _md_lines(cal: "CalibrationReport") -> tuple[list[str], list[str]]:
         summed = "added up" if (pc.basis or "").endswith("which add up") else "summed in quadrature"
         lines.append(f"- Predicted {md_value(cal, pc.predicted)} ({md_text(pc.basis or 'tier-1 layer-output errors')}"
                      f" {summed}), measured {md_value(cal, pc.measured)} all at once")
-    if pc is not None and pc.verification is not None:
-        lines.append(f"- Verification: {md_text(pc.verification.words(cal.tolerance, cal.metric))}")
+    v = pc.verification if pc is not None else None
+    if v is not None:
+        ci = (f" ({100 * v.confidence:g}% interval {md_value(cal, v.low)} to {md_value(cal, v.high)} over {v.rows:,} "
+              "verification rows the search never read)" if v.low is not None and v.high is not None
+              else f" (on {v.rows:,} verification rows, no interval)")
+        judged = "within" if v.ok else "straddles" if v.straddles else "misses"
+        lines.append(f"- Verification: {md_text(cal.metric)} {md_value(cal, v.value)}{ci}: {judged} the tolerance "
+                     f"{md_tolerance(cal)}")
     if pc is not None and pc.left_out:
         names = ", ".join(md_code(middle(n, 60)) for n in pc.left_out[:5])
         more = f" and {len(pc.left_out) - 5:,} more" if len(pc.left_out) > 5 else ""
