@@ -109,6 +109,9 @@ def _parser() -> argparse.ArgumentParser:
     g.add_argument("--confidence", type=float, metavar="LEVEL",
                    help="the verification interval's level (default 0.9): the suggested plan's interval over the "
                         "held-out rows the search never read must end within the tolerance")
+    g.add_argument("--no-split", action="store_true",
+                   help="search and check the plan on every held-out row, without a verification part or interval "
+                        "(the behaviour before the split)")
     g.add_argument("--budget", type=float, metavar="FRACTION",
                    help="tier 3: a plan removing this share of the parameters, checked all at once")
     from .recover import add_cli_arguments as recover_arguments
@@ -367,7 +370,7 @@ def calibration_options(args: argparse.Namespace) -> dict:
         given = [f for f, v in (("--holdout", args.holdout), ("--metric", args.metric), ("--tolerance", args.tolerance),
                                 ("--measure-floor", args.measure_floor or None), ("--budget", args.budget),
                                 ("--no-probe", args.no_probe or None), ("--probe", args.probe or None),
-                                ("--confidence", args.confidence),
+                                ("--confidence", args.confidence), ("--no-split", args.no_split or None),
                                 ("--calibration-length", args.calibration_length),
                                 ("--calibration-max-rows", args.calibration_max_rows),
                                 ("--calibration-max-bytes", args.calibration_max_bytes),
@@ -381,6 +384,7 @@ def calibration_options(args: argparse.Namespace) -> dict:
             "budget": args.budget, "calibration_length": args.calibration_length,
             **({"probe_sensitivity": False} if args.no_probe else {}), **({"probe": True} if args.probe else {}),
             **({"confidence": _confidence(args.confidence)} if args.confidence is not None else {}),
+            **({"split": False} if args.no_split else {}),
             **({"device": _device(args.device)} if args.device is not None else {}),
             **({"offload": True} if args.offload else {}),
             **({"compute_dtype": args.compute_dtype} if args.compute_dtype not in (None, "model") else {}),

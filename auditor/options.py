@@ -75,6 +75,7 @@ class AuditOptions:
     probe_sensitivity: bool = True  # tier 3 without tier 2: each layer's model-level sensitivity (False: tier-1 costs)
     probe: bool = False  # that sensitivity from truncation probes (each layer measured alone at two ranks), not gradients
     confidence: float = 0.9  # the verification interval's level (bootstrap over held-out rows the search never read)
+    split: bool = True  # held-out rows cut into search and verification parts (False: every row for both, no interval)
     calibration_length: int | None = None  # tokens per window of a text file (default: the positions, at most 512)
     tokenizer: Any = None  # the directory of the tokenizer for a text file (audit_source: the Hugging Face directory)
     calibration_max_rows: int | None = CALIBRATION_MAX_ROWS  # read at most this many rows (None: no cap)
@@ -207,6 +208,7 @@ class OptionFields(TypedDict, total=False):
     probe_sensitivity: bool
     probe: bool
     confidence: float
+    split: bool
     calibration_length: int | None
     tokenizer: Any
     calibration_max_rows: int | None

@@ -295,7 +295,7 @@ class CalibrationSession:
                                max_bytes=options.calibration_max_bytes)
         session = cls(model, cal, metric_of(options, model, cal), layers=layers, options=options)
         # a user metric fn(model, batches) may line its own labels up with every held-out row: never cut
-        session.split = bool(cal.holdout) and session.metric.kind != "user"
+        session.split = bool(cal.holdout) and session.metric.kind != "user" and bool(getattr(options, "split", True))
         session.confidence = float(getattr(options, "confidence", 0.9))
         return session
 
