@@ -186,7 +186,7 @@ class Verifier:
             a = (1 - self.confidence) / 2
             lo, hi = (float(x) for x in np.quantile(vals, [a, 1 - a]))
             lo, hi = min(lo, value), max(hi, value)
-        ok = hi is not None and hi <= tol
+        ok = hi <= tol if hi is not None else value <= tol  # one row: no interval (a warning says so)
         straddles = hi is not None and lo <= tol < hi
         return Verification(value, lo, hi, self.confidence, self.rows, ok, straddles,
                             self._needed(None if hi is None else (hi - lo) / 2, value if straddles else None))
