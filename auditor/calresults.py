@@ -71,6 +71,7 @@ class LayerCalibration:
     seen: int | None = None  # input directions the calibration saw: ids looked up (embeddings), rank of X^T X
     spans: bool = True  # the calibration saw every input direction (seen == width); else data-free ranks stand
     probes: list[tuple[int, float]] = field(default_factory=list)  # (rank, metric) measured alone: tier 3's gains
+    predicted: list[tuple[int, float]] = field(default_factory=list)  # (rank, metric) alone, predicted from gradients
 
     @property
     def singular(self) -> bool:
@@ -118,6 +119,34 @@ class RecoverySetup:
 
 
 @dataclass
+class Verification:
+    """A plan measured on the verification rows (held out, never read by the search): the value and its bootstrap
+    interval over rows at ``confidence`` (None: a user metric, or one row). ``ok``: the interval's upper end is within
+    the tolerance; ``straddles``: the interval holds the tolerance inside it (neither a pass nor a miss);
+    ``rows_needed``: verification rows that would resolve the tolerance (half-width a quarter of it), None when
+    these do."""
+
+    value: float
+    low: float | None
+    high: float | None
+    confidence: float
+    rows: int
+    ok: bool
+    straddles: bool
+    rows_needed: int | None = None
+    search_rows: int = 0  # the held-out rows the search measured on
+
+    def words(self, tolerance: float, metric: str = "") -> str:
+        """"<metric> V (90% interval L to H over N verification rows): within/straddles/misses the tolerance T"."""
+        ci = (f" ({100 * self.confidence:g}% interval {self.low:.4g} to {self.high:.4g} over {self.rows:,} "
+              f"verification rows)" if self.low is not None and self.high is not None
+              else f" (on {self.rows:,} verification rows, no interval)")
+        judged = ("within the tolerance" if self.ok else "straddles the tolerance" if self.straddles
+                  else "misses the tolerance")
+        return f"{metric + ' ' if metric else ''}{self.value:.4g}{ci}: {judged} {tolerance:g}"
+
+
+@dataclass
 class FrontierPlan:
     """A plan measured all at once: parameters removed against the model-level metric (before any fine-tune), and
     with ``--recover`` the same plan measured again after the recovery fine-tune (``recovered``)."""
@@ -153,6 +182,7 @@ class BudgetResult:
     smallest_failing: int | None = None  # parameters removed by the smallest measured plan above it that failed
     recovery: RecoverySetup | None = None  # --recover: every frontier plan measured again after the fine-tune
     chosen_after_recovery: bool = False  # the plan holds only after that fine-tune (metric/ok: before it)
+    verification: Verification | None = None  # the plan on the verification rows, with its interval
     params_before: int = working(0)
     params_after: int = working(0)
     predicted_cost: float = working(0.0)
@@ -188,6 +218,7 @@ class PlanCheck:
     top1: float | None = None
     removed: int = 0  # parameters removed by the factorized layers
     basis: str = ""  # what the e_l are: tier-1 layer-output errors, or single-layer model errors (tier 2)
+    verification: Verification | None = None  # measured on the verification rows, with its interval
 
 
 @dataclass

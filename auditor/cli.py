@@ -109,8 +109,17 @@ def _parser() -> argparse.ArgumentParser:
     g.add_argument("--measure-floor", action="store_true",
                    help="tier 2: truncate each layer alone and bisect for its measured floor")
     g.add_argument("--no-probe", action="store_true",
-                   help="tier 3 without --measure-floor: skip the sensitivity probes (each layer measured alone at "
-                        "two ranks) and cost every layer by its tier-1 layer-output error as it is")
+                   help="tier 3 without --measure-floor: measure no sensitivity (neither gradients nor probes) and "
+                        "cost every layer by its tier-1 layer-output error as it is")
+    g.add_argument("--probe", action="store_true",
+                   help="tier 3 without --measure-floor: each layer's sensitivity from truncation probes (the layer "
+                        "measured alone at two ranks) instead of the default output gradients (one backward pass)")
+    g.add_argument("--confidence", type=float, metavar="LEVEL",
+                   help="the verification interval's level (default 0.9): the suggested plan's interval over the "
+                        "held-out rows the search never read must end within the tolerance")
+    g.add_argument("--no-split", action="store_true",
+                   help="search and check the plan on every held-out row, without a verification part or interval "
+                        "(the behaviour before the split)")
     g.add_argument("--budget", type=float, metavar="FRACTION",
                    help="tier 3: a plan removing this share of the parameters, checked all at once")
     from .recover import add_cli_arguments as recover_arguments
@@ -416,6 +425,12 @@ def speed_options(args: argparse.Namespace) -> dict:
     return out
 
 
+def _confidence(level: float) -> float:
+    if not (0 < level < 1):
+        raise AuditError(f"--confidence {level:g} is not a level in (0, 1)", "Give e.g. --confidence 0.9")
+    return float(level)
+
+
 def calibration_options(args: argparse.Namespace) -> dict:
     """The calibration flags as AuditOptions fields (checked there: --budget in (0, 1), the rest need data)."""
     from .calibration.inputs import parse_size
@@ -424,7 +439,8 @@ def calibration_options(args: argparse.Namespace) -> dict:
     if args.calibration is None:
         given = [f for f, v in (("--holdout", args.holdout), ("--metric", args.metric), ("--tolerance", args.tolerance),
                                 ("--measure-floor", args.measure_floor or None), ("--budget", args.budget),
-                                ("--no-probe", args.no_probe or None),
+                                ("--no-probe", args.no_probe or None), ("--probe", args.probe or None),
+                                ("--confidence", args.confidence), ("--no-split", args.no_split or None),
                                 ("--calibration-length", args.calibration_length),
                                 ("--calibration-max-rows", args.calibration_max_rows),
                                 ("--calibration-max-bytes", args.calibration_max_bytes),
@@ -437,7 +453,9 @@ def calibration_options(args: argparse.Namespace) -> dict:
     return {"calibration": args.calibration, "holdout": args.holdout if args.holdout is not None else 0.25,
             "metric": args.metric, "tolerance": args.tolerance, "measure_floor": args.measure_floor,
             "budget": args.budget, "calibration_length": args.calibration_length,
-            **({"probe_sensitivity": False} if args.no_probe else {}),
+            **({"probe_sensitivity": False} if args.no_probe else {}), **({"probe": True} if args.probe else {}),
+            **({"confidence": _confidence(args.confidence)} if args.confidence is not None else {}),
+            **({"split": False} if args.no_split else {}),
             **({"device": _device(args.device)} if args.device is not None else {}),
             **({"offload": True} if args.offload else {}),
             **({"compute_dtype": args.compute_dtype} if args.compute_dtype not in (None, "model") else {}),

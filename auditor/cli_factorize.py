@@ -189,6 +189,10 @@ def run(args: argparse.Namespace) -> int:
     if pc is not None and cr is not None:
         extra["measured"] = {"metric": cr.metric, "value": pc.measured, "holds": pc.ok, "tolerance": cr.tolerance,
                              "predicted": pc.predicted, "top1": pc.top1, "calibration_digest": cr.digest}
+        v = pc.verification
+        if v is not None:  # measured on the verification rows, with its interval over them
+            extra["measured"].update(rows=v.rows, interval=[v.low, v.high], confidence=v.confidence,
+                                     straddles=v.straddles)
     if recovery is not None:
         extra["recovery"] = cli_recover(recovery, new, model, session if session is not None else cal,
                                         session.metric if session is not None else None)
@@ -207,8 +211,12 @@ def run(args: argparse.Namespace) -> int:
           f"{extra['init']} initialisation", file=sys.stderr)
     if pc is not None and cr is not None:
         pred = f"predicted {pc.predicted:.4g} (layer-level), " if pc.predicted is not None else ""
-        print(f"{cr.metric} on the held-out part: {pred}measured {pc.measured:.4g} "
-              f"({'holds' if pc.ok else 'misses'} the tolerance {cr.tolerance:g})", file=sys.stderr)
+        v = pc.verification
+        if v is not None:
+            print(f"{cr.metric} on the held-out part: {pred}measured " + v.words(cr.tolerance), file=sys.stderr)
+        else:
+            print(f"{cr.metric} on the held-out part: {pred}measured {pc.measured:.4g} "
+                  f"({'holds' if pc.ok else 'misses'} the tolerance {cr.tolerance:g})", file=sys.stderr)
     print(f"wrote {escape(str(out / 'model.safetensors'))} and {escape(str(out / 'plan.json'))}; a recovery fine-tune follows "
           "(load with auditor.factorize.load_factorized(model, DIR))", file=sys.stderr)
     if exported:

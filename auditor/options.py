@@ -74,7 +74,10 @@ class AuditOptions:
     tolerance: float | None = None  # in the metric's units (default 0.01 relative output error)
     measure_floor: bool = False  # tier 2: each layer truncated alone, floor found by bisection
     budget: float | None = None  # tier 3: a fraction of the parameters to remove, checked all at once
-    probe_sensitivity: bool = True  # tier 3 without tier 2: each layer measured alone at two ranks, to scale its costs
+    probe_sensitivity: bool = True  # tier 3 without tier 2: each layer's model-level sensitivity (False: tier-1 costs)
+    probe: bool = False  # that sensitivity from truncation probes (each layer measured alone at two ranks), not gradients
+    confidence: float = 0.9  # the verification interval's level (bootstrap over held-out rows the search never read)
+    split: bool = True  # held-out rows cut into search and verification parts (False: every row for both, no interval)
     calibration_length: int | None = None  # tokens per window of a text file (default: the positions, at most 512)
     tokenizer: Any = None  # the directory of the tokenizer for a text file (audit_source: the Hugging Face directory)
     calibration_max_rows: int | None = CALIBRATION_MAX_ROWS  # read at most this many rows (None: no cap)
@@ -114,6 +117,9 @@ class AuditOptions:
             object.__setattr__(self, "cache_dir", Path(self.cache_dir))
         if self.settings is None:
             object.__setattr__(self, "settings", Settings())
+        if isinstance(self.confidence, bool) or not isinstance(self.confidence, (int, float)) \
+                or not 0 < self.confidence < 1:
+            raise AuditError(f"confidence {self.confidence!r} is not a level in (0, 1)", "Give e.g. confidence=0.9")
         if self.budget is not None and not 0 < self.budget < 1:
             raise AuditError(f"budget {self.budget} is not a fraction in (0, 1)", "Give e.g. budget=0.3")
         if self.tolerance is not None:
@@ -224,6 +230,9 @@ class OptionFields(TypedDict, total=False):
     measure_floor: bool
     budget: float | None
     probe_sensitivity: bool
+    probe: bool
+    confidence: float
+    split: bool
     calibration_length: int | None
     tokenizer: Any
     calibration_max_rows: int | None

@@ -360,6 +360,10 @@ def plan_basis(audit: "Audit") -> list[str]:
     measured = (f"Measured all at once on {cal.holdout_rows:,} held-out rows: {_comment(cal.metric)} "
                 f"{pc.measured:.4g} against the tolerance {cal.tolerance:g} ({'holds' if pc.ok else 'MISSES'})."
                 if pc is not None and pc.layers else "Not measured all at once: no planned layer.")
+    if pc is not None and pc.layers and pc.verification is not None:
+        v = pc.verification
+        measured = (f"Measured all at once on {v.rows:,} verification rows the search never read (it searched "
+                    f"{v.search_rows:,}): {_comment(v.words(cal.tolerance, cal.metric))}.")
     import textwrap
 
     text = (f"Ranks: the largest plan{cap} that holds the tolerance all at once, searched over the {curves} curves "

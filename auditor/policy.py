@@ -12,7 +12,7 @@ from .errors import ExitCode
 from .results import Severity
 
 if TYPE_CHECKING:
-    from .calresults import CalibrationReport
+    from .calresults import CalibrationReport, Verification
     from .results import Audit, Finding
 
 
@@ -109,6 +109,9 @@ def plan_check_clause(audit: "Audit") -> str:
     pc = cal.plan_check
     if pc is None or pc.layers == 0 or pc.measured != pc.measured:
         return "; not measured all at once"
+    v = pc.verification
+    if v is not None and not cal.higher_is_better:
+        return "; measured all at once: " + verification_words(cal, v)
     return f"; measured all at once: {metric_change(cal, pc.measured)}: {'holds' if pc.ok else 'MISSES'}"
 
 
@@ -132,6 +135,21 @@ def metric_change(cal: "CalibrationReport", value: float | None) -> str:
     if cal.higher_is_better:
         return f"held-out {label} {cal.reference:.4g} -> {value:.4g} (tolerance -{cal.tolerance:g})"
     return f"{label} {value:.4g} (tolerance {cal.tolerance:g})"
+
+
+def verification_words(cal: "CalibrationReport", v: "Verification") -> str:
+    """The verified number in the user's units with its interval and what it says of the tolerance: "held-out
+    perplexity 153.77 -> 154.97 (+0.78%, tolerance +1%); 90% interval +0.70% to +0.88% over 83 verification rows:
+    within the tolerance" for a perplexity, else :meth:`Verification.words` ("relative output error 0.009656 (90%
+    interval 0.009491 to 0.009816 over 128 verification rows): within the tolerance 0.01")."""
+    label = cal.metric
+    if not (label.endswith("perplexity increase") and cal.reference > 0):
+        return v.words(cal.tolerance, label)
+    judged = ("within the tolerance" if v.ok else "straddles the tolerance" if v.straddles else "misses the tolerance")
+    if v.low is None or v.high is None:
+        return f"{metric_change(cal, v.value)} on {v.rows:,} verification rows, no interval: {judged}"
+    return (f"{metric_change(cal, v.value)}; {100 * v.confidence:g}% interval {100 * v.low:+.2f}% to "
+            f"{100 * v.high:+.2f}% over {v.rows:,} verification rows: {judged}")
 
 
 def exit_code(audit: "Audit", fail_on: FailOn | str | None = None) -> ExitCode:

@@ -48,6 +48,14 @@ def _layers(model: torch.nn.Module) -> dict:
     return by_name(collect_layers(model, ParamTable.of(model)))
 
 
+def _split(cal):
+    """(the search part, the verification part) of the held-out rows, as the audit cuts them."""
+    from auditor.calibration.verify import split_rows, with_holdout
+
+    search, verify = split_rows(cal.holdout)
+    return with_holdout(cal, search), with_holdout(cal, verify)
+
+
 def _json(cli_inproc, out: Path, *args: str, code: int = 0, fmt: str = "json") -> dict:
     r = cli_inproc(MODEL, "--format", fmt, "-o", out, "-q", *args)
     assert r.returncode == code, r.stderr
@@ -78,7 +86,8 @@ def test_tier1_ranks_and_suggestions_are_the_librarys(cli_inproc, calib, tmp_pat
     fixed = {k: free[k].rank for k in ("fc2", "fc3")}
     assert got["budget"]["fixed"] == fixed and not got["layers"]["fc2"]["spans"] and got["layers"]["fc1"]["spans"]
     swept = [_layers(model)["fc1"]]
-    bp = plan_for_budget(model, list(_layers(model).values()), cal,
+    search, verify = _split(cal)  # the search reads the first 50 held-out rows, the verification the other 50
+    bp = plan_for_budget(model, list(_layers(model).values()), search,
                          _curves(curves_from_spectra({"fc1": spectra["fc1"]}, swept), swept), stats=stats, fixed=fixed)
     assert bp.ok and not bp.exhausted and bp.plan and bp.removed > 0
     plan = {k: s["rank"] for k, s in d["suggestions"].items() if s["rank"] is not None}
@@ -90,15 +99,19 @@ def test_tier1_ranks_and_suggestions_are_the_librarys(cli_inproc, calib, tmp_pat
     assert bp.smallest_failing is not None and any(not t.ok and t.removed > bp.removed for t in bp.tries)
     assert not got["measured_floors"] and got["budget"]["budget"] is None and not got["statistics_cached"]
     assert got["budget"]["source"] == "tier1" and all(not lc["probes"] for lc in got["layers"].values())
-    pc = got["plan_check"]  # the suggested plan, factorized all at once and measured
-    ev = auditor.calibration.Evaluator(model, cal)
+    pc = got["plan_check"]  # the suggested plan, factorized all at once and measured on the verification rows
+    ev = auditor.calibration.Evaluator(model, verify)
     want = ev.measure(factorize(model, plan, stats))
     assert pc["layers"] == len(plan) and pc["measured"] == pytest.approx(want.value, rel=1e-9)
     assert pc["ok"] is want.ok is True and pc["removed"] == count_params(model) - predicted_params(model, plan)
-    assert pc["measured"] == pytest.approx(bp.metric, rel=1e-9) and pc["measured"] <= got["tolerance"]
+    assert got["budget"]["metric"] == pytest.approx(bp.metric, rel=1e-9) and pc["measured"] <= got["tolerance"]
+    v = pc["verification"]
+    assert (v["rows"], v["search_rows"], v["confidence"]) == (50, 50, 0.9) and v == got["budget"]["verification"]
+    assert v["low"] <= pc["measured"] <= v["high"] <= got["tolerance"] and v["ok"] and not v["straddles"]
     assert d["verdict"].startswith("REVIEW: 2 warning(s)")  # LR014 on fc2 and fc3: 300 rows for 512 inputs
-    assert d["verdict"].endswith("measured all at once: relative output error "
-                                 f"{pc['measured']:.4g} (tolerance 0.01): holds")
+    assert d["verdict"].endswith(f"measured all at once: relative output error {pc['measured']:.4g} (90% interval "
+                                 f"{v['low']:.4g} to {v['high']:.4g} over 50 verification rows): within the tolerance "
+                                 "0.01")
     # without tier 2 the prediction sums the tier-1 layer-output errors in quadrature
     assert pc["basis"] == "tier-1 layer-output errors"
     assert pc["predicted"] == pytest.approx(math.sqrt(sum(spectra[k].error_at(r) ** 2 for k, r in plan.items())),
@@ -109,24 +122,25 @@ def test_tier1_ranks_and_suggestions_are_the_librarys(cli_inproc, calib, tmp_pat
     assert again["calibration"]["layers"] == got["layers"]
 
 
-def test_default_plan_scales_tier1_by_probed_sensitivity(cli_inproc, calib, tmp_path, digits_mlp):
-    """The default tier 3 (no --measure-floor): each planned layer truncated alone at its smallest grid rank and at
+def test_probe_plan_scales_tier1_by_probed_sensitivity(cli_inproc, calib, tmp_path, digits_mlp):
+    """Tier 3 with --probe (no --measure-floor): each planned layer truncated alone at its smallest grid rank and at
     its tier-1 rank, measured; the plan is the library's over the curves those gains scale, and holds all at once."""
     from auditor.calibration.sweep import probe_ranks, probe_sensitivity
     from auditor.calibration.whiten import Truncator
 
     model = digits_mlp[0]
     before = {k: v.clone() for k, v in model.state_dict().items()}
-    d = _json(cli_inproc, tmp_path, "--calibration", calib, "--no-cache", fmt="json,md")
+    d = _json(cli_inproc, tmp_path, "--calibration", calib, "--no-cache", "--probe", fmt="json,md")
     cal = load_calibration(calib, model, 0.25)
     layers = _layers(model)
     stats, spectra = tier1(model, layers, cal)
     got = d["calibration"]
+    search, verify = _split(cal)
     swept = [layers["fc1"]]  # the only layer calibration spans and is not narrow
     assert probe_ranks(layers["fc1"], spectra["fc1"], 8, 0.01) == [8, 48]  # 48: its rank for 1% output error
     assert [lc["probes"] != [] for lc in got["layers"].values()] == [k == "fc1" for k in got["layers"]]
     # each probe is the model with that layer alone at its whitened truncation, measured on the held-out rows
-    ev = auditor.calibration.Evaluator(model, cal)
+    ev = auditor.calibration.Evaluator(model, search)
     for r, value in got["layers"]["fc1"]["probes"]:
         import copy
 
@@ -134,10 +148,10 @@ def test_default_plan_scales_tier1_by_probed_sensitivity(cli_inproc, calib, tmp_
         with torch.no_grad():
             one.fc1.weight.copy_(Truncator(layers["fc1"], model.fc1.weight.detach(), stats.layers["fc1"]).weight(r))
         assert value == pytest.approx(ev.measure(one).value, rel=1e-9), r
-    probes = probe_sensitivity(model, swept, cal, spectra)
+    probes = probe_sensitivity(model, swept, search, spectra)
     assert [list(p) for p in probes.floors["fc1"].points] == got["layers"]["fc1"]["probes"]
     assert probes.evaluations == 2 and all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
-    bp = plan_for_budget(model, list(layers.values()), cal,
+    bp = plan_for_budget(model, list(layers.values()), search,
                          _curves(curves_from_floors(probes, swept, spectra, source="probed"), swept), stats=stats,
                          fixed=got["budget"]["fixed"])
     b = got["budget"]
@@ -158,7 +172,8 @@ def test_floors_and_budget_are_the_librarys(cli_inproc, calib, tmp_path, digits_
     stats, spectra = tier1(model, layers, cal)
     # head is narrow; fc2 and fc3 (300 rows for 512 inputs) are not spanned: only fc1 is swept
     swept = [layers["fc1"]]
-    floors = measure_floors(model, swept, cal, stats=stats, spectra=spectra)
+    search, verify = _split(cal)  # tiers 2 and 3 read the search part of the held-out rows
+    floors = measure_floors(model, swept, search, stats=stats, spectra=spectra)
     got = d["calibration"]["layers"]
     # with tier 2 the prediction sums single-layer model errors: fc1 at 8 and fc2 at 16, each measured or
     # gain-scaled from the tier-1 curve
@@ -176,7 +191,7 @@ def test_floors_and_budget_are_the_librarys(cli_inproc, calib, tmp_path, digits_
     assert got["fc1"]["floor"]["floor"] == 24
     fixed = d["calibration"]["budget"]["fixed"]
     assert set(fixed) == {"fc2", "fc3"}
-    bp = plan_for_budget(model, list(layers.values()), cal, _curves(curves_from_floors(floors, swept, spectra), swept),
+    bp = plan_for_budget(model, list(layers.values()), search, _curves(curves_from_floors(floors, swept, spectra), swept),
                          budget=0.5, stats=stats, fixed=fixed)
     b = d["calibration"]["budget"]
     assert b["plan"] == bp.plan and b["removed"] == bp.removed and b["ok"] is bp.ok is True
@@ -194,7 +209,7 @@ def _curves(curves, layers):
     """The stage's filter: options compressing less than min_compression (1.1x) are not offered."""
     named = {l.name: l for l in layers}
     return type(curves)({k: [o for o in v if named[k].compression(o.rank) >= 1.1] for k, v in curves.options.items()},
-                        curves.source)
+                        curves.source, curves.linear)
 
 
 def _plan(tmp_path: Path, ranks: dict[str, int]) -> Path:
@@ -220,8 +235,11 @@ def test_factorize_writes_and_loads_back(cli_inproc, calib, tmp_path, digits_mlp
     x = cal.fit[0].kwargs["x"]  # DigitsMLP.forward(x): the file's tensor is its keyword input
     with torch.no_grad():
         assert torch.equal(back(x), want(x))
-    ev = auditor.calibration.Evaluator(model, cal)
+    ev = auditor.calibration.Evaluator(model, _split(cal)[1])  # the verification rows
     assert meta["measured"]["value"] == pytest.approx(ev.measure(want).value, rel=1e-9)
+    assert meta["measured"]["rows"] == 50 and meta["measured"]["confidence"] == 0.9
+    low, high = meta["measured"]["interval"]
+    assert low <= meta["measured"]["value"] <= high
     # a non-empty directory is refused without --force
     r = cli_inproc("factorize", MODEL, "--plan", tmp_path / "plan.toml", "-o", out)
     assert r.returncode == 2 and r.stderr.count("\n") == 1 and "is not empty" in r.stderr

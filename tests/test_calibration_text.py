@@ -167,8 +167,12 @@ def test_cli_audit_with_a_text_file(cli_inproc, tmp_path, hf_dir, tokenizer, wor
     assert c["source"].startswith(f"{text} (tokenized by {type(tokenizer).__name__} from {hf_dir}: 751 tokens, 12 windows")
     assert c["layers"]["encoder.layer.0.attention.self.query"]["rows"] == 9 * POSITIONS
     # real text: not synthetic; only the pooler (one [CLS] row per window: 9 < 32) has too few rows
-    assert not c["synthetic"] and [w.split(" saw ")[0] for w in c["warnings"]] == ["pooler.dense"]
-    assert c["warnings"][0].startswith("pooler.dense saw 9 calibration rows, fewer than its input width 32")
+    # and the 3 held-out windows leave 1 for the verification: no interval, a warning naming the rows that would do
+    ver, pooler = c["warnings"]
+    assert not c["synthetic"] and pooler.split(" saw ")[0] == "pooler.dense"
+    assert pooler.startswith("pooler.dense saw 9 calibration rows, fewer than its input width 32")
+    assert ver.startswith("the 1 verification rows (held out, never searched) give no interval")
+    assert c["plan_check"]["verification"]["low"] is None and c["plan_check"]["verification"]["rows_needed"] == 8
 
 
 def _word_level(folder: Path, specials: bool) -> Path:

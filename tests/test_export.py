@@ -196,7 +196,7 @@ def test_cli_recover_and_export_end_to_end(cli_inproc, tmp_path):
     plan.write_text("[ranks]\nfc1 = 8\nfc2 = 8\n")
     out = tmp_path / "out"
     r = cli_inproc("factorize", "sample_models/digits.py:mlp", "--plan", plan, "--calibration",
-                   tmp_path / "cal.safetensors", "--recover", "6", "--recover-lr", "1e-3", "--export", "pt2",
+                   tmp_path / "cal.safetensors", "--no-split", "--recover", "6", "--recover-lr", "1e-3", "--export", "pt2",
                    "-o", out, "--no-cache")
     assert r.returncode == 0, r.stderr
     meta = json.loads((out / "plan.json").read_text())

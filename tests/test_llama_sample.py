@@ -126,7 +126,8 @@ def test_text_calibration_perplexity_equals_hand(model, tokenizer, tmp_path):
     held = _windows(tokenizer, tmp_path / "holdout.txt", length)
     assert held.shape[0] >= 8 and cal.holdout_rows == held.shape[0]
     assert cal.metric.startswith("perplexity") or "perplexity" in cal.metric
-    assert cal.reference == pytest.approx(_hand_perplexity(model, held), rel=1e-6)
+    search = min(held.shape[0] - 1, max(1, round(held.shape[0] * 0.5)))  # the search half measures the reference
+    assert cal.reference == pytest.approx(_hand_perplexity(model, held[:search]), rel=1e-6)
     assert 1 < cal.reference < 2048  # a trained model: well under the uniform guess's perplexity
 
 

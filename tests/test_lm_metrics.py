@@ -305,6 +305,9 @@ def test_the_exported_model_measures_what_plan_json_says(cli_inproc, tmp_path):
     back = load_factorized(model, out).eval()
     assert model.training  # the factory's model as given; the evaluator below puts it in eval mode
     cal = load_calibration(tmp_path / "cal.safetensors", model, 0.25)
-    value = Evaluator(model.eval(), cal).measure(back).value
+    from auditor.calibration.verify import split_rows, with_holdout
+
+    verify = with_holdout(cal, split_rows(cal.holdout)[1])  # plan.json's number: the verification rows'
+    value = Evaluator(model.eval(), verify).measure(back).value
     assert measured["metric"] == "relative output error" and value > 1e-3
     assert measured["value"] == pytest.approx(value, rel=1e-9)

@@ -61,7 +61,8 @@ def evidence(one_thread):
         return new
 
     options = AuditOptions(calibration={"x": _x()}, budget=0.95, tolerance=TOL, recover_steps=STEPS,
-                           recover_objective="mse", cache=False, progress=False, probe_sensitivity=False)
+                           recover_objective="mse", cache=False, progress=False, probe_sensitivity=False,
+                           split=False)  # the documented recovery table: searched and checked on all 200 rows
     with pytest.MonkeyPatch.context() as m:
         m.setattr(budget, "factorize", hooked)
         audit, session = audit_session(model, _x()[:16], options=options)
@@ -117,7 +118,7 @@ def test_choose_after_recovery_picks_a_larger_plan_marked_everywhere(evidence, c
     save_file({"x": _x().contiguous()}, str(calib))
     out = tmp_path / "out"
     r = cli_inproc(MODEL, "--calibration", calib, "--budget", "0.95", "--tolerance", str(TOL), "--recover",
-                   str(STEPS), "--recover-objective", "mse", "--choose-after-recovery", "--no-cache", "--no-probe",
+                   str(STEPS), "--recover-objective", "mse", "--choose-after-recovery", "--no-cache", "--no-probe", "--no-split",
                    "--format", "text,json,md", "-o", out, "--emit-plan", out / "plan.toml")
     assert r.returncode == 0, r.stderr
     d = json.loads((out / "lowrank-audit.json").read_text())

@@ -194,7 +194,8 @@ CASES: dict[str, Case] = {
     "LR014-passes": Case("LR014", rank12, options=dict(calibration=rows(200))),
     # rank 8 drops four of rank12's directions: the measured error (the held-out rows' share of them) misses 1%;
     # the largest plan that held is rank 16 (exact: 2,048 parameters removed at rounding-level error)
-    "LR015-fires": Case("LR015", rank12, plan={"ranks": {"0": 8}, **FT}, options=dict(calibration=rows(200)),
+    "LR015-fires": Case("LR015", rank12, plan={"ranks": {"0": 8}, **FT}, options=dict(calibration=rows(200),
+                                                                                      split=False),
                         expect=[([], dict(measured=pytest.approx(LR015_MEASURED, rel=1e-6), tolerance=0.01,
                                           planned_layers=1, removed=4096 - 8 * 128, held_removed=4096 - 16 * 128,
                                           held_metric=pytest.approx(0.0, abs=1e-6)))]),
@@ -213,7 +214,7 @@ CASES: dict[str, Case] = {
     # (tests/test_recovery_frontier.py)
     "LR019-fires": Case("LR019", lambda: digits_mlp(), spectra=True, options=dict(
         calibration={"x": digits_rows()}, budget=0.95, tolerance=0.0625, recover_steps=40, recover_objective="mse",
-        choose_after_recovery=True), expect=[([], dict(removed=407040, before=pytest.approx(0.063236, abs=1e-5),
+        choose_after_recovery=True, split=False), expect=[([], dict(removed=407040, before=pytest.approx(0.063236, abs=1e-5),
                                                        after=pytest.approx(0.061555, abs=1e-5), tolerance=0.0625,
                                                        steps=40))]),
     "LR019-passes": Case("LR019", rank12, options=dict(calibration=rows(200), budget=0.5)),

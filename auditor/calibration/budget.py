@@ -14,7 +14,7 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import dataclass
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 from torch import nn
 
@@ -28,6 +28,9 @@ from .session import CalibrationSession
 from .stats import InputStatistics, by_name
 from .sweep import Floors
 from .whiten import WhitenedSpectrum
+
+if TYPE_CHECKING:
+    from .fisher import GradientSensitivity
 
 
 @dataclass
@@ -43,6 +46,8 @@ class Curves:
 
     options: dict[str, list[Option]]
     source: str
+    linear: bool = False  # costs in the metric's own units, adding up as they are (gradient curves of a likelihood
+    #                       metric: nats of cross-entropy); else squared values that add up in quadrature
 
 
 def curves_from_floors(floors: Floors, layers: dict[str, Layer] | list[Layer],
@@ -128,6 +133,25 @@ def curves_from_spectra(spectra: dict[str, WhitenedSpectrum], layers: dict[str, 
         if opts:
             out[name] = opts
     return Curves(out, "tier1")
+
+
+def curves_from_gradients(sensitivity: "GradientSensitivity", layers: dict[str, Layer] | list[Layer],
+                          align: int = 8) -> Curves:
+    """Options from the gradient-predicted costs (:func:`~auditor.calibration.fisher.gradient_sensitivity`): every
+    multiple of ``align`` below break-even, costed by the layer's predicted model-level cost at that rank (the
+    squared relative output error, or for a likelihood metric the cross-entropy increase in nats: ``linear``)."""
+    named = by_name(layers)
+    out: dict[str, list[Option]] = {}
+    for name, costs in sensitivity.costs.items():
+        layer = named.get(name)
+        if layer is None:
+            continue
+        useful = lrmath.max_useful_rank(layer.m, layer.n)
+        opts = [Option(r, layer.params - layer.params_at(r), float(costs[min(r, len(costs) - 1)]))
+                for r in range(align, useful + 1, align)]
+        if opts:
+            out[name] = opts
+    return Curves(out, "gradient", sensitivity.linear)
 
 
 def _pick(options: dict[str, list[Option]], mu: float) -> tuple[dict[str, int], int, float]:
@@ -223,7 +247,8 @@ def plan_for_budget(model: nn.Module, layers: dict[str, Layer] | list[Layer],
                     calibration: Calibration | CalibrationSession, curves: Curves, budget: float | None = None, tolerance: float | None = None,
                     metric: Metric | Callable[..., float] | None = None, stats: InputStatistics | None = None,
                     frontier: int = 5, max_tries: int = 64, fixed: dict[str, int] | None = None,
-                    progress: Callable[[int], None] | None = None, reuse_bytes: int | None = None) -> BudgetResult:
+                    progress: Callable[[int], None] | None = None, reuse_bytes: int | None = None,
+                    reuse: "Decompositions | None" = None) -> BudgetResult:
     """Tier 3: the largest plan over ``curves`` that holds the tolerance all at once on the held-out batches.
 
     Each target (parameters to remove) gives one plan (:func:`allocate`); a plan is factorized and measured once
@@ -238,7 +263,8 @@ def plan_for_budget(model: nn.Module, layers: dict[str, Layer] | list[Layer],
     Only layers ``factorize`` rewrites take part. The model is measured in eval mode; its mode is restored.
     ``progress(plans measured so far)`` is called after each plan is measured (how many there will be is not known).
     ``reuse_bytes``: the budget of the per-layer decompositions kept across plans (:class:`Decompositions`; None: its
-    default; 0 decomposes every layer again for every plan). One plan's factorized copy is alive at a time."""
+    default; 0 decomposes every layer again for every plan), or ``reuse``: a :class:`Decompositions` of the caller's
+    (the audit's, kept for the verification and the plan check). One plan's factorized copy is alive at a time."""
     t0 = time.perf_counter()
     named = by_name(layers)
     fixed = {k: int(r) for k, r in (fixed or {}).items()}
@@ -250,20 +276,20 @@ def plan_for_budget(model: nn.Module, layers: dict[str, Layer] | list[Layer],
                          "Pass every layer of the plan in layers")
     options = {k: v for k, v in curves.options.items()
                if k in named and named[k].kind in SUPPORTED and k not in fixed}
-    curves = Curves(options, curves.source)
+    curves = Curves(options, curves.source, curves.linear)
     planned = {k: named[k] for k in [*options, *fixed] if k in named}
     session = CalibrationSession.of(calibration, model, metric=metric, tolerance=tolerance, layers=planned,
                                     stats=stats)  # a metric given keeps its kind (perplexity, kl, ...)
     with session.measuring():  # every module's own mode is restored afterwards
         stats = session.statistics(planned)
         return _search(model, session.evaluator, curves, named, stats, session.metric, budget, frontier, max_tries,
-                       fixed, t0, progress, reuse_bytes)
+                       fixed, t0, progress, reuse_bytes, reuse)
 
 
 def _search(model: nn.Module, ev: Evaluator, curves: Curves, named: dict[str, Layer], stats: InputStatistics,
             metric: Metric, budget: float | None, frontier: int, max_tries: int, fixed: dict[str, int],
             t0: float, progress: Callable[[int], None] | None = None,
-            reuse_bytes: int | None = None) -> BudgetResult:
+            reuse_bytes: int | None = None, reuse: "Decompositions | None" = None) -> BudgetResult:
     total = count_params(model)
     options = curves.options
     max_saved = sum(max(o.saved for o in opts) for opts in options.values())
@@ -271,7 +297,8 @@ def _search(model: nn.Module, ev: Evaluator, curves: Curves, named: dict[str, La
     memo: dict[tuple[tuple[str, int], ...], FrontierPlan] = {}
     by_target: dict[float, FrontierPlan] = {}
     tries: list[FrontierPlan] = []
-    reuse = Decompositions(reuse_bytes)  # each layer decomposed once across the plans, within a byte budget
+    if reuse is None:
+        reuse = Decompositions(reuse_bytes)  # each layer decomposed once across the plans, within a byte budget
 
     def measure(target: float) -> FrontierPlan:
         if target in by_target:
@@ -299,7 +326,7 @@ def _search(model: nn.Module, ev: Evaluator, curves: Curves, named: dict[str, La
             raise AuditError(f"budget {budget} is not a fraction in (0, 1)", "Give e.g. --budget 0.3")
         start = min(max(budget * total - fixed_saved, 0.0), float(max_saved))
     else:
-        cap = metric.tolerance if metric.kind == "user" else metric.tolerance ** 2
+        cap = metric.tolerance if metric.kind == "user" or curves.linear else metric.tolerance ** 2
         lo, hi = 0.0, float(max_saved)  # the largest target whose predicted cost fits the cap
         for _ in range(60):
             mid = (lo + hi) / 2

@@ -299,6 +299,9 @@ class CalibrationSession:
         self.options = options
         self._held: dict[str, Any] = {"stats": stats, "cached": False}  # shared with with_metric's sessions
         self._evaluator: Evaluator | None = None
+        self._verifier: Any = None
+        self.split = False  # the held-out rows cut into a search part and a verification part (the audit's)
+        self.confidence = 0.9  # the verification interval's level
 
     @property
     def _stats(self) -> InputStatistics | None:
@@ -334,7 +337,11 @@ class CalibrationSession:
         cal = load_calibration(options.calibration, model, options.holdout, tokenizer=options.tokenizer,
                                length=options.calibration_length, max_rows=options.calibration_max_rows,
                                max_bytes=options.calibration_max_bytes)
-        return cls(model, cal, metric_of(options, model, cal), layers=layers, options=options)
+        session = cls(model, cal, metric_of(options, model, cal), layers=layers, options=options)
+        # a user metric fn(model, batches) may line its own labels up with every held-out row: never cut
+        session.split = bool(cal.holdout) and session.metric.kind != "user" and bool(getattr(options, "split", True))
+        session.confidence = float(getattr(options, "confidence", 0.9))
+        return session
 
     def with_metric(self, metric: Metric) -> "CalibrationSession":
         """This session measured with ``metric``: itself when it is the same, else a session sharing the batches and
@@ -343,6 +350,7 @@ class CalibrationSession:
             return self
         other = CalibrationSession(self.model, self.calibration, metric, layers=self.layers, options=self.options)
         other._held = self._held
+        other.split, other.confidence = self.split, self.confidence
         return other
 
     @contextlib.contextmanager
@@ -413,13 +421,39 @@ class CalibrationSession:
         return self.statistics()
 
     @property
+    def search_calibration(self) -> Calibration:
+        """The calibration the search measures on: the held-out rows' search part when the session is ``split``
+        (:mod:`~auditor.calibration.verify`), else every held-out row."""
+        if not self.split:
+            return self.calibration
+        from .verify import split_rows, with_holdout
+
+        if "search" not in self._held:
+            self._held["search"], self._held["verify"] = split_rows(self.calibration.holdout)
+        return with_holdout(self.calibration, self._held["search"])
+
+    @property
     def evaluator(self) -> Evaluator:
-        """The one evaluator on the held-out batches: the dense reference is measured (and the forward checked to
-        repeat) on first use, with the model in eval mode."""
+        """The one evaluator on the held-out batches (their search part when ``split``): the dense reference is
+        measured (and the forward checked to repeat) on first use, with the model in eval mode."""
         if self._evaluator is None:
             with self.measuring():
-                self._evaluator = Evaluator(self.model, self.calibration, self.metric)
+                self._evaluator = Evaluator(self.model, self.search_calibration, self.metric)
         return self._evaluator
+
+    @property
+    def verifier(self) -> Any:
+        """The verifier on the held-out rows' verification part (``split`` sessions only; None otherwise): every
+        row measured, with a bootstrap interval over rows at ``confidence``."""
+        if not self.split:
+            return None
+        if self._verifier is None:
+            from .verify import Verifier
+
+            self.search_calibration  # noqa: B018 - cuts the rows once
+            with self.measuring():
+                self._verifier = Verifier(self.model, self._held["verify"], self.metric, self.confidence)
+        return self._verifier
 
 
 __all__ = ["CalibrationSession", "as_metric", "cache_path", "metric_of", "statistics_key", "statistics_memory"]

@@ -53,6 +53,8 @@ class Calibrated:
     session: CalibrationSession
     spectra: dict[str, WhitenedSpectrum]
     sweep: str = ""  # where tier 2 ran: "local", "dask tcp://HOST:PORT (N workers)"; empty without tier 2
+    gradients: Any = None  # the gradient sensitivity (auditor/calibration/fisher.py) tier 3 searched over, if any
+    reuse: Any = None  # tier 3's decompositions (budget.Decompositions), reused by the plan check
 
     @property
     def calibration(self) -> Calibration:
@@ -131,7 +133,8 @@ def calibrate(model: nn.Module, layers: list[Layer], settings: "Settings", optio
     data, statistics (per batch), tier 1 (per layer), tier 2 (per layer, evaluations so far; a cluster sweep draws its
     own), tier 3 (plans measured so far)."""
     from ..progress import Progress
-    from .budget import curves_from_floors, curves_from_spectra, plan_for_budget
+    from .budget import curves_from_floors, curves_from_gradients, curves_from_spectra, plan_for_budget
+    from .fisher import predicted_value
     from .sweep import measure_floors
     if any(p.device.type == "meta" for p in model.parameters()):
         raise AuditError("calibration needs real weights; this model's weights are on the meta device",
@@ -193,7 +196,23 @@ def calibrate(model: nn.Module, layers: list[Layer], settings: "Settings", optio
         planned = [l for l in swept if not l.aliases and l.kind in SUPPORTED]
         fixed = _fixed_ranks(layers, suggestions or {}, {l.name for l in planned}, per, settings)
         probes = None
-        if floors is None and options.probe_sensitivity and metric.kind != "user" and planned:
+        gradients = None
+        if floors is None and options.probe_sensitivity and not options.probe and metric.kind != "user" and planned:
+            from .fisher import gradient_sensitivity
+
+            t_grad = time.perf_counter()
+            with progress.phase("sensitivity gradients", total=len(cal.fit), unit="batch"):
+                with session.measuring():
+                    gradients = gradient_sensitivity(model, [*planned, *(l for l in layers if l.name in fixed)],
+                                                     cal, metric, stats, spectra,
+                                                     progress=progress.update)
+            seconds["gradients"] = time.perf_counter() - t_grad
+            t += seconds["gradients"]
+            for name, c in gradients.costs.items():
+                if name in per:
+                    per[name].predicted = [(r, predicted_value(c[r], gradients.linear)) for r, _ in per[name].curve
+                                           if r < len(c)]
+        if floors is None and options.probe_sensitivity and options.probe and metric.kind != "user" and planned:
             from .sweep import probe_sensitivity
 
             t_probe = time.perf_counter()
@@ -210,10 +229,11 @@ def calibrate(model: nn.Module, layers: list[Layer], settings: "Settings", optio
                 per[name].probes = list(f.points)
         curves = (curves_from_floors(floors, planned, spectra) if floors is not None
                   else curves_from_floors(probes, planned, spectra, source="probed") if probes is not None
+                  else curves_from_gradients(gradients, planned, settings.align) if gradients is not None
                   else curves_from_spectra({l.name: spectra[l.name] for l in planned}, planned, settings.align))
         named = {l.name: l for l in planned}
         curves = type(curves)({k: [o for o in v if named[k].compression(o.rank) >= settings.min_compression]
-                               for k, v in curves.options.items() if k in named}, curves.source)
+                               for k, v in curves.options.items() if k in named}, curves.source, curves.linear)
         from .rounding import rounding_floor
 
         # bf16 / fp16 weights: what every plannable layer at full rank (nothing dropped) measures: rounding alone
@@ -223,9 +243,12 @@ def calibrate(model: nn.Module, layers: list[Layer], settings: "Settings", optio
             evaluations += 1
             seconds["rounding"] = time.perf_counter() - t_round
             t += seconds["rounding"]
+        from .budget import Decompositions
+
+        reuse = Decompositions()  # each layer decomposed once for the search, the verification and the plan check
         with progress.phase("tier 3 plan search", unit="plan"):  # judged against the tolerance as given: the floor is part of every plan's cost
             budget = plan_for_budget(model, layers, session, curves, budget=options.budget, fixed=fixed,
-                                     progress=progress.update)
+                                     progress=progress.update, reuse=reuse)
         reference = budget.reference
         evaluations += budget.evaluations
         seconds["tier3"] = time.perf_counter() - t
@@ -240,6 +263,20 @@ def calibrate(model: nn.Module, layers: list[Layer], settings: "Settings", optio
                     seed=options.recover_seed, choose_after=options.choose_after_recovery,
                     progress=lambda done, total: progress.update(done, total))
             seconds["recovery"] = time.perf_counter() - t
+        if session.verifier is not None:  # the plan chosen by its interval on rows the search never read
+            t = time.perf_counter()
+            with progress.phase("verification", unit="plan"):
+                budget = _verify(model, session, budget, stats, reuse)
+            seconds["verification"] = time.perf_counter() - t
+            evaluations += session.verifier.evaluations
+            v = budget.verification
+            if v is not None and v.rows_needed is not None:
+                what = (f"a {100 * v.confidence:g}% interval {v.low:.4g} to {v.high:.4g}" if v.low is not None
+                        else "no interval")
+                cal.warnings.append(
+                    f"the {v.rows:,} verification rows (held out, never searched) give {what} against the "
+                    f"tolerance {metric.tolerance:g}: too few to resolve it; about {v.rows_needed:,} verification "
+                    f"rows (about {2 * v.rows_needed:,} held out) would")
         warnings = list(dict.fromkeys([*cal.warnings, *stats.warnings]))
         holdout = options.holdout
         report = CalibrationReport(
@@ -252,9 +289,58 @@ def calibrate(model: nn.Module, layers: list[Layer], settings: "Settings", optio
             budget=budget, suggestions_from="measured floors" if floors is not None else "calibration",
             statistics_cached=cached, seconds=seconds, evaluations=evaluations, rounding_floor=rounding,
             compute_dtype=options.compute_dtype)
-        return Calibrated(report, session, spectra, sweep_where)
+        return Calibrated(report, session, spectra, sweep_where, gradients, reuse)
     finally:
         model.train(was_training)
+
+
+VERIFY_TRIES = 6  # plans verified at most, from the largest that held on the search rows down
+
+
+def _verify(model: nn.Module, session: CalibrationSession, budget: Any, stats: InputStatistics,
+            reuse: Any = None) -> Any:
+    """Tier 3's plan verified on the held-out rows the search never read: the largest plan that held on the search
+    rows whose verification interval ends within the tolerance (at most ``VERIFY_TRIES`` verified, largest first;
+    the smallest verified stands, said to miss or straddle, when none does). The dense model is never verified: it
+    is the reference."""
+    from ..factorize import factorize
+
+    ver = session.verifier
+    search_rows = sum(b.rows for b in session.search_calibration.holdout)
+    if budget.chosen_after_recovery or not budget.plan:
+        if budget.plan:
+            with session.measuring():
+                v = ver.measure(factorize(model, budget.plan, stats, reuse=reuse))
+            return replace(budget, verification=replace(v, search_rows=search_rows))
+        return budget
+    limit = budget.budget * budget.params_before if budget.budget is not None else float("inf")
+    seen: set[tuple[tuple[str, int], ...]] = set()
+    held = []
+    for p in sorted((p for p in budget.tries if p.ok and p.plan and p.removed <= limit),
+                    key=lambda p: (-p.removed, p.predicted_cost)):
+        key = tuple(sorted(p.plan.items()))
+        if key not in seen:
+            seen.add(key)
+            held.append(p)
+    if not held or budget.plan not in [p.plan for p in held]:
+        held.insert(0, next((p for p in budget.tries if p.plan == budget.plan), None) or held[0])
+    chosen = v = None
+    with session.measuring():
+        for p in held[:VERIFY_TRIES]:
+            v = ver.measure(factorize(model, p.plan, stats, reuse=reuse))
+            chosen = p
+            if v.ok:
+                break
+    assert chosen is not None and v is not None
+    v = replace(v, search_rows=search_rows)
+    if chosen.plan == budget.plan:
+        return replace(budget, verification=v)
+    total = budget.params_before
+    return replace(budget, plan=dict(chosen.plan), removed=chosen.removed, removed_fraction=chosen.removed_fraction,
+                   metric=chosen.metric, ok=chosen.ok, top1=chosen.top1, params_after=total - chosen.removed,
+                   predicted_cost=chosen.predicted_cost, verification=v,
+                   smallest_failing=budget.removed if budget.smallest_failing is None
+                   else min(budget.smallest_failing, budget.removed))
 
 
 def suggest_with(layers: list[Layer], spectra: dict[str, "Spectrum"], suggestions: dict[str, Suggestion],
@@ -331,6 +417,7 @@ def check_plan(cal: Calibrated, model: nn.Module, audit: "Audit") -> Calibration
     """The reviewed plan (or the suggested ranks) factorized all at once with whitened initialisation and measured on
     the held-out part: the model-level metric beside the tier-1 prediction sqrt(sum e_l^2)."""
     from ..factorize import SUPPORTED, count_params, factorize
+    from .metric import Measurement
 
     rv = audit.review
     report = cal.report
@@ -350,14 +437,32 @@ def check_plan(cal: Calibrated, model: nn.Module, audit: "Audit") -> Calibration
     if session.model is not model:
         raise AuditError("the plan check was given another model than the one calibrated",
                          "Check the plan on the audited model")
+    verification = None
     with session.measuring():
         ev = session.evaluator
-        new = factorize(model, plan, session)
-        m = ev.measure(new)
+        new = factorize(model, plan, session, reuse=cal.reuse)
         removed = count_params(model) - count_params(new)
+        b = report.budget
+        if session.verifier is not None:  # the verification rows, with the interval: memoized for the suggested plan
+            verification = (b.verification if b is not None and b.verification is not None and b.plan == plan
+                            else replace(session.verifier.measure(new),
+                                         search_rows=sum(x.rows for x in session.search_calibration.holdout)))
+            m = Measurement(verification.value, verification.ok)
+            if b is not None and b.plan == plan:
+                m.top1 = b.top1
+        else:
+            m = ev.measure(new)
     predicted = None
     basis = ""
-    if cal.metric.output_error and all(k in cal.spectra for k in plan):
+    grads = cal.gradients
+    if grads is not None and all(k in grads.costs for k in plan):
+        from .fisher import predicted_value
+
+        predicted = predicted_value(grads.predicted(plan), grads.linear)
+        basis = ("gradient-predicted single-layer cross-entropy increases (output-gradient second moments), which "
+                 "add up" if grads.linear else
+                 "gradient-predicted single-layer model errors (output-gradient second moments)")
+    elif cal.metric.output_error and all(k in cal.spectra for k in plan):
         from .budget import single_layer_error
 
         def points(k: str) -> list[tuple[int, float]]:
@@ -369,5 +474,5 @@ def check_plan(cal: Calibrated, model: nn.Module, audit: "Audit") -> Calibration
         predicted = math.sqrt(sum(single_layer_error(points(k), cal.spectra[k], r) ** 2 for k, r in plan.items()))
         basis = ("single-layer model errors (measured, or tier-1 errors scaled by the measured gain)"
                  if any(points(k) for k in plan) else "tier-1 layer-output errors")
-    check = PlanCheck(len(plan), left, predicted, m.value, m.ok, m.top1, removed, basis)
+    check = PlanCheck(len(plan), left, predicted, m.value, m.ok, m.top1, removed, basis, verification)
     return replace(report, plan_check=check, reference=ev.reference)

@@ -42,19 +42,24 @@ def summary(cal: "CalibrationReport") -> str:
             + (" (statistics from the cache)" if cal.statistics_cached else ""))
 
 
-CURVES = {"tier1": "tier-1", "measured": "measured-floor", "probed": "sensitivity-scaled tier-1"}
+CURVES = {"tier1": "tier-1", "measured": "measured-floor", "probed": "sensitivity-scaled tier-1",
+          "gradient": "gradient-predicted"}
 
 
 def basis(cal: "CalibrationReport") -> str:
     b = cal.budget
     curves = ("measured-floor" if cal.measured_floors else
-              "sensitivity-scaled tier-1" if cal.budget is not None and cal.budget.source == "probed" else "tier-1")
+              "sensitivity-scaled tier-1" if cal.budget is not None and cal.budget.source == "probed"
+              else "gradient-predicted" if cal.budget is not None and cal.budget.source == "gradient" else "tier-1")
     probed = sum(len(lc.probes) for lc in cal.layers.values())
     how = ""
     if curves.startswith("sensitivity") and probed:
         n = sum(1 for lc in cal.layers.values() if lc.probes)
         how = (f"; each layer's layer-output error times its model-level sensitivity, measured with the layer "
                f"truncated alone: {n} layers, {probed} evaluations")
+    if curves == "gradient-predicted":
+        how = ("; each layer's model-level cost at every rank predicted from the output-gradient second moment "
+               "beside its input statistics, one backward pass")
     if b is None:
         return ("Suggested ranks: the data-aware rank for "
                 f"{100 * (cal.tolerance if not cal.higher_is_better else 0.01):g}% layer-output error on the "
@@ -85,9 +90,18 @@ def plan_line(cal: "CalibrationReport") -> str | None:
     if pc.layers == 0:
         return "The plan was not measured: factorize() cannot rewrite any of its layers."
     basis = pc.basis or "tier-1 layer-output errors"
-    pred = f"predicted {_g(pc.predicted)} (the {basis} summed in quadrature), " if pc.predicted is not None else ""
+    summed = "added up" if basis.endswith("which add up") else "summed in quadrature"
+    pred = f"predicted {_g(pc.predicted)} (the {basis} {summed}), " if pc.predicted is not None else ""
     top1 = f", top-1 agreement {pct(pc.top1)}" if pc.top1 is not None else ""
     left = f"; not measured: {', '.join(pc.left_out)}" if pc.left_out else ""
+    v = pc.verification
+    if v is not None:
+        ci = (f" ({100 * v.confidence:g}% interval {_g(v.low)} to {_g(v.high)})" if v.low is not None
+              and v.high is not None else " (no interval)")
+        judged = "holds" if v.ok else "STRADDLES" if v.straddles else "MISSES"
+        return (f"Plan applied all at once ({pc.layers} layers, {pc.removed:,} parameters removed): {cal.metric} "
+                f"{pred}measured {_g(pc.measured)} on {v.rows:,} verification rows the search never read{ci}"
+                f"{top1}: {judged} the tolerance {cal.tolerance:g}{left}.")
     return (f"Plan applied all at once ({pc.layers} layers, {pc.removed:,} parameters removed): {cal.metric} "
             f"{pred}measured {_g(pc.measured)}{top1}: {'holds' if pc.ok else 'MISSES'} the tolerance "
             f"{cal.tolerance:g}; {metric_change(cal, pc.measured)}{left}.")
@@ -391,8 +405,17 @@ def _md_lines(cal: "CalibrationReport") -> tuple[list[str], list[str]]:
     if pc is not None and pc.layers == 0:
         lines.append("- The plan was not measured: factorize() cannot rewrite any of its layers")
     elif pc is not None and pc.predicted is not None:
+        summed = "added up" if (pc.basis or "").endswith("which add up") else "summed in quadrature"
         lines.append(f"- Predicted {md_value(cal, pc.predicted)} ({md_text(pc.basis or 'tier-1 layer-output errors')}"
-                     f" summed in quadrature), measured {md_value(cal, pc.measured)} all at once")
+                     f" {summed}), measured {md_value(cal, pc.measured)} all at once")
+    v = pc.verification if pc is not None else None
+    if v is not None:
+        ci = (f" ({100 * v.confidence:g}% interval {md_value(cal, v.low)} to {md_value(cal, v.high)} over {v.rows:,} "
+              "verification rows the search never read)" if v.low is not None and v.high is not None
+              else f" (on {v.rows:,} verification rows, no interval)")
+        judged = "within" if v.ok else "straddles" if v.straddles else "misses"
+        lines.append(f"- Verification: {md_text(cal.metric)} {md_value(cal, v.value)}{ci}: {judged} the tolerance "
+                     f"{md_tolerance(cal)}")
     if pc is not None and pc.left_out:
         names = ", ".join(md_code(middle(n, 60)) for n in pc.left_out[:5])
         more = f" and {len(pc.left_out) - 5:,} more" if len(pc.left_out) > 5 else ""

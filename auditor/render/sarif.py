@@ -290,7 +290,8 @@ def to_sarif(audit: "Audit", root: Path | None = None) -> dict[str, Any]:
         "automationDetails": {"id": f"lowrank-audit/{visible(audit.model_name)}/"},
         "columnKind": "unicodeCodePoints",
         "results": results,
-        "properties": {"model": visible(audit.model_name), "source": visible(audit.source)},
+        "properties": {"model": visible(audit.model_name), "source": visible(audit.source),
+                       **_verification(audit)},
     }
     return {"$schema": SARIF_SCHEMA, "version": "2.1.0", "runs": [run]}
 
@@ -323,6 +324,18 @@ def escape_property(text: str) -> str:
     return escape(text, "github-property")
 
 
+def _verification(audit: "Audit") -> dict[str, Any]:
+    """The plan check's verification on rows the search never read, with its interval (calibration only)."""
+    cal = audit.calibration
+    pc = cal.plan_check if cal is not None else None
+    v = pc.verification if pc is not None else None
+    if v is None:
+        return {}
+    return {"verification": {"metric": cal.metric, "value": v.value, "low": v.low, "high": v.high,
+                             "confidence": v.confidence, "rows": v.rows, "tolerance": cal.tolerance, "holds": v.ok,
+                             "straddles": v.straddles, "text": v.words(cal.tolerance, cal.metric)}}
+
+
 def github_annotations(audit: "Audit") -> str:
     """One ``::error file=...,line=...,title=...::message`` line per finding (``::warning``, ``::notice`` by
     severity); a finding without a file carries no file or line."""
@@ -336,6 +349,10 @@ def github_annotations(audit: "Audit") -> str:
         props.append(f"title={escape_property(f'{f.code} {f.slug}')}")
         out.append(f"::{GITHUB_LEVELS.get(str(f.severity), 'warning')} {','.join(props)}::"
                    f"{escape_data(_message(f))}")
+    ver = _verification(audit).get("verification")
+    if ver is not None:  # the plan measured all at once on the verification rows, with its interval
+        out.append(f"::notice title={escape_property('plan verification')}::"
+                   f"{escape_data('measured all at once: ' + ver['text'])}")
     return "".join(line + "\n" for line in out)
 
 

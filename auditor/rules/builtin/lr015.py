@@ -46,8 +46,13 @@ def lr015(ctx: Context, emit: Emit) -> None:
     b = cal.budget
     held = (f"; the largest plan that held removed {100 * b.removed_fraction:.1f}% of the parameters at "
             f"{b.metric:.4g}" if b is not None and b.ok and b.plan else "; no plan measured held it")
-    emit(f"the {what} factorized all at once measures {cal.metric} {pc.measured:.4g} on the held-out rows, "
-         f"missing the tolerance {cal.tolerance:g} ({pc.layers} layers, {pc.removed:,} parameters removed){held}",
+    v = pc.verification
+    where = "on the held-out rows, missing" if v is None else (
+        f"on the verification rows ({100 * v.confidence:g}% interval {v.low:.4g} to {v.high:.4g}), "
+        + ("straddling" if v.straddles else "missing") if v.low is not None and v.high is not None
+        else "on the verification rows, missing")
+    emit(f"the {what} factorized all at once measures {cal.metric} {pc.measured:.4g} {where} the tolerance "
+         f"{cal.tolerance:g} ({pc.layers} layers, {pc.removed:,} parameters removed){held}",
          [], "Use the plan that holds (--emit-plan writes it), or raise the ranks of the layers with the largest "
          "single-layer errors", measured=pc.measured, tolerance=cal.tolerance, planned_layers=pc.layers,
          removed=pc.removed, held_removed=b.removed if b is not None and b.ok else None,
