@@ -56,6 +56,10 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--compute-dtype", choices=["model", "float32"],
                    help="the dtype calibration statistics are read in (default: the plan's compute_dtype, else the "
                         "model's own): give what the audit used, so the factors are the ones it measured")
+    p.add_argument("--no-split", action="store_true",
+                   help="measure on every held-out row (the audit's --no-split), not on the verification part")
+    p.add_argument("--confidence", type=float, metavar="LEVEL",
+                   help="the verification interval's level (the audit's --confidence; default 0.9)")
     p.add_argument("--measure-speed", action="store_true",
                    help="time the dense and the factorized model end to end (and with --export the .pt2 in torch, "
                         "the ONNX in onnxruntime), each in a fresh process, at the example inputs on the CPU; peak "
@@ -125,6 +129,12 @@ def _compute_dtype(args: argparse.Namespace, plan: Any) -> str | None:
     return planned
 
 
+def _level(level: float) -> float:
+    if not 0 < level < 1:
+        raise AuditError(f"--confidence {level:g} is not a level in (0, 1)", "Give e.g. --confidence 0.9")
+    return float(level)
+
+
 def run(args: argparse.Namespace) -> int:
     from .calibration.text import tokenizer_home
     from .factorize import check_targets, count_params, factorize, write_factorized
@@ -162,11 +172,14 @@ def run(args: argparse.Namespace) -> int:
                            metric=args.metric if args.calibration else None, tolerance=args.tolerance,
                            tokenizer=tokenizer_home(loaded.source) if args.calibration else None,
                            calibration_length=args.calibration_length,
-                           compute_dtype=_compute_dtype(args, plan_obj) if args.calibration else None)
+                           compute_dtype=_compute_dtype(args, plan_obj) if args.calibration else None,
+                           split=not args.no_split,
+                           **({"confidence": _level(args.confidence)} if args.confidence is not None else {}))
     if args.calibration is None and (args.metric or args.tolerance is not None or args.holdout
-                                     or args.calibration_length is not None or args.compute_dtype is not None):
-        raise AuditError("--holdout, --metric, --tolerance, --calibration-length and --compute-dtype need "
-                         "--calibration", "Pass --calibration FILE")
+                                     or args.calibration_length is not None or args.compute_dtype is not None
+                                     or args.no_split or args.confidence is not None):
+        raise AuditError("--holdout, --metric, --tolerance, --calibration-length, --compute-dtype, --no-split and "
+                         "--confidence need --calibration", "Pass --calibration FILE")
     check_targets(model, list(plan_obj.ranks))  # complex, quantized, unsupported or tied: before any calibration
     result, session = audit_session(model, loaded.example_inputs, plan=plan_obj, options=options)
     for f in input_errors(result):

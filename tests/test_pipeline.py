@@ -41,7 +41,7 @@ def test_settings_precedence_options_then_plan_then_overrides():
     assert (a.settings.energy_floor, a.settings.align) == (0.7, 2)
     with pytest.raises(auditor.AuditError, match="unknown setting 'alignn' in the command line"):
         auditor.audit(m, options=AuditOptions(overrides={"alignn": 2}))
-    with pytest.raises(auditor.AuditError, match="bad value 'sometimes'.*error, warning, never"):
+    with pytest.raises(auditor.AuditError, match="bad value 'sometimes'.*error, warning, unmeasured, never"):
         auditor.audit(m, options=AuditOptions(overrides={"fail_on": "sometimes"}))
 
 

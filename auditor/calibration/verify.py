@@ -24,7 +24,7 @@ from torch import nn
 
 from ..calresults import Verification
 from .inputs import Batch, Calibration, model_device
-from .metric import Evaluator, Metric, _masked_targets, _row_mask, _targets, main_output
+from .metric import Evaluator, Metric, _check_targets, _masked_targets, _row_mask, _targets, main_output
 
 SEARCH_SHARE = 0.5  # of the held-out rows, for the search; the rest verify
 RESAMPLES = 2000
@@ -117,8 +117,9 @@ class Verifier:
     def _nll(self, model: nn.Module) -> tuple[np.ndarray, np.ndarray]:
         """Per-row summed next-token (or masked-token) cross-entropy and scored positions."""
         nll, cnt = [], []
-        for b in self.batches:
+        for i, b in enumerate(self.batches):
             y = main_output(model(*b.args, **b.kwargs))
+            _check_targets(b, y.shape[-1], "masked-token" if self.metric.kind == "masked" else "next-token", i)
             if self.metric.kind == "masked":
                 tgt, keep, _ = _masked_targets(b)
                 logits = y
@@ -179,7 +180,7 @@ class Verifier:
         value = self._value(sums)
         self.rows = n = len(sums[-1])  # the outputs' rows (windows, examples): what is resampled
         lo = hi = None
-        if n >= 2:
+        if n >= 2 and math.isfinite(value):  # an infinite or undefined value has no interval
             rng = np.random.default_rng(SEED)
             draws = rng.integers(0, n, size=(RESAMPLES, n))
             vals = np.array([self._value(sums, d) for d in draws])
@@ -188,8 +189,9 @@ class Verifier:
             lo, hi = min(lo, value), max(hi, value)
         ok = hi <= tol if hi is not None else value <= tol  # one row: no interval (a warning says so)
         straddles = hi is not None and lo <= tol < hi
-        return Verification(value, lo, hi, self.confidence, self.rows, ok, straddles,
-                            self._needed(None if hi is None else (hi - lo) / 2, value if straddles else None))
+        needed = (self._needed(None if hi is None else (hi - lo) / 2, value if straddles else None)
+                  if math.isfinite(value) else None)
+        return Verification(value, lo, hi, self.confidence, self.rows, ok, straddles, needed)
 
     def _needed(self, half: float | None, straddling: float | None = None) -> int | None:
         """Verification rows that would resolve the tolerance, when these do not (None when they do, or nothing
