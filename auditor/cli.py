@@ -384,7 +384,7 @@ def options_from(args: argparse.Namespace) -> tuple["AuditOptions", "LoadOptions
         settings=settings, overrides=overrides, overrides_origin="the command line", plan_may_relax=plan_may_relax,
         tracer=Tracer(args.tracer),
         spectra_backend=SpectraBackend(args.spectra_backend), spectra=not args.no_spectra, cache=not args.no_cache,
-        cache_dir=Path(args.cache_dir) if args.cache_dir else None, jobs=args.jobs,
+        cache_dir=_cache_dir(args.cache_dir), jobs=args.jobs,
         progress={"always": True, "never": False}.get(getattr(args, "progress", None) or "auto", "auto"),
         scheduler=args.scheduler, path_map=path_map, **calibration_options(args), **speed_options(args),
     )
@@ -423,6 +423,16 @@ def speed_options(args: argparse.Namespace) -> dict:
     if args.device is not None and args.calibration is None:
         out["device"] = _device(args.device)
     return out
+
+
+def _cache_dir(given: str | None) -> Path | None:
+    """--cache-dir: a folder (made when missing), never an existing file, FIFO or device."""
+    if not given:
+        return None
+    path = Path(given)
+    if path.exists() and not path.is_dir():
+        raise AuditError(f"--cache-dir {given}: not a folder", "Give a folder for the caches (made when missing)")
+    return path
 
 
 def _confidence(level: float) -> float:

@@ -353,6 +353,12 @@ def cases() -> list[Case]:
         add(Case(f"cache-{label}", CR, simple(), 0, prepare=_fifo(victim), check=_recomputed,
                  child=True, timeout=120))
 
+    # --cache-dir naming a file: refused at once (was accepted, every cache silently off)
+    def cache_is_file(d: Path) -> list[str]:
+        (d / "cache").write_text("not a folder")
+        return [*simple()(d)]
+    add(Case("cache-dir-is-a-file", CR, cache_is_file, 2, "--cache-dir", absent=("Traceback",)))
+
     # ids and labels at the calibration boundary
     def lm(fn: str, metric: str, model: str = "model") -> Callable[[Path], list[str]]:
         def make(d: Path) -> list[str]:
