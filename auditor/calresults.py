@@ -135,6 +135,7 @@ class Verification:
     straddles: bool
     rows_needed: int | None = None
     search_rows: int = 0  # the held-out rows the search measured on
+    reference: float | None = None  # the dense model's perplexity on the verification rows (perplexity metrics)
 
     def words(self, tolerance: float, metric: str = "") -> str:
         """"<metric> V (90% interval L to H over N verification rows): within/straddles/misses the tolerance T"."""
