@@ -142,9 +142,13 @@ class Verification:
         ci = (f" ({100 * self.confidence:g}% interval {self.low:.4g} to {self.high:.4g} over {self.rows:,} "
               f"verification rows)" if self.low is not None and self.high is not None
               else f" (on {self.rows:,} verification rows, no interval)")
-        judged = ("within the tolerance" if self.ok else "straddles the tolerance" if self.straddles
-                  else "misses the tolerance")
-        return f"{metric + ' ' if metric else ''}{self.value:.4g}{ci}: {judged} {tolerance:g}"
+        return f"{metric + ' ' if metric else ''}{self.value:.4g}{ci}: {self.judged} {tolerance:g}"
+
+    @property
+    def judged(self) -> str:
+        """What the interval says of the tolerance: within it, straddling it, or missing it."""
+        return ("within the tolerance" if self.ok else "straddles the tolerance" if self.straddles
+                else "misses the tolerance")
 
 
 @dataclass

@@ -140,12 +140,16 @@ def metric_change(cal: "CalibrationReport", value: float | None) -> str:
 def checked_change(cal: "CalibrationReport", pc: "PlanCheck") -> str:
     """:func:`metric_change` of the plan check: its measured value with the dense baseline of the rows it was measured
     on (the verification rows when the held-out rows were split)."""
-    v = pc.verification
-    if v is not None and v.reference is not None and math.isfinite(v.reference):
-        from dataclasses import replace
+    return metric_change(_on_verified_rows(cal, pc.verification), pc.measured)
 
-        cal = replace(cal, reference=v.reference)
-    return metric_change(cal, pc.measured)
+
+def _on_verified_rows(cal: "CalibrationReport", v: "Verification | None") -> "CalibrationReport":
+    """``cal`` with the dense baseline of the verification rows, where they were measured and give one."""
+    if v is None or v.reference is None or not math.isfinite(v.reference):
+        return cal
+    from dataclasses import replace
+
+    return replace(cal, reference=v.reference)
 
 
 def verification_words(cal: "CalibrationReport", v: "Verification") -> str:
@@ -156,11 +160,8 @@ def verification_words(cal: "CalibrationReport", v: "Verification") -> str:
     label = cal.metric
     if not (label.endswith("perplexity increase") and cal.reference > 0):
         return v.words(cal.tolerance, label)
-    judged = ("within the tolerance" if v.ok else "straddles the tolerance" if v.straddles else "misses the tolerance")
-    if v.reference is not None and math.isfinite(v.reference):  # the dense baseline of the rows it was measured on
-        from dataclasses import replace
-
-        cal = replace(cal, reference=v.reference)
+    judged = v.judged
+    cal = _on_verified_rows(cal, v)  # the dense baseline of the rows it was measured on
     if v.low is None or v.high is None:
         return f"{metric_change(cal, v.value)} on {v.rows:,} verification rows, no interval: {judged}"
     return (f"{metric_change(cal, v.value)}; {100 * v.confidence:g}% interval {100 * v.low:+.2f}% to "
