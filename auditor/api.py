@@ -10,7 +10,6 @@ Nothing here imports torch at import time (``import auditor`` stays light): the 
 
 from __future__ import annotations
 
-import types
 from dataclasses import fields
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -274,7 +273,7 @@ def audit_source(spec: str, *, plan: Any = None, options: AuditOptions | None = 
 
 
 def _is_rank_table(plan: Any) -> bool:
-    """``{layer or tensor name: rank}`` (what :func:`auditor.factorize.factorize` takes), not a plan file's table
+    """``{layer or tensor name: rank}`` (what :func:`auditor.calibration.apply.factorize` takes), not a plan file's table
     (which has ``ranks`` and may have ``finetune`` and ``thresholds``)."""
     return isinstance(plan, dict) and "ranks" not in plan
 
@@ -298,7 +297,7 @@ def factorize(model: "nn.Module", plan: Any, calibration: Any = None) -> "nn.Mod
     """
     from torch import nn
 
-    from .factorize import factorize as apply_plan
+    from .calibration.apply import factorize as apply_plan
 
     if not isinstance(model, nn.Module):
         raise AuditError(f"factorize() needs the model as an nn.Module, got {type(model).__name__}",
@@ -322,12 +321,3 @@ def factorize(model: "nn.Module", plan: Any, calibration: Any = None) -> "nn.Mod
         if not isinstance(calibration, InputStatistics):  # data becomes a session; a session is used as it is
             calibration = CalibrationSession.of(calibration, model)
     return apply_plan(model, ranks, calibration)
-
-
-class FactorizeModule(types.ModuleType):
-    """The class of the module ``auditor.factorize`` once imported: calling the module is :func:`factorize`, so
-    ``auditor.factorize(model, plan)`` works while ``import auditor.factorize as m`` and
-    ``from auditor.factorize import save_factorized`` keep reaching the module (see ``auditor/__init__.py``)."""
-
-    def __call__(self, model: "nn.Module", plan: Any, calibration: Any = None) -> "nn.Module":
-        return factorize(model, plan, calibration)

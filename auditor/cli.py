@@ -122,7 +122,7 @@ def _parser() -> argparse.ArgumentParser:
                         "(the behaviour before the split)")
     g.add_argument("--budget", type=float, metavar="FRACTION",
                    help="tier 3: a plan removing this share of the parameters, checked all at once")
-    from .recover import add_cli_arguments as recover_arguments
+    from .cli_recover import add_cli_arguments as recover_arguments
 
     recover_arguments(g, audit=True)
     g.add_argument("--choose-after-recovery", action="store_true",
@@ -477,7 +477,7 @@ def calibration_options(args: argparse.Namespace) -> dict:
 def _recovery_options(args: argparse.Namespace) -> dict:
     """--recover and its flags (those of ``lowrank-audit factorize --recover``) as AuditOptions fields, checked
     before the model loads: each needs the one before it, and --recover needs --calibration and --budget."""
-    from .recover import cli_settings
+    from .cli_recover import cli_settings
 
     if getattr(args, "choose_after_recovery", False) and args.recover is None:
         raise AuditError("--choose-after-recovery needs --recover STEPS: it chooses on the curve measured after "

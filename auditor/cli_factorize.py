@@ -7,8 +7,8 @@ layer's break-even (LR001: the factors store at least as much as the weight) is 
 ``--allow-no-saving``; so are complex, quantized and other non-floating-point layers, and tied weights.
 
 ``DIR`` receives ``model.safetensors``, ``plan.json`` and the marker ``lowrank-audit-factorized.json``
-(:func:`auditor.factorize.save_factorized`), written into a folder beside it and renamed into place; read them back
-with ``auditor.factorize.load_factorized(original_model, DIR)``. ``DIR`` must be new or empty; ``--force`` replaces
+(:func:`auditor.folder.save_factorized`), written into a folder beside it and renamed into place; read them back
+with ``auditor.folder.load_factorized(original_model, DIR)``. ``DIR`` must be new or empty; ``--force`` replaces
 only a previous output of this command (its marker, and nothing else in it), never a folder holding an input, the
 working folder or one above it, nor a symbolic link. Exit codes: 0 written, 2 bad input (one line, nothing written).
 """
@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -64,8 +65,8 @@ def _parser() -> argparse.ArgumentParser:
                    help="time the dense and the factorized model end to end (and with --export the .pt2 in torch, "
                         "the ONNX in onnxruntime), each in a fresh process, at the example inputs on the CPU; peak "
                         "memory each (docs/performance.md)")
+    from .cli_recover import add_cli_arguments as recover_arguments
     from .export import add_cli_arguments as export_arguments
-    from .recover import add_cli_arguments as recover_arguments
 
     recover_arguments(p)
     export_arguments(p)
@@ -90,7 +91,7 @@ def _inputs(args: argparse.Namespace) -> list[tuple[str, str]]:
 
 
 def _check_dir(out: Path, args: argparse.Namespace) -> None:
-    from .factorize import previous_output
+    from .folder import previous_output
     from .outputs import check_folder_output
 
     check_folder_output(out, "-o", force=args.force, replaceable=previous_output, inputs=_inputs(args),
@@ -135,96 +136,157 @@ def _level(level: float) -> float:
     return float(level)
 
 
-def run(args: argparse.Namespace) -> int:
-    from .calibration.text import tokenizer_home
-    from .factorize import check_targets, count_params, factorize, write_factorized
-    from .sources import parse_shape
-    from .options import AuditOptions, LoadOptions
-    from .outputs import write_folder
-    from .pipeline import audit_session, load_model
-    from .plan import Plan
-    from .policy import input_errors
-
-    from .export import cli_formats, cli_write
-    from .recover import cli_recover, cli_settings
-
-    out = Path(args.output_dir)
-    _check_dir(out, args)
-    recovery, formats = cli_settings(args), cli_formats(args)  # checked before any work
-    plan_obj = Plan.coerce(args.plan)
-    loaded = load_model(args.model, LoadOptions(
-        input_shape=tuple(parse_shape(s, "--input-shape") for s in args.input_shape) if args.input_shape else None,
-        input_ids=parse_shape(args.input_ids, "--input-ids") if args.input_ids else None, weights=args.weights))
+def _load(args: argparse.Namespace) -> tuple[Any, Any]:
+    """The loaded source and its module (a weights-only checkpoint has none to factorize)."""
     from torch import nn
 
-    model = loaded.model
-    if not isinstance(model, nn.Module):
+    from .pipeline import load_model
+
+    loaded = load_model(args.model, _load_options(args))
+    if not isinstance(loaded.model, nn.Module):
         raise AuditError(f"{args.model} is a weights-only checkpoint: there is no module to factorize",
                          "Give the model's code (file.py:factory or a Hugging Face directory)")
+    return loaded, loaded.model
+
+
+def _load_options(args: argparse.Namespace) -> Any:
+    from .options import LoadOptions
+    from .sources import parse_shape
+
+    return LoadOptions(
+        input_shape=tuple(parse_shape(s, "--input-shape") for s in args.input_shape) if args.input_shape else None,
+        input_ids=parse_shape(args.input_ids, "--input-ids") if args.input_ids else None, weights=args.weights)
+
+
+def _options(args: argparse.Namespace, loaded: Any, plan: Any) -> Any:
+    """The audit's options for the plan review and, with --calibration, the plan check; a calibration flag
+    without --calibration is refused, naming the flags given."""
+    from .calibration.text import tokenizer_home
     from .config import repo_settings
+    from .options import AuditOptions
     from .rules import RULES
 
     settings, plan_may_relax = repo_settings(RULES.settings())  # the repository's settings, as for the audit
+    cal = args.calibration is not None
     options = AuditOptions(name=loaded.name, source=loaded.source, cache=not args.no_cache, progress=False,
                            settings=settings, plan_may_relax=plan_may_relax,
                            calibration=args.calibration,
                            holdout=args.holdout if args.holdout is not None else 0.25,
-                           metric=args.metric if args.calibration else None, tolerance=args.tolerance,
-                           tokenizer=tokenizer_home(loaded.source) if args.calibration else None,
+                           metric=args.metric if cal else None, tolerance=args.tolerance,
+                           tokenizer=tokenizer_home(loaded.source) if cal else None,
                            calibration_length=args.calibration_length,
-                           compute_dtype=_compute_dtype(args, plan_obj) if args.calibration else None,
+                           compute_dtype=_compute_dtype(args, plan) if cal else None,
                            split=not args.no_split,
                            **({"confidence": _level(args.confidence)} if args.confidence is not None else {}))
     given = [flag for flag, value in (("--holdout", args.holdout), ("--metric", args.metric),
                                       ("--tolerance", args.tolerance), ("--calibration-length", args.calibration_length),
                                       ("--compute-dtype", args.compute_dtype), ("--no-split", args.no_split or None),
                                       ("--confidence", args.confidence)) if value is not None]
-    if args.calibration is None and given:
+    if not cal and given:
         raise AuditError(f"{', '.join(given)} {'needs' if len(given) == 1 else 'need'} --calibration",
                          "Pass --calibration FILE")
-    check_targets(model, list(plan_obj.ranks))  # complex, quantized, unsupported or tied: before any calibration
-    result, session = audit_session(model, loaded.example_inputs, plan=plan_obj, options=options)
+    return options
+
+
+def _reviewed_plan(args: argparse.Namespace, result: Any, name: str) -> dict[str, int]:
+    """The reviewed plan's ranks (layer -> rank), refused when the review found bad input or the plan names no
+    layer, and (unless --allow-no-saving) when a rank is at or above break-even."""
+    from .policy import input_errors
+
     for f in input_errors(result):
         raise AuditError(f"{f.code} {f.message}", f.fix)
     rv = result.review
     plan = {it.layer: it.rank for it in rv.items} if rv is not None else {}
     if not plan and not result.layers:
-        raise AuditError(f"plan {args.plan} factorizes no layer of {loaded.name}: the model has no weight matrix "
+        raise AuditError(f"plan {args.plan} factorizes no layer of {name}: the model has no weight matrix "
                          "factorize can rewrite", "Nothing to factorize: use the model as it is")
     if not plan:
-        raise AuditError(f"plan {args.plan} factorizes no layer of {loaded.name}", "Check the plan's patterns")
+        raise AuditError(f"plan {args.plan} factorizes no layer of {name}", "Check the plan's patterns")
     if not args.allow_no_saving:
         _no_saving(result, plan)
-    # the audit's session: the batches it read, the statistics it measured the plan with, its dense reference
-    new = factorize(model, plan, session)
-    cal = session.calibration if session is not None else None
+    return plan
+
+
+def _measured(result: Any) -> dict[str, Any] | None:
+    """plan.json's "measured": the plan check's number (on the verification rows, with its interval, when split)."""
     cr = result.calibration
     pc = cr.plan_check if cr is not None else None
-    extra = {"init": "whitened" if session is not None else "svd", "params_before": count_params(model)}
-    if pc is not None and cr is not None:
-        extra["measured"] = {"metric": cr.metric, "value": pc.measured, "holds": pc.ok, "tolerance": cr.tolerance,
-                             "predicted": pc.predicted, "top1": pc.top1, "calibration_digest": cr.digest}
-        v = pc.verification
-        if v is not None:  # measured on the verification rows, with its interval over them
-            extra["measured"].update(rows=v.rows, interval=[v.low, v.high], confidence=v.confidence,
-                                     straddles=v.straddles)
+    if pc is None:
+        return None
+    out = {"metric": cr.metric, "value": pc.measured, "holds": pc.ok, "tolerance": cr.tolerance,
+           "predicted": pc.predicted, "top1": pc.top1, "calibration_digest": cr.digest}
+    v = pc.verification
+    if v is not None:  # measured on the verification rows, with its interval over them
+        out.update(rows=v.rows, interval=[v.low, v.high], confidence=v.confidence, straddles=v.straddles)
+    return out
+
+
+@dataclass
+class _Made:
+    """A factorized model and what plan.json says of it."""
+
+    loaded: Any  # the source (auditor.sources.Loaded)
+    model: Any  # the dense module
+    plan: dict[str, int]
+    new: Any  # the factorized module
+    session: Any  # the audit's calibration session, or None
+    extra: dict[str, Any]  # plan.json's entries beside the plan
+
+    @property
+    def calibration(self) -> Any:
+        return self.session.calibration if self.session is not None else None
+
+
+def _make(args: argparse.Namespace, loaded: Any, result: Any, session: Any, recovery: Any) -> _Made:
+    """Factorize with the audit's session (the batches it read, the statistics it measured the plan with, its dense
+    reference), then recover when asked."""
+    from .calibration.apply import factorize
+    from .cli_recover import cli_recover
+    from .surgery import count_params
+
+    model = loaded.model
+    plan = _reviewed_plan(args, result, loaded.name)
+    new = factorize(model, plan, session)
+    extra: dict[str, Any] = {"init": "whitened" if session is not None else "svd", "params_before": count_params(model)}
+    measured = _measured(result)
+    if measured is not None:
+        extra["measured"] = measured
+    made = _Made(loaded, model, plan, new, session, extra)
     if recovery is not None:
-        extra["recovery"] = cli_recover(recovery, new, model, session if session is not None else cal,
+        extra["recovery"] = cli_recover(recovery, new, model, session if session is not None else made.calibration,
                                         session.metric if session is not None else None)
+    return made
+
+
+def _write(out: Path, args: argparse.Namespace, made: _Made, formats: tuple[str, ...]) -> list[str]:
+    """Write the folder (and the exported program) beside ``out``, then rename it into place: never a half-written
+    directory. Returns the exported files."""
+    from .export import cli_write
+    from .folder import write_factorized
+    from .outputs import write_folder
+
     exported: list[str] = []
 
     def write(stage: Any) -> None:
-        write_factorized(new, plan, stage, source=loaded.source, extra=extra)
-        exported[:] = cli_write(stage, new, cal, loaded.example_inputs, formats)
+        write_factorized(made.new, made.plan, stage, source=made.loaded.source, extra=made.extra)
+        exported[:] = cli_write(stage, made.new, made.calibration, made.loaded.example_inputs, formats)
 
-    # written into a folder beside the destination, then renamed into place: never a half-written directory
     write_folder(out, write, recheck=lambda: _check_dir(out, args))
-    before, after = count_params(model), count_params(new)
+    return exported
+
+
+def _say(out: Path, made: _Made, result: Any, exported: list[str]) -> None:
+    """What was written, on stderr: the parameters before and after, the plan check, the files."""
+    from .surgery import count_params
+
+    before, after = count_params(made.model), count_params(made.new)
     change = (f"{100 * (before - after) / before:.1f}% removed" if after <= before else
               f"{100 * (after - before) / before:.1f}% more, ranks at or above break-even")
-    print(f"factorized {len(plan)} layers of {escape(loaded.name)}: {before:,} -> {after:,} parameters ({change}), "
-          f"{extra['init']} initialisation", file=sys.stderr)
-    if pc is not None and cr is not None:
+    print(f"factorized {len(made.plan)} layers of {escape(made.loaded.name)}: {before:,} -> {after:,} parameters "
+          f"({change}), {made.extra['init']} initialisation", file=sys.stderr)
+    cr = result.calibration
+    pc = cr.plan_check if cr is not None else None
+    if pc is not None:
         pred = f"predicted {pc.predicted:.4g} (layer-level), " if pc.predicted is not None else ""
         v = pc.verification
         if v is not None:
@@ -232,14 +294,36 @@ def run(args: argparse.Namespace) -> int:
         else:
             print(f"{cr.metric} on the held-out part: {pred}measured {pc.measured:.4g} "
                   f"({'holds' if pc.ok else 'misses'} the tolerance {cr.tolerance:g})", file=sys.stderr)
-    print(f"wrote {escape(str(out / 'model.safetensors'))} and {escape(str(out / 'plan.json'))}; a recovery fine-tune follows "
-          "(load with auditor.factorize.load_factorized(model, DIR))", file=sys.stderr)
+    print(f"wrote {escape(str(out / 'model.safetensors'))} and {escape(str(out / 'plan.json'))}; a recovery "
+          "fine-tune follows (load with auditor.folder.load_factorized(model, DIR))", file=sys.stderr)
     if exported:
         print(f"wrote {', '.join(escape(str(out / f)) for f in exported)}: loads with plain torch "
               "(torch.export.load; see README.md)", file=sys.stderr)
+
+
+def run(args: argparse.Namespace) -> int:
+    """The command: every check that needs no model first, then the audit (plan review, plan check), factorize,
+    recover, write, say."""
+    from .cli_recover import cli_settings
+    from .export import cli_formats
+    from .pipeline import audit_session
+    from .plan import Plan
+    from .surgery import check_targets
+
+    out = Path(args.output_dir)
+    _check_dir(out, args)
+    recovery, formats = cli_settings(args), cli_formats(args)  # checked before any work
+    plan_obj = Plan.coerce(args.plan)
+    loaded, model = _load(args)
+    options = _options(args, loaded, plan_obj)
+    check_targets(model, list(plan_obj.ranks))  # complex, quantized, unsupported or tied: before any calibration
+    result, session = audit_session(model, loaded.example_inputs, plan=plan_obj, options=options)
+    made = _make(args, loaded, result, session, recovery)
+    exported = _write(out, args, made, formats)
+    _say(out, made, result, exported)
     if getattr(args, "measure_speed", False):
-        _speed(args, loaded, plan, out, exported)
-    stopped = str(extra.get("recovery", {}).get("stopped") or "")
+        _speed(args, loaded, made.plan, out, exported)
+    stopped = str(made.extra.get("recovery", {}).get("stopped") or "")
     return 130 if stopped.startswith("interrupted") else ExitCode.OK
 
 
@@ -248,14 +332,10 @@ def _speed(args: argparse.Namespace, loaded: Any, plan: dict[str, int], out: Pat
     processes timed side by side; one line each on stderr (a failure is a note: the files are written)."""
     import torch
 
-    from .options import LoadOptions
-    from .sources import parse_shape
     from .speed.model import measure_subprocesses
     from .speed.report import seconds
 
-    load = LoadOptions(
-        input_shape=tuple(parse_shape(s, "--input-shape") for s in args.input_shape) if args.input_shape else None,
-        input_ids=parse_shape(args.input_ids, "--input-ids") if args.input_ids else None, weights=args.weights)
+    load = _load_options(args)
     programs = [(str(out / f), f.rsplit(".", 1)[1]) for f in exported if f.endswith((".pt2", ".onnx"))]
     names = ["dense", "factorized", *(f"{Path(p).name} ({'onnxruntime' if k == 'onnx' else 'torch'})"
                                       for p, k in programs)]

@@ -171,7 +171,7 @@ def _export_program(model: nn.Module, args: tuple, kwargs: dict) -> tuple[Any, b
         except Exception as exc:  # noqa: BLE001 - a model torch.export cannot trace
             errors.append(first_line(exc))
     raise AuditError(f"torch.export could not export the factorized model: {errors[-1]}",
-                     "Export the model by hand, or use model.safetensors with auditor.factorize.load_factorized")
+                     "Export the model by hand, or use model.safetensors with auditor.folder.load_factorized")
 
 
 def export(model: nn.Module, example: Any, directory: str | Path, formats: tuple[str, ...] = ("pt2",)) -> dict[str, Any]:
@@ -305,48 +305,67 @@ def _number(value: Any) -> str:
     return f"{value:.4g}" if isinstance(value, (int, float)) else "not finite"
 
 
+def _literal(spec: dict[str, Any]) -> str:
+    """A torch expression that builds an input of this shape and dtype (a dynamic batch of 2)."""
+    shape = ", ".join("2" if s == "batch" else str(s) for s in spec["shape"])
+    dtype = spec["dtype"]
+    if dtype.startswith(("float", "bfloat", "complex")):
+        return f"torch.randn({shape}, dtype=torch.{dtype})" if shape else f"torch.tensor(0.0, dtype=torch.{dtype})"
+    if dtype == "bool":
+        return f"torch.ones({shape}, dtype=torch.bool)"
+    return f"torch.zeros({shape}, dtype=torch.{dtype})"
+
+
+def _call(e: dict[str, Any]) -> str:
+    """The arguments of the README's example call: the recorded inputs, positional then keywords."""
+    by_name = {i["name"]: i for i in e["inputs"]}
+    pos = [_literal(by_name[n]) for n in e["positional"] if n in by_name]
+    kw = [f"{k}={_literal(by_name[k])}" for k in e["keywords"] if k in by_name]
+    return ", ".join(pos + kw)
+
+
+def _batch_words(e: dict[str, Any]) -> str:
+    if not e["dynamic_batch"]:
+        return "the shapes are fixed to the example's"
+    return ("the batch dimension (`batch`) is dynamic, checked at " +
+            " and ".join(f"{c['rows']} row{'s' if c['rows'] != 1 else ''}" for c in e.get("checks", [])))
+
+
+def _removed(meta: dict[str, Any]) -> str:
+    if not meta.get("params_before"):
+        return ""
+    return (f" ({meta['params_before']:,} -> {meta['params']:,} parameters, "
+            f"{100 * (1 - meta['params'] / meta['params_before']):.1f}% removed)")
+
+
+def _recovery_line(meta: dict[str, Any]) -> str:
+    rec = meta.get("recovery")
+    if not (isinstance(rec, dict) and rec.get("after")):
+        return ""
+    return (f"\nRecovery: {rec['done']} distillation steps ({rec['objective']}, {rec['trainable']}), the state "
+            f"after step {rec['kept_step']} kept: held-out {rec['metric']} {_number(rec['before']['metric'])} -> "
+            f"{_number(rec['after']['metric'])}.\n")
+
+
+def _onnx_section(meta: dict[str, Any]) -> str:
+    if "onnx" not in meta["export"]:
+        return ""
+    o = meta["export"]["onnx"]
+    checked = f", checked with {o['checked_with']}" if o.get("checked_with") else ""
+    return (f"\n`{ONNX}` holds the same graph for ONNX runtimes{checked}:\n\n```python\nimport onnxruntime\n"
+            f"session = onnxruntime.InferenceSession(\"{ONNX}\")\n"
+            "outputs = session.run(None, {i.name: x.numpy() for i, x in zip(session.get_inputs(), inputs)})\n"
+            "```\n")
+
+
 def readme(directory: str | Path, meta: dict[str, Any]) -> Path:
     """Write README.md: what the files are and how to load them with plain torch."""
     e = meta["export"]["pt2"]
     plan = meta.get("plan", {})
-
-    def literal(spec: dict[str, Any]) -> str:
-        shape = ", ".join("2" if s == "batch" else str(s) for s in spec["shape"])
-        dtype = spec["dtype"]
-        if dtype.startswith(("float", "bfloat", "complex")):
-            return f"torch.randn({shape}, dtype=torch.{dtype})" if shape else f"torch.tensor(0.0, dtype=torch.{dtype})"
-        if dtype == "bool":
-            return f"torch.ones({shape}, dtype=torch.bool)"
-        return f"torch.zeros({shape}, dtype=torch.{dtype})"
-
-    by_name = {i["name"]: i for i in e["inputs"]}
-    pos = [literal(by_name[n]) for n in e["positional"] if n in by_name]
-    kw = [f"{k}={literal(by_name[k])}" for k in e["keywords"] if k in by_name]
-    call = ", ".join(pos + kw)
+    call, batch, removed, rec, rec_line, onnx_line = (
+        _call(e), _batch_words(e), _removed(meta), meta.get("recovery"), _recovery_line(meta), _onnx_section(meta))
     shapes = "; ".join(f"{i['name']}: {i['dtype']}[{', '.join(map(str, i['shape']))}]" for i in e["inputs"])
-    batch = ("the batch dimension (`batch`) is dynamic, checked at " +
-             " and ".join(f"{c['rows']} row{'s' if c['rows'] != 1 else ''}" for c in e.get("checks", []))
-             if e["dynamic_batch"]
-             else "the shapes are fixed to the example's")
     out_kind = "a dict of tensors" if e["output_dict"] else "what the model's forward returns (tensors)"
-    removed = ""
-    if meta.get("params_before"):
-        removed = (f" ({meta['params_before']:,} -> {meta['params']:,} parameters, "
-                   f"{100 * (1 - meta['params'] / meta['params_before']):.1f}% removed)")
-    rec = meta.get("recovery")
-    rec_line = ""
-    if isinstance(rec, dict) and rec.get("after"):
-        rec_line = (f"\nRecovery: {rec['done']} distillation steps ({rec['objective']}, {rec['trainable']}), the state "
-                    f"after step {rec['kept_step']} kept: held-out {rec['metric']} {_number(rec['before']['metric'])} -> "
-                    f"{_number(rec['after']['metric'])}.\n")
-    onnx_line = ""
-    if "onnx" in meta["export"]:
-        o = meta["export"]["onnx"]
-        checked = f", checked with {o['checked_with']}" if o.get("checked_with") else ""
-        onnx_line = (f"\n`{ONNX}` holds the same graph for ONNX runtimes{checked}:\n\n```python\nimport onnxruntime\n"
-                     f"session = onnxruntime.InferenceSession(\"{ONNX}\")\n"
-                     "outputs = session.run(None, {i.name: x.numpy() for i, x in zip(session.get_inputs(), inputs)})\n"
-                     "```\n")
     text = f"""# A factorized model
 
 `{meta.get('source') or 'the model'}` with {len(plan)} layer(s) replaced by two low-rank factors{removed},
@@ -376,7 +395,7 @@ To check the file is the one written: `hashlib.sha256(open("{PT2}", "rb").read()
 - `plan.json`: the plan (layer -> rank), parameter counts, the measured metric{' and the recovery' if rec else ''}.
 - `model.safetensors`: the same weights, keyed like the factorized module (`layer.0.weight` is the r x n factor,
   `layer.1.weight` the m x r one); rebuilding that module needs the original model and the tool:
-  `auditor.factorize.load_factorized(original_model, DIR)`.
+  `auditor.folder.load_factorized(original_model, DIR)`.
 """
     path = Path(directory) / README
     path.write_text(text)
@@ -422,13 +441,84 @@ def _scan_pickle(data: bytes, where: str) -> None:
         raise AuditError(f"{where} is not a readable pickle: {first_line(exc)}", "Export the model again") from None
 
 
+def _refuse(p: Path, member: str, why: str) -> AuditError:
+    return AuditError(f"{p} holds {member} {why}; refusing to load it (a pickle there would run code)",
+                      "Do not load it; export the model again from a trusted copy")
+
+
+def _members(p: Path, names: list[str]) -> tuple[str, list[str], list[str]]:
+    """The archive's one top-level folder, its payload configs and its sample-input archives; any member
+    ``torch.export.save`` does not write for a plain program is refused."""
+    roots = {n.split("/", 1)[0] for n in names}
+    if len(roots) != 1:
+        raise AuditError(f"{p} holds {len(roots)} top-level folders, not one program archive", "Export the model again")
+    root = next(iter(roots)) + "/"
+    configs: list[str] = []
+    samples: list[str] = []
+    for n in names:
+        rel = n[len(root):]
+        if rel in _MEMBERS or rel.endswith("/") or (rel.startswith("models/") and rel.endswith(".json")):
+            continue
+        if rel.startswith(("data/weights/", "data/constants/")):
+            if rel.endswith("_config.json"):
+                configs.append(n)
+            elif rel.endswith((".pt", ".pkl", ".pickle")):
+                raise _refuse(p, rel, "(a pickled weight or constant file)")
+            continue
+        if rel.startswith("data/sample_inputs/") and rel.endswith(".pt"):
+            samples.append(n)
+            continue
+        raise _refuse(p, rel, "(a member torch.export.save does not write for a plain program)")
+    return root, configs, samples
+
+
+def _check_config(zf: Any, p: Path, rel: str, member: str) -> None:
+    """A payload config stores every weight and constant as a plain tensor file, none as a pickle or an object."""
+    import zipfile
+
+    try:
+        cfg = json.loads(zf.read(member).decode("utf-8"), parse_constant=lambda c: None)
+    except (ValueError, RecursionError, OSError, zipfile.BadZipFile) as exc:
+        raise _refuse(p, rel, f"(unreadable: {first_line(exc)})") from None
+    entries = cfg.get("config") if isinstance(cfg, dict) else None
+    if not isinstance(entries, dict):
+        raise _refuse(p, rel, "(not a payload config)")
+    for fqn, meta in entries.items():
+        if not isinstance(meta, dict):
+            raise _refuse(p, rel, "(not a payload config)")
+        name = str(meta.get("path_name", ""))
+        if meta.get("use_pickle") or name.startswith(("custom_obj", "opaque_obj")) or not name.startswith(
+                ("weight_", "tensor_")):
+            raise _refuse(p, rel, f"with {str(fqn)[:80]!r} stored as a pickle or an object")
+
+
+def _check_samples(zf: Any, p: Path, rel: str, member: str) -> None:
+    """The sample inputs (a torch.save archive inside the archive): every pickle in it imports only what tensors
+    need (:func:`_scan_pickle`), within the size limits."""
+    import io
+    import zipfile
+
+    info = zf.getinfo(member)
+    if info.file_size > MAX_SAMPLE_BYTES:
+        raise _refuse(p, rel, f"of {info.file_size:,} bytes (sample inputs)")
+    try:
+        inner = zipfile.ZipFile(io.BytesIO(zf.read(member)))
+    except (zipfile.BadZipFile, ValueError, OSError) as exc:
+        raise _refuse(p, rel, f"(not a torch.save archive: {first_line(exc)})") from None
+    with inner:
+        for m in inner.infolist():
+            if m.filename.endswith(".pkl"):
+                if m.file_size > MAX_SAMPLE_BYTES:
+                    raise _refuse(p, f"{rel}:{m.filename}", "(an oversized pickle)")
+                _scan_pickle(inner.read(m), f"{p} member {rel}:{m.filename}")
+
+
 def check_archive(path: str | Path) -> None:
     """Refuse a ``.pt2`` archive that would run pickled code when torch loads it, before anything in it is
     deserialized and whatever checksums stand beside it: only the members ``torch.export.save`` writes for a plain
     program may be present (no AOTInductor code, no extra files); no weight or constant is stored as a pickle, a
     custom or opaque object; and the sample inputs (the one pickle torch writes, and loads with ``weights_only=False``
     when the restricted load fails) import nothing but tensor rebuilders, storages and dtypes."""
-    import io
     import zipfile
 
     p = Path(path)
@@ -438,64 +528,12 @@ def check_archive(path: str | Path) -> None:
         raise AuditError(f"{p} is not a torch.export archive (a zip file): {first_line(exc)}",
                          "Export the model again") from None
     with zf:
-        names = zf.namelist()
-        roots = {n.split("/", 1)[0] for n in names}
-        if len(roots) != 1:
-            raise AuditError(f"{p} holds {len(roots)} top-level folders, not one program archive",
-                             "Export the model again")
-        root = next(iter(roots)) + "/"
-
-        def refuse(member: str, why: str) -> AuditError:
-            return AuditError(f"{p} holds {member} {why}; refusing to load it (a pickle there would run code)",
-                              "Do not load it; export the model again from a trusted copy")
-
-        configs: list[str] = []
-        samples: list[str] = []
-        for n in names:
-            rel = n[len(root):]
-            if rel in _MEMBERS or rel.endswith("/") or (rel.startswith("models/") and rel.endswith(".json")):
-                continue
-            if rel.startswith(("data/weights/", "data/constants/")):
-                if rel.endswith("_config.json"):
-                    configs.append(n)
-                elif rel.endswith((".pt", ".pkl", ".pickle")):
-                    raise refuse(rel, "(a pickled weight or constant file)")
-                continue
-            if rel.startswith("data/sample_inputs/") and rel.endswith(".pt"):
-                samples.append(n)
-                continue
-            raise refuse(rel, "(a member torch.export.save does not write for a plain program)")
-        import json as _json
-
+        root, configs, samples = _members(p, zf.namelist())
         for n in configs:
-            try:
-                cfg = _json.loads(zf.read(n).decode("utf-8"), parse_constant=lambda c: None)
-            except (ValueError, RecursionError, OSError, zipfile.BadZipFile) as exc:
-                raise refuse(n[len(root):], f"(unreadable: {first_line(exc)})") from None
-            entries = cfg.get("config") if isinstance(cfg, dict) else None
-            if not isinstance(entries, dict):
-                raise refuse(n[len(root):], "(not a payload config)")
-            for fqn, meta in entries.items():
-                if not isinstance(meta, dict):
-                    raise refuse(n[len(root):], "(not a payload config)")
-                name = str(meta.get("path_name", ""))
-                if meta.get("use_pickle") or name.startswith(("custom_obj", "opaque_obj")) or not name.startswith(
-                        ("weight_", "tensor_")):
-                    raise refuse(n[len(root):], f"with {str(fqn)[:80]!r} stored as a pickle or an object")
+            _check_config(zf, p, n[len(root):], n)
         for n in samples:
-            info = zf.getinfo(n)
-            if info.file_size > MAX_SAMPLE_BYTES:
-                raise refuse(n[len(root):], f"of {info.file_size:,} bytes (sample inputs)")
-            try:
-                inner = zipfile.ZipFile(io.BytesIO(zf.read(n)))
-            except (zipfile.BadZipFile, ValueError, OSError) as exc:
-                raise refuse(n[len(root):], f"(not a torch.save archive: {first_line(exc)})") from None
-            with inner:
-                for m in inner.infolist():
-                    if m.filename.endswith(".pkl"):
-                        if m.file_size > MAX_SAMPLE_BYTES:
-                            raise refuse(f"{n[len(root):]}:{m.filename}", "(an oversized pickle)")
-                        _scan_pickle(inner.read(m), f"{p} member {n[len(root):]}:{m.filename}")
+            _check_samples(zf, p, n[len(root):], n)
+
 
 def _read_meta(directory: Path) -> dict[str, Any]:
     path = directory / "plan.json"
@@ -513,7 +551,7 @@ def _read_meta(directory: Path) -> dict[str, Any]:
                           parse_constant=no_constants)
     except (UnicodeDecodeError, ValueError, RecursionError) as exc:
         raise AuditError(f"{path} is not valid UTF-8 JSON: {first_line(exc)}", "Rewrite it with the tool") from None
-    from .factorize import FORMAT
+    from .folder import FORMAT
 
     if not isinstance(meta, dict) or meta.get("format") != FORMAT:
         raise AuditError(f"{path} is not a factorized-model plan", "Point to a directory written by lowrank-audit "

@@ -53,7 +53,9 @@ from auditor.calibration.inputs import run  # noqa: E402
 from auditor.calibration.stats import by_name  # noqa: E402
 from auditor.calibration.sweep import Sweeper  # noqa: E402
 from auditor.calibration.whiten import whitened_spectra  # noqa: E402
-from auditor.factorize import SUPPORTED, count_params, factorize  # noqa: E402
+from auditor.calibration.apply import factorize  # noqa: E402
+from auditor.kinds.registry import SUPPORTED  # noqa: E402
+from auditor.surgery import count_params  # noqa: E402
 from auditor.structure.layers import ParamTable, collect_layers  # noqa: E402
 from auditor.suggest import suggest  # noqa: E402
 

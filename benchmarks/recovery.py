@@ -37,9 +37,11 @@ from auditor.calibration import load_calibration  # noqa: E402
 from auditor.calibration.budget import allocate, curves_from_spectra  # noqa: E402
 from auditor.calibration.stats import by_name  # noqa: E402
 from auditor.calibration.tier1 import tier1  # noqa: E402
-from auditor.factorize import SUPPORTED, count_params, factorize  # noqa: E402
+from auditor.calibration.apply import factorize  # noqa: E402
+from auditor.kinds.registry import SUPPORTED  # noqa: E402
+from auditor.surgery import count_params  # noqa: E402
 from auditor.structure.layers import ParamTable, collect_layers  # noqa: E402
-from auditor.recover import recover  # noqa: E402
+from auditor.calibration.recovery import recover  # noqa: E402
 
 
 def main() -> None:

@@ -4,8 +4,6 @@ the module and the top-level function that takes a plan the way ``audit`` does."
 from __future__ import annotations
 
 import dataclasses
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -49,20 +47,6 @@ def test_audit_and_audit_source_return_the_front_object():
     assert type(auditor.audit(nn.Linear(8, 4), spectra=False)) is api.Audit
     a = auditor.audit_source("sample_models/digits.py:mlp", options=auditor.AuditOptions(spectra=False))
     assert type(a) is api.Audit and a.model_name == "DigitsMLP"
-
-
-@pytest.mark.parametrize("first", [
-    "import auditor.factorize as m",  # the module first, by an import statement
-    "from auditor.calibration import budget; import auditor.factorize as m",  # a module that imports it, first
-    "import auditor; f = auditor.factorize; import auditor.factorize as m; assert f is m",  # the attribute first
-])
-def test_auditor_factorize_is_the_module_and_the_function(first):
-    code = (f"{first}\nimport auditor, torch\nfrom auditor.factorize import factorize, save_factorized\n"
-            "assert auditor.factorize is m and callable(m) and m.factorize is factorize and m.save_factorized\n"
-            "net = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 4))\n"
-            "print(sum(p.numel() for p in auditor.factorize(net, {'0': 2}).parameters()))\n")
-    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
-    assert (run.returncode, run.stdout, run.stderr) == (0, "76\n", "")  # 8*2 + 2*8 + 8 + 36
 
 
 def test_factorize_takes_a_plan_file_as_audit_does(tmp_path):

@@ -18,7 +18,7 @@ from auditor.calibration import (
     curves_from_floors, curves_from_spectra, input_statistics, load_calibration, measure_floors, plan_for_budget, tier1,
 )
 from auditor.calibration.stats import by_name
-from auditor.factorize import count_params, factorize, load_factorized, predicted_params
+from auditor.factorize import count_params, factorize, load_factorized, resolve_plan
 from auditor.structure.layers import ParamTable, collect_layers
 
 ROWS = 400  # 300 for statistics, 100 held out
@@ -103,7 +103,8 @@ def test_tier1_ranks_and_suggestions_are_the_librarys(cli_inproc, calib, tmp_pat
     ev = auditor.calibration.Evaluator(model, verify)
     want = ev.measure(factorize(model, plan, stats))
     assert pc["layers"] == len(plan) and pc["measured"] == pytest.approx(want.value, rel=1e-9)
-    assert pc["ok"] is want.ok is True and pc["removed"] == count_params(model) - predicted_params(model, plan)
+    assert pc["ok"] is want.ok is True and pc["removed"] == sum(
+        l.params - l.params_at(r) for l, r in resolve_plan(model, plan).values())
     assert got["budget"]["metric"] == pytest.approx(bp.metric, rel=1e-9) and pc["measured"] <= got["tolerance"]
     v = pc["verification"]
     assert (v["rows"], v["search_rows"], v["confidence"]) == (50, 50, 0.9) and v == got["budget"]["verification"]
@@ -228,7 +229,7 @@ def test_factorize_writes_and_loads_back(cli_inproc, calib, tmp_path, digits_mlp
     assert "recovery fine-tune follows" in r.stderr and "measured" in r.stderr
     meta = json.loads((out / "plan.json").read_text())
     assert meta["plan"] == plan and meta["init"] == "whitened"
-    assert meta["params"] == predicted_params(model, plan) == 429_834 - 512 * 64 + 24 * 576 - 512 * 512 + 16 * 1024
+    assert meta["params"] == 429_834 - 512 * 64 + 24 * 576 - 512 * 512 + 16 * 1024
     back = load_factorized(model, out)
     cal = load_calibration(calib, model, 0.25)
     want = factorize(model, plan, input_statistics(model, _layers(model), cal))

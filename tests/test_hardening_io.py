@@ -121,7 +121,7 @@ def test_emitted_recovery_command_repeats_the_measured_setting(steps, lr, traina
 
     from auditor.calresults import RecoverySetup
     from auditor.cli_factorize import _parser
-    from auditor.recover import cli_settings
+    from auditor.cli_recover import cli_settings
 
     command = RecoverySetup(steps, lr, trainable, objective, 0, True).command()
     argv = shlex.split(command)

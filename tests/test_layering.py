@@ -13,6 +13,8 @@ of the layers below it. Every module of the package must be in exactly one layer
 from __future__ import annotations
 
 import ast
+import subprocess
+import sys
 from pathlib import Path
 
 import networkx as nx
@@ -23,31 +25,52 @@ import auditor
 PKG = Path(auditor.__file__).resolve().parent
 
 # Modules kept only so that a public path users import still works (each re-exports names from the module's new home)
-SHIMS = ("graph", "layers", "load")
+SHIMS = ("factorize", "recover", "graph", "layers", "load")
 
-# From the top down. A name covers the module and, for a package, every module inside it.
-LAYERS: list[tuple[str, tuple[str, ...]]] = [
-    ("cli", ("auditor.__main__", "auditor.cli", "auditor.cli_factorize", "auditor.cli_parser", "auditor.cli_plan")),
-    # auditor/__init__.py and the front object over the plain result; the moved modules' public paths, kept for users
-    ("api", ("auditor", "auditor.api", *(f"auditor.{m}" for m in SHIMS))),
-    ("pipeline", ("auditor.pipeline",)),
-    ("report", ("auditor.render", "auditor.baseline", "auditor.policy")),
-    ("rules", ("auditor.rules",)),
-    # --measure-speed: times the modules factorize writes (auditor/speed); its plain report and timer sit in "model"
-    ("speed", ("auditor.speed",)),
-    # factorize.py applies a plan with calibration's whitened truncation, and calibration's budget and plan check
-    # build factorized models to measure them: one room (no module circle), to be split when kinds/ take the
-    # two-module replacements
-    ("calibration", ("auditor.calibration", "auditor.factorize", "auditor.recover", "auditor.export")),
-    ("analysis", ("auditor.plan", "auditor.suggest", "auditor.groups")),
-    ("spectra", ("auditor.spectra",)),
-    ("structure", ("auditor.structure",)),  # trace, op costs and the layer graph, the module walk, definition sites
-    ("sources", ("auditor.sources",)),  # source strings -> models: factories, Hugging Face, checkpoints, tensor refs
-    ("kinds", ("auditor.kinds",)),  # one module per layer kind and their registry
-    ("model", ("auditor.results", "auditor.calresults", "auditor.speed.report", "auditor.speed.timing")),
-    ("core", ("auditor.errors", "auditor.lrmath", "auditor.config", "auditor.options", "auditor.progress",
-              "auditor.outputs", "auditor._env", "auditor._lapack", "auditor._version")),
-]
+# From the top down, one layer per package or top-level module. A name covers the module and, for a package, every
+# module inside it (the longest name wins: speed's plain report and timer sit low, the rest of speed/ high).
+LAYERS: list[tuple[str, tuple[str, ...]]] = [(name.removeprefix("auditor.") or "auditor", (name,)) for name in (
+    "auditor.__main__",
+    "auditor.cli",
+    "auditor.cli_plan",
+    "auditor.cli_factorize",
+    "auditor.cli_recover",  # the recovery flags of both commands
+    "auditor.cli_parser",
+    "auditor",  # auditor/__init__.py
+    # the moved modules' public paths, kept for users (SHIMS)
+    "auditor.factorize", "auditor.recover", "auditor.graph", "auditor.layers", "auditor.load",
+    "auditor.api",  # the front object over the plain result
+    "auditor.pipeline",
+    "auditor.render",
+    "auditor.baseline",
+    "auditor.policy",
+    "auditor.rules",
+    "auditor.export",  # a factorized model as a program that loads with plain torch
+    "auditor.folder",  # a factorized model's output folder: write, check, load
+    "auditor.speed",  # --measure-speed: times the modules surgery writes
+    "auditor.calibration",  # the tiers, the plan search and check, recovery; factorize with the data's factors
+    "auditor.surgery",  # plan application: a layer replaced by its factors, given or from a truncation callable
+    "auditor.suggest",
+    "auditor.plan",
+    "auditor.groups",
+    "auditor.spectra",
+    "auditor.structure",  # trace, op costs and the layer graph, the module walk, definition sites
+    "auditor.sources",  # source strings -> models: factories, Hugging Face, checkpoints, tensor refs
+    "auditor.kinds",  # one module per layer kind and their registry
+    "auditor.results",
+    "auditor.calresults",
+    "auditor.speed.report",
+    "auditor.speed.timing",
+    "auditor.options",
+    "auditor.config",
+    "auditor.outputs",
+    "auditor.progress",
+    "auditor.lrmath",
+    "auditor.errors",
+    "auditor._env",
+    "auditor._lapack",
+    "auditor._version",
+)]
 
 
 def modules(root: Path = PKG) -> dict[str, Path]:
@@ -208,18 +231,19 @@ def test_renderers_and_results_import_no_torch_networkx_or_pipeline():
 
 
 def test_the_moved_modules_public_paths_are_re_exports_that_nothing_inside_imports(graph):
-    """``auditor.load`` / ``auditor.graph`` / ``auditor.layers`` re-export (the same objects) from their new homes,
-    define nothing of their own, and no module of the package imports them."""
+    """``auditor.load`` / ``auditor.graph`` / ``auditor.layers`` / ``auditor.recover`` re-export (the same objects)
+    from their new homes, define nothing of their own, and no module of the package imports them."""
     import importlib
 
+    import auditor.calibration.recovery
     import auditor.kinds.base
     import auditor.sources
     import auditor.structure.graph
     import auditor.structure.layers
 
     homes = {"load": [auditor.sources], "graph": [auditor.structure.graph],
-             "layers": [auditor.structure.layers, auditor.kinds.base]}
-    for name in SHIMS:
+             "layers": [auditor.structure.layers, auditor.kinds.base], "recover": [auditor.calibration.recovery]}
+    for name in [s for s in SHIMS if s != "factorize"]:
         shim = importlib.import_module(f"auditor.{name}")
         tree = ast.parse(Path(shim.__file__).read_text(encoding="utf-8"))
         assert all(isinstance(n, ast.ImportFrom) for n in tree.body[1:]), name  # a docstring, then imports only
@@ -227,3 +251,41 @@ def test_the_moved_modules_public_paths_are_re_exports_that_nothing_inside_impor
         assert public and all(any(getattr(h, n, None) is getattr(shim, n) for h in homes[name]) for n in public)
         assert [m for m in graph.predecessors(f"auditor.{name}")] == [], name
     assert auditor.graph.set_op_handle is auditor.structure.graph.set_op_handle
+    assert auditor.recover.recover is auditor.calibration.recovery.recover
+
+
+def test_auditor_factorize_is_a_function_and_the_old_module_path_still_imports(graph):
+    """``auditor.factorize`` is a plain function; ``from auditor.factorize import ...`` reaches the names of the
+    module that was there (now in surgery, calibration.apply and folder), each the object of its home, looked up on
+    first use. Only ``auditor/__init__.py`` imports the path (it loads it first, so the function keeps the name)."""
+    import importlib
+    import types
+
+    shim = sys.modules["auditor.factorize"]
+    assert type(auditor.factorize) is types.FunctionType and auditor.factorize.__module__ == "auditor.api"
+    assert type(shim) is types.ModuleType and shim.__file__ == str(PKG / "factorize.py")
+    homes = {n: sorted(h for h, names in shim._HOMES.items() if n in names) for n in shim.__all__}
+    assert all(len(h) == 1 for h in homes.values())
+    assert all(getattr(shim, n) is getattr(importlib.import_module(h[0]), n) for n, h in homes.items())
+    assert {"factorize", "load_factorized", "save_factorized", "count_params", "resolve_plan"} <= set(shim.__all__)
+    assert "SUPPORTED" not in shim.__all__ and "predicted_params" not in shim.__all__  # kinds' and gone
+    with pytest.raises(AttributeError, match="has no attribute 'SUPPORTED'"):
+        shim.SUPPORTED  # noqa: B018
+    assert list(graph.predecessors("auditor.factorize")) == ["auditor"]
+    assert sorted(graph.successors("auditor.factorize")) == [
+        "auditor.calibration.apply", "auditor.folder", "auditor.surgery"]  # its homes, named for readers
+
+
+@pytest.mark.parametrize("first", [
+    "import auditor.factorize as m",  # the path first, by an import statement
+    "from auditor.calibration import budget; from auditor.factorize import load_factorized",  # a module of the homes
+    "import auditor; f = auditor.factorize; import auditor.factorize as m; assert f is m",  # the attribute first
+])
+def test_every_import_order_leaves_auditor_factorize_the_function(first):
+    code = (f"{first}\nimport auditor, torch, types\nfrom auditor.factorize import factorize, save_factorized\n"
+            "from auditor.calibration.apply import factorize as home\n"
+            "assert type(auditor.factorize) is types.FunctionType and factorize is home and save_factorized\n"
+            "net = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 4))\n"
+            "print(sum(p.numel() for p in auditor.factorize(net, {'0': 2}).parameters()))\n")
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd=PKG.parent)
+    assert (run.returncode, run.stdout, run.stderr) == (0, "76\n", "")  # 8*2 + 2*8 + 8 + 36

@@ -20,7 +20,9 @@ from torch import nn
 
 from .. import lrmath
 from ..calresults import BudgetResult, FrontierPlan
-from ..factorize import SUPPORTED, count_params, factorize
+from ..kinds.registry import SUPPORTED
+from ..surgery import count_params
+from .apply import factorize
 from ..results import Layer
 from .inputs import Calibration
 from .metric import Evaluator, Metric
@@ -411,7 +413,7 @@ def recover_frontier(model: nn.Module, session: CalibrationSession, result: Budg
                      choose_after: bool = False,
                      progress: Callable[[int, int], None] | None = None) -> BudgetResult:
     """Every frontier plan of ``result`` measured again after the same recovery fine-tune
-    (:func:`auditor.recover.recover`: distillation toward ``model`` on the session's fit batches, the held-out ones
+    (:func:`auditor.calibration.recovery.recover`: distillation toward ``model`` on the session's fit batches, the held-out ones
     only measured, with the session's evaluator), each from the whitened factors it was measured at; the plan's
     ``recovered`` says what it measured and what it cost. With a budget, the plan at the budget and the smallest
     plan that failed below it join the frontier (the plans recovery can move across the tolerance).
@@ -423,7 +425,7 @@ def recover_frontier(model: nn.Module, session: CalibrationSession, result: Budg
     from dataclasses import replace
 
     from ..calresults import FrontierRecovery, RecoverySetup
-    from ..recover import recover
+    from .recovery import recover
 
     t0 = time.perf_counter()
     limit = result.budget * result.params_before if result.budget is not None else float("inf")

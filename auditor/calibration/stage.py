@@ -92,7 +92,7 @@ def _fixed_ranks(layers: list[Layer], suggestions: dict[str, Suggestion], planne
                  per: dict[str, LayerCalibration], settings: "Settings") -> dict[str, int]:
     """The layers every measured plan includes at their data-free rank: factorized by the weight-energy suggestion,
     rewritable by ``factorize``, but not ranked by calibration (no statistics, or inputs it did not span)."""
-    from ..factorize import SUPPORTED
+    from ..kinds.registry import SUPPORTED
 
     out: dict[str, int] = {}
     for layer in layers:
@@ -191,7 +191,7 @@ def calibrate(model: nn.Module, layers: list[Layer], settings: "Settings", optio
             reference = floors.reference
             seconds["tier2"] = time.perf_counter() - t
         t = time.perf_counter()
-        from ..factorize import SUPPORTED
+        from ..kinds.registry import SUPPORTED
 
         planned = [l for l in swept if not l.aliases and l.kind in SUPPORTED]
         fixed = _fixed_ranks(layers, suggestions or {}, {l.name for l in planned}, per, settings)
@@ -303,7 +303,7 @@ def _verify(model: nn.Module, session: CalibrationSession, budget: Any, stats: I
     rows whose verification interval ends within the tolerance (at most ``VERIFY_TRIES`` verified, largest first;
     the smallest verified stands, said to miss or straddle, when none does). The dense model is never verified: it
     is the reference."""
-    from ..factorize import factorize
+    from .apply import factorize
 
     ver = session.verifier
     search_rows = sum(b.rows for b in session.search_calibration.holdout)
@@ -349,7 +349,7 @@ def suggest_with(layers: list[Layer], spectra: dict[str, "Spectrum"], suggestion
     its ranks, every other calibrated layer dense. Per-layer floors and tier-1 ranks are evidence in the reasons,
     never the plan. Where calibration did not rank a layer (no statistics, inputs it did not span) the data-free
     suggestion stays; the plan was measured with it. Layers ``factorize`` cannot rewrite are kept dense."""
-    from ..factorize import SUPPORTED
+    from ..kinds.registry import SUPPORTED
 
     out = dict(suggestions)
     b = report.budget
@@ -416,7 +416,9 @@ def _evidence(lc: LayerCalibration, report: CalibrationReport) -> str:
 def check_plan(cal: Calibrated, model: nn.Module, audit: "Audit") -> CalibrationReport:
     """The reviewed plan (or the suggested ranks) factorized all at once with whitened initialisation and measured on
     the held-out part: the model-level metric beside the tier-1 prediction sqrt(sum e_l^2)."""
-    from ..factorize import SUPPORTED, count_params, factorize
+    from ..kinds.registry import SUPPORTED
+    from ..surgery import count_params
+    from .apply import factorize
     from .metric import Measurement
 
     rv = audit.review

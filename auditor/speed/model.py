@@ -128,10 +128,10 @@ def _build(spec: dict[str, Any]) -> tuple[nn.Module, tuple, dict]:
         _trim()
         return _program(spec["program"], spec["format"]), args, kwargs
     if spec.get("plan"):
-        from ..factorize import factorize
+        from ..surgery import apply_plan
 
         dense = model
-        model = factorize(dense, spec["plan"], init=False)
+        model = apply_plan(dense, spec["plan"])
         del dense
     gc.collect()
     _trim()

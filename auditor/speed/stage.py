@@ -92,10 +92,10 @@ def _pair(model: nn.Module, args: tuple, kwargs: dict, plan: dict[str, int], opt
         source, load = options.origin
         dense, fact = measure_subprocesses(source, load, [{}, plan], device, threads)
         return dense, fact, "subprocess"
-    from ..factorize import factorize
+    from ..surgery import apply_plan
 
     dense = run_model(model, args, kwargs, device, clock=options.speed_clock)
-    fact = run_model(factorize(model, plan, init=False), args, kwargs, device, clock=options.speed_clock)
+    fact = run_model(apply_plan(model, plan), args, kwargs, device, clock=options.speed_clock)
     return dense, fact, "in-process"
 
 
@@ -131,10 +131,10 @@ def time_frontier(model: nn.Module, args: tuple, kwargs: dict, audit: "Audit", o
         source, load = options.origin
         dense, *runs = measure_subprocesses(source, load, [{}, *(p.plan for p in chosen)], device, threads)
     else:
-        from ..factorize import factorize
+        from ..surgery import apply_plan
 
         dense = run_model(model, args, kwargs, device, clock=options.speed_clock)
-        runs = [run_model(factorize(model, p.plan, init=False), args, kwargs, device, clock=options.speed_clock)
+        runs = [run_model(apply_plan(model, p.plan), args, kwargs, device, clock=options.speed_clock)
                 for p in chosen]
     return [FrontierSpeed(p.removed, p.removed_fraction, p.layers, r) for p, r in zip(chosen, runs)], dense
 

@@ -1,0 +1,59 @@
+"""A plan applied with factors from the data: :mod:`auditor.surgery` replaces the layers, this module says where
+their factors come from. Without calibration each layer's factors are its plain truncated SVD; with calibration (a
+session, a ``Calibration`` or ``InputStatistics``) the whitened truncation, which keeps the layer's outputs on the
+calibration data as close as any rank-r map can (:class:`auditor.calibration.whiten.Truncator`)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..errors import AuditError
+from ..results import Layer
+from ..surgery import Factors, Truncation, apply_plan, checked_plan, replace_layers
+from .inputs import Calibration
+from .session import CalibrationSession
+from .stats import InputStatistics
+from .whiten import Truncator
+
+
+def truncation(stats: InputStatistics | None = None, reuse: dict[str, Any] | None = None) -> Truncation:
+    """The factors of a layer at a rank: whitened under the layer's statistics in ``stats``, the plain SVD where
+    there are none. ``reuse``: a dict the caller keeps across plans of one model and calibration, so each layer is
+    decomposed once."""
+
+    def factors(name: str, layer: Layer, weight: torch.Tensor, rank: int) -> Factors:
+        trunc = reuse.get(name) if reuse is not None else None
+        if trunc is None:
+            trunc = Truncator(layer, weight, stats.layers.get(name) if stats is not None else None)
+            if reuse is not None:
+                reuse[name] = trunc
+        return trunc.factors(rank)
+
+    return factors
+
+
+def statistics(calibration: Any, model: nn.Module, planned: list[Layer]) -> InputStatistics | None:
+    """The input statistics of the planned layers: ``InputStatistics`` as given, a session's (read once, when they
+    cover the plan), or gathered on ``model`` (in eval mode) from a ``Calibration``; None without calibration."""
+    if calibration is None or isinstance(calibration, InputStatistics):
+        return calibration
+    if isinstance(calibration, (Calibration, CalibrationSession)):
+        return CalibrationSession.of(calibration, model, layers=planned).statistics(planned)
+    raise AuditError(f"calibration is a {type(calibration).__name__}",
+                     "Pass a CalibrationSession, a Calibration (load_calibration) or InputStatistics")
+
+
+def factorize(model: nn.Module, plan: dict[str, int], calibration: Any = None, *, init: bool = True,
+              layers: dict[str, Layer] | None = None, reuse: dict[str, Any] | None = None) -> nn.Module:
+    """A deep copy of ``model`` with each planned layer (``{layer name: rank}``) replaced by two; ``model`` is left
+    untouched. ``calibration``: None (plain SVD), a ``CalibrationSession`` (its statistics, read once), a
+    ``Calibration`` (input statistics are gathered on ``model``, in eval mode), or ``InputStatistics``.
+    ``init=False`` builds the structure only (for ``load_factorized``). ``reuse``: see :func:`truncation`."""
+    if not init:
+        return apply_plan(model, plan, layers=layers)
+    resolved = checked_plan(model, plan, layers)  # before any statistics are gathered: a complex layer would crash them
+    stats = statistics(calibration, model, [l for l, _ in resolved.values()])
+    return replace_layers(model, resolved, truncation(stats, reuse))
