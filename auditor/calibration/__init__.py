@@ -6,11 +6,11 @@
   the tier-1 curve, for the smallest rank whose model-level metric holds, with the prefix of the layer's block
   replayed from a cache.
 - Tier 3: ``plan_for_budget`` allocates ranks over the curves (Lagrangian), applies the whole plan at once with
-  ``auditor.factorize.factorize`` and backs off until the model-level metric holds; it also measures a frontier.
+  ``auditor.calibration.apply.factorize`` and backs off until the model-level metric holds; it also measures a frontier.
 
 A ``CalibrationSession`` (``session.py``) owns what they all measure with: the model, the batches, the input
 statistics (computed once), the metric and one ``Evaluator`` (the dense reference measured once); every tier, the plan
-check and ``auditor.factorize.factorize`` take one, or build one from the data they are given.
+check and ``auditor.calibration.apply.factorize`` take one, or build one from the data they are given.
 
 Inputs and results are plain dataclasses (tier 2 and 3 return the report's own types, ``auditor.calresults``); only
 ``Calibration`` (the input batches) and the session hold tensors.

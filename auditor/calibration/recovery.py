@@ -118,7 +118,7 @@ def _finite(x: Any) -> Any:
 
 def factor_modules(factorized: nn.Module, dense: nn.Module) -> dict[str, nn.Sequential]:
     """The factorized layers: module paths where ``dense`` has a weighted layer and ``factorized`` the two-module
-    ``nn.Sequential`` that :func:`auditor.factorize.factorize` puts there."""
+    ``nn.Sequential`` that :func:`auditor.surgery.apply_plan` puts there."""
     dense_mods = dict(dense.named_modules())
     out: dict[str, nn.Sequential] = {}
     for path, mod in factorized.named_modules():
@@ -284,7 +284,7 @@ def _factors_of(factorized: nn.Module, dense: nn.Module) -> dict[str, nn.Sequent
     factors = factor_modules(factorized, dense)
     if not factors:
         raise AuditError("the model has no factorized layer to recover",
-                         "Factorize at least one layer (auditor.factorize.factorize) before recovering")
+                         "Factorize at least one layer (auditor.factorize(model, plan)) before recovering")
     return factors
 
 
