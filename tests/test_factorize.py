@@ -176,3 +176,35 @@ def test_a_module_reached_twice_is_replaced_once():
     net = nn.Sequential(lin, nn.ReLU(), lin)
     new = factorize(net, {"0": 4})
     assert new[0] is new[2] and count_params(new) == 4 * 32 + 16
+
+
+def test_surgery_takes_factors_or_a_truncation_callable_and_knows_no_calibration(digits_mlp):
+    """auditor.surgery (below calibration) replaces layers with the factors it is handed: a mapping and a callable
+    give the bits calibration.apply's whitened factorize writes; none gives the structure only."""
+    from auditor import surgery
+    from auditor.calibration.apply import truncation
+
+    model = digits_mlp[0]
+    cal = load_calibration({"x": _digits(256)}, model, holdout=0)
+    plan = {"fc1": 24, "fc3": 8}
+    resolved = surgery.checked_plan(model, plan)
+    stats = input_statistics(model, [l for l, _ in resolved.values()], cal)
+    want = factorize(model, plan, stats).state_dict()
+    calls: list[tuple[str, tuple[int, ...], int]] = []
+    whitened = truncation(stats)
+
+    def spy(name, layer, weight, rank):
+        calls.append((name, tuple(weight.shape), rank))
+        return whitened(name, layer, weight, rank)
+
+    by_callable = surgery.apply_plan(model, plan, spy).state_dict()
+    assert calls == [("fc1", (512, 64), 24), ("fc3", (256, 512), 8)]  # each planned layer once, in plan order
+    table = {n: whitened(n, l, model.get_submodule(n).weight, r) for n, (l, r) in resolved.items()}
+    by_table = surgery.apply_plan(model, plan, table).state_dict()
+    for got in (by_callable, by_table):
+        assert list(got) == list(want) and all(torch.equal(got[k], want[k]) for k in want)
+    shell = surgery.apply_plan(model, plan)  # the structure only: the shapes of the factors, their values untouched
+    assert {k: tuple(v.shape) for k, v in shell.state_dict().items()} == {k: tuple(v.shape) for k, v in want.items()}
+    assert count_params(shell) == count_params(model) - sum(l.params - l.params_at(r) for l, r in resolved.values())
+    with pytest.raises(AuditError, match="not a factorizable layer"):
+        surgery.apply_plan(model, {"fc9": 2}, table)

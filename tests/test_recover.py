@@ -204,3 +204,22 @@ def test_cli_bad_recovery_settings_exit_2(cli_inproc, tmp_path, extra, message):
     r = cli_inproc("factorize", "sample_models/digits.py:mlp", "--plan", plan, "-o", tmp_path / "out",
                    "--recover", "10")
     assert r.returncode == 2 and "--recover needs --calibration" in r.stderr
+
+
+def test_settings_passed_whole_are_the_keywords(setup):
+    """recover(f, d, cal, RecoverySettings(...)) runs exactly as the same fields given as keywords; a keyword beside
+    the object overrides its field; without steps it is one line."""
+    from auditor.calibration.recovery import RecoverySettings
+
+    model, cal = setup
+    one, two, three = (factorize(model, PLAN) for _ in range(3))
+    a = recover(one, model, cal, steps=6, lr=1e-3, seed=2, eval_at=(3,))
+    b = recover(two, model, cal, RecoverySettings(steps=6, lr=1e-3, seed=2, eval_at=(3,)))
+    c = recover(three, model, cal, RecoverySettings(steps=99, lr=1e-3, seed=2, eval_at=(3,)), steps=6)
+    strip = [{k: v for k, v in r.to_dict().items() if not k.startswith("seconds")} for r in (a, b, c)]
+    assert strip[0] == strip[1] == strip[2] and [p.step for p in a.points] == [0, 3, 6]
+    assert all(torch.equal(x, y) for x, y in zip(one.state_dict().values(), two.state_dict().values()))
+    with pytest.raises(AuditError, match="recover\\(\\) needs the number of steps"):
+        recover(factorize(model, PLAN), model, cal, lr=1e-3)
+    with pytest.raises(AuditError, match="eval_at \\[0\\] holds a step that is not a positive integer"):
+        recover(factorize(model, PLAN), model, cal, steps=3, eval_at=(0,))
