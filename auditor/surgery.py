@@ -187,10 +187,13 @@ def _factors_of(source: FactorSource, name: str, layer: Layer, weight: torch.Ten
     return source[name]
 
 
-def replace_layers(model: nn.Module, resolved: Resolved, factors: FactorSource = None) -> nn.Module:
+def replace_layers(model: nn.Module, resolved: Resolved, factors: FactorSource = None, *,
+                   share: bool = False) -> nn.Module:
     """A deep copy of ``model`` with each layer of a checked plan (:func:`checked_plan`) replaced by its kind's two
-    modules, holding the factors ``factors`` gives (see the module docstring); ``model`` is left untouched."""
-    new = copy.deepcopy(model)
+    modules, holding the factors ``factors`` gives (see the module docstring); ``model`` is left untouched.
+    ``share``: the copy holds ``model``'s own parameters and buffers (only the new factors are allocated): for
+    measuring a plan, never for a model that is trained or changed."""
+    new = copy.deepcopy(model, {id(t): t for t in (*model.parameters(), *model.buffers())} if share else None)
     for name, (layer, r) in resolved.items():
         path, attr = kinds.for_kind(layer.kind).module_path(layer)
         old = new.get_submodule(path)
@@ -204,10 +207,11 @@ def replace_layers(model: nn.Module, resolved: Resolved, factors: FactorSource =
 
 
 def apply_plan(model: nn.Module, plan: dict[str, int], factors: FactorSource = None, *,
-               layers: dict[str, Layer] | None = None) -> nn.Module:
+               layers: dict[str, Layer] | None = None, share: bool = False) -> nn.Module:
     """A deep copy of ``model`` with each planned layer (``{layer name: rank}``) replaced by two, holding
-    ``factors``' factors (none: the structure only); ``model`` is left untouched. The plan is checked first."""
-    return replace_layers(model, checked_plan(model, plan, layers), factors)
+    ``factors``' factors (none: the structure only); ``model`` is left untouched. The plan is checked first.
+    ``share``: see :func:`replace_layers`."""
+    return replace_layers(model, checked_plan(model, plan, layers), factors, share=share)
 
 
 def count_params(model: nn.Module) -> int:

@@ -18,7 +18,7 @@ from auditor.calibration import (
     curves_from_floors, curves_from_spectra, input_statistics, load_calibration, measure_floors, plan_for_budget, tier1,
 )
 from auditor.calibration.stats import by_name
-from auditor.factorize import count_params, factorize, load_factorized, resolve_plan
+from auditor.factorize import factorize, load_factorized, resolve_plan
 from auditor.structure.layers import ParamTable, collect_layers
 
 ROWS = 400  # 300 for statistics, 100 held out

@@ -208,3 +208,16 @@ def test_surgery_takes_factors_or_a_truncation_callable_and_knows_no_calibration
     assert count_params(shell) == count_params(model) - sum(l.params - l.params_at(r) for l, r in resolved.values())
     with pytest.raises(AuditError, match="not a factorizable layer"):
         surgery.apply_plan(model, {"fc9": 2}, table)
+
+
+def test_a_shared_copy_holds_the_models_own_tensors_and_the_same_outputs(digits_mlp):
+    """share=True (for measuring a plan): the layers left dense are the model's own parameters, not copies; the
+    factorized model computes what the unshared copy computes."""
+    model = digits_mlp[0]
+    x = _digits(32)
+    plan = {"fc2": 16}
+    shared, copied = factorize(model, plan, share=True), factorize(model, plan)
+    assert shared.fc1.weight is model.fc1.weight and copied.fc1.weight is not model.fc1.weight
+    assert shared.fc2[0].weight is not model.fc2.weight
+    with torch.no_grad():
+        assert torch.equal(shared(x), copied(x))

@@ -47,13 +47,15 @@ def statistics(calibration: Any, model: nn.Module, planned: list[Layer]) -> Inpu
 
 
 def factorize(model: nn.Module, plan: dict[str, int], calibration: Any = None, *, init: bool = True,
-              layers: dict[str, Layer] | None = None, reuse: dict[str, Any] | None = None) -> nn.Module:
+              layers: dict[str, Layer] | None = None, reuse: dict[str, Any] | None = None,
+              share: bool = False) -> nn.Module:
     """A deep copy of ``model`` with each planned layer (``{layer name: rank}``) replaced by two; ``model`` is left
     untouched. ``calibration``: None (plain SVD), a ``CalibrationSession`` (its statistics, read once), a
     ``Calibration`` (input statistics are gathered on ``model``, in eval mode), or ``InputStatistics``.
-    ``init=False`` builds the structure only (for ``load_factorized``). ``reuse``: see :func:`truncation`."""
+    ``init=False`` builds the structure only (for ``load_factorized``). ``reuse``: see :func:`truncation`.
+    ``share``: the copy holds ``model``'s own parameters and buffers (:func:`auditor.surgery.replace_layers`)."""
     if not init:
-        return apply_plan(model, plan, layers=layers)
+        return apply_plan(model, plan, layers=layers, share=share)
     resolved = checked_plan(model, plan, layers)  # before any statistics are gathered: a complex layer would crash them
     stats = statistics(calibration, model, [l for l, _ in resolved.values()])
-    return replace_layers(model, resolved, truncation(stats, reuse))
+    return replace_layers(model, resolved, truncation(stats, reuse), share=share)
