@@ -550,6 +550,7 @@ def recover(factorized: nn.Module, dense: nn.Module, calibration: "Calibration |
         settings = RecoverySettings(**keywords)
     elif keywords:
         settings = replace(settings, **keywords)
+    settings = replace(settings, eval_at=tuple(settings.eval_at))  # read more than once (a generator would not be)
     settings.check()
     calibration, session = _calibration_of(calibration, dense, metric)
     factors = _factors_of(factorized, dense)
