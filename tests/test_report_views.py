@@ -13,7 +13,7 @@ from torch import nn
 
 import auditor
 from auditor.render import RenderContext
-from auditor.render.md_budget import GITHUB_COMMENT_LIMIT, measure
+from auditor.render.md_fit import GITHUB_COMMENT_LIMIT, measure
 from auditor.render.safe import md_code, md_text, middle, term
 
 bs4 = pytest.importorskip("bs4")

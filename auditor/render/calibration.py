@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable
 
 from ..policy import checked_change, metric_change
-from .md_budget import Section, percent
+from .md_fit import Section, percent
 from .safe import md_code, md_text, middle, term
 from .view import pct
 
@@ -433,7 +433,7 @@ def markdown(audit: "Audit", room: Any = None) -> list[Section]:
     """The calibration sections of the Markdown report: the bullets open, the frontier open while short, the
     per-layer table and the layers without statistics folded. ``room`` (:class:`auditor.render.markdown.Room`)
     is what is left of the open part; without it, the optional parts are folded."""
-    from .md_budget import fold_if
+    from .md_fit import fold_if
 
     cal = audit.calibration
     if cal is None:

@@ -17,7 +17,7 @@ import numpy as np
 
 from ..policy import status, verdict_line
 from . import calibration, speed
-from .base import RenderContext
+from .base import RenderContext, Stdout
 from .layer_charts import short_label
 from .pages import appendix_text, group_rows, layer_pages, page_legend, plan_rows, rank_changes
 from .view import (finding_groups, human, layer_table, pct, share_pct, skipped_groups, skipped_rows, spectra_computed,
@@ -255,6 +255,7 @@ class HtmlReporter:
     name = "html"
     suffix = ".html"
     binary = False
+    stdout = Stdout.NEVER
 
     def render(self, audit: "Audit", context: RenderContext) -> str:
         return render(audit, context)

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Any
 from ..outputs import strict_json
 from ..policy import measured, status, verdict_line
 from . import calibration
-from .base import RenderContext
+from .base import RenderContext, Stdout
 
 if TYPE_CHECKING:
     from ..results import Audit
@@ -84,6 +84,7 @@ class JsonReporter:
     name = "json"
     suffix = ".json"
     binary = False
+    stdout = Stdout.DOCUMENT
 
     def render(self, audit: "Audit", context: RenderContext) -> str:
         data = to_dict(audit, with_sigma=context.with_sigma)

@@ -1,13 +1,13 @@
 """Markdown for a pull-request comment or a CI job summary: read in ten seconds, under GitHub's comment limit.
 
-The open part (what shows before any fold is expanded) stays under :data:`auditor.render.md_budget.OPEN_LIMIT`
+The open part (what shows before any fold is expanded) stays under :data:`auditor.render.md_fit.OPEN_LIMIT`
 bytes for any model: the verdict, the plan card (what the plan saves and, with calibration, its all-at-once
 measurement), the findings; then the plan, the calibration and the layers. A table is shown open only when it has
 at most :data:`ROWS_OPEN` rows and :data:`COLS_OPEN` columns and fits what is left of the open part; every other
 table, and the findings past the first :data:`ROWS_OPEN`, sit inside ``<details>``. The whole text stays under
-:data:`auditor.render.md_budget.DEFAULT_CAP` characters (rows cut last, with one line saying what is left out).
+:data:`auditor.render.md_fit.DEFAULT_CAP` characters (rows cut last, with one line saying what is left out).
 
-One unit convention: shares and errors are percentages, rounded by :func:`auditor.render.md_budget.percent` (one
+One unit convention: shares and errors are percentages, rounded by :func:`auditor.render.md_fit.percent` (one
 decimal from 1% up, two significant digits below); a user metric is printed in its own units. Every name goes
 through :mod:`auditor.render.safe`, so a layer name cannot open a link, an image, a heading or raw HTML.
 """
@@ -19,8 +19,8 @@ from typing import TYPE_CHECKING
 from ..policy import verdict_head
 from ..results import Severity
 from . import calibration, speed
-from .base import RenderContext
-from .md_budget import COLS_OPEN, ROWS_OPEN, Room, fold_if, DEFAULT_CAP, OPEN_LIMIT, Section, fit_markdown, measure, percent
+from .base import RenderContext, Stdout
+from .md_fit import COLS_OPEN, ROWS_OPEN, Room, fold_if, DEFAULT_CAP, OPEN_LIMIT, Section, fit_markdown, measure, percent
 from .pages import group_rows, plan_rows, rank_changes
 from .safe import md_code, md_text, middle
 from .view import factorized_count, fmt_num, human, layer_table, spectra_computed, trace_sentence
@@ -224,6 +224,7 @@ class MarkdownReporter:
     name = "md"
     suffix = ".md"
     binary = False
+    stdout = Stdout.DOCUMENT
 
     def render(self, audit: "Audit", context: RenderContext) -> str:
         return render(audit, context)

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any, Callable
 
 from ..policy import verdict_line
 from . import calibration, speed
-from .base import RenderContext
+from .base import RenderContext, Stdout
 from .pages import GroupRow, group_rows, plan_rows, rank_changes
 from .safe import middle, term
 from .view import factorized_count, fmt_num, human, layer_table, spectra_computed, trace_sentence
@@ -404,6 +404,7 @@ class TextReporter:
     name = "text"
     suffix = ".txt"
     binary = False
+    stdout = Stdout.TABLE
 
     def render(self, audit: "Audit", context: RenderContext) -> str:
         return render(audit, context)
