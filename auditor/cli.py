@@ -196,7 +196,7 @@ def _check_stdout(args: argparse.Namespace) -> None:
     kinds = {f: stdout_of(f) for f in dict.fromkeys(formats)}
     to_stdout = [f for f, k in kinds.items() if k in (Stdout.DOCUMENT, Stdout.LOG)
                  or (k is Stdout.TABLE and not args.quiet)]
-    documents = [f for f in to_stdout if kinds[f] is Stdout.DOCUMENT]  # log lines may share stdout (Stdout.shares)
+    documents = [f for f in to_stdout if not kinds[f].shares]  # log lines (table, annotations) may share stdout
     if not args.output_dir and len(to_stdout) > 1 and documents:
         raise AuditError(f"--format {','.join(to_stdout)} would all go to stdout, and {to_stdout[-1]} would not be "
                          "valid there", "Pass -o DIR to write them as files, -q to drop the table, or one format")
