@@ -576,7 +576,7 @@ def run(args: argparse.Namespace, written: list[Path] | None = None) -> int:
     paths once they are all in place (the interrupt message says exactly what exists)."""
     from . import baseline as baseline_mod
     from .outputs import OutputSet, write_stdout
-    from .pipeline import audit_source
+    from .pipeline import audit_source, render_reports
     from .plan import emit_toml
     from .policy import exit_code, input_errors
     from .render import REPORTERS, RenderContext, Stdout, stdout_of
@@ -587,8 +587,7 @@ def run(args: argparse.Namespace, written: list[Path] | None = None) -> int:
         raise AuditError(f"unknown format {', '.join(bad)}", f"Choose from {', '.join(REPORTERS)}")
     documents = [f for f in dict.fromkeys(formats) if stdout_of(f) is Stdout.DOCUMENT]
     if not args.output_dir and len(documents) > 1:
-        both = " and ".join(documents)
-        raise AuditError(f"{both} cannot all go to stdout", "Pass -o DIR to write them as files")
+        raise AuditError(f"{' and '.join(documents)} cannot all go to stdout", "Pass -o DIR to write them as files")
     if getattr(args, "width", None) is not None and args.width < 0:
         raise AuditError(f"--width {args.width} is negative", "Pass 0 for a wide table, or a line length of 60 or more")
     options, load_options = options_from(args)
@@ -609,7 +608,6 @@ def run(args: argparse.Namespace, written: list[Path] | None = None) -> int:
                             width=_terminal_width(width), baseline_report=base)
     table = {f for f in formats if stdout_of(f) is Stdout.TABLE}
     ordered = sorted(dict.fromkeys(formats), key=lambda f: f not in table)  # the table first, as before
-    from .pipeline import render_reports
     from .progress import Progress
 
     outputs = render_reports(result, [f for f in ordered if f not in table or not args.quiet or f in dest], context,

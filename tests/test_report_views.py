@@ -465,6 +465,7 @@ def test_measured_floor_charts_for_every_measured_layer(stack_audit):
     from types import SimpleNamespace
 
     from auditor.render import calibration
+    from auditor.render.layer_charts import floor_chart
 
     a = stack_audit
     names = [l.name for l in a.layers]
@@ -474,11 +475,14 @@ def test_measured_floor_charts_for_every_measured_layer(stack_audit):
            for n in names}
     cal = SimpleNamespace(reference=0.0, tolerance=0.01, higher_is_better=False, metric="relative output error",
                           layers=lcs, measured_points=lambda: {n: lc.floor.points for n, lc in lcs.items()})
-    charts = calibration.layer_charts(SimpleNamespace(calibration=cal, layers=a.layers, layer=a.layer))
-    assert [n for n, _ in charts] == names  # every layer with points, largest first
+    charts = calibration.floor_data(SimpleNamespace(calibration=cal, layers=a.layers, layer=a.layer))
+    assert [c.name for c in charts] == names  # every layer with points, largest first
+    assert all(floor_chart(c).startswith("<?xml") for c in charts)  # each one drawn
     layer = a.layer("layers.0.up")
-    fig = calibration._measured_fig("layers.0.up", lcs["layers.0.up"].floor.points, lcs["layers.0.up"].curve, 0.01,
-                                    "relative output error", False, layer.break_even, 16, layer.m, layer.n)
+    from auditor.render.layer_charts import FloorChart, _floor_fig
+
+    fig = _floor_fig(FloorChart("layers.0.up", lcs["layers.0.up"].floor.points, lcs["layers.0.up"].curve, 0.01,
+                                "relative output error", True, layer.break_even, 16, (layer.m, layer.n)))
     ax, ax2 = fig.axes  # the tier-1 layer-output error on its own (right-hand) axis
     assert ax.get_ylabel() == "relative output error" and ax2.get_ylabel() == "layer-output error"
     assert [l.get_label() for l in ax2.get_lines()] == ["layer-output error (tier 1, right axis)"]
@@ -490,11 +494,10 @@ def test_measured_floor_charts_for_every_measured_layer(stack_audit):
 def test_frontier_log_ticks_are_plain_numbers():
     import re as _re
 
-    from auditor.render.calibration import _frontier_fig
-    from auditor.render.layer_charts import _svg
+    from auditor.render.layer_charts import FrontierChart, _frontier_fig, _svg
 
     pts = [(0.856, 0.0052, True), (0.867, 0.0089, True), (0.889, 0.0209, False), (0.899, 0.0642, False)]
-    svg = _svg(_frontier_fig(pts, 0.867, 0.01, "relative output error", False, 0.0))
+    svg = _svg(_frontier_fig(FrontierChart(pts, 0.01, "relative output error", chosen=0.867)))
     assert "mathdefault" not in svg and "times10" not in svg  # TeX source showed up in the browsers' SVG
     labels = [t for t in _re.findall(r"<!-- ([^>]*) -->", svg) if t[:1].isdigit() and "." in t]
     assert labels == ["0.01", "0.005", "0.02", "0.05"]  # 1, 2 and 5 of each decade, no crowded minor labels
