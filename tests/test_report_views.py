@@ -542,3 +542,29 @@ def test_plan_tables_show_the_measured_error_of_calibrated_layers(planned_audit)
     md = a.to_markdown()
     assert "| measured error, else energy kept (data-free) |" in md
     assert "| `layers.0.up` | 8 | – | 24.0 | 3,072 → 1,024 | 0.41% (tier 2, layer alone) |" in md
+
+
+def test_each_format_draws_the_calibration_from_one_view(planned_audit, monkeypatch):
+    import dataclasses
+
+    from auditor.calresults import CalibrationReport, LayerCalibration, LayerFloor
+    from auditor.render import REPORTERS, calibration
+
+    lcs = {"layers.0.up": LayerCalibration("layers.0.up", 64, 32, {"0.01": 12}, 8, "factorize", "",
+                                           [(4, 0.09), (6, 0.04)],
+                                           floor=LayerFloor(8, 0.004, 4, 0.03, 3.0, False, [(4, 0.03), (8, 0.0041)]))}
+    cal = CalibrationReport("calib.safetensors", "0.25", "", 64, 16, "relative output error", False, 0.01, 0.0,
+                            layers=lcs, warnings=["a warning the view carries"])
+    a = dataclasses.replace(planned_audit, calibration=cal)
+    built = []
+    real = calibration.view
+    monkeypatch.setattr(calibration, "view", lambda audit: built.append(audit) or real(audit))
+    cv = real(a)
+    assert [(r.layer, r.r1, r.suggested, r.floor, r.cliff) for r in cv.rows] == [("layers.0.up", 12, "8", "8", "4: 0.03")]
+    assert cv.md_rows[0].cliff == "4: 3.0%" and cv.md_rows[0].compression == "3.00"  # the Markdown's units
+    for fmt in ("text", "md", "html"):
+        built.clear()
+        out = REPORTERS[fmt].render(a, RenderContext(charts=False, width=0))
+        assert len(built) == 1, fmt  # built once per report, every section drawn from it
+        assert cv.summary.split(":")[0] in out.replace("\n", " ") or fmt == "md", fmt
+        assert "a warning the view carries" in out, fmt
