@@ -21,6 +21,7 @@ from .options import SpectraBackend, Tracer
 if TYPE_CHECKING:
     from .options import AuditOptions, LoadOptions
 
+
 def _output_help() -> tuple[str, str]:
     """--format's and -o's help, from the one table of formats (:data:`auditor.render.REPORTERS`)."""
     from .render import REPORTERS, Stdout, stdout_of
