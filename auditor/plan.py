@@ -412,6 +412,16 @@ def emit_toml(audit: "Audit", header: list[str] | None = None) -> str:
         _note(doc["compute_dtype"], "the dtype calibration statistics were read in; factorize reads them so too")
     doc.add(tomlkit.nl())
     table = tomlkit.table()
+    ranks, tied, unwritable = _emitted_ranks(audit)
+    _add_rank_lines(table, audit, ranks)
+    _add_tied_comments(table, audit, tied)
+    _add_dense_comments(table, audit, unwritable)
+    doc.add("ranks", table)
+    return tomlkit.dumps(doc)
+
+
+def _emitted_ranks(audit: "Audit") -> tuple[dict[str, int], list[str], list[str]]:
+    """The factorized layers' ranks to write, the tied ones (comments only), and those whose name no TOML holds."""
     ranks: dict[str, int] = {}
     tied: list[str] = []
     unwritable: list[str] = []
@@ -428,6 +438,11 @@ def emit_toml(audit: "Audit", header: list[str] | None = None) -> str:
             tied.append(layer.name)
         else:
             ranks[layer.name] = sg.rank
+    return ranks, tied, unwritable
+
+
+def _add_rank_lines(table: Any, audit: "Audit", ranks: dict[str, int]) -> None:
+    """One ``pattern = rank`` line per layer or group, with its comment saying what the rank keeps."""
     names = [l.name for l in audit.layers]
     globs = plan_globs(ranks, names=names, also_matched={l.param: l.name for l in audit.layers})
     for glob, r in globs.items():
@@ -448,30 +463,42 @@ def emit_toml(audit: "Audit", header: list[str] | None = None) -> str:
         key = _key(glob)
         table.add(key, r)
         _note(table[glob], note)
-    if tied:
-        table.add(tomlkit.nl())
-        table.add(tomlkit.comment("Tied or shared weights are not targeted (LR006): factorizing one changes every "
-                                  "use at once."))
-        table.add(tomlkit.comment("Untie it first, or check the error at every use, then uncomment its line:"))
-        for name in tied:
-            layer = audit.layer(name)
-            also = ", ".join(_comment(a) for a in [layer.param, *layer.aliases])
-            line = tomlkit.document()  # the line it would be, rendered by tomlkit, then commented out
-            line.add(_key(escape_glob(name)), audit.suggestions[name].rank)
-            table.add(tomlkit.comment(_comment_text(f"{line.as_string().strip()}  # names {also}; {layer.calls} "
-                                                    "use(s) per forward")))
+
+
+def _add_tied_comments(table: Any, audit: "Audit", tied: list[str]) -> None:
+    """Tied or shared weights (LR006): their lines commented out, with every name they go by."""
+    import tomlkit
+
+    if not tied:
+        return
+    table.add(tomlkit.nl())
+    table.add(tomlkit.comment("Tied or shared weights are not targeted (LR006): factorizing one changes every "
+                              "use at once."))
+    table.add(tomlkit.comment("Untie it first, or check the error at every use, then uncomment its line:"))
+    for name in tied:
+        layer = audit.layer(name)
+        also = ", ".join(_comment(a) for a in [layer.param, *layer.aliases])
+        line = tomlkit.document()  # the line it would be, rendered by tomlkit, then commented out
+        line.add(_key(escape_glob(name)), audit.suggestions[name].rank)
+        table.add(tomlkit.comment(_comment_text(f"{line.as_string().strip()}  # names {also}; {layer.calls} "
+                                                "use(s) per forward")))
+
+
+def _add_dense_comments(table: Any, audit: "Audit", unwritable: list[str]) -> None:
+    """The layers left dense, each with its verdict and reason, and those whose name no TOML file can hold."""
+    import tomlkit
+
     kept_dense = [l for l in audit.layers if audit.suggestions[l.name].verdict is not Verdict.FACTORIZE]
-    if kept_dense or unwritable:
-        table.add(tomlkit.nl())
-        table.add(tomlkit.comment("Left dense:"))
-        for l in kept_dense:
-            sg = audit.suggestions[l.name]
-            table.add(tomlkit.comment(f"{_comment(l.name)}: {sg.verdict} ({_comment(sg.reason)})"))
-        for name in unwritable:
-            table.add(tomlkit.comment(f"{_comment(name)}: its name holds a lone surrogate, which no TOML file can "
-                                      "hold"))
-    doc.add("ranks", table)
-    return tomlkit.dumps(doc)
+    if not (kept_dense or unwritable):
+        return
+    table.add(tomlkit.nl())
+    table.add(tomlkit.comment("Left dense:"))
+    for l in kept_dense:
+        sg = audit.suggestions[l.name]
+        table.add(tomlkit.comment(f"{_comment(l.name)}: {sg.verdict} ({_comment(sg.reason)})"))
+    for name in unwritable:
+        table.add(tomlkit.comment(f"{_comment(name)}: its name holds a lone surrogate, which no TOML file can "
+                                  "hold"))
 
 
 def _note(item: Any, text: str) -> None:
