@@ -388,7 +388,7 @@ def _silence_stdout() -> None:
 def _path_map(entries: list[str]) -> tuple[tuple[str, str], ...]:
     if not entries:
         return ()
-    from .spectra.cluster import parse_path_map  # no distributed import: only the parsing
+    from .spectra.dask_executor import parse_path_map  # no distributed import: only the parsing
 
     return parse_path_map(entries)
 
@@ -407,7 +407,7 @@ def options_from(args: argparse.Namespace) -> tuple["AuditOptions", "LoadOptions
         raise AuditError("--path-map applies to a Dask cluster, and no --scheduler is given (nor "
                          "$LOWRANK_AUDITOR_SCHEDULER)", "Pass --scheduler tcp://HOST:PORT as well, or drop --path-map")
     if args.scheduler:
-        from .spectra.cluster import check_address, env_connect_timeout  # no distributed import: only the parsing
+        from .spectra.dask_executor import check_address, env_connect_timeout  # no distributed import: only the parsing
 
         check_address(args.scheduler)
         env_connect_timeout()

@@ -251,7 +251,7 @@ def _speed(args: argparse.Namespace, loaded: Any, plan: dict[str, int], out: Pat
     from .options import LoadOptions
     from .sources import parse_shape
     from .speed.model import measure_subprocesses
-    from .speed.report import seconds
+    from .speed.measured import seconds
 
     load = LoadOptions(
         input_shape=tuple(parse_shape(s, "--input-shape") for s in args.input_shape) if args.input_shape else None,

@@ -263,8 +263,8 @@ def compute_spectra(layers: list[Layer], loaders: dict[str, Loader], settings: S
     refs = [(l.name, ref_for(l, loaders[l.name])) for l in order]
     cache = SpectrumCache(options.cache_dir) if options.cache else None
     with contextlib.ExitStack() as stack:
-        if options.scheduler is not None:  # a Dask cluster (auditor/spectra/cluster.py); this side writes the cache
-            from .spectra.cluster import executor_for
+        if options.scheduler is not None:  # a Dask cluster (spectra/dask_executor.py); this side writes the cache
+            from .spectra.dask_executor import executor_for
 
             executor: Any = stack.enter_context(executor_for(options.scheduler, options.path_map))
         else:
@@ -395,10 +395,10 @@ def audit_session(model: Any, inputs: Any = None, *, plan: Any = None,
 
 def measure_speed(model: Any, inputs: Any, audit: Audit, options: AuditOptions,
                   progress: "Progress | None" = None) -> Audit:
-    """The speed stage (``auditor/speed/stage.py``, only with ``measure_speed``): the reviewed plan's layers and
+    """The speed stage (``auditor/speed/speed_stage.py``, only with ``measure_speed``): the reviewed plan's layers and
     the whole model timed dense and factorized, before the rules run (LR020 reads it)."""
     from .progress import Progress
-    from .speed.stage import measure_speed as run_speed
+    from .speed.speed_stage import measure_speed as run_speed
 
     with (progress or Progress(enabled=False)).phase("speed"):
         return replace(audit, speed=run_speed(model, inputs, audit, options))

@@ -17,7 +17,7 @@ from .config import FailOn, Settings, StrEnum
 
 if TYPE_CHECKING:
     from .calresults import CalibrationReport
-    from .speed.report import SpeedReport
+    from .speed.measured import SpeedReport
 
 __all__ = [
     "Audit", "FailOn", "Finding", "GraphNode", "Kind", "Layer", "LayerGraph", "PlanItem", "PlanOrigin",

@@ -593,7 +593,7 @@ def test_connect_timeout_must_be_a_number(cli_inproc, src, monkeypatch):
     monkeypatch.setenv("LOWRANK_AUDITOR_CONNECT_TIMEOUT", "soon")
     one_line(cli_inproc(f"{src}:model", "-q", "--scheduler", "tcp://127.0.0.1:8786"), 2,
              "$LOWRANK_AUDITOR_CONNECT_TIMEOUT='soon' is not a number of seconds")
-    from auditor.spectra.cluster import DaskExecutor
+    from auditor.spectra.dask_executor import DaskExecutor
 
     with pytest.raises(AuditError, match="is not a number of seconds"):
         DaskExecutor("tcp://127.0.0.1:8786")

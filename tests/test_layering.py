@@ -44,7 +44,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("structure", ("auditor.structure",)),  # trace, op costs and the layer graph, the module walk, definition sites
     ("sources", ("auditor.sources",)),  # source strings -> models: factories, Hugging Face, checkpoints, tensor refs
     ("kinds", ("auditor.kinds",)),  # one module per layer kind and their registry
-    ("model", ("auditor.results", "auditor.calresults", "auditor.speed.report", "auditor.speed.timing")),
+    ("model", ("auditor.results", "auditor.calresults", "auditor.speed.measured", "auditor.speed.timing")),
     ("core", ("auditor.errors", "auditor.lrmath", "auditor.config", "auditor.options", "auditor.progress",
               "auditor.outputs", "auditor._env", "auditor._lapack", "auditor._version")),
 ]

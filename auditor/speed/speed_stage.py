@@ -12,8 +12,8 @@ import torch
 from torch import nn
 
 from ..errors import AuditError
-from .layers import TimeCache, Timer, time_layers
-from .report import FrontierSpeed, LatencyPlan, LayerSpeed, ModelRun, ModelSpeed, SpeedReport
+from .layer_timing import TimeCache, Timer, time_layers
+from .measured import FrontierSpeed, LatencyPlan, LayerSpeed, ModelRun, ModelSpeed, SpeedReport
 
 if TYPE_CHECKING:
     from ..options import AuditOptions
