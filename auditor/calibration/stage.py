@@ -40,7 +40,7 @@ if TYPE_CHECKING:
     from ..config import Settings
     from ..options import AuditOptions
     from ..progress import Progress
-    from ..results import Audit, Spectrum
+    from ..results import AuditResult, Spectrum
 
 SYNTHETIC_MARK = "looks like token ids drawn uniformly at random"
 
@@ -413,7 +413,7 @@ def _evidence(lc: LayerCalibration, report: CalibrationReport) -> str:
 
 
 @one_blas_thread
-def check_plan(cal: Calibrated, model: nn.Module, audit: "Audit") -> CalibrationReport:
+def check_plan(cal: Calibrated, model: nn.Module, audit: "AuditResult") -> CalibrationReport:
     """The reviewed plan (or the suggested ranks) factorized all at once with whitened initialisation and measured on
     the held-out part: the model-level metric beside the tier-1 prediction sqrt(sum e_l^2)."""
     from ..factorize import SUPPORTED, count_params, factorize

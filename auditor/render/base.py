@@ -12,7 +12,7 @@ from typing import IO, TYPE_CHECKING, Any, Iterator, Protocol, runtime_checkable
 
 if TYPE_CHECKING:
     from ..baseline import BaselineDiff
-    from ..results import Audit
+    from ..results import AuditResult
 
 
 @dataclass(frozen=True)
@@ -36,7 +36,7 @@ class Reporter(Protocol):
     suffix: str  # the file suffix: ".json"
     binary: bool
 
-    def render(self, audit: "Audit", context: RenderContext) -> str | bytes: ...
+    def render(self, audit: "AuditResult", context: RenderContext) -> str | bytes: ...
 
 
 @contextmanager

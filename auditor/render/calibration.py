@@ -14,17 +14,17 @@ from .view import pct
 
 if TYPE_CHECKING:
     from ..calresults import CalibrationReport
-    from ..results import Audit
+    from ..results import AuditResult
 
 FINETUNE = "A recovery fine-tune follows factorization: these numbers are before it."
 
 
-def json_block(audit: "Audit") -> dict[str, Any]:
+def json_block(audit: "AuditResult") -> dict[str, Any]:
     """``{"calibration": ...}`` when the audit has calibration, else nothing (older reports are unchanged)."""
     return {"calibration": audit.calibration.to_dict()} if audit.calibration is not None else {}
 
 
-def measured_points(audit: "Audit") -> dict[str, list[tuple[int, float]]] | None:
+def measured_points(audit: "AuditResult") -> dict[str, list[tuple[int, float]]] | None:
     """Per layer, the tier-2 (rank, metric) points for the layer pages' ``measured`` hook; None without them."""
     cal = audit.calibration
     pts = cal.measured_points() if cal is not None else {}
@@ -72,7 +72,7 @@ def basis(cal: "CalibrationReport") -> str:
             f"tier-1 ranks are evidence, not the plan{fixed}.")
 
 
-def suggested_plan_note(audit: "Audit") -> str:
+def suggested_plan_note(audit: "AuditResult") -> str:
     """Where the suggested ranks come from, in one sentence for the plan section of every report."""
     cal = audit.calibration
     if cal is not None:
@@ -140,7 +140,7 @@ class CalRow:
 ABOVE_BE = "> b-e"  # evidence past break-even: the layer-output error needs a rank that saves nothing
 
 
-def plan_ranks(audit: "Audit") -> dict[str, int]:
+def plan_ranks(audit: "AuditResult") -> dict[str, int]:
     """The reviewed plan's rank per layer (the suggested plan, or the one given) where it factorizes the layer; a
     layer the plan leaves dense, or plans at a rank that saves nothing, is absent."""
     from ..results import PlanVerdict
@@ -276,7 +276,7 @@ class CheckCard:
     status: str  # "ok" | "bad" | "unknown"
 
 
-def check_card(audit: "Audit") -> CheckCard | None:
+def check_card(audit: "AuditResult") -> CheckCard | None:
     """The summary card of the reviewed plan's all-at-once measurement; None without calibration or a plan."""
     cal = audit.calibration
     rv = audit.review
@@ -356,7 +356,7 @@ def md_tolerance(cal: "CalibrationReport") -> str:
     return f"{cal.tolerance:g}" if cal.higher_is_better else percent(cal.tolerance)
 
 
-def md_card_value(audit: "Audit", card: CheckCard) -> str:
+def md_card_value(audit: "AuditResult", card: CheckCard) -> str:
     """The plan card's measurement in the Markdown's units ("0.58% \u2264 1.0%"); ``card.value`` when unmeasured."""
     cal, pc = audit.calibration, audit.calibration.plan_check if audit.calibration is not None else None
     if cal is None or pc is None or card.status == "unknown":
@@ -429,7 +429,7 @@ def _md_lines(cal: "CalibrationReport") -> tuple[list[str], list[str]]:
     return lines, [f"- ⚠️ {md_text(w)}" for w in cal.warnings]
 
 
-def markdown(audit: "Audit", room: Any = None) -> list[Section]:
+def markdown(audit: "AuditResult", room: Any = None) -> list[Section]:
     """The calibration sections of the Markdown report: the bullets open, the frontier open while short, the
     per-layer table and the layers without statistics folded. ``room`` (:class:`auditor.render.markdown.Room`)
     is what is left of the open part; without it, the optional parts are folded."""
@@ -502,7 +502,7 @@ def markdown(audit: "Audit", room: Any = None) -> list[Section]:
     return out
 
 
-def terminal(audit: "Audit") -> list[str]:
+def terminal(audit: "AuditResult") -> list[str]:
     """Lines (unwrapped prose first, then a fixed table) for the terminal reporter."""
     cal = audit.calibration
     if cal is None:
@@ -627,7 +627,7 @@ def floor_legend(metric: str) -> list[tuple[str, str]]:
             ("break-even", "break-even rank"), ("floor", "measured floor")]
 
 
-def layer_charts(audit: "Audit", top: int | None = None) -> list[tuple[str, str]]:
+def layer_charts(audit: "AuditResult", top: int | None = None) -> list[tuple[str, str]]:
     """(layer, SVG) per calibrated layer with measured points (every one, attention included; ``top``: the first
     ``top`` only), largest first: the model-level metric with that layer alone truncated against its rank (log
     axis), the tier-1 layer-output error on its own right-hand axis, tolerance, break-even and measured floor."""
@@ -651,7 +651,7 @@ def layer_charts(audit: "Audit", top: int | None = None) -> list[tuple[str, str]
     return out
 
 
-def html_context(audit: "Audit", charts: bool = True) -> dict[str, Any]:
+def html_context(audit: "AuditResult", charts: bool = True) -> dict[str, Any]:
     """The template's ``calibration`` variable: None without calibration."""
     from .layer_charts import data_uri, legend_chart
 

@@ -26,7 +26,7 @@ from .safe import md_code, md_text, middle
 from .view import factorized_count, fmt_num, human, layer_table, spectra_computed, trace_sentence
 
 if TYPE_CHECKING:
-    from ..results import Audit
+    from ..results import AuditResult
 
 ICON = {Severity.ERROR: "🛑", Severity.WARNING: "⚠️", Severity.INFO: "ℹ️"}
 FINDINGS_ROOM = 4_500  # bytes of findings shown open at most; the rest are folded
@@ -42,7 +42,7 @@ def name(text: str, width: int = 120) -> str:
     return md_text(middle(text, width))
 
 
-def _plan_card(audit: "Audit") -> list[str]:
+def _plan_card(audit: "AuditResult") -> list[str]:
     rv = audit.review
     out = []
     if rv is not None and rv.items:
@@ -66,7 +66,7 @@ def _plan_card(audit: "Audit") -> list[str]:
     return out
 
 
-def _summary(audit: "Audit", context: RenderContext) -> list[str]:
+def _summary(audit: "AuditResult", context: RenderContext) -> list[str]:
     c = audit.counts
     out = [f"## Low-rank audit: {name(audit.model_name)}", "", f"**{md_text(verdict_head(audit))}**", ""]
     out += _plan_card(audit)
@@ -86,7 +86,7 @@ def _summary(audit: "Audit", context: RenderContext) -> list[str]:
     return out
 
 
-def _findings(audit: "Audit", room: Room) -> list[Section]:
+def _findings(audit: "AuditResult", room: Room) -> list[Section]:
     if not audit.findings:
         return []
     rows = []
@@ -109,7 +109,7 @@ def _findings(audit: "Audit", room: Room) -> list[Section]:
     return [s for s in out if s.rows]
 
 
-def _baseline(audit: "Audit", context: RenderContext, room: Room) -> Section | None:
+def _baseline(audit: "AuditResult", context: RenderContext, room: Room) -> Section | None:
     d = context.baseline
     if d is None:
         return None
@@ -124,7 +124,7 @@ def _baseline(audit: "Audit", context: RenderContext, room: Room) -> Section | N
     return fold_if(s, room, f"{len(rows):,} changes since the baseline")
 
 
-def _plan(audit: "Audit", room: Room) -> Section | None:
+def _plan(audit: "AuditResult", room: Room) -> Section | None:
     rv = audit.review
     if rv is None or not rv.items:
         return None
@@ -167,7 +167,7 @@ def _plan(audit: "Audit", room: Room) -> Section | None:
     return fold_if(s, room, f"{len(rows):,} plan rows, {len(head)} columns", columns=len(head))
 
 
-def _layers(audit: "Audit", room: Room) -> Section:
+def _layers(audit: "AuditResult", room: Room) -> Section:
     table = layer_table(audit)
     planned = table.planned
     spectra = spectra_computed(audit)
@@ -203,7 +203,7 @@ def _layers(audit: "Audit", room: Room) -> Section:
                             f"layers, {len(head)} columns", columns=len(head))
 
 
-def render(audit: "Audit", context: RenderContext = RenderContext(), cap: int = DEFAULT_CAP) -> str:
+def render(audit: "AuditResult", context: RenderContext = RenderContext(), cap: int = DEFAULT_CAP) -> str:
     """The Markdown report, at most ``cap`` UTF-16 units (default 60,000, under GitHub's 65,536)."""
     summary = "\n".join(_summary(audit, context))
     tail = (f"<sub>lowrank-auditor {md_text(str(audit.environment.get('lowrank-auditor')))} · torch "
@@ -225,5 +225,5 @@ class MarkdownReporter:
     suffix = ".md"
     binary = False
 
-    def render(self, audit: "Audit", context: RenderContext) -> str:
+    def render(self, audit: "AuditResult", context: RenderContext) -> str:
         return render(audit, context)

@@ -24,7 +24,7 @@ from .safe import middle, term
 from .view import factorized_count, fmt_num, human, layer_table, spectra_computed, trace_sentence
 
 if TYPE_CHECKING:
-    from ..results import Audit
+    from ..results import AuditResult
 
 MIN_WIDTH = 60
 NAME_MIN = 10
@@ -242,7 +242,7 @@ def _index_key(name: str) -> list[Any]:
     return [int(t) if t.isdigit() else t for t in re.split(r"(\d+)", name)]
 
 
-def plan_rank_lines(audit: "Audit", groups: list[GroupRow]) -> list[str]:
+def plan_rank_lines(audit: "AuditResult", groups: list[GroupRow]) -> list[str]:
     """The plan's rank of every layer, one line per block group, members in index order: "ranks:
     layers.*.fc ×4: 40, 72, 88, 104", "head: 48"; a group of one rank "layers.*.up ×4: 8"; "dense" where the plan
     leaves a member dense. Groups the plan does not touch are left out."""
@@ -263,7 +263,7 @@ def plan_rank_lines(audit: "Audit", groups: list[GroupRow]) -> list[str]:
 WIDE_PROSE = 100  # a wide table's (width 0) prose still wraps here
 
 
-def render(audit: "Audit", context: RenderContext = RenderContext(), top: int = 40) -> str:
+def render(audit: "AuditResult", context: RenderContext = RenderContext(), top: int = 40) -> str:
     """The table at ``context.width`` columns; width 0 is wide (the .txt report, a CI log, a pipe): every column
     kept and every name whole, whatever the line's length, the prose wrapped at :data:`WIDE_PROSE`."""
     wide = context.width <= 0
@@ -405,5 +405,5 @@ class TextReporter:
     suffix = ".txt"
     binary = False
 
-    def render(self, audit: "Audit", context: RenderContext) -> str:
+    def render(self, audit: "AuditResult", context: RenderContext) -> str:
         return render(audit, context)
