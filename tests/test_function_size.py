@@ -44,12 +44,6 @@ EXCEPTIONS: dict[str, str] = {
     "export.py:readme": SPLITTING,
     "export.py:check_archive": SPLITTING,
     "recover.py:recover": SPLITTING,
-    "render/calibration.py:markdown": SPLITTING,
-    "render/calibration.py:_measured_fig": SPLITTING,
-    "render/layer_charts.py:_page_fig": SPLITTING,
-    "render/layer_charts.py:page_chart": SPLITTING,
-    "render/pages.py:layer_pages": SPLITTING,
-    "render/terminal.py:render": SPLITTING,
 }
 
 
