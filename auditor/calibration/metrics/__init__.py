@@ -8,12 +8,12 @@ Built in: ``output`` (the relative output error), ``perplexity`` (its relative i
 from __future__ import annotations
 
 from . import kl, masked, output, perplexity, user
-from .base import Measurement, MetricKind, RowScorer, Scorer
+from .base import Evaluating, Measurement, MetricKind, RowScorer, Scorer
 from .common import main_output
 from .registry import for_kind, for_name, kinds, names, register, unregister
 
 for _k in (output.KIND, perplexity.KIND, kl.KIND, masked.KIND, user.KIND):
     register(_k)
 
-__all__ = ["Measurement", "MetricKind", "RowScorer", "Scorer", "for_kind", "for_name", "kinds", "main_output", "names",
+__all__ = ["Evaluating", "Measurement", "MetricKind", "RowScorer", "Scorer", "for_kind", "for_name", "kinds", "main_output", "names",
            "register", "unregister"]

@@ -9,13 +9,10 @@ A metric module subclasses :class:`MetricKind` and hands an instance to :func:`a
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import numpy as np
 from torch import nn
-
-if TYPE_CHECKING:  # the evaluator a scorer measures through (batches, forward, the configured metric)
-    from ..metric import Evaluator
 
 TIER1_TARGET = 0.01  # the layer-output error tier 1 ranks for when the metric is not in those units
 
@@ -31,6 +28,19 @@ class Measurement:
     absolute: float | None = None
 
 
+class Evaluating(Protocol):
+    """What a scorer reads from the evaluator it measures through (:class:`auditor.calibration.metric.Evaluator`):
+    the held-out batches on the model's device, a forward that names a batch the model refuses, the configured metric
+    (its function, tolerance and direction), and ``holds``."""
+
+    batches: list[Any]
+    metric: Any
+
+    def forward(self, model: nn.Module, b: Any, i: int) -> Any: ...
+
+    def holds(self, value: float) -> bool: ...
+
+
 class Scorer:
     """One metric on one evaluator's held-out batches: ``reference`` (the dense model's value) is measured when it
     is made; ``warnings`` are what the reference taught (the evaluator returns them to its caller)."""
@@ -38,7 +48,7 @@ class Scorer:
     reference: float = 0.0
     outputs: list[Any] = []  # the dense model's outputs, when the scorer keeps them (the repeat check reuses one)
 
-    def __init__(self, ev: "Evaluator") -> None:
+    def __init__(self, ev: Evaluating) -> None:
         self.ev = ev
         self.warnings: list[str] = []
 
@@ -90,7 +100,7 @@ class MetricKind:
     gradient: str = ""  # the output-gradient sensitivity it takes: "likelihood", "output", or "" (none)
     verified_by_rows: bool = False  # a row scorer: the held-out rows split into search and verification parts
 
-    def scorer(self, ev: "Evaluator", dense: nn.Module) -> Scorer:
+    def scorer(self, ev: Evaluating, dense: nn.Module) -> Scorer:
         raise NotImplementedError(f"metric kind {self.kind!r} has no scorer")
 
     def row_scorer(self, dense: nn.Module, batches: list[Any]) -> RowScorer:

@@ -5,18 +5,15 @@ when it is at most the tolerance."""
 from __future__ import annotations
 
 import copy
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 import torch
 from torch import nn
 
 from ...errors import AuditError
-from .base import MetricKind, Measurement, RowScorer, Scorer
+from .base import Evaluating, Measurement, MetricKind, RowScorer, Scorer
 from .common import _next_token_logprobs, _targets, main_output
-
-if TYPE_CHECKING:
-    from ..metric import Evaluator
 
 
 def frozen(dense: nn.Module) -> nn.Module:
@@ -29,7 +26,7 @@ def frozen(dense: nn.Module) -> nn.Module:
 
 
 class _Scorer(Scorer):
-    def __init__(self, ev: "Evaluator", dense: nn.Module) -> None:
+    def __init__(self, ev: Evaluating, dense: nn.Module) -> None:
         super().__init__(ev)
         self._dense = frozen(dense)
         self.reference = 0.0
@@ -84,7 +81,7 @@ class KL(MetricKind):
     gradient = "likelihood"
     verified_by_rows = True
 
-    def scorer(self, ev: "Evaluator", dense: nn.Module) -> Scorer:
+    def scorer(self, ev: Evaluating, dense: nn.Module) -> Scorer:
         return _Scorer(ev, dense)
 
     def row_scorer(self, dense: nn.Module, batches: list[Any]) -> RowScorer:

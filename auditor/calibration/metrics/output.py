@@ -6,22 +6,19 @@ lower is better; tier 1's layer-output errors are in its units, so it is also ti
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 import torch
 from torch import nn
 
 from ...errors import AuditError
-from .base import MetricKind, Measurement, RowScorer, Scorer
+from .base import Evaluating, Measurement, MetricKind, RowScorer, Scorer
 from .common import main_output, per_row, real_rows
-
-if TYPE_CHECKING:
-    from ..metric import Evaluator
 
 
 class _Scorer(Scorer):
-    def __init__(self, ev: "Evaluator", dense: nn.Module) -> None:
+    def __init__(self, ev: Evaluating, dense: nn.Module) -> None:
         super().__init__(ev)
         with torch.no_grad():
             self.outputs = [main_output(ev.forward(dense, b, i)).detach() for i, b in enumerate(ev.batches)]
@@ -81,7 +78,7 @@ class OutputError(MetricKind):
     gradient = "output"
     verified_by_rows = True
 
-    def scorer(self, ev: "Evaluator", dense: nn.Module) -> Scorer:
+    def scorer(self, ev: Evaluating, dense: nn.Module) -> Scorer:
         return _Scorer(ev, dense)
 
     def row_scorer(self, dense: nn.Module, batches: list[Any]) -> RowScorer:

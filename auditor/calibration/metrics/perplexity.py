@@ -6,22 +6,19 @@ most the tolerance (0.02 = +2%). :mod:`.masked` is the same measurement at a mas
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 import torch
 from torch import nn
 
 from ...errors import AuditError
-from .base import MetricKind, Measurement, RowScorer, Scorer
+from .base import Evaluating, Measurement, MetricKind, RowScorer, Scorer
 from .common import _check_targets, _next_token_logprobs, _targets, main_output
-
-if TYPE_CHECKING:
-    from ..metric import Evaluator
 
 
 class _Scorer(Scorer):
-    def __init__(self, ev: "Evaluator", dense: nn.Module, kind: "Perplexity") -> None:
+    def __init__(self, ev: Evaluating, dense: nn.Module, kind: "Perplexity") -> None:
         super().__init__(ev)
         self.kind = kind
         self.warnings = kind.warnings_for(ev.batches)
@@ -97,7 +94,7 @@ class Perplexity(MetricKind):
     nothing_scored = ("the held-out batches hold no next-token position to score (every target masked or "
                       "padding)", "Give held-out text of at least two real tokens per row")
 
-    def scorer(self, ev: "Evaluator", dense: nn.Module) -> Scorer:
+    def scorer(self, ev: Evaluating, dense: nn.Module) -> Scorer:
         return _Scorer(ev, dense, self)
 
     def row_scorer(self, dense: nn.Module, batches: list[Any]) -> RowScorer:

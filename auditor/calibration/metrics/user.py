@@ -10,17 +10,14 @@ that moves the wrong way is refused, one that stays within the tolerance is a wa
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch import nn
 
 from ...errors import AuditError
 from ..inputs import Batch
-from .base import MetricKind, Measurement, Scorer
-
-if TYPE_CHECKING:
-    from ..metric import Evaluator
+from .base import Evaluating, Measurement, MetricKind, Scorer
 
 _CHECKED: dict[tuple[Any, str, float, bool], str] = {}  # (fn, digest, tolerance, direction) -> warning ("" none)
 
@@ -65,7 +62,7 @@ def _rank1_(model: nn.Module) -> list[tuple[torch.Tensor, torch.Tensor]]:
 
 
 class _Scorer(Scorer):
-    def __init__(self, ev: "Evaluator", dense: nn.Module) -> None:
+    def __init__(self, ev: Evaluating, dense: nn.Module) -> None:
         super().__init__(ev)
         self.batches = [_user_batch(b) for b in ev.batches]
         self.reference = self.call(dense)
@@ -149,7 +146,7 @@ class UserFunction(MetricKind):
     zero_on_dense = False
     takes_function = True
 
-    def scorer(self, ev: "Evaluator", dense: nn.Module) -> Scorer:
+    def scorer(self, ev: Evaluating, dense: nn.Module) -> Scorer:
         return _Scorer(ev, dense)
 
 
