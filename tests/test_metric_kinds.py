@@ -139,3 +139,17 @@ def test_the_registered_metric_gets_tier1_targets_floors_the_plan_search_the_pla
     words = f"held-out top-1 agreement 1 -> {pc.measured:.4g} (tolerance -0.02)"
     assert words in a.to_text() and words in a.to_markdown()
     assert '"metric": "top-1 agreement"' in a.to_json() and "top-1 agreement" in a.to_html()
+
+
+def test_the_registry_refuses_a_metric_it_could_not_judge():
+    class RowsAgainstDense(Top1Agreement):
+        kind = "rows_against_dense"
+        verified_by_rows = True  # an interval's upper end judged against the tolerance: only zero-on-dense metrics
+
+    with pytest.raises(ValueError, match="verified row by row, so it must be zero on the dense model"):
+        metrics.register(RowsAgainstDense())
+    with pytest.raises(TypeError, match="register needs a MetricKind"):
+        metrics.register(object())  # type: ignore[arg-type]
+    assert "rows_against_dense" not in metrics.kinds() and metrics.for_name("rows_against_dense") is None
+    with pytest.raises(ValueError, match="metric kind must be one of output, perplexity, kl, masked, user"):
+        Metric(kind="rows_against_dense")

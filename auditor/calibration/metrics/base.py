@@ -98,7 +98,8 @@ class MetricKind:
     takes_function: bool = False  # configured with the user's ``fn(model, batches)``
     layer_error_units: bool = False  # tier 1's layer-output errors predict it in its own units
     gradient: str = ""  # the output-gradient sensitivity it takes: "likelihood", "output", or "" (none)
-    verified_by_rows: bool = False  # a row scorer: the held-out rows split into search and verification parts
+    verified_by_rows: bool = False  # a row scorer: the held-out rows cut into search and verification parts, the
+    # interval's upper end judged against the tolerance (so only for a zero_on_dense metric)
 
     def scorer(self, ev: Evaluating, dense: nn.Module) -> Scorer:
         raise NotImplementedError(f"metric kind {self.kind!r} has no scorer")

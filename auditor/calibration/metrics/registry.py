@@ -15,6 +15,9 @@ def register(kind: MetricKind) -> MetricKind:
         raise TypeError(f"register needs a MetricKind, got {kind!r}")
     if not kind.kind:
         raise ValueError(f"{kind!r} has no kind name")
+    if kind.verified_by_rows and not kind.zero_on_dense:  # the verification judges its interval's upper end
+        raise ValueError(f"metric kind {kind.kind!r} is verified row by row, so it must be zero on the dense model "
+                         "and lower-is-better")
     old = _BY_KIND.get(kind.kind)
     if old is not None:
         unregister(old)
