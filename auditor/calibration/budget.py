@@ -84,9 +84,8 @@ def curves_from_floors(floors: Floors, layers: dict[str, Layer] | list[Layer],
 
 
 def metric_cost(kind: str, higher_is_better: bool, reference: float, value: float) -> float:
-    """What a planner adds up for one measured value: the squared value of a built-in metric (relative errors,
-    the perplexity increase and the KL combine roughly in quadrature), or how far a user metric moved the wrong way
-    from the dense value, in its units."""
+    """What a planner adds up for one measured value: the metric kind's cost (:meth:`MetricKind.cost`: the squared
+    value of a metric that is zero on the dense model, or how far it moved the wrong way from the dense value)."""
     return metrics.for_kind(kind).cost(value, reference, higher_is_better)
 
 
