@@ -82,15 +82,15 @@ class Verifier:
         self.batches = [b.to(device) for b in batches]
         self.rows = sum(b.rows for b in self.batches)
         self.evaluations = 0
-        self._user: Evaluator | None = None
+        self._at_once: Evaluator | None = None
         with torch.no_grad():
             if metric.spec.verified_by_rows:  # summed row by row: resampled for the interval
                 self._rows: Any = metric.spec.row_scorer(dense, self.batches)
                 self.reference = self._rows.reference
             else:  # scored all at once: its value on these rows, no interval
                 self._rows = None
-                self._user = Evaluator(dense, Calibration([], list(batches)), metric)
-                self.reference = self._user.reference
+                self._at_once = Evaluator(dense, Calibration([], list(batches)), metric)
+                self.reference = self._at_once.reference
 
     def _sums(self, model: nn.Module) -> tuple[np.ndarray, ...]:
         with torch.no_grad():
@@ -103,8 +103,8 @@ class Verifier:
         """The metric on every verification row, with the bootstrap interval over rows at ``confidence``."""
         self.evaluations += 1
         tol = self.metric.tolerance
-        if self._user is not None:
-            m = self._user.measure(model)
+        if self._at_once is not None:
+            m = self._at_once.measure(model)
             return Verification(m.value, None, None, self.confidence, self.rows, m.ok, False, self._needed(None))
         sums = self._sums(model)
         value = self._value(sums)
