@@ -285,7 +285,8 @@ def calibrate(model: nn.Module, layers: list[Layer], settings: "Settings", optio
             synthetic=any(SYNTHETIC_MARK in w for w in cal.warnings), measured_floors=floors is not None,
             budget=budget, suggestions_from="measured floors" if floors is not None else "calibration",
             statistics_cached=cached, seconds=seconds, evaluations=evaluations, rounding_floor=rounding,
-            compute_dtype=options.compute_dtype, tier1_target=target)
+            compute_dtype=options.compute_dtype, tier1_target=target,
+            increase_of=metric.spec.increase_of)
         return Calibrated(report, session, spectra, sweep_where, gradients, reuse)
     finally:
         model.train(was_training)

@@ -93,6 +93,7 @@ class MetricKind:
     names: tuple[str, ...] = ()  # what --metric NAME accepts
     label: str = ""  # the report's words for it
     units: str = ""  # what its values are, in words
+    increase_of: str = ""  # its values are the relative increase of this dense quantity (the reports state both)
     higher_is_better: bool | None = False
     zero_on_dense: bool = True
     takes_function: bool = False  # configured with the user's ``fn(model, batches)``

@@ -25,6 +25,7 @@ class MaskedPerplexity(Perplexity):
     names = ("masked-ce", "masked-perplexity", "mlm")
     label = "masked-token perplexity increase"
     units = "a relative increase of the held-out masked-token perplexity"
+    increase_of = "masked-token perplexity"
     what = "masked-token perplexity"
     scored = "masked-token"
     nothing_scored = ("the held-out batches hold no masked position to score (every label -100 or padding)",

@@ -89,6 +89,7 @@ class Perplexity(MetricKind):
     units = "a relative increase of the held-out perplexity"
     gradient = "likelihood"
     verified_by_rows = True
+    increase_of = "perplexity"
     what = "perplexity"  # the dense value, in the refusal of a non-finite one
     scored = "next-token"  # which tokens, in the refusal of ids beyond the logits
     nothing_scored = ("the held-out batches hold no next-token position to score (every target masked or "
