@@ -122,14 +122,15 @@ def metric_change(cal: "CalibrationReport", value: float | None) -> str:
     error 0.009937 (tolerance 0.01)" otherwise.
 
     >>> from auditor.calresults import CalibrationReport as C
-    >>> metric_change(C("c", "0.25", "", 1, 1, "perplexity increase", False, 0.01, 153.77), 0.009112)
+    >>> metric_change(C("c", "0.25", "", 1, 1, "perplexity increase", False, 0.01, 153.77, increase_of="perplexity"),
+    ...               0.009112)
     'held-out perplexity 153.77 -> 155.17 (+0.91%, tolerance +1%)'
     """
     if value is None or not math.isfinite(value):
         return f"{cal.metric}: not measured"
     label = cal.metric
-    if label.endswith("perplexity increase") and cal.reference > 0 and not cal.higher_is_better:
-        what = label[: -len(" increase")]
+    if cal.increase_of and cal.reference > 0:
+        what = cal.increase_of
         return (f"held-out {what} {cal.reference:.2f} -> {cal.reference * (1 + value):.2f} "
                 f"({100 * value:+.2f}%, tolerance +{100 * cal.tolerance:g}%)")
     if cal.higher_is_better:
@@ -158,7 +159,7 @@ def verification_words(cal: "CalibrationReport", v: "Verification") -> str:
     within the tolerance" for a perplexity, else :meth:`Verification.words` ("relative output error 0.009656 (90%
     interval 0.009491 to 0.009816 over 128 verification rows): within the tolerance 0.01")."""
     label = cal.metric
-    if not (label.endswith("perplexity increase") and cal.reference > 0):
+    if not (cal.increase_of and cal.reference > 0):
         return v.words(cal.tolerance, label)
     judged = v.judged
     cal = _on_verified_rows(cal, v)  # the dense baseline of the rows it was measured on

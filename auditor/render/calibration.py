@@ -60,7 +60,7 @@ def basis(cal: "CalibrationReport") -> str:
                "beside its input statistics, one backward pass")
     if b is None:
         return ("Suggested ranks: the data-aware rank for "
-                f"{100 * (cal.tolerance if not cal.higher_is_better else 0.01):g}% layer-output error on the "
+                f"{100 * cal.tier1_target:g}% layer-output error on the "
                 "calibration data (weight energy only where calibration did not reach a layer).")
     cap = f", at most {100 * b.budget:g}% of the parameters removed" if b.budget is not None else ""
     fixed = (f"; {len(b.fixed)} layer(s) calibration did not rank keep their weight-energy rank and are in every "

@@ -308,7 +308,7 @@ def _measured_of(audit: "AuditResult", measured: dict[str, list[tuple[int, float
             tolerance = cal.reference - cal.tolerance if cal.higher_is_better else cal.tolerance
         elif cal is not None:  # tier 1: the layer-output error curve the ranks were searched over
             measured = {k: [(r, e) for r, e in lc.curve] for k, lc in cal.layers.items() if lc.curve}
-            tolerance = cal.tolerance if not cal.higher_is_better else 0.01
+            tolerance = cal.tier1_target
             title = "layer-output error (tier 1), the layer alone"
     metric = ("layer-output error" if title else cal.metric) if cal is not None else "measured metric"
     return _Measured(measured, metric, tolerance, title)
