@@ -1,8 +1,8 @@
 """The public entry points: :func:`audit`, :func:`audit_source` and :func:`factorize` (``auditor.audit`` and the
 others), and :class:`Audit`, the object they return.
 
-:class:`auditor.results.Audit` is the result as plain data, which every stage, rule and reporter takes; this
-module's :class:`Audit` is the same dataclass with the output methods added (``to_json``, ``to_html``, the notebook
+:class:`auditor.results.AuditResult` is the result as plain data, which every stage, rule and reporter takes; this
+module's :class:`Audit`, the front object, is the same dataclass with the output methods added (``to_json``, ``to_html``, the notebook
 view, ...), each a call into :mod:`auditor.render.report`. The plain result knows no reader; this layer wires them.
 
 Nothing here imports torch at import time (``import auditor`` stays light): the pipeline is imported on first use.
@@ -30,27 +30,28 @@ if TYPE_CHECKING:
 __all__ = ["Audit", "audit", "audit_source", "factorize"]
 
 
-class Audit(results.Audit):
-    """The result of an audit (:class:`auditor.results.Audit`, plain data) with its output methods.
+class Audit(results.AuditResult):
+    """The front object: the result of an audit (:class:`auditor.results.AuditResult`, plain data) with its output
+    methods.
 
     ``dataclasses.replace`` keeps the class; :meth:`of` wraps a plain result.
 
     >>> import auditor, torch
     >>> a = auditor.audit(torch.nn.Linear(8, 4), spectra=False)
-    >>> type(a).__module__, isinstance(a, auditor.results.Audit), Audit.of(a.plain()) == a
+    >>> type(a).__module__, isinstance(a, auditor.results.AuditResult), Audit.of(a.plain()) == a
     ('auditor.api', True, True)
     """
 
     @classmethod
-    def of(cls, result: results.Audit) -> "Audit":
+    def of(cls, result: results.AuditResult) -> "Audit":
         """``result`` with the output methods (itself when it has them already)."""
         if isinstance(result, cls):
             return result
         return cls(**{f.name: getattr(result, f.name) for f in fields(result)})
 
-    def plain(self) -> results.Audit:
-        """The same result as plain data (:class:`auditor.results.Audit`)."""
-        return results.Audit(**{f.name: getattr(self, f.name) for f in fields(self)})
+    def plain(self) -> results.AuditResult:
+        """The same result as plain data (:class:`auditor.results.AuditResult`)."""
+        return results.AuditResult(**{f.name: getattr(self, f.name) for f in fields(self)})
 
     # ---- analysis -------------------------------------------------------------------------------------------
     def groups(self) -> "list[Group]":

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any, Union
 from .errors import AuditError
 
 if TYPE_CHECKING:
-    from .results import Audit
+    from .results import AuditResult
 
 BaselineSource = Union[str, Path, dict]  # a JSON report's path, or the report already read
 
@@ -96,7 +96,7 @@ def _key(f: dict[str, Any]) -> tuple:
     return (f["code"], tuple(f.get("layers", [])), f["message"])
 
 
-def compare(audit: "Audit", base: dict[str, Any]) -> BaselineDiff:
+def compare(audit: "AuditResult", base: dict[str, Any]) -> BaselineDiff:
     """``base``: a JSON report as read by :func:`load` (a dict given directly is checked the same way)."""
     check(base)
     now = [f.to_dict() for f in audit.findings]

@@ -272,6 +272,8 @@ class CalibrationReport:
     evaluations: int = 0  # model-level metric evaluations (tiers 2 and 3)
     finetune_note: str = "a recovery fine-tune follows factorization"
     rounding_floor: RoundingFloor | None = None  # bf16 / fp16 models only; the JSON leaves it out when None
+    tier1_target: float = working(0.01)  # the layer-output error tier 1 ranked for (the metric's rule)
+    increase_of: str = working("")  # the metric is the relative increase of this dense value ("perplexity")
 
     def recovery_note(self) -> str:
         """How the suggested plan holds when ``--choose-after-recovery`` chose it on the recovered curve: "holds

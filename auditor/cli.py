@@ -52,7 +52,21 @@ def _parser() -> argparse.ArgumentParser:
     )
     p.add_argument("model", help="the model source")
     _common_flags(p)
-    g = p.add_argument_group("inputs")
+    _input_flags(p.add_argument_group("inputs"))
+    _plan_flags(p.add_argument_group("plan"))
+    _output_flags(p.add_argument_group("output"))
+    _threshold_flags(p.add_argument_group("thresholds (override pyproject.toml and the plan)"))
+    calibration = p.add_argument_group("calibration (measured rank floors; docs/calibration.md)")
+    _calibration_flags(calibration)
+    _tier_flags(calibration)
+    _device_flags(calibration)
+    _speed_flags(p.add_argument_group("speed (measured latency and memory; docs/performance.md)"))
+    _spectra_flags(p.add_argument_group("spectra"))
+    return p
+
+
+def _input_flags(g: "argparse._ArgumentGroup") -> None:
+    """Where the model's inputs and weights come from, and how it is traced."""
     g.add_argument("--input-shape", action="append", metavar="1,3,224,224",
                    help="a float input of this shape (repeat for several positional inputs)")
     g.add_argument("--input-ids", metavar="1,128", help="token ids of this shape, within the config's vocabulary")
@@ -65,10 +79,16 @@ def _parser() -> argparse.ArgumentParser:
                    help="auto: torch.fx.symbolic_trace, then torch.export, then a module walk (default)")
     g.add_argument("--structure-only", action="store_true",
                    help="build a Hugging Face config on the meta device: counts and shapes, no weights")
-    g = p.add_argument_group("plan")
+
+
+def _plan_flags(g: "argparse._ArgumentGroup") -> None:
+    """The plan under review and the suggested plan's file."""
     g.add_argument("--plan", metavar="FILE", help="a compression plan to review (TOML or JSON)")
     g.add_argument("--emit-plan", metavar="FILE", help="write the suggested plan as an editable TOML file")
-    g = p.add_argument_group("output")
+
+
+def _output_flags(g: "argparse._ArgumentGroup") -> None:
+    """The report formats, where they go, the baseline and the exit threshold."""
     format_help, output_help = _output_help()
     g.add_argument("--format", default="text", help=format_help)
     g.add_argument("-o", "--output-dir", metavar="DIR", help=output_help)
@@ -79,7 +99,10 @@ def _parser() -> argparse.ArgumentParser:
     g.add_argument("--width", type=int, metavar="N",
                    help="the text table's line length (at least 60; 0: wide). Default: the terminal's width on a "
                         "terminal ($COLUMNS when set); wide (every column kept) in the .txt report and off a terminal")
-    g = p.add_argument_group("thresholds (override pyproject.toml and the plan)")
+
+
+def _threshold_flags(g: "argparse._ArgumentGroup") -> None:
+    """Settings that override pyproject.toml and the plan's [thresholds]."""
     g.add_argument("--energy", metavar="0.9,0.95,0.99", help="energy targets to report ranks for")
     g.add_argument("--target-energy", type=float, help="energy the suggested rank keeps (default 0.95)")
     g.add_argument("--align", type=int, help="round suggested ranks up to a multiple of this (default 8)")
@@ -87,7 +110,10 @@ def _parser() -> argparse.ArgumentParser:
     g.add_argument("--energy-floor", type=float, help="LR004 floor (default 0.90)")
     g.add_argument("--select", metavar="CODES", help="only these rules, e.g. LR001,LR004")
     g.add_argument("--ignore", metavar="CODES", help="never these rules")
-    g = p.add_argument_group("calibration (measured rank floors; docs/calibration.md)")
+
+
+def _calibration_flags(g: "argparse._ArgumentGroup") -> None:
+    """The calibration data, how much of it is read, the metric and its tolerance."""
     g.add_argument("--calibration", metavar="FILE|module:fn",
                    help="inputs to measure with: a safetensors/.pt file of tensors named after the forward's "
                         "inputs, batched along dim 0, file.py:fn / module:fn returning batches, or (for a Hugging "
@@ -113,6 +139,10 @@ def _parser() -> argparse.ArgumentParser:
     g.add_argument("--tolerance", type=float,
                    help="allowed loss (default 0.01): the relative (masked-token) perplexity increase (0.02 = +2%%), the KL in "
                         "nats per token, the relative output error, or a user metric's drop in its units")
+
+
+def _tier_flags(g: "argparse._ArgumentGroup") -> None:
+    """Tiers 2 and 3: measured floors, sensitivity, the verification split, the budget and the recovery."""
     g.add_argument("--measure-floor", action="store_true",
                    help="tier 2: truncate each layer alone and bisect for its measured floor")
     g.add_argument("--no-probe", action="store_true",
@@ -135,6 +165,10 @@ def _parser() -> argparse.ArgumentParser:
     g.add_argument("--choose-after-recovery", action="store_true",
                    help="suggest the largest frontier plan that holds the tolerance after the --recover fine-tune "
                         "(marked as needing it); default: the plan that holds before it")
+
+
+def _device_flags(g: "argparse._ArgumentGroup") -> None:
+    """Where and in which dtype calibration statistics are read."""
     g.add_argument("--device", metavar="cpu|cuda|cuda:N|auto",
                    help="where calibration statistics are read (forward and X^T X sums; default: the CPU), and "
                         "where --measure-speed times")
@@ -145,7 +179,10 @@ def _parser() -> argparse.ArgumentParser:
                    help="the dtype calibration statistics are read in: model (its own, the default) or float32 "
                         "(bf16/fp16 weights upcast one block at a time: on a CPU without bf16 matrix units bf16 is "
                         "hundreds of times slower)")
-    g = p.add_argument_group("speed (measured latency and memory; docs/performance.md)")
+
+
+def _speed_flags(g: "argparse._ArgumentGroup") -> None:
+    """Measured latency and memory."""
     g.add_argument("--measure-speed", action="store_true",
                    help="time each planned layer dense and factorized at the traced input, its time break-even rank, "
                         "and the whole model dense vs factorized (latency, peak memory, a fresh process each), on "
@@ -155,7 +192,10 @@ def _parser() -> argparse.ArgumentParser:
     g.add_argument("--budget-latency", type=float, metavar="FRACTION",
                    help="the plan saving the most parameters whose measured layer times remove this share of the "
                         "dense model's latency; implies --measure-speed")
-    g = p.add_argument_group("spectra")
+
+
+def _spectra_flags(g: "argparse._ArgumentGroup") -> None:
+    """What computes the singular values, the cache, the jobs and the Dask cluster."""
     g.add_argument("--no-spectra", action="store_true", help="skip singular values (structure and counts only)")
     g.add_argument("--spectra-backend", choices=[b.value for b in SpectraBackend], default=SpectraBackend.LAPACK.value,
                    help="what computes the singular values: lapack (CPU float64 Gram + LAPACK, the default), "
@@ -170,7 +210,6 @@ def _parser() -> argparse.ArgumentParser:
     g.add_argument("--path-map", action="append", default=[], metavar="CLIENT_PREFIX=WORKER_PREFIX",
                    help="the checkpoint's path prefix here and on the Dask workers, which may be an fsspec URL "
                         "such as s3://bucket/dir (repeatable)")
-    return p
 
 
 def _common_flags(p: argparse.ArgumentParser) -> None:
@@ -360,7 +399,7 @@ def _silence_stdout() -> None:
 def _path_map(entries: list[str]) -> tuple[tuple[str, str], ...]:
     if not entries:
         return ()
-    from .spectra.cluster import parse_path_map  # no distributed import: only the parsing
+    from .spectra.dask_executor import parse_path_map  # no distributed import: only the parsing
 
     return parse_path_map(entries)
 
@@ -379,7 +418,7 @@ def options_from(args: argparse.Namespace) -> tuple["AuditOptions", "LoadOptions
         raise AuditError("--path-map applies to a Dask cluster, and no --scheduler is given (nor "
                          "$LOWRANK_AUDITOR_SCHEDULER)", "Pass --scheduler tcp://HOST:PORT as well, or drop --path-map")
     if args.scheduler:
-        from .spectra.cluster import check_address, env_connect_timeout  # no distributed import: only the parsing
+        from .spectra.dask_executor import check_address, env_connect_timeout  # no distributed import: only the parsing
 
         check_address(args.scheduler)
         env_connect_timeout()
@@ -572,15 +611,9 @@ def run_inputs(args: argparse.Namespace) -> list[tuple[str, str | Path | None]]:
             ("--baseline", getattr(args, "baseline", None)), ("the settings file", nearest_pyproject())]
 
 
-def run(args: argparse.Namespace, written: list[Path] | None = None) -> int:
-    """The audit the flags ask for. Outputs are all or nothing (:mod:`auditor.outputs`); ``written`` receives the
-    paths once they are all in place (the interrupt message says exactly what exists)."""
-    from . import baseline as baseline_mod
-    from .outputs import OutputSet, write_stdout
-    from .pipeline import audit_source, render_reports
-    from .plan import emit_toml
-    from .policy import exit_code, input_errors
-    from .render import REPORTERS, RenderContext, Stdout, stdout_of
+def _formats(args: argparse.Namespace) -> list[str]:
+    """--format's list, each a known reporter, at most one document for stdout; --width checked with them."""
+    from .render import REPORTERS, Stdout, stdout_of
 
     formats = [f.strip() for f in args.format.split(",") if f.strip()]
     bad = [f for f in formats if f not in REPORTERS]
@@ -591,6 +624,20 @@ def run(args: argparse.Namespace, written: list[Path] | None = None) -> int:
         raise AuditError(f"{' and '.join(documents)} cannot all go to stdout", "Pass -o DIR to write them as files")
     if getattr(args, "width", None) is not None and args.width < 0:
         raise AuditError(f"--width {args.width} is negative", "Pass 0 for a wide table, or a line length of 60 or more")
+    return formats
+
+
+def run(args: argparse.Namespace, written: list[Path] | None = None) -> int:
+    """The audit the flags ask for. Outputs are all or nothing (:mod:`auditor.outputs`); ``written`` receives the
+    paths once they are all in place (the interrupt message says exactly what exists)."""
+    from . import baseline as baseline_mod
+    from .outputs import OutputSet, write_stdout
+    from .pipeline import audit_source, render_reports
+    from .plan import emit_toml
+    from .policy import exit_code, input_errors
+    from .render import REPORTERS, RenderContext, Stdout, stdout_of
+
+    formats = _formats(args)
     options, load_options = options_from(args)
     dest = _destinations(args, formats)
     base = baseline_mod.load(args.baseline) if args.baseline else None

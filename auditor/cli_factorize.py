@@ -333,7 +333,7 @@ def _speed(args: argparse.Namespace, loaded: Any, plan: dict[str, int], out: Pat
     import torch
 
     from .speed.model import measure_subprocesses
-    from .speed.report import seconds
+    from .speed.measured import seconds
 
     load = _load_options(args)
     programs = [(str(out / f), f.rsplit(".", 1)[1]) for f in exported if f.endswith((".pt2", ".onnx"))]

@@ -4,12 +4,16 @@
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field, fields, replace
+import os
+from dataclasses import MISSING, dataclass, field, fields, replace
 from pathlib import Path
-from typing import Any, Mapping, TypedDict
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Mapping, TypedDict, Union
 
 from .config import Settings, StrEnum
 from .errors import AuditError
+
+if TYPE_CHECKING:
+    from distributed import Client
 
 
 CALIBRATION_MAX_ROWS = 100_000  # calibration rows (examples, windows) read at most unless raised
@@ -35,15 +39,111 @@ class SpectraBackend(StrEnum):
     TORCH_CUDA = "torch-cuda"
 
 
+CalibrationInput = Union[str, "os.PathLike[str]", Mapping[str, Any], Iterable[Any]]
+"""Calibration data: a file, ``file.py:fn`` / ``module:fn``, a dict of tensors, batches (an iterable), or a
+``Calibration`` (auditor.calibration.inputs; not imported here: options sit below calibration)."""
+MetricSpec = Union[str, Callable[..., float]]
+"""A metric: a built-in name (perplexity, kl, ...), ``file.py:fn`` / ``module:fn``, or fn(model, batches) -> float."""
+
+
 @dataclass(frozen=True)
+class CalibrationData:
+    """The calibration data (docs/calibration.md) and how much of it is read."""
+
+    source: CalibrationInput | None = None  # None: no calibration (tiers 1-3 off)
+    holdout: "float | str | os.PathLike[str]" = 0.25  # share of the rows held out to measure, or a second source
+    length: int | None = None  # tokens per window of a text file (default: the positions, at most 512)
+    tokenizer: "str | os.PathLike[str] | None" = None  # the tokenizer's directory for a text file
+    max_rows: int | None = CALIBRATION_MAX_ROWS  # read at most this many rows (None: no cap)
+    max_bytes: int | None = CALIBRATION_MAX_BYTES  # read at most this many bytes (None: no cap)
+
+
+@dataclass(frozen=True)
+class TierOptions:
+    """What a calibrated audit measures: the metric and its tolerance, tiers 2 and 3, the verification split."""
+
+    metric: MetricSpec | None = None  # None: the model's default (perplexity for a causal LM, else output error)
+    tolerance: float | None = None  # in the metric's units (default 0.01 relative output error)
+    measure_floor: bool = False  # tier 2: each layer truncated alone, floor found by bisection
+    budget: float | None = None  # tier 3: a fraction of the parameters to remove, checked all at once
+    probe_sensitivity: bool = True  # tier 3 without tier 2: each layer's model-level sensitivity (False: tier-1 costs)
+    probe: bool = False  # that sensitivity from truncation probes (each layer measured alone at two ranks), not gradients
+    confidence: float = 0.9  # the verification interval's level (bootstrap over held-out rows the search never read)
+    split: bool = True  # held-out rows cut into search and verification parts (False: every row for both, no interval)
+
+
+@dataclass(frozen=True)
+class StatisticsOptions:
+    """Where and in which dtype calibration statistics are read (``device`` is also where speed is measured)."""
+
+    device: str | None = None  # cpu, cuda, cuda:N or auto (None: where the model is)
+    offload: bool = False  # each repeated block on the device only while it runs
+    compute_dtype: str | None = None  # "float32" runs bf16/fp16 weights upcast, a block at a time
+
+
+@dataclass(frozen=True)
+class RecoveryOptions:
+    """Tier 3 after a recovery fine-tune (docs/calibration.md): each frontier plan measured again after it."""
+
+    steps: int | None = None  # recovery steps per frontier plan (needs calibration and budget); None: no recovery
+    lr: float = 1e-4  # AdamW learning rate (auditor.recover.DEFAULT_LR)
+    trainable: str = "factors"  # "factors" (the factor weights) | "all" (every parameter)
+    objective: str = "auto"  # "auto" (KL for logits, else MSE) | "kl" | "mse"
+    seed: int = 0
+    choose_after: bool = False  # the suggestion: the largest plan that holds after the recovery
+
+
+@dataclass(frozen=True)
+class ClusterOptions:
+    """A Dask cluster for the spectra and the tier-2 sweeps (docs/cluster.md)."""
+
+    scheduler: "str | Client | None" = None  # a scheduler address or a distributed.Client
+    path_map: tuple[tuple[str, str], ...] = ()  # (client prefix, worker prefix) for the cluster's file paths
+    origin: "tuple[str, LoadOptions] | None" = None  # set by audit_source: sweep workers load the model from it
+
+
+@dataclass(frozen=True)
+class SpeedOptions:
+    """Speed (docs/performance.md): the plan's layers and model timed on the statistics' ``device`` (default: CPU)."""
+
+    measure: bool = False  # time the reviewed plan's layers, their time break-even ranks, the whole model
+    latency_shape: tuple[int, ...] | None = None  # also time the layers at this batch (x positions)
+    budget_latency: float | None = None  # a share of the dense latency to remove: the plan chosen by time
+    clock: Callable[[], float] | None = None  # seconds, called around each timed block (tests: a fake clock)
+
+
+# The flat names of the option groups' fields (the keywords AuditOptions and auditor.audit took before the groups,
+# still accepted, and readable as attributes): flat name -> (group, field)
+FLAT: dict[str, tuple[str, str]] = {
+    **{name: ("calibration_data", f) for name, f in [
+        ("calibration", "source"), ("holdout", "holdout"), ("calibration_length", "length"), ("tokenizer", "tokenizer"),
+        ("calibration_max_rows", "max_rows"), ("calibration_max_bytes", "max_bytes")]},
+    **{name: ("tiers", name) for name in ("metric", "tolerance", "measure_floor", "budget", "probe_sensitivity",
+                                          "probe", "confidence", "split")},
+    **{name: ("statistics", name) for name in ("device", "offload", "compute_dtype")},
+    **{f"recover_{f}": ("recovery", f) for f in ("steps", "lr", "trainable", "objective", "seed")},
+    "choose_after_recovery": ("recovery", "choose_after"),
+    **{name: ("cluster", name) for name in ("scheduler", "path_map", "origin")},
+    "measure_speed": ("speed", "measure"), "latency_shape": ("speed", "latency_shape"),
+    "budget_latency": ("speed", "budget_latency"), "speed_clock": ("speed", "clock"),
+}
+
+
+@dataclass(frozen=True, init=False)
 class AuditOptions:
-    """Everything an audit is asked to do besides the model, its inputs and the plan.
+    """Everything an audit is asked to do besides the model, its inputs and the plan: a few top-level fields and
+    typed groups (``calibration_data``, ``tiers``, ``statistics``, ``recovery``, ``cluster``, ``speed``). Every group
+    field may also be given, and read, by its flat name (:data:`FLAT`: ``holdout``, ``recover_steps``, ...); a flat
+    keyword replaces that field of the group given with it.
 
     Settings resolve in one order: ``settings`` (defaults, or what the caller read from pyproject.toml), then the
     plan's ``[thresholds]``, then ``overrides`` (the command line's threshold flags, or a caller's dict).
 
-    >>> AuditOptions(spectra=False, jobs=2).tracer
-    <Tracer.AUTO: 'auto'>
+    >>> o = AuditOptions(spectra=False, jobs=2, holdout=0.5, calibration="c.safetensors")
+    >>> o.tracer, o.holdout, o.calibration_data.holdout, o.tiers.budget
+    (<Tracer.AUTO: 'auto'>, 0.5, 0.5, None)
+    >>> AuditOptions(recovery=RecoveryOptions(steps=5), calibration="c", budget=0.5).recover_steps
+    5
     >>> AuditOptions(tracer="fast")
     Traceback (most recent call last):
     ...
@@ -64,39 +164,34 @@ class AuditOptions:
     spectra_backend: SpectraBackend = SpectraBackend.LAPACK  # what computes the singular values
     progress: bool | str | None = None  # a progress bar on stderr (default: when stderr is a terminal; "auto": also
     # one plain line per calibration phase when it is not, as the command line does)
-    scheduler: str | Any | None = None  # a Dask scheduler address or distributed.Client: spectra run there
-    path_map: tuple[tuple[str, str], ...] = ()  # (client prefix, worker prefix) for the cluster's file paths
-    origin: Any = None  # (source spec, LoadOptions), set by audit_source: Dask sweep workers load the model from it
-    # calibration (docs/calibration.md): measured rank floors from the model's own inputs
-    calibration: Any = None  # a file, file.py:fn / module:fn, a dict of tensors, batches, or a Calibration
-    holdout: Any = 0.25  # share of the rows held out to measure (or a second source held out whole)
-    metric: Any = None  # file.py:fn / module:fn or fn(model, batches) -> float, higher is better; None: output error
-    tolerance: float | None = None  # in the metric's units (default 0.01 relative output error)
-    measure_floor: bool = False  # tier 2: each layer truncated alone, floor found by bisection
-    budget: float | None = None  # tier 3: a fraction of the parameters to remove, checked all at once
-    probe_sensitivity: bool = True  # tier 3 without tier 2: each layer's model-level sensitivity (False: tier-1 costs)
-    probe: bool = False  # that sensitivity from truncation probes (each layer measured alone at two ranks), not gradients
-    confidence: float = 0.9  # the verification interval's level (bootstrap over held-out rows the search never read)
-    split: bool = True  # held-out rows cut into search and verification parts (False: every row for both, no interval)
-    calibration_length: int | None = None  # tokens per window of a text file (default: the positions, at most 512)
-    tokenizer: Any = None  # the directory of the tokenizer for a text file (audit_source: the Hugging Face directory)
-    calibration_max_rows: int | None = CALIBRATION_MAX_ROWS  # read at most this many rows (None: no cap)
-    calibration_max_bytes: int | None = CALIBRATION_MAX_BYTES  # read at most this many bytes (None: no cap)
-    device: str | None = None  # statistics: cpu, cuda, cuda:N or auto (None: where the model is)
-    offload: bool = False  # statistics: each repeated block on the device only while it runs
-    compute_dtype: str | None = None  # statistics: "float32" runs bf16/fp16 weights upcast, a block at a time
-    # tier 3 after a recovery fine-tune (docs/calibration.md): each frontier plan measured again after it
-    recover_steps: int | None = None  # recovery steps per frontier plan (needs calibration and budget)
-    recover_lr: float = 1e-4  # AdamW learning rate (auditor.recover.DEFAULT_LR)
-    recover_trainable: str = "factors"  # "factors" (the factor weights) | "all" (every parameter)
-    recover_objective: str = "auto"  # "auto" (KL for logits, else MSE) | "kl" | "mse"
-    recover_seed: int = 0
-    choose_after_recovery: bool = False  # the suggestion: the largest plan that holds after the recovery
-    # speed (docs/performance.md): the plan's layers and model timed on ``device`` (default: the CPU)
-    measure_speed: bool = False  # time the reviewed plan's layers, their time break-even ranks, the whole model
-    latency_shape: tuple[int, ...] | None = None  # also time the layers at this batch (x positions)
-    budget_latency: float | None = None  # a share of the dense latency to remove: the plan chosen by time
-    speed_clock: Any = None  # seconds, called around each timed block (tests: a fake clock); None: the wall clock
+    calibration_data: CalibrationData = field(default_factory=CalibrationData)
+    tiers: TierOptions = field(default_factory=TierOptions)
+    statistics: StatisticsOptions = field(default_factory=StatisticsOptions)
+    recovery: RecoveryOptions = field(default_factory=RecoveryOptions)
+    cluster: ClusterOptions = field(default_factory=ClusterOptions)
+    speed: SpeedOptions = field(default_factory=SpeedOptions)
+
+    def __init__(self, **given: Any) -> None:
+        own = {f.name: f for f in fields(AuditOptions)}
+        unknown = sorted(set(given) - set(own) - set(FLAT))
+        if unknown:
+            raise TypeError(f"unknown audit option(s) {', '.join(unknown)}; AuditOptions has "
+                            f"{', '.join(sorted([*own, *FLAT]))}")
+        for name, f in own.items():
+            value = given[name] if name in given else f.default if f.default is not MISSING else f.default_factory()
+            object.__setattr__(self, name, value)
+        grouped: dict[str, dict[str, Any]] = {}
+        for name, value in given.items():
+            if name in FLAT:
+                group, attr = FLAT[name]
+                grouped.setdefault(group, {})[attr] = value
+        for group, changes in grouped.items():
+            self._update(group, **changes)
+        self.__post_init__()
+
+    def _update(self, group: str, **changes: Any) -> None:
+        """Replace some fields of one group (while the options are being made)."""
+        object.__setattr__(self, group, replace(getattr(self, group), **changes))
 
     def __post_init__(self) -> None:
         try:
@@ -112,11 +207,26 @@ class AuditOptions:
         if self.jobs is not None and self.jobs < 1:
             raise AuditError(f"jobs={self.jobs}: at least one layer must run", "Use jobs=1 or more, or None")
         if self.compute_dtype is not None:
-            object.__setattr__(self, "compute_dtype", compute_dtype_name(self.compute_dtype))
+            self._update("statistics", compute_dtype=compute_dtype_name(self.compute_dtype))
         if self.cache_dir is not None and not isinstance(self.cache_dir, Path):
             object.__setattr__(self, "cache_dir", Path(self.cache_dir))
         if self.settings is None:
             object.__setattr__(self, "settings", Settings())
+        self._check_tiers()
+        self._check_limits()
+        if self.calibration is None and (self.measure_floor or self.budget is not None or self.metric is not None):
+            raise AuditError("measure_floor, budget and metric need calibration data",
+                             "Pass calibration=FILE (on the command line --calibration FILE)")
+        self._check_recovery()
+        self._check_speed()
+        if self.calibration_length is not None and (isinstance(self.calibration_length, bool)
+                                                    or not isinstance(self.calibration_length, int)
+                                                    or self.calibration_length < 1):
+            raise AuditError(f"calibration_length {self.calibration_length!r} is not a positive whole number",
+                             "Give e.g. calibration_length=128 (on the command line --calibration-length 128)")
+
+    def _check_tiers(self) -> None:
+        """The confidence level, the budget and the tolerance, each checked before any work."""
         if isinstance(self.confidence, bool) or not isinstance(self.confidence, (int, float)) \
                 or not 0 < self.confidence < 1:
             raise AuditError(f"confidence {self.confidence!r} is not a level in (0, 1)", "Give e.g. confidence=0.9")
@@ -130,6 +240,9 @@ class AuditOptions:
                                  "Give a finite tolerance of 0 or more, e.g. --tolerance 0.01")
             if self.tolerance < 0:
                 raise AuditError(f"tolerance {self.tolerance} is negative", "Give a tolerance of 0 or more")
+
+    def _check_limits(self) -> None:
+        """The calibration caps and the device, checked before any work."""
         for name in ("calibration_max_rows", "calibration_max_bytes"):
             v = getattr(self, name)
             if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
@@ -141,16 +254,6 @@ class AuditOptions:
 
             if not isinstance(self.device, str) or not re.fullmatch(r"cpu|auto|cuda(:\d+)?", self.device.strip().lower()):
                 raise AuditError(f"unknown device {self.device!r}", "Give device='cpu', 'cuda', 'cuda:N' or 'auto'")
-        if self.calibration is None and (self.measure_floor or self.budget is not None or self.metric is not None):
-            raise AuditError("measure_floor, budget and metric need calibration data",
-                             "Pass calibration=FILE (on the command line --calibration FILE)")
-        self._check_recovery()
-        self._check_speed()
-        if self.calibration_length is not None and (isinstance(self.calibration_length, bool)
-                                                    or not isinstance(self.calibration_length, int)
-                                                    or self.calibration_length < 1):
-            raise AuditError(f"calibration_length {self.calibration_length!r} is not a positive whole number",
-                             "Give e.g. calibration_length=128 (on the command line --calibration-length 128)")
 
     def _check_recovery(self) -> None:
         """The recovery settings (those of ``lowrank-audit factorize --recover``), checked before any work."""
@@ -187,26 +290,38 @@ class AuditOptions:
             if not shape or any(isinstance(d, bool) or not isinstance(d, int) or d < 1 for d in shape):
                 raise AuditError(f"latency shape {self.latency_shape!r} is not positive whole numbers",
                                  "Give the batch (and positions), e.g. --latency-shape 64,128")
-            object.__setattr__(self, "latency_shape", shape)
+            self._update("speed", latency_shape=shape)
         b = self.budget_latency
         if b is not None:
             if isinstance(b, bool) or not isinstance(b, (int, float)) or not 0 < b < 1:
                 raise AuditError(f"latency budget {b!r} is not a fraction in (0, 1)",
                                  "Give the share of the dense latency to remove, e.g. --budget-latency 0.2")
         if self.latency_shape is not None or b is not None:
-            object.__setattr__(self, "measure_speed", True)
+            self._update("speed", measure=True)
 
     def with_(self, **changes: Any) -> "AuditOptions":
-        """A copy with some fields changed; unknown names raise TypeError naming the known ones."""
-        known = {f.name for f in fields(self)}
-        unknown = sorted(set(changes) - known)
-        if unknown:
-            raise TypeError(f"unknown audit option(s) {', '.join(unknown)}; AuditOptions has {', '.join(sorted(known))}")
-        return replace(self, **changes)
+        """A copy with some fields changed (top-level, group or flat names); unknown names raise TypeError naming
+        the known ones."""
+        return AuditOptions(**{**{f.name: getattr(self, f.name) for f in fields(self)}, **changes})
+
+
+def _flat(name: str) -> property:
+    group, attr = FLAT[name]
+
+    def get(self: AuditOptions) -> Any:
+        return getattr(getattr(self, group), attr)
+
+    get.__name__ = name
+    return property(get, doc=f"``{group}.{attr}`` (its flat name, as a keyword and an attribute)")
+
+
+for _name in FLAT:
+    setattr(AuditOptions, _name, _flat(_name))
 
 
 class OptionFields(TypedDict, total=False):
-    """The fields of :class:`AuditOptions`, as keyword shortcuts of :func:`auditor.audit`."""
+    """The fields of :class:`AuditOptions` and the flat names of its groups' fields, as keyword shortcuts of
+    :func:`auditor.audit`."""
 
     settings: Settings
     overrides: Mapping[str, Any]
@@ -220,12 +335,18 @@ class OptionFields(TypedDict, total=False):
     tracer: Tracer | str
     spectra_backend: SpectraBackend | str
     progress: bool | str | None
-    scheduler: str | Any | None
+    calibration_data: CalibrationData
+    tiers: TierOptions
+    statistics: StatisticsOptions
+    recovery: RecoveryOptions
+    cluster: ClusterOptions
+    speed: SpeedOptions
+    scheduler: "str | Client | None"
     path_map: tuple[tuple[str, str], ...]
-    origin: Any
-    calibration: Any
-    holdout: Any
-    metric: Any
+    origin: "tuple[str, LoadOptions] | None"
+    calibration: CalibrationInput | None
+    holdout: "float | str | os.PathLike[str]"
+    metric: MetricSpec | None
     tolerance: float | None
     measure_floor: bool
     budget: float | None
@@ -234,7 +355,7 @@ class OptionFields(TypedDict, total=False):
     confidence: float
     split: bool
     calibration_length: int | None
-    tokenizer: Any
+    tokenizer: "str | os.PathLike[str] | None"
     calibration_max_rows: int | None
     calibration_max_bytes: int | None
     device: str | None
@@ -249,7 +370,7 @@ class OptionFields(TypedDict, total=False):
     measure_speed: bool
     latency_shape: tuple[int, ...] | None
     budget_latency: float | None
-    speed_clock: Any
+    speed_clock: Callable[[], float] | None
 
 
 def compute_dtype_name(spec: Any) -> str | None:

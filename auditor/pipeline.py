@@ -34,7 +34,7 @@ from ._version import __version__
 from .config import Settings, check_plan_relaxes, validate
 from .errors import AuditError
 from .options import AuditOptions, LoadOptions, Tracer
-from .results import Audit, GraphNode, Layer, LayerGraph, Spectrum, Suggestion, TraceMethod
+from .results import AuditResult, GraphNode, Layer, LayerGraph, Spectrum, Suggestion, TraceMethod
 
 if TYPE_CHECKING:
     import networkx as nx
@@ -263,8 +263,8 @@ def compute_spectra(layers: list[Layer], loaders: dict[str, Loader], settings: S
     refs = [(l.name, ref_for(l, loaders[l.name])) for l in order]
     cache = SpectrumCache(options.cache_dir) if options.cache else None
     with contextlib.ExitStack() as stack:
-        if options.scheduler is not None:  # a Dask cluster (auditor/spectra/cluster.py); this side writes the cache
-            from .spectra.cluster import executor_for
+        if options.scheduler is not None:  # a Dask cluster (spectra/dask_executor.py); this side writes the cache
+            from .spectra.dask_executor import executor_for
 
             executor: Any = stack.enter_context(executor_for(options.scheduler, options.path_map))
         else:
@@ -298,14 +298,14 @@ def calibrate(model: Any, st: Structure, spectra: Spectra, suggestions: dict[str
     return calibrated, suggest_with(st.layers, spectra.by_layer, suggestions, calibrated.report, settings)
 
 
-def review(audit: Audit, plan: "Plan | None") -> Audit:
+def review(audit: AuditResult, plan: "Plan | None") -> AuditResult:
     """The plan (or, without one, the suggested ranks) reviewed against the audit."""
     from .plan import review_plan
 
     return replace(audit, review=review_plan(audit, plan))
 
 
-def check(audit: Audit, plan: "Plan | None") -> Audit:
+def check(audit: AuditResult, plan: "Plan | None") -> AuditResult:
     """The rules' findings, sorted by severity; a rule that cannot run here (no data flow, no spectra) is said in a
     note."""
     from .rules import evaluate
@@ -333,7 +333,7 @@ def environment() -> dict[str, str]:
 
 # ---- entry points ----------------------------------------------------------------------------------------------
 def audit(model: Any, inputs: Any = None, *, plan: Any = None, options: AuditOptions | None = None,
-          **shortcuts: "Unpack[OptionFields]") -> Audit:
+          **shortcuts: "Unpack[OptionFields]") -> AuditResult:
     """Audit a model: an ``nn.Module``, or a weights-only checkpoint from :func:`auditor.sources.load_source`.
 
     ``inputs``: a tensor, a tuple of positional inputs, a dict of keyword inputs, or (args, kwargs); without them
@@ -352,7 +352,7 @@ def audit(model: Any, inputs: Any = None, *, plan: Any = None, options: AuditOpt
 
 
 def audit_session(model: Any, inputs: Any = None, *, plan: Any = None,
-                  options: AuditOptions | None = None) -> "tuple[Audit, CalibrationSession | None]":
+                  options: AuditOptions | None = None) -> "tuple[AuditResult, CalibrationSession | None]":
     """:func:`audit`, and the calibration session it measured with (None without calibration data): the model, the
     batches, the input statistics and the evaluator with its dense reference, for a caller that goes on to
     factorize or recover with them (``lowrank-audit factorize``) instead of reading and measuring all again."""
@@ -372,7 +372,7 @@ def audit_session(model: Any, inputs: Any = None, *, plan: Any = None,
     spectra = compute_spectra(st.layers, st.loaders, settings, opts, progress)
     calibrated, suggestions = calibrate(model, st, spectra, suggest_ranks(st.layers, spectra.by_layer, settings),
                                         settings, opts, progress)
-    result = Audit(
+    result = AuditResult(
         model_name=st.model_name, source=st.source, trace_method=st.trace_method, trace_failures=st.trace_failures,
         inputs=st.inputs, total_params=st.total_params, layers=st.layers, macs_known=st.macs_known,
         settings=settings, spectra=spectra.by_layer, suggestions=suggestions,
@@ -393,12 +393,12 @@ def audit_session(model: Any, inputs: Any = None, *, plan: Any = None,
     return check(result, plan_obj), calibrated.session if calibrated is not None else None
 
 
-def measure_speed(model: Any, inputs: Any, audit: Audit, options: AuditOptions,
-                  progress: "Progress | None" = None) -> Audit:
-    """The speed stage (``auditor/speed/stage.py``, only with ``measure_speed``): the reviewed plan's layers and
+def measure_speed(model: Any, inputs: Any, audit: AuditResult, options: AuditOptions,
+                  progress: "Progress | None" = None) -> AuditResult:
+    """The speed stage (``auditor/speed/speed_stage.py``, only with ``measure_speed``): the reviewed plan's layers and
     the whole model timed dense and factorized, before the rules run (LR020 reads it)."""
     from .progress import Progress
-    from .speed.stage import measure_speed as run_speed
+    from .speed.speed_stage import measure_speed as run_speed
 
     with (progress or Progress(enabled=False)).phase("speed"):
         return replace(audit, speed=run_speed(model, inputs, audit, options))
@@ -412,7 +412,7 @@ def _progress(options: AuditOptions) -> "Progress":
     return Progress(enabled=options.progress)
 
 
-def render_reports(result: Audit, formats: list[str], context: Any,
+def render_reports(result: AuditResult, formats: list[str], context: Any,
                    progress: "Progress | None" = None) -> dict[str, str | bytes]:
     """Every format of ``formats`` rendered (the "render" phase), nothing written: the caller writes each file
     atomically once all are rendered.
@@ -436,7 +436,7 @@ def render_reports(result: Audit, formats: list[str], context: Any,
 
 
 def audit_source(spec: str, *, plan: Any = None, options: AuditOptions | None = None,
-                 load: LoadOptions | None = None) -> Audit:
+                 load: LoadOptions | None = None) -> AuditResult:
     """Load a model from a source string and audit it, as plain data (the public :func:`auditor.api.audit_source`
     wraps it with the output methods)."""
     opts = options or AuditOptions()

@@ -22,7 +22,7 @@ from .groups import escape_glob, plan_globs, toml_string
 from .results import PlanItem, PlanOrigin, PlanReview, PlanVerdict, Verdict
 
 if TYPE_CHECKING:
-    from .results import Audit
+    from .results import AuditResult
 
 _INT = re.compile(r"^\s*([0-9]+)\s*$", re.ASCII)
 _BE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*be\s*$", re.I | re.ASCII)
@@ -210,7 +210,7 @@ def _rank(spec: Any, layer_name: str, be: float, pattern: str, spectrum: Any, so
     return int(spectrum.rank_for(float(m.group(1))))
 
 
-def resolve(audit: "Audit", plan: Plan) -> list[tuple[str, int, str, str]]:
+def resolve(audit: "AuditResult", plan: Plan) -> list[tuple[str, int, str, str]]:
     """(layer name, rank, spec text, pattern) per planned layer; errors name the layer or suggest close names."""
     names = [l.name for l in audit.layers]
     chosen: dict[str, tuple[int, str, str]] = {}
@@ -236,13 +236,13 @@ def resolve(audit: "Audit", plan: Plan) -> list[tuple[str, int, str, str]]:
     return [(n, r, s, p) for n, (r, s, p) in sorted(chosen.items(), key=lambda kv: order[kv[0]])]
 
 
-def _narrow(audit: "Audit", name: str) -> bool:
+def _narrow(audit: "AuditResult", name: str) -> bool:
     """Whether the audit skips this layer as narrow (the layers table and "Skipped layers" say so)."""
     sg = audit.suggestions.get(name)
     return sg is not None and sg.verdict is Verdict.SKIP_NARROW
 
 
-def review_plan(audit: "Audit", plan: Plan | None) -> PlanReview:
+def review_plan(audit: "AuditResult", plan: Plan | None) -> PlanReview:
     """Each planned layer's rank, savings and energy kept; without a plan, the suggested ranks."""
     if plan is None:
         entries = [(n, s.rank, f"energy:{audit.settings.target_energy:g}", str(PlanOrigin.SUGGESTED))
@@ -322,7 +322,7 @@ def _hidden_char(c: str) -> bool:
     return 0x7F <= o <= 0x9F or 0x202A <= o <= 0x202E or 0x2066 <= o <= 0x2069 or c in "\u2028\u2029"
 
 
-def _measured_alone(audit: "Audit", members: list[str], rank: int) -> str | None:
+def _measured_alone(audit: "AuditResult", members: list[str], rank: int) -> str | None:
     """With calibration, what the layers' ranks were chosen by instead of energy: the largest single-layer error
     measured at this rank (tier 2), else the largest tier-1 layer-output error at it; None without calibration."""
     cal = audit.calibration
@@ -347,7 +347,7 @@ def _measured_alone(audit: "Audit", members: list[str], rank: int) -> str | None
     return "rank chosen by the all-at-once search"
 
 
-def plan_basis(audit: "Audit") -> list[str]:
+def plan_basis(audit: "AuditResult") -> list[str]:
     """The header comment lines saying how the emitted ranks were chosen and measured."""
     s = audit.settings
     cal = audit.calibration
@@ -379,7 +379,7 @@ def plan_basis(audit: "Audit") -> list[str]:
     return out
 
 
-def default_header(audit: "Audit") -> list[str]:
+def default_header(audit: "AuditResult") -> list[str]:
     """The comment lines at the top of an emitted plan (without their ``# ``): what it is, how the ranks were
     chosen, how to edit and review it."""
     return [
@@ -391,7 +391,7 @@ def default_header(audit: "Audit") -> list[str]:
     ]
 
 
-def emit_toml(audit: "Audit", header: list[str] | None = None) -> str:
+def emit_toml(audit: "AuditResult", header: list[str] | None = None) -> str:
     """The suggested plan as an editable TOML file that passes its own review, written with tomlkit: one
     ``pattern = rank`` per layer or group (``model.layers.*.mlp.down_proj`` where every member has one rank), each
     pattern a quoted TOML key that selects exactly its layers (glob characters in names escaped), each with a
@@ -412,6 +412,16 @@ def emit_toml(audit: "Audit", header: list[str] | None = None) -> str:
         _note(doc["compute_dtype"], "the dtype calibration statistics were read in; factorize reads them so too")
     doc.add(tomlkit.nl())
     table = tomlkit.table()
+    ranks, tied, unwritable = _emitted_ranks(audit)
+    _add_rank_lines(table, audit, ranks)
+    _add_tied_comments(table, audit, tied)
+    _add_dense_comments(table, audit, unwritable)
+    doc.add("ranks", table)
+    return tomlkit.dumps(doc)
+
+
+def _emitted_ranks(audit: "AuditResult") -> tuple[dict[str, int], list[str], list[str]]:
+    """The factorized layers' ranks to write, the tied ones (comments only), and those whose name no TOML holds."""
     ranks: dict[str, int] = {}
     tied: list[str] = []
     unwritable: list[str] = []
@@ -428,6 +438,11 @@ def emit_toml(audit: "Audit", header: list[str] | None = None) -> str:
             tied.append(layer.name)
         else:
             ranks[layer.name] = sg.rank
+    return ranks, tied, unwritable
+
+
+def _add_rank_lines(table: Any, audit: "AuditResult", ranks: dict[str, int]) -> None:
+    """One ``pattern = rank`` line per layer or group, with its comment saying what the rank keeps."""
     names = [l.name for l in audit.layers]
     globs = plan_globs(ranks, names=names, also_matched={l.param: l.name for l in audit.layers})
     for glob, r in globs.items():
@@ -448,30 +463,42 @@ def emit_toml(audit: "Audit", header: list[str] | None = None) -> str:
         key = _key(glob)
         table.add(key, r)
         _note(table[glob], note)
-    if tied:
-        table.add(tomlkit.nl())
-        table.add(tomlkit.comment("Tied or shared weights are not targeted (LR006): factorizing one changes every "
-                                  "use at once."))
-        table.add(tomlkit.comment("Untie it first, or check the error at every use, then uncomment its line:"))
-        for name in tied:
-            layer = audit.layer(name)
-            also = ", ".join(_comment(a) for a in [layer.param, *layer.aliases])
-            line = tomlkit.document()  # the line it would be, rendered by tomlkit, then commented out
-            line.add(_key(escape_glob(name)), audit.suggestions[name].rank)
-            table.add(tomlkit.comment(_comment_text(f"{line.as_string().strip()}  # names {also}; {layer.calls} "
-                                                    "use(s) per forward")))
+
+
+def _add_tied_comments(table: Any, audit: "AuditResult", tied: list[str]) -> None:
+    """Tied or shared weights (LR006): their lines commented out, with every name they go by."""
+    import tomlkit
+
+    if not tied:
+        return
+    table.add(tomlkit.nl())
+    table.add(tomlkit.comment("Tied or shared weights are not targeted (LR006): factorizing one changes every "
+                              "use at once."))
+    table.add(tomlkit.comment("Untie it first, or check the error at every use, then uncomment its line:"))
+    for name in tied:
+        layer = audit.layer(name)
+        also = ", ".join(_comment(a) for a in [layer.param, *layer.aliases])
+        line = tomlkit.document()  # the line it would be, rendered by tomlkit, then commented out
+        line.add(_key(escape_glob(name)), audit.suggestions[name].rank)
+        table.add(tomlkit.comment(_comment_text(f"{line.as_string().strip()}  # names {also}; {layer.calls} "
+                                                "use(s) per forward")))
+
+
+def _add_dense_comments(table: Any, audit: "AuditResult", unwritable: list[str]) -> None:
+    """The layers left dense, each with its verdict and reason, and those whose name no TOML file can hold."""
+    import tomlkit
+
     kept_dense = [l for l in audit.layers if audit.suggestions[l.name].verdict is not Verdict.FACTORIZE]
-    if kept_dense or unwritable:
-        table.add(tomlkit.nl())
-        table.add(tomlkit.comment("Left dense:"))
-        for l in kept_dense:
-            sg = audit.suggestions[l.name]
-            table.add(tomlkit.comment(f"{_comment(l.name)}: {sg.verdict} ({_comment(sg.reason)})"))
-        for name in unwritable:
-            table.add(tomlkit.comment(f"{_comment(name)}: its name holds a lone surrogate, which no TOML file can "
-                                      "hold"))
-    doc.add("ranks", table)
-    return tomlkit.dumps(doc)
+    if not (kept_dense or unwritable):
+        return
+    table.add(tomlkit.nl())
+    table.add(tomlkit.comment("Left dense:"))
+    for l in kept_dense:
+        sg = audit.suggestions[l.name]
+        table.add(tomlkit.comment(f"{_comment(l.name)}: {sg.verdict} ({_comment(sg.reason)})"))
+    for name in unwritable:
+        table.add(tomlkit.comment(f"{_comment(name)}: its name holds a lone surrogate, which no TOML file can "
+                                  "hold"))
 
 
 def _note(item: Any, text: str) -> None:

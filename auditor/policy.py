@@ -13,7 +13,7 @@ from .results import Severity
 
 if TYPE_CHECKING:
     from .calresults import CalibrationReport, PlanCheck, Verification
-    from .results import Audit, Finding
+    from .results import AuditResult, Finding
 
 
 class Status(StrEnum):
@@ -30,7 +30,7 @@ class Status(StrEnum):
     UNMEASURED = "unmeasured"
 
 
-def measured(audit: "Audit") -> bool:
+def measured(audit: "AuditResult") -> bool:
     """Whether calibration data measured what the report suggests or reviews: the plan applied all at once on the
     held-out rows (or the suggested ranks chosen by a plan search that measured them), or nothing to measure (the
     plan factorizes nothing). False for a data-free audit."""
@@ -46,11 +46,11 @@ def measured(audit: "Audit") -> bool:
     return bool(r.suggested and cal.budget is not None and cal.budget.plan)
 
 
-def status(audit: "Audit") -> Status:
+def status(audit: "AuditResult") -> Status:
     """FAIL with an error, REVIEW with a warning, else PASS when the plan was measured, UNMEASURED when not.
 
-    >>> from auditor.results import Audit, Finding, Settings, TraceMethod
-    >>> a = Audit("m", "x", TraceMethod.WALK, [], None, 10, [], False, Settings())
+    >>> from auditor.results import AuditResult, Finding, Settings, TraceMethod
+    >>> a = AuditResult("m", "x", TraceMethod.WALK, [], None, 10, [], False, Settings())
     >>> str(status(a))
     'unmeasured'
     """
@@ -62,11 +62,11 @@ def status(audit: "Audit") -> Status:
     return Status.PASS if measured(audit) else Status.UNMEASURED
 
 
-def verdict_line(audit: "Audit") -> str:
+def verdict_line(audit: "AuditResult") -> str:
     """PASS / REVIEW / FAIL / UNMEASURED with the counts, and what the reviewed plan saves.
 
-    >>> from auditor.results import Audit, Finding, Settings, TraceMethod
-    >>> a = Audit("m", "x", TraceMethod.WALK, [], None, 10, [], False, Settings(),
+    >>> from auditor.results import AuditResult, Finding, Settings, TraceMethod
+    >>> a = AuditResult("m", "x", TraceMethod.WALK, [], None, 10, [], False, Settings(),
     ...           findings=[Finding("LR003", "narrow", Severity.WARNING, "narrow")])
     >>> verdict_line(a)
     'REVIEW: 1 warning(s)'
@@ -83,7 +83,7 @@ def verdict_line(audit: "Audit") -> str:
     return verdict_head(audit) + saving
 
 
-def verdict_head(audit: "Audit") -> str:
+def verdict_head(audit: "AuditResult") -> str:
     """The verdict's first part, PASS / REVIEW / FAIL with the counts (the Markdown puts the saving and the
     measurement in its plan card instead)."""
     c = audit.counts
@@ -98,7 +98,7 @@ def verdict_head(audit: "Audit") -> str:
     return "PASS: no errors or warnings"
 
 
-def plan_check_clause(audit: "Audit") -> str:
+def plan_check_clause(audit: "AuditResult") -> str:
     """"; measured all at once: held-out perplexity 153.77 -> 155.17 (+0.91%, tolerance +1%): holds" (or MISSES) when
     calibration measured the reviewed plan (:func:`auditor.render.calibration.metric_change`);
     "; not measured all at once" when calibration was given but the plan could not be measured; else empty."""
@@ -122,14 +122,15 @@ def metric_change(cal: "CalibrationReport", value: float | None) -> str:
     error 0.009937 (tolerance 0.01)" otherwise.
 
     >>> from auditor.calresults import CalibrationReport as C
-    >>> metric_change(C("c", "0.25", "", 1, 1, "perplexity increase", False, 0.01, 153.77), 0.009112)
+    >>> metric_change(C("c", "0.25", "", 1, 1, "perplexity increase", False, 0.01, 153.77, increase_of="perplexity"),
+    ...               0.009112)
     'held-out perplexity 153.77 -> 155.17 (+0.91%, tolerance +1%)'
     """
     if value is None or not math.isfinite(value):
         return f"{cal.metric}: not measured"
     label = cal.metric
-    if label.endswith("perplexity increase") and cal.reference > 0 and not cal.higher_is_better:
-        what = label[: -len(" increase")]
+    if cal.increase_of and cal.reference > 0:
+        what = cal.increase_of
         return (f"held-out {what} {cal.reference:.2f} -> {cal.reference * (1 + value):.2f} "
                 f"({100 * value:+.2f}%, tolerance +{100 * cal.tolerance:g}%)")
     if cal.higher_is_better:
@@ -158,7 +159,7 @@ def verification_words(cal: "CalibrationReport", v: "Verification") -> str:
     within the tolerance" for a perplexity, else :meth:`Verification.words` ("relative output error 0.009656 (90%
     interval 0.009491 to 0.009816 over 128 verification rows): within the tolerance 0.01")."""
     label = cal.metric
-    if not (label.endswith("perplexity increase") and cal.reference > 0):
+    if not (cal.increase_of and cal.reference > 0):
         return v.words(cal.tolerance, label)
     judged = v.judged
     cal = _on_verified_rows(cal, v)  # the dense baseline of the rows it was measured on
@@ -168,12 +169,12 @@ def verification_words(cal: "CalibrationReport", v: "Verification") -> str:
             f"{100 * v.high:+.2f}% over {v.rows:,} verification rows: {judged}")
 
 
-def exit_code(audit: "Audit", fail_on: FailOn | str | None = None) -> ExitCode:
+def exit_code(audit: "AuditResult", fail_on: FailOn | str | None = None) -> ExitCode:
     """``ExitCode.FINDINGS`` when a finding is at or above ``fail_on`` (default: the audit's settings), or with
     ``unmeasured`` when the plan was not measured or a warning or error was found; else OK.
 
-    >>> from auditor.results import Audit, Finding, Settings, TraceMethod
-    >>> a = Audit("m", "x", TraceMethod.WALK, [], None, 10, [], False, Settings(),
+    >>> from auditor.results import AuditResult, Finding, Settings, TraceMethod
+    >>> a = AuditResult("m", "x", TraceMethod.WALK, [], None, 10, [], False, Settings(),
     ...           findings=[Finding("LR003", "narrow", Severity.WARNING, "narrow")])
     >>> exit_code(a), exit_code(a, FailOn.WARNING), exit_code(a, "never")
     (<ExitCode.OK: 0>, <ExitCode.FINDINGS: 1>, <ExitCode.OK: 0>)
@@ -187,7 +188,7 @@ def exit_code(audit: "Audit", fail_on: FailOn | str | None = None) -> ExitCode:
     return ExitCode.FINDINGS if audit.counts.at_least(floor) else ExitCode.OK
 
 
-def input_errors(audit: "Audit") -> list["Finding"]:
+def input_errors(audit: "AuditResult") -> list["Finding"]:
     """Findings that the command line reports as bad input (exit 2, no report): each rule decides for its own."""
     from .rules import RULES
 

@@ -1,7 +1,7 @@
 """The audit's data: plain dataclasses with derived numbers as properties. No torch, no networkx, no I/O.
 
 Every stage of :mod:`auditor.pipeline` returns values of these types, the renderers and the rules read only them,
-and :class:`Audit` is the whole result. Nothing here reads a result: the output methods people call
+and :class:`AuditResult` is the whole result. Nothing here reads a result: the output methods people call
 (``a.to_json()``, ``a.to_html(path)``, the notebook view) belong to :class:`auditor.api.Audit`, the object
 :func:`auditor.audit` returns, and each is a function of :mod:`auditor.render.report`.
 """
@@ -17,10 +17,10 @@ from .config import FailOn, Settings, StrEnum
 
 if TYPE_CHECKING:
     from .calresults import CalibrationReport
-    from .speed.report import SpeedReport
+    from .speed.measured import SpeedReport
 
 __all__ = [
-    "Audit", "FailOn", "Finding", "GraphNode", "Kind", "Layer", "LayerGraph", "PlanItem", "PlanOrigin",
+    "AuditResult", "FailOn", "Finding", "GraphNode", "Kind", "Layer", "LayerGraph", "PlanItem", "PlanOrigin",
     "PlanReview", "PlanVerdict", "Settings", "Severity", "SeverityCounts", "Spectrum", "SpectrumMethod",
     "StrEnum", "Suggestion", "TraceMethod", "Use", "Verdict",
 ]
@@ -402,7 +402,7 @@ class LayerGraph:
 
 
 @dataclass(frozen=True)
-class Audit:
+class AuditResult:
     """The result of an audit as plain data, complete when :func:`auditor.pipeline.audit` returns it
     (:func:`auditor.audit` returns it as :class:`auditor.api.Audit`, with the output methods).
 
@@ -563,3 +563,14 @@ class Audit:
     def __repr__(self) -> str:
         return (f"<Audit {self.model_name}: {self.total_params:,} params, {len(self.layers)} factorizable layers, "
                 f"{len(self.findings)} findings>")
+
+
+def __getattr__(name: str) -> Any:
+    """``results.Audit``, the old name of :class:`AuditResult`, for code written before the rename (issue 30:
+    ``Audit`` is now only the front object, :class:`auditor.api.Audit`); new code names ``AuditResult``."""
+    if name == "Audit":
+        import warnings
+
+        warnings.warn("auditor.results.Audit is now auditor.results.AuditResult", DeprecationWarning, stacklevel=2)
+        return AuditResult
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

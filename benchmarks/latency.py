@@ -138,7 +138,7 @@ def break_even_4096(device: str) -> None:
     import torch
     from torch import nn
     import auditor
-    from auditor.speed.layers import Timer, time_break_even
+    from auditor.speed.layer_timing import Timer, time_break_even
 
     lin = nn.Linear(4096, 4096)
     layer = auditor.audit(nn.Sequential(lin), torch.zeros(1, 4096), spectra=False, cache=False).layer("0")

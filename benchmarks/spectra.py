@@ -27,7 +27,28 @@ from _util import PeakSampler, best, best_interleaved, peak_rss_mb  # noqa: E402
 import auditor  # noqa: E402
 from auditor.structure.layers import matrix_view  # noqa: E402
 from auditor.results import Kind, Layer  # noqa: E402
-from auditor.spectra import Engine, eig_svdvals, gram64  # noqa: E402
+from auditor.spectra import (SpectraStats, SpectrumCache, ThreadExecutor, compute_spectra, eig_svdvals,  # noqa: E402
+                              gram64, ref_for)
+
+
+class Engine:
+    """:func:`auditor.spectra.compute_spectra` over (layer, weight or loader) pairs, largest first, with a thread
+    executor, the LAPACK backend and an optional cache; ``.stats`` adds up the runs' counts."""
+
+    def __init__(self, cache_dir: Path | None = None, use_cache: bool = True, workers: int | None = None) -> None:
+        self.cache = SpectrumCache(cache_dir) if use_cache else None
+        self.executor = ThreadExecutor(workers)
+        self.stats = SpectraStats()
+
+    def run(self, items: list) -> dict:
+        pairs = [(layer.name, ref_for(layer, src)) for layer, src in sorted(items, key=lambda it: -it[0].params)]
+        out, stats = compute_spectra(pairs, targets=(0.90, 0.95, 0.99), executor=self.executor, cache=self.cache)
+        for f in ("computed", "cached", "exact_fallbacks", "skipped"):
+            setattr(self.stats, f, getattr(self.stats, f) + getattr(stats, f))
+        return out
+
+    def one(self, layer: Layer, w: torch.Tensor):
+        return self.run([(layer, w)])[layer.name]
 
 
 def layer_for(m: int, n: int) -> Layer:
@@ -64,7 +85,7 @@ def main() -> None:
     for m, n in [(1024, 1024), (4096, 1024), (30000, 768)]:
         w = torch.randn(m, n) / n**0.5
         layer = layer_for(m, n)
-        eng = Engine(use_cache=False, progress=False, workers=1)
+        eng = Engine(use_cache=False, workers=1)
         t_eng, t_svd, t_lin = best_interleaved(
             [lambda: eng.one(layer, w), lambda: torch.linalg.svdvals(w), lambda: bare([w])], rounds=5)
         row(f"{m}x{n} fp32", t_eng, t_svd, t_lin)
@@ -81,8 +102,8 @@ def main() -> None:
     mats = [matrix_view(l, params[l.param].detach())[0] for l in a.layers]
     n_params = a.total_params
     with PeakSampler() as mem:  # the first engine run on this model, before anything else has grown the heap
-        Engine(use_cache=False, progress=False).run(items)
-    eng = Engine(use_cache=False, progress=False)
+        Engine(use_cache=False).run(items)
+    eng = Engine(use_cache=False)
     fns = [lambda: eng.run(items), lambda: svdvals_loop(mats), lambda: bare(mats)]
     try:
         import weightwatcher as ww
@@ -98,10 +119,10 @@ def main() -> None:
     for _ in range(2):  # a first audit fills an empty cache; the re-audits then read it (best of each)
         with tempfile.TemporaryDirectory() as cache:
             t0 = time.perf_counter()
-            Engine(cache_dir=Path(cache), progress=False).run(items)
+            Engine(cache_dir=Path(cache)).run(items)
             firsts.append(time.perf_counter() - t0)
             for _ in range(3):
-                again = Engine(cache_dir=Path(cache), progress=False)
+                again = Engine(cache_dir=Path(cache))
                 t0 = time.perf_counter()
                 again.run(items)
                 agains.append(time.perf_counter() - t0)

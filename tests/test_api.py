@@ -28,19 +28,38 @@ def _model() -> nn.Module:
 
 
 def test_the_plain_result_knows_no_reader_and_the_front_object_has_every_output():
-    assert [name for name in OUTPUTS if hasattr(results.Audit, name)] == []
+    assert [name for name in OUTPUTS if hasattr(results.AuditResult, name)] == []
     assert all(callable(getattr(api.Audit, name)) for name in OUTPUTS)
-    assert auditor.Audit is api.Audit and issubclass(api.Audit, results.Audit)
+    assert auditor.Audit is api.Audit and issubclass(api.Audit, results.AuditResult)
     plain = pipeline.audit(nn.Linear(8, 4), spectra=False)
-    assert type(plain) is results.Audit
+    assert type(plain) is results.AuditResult
     a = api.Audit.of(plain)
-    assert type(a) is api.Audit and api.Audit.of(a) is a and a == api.Audit.of(plain) and type(a.plain()) is results.Audit
+    assert type(a) is api.Audit and api.Audit.of(a) is a and a == api.Audit.of(plain) and type(a.plain()) is results.AuditResult
     assert a.to_json() == report.to_json(plain) and a.to_markdown() == report.to_markdown(plain)
     assert a.to_dict() == report.to_dict(plain) and a._repr_html_() == report.notebook_html(plain)
     assert a._render("md") == a.to_markdown() and a.groups()[0].size == 1 and "[ranks]" in a.emit_plan()
     moved = dataclasses.replace(a, notes=["a note"])
     assert type(moved) is api.Audit and moved.notes == ["a note"] and '"a note"' in moved.to_json()
     assert repr(a) == repr(plain) == "<Audit Linear: 36 params, 1 factorizable layers, 0 findings>"
+
+
+def test_one_audit_name_the_old_plain_name_still_imports_with_a_warning():
+    """``Audit`` names the front object only; the plain result is ``AuditResult`` in every module of auditor/, and
+    ``results.Audit`` (its old name) still resolves, with a DeprecationWarning, for code written before."""
+    import ast
+    from pathlib import Path
+
+    pkg = Path(auditor.__file__).parent
+    old = [f"{p.relative_to(pkg)}:{node.lineno}" for p in sorted(pkg.rglob("*.py"))
+           for node in ast.walk(ast.parse(p.read_text(encoding="utf-8")))
+           if (isinstance(node, ast.ImportFrom) and (node.module or "").endswith("results")
+               and any(a.name == "Audit" for a in node.names))
+           or (isinstance(node, ast.Attribute) and node.attr == "Audit" and isinstance(node.value, ast.Name)
+               and node.value.id == "results")]
+    assert old == []
+    with pytest.warns(DeprecationWarning, match="AuditResult"):
+        assert results.Audit is results.AuditResult
+    assert api.Audit.__name__ == "Audit" and results.AuditResult.__name__ == "AuditResult"
 
 
 def test_audit_and_audit_source_return_the_front_object():

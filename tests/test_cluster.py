@@ -110,7 +110,7 @@ def test_scheduler_address_string_and_progress(cluster, tmp_path, capsys):
 
 
 def test_task_larger_than_every_worker_limit_is_refused_before_it_runs(cluster, tmp_path, monkeypatch):
-    from auditor.spectra import cluster as cl
+    from auditor.spectra import dask_executor as cl
 
     lc, client = cluster
     ck = tmp_path / "ckpt"
@@ -196,7 +196,7 @@ def test_worker_killed_mid_task_is_replaced_and_the_audit_completes_identically(
 
 
 def test_cancel_leaves_no_task_on_the_cluster(cluster, tmp_path):
-    from auditor.spectra.cluster import DaskExecutor
+    from auditor.spectra.dask_executor import DaskExecutor
     from auditor.spectra.work import SpectrumTask, compute_task
 
     _, client = cluster

@@ -197,7 +197,7 @@ def test_worker_killed_mid_sweep_is_replaced_and_the_floors_are_the_same(cluster
 
 
 def test_file_url_path_map_reads_through_fsspec(cluster, tmp_path, monkeypatch):
-    from auditor.spectra import cluster as cl
+    from auditor.spectra import dask_executor as cl
 
     _, client = cluster
     ck = tmp_path / "ckpt"

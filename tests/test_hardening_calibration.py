@@ -499,8 +499,9 @@ def test_a_metric_blind_to_truncation_is_a_warning(src):
 
     m = load_source(f"{src}:model").model
     cal = load_calibration([torch.randn(8, 48) for _ in range(3)], m, 0.34)
-    Evaluator(m, cal, Metric(lambda model, batches: 1.0, 0.01, "constant"))
-    assert [w for w in cal.warnings if w.startswith("metric constant barely moves when the model is cut down")]
+    ev = Evaluator(m, cal, Metric(lambda model, batches: 1.0, 0.01, "constant"))
+    assert [w for w in ev.warnings if w.startswith("metric constant barely moves when the model is cut down")]
+    assert not cal.warnings  # returned to the caller, not written on the calibration it was handed
 
 
 def test_the_direction_check_restores_every_weight_bit_for_bit(src):
@@ -593,7 +594,7 @@ def test_connect_timeout_must_be_a_number(cli_inproc, src, monkeypatch):
     monkeypatch.setenv("LOWRANK_AUDITOR_CONNECT_TIMEOUT", "soon")
     one_line(cli_inproc(f"{src}:model", "-q", "--scheduler", "tcp://127.0.0.1:8786"), 2,
              "$LOWRANK_AUDITOR_CONNECT_TIMEOUT='soon' is not a number of seconds")
-    from auditor.spectra.cluster import DaskExecutor
+    from auditor.spectra.dask_executor import DaskExecutor
 
     with pytest.raises(AuditError, match="is not a number of seconds"):
         DaskExecutor("tcp://127.0.0.1:8786")

@@ -59,7 +59,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [(name.removeprefix("auditor.") or "
     "auditor.kinds",  # one module per layer kind and their registry
     "auditor.results",
     "auditor.calresults",
-    "auditor.speed.report",
+    "auditor.speed.measured",
     "auditor.speed.timing",
     "auditor.options",
     "auditor.config",

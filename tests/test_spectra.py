@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 import auditor
-from auditor.spectra import Engine, compute_spectra
+from auditor.spectra import compute_spectra, ref_for
 from auditor.sources.tensorref import TensorRef
 
 
@@ -84,9 +84,9 @@ def test_knife_edge_energy_falls_back_to_float64_svd():
     w = u[:, :6] @ torch.diag(s) @ v.T  # float64, so E(2) = 10/14 to rounding
     lin = nn.Linear(6, 8, bias=False).double()
     lin.weight.data = w
-    eng = Engine(targets=(10 / 14,), use_cache=False, progress=False)
-    sp = eng.one(auditor.audit(nn.Sequential(lin), spectra=False).layers[0], lin.weight)
-    assert sp.method == "svd-f64" and eng.stats.exact_fallbacks == 1
+    layer = auditor.audit(nn.Sequential(lin), spectra=False).layers[0]
+    got, stats = compute_spectra([(layer.name, ref_for(layer, lin.weight))], targets=(10 / 14,))
+    assert got[layer.name].method == "svd-f64" and stats.exact_fallbacks == 1
 
 
 @pytest.mark.parametrize("fill,reason", [(float("nan"), "non-finite"), (float("inf"), "non-finite"), (0.0, "all-zero")])
@@ -278,10 +278,10 @@ def test_eigensolver_failure_falls_back_to_float64_svd(monkeypatch):
     monkeypatch.setattr(backend, "eig_svdvals", fail)
     lin = nn.Linear(12, 20, bias=False)
     layer = auditor.audit(nn.Sequential(lin), spectra=False).layers[0]
-    eng = Engine(use_cache=False, progress=False)
-    sp = eng.one(layer, lin.weight)
+    got, stats = compute_spectra([(layer.name, ref_for(layer, lin.weight))], targets=(0.90, 0.95, 0.99))
+    sp = got[layer.name]
     ref = np.linalg.svd(lin.weight.detach().double().numpy(), compute_uv=False)
-    assert sp.method == "svd-f64" and eng.stats.exact_fallbacks == 1
+    assert sp.method == "svd-f64" and stats.exact_fallbacks == 1
     assert np.max(np.abs(np.asarray(sp.sigma[0]) - ref)) <= 1e-12 * ref[0]
 
 

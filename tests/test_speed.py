@@ -12,9 +12,9 @@ import torch
 from torch import nn
 
 import auditor
-from auditor.speed.layers import TimeCache, Timer, bisect_break_even, rank_grid, time_break_even, time_layers
-from auditor.speed.report import LayerSpeed, ModelRun, SpeedReport, seconds
-from auditor.speed.stage import candidates, latency_plan
+from auditor.speed.layer_timing import TimeCache, Timer, bisect_break_even, rank_grid, time_break_even, time_layers
+from auditor.speed.measured import LayerSpeed, ModelRun, SpeedReport, seconds
+from auditor.speed.speed_stage import candidates, latency_plan
 from auditor.speed.timing import MIN_BLOCK_S, Timing, measure, measure_many
 
 from _speedclock import CostClock

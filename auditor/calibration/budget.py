@@ -24,6 +24,7 @@ from ..kinds.registry import SUPPORTED
 from ..surgery import count_params
 from .apply import factorize
 from ..results import Layer
+from . import metrics
 from .inputs import Calibration
 from .metric import Evaluator, Metric
 from .session import CalibrationSession
@@ -73,7 +74,7 @@ def curves_from_floors(floors: Floors, layers: dict[str, Layer] | list[Layer],
         costs = {r: metric_cost(floors.kind, floors.higher_is_better, floors.reference, v)
                  for r, v in measured.items()}
         spec = spectra.get(name) if spectra else None
-        if spec is not None and floors.kind != "user" and _gains(f.points, spec):
+        if spec is not None and metrics.for_kind(floors.kind).zero_on_dense and _gains(f.points, spec):
             useful = lrmath.max_useful_rank(layer.m, layer.n)
             for r in range(floors.align, useful + 1, floors.align):
                 if r not in costs:
@@ -85,12 +86,9 @@ def curves_from_floors(floors: Floors, layers: dict[str, Layer] | list[Layer],
 
 
 def metric_cost(kind: str, higher_is_better: bool, reference: float, value: float) -> float:
-    """What a planner adds up for one measured value: the squared value of a built-in metric (relative errors,
-    the perplexity increase and the KL combine roughly in quadrature), or how far a user metric moved the wrong way
-    from the dense value, in its units."""
-    if kind != "user":
-        return value * value
-    return max(0.0, reference - value) if higher_is_better else max(0.0, value - reference)
+    """What a planner adds up for one measured value: the metric kind's cost (:meth:`MetricKind.cost`: the squared
+    value of a metric that is zero on the dense model, or how far it moved the wrong way from the dense value)."""
+    return metrics.for_kind(kind).cost(value, reference, higher_is_better)
 
 
 def _gains(points: list[tuple[int, float]], spec: WhitenedSpectrum) -> list[tuple[int, float]]:
@@ -328,7 +326,7 @@ def _search(model: nn.Module, ev: Evaluator, curves: Curves, named: dict[str, La
             raise AuditError(f"budget {budget} is not a fraction in (0, 1)", "Give e.g. --budget 0.3")
         start = min(max(budget * total - fixed_saved, 0.0), float(max_saved))
     else:
-        cap = metric.tolerance if metric.kind == "user" or curves.linear else metric.tolerance ** 2
+        cap = metric.tolerance if curves.linear else metric.tolerance_cost
         lo, hi = 0.0, float(max_saved)  # the largest target whose predicted cost fits the cap
         for _ in range(60):
             mid = (lo + hi) / 2

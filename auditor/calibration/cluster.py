@@ -37,7 +37,7 @@ from typing import TYPE_CHECKING, Any, Callable
 from distributed.diagnostics.plugin import WorkerPlugin
 
 from ..errors import AuditError
-from ..spectra.cluster import DaskExecutor, executor_for, is_url, map_path
+from ..spectra.dask_executor import DaskExecutor, executor_for, is_url, map_path
 
 if TYPE_CHECKING:
     from torch import nn

@@ -42,7 +42,7 @@ from .. import lrmath
 from ..errors import AuditError, first_line
 from ..results import Kind, Layer
 from .inputs import Batch, Calibration, eval_mode, model_device
-from .metric import Metric, _masked_logprobs, _next_token_logprobs, _row_mask, main_output
+from .metric import Metric, _row_mask, main_output
 from .stats import InputStatistics, LayerInput, _module_path, by_name
 from .whiten import DAMP, WhitenedSpectrum, function_matrices
 
@@ -85,7 +85,7 @@ def output_gradients(model: nn.Module, layers: dict[str, Layer] | list[Layer], c
     """One forward and ``samples`` backward passes per fit batch, gradient hooks on every supported layer's output
     (rows with ``attention_mask`` 0 left out, as in the statistics). The model runs where it is, in eval mode; no
     parameter's ``requires_grad`` or ``.grad`` is touched (the graph starts at the hooked outputs)."""
-    if metric.kind == "user":
+    if not metric.spec.gradient:
         raise AuditError("gradient sensitivity needs a built-in metric", "Use --probe with a user metric")
     t0 = time.perf_counter()
     named = by_name(layers)
@@ -105,7 +105,7 @@ def output_gradients(model: nn.Module, layers: dict[str, Layer] | list[Layer], c
     second: dict[str, np.ndarray] = {}
     count: dict[str, int] = {}
     carried = {n: _out_in(named[n])[0] > _out_in(named[n])[1] for ns in hooked.values() for n in ns}
-    likelihood = metric.kind in ("perplexity", "kl", "masked")
+    likelihood = metric.spec.gradient == "likelihood"
     gen = torch.Generator().manual_seed(seed)
     device = model_device(model)
     captured: list[tuple[str, torch.Tensor]] = []
@@ -139,7 +139,7 @@ def output_gradients(model: nn.Module, layers: dict[str, Layer] | list[Layer], c
                                      f"{first_line(exc)}", "Give every batch the inputs the model takes") from None
                 keep = _row_mask(b)
                 if likelihood:
-                    logp, _ = (_masked_logprobs if metric.kind == "masked" else _next_token_logprobs)(y, b)
+                    logp, _ = metric.spec.logprobs(y, b)
                     scored += int(logp.shape[0])
                     probs = logp.detach().exp().cpu()
                 else:

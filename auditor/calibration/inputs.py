@@ -360,10 +360,23 @@ def _read_batches(items: Iterable[Any], where: str, max_rows: int | None, max_by
     return out
 
 
+@dataclass(frozen=True)
+class Reading:
+    """How a calibration source is read: rows per batch of a tensor file, whether the first batch (and the first of
+    each other shape) runs through the forward, the tokenizer and window length of a text file, and the caps on
+    rows and bytes read (None: no cap)."""
+
+    batch_size: int = 32
+    check_forward: bool = True
+    tokenizer: str | Path | None = None
+    length: int | None = None
+    max_rows: int | None = MAX_ROWS
+    max_bytes: int | None = MAX_BYTES
+
+
 def load_calibration(source: Any, model: nn.Module | None = None, holdout: Any = 0.25,
                      batch_size: int = 32, check_forward: bool = True, *, tokenizer: str | Path | None = None,
-                     length: int | None = None, max_rows: int | None = MAX_ROWS,
-                     max_bytes: int | None = MAX_BYTES) -> Calibration:
+                     length: int | None = None, **caps: int | None) -> Calibration:
     """Load calibration batches and split off the held-out part.
 
     ``source``: a path (``.safetensors``, ``.pt``/``.pth``/``.bin``), ``file.py:fn`` or ``module:fn``, a dict of
@@ -371,79 +384,40 @@ def load_calibration(source: Any, model: nn.Module | None = None, holdout: Any =
     a second source of the same kinds that is held out whole. Every batch, fit and held out, is checked against the
     first (:func:`check_batches`: structure, dtypes, token ids, masks); with ``model`` the names are checked against
     its forward and the first batch (and the first of each other shape) is run once, so inputs that do not fit fail
-    here with one line (an ``AuditError``) naming the batch. ``max_rows`` and ``max_bytes`` cap what is read (a
-    file's size, a text file's size, the tensors a function yields; None: no cap).
+    here with one line (an ``AuditError``) naming the batch. ``caps``: ``max_rows`` and ``max_bytes`` cap what is
+    read (a file's size, a text file's size, the tensors a function yields; None: no cap; default
+    :data:`MAX_ROWS`, :data:`MAX_BYTES`).
     A text file (:func:`auditor.calibration.text.is_text_file`) is tokenized with the tokenizer in the directory
     ``tokenizer`` into windows of ``length`` tokens (default: the model's positions, at most 512); the digest then
     covers the tokenizer's files too.
     """
-    cal = _load(source, model, holdout, batch_size, check_forward, tokenizer, length, max_rows, max_bytes)
+    unknown = sorted(set(caps) - {"max_rows", "max_bytes"})
+    if unknown:
+        raise TypeError(f"load_calibration() got an unexpected keyword argument {unknown[0]!r}")
+    reading = Reading(batch_size, check_forward, tokenizer, length, **caps)
+    cal = _load(source, model, holdout, reading)
     check_batches(cal, model, probe=check_forward)
     return cal
 
 
-def _load(source: Any, model: nn.Module | None, holdout: Any, batch_size: int, check_forward: bool,
-          tokenizer: str | Path | None, length: int | None, max_rows: int | None,
-          max_bytes: int | None) -> Calibration:
+def _share(holdout: Any) -> Any:
+    """--holdout 0.25 as given on the command line (a string) read as a number; anything else as it is."""
     if isinstance(holdout, str):
         try:
-            holdout = float(holdout)  # --holdout 0.25 as given on the command line
+            return float(holdout)
         except ValueError:
             pass
+    return holdout
+
+
+def _load(source: Any, model: nn.Module | None, holdout: Any, reading: Reading) -> Calibration:
+    holdout = _share(holdout)
     if not isinstance(holdout, (int, float)) or isinstance(holdout, bool):
-        fit = _load(source, model, 0.0, batch_size, check_forward, tokenizer, length, max_rows, max_bytes)
-        try:
-            held = _load(holdout, model, 0.0, batch_size, check_forward, tokenizer, length, max_rows, max_bytes)
-        except AuditError as exc:  # the same checks, said of the held-out source
-            raise AuditError(exc.what.replace("calibration file", "held-out file", 1),
-                             exc.fix.replace("--calibration", "--holdout")) from None
-        if max_rows is not None and fit.fit_rows + held.fit_rows > max_rows:
-            raise AuditError(f"the calibration and held-out sources hold {fit.fit_rows + held.fit_rows:,} rows, more "
-                             f"than the cap of {max_rows:,}", "Give fewer rows, or raise the cap with "
-                             f"--calibration-max-rows {fit.fit_rows + held.fit_rows}")
-        tokenized = "; ".join(f"{what}: {c.tokenized}" for what, c in (("fit", fit), ("held out", held))
-                              if c.tokenized)
-        return Calibration(fit.fit, held.fit, f"{fit.source} (held out: {held.source})",
-                           hashlib.sha256((fit.digest + held.digest).encode()).hexdigest(),
-                           fit.warnings + [w for w in held.warnings if w not in fit.warnings], tokenized)
+        return _load_pair(source, holdout, model, reading)
     if not 0 <= holdout < 1:
         raise AuditError(f"held-out share {holdout} is not in [0, 1)", "Give e.g. --holdout 0.25")
     where = str(source) if isinstance(source, (str, Path)) else "<batches>"
-    split: tuple[list[Batch], list[Batch]] | None = None
-    text_in = None
-    if is_text_source(source):
-        names, _ = _forward_names(model)
-        text_in = text_inputs(Path(source), tokenizer, model, length, attention_mask="attention_mask" in names,
-                              max_bytes=max_bytes)
-        windows = int(text_in.tensors["input_ids"].shape[0])
-        if holdout > 0 and windows < 2:
-            raise AuditError(f"calibration text {where} gives one window of {text_in.window} tokens, so nothing can "
-                             f"be held out of it (--holdout {holdout:g})", "Give a longer text, a shorter window "
-                             "with --calibration-length N, a second file with --holdout FILE, or --holdout 0")
-        split = _batches_from_tensors(text_in.tensors, model, batch_size, where, holdout, max_rows, "windows")
-    elif length is not None:
-        raise AuditError(f"a calibration window length applies to a text file; {where} is not one",
-                         "Drop --calibration-length, or give a text file")
-    elif isinstance(source, (str, Path)):
-        text = str(source)
-        path = Path(text)
-        if ":" in path.name and not path.exists():
-            fn = _import_fn(text)
-            from ..sources.factory import _run_user_code
-
-            items = _run_user_code(fn, f"calibration function {text}()", "raised",
-                                   "Fix the function that yields batches",
-                                   "Return (or yield) the batches instead of exiting")
-            if not isinstance(items, Iterable) or isinstance(items, (str, bytes, torch.Tensor, dict)):
-                raise AuditError(f"{text}() returned {type(items).__name__}, not batches",
-                                 "Return (or yield) a list of tensors, tuples of positional inputs, or dicts")
-            batches = _read_batches(items, text, max_rows, max_bytes, user=text)
-        else:
-            split = _batches_from_tensors(_read_file(path, max_bytes), model, batch_size, text, holdout, max_rows)
-    elif isinstance(source, dict):
-        split = _batches_from_tensors(dict(source), model, batch_size, where, holdout, max_rows)
-    else:
-        batches = _read_batches(source, where, max_rows, max_bytes)
+    batches, split, text_in = _read_source(source, model, holdout, reading, where)
     if split is not None:
         batches = split[0] + split[1]
     if not batches:
@@ -454,7 +428,7 @@ def _load(source: Any, model: nn.Module | None, holdout: Any, batch_size: int, c
     if text_in is not None:  # the same ids from another tokenizer are another calibration
         cal.digest = hashlib.sha256(f"{cal.digest};tokenizer:{text_in.tokenizer_digest}".encode()).hexdigest()
         cal.tokenized = text_in.description
-    if model is not None and check_forward:
+    if model is not None and reading.check_forward:
         try:
             run(model, fit[0])
         except Exception as exc:  # noqa: BLE001 - the inputs do not fit the forward
@@ -464,6 +438,78 @@ def _load(source: Any, model: nn.Module | None, holdout: Any, batch_size: int, c
     if warn:
         cal.warnings.append(warn)
     return cal
+
+
+def _load_pair(source: Any, holdout: Any, model: nn.Module | None, reading: Reading) -> Calibration:
+    """A calibration source fitted on whole and a second source held out whole."""
+    fit = _load(source, model, 0.0, reading)
+    try:
+        held = _load(holdout, model, 0.0, reading)
+    except AuditError as exc:  # the same checks, said of the held-out source
+        raise AuditError(exc.what.replace("calibration file", "held-out file", 1),
+                         exc.fix.replace("--calibration", "--holdout")) from None
+    max_rows = reading.max_rows
+    if max_rows is not None and fit.fit_rows + held.fit_rows > max_rows:
+        raise AuditError(f"the calibration and held-out sources hold {fit.fit_rows + held.fit_rows:,} rows, more "
+                         f"than the cap of {max_rows:,}", "Give fewer rows, or raise the cap with "
+                         f"--calibration-max-rows {fit.fit_rows + held.fit_rows}")
+    tokenized = "; ".join(f"{what}: {c.tokenized}" for what, c in (("fit", fit), ("held out", held))
+                          if c.tokenized)
+    return Calibration(fit.fit, held.fit, f"{fit.source} (held out: {held.source})",
+                       hashlib.sha256((fit.digest + held.digest).encode()).hexdigest(),
+                       fit.warnings + [w for w in held.warnings if w not in fit.warnings], tokenized)
+
+
+Split = tuple[list[Batch], list[Batch]]
+
+
+def _read_source(source: Any, model: nn.Module | None, holdout: float, reading: Reading,
+                 where: str) -> tuple[list[Batch], Split | None, Any]:
+    """(batches, their (fit, held-out) split where the reader cuts rows itself, the text inputs of a text file)."""
+    r = reading
+    if is_text_source(source):
+        text_in = _text(Path(source), model, holdout, reading, where)
+        split = _batches_from_tensors(text_in.tensors, model, r.batch_size, where, holdout, r.max_rows, "windows")
+        return [], split, text_in
+    if r.length is not None:
+        raise AuditError(f"a calibration window length applies to a text file; {where} is not one",
+                         "Drop --calibration-length, or give a text file")
+    if isinstance(source, (str, Path)):
+        text = str(source)
+        path = Path(text)
+        if ":" in path.name and not path.exists():
+            return _read_batches(_called(text), text, r.max_rows, r.max_bytes, user=text), None, None
+        named = _read_file(path, r.max_bytes)
+        return [], _batches_from_tensors(named, model, r.batch_size, text, holdout, r.max_rows), None
+    if isinstance(source, dict):
+        return [], _batches_from_tensors(dict(source), model, r.batch_size, where, holdout, r.max_rows), None
+    return _read_batches(source, where, r.max_rows, r.max_bytes), None, None
+
+
+def _text(path: Path, model: nn.Module | None, holdout: float, reading: Reading, where: str) -> Any:
+    """A text file tokenized into windows (:func:`~auditor.calibration.text.text_inputs`)."""
+    names, _ = _forward_names(model)
+    text_in = text_inputs(path, reading.tokenizer, model, reading.length, attention_mask="attention_mask" in names,
+                          max_bytes=reading.max_bytes)
+    windows = int(text_in.tensors["input_ids"].shape[0])
+    if holdout > 0 and windows < 2:
+        raise AuditError(f"calibration text {where} gives one window of {text_in.window} tokens, so nothing can "
+                         f"be held out of it (--holdout {holdout:g})", "Give a longer text, a shorter window "
+                         "with --calibration-length N, a second file with --holdout FILE, or --holdout 0")
+    return text_in
+
+
+def _called(text: str) -> Iterable[Any]:
+    """What the calibration function ``file.py:fn`` / ``module:fn`` returns: an iterable of batches."""
+    from ..sources.factory import _run_user_code
+
+    fn = _import_fn(text)
+    items = _run_user_code(fn, f"calibration function {text}()", "raised", "Fix the function that yields batches",
+                           "Return (or yield) the batches instead of exiting")
+    if not isinstance(items, Iterable) or isinstance(items, (str, bytes, torch.Tensor, dict)):
+        raise AuditError(f"{text}() returned {type(items).__name__}, not batches",
+                         "Return (or yield) a list of tensors, tuples of positional inputs, or dicts")
+    return items
 
 
 def _signature(b: Batch) -> tuple[Any, ...]:
@@ -552,51 +598,63 @@ def check_batches(cal: Calibration, model: nn.Module | None = None, probe: bool 
     if not labelled:
         return
     where = cal.source
-    first = _signature(labelled[0][1])
     vocab = _vocab(model)
     hf = getattr(model, "config", None) is not None
     for label, b in labelled:
-        sig = _signature(b)
-        if sig != first:
-            ref = labelled[0][1]
-            if len(b.args) != len(ref.args) or set(b.kwargs) != set(ref.kwargs):
-                have = f"{len(b.args)} positional and keywords {sorted(b.kwargs) or 'none'}"
-                want = f"{len(ref.args)} positional and keywords {sorted(ref.kwargs) or 'none'}"
-            else:
-                pairs = [(f"input {i}", x, y) for i, (x, y) in enumerate(zip(b.args, ref.args))]
-                pairs += [(k, b.kwargs[k], ref.kwargs[k]) for k in sorted(b.kwargs)]
-                name, x, y = next((n, x, y) for n, x, y in pairs if _signature(Batch((x,)))
-                                  != _signature(Batch((y,))))
-                have, want = f"{name} {_describe(x)}", f"{_describe(y)}"
-            raise AuditError(f"calibration {label} from {where} has other inputs than batch 0: {have}, where batch 0 "
-                             f"has {want}", "Give every batch the same inputs, with the same dtypes")
+        _check_structure(label, b, labelled[0][1], where)
         for name, t in b.tensors():
-            if t.numel() == 0:
-                continue
-            if vocab is not None and _token_input(name, t):
-                lo, hi = int(t.min()), int(t.max())
-                if lo < 0 or hi >= vocab:
-                    bad = lo if lo < 0 else hi
-                    raise AuditError(f"calibration input {name} in {label} from {where} holds token id {bad}, "
-                                     f"outside the model's vocabulary (0 to {vocab - 1}: its largest embedding has "
-                                     f"{vocab} rows)", "Tokenize with the model's own tokenizer")
-            if _label_input(name, t):  # token-level labels (shaped like 2-D ids) are token ids; others class ids
-                token_level = t.dim() >= 2
-                problem = token_value_problem(t, vocab if token_level else None, labels=True)
-                if problem:
-                    raise AuditError(f"calibration input {name} in {label} from {where} {problem}",
-                                     f"Give {IGNORE_INDEX} where a position is not scored and the target id elsewhere")
-            if name == "attention_mask" and t.dim() >= 1 and (hf or not t.is_floating_point()):
-                dead = (t.reshape(t.shape[0], -1) == 0).all(dim=1)
-                if bool(dead.any()):
-                    row = int(dead.nonzero()[0])
-                    whole = bool(dead.all())
-                    raise AuditError(f"calibration attention_mask in {label} from {where} is all zeros "
-                                     + ("" if whole else f"in row {row} ") + "(every position masked out): nothing "
-                                     "the model computes there is measured", "Give 1 on the real tokens and 0 on "
-                                     "padding only, and leave out rows with no tokens")
-    if model is None or not probe:
+            if t.numel() > 0:
+                _check_values(f"{name} in {label} from {where}", name, t, vocab, hf)
+    if model is not None and probe:
+        _probe_shapes(labelled, model, where)
+
+
+def _check_structure(label: str, b: Batch, ref: Batch, where: str) -> None:
+    """The batch has the first batch's inputs: positional count, keyword names, each tensor's dtype and rank."""
+    if _signature(b) == _signature(ref):
         return
+    if len(b.args) != len(ref.args) or set(b.kwargs) != set(ref.kwargs):
+        have = f"{len(b.args)} positional and keywords {sorted(b.kwargs) or 'none'}"
+        want = f"{len(ref.args)} positional and keywords {sorted(ref.kwargs) or 'none'}"
+    else:
+        pairs = [(f"input {i}", x, y) for i, (x, y) in enumerate(zip(b.args, ref.args))]
+        pairs += [(k, b.kwargs[k], ref.kwargs[k]) for k in sorted(b.kwargs)]
+        name, x, y = next((n, x, y) for n, x, y in pairs if _signature(Batch((x,)))
+                          != _signature(Batch((y,))))
+        have, want = f"{name} {_describe(x)}", f"{_describe(y)}"
+    raise AuditError(f"calibration {label} from {where} has other inputs than batch 0: {have}, where batch 0 "
+                     f"has {want}", "Give every batch the same inputs, with the same dtypes")
+
+
+def _check_values(at: str, name: str, t: torch.Tensor, vocab: int | None, hf: bool) -> None:
+    """One input's values (``at``: "input_ids in batch 3 from FILE"): token ids within the vocabulary, labels
+    scorable, no attention-mask row that masks everything."""
+    if vocab is not None and _token_input(name, t):
+        lo, hi = int(t.min()), int(t.max())
+        if lo < 0 or hi >= vocab:
+            bad = lo if lo < 0 else hi
+            raise AuditError(f"calibration input {at} holds token id {bad}, outside the model's vocabulary (0 to "
+                             f"{vocab - 1}: its largest embedding has {vocab} rows)",
+                             "Tokenize with the model's own tokenizer")
+    if _label_input(name, t):  # token-level labels (shaped like 2-D ids) are token ids; others class ids
+        token_level = t.dim() >= 2
+        problem = token_value_problem(t, vocab if token_level else None, labels=True)
+        if problem:
+            raise AuditError(f"calibration input {at} {problem}",
+                             f"Give {IGNORE_INDEX} where a position is not scored and the target id elsewhere")
+    if name == "attention_mask" and t.dim() >= 1 and (hf or not t.is_floating_point()):
+        dead = (t.reshape(t.shape[0], -1) == 0).all(dim=1)
+        if bool(dead.any()):
+            row = int(dead.nonzero()[0])
+            whole = bool(dead.all())
+            raise AuditError(f"calibration {at} is all zeros "
+                             + ("" if whole else f"in row {row} ") + "(every position masked out): nothing "
+                             "the model computes there is measured", "Give 1 on the real tokens and 0 on "
+                             "padding only, and leave out rows with no tokens")
+
+
+def _probe_shapes(labelled: list[tuple[str, Batch]], model: nn.Module, where: str) -> None:
+    """The first batch of every other shape (at most ``MAX_SHAPE_PROBES``) runs through the forward once."""
     shapes = {tuple(tuple(t.shape[1:]) for _, t in labelled[0][1].tensors())}
     tried = 0
     for label, b in labelled[1:]:
@@ -613,9 +671,3 @@ def check_batches(cal: Calibration, model: nn.Module | None = None, probe: bool 
             raise AuditError(f"calibration {label} from {where} ({sizes}; batch 0: {first_sizes}) does not fit "
                              f"{type(model).__name__}.forward: {first_line(exc)}",
                              "Give every batch the width the model takes") from None
-
-
-def as_calibration(data: Any, model: nn.Module | None = None, holdout: float = 0.25) -> Calibration:
-    """A ``Calibration`` as is, or ``load_calibration(data, model, holdout)``."""
-    return data if isinstance(data, Calibration) else load_calibration(data, model, holdout)
-

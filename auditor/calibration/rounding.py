@@ -57,8 +57,7 @@ def rounding_floor(model: "nn.Module", layers: list[Layer], session: "Calibratio
         new = factorize(model, plan, session, layers={l.name: l for l in layers})
         m = ev.measure(new)
     metric = session.metric
-    used = m.value if metric.kind != "user" else (
-        ev.reference - m.value if metric.higher_is_better else m.value - ev.reference)
+    used = metric.used(m.value, ev.reference)
     return RoundingFloor(dtype=dtype, layers=len(plan), metric=m.value, used=used, tolerance=metric.tolerance,
                          top1=m.top1, ranks=plan)
 

@@ -252,7 +252,8 @@ def metric_of(options: "AuditOptions", model: nn.Module | None = None, cal: Cali
     "output-error", ``file.py:fn`` / ``module:fn``, a function, or a ``Metric``; None follows the model: perplexity
     for a causal LM (:func:`is_causal_lm`, probed on the first held-out batch of ``cal``), the masked-token
     perplexity for a masked LM (:func:`is_masked_lm`), the relative output error otherwise."""
-    from .metric import NAMES, is_causal_lm, is_masked_lm
+    from .metric import is_causal_lm, is_masked_lm
+    from .metrics import for_name
 
     fn = options.metric
     if isinstance(fn, Metric):
@@ -262,8 +263,8 @@ def metric_of(options: "AuditOptions", model: nn.Module | None = None, cal: Cali
         causal = model is not None and is_causal_lm(model, batch)
         m = Metric(kind="perplexity" if causal else "masked" if model is not None and is_masked_lm(model)
                    else "output")
-    elif isinstance(fn, str) and fn.strip().lower() in NAMES:
-        m = Metric(kind=NAMES[fn.strip().lower()])
+    elif isinstance(fn, str) and for_name(fn) is not None:
+        m = Metric(kind=for_name(fn))
     elif isinstance(fn, str):
         m = Metric(fn=load_metric(fn), name=fn.rpartition(":")[2])
     else:
@@ -339,7 +340,8 @@ class CalibrationSession:
                                max_bytes=options.calibration_max_bytes)
         session = cls(model, cal, metric_of(options, model, cal), layers=layers, options=options)
         # a user metric fn(model, batches) may line its own labels up with every held-out row: never cut
-        session.split = bool(cal.holdout) and session.metric.kind != "user" and bool(getattr(options, "split", True))
+        session.split = (bool(cal.holdout) and session.metric.spec.verified_by_rows
+                         and bool(getattr(options, "split", True)))
         session.confidence = float(getattr(options, "confidence", 0.9))
         return session
 
@@ -439,6 +441,8 @@ class CalibrationSession:
         if self._evaluator is None:
             with self.measuring():
                 self._evaluator = Evaluator(self.model, self.search_calibration, self.metric)
+            warnings = self.calibration.warnings
+            warnings += [w for w in self._evaluator.warnings if w not in warnings]
         return self._evaluator
 
     @property

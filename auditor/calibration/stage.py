@@ -40,7 +40,7 @@ if TYPE_CHECKING:
     from ..config import Settings
     from ..options import AuditOptions
     from ..progress import Progress
-    from ..results import Audit, Spectrum
+    from ..results import AuditResult, Spectrum
 
 SYNTHETIC_MARK = "looks like token ids drawn uniformly at random"
 
@@ -147,11 +147,8 @@ def calibrate(model: nn.Module, layers: list[Layer], settings: "Settings", optio
         with progress.phase("calibration data"):
             session = CalibrationSession.from_options(model, layers, options)
             cal, metric = session.calibration, session.metric
-            if metric.kind == "user" and not metric.higher_is_better:  # the report reads a user metric so
-                raise AuditError(f"metric {metric.label} is declared lower-is-better; the audit's reports read a "
-                                 "user metric as higher-is-better", "Return the negative (e.g. -loss) from the "
-                                 "metric, or measure with the library calls (measure_floors, plan_for_budget)")
-        target = metric.tolerance if metric.output_error else 0.01
+            metric.check_reportable()
+        target = metric.tier1_target
         with progress.phase("statistics", total=len(cal.fit), unit="batch"):  # and tier 1, block by block
             stats = session.statistics(progress=progress, spectra=(settings.align, target))
             cached = session.cached
@@ -197,7 +194,7 @@ def calibrate(model: nn.Module, layers: list[Layer], settings: "Settings", optio
         fixed = _fixed_ranks(layers, suggestions or {}, {l.name for l in planned}, per, settings)
         probes = None
         gradients = None
-        if floors is None and options.probe_sensitivity and not options.probe and metric.kind != "user" and planned:
+        if floors is None and options.probe_sensitivity and not options.probe and metric.spec.gradient and planned:
             from .fisher import gradient_sensitivity
 
             t_grad = time.perf_counter()
@@ -212,7 +209,7 @@ def calibrate(model: nn.Module, layers: list[Layer], settings: "Settings", optio
                 if name in per:
                     per[name].predicted = [(r, predicted_value(c[r], gradients.linear)) for r, _ in per[name].curve
                                            if r < len(c)]
-        if floors is None and options.probe_sensitivity and options.probe and metric.kind != "user" and planned:
+        if floors is None and options.probe_sensitivity and options.probe and metric.spec.zero_on_dense and planned:
             from .sweep import probe_sensitivity
 
             t_probe = time.perf_counter()
@@ -288,7 +285,8 @@ def calibrate(model: nn.Module, layers: list[Layer], settings: "Settings", optio
             synthetic=any(SYNTHETIC_MARK in w for w in cal.warnings), measured_floors=floors is not None,
             budget=budget, suggestions_from="measured floors" if floors is not None else "calibration",
             statistics_cached=cached, seconds=seconds, evaluations=evaluations, rounding_floor=rounding,
-            compute_dtype=options.compute_dtype)
+            compute_dtype=options.compute_dtype, tier1_target=target,
+            increase_of=metric.spec.increase_of)
         return Calibrated(report, session, spectra, sweep_where, gradients, reuse)
     finally:
         model.train(was_training)
@@ -413,7 +411,7 @@ def _evidence(lc: LayerCalibration, report: CalibrationReport) -> str:
 
 
 @one_blas_thread
-def check_plan(cal: Calibrated, model: nn.Module, audit: "Audit") -> CalibrationReport:
+def check_plan(cal: Calibrated, model: nn.Module, audit: "AuditResult") -> CalibrationReport:
     """The reviewed plan (or the suggested ranks) factorized all at once with whitened initialisation and measured on
     the held-out part: the model-level metric beside the tier-1 prediction sqrt(sum e_l^2)."""
     from ..kinds.registry import SUPPORTED

@@ -507,7 +507,7 @@ class Sweeper:
                 evaluate(i)
         else:
             spec = self.spectra.get(name)
-            target = metric.tolerance if metric.output_error else 0.01
+            target = metric.tier1_target
             i = _tier1_index(grid, spec, align, target)
             start = grid[i]
             guide = spec if metric.output_error else None

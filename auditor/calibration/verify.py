@@ -8,8 +8,8 @@ squared norm; the cross-entropy and its positions for the model and the dense mo
 the interval is the draws' central ``confidence`` share (percentiles). A plan holds when the interval's upper end is
 within the tolerance, misses when its lower end is beyond it, and straddles it otherwise.
 
-A user metric ``fn(model, batches)`` scores all batches at once, so it gets its value on the verification rows and no
-interval.
+The per-row sums are the metric kind's (:class:`~auditor.calibration.metrics.RowScorer`); a metric scored all
+batches at once (a user metric ``fn(model, batches)``) gets its value on the verification rows and no interval.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from torch import nn
 
 from ..calresults import Verification
 from .inputs import Batch, Calibration, model_device
-from .metric import Evaluator, Metric, _check_targets, _masked_targets, _row_mask, _targets, main_output
+from .metric import Evaluator, Metric
 
 SEARCH_SHARE = 0.5  # of the held-out rows, for the search; the rest verify
 RESAMPLES = 2000
@@ -70,15 +70,6 @@ def with_holdout(cal: Calibration, batches: list[Batch]) -> Calibration:
     return replace(cal, holdout=batches, warnings=cal.warnings)
 
 
-def _per_row(y: torch.Tensor, b: Batch, fn: Any) -> torch.Tensor:
-    """Per-row sums of fn(y) over every dimension but the first, positions with ``attention_mask`` 0 left out."""
-    v = fn(y)
-    keep = _row_mask(b)
-    if keep is not None and v.dim() >= 2 and tuple(v.shape[:2]) == tuple(keep.shape):
-        v = v * keep.reshape(*keep.shape, *([1] * (v.dim() - 2))).to(v.dtype)
-    return v.reshape(v.shape[0], -1).sum(1)
-
-
 class Verifier:
     """Measures models on the verification rows, row by row, against the dense model's per-row sums."""
 
@@ -91,90 +82,29 @@ class Verifier:
         self.batches = [b.to(device) for b in batches]
         self.rows = sum(b.rows for b in self.batches)
         self.evaluations = 0
-        self._dense = None
-        self._ref: list[torch.Tensor] = []
-        self.reference = 0.0
-        kind = metric.kind
+        self._at_once: Evaluator | None = None
         with torch.no_grad():
-            if kind == "output":
-                self._ref = [main_output(dense(*b.args, **b.kwargs)).detach() for b in self.batches]
-                self._den = np.concatenate([_per_row(r.double(), b, lambda t: t.pow(2)).cpu().numpy()
-                                            for r, b in zip(self._ref, self.batches)])
-            elif kind in ("perplexity", "masked"):
-                nll, cnt = self._nll(dense)
-                self._ref_nll, self._cnt = nll, cnt
-                self.reference = math.exp(nll.sum() / cnt.sum()) if cnt.sum() > 0 else math.nan
-            elif kind == "kl":
-                import copy
-
-                self._dense = copy.deepcopy(dense).eval()
-                for p in self._dense.parameters():
-                    p.requires_grad_(False)
-            else:
-                self._user = Evaluator(dense, Calibration([], list(batches)), metric)
-                self.reference = self._user.reference
-
-    def _nll(self, model: nn.Module) -> tuple[np.ndarray, np.ndarray]:
-        """Per-row summed next-token (or masked-token) cross-entropy and scored positions."""
-        nll, cnt = [], []
-        for i, b in enumerate(self.batches):
-            y = main_output(model(*b.args, **b.kwargs))
-            _check_targets(b, y.shape[-1], "masked-token" if self.metric.kind == "masked" else "next-token", i)
-            if self.metric.kind == "masked":
-                tgt, keep, _ = _masked_targets(b)
-                logits = y
-            else:
-                tgt, keep = _targets(b)
-                logits = y[:, :-1]
-            logp = torch.log_softmax(logits.float(), dim=-1)
-            tok = -logp.gather(-1, tgt.unsqueeze(-1)).squeeze(-1).double()
-            nll.append((tok * keep).sum(1).cpu().numpy())
-            cnt.append(keep.sum(1).double().cpu().numpy())
-        return np.concatenate(nll), np.concatenate(cnt)
+            if metric.spec.verified_by_rows:  # summed row by row: resampled for the interval
+                self._rows: Any = metric.spec.row_scorer(dense, self.batches)
+                self.reference = self._rows.reference
+            else:  # scored all at once: its value on these rows, no interval
+                self._rows = None
+                self._at_once = Evaluator(dense, Calibration([], list(batches)), metric)
+                self.reference = self._at_once.reference
 
     def _sums(self, model: nn.Module) -> tuple[np.ndarray, ...]:
-        kind = self.metric.kind
         with torch.no_grad():
-            if kind == "output":
-                num = np.concatenate([
-                    _per_row((main_output(model(*b.args, **b.kwargs)).double() - r.double()), b,
-                             lambda t: t.pow(2)).cpu().numpy() for b, r in zip(self.batches, self._ref)])
-                return num, self._den
-            if kind in ("perplexity", "masked"):
-                nll, cnt = self._nll(model)
-                return nll, self._ref_nll, cnt
-            kl, cnt = [], []
-            for b in self.batches:
-                tgt, keep = _targets(b)
-                p = torch.log_softmax(main_output(self._dense(*b.args, **b.kwargs))[:, :-1].float(), -1)
-                q = torch.log_softmax(main_output(model(*b.args, **b.kwargs))[:, :-1].float(), -1)
-                k = (p.exp() * (p - q)).sum(-1).double()
-                kl.append((k * keep).sum(1).cpu().numpy())
-                cnt.append(keep.sum(1).double().cpu().numpy())
-            return np.concatenate(kl), np.concatenate(cnt)
+            return self._rows.sums(model)
 
     def _value(self, sums: tuple[np.ndarray, ...], idx: Any = slice(None)) -> float:
-        kind = self.metric.kind
-        if kind == "output":
-            num, den = sums
-            d = float(den[idx].sum())
-            return math.sqrt(float(num[idx].sum()) / d) if d > 0 else math.sqrt(float(num[idx].sum()))
-        if kind in ("perplexity", "masked"):
-            nll, ref, cnt = sums
-            c = float(cnt[idx].sum())
-            if c <= 0:
-                return math.nan
-            return math.expm1((float(nll[idx].sum()) - float(ref[idx].sum())) / c)
-        kl, cnt = sums
-        c = float(cnt[idx].sum())
-        return float(kl[idx].sum()) / c if c > 0 else math.nan
+        return self._rows.value(sums, idx)
 
     def measure(self, model: nn.Module) -> Verification:
         """The metric on every verification row, with the bootstrap interval over rows at ``confidence``."""
         self.evaluations += 1
         tol = self.metric.tolerance
-        if self.metric.kind == "user":
-            m = self._user.measure(model)
+        if self._at_once is not None:
+            m = self._at_once.measure(model)
             return Verification(m.value, None, None, self.confidence, self.rows, m.ok, False, self._needed(None))
         sums = self._sums(model)
         value = self._value(sums)
@@ -192,7 +122,7 @@ class Verifier:
         needed = (self._needed(None if hi is None else (hi - lo) / 2, value if straddles else None)
                   if math.isfinite(value) else None)
         return Verification(value, lo, hi, self.confidence, self.rows, ok, straddles, needed,
-                            reference=self.reference if self.metric.kind in ("perplexity", "masked") else None)
+                            reference=self._rows.baseline)
 
     def _needed(self, half: float | None, straddling: float | None = None) -> int | None:
         """Verification rows that would resolve the tolerance, when these do not (None when they do, or nothing
@@ -200,7 +130,7 @@ class Verifier:
         it, at most the value's distance from it (the interval shrinks as one over the square root of the rows)."""
         tol = self.metric.tolerance
         if half is None:
-            return None if self.metric.kind == "user" else max(MIN_ROWS, 2 * self.rows)
+            return None if self._rows is None else max(MIN_ROWS, 2 * self.rows)
         want = RESOLVE * tol
         if straddling is not None and straddling != tol:
             want = min(want, abs(straddling - tol))

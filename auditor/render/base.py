@@ -13,7 +13,7 @@ from typing import IO, TYPE_CHECKING, Any, Iterator, Protocol, runtime_checkable
 
 if TYPE_CHECKING:
     from ..baseline import BaselineDiff
-    from ..results import Audit
+    from ..results import AuditResult
 
 
 @dataclass(frozen=True)
@@ -52,7 +52,7 @@ class Reporter(Protocol):
     binary: bool
     stdout: Stdout  # whether it may go to stdout, and when (:class:`Stdout`)
 
-    def render(self, audit: "Audit", context: RenderContext) -> str | bytes: ...
+    def render(self, audit: "AuditResult", context: RenderContext) -> str | bytes: ...
 
 
 @contextmanager

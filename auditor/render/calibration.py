@@ -16,13 +16,13 @@ from .view import pct
 
 if TYPE_CHECKING:
     from ..calresults import CalibrationReport
-    from ..results import Audit
+    from ..results import AuditResult
     from .layer_charts import FloorChart, FrontierChart
 
 FINETUNE = "A recovery fine-tune follows factorization: these numbers are before it."
 
 
-def measured_points(audit: "Audit") -> dict[str, list[tuple[int, float]]] | None:
+def measured_points(audit: "AuditResult") -> dict[str, list[tuple[int, float]]] | None:
     """Per layer, the tier-2 (rank, metric) points for the layer pages' ``measured`` hook; None without them."""
     cal = audit.calibration
     pts = cal.measured_points() if cal is not None else {}
@@ -60,7 +60,7 @@ def basis(cal: "CalibrationReport") -> str:
                "beside its input statistics, one backward pass")
     if b is None:
         return ("Suggested ranks: the data-aware rank for "
-                f"{100 * (cal.tolerance if not cal.higher_is_better else 0.01):g}% layer-output error on the "
+                f"{100 * cal.tier1_target:g}% layer-output error on the "
                 "calibration data (weight energy only where calibration did not reach a layer).")
     cap = f", at most {100 * b.budget:g}% of the parameters removed" if b.budget is not None else ""
     fixed = (f"; {len(b.fixed)} layer(s) calibration did not rank keep their weight-energy rank and are in every "
@@ -70,7 +70,7 @@ def basis(cal: "CalibrationReport") -> str:
             f"tier-1 ranks are evidence, not the plan{fixed}.")
 
 
-def suggested_plan_note(audit: "Audit") -> str:
+def suggested_plan_note(audit: "AuditResult") -> str:
     """Where the suggested ranks come from, in one sentence for the plan section of every report."""
     cal = audit.calibration
     if cal is not None:
@@ -138,7 +138,7 @@ class CalRow:
 ABOVE_BE = "> b-e"  # evidence past break-even: the layer-output error needs a rank that saves nothing
 
 
-def plan_ranks(audit: "Audit") -> dict[str, int]:
+def plan_ranks(audit: "AuditResult") -> dict[str, int]:
     """The reviewed plan's rank per layer (the suggested plan, or the one given) where it factorizes the layer; a
     layer the plan leaves dense, or plans at a rank that saves nothing, is absent."""
     from ..results import PlanVerdict
@@ -274,7 +274,7 @@ class CheckCard:
     status: str  # "ok" | "bad" | "unknown"
 
 
-def check_card(audit: "Audit") -> CheckCard | None:
+def check_card(audit: "AuditResult") -> CheckCard | None:
     """The summary card of the reviewed plan's all-at-once measurement; None without calibration or a plan."""
     cal = audit.calibration
     rv = audit.review
@@ -354,7 +354,7 @@ def md_tolerance(cal: "CalibrationReport") -> str:
     return f"{cal.tolerance:g}" if cal.higher_is_better else percent(cal.tolerance)
 
 
-def md_card_value(audit: "Audit", card: CheckCard) -> str:
+def md_card_value(audit: "AuditResult", card: CheckCard) -> str:
     """The plan card's measurement in the Markdown's units ("0.58% \u2264 1.0%"); ``card.value`` when unmeasured."""
     cal, pc = audit.calibration, audit.calibration.plan_check if audit.calibration is not None else None
     if cal is None or pc is None or card.status == "unknown":
@@ -389,7 +389,7 @@ def floor_legend(metric: str) -> list[tuple[str, str]]:
             ("break-even", "break-even rank"), ("floor", "measured floor")]
 
 
-def floor_data(audit: "Audit", top: int | None = None) -> "list[FloorChart]":
+def floor_data(audit: "AuditResult", top: int | None = None) -> "list[FloorChart]":
     """A chart's data (:func:`auditor.render.layer_charts.floor_chart`) per calibrated layer with measured points
     (every one, attention included; ``top``: the first ``top`` only), largest first: the model-level metric with that
     layer alone truncated against its rank (log axis), the tier-1 layer-output error on its own right-hand axis,
@@ -435,7 +435,7 @@ class CalibrationView:
     floor_charts: "list[FloorChart]"
 
 
-def view(audit: "Audit") -> CalibrationView | None:
+def view(audit: "AuditResult") -> CalibrationView | None:
     """The calibration's view model; None without calibration."""
     cal = audit.calibration
     if cal is None:

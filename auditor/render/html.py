@@ -24,7 +24,7 @@ from .view import (finding_groups, human, layer_table, pct, share_pct, skipped_g
                    trace_sentence)
 
 if TYPE_CHECKING:
-    from ..results import Audit
+    from ..results import AuditResult
 
 
 def template_dir() -> Path:
@@ -110,7 +110,7 @@ def _same(s: Any, limit: int = PDF_NAME_MAX) -> Any:
 OVERVIEW_CURVES = 6
 
 
-def _share_chart(audit: "Audit", groups: list[Any]) -> str:
+def _share_chart(audit: "AuditResult", groups: list[Any]) -> str:
     from .layer_charts import data_uri, group_share_chart
 
     svg = group_share_chart([g.label for g in groups], [g.params for g in groups], audit.total_params,
@@ -118,7 +118,7 @@ def _share_chart(audit: "Audit", groups: list[Any]) -> str:
     return data_uri(svg) if svg else ""
 
 
-def _overview_chart(audit: "Audit", groups: list[Any]) -> str:
+def _overview_chart(audit: "AuditResult", groups: list[Any]) -> str:
     """Energy curves of the largest groups (a group's first member stands for it), as a ``data:`` URI ("" without)."""
     from .layer_charts import data_uri, energy_overview_chart
 
@@ -186,14 +186,14 @@ def sections(pdf: bool, findings: bool) -> list[str]:
     return order
 
 
-def _with_speed(order: list[str], audit: "Audit") -> list[str]:
+def _with_speed(order: list[str], audit: "AuditResult") -> list[str]:
     """The speed section after the calibration's, only when the speed was measured (other reports unchanged)."""
     if audit.speed is not None:
         order.insert(order.index("calibration") + 1, "speed")
     return order
 
 
-def context(audit: "Audit", ctx: RenderContext = RenderContext(), pdf: bool = False) -> dict[str, Any]:
+def context(audit: "AuditResult", ctx: RenderContext = RenderContext(), pdf: bool = False) -> dict[str, Any]:
     """The template's variables. ``pdf``: the print variant (only the top groups' pages, an appendix table of every
     layer) instead of a page per group and per layer; both show the same matplotlib SVG charts."""
     counts = audit.counts
@@ -266,11 +266,11 @@ def _pdf_cuts(rows: list[Any], groups: list[Any], plans: list[Any], skipped: lis
     }
 
 
-def render(audit: "Audit", ctx: RenderContext = RenderContext(), pdf: bool = False) -> str:
+def render(audit: "AuditResult", ctx: RenderContext = RenderContext(), pdf: bool = False) -> str:
     return _env().get_template("report.html").render(**context(audit, ctx, pdf=pdf))
 
 
-def render_compact(audit: "Audit", top: int = 10) -> str:
+def render_compact(audit: "AuditResult", top: int = 10) -> str:
     """The notebook view (``Audit._repr_html_``): summary, the top layers and the findings, no charts."""
     return _env().get_template("compact.html").render(**context(audit, RenderContext(charts=False)), top=top)
 
@@ -281,5 +281,5 @@ class HtmlReporter:
     binary = False
     stdout = Stdout.NEVER
 
-    def render(self, audit: "Audit", context: RenderContext) -> str:
+    def render(self, audit: "AuditResult", context: RenderContext) -> str:
         return render(audit, context)

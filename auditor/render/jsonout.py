@@ -11,16 +11,16 @@ from ..policy import measured, status, verdict_line
 from .base import RenderContext, Stdout
 
 if TYPE_CHECKING:
-    from ..results import Audit
+    from ..results import AuditResult
 
 FORMAT_VERSION = 1
 
 
-def _settings(audit: "Audit") -> dict[str, Any]:
+def _settings(audit: "AuditResult") -> dict[str, Any]:
     return {k: (str(v) if isinstance(v, Enum) else v) for k, v in audit.settings.as_dict().items()}
 
 
-def to_dict(audit: "Audit", with_sigma: bool = False) -> dict[str, Any]:
+def to_dict(audit: "AuditResult", with_sigma: bool = False) -> dict[str, Any]:
     g = audit.graph
     return {
         "format_version": FORMAT_VERSION,
@@ -66,7 +66,7 @@ def to_dict(audit: "Audit", with_sigma: bool = False) -> dict[str, Any]:
     }
 
 
-def baseline_block(audit: "Audit", context: RenderContext) -> dict[str, Any]:
+def baseline_block(audit: "AuditResult", context: RenderContext) -> dict[str, Any]:
     """The ``baseline`` block: the diff, plus ``rank_changes`` (layer, before, after; null = dense or absent)
     when the baseline report itself is at hand."""
     from .pages import rank_changes
@@ -86,7 +86,7 @@ class JsonReporter:
     binary = False
     stdout = Stdout.DOCUMENT
 
-    def render(self, audit: "Audit", context: RenderContext) -> str:
+    def render(self, audit: "AuditResult", context: RenderContext) -> str:
         data = to_dict(audit, with_sigma=context.with_sigma)
         if context.baseline is not None:
             data["baseline"] = baseline_block(audit, context)

@@ -28,7 +28,7 @@ from .view import factorized_count, fmt_num, human, layer_table, spectra_compute
 
 if TYPE_CHECKING:
     from ..calresults import CalibrationReport
-    from ..results import Audit
+    from ..results import AuditResult
     from .calibration import CalibrationView
 
 ICON = {Severity.ERROR: "🛑", Severity.WARNING: "⚠️", Severity.INFO: "ℹ️"}
@@ -45,7 +45,7 @@ def name(text: str, width: int = 120) -> str:
     return md_text(middle(text, width))
 
 
-def _plan_card(audit: "Audit") -> list[str]:
+def _plan_card(audit: "AuditResult") -> list[str]:
     rv = audit.review
     out = []
     if rv is not None and rv.items:
@@ -69,7 +69,7 @@ def _plan_card(audit: "Audit") -> list[str]:
     return out
 
 
-def _summary(audit: "Audit", context: RenderContext) -> list[str]:
+def _summary(audit: "AuditResult", context: RenderContext) -> list[str]:
     c = audit.counts
     out = [f"## Low-rank audit: {name(audit.model_name)}", "", f"**{md_text(verdict_head(audit))}**", ""]
     out += _plan_card(audit)
@@ -89,7 +89,7 @@ def _summary(audit: "Audit", context: RenderContext) -> list[str]:
     return out
 
 
-def _findings(audit: "Audit", room: Room) -> list[Section]:
+def _findings(audit: "AuditResult", room: Room) -> list[Section]:
     if not audit.findings:
         return []
     rows = []
@@ -112,7 +112,7 @@ def _findings(audit: "Audit", room: Room) -> list[Section]:
     return [s for s in out if s.rows]
 
 
-def _baseline(audit: "Audit", context: RenderContext, room: Room) -> Section | None:
+def _baseline(audit: "AuditResult", context: RenderContext, room: Room) -> Section | None:
     d = context.baseline
     if d is None:
         return None
@@ -127,7 +127,7 @@ def _baseline(audit: "Audit", context: RenderContext, room: Room) -> Section | N
     return fold_if(s, room, f"{len(rows):,} changes since the baseline")
 
 
-def _plan(audit: "Audit", room: Room) -> Section | None:
+def _plan(audit: "AuditResult", room: Room) -> Section | None:
     rv = audit.review
     if rv is None or not rv.items:
         return None
@@ -170,7 +170,7 @@ def _plan(audit: "Audit", room: Room) -> Section | None:
     return fold_if(s, room, f"{len(rows):,} plan rows, {len(head)} columns", columns=len(head))
 
 
-def _layers(audit: "Audit", room: Room) -> Section:
+def _layers(audit: "AuditResult", room: Room) -> Section:
     table = layer_table(audit)
     planned = table.planned
     spectra = spectra_computed(audit)
@@ -338,7 +338,7 @@ def _cal_layers(cv: "CalibrationView") -> Section | None:
                    fold=f"{len(lrows):,} calibrated layers, {len(head)} columns")
 
 
-def _calibration(audit: "Audit", room: Room) -> list[Section]:
+def _calibration(audit: "AuditResult", room: Room) -> list[Section]:
     """The calibration sections: the bullets open, the frontier open while short, the per-layer table and the
     layers without statistics folded. ``room`` is what is left of the open part."""
     cv = calibration.view(audit)
@@ -365,7 +365,7 @@ def _calibration(audit: "Audit", room: Room) -> list[Section]:
     return out
 
 
-def render(audit: "Audit", context: RenderContext = RenderContext(), cap: int = DEFAULT_CAP) -> str:
+def render(audit: "AuditResult", context: RenderContext = RenderContext(), cap: int = DEFAULT_CAP) -> str:
     """The Markdown report, at most ``cap`` UTF-16 units (default 60,000, under GitHub's 65,536)."""
     summary = "\n".join(_summary(audit, context))
     tail = (f"<sub>lowrank-auditor {md_text(str(audit.environment.get('lowrank-auditor')))} · torch "
@@ -388,5 +388,5 @@ class MarkdownReporter:
     binary = False
     stdout = Stdout.DOCUMENT
 
-    def render(self, audit: "Audit", context: RenderContext) -> str:
+    def render(self, audit: "AuditResult", context: RenderContext) -> str:
         return render(audit, context)

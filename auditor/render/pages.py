@@ -26,7 +26,7 @@ from .layer_charts import MAX_CURVES
 from .view import LayerRow, LayerTable, anchors, verdict_summary as _verdicts
 
 if TYPE_CHECKING:
-    from ..results import Audit
+    from ..results import AuditResult
 
 __all__ = ["GroupRow", "LayerPage", "PlanRow", "RankChange", "group_rows", "layer_pages", "plan_rows", "rank_changes",
            "summary_of"]
@@ -79,7 +79,7 @@ def _planned(rows: Sequence[LayerRow]) -> str:
     return text if k in (0, len(rows)) else f"{text} ({k}/{len(rows)})"
 
 
-def group_rows(audit: "Audit", table: LayerTable) -> list[GroupRow]:
+def group_rows(audit: "AuditResult", table: LayerTable) -> list[GroupRow]:
     """The table's rows grouped by block, largest group first."""
     by_name = {r.name: r for r in table.rows}
     groups = group_layers(audit.layers, audit.total_params)
@@ -129,7 +129,7 @@ class PlanRow:
     measured_error: Any = None  # that number (:class:`auditor.render.calibration.MeasuredError`), or None
 
 
-def plan_rows(audit: "Audit") -> list[PlanRow]:
+def plan_rows(audit: "AuditResult") -> list[PlanRow]:
     """The reviewed (or suggested) plan per item; ``measured`` where calibration measured the layer (its measured
     error comes before the data-free energy numbers in every report)."""
     from .calibration import measured_error
@@ -175,7 +175,7 @@ class RankChange:
         return f"{word(self.before, self.present_before)} → {word(self.after, self.present_after)}"
 
 
-def rank_changes(audit: "Audit", base: dict[str, Any] | None) -> list[RankChange]:
+def rank_changes(audit: "AuditResult", base: dict[str, Any] | None) -> list[RankChange]:
     """Each layer whose reviewed-plan rank changed since ``base`` (a JSON report, as :func:`auditor.baseline.load`
     reads it), in the current audit's layer order, then the layers only the baseline had."""
     if not base:
@@ -231,14 +231,14 @@ class LayerPage:
     chart_at: tuple[str, str] | None = None
 
 
-def _sigma_rows(audit: "Audit", name: str) -> list[np.ndarray]:
+def _sigma_rows(audit: "AuditResult", name: str) -> list[np.ndarray]:
     sp = audit.spectra.get(name)
     if sp is None or sp.sigma is None:
         return []
     return [np.asarray(g, dtype=np.float64) for g in sp.sigma]
 
 
-def _energy(audit: "Audit", name: str) -> list[np.ndarray]:
+def _energy(audit: "AuditResult", name: str) -> list[np.ndarray]:
     sp = audit.spectra.get(name)
     if sp is None or not sp.energy:
         return []
@@ -294,7 +294,7 @@ class _Measured:
         return MeasuredPanel(series, self.metric, self.tolerance, self.title or MeasuredPanel.title)
 
 
-def _measured_of(audit: "Audit", measured: dict[str, list[tuple[int, float]]] | None) -> _Measured:
+def _measured_of(audit: "AuditResult", measured: dict[str, list[tuple[int, float]]] | None) -> _Measured:
     """The points the pages draw: ``measured`` when given, else the calibration's measured floors (tier 2: the
     model's metric, judged against the tolerance), else its tier-1 layer-output error curves."""
     from .calibration import measured_points
@@ -308,7 +308,7 @@ def _measured_of(audit: "Audit", measured: dict[str, list[tuple[int, float]]] | 
             tolerance = cal.reference - cal.tolerance if cal.higher_is_better else cal.tolerance
         elif cal is not None:  # tier 1: the layer-output error curve the ranks were searched over
             measured = {k: [(r, e) for r, e in lc.curve] for k, lc in cal.layers.items() if lc.curve}
-            tolerance = cal.tolerance if not cal.higher_is_better else 0.01
+            tolerance = cal.tier1_target
             title = "layer-output error (tier 1), the layer alone"
     metric = ("layer-output error" if title else cal.metric) if cal is not None else "measured metric"
     return _Measured(measured, metric, tolerance, title)
@@ -329,7 +329,7 @@ def _page(anchor: str, title: str, rows: list[LayerRow], is_group: bool,
                      float(np.median(ea)) if ea else None, series or None)
 
 
-def _draw(audit: "Audit", p: LayerPage, measured: _Measured) -> None:
+def _draw(audit: "AuditResult", p: LayerPage, measured: _Measured) -> None:
     """The page's chart (:func:`auditor.render.layer_charts.page_chart`) as a ``data:`` URI."""
     from .layer_charts import Marks, data_uri, page_chart
 
@@ -339,7 +339,7 @@ def _draw(audit: "Audit", p: LayerPage, measured: _Measured) -> None:
     p.chart = data_uri(svg) if svg else ""
 
 
-def _chart_pages(audit: "Audit", groups: list[GroupRow], group_pages: list[LayerPage],
+def _chart_pages(audit: "AuditResult", groups: list[GroupRow], group_pages: list[LayerPage],
                  layer_pages_: list[LayerPage], measured: _Measured) -> None:
     """Charts for the table's rows first (each group, each layer in no group), largest first, then the groups'
     members while fewer than :data:`CHART_PAGES` pages have one; a member without one points to its group's."""
@@ -355,7 +355,7 @@ def _chart_pages(audit: "Audit", groups: list[GroupRow], group_pages: list[Layer
             p.chart_at = of_group[p.title]
 
 
-def layer_pages(audit: "Audit", table: LayerTable, groups: list[GroupRow], *, charts: bool = True,
+def layer_pages(audit: "AuditResult", table: LayerTable, groups: list[GroupRow], *, charts: bool = True,
                 measured: dict[str, list[tuple[int, float]]] | None = None,
                 only: set[str] | None = None) -> list[LayerPage]:
     """A page per group of two or more (first, largest first), then a page per layer (largest first);

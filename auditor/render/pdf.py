@@ -8,7 +8,7 @@ from ..errors import AuditError
 from .base import RenderContext, Stdout
 
 if TYPE_CHECKING:
-    from ..results import Audit
+    from ..results import AuditResult
 
 
 def _weasyprint():  # type: ignore[no-untyped-def]
@@ -47,7 +47,7 @@ def url_fetcher(wp: Any) -> Any:
     return fetch
 
 
-def render_pdf(audit: "Audit", ctx: RenderContext = RenderContext()) -> bytes:
+def render_pdf(audit: "AuditResult", ctx: RenderContext = RenderContext()) -> bytes:
     """The HTML report (with the same context) printed by WeasyPrint."""
     from .html import render
 
@@ -62,5 +62,5 @@ class PdfReporter:
     binary = True
     stdout = Stdout.NEVER
 
-    def render(self, audit: "Audit", context: RenderContext) -> bytes:
+    def render(self, audit: "AuditResult", context: RenderContext) -> bytes:
         return render_pdf(audit, context)

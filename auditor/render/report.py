@@ -1,4 +1,4 @@
-"""The report calls as functions of a plain :class:`auditor.results.Audit`: what ``a.to_json()``, ``a.to_html(path)``
+"""The report calls as functions of a plain :class:`auditor.results.AuditResult`: what ``a.to_json()``, ``a.to_html(path)``
 and the other output methods of :class:`auditor.api.Audit` (the object :func:`auditor.audit` returns) call.
 
 ``baseline`` is an earlier JSON report (a path or the dict); every format then shows what changed since it.
@@ -24,7 +24,7 @@ if TYPE_CHECKING:
     import pandas
 
     from ..baseline import BaselineSource
-    from ..results import Audit
+    from ..results import AuditResult
 
 __all__ = ["LAYER_ROW_FIELDS", "context", "notebook_html", "to_dict", "to_html", "to_json", "to_markdown",
            "to_pandas", "to_pdf", "to_text"]
@@ -34,7 +34,7 @@ LAYER_ROW_FIELDS = ("rank_order", "name", "kind", "module_type", "m", "n", "grou
                     "energy_at_rank", "verdict", "reason", "stable_rank", "effective_rank", "planned")
 
 
-def context(audit: "Audit", baseline: "BaselineSource | None" = None) -> RenderContext:
+def context(audit: "AuditResult", baseline: "BaselineSource | None" = None) -> RenderContext:
     """The render context: empty, or the comparison with ``baseline`` (a path or an earlier report's dict)."""
     if baseline is None:
         return RenderContext()
@@ -44,19 +44,19 @@ def context(audit: "Audit", baseline: "BaselineSource | None" = None) -> RenderC
     return RenderContext(baseline=compare(audit, base), baseline_report=base)
 
 
-def render(audit: "Audit", fmt: str, baseline: "BaselineSource | None" = None) -> str | bytes:
+def render(audit: "AuditResult", fmt: str, baseline: "BaselineSource | None" = None) -> str | bytes:
     """One format of :data:`auditor.render.REPORTERS` (``"md"``, ``"html"``, ...), nothing written."""
     return REPORTERS[fmt].render(audit, context(audit, baseline))
 
 
-def to_dict(audit: "Audit", with_sigma: bool = False) -> dict[str, Any]:
+def to_dict(audit: "AuditResult", with_sigma: bool = False) -> dict[str, Any]:
     """The JSON report as a dict (docs/schema.json); ``with_sigma`` adds every singular value."""
     from .jsonout import to_dict as as_dict
 
     return as_dict(audit, with_sigma=with_sigma)
 
 
-def to_json(audit: "Audit", with_sigma: bool = False, indent: int | None = 2,
+def to_json(audit: "AuditResult", with_sigma: bool = False, indent: int | None = 2,
             baseline: "BaselineSource | None" = None) -> str:
     """The JSON report; ``baseline`` adds a ``baseline`` block."""
     from .jsonout import baseline_block
@@ -70,18 +70,18 @@ def to_json(audit: "Audit", with_sigma: bool = False, indent: int | None = 2,
     return strict_json(data, indent=indent, sort_keys=False)
 
 
-def to_markdown(audit: "Audit", baseline: "BaselineSource | None" = None) -> str:
+def to_markdown(audit: "AuditResult", baseline: "BaselineSource | None" = None) -> str:
     """Markdown for a pull-request comment or a CI summary; ``baseline`` adds "Since the baseline"."""
     return render(audit, "md", baseline)  # type: ignore[return-value]
 
 
-def to_text(audit: "Audit", width: int = 120, baseline: "BaselineSource | None" = None) -> str:
+def to_text(audit: "AuditResult", width: int = 120, baseline: "BaselineSource | None" = None) -> str:
     """The terminal table, no line longer than ``width`` (at least 60) characters; ``width=0``: every column kept
     (the .txt report's form)."""
     return REPORTERS["text"].render(audit, replace(context(audit, baseline), width=width))  # type: ignore[return-value]
 
 
-def to_html(audit: "Audit", path: str | Path | None = None, baseline: "BaselineSource | None" = None) -> str:
+def to_html(audit: "AuditResult", path: str | Path | None = None, baseline: "BaselineSource | None" = None) -> str:
     """One self-contained HTML page, written atomically to ``path`` when given; returns the HTML."""
     text = render(audit, "html", baseline)
     if path is not None:
@@ -90,7 +90,7 @@ def to_html(audit: "Audit", path: str | Path | None = None, baseline: "BaselineS
     return text  # type: ignore[return-value]
 
 
-def to_pdf(audit: "Audit", path: str | Path, baseline: "BaselineSource | None" = None) -> Path:
+def to_pdf(audit: "AuditResult", path: str | Path, baseline: "BaselineSource | None" = None) -> Path:
     """The HTML report printed to PDF with WeasyPrint, written atomically to ``path``; returns the path. Without
     WeasyPrint and Pango it raises :class:`AuditError` saying what to install, and writes nothing."""
     data = render(audit, "pdf", baseline)
@@ -99,7 +99,7 @@ def to_pdf(audit: "Audit", path: str | Path, baseline: "BaselineSource | None" =
     return Path(path)
 
 
-def to_pandas(audit: "Audit") -> "pandas.DataFrame":
+def to_pandas(audit: "AuditResult") -> "pandas.DataFrame":
     """One row per layer indexed by its name (the layer table's columns, rank columns named after the energy targets); the rank
     columns, ``suggested``, ``planned`` and ``macs`` are nullable integers (``Int64``)."""
     try:
@@ -117,7 +117,7 @@ def to_pandas(audit: "Audit") -> "pandas.DataFrame":
     return df
 
 
-def notebook_html(audit: "Audit") -> str:
+def notebook_html(audit: "AuditResult") -> str:
     """The notebook view: summary, the top layers and the findings, styled inline."""
     from .html import render_compact
 

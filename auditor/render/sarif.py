@@ -28,7 +28,7 @@ from .base import RenderContext, Stdout
 from .safe import escape, visible
 
 if TYPE_CHECKING:
-    from ..results import Audit, Finding
+    from ..results import AuditResult, Finding
     from ..rules import Rule
 
 SARIF_SCHEMA = "https://docs.oasis-open.org/sarif/sarif/v2.1.0/errata01/os/schemas/sarif-schema-2.1.0.json"
@@ -122,7 +122,7 @@ def _factory_line(path: Path, name: str) -> int:
     return 1
 
 
-def model_source(audit: "Audit") -> Where | None:
+def model_source(audit: "AuditResult") -> Where | None:
     """The file the model came from: ``file.py:factory`` (at the factory), a checkpoint, a config file, or a Hugging
     Face folder's config.json; None for a Python object, ``torchvision:NAME`` and the like."""
     src = audit.source
@@ -144,7 +144,7 @@ def model_source(audit: "Audit") -> Where | None:
 class Locator:
     """Places findings (see the module docstring); reads the plan file once."""
 
-    def __init__(self, audit: "Audit") -> None:
+    def __init__(self, audit: "AuditResult") -> None:
         self.audit = audit
         rv = audit.review
         self.plan: Path | None = None
@@ -241,7 +241,7 @@ def _fingerprint(f: "Finding") -> str:
     return hashlib.sha256(key.encode("utf-8", "surrogatepass")).hexdigest()[:32]
 
 
-def to_sarif(audit: "Audit", root: Path | None = None) -> dict[str, Any]:
+def to_sarif(audit: "AuditResult", root: Path | None = None) -> dict[str, Any]:
     """The SARIF 2.1.0 log as a dict: one run, the rules of the findings, one result per finding."""
     from .._version import __version__
     from ..rules import RULES
@@ -302,7 +302,7 @@ class SarifReporter:
     binary = False
     stdout = Stdout.DOCUMENT
 
-    def render(self, audit: "Audit", context: RenderContext) -> str:
+    def render(self, audit: "AuditResult", context: RenderContext) -> str:
         return json.dumps(to_sarif(audit), indent=2, ensure_ascii=False) + "\n"
 
 
@@ -325,7 +325,7 @@ def escape_property(text: str) -> str:
     return escape(text, "github-property")
 
 
-def _verification(audit: "Audit") -> dict[str, Any]:
+def _verification(audit: "AuditResult") -> dict[str, Any]:
     """The plan check's verification on rows the search never read, with its interval (calibration only)."""
     cal = audit.calibration
     pc = cal.plan_check if cal is not None else None
@@ -337,7 +337,7 @@ def _verification(audit: "Audit") -> dict[str, Any]:
                              "straddles": v.straddles, "text": v.words(cal.tolerance, cal.metric)}}
 
 
-def github_annotations(audit: "Audit") -> str:
+def github_annotations(audit: "AuditResult") -> str:
     """One ``::error file=...,line=...,title=...::message`` line per finding (``::warning``, ``::notice`` by
     severity); a finding without a file carries no file or line."""
     locate = Locator(audit)
@@ -363,5 +363,5 @@ class GithubReporter:
     binary = False
     stdout = Stdout.LOG
 
-    def render(self, audit: "Audit", context: RenderContext) -> str:
+    def render(self, audit: "AuditResult", context: RenderContext) -> str:
         return github_annotations(audit)

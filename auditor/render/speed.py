@@ -9,12 +9,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from ..speed.report import SpeedReport, seconds
+from ..speed.measured import SpeedReport, seconds
 from .md_fit import Room, Section, fold_if
 from .safe import md_code, md_text
 
 if TYPE_CHECKING:
-    from ..results import Audit
+    from ..results import AuditResult
 
 
 def _batch(inputs: str) -> str:
@@ -30,7 +30,7 @@ def _batch(inputs: str) -> str:
     return "batch " + " x ".join(shape)
 
 
-def summary_line(audit: "Audit") -> str | None:
+def summary_line(audit: "AuditResult") -> str | None:
     """``size -57%, latency -31% on cpu (2 threads), batch 1 x 128``; None when the whole model was not timed."""
     sp, rv = audit.speed, audit.review
     if sp is None or sp.model is None or rv is None or not audit.total_params:
@@ -66,7 +66,7 @@ def _spread(t) -> str:  # noqa: ANN001 - a Timing
     return f"{seconds(t.median)} ±{seconds(t.iqr / 2)}"
 
 
-def rows(audit: "Audit") -> list[SpeedRow]:
+def rows(audit: "AuditResult") -> list[SpeedRow]:
     sp = audit.speed
     if sp is None:
         return []
@@ -112,7 +112,7 @@ def _model_lines(sp: SpeedReport) -> list[str]:
     return out
 
 
-def terminal(audit: "Audit") -> list[str]:
+def terminal(audit: "AuditResult") -> list[str]:
     """The speed section of the text report, as lines (nothing without a speed measurement)."""
     sp = audit.speed
     if sp is None:
@@ -137,7 +137,7 @@ def terminal(audit: "Audit") -> list[str]:
     return out
 
 
-def markdown(audit: "Audit", room: Room) -> list[Section]:
+def markdown(audit: "AuditResult", room: Room) -> list[Section]:
     """The speed section of the Markdown report (none without a speed measurement)."""
     sp = audit.speed
     if sp is None:
@@ -155,7 +155,7 @@ def markdown(audit: "Audit", room: Room) -> list[Section]:
     return [fold_if(s, room, f"{len(body):,} timed layer{'s' if len(body) != 1 else ''}", columns=len(head))]
 
 
-def html_context(audit: "Audit") -> dict | None:
+def html_context(audit: "AuditResult") -> dict | None:
     """The HTML/PDF template's ``speed`` variable (templates/_speed.html): None without a speed measurement."""
     sp = audit.speed
     if sp is None:

@@ -24,7 +24,7 @@ from .safe import middle, term
 from .view import factorized_count, fmt_num, human, layer_table, spectra_computed, trace_sentence
 
 if TYPE_CHECKING:
-    from ..results import Audit
+    from ..results import AuditResult
     from .calibration import CalibrationView
 
 MIN_WIDTH = 60
@@ -243,7 +243,7 @@ def _index_key(name: str) -> list[Any]:
     return [int(t) if t.isdigit() else t for t in re.split(r"(\d+)", name)]
 
 
-def plan_rank_lines(audit: "Audit", groups: list[GroupRow]) -> list[str]:
+def plan_rank_lines(audit: "AuditResult", groups: list[GroupRow]) -> list[str]:
     """The plan's rank of every layer, one line per block group, members in index order: "ranks:
     layers.*.fc ×4: 40, 72, 88, 104", "head: 48"; a group of one rank "layers.*.up ×4: 8"; "dense" where the plan
     leaves a member dense. Groups the plan does not touch are left out."""
@@ -276,7 +276,7 @@ class _Lines:
         self.out.extend(textwrap.wrap(text, self.width, subsequent_indent=indent, break_on_hyphens=False) or [""])
 
 
-def _head(audit: "Audit", w: _Lines) -> None:
+def _head(audit: "AuditResult", w: _Lines) -> None:
     """The model, how it was traced, its parameters and MACs, the notes."""
     w.say(f"lowrank-audit: {term(audit.model_name)}  ({term(audit.source)})")
     w.say(term(trace_sentence(audit)))
@@ -291,7 +291,7 @@ def _head(audit: "Audit", w: _Lines) -> None:
         w.say(f"note: {term(note)}", "      ")
 
 
-def _layers(audit: "Audit", w: _Lines, top: int) -> list[GroupRow]:
+def _layers(audit: "AuditResult", w: _Lines, top: int) -> list[GroupRow]:
     """The layer table (block groups, the first ``top``) and its legend lines; returns every group."""
     table = layer_table(audit)
     groups = group_rows(audit, table)
@@ -316,7 +316,7 @@ def _layers(audit: "Audit", w: _Lines, top: int) -> list[GroupRow]:
     return groups
 
 
-def _plan(audit: "Audit", w: _Lines, groups: list[GroupRow]) -> None:
+def _plan(audit: "AuditResult", w: _Lines, groups: list[GroupRow]) -> None:
     """The plan's savings, its ranks per group, the items that save nothing."""
     rv = audit.review
     if not spectra_computed(audit):
@@ -354,7 +354,7 @@ def calibration_lines(cv: "CalibrationView") -> list[str]:
     return [term(x) for x in out]  # messages may quote layer names
 
 
-def _calibration(audit: "Audit", w: _Lines) -> None:
+def _calibration(audit: "AuditResult", w: _Lines) -> None:
     """The calibration's prose, then its per-layer table (the plan's rank first, then the evidence)."""
     cv = calibration.view(audit)
     if cv is None:
@@ -369,7 +369,7 @@ def _calibration(audit: "Audit", w: _Lines) -> None:
         w.out += fit(_cal_columns(), cv.rows, w.table_width, CAL_STEPS, name_floor=12).lines(cv.rows)
 
 
-def _findings(audit: "Audit", w: _Lines) -> None:
+def _findings(audit: "AuditResult", w: _Lines) -> None:
     """Each finding with its fix and where it is (path:line, the form editors and terminals open)."""
     if not audit.findings:
         return
@@ -386,7 +386,7 @@ def _findings(audit: "Audit", w: _Lines) -> None:
             w.say(f"{'':14}at {term(_relative_path(where.path))}:{max(1, where.line)}", " " * 17)
 
 
-def _baseline(audit: "Audit", context: RenderContext, w: _Lines, top: int) -> None:
+def _baseline(audit: "AuditResult", context: RenderContext, w: _Lines, top: int) -> None:
     """What changed since the baseline: findings, layers, planned ranks (the first ``top``)."""
     d = context.baseline
     if d is None:
@@ -408,7 +408,7 @@ def _baseline(audit: "Audit", context: RenderContext, w: _Lines, top: int) -> No
         w.say(f"  ... {len(changes) - top} more rank changes")
 
 
-def render(audit: "Audit", context: RenderContext = RenderContext(), top: int = 40) -> str:
+def render(audit: "AuditResult", context: RenderContext = RenderContext(), top: int = 40) -> str:
     """The table at ``context.width`` columns; width 0 is wide (the .txt report, a CI log, a pipe): every column
     kept and every name whole, whatever the line's length, the prose wrapped at :data:`WIDE_PROSE`."""
     wide = context.width <= 0
@@ -461,5 +461,5 @@ class TextReporter:
     binary = False
     stdout = Stdout.TABLE
 
-    def render(self, audit: "Audit", context: RenderContext) -> str:
+    def render(self, audit: "AuditResult", context: RenderContext) -> str:
         return render(audit, context)

@@ -13,7 +13,7 @@ from ..groups import Members
 from ..suggest import target_key
 
 if TYPE_CHECKING:
-    from ..results import Audit, Finding
+    from ..results import AuditResult, Finding
 
 
 def rank_label(target: float) -> str:
@@ -31,7 +31,7 @@ class RankColumn:
     label: str  # "r95"
 
 
-def rank_columns(audit: "Audit") -> list[RankColumn]:
+def rank_columns(audit: "AuditResult") -> list[RankColumn]:
     return [RankColumn(t, rank_label(t)) for t in audit.settings.energy_targets]
 
 
@@ -102,7 +102,7 @@ def plan_outcome(verdict: Any) -> str:
             PlanVerdict.ABOVE_MAX_RANK: "kept dense", PlanVerdict.NO_SAVING: "kept dense"}.get(verdict, "not planned")
 
 
-def factorized_count(audit: "Audit") -> int:
+def factorized_count(audit: "AuditResult") -> int:
     """How many of the reviewed plan's layers it factorizes (a rank that saves nothing keeps the layer dense)."""
     from ..results import PlanVerdict
 
@@ -110,7 +110,7 @@ def factorized_count(audit: "Audit") -> int:
     return 0 if rv is None else sum(it.verdict in (PlanVerdict.FACTORIZE, PlanVerdict.NARROW) for it in rv.items)
 
 
-def given_plan(audit: "Audit") -> dict[str, int]:
+def given_plan(audit: "AuditResult") -> dict[str, int]:
     """The ranks of a plan the user gave, by layer ({} without one: the suggested plan is not a given plan)."""
     rv = audit.review
     if rv is None or rv.suggested:
@@ -138,7 +138,7 @@ def anchors(names: list[str], prefix: str = "layer-") -> dict[str, str]:
     return out
 
 
-def layer_table(audit: "Audit") -> LayerTable:
+def layer_table(audit: "AuditResult") -> LayerTable:
     cols = rank_columns(audit)
     planned = given_plan(audit)
     outcome = ({it.layer: plan_outcome(it.verdict) for it in audit.review.items}
@@ -170,7 +170,7 @@ def layer_table(audit: "Audit") -> LayerTable:
     return LayerTable(cols, rows, planned=rv is not None and not rv.suggested)
 
 
-def spectra_computed(audit: "Audit") -> bool:
+def spectra_computed(audit: "AuditResult") -> bool:
     """Whether any layer has singular values (False with --no-spectra, or with weights on the meta device)."""
     return any(s.sigma is not None for s in audit.spectra.values())
 
@@ -212,7 +212,7 @@ class FindingGroup:
     entries: list["Finding"]
 
 
-def finding_groups(audit: "Audit", why: Callable[[str], str]) -> list[FindingGroup]:
+def finding_groups(audit: "AuditResult", why: Callable[[str], str]) -> list[FindingGroup]:
     """Findings grouped by rule code, in the findings' order; ``why(code)`` gives the rule's explanation."""
     groups: dict[str, FindingGroup] = {}
     for f in audit.findings:
@@ -229,7 +229,7 @@ class SkippedRow:
     reason: str
 
 
-def skipped_rows(audit: "Audit") -> list[SkippedRow]:
+def skipped_rows(audit: "AuditResult") -> list[SkippedRow]:
     """Layers left out for want of a spectrum or of room (skipped, skip narrow), with the reason."""
     from ..results import Verdict
 
@@ -266,7 +266,7 @@ def _failure_clause(failure: str) -> str:
     return failure
 
 
-def trace_sentence(audit: "Audit") -> str:
+def trace_sentence(audit: "AuditResult") -> str:
     """How the layer graph was obtained, as one readable sentence for the HTML and PDF reports: tracer failures
     are said in words, their raw exceptions left to the JSON report (``trace_failures``)."""
     from ..results import TraceMethod
@@ -310,7 +310,7 @@ def verdict_summary(rows: Sequence[Any]) -> str:
     return next(iter(counts)) if len(counts) == 1 else " · ".join(f"{v} {c}" for v, c in counts.items())
 
 
-def skipped_groups(audit: "Audit", rows: list[SkippedRow] | None = None) -> list[SkippedGroup]:
+def skipped_groups(audit: "AuditResult", rows: list[SkippedRow] | None = None) -> list[SkippedGroup]:
     """The skipped layers grouped by block (:func:`auditor.groups.group_layers`), largest group first."""
     from ..groups import group_layers
 

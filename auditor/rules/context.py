@@ -13,7 +13,7 @@ from ..results import Layer, PlanItem, Spectrum, Suggestion
 if TYPE_CHECKING:
     from ..config import Setting, Settings
     from ..plan import Plan
-    from ..results import Audit
+    from ..results import AuditResult
 
 
 class LayerInfo(NamedTuple):
@@ -25,7 +25,7 @@ class LayerInfo(NamedTuple):
     planned: bool
 
 
-def _data_flow_and_chains(audit: "Audit") -> tuple[bool, list[tuple[str, str]]]:
+def _data_flow_and_chains(audit: "AuditResult") -> tuple[bool, list[tuple[str, str]]]:
     """Whether the audit's graph follows data flow, and its chained linear pairs (empty without data flow)."""
     g = audit.graph
     if g is None or not g.data_flow:
@@ -37,7 +37,7 @@ def _data_flow_and_chains(audit: "Audit") -> tuple[bool, list[tuple[str, str]]]:
 class Context:
     """The audit under review and the plan (None when the suggested ranks are reviewed)."""
 
-    audit: "Audit"
+    audit: "AuditResult"
     plan: "Plan | None" = None
 
     @property

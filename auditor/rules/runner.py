@@ -13,7 +13,7 @@ from .registry import BUILTIN_ORIGIN, Need, Rule
 
 if TYPE_CHECKING:
     from ..plan import Plan
-    from ..results import Audit
+    from ..results import AuditResult
 
 # Skips worth a note: a rule the user would expect to run. A missing plan file is the normal case (the suggested
 # ranks are reviewed), so LR005's skip is not noted.
@@ -97,7 +97,7 @@ def _run_one(r: Rule, ctx: Context) -> list[Finding]:
     return out
 
 
-def evaluate(audit: "Audit", plan: "Plan | None" = None, rules: Iterable[Rule] | None = None) -> RuleRun:
+def evaluate(audit: "AuditResult", plan: "Plan | None" = None, rules: Iterable[Rule] | None = None) -> RuleRun:
     """Run ``rules`` (default: those ``audit.settings`` selects) on the audit; see :class:`RuleRun`."""
     ctx = Context(audit, plan)
     chosen = list(rules) if rules is not None else selected(audit.settings.select, audit.settings.ignore)
@@ -112,6 +112,6 @@ def evaluate(audit: "Audit", plan: "Plan | None" = None, rules: Iterable[Rule] |
     return run
 
 
-def run_rules(audit: "Audit", plan: "Plan | None" = None) -> list[Finding]:
+def run_rules(audit: "AuditResult", plan: "Plan | None" = None) -> list[Finding]:
     """The findings of the selected rules, sorted by severity, code, layers and message."""
     return evaluate(audit, plan).findings

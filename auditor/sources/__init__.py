@@ -92,10 +92,8 @@ def load_source(
         model = _zoo(lib, name)
         notes = apply_weights(model, open_checkpoint(weights, flag=True), partial) if weights else []
         return Loaded(model, _inputs(input_shape, input_ids, float_dtype(model)), name, spec, notes)
-    if weights and (path.suffix in (".safetensors", ".bin", ".pt", ".pth") or spec.endswith(".index.json") or (
-            path.is_dir() and not (path / "config.json").is_file())):
-        raise AuditError(f"--weights applies to a model built from code or a config; {spec} is already a checkpoint",
-                         "Drop --weights, or give the factory or config.json the weights belong to")
+    if weights:
+        _check_weights_target(spec, path)
     if path.is_dir():
         if (path / "config.json").is_file():
             from .hf import load_hf
@@ -112,6 +110,25 @@ def load_source(
         from .hf import load_hf
 
         return load_hf(path, None, input_shape, input_ids, weights, structure_only, partial, auto_inputs)
+    checkpoint = _checkpoint_file(spec, path)
+    if checkpoint is not None:
+        return checkpoint
+    if ":" in spec:
+        return _factory(spec, input_shape, input_ids, weights, partial)
+    raise AuditError(f"cannot tell what kind of model source {spec!r} is", SOURCE_HELP)
+
+
+def _check_weights_target(spec: str, path: Path) -> None:
+    """--weights loads into a model built from code or a config, never into a checkpoint source."""
+    if path.suffix in (".safetensors", ".bin", ".pt", ".pth") or spec.endswith(".index.json") or (
+            path.is_dir() and not (path / "config.json").is_file()):
+        raise AuditError(f"--weights applies to a model built from code or a config; {spec} is already a checkpoint",
+                         "Drop --weights, or give the factory or config.json the weights belong to")
+
+
+def _checkpoint_file(spec: str, path: Path) -> Loaded | None:
+    """A safetensors file (or its shard index) or a ``.bin``/``.pt`` state dict as a weights-only source; None for
+    any other source."""
     if path.suffix == ".safetensors" or spec.endswith(".safetensors.index.json"):
         if not path.exists():
             raise AuditError(f"checkpoint {spec} does not exist", "Check the path")
@@ -120,9 +137,7 @@ def load_source(
         if not path.exists():
             raise AuditError(f"checkpoint {spec} does not exist", "Check the path")
         return _weights_only(WeightsOnly.from_state_dict(path), path.stem, path)
-    if ":" in spec:
-        return _factory(spec, input_shape, input_ids, weights, partial)
-    raise AuditError(f"cannot tell what kind of model source {spec!r} is", SOURCE_HELP)
+    return None
 
 
 def _weights_only(w: "WeightsOnly", name: str, path: Path) -> Loaded:

@@ -142,6 +142,22 @@ def apply_weights(model: nn.Module, ckpt: Checkpoint | None, partial: bool = Fal
     where = ckpt.where
     if not ckpt.names:
         raise AuditError(f"{where} holds no tensors", "Point at the checkpoint that holds the model's weights")
+    missing, unexpected = _copy_tensors(model, ckpt, prefix)
+    if unexpected and len(unexpected) >= len(ckpt.names):
+        raise AuditError(f"none of the tensors in {where} match the model ({_listing(sorted(unexpected), 3)})",
+                         "Use the config.json or factory that belongs to these weights")
+    notes = _missing_notes(model, where, _truly_missing(model, missing, ignore_missing), partial)
+    unexpected = {n for n in unexpected if not any(re.search(pat, n) for pat in ignore_unexpected)}
+    if unexpected:
+        notes.append(f"{len(unexpected)} tensor(s) in {where} are not part of the model and were ignored: "
+                     f"{_listing(sorted(unexpected))}.")
+    return notes
+
+
+def _copy_tensors(model: nn.Module, ckpt: Checkpoint, prefix: str) -> tuple[set[str], set[str]]:
+    """Copy the checkpoint into ``model`` a chunk of :data:`CHUNK_BYTES` at a time; returns the model's names no
+    chunk covered and the checkpoint's names the model lacks. A shape or dtype torch cannot copy is an error."""
+    where = ckpt.where
     own = {k: tuple(v.shape) for k, v in model.state_dict().items()}
     rename = _best_rename(ckpt.names, set(own), prefix)
     missing: set[str] | None = None
@@ -176,11 +192,12 @@ def apply_weights(model: nn.Module, ckpt: Checkpoint | None, partial: bool = Fal
             flush()
     if chunk or missing is None:
         flush()
-    if unexpected and len(unexpected) >= len(ckpt.names):
-        raise AuditError(f"none of the tensors in {where} match the model ({_listing(sorted(unexpected), 3)})",
-                         "Use the config.json or factory that belongs to these weights")
+    return missing or set(), unexpected
+
+
+def _missing_notes(model: nn.Module, where: str, lost: set[str], partial: bool) -> list[str]:
+    """Notes on the parameters and buffers the checkpoint lacks; lacking parameters is an error unless ``partial``."""
     notes: list[str] = []
-    lost = _truly_missing(model, missing or set(), ignore_missing)
     params = {n: p for n, p in model.named_parameters(remove_duplicate=False)}
     order = [*params, *(n for n, _ in model.named_buffers(remove_duplicate=False))]  # the model's own order
     lost_params = [n for n in order if n in lost and n in params]
@@ -197,10 +214,6 @@ def apply_weights(model: nn.Module, ckpt: Checkpoint | None, partial: bool = Fal
     if lost_buffers:
         notes.append(f"{where} lacks {len(lost_buffers)} buffer(s), which keep their initial values: "
                      f"{_listing(lost_buffers)}.")
-    unexpected = {n for n in unexpected if not any(re.search(pat, n) for pat in ignore_unexpected)}
-    if unexpected:
-        notes.append(f"{len(unexpected)} tensor(s) in {where} are not part of the model and were ignored: "
-                     f"{_listing(sorted(unexpected))}.")
     return notes
 
 

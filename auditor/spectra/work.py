@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Callable, Iterable, Sequence
 
 import numpy as np
@@ -169,6 +169,24 @@ def finish(ref: TensorRef, layer: str, r: SpectrumResult) -> Spectrum:
 Progress = Callable[[int, int], None]
 
 
+def _cache_misses(tasks: list[tuple[int, "SpectrumTask"]], executor: Executor, cache: SpectrumCache,
+                  settle: Callable[[int, "SpectrumResult"], None]) -> list[tuple[int, "SpectrumTask"]]:
+    """Every task's tensor hashed (on the executor), the cache's hits settled here; returns the misses, keyed."""
+    todo = [t for _, t in tasks]
+    keyed: list[tuple[int, SpectrumTask]] = [(0, todo[0])] * len(todo)
+    for j, key in executor.run(hash_task, todo, [t.ref.nbytes for t in todo]):
+        i, t = tasks[j]
+        keyed[j] = (i, replace(t, key=key))
+    misses: list[tuple[int, SpectrumTask]] = []
+    for i, t in keyed:
+        hit = cache.get(t.key, t.ref.groups, min(t.ref.m, t.ref.n))
+        if hit is not None:
+            settle(i, SpectrumResult(t.layer, hit, "cache", t.key))
+        else:
+            misses.append((i, t))
+    return misses
+
+
 def compute_spectra(
     items: Sequence[tuple[str, TensorRef]] | Iterable[tuple[str, TensorRef]],
     *,
@@ -207,18 +225,7 @@ def compute_spectra(
         else:
             tasks.append((i, SpectrumTask(layer, ref, tg, backend)))
     if cache is not None and tasks:
-        todo = [t for _, t in tasks]
-        keyed: list[tuple[int, SpectrumTask]] = [(0, todo[0])] * len(todo)
-        for j, key in executor.run(hash_task, todo, [t.ref.nbytes for t in todo]):
-            i, t = tasks[j]
-            keyed[j] = (i, SpectrumTask(t.layer, t.ref, tg, backend, key))
-        tasks = []
-        for i, t in keyed:
-            hit = cache.get(t.key, t.ref.groups, min(t.ref.m, t.ref.n))
-            if hit is not None:
-                settle(i, SpectrumResult(t.layer, hit, "cache", t.key))
-            else:
-                tasks.append((i, t))
+        tasks = _cache_misses(tasks, executor, cache, settle)
     work = [t for _, t in tasks]
     for j, r in executor.run(compute_task, work, [memory_need(t) for t in work]):
         if cache is not None and r.sigma is not None:

@@ -16,13 +16,13 @@ import os
 import resource
 import subprocess
 import sys
-from dataclasses import asdict
-from typing import Any
+from dataclasses import asdict, dataclass
+from typing import Any, Sequence
 
 import torch
 from torch import nn
 
-from .report import ModelRun
+from .measured import ModelRun
 from .timing import Clock, block_timer, measure
 
 TIMEOUT_S = 600.0  # one subprocess at most this long (the audit goes on without the whole-model numbers)
@@ -262,18 +262,30 @@ class _Worker:
         self.err.close()
 
 
-def measure_subprocesses(source: str, load: Any, plans: list[dict[str, int]], device: str, threads: int,
-                         lead: tuple[int, ...] | None = None, timeout: float = TIMEOUT_S, min_time: float = 0.5,
-                         min_blocks: int = 5, max_blocks: int = 200,
-                         programs: list[tuple[str, str]] = ()) -> list[ModelRun]:
+@dataclass(frozen=True)
+class Blocks:
+    """How long :func:`measure_subprocesses` times: each process at least ``min_blocks`` blocks and ``min_time``
+    seconds of calls, at most ``max_blocks`` blocks, all of it within ``timeout`` seconds."""
+
+    timeout: float = TIMEOUT_S
+    min_time: float = 0.5
+    min_blocks: int = 5
+    max_blocks: int = 200
+
+
+def measure_subprocesses(source: str, load: Any, plans: list[dict[str, int]], device: str, threads: int, *,
+                         lead: tuple[int, ...] | None = None, programs: Sequence[tuple[str, str]] = (),
+                         blocks: Blocks = Blocks()) -> list[ModelRun]:
     """The model from ``source`` under each plan (``{}``: dense), each in its own fresh process, built one after
     the other (so that their peak memories are their own), then timed in interleaved blocks (a, b, a, b, ...) so
-    that a change of the machine's load falls on all alike. A failure or the timeout is a RuntimeError."""
+    that a change of the machine's load falls on all alike; ``programs``: exported (path, format) pairs timed
+    alike, on the CPU. A failure or the timeout is a RuntimeError."""
     import time
 
     from .timing import Timing
 
-    deadline = time.monotonic() + timeout
+    deadline = time.monotonic() + blocks.timeout
+    min_time, min_blocks, max_blocks = blocks.min_time, blocks.min_blocks, blocks.max_blocks
     workers: list[_Worker] = []
     try:
         ready = []

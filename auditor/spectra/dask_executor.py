@@ -257,33 +257,14 @@ class DaskExecutor:
         from distributed import as_completed
 
         from .executor import ThreadExecutor
-        from .work import SpectrumResult, SpectrumTask, compute_task, hash_task
+        from .work import compute_task
 
         prepared = [self._prepare(it) for it in items]
-        limits = self._worker_limits()
-        largest = max(limits.values(), default=0)
-        unlimited = any(v == 0 for v in limits.values())
         refused: list[tuple[int, Any]] = []
         futures: dict[Any, int] = {}
         self._pending = []
         try:
-            for i, (item, size) in enumerate(zip(prepared, sizes)):
-                if self._in_memory(item):
-                    continue
-                if fn is compute_task and not unlimited and limits and size > largest:
-                    name = item.ref.tensor if isinstance(item, SpectrumTask) else f"item {i}"
-                    reason = (f"{name} needs {_size(size)} (tensor + float64 Gram), more than any Dask worker's "
-                              f"memory limit ({_size(largest)})")
-                    if isinstance(item, SpectrumTask):
-                        refused.append((i, SpectrumResult(item.layer, None, key=item.key, skipped=reason)))
-                        continue
-                    raise AuditError(reason, "Start workers with a larger --memory-limit")
-                layer = getattr(item, "layer", "")
-                fut = self.client.submit(run_on_worker, fn, item, pure=False, priority=len(prepared) - i,
-                                         key=f"{getattr(fn, '__name__', 'task')}-{i}-{layer}-{os.urandom(4).hex()}",
-                                         workers=list(prefer) or None, allow_other_workers=bool(prefer))
-                futures[fut] = i
-                self._pending.append(fut)  # cancellable from the first submission on (Ctrl-C while submitting)
+            self._submit(fn, prepared, sizes, prefer, (refused, futures))
             yield from refused
             local = [i for i, item in enumerate(prepared) if self._in_memory(item)]
             self.local_items += len(local) if fn is compute_task else 0
@@ -293,24 +274,58 @@ class DaskExecutor:
                     yield local[j], res
             for fut in as_completed(list(futures), loop=self.client.loop):
                 i = futures[fut]
-                try:
-                    res = fut.result()
-                except AuditError:
-                    raise
-                except Exception as exc:  # noqa: BLE001 - KilledWorker, a lost scheduler, a worker-side bug
-                    name = getattr(_ref_of(prepared[i]), "tensor", None) or getattr(prepared[i], "layer", f"item {i}")
-                    raise AuditError(f"the Dask cluster at {self.address} failed on {name}: {first_line(exc)}",
-                                     "See the workers' logs; a worker killed repeatedly (memory?) stops the task "
-                                     "after distributed.scheduler.allowed-failures tries") from None
-                if isinstance(res, WorkerFailure):
-                    unseen = fn in (compute_task, hash_task) and res.what.startswith("cannot open")
-                    hint = ("; every worker must see the checkpoint at the same path, or pass --path-map "
-                            "CLIENT_PREFIX=WORKER_PREFIX") if unseen else ""
-                    raise AuditError(f"{res.what} (on Dask worker {res.worker})", res.fix + hint)
-                yield i, res
+                yield i, self._result(fn, fut, prepared[i], i)
         finally:
             self.cancel()
             self._pending = []
+
+    def _submit(self, fn: Callable[[Any], Any], prepared: Sequence[Any], sizes: Sequence[int],
+                prefer: Sequence[str], out: tuple[list[tuple[int, Any]], dict[Any, int]]) -> None:
+        """Submit every item not in this process's memory, highest priority first; ``out``: (the refusals of items
+        too large for every worker, future -> item index), filled as it goes so a Ctrl-C cancels what was sent."""
+        from .work import SpectrumResult, SpectrumTask, compute_task
+
+        refused, futures = out
+        limits = self._worker_limits()
+        largest = max(limits.values(), default=0)
+        unlimited = any(v == 0 for v in limits.values())
+        for i, (item, size) in enumerate(zip(prepared, sizes)):
+            if self._in_memory(item):
+                continue
+            if fn is compute_task and not unlimited and limits and size > largest:
+                name = item.ref.tensor if isinstance(item, SpectrumTask) else f"item {i}"
+                reason = (f"{name} needs {_size(size)} (tensor + float64 Gram), more than any Dask worker's "
+                          f"memory limit ({_size(largest)})")
+                if isinstance(item, SpectrumTask):
+                    refused.append((i, SpectrumResult(item.layer, None, key=item.key, skipped=reason)))
+                    continue
+                raise AuditError(reason, "Start workers with a larger --memory-limit")
+            layer = getattr(item, "layer", "")
+            fut = self.client.submit(run_on_worker, fn, item, pure=False, priority=len(prepared) - i,
+                                     key=f"{getattr(fn, '__name__', 'task')}-{i}-{layer}-{os.urandom(4).hex()}",
+                                     workers=list(prefer) or None, allow_other_workers=bool(prefer))
+            futures[fut] = i
+            self._pending.append(fut)  # cancellable from the first submission on (Ctrl-C while submitting)
+
+    def _result(self, fn: Callable[[Any], Any], fut: Any, item: Any, i: int) -> Any:
+        """A finished future's result; a lost worker or a worker-side failure is one :class:`AuditError` line."""
+        from .work import compute_task, hash_task
+
+        try:
+            res = fut.result()
+        except AuditError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - KilledWorker, a lost scheduler, a worker-side bug
+            name = getattr(_ref_of(item), "tensor", None) or getattr(item, "layer", f"item {i}")
+            raise AuditError(f"the Dask cluster at {self.address} failed on {name}: {first_line(exc)}",
+                             "See the workers' logs; a worker killed repeatedly (memory?) stops the task "
+                             "after distributed.scheduler.allowed-failures tries") from None
+        if isinstance(res, WorkerFailure):
+            unseen = fn in (compute_task, hash_task) and res.what.startswith("cannot open")
+            hint = ("; every worker must see the checkpoint at the same path, or pass --path-map "
+                    "CLIENT_PREFIX=WORKER_PREFIX") if unseen else ""
+            raise AuditError(f"{res.what} (on Dask worker {res.worker})", res.fix + hint)
+        return res
 
     def cancel(self) -> None:
         """Cancel every task of the current run still on the cluster."""

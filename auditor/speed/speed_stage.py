@@ -12,12 +12,12 @@ import torch
 from torch import nn
 
 from ..errors import AuditError
-from .layers import TimeCache, Timer, time_layers
-from .report import FrontierSpeed, LatencyPlan, LayerSpeed, ModelRun, ModelSpeed, SpeedReport
+from .layer_timing import TimeCache, Timer, time_layers
+from .measured import FrontierSpeed, LatencyPlan, LayerSpeed, ModelRun, ModelSpeed, SpeedReport
 
 if TYPE_CHECKING:
     from ..options import AuditOptions
-    from ..results import Audit, Layer
+    from ..results import AuditResult, Layer
 
 
 def _device(spec: str | None) -> str:
@@ -113,7 +113,7 @@ def _spread_pick(n: int, k: int) -> list[int]:
     return sorted({round(i * (n - 1) / (k - 1)) for i in range(k)})
 
 
-def time_frontier(model: nn.Module, args: tuple, kwargs: dict, audit: "Audit", options: "AuditOptions",
+def time_frontier(model: nn.Module, args: tuple, kwargs: dict, audit: "AuditResult", options: "AuditOptions",
                   device: str, threads: int) -> tuple[list[FrontierSpeed], ModelRun | None]:
     """The calibration frontier's plans (``--budget``; at most :data:`MAX_FRONTIER`, spread over it) end to end,
     side by side with the dense model: in fresh processes from the source, else in this process."""
@@ -139,7 +139,7 @@ def time_frontier(model: nn.Module, args: tuple, kwargs: dict, audit: "Audit", o
     return [FrontierSpeed(p.removed, p.removed_fraction, p.layers, r) for p, r in zip(chosen, runs)], dense
 
 
-def measure_speed(model: Any, inputs: Any, audit: "Audit", options: "AuditOptions") -> SpeedReport:
+def measure_speed(model: Any, inputs: Any, audit: "AuditResult", options: "AuditOptions") -> SpeedReport:
     """Time the reviewed plan (the user's or the suggested ranks) on ``options.device`` (default: the CPU)."""
     from ..structure.trace import ExampleInputs
 

@@ -1,0 +1,94 @@
+"""``kl``: the mean next-token KL divergence KL(dense || model) in nats per real token, computed batch by batch (the
+dense model's logits of one batch at a time, never all of them): zero on the dense model, lower is better, it holds
+when it is at most the tolerance."""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+
+from ...errors import AuditError
+from .base import Evaluating, Measurement, MetricKind, RowScorer, Scorer
+from .common import _next_token_logprobs, _targets, main_output
+
+
+def frozen(dense: nn.Module) -> nn.Module:
+    """A frozen copy of the dense model: its logits are recomputed one batch at a time (128 x 2048 tokens over a
+    128k vocabulary would be 67 GB at once), and the caller may change ``dense`` in place."""
+    out = copy.deepcopy(dense).eval()
+    for p in out.parameters():
+        p.requires_grad_(False)
+    return out
+
+
+class _Scorer(Scorer):
+    def __init__(self, ev: Evaluating, dense: nn.Module) -> None:
+        super().__init__(ev)
+        self._dense = frozen(dense)
+        self.reference = 0.0
+
+    def measure(self, model: nn.Module) -> Measurement:
+        """Mean next-token KL(dense || model) per counted position, with top-1 agreement."""
+        total = 0.0
+        count = agree = 0
+        with torch.no_grad():
+            for i, b in enumerate(self.ev.batches):
+                p, _ = _next_token_logprobs(main_output(self.ev.forward(self._dense, b, i)), b)
+                q, _ = _next_token_logprobs(main_output(self.ev.forward(model, b, i)), b)
+                kl = (p.exp() * (p - q)).sum(-1)
+                total += float(kl.double().sum())
+                count += int(kl.numel())
+                agree += int((p.argmax(-1) == q.argmax(-1)).sum())
+        if count == 0:
+            raise AuditError("the held-out batches hold no next-token position to score (every target masked or "
+                             "padding)", "Give held-out text of at least two real tokens per row")
+        return self.judged(total / count, agree / count)
+
+
+class _Rows(RowScorer):
+    """Per row: the summed KL and the positions scored."""
+
+    def __init__(self, dense: nn.Module, batches: list[Any]) -> None:
+        self.batches = batches
+        self._dense = frozen(dense)
+
+    def sums(self, model: nn.Module) -> tuple[np.ndarray, ...]:
+        kl, cnt = [], []
+        for b in self.batches:
+            tgt, keep = _targets(b)
+            p = torch.log_softmax(main_output(self._dense(*b.args, **b.kwargs))[:, :-1].float(), -1)
+            q = torch.log_softmax(main_output(model(*b.args, **b.kwargs))[:, :-1].float(), -1)
+            k = (p.exp() * (p - q)).sum(-1).double()
+            kl.append((k * keep).sum(1).cpu().numpy())
+            cnt.append(keep.sum(1).double().cpu().numpy())
+        return np.concatenate(kl), np.concatenate(cnt)
+
+    def value(self, sums: tuple[np.ndarray, ...], idx: Any = slice(None)) -> float:
+        kl, cnt = sums
+        c = float(cnt[idx].sum())
+        return float(kl[idx].sum()) / c if c > 0 else float("nan")
+
+
+class KL(MetricKind):
+    kind = "kl"
+    names = ("kl",)
+    label = "next-token KL"
+    units = "nats per real token"
+    gradient = "likelihood"
+    verified_by_rows = True
+
+    def scorer(self, ev: Evaluating, dense: nn.Module) -> Scorer:
+        return _Scorer(ev, dense)
+
+    def row_scorer(self, dense: nn.Module, batches: list[Any]) -> RowScorer:
+        return _Rows(dense, batches)
+
+    def logprobs(self, y: torch.Tensor, b: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        return _next_token_logprobs(y, b)
+
+
+KIND = KL()

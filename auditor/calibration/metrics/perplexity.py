@@ -1,0 +1,116 @@
+"""``perplexity`` (the default for a causal LM): next-token cross-entropy on the held-out text, pads and masked
+positions (``attention_mask`` 0, ``labels`` -100) left out. The measured value is the relative increase of the
+perplexity over the dense model's (``reference``): zero on the dense model, lower is better, it holds when it is at
+most the tolerance (0.02 = +2%). :mod:`.masked` is the same measurement at a masked LM's masked positions."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+
+from ...errors import AuditError
+from .base import Evaluating, Measurement, MetricKind, RowScorer, Scorer
+from .common import _check_targets, _next_token_logprobs, _targets, main_output
+
+
+class _Scorer(Scorer):
+    def __init__(self, ev: Evaluating, dense: nn.Module, kind: "Perplexity") -> None:
+        super().__init__(ev)
+        self.kind = kind
+        self.warnings = kind.warnings_for(ev.batches)
+        self.reference = self.perplexity(dense)
+        if not (math.isfinite(self.reference) and self.reference > 0):
+            raise AuditError(f"the dense model's held-out {kind.what} is {self.reference}",
+                             "Check the held-out text and the model's weights (a NaN or infinite logit)")
+
+    def perplexity(self, model: nn.Module) -> float:
+        """Held-out perplexity, streamed batch by batch in float64 sums."""
+        nll = 0.0
+        count = 0
+        with torch.no_grad():
+            for i, b in enumerate(self.ev.batches):
+                y = main_output(self.ev.forward(model, b, i))
+                if isinstance(y, torch.Tensor) and y.dim() == 3:
+                    _check_targets(b, y.shape[-1], self.kind.scored, i)
+                logp, tgt = self.kind.logprobs(y, b)
+                nll -= float(logp.gather(1, tgt[:, None]).double().sum())
+                count += int(tgt.numel())
+        if count == 0:
+            raise AuditError(*self.kind.nothing_scored)
+        return math.exp(nll / count) if nll / count < 700 else math.inf
+
+    def measure(self, model: nn.Module) -> Measurement:
+        ppl = self.perplexity(model)
+        v = ppl / self.reference - 1.0 if math.isfinite(ppl) else math.inf
+        return self.judged(v, None, ppl)
+
+
+class _Rows(RowScorer):
+    """Per row: the summed cross-entropy of the model and of the dense model, and the positions scored."""
+
+    def __init__(self, dense: nn.Module, batches: list[Any], kind: "Perplexity") -> None:
+        self.batches, self.kind = batches, kind
+        self._ref_nll, self._cnt = self._nll(dense)
+        nll, cnt = self._ref_nll, self._cnt
+        self.reference = self.baseline = math.exp(nll.sum() / cnt.sum()) if cnt.sum() > 0 else math.nan
+
+    def _nll(self, model: nn.Module) -> tuple[np.ndarray, np.ndarray]:
+        nll, cnt = [], []
+        for i, b in enumerate(self.batches):
+            y = main_output(model(*b.args, **b.kwargs))
+            _check_targets(b, y.shape[-1], self.kind.scored, i)
+            logits, tgt, keep = self.kind.row_targets(y, b)
+            logp = torch.log_softmax(logits.float(), dim=-1)
+            tok = -logp.gather(-1, tgt.unsqueeze(-1)).squeeze(-1).double()
+            nll.append((tok * keep).sum(1).cpu().numpy())
+            cnt.append(keep.sum(1).double().cpu().numpy())
+        return np.concatenate(nll), np.concatenate(cnt)
+
+    def sums(self, model: nn.Module) -> tuple[np.ndarray, ...]:
+        nll, cnt = self._nll(model)
+        return nll, self._ref_nll, cnt
+
+    def value(self, sums: tuple[np.ndarray, ...], idx: Any = slice(None)) -> float:
+        nll, ref, cnt = sums
+        c = float(cnt[idx].sum())
+        if c <= 0:
+            return math.nan
+        return math.expm1((float(nll[idx].sum()) - float(ref[idx].sum())) / c)
+
+
+class Perplexity(MetricKind):
+    kind = "perplexity"
+    names = ("perplexity", "ppl")
+    label = "perplexity increase"
+    units = "a relative increase of the held-out perplexity"
+    gradient = "likelihood"
+    verified_by_rows = True
+    increase_of = "perplexity"
+    what = "perplexity"  # the dense value, in the refusal of a non-finite one
+    scored = "next-token"  # which tokens, in the refusal of ids beyond the logits
+    nothing_scored = ("the held-out batches hold no next-token position to score (every target masked or "
+                      "padding)", "Give held-out text of at least two real tokens per row")
+
+    def scorer(self, ev: Evaluating, dense: nn.Module) -> Scorer:
+        return _Scorer(ev, dense, self)
+
+    def row_scorer(self, dense: nn.Module, batches: list[Any]) -> RowScorer:
+        return _Rows(dense, batches, self)
+
+    def logprobs(self, y: torch.Tensor, b: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        return _next_token_logprobs(y, b)
+
+    def row_targets(self, y: torch.Tensor, b: Any) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(logits, targets, which count) per row: the next token of each position."""
+        tgt, keep = _targets(b)
+        return y[:, :-1], tgt, keep
+
+    def warnings_for(self, batches: list[Any]) -> list[str]:
+        return []
+
+
+KIND = Perplexity()

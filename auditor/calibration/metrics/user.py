@@ -1,0 +1,153 @@
+"""``user``: a metric function ``fn(model, batches) -> float`` in its own units, against the dense model's value. It
+declares its direction: higher-is-better by default (accuracy, negative loss), holding when it is at least the dense
+model's value minus the tolerance; or ``Metric(fn, higher_is_better=False)`` (a loss), holding when it is at most the
+dense model's value plus the tolerance. ``batches`` is a list of what the calibration source yielded: a tensor, a
+tuple of positional inputs, or a dict of keyword inputs.
+
+The function must fall when the model is cut down: the dense model is measured with every layer at rank 1; a metric
+that moves the wrong way is refused, one that stays within the tolerance is a warning."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+from torch import nn
+
+from ...errors import AuditError
+from ..inputs import Batch
+from .base import Evaluating, Measurement, MetricKind, Scorer
+
+_CHECKED: dict[tuple[Any, str, float, bool], str] = {}  # (fn, digest, tolerance, direction) -> warning ("" none)
+
+
+def _user_batch(b: Batch) -> Any:
+    if b.kwargs and not b.args:
+        return dict(b.kwargs)
+    if len(b.args) == 1 and not b.kwargs:
+        return b.args[0]
+    return b.args
+
+
+def _rank1_(model: nn.Module) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Cut every Linear, convolution and transformers Conv1D weight of ``model`` to rank 1 in place (the leading
+    singular pair by 30 power iterations, seeded); returns (parameter, original) pairs to restore exactly."""
+    from ...kinds.hf_conv1d import hf_conv1d_type
+
+    conv1d = hf_conv1d_type()
+    kinds = (nn.Linear, nn.modules.conv._ConvNd) + ((conv1d,) if conv1d is not None else ())
+    saved: list[tuple[torch.Tensor, torch.Tensor]] = []
+    seen: set[int] = set()  # a weight tied between modules is cut (and saved) once
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for mod in model.modules():
+            w = getattr(mod, "weight", None)
+            if not isinstance(mod, kinds) or not isinstance(w, torch.Tensor) or w.dim() < 2 \
+                    or not w.is_floating_point() or w.numel() == 0 or id(w) in seen:
+                continue
+            seen.add(id(w))
+            saved.append((w, w.detach().clone()))
+            a = w.detach().reshape(w.shape[0], -1).double()
+            v = torch.randn(a.shape[1], generator=g, dtype=torch.float64).to(a.device)
+            u = a @ v
+            for _ in range(30):
+                u = a @ v
+                u = u / u.norm().clamp_min(1e-300)
+                v = a.T @ u
+                v = v / v.norm().clamp_min(1e-300)
+            sigma = u @ a @ v
+            w.copy_((sigma * torch.outer(u, v)).reshape(w.shape).to(w.dtype))
+    return saved
+
+
+class _Scorer(Scorer):
+    def __init__(self, ev: Evaluating, dense: nn.Module) -> None:
+        super().__init__(ev)
+        self.batches = [_user_batch(b) for b in ev.batches]
+        self.reference = self.call(dense)
+
+    def call(self, model: nn.Module, finite: bool = True) -> float:
+        from ...sources.factory import _run_user_code
+
+        label = self.ev.metric.label
+
+        def call() -> Any:
+            with torch.no_grad():
+                return self.ev.metric.fn(model, self.batches)  # type: ignore[misc]
+
+        out = _run_user_code(call, f"metric {label}", "raised", "Fix the metric function",
+                             "Return a float from the metric instead of exiting")
+        try:
+            v = float(out)
+        except (TypeError, ValueError, OverflowError):
+            raise AuditError(f"metric {label} returned {type(out).__name__}, not a number",
+                             "Return a float, higher is better") from None
+        if finite and not math.isfinite(v):
+            raise AuditError(f"metric {label} returned {v}", "Return a finite float, higher is better")
+        return v
+
+    def measure(self, model: nn.Module) -> Measurement:
+        return self.judged(self.call(model))
+
+    def check(self, dense: nn.Module, digest: str) -> list[str]:
+        """The metric must fall when every layer is cut to rank 1 (cached per function, data and tolerance)."""
+        metric = self.ev.metric
+        fn: Any = metric.fn
+        try:
+            hash(fn)
+        except TypeError:
+            fn = id(fn)
+        key = (fn, digest, float(metric.tolerance), bool(metric.higher_is_better))
+        if key not in _CHECKED:
+            saved = _rank1_(dense)
+            if not saved:
+                return []
+            try:
+                cut = self.call(dense, finite=False)
+            finally:
+                with torch.no_grad():
+                    for w, original in saved:
+                        w.copy_(original)
+            _CHECKED[key] = self._moved(cut)
+        return [_CHECKED[key]] if _CHECKED[key] else []
+
+    def _moved(self, cut: float) -> str:
+        """The warning for a metric ``cut`` on the rank-1 model ("" none); a refusal when it moved the wrong way."""
+        metric = self.ev.metric
+        ref, tol, label = self.reference, metric.tolerance, metric.label
+        up = bool(metric.higher_is_better)
+        worse, wrong = (ref - cut, cut - ref) if up else (cut - ref, ref - cut)  # how far it moved each way
+        if not math.isfinite(cut):  # e.g. a perplexity overflowing on the cut model: it fell, or says nothing
+            return ""
+        if wrong > tol and up:
+            raise AuditError(f"metric {label} rises when the model is cut down ({cut:.6g} with every layer at "
+                             f"rank 1, {ref:.6g} dense): it looks lower-is-better (a loss or an error), and every "
+                             "floor would come out at the smallest rank",
+                             "--metric must be higher-is-better: return the negative (e.g. -loss), or declare "
+                             "Metric(fn, higher_is_better=False)")
+        if wrong > tol:
+            raise AuditError(f"metric {label} falls when the model is cut down ({cut:.6g} with every layer at "
+                             f"rank 1, {ref:.6g} dense), but it is declared lower-is-better: every floor would "
+                             "come out at the smallest rank",
+                             "Declare it higher-is-better (Metric(fn), the default), or return a loss")
+        return ("" if worse > tol else
+                f"metric {label} barely moves when the model is cut down ({cut:.6g} with every layer at "
+                f"rank 1, {ref:.6g} dense, tolerance {tol:g}): floors measured with it come out at "
+                "the smallest ranks; use a metric that sees the model's quality, or a smaller "
+                "--tolerance")
+
+
+class UserFunction(MetricKind):
+    kind = "user"
+    label = "metric"  # a function's own name, when it has one
+    units = "the function's own"
+    higher_is_better = None  # each metric declares it
+    zero_on_dense = False
+    takes_function = True
+
+    def scorer(self, ev: Evaluating, dense: nn.Module) -> Scorer:
+        return _Scorer(ev, dense)
+
+
+KIND = UserFunction()

@@ -1,0 +1,69 @@
+"""AuditOptions in typed groups (issue 30): every group field also has its flat name (the keyword the options took
+before the groups), as a keyword and as an attribute, and no field is typed ``Any``."""
+
+from __future__ import annotations
+
+import dataclasses
+import pickle
+
+import pytest
+
+from auditor.errors import AuditError
+from auditor.options import (FLAT, AuditOptions, CalibrationData, ClusterOptions, RecoveryOptions, SpeedOptions,
+                             StatisticsOptions, TierOptions)
+
+GROUPS = {"calibration_data": CalibrationData, "tiers": TierOptions, "statistics": StatisticsOptions,
+          "recovery": RecoveryOptions, "cluster": ClusterOptions, "speed": SpeedOptions}
+
+# one value per flat name, none of them a default, all of them valid together
+GIVEN = {
+    "calibration": "c.safetensors", "holdout": 0.5, "calibration_length": 64, "tokenizer": "tok",
+    "calibration_max_rows": 10, "calibration_max_bytes": 1000, "metric": "kl", "tolerance": 0.02,
+    "measure_floor": True, "budget": 0.3, "probe_sensitivity": False, "probe": True, "confidence": 0.8,
+    "split": False, "device": "cpu", "offload": True, "compute_dtype": "float32", "recover_steps": 7,
+    "recover_lr": 1e-3, "recover_trainable": "all", "recover_objective": "mse", "recover_seed": 3,
+    "choose_after_recovery": True, "scheduler": "tcp://h:8786", "path_map": (("/a", "/b"),),
+    "origin": ("m.py:f", None), "measure_speed": True, "latency_shape": (2, 8), "budget_latency": 0.2,
+    "speed_clock": None,
+}
+
+
+def test_every_flat_name_is_a_group_field_given_and_read_either_way():
+    assert set(GIVEN) == set(FLAT) and {g for g, _ in FLAT.values()} == set(GROUPS)
+    for name, (group, attr) in FLAT.items():
+        assert attr in {f.name for f in dataclasses.fields(GROUPS[group])}, name
+    flat = AuditOptions(**GIVEN)
+    grouped = AuditOptions(**{group: cls(**{attr: GIVEN[n] for n, (g, attr) in FLAT.items() if g == group})
+                              for group, cls in GROUPS.items()})
+    assert flat == grouped and flat.recovery == RecoveryOptions(7, 1e-3, "all", "mse", 3, True)
+    assert [n for n in FLAT if getattr(flat, n) != GIVEN[n]] == []
+    assert flat.tiers.budget == 0.3 and flat.calibration_data.source == "c.safetensors" and flat.speed.measure
+    assert pickle.loads(pickle.dumps(flat)) == flat
+
+
+def test_a_flat_keyword_replaces_that_field_of_the_group_given_with_it():
+    o = AuditOptions(calibration_data=CalibrationData(source="c", holdout=0.1, length=32), holdout=0.4)
+    assert (o.calibration_data.source, o.holdout, o.calibration_length) == ("c", 0.4, 32)
+    assert o.with_(budget=0.5).tiers.budget == 0.5 and o.with_(budget=0.5).holdout == 0.4
+    assert dataclasses.replace(o, compute_dtype="fp64").statistics.compute_dtype == "float64"
+    assert AuditOptions(latency_shape=[4]).speed == SpeedOptions(measure=True, latency_shape=(4,))
+
+
+def test_the_checks_see_the_groups_and_unknown_names_are_refused():
+    with pytest.raises(AuditError, match="budget 1.5 is not a fraction"):
+        AuditOptions(tiers=TierOptions(budget=1.5), calibration="c")
+    with pytest.raises(AuditError, match="recover_steps needs calibration data and a budget"):
+        AuditOptions(recovery=RecoveryOptions(steps=5))
+    with pytest.raises(AuditError, match="measure_floor, budget and metric need calibration data"):
+        AuditOptions(tiers=TierOptions(measure_floor=True))
+    with pytest.raises(TypeError, match="unknown audit option.*holdot.*holdout"):
+        AuditOptions(holdot=0.2)
+    with pytest.raises(TypeError, match="unknown audit option.*recovery_steps"):
+        AuditOptions().with_(recovery_steps=3)
+
+
+def test_no_option_is_typed_any():
+    typed = [(cls.__name__, f.name, str(f.type)) for cls in (AuditOptions, *GROUPS.values())
+             for f in dataclasses.fields(cls)]
+    assert len(typed) == 19 + len(FLAT)
+    assert [t for t in typed if t[2] == "Any" or "| Any" in t[2] or "Any |" in t[2]] == []
