@@ -194,11 +194,14 @@ def _two(layer: Layer, mod: nn.Module, r: int, a: np.ndarray | None, b: np.ndarr
 
 
 def factorize(model: nn.Module, plan: dict[str, int], calibration: Any = None, *, init: bool = True,
-              layers: dict[str, Layer] | None = None, reuse: dict[str, Any] | None = None) -> nn.Module:
+              layers: dict[str, Layer] | None = None, reuse: dict[str, Any] | None = None,
+              share: bool = False) -> nn.Module:
     """A deep copy of ``model`` with each planned layer (``{layer name: rank}``) replaced by two; ``model`` is left
     untouched. ``calibration``: None (plain SVD), a ``CalibrationSession`` (its statistics, read once), a
     ``Calibration`` (input statistics are gathered on ``model``, in eval mode), or ``InputStatistics``. ``init=False`` builds the structure only (for ``load_factorized``). ``reuse``: a dict the
-    caller keeps across calls with the same model and calibration, so each layer is decomposed once."""
+    caller keeps across calls with the same model and calibration, so each layer is decomposed once. ``share``: the
+    copy holds ``model``'s own parameters and buffers (only the new factors are allocated): for measuring a plan,
+    never for a model that is trained or changed."""
     from .calibration.whiten import Truncator
 
     resolved = resolve_plan(model, plan, layers)
@@ -217,7 +220,7 @@ def factorize(model: nn.Module, plan: dict[str, int], calibration: Any = None, *
         else:
             raise AuditError(f"calibration is a {type(calibration).__name__}",
                              "Pass a CalibrationSession, a Calibration (load_calibration) or InputStatistics")
-    new = copy.deepcopy(model)
+    new = copy.deepcopy(model, {id(t): t for t in (*model.parameters(), *model.buffers())} if share else None)
     for name, (layer, r) in resolved.items():
         path, attr = kinds.for_kind(layer.kind).module_path(layer)
         old = new.get_submodule(path)

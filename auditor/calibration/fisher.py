@@ -29,14 +29,16 @@ median ratio of gradient cost to tier-1 cost over the layers that have gradients
 
 from __future__ import annotations
 
+import contextlib
 import math
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import numpy as np
 import torch
 from torch import nn
+from torch.autograd.graph import get_gradient_edge
 
 from .. import lrmath
 from ..errors import AuditError, first_line
@@ -84,111 +86,209 @@ def output_gradients(model: nn.Module, layers: dict[str, Layer] | list[Layer], c
                      progress: Callable[[int, int], None] | None = None) -> OutputGradients:
     """One forward and ``samples`` backward passes per fit batch, gradient hooks on every supported layer's output
     (rows with ``attention_mask`` 0 left out, as in the statistics). The model runs where it is, in eval mode; no
-    parameter's ``requires_grad`` or ``.grad`` is touched (the graph starts at the hooked outputs)."""
+    parameter's ``requires_grad`` or ``.grad`` is touched (the graph starts at the hooked outputs). Where the model
+    has repeated blocks (:func:`~auditor.calibration.stream.find_blocks`) each block runs checkpointed
+    (``torch.utils.checkpoint``, non-reentrant): the backward recomputes one block's activations at a time, so the
+    activations alive at once are the blocks' inputs and one block's, not every block's."""
     if metric.kind == "user":
         raise AuditError("gradient sensitivity needs a built-in metric", "Use --probe with a user metric")
     t0 = time.perf_counter()
     named = by_name(layers)
-    params = dict(model.named_parameters(remove_duplicate=False))
-    modules = dict(model.named_modules(remove_duplicate=False))
-    skipped: dict[str, str] = {}
-    hooked: dict[str, list[str]] = {}  # module path -> layers whose output it gives
-    for name, layer in named.items():
-        if layer.kind not in GRADIENT_KINDS or layer.param not in params:
-            skipped[name] = f"no output gradient for {layer.kind} layers"
-            continue
-        path = _module_path(layer)[0]
-        if path not in modules:
-            skipped[name] = "its module is not found"
-            continue
-        hooked.setdefault(path, []).append(name)
-    second: dict[str, np.ndarray] = {}
-    count: dict[str, int] = {}
-    carried = {n: _out_in(named[n])[0] > _out_in(named[n])[1] for ns in hooked.values() for n in ns}
-    likelihood = metric.kind in ("perplexity", "kl", "masked")
-    gen = torch.Generator().manual_seed(seed)
-    device = model_device(model)
-    captured: list[tuple[str, torch.Tensor]] = []
+    acc = _Accumulator(named, dict(model.named_parameters(remove_duplicate=False)))
+    cap = _Capture(model, acc.hook_paths(dict(model.named_modules(remove_duplicate=False))))
+    pass_ = _Pass(metric.kind in ("perplexity", "kl", "masked"), metric.kind == "masked", samples,
+                  torch.Generator().manual_seed(seed), model_device(model))
+    batches = calibration.fit
+    try:
+        with eval_mode(model), torch.enable_grad(), _checkpointed(model, [named[n] for n in acc.carried]):
+            for i, b0 in enumerate(batches):
+                if not _one_batch(model, b0.to(pass_.device), i, cap, acc, pass_):
+                    break
+                if progress is not None:
+                    progress(i + 1, len(batches))
+    finally:
+        cap.remove()
+    acc.close()
+    scale = ((1.0 / (2.0 * pass_.scored) if pass_.scored else 0.0) if pass_.likelihood
+             else (1.0 / pass_.norm2 if pass_.norm2 > 0 else 0.0))
+    return OutputGradients(acc.second, acc.count, acc.carried, scale, pass_.likelihood, pass_.passes,
+                           time.perf_counter() - t0, acc.skipped)
 
-    def hook(path: str) -> Callable[..., Any]:
+
+@dataclass
+class _Pass:
+    """The pass's settings and running totals: a likelihood metric (labels sampled from the model) or the output
+    error (random projections); the dense output's squared norm or the positions scored; backward passes run."""
+
+    likelihood: bool
+    masked: bool
+    samples: int
+    gen: torch.Generator
+    device: torch.device
+    norm2: float = 0.0
+    scored: int = 0
+    passes: int = 0
+
+
+class _Accumulator:
+    """Per layer the summed second moment of its output gradient (min(out, in) square: the gradient carried back
+    through F where out > in), and the position-samples summed."""
+
+    def __init__(self, named: dict[str, Layer], params: dict[str, torch.Tensor]) -> None:
+        self.named, self.params = named, params
+        self.second: dict[str, np.ndarray] = {}
+        self.count: dict[str, int] = {}
+        self.skipped: dict[str, str] = {}
+        self.hooked: dict[str, list[str]] = {}  # module path -> layers whose output it gives
+        self.carried: dict[str, bool] = {}
+
+    def hook_paths(self, modules: dict[str, nn.Module]) -> dict[str, nn.Module]:
+        """The modules to hook (path -> module); layers without one are ``skipped`` with the reason."""
+        for name, layer in self.named.items():
+            if layer.kind not in GRADIENT_KINDS or layer.param not in self.params:
+                self.skipped[name] = f"no output gradient for {layer.kind} layers"
+                continue
+            path = _module_path(layer)[0]
+            if path not in modules:
+                self.skipped[name] = "its module is not found"
+                continue
+            self.hooked.setdefault(path, []).append(name)
+        self.carried = {n: _out_in(self.named[n])[0] > _out_in(self.named[n])[1]
+                        for ns in self.hooked.values() for n in ns}
+        return {p: modules[p] for p in self.hooked}
+
+    def add(self, path: str, g: torch.Tensor, keep: torch.Tensor | None) -> None:
+        """One output gradient of the module at ``path`` added to its layers' second moments."""
+        for name in self.hooked[path]:
+            layer = self.named[name]
+            gg = g.detach()
+            if keep is not None and gg.dim() == 3 and tuple(gg.shape[:2]) == tuple(keep.shape):
+                gg = gg[keep]
+            gg = gg.reshape(-1, gg.shape[-1]).float()
+            if self.carried[name]:
+                gg = gg @ _function_view(layer, self.params[layer.param].detach()).float()
+            s = (gg.T @ gg).double().cpu().numpy()
+            if name in self.second:
+                self.second[name] += s
+            else:
+                self.second[name] = s
+            self.count[name] = self.count.get(name, 0) + int(gg.shape[0])
+
+    def close(self) -> None:
+        for name in [n for ns in self.hooked.values() for n in ns]:
+            if name not in self.second:
+                self.skipped[name] = "no gradient reached its output"
+
+
+class _Capture:
+    """Forward hooks keeping, for every hooked module's floating-point output of the forward being recorded, its
+    gradient edge (the output's place in the graph, not its values: the output itself is freed when the forward is
+    done with it). An output that needs no gradient is replaced by a leaf that does, so the graph starts there.
+    While ``recording`` is off (a checkpointed block recomputed in the backward) the hooks build the same graph
+    and keep nothing."""
+
+    def __init__(self, model: nn.Module, modules: dict[str, nn.Module]) -> None:
+        self.captured: list[tuple[str, Any]] = []
+        self.recording = True
+        self.handles = [m.register_forward_hook(self._hook(p)) for p, m in modules.items()]
+
+    def _hook(self, path: str) -> Callable[..., Any]:
         def fn(mod: nn.Module, args: Any, out: Any) -> Any:
             if not isinstance(out, torch.Tensor) or not out.is_floating_point():
                 return None
             if not out.requires_grad:
                 out = out.detach().requires_grad_(True)
-            captured.append((path, out))
+            if self.recording:
+                self.captured.append((path, get_gradient_edge(out)))
             return out
         return fn
 
-    handles = [modules[p].register_forward_hook(hook(p)) for p in hooked]
-    norm2 = 0.0
-    scored = 0
-    passes = 0
-    batches = calibration.fit
-    try:
-        with eval_mode(model), torch.enable_grad():
-            for i, b0 in enumerate(batches):
-                b: Batch = b0.to(device)
-                captured.clear()
-                try:
-                    y = main_output(model(*b.args, **b.kwargs))
-                except AuditError:
-                    raise
-                except Exception as exc:  # noqa: BLE001 - a batch the forward refuses, said in one line
-                    raise AuditError(f"the forward failed on fit batch {i} while reading output gradients: "
-                                     f"{first_line(exc)}", "Give every batch the inputs the model takes") from None
-                keep = _row_mask(b)
-                if likelihood:
-                    logp, _ = (_masked_logprobs if metric.kind == "masked" else _next_token_logprobs)(y, b)
-                    scored += int(logp.shape[0])
-                    probs = logp.detach().exp().cpu()
-                else:
-                    yy = y if keep is None or y.dim() != 3 or tuple(y.shape[:2]) != tuple(keep.shape) else y * keep[..., None]
-                    norm2 += float(yy.detach().double().pow(2).sum())
-                tensors = [t for _, t in captured if t.requires_grad]
-                if not tensors:
-                    break
-                for k in range(samples):
-                    if likelihood:
-                        pick = torch.multinomial(probs, 1, generator=gen).to(device)
-                        loss = -logp.gather(1, pick).sum()
-                    else:
-                        w = torch.randn(yy.shape, generator=gen, dtype=torch.float32).to(device=device, dtype=yy.dtype)
-                        loss = (w * yy).sum()
-                    grads = torch.autograd.grad(loss, tensors, retain_graph=k < samples - 1, allow_unused=True)
-                    passes += 1
-                    for (path, t), g in zip([c for c in captured if c[1].requires_grad], grads):
-                        if g is None:
-                            continue
-                        for name in hooked[path]:
-                            layer = named[name]
-                            gg = g.detach()
-                            if keep is not None and gg.dim() == 3 and tuple(gg.shape[:2]) == tuple(keep.shape):
-                                gg = gg[keep]
-                            gg = gg.reshape(-1, gg.shape[-1]).float()
-                            if carried[name]:
-                                gg = gg @ _function_view(layer, params[layer.param].detach()).float()
-                            s = (gg.T @ gg).double().cpu().numpy()
-                            if name in second:
-                                second[name] += s
-                            else:
-                                second[name] = s
-                            count[name] = count.get(name, 0) + int(gg.shape[0])
-                del captured[:]
-                if progress is not None:
-                    progress(i + 1, len(batches))
-    finally:
-        for h in handles:
+    def remove(self) -> None:
+        for h in self.handles:
             h.remove()
-        captured.clear()
-    if likelihood:
-        scale = 1.0 / (2.0 * scored) if scored else 0.0
-    else:
-        scale = 1.0 / norm2 if norm2 > 0 else 0.0
-    for name in [n for ns in hooked.values() for n in ns]:
-        if name not in second:
-            skipped[name] = "no gradient reached its output"
-    return OutputGradients(second, count, carried, scale, likelihood, passes, time.perf_counter() - t0, skipped)
+        self.captured.clear()
+
+
+def _one_batch(model: nn.Module, b: Batch, i: int, cap: _Capture, acc: _Accumulator, p: _Pass) -> bool:
+    """One fit batch: the forward, then ``samples`` backward passes whose output gradients are added up. False when
+    nothing hooked needs a gradient (nothing more to gather)."""
+    cap.captured.clear()
+    cap.recording = True
+    try:
+        y = main_output(model(*b.args, **b.kwargs))
+    except AuditError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - a batch the forward refuses, said in one line
+        raise AuditError(f"the forward failed on fit batch {i} while reading output gradients: "
+                         f"{first_line(exc)}", "Give every batch the inputs the model takes") from None
+    cap.recording = False
+    keep = _row_mask(b)
+    losses = _losses(y, b, keep, p)
+    got = list(cap.captured)
+    if not got:
+        return False
+    for k, loss in enumerate(losses):
+        grads = torch.autograd.grad(loss(), [t for _, t in got], retain_graph=k < p.samples - 1, allow_unused=True)
+        p.passes += 1
+        for (path, _), g in zip(got, grads):
+            if g is not None:
+                acc.add(path, g, keep)
+    del got[:]
+    cap.captured.clear()
+    return True
+
+
+def _losses(y: torch.Tensor, b: Batch, keep: torch.Tensor | None, p: _Pass) -> list[Callable[[], torch.Tensor]]:
+    """The ``samples`` losses to differentiate, each drawn when called (in order, from the pass's generator): the
+    negative log-likelihood of labels sampled from the model, or a random projection of the (masked) output."""
+    if p.likelihood:
+        logp, _ = (_masked_logprobs if p.masked else _next_token_logprobs)(y, b)
+        p.scored += int(logp.shape[0])
+        probs = logp.detach().exp().cpu()
+
+        def nll() -> torch.Tensor:
+            pick = torch.multinomial(probs, 1, generator=p.gen).to(p.device)
+            return -logp.gather(1, pick).sum()
+
+        return [nll] * p.samples
+    yy = y if keep is None or y.dim() != 3 or tuple(y.shape[:2]) != tuple(keep.shape) else y * keep[..., None]
+    p.norm2 += float(yy.detach().double().pow(2).sum())
+
+    def projection() -> torch.Tensor:
+        w = torch.randn(yy.shape, generator=p.gen, dtype=torch.float32).to(device=p.device, dtype=yy.dtype)
+        return (w * yy).sum()
+
+    return [projection] * p.samples
+
+
+@contextlib.contextmanager
+def _checkpointed(model: nn.Module, layers: list[Layer]) -> Iterator[None]:
+    """While the block runs, each repeated block of ``model`` (where it has them) runs through
+    ``torch.utils.checkpoint`` (non-reentrant), without the key/value caches it would fill (they would grow when
+    the block is recomputed)."""
+    from torch.utils.checkpoint import checkpoint
+
+    from .stream import _keep, find_blocks
+
+    found = find_blocks(model, layers) if layers else None
+    blocks = list(found.blocks) if found is not None else []
+    saved = [(blk, blk.__dict__.get("forward")) for blk in blocks]
+
+    def wrap(fwd: Callable[..., Any]) -> Callable[..., Any]:
+        def run(*args: Any, **kwargs: Any) -> Any:
+            return checkpoint(fwd, *args, use_reentrant=False, **_keep(kwargs))
+        return run
+
+    try:
+        for blk in blocks:
+            blk.forward = wrap(blk.forward)  # type: ignore[method-assign]
+        yield
+    finally:
+        for blk, fwd in saved:
+            if fwd is None:
+                del blk.forward
+            else:
+                blk.forward = fwd
 
 
 def gradient_costs(layer: Layer, weight: torch.Tensor, inp: LayerInput, grads: OutputGradients,
