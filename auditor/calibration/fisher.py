@@ -31,8 +31,10 @@ from __future__ import annotations
 
 import contextlib
 import math
+import os
 import time
-from dataclasses import dataclass, field
+from collections.abc import MutableMapping
+from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Iterator
 
 import numpy as np
@@ -59,7 +61,7 @@ class OutputGradients:
     sums, the metric's scale ``c`` and whether costs are in the metric's own units (``linear``: likelihood metrics,
     which add up across layers) or squared (the relative output error, whose squares add up)."""
 
-    second: dict[str, np.ndarray]
+    second: "dict[str, np.ndarray] | Moments"  # a Moments in output_gradients' result (one part in memory)
     count: dict[str, int]
     carried: dict[str, bool]
     scale: float
@@ -96,11 +98,13 @@ def output_gradients(model: nn.Module, layers: dict[str, Layer] | list[Layer], c
     named = by_name(layers)
     acc = _Accumulator(named, dict(model.named_parameters(remove_duplicate=False)))
     cap = _Capture(model, acc.hook_paths(dict(model.named_modules(remove_duplicate=False))))
+    found = _blocks(model, [named[n] for n in acc.carried])
+    acc.second.budget = _part_bytes(found, [named[n] for n in acc.carried])
     pass_ = _Pass(metric.kind in ("perplexity", "kl", "masked"), metric.kind == "masked", samples,
                   torch.Generator().manual_seed(seed), model_device(model))
     batches = calibration.fit
     try:
-        with eval_mode(model), torch.enable_grad(), _checkpointed(model, [named[n] for n in acc.carried]):
+        with eval_mode(model), torch.enable_grad(), _checkpointed(found):
             for i, b0 in enumerate(batches):
                 if not _one_batch(model, b0.to(pass_.device), i, cap, acc, pass_):
                     break
@@ -136,7 +140,7 @@ class _Accumulator:
 
     def __init__(self, named: dict[str, Layer], params: dict[str, torch.Tensor]) -> None:
         self.named, self.params = named, params
-        self.second: dict[str, np.ndarray] = {}
+        self.second = Moments()  # one part's in memory once its budget is set, the rest on disk
         self.count: dict[str, int] = {}
         self.skipped: dict[str, str] = {}
         self.hooked: dict[str, list[str]] = {}  # module path -> layers whose output it gives
@@ -167,11 +171,7 @@ class _Accumulator:
             gg = gg.reshape(-1, gg.shape[-1]).float()
             if self.carried[name]:
                 gg = gg @ _function_view(layer, self.params[layer.param].detach()).float()
-            s = (gg.T @ gg).double().cpu().numpy()
-            if name in self.second:
-                self.second[name] += s
-            else:
-                self.second[name] = s
+            self.second.add(name, (gg.T @ gg).double().cpu().numpy())
             self.count[name] = self.count.get(name, 0) + int(gg.shape[0])
 
     def close(self) -> None:
@@ -261,16 +261,93 @@ def _losses(y: torch.Tensor, b: Batch, keep: torch.Tensor | None, p: _Pass) -> l
     return [projection] * p.samples
 
 
+def _blocks(model: nn.Module, layers: list[Layer]) -> Any:
+    """The model's repeated blocks holding most of ``layers`` (:func:`~auditor.calibration.stream.find_blocks`)."""
+    from .stream import find_blocks
+
+    return find_blocks(model, layers) if layers else None
+
+
+def _moment_bytes(layer: Layer) -> int:
+    return 8 * min(_out_in(layer)) ** 2
+
+
+def _part_bytes(found: Any, layers: list[Layer]) -> int | None:
+    """The second moments of the largest part of the model: one block's layers together, or one layer outside the
+    blocks; None (no limit) without repeated blocks."""
+    if found is None:
+        return None
+    parts = [sum(_moment_bytes(l) for l in ls) for ls in found.layers]
+    return max([*parts, *(_moment_bytes(l) for l in found.outside)], default=0)
+
+
+class Moments(MutableMapping):
+    """Per layer a float64 matrix summed batch by batch, at most ``budget`` bytes of them in memory (None: all); the
+    others in ``.npy`` files in a temporary directory, read, added to and written back. The sums are the same either
+    way (the same float64 additions in the same order); what is alive at once is one part of the model's."""
+
+    def __init__(self, budget: int | None = None) -> None:
+        self.budget = budget
+        self.bytes = 0
+        self.mem: dict[str, np.ndarray] = {}
+        self.files: dict[str, str] = {}
+        self._dir: Any = None
+
+    def add(self, name: str, s: np.ndarray) -> None:
+        """``s`` added to ``name``'s sum (its first term when there is none)."""
+        if name in self.mem:
+            self.mem[name] += s
+        elif name in self.files:
+            a = np.load(self.files[name], allow_pickle=False)
+            a += s
+            np.save(self.files[name], a, allow_pickle=False)
+        else:
+            self[name] = s
+
+    def __setitem__(self, name: str, a: np.ndarray) -> None:
+        if name in self:
+            del self[name]
+        if self.budget is None or self.bytes + a.nbytes <= self.budget:
+            self.mem[name] = a
+            self.bytes += a.nbytes
+            return
+        import tempfile
+
+        if self._dir is None:
+            self._dir = tempfile.TemporaryDirectory(prefix="lowrank-audit-moments-")
+        self.files[name] = os.path.join(self._dir.name, f"m{len(self.files)}.npy")
+        np.save(self.files[name], a, allow_pickle=False)
+
+    def __getitem__(self, name: str) -> np.ndarray:
+        if name in self.mem:
+            return self.mem[name]
+        return np.load(self.files[name], allow_pickle=False)
+
+    def __delitem__(self, name: str) -> None:
+        if name in self.mem:
+            self.bytes -= self.mem.pop(name).nbytes
+        else:
+            os.unlink(self.files.pop(name))
+
+    def __iter__(self) -> Iterator[str]:
+        return iter([*self.mem, *self.files])
+
+    def __len__(self) -> int:
+        return len(self.mem) + len(self.files)
+
+    def __contains__(self, name: object) -> bool:
+        return name in self.mem or name in self.files
+
+
 @contextlib.contextmanager
-def _checkpointed(model: nn.Module, layers: list[Layer]) -> Iterator[None]:
-    """While the block runs, each repeated block of ``model`` (where it has them) runs through
+def _checkpointed(found: Any) -> Iterator[None]:
+    """While the block runs, each repeated block (``found``, where the model has them) runs through
     ``torch.utils.checkpoint`` (non-reentrant), without the key/value caches it would fill (they would grow when
     the block is recomputed)."""
     from torch.utils.checkpoint import checkpoint
 
-    from .stream import _keep, find_blocks
+    from .stream import _keep
 
-    found = find_blocks(model, layers) if layers else None
     blocks = list(found.blocks) if found is not None else []
     saved = [(blk, blk.__dict__.get("forward")) for blk in blocks]
 
@@ -348,14 +425,25 @@ class GradientSensitivity:
         return sum(self.costs[k][min(r, len(self.costs[k]) - 1)] for k, r in plan.items() if k in self.costs)
 
 
+@dataclass
+class GradientSettings:
+    """How the output gradients are gathered: ``samples`` random projections or sampled label sets per fit batch,
+    the generator's ``seed``, and ``progress(batches done, batches)``."""
+
+    samples: int = SAMPLES
+    seed: int = 0
+    progress: Callable[[int, int], None] | None = None
+
+
 def gradient_sensitivity(model: nn.Module, layers: dict[str, Layer] | list[Layer], calibration: Calibration,
                          metric: Metric, stats: InputStatistics, spectra: dict[str, WhitenedSpectrum],
-                         samples: int = SAMPLES, seed: int = 0,
-                         progress: Callable[[int, int], None] | None = None) -> GradientSensitivity:
+                         settings: GradientSettings | None = None, **fields: Any) -> GradientSensitivity:
     """Every layer's predicted cost curve from one backward pass per sample (:func:`output_gradients`) and its input
-    statistics; layers without gradients (other kinds) get tier 1's squared error times the median ratio."""
+    statistics; layers without gradients (other kinds) get tier 1's squared error times the median ratio.
+    ``settings`` (a :class:`GradientSettings`), or its fields as keywords (``samples``, ``seed``, ``progress``)."""
+    o = replace(settings or GradientSettings(), **fields)
     named = by_name(layers)
-    grads = output_gradients(model, named, calibration, metric, samples, seed, progress)
+    grads = output_gradients(model, named, calibration, metric, o.samples, o.seed, o.progress)
     t = time.perf_counter()
     params = dict(model.named_parameters(remove_duplicate=False))
     costs: dict[str, list[float]] = {}
@@ -390,5 +478,5 @@ def predicted_value(cost: float, linear: bool) -> float:
     return cost if linear else math.sqrt(max(cost, 0.0))
 
 
-__all__ = ["GRADIENT_KINDS", "GradientSensitivity", "OutputGradients", "gradient_costs", "gradient_sensitivity",
+__all__ = ["GRADIENT_KINDS", "GradientSensitivity", "GradientSettings", "OutputGradients", "gradient_costs", "gradient_sensitivity",
            "output_gradients", "predicted_value"]
