@@ -219,8 +219,8 @@ def _print(r: dict) -> None:
         print(f"{r['name']:9s} {r['mode']:8s} {r['error']}", flush=True)
         return
     if r["mode"] == "audit":
-        print(f"{r['name']:9s} {r['mode']:8s} weights {r['weights_mib']:8,.0f} MiB  peak RSS {r['peak_mib']:8,.0f} MiB  "
-              f"audit {r['seconds']:7.1f} s  ({r['spectra']} of {r['layers']} layers in the plan)", flush=True)
+        print(f"{r['name']:9s} {r['mode']:8s} weights {r['weights_mib']:8,.0f} MiB  "
+              f"peak RSS {r['peak_mib']:8,.0f} MiB  audit {r['seconds']:7.1f} s  ({r['spectra']} of {r['layers']} layers in the plan)", flush=True)
         print("          " + "  ".join(f"{k} {v:,.0f}" for k, v in r["stages"].items()), flush=True)
         return
     print(f"{r['name']:9s} {r['mode']:8s} weights {r['weights_mib']:8,.0f} MiB  peak RSS {r['peak_mib']:8,.0f} MiB  "

@@ -48,7 +48,7 @@ from ..results import Kind, Layer
 from .inputs import Batch, Calibration, eval_mode, model_device
 from .metric import Metric, _masked_logprobs, _next_token_logprobs, _row_mask, main_output
 from .stats import InputStatistics, LayerInput, _module_path, by_name
-from .whiten import DAMP, WhitenedSpectrum, function_matrices
+from .whiten import DAMP, WhitenedSpectrum, function_matrices, save_spilled
 
 GRADIENT_KINDS = (Kind.LINEAR, Kind.CONV1D_HF, Kind.EMBEDDING)
 SAMPLES = 2  # random projections (output error) or sampled label sets (likelihood metrics) per fit batch
@@ -300,7 +300,7 @@ class Moments(MutableMapping):
         elif name in self.files:
             a = np.load(self.files[name], allow_pickle=False)
             a += s
-            np.save(self.files[name], a, allow_pickle=False)
+            save_spilled(self.files[name], a, "the output gradients' second moments")
         else:
             self[name] = s
 
@@ -316,7 +316,7 @@ class Moments(MutableMapping):
         if self._dir is None:
             self._dir = tempfile.TemporaryDirectory(prefix="lowrank-audit-moments-")
         self.files[name] = os.path.join(self._dir.name, f"m{len(self.files)}.npy")
-        np.save(self.files[name], a, allow_pickle=False)
+        save_spilled(self.files[name], a, "the output gradients' second moments")
 
     def __getitem__(self, name: str) -> np.ndarray:
         if name in self.mem:
@@ -478,5 +478,6 @@ def predicted_value(cost: float, linear: bool) -> float:
     return cost if linear else math.sqrt(max(cost, 0.0))
 
 
-__all__ = ["GRADIENT_KINDS", "GradientSensitivity", "GradientSettings", "OutputGradients", "gradient_costs", "gradient_sensitivity",
+__all__ = ["GRADIENT_KINDS", "GradientSensitivity", "GradientSettings", "Moments", "OutputGradients", "gradient_costs",
+           "gradient_sensitivity",
            "output_gradients", "predicted_value"]

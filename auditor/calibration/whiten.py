@@ -237,12 +237,23 @@ def truncator_bytes(layer: Layer) -> int:
     return 8 * out * (inp + min(out, inp))
 
 
+def save_spilled(path: str, a: np.ndarray, what: str) -> None:
+    """``a`` written to ``path`` (a temporary directory's file), or one line saying the disk refused it."""
+    try:
+        np.save(path, a, allow_pickle=False)
+    except OSError as exc:
+        from ..errors import AuditError
+
+        raise AuditError(f"cannot write {what} to {os.path.dirname(path)}: {exc.strerror or exc}",
+                         "Free disk space there, or set TMPDIR to a directory with room") from None
+
+
 class TruncatorStore(dict):
     """The per-layer truncators (:class:`Truncator`) kept across the plans tier 3 measures (``factorize``'s
-    ``reuse``), with at most ``budget`` bytes of them in memory: the rest are written to a temporary directory (F and each U as ``.npy``)
-    and read back when a plan asks for them, so the decompositions alive at once do not grow with the depth. A
-    layer is decomposed once; a decomposition read back is the same arrays, bit for bit. ``bytes``: those in memory;
-    ``spilled``: how many went to disk."""
+    ``reuse``), with at most ``budget`` bytes of them in memory: the rest are written to a temporary directory (F
+    and each U as ``.npy``) and read back when a plan asks for them, so the decompositions alive at once do not grow
+    with the depth. A layer is decomposed once; a decomposition read back is the same arrays, bit for bit.
+    ``bytes``: those in memory; ``spilled``: how many went to disk."""
 
     def __init__(self, budget: int) -> None:
         super().__init__()
@@ -265,9 +276,9 @@ class TruncatorStore(dict):
         if self._dir is None:
             self._dir = tempfile.TemporaryDirectory(prefix="lowrank-audit-truncators-")
         base = os.path.join(self._dir.name, f"t{len(self._disk)}")
-        np.save(f"{base}.f.npy", trunc.f, allow_pickle=False)
+        save_spilled(f"{base}.f.npy", trunc.f, "tier 3's decompositions")
         for g, u in enumerate(trunc.u):
-            np.save(f"{base}.u{g}.npy", u, allow_pickle=False)
+            save_spilled(f"{base}.u{g}.npy", u, "tier 3's decompositions")
         self._disk[key] = (trunc.layer, trunc.shape, trunc.dtype, trunc.device, len(trunc.u))
         self.spilled += 1
 
