@@ -122,3 +122,13 @@ def test_a_plan_measured_on_a_copy_sharing_the_weights_is_the_same_model():
     new = [p for p in shared.parameters() if p.data_ptr() not in kept]
     assert sum(p.numel() for p in new) == sum(r * (layers[k].m + layers[k].n) for k, r in plan.items())
     assert not any(p.data_ptr() in kept for p in own.parameters())
+
+
+def test_large_arrays_are_mapped_where_glibc_is_the_allocator():
+    import ctypes.util
+    import platform
+
+    from auditor.calibration.session import map_large_arrays
+
+    glibc = platform.system() == "Linux" and platform.libc_ver()[0] == "glibc" and ctypes.util.find_library("c")
+    assert map_large_arrays() is bool(glibc)
