@@ -272,7 +272,7 @@ def bench_cost(name: str, model: torch.nn.Module, cal, tolerance: float, align: 
 
     t_held = best(lambda: [run(model, b) for b in cal.measure], repeat=2)
     t0 = time.perf_counter()
-    sweeper = Sweeper(model, layers, cal, tolerance, align, stats=stats, spectra=spectra)
+    sweeper = Sweeper(model, layers, cal, tolerance=tolerance, align=align, stats=stats, spectra=spectra)
     t_setup = time.perf_counter() - t0
     rows = []
     for lname in sweeper.layers:

@@ -19,6 +19,16 @@ Tier 1 is the input statistics and every layer's whitened spectrum:
 Each configuration runs in a fresh subprocess under an address-space cap (``resource.setrlimit(RLIMIT_AS)``); its
 peak RSS is the child's ``ru_maxrss``. The summary line: the growth of peak RSS from depth 2 to depth 8 over the
 growth of the weights' bytes (goal: at most 1.3x for streaming).
+
+The whole audit (``--modes audit``, the default): ``auditor.audit`` with the calibration given as the batches of 4
+windows (``cache=False``: nothing read from or written to the statistics cache), the default calibrated audit as a
+user runs it: statistics and tier 1, gradient sensitivity, tier 3's plan search, the verification and the plan
+check. Its peak RSS is printed beside the weights' bytes, with each stage's own peak (sampled every 5 ms in a
+thread; a stage is a progress phase), and the summary line gives the growth ratio from depth 2 to depth 8 (goal:
+at most 1.3x the weights' growth, issue 28).
+
+    python benchmarks/llm_calibration.py --modes audit --depths 2,4,8    # the whole audit (a few minutes a depth)
+    python benchmarks/llm_calibration.py --modes stream,onepass           # tier 1 alone, both ways
 """
 
 from __future__ import annotations
@@ -83,7 +93,10 @@ def child(name: str, mode: str, over: dict | None = None) -> dict:
     base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     t = time.perf_counter()
     done = 0
-    if mode == "stream":  # the audit's path: the session streams, whitens per block and spills the Grams
+    stages: dict[str, float] = {}
+    if mode == "audit":  # the whole default calibrated audit, as a user runs it
+        done, stages = _audit(model, ids, batches)
+    elif mode == "stream":  # the audit's path: the session streams, whitens per block and spills the Grams
         from auditor.calibration.inputs import Calibration
         from auditor.calibration.session import CalibrationSession
         from auditor.options import AuditOptions
@@ -102,8 +115,52 @@ def child(name: str, mode: str, over: dict | None = None) -> dict:
     seconds = time.perf_counter() - t
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return {"name": name, "mode": mode, "vocab": c["vocab"], "windows": c["windows"], "weights_mib": weights / 2**20, "peak_mib": peak / 1024,
-            "before_mib": base / 1024, "seconds": seconds, "spectra": done, "layers": len(layers),
+            "before_mib": base / 1024, "seconds": seconds, "spectra": done, "layers": len(layers), "stages": stages,
             **({"grams_mib": shared} if mode == "onepass" else {})}
+
+
+def _audit(model, ids, batches) -> tuple[int, dict[str, float]]:
+    """``auditor.audit`` with the calibration as its batches: (layers in the suggested plan, each stage's peak RSS
+    in MiB). A stage is a progress phase; the RSS is sampled every 5 ms in a thread."""
+    import contextlib
+    import threading
+
+    import auditor
+    from auditor import progress as prog
+
+    stage = ["before"]
+    peaks: dict[str, float] = {}
+    stop = threading.Event()
+
+    def sample() -> None:
+        while not stop.is_set():
+            with open("/proc/self/statm") as fh:
+                rss = int(fh.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+            peaks[stage[0]] = max(peaks.get(stage[0], 0.0), rss)
+            time.sleep(0.005)
+
+    phase = prog.Progress.phase
+
+    @contextlib.contextmanager
+    def named(self, name, *a, **k):  # the stage sampled while the phase runs, "between" after it
+        stage[0] = name
+        try:
+            with phase(self, name, *a, **k) as p:
+                yield p
+        finally:
+            stage[0] = "between"
+
+    prog.Progress.phase = named
+    th = threading.Thread(target=sample, daemon=True)
+    th.start()
+    try:
+        a = auditor.audit(model, {"input_ids": ids[:1]}, calibration=[b.kwargs for b in batches], cache=False)
+    finally:
+        stop.set()
+        th.join()
+        prog.Progress.phase = phase
+    budget = a.calibration.budget if a.calibration is not None else None
+    return (len(budget.plan) if budget is not None else 0), peaks
 
 
 def run(name: str, mode: str, cap_gb: float, timeout: float, over: dict | None = None) -> dict:
@@ -118,13 +175,15 @@ def main() -> None:
     ap.add_argument("--tinyllama", action="store_true", help="also the 1.1B bf16 config (streaming only)")
     ap.add_argument("--only", choices=["depths", "tinyllama"], help="one part")
     ap.add_argument("--cap-gb", type=float, default=24.0, help="address-space cap of each subprocess (default 24)")
-    ap.add_argument("--timeout", type=float, default=600.0, help="seconds per configuration (default 600)")
+    ap.add_argument("--timeout", type=float, default=1500.0, help="seconds per configuration (default 1500: the whole "
+                    "audit at depth 8 took 528 s on the loaded 2-core VM)")
     ap.add_argument("--json", metavar="FILE", help="also write the rows as JSON")
     ap.add_argument("--depths", default="2,4,8", help="depths of the width-1024 configs (default 2,4,8)")
     ap.add_argument("--vocab", type=int, help="vocabulary of the width-1024 configs (default 32000)")
     ap.add_argument("--windows", type=int, help="calibration windows of the width-1024 configs (default 24)")
     ap.add_argument("--tiny-windows", type=int, help="calibration windows of the 1.1B config (default 64)")
-    ap.add_argument("--modes", default="stream,onepass", help="which of stream,onepass to run (default both)")
+    ap.add_argument("--modes", default="audit", help="which of audit,stream,onepass to run (default audit: the whole "
+                    "default calibrated audit)")
     a = ap.parse_args()
     over = {k: v for k, v in (("vocab", a.vocab), ("windows", a.windows)) if v is not None}
     tiny = {"windows": a.tiny_windows} if a.tiny_windows else {}
@@ -140,7 +199,7 @@ def main() -> None:
                 r = run(name, mode, a.cap_gb, a.timeout, over)
                 rows.append(r)
                 _print(r)
-        for mode in ("stream", "onepass"):
+        for mode in ("audit", "stream", "onepass"):
             lo = next((r for r in rows if r["name"] == "d2" and r["mode"] == mode), None)
             hi = next((r for r in rows if r["name"] == "d8" and r["mode"] == mode), None)
             if lo is None or hi is None or "error" in lo or "error" in hi:
@@ -148,7 +207,7 @@ def main() -> None:
             grow = hi["peak_mib"] - lo["peak_mib"]
             wgrow = hi["weights_mib"] - lo["weights_mib"]
             print(f"{mode:8s} depth 2 -> 8: peak RSS +{grow:,.0f} MiB for +{wgrow:,.0f} MiB of weights: "
-                  f"{grow / wgrow:.2f}x" + ("  (goal <= 1.3x)" if mode == "stream" else ""))
+                  f"{grow / wgrow:.2f}x" + ("  (goal <= 1.3x)" if mode in ("stream", "audit") else ""))
     if a.tinyllama or a.only == "tinyllama":
         rows.append(run("tinyllama", "stream", a.cap_gb, a.timeout, tiny))
         _print(rows[-1])
@@ -159,6 +218,11 @@ def main() -> None:
 def _print(r: dict) -> None:
     if "error" in r:
         print(f"{r['name']:9s} {r['mode']:8s} {r['error']}", flush=True)
+        return
+    if r["mode"] == "audit":
+        print(f"{r['name']:9s} {r['mode']:8s} weights {r['weights_mib']:8,.0f} MiB  "
+              f"peak RSS {r['peak_mib']:8,.0f} MiB  audit {r['seconds']:7.1f} s  ({r['spectra']} of {r['layers']} layers in the plan)", flush=True)
+        print("          " + "  ".join(f"{k} {v:,.0f}" for k, v in r["stages"].items()), flush=True)
         return
     print(f"{r['name']:9s} {r['mode']:8s} weights {r['weights_mib']:8,.0f} MiB  peak RSS {r['peak_mib']:8,.0f} MiB  "
           f"tier 1 {r['seconds']:7.1f} s  ({r['spectra']} spectra of {r['layers']} layers)"

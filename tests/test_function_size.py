@@ -25,18 +25,8 @@ EXCEPTIONS: dict[str, str] = {
     "calibration/budget.py:plan_for_budget": SPLITTING,
     "calibration/budget.py:_search": SPLITTING,
     "calibration/budget.py:recover_frontier": SPLITTING,
-    "calibration/cluster.py:measure_floors_on_cluster": SPLITTING,
-    "calibration/fisher.py:output_gradients": SPLITTING,
-    "calibration/fisher.py:gradient_sensitivity": SPLITTING,
-    "calibration/session.py:_statistics": SPLITTING,
     "calibration/stage.py:calibrate": SPLITTING,
     "calibration/stage.py:check_plan": SPLITTING,
-    "calibration/stream.py:stream_statistics": SPLITTING,
-    "calibration/stream.py:_stream": SPLITTING,
-    "calibration/sweep.py:PrefixCache._record": SPLITTING,
-    "calibration/sweep.py:Sweeper.__init__": SPLITTING,
-    "calibration/sweep.py:Sweeper.floor": SPLITTING,
-    "calibration/sweep.py:measure_floors": SPLITTING,
 }
 
 

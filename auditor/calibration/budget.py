@@ -310,7 +310,7 @@ def _search(model: nn.Module, ev: Evaluator, curves: Curves, named: dict[str, La
         if key not in memo:  # each distinct plan is factorized and measured once
             if len(tries) >= max_tries:  # the safety net: the last plan measured stands in
                 return tries[-1]
-            m = ev.measure(factorize(model, plan, stats, reuse=reuse)) if plan else ev.measure(model)
+            m = ev.measure(factorize(model, plan, stats, reuse=reuse, share=True)) if plan else ev.measure(model)
             memo[key] = FrontierPlan(saved, saved / total if total else 0.0, m.value, m.ok, len(plan), m.top1, target=int(target),
                                      plan=plan, predicted_cost=cost)
             tries.append(memo[key])

@@ -280,28 +280,36 @@ def _remove_plugin(client: Any, name: str) -> None:
         pass
 
 
-def measure_floors_on_cluster(model: "nn.Module", layers: list["Layer"], calibration: "Calibration",
-                              metric: "Metric", align: int, stats: "InputStatistics",
-                              spectra: dict[str, "WhitenedSpectrum"], options: "AuditOptions",
-                              search: str = "bisect") -> tuple["Floors", str]:
-    """Tier 2 with one Dask task per layer on ``options.scheduler`` (an address or a ``distributed.Client``):
-    the same :class:`~auditor.calibration.sweep.Floors` ``measure_floors`` returns, and where it ran
-    ("dask tcp://HOST:PORT (N workers)"). Progress (tasks done / total) goes to the run's progress bar."""
-    import uuid
-
-    from ..progress import Progress
+def _payload(model: "nn.Module", layers: list["Layer"], calibration: "Calibration", base: SweepPayload,
+             options: "AuditOptions") -> SweepPayload:
+    """``base`` with how the workers get the model (by source where the audit has one that maps to local files,
+    else by value) and only the held-out part of the calibration."""
     from .hashing import weights_hash
 
-    t0 = time.perf_counter()
     source = None
     if options.origin is not None:
         source = mapped_source(options.origin[0], options.origin[1], options.path_map)
-    payload = SweepPayload(source=source, model=None if source is not None else model,
-                           weights_hash=weights_hash(model) if source is not None else "",
-                           layers=list(layers), calibration=measured_part(calibration), stats=stats,
-                           spectra=dict(spectra),
-                           metric=metric, align=align)
-    data = payload_bytes(payload)
+    return replace(base, source=source, model=None if source is not None else model,
+                   weights_hash=weights_hash(model) if source is not None else "",
+                   calibration=measured_part(calibration))
+
+
+def measure_floors_on_cluster(model: "nn.Module", layers: list["Layer"], calibration: "Calibration",
+                              metric: "Metric", align: int, stats: "InputStatistics",
+                              spectra: dict[str, "WhitenedSpectrum"], options: "AuditOptions",
+                              ) -> tuple["Floors", str]:
+    """Tier 2 with one Dask task per layer on ``options.scheduler`` (an address or a ``distributed.Client``):
+    the same :class:`~auditor.calibration.sweep.Floors` ``measure_floors`` returns with its bisection, and where it
+    ran ("dask tcp://HOST:PORT (N workers)"). Progress (tasks done / total) goes to the run's progress bar. (The
+    brute-force reference, ``search="all"``, runs locally: :func:`~auditor.calibration.sweep.measure_floors`.)"""
+    import uuid
+
+    from ..progress import Progress
+
+    t0 = time.perf_counter()
+    search = "bisect"
+    data = payload_bytes(_payload(model, layers, calibration, SweepPayload(
+        None, None, "", list(layers), calibration, stats, dict(spectra), metric, align), options))
     name = f"{PLUGIN_PREFIX}{uuid.uuid4().hex[:12]}"
     progress = Progress(enabled=options.progress)
     with executor_for(options.scheduler, options.path_map) as ex:

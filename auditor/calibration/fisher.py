@@ -29,14 +29,18 @@ median ratio of gradient cost to tier-1 cost over the layers that have gradients
 
 from __future__ import annotations
 
+import contextlib
 import math
+import os
 import time
-from dataclasses import dataclass, field
-from typing import Any, Callable
+from collections.abc import MutableMapping
+from dataclasses import dataclass, field, replace
+from typing import Any, Callable, Iterator
 
 import numpy as np
 import torch
 from torch import nn
+from torch.autograd.graph import get_gradient_edge
 
 from .. import lrmath
 from ..errors import AuditError, first_line
@@ -44,7 +48,7 @@ from ..results import Kind, Layer
 from .inputs import Batch, Calibration, eval_mode, model_device
 from .metric import Metric, _row_mask, main_output
 from .stats import InputStatistics, LayerInput, _module_path, by_name
-from .whiten import DAMP, WhitenedSpectrum, function_matrices
+from .whiten import DAMP, WhitenedSpectrum, function_matrices, save_spilled
 
 GRADIENT_KINDS = (Kind.LINEAR, Kind.CONV1D_HF, Kind.EMBEDDING)
 SAMPLES = 2  # random projections (output error) or sampled label sets (likelihood metrics) per fit batch
@@ -57,7 +61,7 @@ class OutputGradients:
     sums, the metric's scale ``c`` and whether costs are in the metric's own units (``linear``: likelihood metrics,
     which add up across layers) or squared (the relative output error, whose squares add up)."""
 
-    second: dict[str, np.ndarray]
+    second: "dict[str, np.ndarray] | Moments"  # a Moments in output_gradients' result (one part in memory)
     count: dict[str, int]
     carried: dict[str, bool]
     scale: float
@@ -84,111 +88,284 @@ def output_gradients(model: nn.Module, layers: dict[str, Layer] | list[Layer], c
                      progress: Callable[[int, int], None] | None = None) -> OutputGradients:
     """One forward and ``samples`` backward passes per fit batch, gradient hooks on every supported layer's output
     (rows with ``attention_mask`` 0 left out, as in the statistics). The model runs where it is, in eval mode; no
-    parameter's ``requires_grad`` or ``.grad`` is touched (the graph starts at the hooked outputs)."""
+    parameter's ``requires_grad`` or ``.grad`` is touched (the graph starts at the hooked outputs). Where the model
+    has repeated blocks (:func:`~auditor.calibration.stream.find_blocks`) each block runs checkpointed
+    (``torch.utils.checkpoint``, non-reentrant): the backward recomputes one block's activations at a time, so the
+    activations alive at once are the blocks' inputs and one block's, not every block's."""
     if not metric.spec.gradient:
         raise AuditError("gradient sensitivity needs a built-in metric", "Use --probe with a user metric")
     t0 = time.perf_counter()
     named = by_name(layers)
-    params = dict(model.named_parameters(remove_duplicate=False))
-    modules = dict(model.named_modules(remove_duplicate=False))
-    skipped: dict[str, str] = {}
-    hooked: dict[str, list[str]] = {}  # module path -> layers whose output it gives
-    for name, layer in named.items():
-        if layer.kind not in GRADIENT_KINDS or layer.param not in params:
-            skipped[name] = f"no output gradient for {layer.kind} layers"
-            continue
-        path = _module_path(layer)[0]
-        if path not in modules:
-            skipped[name] = "its module is not found"
-            continue
-        hooked.setdefault(path, []).append(name)
-    second: dict[str, np.ndarray] = {}
-    count: dict[str, int] = {}
-    carried = {n: _out_in(named[n])[0] > _out_in(named[n])[1] for ns in hooked.values() for n in ns}
-    likelihood = metric.spec.gradient == "likelihood"
-    gen = torch.Generator().manual_seed(seed)
-    device = model_device(model)
-    captured: list[tuple[str, torch.Tensor]] = []
+    acc = _Accumulator(named, dict(model.named_parameters(remove_duplicate=False)))
+    cap = _Capture(model, acc.hook_paths(dict(model.named_modules(remove_duplicate=False))))
+    found = _blocks(model, [named[n] for n in acc.carried])
+    acc.second.budget = _part_bytes(found, [named[n] for n in acc.carried])
+    pass_ = _Pass(metric.spec.gradient == "likelihood", metric.spec.logprobs, samples,
+                  torch.Generator().manual_seed(seed), model_device(model))
+    batches = calibration.fit
+    try:
+        with eval_mode(model), torch.enable_grad(), _checkpointed(found):
+            for i, b0 in enumerate(batches):
+                if not _one_batch(model, b0.to(pass_.device), i, cap, acc, pass_):
+                    break
+                if progress is not None:
+                    progress(i + 1, len(batches))
+    finally:
+        cap.remove()
+    acc.close()
+    scale = ((1.0 / (2.0 * pass_.scored) if pass_.scored else 0.0) if pass_.likelihood
+             else (1.0 / pass_.norm2 if pass_.norm2 > 0 else 0.0))
+    return OutputGradients(acc.second, acc.count, acc.carried, scale, pass_.likelihood, pass_.passes,
+                           time.perf_counter() - t0, acc.skipped)
 
-    def hook(path: str) -> Callable[..., Any]:
+
+@dataclass
+class _Pass:
+    """The pass's settings and running totals: a likelihood metric (labels sampled from the model) or the output
+    error (random projections); the dense output's squared norm or the positions scored; backward passes run."""
+
+    likelihood: bool
+    logprobs: Callable[..., Any] | None  # the metric's (log-probabilities, labels) of an output and its batch
+    samples: int
+    gen: torch.Generator
+    device: torch.device
+    norm2: float = 0.0
+    scored: int = 0
+    passes: int = 0
+
+
+class _Accumulator:
+    """Per layer the summed second moment of its output gradient (min(out, in) square: the gradient carried back
+    through F where out > in), and the position-samples summed."""
+
+    def __init__(self, named: dict[str, Layer], params: dict[str, torch.Tensor]) -> None:
+        self.named, self.params = named, params
+        self.second = Moments()  # one part's in memory once its budget is set, the rest on disk
+        self.count: dict[str, int] = {}
+        self.skipped: dict[str, str] = {}
+        self.hooked: dict[str, list[str]] = {}  # module path -> layers whose output it gives
+        self.carried: dict[str, bool] = {}
+
+    def hook_paths(self, modules: dict[str, nn.Module]) -> dict[str, nn.Module]:
+        """The modules to hook (path -> module); layers without one are ``skipped`` with the reason."""
+        for name, layer in self.named.items():
+            if layer.kind not in GRADIENT_KINDS or layer.param not in self.params:
+                self.skipped[name] = f"no output gradient for {layer.kind} layers"
+                continue
+            path = _module_path(layer)[0]
+            if path not in modules:
+                self.skipped[name] = "its module is not found"
+                continue
+            self.hooked.setdefault(path, []).append(name)
+        self.carried = {n: _out_in(self.named[n])[0] > _out_in(self.named[n])[1]
+                        for ns in self.hooked.values() for n in ns}
+        return {p: modules[p] for p in self.hooked}
+
+    def add(self, path: str, g: torch.Tensor, keep: torch.Tensor | None) -> None:
+        """One output gradient of the module at ``path`` added to its layers' second moments."""
+        for name in self.hooked[path]:
+            layer = self.named[name]
+            gg = g.detach()
+            if keep is not None and gg.dim() == 3 and tuple(gg.shape[:2]) == tuple(keep.shape):
+                gg = gg[keep]
+            gg = gg.reshape(-1, gg.shape[-1]).float()
+            if self.carried[name]:
+                gg = gg @ _function_view(layer, self.params[layer.param].detach()).float()
+            self.second.add(name, (gg.T @ gg).double().cpu().numpy())
+            self.count[name] = self.count.get(name, 0) + int(gg.shape[0])
+
+    def close(self) -> None:
+        for name in [n for ns in self.hooked.values() for n in ns]:
+            if name not in self.second:
+                self.skipped[name] = "no gradient reached its output"
+
+
+class _Capture:
+    """Forward hooks keeping, for every hooked module's floating-point output of the forward being recorded, its
+    gradient edge (the output's place in the graph, not its values: the output itself is freed when the forward is
+    done with it). An output that needs no gradient is replaced by a leaf that does, so the graph starts there.
+    While ``recording`` is off (a checkpointed block recomputed in the backward) the hooks build the same graph
+    and keep nothing."""
+
+    def __init__(self, model: nn.Module, modules: dict[str, nn.Module]) -> None:
+        self.captured: list[tuple[str, Any]] = []
+        self.recording = True
+        self.handles = [m.register_forward_hook(self._hook(p)) for p, m in modules.items()]
+
+    def _hook(self, path: str) -> Callable[..., Any]:
         def fn(mod: nn.Module, args: Any, out: Any) -> Any:
             if not isinstance(out, torch.Tensor) or not out.is_floating_point():
                 return None
             if not out.requires_grad:
                 out = out.detach().requires_grad_(True)
-            captured.append((path, out))
+            if self.recording:
+                self.captured.append((path, get_gradient_edge(out)))
             return out
         return fn
 
-    handles = [modules[p].register_forward_hook(hook(p)) for p in hooked]
-    norm2 = 0.0
-    scored = 0
-    passes = 0
-    batches = calibration.fit
-    try:
-        with eval_mode(model), torch.enable_grad():
-            for i, b0 in enumerate(batches):
-                b: Batch = b0.to(device)
-                captured.clear()
-                try:
-                    y = main_output(model(*b.args, **b.kwargs))
-                except AuditError:
-                    raise
-                except Exception as exc:  # noqa: BLE001 - a batch the forward refuses, said in one line
-                    raise AuditError(f"the forward failed on fit batch {i} while reading output gradients: "
-                                     f"{first_line(exc)}", "Give every batch the inputs the model takes") from None
-                keep = _row_mask(b)
-                if likelihood:
-                    logp, _ = metric.spec.logprobs(y, b)
-                    scored += int(logp.shape[0])
-                    probs = logp.detach().exp().cpu()
-                else:
-                    yy = y if keep is None or y.dim() != 3 or tuple(y.shape[:2]) != tuple(keep.shape) else y * keep[..., None]
-                    norm2 += float(yy.detach().double().pow(2).sum())
-                tensors = [t for _, t in captured if t.requires_grad]
-                if not tensors:
-                    break
-                for k in range(samples):
-                    if likelihood:
-                        pick = torch.multinomial(probs, 1, generator=gen).to(device)
-                        loss = -logp.gather(1, pick).sum()
-                    else:
-                        w = torch.randn(yy.shape, generator=gen, dtype=torch.float32).to(device=device, dtype=yy.dtype)
-                        loss = (w * yy).sum()
-                    grads = torch.autograd.grad(loss, tensors, retain_graph=k < samples - 1, allow_unused=True)
-                    passes += 1
-                    for (path, t), g in zip([c for c in captured if c[1].requires_grad], grads):
-                        if g is None:
-                            continue
-                        for name in hooked[path]:
-                            layer = named[name]
-                            gg = g.detach()
-                            if keep is not None and gg.dim() == 3 and tuple(gg.shape[:2]) == tuple(keep.shape):
-                                gg = gg[keep]
-                            gg = gg.reshape(-1, gg.shape[-1]).float()
-                            if carried[name]:
-                                gg = gg @ _function_view(layer, params[layer.param].detach()).float()
-                            s = (gg.T @ gg).double().cpu().numpy()
-                            if name in second:
-                                second[name] += s
-                            else:
-                                second[name] = s
-                            count[name] = count.get(name, 0) + int(gg.shape[0])
-                del captured[:]
-                if progress is not None:
-                    progress(i + 1, len(batches))
-    finally:
-        for h in handles:
+    def remove(self) -> None:
+        for h in self.handles:
             h.remove()
-        captured.clear()
-    if likelihood:
-        scale = 1.0 / (2.0 * scored) if scored else 0.0
-    else:
-        scale = 1.0 / norm2 if norm2 > 0 else 0.0
-    for name in [n for ns in hooked.values() for n in ns]:
-        if name not in second:
-            skipped[name] = "no gradient reached its output"
-    return OutputGradients(second, count, carried, scale, likelihood, passes, time.perf_counter() - t0, skipped)
+        self.captured.clear()
+
+
+def _one_batch(model: nn.Module, b: Batch, i: int, cap: _Capture, acc: _Accumulator, p: _Pass) -> bool:
+    """One fit batch: the forward, then ``samples`` backward passes whose output gradients are added up. False when
+    nothing hooked needs a gradient (nothing more to gather)."""
+    cap.captured.clear()
+    cap.recording = True
+    try:
+        y = main_output(model(*b.args, **b.kwargs))
+    except AuditError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - a batch the forward refuses, said in one line
+        raise AuditError(f"the forward failed on fit batch {i} while reading output gradients: "
+                         f"{first_line(exc)}", "Give every batch the inputs the model takes") from None
+    cap.recording = False
+    keep = _row_mask(b)
+    losses = _losses(y, b, keep, p)
+    got = list(cap.captured)
+    if not got:
+        return False
+    for k, loss in enumerate(losses):
+        grads = torch.autograd.grad(loss(), [t for _, t in got], retain_graph=k < p.samples - 1, allow_unused=True)
+        p.passes += 1
+        for (path, _), g in zip(got, grads):
+            if g is not None:
+                acc.add(path, g, keep)
+    del got[:]
+    cap.captured.clear()
+    return True
+
+
+def _losses(y: torch.Tensor, b: Batch, keep: torch.Tensor | None, p: _Pass) -> list[Callable[[], torch.Tensor]]:
+    """The ``samples`` losses to differentiate, each drawn when called (in order, from the pass's generator): the
+    negative log-likelihood of labels sampled from the model, or a random projection of the (masked) output."""
+    if p.likelihood:
+        logp, _ = p.logprobs(y, b)
+        p.scored += int(logp.shape[0])
+        probs = logp.detach().exp().cpu()
+
+        def nll() -> torch.Tensor:
+            pick = torch.multinomial(probs, 1, generator=p.gen).to(p.device)
+            return -logp.gather(1, pick).sum()
+
+        return [nll] * p.samples
+    yy = y if keep is None or y.dim() != 3 or tuple(y.shape[:2]) != tuple(keep.shape) else y * keep[..., None]
+    p.norm2 += float(yy.detach().double().pow(2).sum())
+
+    def projection() -> torch.Tensor:
+        w = torch.randn(yy.shape, generator=p.gen, dtype=torch.float32).to(device=p.device, dtype=yy.dtype)
+        return (w * yy).sum()
+
+    return [projection] * p.samples
+
+
+def _blocks(model: nn.Module, layers: list[Layer]) -> Any:
+    """The model's repeated blocks holding most of ``layers`` (:func:`~auditor.calibration.stream.find_blocks`)."""
+    from .stream import find_blocks
+
+    return find_blocks(model, layers) if layers else None
+
+
+def _moment_bytes(layer: Layer) -> int:
+    return 8 * min(_out_in(layer)) ** 2
+
+
+def _part_bytes(found: Any, layers: list[Layer]) -> int | None:
+    """The second moments of the largest part of the model: one block's layers together, or one layer outside the
+    blocks; None (no limit) without repeated blocks."""
+    if found is None:
+        return None
+    parts = [sum(_moment_bytes(l) for l in ls) for ls in found.layers]
+    return max([*parts, *(_moment_bytes(l) for l in found.outside)], default=0)
+
+
+class Moments(MutableMapping):
+    """Per layer a float64 matrix summed batch by batch, at most ``budget`` bytes of them in memory (None: all); the
+    others in ``.npy`` files in a temporary directory, read, added to and written back. The sums are the same either
+    way (the same float64 additions in the same order); what is alive at once is one part of the model's."""
+
+    def __init__(self, budget: int | None = None) -> None:
+        self.budget = budget
+        self.bytes = 0
+        self.mem: dict[str, np.ndarray] = {}
+        self.files: dict[str, str] = {}
+        self._dir: Any = None
+
+    def add(self, name: str, s: np.ndarray) -> None:
+        """``s`` added to ``name``'s sum (its first term when there is none)."""
+        if name in self.mem:
+            self.mem[name] += s
+        elif name in self.files:
+            a = np.load(self.files[name], allow_pickle=False)
+            a += s
+            save_spilled(self.files[name], a, "the output gradients' second moments")
+        else:
+            self[name] = s
+
+    def __setitem__(self, name: str, a: np.ndarray) -> None:
+        if name in self:
+            del self[name]
+        if self.budget is None or self.bytes + a.nbytes <= self.budget:
+            self.mem[name] = a
+            self.bytes += a.nbytes
+            return
+        import tempfile
+
+        if self._dir is None:
+            self._dir = tempfile.TemporaryDirectory(prefix="lowrank-audit-moments-")
+        self.files[name] = os.path.join(self._dir.name, f"m{len(self.files)}.npy")
+        save_spilled(self.files[name], a, "the output gradients' second moments")
+
+    def __getitem__(self, name: str) -> np.ndarray:
+        if name in self.mem:
+            return self.mem[name]
+        return np.load(self.files[name], allow_pickle=False)
+
+    def __delitem__(self, name: str) -> None:
+        if name in self.mem:
+            self.bytes -= self.mem.pop(name).nbytes
+        else:
+            os.unlink(self.files.pop(name))
+
+    def __iter__(self) -> Iterator[str]:
+        return iter([*self.mem, *self.files])
+
+    def __len__(self) -> int:
+        return len(self.mem) + len(self.files)
+
+    def __contains__(self, name: object) -> bool:
+        return name in self.mem or name in self.files
+
+
+@contextlib.contextmanager
+def _checkpointed(found: Any) -> Iterator[None]:
+    """While the block runs, each repeated block (``found``, where the model has them) runs through
+    ``torch.utils.checkpoint`` (non-reentrant), without the key/value caches it would fill (they would grow when
+    the block is recomputed)."""
+    from torch.utils.checkpoint import checkpoint
+
+    from .stream import _keep
+
+    blocks = list(found.blocks) if found is not None else []
+    saved = [(blk, blk.__dict__.get("forward")) for blk in blocks]
+
+    def wrap(fwd: Callable[..., Any]) -> Callable[..., Any]:
+        def run(*args: Any, **kwargs: Any) -> Any:
+            return checkpoint(fwd, *args, use_reentrant=False, **_keep(kwargs))
+        return run
+
+    try:
+        for blk in blocks:
+            blk.forward = wrap(blk.forward)  # type: ignore[method-assign]
+        yield
+    finally:
+        for blk, fwd in saved:
+            if fwd is None:
+                del blk.forward
+            else:
+                blk.forward = fwd
 
 
 def gradient_costs(layer: Layer, weight: torch.Tensor, inp: LayerInput, grads: OutputGradients,
@@ -248,14 +425,25 @@ class GradientSensitivity:
         return sum(self.costs[k][min(r, len(self.costs[k]) - 1)] for k, r in plan.items() if k in self.costs)
 
 
+@dataclass
+class GradientSettings:
+    """How the output gradients are gathered: ``samples`` random projections or sampled label sets per fit batch,
+    the generator's ``seed``, and ``progress(batches done, batches)``."""
+
+    samples: int = SAMPLES
+    seed: int = 0
+    progress: Callable[[int, int], None] | None = None
+
+
 def gradient_sensitivity(model: nn.Module, layers: dict[str, Layer] | list[Layer], calibration: Calibration,
                          metric: Metric, stats: InputStatistics, spectra: dict[str, WhitenedSpectrum],
-                         samples: int = SAMPLES, seed: int = 0,
-                         progress: Callable[[int, int], None] | None = None) -> GradientSensitivity:
+                         settings: GradientSettings | None = None, **fields: Any) -> GradientSensitivity:
     """Every layer's predicted cost curve from one backward pass per sample (:func:`output_gradients`) and its input
-    statistics; layers without gradients (other kinds) get tier 1's squared error times the median ratio."""
+    statistics; layers without gradients (other kinds) get tier 1's squared error times the median ratio.
+    ``settings`` (a :class:`GradientSettings`), or its fields as keywords (``samples``, ``seed``, ``progress``)."""
+    o = replace(settings or GradientSettings(), **fields)
     named = by_name(layers)
-    grads = output_gradients(model, named, calibration, metric, samples, seed, progress)
+    grads = output_gradients(model, named, calibration, metric, o.samples, o.seed, o.progress)
     t = time.perf_counter()
     params = dict(model.named_parameters(remove_duplicate=False))
     costs: dict[str, list[float]] = {}
@@ -290,5 +478,6 @@ def predicted_value(cost: float, linear: bool) -> float:
     return cost if linear else math.sqrt(max(cost, 0.0))
 
 
-__all__ = ["GRADIENT_KINDS", "GradientSensitivity", "OutputGradients", "gradient_costs", "gradient_sensitivity",
+__all__ = ["GRADIENT_KINDS", "GradientSensitivity", "GradientSettings", "Moments", "OutputGradients", "gradient_costs",
+           "gradient_sensitivity",
            "output_gradients", "predicted_value"]

@@ -23,7 +23,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import os
-from dataclasses import replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Iterator
 
@@ -33,12 +33,13 @@ from ..errors import AuditError
 from .. import kinds
 from ..results import Kind, Layer
 from .hashing import code_hash, weights_hash
-from .inputs import Calibration, eval_mode, load_calibration
+from .inputs import Batch, Calibration, eval_mode, load_calibration
 from .metric import Evaluator, Metric, load_metric
 from .stats import InputStatistics, by_name, input_statistics
 
 if TYPE_CHECKING:
     from ..options import AuditOptions
+    from .stats import GramStore
     from ..progress import Progress
 
 
@@ -131,6 +132,21 @@ def _trim() -> None:
         _LIBC.malloc_trim(0)
 
 
+MMAP_THRESHOLD = 1 << 20  # bytes: arrays this large or larger are mapped, and unmapped when freed
+
+
+def map_large_arrays() -> bool:
+    """glibc's ``mallopt(M_MMAP_THRESHOLD, 1 MiB)`` (nothing elsewhere): every allocation of 1 MiB or more is mapped
+    and handed back to the system when freed. Without it glibc raises the threshold as large blocks are freed, and
+    the many float64 arrays of a few MiB the calibrated audit allocates and frees (moments, decompositions read
+    back, Grams) stay in its heap: measured, the whole audit's peak grew 2.12x the weights' growth from depth 2 to 8,
+    1.10x with the threshold fixed (docs/calibration.md). Process-wide, as glibc's ``MALLOC_MMAP_THRESHOLD_``."""
+    _trim()  # loads libc
+    if not _LIBC:
+        return False
+    return bool(_LIBC.mallopt(-3, MMAP_THRESHOLD))  # M_MMAP_THRESHOLD
+
+
 def _statistics(model: nn.Module, layers: list[Layer], cal: Calibration, options: "AuditOptions",
                 progress: "Progress | None" = None,
                 on_block: "Callable[[int, InputStatistics], None] | None" = None) -> tuple[InputStatistics, bool]:
@@ -141,11 +157,25 @@ def _statistics(model: nn.Module, layers: list[Layer], cal: Calibration, options
     gets each block's statistics while they are in memory, and they are then written to disk: to the cache entry
     (``options.cache``), else to a temporary directory removed with the statistics. The result's ``layers`` is a
     :class:`~auditor.calibration.stats.GramStore` that reads one layer's Gram back when asked for."""
-    import shutil
+    _check_memory(layers, model)
+    entry = _cache_entry(model, layers, cal, options)
+    if entry is not None and (entry / "meta.json").is_file():
+        stats = _open_cached(entry, by_name(layers), cal)
+        if stats is not None:
+            if progress is not None:
+                progress.update(len(cal.fit), len(cal.fit), note="cached")
+            return stats, True
+    store = _gram_store(entry)
+    stats = _stream_into(store, model, layers, cal, options, progress, on_block)
+    if entry is not None and store.dir.name.startswith(f".{entry.name}."):
+        _commit_entry(stats, store, entry)
+    return stats, False
 
+
+def _check_memory(layers: list[Layer], model: nn.Module) -> None:
+    """One line, before anything is allocated, when the Grams alive at once need more memory than is available."""
     from ..spectra.backend import available_memory
     from .inputs import size_text
-    from .stats import GramStore, StatisticsMismatch
 
     need, largest = statistics_memory(layers, model)
     avail = available_memory()
@@ -154,41 +184,58 @@ def _statistics(model: nn.Module, layers: list[Layer], cal: Calibration, options
                          f"layer input; the largest: {largest}), and {size_text(avail)} is available",
                          "Run on a machine with more memory, or audit without --calibration (the weight spectra "
                          "need no input Grams)")
-    entry = None
-    if options.cache:
-        try:
-            entry = cache_path(options.cache_dir, model, cal, layers, options.compute_dtype, options.device)
-        except AuditError:
-            raise
-        except Exception:  # noqa: BLE001 - what cannot be keyed is not cached (never trusted), and not an error
-            entry = None
-    named = by_name(layers)
-    if entry is not None and (entry / "meta.json").is_file():
-        try:
-            stats = InputStatistics.open(entry, key=entry.name)
-            for name, m in stats.layers.meta.items():  # type: ignore[union-attr]
-                layer = named.get(name)
-                if layer is None or m["width"] != (layer.m if m["diagonal"] else layer.n):
-                    raise StatisticsMismatch(f"{name} does not fit the layer")
-            if stats.digest != cal.digest or set(stats.layers) | set(stats.missing) != set(named):
-                raise StatisticsMismatch("another calibration or other layers")
-            if progress is not None:
-                progress.update(len(cal.fit), len(cal.fit), note="cached")
-            return stats, True
-        except Exception:  # noqa: BLE001 - a damaged, foreign or invalid entry is recomputed (and replaced)
-            pass
-    store = None
+
+
+def _cache_entry(model: nn.Module, layers: list[Layer], cal: Calibration, options: "AuditOptions") -> Path | None:
+    """The statistics' cache entry for these options (None without a cache, or where nothing can be keyed)."""
+    if not options.cache:
+        return None
+    try:
+        return cache_path(options.cache_dir, model, cal, layers, options.compute_dtype, options.device)
+    except AuditError:
+        raise
+    except Exception:  # noqa: BLE001 - what cannot be keyed is not cached (never trusted), and not an error
+        return None
+
+
+def _open_cached(entry: Path, named: dict[str, Layer], cal: Calibration) -> InputStatistics | None:
+    """The statistics saved at ``entry`` when they are intact and fit the layers and the calibration, else None."""
+    from .stats import StatisticsMismatch
+
+    try:
+        stats = InputStatistics.open(entry, key=entry.name)
+        for name, m in stats.layers.meta.items():  # type: ignore[union-attr]
+            layer = named.get(name)
+            if layer is None or m["width"] != (layer.m if m["diagonal"] else layer.n):
+                raise StatisticsMismatch(f"{name} does not fit the layer")
+        if stats.digest != cal.digest or set(stats.layers) | set(stats.missing) != set(named):
+            raise StatisticsMismatch("another calibration or other layers")
+        return stats
+    except Exception:  # noqa: BLE001 - a damaged, foreign or invalid entry is recomputed (and replaced)
+        return None
+
+
+def _gram_store(entry: Path | None) -> "GramStore":
+    """Where the Grams are written as each block completes: a temporary directory beside the cache entry (renamed to
+    it once complete), else (no cache, or a read-only one) a temporary directory removed with the statistics."""
+    from .stats import GramStore
+
     if entry is not None:
         tmp = entry.with_name(f".{entry.name}.{os.getpid()}.tmp")
         try:
             with contextlib.suppress(OSError):
                 _clear(tmp)
-            store = GramStore(tmp, temporary=True)  # removed unless it becomes the entry
+            return GramStore(tmp, temporary=True)  # removed unless it becomes the entry
         except OSError:  # a read-only cache is not an error: a temporary directory then
-            store = None
-    if store is None:
-        store = GramStore()
+            pass
+    return GramStore()
 
+
+def _stream_into(store: "GramStore", model: nn.Module, layers: list[Layer], cal: Calibration,
+                 options: "AuditOptions", progress: "Progress | None",
+                 on_block: "Callable[[int, InputStatistics], None] | None") -> InputStatistics:
+    """The statistics read block by block (one pass without repeated blocks), each block's Grams handed to
+    ``on_block`` and then written to ``store``, which becomes the result's ``layers``."""
     def block(i: int, st: InputStatistics) -> None:
         if on_block is not None:
             on_block(i, st)
@@ -200,13 +247,12 @@ def _statistics(model: nn.Module, layers: list[Layer], cal: Calibration, options
                              "set TMPDIR)") from None
         _trim()
 
-
     try:
-        from .stream import stream_statistics  # block by block when the model has repeated blocks, else one pass
+        from .stream import StreamOptions, stream_statistics  # block by block with repeated blocks, else one pass
 
-        stats = stream_statistics(model, layers, cal, device=options.device, offload=options.offload,
-                                  compute_dtype=options.compute_dtype, on_block=block, keep=False,
-                                  progress=progress.update if progress is not None else None)
+        stats = stream_statistics(model, layers, cal, StreamOptions(
+            device=options.device, offload=options.offload, compute_dtype=options.compute_dtype, on_block=block,
+            keep=False, progress=progress.update if progress is not None else None))
     except AuditError:
         store.close()
         raise
@@ -217,18 +263,22 @@ def _statistics(model: nn.Module, layers: list[Layer], cal: Calibration, options
         raise AuditError(f"the forward failed on the calibration batches while reading input statistics: "
                          f"{first_line(exc)}", "Give every batch the inputs and width the model takes") from None
     stats.layers = store
-    if entry is not None and store.dir.name.startswith(f".{entry.name}."):
-        try:
-            stats.spill(store.dir, key=entry.name)
-            _clear(entry)
-            store.dir.replace(entry)
-            store.dir = entry
-            if store._remove is not None:
-                store._remove.detach()
-            store.temporary, store._remove = False, None
-        except OSError:  # the temporary directory stays, removed with the statistics
-            pass
-    return stats, False
+    return stats
+
+
+def _commit_entry(stats: InputStatistics, store: "GramStore", entry: Path) -> None:
+    """The temporary directory the Grams were written to becomes the cache entry (it stays temporary, removed with
+    the statistics, where that fails)."""
+    try:
+        stats.spill(store.dir, key=entry.name)
+        _clear(entry)
+        store.dir.replace(entry)
+        store.dir = entry
+        if store._remove is not None:
+            store._remove.detach()
+        store.temporary, store._remove = False, None
+    except OSError:  # the temporary directory stays, removed with the statistics
+        pass
 
 
 def _clear(entry: Path) -> None:
@@ -280,6 +330,19 @@ def as_metric(metric: "Metric | Any | None", tolerance: float | None = None) -> 
     return replace(metric, tolerance=tolerance) if tolerance is not None else metric
 
 
+@dataclass
+class Held:
+    """What a session and the sessions :meth:`CalibrationSession.with_metric` makes from it share: the input
+    statistics (computed once for all of them), whether they came from the cache, tier 1's whitened spectra keyed by
+    ``(align, target)``, and the held-out rows cut into a search part and a verification part (cut once)."""
+
+    stats: InputStatistics | None = None
+    cached: bool = False
+    spectra: dict[tuple[int, float], dict[str, Any]] = field(default_factory=dict)
+    search: list[Batch] | None = None
+    verify: list[Batch] | None = None
+
+
 class CalibrationSession:
     """The model, its calibration batches, their input statistics, the metric and one evaluator, for one audit.
 
@@ -298,7 +361,7 @@ class CalibrationSession:
         self.metric = metric if metric is not None else Metric()
         self.layers: dict[str, Layer] = by_name(layers) if layers is not None else {}
         self.options = options
-        self._held: dict[str, Any] = {"stats": stats, "cached": False}  # shared with with_metric's sessions
+        self._held = Held(stats)  # shared with with_metric's sessions
         self._evaluator: Evaluator | None = None
         self._verifier: Any = None
         self.split = False  # the held-out rows cut into a search part and a verification part (the audit's)
@@ -306,12 +369,12 @@ class CalibrationSession:
 
     @property
     def _stats(self) -> InputStatistics | None:
-        return self._held["stats"]
+        return self._held.stats
 
     @property
     def cached(self) -> bool:
         """The statistics came from the on-disk cache."""
-        return bool(self._held["cached"])
+        return self._held.cached
 
     @classmethod
     def of(cls, data: Any, model: nn.Module, *, metric: Metric | Any | None = None, tolerance: float | None = None,
@@ -325,7 +388,7 @@ class CalibrationSession:
                 raise AuditError("the calibration session belongs to another model",
                                  "Pass the model the session was built for, or its Calibration")
             if stats is not None and data._stats is None:
-                data._held["stats"] = stats
+                data._held.stats = stats
             if metric is None and tolerance is None:
                 return data
             return data.with_metric(as_metric(metric if metric is not None else data.metric, tolerance))
@@ -338,6 +401,7 @@ class CalibrationSession:
         cal = load_calibration(options.calibration, model, options.holdout, tokenizer=options.tokenizer,
                                length=options.calibration_length, max_rows=options.calibration_max_rows,
                                max_bytes=options.calibration_max_bytes)
+        map_large_arrays()  # the freed arrays of each block handed back, so the peak does not grow with the depth
         session = cls(model, cal, metric_of(options, model, cal), layers=layers, options=options)
         # a user metric fn(model, batches) may line its own labels up with every held-out row: never cut
         session.split = (bool(cal.holdout) and session.metric.spec.verified_by_rows
@@ -397,9 +461,9 @@ class CalibrationSession:
                 if on_block is not None:
                     on_block(-1, stats)
         if self._stats is None:
-            self._held.update(stats=stats, cached=cached)
+            self._held.stats, self._held.cached = stats, cached
             if got:
-                self._held.setdefault("spectra", {})[spectra] = {k: got[k] for k in want if k in got}
+                self._held.spectra[spectra] = {k: got[k] for k in want if k in got}
         return stats
 
     def spectra(self, align: int = 8, target: float = 0.01,
@@ -409,7 +473,7 @@ class CalibrationSession:
         layer's Gram read when its spectrum is computed."""
         from .whiten import whitened_spectra
 
-        held = self._held.setdefault("spectra", {})
+        held = self._held.spectra
         if (align, target) not in held:
             table = {n: p for n, p in self.model.named_parameters(remove_duplicate=False)}
             held[(align, target)] = whitened_spectra(list(self.layers.values()), table, self.stats, align, target,
@@ -430,9 +494,9 @@ class CalibrationSession:
             return self.calibration
         from .verify import split_rows, with_holdout
 
-        if "search" not in self._held:
-            self._held["search"], self._held["verify"] = split_rows(self.calibration.holdout)
-        return with_holdout(self.calibration, self._held["search"])
+        if self._held.search is None:
+            self._held.search, self._held.verify = split_rows(self.calibration.holdout)
+        return with_holdout(self.calibration, self._held.search)
 
     @property
     def evaluator(self) -> Evaluator:
@@ -456,7 +520,7 @@ class CalibrationSession:
 
             self.search_calibration  # noqa: B018 - cuts the rows once
             with self.measuring():
-                self._verifier = Verifier(self.model, self._held["verify"], self.metric, self.confidence)
+                self._verifier = Verifier(self.model, self._held.verify, self.metric, self.confidence)
         return self._verifier
 
 

@@ -54,7 +54,7 @@ class Calibrated:
     spectra: dict[str, WhitenedSpectrum]
     sweep: str = ""  # where tier 2 ran: "local", "dask tcp://HOST:PORT (N workers)"; empty without tier 2
     gradients: Any = None  # the gradient sensitivity (auditor/calibration/fisher.py) tier 3 searched over, if any
-    reuse: Any = None  # tier 3's decompositions (budget.Decompositions), reused by the plan check
+    reuse: Any = None  # tier 3's decompositions (whiten.TruncatorStore), reused by the plan check
 
     @property
     def calibration(self) -> Calibration:
@@ -240,9 +240,11 @@ def calibrate(model: nn.Module, layers: list[Layer], settings: "Settings", optio
             evaluations += 1
             seconds["rounding"] = time.perf_counter() - t_round
             t += seconds["rounding"]
-        from .budget import Decompositions
+        from .whiten import TruncatorStore, part_bytes
 
-        reuse = Decompositions()  # each layer decomposed once for the search, the verification and the plan check
+        # each layer decomposed once for the search, the verification and the plan check; one part of the model's
+        # decompositions in memory (a block's, or the largest outside layer's), the rest on disk
+        reuse = TruncatorStore(part_bytes(model, [*planned, *(l for l in layers if l.name in fixed)]))
         with progress.phase("tier 3 plan search", unit="plan"):  # judged against the tolerance as given: the floor is part of every plan's cost
             budget = plan_for_budget(model, layers, session, curves, budget=options.budget, fixed=fixed,
                                      progress=progress.update, reuse=reuse)
@@ -308,7 +310,7 @@ def _verify(model: nn.Module, session: CalibrationSession, budget: Any, stats: I
     if budget.chosen_after_recovery or not budget.plan:
         if budget.plan:
             with session.measuring():
-                v = ver.measure(factorize(model, budget.plan, stats, reuse=reuse))
+                v = ver.measure(factorize(model, budget.plan, stats, reuse=reuse, share=True))
             return replace(budget, verification=replace(v, search_rows=search_rows))
         return budget
     limit = budget.budget * budget.params_before if budget.budget is not None else float("inf")
@@ -325,7 +327,7 @@ def _verify(model: nn.Module, session: CalibrationSession, budget: Any, stats: I
     chosen = v = None
     with session.measuring():
         for p in held[:VERIFY_TRIES]:
-            v = ver.measure(factorize(model, p.plan, stats, reuse=reuse))
+            v = ver.measure(factorize(model, p.plan, stats, reuse=reuse, share=True))
             chosen = p
             if v.ok:
                 break
@@ -440,7 +442,7 @@ def check_plan(cal: Calibrated, model: nn.Module, audit: "AuditResult") -> Calib
     verification = None
     with session.measuring():
         ev = session.evaluator
-        new = factorize(model, plan, session, reuse=cal.reuse)
+        new = factorize(model, plan, session, reuse=cal.reuse, share=True)
         removed = count_params(model) - count_params(new)
         b = report.budget
         if session.verifier is not None:  # the verification rows, with the interval: memoized for the suggested plan

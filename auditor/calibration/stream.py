@@ -23,7 +23,7 @@ same statistics (to float64 rounding). What the check cannot see is code between
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Callable
 
 import torch
@@ -233,14 +233,24 @@ def compute_dtype_for(spec: str | torch.dtype | None) -> torch.dtype | None:
     return None if name is None else getattr(torch, name)
 
 
+@dataclass
+class StreamOptions:
+    """How :func:`stream_statistics` reads the statistics (see there for each field)."""
+
+    device: str | torch.device | None = None
+    offload: bool = False
+    on_block: Callable[[int, InputStatistics], None] | None = None
+    keep: bool = True
+    batch_dtype: torch.dtype | None = None
+    progress: Callable[[int, int], None] | None = None
+    compute_dtype: str | torch.dtype | None = None
+
+
 def stream_statistics(model: nn.Module, layers: dict[str, Layer] | list[Layer], batches: Calibration | list[Batch],
-                      device: str | torch.device | None = None, offload: bool = False,
-                      on_block: Callable[[int, InputStatistics], None] | None = None, keep: bool = True,
-                      batch_dtype: torch.dtype | None = None,
-                      progress: Callable[[int, int], None] | None = None,
-                      compute_dtype: str | torch.dtype | None = None) -> InputStatistics:
+                      options: StreamOptions | None = None, **fields: Any) -> InputStatistics:
     """The input statistics of ``layers``, block by block when the model has repeated blocks (else in one pass).
 
+    ``options`` (a :class:`StreamOptions`; or its fields as keywords):
     ``device``: where the forward runs and the sums accumulate (default: where the model is); the model is moved
     there and back. ``offload``: the blocks stay where they are and each is moved to ``device`` only while it runs.
     ``on_block(i, stats)`` gets each block's statistics as soon as they are complete (and the outside layers' last,
@@ -248,11 +258,12 @@ def stream_statistics(model: nn.Module, layers: dict[str, Layer] | list[Layer], 
     them. ``batch_dtype``: the dtype each batch's X^T X is formed in (default float32 on CUDA, float64 on the CPU).
     ``compute_dtype`` (``float32``): bf16/fp16 weights and inputs cast to it while they run (the blocks one at a
     time, :class:`_Precision`), and back afterwards; None or ``model``: the model's own dtypes."""
-    prec = _Precision(compute_dtype_for(compute_dtype))
+    o = replace(options or StreamOptions(), **fields)
+    prec = _Precision(compute_dtype_for(o.compute_dtype))
     home = model_device(model)
-    dev = resolve_device(device) if device is not None else home
-    bdt = batch_dtype or batch_dtype_for(dev)
-    digest = batches.digest if isinstance(batches, Calibration) else ""
+    dev = resolve_device(o.device) if o.device is not None else home
+    run = _Run(batches.digest if isinstance(batches, Calibration) else "", dev, o.offload, o.on_block, o.keep,
+               o.batch_dtype or batch_dtype_for(dev), o.progress, prec)
     fit = batches.fit if isinstance(batches, Calibration) else list(batches)
     found = find_blocks(model, layers)
     moved = False
@@ -260,126 +271,165 @@ def stream_statistics(model: nn.Module, layers: dict[str, Layer] | list[Layer], 
         fit = [prec.batch(b) for b in fit]
     try:
         prec.cast(model, skip=found.blocks if found is not None else None)
-        if found is not None and offload and dev != home:
-            _move(model, dev, skip=found.blocks)
-            moved = True
-        elif dev != home:
-            _move(model, dev)
+        if dev != home:
+            _move(model, dev, skip=found.blocks if found is not None and o.offload else None)
             moved = True
         if found is not None:
             try:
-                return _stream(model, found, fit, digest, dev, offload, on_block, keep, bdt, progress, prec)
+                return _stream(model, found, fit, run)
             except _NotSequential:
                 pass
-        if offload and moved:
-            _move(model, dev)
-        prec.cast(model)
-        out = input_statistics(model, layers, fit, progress=progress, batch_dtype=bdt)
-        out.digest = digest
-        if on_block is not None:
-            on_block(-1, out)
-        if not keep:
-            out.layers.clear()
-        return out
+        return _one_pass(model, layers, fit, run, moved)
     finally:
         prec.restore()
         if moved:
             _move(model, home)
 
 
-def _stream(model: nn.Module, found: Blocks, fit: list[Batch], digest: str, dev: torch.device, offload: bool,
-            on_block: Callable[[int, InputStatistics], None] | None, keep: bool, bdt: torch.dtype,
-            progress: Callable[[int, int], None] | None, prec: _Precision | None = None) -> InputStatistics:
+@dataclass
+class _Run:
+    """One streaming run's settings, as :func:`stream_statistics` resolved them."""
+
+    digest: str
+    dev: torch.device
+    offload: bool
+    on_block: Callable[[int, InputStatistics], None] | None
+    keep: bool
+    bdt: torch.dtype
+    progress: Callable[[int, int], None] | None
+    prec: _Precision
+
+    def on_device(self, block: nn.Module) -> None:
+        if self.offload:
+            _move(block, self.dev)
+        self.prec.cast(block)
+
+    def off_device(self, block: nn.Module) -> None:
+        self.prec.restore(block)
+        if self.offload:
+            _move(block, torch.device("cpu"))
+
+
+def _one_pass(model: nn.Module, layers: dict[str, Layer] | list[Layer], fit: list[Batch], run: _Run,
+              moved: bool) -> InputStatistics:
+    """The statistics in one pass over the whole model (no repeated blocks, or blocks not run one after another)."""
+    if run.offload and moved:
+        _move(model, run.dev)
+    run.prec.cast(model)
+    out = input_statistics(model, layers, fit, progress=run.progress, batch_dtype=run.bdt)
+    out.digest = run.digest
+    if run.on_block is not None:
+        run.on_block(-1, out)
+    if not run.keep:
+        out.layers.clear()
+    return out
+
+
+def _stream(model: nn.Module, found: Blocks, fit: list[Batch], run: _Run) -> InputStatistics:
+    """Block by block: the first block's inputs caught, checked to run one block after another, then each block's
+    statistics, then the outside layers' in one last pass."""
     blocks = list(found.blocks)
-    prec = prec or _Precision(None)
-    kept: list[tuple[tuple[Any, ...], dict[str, Any]]] = []
     masks = [_batch_mask(b) for b in fit]
-    result = InputStatistics(batches=len(fit), digest=digest)
+    result = InputStatistics(batches=len(fit), digest=run.digest)
+    with eval_mode(model), torch.no_grad():
+        kept = _first_inputs(model, blocks[0], fit, run.dev)
+        run.on_device(blocks[0])
+        try:
+            shape = blocks[0](*kept[0][0], **kept[0][1])
+        finally:
+            run.off_device(blocks[0])
+        # the blocks must run one after another, each on the last one's hidden state and the same other inputs:
+        # checked on the first batch with every block passing its input through
+        _check_sequential(model, blocks, fit[0].to(run.dev), kept[0], shape)
+        del shape
+        finals: list[Any] = []
+        for i, blk in enumerate(blocks):
+            st = _block_statistics(model, blk, found.layers[i], kept, masks, run,
+                                   finals if i == len(blocks) - 1 else None)
+            _merge(result, st, run.on_block, i, run.keep)
+            del st
+            if run.progress is not None:
+                run.progress(round(len(fit) * (i + 1) / (len(blocks) + 1)), len(fit))
+        kept.clear()
+        if found.outside:
+            st = _outside_statistics(model, blocks, found.outside, fit, masks, run, finals)
+            finals.clear()
+            _merge(result, st, run.on_block, -1, run.keep)
+        if run.progress is not None:
+            run.progress(len(fit), len(fit))
+    return result
+
+
+def _first_inputs(model: nn.Module, first: nn.Module, fit: list[Batch],
+                  dev: torch.device) -> list[tuple[tuple[Any, ...], dict[str, Any]]]:
+    """Each batch's inputs to the first block (positional, keyword), the forward stopped there."""
+    kept: list[tuple[tuple[Any, ...], dict[str, Any]]] = []
 
     def catch(_m: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         kept.append((args, _keep(kwargs)))
         raise _Stop
 
-    def on_device(i: int) -> None:
-        if offload:
-            _move(blocks[i], dev)
-        prec.cast(blocks[i])
-
-    def off_device(i: int) -> None:
-        prec.restore(blocks[i])
-        if offload:
-            _move(blocks[i], torch.device("cpu"))
-
-    with eval_mode(model), torch.no_grad():
-        h = blocks[0].register_forward_pre_hook(catch, with_kwargs=True)
-        try:
-            for b in fit:
-                n = len(kept)
-                try:
-                    bb = b.to(dev)
-                    model(*bb.args, **bb.kwargs)
-                except _Stop:
-                    pass
-                if len(kept) != n + 1:
-                    raise _NotSequential("a batch did not reach the first block")
-        finally:
-            h.remove()
-        if not kept:
-            raise _NotSequential("no batches")
-        # the blocks must run one after another, each on the last one's hidden state and the same other inputs:
-        # checked on the first batch with every block passing its input through
-        on_device(0)
-        try:
-            shape = blocks[0](*kept[0][0], **kept[0][1])
-        finally:
-            off_device(0)
-        _check_sequential(model, blocks, fit[0].to(dev), kept[0], shape)
-        del shape
-        finals: list[Any] = []
-        for i, blk in enumerate(blocks):
-            on_device(i)
-            hooks = StatisticsHooks(model, found.layers[i], bdt)
+    h = first.register_forward_pre_hook(catch, with_kwargs=True)
+    try:
+        for b in fit:
+            n = len(kept)
             try:
-                for j, (args, kwargs) in enumerate(kept):
-                    with hooks.batch(masks[j], j):
-                        out = blk(*args, **kwargs)
-                    if i == len(blocks) - 1:
-                        finals.append(out)
-                    kept[j] = _with_hidden(args, kwargs, _hidden(out))
-                    del out
-            finally:
-                hooks.remove()
-                off_device(i)
-            st = hooks.close(len(fit), digest)
-            _merge(result, st, on_block, i, keep)
-            del st, hooks
-            if progress is not None:
-                progress(round(len(fit) * (i + 1) / (len(blocks) + 1)), len(fit))
-        kept.clear()
-        if found.outside:
-            hooks = StatisticsHooks(model, found.outside, bdt)
-            current = [0]
-            saved = [(blk, blk.__dict__.get("forward")) for blk in blocks]
-            try:
-                for blk in blocks:
-                    blk.forward = lambda *a, **k: finals[current[0]]  # type: ignore[method-assign]
-                for j, b in enumerate(fit):
-                    current[0] = j
-                    with hooks.batch(masks[j], j):
-                        bb = b.to(dev)
-                        model(*bb.args, **bb.kwargs)
-            finally:
-                hooks.remove()
-                for blk, fwd in saved:
-                    if fwd is None:
-                        del blk.forward
-                    else:
-                        blk.forward = fwd
-            finals.clear()
-            _merge(result, hooks.close(len(fit), digest), on_block, -1, keep)
-        if progress is not None:
-            progress(len(fit), len(fit))
-    return result
+                bb = b.to(dev)
+                model(*bb.args, **bb.kwargs)
+            except _Stop:
+                pass
+            if len(kept) != n + 1:
+                raise _NotSequential("a batch did not reach the first block")
+    finally:
+        h.remove()
+    if not kept:
+        raise _NotSequential("no batches")
+    return kept
+
+
+def _block_statistics(model: nn.Module, blk: nn.Module, layers: list[Layer],
+                      kept: list[tuple[tuple[Any, ...], dict[str, Any]]], masks: list[Any], run: _Run,
+                      finals: list[Any] | None) -> InputStatistics:
+    """One block run on every kept input with its layers' hooks: its statistics; each kept input becomes the
+    block's output (the next block's input), and with ``finals`` the outputs are also kept there (the last block)."""
+    run.on_device(blk)
+    hooks = StatisticsHooks(model, layers, run.bdt)
+    try:
+        for j, (args, kwargs) in enumerate(kept):
+            with hooks.batch(masks[j], j):
+                out = blk(*args, **kwargs)
+            if finals is not None:
+                finals.append(out)
+            kept[j] = _with_hidden(args, kwargs, _hidden(out))
+            del out
+    finally:
+        hooks.remove()
+        run.off_device(blk)
+    return hooks.close(len(kept), run.digest)
+
+
+def _outside_statistics(model: nn.Module, blocks: list[nn.Module], outside: list[Layer], fit: list[Batch],
+                        masks: list[Any], run: _Run, finals: list[Any]) -> InputStatistics:
+    """The layers outside the blocks, in one pass where every block returns the last block's output for the batch."""
+    hooks = StatisticsHooks(model, outside, run.bdt)
+    current = [0]
+    saved = [(blk, blk.__dict__.get("forward")) for blk in blocks]
+    try:
+        for blk in blocks:
+            blk.forward = lambda *a, **k: finals[current[0]]  # type: ignore[method-assign]
+        for j, b in enumerate(fit):
+            current[0] = j
+            with hooks.batch(masks[j], j):
+                bb = b.to(run.dev)
+                model(*bb.args, **bb.kwargs)
+    finally:
+        hooks.remove()
+        for blk, fwd in saved:
+            if fwd is None:
+                del blk.forward
+            else:
+                blk.forward = fwd
+    return hooks.close(len(fit), run.digest)
 
 
 def _probe(h: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
@@ -466,4 +516,4 @@ def _merge(result: InputStatistics, st: InputStatistics, on_block: Callable[[int
     result.warnings.extend(w for w in st.warnings if w not in result.warnings)
 
 
-__all__ = ["Blocks", "find_blocks", "resolve_device", "stream_statistics"]
+__all__ = ["Blocks", "StreamOptions", "find_blocks", "resolve_device", "stream_statistics"]

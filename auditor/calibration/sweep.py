@@ -25,7 +25,7 @@ import heapq
 import math
 import operator
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Callable
 
 import torch
@@ -195,45 +195,9 @@ class PrefixCache:
         return (tuple(one(a) for a in args), tuple((k, one(v)) for k, v in kwargs.items()))
 
     def _record(self) -> None:
-        seq = [0]
-        handles = []
-        heap: list[tuple[int, int, int, str]] = []  # (-position in its batch, -batch, -call, path): latest on top
-        refs: dict[tuple[str, int], list[int]] = {}  # storage -> [outputs holding it, its bytes]
-        held: dict[tuple[int, str, int], dict[tuple[str, int], int]] = {}  # (batch, path, call) -> its storages
-        cut: dict[int, int] = {}  # batch -> the earliest position dropped: nothing later in that batch is stored
-
-        def release(key: tuple[int, str, int]) -> None:
-            for st in held.pop(key):
-                refs[st][0] -= 1
-                if refs[st][0] == 0:
-                    self.bytes -= refs.pop(st)[1]
-
-        def keep(path: str, out: Any) -> None:
-            b = len(self.outputs) - 1
-            if self.budget == 0 or b in cut:  # a later call of a batch that lost one: its path's stored calls
-                self.dropped += 1             # must stay its earliest ones
-                return
-            stored = self.outputs[b].setdefault(path, [])
-            k = len(stored)
-            stored.append(out)
-            key = (b, path, k)
-            held[key] = sts = _storages(out)
-            for st, nbytes in sts.items():
-                r = refs.setdefault(st, [0, nbytes])
-                if r[0] == 0:
-                    self.bytes += nbytes
-                r[0] += 1
-            heapq.heappush(heap, (-seq[0], -b, -k, path))
-            while self.bytes > self.budget:  # the latest calls go first; a path loses its last stored call first
-                npos, nb, nk, npath = heapq.heappop(heap)
-                cut[-nb] = min(cut.get(-nb, -npos), -npos)
-                release((-nb, npath, -nk))
-                self.outputs[-nb][npath].pop()
-                self.dropped += 1
-            self.peak_bytes = max(self.peak_bytes, self.bytes)
-
-        paths = {m: p for p, m in self.model.named_modules()}
-        needed = set(self.owners.values()) | self.all | set().union(*self.uses.values())
+        """One pass over the held-out batches recording every module's call positions and, within the budget, the
+        outputs of the calls that can be replayed."""
+        store = _Admission(self)
         swept_by: dict[str, set[str]] = {}  # candidate path -> the layers it may be replayed for
         used_by: dict[str, set[str]] = {}  # module path -> the layers whose weight it holds
         for name, cands in self.candidates.items():
@@ -241,29 +205,12 @@ class PrefixCache:
                 swept_by.setdefault(p, set()).add(name)
             for u in self.uses[name]:
                 used_by.setdefault(u, set()).add(name)
-        started: set[str] = set()  # the layers one of whose uses has started in this batch
-
-        for mod, path in paths.items():
-            if path not in needed:
-                continue
-
-            def pre(m: nn.Module, a: Any, path: str = path) -> None:
-                seq[0] += 1
-                self.starts[-1].setdefault(path, []).append(seq[0])
-                started.update(used_by.get(path, ()))
-
-            def post(m: nn.Module, a: Any, out: Any, path: str = path) -> None:
-                seq[0] += 1
-                self.ends[-1].setdefault(path, []).append(seq[0])
-                if path in self.all and not swept_by[path] <= started:  # replayable for a layer not yet reached:
-                    keep(path, _detach(out))  # a call after every such layer's first use is never replayed
-
-            handles += [mod.register_forward_pre_hook(pre), mod.register_forward_hook(post)]
+        handles = self._hooks(store, swept_by, used_by)
         try:
             with torch.no_grad():
                 for b in self.evaluator.batches:
-                    seq[0] = 0  # positions count within their batch
-                    started.clear()
+                    store.seq = 0  # positions count within their batch
+                    store.started.clear()
                     self.starts.append({})
                     self.ends.append({})
                     self.outputs.append({})
@@ -274,8 +221,77 @@ class PrefixCache:
         # a path's stored calls are always its earliest ones (positions grow with the call, and a call that is not
         # replayable for any layer is followed by none that is), so its k-th call is stored when k < len(outputs)
 
+    def _hooks(self, store: "_Admission", swept_by: dict[str, set[str]],
+               used_by: dict[str, set[str]]) -> list[Any]:
+        """Pre- and post-hooks on every module the sweep needs: call positions, and the replayable outputs."""
+        paths = {m: p for p, m in self.model.named_modules()}
+        needed = set(self.owners.values()) | self.all | set().union(*self.uses.values())
+        handles = []
+        for mod, path in paths.items():
+            if path not in needed:
+                continue
+
+            def pre(m: nn.Module, a: Any, path: str = path) -> None:
+                store.seq += 1
+                self.starts[-1].setdefault(path, []).append(store.seq)
+                store.started.update(used_by.get(path, ()))  # the layers one of whose uses has started
+
+            def post(m: nn.Module, a: Any, out: Any, path: str = path) -> None:
+                store.seq += 1
+                self.ends[-1].setdefault(path, []).append(store.seq)
+                if path in self.all and not swept_by[path] <= store.started:  # replayable for a layer not yet
+                    store.keep(path, _detach(out))  # reached: a call after every such layer's first use never is
+
+            handles += [mod.register_forward_pre_hook(pre), mod.register_forward_hook(post)]
+        return handles
+
     def replay(self, layer: str) -> "_Replay":
         return _Replay(self, layer)
+
+
+class _Admission:
+    """The prefix cache's admission while it records: each call's output stored unless that takes the store over
+    its budget, the stored calls latest in their batch's forward going first (the new one included), so every batch
+    keeps its earliest calls. Storages shared by several outputs count once."""
+
+    def __init__(self, cache: PrefixCache) -> None:
+        self.cache = cache
+        self.seq = 0  # the position of the current call in its batch's forward
+        self.started: set[str] = set()  # the layers one of whose uses has started in this batch
+        self.heap: list[tuple[int, int, int, str]] = []  # (-position in its batch, -batch, -call, path): latest on top
+        self.refs: dict[tuple[str, int], list[int]] = {}  # storage -> [outputs holding it, its bytes]
+        self.held: dict[tuple[int, str, int], dict[tuple[str, int], int]] = {}  # (batch, path, call) -> storages
+        self.cut: dict[int, int] = {}  # batch -> the earliest position dropped: nothing later in that batch is stored
+
+    def release(self, key: tuple[int, str, int]) -> None:
+        for st in self.held.pop(key):
+            self.refs[st][0] -= 1
+            if self.refs[st][0] == 0:
+                self.cache.bytes -= self.refs.pop(st)[1]
+
+    def keep(self, path: str, out: Any) -> None:
+        c = self.cache
+        b = len(c.outputs) - 1
+        if c.budget == 0 or b in self.cut:  # a later call of a batch that lost one: its path's stored calls
+            c.dropped += 1                  # must stay its earliest ones
+            return
+        stored = c.outputs[b].setdefault(path, [])
+        k = len(stored)
+        stored.append(out)
+        self.held[(b, path, k)] = sts = _storages(out)
+        for st, nbytes in sts.items():
+            r = self.refs.setdefault(st, [0, nbytes])
+            if r[0] == 0:
+                c.bytes += nbytes
+            r[0] += 1
+        heapq.heappush(self.heap, (-self.seq, -b, -k, path))
+        while c.bytes > c.budget:  # the latest calls go first; a path loses its last stored call first
+            npos, nb, nk, npath = heapq.heappop(self.heap)
+            self.cut[-nb] = min(self.cut.get(-nb, -npos), -npos)
+            self.release((-nb, npath, -nk))
+            c.outputs[-nb][npath].pop()
+            c.dropped += 1
+        c.peak_bytes = max(c.peak_bytes, c.bytes)
 
 
 def _map_tensors(out: Any, fn: Callable[[torch.Tensor], Any], other: Callable[[Any], Any] = lambda o: o) -> Any:
@@ -400,6 +416,49 @@ def floor_from_points(points: dict[int, bool]) -> int | None:
     return floor
 
 
+@dataclass
+class SweepSettings:
+    """How floors are measured (see :class:`Sweeper` and :func:`measure_floors` for each field)."""
+
+    tolerance: float | None = None
+    align: int = 8
+    metric: Metric | Callable[..., float] | None = None
+    stats: InputStatistics | None = None
+    spectra: dict[str, WhitenedSpectrum] | None = None
+    search: str = "bisect"
+    prefix_cache: bool = True
+    prefix_cache_bytes: int | None = None
+
+
+class _Evaluations:
+    """One layer's evaluations at grid indices: the layer's truncated weight written into the model, the model
+    measured, the original written back (bit for bit, also when the measurement raises); each rank once.
+    ``results``: rank -> (value, holds, top-1 agreement)."""
+
+    def __init__(self, sweeper: "Sweeper", name: str, grid: list[int], inp: Any) -> None:
+        layer = sweeper.layers[name]
+        self.sweeper, self.name, self.grid = sweeper, name, grid
+        self.param = sweeper.params[layer.param]
+        self.original = self.param.detach().clone()
+        self.trunc = Truncator(layer, self.original, inp)
+        self.results: dict[int, tuple[float, bool, float | None]] = {}
+
+    def __call__(self, i: int) -> bool:
+        r = self.grid[i]
+        if r not in self.results:
+            w = self.trunc.weight(r)
+            try:
+                with torch.no_grad():
+                    self.param.copy_(w)
+                del w
+                m = self.sweeper._measure(self.name)
+            finally:
+                with torch.no_grad():
+                    self.param.copy_(self.original)
+            self.results[r] = (m.value, m.ok, m.top1)
+        return self.results[r][1]
+
+
 class Sweeper:
     """Everything one needs to measure floors, built once: the model (swept in place), and from the
     calibration session the evaluator (the dense reference on the held-out batches, measured once) and the input
@@ -419,24 +478,34 @@ class Sweeper:
     (None: :func:`default_cache_bytes`; 0 stores nothing and every module runs)."""
 
     def __init__(self, model: nn.Module, layers: dict[str, Layer] | list[Layer],
-                 calibration: Calibration | CalibrationSession,
-                 tolerance: float | None = None, align: int = 8, metric: Metric | Callable[..., float] | None = None,
-                 stats: InputStatistics | None = None, spectra: dict[str, WhitenedSpectrum] | None = None,
-                 prefix_cache: bool = True, prefix_cache_bytes: int | None = None) -> None:
-        check_cache_bytes(prefix_cache_bytes)  # before the session's passes over the data
+                 calibration: Calibration | CalibrationSession, settings: "SweepSettings | None" = None,
+                 **fields: Any) -> None:
+        """``settings`` (a :class:`SweepSettings`), or its fields as keywords (``tolerance``, ``align``, ``metric``,
+        ``stats``, ``spectra``, ``prefix_cache``, ``prefix_cache_bytes``)."""
+        o = replace(settings or SweepSettings(), **fields)
+        check_cache_bytes(o.prefix_cache_bytes)  # before the session's passes over the data
         self.layers = by_name(layers)
-        session = CalibrationSession.of(calibration, model, metric=metric, tolerance=tolerance, layers=self.layers,
-                                        stats=stats)
+        session = CalibrationSession.of(calibration, model, metric=o.metric, tolerance=o.tolerance,
+                                        layers=self.layers, stats=o.stats)
         self.session = session
         self.metric = session.metric
-        self.align = align
+        self.align = o.align
         self.stats = session.statistics(self.layers)
         self.work = model  # swept in place: one layer's weight at a time, restored after each evaluation
-        self.spectra = spectra or {}
+        self.spectra = o.spectra or {}
         self.evaluator = session.evaluator  # measures the swept model against the dense model's reference
+        self.params = dict(self.work.named_parameters(remove_duplicate=False))
+        self.cache = None
+        if o.prefix_cache:
+            owners, uses = self._owners_and_uses()
+            with eval_mode(self.work):
+                self.cache = PrefixCache(self.work, owners, self.evaluator, uses, o.prefix_cache_bytes)
+        self.on_evaluation: Callable[[int], None] | None = None  # called with the evaluations so far after each
+
+    def _owners_and_uses(self) -> tuple[dict[str, str], dict[str, set[str]]]:
+        """Each layer's owning module path, and every module path holding its weight (a tied weight has several)."""
         from .stats import _module_path
 
-        self.params = dict(self.work.named_parameters(remove_duplicate=False))
         owners = {name: _module_path(layer)[0] for name, layer in self.layers.items()}
         holders: dict[int, set[str]] = {}  # id of a parameter -> every module path holding it directly
         for path, mod in self.work.named_modules(remove_duplicate=False):
@@ -444,11 +513,7 @@ class Sweeper:
                 holders.setdefault(id(p), set()).add(path)
         uses = {name: holders.get(id(self.params[layer.param]), set()) if layer.param in self.params else set()
                 for name, layer in self.layers.items()}
-        self.cache = None
-        if prefix_cache:
-            with eval_mode(self.work):
-                self.cache = PrefixCache(self.work, owners, self.evaluator, uses, prefix_cache_bytes)
-        self.on_evaluation: Callable[[int], None] | None = None  # called with the evaluations so far after each
+        return owners, uses
 
     @property
     def evaluations(self) -> int:
@@ -470,9 +535,7 @@ class Sweeper:
         multiples of ``align`` from the tier-1 rank ("bisect") or every grid rank ("all")."""
         _check_search(search)
         layer = self.layers[name]
-        align, metric = self.align, self.metric
-        grid = _grid(layer, align)
-        inp = self.stats.layers.get(name)
+        grid = _grid(layer, self.align)
         kind = kinds.for_kind(layer.kind)
         if not kind.swept or kind.cannot_factorize:
             why = (f"{layer.kind} cannot be factorized: {kind.cannot_factorize}" if kind.cannot_factorize
@@ -480,54 +543,48 @@ class Sweeper:
             return Floor(None, None, None, None, None, False, layer=name, init="", reason=f"not swept: {why}")
         if not grid:
             return Floor(None, None, None, None, None, True, layer=name,
-                         reason=f"no multiple of {align} below break-even {layer.break_even:.1f}")
-        param = self.params[layer.param]
-        original = param.detach().clone()
-        trunc = Truncator(layer, original, inp)
-        results: dict[int, tuple[float, bool, float | None]] = {}
-
-        def evaluate(i: int) -> bool:
-            r = grid[i]
-            if r not in results:
-                w = trunc.weight(r)
-                try:
-                    with torch.no_grad():
-                        param.copy_(w)
-                    del w
-                    m = self._measure(name)
-                finally:
-                    with torch.no_grad():
-                        param.copy_(original)
-                results[r] = (m.value, m.ok, m.top1)
-            return results[r][1]
-
+                         reason=f"no multiple of {self.align} below break-even {layer.break_even:.1f}")
+        inp = self.stats.layers.get(name)
+        ev = _Evaluations(self, name, grid, inp)
         start = None
         if search == "all":
             for i in range(len(grid)):
-                evaluate(i)
+                ev(i)
         else:
-            spec = self.spectra.get(name)
-            target = metric.tier1_target
-            i = _tier1_index(grid, spec, align, target)
-            start = grid[i]
-            guide = spec if metric.output_error else None
-            lo, hi = -1, len(grid)  # grid[lo] fails (or lo = -1), grid[hi] holds with every larger rank tried
-            nxt = i
-            while hi - lo > 1:
-                if evaluate(nxt):
-                    hi = nxt
-                else:
-                    lo = nxt
-                if hi - lo <= 1 or lo == len(grid) - 1:
-                    break
-                nxt = _next_rank(grid, lo, hi, results, guide, metric.tolerance)
-        floor = floor_from_points({r: v[1] for r, v in results.items()})
+            start = self._bisect(name, grid, ev)
+        floor = floor_from_points({r: v[1] for r, v in ev.results.items()})
         if floor is not None and grid.index(floor) > 0:
-            evaluate(grid.index(floor) - 1)  # the cliff is always measured
+            ev(grid.index(floor) - 1)  # the cliff is always measured
+        return self._floor_of(layer, grid, ev.results, floor, start, inp)
+
+    def _bisect(self, name: str, grid: list[int], ev: "_Evaluations") -> int:
+        """The bracketing search from the tier-1 rank (guided by the tier-1 curve for the output error); the rank it
+        started at."""
+        metric = self.metric
+        spec = self.spectra.get(name)
+        target = metric.tier1_target
+        i = _tier1_index(grid, spec, self.align, target)
+        guide = spec if metric.output_error else None
+        lo, hi = -1, len(grid)  # grid[lo] fails (or lo = -1), grid[hi] holds with every larger rank tried
+        nxt = i
+        while hi - lo > 1:
+            if ev(nxt):
+                hi = nxt
+            else:
+                lo = nxt
+            if hi - lo <= 1 or lo == len(grid) - 1:
+                break
+            nxt = _next_rank(grid, lo, hi, ev.results, guide, metric.tolerance)
+        return grid[i]
+
+    def _floor_of(self, layer: Layer, grid: list[int], results: dict[int, tuple[float, bool, float | None]],
+                  floor: int | None, start: int | None, inp: Any) -> Floor:
+        """The :class:`Floor` the measured points give, with its reason in words."""
+        metric = self.metric
         cliff = grid[grid.index(floor) - 1] if floor is not None and grid.index(floor) > 0 else None
         pts = sorted(results.items())
         f = Floor(
-            layer=name, floor=floor,
+            layer=layer.name, floor=floor,
             metric_at_floor=results[floor][0] if floor is not None else None,
             cliff_rank=cliff, cliff_metric=results[cliff][0] if cliff is not None else None,
             compression=layer.compression(floor) if floor is not None else None,
@@ -593,7 +650,7 @@ def probe_sensitivity(model: nn.Module, layers: dict[str, Layer] | list[Layer],
     (:func:`~auditor.calibration.budget.curves_from_floors`): a layer whose errors the rest of the model hides
     costs less than one whose errors reach the output. ``model`` is not modified."""
     t0 = time.perf_counter()
-    sweeper = Sweeper(model, layers, calibration, None, align, None, None, spectra)
+    sweeper = Sweeper(model, layers, calibration, SweepSettings(align=align, spectra=spectra))
     base = sweeper.evaluations
     out: dict[str, Floor] = {}
     if steps is not None:
@@ -609,30 +666,30 @@ def probe_sensitivity(model: nn.Module, layers: dict[str, Layer] | list[Layer],
 
 
 def measure_floors(model: nn.Module, layers: dict[str, Layer] | list[Layer],
-                   calibration: Calibration | CalibrationSession,
-                   tolerance: float | None = None, align: int = 8, metric: Metric | Callable[..., float] | None = None,
-                   stats: InputStatistics | None = None, spectra: dict[str, WhitenedSpectrum] | None = None,
-                   search: str = "bisect", prefix_cache: bool = True, prefix_cache_bytes: int | None = None,
-                   progress: Callable[[str], None] | None = None,
-                   steps: Callable[[int, int, int], None] | None = None) -> Floors:
-    """Tier 2: per-layer measured floors on ``calibration``'s held-out batches (see :class:`Sweeper` for the
-    arguments). ``search``: "bisect" (from the tier-1 rank in ``spectra``) or "all" (every grid rank: the
-    brute-force reference). ``model`` is swept in place and comes back bit for bit as it was (see :class:`Sweeper`);
-    ``prefix_cache_bytes`` bounds the prefix cache (None: :func:`default_cache_bytes`). ``progress(line)`` is told
-    each layer's floor; ``steps(layers done, layers, evaluations so far)`` is called after each evaluation and each layer."""
+                   calibration: Calibration | CalibrationSession, tolerance: float | None = None,
+                   settings: SweepSettings | None = None, progress: Callable[[str], None] | None = None,
+                   steps: Callable[[int, int, int], None] | None = None, **fields: Any) -> Floors:
+    """Tier 2: per-layer measured floors on ``calibration``'s held-out batches. ``settings`` (a
+    :class:`SweepSettings`), or its fields as keywords (see :class:`Sweeper` for the arguments). ``search``:
+    "bisect" (from the tier-1 rank in ``spectra``) or "all" (every grid rank: the brute-force reference). ``model``
+    is swept in place and comes back bit for bit as it was (see :class:`Sweeper`); ``prefix_cache_bytes`` bounds
+    the prefix cache (None: :func:`default_cache_bytes`). ``progress(line)`` is told each layer's floor;
+    ``steps(layers done, layers, evaluations so far)`` is called after each evaluation and each layer."""
     t0 = time.perf_counter()
-    _check_search(search)  # before the sweeper's setup (two passes over the held-out rows)
-    sweeper = Sweeper(model, layers, calibration, tolerance, align, metric, stats, spectra, prefix_cache,
-                      prefix_cache_bytes)
+    o = replace(settings or SweepSettings(), **fields)
+    if tolerance is not None:
+        o = replace(o, tolerance=tolerance)
+    _check_search(o.search)  # before the sweeper's setup (two passes over the held-out rows)
+    sweeper = Sweeper(model, layers, calibration, o)
     floors: dict[str, Floor] = {}
     base = sweeper.evaluations  # the evaluator's own checks of the dense model are not the sweep's
     if steps is not None:
         steps(0, len(sweeper.layers), 0)
         sweeper.on_evaluation = lambda n: steps(len(floors), len(sweeper.layers), n - base)
     for name in sweeper.layers:
-        floors[name] = f = sweeper.floor(name, search)
+        floors[name] = f = sweeper.floor(name, o.search)
         if progress is not None:
             progress(f"{name}: floor {f.floor} after {len(f.points)} evaluations")
         if steps is not None:
             steps(len(floors), len(sweeper.layers), sweeper.evaluations - base)
-    return sweeper.result(floors, search, time.perf_counter() - t0)
+    return sweeper.result(floors, o.search, time.perf_counter() - t0)

@@ -28,7 +28,7 @@ import numpy as np
 import torch
 
 from .. import kinds, lrmath
-from ..results import Layer
+from ..results import Kind, Layer
 from .stats import LayerInput
 
 if TYPE_CHECKING:
@@ -228,6 +228,92 @@ class Truncator:
         t = torch.from_numpy(f)
         w = kinds.for_kind(self.layer.kind).stored(self.layer, t)
         return w.reshape(self.shape).to(dtype=self.dtype, device=self.device)
+
+
+def truncator_bytes(layer: Layer) -> int:
+    """Bytes of the float64 arrays a :class:`Truncator` of ``layer`` holds: F (groups x out x in) and each group's
+    U (out x min(out, in)). An estimate made before any is built, from the stored matrix (high for grouped maps)."""
+    out, inp = (layer.n, layer.m) if layer.kind == Kind.EMBEDDING else (layer.m, layer.n)
+    return 8 * out * (inp + min(out, inp))
+
+
+def save_spilled(path: str, a: np.ndarray, what: str) -> None:
+    """``a`` written to ``path`` (a temporary directory's file), or one line saying the disk refused it."""
+    try:
+        np.save(path, a, allow_pickle=False)
+    except OSError as exc:
+        from ..errors import AuditError
+
+        raise AuditError(f"cannot write {what} to {os.path.dirname(path)}: {exc.strerror or exc}",
+                         "Free disk space there, or set TMPDIR to a directory with room") from None
+
+
+class TruncatorStore(dict):
+    """The per-layer truncators (:class:`Truncator`) kept across the plans tier 3 measures (``factorize``'s
+    ``reuse``), with at most ``budget`` bytes of them in memory: the rest are written to a temporary directory (F
+    and each U as ``.npy``) and read back when a plan asks for them, so the decompositions alive at once do not grow
+    with the depth. A layer is decomposed once; a decomposition read back is the same arrays, bit for bit.
+    ``bytes``: those in memory; ``spilled``: how many went to disk."""
+
+    def __init__(self, budget: int) -> None:
+        super().__init__()
+        self.budget = int(budget)
+        self.bytes = 0
+        self.spilled = 0
+        self._dir: Any = None
+        self._disk: dict[str, tuple[Layer, tuple[int, ...], Any, Any, int]] = {}
+
+    def __setitem__(self, key: str, trunc: Truncator) -> None:
+        n = int(trunc.f.nbytes) + sum(int(u.nbytes) for u in trunc.u)
+        if key in self or key in self._disk:
+            return
+        if self.bytes + n <= self.budget:
+            super().__setitem__(key, trunc)
+            self.bytes += n
+            return
+        import tempfile
+
+        if self._dir is None:
+            self._dir = tempfile.TemporaryDirectory(prefix="lowrank-audit-truncators-")
+        base = os.path.join(self._dir.name, f"t{len(self._disk)}")
+        save_spilled(f"{base}.f.npy", trunc.f, "tier 3's decompositions")
+        for g, u in enumerate(trunc.u):
+            save_spilled(f"{base}.u{g}.npy", u, "tier 3's decompositions")
+        self._disk[key] = (trunc.layer, trunc.shape, trunc.dtype, trunc.device, len(trunc.u))
+        self.spilled += 1
+
+    def get(self, key: str, default: Any = None) -> Any:
+        if key in self:
+            return super().__getitem__(key)
+        if key not in self._disk:
+            return default
+        layer, shape, dtype, device, groups = self._disk[key]
+        base = os.path.join(self._dir.name, f"t{list(self._disk).index(key)}")
+        trunc = Truncator.__new__(Truncator)
+        trunc.layer, trunc.shape, trunc.dtype, trunc.device = layer, shape, dtype, device
+        trunc.f = np.load(f"{base}.f.npy", allow_pickle=False)
+        trunc.u = [np.load(f"{base}.u{g}.npy", allow_pickle=False) for g in range(groups)]
+        return trunc
+
+    def close(self) -> None:
+        """Remove the spilled decompositions (also done when the store is garbage-collected)."""
+        if self._dir is not None:
+            self._dir.cleanup()
+            self._dir = None
+        self._disk.clear()
+
+
+def part_bytes(model: Any, layers: list[Layer]) -> int:
+    """The decompositions of the largest part of the model: one repeated block's layers together, or one layer
+    outside the blocks (:func:`~auditor.calibration.stream.find_blocks`); every layer together where the model has
+    no repeated blocks. What :class:`TruncatorStore` keeps in memory in the audit."""
+    from .stream import find_blocks
+
+    found = find_blocks(model, layers) if layers else None
+    if found is None:
+        return sum(truncator_bytes(l) for l in layers)
+    parts = [sum(truncator_bytes(l) for l in ls) for ls in found.layers]
+    return max([*parts, *(truncator_bytes(l) for l in found.outside)], default=0)
 
 
 def truncated_factors(layer: Layer, weight: torch.Tensor, rank: int, inp: LayerInput | None,

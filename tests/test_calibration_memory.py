@@ -1,0 +1,134 @@
+"""The calibrated audit bounded by one block, beyond tier 1: the gradient pass runs each repeated block checkpointed
+and keeps one part's second moments in memory (the rest on disk), with the same sums bit for bit as the whole graph
+held in memory; tier 3 keeps one part's decompositions in memory (the rest on disk), read back bit for bit; a plan is
+measured on a copy that shares the model's weights. Counted, never timed: what is held in memory is compared with
+one part's bytes."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+from auditor.calibration import fisher, load_calibration
+from auditor.calibration.fisher import Moments, output_gradients
+from auditor.calibration.metric import Metric
+from auditor.calibration.stats import by_name, input_statistics
+from auditor.calibration.whiten import Truncator, TruncatorStore, part_bytes, truncator_bytes
+from auditor.factorize import factorize
+from auditor.structure.layers import ParamTable, collect_layers
+
+transformers = pytest.importorskip("transformers")
+
+HIDDEN = 32
+
+
+def _llama(depth: int) -> nn.Module:
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(vocab_size=64, hidden_size=HIDDEN, intermediate_size=48, num_hidden_layers=depth,
+                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32)
+    return transformers.LlamaForCausalLM(cfg).eval()
+
+
+def _setup(depth: int):
+    model = _llama(depth)
+    g = torch.Generator().manual_seed(1)
+    rows = {"input_ids": torch.randint(0, 64, (12, 10), generator=g)}
+    cal = load_calibration(rows, model, holdout=0.25, batch_size=3)
+    layers = by_name(collect_layers(model, ParamTable.of(model)))
+    return model, cal, layers
+
+
+@pytest.mark.parametrize("kind", ["perplexity", "output"])
+def test_gradient_pass_by_block_equals_the_whole_graph_bit_for_bit(monkeypatch, kind):
+    import torch.utils.checkpoint as ckpt
+
+    model, cal, layers = _setup(3)
+    calls = []
+    real = ckpt.checkpoint
+    monkeypatch.setattr(ckpt, "checkpoint", lambda *a, **k: calls.append(1) or real(*a, **k))
+    by_block = output_gradients(model, layers, cal, Metric(kind=kind))
+    assert len(calls) == 3 * len(cal.fit)  # every block of every fit batch ran checkpointed
+    # the same pass with nothing checkpointed and every second moment in memory (the pass before issue 28's item 5)
+    monkeypatch.setattr(fisher, "_blocks", lambda model, layers: None)
+    whole = output_gradients(model, layers, cal, Metric(kind=kind))
+    assert set(by_block.second) == set(whole.second) and len(whole.second) == 3 * 7 + 2
+    assert all(np.array_equal(by_block.second[k], whole.second[k]) for k in whole.second)
+    assert (by_block.count, by_block.scale, by_block.passes) == (whole.count, whole.scale, whole.passes)
+    assert not whole.second.files  # no blocks: no budget, nothing on disk
+
+
+def test_second_moments_in_memory_are_one_part_of_the_model():
+    """Counted: at depth 2 and 6 the moments held in memory are at most the largest part's (one block's layers, or
+    one layer outside the blocks), and the rest are on disk."""
+    for depth in (2, 6):
+        model, cal, layers = _setup(depth)
+        g = output_gradients(model, layers, cal, Metric(kind="perplexity"))
+        block = sum(8 * min(layers[k].m, layers[k].n) ** 2 for k in layers if k.startswith("model.layers.0."))
+        outside = max(8 * min(layers[k].m, layers[k].n) ** 2 for k in ("model.embed_tokens", "lm_head"))
+        assert g.second.budget == max(block, outside)
+        assert g.second.bytes <= g.second.budget
+        assert len(g.second.files) >= (depth - 1) * 7  # every block but (at most) one on disk
+
+
+def test_moments_on_disk_add_up_as_in_memory():
+    rng = np.random.default_rng(0)
+    terms = [(f"l{i % 3}", rng.standard_normal((5, 5))) for i in range(9)]
+    mem, disk = Moments(), Moments(budget=0)
+    for name, s in terms:
+        mem.add(name, s.copy())
+        disk.add(name, s.copy())
+    assert list(disk.files) == ["l0", "l1", "l2"] and not disk.mem and list(mem) == list(disk)
+    assert all(np.array_equal(mem[k], disk[k]) for k in mem)
+    del disk["l1"]
+    assert "l1" not in disk and len(disk) == 2
+
+
+def test_truncator_store_reads_back_what_it_spilled(monkeypatch):
+    model, cal, layers = _setup(2)
+    names = ["model.layers.0.mlp.up_proj", "model.layers.1.self_attn.q_proj", "lm_head"]
+    stats = input_statistics(model, [layers[n] for n in names], cal)
+    params = dict(model.named_parameters())
+    truncs = {n: Truncator(layers[n], params[layers[n].param], stats.layers[n]) for n in names}
+    first = truncator_bytes(layers[names[0]])
+    assert first == truncs[names[0]].f.nbytes + sum(u.nbytes for u in truncs[names[0]].u)
+    store = TruncatorStore(first)  # the first in memory, the others on disk
+    for n, t in truncs.items():
+        store[n] = t
+    assert store.bytes == first and store.spilled == 2 and list(store) == names[:1]
+    for n, t in truncs.items():
+        back = store.get(n)
+        assert all(np.array_equal(a, b) for a, b in zip(back.factors(8), t.factors(8)))
+    assert store.get("missing") is None
+    # the audit's budget: the largest part (a block's layers together, or one layer outside the blocks)
+    want = max(sum(truncator_bytes(layers[k]) for k in layers if k.startswith(f"model.layers.{i}."))
+               for i in range(2))
+    assert part_bytes(model, list(layers.values())) == max(want, *(truncator_bytes(layers[k])
+                                                                   for k in ("model.embed_tokens", "lm_head")))
+    store.close()
+
+
+def test_a_plan_measured_on_a_copy_sharing_the_weights_is_the_same_model():
+    model, cal, layers = _setup(2)
+    stats = input_statistics(model, list(layers.values()), cal)
+    plan = {"model.layers.0.mlp.up_proj": 8, "model.layers.1.self_attn.o_proj": 8}
+    own, shared = factorize(model, plan, stats), factorize(model, plan, stats, share=True)
+    x = cal.measure[0].kwargs["input_ids"]
+    with torch.no_grad():
+        assert torch.equal(own(input_ids=x).logits, shared(input_ids=x).logits)
+    kept = {p.data_ptr() for p in model.parameters()}
+    assert shared.lm_head.weight is model.lm_head.weight  # shared, not copied
+    new = [p for p in shared.parameters() if p.data_ptr() not in kept]
+    assert sum(p.numel() for p in new) == sum(r * (layers[k].m + layers[k].n) for k, r in plan.items())
+    assert not any(p.data_ptr() in kept for p in own.parameters())
+
+
+def test_large_arrays_are_mapped_where_glibc_is_the_allocator():
+    import ctypes.util
+    import platform
+
+    from auditor.calibration.session import map_large_arrays
+
+    glibc = platform.system() == "Linux" and platform.libc_ver()[0] == "glibc" and ctypes.util.find_library("c")
+    assert map_large_arrays() is bool(glibc)
