@@ -31,6 +31,7 @@ from .whiten import WhitenedSpectrum
 
 if TYPE_CHECKING:
     from .fisher import GradientSensitivity
+    from .staged import StagedEvaluator
 
 
 @dataclass
@@ -239,6 +240,7 @@ class Decompositions(dict):
         self.bytes += n - old
 
 
+RESOLUTION = 0.005  # of the model's parameters: the search stops bisecting when its bracket's plans are this close
 FrontierPoint = FrontierPlan  # one plan measured all at once: the report's type (auditor/calresults.py)
 BudgetPlan = BudgetResult  # tier 3's result: the report's type, returned as it is
 
@@ -282,11 +284,11 @@ def plan_for_budget(model: nn.Module, layers: dict[str, Layer] | list[Layer],
                                     stats=stats)  # a metric given keeps its kind (perplexity, kl, ...)
     with session.measuring():  # every module's own mode is restored afterwards
         stats = session.statistics(planned)
-        return _search(model, session.evaluator, curves, named, stats, session.metric, budget, frontier, max_tries,
+        return _search(model, session.search_evaluator, curves, named, stats, session.metric, budget, frontier, max_tries,
                        fixed, t0, progress, reuse_bytes, reuse)
 
 
-def _search(model: nn.Module, ev: Evaluator, curves: Curves, named: dict[str, Layer], stats: InputStatistics,
+def _search(model: nn.Module, ev: "Evaluator | StagedEvaluator", curves: Curves, named: dict[str, Layer], stats: InputStatistics,
             metric: Metric, budget: float | None, frontier: int, max_tries: int, fixed: dict[str, int],
             t0: float, progress: Callable[[int], None] | None = None,
             reuse_bytes: int | None = None, reuse: "Decompositions | None" = None) -> BudgetResult:
@@ -336,7 +338,7 @@ def _search(model: nn.Module, ev: Evaluator, curves: Curves, named: dict[str, La
                 hi = mid
         start = max(lo, 1.0) if max_saved else 0.0
     ok_at, fail_at = _bracket(measure, start, float(max_saved), grow=budget is None)
-    _bisect(measure, ok_at, fail_at)
+    _bisect(measure, ok_at, fail_at, RESOLUTION * total)
     limit = float("inf") if budget is None else start
     held = [p for p in tries if p.ok and p.target <= limit]
     best = max(held, key=lambda p: (p.removed, -p.predicted_cost)) if held else measure(0.0)
@@ -392,12 +394,14 @@ def _bracket(measure: Callable[[float], FrontierPlan], start: float, top: float,
     return 0.0, fail_at
 
 
-def _bisect(measure: Callable[[float], FrontierPlan], ok_at: float, fail_at: float | None) -> None:
-    """Narrow [ok_at, fail_at] until no new plan lies between (targets one parameter apart at the latest)."""
+def _bisect(measure: Callable[[float], FrontierPlan], ok_at: float, fail_at: float | None,
+            gap: float = 0.0) -> None:
+    """Narrow [ok_at, fail_at] until no new plan lies between (targets one parameter apart at the latest), or the
+    plans at its ends remove within ``gap`` parameters of each other."""
     if fail_at is None:
         return
     ok_key, fail_key = measure(ok_at).plan, measure(fail_at).plan
-    while fail_at - ok_at > 1:
+    while fail_at - ok_at > 1 and measure(fail_at).removed - measure(ok_at).removed > gap:
         mid = (ok_at + fail_at) / 2
         p = measure(mid)
         if p.plan == ok_key or (p.ok and p.plan != fail_key):

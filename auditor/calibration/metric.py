@@ -421,33 +421,8 @@ class Evaluator:
                              "Give every batch the inputs and width the model takes") from None
 
     def _check_repeats(self, dense: nn.Module) -> None:
-        if not self.batches:
-            return
-        b = self.batches[0]
-        with torch.no_grad():
-            try:
-                first = self._ref[0] if self._ref else main_output(self._forward(dense, b, 0)).detach()
-                again = main_output(self._forward(dense, b, 0)).detach()
-            except AuditError:
-                if self.metric.fn is not None:
-                    return  # the model returns no tensor: the user's metric scores it, as it will every time
-                raise
-        if first.shape != again.shape:
-            diff = math.inf
-        else:
-            x, y = first.double(), again.double()
-            both_nan = torch.isnan(x) & torch.isnan(y)
-            d = torch.where(both_nan | (x == y), torch.zeros_like(x), (x - y).abs())  # the same infinity: equal
-            scale = float(torch.where(torch.isfinite(x), x.abs(), torch.zeros_like(x)).max()) if x.numel() else 0.0
-            worst = float(d.max()) if d.numel() else 0.0
-            diff = worst / scale if scale > 0 else worst
-        if not diff <= DETERMINISM:
-            mode = "it is in training mode (dropout on)" if dense.training or any(
-                m.training for m in dense.modules()) else "noise in the forward, or a nondeterministic kernel"
-            raise AuditError(f"the model's forward does not repeat: two runs on held-out batch 0 differ by {diff:.3g} "
-                             f"relative (at most {DETERMINISM:g} allowed), so no measured floor would mean anything; "
-                             f"likely {mode}", "Put the model in eval mode (model.eval()) and take random noise out "
-                             "of the forward before measuring")
+        if self.batches:
+            check_repeats(dense, self.batches[0], self._ref[0] if self._ref else None, self.metric.fn is not None)
 
     def _check_direction(self, dense: nn.Module, calibration: Calibration) -> None:
         fn: Any = self.metric.fn
@@ -558,3 +533,34 @@ class Evaluator:
                     rows += r[..., 0].numel()
         value = math.sqrt(err2 / self._ref_norm2) if self._ref_norm2 > 0 else math.sqrt(err2)
         return Measurement(value, self.holds(value), agree / rows if rows else None)
+
+
+def check_repeats(dense: nn.Module, b: Batch, first: torch.Tensor | None = None, user_fn: bool = False) -> None:
+    """Refuse a dense model whose forward does not repeat: two runs on held-out batch ``b`` (``first``: the dense
+    output already computed on it) within ``DETERMINISM`` relative. ``user_fn``: a user metric scores the model, so
+    a forward that returns no tensor is not an error."""
+    forward = Evaluator._forward
+    with torch.no_grad():
+        try:
+            first = first if first is not None else main_output(forward(None, dense, b, 0)).detach()  # type: ignore[arg-type]
+            again = main_output(forward(None, dense, b, 0)).detach()  # type: ignore[arg-type]
+        except AuditError:
+            if user_fn:
+                return  # the model returns no tensor: the user's metric scores it, as it will every time
+            raise
+    if first.shape != again.shape:
+        diff = math.inf
+    else:
+        x, y = first.double(), again.double()
+        both_nan = torch.isnan(x) & torch.isnan(y)
+        d = torch.where(both_nan | (x == y), torch.zeros_like(x), (x - y).abs())  # the same infinity: equal
+        scale = float(torch.where(torch.isfinite(x), x.abs(), torch.zeros_like(x)).max()) if x.numel() else 0.0
+        worst = float(d.max()) if d.numel() else 0.0
+        diff = worst / scale if scale > 0 else worst
+    if not diff <= DETERMINISM:
+        mode = "it is in training mode (dropout on)" if dense.training or any(
+            m.training for m in dense.modules()) else "noise in the forward, or a nondeterministic kernel"
+        raise AuditError(f"the model's forward does not repeat: two runs on held-out batch 0 differ by {diff:.3g} "
+                         f"relative (at most {DETERMINISM:g} allowed), so no measured floor would mean anything; "
+                         f"likely {mode}", "Put the model in eval mode (model.eval()) and take random noise out "
+                         "of the forward before measuring")

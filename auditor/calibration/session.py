@@ -299,6 +299,7 @@ class CalibrationSession:
         self.options = options
         self._held: dict[str, Any] = {"stats": stats, "cached": False}  # shared with with_metric's sessions
         self._evaluator: Evaluator | None = None
+        self._staged: Any = None
         self._verifier: Any = None
         self.split = False  # the held-out rows cut into a search part and a verification part (the audit's)
         self.confidence = 0.9  # the verification interval's level
@@ -440,6 +441,20 @@ class CalibrationSession:
             with self.measuring():
                 self._evaluator = Evaluator(self.model, self.search_calibration, self.metric)
         return self._evaluator
+
+    @property
+    def search_evaluator(self) -> Any:
+        """What tier 3 measures plans with: for a built-in metric a
+        :class:`~auditor.calibration.staged.StagedEvaluator` on the search rows (a subsample first, every search row
+        only for plans near the tolerance; the dense per-row sums once), else (a user metric) :attr:`evaluator`."""
+        if self.metric.kind == "user":
+            return self.evaluator
+        if self._staged is None:
+            from .staged import StagedEvaluator
+
+            with self.measuring():
+                self._staged = StagedEvaluator(self.model, self.search_calibration.holdout, self.metric)
+        return self._staged
 
     @property
     def verifier(self) -> Any:

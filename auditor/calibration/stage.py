@@ -439,7 +439,6 @@ def check_plan(cal: Calibrated, model: nn.Module, audit: "Audit") -> Calibration
                          "Check the plan on the audited model")
     verification = None
     with session.measuring():
-        ev = session.evaluator
         new = factorize(model, plan, session, reuse=cal.reuse)
         removed = count_params(model) - count_params(new)
         b = report.budget
@@ -451,7 +450,7 @@ def check_plan(cal: Calibrated, model: nn.Module, audit: "Audit") -> Calibration
             if b is not None and b.plan == plan:
                 m.top1 = b.top1
         else:
-            m = ev.measure(new)
+            m = session.evaluator.measure(new)
     predicted = None
     basis = ""
     grads = cal.gradients
@@ -475,4 +474,6 @@ def check_plan(cal: Calibrated, model: nn.Module, audit: "Audit") -> Calibration
         basis = ("single-layer model errors (measured, or tier-1 errors scaled by the measured gain)"
                  if any(points(k) for k in plan) else "tier-1 layer-output errors")
     check = PlanCheck(len(plan), left, predicted, m.value, m.ok, m.top1, removed, basis, verification)
-    return replace(report, plan_check=check, reference=ev.reference)
+    reference = (b.reference if session.verifier is not None and b is not None  # the search rows' reference,
+                 else session.evaluator.reference)  # measured once by tier 3
+    return replace(report, plan_check=check, reference=reference)

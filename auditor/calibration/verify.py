@@ -93,6 +93,8 @@ class Verifier:
         self.evaluations = 0
         self._dense = None
         self._ref: list[torch.Tensor] = []
+        self.last_top1: tuple[np.ndarray, np.ndarray] | None = None  # per-row (agreeing, counted) positions of
+        #                                                               the last model measured (output error, KL)
         self.reference = 0.0
         kind = metric.kind
         with torch.no_grad():
@@ -136,14 +138,21 @@ class Verifier:
         kind = self.metric.kind
         with torch.no_grad():
             if kind == "output":
-                num = np.concatenate([
-                    _per_row((main_output(model(*b.args, **b.kwargs)).double() - r.double()), b,
-                             lambda t: t.pow(2)).cpu().numpy() for b, r in zip(self.batches, self._ref)])
-                return num, self._den
+                num, agree, seen = [], [], []
+                for b, r in zip(self.batches, self._ref):
+                    y = main_output(model(*b.args, **b.kwargs))
+                    num.append(_per_row(y.double() - r.double(), b, lambda t: t.pow(2)).cpu().numpy())
+                    if r.dim() >= 2 and r.shape[-1] >= 2:
+                        hit = (y.argmax(-1) == r.argmax(-1)).double()
+                        agree.append(_per_row(hit, b, lambda t: t).cpu().numpy())
+                        seen.append(_per_row(torch.ones_like(hit), b, lambda t: t).cpu().numpy())
+                self.last_top1 = ((np.concatenate(agree), np.concatenate(seen))
+                                  if agree and len(agree) == len(num) else None)
+                return np.concatenate(num), self._den
             if kind in ("perplexity", "masked"):
                 nll, cnt = self._nll(model)
                 return nll, self._ref_nll, cnt
-            kl, cnt = [], []
+            kl, cnt, agree = [], [], []
             for b in self.batches:
                 tgt, keep = _targets(b)
                 p = torch.log_softmax(main_output(self._dense(*b.args, **b.kwargs))[:, :-1].float(), -1)
@@ -151,6 +160,8 @@ class Verifier:
                 k = (p.exp() * (p - q)).sum(-1).double()
                 kl.append((k * keep).sum(1).cpu().numpy())
                 cnt.append(keep.sum(1).double().cpu().numpy())
+                agree.append(((p.argmax(-1) == q.argmax(-1)).double() * keep).sum(1).cpu().numpy())
+            self.last_top1 = np.concatenate(agree), np.concatenate(cnt)
             return np.concatenate(kl), np.concatenate(cnt)
 
     def _value(self, sums: tuple[np.ndarray, ...], idx: Any = slice(None)) -> float:
@@ -176,7 +187,11 @@ class Verifier:
         if self.metric.kind == "user":
             m = self._user.measure(model)
             return Verification(m.value, None, None, self.confidence, self.rows, m.ok, False, self._needed(None))
-        sums = self._sums(model)
+        return self.judge(self._sums(model))
+
+    def judge(self, sums: tuple[np.ndarray, ...]) -> Verification:
+        """The value of per-row sums (:meth:`_sums`) over every row, with the bootstrap interval over rows."""
+        tol = self.metric.tolerance
         value = self._value(sums)
         self.rows = n = len(sums[-1])  # the outputs' rows (windows, examples): what is resampled
         lo = hi = None
