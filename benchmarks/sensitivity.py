@@ -2,6 +2,7 @@
 
     python benchmarks/sensitivity.py                  # the char transformer and the sample Llama
     python benchmarks/sensitivity.py --only chargpt   # one of them
+    python benchmarks/sensitivity.py --default-only   # the default audit only (no probes)
 
 For each sample model the default calibrated audit (``AuditOptions(calibration=...)``, no cache) runs twice: with the
 output-gradient sensitivity (one backward pass) and with the per-layer truncation probes. Printed per run: wall time
@@ -138,6 +139,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--only", choices=("chargpt", "llama"))
     ap.add_argument("--tolerance", type=float)
+    ap.add_argument("--default-only", action="store_true", help="the default (gradient) audit only, no probes")
     args = ap.parse_args()
     torch.set_num_threads(2)
     cases = [chargpt_case, llama_case]
@@ -146,7 +148,7 @@ def main() -> None:
     for case in cases:
         name, spec, opts, model, unseen, metric = case()
         print(f"{name}:")
-        for probe in (False, True):
+        for probe in (False,) if args.default_only else (False, True):
             run(name, spec, opts, model, unseen, metric, probe, args.tolerance)
         print()
 
