@@ -86,3 +86,39 @@ def test_a_forward_that_does_not_repeat_is_refused():
     dense = nn.Sequential(nn.Linear(16, 32), nn.Dropout(0.5), nn.Linear(32, 8)).train()
     with pytest.raises(AuditError, match="does not repeat"):
         StagedEvaluator(dense, _batches(), Metric(tolerance=0.01))
+
+
+class _TinyLM(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.emb, self.head = nn.Embedding(20, 16), nn.Linear(16, 20)
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.tanh(self.emb(input_ids)))
+
+
+@pytest.mark.parametrize("kind", ["perplexity", "kl"])
+def test_a_language_models_staged_value_is_the_evaluators_on_the_rows_it_read(kind):
+    dense = _TinyLM().eval()
+    g = torch.Generator().manual_seed(3)
+    batches = [Batch((), {"input_ids": torch.randint(0, 20, (8, 12), generator=g)}) for _ in range(8)]
+    near, far = _noisy(dense, 0.02), _noisy(dense, 0.0)
+    with torch.no_grad():
+        far.head.weight.mul_(8.0)  # confident logits: far from the dense model's perplexity and distribution
+
+    def on(rows: list[Batch], tol: float, other: nn.Module):
+        return Evaluator(dense, Calibration([], rows), Metric(kind=kind, tolerance=tol)).measure(other)
+
+    tol = on(batches, 1.0, near).value
+    staged = StagedEvaluator(dense, batches, Metric(kind=kind, tolerance=tol))
+    m = staged.measure(far)
+    assert staged.last_rows == 16 and not m.ok
+    assert m.value == pytest.approx(on(batches[:2], tol, far).value, rel=1e-6)
+    m, every = staged.measure(near), on(batches, tol, near)
+    assert staged.last_rows == 64 and m.value == pytest.approx(every.value, rel=1e-6)
+    if kind == "kl":
+        assert m.top1 == pytest.approx(every.top1, rel=1e-12) and staged.tail._dense is staged.head._dense
+    else:
+        ref = Evaluator(dense, Calibration([], batches), Metric(kind=kind, tolerance=tol)).reference
+        assert staged.reference == pytest.approx(ref, rel=1e-9) and m.absolute == pytest.approx(every.absolute, rel=1e-9)

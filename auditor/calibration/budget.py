@@ -254,10 +254,12 @@ def plan_for_budget(model: nn.Module, layers: dict[str, Layer] | list[Layer],
     """Tier 3: the largest plan over ``curves`` that holds the tolerance all at once on the held-out batches.
 
     Each target (parameters to remove) gives one plan (:func:`allocate`); a plan is factorized and measured once
-    (repeated plans cost nothing). Without ``budget`` the search starts at the largest target whose predicted cost
-    fits the tolerance (tolerance^2 for the relative output error, the tolerance itself for a user metric), doubles
+    (repeated plans cost nothing), for a built-in metric in stages (:mod:`~auditor.calibration.staged`: a quarter
+    of the search rows, and the rest only for a plan whose interval there straddles the tolerance). Without
+    ``budget`` the search starts at the largest target whose predicted cost fits the tolerance (tolerance^2 for the relative output error, the tolerance itself for a user metric), doubles
     the target while the plan holds and halves it while it fails until the boundary is bracketed, then bisects until
-    no new plan lies between the largest plan that held and the smallest that failed. With ``budget`` (a fraction of
+    no new plan lies between the largest plan that held and the smallest that failed, or they remove within
+    ``RESOLUTION`` of the model of each other. With ``budget`` (a fraction of
     the model's parameters to remove) the first plan removes at least that share and the search only shrinks from
     there. ``max_tries`` bounds the measurements (a safety net: the bracket closes long before it on every model
     tried; :attr:`BudgetPlan.exhausted` says when it did not). ``fixed`` layers (name -> rank) are part of every plan
@@ -284,13 +286,13 @@ def plan_for_budget(model: nn.Module, layers: dict[str, Layer] | list[Layer],
                                     stats=stats)  # a metric given keeps its kind (perplexity, kl, ...)
     with session.measuring():  # every module's own mode is restored afterwards
         stats = session.statistics(planned)
-        return _search(model, session.search_evaluator, curves, named, stats, session.metric, budget, frontier, max_tries,
-                       fixed, t0, progress, reuse_bytes, reuse)
+        return _search(model, session.search_evaluator, curves, named, stats, session.metric, budget, frontier,
+                       max_tries, fixed, t0, progress, reuse_bytes, reuse)
 
 
-def _search(model: nn.Module, ev: "Evaluator | StagedEvaluator", curves: Curves, named: dict[str, Layer], stats: InputStatistics,
-            metric: Metric, budget: float | None, frontier: int, max_tries: int, fixed: dict[str, int],
-            t0: float, progress: Callable[[int], None] | None = None,
+def _search(model: nn.Module, ev: "Evaluator | StagedEvaluator", curves: Curves, named: dict[str, Layer],
+            stats: InputStatistics, metric: Metric, budget: float | None, frontier: int, max_tries: int,
+            fixed: dict[str, int], t0: float, progress: Callable[[int], None] | None = None,
             reuse_bytes: int | None = None, reuse: "Decompositions | None" = None) -> BudgetResult:
     total = count_params(model)
     options = curves.options

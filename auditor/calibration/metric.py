@@ -542,7 +542,8 @@ def check_repeats(dense: nn.Module, b: Batch, first: torch.Tensor | None = None,
     forward = Evaluator._forward
     with torch.no_grad():
         try:
-            first = first if first is not None else main_output(forward(None, dense, b, 0)).detach()  # type: ignore[arg-type]
+            if first is None:
+                first = main_output(forward(None, dense, b, 0)).detach()  # type: ignore[arg-type]
             again = main_output(forward(None, dense, b, 0)).detach()  # type: ignore[arg-type]
         except AuditError:
             if user_fn:

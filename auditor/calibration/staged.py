@@ -66,7 +66,8 @@ class StagedEvaluator:
     def tail(self) -> Verifier | None:
         """The tail's verifier, built (the dense model's per-row sums on the tail) when first needed."""
         if self._tail is None and self._tail_batches:
-            self._tail = Verifier(self.dense, self._tail_batches, self.metric, STAGE_CONFIDENCE)
+            self._tail = Verifier(self.dense, self._tail_batches, self.metric, STAGE_CONFIDENCE,
+                                  frozen=self.head._dense)  # KL: the head's frozen dense copy, not a second one
         return self._tail
 
     @property

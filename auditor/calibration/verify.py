@@ -82,7 +82,8 @@ def _per_row(y: torch.Tensor, b: Batch, fn: Any) -> torch.Tensor:
 class Verifier:
     """Measures models on the verification rows, row by row, against the dense model's per-row sums."""
 
-    def __init__(self, dense: nn.Module, batches: list[Batch], metric: Metric, confidence: float = 0.9) -> None:
+    def __init__(self, dense: nn.Module, batches: list[Batch], metric: Metric, confidence: float = 0.9,
+                 frozen: nn.Module | None = None) -> None:
         if not 0 < confidence < 1:
             raise ValueError(f"confidence must be in (0, 1), not {confidence!r}")
         self.metric = metric
@@ -106,6 +107,8 @@ class Verifier:
                 nll, cnt = self._nll(dense)
                 self._ref_nll, self._cnt = nll, cnt
                 self.reference = math.exp(nll.sum() / cnt.sum()) if cnt.sum() > 0 else math.nan
+            elif kind == "kl" and frozen is not None:  # another verifier's frozen dense copy, shared
+                self._dense = frozen
             elif kind == "kl":
                 import copy
 
