@@ -112,7 +112,8 @@ def run(name: str, spec: str, opts: dict, model, unseen, metric, probe: bool, to
     cal_total = sum(sec.values())  # tier 1, the gradients or probes, the rounding floor, tier 3, the verification
     print(f"  {label}: audit {wall:.1f} s; calibrate {cal_total:.1f} s = {cal_total / sec['tier1']:.1f}x its tier 1 "
           f"({sec['tier1']:.1f} s); " + ", ".join(f"{k} {v:.1f} s" for k, v in sec.items()) +
-          f"; {c.evaluations} evaluations ({len(b.tries)} plans in tier 3)")
+          f"; {c.evaluations} evaluations ({len(b.tries)} plans in tier 3, "
+          f"{sum(p.rows == max(q.rows for q in b.tries) for p in b.tries)} of them on every search row)")
     v = b.verification
     ver = v.words(c.tolerance, c.metric) if v is not None else "not verified"
     print(f"    suggested plan: {100 * b.removed_fraction:.1f}% removed ({len(b.plan)} layers), search rows "

@@ -315,8 +315,9 @@ def _search(model: nn.Module, ev: "Evaluator | StagedEvaluator", curves: Curves,
             if len(tries) >= max_tries:  # the safety net: the last plan measured stands in
                 return tries[-1]
             m = ev.measure(factorize(model, plan, stats, reuse=reuse)) if plan else ev.measure(model)
+            rows = getattr(ev, "last_rows", None) or sum(b.rows for b in getattr(ev, "batches", ()))
             memo[key] = FrontierPlan(saved, saved / total if total else 0.0, m.value, m.ok, len(plan), m.top1, target=int(target),
-                                     plan=plan, predicted_cost=cost)
+                                     plan=plan, predicted_cost=cost, rows=rows)
             tries.append(memo[key])
             if progress is not None:
                 progress(len(tries))
