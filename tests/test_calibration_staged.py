@@ -122,3 +122,13 @@ def test_a_language_models_staged_value_is_the_evaluators_on_the_rows_it_read(ki
     else:
         ref = Evaluator(dense, Calibration([], batches), Metric(kind=kind, tolerance=tol)).reference
         assert staged.reference == pytest.approx(ref, rel=1e-9) and m.absolute == pytest.approx(every.absolute, rel=1e-9)
+
+
+def test_unbatched_examples_are_never_cut():
+    dense = _net()
+    g = torch.Generator().manual_seed(4)
+    batches = [Batch((torch.randn(16, generator=g),), {}) for _ in range(10)]  # one example each: "rows" 16
+    staged = StagedEvaluator(dense, batches, Metric(tolerance=1e-9))
+    assert len(staged.head.batches) == 3 and all(b.args[0].shape == (16,) for b in staged._tail_batches)
+    m = staged.measure(_noisy(dense, 1.0))
+    assert m.value == pytest.approx(_on(dense, batches[:3], 1e-9, _noisy(dense, 1.0)).value, rel=1e-9)

@@ -21,11 +21,31 @@ from torch import nn
 from ..errors import AuditError
 from .inputs import Batch
 from .metric import Measurement, Metric, check_repeats
-from .verify import Verifier, split_rows
+from .verify import Verifier, _slice
 
 HEAD_SHARE = 0.25  # of the search rows, measured for every plan
 MIN_HEAD = 16  # rows at least in the head; fewer search rows than twice this: every plan on all of them
 STAGE_CONFIDENCE = 0.99  # the head's interval that decides a plan without the tail
+
+
+def _cut(batches: list[Batch], rows: int) -> tuple[list[Batch], list[Batch]]:
+    """(head, tail): the first ``rows`` rows and the rest, a batch cut where the line falls inside it when its
+    tensors are batched (2-D or more: rows first); an unbatched example (a 1-D tensor) is never cut."""
+    head: list[Batch] = []
+    tail: list[Batch] = []
+    seen = 0
+    for b in batches:
+        n = b.rows
+        ts = b.tensors()
+        if seen >= rows:
+            tail.append(b)
+        elif seen + n <= rows or not ts or ts[0][1].dim() < 2:
+            head.append(b)
+        else:
+            head.append(_slice(b, 0, rows - seen))
+            tail.append(_slice(b, rows - seen, n))
+        seen += n
+    return head, tail
 
 
 class StagedEvaluator:
@@ -46,7 +66,7 @@ class StagedEvaluator:
         if head_rows * 2 > self.rows:
             head, self._tail_batches = list(batches), []
         else:
-            head, self._tail_batches = split_rows(batches, head_rows / self.rows)
+            head, self._tail_batches = _cut(batches, head_rows)
         try:
             self.head = Verifier(dense, head, metric, STAGE_CONFIDENCE)
         except AuditError:
