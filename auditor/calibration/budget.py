@@ -254,7 +254,7 @@ def plan_for_budget(model: nn.Module, layers: dict[str, Layer] | list[Layer],
     """Tier 3: the largest plan over ``curves`` that holds the tolerance all at once on the held-out batches.
 
     Each target (parameters to remove) gives one plan (:func:`allocate`); a plan is factorized and measured once
-    (repeated plans cost nothing), for a built-in metric in stages (:mod:`~auditor.calibration.staged`: a quarter
+    (repeated plans cost nothing), in the audit's split sessions for a built-in metric in stages (:mod:`~auditor.calibration.staged`: a quarter
     of the search rows, and the rest only for a plan whose interval there straddles the tolerance). Without
     ``budget`` the search starts at the largest target whose predicted cost fits the tolerance (tolerance^2 for the relative output error, the tolerance itself for a user metric), doubles
     the target while the plan holds and halves it while it fails until the boundary is bracketed, then bisects until

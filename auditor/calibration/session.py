@@ -446,8 +446,10 @@ class CalibrationSession:
     def search_evaluator(self) -> Any:
         """What tier 3 measures plans with: for a built-in metric a
         :class:`~auditor.calibration.staged.StagedEvaluator` on the search rows (a subsample first, every search row
-        only for plans near the tolerance; the dense per-row sums once), else (a user metric) :attr:`evaluator`."""
-        if self.metric.kind == "user":
+        only for plans near the tolerance; the dense per-row sums once) when the session is ``split`` (the audit's:
+        the suggested plan is then verified on every verification row), else :attr:`evaluator` (every search row for
+        every plan: a user metric, ``--no-split``, the library's sessions)."""
+        if self.metric.kind == "user" or not self.split:
             return self.evaluator
         if self._staged is None:
             from .staged import StagedEvaluator
