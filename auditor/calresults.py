@@ -135,15 +135,20 @@ class Verification:
     straddles: bool
     rows_needed: int | None = None
     search_rows: int = 0  # the held-out rows the search measured on
+    reference: float | None = None  # the dense model's perplexity on the verification rows (perplexity metrics)
 
     def words(self, tolerance: float, metric: str = "") -> str:
         """"<metric> V (90% interval L to H over N verification rows): within/straddles/misses the tolerance T"."""
         ci = (f" ({100 * self.confidence:g}% interval {self.low:.4g} to {self.high:.4g} over {self.rows:,} "
               f"verification rows)" if self.low is not None and self.high is not None
               else f" (on {self.rows:,} verification rows, no interval)")
-        judged = ("within the tolerance" if self.ok else "straddles the tolerance" if self.straddles
-                  else "misses the tolerance")
-        return f"{metric + ' ' if metric else ''}{self.value:.4g}{ci}: {judged} {tolerance:g}"
+        return f"{metric + ' ' if metric else ''}{self.value:.4g}{ci}: {self.judged} {tolerance:g}"
+
+    @property
+    def judged(self) -> str:
+        """What the interval says of the tolerance: within it, straddling it, or missing it."""
+        return ("within the tolerance" if self.ok else "straddles the tolerance" if self.straddles
+                else "misses the tolerance")
 
 
 @dataclass

@@ -175,11 +175,13 @@ def run(args: argparse.Namespace) -> int:
                            compute_dtype=_compute_dtype(args, plan_obj) if args.calibration else None,
                            split=not args.no_split,
                            **({"confidence": _level(args.confidence)} if args.confidence is not None else {}))
-    if args.calibration is None and (args.metric or args.tolerance is not None or args.holdout
-                                     or args.calibration_length is not None or args.compute_dtype is not None
-                                     or args.no_split or args.confidence is not None):
-        raise AuditError("--holdout, --metric, --tolerance, --calibration-length, --compute-dtype, --no-split and "
-                         "--confidence need --calibration", "Pass --calibration FILE")
+    given = [flag for flag, value in (("--holdout", args.holdout), ("--metric", args.metric),
+                                      ("--tolerance", args.tolerance), ("--calibration-length", args.calibration_length),
+                                      ("--compute-dtype", args.compute_dtype), ("--no-split", args.no_split or None),
+                                      ("--confidence", args.confidence)) if value is not None]
+    if args.calibration is None and given:
+        raise AuditError(f"{', '.join(given)} {'needs' if len(given) == 1 else 'need'} --calibration",
+                         "Pass --calibration FILE")
     check_targets(model, list(plan_obj.ranks))  # complex, quantized, unsupported or tied: before any calibration
     result, session = audit_session(model, loaded.example_inputs, plan=plan_obj, options=options)
     for f in input_errors(result):

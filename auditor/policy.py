@@ -12,7 +12,7 @@ from .errors import ExitCode
 from .results import Severity
 
 if TYPE_CHECKING:
-    from .calresults import CalibrationReport, Verification
+    from .calresults import CalibrationReport, PlanCheck, Verification
     from .results import Audit, Finding
 
 
@@ -137,6 +137,21 @@ def metric_change(cal: "CalibrationReport", value: float | None) -> str:
     return f"{label} {value:.4g} (tolerance {cal.tolerance:g})"
 
 
+def checked_change(cal: "CalibrationReport", pc: "PlanCheck") -> str:
+    """:func:`metric_change` of the plan check: its measured value with the dense baseline of the rows it was measured
+    on (the verification rows when the held-out rows were split)."""
+    return metric_change(_on_verified_rows(cal, pc.verification), pc.measured)
+
+
+def _on_verified_rows(cal: "CalibrationReport", v: "Verification | None") -> "CalibrationReport":
+    """``cal`` with the dense baseline of the verification rows, where they were measured and give one."""
+    if v is None or v.reference is None or not math.isfinite(v.reference):
+        return cal
+    from dataclasses import replace
+
+    return replace(cal, reference=v.reference)
+
+
 def verification_words(cal: "CalibrationReport", v: "Verification") -> str:
     """The verified number in the user's units with its interval and what it says of the tolerance: "held-out
     perplexity 153.77 -> 154.97 (+0.78%, tolerance +1%); 90% interval +0.70% to +0.88% over 83 verification rows:
@@ -145,7 +160,8 @@ def verification_words(cal: "CalibrationReport", v: "Verification") -> str:
     label = cal.metric
     if not (label.endswith("perplexity increase") and cal.reference > 0):
         return v.words(cal.tolerance, label)
-    judged = ("within the tolerance" if v.ok else "straddles the tolerance" if v.straddles else "misses the tolerance")
+    judged = v.judged
+    cal = _on_verified_rows(cal, v)  # the dense baseline of the rows it was measured on
     if v.low is None or v.high is None:
         return f"{metric_change(cal, v.value)} on {v.rows:,} verification rows, no interval: {judged}"
     return (f"{metric_change(cal, v.value)}; {100 * v.confidence:g}% interval {100 * v.low:+.2f}% to "

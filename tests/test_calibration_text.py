@@ -337,4 +337,4 @@ def test_factorize_takes_a_text_file(cli_inproc, tmp_path, hf_dir, words):
     # two 64 x 32 Linears (2,048 weights each) become 8 * (64 + 32) = 768 each
     assert meta["params_before"] - meta["params"] == 2 * (64 * 32 - 8 * (64 + 32))
     r = cli_inproc("factorize", hf_dir, "--plan", plan, "--calibration-length", "16", "-o", tmp_path / "f2")
-    assert r.returncode == 2 and r.stderr.count("\n") == 1 and "need --calibration" in r.stderr
+    assert r.returncode == 2 and r.stderr.count("\n") == 1 and "--calibration-length needs --calibration" in r.stderr

@@ -209,7 +209,8 @@ class Verifier:
         straddles = hi is not None and lo <= tol < hi
         needed = (self._needed(None if hi is None else (hi - lo) / 2, value if straddles else None)
                   if math.isfinite(value) else None)
-        return Verification(value, lo, hi, self.confidence, self.rows, ok, straddles, needed)
+        return Verification(value, lo, hi, self.confidence, self.rows, ok, straddles, needed,
+                            reference=self.reference if self.metric.kind in ("perplexity", "masked") else None)
 
     def _needed(self, half: float | None, straddling: float | None = None) -> int | None:
         """Verification rows that would resolve the tolerance, when these do not (None when they do, or nothing

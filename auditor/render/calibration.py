@@ -7,7 +7,7 @@ import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable
 
-from ..policy import metric_change
+from ..policy import checked_change, metric_change
 from .md_budget import Section, percent
 from .safe import md_code, md_text, middle, term
 from .view import pct
@@ -91,6 +91,7 @@ def plan_line(cal: "CalibrationReport") -> str | None:
         return "The plan was not measured: factorize() cannot rewrite any of its layers."
     basis = pc.basis or "tier-1 layer-output errors"
     summed = "added up" if basis.endswith("which add up") else "summed in quadrature"
+    basis = basis.removesuffix(", which add up")  # said once, by `summed`
     pred = f"predicted {_g(pc.predicted)} (the {basis} {summed}), " if pc.predicted is not None else ""
     top1 = f", top-1 agreement {pct(pc.top1)}" if pc.top1 is not None else ""
     left = f"; not measured: {', '.join(pc.left_out)}" if pc.left_out else ""
@@ -104,7 +105,7 @@ def plan_line(cal: "CalibrationReport") -> str | None:
                 f"{top1}: {judged} the tolerance {cal.tolerance:g}{left}.")
     return (f"Plan applied all at once ({pc.layers} layers, {pc.removed:,} parameters removed): {cal.metric} "
             f"{pred}measured {_g(pc.measured)}{top1}: {'holds' if pc.ok else 'MISSES'} the tolerance "
-            f"{cal.tolerance:g}; {metric_change(cal, pc.measured)}{left}.")
+            f"{cal.tolerance:g}; {checked_change(cal, pc)}{left}.")
 
 
 def rounding_line(cal: "CalibrationReport", value: Any = None) -> str | None:
@@ -291,7 +292,7 @@ def check_card(audit: "Audit") -> CheckCard | None:
     sign = "\u2264" if pc.ok else ">"
     return CheckCard(f"{_g(pc.measured, 2)} {sign} {cal.tolerance:g}" if not cal.higher_is_better
                      else f"{_g(pc.measured)} (dense {_g(cal.reference)})",
-                     (f"{metric_change(cal, pc.measured)}; {cal.holdout_rows:,} held-out rows"  # with its baseline
+                     (f"{checked_change(cal, pc)}; {cal.holdout_rows:,} held-out rows"  # with its baseline
                       if cal.reference > 0 or cal.higher_is_better
                       else f"{cal.metric} on {cal.holdout_rows:,} held-out rows")
                      + f", {pc.layers} layers at once: "
@@ -406,7 +407,8 @@ def _md_lines(cal: "CalibrationReport") -> tuple[list[str], list[str]]:
         lines.append("- The plan was not measured: factorize() cannot rewrite any of its layers")
     elif pc is not None and pc.predicted is not None:
         summed = "added up" if (pc.basis or "").endswith("which add up") else "summed in quadrature"
-        lines.append(f"- Predicted {md_value(cal, pc.predicted)} ({md_text(pc.basis or 'tier-1 layer-output errors')}"
+        lines.append(f"- Predicted {md_value(cal, pc.predicted)} "
+                     f"({md_text((pc.basis or 'tier-1 layer-output errors').removesuffix(', which add up'))}"
                      f" {summed}), measured {md_value(cal, pc.measured)} all at once")
     v = pc.verification if pc is not None else None
     if v is not None:

@@ -23,7 +23,7 @@ import torch
 from torch import nn
 
 from .report import ModelRun
-from .timing import Clock, measure
+from .timing import Clock, block_timer, measure
 
 TIMEOUT_S = 600.0  # one subprocess at most this long (the audit goes on without the whole-model numbers)
 
@@ -185,7 +185,7 @@ def _serve(spec: dict[str, Any], reply: Any) -> None:
         memory = "cuda-max-allocated"
     else:
         memory = "rss" if _rss_reset() else "rss-process-peak"
-    timer = _block_timer(device)
+    timer = block_timer(device)
 
     def say(d: dict[str, Any]) -> None:
         reply.write(json.dumps(d) + "\n")
@@ -208,29 +208,6 @@ def _serve(spec: dict[str, Any], reply: Any) -> None:
                 break
     peak = torch.cuda.max_memory_allocated(device) if cuda else _rss_peak()
     say({"peak_bytes": int(peak), "memory": memory})
-
-
-def _block_timer(device: str) -> Any:
-    """seconds for ``calls`` calls of ``fn``: CUDA events on a GPU, else the wall clock."""
-    import time
-
-    if device.startswith("cuda"):
-        def cuda_block(fn: Any, calls: int) -> float:
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            for _ in range(calls):
-                fn()
-            end.record()
-            torch.cuda.synchronize(device)
-            return start.elapsed_time(end) / 1e3
-        return cuda_block
-
-    def cpu_block(fn: Any, calls: int) -> float:
-        t0 = time.perf_counter()
-        for _ in range(calls):
-            fn()
-        return time.perf_counter() - t0
-    return cpu_block
 
 
 class _Worker:

@@ -67,6 +67,32 @@ def _sync(device: str) -> Callable[[], None]:
     return lambda: None
 
 
+def block_timer(device: str = "cpu", clock: Clock | None = None) -> Callable[[Callable[[], Any], int], float]:
+    """seconds for ``calls`` calls of ``fn``: CUDA events on a GPU (without a clock given), else ``clock`` (the wall
+    clock by default), the device synchronized before it is read."""
+    sync = _sync(device)
+    events = device.startswith("cuda") and clock is None
+    clock = clock or time.perf_counter
+
+    def block(fn: Callable[[], Any], calls: int) -> float:
+        if events:
+            import torch
+
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            for _ in range(calls):
+                fn()
+            end.record()
+            torch.cuda.synchronize(device)
+            return start.elapsed_time(end) / 1e3
+        t0 = clock()
+        for _ in range(calls):
+            fn()
+        sync()
+        return clock() - t0
+    return block
+
+
 def measure(fn: Callable[[], Any], *, device: str = "cpu", clock: Clock | None = None,
             min_time: float = MIN_TIME_S, min_blocks: int = MIN_BLOCKS, max_blocks: int = MAX_BLOCKS,
             warmup: int = WARMUP_CALLS) -> Timing:
@@ -94,25 +120,7 @@ def measure_many(fns: list[Callable[[], Any]], *, device: str = "cpu", clock: Cl
     machine's load (other processes, clock frequency) falls on all of them alike and their ratio stays fair. Each
     gets its own block size and at least ``min_time`` seconds of blocks."""
     sync = _sync(device)
-    events = device.startswith("cuda") and clock is None
-    clock = clock or time.perf_counter
-
-    def block(fn: Callable[[], Any], calls: int) -> float:
-        if events:
-            import torch
-
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            for _ in range(calls):
-                fn()
-            end.record()
-            torch.cuda.synchronize(device)
-            return start.elapsed_time(end) / 1e3
-        t0 = clock()
-        for _ in range(calls):
-            fn()
-        sync()
-        return clock() - t0
+    block = block_timer(device, clock)
 
     sizes: list[int] = []
     per_call: list[list[float]] = []

@@ -444,7 +444,7 @@ def cases() -> list[Case]:
         (d / "plan.toml").write_text('[ranks]\n"2" = 8\n')
         return ["factorize", f"{src}:model", "--plan", str(d / "plan.toml"), "--compute-dtype", "float32", "-o", OUT]
     add(Case("factorize-compute-dtype-without-calibration", LV, dtype_without_calibration, 2,
-             "and --compute-dtype need --calibration"))
+             "--compute-dtype needs --calibration"))
     return c
 
 
