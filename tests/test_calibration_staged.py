@@ -1,6 +1,6 @@
 """Tier 3's staged measurements (auditor/calibration/staged.py): a plan decided on the head of the search rows reads
-only those; a plan near the tolerance reads every search row and gets what the Evaluator gives on them; the dense
-model runs once per row."""
+only those; a plan near the tolerance reads every search row (stage by stage, doubling) and gets what the Evaluator
+gives on them; the dense model runs once per row."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from torch import nn
 
 from auditor.calibration.inputs import Batch, Calibration
 from auditor.calibration.metric import Evaluator, Metric
-from auditor.calibration.staged import StagedEvaluator
+from auditor.calibration.staged import StagedEvaluator, stage_ends
 from auditor.errors import AuditError
 
 
@@ -77,7 +77,7 @@ def test_few_search_rows_are_measured_in_one_stage():
     dense, batches = _net(), _batches(rows=24)
     staged = StagedEvaluator(dense, batches, Metric(tolerance=1e-9))
     m = staged.measure(_noisy(dense, 1.0))
-    assert staged.tail is None and staged.last_rows == 24
+    assert staged.stages == 1 and staged.last_rows == 24
     assert m.value == pytest.approx(_on(dense, batches, 1e-9, _noisy(dense, 1.0)).value, rel=1e-9)
 
 
@@ -118,7 +118,7 @@ def test_a_language_models_staged_value_is_the_evaluators_on_the_rows_it_read(ki
     m, every = staged.measure(near), on(batches, tol, near)
     assert staged.last_rows == 64 and m.value == pytest.approx(every.value, rel=1e-6)
     if kind == "kl":
-        assert m.top1 == pytest.approx(every.top1, rel=1e-12) and staged.tail._dense is staged.head._dense
+        assert m.top1 == pytest.approx(every.top1, rel=1e-12) and all(v._dense is staged.head._dense for v in staged.built[1:])
     else:
         ref = Evaluator(dense, Calibration([], batches), Metric(kind=kind, tolerance=tol)).reference
         assert staged.reference == pytest.approx(ref, rel=1e-9) and m.absolute == pytest.approx(every.absolute, rel=1e-9)
@@ -129,6 +129,24 @@ def test_unbatched_examples_are_never_cut():
     g = torch.Generator().manual_seed(4)
     batches = [Batch((torch.randn(16, generator=g),), {}) for _ in range(10)]  # one example each: "rows" 16
     staged = StagedEvaluator(dense, batches, Metric(tolerance=1e-9))
-    assert len(staged.head.batches) == 3 and all(b.args[0].shape == (16,) for b in staged._tail_batches)
+    assert len(staged.head.batches) == 1 and all(b.args[0].shape == (16,) for part in staged._parts for b in part)
+    assert sum(len(part) for part in staged._parts) == 10
     m = staged.measure(_noisy(dense, 1.0))
-    assert m.value == pytest.approx(_on(dense, batches[:3], 1e-9, _noisy(dense, 1.0)).value, rel=1e-9)
+    assert m.value == pytest.approx(_on(dense, batches[:1], 1e-9, _noisy(dense, 1.0)).value, rel=1e-9)
+
+
+@pytest.mark.parametrize("rows, ends", [(1, [1]), (24, [24]), (32, [16, 32]), (64, [16, 32, 64]), (82, [16, 32, 82]),
+                                        (128, [16, 32, 64, 128]), (160, [16, 32, 64, 160])])
+def test_the_stages_double_from_the_head_to_the_last_search_row(rows, ends):
+    assert stage_ends(rows) == ends
+
+
+def test_a_plan_reads_stages_until_its_interval_leaves_the_tolerance():
+    dense, batches = _net(), _batches(rows=128)
+    near = _noisy(dense, 0.05)
+    every = _on(dense, batches, 0.01, near).value
+    for factor, rows in ((3.0, 16), (1.3, 32), (1.2, 64), (1.05, 128)):  # the tolerance nearer the plan's value
+        staged = StagedEvaluator(dense, batches, Metric(tolerance=every * factor))
+        m = staged.measure(near)
+        assert staged.last_rows == rows and staged.full == (rows == 128) and m.ok
+        assert m.value == pytest.approx(_on(dense, batches[:rows // 8], 0.01, near).value, rel=1e-9)

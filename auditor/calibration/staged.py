@@ -1,13 +1,15 @@
-"""Tier 3's measurements at the cost they need: a plan measured on a subsample of the search rows first, and on the
-rest of them only when the subsample cannot tell which side of the tolerance the plan lies.
+"""Tier 3's measurements at the cost they need: a plan measured on a few of the search rows first, and on more of
+them only while those cannot tell which side of the tolerance the plan lies.
 
-The search rows are cut into a head (the first ``HEAD_SHARE`` of them, at least ``MIN_HEAD`` rows) and a tail (the
-rest). A plan is measured on the head, row by row (the per-row sums of :class:`~auditor.calibration.verify.Verifier`),
-and the head's bootstrap interval over rows at ``STAGE_CONFIDENCE`` decides: an interval wholly within the tolerance
-holds, one wholly beyond it fails, and only a plan whose interval straddles it (its value near the tolerance) is
-measured on the tail too; its value is then the metric over every search row (the head's per-row sums joined to the
-tail's: no row is run twice). The dense model's per-row sums are computed once (the head's when the evaluator is
-built, the tail's when a plan first needs them). The search only orders plans; the suggested plan is still verified
+The search rows are cut into stages that double: the first ``MIN_HEAD`` rows (the head), then the next ``MIN_HEAD``,
+then twice as many, and so on, the last stage ending at the last search row (fewer search rows than twice
+``MIN_HEAD``: one stage). A plan is measured stage by stage, row by row (the per-row sums of
+:class:`~auditor.calibration.verify.Verifier`), and after each stage the bootstrap interval over the rows read so far
+at ``STAGE_CONFIDENCE`` decides: an interval wholly within the tolerance holds, one wholly beyond it fails, and only a
+plan whose interval still straddles it reads the next stage; its value is then the metric over every row read (the
+stages' per-row sums joined: no row is run twice). A plan far from the tolerance reads the head alone; one at it
+reads every search row. The dense model's per-row sums are computed once per stage (the head's when the evaluator is
+built, a later stage's when a plan first needs it). The search only orders plans; the suggested plan is still verified
 on every verification row with the audit's interval (``stage._verify``), which is what the report's verdict says.
 """
 
@@ -23,9 +25,8 @@ from .inputs import Batch
 from .metric import Measurement, Metric, check_repeats
 from .verify import Verifier, _slice
 
-HEAD_SHARE = 0.25  # of the search rows, measured for every plan
-MIN_HEAD = 16  # rows at least in the head; fewer search rows than twice this: every plan on all of them
-STAGE_CONFIDENCE = 0.99  # the head's interval that decides a plan without the tail
+MIN_HEAD = 16  # rows in the head (and in the second stage; each later stage doubles the rows read)
+STAGE_CONFIDENCE = 0.99  # the interval that decides a plan before the next stage
 
 
 def _cut(batches: list[Batch], rows: int) -> tuple[list[Batch], list[Batch]]:
@@ -48,13 +49,35 @@ def _cut(batches: list[Batch], rows: int) -> tuple[list[Batch], list[Batch]]:
     return head, tail
 
 
+def stage_ends(rows: int) -> list[int]:
+    """The rows read after each stage: ``MIN_HEAD``, then doubling, the last stage ending at ``rows`` (one stage
+    when ``rows`` is under twice ``MIN_HEAD``)."""
+    ends: list[int] = []
+    end = MIN_HEAD
+    while 2 * end <= rows and end < rows:
+        ends.append(end)
+        end *= 2
+    return ends + [rows] if not ends or ends[-1] < rows else ends
+
+
+def _stages(batches: list[Batch], rows: int) -> list[list[Batch]]:
+    """The batches of each stage (:func:`stage_ends`); an unbatched example stays whole, in the stage it starts."""
+    out: list[list[Batch]] = []
+    rest, done = list(batches), 0
+    for end in stage_ends(rows)[:-1]:
+        part, rest = _cut(rest, end - done)
+        done += sum(b.rows for b in part)
+        out.append(part)
+    return [*out, rest] if rest else out
+
+
 class StagedEvaluator:
-    """Measures models on ``batches`` (the search rows) in two stages against the dense model's per-row sums.
+    """Measures models on ``batches`` (the search rows) in stages against the dense model's per-row sums.
 
     ``measure(model)`` returns a :class:`~auditor.calibration.metric.Measurement` (for perplexity the relative
-    increase, as :class:`~auditor.calibration.metric.Evaluator` gives); ``rows`` of the last measurement say how many
-    rows it read. ``evaluations``: plans measured; ``full``: those measured on every row. Built-in metrics only (a
-    user metric scores all batches at once: :class:`~auditor.calibration.metric.Evaluator`)."""
+    increase, as :class:`~auditor.calibration.metric.Evaluator` gives); ``last_rows`` says how many rows the last
+    measurement read. ``evaluations``: plans measured; ``full``: those measured on every row. Built-in metrics only
+    (a user metric scores all batches at once: :class:`~auditor.calibration.metric.Evaluator`)."""
 
     def __init__(self, dense: nn.Module, batches: list[Batch], metric: Metric) -> None:
         if metric.kind == "user":
@@ -62,11 +85,8 @@ class StagedEvaluator:
         self.metric = metric
         self.dense = dense
         self.rows = sum(b.rows for b in batches)
-        head_rows = max(MIN_HEAD, int(math.ceil(HEAD_SHARE * self.rows)))
-        if head_rows * 2 > self.rows:
-            head, self._tail_batches = list(batches), []
-        else:
-            head, self._tail_batches = _cut(batches, head_rows)
+        self._parts = _stages(batches, self.rows) or [[]]
+        head = self._parts[0]
         try:
             self.head = Verifier(dense, head, metric, STAGE_CONFIDENCE)
         except AuditError:
@@ -77,18 +97,29 @@ class StagedEvaluator:
             raise
         if head:  # dropout left on, or noise: refused before any plan is measured (the output: its first run kept)
             check_repeats(dense, head[0], self.head._ref[0] if self.head._ref else None)
-        self._tail: Verifier | None = None
+        self._later: list[Verifier | None] = [None] * (len(self._parts) - 1)
         self.evaluations = 0
         self.full = 0
         self.last_rows = 0
 
+    def stage(self, i: int) -> Verifier:
+        """Stage ``i``'s verifier (0: the head), built (the dense model's per-row sums on its rows) when first
+        needed; the KL's stages share the head's frozen dense copy."""
+        if i == 0:
+            return self.head
+        if self._later[i - 1] is None:
+            self._later[i - 1] = Verifier(self.dense, self._parts[i], self.metric, STAGE_CONFIDENCE,
+                                          frozen=self.head._dense)
+        return self._later[i - 1]  # type: ignore[return-value]
+
     @property
-    def tail(self) -> Verifier | None:
-        """The tail's verifier, built (the dense model's per-row sums on the tail) when first needed."""
-        if self._tail is None and self._tail_batches:
-            self._tail = Verifier(self.dense, self._tail_batches, self.metric, STAGE_CONFIDENCE,
-                                  frozen=self.head._dense)  # KL: the head's frozen dense copy, not a second one
-        return self._tail
+    def stages(self) -> int:
+        return len(self._parts)
+
+    @property
+    def built(self) -> list[Verifier]:
+        """The stages built so far (the head first)."""
+        return [self.head, *(v for v in self._later if v is not None)]
 
     @property
     def reference(self) -> float:
@@ -96,33 +127,40 @@ class StagedEvaluator:
         the KL, which compare with the dense model itself)."""
         if self.metric.kind not in ("perplexity", "masked"):
             return 0.0
-        parts = [self.head] + ([self.tail] if self.tail is not None else [])
+        parts = [self.stage(i) for i in range(self.stages)]
         nll = sum(float(p._ref_nll.sum()) for p in parts)
         cnt = sum(float(p._cnt.sum()) for p in parts)
         return math.exp(nll / cnt) if cnt > 0 else math.nan
 
+    def _decided(self, sums: tuple[np.ndarray, ...]) -> bool:
+        v = self.head.judge(sums)
+        tol = self.metric.tolerance
+        return not math.isfinite(v.value) or (v.low is not None and (v.high <= tol or v.low > tol))
+
     def measure(self, model: nn.Module) -> Measurement:
         self.evaluations += 1
-        tol = self.metric.tolerance
         sums = self.head._sums(model)
         top = self.head.last_top1
-        v = self.head.judge(sums)
-        decided = v.low is not None and (v.high <= tol or v.low > tol)
-        tail = None if decided or not math.isfinite(v.value) else self.tail
-        if tail is not None:
-            more = tail._sums(model)
+        i = 1
+        while i < self.stages and not self._decided(sums):
+            part = self.stage(i)
+            more = part._sums(model)
             sums = tuple(np.concatenate([a, b]) for a, b in zip(sums, more))
-            if top is not None and tail.last_top1 is not None:
-                top = (np.concatenate([top[0], tail.last_top1[0]]), np.concatenate([top[1], tail.last_top1[1]]))
-            self.full += 1
+            if top is not None and part.last_top1 is not None:
+                top = (np.concatenate([top[0], part.last_top1[0]]), np.concatenate([top[1], part.last_top1[1]]))
+            i += 1
+        self.full += i == self.stages and self.stages > 1
         self.last_rows = len(sums[-1])
+        return self._measurement(sums, top)
+
+    def _measurement(self, sums: tuple[np.ndarray, ...], top: tuple[np.ndarray, np.ndarray] | None) -> Measurement:
         value = self.head._value(sums)
         top1 = float(top[0].sum() / top[1].sum()) if top is not None and top[1].sum() > 0 else None
         absolute = None
         if self.metric.kind in ("perplexity", "masked") and math.isfinite(value):
-            nll, ref, cnt = sums
+            nll, _, cnt = sums
             absolute = math.exp(float(nll.sum()) / float(cnt.sum()))
-        return Measurement(value, value <= tol, top1, absolute)
+        return Measurement(value, value <= self.metric.tolerance, top1, absolute)
 
 
-__all__ = ["HEAD_SHARE", "MIN_HEAD", "STAGE_CONFIDENCE", "StagedEvaluator"]
+__all__ = ["MIN_HEAD", "STAGE_CONFIDENCE", "StagedEvaluator", "stage_ends"]
