@@ -439,18 +439,26 @@ class _Search:
 
     def narrow(self, ok_at: float, fail_at: float | None) -> None:
         """Narrow [ok_at, fail_at] until no new plan lies between (targets one parameter apart at the latest), or the
-        plans at its ends remove within ``RESOLUTION`` of the model of each other."""
+        plans at its ends remove within ``RESOLUTION`` of the model of each other: at :meth:`_between`, and at the
+        midpoint after two steps in a row moved the same end (interpolation on a convex curve creeps from one side)."""
         if fail_at is None:
             return
         gap = RESOLUTION * self.total
         ok_p, fail_p = self.measure(ok_at), self.measure(fail_at)
+        moved: list[bool] = []  # which end each step moved (True: the end that holds)
         while fail_at - ok_at > 1 and fail_p.removed - ok_p.removed > gap:
-            mid = self._between(ok_at, ok_p, fail_at, fail_p, gap)
+            if moved[-2:] in ([True, True], [False, False]):  # interpolation stuck on one side: bisect once
+                mid = ok_at + (fail_at - ok_at) / 2
+                moved.clear()
+            else:
+                mid = self._between(ok_at, ok_p, fail_at, fail_p, gap)
             p = self.measure(mid)
             if p.plan == ok_p.plan or (p.ok and p.plan != fail_p.plan):
                 ok_at, ok_p = mid, p
+                moved.append(True)
             else:
                 fail_at, fail_p = mid, p
+                moved.append(False)
 
     def _between(self, ok_at: float, ok_p: FrontierPlan, fail_at: float, fail_p: FrontierPlan, gap: float) -> float:
         """Where the bracket's ends' measured values interpolate to the tolerance (log-linear in the target), at

@@ -607,22 +607,23 @@ def _reviewed_plan(audit: "Audit") -> tuple[dict[str, int], list[str]]:
 
 def _measured_plan(cal: Calibrated, model: nn.Module, plan: dict[str, int]) -> tuple[Any, int, Any]:
     """(the plan's measurement, parameters removed, its verification or None): on the verification rows with the
-    interval in a split session (the suggested plan's verification reused, not measured again), else on the
-    held-out rows."""
+    interval in a split session (the suggested plan's verification and removal reused: neither factorized nor
+    measured again), else on the held-out rows."""
     from ..factorize import count_params, factorize
     from .metric import Measurement
 
     session, b = cal.session, cal.report.budget
-    verification = None
-    with session.measuring():
-        new = factorize(model, plan, session, reuse=cal.reuse)
-        removed = count_params(model) - count_params(new)
-        if session.verifier is None:
-            return session.evaluator.measure(new), removed, None
-        suggested = b is not None and b.plan == plan
-        verification = (b.verification if suggested and b.verification is not None
-                        else replace(session.verifier.measure(new),
-                                     search_rows=sum(x.rows for x in session.search_calibration.holdout)))
+    suggested = b is not None and b.plan == plan
+    if suggested and session.verifier is not None and b.verification is not None:  # measured: nothing to factorize
+        verification, removed = b.verification, b.removed
+    else:
+        with session.measuring():
+            new = factorize(model, plan, session, reuse=cal.reuse)
+            removed = count_params(model) - count_params(new)
+            if session.verifier is None:
+                return session.evaluator.measure(new), removed, None
+            verification = replace(session.verifier.measure(new),
+                                   search_rows=sum(x.rows for x in session.search_calibration.holdout))
     m = Measurement(verification.value, verification.ok)
     if suggested:
         m.top1 = b.top1
