@@ -261,6 +261,7 @@ class SearchSettings:
     progress: Callable[[int], None] | None = None
     reuse_bytes: int | None = None
     reuse: Decompositions | None = None
+    backstops: int = 0  # plans measured below the one found, a point of the model apart: fallbacks for a verification
 
 
 def plan_for_budget(model: nn.Module, layers: dict[str, Layer] | list[Layer],
@@ -404,9 +405,24 @@ class _Search:
         ok_at, fail_at = self.bracket(start, grow=self.s.budget is None)
         self.narrow(ok_at, fail_at)
         best = self.best(limit) or self.measure(0.0)
+        self.backstop(best)
         points = self.frontier(best)
         best = self.best(limit) or best  # a frontier point may hold beyond the bracket
         return self.result(best, points, t0)
+
+    def backstop(self, best: FrontierPlan) -> None:
+        """``backstops`` plans below ``best``, each about ``2 * RESOLUTION`` of the model smaller than the last, unless
+        a plan that held lies that close already: what a verification that rejects ``best`` falls back to (the
+        search's targets jump; a fallback half the model below would give away what the search found)."""
+        step = 2 * RESOLUTION * self.total
+        at = best
+        for _ in range(self.s.backstops):
+            target = at.target - step
+            near = [p for p in self.tries if p.ok and p.plan and target - step / 2 <= p.removed - self.fixed_saved
+                    < at.removed - self.fixed_saved]
+            if target <= 0:
+                return
+            at = max(near, key=lambda p: p.removed) if near else self.measure(target)
 
     def best(self, limit: float) -> FrontierPlan | None:
         held = [p for p in self.tries if p.ok and p.target <= limit]

@@ -391,7 +391,8 @@ def _tier3(run: _Run) -> Any:
     # judged against the tolerance as given: the floor is part of every plan's cost
     with _timed(run.seconds, "tier3"), run.progress.phase("tier 3 plan search", unit="plan"):
         budget = plan_for_budget(run.model, run.layers, run.session, curves, budget=run.options.budget,
-                                 fixed=run.fixed, progress=run.progress.update, reuse=run.reuse)
+                                 fixed=run.fixed, progress=run.progress.update, reuse=run.reuse,
+                                 backstops=VERIFY_BACKSTOPS if run.session.verifier is not None else 0)
     run.reference = budget.reference
     run.evaluations += budget.evaluations
     return budget
@@ -449,6 +450,7 @@ def _report(run: _Run, budget: Any) -> CalibrationReport:
 
 
 VERIFY_TRIES = 6  # plans verified at most, from the largest that held on the search rows down
+VERIFY_BACKSTOPS = 2  # plans the search measures a point, and two, below the one it found: the verification's fallbacks
 
 
 def _verify(model: nn.Module, session: CalibrationSession, budget: Any, stats: InputStatistics,
