@@ -8,7 +8,7 @@ held-out perplexity.
    held-out perplexity, tolerance 0.01 = +1%). Its plan is the suggested ranks it reviewed; it reports the plan's
    measured perplexity (the plan check).
 2. Measured here, independently of the tool's code: every window of the two texts tokenized with the directory's
-   tokenizer (no special tokens, windows of the model's 256 positions, the tail left out: what the tool does), the
+   tokenizer (no special tokens, windows of the model's positions, the tail left out: what the tool does), the
    input Gram G = X^T X of every Linear over the calibration windows (float64), and each planned weight W replaced by
    its whitened truncation: S = cholesky(G + 1e-6 mean(diag G) I), U S V^T = svd(W S), W_r = U_r S_r V_r^T S^-1 (the
    rank-r weight with the least layer-output error on the calibration rows; SVD-LLM's truncation-aware whitening).
@@ -120,8 +120,9 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=12, help="bisection steps over the uniform fraction")
     ap.add_argument("--measure-floor", action="store_true",
                     help="the audit with --measure-floor: its plan from tier-2 curves (measured per layer)")
+    ap.add_argument("--threads", type=int, default=2, help="torch threads (1 on a machine shared with other jobs)")
     args = ap.parse_args()
-    torch.set_num_threads(2)
+    torch.set_num_threads(args.threads)
     from transformers import AutoTokenizer, LlamaForCausalLM
 
     calib, holdout = args.model / "calib.txt", args.model / "holdout.txt"

@@ -15,8 +15,8 @@ sensitivity predicts the all-at-once metric over every plan tier 3 measured (Spe
 median and largest relative error of the predicted value against the measured one); then the suggested plan applied
 with ``auditor.factorize`` and measured on text the tool never read: windows of the standard library's subpackage
 sources (``*/*.py``; both samples were trained, calibrated and held out on top-level files only): the char
-transformer on 96 windows of 128 characters, the Llama on 48 windows of 256 tokens, printed beside the verification
-interval the audit reported.
+transformer on 96 windows of 128 characters, the Llama on 48 windows of its positions (128 tokens), printed beside
+the verification interval the audit reported.
 """
 
 from __future__ import annotations
@@ -78,7 +78,8 @@ def llama_case():
     model = AutoModelForCausalLM.from_pretrained(str(d)).eval()
     tok = Tokenizer.from_file(str(d / "tokenizer.json"))
     ids = torch.tensor(tok.encode(unseen_text()).ids)
-    unseen = Calibration([], [Batch(kwargs={"input_ids": windows(ids, 48, 256)[i:i + 16]}) for i in (0, 16, 32)],
+    length = model.config.max_position_embeddings  # windows of the model's positions, as the tool cuts them
+    unseen = Calibration([], [Batch(kwargs={"input_ids": windows(ids, 48, length)[i:i + 16]}) for i in (0, 16, 32)],
                          source="unseen")
     opts = dict(calibration=str(d / "calib.txt"), holdout=str(d / "holdout.txt"), tokenizer=str(d))
     return "sample Llama", str(d), opts, model, unseen, Metric(kind="perplexity")
@@ -189,8 +190,9 @@ def main() -> None:
     ap.add_argument("--only", choices=("chargpt", "llama"))
     ap.add_argument("--tolerance", type=float)
     ap.add_argument("--default-only", action="store_true", help="the default (gradient) audit only, no probes")
+    ap.add_argument("--threads", type=int, default=2, help="torch threads (1 on a machine shared with other jobs)")
     args = ap.parse_args()
-    torch.set_num_threads(2)
+    torch.set_num_threads(args.threads)
     cases = [chargpt_case, llama_case]
     if args.only:
         cases = [chargpt_case] if args.only == "chargpt" else [llama_case]
