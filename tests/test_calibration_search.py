@@ -68,9 +68,11 @@ def test_the_gradient_pass_reads_the_same_share_of_every_fit_batch():
     ids = torch.arange(100 * 64).reshape(100, 64) % 50
     fit = [Batch((), {"input_ids": ids[i:i + 25]}) for i in range(0, 100, 25)]
     cal = Calibration(fit, [], warnings=["kept"])
-    sub, share = gradient_rows(cal, positions=1024)  # 16 of 100 rows: 4 from each batch of 25
-    assert [b.rows for b in sub.fit] == [4, 4, 4, 4] and share == pytest.approx(0.16)
-    assert all(torch.equal(s.kwargs["input_ids"], b.kwargs["input_ids"][:4]) for s, b in zip(sub.fit, fit))
+    sub, share = gradient_rows(cal, positions=1024)  # 16 of 100 rows: 4 from each batch of 25, joined in one batch
+    assert [b.rows for b in sub.fit] == [16] and share == pytest.approx(0.16)
+    assert torch.equal(sub.fit[0].kwargs["input_ids"], torch.cat([b.kwargs["input_ids"][:4] for b in fit]))
+    big, _ = gradient_rows(cal, positions=4000)  # 64 of 100 rows, 16 from each batch: 25 rows a batch at most
+    assert [b.rows for b in big.fit] == [16, 16, 16, 16]
     assert sub.warnings is cal.warnings and cal.fit == fit
     same, one = gradient_rows(cal, positions=100 * 64)
     assert same is cal and one == 1.0
