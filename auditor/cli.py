@@ -21,8 +21,18 @@ from .options import SpectraBackend, Tracer
 if TYPE_CHECKING:
     from .options import AuditOptions, LoadOptions
 
-FORMATS = ("text", "json", "md", "html", "pdf", "sarif", "github")  # the built-in reporters, in this order
-STDOUT_FORMATS = ("json", "md", "sarif")  # documents: to stdout without --output-dir, else files
+
+def _output_help() -> tuple[str, str]:
+    """--format's and -o's help, from the one table of formats (:data:`auditor.render.REPORTERS`)."""
+    from .render import REPORTERS, Stdout, stdout_of
+
+    files = ",".join(r.suffix.lstrip(".") for r in REPORTERS.values() if stdout_of(r.name) is not Stdout.LOG)
+    docs = "/".join(f for f in REPORTERS if stdout_of(f) is Stdout.DOCUMENT)
+    logs = " and ".join(f"{f} annotations" for f in REPORTERS if stdout_of(f) is Stdout.LOG)
+    return (f"comma-separated, from {', '.join(REPORTERS)} (default: text); sarif is SARIF 2.1.0 for code "
+            "scanning, github prints workflow-command annotations for a GitHub Actions log",
+            f"write reports here as lowrank-audit.{{{files}}}; without it {docs} go to stdout; the table (unless -q) "
+            f"and {logs} always go to stdout")
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -59,12 +69,9 @@ def _parser() -> argparse.ArgumentParser:
     g.add_argument("--plan", metavar="FILE", help="a compression plan to review (TOML or JSON)")
     g.add_argument("--emit-plan", metavar="FILE", help="write the suggested plan as an editable TOML file")
     g = p.add_argument_group("output")
-    g.add_argument("--format", default="text",
-                   help=f"comma-separated, from {', '.join(FORMATS)} (default: text); sarif is SARIF 2.1.0 for code "
-                        "scanning, github prints workflow-command annotations for a GitHub Actions log")
-    g.add_argument("-o", "--output-dir", metavar="DIR",
-                   help="write reports here as lowrank-audit.{txt,json,md,html,pdf,sarif}; without it json/md/sarif "
-                        "go to stdout; the table (unless -q) and github annotations always go to stdout")
+    format_help, output_help = _output_help()
+    g.add_argument("--format", default="text", help=format_help)
+    g.add_argument("-o", "--output-dir", metavar="DIR", help=output_help)
     g.add_argument("--baseline", metavar="OLD.json", help="report what changed since an earlier JSON audit")
     g.add_argument("--fail-on", choices=[f.value for f in FailOn], help="exit 1 on findings at this level (default error; unmeasured: also when the verdict is "
                         "REVIEW or UNMEASURED, anything but PASS)")
@@ -184,15 +191,19 @@ def _common_flags(p: argparse.ArgumentParser) -> None:
 
 def _check_stdout(args: argparse.Namespace) -> None:
     """Without -o, stdout carries one document: the table, or the JSON, or the Markdown."""
+    from .render import Stdout, stdout_of
+
     formats = [f.strip() for f in args.format.split(",") if f.strip()]
-    to_stdout = [f for f in dict.fromkeys(formats) if f in STDOUT_FORMATS or f == "github"
-                 or (f == "text" and not args.quiet)]
-    documents = [f for f in to_stdout if f in STDOUT_FORMATS]  # log lines (table, annotations) may share stdout
+    kinds = {f: stdout_of(f) for f in dict.fromkeys(formats)}
+    to_stdout = [f for f, k in kinds.items() if k in (Stdout.DOCUMENT, Stdout.LOG)
+                 or (k is Stdout.TABLE and not args.quiet)]
+    documents = [f for f in to_stdout if not kinds[f].shares]  # log lines (table, annotations) may share stdout
     if not args.output_dir and len(to_stdout) > 1 and documents:
         raise AuditError(f"--format {','.join(to_stdout)} would all go to stdout, and {to_stdout[-1]} would not be "
                          "valid there", "Pass -o DIR to write them as files, -q to drop the table, or one format")
-    if sys.stdout is None and (to_stdout if not args.output_dir else [f for f in to_stdout if f == "text"]):
-        raise AuditError(f"{STDOUT_CLOSED} (>&-), and the {'table' if 'text' in to_stdout else to_stdout[0]} "
+    tables = [f for f in to_stdout if kinds[f] is Stdout.TABLE]
+    if sys.stdout is None and (to_stdout if not args.output_dir else tables):
+        raise AuditError(f"{STDOUT_CLOSED} (>&-), and the {'table' if tables else to_stdout[0]} "
                          "would go there", "Redirect stdout to a file, or pass -q and -o DIR")
 
 
@@ -514,7 +525,7 @@ def _destinations(args: argparse.Namespace, formats: list[str]) -> dict[str, Pat
     -o must be (or become) a writable folder, nothing but a regular file is ever replaced, --emit-plan may not
     name the plan under review or a report."""
     from .outputs import check_destination, check_folder, check_not_input, same_file
-    from .render import REPORTERS
+    from .render import REPORTERS, Stdout, stdout_of
 
     dest: dict[str, Path] = {}
     inputs = run_inputs(args)
@@ -522,7 +533,8 @@ def _destinations(args: argparse.Namespace, formats: list[str]) -> dict[str, Pat
     if out_dir is not None:
         check_folder(out_dir, "-o")
     for fmt in formats:
-        if fmt == "github" or (out_dir is None and (fmt == "text" or fmt in STDOUT_FORMATS)):
+        kind = stdout_of(fmt)
+        if kind is Stdout.LOG or (out_dir is None and kind in (Stdout.TABLE, Stdout.DOCUMENT)):
             continue
         dest[fmt] = (out_dir or Path(".")) / f"lowrank-audit{REPORTERS[fmt].suffix}"
         check_destination(dest[fmt], f"--format {fmt}: report")
@@ -565,18 +577,18 @@ def run(args: argparse.Namespace, written: list[Path] | None = None) -> int:
     paths once they are all in place (the interrupt message says exactly what exists)."""
     from . import baseline as baseline_mod
     from .outputs import OutputSet, write_stdout
-    from .pipeline import audit_source
+    from .pipeline import audit_source, render_reports
     from .plan import emit_toml
     from .policy import exit_code, input_errors
-    from .render import REPORTERS, RenderContext
+    from .render import REPORTERS, RenderContext, Stdout, stdout_of
 
     formats = [f.strip() for f in args.format.split(",") if f.strip()]
     bad = [f for f in formats if f not in REPORTERS]
     if bad:
         raise AuditError(f"unknown format {', '.join(bad)}", f"Choose from {', '.join(REPORTERS)}")
-    if not args.output_dir and sum(f in STDOUT_FORMATS for f in dict.fromkeys(formats)) > 1:
-        both = " and ".join(f for f in dict.fromkeys(formats) if f in STDOUT_FORMATS)
-        raise AuditError(f"{both} cannot all go to stdout", "Pass -o DIR to write them as files")
+    documents = [f for f in dict.fromkeys(formats) if stdout_of(f) is Stdout.DOCUMENT]
+    if not args.output_dir and len(documents) > 1:
+        raise AuditError(f"{' and '.join(documents)} cannot all go to stdout", "Pass -o DIR to write them as files")
     if getattr(args, "width", None) is not None and args.width < 0:
         raise AuditError(f"--width {args.width} is negative", "Pass 0 for a wide table, or a line length of 60 or more")
     options, load_options = options_from(args)
@@ -595,25 +607,25 @@ def run(args: argparse.Namespace, written: list[Path] | None = None) -> int:
     width = getattr(args, "width", None)
     context = RenderContext(baseline=baseline_mod.compare(result, base) if base is not None else None,
                             width=_terminal_width(width), baseline_report=base)
-    ordered = sorted(dict.fromkeys(formats), key=lambda f: f != "text")  # the table first, as before
-    from .pipeline import render_reports
+    table = {f for f in formats if stdout_of(f) is Stdout.TABLE}
+    ordered = sorted(dict.fromkeys(formats), key=lambda f: f not in table)  # the table first, as before
     from .progress import Progress
 
-    outputs = render_reports(result, [f for f in ordered if f != "text" or not args.quiet or "text" in dest], context,
+    outputs = render_reports(result, [f for f in ordered if f not in table or not args.quiet or f in dest], context,
                              Progress(enabled=options.progress))
     files = OutputSet(written=written if written is not None else [])
     for fmt, content in outputs.items():
-        if fmt == "text" and fmt in dest and context.width != (width or 0):  # the .txt report: wide unless --width
-            content = REPORTERS["text"].render(result, replace(context, width=width or 0))
+        if fmt in table and fmt in dest and context.width != (width or 0):  # the .txt report: wide unless --width
+            content = REPORTERS[fmt].render(result, replace(context, width=width or 0))
         if fmt in dest:
             files.add(dest[fmt], content)
     if "plan" in dest:
         files.add(dest["plan"], emit_toml(result))
     from .render.terminal import colour, use_colour
 
-    to_stdout = [colour(content) if fmt == "text" and isinstance(content, str) and use_colour(sys.stdout) else content
+    to_stdout = [colour(content) if fmt in table and isinstance(content, str) and use_colour(sys.stdout) else content
                  for fmt, content in outputs.items()
-                 if fmt not in dest or (fmt == "text" and not args.quiet)]  # the table: on screen and in -o
+                 if fmt not in dest or (fmt in table and not args.quiet)]  # the table: on screen and in -o
 
     def stdout() -> None:
         for content in to_stdout:

@@ -114,6 +114,27 @@ def uniform(mods: dict[str, nn.Module], names: list[str], f: float) -> dict[str,
     return ranks
 
 
+def scan(trunc: Truncator, names: list[str], held: torch.Tensor, target: float, ref: tuple[float, int, int]) -> None:
+    """The bisection assumes the perplexity falls as the kept fraction rises; it need not where a layer drops out of
+    the set (its rank no longer saves parameters) as f rises. So also: every f in 0.01 steps, the largest removal
+    whose perplexity holds the tool's (the rank sets tried by removal, largest first, up to the first that holds)."""
+    dense, total, removed_tool = ref
+    sets: dict[tuple, float] = {}
+    for i in range(1, 100):
+        sets.setdefault(tuple(sorted(uniform(trunc.mods, names, i / 100).items())), i / 100)
+    tried = 0
+    for ranks, f in sorted(sets.items(), key=lambda kv: -trunc.apply(dict(kv[0]))):
+        removed = trunc.apply(dict(ranks))
+        ppl = perplexity(model=trunc.model, seqs=held)
+        tried += 1
+        if ppl <= target:
+            print(f"  scan (f in 0.01 steps, {tried} rank sets measured): the largest removal that holds keeps {f:.2f} "
+                  f"of each rank ({len(ranks)} layers), perplexity {ppl:.4f} ({ppl / dense - 1:+.2%}), removing "
+                  f"{removed:,} ({removed / total:.2%}); tool / baseline = {removed_tool / max(removed, 1):.2f}x")
+            return
+    print(f"  scan: no uniform fraction holds the tool's perplexity ({tried} rank sets)")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", type=Path, default=ROOT / "sample_models" / "llama")
@@ -176,6 +197,7 @@ def main() -> None:
         print(f"uniform whitened truncation, {label}: keep {hi:.4f} of each rank ({len(ranks)} layers "
               f"factorized), perplexity {ppl:.4f} ({ppl / dense - 1:+.2%}), removing {removed:,} ({removed / total:.2%})"
               f"; tool / baseline = {ratio:.2f}x (goal >= 1.3x)")
+        scan(trunc, names, held, target, (dense, total, removed_tool))
     trunc.apply({})
 
 

@@ -118,8 +118,8 @@ def _page(**kw):
     sig = [np.array([1.0, 0.5, 0.1, 0.02, 0.001])]
     en = [np.cumsum(sig[0] ** 2) / np.sum(sig[0] ** 2)]
     args = dict(be=2.5, sug=2, plan=3, target=0.95, measured=None, metric="relative output error") | kw
-    return build(lc._page_fig, sig, en, args["be"], args["sug"], args["plan"], args["target"], args["measured"],
-                 args["metric"])
+    measured = lc.MeasuredPanel(args["measured"], args["metric"]) if args["measured"] else None
+    return build(lc._page_fig, sig, en, lc.Marks(args["be"], args["sug"], args["plan"], args["target"]), measured)
 
 
 def test_page_chart_axes_and_a_log_axis_where_the_data_span_decades():
@@ -159,8 +159,8 @@ def test_charts_are_deterministic_and_carry_no_date():
     one = lc.energy_overview_chart(e, ["a"], 0.9)
     assert one == lc.energy_overview_chart(e, ["a"], 0.9)
     assert "<dc:date>" not in one and "dc:date" not in one
-    s = lc.page_chart([np.linspace(1, 0.01, 40)], e, break_even=20.0, target=0.9)
-    assert s == lc.page_chart([np.linspace(1, 0.01, 40)], e, break_even=20.0, target=0.9)
+    s = lc.page_chart([np.linspace(1, 0.01, 40)], e, lc.Marks(break_even=20.0, target=0.9))
+    assert s == lc.page_chart([np.linspace(1, 0.01, 40)], e, lc.Marks(break_even=20.0, target=0.9))
     assert lc.page_chart([], []) is None and lc.legend_chart([]) is None
     for name in HOSTILE:
         svg_texts(lc.energy_overview_chart(e, [name], 0.9))  # well-formed, no script

@@ -13,7 +13,7 @@ from torch import nn
 
 import auditor
 from auditor.render import RenderContext
-from auditor.render.md_budget import GITHUB_COMMENT_LIMIT, measure
+from auditor.render.md_fit import GITHUB_COMMENT_LIMIT, measure
 from auditor.render.safe import md_code, md_text, middle, term
 
 bs4 = pytest.importorskip("bs4")
@@ -465,6 +465,7 @@ def test_measured_floor_charts_for_every_measured_layer(stack_audit):
     from types import SimpleNamespace
 
     from auditor.render import calibration
+    from auditor.render.layer_charts import floor_chart
 
     a = stack_audit
     names = [l.name for l in a.layers]
@@ -474,11 +475,14 @@ def test_measured_floor_charts_for_every_measured_layer(stack_audit):
            for n in names}
     cal = SimpleNamespace(reference=0.0, tolerance=0.01, higher_is_better=False, metric="relative output error",
                           layers=lcs, measured_points=lambda: {n: lc.floor.points for n, lc in lcs.items()})
-    charts = calibration.layer_charts(SimpleNamespace(calibration=cal, layers=a.layers, layer=a.layer))
-    assert [n for n, _ in charts] == names  # every layer with points, largest first
+    charts = calibration.floor_data(SimpleNamespace(calibration=cal, layers=a.layers, layer=a.layer))
+    assert [c.name for c in charts] == names  # every layer with points, largest first
+    assert all(floor_chart(c).startswith("<?xml") for c in charts)  # each one drawn
     layer = a.layer("layers.0.up")
-    fig = calibration._measured_fig("layers.0.up", lcs["layers.0.up"].floor.points, lcs["layers.0.up"].curve, 0.01,
-                                    "relative output error", False, layer.break_even, 16, layer.m, layer.n)
+    from auditor.render.layer_charts import FloorChart, _floor_fig
+
+    fig = _floor_fig(FloorChart("layers.0.up", lcs["layers.0.up"].floor.points, lcs["layers.0.up"].curve, 0.01,
+                                "relative output error", True, layer.break_even, 16, (layer.m, layer.n)))
     ax, ax2 = fig.axes  # the tier-1 layer-output error on its own (right-hand) axis
     assert ax.get_ylabel() == "relative output error" and ax2.get_ylabel() == "layer-output error"
     assert [l.get_label() for l in ax2.get_lines()] == ["layer-output error (tier 1, right axis)"]
@@ -490,11 +494,10 @@ def test_measured_floor_charts_for_every_measured_layer(stack_audit):
 def test_frontier_log_ticks_are_plain_numbers():
     import re as _re
 
-    from auditor.render.calibration import _frontier_fig
-    from auditor.render.layer_charts import _svg
+    from auditor.render.layer_charts import FrontierChart, _frontier_fig, _svg
 
     pts = [(0.856, 0.0052, True), (0.867, 0.0089, True), (0.889, 0.0209, False), (0.899, 0.0642, False)]
-    svg = _svg(_frontier_fig(pts, 0.867, 0.01, "relative output error", False, 0.0))
+    svg = _svg(_frontier_fig(FrontierChart(pts, 0.01, "relative output error", chosen=0.867)))
     assert "mathdefault" not in svg and "times10" not in svg  # TeX source showed up in the browsers' SVG
     labels = [t for t in _re.findall(r"<!-- ([^>]*) -->", svg) if t[:1].isdigit() and "." in t]
     assert labels == ["0.01", "0.005", "0.02", "0.05"]  # 1, 2 and 5 of each decade, no crowded minor labels
@@ -539,3 +542,29 @@ def test_plan_tables_show_the_measured_error_of_calibrated_layers(planned_audit)
     md = a.to_markdown()
     assert "| measured error, else energy kept (data-free) |" in md
     assert "| `layers.0.up` | 8 | – | 24.0 | 3,072 → 1,024 | 0.41% (tier 2, layer alone) |" in md
+
+
+def test_each_format_draws_the_calibration_from_one_view(planned_audit, monkeypatch):
+    import dataclasses
+
+    from auditor.calresults import CalibrationReport, LayerCalibration, LayerFloor
+    from auditor.render import REPORTERS, calibration
+
+    lcs = {"layers.0.up": LayerCalibration("layers.0.up", 64, 32, {"0.01": 12}, 8, "factorize", "",
+                                           [(4, 0.09), (6, 0.04)],
+                                           floor=LayerFloor(8, 0.004, 4, 0.03, 3.0, False, [(4, 0.03), (8, 0.0041)]))}
+    cal = CalibrationReport("calib.safetensors", "0.25", "", 64, 16, "relative output error", False, 0.01, 0.0,
+                            layers=lcs, warnings=["a warning the view carries"])
+    a = dataclasses.replace(planned_audit, calibration=cal)
+    built = []
+    real = calibration.view
+    monkeypatch.setattr(calibration, "view", lambda audit: built.append(audit) or real(audit))
+    cv = real(a)
+    assert [(r.layer, r.r1, r.suggested, r.floor, r.cliff) for r in cv.rows] == [("layers.0.up", 12, "8", "8", "4: 0.03")]
+    assert cv.md_rows[0].cliff == "4: 3.0%" and cv.md_rows[0].compression == "3.00"  # the Markdown's units
+    for fmt in ("text", "md", "html"):
+        built.clear()
+        out = REPORTERS[fmt].render(a, RenderContext(charts=False, width=0))
+        assert len(built) == 1, fmt  # built once per report, every section drawn from it
+        assert cv.summary.split(":")[0] in out.replace("\n", " ") or fmt == "md", fmt
+        assert "a warning the view carries" in out, fmt

@@ -220,8 +220,41 @@ def test_registry_holds_every_format_as_a_reporter():
     assert list(REPORTERS) == ["text", "json", "md", "html", "pdf", "sarif", "github"]
     assert all(isinstance(r, Reporter) and r.name == k for k, r in REPORTERS.items())
     assert [r.suffix for r in REPORTERS.values()] == [".txt", ".json", ".md", ".html", ".pdf", ".sarif", ".github.txt"]
+    assert [str(r.stdout.value) for r in REPORTERS.values()] == ["table", "document", "document", "never", "never",
+                                                                   "document", "log"]
     with pytest.raises(TypeError, match="lacks"):
         register(object())  # type: ignore[arg-type]
+
+
+class _Csv:
+    """A format from outside the package: one table of formats means the command line knows it from this alone."""
+
+    name, suffix, binary = "csv", ".csv", False
+
+    def __init__(self, stdout):
+        self.stdout = stdout
+
+    def render(self, audit, context):
+        return "layer,params\n" + "".join(f"{l.name},{l.params}\n" for l in audit.layers)
+
+
+@pytest.mark.parametrize("kind", ["document", "never"])
+def test_a_registered_format_goes_where_its_table_entry_says(cli_inproc, monkeypatch, tmp_path, kind):
+    from auditor.render import REPORTERS, Stdout, register
+
+    monkeypatch.setattr("auditor.render.REPORTERS", dict(REPORTERS))  # a copy: the real table stays as it was
+    register(_Csv(Stdout(kind)))
+    model = str(Path(__file__).resolve().parents[1] / "sample_models" / "digits.py") + ":mlp"
+    csv = "layer,params\nfc2,262144\nfc3,131072\nfc1,32768\nhead,2560\n"  # weights m*n, largest first
+    r = cli_inproc(model, "--no-spectra", "--format", "csv", "-q", cwd=tmp_path)
+    assert r.returncode == 0
+    assert r.stdout == (csv if kind == "document" else "")
+    assert (tmp_path / "lowrank-audit.csv").exists() == (kind == "never")
+    both = cli_inproc(model, "--no-spectra", "--format", "csv,json", "-q", cwd=tmp_path)
+    assert both.returncode == (2 if kind == "document" else 0)  # two documents cannot share stdout
+    out = tmp_path / "out"
+    r = cli_inproc(model, "--no-spectra", "--format", "csv", "-q", "-o", out, cwd=tmp_path)
+    assert r.returncode == 0 and r.stdout == "" and (out / "lowrank-audit.csv").read_text() == csv
 
 
 def test_rank_columns_follow_the_energy_targets(digits_mlp, tmp_path):

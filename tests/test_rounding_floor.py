@@ -66,12 +66,14 @@ def test_the_floor_is_the_full_rank_plan_measured(digits_mlp, rows, dtype):
     d = a.calibration.to_dict()["rounding_floor"]
     assert d == {"dtype": f.dtype, "layers": 3, "metric": f.metric, "used": f.metric, "tolerance": 0.01,
                  "top1": f.top1}
-    from auditor.render.calibration import rounding_line, terminal
+    from auditor.render.calibration import rounding_line, view
+    from auditor.render.terminal import calibration_lines
 
     line = rounding_line(a.calibration)
     assert line.startswith(f"{f.dtype} rounding alone (3 layers factorized at full rank, nothing dropped): "
                            f"{f.metric:.4g} of the tolerance 0.01 ({100 * f.metric / 0.01:.0f}%)")
-    assert any(line.split(":")[0] in t for t in terminal(a))
+    assert view(a).rounding == line
+    assert any(line.split(":")[0] in t for t in calibration_lines(view(a)))
 
 
 def test_a_float32_model_gets_no_floor(digits_mlp, rows):
@@ -79,10 +81,12 @@ def test_a_float32_model_gets_no_floor(digits_mlp, rows):
     cal = a.calibration
     assert cal.rounding_floor is None and "rounding" not in cal.seconds
     assert "rounding_floor" not in cal.to_dict()
-    from auditor.render.calibration import html_context, rounding_line, terminal
+    from auditor.render.calibration import rounding_line, view
+    from auditor.render.html import _calibration
+    from auditor.render.terminal import calibration_lines
 
-    assert rounding_line(cal) is None
-    assert not any("rounding" in t for t in terminal(a))
-    assert not any("rounding" in t for t in html_context(a, charts=False)["calibration"]["budget"])
+    assert rounding_line(cal) is None and view(a).rounding is None and view(a).md_rounding is None
+    assert not any("rounding" in t for t in calibration_lines(view(a)))
+    assert not any("rounding" in t for t in _calibration(a, charts=False)["calibration"]["budget"])
     assert "rounding" not in json.dumps(cal.to_dict())
     assert not [f for f in a.findings if f.code in ("LR017", "LR018")]

@@ -7,6 +7,7 @@ import os
 import tempfile
 from contextlib import contextmanager
 from dataclasses import dataclass
+from enum import Enum
 from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any, Iterator, Protocol, runtime_checkable
 
@@ -27,6 +28,20 @@ class RenderContext:
     measured: "dict[str, list[tuple[int, float]]] | None" = None  # calibration: layer or group label -> points
 
 
+class Stdout(str, Enum):
+    """Where a format may go besides its file, the one fact the command line needs of it (``Reporter.stdout``)."""
+
+    NEVER = "never"  # a file only (html, pdf): ./lowrank-audit.SUFFIX without -o
+    DOCUMENT = "document"  # stdout without -o, else a file; never beside another document (json, md, sarif)
+    TABLE = "table"  # the terminal table: on stdout unless -q (coloured on a terminal), and a file with -o
+    LOG = "log"  # log lines (workflow annotations): always stdout, never a file (github)
+
+    @property
+    def shares(self) -> bool:
+        """Log lines (the table, annotations) may share stdout with a document; two documents may not."""
+        return self in (Stdout.TABLE, Stdout.LOG)
+
+
 @runtime_checkable
 class Reporter(Protocol):
     """One output format. ``render`` returns ``str`` (text formats) or ``bytes`` (``binary`` formats); it writes
@@ -35,6 +50,7 @@ class Reporter(Protocol):
     name: str  # the --format word: "json"
     suffix: str  # the file suffix: ".json"
     binary: bool
+    stdout: Stdout  # whether it may go to stdout, and when (:class:`Stdout`)
 
     def render(self, audit: "Audit", context: RenderContext) -> str | bytes: ...
 

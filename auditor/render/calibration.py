@@ -1,5 +1,8 @@
-"""The calibration section of every report (``Audit.calibration``): JSON block, Markdown and terminal lines, and the
-HTML section's data (per-layer measured curves and the frontier chart). Plain data in, no torch."""
+"""The calibration's view model (:class:`CalibrationView`, built once per report by :func:`view`): the numbers, words
+and statuses every report shows of ``Audit.calibration``, the data of its charts (per-layer measured curves, the
+frontier), and the plan card. The format modules lay it out: :mod:`auditor.render.terminal`,
+:mod:`auditor.render.markdown`, :mod:`auditor.render.html`; the JSON is the report's own ``to_dict``. What depends on
+the metric (its units, direction and the line it is judged against) is decided here. Plain data in, no torch."""
 
 from __future__ import annotations
 
@@ -8,20 +11,15 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable
 
 from ..policy import checked_change, metric_change
-from .md_budget import Section, percent
-from .safe import md_code, md_text, middle, term
+from .md_fit import percent
 from .view import pct
 
 if TYPE_CHECKING:
     from ..calresults import CalibrationReport
     from ..results import Audit
+    from .layer_charts import FloorChart, FrontierChart
 
 FINETUNE = "A recovery fine-tune follows factorization: these numbers are before it."
-
-
-def json_block(audit: "Audit") -> dict[str, Any]:
-    """``{"calibration": ...}`` when the audit has calibration, else nothing (older reports are unchanged)."""
-    return {"calibration": audit.calibration.to_dict()} if audit.calibration is not None else {}
 
 
 def measured_points(audit: "Audit") -> dict[str, list[tuple[int, float]]] | None:
@@ -367,259 +365,23 @@ def md_card_value(audit: "Audit", card: CheckCard) -> str:
     return f"{md_value(cal, pc.measured)} {sign} {md_tolerance(cal)}"
 
 
-def _md_lines(cal: "CalibrationReport") -> tuple[list[str], list[str]]:
-    """The calibration bullets of the Markdown: (always open, open while they fit)."""
-    what = "measured floors (tier 2)" if cal.measured_floors else "tier 1 (one forward pass)"
-    lines = [f"- Data {md_text(middle(cal.source, 100))}: {cal.fit_rows:,} rows for statistics, "
-             f"{cal.holdout_rows:,} held out ({md_text(middle(cal.holdout, 100))}); {what}; metric "
-             f"{md_text(middle(cal.metric, 80))}, tolerance {md_tolerance(cal)}"
-             + (" (statistics from the cache)" if cal.statistics_cached else "")]
-    rounding = rounding_line(cal, lambda x: md_value(cal, x) if not cal.higher_is_better else _g(x))
-    if rounding:
-        lines.append(f"- {md_text(rounding)}")
-    b = cal.budget
-    if b is not None:
-        ask = f"at most {percent(b.budget)} removed" if b.budget is not None else "the largest plan that holds"
-        if b.nothing_to_plan:
-            lines.append(f"- Search ({ask}): no layer of the model can be factorized, so nothing can be removed")
-        elif not b.plan:
-            lines.append(f"- Search ({ask}): none of the {b.evaluations} plans measured all at once holds the "
-                         "tolerance, so every calibrated layer stays dense")
-        else:
-            lines.append(f"- Search ({ask}, over the {CURVES.get(b.source, b.source)} curves): {b.evaluations} plans measured all at once"
-                         + (f"; the smallest larger plan measured ({b.smallest_failing:,} parameters removed) "
-                            "misses the tolerance" if b.smallest_failing is not None else ""))
-        if b.exhausted:
-            lines.append(f"- ⚠️ The search stopped at its cap of {b.evaluations} measurements before the boundary "
-                         "was bracketed: a larger plan may hold")
-        if b.fixed:
-            lines.append(f"- {len(b.fixed)} layer(s) calibration did not rank keep their weight-energy rank in "
-                         "every plan measured")
-        note = cal.recovery_note()
-        if note:
-            lines.append(f"- ⚠️ The suggested plan was chosen after recovery (--choose-after-recovery): it "
-                         f"{md_text(note)}; it needs that fine-tune")
-        cost = recovery_cost(cal)
-        if cost:
-            lines.append(f"- {md_text(cost)}")
-    pc = cal.plan_check
-    if pc is not None and pc.layers == 0:
-        lines.append("- The plan was not measured: factorize() cannot rewrite any of its layers")
-    elif pc is not None and pc.predicted is not None:
-        summed = "added up" if (pc.basis or "").endswith("which add up") else "summed in quadrature"
-        lines.append(f"- Predicted {md_value(cal, pc.predicted)} "
-                     f"({md_text((pc.basis or 'tier-1 layer-output errors').removesuffix(', which add up'))}"
-                     f" {summed}), measured {md_value(cal, pc.measured)} all at once")
-    v = pc.verification if pc is not None else None
-    if v is not None:
-        ci = (f" ({100 * v.confidence:g}% interval {md_value(cal, v.low)} to {md_value(cal, v.high)} over {v.rows:,} "
-              "verification rows the search never read)" if v.low is not None and v.high is not None
-              else f" (on {v.rows:,} verification rows, no interval)")
-        judged = "within" if v.ok else "straddles" if v.straddles else "misses"
-        lines.append(f"- Verification: {md_text(cal.metric)} {md_value(cal, v.value)}{ci}: {judged} the tolerance "
-                     f"{md_tolerance(cal)}")
-    if pc is not None and pc.left_out:
-        names = ", ".join(md_code(middle(n, 60)) for n in pc.left_out[:5])
-        more = f" and {len(pc.left_out) - 5:,} more" if len(pc.left_out) > 5 else ""
-        lines.append(f"- Not measured (factorize() cannot rewrite them): {names}{more}")
-    if cal.missing:
-        lines.append(f"- {len(cal.missing):,} layer(s) had no statistics and keep their weight-energy rank "
-                     "(listed below)")
-    lines.append(f"- {md_text(FINETUNE)}")
-    return lines, [f"- ⚠️ {md_text(w)}" for w in cal.warnings]
-
-
-def markdown(audit: "Audit", room: Any = None) -> list[Section]:
-    """The calibration sections of the Markdown report: the bullets open, the frontier open while short, the
-    per-layer table and the layers without statistics folded. ``room`` (:class:`auditor.render.markdown.Room`)
-    is what is left of the open part; without it, the optional parts are folded."""
-    from .md_budget import fold_if
-
-    cal = audit.calibration
-    if cal is None:
-        return []
-    lines, warnings = _md_lines(cal)
-    out = []
-    if room is not None:
-        room.left -= sum(len(x.encode("utf-8")) + 1 for x in lines)
-    if warnings and room is not None and room.take(warnings):
-        lines += warnings
-        warnings = []
-    out.append(Section("### Calibration", lines, [], noun="calibration lines", title="Calibration"))
-    if warnings:
-        out.append(Section("", [], warnings, noun="calibration warnings", title="Calibration warnings",
-                           fold=f"{len(warnings):,} calibration warning{'s' if len(warnings) > 1 else ''}"))
-    b = cal.budget
-    if b is not None and b.frontier:
-        head = ["parameters removed", "share", "layers", md_text(middle(cal.metric, 40)), "top-1", "all at once"]
-        rc = b.recovery
-        if rc is not None:
-            head += [f"after {rc.steps} steps", "after recovery", "recovery cost"]
-        frows = []
-        for r, p in zip(frontier_rows(cal), b.frontier):
-            holds = r.holds
-            if r.chosen:
-                holds = (f"**{r.holds} (suggested: holds after recovery, needs the fine-tune)**"
-                         if b.chosen_after_recovery else f"**{r.holds} (suggested)**")
-            more = ""
-            if rc is not None:
-                rec = p.recovered
-                more = (f" {md_value(cal, rec.metric)} | {r.recovered_holds} | {md_text(r.cost)} |" if rec is not None
-                        else " \u2013 | \u2013 | \u2013 |")
-            frows.append(f"| {r.removed} | {percent(p.removed_fraction)} | {r.layers} | {md_value(cal, p.metric)} | "
-                        f"{percent(p.top1)} | {holds} |{more}")
-        intro = "Every plan measured all at once, fewest parameters removed first"
-        if rc is not None:
-            intro += (f", and again after {rc.steps} steps of recovery fine-tune (distillation on the fit rows, "
-                      "measured on the held-out rows)")
-        s = Section("", [intro + ":", "", "| " + " | ".join(head) + " |",
-                         "|---:|---:|---:|---:|---:|---|" + ("---:|---|---|" if rc is not None else "")], frows,
-                    noun="frontier plans", title="Frontier")
-        if room is None:
-            s.fold = f"Frontier: {len(frows):,} plans measured all at once"
-            out.append(s)
-        else:
-            out.append(fold_if(s, room, f"Frontier: {len(frows):,} plans measured all at once", columns=len(head)))
-    if cal.layers:
-        head = ["layer", "plan rank", "rows", "n", "evidence: r@1% / 2% / 5% / 10%", "evidence: tier-1",
-                "evidence: floor", "cliff (rank: metric)", "x"]
-        lrows = []
-        for r in rows(cal, lambda v: md_value(cal, v), times="", plan=plan_ranks(audit)):
-            ranks = " / ".join(str(x) if x is not None else "\u2013" for x in (r.r1, r.r2, r.r5, r.r10))
-            lrows.append(f"| {md_code(r.layer)} | **{r.plan}** | {r.rows:,} | {r.width:,} | {ranks} | {r.suggested} | "
-                         f"{r.floor} | {r.cliff} | {r.compression} |")
-        out.append(Section("", ["Per layer: the plan's rank (measured all at once), then the evidence: the ranks "
-                                "that keep the layer-output error under 1%, 2%, 5% and 10% on the calibration data "
-                                "(tier 1), the tier-1 rank for the tolerance, the measured floor and cliff (tier 2) "
-                                "and the compression at the floor; > b-e: only a rank past break-even meets it.", "",
-                                "| " + " | ".join(head) + " |", "|---|---:|---:|---:|---:|---:|---:|---:|---:|"], lrows,
-                           noun="calibrated layers", title="Calibrated layers",
-                           fold=f"{len(lrows):,} calibrated layers, {len(head)} columns"))
-    if cal.missing:
-        mrows = [f"- {md_code(k)}: {md_text(v)}" for k, v in cal.missing.items()]
-        out.append(Section("", [], mrows, noun="layers without statistics", title="Layers without statistics",
-                           fold=f"{len(mrows):,} layer{'s' if len(mrows) > 1 else ''} without statistics"))
-    return out
-
-
-def terminal(audit: "Audit") -> list[str]:
-    """Lines (unwrapped prose first, then a fixed table) for the terminal reporter."""
-    cal = audit.calibration
-    if cal is None:
-        return []
-    out = budget_lines(cal)
-    line = plan_line(cal)
-    if line:
-        out.append(line)
-    line = rounding_line(cal)
-    if line:
-        out.append(line)
-    out += [summary(cal), basis(cal)]
-    out += [f"warning: {w}" for w in cal.warnings]
-    out.append(FINETUNE)
-    return [term(x) for x in out]  # messages may quote layer names
-
-
-def _frontier_fig(points: list[tuple[float, float, bool]], chosen: float | None, tolerance: float, label: str,
-                  higher: bool, reference: float, after: list[tuple[float, float, bool]] | None = None,
-                  steps: int = 0) -> Any:
-    from .layer_charts import PALETTE, STYLE, _figure
-
-    if not points:
-        return None
-    fig, ax = _figure(5.6, 2.8)
-    xs = [100 * p[0] for p in points]
-    ys = [p[1] for p in points]
-    ax.plot(xs, ys, color=PALETTE[0], marker="o", markersize=4, linewidth=1.4,
-            label="before recovery" if after else None)
-    if after:  # the same plans after the recovery fine-tune (--recover)
-        ax.plot([100 * p[0] for p in after], [p[1] for p in after], color=PALETTE[3], marker="s", markersize=4,
-                linewidth=1.2, linestyle="--", label=f"after {steps} recovery steps")
-        ys = ys + [p[1] for p in after]
-    for x, y, ok in zip(xs, ys, [p[2] for p in points]):
-        if not ok:
-            ax.plot([x], [y], marker="x", color=PALETTE[4], markersize=8)
-    limit = reference - tolerance if higher else tolerance
-    if not higher and all(y > 0 for y in ys) and limit > 0:  # errors span decades: a log axis shows the cliff
-        from matplotlib import ticker
-
-        ax.set_yscale("log")
-
-        def plain(v: float, _: Any) -> str:  # 0.02, not TeX markup the SVG shows as source; 1, 2 and 5 only
-            mant = v / 10 ** math.floor(math.log10(v)) if v > 0 else 0.0
-            return f"{v:g}" if any(abs(mant - k) < 1e-6 for k in (1, 2, 5)) else ""
-
-        ax.yaxis.set_major_formatter(ticker.FuncFormatter(plain))
-        ax.yaxis.set_minor_formatter(ticker.FuncFormatter(plain))
-    ax.axhline(limit, label=f"tolerance ({limit:g})", **STYLE["tolerance"])
-    if chosen is not None:
-        ax.axvline(100 * chosen, label="suggested plan", **STYLE["suggested"])
-    ax.set_xlabel("parameters removed (% of the model)")
-    ax.set_ylabel(label)
-    ax.legend(fontsize=7, frameon=False)
-    return fig
-
-
-def frontier_chart(cal: "CalibrationReport") -> str | None:
-    """Parameters removed against the model-level metric, each plan measured all at once (SVG), or None."""
-    from .layer_charts import _render, short_label
+def frontier_data(cal: "CalibrationReport") -> "FrontierChart | None":
+    """The frontier chart's data (:func:`auditor.render.layer_charts.frontier_chart`): parameters removed against the
+    model-level metric, each plan measured all at once; None without a frontier."""
+    from .layer_charts import FrontierChart, short_label
 
     b = cal.budget
     if b is None or not b.frontier:
         return None
     series = frontier_series(cal)
-    return _render(_frontier_fig, series["before"], b.removed_fraction, cal.tolerance, short_label(cal.metric, 30),
-                   cal.higher_is_better, cal.reference, series["after"],
-                   b.recovery.steps if b.recovery is not None else 0)
-
-
-def _measured_fig(name: str, points: list[tuple[int, float]], curve: list[tuple[int, float]], limit: float,
-                  label: str, higher: bool, break_even: float, floor: int | None, m: int, n: int) -> Any:
-    """The model's metric with this layer alone truncated (left axis) and the tier-1 layer-output error (right axis,
-    its own units), against the rank on a log axis that starts just below the first measured rank. A metric that
-    spans more than two decades gets a log axis. No legend: :data:`FLOOR_LEGEND` is the one every chart shares."""
-    from .layer_charts import STYLE, _figure, _log_rank_axis, _log_y, short_label
-
-    pts = sorted((r, v) for r, v in points if r > 0 and math.isfinite(v))
-    if not pts:
-        return None
-    fig, ax = _figure(5.6, 2.8)
-    _log_rank_axis(ax, min(m, n), break_even)
-    first = pts[0][0]
-    ax.set_xlim(max(0.85, first / 1.4), ax.get_xlim()[1])  # the axis starts near the data, not at rank 1
-    ax.plot([r for r, _ in pts], [v for _, v in pts], gid="metric", label=f"{short_label(label, 30)} (this layer alone)",
-            **STYLE["measured"])
-    c = [(r, e) for r, e in curve if r >= first / 1.4 and math.isfinite(e)]
-    if c:
-        ax2 = ax.twinx()
-        ax2.plot([r for r, _ in c], [e for _, e in c], gid="layer-error",
-                 label="layer-output error (tier 1, right axis)", **STYLE["layer-error"])
-        ax2.set_ylabel("layer-output error", fontsize=8)
-        ax2.tick_params(axis="y", labelsize=7)
-        es = [e for _, e in c]
-        if min(es) > 0 and max(es) / min(es) > 100:
-            _log_y(ax2)
-        else:
-            ax2.set_ylim(bottom=0)
-        ax2.spines["right"].set_visible(True)
-    ys = [v for _, v in pts]
-    if not higher and min(ys) > 0 and max(ys + [limit]) / min(ys + [limit]) > 100:  # spans decades: log
-        _log_y(ax)
-    elif not higher:
-        ax.set_ylim(0, max(max(ys), limit) * 1.3)
-    ax.axhline(limit, gid="tolerance", label=f"tolerance ({limit:g})", **STYLE["tolerance"])
-    ax.axvline(break_even, gid="break-even", label=f"break-even {break_even:.1f}", **STYLE["break-even"])
-    if floor is not None:
-        ax.axvline(floor, gid="floor", label=f"measured floor {floor}", **STYLE["floor"])
-    ax.set_xlabel("rank r (log scale)")
-    ax.set_ylabel(short_label(label, 30))
-    facts = f"break-even {break_even:.1f}" + (f", measured floor {floor}" if floor is not None else "")
-    ax.set_title(f"{short_label(name, 48)} ({m} x {n}): {facts}", fontsize=9, loc="left")
-    return fig
+    limit = cal.reference - cal.tolerance if cal.higher_is_better else cal.tolerance
+    return FrontierChart(series["before"], limit, short_label(cal.metric, 30), not cal.higher_is_better,
+                         b.removed_fraction, series["after"], b.recovery.steps if b.recovery is not None else 0)
 
 
 def floor_legend(metric: str) -> list[tuple[str, str]]:
-    """The one legend of the per-layer floor charts, in the styles :func:`_measured_fig` draws with."""
+    """The one legend of the per-layer floor charts, in the styles :func:`auditor.render.layer_charts.floor_chart`
+    draws with."""
     from .layer_charts import short_label
 
     return [("measured", f"{short_label(metric, 40)}, this layer alone (left axis)"),
@@ -627,11 +389,12 @@ def floor_legend(metric: str) -> list[tuple[str, str]]:
             ("break-even", "break-even rank"), ("floor", "measured floor")]
 
 
-def layer_charts(audit: "Audit", top: int | None = None) -> list[tuple[str, str]]:
-    """(layer, SVG) per calibrated layer with measured points (every one, attention included; ``top``: the first
-    ``top`` only), largest first: the model-level metric with that layer alone truncated against its rank (log
-    axis), the tier-1 layer-output error on its own right-hand axis, tolerance, break-even and measured floor."""
-    from .layer_charts import _render
+def floor_data(audit: "Audit", top: int | None = None) -> "list[FloorChart]":
+    """A chart's data (:func:`auditor.render.layer_charts.floor_chart`) per calibrated layer with measured points
+    (every one, attention included; ``top``: the first ``top`` only), largest first: the model-level metric with that
+    layer alone truncated against its rank (log axis), the tier-1 layer-output error on its own right-hand axis,
+    tolerance, break-even and measured floor."""
+    from .layer_charts import FloorChart
 
     cal = audit.calibration
     if cal is None:
@@ -644,31 +407,46 @@ def layer_charts(audit: "Audit", top: int | None = None) -> list[tuple[str, str]
     for name, pts in items[:top]:
         layer = audit.layer(name)
         lc = cal.layers[name]
-        svg = _render(_measured_fig, name, pts, lc.curve, limit, cal.metric, cal.higher_is_better, layer.break_even,
-                      lc.floor.floor if lc.floor is not None else None, layer.m, layer.n)
-        if svg:
-            out.append((name, svg))
+        out.append(FloorChart(name, pts, lc.curve, limit, cal.metric, not cal.higher_is_better, layer.break_even,
+                              lc.floor.floor if lc.floor is not None else None, (layer.m, layer.n)))
     return out
 
 
-def html_context(audit: "Audit", charts: bool = True) -> dict[str, Any]:
-    """The template's ``calibration`` variable: None without calibration."""
-    from .layer_charts import data_uri, legend_chart
+@dataclass(frozen=True)
+class CalibrationView:
+    """The calibration as every report shows it, built once per report by :func:`view`: its numbers (rows, frontier,
+    chart data), words (the sentences, in the text's units and, where they differ, the Markdown's) and statuses.
+    Each format module lays it out (terminal.py, markdown.py, html.py); none recomputes a sentence or a status."""
 
+    cal: "CalibrationReport"
+    summary: str  # the data, what was measured, the metric and tolerance
+    basis: str  # where the suggested ranks come from
+    plan: str | None  # the reviewed plan measured all at once, in one sentence
+    budget: list[str]  # the search: the plan that holds, the frontier, what recovery cost
+    rounding: str | None  # what bfloat16 / float16 rounding alone costs
+    md_rounding: str | None  # the same in the Markdown's units
+    rows: list[CalRow]  # per layer, the plan's rank first; metric values as the text and HTML write them
+    md_rows: list[CalRow]  # the same in the Markdown's units
+    frontier: list[FrontierRow]
+    recovery: str  # what the recovered curve cost ("" without --recover)
+    recovery_note: str  # what the plan chosen after recovery needs ("" unless --choose-after-recovery chose it)
+    recovered_steps: int | None
+    frontier_chart: "FrontierChart | None"
+    floor_charts: "list[FloorChart]"
+
+
+def view(audit: "Audit") -> CalibrationView | None:
+    """The calibration's view model; None without calibration."""
     cal = audit.calibration
     if cal is None:
-        return {"calibration": None}
-    front = frontier_chart(cal) if charts else None
-    floors = [(n, data_uri(s)) for n, s in layer_charts(audit)] if charts else []
-    legend = legend_chart(floor_legend(cal.metric)) if floors else None
-    return {"calibration": {
-        "summary": summary(cal), "basis": basis(cal), "plan": plan_line(cal), "budget": budget_lines(cal) + [x for x in [rounding_line(cal)] if x],
-        "warnings": cal.warnings, "missing": cal.missing, "rows": rows(cal, plan=plan_ranks(audit)),
-        "finetune": FINETUNE if not cal.recovery_note() else FINETUNE + " The suggested plan was chosen after "
-                    "recovery: it " + cal.recovery_note() + "; it needs that fine-tune.",
-        "recovery": recovery_cost(cal), "recovered_steps": cal.budget.recovery.steps
-        if cal.budget is not None and cal.budget.recovery is not None else None,
-        "frontier": data_uri(front) if front else None, "frontier_rows": frontier_rows(cal),
-        "metric": cal.metric,
-        "layer_charts": floors, "floor_legend": data_uri(legend) if legend else "",
-    }}
+        return None
+    plan = plan_ranks(audit)
+    b = cal.budget
+    return CalibrationView(
+        cal=cal, summary=summary(cal), basis=basis(cal), plan=plan_line(cal), budget=budget_lines(cal),
+        rounding=rounding_line(cal),
+        md_rounding=rounding_line(cal, lambda x: md_value(cal, x) if not cal.higher_is_better else _g(x)),
+        rows=rows(cal, plan=plan), md_rows=rows(cal, lambda v: md_value(cal, v), times="", plan=plan),
+        frontier=frontier_rows(cal), recovery=recovery_cost(cal), recovery_note=cal.recovery_note(),
+        recovered_steps=b.recovery.steps if b is not None and b.recovery is not None else None,
+        frontier_chart=frontier_data(cal), floor_charts=floor_data(audit))

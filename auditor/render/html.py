@@ -17,7 +17,7 @@ import numpy as np
 
 from ..policy import status, verdict_line
 from . import calibration, speed
-from .base import RenderContext
+from .base import RenderContext, Stdout
 from .layer_charts import short_label
 from .pages import appendix_text, group_rows, layer_pages, page_legend, plan_rows, rank_changes
 from .view import (finding_groups, human, layer_table, pct, share_pct, skipped_groups, skipped_rows, spectra_computed,
@@ -142,6 +142,30 @@ def _page_legend(pages: list[Any]) -> str:
     return data_uri(svg) if svg else ""
 
 
+def _calibration(audit: "Audit", charts: bool) -> dict[str, Any]:
+    """The template's ``calibration`` variable (``templates/_calibration.html``) from the calibration's view model,
+    its charts drawn here: None without calibration."""
+    from .layer_charts import data_uri, floor_chart, frontier_chart, legend_chart
+
+    cv = calibration.view(audit)
+    if cv is None:
+        return {"calibration": None}
+    cal = cv.cal
+    front = frontier_chart(cv.frontier_chart) if charts and cv.frontier_chart is not None else None
+    floors = [(c.name, data_uri(svg)) for c in cv.floor_charts for svg in [floor_chart(c)] if svg] if charts else []
+    legend = legend_chart(calibration.floor_legend(cal.metric)) if floors else None
+    return {"calibration": {
+        "summary": cv.summary, "basis": cv.basis, "plan": cv.plan, "budget": cv.budget + [x for x in [cv.rounding] if x],
+        "warnings": cal.warnings, "missing": cal.missing, "rows": cv.rows,
+        "finetune": calibration.FINETUNE if not cv.recovery_note else calibration.FINETUNE + " The suggested plan was "
+                    "chosen after recovery: it " + cv.recovery_note + "; it needs that fine-tune.",
+        "recovery": cv.recovery, "recovered_steps": cv.recovered_steps,
+        "frontier": data_uri(front) if front else None, "frontier_rows": cv.frontier,
+        "metric": cal.metric,
+        "layer_charts": floors, "floor_legend": data_uri(legend) if legend else "",
+    }}
+
+
 # The order of the report's sections, the same in both: the verdict (summary), the findings when there are any,
 # the plan, calibration, then the drill-down; the PDF keeps the per-layer pages and the appendix last.
 SECTIONS_HTML = ("summary", "findings", "plan", "calibration", "shares", "layers", "energy", "pages", "baseline",
@@ -219,7 +243,7 @@ def context(audit: "Audit", ctx: RenderContext = RenderContext(), pdf: bool = Fa
         "css": (template_dir() / "report.css").read_text(encoding="utf-8"),
         "human": human,
         "pct": pct,
-        **calibration.html_context(audit, ctx.charts),
+        **_calibration(audit, ctx.charts),
         "pn": cut_middle if pdf else _same,  # a name as the PDF shows it (the HTML keeps it whole)
         "wn": cut_middle if pdf else wrap_dots,  # a name in a table cell: wraps at its dots in the HTML
         "pt": cut_runs if pdf else _same,  # a message as the PDF shows it
@@ -255,6 +279,7 @@ class HtmlReporter:
     name = "html"
     suffix = ".html"
     binary = False
+    stdout = Stdout.NEVER
 
     def render(self, audit: "Audit", context: RenderContext) -> str:
         return render(audit, context)

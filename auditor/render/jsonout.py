@@ -8,8 +8,7 @@ from typing import TYPE_CHECKING, Any
 
 from ..outputs import strict_json
 from ..policy import measured, status, verdict_line
-from . import calibration
-from .base import RenderContext
+from .base import RenderContext, Stdout
 
 if TYPE_CHECKING:
     from ..results import Audit
@@ -61,7 +60,8 @@ def to_dict(audit: "Audit", with_sigma: bool = False) -> dict[str, Any]:
         "findings": [f.to_dict() for f in audit.findings],
         "unsupported_ops": audit.unsupported_ops,
         "spectra_stats": audit.spectra_stats,
-        **calibration.json_block(audit),
+        # older reports are unchanged: the block only when the audit has calibration
+        **({"calibration": audit.calibration.to_dict()} if audit.calibration is not None else {}),
         **({"speed": audit.speed.to_dict()} if audit.speed is not None else {}),  # only when measured
     }
 
@@ -84,6 +84,7 @@ class JsonReporter:
     name = "json"
     suffix = ".json"
     binary = False
+    stdout = Stdout.DOCUMENT
 
     def render(self, audit: "Audit", context: RenderContext) -> str:
         data = to_dict(audit, with_sigma=context.with_sigma)

@@ -1,8 +1,9 @@
 """Every chart of the HTML and PDF reports, drawn with matplotlib's SVG backend: the parameter share by group
 (:func:`group_share_chart`), the energy overview of the largest groups (:func:`energy_overview_chart`), each layer
 page's spectrum and energy panels (:func:`page_chart`), the one legend those pages share (:func:`legend_chart`), and
-the shared machinery (:func:`_render`, :func:`_figure`, :func:`_log_rank_axis`, :data:`STYLE`) that
-:mod:`auditor.render.calibration` draws its measured charts with.
+the calibration's charts: the frontier of plans measured all at once (:func:`frontier_chart`) and each layer's
+measured metric per rank (:func:`floor_chart`). These functions are the whole chart API; every other module passes
+them plain numbers (a parameter object where a chart takes more than a few) and never draws itself.
 
 Energy is drawn as 1 - E(r) on a log axis, labelled with E itself (0.9, 0.99, 0.999): the band from 0.9 to 1, where
 every target lies, takes most of the height instead of a tenth of it. Every line's style comes from :data:`STYLE`
@@ -22,11 +23,13 @@ from __future__ import annotations
 import base64
 import io
 import math
+from dataclasses import dataclass
 from typing import Any, Sequence
 
 import numpy as np
 
-__all__ = ["data_uri", "energy_overview_chart", "group_share_chart", "legend_chart", "page_chart", "safe_label",
+__all__ = ["FloorChart", "FrontierChart", "Marks", "MeasuredPanel", "data_uri", "energy_overview_chart",
+           "floor_chart", "frontier_chart", "group_share_chart", "legend_chart", "page_chart", "safe_label",
            "short_label"]
 
 # Okabe-Ito: distinguishable with every common colour-vision deficiency; each overview curve also has its own dashes
@@ -325,9 +328,31 @@ def _energy_panel(ax: Any, energies: Sequence[np.ndarray], be: float | None, sug
     ax.set_title("energy", fontsize=9, loc="left")
 
 
-def _measured_panel(ax: Any, measured: Sequence[Sequence[tuple[int, float]]], k: int, label: str,
-                    tolerance: float | None = None, title: str = "measured, the layer alone truncated") -> None:
-    series = [sorted((int(r), float(v)) for r, v in pts if r > 0 and math.isfinite(v)) for pts in measured]
+@dataclass(frozen=True)
+class Marks:
+    """The lines a layer page's panels draw across the curves: break-even, the suggested and the planned rank
+    (vertical), the target energy (horizontal; None with calibration, where energy chose no rank)."""
+
+    break_even: float | None = None
+    suggested: int | None = None
+    planned: int | None = None
+    target: float | None = None
+
+
+@dataclass(frozen=True)
+class MeasuredPanel:
+    """A layer page's third panel: (rank, metric) ``series``, one per layer (a group's: its members'), and the
+    ``tolerance`` they were judged against as a horizontal line."""
+
+    series: Sequence[Sequence[tuple[int, float]]]
+    metric: str = "measured metric"
+    tolerance: float | None = None
+    title: str = "measured, the layer alone truncated"
+
+
+def _measured_panel(ax: Any, panel: MeasuredPanel, k: int) -> None:
+    label, tolerance, title = panel.metric, panel.tolerance, panel.title
+    series = [sorted((int(r), float(v)) for r, v in pts if r > 0 and math.isfinite(v)) for pts in panel.series]
     series = [s for s in series if s]
     first = min(s[0][0] for s in series)
     _log_rank_axis(ax, k, *(r for s in series for r, _ in s))
@@ -344,15 +369,15 @@ def _measured_panel(ax: Any, measured: Sequence[Sequence[tuple[int, float]]], k:
     ax.set_title(title, fontsize=9, loc="left")
 
 
-def _page_fig(sigmas: Sequence[np.ndarray], energies: Sequence[np.ndarray], be: float | None, sug: int | None,
-              plan: int | None, target: float | None, measured: Sequence[Sequence[tuple[int, float]]] | None,
-              metric: str, tolerance: float | None = None, measured_title: str | None = None) -> Any:
+def _page_fig(sigmas: Sequence[np.ndarray], energies: Sequence[np.ndarray], marks: Marks,
+              measured: MeasuredPanel | None) -> Any:
     sigmas = [np.asarray(s, dtype=np.float64) for s in sigmas if len(s) and s[0] > 0]
     energies = [np.asarray(e, dtype=np.float64) for e in energies if len(e)]
-    meas = [s for s in (measured or []) if any(r > 0 and math.isfinite(v) for r, v in s)]
+    meas = [s for s in (measured.series if measured else []) if any(r > 0 and math.isfinite(v) for r, v in s)]
     panels = [p for p, have in (("spectrum", sigmas), ("energy", energies), ("measured", meas)) if have]
     if not panels:
         return None
+    be, sug, plan = marks.break_even, marks.suggested, marks.planned
     fig, axes = _figure(3.6 * len(panels), 2.5, ncols=len(panels), gridspec_kw={"wspace": 0.75})
     axes = np.atleast_1d(axes)
     for ax, p in zip(axes, panels):
@@ -360,27 +385,24 @@ def _page_fig(sigmas: Sequence[np.ndarray], energies: Sequence[np.ndarray], be: 
         if p == "spectrum":
             _spectrum_panel(ax, sigmas, be, sug, plan)
         elif p == "energy":
-            _energy_panel(ax, energies, be, sug, plan, target)
+            _energy_panel(ax, energies, be, sug, plan, marks.target)
         else:
-            _measured_panel(ax, meas, max([len(e) for e in energies] + [len(s) for s in sigmas] + [1]), metric,
-                            tolerance, measured_title or "measured, the layer alone truncated")
+            assert measured is not None
+            k = max([len(e) for e in energies] + [len(s) for s in sigmas] + [1])
+            _measured_panel(ax, MeasuredPanel(meas, measured.metric, measured.tolerance, measured.title), k)
     return fig
 
 
-def page_chart(sigmas: Sequence[np.ndarray], energies: Sequence[np.ndarray], *, break_even: float | None = None,
-               suggested: int | None = None, planned: int | None = None, target: float | None = None,
-               measured: Sequence[Sequence[tuple[int, float]]] | None = None,
-               metric: str = "measured metric", tolerance: float | None = None,
-               measured_title: str | None = None) -> str | None:
+def page_chart(sigmas: Sequence[np.ndarray], energies: Sequence[np.ndarray], marks: Marks = Marks(),
+               measured: MeasuredPanel | None = None) -> str | None:
     """A layer's (or a group's) page chart: singular values σᵢ/σ₁ (log-log) and energy E(r) (1 - E on a log axis)
-    against the rank, break-even, suggested and planned ranks as vertical lines, the target energy as a horizontal
-    one; a third panel with the ``measured`` (rank, metric) points (a series per layer) when calibration gives them
-    (the tier-2 metric, or the tier-1 layer-output error curve), with the ``tolerance`` they were judged against
-    as a horizontal line (a calibrated audit passes no energy ``target``: energy chose nothing there). A group of more
-    than :data:`MAX_CURVES` members is drawn as the median and min-max band. No legend: :func:`legend_chart` draws
-    the one legend every page shares. None when there is nothing to draw."""
-    return _render(_page_fig, sigmas, energies, break_even, suggested, planned, target, measured, metric, tolerance,
-                   measured_title)
+    against the rank, the ``marks`` (break-even, suggested and planned ranks as vertical lines, the target energy as a
+    horizontal one); a third panel with the ``measured`` (rank, metric) points (a series per layer) when calibration
+    gives them (the tier-2 metric, or the tier-1 layer-output error curve), with the tolerance they were judged
+    against as a horizontal line (a calibrated audit passes no energy target: energy chose nothing there). A group of
+    more than :data:`MAX_CURVES` members is drawn as the median and min-max band. No legend: :func:`legend_chart`
+    draws the one legend every page shares. None when there is nothing to draw."""
+    return _render(_page_fig, sigmas, energies, marks, measured)
 
 
 def _overview_fig(energies: Sequence[np.ndarray], labels: Sequence[str], target: float | None) -> Any:
@@ -433,3 +455,135 @@ def legend_chart(entries: Sequence[tuple[str, str]]) -> str | None:
     """One legend for a set of charts, as (kind of :data:`STYLE`, label) entries: each swatch is drawn with the
     style its charts draw that kind of line with. None without entries."""
     return _render(_legend_fig, entries)
+
+
+# ---- calibration: the frontier of plans, and each layer's measured metric per rank ---------------------------
+@dataclass(frozen=True)
+class FrontierChart:
+    """The frontier chart's data: ``before`` (each plan measured all at once) and, with --recover, ``after`` (the
+    same plans after ``steps`` recovery steps), as (share removed, metric, holds); the ``limit`` the metric is judged
+    against, the metric's ``label``, ``errors`` (lower is better: a log axis where the values span decades) and the
+    ``chosen`` plan's share removed."""
+
+    before: Sequence[tuple[float, float, bool]]
+    limit: float
+    label: str
+    errors: bool = True
+    chosen: float | None = None
+    after: Sequence[tuple[float, float, bool]] = ()
+    steps: int = 0
+
+
+def _plain(v: float, _: Any) -> str:
+    """A log tick as a plain number (0.02, not TeX markup the SVG shows as source), on 1, 2 and 5 only."""
+    mant = v / 10 ** math.floor(math.log10(v)) if v > 0 else 0.0
+    return f"{v:g}" if any(abs(mant - k) < 1e-6 for k in (1, 2, 5)) else ""
+
+
+def _frontier_fig(c: FrontierChart) -> Any:
+    points, after = c.before, c.after
+    if not points:
+        return None
+    fig, ax = _figure(5.6, 2.8)
+    xs = [100 * p[0] for p in points]
+    ys = [p[1] for p in points]
+    ax.plot(xs, ys, color=PALETTE[0], marker="o", markersize=4, linewidth=1.4,
+            label="before recovery" if after else None)
+    if after:  # the same plans after the recovery fine-tune (--recover)
+        ax.plot([100 * p[0] for p in after], [p[1] for p in after], color=PALETTE[3], marker="s", markersize=4,
+                linewidth=1.2, linestyle="--", label=f"after {c.steps} recovery steps")
+        ys = ys + [p[1] for p in after]
+    for x, y, ok in zip(xs, ys, [p[2] for p in points]):
+        if not ok:
+            ax.plot([x], [y], marker="x", color=PALETTE[4], markersize=8)
+    limit = c.limit
+    if c.errors and all(y > 0 for y in ys) and limit > 0:  # errors span decades: a log axis shows the cliff
+        from matplotlib import ticker
+
+        ax.set_yscale("log")
+        ax.yaxis.set_major_formatter(ticker.FuncFormatter(_plain))
+        ax.yaxis.set_minor_formatter(ticker.FuncFormatter(_plain))
+    ax.axhline(limit, label=f"tolerance ({limit:g})", **STYLE["tolerance"])
+    if c.chosen is not None:
+        ax.axvline(100 * c.chosen, label="suggested plan", **STYLE["suggested"])
+    ax.set_xlabel("parameters removed (% of the model)")
+    ax.set_ylabel(c.label)
+    ax.legend(fontsize=7, frameon=False)
+    return fig
+
+
+def frontier_chart(c: FrontierChart) -> str | None:
+    """Parameters removed against the model-level metric, each plan measured all at once, with the tolerance and the
+    suggested plan; None without plans."""
+    return _render(_frontier_fig, c)
+
+
+@dataclass(frozen=True)
+class FloorChart:
+    """One calibrated layer's chart: ``points`` (the model's metric with this layer alone truncated, tier 2) and
+    ``curve`` (the tier-1 layer-output error) per rank, the ``limit`` the metric is judged against, its ``label``,
+    ``errors`` (lower is better), the layer's ``shape`` (m, n), break-even and measured ``floor``."""
+
+    name: str
+    points: Sequence[tuple[int, float]]
+    curve: Sequence[tuple[int, float]]
+    limit: float
+    label: str
+    errors: bool
+    break_even: float
+    floor: int | None
+    shape: tuple[int, int]
+
+
+def _layer_error_axis(ax: Any, curve: Sequence[tuple[int, float]], first: int) -> None:
+    """The tier-1 layer-output error on its own right-hand axis (log where it spans more than two decades)."""
+    c = [(r, e) for r, e in curve if r >= first / 1.4 and math.isfinite(e)]
+    if not c:
+        return
+    ax2 = ax.twinx()
+    ax2.plot([r for r, _ in c], [e for _, e in c], gid="layer-error",
+             label="layer-output error (tier 1, right axis)", **STYLE["layer-error"])
+    ax2.set_ylabel("layer-output error", fontsize=8)
+    ax2.tick_params(axis="y", labelsize=7)
+    es = [e for _, e in c]
+    if min(es) > 0 and max(es) / min(es) > 100:
+        _log_y(ax2)
+    else:
+        ax2.set_ylim(bottom=0)
+    ax2.spines["right"].set_visible(True)
+
+
+def _floor_fig(c: FloorChart) -> Any:
+    """The model's metric with this layer alone truncated (left axis) and the tier-1 layer-output error (right axis,
+    its own units), against the rank on a log axis that starts just below the first measured rank. A metric that
+    spans more than two decades gets a log axis. No legend: the report draws one for every chart."""
+    pts = sorted((r, v) for r, v in c.points if r > 0 and math.isfinite(v))
+    if not pts:
+        return None
+    (m, n), limit, be, floor = c.shape, c.limit, c.break_even, c.floor
+    fig, ax = _figure(5.6, 2.8)
+    _log_rank_axis(ax, min(m, n), be)
+    first = pts[0][0]
+    ax.set_xlim(max(0.85, first / 1.4), ax.get_xlim()[1])  # the axis starts near the data, not at rank 1
+    ax.plot([r for r, _ in pts], [v for _, v in pts], gid="metric",
+            label=f"{short_label(c.label, 30)} (this layer alone)", **STYLE["measured"])
+    _layer_error_axis(ax, c.curve, first)
+    ys = [v for _, v in pts]
+    if c.errors and min(ys) > 0 and max(ys + [limit]) / min(ys + [limit]) > 100:  # spans decades: log
+        _log_y(ax)
+    elif c.errors:
+        ax.set_ylim(0, max(max(ys), limit) * 1.3)
+    ax.axhline(limit, gid="tolerance", label=f"tolerance ({limit:g})", **STYLE["tolerance"])
+    ax.axvline(be, gid="break-even", label=f"break-even {be:.1f}", **STYLE["break-even"])
+    if floor is not None:
+        ax.axvline(floor, gid="floor", label=f"measured floor {floor}", **STYLE["floor"])
+    ax.set_xlabel("rank r (log scale)")
+    ax.set_ylabel(short_label(c.label, 30))
+    facts = f"break-even {be:.1f}" + (f", measured floor {floor}" if floor is not None else "")
+    ax.set_title(f"{short_label(c.name, 48)} ({m} x {n}): {facts}", fontsize=9, loc="left")
+    return fig
+
+
+def floor_chart(c: FloorChart) -> str | None:
+    """A calibrated layer's measured metric per rank (SVG; see :func:`_floor_fig`), None without finite points."""
+    return _render(_floor_fig, c)

@@ -1,13 +1,13 @@
 """Markdown for a pull-request comment or a CI job summary: read in ten seconds, under GitHub's comment limit.
 
-The open part (what shows before any fold is expanded) stays under :data:`auditor.render.md_budget.OPEN_LIMIT`
+The open part (what shows before any fold is expanded) stays under :data:`auditor.render.md_fit.OPEN_LIMIT`
 bytes for any model: the verdict, the plan card (what the plan saves and, with calibration, its all-at-once
 measurement), the findings; then the plan, the calibration and the layers. A table is shown open only when it has
 at most :data:`ROWS_OPEN` rows and :data:`COLS_OPEN` columns and fits what is left of the open part; every other
 table, and the findings past the first :data:`ROWS_OPEN`, sit inside ``<details>``. The whole text stays under
-:data:`auditor.render.md_budget.DEFAULT_CAP` characters (rows cut last, with one line saying what is left out).
+:data:`auditor.render.md_fit.DEFAULT_CAP` characters (rows cut last, with one line saying what is left out).
 
-One unit convention: shares and errors are percentages, rounded by :func:`auditor.render.md_budget.percent` (one
+One unit convention: shares and errors are percentages, rounded by :func:`auditor.render.md_fit.percent` (one
 decimal from 1% up, two significant digits below); a user metric is printed in its own units. Every name goes
 through :mod:`auditor.render.safe`, so a layer name cannot open a link, an image, a heading or raw HTML.
 """
@@ -19,14 +19,17 @@ from typing import TYPE_CHECKING
 from ..policy import verdict_head
 from ..results import Severity
 from . import calibration, speed
-from .base import RenderContext
-from .md_budget import COLS_OPEN, ROWS_OPEN, Room, fold_if, DEFAULT_CAP, OPEN_LIMIT, Section, fit_markdown, measure, percent
+from .base import RenderContext, Stdout
+from .calibration import CURVES, FINETUNE, md_tolerance, md_value
+from .md_fit import COLS_OPEN, ROWS_OPEN, Room, fold_if, DEFAULT_CAP, OPEN_LIMIT, Section, fit_markdown, measure, percent
 from .pages import group_rows, plan_rows, rank_changes
 from .safe import md_code, md_text, middle
 from .view import factorized_count, fmt_num, human, layer_table, spectra_computed, trace_sentence
 
 if TYPE_CHECKING:
+    from ..calresults import CalibrationReport
     from ..results import Audit
+    from .calibration import CalibrationView
 
 ICON = {Severity.ERROR: "🛑", Severity.WARNING: "⚠️", Severity.INFO: "ℹ️"}
 FINDINGS_ROOM = 4_500  # bytes of findings shown open at most; the rest are folded
@@ -203,6 +206,165 @@ def _layers(audit: "Audit", room: Room) -> Section:
                             f"layers, {len(head)} columns", columns=len(head))
 
 
+# ---- calibration (:class:`auditor.render.calibration.CalibrationView`) ---------------------------------------
+def _cal_search(cal: "CalibrationReport", cv: "CalibrationView") -> list[str]:
+    """The search's bullets: what it asked, how many plans it measured, what it needs (recovery)."""
+    b = cal.budget
+    if b is None:
+        return []
+    lines = []
+    ask = f"at most {percent(b.budget)} removed" if b.budget is not None else "the largest plan that holds"
+    if b.nothing_to_plan:
+        lines.append(f"- Search ({ask}): no layer of the model can be factorized, so nothing can be removed")
+    elif not b.plan:
+        lines.append(f"- Search ({ask}): none of the {b.evaluations} plans measured all at once holds the "
+                     "tolerance, so every calibrated layer stays dense")
+    else:
+        lines.append(f"- Search ({ask}, over the {CURVES.get(b.source, b.source)} curves): {b.evaluations} plans measured all at once"
+                     + (f"; the smallest larger plan measured ({b.smallest_failing:,} parameters removed) "
+                        "misses the tolerance" if b.smallest_failing is not None else ""))
+    if b.exhausted:
+        lines.append(f"- ⚠️ The search stopped at its cap of {b.evaluations} measurements before the boundary "
+                     "was bracketed: a larger plan may hold")
+    if b.fixed:
+        lines.append(f"- {len(b.fixed)} layer(s) calibration did not rank keep their weight-energy rank in "
+                     "every plan measured")
+    note = cv.recovery_note
+    if note:
+        lines.append(f"- ⚠️ The suggested plan was chosen after recovery (--choose-after-recovery): it "
+                     f"{md_text(note)}; it needs that fine-tune")
+    cost = cv.recovery
+    if cost:
+        lines.append(f"- {md_text(cost)}")
+    return lines
+
+
+def _cal_check(cal: "CalibrationReport") -> list[str]:
+    """The reviewed plan measured all at once: predicted and measured, the verification, what was left out."""
+    lines = []
+    pc = cal.plan_check
+    if pc is not None and pc.layers == 0:
+        lines.append("- The plan was not measured: factorize() cannot rewrite any of its layers")
+    elif pc is not None and pc.predicted is not None:
+        summed = "added up" if (pc.basis or "").endswith("which add up") else "summed in quadrature"
+        lines.append(f"- Predicted {md_value(cal, pc.predicted)} "
+                     f"({md_text((pc.basis or 'tier-1 layer-output errors').removesuffix(', which add up'))}"
+                     f" {summed}), measured {md_value(cal, pc.measured)} all at once")
+    v = pc.verification if pc is not None else None
+    if v is not None:
+        ci = (f" ({100 * v.confidence:g}% interval {md_value(cal, v.low)} to {md_value(cal, v.high)} over {v.rows:,} "
+              "verification rows the search never read)" if v.low is not None and v.high is not None
+              else f" (on {v.rows:,} verification rows, no interval)")
+        judged = "within" if v.ok else "straddles" if v.straddles else "misses"
+        lines.append(f"- Verification: {md_text(cal.metric)} {md_value(cal, v.value)}{ci}: {judged} the tolerance "
+                     f"{md_tolerance(cal)}")
+    if pc is not None and pc.left_out:
+        names = ", ".join(md_code(middle(n, 60)) for n in pc.left_out[:5])
+        more = f" and {len(pc.left_out) - 5:,} more" if len(pc.left_out) > 5 else ""
+        lines.append(f"- Not measured (factorize() cannot rewrite them): {names}{more}")
+    return lines
+
+
+def _cal_lines(cv: "CalibrationView") -> tuple[list[str], list[str]]:
+    """The calibration bullets of the Markdown: (always open, open while they fit)."""
+    cal = cv.cal
+    what = "measured floors (tier 2)" if cal.measured_floors else "tier 1 (one forward pass)"
+    lines = [f"- Data {md_text(middle(cal.source, 100))}: {cal.fit_rows:,} rows for statistics, "
+             f"{cal.holdout_rows:,} held out ({md_text(middle(cal.holdout, 100))}); {what}; metric "
+             f"{md_text(middle(cal.metric, 80))}, tolerance {md_tolerance(cal)}"
+             + (" (statistics from the cache)" if cal.statistics_cached else "")]
+    rounding = cv.md_rounding
+    if rounding:
+        lines.append(f"- {md_text(rounding)}")
+    lines += _cal_search(cal, cv)
+    lines += _cal_check(cal)
+    if cal.missing:
+        lines.append(f"- {len(cal.missing):,} layer(s) had no statistics and keep their weight-energy rank "
+                     "(listed below)")
+    lines.append(f"- {md_text(FINETUNE)}")
+    return lines, [f"- ⚠️ {md_text(w)}" for w in cal.warnings]
+
+
+def _cal_frontier(cv: "CalibrationView", room: Room) -> Section | None:
+    """Every plan measured all at once (and after recovery), open while short."""
+    cal = cv.cal
+    b = cal.budget
+    if b is None or not b.frontier:
+        return None
+    head = ["parameters removed", "share", "layers", md_text(middle(cal.metric, 40)), "top-1", "all at once"]
+    rc = b.recovery
+    if rc is not None:
+        head += [f"after {rc.steps} steps", "after recovery", "recovery cost"]
+    frows = []
+    for r, p in zip(cv.frontier, b.frontier):
+        holds = r.holds
+        if r.chosen:
+            holds = (f"**{r.holds} (suggested: holds after recovery, needs the fine-tune)**"
+                     if b.chosen_after_recovery else f"**{r.holds} (suggested)**")
+        more = ""
+        if rc is not None:
+            rec = p.recovered
+            more = (f" {md_value(cal, rec.metric)} | {r.recovered_holds} | {md_text(r.cost)} |" if rec is not None
+                    else " \u2013 | \u2013 | \u2013 |")
+        frows.append(f"| {r.removed} | {percent(p.removed_fraction)} | {r.layers} | {md_value(cal, p.metric)} | "
+                     f"{percent(p.top1)} | {holds} |{more}")
+    intro = "Every plan measured all at once, fewest parameters removed first"
+    if rc is not None:
+        intro += (f", and again after {rc.steps} steps of recovery fine-tune (distillation on the fit rows, "
+                  "measured on the held-out rows)")
+    s = Section("", [intro + ":", "", "| " + " | ".join(head) + " |",
+                     "|---:|---:|---:|---:|---:|---|" + ("---:|---|---|" if rc is not None else "")], frows,
+                noun="frontier plans", title="Frontier")
+    return fold_if(s, room, f"Frontier: {len(frows):,} plans measured all at once", columns=len(head))
+
+
+def _cal_layers(cv: "CalibrationView") -> Section | None:
+    """The per-layer table (folded): the plan's rank, then the evidence."""
+    if not cv.cal.layers:
+        return None
+    head = ["layer", "plan rank", "rows", "n", "evidence: r@1% / 2% / 5% / 10%", "evidence: tier-1",
+            "evidence: floor", "cliff (rank: metric)", "x"]
+    lrows = []
+    for r in cv.md_rows:
+        ranks = " / ".join(str(x) if x is not None else "\u2013" for x in (r.r1, r.r2, r.r5, r.r10))
+        lrows.append(f"| {md_code(r.layer)} | **{r.plan}** | {r.rows:,} | {r.width:,} | {ranks} | {r.suggested} | "
+                     f"{r.floor} | {r.cliff} | {r.compression} |")
+    return Section("", ["Per layer: the plan's rank (measured all at once), then the evidence: the ranks "
+                        "that keep the layer-output error under 1%, 2%, 5% and 10% on the calibration data "
+                        "(tier 1), the tier-1 rank for the tolerance, the measured floor and cliff (tier 2) "
+                        "and the compression at the floor; > b-e: only a rank past break-even meets it.", "",
+                        "| " + " | ".join(head) + " |", "|---|---:|---:|---:|---:|---:|---:|---:|---:|"], lrows,
+                   noun="calibrated layers", title="Calibrated layers",
+                   fold=f"{len(lrows):,} calibrated layers, {len(head)} columns")
+
+
+def _calibration(audit: "Audit", room: Room) -> list[Section]:
+    """The calibration sections: the bullets open, the frontier open while short, the per-layer table and the
+    layers without statistics folded. ``room`` is what is left of the open part."""
+    cv = calibration.view(audit)
+    if cv is None:
+        return []
+    lines, warnings = _cal_lines(cv)
+    out = []
+    room.left -= sum(len(x.encode("utf-8")) + 1 for x in lines)
+    if warnings and room.take(warnings):
+        lines += warnings
+        warnings = []
+    out.append(Section("### Calibration", lines, [], noun="calibration lines", title="Calibration"))
+    if warnings:
+        out.append(Section("", [], warnings, noun="calibration warnings", title="Calibration warnings",
+                           fold=f"{len(warnings):,} calibration warning{'s' if len(warnings) > 1 else ''}"))
+    for s in (_cal_frontier(cv, room), _cal_layers(cv)):
+        if s is not None:
+            out.append(s)
+    missing = cv.cal.missing
+    if missing:
+        mrows = [f"- {md_code(k)}: {md_text(v)}" for k, v in missing.items()]
+        out.append(Section("", [], mrows, noun="layers without statistics", title="Layers without statistics",
+                           fold=f"{len(mrows):,} layer{'s' if len(mrows) > 1 else ''} without statistics"))
+    return out
+
+
 def render(audit: "Audit", context: RenderContext = RenderContext(), cap: int = DEFAULT_CAP) -> str:
     """The Markdown report, at most ``cap`` UTF-16 units (default 60,000, under GitHub's 65,536)."""
     summary = "\n".join(_summary(audit, context))
@@ -210,7 +372,7 @@ def render(audit: "Audit", context: RenderContext = RenderContext(), cap: int = 
             f"{md_text(str(audit.environment.get('torch')))} · MACs {human(audit.total_macs)}</sub>")
     room = Room(OPEN_LIMIT - RESERVE - len(summary.encode("utf-8")) - len(tail.encode("utf-8")))
     sections = _findings(audit, room)
-    for s in (_plan(audit, room), *calibration.markdown(audit, room), *speed.markdown(audit, room),
+    for s in (_plan(audit, room), *_calibration(audit, room), *speed.markdown(audit, room),
               _baseline(audit, context, room),
               _layers(audit, room)):
         if s is not None:
@@ -224,6 +386,7 @@ class MarkdownReporter:
     name = "md"
     suffix = ".md"
     binary = False
+    stdout = Stdout.DOCUMENT
 
     def render(self, audit: "Audit", context: RenderContext) -> str:
         return render(audit, context)

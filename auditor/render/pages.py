@@ -271,17 +271,33 @@ def page_legend(pages: Sequence[LayerPage]) -> list[tuple[str, str]]:
     return out
 
 
-def layer_pages(audit: "Audit", table: LayerTable, groups: list[GroupRow], *, charts: bool = True,
-                measured: dict[str, list[tuple[int, float]]] | None = None,
-                only: set[str] | None = None) -> list[LayerPage]:
-    """A page per group of two or more (first, largest first), then a page per layer (largest first);
-    ``only``: just the pages with these anchors (the PDF's top groups), in group order. ``measured``: (rank, metric)
-    points per layer name (or group label); default: the calibration's measured floors.
+@dataclass(frozen=True)
+class _Measured:
+    """What the pages' third panels share: (rank, metric) points per layer name (or group label), the metric's
+    label, the tolerance they are judged against and the panel's title (None: the default)."""
 
-    Charts (``charts``): the table's rows first (each group, each layer in no group), largest first, then the
-    groups' members while fewer than :data:`CHART_PAGES` pages have one."""
+    points: dict[str, list[tuple[int, float]]]
+    metric: str
+    tolerance: float | None
+    title: str | None
+
+    def series(self, key: str, names: list[str]) -> list[list[tuple[int, float]]]:
+        """A page's series: the group's own points under ``key``, else each member's."""
+        m = self.points
+        return [m[key]] if m.get(key) else [m[n] for n in names if m.get(n)]
+
+    def panel(self, series: list[list[tuple[int, float]]] | None) -> Any:
+        from .layer_charts import MeasuredPanel
+
+        if not series:
+            return None
+        return MeasuredPanel(series, self.metric, self.tolerance, self.title or MeasuredPanel.title)
+
+
+def _measured_of(audit: "Audit", measured: dict[str, list[tuple[int, float]]] | None) -> _Measured:
+    """The points the pages draw: ``measured`` when given, else the calibration's measured floors (tier 2: the
+    model's metric, judged against the tolerance), else its tier-1 layer-output error curves."""
     from .calibration import measured_points
-    from .layer_charts import data_uri, page_chart
 
     cal = audit.calibration
     tolerance: float | None = None
@@ -295,50 +311,75 @@ def layer_pages(audit: "Audit", table: LayerTable, groups: list[GroupRow], *, ch
             tolerance = cal.tolerance if not cal.higher_is_better else 0.01
             title = "layer-output error (tier 1), the layer alone"
     metric = ("layer-output error" if title else cal.metric) if cal is not None else "measured metric"
-    target = audit.settings.target_energy if cal is None else None  # with calibration, energy chose no rank
+    return _Measured(measured, metric, tolerance, title)
+
+
+def _page(anchor: str, title: str, rows: list[LayerRow], is_group: bool,
+          series: list[list[tuple[int, float]]], target: float | None) -> LayerPage:
+    """One page: the members' common shape and ranks, their summed parameters, median spectral statistics."""
+    names = [r.name for r in rows]
+    sr = [r.stable_rank for r in rows if r.stable_rank is not None]
+    er = [r.effective_rank for r in rows if r.effective_rank is not None]
+    ea = [r.energy_at_rank for r in rows if r.energy_at_rank is not None]
+    return LayerPage(anchor, title, is_group, names, _common([r.shape for r in rows]) or "mixed",
+                     sum(r.params for r in rows), sum(r.share for r in rows), _common([r.break_even for r in rows]),
+                     _common([r.suggested for r in rows]), _common([r.planned for r in rows]), target,
+                     _verdicts(rows), rows[0].reason if not is_group else "",
+                     float(np.median(sr)) if sr else None, float(np.median(er)) if er else None,
+                     float(np.median(ea)) if ea else None, series or None)
+
+
+def _draw(audit: "Audit", p: LayerPage, measured: _Measured) -> None:
+    """The page's chart (:func:`auditor.render.layer_charts.page_chart`) as a ``data:`` URI."""
+    from .layer_charts import Marks, data_uri, page_chart
+
+    sig = [s for n in p.members for s in _sigma_rows(audit, n)]
+    en = [e for n in p.members for e in _energy(audit, n)]
+    svg = page_chart(sig, en, Marks(p.break_even, p.suggested, p.planned, p.target), measured.panel(p.measured))
+    p.chart = data_uri(svg) if svg else ""
+
+
+def _chart_pages(audit: "Audit", groups: list[GroupRow], group_pages: list[LayerPage],
+                 layer_pages_: list[LayerPage], measured: _Measured) -> None:
+    """Charts for the table's rows first (each group, each layer in no group), largest first, then the groups'
+    members while fewer than :data:`CHART_PAGES` pages have one; a member without one points to its group's."""
+    by_anchor = {p.anchor: p for p in group_pages + layer_pages_}
+    rows_first = [by_anchor[g.anchor] for g in groups]  # a group's page, or a layer in no group's
+    shown = {id(p) for p in rows_first}
+    members = [p for p in layer_pages_ if id(p) not in shown]
+    for p in (rows_first + members)[:CHART_PAGES]:
+        _draw(audit, p, measured)
+    of_group = {m: (g.anchor, g.label) for g in groups if g.is_group for m in (r.name for r in g.members)}
+    for p in layer_pages_:
+        if not p.chart and p.title in of_group and by_anchor[of_group[p.title][0]].chart:
+            p.chart_at = of_group[p.title]
+
+
+def layer_pages(audit: "Audit", table: LayerTable, groups: list[GroupRow], *, charts: bool = True,
+                measured: dict[str, list[tuple[int, float]]] | None = None,
+                only: set[str] | None = None) -> list[LayerPage]:
+    """A page per group of two or more (first, largest first), then a page per layer (largest first);
+    ``only``: just the pages with these anchors (the PDF's top groups), in group order. ``measured``: (rank, metric)
+    points per layer name (or group label); default: the calibration's measured floors.
+
+    Charts (``charts``): the table's rows first (each group, each layer in no group), largest first, then the
+    groups' members while fewer than :data:`CHART_PAGES` pages have one."""
+    meas = _measured_of(audit, measured)
+    target = audit.settings.target_energy if audit.calibration is None else None  # with calibration, energy chose no rank
 
     def page(anchor: str, title: str, rows: list[LayerRow], is_group: bool, key: str) -> LayerPage:
-        names = [r.name for r in rows]
-        be = _common([r.break_even for r in rows])
-        sug = _common([r.suggested for r in rows])
-        plan = _common([r.planned for r in rows])
-        sr = [r.stable_rank for r in rows if r.stable_rank is not None]
-        er = [r.effective_rank for r in rows if r.effective_rank is not None]
-        ea = [r.energy_at_rank for r in rows if r.energy_at_rank is not None]
-        series = [measured[key]] if measured.get(key) else [measured[n] for n in names if measured.get(n)]
-        return LayerPage(anchor, title, is_group, names, _common([r.shape for r in rows]) or "mixed",
-                         sum(r.params for r in rows), sum(r.share for r in rows), be, sug, plan, target,
-                         _verdicts(rows), rows[0].reason if not is_group else "",
-                         float(np.median(sr)) if sr else None, float(np.median(er)) if er else None,
-                         float(np.median(ea)) if ea else None, series or None)
-
-    def draw(p: LayerPage) -> None:
-        sig = [s for n in p.members for s in _sigma_rows(audit, n)]
-        en = [e for n in p.members for e in _energy(audit, n)]
-        svg = page_chart(sig, en, break_even=p.break_even, suggested=p.suggested, planned=p.planned,
-                         target=p.target, measured=p.measured, metric=metric, tolerance=tolerance,
-                         measured_title=title)
-        p.chart = data_uri(svg) if svg else ""
+        return _page(anchor, title, rows, is_group, meas.series(key, [r.name for r in rows]), target)
 
     if only is not None:
         pages = [page(g.anchor, g.label, g.members, g.is_group, g.label if g.is_group else g.members[0].name)
                  for g in groups if g.anchor in only]
         for p in pages if charts else []:
-            draw(p)
+            _draw(audit, p, meas)
         return pages
     group_pages = [page(g.anchor, g.label, g.members, True, g.label) for g in groups if g.is_group]
     layer_pages_ = [page(r.anchor, r.name, [r], False, r.name) for r in table.rows]
     if charts:
-        by_anchor = {p.anchor: p for p in group_pages + layer_pages_}
-        rows_first = [by_anchor[g.anchor] for g in groups]  # a group's page, or a layer in no group's
-        shown = {id(p) for p in rows_first}
-        members = [p for p in layer_pages_ if id(p) not in shown]
-        for p in (rows_first + members)[:CHART_PAGES]:
-            draw(p)
-        of_group = {m: (g.anchor, g.label) for g in groups if g.is_group for m in (r.name for r in g.members)}
-        for p in layer_pages_:
-            if not p.chart and p.title in of_group and by_anchor[of_group[p.title][0]].chart:
-                p.chart_at = of_group[p.title]
+        _chart_pages(audit, groups, group_pages, layer_pages_, meas)
     return group_pages + layer_pages_
 
 

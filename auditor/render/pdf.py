@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from ..errors import AuditError
-from .base import RenderContext
+from .base import RenderContext, Stdout
 
 if TYPE_CHECKING:
     from ..results import Audit
@@ -60,6 +60,7 @@ class PdfReporter:
     name = "pdf"
     suffix = ".pdf"
     binary = True
+    stdout = Stdout.NEVER
 
     def render(self, audit: "Audit", context: RenderContext) -> bytes:
         return render_pdf(audit, context)

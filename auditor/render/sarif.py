@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 from urllib.parse import quote
 
-from .base import RenderContext
+from .base import RenderContext, Stdout
 from .safe import escape, visible
 
 if TYPE_CHECKING:
@@ -300,6 +300,7 @@ class SarifReporter:
     name = "sarif"
     suffix = ".sarif"
     binary = False
+    stdout = Stdout.DOCUMENT
 
     def render(self, audit: "Audit", context: RenderContext) -> str:
         return json.dumps(to_sarif(audit), indent=2, ensure_ascii=False) + "\n"
@@ -360,6 +361,7 @@ class GithubReporter:
     name = "github"
     suffix = ".github.txt"
     binary = False
+    stdout = Stdout.LOG
 
     def render(self, audit: "Audit", context: RenderContext) -> str:
         return github_annotations(audit)

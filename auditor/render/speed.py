@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from ..speed.report import SpeedReport, seconds
-from .md_budget import Room, Section, fold_if
+from .md_fit import Room, Section, fold_if
 from .safe import md_code, md_text
 
 if TYPE_CHECKING:

@@ -13,18 +13,19 @@ from __future__ import annotations
 
 import re
 import textwrap
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable
 
 from ..policy import verdict_line
 from . import calibration, speed
-from .base import RenderContext
+from .base import RenderContext, Stdout
 from .pages import GroupRow, group_rows, plan_rows, rank_changes
 from .safe import middle, term
 from .view import factorized_count, fmt_num, human, layer_table, spectra_computed, trace_sentence
 
 if TYPE_CHECKING:
     from ..results import Audit
+    from .calibration import CalibrationView
 
 MIN_WIDTH = 60
 NAME_MIN = 10
@@ -263,116 +264,170 @@ def plan_rank_lines(audit: "Audit", groups: list[GroupRow]) -> list[str]:
 WIDE_PROSE = 100  # a wide table's (width 0) prose still wraps here
 
 
-def render(audit: "Audit", context: RenderContext = RenderContext(), top: int = 40) -> str:
-    """The table at ``context.width`` columns; width 0 is wide (the .txt report, a CI log, a pipe): every column
-    kept and every name whole, whatever the line's length, the prose wrapped at :data:`WIDE_PROSE`."""
-    wide = context.width <= 0
-    width = WIDE_PROSE if wide else max(MIN_WIDTH, context.width)
-    table_width = 1 << 20 if wide else width
-    out: list[str] = []
+@dataclass
+class _Lines:
+    """The table's lines as they are written: prose wrapped at ``width``, tables fitted to ``table_width``."""
 
-    def say(text: str, indent: str = "") -> None:
-        out.extend(textwrap.wrap(text, width, subsequent_indent=indent, break_on_hyphens=False) or [""])
+    width: int
+    table_width: int
+    out: list[str] = field(default_factory=list)
 
-    say(f"lowrank-audit: {term(audit.model_name)}  ({term(audit.source)})")
-    say(term(trace_sentence(audit)))
+    def say(self, text: str, indent: str = "") -> None:
+        self.out.extend(textwrap.wrap(text, self.width, subsequent_indent=indent, break_on_hyphens=False) or [""])
+
+
+def _head(audit: "Audit", w: _Lines) -> None:
+    """The model, how it was traced, its parameters and MACs, the notes."""
+    w.say(f"lowrank-audit: {term(audit.model_name)}  ({term(audit.source)})")
+    w.say(term(trace_sentence(audit)))
     macs = audit.total_macs
-    say(f"parameters {audit.total_params:,} unique; factorizable {audit.factorizable_params:,} "
-        f"in {len(audit.layers)} layers; rest {audit.rest_params:,} ({100 * audit.rest_share:.1f}%)"
-        + (f"; MACs {macs:,} per forward on {audit.inputs}" if macs is not None else "; MACs: no inputs"))
+    w.say(f"parameters {audit.total_params:,} unique; factorizable {audit.factorizable_params:,} "
+          f"in {len(audit.layers)} layers; rest {audit.rest_params:,} ({100 * audit.rest_share:.1f}%)"
+          + (f"; MACs {macs:,} per forward on {audit.inputs}" if macs is not None else "; MACs: no inputs"))
     k = audit.layers_holding(0.8)
     if k:
-        say(f"{k} of {len(audit.layers)} layers hold 80% of the parameters")
+        w.say(f"{k} of {len(audit.layers)} layers hold 80% of the parameters")
     for note in audit.notes:
-        say(f"note: {term(note)}", "      ")
-    out.append("")
+        w.say(f"note: {term(note)}", "      ")
+
+
+def _layers(audit: "Audit", w: _Lines, top: int) -> list[GroupRow]:
+    """The layer table (block groups, the first ``top``) and its legend lines; returns every group."""
     table = layer_table(audit)
     groups = group_rows(audit, table)
     rows = groups[:top]
     labels = [c.label for c in table.columns]
     target = next((c.label for c in table.columns if abs(c.target - audit.settings.target_energy) < 1e-12), "")
-    fitted = fit(_columns(labels, table.planned), rows, table_width, layer_steps(labels, target))
-    out += fitted.lines(rows)
+    fitted = fit(_columns(labels, table.planned), rows, w.table_width, layer_steps(labels, target))
+    w.out += fitted.lines(rows)
     if len(groups) > top:
-        say(f"... {len(groups) - top} more groups (see --format json/html)")
+        w.say(f"... {len(groups) - top} more groups (see --format json/html)")
     grouped = sum(g.is_group for g in groups)
     if grouped:
-        say(f"{grouped} groups of repeated blocks: * stands for the index, ×N for the members (each member is "
-            "listed in the JSON and HTML reports)", "  ")
+        w.say(f"{grouped} groups of repeated blocks: * stands for the index, ×N for the members (each member is "
+              "listed in the JSON and HTML reports)", "  ")
     if any(r.tied for r in table.rows):
-        say("* tied or shared weight: counted once; every use listed in the JSON and HTML reports", "  ")
-    for line in _legend(fitted, rows, width):
-        say(line, "  ")
+        w.say("* tied or shared weight: counted once; every use listed in the JSON and HTML reports", "  ")
+    for line in _legend(fitted, rows, w.width):
+        w.say(line, "  ")
     if fitted.has("x"):
-        say("x = compression m*n / (r*(m+n)) at the " + ("planned" if table.planned else "suggested")
-            + " rank; above 1 saves parameters", "  ")
+        w.say("x = compression m*n / (r*(m+n)) at the " + ("planned" if table.planned else "suggested")
+              + " rank; above 1 saves parameters", "  ")
+    return groups
+
+
+def _plan(audit: "Audit", w: _Lines, groups: list[GroupRow]) -> None:
+    """The plan's savings, its ranks per group, the items that save nothing."""
     rv = audit.review
-    out.append("")
     if not spectra_computed(audit):
-        say("spectra were not computed: no rank is suggested (drop --no-spectra, or load real weights)")
+        w.say("spectra were not computed: no rank is suggested (drop --no-spectra, or load real weights)")
     elif rv is not None and rv.items:
         what = "suggested plan" if rv.suggested else f"plan {term(rv.source)}"
         n = factorized_count(audit)
         count = f"{n} layers" if n == len(rv.items) else f"{n} of {len(rv.items)} planned layers factorized"
-        say(f"{what}: {count}, {rv.params_before:,} -> {rv.params_after:,} params; model "
-            f"{audit.total_params:,} -> {rv.model_params_after:,} ({100 * rv.share_saved:.1f}% saved)"
-            + (f"; MACs {rv.macs_before:,} -> {rv.macs_after:,}" if rv.macs_before is not None else ""), "  ")
+        w.say(f"{what}: {count}, {rv.params_before:,} -> {rv.params_after:,} params; model "
+              f"{audit.total_params:,} -> {rv.model_params_after:,} ({100 * rv.share_saved:.1f}% saved)"
+              + (f"; MACs {rv.macs_before:,} -> {rv.macs_after:,}" if rv.macs_before is not None else ""), "  ")
         for line in plan_rank_lines(audit, groups):
-            say(line, "      ")
+            w.say(line, "      ")
         for p in plan_rows(audit):
             if p.flag:
-                say(f"  ! {term(p.layer)} r={p.rank:,}: {p.params_before:,} -> {p.params_after:,} "
-                    f"(x {p.compression:.2f}); {p.flag}", "      ")
+                w.say(f"  ! {term(p.layer)} r={p.rank:,}: {p.params_before:,} -> {p.params_after:,} "
+                      f"(x {p.compression:.2f}); {p.flag}", "      ")
         if rv.suggested and audit.calibration is None:  # a calibrated audit says it in its own section
-            say(calibration.suggested_plan_note(audit), "  ")
+            w.say(calibration.suggested_plan_note(audit), "  ")
     elif rv is not None:
-        say("no layer is worth factorizing at the target energy" if rv.suggested else "the plan factorizes nothing")
-    if audit.calibration is not None:
-        out.append("")
-        for line in calibration.terminal(audit):
-            say(line, "  ")
-        cal_rows = (calibration.rows(audit.calibration, plan=calibration.plan_ranks(audit))
-                    if audit.calibration.layers else [])
-        if cal_rows:
-            say("Per layer: plan = the plan's rank (measured all at once, \"dense\": the plan keeps the layer); "
-                "evidence, not the plan: r@1%, r@5%, tier-1 = the tier-1 ranks for 1%, 5% and the tolerance, floor = "
-                "the measured floor (tier 2); > b-e: only a rank past break-even meets it alone", "  ")
-            out += fit(_cal_columns(), cal_rows, table_width, CAL_STEPS, name_floor=12).lines(cal_rows)
-    if audit.speed is not None:  # only when the speed was measured (--measure-speed)
-        out.append("")
-        out += speed.terminal(audit)
-    if audit.findings:
-        from .sarif import Locator, _relative_path
+        w.say("no layer is worth factorizing at the target energy" if rv.suggested else "the plan factorizes nothing")
 
-        out.append("")
-        locate = Locator(audit)
-        for f in audit.findings:
-            say(f"{f.severity.value:<7} {f.code} {term(f.message)}", " " * 14)
-            if f.fix:
-                say(f"{'':14}fix: {term(f.fix)}", " " * 19)
-            where = locate.where(f)
-            if where is not None:  # path:line, the form editors and terminals open
-                say(f"{'':14}at {term(_relative_path(where.path))}:{max(1, where.line)}", " " * 17)
-    if context.baseline is not None:
-        d = context.baseline
-        out.append("")
-        say(f"since the baseline: {len(d.new_findings)} new finding(s), {len(d.fixed_findings)} fixed; parameters "
-            f"saved {d.saved_before:,} -> {d.saved_after:,} ({d.saved_delta:+,})")
-        for f in d.new_findings:
-            say(f"  new   {f['code']} {term(f['message'])}", " " * 14)
-        for f in d.fixed_findings:
-            say(f"  fixed {f['code']} {term(f['message'])}", " " * 14)
-        if d.layers_added or d.layers_removed:
-            say(f"  layers added: {', '.join(map(term, d.layers_added)) or 'none'}; removed: "
-                f"{', '.join(map(term, d.layers_removed)) or 'none'}", "    ")
-        changes = rank_changes(audit, context.baseline_report)
-        for c in changes[:top]:
-            say(f"  rank  {term(c.layer)}: {c.text().replace('→', '->')}", "        ")
-        if len(changes) > top:
-            say(f"  ... {len(changes) - top} more rank changes")
-    out.append("")
-    say(term(verdict_line(audit)))
-    return "\n".join(out) + "\n"
+
+def calibration_lines(cv: "CalibrationView") -> list[str]:
+    """The calibration's prose (unwrapped): the search, the plan measured all at once, rounding, the data and the
+    basis, warnings, the fine-tune note."""
+    out = list(cv.budget)
+    if cv.plan:
+        out.append(cv.plan)
+    if cv.rounding:
+        out.append(cv.rounding)
+    out += [cv.summary, cv.basis]
+    out += [f"warning: {w}" for w in cv.cal.warnings]
+    out.append(calibration.FINETUNE)
+    return [term(x) for x in out]  # messages may quote layer names
+
+
+def _calibration(audit: "Audit", w: _Lines) -> None:
+    """The calibration's prose, then its per-layer table (the plan's rank first, then the evidence)."""
+    cv = calibration.view(audit)
+    if cv is None:
+        return
+    w.out.append("")
+    for line in calibration_lines(cv):
+        w.say(line, "  ")
+    if cv.rows:
+        w.say("Per layer: plan = the plan's rank (measured all at once, \"dense\": the plan keeps the layer); "
+              "evidence, not the plan: r@1%, r@5%, tier-1 = the tier-1 ranks for 1%, 5% and the tolerance, floor = "
+              "the measured floor (tier 2); > b-e: only a rank past break-even meets it alone", "  ")
+        w.out += fit(_cal_columns(), cv.rows, w.table_width, CAL_STEPS, name_floor=12).lines(cv.rows)
+
+
+def _findings(audit: "Audit", w: _Lines) -> None:
+    """Each finding with its fix and where it is (path:line, the form editors and terminals open)."""
+    if not audit.findings:
+        return
+    from .sarif import Locator, _relative_path
+
+    w.out.append("")
+    locate = Locator(audit)
+    for f in audit.findings:
+        w.say(f"{f.severity.value:<7} {f.code} {term(f.message)}", " " * 14)
+        if f.fix:
+            w.say(f"{'':14}fix: {term(f.fix)}", " " * 19)
+        where = locate.where(f)
+        if where is not None:
+            w.say(f"{'':14}at {term(_relative_path(where.path))}:{max(1, where.line)}", " " * 17)
+
+
+def _baseline(audit: "Audit", context: RenderContext, w: _Lines, top: int) -> None:
+    """What changed since the baseline: findings, layers, planned ranks (the first ``top``)."""
+    d = context.baseline
+    if d is None:
+        return
+    w.out.append("")
+    w.say(f"since the baseline: {len(d.new_findings)} new finding(s), {len(d.fixed_findings)} fixed; parameters "
+          f"saved {d.saved_before:,} -> {d.saved_after:,} ({d.saved_delta:+,})")
+    for f in d.new_findings:
+        w.say(f"  new   {f['code']} {term(f['message'])}", " " * 14)
+    for f in d.fixed_findings:
+        w.say(f"  fixed {f['code']} {term(f['message'])}", " " * 14)
+    if d.layers_added or d.layers_removed:
+        w.say(f"  layers added: {', '.join(map(term, d.layers_added)) or 'none'}; removed: "
+              f"{', '.join(map(term, d.layers_removed)) or 'none'}", "    ")
+    changes = rank_changes(audit, context.baseline_report)
+    for c in changes[:top]:
+        w.say(f"  rank  {term(c.layer)}: {c.text().replace('→', '->')}", "        ")
+    if len(changes) > top:
+        w.say(f"  ... {len(changes) - top} more rank changes")
+
+
+def render(audit: "Audit", context: RenderContext = RenderContext(), top: int = 40) -> str:
+    """The table at ``context.width`` columns; width 0 is wide (the .txt report, a CI log, a pipe): every column
+    kept and every name whole, whatever the line's length, the prose wrapped at :data:`WIDE_PROSE`."""
+    wide = context.width <= 0
+    width = WIDE_PROSE if wide else max(MIN_WIDTH, context.width)
+    w = _Lines(width, 1 << 20 if wide else width)
+    _head(audit, w)
+    w.out.append("")
+    groups = _layers(audit, w, top)
+    w.out.append("")
+    _plan(audit, w, groups)
+    _calibration(audit, w)
+    if audit.speed is not None:  # only when the speed was measured (--measure-speed)
+        w.out.append("")
+        w.out += speed.terminal(audit)
+    _findings(audit, w)
+    _baseline(audit, context, w, top)
+    w.out.append("")
+    w.say(term(verdict_line(audit)))
+    return "\n".join(w.out) + "\n"
 
 
 ANSI = {"PASS": "32", "UNMEASURED": "35", "REVIEW": "33", "FAIL": "31", "error": "31", "warning": "33", "info": "36"}
@@ -404,6 +459,7 @@ class TextReporter:
     name = "text"
     suffix = ".txt"
     binary = False
+    stdout = Stdout.TABLE
 
     def render(self, audit: "Audit", context: RenderContext) -> str:
         return render(audit, context)
