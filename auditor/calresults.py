@@ -165,6 +165,7 @@ class FrontierPlan:
     target: int = working(0)  # parameters the allocation aimed to remove
     plan: dict[str, int] = working(factory=dict)  # the plan's ranks
     predicted_cost: float = working(0.0)  # the summed single-layer costs the allocation predicted
+    rows: int = working(0)  # the search rows its metric was measured on (a subsample far from the tolerance)
     recovered: FrontierRecovery | None = None  # after the recovery fine-tune (--recover); None: not recovered
 
 

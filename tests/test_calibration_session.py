@@ -18,6 +18,7 @@ from auditor.calibration import (
     CalibrationSession, Evaluator, Metric, curves_from_spectra, load_calibration, measure_floors, plan_for_budget,
     tier1,
 )
+from auditor.calibration.verify import Verifier
 from auditor.calresults import BudgetResult, FrontierPlan, LayerFloor
 from auditor.factorize import factorize, load_factorized
 from auditor.structure.layers import ParamTable, collect_layers
@@ -54,15 +55,15 @@ def _count(monkeypatch, module, name: str) -> list[int]:
     return calls
 
 
-def _count_evaluators(monkeypatch) -> list[int]:
+def _count_evaluators(monkeypatch, cls: type = Evaluator) -> list[int]:
     calls = [0]
-    real = Evaluator.__init__
+    real = cls.__init__
 
     def init(self, *args, **kwargs):
         calls[0] += 1
         real(self, *args, **kwargs)
 
-    monkeypatch.setattr(Evaluator, "__init__", init)
+    monkeypatch.setattr(cls, "__init__", init)
     return calls
 
 
@@ -96,11 +97,14 @@ def test_cli_factorize_reuses_the_audits_statistics_and_records_the_exported_mod
     assert list((tmp_path / "cache" / "calibration").glob("*/meta.json"))  # the audit wrote its statistics
     stats_calls = _count(monkeypatch, stream_mod, "stream_statistics")
     evaluators = _count_evaluators(monkeypatch)
+    verifiers = _count_evaluators(monkeypatch, Verifier)
     out = tmp_path / "fact"
     r = cli_inproc("factorize", MODEL, "--plan", plan, "--calibration", calib, "-o", out)
     assert r.returncode == 0, r.stderr
     assert stats_calls[0] == 0  # read from the cache the audit wrote, once, and used for the factors too
-    assert evaluators[0] == 1  # the plan check's dense reference; nothing measured twice
+    # the dense reference of each held-out row once: tier 3's search rows (their head, and their tail for the
+    # plans near the tolerance: auditor/calibration/staged.py) and the verification rows the plan check reads
+    assert evaluators[0] == 0 and verifiers[0] == 3
     meta = json.loads((out / "plan.json").read_text())
     assert meta["init"] == "whitened"
     back = load_factorized(model, out)

@@ -13,8 +13,8 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING, Any, Callable
 
 from torch import nn
 
@@ -34,6 +34,7 @@ from .whiten import WhitenedSpectrum
 
 if TYPE_CHECKING:
     from .fisher import GradientSensitivity
+    from .staged import StagedEvaluator
 
 
 @dataclass
@@ -239,202 +240,350 @@ class Decompositions(dict):
         self.bytes += n - old
 
 
+RESOLUTION = 0.005  # of the model's parameters: the search stops narrowing when its bracket's plans are this close
+GUIDED_STEPS = 2  # bracketing steps aimed by the scaled prediction before falling back to doubling or halving
 FrontierPoint = FrontierPlan  # one plan measured all at once: the report's type (auditor/calresults.py)
 BudgetPlan = BudgetResult  # tier 3's result: the report's type, returned as it is
 
 
+@dataclass(frozen=True)
+class SearchSettings:
+    """What tier 3's search is asked besides the model, its layers, the calibration and the curves: the keywords of
+    :func:`plan_for_budget` (which documents each)."""
+
+    budget: float | None = None  # a fraction of the model's parameters to remove; None: the largest plan that holds
+    tolerance: float | None = None
+    metric: Metric | Callable[..., float] | None = None
+    stats: InputStatistics | None = None
+    frontier: int = 5
+    max_tries: int = 64
+    fixed: dict[str, int] | None = None
+    progress: Callable[[int], None] | None = None
+    reuse_bytes: int | None = None
+    reuse: Decompositions | None = None
+    backstops: int = 0  # plans measured below the one found, a point of the model apart: fallbacks for a verification
+
+
 def plan_for_budget(model: nn.Module, layers: dict[str, Layer] | list[Layer],
-                    calibration: Calibration | CalibrationSession, curves: Curves, budget: float | None = None, tolerance: float | None = None,
-                    metric: Metric | Callable[..., float] | None = None, stats: InputStatistics | None = None,
-                    frontier: int = 5, max_tries: int = 64, fixed: dict[str, int] | None = None,
-                    progress: Callable[[int], None] | None = None, reuse_bytes: int | None = None,
-                    reuse: "Decompositions | None" = None) -> BudgetResult:
+                    calibration: Calibration | CalibrationSession, curves: Curves,
+                    settings: SearchSettings | None = None, **given: Any) -> BudgetResult:
     """Tier 3: the largest plan over ``curves`` that holds the tolerance all at once on the held-out batches.
 
     Each target (parameters to remove) gives one plan (:func:`allocate`); a plan is factorized and measured once
-    (repeated plans cost nothing). Without ``budget`` the search starts at the largest target whose predicted cost
-    fits the tolerance (tolerance^2 for the relative output error, the tolerance itself for a user metric), doubles
-    the target while the plan holds and halves it while it fails until the boundary is bracketed, then bisects until
-    no new plan lies between the largest plan that held and the smallest that failed. With ``budget`` (a fraction of
-    the model's parameters to remove) the first plan removes at least that share and the search only shrinks from
-    there. ``max_tries`` bounds the measurements (a safety net: the bracket closes long before it on every model
-    tried; :attr:`BudgetPlan.exhausted` says when it did not). ``fixed`` layers (name -> rank) are part of every plan
-    measured: layers whose rank comes from elsewhere (the data-free suggestion) but that the plan must hold with.
-    Only layers ``factorize`` rewrites take part. The model is measured in eval mode; its mode is restored.
+    (repeated plans cost nothing), in the audit's split sessions for a built-in metric in stages
+    (:mod:`~auditor.calibration.staged`: 16 search rows, and more, doubling, only while the plan's interval straddles
+    the tolerance). Without ``budget`` the search starts at the largest target whose predicted cost fits the
+    tolerance (tolerance^2 for the relative output error, the tolerance itself for a user metric or a likelihood
+    metric's linear costs). For a built-in metric the next target is the one the curves predict at the tolerance
+    once scaled by what the last plan measured against its prediction (at most ``GUIDED_STEPS`` such steps), then
+    the target doubles while the plan holds and halves while it fails until the boundary is bracketed; the bracket
+    then narrows (at the point its ends' measured values interpolate to the tolerance, log-linear, kept inside the
+    bracket; the midpoint for a user metric) until no new plan lies between the largest plan that held and the
+    smallest that failed, or they remove within ``RESOLUTION`` of the model of each other. With ``budget`` (a
+    fraction of the model's parameters to remove) the first plan removes at least that share and the search only
+    shrinks from there. ``max_tries`` bounds the measurements (a safety net: the bracket closes long before it on
+    every model tried; :attr:`BudgetPlan.exhausted` says when it did not). ``fixed`` layers (name -> rank) are part of
+    every plan measured: layers whose rank comes from elsewhere (the data-free suggestion) but that the plan must hold
+    with. Only layers ``factorize`` rewrites take part. The model is measured in eval mode; its mode is restored.
     ``progress(plans measured so far)`` is called after each plan is measured (how many there will be is not known).
     ``reuse_bytes``: the budget of the per-layer decompositions kept across plans (:class:`Decompositions`; None: its
     default; 0 decomposes every layer again for every plan), or ``reuse``: a :class:`Decompositions` of the caller's
-    (the audit's, kept for the verification and the plan check). One plan's factorized copy is alive at a time."""
+    (the audit's, kept for the verification and the plan check). One plan's factorized copy is alive at a time.
+
+    The settings come as a :class:`SearchSettings` or as its field names given as keywords (both: the keywords
+    replace the settings' fields)."""
     t0 = time.perf_counter()
+    s = replace(settings or SearchSettings(), **given)
     named = by_name(layers)
-    fixed = {k: int(r) for k, r in (fixed or {}).items()}
-    unknown = [k for k in fixed if k not in named]
+    fixed = _fixed_of(s.fixed, named)
+    options = {k: v for k, v in curves.options.items()
+               if k in named and named[k].kind in SUPPORTED and k not in fixed}
+    curves = Curves(options, curves.source, curves.linear)
+    planned = {k: named[k] for k in [*options, *fixed] if k in named}
+    session = CalibrationSession.of(calibration, model, metric=s.metric, tolerance=s.tolerance, layers=planned,
+                                    stats=s.stats)  # a metric given keeps its kind (perplexity, kl, ...)
+    with session.measuring():  # every module's own mode is restored afterwards
+        stats = session.statistics(planned)
+        search = _Search(model, session.search_evaluator, curves, named, stats, session.metric, replace(s, fixed=fixed))
+        return search.run(t0)
+
+
+def _fixed_of(fixed: dict[str, int] | None, named: dict[str, Layer]) -> dict[str, int]:
+    out = {k: int(r) for k, r in (fixed or {}).items()}
+    unknown = [k for k in out if k not in named]
     if unknown:
         from ..errors import AuditError
 
         raise AuditError(f"fixed layer(s) {', '.join(unknown[:5])} are not among the layers given",
                          "Pass every layer of the plan in layers")
-    options = {k: v for k, v in curves.options.items()
-               if k in named and named[k].kind in SUPPORTED and k not in fixed}
-    curves = Curves(options, curves.source, curves.linear)
-    planned = {k: named[k] for k in [*options, *fixed] if k in named}
-    session = CalibrationSession.of(calibration, model, metric=metric, tolerance=tolerance, layers=planned,
-                                    stats=stats)  # a metric given keeps its kind (perplexity, kl, ...)
-    with session.measuring():  # every module's own mode is restored afterwards
-        stats = session.statistics(planned)
-        return _search(model, session.evaluator, curves, named, stats, session.metric, budget, frontier, max_tries,
-                       fixed, t0, progress, reuse_bytes, reuse)
+    return out
 
 
-def _search(model: nn.Module, ev: Evaluator, curves: Curves, named: dict[str, Layer], stats: InputStatistics,
-            metric: Metric, budget: float | None, frontier: int, max_tries: int, fixed: dict[str, int],
-            t0: float, progress: Callable[[int], None] | None = None,
-            reuse_bytes: int | None = None, reuse: "Decompositions | None" = None) -> BudgetResult:
-    total = count_params(model)
-    options = curves.options
-    max_saved = sum(max(o.saved for o in opts) for opts in options.values())
-    fixed_saved = sum(named[k].params - named[k].params_at(r) for k, r in fixed.items())
-    memo: dict[tuple[tuple[str, int], ...], FrontierPlan] = {}
-    by_target: dict[float, FrontierPlan] = {}
-    tries: list[FrontierPlan] = []
-    if reuse is None:
-        reuse = Decompositions(reuse_bytes)  # each layer decomposed once across the plans, within a byte budget
+def _key(plan: dict[str, int]) -> tuple[tuple[str, int], ...]:
+    return tuple(sorted(plan.items()))
 
-    def measure(target: float) -> FrontierPlan:
-        if target in by_target:
-            return by_target[target]
-        plan, saved, cost = allocate(curves, target)
-        plan = {**plan, **fixed}
-        saved += fixed_saved
-        key = tuple(sorted(plan.items()))
-        if key not in memo:  # each distinct plan is factorized and measured once
-            if len(tries) >= max_tries:  # the safety net: the last plan measured stands in
-                return tries[-1]
-            m = ev.measure(factorize(model, plan, stats, reuse=reuse, share=True)) if plan else ev.measure(model)
-            memo[key] = FrontierPlan(saved, saved / total if total else 0.0, m.value, m.ok, len(plan), m.top1, target=int(target),
-                                     plan=plan, predicted_cost=cost)
-            tries.append(memo[key])
-            if progress is not None:
-                progress(len(tries))
-        by_target[target] = memo[key]
-        return memo[key]
 
-    if budget is not None:
-        if not 0 < budget < 1:
-            from ..errors import AuditError
+class _Search:
+    """One tier-3 search: every distinct plan measured once (``tries``, in order), the bracket narrowed, the frontier
+    measured around the plan found, and the result."""
 
-            raise AuditError(f"budget {budget} is not a fraction in (0, 1)", "Give e.g. --budget 0.3")
-        start = min(max(budget * total - fixed_saved, 0.0), float(max_saved))
-    else:
-        cap = metric.tolerance if curves.linear else metric.tolerance_cost
-        lo, hi = 0.0, float(max_saved)  # the largest target whose predicted cost fits the cap
+    def __init__(self, model: nn.Module, ev: "Evaluator | StagedEvaluator", curves: Curves, named: dict[str, Layer],
+                 stats: InputStatistics, metric: Metric, settings: SearchSettings) -> None:
+        self.model, self.ev, self.curves, self.stats, self.metric, self.s = model, ev, curves, stats, metric, settings
+        self.fixed: dict[str, int] = dict(settings.fixed or {})
+        self.total = count_params(model)
+        self.max_saved = sum(max(o.saved for o in opts) for opts in curves.options.values())
+        self.fixed_saved = sum(named[k].params - named[k].params_at(r) for k, r in self.fixed.items())
+        self.memo: dict[tuple[tuple[str, int], ...], FrontierPlan] = {}
+        self.by_target: dict[float, FrontierPlan] = {}
+        self.tries: list[FrontierPlan] = []
+        # each layer decomposed once across the plans, within a byte budget
+        self.reuse = settings.reuse if settings.reuse is not None else Decompositions(settings.reuse_bytes)
+
+    def measure(self, target: float) -> FrontierPlan:
+        """The plan at ``target`` (parameters to remove), measured all at once the first time it comes up."""
+        if target in self.by_target:
+            return self.by_target[target]
+        plan, saved, cost = allocate(self.curves, target)
+        plan = {**plan, **self.fixed}
+        key = _key(plan)
+        if key not in self.memo:  # each distinct plan is factorized and measured once
+            if len(self.tries) >= self.s.max_tries:  # the safety net: the last plan measured stands in
+                return self.tries[-1]
+            self.memo[key] = self._measured(plan, saved + self.fixed_saved, cost, target)
+            self.tries.append(self.memo[key])
+            if self.s.progress is not None:
+                self.s.progress(len(self.tries))
+        self.by_target[target] = self.memo[key]
+        return self.memo[key]
+
+    def _measured(self, plan: dict[str, int], saved: int, cost: float, target: float) -> FrontierPlan:
+        ev = self.ev
+        m = ev.measure(factorize(self.model, plan, self.stats, reuse=self.reuse, share=True)) if plan else ev.measure(self.model)
+        rows = getattr(ev, "last_rows", None) or sum(b.rows for b in getattr(ev, "batches", ()))
+        return FrontierPlan(saved, saved / self.total if self.total else 0.0, m.value, m.ok, len(plan), m.top1,
+                            target=int(target), plan=plan, predicted_cost=cost, rows=rows)
+
+    def _within(self, cap: float) -> float:
+        """The largest target whose plan's predicted cost fits ``cap``."""
+        lo, hi = 0.0, float(self.max_saved)
         for _ in range(60):
             mid = (lo + hi) / 2
-            if allocate(curves, mid)[2] <= cap:
+            if allocate(self.curves, mid)[2] <= cap:
                 lo = mid
             else:
                 hi = mid
-        start = max(lo, 1.0) if max_saved else 0.0
-    ok_at, fail_at = _bracket(measure, start, float(max_saved), grow=budget is None)
-    _bisect(measure, ok_at, fail_at)
-    limit = float("inf") if budget is None else start
-    held = [p for p in tries if p.ok and p.target <= limit]
-    best = max(held, key=lambda p: (p.removed, -p.predicted_cost)) if held else measure(0.0)
-    points = {tuple(sorted(best.plan.items())): best}
-    targets = [best.target * f for f in (0.5, 1.5, 2.0)] + [max_saved]
-    if best.removed == 0:
-        targets = [max_saved * f for f in (0.25, 0.5, 0.75, 1.0)]
-    for t in targets:
-        if len(points) >= frontier:
-            break
-        if 0 < t <= max_saved:
-            p = measure(t)
-            points.setdefault(tuple(sorted(p.plan.items())), p)
-    for f in (0.25, 0.75, 0.1, 0.9):
-        if len(points) >= 3 or not max_saved:
-            break
-        p = measure(max_saved * f)
-        points.setdefault(tuple(sorted(p.plan.items())), p)
-    held = [p for p in tries if p.ok and p.target <= limit]  # a frontier point may hold beyond the bracket
-    if held:
-        best = max(held, key=lambda p: (p.removed, -p.predicted_cost))
-    smallest_fail = min((p.removed for p in tries if not p.ok and p.removed > best.removed), default=None)
-    return BudgetResult(
-        plan=dict(best.plan), source=curves.source, budget=budget, removed=best.removed,
-        removed_fraction=best.removed_fraction, metric=best.metric, ok=best.ok, top1=best.top1,
-        frontier=sorted(points.values(), key=lambda p: p.removed), evaluations=len(tries),
-        exhausted=len(tries) >= max_tries, fixed=dict(fixed), smallest_failing=smallest_fail,
-        params_before=total, params_after=total - best.removed, predicted_cost=best.predicted_cost,
-        metric_label=metric.label, higher_is_better=metric.higher_is_better, reference=ev.reference,
-        tolerance=metric.tolerance, tries=tries, seconds=time.perf_counter() - t0)
+        return lo
 
+    def start(self) -> float:
+        """The first target: the budget's share, or the largest whose predicted cost fits the tolerance."""
+        budget = self.s.budget
+        if budget is not None:
+            if not 0 < budget < 1:
+                from ..errors import AuditError
 
-def _bracket(measure: Callable[[float], FrontierPlan], start: float, top: float,
-             grow: bool) -> tuple[float, float | None]:
-    """(a target whose plan holds, a larger one whose plan fails, or None when the largest plan holds): from
-    ``start``, doubling while it holds (``grow``) and halving while it fails; 0 (the dense model) always holds."""
-    if measure(start).ok:
-        if not grow:
+                raise AuditError(f"budget {budget} is not a fraction in (0, 1)", "Give e.g. --budget 0.3")
+            return min(max(budget * self.total - self.fixed_saved, 0.0), float(self.max_saved))
+        if not self.max_saved:
+            return 0.0
+        cap = self.metric.tolerance if self.curves.linear else self.metric.tolerance_cost
+        return max(self._within(cap), 1.0)
+
+    def guess(self, p: FrontierPlan) -> float | None:
+        """The target the curves predict at the tolerance once their prediction is scaled by what ``p`` measured
+        against what they predicted for it (None for a user metric, or nothing to scale by)."""
+        linear = self.curves.linear
+        pred = p.predicted_cost if linear else math.sqrt(max(p.predicted_cost, 0.0))
+        if not self.metric.spec.zero_on_dense or not (pred > 0 and 0 < p.metric < math.inf):
+            return None
+        want = self.metric.tolerance * pred / p.metric
+        return self._within(want if linear else want * want)
+
+    def run(self, t0: float) -> BudgetResult:
+        start = self.start()
+        limit = float("inf") if self.s.budget is None else start
+        ok_at, fail_at = self.bracket(start, grow=self.s.budget is None)
+        self.narrow(ok_at, fail_at)
+        best = self.best(limit) or self.measure(0.0)
+        self.backstop(best)
+        points = self.frontier(best)
+        best = self.best(limit) or best  # a frontier point may hold beyond the bracket
+        return self.result(best, points, t0)
+
+    def backstop(self, best: FrontierPlan) -> None:
+        """``backstops`` plans below ``best``, each about ``2 * RESOLUTION`` of the model smaller than the last, unless
+        a plan that held lies that close already: what a verification that rejects ``best`` falls back to (the
+        search's targets jump; a fallback half the model below would give away what the search found)."""
+        step = 2 * RESOLUTION * self.total
+        at = best
+        for _ in range(self.s.backstops):
+            target = at.target - step
+            near = [p for p in self.tries if p.ok and p.plan and target - step / 2 <= p.removed - self.fixed_saved
+                    < at.removed - self.fixed_saved]
+            if target <= 0:
+                return
+            at = max(near, key=lambda p: p.removed) if near else self.measure(target)
+
+    def best(self, limit: float) -> FrontierPlan | None:
+        held = [p for p in self.tries if p.ok and p.target <= limit]
+        return max(held, key=lambda p: (p.removed, -p.predicted_cost)) if held else None
+
+    def bracket(self, start: float, grow: bool) -> tuple[float, float | None]:
+        """(a target whose plan holds, a larger one whose plan fails, or None when the largest plan holds): from
+        ``start``, aimed by :meth:`guess` for ``GUIDED_STEPS`` steps (at least ``RESOLUTION`` of the model each), then
+        doubling while it holds (``grow``) and halving while it fails; 0 (the dense model) always holds."""
+        top, step = float(self.max_saved), RESOLUTION * self.total
+        p = self.measure(start)
+        if p.ok and not grow:
             return start, None
-        ok_at = start
-        while ok_at < top:
-            nxt = min(top, max(2 * ok_at, 1.0))
-            if not measure(nxt).ok:
-                return ok_at, nxt
-            ok_at = nxt
-        return ok_at, None
-    fail_at = start
-    while fail_at >= 2:
-        nxt = fail_at / 2
-        if measure(nxt).ok:
-            return nxt, fail_at
-        fail_at = nxt
-    return 0.0, fail_at
+        at = start
+        for n in range(self.s.max_tries + 1):
+            g = self.guess(p) if n < GUIDED_STEPS else None
+            if p.ok:
+                if at >= top:
+                    return at, None
+                nxt = min(top, max(g, at + step)) if g is not None else min(top, max(2 * at, 1.0))
+            else:
+                if at < 2:
+                    return 0.0, at
+                nxt = max(0.0, min(g, at - step)) if g is not None else at / 2
+            q = self.measure(nxt)
+            if q.ok != p.ok:
+                return (at, nxt) if p.ok else (nxt, at)
+            at, p = nxt, q
+        return (at, None) if p.ok else (0.0, at)  # the safety net: max_tries plans measured
+
+    def narrow(self, ok_at: float, fail_at: float | None) -> None:
+        """Narrow [ok_at, fail_at] until no new plan lies between (targets one parameter apart at the latest), or the
+        plans at its ends remove within ``RESOLUTION`` of the model of each other: at :meth:`_between`, and at the
+        midpoint after two steps in a row moved the same end (interpolation on a convex curve creeps from one side)."""
+        if fail_at is None:
+            return
+        gap = RESOLUTION * self.total
+        ok_p, fail_p = self.measure(ok_at), self.measure(fail_at)
+        moved: list[bool] = []  # which end each step moved (True: the end that holds)
+        while fail_at - ok_at > 1 and fail_p.removed - ok_p.removed > gap:
+            if moved[-2:] in ([True, True], [False, False]):  # interpolation stuck on one side: bisect once
+                mid = ok_at + (fail_at - ok_at) / 2
+                moved.clear()
+            else:
+                mid = self._between(ok_at, ok_p, fail_at, fail_p, gap)
+            p = self.measure(mid)
+            if p.plan == ok_p.plan or (p.ok and p.plan != fail_p.plan):
+                ok_at, ok_p = mid, p
+                moved.append(True)
+            else:
+                fail_at, fail_p = mid, p
+                moved.append(False)
+
+    def _between(self, ok_at: float, ok_p: FrontierPlan, fail_at: float, fail_p: FrontierPlan, gap: float) -> float:
+        """Where the bracket's ends' measured values interpolate to the tolerance (log-linear in the target), at
+        least min(gap / 2, a quarter of the bracket) inside it; the midpoint for a user metric, or values that do not
+        interpolate (the dense model's 0)."""
+        width = fail_at - ok_at
+        tol, a, b = self.metric.tolerance, ok_p.metric, fail_p.metric
+        if not self.metric.spec.zero_on_dense or not (0 < a < tol < b < math.inf):
+            return ok_at + width / 2
+        x = ok_at + width * math.log(tol / a) / math.log(b / a)
+        margin = min(gap / 2, width / 4)
+        return min(max(x, ok_at + margin), fail_at - margin)
+
+    def frontier(self, best: FrontierPlan) -> dict[tuple[tuple[str, int], ...], FrontierPlan]:
+        """3-5 plans around ``best`` (half, 1.5x and twice its target, the largest plan), each measured once."""
+        points = {_key(best.plan): best}
+        top = self.max_saved
+        targets = [best.target * f for f in (0.5, 1.5, 2.0)] + [top]
+        if best.removed == 0:
+            targets = [top * f for f in (0.25, 0.5, 0.75, 1.0)]
+        for t in targets:
+            if len(points) >= self.s.frontier:
+                break
+            if 0 < t <= top:
+                p = self.measure(t)
+                points.setdefault(_key(p.plan), p)
+        for f in (0.25, 0.75, 0.1, 0.9):
+            if len(points) >= 3 or not top:
+                break
+            p = self.measure(top * f)
+            points.setdefault(_key(p.plan), p)
+        return points
+
+    def result(self, best: FrontierPlan, points: dict, t0: float) -> BudgetResult:
+        tries, total, metric = self.tries, self.total, self.metric
+        smallest_fail = min((p.removed for p in tries if not p.ok and p.removed > best.removed), default=None)
+        return BudgetResult(
+            plan=dict(best.plan), source=self.curves.source, budget=self.s.budget, removed=best.removed,
+            removed_fraction=best.removed_fraction, metric=best.metric, ok=best.ok, top1=best.top1,
+            frontier=sorted(points.values(), key=lambda p: p.removed), evaluations=len(tries),
+            exhausted=len(tries) >= self.s.max_tries, fixed=dict(self.fixed), smallest_failing=smallest_fail,
+            params_before=total, params_after=total - best.removed, predicted_cost=best.predicted_cost,
+            metric_label=metric.label, higher_is_better=metric.higher_is_better, reference=self.ev.reference,
+            tolerance=metric.tolerance, tries=tries, seconds=time.perf_counter() - t0)
 
 
-def _bisect(measure: Callable[[float], FrontierPlan], ok_at: float, fail_at: float | None) -> None:
-    """Narrow [ok_at, fail_at] until no new plan lies between (targets one parameter apart at the latest)."""
-    if fail_at is None:
-        return
-    ok_key, fail_key = measure(ok_at).plan, measure(fail_at).plan
-    while fail_at - ok_at > 1:
-        mid = (ok_at + fail_at) / 2
-        p = measure(mid)
-        if p.plan == ok_key or (p.ok and p.plan != fail_key):
-            ok_at, ok_key = mid, p.plan
-        else:
-            fail_at, fail_key = mid, p.plan
+@dataclass(frozen=True)
+class RecoverySettings:
+    """The recovery fine-tune every frontier plan gets (:func:`recover_frontier`'s keywords; see
+    :func:`auditor.recover.recover` for each)."""
+
+    steps: int
+    lr: float = 1e-4
+    trainable: str = "factors"
+    objective: str = "auto"
+    seed: int = 0
+    choose_after: bool = False
 
 
-def recover_frontier(model: nn.Module, session: CalibrationSession, result: BudgetResult, *, steps: int,
-                     lr: float = 1e-4, trainable: str = "factors", objective: str = "auto", seed: int = 0,
-                     choose_after: bool = False,
-                     progress: Callable[[int, int], None] | None = None) -> BudgetResult:
+def recover_frontier(model: nn.Module, session: CalibrationSession, result: BudgetResult,
+                     settings: RecoverySettings | None = None, progress: Callable[[int, int], None] | None = None,
+                     **given: Any) -> BudgetResult:
     """Every frontier plan of ``result`` measured again after the same recovery fine-tune
     (:func:`auditor.calibration.recovery.recover`: distillation toward ``model`` on the session's fit batches, the held-out ones
     only measured, with the session's evaluator), each from the whitened factors it was measured at; the plan's
     ``recovered`` says what it measured and what it cost. With a budget, the plan at the budget and the smallest
     plan that failed below it join the frontier (the plans recovery can move across the tolerance).
 
-    ``choose_after``: the suggestion becomes the largest plan (within the budget) whose recovered metric holds the
+    ``settings`` (a :class:`RecoverySettings`, or its field names as keywords: ``steps`` at least): with
+    ``choose_after`` the suggestion becomes the largest plan (within the budget) whose recovered metric holds the
     tolerance, when it removes more than the plan chosen before recovery (which holds without a fine-tune);
     ``chosen_after_recovery`` then marks it, and ``metric``/``ok`` stay its measurement before the fine-tune.
     ``progress(plans recovered, plans)`` after each. The model is measured in eval mode; its mode is restored."""
-    from dataclasses import replace
+    from ..calresults import RecoverySetup
 
-    from ..calresults import FrontierRecovery, RecoverySetup
-    from .recovery import recover
-
+    s = replace(settings, **given) if settings is not None else RecoverySettings(**given)
     t0 = time.perf_counter()
-    limit = result.budget * result.params_before if result.budget is not None else float("inf")
-    points = {tuple(sorted(p.plan.items())): p for p in result.frontier}
+    frontier = _recovery_frontier(result)
+    out = _recover_each(model, session, frontier, s, progress)
+    setup = RecoverySetup(s.steps, float(s.lr), s.trainable, s.objective, s.seed, s.choose_after,
+                          time.perf_counter() - t0)
+    new_result = replace(result, frontier=out, recovery=setup)
+    return _chosen_after(new_result, result, out) if s.choose_after else new_result
+
+
+def _limit(result: BudgetResult) -> float:
+    """The most a plan may remove: the budget's share of the model, or no limit."""
+    return result.budget * result.params_before if result.budget is not None else float("inf")
+
+
+def _recovery_frontier(result: BudgetResult) -> list[FrontierPlan]:
+    """The frontier, with a budget also the plan at the budget and the smallest plan that failed below it."""
+    limit = _limit(result)
+    points = {_key(p.plan): p for p in result.frontier}
     if result.budget is not None and result.tries:
         extra = [result.tries[0]]  # the search's first plan: the one at the budget
         extra += [p for p in result.tries if not p.ok and p.removed == result.smallest_failing]
         for p in extra:
             if p.plan and p.removed <= limit:
-                points.setdefault(tuple(sorted(p.plan.items())), p)
-    frontier = sorted(points.values(), key=lambda p: p.removed)
+                points.setdefault(_key(p.plan), p)
+    return sorted(points.values(), key=lambda p: p.removed)
+
+
+def _recover_each(model: nn.Module, session: CalibrationSession, frontier: list[FrontierPlan],
+                  s: RecoverySettings, progress: Callable[[int, int], None] | None) -> list[FrontierPlan]:
+    """Each plan (the dense model aside) factorized, fine-tuned and measured again."""
+    from ..calresults import FrontierRecovery
+    from .recovery import recover
+
     todo = [p for p in frontier if p.plan]
     out: list[FrontierPlan] = []
     done = 0
@@ -445,8 +594,8 @@ def recover_frontier(model: nn.Module, session: CalibrationSession, result: Budg
                 continue
             t = time.perf_counter()
             new = factorize(model, p.plan, session)  # the whitened factors the plan was measured at
-            r = recover(new, model, session, steps=steps, lr=lr, trainable=trainable, objective=objective,
-                        seed=seed, metric=session.metric)
+            r = recover(new, model, session, steps=s.steps, lr=s.lr, trainable=s.trainable, objective=s.objective,
+                        seed=s.seed, metric=session.metric)
             del new
             if r.stopped is not None and r.stopped.startswith("interrupted"):
                 raise KeyboardInterrupt
@@ -456,10 +605,13 @@ def recover_frontier(model: nn.Module, session: CalibrationSession, result: Budg
             done += 1
             if progress is not None:
                 progress(done, len(todo))
-    setup = RecoverySetup(steps, float(lr), trainable, objective, seed, choose_after, time.perf_counter() - t0)
-    new_result = replace(result, frontier=out, recovery=setup)
-    if not choose_after:
-        return new_result
+    return out
+
+
+def _chosen_after(new_result: BudgetResult, result: BudgetResult, out: list[FrontierPlan]) -> BudgetResult:
+    """``choose_after``: the largest plan within the budget whose recovered metric holds, when it removes more than
+    the plan chosen before recovery."""
+    limit = _limit(result)
     held = [p for p in out if p.recovered is not None and p.recovered.ok and p.removed <= limit]
     best = max(held, key=lambda p: (p.removed, -p.predicted_cost), default=None)
     if best is None or (result.ok and result.plan and best.removed <= result.removed):

@@ -159,41 +159,12 @@ class Evaluator:
         self.warnings += [w for w in self.scorer.check(dense, calibration.digest) if w not in self.warnings]
 
     def forward(self, model: nn.Module, b: Batch, i: int) -> Any:
-        try:
-            return model(*b.args, **b.kwargs)
-        except Exception as exc:  # noqa: BLE001 - a batch the forward refuses: one line naming it
-            raise AuditError(f"held-out batch {i} does not fit {type(model).__name__}.forward: {first_line(exc)}",
-                             "Give every batch the inputs and width the model takes") from None
+        return _forward(model, b, i)
 
     def _check_repeats(self, dense: nn.Module) -> None:
-        if not self.batches:
-            return
-        b = self.batches[0]
-        with torch.no_grad():
-            try:
-                kept = self.scorer.outputs
-                first = kept[0] if kept else main_output(self.forward(dense, b, 0)).detach()
-                again = main_output(self.forward(dense, b, 0)).detach()
-            except AuditError:
-                if self.metric.spec.takes_function:
-                    return  # the model returns no tensor: the user's metric scores it, as it will every time
-                raise
-        if first.shape != again.shape:
-            diff = math.inf
-        else:
-            x, y = first.double(), again.double()
-            both_nan = torch.isnan(x) & torch.isnan(y)
-            d = torch.where(both_nan | (x == y), torch.zeros_like(x), (x - y).abs())  # the same infinity: equal
-            scale = float(torch.where(torch.isfinite(x), x.abs(), torch.zeros_like(x)).max()) if x.numel() else 0.0
-            worst = float(d.max()) if d.numel() else 0.0
-            diff = worst / scale if scale > 0 else worst
-        if not diff <= DETERMINISM:
-            mode = "it is in training mode (dropout on)" if dense.training or any(
-                m.training for m in dense.modules()) else "noise in the forward, or a nondeterministic kernel"
-            raise AuditError(f"the model's forward does not repeat: two runs on held-out batch 0 differ by {diff:.3g} "
-                             f"relative (at most {DETERMINISM:g} allowed), so no measured floor would mean anything; "
-                             f"likely {mode}", "Put the model in eval mode (model.eval()) and take random noise out "
-                             "of the forward before measuring")
+        if self.batches:
+            kept = self.scorer.outputs
+            check_repeats(dense, self.batches[0], kept[0] if kept else None, self.metric.spec.takes_function)
 
     def holds(self, value: float) -> bool:
         """Within the tolerance, in the metric's declared direction (the kind's judgement)."""
@@ -208,6 +179,47 @@ class Evaluator:
         return self.scorer.measure(model)
 
 
+
+def check_repeats(dense: nn.Module, b: Batch, first: torch.Tensor | None = None, user_fn: bool = False) -> None:
+    """Refuse a dense model whose forward does not repeat: two runs on held-out batch ``b`` (``first``: the dense
+    output already computed on it) within ``DETERMINISM`` relative. ``user_fn``: a user metric scores the model, so
+    a forward that returns no tensor is not an error."""
+    with torch.no_grad():
+        try:
+            if first is None:
+                first = main_output(_forward(dense, b, 0)).detach()
+            again = main_output(_forward(dense, b, 0)).detach()
+        except AuditError:
+            if user_fn:
+                return  # the model returns no tensor: the user's metric scores it, as it will every time
+            raise
+    if first.shape != again.shape:
+        diff = math.inf
+    else:
+        x, y = first.double(), again.double()
+        both_nan = torch.isnan(x) & torch.isnan(y)
+        d = torch.where(both_nan | (x == y), torch.zeros_like(x), (x - y).abs())  # the same infinity: equal
+        scale = float(torch.where(torch.isfinite(x), x.abs(), torch.zeros_like(x)).max()) if x.numel() else 0.0
+        worst = float(d.max()) if d.numel() else 0.0
+        diff = worst / scale if scale > 0 else worst
+    if not diff <= DETERMINISM:
+        mode = "it is in training mode (dropout on)" if dense.training or any(
+            m.training for m in dense.modules()) else "noise in the forward, or a nondeterministic kernel"
+        raise AuditError(f"the model's forward does not repeat: two runs on held-out batch 0 differ by {diff:.3g} "
+                         f"relative (at most {DETERMINISM:g} allowed), so no measured floor would mean anything; "
+                         f"likely {mode}", "Put the model in eval mode (model.eval()) and take random noise out "
+                         "of the forward before measuring")
+
+
+def _forward(model: nn.Module, b: Batch, i: int) -> Any:
+    """The model on held-out batch ``i``; a batch the forward refuses is one line naming it."""
+    try:
+        return model(*b.args, **b.kwargs)
+    except Exception as exc:  # noqa: BLE001 - a batch the forward refuses: one line naming it
+        raise AuditError(f"held-out batch {i} does not fit {type(model).__name__}.forward: {first_line(exc)}",
+                         "Give every batch the inputs and width the model takes") from None
+
 __all__ = ["DEFAULT_TOLERANCE", "DETERMINISM", "Evaluator", "Measurement", "Metric", "NO_LABELS", "UserMetric",
+           "check_repeats",
            "_check_targets", "_masked_logprobs", "_masked_targets", "_next_token_logprobs", "_row_mask", "_targets",
            "is_causal_lm", "is_masked_lm", "load_metric", "main_output"]

@@ -363,6 +363,7 @@ class CalibrationSession:
         self.options = options
         self._held = Held(stats)  # shared with with_metric's sessions
         self._evaluator: Evaluator | None = None
+        self._staged: Any = None
         self._verifier: Any = None
         self.split = False  # the held-out rows cut into a search part and a verification part (the audit's)
         self.confidence = 0.9  # the verification interval's level
@@ -508,6 +509,22 @@ class CalibrationSession:
             warnings = self.calibration.warnings
             warnings += [w for w in self._evaluator.warnings if w not in warnings]
         return self._evaluator
+
+    @property
+    def search_evaluator(self) -> Any:
+        """What tier 3 measures plans with: for a built-in metric a
+        :class:`~auditor.calibration.staged.StagedEvaluator` on the search rows (a subsample first, every search row
+        only for plans near the tolerance; the dense per-row sums once) when the session is ``split`` (the audit's:
+        the suggested plan is then verified on every verification row), else :attr:`evaluator` (every search row for
+        every plan: a user metric, ``--no-split``, the library's sessions)."""
+        if not self.metric.spec.verified_by_rows or not self.split:
+            return self.evaluator
+        if self._staged is None:
+            from .staged import StagedEvaluator
+
+            with self.measuring():
+                self._staged = StagedEvaluator(self.model, self.search_calibration.holdout, self.metric)
+        return self._staged
 
     @property
     def verifier(self) -> Any:

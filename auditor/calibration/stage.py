@@ -15,9 +15,10 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import dataclass, replace
+from contextlib import contextmanager
+from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Iterator
 
 from torch import nn
 
@@ -122,6 +123,57 @@ def one_blas_thread(fn: Any) -> Any:
     return wrapper
 
 
+@dataclass
+class _Run:
+    """What the steps of :func:`calibrate` share: its arguments, the session and what each step measured."""
+
+    model: nn.Module
+    layers: list[Layer]
+    settings: "Settings"
+    options: "AuditOptions"
+    suggestions: dict[str, Suggestion]
+    progress: "Progress"
+    session: CalibrationSession = None  # type: ignore[assignment]
+    spectra: dict[str, WhitenedSpectrum] = field(default_factory=dict)
+    per: dict[str, LayerCalibration] = field(default_factory=dict)
+    seconds: dict[str, float] = field(default_factory=dict)
+    evaluations: int = 0
+    cached: bool = False
+    floors: Any = None  # tier 2's Floors
+    sweep: str = ""
+    probes: Any = None
+    gradients: Any = None
+    rounding: Any = None
+    reference: float = 0.0
+    planned: list[Layer] = field(default_factory=list)
+    fixed: dict[str, int] = field(default_factory=dict)
+    reuse: Any = None  # tier 3's decompositions (whiten.TruncatorStore), kept for the verification and plan check
+
+    @property
+    def metric(self) -> Metric:
+        return self.session.metric
+
+    @property
+    def target(self) -> float:
+        """Tier 1's layer-output error target (the metric's: the tolerance in layer-error units, else 0.01)."""
+        return self.metric.tier1_target
+
+    @property
+    def sensitive(self) -> list[Layer]:
+        """The layers a sensitivity is measured for: the planned ones and the fixed ones."""
+        return [*self.planned, *(l for l in self.layers if l.name in self.fixed)]
+
+
+@contextmanager
+def _timed(seconds: dict[str, float], key: str) -> Iterator[None]:
+    """Adds the block's wall time to ``seconds[key]``."""
+    t = time.perf_counter()
+    try:
+        yield
+    finally:
+        seconds[key] = seconds.get(key, 0.0) + time.perf_counter() - t
+
+
 @one_blas_thread
 def calibrate(model: nn.Module, layers: list[Layer], settings: "Settings", options: "AuditOptions",
               suggestions: dict[str, Suggestion] | None = None, progress: "Progress | None" = None) -> Calibrated:
@@ -131,170 +183,304 @@ def calibrate(model: nn.Module, layers: list[Layer], settings: "Settings", optio
     the ranks of the layers calibration cannot rank, which every plan measured then includes. Bad calibration data
     raises :class:`AuditError` with one line. ``progress`` (default: none drawn) gets one phase per step: calibration
     data, statistics (per batch), tier 1 (per layer), tier 2 (per layer, evaluations so far; a cluster sweep draws its
-    own), tier 3 (plans measured so far)."""
+    own), the sensitivity, tier 3 (plans measured so far), the verification."""
     from ..progress import Progress
-    from .budget import curves_from_floors, curves_from_gradients, curves_from_spectra, plan_for_budget
-    from .fisher import predicted_value
-    from .sweep import measure_floors
+
     if any(p.device.type == "meta" for p in model.parameters()):
         raise AuditError("calibration needs real weights; this model's weights are on the meta device",
                          "Audit a model with weights (not --structure-only) to use --calibration")
-    progress = progress or Progress(enabled=False)
+    run = _Run(model, layers, settings, options, suggestions or {}, progress or Progress(enabled=False))
     was_training = model.training
     model.eval()
     try:
-        t0 = time.perf_counter()
-        with progress.phase("calibration data"):
-            session = CalibrationSession.from_options(model, layers, options)
-            cal, metric = session.calibration, session.metric
-            metric.check_reportable()
-        target = metric.tier1_target
-        with progress.phase("statistics", total=len(cal.fit), unit="batch"):  # and tier 1, block by block
-            stats = session.statistics(progress=progress, spectra=(settings.align, target))
-            cached = session.cached
-        with progress.phase("tier 1 spectra", total=sum(1 for l in layers if l.name in stats.layers)):
-            spectra = session.spectra(settings.align, target, progress=progress.update)
-        per: dict[str, LayerCalibration] = {}
-        for name, spec in spectra.items():
-            inp = stats.layers[name]
-            per[name] = LayerCalibration(
-                name, inp.rows, inp.width, dict(spec.ranks_for), spec.suggested, spec.verdict, spec.reason,
-                subsample(spec.error), spec.damping, spec.approximate)
-        seconds = {"tier1": time.perf_counter() - t0}
-        for name, lc in per.items():
-            lc.seen, lc.spans = _span(stats.layers[name])
-        swept = [l for l in layers if l.name in spectra and _sweepable(l, settings) and per[l.name].spans]
-        evaluations = 0
-        floors = None
-        reference = 0.0
-        sweep_where = ""
-        if options.measure_floor and swept:
-            t = time.perf_counter()
-            if options.scheduler is not None:  # one Dask task per layer (auditor/calibration/cluster.py)
-                from .cluster import measure_floors_on_cluster
-
-                floors, sweep_where = measure_floors_on_cluster(model, swept, cal, metric, settings.align, stats,
-                                                                spectra, options)  # the workers' own sessions
-            else:
-                def steps(done: int, total: int, evaluations: int) -> None:
-                    progress.update(done, total, note=f"{evaluations} evaluation{'s' if evaluations != 1 else ''}")
-
-                with progress.phase("tier 2 floors", total=len(swept)):
-                    floors, sweep_where = measure_floors(model, swept, session, align=settings.align,
-                                                         spectra=spectra, steps=steps), "local"
-            for name, f in floors.floors.items():
-                per[name].floor = f
-            evaluations += floors.evaluations
-            reference = floors.reference
-            seconds["tier2"] = time.perf_counter() - t
-        t = time.perf_counter()
-        from ..kinds.registry import SUPPORTED
-
-        planned = [l for l in swept if not l.aliases and l.kind in SUPPORTED]
-        fixed = _fixed_ranks(layers, suggestions or {}, {l.name for l in planned}, per, settings)
-        probes = None
-        gradients = None
-        if floors is None and options.probe_sensitivity and not options.probe and metric.spec.gradient and planned:
-            from .fisher import gradient_sensitivity
-
-            t_grad = time.perf_counter()
-            with progress.phase("sensitivity gradients", total=len(cal.fit), unit="batch"):
-                with session.measuring():
-                    gradients = gradient_sensitivity(model, [*planned, *(l for l in layers if l.name in fixed)],
-                                                     cal, metric, stats, spectra,
-                                                     progress=progress.update)
-            seconds["gradients"] = time.perf_counter() - t_grad
-            t += seconds["gradients"]
-            for name, c in gradients.costs.items():
-                if name in per:
-                    per[name].predicted = [(r, predicted_value(c[r], gradients.linear)) for r, _ in per[name].curve
-                                           if r < len(c)]
-        if floors is None and options.probe_sensitivity and options.probe and metric.spec.zero_on_dense and planned:
-            from .sweep import probe_sensitivity
-
-            t_probe = time.perf_counter()
-
-            def probed(done: int, total: int, n: int) -> None:
-                progress.update(done, total, note=f"{n} evaluation{'s' if n != 1 else ''}")
-
-            with progress.phase("sensitivity probes", total=len(planned)):
-                probes = probe_sensitivity(model, planned, session, spectra, settings.align, target, steps=probed)
-            evaluations += probes.evaluations
-            seconds["probes"] = time.perf_counter() - t_probe
-            t += seconds["probes"]
-            for name, f in probes.floors.items():
-                per[name].probes = list(f.points)
-        curves = (curves_from_floors(floors, planned, spectra) if floors is not None
-                  else curves_from_floors(probes, planned, spectra, source="probed") if probes is not None
-                  else curves_from_gradients(gradients, planned, settings.align) if gradients is not None
-                  else curves_from_spectra({l.name: spectra[l.name] for l in planned}, planned, settings.align))
-        named = {l.name: l for l in planned}
-        curves = type(curves)({k: [o for o in v if named[k].compression(o.rank) >= settings.min_compression]
-                               for k, v in curves.options.items() if k in named}, curves.source, curves.linear)
-        from .rounding import rounding_floor
-
-        # bf16 / fp16 weights: what every plannable layer at full rank (nothing dropped) measures: rounding alone
-        t_round = time.perf_counter()
-        rounding = rounding_floor(model, [*planned, *(l for l in layers if l.name in fixed)], session)
-        if rounding is not None:
-            evaluations += 1
-            seconds["rounding"] = time.perf_counter() - t_round
-            t += seconds["rounding"]
-        from .whiten import TruncatorStore, part_bytes
-
-        # each layer decomposed once for the search, the verification and the plan check; one part of the model's
-        # decompositions in memory (a block's, or the largest outside layer's), the rest on disk
-        reuse = TruncatorStore(part_bytes(model, [*planned, *(l for l in layers if l.name in fixed)]))
-        with progress.phase("tier 3 plan search", unit="plan"):  # judged against the tolerance as given: the floor is part of every plan's cost
-            budget = plan_for_budget(model, layers, session, curves, budget=options.budget, fixed=fixed,
-                                     progress=progress.update, reuse=reuse)
-        reference = budget.reference
-        evaluations += budget.evaluations
-        seconds["tier3"] = time.perf_counter() - t
-        if options.recover_steps is not None:  # every frontier plan again after the recovery fine-tune
-            from .budget import recover_frontier
-
-            t = time.perf_counter()
-            with progress.phase("tier 3 recovery", unit="plan"):
-                budget = recover_frontier(
-                    model, session, budget, steps=options.recover_steps, lr=options.recover_lr,
-                    trainable=options.recover_trainable, objective=options.recover_objective,
-                    seed=options.recover_seed, choose_after=options.choose_after_recovery,
-                    progress=lambda done, total: progress.update(done, total))
-            seconds["recovery"] = time.perf_counter() - t
-        if session.verifier is not None:  # the plan chosen by its interval on rows the search never read
-            t = time.perf_counter()
-            with progress.phase("verification", unit="plan"):
-                budget = _verify(model, session, budget, stats, reuse)
-            seconds["verification"] = time.perf_counter() - t
-            evaluations += session.verifier.evaluations
-            v = budget.verification
-            if v is not None and v.rows_needed is not None:
-                what = (f"a {100 * v.confidence:g}% interval {v.low:.4g} to {v.high:.4g}" if v.low is not None
-                        else "no interval")
-                cal.warnings.append(
-                    f"the {v.rows:,} verification rows (held out, never searched) give {what} against the "
-                    f"tolerance {metric.tolerance:g}: too few to resolve it; about {v.rows_needed:,} verification "
-                    f"rows (about {2 * v.rows_needed:,} held out) would")
-        warnings = list(dict.fromkeys([*cal.warnings, *stats.warnings]))
-        holdout = options.holdout
-        report = CalibrationReport(
-            source=(str(options.calibration) if isinstance(options.calibration, (str, Path)) else cal.source)
-            + (f" ({cal.tokenized})" if cal.tokenized else ""),
-            holdout=str(holdout), digest=cal.digest, fit_rows=cal.fit_rows, holdout_rows=cal.holdout_rows,
-            metric=metric.label, higher_is_better=metric.higher_is_better, tolerance=metric.tolerance,
-            reference=reference, layers=per, missing=dict(stats.missing), warnings=warnings,
-            synthetic=any(SYNTHETIC_MARK in w for w in cal.warnings), measured_floors=floors is not None,
-            budget=budget, suggestions_from="measured floors" if floors is not None else "calibration",
-            statistics_cached=cached, seconds=seconds, evaluations=evaluations, rounding_floor=rounding,
-            compute_dtype=options.compute_dtype, tier1_target=target,
-            increase_of=metric.spec.increase_of)
-        return Calibrated(report, session, spectra, sweep_where, gradients, reuse)
+        with _timed(run.seconds, "tier1"):
+            _open_session(run)
+            _tier1(run)
+        _tier2(run)
+        _plannable(run)
+        _sensitivity(run)
+        budget = _tier3(run)
+        budget = _recovery(run, budget)
+        budget = _verification(run, budget)
+        return Calibrated(_report(run, budget), run.session, run.spectra, run.sweep, run.gradients, run.reuse)
     finally:
         model.train(was_training)
 
 
+def _open_session(run: _Run) -> None:
+    """The calibration data and the session that measures with it (a user metric must be higher-is-better)."""
+    with run.progress.phase("calibration data"):
+        run.session = CalibrationSession.from_options(run.model, run.layers, run.options)
+        run.session.metric.check_reportable()
+
+
+def _tier1(run: _Run) -> None:
+    """The input statistics (block by block, tier 1 with them) and every layer's whitened spectrum."""
+    session, progress, align = run.session, run.progress, run.settings.align
+    cal = session.calibration
+    with progress.phase("statistics", total=len(cal.fit), unit="batch"):  # and tier 1, block by block
+        stats = session.statistics(progress=progress, spectra=(align, run.target))
+        run.cached = session.cached
+    with progress.phase("tier 1 spectra", total=sum(1 for l in run.layers if l.name in stats.layers)):
+        run.spectra = session.spectra(align, run.target, progress=progress.update)
+    for name, spec in run.spectra.items():
+        inp = stats.layers[name]
+        lc = LayerCalibration(name, inp.rows, inp.width, dict(spec.ranks_for), spec.suggested, spec.verdict,
+                              spec.reason, subsample(spec.error), spec.damping, spec.approximate)
+        lc.seen, lc.spans = _span(inp)
+        run.per[name] = lc
+
+
+def _swept(run: _Run) -> list[Layer]:
+    """The layers tiers 2 and 3 consider: with a spectrum, not narrow, inputs spanned."""
+    return [l for l in run.layers
+            if l.name in run.spectra and _sweepable(l, run.settings) and run.per[l.name].spans]
+
+
+def _tier2(run: _Run) -> None:
+    """Tier 2 (``--measure-floor``): each swept layer's measured floor, here or on a Dask cluster."""
+    swept = _swept(run)
+    if not run.options.measure_floor or not swept:
+        return
+    from .sweep import measure_floors
+
+    session, progress = run.session, run.progress
+    with _timed(run.seconds, "tier2"):
+        if run.options.scheduler is not None:  # one Dask task per layer (auditor/calibration/cluster.py)
+            from .cluster import measure_floors_on_cluster
+
+            floors, run.sweep = measure_floors_on_cluster(run.model, swept, session.calibration, session.metric,
+                                                          run.settings.align, session.stats, run.spectra,
+                                                          run.options)  # the workers' own sessions
+        else:
+            def steps(done: int, total: int, evaluations: int) -> None:
+                progress.update(done, total, note=f"{evaluations} evaluation{'s' if evaluations != 1 else ''}")
+
+            with progress.phase("tier 2 floors", total=len(swept)):
+                floors = measure_floors(run.model, swept, session, align=run.settings.align, spectra=run.spectra,
+                                        steps=steps)
+            run.sweep = "local"
+    for name, f in floors.floors.items():
+        run.per[name].floor = f
+    run.floors, run.evaluations, run.reference = floors, run.evaluations + floors.evaluations, floors.reference
+
+
+def _plannable(run: _Run) -> None:
+    """The layers tier 3 plans (swept, untied, rewritable by factorize) and those every plan fixes at their data-free
+    rank."""
+    from ..kinds.registry import SUPPORTED
+
+    run.planned = [l for l in _swept(run) if not l.aliases and l.kind in SUPPORTED]
+    run.fixed = _fixed_ranks(run.layers, run.suggestions, {l.name for l in run.planned}, run.per, run.settings)
+
+
+def _sensitivity(run: _Run) -> None:
+    """Without tier 2: each planned layer's model-level sensitivity, from output gradients (the default) or from
+    truncation probes (``--probe``); none for a user metric or with ``--no-probe``."""
+    opts = run.options
+    if run.floors is not None or not opts.probe_sensitivity or not run.planned:
+        return
+    if opts.probe:
+        if run.metric.spec.zero_on_dense:
+            _probes(run)
+    elif run.metric.spec.gradient:
+        _gradients(run)
+
+
+GRADIENT_POSITIONS = 4096  # scored positions (rows times positions per row) the gradient pass reads at most
+
+
+def _positions(b: Any) -> int:
+    ts = b.tensors()
+    return int(ts[0][1].numel()) if ts else b.rows
+
+
+def gradient_rows(cal: Calibration, positions: int = GRADIENT_POSITIONS) -> tuple[Calibration, float]:
+    """(the fit rows the gradient pass reads, their share of the fit rows): every fit batch's first rows, the same
+    share of each (spread over the calibration, not its start), enough for ``positions`` positions; every row when
+    the fit rows hold no more. Output-gradient second moments are means over positions: 4k positions (8k
+    position-samples with the pass's two samples) estimate a width-192 one; the statistics keep every row."""
+    from .verify import _slice
+
+    total = sum(_positions(b) for b in cal.fit)
+    if total <= positions:
+        return cal, 1.0
+    share = positions / total
+    fit = []
+    for b in cal.fit:
+        ts = b.tensors()
+        keep = max(1, math.ceil(share * b.rows))
+        fit.append(b if keep >= b.rows or not ts or ts[0][1].dim() < 2 else _slice(b, 0, keep))
+    rows = sum(b.rows for b in fit)
+    joined = _joined(fit, max(b.rows for b in cal.fit))
+    return replace(cal, fit=joined, warnings=cal.warnings), rows / max(cal.fit_rows, 1)
+
+
+def _joined(parts: list[Any], size: int) -> list[Any]:
+    """``parts`` concatenated along their rows into batches of at most ``size`` rows, when every part holds the same
+    inputs batched alike (same names, every tensor rows first with the same other dimensions); else as they are. A
+    forward and backward pass costs about as much for 4 rows as for 32 here (the per-batch work dominates)."""
+    import torch
+
+    from .inputs import Batch
+
+    def sig(b: Any) -> Any:
+        ts = b.tensors()
+        return [(k, tuple(t.shape[1:]), t.dtype) for k, t in ts] if all(t.dim() >= 2 for _, t in ts) else None
+
+    first = sig(parts[0]) if parts else None
+    same = first is not None and all(not p.args and sig(p) == first and len(p.tensors()) == len(p.kwargs)
+                                     for p in parts)
+    if not same:
+        return parts
+    out, group, n = [], [], 0
+    for p in parts:
+        if group and n + p.rows > size:
+            out.append(group)
+            group, n = [], 0
+        group.append(p)
+        n += p.rows
+    out.append(group)
+    return [Batch((), {k: torch.cat([g.kwargs[k] for g in grp]) for k in grp[0].kwargs}) for grp in out]
+
+
+def _gradients(run: _Run) -> None:
+    """The output-gradient sensitivity (one backward pass per sample over the gradient rows, :func:`gradient_rows`),
+    its costs scaled to the statistics' rows, and each layer's predicted cost alone beside its tier-1 curve."""
+    from .fisher import gradient_sensitivity, predicted_value
+
+    session = run.session
+    cal, share = gradient_rows(session.calibration)
+    with _timed(run.seconds, "gradients"):
+        with run.progress.phase("sensitivity gradients", total=len(cal.fit), unit="batch"):
+            with session.measuring():
+                g = gradient_sensitivity(run.model, run.sensitive, cal, run.metric, session.stats, run.spectra,
+                                         progress=run.progress.update)
+    if share < 1.0:  # the pass's scale is over its own rows; the statistics sum every fit row
+        g = replace(g, costs={k: [share * c for c in v] for k, v in g.costs.items()},
+                    scaled={k: share * r for k, r in g.scaled.items()})
+    run.gradients = g
+    for name, c in g.costs.items():
+        if name in run.per:
+            run.per[name].predicted = [(r, predicted_value(c[r], g.linear)) for r, _ in run.per[name].curve
+                                       if r < len(c)]
+
+
+def _probes(run: _Run) -> None:
+    """``--probe``: each planned layer truncated alone at two ranks and measured (two evaluations a layer)."""
+    from .sweep import probe_sensitivity
+
+    progress = run.progress
+
+    def probed(done: int, total: int, n: int) -> None:
+        progress.update(done, total, note=f"{n} evaluation{'s' if n != 1 else ''}")
+
+    with _timed(run.seconds, "probes"), progress.phase("sensitivity probes", total=len(run.planned)):
+        run.probes = probe_sensitivity(run.model, run.planned, run.session, run.spectra, run.settings.align,
+                                       run.target, steps=probed)
+    run.evaluations += run.probes.evaluations
+    for name, f in run.probes.floors.items():
+        run.per[name].probes = list(f.points)
+
+
+def _curves(run: _Run) -> Any:
+    """Tier 3's per-layer options: from the measured floors, the probes, the gradients or tier 1 (in that order of
+    preference), every rank that compresses at least ``min_compression``."""
+    from .budget import curves_from_floors, curves_from_gradients, curves_from_spectra
+
+    planned, spectra, align = run.planned, run.spectra, run.settings.align
+    curves = (curves_from_floors(run.floors, planned, spectra) if run.floors is not None
+              else curves_from_floors(run.probes, planned, spectra, source="probed") if run.probes is not None
+              else curves_from_gradients(run.gradients, planned, align) if run.gradients is not None
+              else curves_from_spectra({l.name: spectra[l.name] for l in planned}, planned, align))
+    named = {l.name: l for l in planned}
+    least = run.settings.min_compression
+    return type(curves)({k: [o for o in v if named[k].compression(o.rank) >= least]
+                         for k, v in curves.options.items() if k in named}, curves.source, curves.linear)
+
+
+def _tier3(run: _Run) -> Any:
+    """The rounding floor (bf16 / fp16 weights), then the plan search over the curves."""
+    from .budget import plan_for_budget
+    from .whiten import TruncatorStore, part_bytes
+    from .rounding import rounding_floor
+
+    # bf16 / fp16 weights: what every plannable layer at full rank (nothing dropped) measures: rounding alone
+    with _timed(run.seconds, "rounding"):
+        run.rounding = rounding_floor(run.model, run.sensitive, run.session)
+    if run.rounding is None:
+        del run.seconds["rounding"]
+    else:
+        run.evaluations += 1
+    with _timed(run.seconds, "tier3"):
+        curves = _curves(run)
+    # each layer decomposed once for the search, the verification and the plan check; one part of the model's
+    # decompositions in memory (a block's, or the largest outside layer's), the rest on disk
+    run.reuse = TruncatorStore(part_bytes(run.model, run.sensitive))
+    # judged against the tolerance as given: the floor is part of every plan's cost
+    with _timed(run.seconds, "tier3"), run.progress.phase("tier 3 plan search", unit="plan"):
+        budget = plan_for_budget(run.model, run.layers, run.session, curves, budget=run.options.budget,
+                                 fixed=run.fixed, progress=run.progress.update, reuse=run.reuse,
+                                 backstops=VERIFY_BACKSTOPS if run.session.verifier is not None else 0)
+    run.reference = budget.reference
+    run.evaluations += budget.evaluations
+    return budget
+
+
+def _recovery(run: _Run, budget: Any) -> Any:
+    """``--recover``: every frontier plan measured again after the recovery fine-tune."""
+    opts = run.options
+    if opts.recover_steps is None:
+        return budget
+    from .budget import RecoverySettings, recover_frontier
+
+    settings = RecoverySettings(steps=opts.recover_steps, lr=opts.recover_lr, trainable=opts.recover_trainable,
+                                objective=opts.recover_objective, seed=opts.recover_seed,
+                                choose_after=opts.choose_after_recovery)
+    with _timed(run.seconds, "recovery"), run.progress.phase("tier 3 recovery", unit="plan"):
+        return recover_frontier(run.model, run.session, budget, settings,
+                                progress=lambda done, total: run.progress.update(done, total))
+
+
+def _verification(run: _Run, budget: Any) -> Any:
+    """The plan chosen by its interval on the rows the search never read; a warning when they are too few."""
+    session = run.session
+    if session.verifier is None:
+        return budget
+    with _timed(run.seconds, "verification"), run.progress.phase("verification", unit="plan"):
+        budget = _verify(run.model, session, budget, session.stats, run.reuse)
+    run.evaluations += session.verifier.evaluations
+    v = budget.verification
+    if v is not None and v.rows_needed is not None:
+        what = (f"a {100 * v.confidence:g}% interval {v.low:.4g} to {v.high:.4g}" if v.low is not None
+                else "no interval")
+        session.calibration.warnings.append(
+            f"the {v.rows:,} verification rows (held out, never searched) give {what} against the "
+            f"tolerance {run.metric.tolerance:g}: too few to resolve it; about {v.rows_needed:,} verification "
+            f"rows (about {2 * v.rows_needed:,} held out) would")
+    return budget
+
+
+def _report(run: _Run, budget: Any) -> CalibrationReport:
+    session, options, metric = run.session, run.options, run.metric
+    cal, stats = session.calibration, session.stats
+    measured = run.floors is not None
+    source = (str(options.calibration) if isinstance(options.calibration, (str, Path)) else cal.source)
+    return CalibrationReport(
+        source=source + (f" ({cal.tokenized})" if cal.tokenized else ""),
+        holdout=str(options.holdout), digest=cal.digest, fit_rows=cal.fit_rows, holdout_rows=cal.holdout_rows,
+        metric=metric.label, higher_is_better=metric.higher_is_better, tolerance=metric.tolerance,
+        reference=run.reference, layers=run.per, missing=dict(stats.missing),
+        warnings=list(dict.fromkeys([*cal.warnings, *stats.warnings])),
+        synthetic=any(SYNTHETIC_MARK in w for w in cal.warnings), measured_floors=measured,
+        budget=budget, suggestions_from="measured floors" if measured else "calibration",
+        statistics_cached=run.cached, seconds=run.seconds, evaluations=run.evaluations,
+        rounding_floor=run.rounding, compute_dtype=options.compute_dtype,
+        tier1_target=run.target, increase_of=metric.spec.increase_of)
+
+
 VERIFY_TRIES = 6  # plans verified at most, from the largest that held on the search rows down
+VERIFY_BACKSTOPS = 2  # plans the search measures a point, and two, below the one it found: the verification's fallbacks
 
 
 def _verify(model: nn.Module, session: CalibrationSession, budget: Any, stats: InputStatistics,
@@ -416,65 +602,88 @@ def _evidence(lc: LayerCalibration, report: CalibrationReport) -> str:
 def check_plan(cal: Calibrated, model: nn.Module, audit: "AuditResult") -> CalibrationReport:
     """The reviewed plan (or the suggested ranks) factorized all at once with whitened initialisation and measured on
     the held-out part: the model-level metric beside the tier-1 prediction sqrt(sum e_l^2)."""
-    from ..kinds.registry import SUPPORTED
-    from ..surgery import count_params
-    from .apply import factorize
-    from .metric import Measurement
-
     rv = audit.review
     report = cal.report
     if rv is None or not rv.items:
         return report
+    plan, left = _reviewed_plan(audit)
+    if not plan:
+        return replace(report, plan_check=PlanCheck(0, left, None, float("nan"), False))
+    if cal.session.model is not model:
+        raise AuditError("the plan check was given another model than the one calibrated",
+                         "Check the plan on the audited model")
+    m, removed, verification = _measured_plan(cal, model, plan)
+    predicted, basis = _predicted(cal, plan)
+    check = PlanCheck(len(plan), left, predicted, m.value, m.ok, m.top1, removed, basis, verification)
+    b = report.budget
+    reference = (b.reference if cal.session.verifier is not None and b is not None  # the search rows' reference,
+                 else cal.session.evaluator.reference)  # measured once by tier 3
+    return replace(report, plan_check=check, reference=reference)
+
+
+def _reviewed_plan(audit: "Audit") -> tuple[dict[str, int], list[str]]:
+    """(the reviewed ranks factorize can apply, the reviewed layers it cannot: beyond full rank, a kind it does not
+    rewrite, tied)."""
+    from ..kinds.registry import SUPPORTED
+
     plan: dict[str, int] = {}
     left: list[str] = []
-    for it in rv.items:
+    for it in audit.review.items:  # type: ignore[union-attr]
         layer = audit.layer(it.layer)
         if it.rank > layer.max_rank or layer.kind not in SUPPORTED or layer.aliases:
             left.append(it.layer)
         else:
             plan[it.layer] = it.rank
-    if not plan:
-        return replace(report, plan_check=PlanCheck(0, left, None, float("nan"), False))
-    session = cal.session
-    if session.model is not model:
-        raise AuditError("the plan check was given another model than the one calibrated",
-                         "Check the plan on the audited model")
-    verification = None
-    with session.measuring():
-        ev = session.evaluator
-        new = factorize(model, plan, session, reuse=cal.reuse, share=True)
-        removed = count_params(model) - count_params(new)
-        b = report.budget
-        if session.verifier is not None:  # the verification rows, with the interval: memoized for the suggested plan
-            verification = (b.verification if b is not None and b.verification is not None and b.plan == plan
-                            else replace(session.verifier.measure(new),
-                                         search_rows=sum(x.rows for x in session.search_calibration.holdout)))
-            m = Measurement(verification.value, verification.ok)
-            if b is not None and b.plan == plan:
-                m.top1 = b.top1
-        else:
-            m = ev.measure(new)
-    predicted = None
-    basis = ""
-    grads = cal.gradients
+    return plan, left
+
+
+def _measured_plan(cal: Calibrated, model: nn.Module, plan: dict[str, int]) -> tuple[Any, int, Any]:
+    """(the plan's measurement, parameters removed, its verification or None): on the verification rows with the
+    interval in a split session (the suggested plan's verification and removal reused: neither factorized nor
+    measured again), else on the held-out rows."""
+    from ..surgery import count_params
+    from .apply import factorize
+    from .metric import Measurement
+
+    session, b = cal.session, cal.report.budget
+    suggested = b is not None and b.plan == plan
+    if suggested and session.verifier is not None and b.verification is not None:  # measured: nothing to factorize
+        verification, removed = b.verification, b.removed
+    else:
+        with session.measuring():
+            new = factorize(model, plan, session, reuse=cal.reuse, share=True)
+            removed = count_params(model) - count_params(new)
+            if session.verifier is None:
+                return session.evaluator.measure(new), removed, None
+            verification = replace(session.verifier.measure(new),
+                                   search_rows=sum(x.rows for x in session.search_calibration.holdout))
+    m = Measurement(verification.value, verification.ok)
+    if suggested:
+        m.top1 = b.top1
+    return m, removed, verification
+
+
+def _predicted(cal: Calibrated, plan: dict[str, int]) -> tuple[float | None, str]:
+    """(the plan's predicted metric, what it is predicted from): the gradient-predicted costs where every layer has
+    them, else for the output error the single-layer errors in quadrature; (None, "") otherwise."""
+    grads, report = cal.gradients, cal.report
     if grads is not None and all(k in grads.costs for k in plan):
         from .fisher import predicted_value
 
-        predicted = predicted_value(grads.predicted(plan), grads.linear)
-        basis = ("gradient-predicted single-layer cross-entropy increases (output-gradient second moments), which "
-                 "add up" if grads.linear else
-                 "gradient-predicted single-layer model errors (output-gradient second moments)")
-    elif cal.metric.output_error and all(k in cal.spectra for k in plan):
-        from .budget import single_layer_error
+        return predicted_value(grads.predicted(plan), grads.linear), (
+            "gradient-predicted single-layer cross-entropy increases (output-gradient second moments), which "
+            "add up" if grads.linear else
+            "gradient-predicted single-layer model errors (output-gradient second moments)")
+    if not (cal.metric.output_error and all(k in cal.spectra for k in plan)):
+        return None, ""
+    from .budget import single_layer_error
 
-        def points(k: str) -> list[tuple[int, float]]:
-            lc = report.layers.get(k)
-            if lc is None:
-                return []
-            return list(lc.floor.points) if lc.floor is not None else list(lc.probes)
+    def points(k: str) -> list[tuple[int, float]]:
+        lc = report.layers.get(k)
+        if lc is None:
+            return []
+        return list(lc.floor.points) if lc.floor is not None else list(lc.probes)
 
-        predicted = math.sqrt(sum(single_layer_error(points(k), cal.spectra[k], r) ** 2 for k, r in plan.items()))
-        basis = ("single-layer model errors (measured, or tier-1 errors scaled by the measured gain)"
-                 if any(points(k) for k in plan) else "tier-1 layer-output errors")
-    check = PlanCheck(len(plan), left, predicted, m.value, m.ok, m.top1, removed, basis, verification)
-    return replace(report, plan_check=check, reference=ev.reference)
+    predicted = math.sqrt(sum(single_layer_error(points(k), cal.spectra[k], r) ** 2 for k, r in plan.items()))
+    return predicted, ("single-layer model errors (measured, or tier-1 errors scaled by the measured gain)"
+                       if any(points(k) for k in plan) else "tier-1 layer-output errors")

@@ -73,7 +73,10 @@ def with_holdout(cal: Calibration, batches: list[Batch]) -> Calibration:
 class Verifier:
     """Measures models on the verification rows, row by row, against the dense model's per-row sums."""
 
-    def __init__(self, dense: nn.Module, batches: list[Batch], metric: Metric, confidence: float = 0.9) -> None:
+    def __init__(self, dense: nn.Module, batches: list[Batch], metric: Metric, confidence: float = 0.9,
+                 share: "Verifier | None" = None) -> None:
+        """``share``: another verifier of the same dense model whose dense state (the KL's frozen copy) this one
+        reuses instead of copying the model again."""
         if not 0 < confidence < 1:
             raise ValueError(f"confidence must be in (0, 1), not {confidence!r}")
         self.metric = metric
@@ -85,7 +88,8 @@ class Verifier:
         self._at_once: Evaluator | None = None
         with torch.no_grad():
             if metric.spec.verified_by_rows:  # summed row by row: resampled for the interval
-                self._rows: Any = metric.spec.row_scorer(dense, self.batches)
+                like = share._rows if share is not None else None
+                self._rows: Any = metric.spec.row_scorer(dense, self.batches, like)
                 self.reference = self._rows.reference
             else:  # scored all at once: its value on these rows, no interval
                 self._rows = None
@@ -99,6 +103,16 @@ class Verifier:
     def _value(self, sums: tuple[np.ndarray, ...], idx: Any = slice(None)) -> float:
         return self._rows.value(sums, idx)
 
+    @property
+    def last_top1(self) -> tuple[np.ndarray, np.ndarray] | None:
+        """Per row (agreeing, counted) positions of the last model measured, where the metric counts them."""
+        return None if self._rows is None else self._rows.last_top1
+
+    @property
+    def rows_scorer(self) -> Any:
+        """The metric's row scorer (None for a metric scored all at once)."""
+        return self._rows
+
     def measure(self, model: nn.Module) -> Verification:
         """The metric on every verification row, with the bootstrap interval over rows at ``confidence``."""
         self.evaluations += 1
@@ -106,7 +120,11 @@ class Verifier:
         if self._at_once is not None:
             m = self._at_once.measure(model)
             return Verification(m.value, None, None, self.confidence, self.rows, m.ok, False, self._needed(None))
-        sums = self._sums(model)
+        return self.judge(self._sums(model))
+
+    def judge(self, sums: tuple[np.ndarray, ...]) -> Verification:
+        """The value of per-row sums (:meth:`_sums`) over every row, with the bootstrap interval over rows."""
+        tol = self.metric.tolerance
         value = self._value(sums)
         self.rows = n = len(sums[-1])  # the outputs' rows (windows, examples): what is resampled
         lo = hi = None

@@ -70,6 +70,21 @@ class RowScorer:
 
     reference: float = 0.0
     baseline: float | None = None
+    last_top1: tuple[np.ndarray, np.ndarray] | None = None  # per row (agreeing, counted) positions of the last
+    #                                                          model measured, where the metric counts them
+
+    @property
+    def first_output(self) -> Any:
+        """The dense model's output on the first batch where the scorer keeps it (None: it does not)."""
+        return None
+
+    def dense_sums(self) -> tuple[np.ndarray, ...] | None:
+        """The dense model's own per-row sums where the metric has a dense value of its own (None: zero there)."""
+        return None
+
+    def absolute(self, sums: tuple[np.ndarray, ...]) -> float | None:
+        """The measured model's own value from ``sums`` where the metric reports one (e.g. its perplexity)."""
+        return None
 
     def sums(self, model: nn.Module) -> tuple[np.ndarray, ...]:
         raise NotImplementedError
@@ -105,7 +120,8 @@ class MetricKind:
     def scorer(self, ev: Evaluating, dense: nn.Module) -> Scorer:
         raise NotImplementedError(f"metric kind {self.kind!r} has no scorer")
 
-    def row_scorer(self, dense: nn.Module, batches: list[Any]) -> RowScorer:
+    def row_scorer(self, dense: nn.Module, batches: list[Any], like: RowScorer | None = None) -> RowScorer:
+        """Per-row sums on ``batches``; ``like``: a scorer of the same dense model whose dense state it may share."""
         raise NotImplementedError(f"metric kind {self.kind!r} is not summed row by row")
 
     def logprobs(self, y: Any, b: Any) -> Any:

@@ -52,12 +52,12 @@ class _Scorer(Scorer):
 class _Rows(RowScorer):
     """Per row: the summed KL and the positions scored."""
 
-    def __init__(self, dense: nn.Module, batches: list[Any]) -> None:
+    def __init__(self, dense: nn.Module, batches: list[Any], like: RowScorer | None = None) -> None:
         self.batches = batches
-        self._dense = frozen(dense)
+        self._dense = like._dense if isinstance(like, _Rows) else frozen(dense)  # one frozen copy, shared
 
     def sums(self, model: nn.Module) -> tuple[np.ndarray, ...]:
-        kl, cnt = [], []
+        kl, cnt, agree = [], [], []
         for b in self.batches:
             tgt, keep = _targets(b)
             p = torch.log_softmax(main_output(self._dense(*b.args, **b.kwargs))[:, :-1].float(), -1)
@@ -65,6 +65,8 @@ class _Rows(RowScorer):
             k = (p.exp() * (p - q)).sum(-1).double()
             kl.append((k * keep).sum(1).cpu().numpy())
             cnt.append(keep.sum(1).double().cpu().numpy())
+            agree.append(((p.argmax(-1) == q.argmax(-1)).double() * keep).sum(1).cpu().numpy())
+        self.last_top1 = np.concatenate(agree), np.concatenate(cnt)
         return np.concatenate(kl), np.concatenate(cnt)
 
     def value(self, sums: tuple[np.ndarray, ...], idx: Any = slice(None)) -> float:
@@ -84,8 +86,8 @@ class KL(MetricKind):
     def scorer(self, ev: Evaluating, dense: nn.Module) -> Scorer:
         return _Scorer(ev, dense)
 
-    def row_scorer(self, dense: nn.Module, batches: list[Any]) -> RowScorer:
-        return _Rows(dense, batches)
+    def row_scorer(self, dense: nn.Module, batches: list[Any], like: RowScorer | None = None) -> RowScorer:
+        return _Rows(dense, batches, like)
 
     def logprobs(self, y: torch.Tensor, b: Any) -> tuple[torch.Tensor, torch.Tensor]:
         return _next_token_logprobs(y, b)

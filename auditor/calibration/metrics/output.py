@@ -57,11 +57,21 @@ class _Rows(RowScorer):
         self._den = np.concatenate([per_row(r.double(), b, lambda t: t.pow(2)).cpu().numpy()
                                     for r, b in zip(self._ref, batches)])
 
+    @property
+    def first_output(self) -> Any:
+        return self._ref[0] if self._ref else None
+
     def sums(self, model: nn.Module) -> tuple[np.ndarray, ...]:
-        num = np.concatenate([
-            per_row((main_output(model(*b.args, **b.kwargs)).double() - r.double()), b,
-                    lambda t: t.pow(2)).cpu().numpy() for b, r in zip(self.batches, self._ref)])
-        return num, self._den
+        num, agree, seen = [], [], []
+        for b, r in zip(self.batches, self._ref):
+            y = main_output(model(*b.args, **b.kwargs))
+            num.append(per_row(y.double() - r.double(), b, lambda t: t.pow(2)).cpu().numpy())
+            if r.dim() >= 2 and r.shape[-1] >= 2:  # classes on the last axis: top-1 agreement per row
+                hit = (y.argmax(-1) == r.argmax(-1)).double()
+                agree.append(per_row(hit, b, lambda t: t).cpu().numpy())
+                seen.append(per_row(torch.ones_like(hit), b, lambda t: t).cpu().numpy())
+        self.last_top1 = (np.concatenate(agree), np.concatenate(seen)) if agree and len(agree) == len(num) else None
+        return np.concatenate(num), self._den
 
     def value(self, sums: tuple[np.ndarray, ...], idx: Any = slice(None)) -> float:
         num, den = sums
@@ -81,7 +91,7 @@ class OutputError(MetricKind):
     def scorer(self, ev: Evaluating, dense: nn.Module) -> Scorer:
         return _Scorer(ev, dense)
 
-    def row_scorer(self, dense: nn.Module, batches: list[Any]) -> RowScorer:
+    def row_scorer(self, dense: nn.Module, batches: list[Any], like: RowScorer | None = None) -> RowScorer:
         return _Rows(dense, batches)
 
 

@@ -74,6 +74,14 @@ class _Rows(RowScorer):
         nll, cnt = self._nll(model)
         return nll, self._ref_nll, cnt
 
+    def dense_sums(self) -> tuple[np.ndarray, ...]:
+        return self._ref_nll, self._ref_nll, self._cnt
+
+    def absolute(self, sums: tuple[np.ndarray, ...]) -> float | None:
+        nll, _, cnt = sums
+        c = float(cnt.sum())
+        return math.exp(float(nll.sum()) / c) if c > 0 else None
+
     def value(self, sums: tuple[np.ndarray, ...], idx: Any = slice(None)) -> float:
         nll, ref, cnt = sums
         c = float(cnt[idx].sum())
@@ -98,7 +106,7 @@ class Perplexity(MetricKind):
     def scorer(self, ev: Evaluating, dense: nn.Module) -> Scorer:
         return _Scorer(ev, dense, self)
 
-    def row_scorer(self, dense: nn.Module, batches: list[Any]) -> RowScorer:
+    def row_scorer(self, dense: nn.Module, batches: list[Any], like: RowScorer | None = None) -> RowScorer:
         return _Rows(dense, batches, self)
 
     def logprobs(self, y: torch.Tensor, b: Any) -> tuple[torch.Tensor, torch.Tensor]:
