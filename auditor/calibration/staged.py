@@ -67,7 +67,8 @@ def _stages(batches: list[Batch], rows: int) -> list[list[Batch]]:
     for end in stage_ends(rows)[:-1]:
         part, rest = _cut(rest, end - done)
         done += sum(b.rows for b in part)
-        out.append(part)
+        if part:  # an unbatched example read whole by an earlier stage leaves this one nothing
+            out.append(part)
     return [*out, rest] if rest else out
 
 

@@ -21,12 +21,7 @@ class _Scorer(Scorer):
     def __init__(self, ev: Evaluating, dense: nn.Module) -> None:
         super().__init__(ev)
         with torch.no_grad():
-            self.outputs = [main_output(ev.forward(dense, b, i)).detach() for i, b in enumerate(ev.batches)]
-        for i, r in enumerate(self.outputs):
-            if r.is_floating_point() and not bool(torch.isfinite(r).all()):
-                raise AuditError(f"the dense model's output on held-out batch {i} holds NaN or infinite values, "
-                                 "so the relative output error cannot be measured",
-                                 "Check the model's weights and that batch's inputs, or give a metric of your own")
+            self.outputs = _finite([main_output(ev.forward(dense, b, i)).detach() for i, b in enumerate(ev.batches)])
         self._norm2 = sum(float(real_rows(r, b).double().pow(2).sum()) for r, b in zip(self.outputs, ev.batches))
         self.reference = 0.0
 
@@ -36,9 +31,7 @@ class _Scorer(Scorer):
         with torch.no_grad():
             for i, (b, ref) in enumerate(zip(self.ev.batches, self.outputs)):
                 y = main_output(self.ev.forward(model, b, i))
-                if y.shape != ref.shape:
-                    raise AuditError(f"the model's output on held-out batch {i} is {tuple(y.shape)}, the dense "
-                                     f"model's {tuple(ref.shape)}", "Measure a model made from the dense one")
+                _same_shape(y, ref, i)
                 y, r = real_rows(y, b), real_rows(ref, b)
                 err2 += float((y.double() - r.double()).pow(2).sum())
                 if r.dim() >= 1 and r.shape[-1] >= 2:
@@ -48,12 +41,28 @@ class _Scorer(Scorer):
         return self.judged(value, agree / rows if rows else None)
 
 
+def _finite(outputs: list[torch.Tensor]) -> list[torch.Tensor]:
+    """The dense model's held-out outputs, refused (one line naming the batch) where one holds NaN or Inf."""
+    for i, r in enumerate(outputs):
+        if r.is_floating_point() and not bool(torch.isfinite(r).all()):
+            raise AuditError(f"the dense model's output on held-out batch {i} holds NaN or infinite values, "
+                             "so the relative output error cannot be measured",
+                             "Check the model's weights and that batch's inputs, or give a metric of your own")
+    return outputs
+
+
+def _same_shape(y: torch.Tensor, ref: torch.Tensor, i: int) -> None:
+    if y.shape != ref.shape:
+        raise AuditError(f"the model's output on held-out batch {i} is {tuple(y.shape)}, the dense "
+                         f"model's {tuple(ref.shape)}", "Measure a model made from the dense one")
+
+
 class _Rows(RowScorer):
     """Per row: the squared error and the dense output's squared norm."""
 
     def __init__(self, dense: nn.Module, batches: list[Any]) -> None:
         self.batches = batches
-        self._ref = [main_output(dense(*b.args, **b.kwargs)).detach() for b in batches]
+        self._ref = _finite([main_output(dense(*b.args, **b.kwargs)).detach() for b in batches])
         self._den = np.concatenate([per_row(r.double(), b, lambda t: t.pow(2)).cpu().numpy()
                                     for r, b in zip(self._ref, batches)])
 
@@ -63,8 +72,9 @@ class _Rows(RowScorer):
 
     def sums(self, model: nn.Module) -> tuple[np.ndarray, ...]:
         num, agree, seen = [], [], []
-        for b, r in zip(self.batches, self._ref):
+        for i, (b, r) in enumerate(zip(self.batches, self._ref)):
             y = main_output(model(*b.args, **b.kwargs))
+            _same_shape(y, r, i)
             num.append(per_row(y.double() - r.double(), b, lambda t: t.pow(2)).cpu().numpy())
             if r.dim() >= 2 and r.shape[-1] >= 2:  # classes on the last axis: top-1 agreement per row
                 hit = (y.argmax(-1) == r.argmax(-1)).double()

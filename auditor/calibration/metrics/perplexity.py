@@ -57,6 +57,9 @@ class _Rows(RowScorer):
         self._ref_nll, self._cnt = self._nll(dense)
         nll, cnt = self._ref_nll, self._cnt
         self.reference = self.baseline = math.exp(nll.sum() / cnt.sum()) if cnt.sum() > 0 else math.nan
+        if cnt.sum() > 0 and not (math.isfinite(self.reference) and self.reference > 0):
+            raise AuditError(f"the dense model's held-out {kind.what} is {self.reference}",
+                             "Check the held-out text and the model's weights (a NaN or infinite logit)")
 
     def _nll(self, model: nn.Module) -> tuple[np.ndarray, np.ndarray]:
         nll, cnt = [], []
