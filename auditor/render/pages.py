@@ -333,10 +333,14 @@ def _draw(audit: "AuditResult", p: LayerPage, measured: _Measured) -> None:
     """The page's chart (:func:`auditor.render.layer_charts.page_chart`) as a ``data:`` URI."""
     from .layer_charts import Marks, data_uri, page_chart
 
-    sig = [s for n in p.members for s in _sigma_rows(audit, n)]
-    en = [e for n in p.members for e in _energy(audit, n)]
-    svg = page_chart(sig, en, Marks(p.break_even, p.suggested, p.planned, p.target), measured.panel(p.measured))
-    p.chart = data_uri(svg) if svg else ""
+    marks, panel = Marks(p.break_even, p.suggested, p.planned, p.target), measured.panel(p.measured)
+    drawn = audit.__dict__.setdefault("_page_charts", {})  # the HTML's and the PDF's pages share their charts
+    key = (tuple(p.members), repr(marks), repr(panel))
+    if key not in drawn:
+        sig = [s for n in p.members for s in _sigma_rows(audit, n)]
+        en = [e for n in p.members for e in _energy(audit, n)]
+        drawn[key] = page_chart(sig, en, marks, panel)
+    p.chart = data_uri(drawn[key]) if drawn[key] else ""
 
 
 def _chart_pages(audit: "AuditResult", groups: list[GroupRow], group_pages: list[LayerPage],
