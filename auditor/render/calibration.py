@@ -288,7 +288,7 @@ def check_card(audit: "AuditResult") -> CheckCard | None:
     if f is not None:
         top1 += f"; {f.dtype} rounding alone: {_g(f.used)} of the tolerance {f.tolerance:g}"
     sign = "\u2264" if pc.ok else ">"
-    return CheckCard(f"{_g(pc.measured, 2)} {sign} {cal.tolerance:g}" if not cal.higher_is_better
+    return CheckCard(f"{md_value(cal, pc.measured)} {sign} {md_tolerance(cal)}" if not cal.higher_is_better
                      else f"{_g(pc.measured)} (dense {_g(cal.reference)})",
                      (f"{checked_change(cal, pc)}; {cal.holdout_rows:,} held-out rows"  # with its baseline
                       if cal.reference > 0 or cal.higher_is_better
