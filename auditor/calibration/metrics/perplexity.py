@@ -17,15 +17,20 @@ from .base import Evaluating, Measurement, MetricKind, RowScorer, Scorer
 from .common import _check_targets, _next_token_logprobs, _targets, main_output
 
 
+def _dense_value(value: float, kind: "Perplexity") -> float:
+    """The dense model's held-out perplexity, refused in one line where it is not a positive finite number."""
+    if not (math.isfinite(value) and value > 0):
+        raise AuditError(f"the dense model's held-out {kind.what} is {value}",
+                         "Check the held-out text and the model's weights (a NaN or infinite logit)")
+    return value
+
+
 class _Scorer(Scorer):
     def __init__(self, ev: Evaluating, dense: nn.Module, kind: "Perplexity") -> None:
         super().__init__(ev)
         self.kind = kind
         self.warnings = kind.warnings_for(ev.batches)
-        self.reference = self.perplexity(dense)
-        if not (math.isfinite(self.reference) and self.reference > 0):
-            raise AuditError(f"the dense model's held-out {kind.what} is {self.reference}",
-                             "Check the held-out text and the model's weights (a NaN or infinite logit)")
+        self.reference = _dense_value(self.perplexity(dense), kind)
 
     def perplexity(self, model: nn.Module) -> float:
         """Held-out perplexity, streamed batch by batch in float64 sums."""
@@ -56,10 +61,8 @@ class _Rows(RowScorer):
         self.batches, self.kind = batches, kind
         self._ref_nll, self._cnt = self._nll(dense)
         nll, cnt = self._ref_nll, self._cnt
-        self.reference = self.baseline = math.exp(nll.sum() / cnt.sum()) if cnt.sum() > 0 else math.nan
-        if cnt.sum() > 0 and not (math.isfinite(self.reference) and self.reference > 0):
-            raise AuditError(f"the dense model's held-out {kind.what} is {self.reference}",
-                             "Check the held-out text and the model's weights (a NaN or infinite logit)")
+        self.reference = self.baseline = (_dense_value(math.exp(nll.sum() / cnt.sum()), kind) if cnt.sum() > 0
+                                          else math.nan)
 
     def _nll(self, model: nn.Module) -> tuple[np.ndarray, np.ndarray]:
         nll, cnt = [], []
