@@ -230,7 +230,7 @@ class PlanCheck:
 @dataclass
 class RoundingFloor:
     """A bfloat16 / float16 model's metric with every plannable layer factorized at full rank (nothing dropped, the
-    factors in the model's dtype): what rounding alone costs every plan (``auditor.calibration.rounding``)."""
+    factors in the model's dtype): what rounding alone costs every plan (``auditor.calibration.tiers.rounding``)."""
 
     dtype: str  # "bfloat16" | "float16"
     layers: int  # layers factorized at full rank

@@ -8,8 +8,8 @@ from typing import Any
 
 from torch import nn
 
-from .calibration.inputs import Calibration
-from .calibration.metric import Metric
+from .calibration.data.inputs import Calibration
+from .calibration.measure.metric import Metric
 from .calibration.recovery import DEFAULT_LR, RecoverySettings, recover, summary
 from .errors import AuditError
 from .progress import Progress as Bar

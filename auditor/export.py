@@ -118,7 +118,7 @@ def _describe(t: torch.Tensor, dynamic: bool) -> dict[str, Any]:
 
 
 def _example(example: Any) -> tuple[tuple, dict]:
-    from .calibration.inputs import Batch
+    from .calibration.data.inputs import Batch
     from .structure.trace import ExampleInputs
 
     if isinstance(example, Batch):

@@ -41,7 +41,7 @@ class SpectraBackend(StrEnum):
 
 CalibrationInput = Union[str, "os.PathLike[str]", Mapping[str, Any], Iterable[Any]]
 """Calibration data: a file, ``file.py:fn`` / ``module:fn``, a dict of tensors, batches (an iterable), or a
-``Calibration`` (auditor.calibration.inputs; not imported here: options sit below calibration)."""
+``Calibration`` (auditor.calibration.data.inputs; not imported here: options sit below calibration)."""
 MetricSpec = Union[str, Callable[..., float]]
 """A metric: a built-in name (perplexity, kl, ...), ``file.py:fn`` / ``module:fn``, or fn(model, batches) -> float."""
 

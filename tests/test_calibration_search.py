@@ -1,4 +1,4 @@
-"""Tier 3's search at the cost it needs (auditor/calibration/budget.py): the bracket aimed by the scaled prediction
+"""Tier 3's search at the cost it needs (auditor/calibration/tiers/budget.py): the bracket aimed by the scaled prediction
 ends where the plain doubling-and-bisecting search ends, with no more plans; the settings as one object or as
 keywords; and the gradient pass's rows (auditor/calibration/stage.py)."""
 
@@ -8,11 +8,11 @@ import pytest
 import torch
 
 from auditor.calibration import load_calibration, plan_for_budget, tier1
-from auditor.calibration import budget as budget_mod
-from auditor.calibration.budget import RESOLUTION, SearchSettings, curves_from_spectra
-from auditor.calibration.inputs import Batch, Calibration
+from auditor.calibration.tiers import budget as budget_mod
+from auditor.calibration.tiers.budget import RESOLUTION, SearchSettings, curves_from_spectra
+from auditor.calibration.data.inputs import Batch, Calibration
 from auditor.calibration.stage import gradient_rows
-from auditor.calibration.stats import by_name
+from auditor.calibration.statistics.stats import by_name
 from auditor.structure.layers import ParamTable, collect_layers
 
 

@@ -18,9 +18,9 @@ pytest.importorskip("distributed", reason="the Dask tests need `distributed` (pi
 import auditor  # noqa: E402
 from _cluster import kill_worker_mid_task  # noqa: E402
 from auditor.calibration import load_calibration, measure_floors, tier1  # noqa: E402
-from auditor.calibration.cluster import mapped_source, measure_floors_on_cluster  # noqa: E402
-from auditor.calibration.metric import Metric  # noqa: E402
-from auditor.calibration.stats import by_name  # noqa: E402
+from auditor.calibration.tiers.cluster import mapped_source, measure_floors_on_cluster  # noqa: E402
+from auditor.calibration.measure.metric import Metric  # noqa: E402
+from auditor.calibration.statistics.stats import by_name  # noqa: E402
 from auditor.structure.layers import ParamTable, collect_layers  # noqa: E402
 from auditor.sources import load_source  # noqa: E402
 from auditor.options import AuditOptions, LoadOptions  # noqa: E402

@@ -48,7 +48,7 @@ def evidence(one_thread):
     id of its input)."""
     from digits import mlp
 
-    import auditor.calibration.budget as budget
+    import auditor.calibration.tiers.budget as budget
 
     model = mlp()[0]
     calls: list[tuple[bool, int]] = []
@@ -98,7 +98,7 @@ def test_each_frontier_plan_is_recovered_on_fit_rows_and_measured_on_heldout_row
 
 
 def test_recovery_is_deterministic_under_a_seed(evidence):
-    from auditor.calibration.budget import recover_frontier
+    from auditor.calibration.tiers.budget import recover_frontier
 
     model, audit, session, _ = evidence
     b = audit.calibration.budget

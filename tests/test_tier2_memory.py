@@ -10,10 +10,10 @@ import torch
 from torch import nn
 
 from auditor.calibration import load_calibration, plan_for_budget, tier1
-from auditor.calibration.budget import Decompositions, curves_from_spectra
-from auditor.calibration.metric import Metric
-from auditor.calibration.stats import by_name
-from auditor.calibration.sweep import PrefixCache, Sweeper, _storages, default_cache_bytes, measure_floors
+from auditor.calibration.tiers.budget import Decompositions, curves_from_spectra
+from auditor.calibration.measure.metric import Metric
+from auditor.calibration.statistics.stats import by_name
+from auditor.calibration.tiers.sweep import PrefixCache, Sweeper, _storages, default_cache_bytes, measure_floors
 from auditor.errors import AuditError
 from auditor.structure.layers import ParamTable, collect_layers
 

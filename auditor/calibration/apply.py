@@ -1,7 +1,7 @@
 """A plan applied with factors from the data: :mod:`auditor.surgery` replaces the layers, this module says where
 their factors come from. Without calibration each layer's factors are its plain truncated SVD; with calibration (a
 session, a ``Calibration`` or ``InputStatistics``) the whitened truncation, which keeps the layer's outputs on the
-calibration data as close as any rank-r map can (:class:`auditor.calibration.whiten.Truncator`)."""
+calibration data as close as any rank-r map can (:class:`auditor.calibration.statistics.whiten.Truncator`)."""
 
 from __future__ import annotations
 
@@ -13,10 +13,10 @@ from torch import nn
 from ..errors import AuditError
 from ..results import Layer
 from ..surgery import Factors, Truncation, apply_plan, checked_plan, replace_layers
-from .inputs import Calibration
+from .data.inputs import Calibration
 from .session import CalibrationSession
-from .stats import InputStatistics
-from .whiten import Truncator
+from .statistics.stats import InputStatistics
+from .statistics.whiten import Truncator
 
 
 def truncation(stats: InputStatistics | None = None, reuse: dict[str, Any] | None = None) -> Truncation:

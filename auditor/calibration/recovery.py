@@ -39,8 +39,8 @@ import torch
 from torch import nn
 
 from ..errors import AuditError
-from .inputs import Batch, Calibration, model_device
-from .metric import Evaluator, Metric, main_output
+from .data.inputs import Batch, Calibration, model_device
+from .measure.metric import Evaluator, Metric, main_output
 from .session import CalibrationSession
 
 TRAINABLE = ("factors", "all")

@@ -3,17 +3,17 @@
 A :class:`CalibrationSession` owns, for one model:
 
 - the model (put in eval mode while anything is measured; every module's own mode is restored afterwards);
-- the :class:`~auditor.calibration.inputs.Calibration` batches (the fit part feeds the statistics, the held-out part
+- the :class:`~auditor.calibration.data.inputs.Calibration` batches (the fit part feeds the statistics, the held-out part
   every measurement);
-- the :class:`~auditor.calibration.stats.InputStatistics` of its layers, computed once, lazily, on first use (read
+- the :class:`~auditor.calibration.statistics.stats.InputStatistics` of its layers, computed once, lazily, on first use (read
   from and written to the on-disk cache when the session has the audit's options: ``<cache dir>/calibration/<key>.npz``,
   keyed by everything that determines them: :func:`statistics_key`);
-- the :class:`~auditor.calibration.metric.Metric`, and ONE :class:`~auditor.calibration.metric.Evaluator` on the
+- the :class:`~auditor.calibration.measure.metric.Metric`, and ONE :class:`~auditor.calibration.measure.metric.Evaluator` on the
   held-out batches, built on first use: the dense reference (the dense model's outputs, or its perplexity, or its
   user-metric value) is computed once and every later measurement compares against it.
 
-Tier 1 (:func:`~auditor.calibration.tier1.tier1`), tier 2 (:func:`~auditor.calibration.sweep.measure_floors`),
-tier 3 (:func:`~auditor.calibration.budget.plan_for_budget`), the plan check (``stage.check_plan``),
+Tier 1 (:func:`~auditor.calibration.tiers.tier1.tier1`), tier 2 (:func:`~auditor.calibration.tiers.sweep.measure_floors`),
+tier 3 (:func:`~auditor.calibration.tiers.budget.plan_for_budget`), the plan check (``stage.check_plan``),
 ``auditor.factorize.factorize`` and :func:`auditor.recover.recover` take a session where they take calibration data;
 given raw data (a ``Calibration``, a path, tensors) they build one with :meth:`CalibrationSession.of`.
 """
@@ -32,14 +32,14 @@ from torch import nn
 from ..errors import AuditError
 from .. import kinds
 from ..results import Kind, Layer
-from .hashing import code_hash, weights_hash
-from .inputs import Batch, Calibration, eval_mode, load_calibration
-from .metric import Evaluator, Metric, load_metric
-from .stats import InputStatistics, by_name, input_statistics
+from .data.hashing import code_hash, weights_hash
+from .data.inputs import Batch, Calibration, eval_mode, load_calibration
+from .measure.metric import Evaluator, Metric, load_metric
+from .statistics.stats import InputStatistics, by_name, input_statistics
 
 if TYPE_CHECKING:
     from ..options import AuditOptions
-    from .stats import GramStore
+    from .statistics.stats import GramStore
     from ..progress import Progress
 
 
@@ -49,14 +49,14 @@ STATISTICS_KEY_VERSION = 2  # 1 (until issue 32): weights, the whole calibration
 def statistics_key(model: nn.Module, calibration: Calibration, layers: list[Layer], compute_dtype: str | None = None,
                    device: str | None = None) -> str:
     """The statistics cache's key: a hash of everything that determines the statistics. The weights and buffers
-    (names, shapes, dtypes, bytes: :func:`~auditor.calibration.hashing.weights_hash`), the code the model runs and
-    its non-weight state (:func:`~auditor.calibration.hashing.code_hash`: an edited forward or hyperparameter is
+    (names, shapes, dtypes, bytes: :func:`~auditor.calibration.data.hashing.weights_hash`), the code the model runs and
+    its non-weight state (:func:`~auditor.calibration.data.hashing.code_hash`: an edited forward or hyperparameter is
     another key), the exact fit rows in their batches (the held-out split changes which rows those are), the whole
     calibration's digest (the tokenizer's files for a text file; the window length is in the rows' shapes), the
     layers, the compute dtype, and the dtype each batch's product is formed in (float32 on a GPU, float64 on the
     CPU)."""
-    from .inputs import _digest, model_device
-    from .stream import batch_dtype_for, compute_dtype_for, resolve_device
+    from .data.inputs import _digest, model_device
+    from .statistics.stream import batch_dtype_for, compute_dtype_for, resolve_device
 
     dev = resolve_device(device) if device is not None else None
     bdt = batch_dtype_for(dev if dev is not None else model_device(model))
@@ -91,7 +91,7 @@ def _gram_bytes(layer: Layer) -> tuple[int, str]:
 
 def statistics_memory(layers: list[Layer], model: nn.Module | None = None) -> tuple[int, str]:
     """Bytes of input statistics alive at once while they are read, and the largest Gram in words. Without
-    ``model``, or when it has no repeated blocks (:func:`~auditor.calibration.stream.find_blocks`): every layer's
+    ``model``, or when it has no repeated blocks (:func:`~auditor.calibration.statistics.stream.find_blocks`): every layer's
     float64 Gram (groups x n x n; n lookup counts for an embedding), as the one pass keeps them all. With blocks, the
     statistics are streamed and each block's Grams spilled to disk before the next: the larger of one block's Grams
     and the outside layers' (embeddings, output head). Plus two more of the largest: one batch's product being added
@@ -103,7 +103,7 @@ def statistics_memory(layers: list[Layer], model: nn.Module | None = None) -> tu
     big = max(sizes)
     found = None
     if model is not None:
-        from .stream import find_blocks
+        from .statistics.stream import find_blocks
 
         found = find_blocks(model, [l for l in layers if l.kind in STATS_KINDS])
     if found is None:
@@ -156,7 +156,7 @@ def _statistics(model: nn.Module, layers: list[Layer], cal: Calibration, options
     available. Computed, they are read block by block where the model has repeated blocks; ``on_block(i, stats)``
     gets each block's statistics while they are in memory, and they are then written to disk: to the cache entry
     (``options.cache``), else to a temporary directory removed with the statistics. The result's ``layers`` is a
-    :class:`~auditor.calibration.stats.GramStore` that reads one layer's Gram back when asked for."""
+    :class:`~auditor.calibration.statistics.stats.GramStore` that reads one layer's Gram back when asked for."""
     _check_memory(layers, model)
     entry = _cache_entry(model, layers, cal, options)
     if entry is not None and (entry / "meta.json").is_file():
@@ -175,7 +175,7 @@ def _statistics(model: nn.Module, layers: list[Layer], cal: Calibration, options
 def _check_memory(layers: list[Layer], model: nn.Module) -> None:
     """One line, before anything is allocated, when the Grams alive at once need more memory than is available."""
     from ..spectra.backend import available_memory
-    from .inputs import size_text
+    from .data.inputs import size_text
 
     need, largest = statistics_memory(layers, model)
     avail = available_memory()
@@ -200,7 +200,7 @@ def _cache_entry(model: nn.Module, layers: list[Layer], cal: Calibration, option
 
 def _open_cached(entry: Path, named: dict[str, Layer], cal: Calibration) -> InputStatistics | None:
     """The statistics saved at ``entry`` when they are intact and fit the layers and the calibration, else None."""
-    from .stats import StatisticsMismatch
+    from .statistics.stats import StatisticsMismatch
 
     try:
         stats = InputStatistics.open(entry, key=entry.name)
@@ -218,7 +218,7 @@ def _open_cached(entry: Path, named: dict[str, Layer], cal: Calibration) -> Inpu
 def _gram_store(entry: Path | None) -> "GramStore":
     """Where the Grams are written as each block completes: a temporary directory beside the cache entry (renamed to
     it once complete), else (no cache, or a read-only one) a temporary directory removed with the statistics."""
-    from .stats import GramStore
+    from .statistics.stats import GramStore
 
     if entry is not None:
         tmp = entry.with_name(f".{entry.name}.{os.getpid()}.tmp")
@@ -248,7 +248,7 @@ def _stream_into(store: "GramStore", model: nn.Module, layers: list[Layer], cal:
         _trim()
 
     try:
-        from .stream import StreamOptions, stream_statistics  # block by block with repeated blocks, else one pass
+        from .statistics.stream import StreamOptions, stream_statistics  # block by block with repeated blocks, else one pass
 
         stats = stream_statistics(model, layers, cal, StreamOptions(
             device=options.device, offload=options.offload, compute_dtype=options.compute_dtype, on_block=block,
@@ -302,7 +302,7 @@ def metric_of(options: "AuditOptions", model: nn.Module | None = None, cal: Cali
     "output-error", ``file.py:fn`` / ``module:fn``, a function, or a ``Metric``; None follows the model: perplexity
     for a causal LM (:func:`is_causal_lm`, probed on the first held-out batch of ``cal``), the masked-token
     perplexity for a masked LM (:func:`is_masked_lm`), the relative output error otherwise."""
-    from .metric import is_causal_lm, is_masked_lm
+    from .measure.metric import is_causal_lm, is_masked_lm
     from .metrics import for_name
 
     fn = options.metric
@@ -383,7 +383,7 @@ class CalibrationSession:
            holdout: Any = 0.25) -> "CalibrationSession":
         """``data`` as a session on ``model``: a session as it is (with ``metric`` / ``tolerance`` given and
         different, a session sharing its batches and statistics with that metric), a ``Calibration``, or what
-        :func:`~auditor.calibration.inputs.load_calibration` reads (``holdout`` held out)."""
+        :func:`~auditor.calibration.data.inputs.load_calibration` reads (``holdout`` held out)."""
         if isinstance(data, CalibrationSession):
             if data.model is not model:
                 raise AuditError("the calibration session belongs to another model",
@@ -445,7 +445,7 @@ class CalibrationSession:
         got: dict[str, Any] = {}
         on_block = None
         if spectra is not None and layers is None:
-            from .whiten import whitened_spectra
+            from .statistics.whiten import whitened_spectra
 
             table = {n: p for n, p in self.model.named_parameters(remove_duplicate=False)}
 
@@ -472,7 +472,7 @@ class CalibrationSession:
         """Tier 1's whitened spectra of the session's layers, keyed by ``Layer.name`` in the layers' order: those
         computed with the statistics (``statistics(spectra=(align, target))``), else from the statistics, each
         layer's Gram read when its spectrum is computed."""
-        from .whiten import whitened_spectra
+        from .statistics.whiten import whitened_spectra
 
         held = self._held.spectra
         if (align, target) not in held:
@@ -490,10 +490,10 @@ class CalibrationSession:
     @property
     def search_calibration(self) -> Calibration:
         """The calibration the search measures on: the held-out rows' search part when the session is ``split``
-        (:mod:`~auditor.calibration.verify`), else every held-out row."""
+        (:mod:`~auditor.calibration.measure.verify`), else every held-out row."""
         if not self.split:
             return self.calibration
-        from .verify import split_rows, with_holdout
+        from .measure.verify import split_rows, with_holdout
 
         if self._held.search is None:
             self._held.search, self._held.verify = split_rows(self.calibration.holdout)
@@ -513,14 +513,14 @@ class CalibrationSession:
     @property
     def search_evaluator(self) -> Any:
         """What tier 3 measures plans with: for a built-in metric a
-        :class:`~auditor.calibration.staged.StagedEvaluator` on the search rows (a subsample first, every search row
+        :class:`~auditor.calibration.measure.staged.StagedEvaluator` on the search rows (a subsample first, every search row
         only for plans near the tolerance; the dense per-row sums once) when the session is ``split`` (the audit's:
         the suggested plan is then verified on every verification row), else :attr:`evaluator` (every search row for
         every plan: a user metric, ``--no-split``, the library's sessions)."""
         if not self.metric.spec.verified_by_rows or not self.split:
             return self.evaluator
         if self._staged is None:
-            from .staged import StagedEvaluator
+            from .measure.staged import StagedEvaluator
 
             with self.measuring():
                 self._staged = StagedEvaluator(self.model, self.search_calibration.holdout, self.metric)
@@ -533,7 +533,7 @@ class CalibrationSession:
         if not self.split:
             return None
         if self._verifier is None:
-            from .verify import Verifier
+            from .measure.verify import Verifier
 
             self.search_calibration  # noqa: B018 - cuts the rows once
             with self.measuring():

@@ -28,11 +28,11 @@ from ..calresults import (
 )
 from ..errors import AuditError
 from ..results import Layer, Suggestion, Verdict
-from .inputs import Calibration
-from .metric import Metric
+from .data.inputs import Calibration
+from .measure.metric import Metric
 from .session import STATS_KINDS, CalibrationSession, _statistics, cache_path, metric_of, statistics_memory
-from .stats import InputStatistics
-from .whiten import WhitenedSpectrum
+from .statistics.stats import InputStatistics
+from .statistics.whiten import WhitenedSpectrum
 
 __all__ = ["Calibrated", "STATS_KINDS", "_statistics", "cache_path", "calibrate", "check_plan", "metric_of",
            "statistics_memory", "suggest_with"]
@@ -54,7 +54,7 @@ class Calibrated:
     session: CalibrationSession
     spectra: dict[str, WhitenedSpectrum]
     sweep: str = ""  # where tier 2 ran: "local", "dask tcp://HOST:PORT (N workers)"; empty without tier 2
-    gradients: Any = None  # the gradient sensitivity (auditor/calibration/fisher.py) tier 3 searched over, if any
+    gradients: Any = None  # the gradient sensitivity (auditor/calibration/tiers/fisher.py) tier 3 searched over, if any
     reuse: Any = None  # tier 3's decompositions (whiten.TruncatorStore), reused by the plan check
 
     @property
@@ -242,12 +242,12 @@ def _tier2(run: _Run) -> None:
     swept = _swept(run)
     if not run.options.measure_floor or not swept:
         return
-    from .sweep import measure_floors
+    from .tiers.sweep import measure_floors
 
     session, progress = run.session, run.progress
     with _timed(run.seconds, "tier2"):
-        if run.options.scheduler is not None:  # one Dask task per layer (auditor/calibration/cluster.py)
-            from .cluster import measure_floors_on_cluster
+        if run.options.scheduler is not None:  # one Dask task per layer (auditor/calibration/tiers/cluster.py)
+            from .tiers.cluster import measure_floors_on_cluster
 
             floors, run.sweep = measure_floors_on_cluster(run.model, swept, session.calibration, session.metric,
                                                           run.settings.align, session.stats, run.spectra,
@@ -300,7 +300,7 @@ def gradient_rows(cal: Calibration, positions: int = GRADIENT_POSITIONS) -> tupl
     share of each (spread over the calibration, not its start), enough for ``positions`` positions; every row when
     the fit rows hold no more. Output-gradient second moments are means over positions: 4k positions (8k
     position-samples with the pass's two samples) estimate a width-192 one; the statistics keep every row."""
-    from .verify import _slice
+    from .measure.verify import _slice
 
     total = sum(_positions(b) for b in cal.fit)
     if total <= positions:
@@ -322,7 +322,7 @@ def _joined(parts: list[Any], size: int) -> list[Any]:
     forward and backward pass costs about as much for 4 rows as for 32 here (the per-batch work dominates)."""
     import torch
 
-    from .inputs import Batch
+    from .data.inputs import Batch
 
     def sig(b: Any) -> Any:
         ts = b.tensors()
@@ -347,7 +347,7 @@ def _joined(parts: list[Any], size: int) -> list[Any]:
 def _gradients(run: _Run) -> None:
     """The output-gradient sensitivity (one backward pass per sample over the gradient rows, :func:`gradient_rows`),
     its costs scaled to the statistics' rows, and each layer's predicted cost alone beside its tier-1 curve."""
-    from .fisher import gradient_sensitivity, predicted_value
+    from .tiers.fisher import gradient_sensitivity, predicted_value
 
     session = run.session
     cal, share = gradient_rows(session.calibration)
@@ -368,7 +368,7 @@ def _gradients(run: _Run) -> None:
 
 def _probes(run: _Run) -> None:
     """``--probe``: each planned layer truncated alone at two ranks and measured (two evaluations a layer)."""
-    from .sweep import probe_sensitivity
+    from .tiers.sweep import probe_sensitivity
 
     progress = run.progress
 
@@ -386,7 +386,7 @@ def _probes(run: _Run) -> None:
 def _curves(run: _Run) -> Any:
     """Tier 3's per-layer options: from the measured floors, the probes, the gradients or tier 1 (in that order of
     preference), every rank that compresses at least ``min_compression``."""
-    from .budget import curves_from_floors, curves_from_gradients, curves_from_spectra
+    from .tiers.budget import curves_from_floors, curves_from_gradients, curves_from_spectra
 
     planned, spectra, align = run.planned, run.spectra, run.settings.align
     curves = (curves_from_floors(run.floors, planned, spectra) if run.floors is not None
@@ -401,9 +401,9 @@ def _curves(run: _Run) -> Any:
 
 def _tier3(run: _Run) -> Any:
     """The rounding floor (bf16 / fp16 weights), then the plan search over the curves."""
-    from .budget import plan_for_budget
-    from .whiten import TruncatorStore, part_bytes
-    from .rounding import rounding_floor
+    from .tiers.budget import plan_for_budget
+    from .statistics.whiten import TruncatorStore, part_bytes
+    from .tiers.rounding import rounding_floor
 
     # bf16 / fp16 weights: what every plannable layer at full rank (nothing dropped) measures: rounding alone
     with _timed(run.seconds, "rounding"):
@@ -432,7 +432,7 @@ def _recovery(run: _Run, budget: Any) -> Any:
     opts = run.options
     if opts.recover_steps is None:
         return budget
-    from .budget import RecoverySettings, recover_frontier
+    from .tiers.budget import RecoverySettings, recover_frontier
 
     settings = RecoverySettings(steps=opts.recover_steps, lr=opts.recover_lr, trainable=opts.recover_trainable,
                                 objective=opts.recover_objective, seed=opts.recover_seed,
@@ -643,7 +643,7 @@ def _measured_plan(cal: Calibrated, model: nn.Module, plan: dict[str, int]) -> t
     measured again), else on the held-out rows."""
     from ..surgery import count_params
     from .apply import factorize
-    from .metric import Measurement
+    from .measure.metric import Measurement
 
     session, b = cal.session, cal.report.budget
     suggested = b is not None and b.plan == plan
@@ -668,7 +668,7 @@ def _predicted(cal: Calibrated, plan: dict[str, int]) -> tuple[float | None, str
     them, else for the output error the single-layer errors in quadrature; (None, "") otherwise."""
     grads, report = cal.gradients, cal.report
     if grads is not None and all(k in grads.costs for k in plan):
-        from .fisher import predicted_value
+        from .tiers.fisher import predicted_value
 
         return predicted_value(grads.predicted(plan), grads.linear), (
             "gradient-predicted single-layer cross-entropy increases (output-gradient second moments), which "
@@ -676,7 +676,7 @@ def _predicted(cal: Calibrated, plan: dict[str, int]) -> tuple[float | None, str
             "gradient-predicted single-layer model errors (output-gradient second moments)")
     if not (cal.metric.output_error and all(k in cal.spectra for k in plan)):
         return None, ""
-    from .budget import single_layer_error
+    from .tiers.budget import single_layer_error
 
     def points(k: str) -> list[tuple[int, float]]:
         lc = report.layers.get(k)

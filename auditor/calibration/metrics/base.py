@@ -29,7 +29,7 @@ class Measurement:
 
 
 class Evaluating(Protocol):
-    """What a scorer reads from the evaluator it measures through (:class:`auditor.calibration.metric.Evaluator`):
+    """What a scorer reads from the evaluator it measures through (:class:`auditor.calibration.measure.metric.Evaluator`):
     the held-out batches on the model's device, a forward that names a batch the model refuses, the configured metric
     (its function, tolerance and direction), and ``holds``."""
 

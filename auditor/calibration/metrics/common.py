@@ -8,8 +8,8 @@ from typing import Any
 import torch
 
 from ...errors import AuditError
-from ..inputs import IGNORE_INDEX as IGNORE
-from ..inputs import Batch
+from ..data.inputs import IGNORE_INDEX as IGNORE
+from ..data.inputs import Batch
 
 
 def main_output(out: Any) -> torch.Tensor:
@@ -82,9 +82,9 @@ def _next_token_logprobs(y: torch.Tensor, b: Batch) -> tuple[torch.Tensor, torch
 
 def _check_targets(b: Batch, width: int, what: str, i: int | None = None) -> None:
     """The ids (or ``labels``) a token metric scores must index the model's ``width`` logits
-    (:func:`~auditor.calibration.inputs.token_value_problem`, the loader's own validator): one line naming the value
+    (:func:`~auditor.calibration.data.inputs.token_value_problem`, the loader's own validator): one line naming the value
     and where, else."""
-    from ..inputs import token_value_problem
+    from ..data.inputs import token_value_problem
 
     labels = isinstance(b.kwargs.get("labels"), torch.Tensor)
     name = "labels" if labels else "input_ids"

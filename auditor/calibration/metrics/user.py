@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from ...errors import AuditError
-from ..inputs import Batch
+from ..data.inputs import Batch
 from .base import Evaluating, Measurement, MetricKind, Scorer
 
 _CHECKED: dict[tuple[Any, str, float, bool], str] = {}  # (fn, digest, tolerance, direction) -> warning ("" none)

@@ -22,8 +22,8 @@ import numpy as np
 import torch
 from torch import nn
 
-from ..calresults import Verification
-from .inputs import Batch, Calibration, model_device
+from ...calresults import Verification
+from ..data.inputs import Batch, Calibration, model_device
 from .metric import Evaluator, Metric
 
 SEARCH_SHARE = 0.5  # of the held-out rows, for the search; the rest verify

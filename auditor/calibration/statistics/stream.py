@@ -14,7 +14,7 @@ A model has repeated blocks when some ``nn.ModuleList`` of at least two children
 the layers read; the longest such list is used. Models without one, or whose blocks are not called one after another
 with the same inputs apart from the hidden state, or whose forward does anything to a block's output before the
 next block reads it (a ReLU, a scaling, a flip, a permutation, a residual from elsewhere), get the one-pass
-:func:`auditor.calibration.stats.input_statistics`: both are checked on the first batch before any statistics are
+:func:`auditor.calibration.statistics.stats.input_statistics`: both are checked on the first batch before any statistics are
 taken, with every block returning distinct random values that the next block must receive exactly. Both paths give the
 same statistics (to float64 rounding). What the check cannot see is code between blocks that acts only on some values
 (e.g. a clamp beyond 1e3 that these values never reach).
@@ -29,9 +29,9 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
-from ..errors import AuditError
-from ..results import Layer
-from .inputs import Batch, Calibration, eval_mode, model_device
+from ...errors import AuditError
+from ...results import Layer
+from ..data.inputs import Batch, Calibration, eval_mode, model_device
 from .stats import InputStatistics, StatisticsHooks, _batch_mask, _module_path, by_name, input_statistics
 
 CACHE_KWARGS = ("past_key_value", "past_key_values", "layer_past", "cache")  # not passed: the blocks would fill them
@@ -227,7 +227,7 @@ class _Precision:
 def compute_dtype_for(spec: str | torch.dtype | None) -> torch.dtype | None:
     """``model``/None (the model's own dtype), ``float32`` or ``float64`` as the dtype statistics are computed in
     (:func:`auditor.options.compute_dtype_name`)."""
-    from ..options import compute_dtype_name
+    from ...options import compute_dtype_name
 
     name = compute_dtype_name(spec)
     return None if name is None else getattr(torch, name)

@@ -31,14 +31,14 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
-from .. import kinds, lrmath
-from ..calresults import LayerFloor
-from ..results import Layer
-from .inputs import Calibration, eval_mode
-from .metric import Evaluator, Metric
-from .session import CalibrationSession
-from .stats import InputStatistics, by_name
-from .whiten import Truncator, WhitenedSpectrum
+from ... import kinds, lrmath
+from ...calresults import LayerFloor
+from ...results import Layer
+from ..data.inputs import Calibration, eval_mode
+from ..measure.metric import Evaluator, Metric
+from ..session import CalibrationSession
+from ..statistics.stats import InputStatistics, by_name
+from ..statistics.whiten import Truncator, WhitenedSpectrum
 
 
 SWEPT = kinds.registry.SWEPT  # the kinds a floor is measured for (a live view of auditor.kinds)
@@ -61,7 +61,7 @@ class Floors:
     evaluations: int
     seconds: float
     prefix_cache: bool
-    kind: str = "output"  # the metric's kind (auditor/calibration/metric.py): how its values become costs
+    kind: str = "output"  # the metric's kind (auditor/calibration/measure/metric.py): how its values become costs
 
 
 def _ancestors(path: str) -> list[str]:
@@ -88,7 +88,7 @@ CACHE_FALLBACK = 2 * 2**30  # bytes by default where the available memory cannot
 def default_cache_bytes() -> int:
     """The prefix cache's default budget: a quarter of the memory available now (MemAvailable, lowered to the
     cgroup's room), at most 8 GiB; 2 GiB where it cannot be read."""
-    from ..spectra.backend import available_memory
+    from ...spectra.backend import available_memory
 
     avail = available_memory()
     return CACHE_FALLBACK if avail is None else max(0, min(int(avail * CACHE_SHARE), CACHE_CAP))
@@ -504,7 +504,7 @@ class Sweeper:
 
     def _owners_and_uses(self) -> tuple[dict[str, str], dict[str, set[str]]]:
         """Each layer's owning module path, and every module path holding its weight (a tied weight has several)."""
-        from .stats import _module_path
+        from ..statistics.stats import _module_path
 
         owners = {name: _module_path(layer)[0] for name, layer in self.layers.items()}
         holders: dict[int, set[str]] = {}  # id of a parameter -> every module path holding it directly
@@ -647,7 +647,7 @@ def probe_sensitivity(model: nn.Module, layers: dict[str, Layer] | list[Layer],
     """Each layer truncated alone at its :func:`probe_ranks` and measured on the held-out batches (at most two
     evaluations a layer): ``Floors`` whose points, not floors, are what counts (``search`` "probe"). A layer's
     tier-1 layer-output error times its measured gain is its model-level cost in tier 3
-    (:func:`~auditor.calibration.budget.curves_from_floors`): a layer whose errors the rest of the model hides
+    (:func:`~auditor.calibration.tiers.budget.curves_from_floors`): a layer whose errors the rest of the model hides
     costs less than one whose errors reach the output. ``model`` is not modified."""
     t0 = time.perf_counter()
     sweeper = Sweeper(model, layers, calibration, SweepSettings(align=align, spectra=spectra))

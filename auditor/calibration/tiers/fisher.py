@@ -15,7 +15,7 @@ where ``g`` is the gradient at the layer's output of
   KL and, to first order, the relative perplexity increase.
 
 The truncation tier 3 applies at rank r keeps F_r = U_r U_r^T F (U the left singular vectors of the whitened F S,
-:mod:`~auditor.calibration.whiten`), so D = (I - U_r U_r^T) F and, in the basis that diagonalises F S S^T F^T,
+:mod:`~auditor.calibration.statistics.whiten`), so D = (I - U_r U_r^T) F and, in the basis that diagonalises F S S^T F^T,
 
     cost(r) = c * sum_{i > r} q_i * gamma_i,    q_i = u_i^T F S F^T u_i,   gamma_i = u_i^T G u_i:
 
@@ -42,13 +42,13 @@ import torch
 from torch import nn
 from torch.autograd.graph import get_gradient_edge
 
-from .. import lrmath
-from ..errors import AuditError, first_line
-from ..results import Kind, Layer
-from .inputs import Batch, Calibration, eval_mode, model_device
-from .metric import Metric, _row_mask, main_output
-from .stats import InputStatistics, LayerInput, _module_path, by_name
-from .whiten import DAMP, WhitenedSpectrum, function_matrices, save_spilled
+from ... import lrmath
+from ...errors import AuditError, first_line
+from ...results import Kind, Layer
+from ..data.inputs import Batch, Calibration, eval_mode, model_device
+from ..measure.metric import Metric, _row_mask, main_output
+from ..statistics.stats import InputStatistics, LayerInput, _module_path, by_name
+from ..statistics.whiten import DAMP, WhitenedSpectrum, function_matrices, save_spilled
 
 GRADIENT_KINDS = (Kind.LINEAR, Kind.CONV1D_HF, Kind.EMBEDDING)
 SAMPLES = 2  # random projections (output error) or sampled label sets (likelihood metrics) per fit batch
@@ -89,7 +89,7 @@ def output_gradients(model: nn.Module, layers: dict[str, Layer] | list[Layer], c
     """One forward and ``samples`` backward passes per fit batch, gradient hooks on every supported layer's output
     (rows with ``attention_mask`` 0 left out, as in the statistics). The model runs where it is, in eval mode; no
     parameter's ``requires_grad`` or ``.grad`` is touched (the graph starts at the hooked outputs). Where the model
-    has repeated blocks (:func:`~auditor.calibration.stream.find_blocks`) each block runs checkpointed
+    has repeated blocks (:func:`~auditor.calibration.statistics.stream.find_blocks`) each block runs checkpointed
     (``torch.utils.checkpoint``, non-reentrant): the backward recomputes one block's activations at a time, so the
     activations alive at once are the blocks' inputs and one block's, not every block's."""
     if not metric.spec.gradient:
@@ -262,8 +262,8 @@ def _losses(y: torch.Tensor, b: Batch, keep: torch.Tensor | None, p: _Pass) -> l
 
 
 def _blocks(model: nn.Module, layers: list[Layer]) -> Any:
-    """The model's repeated blocks holding most of ``layers`` (:func:`~auditor.calibration.stream.find_blocks`)."""
-    from .stream import find_blocks
+    """The model's repeated blocks holding most of ``layers`` (:func:`~auditor.calibration.statistics.stream.find_blocks`)."""
+    from ..statistics.stream import find_blocks
 
     return find_blocks(model, layers) if layers else None
 
@@ -346,7 +346,7 @@ def _checkpointed(found: Any) -> Iterator[None]:
     the block is recomputed)."""
     from torch.utils.checkpoint import checkpoint
 
-    from .stream import _keep
+    from ..statistics.stream import _keep
 
     blocks = list(found.blocks) if found is not None else []
     saved = [(blk, blk.__dict__.get("forward")) for blk in blocks]

@@ -2,7 +2,7 @@
 
 Which files are text (:func:`is_text_file`): a name ending ``.txt``, ``.text``, ``.md``, ``.rst`` or ``.py`` always
 (it must then be UTF-8); any other file not ending ``.safetensors``, ``.pt``, ``.pth`` or ``.bin`` when its bytes
-decode as UTF-8 and hold no NUL byte. Everything else is read as tensors (:mod:`auditor.calibration.inputs`).
+decode as UTF-8 and hold no NUL byte. Everything else is read as tensors (:mod:`auditor.calibration.data.inputs`).
 
 The text is encoded once without special tokens and cut into windows of a fixed length (default: the model's
 positions, at most 512): each window is ``prefix + chunk + suffix``, where prefix and suffix are the special tokens the
@@ -22,8 +22,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..errors import AuditError, first_line
-from ..options import CALIBRATION_MAX_BYTES as MAX_BYTES  # a text file larger than this is refused (unless raised)
+from ...errors import AuditError, first_line
+from ...options import CALIBRATION_MAX_BYTES as MAX_BYTES  # a text file larger than this is refused (unless raised)
 
 TEXT_SUFFIXES = (".txt", ".text", ".md", ".rst", ".py")
 TENSOR_SUFFIXES = (".safetensors", ".pt", ".pth", ".bin")
@@ -88,7 +88,7 @@ def check_text_sources(sources: list[Any], tokenizer: str | Path | None,
     """The checks on text calibration files that need no model (the file is a readable regular file no larger than
     ``max_bytes``, None: no cap; it is UTF-8 and not empty; there are tokenizer files), run before an audit's slow
     stages so bad text fails at once; the rest come with :func:`text_inputs`."""
-    from ..errors import describe_missing
+    from ...errors import describe_missing
 
     for i, source in enumerate(sources):
         if is_text_source(source):
@@ -125,7 +125,7 @@ def read_text(path: Path, max_bytes: int | None = None) -> str:
     """The file's text (UTF-8, a byte-order mark dropped); one-line errors for a non-UTF-8 or empty file, and for one
     larger than ``max_bytes`` (checked before a byte is read)."""
     if max_bytes is not None:
-        from ..errors import size_text
+        from ...errors import size_text
 
         size = path.stat().st_size
         if size > max_bytes:
@@ -153,8 +153,8 @@ def load_tokenizer(directory: Path) -> tuple[Any, str]:
                          f"({', '.join(TOKENIZER_FILES[:4])}, ...)",
                          "Add the tokenizer files (tokenizer.save_pretrained(DIR)), or give token ids as a "
                          "safetensors file of input_ids")
-    from ..sources.hf import offline
-    from ..sources.factory import stdout_to_stderr
+    from ...sources.hf import offline
+    from ...sources.factory import stdout_to_stderr
 
     try:
         import transformers
@@ -195,7 +195,7 @@ def model_positions(model: nn.Module | None) -> int | None:
     config = getattr(model, "config", None)
     if config is None:
         return None
-    from ..sources.hf import max_positions
+    from ...sources.hf import max_positions
 
     return max_positions(config)
 

@@ -18,13 +18,13 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
-from ..errors import AuditError, first_line
-from . import metrics
-from .inputs import Batch, Calibration, _import_fn, model_device
-from .metrics.base import Measurement, MetricKind, Scorer
-from .metrics.common import (_check_targets, _masked_logprobs, _masked_targets, _next_token_logprobs, _row_mask,
+from ...errors import AuditError, first_line
+from .. import metrics
+from ..data.inputs import Batch, Calibration, _import_fn, model_device
+from ..metrics.base import Measurement, MetricKind, Scorer
+from ..metrics.common import (_check_targets, _masked_logprobs, _masked_targets, _next_token_logprobs, _row_mask,
                              _targets, main_output)
-from .metrics.masked import NO_LABELS
+from ..metrics.masked import NO_LABELS
 
 UserMetric = Callable[[nn.Module, list[Any]], float]
 DEFAULT_TOLERANCE = 0.01

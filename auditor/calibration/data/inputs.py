@@ -3,7 +3,7 @@
 A source is a safetensors (or weights-only ``.pt``) file of named tensors batched along dim 0 that match the forward's
 keyword inputs (``input_ids``, ``attention_mask``, ...) or one positional input; ``file.py:fn`` / ``module:fn``
 returning an iterable of batches (a tensor, a tuple of positional inputs, or a dict of keyword inputs); a text file,
-tokenized with the model's tokenizer and cut into windows (:mod:`auditor.calibration.text`); or, from the API, such an
+tokenized with the model's tokenizer and cut into windows (:mod:`auditor.calibration.data.text`); or, from the API, such an
 iterable itself. The held-out part (the last ``holdout`` share of the rows or batches) is used only to
 measure, never to compute input statistics.
 """
@@ -22,8 +22,8 @@ from typing import Any, Iterable, Iterator
 import torch
 from torch import nn
 
-from ..errors import AuditError, describe_missing, first_line, size_text
-from ..options import CALIBRATION_MAX_BYTES, CALIBRATION_MAX_ROWS
+from ...errors import AuditError, describe_missing, first_line, size_text
+from ...options import CALIBRATION_MAX_BYTES, CALIBRATION_MAX_ROWS
 from .text import is_text_source, text_inputs
 
 
@@ -237,7 +237,7 @@ def _as_batch(item: Any, i: int, where: str) -> Batch:
 
 
 def _import_fn(spec: str) -> Any:
-    from ..sources.factory import import_user_module
+    from ...sources.factory import import_user_module
 
     target, _, attr = spec.rpartition(":")
     module = import_user_module(target, "calibration file")
@@ -331,7 +331,7 @@ def _read_batches(items: Iterable[Any], where: str, max_rows: int | None, max_by
                   user: str = "") -> list[Batch]:
     """The batches an iterable yields, read until it ends or a cap is passed (an endless generator stops there with
     one line). ``user``: the ``file.py:fn`` whose generator this is; its exceptions and exits become one line."""
-    from ..sources.factory import _run_user_code
+    from ...sources.factory import _run_user_code
 
     out: list[Batch] = []
     rows = size = 0
@@ -387,7 +387,7 @@ def load_calibration(source: Any, model: nn.Module | None = None, holdout: Any =
     here with one line (an ``AuditError``) naming the batch. ``caps``: ``max_rows`` and ``max_bytes`` cap what is
     read (a file's size, a text file's size, the tensors a function yields; None: no cap; default
     :data:`MAX_ROWS`, :data:`MAX_BYTES`).
-    A text file (:func:`auditor.calibration.text.is_text_file`) is tokenized with the tokenizer in the directory
+    A text file (:func:`auditor.calibration.data.text.is_text_file`) is tokenized with the tokenizer in the directory
     ``tokenizer`` into windows of ``length`` tokens (default: the model's positions, at most 512); the digest then
     covers the tokenizer's files too.
     """
@@ -487,7 +487,7 @@ def _read_source(source: Any, model: nn.Module | None, holdout: float, reading: 
 
 
 def _text(path: Path, model: nn.Module | None, holdout: float, reading: Reading, where: str) -> Any:
-    """A text file tokenized into windows (:func:`~auditor.calibration.text.text_inputs`)."""
+    """A text file tokenized into windows (:func:`~auditor.calibration.data.text.text_inputs`)."""
     names, _ = _forward_names(model)
     text_in = text_inputs(path, reading.tokenizer, model, reading.length, attention_mask="attention_mask" in names,
                           max_bytes=reading.max_bytes)
@@ -501,7 +501,7 @@ def _text(path: Path, model: nn.Module | None, holdout: float, reading: Reading,
 
 def _called(text: str) -> Iterable[Any]:
     """What the calibration function ``file.py:fn`` / ``module:fn`` returns: an iterable of batches."""
-    from ..sources.factory import _run_user_code
+    from ...sources.factory import _run_user_code
 
     fn = _import_fn(text)
     items = _run_user_code(fn, f"calibration function {text}()", "raised", "Fix the function that yields batches",

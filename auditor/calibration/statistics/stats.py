@@ -33,11 +33,11 @@ import numpy as np
 import torch
 from torch import nn
 
-from .. import kinds
-from ..errors import AuditError
-from ..kinds.conv import conv_patches
-from ..results import Layer
-from .inputs import Batch, Calibration, eval_mode, run
+from ... import kinds
+from ...errors import AuditError
+from ...kinds.conv import conv_patches
+from ...results import Layer
+from ..data.inputs import Batch, Calibration, eval_mode, run
 
 
 @dataclass

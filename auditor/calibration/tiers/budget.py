@@ -18,23 +18,23 @@ from typing import TYPE_CHECKING, Any, Callable
 
 from torch import nn
 
-from .. import lrmath
-from ..calresults import BudgetResult, FrontierPlan
-from ..kinds.registry import SUPPORTED
-from ..surgery import count_params
-from .apply import factorize
-from ..results import Layer
-from . import metrics
-from .inputs import Calibration
-from .metric import Evaluator, Metric
-from .session import CalibrationSession
-from .stats import InputStatistics, by_name
+from ... import lrmath
+from ...calresults import BudgetResult, FrontierPlan
+from ...kinds.registry import SUPPORTED
+from ...surgery import count_params
+from ..apply import factorize
+from ...results import Layer
+from .. import metrics
+from ..data.inputs import Calibration
+from ..measure.metric import Evaluator, Metric
+from ..session import CalibrationSession
+from ..statistics.stats import InputStatistics, by_name
 from .sweep import Floors
-from .whiten import WhitenedSpectrum
+from ..statistics.whiten import WhitenedSpectrum
 
 if TYPE_CHECKING:
     from .fisher import GradientSensitivity
-    from .staged import StagedEvaluator
+    from ..measure.staged import StagedEvaluator
 
 
 @dataclass
@@ -63,7 +63,7 @@ def curves_from_floors(floors: Floors, layers: dict[str, Layer] | list[Layer],
     of measured to layer-output error at the measured ranks, interpolated (log-linear in rank) between them and held
     flat beyond. The guided search measures about 3 ranks per layer; without these the allocation could only pick
     among those (on the char transformer the budgeted plan removed 27% instead of 50% at the same tolerance).
-    ``floors`` may also be sensitivity probes (:func:`~auditor.calibration.sweep.probe_sensitivity`, ``source``
+    ``floors`` may also be sensitivity probes (:func:`~auditor.calibration.tiers.sweep.probe_sensitivity`, ``source``
     "probed"): two measured ranks a layer, the same gains between them."""
     named = by_name(layers)
     out: dict[str, list[Option]] = {}
@@ -138,7 +138,7 @@ def curves_from_spectra(spectra: dict[str, WhitenedSpectrum], layers: dict[str, 
 
 def curves_from_gradients(sensitivity: "GradientSensitivity", layers: dict[str, Layer] | list[Layer],
                           align: int = 8) -> Curves:
-    """Options from the gradient-predicted costs (:func:`~auditor.calibration.fisher.gradient_sensitivity`): every
+    """Options from the gradient-predicted costs (:func:`~auditor.calibration.tiers.fisher.gradient_sensitivity`): every
     multiple of ``align`` below break-even, costed by the layer's predicted model-level cost at that rank (the
     squared relative output error, or for a likelihood metric the cross-entropy increase in nats: ``linear``)."""
     named = by_name(layers)
@@ -205,14 +205,14 @@ REUSE_FALLBACK = 2 * 2**30  # bytes by default where the available memory cannot
 def default_reuse_bytes() -> int:
     """The default budget of :class:`Decompositions`: a quarter of the memory available now, at most 8 GiB; 2 GiB
     where it cannot be read."""
-    from ..spectra.backend import available_memory
+    from ...spectra.backend import available_memory
 
     avail = available_memory()
     return REUSE_FALLBACK if avail is None else max(0, min(int(avail * REUSE_SHARE), REUSE_CAP))
 
 
 def _truncator_bytes(trunc: object) -> int:
-    """The float64 arrays a :class:`~auditor.calibration.whiten.Truncator` holds: the weight F and each group's U."""
+    """The float64 arrays a :class:`~auditor.calibration.statistics.whiten.Truncator` holds: the weight F and each group's U."""
     f = getattr(trunc, "f", None)
     return int(getattr(f, "nbytes", 0)) + sum(int(u.nbytes) for u in getattr(trunc, "u", ()))
 
@@ -271,7 +271,7 @@ def plan_for_budget(model: nn.Module, layers: dict[str, Layer] | list[Layer],
 
     Each target (parameters to remove) gives one plan (:func:`allocate`); a plan is factorized and measured once
     (repeated plans cost nothing), in the audit's split sessions for a built-in metric in stages
-    (:mod:`~auditor.calibration.staged`: 16 search rows, and more, doubling, only while the plan's interval straddles
+    (:mod:`~auditor.calibration.measure.staged`: 16 search rows, and more, doubling, only while the plan's interval straddles
     the tolerance). Without ``budget`` the search starts at the largest target whose predicted cost fits the
     tolerance (tolerance^2 for the relative output error, the tolerance itself for a user metric or a likelihood
     metric's linear costs). For a built-in metric the next target is the one the curves predict at the tolerance
@@ -312,7 +312,7 @@ def _fixed_of(fixed: dict[str, int] | None, named: dict[str, Layer]) -> dict[str
     out = {k: int(r) for k, r in (fixed or {}).items()}
     unknown = [k for k in out if k not in named]
     if unknown:
-        from ..errors import AuditError
+        from ...errors import AuditError
 
         raise AuditError(f"fixed layer(s) {', '.join(unknown[:5])} are not among the layers given",
                          "Pass every layer of the plan in layers")
@@ -380,7 +380,7 @@ class _Search:
         budget = self.s.budget
         if budget is not None:
             if not 0 < budget < 1:
-                from ..errors import AuditError
+                from ...errors import AuditError
 
                 raise AuditError(f"budget {budget} is not a fraction in (0, 1)", "Give e.g. --budget 0.3")
             return min(max(budget * self.total - self.fixed_saved, 0.0), float(self.max_saved))
@@ -548,7 +548,7 @@ def recover_frontier(model: nn.Module, session: CalibrationSession, result: Budg
     tolerance, when it removes more than the plan chosen before recovery (which holds without a fine-tune);
     ``chosen_after_recovery`` then marks it, and ``metric``/``ok`` stay its measurement before the fine-tune.
     ``progress(plans recovered, plans)`` after each. The model is measured in eval mode; its mode is restored."""
-    from ..calresults import RecoverySetup
+    from ...calresults import RecoverySetup
 
     s = replace(settings, **given) if settings is not None else RecoverySettings(**given)
     t0 = time.perf_counter()
@@ -581,8 +581,8 @@ def _recovery_frontier(result: BudgetResult) -> list[FrontierPlan]:
 def _recover_each(model: nn.Module, session: CalibrationSession, frontier: list[FrontierPlan],
                   s: RecoverySettings, progress: Callable[[int, int], None] | None) -> list[FrontierPlan]:
     """Each plan (the dense model aside) factorized, fine-tuned and measured again."""
-    from ..calresults import FrontierRecovery
-    from .recovery import recover
+    from ...calresults import FrontierRecovery
+    from ..recovery import recover
 
     todo = [p for p in frontier if p.plan]
     out: list[FrontierPlan] = []

@@ -27,8 +27,8 @@ from typing import TYPE_CHECKING, Any, Callable
 import numpy as np
 import torch
 
-from .. import kinds, lrmath
-from ..results import Kind, Layer
+from ... import kinds, lrmath
+from ...results import Kind, Layer
 from .stats import LayerInput
 
 if TYPE_CHECKING:
@@ -242,7 +242,7 @@ def save_spilled(path: str, a: np.ndarray, what: str) -> None:
     try:
         np.save(path, a, allow_pickle=False)
     except OSError as exc:
-        from ..errors import AuditError
+        from ...errors import AuditError
 
         raise AuditError(f"cannot write {what} to {os.path.dirname(path)}: {exc.strerror or exc}",
                          "Free disk space there, or set TMPDIR to a directory with room") from None
@@ -305,7 +305,7 @@ class TruncatorStore(dict):
 
 def part_bytes(model: Any, layers: list[Layer]) -> int:
     """The decompositions of the largest part of the model: one repeated block's layers together, or one layer
-    outside the blocks (:func:`~auditor.calibration.stream.find_blocks`); every layer together where the model has
+    outside the blocks (:func:`~auditor.calibration.statistics.stream.find_blocks`); every layer together where the model has
     no repeated blocks. What :class:`TruncatorStore` keeps in memory in the audit."""
     from .stream import find_blocks
 

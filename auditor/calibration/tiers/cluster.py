@@ -3,9 +3,9 @@
 A :class:`SweepPlugin` (a ``distributed.WorkerPlugin``) is registered once per audit. It carries, as one pickled
 payload: how to get the model, the calibration batches, the tier-1 input statistics (so the whitened initialisation
 is the one a local run uses), the layers, the tier-1 whitened spectra (where each bisection starts), the metric, the
-tolerance and the alignment. On a worker's first task the plugin builds one :class:`~auditor.calibration.sweep.Sweeper`
-and keeps it; every task then calls ``sweeper.floor(layer)`` and returns the :class:`~auditor.calibration.sweep.Floor`
-(plain data). A last small task turns the floors into :class:`~auditor.calibration.sweep.Floors` with
+tolerance and the alignment. On a worker's first task the plugin builds one :class:`~auditor.calibration.tiers.sweep.Sweeper`
+and keeps it; every task then calls ``sweeper.floor(layer)`` and returns the :class:`~auditor.calibration.tiers.sweep.Floor`
+(plain data). A last small task turns the floors into :class:`~auditor.calibration.tiers.sweep.Floors` with
 ``Sweeper.result`` on a worker that holds a sweeper, so this process never builds one.
 
 How the model gets to a worker:
@@ -36,19 +36,19 @@ from typing import TYPE_CHECKING, Any, Callable
 
 from distributed.diagnostics.plugin import WorkerPlugin
 
-from ..errors import AuditError
-from ..spectra.dask_executor import DaskExecutor, executor_for, is_url, map_path
+from ...errors import AuditError
+from ...spectra.dask_executor import DaskExecutor, executor_for, is_url, map_path
 
 if TYPE_CHECKING:
     from torch import nn
 
-    from ..options import AuditOptions, LoadOptions
-    from ..results import Layer
-    from .inputs import Calibration
-    from .metric import Metric
-    from .stats import InputStatistics
+    from ...options import AuditOptions, LoadOptions
+    from ...results import Layer
+    from ..data.inputs import Calibration
+    from ..measure.metric import Metric
+    from ..statistics.stats import InputStatistics
     from .sweep import Floor, Floors
-    from .whiten import WhitenedSpectrum
+    from ..statistics.whiten import WhitenedSpectrum
 
 PLUGIN_PREFIX = "lowrank-sweep-"
 
@@ -119,7 +119,7 @@ class SweepPlugin(WorkerPlugin):
         if self._sweeper is None:
             import cloudpickle
 
-            from .hashing import weights_hash
+            from ..data.hashing import weights_hash
             from .sweep import Sweeper
 
             p: SweepPayload = cloudpickle.loads(self.payload)
@@ -168,7 +168,7 @@ def result_task(task: ResultTask) -> "Floors":
 def _load_by_source(source: tuple[str, "LoadOptions"]) -> "nn.Module":
     from torch import nn
 
-    from ..sources import load_source
+    from ...sources import load_source
 
     spec, load = source
     loaded = load_source(spec, input_shape=[tuple(s) for s in load.input_shape] if load.input_shape else None,
@@ -261,7 +261,7 @@ def measured_part(calibration: "Calibration") -> "Calibration":
     the whole of it, once per batch."""
     import torch
 
-    from .inputs import Batch
+    from ..data.inputs import Batch
 
     def own(x: Any) -> Any:
         if isinstance(x, torch.Tensor) and x.untyped_storage().nbytes() > x.numel() * x.element_size():
@@ -284,7 +284,7 @@ def _payload(model: "nn.Module", layers: list["Layer"], calibration: "Calibratio
              options: "AuditOptions") -> SweepPayload:
     """``base`` with how the workers get the model (by source where the audit has one that maps to local files,
     else by value) and only the held-out part of the calibration."""
-    from .hashing import weights_hash
+    from ..data.hashing import weights_hash
 
     source = None
     if options.origin is not None:
@@ -299,12 +299,12 @@ def measure_floors_on_cluster(model: "nn.Module", layers: list["Layer"], calibra
                               spectra: dict[str, "WhitenedSpectrum"], options: "AuditOptions",
                               ) -> tuple["Floors", str]:
     """Tier 2 with one Dask task per layer on ``options.scheduler`` (an address or a ``distributed.Client``):
-    the same :class:`~auditor.calibration.sweep.Floors` ``measure_floors`` returns with its bisection, and where it
+    the same :class:`~auditor.calibration.tiers.sweep.Floors` ``measure_floors`` returns with its bisection, and where it
     ran ("dask tcp://HOST:PORT (N workers)"). Progress (tasks done / total) goes to the run's progress bar. (The
-    brute-force reference, ``search="all"``, runs locally: :func:`~auditor.calibration.sweep.measure_floors`.)"""
+    brute-force reference, ``search="all"``, runs locally: :func:`~auditor.calibration.tiers.sweep.measure_floors`.)"""
     import uuid
 
-    from ..progress import Progress
+    from ...progress import Progress
 
     t0 = time.perf_counter()
     search = "bisect"
