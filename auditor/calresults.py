@@ -53,9 +53,10 @@ class LayerFloor:
     init: str = working("whitened")  # "whitened" | "svd" (no input statistics) | "" (not swept)
 
 
-@dataclass
+@dataclass(frozen=True)
 class LayerCalibration:
-    """Tier 1 (and tier 2 when measured) for one layer."""
+    """Tier 1 (and tier 2 when measured) for one layer: built once, by the calibration stage, from what its passes
+    returned."""
 
     layer: str
     rows: int  # calibration rows the layer saw (tokens, positions, patches, lookups)

@@ -11,7 +11,7 @@ from auditor.calibration import load_calibration, plan_for_budget, tier1
 from auditor.calibration.tiers import budget as budget_mod
 from auditor.calibration.tiers.budget import RESOLUTION, SearchSettings, curves_from_spectra
 from auditor.calibration.data.inputs import Batch, Calibration
-from auditor.calibration.stage import gradient_rows
+from auditor.calibration.tiers.sensitivity import gradient_rows
 from auditor.calibration.statistics.stats import by_name
 from auditor.structure.layers import ParamTable, collect_layers
 

@@ -38,7 +38,10 @@ from .measure.metric import Evaluator, Metric, load_metric
 from .statistics.stats import InputStatistics, by_name, input_statistics
 
 if TYPE_CHECKING:
-    from ..options import AuditOptions
+    from ..options import AuditOptions, TierOptions
+    from .measure.metric import PlanMeasurer
+    from .measure.staged import StagedEvaluator
+    from .measure.verify import Verifier
     from .statistics.stats import GramStore
     from ..progress import Progress
 
@@ -191,7 +194,8 @@ def _cache_entry(model: nn.Module, layers: list[Layer], cal: Calibration, option
     if not options.cache:
         return None
     try:
-        return cache_path(options.cache_dir, model, cal, layers, options.compute_dtype, options.device)
+        return cache_path(options.cache_dir, model, cal, layers, options.statistics.compute_dtype,
+                          options.statistics.device)
     except AuditError:
         raise
     except Exception:  # noqa: BLE001 - what cannot be keyed is not cached (never trusted), and not an error
@@ -251,7 +255,8 @@ def _stream_into(store: "GramStore", model: nn.Module, layers: list[Layer], cal:
         from .statistics.stream import StreamOptions, stream_statistics  # block by block with repeated blocks, else one pass
 
         stats = stream_statistics(model, layers, cal, StreamOptions(
-            device=options.device, offload=options.offload, compute_dtype=options.compute_dtype, on_block=block,
+            device=options.statistics.device, offload=options.statistics.offload,
+            compute_dtype=options.statistics.compute_dtype, on_block=block,
             keep=False, progress=progress.update if progress is not None else None))
     except AuditError:
         store.close()
@@ -297,15 +302,15 @@ def _clear(entry: Path) -> None:
         os.unlink(entry)
 
 
-def metric_of(options: "AuditOptions", model: nn.Module | None = None, cal: Calibration | None = None) -> Metric:
-    """The metric ``options.metric`` names: "perplexity", "kl", "masked-perplexity" (alias "masked-ce", "mlm"),
+def metric_of(tiers: "TierOptions", model: nn.Module | None = None, cal: Calibration | None = None) -> Metric:
+    """The metric ``tiers.metric`` names: "perplexity", "kl", "masked-perplexity" (alias "masked-ce", "mlm"),
     "output-error", ``file.py:fn`` / ``module:fn``, a function, or a ``Metric``; None follows the model: perplexity
     for a causal LM (:func:`is_causal_lm`, probed on the first held-out batch of ``cal``), the masked-token
     perplexity for a masked LM (:func:`is_masked_lm`), the relative output error otherwise."""
     from .measure.metric import is_causal_lm, is_masked_lm
     from .metrics import for_name
 
-    fn = options.metric
+    fn = tiers.metric
     if isinstance(fn, Metric):
         m = fn
     elif fn is None:
@@ -319,7 +324,7 @@ def metric_of(options: "AuditOptions", model: nn.Module | None = None, cal: Cali
         m = Metric(fn=load_metric(fn), name=fn.rpartition(":")[2])
     else:
         m = Metric(fn=fn)
-    return replace(m, tolerance=options.tolerance) if options.tolerance is not None else m
+    return replace(m, tolerance=tiers.tolerance) if tiers.tolerance is not None else m
 
 
 def as_metric(metric: "Metric | Any | None", tolerance: float | None = None) -> Metric:
@@ -348,11 +353,12 @@ class CalibrationSession:
 
     ``layers``: the layers the statistics are read for (the audit's, in its order); ``options``: the audit's
     options (the statistics' cache: without them nothing is cached); ``stats``: statistics already at hand (a
-    caller's, or the cache's), used as they are."""
+    caller's, or the cache's), used as they are; ``split``: the held-out rows cut into a search part and a
+    verification part (the audit's); ``confidence``: the verification interval's level."""
 
     def __init__(self, model: nn.Module, calibration: Calibration, metric: Metric | None = None, *,
                  layers: dict[str, Layer] | list[Layer] | None = None, options: "AuditOptions | None" = None,
-                 stats: InputStatistics | None = None) -> None:
+                 stats: InputStatistics | None = None, split: bool = False, confidence: float = 0.9) -> None:
         if not isinstance(calibration, Calibration):
             raise AuditError(f"calibration is a {type(calibration).__name__}",
                              "Pass a Calibration (auditor.calibration.load_calibration)")
@@ -363,10 +369,10 @@ class CalibrationSession:
         self.options = options
         self._held = Held(stats)  # shared with with_metric's sessions
         self._evaluator: Evaluator | None = None
-        self._staged: Any = None
-        self._verifier: Any = None
-        self.split = False  # the held-out rows cut into a search part and a verification part (the audit's)
-        self.confidence = 0.9  # the verification interval's level
+        self._staged: "StagedEvaluator | None" = None  # built on first use (search_evaluator)
+        self._verifier: "Verifier | None" = None  # built on first use (verifier)
+        self.split = split
+        self.confidence = confidence
 
     @property
     def _stats(self) -> InputStatistics | None:
@@ -399,25 +405,24 @@ class CalibrationSession:
     @classmethod
     def from_options(cls, model: nn.Module, layers: list[Layer], options: "AuditOptions") -> "CalibrationSession":
         """The audit's session: the calibration ``options`` name (read once), its metric and the audit's layers."""
-        cal = load_calibration(options.calibration, model, options.holdout, tokenizer=options.tokenizer,
-                               length=options.calibration_length, max_rows=options.calibration_max_rows,
-                               max_bytes=options.calibration_max_bytes)
+        data = options.calibration_data
+        cal = load_calibration(data.source, model, data.holdout, tokenizer=data.tokenizer, length=data.length,
+                               max_rows=data.max_rows, max_bytes=data.max_bytes)
         map_large_arrays()  # the freed arrays of each block handed back, so the peak does not grow with the depth
-        session = cls(model, cal, metric_of(options, model, cal), layers=layers, options=options)
+        metric = metric_of(options.tiers, model, cal)
         # a user metric fn(model, batches) may line its own labels up with every held-out row: never cut
-        session.split = (bool(cal.holdout) and session.metric.spec.verified_by_rows
-                         and bool(getattr(options, "split", True)))
-        session.confidence = float(getattr(options, "confidence", 0.9))
-        return session
+        split = bool(cal.holdout) and metric.spec.verified_by_rows and bool(options.tiers.split)
+        return cls(model, cal, metric, layers=layers, options=options, split=split,
+                   confidence=float(options.tiers.confidence))
 
     def with_metric(self, metric: Metric) -> "CalibrationSession":
         """This session measured with ``metric``: itself when it is the same, else a session sharing the batches and
         the statistics (computed once for both) with its own evaluator."""
         if metric == self.metric:
             return self
-        other = CalibrationSession(self.model, self.calibration, metric, layers=self.layers, options=self.options)
+        other = CalibrationSession(self.model, self.calibration, metric, layers=self.layers, options=self.options,
+                                   split=self.split, confidence=self.confidence)
         other._held = self._held
-        other.split, other.confidence = self.split, self.confidence
         return other
 
     @contextlib.contextmanager
@@ -511,7 +516,7 @@ class CalibrationSession:
         return self._evaluator
 
     @property
-    def search_evaluator(self) -> Any:
+    def search_evaluator(self) -> "PlanMeasurer":
         """What tier 3 measures plans with: for a built-in metric a
         :class:`~auditor.calibration.measure.staged.StagedEvaluator` on the search rows (a subsample first, every search row
         only for plans near the tolerance; the dense per-row sums once) when the session is ``split`` (the audit's:
@@ -527,7 +532,7 @@ class CalibrationSession:
         return self._staged
 
     @property
-    def verifier(self) -> Any:
+    def verifier(self) -> "Verifier | None":
         """The verifier on the held-out rows' verification part (``split`` sessions only; None otherwise): every
         row measured, with a bootstrap interval over rows at ``confidence``."""
         if not self.split:

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Protocol
 
 import torch
 from torch import nn
@@ -134,6 +134,21 @@ def is_masked_lm(model: nn.Module) -> bool:
 DETERMINISM = 1e-6  # two dense runs on one held-out batch may differ by this much (relative to the output's size)
 
 
+class PlanMeasurer(Protocol):
+    """What tier 3 measures plans with: an :class:`Evaluator` (every held-out row for every plan) or a
+    :class:`~auditor.calibration.measure.staged.StagedEvaluator` (a subsample first, more rows only near the
+    tolerance)."""
+
+    reference: float  # the dense model's value
+    evaluations: int
+
+    def measure(self, model: nn.Module) -> Measurement: ...
+
+    @property
+    def rows_read(self) -> int:
+        """The held-out rows the last measurement read."""
+
+
 class Evaluator:
     """Scores models on the calibration's held-out batches against the dense model's reference.
 
@@ -177,6 +192,11 @@ class Evaluator:
     def measure(self, model: nn.Module) -> Measurement:
         self.evaluations += 1
         return self.scorer.measure(model)
+
+    @property
+    def rows_read(self) -> int:
+        """Every measurement reads every held-out row."""
+        return sum(b.rows for b in self.batches)
 
 
 

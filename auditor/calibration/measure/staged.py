@@ -10,7 +10,7 @@ plan whose interval still straddles it reads the next stage; its value is then t
 stages' per-row sums joined: no row is run twice). A plan far from the tolerance reads the head alone; one at it
 reads every search row. The dense model's per-row sums are computed once per stage (the head's when the evaluator is
 built, a later stage's when a plan first needs it). The search only orders plans; the suggested plan is still verified
-on every verification row with the audit's interval (``stage._verify``), which is what the report's verdict says.
+on every verification row with the audit's interval (``tiers.passes.verify``), which is what the report's verdict says.
 """
 
 from __future__ import annotations
@@ -152,6 +152,11 @@ class StagedEvaluator:
         self.full += i == self.stages and self.stages > 1
         self.last_rows = len(sums[-1])
         return self._measurement(sums, top)
+
+    @property
+    def rows_read(self) -> int:
+        """The search rows the last measurement read (its stages)."""
+        return self.last_rows
 
     def _measurement(self, sums: tuple[np.ndarray, ...], top: tuple[np.ndarray, np.ndarray] | None) -> Measurement:
         value = self.head._value(sums)

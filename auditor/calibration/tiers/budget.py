@@ -26,15 +26,15 @@ from ..apply import factorize
 from ...results import Layer
 from .. import metrics
 from ..data.inputs import Calibration
-from ..measure.metric import Evaluator, Metric
+from ..measure.metric import Metric, PlanMeasurer
 from ..session import CalibrationSession
 from ..statistics.stats import InputStatistics, by_name
 from .sweep import Floors
 from ..statistics.whiten import WhitenedSpectrum
 
 if TYPE_CHECKING:
+    from ...options import RecoveryOptions
     from .fisher import GradientSensitivity
-    from ..measure.staged import StagedEvaluator
 
 
 @dataclass
@@ -327,7 +327,7 @@ class _Search:
     """One tier-3 search: every distinct plan measured once (``tries``, in order), the bracket narrowed, the frontier
     measured around the plan found, and the result."""
 
-    def __init__(self, model: nn.Module, ev: "Evaluator | StagedEvaluator", curves: Curves, named: dict[str, Layer],
+    def __init__(self, model: nn.Module, ev: PlanMeasurer, curves: Curves, named: dict[str, Layer],
                  stats: InputStatistics, metric: Metric, settings: SearchSettings) -> None:
         self.model, self.ev, self.curves, self.stats, self.metric, self.s = model, ev, curves, stats, metric, settings
         self.fixed: dict[str, int] = dict(settings.fixed or {})
@@ -360,9 +360,8 @@ class _Search:
     def _measured(self, plan: dict[str, int], saved: int, cost: float, target: float) -> FrontierPlan:
         ev = self.ev
         m = ev.measure(factorize(self.model, plan, self.stats, reuse=self.reuse, share=True)) if plan else ev.measure(self.model)
-        rows = getattr(ev, "last_rows", None) or sum(b.rows for b in getattr(ev, "batches", ()))
         return FrontierPlan(saved, saved / self.total if self.total else 0.0, m.value, m.ok, len(plan), m.top1,
-                            target=int(target), plan=plan, predicted_cost=cost, rows=rows)
+                            target=int(target), plan=plan, predicted_cost=cost, rows=ev.rows_read)
 
     def _within(self, cap: float) -> float:
         """The largest target whose plan's predicted cost fits ``cap``."""
@@ -521,21 +520,8 @@ class _Search:
             tolerance=metric.tolerance, tries=tries, seconds=time.perf_counter() - t0)
 
 
-@dataclass(frozen=True)
-class RecoverySettings:
-    """The recovery fine-tune every frontier plan gets (:func:`recover_frontier`'s keywords; see
-    :func:`auditor.recover.recover` for each)."""
-
-    steps: int
-    lr: float = 1e-4
-    trainable: str = "factors"
-    objective: str = "auto"
-    seed: int = 0
-    choose_after: bool = False
-
-
 def recover_frontier(model: nn.Module, session: CalibrationSession, result: BudgetResult,
-                     settings: RecoverySettings | None = None, progress: Callable[[int, int], None] | None = None,
+                     settings: "RecoveryOptions | None" = None, progress: Callable[[int, int], None] | None = None,
                      **given: Any) -> BudgetResult:
     """Every frontier plan of ``result`` measured again after the same recovery fine-tune
     (:func:`auditor.calibration.recovery.recover`: distillation toward ``model`` on the session's fit batches, the held-out ones
@@ -543,14 +529,16 @@ def recover_frontier(model: nn.Module, session: CalibrationSession, result: Budg
     ``recovered`` says what it measured and what it cost. With a budget, the plan at the budget and the smallest
     plan that failed below it join the frontier (the plans recovery can move across the tolerance).
 
-    ``settings`` (a :class:`RecoverySettings`, or its field names as keywords: ``steps`` at least): with
+    ``settings`` (the audit's :class:`~auditor.options.RecoveryOptions`, or its field names as keywords: ``steps``
+    at least): with
     ``choose_after`` the suggestion becomes the largest plan (within the budget) whose recovered metric holds the
     tolerance, when it removes more than the plan chosen before recovery (which holds without a fine-tune);
     ``chosen_after_recovery`` then marks it, and ``metric``/``ok`` stay its measurement before the fine-tune.
     ``progress(plans recovered, plans)`` after each. The model is measured in eval mode; its mode is restored."""
     from ...calresults import RecoverySetup
+    from ...options import RecoveryOptions
 
-    s = replace(settings, **given) if settings is not None else RecoverySettings(**given)
+    s = replace(settings, **given) if settings is not None else RecoveryOptions(**given)
     t0 = time.perf_counter()
     frontier = _recovery_frontier(result)
     out = _recover_each(model, session, frontier, s, progress)
@@ -579,7 +567,7 @@ def _recovery_frontier(result: BudgetResult) -> list[FrontierPlan]:
 
 
 def _recover_each(model: nn.Module, session: CalibrationSession, frontier: list[FrontierPlan],
-                  s: RecoverySettings, progress: Callable[[int, int], None] | None) -> list[FrontierPlan]:
+                  s: "RecoveryOptions", progress: Callable[[int, int], None] | None) -> list[FrontierPlan]:
     """Each plan (the dense model aside) factorized, fine-tuned and measured again."""
     from ...calresults import FrontierRecovery
     from ..recovery import recover

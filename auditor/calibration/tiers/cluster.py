@@ -42,10 +42,11 @@ from ...spectra.dask_executor import DaskExecutor, executor_for, is_url, map_pat
 if TYPE_CHECKING:
     from torch import nn
 
-    from ...options import AuditOptions, LoadOptions
+    from ...options import ClusterOptions, LoadOptions
     from ...results import Layer
     from ..data.inputs import Calibration
     from ..measure.metric import Metric
+    from ..session import CalibrationSession
     from ..statistics.stats import InputStatistics
     from .sweep import Floor, Floors
     from ..statistics.whiten import WhitenedSpectrum
@@ -281,7 +282,7 @@ def _remove_plugin(client: Any, name: str) -> None:
 
 
 def _payload(model: "nn.Module", layers: list["Layer"], calibration: "Calibration", base: SweepPayload,
-             options: "AuditOptions") -> SweepPayload:
+             options: "ClusterOptions") -> SweepPayload:
     """``base`` with how the workers get the model (by source where the audit has one that maps to local files,
     else by value) and only the held-out part of the calibration."""
     from ..data.hashing import weights_hash
@@ -294,10 +295,9 @@ def _payload(model: "nn.Module", layers: list["Layer"], calibration: "Calibratio
                    calibration=measured_part(calibration))
 
 
-def measure_floors_on_cluster(model: "nn.Module", layers: list["Layer"], calibration: "Calibration",
-                              metric: "Metric", align: int, stats: "InputStatistics",
-                              spectra: dict[str, "WhitenedSpectrum"], options: "AuditOptions",
-                              ) -> tuple["Floors", str]:
+def measure_floors_on_cluster(model: "nn.Module", layers: list["Layer"], session: "CalibrationSession", align: int,
+                              spectra: dict[str, "WhitenedSpectrum"], options: "ClusterOptions",
+                              progress: bool | str | None = None) -> tuple["Floors", str]:
     """Tier 2 with one Dask task per layer on ``options.scheduler`` (an address or a ``distributed.Client``):
     the same :class:`~auditor.calibration.tiers.sweep.Floors` ``measure_floors`` returns with its bisection, and where it
     ran ("dask tcp://HOST:PORT (N workers)"). Progress (tasks done / total) goes to the run's progress bar. (The
@@ -306,16 +306,17 @@ def measure_floors_on_cluster(model: "nn.Module", layers: list["Layer"], calibra
 
     from ...progress import Progress
 
+    calibration, metric, stats = session.calibration, session.metric, session.stats
     t0 = time.perf_counter()
     search = "bisect"
     data = payload_bytes(_payload(model, layers, calibration, SweepPayload(
         None, None, "", list(layers), calibration, stats, dict(spectra), metric, align), options))
     name = f"{PLUGIN_PREFIX}{uuid.uuid4().hex[:12]}"
-    progress = Progress(enabled=options.progress)
+    bar = Progress(enabled=progress)
     with executor_for(options.scheduler, options.path_map) as ex:
         ex.client.register_plugin(SweepPlugin(name, data), name=name)
         try:
-            floors, where = _run(ex, name, [l.name for l in layers], search, progress)
+            floors, where = _run(ex, name, [l.name for l in layers], search, bar)
             items = [ResultTask(name, floors, search, time.perf_counter() - t0)]
             [(_, result)] = list(ex.run(result_task, items, [0], prefer=sorted(where)))
         finally:
