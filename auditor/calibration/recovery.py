@@ -39,13 +39,11 @@ import torch
 from torch import nn
 
 from ..errors import AuditError
+from ..options import DEFAULT_LR, OBJECTIVES, TRAINABLE, RecoveryOptions, positive_finite, positive_int
 from .data.inputs import Batch, Calibration, model_device
 from .measure.metric import Evaluator, Metric, main_output
 from .session import CalibrationSession
 
-TRAINABLE = ("factors", "all")
-OBJECTIVES = ("auto", "kl", "mse")
-DEFAULT_LR = 1e-4
 CACHE_BYTES = 256 << 20  # dense outputs on the fit rows are kept in memory up to this size, else recomputed
 LOW = (torch.float16, torch.bfloat16)
 
@@ -130,49 +128,25 @@ def factor_modules(factorized: nn.Module, dense: nn.Module) -> dict[str, nn.Sequ
     return out
 
 
-def _positive_int(v: Any, what: str, fix: str) -> None:
-    if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-        raise AuditError(f"{what} {v!r} is not a positive integer", fix)
+@dataclass(frozen=True, kw_only=True)
+class RecoverySettings(RecoveryOptions):
+    """How a recovery trains and when it measures (see the module docstring): the audit's recovery options
+    (:class:`~auditor.options.RecoveryOptions`: steps, lr, trainable, objective, seed) and when to measure, the
+    warm-up and the clip; :meth:`check` refuses bad values with one line each, before any model is looked at."""
 
-
-def _positive_finite(v: Any) -> bool:
-    return not isinstance(v, bool) and isinstance(v, (int, float)) and math.isfinite(v) and v > 0
-
-
-@dataclass(frozen=True)
-class RecoverySettings:
-    """How a recovery trains and when it measures (see the module docstring); :meth:`check` refuses bad values with
-    one line each, before any model is looked at."""
-
-    steps: int
-    lr: float = DEFAULT_LR
-    trainable: str = "factors"
-    seed: int = 0
     eval_every: int | None = None  # measure every this many steps (and at the end)
     eval_at: Sequence[int] = ()  # and at these steps
-    objective: str = "auto"
     warmup: int | None = None  # warm-up steps (default 10% of the steps, 1..100)
     clip: float = 1.0  # the gradient norm's clip
 
     def check(self) -> None:
-        _positive_int(self.steps, "recovery steps", "Give --recover a positive number of steps, e.g. --recover 200")
-        if not _positive_finite(self.lr):
-            raise AuditError(f"recovery learning rate {self.lr!r} is not a positive finite number",
-                             f"Give e.g. --recover-lr {DEFAULT_LR:g}")
-        if self.trainable not in TRAINABLE:
-            raise AuditError(f"recovery trainable {self.trainable!r} is neither 'factors' nor 'all'",
-                             "Give --recover-trainable factors (the factor weights only) or all")
-        if self.objective not in OBJECTIVES:
-            raise AuditError(f"recovery objective {self.objective!r} is not one of {', '.join(OBJECTIVES)}",
-                             "Give auto, kl (output distributions) or mse (output values)")
-        if isinstance(self.seed, bool) or not isinstance(self.seed, int):
-            raise AuditError(f"recovery seed {self.seed!r} is not an integer", "Give an integer seed")
+        super().check()
         if self.eval_every is not None:
-            _positive_int(self.eval_every, "recovery eval_every", "Give a positive number of steps between measurements")
+            positive_int(self.eval_every, "recovery eval_every", "Give a positive number of steps between measurements")
         w = self.warmup
         if w is not None and (isinstance(w, bool) or not isinstance(w, int) or w < 0):
             raise AuditError(f"recovery warm-up {w!r} is not a non-negative integer", "Give e.g. warmup=10")
-        if not _positive_finite(self.clip):
+        if not positive_finite(self.clip):
             raise AuditError(f"recovery gradient clip {self.clip!r} is not a positive finite number", "Give e.g. clip=1.0")
 
     def check_eval_at(self) -> None:

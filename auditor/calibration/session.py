@@ -31,7 +31,7 @@ from torch import nn
 
 from ..errors import AuditError
 from .. import kinds
-from ..results import Kind, Layer
+from ..results import Layer
 from .data.hashing import code_hash, weights_hash
 from .data.inputs import Batch, Calibration, eval_mode, load_calibration
 from .measure.metric import Evaluator, Metric, load_metric
@@ -85,7 +85,7 @@ STATS_KINDS = kinds.registry.KindSet(lambda k: type(k).statistics is not kinds.L
 
 
 def _gram_bytes(layer: Layer) -> tuple[int, str]:
-    if layer.kind == Kind.EMBEDDING:
+    if kinds.for_kind(layer.kind).lookup_counts:
         return 8 * layer.m, f"layer {layer.name} ({layer.m:,} lookup counts)"
     g = max(1, int(layer.groups or 1))
     return (8 * g * layer.n * layer.n,

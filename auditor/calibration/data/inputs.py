@@ -24,7 +24,7 @@ from torch import nn
 
 from ...errors import AuditError, describe_missing, first_line, size_text
 from ...options import CALIBRATION_MAX_BYTES, CALIBRATION_MAX_ROWS
-from .text import is_text_source, text_inputs
+from .text import _vocab, is_text_source, text_inputs
 
 
 @dataclass
@@ -274,13 +274,6 @@ def _check_finite(batches: list[Batch], where: str) -> None:
             if t.is_floating_point() and not bool(torch.isfinite(t).all()):
                 raise AuditError(f"calibration input {name} in {where} (batch {i}) holds NaN or infinite values",
                                  "Clean the calibration data")
-
-
-def _vocab(model: nn.Module | None) -> int | None:
-    if model is None:
-        return None
-    sizes = [m.num_embeddings for m in model.modules() if isinstance(m, (nn.Embedding, nn.EmbeddingBag))]
-    return max(sizes) if sizes else None
 
 
 def token_statistics(ids: torch.Tensor, vocab: int) -> dict[str, float]:

@@ -217,6 +217,8 @@ def window_length(model: nn.Module | None, tok: Any, length: int | None) -> int:
 
 
 def _vocab(model: nn.Module | None) -> int | None:
+    """The model's vocabulary: its largest embedding table's rows (None without a model or an embedding); read by
+    the text windows and by the token checks of every calibration source (inputs.py)."""
     if model is None:
         return None
     sizes = [m.num_embeddings for m in model.modules() if isinstance(m, (nn.Embedding, nn.EmbeddingBag))]

@@ -31,12 +31,12 @@ def _user_batch(b: Batch) -> Any:
 
 
 def _rank1_(model: nn.Module) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """Cut every Linear, convolution and transformers Conv1D weight of ``model`` to rank 1 in place (the leading
-    singular pair by 30 power iterations, seeded); returns (parameter, original) pairs to restore exactly."""
-    from ...kinds.hf_conv1d import hf_conv1d_type
+    """Cut the weight of every module of a kind that says so (``LayerKind.cut_to_rank1``: Linear, convolution,
+    transformers' Conv1D) to rank 1 in place (the leading singular pair by 30 power iterations, seeded); returns
+    (parameter, original) pairs to restore exactly. A packed (quantized) module's weight is no tensor: left as is."""
+    from ...kinds.registry import kinds as registered
 
-    conv1d = hf_conv1d_type()
-    kinds = (nn.Linear, nn.modules.conv._ConvNd) + ((conv1d,) if conv1d is not None else ())
+    kinds = tuple(t for k in registered() if k.cut_to_rank1 for t in k.finds)
     saved: list[tuple[torch.Tensor, torch.Tensor]] = []
     seen: set[int] = set()  # a weight tied between modules is cut (and saved) once
     g = torch.Generator().manual_seed(0)

@@ -22,9 +22,10 @@ same statistics (to float64 rounding). What the check cannot see is code between
 
 from __future__ import annotations
 
+import contextlib
 import re
 from dataclasses import dataclass, replace
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import torch
 from torch import nn
@@ -408,27 +409,43 @@ def _block_statistics(model: nn.Module, blk: nn.Module, layers: list[Layer],
     return hooks.close(len(kept), run.digest)
 
 
-def _outside_statistics(model: nn.Module, blocks: list[nn.Module], outside: list[Layer], fit: list[Batch],
-                        masks: list[Any], run: _Run, finals: list[Any]) -> InputStatistics:
-    """The layers outside the blocks, in one pass where every block returns the last block's output for the batch."""
-    hooks = StatisticsHooks(model, outside, run.bdt)
-    current = [0]
+@contextlib.contextmanager
+def patched_forwards(blocks: list[nn.Module], make: Callable[[int, nn.Module], Callable[..., Any]]) -> Iterator[None]:
+    """While the block runs, block ``i``'s forward is ``make(i, block)`` (made in order, so it may wrap the forward it
+    replaces); afterwards each block's own is back (an instance attribute as it was, else the class's). The one loop
+    that patches repeated blocks: the outside layers' pass, the pass-through check and the gradient pass's
+    checkpointing (calibration/tiers/fisher.py)."""
     saved = [(blk, blk.__dict__.get("forward")) for blk in blocks]
     try:
-        for blk in blocks:
-            blk.forward = lambda *a, **k: finals[current[0]]  # type: ignore[method-assign]
-        for j, b in enumerate(fit):
-            current[0] = j
-            with hooks.batch(masks[j], j):
-                bb = b.to(run.dev)
-                model(*bb.args, **bb.kwargs)
+        for i, blk in enumerate(blocks):
+            blk.forward = make(i, blk)  # type: ignore[method-assign]
+        yield
     finally:
-        hooks.remove()
         for blk, fwd in saved:
             if fwd is None:
                 del blk.forward
             else:
                 blk.forward = fwd
+
+
+def _outside_statistics(model: nn.Module, blocks: list[nn.Module], outside: list[Layer], fit: list[Batch],
+                        masks: list[Any], run: _Run, finals: list[Any]) -> InputStatistics:
+    """The layers outside the blocks, in one pass where every block returns the last block's output for the batch."""
+    hooks = StatisticsHooks(model, outside, run.bdt)
+    current = [0]
+
+    def final(*_a: Any, **_k: Any) -> Any:
+        return finals[current[0]]
+
+    try:
+        with patched_forwards(blocks, lambda i, blk: final):
+            for j, b in enumerate(fit):
+                current[0] = j
+                with hooks.batch(masks[j], j):
+                    bb = b.to(run.dev)
+                    model(*bb.args, **bb.kwargs)
+    finally:
+        hooks.remove()
     return hooks.close(len(fit), run.digest)
 
 
@@ -460,7 +477,6 @@ def _check_sequential(model: nn.Module, blocks: list[nn.Module], batch: Batch,
     calls: list[int] = []
     problem: list[str] = []
     sent: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # block i's probe output, and a copy of its values
-    saved = [(blk, blk.__dict__.get("forward")) for blk in blocks]
     args0, kw0 = first
     gen = torch.Generator().manual_seed(0x5EED)
 
@@ -491,17 +507,10 @@ def _check_sequential(model: nn.Module, blocks: list[nn.Module], batch: Batch,
         return fwd
 
     try:
-        for i, blk in enumerate(blocks):
-            blk.forward = through(i)  # type: ignore[method-assign]
-        model(*batch.args, **batch.kwargs)
+        with patched_forwards(blocks, lambda i, blk: through(i)):
+            model(*batch.args, **batch.kwargs)
     except Exception as exc:  # noqa: BLE001 - a model that does not take pass-through blocks is run in one pass
         raise _NotSequential(str(exc)) from None
-    finally:
-        for blk, fwd in saved:
-            if fwd is None:
-                del blk.forward
-            else:
-                blk.forward = fwd
     if calls != list(range(len(blocks))) or problem:
         raise _NotSequential(problem[0] if problem else f"blocks called in the order {calls}")
 

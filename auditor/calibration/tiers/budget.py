@@ -30,7 +30,7 @@ from ..measure.metric import Metric, PlanMeasurer
 from ..session import CalibrationSession
 from ..statistics.stats import InputStatistics, by_name
 from .sweep import Floors
-from ..statistics.whiten import WhitenedSpectrum
+from ..statistics.whiten import TruncatorStore, WhitenedSpectrum
 
 if TYPE_CHECKING:
     from ...options import RecoveryOptions
@@ -197,49 +197,6 @@ def allocate(curves: Curves, target_saved: float) -> tuple[dict[str, int], int, 
     return _pick(opts, hi)
 
 
-REUSE_SHARE = 0.25  # of the memory available when tier 3 starts, for the decompositions kept across plans
-REUSE_CAP = 8 * 2**30  # bytes, at most, by default
-REUSE_FALLBACK = 2 * 2**30  # bytes by default where the available memory cannot be read
-
-
-def default_reuse_bytes() -> int:
-    """The default budget of :class:`Decompositions`: a quarter of the memory available now, at most 8 GiB; 2 GiB
-    where it cannot be read."""
-    from ...spectra.backend import available_memory
-
-    avail = available_memory()
-    return REUSE_FALLBACK if avail is None else max(0, min(int(avail * REUSE_SHARE), REUSE_CAP))
-
-
-def _truncator_bytes(trunc: object) -> int:
-    """The float64 arrays a :class:`~auditor.calibration.statistics.whiten.Truncator` holds: the weight F and each group's U."""
-    f = getattr(trunc, "f", None)
-    return int(getattr(f, "nbytes", 0)) + sum(int(u.nbytes) for u in getattr(trunc, "u", ()))
-
-
-class Decompositions(dict):
-    """The per-layer decompositions (``factorize``'s ``reuse``) kept across the plans tier 3 measures, at most
-    ``budget`` bytes of them (None: :func:`default_reuse_bytes`): a float64 weight and its U per layer would be
-    about twice the model's weights in float64 for every layer at once. A decomposition that does not fit is not
-    kept, and is computed again for the next plan that needs it (the same factors: the same arrays in, the same
-    LAPACK calls). ``bytes``: what is kept."""
-
-    def __init__(self, budget: int | None = None) -> None:
-        super().__init__()
-        self.budget = default_reuse_bytes() if budget is None else int(budget)
-        self.bytes = 0
-        self.refused = 0
-
-    def __setitem__(self, key: str, value: object) -> None:
-        n = _truncator_bytes(value)
-        old = _truncator_bytes(self[key]) if key in self else 0
-        if self.bytes - old + n > self.budget:
-            self.refused += 1
-            return
-        super().__setitem__(key, value)
-        self.bytes += n - old
-
-
 RESOLUTION = 0.005  # of the model's parameters: the search stops narrowing when its bracket's plans are this close
 GUIDED_STEPS = 2  # bracketing steps aimed by the scaled prediction before falling back to doubling or halving
 FrontierPoint = FrontierPlan  # one plan measured all at once: the report's type (auditor/calresults.py)
@@ -260,7 +217,7 @@ class SearchSettings:
     fixed: dict[str, int] | None = None
     progress: Callable[[int], None] | None = None
     reuse_bytes: int | None = None
-    reuse: Decompositions | None = None
+    reuse: TruncatorStore | None = None
     backstops: int = 0  # plans measured below the one found, a point of the model apart: fallbacks for a verification
 
 
@@ -286,8 +243,9 @@ def plan_for_budget(model: nn.Module, layers: dict[str, Layer] | list[Layer],
     every plan measured: layers whose rank comes from elsewhere (the data-free suggestion) but that the plan must hold
     with. Only layers ``factorize`` rewrites take part. The model is measured in eval mode; its mode is restored.
     ``progress(plans measured so far)`` is called after each plan is measured (how many there will be is not known).
-    ``reuse_bytes``: the budget of the per-layer decompositions kept across plans (:class:`Decompositions`; None: its
-    default; 0 decomposes every layer again for every plan), or ``reuse``: a :class:`Decompositions` of the caller's
+    ``reuse_bytes``: the budget of the per-layer decompositions kept across plans (a
+    :class:`~auditor.calibration.statistics.whiten.TruncatorStore` that keeps what fits and drops the rest; None: its
+    default; 0 decomposes every layer again for every plan), or ``reuse``: a ``TruncatorStore`` of the caller's
     (the audit's, kept for the verification and the plan check). One plan's factorized copy is alive at a time.
 
     The settings come as a :class:`SearchSettings` or as its field names given as keywords (both: the keywords
@@ -338,7 +296,8 @@ class _Search:
         self.by_target: dict[float, FrontierPlan] = {}
         self.tries: list[FrontierPlan] = []
         # each layer decomposed once across the plans, within a byte budget
-        self.reuse = settings.reuse if settings.reuse is not None else Decompositions(settings.reuse_bytes)
+        self.reuse = (settings.reuse if settings.reuse is not None
+                      else TruncatorStore(settings.reuse_bytes, spill=False))
 
     def measure(self, target: float) -> FrontierPlan:
         """The plan at ``target`` (parameters to remove), measured all at once the first time it comes up."""

@@ -42,15 +42,15 @@ import torch
 from torch import nn
 from torch.autograd.graph import get_gradient_edge
 
-from ... import lrmath
+from ... import kinds, lrmath
 from ...errors import AuditError, first_line
-from ...results import Kind, Layer
+from ...results import Layer
 from ..data.inputs import Batch, Calibration, eval_mode, model_device
 from ..measure.metric import Metric, _row_mask, main_output
 from ..statistics.stats import InputStatistics, LayerInput, _module_path, by_name
 from ..statistics.whiten import DAMP, WhitenedSpectrum, function_matrices, save_spilled
 
-GRADIENT_KINDS = (Kind.LINEAR, Kind.CONV1D_HF, Kind.EMBEDDING)
+GRADIENT_KINDS = kinds.registry.KindSet(lambda k: k.gradient_sensitivity, "read by the gradient pass")  # live view
 SAMPLES = 2  # random projections (output error) or sampled label sets (likelihood metrics) per fit batch
 
 
@@ -72,15 +72,13 @@ class OutputGradients:
 
 
 def _out_in(layer: Layer) -> tuple[int, int]:
-    """(out, in) of the layer's function matrix: an embedding's is (dim, vocabulary), the stored view transposed."""
-    return (layer.n, layer.m) if layer.kind == Kind.EMBEDDING else (layer.m, layer.n)
+    """(out, in) of the layer's function matrix (the kind's: an embedding's is (dim, vocabulary))."""
+    return kinds.for_kind(layer.kind).function_shape(layer)
 
 
 def _function_view(layer: Layer, weight: torch.Tensor) -> torch.Tensor:
-    """F (out x in) as a view of the stored weight, for carrying an output gradient back: g @ F."""
-    if layer.kind == Kind.LINEAR:
-        return weight
-    return weight.t()  # transformers' Conv1D stores (in, out); an embedding (vocab, dim) is F^T
+    """F (out x in) as a view of the stored weight, for carrying an output gradient back: g @ F (the kind's)."""
+    return kinds.for_kind(layer.kind).function_view(layer, weight)
 
 
 def output_gradients(model: nn.Module, layers: dict[str, Layer] | list[Layer], calibration: Calibration,
@@ -346,26 +344,17 @@ def _checkpointed(found: Any) -> Iterator[None]:
     the block is recomputed)."""
     from torch.utils.checkpoint import checkpoint
 
-    from ..statistics.stream import _keep
+    from ..statistics.stream import _keep, patched_forwards
 
-    blocks = list(found.blocks) if found is not None else []
-    saved = [(blk, blk.__dict__.get("forward")) for blk in blocks]
+    def wrap(_i: int, blk: nn.Module) -> Callable[..., Any]:
+        fwd = blk.forward
 
-    def wrap(fwd: Callable[..., Any]) -> Callable[..., Any]:
         def run(*args: Any, **kwargs: Any) -> Any:
             return checkpoint(fwd, *args, use_reentrant=False, **_keep(kwargs))
         return run
 
-    try:
-        for blk in blocks:
-            blk.forward = wrap(blk.forward)  # type: ignore[method-assign]
+    with patched_forwards(list(found.blocks) if found is not None else [], wrap):
         yield
-    finally:
-        for blk, fwd in saved:
-            if fwd is None:
-                del blk.forward
-            else:
-                blk.forward = fwd
 
 
 def gradient_costs(layer: Layer, weight: torch.Tensor, inp: LayerInput, grads: OutputGradients,
