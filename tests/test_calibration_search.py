@@ -32,7 +32,7 @@ def mlp_setup():
 def _plain(monkeypatch) -> None:
     """The search before: no guided steps, the bracket bisected at its midpoint."""
     monkeypatch.setattr(budget_mod, "GUIDED_STEPS", 0)
-    monkeypatch.setattr(budget_mod._Search, "_between", lambda self, ok_at, ok_p, fail_at, fail_p, gap:
+    monkeypatch.setattr(budget_mod._Aim, "between", lambda self, ok_at, ok_p, fail_at, fail_p, gap:
                         ok_at + (fail_at - ok_at) / 2)
 
 

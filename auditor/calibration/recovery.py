@@ -33,7 +33,7 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import asdict, dataclass, field, replace
-from typing import Any, Callable, Sequence
+from typing import Callable, Sequence
 
 import torch
 from torch import nn
@@ -97,13 +97,13 @@ class Recovery:
     def seconds_per_step(self) -> float:
         return self.seconds / self.done if self.done else 0.0
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self) -> dict[str, object]:
         d = asdict(self)
         d["seconds_per_step"] = self.seconds_per_step
         return _finite(d)
 
 
-def _finite(x: Any) -> Any:
+def _finite(x: object) -> object:
     """JSON-safe: NaN and infinities become None (plan.json is read strictly)."""
     if isinstance(x, float):
         return x if math.isfinite(x) else None
@@ -163,7 +163,7 @@ class RecoverySettings(RecoveryOptions):
         return bool(self.eval_every and step % self.eval_every == 0) or step in self.eval_at or step == self.steps
 
 
-def _is_logits(out: Any, y: torch.Tensor) -> bool:
+def _is_logits(out: object, y: torch.Tensor) -> bool:
     """Whether the main output is a distribution's logits: named ``logits``, or a float tensor of two or more
     dimensions whose last one has two or more entries (classes, vocabulary)."""
     if not y.is_floating_point() or y.dim() < 1 or y.shape[-1] < 2:
@@ -212,12 +212,12 @@ def _key(b: Batch) -> int | None:
 class _Replay(nn.Module):
     """Returns the output recorded for a batch (matched by its first input tensor), or runs the model."""
 
-    def __init__(self, model: nn.Module, outs: dict[int, Any]) -> None:
+    def __init__(self, model: nn.Module, outs: dict[int, object]) -> None:
         super().__init__()
         self.model = model
         self.outs = outs
 
-    def forward(self, *args: Any, **kwargs: Any) -> Any:
+    def forward(self, *args: object, **kwargs: object) -> object:
         key = _key(Batch(args, kwargs))
         return self.outs[key] if key in self.outs else self.model(*args, **kwargs)
 
@@ -232,7 +232,7 @@ def _schedule(step: int, steps: int, warmup: int) -> float:
 STEPPED, SKIPPED, STOP = "stepped", "skipped", "stop"  # what one training step did
 
 
-def _calibration_of(calibration: Any, dense: nn.Module,
+def _calibration_of(calibration: object, dense: nn.Module,
                     metric: Metric | None) -> tuple[Calibration, CalibrationSession | None]:
     """The calibration to train and measure on, and the session it came in (whose evaluator is reused: the dense
     reference is not measured again), refused with one line when it has no fit or no held-out rows."""
@@ -296,7 +296,7 @@ class _Measure:
     def point(self, step: int) -> RecoveryPoint:
         """One pass over the held-out batches gives the distillation loss and, for the default metric, the
         Evaluator's measurement (it is handed the recorded outputs); a user metric runs the model itself."""
-        outs: dict[int, Any] = {}
+        outs: dict[int, object] = {}
         total = 0.0
         ev, held = self.ev, self.held
         with torch.no_grad():
@@ -513,7 +513,7 @@ def _run(run: _Measure, dense: nn.Module, params: list[nn.Parameter], settings: 
 
 def recover(factorized: nn.Module, dense: nn.Module, calibration: "Calibration | CalibrationSession",
             settings: RecoverySettings | None = None, *, metric: Metric | None = None,
-            progress: Progress | None = None, **keywords: Any) -> Recovery:
+            progress: Progress | None = None, **keywords: object) -> Recovery:
     """Distil ``factorized`` toward ``dense`` for ``settings.steps`` steps on the calibration's fit batches (in place)
     and measure the held-out metric before, every ``eval_every`` steps, at the steps in ``eval_at`` and after; see
     the module docstring. The settings come as a :class:`RecoverySettings` or as its fields' keywords

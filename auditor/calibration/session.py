@@ -25,7 +25,7 @@ import hashlib
 import os
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Iterator
+from typing import TYPE_CHECKING, Callable, Iterator
 
 from torch import nn
 
@@ -38,6 +38,8 @@ from .measure.metric import Evaluator, Metric, load_metric
 from .statistics.stats import InputStatistics, by_name, input_statistics
 
 if TYPE_CHECKING:
+    from .measure.metric import UserMetric
+    from .statistics.whiten import WhitenedSpectrum
     from ..options import AuditOptions, TierOptions
     from .measure.metric import PlanMeasurer
     from .measure.staged import StagedEvaluator
@@ -115,7 +117,7 @@ def statistics_memory(layers: list[Layer], model: nn.Module | None = None) -> tu
     return max(sum(p) for p in parts) + 2 * big[0], big[1]
 
 
-_LIBC: Any = None
+_LIBC: "ctypes.CDLL | bool | None" = None
 
 
 def _trim() -> None:
@@ -327,7 +329,7 @@ def metric_of(tiers: "TierOptions", model: nn.Module | None = None, cal: Calibra
     return replace(m, tolerance=tiers.tolerance) if tiers.tolerance is not None else m
 
 
-def as_metric(metric: "Metric | Any | None", tolerance: float | None = None) -> Metric:
+def as_metric(metric: "Metric | UserMetric | None", tolerance: float | None = None) -> Metric:
     """A ``Metric`` from what the library calls accept: a ``Metric``, a user function (higher is better), or None
     (the relative output error); ``tolerance`` replaces its tolerance when given (the kind is kept)."""
     if metric is None or callable(metric) and not isinstance(metric, Metric):
@@ -343,7 +345,7 @@ class Held:
 
     stats: InputStatistics | None = None
     cached: bool = False
-    spectra: dict[tuple[int, float], dict[str, Any]] = field(default_factory=dict)
+    spectra: "dict[tuple[int, float], dict[str, WhitenedSpectrum]]" = field(default_factory=dict)
     search: list[Batch] | None = None
     verify: list[Batch] | None = None
 
@@ -384,9 +386,9 @@ class CalibrationSession:
         return self._held.cached
 
     @classmethod
-    def of(cls, data: Any, model: nn.Module, *, metric: Metric | Any | None = None, tolerance: float | None = None,
+    def of(cls, data: object, model: nn.Module, *, metric: "Metric | UserMetric | None" = None, tolerance: float | None = None,
            layers: dict[str, Layer] | list[Layer] | None = None, stats: InputStatistics | None = None,
-           holdout: Any = 0.25) -> "CalibrationSession":
+           holdout: "float | str | os.PathLike[str]" = 0.25) -> "CalibrationSession":
         """``data`` as a session on ``model``: a session as it is (with ``metric`` / ``tolerance`` given and
         different, a session sharing its batches and statistics with that metric), a ``Calibration``, or what
         :func:`~auditor.calibration.data.inputs.load_calibration` reads (``holdout`` held out)."""
@@ -447,7 +449,7 @@ class CalibrationSession:
         want = by_name(layers) if layers is not None else self.layers
         if self._stats is not None and (layers is None or self.covers(want)):
             return self._stats
-        got: dict[str, Any] = {}
+        got: "dict[str, WhitenedSpectrum]" = {}
         on_block = None
         if spectra is not None and layers is None:
             from .statistics.whiten import whitened_spectra
@@ -473,7 +475,7 @@ class CalibrationSession:
         return stats
 
     def spectra(self, align: int = 8, target: float = 0.01,
-                progress: "Callable[[int, int], None] | None" = None) -> dict[str, Any]:
+                progress: "Callable[[int, int], None] | None" = None) -> "dict[str, WhitenedSpectrum]":
         """Tier 1's whitened spectra of the session's layers, keyed by ``Layer.name`` in the layers' order: those
         computed with the statistics (``statistics(spectra=(align, target))``), else from the statistics, each
         layer's Gram read when its spectrum is computed."""

@@ -290,7 +290,7 @@ def check_plan(cal: Calibrated, model: nn.Module, audit: "AuditResult") -> Calib
     return replace(report, plan_check=check, reference=reference)
 
 
-def _reviewed_plan(audit: "Audit") -> tuple[dict[str, int], list[str]]:
+def _reviewed_plan(audit: "AuditResult") -> tuple[dict[str, int], list[str]]:
     """(the reviewed ranks factorize can apply, the reviewed layers it cannot: beyond full rank, a kind it does not
     rewrite, tied)."""
     from ..kinds.registry import SUPPORTED

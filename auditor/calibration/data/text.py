@@ -73,7 +73,7 @@ def is_text_file(path: Path) -> bool:
     return b"\0" not in head
 
 
-def is_text_source(source: Any) -> bool:
+def is_text_source(source: object) -> bool:
     """Whether a calibration source (a path, ``file.py:fn``, tensors, batches) is a text file."""
     if not isinstance(source, (str, Path)):
         return False
@@ -83,7 +83,7 @@ def is_text_source(source: Any) -> bool:
     return is_text_file(path)
 
 
-def check_text_sources(sources: list[Any], tokenizer: str | Path | None,
+def check_text_sources(sources: list[object], tokenizer: str | Path | None,
                        max_bytes: int | None = MAX_BYTES) -> None:
     """The checks on text calibration files that need no model (the file is a readable regular file no larger than
     ``max_bytes``, None: no cap; it is UTF-8 and not empty; there are tokenizer files), run before an audit's slow

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any, Callable, Protocol
+from typing import Callable, Protocol
 
 import torch
 from torch import nn
@@ -26,7 +26,7 @@ from ..metrics.common import (_check_targets, _masked_logprobs, _masked_targets,
                              _targets, main_output)
 from ..metrics.masked import NO_LABELS
 
-UserMetric = Callable[[nn.Module, list[Any]], float]
+UserMetric = Callable[[nn.Module, list[object]], float]
 DEFAULT_TOLERANCE = 0.01
 
 
@@ -173,7 +173,7 @@ class Evaluator:
         self._check_repeats(dense)
         self.warnings += [w for w in self.scorer.check(dense, calibration.digest) if w not in self.warnings]
 
-    def forward(self, model: nn.Module, b: Batch, i: int) -> Any:
+    def forward(self, model: nn.Module, b: Batch, i: int) -> object:
         return _forward(model, b, i)
 
     def _check_repeats(self, dense: nn.Module) -> None:
@@ -231,7 +231,7 @@ def check_repeats(dense: nn.Module, b: Batch, first: torch.Tensor | None = None,
                          "of the forward before measuring")
 
 
-def _forward(model: nn.Module, b: Batch, i: int) -> Any:
+def _forward(model: nn.Module, b: Batch, i: int) -> object:
     """The model on held-out batch ``i``; a batch the forward refuses is one line naming it."""
     try:
         return model(*b.args, **b.kwargs)

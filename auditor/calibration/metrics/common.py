@@ -3,7 +3,7 @@ token metrics (next-token and masked-token)."""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Callable
 
 import torch
 
@@ -12,7 +12,7 @@ from ..data.inputs import IGNORE_INDEX as IGNORE
 from ..data.inputs import Batch
 
 
-def main_output(out: Any) -> torch.Tensor:
+def main_output(out: object) -> torch.Tensor:
     """The tensor a metric compares: the output itself, ``.logits``, or the first tensor of a tuple or dict."""
     if isinstance(out, torch.Tensor):
         return out
@@ -139,7 +139,7 @@ def _masked_logprobs(y: torch.Tensor, b: Batch) -> tuple[torch.Tensor, torch.Ten
     return torch.log_softmax(y[keep].float(), dim=-1), tgt[keep]
 
 
-def per_row(y: torch.Tensor, b: Batch, fn: Any) -> torch.Tensor:
+def per_row(y: torch.Tensor, b: Batch, fn: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
     """Per-row sums of fn(y) over every dimension but the first, positions with ``attention_mask`` 0 left out."""
     v = fn(y)
     keep = _row_mask(b)

@@ -10,7 +10,7 @@ that moves the wrong way is refused, one that stays within the tolerance is a wa
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Callable
 
 import torch
 from torch import nn
@@ -19,10 +19,10 @@ from ...errors import AuditError
 from ..data.inputs import Batch
 from .base import Evaluating, Measurement, MetricKind, Scorer
 
-_CHECKED: dict[tuple[Any, str, float, bool], str] = {}  # (fn, digest, tolerance, direction) -> warning ("" none)
+_CHECKED: dict[tuple[object, str, float, bool], str] = {}  # (fn, digest, tolerance, direction) -> warning ("" none)
 
 
-def _user_batch(b: Batch) -> Any:
+def _user_batch(b: Batch) -> object:
     if b.kwargs and not b.args:
         return dict(b.kwargs)
     if len(b.args) == 1 and not b.kwargs:
@@ -72,7 +72,7 @@ class _Scorer(Scorer):
 
         label = self.ev.metric.label
 
-        def call() -> Any:
+        def call() -> object:
             with torch.no_grad():
                 return self.ev.metric.fn(model, self.batches)  # type: ignore[misc]
 
@@ -93,7 +93,7 @@ class _Scorer(Scorer):
     def check(self, dense: nn.Module, digest: str) -> list[str]:
         """The metric must fall when every layer is cut to rank 1 (cached per function, data and tolerance)."""
         metric = self.ev.metric
-        fn: Any = metric.fn
+        fn: Callable[..., float] | None = metric.fn
         try:
             hash(fn)
         except TypeError:

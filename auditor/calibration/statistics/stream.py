@@ -25,7 +25,7 @@ from __future__ import annotations
 import contextlib
 import re
 from dataclasses import dataclass, replace
-from typing import Any, Callable, Iterator
+from typing import Callable, Iterator
 
 import torch
 from torch import nn
@@ -38,7 +38,7 @@ from .stats import InputStatistics, StatisticsHooks, _batch_mask, _module_path, 
 CACHE_KWARGS = ("past_key_value", "past_key_values", "layer_past", "cache")  # not passed: the blocks would fill them
 
 
-def _is_cache(v: Any) -> bool:
+def _is_cache(v: object) -> bool:
     """A key/value cache object (transformers' ``Cache`` and its subclasses)."""
     return any(c.__name__ == "Cache" for c in type(v).__mro__)
 
@@ -117,7 +117,7 @@ class _NotSequential(Exception):
     pass
 
 
-def _keep(kwargs: dict[str, Any]) -> dict[str, Any]:
+def _keep(kwargs: dict[str, object]) -> dict[str, object]:
     out = dict(kwargs)
     for k, v in out.items():
         if k in CACHE_KWARGS or _is_cache(v):
@@ -127,7 +127,7 @@ def _keep(kwargs: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def _hidden(out: Any) -> torch.Tensor:
+def _hidden(out: object) -> torch.Tensor:
     if isinstance(out, torch.Tensor):
         return out
     if isinstance(out, (tuple, list)) and out and isinstance(out[0], torch.Tensor):
@@ -135,13 +135,13 @@ def _hidden(out: Any) -> torch.Tensor:
     raise _NotSequential("a block returned neither a tensor nor a tuple starting with one")
 
 
-def _with_hidden(args: tuple[Any, ...], kwargs: dict[str, Any], h: torch.Tensor) -> tuple[tuple[Any, ...], dict]:
+def _with_hidden(args: tuple[object, ...], kwargs: dict[str, object], h: torch.Tensor) -> tuple[tuple[object, ...], dict]:
     if args and isinstance(args[0], torch.Tensor):
         return (h, *args[1:]), kwargs
     return args, {**kwargs, "hidden_states": h}
 
 
-def _same(a: Any, b: Any) -> bool:
+def _same(a: object, b: object) -> bool:
     if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
         return (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.shape == b.shape
                 and a.dtype == b.dtype and bool(torch.equal(a, b.to(a.device))))
@@ -219,7 +219,7 @@ class _Precision:
         if self.dtype is None or not any(t.dtype in HALF for _, t in b.tensors()):
             return b
 
-        def up(x: Any) -> Any:
+        def up(x: object) -> object:
             return x.to(self.dtype) if isinstance(x, torch.Tensor) and x.dtype in HALF else x
 
         return Batch(args=tuple(up(a) for a in b.args), kwargs={k: up(v) for k, v in b.kwargs.items()})
@@ -248,7 +248,7 @@ class StreamOptions:
 
 
 def stream_statistics(model: nn.Module, layers: dict[str, Layer] | list[Layer], batches: Calibration | list[Batch],
-                      options: StreamOptions | None = None, **fields: Any) -> InputStatistics:
+                      options: StreamOptions | None = None, **fields: object) -> InputStatistics:
     """The input statistics of ``layers``, block by block when the model has repeated blocks (else in one pass).
 
     ``options`` (a :class:`StreamOptions`; or its fields as keywords):
@@ -343,7 +343,7 @@ def _stream(model: nn.Module, found: Blocks, fit: list[Batch], run: _Run) -> Inp
         # checked on the first batch with every block passing its input through
         _check_sequential(model, blocks, fit[0].to(run.dev), kept[0], shape)
         del shape
-        finals: list[Any] = []
+        finals: list[object] = []
         for i, blk in enumerate(blocks):
             st = _block_statistics(model, blk, found.layers[i], kept, masks, run,
                                    finals if i == len(blocks) - 1 else None)
@@ -362,11 +362,11 @@ def _stream(model: nn.Module, found: Blocks, fit: list[Batch], run: _Run) -> Inp
 
 
 def _first_inputs(model: nn.Module, first: nn.Module, fit: list[Batch],
-                  dev: torch.device) -> list[tuple[tuple[Any, ...], dict[str, Any]]]:
+                  dev: torch.device) -> list[tuple[tuple[object, ...], dict[str, object]]]:
     """Each batch's inputs to the first block (positional, keyword), the forward stopped there."""
-    kept: list[tuple[tuple[Any, ...], dict[str, Any]]] = []
+    kept: list[tuple[tuple[object, ...], dict[str, object]]] = []
 
-    def catch(_m: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+    def catch(_m: nn.Module, args: tuple[object, ...], kwargs: dict[str, object]) -> None:
         kept.append((args, _keep(kwargs)))
         raise _Stop
 
@@ -389,8 +389,8 @@ def _first_inputs(model: nn.Module, first: nn.Module, fit: list[Batch],
 
 
 def _block_statistics(model: nn.Module, blk: nn.Module, layers: list[Layer],
-                      kept: list[tuple[tuple[Any, ...], dict[str, Any]]], masks: list[Any], run: _Run,
-                      finals: list[Any] | None) -> InputStatistics:
+                      kept: list[tuple[tuple[object, ...], dict[str, object]]], masks: list[object], run: _Run,
+                      finals: list[object] | None) -> InputStatistics:
     """One block run on every kept input with its layers' hooks: its statistics; each kept input becomes the
     block's output (the next block's input), and with ``finals`` the outputs are also kept there (the last block)."""
     run.on_device(blk)
@@ -410,7 +410,7 @@ def _block_statistics(model: nn.Module, blk: nn.Module, layers: list[Layer],
 
 
 @contextlib.contextmanager
-def patched_forwards(blocks: list[nn.Module], make: Callable[[int, nn.Module], Callable[..., Any]]) -> Iterator[None]:
+def patched_forwards(blocks: list[nn.Module], make: Callable[[int, nn.Module], Callable[..., object]]) -> Iterator[None]:
     """While the block runs, block ``i``'s forward is ``make(i, block)`` (made in order, so it may wrap the forward it
     replaces); afterwards each block's own is back (an instance attribute as it was, else the class's). The one loop
     that patches repeated blocks: the outside layers' pass, the pass-through check and the gradient pass's
@@ -429,12 +429,12 @@ def patched_forwards(blocks: list[nn.Module], make: Callable[[int, nn.Module], C
 
 
 def _outside_statistics(model: nn.Module, blocks: list[nn.Module], outside: list[Layer], fit: list[Batch],
-                        masks: list[Any], run: _Run, finals: list[Any]) -> InputStatistics:
+                        masks: list[object], run: _Run, finals: list[object]) -> InputStatistics:
     """The layers outside the blocks, in one pass where every block returns the last block's output for the batch."""
     hooks = StatisticsHooks(model, outside, run.bdt)
     current = [0]
 
-    def final(*_a: Any, **_k: Any) -> Any:
+    def final(*_a: object, **_k: object) -> object:
         return finals[current[0]]
 
     try:
@@ -460,7 +460,7 @@ def _probe(h: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
     return (sign * torch.pow(10.0, mag)).to(dtype=h.dtype, device=h.device)
 
 
-def _unchanged(h: Any, probe: torch.Tensor, values: torch.Tensor) -> bool:
+def _unchanged(h: object, probe: torch.Tensor, values: torch.Tensor) -> bool:
     """Block ``i + 1`` reads block ``i``'s output as it was returned: the same tensor (or an exact copy), its values
     untouched."""
     if not isinstance(h, torch.Tensor):
@@ -471,7 +471,7 @@ def _unchanged(h: Any, probe: torch.Tensor, values: torch.Tensor) -> bool:
 
 
 def _check_sequential(model: nn.Module, blocks: list[nn.Module], batch: Batch,
-                      first: tuple[tuple[Any, ...], dict[str, Any]], shape: Any) -> None:
+                      first: tuple[tuple[object, ...], dict[str, object]], shape: object) -> None:
     """Run ``batch`` with every block passing its hidden input through (in the output structure ``shape``), and
     raise :class:`_NotSequential` unless each block is called once, in order, with the first block's other inputs."""
     calls: list[int] = []
@@ -480,8 +480,8 @@ def _check_sequential(model: nn.Module, blocks: list[nn.Module], batch: Batch,
     args0, kw0 = first
     gen = torch.Generator().manual_seed(0x5EED)
 
-    def through(i: int) -> Callable[..., Any]:
-        def fwd(*args: Any, **kwargs: Any) -> Any:
+    def through(i: int) -> Callable[..., object]:
+        def fwd(*args: object, **kwargs: object) -> object:
             calls.append(i)
             kwargs = _keep(kwargs)
             if args and isinstance(args[0], torch.Tensor):

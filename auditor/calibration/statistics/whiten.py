@@ -23,7 +23,7 @@ import os
 import tempfile
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Callable
 
 import numpy as np
 import torch
@@ -326,7 +326,7 @@ class TruncatorStore(dict):
         self._disk.clear()
 
 
-def part_bytes(model: Any, layers: list[Layer]) -> int:
+def part_bytes(model: torch.nn.Module, layers: list[Layer]) -> int:
     """The decompositions of the largest part of the model: one repeated block's layers together, or one layer
     outside the blocks (:func:`~auditor.calibration.statistics.stream.find_blocks`); every layer together where the model has
     no repeated blocks. What :class:`TruncatorStore` keeps in memory in the audit."""
@@ -367,7 +367,7 @@ def whitened_spectra(layers: dict[str, Layer] | list[Layer], weights: dict[str, 
 
     todo = [(layer, stats.layers[layer.name]) for layer in by_name(layers).values() if layer.name in stats.layers]
     jobs = max(1, min(jobs or os.cpu_count() or 1, len(todo) or 1))
-    def one(t: tuple[Layer, Any]) -> WhitenedSpectrum:
+    def one(t: tuple[Layer, object]) -> WhitenedSpectrum:
         return whitened_spectrum(t[0], weights[t[0].param], t[1], align, target)
 
     done: list[WhitenedSpectrum] = []

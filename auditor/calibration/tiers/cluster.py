@@ -32,7 +32,7 @@ import threading
 import time
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Callable
 
 from distributed.diagnostics.plugin import WorkerPlugin
 
@@ -40,6 +40,7 @@ from ...errors import AuditError
 from ...spectra.dask_executor import DaskExecutor, executor_for, is_url, map_path
 
 if TYPE_CHECKING:
+    from distributed import Worker
     from torch import nn
 
     from ...options import ClusterOptions, LoadOptions
@@ -59,7 +60,7 @@ class SweepPayload:
     """Everything a worker needs to build its Sweeper, sent once (pickled by the client with cloudpickle)."""
 
     source: tuple[str, "LoadOptions"] | None  # load the model from this (worker-side paths) ...
-    model: Any  # ... or this module (None when loaded by source)
+    model: "nn.Module | None"  # ... or this module (None when loaded by source)
     weights_hash: str  # of this process's model, checked after a load by source
     layers: list["Layer"]
     calibration: "Calibration"
@@ -96,26 +97,26 @@ class SweepPlugin(WorkerPlugin):
     def __init__(self, name: str, payload: bytes) -> None:
         self.name = name
         self.payload = payload
-        self._sweeper: Any = None
+        self._sweeper: "Sweeper | None" = None
         self._lock: threading.Lock | None = None
         self.address = ""
 
-    def __getstate__(self) -> dict[str, Any]:
+    def __getstate__(self) -> dict[str, object]:
         return {"name": self.name, "payload": self.payload}
 
-    def __setstate__(self, state: dict[str, Any]) -> None:
+    def __setstate__(self, state: dict[str, object]) -> None:
         self.__init__(state["name"], state["payload"])  # type: ignore[misc]
 
-    def setup(self, worker: Any) -> None:
+    def setup(self, worker: "Worker") -> None:
         """Keep the payload; the Sweeper is built in the first task's thread (loading a model there never blocks the
         worker's event loop and heartbeats)."""
         self.address = str(worker.address)
         self._lock = threading.Lock()
 
-    def teardown(self, worker: Any) -> None:
+    def teardown(self, worker: "Worker") -> None:
         self._sweeper = None
 
-    def sweeper(self) -> Any:
+    def sweeper(self) -> "Sweeper":
         """The worker's Sweeper, built once from the payload (call with the lock held)."""
         if self._sweeper is None:
             import cloudpickle
@@ -137,7 +138,7 @@ class SweepPlugin(WorkerPlugin):
             self.payload = b""  # the sweeper holds what it needs (a replacement worker gets the scheduler's copy)
         return self._sweeper
 
-    def run(self, fn: Callable[[Any], Any]) -> Any:
+    def run(self, fn: Callable[["Sweeper"], object]) -> object:
         """``fn(sweeper)`` with the worker's lock held and one BLAS thread (as the local stage runs)."""
         from threadpoolctl import threadpool_limits
 
@@ -217,11 +218,11 @@ def mapped_source(spec: str, load: "LoadOptions", path_map: tuple[tuple[str, str
     return new_spec, load
 
 
-def _user_modules(objs: list[Any]) -> list[Any]:
+def _user_modules(objs: list[object]) -> list[object]:
     """The modules defining these objects' classes (and functions) that are the user's own code: not installed in
     site-packages, not the standard library, not torch or this package. They are pickled by value."""
     stdlib = {os.path.realpath(sysconfig.get_paths()[k]) for k in ("stdlib", "platstdlib")}
-    seen: dict[str, Any] = {}
+    seen: dict[str, object] = {}
     for obj in objs:
         names = {getattr(obj, "__module__", None)} if callable(obj) and not hasattr(obj, "modules") else set()
         if hasattr(obj, "modules"):
@@ -243,7 +244,7 @@ def payload_bytes(payload: SweepPayload) -> bytes:
     """``payload`` pickled with cloudpickle, the user's own modules (model classes, metric) by value."""
     import cloudpickle
 
-    objs: list[Any] = [payload.metric.fn] if payload.metric.fn is not None else []
+    objs: list[object] = [payload.metric.fn] if payload.metric.fn is not None else []
     if payload.model is not None:
         objs.append(payload.model)
     mods = _user_modules(objs)
@@ -264,7 +265,7 @@ def measured_part(calibration: "Calibration") -> "Calibration":
 
     from ..data.inputs import Batch
 
-    def own(x: Any) -> Any:
+    def own(x: object) -> object:
         if isinstance(x, torch.Tensor) and x.untyped_storage().nbytes() > x.numel() * x.element_size():
             return x.clone()
         return x
@@ -274,7 +275,7 @@ def measured_part(calibration: "Calibration") -> "Calibration":
     return replace(calibration, fit=[], holdout=batches)
 
 
-def _remove_plugin(client: Any, name: str) -> None:
+def _remove_plugin(client: object, name: str) -> None:
     try:
         client.unregister_worker_plugin(name)
     except Exception:  # noqa: BLE001 - a lost scheduler or worker: nothing left to free
@@ -324,7 +325,7 @@ def measure_floors_on_cluster(model: "nn.Module", layers: list["Layer"], session
         return replace(result, seconds=time.perf_counter() - t0), ex.where
 
 
-def _run(ex: DaskExecutor, plugin: str, names: list[str], search: str, progress: Any,
+def _run(ex: DaskExecutor, plugin: str, names: list[str], search: str, progress: "Progress",
          ) -> tuple[dict[str, "Floor"], set[str]]:
     tasks = [SweepTask(n, plugin, search) for n in names]
     got: dict[str, "Floor"] = {}

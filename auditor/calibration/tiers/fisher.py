@@ -35,7 +35,7 @@ import os
 import time
 from collections.abc import MutableMapping
 from dataclasses import dataclass, field, replace
-from typing import Any, Callable, Iterator
+from typing import TYPE_CHECKING, Callable, Iterator
 
 import numpy as np
 import torch
@@ -49,6 +49,9 @@ from ..data.inputs import Batch, Calibration, eval_mode, model_device
 from ..measure.metric import Metric, _row_mask, main_output
 from ..statistics.stats import InputStatistics, LayerInput, _module_path, by_name
 from ..statistics.whiten import DAMP, WhitenedSpectrum, function_matrices, save_spilled
+
+if TYPE_CHECKING:
+    from ..statistics.stream import Blocks
 
 GRADIENT_KINDS = kinds.registry.KindSet(lambda k: k.gradient_sensitivity, "read by the gradient pass")  # live view
 SAMPLES = 2  # random projections (output error) or sampled label sets (likelihood metrics) per fit batch
@@ -123,7 +126,7 @@ class _Pass:
     error (random projections); the dense output's squared norm or the positions scored; backward passes run."""
 
     likelihood: bool
-    logprobs: Callable[..., Any] | None  # the metric's (log-probabilities, labels) of an output and its batch
+    logprobs: Callable[..., object] | None  # the metric's (log-probabilities, labels) of an output and its batch
     samples: int
     gen: torch.Generator
     device: torch.device
@@ -186,12 +189,12 @@ class _Capture:
     and keep nothing."""
 
     def __init__(self, model: nn.Module, modules: dict[str, nn.Module]) -> None:
-        self.captured: list[tuple[str, Any]] = []
+        self.captured: list[tuple[str, object]] = []
         self.recording = True
         self.handles = [m.register_forward_hook(self._hook(p)) for p, m in modules.items()]
 
-    def _hook(self, path: str) -> Callable[..., Any]:
-        def fn(mod: nn.Module, args: Any, out: Any) -> Any:
+    def _hook(self, path: str) -> Callable[..., object]:
+        def fn(mod: nn.Module, args: object, out: object) -> object:
             if not isinstance(out, torch.Tensor) or not out.is_floating_point():
                 return None
             if not out.requires_grad:
@@ -259,7 +262,7 @@ def _losses(y: torch.Tensor, b: Batch, keep: torch.Tensor | None, p: _Pass) -> l
     return [projection] * p.samples
 
 
-def _blocks(model: nn.Module, layers: list[Layer]) -> Any:
+def _blocks(model: nn.Module, layers: list[Layer]) -> "Blocks | None":
     """The model's repeated blocks holding most of ``layers`` (:func:`~auditor.calibration.statistics.stream.find_blocks`)."""
     from ..statistics.stream import find_blocks
 
@@ -270,7 +273,7 @@ def _moment_bytes(layer: Layer) -> int:
     return 8 * min(_out_in(layer)) ** 2
 
 
-def _part_bytes(found: Any, layers: list[Layer]) -> int | None:
+def _part_bytes(found: "Blocks | None", layers: list[Layer]) -> int | None:
     """The second moments of the largest part of the model: one block's layers together, or one layer outside the
     blocks; None (no limit) without repeated blocks."""
     if found is None:
@@ -289,7 +292,7 @@ class Moments(MutableMapping):
         self.bytes = 0
         self.mem: dict[str, np.ndarray] = {}
         self.files: dict[str, str] = {}
-        self._dir: Any = None
+        self._dir: "tempfile.TemporaryDirectory[str] | None" = None
 
     def add(self, name: str, s: np.ndarray) -> None:
         """``s`` added to ``name``'s sum (its first term when there is none)."""
@@ -338,7 +341,7 @@ class Moments(MutableMapping):
 
 
 @contextlib.contextmanager
-def _checkpointed(found: Any) -> Iterator[None]:
+def _checkpointed(found: "Blocks | None") -> Iterator[None]:
     """While the block runs, each repeated block (``found``, where the model has them) runs through
     ``torch.utils.checkpoint`` (non-reentrant), without the key/value caches it would fill (they would grow when
     the block is recomputed)."""
@@ -346,10 +349,10 @@ def _checkpointed(found: Any) -> Iterator[None]:
 
     from ..statistics.stream import _keep, patched_forwards
 
-    def wrap(_i: int, blk: nn.Module) -> Callable[..., Any]:
+    def wrap(_i: int, blk: nn.Module) -> Callable[..., object]:
         fwd = blk.forward
 
-        def run(*args: Any, **kwargs: Any) -> Any:
+        def run(*args: object, **kwargs: object) -> object:
             return checkpoint(fwd, *args, use_reentrant=False, **_keep(kwargs))
         return run
 
@@ -426,7 +429,7 @@ class GradientSettings:
 
 def gradient_sensitivity(model: nn.Module, layers: dict[str, Layer] | list[Layer], calibration: Calibration,
                          metric: Metric, stats: InputStatistics, spectra: dict[str, WhitenedSpectrum],
-                         settings: GradientSettings | None = None, **fields: Any) -> GradientSensitivity:
+                         settings: GradientSettings | None = None, **fields: object) -> GradientSensitivity:
     """Every layer's predicted cost curve from one backward pass per sample (:func:`output_gradients`) and its input
     statistics; layers without gradients (other kinds) get tier 1's squared error times the median ratio.
     ``settings`` (a :class:`GradientSettings`), or its fields as keywords (``samples``, ``seed``, ``progress``)."""

@@ -26,7 +26,7 @@ import math
 import operator
 import time
 from dataclasses import dataclass, replace
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Callable, Iterable
 
 import torch
 from torch import nn
@@ -39,6 +39,12 @@ from ..measure.metric import Evaluator, Metric
 from ..session import CalibrationSession
 from ..statistics.stats import InputStatistics, by_name
 from ..statistics.whiten import Truncator, WhitenedSpectrum
+
+if TYPE_CHECKING:
+    from torch.utils.hooks import RemovableHandle
+
+    from ..measure.metric import Measurement
+    from ..statistics.stats import LayerInput
 
 
 SWEPT = kinds.registry.SWEPT  # the kinds a floor is measured for (a live view of auditor.kinds)
@@ -94,7 +100,7 @@ def default_cache_bytes() -> int:
     return CACHE_FALLBACK if avail is None else max(0, min(int(avail * CACHE_SHARE), CACHE_CAP))
 
 
-def check_cache_bytes(budget: Any) -> int | None:
+def check_cache_bytes(budget: object) -> int | None:
     """``prefix_cache_bytes`` as an int (None stays None), or ValueError naming what is wrong."""
     if budget is None:
         return None
@@ -107,7 +113,7 @@ def check_cache_bytes(budget: Any) -> int | None:
     return n
 
 
-def _tensors(out: Any, seen: set[int], depth: int = 0) -> list[torch.Tensor]:
+def _tensors(out: object, seen: set[int], depth: int = 0) -> list[torch.Tensor]:
     """Every tensor an output holds: in tuples, lists, dicts (a Hugging Face ``ModelOutput``) and the attributes of
     other objects (a key/value cache), to a bounded depth; each object once."""
     if id(out) in seen or depth > 8:
@@ -117,7 +123,7 @@ def _tensors(out: Any, seen: set[int], depth: int = 0) -> list[torch.Tensor]:
         return [out]
     if isinstance(out, (str, bytes, int, float, bool, type(None))):
         return []
-    items: Any
+    items: Iterable[object]
     if isinstance(out, dict):
         items = out.values()
     elif isinstance(out, (tuple, list, set, frozenset)):
@@ -130,7 +136,7 @@ def _tensors(out: Any, seen: set[int], depth: int = 0) -> list[torch.Tensor]:
     return found
 
 
-def _storages(out: Any) -> dict[tuple[str, int], int]:
+def _storages(out: object) -> dict[tuple[str, int], int]:
     """(device, storage address) -> bytes of every storage an output's tensors keep alive: a view keeps its whole
     storage, and two views of one storage count once."""
     got: dict[tuple[str, int], int] = {}
@@ -177,17 +183,17 @@ class PrefixCache:
         self.all = set().union(*self.candidates.values()) if self.candidates else set()
         self.starts: list[dict[str, list[int]]] = []  # batch -> module path -> start seq of each call
         self.ends: list[dict[str, list[int]]] = []
-        self.outputs: list[dict[str, list[Any]]] = []
+        self.outputs: list[dict[str, list[object]]] = []
         self.batch: int | None = None
         self._ptrs = {self._key(b.args, b.kwargs): i for i, b in enumerate(evaluator.batches)}
         self._record()
 
     @staticmethod
-    def _key(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, ...]:
+    def _key(args: tuple[object, ...], kwargs: dict[str, object]) -> tuple[object, ...]:
         """A call's inputs as the recorded batch they are, or not: each tensor's identity (the evaluator holds the
         batches, so no other live tensor has it), shape, stride, offset and version, and the keyword names. A slice
         or a copy of a batch (same data pointer, other tensor) or a batch changed in place matches none."""
-        def one(t: Any) -> Any:
+        def one(t: object) -> object:
             if not isinstance(t, torch.Tensor):
                 return None
             return (id(t), tuple(t.shape), tuple(t.stride()), t.storage_offset(), t._version)
@@ -222,7 +228,7 @@ class PrefixCache:
         # replayable for any layer is followed by none that is), so its k-th call is stored when k < len(outputs)
 
     def _hooks(self, store: "_Admission", swept_by: dict[str, set[str]],
-               used_by: dict[str, set[str]]) -> list[Any]:
+               used_by: dict[str, set[str]]) -> list["RemovableHandle"]:
         """Pre- and post-hooks on every module the sweep needs: call positions, and the replayable outputs."""
         paths = {m: p for p, m in self.model.named_modules()}
         needed = set(self.owners.values()) | self.all | set().union(*self.uses.values())
@@ -231,12 +237,12 @@ class PrefixCache:
             if path not in needed:
                 continue
 
-            def pre(m: nn.Module, a: Any, path: str = path) -> None:
+            def pre(m: nn.Module, a: object, path: str = path) -> None:
                 store.seq += 1
                 self.starts[-1].setdefault(path, []).append(store.seq)
                 store.started.update(used_by.get(path, ()))  # the layers one of whose uses has started
 
-            def post(m: nn.Module, a: Any, out: Any, path: str = path) -> None:
+            def post(m: nn.Module, a: object, out: object, path: str = path) -> None:
                 store.seq += 1
                 self.ends[-1].setdefault(path, []).append(store.seq)
                 if path in self.all and not swept_by[path] <= store.started:  # replayable for a layer not yet
@@ -269,7 +275,7 @@ class _Admission:
             if self.refs[st][0] == 0:
                 self.cache.bytes -= self.refs.pop(st)[1]
 
-    def keep(self, path: str, out: Any) -> None:
+    def keep(self, path: str, out: object) -> None:
         c = self.cache
         b = len(c.outputs) - 1
         if c.budget == 0 or b in self.cut:  # a later call of a batch that lost one: its path's stored calls
@@ -294,7 +300,7 @@ class _Admission:
         c.peak_bytes = max(c.peak_bytes, c.bytes)
 
 
-def _map_tensors(out: Any, fn: Callable[[torch.Tensor], Any], other: Callable[[Any], Any] = lambda o: o) -> Any:
+def _map_tensors(out: object, fn: Callable[[torch.Tensor], object], other: Callable[[object], object] = lambda o: o) -> object:
     """``fn`` on every tensor of a module's output (a tensor, or a plain tuple or list of them), ``other`` on the rest;
     named tuples and other containers count as "the rest"."""
     if isinstance(out, torch.Tensor):
@@ -306,11 +312,11 @@ def _map_tensors(out: Any, fn: Callable[[torch.Tensor], Any], other: Callable[[A
     return other(out)
 
 
-def _detach(out: Any) -> Any:
+def _detach(out: object) -> object:
     return _map_tensors(out, torch.Tensor.detach)
 
 
-def _clone(out: Any) -> Any:
+def _clone(out: object) -> object:
     return _map_tensors(out, torch.Tensor.clone, copy.copy)
 
 
@@ -327,13 +333,13 @@ class _Replay:
             self.replayed.append({p: min(len(stored.get(p, ())), sum(1 for e in cache.ends[b].get(p, []) if e < first))
                                   for p in cache.candidates[layer]})
         self.counts: dict[str, int] = {}
-        self.handles: list[Any] = []
+        self.handles: list["RemovableHandle"] = []
         self.patched: list[nn.Module] = []
 
     def __enter__(self) -> "_Replay":
         cache = self.cache
 
-        def root_pre(m: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        def root_pre(m: nn.Module, args: tuple[object, ...], kwargs: dict[str, object]) -> None:
             cache.batch = cache._ptrs.get(cache._key(args, kwargs))
             self.counts = {}
 
@@ -344,7 +350,7 @@ class _Replay:
             mod = cache.model.get_submodule(path)
             original = mod.forward
 
-            def fwd(*args: Any, _path: str = path, _orig: Callable[..., Any] = original, **kwargs: Any) -> Any:
+            def fwd(*args: object, _path: str = path, _orig: Callable[..., object] = original, **kwargs: object) -> object:
                 b = cache.batch
                 k = self.counts.get(_path, 0)
                 self.counts[_path] = k + 1
@@ -356,7 +362,7 @@ class _Replay:
             self.patched.append(mod)
         return self
 
-    def __exit__(self, *exc: Any) -> None:
+    def __exit__(self, *exc: object) -> None:
         for h in self.handles:
             h.remove()
         for mod in self.patched:
@@ -435,7 +441,7 @@ class _Evaluations:
     measured, the original written back (bit for bit, also when the measurement raises); each rank once.
     ``results``: rank -> (value, holds, top-1 agreement)."""
 
-    def __init__(self, sweeper: "Sweeper", name: str, grid: list[int], inp: Any) -> None:
+    def __init__(self, sweeper: "Sweeper", name: str, grid: list[int], inp: "LayerInput | None") -> None:
         layer = sweeper.layers[name]
         self.sweeper, self.name, self.grid = sweeper, name, grid
         self.param = sweeper.params[layer.param]
@@ -479,7 +485,7 @@ class Sweeper:
 
     def __init__(self, model: nn.Module, layers: dict[str, Layer] | list[Layer],
                  calibration: Calibration | CalibrationSession, settings: "SweepSettings | None" = None,
-                 **fields: Any) -> None:
+                 **fields: object) -> None:
         """``settings`` (a :class:`SweepSettings`), or its fields as keywords (``tolerance``, ``align``, ``metric``,
         ``stats``, ``spectra``, ``prefix_cache``, ``prefix_cache_bytes``)."""
         o = replace(settings or SweepSettings(), **fields)
@@ -519,7 +525,7 @@ class Sweeper:
     def evaluations(self) -> int:
         return self.evaluator.evaluations
 
-    def _measure(self, name: str) -> Any:
+    def _measure(self, name: str) -> "Measurement":
         with eval_mode(self.work):
             if self.cache is not None:
                 with self.cache.replay(name):
@@ -578,7 +584,7 @@ class Sweeper:
         return grid[i]
 
     def _floor_of(self, layer: Layer, grid: list[int], results: dict[int, tuple[float, bool, float | None]],
-                  floor: int | None, start: int | None, inp: Any) -> Floor:
+                  floor: int | None, start: int | None, inp: "LayerInput | None") -> Floor:
         """The :class:`Floor` the measured points give, with its reason in words."""
         metric = self.metric
         cliff = grid[grid.index(floor) - 1] if floor is not None and grid.index(floor) > 0 else None
@@ -668,7 +674,7 @@ def probe_sensitivity(model: nn.Module, layers: dict[str, Layer] | list[Layer],
 def measure_floors(model: nn.Module, layers: dict[str, Layer] | list[Layer],
                    calibration: Calibration | CalibrationSession, tolerance: float | None = None,
                    settings: SweepSettings | None = None, progress: Callable[[str], None] | None = None,
-                   steps: Callable[[int, int, int], None] | None = None, **fields: Any) -> Floors:
+                   steps: Callable[[int, int, int], None] | None = None, **fields: object) -> Floors:
     """Tier 2: per-layer measured floors on ``calibration``'s held-out batches. ``settings`` (a
     :class:`SweepSettings`), or its fields as keywords (see :class:`Sweeper` for the arguments). ``search``:
     "bisect" (from the tier-1 rank in ``spectra``) or "all" (every grid rank: the brute-force reference). ``model``
