@@ -441,11 +441,10 @@ class _Evaluations:
     measured, the original written back (bit for bit, also when the measurement raises); each rank once.
     ``results``: rank -> (value, holds, top-1 agreement)."""
 
-    def __init__(self, sweeper: "Sweeper", name: str, grid: list[int], inp: "LayerInput | None") -> None:
-        layer = sweeper.layers[name]
-        self.sweeper, self.name, self.grid = sweeper, name, grid
-        self.param = sweeper.params[layer.param]
-        self.original = self.param.detach().clone()
+    def __init__(self, layer: Layer, param: torch.Tensor, grid: list[int], inp: "LayerInput | None",
+                 measure: Callable[[], "Measurement"]) -> None:
+        self.grid, self.param, self.measure = grid, param, measure
+        self.original = param.detach().clone()
         self.trunc = Truncator(layer, self.original, inp)
         self.results: dict[int, tuple[float, bool, float | None]] = {}
 
@@ -457,12 +456,53 @@ class _Evaluations:
                 with torch.no_grad():
                     self.param.copy_(w)
                 del w
-                m = self.sweeper._measure(self.name)
+                m = self.measure()
             finally:
                 with torch.no_grad():
                     self.param.copy_(self.original)
             self.results[r] = (m.value, m.ok, m.top1)
         return self.results[r][1]
+
+
+def _bisect(grid: list[int], ev: _Evaluations, spec: WhitenedSpectrum | None, metric: Metric, align: int) -> int:
+    """The bracketing search from the tier-1 rank (guided by the tier-1 curve for the output error); the rank it
+    started at."""
+    target = metric.tier1_target
+    i = _tier1_index(grid, spec, align, target)
+    guide = spec if metric.output_error else None
+    lo, hi = -1, len(grid)  # grid[lo] fails (or lo = -1), grid[hi] holds with every larger rank tried
+    nxt = i
+    while hi - lo > 1:
+        if ev(nxt):
+            hi = nxt
+        else:
+            lo = nxt
+        if hi - lo <= 1 or lo == len(grid) - 1:
+            break
+        nxt = _next_rank(grid, lo, hi, ev.results, guide, metric.tolerance)
+    return grid[i]
+
+
+def _floor_of(layer: Layer, grid: list[int], results: dict[int, tuple[float, bool, float | None]],
+              floor: int | None, start: int | None, inp: "LayerInput | None", metric: Metric) -> Floor:
+    """The :class:`Floor` the measured points give, with its reason in words."""
+    cliff = grid[grid.index(floor) - 1] if floor is not None and grid.index(floor) > 0 else None
+    pts = sorted(results.items())
+    f = Floor(
+        layer=layer.name, floor=floor,
+        metric_at_floor=results[floor][0] if floor is not None else None,
+        cliff_rank=cliff, cliff_metric=results[cliff][0] if cliff is not None else None,
+        compression=layer.compression(floor) if floor is not None else None,
+        keep_dense=floor is None, start_rank=start,
+        points=[(r, v[0]) for r, v in pts],
+        top1={r: v[2] for r, v in pts if v[2] is not None},
+        init="whitened" if inp is not None else "svd",
+    )
+    f.reason = (f"rank {floor} holds {metric.label} within {metric.tolerance:g} at {f.compression:.2f}x"
+                if floor is not None else
+                f"no rank below break-even {layer.break_even:.1f} holds {metric.label} within "
+                f"{metric.tolerance:g}: keep dense (measured)")
+    return f
 
 
 class Sweeper:
@@ -551,81 +591,30 @@ class Sweeper:
             return Floor(None, None, None, None, None, True, layer=name,
                          reason=f"no multiple of {self.align} below break-even {layer.break_even:.1f}")
         inp = self.stats.layers.get(name)
-        ev = _Evaluations(self, name, grid, inp)
+        ev = _Evaluations(layer, self.params[layer.param], grid, inp, lambda: self._measure(name))
         start = None
         if search == "all":
             for i in range(len(grid)):
                 ev(i)
         else:
-            start = self._bisect(name, grid, ev)
+            start = _bisect(grid, ev, self.spectra.get(name), self.metric, self.align)
         floor = floor_from_points({r: v[1] for r, v in ev.results.items()})
         if floor is not None and grid.index(floor) > 0:
             ev(grid.index(floor) - 1)  # the cliff is always measured
-        return self._floor_of(layer, grid, ev.results, floor, start, inp)
+        return _floor_of(layer, grid, ev.results, floor, start, inp, self.metric)
 
-    def _bisect(self, name: str, grid: list[int], ev: "_Evaluations") -> int:
-        """The bracketing search from the tier-1 rank (guided by the tier-1 curve for the output error); the rank it
-        started at."""
-        metric = self.metric
-        spec = self.spectra.get(name)
-        target = metric.tier1_target
-        i = _tier1_index(grid, spec, self.align, target)
-        guide = spec if metric.output_error else None
-        lo, hi = -1, len(grid)  # grid[lo] fails (or lo = -1), grid[hi] holds with every larger rank tried
-        nxt = i
-        while hi - lo > 1:
-            if ev(nxt):
-                hi = nxt
-            else:
-                lo = nxt
-            if hi - lo <= 1 or lo == len(grid) - 1:
-                break
-            nxt = _next_rank(grid, lo, hi, ev.results, guide, metric.tolerance)
-        return grid[i]
-
-    def _floor_of(self, layer: Layer, grid: list[int], results: dict[int, tuple[float, bool, float | None]],
-                  floor: int | None, start: int | None, inp: "LayerInput | None") -> Floor:
-        """The :class:`Floor` the measured points give, with its reason in words."""
-        metric = self.metric
-        cliff = grid[grid.index(floor) - 1] if floor is not None and grid.index(floor) > 0 else None
-        pts = sorted(results.items())
-        f = Floor(
-            layer=layer.name, floor=floor,
-            metric_at_floor=results[floor][0] if floor is not None else None,
-            cliff_rank=cliff, cliff_metric=results[cliff][0] if cliff is not None else None,
-            compression=layer.compression(floor) if floor is not None else None,
-            keep_dense=floor is None, start_rank=start,
-            points=[(r, v[0]) for r, v in pts],
-            top1={r: v[2] for r, v in pts if v[2] is not None},
-            init="whitened" if inp is not None else "svd",
-        )
-        f.reason = (f"rank {floor} holds {metric.label} within {metric.tolerance:g} at {f.compression:.2f}x"
-                    if floor is not None else
-                    f"no rank below break-even {layer.break_even:.1f} holds {metric.label} within "
-                    f"{metric.tolerance:g}: keep dense (measured)")
-        return f
 
     def probe(self, name: str, ranks: list[int]) -> Floor:
         """The layer truncated alone (whitened) at each of ``ranks`` and measured: a :class:`Floor` holding those
         points and no floor. What tier 3 scales tier 1's layer-output errors by when tier 2 is not run."""
         layer = self.layers[name]
-        param = self.params[layer.param]
-        original = param.detach().clone()
         inp = self.stats.layers.get(name)
-        trunc = Truncator(layer, original, inp)
-        points: list[tuple[int, float]] = []
-        top1: dict[int, float] = {}
-        for r in sorted(set(ranks)):
-            with torch.no_grad():
-                param.copy_(trunc.weight(r))
-            try:
-                m = self._measure(name)
-            finally:
-                with torch.no_grad():
-                    param.copy_(original)
-            points.append((r, m.value))
-            if m.top1 is not None:
-                top1[r] = m.top1
+        grid = sorted(set(ranks))
+        ev = _Evaluations(layer, self.params[layer.param], grid, inp, lambda: self._measure(name))
+        for i in range(len(grid)):
+            ev(i)
+        points = [(r, ev.results[r][0]) for r in grid]
+        top1 = {r: t1 for r in grid if (t1 := ev.results[r][2]) is not None}
         return Floor(None, None, None, None, None, False, points=points, layer=name, top1=top1,
                      init="whitened" if inp is not None else "svd",
                      reason=f"probed at rank{'s' if len(points) > 1 else ''} {', '.join(str(r) for r, _ in points)}")
