@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from auditor.options import AuditOptions
+from auditor.options import AuditOptions, RecoveryOptions
 from auditor.pipeline import audit_session
 
 STEPS = 40
@@ -103,8 +103,8 @@ def test_recovery_is_deterministic_under_a_seed(evidence):
     model, audit, session, _ = evidence
     b = audit.calibration.budget
     plain = type(b)(**{**vars(b), "frontier": [type(p)(**{**vars(p), "recovered": None}) for p in b.frontier]})
-    same = recover_frontier(model, session, plain, steps=STEPS, objective="mse", seed=0)
-    other = recover_frontier(model, session, plain, steps=STEPS, objective="mse", seed=1)
+    same = recover_frontier(model, session, plain, RecoveryOptions(steps=STEPS, objective="mse", seed=0))
+    other = recover_frontier(model, session, plain, RecoveryOptions(steps=STEPS, objective="mse", seed=1))
     metrics = lambda r: [p.recovered.metric for p in r.frontier]  # noqa: E731
     assert metrics(same) == metrics(b)  # the same bits
     assert metrics(other) != metrics(b)  # another batch order

@@ -254,12 +254,12 @@ def _stream_into(store: "GramStore", model: nn.Module, layers: list[Layer], cal:
         _trim()
 
     try:
-        from .statistics.stream import StreamOptions, stream_statistics  # block by block with repeated blocks, else one pass
+        from .statistics.stream import stream_statistics  # block by block with repeated blocks, else one pass
 
-        stats = stream_statistics(model, layers, cal, StreamOptions(
-            device=options.statistics.device, offload=options.statistics.offload,
-            compute_dtype=options.statistics.compute_dtype, on_block=block,
-            keep=False, progress=progress.update if progress is not None else None))
+        stats = stream_statistics(
+            model, layers, cal, device=options.statistics.device, offload=options.statistics.offload,
+            compute_dtype=options.statistics.compute_dtype, on_block=block, keep=False,
+            progress=progress.update if progress is not None else None)
     except AuditError:
         store.close()
         raise

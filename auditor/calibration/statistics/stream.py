@@ -24,8 +24,8 @@ from __future__ import annotations
 
 import contextlib
 import re
-from dataclasses import dataclass, replace
-from typing import Callable, Iterator
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Callable, Iterator, TypedDict
 
 import torch
 from torch import nn
@@ -34,6 +34,9 @@ from ...errors import AuditError
 from ...results import Layer
 from ..data.inputs import Batch, Calibration, eval_mode, model_device
 from .stats import InputStatistics, StatisticsHooks, _batch_mask, _module_path, by_name, input_statistics
+
+if TYPE_CHECKING:
+    from typing_extensions import Unpack
 
 CACHE_KWARGS = ("past_key_value", "past_key_values", "layer_past", "cache")  # not passed: the blocks would fill them
 
@@ -247,11 +250,23 @@ class StreamOptions:
     compute_dtype: str | torch.dtype | None = None
 
 
+class StreamFields(TypedDict, total=False):
+    """The keywords of :func:`stream_statistics`: :class:`StreamOptions`' fields."""
+
+    device: str | torch.device | None
+    offload: bool
+    on_block: Callable[[int, InputStatistics], None] | None
+    keep: bool
+    batch_dtype: torch.dtype | None
+    progress: Callable[[int, int], None] | None
+    compute_dtype: str | torch.dtype | None
+
+
 def stream_statistics(model: nn.Module, layers: dict[str, Layer] | list[Layer], batches: Calibration | list[Batch],
-                      options: StreamOptions | None = None, **fields: object) -> InputStatistics:
+                      **fields: Unpack[StreamFields]) -> InputStatistics:
     """The input statistics of ``layers``, block by block when the model has repeated blocks (else in one pass).
 
-    ``options`` (a :class:`StreamOptions`; or its fields as keywords):
+    The options as keywords (:class:`StreamFields`, the fields of :class:`StreamOptions`):
     ``device``: where the forward runs and the sums accumulate (default: where the model is); the model is moved
     there and back. ``offload``: the blocks stay where they are and each is moved to ``device`` only while it runs.
     ``on_block(i, stats)`` gets each block's statistics as soon as they are complete (and the outside layers' last,
@@ -259,7 +274,7 @@ def stream_statistics(model: nn.Module, layers: dict[str, Layer] | list[Layer], 
     them. ``batch_dtype``: the dtype each batch's X^T X is formed in (default float32 on CUDA, float64 on the CPU).
     ``compute_dtype`` (``float32``): bf16/fp16 weights and inputs cast to it while they run (the blocks one at a
     time, :class:`_Precision`), and back afterwards; None or ``model``: the model's own dtypes."""
-    o = replace(options or StreamOptions(), **fields)
+    o = StreamOptions(**fields)
     prec = _Precision(compute_dtype_for(o.compute_dtype))
     home = model_device(model)
     dev = resolve_device(o.device) if o.device is not None else home

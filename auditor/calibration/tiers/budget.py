@@ -14,7 +14,7 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING, Callable, TypedDict
 
 from torch import nn
 
@@ -33,6 +33,8 @@ from .sweep import Floors
 from ..statistics.whiten import TruncatorStore, WhitenedSpectrum
 
 if TYPE_CHECKING:
+    from typing_extensions import Unpack
+
     from ...options import RecoveryOptions
     from .fisher import GradientSensitivity
 
@@ -221,9 +223,25 @@ class SearchSettings:
     backstops: int = 0  # plans measured below the one found, a point of the model apart: fallbacks for a verification
 
 
+class SearchFields(TypedDict, total=False):
+    """The keywords of :func:`plan_for_budget`: :class:`SearchSettings`' fields, for type checkers."""
+
+    budget: float | None
+    tolerance: float | None
+    metric: Metric | Callable[..., float] | None
+    stats: InputStatistics | None
+    frontier: int
+    max_tries: int
+    fixed: dict[str, int] | None
+    progress: Callable[[int], None] | None
+    reuse_bytes: int | None
+    reuse: TruncatorStore | None
+    backstops: int
+
+
 def plan_for_budget(model: nn.Module, layers: dict[str, Layer] | list[Layer],
                     calibration: Calibration | CalibrationSession, curves: Curves,
-                    settings: SearchSettings | None = None, **given: object) -> BudgetResult:
+                    **given: Unpack[SearchFields]) -> BudgetResult:
     """Tier 3: the largest plan over ``curves`` that holds the tolerance all at once on the held-out batches.
 
     Each target (parameters to remove) gives one plan (:func:`allocate`); a plan is factorized and measured once
@@ -248,10 +266,9 @@ def plan_for_budget(model: nn.Module, layers: dict[str, Layer] | list[Layer],
     default; 0 decomposes every layer again for every plan), or ``reuse``: a ``TruncatorStore`` of the caller's
     (the audit's, kept for the verification and the plan check). One plan's factorized copy is alive at a time.
 
-    The settings come as a :class:`SearchSettings` or as its field names given as keywords (both: the keywords
-    replace the settings' fields)."""
+    The settings come as keywords (:class:`SearchFields`, the fields of :class:`SearchSettings`)."""
     t0 = time.perf_counter()
-    s = replace(settings or SearchSettings(), **given)
+    s = SearchSettings(**given)
     named = by_name(layers)
     fixed = _fixed_of(s.fixed, named)
     options = {k: v for k, v in curves.options.items()
@@ -511,24 +528,21 @@ def _result(plans: _Plans, aim: _Aim, best: FrontierPlan, points: dict[tuple[tup
 
 
 def recover_frontier(model: nn.Module, session: CalibrationSession, result: BudgetResult,
-                     settings: "RecoveryOptions | None" = None, progress: Callable[[int, int], None] | None = None,
-                     **given: object) -> BudgetResult:
+                     recovery: "RecoveryOptions", progress: Callable[[int, int], None] | None = None,
+                     ) -> BudgetResult:
     """Every frontier plan of ``result`` measured again after the same recovery fine-tune
     (:func:`auditor.calibration.recovery.recover`: distillation toward ``model`` on the session's fit batches, the held-out ones
     only measured, with the session's evaluator), each from the whitened factors it was measured at; the plan's
     ``recovered`` says what it measured and what it cost. With a budget, the plan at the budget and the smallest
     plan that failed below it join the frontier (the plans recovery can move across the tolerance).
 
-    ``settings`` (the audit's :class:`~auditor.options.RecoveryOptions`, or its field names as keywords: ``steps``
-    at least): with
+    ``recovery`` (the audit's :class:`~auditor.options.RecoveryOptions`, ``steps`` given): with
     ``choose_after`` the suggestion becomes the largest plan (within the budget) whose recovered metric holds the
     tolerance, when it removes more than the plan chosen before recovery (which holds without a fine-tune);
     ``chosen_after_recovery`` then marks it, and ``metric``/``ok`` stay its measurement before the fine-tune.
     ``progress(plans recovered, plans)`` after each. The model is measured in eval mode; its mode is restored."""
     from ...calresults import RecoverySetup
-    from ...options import RecoveryOptions
-
-    s = replace(settings, **given) if settings is not None else RecoveryOptions(**given)
+    s = recovery
     t0 = time.perf_counter()
     frontier = _recovery_frontier(result)
     out = _recover_each(model, session, frontier, s, progress)

@@ -34,8 +34,8 @@ import math
 import os
 import time
 from collections.abc import MutableMapping
-from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING, Callable, Iterator
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Callable, Iterator, TypedDict
 
 import numpy as np
 import torch
@@ -51,6 +51,8 @@ from ..statistics.stats import InputStatistics, LayerInput, _module_path, by_nam
 from ..statistics.whiten import DAMP, WhitenedSpectrum, function_matrices, save_spilled
 
 if TYPE_CHECKING:
+    from typing_extensions import Unpack
+
     from ..statistics.stream import Blocks
 
 GRADIENT_KINDS = kinds.registry.KindSet(lambda k: k.gradient_sensitivity, "read by the gradient pass")  # live view
@@ -427,13 +429,21 @@ class GradientSettings:
     progress: Callable[[int, int], None] | None = None
 
 
+class GradientFields(TypedDict, total=False):
+    """The keywords of :func:`gradient_sensitivity`: :class:`GradientSettings`' fields."""
+
+    samples: int
+    seed: int
+    progress: Callable[[int, int], None] | None
+
+
 def gradient_sensitivity(model: nn.Module, layers: dict[str, Layer] | list[Layer], calibration: Calibration,
                          metric: Metric, stats: InputStatistics, spectra: dict[str, WhitenedSpectrum],
-                         settings: GradientSettings | None = None, **fields: object) -> GradientSensitivity:
+                         **fields: Unpack[GradientFields]) -> GradientSensitivity:
     """Every layer's predicted cost curve from one backward pass per sample (:func:`output_gradients`) and its input
     statistics; layers without gradients (other kinds) get tier 1's squared error times the median ratio.
-    ``settings`` (a :class:`GradientSettings`), or its fields as keywords (``samples``, ``seed``, ``progress``)."""
-    o = replace(settings or GradientSettings(), **fields)
+    The settings as keywords (:class:`GradientFields`: ``samples``, ``seed``, ``progress``)."""
+    o = GradientSettings(**fields)
     named = by_name(layers)
     grads = output_gradients(model, named, calibration, metric, o.samples, o.seed, o.progress)
     t = time.perf_counter()

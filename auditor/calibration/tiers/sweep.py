@@ -25,8 +25,8 @@ import heapq
 import math
 import operator
 import time
-from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING, Callable, Iterable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Callable, Iterable, TypedDict
 
 import torch
 from torch import nn
@@ -41,6 +41,8 @@ from ..statistics.stats import InputStatistics, by_name
 from ..statistics.whiten import Truncator, WhitenedSpectrum
 
 if TYPE_CHECKING:
+    from typing_extensions import Unpack
+
     from torch.utils.hooks import RemovableHandle
 
     from ..measure.metric import Measurement
@@ -436,6 +438,19 @@ class SweepSettings:
     prefix_cache_bytes: int | None = None
 
 
+class SweepFields(TypedDict, total=False):
+    """The keywords of :class:`Sweeper` and :func:`measure_floors`: :class:`SweepSettings`' fields."""
+
+    tolerance: float | None
+    align: int
+    metric: Metric | Callable[..., float] | None
+    stats: InputStatistics | None
+    spectra: dict[str, WhitenedSpectrum] | None
+    search: str
+    prefix_cache: bool
+    prefix_cache_bytes: int | None
+
+
 class _Evaluations:
     """One layer's evaluations at grid indices: the layer's truncated weight written into the model, the model
     measured, the original written back (bit for bit, also when the measurement raises); each rank once.
@@ -524,11 +539,10 @@ class Sweeper:
     (None: :func:`default_cache_bytes`; 0 stores nothing and every module runs)."""
 
     def __init__(self, model: nn.Module, layers: dict[str, Layer] | list[Layer],
-                 calibration: Calibration | CalibrationSession, settings: "SweepSettings | None" = None,
-                 **fields: object) -> None:
-        """``settings`` (a :class:`SweepSettings`), or its fields as keywords (``tolerance``, ``align``, ``metric``,
-        ``stats``, ``spectra``, ``prefix_cache``, ``prefix_cache_bytes``)."""
-        o = replace(settings or SweepSettings(), **fields)
+                 calibration: Calibration | CalibrationSession, **fields: Unpack[SweepFields]) -> None:
+        """The settings as keywords (:class:`SweepFields`: ``tolerance``, ``align``, ``metric``, ``stats``,
+        ``spectra``, ``prefix_cache``, ``prefix_cache_bytes``)."""
+        o = SweepSettings(**fields)
         check_cache_bytes(o.prefix_cache_bytes)  # before the session's passes over the data
         self.layers = by_name(layers)
         session = CalibrationSession.of(calibration, model, metric=o.metric, tolerance=o.tolerance,
@@ -645,7 +659,7 @@ def probe_sensitivity(model: nn.Module, layers: dict[str, Layer] | list[Layer],
     (:func:`~auditor.calibration.tiers.budget.curves_from_floors`): a layer whose errors the rest of the model hides
     costs less than one whose errors reach the output. ``model`` is not modified."""
     t0 = time.perf_counter()
-    sweeper = Sweeper(model, layers, calibration, SweepSettings(align=align, spectra=spectra))
+    sweeper = Sweeper(model, layers, calibration, align=align, spectra=spectra)
     base = sweeper.evaluations
     out: dict[str, Floor] = {}
     if steps is not None:
@@ -662,16 +676,16 @@ def probe_sensitivity(model: nn.Module, layers: dict[str, Layer] | list[Layer],
 
 def measure_floors(model: nn.Module, layers: dict[str, Layer] | list[Layer],
                    calibration: Calibration | CalibrationSession, tolerance: float | None = None,
-                   settings: SweepSettings | None = None, progress: Callable[[str], None] | None = None,
-                   steps: Callable[[int, int, int], None] | None = None, **fields: object) -> Floors:
-    """Tier 2: per-layer measured floors on ``calibration``'s held-out batches. ``settings`` (a
-    :class:`SweepSettings`), or its fields as keywords (see :class:`Sweeper` for the arguments). ``search``:
+                   progress: Callable[[str], None] | None = None,
+                   steps: Callable[[int, int, int], None] | None = None, **fields: Unpack[SweepFields]) -> Floors:
+    """Tier 2: per-layer measured floors on ``calibration``'s held-out batches. The settings as
+    keywords (:class:`SweepFields`; see :class:`Sweeper` for the arguments). ``search``:
     "bisect" (from the tier-1 rank in ``spectra``) or "all" (every grid rank: the brute-force reference). ``model``
     is swept in place and comes back bit for bit as it was (see :class:`Sweeper`); ``prefix_cache_bytes`` bounds
     the prefix cache (None: :func:`default_cache_bytes`). ``progress(line)`` is told each layer's floor;
     ``steps(layers done, layers, evaluations so far)`` is called after each evaluation and each layer."""
     t0 = time.perf_counter()
-    o = replace(settings or SweepSettings(), **fields)
+    o = SweepSettings(**fields)
     if tolerance is not None:
         o = replace(o, tolerance=tolerance)
     _check_search(o.search)  # before the sweeper's setup (two passes over the held-out rows)
