@@ -25,7 +25,7 @@ import heapq
 import math
 import operator
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Callable, Iterable, TypedDict
 
 import torch
