@@ -26,6 +26,7 @@ import math
 import operator
 import time
 from dataclasses import dataclass, replace
+from dataclasses import fields as fields_of
 from typing import TYPE_CHECKING, Callable, Iterable, TypedDict
 
 import torch
@@ -689,7 +690,7 @@ def measure_floors(model: nn.Module, layers: dict[str, Layer] | list[Layer],
     if tolerance is not None:
         o = replace(o, tolerance=tolerance)
     _check_search(o.search)  # before the sweeper's setup (two passes over the held-out rows)
-    sweeper = Sweeper(model, layers, calibration, o)
+    sweeper = Sweeper(model, layers, calibration, **{f.name: getattr(o, f.name) for f in fields_of(o)})
     floors: dict[str, Floor] = {}
     base = sweeper.evaluations  # the evaluator's own checks of the dense model are not the sweep's
     if steps is not None:
