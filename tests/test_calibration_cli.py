@@ -60,9 +60,7 @@ def _split_session(model, cal, stats):
     """A session cut as the audit's is: tier 3 measures on the search rows in stages (staged.py), as the audit does."""
     from auditor.calibration.session import CalibrationSession
 
-    session = CalibrationSession(model, cal, stats=stats)
-    session.split = True
-    return session
+    return CalibrationSession(model, cal, stats=stats, split=True)
 
 
 def _json(cli_inproc, out: Path, *args: str, code: int = 0, fmt: str = "json") -> dict:
