@@ -216,7 +216,8 @@ def suggest_with(layers: list[Layer], spectra: dict[str, "Spectrum"], suggestion
                 or not passes.sweepable(layer, settings):
             continue
         if not lc.spans:
-            what = "rows looked up" if layer.kind == "embedding" else "calibration rows for its input width"
+            what = ("rows looked up" if kinds.for_kind(layer.kind).lookup_counts
+                    else "calibration rows for its input width")
             note = (f"calibration did not span its inputs ({lc.seen:,} of {lc.width:,} {what}): the data-free "
                     "suggestion stands")
             out[layer.name] = replace(old, reason=f"{note}; {old.reason}")
