@@ -171,26 +171,37 @@ class Timer:
     env: dict[str, Any] | None = None
     min_blocks: int = MIN_BLOCKS
     warmup: int = WARMUP_CALLS
+    cache_fake_times: bool = False  # tests: cache (and read back) what a fake clock measured
 
     def __post_init__(self) -> None:
         self.env = self.env or {"device": self.device, "device_name": device_name(self.device),
                                 "threads": torch.get_num_threads(), "torch": torch.__version__,
                                 "python": platform.python_version()}
         self.hits = 0
+        self.wrote: set[str] = set()  # the keys this timer cached (for another layer, maybe)
+        self.tag: Any = None  # what is being measured (time_layers: (layer, at)); each key cached is filed under it
+        self.by_tag: dict[Any, list[dict[str, Any]]] = {}
+
+    def forget(self, tag: Any) -> None:
+        """Drop from the cache every entry written for ``tag`` (a layer whose times were refused afterwards)."""
+        for k in self.by_tag.pop(tag, []):
+            self.cache.drop(k)
 
     def keys(self, mods: list[tuple[nn.Module, str]], x: torch.Tensor) -> list[dict[str, Any]]:
         return [{**(self.env or {}), "module": what, "input": list(x.shape), "input_dtype": str(x.dtype)}
                 for _, what in mods]
 
     def times(self, mods: list[tuple[nn.Module, str]], x: torch.Tensor, write: list[bool] | None = None,
-              fresh: bool = False) -> tuple[list[Timing], bool]:
+              fresh: bool = False, own: bool = False) -> tuple[list[Timing], bool]:
         """(time per call of each ``mod(x)``, measured side by side; whether all came from the cache). Each
-        module's ``what`` names it in the cache key; when any is missing (or ``fresh``) all are measured again
-        together, and those ``write`` marks (all by default) cached. :class:`Unrepeatable` when twice not
-        repeatable."""
+        module's ``what`` names it in the cache key; when any is missing (or ``fresh``; or ``own`` and written by
+        this timer, for a twin layer) all are measured again together, and those ``write`` marks (all by default)
+        cached. :class:`Unrepeatable` when twice not repeatable."""
         keys = self.keys(mods, x)
-        use_cache = self.clock is None
+        use_cache = self.clock is None or self.cache_fake_times
         hits = [self.cache.get(k) for k in keys] if use_cache and not fresh else [None] * len(keys)
+        if own:
+            hits = [None if json.dumps(k, sort_keys=True) in self.wrote else h for k, h in zip(keys, hits)]
         if all(h is not None for h in hits):
             self.hits += len(hits)
             return hits, True  # type: ignore[return-value]
@@ -207,6 +218,8 @@ class Timer:
             for k, t, w in zip(keys, ts, write or [True] * len(keys)):
                 if w:
                     self.cache.put(k, t)
+                    self.wrote.add(json.dumps(k, sort_keys=True))
+                    self.by_tag.setdefault(self.tag, []).append(k)
         return ts, False
 
     def _measure(self, live: list[nn.Module], x: torch.Tensor, names: list[str]) -> tuple[list[Timing], str]:
@@ -378,9 +391,11 @@ def time_layers(model: nn.Module, args: tuple, kwargs: dict, planned: list[tuple
             rows.append(row)
             if break_even:
                 _share_break_even(found, layer, mod, xi, timer, align, at, row.dense, notes)
-    rows = agreeing_twins(rows, {l.name: (l, mods[l.name]) for l, _ in planned}, inputs, paths, latency_shape,
+    kept = agreeing_twins(rows, {l.name: (l, mods[l.name]) for l, _ in planned}, inputs, paths, latency_shape,
                           timer, notes)
-    return rows, [b for b in found.values() if b is not None], notes
+    refused = {(r.layer, r.at) for r in rows} - {(r.layer, r.at) for r in kept}  # their break-even is suspect too
+    return kept, [b for b in found.values() if b is not None and not any((n, b.at) in refused for n in b.layers)], \
+        notes
 
 
 def _pair(layer: Layer, mod: nn.Module, rank: int) -> list[tuple[nn.Module, str]]:
@@ -390,9 +405,11 @@ def _pair(layer: Layer, mod: nn.Module, rank: int) -> list[tuple[nn.Module, str]
 
 def _row(layer: Layer, mod: nn.Module, rank: int, at: str, x: torch.Tensor, timer: Timer, notes: list[str],
          fresh: bool = False) -> LayerSpeed | None:
-    """One layer's row (dense and factorized side by side), or None with a note when it is not repeatable."""
+    """One layer's row (dense and factorized side by side), or None with a note when it is not repeatable. A time
+    this run cached for a twin layer is not reused: each row is its own measurement, so twins can be compared."""
+    timer.tag = (layer.name, at)
     try:
-        (dense, fact), cached = timer.times(_pair(layer, mod, rank), x, fresh=fresh)
+        (dense, fact), cached = timer.times(_pair(layer, mod, rank), x, fresh=fresh, own=True)
     except Unrepeatable as exc:
         notes.append(f"Not timed: {layer.name} ({at}): {exc}; time on a quieter machine, or with "
                      "OMP_NUM_THREADS=1.")
@@ -405,6 +422,7 @@ def _share_break_even(found: dict[tuple, TimeBreakEven | None], layer: Layer, mo
     """The time break-even of this (module, input shape), measured once and shared by identical layers."""
     key = (repr(mod), tuple(x.shape), str(x.dtype), at)
     if key not in found:
+        timer.tag = (layer.name, at)
         try:
             found[key] = time_break_even(layer, mod, x, timer, align, at, dense=dense)
         except Unrepeatable as exc:
@@ -441,14 +459,12 @@ def agreeing_twins(rows: list[LayerSpeed], mods: dict[str, tuple[Layer, nn.Modul
                 out[i] = row
         if not _twins_agree([out[i] for i in idx if i not in refused]):
             for i in idx:
-                layer, mod = mods[rows[i].layer]
-                for k in timer.keys(_pair(layer, mod, rows[i].rank), xs[i]):  # type: ignore[arg-type]
-                    timer.cache.drop(k)
+                timer.forget((rows[i].layer, rows[i].at))  # its rows' times and its break-even's probes
             refused.update(idx)
             names = ", ".join(rows[i].layer for i in idx)
             notes.append(f"Not timed: {names} ({rows[idx[0]].at}): layers of the same shape took "
-                         f"{', '.join(seconds(out[i].dense.median) for i in idx)} dense (more than 25% apart); time "
-                         "on a quieter machine, or with OMP_NUM_THREADS=1.")
+                         f"{', '.join(seconds(out[i].dense.median) for i in idx)} dense (more than 25% apart; their "
+                         "time break-even is left out too); time on a quieter machine, or with OMP_NUM_THREADS=1.")
     return [r for i, r in enumerate(out) if i not in refused]
 
 

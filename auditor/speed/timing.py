@@ -53,16 +53,19 @@ def agree(a: float, b: float) -> bool:
 
 
 def halves(per_call: list[float]) -> tuple[float, float] | None:
-    """The medians of the even and the odd blocks: two interleaved repeats of one measurement (None under two
-    blocks)."""
-    if len(per_call) < 2:
+    """The medians of the first and the second half of the blocks (in timing order, the first block left out
+    where more than two): two repeats of one measurement, one after the other, so that a load that comes or goes
+    in between shows (None under two blocks)."""
+    xs = per_call[1:] if len(per_call) > 2 else per_call  # the first block sized the rest (and ran cold)
+    if len(xs) < 2:
         return None
-    return statistics.median(per_call[0::2]), statistics.median(per_call[1::2])
+    k = len(xs) // 2
+    return statistics.median(xs[:k]), statistics.median(xs[k:])
 
 
 def refusal(what: str, per_call: list[float], one_thread: float | None = None) -> str | None:
     """Why the blocks ``per_call`` of ``what`` are no timing to report or keep, or None: a time that is not sane,
-    two interleaved repeats more than 25% apart, or (``one_thread``: the same call timed on one thread) threads
+    two repeats (:func:`halves`) more than 25% apart, or (``one_thread``: the same call timed on one thread) threads
     that make the call more than 25% slower than one thread does (spin-waiting threads stalling each other)."""
     if not per_call or not all(sane(t) for t in per_call):
         return f"{what} gave no sane time"
