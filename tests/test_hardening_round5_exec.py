@@ -83,12 +83,14 @@ def _isolated_cli(*args: str, cwd: Path) -> subprocess.CompletedProcess:
 
 def test_cli_measure_speed_from_a_folder_with_planted_modules_runs_none_of_them(tmp_path):
     marker = _plant(tmp_path)
-    write_low_rank_mlp(tmp_path, widths=(8, 6, 4), rank=2)
+    write_low_rank_mlp(tmp_path, widths=(48, 64, 48, 4), rank=3)
     r = _isolated_cli("m.py:model", "--measure-speed", "--format", "json", "-q", "--no-cache", cwd=tmp_path)
     assert r.returncode == 0, r.stderr
     assert not marker.exists()
-    sp = json.loads(r.stdout)["speed"]
-    assert sp["model"]["where"] == "subprocess" and sp["model"]["dense"]["params"] == 8 * 6 + 6 + 6 * 4 + 4
+    d = json.loads(r.stdout)
+    sp = d["speed"]
+    assert sp["model"]["where"] == "subprocess" and sp["model"]["dense"]["params"] == d["totals"]["params"] == (
+        48 * 64 + 64 + 64 * 48 + 48 + 48 * 4 + 4)
 
 
 def test_cli_factorize_measure_speed_from_a_folder_with_a_planted_json_runs_none_of_it(tmp_path):
@@ -530,3 +532,60 @@ def test_main_called_in_process_puts_the_sigint_handler_back(cli_inproc, tmp_pat
     before = signal.getsignal(signal.SIGINT)
     r = cli_inproc("rules")
     assert r.returncode == 0 and signal.getsignal(signal.SIGINT) is before
+
+
+# --- what a killed run leaves --------------------------------------------------------------------------------------
+
+def _age(path: Path, seconds: float = 7200) -> None:
+    t = time.time() - seconds
+    os.utime(path, (t, t))
+
+
+def test_a_killed_runs_scratch_folder_in_tmpdir_is_swept_by_the_next_run(tmp_path, monkeypatch):
+    """A run killed (SIGKILL: no finally, no finaliser) while its Grams spill to TMPDIR leaves its folder; the next
+    run that makes one removes it, once that process is gone and the folder is an hour old. A live run's folder,
+    and a dead run's recent one, stay."""
+    import tempfile
+
+    from auditor import _env
+
+    tmp = tmp_path / "tmpdir"
+    tmp.mkdir()
+    code = ("import os, signal; from auditor.calibration.stats import GramStore; s = GramStore(); "
+            "open(os.path.join(s.dir, 'g.npy'), 'w').write('x'); os.kill(os.getpid(), signal.SIGKILL)")
+    subprocess.run([PY, "-c", code], env={**os.environ, "PYTHONPATH": str(ROOT), "TMPDIR": str(tmp)}, check=False)
+    [left] = list(tmp.iterdir())
+    assert left.name.startswith("lowrank-audit-grams-") and (left / "g.npy").exists()
+    recent = tmp / f"lowrank-audit-moments-{_dead_pid()}-abc"
+    live = tmp / f"lowrank-audit-truncators-{os.getppid()}-abc"
+    other = tmp / "lowrank-audit-grams-notapid-x"
+    for d in (recent, live, other):
+        d.mkdir()
+    for d in (left, live, other):
+        _age(d)
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp))
+    monkeypatch.setattr(_env, "_SWEPT", set())
+    from auditor.calibration.stats import GramStore
+
+    store = GramStore()
+    assert not left.exists() and recent.exists() and live.exists() and other.exists() and store.dir.exists()
+    assert store.dir.name.startswith(f"lowrank-audit-grams-{os.getpid()}-")
+
+
+def test_a_killed_runs_staged_calibration_entry_is_swept_from_the_cache(tmp_path, monkeypatch):
+    from auditor import _env
+
+    dead = _dead_pid()
+    staged = tmp_path / f".{'e' * 32}.{dead}.tmp"
+    staged.mkdir()
+    (staged / "g.npy").write_text("x")
+    _age(staged)
+    mine = tmp_path / f".{'f' * 32}.{os.getpid()}.tmp"
+    mine.mkdir()
+    _age(mine)
+    entry = tmp_path / ("a" * 32)
+    entry.mkdir()
+    _age(entry)
+    monkeypatch.setattr(_env, "_SWEPT", set())
+    _env.sweep_scratch(tmp_path)
+    assert not staged.exists() and mine.exists() and entry.exists()

@@ -390,7 +390,7 @@ def time_layers(model: nn.Module, args: tuple, kwargs: dict, planned: list[tuple
                 continue
             rows.append(row)
             if break_even:
-                _share_break_even(found, layer, mod, xi, timer, align, at, row.dense, notes)
+                _share_break_even(found, layer, mod, xi, timer, align, row, notes)
     kept = agreeing_twins(rows, {l.name: (l, mods[l.name]) for l, _ in planned}, inputs, paths, latency_shape,
                           timer, notes)
     refused = {(r.layer, r.at) for r in rows} - {(r.layer, r.at) for r in kept}  # their break-even is suspect too
@@ -418,8 +418,9 @@ def _row(layer: Layer, mod: nn.Module, rank: int, at: str, x: torch.Tensor, time
 
 
 def _share_break_even(found: dict[tuple, TimeBreakEven | None], layer: Layer, mod: nn.Module, x: torch.Tensor,
-                      timer: Timer, align: int, at: str, dense: Timing, notes: list[str]) -> None:
+                      timer: Timer, align: int, row: LayerSpeed, notes: list[str]) -> None:
     """The time break-even of this (module, input shape), measured once and shared by identical layers."""
+    at, dense = row.at, row.dense
     key = (repr(mod), tuple(x.shape), str(x.dtype), at)
     if key not in found:
         timer.tag = (layer.name, at)
