@@ -60,6 +60,25 @@ def test_the_worker_waits_passively_on_explicit_threads():
     assert (env["OMP_WAIT_POLICY"], env["OMP_NUM_THREADS"], env["MKL_NUM_THREADS"]) == ("PASSIVE", "3", "3")
 
 
+@pytest.mark.parametrize("planted", ["torch.py", "sitecustomize.py", "typing.py", "auditor/speed/__init__.py",
+                                     "dataclasses.py"])
+def test_the_worker_imports_no_planted_module_of_the_working_folder(tmp_path, monkeypatch, planted):
+    """Variants: a module the worker imports (or Python does at start-up) planted in the working folder, with
+    ``sys.path`` of this process holding ``''`` as ``python -m`` or ``-c`` would."""
+    from auditor.options import LoadOptions
+
+    marker = tmp_path / "RAN"
+    target = tmp_path / planted
+    target.parent.mkdir(parents=True, exist_ok=True)
+    target.write_text(f"open({str(marker)!r}, 'a').write('ran')\nraise SystemExit(7)\n")
+    write_low_rank_mlp(tmp_path / "src", widths=(8, 6, 4), rank=2) if (tmp_path / "src").mkdir() is None else None
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "path", ["", *sys.path])
+    [dense] = measure_subprocesses("src/m.py:model", LoadOptions(), [{}], "cpu", 1,
+                                   blocks=Blocks(timeout=120, min_time=0.05, min_blocks=8))
+    assert not marker.exists() and dense.params == 8 * 6 + 6 + 6 * 4 + 4
+
+
 def test_the_worker_imports_nothing_from_the_working_folder(tmp_path, monkeypatch):
     """A relative ``m.py:model`` source, run from a folder holding a planted ``json.py`` and ``auditor/``: the
     worker measures the real model (its exact parameter count) and nothing planted runs."""
@@ -69,7 +88,7 @@ def test_the_worker_imports_nothing_from_the_working_folder(tmp_path, monkeypatc
     write_low_rank_mlp(tmp_path, widths=(8, 6, 4), rank=2)
     monkeypatch.chdir(tmp_path)
     [dense] = measure_subprocesses("m.py:model", LoadOptions(), [{}], "cpu", 1,
-                                   blocks=Blocks(timeout=120, min_time=0.01, min_blocks=4))
+                                   blocks=Blocks(timeout=120, min_time=0.05, min_blocks=8))
     assert not marker.exists()
     assert dense.params == 8 * 6 + 6 + 6 * 4 + 4 and dense.timing.median > 0
 
@@ -226,6 +245,12 @@ ARCHIVES = {
                                               "twice"),
     "config key given twice": (lambda e: [(n, b.replace(b'{"0.0.weight": {', b'{"0.0.weight": {"use_pickle": true}, '
                                                         b'"0.0.weight": {', 1)) for n, b in e], "unreadable"),
+    "a second root differing in case": (_append(("MODEL/data/weights/weight_0", EVIL)), "twice"),
+    "a second program name in another case": (_append(("model/models/MODEL.json", b"{}")), "twice"),
+    "a path through ..": (_append(("model/data/weights/../weights/weight_7", EVIL)), "does not write"),
+    "a backslash path": (_append(("model/data\\weights\\weight_0.pkl", EVIL)), "does not write"),
+    "a folder entry under the weights": (_append(("model/data/weights/evil/", b"")), "does not write"),
+    "a weight file name with a suffix": (_append(("model/data/weights/weight_0.pt", EVIL)), "pickled weight"),
     "config path name in another case": (lambda e: [(n, b.replace(b'"weight_0"', b'"Weight_0"')) for n, b in e],
                                          "stored as a pickle"),
     "config use_pickle not a boolean false": (lambda e: [(n, b.replace(b'"use_pickle": false', b'"use_pickle": 0', 1))
@@ -439,6 +464,30 @@ def test_a_huge_cache_entry_is_not_read(tmp_path, monkeypatch):
     assert timer.cache.get(key) is None and not path.exists()
 
 
+@pytest.mark.parametrize("text", ["[]", '{"key": 1}', '"x"', "{", "\udcff", '{"timing": {}}'])
+def test_a_malformed_or_foreign_cache_entry_is_discarded(tmp_path, text):
+    x = torch.zeros(1, 64)
+    timer = Timer(cache=TimeCache(tmp_path), clock=CostClock(), min_time=0.01, cache_fake_times=True)
+    [key] = timer.keys(_pair()[:1], x)
+    path = timer.cache._path(key)
+    path.write_bytes(text.encode("utf-8", "surrogateescape"))
+    assert timer.cache.get(key) is None and not path.exists()
+
+
+def test_a_symlinked_cache_entry_is_not_followed(tmp_path):
+    x = torch.zeros(1, 64)
+    timer = Timer(cache=TimeCache(tmp_path / "c"), clock=CostClock(), min_time=0.01, cache_fake_times=True)
+    _entry(timer, _pair()[:1], x, {})
+    [key] = timer.keys(_pair()[:1], x)
+    path = timer.cache._path(key)
+    path.rename(tmp_path / "elsewhere.json")
+    path.symlink_to(tmp_path / "elsewhere.json")
+    assert timer.cache.get(key) is None
+    (dense, _), cached = timer.times(_pair(), x)
+    assert not cached and not path.is_symlink() and timer.cache.get(key) == dense
+    assert (tmp_path / "elsewhere.json").exists()  # the link's target is left alone
+
+
 def test_a_sane_entry_is_read_back(tmp_path):
     x = torch.zeros(1, 64)
     timer = Timer(cache=TimeCache(tmp_path), clock=CostClock(), min_time=0.01, cache_fake_times=True)
@@ -589,3 +638,45 @@ def test_a_killed_runs_staged_calibration_entry_is_swept_from_the_cache(tmp_path
     monkeypatch.setattr(_env, "_SWEPT", set())
     _env.sweep_scratch(tmp_path)
     assert not staged.exists() and mine.exists() and entry.exists()
+
+
+SLOW_FINALLY = """
+import os, time
+def model():
+    open(os.environ["MARK"], "w").write("ready")
+    try:
+        time.sleep(60)
+    finally:
+        time.sleep(2)  # a clean-up the second Ctrl-C falls into
+"""
+
+
+def test_a_second_ctrl_c_during_a_clean_up_is_ignored(tmp_path):
+    (tmp_path / "slow.py").write_text(SLOW_FINALLY)
+    mark = tmp_path / "ready"
+    p = subprocess.Popen([PY, "-m", "auditor", str(tmp_path / "slow.py") + ":model", "-q", "--no-cache"], cwd=ROOT,
+                         env={**os.environ, "PYTHONPATH": str(ROOT), "MARK": str(mark)}, stderr=subprocess.PIPE,
+                         text=True)
+    deadline = time.monotonic() + 120
+    while not mark.exists() and time.monotonic() < deadline and p.poll() is None:
+        time.sleep(0.05)
+    time.sleep(0.2)
+    p.send_signal(signal.SIGINT)
+    time.sleep(0.5)
+    p.send_signal(signal.SIGINT)  # inside the finally
+    err = p.communicate(timeout=60)[1]
+    assert p.returncode == 130 and err == "interrupted: no report written\n"
+
+
+def test_a_sigint_ignored_by_the_shell_stays_ignored(tmp_path):
+    """A background job (SIGINT ignored when it started) is not interrupted by one: the audit finishes."""
+    src = write_low_rank_mlp(tmp_path, widths=(8, 6, 4), rank=2)
+    slow = tmp_path / "slow.py"
+    slow.write_text("import time\nfrom m import model as _m\ndef model():\n    time.sleep(3)\n    return _m()\n")
+    p = subprocess.Popen([PY, "-m", "auditor", f"{slow}:model", "-q", "--no-cache"], cwd=ROOT,
+                         env={**os.environ, "PYTHONPATH": str(ROOT)}, stderr=subprocess.PIPE, stdout=subprocess.PIPE,
+                         text=True, preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN))
+    time.sleep(1.5)
+    p.send_signal(signal.SIGINT)
+    out, err = p.communicate(timeout=120)
+    assert src and p.returncode == 0 and "interrupted" not in err, err
