@@ -30,6 +30,7 @@ from .measured import LayerSpeed, TimeBreakEven, seconds
 from .timing import MIN_BLOCKS, WARMUP_CALLS, Clock, Timing, agree, measure_blocks, refusal, same_verdict
 
 TIMED_KINDS = (Kind.LINEAR, Kind.CONV1D_HF, Kind.CONV, Kind.EMBEDDING)  # a module called with one input tensor
+ATTEMPTS = 3  # a timing that is not repeatable is measured again, at most this many times in all
 GRID_POINTS = 32  # the break-even grid has about this many ranks: five or six measurements by bisection
 
 
@@ -162,7 +163,7 @@ class Timer:
     """Times modules on one device, with a cache and an optional fake clock (tests). A measurement is accepted
     only when it is repeatable (:func:`~auditor.speed.timing.refusal`: its interleaved repeats within 25%, and on
     the CPU with more than one thread no more than 25% slower than on one thread); one that is not is measured
-    once more, then refused (:class:`Unrepeatable`) and not cached."""
+    again (:data:`ATTEMPTS` in all), then refused (:class:`Unrepeatable`) and not cached."""
 
     device: str = "cpu"
     cache: TimeCache = field(default_factory=lambda: TimeCache(None))
@@ -196,7 +197,7 @@ class Timer:
         """(time per call of each ``mod(x)``, measured side by side; whether all came from the cache). Each
         module's ``what`` names it in the cache key; when any is missing (or ``fresh``; or ``own`` and written by
         this timer, for a twin layer) all are measured again together, and those ``write`` marks (all by default)
-        cached. :class:`Unrepeatable` when twice not repeatable."""
+        cached. :class:`Unrepeatable` when not repeatable in :data:`ATTEMPTS` measurements."""
         keys = self.keys(mods, x)
         use_cache = self.clock is None or self.cache_fake_times
         hits = [self.cache.get(k) for k in keys] if use_cache and not fresh else [None] * len(keys)
@@ -208,7 +209,7 @@ class Timer:
         x = x.to(self.device)
         live = [m.to(self.device).eval() for m, _ in mods]
         why = ""
-        for _ in range(2):  # a passing load spike gets a second chance
+        for _ in range(ATTEMPTS):  # a passing load spike gets another chance
             ts, why = self._measure(live, x, ["the dense layer", *("the factorized layer" for _ in mods[1:])])
             if not why:
                 break
