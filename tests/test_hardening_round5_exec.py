@@ -527,6 +527,26 @@ def test_an_interrupted_cache_write_leaves_no_half_written_entry(tmp_path, monke
     assert list(tmp_path.iterdir()) == []
 
 
+def test_an_audited_object_whose_threads_stall_gets_no_whole_model_time(two_threads):
+    """In this process (an audited object has no source to reload) the same checks hold: a 50x stall at two
+    threads is refused with a note, the layers too, and the audit goes on."""
+    model = nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 16))
+    a = auditor.audit(model, torch.zeros(1, 64), spectra=False, cache=False, measure_speed=True,
+                      speed_clock=StallClock(), plan={"ranks": {"0": 8}})
+    sp = a.speed
+    assert sp.model is None and sp.layers == []
+    assert any(n.startswith("Whole model not timed: the timing is not repeatable: the model took ") and
+               "on one thread (the threads stall each other)" in n for n in sp.notes), sp.notes
+
+
+def test_an_audited_object_without_a_stall_is_timed_in_process(two_threads):
+    model = nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 16))
+    a = auditor.audit(model, torch.zeros(1, 64), spectra=False, cache=False, measure_speed=True,
+                      speed_clock=CostClock(), plan={"ranks": {"0": 8}})
+    assert a.speed.model is not None and a.speed.model.where == "in-process"
+    assert a.speed.model.dense.timing.median == pytest.approx(64 * 64e-9 + 64 * 16e-9 + 100e-6)
+
+
 @pytest.mark.parametrize("per, one, says", [
     ([[1e-3] * 6, [1e-3] * 3 + [3e-3] * 3], None, "in two repeats"),  # the plan's second half 3x slower
     ([[35.6e-3] * 6, [30e-3] * 6], [0.52e-3, 0.3e-3], "threads stall"),  # the issue's digits MLP at 2 threads

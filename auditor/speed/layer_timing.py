@@ -161,7 +161,7 @@ def one_thread() -> Iterator[None]:
 @dataclass
 class Timer:
     """Times modules on one device, with a cache and an optional fake clock (tests). A measurement is accepted
-    only when it is repeatable (:func:`~auditor.speed.timing.refusal`: its interleaved repeats within 25%, and on
+    only when it is repeatable (:func:`~auditor.speed.timing.refusal`: the two halves of its blocks within 25%, and on
     the CPU with more than one thread no more than 25% slower than on one thread); one that is not is measured
     again (:data:`ATTEMPTS` in all), then refused (:class:`Unrepeatable`) and not cached."""
 

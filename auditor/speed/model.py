@@ -23,7 +23,7 @@ import torch
 from torch import nn
 
 from .measured import ModelRun
-from .timing import Clock, block_timer, measure
+from .timing import Clock, Timing, block_timer
 
 ATTEMPTS = 3  # a timing that is not repeatable is measured again, at most this many times in all
 TIMEOUT_S = 600.0  # one subprocess at most this long (the audit goes on without the whole-model numbers)
@@ -99,9 +99,32 @@ def run_model(model: nn.Module, args: tuple, kwargs: dict, device: str = "cpu", 
     else:
         memory = "rss" if _rss_reset() else "rss-process-peak"
     with torch.inference_mode():
-        t = measure(lambda: model(*args, **kwargs), device=device, clock=clock, min_time=min_time)
+        t = _repeatable(lambda: model(*args, **kwargs), device, clock, min_time)
     peak = torch.cuda.max_memory_allocated(device) if cuda else _rss_peak()
     return ModelRun(t, int(peak), memory, params)
+
+
+def _repeatable(fn: Any, device: str, clock: Clock | None, min_time: float) -> Timing:
+    """``fn`` timed in this process, held to the checks of :func:`~auditor.speed.timing.refusal` (its two halves,
+    and with more than one CPU thread a one-thread cross-check), up to :data:`ATTEMPTS` times; a RuntimeError when
+    it never passes."""
+    import statistics
+
+    from .layer_timing import one_thread
+    from .timing import measure_blocks, refusal
+
+    why = ""
+    for _ in range(ATTEMPTS):
+        (per,), (calls,) = measure_blocks([fn], device=device, clock=clock, min_time=min_time)
+        one = None
+        if torch.get_num_threads() > 1 and not device.startswith("cuda"):
+            with one_thread():
+                (per1,), _ = measure_blocks([fn], device=device, clock=clock, min_time=min_time / 2)
+            one = statistics.median(per1)
+        why = refusal("the model", per, one) or ""
+        if not why:
+            return Timing.of(per, calls)
+    raise RuntimeError(f"the timing is not repeatable: {why}")
 
 
 def _build(spec: dict[str, Any]) -> tuple[nn.Module, tuple, dict]:
@@ -328,8 +351,6 @@ def measure_subprocesses(source: str, load: Any, plans: list[dict[str, int]], de
     alike, on the CPU. With more than one thread on the CPU each is then timed on one thread too (the cross-check
     of :func:`check_runs`). A failure, the timeout or a timing that is not repeatable is a RuntimeError."""
     import time
-
-    from .timing import Timing
 
     deadline = time.monotonic() + blocks.timeout
     workers: list[_Worker] = []
