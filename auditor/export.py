@@ -22,6 +22,7 @@ import hashlib
 import importlib.util
 import json
 import math
+import re
 from pathlib import Path
 from typing import Any
 
@@ -446,55 +447,83 @@ def _refuse(p: Path, member: str, why: str) -> AuditError:
                       "Do not load it; export the model again from a trusted copy")
 
 
-def _members(p: Path, names: list[str]) -> tuple[str, list[str], list[str]]:
-    """The archive's one top-level folder, its payload configs and its sample-input archives; any member
-    ``torch.export.save`` does not write for a plain program is refused."""
+def _duplicate(names: list[str]) -> str | None:
+    """A name the archive holds twice, or two names that differ only in case (torch's zip reader looks names up
+    without regard to case, and which of two entries it reads is not the one a check of the other saw)."""
+    seen: set[str] = set()
+    for n in names:
+        k = n.casefold()
+        if k in seen:
+            return n
+        seen.add(k)
+    return None
+
+
+_DIRS = ("", "models/", "data/", "data/weights/", "data/constants/", "data/sample_inputs/", ".data/")
+_PAYLOAD = re.compile(r"(weight|tensor)_[0-9]+")  # the names torch.export.save gives a weight or constant file
+
+
+def _members(p: Path, names: list[str]) -> tuple[str, list[str], list[str], list[str]]:
+    """The archive's one top-level folder, its payload configs, its sample-input archives and its payload files
+    (weights and constants, each to be named by a config); any member ``torch.export.save`` does not write for a
+    plain program, under exactly the name it writes (case included), and any name held twice is refused."""
+    dup = _duplicate(names)
+    if dup is not None:
+        raise _refuse(p, dup, "twice (two entries of one name, or of names that differ only in case)")
     roots = {n.split("/", 1)[0] for n in names}
     if len(roots) != 1:
         raise AuditError(f"{p} holds {len(roots)} top-level folders, not one program archive", "Export the model again")
     root = next(iter(roots)) + "/"
-    configs: list[str] = []
-    samples: list[str] = []
-    for n in names:
-        rel = n[len(root):]
-        if rel in _MEMBERS or rel.endswith("/") or (rel.startswith("models/") and rel.endswith(".json")):
+    rels = [n[len(root):] for n in names]
+    models = [r[len("models/"):-len(".json")] for r in rels if r.startswith("models/") and r.endswith(".json")]
+    configs = {f"data/weights/{m}_weights_config.json" for m in models} | {
+        f"data/constants/{m}_constants_config.json" for m in models}
+    samples = {f"data/sample_inputs/{m}.pt" for m in models}
+    known = {*_MEMBERS, *(f"models/{m}.json" for m in models), *_DIRS}
+    payload: list[str] = []
+    for rel in rels:
+        if rel in known or rel in configs or rel in samples:
             continue
-        if rel.startswith(("data/weights/", "data/constants/")):
-            if rel.endswith("_config.json"):
-                configs.append(n)
-            elif rel.endswith((".pt", ".pkl", ".pickle")):
-                raise _refuse(p, rel, "(a pickled weight or constant file)")
+        folder, _, file = rel.rpartition("/")
+        if folder in ("data/weights", "data/constants") and _PAYLOAD.fullmatch(file):
+            payload.append(rel)
             continue
-        if rel.startswith("data/sample_inputs/") and rel.endswith(".pt"):
-            samples.append(n)
-            continue
+        if rel.startswith(("data/weights/", "data/constants/")) and rel.lower().endswith((".pt", ".pkl", ".pickle")):
+            raise _refuse(p, rel, "(a pickled weight or constant file)")
         raise _refuse(p, rel, "(a member torch.export.save does not write for a plain program)")
-    return root, configs, samples
+    present = set(rels)
+    return (root, [root + c for c in sorted(configs) if c in present], [root + c for c in sorted(samples) if c in
+                                                                       present], payload)
 
 
-def _check_config(zf: Any, p: Path, rel: str, member: str) -> None:
-    """A payload config stores every weight and constant as a plain tensor file, none as a pickle or an object."""
+def _check_config(zf: Any, p: Path, rel: str, member: str) -> set[str]:
+    """A payload config stores every weight and constant as a plain tensor file, none as a pickle or an object:
+    the files it names (``weight_N``, ``tensor_N``, exactly so)."""
     import zipfile
 
     try:
-        cfg = json.loads(zf.read(member).decode("utf-8"), parse_constant=lambda c: None)
+        cfg = json.loads(zf.read(member).decode("utf-8"), parse_constant=lambda c: None,
+                         object_pairs_hook=no_duplicate_keys)
     except (ValueError, RecursionError, OSError, zipfile.BadZipFile) as exc:
         raise _refuse(p, rel, f"(unreadable: {first_line(exc)})") from None
     entries = cfg.get("config") if isinstance(cfg, dict) else None
     if not isinstance(entries, dict):
         raise _refuse(p, rel, "(not a payload config)")
+    named: set[str] = set()
     for fqn, meta in entries.items():
         if not isinstance(meta, dict):
             raise _refuse(p, rel, "(not a payload config)")
-        name = str(meta.get("path_name", ""))
-        if meta.get("use_pickle") or name.startswith(("custom_obj", "opaque_obj")) or not name.startswith(
-                ("weight_", "tensor_")):
+        name = meta.get("path_name")
+        if meta.get("use_pickle") is not False or not isinstance(name, str) or not _PAYLOAD.fullmatch(name):
             raise _refuse(p, rel, f"with {str(fqn)[:80]!r} stored as a pickle or an object")
+        named.add(name)
+    return named
 
 
 def _check_samples(zf: Any, p: Path, rel: str, member: str) -> None:
-    """The sample inputs (a torch.save archive inside the archive): every pickle in it imports only what tensors
-    need (:func:`_scan_pickle`), within the size limits."""
+    """The sample inputs (a torch.save archive inside the archive): no name twice, and every pickle in it (a
+    ``.pkl`` member, whatever the case) imports only what tensors need (:func:`_scan_pickle`), within the size
+    limits."""
     import io
     import zipfile
 
@@ -506,8 +535,11 @@ def _check_samples(zf: Any, p: Path, rel: str, member: str) -> None:
     except (zipfile.BadZipFile, ValueError, OSError) as exc:
         raise _refuse(p, rel, f"(not a torch.save archive: {first_line(exc)})") from None
     with inner:
+        dup = _duplicate(inner.namelist())
+        if dup is not None:
+            raise _refuse(p, f"{rel}:{dup}", "twice (two entries of one name, or of names that differ only in case)")
         for m in inner.infolist():
-            if m.filename.endswith(".pkl"):
+            if m.filename.lower().endswith((".pkl", ".pickle")):
                 if m.file_size > MAX_SAMPLE_BYTES:
                     raise _refuse(p, f"{rel}:{m.filename}", "(an oversized pickle)")
                 _scan_pickle(inner.read(m), f"{p} member {rel}:{m.filename}")
@@ -528,9 +560,15 @@ def check_archive(path: str | Path) -> None:
         raise AuditError(f"{p} is not a torch.export archive (a zip file): {first_line(exc)}",
                          "Export the model again") from None
     with zf:
-        root, configs, samples = _members(p, zf.namelist())
+        root, configs, samples, payload = _members(p, zf.namelist())
+        named: dict[str, set[str]] = {}
         for n in configs:
-            _check_config(zf, p, n[len(root):], n)
+            rel = n[len(root):]
+            named.setdefault(rel.rsplit("/", 1)[0], set()).update(_check_config(zf, p, rel, n))
+        for rel in payload:
+            folder, _, file = rel.rpartition("/")
+            if file not in named.get(folder, set()):
+                raise _refuse(p, rel, "(a weight or constant file no payload config names)")
         for n in samples:
             _check_samples(zf, p, n[len(root):], n)
 

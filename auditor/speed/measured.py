@@ -7,20 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from .timing import Timing
-
-
-def seconds(s: float) -> str:
-    """A time per call, readable: ``38.7 µs``, ``2.74 ms``, ``1.20 s``.
-
-    >>> seconds(3.87e-5), seconds(2.74e-3), seconds(1.2)
-    ('38.7 µs', '2.74 ms', '1.2 s')
-    """
-    for unit, scale in (("s", 1.0), ("ms", 1e-3), ("µs", 1e-6)):
-        if s >= scale:
-            v = s / scale
-            return f"{v:.3g} {unit}" if v < 100 else f"{v:.0f} {unit}"
-    return f"{s * 1e9:.0f} ns"
+from .timing import Timing, seconds  # noqa: F401 - seconds re-exported: the renderers read it here
 
 
 def ratio(dense: Timing, factorized: Timing) -> float:

@@ -10,6 +10,7 @@ benchmark (benchmarks/latency.py) checks it against ``torch.utils.benchmark`` it
 
 from __future__ import annotations
 
+import math
 import statistics
 import time
 from dataclasses import dataclass
@@ -24,6 +25,66 @@ MIN_TIME_S = 0.2  # blocks are added until they total this much
 MIN_BLOCKS = 5  # and at least this many blocks (a median and quartiles need a few)
 MAX_BLOCKS = 200
 WARMUP_CALLS = 2
+AGREE = 1.25  # two timings of one call agree when the larger is at most 25% above the smaller
+SANE_S = (1e-9, 3600.0)  # a time per call outside this (or NaN, infinite) is no measurement
+
+
+def seconds(s: float) -> str:
+    """A time per call, readable: ``38.7 µs``, ``2.74 ms``, ``1.20 s``.
+
+    >>> seconds(3.87e-5), seconds(2.74e-3), seconds(1.2)
+    ('38.7 µs', '2.74 ms', '1.2 s')
+    """
+    for unit, scale in (("s", 1.0), ("ms", 1e-3), ("µs", 1e-6)):
+        if s >= scale:
+            v = s / scale
+            return f"{v:.3g} {unit}" if v < 100 else f"{v:.0f} {unit}"
+    return f"{s * 1e9:.0f} ns"
+
+
+def sane(t: Any) -> bool:
+    """A number that can be a time per call: finite, within :data:`SANE_S` (a float, not a bool)."""
+    return type(t) in (int, float) and math.isfinite(t) and SANE_S[0] <= t <= SANE_S[1]
+
+
+def agree(a: float, b: float) -> bool:
+    """Whether two times of one call agree within :data:`AGREE` (both sane)."""
+    return sane(a) and sane(b) and max(a, b) <= AGREE * min(a, b)
+
+
+def halves(per_call: list[float]) -> tuple[float, float] | None:
+    """The medians of the first and the second half of the blocks (in timing order, the first block left out
+    where more than two): two repeats of one measurement, one after the other, so that a load that comes or goes
+    in between shows (None under two blocks)."""
+    xs = per_call[1:] if len(per_call) > 2 else per_call  # the first block sized the rest (and ran cold)
+    if len(xs) < 2:
+        return None
+    k = len(xs) // 2
+    return statistics.median(xs[:k]), statistics.median(xs[k:])
+
+
+def refusal(what: str, per_call: list[float], one_thread: float | None = None) -> str | None:
+    """Why the blocks ``per_call`` of ``what`` are no timing to report or keep, or None: a time that is not sane,
+    two repeats (:func:`halves`) more than 25% apart, or (``one_thread``: the same call timed on one thread) threads
+    that make the call more than 25% slower than one thread does (spin-waiting threads stalling each other)."""
+    if not per_call or not all(sane(t) for t in per_call):
+        return f"{what} gave no sane time"
+    h = halves(per_call)
+    if h is not None and not agree(*h):
+        return f"{what} took {seconds(h[0])} and {seconds(h[1])} in two repeats (more than 25% apart)"
+    med = statistics.median(per_call)
+    if one_thread is not None and (not sane(one_thread) or med > AGREE * one_thread):
+        return (f"{what} took {seconds(med)} with its threads against {seconds(one_thread)} on one thread (the "
+                "threads stall each other)")
+    return None
+
+
+def same_verdict(dense: float, fact: float, dense1: float, fact1: float) -> bool:
+    """Whether the factorized call is faster (or not) than the dense one alike with threads and on one thread; a
+    near tie on one thread (within 25%) agrees with either verdict."""
+    if agree(dense1, fact1):
+        return True
+    return (fact < dense) == (fact1 < dense1)
 
 
 @dataclass(frozen=True)
@@ -46,8 +107,17 @@ class Timing:
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "Timing":
-        return cls(float(d["median_s"]), float(d["q1_s"]), float(d["q3_s"]), int(d["blocks"]),
-                   int(d["calls_per_block"]))
+        """A timing read back (from the cache): a ValueError unless its numbers are sane and ordered (q1 <= median
+        <= q3, at least one block of at least one call)."""
+        if not isinstance(d, dict):
+            raise ValueError("a timing is a JSON object")
+        xs = [d.get("median_s"), d.get("q1_s"), d.get("q3_s")]
+        blocks, calls = d.get("blocks"), d.get("calls_per_block")
+        if not all(sane(x) for x in xs) or not xs[1] <= xs[0] <= xs[2]:
+            raise ValueError(f"not a sane time per call: {xs!r:.80}")
+        if type(blocks) is not int or type(calls) is not int or not (1 <= blocks <= 1 << 20 and 1 <= calls <= 1 << 30):
+            raise ValueError("not a count of blocks and calls")
+        return cls(float(xs[0]), float(xs[1]), float(xs[2]), blocks, calls)
 
     @classmethod
     def of(cls, per_call: list[float], calls: int) -> "Timing":
@@ -119,6 +189,16 @@ def measure_many(fns: list[Callable[[], Any]], *, device: str = "cpu", clock: Cl
     """Time several calls side by side: their blocks interleaved (a, b, a, b, ...), so that a change of the
     machine's load (other processes, clock frequency) falls on all of them alike and their ratio stays fair. Each
     gets its own block size and at least ``min_time`` seconds of blocks."""
+    per_call, sizes = measure_blocks(fns, device=device, clock=clock, min_time=min_time, min_blocks=min_blocks,
+                                     max_blocks=max_blocks, warmup=warmup)
+    return [Timing.of(xs, c) for xs, c in zip(per_call, sizes)]
+
+
+def measure_blocks(fns: list[Callable[[], Any]], *, device: str = "cpu", clock: Clock | None = None,
+                   min_time: float = MIN_TIME_S, min_blocks: int = MIN_BLOCKS, max_blocks: int = MAX_BLOCKS,
+                   warmup: int = WARMUP_CALLS) -> tuple[list[list[float]], list[int]]:
+    """:func:`measure_many`'s blocks: (each call's per-call times, one per block in timing order; its block
+    size)."""
     sync = _sync(device)
     block = block_timer(device, clock)
 
@@ -148,4 +228,4 @@ def measure_many(fns: list[Callable[[], Any]], *, device: str = "cpu", clock: Cl
             took = block(fns[i], sizes[i])
             per_call[i].append(took / sizes[i])
             totals[i] += took
-    return [Timing.of(xs, c) for xs, c in zip(per_call, sizes)]
+    return per_call, sizes

@@ -295,8 +295,11 @@ class TruncatorStore(dict):
             self.refused += 1
             return
 
+        from ..._env import scratch_prefix, sweep_scratch
+
         if self._dir is None:
-            self._dir = tempfile.TemporaryDirectory(prefix="lowrank-audit-truncators-")
+            sweep_scratch()  # a killed run's folders first
+            self._dir = tempfile.TemporaryDirectory(prefix=scratch_prefix("truncators"))
         base = os.path.join(self._dir.name, f"t{len(self._disk)}")
         save_spilled(f"{base}.f.npy", trunc.f, "tier 3's decompositions")
         for g, u in enumerate(trunc.u):

@@ -316,8 +316,11 @@ class Moments(MutableMapping):
             return
         import tempfile
 
+        from ..._env import scratch_prefix, sweep_scratch
+
         if self._dir is None:
-            self._dir = tempfile.TemporaryDirectory(prefix="lowrank-audit-moments-")
+            sweep_scratch()  # a killed run's folders first
+            self._dir = tempfile.TemporaryDirectory(prefix=scratch_prefix("moments"))
         self.files[name] = os.path.join(self._dir.name, f"m{len(self.files)}.npy")
         save_spilled(self.files[name], a, "the output gradients' second moments")
 
