@@ -1,0 +1,78 @@
+"""Issue 41, hardening round 5 continued, the four edges beside the gradient fallback
+(tests/test_hardening_round5_gradients.py): ``factorize`` on one or two held-out rows records the plan as unverified,
+not as holding."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+FACTORY = '''
+import torch
+from torch import nn
+
+
+def model():
+    torch.manual_seed(0)
+    g = torch.Generator().manual_seed(0)
+    m = nn.Sequential(nn.Linear(48, 64), nn.ReLU(), nn.Linear(64, 48), nn.ReLU(), nn.Linear(48, 4))
+    with torch.no_grad():
+        m[0].weight.copy_(torch.randn(64, 3, generator=g) @ torch.randn(3, 48, generator=g))
+        m[2].weight.copy_(torch.randn(48, 3, generator=g) @ torch.randn(3, 64, generator=g))
+    return m, (torch.zeros(1, 48),)
+
+
+def cal():
+    return [torch.randn(16, 48, generator=torch.Generator().manual_seed(s)) for s in range(8)]
+
+
+def held(n):
+    return [torch.randn(n, 48, generator=torch.Generator().manual_seed(99))]
+
+
+def held1():
+    return held(1)
+
+
+def held2():
+    return held(2)
+
+
+def held64():
+    return held(64)
+'''
+
+
+@pytest.fixture(scope="module")
+def src(tmp_path_factory) -> str:
+    d = tmp_path_factory.mktemp("edges")
+    (d / "m.py").write_text(FACTORY)
+    (d / "plan.toml").write_text('[ranks]\n"0" = 8\n"2" = 8\n')
+    return str(d / "m.py")
+
+
+@pytest.mark.parametrize("held", ["held1", "held2"])
+def test_factorize_on_one_or_two_held_out_rows_is_unverified(cli_inproc, src, tmp_path, held):
+    plan = str(Path(src).parent / "plan.toml")
+    res = cli_inproc("factorize", f"{src}:model", "--plan", plan, "--calibration", f"{src}:cal", "--holdout",
+                     f"{src}:{held}", "--no-cache", "-o", str(tmp_path / "out"))
+    assert res.returncode == 0, res.stderr
+    m = json.loads((tmp_path / "out" / "plan.json").read_text())["measured"]
+    assert m["holds"] is None and m["interval"] == [None, None] and m["rows"] == 1
+    assert m["unverified"] == ("1 verification row gives no interval, too few to say whether the plan holds; about "
+                               "8 verification rows (about 16 held out) would")
+    line = next(x for x in res.stderr.splitlines() if x.startswith("relative output error on the held-out part"))
+    assert ": UNVERIFIED, 1 verification row gives no interval" in line
+    assert "within the tolerance" not in res.stderr and "holds the tolerance" not in res.stderr
+
+
+def test_factorize_with_an_interval_still_holds(cli_inproc, src, tmp_path):
+    plan = str(Path(src).parent / "plan.toml")
+    res = cli_inproc("factorize", f"{src}:model", "--plan", plan, "--calibration", f"{src}:cal", "--holdout",
+                     f"{src}:held64", "--no-cache", "-o", str(tmp_path / "out"))
+    assert res.returncode == 0, res.stderr
+    m = json.loads((tmp_path / "out" / "plan.json").read_text())["measured"]
+    assert m["holds"] is True and "unverified" not in m and m["rows"] == 32 and None not in m["interval"]
+    assert "within the tolerance 0.01" in res.stderr
