@@ -76,3 +76,66 @@ def test_factorize_with_an_interval_still_holds(cli_inproc, src, tmp_path):
     m = json.loads((tmp_path / "out" / "plan.json").read_text())["measured"]
     assert m["holds"] is True and "unverified" not in m and m["rows"] == 32 and None not in m["interval"]
     assert "within the tolerance 0.01" in res.stderr
+
+
+# ---- the Action's output folder ---------------------------------------------------------------------------------
+DIGITS = f"{Path(__file__).resolve().parents[1] / 'sample_models' / 'digits.py'}:mlp"
+
+
+def _outside(tmp_path: Path) -> tuple[Path, Path]:
+    """A workspace and a folder outside it holding a report the planted link would let the action replace."""
+    ws, elsewhere = tmp_path / "ws", tmp_path / "elsewhere"
+    ws.mkdir()
+    elsewhere.mkdir()
+    (elsewhere / "lowrank-audit.json").write_text("precious\n")
+    return ws, elsewhere
+
+
+@pytest.mark.parametrize("plant", ["lowrank-audit", "reports/sub"])
+def test_action_refuses_a_symlinked_output_folder(tmp_path, plant):
+    from test_hardening_io import _action_step
+
+    ws, elsewhere = _outside(tmp_path)
+    link = ws / plant.split("/")[0]
+    link.symlink_to(elsewhere, target_is_directory=True)
+    inputs = {"model": DIGITS, "args": "--no-spectra"} | ({} if plant == "lowrank-audit" else {"output-dir": plant})
+    r, lines, summary = _action_step(ws, **inputs)
+    assert r.returncode == 0, r.stderr
+    assert lines == ["exit-code=2"], (lines, r.stderr)
+    said = f"error: the output-dir input {inputs.get('output-dir', 'lowrank-audit')} goes through the symbolic link "
+    assert r.stderr.startswith(said) and len(r.stderr.splitlines()) == 1, r.stderr
+    assert sorted(p.name for p in elsewhere.iterdir()) == ["lowrank-audit.json"]
+    assert (elsewhere / "lowrank-audit.json").read_text() == "precious\n"
+    assert "symbolic link" in summary
+
+
+@pytest.mark.parametrize("out", ["../elsewhere", "ABS"])
+def test_action_refuses_an_output_folder_outside_the_workspace(tmp_path, out, monkeypatch):
+    from test_hardening_io import _action_step
+
+    ws, elsewhere = _outside(tmp_path)
+    monkeypatch.setenv("GITHUB_WORKSPACE", str(ws))
+    out = str(elsewhere) if out == "ABS" else out
+    r, lines, _ = _action_step(ws, model=DIGITS, args="--no-spectra", **{"output-dir": out})
+    assert lines == ["exit-code=2"], (lines, r.stderr)
+    assert r.stderr.startswith(f"error: the output-dir input {out} ") and len(r.stderr.splitlines()) == 1
+    assert ("climbs out with .." if out.startswith("..") else f"is outside the workspace {ws}") in r.stderr
+    assert (elsewhere / "lowrank-audit.json").read_text() == "precious\n"
+
+
+def test_action_writes_inside_the_workspace(tmp_path, monkeypatch):
+    from test_hardening_io import _action_step
+
+    ws, _ = _outside(tmp_path)
+    monkeypatch.setenv("GITHUB_WORKSPACE", str(ws))
+    r, lines, _ = _action_step(ws, model=DIGITS, args="--no-spectra", **{"output-dir": f"{ws}/out/reports"})
+    assert lines[-1] in ("exit-code=0", "exit-code=1"), (lines, r.stderr)
+    assert (ws / "out" / "reports" / "lowrank-audit.json").is_file()
+
+
+def test_cli_says_when_its_output_folder_is_a_link(cli_inproc, tmp_path):
+    ws, elsewhere = _outside(tmp_path)
+    (ws / "reports").symlink_to(elsewhere, target_is_directory=True)
+    res = cli_inproc(DIGITS, "--no-spectra", "-q", "--format", "json", "-o", "reports", cwd=ws)
+    assert res.returncode == 0, res.stderr
+    assert f"note: -o reports is a symbolic link: the reports go to {elsewhere.resolve()}" in res.stderr
