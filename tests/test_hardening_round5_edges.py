@@ -139,3 +139,84 @@ def test_cli_says_when_its_output_folder_is_a_link(cli_inproc, tmp_path):
     res = cli_inproc(DIGITS, "--no-spectra", "-q", "--format", "json", "-o", "reports", cwd=ws)
     assert res.returncode == 0, res.stderr
     assert f"note: -o reports is a symbolic link: the reports go to {elsewhere.resolve()}" in res.stderr
+
+
+# ---- latency edges ------------------------------------------------------------------------------------------------
+SPEED = '''
+import os
+import torch
+from torch import nn
+
+
+class Loud(nn.Module):
+    """Writes to file descriptor 1 on every call, as C code or os.write does (print() is not enough to test it)."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(64, 64), nn.Linear(64, 8)
+
+    def forward(self, x):
+        os.write(1, b'{"t": 0.0}\\n{not a reply\\n')
+        return self.b(self.a(x))
+
+
+def loud():
+    torch.manual_seed(0)
+    return Loud(), (torch.zeros(2, 64),)
+
+
+def wide():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(4096, 256), nn.Linear(256, 8)), (torch.zeros(1, 4096),)
+'''
+
+
+@pytest.fixture(scope="module")
+def speed_src(tmp_path_factory) -> str:
+    d = tmp_path_factory.mktemp("speed")
+    (d / "s.py").write_text(SPEED)
+    (d / "a.toml").write_text('[ranks]\n"a" = 8\n')
+    (d / "0.toml").write_text('[ranks]\n"0" = 8\n')
+    return str(d / "s.py")
+
+
+def test_latency_shape_too_large_to_allocate_is_refused_before_allocating(cli_inproc, speed_src, tmp_path):
+    plan = str(Path(speed_src).parent / "0.toml")
+    res = cli_inproc(f"{speed_src}:wide", "--plan", plan, "--measure-speed", "--latency-shape", "200000000", "-q",
+                     "--format", "json", "-o", str(tmp_path / "out"))
+    assert res.returncode == 2, res.stderr
+    assert res.stderr.startswith("error: --latency-shape 200000000 needs about 3,433.2 GiB to time layer 0 (its "
+                                 "input at that shape and its outputs), more than the ")
+    assert res.stderr.rstrip().endswith("GiB available. Give a smaller --latency-shape.")
+    assert len(res.stderr.splitlines()) == 1 and not (tmp_path / "out").exists()
+
+
+def test_latency_shape_that_fits_is_timed(cli_inproc, speed_src, tmp_path):
+    import torch
+
+    from auditor.results import Kind
+    from auditor.speed.layer_timing import latency_bytes
+
+    class L:  # a 4096 -> 256 linear layer
+        kind, m, n = Kind.LINEAR, 256, 4096
+
+    assert latency_bytes(torch.zeros(1, 4096), L, (64,)) == 64 * 4096 * 4 + 2 * 64 * 256 * 4
+    plan = str(Path(speed_src).parent / "0.toml")
+    res = cli_inproc(f"{speed_src}:wide", "--plan", plan, "--measure-speed", "--latency-shape", "64", "-q",
+                     "--no-spectra", "--format", "json", "-o", str(tmp_path / "out"))
+    assert res.returncode == 0, res.stderr
+    rows = json.loads((tmp_path / "out" / "lowrank-audit.json").read_text())["speed"]["layers"]
+    assert [(r["input_shape"], r["at"]) for r in rows] == [([1, 4096], "traced"), ([64, 4096], "latency-shape")]
+
+
+def test_a_forward_writing_to_descriptor_1_is_timed(cli_inproc, speed_src, tmp_path):
+    """The whole-model timing's worker answers on its own descriptor: what the forward writes to 1 is not a reply."""
+    plan = str(Path(speed_src).parent / "a.toml")
+    res = cli_inproc(f"{speed_src}:loud", "--plan", plan, "--measure-speed", "-q", "--no-spectra", "--format",
+                     "json", "-o", str(tmp_path / "out"))
+    assert res.returncode == 0, res.stderr
+    speed = json.loads((tmp_path / "out" / "lowrank-audit.json").read_text())["speed"]
+    assert speed["model"] is not None and not any("not timed" in n for n in speed["notes"]), speed["notes"]
+    m = speed["model"]
+    assert m["where"] == "subprocess" and m["dense"]["median_s"] > 0 and m["factorized"]["median_s"] > 0
+    assert m["dense"]["params"] == 4680 and m["factorized"]["params"] == 64 * 8 + 8 * 64 + 64 + 8 * 64 + 8
