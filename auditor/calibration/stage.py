@@ -725,10 +725,13 @@ def _predicted(cal: Calibrated, plan: dict[str, int]) -> tuple[float | None, str
     if grads is not None and all(k in grads.costs for k in plan):
         from .fisher import predicted_value
 
+        fb = report.sensitivity_fallback
+        probed = (" and truncation probes where no gradient reached" if fb is not None and set(fb.layers) & set(plan)
+                  else "")
         return predicted_value(grads.predicted(plan), grads.linear), (
-            "gradient-predicted single-layer cross-entropy increases (output-gradient second moments), which "
-            "add up" if grads.linear else
-            "gradient-predicted single-layer model errors (output-gradient second moments)")
+            f"gradient-predicted single-layer cross-entropy increases (output-gradient second moments{probed}), "
+            "which add up" if grads.linear else
+            f"gradient-predicted single-layer model errors (output-gradient second moments{probed})")
     if not (cal.metric.output_error and all(k in cal.spectra for k in plan)):
         return None, ""
     from .budget import single_layer_error
