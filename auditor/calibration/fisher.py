@@ -226,7 +226,8 @@ class _Capture:
 
 def _one_batch(model: nn.Module, b: Batch, i: int, cap: _Capture, acc: _Accumulator, p: _Pass) -> bool:
     """One fit batch: the forward, then ``samples`` backward passes whose output gradients are added up. False when
-    nothing hooked needs a gradient (nothing more to gather)."""
+    nothing hooked needs a gradient (nothing more to gather), or when no backward can run (``acc.lost`` says why:
+    the loss needs no gradient, or autograd failed going back through the user's forward)."""
     cap.captured.clear()
     cap.recording = True
     try:
@@ -466,7 +467,8 @@ def gradient_sensitivity(model: nn.Module, layers: dict[str, Layer] | list[Layer
                          metric: Metric, stats: InputStatistics, spectra: dict[str, WhitenedSpectrum],
                          settings: GradientSettings | None = None, **fields: Any) -> GradientSensitivity:
     """Every layer's predicted cost curve from one backward pass per sample (:func:`output_gradients`) and its input
-    statistics; layers without gradients (other kinds) get tier 1's squared error times the median ratio.
+    statistics; layers without gradients (other kinds, and the ``unreachable`` ones no gradient reached, which the
+    audit's stage probes instead) get tier 1's squared error times the median ratio.
     ``settings`` (a :class:`GradientSettings`), or its fields as keywords (``samples``, ``seed``, ``progress``)."""
     o = replace(settings or GradientSettings(), **fields)
     named = by_name(layers)
