@@ -1,7 +1,8 @@
 """Issue 41, hardening round 5 continued. The default calibrated audit (output-gradient sensitivity) of a model whose
 forward the gradients cannot go back through, in five shapes (part of it under ``torch.no_grad()``, a detached
 tensor, integer outputs, a trip through numpy, a detach in half precision): the planned layers no gradient reaches
-fall back to truncation probes, said in one line in every format, and the audit exits 0 or 1, never 3; layers that
+fall back to truncation probes, said in one line in every format, and the audit exits 0 or 1, never 3 (so does a
+backward that raises); layers that
 do get gradients keep their gradient-predicted costs."""
 
 from __future__ import annotations
@@ -47,6 +48,29 @@ class Shape(nn.Module):
         if self.how == "half":  # a quantized stub: detached and rounded to half precision
             return n(x).detach().half().float()
         return n(x)
+
+
+class NoBackward(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, g):
+        raise RuntimeError("this stub has no backward")
+
+
+class Stub(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.net = _mlp()
+
+    def forward(self, x):
+        return NoBackward.apply(self.net(x))
+
+
+def stub():
+    return Stub(), (torch.zeros(1, 48),)
 
 
 def _factory(how):
@@ -114,3 +138,11 @@ def test_layers_gradients_reach_keep_them(cli_inproc, src, tmp_path):
     assert "sensitivity_fallback" not in cal
     assert cal["budget"]["source"] == "gradient"
     assert all(cal["layers"][n]["predicted"] and not cal["layers"][n]["probes"] for n in ("net.0", "net.2"))
+
+
+def test_a_backward_that_fails_falls_back_for_every_layer(cli_inproc, src, tmp_path):
+    cal = _audit(cli_inproc, src, "stub", tmp_path)
+    fb = cal["sensitivity_fallback"]
+    assert fb["every"] and fb["layers"] == ["net.0", "net.2"]
+    assert fb["reason"] == "the backward pass failed: RuntimeError: this stub has no backward"
+    assert cal["budget"]["source"] == "probed"
