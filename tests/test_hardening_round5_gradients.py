@@ -2,8 +2,7 @@
 forward the gradients cannot go back through, in five shapes (part of it under ``torch.no_grad()``, a detached
 tensor, integer outputs, a trip through numpy, a detach in half precision): the planned layers no gradient reaches
 fall back to truncation probes, said in one line in every format, and the audit exits 0 or 1, never 3 (so does a
-backward that raises); layers that
-do get gradients keep their gradient-predicted costs."""
+backward that raises); layers that do get gradients keep their gradient-predicted costs."""
 
 from __future__ import annotations
 
