@@ -621,6 +621,9 @@ def _destinations(args: argparse.Namespace, formats: list[str]) -> dict[str, Pat
     out_dir = Path(args.output_dir) if args.output_dir else None
     if out_dir is not None:
         check_folder(out_dir, "-o")
+        if os.path.islink(out_dir):  # followed, but never silently (the GitHub Action refuses one outright)
+            print(f"note: -o {escape(str(out_dir))} is a symbolic link: the reports go to "
+                  f"{escape(str(out_dir.resolve()))}", file=sys.stderr)
     for fmt in formats:
         kind = stdout_of(fmt)
         if kind is Stdout.LOG or (out_dir is None and kind in (Stdout.TABLE, Stdout.DOCUMENT)):
