@@ -223,8 +223,8 @@ def _common_flags(p: argparse.ArgumentParser) -> None:
                    metavar="never|auto|always",
                    help="progress of each phase (load, trace, spectra, calibration: statistics, tiers 1-3, plan check; "
                         "render) on stderr, never on stdout. auto (the default): a bar on a terminal, else (CI, a log, "
-                        "a notebook) one plain line per calibration phase of 10 s or more with its counts, elapsed "
-                        "time and an estimate; always (--progress alone): every phase; never (--no-progress): nothing")
+                        "a notebook) a line as each phase starts, a heartbeat at least every 30 s, and a closing line "
+                        "with counts and time for a calibration phase of 10 s or more; always (--progress alone): every phase; never (--no-progress): nothing")
     p.add_argument("--no-progress", dest="progress", action="store_const", const="never", help=argparse.SUPPRESS)
 
 
