@@ -674,6 +674,11 @@ def run(args: argparse.Namespace, written: list[Path] | None = None) -> int:
                  for fmt, content in outputs.items()
                  if fmt not in dest or (fmt in table and not args.quiet)]  # the table: on screen and in -o
 
+    if args.quiet and not to_stdout and exit_code(result) != ExitCode.OK:  # -q keeps a failing run's verdict
+        from .policy import quiet_lines
+
+        to_stdout.append(quiet_lines(result))
+
     def stdout() -> None:
         for content in to_stdout:
             write_stdout(content)

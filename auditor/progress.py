@@ -74,7 +74,7 @@ class Progress:
                  clock: Any = None) -> None:
         self.stream = sys.stderr if stream is None else stream
         self.clock = clock or time.monotonic  # the plain lines' clock (a test injects one)
-        self.born = self.clock()
+        self.born: float | None = None  # when the first phase started: the run's age counts from there
         self._log = _Log(self) if enabled == "auto" else None
         if self.stream is sys.stdout or self.stream is sys.__stdout__:
             raise ValueError("progress goes to stderr, never to stdout (reports may be written there)")
@@ -157,7 +157,7 @@ LONG_PHASES = frozenset({"statistics", "tier 1 spectra", "tier 2 floors", "sensi
                          "tier 3 recovery", "plan check", "recovery", "sweep"})  # the phases "auto" reports off a terminal
 PLAIN_EVERY = 30.0  # seconds between a long phase's interim lines
 PLAIN_MIN = 10.0  # a phase quicker than this writes no line (a quick run, or one that fails, stays one line long)
-PLAIN_START = 3.0  # phases start silently for this long into a run (a quick run, or a quick failure, stays one line)
+PLAIN_START = PLAIN_MIN  # phases start silently for this long into a run (a quick run, or a quick failure, stays one line)
 BEAT_EVERY = 1.0  # seconds between the heartbeat thread's looks at the clock
 
 
@@ -184,6 +184,8 @@ class _Log:
     @contextlib.contextmanager
     def open(self, name: str) -> Iterator[None]:
         now = self.progress.clock()
+        if self.progress.born is None:
+            self.progress.born = now
         self.name, self.started, self.last, self.said_start = name, now, now, False
         self.beat()
         stop = threading.Event()
@@ -214,7 +216,7 @@ class _Log:
         if name is None:
             return
         if not self.said_start:
-            if now - self.progress.born >= PLAIN_START:
+            if now - (self.progress.born or now) >= PLAIN_START:
                 self.said_start, self.last = True, now
                 self.write(f"lowrank-audit: {name} ...")
             return

@@ -319,12 +319,13 @@ def test_auto_off_a_terminal_names_each_phase_and_beats_every_30_seconds():
         now[0] += 30.0
         p._log.beat()
     lines = buf.getvalue().splitlines()
-    assert lines == ["lowrank-audit: load ...", "lowrank-audit: load still running, 33s",
+    assert lines == ["lowrank-audit: load ...", f"lowrank-audit: load still running, {progress_mod.PLAIN_START + 30:.0f}s",
                      "lowrank-audit: statistics ...",
                      "lowrank-audit: statistics still running, 35s (3/9 batches)"], lines
 
 
 def test_a_heartbeat_without_counts_and_the_plural_of_batch():
+    import auditor.progress as progress_mod
     from auditor.progress import plural
 
     assert [plural("batch", n) for n in (1, 9)] == ["batch", "batches"] and plural("plan", 2) == "plans"
@@ -332,7 +333,9 @@ def test_a_heartbeat_without_counts_and_the_plural_of_batch():
     buf = io.StringIO()
     p = Progress(enabled="auto", stream=buf, clock=lambda: now[0])
     now[0] = 10.0
-    with p.phase("trace"):
+    with p.phase("trace"):  # the first phase: the run's age counts from here
+        now[0] = 10.0 + progress_mod.PLAIN_START
+        p._log.beat()
         now[0] = 75.0
         p._log.beat()
     with p.phase("tier 3 plan search", unit="plan"):
@@ -341,5 +344,5 @@ def test_a_heartbeat_without_counts_and_the_plural_of_batch():
         now[0] = 110.0
         p._log.beat()
     assert buf.getvalue().splitlines() == [
-        "lowrank-audit: trace ...", "lowrank-audit: trace still running, 65s",
+        "lowrank-audit: trace ...", "lowrank-audit: trace still running, 65s",  # 30 s or more after the start line
         "lowrank-audit: tier 3 plan search ...", "lowrank-audit: tier 3 plan search still running, 35s (2 plans so far)"]
