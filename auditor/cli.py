@@ -350,7 +350,10 @@ def _dispatch(argv: list[str], written: list[Path]) -> int:
     args = _parser().parse_args(_progress_alone(argv))
     try:
         _check_stdout(args)
-        return run(args, written)
+        from .progress import command_run
+
+        with command_run():  # off a terminal, each phase is named as it starts once the run is 10 s old
+            return run(args, written)
     except AuditError as exc:
         captured = getattr(exc, "captured", "")
         if args.verbose and captured:

@@ -32,7 +32,7 @@ import warnings
 from dataclasses import dataclass, field
 from typing import IO, Any, Iterator
 
-__all__ = ["LONG_PHASES", "PHASES", "CapturedLog", "Progress", "quiet_torch_logging"]
+__all__ = ["LONG_PHASES", "PHASES", "CapturedLog", "Progress", "command_run", "plural", "quiet_torch_logging"]
 
 PHASES = ("load", "trace", "spectra", "calibration data", "statistics", "tier 1 spectra", "tier 2 floors",
           "tier 3 plan search", "plan check", "render", "recovery")
@@ -74,7 +74,8 @@ class Progress:
                  clock: Any = None) -> None:
         self.stream = sys.stderr if stream is None else stream
         self.clock = clock or time.monotonic  # the plain lines' clock (a test injects one)
-        self.born: float | None = None  # when the first phase started: the run's age counts from there
+        # the run's age counts from its first phase: of this Progress, or of the command (:func:`command_run`)
+        self.born: float | None = _COMMAND_START[0] if clock is None else None
         self._log = _Log(self) if enabled == "auto" else None
         if self.stream is sys.stdout or self.stream is sys.__stdout__:
             raise ValueError("progress goes to stderr, never to stdout (reports may be written there)")
@@ -274,6 +275,20 @@ class _Plain:
         n = self.total if self.total else self.done
         what = f"{self._count(n)} in " if n else ""
         self._say(f"{self.name}: {what}{seconds:.1f}s" + (f" ({self.note})" if self.note else ""))
+
+
+_COMMAND_START: list[float | None] = [None]  # set by command_run: a command's phases share one age
+
+
+@contextlib.contextmanager
+def command_run() -> Iterator[None]:
+    """One command's run: its Progress objects (loading, the audit, rendering) count the run's age from its
+    start, so a phase after a long load is named at once. Reset afterwards (tests run many commands in one process)."""
+    _COMMAND_START[0] = time.monotonic()
+    try:
+        yield
+    finally:
+        _COMMAND_START[0] = None
 
 
 @dataclass

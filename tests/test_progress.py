@@ -346,3 +346,18 @@ def test_a_heartbeat_without_counts_and_the_plural_of_batch():
     assert buf.getvalue().splitlines() == [
         "lowrank-audit: trace ...", "lowrank-audit: trace still running, 65s",  # 30 s or more after the start line
         "lowrank-audit: tier 3 plan search ...", "lowrank-audit: tier 3 plan search still running, 35s (2 plans so far)"]
+
+
+def test_a_commands_phases_share_the_runs_age():
+    """The command's load, audit and render each have a Progress: a phase after a long load is named at once, and
+    the run's start is forgotten when the command ends."""
+    import auditor.progress as progress_mod
+
+    buf = io.StringIO()
+    with progress_mod.command_run():
+        progress_mod._COMMAND_START[0] -= progress_mod.PLAIN_START + 1  # the run began a while ago
+        p = Progress(enabled="auto", stream=buf)
+        with p.phase("trace"):
+            pass
+    assert buf.getvalue() == "lowrank-audit: trace ...\n"
+    assert progress_mod._COMMAND_START[0] is None and Progress(enabled="auto", stream=buf).born is None
