@@ -223,8 +223,9 @@ def _common_flags(p: argparse.ArgumentParser) -> None:
                    metavar="never|auto|always",
                    help="progress of each phase (load, trace, spectra, calibration: statistics, tiers 1-3, plan check; "
                         "render) on stderr, never on stdout. auto (the default): a bar on a terminal, else (CI, a log, "
-                        "a notebook) a line as each phase starts, a heartbeat at least every 30 s, and a closing line "
-                        "with counts and time for a calibration phase of 10 s or more; always (--progress alone): every phase; never (--no-progress): nothing")
+                        "a notebook) a line as each phase starts once the run is 30 s old, a heartbeat at least "
+                        "every 30 s, a closing line with counts and time for a calibration phase of 10 s or more; "
+                        "always (--progress alone): every phase; never (--no-progress): nothing")
     p.add_argument("--no-progress", dest="progress", action="store_const", const="never", help=argparse.SUPPRESS)
 
 
@@ -352,7 +353,7 @@ def _dispatch(argv: list[str], written: list[Path]) -> int:
         _check_stdout(args)
         from .progress import command_run
 
-        with command_run():  # off a terminal, each phase is named as it starts once the run is 10 s old
+        with command_run():  # off a terminal, each phase is named as it starts once the run is 30 s old
             return run(args, written)
     except AuditError as exc:
         captured = getattr(exc, "captured", "")
