@@ -223,8 +223,9 @@ def _common_flags(p: argparse.ArgumentParser) -> None:
                    metavar="never|auto|always",
                    help="progress of each phase (load, trace, spectra, calibration: statistics, tiers 1-3, plan check; "
                         "render) on stderr, never on stdout. auto (the default): a bar on a terminal, else (CI, a log, "
-                        "a notebook) one plain line per calibration phase of 10 s or more with its counts, elapsed "
-                        "time and an estimate; always (--progress alone): every phase; never (--no-progress): nothing")
+                        "a notebook) a line as each phase starts once the run is 30 s old, a heartbeat at least "
+                        "every 30 s, a closing line with counts and time for a calibration phase of 10 s or more; "
+                        "always (--progress alone): every phase; never (--no-progress): nothing")
     p.add_argument("--no-progress", dest="progress", action="store_const", const="never", help=argparse.SUPPRESS)
 
 
@@ -400,7 +401,10 @@ def _dispatch(argv: list[str], written: list[Path]) -> int:
     args = _parser().parse_args(_progress_alone(argv))
     try:
         _check_stdout(args)
-        return run(args, written)
+        from .progress import command_run
+
+        with command_run():  # off a terminal, each phase is named as it starts once the run is 30 s old
+            return run(args, written)
     except AuditError as exc:
         captured = getattr(exc, "captured", "")
         if args.verbose and captured:
@@ -621,6 +625,9 @@ def _destinations(args: argparse.Namespace, formats: list[str]) -> dict[str, Pat
     out_dir = Path(args.output_dir) if args.output_dir else None
     if out_dir is not None:
         check_folder(out_dir, "-o")
+        if os.path.islink(out_dir):  # followed, but never silently (the GitHub Action refuses one outright)
+            print(f"note: -o {escape(str(out_dir))} is a symbolic link: the reports go to "
+                  f"{escape(str(out_dir.resolve()))}", file=sys.stderr)
     for fmt in formats:
         kind = stdout_of(fmt)
         if kind is Stdout.LOG or (out_dir is None and kind in (Stdout.TABLE, Stdout.DOCUMENT)):
@@ -723,6 +730,11 @@ def run(args: argparse.Namespace, written: list[Path] | None = None) -> int:
     to_stdout = [colour(content) if fmt in table and isinstance(content, str) and use_colour(sys.stdout) else content
                  for fmt, content in outputs.items()
                  if fmt not in dest or (fmt in table and not args.quiet)]  # the table: on screen and in -o
+
+    if args.quiet and not to_stdout and exit_code(result) != ExitCode.OK:  # -q keeps a failing run's verdict
+        from .policy import quiet_lines
+
+        to_stdout.append(quiet_lines(result))
 
     def stdout() -> None:
         for content in to_stdout:

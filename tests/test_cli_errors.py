@@ -136,3 +136,43 @@ def test_all_zero_weight_is_a_finding_not_bad_input(cli_inproc, tmp_path):
     res = cli_inproc(f"{p}:model", "--format", "json", "-q")
     assert res.returncode == 1  # an error finding, reported; not exit 2
     assert [f["code"] for f in json.loads(res.stdout)["findings"] if f["code"] == "LR010"] == ["LR010"]
+
+
+def test_factory_that_raises_names_the_users_line(cli, factories):
+    """Without --verbose the one line says where the user's code raised; with it, the user's traceback comes first
+    (the tool's own frames left out) and the line still ends the output."""
+    res = cli(f"{factories}:raises")
+    _assert_bad(res, "raised RuntimeError: cannot build today (at ")
+    assert f"{factories.name}:7)" in res.stderr  # `raise RuntimeError(...)` is line 7 of FACTORIES
+    loud = cli(f"{factories}:raises", "--verbose")
+    assert loud.returncode == 2
+    lines = loud.stderr.strip().splitlines()
+    assert lines[0] == "Traceback (most recent call last):"
+    assert f'{factories}", line 7, in raises' in loud.stderr
+    assert "auditor" not in "\n".join(lines[:-1]).replace(str(factories), "")  # none of the tool's frames
+    assert lines[-2] == "RuntimeError: cannot build today"
+    assert lines[-1].startswith("error: factory raises() raised RuntimeError: cannot build today (at ")
+
+
+@pytest.mark.parametrize("spec, folder", [("gpt2", "gpt2"), ("meta-llama/Llama-3.2-1B", "Llama-3.2-1B")])
+def test_hub_id_is_not_downloaded(cli, tmp_path, spec, folder):
+    res = cli(spec, cwd=tmp_path)
+    _assert_bad(res, f"{spec!r} is no file or folder here", "hub ids are not downloaded",
+                f"huggingface-cli download {spec} --local-dir {folder}")
+
+
+def test_a_missing_path_is_not_taken_for_a_hub_id(cli, tmp_path):
+    _assert_bad(cli("./no-such-dir", cwd=tmp_path), "cannot tell what kind of model source './no-such-dir' is")
+
+
+def test_quiet_keeps_a_failing_runs_verdict(cli_inproc):
+    """Issue 40: `-q` on a failing run printed nothing. Like ruff's -q, it keeps the verdict and the findings; a
+    passing run stays silent."""
+    res = cli_inproc("sample_models/digits.py:mlp", "--fail-on", "unmeasured", "-q")
+    assert res.returncode == 1
+    assert res.stdout.startswith("UNMEASURED: no errors or warnings; the ranks are energy-based estimates")
+    assert len(res.stdout.splitlines()) == 1
+    ok = cli_inproc("sample_models/digits.py:mlp", "-q")
+    assert ok.returncode == 0 and ok.stdout == ""
+    doc = cli_inproc("sample_models/digits.py:mlp", "--fail-on", "unmeasured", "-q", "--format", "json")
+    assert doc.returncode == 1 and json.loads(doc.stdout)  # stdout carries the JSON alone

@@ -195,7 +195,8 @@ def _report(session: CalibrationSession, options: "AuditOptions", tiers: Tiers) 
         budget=tiers.verified.budget, suggestions_from="measured floors" if measured else "calibration",
         statistics_cached=tiers.tier1.cached, seconds=tiers.seconds, evaluations=tiers.evaluations,
         rounding_floor=tiers.searched.rounding, compute_dtype=options.statistics.compute_dtype,
-        tier1_target=tiers.tier1.target, increase_of=metric.spec.increase_of)
+        tier1_target=tiers.tier1.target, increase_of=metric.spec.increase_of,
+        sensitivity_fallback=tiers.sensitivity.fallback)
 
 
 def suggest_with(layers: list[Layer], spectra: dict[str, "Spectrum"], suggestions: dict[str, Suggestion],
@@ -340,10 +341,13 @@ def _predicted(cal: Calibrated, plan: dict[str, int]) -> tuple[float | None, str
     if grads is not None and all(k in grads.costs for k in plan):
         from .tiers.fisher import predicted_value
 
+        fb = report.sensitivity_fallback
+        probed = (" and truncation probes where no gradient reached" if fb is not None and set(fb.layers) & set(plan)
+                  else "")
         return predicted_value(grads.predicted(plan), grads.linear), (
-            "gradient-predicted single-layer cross-entropy increases (output-gradient second moments), which "
-            "add up" if grads.linear else
-            "gradient-predicted single-layer model errors (output-gradient second moments)")
+            f"gradient-predicted single-layer cross-entropy increases (output-gradient second moments{probed}), "
+            "which add up" if grads.linear else
+            f"gradient-predicted single-layer model errors (output-gradient second moments{probed})")
     if not (cal.metric.output_error and all(k in cal.spectra for k in plan)):
         return None, ""
     from .tiers.budget import single_layer_error

@@ -269,15 +269,50 @@ def capture_inputs(model: nn.Module, args: tuple, kwargs: dict,
     return seen
 
 
+def _lead_shape(x: torch.Tensor, kind: Kind, lead: tuple[int, ...]) -> tuple[int, ...]:
+    if kind == Kind.CONV:
+        return (lead[0], *x.shape[1:])
+    if kind == Kind.EMBEDDING:
+        return tuple(lead)
+    return (*lead, x.shape[-1])
+
+
+def latency_bytes(x: torch.Tensor, layer: Layer, lead: tuple[int, ...]) -> int:
+    """About the bytes timing ``layer`` at ``lead`` holds at once: its input at that shape and two outputs (dense
+    and factorized; a convolution's about its input times out/in channels, another layer's one row of its output
+    width per input row, an embedding's one per id)."""
+    shape = _lead_shape(x, layer.kind, lead)
+    numel = math.prod(shape)
+    if layer.kind == Kind.CONV:
+        out = numel * layer.m // max(int(x.shape[1]), 1) if x.dim() > 1 else numel * layer.m
+    elif layer.kind == Kind.EMBEDDING:
+        out = numel * layer.n
+    else:
+        out = numel // max(int(shape[-1]), 1) * layer.m
+    size = x.element_size() if x.is_floating_point() else 4
+    return numel * x.element_size() + 2 * out * size
+
+
+def check_latency_memory(items: list[tuple[Layer, torch.Tensor]], lead: tuple[int, ...]) -> None:
+    """Refuse ``--latency-shape`` (AuditError) where timing a layer at it needs more memory than is available now,
+    before any input at that shape is made."""
+    from ..errors import AuditError
+    from ..spectra.backend import available_memory
+
+    avail = available_memory()
+    if avail is None or not items:
+        return
+    need, layer = max(((latency_bytes(x, layer, lead), layer) for layer, x in items), key=lambda t: t[0])
+    if need > avail:
+        raise AuditError(f"--latency-shape {','.join(map(str, lead))} needs about {need / 2**30:,.1f} GiB to time "
+                         f"layer {layer.name} (its input at that shape and its outputs), more than the "
+                         f"{avail / 2**30:,.1f} GiB available", "Give a smaller --latency-shape")
+
+
 def reshape_input(x: torch.Tensor, kind: Kind, lead: tuple[int, ...]) -> torch.Tensor:
     """An input like ``x`` at another batch/sequence: for a linear layer (or an embedding's ids) the leading dims
     become ``lead``; for a convolution the batch becomes ``lead[0]`` (its spatial size is the model's)."""
-    if kind == Kind.CONV:
-        shape = (lead[0], *x.shape[1:])
-    elif kind == Kind.EMBEDDING:
-        shape = tuple(lead)
-    else:
-        shape = (*lead, x.shape[-1])
+    shape = _lead_shape(x, kind, lead)
     if x.is_floating_point():
         return torch.randn(shape, dtype=x.dtype)
     hi = int(x.max().item()) + 1 if x.numel() else 1
@@ -372,6 +407,9 @@ def time_layers(model: nn.Module, args: tuple, kwargs: dict, planned: list[tuple
         notes.append(f"Not timed (not a single-input module): {', '.join(skipped)}.")
     paths = {l.name: kinds.for_kind(l.kind).module_path(l)[0] for l, _ in planned if mods[l.name] is not None}
     inputs = capture_inputs(model, args, kwargs, {paths[n]: mods[n] for n in paths})  # type: ignore[misc]
+    if latency_shape is not None:
+        check_latency_memory([(l, inputs[paths[l.name]]) for l, _ in planned if inputs.get(paths.get(l.name, ""))
+                              is not None], latency_shape)
     rows: list[LayerSpeed] = []
     found: dict[tuple, TimeBreakEven | None] = {}
     for layer, rank in planned:

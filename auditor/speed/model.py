@@ -441,7 +441,8 @@ def check_runs(per: list[list[float]], one: list[float] | None, names: list[str]
 def main() -> int:
     spec = json.loads(sys.stdin.readline())
     reply = os.fdopen(os.dup(1), "w")
-    sys.stdout = sys.stderr  # what the model's code prints cannot mix with the replies
+    os.dup2(2, 1)  # what the model's code writes to descriptor 1 (C code, os.write) goes to stderr, not the replies
+    sys.stdout = sys.stderr  # and so does what it prints
     _serve(spec, reply)
     return 0
 

@@ -174,7 +174,10 @@ def sensitivity(model: "nn.Module", session: CalibrationSession, tier1: Tier1, s
         if not spec.zero_on_dense:
             return Tier1Curves()
         return probed(model, session, scope.planned, tier1.spectra, tier1.align, tier1.target, progress)
-    return gradients(model, session, scope.sensitive, tier1.spectra, progress) if spec.gradient else Tier1Curves()
+    if not spec.gradient:
+        return Tier1Curves()
+    return gradients(model, session, scope.planned, scope.sensitive, tier1.spectra, tier1.align, tier1.target,
+                     progress)
 
 
 VERIFY_TRIES = 6  # plans verified at most, from the largest that held on the search rows down

@@ -3,7 +3,8 @@
 
     Measured     tier 2's floors (``--measure-floor``): the points the floor search measured, gains between them
     Probed       ``--probe``: each layer truncated alone at two ranks and measured (two evaluations a layer)
-    Gradients    the default: output-gradient second moments (:mod:`.fisher`), one backward pass per sample
+    Gradients    the default: output-gradient second moments (:mod:`.fisher`), one backward pass per sample; the
+                 planned layers no gradient reaches probed instead where the metric allows (``fallback``)
     Tier1Curves  none measured (a user metric, ``--no-probe``): tier 1's squared layer-output errors
 
 Each gives tier 3 its :class:`~.budget.Curves` and the report's row its part (``probes``: the points measured alone;
@@ -18,6 +19,7 @@ import time
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Protocol
 
+from ...calresults import SensitivityFallback
 from ...results import Layer
 from ..data.inputs import Batch, Calibration
 from .budget import Curves, curves_from_floors, curves_from_gradients, curves_from_spectra
@@ -36,7 +38,8 @@ class Sensitivity(Protocol):
     """Each planned layer's model-level cost at every rank, as tier 3's curves and as the report's evidence."""
 
     evaluations: int  # model-level evaluations it took (the probes'; tier 2's count with its floors)
-    seconds: dict[str, float]  # its phase's wall time ("gradients", "probes"), none when nothing was measured
+    seconds: dict[str, float]  # its phases' wall time ("gradients", "probes"), none when nothing was measured
+    fallback: SensitivityFallback | None  # the planned layers the output gradients did not reach, and what costed them
 
     def curves(self, planned: list[Layer], spectra: "dict[str, WhitenedSpectrum]", align: int) -> Curves:
         """Tier 3's options for ``planned``, every rank a multiple of ``align`` (or a measured one)."""
@@ -54,6 +57,7 @@ class Tier1Curves:
 
     evaluations: int = 0
     seconds: dict[str, float] = field(default_factory=dict)
+    fallback: SensitivityFallback | None = None  # the gradients reached no layer, and probes cannot be read
 
     def curves(self, planned: list[Layer], spectra: "dict[str, WhitenedSpectrum]", align: int) -> Curves:
         return curves_from_spectra({l.name: spectra[l.name] for l in planned}, planned, align)
@@ -72,6 +76,7 @@ class Measured:
     floors: Floors
     evaluations: int = 0  # counted with the floors (the stage's Floored)
     seconds: dict[str, float] = field(default_factory=dict)
+    fallback: SensitivityFallback | None = None
 
     def curves(self, planned: list[Layer], spectra: "dict[str, WhitenedSpectrum]", align: int) -> Curves:
         return curves_from_floors(self.floors, planned, spectra)
@@ -90,6 +95,7 @@ class Probed:
     floors: Floors
     evaluations: int
     seconds: dict[str, float]
+    fallback: SensitivityFallback | None = None  # probed because the output gradients reached no planned layer
 
     def curves(self, planned: list[Layer], spectra: "dict[str, WhitenedSpectrum]", align: int) -> Curves:
         return curves_from_floors(self.floors, planned, spectra, source="probed")
@@ -105,21 +111,25 @@ class Probed:
 @dataclass(frozen=True)
 class Gradients:
     """The output-gradient sensitivity (:func:`~.fisher.gradient_sensitivity`), its costs scaled to the statistics'
-    rows."""
+    rows; the layers it did not reach (``fallback``) costed by their ``probed`` points where the metric allows, and
+    predicted nothing alone."""
 
     gradients: GradientSensitivity
     seconds: dict[str, float]
-    evaluations: int = 0
+    evaluations: int = 0  # the probes of the layers no gradient reached
+    probed: Floors | None = None
+    fallback: SensitivityFallback | None = None
 
     def curves(self, planned: list[Layer], spectra: "dict[str, WhitenedSpectrum]", align: int) -> Curves:
         return curves_from_gradients(self.gradients, planned, align)
 
     def probes(self, name: str) -> list[tuple[int, float]]:
-        return []
+        f = self.probed.floors.get(name) if self.probed is not None else None
+        return list(f.points) if f is not None else []
 
     def predicted(self, name: str, ranks: list[int]) -> list[tuple[int, float]]:
         c = self.gradients.costs.get(name)
-        if c is None:
+        if c is None or (self.fallback is not None and name in self.fallback.layers):  # probed: no prediction
             return []
         return [(r, predicted_value(c[r], self.gradients.linear)) for r in ranks if r < len(c)]
 
@@ -136,10 +146,11 @@ def probed(model: "nn.Module", session: "CalibrationSession", planned: list[Laye
     return Probed(floors, floors.evaluations, {"probes": time.perf_counter() - t})
 
 
-def gradients(model: "nn.Module", session: "CalibrationSession", layers: list[Layer],
-              spectra: "dict[str, WhitenedSpectrum]", progress: "Progress") -> Gradients:
+def gradients(model: "nn.Module", session: "CalibrationSession", planned: list[Layer], layers: list[Layer],
+              spectra: "dict[str, WhitenedSpectrum]", align: int, target: float, progress: "Progress") -> Sensitivity:
     """The output-gradient sensitivity of ``layers`` (the planned and fixed ones: one backward pass per sample over
-    the gradient rows, :func:`gradient_rows`), its costs scaled to the statistics' rows."""
+    the gradient rows, :func:`gradient_rows`), its costs scaled to the statistics' rows; the ``planned`` layers no
+    gradient reached fall back (:func:`_fallback`)."""
     cal, share = gradient_rows(session.calibration)
     t = time.perf_counter()
     with progress.phase("sensitivity gradients", total=len(cal.fit), unit="batch"):
@@ -150,7 +161,54 @@ def gradients(model: "nn.Module", session: "CalibrationSession", layers: list[La
     if share < 1.0:  # the pass's scale is over its own rows; the statistics sum every fit row
         g = replace(g, costs={k: [share * c for c in v] for k, v in g.costs.items()},
                     scaled={k: share * r for k, r in g.scaled.items()})
-    return Gradients(g, seconds)
+    if not any(l.name in g.unreachable for l in planned):
+        return Gradients(g, seconds)
+    return _fallback(model, session, g, seconds, planned, spectra, (align, target), progress)
+
+
+def _fallback(model: "nn.Module", session: "CalibrationSession", g: GradientSensitivity, seconds: dict[str, float],
+              planned: list[Layer], spectra: "dict[str, WhitenedSpectrum]", aim: tuple[int, float],
+              progress: "Progress") -> Sensitivity:
+    """The planned layers no output gradient reached (``g.unreachable``: a forward that detaches, runs under
+    ``torch.no_grad()``, goes through numpy or returns integers): costed by truncation probes (on those layers only)
+    where the metric allows them, else by tier-1 costs (scaled by the reached layers' median ratio, where some were
+    reached). When no planned layer was reached the whole sensitivity is the fallback's."""
+    lost = [l for l in planned if l.name in g.unreachable]
+    reasons = list(dict.fromkeys(g.unreachable[l.name] for l in lost))
+    reached = [l for l in planned if l.name in g.costs and l.name not in g.scaled and l.name not in g.unreachable]
+    can_probe = session.metric.spec.zero_on_dense
+    method = ("truncation probes (each layer truncated alone and measured, as --probe)" if can_probe
+              else "tier-1 costs scaled by the median gradient ratio of the layers reached" if reached
+              else "tier-1 costs")
+    fb = SensitivityFallback(method, [l.name for l in lost], "; ".join(reasons), not reached, len(planned))
+    if not reached:
+        if not can_probe:
+            return Tier1Curves(seconds=seconds, fallback=fb)
+        p = probed(model, session, planned, spectra, *aim, progress)
+        return replace(p, seconds={**seconds, **p.seconds}, fallback=fb)
+    if not can_probe:
+        return Gradients(g, seconds, fallback=fb)
+    p = probed(model, session, lost, spectra, *aim, progress)
+    return Gradients(_probed_costs(g, p.floors, lost, spectra), {**seconds, **p.seconds}, p.evaluations, p.floors,
+                     fb)
+
+
+def _probed_costs(g: GradientSensitivity, probes: Floors, lost: list[Layer],
+                  spectra: "dict[str, WhitenedSpectrum]") -> GradientSensitivity:
+    """``g`` with each of ``lost``'s costs at every rank from its probes (measured where probed, else its tier-1
+    error times the measured gain), in the gradients' units: the value for a likelihood metric, squared otherwise."""
+    from .budget import single_layer_error
+
+    costs, scaled = dict(g.costs), dict(g.scaled)
+    for layer in lost:
+        f, spec = probes.floors.get(layer.name), spectra.get(layer.name)
+        scaled.pop(layer.name, None)
+        if f is None or spec is None:  # nothing to probe (no grid rank below break-even): no option either
+            costs.pop(layer.name, None)
+            continue
+        values = [single_layer_error(f.points, spec, r) for r in range(len(spec.error))]
+        costs[layer.name] = [v if g.linear else v * v for v in values]
+    return replace(g, costs=costs, scaled=scaled)
 
 
 GRADIENT_POSITIONS = 4096  # scored positions (rows times positions per row) the gradient pass reads at most
