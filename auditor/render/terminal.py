@@ -151,9 +151,29 @@ def _columns(labels: list[str], planned: bool) -> list[Column]:
         cols.append(Column("rank", "rank", ">", lambda i, g: _dash(g.suggested)))
     cols += [
         Column("x", "x", ">", lambda i, g: fmt_num(g.compression, 2)),
-        Column("verdict", "verdict", "<", lambda i, g: g.verdict),
+        Column("verdict", "verdict", "<", lambda i, g: g.verdict, short=("verdict", lambda i, g: short_verdict(g.verdict))),
     ]
     return cols
+
+
+def short_verdict(verdict: str) -> str:
+    """A group's mixed verdict in fewer columns, every count kept: "keep dense 1 · factorize 3" -> "dense 1·fact 3".
+
+    >>> short_verdict("keep dense 1 · factorize 3"), short_verdict("factorize")
+    ('dense 1·fact 3', 'factorize')
+    """
+    if "\u00b7" not in verdict:
+        return verdict
+    words = {"keep dense": "dense", "factorize": "fact", "skip narrow": "narrow", "skipped": "skip"}
+    parts = [p.strip() for p in verdict.split("\u00b7")]
+    out = []
+    for p in parts:
+        for long, short in words.items():
+            if p.startswith(long):
+                p = short + p[len(long):]
+                break
+        out.append(p)
+    return "\u00b7".join(out)
 
 
 def layer_steps(labels: list[str], target: str) -> list[tuple[str, str]]:
@@ -165,7 +185,8 @@ def layer_steps(labels: list[str], target: str) -> list[tuple[str, str]]:
     others = [lab for lab in reversed(labels) if lab != target]
     return ([("short", "kind"), ("drop", "cum"), ("short", "params"), ("drop", "macs"), ("drop", "kind")]
             + [("drop", lab) for lab in others]
-            + [("short", "break-even"), ("drop", "x"), ("drop", "shape"), ("drop", "break-even")]
+            + [("short", "break-even"), ("short", "verdict"), ("drop", "x"), ("drop", "shape"),
+               ("drop", "break-even")]
             + [("drop", lab) for lab in labels if lab == target]
             + [("drop", "sugg."), ("drop", "share"), ("drop", "params")])
 
@@ -247,6 +268,8 @@ def _legend(fitted: Fitted, rows: list[Any], width: int) -> list[str]:
         parts.append("kind: " + ", ".join(f"{KIND_SHORT[k]} = {k}" for k in used if k in KIND_SHORT))
     if "break-even" in fitted.abbreviated and fitted.has("break-even"):
         parts.append("b-e = break-even rank m*n/(m+n)")
+    if "verdict" in fitted.abbreviated and any("\u00b7" in g.verdict for g in rows):
+        parts.append("dense N·fact M = N members kept dense, M factorized")
     if fitted.dropped:
         titles = {c.key: c.title for c in _columns([], False)} | {"sugg.": "sugg."}
         parts.append(f"left out to fit {width} columns: "
