@@ -161,7 +161,7 @@ def metric_change(cal: "CalibrationReport", value: float | None) -> str:
     >>> from auditor.calresults import CalibrationReport as C
     >>> metric_change(C("c", "0.25", "", 1, 1, "perplexity increase", False, 0.01, 153.77, increase_of="perplexity"),
     ...               0.009112)
-    'held-out perplexity 153.77 -> 155.17 (+0.91%, tolerance +1%)'
+    'held-out perplexity 153.77 -> 155.17 (+0.911%, tolerance +1%)'
     """
     if value is None or not math.isfinite(value):
         return f"{cal.metric}: not measured"
@@ -169,7 +169,7 @@ def metric_change(cal: "CalibrationReport", value: float | None) -> str:
     if cal.increase_of and cal.reference > 0:
         what = cal.increase_of
         return (f"held-out {what} {cal.reference:.2f} -> {cal.reference * (1 + value):.2f} "
-                f"({100 * value:+.2f}%, tolerance +{100 * cal.tolerance:g}%)")
+                f"({unit(cal, value)}, tolerance {tolerance_words(cal)})")
     if cal.higher_is_better:
         return f"held-out {label} {cal.reference:.4g} -> {value:.4g} (tolerance -{cal.tolerance:g})"
     return f"{label} {unit(cal, value)} (tolerance {tolerance_words(cal)})"
@@ -207,8 +207,8 @@ def verification_words(cal: "CalibrationReport", v: "Verification") -> str:
     cal = _on_verified_rows(cal, v)  # the dense baseline of the rows it was measured on
     if v.low is None or v.high is None:
         return f"{metric_change(cal, v.value)} on {v.rows:,} verification rows, no interval: {judged}"
-    return (f"{metric_change(cal, v.value)}; {100 * v.confidence:g}% interval {100 * v.low:+.2f}% to "
-            f"{100 * v.high:+.2f}% over {v.rows:,} verification rows: {judged}")
+    return (f"{metric_change(cal, v.value)}; {100 * v.confidence:g}% interval {unit(cal, v.low)} to "
+            f"{unit(cal, v.high)} over {v.rows:,} verification rows: {judged}")
 
 
 def exit_code(audit: "AuditResult", fail_on: FailOn | str | None = None) -> ExitCode:
