@@ -353,7 +353,7 @@ class CalibrationReport:
         if b is not None and b.get("recovery") is None:  # without --recover the report is as it was
             b.pop("recovery", None)
             b.pop("chosen_after_recovery", None)
-            for p in b.get("frontier", []):
+            for p in [*b.get("frontier", []), *b.get("plans", [])]:
                 p.pop("recovered", None)
         for v in d["layers"].values():
             v["curve"] = [list(p) for p in v["curve"]]
