@@ -185,7 +185,7 @@ def layer_steps(labels: list[str], target: str) -> list[tuple[str, str]]:
     others = [lab for lab in reversed(labels) if lab != target]
     return ([("short", "kind"), ("drop", "cum"), ("short", "params"), ("drop", "macs"), ("drop", "kind")]
             + [("drop", lab) for lab in others]
-            + [("short", "break-even"), ("short", "verdict"), ("drop", "x"), ("drop", "shape"),
+            + [("short", "break-even"), ("drop", "x"), ("drop", "shape"), ("short", "verdict"),
                ("drop", "break-even")]
             + [("drop", lab) for lab in labels if lab == target]
             + [("drop", "sugg."), ("drop", "share"), ("drop", "params")])
