@@ -422,7 +422,9 @@ class _Search:
                     < at.removed - self.fixed_saved]
             if target <= 0:
                 return
+            n = len(self.tries)
             at = max(near, key=lambda p: p.removed) if near else self.measure(target)
+            at.backstop = at.backstop or len(self.tries) > n  # measured here, as the fallback
 
     def best(self, limit: float) -> FrontierPlan | None:
         held = [p for p in self.tries if p.ok and p.target <= limit]
