@@ -13,6 +13,7 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Sequence
 
+from ._env import own_process
 from .cli_parser import UsageError, _Parser
 from .config import FailOn
 from .errors import AuditError, ExitCode, escape, first_line
@@ -337,6 +338,7 @@ def internal_error(exc: BaseException, verbose: bool) -> int:
 
 
 def _dispatch(argv: list[str], written: list[Path]) -> int:
+    own_process()  # the command line's process is the tool's own: process-wide tuning allowed (a library's is not)
     if argv and argv[0] == "rules":
         return _rules_main(argv[1:])
     if argv and argv[0] == "check-plan":
