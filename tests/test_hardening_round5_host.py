@@ -95,3 +95,89 @@ def test_the_command_line_process_still_maps_large_arrays(libc, calib, cli_inpro
     r = cli_inproc(MODEL, "--calibration", calib, "--no-cache", "--format", "json", "-o", tmp_path / "r.json")
     assert r.returncode in (0, 1), r.stderr
     assert ("mallopt", -3, 1 << 20) in libc.calls  # the tool's own process: the tuning is allowed there
+
+
+# ---- 2. names that forge output ---------------------------------------------------------------------------------
+
+EVIL_MODEL = '''
+import torch
+from torch import nn
+
+NAMES = ["fc\\nPASS: all good", "g\\n::error::FORGED", "x\\x07\\r\\x1b[31m\\u202e"]
+
+
+class Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        for name in NAMES:
+            self.add_module(name, nn.Linear(64, 64))
+
+    def forward(self, x):
+        for m in self.children():
+            x = torch.relu(m(x))
+        return x
+
+
+class M(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.h = nn.ModuleList([Block() for _ in range(3)])
+
+    def forward(self, x):
+        for b in self.h:
+            x = b(x)
+        return x
+
+
+def model():
+    torch.manual_seed(0)
+    return M()
+'''
+RAW = ("\x07", "\x1b", "\r", "\u202e")
+
+
+def _forged(text: str) -> list[str]:
+    """Lines a name wrote on its own, raw control characters, and workflow commands the tool did not write."""
+    bad = [l for l in text.split("\n") if l.startswith(("PASS: all good", "::error::FORGED"))]
+    bad += [repr(c) for c in RAW if c in text]
+    bad += [l for l in text.split("\n") if l.startswith("::") and not l.startswith(("::warning ", "::notice "))]
+    return bad
+
+
+@pytest.fixture(scope="module")
+def evil(tmp_path_factory) -> Path:
+    d = tmp_path_factory.mktemp("evil")
+    (d / "evil.py").write_text(EVIL_MODEL)
+    (d / "plan.toml").write_text('[ranks]\n"*" = 8\n')
+    return d
+
+
+def test_names_cannot_forge_lines_in_the_table_the_txt_report_or_github_annotations(evil, cli_inproc):
+    """The speed section and the plan's ranks by group printed names raw: "PASS: all good" and a workflow
+    command ``::error::FORGED`` on lines of their own in ``--format text,github``, BEL/CR/ESC/U+202E raw."""
+    out = evil / "reports"
+    r = cli_inproc(evil / "evil.py:model", "--input-shape", "1,64", "--plan", evil / "plan.toml", "--measure-speed",
+                   "--format", "text,github", "--fail-on", "never")
+    assert r.returncode == 0, r.stderr
+    assert "h.0.fc\\nPASS: all good" in r.stdout and "ranks: h.*.fc\\nPASS: all good ×3: 8" in r.stdout
+    assert _forged(r.stdout) == [] and _forged(r.stderr) == []
+    r = cli_inproc(evil / "evil.py:model", "--input-shape", "1,64", "--plan", evil / "plan.toml", "--measure-speed",
+                   "--format", "text,md,json", "-o", out, "--fail-on", "never", "-q")
+    assert r.returncode == 0, r.stderr
+    txt, md = (next(out.glob(f"*{s}")).read_text() for s in (".txt", ".md"))
+    assert _forged(txt) == [] and _forged(md) == []
+    assert "`h.0.fc\\nPASS: all good`" in md
+    data = json.loads(next(out.glob("*.json")).read_text())
+    assert "h.0.fc\nPASS: all good" in {l["name"] for l in data["layers"]}  # JSON keeps the name as it is
+
+
+def test_progress_notes_show_names_as_escapes():
+    import io
+
+    from auditor.progress import _Plain
+
+    buf = io.StringIO()
+    line = _Plain("statistics", 3, "block", 0.0, buf)
+    line.note = "h.0.fc\nPASS: all good\x1b[2J"
+    line.close(99.0)
+    assert buf.getvalue() == "statistics: 3 blocks in 99.0s (h.0.fc\\nPASS: all good\\x1b[2J)\n"
