@@ -92,7 +92,7 @@ def test_recover_and_factorize_leave_torch_random_state(libc, calib, digits_mlp)
 
 
 def test_the_command_line_process_still_maps_large_arrays(libc, calib, cli_inproc, tmp_path):
-    r = cli_inproc(MODEL, "--calibration", calib, "--no-cache", "--format", "json", "-o", tmp_path / "r.json")
+    r = cli_inproc(MODEL, "--calibration", calib, "--no-cache", "--format", "json", "-o", tmp_path)
     assert r.returncode in (0, 1), r.stderr
     assert ("mallopt", -3, 1 << 20) in libc.calls  # the tool's own process: the tuning is allowed there
 
@@ -181,3 +181,113 @@ def test_progress_notes_show_names_as_escapes():
     line.note = "h.0.fc\nPASS: all good\x1b[2J"
     line.close(99.0)
     assert buf.getvalue() == "statistics: 3 blocks in 99.0s (h.0.fc\\nPASS: all good\\x1b[2J)\n"
+
+
+# ---- 4. a metric that changes the model -------------------------------------------------------------------------
+
+METRICS = '''
+import random
+import sys
+
+import torch
+
+_REF = {}
+
+
+def agree(model, batches):
+    outs = [model(**b) if isinstance(b, dict) else model(b) for b in batches]
+    if not _REF:
+        _REF["y"] = [o.argmax(-1) for o in outs]
+    return sum(float((o.argmax(-1) == y).float().mean()) for o, y in zip(outs, _REF["y"])) / len(outs)
+
+
+def _last_linear(model):
+    return [m for m in model.modules() if isinstance(m, torch.nn.Linear)][-1]
+
+
+def scales(model, batches):
+    with torch.no_grad():
+        _last_linear(model).weight.mul_(1.01)
+    return agree(model, batches)
+
+
+def data_scales(model, batches):
+    _last_linear(model).weight.data.mul_(1.01)
+    return agree(model, batches)
+
+
+def buffer(model, batches):
+    model.register_buffer("seen", torch.zeros(1))
+    return agree(model, batches)
+
+
+def hooks(model, batches):
+    _last_linear(model).register_forward_hook(lambda m, i, o: o * 2)
+    return agree(model, batches)
+
+
+def replaces(model, batches):
+    model.act = torch.nn.Identity()
+    return agree(model, batches)
+
+
+def trains(model, batches):
+    model.train()
+    return agree(model, batches)
+
+
+def noisy(model, batches):
+    return agree(model, batches) + random.random()
+
+
+def raises(model, batches):
+    raise ValueError("boom")
+
+
+def exits(model, batches):
+    sys.exit(0)
+'''
+
+
+@pytest.fixture(scope="module")
+def metric_file(tmp_path_factory) -> Path:
+    f = tmp_path_factory.mktemp("metric") / "metrics.py"
+    f.write_text(METRICS)
+    return f
+
+
+@pytest.mark.parametrize(("fn", "says"), [
+    ("scales", "metric scales changed the model it measures (head.weight)"),
+    ("data_scales", "metric data_scales changed the model it measures (head.weight)"),
+    ("buffer", "metric buffer changed the model it measures (seen)"),
+    ("hooks", "metric hooks changed the model it measures (module head)"),
+    ("replaces", "metric replaces changed the model it measures (module act)"),
+    ("trains", "metric trains changed the model it measures (module (root))"),
+    ("noisy", "metric noisy is not repeatable: "),
+    ("raises", "metric raises raised ValueError: boom (at {file}:57)"),
+    ("exits", "metric exits called sys.exit(0) instead of returning"),
+])
+def test_a_metric_that_changes_the_model_or_is_not_repeatable_is_refused(fn, says, metric_file, calib, cli_inproc,
+                                                                       tmp_path):
+    out = tmp_path / "out"
+    r = cli_inproc(MODEL, "--calibration", calib, "--metric", f"{metric_file}:{fn}", "--no-cache", "--progress",
+                   "never", "--format", "text", "-o", out)
+    assert r.returncode == 2, r.stderr
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: " + says.format(file=metric_file)), r.stderr
+    assert not out.exists()
+
+
+def test_factorize_never_writes_a_metric_mutated_model(metric_file, calib, cli_inproc, tmp_path):
+    (tmp_path / "plan.toml").write_text('[ranks]\nfc1 = 24\n')
+    r = cli_inproc("factorize", MODEL, "--plan", tmp_path / "plan.toml", "--calibration", calib, "--metric",
+                   f"{metric_file}:scales", "-o", tmp_path / "f")
+    assert r.returncode == 2 and "changed the model it measures" in r.stderr
+    assert not (tmp_path / "f").exists()
+
+
+def test_a_clean_metric_still_passes(metric_file, calib, cli_inproc, tmp_path):
+    r = cli_inproc(MODEL, "--calibration", calib, "--metric", f"{metric_file}:agree", "--no-cache", "--progress",
+                   "never", "--format", "json", "-o", tmp_path)
+    assert r.returncode == 0, r.stderr
+    assert json.loads(next(tmp_path.glob("*.json")).read_text())["calibration"]["metric"] == "agree"
