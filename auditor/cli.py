@@ -512,6 +512,9 @@ def calibration_options(args: argparse.Namespace) -> dict:
         if given:
             raise AuditError(f"{', '.join(given)} need(s) calibration data", "Pass --calibration FILE as well")
         return {}
+    if args.no_split and args.confidence is not None:  # the level is the verification's, and --no-split has none
+        raise AuditError(f"--confidence {args.confidence:g} means nothing with --no-split (no rows are kept apart "
+                         "to verify on, so no interval is drawn)", "Drop one of --confidence and --no-split")
     return {"calibration": args.calibration, "holdout": args.holdout if args.holdout is not None else 0.25,
             "metric": args.metric, "tolerance": args.tolerance, "measure_floor": args.measure_floor,
             "budget": args.budget, "calibration_length": args.calibration_length,

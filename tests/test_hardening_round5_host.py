@@ -18,6 +18,7 @@ import auditor.calibration.session as session_mod
 
 ROWS = 400
 MODEL = "sample_models/digits.py:mlp"
+ROOT_MODEL = Path(__file__).resolve().parents[1] / MODEL
 
 
 @pytest.fixture(scope="module")
@@ -291,3 +292,62 @@ def test_a_clean_metric_still_passes(metric_file, calib, cli_inproc, tmp_path):
                    "never", "--format", "json", "-o", tmp_path)
     assert r.returncode == 0, r.stderr
     assert json.loads(next(tmp_path.glob("*.json")).read_text())["calibration"]["metric"] == "agree"
+
+
+# ---- 5. exit codes ------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("command", [(MODEL,), ("factorize", MODEL, "--plan", "PLAN", "-o", "OUT")])
+def test_no_split_with_a_confidence_level_is_refused(command, calib, cli_inproc, tmp_path):
+    (tmp_path / "plan.toml").write_text("[ranks]\nfc1 = 24\n")
+    args = [str(tmp_path / "plan.toml") if a == "PLAN" else str(tmp_path / "out") if a == "OUT" else a
+            for a in command]
+    r = cli_inproc(*args, "--calibration", calib, "--no-split", "--confidence", "0.5")
+    assert r.returncode == 2 and r.stderr.strip().splitlines() == [
+        "error: --confidence 0.5 means nothing with --no-split (no rows are kept apart to verify on, so no interval "
+        "is drawn). Drop one of --confidence and --no-split."]
+    assert not (tmp_path / "out").exists()
+
+
+LOOSE = "[ranks]\nfc1 = 8\n\n[thresholds]\nenergy_floor = 1e-9\n"
+UNMEASURED = '[ranks]\nfc1 = 8\n\n[thresholds]\nenergy_floor = 0.95\nfail_on = "unmeasured"\n'
+
+
+@pytest.mark.parametrize("command", [(MODEL, "--plan", "PLAN"), ("check-plan", "PLAN"),
+                                     ("check-plan", "PLAN", "--model", MODEL)])
+def test_a_plan_cannot_loosen_energy_floor_to_silence_lr004(command, cli_inproc, tmp_path):
+    plan = tmp_path / "plan.toml"
+    plan.write_text(LOOSE)
+    r = cli_inproc(*[str(plan) if a == "PLAN" else str(ROOT_MODEL) if a == MODEL else a for a in command], cwd=tmp_path)
+    assert r.returncode == 2, r.stderr
+    assert r.stderr.startswith(f"error: plan {plan}: its [thresholds] loosens energy_floor from 0.9 to 1e-09, which "
+                               "would silence the review of this very plan.")
+    assert len(r.stderr.strip().splitlines()) == 1
+
+
+def test_a_plan_may_loosen_energy_floor_where_pyproject_allows_it(cli_inproc, tmp_path):
+    (tmp_path / "pyproject.toml").write_text("[tool.lowrank-auditor]\nplan_may_relax_review = true\n")
+    (tmp_path / "plan.toml").write_text(LOOSE)
+    r = cli_inproc("check-plan", tmp_path / "plan.toml", cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+
+
+@pytest.mark.parametrize(("command", "code"), [((MODEL, "--plan", "PLAN"), 1), (("check-plan", "PLAN"), 0),
+                                               (("check-plan", "PLAN", "--model", MODEL), 0),
+                                               (("factorize", MODEL, "--plan", "PLAN", "-o", "OUT"), 0)])
+def test_fail_on_unmeasured_in_a_plan_with_thresholds_is_no_internal_error(command, code, cli_inproc, tmp_path):
+    plan = tmp_path / "plan.toml"
+    plan.write_text(UNMEASURED)
+    r = cli_inproc(*[str(plan) if a == "PLAN" else str(tmp_path / "out") if a == "OUT" else str(ROOT_MODEL) if a == MODEL
+                     else a for a in command], cwd=tmp_path)
+    assert r.returncode == code, r.stderr
+    assert "internal error" not in r.stderr
+
+
+def test_fail_on_unmeasured_in_pyproject_with_plan_thresholds(cli_inproc, tmp_path):
+    (tmp_path / "pyproject.toml").write_text('[tool.lowrank-auditor]\nfail_on = "unmeasured"\n')
+    plan = tmp_path / "plan.toml"
+    plan.write_text("[ranks]\nfc1 = 8\n\n[thresholds]\nenergy_floor = 0.95\n")
+    r = cli_inproc(str(ROOT_MODEL), "--plan", plan, cwd=tmp_path)
+    assert r.returncode == 1 and "internal error" not in r.stderr, r.stderr
+    r = cli_inproc("check-plan", plan, cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
