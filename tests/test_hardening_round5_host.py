@@ -351,3 +351,16 @@ def test_fail_on_unmeasured_in_pyproject_with_plan_thresholds(cli_inproc, tmp_pa
     assert r.returncode == 1 and "internal error" not in r.stderr, r.stderr
     r = cli_inproc("check-plan", plan, cwd=tmp_path)
     assert r.returncode == 0, r.stderr
+
+
+def test_the_emitted_recovery_command_carries_the_objective_the_audit_used(calib):
+    """"auto" resolved to "mse" for a regression head: the command said auto, and factorize's auto may resolve to
+    another objective (KL) for the model it is given."""
+    torch.manual_seed(0)
+    m = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.ReLU(), torch.nn.Linear(256, 256), torch.nn.ReLU(),
+                            torch.nn.Linear(256, 1))
+    a = auditor.audit(m, torch.zeros(1, 64), calibration=calib, budget=0.3, recover_steps=2, cache=False,
+                      progress=False)
+    rc = a.calibration.budget.recovery
+    assert rc.objective == "mse"
+    assert rc.command().endswith("--recover-objective mse")
