@@ -364,3 +364,33 @@ def test_the_emitted_recovery_command_carries_the_objective_the_audit_used(calib
     rc = a.calibration.budget.recovery
     assert rc.objective == "mse"
     assert rc.command().endswith("--recover-objective mse")
+
+
+# ---- 3. words that say PASS over nothing --------------------------------------------------------------------------
+
+def test_a_plan_that_misses_is_never_pass_when_select_hides_the_rule(calib, cli_inproc, tmp_path):
+    (tmp_path / "pyproject.toml").write_text('[tool.lowrank-auditor]\nselect = ["LR001"]\nfail_on = "unmeasured"\n')
+    (tmp_path / "plan.toml").write_text("[ranks]\nfc1 = 2\nfc2 = 2\nfc3 = 2\n")
+    r = cli_inproc(ROOT_MODEL, "--plan", tmp_path / "plan.toml", "--calibration", calib, "--progress", "never",
+                   cwd=tmp_path)
+    assert r.returncode == 1, r.stdout
+    verdict = [l for l in r.stdout.splitlines() if l.startswith(("PASS", "REVIEW", "FAIL", "UNMEASURED"))]
+    assert verdict and verdict[0].startswith("REVIEW: no errors or warnings shown, but the plan measured all at once "
+                                             "misses the tolerance")
+    assert "PASS" not in r.stdout
+
+
+def test_one_held_out_row_is_no_verification(tmp_path, digits_mlp):
+    from safetensors.torch import save_file
+    from sklearn.datasets import load_digits
+
+    from auditor.policy import Status, status
+
+    x = torch.tensor(load_digits().data[:4], dtype=torch.float32) / 16.0
+    save_file({"x": x.contiguous()}, str(tmp_path / "four.safetensors"))
+    a = auditor.audit(digits_mlp[0], torch.zeros(1, 64), plan={"ranks": {"fc1": 24}},
+                      calibration=tmp_path / "four.safetensors", cache=False, progress=False,
+                      settings=auditor.Settings(select=("LR001",)))
+    v = a.calibration.plan_check.verification
+    assert v is None or v.rows <= 1
+    assert status(a) is Status.UNMEASURED if v is not None else status(a) is not Status.PASS
