@@ -103,9 +103,9 @@ def verdict_head(audit: "AuditResult") -> str:
     if not measured(audit):
         if audit.calibration is not None:
             return "UNMEASURED: no errors or warnings, but the plan was not measured all at once"
+        return "UNMEASURED: no errors or warnings; the ranks are energy-based estimates (measure with --calibration)"
     if missed(audit):
         return "REVIEW: no errors or warnings shown, but the plan measured all at once misses the tolerance"
-        return "UNMEASURED: no errors or warnings; the ranks are energy-based estimates (measure with --calibration)"
     return "PASS: no errors or warnings"
 
 
