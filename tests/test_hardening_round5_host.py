@@ -394,3 +394,26 @@ def test_one_held_out_row_is_no_verification(tmp_path, digits_mlp):
     v = a.calibration.plan_check.verification
     assert v is None or v.rows <= 1
     assert status(a) is Status.UNMEASURED if v is not None else status(a) is not Status.PASS
+
+
+class _WordTokenizer:
+    """One id per whitespace-separated word; records the length of every text it is given."""
+
+    def __init__(self) -> None:
+        self.seen: list[int] = []
+
+    def __call__(self, text, **_):
+        self.seen.append(len(text))
+        return {"input_ids": [len(w) for w in text.split()]}
+
+
+def test_a_long_single_line_text_is_tokenized_in_bounded_pieces_and_stops_at_the_cap():
+    from auditor.calibration.text import PIECE, token_ids
+
+    text = "abc " * (5 * PIECE // 4)  # 5 MiB on one line
+    tok = _WordTokenizer()
+    assert token_ids(tok, text, need=1000)[:3] == [3, 3, 3]
+    assert len(tok.seen) == 1 and tok.seen[0] <= PIECE  # one piece, then stop
+    tok = _WordTokenizer()
+    ids = token_ids(tok, text)
+    assert len(ids) == 5 * PIECE // 4 and max(tok.seen) <= PIECE and len(tok.seen) >= 5  # every word, no word split
