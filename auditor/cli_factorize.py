@@ -188,6 +188,9 @@ def _options(args: argparse.Namespace, loaded: Any, plan: Any) -> Any:
     if not cal and given:
         raise AuditError(f"{', '.join(given)} {'needs' if len(given) == 1 else 'need'} --calibration",
                          "Pass --calibration FILE")
+    if args.no_split and args.confidence is not None:  # the level is the verification's, and --no-split has none
+        raise AuditError(f"--confidence {args.confidence:g} means nothing with --no-split (no rows are kept apart "
+                         "to verify on, so no interval is drawn)", "Drop one of --confidence and --no-split")
     return options
 
 

@@ -42,8 +42,17 @@ def measured(audit: "AuditResult") -> bool:
         return True
     pc = cal.plan_check
     if pc is not None and pc.layers > 0 and pc.measured == pc.measured:
-        return True
+        v = pc.verification  # nothing scored, or one row that was the search's as well: no measurement
+        return v is None or not (v.rows < 1 or (v.rows == 1 and v.search_rows <= 1))
     return bool(r.suggested and cal.budget is not None and cal.budget.plan)
+
+
+def missed(audit: "AuditResult") -> bool:
+    """The plan was measured all at once and misses the tolerance: never a PASS, even when the rule that says so
+    is not selected (``select`` in pyproject.toml) and no finding is shown."""
+    cal = audit.calibration
+    pc = cal.plan_check if cal is not None else None
+    return pc is not None and pc.layers > 0 and not pc.ok and measured(audit)
 
 
 def status(audit: "AuditResult") -> Status:
@@ -57,7 +66,7 @@ def status(audit: "AuditResult") -> Status:
     c = audit.counts
     if c.error:
         return Status.FAIL
-    if c.warning:
+    if c.warning or missed(audit):
         return Status.REVIEW
     return Status.PASS if measured(audit) else Status.UNMEASURED
 
@@ -95,6 +104,8 @@ def verdict_head(audit: "AuditResult") -> str:
         if audit.calibration is not None:
             return "UNMEASURED: no errors or warnings, but the plan was not measured all at once"
         return "UNMEASURED: no errors or warnings; the ranks are energy-based estimates (measure with --calibration)"
+    if missed(audit):
+        return "REVIEW: no errors or warnings shown, but the plan measured all at once misses the tolerance"
     return "PASS: no errors or warnings"
 
 

@@ -474,7 +474,7 @@ def render(audit: "AuditResult", context: RenderContext = RenderContext(), top: 
     _baseline(audit, context, w, top)
     w.out.append("")
     w.say(term(verdict_line(audit)))
-    return "\n".join(w.out) + "\n"
+    return "\n".join(map(term, w.out)) + "\n"  # the choke point: whatever a section forgot, one line stays one
 
 
 ANSI = {"PASS": "32", "UNMEASURED": "35", "REVIEW": "33", "FAIL": "31", "error": "31", "warning": "33", "info": "36"}
