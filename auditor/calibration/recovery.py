@@ -38,6 +38,7 @@ from typing import Callable, Sequence
 import torch
 from torch import nn
 
+from .._env import scoped
 from ..errors import AuditError
 from ..options import DEFAULT_LR, OBJECTIVES, TRAINABLE, RecoveryOptions, positive_finite, positive_int
 from .data.inputs import Batch, Calibration, model_device
@@ -511,6 +512,7 @@ def _run(run: _Measure, dense: nn.Module, params: list[nn.Parameter], settings: 
     return state, opt
 
 
+@scoped  # the seed it sets is the run's: the host's torch random state is left as found
 def recover(factorized: nn.Module, dense: nn.Module, calibration: "Calibration | CalibrationSession",
             settings: RecoverySettings | None = None, *, metric: Metric | None = None,
             progress: Progress | None = None, **keywords: object) -> Recovery:

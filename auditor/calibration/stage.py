@@ -192,7 +192,7 @@ def _report(session: CalibrationSession, options: "AuditOptions", tiers: Tiers) 
         reference=tiers.searched.budget.reference, layers=_rows(tiers), missing=dict(stats.missing),
         warnings=list(dict.fromkeys([*cal.warnings, *tiers.verified.warnings, *stats.warnings])),
         synthetic=any(SYNTHETIC_MARK in w for w in cal.warnings), measured_floors=measured,
-        budget=tiers.verified.budget, suggestions_from="measured floors" if measured else "calibration",
+        budget=tiers.verified.budget.settled(), suggestions_from="measured floors" if measured else "calibration",
         statistics_cached=tiers.tier1.cached, seconds=tiers.seconds, evaluations=tiers.evaluations,
         rounding_floor=tiers.searched.rounding, compute_dtype=options.statistics.compute_dtype,
         tier1_target=tiers.tier1.target, increase_of=metric.spec.increase_of,

@@ -328,10 +328,10 @@ def verify(model: "nn.Module", session: CalibrationSession, budget: BudgetResult
         for p in _candidates(budget)[:VERIFY_TRIES]:
             v = ver.measure(factorize(model, p.plan, stats, reuse=reuse, share=True))
             chosen = p
+            p.verification = v = replace(v, search_rows=search_rows)  # every plan verified says so in the report
             if v.ok:
                 break
     assert chosen is not None and v is not None
-    v = replace(v, search_rows=search_rows)
     if chosen.plan == budget.plan:
         return replace(budget, verification=v)
     total = budget.params_before
@@ -343,4 +343,5 @@ def verify(model: "nn.Module", session: CalibrationSession, budget: BudgetResult
 
 
 __all__ = ["Floored", "Recovered", "Scope", "Searched", "Span", "Tier1", "VERIFY_BACKSTOPS", "VERIFY_TRIES",
-           "Verified", "floors", "recovered", "curves_for", "scope_of", "search", "sensitivity", "sweepable", "tier1", "verified", "verify"]
+           "Verified", "curves_for", "floors", "recovered", "scope_of", "search", "sensitivity", "sweepable", "tier1",
+           "verified", "verify"]
