@@ -112,9 +112,10 @@ def test_a_plan_that_misses_the_tolerance_is_an_error_in_every_format(cli_inproc
     assert f"{pc['measured']:.4g}" in lr015[0]["message"] and "largest plan that held" in lr015[0]["message"]
     v = _verdicts(out, r.stdout)
     iv = pc["verification"]
+    pct = lambda x: f"{100 * x:.3g}%"  # the relative output error in its one unit, three significant digits
     assert v["json"].startswith("FAIL: 1 error(s)") and v["json"].endswith(
-        f"{pc['measured']:.4g} ({100 * iv['confidence']:g}% interval {iv['low']:.4g} to {iv['high']:.4g} over "
-        f"{iv['rows']} verification rows): misses the tolerance 0.01")
+        f"relative output error {pct(pc['measured'])} ({100 * iv['confidence']:g}% interval {pct(iv['low'])} to "
+        f"{pct(iv['high'])} over {iv['rows']} verification rows): misses the tolerance 1%")
     _same_verdict(v, ok=False)
 
 
