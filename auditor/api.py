@@ -321,7 +321,7 @@ def factorize(model: "nn.Module", plan: Any, calibration: Any = None) -> "nn.Mod
             raise AuditError(f"the plan factorizes no layer of {result.model_name}", "Check the plan's patterns")
     if calibration is not None:
         from .calibration.session import CalibrationSession
-        from .calibration.stats import InputStatistics
+        from .calibration.statistics.stats import InputStatistics
 
         if not isinstance(calibration, InputStatistics):  # data becomes a session; a session is used as it is
             calibration = CalibrationSession.of(calibration, model)

@@ -53,9 +53,10 @@ class LayerFloor:
     init: str = working("whitened")  # "whitened" | "svd" (no input statistics) | "" (not swept)
 
 
-@dataclass
+@dataclass(frozen=True)
 class LayerCalibration:
-    """Tier 1 (and tier 2 when measured) for one layer."""
+    """Tier 1 (and tier 2 when measured) for one layer: built once, by the calibration stage, from what its passes
+    returned."""
 
     layer: str
     rows: int  # calibration rows the layer saw (tokens, positions, patches, lookups)
@@ -281,7 +282,7 @@ class PlanCheck:
 @dataclass
 class RoundingFloor:
     """A bfloat16 / float16 model's metric with every plannable layer factorized at full rank (nothing dropped, the
-    factors in the model's dtype): what rounding alone costs every plan (``auditor.calibration.rounding``)."""
+    factors in the model's dtype): what rounding alone costs every plan (``auditor.calibration.tiers.rounding``)."""
 
     dtype: str  # "bfloat16" | "float16"
     layers: int  # layers factorized at full rank

@@ -510,7 +510,7 @@ def options_from(args: argparse.Namespace) -> tuple["AuditOptions", "LoadOptions
 
 def _device(spec: str) -> str:
     """``--device`` checked before the model loads: an unknown or unavailable device is one line, exit 2."""
-    from .calibration.stream import resolve_device
+    from .calibration.statistics.stream import resolve_device
 
     return str(resolve_device(spec))
 
@@ -555,7 +555,7 @@ def _confidence(level: float) -> float:
 
 def calibration_options(args: argparse.Namespace) -> dict:
     """The calibration flags as AuditOptions fields (checked there: --budget in (0, 1), the rest need data)."""
-    from .calibration.inputs import parse_size
+    from .calibration.data.inputs import parse_size
 
     recovery = _recovery_options(args)
     if args.calibration is None:

@@ -164,7 +164,7 @@ def _load_options(args: argparse.Namespace) -> Any:
 def _options(args: argparse.Namespace, loaded: Any, plan: Any) -> Any:
     """The audit's options for the plan review and, with --calibration, the plan check; a calibration flag
     without --calibration is refused, naming the flags given."""
-    from .calibration.text import tokenizer_home
+    from .calibration.data.text import tokenizer_home
     from .config import repo_settings
     from .options import AuditOptions
     from .rules import RULES

@@ -11,8 +11,8 @@ from .errors import AuditError
 if TYPE_CHECKING:  # torch and the calibration package load when recovery runs, never for --help
     from torch import nn
 
-    from .calibration.inputs import Calibration
-    from .calibration.metric import Metric
+    from .calibration.data.inputs import Calibration
+    from .calibration.measure.metric import Metric
 
 HELP_LR = 1e-4  # the --recover-lr default the help names: auditor.calibration.recovery.DEFAULT_LR (a test holds them equal)
 

@@ -130,7 +130,7 @@ def _plain_output(out: Any) -> bool:
 
 
 def _example(example: Any) -> tuple[tuple, dict]:
-    from .calibration.inputs import Batch
+    from .calibration.data.inputs import Batch
     from .structure.trace import ExampleInputs
 
     if isinstance(example, Batch):

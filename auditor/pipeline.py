@@ -444,7 +444,7 @@ def audit_source(spec: str, *, plan: Any = None, options: AuditOptions | None = 
         loaded = load_model(spec, load or LoadOptions())
     opts = replace(opts, name=opts.name or loaded.name, source=loaded.source, origin=(spec, load or LoadOptions()))
     if opts.calibration is not None and isinstance(loaded.model, nn.Module):
-        from .calibration.text import check_text_sources, tokenizer_home
+        from .calibration.data.text import check_text_sources, tokenizer_home
 
         if opts.tokenizer is None:  # a text file is tokenized by the Hugging Face directory's own tokenizer
             opts = replace(opts, tokenizer=tokenizer_home(loaded.source))

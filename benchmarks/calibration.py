@@ -49,10 +49,10 @@ import auditor  # noqa: E402
 from auditor.calibration import (  # noqa: E402
     Evaluator, Metric, curves_from_floors, input_statistics, load_calibration, measure_floors, plan_for_budget,
 )
-from auditor.calibration.inputs import run  # noqa: E402
-from auditor.calibration.stats import by_name  # noqa: E402
-from auditor.calibration.sweep import Sweeper  # noqa: E402
-from auditor.calibration.whiten import whitened_spectra  # noqa: E402
+from auditor.calibration.data.inputs import run  # noqa: E402
+from auditor.calibration.statistics.stats import by_name  # noqa: E402
+from auditor.calibration.tiers.sweep import Sweeper  # noqa: E402
+from auditor.calibration.statistics.whiten import whitened_spectra  # noqa: E402
 from auditor.calibration.apply import factorize  # noqa: E402
 from auditor.kinds.registry import SUPPORTED  # noqa: E402
 from auditor.surgery import count_params  # noqa: E402

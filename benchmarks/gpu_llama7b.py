@@ -36,9 +36,9 @@ def main() -> None:
     import torch
     import transformers
 
-    from auditor.calibration.inputs import Batch
-    from auditor.calibration.stream import resolve_device, stream_statistics
-    from auditor.calibration.whiten import whitened_spectra
+    from auditor.calibration.data.inputs import Batch
+    from auditor.calibration.statistics.stream import resolve_device, stream_statistics
+    from auditor.calibration.statistics.whiten import whitened_spectra
     from auditor.errors import AuditError
     from auditor.structure.layers import ParamTable, collect_layers
 

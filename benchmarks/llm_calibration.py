@@ -77,10 +77,10 @@ def child(name: str, mode: str, over: dict | None = None) -> dict:
 
     import torch
 
-    from auditor.calibration.inputs import Batch
-    from auditor.calibration.stats import input_statistics
-    from auditor.calibration.stream import stream_statistics
-    from auditor.calibration.whiten import whitened_spectra
+    from auditor.calibration.data.inputs import Batch
+    from auditor.calibration.statistics.stats import input_statistics
+    from auditor.calibration.statistics.stream import stream_statistics
+    from auditor.calibration.statistics.whiten import whitened_spectra
     from auditor.structure.layers import ParamTable, collect_layers
 
     torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
@@ -97,7 +97,7 @@ def child(name: str, mode: str, over: dict | None = None) -> dict:
     if mode == "audit":  # the whole default calibrated audit, as a user runs it
         done, stages = _audit(model, ids, batches)
     elif mode == "stream":  # the audit's path: the session streams, whitens per block and spills the Grams
-        from auditor.calibration.inputs import Calibration
+        from auditor.calibration.data.inputs import Calibration
         from auditor.calibration.session import CalibrationSession
         from auditor.options import AuditOptions
 

@@ -7,7 +7,7 @@ seconds per step.
     python benchmarks/recovery.py --steps 50,200 --lr 3e-4 --trainable all --budgets 0.5
     python benchmarks/recovery.py --model llama      # the sample Llama, judged by held-out perplexity
 
-Plans: the Lagrangian allocation (``auditor.calibration.budget.allocate``) over the tier-1 whitened error curves at
+Plans: the Lagrangian allocation (``auditor.calibration.tiers.budget.allocate``) over the tier-1 whitened error curves at
 the target removal, without the back-off of ``plan_for_budget`` (the point is to see plans past the tolerance);
 whitened initialisation. Calibration: ``chargpt_calib.safetensors`` (64 windows of 128 characters: the fit rows the
 recovery trains on, 8 a step by default) and ``chargpt_holdout.safetensors`` (256 windows from held-out files: only measured on). The
@@ -34,9 +34,9 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "sample_models"))
 
 from auditor.calibration import load_calibration  # noqa: E402
-from auditor.calibration.budget import allocate, curves_from_spectra  # noqa: E402
-from auditor.calibration.stats import by_name  # noqa: E402
-from auditor.calibration.tier1 import tier1  # noqa: E402
+from auditor.calibration.tiers.budget import allocate, curves_from_spectra  # noqa: E402
+from auditor.calibration.statistics.stats import by_name  # noqa: E402
+from auditor.calibration.tiers.tier1 import tier1  # noqa: E402
 from auditor.calibration.apply import factorize  # noqa: E402
 from auditor.kinds.registry import SUPPORTED  # noqa: E402
 from auditor.surgery import count_params  # noqa: E402
@@ -63,7 +63,7 @@ def main() -> None:
     if args.model == "llama":
         import transformers
 
-        from auditor.calibration.metric import Metric
+        from auditor.calibration.measure.metric import Metric
 
         here = ROOT / "sample_models" / "llama"
         model = transformers.AutoModelForCausalLM.from_pretrained(str(here), dtype=torch.float32).eval()
@@ -84,7 +84,7 @@ def main() -> None:
     total = count_params(model)
     dense_ppl = None
     if metric is not None:
-        from auditor.calibration.metric import Evaluator
+        from auditor.calibration.measure.metric import Evaluator
 
         dense_ppl = Evaluator(model, cal, metric).reference
     print(f"{name}: {total:,} parameters, {len(curves.options)} factorizable layers; fit {cal.fit_rows} "

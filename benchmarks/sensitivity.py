@@ -35,7 +35,7 @@ sys.path.insert(0, str(ROOT))
 
 import auditor  # noqa: E402
 from auditor.calibration import Evaluator, Metric  # noqa: E402
-from auditor.calibration.inputs import Batch, Calibration  # noqa: E402
+from auditor.calibration.data.inputs import Batch, Calibration  # noqa: E402
 
 
 def unseen_text(limit: int = 400_000) -> str:

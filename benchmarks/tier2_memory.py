@@ -41,9 +41,9 @@ def child(depth: int, mode: str, windows: int, budget_mib: float) -> dict:
     import torch
     import transformers
 
-    from auditor.calibration.inputs import Batch, Calibration
-    from auditor.calibration.stats import by_name
-    from auditor.calibration.sweep import measure_floors
+    from auditor.calibration.data.inputs import Batch, Calibration
+    from auditor.calibration.statistics.stats import by_name
+    from auditor.calibration.tiers.sweep import measure_floors
     from auditor.structure.layers import ParamTable, collect_layers
 
     torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))

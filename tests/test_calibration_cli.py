@@ -17,7 +17,7 @@ import auditor
 from auditor.calibration import (
     curves_from_floors, curves_from_spectra, input_statistics, load_calibration, measure_floors, plan_for_budget, tier1,
 )
-from auditor.calibration.stats import by_name
+from auditor.calibration.statistics.stats import by_name
 from auditor.factorize import factorize, load_factorized, resolve_plan
 from auditor.structure.layers import ParamTable, collect_layers
 
@@ -50,7 +50,7 @@ def _layers(model: torch.nn.Module) -> dict:
 
 def _split(cal):
     """(the search part, the verification part) of the held-out rows, as the audit cuts them."""
-    from auditor.calibration.verify import split_rows, with_holdout
+    from auditor.calibration.measure.verify import split_rows, with_holdout
 
     search, verify = split_rows(cal.holdout)
     return with_holdout(cal, search), with_holdout(cal, verify)
@@ -60,9 +60,7 @@ def _split_session(model, cal, stats):
     """A session cut as the audit's is: tier 3 measures on the search rows in stages (staged.py), as the audit does."""
     from auditor.calibration.session import CalibrationSession
 
-    session = CalibrationSession(model, cal, stats=stats)
-    session.split = True
-    return session
+    return CalibrationSession(model, cal, stats=stats, split=True)
 
 
 def _json(cli_inproc, out: Path, *args: str, code: int = 0, fmt: str = "json") -> dict:
@@ -117,8 +115,8 @@ def test_tier1_ranks_and_suggestions_are_the_librarys(cli_inproc, calib, tmp_pat
     assert pc["ok"] is want.ok is True and pc["removed"] == sum(
         l.params - l.params_at(r) for l, r in resolve_plan(model, plan).values())
     # the audit's search measures a plan far from the tolerance on the first 16 of its 50 rows (staged.py)
-    from auditor.calibration.staged import _cut
-    from auditor.calibration.verify import with_holdout
+    from auditor.calibration.measure.staged import _cut
+    from auditor.calibration.measure.verify import with_holdout
 
     head = auditor.calibration.Evaluator(model, with_holdout(search, _cut(search.holdout, 16)[0]))
     on_head = head.measure(factorize(model, plan, stats)).value
@@ -146,8 +144,8 @@ def test_tier1_ranks_and_suggestions_are_the_librarys(cli_inproc, calib, tmp_pat
 def test_probe_plan_scales_tier1_by_probed_sensitivity(cli_inproc, calib, tmp_path, digits_mlp):
     """Tier 3 with --probe (no --measure-floor): each planned layer truncated alone at its smallest grid rank and at
     its tier-1 rank, measured; the plan is the library's over the curves those gains scale, and holds all at once."""
-    from auditor.calibration.sweep import probe_ranks, probe_sensitivity
-    from auditor.calibration.whiten import Truncator
+    from auditor.calibration.tiers.sweep import probe_ranks, probe_sensitivity
+    from auditor.calibration.statistics.whiten import Truncator
 
     model = digits_mlp[0]
     before = {k: v.clone() for k, v in model.state_dict().items()}
@@ -201,7 +199,7 @@ def test_floors_and_budget_are_the_librarys(cli_inproc, calib, tmp_path, digits_
     got = d["calibration"]["layers"]
     # with tier 2 the prediction sums single-layer model errors: fc1 at 8 and fc2 at 16, each measured or
     # gain-scaled from the tier-1 curve
-    from auditor.calibration.budget import single_layer_error
+    from auditor.calibration.tiers.budget import single_layer_error
 
     pc = d["calibration"]["plan_check"]
     assert pc["basis"].startswith("single-layer model errors")

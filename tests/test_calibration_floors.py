@@ -9,10 +9,10 @@ import torch
 from torch import nn
 
 from auditor.calibration import load_calibration, measure_floors, plan_for_budget, tier1
-from auditor.calibration.budget import curves_from_floors, curves_from_spectra
-from auditor.calibration.metric import Evaluator, Metric
-from auditor.calibration.stats import by_name
-from auditor.calibration.sweep import block_of, floor_from_points
+from auditor.calibration.tiers.budget import curves_from_floors, curves_from_spectra
+from auditor.calibration.measure.metric import Evaluator, Metric
+from auditor.calibration.statistics.stats import by_name
+from auditor.calibration.tiers.sweep import block_of, floor_from_points
 from auditor import lrmath
 from auditor.factorize import count_params, factorize
 from auditor.structure.layers import ParamTable, collect_layers

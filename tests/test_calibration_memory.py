@@ -11,11 +11,12 @@ import pytest
 import torch
 from torch import nn
 
-from auditor.calibration import fisher, load_calibration
-from auditor.calibration.fisher import Moments, output_gradients
-from auditor.calibration.metric import Metric
-from auditor.calibration.stats import by_name, input_statistics
-from auditor.calibration.whiten import Truncator, TruncatorStore, part_bytes, truncator_bytes
+from auditor.calibration import load_calibration
+from auditor.calibration.tiers import fisher
+from auditor.calibration.tiers.fisher import Moments, output_gradients
+from auditor.calibration.measure.metric import Metric
+from auditor.calibration.statistics.stats import by_name, input_statistics
+from auditor.calibration.statistics.whiten import Truncator, TruncatorStore, part_bytes, truncator_bytes
 from auditor.factorize import factorize
 from auditor.structure.layers import ParamTable, collect_layers
 

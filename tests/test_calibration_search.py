@@ -1,18 +1,20 @@
-"""Tier 3's search at the cost it needs (auditor/calibration/budget.py): the bracket aimed by the scaled prediction
+"""Tier 3's search at the cost it needs (auditor/calibration/tiers/budget.py): the bracket aimed by the scaled prediction
 ends where the plain doubling-and-bisecting search ends, with no more plans; the settings as one object or as
 keywords; and the gradient pass's rows (auditor/calibration/stage.py)."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
 from auditor.calibration import load_calibration, plan_for_budget, tier1
-from auditor.calibration import budget as budget_mod
-from auditor.calibration.budget import RESOLUTION, SearchSettings, curves_from_spectra
-from auditor.calibration.inputs import Batch, Calibration
-from auditor.calibration.stage import gradient_rows
-from auditor.calibration.stats import by_name
+from auditor.calibration.tiers import budget as budget_mod
+from auditor.calibration.tiers.budget import RESOLUTION, SearchFields, SearchSettings, curves_from_spectra
+from auditor.calibration.data.inputs import Batch, Calibration
+from auditor.calibration.tiers.sensitivity import gradient_rows
+from auditor.calibration.statistics.stats import by_name
 from auditor.structure.layers import ParamTable, collect_layers
 
 
@@ -32,7 +34,7 @@ def mlp_setup():
 def _plain(monkeypatch) -> None:
     """The search before: no guided steps, the bracket bisected at its midpoint."""
     monkeypatch.setattr(budget_mod, "GUIDED_STEPS", 0)
-    monkeypatch.setattr(budget_mod._Search, "_between", lambda self, ok_at, ok_p, fail_at, fail_p, gap:
+    monkeypatch.setattr(budget_mod._Aim, "between", lambda self, ok_at, ok_p, fail_at, fail_p, gap:
                         ok_at + (fail_at - ok_at) / 2)
 
 
@@ -53,13 +55,15 @@ def test_the_guided_search_closes_the_bracket_with_no_more_plans_than_bisection(
     assert abs(guided.removed - plain.removed) <= RESOLUTION * guided.params_before
 
 
-def test_the_settings_are_one_object_or_its_keywords(mlp_setup):
+def test_the_settings_are_keywords_each_checked(mlp_setup):
+    """One form: keywords (typed for type checkers by ``SearchFields``); a settings object or a misspelt keyword is
+    refused."""
     model, cal, layers, stats, curves = mlp_setup
-    a = plan_for_budget(model, layers, cal, curves, SearchSettings(budget=0.3, tolerance=0.05, stats=stats))
     b = plan_for_budget(model, layers, cal, curves, budget=0.3, tolerance=0.05, stats=stats)
-    c = plan_for_budget(model, layers, cal, curves, SearchSettings(budget=0.9, tolerance=0.05), budget=0.3,
-                        stats=stats)
-    assert a.plan == b.plan == c.plan and a.metric == b.metric == c.metric and a.budget == 0.3
+    assert b.budget == 0.3 and b.tolerance == 0.05 and b.ok
+    assert set(SearchFields.__annotations__) == {f.name for f in dataclasses.fields(SearchSettings)}
+    with pytest.raises(TypeError):
+        plan_for_budget(model, layers, cal, curves, SearchSettings(budget=0.3))  # type: ignore[call-arg]
     with pytest.raises(TypeError):
         plan_for_budget(model, layers, cal, curves, tolerence=0.05)
 

@@ -11,14 +11,14 @@ import pytest
 import torch
 
 import auditor
-import auditor.calibration.metric as metric_mod
+import auditor.calibration.measure.metric as metric_mod
 import auditor.calibration.session as session_mod
-import auditor.calibration.stream as stream_mod
+import auditor.calibration.statistics.stream as stream_mod
 from auditor.calibration import (
     CalibrationSession, Evaluator, Metric, curves_from_spectra, load_calibration, measure_floors, plan_for_budget,
     tier1,
 )
-from auditor.calibration.verify import Verifier
+from auditor.calibration.measure.verify import Verifier
 from auditor.calresults import BudgetResult, FrontierPlan, LayerFloor
 from auditor.factorize import factorize, load_factorized
 from auditor.structure.layers import ParamTable, collect_layers
@@ -103,13 +103,13 @@ def test_cli_factorize_reuses_the_audits_statistics_and_records_the_exported_mod
     assert r.returncode == 0, r.stderr
     assert stats_calls[0] == 0  # read from the cache the audit wrote, once, and used for the factors too
     # the dense reference of each held-out row once: tier 3's search rows (their head, and their tail for the
-    # plans near the tolerance: auditor/calibration/staged.py) and the verification rows the plan check reads
+    # plans near the tolerance: auditor/calibration/measure/staged.py) and the verification rows the plan check reads
     assert evaluators[0] == 0 and verifiers[0] == 3
     meta = json.loads((out / "plan.json").read_text())
     assert meta["init"] == "whitened"
     back = load_factorized(model, out)
     cal = load_calibration(calib, model, 0.25)
-    from auditor.calibration.verify import split_rows, with_holdout
+    from auditor.calibration.measure.verify import split_rows, with_holdout
 
     verify = with_holdout(cal, split_rows(cal.holdout)[1])  # the plan is checked on the verification rows
     measured = Evaluator(model, verify).measure(back).value

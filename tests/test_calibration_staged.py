@@ -1,4 +1,4 @@
-"""Tier 3's staged measurements (auditor/calibration/staged.py): a plan decided on the head of the search rows reads
+"""Tier 3's staged measurements (auditor/calibration/measure/staged.py): a plan decided on the head of the search rows reads
 only those; a plan near the tolerance reads every search row (stage by stage, doubling) and gets what the Evaluator
 gives on them; the dense model runs once per row."""
 
@@ -8,9 +8,9 @@ import pytest
 import torch
 from torch import nn
 
-from auditor.calibration.inputs import Batch, Calibration
-from auditor.calibration.metric import Evaluator, Metric
-from auditor.calibration.staged import StagedEvaluator, stage_ends
+from auditor.calibration.data.inputs import Batch, Calibration
+from auditor.calibration.measure.metric import Evaluator, Metric
+from auditor.calibration.measure.staged import StagedEvaluator, stage_ends
 from auditor.errors import AuditError
 
 

@@ -17,7 +17,7 @@ import torch
 
 import auditor
 from auditor.calibration import load_calibration
-from auditor.calibration.text import is_text_file, tokenizer_home
+from auditor.calibration.data.text import is_text_file, tokenizer_home
 from auditor.errors import AuditError
 
 pytest.importorskip("transformers")

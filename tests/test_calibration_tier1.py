@@ -10,8 +10,8 @@ import torch
 from torch import nn
 
 from auditor.calibration import input_statistics, load_calibration, tier1, whitened_spectrum
-from auditor.calibration.stats import by_name, conv_patches
-from auditor.calibration.whiten import function_matrices, truncated_weight
+from auditor.calibration.statistics.stats import by_name, conv_patches
+from auditor.calibration.statistics.whiten import function_matrices, truncated_weight
 from auditor.errors import AuditError
 from auditor.structure.layers import ParamTable, collect_layers
 

@@ -17,13 +17,13 @@ pytest.importorskip("distributed", reason="the Dask tests need `distributed` (pi
 
 import auditor  # noqa: E402
 from _cluster import kill_worker_mid_task  # noqa: E402
-from auditor.calibration import load_calibration, measure_floors, tier1  # noqa: E402
-from auditor.calibration.cluster import mapped_source, measure_floors_on_cluster  # noqa: E402
-from auditor.calibration.metric import Metric  # noqa: E402
-from auditor.calibration.stats import by_name  # noqa: E402
+from auditor.calibration import CalibrationSession, load_calibration, measure_floors, tier1  # noqa: E402
+from auditor.calibration.tiers.cluster import mapped_source, measure_floors_on_cluster  # noqa: E402
+from auditor.calibration.measure.metric import Metric  # noqa: E402
+from auditor.calibration.statistics.stats import by_name  # noqa: E402
 from auditor.structure.layers import ParamTable, collect_layers  # noqa: E402
 from auditor.sources import load_source  # noqa: E402
-from auditor.options import AuditOptions, LoadOptions  # noqa: E402
+from auditor.options import AuditOptions, ClusterOptions, LoadOptions  # noqa: E402
 from test_cluster import _write_checkpoint, cluster  # noqa: E402,F401 - the fixture: one 2-worker LocalCluster
 
 MODEL = "sample_models/digits.py:mlp"
@@ -77,13 +77,19 @@ def _same(remote, local) -> None:
         local.reference, local.evaluations, local.metric, local.tolerance, local.align)
 
 
+def _session(model: torch.nn.Module, cal, metric: Metric, stats) -> CalibrationSession:
+    """The session a cluster sweep measures with: the calibration, the metric and the statistics at hand."""
+    return CalibrationSession(model, cal, metric, stats=stats)
+
+
 def test_cluster_sweep_equals_local_output_error_and_user_metric(cluster, setup):
     lc, client = cluster
     model, cal, layers, stats, spectra = setup
     before = {k: v.clone() for k, v in model.state_dict().items()}
     local = measure_floors(model, layers, cal, 0.01, align=8, stats=stats, spectra=spectra)
-    remote, where = measure_floors_on_cluster(model, list(layers.values()), cal, Metric(tolerance=0.01), 8, stats,
-                                              spectra, AuditOptions(scheduler=client))
+    session = _session(model, cal, Metric(tolerance=0.01), stats)
+    remote, where = measure_floors_on_cluster(model, list(layers.values()), session, 8, spectra,
+                                              ClusterOptions(scheduler=client))
     assert where == f"dask {lc.scheduler_address} (2 workers)"
     _same(remote, local)
     # the known floors at 1% output error (tests/test_calibration_floors.py): the cluster measured the same model
@@ -95,8 +101,8 @@ def test_cluster_sweep_equals_local_output_error_and_user_metric(cluster, setup)
 
     only = [layers["fc2"], layers["fc1"]]
     local = measure_floors(model, only, cal, 0.01, align=2, metric=accuracy, stats=stats, spectra=spectra)
-    remote, _ = measure_floors_on_cluster(model, only, cal, Metric(accuracy, 0.01), 2, stats, spectra,
-                                          AuditOptions(scheduler=lc.scheduler_address))
+    remote, _ = measure_floors_on_cluster(model, only, _session(model, cal, Metric(accuracy, 0.01), stats),
+                                          2, spectra, ClusterOptions(scheduler=lc.scheduler_address))
     _same(remote, local)
     assert remote.higher_is_better and remote.floors["fc2"].cliff_metric < remote.reference - 0.01
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())  # the model here is untouched
@@ -156,8 +162,8 @@ def test_cli_sweep_on_the_cluster_gives_the_local_json(cluster, calib_file, tmp_
 def test_sweep_progress_counts_tasks(cluster, setup, capsys):
     lc, _ = cluster
     model, cal, layers, stats, spectra = setup
-    measure_floors_on_cluster(model, list(layers.values()), cal, Metric(tolerance=0.01), 8, stats, spectra,
-                              AuditOptions(scheduler=lc.scheduler_address, progress=True))
+    measure_floors_on_cluster(model, list(layers.values()), _session(model, cal, Metric(tolerance=0.01), stats),
+                              8, spectra, ClusterOptions(scheduler=lc.scheduler_address), True)
     err = capsys.readouterr().err
     assert "sweep" in err and "4/4" in err
 
@@ -188,8 +194,8 @@ def test_worker_killed_mid_sweep_is_replaced_and_the_floors_are_the_same(cluster
     local = measure_floors(model, only, cal, 0.01, align=4, metric=slow_accuracy, stats=stats, spectra=spectra)
     # inside the task: its worker is loading the model or measuring
     floors, victim = kill_worker_mid_task(
-        client, lambda: measure_floors_on_cluster(model, only, cal, Metric(slow_accuracy, 0.01), 4, stats, spectra,
-                                                  AuditOptions(scheduler=client))[0],
+        client, lambda: measure_floors_on_cluster(model, only, _session(model, cal, Metric(slow_accuracy, 0.01), stats),
+                                                  4, spectra, ClusterOptions(scheduler=client))[0],
         "sweep_task", settle=0.5, timeout=90)
     _same(floors, local)
     client.wait_for_workers(2, timeout=30)  # the nanny started a new worker in its place
@@ -267,8 +273,8 @@ def test_ctrl_c_cancels_the_sweep_tasks_and_removes_the_plugin(cluster, setup):
 
     threading.Thread(target=interrupt_when_running, daemon=True).start()
     with pytest.raises(KeyboardInterrupt):
-        measure_floors_on_cluster(model, list(layers.values()), cal, Metric(slow, 0.01), 4, stats, spectra,
-                                  AuditOptions(scheduler=client))
+        measure_floors_on_cluster(model, list(layers.values()), _session(model, cal, Metric(slow, 0.01), stats),
+                                  4, spectra, ClusterOptions(scheduler=client))
     t0 = time.monotonic()
     while any(client.processing().values()) and time.monotonic() - t0 < 10:
         time.sleep(0.05)

@@ -1,5 +1,5 @@
 """docs/design.md maps every module of the package: each ``auditor/**.py`` is named there by its path under
-``auditor/`` (``calibration/rounding.py``, top-level ones as ``recover.py``), so a newcomer finds every file on the
+``auditor/`` (``calibration/tiers/rounding.py``, top-level ones as ``recover.py``), so a newcomer finds every file on the
 map. The built-in rules, one module per code, are named once as a family (``rules/builtin/lrNNN.py``)."""
 
 from __future__ import annotations
@@ -21,8 +21,8 @@ def named(rel: str, text: str) -> bool:
 
 
 def test_the_matcher_wants_the_whole_path():
-    text = "speed/layer_timing.py and calibration/cluster.py; rules/builtin/lrNNN.py"
-    assert named("calibration/cluster.py", text) and named("rules/builtin/lr020.py", text)
+    text = "speed/layer_timing.py and calibration/tiers/cluster.py; rules/builtin/lrNNN.py"
+    assert named("calibration/tiers/cluster.py", text) and named("rules/builtin/lr020.py", text)
     assert not named("cluster.py", text) and not named("layer_timing.py", text) and not named("speed/model.py", text)
 
 

@@ -7,8 +7,8 @@ import torch
 from torch import nn
 
 from auditor.calibration import input_statistics, load_calibration
-from auditor.calibration.stats import by_name
-from auditor.calibration.whiten import truncated_weight
+from auditor.calibration.statistics.stats import by_name
+from auditor.calibration.statistics.whiten import truncated_weight
 from auditor.errors import AuditError
 from auditor.factorize import count_params, factorize, load_factorized, resolve_plan, save_factorized
 from auditor.structure.layers import ParamTable, collect_layers

@@ -397,7 +397,7 @@ def _entry(cache: Path) -> Path:
 @pytest.mark.parametrize("damage", ["foreign", "nan", "shape", "negative", "asymmetric", "bytes", "not-psd", "meta",
                                     "gone"])
 def test_a_damaged_or_foreign_statistics_entry_is_recomputed(cli_inproc, src, tmp_path, damage):
-    from auditor.calibration.stats import InputStatistics, replace_gram
+    from auditor.calibration.statistics.stats import InputStatistics, replace_gram
 
     cache = tmp_path / "cache"
     first = _tier1(cli_inproc, src, tmp_path / "1", cache)
@@ -440,7 +440,7 @@ def test_a_damaged_or_foreign_statistics_entry_is_recomputed(cli_inproc, src, tm
 
 def test_a_spilled_gram_that_changes_during_the_audit_is_refused(tmp_path, src):
     from auditor.calibration import input_statistics, load_calibration
-    from auditor.calibration.stats import InputStatistics, StatisticsMismatch
+    from auditor.calibration.statistics.stats import InputStatistics, StatisticsMismatch
     from auditor.layers import ParamTable, collect_layers
     from auditor.load import load_source
 
@@ -462,7 +462,7 @@ def test_a_spilled_gram_that_changes_during_the_audit_is_refused(tmp_path, src):
 
 def test_statistics_round_trip_and_key(tmp_path, src):
     from auditor.calibration import input_statistics, load_calibration
-    from auditor.calibration.stats import InputStatistics, StatisticsMismatch
+    from auditor.calibration.statistics.stats import InputStatistics, StatisticsMismatch
     from auditor.structure.layers import ParamTable, collect_layers
     from auditor.sources import load_source
 
@@ -552,7 +552,7 @@ def test_odd_calibration_paths_are_named_for_what_they_are(cli_inproc, src, tmp_
 
 
 def test_unreadable_calibration_file(tmp_path):
-    from auditor.calibration.inputs import describe_missing
+    from auditor.calibration.data.inputs import describe_missing
 
     p = tmp_path / "x.safetensors"
     p.write_bytes(b"x")
@@ -696,7 +696,7 @@ def test_a_metric_that_overflows_on_the_cut_model_is_not_refused(src):
 
 
 def test_position_ids_and_labels_are_not_token_ids(src):
-    from auditor.calibration.inputs import check_batches
+    from auditor.calibration.data.inputs import check_batches
     from auditor.sources import load_source
 
     m = load_source(f"{src}:ids").model
@@ -711,6 +711,6 @@ def test_position_ids_and_labels_are_not_token_ids(src):
 
 
 def _calibration_of(batches):
-    from auditor.calibration.inputs import Batch, Calibration
+    from auditor.calibration.data.inputs import Batch, Calibration
 
     return Calibration([Batch((), b) for b in batches], [])

@@ -620,7 +620,7 @@ def test_a_killed_runs_scratch_folder_in_tmpdir_is_swept_by_the_next_run(tmp_pat
 
     tmp = tmp_path / "tmpdir"
     tmp.mkdir()
-    code = ("import os, signal; from auditor.calibration.stats import GramStore; s = GramStore(); "
+    code = ("import os, signal; from auditor.calibration.statistics.stats import GramStore; s = GramStore(); "
             "open(os.path.join(s.dir, 'g.npy'), 'w').write('x'); os.kill(os.getpid(), signal.SIGKILL)")
     subprocess.run([PY, "-c", code], env={**os.environ, "PYTHONPATH": str(ROOT), "TMPDIR": str(tmp)}, check=False)
     [left] = list(tmp.iterdir())
@@ -634,7 +634,7 @@ def test_a_killed_runs_scratch_folder_in_tmpdir_is_swept_by_the_next_run(tmp_pat
         _age(d)
     monkeypatch.setattr(tempfile, "tempdir", str(tmp))
     monkeypatch.setattr(_env, "_SWEPT", set())
-    from auditor.calibration.stats import GramStore
+    from auditor.calibration.statistics.stats import GramStore
 
     store = GramStore()
     assert not left.exists() and recent.exists() and live.exists() and other.exists() and store.dir.exists()

@@ -408,7 +408,7 @@ class _WordTokenizer:
 
 
 def test_a_long_single_line_text_is_tokenized_in_bounded_pieces_and_stops_at_the_cap():
-    from auditor.calibration.text import PIECE, token_ids
+    from auditor.calibration.data.text import PIECE, token_ids
 
     text = "abc " * (5 * PIECE // 4)  # 5 MiB on one line
     tok = _WordTokenizer()

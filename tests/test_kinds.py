@@ -14,10 +14,10 @@ from torch import nn
 import auditor
 from auditor import kinds
 from auditor.calibration import load_calibration
-from auditor.calibration.stats import input_statistics
+from auditor.calibration.statistics.stats import input_statistics
 from auditor.errors import AuditError
 from auditor.factorize import factorize
-from auditor.calibration.sweep import SWEPT
+from auditor.calibration.tiers.sweep import SWEPT
 from auditor.kinds.registry import SUPPORTED
 from auditor.kinds import Cost, LayerKind, LayerSpec, MatrixView, fill
 from auditor.structure.layers import ParamTable, collect_layers

@@ -48,7 +48,15 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [(name.removeprefix("auditor.") or "
     "auditor.export",  # a factorized model as a program that loads with plain torch
     "auditor.folder",  # a factorized model's output folder: write, check, load
     "auditor.speed",  # --measure-speed: times the modules surgery writes
-    "auditor.calibration",  # the tiers, the plan search and check, recovery; factorize with the data's factors
+    "auditor.calibration",  # the stage on top: the tiers composed into the calibration report, the plan check
+    "auditor.calibration.tiers",  # tier 1, floors, sensitivity, rounding, the plan search
+    "auditor.calibration.recovery",  # the recovery fine-tune of a frontier plan
+    "auditor.calibration.apply",  # factorize with the data's factors
+    "auditor.calibration.session",  # what every tier measures with
+    "auditor.calibration.measure",  # the metric, its evaluators, the verification interval
+    "auditor.calibration.metrics",  # one module per metric kind and their registry
+    "auditor.calibration.statistics",  # input statistics, streamed by block; whitened spectra
+    "auditor.calibration.data",  # the calibration batches, text, hashes
     "auditor.surgery",  # plan application: a layer replaced by its factors, given or from a truncation callable
     "auditor.suggest",
     "auditor.plan",
@@ -278,7 +286,7 @@ def test_auditor_factorize_is_a_function_and_the_old_module_path_still_imports(g
 
 @pytest.mark.parametrize("first", [
     "import auditor.factorize as m",  # the path first, by an import statement
-    "from auditor.calibration import budget; from auditor.factorize import load_factorized",  # a module of the homes
+    "from auditor.calibration.tiers import budget; from auditor.factorize import load_factorized",  # a module of the homes
     "import auditor; f = auditor.factorize; import auditor.factorize as m; assert f is m",  # the attribute first
 ])
 def test_every_import_order_leaves_auditor_factorize_the_function(first):

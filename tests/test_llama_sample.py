@@ -17,7 +17,7 @@ from torch import nn
 
 import auditor
 from auditor.calibration import load_calibration
-from auditor.calibration.metric import Evaluator, Metric
+from auditor.calibration.measure.metric import Evaluator, Metric
 from auditor.options import LoadOptions
 
 transformers = pytest.importorskip("transformers")

@@ -17,10 +17,10 @@ import torch
 from torch import nn
 
 from auditor.calibration import input_statistics, load_calibration
-from auditor.calibration.metric import Evaluator, Metric, is_causal_lm
+from auditor.calibration.measure.metric import Evaluator, Metric, is_causal_lm
 from auditor.calibration.stage import metric_of
-from auditor.calibration.stats import by_name
-from auditor.calibration.sweep import measure_floors
+from auditor.calibration.statistics.stats import by_name
+from auditor.calibration.tiers.sweep import measure_floors
 from auditor.errors import AuditError
 from auditor.structure.layers import ParamTable, collect_layers
 
@@ -305,7 +305,7 @@ def test_the_exported_model_measures_what_plan_json_says(cli_inproc, tmp_path):
     back = load_factorized(model, out).eval()
     assert model.training  # the factory's model as given; the evaluator below puts it in eval mode
     cal = load_calibration(tmp_path / "cal.safetensors", model, 0.25)
-    from auditor.calibration.verify import split_rows, with_holdout
+    from auditor.calibration.measure.verify import split_rows, with_holdout
 
     verify = with_holdout(cal, split_rows(cal.holdout)[1])  # plan.json's number: the verification rows'
     value = Evaluator(model.eval(), verify).measure(back).value

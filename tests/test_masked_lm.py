@@ -13,8 +13,8 @@ import torch
 from torch import nn
 
 from auditor.calibration import load_calibration
-from auditor.calibration.inputs import Batch
-from auditor.calibration.metric import NO_LABELS, Evaluator, Metric, _masked_targets, is_causal_lm, is_masked_lm
+from auditor.calibration.data.inputs import Batch
+from auditor.calibration.measure.metric import NO_LABELS, Evaluator, Metric, _masked_targets, is_causal_lm, is_masked_lm
 from auditor.calibration.session import metric_of
 from auditor.errors import AuditError
 

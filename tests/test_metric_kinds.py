@@ -13,7 +13,7 @@ from torch import nn
 
 import auditor
 from auditor.calibration import load_calibration, metrics, tier1
-from auditor.calibration.metric import Evaluator, Metric
+from auditor.calibration.measure.metric import Evaluator, Metric
 from auditor.calibration.metrics import Measurement, MetricKind, Scorer, main_output
 from auditor.structure.layers import ParamTable, collect_layers
 

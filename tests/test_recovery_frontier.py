@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from auditor.options import AuditOptions
+from auditor.options import AuditOptions, RecoveryOptions
 from auditor.pipeline import audit_session
 
 STEPS = 40
@@ -48,7 +48,7 @@ def evidence(one_thread):
     id of its input)."""
     from digits import mlp
 
-    import auditor.calibration.budget as budget
+    import auditor.calibration.tiers.budget as budget
 
     model = mlp()[0]
     calls: list[tuple[bool, int]] = []
@@ -98,13 +98,13 @@ def test_each_frontier_plan_is_recovered_on_fit_rows_and_measured_on_heldout_row
 
 
 def test_recovery_is_deterministic_under_a_seed(evidence):
-    from auditor.calibration.budget import recover_frontier
+    from auditor.calibration.tiers.budget import recover_frontier
 
     model, audit, session, _ = evidence
     b = audit.calibration.budget
     plain = type(b)(**{**vars(b), "frontier": [type(p)(**{**vars(p), "recovered": None}) for p in b.frontier]})
-    same = recover_frontier(model, session, plain, steps=STEPS, objective="mse", seed=0)
-    other = recover_frontier(model, session, plain, steps=STEPS, objective="mse", seed=1)
+    same = recover_frontier(model, session, plain, RecoveryOptions(steps=STEPS, objective="mse", seed=0))
+    other = recover_frontier(model, session, plain, RecoveryOptions(steps=STEPS, objective="mse", seed=1))
     metrics = lambda r: [p.recovered.metric for p in r.frontier]  # noqa: E731
     assert metrics(same) == metrics(b)  # the same bits
     assert metrics(other) != metrics(b)  # another batch order

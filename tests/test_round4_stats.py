@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from auditor.calibration import input_statistics, load_calibration
-from auditor.calibration.stream import find_blocks, stream_statistics
+from auditor.calibration.statistics.stream import find_blocks, stream_statistics
 from auditor.structure.layers import ParamTable, collect_layers
 
 
@@ -135,7 +135,7 @@ INGREDIENTS = ["weights", "code", "rows", "row-order", "holdout", "batching", "d
 @settings(max_examples=60, deadline=None, derandomize=True)
 @given(st.sampled_from(INGREDIENTS), st.integers(0, 2**16), st.data())
 def test_each_key_ingredient_changed_misses_the_cache(ingredient, seed, data):
-    from auditor.calibration.inputs import Calibration
+    from auditor.calibration.data.inputs import Calibration
 
     model = _model(seed % 7)
     x = _rows(seed)
@@ -252,7 +252,7 @@ def test_non_finite_activations_name_the_layer_and_the_batch(blocks):
 # -- cache files that are not files, entries that change under a run -----------------------------------------------
 
 def _spilled(tmp_path):
-    from auditor.calibration.stats import InputStatistics
+    from auditor.calibration.statistics.stats import InputStatistics
 
     torch.manual_seed(0)
     m = _Net(None).eval()
@@ -268,7 +268,7 @@ def test_a_fifo_in_a_cache_entry_is_refused_at_once(tmp_path, victim):
     """A FIFO put where a Gram file or the metadata was: opened without blocking and refused (no hang)."""
     import os
 
-    from auditor.calibration.stats import StatisticsMismatch
+    from auditor.calibration.statistics.stats import StatisticsMismatch
 
     InputStatistics, entry = _spilled(tmp_path)
     (entry / victim).unlink()
@@ -308,7 +308,7 @@ def test_an_entry_changed_under_a_reader_is_one_line(tmp_path, change):
 
 def test_a_model_whose_code_cannot_be_hashed_is_not_cached(tmp_path, monkeypatch):
     """What cannot be keyed is never trusted: the statistics are computed (and not cached), no error."""
-    from auditor.calibration import hashing
+    from auditor.calibration.data import hashing
     from auditor.calibration.session import _statistics
     from auditor.options import AuditOptions
 

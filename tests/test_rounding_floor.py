@@ -32,7 +32,7 @@ def _hand(model: torch.nn.Module, x: torch.Tensor, ranks: dict[str, int], thread
     ``ranks`` factorized (statistics from the fit rows)."""
     from threadpoolctl import threadpool_limits
 
-    from auditor.calibration.verify import split_rows
+    from auditor.calibration.measure.verify import split_rows
 
     cal = load_calibration(x, model, holdout=0.25)
     with threadpool_limits(limits=threads, user_api="blas"):  # the calibration stage decomposes on one thread

@@ -1,5 +1,5 @@
-"""Gradient sensitivity (auditor/calibration/fisher.py) and the search/verification split with its bootstrap interval
-(auditor/calibration/verify.py), against closed forms and hand computations on tiny models."""
+"""Gradient sensitivity (auditor/calibration/tiers/fisher.py) and the search/verification split with its bootstrap interval
+(auditor/calibration/measure/verify.py), against closed forms and hand computations on tiny models."""
 
 from __future__ import annotations
 
@@ -11,12 +11,12 @@ import torch
 from torch import nn
 
 from auditor.calibration import Metric, input_statistics, load_calibration
-from auditor.calibration.fisher import OutputGradients, gradient_costs, output_gradients
-from auditor.calibration.inputs import Batch, Calibration
-from auditor.calibration.metric import Evaluator
-from auditor.calibration.stats import by_name
-from auditor.calibration.verify import RESAMPLES, Verifier, split_rows, with_holdout
-from auditor.calibration.whiten import whitened_spectrum
+from auditor.calibration.tiers.fisher import OutputGradients, gradient_costs, output_gradients
+from auditor.calibration.data.inputs import Batch, Calibration
+from auditor.calibration.measure.metric import Evaluator
+from auditor.calibration.statistics.stats import by_name
+from auditor.calibration.measure.verify import RESAMPLES, Verifier, split_rows, with_holdout
+from auditor.calibration.statistics.whiten import whitened_spectrum
 from auditor.structure.layers import ParamTable, collect_layers
 
 

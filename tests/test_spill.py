@@ -1,4 +1,4 @@
-"""Tier 1 with each block's Grams spilled to disk (auditor/calibration/stats.py ``GramStore``, session.py
+"""Tier 1 with each block's Grams spilled to disk (auditor/calibration/statistics/stats.py ``GramStore``, session.py
 ``_statistics``): the spectra equal the in-memory ones, one block's Grams are in memory at a time, a temporary spill
 directory is removed, and the tall-map route of ``decompose`` equals the SVD of F S."""
 
@@ -12,11 +12,11 @@ import pytest
 import torch
 
 from auditor.calibration import input_statistics, load_calibration
-from auditor.calibration import stats as stats_mod
+from auditor.calibration.statistics import stats as stats_mod
 from auditor.calibration.session import CalibrationSession, _statistics
-from auditor.calibration.stats import GramStore
-from auditor.calibration.whiten import whitened_spectra
-from auditor.calibration.whiten import DAMP, decompose
+from auditor.calibration.statistics.stats import GramStore
+from auditor.calibration.statistics.whiten import whitened_spectra
+from auditor.calibration.statistics.whiten import DAMP, decompose
 from auditor.layers import ParamTable, collect_layers
 from auditor.options import AuditOptions
 

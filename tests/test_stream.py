@@ -1,4 +1,4 @@
-"""Block-by-block input statistics (auditor/calibration/stream.py): equal to the one-pass statistics, one Gram per
+"""Block-by-block input statistics (auditor/calibration/statistics/stream.py): equal to the one-pass statistics, one Gram per
 distinct input, the device option, and the float32-per-batch path."""
 
 from __future__ import annotations
@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from auditor.calibration import input_statistics, load_calibration
-from auditor.calibration.stats import StatisticsHooks, by_name
-from auditor.calibration.stream import find_blocks, resolve_device, stream_statistics
+from auditor.calibration.statistics.stats import StatisticsHooks, by_name
+from auditor.calibration.statistics.stream import find_blocks, resolve_device, stream_statistics
 from auditor.errors import AuditError
 from auditor.structure.layers import ParamTable, collect_layers
 
@@ -142,7 +142,7 @@ def test_shared_sums_diverge_exactly():
 def test_float32_batches_keep_the_tier1_formula():
     """The GPU path (each batch's X^T X in float32, summed in float64), forced on the CPU: the tier-1 error at each
     rank still matches the layer-output error measured in float64 to 1e-4."""
-    from auditor.calibration.whiten import truncated_weight, whitened_spectrum
+    from auditor.calibration.statistics.whiten import truncated_weight, whitened_spectrum
 
     model = _tiny_llama()
     layers = by_name(_layers(model))

@@ -10,10 +10,11 @@ import torch
 from torch import nn
 
 from auditor.calibration import load_calibration, plan_for_budget, tier1
-from auditor.calibration.budget import Decompositions, curves_from_spectra
-from auditor.calibration.metric import Metric
-from auditor.calibration.stats import by_name
-from auditor.calibration.sweep import PrefixCache, Sweeper, _storages, default_cache_bytes, measure_floors
+from auditor.calibration.statistics.whiten import TruncatorStore
+from auditor.calibration.tiers.budget import curves_from_spectra
+from auditor.calibration.measure.metric import Metric
+from auditor.calibration.statistics.stats import by_name
+from auditor.calibration.tiers.sweep import PrefixCache, Sweeper, _storages, default_cache_bytes, measure_floors
 from auditor.errors import AuditError
 from auditor.structure.layers import ParamTable, collect_layers
 
@@ -186,7 +187,7 @@ def test_tier3_keeps_decompositions_within_a_budget_with_the_same_plans(llama):
     assert (a.plan, a.removed, a.metric, [p.metric for p in a.tries]) == \
         (b.plan, b.removed, b.metric, [p.metric for p in b.tries])
     assert a.evaluations > 1 and _same(model, before)
-    kept = Decompositions(3 * HIDDEN * HIDDEN * 8)
+    kept = TruncatorStore(3 * HIDDEN * HIDDEN * 8, spill=False)  # what does not fit is dropped
 
     class T:  # a Truncator's arrays: F (1, 32, 32) and one U (32 x 32), float64
         def __init__(self) -> None:
@@ -198,4 +199,4 @@ def test_tier3_keeps_decompositions_within_a_budget_with_the_same_plans(llama):
     kept["x"] = T()
     kept["y"] = T()
     assert list(kept) == ["x"] and kept.bytes == 2 * HIDDEN * HIDDEN * 8 and kept.refused == 1
-    assert Decompositions(0).budget == 0
+    assert TruncatorStore(0, spill=False).budget == 0

@@ -18,16 +18,16 @@ Inputs and results are plain dataclasses (tier 2 and 3 return the report's own t
 
 from __future__ import annotations
 
-from .inputs import Batch, Calibration, load_calibration, token_statistics
-from .metric import Evaluator, Measurement, Metric, load_metric
-from .stats import InputStatistics, LayerInput, by_name, input_statistics
+from .data.inputs import Batch, Calibration, load_calibration, token_statistics
+from .measure.metric import Evaluator, Measurement, Metric, load_metric
+from .statistics.stats import InputStatistics, LayerInput, by_name, input_statistics
 from .session import CalibrationSession
-from .whiten import Truncator, WhitenedSpectrum, truncated_factors, truncated_weight, whitened_spectrum
-from .tier1 import tier1
-from .whiten import whitened_spectra
-from .sweep import Floor, Floors, Sweeper, measure_floors
-from .text import is_text_file, text_inputs, tokenizer_home
-from .budget import (
+from .statistics.whiten import Truncator, WhitenedSpectrum, truncated_factors, truncated_weight, whitened_spectrum
+from .tiers.tier1 import tier1
+from .statistics.whiten import whitened_spectra
+from .tiers.sweep import Floor, Floors, Sweeper, measure_floors
+from .data.text import is_text_file, text_inputs, tokenizer_home
+from .tiers.budget import (
     BudgetPlan, Curves, FrontierPoint, Option, allocate, curves_from_floors, curves_from_spectra, plan_for_budget,
 )
 

@@ -1,11 +1,11 @@
 """A plan applied with factors from the data: :mod:`auditor.surgery` replaces the layers, this module says where
 their factors come from. Without calibration each layer's factors are its plain truncated SVD; with calibration (a
 session, a ``Calibration`` or ``InputStatistics``) the whitened truncation, which keeps the layer's outputs on the
-calibration data as close as any rank-r map can (:class:`auditor.calibration.whiten.Truncator`)."""
+calibration data as close as any rank-r map can (:class:`auditor.calibration.statistics.whiten.Truncator`)."""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, MutableMapping
 
 import torch
 from torch import nn
@@ -13,13 +13,16 @@ from torch import nn
 from ..errors import AuditError
 from ..results import Layer
 from ..surgery import Factors, Truncation, apply_plan, checked_plan, replace_layers
-from .inputs import Calibration
+from .data.inputs import Calibration
 from .session import CalibrationSession
-from .stats import InputStatistics
-from .whiten import Truncator
+from .statistics.stats import InputStatistics
+from .statistics.whiten import Truncator
+
+if TYPE_CHECKING:
+    from .statistics.whiten import Truncator
 
 
-def truncation(stats: InputStatistics | None = None, reuse: dict[str, Any] | None = None) -> Truncation:
+def truncation(stats: InputStatistics | None = None, reuse: "MutableMapping[str, Truncator] | None" = None) -> Truncation:
     """The factors of a layer at a rank: whitened under the layer's statistics in ``stats``, the plain SVD where
     there are none. ``reuse``: a dict the caller keeps across plans of one model and calibration, so each layer is
     decomposed once."""
@@ -35,7 +38,7 @@ def truncation(stats: InputStatistics | None = None, reuse: dict[str, Any] | Non
     return factors
 
 
-def statistics(calibration: Any, model: nn.Module, planned: list[Layer]) -> InputStatistics | None:
+def statistics(calibration: object, model: nn.Module, planned: list[Layer]) -> InputStatistics | None:
     """The input statistics of the planned layers: ``InputStatistics`` as given, a session's (read once, when they
     cover the plan), or gathered on ``model`` (in eval mode) from a ``Calibration``; None without calibration."""
     if calibration is None or isinstance(calibration, InputStatistics):
@@ -46,8 +49,8 @@ def statistics(calibration: Any, model: nn.Module, planned: list[Layer]) -> Inpu
                      "Pass a CalibrationSession, a Calibration (load_calibration) or InputStatistics")
 
 
-def factorize(model: nn.Module, plan: dict[str, int], calibration: Any = None, *, init: bool = True,
-              layers: dict[str, Layer] | None = None, reuse: dict[str, Any] | None = None,
+def factorize(model: nn.Module, plan: dict[str, int], calibration: object = None, *, init: bool = True,
+              layers: dict[str, Layer] | None = None, reuse: "MutableMapping[str, Truncator] | None" = None,
               share: bool = False) -> nn.Module:
     """A deep copy of ``model`` with each planned layer (``{layer name: rank}``) replaced by two; ``model`` is left
     untouched. ``calibration``: None (plain SVD), a ``CalibrationSession`` (its statistics, read once), a

@@ -33,20 +33,18 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import asdict, dataclass, field, replace
-from typing import Any, Callable, Sequence
+from typing import Callable, Sequence
 
 import torch
 from torch import nn
 
 from .._env import scoped
 from ..errors import AuditError
-from .inputs import Batch, Calibration, model_device
-from .metric import Evaluator, Metric, main_output
+from ..options import DEFAULT_LR, OBJECTIVES, TRAINABLE, RecoveryOptions, positive_finite, positive_int
+from .data.inputs import Batch, Calibration, model_device
+from .measure.metric import Evaluator, Metric, main_output
 from .session import CalibrationSession
 
-TRAINABLE = ("factors", "all")
-OBJECTIVES = ("auto", "kl", "mse")
-DEFAULT_LR = 1e-4
 CACHE_BYTES = 256 << 20  # dense outputs on the fit rows are kept in memory up to this size, else recomputed
 LOW = (torch.float16, torch.bfloat16)
 
@@ -100,13 +98,13 @@ class Recovery:
     def seconds_per_step(self) -> float:
         return self.seconds / self.done if self.done else 0.0
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self) -> dict[str, object]:
         d = asdict(self)
         d["seconds_per_step"] = self.seconds_per_step
         return _finite(d)
 
 
-def _finite(x: Any) -> Any:
+def _finite(x: object) -> object:
     """JSON-safe: NaN and infinities become None (plan.json is read strictly)."""
     if isinstance(x, float):
         return x if math.isfinite(x) else None
@@ -131,49 +129,25 @@ def factor_modules(factorized: nn.Module, dense: nn.Module) -> dict[str, nn.Sequ
     return out
 
 
-def _positive_int(v: Any, what: str, fix: str) -> None:
-    if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-        raise AuditError(f"{what} {v!r} is not a positive integer", fix)
+@dataclass(frozen=True, kw_only=True)
+class RecoverySettings(RecoveryOptions):
+    """How a recovery trains and when it measures (see the module docstring): the audit's recovery options
+    (:class:`~auditor.options.RecoveryOptions`: steps, lr, trainable, objective, seed) and when to measure, the
+    warm-up and the clip; :meth:`check` refuses bad values with one line each, before any model is looked at."""
 
-
-def _positive_finite(v: Any) -> bool:
-    return not isinstance(v, bool) and isinstance(v, (int, float)) and math.isfinite(v) and v > 0
-
-
-@dataclass(frozen=True)
-class RecoverySettings:
-    """How a recovery trains and when it measures (see the module docstring); :meth:`check` refuses bad values with
-    one line each, before any model is looked at."""
-
-    steps: int
-    lr: float = DEFAULT_LR
-    trainable: str = "factors"
-    seed: int = 0
     eval_every: int | None = None  # measure every this many steps (and at the end)
     eval_at: Sequence[int] = ()  # and at these steps
-    objective: str = "auto"
     warmup: int | None = None  # warm-up steps (default 10% of the steps, 1..100)
     clip: float = 1.0  # the gradient norm's clip
 
     def check(self) -> None:
-        _positive_int(self.steps, "recovery steps", "Give --recover a positive number of steps, e.g. --recover 200")
-        if not _positive_finite(self.lr):
-            raise AuditError(f"recovery learning rate {self.lr!r} is not a positive finite number",
-                             f"Give e.g. --recover-lr {DEFAULT_LR:g}")
-        if self.trainable not in TRAINABLE:
-            raise AuditError(f"recovery trainable {self.trainable!r} is neither 'factors' nor 'all'",
-                             "Give --recover-trainable factors (the factor weights only) or all")
-        if self.objective not in OBJECTIVES:
-            raise AuditError(f"recovery objective {self.objective!r} is not one of {', '.join(OBJECTIVES)}",
-                             "Give auto, kl (output distributions) or mse (output values)")
-        if isinstance(self.seed, bool) or not isinstance(self.seed, int):
-            raise AuditError(f"recovery seed {self.seed!r} is not an integer", "Give an integer seed")
+        super().check()
         if self.eval_every is not None:
-            _positive_int(self.eval_every, "recovery eval_every", "Give a positive number of steps between measurements")
+            positive_int(self.eval_every, "recovery eval_every", "Give a positive number of steps between measurements")
         w = self.warmup
         if w is not None and (isinstance(w, bool) or not isinstance(w, int) or w < 0):
             raise AuditError(f"recovery warm-up {w!r} is not a non-negative integer", "Give e.g. warmup=10")
-        if not _positive_finite(self.clip):
+        if not positive_finite(self.clip):
             raise AuditError(f"recovery gradient clip {self.clip!r} is not a positive finite number", "Give e.g. clip=1.0")
 
     def check_eval_at(self) -> None:
@@ -190,7 +164,7 @@ class RecoverySettings:
         return bool(self.eval_every and step % self.eval_every == 0) or step in self.eval_at or step == self.steps
 
 
-def _is_logits(out: Any, y: torch.Tensor) -> bool:
+def _is_logits(out: object, y: torch.Tensor) -> bool:
     """Whether the main output is a distribution's logits: named ``logits``, or a float tensor of two or more
     dimensions whose last one has two or more entries (classes, vocabulary)."""
     if not y.is_floating_point() or y.dim() < 1 or y.shape[-1] < 2:
@@ -239,12 +213,12 @@ def _key(b: Batch) -> int | None:
 class _Replay(nn.Module):
     """Returns the output recorded for a batch (matched by its first input tensor), or runs the model."""
 
-    def __init__(self, model: nn.Module, outs: dict[int, Any]) -> None:
+    def __init__(self, model: nn.Module, outs: dict[int, object]) -> None:
         super().__init__()
         self.model = model
         self.outs = outs
 
-    def forward(self, *args: Any, **kwargs: Any) -> Any:
+    def forward(self, *args: object, **kwargs: object) -> object:
         key = _key(Batch(args, kwargs))
         return self.outs[key] if key in self.outs else self.model(*args, **kwargs)
 
@@ -259,7 +233,7 @@ def _schedule(step: int, steps: int, warmup: int) -> float:
 STEPPED, SKIPPED, STOP = "stepped", "skipped", "stop"  # what one training step did
 
 
-def _calibration_of(calibration: Any, dense: nn.Module,
+def _calibration_of(calibration: object, dense: nn.Module,
                     metric: Metric | None) -> tuple[Calibration, CalibrationSession | None]:
     """The calibration to train and measure on, and the session it came in (whose evaluator is reused: the dense
     reference is not measured again), refused with one line when it has no fit or no held-out rows."""
@@ -323,7 +297,7 @@ class _Measure:
     def point(self, step: int) -> RecoveryPoint:
         """One pass over the held-out batches gives the distillation loss and, for the default metric, the
         Evaluator's measurement (it is handed the recorded outputs); a user metric runs the model itself."""
-        outs: dict[int, Any] = {}
+        outs: dict[int, object] = {}
         total = 0.0
         ev, held = self.ev, self.held
         with torch.no_grad():
@@ -541,7 +515,7 @@ def _run(run: _Measure, dense: nn.Module, params: list[nn.Parameter], settings: 
 @scoped  # the seed it sets is the run's: the host's torch random state is left as found
 def recover(factorized: nn.Module, dense: nn.Module, calibration: "Calibration | CalibrationSession",
             settings: RecoverySettings | None = None, *, metric: Metric | None = None,
-            progress: Progress | None = None, **keywords: Any) -> Recovery:
+            progress: Progress | None = None, **keywords: object) -> Recovery:
     """Distil ``factorized`` toward ``dense`` for ``settings.steps`` steps on the calibration's fit batches (in place)
     and measure the held-out metric before, every ``eval_every`` steps, at the steps in ``eval_at`` and after; see
     the module docstring. The settings come as a :class:`RecoverySettings` or as its fields' keywords

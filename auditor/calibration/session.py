@@ -3,17 +3,17 @@
 A :class:`CalibrationSession` owns, for one model:
 
 - the model (put in eval mode while anything is measured; every module's own mode is restored afterwards);
-- the :class:`~auditor.calibration.inputs.Calibration` batches (the fit part feeds the statistics, the held-out part
+- the :class:`~auditor.calibration.data.inputs.Calibration` batches (the fit part feeds the statistics, the held-out part
   every measurement);
-- the :class:`~auditor.calibration.stats.InputStatistics` of its layers, computed once, lazily, on first use (read
+- the :class:`~auditor.calibration.statistics.stats.InputStatistics` of its layers, computed once, lazily, on first use (read
   from and written to the on-disk cache when the session has the audit's options: ``<cache dir>/calibration/<key>.npz``,
   keyed by everything that determines them: :func:`statistics_key`);
-- the :class:`~auditor.calibration.metric.Metric`, and ONE :class:`~auditor.calibration.metric.Evaluator` on the
+- the :class:`~auditor.calibration.measure.metric.Metric`, and ONE :class:`~auditor.calibration.measure.metric.Evaluator` on the
   held-out batches, built on first use: the dense reference (the dense model's outputs, or its perplexity, or its
   user-metric value) is computed once and every later measurement compares against it.
 
-Tier 1 (:func:`~auditor.calibration.tier1.tier1`), tier 2 (:func:`~auditor.calibration.sweep.measure_floors`),
-tier 3 (:func:`~auditor.calibration.budget.plan_for_budget`), the plan check (``stage.check_plan``),
+Tier 1 (:func:`~auditor.calibration.tiers.tier1.tier1`), tier 2 (:func:`~auditor.calibration.tiers.sweep.measure_floors`),
+tier 3 (:func:`~auditor.calibration.tiers.budget.plan_for_budget`), the plan check (``stage.check_plan``),
 ``auditor.factorize.factorize`` and :func:`auditor.recover.recover` take a session where they take calibration data;
 given raw data (a ``Calibration``, a path, tensors) they build one with :meth:`CalibrationSession.of`.
 """
@@ -25,21 +25,26 @@ import hashlib
 import os
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Iterator
+from typing import TYPE_CHECKING, Callable, Iterator
 
 from torch import nn
 
 from ..errors import AuditError
 from .. import kinds
-from ..results import Kind, Layer
-from .hashing import code_hash, weights_hash
-from .inputs import Batch, Calibration, eval_mode, load_calibration
-from .metric import Evaluator, Metric, load_metric
-from .stats import InputStatistics, by_name, input_statistics
+from ..results import Layer
+from .data.hashing import code_hash, weights_hash
+from .data.inputs import Batch, Calibration, eval_mode, load_calibration
+from .measure.metric import Evaluator, Metric, load_metric
+from .statistics.stats import InputStatistics, by_name, input_statistics
 
 if TYPE_CHECKING:
-    from ..options import AuditOptions
-    from .stats import GramStore
+    from .measure.metric import UserMetric
+    from .statistics.whiten import WhitenedSpectrum
+    from ..options import AuditOptions, TierOptions
+    from .measure.metric import PlanMeasurer
+    from .measure.staged import StagedEvaluator
+    from .measure.verify import Verifier
+    from .statistics.stats import GramStore
     from ..progress import Progress
 
 
@@ -49,14 +54,14 @@ STATISTICS_KEY_VERSION = 2  # 1 (until issue 32): weights, the whole calibration
 def statistics_key(model: nn.Module, calibration: Calibration, layers: list[Layer], compute_dtype: str | None = None,
                    device: str | None = None) -> str:
     """The statistics cache's key: a hash of everything that determines the statistics. The weights and buffers
-    (names, shapes, dtypes, bytes: :func:`~auditor.calibration.hashing.weights_hash`), the code the model runs and
-    its non-weight state (:func:`~auditor.calibration.hashing.code_hash`: an edited forward or hyperparameter is
+    (names, shapes, dtypes, bytes: :func:`~auditor.calibration.data.hashing.weights_hash`), the code the model runs and
+    its non-weight state (:func:`~auditor.calibration.data.hashing.code_hash`: an edited forward or hyperparameter is
     another key), the exact fit rows in their batches (the held-out split changes which rows those are), the whole
     calibration's digest (the tokenizer's files for a text file; the window length is in the rows' shapes), the
     layers, the compute dtype, and the dtype each batch's product is formed in (float32 on a GPU, float64 on the
     CPU)."""
-    from .inputs import _digest, model_device
-    from .stream import batch_dtype_for, compute_dtype_for, resolve_device
+    from .data.inputs import _digest, model_device
+    from .statistics.stream import batch_dtype_for, compute_dtype_for, resolve_device
 
     dev = resolve_device(device) if device is not None else None
     bdt = batch_dtype_for(dev if dev is not None else model_device(model))
@@ -82,7 +87,7 @@ STATS_KINDS = kinds.registry.KindSet(lambda k: type(k).statistics is not kinds.L
 
 
 def _gram_bytes(layer: Layer) -> tuple[int, str]:
-    if layer.kind == Kind.EMBEDDING:
+    if kinds.for_kind(layer.kind).lookup_counts:
         return 8 * layer.m, f"layer {layer.name} ({layer.m:,} lookup counts)"
     g = max(1, int(layer.groups or 1))
     return (8 * g * layer.n * layer.n,
@@ -91,7 +96,7 @@ def _gram_bytes(layer: Layer) -> tuple[int, str]:
 
 def statistics_memory(layers: list[Layer], model: nn.Module | None = None) -> tuple[int, str]:
     """Bytes of input statistics alive at once while they are read, and the largest Gram in words. Without
-    ``model``, or when it has no repeated blocks (:func:`~auditor.calibration.stream.find_blocks`): every layer's
+    ``model``, or when it has no repeated blocks (:func:`~auditor.calibration.statistics.stream.find_blocks`): every layer's
     float64 Gram (groups x n x n; n lookup counts for an embedding), as the one pass keeps them all. With blocks, the
     statistics are streamed and each block's Grams spilled to disk before the next: the larger of one block's Grams
     and the outside layers' (embeddings, output head). Plus two more of the largest: one batch's product being added
@@ -103,7 +108,7 @@ def statistics_memory(layers: list[Layer], model: nn.Module | None = None) -> tu
     big = max(sizes)
     found = None
     if model is not None:
-        from .stream import find_blocks
+        from .statistics.stream import find_blocks
 
         found = find_blocks(model, [l for l in layers if l.kind in STATS_KINDS])
     if found is None:
@@ -112,7 +117,7 @@ def statistics_memory(layers: list[Layer], model: nn.Module | None = None) -> tu
     return max(sum(p) for p in parts) + 2 * big[0], big[1]
 
 
-_LIBC: Any = None
+_LIBC: "ctypes.CDLL | bool | None" = None
 
 
 def _trim() -> None:
@@ -164,7 +169,7 @@ def _statistics(model: nn.Module, layers: list[Layer], cal: Calibration, options
     available. Computed, they are read block by block where the model has repeated blocks; ``on_block(i, stats)``
     gets each block's statistics while they are in memory, and they are then written to disk: to the cache entry
     (``options.cache``), else to a temporary directory removed with the statistics. The result's ``layers`` is a
-    :class:`~auditor.calibration.stats.GramStore` that reads one layer's Gram back when asked for."""
+    :class:`~auditor.calibration.statistics.stats.GramStore` that reads one layer's Gram back when asked for."""
     _check_memory(layers, model)
     entry = _cache_entry(model, layers, cal, options)
     if entry is not None and (entry / "meta.json").is_file():
@@ -183,7 +188,7 @@ def _statistics(model: nn.Module, layers: list[Layer], cal: Calibration, options
 def _check_memory(layers: list[Layer], model: nn.Module) -> None:
     """One line, before anything is allocated, when the Grams alive at once need more memory than is available."""
     from ..spectra.backend import available_memory
-    from .inputs import size_text
+    from .data.inputs import size_text
 
     need, largest = statistics_memory(layers, model)
     avail = available_memory()
@@ -199,7 +204,8 @@ def _cache_entry(model: nn.Module, layers: list[Layer], cal: Calibration, option
     if not options.cache:
         return None
     try:
-        return cache_path(options.cache_dir, model, cal, layers, options.compute_dtype, options.device)
+        return cache_path(options.cache_dir, model, cal, layers, options.statistics.compute_dtype,
+                          options.statistics.device)
     except AuditError:
         raise
     except Exception:  # noqa: BLE001 - what cannot be keyed is not cached (never trusted), and not an error
@@ -208,7 +214,7 @@ def _cache_entry(model: nn.Module, layers: list[Layer], cal: Calibration, option
 
 def _open_cached(entry: Path, named: dict[str, Layer], cal: Calibration) -> InputStatistics | None:
     """The statistics saved at ``entry`` when they are intact and fit the layers and the calibration, else None."""
-    from .stats import StatisticsMismatch
+    from .statistics.stats import StatisticsMismatch
 
     try:
         stats = InputStatistics.open(entry, key=entry.name)
@@ -226,7 +232,7 @@ def _open_cached(entry: Path, named: dict[str, Layer], cal: Calibration) -> Inpu
 def _gram_store(entry: Path | None) -> "GramStore":
     """Where the Grams are written as each block completes: a temporary directory beside the cache entry (renamed to
     it once complete), else (no cache, or a read-only one) a temporary directory removed with the statistics."""
-    from .stats import GramStore
+    from .statistics.stats import GramStore
 
     if entry is not None:
         from .._env import sweep_scratch
@@ -259,11 +265,12 @@ def _stream_into(store: "GramStore", model: nn.Module, layers: list[Layer], cal:
         _trim()
 
     try:
-        from .stream import StreamOptions, stream_statistics  # block by block with repeated blocks, else one pass
+        from .statistics.stream import stream_statistics  # block by block with repeated blocks, else one pass
 
-        stats = stream_statistics(model, layers, cal, StreamOptions(
-            device=options.device, offload=options.offload, compute_dtype=options.compute_dtype, on_block=block,
-            keep=False, progress=progress.update if progress is not None else None))
+        stats = stream_statistics(
+            model, layers, cal, device=options.statistics.device, offload=options.statistics.offload,
+            compute_dtype=options.statistics.compute_dtype, on_block=block, keep=False,
+            progress=progress.update if progress is not None else None)
     except AuditError:
         store.close()
         raise
@@ -308,15 +315,15 @@ def _clear(entry: Path) -> None:
         os.unlink(entry)
 
 
-def metric_of(options: "AuditOptions", model: nn.Module | None = None, cal: Calibration | None = None) -> Metric:
-    """The metric ``options.metric`` names: "perplexity", "kl", "masked-perplexity" (alias "masked-ce", "mlm"),
+def metric_of(tiers: "TierOptions", model: nn.Module | None = None, cal: Calibration | None = None) -> Metric:
+    """The metric ``tiers.metric`` names: "perplexity", "kl", "masked-perplexity" (alias "masked-ce", "mlm"),
     "output-error", ``file.py:fn`` / ``module:fn``, a function, or a ``Metric``; None follows the model: perplexity
     for a causal LM (:func:`is_causal_lm`, probed on the first held-out batch of ``cal``), the masked-token
     perplexity for a masked LM (:func:`is_masked_lm`), the relative output error otherwise."""
-    from .metric import is_causal_lm, is_masked_lm
+    from .measure.metric import is_causal_lm, is_masked_lm
     from .metrics import for_name
 
-    fn = options.metric
+    fn = tiers.metric
     if isinstance(fn, Metric):
         m = fn
     elif fn is None:
@@ -330,10 +337,10 @@ def metric_of(options: "AuditOptions", model: nn.Module | None = None, cal: Cali
         m = Metric(fn=load_metric(fn), name=fn.rpartition(":")[2])
     else:
         m = Metric(fn=fn)
-    return replace(m, tolerance=options.tolerance) if options.tolerance is not None else m
+    return replace(m, tolerance=tiers.tolerance) if tiers.tolerance is not None else m
 
 
-def as_metric(metric: "Metric | Any | None", tolerance: float | None = None) -> Metric:
+def as_metric(metric: "Metric | UserMetric | None", tolerance: float | None = None) -> Metric:
     """A ``Metric`` from what the library calls accept: a ``Metric``, a user function (higher is better), or None
     (the relative output error); ``tolerance`` replaces its tolerance when given (the kind is kept)."""
     if metric is None or callable(metric) and not isinstance(metric, Metric):
@@ -349,7 +356,7 @@ class Held:
 
     stats: InputStatistics | None = None
     cached: bool = False
-    spectra: dict[tuple[int, float], dict[str, Any]] = field(default_factory=dict)
+    spectra: "dict[tuple[int, float], dict[str, WhitenedSpectrum]]" = field(default_factory=dict)
     search: list[Batch] | None = None
     verify: list[Batch] | None = None
 
@@ -359,11 +366,12 @@ class CalibrationSession:
 
     ``layers``: the layers the statistics are read for (the audit's, in its order); ``options``: the audit's
     options (the statistics' cache: without them nothing is cached); ``stats``: statistics already at hand (a
-    caller's, or the cache's), used as they are."""
+    caller's, or the cache's), used as they are; ``split``: the held-out rows cut into a search part and a
+    verification part (the audit's); ``confidence``: the verification interval's level."""
 
     def __init__(self, model: nn.Module, calibration: Calibration, metric: Metric | None = None, *,
                  layers: dict[str, Layer] | list[Layer] | None = None, options: "AuditOptions | None" = None,
-                 stats: InputStatistics | None = None) -> None:
+                 stats: InputStatistics | None = None, split: bool = False, confidence: float = 0.9) -> None:
         if not isinstance(calibration, Calibration):
             raise AuditError(f"calibration is a {type(calibration).__name__}",
                              "Pass a Calibration (auditor.calibration.load_calibration)")
@@ -374,10 +382,10 @@ class CalibrationSession:
         self.options = options
         self._held = Held(stats)  # shared with with_metric's sessions
         self._evaluator: Evaluator | None = None
-        self._staged: Any = None
-        self._verifier: Any = None
-        self.split = False  # the held-out rows cut into a search part and a verification part (the audit's)
-        self.confidence = 0.9  # the verification interval's level
+        self._staged: "StagedEvaluator | None" = None  # built on first use (search_evaluator)
+        self._verifier: "Verifier | None" = None  # built on first use (verifier)
+        self.split = split
+        self.confidence = confidence
 
     @property
     def _stats(self) -> InputStatistics | None:
@@ -389,12 +397,12 @@ class CalibrationSession:
         return self._held.cached
 
     @classmethod
-    def of(cls, data: Any, model: nn.Module, *, metric: Metric | Any | None = None, tolerance: float | None = None,
+    def of(cls, data: object, model: nn.Module, *, metric: "Metric | UserMetric | None" = None, tolerance: float | None = None,
            layers: dict[str, Layer] | list[Layer] | None = None, stats: InputStatistics | None = None,
-           holdout: Any = 0.25) -> "CalibrationSession":
+           holdout: "float | str | os.PathLike[str]" = 0.25) -> "CalibrationSession":
         """``data`` as a session on ``model``: a session as it is (with ``metric`` / ``tolerance`` given and
         different, a session sharing its batches and statistics with that metric), a ``Calibration``, or what
-        :func:`~auditor.calibration.inputs.load_calibration` reads (``holdout`` held out)."""
+        :func:`~auditor.calibration.data.inputs.load_calibration` reads (``holdout`` held out)."""
         if isinstance(data, CalibrationSession):
             if data.model is not model:
                 raise AuditError("the calibration session belongs to another model",
@@ -410,25 +418,24 @@ class CalibrationSession:
     @classmethod
     def from_options(cls, model: nn.Module, layers: list[Layer], options: "AuditOptions") -> "CalibrationSession":
         """The audit's session: the calibration ``options`` name (read once), its metric and the audit's layers."""
-        cal = load_calibration(options.calibration, model, options.holdout, tokenizer=options.tokenizer,
-                               length=options.calibration_length, max_rows=options.calibration_max_rows,
-                               max_bytes=options.calibration_max_bytes)
+        data = options.calibration_data
+        cal = load_calibration(data.source, model, data.holdout, tokenizer=data.tokenizer, length=data.length,
+                               max_rows=data.max_rows, max_bytes=data.max_bytes)
         map_large_arrays()  # the freed arrays of each block handed back, so the peak does not grow with the depth
-        session = cls(model, cal, metric_of(options, model, cal), layers=layers, options=options)
+        metric = metric_of(options.tiers, model, cal)
         # a user metric fn(model, batches) may line its own labels up with every held-out row: never cut
-        session.split = (bool(cal.holdout) and session.metric.spec.verified_by_rows
-                         and bool(getattr(options, "split", True)))
-        session.confidence = float(getattr(options, "confidence", 0.9))
-        return session
+        split = bool(cal.holdout) and metric.spec.verified_by_rows and bool(options.tiers.split)
+        return cls(model, cal, metric, layers=layers, options=options, split=split,
+                   confidence=float(options.tiers.confidence))
 
     def with_metric(self, metric: Metric) -> "CalibrationSession":
         """This session measured with ``metric``: itself when it is the same, else a session sharing the batches and
         the statistics (computed once for both) with its own evaluator."""
         if metric == self.metric:
             return self
-        other = CalibrationSession(self.model, self.calibration, metric, layers=self.layers, options=self.options)
+        other = CalibrationSession(self.model, self.calibration, metric, layers=self.layers, options=self.options,
+                                   split=self.split, confidence=self.confidence)
         other._held = self._held
-        other.split, other.confidence = self.split, self.confidence
         return other
 
     @contextlib.contextmanager
@@ -453,10 +460,10 @@ class CalibrationSession:
         want = by_name(layers) if layers is not None else self.layers
         if self._stats is not None and (layers is None or self.covers(want)):
             return self._stats
-        got: dict[str, Any] = {}
+        got: "dict[str, WhitenedSpectrum]" = {}
         on_block = None
         if spectra is not None and layers is None:
-            from .whiten import whitened_spectra
+            from .statistics.whiten import whitened_spectra
 
             table = {n: p for n, p in self.model.named_parameters(remove_duplicate=False)}
 
@@ -479,11 +486,11 @@ class CalibrationSession:
         return stats
 
     def spectra(self, align: int = 8, target: float = 0.01,
-                progress: "Callable[[int, int], None] | None" = None) -> dict[str, Any]:
+                progress: "Callable[[int, int], None] | None" = None) -> "dict[str, WhitenedSpectrum]":
         """Tier 1's whitened spectra of the session's layers, keyed by ``Layer.name`` in the layers' order: those
         computed with the statistics (``statistics(spectra=(align, target))``), else from the statistics, each
         layer's Gram read when its spectrum is computed."""
-        from .whiten import whitened_spectra
+        from .statistics.whiten import whitened_spectra
 
         held = self._held.spectra
         if (align, target) not in held:
@@ -501,10 +508,10 @@ class CalibrationSession:
     @property
     def search_calibration(self) -> Calibration:
         """The calibration the search measures on: the held-out rows' search part when the session is ``split``
-        (:mod:`~auditor.calibration.verify`), else every held-out row."""
+        (:mod:`~auditor.calibration.measure.verify`), else every held-out row."""
         if not self.split:
             return self.calibration
-        from .verify import split_rows, with_holdout
+        from .measure.verify import split_rows, with_holdout
 
         if self._held.search is None:
             self._held.search, self._held.verify = split_rows(self.calibration.holdout)
@@ -522,29 +529,29 @@ class CalibrationSession:
         return self._evaluator
 
     @property
-    def search_evaluator(self) -> Any:
+    def search_evaluator(self) -> "PlanMeasurer":
         """What tier 3 measures plans with: for a built-in metric a
-        :class:`~auditor.calibration.staged.StagedEvaluator` on the search rows (a subsample first, every search row
+        :class:`~auditor.calibration.measure.staged.StagedEvaluator` on the search rows (a subsample first, every search row
         only for plans near the tolerance; the dense per-row sums once) when the session is ``split`` (the audit's:
         the suggested plan is then verified on every verification row), else :attr:`evaluator` (every search row for
         every plan: a user metric, ``--no-split``, the library's sessions)."""
         if not self.metric.spec.verified_by_rows or not self.split:
             return self.evaluator
         if self._staged is None:
-            from .staged import StagedEvaluator
+            from .measure.staged import StagedEvaluator
 
             with self.measuring():
                 self._staged = StagedEvaluator(self.model, self.search_calibration.holdout, self.metric)
         return self._staged
 
     @property
-    def verifier(self) -> Any:
+    def verifier(self) -> "Verifier | None":
         """The verifier on the held-out rows' verification part (``split`` sessions only; None otherwise): every
         row measured, with a bootstrap interval over rows at ``confidence``."""
         if not self.split:
             return None
         if self._verifier is None:
-            from .verify import Verifier
+            from .measure.verify import Verifier
 
             self.search_calibration  # noqa: B018 - cuts the rows once
             with self.measuring():

@@ -110,6 +110,10 @@ class LayerKind:
     - :meth:`statistics`: attach the input-statistics hooks for the kind's layers of one module;
     - :meth:`function_matrices` / :meth:`stored`: the map y = F x as (groups, out, in), and back to the stored layout;
     - ``swept``: whether tier 2 measures a floor by truncating it;
+    - ``gradient_sensitivity``: whether the output-gradient sensitivity (calibration/tiers/fisher.py) reads its
+      output's gradient (:meth:`function_view` carries it back); ``lookup_counts``: its input statistics are counts
+      of the ids looked up (a diagonal Gram), not X^T X; ``cut_to_rank1``: a user metric's check cuts its modules'
+      weights to rank 1 (a model cut down must score lower);
     - :meth:`replace`: the two-module replacement at rank r (``factorize``), or ``cannot_factorize``: why no plan
       can rewrite it, which also keeps it out of the suggestions and the sweeps.
     """
@@ -120,6 +124,9 @@ class LayerKind:
     swept: bool = False
     cannot_factorize: str = ""
     linear_chain: bool = False  # a linear map two of which in a row multiply out to one (graph's chain check)
+    gradient_sensitivity: bool = False  # the gradient pass reads its output's gradient (calibration's fisher.py)
+    lookup_counts: bool = False  # its input statistics count the ids looked up (a diagonal Gram)
+    cut_to_rank1: bool = False  # a user metric's check cuts its modules' weights to rank 1 (calibration's metrics)
 
     # -- finding it
     def guess(self, name: str, shape: Shape) -> tuple[int, int, str] | None:
@@ -150,6 +157,14 @@ class LayerKind:
     def stored(self, layer: Layer, f: torch.Tensor) -> torch.Tensor:
         """Function matrices (groups, out, in) back in the stored layout (reshaped to the weight's shape after)."""
         return f
+
+    def function_shape(self, layer: Layer) -> tuple[int, int]:
+        """(out, in) of one of the layer's function matrices."""
+        return layer.m, layer.n
+
+    def function_view(self, layer: Layer, weight: torch.Tensor) -> torch.Tensor:
+        """F (out x in) as a view of the stored weight (ungrouped), for carrying an output gradient back: g @ F."""
+        return weight
 
     # -- its input statistics
     def statistics(self, path: str, mod: nn.Module, layers: list[Layer], feeds: Feeds) -> None:
@@ -189,6 +204,9 @@ class StoredTransposed:
 
     def stored(self, layer: Layer, f: torch.Tensor) -> torch.Tensor:
         return f[0].T
+
+    def function_view(self, layer: Layer, weight: torch.Tensor) -> torch.Tensor:
+        return weight.t()
 
 
 def rows_hook(feed: Feed, feeds: Feeds) -> Callable[..., None]:

@@ -77,6 +77,7 @@ class ConvKind(LayerKind):
     finds = {nn.modules.conv._ConvNd: SPEC,
              torch.ao.nn.quantized.modules.conv._ConvNd: LayerSpec(lambda m: ("weight",), _view, _cost, call_weight)}
     swept = True
+    cut_to_rank1 = True
 
     def guess(self, name: str, shape: Shape) -> tuple[int, int, str] | None:
         if len(shape) <= 2:

@@ -36,6 +36,11 @@ class EmbeddingKind(StoredTransposed, LayerKind):
     label = "Embedding"
     finds = {nn.Embedding: SPEC, nn.EmbeddingBag: LayerSpec(only_weight, _view, _cost)}
     swept = True
+    gradient_sensitivity = True
+    lookup_counts = True
+
+    def function_shape(self, layer: Layer) -> tuple[int, int]:
+        return layer.n, layer.m  # the map dim x vocabulary of a one-hot row, stored (vocabulary, dim)
 
     def guess(self, name: str, shape: Shape) -> tuple[int, int, str] | None:
         low = name.lower()

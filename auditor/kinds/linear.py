@@ -34,6 +34,8 @@ class LinearKind(LayerKind):
              torch.ao.nn.quantized.Linear: LayerSpec(lambda m: ("weight",), _view, _cost, call_weight)}
     swept = True
     linear_chain = True
+    gradient_sensitivity = True
+    cut_to_rank1 = True
 
     def accepts(self, mod: nn.Module) -> bool:
         return isinstance(mod, nn.Linear)

@@ -9,10 +9,15 @@ A metric module subclasses :class:`MetricKind` and hands an instance to :func:`a
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 from torch import nn
+
+if TYPE_CHECKING:
+    import torch
+
+    from ..data.inputs import Batch
 
 TIER1_TARGET = 0.01  # the layer-output error tier 1 ranks for when the metric is not in those units
 
@@ -29,14 +34,14 @@ class Measurement:
 
 
 class Evaluating(Protocol):
-    """What a scorer reads from the evaluator it measures through (:class:`auditor.calibration.metric.Evaluator`):
+    """What a scorer reads from the evaluator it measures through (:class:`auditor.calibration.measure.metric.Evaluator`):
     the held-out batches on the model's device, a forward that names a batch the model refuses, the configured metric
     (its function, tolerance and direction), and ``holds``."""
 
-    batches: list[Any]
+    batches: list[Batch]
     metric: Any
 
-    def forward(self, model: nn.Module, b: Any, i: int) -> Any: ...
+    def forward(self, model: nn.Module, b: Batch, i: int) -> object: ...
 
     def holds(self, value: float) -> bool: ...
 
@@ -46,7 +51,7 @@ class Scorer:
     is made; ``warnings`` are what the reference taught (the evaluator returns them to its caller)."""
 
     reference: float = 0.0
-    outputs: list[Any] = []  # the dense model's outputs, when the scorer keeps them (the repeat check reuses one)
+    outputs: list[object] = []  # the dense model's outputs, when the scorer keeps them (the repeat check reuses one)
 
     def __init__(self, ev: Evaluating) -> None:
         self.ev = ev
@@ -74,7 +79,7 @@ class RowScorer:
     #                                                          model measured, where the metric counts them
 
     @property
-    def first_output(self) -> Any:
+    def first_output(self) -> object:
         """The dense model's output on the first batch where the scorer keeps it (None: it does not)."""
         return None
 
@@ -89,7 +94,7 @@ class RowScorer:
     def sums(self, model: nn.Module) -> tuple[np.ndarray, ...]:
         raise NotImplementedError
 
-    def value(self, sums: tuple[np.ndarray, ...], idx: Any = slice(None)) -> float:
+    def value(self, sums: tuple[np.ndarray, ...], idx: "slice | np.ndarray" = slice(None)) -> float:
         raise NotImplementedError
 
 
@@ -120,11 +125,11 @@ class MetricKind:
     def scorer(self, ev: Evaluating, dense: nn.Module) -> Scorer:
         raise NotImplementedError(f"metric kind {self.kind!r} has no scorer")
 
-    def row_scorer(self, dense: nn.Module, batches: list[Any], like: RowScorer | None = None) -> RowScorer:
+    def row_scorer(self, dense: nn.Module, batches: list[Batch], like: RowScorer | None = None) -> RowScorer:
         """Per-row sums on ``batches``; ``like``: a scorer of the same dense model whose dense state it may share."""
         raise NotImplementedError(f"metric kind {self.kind!r} is not summed row by row")
 
-    def logprobs(self, y: Any, b: Any) -> Any:
+    def logprobs(self, y: torch.Tensor, b: Batch) -> tuple[torch.Tensor, torch.Tensor]:
         """(log-probabilities at the scored positions, targets): ``gradient == "likelihood"`` kinds."""
         raise NotImplementedError(f"metric kind {self.kind!r} scores no likelihood")
 

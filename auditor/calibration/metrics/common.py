@@ -3,16 +3,16 @@ token metrics (next-token and masked-token)."""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Callable
 
 import torch
 
 from ...errors import AuditError
-from ..inputs import IGNORE_INDEX as IGNORE
-from ..inputs import Batch
+from ..data.inputs import IGNORE_INDEX as IGNORE
+from ..data.inputs import Batch
 
 
-def main_output(out: Any) -> torch.Tensor:
+def main_output(out: object) -> torch.Tensor:
     """The tensor a metric compares: the output itself, ``.logits``, or the first tensor of a tuple or dict."""
     if isinstance(out, torch.Tensor):
         return out
@@ -82,9 +82,9 @@ def _next_token_logprobs(y: torch.Tensor, b: Batch) -> tuple[torch.Tensor, torch
 
 def _check_targets(b: Batch, width: int, what: str, i: int | None = None) -> None:
     """The ids (or ``labels``) a token metric scores must index the model's ``width`` logits
-    (:func:`~auditor.calibration.inputs.token_value_problem`, the loader's own validator): one line naming the value
+    (:func:`~auditor.calibration.data.inputs.token_value_problem`, the loader's own validator): one line naming the value
     and where, else."""
-    from ..inputs import token_value_problem
+    from ..data.inputs import token_value_problem
 
     labels = isinstance(b.kwargs.get("labels"), torch.Tensor)
     name = "labels" if labels else "input_ids"
@@ -139,7 +139,7 @@ def _masked_logprobs(y: torch.Tensor, b: Batch) -> tuple[torch.Tensor, torch.Ten
     return torch.log_softmax(y[keep].float(), dim=-1), tgt[keep]
 
 
-def per_row(y: torch.Tensor, b: Batch, fn: Any) -> torch.Tensor:
+def per_row(y: torch.Tensor, b: Batch, fn: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
     """Per-row sums of fn(y) over every dimension but the first, positions with ``attention_mask`` 0 left out."""
     v = fn(y)
     keep = _row_mask(b)

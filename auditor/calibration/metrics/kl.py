@@ -5,7 +5,7 @@ when it is at most the tolerance."""
 from __future__ import annotations
 
 import copy
-from typing import Any
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -14,6 +14,9 @@ from torch import nn
 from ...errors import AuditError
 from .base import Evaluating, Measurement, MetricKind, RowScorer, Scorer
 from .common import _next_token_logprobs, _targets, main_output
+
+if TYPE_CHECKING:
+    from ..data.inputs import Batch
 
 
 def frozen(dense: nn.Module) -> nn.Module:
@@ -52,7 +55,7 @@ class _Scorer(Scorer):
 class _Rows(RowScorer):
     """Per row: the summed KL and the positions scored."""
 
-    def __init__(self, dense: nn.Module, batches: list[Any], like: RowScorer | None = None) -> None:
+    def __init__(self, dense: nn.Module, batches: list[Batch], like: RowScorer | None = None) -> None:
         self.batches = batches
         self._dense = like._dense if isinstance(like, _Rows) else frozen(dense)  # one frozen copy, shared
 
@@ -69,7 +72,7 @@ class _Rows(RowScorer):
         self.last_top1 = np.concatenate(agree), np.concatenate(cnt)
         return np.concatenate(kl), np.concatenate(cnt)
 
-    def value(self, sums: tuple[np.ndarray, ...], idx: Any = slice(None)) -> float:
+    def value(self, sums: tuple[np.ndarray, ...], idx: "slice | np.ndarray" = slice(None)) -> float:
         kl, cnt = sums
         c = float(cnt[idx].sum())
         return float(kl[idx].sum()) / c if c > 0 else float("nan")
@@ -86,10 +89,10 @@ class KL(MetricKind):
     def scorer(self, ev: Evaluating, dense: nn.Module) -> Scorer:
         return _Scorer(ev, dense)
 
-    def row_scorer(self, dense: nn.Module, batches: list[Any], like: RowScorer | None = None) -> RowScorer:
+    def row_scorer(self, dense: nn.Module, batches: list[Batch], like: RowScorer | None = None) -> RowScorer:
         return _Rows(dense, batches, like)
 
-    def logprobs(self, y: torch.Tensor, b: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    def logprobs(self, y: torch.Tensor, b: Batch) -> tuple[torch.Tensor, torch.Tensor]:
         return _next_token_logprobs(y, b)
 
 

@@ -8,12 +8,15 @@ for :mod:`.perplexity`."""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 
 from .common import _masked_logprobs, _masked_targets
 from .perplexity import Perplexity
+
+if TYPE_CHECKING:
+    from ..data.inputs import Batch
 
 NO_LABELS = ("masked-token metric: no held-out batch carries labels, so every real token is scored as its own "
              "target (nothing is masked, and a masked LM sees the token it predicts); give labels (-100 at the "
@@ -31,15 +34,15 @@ class MaskedPerplexity(Perplexity):
     nothing_scored = ("the held-out batches hold no masked position to score (every label -100 or padding)",
                       "Give labels with the original id at the masked positions")
 
-    def logprobs(self, y: torch.Tensor, b: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    def logprobs(self, y: torch.Tensor, b: Batch) -> tuple[torch.Tensor, torch.Tensor]:
         return _masked_logprobs(y, b)
 
-    def row_targets(self, y: torch.Tensor, b: Any) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def row_targets(self, y: torch.Tensor, b: Batch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(logits, targets, which count) per row: the masked positions themselves."""
         tgt, keep, _ = _masked_targets(b)
         return y, tgt, keep
 
-    def warnings_for(self, batches: list[Any]) -> list[str]:
+    def warnings_for(self, batches: list[Batch]) -> list[str]:
         """The labels-less warning when no held-out batch carries labels."""
         return [NO_LABELS] if batches and not any(_masked_targets(b)[2] for b in batches) else []
 

@@ -6,7 +6,7 @@ lower is better; tier 1's layer-output errors are in its units, so it is also ti
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -15,6 +15,9 @@ from torch import nn
 from ...errors import AuditError
 from .base import Evaluating, Measurement, MetricKind, RowScorer, Scorer
 from .common import main_output, per_row, real_rows
+
+if TYPE_CHECKING:
+    from ..data.inputs import Batch
 
 
 class _Scorer(Scorer):
@@ -60,14 +63,14 @@ def _same_shape(y: torch.Tensor, ref: torch.Tensor, i: int) -> None:
 class _Rows(RowScorer):
     """Per row: the squared error and the dense output's squared norm."""
 
-    def __init__(self, dense: nn.Module, batches: list[Any]) -> None:
+    def __init__(self, dense: nn.Module, batches: list[Batch]) -> None:
         self.batches = batches
         self._ref = _finite([main_output(dense(*b.args, **b.kwargs)).detach() for b in batches])
         self._den = np.concatenate([per_row(r.double(), b, lambda t: t.pow(2)).cpu().numpy()
                                     for r, b in zip(self._ref, batches)])
 
     @property
-    def first_output(self) -> Any:
+    def first_output(self) -> object:
         return self._ref[0] if self._ref else None
 
     def sums(self, model: nn.Module) -> tuple[np.ndarray, ...]:
@@ -83,7 +86,7 @@ class _Rows(RowScorer):
         self.last_top1 = (np.concatenate(agree), np.concatenate(seen)) if agree and len(agree) == len(num) else None
         return np.concatenate(num), self._den
 
-    def value(self, sums: tuple[np.ndarray, ...], idx: Any = slice(None)) -> float:
+    def value(self, sums: tuple[np.ndarray, ...], idx: "slice | np.ndarray" = slice(None)) -> float:
         num, den = sums
         d = float(den[idx].sum())
         return math.sqrt(float(num[idx].sum()) / d) if d > 0 else math.sqrt(float(num[idx].sum()))
@@ -101,7 +104,7 @@ class OutputError(MetricKind):
     def scorer(self, ev: Evaluating, dense: nn.Module) -> Scorer:
         return _Scorer(ev, dense)
 
-    def row_scorer(self, dense: nn.Module, batches: list[Any], like: RowScorer | None = None) -> RowScorer:
+    def row_scorer(self, dense: nn.Module, batches: list[Batch], like: RowScorer | None = None) -> RowScorer:
         return _Rows(dense, batches)
 
 

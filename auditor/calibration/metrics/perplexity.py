@@ -6,7 +6,7 @@ most the tolerance (0.02 = +2%). :mod:`.masked` is the same measurement at a mas
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -15,6 +15,9 @@ from torch import nn
 from ...errors import AuditError
 from .base import Evaluating, Measurement, MetricKind, RowScorer, Scorer
 from .common import _check_targets, _next_token_logprobs, _targets, main_output
+
+if TYPE_CHECKING:
+    from ..data.inputs import Batch
 
 
 def _dense_value(value: float, kind: "Perplexity") -> float:
@@ -57,7 +60,7 @@ class _Scorer(Scorer):
 class _Rows(RowScorer):
     """Per row: the summed cross-entropy of the model and of the dense model, and the positions scored."""
 
-    def __init__(self, dense: nn.Module, batches: list[Any], kind: "Perplexity") -> None:
+    def __init__(self, dense: nn.Module, batches: list[Batch], kind: "Perplexity") -> None:
         self.batches, self.kind = batches, kind
         self._ref_nll, self._cnt = self._nll(dense)
         nll, cnt = self._ref_nll, self._cnt
@@ -88,7 +91,7 @@ class _Rows(RowScorer):
         c = float(cnt.sum())
         return math.exp(float(nll.sum()) / c) if c > 0 else None
 
-    def value(self, sums: tuple[np.ndarray, ...], idx: Any = slice(None)) -> float:
+    def value(self, sums: tuple[np.ndarray, ...], idx: "slice | np.ndarray" = slice(None)) -> float:
         nll, ref, cnt = sums
         c = float(cnt[idx].sum())
         if c <= 0:
@@ -112,18 +115,18 @@ class Perplexity(MetricKind):
     def scorer(self, ev: Evaluating, dense: nn.Module) -> Scorer:
         return _Scorer(ev, dense, self)
 
-    def row_scorer(self, dense: nn.Module, batches: list[Any], like: RowScorer | None = None) -> RowScorer:
+    def row_scorer(self, dense: nn.Module, batches: list[Batch], like: RowScorer | None = None) -> RowScorer:
         return _Rows(dense, batches, self)
 
-    def logprobs(self, y: torch.Tensor, b: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    def logprobs(self, y: torch.Tensor, b: Batch) -> tuple[torch.Tensor, torch.Tensor]:
         return _next_token_logprobs(y, b)
 
-    def row_targets(self, y: torch.Tensor, b: Any) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def row_targets(self, y: torch.Tensor, b: Batch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(logits, targets, which count) per row: the next token of each position."""
         tgt, keep = _targets(b)
         return y[:, :-1], tgt, keep
 
-    def warnings_for(self, batches: list[Any]) -> list[str]:
+    def warnings_for(self, batches: list[Batch]) -> list[str]:
         return []
 
 

@@ -10,19 +10,19 @@ that moves the wrong way is refused, one that stays within the tolerance is a wa
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Callable
 
 import torch
 from torch import nn
 
 from ...errors import AuditError
-from ..inputs import Batch
+from ..data.inputs import Batch
 from .base import Evaluating, Measurement, MetricKind, Scorer
 
-_CHECKED: dict[tuple[Any, str, float, bool], str] = {}  # (fn, digest, tolerance, direction) -> warning ("" none)
+_CHECKED: dict[tuple[object, str, float, bool], str] = {}  # (fn, digest, tolerance, direction) -> warning ("" none)
 
 
-def _user_batch(b: Batch) -> Any:
+def _user_batch(b: Batch) -> object:
     if b.kwargs and not b.args:
         return dict(b.kwargs)
     if len(b.args) == 1 and not b.kwargs:
@@ -31,12 +31,12 @@ def _user_batch(b: Batch) -> Any:
 
 
 def _rank1_(model: nn.Module) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """Cut every Linear, convolution and transformers Conv1D weight of ``model`` to rank 1 in place (the leading
-    singular pair by 30 power iterations, seeded); returns (parameter, original) pairs to restore exactly."""
-    from ...kinds.hf_conv1d import hf_conv1d_type
+    """Cut the weight of every module of a kind that says so (``LayerKind.cut_to_rank1``: Linear, convolution,
+    transformers' Conv1D) to rank 1 in place (the leading singular pair by 30 power iterations, seeded); returns
+    (parameter, original) pairs to restore exactly. A packed (quantized) module's weight is no tensor: left as is."""
+    from ...kinds.registry import kinds as registered
 
-    conv1d = hf_conv1d_type()
-    kinds = (nn.Linear, nn.modules.conv._ConvNd) + ((conv1d,) if conv1d is not None else ())
+    kinds = tuple(t for k in registered() if k.cut_to_rank1 for t in k.finds)
     saved: list[tuple[torch.Tensor, torch.Tensor]] = []
     seen: set[int] = set()  # a weight tied between modules is cut (and saved) once
     g = torch.Generator().manual_seed(0)
@@ -68,14 +68,14 @@ _GLOBAL_HOOKS = ("_global_forward_hooks", "_global_forward_pre_hooks", "_global_
                  "_global_module_registration_hooks", "_global_buffer_registration_hooks")
 
 
-def fingerprint(model: nn.Module, content: bool) -> dict[str, Any]:
+def fingerprint(model: nn.Module, content: bool) -> dict[str, object]:
     """What a metric may not change, by name: every module (identity, training flag, hook counts), every parameter
     and buffer (identity, storage, shape, dtype, in-place version counter), torch's global module hooks; with
     ``content`` also each tensor's values (float64 sum and sum of squares: a write through ``.data``, which the
     version counter does not see). Cheap without ``content`` (no tensor is read)."""
     from torch.nn.modules import module as module_mod
 
-    out: dict[str, Any] = {f"torch's {g}": len(getattr(module_mod, g, {}) or {}) for g in _GLOBAL_HOOKS}
+    out: dict[str, object] = {f"torch's {g}": len(getattr(module_mod, g, {}) or {}) for g in _GLOBAL_HOOKS}
     for name, m in model.named_modules(remove_duplicate=False):
         hooks = tuple(len(getattr(m, h, None) or {}) for h in _HOOKS)
         out[f"module {name or '(root)'}"] = (id(m), m.training, hooks)
@@ -90,7 +90,7 @@ def fingerprint(model: nn.Module, content: bool) -> dict[str, Any]:
     return out
 
 
-def _changed(before: dict[str, Any], after: dict[str, Any]) -> str:
+def _changed(before: dict[str, object], after: dict[str, object]) -> str:
     """The first thing named in one fingerprint and not the same in the other ("" none)."""
     for k in [*before, *(k for k in after if k not in before)]:
         if before.get(k) != after.get(k):
@@ -98,7 +98,7 @@ def _changed(before: dict[str, Any], after: dict[str, Any]) -> str:
     return ""
 
 
-def _user_line(exc: BaseException, fn: Any) -> str:
+def _user_line(exc: BaseException, fn: object) -> str:
     """``file:line`` of the metric's own frame nearest the error (else the deepest frame), "" without one."""
     code = getattr(fn, "__code__", None)
     frames = []
@@ -150,12 +150,12 @@ class _Scorer(Scorer):
             raise AuditError(f"metric {label} returned {v}", "Return a finite float, higher is better")
         return v
 
-    def _run(self, model: nn.Module) -> Any:
+    def _run(self, model: nn.Module) -> object:
         from ...sources.factory import _run_user_code
 
         metric, where = self.ev.metric, [""]
 
-        def call() -> Any:
+        def call() -> object:
             try:
                 with torch.no_grad():
                     return metric.fn(model, self.batches)  # type: ignore[misc]
@@ -177,7 +177,7 @@ class _Scorer(Scorer):
     def check(self, dense: nn.Module, digest: str) -> list[str]:
         """The metric must fall when every layer is cut to rank 1 (cached per function, data and tolerance)."""
         metric = self.ev.metric
-        fn: Any = metric.fn
+        fn: Callable[..., float] | None = metric.fn
         try:
             hash(fn)
         except TypeError:

@@ -5,12 +5,12 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ..structure.layers import ParamTable
-from ..results import Layer
-from .inputs import Calibration
-from .session import CalibrationSession
-from .stats import InputStatistics, by_name
-from .whiten import WhitenedSpectrum, whitened_spectra
+from ...structure.layers import ParamTable
+from ...results import Layer
+from ..data.inputs import Calibration
+from ..session import CalibrationSession
+from ..statistics.stats import InputStatistics, by_name
+from ..statistics.whiten import WhitenedSpectrum, whitened_spectra
 
 
 def tier1(model: nn.Module, layers: dict[str, Layer] | list[Layer], calibration: Calibration | CalibrationSession,

@@ -16,15 +16,18 @@ from __future__ import annotations
 
 import math
 from dataclasses import replace
-from typing import Any
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 from torch import nn
 
-from ..calresults import Verification
-from .inputs import Batch, Calibration, model_device
+from ...calresults import Verification
+from ..data.inputs import Batch, Calibration, model_device
 from .metric import Evaluator, Metric
+
+if TYPE_CHECKING:
+    from ..metrics.base import RowScorer
 
 SEARCH_SHARE = 0.5  # of the held-out rows, for the search; the rest verify
 RESAMPLES = 2000
@@ -36,7 +39,7 @@ RESOLVE = 0.25  # an interval resolves the tolerance when its half-width is at m
 def _slice(b: Batch, lo: int, hi: int) -> Batch:
     n = b.rows
 
-    def cut(x: Any) -> Any:
+    def cut(x: object) -> object:
         return x[lo:hi] if isinstance(x, torch.Tensor) and x.dim() > 0 and x.shape[0] == n else x
 
     return Batch(tuple(cut(a) for a in b.args), {k: cut(v) for k, v in b.kwargs.items()})
@@ -89,7 +92,7 @@ class Verifier:
         with torch.no_grad():
             if metric.spec.verified_by_rows:  # summed row by row: resampled for the interval
                 like = share._rows if share is not None else None
-                self._rows: Any = metric.spec.row_scorer(dense, self.batches, like)
+                self._rows: "RowScorer" = metric.spec.row_scorer(dense, self.batches, like)
                 self.reference = self._rows.reference
             else:  # scored all at once: its value on these rows, no interval
                 self._rows = None
@@ -100,7 +103,7 @@ class Verifier:
         with torch.no_grad():
             return self._rows.sums(model)
 
-    def _value(self, sums: tuple[np.ndarray, ...], idx: Any = slice(None)) -> float:
+    def _value(self, sums: tuple[np.ndarray, ...], idx: "slice | np.ndarray" = slice(None)) -> float:
         return self._rows.value(sums, idx)
 
     @property
@@ -109,7 +112,7 @@ class Verifier:
         return None if self._rows is None else self._rows.last_top1
 
     @property
-    def rows_scorer(self) -> Any:
+    def rows_scorer(self) -> "RowScorer":
         """The metric's row scorer (None for a metric scored all at once)."""
         return self._rows
 

@@ -15,7 +15,7 @@ where ``g`` is the gradient at the layer's output of
   KL and, to first order, the relative perplexity increase.
 
 The truncation tier 3 applies at rank r keeps F_r = U_r U_r^T F (U the left singular vectors of the whitened F S,
-:mod:`~auditor.calibration.whiten`), so D = (I - U_r U_r^T) F and, in the basis that diagonalises F S S^T F^T,
+:mod:`~auditor.calibration.statistics.whiten`), so D = (I - U_r U_r^T) F and, in the basis that diagonalises F S S^T F^T,
 
     cost(r) = c * sum_{i > r} q_i * gamma_i,    q_i = u_i^T F S F^T u_i,   gamma_i = u_i^T G u_i:
 
@@ -34,23 +34,28 @@ import math
 import os
 import time
 from collections.abc import MutableMapping
-from dataclasses import dataclass, field, replace
-from typing import Any, Callable, Iterator
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Callable, Iterator, TypedDict
 
 import numpy as np
 import torch
 from torch import nn
 from torch.autograd.graph import get_gradient_edge
 
-from .. import lrmath
-from ..errors import AuditError, first_line
-from ..results import Kind, Layer
-from .inputs import Batch, Calibration, eval_mode, model_device
-from .metric import Metric, _row_mask, main_output
-from .stats import InputStatistics, LayerInput, _module_path, by_name
-from .whiten import DAMP, WhitenedSpectrum, function_matrices, save_spilled
+from ... import kinds, lrmath
+from ...errors import AuditError, first_line
+from ...results import Layer
+from ..data.inputs import Batch, Calibration, eval_mode, model_device
+from ..measure.metric import Metric, _row_mask, main_output
+from ..statistics.stats import InputStatistics, LayerInput, _module_path, by_name
+from ..statistics.whiten import DAMP, WhitenedSpectrum, function_matrices, save_spilled
 
-GRADIENT_KINDS = (Kind.LINEAR, Kind.CONV1D_HF, Kind.EMBEDDING)
+if TYPE_CHECKING:
+    from typing_extensions import Unpack
+
+    from ..statistics.stream import Blocks
+
+GRADIENT_KINDS = kinds.registry.KindSet(lambda k: k.gradient_sensitivity, "read by the gradient pass")  # live view
 SAMPLES = 2  # random projections (output error) or sampled label sets (likelihood metrics) per fit batch
 
 
@@ -73,15 +78,13 @@ class OutputGradients:
 
 
 def _out_in(layer: Layer) -> tuple[int, int]:
-    """(out, in) of the layer's function matrix: an embedding's is (dim, vocabulary), the stored view transposed."""
-    return (layer.n, layer.m) if layer.kind == Kind.EMBEDDING else (layer.m, layer.n)
+    """(out, in) of the layer's function matrix (the kind's: an embedding's is (dim, vocabulary))."""
+    return kinds.for_kind(layer.kind).function_shape(layer)
 
 
 def _function_view(layer: Layer, weight: torch.Tensor) -> torch.Tensor:
-    """F (out x in) as a view of the stored weight, for carrying an output gradient back: g @ F."""
-    if layer.kind == Kind.LINEAR:
-        return weight
-    return weight.t()  # transformers' Conv1D stores (in, out); an embedding (vocab, dim) is F^T
+    """F (out x in) as a view of the stored weight, for carrying an output gradient back: g @ F (the kind's)."""
+    return kinds.for_kind(layer.kind).function_view(layer, weight)
 
 
 def output_gradients(model: nn.Module, layers: dict[str, Layer] | list[Layer], calibration: Calibration,
@@ -90,7 +93,7 @@ def output_gradients(model: nn.Module, layers: dict[str, Layer] | list[Layer], c
     """One forward and ``samples`` backward passes per fit batch, gradient hooks on every supported layer's output
     (rows with ``attention_mask`` 0 left out, as in the statistics). The model runs where it is, in eval mode; no
     parameter's ``requires_grad`` or ``.grad`` is touched (the graph starts at the hooked outputs). Where the model
-    has repeated blocks (:func:`~auditor.calibration.stream.find_blocks`) each block runs checkpointed
+    has repeated blocks (:func:`~auditor.calibration.statistics.stream.find_blocks`) each block runs checkpointed
     (``torch.utils.checkpoint``, non-reentrant): the backward recomputes one block's activations at a time, so the
     activations alive at once are the blocks' inputs and one block's, not every block's."""
     if not metric.spec.gradient:
@@ -133,7 +136,7 @@ class _Pass:
     error (random projections); the dense output's squared norm or the positions scored; backward passes run."""
 
     likelihood: bool
-    logprobs: Callable[..., Any] | None  # the metric's (log-probabilities, labels) of an output and its batch
+    logprobs: Callable[..., object] | None  # the metric's (log-probabilities, labels) of an output and its batch
     samples: int
     gen: torch.Generator
     device: torch.device
@@ -203,12 +206,12 @@ class _Capture:
     and keep nothing."""
 
     def __init__(self, model: nn.Module, modules: dict[str, nn.Module]) -> None:
-        self.captured: list[tuple[str, Any]] = []
+        self.captured: list[tuple[str, object]] = []
         self.recording = True
         self.handles = [m.register_forward_hook(self._hook(p)) for p, m in modules.items()]
 
-    def _hook(self, path: str) -> Callable[..., Any]:
-        def fn(mod: nn.Module, args: Any, out: Any) -> Any:
+    def _hook(self, path: str) -> Callable[..., object]:
+        def fn(mod: nn.Module, args: object, out: object) -> object:
             if not isinstance(out, torch.Tensor) or not out.is_floating_point():
                 return None
             if not out.requires_grad:
@@ -288,9 +291,9 @@ def _losses(y: torch.Tensor, b: Batch, keep: torch.Tensor | None, p: _Pass) -> l
     return [projection] * p.samples
 
 
-def _blocks(model: nn.Module, layers: list[Layer]) -> Any:
-    """The model's repeated blocks holding most of ``layers`` (:func:`~auditor.calibration.stream.find_blocks`)."""
-    from .stream import find_blocks
+def _blocks(model: nn.Module, layers: list[Layer]) -> "Blocks | None":
+    """The model's repeated blocks holding most of ``layers`` (:func:`~auditor.calibration.statistics.stream.find_blocks`)."""
+    from ..statistics.stream import find_blocks
 
     return find_blocks(model, layers) if layers else None
 
@@ -299,7 +302,7 @@ def _moment_bytes(layer: Layer) -> int:
     return 8 * min(_out_in(layer)) ** 2
 
 
-def _part_bytes(found: Any, layers: list[Layer]) -> int | None:
+def _part_bytes(found: "Blocks | None", layers: list[Layer]) -> int | None:
     """The second moments of the largest part of the model: one block's layers together, or one layer outside the
     blocks; None (no limit) without repeated blocks."""
     if found is None:
@@ -318,7 +321,7 @@ class Moments(MutableMapping):
         self.bytes = 0
         self.mem: dict[str, np.ndarray] = {}
         self.files: dict[str, str] = {}
-        self._dir: Any = None
+        self._dir: "tempfile.TemporaryDirectory[str] | None" = None
 
     def add(self, name: str, s: np.ndarray) -> None:
         """``s`` added to ``name``'s sum (its first term when there is none)."""
@@ -340,7 +343,7 @@ class Moments(MutableMapping):
             return
         import tempfile
 
-        from .._env import scratch_prefix, sweep_scratch
+        from ..._env import scratch_prefix, sweep_scratch
 
         if self._dir is None:
             sweep_scratch()  # a killed run's folders first
@@ -370,32 +373,23 @@ class Moments(MutableMapping):
 
 
 @contextlib.contextmanager
-def _checkpointed(found: Any) -> Iterator[None]:
+def _checkpointed(found: "Blocks | None") -> Iterator[None]:
     """While the block runs, each repeated block (``found``, where the model has them) runs through
     ``torch.utils.checkpoint`` (non-reentrant), without the key/value caches it would fill (they would grow when
     the block is recomputed)."""
     from torch.utils.checkpoint import checkpoint
 
-    from .stream import _keep
+    from ..statistics.stream import _keep, patched_forwards
 
-    blocks = list(found.blocks) if found is not None else []
-    saved = [(blk, blk.__dict__.get("forward")) for blk in blocks]
+    def wrap(_i: int, blk: nn.Module) -> Callable[..., object]:
+        fwd = blk.forward
 
-    def wrap(fwd: Callable[..., Any]) -> Callable[..., Any]:
-        def run(*args: Any, **kwargs: Any) -> Any:
+        def run(*args: object, **kwargs: object) -> object:
             return checkpoint(fwd, *args, use_reentrant=False, **_keep(kwargs))
         return run
 
-    try:
-        for blk in blocks:
-            blk.forward = wrap(blk.forward)  # type: ignore[method-assign]
+    with patched_forwards(list(found.blocks) if found is not None else [], wrap):
         yield
-    finally:
-        for blk, fwd in saved:
-            if fwd is None:
-                del blk.forward
-            else:
-                blk.forward = fwd
 
 
 def gradient_costs(layer: Layer, weight: torch.Tensor, inp: LayerInput, grads: OutputGradients,
@@ -466,14 +460,22 @@ class GradientSettings:
     progress: Callable[[int, int], None] | None = None
 
 
+class GradientFields(TypedDict, total=False):
+    """The keywords of :func:`gradient_sensitivity`: :class:`GradientSettings`' fields."""
+
+    samples: int
+    seed: int
+    progress: Callable[[int, int], None] | None
+
+
 def gradient_sensitivity(model: nn.Module, layers: dict[str, Layer] | list[Layer], calibration: Calibration,
                          metric: Metric, stats: InputStatistics, spectra: dict[str, WhitenedSpectrum],
-                         settings: GradientSettings | None = None, **fields: Any) -> GradientSensitivity:
+                         **fields: Unpack[GradientFields]) -> GradientSensitivity:
     """Every layer's predicted cost curve from one backward pass per sample (:func:`output_gradients`) and its input
     statistics; layers without gradients (other kinds, and the ``unreachable`` ones no gradient reached, which the
     audit's stage probes instead) get tier 1's squared error times the median ratio.
-    ``settings`` (a :class:`GradientSettings`), or its fields as keywords (``samples``, ``seed``, ``progress``)."""
-    o = replace(settings or GradientSettings(), **fields)
+    The settings as keywords (:class:`GradientFields`: ``samples``, ``seed``, ``progress``)."""
+    o = GradientSettings(**fields)
     named = by_name(layers)
     grads = output_gradients(model, named, calibration, metric, o.samples, o.seed, o.progress)
     t = time.perf_counter()

@@ -3,9 +3,9 @@
 A :class:`SweepPlugin` (a ``distributed.WorkerPlugin``) is registered once per audit. It carries, as one pickled
 payload: how to get the model, the calibration batches, the tier-1 input statistics (so the whitened initialisation
 is the one a local run uses), the layers, the tier-1 whitened spectra (where each bisection starts), the metric, the
-tolerance and the alignment. On a worker's first task the plugin builds one :class:`~auditor.calibration.sweep.Sweeper`
-and keeps it; every task then calls ``sweeper.floor(layer)`` and returns the :class:`~auditor.calibration.sweep.Floor`
-(plain data). A last small task turns the floors into :class:`~auditor.calibration.sweep.Floors` with
+tolerance and the alignment. On a worker's first task the plugin builds one :class:`~auditor.calibration.tiers.sweep.Sweeper`
+and keeps it; every task then calls ``sweeper.floor(layer)`` and returns the :class:`~auditor.calibration.tiers.sweep.Floor`
+(plain data). A last small task turns the floors into :class:`~auditor.calibration.tiers.sweep.Floors` with
 ``Sweeper.result`` on a worker that holds a sweeper, so this process never builds one.
 
 How the model gets to a worker:
@@ -32,23 +32,25 @@ import threading
 import time
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Callable
 
 from distributed.diagnostics.plugin import WorkerPlugin
 
-from ..errors import AuditError
-from ..spectra.dask_executor import DaskExecutor, executor_for, is_url, map_path
+from ...errors import AuditError
+from ...spectra.dask_executor import DaskExecutor, executor_for, is_url, map_path
 
 if TYPE_CHECKING:
+    from distributed import Worker
     from torch import nn
 
-    from ..options import AuditOptions, LoadOptions
-    from ..results import Layer
-    from .inputs import Calibration
-    from .metric import Metric
-    from .stats import InputStatistics
+    from ...options import ClusterOptions, LoadOptions
+    from ...results import Layer
+    from ..data.inputs import Calibration
+    from ..measure.metric import Metric
+    from ..session import CalibrationSession
+    from ..statistics.stats import InputStatistics
     from .sweep import Floor, Floors
-    from .whiten import WhitenedSpectrum
+    from ..statistics.whiten import WhitenedSpectrum
 
 PLUGIN_PREFIX = "lowrank-sweep-"
 
@@ -58,7 +60,7 @@ class SweepPayload:
     """Everything a worker needs to build its Sweeper, sent once (pickled by the client with cloudpickle)."""
 
     source: tuple[str, "LoadOptions"] | None  # load the model from this (worker-side paths) ...
-    model: Any  # ... or this module (None when loaded by source)
+    model: "nn.Module | None"  # ... or this module (None when loaded by source)
     weights_hash: str  # of this process's model, checked after a load by source
     layers: list["Layer"]
     calibration: "Calibration"
@@ -95,31 +97,31 @@ class SweepPlugin(WorkerPlugin):
     def __init__(self, name: str, payload: bytes) -> None:
         self.name = name
         self.payload = payload
-        self._sweeper: Any = None
+        self._sweeper: "Sweeper | None" = None
         self._lock: threading.Lock | None = None
         self.address = ""
 
-    def __getstate__(self) -> dict[str, Any]:
+    def __getstate__(self) -> dict[str, object]:
         return {"name": self.name, "payload": self.payload}
 
-    def __setstate__(self, state: dict[str, Any]) -> None:
+    def __setstate__(self, state: dict[str, object]) -> None:
         self.__init__(state["name"], state["payload"])  # type: ignore[misc]
 
-    def setup(self, worker: Any) -> None:
+    def setup(self, worker: "Worker") -> None:
         """Keep the payload; the Sweeper is built in the first task's thread (loading a model there never blocks the
         worker's event loop and heartbeats)."""
         self.address = str(worker.address)
         self._lock = threading.Lock()
 
-    def teardown(self, worker: Any) -> None:
+    def teardown(self, worker: "Worker") -> None:
         self._sweeper = None
 
-    def sweeper(self) -> Any:
+    def sweeper(self) -> "Sweeper":
         """The worker's Sweeper, built once from the payload (call with the lock held)."""
         if self._sweeper is None:
             import cloudpickle
 
-            from .hashing import weights_hash
+            from ..data.hashing import weights_hash
             from .sweep import Sweeper
 
             p: SweepPayload = cloudpickle.loads(self.payload)
@@ -136,7 +138,7 @@ class SweepPlugin(WorkerPlugin):
             self.payload = b""  # the sweeper holds what it needs (a replacement worker gets the scheduler's copy)
         return self._sweeper
 
-    def run(self, fn: Callable[[Any], Any]) -> Any:
+    def run(self, fn: Callable[["Sweeper"], object]) -> object:
         """``fn(sweeper)`` with the worker's lock held and one BLAS thread (as the local stage runs)."""
         from threadpoolctl import threadpool_limits
 
@@ -168,7 +170,7 @@ def result_task(task: ResultTask) -> "Floors":
 def _load_by_source(source: tuple[str, "LoadOptions"]) -> "nn.Module":
     from torch import nn
 
-    from ..sources import load_source
+    from ...sources import load_source
 
     spec, load = source
     loaded = load_source(spec, input_shape=[tuple(s) for s in load.input_shape] if load.input_shape else None,
@@ -216,11 +218,11 @@ def mapped_source(spec: str, load: "LoadOptions", path_map: tuple[tuple[str, str
     return new_spec, load
 
 
-def _user_modules(objs: list[Any]) -> list[Any]:
+def _user_modules(objs: list[object]) -> list[object]:
     """The modules defining these objects' classes (and functions) that are the user's own code: not installed in
     site-packages, not the standard library, not torch or this package. They are pickled by value."""
     stdlib = {os.path.realpath(sysconfig.get_paths()[k]) for k in ("stdlib", "platstdlib")}
-    seen: dict[str, Any] = {}
+    seen: dict[str, object] = {}
     for obj in objs:
         names = {getattr(obj, "__module__", None)} if callable(obj) and not hasattr(obj, "modules") else set()
         if hasattr(obj, "modules"):
@@ -242,7 +244,7 @@ def payload_bytes(payload: SweepPayload) -> bytes:
     """``payload`` pickled with cloudpickle, the user's own modules (model classes, metric) by value."""
     import cloudpickle
 
-    objs: list[Any] = [payload.metric.fn] if payload.metric.fn is not None else []
+    objs: list[object] = [payload.metric.fn] if payload.metric.fn is not None else []
     if payload.model is not None:
         objs.append(payload.model)
     mods = _user_modules(objs)
@@ -261,9 +263,9 @@ def measured_part(calibration: "Calibration") -> "Calibration":
     the whole of it, once per batch."""
     import torch
 
-    from .inputs import Batch
+    from ..data.inputs import Batch
 
-    def own(x: Any) -> Any:
+    def own(x: object) -> object:
         if isinstance(x, torch.Tensor) and x.untyped_storage().nbytes() > x.numel() * x.element_size():
             return x.clone()
         return x
@@ -273,7 +275,7 @@ def measured_part(calibration: "Calibration") -> "Calibration":
     return replace(calibration, fit=[], holdout=batches)
 
 
-def _remove_plugin(client: Any, name: str) -> None:
+def _remove_plugin(client: object, name: str) -> None:
     try:
         client.unregister_worker_plugin(name)
     except Exception:  # noqa: BLE001 - a lost scheduler or worker: nothing left to free
@@ -281,10 +283,10 @@ def _remove_plugin(client: Any, name: str) -> None:
 
 
 def _payload(model: "nn.Module", layers: list["Layer"], calibration: "Calibration", base: SweepPayload,
-             options: "AuditOptions") -> SweepPayload:
+             options: "ClusterOptions") -> SweepPayload:
     """``base`` with how the workers get the model (by source where the audit has one that maps to local files,
     else by value) and only the held-out part of the calibration."""
-    from .hashing import weights_hash
+    from ..data.hashing import weights_hash
 
     source = None
     if options.origin is not None:
@@ -294,28 +296,28 @@ def _payload(model: "nn.Module", layers: list["Layer"], calibration: "Calibratio
                    calibration=measured_part(calibration))
 
 
-def measure_floors_on_cluster(model: "nn.Module", layers: list["Layer"], calibration: "Calibration",
-                              metric: "Metric", align: int, stats: "InputStatistics",
-                              spectra: dict[str, "WhitenedSpectrum"], options: "AuditOptions",
-                              ) -> tuple["Floors", str]:
+def measure_floors_on_cluster(model: "nn.Module", layers: list["Layer"], session: "CalibrationSession", align: int,
+                              spectra: dict[str, "WhitenedSpectrum"], options: "ClusterOptions",
+                              progress: bool | str | None = None) -> tuple["Floors", str]:
     """Tier 2 with one Dask task per layer on ``options.scheduler`` (an address or a ``distributed.Client``):
-    the same :class:`~auditor.calibration.sweep.Floors` ``measure_floors`` returns with its bisection, and where it
+    the same :class:`~auditor.calibration.tiers.sweep.Floors` ``measure_floors`` returns with its bisection, and where it
     ran ("dask tcp://HOST:PORT (N workers)"). Progress (tasks done / total) goes to the run's progress bar. (The
-    brute-force reference, ``search="all"``, runs locally: :func:`~auditor.calibration.sweep.measure_floors`.)"""
+    brute-force reference, ``search="all"``, runs locally: :func:`~auditor.calibration.tiers.sweep.measure_floors`.)"""
     import uuid
 
-    from ..progress import Progress
+    from ...progress import Progress
 
+    calibration, metric, stats = session.calibration, session.metric, session.stats
     t0 = time.perf_counter()
     search = "bisect"
     data = payload_bytes(_payload(model, layers, calibration, SweepPayload(
         None, None, "", list(layers), calibration, stats, dict(spectra), metric, align), options))
     name = f"{PLUGIN_PREFIX}{uuid.uuid4().hex[:12]}"
-    progress = Progress(enabled=options.progress)
+    bar = Progress(enabled=progress)
     with executor_for(options.scheduler, options.path_map) as ex:
         ex.client.register_plugin(SweepPlugin(name, data), name=name)
         try:
-            floors, where = _run(ex, name, [l.name for l in layers], search, progress)
+            floors, where = _run(ex, name, [l.name for l in layers], search, bar)
             items = [ResultTask(name, floors, search, time.perf_counter() - t0)]
             [(_, result)] = list(ex.run(result_task, items, [0], prefer=sorted(where)))
         finally:
@@ -323,7 +325,7 @@ def measure_floors_on_cluster(model: "nn.Module", layers: list["Layer"], calibra
         return replace(result, seconds=time.perf_counter() - t0), ex.where
 
 
-def _run(ex: DaskExecutor, plugin: str, names: list[str], search: str, progress: Any,
+def _run(ex: DaskExecutor, plugin: str, names: list[str], search: str, progress: "Progress",
          ) -> tuple[dict[str, "Floor"], set[str]]:
     tasks = [SweepTask(n, plugin, search) for n in names]
     got: dict[str, "Floor"] = {}

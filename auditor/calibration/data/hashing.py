@@ -30,10 +30,17 @@ _SIMPLE = (bool, int, float, complex, str, bytes, type(None))
 _MAX_DEPTH = 6  # functions reached from a forward through globals, followed this deep
 
 
+HEAP_TYPE = 1 << 9  # Py_TPFLAGS_HEAPTYPE: a class made by Python code (``class`` or ``type(...)``), not by C
+
+
 def _external(obj: object) -> bool:
-    """torch's own code (pinned by its version in the key) and builtins are not walked."""
+    """torch's own code (pinned by its version in the key) and builtins are not walked. A class that only says it
+    is of ``builtins`` is walked: one defined by code run with ``exec`` in a namespace without ``__name__`` (a
+    factory's source) is named so, and its forward is the model's code."""
     mod = getattr(obj, "__module__", None) or ""
-    return mod == "builtins" or mod.split(".")[0] in ("torch", "numpy", "typing", "functools", "collections")
+    if mod == "builtins":
+        return not (isinstance(obj, type) and obj.__flags__ & HEAP_TYPE)
+    return mod.split(".")[0] in ("torch", "numpy", "typing", "functools", "collections")
 
 
 def _const_repr(c: object) -> str:

@@ -20,15 +20,16 @@ from __future__ import annotations
 import contextlib
 import math
 import os
+import tempfile
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Callable
 
 import numpy as np
 import torch
 
-from .. import kinds, lrmath
-from ..results import Kind, Layer
+from ... import kinds, lrmath
+from ...results import Layer
 from .stats import LayerInput
 
 if TYPE_CHECKING:
@@ -233,7 +234,7 @@ class Truncator:
 def truncator_bytes(layer: Layer) -> int:
     """Bytes of the float64 arrays a :class:`Truncator` of ``layer`` holds: F (groups x out x in) and each group's
     U (out x min(out, in)). An estimate made before any is built, from the stored matrix (high for grouped maps)."""
-    out, inp = (layer.n, layer.m) if layer.kind == Kind.EMBEDDING else (layer.m, layer.n)
+    out, inp = kinds.for_kind(layer.kind).function_shape(layer)
     return 8 * out * (inp + min(out, inp))
 
 
@@ -242,26 +243,45 @@ def save_spilled(path: str, a: np.ndarray, what: str) -> None:
     try:
         np.save(path, a, allow_pickle=False)
     except OSError as exc:
-        from ..errors import AuditError
+        from ...errors import AuditError
 
         raise AuditError(f"cannot write {what} to {os.path.dirname(path)}: {exc.strerror or exc}",
                          "Free disk space there, or set TMPDIR to a directory with room") from None
 
 
+REUSE_SHARE = 0.25  # of the memory available when tier 3 starts, for the decompositions kept across plans
+REUSE_CAP = 8 * 2**30  # bytes, at most, by default
+REUSE_FALLBACK = 2 * 2**30  # bytes by default where the available memory cannot be read
+
+
+def default_reuse_bytes() -> int:
+    """The default budget of a :class:`TruncatorStore`: a quarter of the memory available now, at most 8 GiB; 2 GiB
+    where it cannot be read."""
+    from ...spectra.backend import available_memory
+
+    avail = available_memory()
+    return REUSE_FALLBACK if avail is None else max(0, min(int(avail * REUSE_SHARE), REUSE_CAP))
+
+
 class TruncatorStore(dict):
     """The per-layer truncators (:class:`Truncator`) kept across the plans tier 3 measures (``factorize``'s
-    ``reuse``), with at most ``budget`` bytes of them in memory: the rest are written to a temporary directory (F
-    and each U as ``.npy``) and read back when a plan asks for them, so the decompositions alive at once do not grow
-    with the depth. A layer is decomposed once; a decomposition read back is the same arrays, bit for bit.
-    ``bytes``: those in memory; ``spilled``: how many went to disk."""
+    ``reuse``), with at most ``budget`` bytes of them in memory (None: :func:`default_reuse_bytes`). What does not
+    fit is, with ``spill`` (the audit's store), written to a temporary directory (F and each U as ``.npy``) and read
+    back when a plan asks for it, so the decompositions alive at once do not grow with the depth; without ``spill``
+    (a library search's default) it is not kept, and computed again for the next plan that needs it (the same
+    factors: the same arrays in, the same LAPACK calls). A layer is decomposed once per store entry; a decomposition
+    read back is the same arrays, bit for bit. ``bytes``: those in memory; ``spilled``: how many went to disk;
+    ``refused``: how many were not kept."""
 
-    def __init__(self, budget: int) -> None:
+    def __init__(self, budget: int | None = None, spill: bool = True) -> None:
         super().__init__()
-        self.budget = int(budget)
+        self.budget = default_reuse_bytes() if budget is None else int(budget)
+        self.spill = spill
         self.bytes = 0
         self.spilled = 0
-        self._dir: Any = None
-        self._disk: dict[str, tuple[Layer, tuple[int, ...], Any, Any, int]] = {}
+        self.refused = 0
+        self._dir: tempfile.TemporaryDirectory[str] | None = None
+        self._disk: dict[str, tuple[Layer, tuple[int, ...], torch.dtype, torch.device, int]] = {}
 
     def __setitem__(self, key: str, trunc: Truncator) -> None:
         n = int(trunc.f.nbytes) + sum(int(u.nbytes) for u in trunc.u)
@@ -271,9 +291,11 @@ class TruncatorStore(dict):
             super().__setitem__(key, trunc)
             self.bytes += n
             return
-        import tempfile
+        if not self.spill:
+            self.refused += 1
+            return
 
-        from .._env import scratch_prefix, sweep_scratch
+        from ..._env import scratch_prefix, sweep_scratch
 
         if self._dir is None:
             sweep_scratch()  # a killed run's folders first
@@ -285,12 +307,13 @@ class TruncatorStore(dict):
         self._disk[key] = (trunc.layer, trunc.shape, trunc.dtype, trunc.device, len(trunc.u))
         self.spilled += 1
 
-    def get(self, key: str, default: Any = None) -> Any:
+    def get(self, key: str, default: Truncator | None = None) -> Truncator | None:  # type: ignore[override]
         if key in self:
             return super().__getitem__(key)
         if key not in self._disk:
             return default
         layer, shape, dtype, device, groups = self._disk[key]
+        assert self._dir is not None
         base = os.path.join(self._dir.name, f"t{list(self._disk).index(key)}")
         trunc = Truncator.__new__(Truncator)
         trunc.layer, trunc.shape, trunc.dtype, trunc.device = layer, shape, dtype, device
@@ -306,9 +329,9 @@ class TruncatorStore(dict):
         self._disk.clear()
 
 
-def part_bytes(model: Any, layers: list[Layer]) -> int:
+def part_bytes(model: torch.nn.Module, layers: list[Layer]) -> int:
     """The decompositions of the largest part of the model: one repeated block's layers together, or one layer
-    outside the blocks (:func:`~auditor.calibration.stream.find_blocks`); every layer together where the model has
+    outside the blocks (:func:`~auditor.calibration.statistics.stream.find_blocks`); every layer together where the model has
     no repeated blocks. What :class:`TruncatorStore` keeps in memory in the audit."""
     from .stream import find_blocks
 
@@ -347,7 +370,7 @@ def whitened_spectra(layers: dict[str, Layer] | list[Layer], weights: dict[str, 
 
     todo = [(layer, stats.layers[layer.name]) for layer in by_name(layers).values() if layer.name in stats.layers]
     jobs = max(1, min(jobs or os.cpu_count() or 1, len(todo) or 1))
-    def one(t: tuple[Layer, Any]) -> WhitenedSpectrum:
+    def one(t: tuple[Layer, object]) -> WhitenedSpectrum:
         return whitened_spectrum(t[0], weights[t[0].param], t[1], align, target)
 
     done: list[WhitenedSpectrum] = []

@@ -16,13 +16,13 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from ..calresults import RoundingFloor
-from ..results import Layer
+from ...calresults import RoundingFloor
+from ...results import Layer
 
 if TYPE_CHECKING:
     from torch import nn
 
-    from .session import CalibrationSession
+    from ..session import CalibrationSession
 
 LOW_PRECISION = ("bfloat16", "float16")
 
@@ -46,7 +46,7 @@ def rounding_floor(model: "nn.Module", layers: list[Layer], session: "Calibratio
     """The metric with every one of ``layers`` factorized at full rank (whitened factors from the session's
     statistics, in the model's dtype), measured by the session's evaluator on the held-out rows; None when the
     layers hold no bfloat16 / float16 weights, or there are none."""
-    from .apply import factorize
+    from ..apply import factorize
 
     dtype = low_precision(model, layers)
     if not dtype or not layers:

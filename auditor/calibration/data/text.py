@@ -2,7 +2,7 @@
 
 Which files are text (:func:`is_text_file`): a name ending ``.txt``, ``.text``, ``.md``, ``.rst`` or ``.py`` always
 (it must then be UTF-8); any other file not ending ``.safetensors``, ``.pt``, ``.pth`` or ``.bin`` when its bytes
-decode as UTF-8 and hold no NUL byte. Everything else is read as tensors (:mod:`auditor.calibration.inputs`).
+decode as UTF-8 and hold no NUL byte. Everything else is read as tensors (:mod:`auditor.calibration.data.inputs`).
 
 The text is encoded once without special tokens and cut into windows of a fixed length (default: the model's
 positions, at most 512): each window is ``prefix + chunk + suffix``, where prefix and suffix are the special tokens the
@@ -22,8 +22,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..errors import AuditError, first_line
-from ..options import CALIBRATION_MAX_BYTES as MAX_BYTES  # a text file larger than this is refused (unless raised)
+from ...errors import AuditError, first_line
+from ...options import CALIBRATION_MAX_BYTES as MAX_BYTES  # a text file larger than this is refused (unless raised)
 
 TEXT_SUFFIXES = (".txt", ".text", ".md", ".rst", ".py")
 TENSOR_SUFFIXES = (".safetensors", ".pt", ".pth", ".bin")
@@ -73,7 +73,7 @@ def is_text_file(path: Path) -> bool:
     return b"\0" not in head
 
 
-def is_text_source(source: Any) -> bool:
+def is_text_source(source: object) -> bool:
     """Whether a calibration source (a path, ``file.py:fn``, tensors, batches) is a text file."""
     if not isinstance(source, (str, Path)):
         return False
@@ -83,12 +83,12 @@ def is_text_source(source: Any) -> bool:
     return is_text_file(path)
 
 
-def check_text_sources(sources: list[Any], tokenizer: str | Path | None,
+def check_text_sources(sources: list[object], tokenizer: str | Path | None,
                        max_bytes: int | None = MAX_BYTES) -> None:
     """The checks on text calibration files that need no model (the file is a readable regular file no larger than
     ``max_bytes``, None: no cap; it is UTF-8 and not empty; there are tokenizer files), run before an audit's slow
     stages so bad text fails at once; the rest come with :func:`text_inputs`."""
-    from ..errors import describe_missing
+    from ...errors import describe_missing
 
     for i, source in enumerate(sources):
         if is_text_source(source):
@@ -125,7 +125,7 @@ def read_text(path: Path, max_bytes: int | None = None) -> str:
     """The file's text (UTF-8, a byte-order mark dropped); one-line errors for a non-UTF-8 or empty file, and for one
     larger than ``max_bytes`` (checked before a byte is read)."""
     if max_bytes is not None:
-        from ..errors import size_text
+        from ...errors import size_text
 
         size = path.stat().st_size
         if size > max_bytes:
@@ -153,8 +153,8 @@ def load_tokenizer(directory: Path) -> tuple[Any, str]:
                          f"({', '.join(TOKENIZER_FILES[:4])}, ...)",
                          "Add the tokenizer files (tokenizer.save_pretrained(DIR)), or give token ids as a "
                          "safetensors file of input_ids")
-    from ..sources.hf import offline
-    from ..sources.factory import stdout_to_stderr
+    from ...sources.hf import offline
+    from ...sources.factory import stdout_to_stderr
 
     try:
         import transformers
@@ -195,7 +195,7 @@ def model_positions(model: nn.Module | None) -> int | None:
     config = getattr(model, "config", None)
     if config is None:
         return None
-    from ..sources.hf import max_positions
+    from ...sources.hf import max_positions
 
     return max_positions(config)
 
@@ -217,6 +217,8 @@ def window_length(model: nn.Module | None, tok: Any, length: int | None) -> int:
 
 
 def _vocab(model: nn.Module | None) -> int | None:
+    """The model's vocabulary: its largest embedding table's rows (None without a model or an embedding); read by
+    the text windows and by the token checks of every calibration source (inputs.py)."""
     if model is None:
         return None
     sizes = [m.num_embeddings for m in model.modules() if isinstance(m, (nn.Embedding, nn.EmbeddingBag))]

@@ -13,28 +13,30 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING, Any, Callable
+from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING, Callable, TypedDict
 
 from torch import nn
 
-from .. import lrmath
-from ..calresults import BudgetResult, FrontierPlan
-from ..kinds.registry import SUPPORTED
-from ..surgery import count_params
-from .apply import factorize
-from ..results import Layer
-from . import metrics
-from .inputs import Calibration
-from .metric import Evaluator, Metric
-from .session import CalibrationSession
-from .stats import InputStatistics, by_name
+from ... import lrmath
+from ...calresults import BudgetResult, FrontierPlan
+from ...kinds.registry import SUPPORTED
+from ...surgery import count_params
+from ..apply import factorize
+from ...results import Layer
+from .. import metrics
+from ..data.inputs import Calibration
+from ..measure.metric import Metric, PlanMeasurer
+from ..session import CalibrationSession
+from ..statistics.stats import InputStatistics, by_name
 from .sweep import Floors
-from .whiten import WhitenedSpectrum
+from ..statistics.whiten import TruncatorStore, WhitenedSpectrum
 
 if TYPE_CHECKING:
+    from typing_extensions import Unpack
+
+    from ...options import RecoveryOptions
     from .fisher import GradientSensitivity
-    from .staged import StagedEvaluator
 
 
 @dataclass
@@ -63,7 +65,7 @@ def curves_from_floors(floors: Floors, layers: dict[str, Layer] | list[Layer],
     of measured to layer-output error at the measured ranks, interpolated (log-linear in rank) between them and held
     flat beyond. The guided search measures about 3 ranks per layer; without these the allocation could only pick
     among those (on the char transformer the budgeted plan removed 27% instead of 50% at the same tolerance).
-    ``floors`` may also be sensitivity probes (:func:`~auditor.calibration.sweep.probe_sensitivity`, ``source``
+    ``floors`` may also be sensitivity probes (:func:`~auditor.calibration.tiers.sweep.probe_sensitivity`, ``source``
     "probed"): two measured ranks a layer, the same gains between them."""
     named = by_name(layers)
     out: dict[str, list[Option]] = {}
@@ -138,7 +140,7 @@ def curves_from_spectra(spectra: dict[str, WhitenedSpectrum], layers: dict[str, 
 
 def curves_from_gradients(sensitivity: "GradientSensitivity", layers: dict[str, Layer] | list[Layer],
                           align: int = 8) -> Curves:
-    """Options from the gradient-predicted costs (:func:`~auditor.calibration.fisher.gradient_sensitivity`): every
+    """Options from the gradient-predicted costs (:func:`~auditor.calibration.tiers.fisher.gradient_sensitivity`): every
     multiple of ``align`` below break-even, costed by the layer's predicted model-level cost at that rank (the
     squared relative output error, or for a likelihood metric the cross-entropy increase in nats: ``linear``)."""
     named = by_name(layers)
@@ -197,49 +199,6 @@ def allocate(curves: Curves, target_saved: float) -> tuple[dict[str, int], int, 
     return _pick(opts, hi)
 
 
-REUSE_SHARE = 0.25  # of the memory available when tier 3 starts, for the decompositions kept across plans
-REUSE_CAP = 8 * 2**30  # bytes, at most, by default
-REUSE_FALLBACK = 2 * 2**30  # bytes by default where the available memory cannot be read
-
-
-def default_reuse_bytes() -> int:
-    """The default budget of :class:`Decompositions`: a quarter of the memory available now, at most 8 GiB; 2 GiB
-    where it cannot be read."""
-    from ..spectra.backend import available_memory
-
-    avail = available_memory()
-    return REUSE_FALLBACK if avail is None else max(0, min(int(avail * REUSE_SHARE), REUSE_CAP))
-
-
-def _truncator_bytes(trunc: object) -> int:
-    """The float64 arrays a :class:`~auditor.calibration.whiten.Truncator` holds: the weight F and each group's U."""
-    f = getattr(trunc, "f", None)
-    return int(getattr(f, "nbytes", 0)) + sum(int(u.nbytes) for u in getattr(trunc, "u", ()))
-
-
-class Decompositions(dict):
-    """The per-layer decompositions (``factorize``'s ``reuse``) kept across the plans tier 3 measures, at most
-    ``budget`` bytes of them (None: :func:`default_reuse_bytes`): a float64 weight and its U per layer would be
-    about twice the model's weights in float64 for every layer at once. A decomposition that does not fit is not
-    kept, and is computed again for the next plan that needs it (the same factors: the same arrays in, the same
-    LAPACK calls). ``bytes``: what is kept."""
-
-    def __init__(self, budget: int | None = None) -> None:
-        super().__init__()
-        self.budget = default_reuse_bytes() if budget is None else int(budget)
-        self.bytes = 0
-        self.refused = 0
-
-    def __setitem__(self, key: str, value: object) -> None:
-        n = _truncator_bytes(value)
-        old = _truncator_bytes(self[key]) if key in self else 0
-        if self.bytes - old + n > self.budget:
-            self.refused += 1
-            return
-        super().__setitem__(key, value)
-        self.bytes += n - old
-
-
 RESOLUTION = 0.005  # of the model's parameters: the search stops narrowing when its bracket's plans are this close
 GUIDED_STEPS = 2  # bracketing steps aimed by the scaled prediction before falling back to doubling or halving
 FrontierPoint = FrontierPlan  # one plan measured all at once: the report's type (auditor/calresults.py)
@@ -260,18 +219,34 @@ class SearchSettings:
     fixed: dict[str, int] | None = None
     progress: Callable[[int], None] | None = None
     reuse_bytes: int | None = None
-    reuse: Decompositions | None = None
+    reuse: TruncatorStore | None = None
     backstops: int = 0  # plans measured below the one found, a point of the model apart: fallbacks for a verification
+
+
+class SearchFields(TypedDict, total=False):
+    """The keywords of :func:`plan_for_budget`: :class:`SearchSettings`' fields, for type checkers."""
+
+    budget: float | None
+    tolerance: float | None
+    metric: Metric | Callable[..., float] | None
+    stats: InputStatistics | None
+    frontier: int
+    max_tries: int
+    fixed: dict[str, int] | None
+    progress: Callable[[int], None] | None
+    reuse_bytes: int | None
+    reuse: TruncatorStore | None
+    backstops: int
 
 
 def plan_for_budget(model: nn.Module, layers: dict[str, Layer] | list[Layer],
                     calibration: Calibration | CalibrationSession, curves: Curves,
-                    settings: SearchSettings | None = None, **given: Any) -> BudgetResult:
+                    **given: Unpack[SearchFields]) -> BudgetResult:
     """Tier 3: the largest plan over ``curves`` that holds the tolerance all at once on the held-out batches.
 
     Each target (parameters to remove) gives one plan (:func:`allocate`); a plan is factorized and measured once
     (repeated plans cost nothing), in the audit's split sessions for a built-in metric in stages
-    (:mod:`~auditor.calibration.staged`: 16 search rows, and more, doubling, only while the plan's interval straddles
+    (:mod:`~auditor.calibration.measure.staged`: 16 search rows, and more, doubling, only while the plan's interval straddles
     the tolerance). Without ``budget`` the search starts at the largest target whose predicted cost fits the
     tolerance (tolerance^2 for the relative output error, the tolerance itself for a user metric or a likelihood
     metric's linear costs). For a built-in metric the next target is the one the curves predict at the tolerance
@@ -286,14 +261,14 @@ def plan_for_budget(model: nn.Module, layers: dict[str, Layer] | list[Layer],
     every plan measured: layers whose rank comes from elsewhere (the data-free suggestion) but that the plan must hold
     with. Only layers ``factorize`` rewrites take part. The model is measured in eval mode; its mode is restored.
     ``progress(plans measured so far)`` is called after each plan is measured (how many there will be is not known).
-    ``reuse_bytes``: the budget of the per-layer decompositions kept across plans (:class:`Decompositions`; None: its
-    default; 0 decomposes every layer again for every plan), or ``reuse``: a :class:`Decompositions` of the caller's
+    ``reuse_bytes``: the budget of the per-layer decompositions kept across plans (a
+    :class:`~auditor.calibration.statistics.whiten.TruncatorStore` that keeps what fits and drops the rest; None: its
+    default; 0 decomposes every layer again for every plan), or ``reuse``: a ``TruncatorStore`` of the caller's
     (the audit's, kept for the verification and the plan check). One plan's factorized copy is alive at a time.
 
-    The settings come as a :class:`SearchSettings` or as its field names given as keywords (both: the keywords
-    replace the settings' fields)."""
+    The settings come as keywords (:class:`SearchFields`, the fields of :class:`SearchSettings`)."""
     t0 = time.perf_counter()
-    s = replace(settings or SearchSettings(), **given)
+    s = SearchSettings(**given)
     named = by_name(layers)
     fixed = _fixed_of(s.fixed, named)
     options = {k: v for k, v in curves.options.items()
@@ -304,15 +279,15 @@ def plan_for_budget(model: nn.Module, layers: dict[str, Layer] | list[Layer],
                                     stats=s.stats)  # a metric given keeps its kind (perplexity, kl, ...)
     with session.measuring():  # every module's own mode is restored afterwards
         stats = session.statistics(planned)
-        search = _Search(model, session.search_evaluator, curves, named, stats, session.metric, replace(s, fixed=fixed))
-        return search.run(t0)
+        return _search(model, session.search_evaluator, curves, named, stats, session.metric,
+                       replace(s, fixed=fixed), t0)
 
 
 def _fixed_of(fixed: dict[str, int] | None, named: dict[str, Layer]) -> dict[str, int]:
     out = {k: int(r) for k, r in (fixed or {}).items()}
     unknown = [k for k in out if k not in named]
     if unknown:
-        from ..errors import AuditError
+        from ...errors import AuditError
 
         raise AuditError(f"fixed layer(s) {', '.join(unknown[:5])} are not among the layers given",
                          "Pass every layer of the plan in layers")
@@ -323,22 +298,24 @@ def _key(plan: dict[str, int]) -> tuple[tuple[str, int], ...]:
     return tuple(sorted(plan.items()))
 
 
-class _Search:
-    """One tier-3 search: every distinct plan measured once (``tries``, in order), the bracket narrowed, the frontier
-    measured around the plan found, and the result."""
+@dataclass
+class _Plans:
+    """The plans one tier-3 search measures: each distinct plan factorized and measured once (``tries``, in order),
+    remembered by the target that asked for it; ``max_tries`` plans at most (then the last one stands in)."""
 
-    def __init__(self, model: nn.Module, ev: "Evaluator | StagedEvaluator", curves: Curves, named: dict[str, Layer],
-                 stats: InputStatistics, metric: Metric, settings: SearchSettings) -> None:
-        self.model, self.ev, self.curves, self.stats, self.metric, self.s = model, ev, curves, stats, metric, settings
-        self.fixed: dict[str, int] = dict(settings.fixed or {})
-        self.total = count_params(model)
-        self.max_saved = sum(max(o.saved for o in opts) for opts in curves.options.values())
-        self.fixed_saved = sum(named[k].params - named[k].params_at(r) for k, r in self.fixed.items())
-        self.memo: dict[tuple[tuple[str, int], ...], FrontierPlan] = {}
-        self.by_target: dict[float, FrontierPlan] = {}
-        self.tries: list[FrontierPlan] = []
-        # each layer decomposed once across the plans, within a byte budget
-        self.reuse = settings.reuse if settings.reuse is not None else Decompositions(settings.reuse_bytes)
+    model: nn.Module
+    ev: PlanMeasurer
+    curves: Curves
+    stats: InputStatistics
+    reuse: TruncatorStore  # each layer decomposed once across the plans, within a byte budget
+    fixed: dict[str, int]  # in every plan
+    fixed_saved: int  # what the fixed layers remove
+    total: int  # the model's parameters
+    max_tries: int
+    progress: Callable[[int], None] | None = None
+    memo: dict[tuple[tuple[str, int], ...], FrontierPlan] = field(default_factory=dict)
+    by_target: dict[float, FrontierPlan] = field(default_factory=dict)
+    tries: list[FrontierPlan] = field(default_factory=list)
 
     def measure(self, target: float) -> FrontierPlan:
         """The plan at ``target`` (parameters to remove), measured all at once the first time it comes up."""
@@ -348,23 +325,40 @@ class _Search:
         plan = {**plan, **self.fixed}
         key = _key(plan)
         if key not in self.memo:  # each distinct plan is factorized and measured once
-            if len(self.tries) >= self.s.max_tries:  # the safety net: the last plan measured stands in
+            if len(self.tries) >= self.max_tries:  # the safety net: the last plan measured stands in
                 return self.tries[-1]
             self.memo[key] = self._measured(plan, saved + self.fixed_saved, cost, target)
             self.tries.append(self.memo[key])
-            if self.s.progress is not None:
-                self.s.progress(len(self.tries))
+            if self.progress is not None:
+                self.progress(len(self.tries))
         self.by_target[target] = self.memo[key]
         return self.memo[key]
 
     def _measured(self, plan: dict[str, int], saved: int, cost: float, target: float) -> FrontierPlan:
         ev = self.ev
         m = ev.measure(factorize(self.model, plan, self.stats, reuse=self.reuse, share=True)) if plan else ev.measure(self.model)
-        rows = getattr(ev, "last_rows", None) or sum(b.rows for b in getattr(ev, "batches", ()))
         return FrontierPlan(saved, saved / self.total if self.total else 0.0, m.value, m.ok, len(plan), m.top1,
-                            target=int(target), plan=plan, predicted_cost=cost, rows=rows)
+                            target=int(target), plan=plan, predicted_cost=cost, rows=ev.rows_read)
 
-    def _within(self, cap: float) -> float:
+    def best(self, limit: float) -> FrontierPlan | None:
+        """The largest plan that held among those aimed at ``limit`` or less."""
+        held = [p for p in self.tries if p.ok and p.target <= limit]
+        return max(held, key=lambda p: (p.removed, -p.predicted_cost)) if held else None
+
+
+@dataclass(frozen=True)
+class _Aim:
+    """Where the curves put the targets: the first one, the one they predict at the tolerance once scaled by a
+    measured plan, and the point inside a bracket its ends' measured values interpolate to."""
+
+    curves: Curves
+    metric: Metric
+    budget: float | None
+    total: int
+    max_saved: int  # the most the curves can remove
+    fixed_saved: int
+
+    def within(self, cap: float) -> float:
         """The largest target whose plan's predicted cost fits ``cap``."""
         lo, hi = 0.0, float(self.max_saved)
         for _ in range(60):
@@ -377,17 +371,17 @@ class _Search:
 
     def start(self) -> float:
         """The first target: the budget's share, or the largest whose predicted cost fits the tolerance."""
-        budget = self.s.budget
+        budget = self.budget
         if budget is not None:
             if not 0 < budget < 1:
-                from ..errors import AuditError
+                from ...errors import AuditError
 
                 raise AuditError(f"budget {budget} is not a fraction in (0, 1)", "Give e.g. --budget 0.3")
             return min(max(budget * self.total - self.fixed_saved, 0.0), float(self.max_saved))
         if not self.max_saved:
             return 0.0
         cap = self.metric.tolerance if self.curves.linear else self.metric.tolerance_cost
-        return max(self._within(cap), 1.0)
+        return max(self.within(cap), 1.0)
 
     def guess(self, p: FrontierPlan) -> float | None:
         """The target the curves predict at the tolerance once their prediction is scaled by what ``p`` measured
@@ -397,88 +391,9 @@ class _Search:
         if not self.metric.spec.zero_on_dense or not (pred > 0 and 0 < p.metric < math.inf):
             return None
         want = self.metric.tolerance * pred / p.metric
-        return self._within(want if linear else want * want)
+        return self.within(want if linear else want * want)
 
-    def run(self, t0: float) -> BudgetResult:
-        start = self.start()
-        limit = float("inf") if self.s.budget is None else start
-        ok_at, fail_at = self.bracket(start, grow=self.s.budget is None)
-        self.narrow(ok_at, fail_at)
-        best = self.best(limit) or self.measure(0.0)
-        self.backstop(best)
-        points = self.frontier(best)
-        best = self.best(limit) or best  # a frontier point may hold beyond the bracket
-        return self.result(best, points, t0)
-
-    def backstop(self, best: FrontierPlan) -> None:
-        """``backstops`` plans below ``best``, each about ``2 * RESOLUTION`` of the model smaller than the last, unless
-        a plan that held lies that close already: what a verification that rejects ``best`` falls back to (the
-        search's targets jump; a fallback half the model below would give away what the search found)."""
-        step = 2 * RESOLUTION * self.total
-        at = best
-        for _ in range(self.s.backstops):
-            target = at.target - step
-            near = [p for p in self.tries if p.ok and p.plan and target - step / 2 <= p.removed - self.fixed_saved
-                    < at.removed - self.fixed_saved]
-            if target <= 0:
-                return
-            n = len(self.tries)
-            at = max(near, key=lambda p: p.removed) if near else self.measure(target)
-            at.backstop = at.backstop or len(self.tries) > n  # measured here, as the fallback
-
-    def best(self, limit: float) -> FrontierPlan | None:
-        held = [p for p in self.tries if p.ok and p.target <= limit]
-        return max(held, key=lambda p: (p.removed, -p.predicted_cost)) if held else None
-
-    def bracket(self, start: float, grow: bool) -> tuple[float, float | None]:
-        """(a target whose plan holds, a larger one whose plan fails, or None when the largest plan holds): from
-        ``start``, aimed by :meth:`guess` for ``GUIDED_STEPS`` steps (at least ``RESOLUTION`` of the model each), then
-        doubling while it holds (``grow``) and halving while it fails; 0 (the dense model) always holds."""
-        top, step = float(self.max_saved), RESOLUTION * self.total
-        p = self.measure(start)
-        if p.ok and not grow:
-            return start, None
-        at = start
-        for n in range(self.s.max_tries + 1):
-            g = self.guess(p) if n < GUIDED_STEPS else None
-            if p.ok:
-                if at >= top:
-                    return at, None
-                nxt = min(top, max(g, at + step)) if g is not None else min(top, max(2 * at, 1.0))
-            else:
-                if at < 2:
-                    return 0.0, at
-                nxt = max(0.0, min(g, at - step)) if g is not None else at / 2
-            q = self.measure(nxt)
-            if q.ok != p.ok:
-                return (at, nxt) if p.ok else (nxt, at)
-            at, p = nxt, q
-        return (at, None) if p.ok else (0.0, at)  # the safety net: max_tries plans measured
-
-    def narrow(self, ok_at: float, fail_at: float | None) -> None:
-        """Narrow [ok_at, fail_at] until no new plan lies between (targets one parameter apart at the latest), or the
-        plans at its ends remove within ``RESOLUTION`` of the model of each other: at :meth:`_between`, and at the
-        midpoint after two steps in a row moved the same end (interpolation on a convex curve creeps from one side)."""
-        if fail_at is None:
-            return
-        gap = RESOLUTION * self.total
-        ok_p, fail_p = self.measure(ok_at), self.measure(fail_at)
-        moved: list[bool] = []  # which end each step moved (True: the end that holds)
-        while fail_at - ok_at > 1 and fail_p.removed - ok_p.removed > gap:
-            if moved[-2:] in ([True, True], [False, False]):  # interpolation stuck on one side: bisect once
-                mid = ok_at + (fail_at - ok_at) / 2
-                moved.clear()
-            else:
-                mid = self._between(ok_at, ok_p, fail_at, fail_p, gap)
-            p = self.measure(mid)
-            if p.plan == ok_p.plan or (p.ok and p.plan != fail_p.plan):
-                ok_at, ok_p = mid, p
-                moved.append(True)
-            else:
-                fail_at, fail_p = mid, p
-                moved.append(False)
-
-    def _between(self, ok_at: float, ok_p: FrontierPlan, fail_at: float, fail_p: FrontierPlan, gap: float) -> float:
+    def between(self, ok_at: float, ok_p: FrontierPlan, fail_at: float, fail_p: FrontierPlan, gap: float) -> float:
         """Where the bracket's ends' measured values interpolate to the tolerance (log-linear in the target), at
         least min(gap / 2, a quarter of the bracket) inside it; the midpoint for a user metric, or values that do not
         interpolate (the dense model's 0)."""
@@ -490,69 +405,146 @@ class _Search:
         margin = min(gap / 2, width / 4)
         return min(max(x, ok_at + margin), fail_at - margin)
 
-    def frontier(self, best: FrontierPlan) -> dict[tuple[tuple[str, int], ...], FrontierPlan]:
-        """3-5 plans around ``best`` (half, 1.5x and twice its target, the largest plan), each measured once."""
-        points = {_key(best.plan): best}
-        top = self.max_saved
-        targets = [best.target * f for f in (0.5, 1.5, 2.0)] + [top]
-        if best.removed == 0:
-            targets = [top * f for f in (0.25, 0.5, 0.75, 1.0)]
-        for t in targets:
-            if len(points) >= self.s.frontier:
-                break
-            if 0 < t <= top:
-                p = self.measure(t)
-                points.setdefault(_key(p.plan), p)
-        for f in (0.25, 0.75, 0.1, 0.9):
-            if len(points) >= 3 or not top:
-                break
-            p = self.measure(top * f)
+
+def _search(model: nn.Module, ev: PlanMeasurer, curves: Curves, named: dict[str, Layer], stats: InputStatistics,
+            metric: Metric, s: SearchSettings, t0: float) -> BudgetResult:
+    """One tier-3 search: the bracket found and narrowed, fallbacks below the plan found, the frontier around it."""
+    fixed = dict(s.fixed or {})
+    fixed_saved = sum(named[k].params - named[k].params_at(r) for k, r in fixed.items())
+    total = count_params(model)
+    reuse = s.reuse if s.reuse is not None else TruncatorStore(s.reuse_bytes, spill=False)
+    plans = _Plans(model, ev, curves, stats, reuse, fixed, fixed_saved, total, s.max_tries, s.progress)
+    aim = _Aim(curves, metric, s.budget, total, sum(max(o.saved for o in opts) for opts in curves.options.values()),
+               fixed_saved)
+    start = aim.start()
+    limit = float("inf") if s.budget is None else start
+    ok_at, fail_at = _bracket(plans, aim, start, grow=s.budget is None)
+    _narrow(plans, aim, ok_at, fail_at)
+    best = plans.best(limit) or plans.measure(0.0)
+    _backstop(plans, best, s.backstops)
+    points = _frontier(plans, aim.max_saved, best, s.frontier)
+    best = plans.best(limit) or best  # a frontier point may hold beyond the bracket
+    return _result(plans, aim, best, points, t0)
+
+
+def _backstop(plans: _Plans, best: FrontierPlan, backstops: int) -> None:
+    """``backstops`` plans below ``best``, each about ``2 * RESOLUTION`` of the model smaller than the last, unless
+    a plan that held lies that close already: what a verification that rejects ``best`` falls back to (the
+    search's targets jump; a fallback half the model below would give away what the search found)."""
+    step = 2 * RESOLUTION * plans.total
+    at = best
+    for _ in range(backstops):
+        target = at.target - step
+        near = [p for p in plans.tries if p.ok and p.plan and target - step / 2 <= p.removed - plans.fixed_saved
+                < at.removed - plans.fixed_saved]
+        if target <= 0:
+            return
+        n = len(plans.tries)
+        at = max(near, key=lambda p: p.removed) if near else plans.measure(target)
+        at.backstop = at.backstop or len(plans.tries) > n  # measured here, as the fallback
+
+
+def _bracket(plans: _Plans, aim: _Aim, start: float, grow: bool) -> tuple[float, float | None]:
+    """(a target whose plan holds, a larger one whose plan fails, or None when the largest plan holds): from
+    ``start``, aimed by :meth:`_Aim.guess` for ``GUIDED_STEPS`` steps (at least ``RESOLUTION`` of the model each),
+    then doubling while it holds (``grow``) and halving while it fails; 0 (the dense model) always holds."""
+    top, step = float(aim.max_saved), RESOLUTION * plans.total
+    p = plans.measure(start)
+    if p.ok and not grow:
+        return start, None
+    at = start
+    for n in range(plans.max_tries + 1):
+        g = aim.guess(p) if n < GUIDED_STEPS else None
+        if p.ok:
+            if at >= top:
+                return at, None
+            nxt = min(top, max(g, at + step)) if g is not None else min(top, max(2 * at, 1.0))
+        else:
+            if at < 2:
+                return 0.0, at
+            nxt = max(0.0, min(g, at - step)) if g is not None else at / 2
+        q = plans.measure(nxt)
+        if q.ok != p.ok:
+            return (at, nxt) if p.ok else (nxt, at)
+        at, p = nxt, q
+    return (at, None) if p.ok else (0.0, at)  # the safety net: max_tries plans measured
+
+
+def _narrow(plans: _Plans, aim: _Aim, ok_at: float, fail_at: float | None) -> None:
+    """Narrow [ok_at, fail_at] until no new plan lies between (targets one parameter apart at the latest), or the
+    plans at its ends remove within ``RESOLUTION`` of the model of each other: at :meth:`_Aim.between`, and at the
+    midpoint after two steps in a row moved the same end (interpolation on a convex curve creeps from one side)."""
+    if fail_at is None:
+        return
+    gap = RESOLUTION * plans.total
+    ok_p, fail_p = plans.measure(ok_at), plans.measure(fail_at)
+    moved: list[bool] = []  # which end each step moved (True: the end that holds)
+    while fail_at - ok_at > 1 and fail_p.removed - ok_p.removed > gap:
+        if moved[-2:] in ([True, True], [False, False]):  # interpolation stuck on one side: bisect once
+            mid = ok_at + (fail_at - ok_at) / 2
+            moved.clear()
+        else:
+            mid = aim.between(ok_at, ok_p, fail_at, fail_p, gap)
+        p = plans.measure(mid)
+        if p.plan == ok_p.plan or (p.ok and p.plan != fail_p.plan):
+            ok_at, ok_p = mid, p
+            moved.append(True)
+        else:
+            fail_at, fail_p = mid, p
+            moved.append(False)
+
+
+def _frontier(plans: _Plans, top: int, best: FrontierPlan, size: int,
+              ) -> dict[tuple[tuple[str, int], ...], FrontierPlan]:
+    """3-5 plans around ``best`` (half, 1.5x and twice its target, the largest plan, ``top``), each measured once."""
+    points = {_key(best.plan): best}
+    targets = [best.target * f for f in (0.5, 1.5, 2.0)] + [top]
+    if best.removed == 0:
+        targets = [top * f for f in (0.25, 0.5, 0.75, 1.0)]
+    for t in targets:
+        if len(points) >= size:
+            break
+        if 0 < t <= top:
+            p = plans.measure(t)
             points.setdefault(_key(p.plan), p)
-        return points
-
-    def result(self, best: FrontierPlan, points: dict, t0: float) -> BudgetResult:
-        tries, total, metric = self.tries, self.total, self.metric
-        smallest_fail = min((p.removed for p in tries if not p.ok and p.removed > best.removed), default=None)
-        return BudgetResult(
-            plan=dict(best.plan), source=self.curves.source, budget=self.s.budget, removed=best.removed,
-            removed_fraction=best.removed_fraction, metric=best.metric, ok=best.ok, top1=best.top1,
-            frontier=sorted(points.values(), key=lambda p: p.removed), evaluations=len(tries),
-            exhausted=len(tries) >= self.s.max_tries, fixed=dict(self.fixed), smallest_failing=smallest_fail,
-            params_before=total, params_after=total - best.removed, predicted_cost=best.predicted_cost,
-            metric_label=metric.label, higher_is_better=metric.higher_is_better, reference=self.ev.reference,
-            tolerance=metric.tolerance, tries=tries, seconds=time.perf_counter() - t0)
+    for f in (0.25, 0.75, 0.1, 0.9):
+        if len(points) >= 3 or not top:
+            break
+        p = plans.measure(top * f)
+        points.setdefault(_key(p.plan), p)
+    return points
 
 
-@dataclass(frozen=True)
-class RecoverySettings:
-    """The recovery fine-tune every frontier plan gets (:func:`recover_frontier`'s keywords; see
-    :func:`auditor.recover.recover` for each)."""
-
-    steps: int
-    lr: float = 1e-4
-    trainable: str = "factors"
-    objective: str = "auto"
-    seed: int = 0
-    choose_after: bool = False
+def _result(plans: _Plans, aim: _Aim, best: FrontierPlan, points: dict[tuple[tuple[str, int], ...], FrontierPlan],
+            t0: float) -> BudgetResult:
+    tries, total, metric = plans.tries, plans.total, aim.metric
+    smallest_fail = min((p.removed for p in tries if not p.ok and p.removed > best.removed), default=None)
+    return BudgetResult(
+        plan=dict(best.plan), source=aim.curves.source, budget=aim.budget, removed=best.removed,
+        removed_fraction=best.removed_fraction, metric=best.metric, ok=best.ok, top1=best.top1,
+        frontier=sorted(points.values(), key=lambda p: p.removed), evaluations=len(tries),
+        exhausted=len(tries) >= plans.max_tries, fixed=dict(plans.fixed), smallest_failing=smallest_fail,
+        params_before=total, params_after=total - best.removed, predicted_cost=best.predicted_cost,
+        metric_label=metric.label, higher_is_better=metric.higher_is_better, reference=plans.ev.reference,
+        tolerance=metric.tolerance, tries=tries, seconds=time.perf_counter() - t0)
 
 
 def recover_frontier(model: nn.Module, session: CalibrationSession, result: BudgetResult,
-                     settings: RecoverySettings | None = None, progress: Callable[[int, int], None] | None = None,
-                     **given: Any) -> BudgetResult:
+                     recovery: "RecoveryOptions", progress: Callable[[int, int], None] | None = None,
+                     ) -> BudgetResult:
     """Every frontier plan of ``result`` measured again after the same recovery fine-tune
     (:func:`auditor.calibration.recovery.recover`: distillation toward ``model`` on the session's fit batches, the held-out ones
     only measured, with the session's evaluator), each from the whitened factors it was measured at; the plan's
     ``recovered`` says what it measured and what it cost. With a budget, the plan at the budget and the smallest
     plan that failed below it join the frontier (the plans recovery can move across the tolerance).
 
-    ``settings`` (a :class:`RecoverySettings`, or its field names as keywords: ``steps`` at least): with
+    ``recovery`` (the audit's :class:`~auditor.options.RecoveryOptions`, ``steps`` given): with
     ``choose_after`` the suggestion becomes the largest plan (within the budget) whose recovered metric holds the
     tolerance, when it removes more than the plan chosen before recovery (which holds without a fine-tune);
     ``chosen_after_recovery`` then marks it, and ``metric``/``ok`` stay its measurement before the fine-tune.
     ``progress(plans recovered, plans)`` after each. The model is measured in eval mode; its mode is restored."""
-    from ..calresults import RecoverySetup
-
-    s = replace(settings, **given) if settings is not None else RecoverySettings(**given)
+    from ...calresults import RecoverySetup
+    s = recovery
     t0 = time.perf_counter()
     frontier = _recovery_frontier(result)
     out, used = _recover_each(model, session, frontier, s, progress)
@@ -581,11 +573,12 @@ def _recovery_frontier(result: BudgetResult) -> list[FrontierPlan]:
 
 
 def _recover_each(model: nn.Module, session: CalibrationSession, frontier: list[FrontierPlan],
-                  s: RecoverySettings, progress: Callable[[int, int], None] | None) -> tuple[list[FrontierPlan], str]:
+                  s: "RecoveryOptions", progress: Callable[[int, int], None] | None,
+                  ) -> tuple[list[FrontierPlan], str]:
     """Each plan (the dense model aside) factorized, fine-tuned and measured again; and the objective the runs
     used ("auto" resolved to "kl" or "mse", so that the emitted command repeats that recovery, not another)."""
-    from ..calresults import FrontierRecovery
-    from .recovery import recover
+    from ...calresults import FrontierRecovery
+    from ..recovery import recover
 
     todo = [p for p in frontier if p.plan]
     out: list[FrontierPlan] = []

@@ -4,13 +4,13 @@ them only while those cannot tell which side of the tolerance the plan lies.
 The search rows are cut into stages that double: the first ``MIN_HEAD`` rows (the head), then the next ``MIN_HEAD``,
 then twice as many, and so on, the last stage ending at the last search row (fewer search rows than twice
 ``MIN_HEAD``: one stage). A plan is measured stage by stage, row by row (the per-row sums of
-:class:`~auditor.calibration.verify.Verifier`), and after each stage the bootstrap interval over the rows read so far
+:class:`~auditor.calibration.measure.verify.Verifier`), and after each stage the bootstrap interval over the rows read so far
 at ``STAGE_CONFIDENCE`` decides: an interval wholly within the tolerance holds, one wholly beyond it fails, and only a
 plan whose interval still straddles it reads the next stage; its value is then the metric over every row read (the
 stages' per-row sums joined: no row is run twice). A plan far from the tolerance reads the head alone; one at it
 reads every search row. The dense model's per-row sums are computed once per stage (the head's when the evaluator is
 built, a later stage's when a plan first needs it). The search only orders plans; the suggested plan is still verified
-on every verification row with the audit's interval (``stage._verify``), which is what the report's verdict says.
+on every verification row with the audit's interval (``tiers.passes.verify``), which is what the report's verdict says.
 """
 
 from __future__ import annotations
@@ -20,8 +20,8 @@ import math
 import numpy as np
 from torch import nn
 
-from ..errors import AuditError
-from .inputs import Batch
+from ...errors import AuditError
+from ..data.inputs import Batch
 from .metric import Measurement, Metric, check_repeats
 from .verify import Verifier, _slice
 
@@ -75,10 +75,10 @@ def _stages(batches: list[Batch], rows: int) -> list[list[Batch]]:
 class StagedEvaluator:
     """Measures models on ``batches`` (the search rows) in stages against the dense model's per-row sums.
 
-    ``measure(model)`` returns a :class:`~auditor.calibration.metric.Measurement` (for perplexity the relative
-    increase, as :class:`~auditor.calibration.metric.Evaluator` gives); ``last_rows`` says how many rows the last
+    ``measure(model)`` returns a :class:`~auditor.calibration.measure.metric.Measurement` (for perplexity the relative
+    increase, as :class:`~auditor.calibration.measure.metric.Evaluator` gives); ``last_rows`` says how many rows the last
     measurement read. ``evaluations``: plans measured; ``full``: those measured on every row. Built-in metrics only
-    (a user metric scores all batches at once: :class:`~auditor.calibration.metric.Evaluator`)."""
+    (a user metric scores all batches at once: :class:`~auditor.calibration.measure.metric.Evaluator`)."""
 
     def __init__(self, dense: nn.Module, batches: list[Batch], metric: Metric) -> None:
         if not metric.spec.verified_by_rows:
@@ -152,6 +152,11 @@ class StagedEvaluator:
         self.full += i == self.stages and self.stages > 1
         self.last_rows = len(sums[-1])
         return self._measurement(sums, top)
+
+    @property
+    def rows_read(self) -> int:
+        """The search rows the last measurement read (its stages)."""
+        return self.last_rows
 
     def _measurement(self, sums: tuple[np.ndarray, ...], top: tuple[np.ndarray, np.ndarray] | None) -> Measurement:
         value = self.head._value(sums)

@@ -26,19 +26,28 @@ import math
 import operator
 import time
 from dataclasses import dataclass, replace
-from typing import Any, Callable
+from dataclasses import fields as fields_of
+from typing import TYPE_CHECKING, Callable, Iterable, TypedDict
 
 import torch
 from torch import nn
 
-from .. import kinds, lrmath
-from ..calresults import LayerFloor
-from ..results import Layer
-from .inputs import Calibration, eval_mode
-from .metric import Evaluator, Metric
-from .session import CalibrationSession
-from .stats import InputStatistics, by_name
-from .whiten import Truncator, WhitenedSpectrum
+from ... import kinds, lrmath
+from ...calresults import LayerFloor
+from ...results import Layer
+from ..data.inputs import Calibration, eval_mode
+from ..measure.metric import Evaluator, Metric
+from ..session import CalibrationSession
+from ..statistics.stats import InputStatistics, by_name
+from ..statistics.whiten import Truncator, WhitenedSpectrum
+
+if TYPE_CHECKING:
+    from typing_extensions import Unpack
+
+    from torch.utils.hooks import RemovableHandle
+
+    from ..measure.metric import Measurement
+    from ..statistics.stats import LayerInput
 
 
 SWEPT = kinds.registry.SWEPT  # the kinds a floor is measured for (a live view of auditor.kinds)
@@ -61,7 +70,7 @@ class Floors:
     evaluations: int
     seconds: float
     prefix_cache: bool
-    kind: str = "output"  # the metric's kind (auditor/calibration/metric.py): how its values become costs
+    kind: str = "output"  # the metric's kind (auditor/calibration/measure/metric.py): how its values become costs
 
 
 def _ancestors(path: str) -> list[str]:
@@ -88,13 +97,13 @@ CACHE_FALLBACK = 2 * 2**30  # bytes by default where the available memory cannot
 def default_cache_bytes() -> int:
     """The prefix cache's default budget: a quarter of the memory available now (MemAvailable, lowered to the
     cgroup's room), at most 8 GiB; 2 GiB where it cannot be read."""
-    from ..spectra.backend import available_memory
+    from ...spectra.backend import available_memory
 
     avail = available_memory()
     return CACHE_FALLBACK if avail is None else max(0, min(int(avail * CACHE_SHARE), CACHE_CAP))
 
 
-def check_cache_bytes(budget: Any) -> int | None:
+def check_cache_bytes(budget: object) -> int | None:
     """``prefix_cache_bytes`` as an int (None stays None), or ValueError naming what is wrong."""
     if budget is None:
         return None
@@ -107,7 +116,7 @@ def check_cache_bytes(budget: Any) -> int | None:
     return n
 
 
-def _tensors(out: Any, seen: set[int], depth: int = 0) -> list[torch.Tensor]:
+def _tensors(out: object, seen: set[int], depth: int = 0) -> list[torch.Tensor]:
     """Every tensor an output holds: in tuples, lists, dicts (a Hugging Face ``ModelOutput``) and the attributes of
     other objects (a key/value cache), to a bounded depth; each object once."""
     if id(out) in seen or depth > 8:
@@ -117,7 +126,7 @@ def _tensors(out: Any, seen: set[int], depth: int = 0) -> list[torch.Tensor]:
         return [out]
     if isinstance(out, (str, bytes, int, float, bool, type(None))):
         return []
-    items: Any
+    items: Iterable[object]
     if isinstance(out, dict):
         items = out.values()
     elif isinstance(out, (tuple, list, set, frozenset)):
@@ -130,7 +139,7 @@ def _tensors(out: Any, seen: set[int], depth: int = 0) -> list[torch.Tensor]:
     return found
 
 
-def _storages(out: Any) -> dict[tuple[str, int], int]:
+def _storages(out: object) -> dict[tuple[str, int], int]:
     """(device, storage address) -> bytes of every storage an output's tensors keep alive: a view keeps its whole
     storage, and two views of one storage count once."""
     got: dict[tuple[str, int], int] = {}
@@ -177,17 +186,17 @@ class PrefixCache:
         self.all = set().union(*self.candidates.values()) if self.candidates else set()
         self.starts: list[dict[str, list[int]]] = []  # batch -> module path -> start seq of each call
         self.ends: list[dict[str, list[int]]] = []
-        self.outputs: list[dict[str, list[Any]]] = []
+        self.outputs: list[dict[str, list[object]]] = []
         self.batch: int | None = None
         self._ptrs = {self._key(b.args, b.kwargs): i for i, b in enumerate(evaluator.batches)}
         self._record()
 
     @staticmethod
-    def _key(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, ...]:
+    def _key(args: tuple[object, ...], kwargs: dict[str, object]) -> tuple[object, ...]:
         """A call's inputs as the recorded batch they are, or not: each tensor's identity (the evaluator holds the
         batches, so no other live tensor has it), shape, stride, offset and version, and the keyword names. A slice
         or a copy of a batch (same data pointer, other tensor) or a batch changed in place matches none."""
-        def one(t: Any) -> Any:
+        def one(t: object) -> object:
             if not isinstance(t, torch.Tensor):
                 return None
             return (id(t), tuple(t.shape), tuple(t.stride()), t.storage_offset(), t._version)
@@ -222,7 +231,7 @@ class PrefixCache:
         # replayable for any layer is followed by none that is), so its k-th call is stored when k < len(outputs)
 
     def _hooks(self, store: "_Admission", swept_by: dict[str, set[str]],
-               used_by: dict[str, set[str]]) -> list[Any]:
+               used_by: dict[str, set[str]]) -> list["RemovableHandle"]:
         """Pre- and post-hooks on every module the sweep needs: call positions, and the replayable outputs."""
         paths = {m: p for p, m in self.model.named_modules()}
         needed = set(self.owners.values()) | self.all | set().union(*self.uses.values())
@@ -231,12 +240,12 @@ class PrefixCache:
             if path not in needed:
                 continue
 
-            def pre(m: nn.Module, a: Any, path: str = path) -> None:
+            def pre(m: nn.Module, a: object, path: str = path) -> None:
                 store.seq += 1
                 self.starts[-1].setdefault(path, []).append(store.seq)
                 store.started.update(used_by.get(path, ()))  # the layers one of whose uses has started
 
-            def post(m: nn.Module, a: Any, out: Any, path: str = path) -> None:
+            def post(m: nn.Module, a: object, out: object, path: str = path) -> None:
                 store.seq += 1
                 self.ends[-1].setdefault(path, []).append(store.seq)
                 if path in self.all and not swept_by[path] <= store.started:  # replayable for a layer not yet
@@ -269,7 +278,7 @@ class _Admission:
             if self.refs[st][0] == 0:
                 self.cache.bytes -= self.refs.pop(st)[1]
 
-    def keep(self, path: str, out: Any) -> None:
+    def keep(self, path: str, out: object) -> None:
         c = self.cache
         b = len(c.outputs) - 1
         if c.budget == 0 or b in self.cut:  # a later call of a batch that lost one: its path's stored calls
@@ -294,7 +303,7 @@ class _Admission:
         c.peak_bytes = max(c.peak_bytes, c.bytes)
 
 
-def _map_tensors(out: Any, fn: Callable[[torch.Tensor], Any], other: Callable[[Any], Any] = lambda o: o) -> Any:
+def _map_tensors(out: object, fn: Callable[[torch.Tensor], object], other: Callable[[object], object] = lambda o: o) -> object:
     """``fn`` on every tensor of a module's output (a tensor, or a plain tuple or list of them), ``other`` on the rest;
     named tuples and other containers count as "the rest"."""
     if isinstance(out, torch.Tensor):
@@ -306,11 +315,11 @@ def _map_tensors(out: Any, fn: Callable[[torch.Tensor], Any], other: Callable[[A
     return other(out)
 
 
-def _detach(out: Any) -> Any:
+def _detach(out: object) -> object:
     return _map_tensors(out, torch.Tensor.detach)
 
 
-def _clone(out: Any) -> Any:
+def _clone(out: object) -> object:
     return _map_tensors(out, torch.Tensor.clone, copy.copy)
 
 
@@ -327,13 +336,13 @@ class _Replay:
             self.replayed.append({p: min(len(stored.get(p, ())), sum(1 for e in cache.ends[b].get(p, []) if e < first))
                                   for p in cache.candidates[layer]})
         self.counts: dict[str, int] = {}
-        self.handles: list[Any] = []
+        self.handles: list["RemovableHandle"] = []
         self.patched: list[nn.Module] = []
 
     def __enter__(self) -> "_Replay":
         cache = self.cache
 
-        def root_pre(m: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        def root_pre(m: nn.Module, args: tuple[object, ...], kwargs: dict[str, object]) -> None:
             cache.batch = cache._ptrs.get(cache._key(args, kwargs))
             self.counts = {}
 
@@ -344,7 +353,7 @@ class _Replay:
             mod = cache.model.get_submodule(path)
             original = mod.forward
 
-            def fwd(*args: Any, _path: str = path, _orig: Callable[..., Any] = original, **kwargs: Any) -> Any:
+            def fwd(*args: object, _path: str = path, _orig: Callable[..., object] = original, **kwargs: object) -> object:
                 b = cache.batch
                 k = self.counts.get(_path, 0)
                 self.counts[_path] = k + 1
@@ -356,7 +365,7 @@ class _Replay:
             self.patched.append(mod)
         return self
 
-    def __exit__(self, *exc: Any) -> None:
+    def __exit__(self, *exc: object) -> None:
         for h in self.handles:
             h.remove()
         for mod in self.patched:
@@ -430,16 +439,28 @@ class SweepSettings:
     prefix_cache_bytes: int | None = None
 
 
+class SweepFields(TypedDict, total=False):
+    """The keywords of :class:`Sweeper` and :func:`measure_floors`: :class:`SweepSettings`' fields."""
+
+    tolerance: float | None
+    align: int
+    metric: Metric | Callable[..., float] | None
+    stats: InputStatistics | None
+    spectra: dict[str, WhitenedSpectrum] | None
+    search: str
+    prefix_cache: bool
+    prefix_cache_bytes: int | None
+
+
 class _Evaluations:
     """One layer's evaluations at grid indices: the layer's truncated weight written into the model, the model
     measured, the original written back (bit for bit, also when the measurement raises); each rank once.
     ``results``: rank -> (value, holds, top-1 agreement)."""
 
-    def __init__(self, sweeper: "Sweeper", name: str, grid: list[int], inp: Any) -> None:
-        layer = sweeper.layers[name]
-        self.sweeper, self.name, self.grid = sweeper, name, grid
-        self.param = sweeper.params[layer.param]
-        self.original = self.param.detach().clone()
+    def __init__(self, layer: Layer, param: torch.Tensor, grid: list[int], inp: "LayerInput | None",
+                 measure: Callable[[], "Measurement"]) -> None:
+        self.grid, self.param, self.measure = grid, param, measure
+        self.original = param.detach().clone()
         self.trunc = Truncator(layer, self.original, inp)
         self.results: dict[int, tuple[float, bool, float | None]] = {}
 
@@ -451,12 +472,53 @@ class _Evaluations:
                 with torch.no_grad():
                     self.param.copy_(w)
                 del w
-                m = self.sweeper._measure(self.name)
+                m = self.measure()
             finally:
                 with torch.no_grad():
                     self.param.copy_(self.original)
             self.results[r] = (m.value, m.ok, m.top1)
         return self.results[r][1]
+
+
+def _bisect(grid: list[int], ev: _Evaluations, spec: WhitenedSpectrum | None, metric: Metric, align: int) -> int:
+    """The bracketing search from the tier-1 rank (guided by the tier-1 curve for the output error); the rank it
+    started at."""
+    target = metric.tier1_target
+    i = _tier1_index(grid, spec, align, target)
+    guide = spec if metric.output_error else None
+    lo, hi = -1, len(grid)  # grid[lo] fails (or lo = -1), grid[hi] holds with every larger rank tried
+    nxt = i
+    while hi - lo > 1:
+        if ev(nxt):
+            hi = nxt
+        else:
+            lo = nxt
+        if hi - lo <= 1 or lo == len(grid) - 1:
+            break
+        nxt = _next_rank(grid, lo, hi, ev.results, guide, metric.tolerance)
+    return grid[i]
+
+
+def _floor_of(layer: Layer, grid: list[int], results: dict[int, tuple[float, bool, float | None]],
+              floor: int | None, start: int | None, inp: "LayerInput | None", metric: Metric) -> Floor:
+    """The :class:`Floor` the measured points give, with its reason in words."""
+    cliff = grid[grid.index(floor) - 1] if floor is not None and grid.index(floor) > 0 else None
+    pts = sorted(results.items())
+    f = Floor(
+        layer=layer.name, floor=floor,
+        metric_at_floor=results[floor][0] if floor is not None else None,
+        cliff_rank=cliff, cliff_metric=results[cliff][0] if cliff is not None else None,
+        compression=layer.compression(floor) if floor is not None else None,
+        keep_dense=floor is None, start_rank=start,
+        points=[(r, v[0]) for r, v in pts],
+        top1={r: v[2] for r, v in pts if v[2] is not None},
+        init="whitened" if inp is not None else "svd",
+    )
+    f.reason = (f"rank {floor} holds {metric.label} within {metric.tolerance:g} at {f.compression:.2f}x"
+                if floor is not None else
+                f"no rank below break-even {layer.break_even:.1f} holds {metric.label} within "
+                f"{metric.tolerance:g}: keep dense (measured)")
+    return f
 
 
 class Sweeper:
@@ -478,11 +540,10 @@ class Sweeper:
     (None: :func:`default_cache_bytes`; 0 stores nothing and every module runs)."""
 
     def __init__(self, model: nn.Module, layers: dict[str, Layer] | list[Layer],
-                 calibration: Calibration | CalibrationSession, settings: "SweepSettings | None" = None,
-                 **fields: Any) -> None:
-        """``settings`` (a :class:`SweepSettings`), or its fields as keywords (``tolerance``, ``align``, ``metric``,
-        ``stats``, ``spectra``, ``prefix_cache``, ``prefix_cache_bytes``)."""
-        o = replace(settings or SweepSettings(), **fields)
+                 calibration: Calibration | CalibrationSession, **fields: Unpack[SweepFields]) -> None:
+        """The settings as keywords (:class:`SweepFields`: ``tolerance``, ``align``, ``metric``, ``stats``,
+        ``spectra``, ``prefix_cache``, ``prefix_cache_bytes``)."""
+        o = SweepSettings(**fields)
         check_cache_bytes(o.prefix_cache_bytes)  # before the session's passes over the data
         self.layers = by_name(layers)
         session = CalibrationSession.of(calibration, model, metric=o.metric, tolerance=o.tolerance,
@@ -504,7 +565,7 @@ class Sweeper:
 
     def _owners_and_uses(self) -> tuple[dict[str, str], dict[str, set[str]]]:
         """Each layer's owning module path, and every module path holding its weight (a tied weight has several)."""
-        from .stats import _module_path
+        from ..statistics.stats import _module_path
 
         owners = {name: _module_path(layer)[0] for name, layer in self.layers.items()}
         holders: dict[int, set[str]] = {}  # id of a parameter -> every module path holding it directly
@@ -519,7 +580,7 @@ class Sweeper:
     def evaluations(self) -> int:
         return self.evaluator.evaluations
 
-    def _measure(self, name: str) -> Any:
+    def _measure(self, name: str) -> "Measurement":
         with eval_mode(self.work):
             if self.cache is not None:
                 with self.cache.replay(name):
@@ -545,81 +606,30 @@ class Sweeper:
             return Floor(None, None, None, None, None, True, layer=name,
                          reason=f"no multiple of {self.align} below break-even {layer.break_even:.1f}")
         inp = self.stats.layers.get(name)
-        ev = _Evaluations(self, name, grid, inp)
+        ev = _Evaluations(layer, self.params[layer.param], grid, inp, lambda: self._measure(name))
         start = None
         if search == "all":
             for i in range(len(grid)):
                 ev(i)
         else:
-            start = self._bisect(name, grid, ev)
+            start = _bisect(grid, ev, self.spectra.get(name), self.metric, self.align)
         floor = floor_from_points({r: v[1] for r, v in ev.results.items()})
         if floor is not None and grid.index(floor) > 0:
             ev(grid.index(floor) - 1)  # the cliff is always measured
-        return self._floor_of(layer, grid, ev.results, floor, start, inp)
+        return _floor_of(layer, grid, ev.results, floor, start, inp, self.metric)
 
-    def _bisect(self, name: str, grid: list[int], ev: "_Evaluations") -> int:
-        """The bracketing search from the tier-1 rank (guided by the tier-1 curve for the output error); the rank it
-        started at."""
-        metric = self.metric
-        spec = self.spectra.get(name)
-        target = metric.tier1_target
-        i = _tier1_index(grid, spec, self.align, target)
-        guide = spec if metric.output_error else None
-        lo, hi = -1, len(grid)  # grid[lo] fails (or lo = -1), grid[hi] holds with every larger rank tried
-        nxt = i
-        while hi - lo > 1:
-            if ev(nxt):
-                hi = nxt
-            else:
-                lo = nxt
-            if hi - lo <= 1 or lo == len(grid) - 1:
-                break
-            nxt = _next_rank(grid, lo, hi, ev.results, guide, metric.tolerance)
-        return grid[i]
-
-    def _floor_of(self, layer: Layer, grid: list[int], results: dict[int, tuple[float, bool, float | None]],
-                  floor: int | None, start: int | None, inp: Any) -> Floor:
-        """The :class:`Floor` the measured points give, with its reason in words."""
-        metric = self.metric
-        cliff = grid[grid.index(floor) - 1] if floor is not None and grid.index(floor) > 0 else None
-        pts = sorted(results.items())
-        f = Floor(
-            layer=layer.name, floor=floor,
-            metric_at_floor=results[floor][0] if floor is not None else None,
-            cliff_rank=cliff, cliff_metric=results[cliff][0] if cliff is not None else None,
-            compression=layer.compression(floor) if floor is not None else None,
-            keep_dense=floor is None, start_rank=start,
-            points=[(r, v[0]) for r, v in pts],
-            top1={r: v[2] for r, v in pts if v[2] is not None},
-            init="whitened" if inp is not None else "svd",
-        )
-        f.reason = (f"rank {floor} holds {metric.label} within {metric.tolerance:g} at {f.compression:.2f}x"
-                    if floor is not None else
-                    f"no rank below break-even {layer.break_even:.1f} holds {metric.label} within "
-                    f"{metric.tolerance:g}: keep dense (measured)")
-        return f
 
     def probe(self, name: str, ranks: list[int]) -> Floor:
         """The layer truncated alone (whitened) at each of ``ranks`` and measured: a :class:`Floor` holding those
         points and no floor. What tier 3 scales tier 1's layer-output errors by when tier 2 is not run."""
         layer = self.layers[name]
-        param = self.params[layer.param]
-        original = param.detach().clone()
         inp = self.stats.layers.get(name)
-        trunc = Truncator(layer, original, inp)
-        points: list[tuple[int, float]] = []
-        top1: dict[int, float] = {}
-        for r in sorted(set(ranks)):
-            with torch.no_grad():
-                param.copy_(trunc.weight(r))
-            try:
-                m = self._measure(name)
-            finally:
-                with torch.no_grad():
-                    param.copy_(original)
-            points.append((r, m.value))
-            if m.top1 is not None:
-                top1[r] = m.top1
+        grid = sorted(set(ranks))
+        ev = _Evaluations(layer, self.params[layer.param], grid, inp, lambda: self._measure(name))
+        for i in range(len(grid)):
+            ev(i)
+        points = [(r, ev.results[r][0]) for r in grid]
+        top1 = {r: t1 for r in grid if (t1 := ev.results[r][2]) is not None}
         return Floor(None, None, None, None, None, False, points=points, layer=name, top1=top1,
                      init="whitened" if inp is not None else "svd",
                      reason=f"probed at rank{'s' if len(points) > 1 else ''} {', '.join(str(r) for r, _ in points)}")
@@ -647,10 +657,10 @@ def probe_sensitivity(model: nn.Module, layers: dict[str, Layer] | list[Layer],
     """Each layer truncated alone at its :func:`probe_ranks` and measured on the held-out batches (at most two
     evaluations a layer): ``Floors`` whose points, not floors, are what counts (``search`` "probe"). A layer's
     tier-1 layer-output error times its measured gain is its model-level cost in tier 3
-    (:func:`~auditor.calibration.budget.curves_from_floors`): a layer whose errors the rest of the model hides
+    (:func:`~auditor.calibration.tiers.budget.curves_from_floors`): a layer whose errors the rest of the model hides
     costs less than one whose errors reach the output. ``model`` is not modified."""
     t0 = time.perf_counter()
-    sweeper = Sweeper(model, layers, calibration, SweepSettings(align=align, spectra=spectra))
+    sweeper = Sweeper(model, layers, calibration, align=align, spectra=spectra)
     base = sweeper.evaluations
     out: dict[str, Floor] = {}
     if steps is not None:
@@ -667,20 +677,20 @@ def probe_sensitivity(model: nn.Module, layers: dict[str, Layer] | list[Layer],
 
 def measure_floors(model: nn.Module, layers: dict[str, Layer] | list[Layer],
                    calibration: Calibration | CalibrationSession, tolerance: float | None = None,
-                   settings: SweepSettings | None = None, progress: Callable[[str], None] | None = None,
-                   steps: Callable[[int, int, int], None] | None = None, **fields: Any) -> Floors:
-    """Tier 2: per-layer measured floors on ``calibration``'s held-out batches. ``settings`` (a
-    :class:`SweepSettings`), or its fields as keywords (see :class:`Sweeper` for the arguments). ``search``:
+                   progress: Callable[[str], None] | None = None,
+                   steps: Callable[[int, int, int], None] | None = None, **fields: Unpack[SweepFields]) -> Floors:
+    """Tier 2: per-layer measured floors on ``calibration``'s held-out batches. The settings as
+    keywords (:class:`SweepFields`; see :class:`Sweeper` for the arguments). ``search``:
     "bisect" (from the tier-1 rank in ``spectra``) or "all" (every grid rank: the brute-force reference). ``model``
     is swept in place and comes back bit for bit as it was (see :class:`Sweeper`); ``prefix_cache_bytes`` bounds
     the prefix cache (None: :func:`default_cache_bytes`). ``progress(line)`` is told each layer's floor;
     ``steps(layers done, layers, evaluations so far)`` is called after each evaluation and each layer."""
     t0 = time.perf_counter()
-    o = replace(settings or SweepSettings(), **fields)
+    o = SweepSettings(**fields)
     if tolerance is not None:
         o = replace(o, tolerance=tolerance)
     _check_search(o.search)  # before the sweeper's setup (two passes over the held-out rows)
-    sweeper = Sweeper(model, layers, calibration, o)
+    sweeper = Sweeper(model, layers, calibration, **{f.name: getattr(o, f.name) for f in fields_of(o)})
     floors: dict[str, Floor] = {}
     base = sweeper.evaluations  # the evaluator's own checks of the dense model are not the sweep's
     if steps is not None:

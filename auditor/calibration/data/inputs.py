@@ -3,7 +3,7 @@
 A source is a safetensors (or weights-only ``.pt``) file of named tensors batched along dim 0 that match the forward's
 keyword inputs (``input_ids``, ``attention_mask``, ...) or one positional input; ``file.py:fn`` / ``module:fn``
 returning an iterable of batches (a tensor, a tuple of positional inputs, or a dict of keyword inputs); a text file,
-tokenized with the model's tokenizer and cut into windows (:mod:`auditor.calibration.text`); or, from the API, such an
+tokenized with the model's tokenizer and cut into windows (:mod:`auditor.calibration.data.text`); or, from the API, such an
 iterable itself. The held-out part (the last ``holdout`` share of the rows or batches) is used only to
 measure, never to compute input statistics.
 """
@@ -17,22 +17,22 @@ import math
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterable, Iterator
+from typing import Iterable, Iterator
 
 import torch
 from torch import nn
 
-from ..errors import AuditError, describe_missing, first_line, size_text
-from ..options import CALIBRATION_MAX_BYTES, CALIBRATION_MAX_ROWS
-from .text import is_text_source, text_inputs
+from ...errors import AuditError, describe_missing, first_line, size_text
+from ...options import CALIBRATION_MAX_BYTES, CALIBRATION_MAX_ROWS
+from .text import _vocab, is_text_source, text_inputs
 
 
 @dataclass
 class Batch:
     """One forward call: positional and keyword inputs."""
 
-    args: tuple[Any, ...] = ()
-    kwargs: dict[str, Any] = field(default_factory=dict)
+    args: tuple[object, ...] = ()
+    kwargs: dict[str, object] = field(default_factory=dict)
 
     def tensors(self) -> list[tuple[str, torch.Tensor]]:
         out = [(f"arg{i}", a) for i, a in enumerate(self.args) if isinstance(a, torch.Tensor)]
@@ -40,7 +40,7 @@ class Batch:
         return out
 
     def to(self, device: torch.device) -> "Batch":
-        def mv(x: Any) -> Any:
+        def mv(x: object) -> object:
             return x.to(device) if isinstance(x, torch.Tensor) and x.device != device else x
 
         return Batch(tuple(mv(a) for a in self.args), {k: mv(v) for k, v in self.kwargs.items()})
@@ -82,7 +82,7 @@ def model_device(model: nn.Module) -> torch.device:
     return torch.device("cpu")
 
 
-def run(model: nn.Module, batch: Batch) -> Any:
+def run(model: nn.Module, batch: Batch) -> object:
     """The model's output for one batch, moved to the model's device, without gradients."""
     b = batch.to(model_device(model))
     with torch.no_grad():
@@ -223,7 +223,7 @@ def _batches_from_tensors(named: dict[str, torch.Tensor], model: nn.Module | Non
     return batches(0, cut), batches(cut, rows)
 
 
-def _as_batch(item: Any, i: int, where: str) -> Batch:
+def _as_batch(item: object, i: int, where: str) -> Batch:
     if isinstance(item, Batch):
         return item
     if isinstance(item, torch.Tensor):
@@ -236,8 +236,8 @@ def _as_batch(item: Any, i: int, where: str) -> Batch:
                      "Yield tensors, tuples of positional inputs, or dicts of keyword inputs")
 
 
-def _import_fn(spec: str) -> Any:
-    from ..sources.factory import import_user_module
+def _import_fn(spec: str) -> object:
+    from ...sources.factory import import_user_module
 
     target, _, attr = spec.rpartition(":")
     module = import_user_module(target, "calibration file")
@@ -274,13 +274,6 @@ def _check_finite(batches: list[Batch], where: str) -> None:
             if t.is_floating_point() and not bool(torch.isfinite(t).all()):
                 raise AuditError(f"calibration input {name} in {where} (batch {i}) holds NaN or infinite values",
                                  "Clean the calibration data")
-
-
-def _vocab(model: nn.Module | None) -> int | None:
-    if model is None:
-        return None
-    sizes = [m.num_embeddings for m in model.modules() if isinstance(m, (nn.Embedding, nn.EmbeddingBag))]
-    return max(sizes) if sizes else None
 
 
 def token_statistics(ids: torch.Tensor, vocab: int) -> dict[str, float]:
@@ -327,11 +320,11 @@ def synthetic_warning(batches: list[Batch], model: nn.Module | None) -> str | No
     return None
 
 
-def _read_batches(items: Iterable[Any], where: str, max_rows: int | None, max_bytes: int | None,
+def _read_batches(items: Iterable[object], where: str, max_rows: int | None, max_bytes: int | None,
                   user: str = "") -> list[Batch]:
     """The batches an iterable yields, read until it ends or a cap is passed (an endless generator stops there with
     one line). ``user``: the ``file.py:fn`` whose generator this is; its exceptions and exits become one line."""
-    from ..sources.factory import _run_user_code
+    from ...sources.factory import _run_user_code
 
     out: list[Batch] = []
     rows = size = 0
@@ -374,7 +367,7 @@ class Reading:
     max_bytes: int | None = MAX_BYTES
 
 
-def load_calibration(source: Any, model: nn.Module | None = None, holdout: Any = 0.25,
+def load_calibration(source: object, model: nn.Module | None = None, holdout: object = 0.25,
                      batch_size: int = 32, check_forward: bool = True, *, tokenizer: str | Path | None = None,
                      length: int | None = None, **caps: int | None) -> Calibration:
     """Load calibration batches and split off the held-out part.
@@ -387,7 +380,7 @@ def load_calibration(source: Any, model: nn.Module | None = None, holdout: Any =
     here with one line (an ``AuditError``) naming the batch. ``caps``: ``max_rows`` and ``max_bytes`` cap what is
     read (a file's size, a text file's size, the tensors a function yields; None: no cap; default
     :data:`MAX_ROWS`, :data:`MAX_BYTES`).
-    A text file (:func:`auditor.calibration.text.is_text_file`) is tokenized with the tokenizer in the directory
+    A text file (:func:`auditor.calibration.data.text.is_text_file`) is tokenized with the tokenizer in the directory
     ``tokenizer`` into windows of ``length`` tokens (default: the model's positions, at most 512); the digest then
     covers the tokenizer's files too.
     """
@@ -400,7 +393,7 @@ def load_calibration(source: Any, model: nn.Module | None = None, holdout: Any =
     return cal
 
 
-def _share(holdout: Any) -> Any:
+def _share(holdout: object) -> object:
     """--holdout 0.25 as given on the command line (a string) read as a number; anything else as it is."""
     if isinstance(holdout, str):
         try:
@@ -410,7 +403,7 @@ def _share(holdout: Any) -> Any:
     return holdout
 
 
-def _load(source: Any, model: nn.Module | None, holdout: Any, reading: Reading) -> Calibration:
+def _load(source: object, model: nn.Module | None, holdout: object, reading: Reading) -> Calibration:
     holdout = _share(holdout)
     if not isinstance(holdout, (int, float)) or isinstance(holdout, bool):
         return _load_pair(source, holdout, model, reading)
@@ -440,7 +433,7 @@ def _load(source: Any, model: nn.Module | None, holdout: Any, reading: Reading) 
     return cal
 
 
-def _load_pair(source: Any, holdout: Any, model: nn.Module | None, reading: Reading) -> Calibration:
+def _load_pair(source: object, holdout: object, model: nn.Module | None, reading: Reading) -> Calibration:
     """A calibration source fitted on whole and a second source held out whole."""
     fit = _load(source, model, 0.0, reading)
     try:
@@ -463,8 +456,8 @@ def _load_pair(source: Any, holdout: Any, model: nn.Module | None, reading: Read
 Split = tuple[list[Batch], list[Batch]]
 
 
-def _read_source(source: Any, model: nn.Module | None, holdout: float, reading: Reading,
-                 where: str) -> tuple[list[Batch], Split | None, Any]:
+def _read_source(source: object, model: nn.Module | None, holdout: float, reading: Reading,
+                 where: str) -> tuple[list[Batch], Split | None, object]:
     """(batches, their (fit, held-out) split where the reader cuts rows itself, the text inputs of a text file)."""
     r = reading
     if is_text_source(source):
@@ -486,8 +479,8 @@ def _read_source(source: Any, model: nn.Module | None, holdout: float, reading: 
     return _read_batches(source, where, r.max_rows, r.max_bytes), None, None
 
 
-def _text(path: Path, model: nn.Module | None, holdout: float, reading: Reading, where: str) -> Any:
-    """A text file tokenized into windows (:func:`~auditor.calibration.text.text_inputs`)."""
+def _text(path: Path, model: nn.Module | None, holdout: float, reading: Reading, where: str) -> object:
+    """A text file tokenized into windows (:func:`~auditor.calibration.data.text.text_inputs`)."""
     names, _ = _forward_names(model)
     text_in = text_inputs(path, reading.tokenizer, model, reading.length, attention_mask="attention_mask" in names,
                           max_bytes=reading.max_bytes, max_rows=reading.max_rows)
@@ -499,9 +492,9 @@ def _text(path: Path, model: nn.Module | None, holdout: float, reading: Reading,
     return text_in
 
 
-def _called(text: str) -> Iterable[Any]:
+def _called(text: str) -> Iterable[object]:
     """What the calibration function ``file.py:fn`` / ``module:fn`` returns: an iterable of batches."""
-    from ..sources.factory import _run_user_code
+    from ...sources.factory import _run_user_code
 
     fn = _import_fn(text)
     items = _run_user_code(fn, f"calibration function {text}()", "raised", "Fix the function that yields batches",
@@ -512,16 +505,16 @@ def _called(text: str) -> Iterable[Any]:
     return items
 
 
-def _signature(b: Batch) -> tuple[Any, ...]:
+def _signature(b: Batch) -> tuple[object, ...]:
     """What must be the same in every batch: the positional inputs (a tensor's dtype and rank, or another value's
     type) and the keyword names with the same per value."""
-    def one(v: Any) -> Any:
+    def one(v: object) -> object:
         return ("tensor", v.dtype, v.dim()) if isinstance(v, torch.Tensor) else type(v).__name__
 
     return tuple(one(a) for a in b.args), tuple(sorted((k, one(v)) for k, v in b.kwargs.items()))
 
 
-def _describe(v: Any) -> str:
+def _describe(v: object) -> str:
     if isinstance(v, torch.Tensor):
         return f"{str(v.dtype).replace('torch.', '')} {v.dim()}-D"
     return type(v).__name__

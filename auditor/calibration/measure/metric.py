@@ -13,20 +13,20 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Callable, Protocol
 
 import torch
 from torch import nn
 
-from ..errors import AuditError, first_line
-from . import metrics
-from .inputs import Batch, Calibration, _import_fn, model_device
-from .metrics.base import Measurement, MetricKind, Scorer
-from .metrics.common import (_check_targets, _masked_logprobs, _masked_targets, _next_token_logprobs, _row_mask,
+from ...errors import AuditError, first_line
+from .. import metrics
+from ..data.inputs import Batch, Calibration, _import_fn, model_device
+from ..metrics.base import Measurement, MetricKind, Scorer
+from ..metrics.common import (_check_targets, _masked_logprobs, _masked_targets, _next_token_logprobs, _row_mask,
                              _targets, main_output)
-from .metrics.masked import NO_LABELS
+from ..metrics.masked import NO_LABELS
 
-UserMetric = Callable[[nn.Module, list[Any]], float]
+UserMetric = Callable[[nn.Module, list[object]], float]
 DEFAULT_TOLERANCE = 0.01
 
 
@@ -134,6 +134,21 @@ def is_masked_lm(model: nn.Module) -> bool:
 DETERMINISM = 1e-6  # two dense runs on one held-out batch may differ by this much (relative to the output's size)
 
 
+class PlanMeasurer(Protocol):
+    """What tier 3 measures plans with: an :class:`Evaluator` (every held-out row for every plan) or a
+    :class:`~auditor.calibration.measure.staged.StagedEvaluator` (a subsample first, more rows only near the
+    tolerance)."""
+
+    reference: float  # the dense model's value
+    evaluations: int
+
+    def measure(self, model: nn.Module) -> Measurement: ...
+
+    @property
+    def rows_read(self) -> int:
+        """The held-out rows the last measurement read."""
+
+
 class Evaluator:
     """Scores models on the calibration's held-out batches against the dense model's reference.
 
@@ -158,7 +173,7 @@ class Evaluator:
         self._check_repeats(dense)
         self.warnings += [w for w in self.scorer.check(dense, calibration.digest) if w not in self.warnings]
 
-    def forward(self, model: nn.Module, b: Batch, i: int) -> Any:
+    def forward(self, model: nn.Module, b: Batch, i: int) -> object:
         return _forward(model, b, i)
 
     def _check_repeats(self, dense: nn.Module) -> None:
@@ -177,6 +192,11 @@ class Evaluator:
     def measure(self, model: nn.Module) -> Measurement:
         self.evaluations += 1
         return self.scorer.measure(model)
+
+    @property
+    def rows_read(self) -> int:
+        """Every measurement reads every held-out row."""
+        return sum(b.rows for b in self.batches)
 
 
 
@@ -211,7 +231,7 @@ def check_repeats(dense: nn.Module, b: Batch, first: torch.Tensor | None = None,
                          "of the forward before measuring")
 
 
-def _forward(model: nn.Module, b: Batch, i: int) -> Any:
+def _forward(model: nn.Module, b: Batch, i: int) -> object:
     """The model on held-out batch ``i``; a batch the forward refuses is one line naming it."""
     try:
         return model(*b.args, **b.kwargs)

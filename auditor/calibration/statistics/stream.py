@@ -14,7 +14,7 @@ A model has repeated blocks when some ``nn.ModuleList`` of at least two children
 the layers read; the longest such list is used. Models without one, or whose blocks are not called one after another
 with the same inputs apart from the hidden state, or whose forward does anything to a block's output before the
 next block reads it (a ReLU, a scaling, a flip, a permutation, a residual from elsewhere), get the one-pass
-:func:`auditor.calibration.stats.input_statistics`: both are checked on the first batch before any statistics are
+:func:`auditor.calibration.statistics.stats.input_statistics`: both are checked on the first batch before any statistics are
 taken, with every block returning distinct random values that the next block must receive exactly. Both paths give the
 same statistics (to float64 rounding). What the check cannot see is code between blocks that acts only on some values
 (e.g. a clamp beyond 1e3 that these values never reach).
@@ -22,22 +22,26 @@ same statistics (to float64 rounding). What the check cannot see is code between
 
 from __future__ import annotations
 
+import contextlib
 import re
-from dataclasses import dataclass, replace
-from typing import Any, Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Callable, Iterator, TypedDict
 
 import torch
 from torch import nn
 
-from ..errors import AuditError
-from ..results import Layer
-from .inputs import Batch, Calibration, eval_mode, model_device
+from ...errors import AuditError
+from ...results import Layer
+from ..data.inputs import Batch, Calibration, eval_mode, model_device
 from .stats import InputStatistics, StatisticsHooks, _batch_mask, _module_path, by_name, input_statistics
+
+if TYPE_CHECKING:
+    from typing_extensions import Unpack
 
 CACHE_KWARGS = ("past_key_value", "past_key_values", "layer_past", "cache")  # not passed: the blocks would fill them
 
 
-def _is_cache(v: Any) -> bool:
+def _is_cache(v: object) -> bool:
     """A key/value cache object (transformers' ``Cache`` and its subclasses)."""
     return any(c.__name__ == "Cache" for c in type(v).__mro__)
 
@@ -116,7 +120,7 @@ class _NotSequential(Exception):
     pass
 
 
-def _keep(kwargs: dict[str, Any]) -> dict[str, Any]:
+def _keep(kwargs: dict[str, object]) -> dict[str, object]:
     out = dict(kwargs)
     for k, v in out.items():
         if k in CACHE_KWARGS or _is_cache(v):
@@ -126,7 +130,7 @@ def _keep(kwargs: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def _hidden(out: Any) -> torch.Tensor:
+def _hidden(out: object) -> torch.Tensor:
     if isinstance(out, torch.Tensor):
         return out
     if isinstance(out, (tuple, list)) and out and isinstance(out[0], torch.Tensor):
@@ -134,13 +138,13 @@ def _hidden(out: Any) -> torch.Tensor:
     raise _NotSequential("a block returned neither a tensor nor a tuple starting with one")
 
 
-def _with_hidden(args: tuple[Any, ...], kwargs: dict[str, Any], h: torch.Tensor) -> tuple[tuple[Any, ...], dict]:
+def _with_hidden(args: tuple[object, ...], kwargs: dict[str, object], h: torch.Tensor) -> tuple[tuple[object, ...], dict]:
     if args and isinstance(args[0], torch.Tensor):
         return (h, *args[1:]), kwargs
     return args, {**kwargs, "hidden_states": h}
 
 
-def _same(a: Any, b: Any) -> bool:
+def _same(a: object, b: object) -> bool:
     if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
         return (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.shape == b.shape
                 and a.dtype == b.dtype and bool(torch.equal(a, b.to(a.device))))
@@ -218,7 +222,7 @@ class _Precision:
         if self.dtype is None or not any(t.dtype in HALF for _, t in b.tensors()):
             return b
 
-        def up(x: Any) -> Any:
+        def up(x: object) -> object:
             return x.to(self.dtype) if isinstance(x, torch.Tensor) and x.dtype in HALF else x
 
         return Batch(args=tuple(up(a) for a in b.args), kwargs={k: up(v) for k, v in b.kwargs.items()})
@@ -227,7 +231,7 @@ class _Precision:
 def compute_dtype_for(spec: str | torch.dtype | None) -> torch.dtype | None:
     """``model``/None (the model's own dtype), ``float32`` or ``float64`` as the dtype statistics are computed in
     (:func:`auditor.options.compute_dtype_name`)."""
-    from ..options import compute_dtype_name
+    from ...options import compute_dtype_name
 
     name = compute_dtype_name(spec)
     return None if name is None else getattr(torch, name)
@@ -246,11 +250,23 @@ class StreamOptions:
     compute_dtype: str | torch.dtype | None = None
 
 
+class StreamFields(TypedDict, total=False):
+    """The keywords of :func:`stream_statistics`: :class:`StreamOptions`' fields."""
+
+    device: str | torch.device | None
+    offload: bool
+    on_block: Callable[[int, InputStatistics], None] | None
+    keep: bool
+    batch_dtype: torch.dtype | None
+    progress: Callable[[int, int], None] | None
+    compute_dtype: str | torch.dtype | None
+
+
 def stream_statistics(model: nn.Module, layers: dict[str, Layer] | list[Layer], batches: Calibration | list[Batch],
-                      options: StreamOptions | None = None, **fields: Any) -> InputStatistics:
+                      **fields: Unpack[StreamFields]) -> InputStatistics:
     """The input statistics of ``layers``, block by block when the model has repeated blocks (else in one pass).
 
-    ``options`` (a :class:`StreamOptions`; or its fields as keywords):
+    The options as keywords (:class:`StreamFields`, the fields of :class:`StreamOptions`):
     ``device``: where the forward runs and the sums accumulate (default: where the model is); the model is moved
     there and back. ``offload``: the blocks stay where they are and each is moved to ``device`` only while it runs.
     ``on_block(i, stats)`` gets each block's statistics as soon as they are complete (and the outside layers' last,
@@ -258,7 +274,7 @@ def stream_statistics(model: nn.Module, layers: dict[str, Layer] | list[Layer], 
     them. ``batch_dtype``: the dtype each batch's X^T X is formed in (default float32 on CUDA, float64 on the CPU).
     ``compute_dtype`` (``float32``): bf16/fp16 weights and inputs cast to it while they run (the blocks one at a
     time, :class:`_Precision`), and back afterwards; None or ``model``: the model's own dtypes."""
-    o = replace(options or StreamOptions(), **fields)
+    o = StreamOptions(**fields)
     prec = _Precision(compute_dtype_for(o.compute_dtype))
     home = model_device(model)
     dev = resolve_device(o.device) if o.device is not None else home
@@ -342,7 +358,7 @@ def _stream(model: nn.Module, found: Blocks, fit: list[Batch], run: _Run) -> Inp
         # checked on the first batch with every block passing its input through
         _check_sequential(model, blocks, fit[0].to(run.dev), kept[0], shape)
         del shape
-        finals: list[Any] = []
+        finals: list[object] = []
         for i, blk in enumerate(blocks):
             st = _block_statistics(model, blk, found.layers[i], kept, masks, run,
                                    finals if i == len(blocks) - 1 else None)
@@ -361,11 +377,11 @@ def _stream(model: nn.Module, found: Blocks, fit: list[Batch], run: _Run) -> Inp
 
 
 def _first_inputs(model: nn.Module, first: nn.Module, fit: list[Batch],
-                  dev: torch.device) -> list[tuple[tuple[Any, ...], dict[str, Any]]]:
+                  dev: torch.device) -> list[tuple[tuple[object, ...], dict[str, object]]]:
     """Each batch's inputs to the first block (positional, keyword), the forward stopped there."""
-    kept: list[tuple[tuple[Any, ...], dict[str, Any]]] = []
+    kept: list[tuple[tuple[object, ...], dict[str, object]]] = []
 
-    def catch(_m: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+    def catch(_m: nn.Module, args: tuple[object, ...], kwargs: dict[str, object]) -> None:
         kept.append((args, _keep(kwargs)))
         raise _Stop
 
@@ -388,8 +404,8 @@ def _first_inputs(model: nn.Module, first: nn.Module, fit: list[Batch],
 
 
 def _block_statistics(model: nn.Module, blk: nn.Module, layers: list[Layer],
-                      kept: list[tuple[tuple[Any, ...], dict[str, Any]]], masks: list[Any], run: _Run,
-                      finals: list[Any] | None) -> InputStatistics:
+                      kept: list[tuple[tuple[object, ...], dict[str, object]]], masks: list[object], run: _Run,
+                      finals: list[object] | None) -> InputStatistics:
     """One block run on every kept input with its layers' hooks: its statistics; each kept input becomes the
     block's output (the next block's input), and with ``finals`` the outputs are also kept there (the last block)."""
     run.on_device(blk)
@@ -408,27 +424,43 @@ def _block_statistics(model: nn.Module, blk: nn.Module, layers: list[Layer],
     return hooks.close(len(kept), run.digest)
 
 
-def _outside_statistics(model: nn.Module, blocks: list[nn.Module], outside: list[Layer], fit: list[Batch],
-                        masks: list[Any], run: _Run, finals: list[Any]) -> InputStatistics:
-    """The layers outside the blocks, in one pass where every block returns the last block's output for the batch."""
-    hooks = StatisticsHooks(model, outside, run.bdt)
-    current = [0]
+@contextlib.contextmanager
+def patched_forwards(blocks: list[nn.Module], make: Callable[[int, nn.Module], Callable[..., object]]) -> Iterator[None]:
+    """While the block runs, block ``i``'s forward is ``make(i, block)`` (made in order, so it may wrap the forward it
+    replaces); afterwards each block's own is back (an instance attribute as it was, else the class's). The one loop
+    that patches repeated blocks: the outside layers' pass, the pass-through check and the gradient pass's
+    checkpointing (calibration/tiers/fisher.py)."""
     saved = [(blk, blk.__dict__.get("forward")) for blk in blocks]
     try:
-        for blk in blocks:
-            blk.forward = lambda *a, **k: finals[current[0]]  # type: ignore[method-assign]
-        for j, b in enumerate(fit):
-            current[0] = j
-            with hooks.batch(masks[j], j):
-                bb = b.to(run.dev)
-                model(*bb.args, **bb.kwargs)
+        for i, blk in enumerate(blocks):
+            blk.forward = make(i, blk)  # type: ignore[method-assign]
+        yield
     finally:
-        hooks.remove()
         for blk, fwd in saved:
             if fwd is None:
                 del blk.forward
             else:
                 blk.forward = fwd
+
+
+def _outside_statistics(model: nn.Module, blocks: list[nn.Module], outside: list[Layer], fit: list[Batch],
+                        masks: list[object], run: _Run, finals: list[object]) -> InputStatistics:
+    """The layers outside the blocks, in one pass where every block returns the last block's output for the batch."""
+    hooks = StatisticsHooks(model, outside, run.bdt)
+    current = [0]
+
+    def final(*_a: object, **_k: object) -> object:
+        return finals[current[0]]
+
+    try:
+        with patched_forwards(blocks, lambda i, blk: final):
+            for j, b in enumerate(fit):
+                current[0] = j
+                with hooks.batch(masks[j], j):
+                    bb = b.to(run.dev)
+                    model(*bb.args, **bb.kwargs)
+    finally:
+        hooks.remove()
     return hooks.close(len(fit), run.digest)
 
 
@@ -443,7 +475,7 @@ def _probe(h: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
     return (sign * torch.pow(10.0, mag)).to(dtype=h.dtype, device=h.device)
 
 
-def _unchanged(h: Any, probe: torch.Tensor, values: torch.Tensor) -> bool:
+def _unchanged(h: object, probe: torch.Tensor, values: torch.Tensor) -> bool:
     """Block ``i + 1`` reads block ``i``'s output as it was returned: the same tensor (or an exact copy), its values
     untouched."""
     if not isinstance(h, torch.Tensor):
@@ -454,18 +486,17 @@ def _unchanged(h: Any, probe: torch.Tensor, values: torch.Tensor) -> bool:
 
 
 def _check_sequential(model: nn.Module, blocks: list[nn.Module], batch: Batch,
-                      first: tuple[tuple[Any, ...], dict[str, Any]], shape: Any) -> None:
+                      first: tuple[tuple[object, ...], dict[str, object]], shape: object) -> None:
     """Run ``batch`` with every block passing its hidden input through (in the output structure ``shape``), and
     raise :class:`_NotSequential` unless each block is called once, in order, with the first block's other inputs."""
     calls: list[int] = []
     problem: list[str] = []
     sent: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # block i's probe output, and a copy of its values
-    saved = [(blk, blk.__dict__.get("forward")) for blk in blocks]
     args0, kw0 = first
     gen = torch.Generator().manual_seed(0x5EED)
 
-    def through(i: int) -> Callable[..., Any]:
-        def fwd(*args: Any, **kwargs: Any) -> Any:
+    def through(i: int) -> Callable[..., object]:
+        def fwd(*args: object, **kwargs: object) -> object:
             calls.append(i)
             kwargs = _keep(kwargs)
             if args and isinstance(args[0], torch.Tensor):
@@ -491,17 +522,10 @@ def _check_sequential(model: nn.Module, blocks: list[nn.Module], batch: Batch,
         return fwd
 
     try:
-        for i, blk in enumerate(blocks):
-            blk.forward = through(i)  # type: ignore[method-assign]
-        model(*batch.args, **batch.kwargs)
+        with patched_forwards(blocks, lambda i, blk: through(i)):
+            model(*batch.args, **batch.kwargs)
     except Exception as exc:  # noqa: BLE001 - a model that does not take pass-through blocks is run in one pass
         raise _NotSequential(str(exc)) from None
-    finally:
-        for blk, fwd in saved:
-            if fwd is None:
-                del blk.forward
-            else:
-                blk.forward = fwd
     if calls != list(range(len(blocks))) or problem:
         raise _NotSequential(problem[0] if problem else f"blocks called in the order {calls}")
 

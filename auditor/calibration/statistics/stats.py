@@ -27,18 +27,21 @@ from collections.abc import MutableMapping
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import TYPE_CHECKING, BinaryIO, Callable, Iterator
 
 import numpy as np
 import torch
 from torch import nn
 
-from .. import kinds
-from .._env import scratch_prefix, sweep_scratch
-from ..errors import AuditError
-from ..kinds.conv import conv_patches
-from ..results import Layer
-from .inputs import Batch, Calibration, eval_mode, run
+from ... import kinds
+from ..._env import scratch_prefix, sweep_scratch
+from ...errors import AuditError
+from ...kinds.conv import conv_patches
+from ...results import Layer
+from ..data.inputs import Batch, Calibration, eval_mode, run
+
+if TYPE_CHECKING:
+    from torch.utils.hooks import RemovableHandle
 
 
 @dataclass
@@ -71,7 +74,7 @@ def _file_checksum(a: np.ndarray) -> str:
     return h.hexdigest()
 
 
-def _open_regular(path: Path) -> Any:
+def _open_regular(path: Path) -> BinaryIO:
     """``path`` opened for reading (binary) when it is a regular file, never following a symbolic link and never
     blocking: a FIFO, a device or a socket put where a cache file was raises :class:`StatisticsMismatch` at once
     (opened with ``O_NONBLOCK``, checked with ``fstat`` on the descriptor itself, so nothing can be swapped in
@@ -130,7 +133,7 @@ class GramStore(MutableMapping):
         self.dir = Path(directory)
         self.dir.mkdir(parents=True, exist_ok=True)
         self.temporary = bool(temporary)
-        self.meta: dict[str, dict[str, Any]] = {}  # name -> LayerInput fields and "file"
+        self.meta: dict[str, dict[str, object]] = {}  # name -> LayerInput fields and "file"
         self.files: dict[str, str] = {}  # file -> checksum
         self._remove = weakref.finalize(self, shutil.rmtree, str(self.dir), True) if self.temporary else None
 
@@ -177,7 +180,7 @@ class GramStore(MutableMapping):
     def __contains__(self, name: object) -> bool:
         return name in self.meta
 
-    def __reduce__(self) -> tuple[Any, ...]:  # pickled (to a cluster's workers) as the Grams themselves
+    def __reduce__(self) -> tuple[object, ...]:  # pickled (to a cluster's workers) as the Grams themselves
         return dict, ({k: replace_gram(v, np.array(v.gram)) for k, v in self.items()},)
 
     def close(self) -> None:
@@ -217,7 +220,7 @@ class InputStatistics:
         with open(path, "wb") as fh:
             np.savez(fh, __meta__=np.frombuffer(json.dumps(meta).encode(), dtype=np.uint8), **arrays)
 
-    def _meta(self, key: str) -> dict[str, Any]:
+    def _meta(self, key: str) -> dict[str, object]:
         return {"missing": self.missing, "warnings": self.warnings, "batches": self.batches, "digest": self.digest,
                 "key": key}
 
@@ -313,7 +316,7 @@ class StatisticsChanged(StatisticsMismatch, AuditError):
                             "Run again (they are recomputed), and give runs that may overlap their own --cache-dir")
 
 
-def _checksum(meta: dict[str, Any], arrays: dict[str, np.ndarray]) -> str:
+def _checksum(meta: dict[str, object], arrays: dict[str, np.ndarray]) -> str:
     from blake3 import blake3
 
     h = blake3(json.dumps(meta, sort_keys=True).encode())
@@ -411,7 +414,7 @@ class _Acc:
     (float64; float32 on a GPU), always added into a float64 sum."""
 
     def __init__(self, layer: Layer, n: int, groups: int = 1, diagonal: bool = False,
-                 shared: dict[tuple[Any, ...], Any] | None = None) -> None:
+                 shared: dict[tuple[object, ...], object] | None = None) -> None:
         self.layer, self.n, self.groups, self.diagonal = layer, n, groups, diagonal
         self.sum: _Sum | None = None
         self.batches = 0  # products this accumulator has taken into its sum
@@ -564,8 +567,8 @@ class StatisticsHooks:
                  batch_dtype: torch.dtype = torch.float64) -> None:
         self.accs: dict[str, _Acc] = {}
         self.missing: dict[str, str] = {}
-        self._shared: dict[tuple[Any, ...], Any] = {}
-        self._handles: list[Any] = []
+        self._shared: dict[tuple[object, ...], object] = {}
+        self._handles: list["RemovableHandle"] = []
         self._mask: list[torch.Tensor | None] = [None]  # the current batch's real positions, for the hooks
         try:
             self._attach(model, list(by_name(layers).values()))
@@ -578,7 +581,7 @@ class StatisticsHooks:
     def _attach(self, model: nn.Module, layer_list: list[Layer]) -> None:
         """Each layer's kind attaches what reads its inputs (auditor/kinds), once per owning module."""
         feeds = _Feeds(self)
-        groups: dict[tuple[str, str], tuple[Any, nn.Module, list[Layer]]] = {}
+        groups: dict[tuple[str, str], tuple[object, nn.Module, list[Layer]]] = {}
         for layer in layer_list:
             kind = kinds.for_kind(layer.kind)
             path, _ = kind.module_path(layer)

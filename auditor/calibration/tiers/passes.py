@@ -1,0 +1,347 @@
+"""The calibration stage's passes. Each takes the model, the session it measures with, the results of the passes
+before it and its own option group, and returns a frozen result; none changes what an earlier pass made::
+
+    tier1        model, session, align, Progress                           -> Tier1 (spectra, spans, the target)
+    scope_of     [Layer], Tier1, Settings, {layer: Suggestion}             -> Scope (swept, planned, fixed layers)
+    floors       model, session, Tier1, Scope, TierOptions, ClusterOptions -> Floored | None (tier 2)
+    sensitivity  model, session, Tier1, Scope, Floored, TierOptions        -> Sensitivity (one of sensitivity.py's)
+    search       model, session, Tier1, Scope, Sensitivity, TierOptions    -> Searched (tier 3: plan, rounding floor)
+    recovered    model, session, BudgetResult, RecoveryOptions             -> Recovered (--recover)
+    verified     model, session, BudgetResult, TruncatorStore              -> Verified (the held-out verification)
+
+:func:`auditor.calibration.stage.calibrate` composes them and builds the report's rows once from their results.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING
+
+from ...calresults import BudgetResult, FrontierPlan, RoundingFloor, Verification
+from ...results import Layer, Suggestion, Verdict
+from ..session import CalibrationSession
+from ..statistics.stats import LayerInput
+from ..statistics.whiten import TruncatorStore, WhitenedSpectrum
+from .budget import Curves
+from .sensitivity import Measured, Sensitivity, Tier1Curves, gradients, probed
+from .sweep import Floors
+
+if TYPE_CHECKING:
+    from torch import nn
+
+    from ...config import Settings
+    from ...options import ClusterOptions, RecoveryOptions, TierOptions
+    from ...progress import Progress
+
+
+@dataclass(frozen=True)
+class Span:
+    """What the calibration reached of a layer's input: its rows and width, the rows (or ids) seen, whether they span
+    the input."""
+
+    rows: int
+    width: int
+    seen: int
+    spans: bool
+
+
+@dataclass(frozen=True)
+class Tier1:
+    """The input statistics' tier 1: every layer's whitened spectrum and span, keyed by ``Layer.name``."""
+
+    spectra: dict[str, WhitenedSpectrum]
+    spans: dict[str, Span]
+    align: int  # ranks in multiples of this
+    target: float  # the layer-output error tier 1 ranked for (the metric's)
+    cached: bool  # the statistics came from the cache
+    seconds: dict[str, float]
+
+
+def _span(inp: LayerInput) -> Span:
+    """For an embedding the ids looked up at least once (a position table read only up to the calibration's sequence
+    length, a vocabulary's unseen ids); for other layers the rows of X, which cannot span the input width when fewer.
+    (A Gram of full row count but lower rank is left alone: a LayerNorm's output lies in a hyperplane for every
+    input, held-out or not.)"""
+    import numpy as np
+
+    if inp.diagonal:
+        seen = int(np.count_nonzero(inp.gram > 0))
+        return Span(inp.rows, inp.width, seen, seen == inp.width)
+    return Span(inp.rows, inp.width, int(inp.rows), inp.rows >= inp.width)
+
+
+def tier1(model: "nn.Module", session: CalibrationSession, align: int, progress: "Progress",
+          since: float | None = None) -> Tier1:
+    """The input statistics (block by block, tier 1 with them) and every layer's whitened spectrum; ``since``: when
+    the stage's clock for tier 1 started (the session's opening counts)."""
+    t = time.perf_counter() if since is None else since
+    assert session.model is model
+    target = session.metric.tier1_target
+    with progress.phase("statistics", total=len(session.calibration.fit), unit="batch"):  # tier 1 block by block
+        stats = session.statistics(progress=progress, spectra=(align, target))
+        cached = session.cached
+    with progress.phase("tier 1 spectra", total=sum(1 for l in session.layers if l in stats.layers)):
+        spectra = session.spectra(align, target, progress=progress.update)
+    spans = {name: _span(stats.layers[name]) for name in spectra}
+    return Tier1(spectra, spans, align, target, cached, {"tier1": time.perf_counter() - t})
+
+
+@dataclass(frozen=True)
+class Scope:
+    """The layers tiers 2 and 3 consider (``swept``: with a spectrum, not narrow, inputs spanned), those tier 3 plans
+    (swept, untied, rewritable by factorize) and those every plan fixes at their data-free rank."""
+
+    swept: list[Layer]
+    planned: list[Layer]
+    fixed: dict[str, int]
+    sensitive: list[Layer]  # the layers a sensitivity is measured for: the planned ones and the fixed ones
+
+
+def sweepable(layer: Layer, settings: "Settings") -> bool:
+    """The layers the suggestions consider: not narrow (same gate as the weight-energy suggestion)."""
+    from ... import lrmath
+
+    return (layer.share >= settings.min_share and layer.break_even >= settings.min_break_even
+            and lrmath.max_useful_rank(layer.m, layer.n) >= 1)
+
+
+def scope_of(layers: list[Layer], tier1: Tier1, settings: "Settings", suggestions: dict[str, Suggestion]) -> Scope:
+    """The swept, planned and fixed layers. Fixed: factorized by the weight-energy suggestion, rewritable by
+    ``factorize``, but not ranked by calibration (no statistics, or inputs it did not span)."""
+    from ...kinds.registry import SUPPORTED
+
+    swept = [l for l in layers if l.name in tier1.spectra and sweepable(l, settings) and tier1.spans[l.name].spans]
+    planned = [l for l in swept if not l.aliases and l.kind in SUPPORTED]
+    names = {l.name for l in planned}
+    fixed: dict[str, int] = {}
+    for layer in layers:
+        sg = suggestions.get(layer.name)
+        if (layer.name in names or sg is None or sg.verdict is not Verdict.FACTORIZE or sg.rank is None
+                or layer.aliases or layer.kind not in SUPPORTED):
+            continue
+        span = tier1.spans.get(layer.name)
+        if span is None or not span.spans:
+            fixed[layer.name] = sg.rank
+    return Scope(swept, planned, fixed, [*planned, *(l for l in layers if l.name in fixed)])
+
+
+@dataclass(frozen=True)
+class Floored:
+    """Tier 2's measured floors, where they ran ("local", "dask tcp://HOST:PORT (N workers)") and its time."""
+
+    floors: Floors
+    where: str
+    seconds: dict[str, float]
+
+
+def floors(model: "nn.Module", session: CalibrationSession, tier1: Tier1, scope: Scope, tiers: "TierOptions",
+           cluster: "ClusterOptions", progress: "Progress", drawn: bool | str | None = None) -> Floored | None:
+    """Tier 2 (``--measure-floor``): each swept layer's measured floor, here or on a Dask cluster (one task per
+    layer, the workers' own sessions, its own progress bar as ``drawn`` asks: the audit's ``progress`` option);
+    None without ``--measure-floor`` or a layer to sweep."""
+    align = tier1.align
+    if not tiers.measure_floor or not scope.swept:
+        return None
+    t = time.perf_counter()
+    if cluster.scheduler is not None:  # one Dask task per layer (auditor/calibration/tiers/cluster.py)
+        from .cluster import measure_floors_on_cluster
+
+        found, where = measure_floors_on_cluster(model, scope.swept, session, align, tier1.spectra, cluster, drawn)
+    else:
+        from .sweep import measure_floors
+
+        def steps(done: int, total: int, evaluations: int) -> None:
+            progress.update(done, total, note=f"{evaluations} evaluation{'s' if evaluations != 1 else ''}")
+
+        with progress.phase("tier 2 floors", total=len(scope.swept)):
+            found = measure_floors(model, scope.swept, session, align=align, spectra=tier1.spectra, steps=steps)
+        where = "local"
+    return Floored(found, where, {"tier2": time.perf_counter() - t})
+
+
+def sensitivity(model: "nn.Module", session: CalibrationSession, tier1: Tier1, scope: Scope,
+                floored: Floored | None, tiers: "TierOptions", progress: "Progress") -> Sensitivity:
+    """The stage's sensitivity pass: tier 2's floors when measured; else, for the planned layers, the gradients (the
+    default) or the probes (``--probe``); tier 1's curves for a user metric (no gradient, not zero on the dense
+    model) or with ``--no-probe``."""
+    if floored is not None:
+        return Measured(floored.floors)
+    spec = session.metric.spec
+    if not tiers.probe_sensitivity or not scope.planned:
+        return Tier1Curves()
+    if tiers.probe:
+        if not spec.zero_on_dense:
+            return Tier1Curves()
+        return probed(model, session, scope.planned, tier1.spectra, tier1.align, tier1.target, progress)
+    if not spec.gradient:
+        return Tier1Curves()
+    return gradients(model, session, scope.planned, scope.sensitive, tier1.spectra, tier1.align, tier1.target,
+                     progress)
+
+
+VERIFY_TRIES = 6  # plans verified at most, from the largest that held on the search rows down
+VERIFY_BACKSTOPS = 2  # plans the search measures a point, and two, below the one it found: the verification's fallbacks
+
+
+@dataclass(frozen=True)
+class Searched:
+    """Tier 3: the plan search's result, the rounding floor (bf16 / fp16 weights), the decompositions kept for the
+    verification and the plan check, the model-level evaluations and the time."""
+
+    budget: BudgetResult
+    rounding: RoundingFloor | None
+    reuse: TruncatorStore
+    evaluations: int
+    seconds: dict[str, float]
+
+
+def curves_for(sensitivity: Sensitivity, tier1: Tier1, scope: Scope, settings: "Settings") -> Curves:
+    """Tier 3's per-layer options from the sensitivity, every rank that compresses at least ``min_compression``."""
+    curves = sensitivity.curves(scope.planned, tier1.spectra, settings.align)
+    named = {l.name: l for l in scope.planned}
+    least = settings.min_compression
+    return Curves({k: [o for o in v if named[k].compression(o.rank) >= least]
+                   for k, v in curves.options.items() if k in named}, curves.source, curves.linear)
+
+
+def search(model: "nn.Module", session: CalibrationSession, tier1: Tier1, scope: Scope, sensitivity: Sensitivity,
+           tiers: "TierOptions", settings: "Settings", progress: "Progress") -> Searched:
+    """The rounding floor (what every plannable layer at full rank measures: rounding alone), then the plan search
+    over the sensitivity's curves, judged against the tolerance as given (the floor is part of every plan's cost)."""
+    from ..statistics.whiten import part_bytes
+    from .budget import plan_for_budget
+    from .rounding import rounding_floor
+
+    seconds: dict[str, float] = {}
+    t = time.perf_counter()
+    rounding = rounding_floor(model, scope.sensitive, session)
+    if rounding is not None:
+        seconds["rounding"] = time.perf_counter() - t
+    t = time.perf_counter()
+    curves = curves_for(sensitivity, tier1, scope, settings)
+    tier3 = time.perf_counter() - t
+    # each layer decomposed once for the search, the verification and the plan check; one part of the model's
+    # decompositions in memory (a block's, or the largest outside layer's), the rest on disk
+    reuse = TruncatorStore(part_bytes(model, scope.sensitive))
+    t = time.perf_counter()
+    with progress.phase("tier 3 plan search", unit="plan"):
+        budget = plan_for_budget(model, list(session.layers.values()), session, curves, budget=tiers.budget,
+                                 fixed=scope.fixed, progress=progress.update, reuse=reuse,
+                                 backstops=VERIFY_BACKSTOPS if session.verifier is not None else 0)
+    seconds["tier3"] = tier3 + time.perf_counter() - t
+    return Searched(budget, rounding, reuse, budget.evaluations + int(rounding is not None), seconds)
+
+
+@dataclass(frozen=True)
+class Recovered:
+    """Tier 3's result after ``--recover`` (every frontier plan measured again after the fine-tune), or as it was."""
+
+    budget: BudgetResult
+    seconds: dict[str, float] = field(default_factory=dict)
+
+
+def recovered(model: "nn.Module", session: CalibrationSession, budget: BudgetResult, recovery: "RecoveryOptions",
+              progress: "Progress") -> Recovered:
+    """``--recover``: every frontier plan measured again after the recovery fine-tune."""
+    if recovery.steps is None:
+        return Recovered(budget)
+    from .budget import recover_frontier
+
+    t = time.perf_counter()
+    with progress.phase("tier 3 recovery", unit="plan"):
+        out = recover_frontier(model, session, budget, recovery,
+                               progress=lambda done, total: progress.update(done, total))
+    return Recovered(out, {"recovery": time.perf_counter() - t})
+
+
+@dataclass(frozen=True)
+class Verified:
+    """The plan chosen by its interval on the rows the search never read, the evaluations that took, and a warning
+    when they are too few to resolve the tolerance."""
+
+    budget: BudgetResult
+    evaluations: int = 0
+    seconds: dict[str, float] = field(default_factory=dict)
+    warnings: tuple[str, ...] = ()
+
+
+def verified(model: "nn.Module", session: CalibrationSession, budget: BudgetResult, reuse: TruncatorStore,
+             progress: "Progress") -> Verified:
+    """The verification (split sessions only): the plan chosen by its interval on the verification rows."""
+    ver = session.verifier
+    if ver is None:
+        return Verified(budget)
+    t = time.perf_counter()
+    with progress.phase("verification", unit="plan"):
+        budget = verify(model, session, budget, reuse)
+    seconds = {"verification": time.perf_counter() - t}
+    v = budget.verification
+    warnings: tuple[str, ...] = ()
+    if v is not None and v.rows_needed is not None:
+        what = (f"a {100 * v.confidence:g}% interval {v.low:.4g} to {v.high:.4g}" if v.low is not None
+                else "no interval")
+        warnings = (f"the {v.rows:,} verification rows (held out, never searched) give {what} against the "
+                    f"tolerance {session.metric.tolerance:g}: too few to resolve it; about {v.rows_needed:,} "
+                    f"verification rows (about {2 * v.rows_needed:,} held out) would",)
+    return Verified(budget, ver.evaluations, seconds, warnings)
+
+
+def _candidates(budget: BudgetResult) -> list[FrontierPlan]:
+    """The plans that held on the search rows within the budget, largest first, each once, the chosen one among
+    them."""
+    limit = budget.budget * budget.params_before if budget.budget is not None else float("inf")
+    seen: set[tuple[tuple[str, int], ...]] = set()
+    held = []
+    for p in sorted((p for p in budget.tries if p.ok and p.plan and p.removed <= limit),
+                    key=lambda p: (-p.removed, p.predicted_cost)):
+        key = tuple(sorted(p.plan.items()))
+        if key not in seen:
+            seen.add(key)
+            held.append(p)
+    if not held or budget.plan not in [p.plan for p in held]:
+        held.insert(0, next((p for p in budget.tries if p.plan == budget.plan), None) or held[0])
+    return held
+
+
+def verify(model: "nn.Module", session: CalibrationSession, budget: BudgetResult,
+           reuse: TruncatorStore | None = None) -> BudgetResult:
+    """Tier 3's plan verified on the held-out rows the search never read: the largest plan that held on the search
+    rows whose verification interval ends within the tolerance (at most ``VERIFY_TRIES`` verified, largest first;
+    the smallest verified stands, said to miss or straddle, when none does). The dense model is never verified: it
+    is the reference."""
+    from ..apply import factorize
+
+    ver = session.verifier
+    assert ver is not None
+    stats = session.stats
+    search_rows = sum(b.rows for b in session.search_calibration.holdout)
+    if budget.chosen_after_recovery or not budget.plan:
+        if budget.plan:
+            with session.measuring():
+                v = ver.measure(factorize(model, budget.plan, stats, reuse=reuse, share=True))
+            return replace(budget, verification=replace(v, search_rows=search_rows))
+        return budget
+    chosen: FrontierPlan | None = None
+    v: Verification | None = None
+    with session.measuring():
+        for p in _candidates(budget)[:VERIFY_TRIES]:
+            v = ver.measure(factorize(model, p.plan, stats, reuse=reuse, share=True))
+            chosen = p
+            p.verification = v = replace(v, search_rows=search_rows)  # every plan verified says so in the report
+            if v.ok:
+                break
+    assert chosen is not None and v is not None
+    if chosen.plan == budget.plan:
+        return replace(budget, verification=v)
+    total = budget.params_before
+    return replace(budget, plan=dict(chosen.plan), removed=chosen.removed, removed_fraction=chosen.removed_fraction,
+                   metric=chosen.metric, ok=chosen.ok, top1=chosen.top1, params_after=total - chosen.removed,
+                   predicted_cost=chosen.predicted_cost, verification=v,
+                   smallest_failing=budget.removed if budget.smallest_failing is None
+                   else min(budget.smallest_failing, budget.removed))
+
+
+__all__ = ["Floored", "Recovered", "Scope", "Searched", "Span", "Tier1", "VERIFY_BACKSTOPS", "VERIFY_TRIES",
+           "Verified", "curves_for", "floors", "recovered", "scope_of", "search", "sensitivity", "sweepable", "tier1",
+           "verified", "verify"]
