@@ -137,7 +137,7 @@ def test_choose_after_recovery_picks_a_larger_plan_marked_everywhere(evidence, c
     text = " ".join((out / "lowrank-audit.txt").read_text().split())  # the terminal's lines wrapped
     assert "Plan chosen after recovery" in text and "It needs that fine-tune" in text and note in text
     md = (out / "lowrank-audit.md").read_text()
-    assert "suggested: holds after recovery, needs the fine-tune" in md and f"after {STEPS} steps" in md
+    assert "SUGGESTED (holds after recovery, needs the fine-tune)" in md and f"after {STEPS} steps" in md
     assert "chosen after recovery (--choose-after-recovery)" in md
     plan = " ".join((out / "plan.toml").read_text().replace("\n# ", " ").split())
     assert "Chosen after recovery (--choose-after-recovery): the plan holds after a 40-step recovery" in plan
