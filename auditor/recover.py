@@ -1,5 +1,5 @@
 """Moved: recovery lives in :mod:`auditor.calibration.recovery` (beside the plan search whose frontier it measures
-again), its command-line flags in :mod:`auditor.cli_recover`. This module keeps the documented path
+again), its command-line flags in :mod:`auditor.cli.recovery_flags`. This module keeps the documented path
 ``auditor.recover.recover`` working for users; nothing inside the package imports it."""
 
 from .calibration.recovery import DEFAULT_LR  # noqa: F401

@@ -16,14 +16,14 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Sequence
 
-from .errors import AuditError, ExitCode
+from ..errors import AuditError, ExitCode
 
 if TYPE_CHECKING:
-    from .plan import Plan
+    from ..plan import Plan
 
 
 def _parser() -> argparse.ArgumentParser:
-    from .config import FailOn
+    from ..config import FailOn
 
     p = argparse.ArgumentParser(prog="lowrank-audit check-plan",
                                 description="Check compression plan files; with --model, review them against it.")
@@ -43,20 +43,20 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _review(model: str, plan: Path, args: argparse.Namespace) -> int:
-    from .sources import parse_shape
-    from .options import AuditOptions, LoadOptions
-    from .pipeline import audit_source
-    from .policy import exit_code, input_errors
-    from .outputs import print_stdout, write_stdout
-    from .render.safe import term
-    from .render.sarif import Locator
+    from ..sources import parse_shape
+    from ..options import AuditOptions, LoadOptions
+    from ..pipeline import audit_source
+    from ..policy import exit_code, input_errors
+    from ..outputs import print_stdout, write_stdout
+    from ..render.safe import term
+    from ..render.sarif import Locator
 
     load = LoadOptions(
         input_shape=tuple(parse_shape(s, "--input-shape") for s in args.input_shape) if args.input_shape else None,
         input_ids=parse_shape(args.input_ids, "--input-ids") if args.input_ids else None,
         weights=args.weights, structure_only=args.structure_only)
-    from .config import repo_settings
-    from .rules import RULES
+    from ..config import repo_settings
+    from ..rules import RULES
 
     settings, plan_may_relax = repo_settings(RULES.settings())  # the repository's settings, as for the audit
     result = audit_source(model, plan=str(plan), options=AuditOptions(settings=settings, progress=False,
@@ -64,7 +64,7 @@ def _review(model: str, plan: Path, args: argparse.Namespace) -> int:
     for f in input_errors(result):
         raise AuditError(f"{f.code} {f.message}", f.fix)
     if args.format == "github":
-        from .render.sarif import github_annotations
+        from ..render.sarif import github_annotations
 
         write_stdout(github_annotations(result))
         return int(exit_code(result, args.fail_on))
@@ -78,21 +78,21 @@ def _review(model: str, plan: Path, args: argparse.Namespace) -> int:
 
 
 def _check_thresholds(plan: "Plan") -> None:
-    from .config import check_plan_relaxes, repo_settings, validate
-    from .rules import RULES
+    from ..config import check_plan_relaxes, repo_settings, validate
+    from ..rules import RULES
 
     declared = RULES.settings()
     settings, plan_may_relax = repo_settings(declared)
     relaxed = settings.with_overrides(plan.thresholds, plan.source, declared, typed=True)
     if not plan_may_relax:
-        from .rules.runner import selected
+        from ..rules.runner import selected
 
         check_plan_relaxes(settings, relaxed, plan.source, lambda sel, ign: {r.code for r in selected(sel, ign)})
     validate(relaxed, declared)
 
 
 def main(argv: Sequence[str]) -> int:
-    from .plan import Plan
+    from ..plan import Plan
 
     args = _parser().parse_args(list(argv))
     code = 0

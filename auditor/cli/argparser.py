@@ -12,10 +12,19 @@ class UsageError(Exception):
 
 
 class _Parser(argparse.ArgumentParser):
-    """argparse with a usage error as one line (``error: ... See lowrank-audit --help.``), exit 2, not the usage."""
+    """argparse with a usage error as one line (``error: ... See lowrank-audit --help.``), exit 2, not the usage; an
+    argument whose help asks a registry (``action.help_from``, :mod:`.shared_flags`) gets it when the help is shown,
+    so building the parser imports no torch."""
+
+    def format_help(self) -> str:
+        for action in self._actions:
+            help_from = getattr(action, "help_from", None)
+            if help_from is not None:
+                action.help = help_from()
+        return super().format_help()
 
     def error(self, message: str) -> NoReturn:  # type: ignore[override]
-        from .errors import visible
+        from ..errors import visible
 
         line = visible(" ".join(message.split()).rstrip("."))  # an argument's escape sequences shown, not run
         raise UsageError(f"error: {line}. See {self.prog} --help.")

@@ -21,52 +21,31 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
 
-from .errors import AuditError, ExitCode, escape
+from ..errors import AuditError, ExitCode, escape
 
 
 def _parser() -> argparse.ArgumentParser:
-    from .cli_parser import _Parser
+    from .argparser import _Parser
+    from .shared_flags import add_shared
 
     p = _Parser(
         prog="lowrank-audit factorize",
         description="Apply a compression plan: each planned layer becomes two (SVD, or whitened with calibration); "
                     "writes model.safetensors and plan.json. A recovery fine-tune follows.")
-    p.add_argument("model", help="the model source (file.py:factory, module:factory, a Hugging Face directory)")
-    p.add_argument("--plan", required=True, metavar="FILE", help="the plan (TOML or JSON, as for the audit)")
+    add_shared(p, "model", "plan", plan={"required": True})
     p.add_argument("-o", "--output-dir", required=True, metavar="DIR", help="where to write the factorized model")
     p.add_argument("--force", action="store_true",
                    help="replace DIR when it holds a previous output of lowrank-audit factorize (and nothing else)")
     p.add_argument("--allow-no-saving", action="store_true",
                    help="write layers whose rank is at or above break-even (LR001), which store more than before")
-    p.add_argument("--calibration", metavar="FILE|module:fn", help="whitened initialisation from these inputs, and "
-                                                                   "the plan measured on the held-out part")
-    p.add_argument("--holdout", metavar="SHARE|FILE", help="held-out share or file (default 0.25)")
-    p.add_argument("--calibration-length", type=int, metavar="N",
-                   help="tokens per window when --calibration is a text file (Hugging Face directory with a "
-                        "tokenizer; default: the model's positions, at most 512)")
-    p.add_argument("--metric", metavar="NAME|module:fn",
-                   help="perplexity, kl, masked-perplexity, output-error, or fn(model, batches) -> float, higher is "
-                        "better (default: perplexity for a causal LM, masked-perplexity for a masked LM, else "
-                        "output-error; as for the audit)")
-    p.add_argument("--tolerance", type=float, help="allowed loss in the metric's units (default 0.01; perplexity: "
-                                                   "the relative increase)")
-    p.add_argument("--weights", metavar="FILE", help="a state dict to load into the factory's model")
-    p.add_argument("--input-shape", action="append", metavar="1,3,224,224", help="example input shape")
-    p.add_argument("--input-ids", metavar="1,128", help="token ids of this shape")
-    p.add_argument("--no-cache", action="store_true", help="do not read or write the caches")
-    p.add_argument("--compute-dtype", choices=["model", "float32"],
-                   help="the dtype calibration statistics are read in (default: the plan's compute_dtype, else the "
-                        "model's own): give what the audit used, so the factors are the ones it measured")
-    p.add_argument("--no-split", action="store_true",
-                   help="measure on every held-out row (the audit's --no-split), not on the verification part")
-    p.add_argument("--confidence", type=float, metavar="LEVEL",
-                   help="the verification interval's level (the audit's --confidence; default 0.9)")
+    add_shared(p, "calibration", "holdout", "calibration-length", "metric", "tolerance", "weights", "input-shape",
+               "input-ids", "no-cache", "compute-dtype", "no-split", "confidence")
     p.add_argument("--measure-speed", action="store_true",
                    help="time the dense and the factorized model end to end (and with --export the .pt2 in torch, "
                         "the ONNX in onnxruntime), each in a fresh process, at the example inputs on the CPU; peak "
                         "memory each (docs/performance.md)")
-    from .cli_recover import add_cli_arguments as recover_arguments
-    from .export import add_cli_arguments as export_arguments
+    from .recovery_flags import add_cli_arguments as recover_arguments
+    from ..export import add_cli_arguments as export_arguments
 
     recover_arguments(p)
     export_arguments(p)
@@ -75,7 +54,7 @@ def _parser() -> argparse.ArgumentParser:
 
 def _inputs(args: argparse.Namespace) -> list[tuple[str, str]]:
     """The run's inputs that are paths (a ``file.py:fn`` spec counts by its file): -o must never hold one."""
-    from .config import nearest_pyproject
+    from ..config import nearest_pyproject
 
     out: list[tuple[str, str]] = []
     settings = nearest_pyproject()
@@ -91,8 +70,8 @@ def _inputs(args: argparse.Namespace) -> list[tuple[str, str]]:
 
 
 def _check_dir(out: Path, args: argparse.Namespace) -> None:
-    from .folder import previous_output
-    from .outputs import check_folder_output
+    from ..folder import previous_output
+    from ..outputs import check_folder_output
 
     check_folder_output(out, "-o", force=args.force, replaceable=previous_output, inputs=_inputs(args),
                         tool="lowrank-audit factorize")
@@ -102,7 +81,7 @@ def _no_saving(result: Any, plan: dict[str, int]) -> None:
     """Refuse, as LR001 flags them, planned ranks at or above break-even: the factorized layer would grow."""
     import math
 
-    from .lrmath import saves
+    from ..lrmath import saves
 
     for name, r in plan.items():
         layer = result.layer(name)
@@ -140,7 +119,7 @@ def _load(args: argparse.Namespace) -> tuple[Any, Any]:
     """The loaded source and its module (a weights-only checkpoint has none to factorize)."""
     from torch import nn
 
-    from .pipeline import load_model
+    from ..pipeline import load_model
 
     loaded = load_model(args.model, _load_options(args))
     if not isinstance(loaded.model, nn.Module):
@@ -150,8 +129,8 @@ def _load(args: argparse.Namespace) -> tuple[Any, Any]:
 
 
 def _load_options(args: argparse.Namespace) -> Any:
-    from .options import LoadOptions
-    from .sources import parse_shape
+    from ..options import LoadOptions
+    from ..sources import parse_shape
 
     return LoadOptions(
         input_shape=tuple(parse_shape(s, "--input-shape") for s in args.input_shape) if args.input_shape else None,
@@ -161,10 +140,10 @@ def _load_options(args: argparse.Namespace) -> Any:
 def _options(args: argparse.Namespace, loaded: Any, plan: Any) -> Any:
     """The audit's options for the plan review and, with --calibration, the plan check; a calibration flag
     without --calibration is refused, naming the flags given."""
-    from .calibration.text import tokenizer_home
-    from .config import repo_settings
-    from .options import AuditOptions
-    from .rules import RULES
+    from ..calibration.text import tokenizer_home
+    from ..config import repo_settings
+    from ..options import AuditOptions
+    from ..rules import RULES
 
     settings, plan_may_relax = repo_settings(RULES.settings())  # the repository's settings, as for the audit
     cal = args.calibration is not None
@@ -191,7 +170,7 @@ def _options(args: argparse.Namespace, loaded: Any, plan: Any) -> Any:
 def _reviewed_plan(args: argparse.Namespace, result: Any, name: str) -> dict[str, int]:
     """The reviewed plan's ranks (layer -> rank), refused when the review found bad input or the plan names no
     layer, and (unless --allow-no-saving) when a rank is at or above break-even."""
-    from .policy import input_errors
+    from ..policy import input_errors
 
     for f in input_errors(result):
         raise AuditError(f"{f.code} {f.message}", f.fix)
@@ -240,9 +219,9 @@ class _Made:
 def _make(args: argparse.Namespace, loaded: Any, result: Any, session: Any, recovery: Any) -> _Made:
     """Factorize with the audit's session (the batches it read, the statistics it measured the plan with, its dense
     reference), then recover when asked."""
-    from .calibration.apply import factorize
-    from .cli_recover import cli_recover
-    from .surgery import count_params
+    from ..calibration.apply import factorize
+    from .recovery_flags import cli_recover
+    from ..surgery import count_params
 
     model = loaded.model
     plan = _reviewed_plan(args, result, loaded.name)
@@ -261,9 +240,9 @@ def _make(args: argparse.Namespace, loaded: Any, result: Any, session: Any, reco
 def _write(out: Path, args: argparse.Namespace, made: _Made, formats: tuple[str, ...]) -> list[str]:
     """Write the folder (and the exported program) beside ``out``, then rename it into place: never a half-written
     directory. Returns the exported files."""
-    from .export import cli_write
-    from .folder import write_factorized
-    from .outputs import write_folder
+    from ..export import cli_write
+    from ..folder import write_factorized
+    from ..outputs import write_folder
 
     exported: list[str] = []
 
@@ -277,7 +256,7 @@ def _write(out: Path, args: argparse.Namespace, made: _Made, formats: tuple[str,
 
 def _say(out: Path, made: _Made, result: Any, exported: list[str]) -> None:
     """What was written, on stderr: the parameters before and after, the plan check, the files."""
-    from .surgery import count_params
+    from ..surgery import count_params
 
     before, after = count_params(made.model), count_params(made.new)
     change = (f"{100 * (before - after) / before:.1f}% removed" if after <= before else
@@ -304,11 +283,11 @@ def _say(out: Path, made: _Made, result: Any, exported: list[str]) -> None:
 def run(args: argparse.Namespace) -> int:
     """The command: every check that needs no model first, then the audit (plan review, plan check), factorize,
     recover, write, say."""
-    from .cli_recover import cli_settings
-    from .export import cli_formats
-    from .pipeline import audit_session
-    from .plan import Plan
-    from .surgery import check_targets
+    from .recovery_flags import cli_settings
+    from ..export import cli_formats
+    from ..pipeline import audit_session
+    from ..plan import Plan
+    from ..surgery import check_targets
 
     out = Path(args.output_dir)
     _check_dir(out, args)
@@ -332,8 +311,8 @@ def _speed(args: argparse.Namespace, loaded: Any, plan: dict[str, int], out: Pat
     processes timed side by side; one line each on stderr (a failure is a note: the files are written)."""
     import torch
 
-    from .speed.model import measure_subprocesses
-    from .speed.measured import seconds
+    from ..speed.model import measure_subprocesses
+    from ..speed.measured import seconds
 
     load = _load_options(args)
     programs = [(str(out / f), f.rsplit(".", 1)[1]) for f in exported if f.endswith((".pt2", ".onnx"))]
@@ -355,7 +334,7 @@ def _speed(args: argparse.Namespace, loaded: Any, plan: dict[str, int], out: Pat
 
 
 def main(argv: Sequence[str]) -> int:
-    from .cli_parser import UsageError
+    from .argparser import UsageError
 
     try:
         args = _parser().parse_args(list(argv))

@@ -13,18 +13,19 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Sequence
 
-from .cli_parser import UsageError, _Parser
-from .config import FailOn
-from .errors import AuditError, ExitCode, escape, first_line
-from .options import SpectraBackend, Tracer
+from .argparser import UsageError, _Parser
+from .shared_flags import add_shared
+from ..config import FailOn
+from ..errors import AuditError, ExitCode, escape, first_line
+from ..options import SpectraBackend, Tracer
 
 if TYPE_CHECKING:
-    from .options import AuditOptions, LoadOptions
+    from ..options import AuditOptions, LoadOptions
 
 
 def _output_help() -> tuple[str, str]:
     """--format's and -o's help, from the one table of formats (:data:`auditor.render.REPORTERS`)."""
-    from .render import REPORTERS, Stdout, stdout_of
+    from ..render import REPORTERS, Stdout, stdout_of
 
     files = ",".join(r.suffix.lstrip(".") for r in REPORTERS.values() if stdout_of(r.name) is not Stdout.LOG)
     docs = "/".join(f for f in REPORTERS if stdout_of(f) is Stdout.DOCUMENT)
@@ -50,7 +51,7 @@ def _parser() -> argparse.ArgumentParser:
                "written), 3 internal error (a bug; --verbose shows the traceback), 130 interrupted; --fail-on "
                "unmeasured exits 1 on anything but PASS.",
     )
-    p.add_argument("model", help="the model source")
+    add_shared(p, "model")
     _common_flags(p)
     _input_flags(p.add_argument_group("inputs"))
     _plan_flags(p.add_argument_group("plan"))
@@ -67,12 +68,7 @@ def _parser() -> argparse.ArgumentParser:
 
 def _input_flags(g: "argparse._ArgumentGroup") -> None:
     """Where the model's inputs and weights come from, and how it is traced."""
-    g.add_argument("--input-shape", action="append", metavar="1,3,224,224",
-                   help="a float input of this shape (repeat for several positional inputs)")
-    g.add_argument("--input-ids", metavar="1,128", help="token ids of this shape, within the config's vocabulary")
-    g.add_argument("--weights", metavar="PATH",
-                   help="a state dict (safetensors, or .pt/.bin loaded weights_only), or a folder of them; "
-                        "also accepted with a config.json")
+    add_shared(g, "input-shape", "input-ids", "weights")
     g.add_argument("--partial", action="store_true",
                    help="audit even when the checkpoint lacks some of the model's weights (they are listed)")
     g.add_argument("--tracer", choices=[t.value for t in Tracer], default=Tracer.AUTO.value,
@@ -83,7 +79,7 @@ def _input_flags(g: "argparse._ArgumentGroup") -> None:
 
 def _plan_flags(g: "argparse._ArgumentGroup") -> None:
     """The plan under review and the suggested plan's file."""
-    g.add_argument("--plan", metavar="FILE", help="a compression plan to review (TOML or JSON)")
+    add_shared(g, "plan")
     g.add_argument("--emit-plan", metavar="FILE", help="write the suggested plan as an editable TOML file")
 
 
@@ -114,31 +110,14 @@ def _threshold_flags(g: "argparse._ArgumentGroup") -> None:
 
 def _calibration_flags(g: "argparse._ArgumentGroup") -> None:
     """The calibration data, how much of it is read, the metric and its tolerance."""
-    g.add_argument("--calibration", metavar="FILE|module:fn",
-                   help="inputs to measure with: a safetensors/.pt file of tensors named after the forward's "
-                        "inputs, batched along dim 0, file.py:fn / module:fn returning batches, or (for a Hugging "
-                        "Face directory with its tokenizer) a text file: .txt/.md/.rst/.py, or any UTF-8 file")
-    g.add_argument("--calibration-length", type=int, metavar="N",
-                   help="tokens per window of a text calibration file (default: the model's positions, at most 512)")
+    add_shared(g, "calibration", "calibration-length")
     g.add_argument("--calibration-max-rows", type=int, metavar="N",
                    help="read at most this many calibration rows (examples, windows; default 100000): more is "
                         "refused, so an endless generator stops")
     g.add_argument("--calibration-max-bytes", metavar="SIZE",
                    help="read at most this much calibration data, e.g. 4G (a file's size, a text file's, the tensors "
                         "a function yields; default 1G)")
-    g.add_argument("--holdout", metavar="SHARE|FILE", help="share of the rows held out to measure (default 0.25), "
-                                                            "or a second file held out whole")
-    g.add_argument("--metric", metavar="NAME|module:fn",
-                   help="perplexity (held-out next-token perplexity, lower is better, judged by its relative "
-                        "increase), kl (mean next-token KL from the dense model, lower is better), masked-perplexity "
-                        "(alias masked-ce: cross-entropy at the masked positions of a masked LM against their labels, "
-                        "pads excluded, judged by the relative increase of its perplexity), output-error "
-                        "(relative error of the outputs, lower is better), or fn(model, batches) -> float, higher "
-                        "is better (default: perplexity for a causal LM, masked-perplexity for a masked LM, else "
-                        "output-error)")
-    g.add_argument("--tolerance", type=float,
-                   help="allowed loss (default 0.01): the relative (masked-token) perplexity increase (0.02 = +2%%), the KL in "
-                        "nats per token, the relative output error, or a user metric's drop in its units")
+    add_shared(g, "holdout", "metric", "tolerance")
 
 
 def _tier_flags(g: "argparse._ArgumentGroup") -> None:
@@ -151,15 +130,10 @@ def _tier_flags(g: "argparse._ArgumentGroup") -> None:
     g.add_argument("--probe", action="store_true",
                    help="tier 3 without --measure-floor: each layer's sensitivity from truncation probes (the layer "
                         "measured alone at two ranks) instead of the default output gradients (one backward pass)")
-    g.add_argument("--confidence", type=float, metavar="LEVEL",
-                   help="the verification interval's level (default 0.9): the suggested plan's interval over the "
-                        "held-out rows the search never read must end within the tolerance")
-    g.add_argument("--no-split", action="store_true",
-                   help="search and check the plan on every held-out row, without a verification part or interval "
-                        "(the behaviour before the split)")
+    add_shared(g, "confidence", "no-split")
     g.add_argument("--budget", type=float, metavar="FRACTION",
                    help="tier 3: a plan removing this share of the parameters, checked all at once")
-    from .cli_recover import add_cli_arguments as recover_arguments
+    from .recovery_flags import add_cli_arguments as recover_arguments
 
     recover_arguments(g, audit=True)
     g.add_argument("--choose-after-recovery", action="store_true",
@@ -175,10 +149,7 @@ def _device_flags(g: "argparse._ArgumentGroup") -> None:
     g.add_argument("--offload", action="store_true",
                    help="keep the weights on the CPU and move each repeated block to --device only while it runs "
                         "(no effect with --device cpu)")
-    g.add_argument("--compute-dtype", choices=["model", "float32"],
-                   help="the dtype calibration statistics are read in: model (its own, the default) or float32 "
-                        "(bf16/fp16 weights upcast one block at a time: on a CPU without bf16 matrix units bf16 is "
-                        "hundreds of times slower)")
+    add_shared(g, "compute-dtype")
 
 
 def _speed_flags(g: "argparse._ArgumentGroup") -> None:
@@ -200,7 +171,7 @@ def _spectra_flags(g: "argparse._ArgumentGroup") -> None:
     g.add_argument("--spectra-backend", choices=[b.value for b in SpectraBackend], default=SpectraBackend.LAPACK.value,
                    help="what computes the singular values: lapack (CPU float64 Gram + LAPACK, the default), "
                         "torch-cpu or torch-cuda (the same in torch on that device); each keeps its own cache entries")
-    g.add_argument("--no-cache", action="store_true", help="do not read or write the spectrum cache")
+    add_shared(g, "no-cache")
     g.add_argument("--cache-dir", metavar="DIR", help="spectrum cache (default ~/.cache/lowrank-auditor)")
     g.add_argument("-j", "--jobs", type=int, metavar="N",
                    help="layers computed side by side, each with its share of the cores (default: cores, at most 4)")
@@ -214,7 +185,7 @@ def _spectra_flags(g: "argparse._ArgumentGroup") -> None:
 
 def _common_flags(p: argparse.ArgumentParser) -> None:
     """--version, --verbose and --progress/--no-progress."""
-    from . import __version__
+    from .. import __version__
 
     p.add_argument("--version", action="version", version=f"lowrank-audit {__version__}")
     p.add_argument("-v", "--verbose", action="store_true",
@@ -230,7 +201,7 @@ def _common_flags(p: argparse.ArgumentParser) -> None:
 
 def _check_stdout(args: argparse.Namespace) -> None:
     """Without -o, stdout carries one document: the table, or the JSON, or the Markdown."""
-    from .render import Stdout, stdout_of
+    from ..render import Stdout, stdout_of
 
     formats = [f.strip() for f in args.format.split(",") if f.strip()]
     kinds = {f: stdout_of(f) for f in dict.fromkeys(formats)}
@@ -247,15 +218,15 @@ def _check_stdout(args: argparse.Namespace) -> None:
 
 
 def _rules_main(argv: Sequence[str]) -> int:
-    from .rules import RULES, find_rule, rule_doc, rules_markdown
-    from .rules.docs import rule_url
-    from .rules.registry import BUILTIN_ORIGIN
+    from ..rules import RULES, find_rule, rule_doc, rules_markdown
+    from ..rules.docs import rule_url
+    from ..rules.registry import BUILTIN_ORIGIN
 
     p = _Parser(prog="lowrank-audit rules", description="List the rules, or print one.")
     p.add_argument("code", nargs="?", help="a rule code such as LR004, or its slug such as energy-below-floor")
     p.add_argument("--markdown", action="store_true", help="print docs/rules.md")
-    from .outputs import print_stdout, write_stdout
-    from .render.safe import term
+    from ..outputs import print_stdout, write_stdout
+    from ..render.safe import term
 
     a = p.parse_args(argv)
     try:
@@ -297,7 +268,7 @@ def main(argv: Sequence[str] | None = None) -> int:
               file=sys.stderr)
         return 130
     except BrokenPipeError:  # a closed pipe on stderr (2>&1 | head) or a stray print: end quietly, as SIGPIPE would
-        from .outputs import silence
+        from ..outputs import silence
 
         silence(sys.stdout)
         silence(sys.stderr)
@@ -340,11 +311,11 @@ def _dispatch(argv: list[str], written: list[Path]) -> int:
     if argv and argv[0] == "rules":
         return _rules_main(argv[1:])
     if argv and argv[0] == "check-plan":
-        from .cli_plan import main as check_plan_main
+        from .plan_command import main as check_plan_main
 
         return check_plan_main(argv[1:])
     if argv and argv[0] == "factorize":
-        from .cli_factorize import main as factorize_main
+        from .factorize_command import main as factorize_main
 
         return factorize_main(argv[1:])
     args = _parser().parse_args(_progress_alone(argv))
@@ -383,7 +354,7 @@ def _reserve_standard_streams() -> None:
     if sys.stderr is None:
         sys.stderr = open(os.devnull, "w")  # noqa: SIM115 - lives as long as the process
     elif sys.stderr is sys.__stderr__:
-        from .outputs import QuietStderr
+        from ..outputs import QuietStderr
 
         sys.stderr = QuietStderr(sys.stderr)  # type: ignore[assignment]
 
@@ -391,7 +362,7 @@ def _reserve_standard_streams() -> None:
 def _silence_stdout() -> None:
     """After stdout failed (a full disk, a closed pipe): point its descriptor at /dev/null, so the interpreter's
     final flush of what is still buffered cannot fail a second time with a traceback-like message."""
-    from .outputs import silence
+    from ..outputs import silence
 
     silence(sys.stdout)
 
@@ -399,7 +370,7 @@ def _silence_stdout() -> None:
 def _path_map(entries: list[str]) -> tuple[tuple[str, str], ...]:
     if not entries:
         return ()
-    from .spectra.dask_executor import parse_path_map  # no distributed import: only the parsing
+    from ..spectra.dask_executor import parse_path_map  # no distributed import: only the parsing
 
     return parse_path_map(entries)
 
@@ -407,9 +378,9 @@ def _path_map(entries: list[str]) -> tuple[tuple[str, str], ...]:
 def options_from(args: argparse.Namespace) -> tuple["AuditOptions", "LoadOptions"]:
     """The audit's and the loader's options from the flags: defaults < pyproject.toml < the plan < the flags
     (the plan's thresholds are applied between ``settings`` and ``overrides`` by the pipeline)."""
-    from .config import repo_settings
-    from .sources import parse_shape
-    from .options import AuditOptions, LoadOptions
+    from ..config import repo_settings
+    from ..sources import parse_shape
+    from ..options import AuditOptions, LoadOptions
 
     if args.jobs is not None and args.jobs < 1:
         raise AuditError(f"--jobs {args.jobs}: at least one layer must run", "Pass --jobs 1 or more, or leave it out")
@@ -418,11 +389,11 @@ def options_from(args: argparse.Namespace) -> tuple["AuditOptions", "LoadOptions
         raise AuditError("--path-map applies to a Dask cluster, and no --scheduler is given (nor "
                          "$LOWRANK_AUDITOR_SCHEDULER)", "Pass --scheduler tcp://HOST:PORT as well, or drop --path-map")
     if args.scheduler:
-        from .spectra.dask_executor import check_address, env_connect_timeout  # no distributed import: only the parsing
+        from ..spectra.dask_executor import check_address, env_connect_timeout  # no distributed import: only the parsing
 
         check_address(args.scheduler)
         env_connect_timeout()
-    from .rules import RULES
+    from ..rules import RULES
 
     settings, plan_may_relax = repo_settings(RULES.settings())
     overrides = {k: v for k, v in {
@@ -448,7 +419,7 @@ def options_from(args: argparse.Namespace) -> tuple["AuditOptions", "LoadOptions
 
 def _device(spec: str) -> str:
     """``--device`` checked before the model loads: an unknown or unavailable device is one line, exit 2."""
-    from .calibration.stream import resolve_device
+    from ..calibration.stream import resolve_device
 
     return str(resolve_device(spec))
 
@@ -463,7 +434,7 @@ def speed_options(args: argparse.Namespace) -> dict:
     where the speed is measured."""
     if not _speed_asked(args):
         return {}
-    from .sources import parse_shape
+    from ..sources import parse_shape
 
     out: dict = {"measure_speed": True}
     if args.latency_shape:
@@ -493,7 +464,7 @@ def _confidence(level: float) -> float:
 
 def calibration_options(args: argparse.Namespace) -> dict:
     """The calibration flags as AuditOptions fields (checked there: --budget in (0, 1), the rest need data)."""
-    from .calibration.inputs import parse_size
+    from ..calibration.inputs import parse_size
 
     recovery = _recovery_options(args)
     if args.calibration is None:
@@ -527,7 +498,7 @@ def calibration_options(args: argparse.Namespace) -> dict:
 def _recovery_options(args: argparse.Namespace) -> dict:
     """--recover and its flags (those of ``lowrank-audit factorize --recover``) as AuditOptions fields, checked
     before the model loads: each needs the one before it, and --recover needs --calibration and --budget."""
-    from .cli_recover import cli_settings
+    from .recovery_flags import cli_settings
 
     if getattr(args, "choose_after_recovery", False) and args.recover is None:
         raise AuditError("--choose-after-recovery needs --recover STEPS: it chooses on the curve measured after "
@@ -563,8 +534,8 @@ def _destinations(args: argparse.Namespace, formats: list[str]) -> dict[str, Pat
     """The file each file-bound format goes to, and ``plan`` for --emit-plan; every one checked before the audit:
     -o must be (or become) a writable folder, nothing but a regular file is ever replaced, --emit-plan may not
     name the plan under review or a report."""
-    from .outputs import check_destination, check_folder, check_not_input, same_file
-    from .render import REPORTERS, Stdout, stdout_of
+    from ..outputs import check_destination, check_folder, check_not_input, same_file
+    from ..render import REPORTERS, Stdout, stdout_of
 
     dest: dict[str, Path] = {}
     inputs = run_inputs(args)
@@ -601,7 +572,7 @@ def _destinations(args: argparse.Namespace, formats: list[str]) -> dict[str, Pat
 
 def run_inputs(args: argparse.Namespace) -> list[tuple[str, str | Path | None]]:
     """Every file or folder the run reads, as (label, value given): no output may replace one of them."""
-    from .config import nearest_pyproject
+    from ..config import nearest_pyproject
 
     metric = getattr(args, "metric", None)
     return [("the model source", args.model), ("--weights", getattr(args, "weights", None)),
@@ -613,7 +584,7 @@ def run_inputs(args: argparse.Namespace) -> list[tuple[str, str | Path | None]]:
 
 def _formats(args: argparse.Namespace) -> list[str]:
     """--format's list, each a known reporter, at most one document for stdout; --width checked with them."""
-    from .render import REPORTERS, Stdout, stdout_of
+    from ..render import REPORTERS, Stdout, stdout_of
 
     formats = [f.strip() for f in args.format.split(",") if f.strip()]
     bad = [f for f in formats if f not in REPORTERS]
@@ -630,12 +601,12 @@ def _formats(args: argparse.Namespace) -> list[str]:
 def run(args: argparse.Namespace, written: list[Path] | None = None) -> int:
     """The audit the flags ask for. Outputs are all or nothing (:mod:`auditor.outputs`); ``written`` receives the
     paths once they are all in place (the interrupt message says exactly what exists)."""
-    from . import baseline as baseline_mod
-    from .outputs import OutputSet, write_stdout
-    from .pipeline import audit_source, render_reports
-    from .plan import emit_toml
-    from .policy import exit_code, input_errors
-    from .render import REPORTERS, RenderContext, Stdout, stdout_of
+    from .. import baseline as baseline_mod
+    from ..outputs import OutputSet, write_stdout
+    from ..pipeline import audit_source, render_reports
+    from ..plan import emit_toml
+    from ..policy import exit_code, input_errors
+    from ..render import REPORTERS, RenderContext, Stdout, stdout_of
 
     formats = _formats(args)
     options, load_options = options_from(args)
@@ -656,7 +627,7 @@ def run(args: argparse.Namespace, written: list[Path] | None = None) -> int:
                             width=_terminal_width(width), baseline_report=base)
     table = {f for f in formats if stdout_of(f) is Stdout.TABLE}
     ordered = sorted(dict.fromkeys(formats), key=lambda f: f not in table)  # the table first, as before
-    from .progress import Progress
+    from ..progress import Progress
 
     outputs = render_reports(result, [f for f in ordered if f not in table or not args.quiet or f in dest], context,
                              Progress(enabled=options.progress))
@@ -668,7 +639,7 @@ def run(args: argparse.Namespace, written: list[Path] | None = None) -> int:
             files.add(dest[fmt], content)
     if "plan" in dest:
         files.add(dest["plan"], emit_toml(result))
-    from .render.terminal import colour, use_colour
+    from ..render.terminal import colour, use_colour
 
     to_stdout = [colour(content) if fmt in table and isinstance(content, str) and use_colour(sys.stdout) else content
                  for fmt, content in outputs.items()

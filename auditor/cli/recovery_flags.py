@@ -8,11 +8,11 @@ from typing import Any
 
 from torch import nn
 
-from .calibration.inputs import Calibration
-from .calibration.metric import Metric
-from .calibration.recovery import DEFAULT_LR, RecoverySettings, recover, summary
-from .errors import AuditError
-from .progress import Progress as Bar
+from ..calibration.inputs import Calibration
+from ..calibration.metric import Metric
+from ..calibration.recovery import DEFAULT_LR, RecoverySettings, recover, summary
+from ..errors import AuditError
+from ..progress import Progress as Bar
 
 
 def add_cli_arguments(p: Any, audit: bool = False) -> None:
