@@ -23,8 +23,8 @@ if TYPE_CHECKING:
     from torch import nn
     from typing_extensions import Unpack
 
-    from .baseline import BaselineSource
-    from .groups import Group
+    from .verdict.baseline import BaselineSource
+    from .planning.groups import Group
     from .options import OptionFields
 
 __all__ = ["Audit", "audit", "audit_source", "factorize"]
@@ -64,7 +64,7 @@ class Audit(results.AuditResult):
         >>> g.label, g.size, g.params
         ('*', 3, 192)
         """
-        from .groups import group_layers
+        from .planning.groups import group_layers
 
         return group_layers(self.layers, self.total_params)
 
@@ -77,7 +77,7 @@ class Audit(results.AuditResult):
         >>> "[ranks]" in a.emit_plan()
         True
         """
-        from .plan import emit_toml
+        from .planning.plan import emit_toml
 
         text = emit_toml(self)
         if path is not None:
@@ -98,21 +98,21 @@ class Audit(results.AuditResult):
         >>> a.status, a.measured, a.exit_code, a.findings
         ('unmeasured', False, 0, [])
         """
-        from .policy import status
+        from .verdict.policy import status
 
         return str(status(self))
 
     @property
     def measured(self) -> bool:
         """Whether calibration data measured the suggested or reviewed plan (the JSON report's ``measured``)."""
-        from .policy import measured
+        from .verdict.policy import measured
 
         return measured(self)
 
     @property
     def exit_code(self) -> int:
         """The command line's exit code for this audit at its ``fail_on`` setting: 0, or 1 for findings at it."""
-        from .policy import exit_code
+        from .verdict.policy import exit_code
 
         return int(exit_code(self))
 
@@ -242,7 +242,7 @@ def audit(model: Any, inputs: Any = None, *, plan: Any = None, options: AuditOpt
     """Audit a model: an ``nn.Module``, or a weights-only checkpoint from :func:`auditor.sources.load_source`.
 
     ``inputs``: a tensor, a tuple of positional inputs, a dict of keyword inputs, or (args, kwargs); without them
-    MACs are not counted. ``plan``: a :class:`auditor.plan.Plan`, a path to a TOML/JSON plan, or a dict; without
+    MACs are not counted. ``plan``: a :class:`auditor.planning.plan.Plan`, a path to a TOML/JSON plan, or a dict; without
     one the suggested ranks are reviewed. ``options``: an :class:`AuditOptions`. Any of its fields may also be
     given as a keyword (``audit(m, x, spectra=False)`` is ``options=AuditOptions(spectra=False)``; a keyword
     replaces that field of ``options``); other keywords raise TypeError. The stages are those of
@@ -283,7 +283,7 @@ def factorize(model: "nn.Module", plan: Any, calibration: Any = None) -> "nn.Mod
     """A deep copy of ``model`` with each planned layer replaced by two (``model`` is left untouched).
 
     ``plan``: ``{layer name: rank}``, or anything :func:`audit` accepts as a plan (a TOML/JSON path, a
-    :class:`auditor.plan.Plan`, a plan table with ``ranks``), whose patterns and specs (``"0.5be"``,
+    :class:`auditor.planning.plan.Plan`, a plan table with ``ranks``), whose patterns and specs (``"0.5be"``,
     ``"energy:0.95"``) are reviewed against the model as the audit reviews them. ``calibration``: None (factors from
     the plain SVD of each weight), a ``CalibrationSession`` (an audit's: its statistics are reused), a
     ``Calibration``, ``InputStatistics``, or any source
@@ -307,7 +307,7 @@ def factorize(model: "nn.Module", plan: Any, calibration: Any = None) -> "nn.Mod
         ranks = dict(plan)
     else:
         from . import pipeline
-        from .policy import input_errors
+        from .verdict.policy import input_errors
 
         result = pipeline.audit(model, plan=plan, options=AuditOptions(progress=False))
         for f in input_errors(result):

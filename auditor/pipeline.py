@@ -43,7 +43,7 @@ if TYPE_CHECKING:
 
     from .structure.layers import ParamTable
     from .sources import Loaded, WeightsOnly
-    from .plan import Plan
+    from .planning.plan import Plan
     from .structure.trace import ExampleInputs, TraceResult
 
     from typing_extensions import Unpack
@@ -277,7 +277,7 @@ def compute_spectra(layers: list[Layer], loaders: dict[str, Loader], settings: S
 
 
 def suggest_ranks(layers: list[Layer], spectra: dict[str, Spectrum], settings: Settings) -> dict[str, Suggestion]:
-    from .suggest import suggest
+    from .planning.suggest import suggest
 
     return {l.name: suggest(l, spectra.get(l.name), settings) for l in layers}
 
@@ -300,7 +300,7 @@ def calibrate(model: Any, st: Structure, spectra: Spectra, suggestions: dict[str
 
 def review(audit: AuditResult, plan: "Plan | None") -> AuditResult:
     """The plan (or, without one, the suggested ranks) reviewed against the audit."""
-    from .plan import review_plan
+    from .planning.plan import review_plan
 
     return replace(audit, review=review_plan(audit, plan))
 
@@ -337,7 +337,7 @@ def audit(model: Any, inputs: Any = None, *, plan: Any = None, options: AuditOpt
     """Audit a model: an ``nn.Module``, or a weights-only checkpoint from :func:`auditor.sources.load_source`.
 
     ``inputs``: a tensor, a tuple of positional inputs, a dict of keyword inputs, or (args, kwargs); without them
-    MACs are not counted. ``plan``: a :class:`auditor.plan.Plan`, a path to a TOML/JSON plan, or a dict; without
+    MACs are not counted. ``plan``: a :class:`auditor.planning.plan.Plan`, a path to a TOML/JSON plan, or a dict; without
     one the suggested ranks are reviewed. ``options``: an :class:`AuditOptions`. Any of its fields may also be
     given as a keyword (``audit(m, x, spectra=False)`` is ``options=AuditOptions(spectra=False)``; a keyword
     replaces that field of ``options``); other keywords raise TypeError.
@@ -357,7 +357,7 @@ def audit_session(model: Any, inputs: Any = None, *, plan: Any = None,
     batches, the input statistics and the evaluator with its dense reference, for a caller that goes on to
     factorize or recover with them (``lowrank-audit factorize``) instead of reading and measuring all again."""
     from .sources import WeightsOnly
-    from .plan import Plan
+    from .planning.plan import Plan
 
     opts = options or AuditOptions()
     progress = _progress(opts)

@@ -17,7 +17,7 @@ from .config import FailOn, Settings, StrEnum
 
 if TYPE_CHECKING:
     from .calresults import CalibrationReport
-    from .speed.measured import SpeedReport
+    from .speedresults import SpeedReport
 
 __all__ = [
     "AuditResult", "FailOn", "Finding", "GraphNode", "Kind", "Layer", "LayerGraph", "PlanItem", "PlanOrigin",

@@ -86,7 +86,7 @@ def test_strict_json_reads_back_with_every_strict_reader(data):
     import math
 
     from auditor.outputs import strict_json
-    from auditor.plan import loads_json
+    from auditor.planning.plan import loads_json
 
     text = strict_json(data)
     back = loads_json(text)  # the tool's own strict reader (no NaN/Infinity, no duplicate keys)

@@ -13,7 +13,7 @@ from torch import nn
 
 import auditor
 from auditor.speed.layer_timing import TimeCache, Timer, bisect_break_even, rank_grid, time_break_even, time_layers
-from auditor.speed.measured import LayerSpeed, ModelRun, SpeedReport, seconds
+from auditor.speedresults import LayerSpeed, ModelRun, SpeedReport, seconds
 from auditor.speed.speed_stage import candidates, latency_plan
 from auditor.speed.timing import MIN_BLOCK_S, Timing, measure, measure_many
 

@@ -601,11 +601,11 @@ def _formats(args: argparse.Namespace) -> list[str]:
 def run(args: argparse.Namespace, written: list[Path] | None = None) -> int:
     """The audit the flags ask for. Outputs are all or nothing (:mod:`auditor.outputs`); ``written`` receives the
     paths once they are all in place (the interrupt message says exactly what exists)."""
-    from .. import baseline as baseline_mod
+    from ..verdict import baseline as baseline_mod
     from ..outputs import OutputSet, write_stdout
     from ..pipeline import audit_source, render_reports
-    from ..plan import emit_toml
-    from ..policy import exit_code, input_errors
+    from ..planning.plan import emit_toml
+    from ..verdict.policy import exit_code, input_errors
     from ..render import REPORTERS, RenderContext, Stdout, stdout_of
 
     formats = _formats(args)

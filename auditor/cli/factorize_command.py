@@ -7,8 +7,8 @@ layer's break-even (LR001: the factors store at least as much as the weight) is 
 ``--allow-no-saving``; so are complex, quantized and other non-floating-point layers, and tied weights.
 
 ``DIR`` receives ``model.safetensors``, ``plan.json`` and the marker ``lowrank-audit-factorized.json``
-(:func:`auditor.folder.save_factorized`), written into a folder beside it and renamed into place; read them back
-with ``auditor.folder.load_factorized(original_model, DIR)``. ``DIR`` must be new or empty; ``--force`` replaces
+(:func:`auditor.artifacts.folder.save_factorized`), written into a folder beside it and renamed into place; read them back
+with ``auditor.artifacts.folder.load_factorized(original_model, DIR)``. ``DIR`` must be new or empty; ``--force`` replaces
 only a previous output of this command (its marker, and nothing else in it), never a folder holding an input, the
 working folder or one above it, nor a symbolic link. Exit codes: 0 written, 2 bad input (one line, nothing written).
 """
@@ -45,7 +45,7 @@ def _parser() -> argparse.ArgumentParser:
                         "the ONNX in onnxruntime), each in a fresh process, at the example inputs on the CPU; peak "
                         "memory each (docs/performance.md)")
     from .recovery_flags import add_cli_arguments as recover_arguments
-    from ..export import add_cli_arguments as export_arguments
+    from ..artifacts.export import add_cli_arguments as export_arguments
 
     recover_arguments(p)
     export_arguments(p)
@@ -70,7 +70,7 @@ def _inputs(args: argparse.Namespace) -> list[tuple[str, str]]:
 
 
 def _check_dir(out: Path, args: argparse.Namespace) -> None:
-    from ..folder import previous_output
+    from ..artifacts.folder import previous_output
     from ..outputs import check_folder_output
 
     check_folder_output(out, "-o", force=args.force, replaceable=previous_output, inputs=_inputs(args),
@@ -170,7 +170,7 @@ def _options(args: argparse.Namespace, loaded: Any, plan: Any) -> Any:
 def _reviewed_plan(args: argparse.Namespace, result: Any, name: str) -> dict[str, int]:
     """The reviewed plan's ranks (layer -> rank), refused when the review found bad input or the plan names no
     layer, and (unless --allow-no-saving) when a rank is at or above break-even."""
-    from ..policy import input_errors
+    from ..verdict.policy import input_errors
 
     for f in input_errors(result):
         raise AuditError(f"{f.code} {f.message}", f.fix)
@@ -240,8 +240,8 @@ def _make(args: argparse.Namespace, loaded: Any, result: Any, session: Any, reco
 def _write(out: Path, args: argparse.Namespace, made: _Made, formats: tuple[str, ...]) -> list[str]:
     """Write the folder (and the exported program) beside ``out``, then rename it into place: never a half-written
     directory. Returns the exported files."""
-    from ..export import cli_write
-    from ..folder import write_factorized
+    from ..artifacts.export import cli_write
+    from ..artifacts.folder import write_factorized
     from ..outputs import write_folder
 
     exported: list[str] = []
@@ -274,7 +274,7 @@ def _say(out: Path, made: _Made, result: Any, exported: list[str]) -> None:
             print(f"{cr.metric} on the held-out part: {pred}measured {pc.measured:.4g} "
                   f"({'holds' if pc.ok else 'misses'} the tolerance {cr.tolerance:g})", file=sys.stderr)
     print(f"wrote {escape(str(out / 'model.safetensors'))} and {escape(str(out / 'plan.json'))}; a recovery "
-          "fine-tune follows (load with auditor.folder.load_factorized(model, DIR))", file=sys.stderr)
+          "fine-tune follows (load with auditor.artifacts.folder.load_factorized(model, DIR))", file=sys.stderr)
     if exported:
         print(f"wrote {', '.join(escape(str(out / f)) for f in exported)}: loads with plain torch "
               "(torch.export.load; see README.md)", file=sys.stderr)
@@ -284,9 +284,9 @@ def run(args: argparse.Namespace) -> int:
     """The command: every check that needs no model first, then the audit (plan review, plan check), factorize,
     recover, write, say."""
     from .recovery_flags import cli_settings
-    from ..export import cli_formats
+    from ..artifacts.export import cli_formats
     from ..pipeline import audit_session
-    from ..plan import Plan
+    from ..planning.plan import Plan
     from ..surgery import check_targets
 
     out = Path(args.output_dir)
@@ -312,7 +312,7 @@ def _speed(args: argparse.Namespace, loaded: Any, plan: dict[str, int], out: Pat
     import torch
 
     from ..speed.model import measure_subprocesses
-    from ..speed.measured import seconds
+    from ..speedresults import seconds
 
     load = _load_options(args)
     programs = [(str(out / f), f.rsplit(".", 1)[1]) for f in exported if f.endswith((".pt2", ".onnx"))]

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Sequence
 from ..errors import AuditError, ExitCode
 
 if TYPE_CHECKING:
-    from ..plan import Plan
+    from ..planning.plan import Plan
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -46,7 +46,7 @@ def _review(model: str, plan: Path, args: argparse.Namespace) -> int:
     from ..sources import parse_shape
     from ..options import AuditOptions, LoadOptions
     from ..pipeline import audit_source
-    from ..policy import exit_code, input_errors
+    from ..verdict.policy import exit_code, input_errors
     from ..outputs import print_stdout, write_stdout
     from ..render.safe import term
     from ..render.sarif import Locator
@@ -92,7 +92,7 @@ def _check_thresholds(plan: "Plan") -> None:
 
 
 def main(argv: Sequence[str]) -> int:
-    from ..plan import Plan
+    from ..planning.plan import Plan
 
     args = _parser().parse_args(list(argv))
     code = 0

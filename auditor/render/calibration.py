@@ -10,7 +10,7 @@ import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable
 
-from ..policy import checked_change, metric_change
+from ..verdict.policy import checked_change, metric_change
 from .md_fit import percent
 from .view import pct
 

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from ..policy import status, verdict_line
+from ..verdict.policy import status, verdict_line
 from . import calibration, speed
 from .base import RenderContext, Stdout
 from .layer_charts import short_label

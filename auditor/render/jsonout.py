@@ -7,7 +7,7 @@ from enum import Enum
 from typing import TYPE_CHECKING, Any
 
 from ..outputs import strict_json
-from ..policy import measured, status, verdict_line
+from ..verdict.policy import measured, status, verdict_line
 from .base import RenderContext, Stdout
 
 if TYPE_CHECKING:

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from ..policy import verdict_head
+from ..verdict.policy import verdict_head
 from ..results import Severity
 from . import calibration, speed
 from .base import RenderContext, Stdout

@@ -1,7 +1,7 @@
 """View models for block groups, the plan as shown per layer, the baseline's rank changes, and the per-layer pages.
 
 * :func:`group_rows`: the layer table grouped by block (``model.layers.*.mlp.down_proj`` x 32), each group with
-  its member rows (:mod:`auditor.groups` decides the grouping).
+  its member rows (:mod:`auditor.planning.groups` decides the grouping).
 * :func:`plan_rows`: each plan item with the parameter count it would really have after factorizing (an item
   above break-even shows its larger after-count and a flag, never ``before -> before`` next to ``x 0.85``).
 * :func:`rank_changes`: per-layer rank changes against an earlier JSON report.
@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any, Sequence
 
 import numpy as np
 
-from ..groups import Members, group_layers
+from ..planning.groups import Members, group_layers
 from .layer_charts import MAX_CURVES
 from .view import LayerRow, LayerTable, anchors, verdict_summary as _verdicts
 
@@ -176,7 +176,7 @@ class RankChange:
 
 
 def rank_changes(audit: "AuditResult", base: dict[str, Any] | None) -> list[RankChange]:
-    """Each layer whose reviewed-plan rank changed since ``base`` (a JSON report, as :func:`auditor.baseline.load`
+    """Each layer whose reviewed-plan rank changed since ``base`` (a JSON report, as :func:`auditor.verdict.baseline.load`
     reads it), in the current audit's layer order, then the layers only the baseline had."""
     if not base:
         return []

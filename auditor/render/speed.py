@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from ..speed.measured import SpeedReport, seconds
+from ..speedresults import SpeedReport, seconds
 from .md_fit import Room, Section, fold_if
 from .safe import md_code, md_text
 

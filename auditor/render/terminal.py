@@ -16,7 +16,7 @@ import textwrap
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable
 
-from ..policy import verdict_line
+from ..verdict.policy import verdict_line
 from . import calibration, speed
 from .base import RenderContext, Stdout
 from .pages import GroupRow, group_rows, plan_rows, rank_changes

@@ -9,8 +9,8 @@ import re
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any, Callable, Sequence
 
-from ..groups import Members
-from ..suggest import target_key
+from ..planning.groups import Members
+from ..planning.suggest import target_key
 
 if TYPE_CHECKING:
     from ..results import AuditResult, Finding
@@ -311,8 +311,8 @@ def verdict_summary(rows: Sequence[Any]) -> str:
 
 
 def skipped_groups(audit: "AuditResult", rows: list[SkippedRow] | None = None) -> list[SkippedGroup]:
-    """The skipped layers grouped by block (:func:`auditor.groups.group_layers`), largest group first."""
-    from ..groups import group_layers
+    """The skipped layers grouped by block (:func:`auditor.planning.groups.group_layers`), largest group first."""
+    from ..planning.groups import group_layers
 
     rows = skipped_rows(audit) if rows is None else rows
     by_name = {r.name: r for r in rows}

@@ -25,7 +25,7 @@ from torch import nn
 
 from .. import kinds
 from ..results import Kind, Layer
-from .measured import LayerSpeed, TimeBreakEven
+from ..speedresults import LayerSpeed, TimeBreakEven
 from .timing import MIN_BLOCKS, WARMUP_CALLS, Clock, Timing, measure_many
 
 TIMED_KINDS = (Kind.LINEAR, Kind.CONV1D_HF, Kind.CONV, Kind.EMBEDDING)  # a module called with one input tensor

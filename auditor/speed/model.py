@@ -22,7 +22,7 @@ from typing import Any, Sequence
 import torch
 from torch import nn
 
-from .measured import ModelRun
+from ..speedresults import ModelRun
 from .timing import Clock, block_timer, measure
 
 TIMEOUT_S = 600.0  # one subprocess at most this long (the audit goes on without the whole-model numbers)

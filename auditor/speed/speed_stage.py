@@ -13,7 +13,7 @@ from torch import nn
 
 from ..errors import AuditError
 from .layer_timing import TimeCache, Timer, time_layers
-from .measured import FrontierSpeed, LatencyPlan, LayerSpeed, ModelRun, ModelSpeed, SpeedReport
+from ..speedresults import FrontierSpeed, LatencyPlan, LayerSpeed, ModelRun, ModelSpeed, SpeedReport
 
 if TYPE_CHECKING:
     from ..options import AuditOptions

@@ -5,7 +5,7 @@ and the marker ``lowrank-audit-factorized.json``, written and read back.
 never written through); ``load_factorized(model, dir)`` checks plan.json (UTF-8 JSON object of this format,
 positive integer ranks) and the tensors (names, shapes, dtypes, finite values) against the structure it rebuilds
 from the original model and the plan (:func:`auditor.surgery.apply_plan`), then loads the weights: any mismatch is
-one AuditError line. ``auditor.export`` adds a program that loads without this tool.
+one AuditError line. ``auditor.artifacts.export`` adds a program that loads without this tool.
 """
 
 from __future__ import annotations
@@ -22,9 +22,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from .errors import AuditError, first_line, no_duplicate_keys
-from .outputs import TMP_PREFIX, kind_of, strict_json
-from .surgery import apply_plan, count_params
+from ..errors import AuditError, first_line, no_duplicate_keys
+from ..outputs import TMP_PREFIX, kind_of, strict_json
+from ..surgery import apply_plan, count_params
 
 FORMAT = "lowrank-auditor factorized"
 FORMAT_VERSION = 1
@@ -47,7 +47,7 @@ def write_factorized(factorized: nn.Module, plan: dict[str, int], folder: Path, 
     errors (a full disk: OSError, or safetensors' own I/O error) propagate as they come."""
     from safetensors.torch import save_model
 
-    from ._version import __version__
+    from .._version import __version__
 
     meta = {"format": FORMAT, "format_version": FORMAT_VERSION, "source": source,
             "plan": {k: int(v) for k, v in plan.items()}, "params": count_params(factorized),

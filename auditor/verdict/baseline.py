@@ -7,10 +7,10 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Union
 
-from .errors import AuditError
+from ..errors import AuditError
 
 if TYPE_CHECKING:
-    from .results import AuditResult
+    from ..results import AuditResult
 
 BaselineSource = Union[str, Path, dict]  # a JSON report's path, or the report already read
 
@@ -40,7 +40,7 @@ MAX_BASELINE_BYTES = 512 * 2**20
 
 def load(path: str | Path) -> dict[str, Any]:
     """An earlier JSON report, checked for what :func:`compare` reads (one AuditError for anything else)."""
-    from .plan import loads_json
+    from ..planning.plan import loads_json
 
     p = Path(path)
     fix = "Use a file written by --format json"

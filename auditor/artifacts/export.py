@@ -28,8 +28,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from .errors import AuditError, first_line, no_duplicate_keys
-from .outputs import strict_json
+from ..errors import AuditError, first_line, no_duplicate_keys
+from ..outputs import strict_json
 
 PT2 = "model.pt2"
 ONNX = "model.onnx"
@@ -118,8 +118,8 @@ def _describe(t: torch.Tensor, dynamic: bool) -> dict[str, Any]:
 
 
 def _example(example: Any) -> tuple[tuple, dict]:
-    from .calibration.inputs import Batch
-    from .structure.trace import ExampleInputs
+    from ..calibration.inputs import Batch
+    from ..structure.trace import ExampleInputs
 
     if isinstance(example, Batch):
         return tuple(example.args), dict(example.kwargs)
@@ -135,7 +135,7 @@ def _export_program(model: nn.Module, args: tuple, kwargs: dict) -> tuple[Any, b
     with the example's static shapes; returns (program, dynamic)."""
     from torch.export import Dim
 
-    from .progress import quiet_torch_logging
+    from ..progress import quiet_torch_logging
 
     tensors = [a for a in list(args) + list(kwargs.values()) if isinstance(a, torch.Tensor)]
     rows = {int(t.shape[0]) for t in tensors if t.dim() > 0}
@@ -171,7 +171,7 @@ def _export_program(model: nn.Module, args: tuple, kwargs: dict) -> tuple[Any, b
         except Exception as exc:  # noqa: BLE001 - a model torch.export cannot trace
             errors.append(first_line(exc))
     raise AuditError(f"torch.export could not export the factorized model: {errors[-1]}",
-                     "Export the model by hand, or use model.safetensors with auditor.folder.load_factorized")
+                     "Export the model by hand, or use model.safetensors with auditor.artifacts.folder.load_factorized")
 
 
 def export(model: nn.Module, example: Any, directory: str | Path, formats: tuple[str, ...] = ("pt2",)) -> dict[str, Any]:
@@ -256,7 +256,7 @@ def _onnx(prog: Any, args: tuple, kwargs: dict, ref: Any, out: Path, dynamic: bo
     """The ONNX file translated from the exported program itself (so the batch stays dynamic where the program's is),
     checked with onnxruntime on the example and, with a dynamic batch, on fewer rows."""
     check_onnx_available()
-    from .progress import quiet_torch_logging
+    from ..progress import quiet_torch_logging
 
     path = out / ONNX
     try:
@@ -388,14 +388,14 @@ Inputs: {shapes} ({batch}). Outputs: {out_kind}. The program reproduces the fact
 
 To check the file is the one written: `hashlib.sha256(open("{PT2}", "rb").read()).hexdigest()` must be
 `{e['sha256']}`; lowrank-auditor's loader does this check and more:
-`auditor.export.load_program(DIR)`.
+`auditor.artifacts.export.load_program(DIR)`.
 {onnx_line}
 ## The other files
 
 - `plan.json`: the plan (layer -> rank), parameter counts, the measured metric{' and the recovery' if rec else ''}.
 - `model.safetensors`: the same weights, keyed like the factorized module (`layer.0.weight` is the r x n factor,
   `layer.1.weight` the m x r one); rebuilding that module needs the original model and the tool:
-  `auditor.folder.load_factorized(original_model, DIR)`.
+  `auditor.artifacts.folder.load_factorized(original_model, DIR)`.
 """
     path = Path(directory) / README
     path.write_text(text)
@@ -633,7 +633,7 @@ def cli_write(directory: str | Path, model: nn.Module, calibration: Any, example
     d = Path(directory)
     # the model's own example inputs: the program is called as the model is (its signature, its dtypes), not as the
     # calibration file stores its rows (a keyword, uint8 ids); a calibration batch only when there are none
-    from .structure.trace import ExampleInputs
+    from ..structure.trace import ExampleInputs
 
     own = ExampleInputs.of(example_inputs) if example_inputs is not None else None
     example = example_inputs if own is not None else (calibration.fit[0] if calibration is not None and

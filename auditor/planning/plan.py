@@ -15,14 +15,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from . import lrmath
-from .config import tomllib
-from .errors import AuditError, no_duplicate_keys
+from .. import lrmath
+from ..config import tomllib
+from ..errors import AuditError, no_duplicate_keys
 from .groups import escape_glob, plan_globs, toml_string
-from .results import PlanItem, PlanOrigin, PlanReview, PlanVerdict, Verdict
+from ..results import PlanItem, PlanOrigin, PlanReview, PlanVerdict, Verdict
 
 if TYPE_CHECKING:
-    from .results import AuditResult
+    from ..results import AuditResult
 
 _INT = re.compile(r"^\s*([0-9]+)\s*$", re.ASCII)
 _BE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*be\s*$", re.I | re.ASCII)

@@ -1,13 +1,46 @@
 """What a speed measurement found, as plain data (no torch): per planned layer the dense and factorized times, the
 time break-even rank per shape, the whole model dense vs factorized (and its exported programs), and the plan chosen
-by ``--budget-latency``. Every time carries its spread, and the report its device, dtype and thread count."""
+by ``--budget-latency``. Every time carries its spread (:class:`Timing`), and the report its device, dtype and
+thread count. Below :mod:`auditor.results`, which carries a :class:`SpeedReport`; :mod:`auditor.speed` measures."""
 
 from __future__ import annotations
 
+import statistics
 from dataclasses import dataclass, field
 from typing import Any
 
-from .timing import Timing
+
+@dataclass(frozen=True)
+class Timing:
+    """Seconds per call: the median of the blocks' per-call times and their quartiles (the spread is q3 - q1)."""
+
+    median: float
+    q1: float
+    q3: float
+    blocks: int  # blocks timed
+    calls: int  # calls per block
+
+    @property
+    def iqr(self) -> float:
+        return self.q3 - self.q1
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"median_s": self.median, "q1_s": self.q1, "q3_s": self.q3, "iqr_s": self.iqr,
+                "blocks": self.blocks, "calls_per_block": self.calls}
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "Timing":
+        return cls(float(d["median_s"]), float(d["q1_s"]), float(d["q3_s"]), int(d["blocks"]),
+                   int(d["calls_per_block"]))
+
+    @classmethod
+    def of(cls, per_call: list[float], calls: int) -> "Timing":
+        """The median and quartiles of per-call times (one per block)."""
+        xs = sorted(per_call)
+        if len(xs) == 1:
+            return cls(xs[0], xs[0], xs[0], 1, calls)
+        q1, _, q3 = statistics.quantiles(xs, n=4, method="inclusive")
+        return cls(statistics.median(xs), q1, q3, len(xs), calls)
 
 
 def seconds(s: float) -> str:

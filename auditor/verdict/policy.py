@@ -7,13 +7,13 @@ import math
 from enum import StrEnum
 from typing import TYPE_CHECKING
 
-from .config import FailOn
-from .errors import ExitCode
-from .results import Severity
+from ..config import FailOn
+from ..errors import ExitCode
+from ..results import Severity
 
 if TYPE_CHECKING:
-    from .calresults import CalibrationReport, PlanCheck, Verification
-    from .results import AuditResult, Finding
+    from ..calresults import CalibrationReport, PlanCheck, Verification
+    from ..results import AuditResult, Finding
 
 
 class Status(StrEnum):
@@ -190,6 +190,6 @@ def exit_code(audit: "AuditResult", fail_on: FailOn | str | None = None) -> Exit
 
 def input_errors(audit: "AuditResult") -> list["Finding"]:
     """Findings that the command line reports as bad input (exit 2, no report): each rule decides for its own."""
-    from .rules import RULES
+    from ..rules import RULES
 
     return [f for f in audit.findings if f.code in RULES and RULES[f.code].input_error(f)]

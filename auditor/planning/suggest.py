@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import math
 
-from . import kinds, lrmath
-from .config import Settings
-from .results import Layer, Spectrum, Suggestion, Verdict
+from .. import kinds, lrmath
+from ..config import Settings
+from ..results import Layer, Spectrum, Suggestion, Verdict
 
 
 def target_key(t: float) -> str:

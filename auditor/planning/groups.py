@@ -4,7 +4,7 @@
 ``model.layers.*.mlp.down_proj``; T5's ``encoder.block.*...`` and ``decoder.block.*...`` stay apart because a
 non-integer component differs. Pure functions on names and integers: no torch, no audit object needed.
 
-Plan globs follow :mod:`auditor.plan`: a pattern selects a layer when ``fnmatch.fnmatchcase`` matches its name (or
+Plan globs follow :mod:`auditor.planning.plan`: a pattern selects a layer when ``fnmatch.fnmatchcase`` matches its name (or
 its parameter's name). ``*`` there also matches dots, so every glob emitted here is checked against all names and
 narrowed (``[0-9]`` per digit) where ``*`` would reach past its group. Literal ``[``, ``*`` and ``?`` in names are
 escaped as ``[[]``, ``[*]`` and ``[?]`` so a plan reads back to exactly the ranks written.
@@ -120,7 +120,7 @@ def escape_glob(text: str) -> str:
 
 
 def glob_matches(pattern: str, names: Iterable[str]) -> list[str]:
-    """The names a plan pattern selects, by :func:`auditor.plan.resolve`'s rule (``fnmatch.fnmatchcase``)."""
+    """The names a plan pattern selects, by :func:`auditor.planning.plan.resolve`'s rule (``fnmatch.fnmatchcase``)."""
     return [n for n in names if fnmatch.fnmatchcase(n, pattern)]
 
 
@@ -195,7 +195,7 @@ def plan_globs(ranks: Mapping[str, int], names: Iterable[str] | None = None,
 
     ``names``: every layer name a plan pattern could select (default: the keys of ``ranks``); a glob is emitted for
     a group only when all its members among ``names`` are planned with one rank. ``also_matched``: the other strings
-    :func:`auditor.plan.resolve` matches patterns against, each mapped to its layer's name (``{layer.param:
+    :func:`auditor.planning.plan.resolve` matches patterns against, each mapped to its layer's name (``{layer.param:
     layer.name}``); a glob selecting one of them selects that layer. Every pattern returned selects exactly the
     layers it stands for, and names
     with glob metacharacters are escaped, so resolving the result gives back ``ranks`` exactly. Order: the groups in
