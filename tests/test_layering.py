@@ -59,7 +59,6 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [(name.removeprefix("auditor.") or "
     "auditor.progress",
     "auditor.lrmath",
     "auditor.errors",
-    "auditor._env",
     "auditor._version",
 )]
 
