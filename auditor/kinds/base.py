@@ -110,6 +110,8 @@ class LayerKind:
     - :meth:`statistics`: attach the input-statistics hooks for the kind's layers of one module;
     - :meth:`function_matrices` / :meth:`stored`: the map y = F x as (groups, out, in), and back to the stored layout;
     - ``swept``: whether tier 2 measures a floor by truncating it;
+    - ``timed`` and :meth:`timing_shape`: whether ``--measure-speed`` times its module alone (called with one input
+      tensor), and that input's shape at another batch;
     - :meth:`replace`: the two-module replacement at rank r (``factorize``), or ``cannot_factorize``: why no plan
       can rewrite it, which also keeps it out of the suggestions and the sweeps.
     """
@@ -120,6 +122,7 @@ class LayerKind:
     swept: bool = False
     cannot_factorize: str = ""
     linear_chain: bool = False  # a linear map two of which in a row multiply out to one (graph's chain check)
+    timed: bool = False  # --measure-speed times its module alone, called with one input tensor
 
     # -- finding it
     def guess(self, name: str, shape: Shape) -> tuple[int, int, str] | None:
@@ -150,6 +153,11 @@ class LayerKind:
     def stored(self, layer: Layer, f: torch.Tensor) -> torch.Tensor:
         """Function matrices (groups, out, in) back in the stored layout (reshaped to the weight's shape after)."""
         return f
+
+    def timing_shape(self, shape: Shape, lead: Shape) -> Shape:
+        """The shape of a timed module's input like one of ``shape`` at the batch (x positions) ``lead``: the
+        leading dims become ``lead``, the features stay (a linear map's; overridden where the input differs)."""
+        return (*lead, shape[-1])
 
     # -- its input statistics
     def statistics(self, path: str, mod: nn.Module, layers: list[Layer], feeds: Feeds) -> None:

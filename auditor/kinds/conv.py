@@ -77,6 +77,11 @@ class ConvKind(LayerKind):
     finds = {nn.modules.conv._ConvNd: SPEC,
              torch.ao.nn.quantized.modules.conv._ConvNd: LayerSpec(lambda m: ("weight",), _view, _cost, call_weight)}
     swept = True
+    timed = True
+
+    def timing_shape(self, shape: Shape, lead: Shape) -> Shape:
+        """The batch becomes ``lead[0]``; the channels and spatial size stay the model's."""
+        return (lead[0], *shape[1:])
 
     def guess(self, name: str, shape: Shape) -> tuple[int, int, str] | None:
         if len(shape) <= 2:

@@ -36,6 +36,11 @@ class EmbeddingKind(StoredTransposed, LayerKind):
     label = "Embedding"
     finds = {nn.Embedding: SPEC, nn.EmbeddingBag: LayerSpec(only_weight, _view, _cost)}
     swept = True
+    timed = True
+
+    def timing_shape(self, shape: Shape, lead: Shape) -> Shape:
+        """The ids: ``lead`` itself."""
+        return tuple(lead)
 
     def guess(self, name: str, shape: Shape) -> tuple[int, int, str] | None:
         low = name.lower()

@@ -34,6 +34,7 @@ class LinearKind(LayerKind):
              torch.ao.nn.quantized.Linear: LayerSpec(lambda m: ("weight",), _view, _cost, call_weight)}
     swept = True
     linear_chain = True
+    timed = True
 
     def accepts(self, mod: nn.Module) -> bool:
         return isinstance(mod, nn.Linear)

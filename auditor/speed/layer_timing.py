@@ -28,7 +28,6 @@ from ..results import Kind, Layer
 from ..speedresults import LayerSpeed, TimeBreakEven
 from .timing import MIN_BLOCKS, WARMUP_CALLS, Clock, Timing, measure_many
 
-TIMED_KINDS = (Kind.LINEAR, Kind.CONV1D_HF, Kind.CONV, Kind.EMBEDDING)  # a module called with one input tensor
 GRID_POINTS = 32  # the break-even grid has about this many ranks: five or six measurements by bisection
 
 
@@ -143,15 +142,10 @@ def capture_inputs(model: nn.Module, args: tuple, kwargs: dict,
     return seen
 
 
-def reshape_input(x: torch.Tensor, kind: Kind, lead: tuple[int, ...]) -> torch.Tensor:
-    """An input like ``x`` at another batch/sequence: for a linear layer (or an embedding's ids) the leading dims
-    become ``lead``; for a convolution the batch becomes ``lead[0]`` (its spatial size is the model's)."""
-    if kind == Kind.CONV:
-        shape = (lead[0], *x.shape[1:])
-    elif kind == Kind.EMBEDDING:
-        shape = tuple(lead)
-    else:
-        shape = (*lead, x.shape[-1])
+def reshape_input(x: torch.Tensor, kind: Kind | str, lead: tuple[int, ...]) -> torch.Tensor:
+    """An input like ``x`` at another batch/sequence, of the shape the layer's kind says
+    (:meth:`auditor.kinds.base.LayerKind.timing_shape`: for a linear layer the leading dims become ``lead``)."""
+    shape = kinds.for_kind(kind).timing_shape(tuple(x.shape), tuple(lead))
     if x.is_floating_point():
         return torch.randn(shape, dtype=x.dtype)
     hi = int(x.max().item()) + 1 if x.numel() else 1
@@ -159,8 +153,8 @@ def reshape_input(x: torch.Tensor, kind: Kind, lead: tuple[int, ...]) -> torch.T
 
 
 def timed_module(model: nn.Module, layer: Layer) -> nn.Module | None:
-    """The module a planned layer lives in, when it is one we can time by itself (one input tensor)."""
-    if layer.kind not in TIMED_KINDS:
+    """The module a planned layer lives in, when its kind is timed by itself (one input tensor: ``LayerKind.timed``)."""
+    if not kinds.for_kind(layer.kind).timed:
         return None
     path, attr = kinds.for_kind(layer.kind).module_path(layer)
     if attr != "weight":
