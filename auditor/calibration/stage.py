@@ -476,7 +476,9 @@ def _report(run: _Run, budget: Any) -> CalibrationReport:
         budget=budget, suggestions_from="measured floors" if measured else "calibration",
         statistics_cached=run.cached, seconds=run.seconds, evaluations=run.evaluations,
         rounding_floor=run.rounding, compute_dtype=options.compute_dtype,
-        tier1_target=run.target, increase_of=metric.spec.increase_of)
+        tier1_target=run.target, increase_of=metric.spec.increase_of,
+        limit=metric.spec.limit(run.reference, metric.tolerance, metric.higher_is_better),
+        display=metric.spec.display(metric.higher_is_better))
 
 
 VERIFY_TRIES = 6  # plans verified at most, from the largest that held on the search rows down

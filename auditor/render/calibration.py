@@ -184,7 +184,7 @@ class MeasuredError:
 
     def text(self, cal: "CalibrationReport") -> str:
         """"0.41% (tier 2, layer alone)", "≤ 0.80% (tier 1, layer output)"."""
-        v = _g(self.value) if self.tier == 2 and cal.higher_is_better else percent(self.value)
+        v = _g(self.value) if self.tier == 2 and cal.display == "number" else percent(self.value)
         what = "tier 2, layer alone" if self.tier == 2 else "tier 1, layer output"
         bound = "" if self.exact else "\u2264 "
         return f"{bound}{v} ({what})"
@@ -288,10 +288,11 @@ def check_card(audit: "AuditResult") -> CheckCard | None:
     if f is not None:
         top1 += f"; {f.dtype} rounding alone: {_g(f.used)} of the tolerance {f.tolerance:g}"
     sign = "\u2264" if pc.ok else ">"
-    return CheckCard(f"{md_value(cal, pc.measured)} {sign} {md_tolerance(cal)}" if not cal.higher_is_better
+    beside_dense = cal.display == "number"  # in its own units, beside the dense value
+    return CheckCard(f"{md_value(cal, pc.measured)} {sign} {md_tolerance(cal)}" if not beside_dense
                      else f"{_g(pc.measured)} (dense {_g(cal.reference)})",
                      (f"{checked_change(cal, pc)}; {cal.holdout_rows:,} held-out rows"  # with its baseline
-                      if cal.reference > 0 or cal.higher_is_better
+                      if cal.reference > 0 or beside_dense
                       else f"{cal.metric} on {cal.holdout_rows:,} held-out rows")
                      + f", {pc.layers} layers at once: "
                      f"{'holds' if pc.ok else 'misses the tolerance'}{top1}", "ok" if pc.ok else "bad")
@@ -344,14 +345,15 @@ def frontier_series(cal: "CalibrationReport") -> dict[str, list[tuple[float, flo
 
 def md_value(cal: "CalibrationReport", v: float | None) -> str:
     """The metric as the Markdown writes it: the relative output error (lower is better) as a percentage, like
-    every share and error there; a user metric (higher is better) in its own units, 4 significant digits."""
+    every share and error there; a user metric (higher is better) in its own units, 4 significant digits: the
+    metric's display form (``cal.display``)."""
     if v is None or not math.isfinite(v):
         return "\u2013"
-    return _g(v) if cal.higher_is_better else percent(v)
+    return _g(v) if cal.display == "number" else percent(v)
 
 
 def md_tolerance(cal: "CalibrationReport") -> str:
-    return f"{cal.tolerance:g}" if cal.higher_is_better else percent(cal.tolerance)
+    return f"{cal.tolerance:g}" if cal.display == "number" else percent(cal.tolerance)
 
 
 def md_card_value(audit: "AuditResult", card: CheckCard) -> str:
@@ -359,7 +361,7 @@ def md_card_value(audit: "AuditResult", card: CheckCard) -> str:
     cal, pc = audit.calibration, audit.calibration.plan_check if audit.calibration is not None else None
     if cal is None or pc is None or card.status == "unknown":
         return card.value
-    if cal.higher_is_better:
+    if cal.display == "number":
         return f"{md_value(cal, pc.measured)} (dense {md_value(cal, cal.reference)}, tolerance {md_tolerance(cal)})"
     sign = "\u2264" if pc.ok else ">"
     return f"{md_value(cal, pc.measured)} {sign} {md_tolerance(cal)}"
@@ -374,8 +376,7 @@ def frontier_data(cal: "CalibrationReport") -> "FrontierChart | None":
     if b is None or not b.frontier:
         return None
     series = frontier_series(cal)
-    limit = cal.reference - cal.tolerance if cal.higher_is_better else cal.tolerance
-    return FrontierChart(series["before"], limit, short_label(cal.metric, 30), not cal.higher_is_better,
+    return FrontierChart(series["before"], cal.limit, short_label(cal.metric, 30), not cal.higher_is_better,
                          b.removed_fraction, series["after"], b.recovery.steps if b.recovery is not None else 0)
 
 
@@ -399,7 +400,6 @@ def floor_data(audit: "AuditResult", top: int | None = None) -> "list[FloorChart
     cal = audit.calibration
     if cal is None:
         return []
-    limit = cal.reference - cal.tolerance if cal.higher_is_better else cal.tolerance
     out = []
     items = [(n, p) for n, p in cal.measured_points().items() if p and n in cal.layers]
     order = {l.name: i for i, l in enumerate(audit.layers)}
@@ -407,7 +407,7 @@ def floor_data(audit: "AuditResult", top: int | None = None) -> "list[FloorChart
     for name, pts in items[:top]:
         layer = audit.layer(name)
         lc = cal.layers[name]
-        out.append(FloorChart(name, pts, lc.curve, limit, cal.metric, not cal.higher_is_better, layer.break_even,
+        out.append(FloorChart(name, pts, lc.curve, cal.limit, cal.metric, not cal.higher_is_better, layer.break_even,
                               lc.floor.floor if lc.floor is not None else None, (layer.m, layer.n)))
     return out
 
@@ -445,7 +445,7 @@ def view(audit: "AuditResult") -> CalibrationView | None:
     return CalibrationView(
         cal=cal, summary=summary(cal), basis=basis(cal), plan=plan_line(cal), budget=budget_lines(cal),
         rounding=rounding_line(cal),
-        md_rounding=rounding_line(cal, lambda x: md_value(cal, x) if not cal.higher_is_better else _g(x)),
+        md_rounding=rounding_line(cal, lambda x: md_value(cal, x)),
         rows=rows(cal, plan=plan), md_rows=rows(cal, lambda v: md_value(cal, v), times="", plan=plan),
         frontier=frontier_rows(cal), recovery=recovery_cost(cal), recovery_note=cal.recovery_note(),
         recovered_steps=b.recovery.steps if b is not None and b.recovery is not None else None,

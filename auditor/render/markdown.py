@@ -158,8 +158,8 @@ def _plan(audit: "AuditResult", room: Room) -> Section | None:
             ranks = f"{p.rank:,} | {_num(p.suggested)}" if given else f"{p.rank:,}"
             errs = [q.measured_error for q in ps]
             if cal and all(errs):  # a group's members measured apart: the largest of their errors
-                up = -1 if audit.calibration.higher_is_better else 1  # type: ignore[union-attr]
-                worst = max(range(len(ps)), key=lambda i: up * errs[i].value if errs[i].tier == 2 else errs[i].value)
+                judge = audit.calibration.shortfall  # type: ignore[union-attr]
+                worst = max(range(len(ps)), key=lambda i: judge(errs[i].value) if errs[i].tier == 2 else errs[i].value)
                 kept = md_text(("" if len(set(q.measured for q in ps)) == 1 else "up to ") + ps[worst].measured)
             else:
                 kept = f"{percent(p.energy_kept)} energy (data-free)" if cal else percent(p.energy_kept)

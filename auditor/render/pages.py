@@ -305,7 +305,7 @@ def _measured_of(audit: "AuditResult", measured: dict[str, list[tuple[int, float
     if measured is None:
         measured = measured_points(audit) or {}
         if cal is not None and measured:  # tier 2: the model's metric, judged against the tolerance
-            tolerance = cal.reference - cal.tolerance if cal.higher_is_better else cal.tolerance
+            tolerance = cal.limit
         elif cal is not None:  # tier 1: the layer-output error curve the ranks were searched over
             measured = {k: [(r, e) for r, e in lc.curve] for k, lc in cal.layers.items() if lc.curve}
             tolerance = cal.tier1_target

@@ -110,7 +110,7 @@ def plan_check_clause(audit: "AuditResult") -> str:
     if pc is None or pc.layers == 0 or pc.measured != pc.measured:
         return "; not measured all at once"
     v = pc.verification
-    if v is not None and not cal.higher_is_better:
+    if v is not None and cal.display == "percent":
         return "; measured all at once: " + verification_words(cal, v)
     return f"; measured all at once: {metric_change(cal, pc.measured)}: {'holds' if pc.ok else 'MISSES'}"
 
@@ -133,7 +133,7 @@ def metric_change(cal: "CalibrationReport", value: float | None) -> str:
         what = cal.increase_of
         return (f"held-out {what} {cal.reference:.2f} -> {cal.reference * (1 + value):.2f} "
                 f"({100 * value:+.2f}%, tolerance +{100 * cal.tolerance:g}%)")
-    if cal.higher_is_better:
+    if cal.display == "number":  # its own units, beside the dense value
         return f"held-out {label} {cal.reference:.4g} -> {value:.4g} (tolerance -{cal.tolerance:g})"
     return f"{label} {value:.4g} (tolerance {cal.tolerance:g})"
 

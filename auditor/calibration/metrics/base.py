@@ -170,6 +170,18 @@ class MetricKind:
         """The layer-output error tier 1 ranks for: the tolerance where the metric is in those units, else 1%."""
         return tolerance if self.layer_error_units else TIER1_TARGET
 
+    def limit(self, reference: float, tolerance: float, higher: bool) -> float:
+        """The value at which the metric stops holding (what the reports draw as the tolerance line): the tolerance
+        itself, or the dense value moved by the tolerance the wrong way."""
+        if self.zero_on_dense:
+            return tolerance
+        return reference - tolerance if higher else reference + tolerance
+
+    def display(self, higher: bool) -> str:
+        """How the reports write its values: "number" (its own units, 4 significant digits, beside the dense value)
+        for a metric where higher is better, else "percent" (a fraction as a percentage, against the tolerance)."""
+        return "number" if higher else "percent"
+
     def reportable(self, higher: bool) -> bool:
         """The reports read a metric against the dense value as higher-is-better."""
         return self.zero_on_dense or higher
