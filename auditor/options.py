@@ -58,6 +58,21 @@ class CalibrationData:
     max_rows: int | None = CALIBRATION_MAX_ROWS  # read at most this many rows (None: no cap)
     max_bytes: int | None = CALIBRATION_MAX_BYTES  # read at most this many bytes (None: no cap)
 
+    def check_limits(self) -> None:
+        """The caps on rows and bytes, each a positive whole number or None."""
+        for name, v in (("calibration_max_rows", self.max_rows), ("calibration_max_bytes", self.max_bytes)):
+            if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
+                flag = "--" + name.replace("_", "-")
+                raise AuditError(f"{name} {v!r} is not a positive whole number",
+                                 f"Give e.g. {flag} {'200000' if 'rows' in name else '4G'}, or None for no cap")
+
+    def check_length(self) -> None:
+        """The text window's length, a positive whole number or None."""
+        length = self.length
+        if length is not None and (isinstance(length, bool) or not isinstance(length, int) or length < 1):
+            raise AuditError(f"calibration_length {length!r} is not a positive whole number",
+                             "Give e.g. calibration_length=128 (on the command line --calibration-length 128)")
+
 
 @dataclass(frozen=True)
 class TierOptions:
@@ -72,6 +87,22 @@ class TierOptions:
     confidence: float = 0.9  # the verification interval's level (bootstrap over held-out rows the search never read)
     split: bool = True  # held-out rows cut into search and verification parts (False: every row for both, no interval)
 
+    def check(self) -> None:
+        """The confidence level, the budget and the tolerance, each checked before any work."""
+        confidence, budget, tolerance = self.confidence, self.budget, self.tolerance
+        if isinstance(confidence, bool) or not isinstance(confidence, (int, float)) or not 0 < confidence < 1:
+            raise AuditError(f"confidence {confidence!r} is not a level in (0, 1)", "Give e.g. confidence=0.9")
+        if budget is not None and not 0 < budget < 1:
+            raise AuditError(f"budget {budget} is not a fraction in (0, 1)", "Give e.g. budget=0.3")
+        if tolerance is not None:
+            if isinstance(tolerance, bool) or not isinstance(tolerance, (int, float)):
+                raise AuditError(f"tolerance {tolerance!r} is not a number", "Give e.g. tolerance=0.01")
+            if not math.isfinite(tolerance):
+                raise AuditError(f"tolerance {tolerance} is not a finite number",
+                                 "Give a finite tolerance of 0 or more, e.g. --tolerance 0.01")
+            if tolerance < 0:
+                raise AuditError(f"tolerance {tolerance} is negative", "Give a tolerance of 0 or more")
+
 
 @dataclass(frozen=True)
 class StatisticsOptions:
@@ -80,6 +111,15 @@ class StatisticsOptions:
     device: str | None = None  # cpu, cuda, cuda:N or auto (None: where the model is)
     offload: bool = False  # each repeated block on the device only while it runs
     compute_dtype: str | None = None  # "float32" runs bf16/fp16 weights upcast, a block at a time
+
+    def check(self) -> None:
+        """The device: cpu, cuda, cuda:N or auto."""
+        if self.device is not None:
+            import re
+
+            device = self.device
+            if not isinstance(device, str) or not re.fullmatch(r"cpu|auto|cuda(:\d+)?", device.strip().lower()):
+                raise AuditError(f"unknown device {device!r}", "Give device='cpu', 'cuda', 'cuda:N' or 'auto'")
 
 
 @dataclass(frozen=True)
@@ -92,6 +132,28 @@ class RecoveryOptions:
     objective: str = "auto"  # "auto" (KL for logits, else MSE) | "kl" | "mse"
     seed: int = 0
     choose_after: bool = False  # the suggestion: the largest plan that holds after the recovery
+
+    def check_steps(self) -> None:
+        """The steps of a recovery that runs (``steps`` given): a positive whole number."""
+        v = self.steps
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise AuditError(f"recovery steps {v!r} is not a positive integer",
+                             "Give --recover a positive number of steps, e.g. --recover 200")
+
+    def check_settings(self) -> None:
+        """The settings of a recovery that runs: those of ``lowrank-audit factorize --recover``."""
+        lr = self.lr
+        if isinstance(lr, bool) or not isinstance(lr, (int, float)) or not math.isfinite(lr) or lr <= 0:
+            raise AuditError(f"recovery learning rate {lr!r} is not a positive finite number",
+                             "Give e.g. --recover-lr 0.0001")
+        if self.trainable not in ("factors", "all"):
+            raise AuditError(f"recovery trainable {self.trainable!r} is neither 'factors' nor 'all'",
+                             "Give --recover-trainable factors (the factor weights only) or all")
+        if self.objective not in ("auto", "kl", "mse"):
+            raise AuditError(f"recovery objective {self.objective!r} is not one of auto, kl, mse",
+                             "Give auto, kl (output distributions) or mse (output values)")
+        if isinstance(self.seed, bool) or not isinstance(self.seed, int):
+            raise AuditError(f"recovery seed {self.seed!r} is not an integer", "Give an integer seed")
 
 
 @dataclass(frozen=True)
@@ -111,6 +173,25 @@ class SpeedOptions:
     latency_shape: tuple[int, ...] | None = None  # also time the layers at this batch (x positions)
     budget_latency: float | None = None  # a share of the dense latency to remove: the plan chosen by time
     clock: Callable[[], float] | None = None  # seconds, called around each timed block (tests: a fake clock)
+
+    def checked(self) -> "SpeedOptions":
+        """--latency-shape and --budget-latency checked, each before any work; either asks for the measurement
+        (the group returned with ``measure`` set and the shape a tuple)."""
+        out = self
+        if self.latency_shape is not None:
+            shape = tuple(self.latency_shape)
+            if not shape or any(isinstance(d, bool) or not isinstance(d, int) or d < 1 for d in shape):
+                raise AuditError(f"latency shape {self.latency_shape!r} is not positive whole numbers",
+                                 "Give the batch (and positions), e.g. --latency-shape 64,128")
+            out = replace(out, latency_shape=shape)
+        b = self.budget_latency
+        if b is not None:
+            if isinstance(b, bool) or not isinstance(b, (int, float)) or not 0 < b < 1:
+                raise AuditError(f"latency budget {b!r} is not a fraction in (0, 1)",
+                                 "Give the share of the dense latency to remove, e.g. --budget-latency 0.2")
+        if self.latency_shape is not None or b is not None:
+            out = replace(out, measure=True)
+        return out
 
 
 # The flat names of the option groups' fields (the keywords AuditOptions and auditor.audit took before the groups,
@@ -215,95 +296,32 @@ class AuditOptions:
             object.__setattr__(self, "cache_dir", Path(self.cache_dir))
         if self.settings is None:
             object.__setattr__(self, "settings", Settings())
-        self._check_tiers()
-        self._check_limits()
+        self.tiers.check()
+        self.calibration_data.check_limits()
+        self.statistics.check()
         tiers = self.tiers
         if self.calibration_data.source is None and (tiers.measure_floor or tiers.budget is not None
                                                      or tiers.metric is not None):
             raise AuditError("measure_floor, budget and metric need calibration data",
                              "Pass calibration=FILE (on the command line --calibration FILE)")
         self._check_recovery()
-        self._check_speed()
-        length = self.calibration_data.length
-        if length is not None and (isinstance(length, bool) or not isinstance(length, int) or length < 1):
-            raise AuditError(f"calibration_length {length!r} is not a positive whole number",
-                             "Give e.g. calibration_length=128 (on the command line --calibration-length 128)")
-
-    def _check_tiers(self) -> None:
-        """The confidence level, the budget and the tolerance, each checked before any work."""
-        confidence, budget, tolerance = self.tiers.confidence, self.tiers.budget, self.tiers.tolerance
-        if isinstance(confidence, bool) or not isinstance(confidence, (int, float)) or not 0 < confidence < 1:
-            raise AuditError(f"confidence {confidence!r} is not a level in (0, 1)", "Give e.g. confidence=0.9")
-        if budget is not None and not 0 < budget < 1:
-            raise AuditError(f"budget {budget} is not a fraction in (0, 1)", "Give e.g. budget=0.3")
-        if tolerance is not None:
-            if isinstance(tolerance, bool) or not isinstance(tolerance, (int, float)):
-                raise AuditError(f"tolerance {tolerance!r} is not a number", "Give e.g. tolerance=0.01")
-            if not math.isfinite(tolerance):
-                raise AuditError(f"tolerance {tolerance} is not a finite number",
-                                 "Give a finite tolerance of 0 or more, e.g. --tolerance 0.01")
-            if tolerance < 0:
-                raise AuditError(f"tolerance {tolerance} is negative", "Give a tolerance of 0 or more")
-
-    def _check_limits(self) -> None:
-        """The calibration caps and the device, checked before any work."""
-        for name, v in (("calibration_max_rows", self.calibration_data.max_rows),
-                        ("calibration_max_bytes", self.calibration_data.max_bytes)):
-            if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
-                flag = "--" + name.replace("_", "-")
-                raise AuditError(f"{name} {v!r} is not a positive whole number",
-                                 f"Give e.g. {flag} {'200000' if 'rows' in name else '4G'}, or None for no cap")
-        device = self.statistics.device
-        if device is not None:
-            import re
-
-            if not isinstance(device, str) or not re.fullmatch(r"cpu|auto|cuda(:\d+)?", device.strip().lower()):
-                raise AuditError(f"unknown device {device!r}", "Give device='cpu', 'cuda', 'cuda:N' or 'auto'")
+        object.__setattr__(self, "speed", self.speed.checked())
+        self.calibration_data.check_length()
 
     def _check_recovery(self) -> None:
-        """The recovery settings (those of ``lowrank-audit factorize --recover``), checked before any work."""
-        rec = self.recovery
-        if rec.steps is None:
-            if rec.choose_after:
+        """The recovery settings (those of ``lowrank-audit factorize --recover``) and what a recovery needs, checked
+        before any work."""
+        if self.recovery.steps is None:
+            if self.recovery.choose_after:
                 raise AuditError("choose_after_recovery needs recover_steps: the recovered curve is measured by it",
                                  "Add --recover STEPS (recover_steps=200, say)")
             return
-        v = rec.steps
-        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-            raise AuditError(f"recovery steps {v!r} is not a positive integer",
-                             "Give --recover a positive number of steps, e.g. --recover 200")
+        self.recovery.check_steps()
         if self.calibration_data.source is None or self.tiers.budget is None:
             raise AuditError("recover_steps needs calibration data and a budget: it measures the frontier of the "
                              "budgeted plan search again after a recovery fine-tune",
                              "Pass --calibration FILE and --budget FRACTION (e.g. --budget 0.5) as well")
-        lr = rec.lr
-        if isinstance(lr, bool) or not isinstance(lr, (int, float)) or not math.isfinite(lr) or lr <= 0:
-            raise AuditError(f"recovery learning rate {lr!r} is not a positive finite number",
-                             "Give e.g. --recover-lr 0.0001")
-        if rec.trainable not in ("factors", "all"):
-            raise AuditError(f"recovery trainable {rec.trainable!r} is neither 'factors' nor 'all'",
-                             "Give --recover-trainable factors (the factor weights only) or all")
-        if rec.objective not in ("auto", "kl", "mse"):
-            raise AuditError(f"recovery objective {rec.objective!r} is not one of auto, kl, mse",
-                             "Give auto, kl (output distributions) or mse (output values)")
-        if isinstance(rec.seed, bool) or not isinstance(rec.seed, int):
-            raise AuditError(f"recovery seed {rec.seed!r} is not an integer", "Give an integer seed")
-
-    def _check_speed(self) -> None:
-        """--latency-shape and --budget-latency ask for the speed measurement; each checked before any work."""
-        if self.speed.latency_shape is not None:
-            shape = tuple(self.speed.latency_shape)
-            if not shape or any(isinstance(d, bool) or not isinstance(d, int) or d < 1 for d in shape):
-                raise AuditError(f"latency shape {self.speed.latency_shape!r} is not positive whole numbers",
-                                 "Give the batch (and positions), e.g. --latency-shape 64,128")
-            self._update("speed", latency_shape=shape)
-        b = self.speed.budget_latency
-        if b is not None:
-            if isinstance(b, bool) or not isinstance(b, (int, float)) or not 0 < b < 1:
-                raise AuditError(f"latency budget {b!r} is not a fraction in (0, 1)",
-                                 "Give the share of the dense latency to remove, e.g. --budget-latency 0.2")
-        if self.speed.latency_shape is not None or b is not None:
-            self._update("speed", measure=True)
+        self.recovery.check_settings()
 
     def with_(self, **changes: Any) -> "AuditOptions":
         """A copy with some fields changed (top-level, group or flat names); unknown names raise TypeError naming
