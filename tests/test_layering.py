@@ -38,7 +38,8 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [(name.removeprefix("auditor.") or "
     *(f"auditor.{name}" for name in SHIMS),
     "auditor.api",  # the front object over the plain result
     "auditor.pipeline",
-    "auditor.render",
+    "auditor.render",  # one module per report format
+    "auditor.render.parts",  # what the formats are built from: tables, pages, sections, charts, fitting, escaping
     "auditor.verdict",  # the verdict, --fail-on and the baseline diff
     "auditor.rules",
     "auditor.artifacts",  # what factorize writes: the output folder, the exported program

@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 import auditor
-from auditor.render.md_fit import DEFAULT_CAP, OPEN_LIMIT, measure, open_part
+from auditor.render.parts.md_fit import DEFAULT_CAP, OPEN_LIMIT, measure, open_part
 
 markdown_it = pytest.importorskip("markdown_it")
 

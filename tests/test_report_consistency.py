@@ -20,7 +20,7 @@ import pytest
 
 import auditor
 from auditor.render import REPORTERS, RenderContext
-from auditor.render.calibration import plan_ranks
+from auditor.render.parts.calibration import plan_ranks
 
 ROOT = Path(__file__).resolve().parents[1]
 LLAMA = ROOT / "sample_models" / "llama"

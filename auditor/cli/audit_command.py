@@ -226,7 +226,7 @@ def _rules_main(argv: Sequence[str]) -> int:
     p.add_argument("code", nargs="?", help="a rule code such as LR004, or its slug such as energy-below-floor")
     p.add_argument("--markdown", action="store_true", help="print docs/rules.md")
     from ..outputs import print_stdout, write_stdout
-    from ..render.safe import term
+    from ..render.parts.safe import term
 
     a = p.parse_args(argv)
     try:

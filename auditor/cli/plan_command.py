@@ -48,7 +48,7 @@ def _review(model: str, plan: Path, args: argparse.Namespace) -> int:
     from ..pipeline import audit_source
     from ..verdict.policy import exit_code, input_errors
     from ..outputs import print_stdout, write_stdout
-    from ..render.safe import term
+    from ..render.parts.safe import term
     from ..render.sarif import Locator
 
     load = LoadOptions(

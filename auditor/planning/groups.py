@@ -51,7 +51,7 @@ class LayerShape:
 
 class Members:
     """``size`` and ``is_group`` for anything with a ``members`` sequence: :class:`Group` (member names) and the
-    reports' :class:`auditor.render.pages.GroupRow` (member rows)."""
+    reports' :class:`auditor.render.parts.pages.GroupRow` (member rows)."""
 
     members: Sequence[Any]
 

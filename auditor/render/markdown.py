@@ -1,15 +1,15 @@
 """Markdown for a pull-request comment or a CI job summary: read in ten seconds, under GitHub's comment limit.
 
-The open part (what shows before any fold is expanded) stays under :data:`auditor.render.md_fit.OPEN_LIMIT`
+The open part (what shows before any fold is expanded) stays under :data:`auditor.render.parts.md_fit.OPEN_LIMIT`
 bytes for any model: the verdict, the plan card (what the plan saves and, with calibration, its all-at-once
 measurement), the findings; then the plan, the calibration and the layers. A table is shown open only when it has
 at most :data:`ROWS_OPEN` rows and :data:`COLS_OPEN` columns and fits what is left of the open part; every other
 table, and the findings past the first :data:`ROWS_OPEN`, sit inside ``<details>``. The whole text stays under
-:data:`auditor.render.md_fit.DEFAULT_CAP` characters (rows cut last, with one line saying what is left out).
+:data:`auditor.render.parts.md_fit.DEFAULT_CAP` characters (rows cut last, with one line saying what is left out).
 
-One unit convention: shares and errors are percentages, rounded by :func:`auditor.render.md_fit.percent` (one
+One unit convention: shares and errors are percentages, rounded by :func:`auditor.render.parts.md_fit.percent` (one
 decimal from 1% up, two significant digits below); a user metric is printed in its own units. Every name goes
-through :mod:`auditor.render.safe`, so a layer name cannot open a link, an image, a heading or raw HTML.
+through :mod:`auditor.render.parts.safe`, so a layer name cannot open a link, an image, a heading or raw HTML.
 """
 
 from __future__ import annotations
@@ -18,18 +18,18 @@ from typing import TYPE_CHECKING
 
 from ..verdict.policy import verdict_head
 from ..results import Severity
-from . import calibration, speed
+from .parts import calibration, speed
 from .base import RenderContext, Stdout
-from .calibration import CURVES, FINETUNE, md_tolerance, md_value
-from .md_fit import COLS_OPEN, ROWS_OPEN, Room, fold_if, DEFAULT_CAP, OPEN_LIMIT, Section, fit_markdown, measure, percent
-from .pages import group_rows, plan_rows, rank_changes
-from .safe import md_code, md_text, middle
-from .view import factorized_count, fmt_num, human, layer_table, spectra_computed, trace_sentence
+from .parts.calibration import CURVES, FINETUNE, md_tolerance, md_value
+from .parts.md_fit import COLS_OPEN, ROWS_OPEN, Room, fold_if, DEFAULT_CAP, OPEN_LIMIT, Section, fit_markdown, measure, percent
+from .parts.pages import group_rows, plan_rows, rank_changes
+from .parts.safe import md_code, md_text, middle
+from .parts.view import factorized_count, fmt_num, human, layer_table, spectra_computed, trace_sentence
 
 if TYPE_CHECKING:
     from ..calresults import CalibrationReport
     from ..results import AuditResult
-    from .calibration import CalibrationView
+    from .parts.calibration import CalibrationView
 
 ICON = {Severity.ERROR: "🛑", Severity.WARNING: "⚠️", Severity.INFO: "ℹ️"}
 FINDINGS_ROOM = 4_500  # bytes of findings shown open at most; the rest are folded
@@ -206,7 +206,7 @@ def _layers(audit: "AuditResult", room: Room) -> Section:
                             f"layers, {len(head)} columns", columns=len(head))
 
 
-# ---- calibration (:class:`auditor.render.calibration.CalibrationView`) ---------------------------------------
+# ---- calibration (:class:`auditor.render.parts.calibration.CalibrationView`) ---------------------------------------
 def _cal_search(cal: "CalibrationReport", cv: "CalibrationView") -> list[str]:
     """The search's bullets: what it asked, how many plans it measured, what it needs (recovery)."""
     b = cal.budget

@@ -106,7 +106,7 @@ def to_pandas(audit: "AuditResult") -> "pandas.DataFrame":
         import pandas as pd
     except ImportError:
         raise AuditError("pandas is not installed", "pip install pandas") from None
-    from .view import layer_table
+    from .parts.view import layer_table
 
     table = layer_table(audit)
     labels = [c.label for c in table.columns]

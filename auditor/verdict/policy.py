@@ -100,7 +100,7 @@ def verdict_head(audit: "AuditResult") -> str:
 
 def plan_check_clause(audit: "AuditResult") -> str:
     """"; measured all at once: held-out perplexity 153.77 -> 155.17 (+0.91%, tolerance +1%): holds" (or MISSES) when
-    calibration measured the reviewed plan (:func:`auditor.render.calibration.metric_change`);
+    calibration measured the reviewed plan (:func:`auditor.render.parts.calibration.metric_change`);
     "; not measured all at once" when calibration was given but the plan could not be measured; else empty."""
     cal = audit.calibration
     r = audit.review

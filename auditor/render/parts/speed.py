@@ -9,12 +9,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from ..speedresults import SpeedReport, seconds
+from ...speedresults import SpeedReport, seconds
 from .md_fit import Room, Section, fold_if
 from .safe import md_code, md_text
 
 if TYPE_CHECKING:
-    from ..results import AuditResult
+    from ...results import AuditResult
 
 
 def _batch(inputs: str) -> str:

@@ -7,7 +7,7 @@
 * :func:`rank_changes`: per-layer rank changes against an earlier JSON report.
 * :func:`layer_pages`: one page per group and per layer: singular values (log-log), energy against a log rank axis,
   break-even, suggested and planned rank, and ``measured`` (rank, metric) points once calibration provides them.
-  The charts are matplotlib SVG (:func:`auditor.render.layer_charts.page_chart`), the same in the HTML and the PDF.
+  The charts are matplotlib SVG (:func:`auditor.render.parts.layer_charts.page_chart`), the same in the HTML and the PDF.
   matplotlib takes a good part of a second per chart, so only the pages of the table's rows (a group, or a layer in
   no group) get one, the :data:`CHART_PAGES` largest; a member's page points to its group's chart, which draws it.
 
@@ -21,12 +21,12 @@ from typing import TYPE_CHECKING, Any, Sequence
 
 import numpy as np
 
-from ..planning.groups import Members, group_layers
+from ...planning.groups import Members, group_layers
 from .layer_charts import MAX_CURVES
 from .view import LayerRow, LayerTable, anchors, verdict_summary as _verdicts
 
 if TYPE_CHECKING:
-    from ..results import AuditResult
+    from ...results import AuditResult
 
 __all__ = ["GroupRow", "LayerPage", "PlanRow", "RankChange", "group_rows", "layer_pages", "plan_rows", "rank_changes",
            "summary_of"]
@@ -126,7 +126,7 @@ class PlanRow:
     macs_after: int | None
     verdict: str
     measured: str = ""  # the measured error at this rank where calibration reached the layer ("" where not)
-    measured_error: Any = None  # that number (:class:`auditor.render.calibration.MeasuredError`), or None
+    measured_error: Any = None  # that number (:class:`auditor.render.parts.calibration.MeasuredError`), or None
 
 
 def plan_rows(audit: "AuditResult") -> list[PlanRow]:
@@ -330,7 +330,7 @@ def _page(anchor: str, title: str, rows: list[LayerRow], is_group: bool,
 
 
 def _draw(audit: "AuditResult", p: LayerPage, measured: _Measured) -> None:
-    """The page's chart (:func:`auditor.render.layer_charts.page_chart`) as a ``data:`` URI."""
+    """The page's chart (:func:`auditor.render.parts.layer_charts.page_chart`) as a ``data:`` URI."""
     from .layer_charts import Marks, data_uri, page_chart
 
     marks, panel = Marks(p.break_even, p.suggested, p.planned, p.target), measured.panel(p.measured)

@@ -9,11 +9,11 @@ import re
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any, Callable, Sequence
 
-from ..planning.groups import Members
-from ..planning.suggest import target_key
+from ...planning.groups import Members
+from ...planning.suggest import target_key
 
 if TYPE_CHECKING:
-    from ..results import AuditResult, Finding
+    from ...results import AuditResult, Finding
 
 
 def rank_label(target: float) -> str:
@@ -96,7 +96,7 @@ def plan_outcome(verdict: Any) -> str:
     "kept dense": the plan names the layer at a rank that saves nothing (the plan's flag says why); a narrow layer
     the plan factorizes is "factorize" here (LR003 and the plan table say it is narrow).
     """
-    from ..results import PlanVerdict
+    from ...results import PlanVerdict
 
     return {PlanVerdict.FACTORIZE: "factorize", PlanVerdict.NARROW: "factorize",
             PlanVerdict.ABOVE_MAX_RANK: "kept dense", PlanVerdict.NO_SAVING: "kept dense"}.get(verdict, "not planned")
@@ -104,7 +104,7 @@ def plan_outcome(verdict: Any) -> str:
 
 def factorized_count(audit: "AuditResult") -> int:
     """How many of the reviewed plan's layers it factorizes (a rank that saves nothing keeps the layer dense)."""
-    from ..results import PlanVerdict
+    from ...results import PlanVerdict
 
     rv = audit.review
     return 0 if rv is None else sum(it.verdict in (PlanVerdict.FACTORIZE, PlanVerdict.NARROW) for it in rv.items)
@@ -231,7 +231,7 @@ class SkippedRow:
 
 def skipped_rows(audit: "AuditResult") -> list[SkippedRow]:
     """Layers left out for want of a spectrum or of room (skipped, skip narrow), with the reason."""
-    from ..results import Verdict
+    from ...results import Verdict
 
     return [SkippedRow(l.name, str(s.verdict), s.reason) for l in audit.layers
             if (s := audit.suggestions.get(l.name)) is not None and s.verdict in (Verdict.SKIPPED, Verdict.SKIP_NARROW)]
@@ -269,7 +269,7 @@ def _failure_clause(failure: str) -> str:
 def trace_sentence(audit: "AuditResult") -> str:
     """How the layer graph was obtained, as one readable sentence for the HTML and PDF reports: tracer failures
     are said in words, their raw exceptions left to the JSON report (``trace_failures``)."""
-    from ..results import TraceMethod
+    from ...results import TraceMethod
 
     m = audit.trace_method
     if m is TraceMethod.WEIGHTS:
@@ -312,7 +312,7 @@ def verdict_summary(rows: Sequence[Any]) -> str:
 
 def skipped_groups(audit: "AuditResult", rows: list[SkippedRow] | None = None) -> list[SkippedGroup]:
     """The skipped layers grouped by block (:func:`auditor.planning.groups.group_layers`), largest group first."""
-    from ..planning.groups import group_layers
+    from ...planning.groups import group_layers
 
     rows = skipped_rows(audit) if rows is None else rows
     by_name = {r.name: r for r in rows}

@@ -3,7 +3,7 @@
 A name is data, not markup: in Markdown it must not open a link, an image, a heading, raw HTML or break out of a
 code span; on a terminal it must not move the cursor, change colours, start a new line or reorder the text
 (bidirectional overrides). HTML is escaped by jinja2's autoescape; charts use
-:func:`auditor.render.layer_charts.safe_label`.
+:func:`auditor.render.parts.layer_charts.safe_label`.
 
 >>> md_code("evil`](http://x)")
 '`` evil`](http://x) ``'
@@ -21,7 +21,7 @@ import re
 
 __all__ = ["escape", "md_code", "md_text", "middle", "term", "visible"]
 
-from ..errors import escape, visible  # the one escaping function (core: error lines use it too)
+from ...errors import escape, visible  # the one escaping function (core: error lines use it too)
 
 
 def term(text: str) -> str:

@@ -10,13 +10,13 @@ import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable
 
-from ..verdict.policy import checked_change, metric_change
+from ...verdict.policy import checked_change, metric_change
 from .md_fit import percent
 from .view import pct
 
 if TYPE_CHECKING:
-    from ..calresults import CalibrationReport
-    from ..results import AuditResult
+    from ...calresults import CalibrationReport
+    from ...results import AuditResult
     from .layer_charts import FloorChart, FrontierChart
 
 FINETUNE = "A recovery fine-tune follows factorization: these numbers are before it."
@@ -141,7 +141,7 @@ ABOVE_BE = "> b-e"  # evidence past break-even: the layer-output error needs a r
 def plan_ranks(audit: "AuditResult") -> dict[str, int]:
     """The reviewed plan's rank per layer (the suggested plan, or the one given) where it factorizes the layer; a
     layer the plan leaves dense, or plans at a rank that saves nothing, is absent."""
-    from ..results import PlanVerdict
+    from ...results import PlanVerdict
 
     rv = audit.review
     if rv is None:
@@ -368,7 +368,7 @@ def md_card_value(audit: "AuditResult", card: CheckCard) -> str:
 
 
 def frontier_data(cal: "CalibrationReport") -> "FrontierChart | None":
-    """The frontier chart's data (:func:`auditor.render.layer_charts.frontier_chart`): parameters removed against the
+    """The frontier chart's data (:func:`auditor.render.parts.layer_charts.frontier_chart`): parameters removed against the
     model-level metric, each plan measured all at once; None without a frontier."""
     from .layer_charts import FrontierChart, short_label
 
@@ -381,7 +381,7 @@ def frontier_data(cal: "CalibrationReport") -> "FrontierChart | None":
 
 
 def floor_legend(metric: str) -> list[tuple[str, str]]:
-    """The one legend of the per-layer floor charts, in the styles :func:`auditor.render.layer_charts.floor_chart`
+    """The one legend of the per-layer floor charts, in the styles :func:`auditor.render.parts.layer_charts.floor_chart`
     draws with."""
     from .layer_charts import short_label
 
@@ -391,7 +391,7 @@ def floor_legend(metric: str) -> list[tuple[str, str]]:
 
 
 def floor_data(audit: "AuditResult", top: int | None = None) -> "list[FloorChart]":
-    """A chart's data (:func:`auditor.render.layer_charts.floor_chart`) per calibrated layer with measured points
+    """A chart's data (:func:`auditor.render.parts.layer_charts.floor_chart`) per calibrated layer with measured points
     (every one, attention included; ``top``: the first ``top`` only), largest first: the model-level metric with that
     layer alone truncated against its rank (log axis), the tier-1 layer-output error on its own right-hand axis,
     tolerance, break-even and measured floor."""
