@@ -16,9 +16,9 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:  # the homes, for readers and the layering test
-    from .calibration.apply import factorize  # noqa: F401
-    from .artifacts.folder import load_factorized, save_factorized  # noqa: F401
-    from .surgery import count_params, resolve_plan  # noqa: F401
+    from auditor.calibration.apply import factorize  # noqa: F401
+    from auditor.artifacts.folder import load_factorized, save_factorized  # noqa: F401
+    from auditor.surgery import count_params, resolve_plan  # noqa: F401
 
 _HOMES = {
     "auditor.surgery": ("FLOAT_DTYPES", "check_dtype", "check_layers", "check_targets", "count_params",

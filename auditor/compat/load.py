@@ -2,7 +2,7 @@
 ``.checkpoint`` and ``.tensorref``. This module keeps the earlier public path ``auditor.load.load_source`` working
 for users; nothing inside the package imports it."""
 
-from .sources import Loaded  # noqa: F401
-from .sources import WeightsOnly  # noqa: F401
-from .sources import load_source  # noqa: F401
-from .sources import parse_shape  # noqa: F401
+from auditor.sources import Loaded  # noqa: F401
+from auditor.sources import WeightsOnly  # noqa: F401
+from auditor.sources import load_source  # noqa: F401
+from auditor.sources import parse_shape  # noqa: F401
