@@ -136,3 +136,22 @@ def test_all_zero_weight_is_a_finding_not_bad_input(cli_inproc, tmp_path):
     res = cli_inproc(f"{p}:model", "--format", "json", "-q")
     assert res.returncode == 1  # an error finding, reported; not exit 2
     assert [f["code"] for f in json.loads(res.stdout)["findings"] if f["code"] == "LR010"] == ["LR010"]
+
+
+def test_the_audit_and_factorize_take_their_common_flags_from_one_definition():
+    """cli/shared_flags.py: the flags both commands take have the same strings, help, metavar, type and choices in
+    both; --metric's and --tolerance's help list the registered metrics (asked when the help is shown)."""
+    from auditor.calibration import metrics
+    from auditor.cli import audit_command, factorize_command
+    from auditor.cli.shared_flags import FLAGS
+
+    def actions(p):
+        p.format_help()  # fills in the help a registry gives
+        return {a.dest: (a.option_strings, a.help, a.metavar, a.type, a.choices) for a in p._actions}
+
+    audit, factorize = actions(audit_command._parser()), actions(factorize_command._parser())
+    shared = [name.replace("-", "_") for name in FLAGS]
+    assert len(shared) == 14 and [d for d in shared if audit[d] != factorize[d]] == []
+    names = [n for k in metrics.kinds() for n in metrics.for_kind(k).names]
+    assert names and all(n in audit["metric"][1] for n in names)
+    assert all(metrics.for_kind(k).units in audit["tolerance"][1] for k in metrics.kinds() if metrics.for_kind(k).units)
