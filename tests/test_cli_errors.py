@@ -155,3 +155,11 @@ def test_the_audit_and_factorize_take_their_common_flags_from_one_definition():
     names = [n for k in metrics.kinds() for n in metrics.for_kind(k).names]
     assert names and all(n in audit["metric"][1] for n in names)
     assert all(metrics.for_kind(k).units in audit["tolerance"][1] for k in metrics.kinds() if metrics.for_kind(k).units)
+
+
+def test_factorize_help_names_the_kinds_it_rewrites_from_the_registry():
+    from auditor import kinds
+    from auditor.cli import factorize_command
+
+    text = " ".join(factorize_command._parser().format_help().split())
+    assert f"Rewrites {kinds.rewritable_labels()} layers." in text and "Embedding" in text

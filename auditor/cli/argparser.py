@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 import argparse
-from typing import NoReturn
+from typing import Any, Callable, NoReturn
 
 
 class UsageError(Exception):
@@ -13,10 +13,16 @@ class UsageError(Exception):
 
 class _Parser(argparse.ArgumentParser):
     """argparse with a usage error as one line (``error: ... See lowrank-audit --help.``), exit 2, not the usage; an
-    argument whose help asks a registry (``action.help_from``, :mod:`.shared_flags`) gets it when the help is shown,
-    so building the parser imports no torch."""
+    argument whose help asks a registry (``action.help_from``, :mod:`.shared_flags`), and a description that does
+    (``description_from``), get it when the help is shown, so building the parser imports no torch."""
+
+    def __init__(self, *args: Any, description_from: Callable[[], str] | None = None, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.description_from = description_from
 
     def format_help(self) -> str:
+        if self.description_from is not None:
+            self.description = self.description_from()
         for action in self._actions:
             help_from = getattr(action, "help_from", None)
             if help_from is not None:

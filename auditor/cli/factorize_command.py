@@ -28,10 +28,7 @@ def _parser() -> argparse.ArgumentParser:
     from .argparser import _Parser
     from .shared_flags import add_shared
 
-    p = _Parser(
-        prog="lowrank-audit factorize",
-        description="Apply a compression plan: each planned layer becomes two (SVD, or whitened with calibration); "
-                    "writes model.safetensors and plan.json. A recovery fine-tune follows.")
+    p = _Parser(prog="lowrank-audit factorize", description_from=_description)
     add_shared(p, "model", "plan", plan={"required": True})
     p.add_argument("-o", "--output-dir", required=True, metavar="DIR", help="where to write the factorized model")
     p.add_argument("--force", action="store_true",
@@ -50,6 +47,15 @@ def _parser() -> argparse.ArgumentParser:
     recover_arguments(p)
     export_arguments(p)
     return p
+
+
+def _description() -> str:
+    """The command's description, naming the layer kinds it rewrites (from the registry, :mod:`auditor.kinds`)."""
+    from .. import kinds
+
+    return ("Apply a compression plan: each planned layer becomes two (SVD, or whitened with calibration); writes "
+            f"model.safetensors and plan.json. A recovery fine-tune follows. Rewrites {kinds.rewritable_labels()} "
+            "layers.")
 
 
 def _inputs(args: argparse.Namespace) -> list[tuple[str, str]]:
