@@ -1,15 +1,12 @@
 """Settings and thresholds, with one precedence path: defaults < [tool.lowrank-auditor] in pyproject.toml < the
-plan file < command-line flags; and the process environment the tool reads and sets up for the libraries it drives
-(its cache folder, matplotlib's config folder)."""
+plan file < command-line flags."""
 
 from __future__ import annotations
 
 import difflib
 import math
-import os
 import re
 import sys
-import tempfile
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import MISSING, dataclass, fields, replace
 from enum import Enum
@@ -442,39 +439,3 @@ def validate(s: Settings, declared: Iterable[Setting] = ()) -> Settings:
     for name, value in given.items():
         owned[name].check(value)
     return replace(s, rule_settings=tuple((d.name, given.get(d.name, d.default)) for d in owned.values()))
-
-
-# The process environment the tool sets up for the libraries it drives, before they are imported
-
-def cache_root() -> Path:
-    """The tool's cache folder: ``$LOWRANK_AUDITOR_CACHE`` if set, else ``$XDG_CACHE_HOME/lowrank-auditor``
-    (``~/.cache/lowrank-auditor``)."""
-    env = os.environ.get("LOWRANK_AUDITOR_CACHE")
-    if env:
-        return Path(env)
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(base) / "lowrank-auditor"
-
-
-def configure_matplotlib() -> str | None:
-    """Give matplotlib a config and font-cache folder of the tool's own (``MPLCONFIGDIR``), so that rendering
-    writes nothing to ``~/.config/matplotlib`` or ``~/.cache/matplotlib``. A value the user set is kept.
-
-    Call it before the first ``import matplotlib``; after that matplotlib has chosen its folder and this returns
-    None. Otherwise returns the folder in use: ``<cache_root()>/matplotlib``, or a fresh temporary folder where
-    that cannot be written.
-    """
-    if os.environ.get("MPLCONFIGDIR"):
-        return os.environ["MPLCONFIGDIR"]
-    if "matplotlib" in sys.modules:
-        return None
-    folder = cache_root() / "matplotlib"
-    try:
-        folder.mkdir(parents=True, exist_ok=True)
-        if not (folder.is_dir() and os.access(folder, os.W_OK | os.X_OK)):
-            raise PermissionError(str(folder))
-        chosen = str(folder)
-    except OSError:
-        chosen = tempfile.mkdtemp(prefix="lowrank-auditor-matplotlib-")
-    os.environ["MPLCONFIGDIR"] = chosen
-    return chosen

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from auditor import outputs
+from auditor.artifacts import outputs
 from auditor.errors import AuditError
 from _factories import write_low_rank_mlp
 

@@ -85,7 +85,7 @@ def test_strict_json_reads_back_with_every_strict_reader(data):
     import json
     import math
 
-    from auditor.outputs import strict_json
+    from auditor.artifacts.outputs import strict_json
     from auditor.planning.plan import loads_json
 
     text = strict_json(data)

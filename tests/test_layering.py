@@ -56,10 +56,10 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [(name.removeprefix("auditor.") or "
     "auditor.speedresults",  # what a speed measurement found, plain data
     "auditor.options",
     "auditor.config",
-    "auditor.outputs",
     "auditor.progress",
     "auditor.lrmath",
     "auditor.errors",
+    "auditor._env",
     "auditor._version",
 )]
 

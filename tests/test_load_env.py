@@ -6,7 +6,7 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-CODE = ("from auditor.config import configure_matplotlib\nd = configure_matplotlib()\nimport matplotlib\n"
+CODE = ("from auditor._env import configure_matplotlib\nd = configure_matplotlib()\nimport matplotlib\n"
         "matplotlib.use('Agg')\nimport matplotlib.pyplot as plt\nplt.subplots()\nprint(d)\n"
         "print(matplotlib.get_configdir())\nprint(matplotlib.get_cachedir())\n"
         "print(configure_matplotlib())\n")
@@ -42,7 +42,7 @@ def test_user_setting_kept_and_unwritable_cache_falls_back_to_a_temporary_folder
 
 
 def test_too_late_once_matplotlib_is_imported(monkeypatch):
-    from auditor.config import configure_matplotlib
+    from auditor._env import configure_matplotlib
 
     monkeypatch.delenv("MPLCONFIGDIR", raising=False)
     monkeypatch.setitem(sys.modules, "matplotlib", object())

@@ -29,7 +29,7 @@ import torch
 from torch import nn
 
 from ..errors import AuditError, first_line, no_duplicate_keys
-from ..outputs import strict_json
+from .outputs import strict_json
 
 PT2 = "model.pt2"
 ONNX = "model.onnx"

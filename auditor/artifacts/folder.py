@@ -23,7 +23,7 @@ import torch
 from torch import nn
 
 from ..errors import AuditError, first_line, no_duplicate_keys
-from ..outputs import TMP_PREFIX, kind_of, strict_json
+from .outputs import TMP_PREFIX, kind_of, strict_json
 from ..surgery import apply_plan, count_params
 
 FORMAT = "lowrank-auditor factorized"

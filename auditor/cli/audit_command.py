@@ -225,7 +225,7 @@ def _rules_main(argv: Sequence[str]) -> int:
     p = _Parser(prog="lowrank-audit rules", description="List the rules, or print one.")
     p.add_argument("code", nargs="?", help="a rule code such as LR004, or its slug such as energy-below-floor")
     p.add_argument("--markdown", action="store_true", help="print docs/rules.md")
-    from ..outputs import print_stdout, write_stdout
+    from ..artifacts.outputs import print_stdout, write_stdout
     from ..render.parts.safe import term
 
     a = p.parse_args(argv)
@@ -268,7 +268,7 @@ def main(argv: Sequence[str] | None = None) -> int:
               file=sys.stderr)
         return 130
     except BrokenPipeError:  # a closed pipe on stderr (2>&1 | head) or a stray print: end quietly, as SIGPIPE would
-        from ..outputs import silence
+        from ..artifacts.outputs import silence
 
         silence(sys.stdout)
         silence(sys.stderr)
@@ -354,7 +354,7 @@ def _reserve_standard_streams() -> None:
     if sys.stderr is None:
         sys.stderr = open(os.devnull, "w")  # noqa: SIM115 - lives as long as the process
     elif sys.stderr is sys.__stderr__:
-        from ..outputs import QuietStderr
+        from ..artifacts.outputs import QuietStderr
 
         sys.stderr = QuietStderr(sys.stderr)  # type: ignore[assignment]
 
@@ -362,7 +362,7 @@ def _reserve_standard_streams() -> None:
 def _silence_stdout() -> None:
     """After stdout failed (a full disk, a closed pipe): point its descriptor at /dev/null, so the interpreter's
     final flush of what is still buffered cannot fail a second time with a traceback-like message."""
-    from ..outputs import silence
+    from ..artifacts.outputs import silence
 
     silence(sys.stdout)
 
@@ -534,7 +534,7 @@ def _destinations(args: argparse.Namespace, formats: list[str]) -> dict[str, Pat
     """The file each file-bound format goes to, and ``plan`` for --emit-plan; every one checked before the audit:
     -o must be (or become) a writable folder, nothing but a regular file is ever replaced, --emit-plan may not
     name the plan under review or a report."""
-    from ..outputs import check_destination, check_folder, check_not_input, same_file
+    from ..artifacts.outputs import check_destination, check_folder, check_not_input, same_file
     from ..render import REPORTERS, Stdout, stdout_of
 
     dest: dict[str, Path] = {}
@@ -599,10 +599,10 @@ def _formats(args: argparse.Namespace) -> list[str]:
 
 
 def run(args: argparse.Namespace, written: list[Path] | None = None) -> int:
-    """The audit the flags ask for. Outputs are all or nothing (:mod:`auditor.outputs`); ``written`` receives the
+    """The audit the flags ask for. Outputs are all or nothing (:mod:`auditor.artifacts.outputs`); ``written`` receives the
     paths once they are all in place (the interrupt message says exactly what exists)."""
     from ..verdict import baseline as baseline_mod
-    from ..outputs import OutputSet, write_stdout
+    from ..artifacts.outputs import OutputSet, write_stdout
     from ..pipeline import audit_source, render_reports
     from ..planning.plan import emit_toml
     from ..verdict.policy import exit_code, input_errors

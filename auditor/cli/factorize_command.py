@@ -77,7 +77,7 @@ def _inputs(args: argparse.Namespace) -> list[tuple[str, str]]:
 
 def _check_dir(out: Path, args: argparse.Namespace) -> None:
     from ..artifacts.folder import previous_output
-    from ..outputs import check_folder_output
+    from ..artifacts.outputs import check_folder_output
 
     check_folder_output(out, "-o", force=args.force, replaceable=previous_output, inputs=_inputs(args),
                         tool="lowrank-audit factorize")
@@ -248,7 +248,7 @@ def _write(out: Path, args: argparse.Namespace, made: _Made, formats: tuple[str,
     directory. Returns the exported files."""
     from ..artifacts.export import cli_write
     from ..artifacts.folder import write_factorized
-    from ..outputs import write_folder
+    from ..artifacts.outputs import write_folder
 
     exported: list[str] = []
 

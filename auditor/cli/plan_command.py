@@ -47,7 +47,7 @@ def _review(model: str, plan: Path, args: argparse.Namespace) -> int:
     from ..options import AuditOptions, LoadOptions
     from ..pipeline import audit_source
     from ..verdict.policy import exit_code, input_errors
-    from ..outputs import print_stdout, write_stdout
+    from ..artifacts.outputs import print_stdout, write_stdout
     from ..render.parts.safe import term
     from ..render.sarif import Locator
 

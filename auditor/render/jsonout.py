@@ -6,7 +6,7 @@ import json
 from enum import Enum
 from typing import TYPE_CHECKING, Any
 
-from ..outputs import strict_json
+from ..artifacts.outputs import strict_json
 from ..verdict.policy import measured, status, verdict_line
 from .base import RenderContext, Stdout
 

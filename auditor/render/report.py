@@ -65,7 +65,7 @@ def to_json(audit: "AuditResult", with_sigma: bool = False, indent: int | None =
     ctx = context(audit, baseline)
     if ctx.baseline is not None:
         data["baseline"] = baseline_block(audit, ctx)
-    from ..outputs import strict_json
+    from ..artifacts.outputs import strict_json
 
     return strict_json(data, indent=indent, sort_keys=False)
 

@@ -34,7 +34,7 @@ def _device(spec: str | None) -> str:
 def cache_folder(options: "AuditOptions") -> Path | None:
     if not options.cache:
         return None
-    from ..config import cache_root
+    from .._env import cache_root
 
     return (options.cache_dir or cache_root()) / "speed"
 

@@ -110,7 +110,7 @@ def _svg(fig: Any) -> str:
 
 
 def _render(build: Any, *args: Any, **kwargs: Any) -> str | None:
-    from ...config import configure_matplotlib
+    from ..._env import configure_matplotlib
 
     configure_matplotlib()  # its font cache under our cache dir, never the user's home
     import matplotlib

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import BinaryIO, Callable, Iterable, Iterator
 
-from .errors import AuditError
+from ..errors import AuditError
 
 TMP_PREFIX = ".lowrank-audit-"  # the staging folders' names start with this (a killed run may leave one)
 
@@ -398,7 +398,7 @@ def write_folder(out: str | Path, fill: Callable[[Path], None], recheck: Callabl
         if isinstance(exc, (AuditError, KeyboardInterrupt, SystemExit)):
             raise
         left = f" and {p} was left as it was" if existed else ""
-        from .errors import first_line
+        from ..errors import first_line
 
         if isinstance(exc, OSError):
             raise AuditError(f"cannot write {p}: {exc.strerror or exc}; nothing was written{left}",
