@@ -122,35 +122,46 @@ class StatisticsOptions:
                 raise AuditError(f"unknown device {device!r}", "Give device='cpu', 'cuda', 'cuda:N' or 'auto'")
 
 
+TRAINABLE = ("factors", "all")  # what a recovery trains: the factor weights, or every parameter
+OBJECTIVES = ("auto", "kl", "mse")  # what it distils: KL for logits else MSE, or either
+DEFAULT_LR = 1e-4  # its AdamW learning rate
+
+
+def positive_int(v: object, what: str, fix: str) -> None:
+    """One line, ``fix`` the hint, unless ``v`` is an int of at least 1 (a bool is not)."""
+    if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+        raise AuditError(f"{what} {v!r} is not a positive integer", fix)
+
+
+def positive_finite(v: object) -> bool:
+    return not isinstance(v, bool) and isinstance(v, (int, float)) and math.isfinite(v) and v > 0
+
+
 @dataclass(frozen=True)
 class RecoveryOptions:
-    """Tier 3 after a recovery fine-tune (docs/calibration.md): each frontier plan measured again after it."""
+    """Tier 3 after a recovery fine-tune (docs/calibration.md): each frontier plan measured again after it. The one
+    recovery settings type: ``lowrank-audit factorize --recover`` and :func:`auditor.recover.recover` take its
+    subclass :class:`auditor.calibration.recovery.RecoverySettings` (when to measure, the warm-up, the clip), and
+    :meth:`check` is the one validation of these fields."""
 
     steps: int | None = None  # recovery steps per frontier plan (needs calibration and budget); None: no recovery
-    lr: float = 1e-4  # AdamW learning rate (auditor.recover.DEFAULT_LR)
+    lr: float = DEFAULT_LR  # AdamW learning rate
     trainable: str = "factors"  # "factors" (the factor weights) | "all" (every parameter)
     objective: str = "auto"  # "auto" (KL for logits, else MSE) | "kl" | "mse"
     seed: int = 0
     choose_after: bool = False  # the suggestion: the largest plan that holds after the recovery
 
-    def check_steps(self) -> None:
-        """The steps of a recovery that runs (``steps`` given): a positive whole number."""
-        v = self.steps
-        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-            raise AuditError(f"recovery steps {v!r} is not a positive integer",
-                             "Give --recover a positive number of steps, e.g. --recover 200")
-
-    def check_settings(self) -> None:
-        """The settings of a recovery that runs: those of ``lowrank-audit factorize --recover``."""
-        lr = self.lr
-        if isinstance(lr, bool) or not isinstance(lr, (int, float)) or not math.isfinite(lr) or lr <= 0:
-            raise AuditError(f"recovery learning rate {lr!r} is not a positive finite number",
-                             "Give e.g. --recover-lr 0.0001")
-        if self.trainable not in ("factors", "all"):
+    def check(self) -> None:
+        """Refuse a bad value with one line (the first found), before any model is looked at."""
+        positive_int(self.steps, "recovery steps", "Give --recover a positive number of steps, e.g. --recover 200")
+        if not positive_finite(self.lr):
+            raise AuditError(f"recovery learning rate {self.lr!r} is not a positive finite number",
+                             f"Give e.g. --recover-lr {DEFAULT_LR:g}")
+        if self.trainable not in TRAINABLE:
             raise AuditError(f"recovery trainable {self.trainable!r} is neither 'factors' nor 'all'",
                              "Give --recover-trainable factors (the factor weights only) or all")
-        if self.objective not in ("auto", "kl", "mse"):
-            raise AuditError(f"recovery objective {self.objective!r} is not one of auto, kl, mse",
+        if self.objective not in OBJECTIVES:
+            raise AuditError(f"recovery objective {self.objective!r} is not one of {', '.join(OBJECTIVES)}",
                              "Give auto, kl (output distributions) or mse (output values)")
         if isinstance(self.seed, bool) or not isinstance(self.seed, int):
             raise AuditError(f"recovery seed {self.seed!r} is not an integer", "Give an integer seed")
@@ -309,19 +320,19 @@ class AuditOptions:
         self.calibration_data.check_length()
 
     def _check_recovery(self) -> None:
-        """The recovery settings (those of ``lowrank-audit factorize --recover``) and what a recovery needs, checked
-        before any work."""
+        """The recovery settings (those of ``lowrank-audit factorize --recover``), checked before any work."""
         if self.recovery.steps is None:
             if self.recovery.choose_after:
                 raise AuditError("choose_after_recovery needs recover_steps: the recovered curve is measured by it",
                                  "Add --recover STEPS (recover_steps=200, say)")
             return
-        self.recovery.check_steps()
+        positive_int(self.recovery.steps, "recovery steps",
+                     "Give --recover a positive number of steps, e.g. --recover 200")
         if self.calibration_data.source is None or self.tiers.budget is None:
             raise AuditError("recover_steps needs calibration data and a budget: it measures the frontier of the "
                              "budgeted plan search again after a recovery fine-tune",
                              "Pass --calibration FILE and --budget FRACTION (e.g. --budget 0.5) as well")
-        self.recovery.check_settings()
+        self.recovery.check()
 
     def with_(self, **changes: Any) -> "AuditOptions":
         """A copy with some fields changed (top-level, group or flat names); unknown names raise TypeError naming
