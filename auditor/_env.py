@@ -40,3 +40,67 @@ def configure_matplotlib() -> str | None:
         chosen = tempfile.mkdtemp(prefix="lowrank-auditor-matplotlib-")
     os.environ["MPLCONFIGDIR"] = chosen
     return chosen
+
+
+SCRATCH = "lowrank-audit-"  # the temporary folders a run makes in TMPDIR: lowrank-audit-<kind>-<pid>-<random>
+STALE_S = 3600.0  # a run's leftovers are removed only once its process is gone and they are this old
+
+
+def scratch_prefix(kind: str) -> str:
+    """The name prefix of a temporary folder of this run (``tempfile.mkdtemp(prefix=...)``): it carries the process
+    id, so that :func:`sweep_scratch` can tell a killed run's folder from a live one's."""
+    return f"{SCRATCH}{kind}-{os.getpid()}-"
+
+
+def _gone(pid: int) -> bool:
+    if pid == os.getpid():
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    except OSError:
+        return False  # another user's process: alive
+    return False
+
+
+def _pid_of(name: str, staged: bool) -> int | None:
+    """The process id in a scratch folder's name (``lowrank-audit-<kind>-<pid>-...``) or a staged cache entry's
+    (``.<entry>.<pid>.tmp``)."""
+    parts = name.split(".")[-2:-1] if staged else name[len(SCRATCH):].split("-")[1:2]
+    return int(parts[0]) if parts and parts[0].isdigit() else None
+
+
+_SWEPT: set[str] = set()
+
+
+def sweep_scratch(folder: str | Path | None = None) -> None:
+    """Remove what killed runs left (no ``finally`` runs on SIGKILL): in TMPDIR (``folder`` None) the scratch
+    folders of :func:`scratch_prefix`, in a cache ``folder`` the staged entries ``.<entry>.<pid>.tmp``; only where
+    the process named is gone and the leftover is older than :data:`STALE_S`. Once per folder and process; any
+    error leaves things as they are."""
+    import shutil
+    import time
+
+    where = str(folder) if folder is not None else tempfile.gettempdir()
+    if where in _SWEPT:
+        return
+    _SWEPT.add(where)
+    staged = folder is not None
+    try:
+        names = [n for n in os.listdir(where) if (n.startswith(".") and n.endswith(".tmp")) == staged
+                 and (staged or n.startswith(SCRATCH))]
+    except OSError:
+        return
+    for name in names:
+        path = os.path.join(where, name)
+        pid = _pid_of(name, staged)
+        try:
+            if pid is None or not _gone(pid) or time.time() - os.lstat(path).st_mtime < STALE_S:
+                continue
+            if os.path.isdir(path) and not os.path.islink(path):
+                shutil.rmtree(path, ignore_errors=True)
+            else:
+                os.unlink(path)
+        except OSError:
+            pass

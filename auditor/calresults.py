@@ -247,6 +247,30 @@ class RoundingFloor:
 
 
 @dataclass
+class SensitivityFallback:
+    """Planned layers the output gradients (the default sensitivity) could not reach, and what costed them instead:
+    ``method`` "truncation probes" (each truncated alone and measured, as ``--probe``), or tier-1 costs (scaled by
+    the median gradient ratio of the layers reached, where some were). ``every``: no planned layer was reached, so
+    the whole sensitivity is ``method``'s."""
+
+    method: str
+    layers: list[str]  # the planned layers no gradient reached
+    reason: str  # why, in words: the output needs no gradient, the backward failed, or none reached those outputs
+    every: bool = False
+    planned: int = 0  # planned layers in all
+
+    def line(self) -> str:
+        """The report's one line: which layers, why, and what costs them instead."""
+        shown = ", ".join(self.layers[:4]) + (f" and {len(self.layers) - 4} more" if len(self.layers) > 4 else "")
+        if self.every:
+            return (f"Output gradients reach none of the {self.planned} planned layers ({self.reason}): the "
+                    f"sensitivity falls back to {self.method} for every planned layer.")
+        return (f"Output gradients do not reach {len(self.layers)} of the {self.planned} planned layers ({shown}: "
+                f"{self.reason}): their sensitivity falls back to {self.method}; the others keep gradient-predicted "
+                "costs.")
+
+
+@dataclass
 class CalibrationReport:
     """What calibration data measured: tier 1 always, tier 2 with --measure-floor, tier 3 with --budget."""
 
@@ -273,6 +297,7 @@ class CalibrationReport:
     evaluations: int = 0  # model-level metric evaluations (tiers 2 and 3)
     finetune_note: str = "a recovery fine-tune follows factorization"
     rounding_floor: RoundingFloor | None = None  # bf16 / fp16 models only; the JSON leaves it out when None
+    sensitivity_fallback: SensitivityFallback | None = None  # planned layers gradients missed; JSON: only when set
     tier1_target: float = working(0.01)  # the layer-output error tier 1 ranked for (the metric's rule)
     increase_of: str = working("")  # the metric is the relative increase of this dense value ("perplexity")
     # what the metric says of itself (calibration.metrics.base.MetricKind.limit / display), for the renderers:
@@ -313,6 +338,8 @@ class CalibrationReport:
         d = report_dict(self)
         if d.get("rounding_floor") is None:  # float32 / float64 models: not measured, reports unchanged
             d.pop("rounding_floor", None)
+        if d.get("sensitivity_fallback") is None:  # the gradients reached every planned layer (or none were read)
+            d.pop("sensitivity_fallback", None)
         b = d.get("budget")
         if b is not None and b.get("recovery") is None:  # without --recover the report is as it was
             b.pop("recovery", None)

@@ -4,10 +4,10 @@ evaluations so far), tier 3 (plans measured so far: their count is not known bef
 check; render; and, for ``factorize --recover``, recovery (per step, with the running loss).
 
 Active when the stream is a terminal or when asked (``Progress(enabled=True)``); ``enabled="auto"`` (the command
-line's default) adds, off a terminal (CI, a log, a notebook), one plain line per long phase (calibration, the plan
-check, recovery; 10 s or more) with its counts and time, and an interim line with an estimate every 30 s; silent
-otherwise, and
-never on stdout, where JSON and Markdown go. :func:`quiet_torch_logging` keeps torch's own logging (FX graph dumps,
+line's default) writes, off a terminal (CI, a log, a notebook), each phase's name as it starts (once the run is
+:data:`PLAIN_START` seconds old: a quick run or a quick failure stays silent), a line at least every 30 s while a
+phase runs (a heartbeat thread; with the counts so far), and for a long phase (calibration, the plan check,
+recovery; 10 s or more) one closing line with its counts and time. Never on stdout, where JSON and Markdown go. :func:`quiet_torch_logging` keeps torch's own logging (FX graph dumps,
 fake-tensor tracebacks, warnings) off the terminal while tracing and keeps the text for ``--verbose``.
 
 >>> import io
@@ -26,12 +26,13 @@ import io
 import logging
 import os
 import sys
+import threading
 import time
 import warnings
 from dataclasses import dataclass, field
 from typing import IO, Any, Iterator
 
-__all__ = ["LONG_PHASES", "PHASES", "CapturedLog", "Progress", "quiet_torch_logging"]
+__all__ = ["LONG_PHASES", "PHASES", "CapturedLog", "Progress", "command_run", "plural", "quiet_torch_logging"]
 
 PHASES = ("load", "trace", "spectra", "calibration data", "statistics", "tier 1 spectra", "tier 2 floors",
           "tier 3 plan search", "plan check", "render", "recovery")
@@ -44,9 +45,20 @@ def _is_tty(stream: IO[str]) -> bool:
         return False
 
 
+def plural(unit: str, n: int) -> str:
+    """``unit`` for ``n`` of them: batch -> batches, layer -> layers.
+
+    >>> plural("batch", 9), plural("layer", 1), plural("pass", 2)
+    ('batches', 'layer', 'passes')
+    """
+    if n == 1:
+        return unit
+    return unit + ("es" if unit.endswith(("s", "x", "z", "ch", "sh")) else "s")
+
+
 def _counted(unit: str, n: int) -> str:
     """The head of a counted phase's line: ``{desc}: 5 plans``."""
-    return "{desc}: {n_fmt} " + unit.replace("{", "{{").replace("}", "}}") + ("" if n == 1 else "s")
+    return "{desc}: {n_fmt} " + plural(unit, n).replace("{", "{{").replace("}", "}}")
 
 
 class Progress:
@@ -58,8 +70,13 @@ class Progress:
     (``tier 3: 5 plans``: no ETA, the count is not known). Writing to stdout is refused: reports may be going there.
     """
 
-    def __init__(self, enabled: bool | str | None = None, stream: IO[str] | None = None) -> None:
+    def __init__(self, enabled: bool | str | None = None, stream: IO[str] | None = None,
+                 clock: Any = None) -> None:
         self.stream = sys.stderr if stream is None else stream
+        self.clock = clock or time.monotonic  # the plain lines' clock (a test injects one)
+        # the run's age counts from its first phase: of this Progress, or of the command (:func:`command_run`)
+        self.born: float | None = _COMMAND_START[0] if clock is None else None
+        self._log = _Log(self) if enabled == "auto" else None
         if self.stream is sys.stdout or self.stream is sys.__stdout__:
             raise ValueError("progress goes to stderr, never to stdout (reports may be written there)")
         tty = _is_tty(self.stream)
@@ -78,17 +95,24 @@ class Progress:
             inner = self._bar.desc if self._bar is not None else self._plain.name  # type: ignore[union-attr]
             raise RuntimeError(f"phase {name!r} started inside phase {inner!r}")
         start = time.perf_counter()
-        if self.plain and name in LONG_PHASES:
-            self._plain = _Plain(name, total, unit, start, self.stream)
-            ok = False
-            try:
-                yield self
-                ok = True
-            finally:
-                self.timings[name] = time.perf_counter() - start
-                plain, self._plain = self._plain, None
-                if ok:
-                    plain.close(self.timings[name])
+        if self.plain:
+            with self._log.open(name):  # type: ignore[union-attr]  # the start line, a heartbeat every 30 s
+                if name not in LONG_PHASES:
+                    try:
+                        yield self
+                    finally:
+                        self.timings[name] = time.perf_counter() - start
+                    return
+                self._plain = _Plain(name, total, unit, self.clock(), self.stream, self.clock)
+                ok = False
+                try:
+                    yield self
+                    ok = True
+                finally:
+                    self.timings[name] = time.perf_counter() - start
+                    plain, self._plain = self._plain, None
+                    if ok:
+                        plain.close(self.timings[name])
             return
         if self.enabled:
             from tqdm import tqdm  # the text bar: it writes to the stream given (tqdm.auto may pick a widget)
@@ -134,21 +158,96 @@ LONG_PHASES = frozenset({"statistics", "tier 1 spectra", "tier 2 floors", "sensi
                          "tier 3 recovery", "plan check", "recovery", "sweep"})  # the phases "auto" reports off a terminal
 PLAIN_EVERY = 30.0  # seconds between a long phase's interim lines
 PLAIN_MIN = 10.0  # a phase quicker than this writes no line (a quick run, or one that fails, stays one line long)
+PLAIN_START = PLAIN_EVERY  # phases start silently for this long into a run (a quick run, or a quick failure, stays one
+# line, as the house rule asks; a long run is never silent for more than PLAIN_EVERY)
+BEAT_EVERY = 1.0  # seconds between the heartbeat thread's looks at the clock
+
+
+class _Log:
+    """Off a terminal, the run's log: each phase's name as it starts (``lowrank-audit: statistics ...``; a run
+    younger than :data:`PLAIN_START` holds the line back until it is that old, so a quick run or a quick failure
+    writes nothing), and while a phase runs, a line at least every :data:`PLAIN_EVERY` seconds (a heartbeat
+    thread, so a phase that reports no counts is not silent either). :meth:`beat` is the thread's one step, called
+    by tests with an injected clock."""
+
+    def __init__(self, progress: "Progress") -> None:
+        self.progress = progress
+        self.lock = threading.RLock()  # the thread's beat and the main thread's phases write one at a time
+        self.name: str | None = None
+        self.started = 0.0
+        self.said_start = False
+        self.last = 0.0
+
+    def write(self, text: str) -> None:
+        with self.lock:
+            self.progress.stream.write(text + "\n")
+            self.progress.stream.flush()
+
+    @contextlib.contextmanager
+    def open(self, name: str) -> Iterator[None]:
+        now = self.progress.clock()
+        if self.progress.born is None:
+            self.progress.born = now
+        self.name, self.started, self.last, self.said_start = name, now, now, False
+        self.beat()
+        stop = threading.Event()
+        thread = threading.Thread(target=self._run, args=(stop,), name="lowrank-audit heartbeat", daemon=True)
+        thread.start()
+        try:
+            yield
+        finally:
+            stop.set()
+            thread.join()
+            self.name = None
+
+    def _run(self, stop: threading.Event) -> None:
+        while not stop.wait(BEAT_EVERY):
+            try:
+                self.beat()
+            except (OSError, ValueError):  # a closed stream: the run goes on without its log
+                return
+
+    def beat(self) -> None:
+        """Write what is due now: the open phase's start line once the run is :data:`PLAIN_START` old, and a
+        heartbeat when the phase has written nothing for :data:`PLAIN_EVERY` seconds."""
+        with self.lock:
+            self._due(self.progress.clock())
+
+    def _due(self, now: float) -> None:
+        name = self.name
+        if name is None:
+            return
+        if not self.said_start:
+            if now - (self.progress.born or now) >= PLAIN_START:
+                self.said_start, self.last = True, now
+                self.write(f"lowrank-audit: {name} ...")
+            return
+        plain = self.progress._plain
+        last = max(self.last, plain.last if plain is not None and plain.said else self.last)
+        if now - last >= PLAIN_EVERY:
+            self.last = now
+            counts = f" ({plain.so_far()})" if plain is not None and plain.done else ""
+            self.write(f"lowrank-audit: {name} still running, {now - self.started:.0f}s{counts}")
 
 
 class _Plain:
     """One phase as plain lines (a CI log, a pipe, a notebook): "tier 2 floors: 3/12 layers, 31s, about 93s left"
     at most every :data:`PLAIN_EVERY` seconds while it runs, then "tier 2 floors: 12 layers in 124.0s"."""
 
-    def __init__(self, name: str, total: int | None, unit: str, start: float, stream: IO[str]) -> None:
+    def __init__(self, name: str, total: int | None, unit: str, start: float, stream: IO[str],
+                 clock: Any = time.monotonic) -> None:
         self.name, self.total, self.unit, self.start, self.stream = name, total, unit, start, stream
+        self.clock = clock
         self.done = 0
         self.note: str | None = None
         self.last = start
         self.said = False  # an interim line was written: the closing line follows whatever the time
 
     def _count(self, n: int) -> str:
-        return f"{n:,} {self.unit}{'' if n == 1 else 's'}"
+        return f"{n:,} {plural(self.unit, n)}"
+
+    def so_far(self) -> str:
+        return f"{self.done:,}/{self._count(self.total)}" if self.total else f"{self._count(self.done)} so far"
 
     def _say(self, text: str) -> None:
         self.said = True
@@ -158,7 +257,7 @@ class _Plain:
     def update(self, done: int, total: int | None, note: str | None) -> None:
         self.done, self.total = done, total if total is not None else self.total
         self.note = note if note is not None else self.note
-        now = time.perf_counter()
+        now = self.clock()
         if now - self.last < PLAIN_EVERY:
             return
         self.last = now
@@ -177,6 +276,20 @@ class _Plain:
         n = self.total if self.total else self.done
         what = f"{self._count(n)} in " if n else ""
         self._say(f"{self.name}: {what}{seconds:.1f}s" + (f" ({self.note})" if self.note else ""))
+
+
+_COMMAND_START: list[float | None] = [None]  # set by command_run: a command's phases share one age
+
+
+@contextlib.contextmanager
+def command_run() -> Iterator[None]:
+    """One command's run: its Progress objects (loading, the audit, rendering) count the run's age from its
+    start, so a phase after a long load is named at once. Reset afterwards (tests run many commands in one process)."""
+    _COMMAND_START[0] = time.monotonic()
+    try:
+        yield
+    finally:
+        _COMMAND_START[0] = None
 
 
 @dataclass

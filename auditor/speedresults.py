@@ -5,9 +5,30 @@ thread count. Below :mod:`auditor.results`, which carries a :class:`SpeedReport`
 
 from __future__ import annotations
 
+import math
 import statistics
 from dataclasses import dataclass, field
 from typing import Any
+
+SANE_S = (1e-9, 3600.0)  # a time per call outside this (or NaN, infinite) is no measurement
+
+
+def seconds(s: float) -> str:
+    """A time per call, readable: ``38.7 µs``, ``2.74 ms``, ``1.20 s``.
+
+    >>> seconds(3.87e-5), seconds(2.74e-3), seconds(1.2)
+    ('38.7 µs', '2.74 ms', '1.2 s')
+    """
+    for unit, scale in (("s", 1.0), ("ms", 1e-3), ("µs", 1e-6)):
+        if s >= scale:
+            v = s / scale
+            return f"{v:.3g} {unit}" if v < 100 else f"{v:.0f} {unit}"
+    return f"{s * 1e9:.0f} ns"
+
+
+def sane(t: Any) -> bool:
+    """A number that can be a time per call: finite, within :data:`SANE_S` (a float, not a bool)."""
+    return type(t) in (int, float) and math.isfinite(t) and SANE_S[0] <= t <= SANE_S[1]
 
 
 @dataclass(frozen=True)
@@ -30,8 +51,17 @@ class Timing:
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "Timing":
-        return cls(float(d["median_s"]), float(d["q1_s"]), float(d["q3_s"]), int(d["blocks"]),
-                   int(d["calls_per_block"]))
+        """A timing read back (from the cache): a ValueError unless its numbers are sane and ordered (q1 <= median
+        <= q3, at least one block of at least one call)."""
+        if not isinstance(d, dict):
+            raise ValueError("a timing is a JSON object")
+        xs = [d.get("median_s"), d.get("q1_s"), d.get("q3_s")]
+        blocks, calls = d.get("blocks"), d.get("calls_per_block")
+        if not all(sane(x) for x in xs) or not xs[1] <= xs[0] <= xs[2]:
+            raise ValueError(f"not a sane time per call: {xs!r:.80}")
+        if type(blocks) is not int or type(calls) is not int or not (1 <= blocks <= 1 << 20 and 1 <= calls <= 1 << 30):
+            raise ValueError("not a count of blocks and calls")
+        return cls(float(xs[0]), float(xs[1]), float(xs[2]), blocks, calls)
 
     @classmethod
     def of(cls, per_call: list[float], calls: int) -> "Timing":
@@ -41,19 +71,6 @@ class Timing:
             return cls(xs[0], xs[0], xs[0], 1, calls)
         q1, _, q3 = statistics.quantiles(xs, n=4, method="inclusive")
         return cls(statistics.median(xs), q1, q3, len(xs), calls)
-
-
-def seconds(s: float) -> str:
-    """A time per call, readable: ``38.7 µs``, ``2.74 ms``, ``1.20 s``.
-
-    >>> seconds(3.87e-5), seconds(2.74e-3), seconds(1.2)
-    ('38.7 µs', '2.74 ms', '1.2 s')
-    """
-    for unit, scale in (("s", 1.0), ("ms", 1e-3), ("µs", 1e-6)):
-        if s >= scale:
-            v = s / scale
-            return f"{v:.3g} {unit}" if v < 100 else f"{v:.0f} {unit}"
-    return f"{s * 1e9:.0f} ns"
 
 
 def ratio(dense: Timing, factorized: Timing) -> float:

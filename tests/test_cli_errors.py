@@ -140,10 +140,11 @@ def test_all_zero_weight_is_a_finding_not_bad_input(cli_inproc, tmp_path):
 
 def test_the_audit_and_factorize_take_their_common_flags_from_one_definition():
     """cli/shared_flags.py: the flags both commands take have the same strings, help, metavar, type and choices in
-    both; --metric's and --tolerance's help list the registered metrics (asked when the help is shown)."""
+    both; --metric's and --tolerance's help are what the metric registry says (written out: --help imports no
+    torch)."""
     from auditor.calibration import metrics
     from auditor.cli import audit_command, factorize_command
-    from auditor.cli.shared_flags import FLAGS
+    from auditor.cli.shared_flags import FLAGS, METRIC_HELP, TOLERANCE_HELP, metric_help, tolerance_help
 
     def actions(p):
         p.format_help()  # fills in the help a registry gives
@@ -155,6 +156,7 @@ def test_the_audit_and_factorize_take_their_common_flags_from_one_definition():
     names = [n for k in metrics.kinds() for n in metrics.for_kind(k).names]
     assert names and all(n in audit["metric"][1] for n in names)
     assert all(metrics.for_kind(k).units in audit["tolerance"][1] for k in metrics.kinds() if metrics.for_kind(k).units)
+    assert (metric_help(), tolerance_help()) == (METRIC_HELP, TOLERANCE_HELP)
 
 
 def test_factorize_help_names_the_kinds_it_rewrites_from_the_registry():
@@ -163,3 +165,43 @@ def test_factorize_help_names_the_kinds_it_rewrites_from_the_registry():
 
     text = " ".join(factorize_command._parser().format_help().split())
     assert f"Rewrites {kinds.rewritable_labels()} layers." in text and "Embedding" in text
+
+
+def test_factory_that_raises_names_the_users_line(cli, factories):
+    """Without --verbose the one line says where the user's code raised; with it, the user's traceback comes first
+    (the tool's own frames left out) and the line still ends the output."""
+    res = cli(f"{factories}:raises")
+    _assert_bad(res, "raised RuntimeError: cannot build today (at ")
+    assert f"{factories.name}:7)" in res.stderr  # `raise RuntimeError(...)` is line 7 of FACTORIES
+    loud = cli(f"{factories}:raises", "--verbose")
+    assert loud.returncode == 2
+    lines = loud.stderr.strip().splitlines()
+    assert lines[0] == "Traceback (most recent call last):"
+    assert f'{factories}", line 7, in raises' in loud.stderr
+    assert "auditor" not in "\n".join(lines[:-1]).replace(str(factories), "")  # none of the tool's frames
+    assert lines[-2] == "RuntimeError: cannot build today"
+    assert lines[-1].startswith("error: factory raises() raised RuntimeError: cannot build today (at ")
+
+
+@pytest.mark.parametrize("spec, folder", [("gpt2", "gpt2"), ("meta-llama/Llama-3.2-1B", "Llama-3.2-1B")])
+def test_hub_id_is_not_downloaded(cli, tmp_path, spec, folder):
+    res = cli(spec, cwd=tmp_path)
+    _assert_bad(res, f"{spec!r} is no file or folder here", "hub ids are not downloaded",
+                f"huggingface-cli download {spec} --local-dir {folder}")
+
+
+def test_a_missing_path_is_not_taken_for_a_hub_id(cli, tmp_path):
+    _assert_bad(cli("./no-such-dir", cwd=tmp_path), "cannot tell what kind of model source './no-such-dir' is")
+
+
+def test_quiet_keeps_a_failing_runs_verdict(cli_inproc):
+    """Issue 40: `-q` on a failing run printed nothing. Like ruff's -q, it keeps the verdict and the findings; a
+    passing run stays silent."""
+    res = cli_inproc("sample_models/digits.py:mlp", "--fail-on", "unmeasured", "-q")
+    assert res.returncode == 1
+    assert res.stdout.startswith("UNMEASURED: no errors or warnings; the ranks are energy-based estimates")
+    assert len(res.stdout.splitlines()) == 1
+    ok = cli_inproc("sample_models/digits.py:mlp", "-q")
+    assert ok.returncode == 0 and ok.stdout == ""
+    doc = cli_inproc("sample_models/digits.py:mlp", "--fail-on", "unmeasured", "-q", "--format", "json")
+    assert doc.returncode == 1 and json.loads(doc.stdout)  # stdout carries the JSON alone

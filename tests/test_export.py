@@ -211,3 +211,81 @@ def test_cli_recover_and_export_end_to_end(cli_inproc, tmp_path):
     w = load_file(str(out / "model.safetensors"))
     assert torch.equal(prog.state_dict["fc1.0.weight"], w["fc1.0.weight"])
     assert "Recovery: 6 distillation steps" in (out / "README.md").read_text()
+
+
+@pytest.fixture(scope="module")
+def chargpt_export(tmp_path_factory):
+    import chargpt
+
+    model, example = chargpt.chargpt()
+    plan = {"blocks.0.fc": 32, "blocks.1.out": 32, "head": 48}
+    new = factorize(model, plan)
+    out = tmp_path_factory.mktemp("chargpt") / "out"
+    save_factorized(new, plan, out, source="chargpt.py")
+    assert cli_write(out, new, None, example, ("pt2",)) == ["model.pt2", "README.md"]
+    return out
+
+
+@pytest.mark.parametrize("shape", [(1, 16), (2, 64), (1, 128)])
+def test_the_char_transformers_program_takes_any_batch_and_length(chargpt_export, shape):
+    """Issue 40: the program ran only at the example's 1 x 128 (`Guard failed: idx.size()[1] == 128`)."""
+    import chargpt
+
+    from auditor.folder import load_factorized
+
+    program = load_program(chargpt_export).module()
+    ref = load_factorized(chargpt.model(), chargpt_export)
+    ids = torch.randint(0, len(chargpt.VOCAB), shape, generator=torch.Generator().manual_seed(sum(shape)))
+    with torch.no_grad():
+        got, want = program(ids), ref(ids)
+    assert got.shape == (*shape, len(chargpt.VOCAB))
+    assert relative_error(got, want) <= 1e-4
+
+
+def test_the_char_transformers_export_says_what_it_takes(chargpt_export):
+    import chargpt
+
+    from auditor.folder import load_factorized
+
+    e = json.loads((chargpt_export / "plan.json").read_text())["export"]["pt2"]
+    assert e["inputs"] == [{"name": "arg0", "shape": ["batch", "seq"], "dtype": "int64"}]
+    assert e["dynamic_batch"] and e["dynamic_sequence"] and e["static_because"] is None
+    ran = {c["length"] for c in e["checks"] if "relative_error" in c}
+    assert {2, 16, 64, 128} <= ran and all(c["relative_error"] <= 1e-5 for c in e["checks"] if "relative_error" in c)
+    assert {c["length"] for c in e["checks"] if "refused" in c} == {1, 256}  # the model's 128 positions bound it
+    text = " ".join((chargpt_export / "README.md").read_text().split())
+    assert "arg0: int64[batch, seq]" in text and "checked at 2, 16, 64, 128 positions and refused at 1, 256" in text
+    assert "`ids.long()`" in text and "model(torch.zeros(2, 16, dtype=torch.int64))" in text
+    windows = chargpt.load_ids(chargpt.CALIB)[:3]  # the shipped uint8 windows, cast as the README says
+    assert windows.dtype == torch.uint8
+    with torch.no_grad():
+        got = load_program(chargpt_export).module()(windows.long())
+        assert relative_error(got, load_factorized(chargpt.model(), chargpt_export)(windows)) <= 1e-4
+
+
+def test_the_llamas_program_takes_a_tokenizers_output(tmp_path):
+    """input_ids and attention_mask (padding included) at any batch and length, as a tokenizer returns them."""
+    from transformers import AutoTokenizer
+
+    from auditor.folder import load_factorized
+    from auditor.sources import load_source
+
+    llama = "sample_models/llama"
+    loaded = load_source(llama)
+    plan = {"model.layers.0.mlp.up_proj": 16, "model.layers.1.self_attn.q_proj": 32}
+    new = factorize(loaded.model, plan)
+    out = tmp_path / "out"
+    save_factorized(new, plan, out, source=llama)
+    cli_write(out, new, None, loaded.example_inputs, ("pt2",))
+    e = json.loads((out / "plan.json").read_text())["export"]["pt2"]
+    assert e["keywords"] == ["input_ids", "attention_mask"] and e["dynamic_sequence"]
+    assert "attention_mask: int64[batch, seq]" in (out / "README.md").read_text()
+    program = load_program(out).module()
+    ref = load_factorized(load_source(llama).model, out)
+    enc = AutoTokenizer.from_pretrained(llama)(["def f(x):\n    return x + 1\n", "import os"], return_tensors="pt",
+                                              padding=True)
+    assert int(enc["attention_mask"].sum()) < enc["attention_mask"].numel()  # one row is padded
+    with torch.no_grad():
+        got = program(**enc)["logits"]
+        want = ref(**enc).logits
+    assert got.shape == want.shape and relative_error(got, want) <= 1e-4

@@ -23,8 +23,8 @@ def write(tmp_path, body, name="f.py"):
     (MODEL + "def bye():\n    raise SystemExit('done')\n", "bye",
      "factory bye() called sys.exit('done') instead of returning"),
     ("class Odd(BaseException):\n    pass\n" + MODEL + "def odd():\n    raise Odd('strange')\n", "odd",
-     "factory odd() raised Odd: strange"),
-    ("raise GeneratorExit('at import')\n", "model", "importing {p} failed: GeneratorExit: at import"),
+     "factory odd() raised Odd: strange (at {p}:7)"),  # the line of the user's code that raised (issue 40)
+    ("raise GeneratorExit('at import')\n", "model", "importing {p} failed: GeneratorExit: at import (at {p}:1)"),
 ])
 def test_base_exceptions_become_one_error(tmp_path, body, spec, what):
     p = write(tmp_path, body)

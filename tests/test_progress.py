@@ -292,3 +292,72 @@ def test_auto_says_nothing_for_a_quick_long_phase():
     with p.phase("tier 1 spectra", total=3):
         p.update(3, 3)
     assert buf.getvalue() == ""
+
+
+def test_auto_off_a_terminal_names_each_phase_and_beats_every_30_seconds():
+    """Issue 40: off a terminal the first line came 66 s into a 75 s audit. Now each phase is named as it starts
+    (once the run is PLAIN_START old: a quick run, or a quick failure, stays silent) and a phase that runs on writes
+    a line at least every 30 s, whether or not it reports counts. The clock is injected; nothing sleeps."""
+    import auditor.progress as progress_mod
+
+    now = [100.0]
+    buf = io.StringIO()
+    p = Progress(enabled="auto", stream=buf, clock=lambda: now[0])
+    with p.phase("load"):
+        p._log.beat()
+        assert buf.getvalue() == ""  # 0 s into the run: held back
+        now[0] += progress_mod.PLAIN_START
+        p._log.beat()
+        p._log.beat()  # said once
+        now[0] += 29.0
+        p._log.beat()  # 29 s since the last line: nothing yet
+        now[0] += 1.0
+        p._log.beat()
+    with p.phase("statistics", total=9, unit="batch"):  # the run is old enough: named at once
+        now[0] += 5.0
+        p.update(3, 9)
+        now[0] += 30.0
+        p._log.beat()
+    lines = buf.getvalue().splitlines()
+    assert lines == ["lowrank-audit: load ...", f"lowrank-audit: load still running, {progress_mod.PLAIN_START + 30:.0f}s",
+                     "lowrank-audit: statistics ...",
+                     "lowrank-audit: statistics still running, 35s (3/9 batches)"], lines
+
+
+def test_a_heartbeat_without_counts_and_the_plural_of_batch():
+    import auditor.progress as progress_mod
+    from auditor.progress import plural
+
+    assert [plural("batch", n) for n in (1, 9)] == ["batch", "batches"] and plural("plan", 2) == "plans"
+    now = [0.0]
+    buf = io.StringIO()
+    p = Progress(enabled="auto", stream=buf, clock=lambda: now[0])
+    now[0] = 10.0
+    with p.phase("trace"):  # the first phase: the run's age counts from here
+        now[0] = 10.0 + progress_mod.PLAIN_START
+        p._log.beat()
+        now[0] = 75.0
+        p._log.beat()
+    with p.phase("tier 3 plan search", unit="plan"):
+        now[0] = 80.0
+        p.update(2)
+        now[0] = 110.0
+        p._log.beat()
+    assert buf.getvalue().splitlines() == [
+        "lowrank-audit: trace ...", "lowrank-audit: trace still running, 65s",  # 30 s or more after the start line
+        "lowrank-audit: tier 3 plan search ...", "lowrank-audit: tier 3 plan search still running, 35s (2 plans so far)"]
+
+
+def test_a_commands_phases_share_the_runs_age():
+    """The command's load, audit and render each have a Progress: a phase after a long load is named at once, and
+    the run's start is forgotten when the command ends."""
+    import auditor.progress as progress_mod
+
+    buf = io.StringIO()
+    with progress_mod.command_run():
+        progress_mod._COMMAND_START[0] -= progress_mod.PLAIN_START + 1  # the run began a while ago
+        p = Progress(enabled="auto", stream=buf)
+        with p.phase("trace"):
+            pass
+    assert buf.getvalue() == "lowrank-audit: trace ...\n"
+    assert progress_mod._COMMAND_START[0] is None and Progress(enabled="auto", stream=buf).born is None

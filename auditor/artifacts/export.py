@@ -3,10 +3,13 @@ file, and a README that says how to load them with plain torch.
 
 ``export(model, example, directory, formats)`` traces the (factorized) module with ``torch.export.export`` on the
 example inputs (the model's own, from its factory, so the program is called as the model is: its positional and
-keyword inputs and their dtypes; the first calibration batch only when there are none), the batch dimension dynamic
-where the model allows it, saves ``model.pt2``, loads it back and checks that it reproduces the module's outputs on those
-inputs to 1e-5 relative (``||y_pt2 - y|| / ||y||`` over every output tensor); it returns the entry that goes into
-plan.json under ``"export"`` (file, sha256, size, inputs, the check). ``onnx`` needs the ``onnx`` and ``onnxscript``
+keyword inputs; the first calibration batch only when there are none; integer ids as int64, the dtype the model
+casts them to, and an ``attention_mask`` beside ``input_ids`` where the forward takes one, so a tokenizer's output
+can be passed), the batch and the sequence dimension (dim 1 of token ids and masks) dynamic where the model allows it,
+else the batch alone, else the example's static shapes (said in the README and on stderr), saves ``model.pt2``, loads
+it back and checks that it reproduces the module's outputs to 1e-5 relative (``||y_pt2 - y|| / ||y||`` over every
+output tensor) at the example, another batch size and several lengths; it returns the entry that goes into
+plan.json under ``"export"`` (file, sha256, size, inputs, every check, the sizes the program refuses). ``onnx`` needs the ``onnx`` and ``onnxscript``
 packages (``torch.onnx.export(..., dynamo=True)``) and is checked with onnxruntime when that is installed; without
 them it is refused with one line. ``readme(...)`` writes the README.
 
@@ -22,6 +25,8 @@ import hashlib
 import importlib.util
 import json
 import math
+import re
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -89,15 +94,29 @@ def relative_error(got: Any, want: Any) -> float:
 
 class _Plain(nn.Module):
     """Returns a Hugging Face ``ModelOutput`` (or another output class) as a plain dict of its tensors, so the
-    program loads with torch alone."""
+    program loads with torch alone. ``keywords``: the forward's signature names them (torch.export marks a keyword
+    input's dimensions dynamic only by its name; under ``**kwargs`` it cannot)."""
 
-    def __init__(self, model: nn.Module) -> None:
+    def __init__(self, model: nn.Module, keywords: tuple[str, ...] = ()) -> None:
         super().__init__()
         self.model = model
+        if keywords:
+            import inspect
 
-    def forward(self, *args: Any, **kwargs: Any) -> Any:
+            def forward(*args: Any, **kwargs: Any) -> Any:
+                return _Plain._call(self, *args, **kwargs)
+
+            P = inspect.Parameter
+            forward.__signature__ = inspect.Signature(  # type: ignore[attr-defined]
+                [P("args", P.VAR_POSITIONAL)] + [P(k, P.KEYWORD_ONLY) for k in keywords])
+            self.forward = forward  # type: ignore[method-assign]
+
+    def _call(self, *args: Any, **kwargs: Any) -> Any:
         out = self.model(*args, **kwargs)
         return {k: v for k, v in out.items() if isinstance(v, torch.Tensor)}
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        return self._call(*args, **kwargs)
 
 
 def _plain_output(out: Any) -> bool:
@@ -108,13 +127,6 @@ def _plain_output(out: Any) -> bool:
     if type(out) is dict:
         return all(isinstance(k, str) and _plain_output(v) for k, v in out.items())
     return out is None or isinstance(out, (int, float, bool))
-
-
-def _describe(t: torch.Tensor, dynamic: bool) -> dict[str, Any]:
-    shape: list[Any] = list(t.shape)
-    if dynamic and shape:
-        shape[0] = "batch"
-    return {"shape": shape, "dtype": str(t.dtype).replace("torch.", "")}
 
 
 def _example(example: Any) -> tuple[tuple, dict]:
@@ -130,48 +142,143 @@ def _example(example: Any) -> tuple[tuple, dict]:
     return tuple(ex.args), dict(ex.kwargs)
 
 
-def _export_program(model: nn.Module, args: tuple, kwargs: dict) -> tuple[Any, bool]:
-    """torch.export with the batch dimension (dim 0 of every tensor input) dynamic where the model allows it, else
-    with the example's static shapes; returns (program, dynamic)."""
+def _dynamic_spec(t: Any, seq: bool) -> Any:
+    """The dynamic dimensions of one input: the batch (dim 0) of every tensor; with ``seq`` also the sequence (dim 1)
+    of integer and bool tensors of two dimensions or more (token ids, attention masks). None for anything else."""
     from torch.export import Dim
+
+    if not isinstance(t, torch.Tensor) or t.dim() == 0:
+        return None
+    spec = {0: Dim.DYNAMIC}
+    if seq and t.dim() >= 2 and not t.is_floating_point() and not t.is_complex():
+        spec[1] = Dim.DYNAMIC
+    return spec
+
+
+def _shapes_for(model: nn.Module, args: tuple, kwargs: dict, seq: bool) -> dict[str, Any]:
+    """``dynamic_shapes`` keyed by the forward's argument names, as torch.export wants them (``*args`` a tuple,
+    the entries of ``**kwargs`` by their keywords)."""
+    import inspect
+
+    sig = inspect.signature(model.forward)
+    bound = sig.bind(*args, **kwargs)
+    spec: dict[str, Any] = {}
+    for name, value in bound.arguments.items():
+        kind = sig.parameters[name].kind
+        if kind is inspect.Parameter.VAR_POSITIONAL:
+            spec[name] = tuple(_dynamic_spec(v, seq) for v in value)
+        elif kind is inspect.Parameter.VAR_KEYWORD:  # torch.export names **kwargs' entries by their own keys
+            spec.update({k: _dynamic_spec(v, seq) for k, v in value.items()})
+        else:
+            spec[name] = _dynamic_spec(value, seq)
+    return spec
+
+
+def _has_sequence(args: tuple, kwargs: dict) -> bool:
+    return any(isinstance(t, torch.Tensor) and t.dim() >= 2 and not t.is_floating_point() and not t.is_complex()
+               for t in list(args) + list(kwargs.values()))
+
+
+def _export_program(model: nn.Module, args: tuple, kwargs: dict) -> tuple[Any, str, list[str]]:
+    """torch.export with the batch (dim 0 of every tensor input) and the sequence (dim 1 of token ids and masks)
+    dynamic where the model allows it, else the batch alone, else the example's static shapes; returns (program,
+    what is dynamic: "batch+seq", "batch" or "", why each dynamic try failed). Traced on two rows (a one-row example
+    given twice) and, for a sequence, on at most half its length (a length equal to a bound is specialized)."""
+    import torch.fx.experimental._config as fx_config
 
     from ..progress import quiet_torch_logging
 
-    tensors = [a for a in list(args) + list(kwargs.values()) if isinstance(a, torch.Tensor)]
-    rows = {int(t.shape[0]) for t in tensors if t.dim() > 0}
     dyn_args, dyn_kwargs = args, kwargs
-    if rows == {1}:  # the factory's one example row: traced on two copies, so the batch can stay dynamic
+    if _rows(args, kwargs) == 1:  # the factory's one example row: traced on two copies, so the batch can stay dynamic
         dyn_args, dyn_kwargs = _repeat_rows(args, kwargs)
-        rows = {2}
+    tries = (["batch+seq"] if _has_sequence(args, kwargs) else []) + ["batch", ""]
     errors: list[str] = []
-    tries: list[Any] = []
-    if len(rows) == 1 and next(iter(rows)) >= 2:
-        batch = Dim("batch")
-        spec_args = tuple({0: batch} if isinstance(a, torch.Tensor) and a.dim() > 0 else None for a in args)
-        spec_kwargs = {k: ({0: batch} if isinstance(v, torch.Tensor) and v.dim() > 0 else None)
-                       for k, v in kwargs.items()}
-        tries.append((spec_args, spec_kwargs) if kwargs else spec_args)
-    tries.append(None)
-    for dyn in tries:
-        try:
-            with quiet_torch_logging():
-                if dyn is not None and kwargs:
-                    # dynamic_shapes for (args, kwargs): a dict keyed by the forward's argument names
-                    import inspect
-
-                    names = list(inspect.signature(model.forward).parameters)
-                    spec = dict(zip(names, dyn[0]))
-                    spec.update(dyn[1])
-                    prog = torch.export.export(model, dyn_args, dyn_kwargs, dynamic_shapes=spec)
-                elif dyn is not None:
-                    prog = torch.export.export(model, dyn_args, dyn_kwargs, dynamic_shapes=dyn)
+    for what in tries:
+        a, kw = dyn_args, dyn_kwargs
+        if what == "batch+seq":
+            a, kw = _at_length(a, kw, max(2, _length(a, kw) // 2))
+        try:  # size-oblivious: a length is not specialized for equalling a buffer's size (a causal mask, positions)
+            with quiet_torch_logging(), fx_config.patch(backed_size_oblivious=True):
+                if what:
+                    prog = torch.export.export(model, a, kw, dynamic_shapes=_shapes_for(model, a, kw, what != "batch"))
                 else:
                     prog = torch.export.export(model, args, kwargs)
-            return prog, dyn is not None
-        except Exception as exc:  # noqa: BLE001 - a model torch.export cannot trace
-            errors.append(first_line(exc))
+            _plain_samples(prog)
+            return prog, what, errors
+        except Exception as exc:  # noqa: BLE001 - a model torch.export cannot trace (dynamically)
+            errors.append(f"{what or 'static'}: {first_line(exc)}")
     raise AuditError(f"torch.export could not export the factorized model: {errors[-1]}",
                      "Export the model by hand, or use model.safetensors with auditor.artifacts.folder.load_factorized")
+
+
+def _plain_samples(prog: Any) -> None:
+    """The program's stored sample inputs as plain tensors: marking dimensions dynamic leaves attributes on the
+    example tensors, which torch.save would pickle through ``_rebuild_from_type_v2``, a global the tool's loader
+    refuses (:func:`check_archive`)."""
+    from torch.utils._pytree import tree_map
+
+    samples = prog.example_inputs
+    if samples is not None:
+        prog.example_inputs = tree_map(lambda t: t.detach().clone() if isinstance(t, torch.Tensor) else t, samples)
+
+
+def _length(args: tuple, kwargs: dict) -> int:
+    """The sequence length (dim 1) of the first token-id tensor; 0 without one."""
+    for t in list(args) + list(kwargs.values()):
+        if isinstance(t, torch.Tensor) and t.dim() >= 2 and not t.is_floating_point() and not t.is_complex():
+            return int(t.shape[1])
+    return 0
+
+
+def _at_length(args: tuple, kwargs: dict, n: int) -> tuple[tuple, dict]:
+    """The inputs with their token ids and masks cut to ``n`` positions, or repeated up to ``n`` (the ids tiled, a
+    mask of ones kept ones)."""
+    def fit(x: Any) -> Any:
+        if not isinstance(x, torch.Tensor) or x.dim() < 2 or x.is_floating_point() or x.is_complex():
+            return x
+        if n <= x.shape[1]:
+            return x[:, :n]
+        reps = [1] * x.dim()
+        reps[1] = -(-n // int(x.shape[1]))
+        return x.repeat(*reps)[:, :n]
+
+    return tuple(fit(a) for a in args), {k: fit(v) for k, v in kwargs.items()}
+
+
+def _int64_ids(model: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    """Integer inputs (token ids: the shipped uint8 windows, int32) as int64, the dtype a model casts ids to before
+    its embedding, when the model gives the same outputs that way: the program then takes what a tokenizer returns."""
+    def wide(x: Any) -> Any:
+        integer = isinstance(x, torch.Tensor) and not x.is_floating_point() and not x.is_complex() \
+            and x.dtype not in (torch.bool, torch.int64)
+        return x.long() if integer else x
+
+    new_args, new_kwargs = tuple(wide(a) for a in args), {k: wide(v) for k, v in kwargs.items()}
+    if all(a is b for a, b in zip(new_args + tuple(new_kwargs.values()), args + tuple(kwargs.values()))):
+        return args, kwargs
+    try:
+        with torch.no_grad():
+            same = relative_error(model(*new_args, **new_kwargs), model(*args, **kwargs)) == 0
+    except Exception:  # noqa: BLE001 - a model that refuses int64 ids keeps its own dtype
+        same = False
+    return (new_args, new_kwargs) if same else (args, kwargs)
+
+
+def _with_mask(model: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    """An ``attention_mask`` of ones beside ``input_ids`` when the forward takes one and the example has none: the
+    program then takes a tokenizer's output (``input_ids`` and ``attention_mask``, padding included)."""
+    import inspect
+
+    try:
+        params = inspect.signature(model.forward).parameters
+    except (TypeError, ValueError):
+        return args, kwargs
+    ids = kwargs.get("input_ids")
+    if ids is None and len(args) == 1 and "input_ids" in params and list(params).index("input_ids") == 0:
+        ids, args, kwargs = args[0], args[1:], {"input_ids": args[0], **kwargs}
+    if "attention_mask" not in params or "attention_mask" in kwargs or not isinstance(ids, torch.Tensor) or args:
+        return args, kwargs
+    return args, {**kwargs, "attention_mask": torch.ones_like(ids, dtype=torch.int64)}
 
 
 def export(model: nn.Module, example: Any, directory: str | Path, formats: tuple[str, ...] = ("pt2",)) -> dict[str, Any]:
@@ -182,45 +289,75 @@ def export(model: nn.Module, example: Any, directory: str | Path, formats: tuple
     was_training = model.training
     model.eval()
     try:
+        args, kwargs = _with_mask(model, *_int64_ids(model, args, kwargs))
         with torch.no_grad():
             ref = model(*args, **kwargs)
         wrapped = not _plain_output(ref)
-        target = _Plain(model) if wrapped else model
+        target = _Plain(model, tuple(kwargs)) if wrapped else model
         if wrapped:
             if not hasattr(ref, "items"):
                 raise AuditError(f"the model returns a {type(ref).__name__}, which a program loaded with plain torch "
                                  "cannot rebuild", "Return tensors, tuples or dicts of tensors from forward")
             with torch.no_grad():
                 ref = target(*args, **kwargs)
-        prog, dynamic = _export_program(target, args, kwargs)
+        prog, dynamic, why = _export_program(target, args, kwargs)
         torch.export.save(prog, str(out / PT2))
-        loaded = torch.export.load(str(out / PT2)).module()
-        with torch.no_grad():
-            err = relative_error(loaded(*args, **kwargs), ref)
-            checks = [{"rows": _rows(args, kwargs), "relative_error": err}]
-            if dynamic:  # another batch size than the example's
-                sub_args, sub_kwargs = _other_rows(args, kwargs)
-                sub = relative_error(loaded(*sub_args, **sub_kwargs), target(*sub_args, **sub_kwargs))
-                checks.append({"rows": _rows(sub_args, sub_kwargs), "relative_error": sub})
-        worst = max(c["relative_error"] for c in checks)
-        if not worst <= TOLERANCE:
+        checks = _checks(torch.export.load(str(out / PT2)).module(), target, args, kwargs, dynamic)
+        worst = max(c["relative_error"] for c in checks if "relative_error" in c)
+        if not worst <= TOLERANCE or "refused" in checks[0]:
             raise AuditError(f"the exported program's outputs differ from the factorized model's by {worst:.3g} "
                              f"relative (allowed {TOLERANCE:g})", "Report this model: the export is not faithful")
-        inputs = [dict(name=f"arg{i}", **_describe(a, dynamic)) for i, a in enumerate(args)
-                  if isinstance(a, torch.Tensor)]
-        inputs += [dict(name=k, **_describe(v, dynamic)) for k, v in kwargs.items() if isinstance(v, torch.Tensor)]
-        outputs = [_describe(t, dynamic) for t in _leaves(ref)]
         entry: dict[str, Any] = {"pt2": {
             "file": PT2, "sha256": _sha256(out / PT2), "bytes": (out / PT2).stat().st_size,
-            "torch": torch.__version__.split("+")[0], "inputs": inputs, "outputs": outputs,
+            "torch": torch.__version__.split("+")[0], "inputs": _inputs(args, kwargs, dynamic),
+            "outputs": [_describe(t, dynamic) for t in _leaves(ref)],
             "positional": [f"arg{i}" for i, a in enumerate(args)], "keywords": list(kwargs),
-            "dynamic_batch": dynamic, "output_dict": wrapped, "prefix": "model." if wrapped else "",
-            "checks": checks, "tolerance": TOLERANCE}}
+            "dynamic_batch": bool(dynamic), "dynamic_sequence": dynamic == "batch+seq",
+            "static_because": why[-1] if why and not dynamic else None,
+            "output_dict": wrapped, "prefix": "model." if wrapped else "", "checks": checks, "tolerance": TOLERANCE}}
         if "onnx" in formats:
-            entry["onnx"] = _onnx(prog, args, kwargs, ref, out, dynamic)
+            entry["onnx"] = _onnx(prog, args, kwargs, ref, out, bool(dynamic))
         return entry
     finally:
         model.train(was_training)
+
+
+def _inputs(args: tuple, kwargs: dict, dynamic: str) -> list[dict[str, Any]]:
+    named = [(f"arg{i}", a) for i, a in enumerate(args)] + list(kwargs.items())
+    return [dict(name=n, **_describe(t, dynamic)) for n, t in named if isinstance(t, torch.Tensor)]
+
+
+def _describe(t: torch.Tensor, dynamic: str | bool) -> dict[str, Any]:
+    shape: list[Any] = list(t.shape)
+    if dynamic and shape:
+        shape[0] = "batch"
+    if dynamic == "batch+seq" and len(shape) >= 2 and not t.is_floating_point() and not t.is_complex():
+        shape[1] = "seq"
+    return {"shape": shape, "dtype": str(t.dtype).replace("torch.", "")}
+
+
+def _checks(loaded: nn.Module, target: nn.Module, args: tuple, kwargs: dict, dynamic: str) -> list[dict[str, Any]]:
+    """The loaded program against the module: at the example, then (dynamic) at another batch size, then (a dynamic
+    sequence) at 1, 2 and 16 positions, half and twice the example's length. Each entry: rows, length, and the
+    relative error, or ``refused`` with the program's one line (a length past the model's positions)."""
+    cases = [(args, kwargs)]
+    if dynamic:
+        cases.append(_other_rows(args, kwargs))
+    n = _length(args, kwargs)
+    if dynamic == "batch+seq" and n:
+        cases += [_at_length(args, kwargs, k) for k in sorted({1, 2, 16, max(1, n // 2), 2 * n} - {n})]
+    checks = []
+    for a, kw in cases:
+        c: dict[str, Any] = {"rows": _rows(a, kw)} | ({"length": _length(a, kw)} if n else {})
+        with torch.no_grad():
+            try:
+                got = loaded(*a, **kw)
+            except Exception as exc:  # noqa: BLE001 - a shape the program's guards refuse
+                checks.append(c | {"refused": first_line(exc)[:200]})
+                continue
+            c["relative_error"] = relative_error(got, target(*a, **kw))
+        checks.append(c)
+    return checks
 
 
 def _rows(args: tuple, kwargs: dict) -> int:
@@ -306,13 +443,13 @@ def _number(value: Any) -> str:
 
 
 def _literal(spec: dict[str, Any]) -> str:
-    """A torch expression that builds an input of this shape and dtype (a dynamic batch of 2)."""
-    shape = ", ".join("2" if s == "batch" else str(s) for s in spec["shape"])
+    """A torch expression that builds an input of this shape and dtype (a dynamic batch of 2, 16 positions)."""
+    shape = ", ".join({"batch": "2", "seq": "16"}.get(str(s), str(s)) for s in spec["shape"])
     dtype = spec["dtype"]
     if dtype.startswith(("float", "bfloat", "complex")):
         return f"torch.randn({shape}, dtype=torch.{dtype})" if shape else f"torch.tensor(0.0, dtype=torch.{dtype})"
-    if dtype == "bool":
-        return f"torch.ones({shape}, dtype=torch.bool)"
+    if dtype == "bool" or spec["name"] == "attention_mask":
+        return f"torch.ones({shape}, dtype=torch.{dtype})"
     return f"torch.zeros({shape}, dtype=torch.{dtype})"
 
 
@@ -324,11 +461,30 @@ def _call(e: dict[str, Any]) -> str:
     return ", ".join(pos + kw)
 
 
+def _counts(values: list[int]) -> str:
+    return ", ".join(map(str, sorted(set(values)))) or "none"
+
+
 def _batch_words(e: dict[str, Any]) -> str:
+    """What the program accepts, from its checks: the dynamic dimensions, the sizes it ran at, the ones it refused;
+    a static program says so, and why torch.export could not make it dynamic."""
+    checks = e.get("checks", [])
     if not e["dynamic_batch"]:
-        return "the shapes are fixed to the example's"
-    return ("the batch dimension (`batch`) is dynamic, checked at " +
-            " and ".join(f"{c['rows']} row{'s' if c['rows'] != 1 else ''}" for c in e.get("checks", [])))
+        why = f" (torch.export could not make them dynamic: {e['static_because']})" if e.get("static_because") else ""
+        return f"the shapes are fixed to the example's{why}: pass exactly those shapes"
+    ran = [c for c in checks if "refused" not in c]
+    text = ("the batch (`batch`) is dynamic, checked at " + _counts([c["rows"] for c in ran]) + " rows")
+    if e.get("dynamic_sequence"):
+        refused = [c["length"] for c in checks if "refused" in c]
+        text += ("; the sequence (`seq`) is dynamic, checked at " + _counts([c["length"] for c in ran])
+                 + " positions" + (f" and refused at {_counts(refused)} (the program's guards refuse them)" if refused else ""))
+    elif any(i["dtype"].startswith(("int", "uint")) and len(i["shape"]) >= 2 for i in e["inputs"]):
+        text += "; the sequence length is fixed to the example's (torch.export could not make it dynamic)"
+    ids = [i["name"] for i in e["inputs"] if i["dtype"] == "int64"]
+    if ids:
+        text += (f". Token ids are int64 (what a tokenizer returns); cast other integer ids first, e.g. "
+                 f"`ids.long()`: the program checks dtypes")
+    return text
 
 
 def _removed(meta: dict[str, Any]) -> str:
@@ -378,7 +534,7 @@ def readme(directory: str | Path, meta: dict[str, Any]) -> Path:
 import torch
 
 program = torch.export.load("{PT2}")   # a torch.export.ExportedProgram
-model = program.module()                # an nn.Module you call like the original
+model = program.module()                # an nn.Module taking the inputs below
 with torch.no_grad():
     outputs = model({call})
 ```
@@ -446,55 +602,83 @@ def _refuse(p: Path, member: str, why: str) -> AuditError:
                       "Do not load it; export the model again from a trusted copy")
 
 
-def _members(p: Path, names: list[str]) -> tuple[str, list[str], list[str]]:
-    """The archive's one top-level folder, its payload configs and its sample-input archives; any member
-    ``torch.export.save`` does not write for a plain program is refused."""
+def _duplicate(names: list[str]) -> str | None:
+    """A name the archive holds twice, or two names that differ only in case (torch's zip reader looks names up
+    without regard to case, and which of two entries it reads is not the one a check of the other saw)."""
+    seen: set[str] = set()
+    for n in names:
+        k = n.casefold()
+        if k in seen:
+            return n
+        seen.add(k)
+    return None
+
+
+_DIRS = ("", "models/", "data/", "data/weights/", "data/constants/", "data/sample_inputs/", ".data/")
+_PAYLOAD = re.compile(r"(weight|tensor)_[0-9]+")  # the names torch.export.save gives a weight or constant file
+
+
+def _members(p: Path, names: list[str]) -> tuple[str, list[str], list[str], list[str]]:
+    """The archive's one top-level folder, its payload configs, its sample-input archives and its payload files
+    (weights and constants, each to be named by a config); any member ``torch.export.save`` does not write for a
+    plain program, under exactly the name it writes (case included), and any name held twice is refused."""
+    dup = _duplicate(names)
+    if dup is not None:
+        raise _refuse(p, dup, "twice (two entries of one name, or of names that differ only in case)")
     roots = {n.split("/", 1)[0] for n in names}
     if len(roots) != 1:
         raise AuditError(f"{p} holds {len(roots)} top-level folders, not one program archive", "Export the model again")
     root = next(iter(roots)) + "/"
-    configs: list[str] = []
-    samples: list[str] = []
-    for n in names:
-        rel = n[len(root):]
-        if rel in _MEMBERS or rel.endswith("/") or (rel.startswith("models/") and rel.endswith(".json")):
+    rels = [n[len(root):] for n in names]
+    models = [r[len("models/"):-len(".json")] for r in rels if r.startswith("models/") and r.endswith(".json")]
+    configs = {f"data/weights/{m}_weights_config.json" for m in models} | {
+        f"data/constants/{m}_constants_config.json" for m in models}
+    samples = {f"data/sample_inputs/{m}.pt" for m in models}
+    known = {*_MEMBERS, *(f"models/{m}.json" for m in models), *_DIRS}
+    payload: list[str] = []
+    for rel in rels:
+        if rel in known or rel in configs or rel in samples:
             continue
-        if rel.startswith(("data/weights/", "data/constants/")):
-            if rel.endswith("_config.json"):
-                configs.append(n)
-            elif rel.endswith((".pt", ".pkl", ".pickle")):
-                raise _refuse(p, rel, "(a pickled weight or constant file)")
+        folder, _, file = rel.rpartition("/")
+        if folder in ("data/weights", "data/constants") and _PAYLOAD.fullmatch(file):
+            payload.append(rel)
             continue
-        if rel.startswith("data/sample_inputs/") and rel.endswith(".pt"):
-            samples.append(n)
-            continue
+        if rel.startswith(("data/weights/", "data/constants/")) and rel.lower().endswith((".pt", ".pkl", ".pickle")):
+            raise _refuse(p, rel, "(a pickled weight or constant file)")
         raise _refuse(p, rel, "(a member torch.export.save does not write for a plain program)")
-    return root, configs, samples
+    present = set(rels)
+    return (root, [root + c for c in sorted(configs) if c in present], [root + c for c in sorted(samples) if c in
+                                                                       present], payload)
 
 
-def _check_config(zf: Any, p: Path, rel: str, member: str) -> None:
-    """A payload config stores every weight and constant as a plain tensor file, none as a pickle or an object."""
+def _check_config(zf: Any, p: Path, rel: str, member: str) -> set[str]:
+    """A payload config stores every weight and constant as a plain tensor file, none as a pickle or an object:
+    the files it names (``weight_N``, ``tensor_N``, exactly so)."""
     import zipfile
 
     try:
-        cfg = json.loads(zf.read(member).decode("utf-8"), parse_constant=lambda c: None)
+        cfg = json.loads(zf.read(member).decode("utf-8"), parse_constant=lambda c: None,
+                         object_pairs_hook=no_duplicate_keys)
     except (ValueError, RecursionError, OSError, zipfile.BadZipFile) as exc:
         raise _refuse(p, rel, f"(unreadable: {first_line(exc)})") from None
     entries = cfg.get("config") if isinstance(cfg, dict) else None
     if not isinstance(entries, dict):
         raise _refuse(p, rel, "(not a payload config)")
+    named: set[str] = set()
     for fqn, meta in entries.items():
         if not isinstance(meta, dict):
             raise _refuse(p, rel, "(not a payload config)")
-        name = str(meta.get("path_name", ""))
-        if meta.get("use_pickle") or name.startswith(("custom_obj", "opaque_obj")) or not name.startswith(
-                ("weight_", "tensor_")):
+        name = meta.get("path_name")
+        if meta.get("use_pickle") is not False or not isinstance(name, str) or not _PAYLOAD.fullmatch(name):
             raise _refuse(p, rel, f"with {str(fqn)[:80]!r} stored as a pickle or an object")
+        named.add(name)
+    return named
 
 
 def _check_samples(zf: Any, p: Path, rel: str, member: str) -> None:
-    """The sample inputs (a torch.save archive inside the archive): every pickle in it imports only what tensors
-    need (:func:`_scan_pickle`), within the size limits."""
+    """The sample inputs (a torch.save archive inside the archive): no name twice, and every pickle in it (a
+    ``.pkl`` member, whatever the case) imports only what tensors need (:func:`_scan_pickle`), within the size
+    limits."""
     import io
     import zipfile
 
@@ -506,8 +690,11 @@ def _check_samples(zf: Any, p: Path, rel: str, member: str) -> None:
     except (zipfile.BadZipFile, ValueError, OSError) as exc:
         raise _refuse(p, rel, f"(not a torch.save archive: {first_line(exc)})") from None
     with inner:
+        dup = _duplicate(inner.namelist())
+        if dup is not None:
+            raise _refuse(p, f"{rel}:{dup}", "twice (two entries of one name, or of names that differ only in case)")
         for m in inner.infolist():
-            if m.filename.endswith(".pkl"):
+            if m.filename.lower().endswith((".pkl", ".pickle")):
                 if m.file_size > MAX_SAMPLE_BYTES:
                     raise _refuse(p, f"{rel}:{m.filename}", "(an oversized pickle)")
                 _scan_pickle(inner.read(m), f"{p} member {rel}:{m.filename}")
@@ -528,9 +715,15 @@ def check_archive(path: str | Path) -> None:
         raise AuditError(f"{p} is not a torch.export archive (a zip file): {first_line(exc)}",
                          "Export the model again") from None
     with zf:
-        root, configs, samples = _members(p, zf.namelist())
+        root, configs, samples, payload = _members(p, zf.namelist())
+        named: dict[str, set[str]] = {}
         for n in configs:
-            _check_config(zf, p, n[len(root):], n)
+            rel = n[len(root):]
+            named.setdefault(rel.rsplit("/", 1)[0], set()).update(_check_config(zf, p, rel, n))
+        for rel in payload:
+            folder, _, file = rel.rpartition("/")
+            if file not in named.get(folder, set()):
+                raise _refuse(p, rel, "(a weight or constant file no payload config names)")
         for n in samples:
             _check_samples(zf, p, n[len(root):], n)
 
@@ -644,4 +837,5 @@ def cli_write(directory: str | Path, model: nn.Module, calibration: Any, example
     meta["export"] = entry
     path.write_text(strict_json(meta, indent=2, sort_keys=True) + "\n")
     readme(d, meta)
+    print(f"{PT2}: {_batch_words(entry['pt2']).split('. Token ids')[0]}", file=sys.stderr)  # a static fallback is said
     return [PT2] + ([ONNX] if "onnx" in entry else []) + [README]

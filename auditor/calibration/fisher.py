@@ -69,6 +69,7 @@ class OutputGradients:
     passes: int  # backward passes run
     seconds: float
     skipped: dict[str, str] = field(default_factory=dict)  # layer -> why it has no gradient statistics
+    unreachable: dict[str, str] = field(default_factory=dict)  # hooked layers no gradient reached -> why
 
 
 def _out_in(layer: Layer) -> tuple[int, int]:
@@ -113,10 +114,17 @@ def output_gradients(model: nn.Module, layers: dict[str, Layer] | list[Layer], c
     finally:
         cap.remove()
     acc.close()
+    if acc.lost:
+        pass_.norm2 = pass_.scored = 0
     scale = ((1.0 / (2.0 * pass_.scored) if pass_.scored else 0.0) if pass_.likelihood
              else (1.0 / pass_.norm2 if pass_.norm2 > 0 else 0.0))
     return OutputGradients(acc.second, acc.count, acc.carried, scale, pass_.likelihood, pass_.passes,
-                           time.perf_counter() - t0, acc.skipped)
+                           time.perf_counter() - t0, acc.skipped, acc.unreachable)
+
+
+NO_GRAD_OUTPUT = ("the model's output does not require grad (its forward detaches it, runs under torch.no_grad(), "
+                  "goes through numpy or returns integers)")
+NOT_REACHED = "no gradient reached its output (the forward detaches it or runs it under torch.no_grad())"
 
 
 @dataclass
@@ -143,6 +151,8 @@ class _Accumulator:
         self.second = Moments()  # one part's in memory once its budget is set, the rest on disk
         self.count: dict[str, int] = {}
         self.skipped: dict[str, str] = {}
+        self.unreachable: dict[str, str] = {}  # hooked layers no gradient reached -> why
+        self.lost = ""  # why no hooked layer gets a gradient (the output needs none, the backward failed)
         self.hooked: dict[str, list[str]] = {}  # module path -> layers whose output it gives
         self.carried: dict[str, bool] = {}
 
@@ -175,9 +185,14 @@ class _Accumulator:
             self.count[name] = self.count.get(name, 0) + int(gg.shape[0])
 
     def close(self) -> None:
+        """Every hooked layer without statistics is unreachable, with the reason; when the pass was ``lost`` (no
+        backward could run) every one is, and what earlier batches gathered is dropped."""
         for name in [n for ns in self.hooked.values() for n in ns]:
+            if self.lost and name in self.second:
+                del self.second[name]
+                self.count.pop(name, None)
             if name not in self.second:
-                self.skipped[name] = "no gradient reached its output"
+                self.unreachable[name] = self.lost or NOT_REACHED
 
 
 class _Capture:
@@ -211,7 +226,8 @@ class _Capture:
 
 def _one_batch(model: nn.Module, b: Batch, i: int, cap: _Capture, acc: _Accumulator, p: _Pass) -> bool:
     """One fit batch: the forward, then ``samples`` backward passes whose output gradients are added up. False when
-    nothing hooked needs a gradient (nothing more to gather)."""
+    nothing hooked needs a gradient (nothing more to gather), or when no backward can run (``acc.lost`` says why:
+    the loss needs no gradient, or autograd failed going back through the user's forward)."""
     cap.captured.clear()
     cap.recording = True
     try:
@@ -228,7 +244,18 @@ def _one_batch(model: nn.Module, b: Batch, i: int, cap: _Capture, acc: _Accumula
     if not got:
         return False
     for k, loss in enumerate(losses):
-        grads = torch.autograd.grad(loss(), [t for _, t in got], retain_graph=k < p.samples - 1, allow_unused=True)
+        value = loss()
+        if not value.requires_grad:  # nothing the model computed reaches the metric through autograd
+            acc.lost = NO_GRAD_OUTPUT
+            return False
+        try:
+            grads = torch.autograd.grad(value, [t for _, t in got], retain_graph=k < p.samples - 1,
+                                        allow_unused=True)
+        except torch.OutOfMemoryError:
+            raise
+        except RuntimeError as exc:  # the user's forward built a graph autograd cannot go back through
+            acc.lost = f"the backward pass failed: {first_line(exc)}"
+            return False
         p.passes += 1
         for (path, _), g in zip(got, grads):
             if g is not None:
@@ -313,8 +340,11 @@ class Moments(MutableMapping):
             return
         import tempfile
 
+        from .._env import scratch_prefix, sweep_scratch
+
         if self._dir is None:
-            self._dir = tempfile.TemporaryDirectory(prefix="lowrank-audit-moments-")
+            sweep_scratch()  # a killed run's folders first
+            self._dir = tempfile.TemporaryDirectory(prefix=scratch_prefix("moments"))
         self.files[name] = os.path.join(self._dir.name, f"m{len(self.files)}.npy")
         save_spilled(self.files[name], a, "the output gradients' second moments")
 
@@ -419,6 +449,7 @@ class GradientSensitivity:
     passes: int
     seconds: float
     skipped: dict[str, str]
+    unreachable: dict[str, str] = field(default_factory=dict)  # layers of a kind hooked that no gradient reached
 
     def predicted(self, plan: dict[str, int]) -> float:
         """A plan's summed predicted cost over the layers this knows (the others: nothing)."""
@@ -439,7 +470,8 @@ def gradient_sensitivity(model: nn.Module, layers: dict[str, Layer] | list[Layer
                          metric: Metric, stats: InputStatistics, spectra: dict[str, WhitenedSpectrum],
                          settings: GradientSettings | None = None, **fields: Any) -> GradientSensitivity:
     """Every layer's predicted cost curve from one backward pass per sample (:func:`output_gradients`) and its input
-    statistics; layers without gradients (other kinds) get tier 1's squared error times the median ratio.
+    statistics; layers without gradients (other kinds, and the ``unreachable`` ones no gradient reached, which the
+    audit's stage probes instead) get tier 1's squared error times the median ratio.
     ``settings`` (a :class:`GradientSettings`), or its fields as keywords (``samples``, ``seed``, ``progress``)."""
     o = replace(settings or GradientSettings(), **fields)
     named = by_name(layers)
@@ -470,7 +502,7 @@ def gradient_sensitivity(model: nn.Module, layers: dict[str, Layer] | list[Layer
                 scaled[name] = ratio
     skipped = {k: v for k, v in grads.skipped.items() if k not in costs}
     return GradientSensitivity(costs, grads.linear, scaled, grads.passes,
-                               grads.seconds + time.perf_counter() - t, skipped)
+                               grads.seconds + time.perf_counter() - t, skipped, dict(grads.unreachable))
 
 
 def predicted_value(cost: float, linear: bool) -> float:

@@ -221,6 +221,9 @@ def _gram_store(entry: Path | None) -> "GramStore":
     from .stats import GramStore
 
     if entry is not None:
+        from .._env import sweep_scratch
+
+        sweep_scratch(entry.parent)  # what killed runs left staged beside the cache's entries
         tmp = entry.with_name(f".{entry.name}.{os.getpid()}.tmp")
         try:
             with contextlib.suppress(OSError):

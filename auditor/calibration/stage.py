@@ -143,6 +143,7 @@ class _Run:
     sweep: str = ""
     probes: Any = None
     gradients: Any = None
+    fallback: Any = None  # SensitivityFallback: the planned layers the output gradients did not reach
     rounding: Any = None
     reference: float = 0.0
     planned: list[Layer] = field(default_factory=list)
@@ -360,14 +361,66 @@ def _gradients(run: _Run) -> None:
         g = replace(g, costs={k: [share * c for c in v] for k, v in g.costs.items()},
                     scaled={k: share * r for k, r in g.scaled.items()})
     run.gradients = g
+    if _gradient_fallback(run, g):
+        return
+    g = run.gradients
+    lost = set(run.fallback.layers) if run.fallback is not None else set()  # probed: no gradient prediction
     for name, c in g.costs.items():
-        if name in run.per:
+        if name in run.per and name not in lost:
             run.per[name].predicted = [(r, predicted_value(c[r], g.linear)) for r, _ in run.per[name].curve
                                        if r < len(c)]
 
 
-def _probes(run: _Run) -> None:
-    """``--probe``: each planned layer truncated alone at two ranks and measured (two evaluations a layer)."""
+def _gradient_fallback(run: _Run, g: Any) -> bool:
+    """The planned layers no output gradient reached (a forward that detaches, runs under ``torch.no_grad()``, goes
+    through numpy or returns integers): costed by truncation probes (:func:`_probes`, on those layers only) where the
+    metric allows them, else by tier-1 costs (scaled by the reached layers' median ratio, where some were reached).
+    Recorded in ``run.fallback`` for the report. True when no planned layer was reached: the whole sensitivity is
+    the fallback's (``run.gradients`` None)."""
+    from ..calresults import SensitivityFallback
+
+    lost = [l for l in run.planned if l.name in g.unreachable]
+    if not lost:
+        return False
+    reasons = list(dict.fromkeys(g.unreachable[l.name] for l in lost))
+    reached = [l for l in run.planned if l.name in g.costs and l.name not in g.scaled and l.name not in g.unreachable]
+    probes = run.metric.spec.zero_on_dense
+    method = ("truncation probes (each layer truncated alone and measured, as --probe)" if probes
+              else "tier-1 costs scaled by the median gradient ratio of the layers reached" if reached
+              else "tier-1 costs")
+    run.fallback = SensitivityFallback(method, [l.name for l in lost], "; ".join(reasons), not reached,
+                                       len(run.planned))
+    if not reached:
+        run.gradients = None
+        if probes:
+            _probes(run)
+        return True
+    if probes:
+        _probes(run, lost)
+        run.gradients = _probed_costs(run, g, lost)
+    return False
+
+
+def _probed_costs(run: _Run, g: Any, lost: list[Layer]) -> Any:
+    """``g`` with each of ``lost``'s costs at every rank from its probes (measured where probed, else its tier-1
+    error times the measured gain), in the gradients' units: the value for a likelihood metric, squared otherwise."""
+    from .budget import single_layer_error
+
+    costs, scaled = dict(g.costs), dict(g.scaled)
+    for layer in lost:
+        f, spec = run.probes.floors.get(layer.name), run.spectra.get(layer.name)
+        scaled.pop(layer.name, None)
+        if f is None or spec is None:  # nothing to probe (no grid rank below break-even): no option either
+            costs.pop(layer.name, None)
+            continue
+        values = [single_layer_error(f.points, spec, r) for r in range(len(spec.error))]
+        costs[layer.name] = [v if g.linear else v * v for v in values]
+    return replace(g, costs=costs, scaled=scaled)
+
+
+def _probes(run: _Run, layers: list[Layer] | None = None) -> None:
+    """``--probe``: each planned layer (or each of ``layers``) truncated alone at two ranks and measured (two
+    evaluations a layer)."""
     from .sweep import probe_sensitivity
 
     progress = run.progress
@@ -375,8 +428,9 @@ def _probes(run: _Run) -> None:
     def probed(done: int, total: int, n: int) -> None:
         progress.update(done, total, note=f"{n} evaluation{'s' if n != 1 else ''}")
 
-    with _timed(run.seconds, "probes"), progress.phase("sensitivity probes", total=len(run.planned)):
-        run.probes = probe_sensitivity(run.model, run.planned, run.session, run.spectra, run.settings.align,
+    layers = run.planned if layers is None else layers
+    with _timed(run.seconds, "probes"), progress.phase("sensitivity probes", total=len(layers)):
+        run.probes = probe_sensitivity(run.model, layers, run.session, run.spectra, run.settings.align,
                                        run.target, steps=probed)
     run.evaluations += run.probes.evaluations
     for name, f in run.probes.floors.items():
@@ -384,14 +438,15 @@ def _probes(run: _Run) -> None:
 
 
 def _curves(run: _Run) -> Any:
-    """Tier 3's per-layer options: from the measured floors, the probes, the gradients or tier 1 (in that order of
-    preference), every rank that compresses at least ``min_compression``."""
+    """Tier 3's per-layer options: from the measured floors, the gradients (with any layers they did not reach costed
+    by probes, :func:`_gradient_fallback`), the probes or tier 1 (in that order of preference), every rank that
+    compresses at least ``min_compression``."""
     from .budget import curves_from_floors, curves_from_gradients, curves_from_spectra
 
     planned, spectra, align = run.planned, run.spectra, run.settings.align
     curves = (curves_from_floors(run.floors, planned, spectra) if run.floors is not None
-              else curves_from_floors(run.probes, planned, spectra, source="probed") if run.probes is not None
               else curves_from_gradients(run.gradients, planned, align) if run.gradients is not None
+              else curves_from_floors(run.probes, planned, spectra, source="probed") if run.probes is not None
               else curves_from_spectra({l.name: spectra[l.name] for l in planned}, planned, align))
     named = {l.name: l for l in planned}
     least = run.settings.min_compression
@@ -476,7 +531,7 @@ def _report(run: _Run, budget: Any) -> CalibrationReport:
         budget=budget, suggestions_from="measured floors" if measured else "calibration",
         statistics_cached=run.cached, seconds=run.seconds, evaluations=run.evaluations,
         rounding_floor=run.rounding, compute_dtype=options.compute_dtype,
-        tier1_target=run.target, increase_of=metric.spec.increase_of,
+        tier1_target=run.target, increase_of=metric.spec.increase_of, sensitivity_fallback=run.fallback,
         limit=metric.spec.limit(run.reference, metric.tolerance, metric.higher_is_better),
         display=metric.spec.display(metric.higher_is_better))
 
@@ -672,10 +727,13 @@ def _predicted(cal: Calibrated, plan: dict[str, int]) -> tuple[float | None, str
     if grads is not None and all(k in grads.costs for k in plan):
         from .fisher import predicted_value
 
+        fb = report.sensitivity_fallback
+        probed = (" and truncation probes where no gradient reached" if fb is not None and set(fb.layers) & set(plan)
+                  else "")
         return predicted_value(grads.predicted(plan), grads.linear), (
-            "gradient-predicted single-layer cross-entropy increases (output-gradient second moments), which "
-            "add up" if grads.linear else
-            "gradient-predicted single-layer model errors (output-gradient second moments)")
+            f"gradient-predicted single-layer cross-entropy increases (output-gradient second moments{probed}), "
+            "which add up" if grads.linear else
+            f"gradient-predicted single-layer model errors (output-gradient second moments{probed})")
     if not (cal.metric.output_error and all(k in cal.spectra for k in plan)):
         return None, ""
     from .budget import single_layer_error

@@ -34,6 +34,7 @@ import torch
 from torch import nn
 
 from .. import kinds
+from .._env import scratch_prefix, sweep_scratch
 from ..errors import AuditError
 from ..kinds.conv import conv_patches
 from ..results import Layer
@@ -123,7 +124,8 @@ class GramStore(MutableMapping):
 
     def __init__(self, directory: str | Path | None = None, temporary: bool | None = None) -> None:
         if directory is None:
-            directory = tempfile.mkdtemp(prefix="lowrank-audit-grams-")
+            sweep_scratch()  # a killed run's folders first
+            directory = tempfile.mkdtemp(prefix=scratch_prefix("grams"))
             temporary = True if temporary is None else temporary
         self.dir = Path(directory)
         self.dir.mkdir(parents=True, exist_ok=True)

@@ -273,8 +273,11 @@ class TruncatorStore(dict):
             return
         import tempfile
 
+        from .._env import scratch_prefix, sweep_scratch
+
         if self._dir is None:
-            self._dir = tempfile.TemporaryDirectory(prefix="lowrank-audit-truncators-")
+            sweep_scratch()  # a killed run's folders first
+            self._dir = tempfile.TemporaryDirectory(prefix=scratch_prefix("truncators"))
         base = os.path.join(self._dir.name, f"t{len(self._disk)}")
         save_spilled(f"{base}.f.npy", trunc.f, "tier 3's decompositions")
         for g, u in enumerate(trunc.u):

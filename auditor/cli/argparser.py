@@ -12,9 +12,9 @@ class UsageError(Exception):
 
 
 class _Parser(argparse.ArgumentParser):
-    """argparse with a usage error as one line (``error: ... See lowrank-audit --help.``), exit 2, not the usage; an
-    argument whose help asks a registry (``action.help_from``, :mod:`.shared_flags`), and a description that does
-    (``description_from``), get it when the help is shown, so building the parser imports no torch."""
+    """argparse with a usage error as one line (``error: ... See lowrank-audit --help.``), exit 2, not the usage; a
+    description that asks a registry (``description_from``) gets it when the help is shown, so building the parser
+    imports no torch."""
 
     def __init__(self, *args: Any, description_from: Callable[[], str] | None = None, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -23,10 +23,6 @@ class _Parser(argparse.ArgumentParser):
     def format_help(self) -> str:
         if self.description_from is not None:
             self.description = self.description_from()
-        for action in self._actions:
-            help_from = getattr(action, "help_from", None)
-            if help_from is not None:
-                action.help = help_from()
         return super().format_help()
 
     def error(self, message: str) -> NoReturn:  # type: ignore[override]

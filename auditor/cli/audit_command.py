@@ -194,8 +194,9 @@ def _common_flags(p: argparse.ArgumentParser) -> None:
                    metavar="never|auto|always",
                    help="progress of each phase (load, trace, spectra, calibration: statistics, tiers 1-3, plan check; "
                         "render) on stderr, never on stdout. auto (the default): a bar on a terminal, else (CI, a log, "
-                        "a notebook) one plain line per calibration phase of 10 s or more with its counts, elapsed "
-                        "time and an estimate; always (--progress alone): every phase; never (--no-progress): nothing")
+                        "a notebook) a line as each phase starts once the run is 30 s old, a heartbeat at least "
+                        "every 30 s, a closing line with counts and time for a calibration phase of 10 s or more; "
+                        "always (--progress alone): every phase; never (--no-progress): nothing")
     p.add_argument("--no-progress", dest="progress", action="store_const", const="never", help=argparse.SUPPRESS)
 
 
@@ -252,18 +253,24 @@ def main(argv: Sequence[str] | None = None) -> int:
     """The command line: ``lowrank-audit MODEL ...``, ``rules`` or ``factorize``. Whatever happens inside, the exit
     code is one of :class:`ExitCode` (or 130 on Ctrl-C): an unexpected exception, a bug of the tool, is one line and
     exit 3 (``--verbose`` adds the traceback), never 1, which CI reads as findings."""
+    as_program = argv is None  # the process's own entry point: it ends when this returns
     argv = list(sys.argv[1:] if argv is None else argv)
     _reserve_standard_streams()
     verbose = any(a in ("-v", "--verbose") for a in argv)  # known before parsing: a crash anywhere shows it
     written: list[Path] = []
+    old = _interrupt_once()
     try:
-        return _dispatch(argv, written)
+        code = _dispatch(argv, written)
+        if code == 130:  # interrupted, said so by the command itself (factorize)
+            _ignore_interrupts()
+        return code
     except UsageError as exc:
         print(exc, file=sys.stderr)
         return ExitCode.BAD_INPUT
     except SystemExit:
         raise  # argparse: --help and --version (0)
     except KeyboardInterrupt:
+        _ignore_interrupts()
         print(f"interrupted: {'wrote ' + ', '.join(escape(str(w)) for w in written) if written else 'no report written'}",
               file=sys.stderr)
         return 130
@@ -275,6 +282,50 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 128 + 13  # the shell's status for a process ended by SIGPIPE (git log | head under pipefail)
     except BaseException as exc:  # noqa: BLE001 - a bug: one line and its own exit code, not a traceback and 1
         return internal_error(exc, verbose)
+    finally:
+        _restore_interrupts(old, keep_ignoring=as_program)
+
+
+def _on_interrupt(signum: int, frame: object) -> None:
+    """The first Ctrl-C: from now on further ones are ignored, so that a second one can neither cut the clean-up
+    short (staging folders, worker processes) nor print a traceback (in a ``finally`` or at the process's exit)."""
+    _ignore_interrupts()
+    raise KeyboardInterrupt
+
+
+def _ignore_interrupts() -> None:
+    import signal
+    import threading
+
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
+def _interrupt_once() -> object:
+    """Install :func:`_on_interrupt` where Ctrl-C would raise KeyboardInterrupt (the main thread, Python's own
+    handler: a SIGINT ignored by the shell, as for a background job, stays ignored); the handler it replaced."""
+    import signal
+    import threading
+
+    if threading.current_thread() is not threading.main_thread():
+        return None
+    old = signal.getsignal(signal.SIGINT)
+    if old is signal.default_int_handler:
+        signal.signal(signal.SIGINT, _on_interrupt)
+    return old
+
+
+def _restore_interrupts(old: object, keep_ignoring: bool) -> None:
+    """Put back the handler :func:`_interrupt_once` replaced; an interrupted program (``keep_ignoring``) keeps
+    ignoring Ctrl-C until it has exited (threads joined at exit would otherwise print a traceback)."""
+    import signal
+    import threading
+
+    if old is None or threading.current_thread() is not threading.main_thread():
+        return
+    if keep_ignoring and signal.getsignal(signal.SIGINT) is signal.SIG_IGN and old is not signal.SIG_IGN:
+        return
+    signal.signal(signal.SIGINT, old)  # type: ignore[arg-type]
 
 
 PROGRESS_WHEN = ("never", "auto", "always")
@@ -321,7 +372,10 @@ def _dispatch(argv: list[str], written: list[Path]) -> int:
     args = _parser().parse_args(_progress_alone(argv))
     try:
         _check_stdout(args)
-        return run(args, written)
+        from ..progress import command_run
+
+        with command_run():  # off a terminal, each phase is named as it starts once the run is 30 s old
+            return run(args, written)
     except AuditError as exc:
         captured = getattr(exc, "captured", "")
         if args.verbose and captured:
@@ -542,6 +596,9 @@ def _destinations(args: argparse.Namespace, formats: list[str]) -> dict[str, Pat
     out_dir = Path(args.output_dir) if args.output_dir else None
     if out_dir is not None:
         check_folder(out_dir, "-o")
+        if os.path.islink(out_dir):  # followed, but never silently (the GitHub Action refuses one outright)
+            print(f"note: -o {escape(str(out_dir))} is a symbolic link: the reports go to "
+                  f"{escape(str(out_dir.resolve()))}", file=sys.stderr)
     for fmt in formats:
         kind = stdout_of(fmt)
         if kind is Stdout.LOG or (out_dir is None and kind in (Stdout.TABLE, Stdout.DOCUMENT)):
@@ -644,6 +701,11 @@ def run(args: argparse.Namespace, written: list[Path] | None = None) -> int:
     to_stdout = [colour(content) if fmt in table and isinstance(content, str) and use_colour(sys.stdout) else content
                  for fmt, content in outputs.items()
                  if fmt not in dest or (fmt in table and not args.quiet)]  # the table: on screen and in -o
+
+    if args.quiet and not to_stdout and exit_code(result) != ExitCode.OK:  # -q keeps a failing run's verdict
+        from ..verdict.policy import quiet_lines
+
+        to_stdout.append(quiet_lines(result))
 
     def stdout() -> None:
         for content in to_stdout:

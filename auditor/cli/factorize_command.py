@@ -192,8 +192,18 @@ def _reviewed_plan(args: argparse.Namespace, result: Any, name: str) -> dict[str
     return plan
 
 
+def _unverified(v: Any) -> str | None:
+    """Why a verification cannot say the plan holds (a metric summed row by row measured on too few rows for an
+    interval: one row, or none finite), or None when it can. A metric scored all at once never has one."""
+    if v is None or v.high is not None or v.rows_needed is None:
+        return None
+    return (f"{v.rows:,} verification row{'s give' if v.rows != 1 else ' gives'} no interval, too few to say whether the "
+            f"plan holds; about {v.rows_needed:,} verification rows (about {2 * v.rows_needed:,} held out) would")
+
+
 def _measured(result: Any) -> dict[str, Any] | None:
-    """plan.json's "measured": the plan check's number (on the verification rows, with its interval, when split)."""
+    """plan.json's "measured": the plan check's number (on the verification rows, with its interval, when split);
+    ``holds`` null and ``unverified`` saying why where the verification rows give no interval."""
     cr = result.calibration
     pc = cr.plan_check if cr is not None else None
     if pc is None:
@@ -203,6 +213,9 @@ def _measured(result: Any) -> dict[str, Any] | None:
     v = pc.verification
     if v is not None:  # measured on the verification rows, with its interval over them
         out.update(rows=v.rows, interval=[v.low, v.high], confidence=v.confidence, straddles=v.straddles)
+        why = _unverified(v)
+        if why is not None:
+            out.update(holds=None, unverified=why)
     return out
 
 
@@ -274,7 +287,11 @@ def _say(out: Path, made: _Made, result: Any, exported: list[str]) -> None:
     if pc is not None:
         pred = f"predicted {pc.predicted:.4g} (layer-level), " if pc.predicted is not None else ""
         v = pc.verification
-        if v is not None:
+        why = _unverified(v)
+        if why is not None:
+            print(f"{cr.metric} on the held-out part: {pred}measured {v.value:.4g}: UNVERIFIED, {why}",
+                  file=sys.stderr)
+        elif v is not None:
             print(f"{cr.metric} on the held-out part: {pred}measured " + v.words(cr.tolerance), file=sys.stderr)
         else:
             print(f"{cr.metric} on the held-out part: {pred}measured {pc.measured:.4g} "

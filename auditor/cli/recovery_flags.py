@@ -4,15 +4,17 @@ the audit's ``--recover`` every frontier plan of ``--budget`` (:mod:`auditor.cal
 from __future__ import annotations
 
 import sys
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from torch import nn
-
-from ..calibration.inputs import Calibration
-from ..calibration.metric import Metric
-from ..calibration.recovery import DEFAULT_LR, RecoverySettings, recover, summary
 from ..errors import AuditError
-from ..progress import Progress as Bar
+
+if TYPE_CHECKING:  # torch and the calibration package load when recovery runs, never for --help
+    from torch import nn
+
+    from ..calibration.inputs import Calibration
+    from ..calibration.metric import Metric
+
+HELP_LR = 1e-4  # the --recover-lr default the help names: auditor.calibration.recovery.DEFAULT_LR (a test holds them equal)
 
 
 def add_cli_arguments(p: Any, audit: bool = False) -> None:
@@ -23,7 +25,7 @@ def add_cli_arguments(p: Any, audit: bool = False) -> None:
         "model on the calibration's fit rows, from the whitened factors; needs --calibration and --budget)" if audit
         else "distil the factorized model toward the dense one for STEPS steps on the calibration's fit rows "
              "(needs --calibration)"))
-    p.add_argument("--recover-lr", metavar="X", help=f"recovery learning rate (AdamW; default {DEFAULT_LR:g})")
+    p.add_argument("--recover-lr", metavar="X", help=f"recovery learning rate (AdamW; default {HELP_LR:g})")
     p.add_argument("--recover-trainable", metavar="factors|all",
                    help="what recovery trains: the factor weights (default) or every parameter")
     p.add_argument("--recover-objective", metavar="auto|kl|mse",
@@ -37,6 +39,8 @@ def cli_settings(args: Any) -> dict[str, Any] | None:
         if given:
             raise AuditError(f"--{given[0].replace('_', '-')} needs --recover STEPS", "Add --recover 200, say")
         return None
+    from ..calibration.recovery import DEFAULT_LR, RecoverySettings
+
     if getattr(args, "calibration", None) is None:
         raise AuditError("--recover needs --calibration: recovery trains on its fit rows and measures on the "
                          "held-out ones", "Pass --calibration FILE")
@@ -62,6 +66,9 @@ def cli_recover(settings: dict[str, Any], factorized: nn.Module, dense: nn.Modul
     """Run the recovery for the command line: a "recovery" phase of ``bar`` (an :class:`auditor.progress.Progress`;
     default: drawn when stderr is a terminal) with the running loss, one summary line; a loss that became NaN is bad
     input (nothing is written). Returns the plan.json entry."""
+    from ..calibration.recovery import RecoverySettings, recover, summary
+    from ..progress import Progress as Bar
+
     bar = bar if bar is not None else Bar()
 
     def report(done: int, total: int, loss: float) -> None:

@@ -6,15 +6,26 @@ required); the recovery flags are :mod:`.recovery_flags`, shared the same way.
 ``-o`` and ``--measure-speed`` are not here: they mean different things in the two commands (the audit's report
 folder and per-layer timing; the factorized model's folder and end-to-end timing).
 
-The ``--metric`` help lists the registered metrics (:mod:`auditor.calibration.metrics`) when it is shown: building
-the parser imports no torch."""
+``--metric``'s and ``--tolerance``'s help list the registered metrics (:mod:`auditor.calibration.metrics`): written
+out here, because ``lowrank-audit --help`` imports no torch (the metric modules do), and held equal to what the
+registry says by a test (:func:`metric_help`, :func:`tolerance_help`), so a metric added without its words here fails
+it."""
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any
 
-# flag -> (option strings, add_argument keywords); "help_from": a function of no argument that returns the help,
-# called when the help is shown (see :class:`.argparser._Parser`)
+METRIC_HELP = ("output-error (alias output): the relative output error, lower is better; perplexity (alias ppl): the "
+               "perplexity increase, lower is better; kl: the next-token KL, lower is better; masked-ce (alias "
+               "masked-perplexity, mlm): the masked-token perplexity increase, lower is better; or fn(model, batches) "
+               "-> float, higher is better (default: perplexity for a causal LM, masked-perplexity for a masked LM, "
+               "else output-error)")
+TOLERANCE_HELP = ("allowed loss in the metric's units (default 0.01), e.g. 0.02: output-error: a share of the dense "
+                  "output's norm; perplexity: a relative increase of the held-out perplexity; kl: nats per real "
+                  "token; masked-ce: a relative increase of the held-out masked-token perplexity; user: the "
+                  "function's own")
+
+# flag -> (option strings, add_argument keywords)
 FLAGS: dict[str, tuple[tuple[str, ...], dict[str, Any]]] = {
     "model": (("model",), {"help": "the model source (file.py:factory, module:factory, a Hugging Face directory, ...)"}),
     "input-shape": (("--input-shape",), {
@@ -38,8 +49,8 @@ FLAGS: dict[str, tuple[tuple[str, ...], dict[str, Any]]] = {
         "help": "tokens per window of a text calibration file (default: the model's positions, at most 512)"}),
     "holdout": (("--holdout",), {"metavar": "SHARE|FILE", "help": "share of the rows held out to measure (default "
                                                                   "0.25), or a second file held out whole"}),
-    "metric": (("--metric",), {"metavar": "NAME|module:fn", "help_from": lambda: metric_help()}),
-    "tolerance": (("--tolerance",), {"type": float, "metavar": "X", "help_from": lambda: tolerance_help()}),
+    "metric": (("--metric",), {"metavar": "NAME|module:fn", "help": METRIC_HELP}),
+    "tolerance": (("--tolerance",), {"type": float, "metavar": "X", "help": TOLERANCE_HELP.replace("%", "%%")}),
     "compute-dtype": (("--compute-dtype",), {
         "choices": ["model", "float32"],
         "help": "the dtype calibration statistics are read in: model (its own, the default) or float32 (bf16/fp16 "
@@ -63,15 +74,12 @@ def add_shared(group: Any, *names: str, **changed: dict[str, Any]) -> None:
     ``changed[name]`` updates a flag's keywords for this command (``plan={"required": True}``)."""
     for name in names:
         strings, keywords = FLAGS[name]
-        keywords = {**keywords, **changed.get(name.replace("-", "_"), {})}
-        help_from: Callable[[], str] | None = keywords.pop("help_from", None)
-        action = group.add_argument(*strings, **keywords)
-        if help_from is not None:
-            action.help_from = help_from  # read by _Parser.format_help
+        group.add_argument(*strings, **{**keywords, **changed.get(name.replace("-", "_"), {})})
 
 
 def metric_help() -> str:
-    """--metric's help: every registered metric by its names and label, then a user function."""
+    """--metric's help as the registry says it (:data:`METRIC_HELP` must equal it): every registered metric by its
+    names and label, then a user function."""
     from ..calibration import metrics
 
     built_in = [metrics.for_kind(k) for k in metrics.kinds() if not metrics.for_kind(k).takes_function]
@@ -81,10 +89,11 @@ def metric_help() -> str:
 
 
 def tolerance_help() -> str:
-    """--tolerance's help: the default and what it is in each registered metric's units."""
+    """--tolerance's help as the registry says it (:data:`TOLERANCE_HELP` must equal it): the default and what it is
+    in each registered metric's units."""
     from ..calibration import metrics
     from ..calibration.metric import DEFAULT_TOLERANCE
 
     units = "; ".join(f"{k.names[0] if k.names else k.kind}: {k.units or 'its own units'}"
                       for k in map(metrics.for_kind, metrics.kinds()))
-    return f"allowed loss in the metric's units (default {DEFAULT_TOLERANCE:g}), e.g. 0.02: {units}".replace("%", "%%")
+    return f"allowed loss in the metric's units (default {DEFAULT_TOLERANCE:g}), e.g. 0.02: {units}"

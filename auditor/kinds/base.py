@@ -5,6 +5,7 @@ and :class:`LayerKind`, the object that holds everything about a kind. A kind mo
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Protocol
 
@@ -158,6 +159,11 @@ class LayerKind:
         """The shape of a timed module's input like one of ``shape`` at the batch (x positions) ``lead``: the
         leading dims become ``lead``, the features stay (a linear map's; overridden where the input differs)."""
         return (*lead, shape[-1])
+
+    def timing_outputs(self, shape: Shape, layer: Layer) -> int:
+        """The elements of one output of the timed module for an input of ``shape`` (the memory a timing at
+        ``--latency-shape`` holds): a row of ``layer.m`` per input row of a linear map."""
+        return math.prod(shape) // max(int(shape[-1]), 1) * layer.m
 
     # -- its input statistics
     def statistics(self, path: str, mod: nn.Module, layers: list[Layer], feeds: Feeds) -> None:

@@ -42,6 +42,10 @@ class EmbeddingKind(StoredTransposed, LayerKind):
         """The ids: ``lead`` itself."""
         return tuple(lead)
 
+    def timing_outputs(self, shape: Shape, layer: Layer) -> int:
+        """A row of ``layer.n`` per id."""
+        return math.prod(shape) * layer.n
+
     def guess(self, name: str, shape: Shape) -> tuple[int, int, str] | None:
         low = name.lower()
         if len(shape) != 2 or not any(w in low for w in NAME_WORDS):

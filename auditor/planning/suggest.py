@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 
-from .. import kinds, lrmath
+from .. import lrmath
 from ..config import Settings
 from ..results import Layer, Spectrum, Suggestion, Verdict
 
@@ -30,6 +30,8 @@ def suggest(layer: Layer, spec: Spectrum | None, settings: Settings) -> Suggesti
     if be < settings.min_break_even or useful < 1:
         return Suggestion(layer.name, Verdict.SKIP_NARROW, None,
                           f"break-even rank {be:.1f} leaves no room (below {settings.min_break_even:g})", **base)
+    from .. import kinds  # here, not at the top: the report renderers import this module, --help must not load torch
+
     refusal = kinds.for_kind(layer.kind).cannot_factorize
     if refusal:  # an explicit "no replacement" (LSTM gates, MultiheadAttention's in_proj): never suggested
         return Suggestion(layer.name, Verdict.KEEP_DENSE, None, f"{layer.kind} cannot be factorized: {refusal}",

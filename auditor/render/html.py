@@ -155,7 +155,8 @@ def _calibration(audit: "Audit", charts: bool) -> dict[str, Any]:
     floors = [(c.name, data_uri(svg)) for c in cv.floor_charts for svg in [floor_chart(c)] if svg] if charts else []
     legend = legend_chart(calibration.floor_legend(cal.metric)) if floors else None
     return {"calibration": {
-        "summary": cv.summary, "basis": cv.basis, "plan": cv.plan, "budget": cv.budget + [x for x in [cv.rounding] if x],
+        "summary": cv.summary, "basis": cv.basis, "plan": cv.plan,
+        "budget": cv.budget + [x for x in [cv.rounding, cv.fallback] if x],
         "warnings": cal.warnings, "missing": cal.missing, "rows": cv.rows,
         "finetune": calibration.FINETUNE if not cv.recovery_note else calibration.FINETUNE + " The suggested plan was "
                     "chosen after recovery: it " + cv.recovery_note + "; it needs that fine-tune.",

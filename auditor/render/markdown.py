@@ -276,6 +276,8 @@ def _cal_lines(cv: "CalibrationView") -> tuple[list[str], list[str]]:
     rounding = cv.md_rounding
     if rounding:
         lines.append(f"- {md_text(rounding)}")
+    if cv.fallback:
+        lines.append(f"- Sensitivity fallback: {md_text(cv.fallback)}")
     lines += _cal_search(cal, cv)
     lines += _cal_check(cal)
     if cal.missing:

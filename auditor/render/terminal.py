@@ -349,6 +349,8 @@ def calibration_lines(cv: "CalibrationView") -> list[str]:
     if cv.rounding:
         out.append(cv.rounding)
     out += [cv.summary, cv.basis]
+    if cv.fallback:
+        out.append(f"sensitivity fallback: {cv.fallback}")
     out += [f"warning: {w}" for w in cv.cal.warnings]
     out.append(calibration.FINETUNE)
     return [term(x) for x in out]  # messages may quote layer names

@@ -115,7 +115,22 @@ def load_source(
         return checkpoint
     if ":" in spec:
         return _factory(spec, input_shape, input_ids, weights, partial)
-    raise AuditError(f"cannot tell what kind of model source {spec!r} is", SOURCE_HELP)
+    raise _unknown(spec, path)
+
+
+def _unknown(spec: str, path: Path) -> AuditError:
+    """A source of no known kind: a Hub id (``gpt2``, ``owner/name``) is told how to fetch it, anything else gets the
+    list of kinds."""
+    if _HUB_ID.fullmatch(spec) and not path.exists():
+        return AuditError(f"{spec!r} is no file or folder here; it reads as a Hugging Face Hub id, and hub ids are not "
+                          "downloaded (the tool never uses the network)",
+                          f"Fetch it into a directory first (e.g. huggingface-cli download {spec} --local-dir "
+                          f"{spec.rsplit('/', 1)[-1]}), then give that directory")
+    return AuditError(f"cannot tell what kind of model source {spec!r} is", SOURCE_HELP)
+
+
+# a Hub repository id: NAME or OWNER/NAME, letters, digits, "-", "_", "." (no leading "." or "/", no path parts)
+_HUB_ID = re.compile(r"(?:[A-Za-z0-9][A-Za-z0-9_.-]{0,95}/)?[A-Za-z0-9][A-Za-z0-9_.-]{0,95}", re.ASCII)
 
 
 def _check_weights_target(spec: str, path: Path) -> None:

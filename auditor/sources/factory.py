@@ -63,7 +63,57 @@ def _run_user_code(fn: Callable[[], Any], doing: str, failed: str, fix: str, exi
         code = code if len(code) <= 60 else code[:57] + "..."
         raise AuditError(f"{doing} called sys.exit({code}) instead of returning", exit_fix or fix) from None
     except BaseException as exc:  # noqa: BLE001 - the user's code failed in any way at all
-        raise AuditError(f"{doing} {failed} {first_line(exc)}", fix) from None
+        err = AuditError(f"{doing} {failed} {first_line(exc)}{user_frame(exc)}", fix)
+        err.captured = user_traceback(exc)  # type: ignore[attr-defined]  # printed by --verbose
+        raise err from None
+
+
+_OURS = str(Path(__file__).resolve().parents[1]) + os.sep  # the auditor package: frames of the tool, not the user's
+
+
+def _library(filename: str) -> bool:
+    """A frame of Python's own library or of an installed package (torch, transformers), not of the user's code."""
+    import sysconfig
+
+    roots = {sysconfig.get_paths()[k] for k in ("stdlib", "platstdlib", "purelib", "platlib")}
+    return filename.startswith("<") or any(filename.startswith(r + os.sep) for r in roots)
+
+
+def user_frame(exc: BaseException) -> str:
+    """`` (at models.py:12)``: where the user's own code raised ``exc`` (its innermost frame outside the tool, Python
+    and installed packages; the innermost frame outside the tool when none is the user's); empty when unknown."""
+    import traceback
+
+    if isinstance(exc, SyntaxError) and exc.filename and exc.lineno:
+        return f" (at {_shown(exc.filename)}:{exc.lineno})"
+    frames = [f for f in traceback.extract_tb(exc.__traceback__) if not f.filename.startswith(_OURS)]
+    own = [f for f in frames if not _library(f.filename)] or frames
+    return f" (at {_shown(own[-1].filename)}:{own[-1].lineno})" if own else ""
+
+
+def _shown(filename: str) -> str:
+    """A path relative to the working folder when it lies under it, else as Python recorded it."""
+    with contextlib.suppress(ValueError, OSError):
+        return str(Path(filename).resolve().relative_to(Path.cwd().resolve()))
+    return filename
+
+
+def user_traceback(exc: BaseException) -> str:
+    """The traceback of ``exc`` (and the exceptions it chains) without the tool's own frames: the user's code and
+    what it called, as Python would print it had the user called the factory themselves."""
+    import traceback
+
+    te = traceback.TracebackException.from_exception(exc)
+    seen: set[int] = set()
+    todo = [te]
+    while todo:
+        t = todo.pop()
+        if id(t) in seen:
+            continue
+        seen.add(id(t))
+        t.stack = traceback.StackSummary.from_list([f for f in t.stack if not f.filename.startswith(_OURS)])
+        todo += [c for c in (t.__cause__, t.__context__) if c is not None]
+    return "".join(te.format()).rstrip("\n")
 
 
 def import_user_module(target: str, what: str = "file") -> ModuleType:

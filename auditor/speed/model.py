@@ -23,8 +23,9 @@ import torch
 from torch import nn
 
 from ..speedresults import ModelRun
-from .timing import Clock, block_timer, measure
+from .timing import Clock, Timing, block_timer
 
+ATTEMPTS = 3  # a timing that is not repeatable is measured again, at most this many times in all
 TIMEOUT_S = 600.0  # one subprocess at most this long (the audit goes on without the whole-model numbers)
 
 
@@ -98,9 +99,32 @@ def run_model(model: nn.Module, args: tuple, kwargs: dict, device: str = "cpu", 
     else:
         memory = "rss" if _rss_reset() else "rss-process-peak"
     with torch.inference_mode():
-        t = measure(lambda: model(*args, **kwargs), device=device, clock=clock, min_time=min_time)
+        t = _repeatable(lambda: model(*args, **kwargs), device, clock, min_time)
     peak = torch.cuda.max_memory_allocated(device) if cuda else _rss_peak()
     return ModelRun(t, int(peak), memory, params)
+
+
+def _repeatable(fn: Any, device: str, clock: Clock | None, min_time: float) -> Timing:
+    """``fn`` timed in this process, held to the checks of :func:`~auditor.speed.timing.refusal` (its two halves,
+    and with more than one CPU thread a one-thread cross-check), up to :data:`ATTEMPTS` times; a RuntimeError when
+    it never passes."""
+    import statistics
+
+    from .layer_timing import one_thread
+    from .timing import measure_blocks, refusal
+
+    why = ""
+    for _ in range(ATTEMPTS):
+        (per,), (calls,) = measure_blocks([fn], device=device, clock=clock, min_time=min_time)
+        one = None
+        if torch.get_num_threads() > 1 and not device.startswith("cuda"):
+            with one_thread():
+                (per1,), _ = measure_blocks([fn], device=device, clock=clock, min_time=min_time / 2)
+            one = statistics.median(per1)
+        why = refusal("the model", per, one) or ""
+        if not why:
+            return Timing.of(per, calls)
+    raise RuntimeError(f"the timing is not repeatable: {why}")
 
 
 def _build(spec: dict[str, Any]) -> tuple[nn.Module, tuple, dict]:
@@ -166,7 +190,8 @@ def _program(path: str, fmt: str) -> Any:
 
 def _serve(spec: dict[str, Any], reply: Any) -> None:
     """The worker: build, reset the peak memory, warm up and size a block (at least MIN_BLOCK_S), say ``ready``;
-    then time one block per ``b`` line read, and on ``q`` report the peak memory."""
+    then time one block per ``b`` line read (``1``: on one thread from then on, ``n``: on the threads asked for
+    again), and on ``q`` report the peak memory."""
     from ..structure.layers import ParamTable
     from .timing import MIN_BLOCK_S
 
@@ -202,12 +227,58 @@ def _serve(spec: dict[str, Any], reply: Any) -> None:
             calls *= 2
         say({"ready": True, "calls": calls, "params": params})
         for line in sys.stdin:
-            if line.strip() == "b":
-                say({"t": timer(fn, calls) / calls})
-            else:
+            if line.strip() == "1":  # the one-thread cross-check: from here on one thread
+                torch.set_num_threads(1)
+            elif line.strip() == "n":  # back to the threads asked for
+                torch.set_num_threads(int(spec["threads"]))
+            elif line.strip() != "b":
                 break
+            say({"t": timer(fn, calls) / calls})
     peak = torch.cuda.max_memory_allocated(device) if cuda else _rss_peak()
     say({"peak_bytes": int(peak), "memory": memory})
+
+
+TOOL_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # holds auditor/
+NEUTRAL_CWD = os.path.abspath(os.sep)  # the worker's working folder: nothing of the user's folder is on its path
+
+
+def worker_path() -> list[str]:
+    """The worker's module search path: the tool's own location first, then this process's path without the
+    working folder (``''`` or its absolute form) nor anything relative, so that a ``json.py`` or an ``auditor/``
+    package in the folder the user stands in (or audits with ``.``) is never imported by the worker."""
+    cwd = os.path.realpath(os.getcwd())
+    out = [TOOL_ROOT]
+    for p in sys.path:
+        if not p or not os.path.isabs(p) or os.path.realpath(p) == cwd or p in out:
+            continue
+        out.append(p)
+    return out
+
+
+def worker_command() -> list[str]:
+    """``python -I`` (isolated: no working folder, no PYTHON* variables, no user site on the path) running the
+    worker with :func:`worker_path` as its search path, set before anything of the tool is imported."""
+    boot = (f"import sys; sys.path[:] = {worker_path()!r}; "
+            "from auditor.speed.model import main; sys.exit(main())")
+    return [sys.executable, "-I", "-c", boot]
+
+
+def worker_env(threads: int) -> dict[str, str]:
+    """The worker's environment: its threads explicit and passive while they wait (OpenMP's default spin-waiting
+    on a busy machine stalls single calls 50-150x, and the stall would be timed as the model's)."""
+    return {**os.environ, "OMP_WAIT_POLICY": "PASSIVE", "OMP_NUM_THREADS": str(max(1, threads)),
+            "MKL_NUM_THREADS": str(max(1, threads))}
+
+
+def absolute_source(source: str) -> str:
+    """A source naming a path (``file.py:fn``, a folder, a file) made absolute, as the worker runs elsewhere;
+    anything else (``torchvision:NAME``, ``package.module:fn``) as it is."""
+    if os.path.exists(source):
+        return os.path.abspath(source)
+    target, sep, attr = source.rpartition(":")
+    if sep and target.endswith(".py") and os.path.isfile(target):
+        return f"{os.path.abspath(target)}:{attr}"
+    return source
 
 
 class _Worker:
@@ -215,14 +286,12 @@ class _Worker:
     RuntimeError with one line."""
 
     def __init__(self, spec: dict[str, Any], deadline: float) -> None:
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join([os.path.dirname(os.path.dirname(os.path.dirname(
-            os.path.abspath(__file__)))), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep)}
         self.deadline = deadline
         import tempfile
 
         self.err = tempfile.TemporaryFile(mode="w+")  # noqa: SIM115 - closed in kill(); a pipe could fill up
-        self.p = subprocess.Popen([sys.executable, "-m", "auditor.speed.model"], stdin=subprocess.PIPE,
-                                  stdout=subprocess.PIPE, stderr=self.err, text=True, env=env, bufsize=1)
+        self.p = subprocess.Popen(worker_command(), stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.err,
+                                  text=True, env=worker_env(int(spec["threads"])), cwd=NEUTRAL_CWD, bufsize=1)
         assert self.p.stdin is not None
         self.p.stdin.write(json.dumps(spec) + "\n")
         self.p.stdin.flush()
@@ -279,30 +348,34 @@ def measure_subprocesses(source: str, load: Any, plans: list[dict[str, int]], de
     """The model from ``source`` under each plan (``{}``: dense), each in its own fresh process, built one after
     the other (so that their peak memories are their own), then timed in interleaved blocks (a, b, a, b, ...) so
     that a change of the machine's load falls on all alike; ``programs``: exported (path, format) pairs timed
-    alike, on the CPU. A failure or the timeout is a RuntimeError."""
+    alike, on the CPU. With more than one thread on the CPU each is then timed on one thread too (the cross-check
+    of :func:`check_runs`). A failure, the timeout or a timing that is not repeatable is a RuntimeError."""
     import time
 
-    from .timing import Timing
-
     deadline = time.monotonic() + blocks.timeout
-    min_time, min_blocks, max_blocks = blocks.min_time, blocks.min_blocks, blocks.max_blocks
     workers: list[_Worker] = []
     try:
         ready = []
-        base = {"source": source, "load": asdict(load), "device": device, "threads": threads,
-                "lead": list(lead) if lead else None}
+        base = {"source": absolute_source(source), "load": _absolute_load(asdict(load)), "device": device,
+                "threads": threads, "lead": list(lead) if lead else None}
         specs = [{**base, "plan": plan} for plan in plans]
-        specs += [{**base, "program": str(path), "format": fmt, "device": "cpu"} for path, fmt in programs]
+        specs += [{**base, "program": os.path.abspath(path), "format": fmt, "device": "cpu"}
+                  for path, fmt in programs]
         for spec in specs:
             w = _Worker(spec, deadline)
             workers.append(w)
             ready.append(w.read())
-        per: list[list[float]] = [[] for _ in specs]
-        while any(len(p) < max_blocks and (len(p) < min_blocks or sum(p) * r["calls"] < min_time)
-                  for p, r in zip(per, ready)):
-            for i, w in enumerate(workers):
-                if len(per[i]) < max_blocks:
-                    per[i].append(float(w.ask("b")["t"]))
+        names = ["the dense model", *(f"plan {i}" for i in range(1, len(plans))),
+                 *(os.path.basename(p) for p, _ in programs)]
+        for attempt in range(ATTEMPTS):  # a passing load spike gets another chance
+            per = _blocks(workers, [int(r["calls"]) for r in ready], blocks, "n" if attempt else "b")
+            one = _one_thread(workers, blocks.min_blocks) if threads > 1 and not device.startswith("cuda") else None
+            try:
+                check_runs(per, one, names, len(plans))
+                break
+            except RuntimeError:
+                if attempt == ATTEMPTS - 1:
+                    raise
         out = []
         for i, w in enumerate(workers):
             end = w.ask("q")
@@ -314,10 +387,62 @@ def measure_subprocesses(source: str, load: Any, plans: list[dict[str, int]], de
             w.kill()
 
 
+def _absolute_load(load: dict[str, Any]) -> dict[str, Any]:
+    w = load.get("weights")
+    return {**load, "weights": os.path.abspath(w)} if isinstance(w, str) and os.path.exists(w) else load
+
+
+def _blocks(workers: list[_Worker], calls: list[int], blocks: Blocks, first: str = "b") -> list[list[float]]:
+    """Per worker, the per-call times of its blocks, timed in rounds (one block of each per round) until each
+    has ``min_blocks`` blocks and ``min_time`` seconds (at most ``max_blocks``); ``first``: the command of the
+    first block (``n`` after a one-thread cross-check)."""
+    per: list[list[float]] = [[] for _ in workers]
+    while any(len(p) < blocks.max_blocks and (len(p) < blocks.min_blocks or sum(p) * c < blocks.min_time)
+              for p, c in zip(per, calls)):
+        for i, w in enumerate(workers):
+            if len(per[i]) < blocks.max_blocks:
+                per[i].append(float(w.ask(first if not per[i] else "b")["t"]))
+    return per
+
+
+def _one_thread(workers: list[_Worker], n: int) -> list[float]:
+    """Each worker's median per-call time over ``n`` blocks on one thread (interleaved as the others)."""
+    import statistics
+
+    per: list[list[float]] = [[] for _ in workers]
+    for k in range(max(1, n)):
+        for i, w in enumerate(workers):
+            per[i].append(float(w.ask("1" if k == 0 else "b")["t"]))
+    return [statistics.median(p) for p in per]
+
+
+def check_runs(per: list[list[float]], one: list[float] | None, names: list[str], plans: int) -> None:
+    """Refuse (RuntimeError, one line) whole-model timings that cannot be trusted: a time that is not sane, two
+    interleaved repeats more than 25% apart, threads slower than one thread by more than 25%, or a plan (of the
+    first ``plans``, the first being dense) faster than dense with its threads and slower on one thread (or the
+    reverse)."""
+    import statistics
+
+    from .timing import refusal, same_verdict
+
+    for i, (p, name) in enumerate(zip(per, names)):
+        why = refusal(name, p, one[i] if one is not None else None)
+        if why:
+            raise RuntimeError(f"the timing is not repeatable: {why}")
+    if one is None:
+        return
+    dense = statistics.median(per[0])
+    for i in range(1, plans):
+        if not same_verdict(dense, statistics.median(per[i]), one[0], one[i]):
+            raise RuntimeError(f"the timing is not repeatable: {names[i]} is faster than the dense model with "
+                               "threads and slower on one thread, or the reverse")
+
+
 def main() -> int:
     spec = json.loads(sys.stdin.readline())
     reply = os.fdopen(os.dup(1), "w")
-    sys.stdout = sys.stderr  # what the model's code prints cannot mix with the replies
+    os.dup2(2, 1)  # what the model's code writes to descriptor 1 (C code, os.write) goes to stderr, not the replies
+    sys.stdout = sys.stderr  # and so does what it prints
     _serve(spec, reply)
     return 0
 

@@ -188,6 +188,29 @@ def exit_code(audit: "AuditResult", fail_on: FailOn | str | None = None) -> Exit
     return ExitCode.FINDINGS if audit.counts.at_least(floor) else ExitCode.OK
 
 
+def quiet_lines(audit: "AuditResult") -> str:
+    """What ``-q`` keeps of a failing run (as ruff's ``-q`` keeps its diagnostics): the verdict line, then one line
+    per warning or error finding (code, severity, layers, message, fix), names from the model made visible.
+
+    >>> from auditor.results import AuditResult, Finding, Settings, TraceMethod
+    >>> a = AuditResult("m", "x", TraceMethod.WALK, [], None, 10, [], False, Settings(),
+    ...           findings=[Finding("LR003", "narrow", Severity.WARNING, "too narrow", ["fc1"], fix="Keep it")])
+    >>> print(quiet_lines(a), end="")
+    REVIEW: 1 warning(s)
+    LR003 warning fc1: too narrow. Keep it.
+    """
+    from ..errors import visible
+
+    lines = [verdict_line(audit)]
+    for f in sorted(audit.findings, key=lambda f: f.sort_key()):
+        if f.severity.order > Severity.WARNING.order:
+            continue
+        where = ", ".join(f.layers[:3]) + (f" and {len(f.layers) - 3} more" if len(f.layers) > 3 else "")
+        text = f"{f.code} {f.severity}{' ' + where if where else ''}: {f.message.rstrip('.')}."
+        lines.append(visible(text + (f" {f.fix.rstrip('.')}." if f.fix else "")))
+    return "\n".join(lines) + "\n"
+
+
 def input_errors(audit: "AuditResult") -> list["Finding"]:
     """Findings that the command line reports as bad input (exit 2, no report): each rule decides for its own."""
     from ..rules import RULES

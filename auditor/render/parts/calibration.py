@@ -424,6 +424,7 @@ class CalibrationView:
     plan: str | None  # the reviewed plan measured all at once, in one sentence
     budget: list[str]  # the search: the plan that holds, the frontier, what recovery cost
     rounding: str | None  # what bfloat16 / float16 rounding alone costs
+    fallback: str | None  # the planned layers the output gradients did not reach, and what costed them instead
     md_rounding: str | None  # the same in the Markdown's units
     rows: list[CalRow]  # per layer, the plan's rank first; metric values as the text and HTML write them
     md_rows: list[CalRow]  # the same in the Markdown's units
@@ -445,6 +446,7 @@ def view(audit: "AuditResult") -> CalibrationView | None:
     return CalibrationView(
         cal=cal, summary=summary(cal), basis=basis(cal), plan=plan_line(cal), budget=budget_lines(cal),
         rounding=rounding_line(cal),
+        fallback=cal.sensitivity_fallback.line() if cal.sensitivity_fallback is not None else None,
         md_rounding=rounding_line(cal, lambda x: md_value(cal, x)),
         rows=rows(cal, plan=plan), md_rows=rows(cal, lambda v: md_value(cal, v), times="", plan=plan),
         frontier=frontier_rows(cal), recovery=recovery_cost(cal), recovery_note=cal.recovery_note(),
