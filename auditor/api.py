@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from . import results
+from ._env import scoped
 from .errors import AuditError
 from .options import AuditOptions, LoadOptions
 
@@ -243,6 +244,7 @@ class Audit(AuditOutputs, results.AuditResult):
         return int(exit_code(self))
 
 
+@scoped
 def audit(model: Any, inputs: Any = None, *, plan: Any = None, options: AuditOptions | None = None,
           **shortcuts: "Unpack[OptionFields]") -> Audit:
     """Audit a model: an ``nn.Module``, or a weights-only checkpoint from :func:`auditor.sources.load_source`.
@@ -264,6 +266,7 @@ def audit(model: Any, inputs: Any = None, *, plan: Any = None, options: AuditOpt
     return Audit.of(pipeline.audit(model, inputs, plan=plan, options=options, **shortcuts))
 
 
+@scoped
 def audit_source(spec: str, *, plan: Any = None, options: AuditOptions | None = None,
                  load: LoadOptions | None = None) -> Audit:
     """Load a model from a source string (see :func:`auditor.sources.load_source`) and audit it; the report's name
@@ -285,6 +288,7 @@ def _is_rank_table(plan: Any) -> bool:
     return isinstance(plan, dict) and "ranks" not in plan
 
 
+@scoped
 def factorize(model: "nn.Module", plan: Any, calibration: Any = None) -> "nn.Module":
     """A deep copy of ``model`` with each planned layer replaced by two (``model`` is left untouched).
 

@@ -167,6 +167,32 @@ class FrontierPlan:
     predicted_cost: float = working(0.0)  # the summed single-layer costs the allocation predicted
     rows: int = working(0)  # the search rows its metric was measured on (a subsample far from the tolerance)
     recovered: FrontierRecovery | None = None  # after the recovery fine-tune (--recover); None: not recovered
+    status: str = ""  # what happened to it (:data:`PLAN_STATUSES`), set once the search and verification are done
+    verification: "Verification | None" = None  # the plan on the verification rows, where it was verified
+    backstop: bool = working(False)  # measured below the plan found as the verification's fallback
+
+
+PLAN_STATUSES = {
+    "suggested": "the suggested plan",
+    "held": "held on the search rows (not verified)",
+    "failed": "failed on the search rows",
+    "failed verification": "held on the search rows, failed verification",
+    "backstop": "held on the search rows; a fallback below the plan, not needed",
+    "dense": "the dense model (nothing removed)",
+}
+
+
+def plan_status(p: FrontierPlan, chosen: dict[str, int]) -> str:
+    """What happened to one measured plan (a key of :data:`PLAN_STATUSES`), ``chosen`` the suggested plan's ranks."""
+    if p.plan == chosen and chosen:
+        return "suggested"
+    if not p.plan:
+        return "dense"
+    if not p.ok:
+        return "failed"
+    if p.verification is not None and not p.verification.ok:
+        return "failed verification"
+    return "backstop" if p.backstop else "held"
 
 
 @dataclass
@@ -198,6 +224,31 @@ class BudgetResult:
     tolerance: float = working(0.0)
     tries: list[FrontierPlan] = working(factory=list)  # every distinct plan measured, in order
     seconds: float = working(0.0)
+    plans: list[FrontierPlan] = field(default_factory=list)  # every distinct plan measured, by size, with its status
+
+    def settled(self) -> "BudgetResult":
+        """This result with ``plans`` (every distinct plan the search measured, fewest parameters removed first, a
+        frontier plan's recovery kept) and every plan's ``status`` set: what the reports list."""
+        from dataclasses import replace
+
+        def key(p: FrontierPlan) -> tuple[tuple[str, int], ...]:
+            return tuple(sorted(p.plan.items()))
+
+        front = {key(p): p for p in self.frontier}
+        seen: dict[tuple[tuple[str, int], ...], FrontierPlan] = {}
+        for p in [*self.tries, *self.frontier]:
+            q = seen.get(key(p)) or p
+            seen[key(p)] = replace(q, recovered=front[key(p)].recovered if key(p) in front else q.recovered,
+                                   verification=q.verification or p.verification, backstop=q.backstop or p.backstop)
+        marked = {k: replace(p, status=plan_status(p, self.plan),
+                             verification=p.verification or (self.verification if p.plan == self.plan else None))
+                  for k, p in seen.items()}
+        return replace(self, plans=sorted(marked.values(), key=lambda p: (p.removed, -p.ok)),
+                       frontier=[marked[key(p)] for p in self.frontier])
+
+    def plan_verified(self, removed: int) -> "FrontierPlan | None":
+        """The measured plan removing ``removed`` parameters (the first, when several do), or None."""
+        return next((p for p in self.plans if p.removed == removed), None)
 
     @property
     def nothing_to_plan(self) -> bool:
@@ -309,7 +360,8 @@ class CalibrationReport:
             higher = self.higher_is_better
             self.limit = self.limit if self.limit is not None else \
                 self.reference - self.tolerance if higher else self.tolerance
-            self.display = self.display or ("number" if higher else "percent")
+            self.display = self.display or (
+                "percent" if not higher and (self.increase_of or "error" in self.metric) else "number")
 
     def shortfall(self, value: float) -> float:
         """How far ``value`` lies on the failing side of :attr:`limit` (positive: it misses; larger: worse)."""
@@ -344,7 +396,7 @@ class CalibrationReport:
         if b is not None and b.get("recovery") is None:  # without --recover the report is as it was
             b.pop("recovery", None)
             b.pop("chosen_after_recovery", None)
-            for p in b.get("frontier", []):
+            for p in [*b.get("frontier", []), *b.get("plans", [])]:
                 p.pop("recovered", None)
         for v in d["layers"].values():
             v["curve"] = [list(p) for p in v["curve"]]

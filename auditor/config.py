@@ -68,6 +68,7 @@ class Setting:
     low_inclusive: bool = True
     high_inclusive: bool = True
     example: Any = None  # shown in the error for a bad value (default: the default)
+    stricter: str = ""  # "higher" or "lower": the way that flags more (a plan may not move it the other way)
 
     def __post_init__(self) -> None:
         if not _NAME.match(self.name):
@@ -318,7 +319,7 @@ def from_pyproject(start: Path | None = None) -> dict[str, Any]:
 
 
 PLAN_MAY_RELAX = "plan_may_relax_review"  # [tool.lowrank-auditor]: may a plan's [thresholds] relax its own review?
-_FAIL_ON_STRICTNESS = {FailOn.NEVER: 0, FailOn.ERROR: 1, FailOn.WARNING: 2}
+_FAIL_ON_STRICTNESS = {FailOn.NEVER: 0, FailOn.ERROR: 1, FailOn.WARNING: 2, FailOn.UNMEASURED: 3}
 
 
 def repo_settings(declared: Iterable[Setting] = (), start: Path | None = None) -> tuple["Settings", bool]:
@@ -345,11 +346,23 @@ def repo_settings(declared: Iterable[Setting] = (), start: Path | None = None) -
     return Settings().with_overrides(table, origin, declared, typed=True), allow
 
 
+def _loosened(before: "Settings", after: "Settings", declared: Iterable[Setting]) -> list[str]:
+    """The rule thresholds ``after`` moves the way that flags less (each :class:`Setting`'s ``stricter``)."""
+    out = []
+    for st in declared:
+        b, a = before.value(st), after.value(st)
+        if (st.stricter == "higher" and a < b) or (st.stricter == "lower" and a > b):
+            out.append(f"loosens {st.name} from {b:g} to {a:g}")
+    return out
+
+
 def check_plan_relaxes(before: "Settings", after: "Settings", plan: str,
-                       active: "Callable[[tuple[str, ...], tuple[str, ...]], set[str]] | None" = None) -> None:
+                       active: "Callable[[tuple[str, ...], tuple[str, ...]], set[str]] | None" = None,
+                       declared: Iterable[Setting] = ()) -> None:
     """A plan's ``[thresholds]`` cannot silence the review of that plan: it may tighten it (more rules, a stricter
     ``fail_on``) and tune the rules' thresholds, but not turn a rule off (``ignore``, a narrower ``select``) or lower
-    ``fail_on`` below what the repository's settings give, unless its pyproject.toml allows it
+    ``fail_on`` below what the repository's settings give, or loosen a rule threshold that declares which way is
+    stricter (``energy_floor = 1e-9`` would silence LR004 on the plan), unless its pyproject.toml allows it
     (``plan_may_relax_review``). ``active(select, ignore)``: the rule codes a selection runs (codes, prefixes and
     slugs resolved by the rule registry); without it the tokens are compared as written."""
     what = []
@@ -367,10 +380,12 @@ def check_plan_relaxes(before: "Settings", after: "Settings", plan: str,
             what.append(f"selects away {', '.join(dropped)}")
     if _FAIL_ON_STRICTNESS[after.fail_on] < _FAIL_ON_STRICTNESS[before.fail_on]:
         what.append(f"lowers fail_on from {before.fail_on} to {after.fail_on}")
+    what += _loosened(before, after, declared)
     if what:
         raise AuditError(f"plan {plan}: its [thresholds] {' and '.join(what)}, which would silence the review of "
                          "this very plan",
-                         f"Remove that from the plan (pass --ignore or --fail-on on the command line instead), or let "
+                         f"Remove that from the plan (pass --ignore, --fail-on or the threshold on the command line "
+                         f"instead), or let "
                          f"plans do it with {PLAN_MAY_RELAX} = true in [tool.lowrank-auditor] of pyproject.toml")
 
 

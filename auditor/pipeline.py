@@ -133,7 +133,7 @@ def resolve_settings(options: AuditOptions, plan: "Plan | None") -> Settings:
     if plan is not None and plan.thresholds:
         relaxed = settings.with_overrides(plan.thresholds, plan.source, declared, typed=True)
         if not options.plan_may_relax:  # a plan cannot silence its own review (pyproject.toml may allow it)
-            check_plan_relaxes(settings, relaxed, plan.source, active_rules)
+            check_plan_relaxes(settings, relaxed, plan.source, active_rules, declared)
         settings = relaxed
     if options.overrides:
         settings = settings.with_overrides(dict(options.overrides), options.overrides_origin, declared)

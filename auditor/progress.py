@@ -32,6 +32,8 @@ import warnings
 from dataclasses import dataclass, field
 from typing import IO, Any, Iterator
 
+from .errors import visible
+
 __all__ = ["LONG_PHASES", "PHASES", "CapturedLog", "Progress", "command_run", "plural", "quiet_torch_logging"]
 
 PHASES = ("load", "trace", "spectra", "calibration data", "statistics", "tier 1 spectra", "tier 2 floors",
@@ -151,7 +153,7 @@ class Progress:
             self._counted = True
             bar.bar_format = _counted(bar.unit, done) + "{postfix} … {elapsed}"
         if note is not None:
-            bar.set_postfix_str(note, refresh=False)
+            bar.set_postfix_str(visible(note), refresh=False)
         bar.update(max(0, done - bar.n))
 
 LONG_PHASES = frozenset({"statistics", "tier 1 spectra", "tier 2 floors", "sensitivity probes", "tier 3 plan search",
@@ -251,7 +253,7 @@ class _Plain:
 
     def _say(self, text: str) -> None:
         self.said = True
-        self.stream.write(text + "\n")
+        self.stream.write(visible(text) + "\n")  # a note may carry a layer name: one line, nothing run
         self.stream.flush()
 
     def update(self, done: int, total: int | None, note: str | None) -> None:

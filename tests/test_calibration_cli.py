@@ -129,9 +129,10 @@ def test_tier1_ranks_and_suggestions_are_the_librarys(cli_inproc, calib, tmp_pat
     assert (v["rows"], v["search_rows"], v["confidence"]) == (50, 50, 0.9) and v == got["budget"]["verification"]
     assert v["low"] <= pc["measured"] <= v["high"] <= got["tolerance"] and v["ok"] and not v["straddles"]
     assert d["verdict"].startswith("REVIEW: 2 warning(s)")  # LR014 on fc2 and fc3: 300 rows for 512 inputs
-    assert d["verdict"].endswith(f"measured all at once: relative output error {pc['measured']:.4g} (90% interval "
-                                 f"{v['low']:.4g} to {v['high']:.4g} over 50 verification rows): within the tolerance "
-                                 "0.01")
+    pc3 = lambda x: f"{100 * x:.3g}%"  # one unit: a percentage, three significant digits
+    assert d["verdict"].endswith(f"measured all at once: relative output error {pc3(pc['measured'])} (90% interval "
+                                 f"{pc3(v['low'])} to {pc3(v['high'])} over 50 verification rows): within the "
+                                 "tolerance 1%")
     # without tier 2 the prediction sums the tier-1 layer-output errors in quadrature
     assert pc["basis"] == "tier-1 layer-output errors"
     assert pc["predicted"] == pytest.approx(math.sqrt(sum(spectra[k].error_at(r) ** 2 for k, r in plan.items())),

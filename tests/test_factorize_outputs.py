@@ -416,3 +416,25 @@ def test_load_refuses_ranks_that_do_not_match_the_tensors(tmp_path, digits_mlp):
     (tmp_path / "fact" / "plan.json").write_text(json.dumps({**meta, "plan": {"fc9": 8}}))
     with pytest.raises(AuditError, match=r"plan.json: plan names 'fc9', which is not a factorizable layer"):
         load_factorized(model, tmp_path / "fact")
+
+
+def test_a_plan_that_misses_the_tolerance_exits_1_unless_allowed(cli_inproc, tmp_path):
+    """fc1 at rank 2 of the digits MLP misses a 1% output error on the held-out digits: the model is written, stderr
+    says it misses, and the exit code is 1; --allow-miss exits 0. A plan that holds exits 0 without the flag."""
+    from safetensors.torch import save_file
+    from sklearn.datasets import load_digits
+
+    x = torch.tensor(load_digits().data[:400], dtype=torch.float32) / 16.0
+    calib = tmp_path / "calib.safetensors"
+    save_file({"x": x.contiguous()}, str(calib))
+    plan = _plan(tmp_path, "fc1 = 2\n")
+    r = cli_inproc("factorize", MODEL, "--plan", plan, "-o", tmp_path / "a", "--calibration", calib, "--no-cache")
+    assert r.returncode == 1, r.stderr
+    assert "misses the tolerance 0.01: exit 1 (--allow-miss exits 0" in r.stderr
+    assert (tmp_path / "a" / "model.safetensors").is_file()
+    r = cli_inproc("factorize", MODEL, "--plan", plan, "-o", tmp_path / "b", "--calibration", calib, "--no-cache",
+                   "--allow-miss")
+    assert r.returncode == 0, r.stderr
+    r = cli_inproc("factorize", MODEL, "--plan", _plan(tmp_path, "fc1 = 56\n", "holds.toml"), "-o", tmp_path / "c",
+                   "--calibration", calib, "--no-cache")
+    assert r.returncode == 0 and "misses the tolerance" not in r.stderr, r.stderr

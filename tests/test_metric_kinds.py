@@ -162,10 +162,11 @@ def test_each_metric_says_its_limit_and_display_form_and_a_hand_made_report_foll
 
     out = {k: (registry.for_kind(k).limit(2.0, 0.5, False), registry.for_kind(k).display(False))
            for k in ("output", "perplexity", "kl", "masked")}
-    assert out == {k: (0.5, "percent") for k in out}  # zero on the dense model: the tolerance itself
+    assert out == {"output": (0.5, "percent"), "perplexity": (0.5, "percent"), "kl": (0.5, "number"),
+                   "masked": (0.5, "percent")}  # zero on the dense model: the tolerance itself; KL in nats
     user = registry.for_kind("user")
     assert (user.limit(2.0, 0.5, True), user.display(True)) == (1.5, "number")
-    assert (user.limit(2.0, 0.5, False), user.display(False)) == (2.5, "percent")  # the dense value moved the wrong way
+    assert (user.limit(2.0, 0.5, False), user.display(False)) == (2.5, "number")  # the dense value moved the wrong way
     made = CalibrationReport("c", "0.25", "", 1, 1, "accuracy", True, 0.05, 0.9)
     assert (made.limit, made.display, made.shortfall(0.8), made.shortfall(0.9)) == (
         pytest.approx(0.85), "number", pytest.approx(0.05), pytest.approx(-0.05))

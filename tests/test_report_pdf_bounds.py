@@ -87,3 +87,20 @@ def test_appendix_lines_align_and_long_names_take_a_line_of_their_own():
     assert lines[3] == "    2 " + "n" * 50
     assert lines[4] == f"{'':>5} {'':<{w}} {figures}"
     assert len(lines) == 5
+
+
+def test_report_css_parses_whole_and_keeps_table_rows_on_one_page():
+    """Every top-level rule of report.css parses (a stray ``}`` once turned the next rule's selector into garbage,
+    so WeasyPrint dropped ``tr { break-inside: avoid }`` and the Llama PDF split a row across pages), and the rule
+    that keeps a table row on one page is among them."""
+    tinycss2 = pytest.importorskip("tinycss2")
+    from auditor.render.html import template_dir
+
+    rules = tinycss2.parse_stylesheet((template_dir() / "report.css").read_text(encoding="utf-8"),
+                                      skip_comments=True, skip_whitespace=True)
+    assert [r for r in rules if r.type == "error"] == []
+    selectors = {tinycss2.serialize(r.prelude).strip(): tinycss2.serialize(r.content) for r in rules
+                 if r.type == "qualified-rule"}
+    assert not [s for s in selectors if s.startswith("}")]
+    row_rule = selectors.get("tr, td, th", "")
+    assert "break-inside: avoid" in row_rule and "page-break-inside: avoid" in row_rule

@@ -563,7 +563,7 @@ def test_each_format_draws_the_calibration_from_one_view(planned_audit, monkeypa
     monkeypatch.setattr(calibration, "view", lambda audit: built.append(audit) or real(audit))
     cv = real(a)
     assert [(r.layer, r.r1, r.suggested, r.floor, r.cliff) for r in cv.rows] == [("layers.0.up", 12, "8", "8", "4: 0.03")]
-    assert cv.md_rows[0].cliff == "4: 3.0%" and cv.md_rows[0].compression == "3.00"  # the Markdown's units
+    assert cv.md_rows[0].cliff == "4: 3.00%" and cv.md_rows[0].compression == "3.00"  # the Markdown's units
     for fmt in ("text", "md", "html"):
         built.clear()
         out = REPORTERS[fmt].render(a, RenderContext(charts=False, width=0))

@@ -189,9 +189,11 @@ CASES: dict[str, Case] = {
                          options=dict(calibration=rows(200), measure_floor=True)),
     "LR013-fires": Case("LR013", rank12, plan={"ranks": {"0": 16}, **FT}, expect=[([], dict(plan="plan"))]),
     "LR013-passes": Case("LR013", rank12, plan={"ranks": {"0": 16}, **FT}, options=dict(calibration=rows(200))),
-    "LR014-fires": Case("LR014", rank12, options=dict(calibration=rows(40)),
+    "LR014-fires": Case("LR014", rank12, plan={"ranks": {"0": 16}, **FT}, options=dict(calibration=rows(40)),
                         expect=[(["0"], dict(rows=30, width=64))]),
-    "LR014-passes": Case("LR014", rank12, options=dict(calibration=rows(200))),
+    "LR014-passes": Case("LR014", rank12, plan={"ranks": {"0": 16}, **FT}, options=dict(calibration=rows(200))),
+    # the same short calibration, but the suggested plan keeps the layer dense: nothing is truncated blind
+    "LR014-passes-kept-dense": Case("LR014", rank12, options=dict(calibration=rows(40))),
     # rank 8 drops four of rank12's directions: the measured error (the held-out rows' share of them) misses 1%;
     # the largest plan that held is rank 16 (exact: 2,048 parameters removed at rounding-level error)
     "LR015-fires": Case("LR015", rank12, plan={"ranks": {"0": 8}, **FT}, options=dict(calibration=rows(200),

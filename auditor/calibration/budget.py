@@ -422,7 +422,9 @@ class _Search:
                     < at.removed - self.fixed_saved]
             if target <= 0:
                 return
+            n = len(self.tries)
             at = max(near, key=lambda p: p.removed) if near else self.measure(target)
+            at.backstop = at.backstop or len(self.tries) > n  # measured here, as the fallback
 
     def best(self, limit: float) -> FrontierPlan | None:
         held = [p for p in self.tries if p.ok and p.target <= limit]
@@ -553,8 +555,8 @@ def recover_frontier(model: nn.Module, session: CalibrationSession, result: Budg
     s = replace(settings, **given) if settings is not None else RecoverySettings(**given)
     t0 = time.perf_counter()
     frontier = _recovery_frontier(result)
-    out = _recover_each(model, session, frontier, s, progress)
-    setup = RecoverySetup(s.steps, float(s.lr), s.trainable, s.objective, s.seed, s.choose_after,
+    out, used = _recover_each(model, session, frontier, s, progress)
+    setup = RecoverySetup(s.steps, float(s.lr), s.trainable, used, s.seed, s.choose_after,
                           time.perf_counter() - t0)
     new_result = replace(result, frontier=out, recovery=setup)
     return _chosen_after(new_result, result, out) if s.choose_after else new_result
@@ -579,14 +581,15 @@ def _recovery_frontier(result: BudgetResult) -> list[FrontierPlan]:
 
 
 def _recover_each(model: nn.Module, session: CalibrationSession, frontier: list[FrontierPlan],
-                  s: RecoverySettings, progress: Callable[[int, int], None] | None) -> list[FrontierPlan]:
-    """Each plan (the dense model aside) factorized, fine-tuned and measured again."""
+                  s: RecoverySettings, progress: Callable[[int, int], None] | None) -> tuple[list[FrontierPlan], str]:
+    """Each plan (the dense model aside) factorized, fine-tuned and measured again; and the objective the runs
+    used ("auto" resolved to "kl" or "mse", so that the emitted command repeats that recovery, not another)."""
     from ..calresults import FrontierRecovery
     from .recovery import recover
 
     todo = [p for p in frontier if p.plan]
     out: list[FrontierPlan] = []
-    done = 0
+    done, used = 0, s.objective
     with session.measuring():
         for p in frontier:
             if not p.plan:  # the dense model: nothing to recover
@@ -597,6 +600,7 @@ def _recover_each(model: nn.Module, session: CalibrationSession, frontier: list[
             r = recover(new, model, session, steps=s.steps, lr=s.lr, trainable=s.trainable, objective=s.objective,
                         seed=s.seed, metric=session.metric)
             del new
+            used = r.objective
             if r.stopped is not None and r.stopped.startswith("interrupted"):
                 raise KeyboardInterrupt
             rec = FrontierRecovery(r.after.metric, r.after.ok, r.after.top1, r.done, r.rows_trained,
@@ -605,7 +609,7 @@ def _recover_each(model: nn.Module, session: CalibrationSession, frontier: list[
             done += 1
             if progress is not None:
                 progress(done, len(todo))
-    return out
+    return out, used
 
 
 def _chosen_after(new_result: BudgetResult, result: BudgetResult, out: list[FrontierPlan]) -> BudgetResult:

@@ -490,7 +490,7 @@ def _text(path: Path, model: nn.Module | None, holdout: float, reading: Reading,
     """A text file tokenized into windows (:func:`~auditor.calibration.text.text_inputs`)."""
     names, _ = _forward_names(model)
     text_in = text_inputs(path, reading.tokenizer, model, reading.length, attention_mask="attention_mask" in names,
-                          max_bytes=reading.max_bytes)
+                          max_bytes=reading.max_bytes, max_rows=reading.max_rows)
     windows = int(text_in.tensors["input_ids"].shape[0])
     if holdout > 0 and windows < 2:
         raise AuditError(f"calibration text {where} gives one window of {text_in.window} tokens, so nothing can "

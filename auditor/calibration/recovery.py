@@ -38,6 +38,7 @@ from typing import Any, Callable, Sequence
 import torch
 from torch import nn
 
+from .._env import scoped
 from ..errors import AuditError
 from .inputs import Batch, Calibration, model_device
 from .metric import Evaluator, Metric, main_output
@@ -537,6 +538,7 @@ def _run(run: _Measure, dense: nn.Module, params: list[nn.Parameter], settings: 
     return state, opt
 
 
+@scoped  # the seed it sets is the run's: the host's torch random state is left as found
 def recover(factorized: nn.Module, dense: nn.Module, calibration: "Calibration | CalibrationSession",
             settings: RecoverySettings | None = None, *, metric: Metric | None = None,
             progress: Progress | None = None, **keywords: Any) -> Recovery:

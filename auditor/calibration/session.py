@@ -140,7 +140,15 @@ def map_large_arrays() -> bool:
     and handed back to the system when freed. Without it glibc raises the threshold as large blocks are freed, and
     the many float64 arrays of a few MiB the calibrated audit allocates and frees (moments, decompositions read
     back, Grams) stay in its heap: measured, the whole audit's peak grew 2.12x the weights' growth from depth 2 to 8,
-    1.10x with the threshold fixed (docs/calibration.md). Process-wide, as glibc's ``MALLOC_MMAP_THRESHOLD_``."""
+    1.10x with the threshold fixed (docs/calibration.md). Process-wide, as glibc's ``MALLOC_MMAP_THRESHOLD_``, and
+    not undoable: glibc has no getter, and any ``mallopt(M_MMAP_THRESHOLD, v)`` turns its dynamic threshold off for
+    good (setting the documented 128 KiB back would leave every later 128 KiB allocation mapped, slower than the
+    default). So it is done only in the tool's own process (the command line, :func:`auditor._env.own_process`);
+    a library call (``auditor.audit`` in a notebook) leaves the host's allocator alone and returns False."""
+    from .._env import owns_process
+
+    if not owns_process():
+        return False
     _trim()  # loads libc
     if not _LIBC:
         return False

@@ -528,7 +528,7 @@ def _report(run: _Run, budget: Any) -> CalibrationReport:
         reference=run.reference, layers=run.per, missing=dict(stats.missing),
         warnings=list(dict.fromkeys([*cal.warnings, *stats.warnings])),
         synthetic=any(SYNTHETIC_MARK in w for w in cal.warnings), measured_floors=measured,
-        budget=budget, suggestions_from="measured floors" if measured else "calibration",
+        budget=budget.settled() if budget is not None else None, suggestions_from="measured floors" if measured else "calibration",
         statistics_cached=run.cached, seconds=run.seconds, evaluations=run.evaluations,
         rounding_floor=run.rounding, compute_dtype=options.compute_dtype,
         tier1_target=run.target, increase_of=metric.spec.increase_of, sensitivity_fallback=run.fallback,
@@ -572,10 +572,10 @@ def _verify(model: nn.Module, session: CalibrationSession, budget: Any, stats: I
         for p in held[:VERIFY_TRIES]:
             v = ver.measure(factorize(model, p.plan, stats, reuse=reuse, share=True))
             chosen = p
+            p.verification = v = replace(v, search_rows=search_rows)  # every plan verified says so in the report
             if v.ok:
                 break
     assert chosen is not None and v is not None
-    v = replace(v, search_rows=search_rows)
     if chosen.plan == budget.plan:
         return replace(budget, verification=v)
     total = budget.params_before

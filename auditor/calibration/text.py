@@ -223,12 +223,33 @@ def _vocab(model: nn.Module | None) -> int | None:
     return max(sizes) if sizes else None
 
 
+PIECE = 1 << 20  # characters tokenized at once: a 20 MB single-line text is not tokenized whole
+
+
+def token_ids(tok: Any, text: str, need: int | None = None) -> list[int]:
+    """``text``'s token ids, tokenized :data:`PIECE` characters at a time (each piece ending before a space where
+    one is near, so a word is not split), stopping once ``need`` ids are had: the tokenizer's memory is bounded
+    by a piece, not the text. A text within one piece gives the ids of one call."""
+    ids: list[int] = []
+    start = 0
+    while start < len(text) and (need is None or len(ids) < need):
+        end = min(len(text), start + PIECE)
+        if end < len(text):
+            cut = text.rfind(" ", start + PIECE // 2, end)
+            end = cut if cut > start else end
+        ids += tok(text[start:end], add_special_tokens=False, return_attention_mask=False, verbose=False)["input_ids"]
+        start = end
+    return ids
+
+
 def text_inputs(path: Path, tokenizer: str | Path | None, model: nn.Module | None, length: int | None = None,
-                attention_mask: bool = True, max_bytes: int | None = None) -> TextInputs:
+                attention_mask: bool = True, max_bytes: int | None = None,
+                max_rows: int | None = None) -> TextInputs:
     """A text file tokenized with the tokenizer in the directory ``tokenizer`` and cut into windows: ``input_ids``
     (windows x length, int64), with ``attention_mask`` (ones) when ``attention_mask``. One-line
     :class:`AuditError` for: no tokenizer, a file that is not UTF-8, an empty or whitespace-only text, a tokenizer
-    that does not load, and a text shorter than one window."""
+    that does not load, a text shorter than one window, and one giving more than ``max_rows`` windows (found
+    without tokenizing the rest: :func:`token_ids`)."""
     check_text_sources([path], tokenizer, max_bytes)
     text = read_text(path, max_bytes)
     tok, identity = load_tokenizer(Path(tokenizer))
@@ -238,7 +259,11 @@ def text_inputs(path: Path, tokenizer: str | Path | None, model: nn.Module | Non
     if chunk < 1:
         raise AuditError(f"a calibration window of {window} tokens leaves no room for text beside the tokenizer's "
                          f"{len(before) + len(after)} special tokens", "Give a longer --calibration-length")
-    ids = list(tok(text, add_special_tokens=False, return_attention_mask=False, verbose=False)["input_ids"])
+    ids = token_ids(tok, text, None if max_rows is None else (max_rows + 1) * chunk)
+    if max_rows is not None and len(ids) // chunk > max_rows:
+        raise AuditError(f"calibration text {path} gives more than {max_rows:,} windows of {window} tokens, the cap "
+                         "(tokenizing stopped there)", "Give a smaller sample of the text, or raise the cap with "
+                         f"--calibration-max-rows {2 * max_rows}")
     count = len(ids) // chunk
     specials = f" ({chunk} text tokens and {len(before) + len(after)} special)" if before or after else ""
     if count == 0:

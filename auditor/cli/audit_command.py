@@ -13,6 +13,7 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Sequence
 
+from .._env import own_process
 from .argparser import UsageError, _Parser
 from .shared_flags import add_shared
 from ..config import FailOn
@@ -359,6 +360,7 @@ def internal_error(exc: BaseException, verbose: bool) -> int:
 
 
 def _dispatch(argv: list[str], written: list[Path]) -> int:
+    own_process()  # the command line's process is the tool's own: process-wide tuning allowed (a library's is not)
     if argv and argv[0] == "rules":
         return _rules_main(argv[1:])
     if argv and argv[0] == "check-plan":
@@ -535,6 +537,9 @@ def calibration_options(args: argparse.Namespace) -> dict:
         if given:
             raise AuditError(f"{', '.join(given)} need(s) calibration data", "Pass --calibration FILE as well")
         return {}
+    if args.no_split and args.confidence is not None:  # the level is the verification's, and --no-split has none
+        raise AuditError(f"--confidence {args.confidence:g} means nothing with --no-split (no rows are kept apart "
+                         "to verify on, so no interval is drawn)", "Drop one of --confidence and --no-split")
     return {"calibration": args.calibration, "holdout": args.holdout if args.holdout is not None else 0.25,
             "metric": args.metric, "tolerance": args.tolerance, "measure_floor": args.measure_floor,
             "budget": args.budget, "calibration_length": args.calibration_length,

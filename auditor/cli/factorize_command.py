@@ -35,6 +35,9 @@ def _parser() -> argparse.ArgumentParser:
                    help="replace DIR when it holds a previous output of lowrank-audit factorize (and nothing else)")
     p.add_argument("--allow-no-saving", action="store_true",
                    help="write layers whose rank is at or above break-even (LR001), which store more than before")
+    p.add_argument("--allow-miss", action="store_true",
+                   help="exit 0 when the factorized model, measured on the held-out rows, misses the tolerance "
+                        "(default: exit 1, the model still written)")
     add_shared(p, "calibration", "holdout", "calibration-length", "metric", "tolerance", "weights", "input-shape",
                "input-ids", "no-cache", "compute-dtype", "no-split", "confidence")
     p.add_argument("--measure-speed", action="store_true",
@@ -170,6 +173,9 @@ def _options(args: argparse.Namespace, loaded: Any, plan: Any) -> Any:
     if not cal and given:
         raise AuditError(f"{', '.join(given)} {'needs' if len(given) == 1 else 'need'} --calibration",
                          "Pass --calibration FILE")
+    if args.no_split and args.confidence is not None:  # the level is the verification's, and --no-split has none
+        raise AuditError(f"--confidence {args.confidence:g} means nothing with --no-split (no rows are kept apart "
+                         "to verify on, so no interval is drawn)", "Drop one of --confidence and --no-split")
     return options
 
 
@@ -326,7 +332,24 @@ def run(args: argparse.Namespace) -> int:
     if getattr(args, "measure_speed", False):
         _speed(args, loaded, made.plan, out, exported)
     stopped = str(made.extra.get("recovery", {}).get("stopped") or "")
-    return 130 if stopped.startswith("interrupted") else ExitCode.OK
+    if stopped.startswith("interrupted"):
+        return 130
+    return ExitCode.FINDINGS if _misses(result, made) and not args.allow_miss else ExitCode.OK
+
+
+def _misses(result: Any, made: _Made) -> bool:
+    """Whether the written model misses the tolerance on the held-out rows (after the recovery fine-tune when one
+    ran; the verification interval's upper end when the rows were split), said in one line on stderr."""
+    cr = result.calibration
+    pc = cr.plan_check if cr is not None else None
+    if pc is None or pc.layers == 0:
+        return False
+    after = (made.extra.get("recovery") or {}).get("after") or {}
+    ok = after["ok"] if "ok" in after else pc.verification.ok if pc.verification is not None else pc.ok
+    if not ok:
+        print(f"the factorized model misses the tolerance {cr.tolerance:g}{' after recovery' if 'ok' in after else ''}"
+              ": exit 1 (--allow-miss exits 0; raise the ranks, or --recover)", file=sys.stderr)
+    return not ok
 
 
 def _speed(args: argparse.Namespace, loaded: Any, plan: dict[str, int], out: Path, exported: list[str]) -> None:

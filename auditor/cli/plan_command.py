@@ -87,7 +87,8 @@ def _check_thresholds(plan: "Plan") -> None:
     if not plan_may_relax:
         from ..rules.runner import selected
 
-        check_plan_relaxes(settings, relaxed, plan.source, lambda sel, ign: {r.code for r in selected(sel, ign)})
+        check_plan_relaxes(settings, relaxed, plan.source, lambda sel, ign: {r.code for r in selected(sel, ign)},
+                           declared)
     validate(relaxed, declared)
 
 

@@ -158,11 +158,13 @@ def _calibration(audit: "Audit", charts: bool) -> dict[str, Any]:
         "summary": cv.summary, "basis": cv.basis, "plan": cv.plan,
         "budget": cv.budget + [x for x in [cv.rounding, cv.fallback] if x],
         "warnings": cal.warnings, "missing": cal.missing, "rows": cv.rows,
+        "empty": calibration.empty_columns(cv.rows),
         "finetune": calibration.FINETUNE if not cv.recovery_note else calibration.FINETUNE + " The suggested plan was "
                     "chosen after recovery: it " + cv.recovery_note + "; it needs that fine-tune.",
         "recovery": cv.recovery, "recovered_steps": cv.recovered_steps,
         "frontier": data_uri(front) if front else None, "frontier_rows": cv.frontier,
-        "metric": cal.metric,
+        "metric": cal.metric, "in_percent": calibration.in_percent(cal),
+        "frontier_title": calibration.frontier_title(cal), "verified_head": calibration.verified_head(cal),
         "layer_charts": floors, "floor_legend": data_uri(legend) if legend else "",
     }}
 
@@ -249,6 +251,7 @@ def context(audit: "AuditResult", ctx: RenderContext = RenderContext(), pdf: boo
         "wn": cut_middle if pdf else wrap_dots,  # a name in a table cell: wraps at its dots in the HTML
         "pt": cut_runs if pdf else _same,  # a message as the PDF shows it
         "cut": cut,
+        "count": lambda v: f"{v:,}" if isinstance(v, int) else v,  # a count, or a group's range as it is
     }
 
 

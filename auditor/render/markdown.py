@@ -1,15 +1,15 @@
 """Markdown for a pull-request comment or a CI job summary: read in ten seconds, under GitHub's comment limit.
 
-The open part (what shows before any fold is expanded) stays under :data:`auditor.render.parts.md_fit.OPEN_LIMIT`
+The open part (what shows before any fold is expanded) stays under :data:`auditor.render.md_fit.OPEN_LIMIT`
 bytes for any model: the verdict, the plan card (what the plan saves and, with calibration, its all-at-once
 measurement), the findings; then the plan, the calibration and the layers. A table is shown open only when it has
 at most :data:`ROWS_OPEN` rows and :data:`COLS_OPEN` columns and fits what is left of the open part; every other
 table, and the findings past the first :data:`ROWS_OPEN`, sit inside ``<details>``. The whole text stays under
-:data:`auditor.render.parts.md_fit.DEFAULT_CAP` characters (rows cut last, with one line saying what is left out).
+:data:`auditor.render.md_fit.DEFAULT_CAP` characters (rows cut last, with one line saying what is left out).
 
-One unit convention: shares and errors are percentages, rounded by :func:`auditor.render.parts.md_fit.percent` (one
+One unit convention: shares and errors are percentages, rounded by :func:`auditor.render.md_fit.percent` (one
 decimal from 1% up, two significant digits below); a user metric is printed in its own units. Every name goes
-through :mod:`auditor.render.parts.safe`, so a layer name cannot open a link, an image, a heading or raw HTML.
+through :mod:`auditor.render.safe`, so a layer name cannot open a link, an image, a heading or raw HTML.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from ..verdict.policy import verdict_head
 from ..results import Severity
 from .parts import calibration, speed
 from .base import RenderContext, Stdout
-from .parts.calibration import CURVES, FINETUNE, md_tolerance, md_value
+from .parts.calibration import CURVES, FINETUNE, larger_words, md_tolerance, md_value
 from .parts.md_fit import COLS_OPEN, ROWS_OPEN, Room, fold_if, DEFAULT_CAP, OPEN_LIMIT, Section, fit_markdown, measure, percent
 from .parts.pages import group_rows, plan_rows, rank_changes
 from .parts.safe import md_code, md_text, middle
@@ -206,7 +206,7 @@ def _layers(audit: "AuditResult", room: Room) -> Section:
                             f"layers, {len(head)} columns", columns=len(head))
 
 
-# ---- calibration (:class:`auditor.render.parts.calibration.CalibrationView`) ---------------------------------------
+# ---- calibration (:class:`auditor.render.calibration.CalibrationView`) ---------------------------------------
 def _cal_search(cal: "CalibrationReport", cv: "CalibrationView") -> list[str]:
     """The search's bullets: what it asked, how many plans it measured, what it needs (recovery)."""
     b = cal.budget
@@ -221,8 +221,7 @@ def _cal_search(cal: "CalibrationReport", cv: "CalibrationView") -> list[str]:
                      "tolerance, so every calibrated layer stays dense")
     else:
         lines.append(f"- Search ({ask}, over the {CURVES.get(b.source, b.source)} curves): {b.evaluations} plans measured all at once"
-                     + (f"; the smallest larger plan measured ({b.smallest_failing:,} parameters removed) "
-                        "misses the tolerance" if b.smallest_failing is not None else ""))
+                     + (f"; {md_text(larger_words(cal))}" if b.smallest_failing is not None else ""))
     if b.exhausted:
         lines.append(f"- ⚠️ The search stopped at its cap of {b.evaluations} measurements before the boundary "
                      "was bracketed: a larger plan may hold")
@@ -291,53 +290,63 @@ def _cal_frontier(cv: "CalibrationView", room: Room) -> Section | None:
     """Every plan measured all at once (and after recovery), open while short."""
     cal = cv.cal
     b = cal.budget
-    if b is None or not b.frontier:
+    if b is None or not cv.frontier:
         return None
-    head = ["parameters removed", "share", "layers", md_text(middle(cal.metric, 40)), "top-1", "all at once"]
+    head = ["parameters removed", "share", "layers", md_text(middle(cal.metric, 40)) + " (search rows)", "top-1",
+            md_text(calibration.verified_head(cal)), "what happened"]
     rc = b.recovery
     if rc is not None:
         head += [f"after {rc.steps} steps", "after recovery", "recovery cost"]
     frows = []
-    for r, p in zip(cv.frontier, b.frontier):
-        holds = r.holds
+    for r, p in zip(cv.frontier, calibration.measured_plans(cal)):
+        status = r.status
         if r.chosen:
-            holds = (f"**{r.holds} (suggested: holds after recovery, needs the fine-tune)**"
-                     if b.chosen_after_recovery else f"**{r.holds} (suggested)**")
+            status = (f"**{status} (holds after recovery, needs the fine-tune)**"
+                      if b.chosen_after_recovery else f"**{status}**")
         more = ""
         if rc is not None:
-            rec = p.recovered
-            more = (f" {md_value(cal, rec.metric)} | {r.recovered_holds} | {md_text(r.cost)} |" if rec is not None
+            more = (f" {r.recovered} | {r.recovered_holds} | {md_text(r.cost)} |" if p.recovered is not None
                     else " \u2013 | \u2013 | \u2013 |")
-        frows.append(f"| {r.removed} | {percent(p.removed_fraction)} | {r.layers} | {md_value(cal, p.metric)} | "
-                     f"{percent(p.top1)} | {holds} |{more}")
-    intro = "Every plan measured all at once, fewest parameters removed first"
+        frows.append(f"| {r.removed} | {percent(p.removed_fraction)} | {r.layers} | {r.metric} | "
+                     f"{percent(p.top1)} | {md_text(r.verified)} | {status} |{more}")
+    intro = calibration.frontier_title(cal)
     if rc is not None:
         intro += (f", and again after {rc.steps} steps of recovery fine-tune (distillation on the fit rows, "
                   "measured on the held-out rows)")
     s = Section("", [intro + ":", "", "| " + " | ".join(head) + " |",
-                     "|---:|---:|---:|---:|---:|---|" + ("---:|---|---|" if rc is not None else "")], frows,
+                     "|---:|---:|---:|---:|---:|---|---|" + ("---:|---|---|" if rc is not None else "")], frows,
                 noun="frontier plans", title="Frontier")
     return fold_if(s, room, f"Frontier: {len(frows):,} plans measured all at once", columns=len(head))
 
 
 def _cal_layers(cv: "CalibrationView") -> Section | None:
-    """The per-layer table (folded): the plan's rank, then the evidence."""
+    """The per-layer table (folded): the plan's rank, then the evidence; repeated blocks one row each, a column no
+    row has a value in left out."""
     if not cv.cal.layers:
         return None
-    head = ["layer", "plan rank", "rows", "n", "evidence: r@1% / 2% / 5% / 10%", "evidence: tier-1",
-            "evidence: floor", "cliff (rank: metric)", "x"]
-    lrows = []
-    for r in cv.md_rows:
-        ranks = " / ".join(str(x) if x is not None else "\u2013" for x in (r.r1, r.r2, r.r5, r.r10))
-        lrows.append(f"| {md_code(r.layer)} | **{r.plan}** | {r.rows:,} | {r.width:,} | {ranks} | {r.suggested} | "
-                     f"{r.floor} | {r.cliff} | {r.compression} |")
-    return Section("", ["Per layer: the plan's rank (measured all at once), then the evidence: the ranks "
+    empty = calibration.empty_columns(cv.md_rows)
+    cols = [("layer", "---", lambda r: md_code(r.layer)), ("plan rank", "---:", lambda r: f"**{r.plan}**"),
+            ("rows", "---:", lambda r: _count(r.rows)), ("n", "---:", lambda r: _count(r.width)),
+            ("evidence: r@1% / 2% / 5% / 10%", "---:",
+             lambda r: " / ".join(_count(x) if x is not None else "\u2013" for x in (r.r1, r.r2, r.r5, r.r10))),
+            ("evidence: tier-1", "---:", lambda r: r.suggested), ("evidence: floor", "---:", lambda r: r.floor),
+            ("cliff (rank: metric)", "---:", lambda r: r.cliff), ("x", "---:", lambda r: r.compression)]
+    keys = ["layer", "plan", "rows", "n", "ranks", "tier1", "floor", "cliff", "compression"]
+    cols = [c for k, c in zip(keys, cols) if k not in empty]
+    lrows = ["| " + " | ".join(str(f(r)) for _, _, f in cols) + " |" for r in cv.md_rows]
+    return Section("", ["Per layer (repeated blocks one row each, * for the index, \u00d7N members, a range over "
+                        "them): the plan's rank (measured all at once), then the evidence: the ranks "
                         "that keep the layer-output error under 1%, 2%, 5% and 10% on the calibration data "
-                        "(tier 1), the tier-1 rank for the tolerance, the measured floor and cliff (tier 2) "
-                        "and the compression at the floor; > b-e: only a rank past break-even meets it.", "",
-                        "| " + " | ".join(head) + " |", "|---|---:|---:|---:|---:|---:|---:|---:|---:|"], lrows,
-                   noun="calibrated layers", title="Calibrated layers",
-                   fold=f"{len(lrows):,} calibrated layers, {len(head)} columns")
+                        "(tier 1), the tier-1 rank for the tolerance"
+                        + ("" if "floor" in empty else ", the measured floor and cliff (tier 2) and the compression "
+                           "at the floor") + "; > b-e: only a rank past break-even meets it.", "",
+                        "| " + " | ".join(t for t, _, _ in cols) + " |", "|" + "|".join(a for _, a, _ in cols) + "|"],
+                   lrows, noun="calibrated layers", title="Calibrated layers",
+                   fold=f"{len(lrows):,} calibrated layer rows, {len(cols)} columns")
+
+
+def _count(v: object) -> str:
+    return f"{v:,}" if isinstance(v, int) else str(v)
 
 
 def _calibration(audit: "AuditResult", room: Room) -> list[Section]:

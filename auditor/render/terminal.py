@@ -151,9 +151,29 @@ def _columns(labels: list[str], planned: bool) -> list[Column]:
         cols.append(Column("rank", "rank", ">", lambda i, g: _dash(g.suggested)))
     cols += [
         Column("x", "x", ">", lambda i, g: fmt_num(g.compression, 2)),
-        Column("verdict", "verdict", "<", lambda i, g: g.verdict),
+        Column("verdict", "verdict", "<", lambda i, g: g.verdict, short=("verdict", lambda i, g: short_verdict(g.verdict))),
     ]
     return cols
+
+
+def short_verdict(verdict: str) -> str:
+    """A group's mixed verdict in fewer columns, every count kept: "keep dense 1 · factorize 3" -> "dense 1·fact 3".
+
+    >>> short_verdict("keep dense 1 · factorize 3"), short_verdict("factorize")
+    ('dense 1·fact 3', 'factorize')
+    """
+    if "\u00b7" not in verdict:
+        return verdict
+    words = {"keep dense": "dense", "factorize": "fact", "skip narrow": "narrow", "skipped": "skip"}
+    parts = [p.strip() for p in verdict.split("\u00b7")]
+    out = []
+    for p in parts:
+        for long, short in words.items():
+            if p.startswith(long):
+                p = short + p[len(long):]
+                break
+        out.append(p)
+    return "\u00b7".join(out)
 
 
 def layer_steps(labels: list[str], target: str) -> list[tuple[str, str]]:
@@ -165,7 +185,8 @@ def layer_steps(labels: list[str], target: str) -> list[tuple[str, str]]:
     others = [lab for lab in reversed(labels) if lab != target]
     return ([("short", "kind"), ("drop", "cum"), ("short", "params"), ("drop", "macs"), ("drop", "kind")]
             + [("drop", lab) for lab in others]
-            + [("short", "break-even"), ("drop", "x"), ("drop", "shape"), ("drop", "break-even")]
+            + [("short", "break-even"), ("drop", "x"), ("drop", "shape"), ("short", "verdict"),
+               ("drop", "break-even")]
             + [("drop", lab) for lab in labels if lab == target]
             + [("drop", "sugg."), ("drop", "share"), ("drop", "params")])
 
@@ -207,7 +228,8 @@ def _cal_columns() -> list[Column]:
     return [
         Column("layer", "layer", "<", lambda i, r: term(r.layer), name=True),
         Column("plan", "plan", ">", lambda i, r: r.plan),
-        Column("rows", "rows", ">", lambda i, r: f"{r.rows:,}", short=("rows", lambda i, r: human(r.rows))),
+        Column("rows", "rows", ">", lambda i, r: _opt(r.rows),
+               short=("rows", lambda i, r: human(r.rows) if isinstance(r.rows, int) else r.rows)),
         Column("r1", "r@1%", ">", lambda i, r: _opt(r.r1)),
         Column("r5", "r@5%", ">", lambda i, r: _opt(r.r5)),
         Column("data", "tier-1", ">", lambda i, r: r.suggested),
@@ -219,8 +241,23 @@ def _cal_columns() -> list[Column]:
 CAL_STEPS = [("short", "rows"), ("drop", "cliff"), ("drop", "r1"), ("drop", "rows"), ("drop", "r5")]
 
 
+def _plan_columns(cal: Any) -> list[Column]:
+    """The frontier table: every plan the search measured, with what happened to it."""
+    return [
+        Column("removed", "removed", ">", lambda i, r: r.removed),
+        Column("share", "share", ">", lambda i, r: r.share),
+        Column("layers", "layers", ">", lambda i, r: str(r.layers)),
+        Column("metric", "on search rows", ">", lambda i, r: r.metric),
+        Column("verified", calibration.verified_head(cal), "<", lambda i, r: r.verified),
+        Column("status", "what happened", "<", lambda i, r: r.status, name=True),
+    ]
+
+
+PLAN_STEPS = [("drop", "layers"), ("drop", "share")]
+
+
 def _opt(v: Any) -> str:
-    return "-" if v is None else f"{v:,}"
+    return "-" if v is None else f"{v:,}" if isinstance(v, int) else str(v)
 
 
 def _legend(fitted: Fitted, rows: list[Any], width: int) -> list[str]:
@@ -231,6 +268,8 @@ def _legend(fitted: Fitted, rows: list[Any], width: int) -> list[str]:
         parts.append("kind: " + ", ".join(f"{KIND_SHORT[k]} = {k}" for k in used if k in KIND_SHORT))
     if "break-even" in fitted.abbreviated and fitted.has("break-even"):
         parts.append("b-e = break-even rank m*n/(m+n)")
+    if "verdict" in fitted.abbreviated and any("\u00b7" in g.verdict for g in rows):
+        parts.append("dense N·fact M = N members kept dense, M factorized")
     if fitted.dropped:
         titles = {c.key: c.title for c in _columns([], False)} | {"sugg.": "sugg."}
         parts.append(f"left out to fit {width} columns: "
@@ -364,11 +403,17 @@ def _calibration(audit: "AuditResult", w: _Lines) -> None:
     w.out.append("")
     for line in calibration_lines(cv):
         w.say(line, "  ")
+    if cv.frontier:
+        w.say(calibration.frontier_title(cv.cal) + ":", "  ")
+        w.out += fit(_plan_columns(cv.cal), cv.frontier, w.table_width, PLAN_STEPS, name_floor=9).lines(cv.frontier)
     if cv.rows:
         w.say("Per layer: plan = the plan's rank (measured all at once, \"dense\": the plan keeps the layer); "
               "evidence, not the plan: r@1%, r@5%, tier-1 = the tier-1 ranks for 1%, 5% and the tolerance, floor = "
               "the measured floor (tier 2); > b-e: only a rank past break-even meets it alone", "  ")
-        w.out += fit(_cal_columns(), cv.rows, w.table_width, CAL_STEPS, name_floor=12).lines(cv.rows)
+        empty = calibration.empty_columns(cv.rows)
+        cols = [c for c in _cal_columns() if c.key not in empty]
+        steps = [st for st in CAL_STEPS if st[1] not in empty]
+        w.out += fit(cols, cv.rows, w.table_width, steps, name_floor=12).lines(cv.rows)
 
 
 def _findings(audit: "AuditResult", w: _Lines) -> None:
@@ -429,7 +474,7 @@ def render(audit: "AuditResult", context: RenderContext = RenderContext(), top: 
     _baseline(audit, context, w, top)
     w.out.append("")
     w.say(term(verdict_line(audit)))
-    return "\n".join(w.out) + "\n"
+    return "\n".join(map(term, w.out)) + "\n"  # the choke point: whatever a section forgot, one line stays one
 
 
 ANSI = {"PASS": "32", "UNMEASURED": "35", "REVIEW": "33", "FAIL": "31", "error": "31", "warning": "33", "info": "36"}

@@ -42,8 +42,17 @@ def measured(audit: "AuditResult") -> bool:
         return True
     pc = cal.plan_check
     if pc is not None and pc.layers > 0 and pc.measured == pc.measured:
-        return True
+        v = pc.verification  # nothing scored, or one row that was the search's as well: no measurement
+        return v is None or not (v.rows < 1 or (v.rows == 1 and v.search_rows <= 1))
     return bool(r.suggested and cal.budget is not None and cal.budget.plan)
+
+
+def missed(audit: "AuditResult") -> bool:
+    """The plan was measured all at once and misses the tolerance: never a PASS, even when the rule that says so
+    is not selected (``select`` in pyproject.toml) and no finding is shown."""
+    cal = audit.calibration
+    pc = cal.plan_check if cal is not None else None
+    return pc is not None and pc.layers > 0 and not pc.ok and measured(audit)
 
 
 def status(audit: "AuditResult") -> Status:
@@ -57,7 +66,7 @@ def status(audit: "AuditResult") -> Status:
     c = audit.counts
     if c.error:
         return Status.FAIL
-    if c.warning:
+    if c.warning or missed(audit):
         return Status.REVIEW
     return Status.PASS if measured(audit) else Status.UNMEASURED
 
@@ -95,12 +104,14 @@ def verdict_head(audit: "AuditResult") -> str:
         if audit.calibration is not None:
             return "UNMEASURED: no errors or warnings, but the plan was not measured all at once"
         return "UNMEASURED: no errors or warnings; the ranks are energy-based estimates (measure with --calibration)"
+    if missed(audit):
+        return "REVIEW: no errors or warnings shown, but the plan measured all at once misses the tolerance"
     return "PASS: no errors or warnings"
 
 
 def plan_check_clause(audit: "AuditResult") -> str:
     """"; measured all at once: held-out perplexity 153.77 -> 155.17 (+0.91%, tolerance +1%): holds" (or MISSES) when
-    calibration measured the reviewed plan (:func:`auditor.render.parts.calibration.metric_change`);
+    calibration measured the reviewed plan (:func:`auditor.render.calibration.metric_change`);
     "; not measured all at once" when calibration was given but the plan could not be measured; else empty."""
     cal = audit.calibration
     r = audit.review
@@ -110,9 +121,46 @@ def plan_check_clause(audit: "AuditResult") -> str:
     if pc is None or pc.layers == 0 or pc.measured != pc.measured:
         return "; not measured all at once"
     v = pc.verification
-    if v is not None and cal.display == "percent":
+    if v is not None and not cal.higher_is_better:
         return "; measured all at once: " + verification_words(cal, v)
     return f"; measured all at once: {metric_change(cal, pc.measured)}: {'holds' if pc.ok else 'MISSES'}"
+
+
+def in_percent(cal: "CalibrationReport") -> bool:
+    """The metric is a fraction every report writes as a percentage: a relative increase (perplexity) or the
+    relative output error; a metric in its own units (KL in nats, a user metric) is written as it is."""
+    return cal.display == "percent"  # the metric kind's display form, carried by the report
+
+
+def _pct3(x: float) -> str:
+    """100 x with three significant digits and no exponent: 0.878, 1.02, 42.3, 1065."""
+    v = 100 * x
+    digits = max(0, 2 - math.floor(math.log10(abs(v)))) if v != 0 and math.isfinite(v) else 0
+    return f"{v:.{digits}f}"
+
+
+def unit(cal: "CalibrationReport", v: float | None) -> str:
+    """One measured value of the metric in its one unit, the same in every format: a relative increase as a signed
+    percentage ("+0.878%"), the relative output error as a percentage ("0.968%"), three significant digits; any
+    other metric as 4 significant digits; ``–`` for None or NaN.
+
+    >>> from auditor.calresults import CalibrationReport as C
+    >>> c = C("c", "0.25", "", 1, 1, "relative output error", False, 0.01, 0.0)
+    >>> [unit(c, x) for x in (0.009936, 0.0106, 0.4229, 10.65, 0.0)]
+    ['0.994%', '1.06%', '42.3%', '1065%', '0%']
+    """
+    if v is None or not math.isfinite(v):
+        return "\u2013"
+    if not in_percent(cal):
+        return f"{v:.4g}"
+    return ("+" if cal.increase_of and v > 0 else "") + _pct3(v) + "%"
+
+
+def tolerance_words(cal: "CalibrationReport") -> str:
+    """The tolerance in the metric's unit: "+1%" for a relative increase, "1%" for the output error."""
+    if in_percent(cal):
+        return f"+{100 * cal.tolerance:g}%" if cal.increase_of else f"{100 * cal.tolerance:g}%"
+    return f"{cal.tolerance:g}"
 
 
 def metric_change(cal: "CalibrationReport", value: float | None) -> str:
@@ -124,7 +172,7 @@ def metric_change(cal: "CalibrationReport", value: float | None) -> str:
     >>> from auditor.calresults import CalibrationReport as C
     >>> metric_change(C("c", "0.25", "", 1, 1, "perplexity increase", False, 0.01, 153.77, increase_of="perplexity"),
     ...               0.009112)
-    'held-out perplexity 153.77 -> 155.17 (+0.91%, tolerance +1%)'
+    'held-out perplexity 153.77 -> 155.17 (+0.911%, tolerance +1%)'
     """
     if value is None or not math.isfinite(value):
         return f"{cal.metric}: not measured"
@@ -132,10 +180,10 @@ def metric_change(cal: "CalibrationReport", value: float | None) -> str:
     if cal.increase_of and cal.reference > 0:
         what = cal.increase_of
         return (f"held-out {what} {cal.reference:.2f} -> {cal.reference * (1 + value):.2f} "
-                f"({100 * value:+.2f}%, tolerance +{100 * cal.tolerance:g}%)")
-    if cal.display == "number":  # its own units, beside the dense value
+                f"({unit(cal, value)}, tolerance {tolerance_words(cal)})")
+    if cal.higher_is_better:
         return f"held-out {label} {cal.reference:.4g} -> {value:.4g} (tolerance -{cal.tolerance:g})"
-    return f"{label} {value:.4g} (tolerance {cal.tolerance:g})"
+    return f"{label} {unit(cal, value)} (tolerance {tolerance_words(cal)})"
 
 
 def checked_change(cal: "CalibrationReport", pc: "PlanCheck") -> str:
@@ -159,14 +207,19 @@ def verification_words(cal: "CalibrationReport", v: "Verification") -> str:
     within the tolerance" for a perplexity, else :meth:`Verification.words` ("relative output error 0.009656 (90%
     interval 0.009491 to 0.009816 over 128 verification rows): within the tolerance 0.01")."""
     label = cal.metric
+    if in_percent(cal) and not cal.increase_of:  # the output error, in percent like every other number of it
+        ci = (f"{100 * v.confidence:g}% interval {unit(cal, v.low)} to {unit(cal, v.high)} over {v.rows:,} "
+              "verification rows" if v.low is not None and v.high is not None
+              else f"on {v.rows:,} verification rows, no interval")
+        return f"{label} {unit(cal, v.value)} ({ci}): {v.judged} {tolerance_words(cal)}"
     if not (cal.increase_of and cal.reference > 0):
         return v.words(cal.tolerance, label)
     judged = v.judged
     cal = _on_verified_rows(cal, v)  # the dense baseline of the rows it was measured on
     if v.low is None or v.high is None:
         return f"{metric_change(cal, v.value)} on {v.rows:,} verification rows, no interval: {judged}"
-    return (f"{metric_change(cal, v.value)}; {100 * v.confidence:g}% interval {100 * v.low:+.2f}% to "
-            f"{100 * v.high:+.2f}% over {v.rows:,} verification rows: {judged}")
+    return (f"{metric_change(cal, v.value)}; {100 * v.confidence:g}% interval {unit(cal, v.low)} to "
+            f"{unit(cal, v.high)} over {v.rows:,} verification rows: {judged}")
 
 
 def exit_code(audit: "AuditResult", fail_on: FailOn | str | None = None) -> ExitCode:

@@ -178,9 +178,10 @@ class MetricKind:
         return reference - tolerance if higher else reference + tolerance
 
     def display(self, higher: bool) -> str:
-        """How the reports write its values: "number" (its own units, 4 significant digits, beside the dense value)
-        for a metric where higher is better, else "percent" (a fraction as a percentage, against the tolerance)."""
-        return "number" if higher else "percent"
+        """How the reports write its values: "percent" for a fraction every report writes as a percentage (a
+        relative increase, or a metric in the layer-output error's units), else "number" (its own units: KL in
+        nats, a user metric)."""
+        return "percent" if not higher and (self.increase_of or self.layer_error_units) else "number"
 
     def reportable(self, higher: bool) -> bool:
         """The reports read a metric against the dense value as higher-is-better."""

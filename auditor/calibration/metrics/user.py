@@ -61,23 +61,86 @@ def _rank1_(model: nn.Module) -> list[tuple[torch.Tensor, torch.Tensor]]:
     return saved
 
 
+_HOOKS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks", "_state_dict_hooks",
+          "_state_dict_pre_hooks", "_load_state_dict_pre_hooks", "_load_state_dict_post_hooks")
+_GLOBAL_HOOKS = ("_global_forward_hooks", "_global_forward_pre_hooks", "_global_backward_hooks",
+                 "_global_backward_pre_hooks", "_global_parameter_registration_hooks",
+                 "_global_module_registration_hooks", "_global_buffer_registration_hooks")
+
+
+def fingerprint(model: nn.Module, content: bool) -> dict[str, Any]:
+    """What a metric may not change, by name: every module (identity, training flag, hook counts), every parameter
+    and buffer (identity, storage, shape, dtype, in-place version counter), torch's global module hooks; with
+    ``content`` also each tensor's values (float64 sum and sum of squares: a write through ``.data``, which the
+    version counter does not see). Cheap without ``content`` (no tensor is read)."""
+    from torch.nn.modules import module as module_mod
+
+    out: dict[str, Any] = {f"torch's {g}": len(getattr(module_mod, g, {}) or {}) for g in _GLOBAL_HOOKS}
+    for name, m in model.named_modules(remove_duplicate=False):
+        hooks = tuple(len(getattr(m, h, None) or {}) for h in _HOOKS)
+        out[f"module {name or '(root)'}"] = (id(m), m.training, hooks)
+    tensors = [*model.named_parameters(remove_duplicate=False), *model.named_buffers(remove_duplicate=False)]
+    with torch.no_grad():
+        for name, t in tensors:
+            key = (id(t), t.data_ptr(), tuple(t.shape), t.dtype, t._version)
+            if content and t.numel():
+                d = t.detach().double()
+                key += (float(d.sum()), float((d * d).sum()))
+            out[name] = key
+    return out
+
+
+def _changed(before: dict[str, Any], after: dict[str, Any]) -> str:
+    """The first thing named in one fingerprint and not the same in the other ("" none)."""
+    for k in [*before, *(k for k in after if k not in before)]:
+        if before.get(k) != after.get(k):
+            return k
+    return ""
+
+
+def _user_line(exc: BaseException, fn: Any) -> str:
+    """``file:line`` of the metric's own frame nearest the error (else the deepest frame), "" without one."""
+    code = getattr(fn, "__code__", None)
+    frames = []
+    tb = exc.__traceback__
+    while tb is not None:
+        frames.append((tb.tb_frame.f_code.co_filename, tb.tb_lineno))
+        tb = tb.tb_next
+    own = [f for f in frames if code is not None and f[0] == code.co_filename]
+    pick = (own or frames or [None])[-1]
+    return f"{pick[0]}:{pick[1]}" if pick is not None else ""
+
+
+def repeatable(a: float, b: float, tolerance: float) -> bool:
+    """Two calls on the same dense model agree: within a millionth of the value or a hundredth of the tolerance."""
+    if not (math.isfinite(a) and math.isfinite(b)):
+        return a == b or (math.isnan(a) and math.isnan(b))
+    return abs(a - b) <= max(1e-6 * max(abs(a), abs(b)), 0.01 * abs(tolerance), 1e-12)
+
+
 class _Scorer(Scorer):
     def __init__(self, ev: Evaluating, dense: nn.Module) -> None:
         super().__init__(ev)
         self.batches = [_user_batch(b) for b in ev.batches]
-        self.reference = self.call(dense)
+        self.reference = self.call(dense, content=True)
+        again = self.call(dense, content=True)
+        if not repeatable(self.reference, again, float(ev.metric.tolerance)):
+            raise AuditError(f"metric {ev.metric.label} is not repeatable: {self.reference:.6g}, then {again:.6g} "
+                             "on the same dense model and batches, so no rank can be judged by it",
+                             "Make the metric deterministic (seed any sampling; no dropout or random input)")
 
-    def call(self, model: nn.Module, finite: bool = True) -> float:
-        from ...sources.factory import _run_user_code
-
+    def call(self, model: nn.Module, finite: bool = True, content: bool = False) -> float:
+        """The metric on ``model``, refused (one line) when it raises, exits, returns no number, or leaves the
+        model other than it found it (:func:`fingerprint`: weights, buffers, modules and hooks)."""
         label = self.ev.metric.label
-
-        def call() -> Any:
-            with torch.no_grad():
-                return self.ev.metric.fn(model, self.batches)  # type: ignore[misc]
-
-        out = _run_user_code(call, f"metric {label}", "raised", "Fix the metric function",
-                             "Return a float from the metric instead of exiting")
+        before = fingerprint(model, content)
+        out = self._run(model)
+        what = _changed(before, fingerprint(model, content))
+        if what:
+            raise AuditError(f"metric {label} changed the model it measures ({what}), so what it measured, and "
+                             "any model written after it, would not be the model audited",
+                             "A metric must only read the model: no in-place writes, new hooks or replaced "
+                             "modules (work on copy.deepcopy(model) if it must change one)")
         try:
             v = float(out)
         except (TypeError, ValueError, OverflowError):
@@ -86,6 +149,27 @@ class _Scorer(Scorer):
         if finite and not math.isfinite(v):
             raise AuditError(f"metric {label} returned {v}", "Return a finite float, higher is better")
         return v
+
+    def _run(self, model: nn.Module) -> Any:
+        from ...sources.factory import _run_user_code
+
+        metric, where = self.ev.metric, [""]
+
+        def call() -> Any:
+            try:
+                with torch.no_grad():
+                    return metric.fn(model, self.batches)  # type: ignore[misc]
+            except Exception as exc:
+                where[0] = _user_line(exc, metric.fn)
+                raise
+
+        try:
+            return _run_user_code(call, f"metric {metric.label}", "raised", "Fix the metric function",
+                                  "Return a float from the metric instead of exiting")
+        except AuditError as exc:
+            if where[0]:
+                raise AuditError(f"{exc.what} (at {where[0]})", exc.fix) from None
+            raise
 
     def measure(self, model: nn.Module) -> Measurement:
         return self.judged(self.call(model))

@@ -10,7 +10,7 @@ import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable
 
-from ...verdict.policy import checked_change, metric_change
+from ...verdict.policy import checked_change, in_percent, metric_change, tolerance_words, unit
 from .md_fit import percent
 from .view import pct
 
@@ -33,10 +33,22 @@ def _g(x: float | None, digits: int = 4) -> str:
     return "–" if x is None or (isinstance(x, float) and math.isnan(x)) else f"{x:.{digits}g}"
 
 
+def held_out_words(cal: "CalibrationReport") -> str:
+    """How the held-out rows were used: "256 held out (128 searched, 128 for verification)" when they were split."""
+    b = cal.budget
+    v = b.verification if b is not None else None
+    if v is None and cal.plan_check is not None:
+        v = cal.plan_check.verification
+    if v is None or not v.search_rows:
+        return f"{cal.holdout_rows:,} held out ({cal.holdout})"
+    return (f"{cal.holdout_rows:,} held out ({cal.holdout}: {v.search_rows:,} search rows, {v.rows:,} "
+            "verification rows the search never read)")
+
+
 def summary(cal: "CalibrationReport") -> str:
     what = "measured floors (tier 2)" if cal.measured_floors else "tier 1 (one forward pass)"
-    return (f"Calibration {cal.source}: {cal.fit_rows:,} rows for statistics, {cal.holdout_rows:,} held out "
-            f"({cal.holdout}); {what}; metric {cal.metric}, tolerance {cal.tolerance:g}"
+    return (f"Calibration {cal.source}: {cal.fit_rows:,} rows for statistics, {held_out_words(cal)}; "
+            f"{what}; metric {cal.metric}, tolerance {tolerance_words(cal)}"
             + (" (statistics from the cache)" if cal.statistics_cached else ""))
 
 
@@ -90,20 +102,20 @@ def plan_line(cal: "CalibrationReport") -> str | None:
     basis = pc.basis or "tier-1 layer-output errors"
     summed = "added up" if basis.endswith("which add up") else "summed in quadrature"
     basis = basis.removesuffix(", which add up")  # said once, by `summed`
-    pred = f"predicted {_g(pc.predicted)} (the {basis} {summed}), " if pc.predicted is not None else ""
+    pred = f"predicted {unit(cal, pc.predicted)} (the {basis} {summed}), " if pc.predicted is not None else ""
     top1 = f", top-1 agreement {pct(pc.top1)}" if pc.top1 is not None else ""
     left = f"; not measured: {', '.join(pc.left_out)}" if pc.left_out else ""
     v = pc.verification
     if v is not None:
-        ci = (f" ({100 * v.confidence:g}% interval {_g(v.low)} to {_g(v.high)})" if v.low is not None
+        ci = (f" ({100 * v.confidence:g}% interval {unit(cal, v.low)} to {unit(cal, v.high)})" if v.low is not None
               and v.high is not None else " (no interval)")
         judged = "holds" if v.ok else "STRADDLES" if v.straddles else "MISSES"
         return (f"Plan applied all at once ({pc.layers} layers, {pc.removed:,} parameters removed): {cal.metric} "
-                f"{pred}measured {_g(pc.measured)} on {v.rows:,} verification rows the search never read{ci}"
-                f"{top1}: {judged} the tolerance {cal.tolerance:g}{left}.")
+                f"{pred}measured {unit(cal, pc.measured)} on {v.rows:,} verification rows the search never read{ci}"
+                f"{top1}: {judged} the tolerance {tolerance_words(cal)}{left}.")
     return (f"Plan applied all at once ({pc.layers} layers, {pc.removed:,} parameters removed): {cal.metric} "
-            f"{pred}measured {_g(pc.measured)}{top1}: {'holds' if pc.ok else 'MISSES'} the tolerance "
-            f"{cal.tolerance:g}; {checked_change(cal, pc)}{left}.")
+            f"{pred}measured {unit(cal, pc.measured)}{top1}: {'holds' if pc.ok else 'MISSES'} the tolerance "
+            f"{tolerance_words(cal)}; {checked_change(cal, pc)}{left}.")
 
 
 def rounding_line(cal: "CalibrationReport", value: Any = None) -> str | None:
@@ -122,12 +134,12 @@ def rounding_line(cal: "CalibrationReport", value: Any = None) -> str | None:
 @dataclass(frozen=True)
 class CalRow:
     layer: str
-    rows: int
-    width: int
-    r1: int | None
-    r2: int | None
-    r5: int | None
-    r10: int | None
+    rows: int | str  # a group's row: "8,192" or a range "256–8,192"
+    width: int | str
+    r1: int | str | None
+    r2: int | str | None
+    r5: int | str | None
+    r10: int | str | None
     suggested: str  # evidence: the tier-1 rank for the tolerance ("> b-e": none below break-even holds it)
     floor: str  # evidence: the measured floor (tier 2)
     cliff: str
@@ -172,6 +184,50 @@ def rows(cal: "CalibrationReport", value: Callable[[float | None], str] = _g, ti
     return out
 
 
+def _span(values: list[Any]) -> Any:
+    """A group's cell from its members' cells: the one value they share, else the range of the numbers ("24–32",
+    with "1 dense, " before it when one member is dense), else the distinct values joined."""
+    distinct = list(dict.fromkeys(values))
+    if len(distinct) == 1:
+        return distinct[0]
+    nums = [int(v) for v in values if isinstance(v, int) or (isinstance(v, str) and v.isdigit())]
+    rest = [v for v in values if not (isinstance(v, int) or (isinstance(v, str) and v.isdigit()))]
+    if not nums:
+        return ", ".join(f"{values.count(v)} {v}" for v in distinct)
+    lo, hi = min(nums), max(nums)
+    rng = f"{lo:,}" if lo == hi else f"{lo:,}\u2013{hi:,}"
+    extra = ", ".join(f"{rest.count(v)} {v}" for v in dict.fromkeys(rest))
+    return f"{extra}, {rng}" if extra else rng
+
+
+def group_rows(rows_: list[CalRow]) -> list[CalRow]:
+    """The per-layer rows with repeated blocks as one row each (``blocks.*.fc ×4``, :func:`auditor.groups.group_layers`
+    on the names), in the order of their first member; a cell is the members' common value or their range."""
+    from dataclasses import fields as dc_fields
+
+    from ...planning.groups import LayerShape, group_layers
+
+    by_name = {r.layer: r for r in rows_}
+    groups = group_layers([LayerShape(r.layer, 1, 1) for r in rows_])
+    order = {r.layer: i for i, r in enumerate(rows_)}
+    out = []
+    for g in sorted(groups, key=lambda g: order[g.members[0]]):
+        members = [by_name[n] for n in g.members]
+        if len(members) == 1:
+            out.append(members[0])
+            continue
+        cells = {f.name: _span([getattr(m, f.name) for m in members]) for f in dc_fields(CalRow) if f.name != "layer"}
+        out.append(CalRow(f"{g.label} \u00d7{len(members)}", **cells))
+    return out
+
+
+def empty_columns(rows_: list[CalRow]) -> frozenset[str]:
+    """The evidence columns no row has a value in (``floor``, ``cliff``, ``compression`` without tier 2): each
+    format leaves them out."""
+    return frozenset(k for k in ("floor", "cliff", "compression")
+                     if rows_ and all(getattr(r, k) in ("\u2013", "-", "") for r in rows_))
+
+
 @dataclass(frozen=True)
 class MeasuredError:
     """What calibration measured for one layer at one rank: ``value`` (a fraction, or the metric's own units when
@@ -184,7 +240,7 @@ class MeasuredError:
 
     def text(self, cal: "CalibrationReport") -> str:
         """"0.41% (tier 2, layer alone)", "≤ 0.80% (tier 1, layer output)"."""
-        v = _g(self.value) if self.tier == 2 and cal.display == "number" else percent(self.value)
+        v = _g(self.value) if self.tier == 2 and cal.higher_is_better else percent(self.value)
         what = "tier 2, layer alone" if self.tier == 2 else "tier 1, layer output"
         bound = "" if self.exact else "\u2264 "
         return f"{bound}{v} ({what})"
@@ -228,22 +284,48 @@ def budget_lines(cal: "CalibrationReport") -> list[str]:
                + (f" The smallest larger plan recovered ({b.smallest_failing:,} removed) does not hold after it."
                   if b.smallest_failing is not None else "")]
     else:
+        rows = _search_rows(b)
         out = [f"Plan that holds ({ask}, over {over} curves, {b.evaluations} plans measured): {len(b.plan)} "
                f"layers, {b.removed:,} parameters removed ({pct(b.removed_fraction)}); {metric_change(cal, b.metric)} "
-               f"measured all at once{top1}: {'holds' if b.ok else 'MISSES'} the tolerance"
-               + (f"; the smallest larger plan measured ({b.smallest_failing:,} removed) does not."
-                  if b.smallest_failing is not None else ".")]
+               f"measured all at once{rows}{top1}: {'holds' if b.ok else 'MISSES'} the tolerance"
+               + (f"; {larger_words(cal)}." if b.smallest_failing is not None else ".")]
     if b.exhausted:
         out.append(f"The search stopped at its cap of {b.evaluations} measurements before the boundary was "
                    "bracketed: a larger plan may hold.")
-    out.append("Frontier (all at once): " + ", ".join(
-        f"{pct(p.removed_fraction)} removed \u2192 {_g(p.metric)}{'' if p.ok else ' (fails)'}"
-        + (f", after recovery {_g(p.recovered.metric)}{'' if p.recovered.ok else ' (fails)'}"
-           if p.recovered is not None else "") for p in b.frontier))
     line = recovery_cost(cal)
     if line:
         out.append(line)
     return out
+
+
+def _search_rows(b: Any) -> str:
+    """" on the 128 search rows" where the held-out rows were split for verification, else empty."""
+    v = b.verification
+    return f" on the {v.search_rows:,} search rows" if v is not None and v.search_rows else ""
+
+
+def verified_words(cal: "CalibrationReport", v: Any) -> str:
+    """A verification in the metric's unit: "+1.02% (90% interval +0.93% to +1.11%, 165 verification rows)"."""
+    if v is None:
+        return "\u2013"
+    ci = (f"{100 * v.confidence:g}% interval {unit(cal, v.low)} to {unit(cal, v.high)}, "
+          if v.low is not None and v.high is not None else "no interval, ")
+    return f"{unit(cal, v.value)} ({ci}{v.rows:,} verification rows)"
+
+
+def larger_words(cal: "CalibrationReport") -> str:
+    """What happened to the smallest plan measured above the suggested one: it failed on the search rows, or held
+    there and failed its verification (then both numbers, each with its rows)."""
+    b = cal.budget
+    p = b.plan_verified(b.smallest_failing) if b is not None and b.smallest_failing is not None else None
+    if p is None:
+        return f"the smallest larger plan measured ({b.smallest_failing:,} removed) does not hold"
+    if p.ok and p.verification is not None:
+        return (f"the smallest larger plan measured ({p.removed:,} removed) held on the search rows "
+                f"({unit(cal, p.metric)}) but failed verification: {verified_words(cal, p.verification)}, "
+                f"{p.verification.judged} {tolerance_words(cal)}")
+    return (f"the smallest larger plan measured ({p.removed:,} removed) fails on the search rows "
+            f"({unit(cal, p.metric)})")
 
 
 def recovery_cost(cal: "CalibrationReport") -> str:
@@ -288,14 +370,25 @@ def check_card(audit: "AuditResult") -> CheckCard | None:
     if f is not None:
         top1 += f"; {f.dtype} rounding alone: {_g(f.used)} of the tolerance {f.tolerance:g}"
     sign = "\u2264" if pc.ok else ">"
-    beside_dense = cal.display == "number"  # in its own units, beside the dense value
-    return CheckCard(f"{md_value(cal, pc.measured)} {sign} {md_tolerance(cal)}" if not beside_dense
+    return CheckCard(f"{md_value(cal, pc.measured)} {sign} {md_tolerance(cal)}" if not cal.higher_is_better
                      else f"{_g(pc.measured)} (dense {_g(cal.reference)})",
-                     (f"{checked_change(cal, pc)}; {cal.holdout_rows:,} held-out rows"  # with its baseline
-                      if cal.reference > 0 or beside_dense
-                      else f"{cal.metric} on {cal.holdout_rows:,} held-out rows")
+                     (f"{checked_change(cal, pc)}; {_card_rows(cal, pc)}"  # with its baseline
+                      if cal.reference > 0 or cal.higher_is_better
+                      else f"{cal.metric} on {_card_rows(cal, pc)}")
                      + f", {pc.layers} layers at once: "
                      f"{'holds' if pc.ok else 'misses the tolerance'}{top1}", "ok" if pc.ok else "bad")
+
+
+def _card_rows(cal: "CalibrationReport", pc: Any) -> str:
+    """The rows the plan card's number is from: the verification rows when the held-out rows were split."""
+    v = pc.verification
+    if v is None:
+        return f"{cal.holdout_rows:,} held-out rows"
+    return f"{v.rows:,} verification rows (of {cal.holdout_rows:,} held out, never read by the search)"
+
+
+STATUS_WORDS = {"suggested": "SUGGESTED", "held": "held", "failed": "failed", "dense": "dense",
+                "failed verification": "held; failed verification", "backstop": "held (fallback)"}
 
 
 @dataclass(frozen=True)
@@ -303,32 +396,80 @@ class FrontierRow:
     removed: str
     share: str
     layers: int
-    metric: str
+    metric: str  # on the search rows, in the metric's unit
     top1: str
-    holds: str
+    status: str  # what happened to it (:data:`STATUS_WORDS`)
     chosen: bool
+    verified: str = "\u2013"  # on the verification rows, with its interval ("–": not verified)
     recovered: str = ""  # the metric after the recovery fine-tune ("" without --recover)
     recovered_holds: str = ""  # "holds" | "fails" after it
     cost: str = ""  # "200 steps, 1,600 rows (102,400 tokens), 12.3 s"
 
 
+def measured_plans(cal: "CalibrationReport") -> list[Any]:
+    """Every plan the search measured (``BudgetResult.plans``; the frontier where a result was built without
+    them), fewest parameters removed first."""
+    b = cal.budget
+    if b is None:
+        return []
+    return list(b.plans) if b.plans else list(b.frontier)
+
+
+def _status(b: Any, p: Any) -> str:
+    if p.status:
+        return p.status
+    from ...calresults import plan_status
+
+    return plan_status(p, b.plan)
+
+
 def frontier_rows(cal: "CalibrationReport") -> list[FrontierRow]:
-    """Every frontier plan (each measured all at once), fewest parameters removed first; ``chosen`` marks the plan
-    the suggestion is; with --recover, each plan's metric after the fine-tune and what it cost."""
+    """Every plan the search measured (each all at once), fewest parameters removed first, with what happened to
+    it; ``chosen`` marks the plan the suggestion is; with --recover, each recovered plan's metric after the
+    fine-tune and what it cost."""
     b = cal.budget
     if b is None:
         return []
     out = []
-    for p in b.frontier:
+    for p in measured_plans(cal):
         rec = p.recovered
-        chosen = p.removed == b.removed and bool(b.plan) and (p.ok == b.ok or b.chosen_after_recovery)
-        extra = ((_g(rec.metric), "holds" if rec.ok else "fails",
+        status = _status(b, p)
+        extra = ((unit(cal, rec.metric), "holds" if rec.ok else "fails",
                   f"{rec.steps} steps, {rec.rows:,} rows ({rec.tokens:,} tokens), {rec.seconds:.1f} s")
                  if rec is not None else ("\u2013" if b.recovery is not None else "", "", ""))
-        out.append(FrontierRow(f"{p.removed:,}", pct(p.removed_fraction), p.layers, _g(p.metric),
-                               pct(p.top1) if p.top1 is not None else "\u2013", "holds" if p.ok else "fails",
-                               chosen, *extra))
+        out.append(FrontierRow(f"{p.removed:,}", pct(p.removed_fraction), p.layers, unit(cal, p.metric),
+                               pct(p.top1) if p.top1 is not None else "\u2013", STATUS_WORDS.get(status, status),
+                               status == "suggested", verified_cell(cal, p.verification), *extra))
     return out
+
+
+def verified_cell(cal: "CalibrationReport", v: Any) -> str:
+    """A verification as a table cell: "+1.02% [+0.93%, +1.11%]" (the interval's rows and confidence are in
+    :func:`verified_head`); "–" where the plan was not verified."""
+    if v is None:
+        return "\u2013"
+    ci = f" [{unit(cal, v.low)}, {unit(cal, v.high)}]" if v.low is not None and v.high is not None else ""
+    return unit(cal, v.value) + ci
+
+
+def verified_head(cal: "CalibrationReport") -> str:
+    """The verification column's title: "verified, 90% interval (165 rows)"."""
+    b = cal.budget
+    v = b.verification if b is not None else None
+    if v is None:
+        return "verified"
+    return f"verified{f', {100 * v.confidence:g}% interval' if v.low is not None else ''} ({v.rows:,} rows)"
+
+
+def frontier_title(cal: "CalibrationReport") -> str:
+    """What the frontier table lists, in one line."""
+    b = cal.budget
+    plans = measured_plans(cal)
+    v = b.verification if b is not None else None
+    rows = (f"on the {v.search_rows:,} search rows, then on the {v.rows:,} verification rows for the plans "
+            "verified" if v is not None and v.search_rows else "on the held-out rows")
+    return (f"Every plan the search measured ({len(plans)}), fewest parameters removed first: {cal.metric}"
+            f"{' in percent' if in_percent(cal) else ''} {rows}")
 
 
 def frontier_series(cal: "CalibrationReport") -> dict[str, list[tuple[float, float, bool]]]:
@@ -337,23 +478,22 @@ def frontier_series(cal: "CalibrationReport") -> dict[str, list[tuple[float, flo
     b = cal.budget
     if b is None:
         return {"before": [], "after": []}
-    before = [(p.removed_fraction, p.metric, p.ok) for p in b.frontier if math.isfinite(p.metric)]
-    after = [(p.removed_fraction, p.recovered.metric, p.recovered.ok) for p in b.frontier
+    k = 100.0 if in_percent(cal) else 1.0  # the chart's axis in the metric's unit
+    plans = measured_plans(cal)
+    before = [(p.removed_fraction, k * p.metric, p.ok) for p in plans if math.isfinite(p.metric)]
+    after = [(p.removed_fraction, k * p.recovered.metric, p.recovered.ok) for p in plans
              if p.recovered is not None and math.isfinite(p.recovered.metric)]
     return {"before": before, "after": after}
 
 
 def md_value(cal: "CalibrationReport", v: float | None) -> str:
     """The metric as the Markdown writes it: the relative output error (lower is better) as a percentage, like
-    every share and error there; a user metric (higher is better) in its own units, 4 significant digits: the
-    metric's display form (``cal.display``)."""
-    if v is None or not math.isfinite(v):
-        return "\u2013"
-    return _g(v) if cal.display == "number" else percent(v)
+    every share and error there; a user metric (higher is better) in its own units, 4 significant digits."""
+    return unit(cal, v)
 
 
 def md_tolerance(cal: "CalibrationReport") -> str:
-    return f"{cal.tolerance:g}" if cal.display == "number" else percent(cal.tolerance)
+    return tolerance_words(cal)
 
 
 def md_card_value(audit: "AuditResult", card: CheckCard) -> str:
@@ -361,14 +501,14 @@ def md_card_value(audit: "AuditResult", card: CheckCard) -> str:
     cal, pc = audit.calibration, audit.calibration.plan_check if audit.calibration is not None else None
     if cal is None or pc is None or card.status == "unknown":
         return card.value
-    if cal.display == "number":
+    if cal.higher_is_better:
         return f"{md_value(cal, pc.measured)} (dense {md_value(cal, cal.reference)}, tolerance {md_tolerance(cal)})"
     sign = "\u2264" if pc.ok else ">"
     return f"{md_value(cal, pc.measured)} {sign} {md_tolerance(cal)}"
 
 
 def frontier_data(cal: "CalibrationReport") -> "FrontierChart | None":
-    """The frontier chart's data (:func:`auditor.render.parts.layer_charts.frontier_chart`): parameters removed against the
+    """The frontier chart's data (:func:`auditor.render.layer_charts.frontier_chart`): parameters removed against the
     model-level metric, each plan measured all at once; None without a frontier."""
     from .layer_charts import FrontierChart, short_label
 
@@ -376,12 +516,17 @@ def frontier_data(cal: "CalibrationReport") -> "FrontierChart | None":
     if b is None or not b.frontier:
         return None
     series = frontier_series(cal)
-    return FrontierChart(series["before"], cal.limit, short_label(cal.metric, 30), not cal.higher_is_better,
-                         b.removed_fraction, series["after"], b.recovery.steps if b.recovery is not None else 0)
+    k = 100.0 if in_percent(cal) else 1.0
+    limit = k * cal.limit  # the kind's tolerance line (k is 1 unless written as a percentage)
+    label = short_label(cal.metric, 30) + (" (%)" if k != 1.0 else "")
+    status = [_status(b, p) for p in measured_plans(cal) if math.isfinite(p.metric)]
+    return FrontierChart(series["before"], limit, label, not cal.higher_is_better,
+                         b.removed_fraction if b.plan else None, series["after"],
+                         b.recovery.steps if b.recovery is not None else 0, status)
 
 
 def floor_legend(metric: str) -> list[tuple[str, str]]:
-    """The one legend of the per-layer floor charts, in the styles :func:`auditor.render.parts.layer_charts.floor_chart`
+    """The one legend of the per-layer floor charts, in the styles :func:`auditor.render.layer_charts.floor_chart`
     draws with."""
     from .layer_charts import short_label
 
@@ -391,7 +536,7 @@ def floor_legend(metric: str) -> list[tuple[str, str]]:
 
 
 def floor_data(audit: "AuditResult", top: int | None = None) -> "list[FloorChart]":
-    """A chart's data (:func:`auditor.render.parts.layer_charts.floor_chart`) per calibrated layer with measured points
+    """A chart's data (:func:`auditor.render.layer_charts.floor_chart`) per calibrated layer with measured points
     (every one, attention included; ``top``: the first ``top`` only), largest first: the model-level metric with that
     layer alone truncated against its rank (log axis), the tier-1 layer-output error on its own right-hand axis,
     tolerance, break-even and measured floor."""
@@ -400,6 +545,7 @@ def floor_data(audit: "AuditResult", top: int | None = None) -> "list[FloorChart
     cal = audit.calibration
     if cal is None:
         return []
+    limit = cal.limit
     out = []
     items = [(n, p) for n, p in cal.measured_points().items() if p and n in cal.layers]
     order = {l.name: i for i, l in enumerate(audit.layers)}
@@ -407,7 +553,7 @@ def floor_data(audit: "AuditResult", top: int | None = None) -> "list[FloorChart
     for name, pts in items[:top]:
         layer = audit.layer(name)
         lc = cal.layers[name]
-        out.append(FloorChart(name, pts, lc.curve, cal.limit, cal.metric, not cal.higher_is_better, layer.break_even,
+        out.append(FloorChart(name, pts, lc.curve, limit, cal.metric, not cal.higher_is_better, layer.break_even,
                               lc.floor.floor if lc.floor is not None else None, (layer.m, layer.n)))
     return out
 
@@ -447,8 +593,9 @@ def view(audit: "AuditResult") -> CalibrationView | None:
         cal=cal, summary=summary(cal), basis=basis(cal), plan=plan_line(cal), budget=budget_lines(cal),
         rounding=rounding_line(cal),
         fallback=cal.sensitivity_fallback.line() if cal.sensitivity_fallback is not None else None,
-        md_rounding=rounding_line(cal, lambda x: md_value(cal, x)),
-        rows=rows(cal, plan=plan), md_rows=rows(cal, lambda v: md_value(cal, v), times="", plan=plan),
+        md_rounding=rounding_line(cal, lambda x: md_value(cal, x) if not cal.higher_is_better else _g(x)),
+        rows=group_rows(rows(cal, plan=plan)),
+        md_rows=group_rows(rows(cal, lambda v: md_value(cal, v), times="", plan=plan)),
         frontier=frontier_rows(cal), recovery=recovery_cost(cal), recovery_note=cal.recovery_note(),
         recovered_steps=b.recovery.steps if b is not None and b.recovery is not None else None,
         frontier_chart=frontier_data(cal), floor_charts=floor_data(audit))

@@ -472,6 +472,7 @@ class FrontierChart:
     chosen: float | None = None
     after: Sequence[tuple[float, float, bool]] = ()
     steps: int = 0
+    status: Sequence[str] = ()  # per ``before`` point, what happened to it (``auditor.calresults.PLAN_STATUSES``)
 
 
 def _plain(v: float, _: Any) -> str:
@@ -493,9 +494,15 @@ def _frontier_fig(c: FrontierChart) -> Any:
         ax.plot([100 * p[0] for p in after], [p[1] for p in after], color=PALETTE[3], marker="s", markersize=4,
                 linewidth=1.2, linestyle="--", label=f"after {c.steps} recovery steps")
         ys = ys + [p[1] for p in after]
-    for x, y, ok in zip(xs, ys, [p[2] for p in points]):
+    status = list(c.status) or ["" for _ in points]
+    for x, y, ok, st in zip(xs, ys, [p[2] for p in points], status):
         if not ok:
             ax.plot([x], [y], marker="x", color=PALETTE[4], markersize=8)
+        elif st == "failed verification":
+            ax.plot([x], [y], marker="^", color=PALETTE[4], markersize=7, linestyle="none",
+                    label="held on search rows, failed verification")
+        elif st == "suggested":
+            ax.plot([x], [y], marker="*", color=PALETTE[2], markersize=11, linestyle="none", label="suggested plan")
     limit = c.limit
     if c.errors and all(y > 0 for y in ys) and limit > 0:  # errors span decades: a log axis shows the cliff
         from matplotlib import ticker
@@ -503,9 +510,10 @@ def _frontier_fig(c: FrontierChart) -> Any:
         ax.set_yscale("log")
         ax.yaxis.set_major_formatter(ticker.FuncFormatter(_plain))
         ax.yaxis.set_minor_formatter(ticker.FuncFormatter(_plain))
-    ax.axhline(limit, label=f"tolerance ({limit:g})", **STYLE["tolerance"])
+    pct_axis = c.label.endswith("(%)")
+    ax.axhline(limit, label=f"tolerance ({limit:g}{'%' if pct_axis else ''})", **STYLE["tolerance"])
     if c.chosen is not None:
-        ax.axvline(100 * c.chosen, label="suggested plan", **STYLE["suggested"])
+        ax.axvline(100 * c.chosen, label=None if "suggested" in status else "suggested plan", **STYLE["suggested"])
     ax.set_xlabel("parameters removed (% of the model)")
     ax.set_ylabel(c.label)
     ax.legend(fontsize=7, frameon=False)

@@ -93,7 +93,8 @@ def group_rows(audit: "AuditResult", table: LayerTable) -> list[GroupRow]:
         same = g.same_shape and len({(r.m, r.n, r.groups) for r in rows}) == 1
         macs = None if any(r.macs is None for r in rows) else sum(r.macs or 0 for r in rows)
         shown = _common([r.planned if table.planned else r.suggested for r in rows])
-        comp = first.m * first.n / (shown * (first.m + first.n)) if same and shown else None
+        comp = (first.m * first.n / (shown * (first.m + first.n)) if same and shown
+                else _group_compression(rows, table.planned))
         out.append(GroupRow(
             label=g.label, pattern=g.pattern, anchor=ids[g.label] if g.is_group else first.anchor, members=rows,
             params=g.params, share=g.share, cumulative=acc, shape=first.shape if same else "mixed",
@@ -243,6 +244,16 @@ def _energy(audit: "AuditResult", name: str) -> list[np.ndarray]:
     if sp is None or not sp.energy:
         return []
     return [np.asarray(sp.energy, dtype=np.float64)]
+
+
+def _group_compression(rows: Sequence[Any], planned: bool) -> float | None:
+    """A group's compression where its members' ranks differ: the parameters of the members given a rank over
+    what their factors hold, sum(m n) / sum(r (m + n)) (dense members left out); None when no member has a rank."""
+    ranked = [(r, r.planned if planned else r.suggested) for r in rows]
+    ranked = [(r, k) for r, k in ranked if k]
+    if not ranked:
+        return None
+    return sum(r.m * r.n * r.groups for r, _ in ranked) / sum(k * (r.m + r.n) * r.groups for r, k in ranked)
 
 
 def _common(values: Sequence[Any]) -> Any:

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 
 from ...speedresults import SpeedReport, seconds
 from .md_fit import Room, Section, fold_if
-from .safe import md_code, md_text
+from .safe import md_code, md_text, term, visible
 
 if TYPE_CHECKING:
     from ...results import AuditResult
@@ -105,7 +105,7 @@ def _model_lines(sp: SpeedReport) -> list[str]:
             out.append(f"--budget-latency {lp.target:g}: {len(lp.ranks)} layers, {lp.params_removed:,} parameters "
                        f"removed, latency measured {100 * change:+.0f}% (the layer times predicted "
                        f"{100 * lp.predicted_change:+.0f}%)".replace("+-", "-")
-                       + (f"; left dense: {', '.join(lp.dropped)}" if lp.dropped else ""))
+                       + (f"; left dense: {', '.join(map(visible, lp.dropped))}" if lp.dropped else ""))
         else:
             out.append(f"--budget-latency {lp.target:g}: no plan tried (the planned layers, then those that cost "
                        "time left dense) removes that share of the measured latency")
@@ -122,7 +122,7 @@ def terminal(audit: "AuditResult") -> list[str]:
     if line:
         out.append(f"  {line}")
     head = ("layer", "r", "input", "x params", "x MACs", "dense", "factorized", "x time", "time b-e", "b-e")
-    table = [head] + [(r.layer, str(r.rank), r.input_shape, f"{r.x_params:.2f}",
+    table = [head] + [(term(r.layer), str(r.rank), r.input_shape, f"{r.x_params:.2f}",
                        f"{r.x_macs:.2f}" if r.x_macs is not None else "-", r.dense, r.factorized,
                        f"{r.x_time:.2f}", r.time_break_even, f"{r.param_break_even:.1f}") for r in rows(audit)]
     if len(table) > 1:

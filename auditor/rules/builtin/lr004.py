@@ -8,7 +8,7 @@ from ..context import Context
 from ..registry import Emit, Need, Scope, rule
 
 ENERGY_FLOOR = Setting("energy_floor", 0.90, "a planned rank keeping less spectral energy than this is flagged",
-                       low=0.0, high=1.0, low_inclusive=False)
+                       low=0.0, high=1.0, low_inclusive=False, stricter="higher")
 
 
 @rule("LR004", "energy-below-floor", Severity.WARNING, scope=Scope.PLAN, needs={Need.SPECTRA},

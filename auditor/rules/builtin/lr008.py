@@ -8,7 +8,8 @@ from ..context import Context
 from ..registry import Emit, Scope, rule
 
 NEGLIGIBLE_SHARE = Setting("negligible_share", 0.01, "a plan saving less than this share of the model's unique "
-                           "parameters is flagged", low=0.0, high=1.0, example=0.01)
+                           "parameters is flagged", low=0.0, high=1.0, example=0.01,
+                           stricter="higher")
 
 
 @rule("LR008", "negligible-saving", Severity.WARNING, scope=Scope.PLAN, settings=[NEGLIGIBLE_SHARE])

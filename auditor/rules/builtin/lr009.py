@@ -8,7 +8,8 @@ from ..context import Context
 from ..registry import Emit, Need, Scope, rule
 
 WIDER_FACTOR = Setting("wider_factor", 4.0, "a dense layer that factorizes and is at least this many times larger "
-                       "than the smallest planned one is flagged", low=0.0, low_inclusive=False, example=4)
+                       "than the smallest planned one is flagged", low=0.0, low_inclusive=False, example=4,
+                       stricter="lower")
 
 
 @rule("LR009", "small-before-wide", Severity.INFO, scope=Scope.PLAN, needs={Need.SPECTRA},

@@ -8,9 +8,10 @@ from ..context import Context
 from ..registry import Emit, Need, Scope, rule
 
 TALL_RATIO = Setting("tall_ratio", 8.0, "max(m, n) / min(m, n) at or above this is a tall, thin matrix", low=1.0,
-                     example=8)
+                     example=8, stricter="lower")
 TALL_MIN_SHARE = Setting("tall_min_share", 0.05, "a tall, thin matrix holding at least this share of the "
-                         "parameters is flagged", low=0.0, high=1.0)
+                         "parameters is flagged", low=0.0, high=1.0,
+                         stricter="lower")
 
 
 @rule("LR011", "tall-thin-left-alone", Severity.INFO, scope=Scope.MODEL, needs={Need.SPECTRA},
