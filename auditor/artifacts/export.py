@@ -544,14 +544,14 @@ Inputs: {shapes} ({batch}). Outputs: {out_kind}. The program reproduces the fact
 
 To check the file is the one written: `hashlib.sha256(open("{PT2}", "rb").read()).hexdigest()` must be
 `{e['sha256']}`; lowrank-auditor's loader does this check and more:
-`auditor.artifacts.export.load_program(DIR)`.
+`auditor.export.load_program(DIR)`.
 {onnx_line}
 ## The other files
 
 - `plan.json`: the plan (layer -> rank), parameter counts, the measured metric{' and the recovery' if rec else ''}.
 - `model.safetensors`: the same weights, keyed like the factorized module (`layer.0.weight` is the r x n factor,
   `layer.1.weight` the m x r one); rebuilding that module needs the original model and the tool:
-  `auditor.artifacts.folder.load_factorized(original_model, DIR)`.
+  `auditor.folder.load_factorized(original_model, DIR)`.
 """
     path = Path(directory) / README
     path.write_text(text)

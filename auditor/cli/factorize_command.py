@@ -8,7 +8,7 @@ layer's break-even (LR001: the factors store at least as much as the weight) is 
 
 ``DIR`` receives ``model.safetensors``, ``plan.json`` and the marker ``lowrank-audit-factorized.json``
 (:func:`auditor.artifacts.folder.save_factorized`), written into a folder beside it and renamed into place; read them back
-with ``auditor.artifacts.folder.load_factorized(original_model, DIR)``. ``DIR`` must be new or empty; ``--force`` replaces
+with ``auditor.folder.load_factorized(original_model, DIR)``. ``DIR`` must be new or empty; ``--force`` replaces
 only a previous output of this command (its marker, and nothing else in it), never a folder holding an input, the
 working folder or one above it, nor a symbolic link. Exit codes: 0 written, 2 bad input (one line, nothing written).
 """
@@ -303,7 +303,7 @@ def _say(out: Path, made: _Made, result: Any, exported: list[str]) -> None:
             print(f"{cr.metric} on the held-out part: {pred}measured {pc.measured:.4g} "
                   f"({'holds' if pc.ok else 'misses'} the tolerance {cr.tolerance:g})", file=sys.stderr)
     print(f"wrote {escape(str(out / 'model.safetensors'))} and {escape(str(out / 'plan.json'))}; a recovery "
-          "fine-tune follows (load with auditor.artifacts.folder.load_factorized(model, DIR))", file=sys.stderr)
+          "fine-tune follows (load with auditor.folder.load_factorized(model, DIR))", file=sys.stderr)
     if exported:
         print(f"wrote {', '.join(escape(str(out / f)) for f in exported)}: loads with plain torch "
               "(torch.export.load; see README.md)", file=sys.stderr)
