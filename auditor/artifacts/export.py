@@ -208,7 +208,7 @@ def _export_program(model: nn.Module, args: tuple, kwargs: dict) -> tuple[Any, s
         except Exception as exc:  # noqa: BLE001 - a model torch.export cannot trace (dynamically)
             errors.append(f"{what or 'static'}: {first_line(exc)}")
     raise AuditError(f"torch.export could not export the factorized model: {errors[-1]}",
-                     "Export the model by hand, or use model.safetensors with auditor.artifacts.folder.load_factorized")
+                     "Export the model by hand, or use model.safetensors with auditor.folder.load_factorized")
 
 
 def _plain_samples(prog: Any) -> None:
