@@ -197,7 +197,8 @@ def _common_flags(p: argparse.ArgumentParser) -> None:
                         "render) on stderr, never on stdout. auto (the default): a bar on a terminal, else (CI, a log, "
                         "a notebook) a line as each phase starts once the run is 30 s old, a heartbeat at least "
                         "every 30 s, a closing line with counts and time for a calibration phase of 10 s or more; "
-                        "always (--progress alone): every phase; never (--no-progress): nothing")
+                        "always (--progress alone): every phase; never (--no-progress, and -q unless --progress is "
+                        "given): nothing")
     p.add_argument("--no-progress", dest="progress", action="store_const", const="never", help=argparse.SUPPRESS)
 
 
@@ -332,6 +333,11 @@ def _restore_interrupts(old: object, keep_ignoring: bool) -> None:
 PROGRESS_WHEN = ("never", "auto", "always")
 
 
+def _progress_when(args: argparse.Namespace) -> str:
+    """--progress's word; unset, ``auto`` (a terminal's bars, a plain log off one), or ``never`` under ``-q``."""
+    return getattr(args, "progress", None) or ("never" if getattr(args, "quiet", False) else "auto")
+
+
 def _progress_alone(argv: list[str]) -> list[str]:
     """``--progress`` not followed by one of its words is ``--progress=always``, so ``--progress MODEL`` keeps MODEL
     as the model (argparse would take it for the word).
@@ -462,7 +468,7 @@ def options_from(args: argparse.Namespace) -> tuple["AuditOptions", "LoadOptions
         tracer=Tracer(args.tracer),
         spectra_backend=SpectraBackend(args.spectra_backend), spectra=not args.no_spectra, cache=not args.no_cache,
         cache_dir=_cache_dir(args.cache_dir), jobs=args.jobs,
-        progress={"always": True, "never": False}.get(getattr(args, "progress", None) or "auto", "auto"),
+        progress={"always": True, "never": False}.get(_progress_when(args), "auto"),
         scheduler=args.scheduler, path_map=path_map, **calibration_options(args), **speed_options(args),
     )
     load_options = LoadOptions(
@@ -707,7 +713,7 @@ def run(args: argparse.Namespace, written: list[Path] | None = None) -> int:
                  for fmt, content in outputs.items()
                  if fmt not in dest or (fmt in table and not args.quiet)]  # the table: on screen and in -o
 
-    if args.quiet and not to_stdout and exit_code(result) != ExitCode.OK:  # -q keeps a failing run's verdict
+    if args.quiet and not to_stdout:  # -q keeps the verdict line, and a failing run's findings
         from ..verdict.policy import quiet_lines
 
         to_stdout.append(quiet_lines(result))
