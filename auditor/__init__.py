@@ -15,6 +15,12 @@ function :func:`auditor.api.factorize`; the earlier module path keeps working fo
 
 from __future__ import annotations
 
+import os as _os
+
+# The earlier public module paths (auditor.load, auditor.folder, ...) live in compat/ and are imported by their old
+# names: the folder is searched after this one's own modules
+__path__.append(_os.path.join(_os.path.dirname(__file__), "compat"))
+
 # First: the import system binds a submodule on its package when it loads it, so the old path is loaded here, once,
 # and the function below takes the name
 from . import factorize as _factorize_path  # noqa: F401

@@ -24,98 +24,17 @@ if TYPE_CHECKING:
     from torch import nn
     from typing_extensions import Unpack
 
-    from .baseline import BaselineSource
-    from .groups import Group
+    from .verdict.baseline import BaselineSource
+    from .planning.groups import Group
     from .options import OptionFields
 
-__all__ = ["Audit", "audit", "audit_source", "factorize"]
+__all__ = ["Audit", "AuditOutputs", "audit", "audit_source", "factorize"]
 
 
-class Audit(results.AuditResult):
-    """The front object: the result of an audit (:class:`auditor.results.AuditResult`, plain data) with its output
-    methods.
-
-    ``dataclasses.replace`` keeps the class; :meth:`of` wraps a plain result.
-
-    >>> import auditor, torch
-    >>> a = auditor.audit(torch.nn.Linear(8, 4), spectra=False)
-    >>> type(a).__module__, isinstance(a, auditor.results.AuditResult), Audit.of(a.plain()) == a
-    ('auditor.api', True, True)
-    """
-
-    @classmethod
-    def of(cls, result: results.AuditResult) -> "Audit":
-        """``result`` with the output methods (itself when it has them already)."""
-        if isinstance(result, cls):
-            return result
-        return cls(**{f.name: getattr(result, f.name) for f in fields(result)})
-
-    def plain(self) -> results.AuditResult:
-        """The same result as plain data (:class:`auditor.results.AuditResult`)."""
-        return results.AuditResult(**{f.name: getattr(self, f.name) for f in fields(self)})
-
-    # ---- analysis -------------------------------------------------------------------------------------------
-    def groups(self) -> "list[Group]":
-        """Layers grouped by block: names that differ only in integer components (``h.*.mlp.c_fc`` x 12), largest
-        group first; a layer with no siblings is a group of one.
-
-        >>> import auditor, torch
-        >>> m = torch.nn.Sequential(*[torch.nn.Linear(8, 8) for _ in range(3)])
-        >>> g = auditor.audit(m, spectra=False).groups()[0]
-        >>> g.label, g.size, g.params
-        ('*', 3, 192)
-        """
-        from .groups import group_layers
-
-        return group_layers(self.layers, self.total_params)
-
-    def emit_plan(self, path: str | Path | None = None) -> str:
-        """The suggested plan as an editable TOML file (the same text as ``--emit-plan``), written atomically to
-        ``path`` when given; returns the text.
-
-        >>> import auditor, torch
-        >>> a = auditor.audit(torch.nn.Linear(8, 4), spectra=False)
-        >>> "[ranks]" in a.emit_plan()
-        True
-        """
-        from .plan import emit_toml
-
-        text = emit_toml(self)
-        if path is not None:
-            from .render import atomic_write
-
-            with atomic_write(path) as fh:
-                fh.write(text)
-        return text
-
-    # ---- verdict -------------------------------------------------------------------------------------------
-    @property
-    def status(self) -> str:
-        """The verdict's word: ``"pass"``, ``"review"``, ``"fail"`` or ``"unmeasured"`` (nothing found, but no
-        calibration data measured the plan); the JSON report's ``status``.
-
-        >>> import auditor, torch
-        >>> a = auditor.audit(torch.nn.Linear(8, 4), spectra=False)
-        >>> a.status, a.measured, a.exit_code, a.findings
-        ('unmeasured', False, 0, [])
-        """
-        from .policy import status
-
-        return str(status(self))
-
-    @property
-    def measured(self) -> bool:
-        """Whether calibration data measured the suggested or reviewed plan (the JSON report's ``measured``)."""
-        from .policy import measured
-
-        return measured(self)
-
-    @property
-    def exit_code(self) -> int:
-        """The command line's exit code for this audit at its ``fail_on`` setting: 0, or 1 for findings at it."""
-        from .policy import exit_code
-
-        return int(exit_code(self))
+class AuditOutputs:
+    """The output methods of :class:`Audit`, each a call into :mod:`auditor.render.report`: the reports as strings,
+    files, a DataFrame and the notebook view. A mixin over :class:`auditor.results.AuditResult` (``self`` is the
+    result)."""
 
     def __str__(self) -> str:
         """The terminal table (``print(a)``); ``repr(a)`` stays one line."""
@@ -238,13 +157,100 @@ class Audit(results.AuditResult):
         return report.notebook_html(self)
 
 
+class Audit(AuditOutputs, results.AuditResult):
+    """The front object: the result of an audit (:class:`auditor.results.AuditResult`, plain data) with its output
+    methods (:class:`AuditOutputs`), its analyses and its verdict.
+
+    ``dataclasses.replace`` keeps the class; :meth:`of` wraps a plain result.
+
+    >>> import auditor, torch
+    >>> a = auditor.audit(torch.nn.Linear(8, 4), spectra=False)
+    >>> type(a).__module__, isinstance(a, auditor.results.AuditResult), Audit.of(a.plain()) == a
+    ('auditor.api', True, True)
+    """
+
+    @classmethod
+    def of(cls, result: results.AuditResult) -> "Audit":
+        """``result`` with the output methods (itself when it has them already)."""
+        if isinstance(result, cls):
+            return result
+        return cls(**{f.name: getattr(result, f.name) for f in fields(result)})
+
+    def plain(self) -> results.AuditResult:
+        """The same result as plain data (:class:`auditor.results.AuditResult`)."""
+        return results.AuditResult(**{f.name: getattr(self, f.name) for f in fields(self)})
+
+    # ---- analysis -------------------------------------------------------------------------------------------
+    def groups(self) -> "list[Group]":
+        """Layers grouped by block: names that differ only in integer components (``h.*.mlp.c_fc`` x 12), largest
+        group first; a layer with no siblings is a group of one.
+
+        >>> import auditor, torch
+        >>> m = torch.nn.Sequential(*[torch.nn.Linear(8, 8) for _ in range(3)])
+        >>> g = auditor.audit(m, spectra=False).groups()[0]
+        >>> g.label, g.size, g.params
+        ('*', 3, 192)
+        """
+        from .planning.groups import group_layers
+
+        return group_layers(self.layers, self.total_params)
+
+    def emit_plan(self, path: str | Path | None = None) -> str:
+        """The suggested plan as an editable TOML file (the same text as ``--emit-plan``), written atomically to
+        ``path`` when given; returns the text.
+
+        >>> import auditor, torch
+        >>> a = auditor.audit(torch.nn.Linear(8, 4), spectra=False)
+        >>> "[ranks]" in a.emit_plan()
+        True
+        """
+        from .planning.plan import emit_toml
+
+        text = emit_toml(self)
+        if path is not None:
+            from .render import atomic_write
+
+            with atomic_write(path) as fh:
+                fh.write(text)
+        return text
+
+    # ---- verdict -------------------------------------------------------------------------------------------
+    @property
+    def status(self) -> str:
+        """The verdict's word: ``"pass"``, ``"review"``, ``"fail"`` or ``"unmeasured"`` (nothing found, but no
+        calibration data measured the plan); the JSON report's ``status``.
+
+        >>> import auditor, torch
+        >>> a = auditor.audit(torch.nn.Linear(8, 4), spectra=False)
+        >>> a.status, a.measured, a.exit_code, a.findings
+        ('unmeasured', False, 0, [])
+        """
+        from .verdict.policy import status
+
+        return str(status(self))
+
+    @property
+    def measured(self) -> bool:
+        """Whether calibration data measured the suggested or reviewed plan (the JSON report's ``measured``)."""
+        from .verdict.policy import measured
+
+        return measured(self)
+
+    @property
+    def exit_code(self) -> int:
+        """The command line's exit code for this audit at its ``fail_on`` setting: 0, or 1 for findings at it."""
+        from .verdict.policy import exit_code
+
+        return int(exit_code(self))
+
+
 @scoped
 def audit(model: Any, inputs: Any = None, *, plan: Any = None, options: AuditOptions | None = None,
           **shortcuts: "Unpack[OptionFields]") -> Audit:
     """Audit a model: an ``nn.Module``, or a weights-only checkpoint from :func:`auditor.sources.load_source`.
 
     ``inputs``: a tensor, a tuple of positional inputs, a dict of keyword inputs, or (args, kwargs); without them
-    MACs are not counted. ``plan``: a :class:`auditor.plan.Plan`, a path to a TOML/JSON plan, or a dict; without
+    MACs are not counted. ``plan``: a :class:`auditor.planning.plan.Plan`, a path to a TOML/JSON plan, or a dict; without
     one the suggested ranks are reviewed. ``options``: an :class:`AuditOptions`. Any of its fields may also be
     given as a keyword (``audit(m, x, spectra=False)`` is ``options=AuditOptions(spectra=False)``; a keyword
     replaces that field of ``options``); other keywords raise TypeError. The stages are those of
@@ -287,7 +293,7 @@ def factorize(model: "nn.Module", plan: Any, calibration: Any = None) -> "nn.Mod
     """A deep copy of ``model`` with each planned layer replaced by two (``model`` is left untouched).
 
     ``plan``: ``{layer name: rank}``, or anything :func:`audit` accepts as a plan (a TOML/JSON path, a
-    :class:`auditor.plan.Plan`, a plan table with ``ranks``), whose patterns and specs (``"0.5be"``,
+    :class:`auditor.planning.plan.Plan`, a plan table with ``ranks``), whose patterns and specs (``"0.5be"``,
     ``"energy:0.95"``) are reviewed against the model as the audit reviews them. ``calibration``: None (factors from
     the plain SVD of each weight), a ``CalibrationSession`` (an audit's: its statistics are reused), a
     ``Calibration``, ``InputStatistics``, or any source
@@ -311,7 +317,7 @@ def factorize(model: "nn.Module", plan: Any, calibration: Any = None) -> "nn.Mod
         ranks = dict(plan)
     else:
         from . import pipeline
-        from .policy import input_errors
+        from .verdict.policy import input_errors
 
         result = pipeline.audit(model, plan=plan, options=AuditOptions(progress=False))
         for f in input_errors(result):

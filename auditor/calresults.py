@@ -352,6 +352,22 @@ class CalibrationReport:
     sensitivity_fallback: SensitivityFallback | None = None  # planned layers gradients missed; JSON: only when set
     tier1_target: float = working(0.01)  # the layer-output error tier 1 ranked for (the metric's rule)
     increase_of: str = working("")  # the metric is the relative increase of this dense value ("perplexity")
+    # what the metric says of itself (calibration.metrics.base.MetricKind.limit / display), for the renderers:
+    limit: float | None = working(None)  # the value at which it stops holding (the tolerance line)
+    display: str = working("")  # "percent" (a fraction against the tolerance) | "number" (its units, beside dense)
+
+    def __post_init__(self) -> None:
+        if self.limit is None or not self.display:  # a report made by hand: the rule of the built-in kinds
+            higher = self.higher_is_better
+            self.limit = self.limit if self.limit is not None else \
+                self.reference - self.tolerance if higher else self.tolerance
+            self.display = self.display or (
+                "percent" if not higher and (self.increase_of or "error" in self.metric) else "number")
+
+    def shortfall(self, value: float) -> float:
+        """How far ``value`` lies on the failing side of :attr:`limit` (positive: it misses; larger: worse)."""
+        assert self.limit is not None
+        return self.limit - value if self.higher_is_better else value - self.limit
 
     def recovery_note(self) -> str:
         """How the suggested plan holds when ``--choose-after-recovery`` chose it on the recovered curve: "holds

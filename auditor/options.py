@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 import os
+import warnings
 from dataclasses import MISSING, dataclass, field, fields, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Iterable, Mapping, TypedDict, Union
@@ -57,6 +58,21 @@ class CalibrationData:
     max_rows: int | None = CALIBRATION_MAX_ROWS  # read at most this many rows (None: no cap)
     max_bytes: int | None = CALIBRATION_MAX_BYTES  # read at most this many bytes (None: no cap)
 
+    def check_limits(self) -> None:
+        """The caps on rows and bytes, each a positive whole number or None."""
+        for name, v in (("calibration_max_rows", self.max_rows), ("calibration_max_bytes", self.max_bytes)):
+            if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
+                flag = "--" + name.replace("_", "-")
+                raise AuditError(f"{name} {v!r} is not a positive whole number",
+                                 f"Give e.g. {flag} {'200000' if 'rows' in name else '4G'}, or None for no cap")
+
+    def check_length(self) -> None:
+        """The text window's length, a positive whole number or None."""
+        length = self.length
+        if length is not None and (isinstance(length, bool) or not isinstance(length, int) or length < 1):
+            raise AuditError(f"calibration_length {length!r} is not a positive whole number",
+                             "Give e.g. calibration_length=128 (on the command line --calibration-length 128)")
+
 
 @dataclass(frozen=True)
 class TierOptions:
@@ -71,6 +87,22 @@ class TierOptions:
     confidence: float = 0.9  # the verification interval's level (bootstrap over held-out rows the search never read)
     split: bool = True  # held-out rows cut into search and verification parts (False: every row for both, no interval)
 
+    def check(self) -> None:
+        """The confidence level, the budget and the tolerance, each checked before any work."""
+        confidence, budget, tolerance = self.confidence, self.budget, self.tolerance
+        if isinstance(confidence, bool) or not isinstance(confidence, (int, float)) or not 0 < confidence < 1:
+            raise AuditError(f"confidence {confidence!r} is not a level in (0, 1)", "Give e.g. confidence=0.9")
+        if budget is not None and not 0 < budget < 1:
+            raise AuditError(f"budget {budget} is not a fraction in (0, 1)", "Give e.g. budget=0.3")
+        if tolerance is not None:
+            if isinstance(tolerance, bool) or not isinstance(tolerance, (int, float)):
+                raise AuditError(f"tolerance {tolerance!r} is not a number", "Give e.g. tolerance=0.01")
+            if not math.isfinite(tolerance):
+                raise AuditError(f"tolerance {tolerance} is not a finite number",
+                                 "Give a finite tolerance of 0 or more, e.g. --tolerance 0.01")
+            if tolerance < 0:
+                raise AuditError(f"tolerance {tolerance} is negative", "Give a tolerance of 0 or more")
+
 
 @dataclass(frozen=True)
 class StatisticsOptions:
@@ -79,6 +111,15 @@ class StatisticsOptions:
     device: str | None = None  # cpu, cuda, cuda:N or auto (None: where the model is)
     offload: bool = False  # each repeated block on the device only while it runs
     compute_dtype: str | None = None  # "float32" runs bf16/fp16 weights upcast, a block at a time
+
+    def check(self) -> None:
+        """The device: cpu, cuda, cuda:N or auto."""
+        if self.device is not None:
+            import re
+
+            device = self.device
+            if not isinstance(device, str) or not re.fullmatch(r"cpu|auto|cuda(:\d+)?", device.strip().lower()):
+                raise AuditError(f"unknown device {device!r}", "Give device='cpu', 'cuda', 'cuda:N' or 'auto'")
 
 
 TRAINABLE = ("factors", "all")  # what a recovery trains: the factor weights, or every parameter
@@ -144,6 +185,25 @@ class SpeedOptions:
     budget_latency: float | None = None  # a share of the dense latency to remove: the plan chosen by time
     clock: Callable[[], float] | None = None  # seconds, called around each timed block (tests: a fake clock)
 
+    def checked(self) -> "SpeedOptions":
+        """--latency-shape and --budget-latency checked, each before any work; either asks for the measurement
+        (the group returned with ``measure`` set and the shape a tuple)."""
+        out = self
+        if self.latency_shape is not None:
+            shape = tuple(self.latency_shape)
+            if not shape or any(isinstance(d, bool) or not isinstance(d, int) or d < 1 for d in shape):
+                raise AuditError(f"latency shape {self.latency_shape!r} is not positive whole numbers",
+                                 "Give the batch (and positions), e.g. --latency-shape 64,128")
+            out = replace(out, latency_shape=shape)
+        b = self.budget_latency
+        if b is not None:
+            if isinstance(b, bool) or not isinstance(b, (int, float)) or not 0 < b < 1:
+                raise AuditError(f"latency budget {b!r} is not a fraction in (0, 1)",
+                                 "Give the share of the dense latency to remove, e.g. --budget-latency 0.2")
+        if self.latency_shape is not None or b is not None:
+            out = replace(out, measure=True)
+        return out
+
 
 # The flat names of the option groups' fields (the keywords AuditOptions and auditor.audit took before the groups,
 # still accepted, and readable as attributes): flat name -> (group, field)
@@ -165,17 +225,19 @@ FLAT: dict[str, tuple[str, str]] = {
 @dataclass(frozen=True, init=False)
 class AuditOptions:
     """Everything an audit is asked to do besides the model, its inputs and the plan: a few top-level fields and
-    typed groups (``calibration_data``, ``tiers``, ``statistics``, ``recovery``, ``cluster``, ``speed``). Every group
-    field may also be given, and read, by its flat name (:data:`FLAT`: ``holdout``, ``recover_steps``, ...); a flat
-    keyword replaces that field of the group given with it.
+    typed groups (``calibration_data``, ``tiers``, ``statistics``, ``recovery``, ``cluster``, ``speed``), which the
+    code reads. Every group field may also be given by its flat name (:data:`FLAT`: ``holdout``, ``recover_steps``,
+    ...), the keywords ``auditor.audit`` documents; a flat keyword replaces that field of the group given with it.
+    Reading a flat name (``options.holdout``) still works but is deprecated (one :class:`DeprecationWarning` path,
+    :func:`_flat`): read the group's field (``options.calibration_data.holdout``).
 
     Settings resolve in one order: ``settings`` (defaults, or what the caller read from pyproject.toml), then the
     plan's ``[thresholds]``, then ``overrides`` (the command line's threshold flags, or a caller's dict).
 
     >>> o = AuditOptions(spectra=False, jobs=2, holdout=0.5, calibration="c.safetensors")
-    >>> o.tracer, o.holdout, o.calibration_data.holdout, o.tiers.budget
-    (<Tracer.AUTO: 'auto'>, 0.5, 0.5, None)
-    >>> AuditOptions(recovery=RecoveryOptions(steps=5), calibration="c", budget=0.5).recover_steps
+    >>> o.tracer, o.calibration_data.holdout, o.calibration_data.source, o.tiers.budget
+    (<Tracer.AUTO: 'auto'>, 0.5, 'c.safetensors', None)
+    >>> AuditOptions(recovery=RecoveryOptions(steps=5), calibration="c", budget=0.5).recovery.steps
     5
     >>> AuditOptions(tracer="fast")
     Traceback (most recent call last):
@@ -239,85 +301,38 @@ class AuditOptions:
                              f"Choose from {', '.join(b.value for b in SpectraBackend)}") from None
         if self.jobs is not None and self.jobs < 1:
             raise AuditError(f"jobs={self.jobs}: at least one layer must run", "Use jobs=1 or more, or None")
-        if self.compute_dtype is not None:
-            self._update("statistics", compute_dtype=compute_dtype_name(self.compute_dtype))
+        if self.statistics.compute_dtype is not None:
+            self._update("statistics", compute_dtype=compute_dtype_name(self.statistics.compute_dtype))
         if self.cache_dir is not None and not isinstance(self.cache_dir, Path):
             object.__setattr__(self, "cache_dir", Path(self.cache_dir))
         if self.settings is None:
             object.__setattr__(self, "settings", Settings())
-        self._check_tiers()
-        self._check_limits()
-        if self.calibration is None and (self.measure_floor or self.budget is not None or self.metric is not None):
+        self.tiers.check()
+        self.calibration_data.check_limits()
+        self.statistics.check()
+        tiers = self.tiers
+        if self.calibration_data.source is None and (tiers.measure_floor or tiers.budget is not None
+                                                     or tiers.metric is not None):
             raise AuditError("measure_floor, budget and metric need calibration data",
                              "Pass calibration=FILE (on the command line --calibration FILE)")
         self._check_recovery()
-        self._check_speed()
-        if self.calibration_length is not None and (isinstance(self.calibration_length, bool)
-                                                    or not isinstance(self.calibration_length, int)
-                                                    or self.calibration_length < 1):
-            raise AuditError(f"calibration_length {self.calibration_length!r} is not a positive whole number",
-                             "Give e.g. calibration_length=128 (on the command line --calibration-length 128)")
-
-    def _check_tiers(self) -> None:
-        """The confidence level, the budget and the tolerance, each checked before any work."""
-        if isinstance(self.confidence, bool) or not isinstance(self.confidence, (int, float)) \
-                or not 0 < self.confidence < 1:
-            raise AuditError(f"confidence {self.confidence!r} is not a level in (0, 1)", "Give e.g. confidence=0.9")
-        if self.budget is not None and not 0 < self.budget < 1:
-            raise AuditError(f"budget {self.budget} is not a fraction in (0, 1)", "Give e.g. budget=0.3")
-        if self.tolerance is not None:
-            if isinstance(self.tolerance, bool) or not isinstance(self.tolerance, (int, float)):
-                raise AuditError(f"tolerance {self.tolerance!r} is not a number", "Give e.g. tolerance=0.01")
-            if not math.isfinite(self.tolerance):
-                raise AuditError(f"tolerance {self.tolerance} is not a finite number",
-                                 "Give a finite tolerance of 0 or more, e.g. --tolerance 0.01")
-            if self.tolerance < 0:
-                raise AuditError(f"tolerance {self.tolerance} is negative", "Give a tolerance of 0 or more")
-
-    def _check_limits(self) -> None:
-        """The calibration caps and the device, checked before any work."""
-        for name in ("calibration_max_rows", "calibration_max_bytes"):
-            v = getattr(self, name)
-            if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
-                flag = "--" + name.replace("_", "-")
-                raise AuditError(f"{name} {v!r} is not a positive whole number",
-                                 f"Give e.g. {flag} {'200000' if 'rows' in name else '4G'}, or None for no cap")
-        if self.device is not None:
-            import re
-
-            if not isinstance(self.device, str) or not re.fullmatch(r"cpu|auto|cuda(:\d+)?", self.device.strip().lower()):
-                raise AuditError(f"unknown device {self.device!r}", "Give device='cpu', 'cuda', 'cuda:N' or 'auto'")
+        object.__setattr__(self, "speed", self.speed.checked())
+        self.calibration_data.check_length()
 
     def _check_recovery(self) -> None:
         """The recovery settings (those of ``lowrank-audit factorize --recover``), checked before any work."""
-        if self.recover_steps is None:
-            if self.choose_after_recovery:
+        if self.recovery.steps is None:
+            if self.recovery.choose_after:
                 raise AuditError("choose_after_recovery needs recover_steps: the recovered curve is measured by it",
                                  "Add --recover STEPS (recover_steps=200, say)")
             return
         positive_int(self.recovery.steps, "recovery steps",
                      "Give --recover a positive number of steps, e.g. --recover 200")
-        if self.calibration is None or self.budget is None:
+        if self.calibration_data.source is None or self.tiers.budget is None:
             raise AuditError("recover_steps needs calibration data and a budget: it measures the frontier of the "
                              "budgeted plan search again after a recovery fine-tune",
                              "Pass --calibration FILE and --budget FRACTION (e.g. --budget 0.5) as well")
         self.recovery.check()
-
-    def _check_speed(self) -> None:
-        """--latency-shape and --budget-latency ask for the speed measurement; each checked before any work."""
-        if self.latency_shape is not None:
-            shape = tuple(self.latency_shape)
-            if not shape or any(isinstance(d, bool) or not isinstance(d, int) or d < 1 for d in shape):
-                raise AuditError(f"latency shape {self.latency_shape!r} is not positive whole numbers",
-                                 "Give the batch (and positions), e.g. --latency-shape 64,128")
-            self._update("speed", latency_shape=shape)
-        b = self.budget_latency
-        if b is not None:
-            if isinstance(b, bool) or not isinstance(b, (int, float)) or not 0 < b < 1:
-                raise AuditError(f"latency budget {b!r} is not a fraction in (0, 1)",
-                                 "Give the share of the dense latency to remove, e.g. --budget-latency 0.2")
-        if self.latency_shape is not None or b is not None:
-            self._update("speed", measure=True)
 
     def with_(self, **changes: Any) -> "AuditOptions":
         """A copy with some fields changed (top-level, group or flat names); unknown names raise TypeError naming
@@ -326,13 +341,17 @@ class AuditOptions:
 
 
 def _flat(name: str) -> property:
+    """The deprecated read of a group field by its flat name: the value, with a :class:`DeprecationWarning` naming
+    the group field to read instead (the one deprecation path of the flat names)."""
     group, attr = FLAT[name]
 
     def get(self: AuditOptions) -> Any:
+        warnings.warn(f"AuditOptions.{name} is deprecated; read AuditOptions.{group}.{attr}", DeprecationWarning,
+                      stacklevel=2)
         return getattr(getattr(self, group), attr)
 
     get.__name__ = name
-    return property(get, doc=f"``{group}.{attr}`` (its flat name, as a keyword and an attribute)")
+    return property(get, doc=f"``{group}.{attr}`` by its flat name (deprecated: read the group's field)")
 
 
 for _name in FLAT:

@@ -43,7 +43,7 @@ if TYPE_CHECKING:
 
     from .structure.layers import ParamTable
     from .sources import Loaded, WeightsOnly
-    from .plan import Plan
+    from .planning.plan import Plan
     from .structure.trace import ExampleInputs, TraceResult
 
     from typing_extensions import Unpack
@@ -257,27 +257,27 @@ def compute_spectra(layers: list[Layer], loaders: dict[str, Loader], settings: S
 
     # torch-cuda without CUDA here is one line before any work; on a Dask cluster the workers compute, and a worker
     # without CUDA skips the layer with that reason
-    backend = backend_for(options.spectra_backend, here=options.scheduler is None)
+    backend = backend_for(options.spectra_backend, here=options.cluster.scheduler is None)
     progress = progress or Progress(enabled=False)
     order = sorted(layers, key=lambda l: -l.params)  # largest first: they are submitted in that order
     refs = [(l.name, ref_for(l, loaders[l.name])) for l in order]
     cache = SpectrumCache(options.cache_dir) if options.cache else None
     with contextlib.ExitStack() as stack:
-        if options.scheduler is not None:  # a Dask cluster (spectra/dask_executor.py); this side writes the cache
+        if options.cluster.scheduler is not None:  # a Dask cluster (spectra/dask_executor.py); this side writes the cache
             from .spectra.dask_executor import executor_for
 
-            executor: Any = stack.enter_context(executor_for(options.scheduler, options.path_map))
+            executor: Any = stack.enter_context(executor_for(options.cluster.scheduler, options.cluster.path_map))
         else:
             executor = ThreadExecutor(options.jobs)
         with progress.phase("spectra", total=len(refs)):
             by_layer, stats = run_spectra(refs, targets=settings.energy_targets, backend=backend, executor=executor,
                                           cache=cache, progress=progress.update)
-        where = "local" if options.scheduler is None else executor.where  # asked while the client is open
+        where = "local" if options.cluster.scheduler is None else executor.where  # asked while the client is open
     return Spectra(by_layer, dict(vars(stats)), where=where)
 
 
 def suggest_ranks(layers: list[Layer], spectra: dict[str, Spectrum], settings: Settings) -> dict[str, Suggestion]:
-    from .suggest import suggest
+    from .planning.suggest import suggest
 
     return {l.name: suggest(l, spectra.get(l.name), settings) for l in layers}
 
@@ -287,7 +287,7 @@ def calibrate(model: Any, st: Structure, spectra: Spectra, suggestions: dict[str
     """The calibration stage (``auditor/calibration/stage.py``): tiers 1-3 as plain data, and the suggestions with
     the data-aware rank. (None, suggestions) without calibration data. ``progress`` draws each of its phases
     (default: none drawn)."""
-    if options.calibration is None:
+    if options.calibration_data.source is None:
         return None, suggestions
     if not isinstance(model, nn.Module):
         raise AuditError("calibration needs the model's code; a weights-only checkpoint cannot run a forward pass",
@@ -300,7 +300,7 @@ def calibrate(model: Any, st: Structure, spectra: Spectra, suggestions: dict[str
 
 def review(audit: AuditResult, plan: "Plan | None") -> AuditResult:
     """The plan (or, without one, the suggested ranks) reviewed against the audit."""
-    from .plan import review_plan
+    from .planning.plan import review_plan
 
     return replace(audit, review=review_plan(audit, plan))
 
@@ -337,7 +337,7 @@ def audit(model: Any, inputs: Any = None, *, plan: Any = None, options: AuditOpt
     """Audit a model: an ``nn.Module``, or a weights-only checkpoint from :func:`auditor.sources.load_source`.
 
     ``inputs``: a tensor, a tuple of positional inputs, a dict of keyword inputs, or (args, kwargs); without them
-    MACs are not counted. ``plan``: a :class:`auditor.plan.Plan`, a path to a TOML/JSON plan, or a dict; without
+    MACs are not counted. ``plan``: a :class:`auditor.planning.plan.Plan`, a path to a TOML/JSON plan, or a dict; without
     one the suggested ranks are reviewed. ``options``: an :class:`AuditOptions`. Any of its fields may also be
     given as a keyword (``audit(m, x, spectra=False)`` is ``options=AuditOptions(spectra=False)``; a keyword
     replaces that field of ``options``); other keywords raise TypeError.
@@ -357,13 +357,14 @@ def audit_session(model: Any, inputs: Any = None, *, plan: Any = None,
     batches, the input statistics and the evaluator with its dense reference, for a caller that goes on to
     factorize or recover with them (``lowrank-audit factorize``) instead of reading and measuring all again."""
     from .sources import WeightsOnly
-    from .plan import Plan
+    from .planning.plan import Plan
 
     opts = options or AuditOptions()
     progress = _progress(opts)
     plan_obj = Plan.coerce(plan) if plan is not None else None
-    if plan_obj is not None and plan_obj.compute_dtype and opts.compute_dtype is None and opts.calibration is not None:
-        opts = replace(opts, compute_dtype=plan_obj.compute_dtype)  # the dtype the plan's ranks were measured in
+    if plan_obj is not None and plan_obj.compute_dtype and opts.statistics.compute_dtype is None \
+            and opts.calibration_data.source is not None:
+        opts = replace(opts, statistics=replace(opts.statistics, compute_dtype=plan_obj.compute_dtype))  # the dtype the plan's ranks were measured in
     settings = resolve_settings(opts, plan_obj)
     if isinstance(model, WeightsOnly):
         st = weights_structure(model, opts)
@@ -388,7 +389,7 @@ def audit_session(model: Any, inputs: Any = None, *, plan: Any = None,
 
         with progress.phase("plan check"):
             result = replace(result, calibration=check_plan(calibrated, model, result))
-    if opts.measure_speed:
+    if opts.speed.measure:
         result = measure_speed(model, inputs, result, opts, progress)
     return check(result, plan_obj), calibrated.session if calibrated is not None else None
 
@@ -442,14 +443,16 @@ def audit_source(spec: str, *, plan: Any = None, options: AuditOptions | None = 
     opts = options or AuditOptions()
     with _progress(opts).phase("load"):
         loaded = load_model(spec, load or LoadOptions())
-    opts = replace(opts, name=opts.name or loaded.name, source=loaded.source, origin=(spec, load or LoadOptions()))
-    if opts.calibration is not None and isinstance(loaded.model, nn.Module):
+    opts = replace(opts, name=opts.name or loaded.name, source=loaded.source,
+                   cluster=replace(opts.cluster, origin=(spec, load or LoadOptions())))
+    data = opts.calibration_data
+    if data.source is not None and isinstance(loaded.model, nn.Module):
         from .calibration.data.text import check_text_sources, tokenizer_home
 
-        if opts.tokenizer is None:  # a text file is tokenized by the Hugging Face directory's own tokenizer
-            opts = replace(opts, tokenizer=tokenizer_home(loaded.source))
-        check_text_sources([opts.calibration, opts.holdout], opts.tokenizer,  # bad text fails before the spectra
-                           opts.calibration_max_bytes)
+        if data.tokenizer is None:  # a text file is tokenized by the Hugging Face directory's own tokenizer
+            data = replace(data, tokenizer=tokenizer_home(loaded.source))
+            opts = replace(opts, calibration_data=data)
+        check_text_sources([data.source, data.holdout], data.tokenizer, data.max_bytes)  # bad text fails first
     result = audit(loaded.model, loaded.example_inputs, plan=plan, options=opts)
     if loaded.notes:  # what the loader decided (structure only, inputs made from the config, partial weights)
         result = replace(result, notes=[*loaded.notes, *result.notes])

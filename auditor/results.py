@@ -17,7 +17,7 @@ from .config import FailOn, Settings, StrEnum
 
 if TYPE_CHECKING:
     from .calresults import CalibrationReport
-    from .speed.measured import SpeedReport
+    from .speedresults import SpeedReport
 
 __all__ = [
     "AuditResult", "FailOn", "Finding", "GraphNode", "Kind", "Layer", "LayerGraph", "PlanItem", "PlanOrigin",
@@ -401,10 +401,99 @@ class LayerGraph:
         return [a for a, b in self.edges if b == name]
 
 
+class LayerTotals:
+    """What an audit's layers add up to: the factorizable and other parameters, the dense MACs, the running shares
+    of the largest layers, and the spectra's rank summaries. A mixin of :class:`AuditResult` (these are its
+    fields)."""
+
+    layers: list[Layer]
+    total_params: int
+    macs_known: bool
+    spectra: dict[str, Spectrum]
+
+    @property
+    def factorizable_params(self) -> int:
+        """Parameters in the factorizable weights (biases and norms are the rest).
+
+        >>> import auditor, torch
+        >>> a = auditor.audit(torch.nn.Linear(8, 4), spectra=False)
+        >>> a.factorizable_params, a.rest_params, round(a.rest_share, 3)
+        (32, 4, 0.111)
+        """
+        return sum(layer.params for layer in self.layers)
+
+    @property
+    def rest_params(self) -> int:
+        """Parameters outside the factorizable weights (see :attr:`factorizable_params`)."""
+        return self.total_params - self.factorizable_params
+
+    @property
+    def rest_share(self) -> float:
+        """:attr:`rest_params` as a share of all unique parameters."""
+        return self.rest_params / self.total_params if self.total_params else 0.0
+
+    @property
+    def total_macs(self) -> int | None:
+        """Dense MACs per forward of the weight ops for the example inputs; None without inputs.
+
+        >>> import auditor, torch
+        >>> auditor.audit(torch.nn.Linear(8, 4), torch.zeros(2, 8), spectra=False).total_macs
+        64
+        """
+        if not self.macs_known:
+            return None
+        return sum(layer.macs or 0 for layer in self.layers)
+
+    def cumulative(self) -> list[float]:
+        """The running share of the model's parameters, largest layer first.
+
+        >>> import auditor, torch
+        >>> a = auditor.audit(torch.nn.Sequential(torch.nn.Linear(8, 8, bias=False), torch.nn.Linear(8, 4, bias=False)), spectra=False)
+        >>> a.cumulative()
+        [0.6666666666666666, 1.0]
+        """
+        acc, out = 0.0, []
+        for layer in self.layers:
+            acc += layer.share
+            out.append(acc)
+        return out
+
+    def layers_holding(self, fraction: float) -> int:
+        """How many of the largest layers hold ``fraction`` of all parameters (0 if they never do).
+
+        >>> import auditor, torch
+        >>> a = auditor.audit(torch.nn.Sequential(torch.nn.Linear(8, 8, bias=False), torch.nn.Linear(8, 4, bias=False)), spectra=False)
+        >>> a.layers_holding(0.5), a.layers_holding(0.9)
+        (1, 2)
+        """
+        for i, c in enumerate(self.cumulative(), start=1):
+            if c + 1e-12 >= fraction:
+                return i
+        return 0
+
+    @property
+    def stable_ranks(self) -> dict[str, float]:
+        """Stable rank ||W||_F^2 / sigma_1^2 per layer with a spectrum.
+
+        >>> import auditor, torch
+        >>> lin = torch.nn.Linear(8, 4)
+        >>> _ = torch.nn.init.eye_(lin.weight)
+        >>> auditor.audit(lin, cache=False, progress=False).stable_ranks
+        {'Linear': 4.0}
+        """
+        return {k: s.stable_rank for k, s in self.spectra.items() if s.sigma is not None}
+
+    @property
+    def effective_ranks(self) -> dict[str, float]:
+        """Effective rank exp(entropy of sigma / sum sigma) per layer with a spectrum (4 equal values: 4.0)."""
+        return {k: s.effective_rank for k, s in self.spectra.items() if s.sigma is not None}
+
+
 @dataclass(frozen=True)
-class AuditResult:
+class AuditResult(LayerTotals):
     """The result of an audit as plain data, complete when :func:`auditor.pipeline.audit` returns it
-    (:func:`auditor.audit` returns it as :class:`auditor.api.Audit`, with the output methods).
+    (:func:`auditor.audit` returns it as :class:`auditor.api.Audit`, with the output methods); its totals are
+    :class:`LayerTotals`.
 
     >>> import auditor, torch
     >>> a = auditor.audit(torch.nn.Sequential(torch.nn.Linear(64, 32)), torch.zeros(1, 64),
@@ -456,39 +545,6 @@ class AuditResult:
         return self._by_name[name]
 
     @property
-    def factorizable_params(self) -> int:
-        """Parameters in the factorizable weights (biases and norms are the rest).
-
-        >>> import auditor, torch
-        >>> a = auditor.audit(torch.nn.Linear(8, 4), spectra=False)
-        >>> a.factorizable_params, a.rest_params, round(a.rest_share, 3)
-        (32, 4, 0.111)
-        """
-        return sum(layer.params for layer in self.layers)
-
-    @property
-    def rest_params(self) -> int:
-        """Parameters outside the factorizable weights (see :attr:`factorizable_params`)."""
-        return self.total_params - self.factorizable_params
-
-    @property
-    def rest_share(self) -> float:
-        """:attr:`rest_params` as a share of all unique parameters."""
-        return self.rest_params / self.total_params if self.total_params else 0.0
-
-    @property
-    def total_macs(self) -> int | None:
-        """Dense MACs per forward of the weight ops for the example inputs; None without inputs.
-
-        >>> import auditor, torch
-        >>> auditor.audit(torch.nn.Linear(8, 4), torch.zeros(2, 8), spectra=False).total_macs
-        64
-        """
-        if not self.macs_known:
-            return None
-        return sum(layer.macs or 0 for layer in self.layers)
-
-    @property
     def counts(self) -> SeverityCounts:
         """Findings by severity.
 
@@ -497,23 +553,6 @@ class AuditResult:
         0
         """
         return SeverityCounts.of(self.findings)
-
-    @property
-    def stable_ranks(self) -> dict[str, float]:
-        """Stable rank ||W||_F^2 / sigma_1^2 per layer with a spectrum.
-
-        >>> import auditor, torch
-        >>> lin = torch.nn.Linear(8, 4)
-        >>> _ = torch.nn.init.eye_(lin.weight)
-        >>> auditor.audit(lin, cache=False, progress=False).stable_ranks
-        {'Linear': 4.0}
-        """
-        return {k: s.stable_rank for k, s in self.spectra.items() if s.sigma is not None}
-
-    @property
-    def effective_ranks(self) -> dict[str, float]:
-        """Effective rank exp(entropy of sigma / sum sigma) per layer with a spectrum (4 equal values: 4.0)."""
-        return {k: s.effective_rank for k, s in self.spectra.items() if s.sigma is not None}
 
     @property
     def trace_summary(self) -> str:
@@ -532,33 +571,6 @@ class AuditResult:
         if self.trace_failures:
             text += " (" + "; ".join(self.trace_failures) + ")"
         return text + "."
-
-    def cumulative(self) -> list[float]:
-        """The running share of the model's parameters, largest layer first.
-
-        >>> import auditor, torch
-        >>> a = auditor.audit(torch.nn.Sequential(torch.nn.Linear(8, 8, bias=False), torch.nn.Linear(8, 4, bias=False)), spectra=False)
-        >>> a.cumulative()
-        [0.6666666666666666, 1.0]
-        """
-        acc, out = 0.0, []
-        for layer in self.layers:
-            acc += layer.share
-            out.append(acc)
-        return out
-
-    def layers_holding(self, fraction: float) -> int:
-        """How many of the largest layers hold ``fraction`` of all parameters (0 if they never do).
-
-        >>> import auditor, torch
-        >>> a = auditor.audit(torch.nn.Sequential(torch.nn.Linear(8, 8, bias=False), torch.nn.Linear(8, 4, bias=False)), spectra=False)
-        >>> a.layers_holding(0.5), a.layers_holding(0.9)
-        (1, 2)
-        """
-        for i, c in enumerate(self.cumulative(), start=1):
-            if c + 1e-12 >= fraction:
-                return i
-        return 0
 
     def __repr__(self) -> str:
         return (f"<Audit {self.model_name}: {self.total_params:,} params, {len(self.layers)} factorizable layers, "

@@ -57,7 +57,7 @@ from auditor.calibration.apply import factorize  # noqa: E402
 from auditor.kinds.registry import SUPPORTED  # noqa: E402
 from auditor.surgery import count_params  # noqa: E402
 from auditor.structure.layers import ParamTable, collect_layers  # noqa: E402
-from auditor.suggest import suggest  # noqa: E402
+from auditor.planning.suggest import suggest  # noqa: E402
 
 ENERGY_GRID = (0.90, 0.95, 0.955, 0.96, 0.965, 0.97, 0.98, 0.99, 0.995, 0.999, 0.9999)
 CASES = ("digits-mlp", "digits-cnn", "chargpt", "bert")

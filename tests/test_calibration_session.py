@@ -139,7 +139,7 @@ def test_cli_factorize_usage_errors_are_one_line_and_exit_2(cli_inproc, argv, sa
 
 
 def test_the_cli_factorize_entry_alone_exits_2(capsys):
-    from auditor.cli_factorize import main
+    from auditor.cli.factorize_command import main
 
     assert main(["--plan"]) == 2
     err = capsys.readouterr().err

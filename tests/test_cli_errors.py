@@ -138,6 +138,35 @@ def test_all_zero_weight_is_a_finding_not_bad_input(cli_inproc, tmp_path):
     assert [f["code"] for f in json.loads(res.stdout)["findings"] if f["code"] == "LR010"] == ["LR010"]
 
 
+def test_the_audit_and_factorize_take_their_common_flags_from_one_definition():
+    """cli/shared_flags.py: the flags both commands take have the same strings, help, metavar, type and choices in
+    both; --metric's and --tolerance's help are what the metric registry says (written out: --help imports no
+    torch)."""
+    from auditor.calibration import metrics
+    from auditor.cli import audit_command, factorize_command
+    from auditor.cli.shared_flags import FLAGS, METRIC_HELP, TOLERANCE_HELP, metric_help, tolerance_help
+
+    def actions(p):
+        p.format_help()  # fills in the help a registry gives
+        return {a.dest: (a.option_strings, a.help, a.metavar, a.type, a.choices) for a in p._actions}
+
+    audit, factorize = actions(audit_command._parser()), actions(factorize_command._parser())
+    shared = [name.replace("-", "_") for name in FLAGS]
+    assert len(shared) == 14 and [d for d in shared if audit[d] != factorize[d]] == []
+    names = [n for k in metrics.kinds() for n in metrics.for_kind(k).names]
+    assert names and all(n in audit["metric"][1] for n in names)
+    assert all(metrics.for_kind(k).units in audit["tolerance"][1] for k in metrics.kinds() if metrics.for_kind(k).units)
+    assert (metric_help(), tolerance_help()) == (METRIC_HELP, TOLERANCE_HELP)
+
+
+def test_factorize_help_names_the_kinds_it_rewrites_from_the_registry():
+    from auditor import kinds
+    from auditor.cli import factorize_command
+
+    text = " ".join(factorize_command._parser().format_help().split())
+    assert f"Rewrites {kinds.rewritable_labels()} layers." in text and "Embedding" in text
+
+
 def test_factory_that_raises_names_the_users_line(cli, factories):
     """Without --verbose the one line says where the user's code raised; with it, the user's traceback comes first
     (the tool's own frames left out) and the line still ends the output."""

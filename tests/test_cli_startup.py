@@ -29,8 +29,8 @@ def test_help_imports_no_torch(argv):
 
 def test_help_names_every_format_and_the_recovery_default():
     from auditor.calibration.recovery import DEFAULT_LR
-    from auditor.cli import _parser
-    from auditor.cli_recover import HELP_LR
+    from auditor.cli.audit_command import _parser
+    from auditor.cli.recovery_flags import HELP_LR
     from auditor.render import REPORTERS
 
     assert HELP_LR == DEFAULT_LR

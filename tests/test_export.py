@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from auditor.errors import AuditError
-from auditor.export import cli_write, load_program, parse_formats, relative_error
+from auditor.artifacts.export import cli_write, load_program, parse_formats, relative_error
 from auditor.factorize import factorize, save_factorized
 
 ONNX = importlib.util.find_spec("onnx") is not None and importlib.util.find_spec("onnxscript") is not None

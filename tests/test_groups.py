@@ -8,9 +8,9 @@ from types import SimpleNamespace
 import pytest
 
 from auditor.config import tomllib
-from auditor.groups import (LayerShape, escape_glob, glob_matches, group_layers, natural_key, plan_globs,
+from auditor.planning.groups import (LayerShape, escape_glob, glob_matches, group_layers, natural_key, plan_globs,
                             toml_string)
-from auditor.plan import Plan, resolve
+from auditor.planning.plan import Plan, resolve
 
 LLAMA7B_TOTAL = 6_738_415_616  # Llama-2-7B's parameter count, norms included
 
@@ -206,8 +206,8 @@ def test_helpers():
 
 
 def assert_exact(globs: dict[str, int], ranks: dict[str, int], layers: list[LayerShape]) -> None:
-    """Each pattern selects (by auditor.plan's rules, names and parameter names) only layers planned with its rank,
-    patterns never overlap, and resolving the plan with auditor.plan.resolve gives back ``ranks`` exactly."""
+    """Each pattern selects (by auditor.planning.plan's rules, names and parameter names) only layers planned with its rank,
+    patterns never overlap, and resolving the plan with auditor.planning.plan.resolve gives back ``ranks`` exactly."""
     keys = {l.name: l.name for l in layers} | {l.name + ".weight": l.name for l in layers}
     seen: set[str] = set()
     for pattern, r in globs.items():

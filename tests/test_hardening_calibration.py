@@ -222,9 +222,9 @@ def test_an_internal_error_is_one_line_and_exit_3_with_the_traceback_under_verbo
 
 
 def test_internal_error_in_a_subcommand_is_exit_3(cli_inproc, src, monkeypatch):
-    import auditor.cli_factorize
+    import auditor.cli.factorize_command
 
-    monkeypatch.setattr(auditor.cli_factorize, "run", lambda args: 1 / 0)
+    monkeypatch.setattr(auditor.cli.factorize_command, "run", lambda args: 1 / 0)
     one_line(cli_inproc("factorize", f"{src}:model", "--plan", "p.toml", "-o", "x"), 3, "ZeroDivisionError")
 
 
@@ -254,7 +254,7 @@ def test_a_usage_error_is_one_line(cli_inproc, src):
 
 
 def test_help_text_lists_the_exit_codes():
-    from auditor.cli import _parser
+    from auditor.cli.audit_command import _parser
 
     text = " ".join(_parser().format_help().split())
     assert "Exit codes: 0 clean, 1 findings at or above --fail-on, 2 bad input" in text

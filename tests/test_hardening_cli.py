@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from auditor import outputs
+from auditor.artifacts import outputs
 from auditor.errors import AuditError
 from _factories import write_low_rank_mlp
 
@@ -311,7 +311,7 @@ def test_report_over_the_plan_under_review(cli_inproc, src, tmp_path):
 
 
 def test_api_plan_with_a_non_text_pattern():
-    from auditor.plan import Plan
+    from auditor.planning.plan import Plan
 
     with pytest.raises(AuditError, match="pattern 1 is not a layer name or glob"):
         Plan.from_dict({"ranks": {1: 8}}, "api")

@@ -85,8 +85,8 @@ def test_strict_json_reads_back_with_every_strict_reader(data):
     import json
     import math
 
-    from auditor.outputs import strict_json
-    from auditor.plan import loads_json
+    from auditor.artifacts.outputs import strict_json
+    from auditor.planning.plan import loads_json
 
     text = strict_json(data)
     back = loads_json(text)  # the tool's own strict reader (no NaN/Infinity, no duplicate keys)
@@ -120,8 +120,8 @@ def test_emitted_recovery_command_repeats_the_measured_setting(steps, lr, traina
     import shlex
 
     from auditor.calresults import RecoverySetup
-    from auditor.cli_factorize import _parser
-    from auditor.cli_recover import cli_settings
+    from auditor.cli.factorize_command import _parser
+    from auditor.cli.recovery_flags import cli_settings
 
     command = RecoverySetup(steps, lr, trainable, objective, 0, True).command()
     argv = shlex.split(command)

@@ -20,7 +20,7 @@ from hypothesis import strategies as st
 from safetensors.torch import save_file
 
 from auditor.config import Settings
-from auditor.groups import toml_string
+from auditor.planning.groups import toml_string
 from _factories import write_low_rank_mlp
 
 BOUNDED = settings(max_examples=50, deadline=None, derandomize=True, database=None,

@@ -384,7 +384,7 @@ def test_one_held_out_row_is_no_verification(tmp_path, digits_mlp):
     from safetensors.torch import save_file
     from sklearn.datasets import load_digits
 
-    from auditor.policy import Status, status
+    from auditor.verdict.policy import Status, status
 
     x = torch.tensor(load_digits().data[:4], dtype=torch.float32) / 16.0
     save_file({"x": x.contiguous()}, str(tmp_path / "four.safetensors"))

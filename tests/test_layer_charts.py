@@ -9,8 +9,8 @@ import matplotlib
 import pytest
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 
-from auditor.groups import LayerShape, group_layers
-from auditor.render import layer_charts as lc
+from auditor.planning.groups import LayerShape, group_layers
+from auditor.render.parts import layer_charts as lc
 
 HOSTILE = [r"$\undefinedcmd{x}$", "a$b$c^_{}", "\x1b]0;title\x07\x1b[31mred", "rtl\u202egpj.exe",
            "<script>alert(1)</script>&amp;", "line\nbreak", "x" * 10_000]

@@ -24,29 +24,25 @@ import auditor
 
 PKG = Path(auditor.__file__).resolve().parent
 
-# Modules kept only so that a public path users import still works (each re-exports names from the module's new home)
-SHIMS = ("factorize", "recover", "graph", "layers", "load")
+# Modules kept only so that a public path users import still works (each re-exports names from the module's new home):
+# they live in compat/ and are imported by their old names (auditor/__init__.py puts compat/ on the package's path)
+SHIMS = ("factorize", "recover", "graph", "layers", "load", "folder", "export", "suggest")
 
 # From the top down, one layer per package or top-level module. A name covers the module and, for a package, every
-# module inside it (the longest name wins: speed's plain report and timer sit low, the rest of speed/ high).
+# module inside it (the longest name wins).
 LAYERS: list[tuple[str, tuple[str, ...]]] = [(name.removeprefix("auditor.") or "auditor", (name,)) for name in (
     "auditor.__main__",
-    "auditor.cli",
-    "auditor.cli_plan",
-    "auditor.cli_factorize",
-    "auditor.cli_recover",  # the recovery flags of both commands
-    "auditor.cli_parser",
+    "auditor.cli",  # one module per command, the shared flags and the parser
     "auditor",  # auditor/__init__.py
-    # the moved modules' public paths, kept for users (SHIMS)
-    "auditor.factorize", "auditor.recover", "auditor.graph", "auditor.layers", "auditor.load",
+    # the moved modules' public paths, kept for users (SHIMS, in compat/)
+    *(f"auditor.{name}" for name in SHIMS),
     "auditor.api",  # the front object over the plain result
     "auditor.pipeline",
-    "auditor.render",
-    "auditor.baseline",
-    "auditor.policy",
+    "auditor.render",  # one module per report format
+    "auditor.render.parts",  # what the formats are built from: tables, pages, sections, charts, fitting, escaping
+    "auditor.verdict",  # the verdict, --fail-on and the baseline diff
     "auditor.rules",
-    "auditor.export",  # a factorized model as a program that loads with plain torch
-    "auditor.folder",  # a factorized model's output folder: write, check, load
+    "auditor.artifacts",  # what factorize writes: the output folder, the exported program
     "auditor.speed",  # --measure-speed: times the modules surgery writes
     "auditor.calibration",  # the stage on top: the tiers composed into the calibration report, the plan check
     "auditor.calibration.tiers",  # tier 1, floors, sensitivity, rounding, the plan search
@@ -58,33 +54,36 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [(name.removeprefix("auditor.") or "
     "auditor.calibration.statistics",  # input statistics, streamed by block; whitened spectra
     "auditor.calibration.data",  # the calibration batches, text, hashes
     "auditor.surgery",  # plan application: a layer replaced by its factors, given or from a truncation callable
-    "auditor.suggest",
-    "auditor.plan",
-    "auditor.groups",
+    "auditor.planning",  # plans read and reviewed, suggested ranks, layer groups
     "auditor.spectra",
     "auditor.structure",  # trace, op costs and the layer graph, the module walk, definition sites
     "auditor.sources",  # source strings -> models: factories, Hugging Face, checkpoints, tensor refs
     "auditor.kinds",  # one module per layer kind and their registry
     "auditor.results",
     "auditor.calresults",
-    "auditor.speed.measured",
-    "auditor.speed.timing",
+    "auditor.speedresults",  # what a speed measurement found, plain data
     "auditor.options",
     "auditor.config",
-    "auditor.outputs",
     "auditor.progress",
     "auditor.lrmath",
     "auditor.errors",
     "auditor._env",
-    "auditor._lapack",
     "auditor._version",
 )]
 
 
 def modules(root: Path = PKG) -> dict[str, Path]:
-    """Module name -> file, for every ``.py`` file of the package (``auditor/__init__.py`` is ``auditor``)."""
-    return {".".join(p.relative_to(root.parent).with_suffix("").parts).removesuffix(".__init__"): p
-            for p in sorted(root.rglob("*.py")) if "templates" not in p.relative_to(root).parts}
+    """Module name -> file, for every ``.py`` file of the package (``auditor/__init__.py`` is ``auditor``); a module
+    of compat/ by the name it is imported as (``compat/load.py`` is ``auditor.load``), its package by none."""
+
+    def name(p: Path) -> str:
+        parts = p.relative_to(root.parent).with_suffix("").parts
+        if parts[1:2] == ("compat",):
+            parts = parts[:1] + parts[2:]
+        return ".".join(parts).removesuffix(".__init__")
+
+    return {name(p): p for p in sorted(root.rglob("*.py"))
+            if "templates" not in p.relative_to(root).parts and p.relative_to(root).as_posix() != "compat/__init__.py"}
 
 
 def imports_of(path: Path, module: str) -> list[tuple[str, list[str], int, str]]:
@@ -229,7 +228,7 @@ def test_renderers_and_results_import_no_torch_networkx_or_pipeline():
     free), so reading and rendering a saved audit needs neither; the api layer imports them only when called."""
     mods = modules()
     plain = [m for m in mods if m.startswith("auditor.render") or m in (
-        "auditor.results", "auditor.calresults", "auditor.options", "auditor.policy", "auditor.config")]
+        "auditor.results", "auditor.calresults", "auditor.options", "auditor.verdict.policy", "auditor.config")]
     assert "auditor.render.html" in plain and "auditor.results" in plain
     heavy = ("torch", "networkx", "auditor.pipeline")
     bad = [(m, base, line) for m in [*plain, "auditor", "auditor.api"] for base, _, line, where in imports_of(mods[m], m)
@@ -239,20 +238,27 @@ def test_renderers_and_results_import_no_torch_networkx_or_pipeline():
 
 
 def test_the_moved_modules_public_paths_are_re_exports_that_nothing_inside_imports(graph):
-    """``auditor.load`` / ``auditor.graph`` / ``auditor.layers`` / ``auditor.recover`` re-export (the same objects)
-    from their new homes, define nothing of their own, and no module of the package imports them."""
+    """``auditor.load`` / ``auditor.graph`` / ``auditor.layers`` / ``auditor.recover`` / ``auditor.folder`` /
+    ``auditor.export`` / ``auditor.suggest`` re-export (the same objects) from their new homes, define nothing of
+    their own, live in compat/, and no module of the package imports them."""
     import importlib
 
+    import auditor.artifacts.export
+    import auditor.artifacts.folder
     import auditor.calibration.recovery
     import auditor.kinds.base
+    import auditor.planning.suggest
     import auditor.sources
     import auditor.structure.graph
     import auditor.structure.layers
 
     homes = {"load": [auditor.sources], "graph": [auditor.structure.graph],
-             "layers": [auditor.structure.layers, auditor.kinds.base], "recover": [auditor.calibration.recovery]}
+             "layers": [auditor.structure.layers, auditor.kinds.base], "recover": [auditor.calibration.recovery],
+             "folder": [auditor.artifacts.folder], "export": [auditor.artifacts.export],
+             "suggest": [auditor.planning.suggest]}
     for name in [s for s in SHIMS if s != "factorize"]:
         shim = importlib.import_module(f"auditor.{name}")
+        assert Path(shim.__file__) == PKG / "compat" / f"{name}.py"
         tree = ast.parse(Path(shim.__file__).read_text(encoding="utf-8"))
         assert all(isinstance(n, ast.ImportFrom) for n in tree.body[1:]), name  # a docstring, then imports only
         public = [n for n in vars(shim) if not n.startswith("_")]
@@ -264,14 +270,14 @@ def test_the_moved_modules_public_paths_are_re_exports_that_nothing_inside_impor
 
 def test_auditor_factorize_is_a_function_and_the_old_module_path_still_imports(graph):
     """``auditor.factorize`` is a plain function; ``from auditor.factorize import ...`` reaches the names of the
-    module that was there (now in surgery, calibration.apply and folder), each the object of its home, looked up on
+    module that was there (now in surgery, calibration.apply and artifacts.folder), each the object of its home, looked up on
     first use. Only ``auditor/__init__.py`` imports the path (it loads it first, so the function keeps the name)."""
     import importlib
     import types
 
     shim = sys.modules["auditor.factorize"]
     assert type(auditor.factorize) is types.FunctionType and auditor.factorize.__module__ == "auditor.api"
-    assert type(shim) is types.ModuleType and shim.__file__ == str(PKG / "factorize.py")
+    assert type(shim) is types.ModuleType and shim.__file__ == str(PKG / "compat" / "factorize.py")
     homes = {n: sorted(h for h, names in shim._HOMES.items() if n in names) for n in shim.__all__}
     assert all(len(h) == 1 for h in homes.values())
     assert all(getattr(shim, n) is getattr(importlib.import_module(h[0]), n) for n, h in homes.items())
@@ -281,7 +287,7 @@ def test_auditor_factorize_is_a_function_and_the_old_module_path_still_imports(g
         shim.SUPPORTED  # noqa: B018
     assert list(graph.predecessors("auditor.factorize")) == ["auditor"]
     assert sorted(graph.successors("auditor.factorize")) == [
-        "auditor.calibration.apply", "auditor.folder", "auditor.surgery"]  # its homes, named for readers
+        "auditor.artifacts.folder", "auditor.calibration.apply", "auditor.surgery"]  # its homes, named for readers
 
 
 @pytest.mark.parametrize("first", [

@@ -6,7 +6,7 @@ import re
 
 import pytest
 
-from auditor.render.md_fit import DEFAULT_CAP, GITHUB_COMMENT_LIMIT, Section, fit_markdown, measure
+from auditor.render.parts.md_fit import DEFAULT_CAP, GITHUB_COMMENT_LIMIT, Section, fit_markdown, measure
 
 SUMMARY = "## Low-rank audit: llama-70b\n\n**FAIL: 3 errors**\n\n- Parameters: **68,976,648,192** unique"
 TAIL = "<sub>lowrank-auditor 0.1.0 · torch 2.13.0</sub>"

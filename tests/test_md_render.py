@@ -12,8 +12,8 @@ import torch
 from torch import nn
 
 import auditor
-import auditor.groups
-from auditor.render.md_fit import DEFAULT_CAP, OPEN_LIMIT, measure, open_part
+import auditor.planning.groups
+from auditor.render.parts.md_fit import DEFAULT_CAP, OPEN_LIMIT, measure, open_part
 
 markdown_it = pytest.importorskip("markdown_it")
 
@@ -154,7 +154,7 @@ def test_char_transformer_with_calibration(cli_inproc, tmp_path):
     n_plan, n_cal = len(d["plan_review"]["items"]), len(cal["layers"])
     assert n_plan > 8 and f"<details><summary>{n_plan} plan rows, 6 columns</summary>" in md
     # repeated blocks one row each; without tier 2 the floor, cliff and compression columns are left out
-    n_rows = len(auditor.groups.group_layers([auditor.groups.LayerShape(n, 1, 1) for n in cal["layers"]]))
+    n_rows = len(auditor.planning.groups.group_layers([auditor.planning.groups.LayerShape(n, 1, 1) for n in cal["layers"]]))
     assert n_rows < n_cal and f"<details><summary>{n_rows:,} calibrated layer rows, 6 columns</summary>" in md
     assert (6, n_rows) in facts["tables"] and (6, n_plan) in facts["tables"]
     plans = cal["budget"]["plans"]  # every plan the search measured is a row, what happened to it said

@@ -153,3 +153,20 @@ def test_the_registry_refuses_a_metric_it_could_not_judge():
     assert "rows_against_dense" not in metrics.kinds() and metrics.for_name("rows_against_dense") is None
     with pytest.raises(ValueError, match="metric kind must be one of output, perplexity, kl, masked, user"):
         Metric(kind="rows_against_dense")
+
+
+def test_each_metric_says_its_limit_and_display_form_and_a_hand_made_report_follows_the_built_in_rule():
+    """The renderers read ``CalibrationReport.limit`` / ``display`` (written from the kind), never the direction."""
+    from auditor.calibration import metrics as registry
+    from auditor.calresults import CalibrationReport
+
+    out = {k: (registry.for_kind(k).limit(2.0, 0.5, False), registry.for_kind(k).display(False))
+           for k in ("output", "perplexity", "kl", "masked")}
+    assert out == {"output": (0.5, "percent"), "perplexity": (0.5, "percent"), "kl": (0.5, "number"),
+                   "masked": (0.5, "percent")}  # zero on the dense model: the tolerance itself; KL in nats
+    user = registry.for_kind("user")
+    assert (user.limit(2.0, 0.5, True), user.display(True)) == (1.5, "number")
+    assert (user.limit(2.0, 0.5, False), user.display(False)) == (2.5, "number")  # the dense value moved the wrong way
+    made = CalibrationReport("c", "0.25", "", 1, 1, "accuracy", True, 0.05, 0.9)
+    assert (made.limit, made.display, made.shortfall(0.8), made.shortfall(0.9)) == (
+        pytest.approx(0.85), "number", pytest.approx(0.05), pytest.approx(-0.05))

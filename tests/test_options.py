@@ -1,5 +1,6 @@
 """AuditOptions in typed groups (issue 30): every group field also has its flat name (the keyword the options took
-before the groups), as a keyword and as an attribute, and no field is typed ``Any``."""
+before the groups), as a keyword and, deprecated (issue 36), as an attribute; the audit reads the groups; no field is
+typed ``Any``."""
 
 from __future__ import annotations
 
@@ -36,15 +37,19 @@ def test_every_flat_name_is_a_group_field_given_and_read_either_way():
     grouped = AuditOptions(**{group: cls(**{attr: GIVEN[n] for n, (g, attr) in FLAT.items() if g == group})
                               for group, cls in GROUPS.items()})
     assert flat == grouped and flat.recovery == RecoveryOptions(7, 1e-3, "all", "mse", 3, True)
-    assert [n for n in FLAT if getattr(flat, n) != GIVEN[n]] == []
+    with pytest.warns(DeprecationWarning) as caught:
+        assert [n for n in FLAT if getattr(flat, n) != GIVEN[n]] == []
+    assert len(caught) == len(FLAT) and str(caught[0].message) == (
+        "AuditOptions.calibration is deprecated; read AuditOptions.calibration_data.source")
+    assert all(w.filename == __file__ for w in caught)  # attributed to the reader
     assert flat.tiers.budget == 0.3 and flat.calibration_data.source == "c.safetensors" and flat.speed.measure
     assert pickle.loads(pickle.dumps(flat)) == flat
 
 
 def test_a_flat_keyword_replaces_that_field_of_the_group_given_with_it():
     o = AuditOptions(calibration_data=CalibrationData(source="c", holdout=0.1, length=32), holdout=0.4)
-    assert (o.calibration_data.source, o.holdout, o.calibration_length) == ("c", 0.4, 32)
-    assert o.with_(budget=0.5).tiers.budget == 0.5 and o.with_(budget=0.5).holdout == 0.4
+    assert (o.calibration_data.source, o.calibration_data.holdout, o.calibration_data.length) == ("c", 0.4, 32)
+    assert o.with_(budget=0.5).tiers.budget == 0.5 and o.with_(budget=0.5).calibration_data.holdout == 0.4
     assert dataclasses.replace(o, compute_dtype="fp64").statistics.compute_dtype == "float64"
     assert AuditOptions(latency_shape=[4]).speed == SpeedOptions(measure=True, latency_shape=(4,))
 
@@ -67,3 +72,22 @@ def test_no_option_is_typed_any():
              for f in dataclasses.fields(cls)]
     assert len(typed) == 19 + len(FLAT)
     assert [t for t in typed if t[2] == "Any" or "| Any" in t[2] or "Any |" in t[2]] == []
+
+
+def test_the_audit_reads_the_groups_not_the_flat_names(recwarn):
+    """A calibrated, budgeted, speed-measured audit reads no option by its flat name outside auditor/calibration/
+    (whose reads are converted on their own branch)."""
+    import torch
+    from _speedclock import CostClock
+    from torch import nn
+
+    import auditor
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 8))
+    x = torch.randn(48, 16)
+    a = auditor.audit(model, x[:2], options=AuditOptions(
+        cache=False, calibration={"input": x}, budget=0.3, measure_speed=True, speed_clock=CostClock(1e-6, 1e-3)))
+    assert a.calibration is not None and a.speed is not None
+    flat = [w for w in recwarn if issubclass(w.category, DeprecationWarning) and "AuditOptions." in str(w.message)]
+    assert [f"{w.filename}:{w.lineno} {w.message}" for w in flat if "/auditor/calibration/" not in w.filename] == []

@@ -13,7 +13,7 @@ from torch import nn
 import auditor
 from auditor import AuditOptions, FailOn
 from auditor.errors import ExitCode
-from auditor.policy import exit_code, verdict_line
+from auditor.verdict.policy import exit_code, verdict_line
 from auditor.results import Finding, LayerGraph, Severity, TraceMethod
 
 

@@ -14,7 +14,7 @@ from safetensors.torch import save_file
 
 import auditor
 from auditor.config import tomllib
-from auditor.plan import Plan, emit_toml, review_plan
+from auditor.planning.plan import Plan, emit_toml, review_plan
 
 tomlkit = pytest.importorskip("tomlkit")
 

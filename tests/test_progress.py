@@ -241,7 +241,7 @@ def test_a_calibrated_audit_without_progress_writes_nothing(progress, digits_cal
 def test_recovery_steps_are_a_phase_with_the_running_loss(digits_calibration, digits_mlp, capsys):
     from auditor.calibration import load_calibration
     from auditor.factorize import factorize
-    from auditor.cli_recover import cli_recover
+    from auditor.cli.recovery_flags import cli_recover
 
     model = digits_mlp[0]
     cal = load_calibration(digits_calibration, model, 0.25)

@@ -13,7 +13,7 @@ from auditor.calibration import load_calibration
 from auditor.errors import AuditError
 from auditor.factorize import factorize
 from auditor.calibration.recovery import factor_modules, recover
-from auditor.cli_recover import cli_recover
+from auditor.cli.recovery_flags import cli_recover
 
 PLAN = {"fc1": 8, "fc2": 8, "fc3": 8}
 

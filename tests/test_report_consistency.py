@@ -20,7 +20,7 @@ import pytest
 
 import auditor
 from auditor.render import REPORTERS, RenderContext
-from auditor.render.calibration import plan_ranks
+from auditor.render.parts.calibration import plan_ranks
 
 ROOT = Path(__file__).resolve().parents[1]
 LLAMA = ROOT / "sample_models" / "llama"
@@ -102,7 +102,7 @@ def test_status_says_what_was_measured_in_every_format(audits, rendered, key, st
             assert "PASS" not in line, (fmt, line)
     if status == "unmeasured":
         assert "measure with --calibration" in d["verdict"]
-        from auditor.policy import exit_code
+        from auditor.verdict.policy import exit_code
 
         assert int(exit_code(a, "unmeasured")) == 1 and int(exit_code(a, "never")) == 0
     assert isinstance(a.findings, list) and str(a).startswith("lowrank-audit: ")  # str(a) is the table

@@ -68,8 +68,8 @@ def test_pdf_of_3000_layers_states_the_appendix_cap():
 
 
 def test_appendix_lines_align_and_long_names_take_a_line_of_their_own():
-    from auditor.render.pages import appendix_text
-    from auditor.render.view import LayerRow
+    from auditor.render.parts.pages import appendix_text
+    from auditor.render.parts.view import LayerRow
 
     def row(i, name, planned=None):
         return LayerRow(rank_order=i, name=name, kind="linear", module_type="Linear", m=24, n=16, groups=1,

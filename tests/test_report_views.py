@@ -13,8 +13,8 @@ from torch import nn
 
 import auditor
 from auditor.render import RenderContext
-from auditor.render.md_fit import GITHUB_COMMENT_LIMIT, measure
-from auditor.render.safe import md_code, md_text, middle, term
+from auditor.render.parts.md_fit import GITHUB_COMMENT_LIMIT, measure
+from auditor.render.parts.safe import md_code, md_text, middle, term
 
 bs4 = pytest.importorskip("bs4")
 
@@ -371,7 +371,7 @@ def test_pdf_text_is_in_reading_order_without_click(planned_audit):
 
 def test_shares_round_alike_in_the_table_the_pages_and_the_card(planned_audit):
     from auditor.render.html import render
-    from auditor.render.view import share_pct
+    from auditor.render.parts.view import share_pct
 
     a = planned_audit
     soup = bs4.BeautifulSoup(render(a), "html.parser")
@@ -389,7 +389,7 @@ def test_a_trace_failure_reads_as_a_sentence(stack_audit):
     import dataclasses
 
     from auditor.render.html import render
-    from auditor.render.view import trace_sentence
+    from auditor.render.parts.view import trace_sentence
 
     raw = "torch.fx.symbolic_trace failed: ValueError: code: co_varnames is too small"
     a = dataclasses.replace(stack_audit, trace_method=auditor.results.TraceMethod.EXPORT, trace_failures=[raw])
@@ -409,7 +409,7 @@ def test_a_trace_failure_reads_as_a_sentence(stack_audit):
 
 def test_chart_legends_draw_each_line_as_the_chart_does(planned_audit):
     from auditor.render.html import render
-    from auditor.render.layer_charts import _energy_label
+    from auditor.render.parts.layer_charts import _energy_label
 
     soup = bs4.BeautifulSoup(render(planned_audit), "html.parser")
     root = chart_svg(soup.select_one("#energy"))
@@ -420,7 +420,7 @@ def test_chart_legends_draw_each_line_as_the_chart_does(planned_audit):
     assert swatches[:3] == list(curves.values())  # each swatch has its line's colour, width and dashes
     assert len({c["stroke"] for c in curves.values()}) == 3  # three colours
     assert len({c.get("stroke-dasharray", "none") for c in curves.values()}) == 3  # and three dash patterns
-    from auditor.render import layer_charts as lc
+    from auditor.render.parts import layer_charts as lc
     import numpy as np
 
     es = [np.asarray(planned_audit.spectra[n].energy) for n in ("layers.0.down", "layers.0.up", "head")]
@@ -453,7 +453,7 @@ def build(fn, *args):
     import matplotlib
     from matplotlib.backends.backend_agg import FigureCanvasAgg
 
-    from auditor.render import layer_charts as lc
+    from auditor.render.parts import layer_charts as lc
 
     with matplotlib.rc_context(lc._RC):
         fig = fn(*args)
@@ -464,8 +464,8 @@ def build(fn, *args):
 def test_measured_floor_charts_for_every_measured_layer(stack_audit):
     from types import SimpleNamespace
 
-    from auditor.render import calibration
-    from auditor.render.layer_charts import floor_chart
+    from auditor.render.parts import calibration
+    from auditor.render.parts.layer_charts import floor_chart
 
     a = stack_audit
     names = [l.name for l in a.layers]
@@ -473,13 +473,14 @@ def test_measured_floor_charts_for_every_measured_layer(stack_audit):
     lcs = {n: SimpleNamespace(curve=[(r, 0.5 / r) for r in (1, 2, 4, 8, 16, 24)],
                               floor=SimpleNamespace(floor=16, points=[(8, 0.02), (16, 0.008), (24, 0.004)]))
            for n in names}
-    cal = SimpleNamespace(reference=0.0, tolerance=0.01, higher_is_better=False, metric="relative output error",
+    cal = SimpleNamespace(reference=0.0, tolerance=0.01, higher_is_better=False, limit=0.01,
+                          metric="relative output error",
                           layers=lcs, measured_points=lambda: {n: lc.floor.points for n, lc in lcs.items()})
     charts = calibration.floor_data(SimpleNamespace(calibration=cal, layers=a.layers, layer=a.layer))
     assert [c.name for c in charts] == names  # every layer with points, largest first
     assert all(floor_chart(c).startswith("<?xml") for c in charts)  # each one drawn
     layer = a.layer("layers.0.up")
-    from auditor.render.layer_charts import FloorChart, _floor_fig
+    from auditor.render.parts.layer_charts import FloorChart, _floor_fig
 
     fig = _floor_fig(FloorChart("layers.0.up", lcs["layers.0.up"].floor.points, lcs["layers.0.up"].curve, 0.01,
                                 "relative output error", True, layer.break_even, 16, (layer.m, layer.n)))
@@ -494,7 +495,7 @@ def test_measured_floor_charts_for_every_measured_layer(stack_audit):
 def test_frontier_log_ticks_are_plain_numbers():
     import re as _re
 
-    from auditor.render.layer_charts import FrontierChart, _frontier_fig, _svg
+    from auditor.render.parts.layer_charts import FrontierChart, _frontier_fig, _svg
 
     pts = [(0.856, 0.0052, True), (0.867, 0.0089, True), (0.889, 0.0209, False), (0.899, 0.0642, False)]
     svg = _svg(_frontier_fig(FrontierChart(pts, 0.01, "relative output error", chosen=0.867)))
@@ -518,7 +519,7 @@ def test_plan_tables_show_the_measured_error_of_calibrated_layers(planned_audit)
     import dataclasses
 
     from auditor.calresults import CalibrationReport, LayerCalibration, LayerFloor
-    from auditor.render.calibration import measured_error, rows
+    from auditor.render.parts.calibration import measured_error, rows
     from auditor.render.html import render
 
     lcs = {"layers.0.up": LayerCalibration("layers.0.up", 64, 32, {}, 8, "factorize", "", [(4, 0.09), (6, 0.04)],
@@ -548,7 +549,8 @@ def test_each_format_draws_the_calibration_from_one_view(planned_audit, monkeypa
     import dataclasses
 
     from auditor.calresults import CalibrationReport, LayerCalibration, LayerFloor
-    from auditor.render import REPORTERS, calibration
+    from auditor.render import REPORTERS
+    from auditor.render.parts import calibration
 
     lcs = {"layers.0.up": LayerCalibration("layers.0.up", 64, 32, {"0.01": 12}, 8, "factorize", "",
                                            [(4, 0.09), (6, 0.04)],

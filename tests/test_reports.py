@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 import auditor
-from auditor.policy import verdict_head, verdict_line
+from auditor.verdict.policy import verdict_head, verdict_line
 
 bs4 = pytest.importorskip("bs4")
 
@@ -298,7 +298,7 @@ def test_baseline_diff_reaches_every_format(audit_cnn, tmp_path):
     from dataclasses import replace
 
     from auditor.render import REPORTERS, RenderContext
-    from auditor.baseline import compare
+    from auditor.verdict.baseline import compare
 
     base = json.loads(audit_cnn.to_json())
     base["findings"] = base["findings"][1:] + [{"code": "LR999", "message": "gone since", "layers": []}]

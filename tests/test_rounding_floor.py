@@ -66,7 +66,7 @@ def test_the_floor_is_the_full_rank_plan_measured(digits_mlp, rows, dtype):
     d = a.calibration.to_dict()["rounding_floor"]
     assert d == {"dtype": f.dtype, "layers": 3, "metric": f.metric, "used": f.metric, "tolerance": 0.01,
                  "top1": f.top1}
-    from auditor.render.calibration import rounding_line, view
+    from auditor.render.parts.calibration import rounding_line, view
     from auditor.render.terminal import calibration_lines
 
     line = rounding_line(a.calibration)
@@ -81,7 +81,7 @@ def test_a_float32_model_gets_no_floor(digits_mlp, rows):
     cal = a.calibration
     assert cal.rounding_floor is None and "rounding" not in cal.seconds
     assert "rounding_floor" not in cal.to_dict()
-    from auditor.render.calibration import rounding_line, view
+    from auditor.render.parts.calibration import rounding_line, view
     from auditor.render.html import _calibration
     from auditor.render.terminal import calibration_lines
 

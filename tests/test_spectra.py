@@ -193,7 +193,7 @@ def test_suggestion_rounds_to_alignment_below_break_even(digits_mlp):
 
 
 def test_emit_plan_round_trips(tmp_path, digits_mlp):
-    from auditor.plan import emit_toml
+    from auditor.planning.plan import emit_toml
 
     model, inputs = digits_mlp
     a = auditor.audit(model, inputs, cache=False)
@@ -208,7 +208,7 @@ def test_emit_plan_round_trips(tmp_path, digits_mlp):
 @pytest.mark.parametrize("tile", [8192, 3], ids=["one-syrk", "tiles"])
 @pytest.mark.parametrize("shape", [(37, 5), (5, 37), (16, 16), (40, 11)])
 def test_gram_blocks_and_tiles_match_numpy_products(monkeypatch, gil_free, tile, shape):
-    from auditor import _lapack
+    from auditor.spectra import _lapack
     from auditor.spectra import backend
 
     if gil_free and not _lapack.available():
@@ -231,7 +231,7 @@ def test_parallel_run_caps_blas_threads_in_the_workers_and_matches_one_at_a_time
 
     from threadpoolctl import threadpool_info
 
-    from auditor import _lapack
+    from auditor.spectra import _lapack
     from auditor.spectra import LapackBackend, ThreadExecutor
 
     def blas_threads():

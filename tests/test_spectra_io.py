@@ -245,7 +245,7 @@ def test_work_items_run_in_spawned_processes_bit_for_bit_like_threads(tmp_path):
     from auditor.spectra import ProcessExecutor, SpectrumTask, compute_task
     from auditor.spectra.executor import _init_process
     from auditor.spectra.backend import LapackBackend
-    from auditor import _lapack
+    from auditor.spectra import _lapack
 
     w = _sharded(tmp_path)
     layers = sorted(w.layers().values(), key=lambda l: -l.params)

@@ -13,7 +13,7 @@ from torch import nn
 
 import auditor
 from auditor.speed.layer_timing import TimeCache, Timer, bisect_break_even, rank_grid, time_break_even, time_layers
-from auditor.speed.measured import LayerSpeed, ModelRun, SpeedReport, seconds
+from auditor.speedresults import LayerSpeed, ModelRun, SpeedReport, seconds
 from auditor.speed.speed_stage import candidates, latency_plan
 from auditor.speed.timing import MIN_BLOCK_S, Timing, measure, measure_many
 
@@ -315,3 +315,18 @@ def test_budget_frontier_plans_are_timed_end_to_end_beside_the_dense_model():
         assert f.run.params == 4096 - f.removed == r * 128
         assert f.run.timing.median == pytest.approx(r * 128e-6 + 100e-3)
     assert "frontier (--budget), latency beside the dense model's" in a.to_text()
+
+
+def test_each_layer_kind_says_whether_its_module_is_timed_alone_and_at_which_shape():
+    """--measure-speed asks the kinds (``LayerKind.timed``, ``timing_shape``); a kind registered later says it too."""
+    from auditor import kinds
+    from auditor.results import Kind
+    from auditor.speed.layer_timing import reshape_input
+
+    assert sorted(str(k.kind) for k in kinds.kinds() if k.timed) == sorted(
+        str(k) for k in (Kind.LINEAR, Kind.CONV1D_HF, Kind.CONV, Kind.EMBEDDING))
+    x = torch.zeros(2, 3, 8, 8)
+    assert reshape_input(x, Kind.CONV, (5, 7)).shape == (5, 3, 8, 8)
+    assert reshape_input(torch.zeros(2, 16), Kind.LINEAR, (4, 9)).shape == (4, 9, 16)
+    ids = reshape_input(torch.tensor([[3, 1]]), Kind.EMBEDDING, (4, 9))
+    assert ids.shape == (4, 9) and ids.dtype == torch.int64 and int(ids.max()) <= 3

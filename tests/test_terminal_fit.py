@@ -10,9 +10,9 @@ import torch
 from torch import nn
 
 import auditor
-from auditor.render.pages import group_rows
+from auditor.render.parts.pages import group_rows
 from auditor.render.terminal import layer_steps, short_verdict
-from auditor.render.view import layer_table
+from auditor.render.parts.view import layer_table
 
 WIDTHS = (80, 100, 120)
 
@@ -206,7 +206,7 @@ def test_width_is_flag_or_columns_or_wide(cli_inproc, monkeypatch):
 
 
 def test_calibration_table_gives_way_without_cutting_numbers():
-    from auditor.render.calibration import CalRow
+    from auditor.render.parts.calibration import CalRow
     from auditor.render.terminal import CAL_STEPS, _cal_columns, _cell, fit
 
     rows = [CalRow("model.layers.0.mlp.down_proj", 1_234_567, 11008, 1312, 1400, 904, 512, "928", "1,024",

@@ -196,7 +196,9 @@ def _report(session: CalibrationSession, options: "AuditOptions", tiers: Tiers) 
         statistics_cached=tiers.tier1.cached, seconds=tiers.seconds, evaluations=tiers.evaluations,
         rounding_floor=tiers.searched.rounding, compute_dtype=options.statistics.compute_dtype,
         tier1_target=tiers.tier1.target, increase_of=metric.spec.increase_of,
-        sensitivity_fallback=tiers.sensitivity.fallback)
+        sensitivity_fallback=tiers.sensitivity.fallback,
+        limit=metric.spec.limit(tiers.searched.budget.reference, metric.tolerance, metric.higher_is_better),
+        display=metric.spec.display(metric.higher_is_better))
 
 
 def suggest_with(layers: list[Layer], spectra: dict[str, "Spectrum"], suggestions: dict[str, Suggestion],

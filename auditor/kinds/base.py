@@ -5,6 +5,7 @@ and :class:`LayerKind`, the object that holds everything about a kind. A kind mo
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Protocol
 
@@ -114,6 +115,8 @@ class LayerKind:
       output's gradient (:meth:`function_view` carries it back); ``lookup_counts``: its input statistics are counts
       of the ids looked up (a diagonal Gram), not X^T X; ``cut_to_rank1``: a user metric's check cuts its modules'
       weights to rank 1 (a model cut down must score lower);
+    - ``timed`` and :meth:`timing_shape`: whether ``--measure-speed`` times its module alone (called with one input
+      tensor), and that input's shape at another batch;
     - :meth:`replace`: the two-module replacement at rank r (``factorize``), or ``cannot_factorize``: why no plan
       can rewrite it, which also keeps it out of the suggestions and the sweeps.
     """
@@ -127,6 +130,7 @@ class LayerKind:
     gradient_sensitivity: bool = False  # the gradient pass reads its output's gradient (calibration's fisher.py)
     lookup_counts: bool = False  # its input statistics count the ids looked up (a diagonal Gram)
     cut_to_rank1: bool = False  # a user metric's check cuts its modules' weights to rank 1 (calibration's metrics)
+    timed: bool = False  # --measure-speed times its module alone, called with one input tensor
 
     # -- finding it
     def guess(self, name: str, shape: Shape) -> tuple[int, int, str] | None:
@@ -165,6 +169,15 @@ class LayerKind:
     def function_view(self, layer: Layer, weight: torch.Tensor) -> torch.Tensor:
         """F (out x in) as a view of the stored weight (ungrouped), for carrying an output gradient back: g @ F."""
         return weight
+    def timing_shape(self, shape: Shape, lead: Shape) -> Shape:
+        """The shape of a timed module's input like one of ``shape`` at the batch (x positions) ``lead``: the
+        leading dims become ``lead``, the features stay (a linear map's; overridden where the input differs)."""
+        return (*lead, shape[-1])
+
+    def timing_outputs(self, shape: Shape, layer: Layer) -> int:
+        """The elements of one output of the timed module for an input of ``shape`` (the memory a timing at
+        ``--latency-shape`` holds): a row of ``layer.m`` per input row of a linear map."""
+        return math.prod(shape) // max(int(shape[-1]), 1) * layer.m
 
     # -- its input statistics
     def statistics(self, path: str, mod: nn.Module, layers: list[Layer], feeds: Feeds) -> None:

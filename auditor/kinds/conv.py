@@ -78,6 +78,16 @@ class ConvKind(LayerKind):
              torch.ao.nn.quantized.modules.conv._ConvNd: LayerSpec(lambda m: ("weight",), _view, _cost, call_weight)}
     swept = True
     cut_to_rank1 = True
+    timed = True
+
+    def timing_shape(self, shape: Shape, lead: Shape) -> Shape:
+        """The batch becomes ``lead[0]``; the channels and spatial size stay the model's."""
+        return (lead[0], *shape[1:])
+
+    def timing_outputs(self, shape: Shape, layer: Layer) -> int:
+        """About the input's size times out/in channels."""
+        numel = math.prod(shape)
+        return numel * layer.m // max(int(shape[1]), 1) if len(shape) > 1 else numel * layer.m
 
     def guess(self, name: str, shape: Shape) -> tuple[int, int, str] | None:
         if len(shape) <= 2:

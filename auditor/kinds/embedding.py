@@ -41,6 +41,15 @@ class EmbeddingKind(StoredTransposed, LayerKind):
 
     def function_shape(self, layer: Layer) -> tuple[int, int]:
         return layer.n, layer.m  # the map dim x vocabulary of a one-hot row, stored (vocabulary, dim)
+    timed = True
+
+    def timing_shape(self, shape: Shape, lead: Shape) -> Shape:
+        """The ids: ``lead`` itself."""
+        return tuple(lead)
+
+    def timing_outputs(self, shape: Shape, layer: Layer) -> int:
+        """A row of ``layer.n`` per id."""
+        return math.prod(shape) * layer.n
 
     def guess(self, name: str, shape: Shape) -> tuple[int, int, str] | None:
         low = name.lower()

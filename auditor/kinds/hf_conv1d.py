@@ -47,6 +47,7 @@ class HFConv1DKind(StoredTransposed, LinearKind):
     finds: dict = {}  # filled by _register once transformers is imported
     swept = True
     linear_chain = True
+    timed = True
 
     def accepts(self, mod: nn.Module) -> bool:
         conv1d = hf_conv1d_type()

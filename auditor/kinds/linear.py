@@ -36,6 +36,7 @@ class LinearKind(LayerKind):
     linear_chain = True
     gradient_sensitivity = True
     cut_to_rank1 = True
+    timed = True
 
     def accepts(self, mod: nn.Module) -> bool:
         return isinstance(mod, nn.Linear)

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any, Iterator, Protocol, runtime_checkable
 
 if TYPE_CHECKING:
-    from ..baseline import BaselineDiff
+    from ..verdict.baseline import BaselineDiff
     from ..results import AuditResult
 
 

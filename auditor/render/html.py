@@ -15,12 +15,12 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from ..policy import status, verdict_line
-from . import calibration, speed
+from ..verdict.policy import status, verdict_line
+from .parts import calibration, speed
 from .base import RenderContext, Stdout
-from .layer_charts import short_label
-from .pages import appendix_text, group_rows, layer_pages, page_legend, plan_rows, rank_changes
-from .view import (finding_groups, human, layer_table, pct, share_pct, skipped_groups, skipped_rows, spectra_computed,
+from .parts.layer_charts import short_label
+from .parts.pages import appendix_text, group_rows, layer_pages, page_legend, plan_rows, rank_changes
+from .parts.view import (finding_groups, human, layer_table, pct, share_pct, skipped_groups, skipped_rows, spectra_computed,
                    trace_sentence)
 
 if TYPE_CHECKING:
@@ -111,7 +111,7 @@ OVERVIEW_CURVES = 6
 
 
 def _share_chart(audit: "AuditResult", groups: list[Any]) -> str:
-    from .layer_charts import data_uri, group_share_chart
+    from .parts.layer_charts import data_uri, group_share_chart
 
     svg = group_share_chart([g.label for g in groups], [g.params for g in groups], audit.total_params,
                             counts=[g.size for g in groups])
@@ -120,7 +120,7 @@ def _share_chart(audit: "AuditResult", groups: list[Any]) -> str:
 
 def _overview_chart(audit: "AuditResult", groups: list[Any]) -> str:
     """Energy curves of the largest groups (a group's first member stands for it), as a ``data:`` URI ("" without)."""
-    from .layer_charts import data_uri, energy_overview_chart
+    from .parts.layer_charts import data_uri, energy_overview_chart
 
     curves, labels = [], []
     for g in groups:
@@ -136,7 +136,7 @@ def _overview_chart(audit: "AuditResult", groups: list[Any]) -> str:
 
 
 def _page_legend(pages: list[Any]) -> str:
-    from .layer_charts import data_uri, legend_chart
+    from .parts.layer_charts import data_uri, legend_chart
 
     svg = legend_chart(page_legend(pages))
     return data_uri(svg) if svg else ""
@@ -145,7 +145,7 @@ def _page_legend(pages: list[Any]) -> str:
 def _calibration(audit: "Audit", charts: bool) -> dict[str, Any]:
     """The template's ``calibration`` variable (``templates/_calibration.html``) from the calibration's view model,
     its charts drawn here: None without calibration."""
-    from .layer_charts import data_uri, floor_chart, frontier_chart, legend_chart
+    from .parts.layer_charts import data_uri, floor_chart, frontier_chart, legend_chart
 
     cv = calibration.view(audit)
     if cv is None:

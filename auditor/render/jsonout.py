@@ -6,8 +6,8 @@ import json
 from enum import Enum
 from typing import TYPE_CHECKING, Any
 
-from ..outputs import strict_json
-from ..policy import measured, status, verdict_line
+from ..artifacts.outputs import strict_json
+from ..verdict.policy import measured, status, verdict_line
 from .base import RenderContext, Stdout
 
 if TYPE_CHECKING:
@@ -69,7 +69,7 @@ def to_dict(audit: "AuditResult", with_sigma: bool = False) -> dict[str, Any]:
 def baseline_block(audit: "AuditResult", context: RenderContext) -> dict[str, Any]:
     """The ``baseline`` block: the diff, plus ``rank_changes`` (layer, before, after; null = dense or absent)
     when the baseline report itself is at hand."""
-    from .pages import rank_changes
+    from .parts.pages import rank_changes
 
     assert context.baseline is not None
     d = context.baseline.to_dict()

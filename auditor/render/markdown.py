@@ -16,20 +16,20 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from ..policy import verdict_head
+from ..verdict.policy import verdict_head
 from ..results import Severity
-from . import calibration, speed
+from .parts import calibration, speed
 from .base import RenderContext, Stdout
-from .calibration import CURVES, FINETUNE, larger_words, md_tolerance, md_value
-from .md_fit import COLS_OPEN, ROWS_OPEN, Room, fold_if, DEFAULT_CAP, OPEN_LIMIT, Section, fit_markdown, measure, percent
-from .pages import group_rows, plan_rows, rank_changes
-from .safe import md_code, md_text, middle
-from .view import factorized_count, fmt_num, human, layer_table, spectra_computed, trace_sentence
+from .parts.calibration import CURVES, FINETUNE, larger_words, md_tolerance, md_value
+from .parts.md_fit import COLS_OPEN, ROWS_OPEN, Room, fold_if, DEFAULT_CAP, OPEN_LIMIT, Section, fit_markdown, measure, percent
+from .parts.pages import group_rows, plan_rows, rank_changes
+from .parts.safe import md_code, md_text, middle
+from .parts.view import factorized_count, fmt_num, human, layer_table, spectra_computed, trace_sentence
 
 if TYPE_CHECKING:
     from ..calresults import CalibrationReport
     from ..results import AuditResult
-    from .calibration import CalibrationView
+    from .parts.calibration import CalibrationView
 
 ICON = {Severity.ERROR: "🛑", Severity.WARNING: "⚠️", Severity.INFO: "ℹ️"}
 FINDINGS_ROOM = 4_500  # bytes of findings shown open at most; the rest are folded
@@ -158,8 +158,8 @@ def _plan(audit: "AuditResult", room: Room) -> Section | None:
             ranks = f"{p.rank:,} | {_num(p.suggested)}" if given else f"{p.rank:,}"
             errs = [q.measured_error for q in ps]
             if cal and all(errs):  # a group's members measured apart: the largest of their errors
-                up = -1 if audit.calibration.higher_is_better else 1  # type: ignore[union-attr]
-                worst = max(range(len(ps)), key=lambda i: up * errs[i].value if errs[i].tier == 2 else errs[i].value)
+                judge = audit.calibration.shortfall  # type: ignore[union-attr]
+                worst = max(range(len(ps)), key=lambda i: judge(errs[i].value) if errs[i].tier == 2 else errs[i].value)
                 kept = md_text(("" if len(set(q.measured for q in ps)) == 1 else "up to ") + ps[worst].measured)
             else:
                 kept = f"{percent(p.energy_kept)} energy (data-free)" if cal else percent(p.energy_kept)

@@ -23,7 +23,7 @@ from .base import RenderContext, atomic_write
 if TYPE_CHECKING:
     import pandas
 
-    from ..baseline import BaselineSource
+    from ..verdict.baseline import BaselineSource
     from ..results import AuditResult
 
 __all__ = ["LAYER_ROW_FIELDS", "context", "notebook_html", "to_dict", "to_html", "to_json", "to_markdown",
@@ -38,7 +38,7 @@ def context(audit: "AuditResult", baseline: "BaselineSource | None" = None) -> R
     """The render context: empty, or the comparison with ``baseline`` (a path or an earlier report's dict)."""
     if baseline is None:
         return RenderContext()
-    from ..baseline import compare, load
+    from ..verdict.baseline import compare, load
 
     base = baseline if isinstance(baseline, dict) else load(baseline)
     return RenderContext(baseline=compare(audit, base), baseline_report=base)
@@ -65,7 +65,7 @@ def to_json(audit: "AuditResult", with_sigma: bool = False, indent: int | None =
     ctx = context(audit, baseline)
     if ctx.baseline is not None:
         data["baseline"] = baseline_block(audit, ctx)
-    from ..outputs import strict_json
+    from ..artifacts.outputs import strict_json
 
     return strict_json(data, indent=indent, sort_keys=False)
 
@@ -106,7 +106,7 @@ def to_pandas(audit: "AuditResult") -> "pandas.DataFrame":
         import pandas as pd
     except ImportError:
         raise AuditError("pandas is not installed", "pip install pandas") from None
-    from .view import layer_table
+    from .parts.view import layer_table
 
     table = layer_table(audit)
     labels = [c.label for c in table.columns]

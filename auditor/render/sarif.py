@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any
 from urllib.parse import quote
 
 from .base import RenderContext, Stdout
-from .safe import escape, visible
+from .parts.safe import escape, visible
 
 if TYPE_CHECKING:
     from ..results import AuditResult, Finding
@@ -308,7 +308,7 @@ class SarifReporter:
 
 # ---- GitHub Actions workflow commands ------------------------------------------------------------------------
 def escape_data(text: str) -> str:
-    """A workflow command's message (:func:`auditor.render.safe.escape` to ``github``).
+    """A workflow command's message (:func:`auditor.render.parts.safe.escape` to ``github``).
 
     >>> escape_data("50% of\\nit")
     '50%25 of%0Ait'

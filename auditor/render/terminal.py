@@ -5,7 +5,7 @@ range (``64–126``) or verdict (``keep dense 1 · factorize 3``) is ever cut. W
 way in a fixed order (:func:`layer_steps`: shortened, then dropped, least useful first), and a legend line says what
 was shortened or left out; the layer name column then takes the room that is left (long names are cut in the
 middle, so T5's ``encoder...relative_attention_bias`` and ``decoder...relative_attention_bias`` stay distinct).
-Names pass through :func:`auditor.render.safe.term`: no escape sequence, control character or direction override
+Names pass through :func:`auditor.render.parts.safe.term`: no escape sequence, control character or direction override
 reaches the terminal.
 """
 
@@ -16,16 +16,16 @@ import textwrap
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable
 
-from ..policy import verdict_line
-from . import calibration, speed
+from ..verdict.policy import verdict_line
+from .parts import calibration, speed
 from .base import RenderContext, Stdout
-from .pages import GroupRow, group_rows, plan_rows, rank_changes
-from .safe import middle, term
-from .view import factorized_count, fmt_num, human, layer_table, spectra_computed, trace_sentence
+from .parts.pages import GroupRow, group_rows, plan_rows, rank_changes
+from .parts.safe import middle, term
+from .parts.view import factorized_count, fmt_num, human, layer_table, spectra_computed, trace_sentence
 
 if TYPE_CHECKING:
     from ..results import AuditResult
-    from .calibration import CalibrationView
+    from .parts.calibration import CalibrationView
 
 MIN_WIDTH = 60
 NAME_MIN = 10
@@ -286,7 +286,7 @@ def plan_rank_lines(audit: "AuditResult", groups: list[GroupRow]) -> list[str]:
     """The plan's rank of every layer, one line per block group, members in index order: "ranks:
     layers.*.fc ×4: 40, 72, 88, 104", "head: 48"; a group of one rank "layers.*.up ×4: 8"; "dense" where the plan
     leaves a member dense. Groups the plan does not touch are left out."""
-    from .calibration import plan_ranks
+    from .parts.calibration import plan_ranks
 
     ranks = plan_ranks(audit)
     parts = []

@@ -12,7 +12,7 @@ from ..results import Layer, PlanItem, Spectrum, Suggestion
 
 if TYPE_CHECKING:
     from ..config import Setting, Settings
-    from ..plan import Plan
+    from ..planning.plan import Plan
     from ..results import AuditResult
 
 

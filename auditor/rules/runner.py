@@ -12,7 +12,7 @@ from .context import Context
 from .registry import BUILTIN_ORIGIN, Need, Rule
 
 if TYPE_CHECKING:
-    from ..plan import Plan
+    from ..planning.plan import Plan
     from ..results import AuditResult
 
 # Skips worth a note: a rule the user would expect to run. A missing plan file is the normal case (the suggested

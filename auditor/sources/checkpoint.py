@@ -297,11 +297,11 @@ class WeightsOnly:
         if path.is_dir():
             idx = path / "model.safetensors.index.json"
             if idx.is_file():
-                files, weight_map = cls._shards(idx)
+                files, weight_map = _shards(idx)
             else:
                 files = sorted(path.glob("*.safetensors"))
         elif path.name.endswith(".index.json"):
-            files, weight_map = cls._shards(path)
+            files, weight_map = _shards(path)
         else:
             files = [path]
         refs: dict[str, TensorRef] = {}
@@ -322,43 +322,6 @@ class WeightsOnly:
         index = {k: (Path(r.path or ""), r.shape, _ST_CODES.get(r.dtype, r.dtype.upper())) for k, r in refs.items()}
         notes = [f"Read {len(files)} safetensors file(s) through memory mapping, one tensor at a time."]
         return cls(path.stem if path.is_file() else path.name, str(path), index, notes=notes, refs=refs)
-
-    @staticmethod
-    def _shards(idx: Path) -> tuple[list[Path], dict[str, str]]:
-        """The shard files an index names, all inside its folder. Entries that are absolute or lead outside the
-        folder (``..``, symlinks) are refused with one line that says nothing about the file outside."""
-        try:
-            fd = open_regular(idx)
-            try:
-                raw = b""
-                while chunk := os.read(fd, 1 << 20):
-                    raw += chunk
-                    if len(raw) > MAX_HEADER:
-                        raise ValueError("larger than 100 MB")
-            finally:
-                os.close(fd)
-            doc = json.loads(raw.decode("utf-8"))
-            wm = doc.get("weight_map") if isinstance(doc, dict) else None
-        except AuditError:
-            raise
-        except Exception as exc:  # noqa: BLE001
-            raise AuditError(f"cannot read shard index {idx}: {first_line(exc)}", "Check the index JSON") from None
-        if not isinstance(wm, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in wm.items()):
-            raise AuditError(f"shard index {idx} has no weight_map of tensor names to file names",
-                             'Write "weight_map": {"tensor.name": "model-00001-of-00002.safetensors", ...}')
-        if not wm:
-            raise AuditError(f"shard index {idx} has an empty weight_map", "Write the index that names every tensor")
-        folder = idx.parent
-        for fname in sorted(set(wm.values())):
-            if inside(folder, fname) is None:
-                raise AuditError(f"shard index {idx} names {fname!r}, which is not a file inside {folder}",
-                                 "Shards must sit in the index's folder; give plain file names")
-        files = sorted({folder / f for f in wm.values()})
-        missing = [f.name for f in files if not f.is_file()]
-        if missing:
-            raise AuditError(f"shard(s) missing from {idx.parent}: {', '.join(missing)}",
-                             "Copy every shard named in model.safetensors.index.json")
-        return files, wm
 
     @classmethod
     def from_state_dict(cls, path: Path) -> "WeightsOnly":
@@ -396,65 +359,14 @@ class WeightsOnly:
         comes from initialisation, not from tying."""
         if self._ties is not None:
             return self._ties
-        from blake3 import blake3
-
-        ties: dict[str, str] = {}
-        if self.state is not None:
-            shared: dict[tuple, str] = {}
-            for k, t in self.state.items():
-                if not isinstance(t, torch.Tensor) or t.layout != torch.strided or t.numel() == 0 \
-                        or t.device.type == "meta":
-                    continue
-                key = (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), t.stride(), t.dtype)
-                if key in shared:
-                    ties[k] = shared[key]
-                else:
-                    shared[key] = k
-        groups: dict[tuple, list[str]] = {}
-        for k, (_, shape, dtype) in self.index.items():
-            if k in ties or self._ref(k).layout != "strided" or math.prod(shape) < 2:
-                continue  # sparse or other layouts: no bytes to compare (skipped later); a scalar is constant
-            groups.setdefault((tuple(shape), dtype), []).append(k)
-        for names in groups.values():
-            if len(names) < 2:
-                continue
-            by_sample: dict[bytes, list[str]] = {}
-            for k in names:
-                by_sample.setdefault(self._sample(k), []).append(k)
-            for same in by_sample.values():
-                if len(same) < 2:
-                    continue
-                by_hash: dict[str, list[str]] = {}
-                for k in same:
-                    raw = self._ref(k).raw_bytes()
-                    if not raw or _constant(raw, math.prod(self.index[k][1])):
-                        continue
-                    h = blake3(max_threads=blake3.AUTO if len(raw) > 4 << 20 else 1)
-                    h.update(raw)
-                    by_hash.setdefault(h.hexdigest(), []).append(k)
-                for dup in by_hash.values():
-                    for k in dup[1:]:
-                        ties[k] = dup[0]
+        ties = _storage_ties(self.state) if self.state is not None else {}
+        ties.update(_content_ties(self.index, self._ref, skip=ties))
         self._ties = ties
         if ties:
             shown = ", ".join(f"{k} = {v}" for k, v in list(ties.items())[:5])
             self.notes.append(f"{len(ties)} byte-identical tensor(s) counted once, as aliases (BLAKE3): {shown}"
                               + (" ..." if len(ties) > 5 else ""))
         return ties
-
-    def _sample(self, name: str) -> bytes:
-        """16 KiB from the start, middle and end of a tensor's bytes."""
-        ref = self._ref(name)
-        size, n = ref.nbytes, 16 << 10
-        spots = sorted({0, max(0, size // 2 - n // 2), max(0, size - n)})
-        if ref.path is None:
-            raw = ref.raw_bytes()
-            return b"".join(bytes(raw[s : s + n]) for s in spots)
-        fd = open_regular(ref.path)
-        try:
-            return b"".join(os.pread(fd, min(n, size - s), ref.offset + s) for s in spots)
-        finally:
-            os.close(fd)
 
     def layers(self) -> dict[str, Layer]:
         ties = self.ties()
@@ -476,6 +388,112 @@ class WeightsOnly:
                               aliases=aliases.get(name, []))
         return out
 
+
+def _shards(idx: Path) -> tuple[list[Path], dict[str, str]]:
+    """The shard files an index names, all inside its folder. Entries that are absolute or lead outside the
+    folder (``..``, symlinks) are refused with one line that says nothing about the file outside."""
+    try:
+        fd = open_regular(idx)
+        try:
+            raw = b""
+            while chunk := os.read(fd, 1 << 20):
+                raw += chunk
+                if len(raw) > MAX_HEADER:
+                    raise ValueError("larger than 100 MB")
+        finally:
+            os.close(fd)
+        doc = json.loads(raw.decode("utf-8"))
+        wm = doc.get("weight_map") if isinstance(doc, dict) else None
+    except AuditError:
+        raise
+    except Exception as exc:  # noqa: BLE001
+        raise AuditError(f"cannot read shard index {idx}: {first_line(exc)}", "Check the index JSON") from None
+    if not isinstance(wm, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in wm.items()):
+        raise AuditError(f"shard index {idx} has no weight_map of tensor names to file names",
+                         'Write "weight_map": {"tensor.name": "model-00001-of-00002.safetensors", ...}')
+    if not wm:
+        raise AuditError(f"shard index {idx} has an empty weight_map", "Write the index that names every tensor")
+    folder = idx.parent
+    for fname in sorted(set(wm.values())):
+        if inside(folder, fname) is None:
+            raise AuditError(f"shard index {idx} names {fname!r}, which is not a file inside {folder}",
+                             "Shards must sit in the index's folder; give plain file names")
+    files = sorted({folder / f for f in wm.values()})
+    missing = [f.name for f in files if not f.is_file()]
+    if missing:
+        raise AuditError(f"shard(s) missing from {idx.parent}: {', '.join(missing)}",
+                         "Copy every shard named in model.safetensors.index.json")
+    return files, wm
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Tied tensors of a weights-only checkpoint
+
+
+def _storage_ties(state: dict[str, torch.Tensor]) -> dict[str, str]:
+    """Tensors of a state dict that share one storage (same offset, shape, stride and dtype): duplicate name ->
+    the first name, whatever they hold."""
+    ties: dict[str, str] = {}
+    shared: dict[tuple, str] = {}
+    for k, t in state.items():
+        if not isinstance(t, torch.Tensor) or t.layout != torch.strided or t.numel() == 0 \
+                or t.device.type == "meta":
+            continue
+        key = (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), t.stride(), t.dtype)
+        if key in shared:
+            ties[k] = shared[key]
+        else:
+            shared[key] = k
+    return ties
+
+
+def _content_ties(index: dict[str, tuple[Path | None, tuple[int, ...], str]], ref_of: Callable[[str], TensorRef],
+                  skip: dict[str, str]) -> dict[str, str]:
+    """Byte-identical tensors of one shape and dtype (those in ``skip`` left out): a 16 KiB sample at three places
+    rules most out, then BLAKE3 of all the bytes decides; constant tensors are left apart. Duplicate -> first."""
+    from blake3 import blake3
+
+    ties: dict[str, str] = {}
+    groups: dict[tuple, list[str]] = {}
+    for k, (_, shape, dtype) in index.items():
+        if k in skip or ref_of(k).layout != "strided" or math.prod(shape) < 2:
+            continue  # sparse or other layouts: no bytes to compare (skipped later); a scalar is constant
+        groups.setdefault((tuple(shape), dtype), []).append(k)
+    for names in groups.values():
+        if len(names) < 2:
+            continue
+        by_sample: dict[bytes, list[str]] = {}
+        for k in names:
+            by_sample.setdefault(_sample(ref_of(k)), []).append(k)
+        for same in by_sample.values():
+            if len(same) < 2:
+                continue
+            by_hash: dict[str, list[str]] = {}
+            for k in same:
+                raw = ref_of(k).raw_bytes()
+                if not raw or _constant(raw, math.prod(index[k][1])):
+                    continue
+                h = blake3(max_threads=blake3.AUTO if len(raw) > 4 << 20 else 1)
+                h.update(raw)
+                by_hash.setdefault(h.hexdigest(), []).append(k)
+            for dup in by_hash.values():
+                for k in dup[1:]:
+                    ties[k] = dup[0]
+    return ties
+
+
+def _sample(ref: TensorRef) -> bytes:
+    """16 KiB from the start, middle and end of a tensor's bytes."""
+    size, n = ref.nbytes, 16 << 10
+    spots = sorted({0, max(0, size // 2 - n // 2), max(0, size - n)})
+    if ref.path is None:
+        raw = ref.raw_bytes()
+        return b"".join(bytes(raw[s : s + n]) for s in spots)
+    fd = open_regular(ref.path)
+    try:
+        return b"".join(os.pread(fd, min(n, size - s), ref.offset + s) for s in spots)
+    finally:
+        os.close(fd)
 
 def _constant(raw: memoryview, numel: int) -> bool:
     """Whether every element of a tensor's bytes is the same value (all zeros, all ones, one number repeated)."""

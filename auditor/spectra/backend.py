@@ -22,7 +22,7 @@ from typing import Iterable, Protocol, Sequence, runtime_checkable
 import numpy as np
 import torch
 
-from .. import _lapack
+from . import _lapack
 
 EPS64 = float(np.finfo(np.float64).eps)
 TOLERANCE = 1e-6  # singular values agree with a float64 SVD to this, relative to sigma_max

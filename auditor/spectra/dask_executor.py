@@ -192,19 +192,7 @@ class DaskExecutor:
         self._pending: list[Any] = []
         self.local_items = 0  # in-memory tensors computed here (a module's parameters)
         self.cluster_items = 0
-        self._owned = False
-        if isinstance(scheduler, distributed.Client):
-            self.client = scheduler
-        else:
-            address = str(scheduler)
-            try:
-                self.client = distributed.Client(address, timeout=timeout, set_as_default=False)
-            except (OSError, TimeoutError, ValueError) as exc:
-                raise AuditError(f"cannot reach the Dask scheduler at {address} within {timeout:g} s "
-                                 f"({first_line(exc)})",
-                                 "Start it with `dask scheduler` (and `dask worker ADDRESS`), or check --scheduler "
-                                 f"/ ${SCHEDULER_ENV}") from None
-            self._owned = True
+        self.client, self._owned = _client(distributed, scheduler, timeout)
         self.address = str(self.client.scheduler.address)
         try:
             self.client.wait_for_workers(1, timeout=WORKERS_TIMEOUT)
@@ -236,16 +224,6 @@ class DaskExecutor:
         ref = _ref_of(item)
         return ref is not None and ref.path is None
 
-    def _prepare(self, item: Any) -> Any:
-        ref = _ref_of(item)
-        if ref is None or ref.path is None:
-            return item
-        mapped = map_path(ref.path, self.path_map)
-        if mapped == ref.path:
-            return item
-        return replace(item, ref=TensorRef(ref.tensor, ref.shape, ref.dtype, ref.kind, ref.m, ref.n, ref.groups,
-                                           mapped, ref.offset, ref.nbytes, None, ref.device, ref.layout))
-
     def run(self, fn: Callable[[Any], Any], items: Sequence[Any], sizes: Sequence[int],
             prefer: Sequence[str] = ()) -> Iterator[tuple[int, Any]]:
         """Submit every item as one task (highest priority first, as given), yield (index, result) as they finish.
@@ -259,7 +237,7 @@ class DaskExecutor:
         from .executor import ThreadExecutor
         from .work import compute_task
 
-        prepared = [self._prepare(it) for it in items]
+        prepared = [_mapped(it, self.path_map) for it in items]
         refused: list[tuple[int, Any]] = []
         futures: dict[Any, int] = {}
         self._pending = []
@@ -274,7 +252,7 @@ class DaskExecutor:
                     yield local[j], res
             for fut in as_completed(list(futures), loop=self.client.loop):
                 i = futures[fut]
-                yield i, self._result(fn, fut, prepared[i], i)
+                yield i, _result(fn, fut, prepared[i], i, self.address)
         finally:
             self.cancel()
             self._pending = []
@@ -307,26 +285,6 @@ class DaskExecutor:
             futures[fut] = i
             self._pending.append(fut)  # cancellable from the first submission on (Ctrl-C while submitting)
 
-    def _result(self, fn: Callable[[Any], Any], fut: Any, item: Any, i: int) -> Any:
-        """A finished future's result; a lost worker or a worker-side failure is one :class:`AuditError` line."""
-        from .work import compute_task, hash_task
-
-        try:
-            res = fut.result()
-        except AuditError:
-            raise
-        except Exception as exc:  # noqa: BLE001 - KilledWorker, a lost scheduler, a worker-side bug
-            name = getattr(_ref_of(item), "tensor", None) or getattr(item, "layer", f"item {i}")
-            raise AuditError(f"the Dask cluster at {self.address} failed on {name}: {first_line(exc)}",
-                             "See the workers' logs; a worker killed repeatedly (memory?) stops the task "
-                             "after distributed.scheduler.allowed-failures tries") from None
-        if isinstance(res, WorkerFailure):
-            unseen = fn in (compute_task, hash_task) and res.what.startswith("cannot open")
-            hint = ("; every worker must see the checkpoint at the same path, or pass --path-map "
-                    "CLIENT_PREFIX=WORKER_PREFIX") if unseen else ""
-            raise AuditError(f"{res.what} (on Dask worker {res.worker})", res.fix + hint)
-        return res
-
     def cancel(self) -> None:
         """Cancel every task of the current run still on the cluster."""
         pending = [f for f in self._pending if not f.done()]
@@ -350,6 +308,53 @@ class DaskExecutor:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _client(distributed: Any, scheduler: Any, timeout: float) -> tuple[Any, bool]:
+    """(the client, whether the executor opened it and closes it): ``scheduler`` itself when it is a
+    ``distributed.Client``, else a new client of that address; an unreachable scheduler is one line."""
+    if isinstance(scheduler, distributed.Client):
+        return scheduler, False
+    address = str(scheduler)
+    try:
+        return distributed.Client(address, timeout=timeout, set_as_default=False), True
+    except (OSError, TimeoutError, ValueError) as exc:
+        raise AuditError(f"cannot reach the Dask scheduler at {address} within {timeout:g} s ({first_line(exc)})",
+                         "Start it with `dask scheduler` (and `dask worker ADDRESS`), or check --scheduler "
+                         f"/ ${SCHEDULER_ENV}") from None
+
+
+def _mapped(item: Any, path_map: tuple[tuple[str, str], ...]) -> Any:
+    """The item with its file reference's path as the workers see it (``path_map``)."""
+    ref = _ref_of(item)
+    if ref is None or ref.path is None:
+        return item
+    mapped = map_path(ref.path, path_map)
+    if mapped == ref.path:
+        return item
+    return replace(item, ref=TensorRef(ref.tensor, ref.shape, ref.dtype, ref.kind, ref.m, ref.n, ref.groups,
+                                       mapped, ref.offset, ref.nbytes, None, ref.device, ref.layout))
+
+
+def _result(fn: Callable[[Any], Any], fut: Any, item: Any, i: int, address: str) -> Any:
+    """A finished future's result; a lost worker or a worker-side failure is one :class:`AuditError` line."""
+    from .work import compute_task, hash_task
+
+    try:
+        res = fut.result()
+    except AuditError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - KilledWorker, a lost scheduler, a worker-side bug
+        name = getattr(_ref_of(item), "tensor", None) or getattr(item, "layer", f"item {i}")
+        raise AuditError(f"the Dask cluster at {address} failed on {name}: {first_line(exc)}",
+                         "See the workers' logs; a worker killed repeatedly (memory?) stops the task "
+                         "after distributed.scheduler.allowed-failures tries") from None
+    if isinstance(res, WorkerFailure):
+        unseen = fn in (compute_task, hash_task) and res.what.startswith("cannot open")
+        hint = ("; every worker must see the checkpoint at the same path, or pass --path-map "
+                "CLIENT_PREFIX=WORKER_PREFIX") if unseen else ""
+        raise AuditError(f"{res.what} (on Dask worker {res.worker})", res.fix + hint)
+    return res
 
 
 def _size(b: int) -> str:

@@ -12,7 +12,7 @@ import concurrent.futures as cf
 import os
 from typing import Any, Callable, Iterator, Protocol, Sequence, TypeVar, runtime_checkable
 
-from .. import _lapack
+from . import _lapack
 
 T = TypeVar("T")
 R = TypeVar("R")

@@ -3,7 +3,7 @@ the time break-even rank per shape, and a plan chosen by latency (``--budget-lat
 
 from __future__ import annotations
 
-from .measured import LatencyPlan, LayerSpeed, ModelRun, ModelSpeed, SpeedReport, TimeBreakEven
+from ..speedresults import LatencyPlan, LayerSpeed, ModelRun, ModelSpeed, SpeedReport, TimeBreakEven
 from .timing import Timing, measure
 
 __all__ = ["LatencyPlan", "LayerSpeed", "ModelRun", "ModelSpeed", "SpeedReport", "TimeBreakEven", "Timing", "measure"]

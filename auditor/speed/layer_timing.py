@@ -26,10 +26,9 @@ from torch import nn
 
 from .. import kinds
 from ..results import Kind, Layer
-from .measured import LayerSpeed, TimeBreakEven, seconds
+from ..speedresults import LayerSpeed, TimeBreakEven, seconds
 from .timing import MIN_BLOCKS, WARMUP_CALLS, Clock, Timing, agree, measure_blocks, refusal, same_verdict
 
-TIMED_KINDS = (Kind.LINEAR, Kind.CONV1D_HF, Kind.CONV, Kind.EMBEDDING)  # a module called with one input tensor
 ATTEMPTS = 3  # a timing that is not repeatable is measured again, at most this many times in all
 GRID_POINTS = 32  # the break-even grid has about this many ranks: five or six measurements by bisection
 
@@ -269,26 +268,18 @@ def capture_inputs(model: nn.Module, args: tuple, kwargs: dict,
     return seen
 
 
-def _lead_shape(x: torch.Tensor, kind: Kind, lead: tuple[int, ...]) -> tuple[int, ...]:
-    if kind == Kind.CONV:
-        return (lead[0], *x.shape[1:])
-    if kind == Kind.EMBEDDING:
-        return tuple(lead)
-    return (*lead, x.shape[-1])
+def _lead_shape(x: torch.Tensor, kind: Kind | str, lead: tuple[int, ...]) -> tuple[int, ...]:
+    """The shape of an input like ``x`` at the batch (x positions) ``lead``, as the layer's kind says
+    (:meth:`auditor.kinds.base.LayerKind.timing_shape`: for a linear layer the leading dims become ``lead``)."""
+    return kinds.for_kind(kind).timing_shape(tuple(x.shape), tuple(lead))
 
 
 def latency_bytes(x: torch.Tensor, layer: Layer, lead: tuple[int, ...]) -> int:
     """About the bytes timing ``layer`` at ``lead`` holds at once: its input at that shape and two outputs (dense
-    and factorized; a convolution's about its input times out/in channels, another layer's one row of its output
-    width per input row, an embedding's one per id)."""
+    and factorized), each output as large as its kind says (:meth:`auditor.kinds.base.LayerKind.timing_outputs`)."""
     shape = _lead_shape(x, layer.kind, lead)
     numel = math.prod(shape)
-    if layer.kind == Kind.CONV:
-        out = numel * layer.m // max(int(x.shape[1]), 1) if x.dim() > 1 else numel * layer.m
-    elif layer.kind == Kind.EMBEDDING:
-        out = numel * layer.n
-    else:
-        out = numel // max(int(shape[-1]), 1) * layer.m
+    out = kinds.for_kind(layer.kind).timing_outputs(shape, layer)
     size = x.element_size() if x.is_floating_point() else 4
     return numel * x.element_size() + 2 * out * size
 
@@ -309,9 +300,8 @@ def check_latency_memory(items: list[tuple[Layer, torch.Tensor]], lead: tuple[in
                          f"{avail / 2**30:,.1f} GiB available", "Give a smaller --latency-shape")
 
 
-def reshape_input(x: torch.Tensor, kind: Kind, lead: tuple[int, ...]) -> torch.Tensor:
-    """An input like ``x`` at another batch/sequence: for a linear layer (or an embedding's ids) the leading dims
-    become ``lead``; for a convolution the batch becomes ``lead[0]`` (its spatial size is the model's)."""
+def reshape_input(x: torch.Tensor, kind: Kind | str, lead: tuple[int, ...]) -> torch.Tensor:
+    """An input like ``x`` at another batch/sequence, of the shape the layer's kind says (:func:`_lead_shape`)."""
     shape = _lead_shape(x, kind, lead)
     if x.is_floating_point():
         return torch.randn(shape, dtype=x.dtype)
@@ -320,8 +310,8 @@ def reshape_input(x: torch.Tensor, kind: Kind, lead: tuple[int, ...]) -> torch.T
 
 
 def timed_module(model: nn.Module, layer: Layer) -> nn.Module | None:
-    """The module a planned layer lives in, when it is one we can time by itself (one input tensor)."""
-    if layer.kind not in TIMED_KINDS:
+    """The module a planned layer lives in, when its kind is timed by itself (one input tensor: ``LayerKind.timed``)."""
+    if not kinds.for_kind(layer.kind).timed:
         return None
     path, attr = kinds.for_kind(layer.kind).module_path(layer)
     if attr != "weight":

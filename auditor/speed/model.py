@@ -22,7 +22,7 @@ from typing import Any, Sequence
 import torch
 from torch import nn
 
-from .measured import ModelRun
+from ..speedresults import ModelRun
 from .timing import Clock, Timing, block_timer
 
 ATTEMPTS = 3  # a timing that is not repeatable is measured again, at most this many times in all

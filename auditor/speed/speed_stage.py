@@ -13,7 +13,7 @@ from torch import nn
 
 from ..errors import AuditError
 from .layer_timing import TimeCache, Timer, time_layers
-from .measured import FrontierSpeed, LatencyPlan, LayerSpeed, ModelRun, ModelSpeed, SpeedReport
+from ..speedresults import FrontierSpeed, LatencyPlan, LayerSpeed, ModelRun, ModelSpeed, SpeedReport
 
 if TYPE_CHECKING:
     from ..options import AuditOptions
@@ -88,14 +88,14 @@ def _pair(model: nn.Module, args: tuple, kwargs: dict, plan: dict[str, int], opt
     timed in interleaved blocks; an audited Python object (no source to reload) or a fake clock in this process."""
     from .model import measure_subprocesses, run_model
 
-    if options.origin is not None and options.speed_clock is None:
-        source, load = options.origin
+    if options.cluster.origin is not None and options.speed.clock is None:
+        source, load = options.cluster.origin
         dense, fact = measure_subprocesses(source, load, [{}, plan], device, threads)
         return dense, fact, "subprocess"
     from ..surgery import apply_plan
 
-    dense = run_model(model, args, kwargs, device, clock=options.speed_clock)
-    fact = run_model(apply_plan(model, plan), args, kwargs, device, clock=options.speed_clock)
+    dense = run_model(model, args, kwargs, device, clock=options.speed.clock)
+    fact = run_model(apply_plan(model, plan), args, kwargs, device, clock=options.speed.clock)
     return dense, fact, "in-process"
 
 
@@ -127,20 +127,20 @@ def time_frontier(model: nn.Module, args: tuple, kwargs: dict, audit: "AuditResu
     chosen = [p for p in chosen if p.plan]
     if not chosen:
         return [], None
-    if options.origin is not None and options.speed_clock is None:
-        source, load = options.origin
+    if options.cluster.origin is not None and options.speed.clock is None:
+        source, load = options.cluster.origin
         dense, *runs = measure_subprocesses(source, load, [{}, *(p.plan for p in chosen)], device, threads)
     else:
         from ..surgery import apply_plan
 
-        dense = run_model(model, args, kwargs, device, clock=options.speed_clock)
-        runs = [run_model(apply_plan(model, p.plan), args, kwargs, device, clock=options.speed_clock)
+        dense = run_model(model, args, kwargs, device, clock=options.speed.clock)
+        runs = [run_model(apply_plan(model, p.plan), args, kwargs, device, clock=options.speed.clock)
                 for p in chosen]
     return [FrontierSpeed(p.removed, p.removed_fraction, p.layers, r) for p, r in zip(chosen, runs)], dense
 
 
 def measure_speed(model: Any, inputs: Any, audit: "AuditResult", options: "AuditOptions") -> SpeedReport:
-    """Time the reviewed plan (the user's or the suggested ranks) on ``options.device`` (default: the CPU)."""
+    """Time the reviewed plan (the user's or the suggested ranks) on ``options.statistics.device`` (default: the CPU)."""
     from ..structure.trace import ExampleInputs
 
     if not isinstance(model, nn.Module):
@@ -150,11 +150,11 @@ def measure_speed(model: Any, inputs: Any, audit: "AuditResult", options: "Audit
     if ex is None:
         raise AuditError("--measure-speed needs example inputs to time the layers at",
                          "Pass --input-shape or --input-ids (or inputs to audit())")
-    device = _device(options.device)
+    device = _device(options.statistics.device)
     threads = torch.get_num_threads()
     items = [(audit.layer(it.layer), it.rank) for it in (audit.review.items if audit.review else [])]
-    timer = Timer(device=device, cache=TimeCache(cache_folder(options)), clock=options.speed_clock)
-    lead = tuple(options.latency_shape) if options.latency_shape else None
+    timer = Timer(device=device, cache=TimeCache(cache_folder(options)), clock=options.speed.clock)
+    lead = tuple(options.speed.latency_shape) if options.speed.latency_shape else None
     rows, break_even, notes = time_layers(model, ex.args, ex.kwargs, items, timer, audit.settings.align, lead)
     noisy = [s for s in rows for t in (s.dense, s.factorized) if t.iqr > 0.5 * t.median]
     if noisy:
@@ -178,14 +178,14 @@ def measure_speed(model: Any, inputs: Any, audit: "AuditResult", options: "Audit
         report = replace(report, frontier=frontier, frontier_dense=fdense)
     except (RuntimeError, AuditError) as exc:
         report = replace(report, notes=[*report.notes, f"Frontier plans not timed: {exc}."])
-    if options.budget_latency is not None:
+    if options.speed.budget_latency is not None:
         def run(ranks: dict[str, int]) -> tuple[ModelRun, ModelRun]:
             if ranks == plan:
                 return dense, fact
             return _pair(model, ex.args, ex.kwargs, ranks, options, device, threads)[:2]
 
         try:
-            lp = latency_plan(options.budget_latency, items, report.traced(), run)
+            lp = latency_plan(options.speed.budget_latency, items, report.traced(), run)
         except (RuntimeError, AuditError) as exc:
             return replace(report, notes=[*report.notes, f"--budget-latency not measured: {exc}."])
         report = replace(report, latency_plan=lp)

@@ -10,11 +10,11 @@ benchmark (benchmarks/latency.py) checks it against ``torch.utils.benchmark`` it
 
 from __future__ import annotations
 
-import math
 import statistics
 import time
-from dataclasses import dataclass
 from typing import Any, Callable
+
+from ..speedresults import SANE_S, Timing, sane, seconds  # noqa: F401 - re-exported: the plain data lives there
 
 Clock = Callable[[], float]
 
@@ -26,25 +26,6 @@ MIN_BLOCKS = 5  # and at least this many blocks (a median and quartiles need a f
 MAX_BLOCKS = 200
 WARMUP_CALLS = 2
 AGREE = 1.25  # two timings of one call agree when the larger is at most 25% above the smaller
-SANE_S = (1e-9, 3600.0)  # a time per call outside this (or NaN, infinite) is no measurement
-
-
-def seconds(s: float) -> str:
-    """A time per call, readable: ``38.7 µs``, ``2.74 ms``, ``1.20 s``.
-
-    >>> seconds(3.87e-5), seconds(2.74e-3), seconds(1.2)
-    ('38.7 µs', '2.74 ms', '1.2 s')
-    """
-    for unit, scale in (("s", 1.0), ("ms", 1e-3), ("µs", 1e-6)):
-        if s >= scale:
-            v = s / scale
-            return f"{v:.3g} {unit}" if v < 100 else f"{v:.0f} {unit}"
-    return f"{s * 1e9:.0f} ns"
-
-
-def sane(t: Any) -> bool:
-    """A number that can be a time per call: finite, within :data:`SANE_S` (a float, not a bool)."""
-    return type(t) in (int, float) and math.isfinite(t) and SANE_S[0] <= t <= SANE_S[1]
 
 
 def agree(a: float, b: float) -> bool:
@@ -86,47 +67,6 @@ def same_verdict(dense: float, fact: float, dense1: float, fact1: float) -> bool
         return True
     return (fact < dense) == (fact1 < dense1)
 
-
-@dataclass(frozen=True)
-class Timing:
-    """Seconds per call: the median of the blocks' per-call times and their quartiles (the spread is q3 - q1)."""
-
-    median: float
-    q1: float
-    q3: float
-    blocks: int  # blocks timed
-    calls: int  # calls per block
-
-    @property
-    def iqr(self) -> float:
-        return self.q3 - self.q1
-
-    def to_dict(self) -> dict[str, Any]:
-        return {"median_s": self.median, "q1_s": self.q1, "q3_s": self.q3, "iqr_s": self.iqr,
-                "blocks": self.blocks, "calls_per_block": self.calls}
-
-    @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> "Timing":
-        """A timing read back (from the cache): a ValueError unless its numbers are sane and ordered (q1 <= median
-        <= q3, at least one block of at least one call)."""
-        if not isinstance(d, dict):
-            raise ValueError("a timing is a JSON object")
-        xs = [d.get("median_s"), d.get("q1_s"), d.get("q3_s")]
-        blocks, calls = d.get("blocks"), d.get("calls_per_block")
-        if not all(sane(x) for x in xs) or not xs[1] <= xs[0] <= xs[2]:
-            raise ValueError(f"not a sane time per call: {xs!r:.80}")
-        if type(blocks) is not int or type(calls) is not int or not (1 <= blocks <= 1 << 20 and 1 <= calls <= 1 << 30):
-            raise ValueError("not a count of blocks and calls")
-        return cls(float(xs[0]), float(xs[1]), float(xs[2]), blocks, calls)
-
-    @classmethod
-    def of(cls, per_call: list[float], calls: int) -> "Timing":
-        """The median and quartiles of per-call times (one per block)."""
-        xs = sorted(per_call)
-        if len(xs) == 1:
-            return cls(xs[0], xs[0], xs[0], 1, calls)
-        q1, _, q3 = statistics.quantiles(xs, n=4, method="inclusive")
-        return cls(statistics.median(xs), q1, q3, len(xs), calls)
 
 
 def _sync(device: str) -> Callable[[], None]:

@@ -438,42 +438,16 @@ def _bump(g: nx.DiGraph, node: str, kind: str, role: str) -> None:
         g.add_node(node, kind=kind, role=role, calls=1)
 
 
-class _FxGraphBuilder:
-    """Reads an fx graph node by node, one method per node kind, into the layer graph.
+class _CarriedWeights:
+    """Which weight an fx value is: followed through pass-through ops, and through the ops that compute an effective
+    weight from its stored parameters (weight_norm's g * v / |v|, spectral_norm's W / sigma)."""
 
-    ``carried`` follows which weight an fx value is (through pass-through ops, and through the ops that compute an
-    effective weight from its stored parameters); ``reps`` maps an fx value to the layer-graph nodes it stands for.
-    """
-
-    def __init__(self, trace: TraceResult, model: nn.Module, col: _Collector):
-        assert trace.graph is not None
-        self.trace = trace
-        self.col = col
-        self.table = col.table
-        self.g = nx.DiGraph(method=str(trace.method))
-        self.modules = dict(model.named_modules())  # the user's modules: an exported graph module has none of them
-        self.leafish = {p for p, m in self.modules.items() if not list(m.children())}
+    def __init__(self, table: ParamTable):
+        self.table = table
         self.carried: dict[str, str | None] = {}  # fx node name -> canonical weight it carries
-        self.reps: dict[str, frozenset[str]] = {}  # fx node name -> graph nodes it stands for
-        self.calls_of: dict[str, int] = {}  # parameterless module path -> calls seen so far (symbolic_trace)
 
-    def run(self) -> nx.DiGraph:
-        handlers = {"placeholder": self.placeholder, "get_attr": self.get_attr, "output": self.output,
-                    "call_module": self.call_module, "call_function": self.call_function,
-                    "call_method": self.call_function}
-        for node in self.trace.graph.nodes:  # type: ignore[union-attr]
-            handlers[node.op](node)
-        return self.g
-
-    # -- helpers
     def param_of(self, a: Any) -> str | None:
         return self.carried.get(a.name) if isinstance(a, torch.fx.Node) else None
-
-    def inputs_of(self, node: torch.fx.Node) -> frozenset[str]:
-        acc: set[str] = set()
-        for a in node.all_input_nodes:
-            acc |= self.reps.get(a.name, frozenset())
-        return frozenset(acc)
 
     def weights_read(self, node: torch.fx.Node) -> dict[int | tuple[int, int], str]:
         flat = list(node.args) + list(node.kwargs.values())
@@ -496,6 +470,73 @@ class _FxGraphBuilder:
             return None
         found = {self.table.derived_of.get(p, p if p in self.table.computed else None) for p in weights.values()}
         return found.pop() if len(found) == 1 and None not in found else None
+
+
+class _OpCosts:
+    """The cost of an op reading weights, from its handle (:mod:`auditor.structure.ops`); a weight it cannot cost,
+    or a matrix no module claims, is listed as an unsupported op, never counted as zero."""
+
+    def __init__(self, trace: TraceResult, col: _Collector):
+        self.trace = trace
+        self.col = col
+        self.table = col.table
+
+    def bare_matrix(self, canon: str, op: str) -> bool:
+        """A 2-D parameter of no known module, read by an op that may multiply by it (not elementwise arithmetic,
+        not concatenation): it would be a layer if the op had a handle."""
+        if op in ELEMENTWISE or canon in self.table.skipped or canon not in self.table.keys:
+            return False
+        return self.table.tensor(canon).dim() == 2
+
+    def costs(self, node: torch.fx.Node, op: str, weights: dict[Any, str]) -> list[Cost]:
+        """The op's handle on the call; a weight it cannot cost gets a use without MACs and the op is listed."""
+        if not self.trace.has_shapes:  # no MACs reported: only the uses matter
+            return [Cost(canon, op) for canon in weights.values()]
+        inputs = tuple(_shape_or_value(a) for a in list(node.args) + list(node.kwargs.values()))
+        call = OpCall(op, inputs, _meta_shape(node), dict(weights))
+        res = self.col.ops.handles[op](call)
+        if res is None:
+            if any(canon in self.col.layers or op in self.col.ops.matrix_ops for canon in weights.values()):
+                self.col.unsupported_op(op)
+            return [Cost(canon, op) for canon in weights.values()]
+        return res
+
+
+class _FxGraphBuilder:
+    """Reads an fx graph node by node, one method per node kind, into the layer graph.
+
+    ``weights`` follows which weight an fx value is (:class:`_CarriedWeights`), ``op_costs`` costs the ops that read
+    them (:class:`_OpCosts`); ``reps`` maps an fx value to the layer-graph nodes it stands for.
+    """
+
+    def __init__(self, trace: TraceResult, model: nn.Module, col: _Collector):
+        assert trace.graph is not None
+        self.trace = trace
+        self.col = col
+        self.table = col.table
+        self.g = nx.DiGraph(method=str(trace.method))
+        self.modules = dict(model.named_modules())  # the user's modules: an exported graph module has none of them
+        self.leafish = {p for p, m in self.modules.items() if not list(m.children())}
+        self.weights = _CarriedWeights(col.table)
+        self.carried = self.weights.carried  # fx node name -> canonical weight it carries
+        self.op_costs = _OpCosts(trace, col)
+        self.reps: dict[str, frozenset[str]] = {}  # fx node name -> graph nodes it stands for
+        self.calls_of: dict[str, int] = {}  # parameterless module path -> calls seen so far (symbolic_trace)
+
+    def run(self) -> nx.DiGraph:
+        handlers = {"placeholder": self.placeholder, "get_attr": self.get_attr, "output": self.output,
+                    "call_module": self.call_module, "call_function": self.call_function,
+                    "call_method": self.call_function}
+        for node in self.trace.graph.nodes:  # type: ignore[union-attr]
+            handlers[node.op](node)
+        return self.g
+
+    # -- helpers
+    def inputs_of(self, node: torch.fx.Node) -> frozenset[str]:
+        acc: set[str] = set()
+        for a in node.all_input_nodes:
+            acc |= self.reps.get(a.name, frozenset())
+        return frozenset(acc)
 
     def link(self, node: torch.fx.Node, srcs: frozenset[str], gid: str) -> None:
         for src in srcs:
@@ -532,7 +573,7 @@ class _FxGraphBuilder:
         if isinstance(mod, PASS_THROUGH_MODULES):
             self.reps[node.name] = srcs
             return
-        eff = self.effective_of(self.weights_read(node), srcs)
+        eff = self.weights.effective_of(self.weights.weights_read(node), srcs)
         if eff is not None:  # a parametrization module computing a weight (symbolic_trace of its owner)
             self.carried[node.name] = eff
             self.reps[node.name] = srcs
@@ -554,14 +595,14 @@ class _FxGraphBuilder:
         """call_function and call_method: pass-through, effective-weight arithmetic, scaling, weight ops, others."""
         srcs = self.inputs_of(node)
         op = op_name(node)
-        weights = self.weights_read(node)
+        weights = self.weights.weights_read(node)
         if op in PASS_THROUGH:
-            src_param = self.param_of(node.args[0]) if node.args else None
+            src_param = self.weights.param_of(node.args[0]) if node.args else None
             if src_param is not None:
                 self.carried[node.name] = src_param
             self.reps[node.name] = srcs
             return
-        eff = self.effective_of(weights, srcs)
+        eff = self.weights.effective_of(weights, srcs)
         if eff is not None:
             self.carried[node.name] = eff
             self.reps[node.name] = srcs
@@ -579,7 +620,7 @@ class _FxGraphBuilder:
         self.link(node, srcs, gid)
 
     def weight_op(self, node: torch.fx.Node, op: str, weights: dict[Any, str], stack_site: str) -> str:
-        costs = self.costs(node, op, weights)
+        costs = self.op_costs.costs(node, op, weights)
         used = []
         for c in costs:
             site = stack_site or _owner(c.param)
@@ -592,29 +633,9 @@ class _FxGraphBuilder:
         _bump(self.g, gid, op, "op")
         return gid
 
-    def bare_matrix(self, canon: str, op: str) -> bool:
-        """A 2-D parameter of no known module, read by an op that may multiply by it (not elementwise arithmetic,
-        not concatenation): it would be a layer if the op had a handle."""
-        if op in ELEMENTWISE or canon in self.table.skipped or canon not in self.table.keys:
-            return False
-        return self.table.tensor(canon).dim() == 2
-
-    def costs(self, node: torch.fx.Node, op: str, weights: dict[Any, str]) -> list[Cost]:
-        """The op's handle on the call; a weight it cannot cost gets a use without MACs and the op is listed."""
-        if not self.trace.has_shapes:  # no MACs reported: only the uses matter
-            return [Cost(canon, op) for canon in weights.values()]
-        inputs = tuple(_shape_or_value(a) for a in list(node.args) + list(node.kwargs.values()))
-        call = OpCall(op, inputs, _meta_shape(node), dict(weights))
-        res = self.col.ops.handles[op](call)
-        if res is None:
-            if any(canon in self.col.layers or op in self.col.ops.matrix_ops for canon in weights.values()):
-                self.col.unsupported_op(op)
-            return [Cost(canon, op) for canon in weights.values()]
-        return res
-
     def other_op(self, node: torch.fx.Node, op: str, weights: dict[Any, str], stack_site: str) -> str:
         # a layer's weight, or a matrix no module claims, read by an op with no cost handle: listed, not zero
-        if any(p in self.col.layers or self.bare_matrix(p, op) for p in set(weights.values())):
+        if any(p in self.col.layers or self.op_costs.bare_matrix(p, op) for p in set(weights.values())):
             self.col.unsupported_op(op)
         if stack_site and stack_site in self.leafish:
             # an activation or norm module decomposed into ops: one node per call

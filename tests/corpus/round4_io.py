@@ -427,7 +427,7 @@ def _called_like_the_model(d: Path, res: Any, run: Callable) -> None:
     """Plain torch, as the README says: positional int64 ids of the model's own kind, one row and three."""
     import torch
 
-    from auditor.export import load_program
+    from auditor.artifacts.export import load_program
 
     program = torch.export.load(str(d / OUT / "model.pt2")).module()
     for rows in (1, 3):
@@ -448,7 +448,7 @@ def cases() -> list[Case]:
             *_export_cases()]
 
 
-# -- exports that never unpickle (the Python API: auditor.export.load_program) ------------------------------------
+# -- exports that never unpickle (the Python API: auditor.artifacts.export.load_program) ------------------------------------
 
 EXPORT = "load_program on a forged archive"
 RAN = "ran.txt"  # what the planted code would create
@@ -468,7 +468,7 @@ def _exported(d: Path) -> Path:
     """A factorized low-rank MLP with its program exported, as lowrank-audit factorize --export pt2 writes it."""
     import torch
 
-    from auditor.export import cli_write
+    from auditor.artifacts.export import cli_write
     from auditor.factorize import factorize
 
     model, fact = _factorized(d)
@@ -482,7 +482,7 @@ def _forge(d: Path, change: Callable[[dict[str, bytes], str], None]) -> Callable
     import hashlib
     import zipfile
 
-    from auditor.export import load_program
+    from auditor.artifacts.export import load_program
 
     fact = _exported(d)
     pt2 = fact / "model.pt2"
@@ -549,7 +549,7 @@ def _extra_member(path: str, data: bytes = b"") -> Callable[[Path], Callable[[],
 def _not_a_zip(d: Path) -> Callable[[], Any]:
     import hashlib
 
-    from auditor.export import load_program
+    from auditor.artifacts.export import load_program
 
     fact = _exported(d)
     (fact / "model.pt2").write_bytes(_torch_save(_Payload(str(d / RAN)))[:0] + b"\x80\x02cos\nsystem\n.")

@@ -34,7 +34,7 @@ def load_metric(spec: str) -> UserMetric:
     """``file.py:fn`` or ``module:fn`` for --metric."""
     if ":" not in spec:
         raise AuditError(f"--metric {spec!r} is neither a metric name nor a function",
-                         "Use --metric perplexity, kl, masked-perplexity, output-error, or file.py:fn / module:fn")
+                         f"Use --metric {', '.join(metrics.names())}, or file.py:fn / module:fn")
     return _import_fn(spec)
 
 

@@ -175,6 +175,19 @@ class MetricKind:
         """The layer-output error tier 1 ranks for: the tolerance where the metric is in those units, else 1%."""
         return tolerance if self.layer_error_units else TIER1_TARGET
 
+    def limit(self, reference: float, tolerance: float, higher: bool) -> float:
+        """The value at which the metric stops holding (what the reports draw as the tolerance line): the tolerance
+        itself, or the dense value moved by the tolerance the wrong way."""
+        if self.zero_on_dense:
+            return tolerance
+        return reference - tolerance if higher else reference + tolerance
+
+    def display(self, higher: bool) -> str:
+        """How the reports write its values: "percent" for a fraction every report writes as a percentage (a
+        relative increase, or a metric in the layer-output error's units), else "number" (its own units: KL in
+        nats, a user metric)."""
+        return "percent" if not higher and (self.increase_of or self.layer_error_units) else "number"
+
     def reportable(self, higher: bool) -> bool:
         """The reports read a metric against the dense value as higher-is-better."""
         return self.zero_on_dense or higher

@@ -5,7 +5,7 @@ from __future__ import annotations
 from ...results import Severity
 from ..context import Context
 from ..registry import Emit, Scope, rule
-from ...speed.measured import seconds
+from ...speedresults import seconds
 
 SPEED_TOLERANCE = 0.05  # slower than dense by more than this share of the dense time: flagged (a constant, not a
 # setting: a setting would enter every report's settings block, and audits without speed must read as before)

@@ -1,0 +1,99 @@
+"""The flags the audit (``lowrank-audit MODEL``) and ``lowrank-audit factorize`` both take, defined once: the model
+and its inputs, the plan, the calibration data and how it is split, the metric and its tolerance, the statistics'
+dtype and the caches. Each command adds the ones it takes with :func:`add_shared` (``factorize`` makes ``--plan``
+required); the recovery flags are :mod:`.recovery_flags`, shared the same way.
+
+``-o`` and ``--measure-speed`` are not here: they mean different things in the two commands (the audit's report
+folder and per-layer timing; the factorized model's folder and end-to-end timing).
+
+``--metric``'s and ``--tolerance``'s help list the registered metrics (:mod:`auditor.calibration.metrics`): written
+out here, because ``lowrank-audit --help`` imports no torch (the metric modules do), and held equal to what the
+registry says by a test (:func:`metric_help`, :func:`tolerance_help`), so a metric added without its words here fails
+it."""
+
+from __future__ import annotations
+
+from typing import Any
+
+METRIC_HELP = ("output-error (alias output): the relative output error, lower is better; perplexity (alias ppl): the "
+               "perplexity increase, lower is better; kl: the next-token KL, lower is better; masked-ce (alias "
+               "masked-perplexity, mlm): the masked-token perplexity increase, lower is better; or fn(model, batches) "
+               "-> float, higher is better (default: perplexity for a causal LM, masked-perplexity for a masked LM, "
+               "else output-error)")
+TOLERANCE_HELP = ("allowed loss in the metric's units (default 0.01), e.g. 0.02: output-error: a share of the dense "
+                  "output's norm; perplexity: a relative increase of the held-out perplexity; kl: nats per real "
+                  "token; masked-ce: a relative increase of the held-out masked-token perplexity; user: the "
+                  "function's own")
+
+# flag -> (option strings, add_argument keywords)
+FLAGS: dict[str, tuple[tuple[str, ...], dict[str, Any]]] = {
+    "model": (("model",), {"help": "the model source (file.py:factory, module:factory, a Hugging Face directory, ...)"}),
+    "input-shape": (("--input-shape",), {
+        "action": "append", "metavar": "1,3,224,224",
+        "help": "a float input of this shape (repeat for several positional inputs)"}),
+    "input-ids": (("--input-ids",), {"metavar": "1,128",
+                                     "help": "token ids of this shape, within the config's vocabulary"}),
+    "weights": (("--weights",), {
+        "metavar": "PATH", "help": "a state dict (safetensors, or .pt/.bin loaded weights_only), or a folder of them; "
+                                   "also accepted with a config.json"}),
+    "plan": (("--plan",), {"metavar": "FILE", "help": "a compression plan (TOML or JSON): the audit reviews it, "
+                                                      "factorize applies it after the same review"}),
+    "calibration": (("--calibration",), {
+        "metavar": "FILE|module:fn",
+        "help": "inputs to measure with: a safetensors/.pt file of tensors named after the forward's inputs, batched "
+                "along dim 0, file.py:fn / module:fn returning batches, or (for a Hugging Face directory with its "
+                "tokenizer) a text file: .txt/.md/.rst/.py, or any UTF-8 file. factorize initialises the factors "
+                "whitened by it and measures the plan on its held-out part"}),
+    "calibration-length": (("--calibration-length",), {
+        "type": int, "metavar": "N",
+        "help": "tokens per window of a text calibration file (default: the model's positions, at most 512)"}),
+    "holdout": (("--holdout",), {"metavar": "SHARE|FILE", "help": "share of the rows held out to measure (default "
+                                                                  "0.25), or a second file held out whole"}),
+    "metric": (("--metric",), {"metavar": "NAME|module:fn", "help": METRIC_HELP}),
+    "tolerance": (("--tolerance",), {"type": float, "metavar": "X", "help": TOLERANCE_HELP.replace("%", "%%")}),
+    "compute-dtype": (("--compute-dtype",), {
+        "choices": ["model", "float32"],
+        "help": "the dtype calibration statistics are read in: model (its own, the default) or float32 (bf16/fp16 "
+                "weights upcast one block at a time: on a CPU without bf16 matrix units bf16 is hundreds of times "
+                "slower). factorize defaults to the plan's compute_dtype: give what the audit used, so the factors "
+                "are the ones it measured"}),
+    "confidence": (("--confidence",), {
+        "type": float, "metavar": "LEVEL",
+        "help": "the verification interval's level (default 0.9): the suggested plan's interval over the held-out "
+                "rows the search never read must end within the tolerance"}),
+    "no-split": (("--no-split",), {
+        "action": "store_true", "help": "search and check the plan on every held-out row, without a verification "
+                                        "part or interval (the behaviour before the split)"}),
+    "no-cache": (("--no-cache",), {"action": "store_true",
+                                   "help": "do not read or write the caches"}),
+}
+
+
+def add_shared(group: Any, *names: str, **changed: dict[str, Any]) -> None:
+    """Add the shared flags ``names`` (keys of :data:`FLAGS`) to an argparse parser or group, in that order;
+    ``changed[name]`` updates a flag's keywords for this command (``plan={"required": True}``)."""
+    for name in names:
+        strings, keywords = FLAGS[name]
+        group.add_argument(*strings, **{**keywords, **changed.get(name.replace("-", "_"), {})})
+
+
+def metric_help() -> str:
+    """--metric's help as the registry says it (:data:`METRIC_HELP` must equal it): every registered metric by its
+    names and label, then a user function."""
+    from ..calibration import metrics
+
+    built_in = [metrics.for_kind(k) for k in metrics.kinds() if not metrics.for_kind(k).takes_function]
+    listed = "; ".join(f"{k.names[0]}{' (alias ' + ', '.join(k.names[1:]) + ')' if k.names[1:] else ''}: the "
+                       f"{k.label}, {'higher' if k.higher_is_better else 'lower'} is better" for k in built_in)
+    return f"{listed}; or fn(model, batches) -> float, higher is better (default: perplexity for a causal LM, masked-perplexity for a masked LM, else output-error)"
+
+
+def tolerance_help() -> str:
+    """--tolerance's help as the registry says it (:data:`TOLERANCE_HELP` must equal it): the default and what it is
+    in each registered metric's units."""
+    from ..calibration import metrics
+    from ..calibration.measure.metric import DEFAULT_TOLERANCE
+
+    units = "; ".join(f"{k.names[0] if k.names else k.kind}: {k.units or 'its own units'}"
+                      for k in map(metrics.for_kind, metrics.kinds()))
+    return f"allowed loss in the metric's units (default {DEFAULT_TOLERANCE:g}), e.g. 0.02: {units}"

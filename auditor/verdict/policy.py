@@ -1,0 +1,271 @@
+"""What the findings mean for a run: the one-line verdict every report prints, the command line's exit code, and
+which findings the command line treats as bad input. Plain functions of an Audit; no torch."""
+
+from __future__ import annotations
+
+import math
+from enum import StrEnum
+from typing import TYPE_CHECKING
+
+from ..config import FailOn
+from ..errors import ExitCode
+from ..results import Severity
+
+if TYPE_CHECKING:
+    from ..calresults import CalibrationReport, PlanCheck, Verification
+    from ..results import AuditResult, Finding
+
+
+class Status(StrEnum):
+    """What a report's verdict says, for people and CI alike (the JSON's ``status``).
+
+    ``unmeasured``: no error or warning, but nothing measured the plan (a data-free audit, or a plan reviewed
+    without calibration data, or one calibration could not apply): its ranks are energy-based estimates. Exit
+    code 0 like ``pass`` unless ``--fail-on unmeasured`` asks otherwise.
+    """
+
+    PASS = "pass"
+    REVIEW = "review"
+    FAIL = "fail"
+    UNMEASURED = "unmeasured"
+
+
+def measured(audit: "AuditResult") -> bool:
+    """Whether calibration data measured what the report suggests or reviews: the plan applied all at once on the
+    held-out rows (or the suggested ranks chosen by a plan search that measured them), or nothing to measure (the
+    plan factorizes nothing). False for a data-free audit."""
+    cal = audit.calibration
+    if cal is None:
+        return False
+    r = audit.review
+    if r is None or not r.items:
+        return True
+    pc = cal.plan_check
+    if pc is not None and pc.layers > 0 and pc.measured == pc.measured:
+        v = pc.verification  # nothing scored, or one row that was the search's as well: no measurement
+        return v is None or not (v.rows < 1 or (v.rows == 1 and v.search_rows <= 1))
+    return bool(r.suggested and cal.budget is not None and cal.budget.plan)
+
+
+def missed(audit: "AuditResult") -> bool:
+    """The plan was measured all at once and misses the tolerance: never a PASS, even when the rule that says so
+    is not selected (``select`` in pyproject.toml) and no finding is shown."""
+    cal = audit.calibration
+    pc = cal.plan_check if cal is not None else None
+    return pc is not None and pc.layers > 0 and not pc.ok and measured(audit)
+
+
+def status(audit: "AuditResult") -> Status:
+    """FAIL with an error, REVIEW with a warning, else PASS when the plan was measured, UNMEASURED when not.
+
+    >>> from auditor.results import AuditResult, Finding, Settings, TraceMethod
+    >>> a = AuditResult("m", "x", TraceMethod.WALK, [], None, 10, [], False, Settings())
+    >>> str(status(a))
+    'unmeasured'
+    """
+    c = audit.counts
+    if c.error:
+        return Status.FAIL
+    if c.warning or missed(audit):
+        return Status.REVIEW
+    return Status.PASS if measured(audit) else Status.UNMEASURED
+
+
+def verdict_line(audit: "AuditResult") -> str:
+    """PASS / REVIEW / FAIL / UNMEASURED with the counts, and what the reviewed plan saves.
+
+    >>> from auditor.results import AuditResult, Finding, Settings, TraceMethod
+    >>> a = AuditResult("m", "x", TraceMethod.WALK, [], None, 10, [], False, Settings(),
+    ...           findings=[Finding("LR003", "narrow", Severity.WARNING, "narrow")])
+    >>> verdict_line(a)
+    'REVIEW: 1 warning(s)'
+    """
+    r = audit.review
+    saving = ""
+    if r is not None and r.items:
+        saving = (f"; the {'suggested' if r.suggested else 'planned'} ranks save "
+                  f"{r.params_saved:,} parameters ({100 * r.share_saved:.1f}% of the model)")
+    saving += plan_check_clause(audit)
+    note = audit.calibration.recovery_note() if audit.calibration is not None else ""
+    if note and r is not None and r.suggested:
+        saving += f"; chosen after recovery: {note}"
+    return verdict_head(audit) + saving
+
+
+def verdict_head(audit: "AuditResult") -> str:
+    """The verdict's first part, PASS / REVIEW / FAIL with the counts (the Markdown puts the saving and the
+    measurement in its plan card instead)."""
+    c = audit.counts
+    if c.error:
+        return f"FAIL: {c.error} error(s), {c.warning} warning(s)"
+    if c.warning:
+        return f"REVIEW: {c.warning} warning(s)"
+    if not measured(audit):
+        if audit.calibration is not None:
+            return "UNMEASURED: no errors or warnings, but the plan was not measured all at once"
+        return "UNMEASURED: no errors or warnings; the ranks are energy-based estimates (measure with --calibration)"
+    if missed(audit):
+        return "REVIEW: no errors or warnings shown, but the plan measured all at once misses the tolerance"
+    return "PASS: no errors or warnings"
+
+
+def plan_check_clause(audit: "AuditResult") -> str:
+    """"; measured all at once: held-out perplexity 153.77 -> 155.17 (+0.91%, tolerance +1%): holds" (or MISSES) when
+    calibration measured the reviewed plan (:func:`auditor.render.calibration.metric_change`);
+    "; not measured all at once" when calibration was given but the plan could not be measured; else empty."""
+    cal = audit.calibration
+    r = audit.review
+    if cal is None or r is None or not r.items:
+        return ""
+    pc = cal.plan_check
+    if pc is None or pc.layers == 0 or pc.measured != pc.measured:
+        return "; not measured all at once"
+    v = pc.verification
+    if v is not None and not cal.higher_is_better:
+        return "; measured all at once: " + verification_words(cal, v)
+    return f"; measured all at once: {metric_change(cal, pc.measured)}: {'holds' if pc.ok else 'MISSES'}"
+
+
+def in_percent(cal: "CalibrationReport") -> bool:
+    """The metric is a fraction every report writes as a percentage: a relative increase (perplexity) or the
+    relative output error; a metric in its own units (KL in nats, a user metric) is written as it is."""
+    return cal.display == "percent"  # the metric kind's display form, carried by the report
+
+
+def _pct3(x: float) -> str:
+    """100 x with three significant digits and no exponent: 0.878, 1.02, 42.3, 1065."""
+    v = 100 * x
+    digits = max(0, 2 - math.floor(math.log10(abs(v)))) if v != 0 and math.isfinite(v) else 0
+    return f"{v:.{digits}f}"
+
+
+def unit(cal: "CalibrationReport", v: float | None) -> str:
+    """One measured value of the metric in its one unit, the same in every format: a relative increase as a signed
+    percentage ("+0.878%"), the relative output error as a percentage ("0.968%"), three significant digits; any
+    other metric as 4 significant digits; ``–`` for None or NaN.
+
+    >>> from auditor.calresults import CalibrationReport as C
+    >>> c = C("c", "0.25", "", 1, 1, "relative output error", False, 0.01, 0.0)
+    >>> [unit(c, x) for x in (0.009936, 0.0106, 0.4229, 10.65, 0.0)]
+    ['0.994%', '1.06%', '42.3%', '1065%', '0%']
+    """
+    if v is None or not math.isfinite(v):
+        return "\u2013"
+    if not in_percent(cal):
+        return f"{v:.4g}"
+    return ("+" if cal.increase_of and v > 0 else "") + _pct3(v) + "%"
+
+
+def tolerance_words(cal: "CalibrationReport") -> str:
+    """The tolerance in the metric's unit: "+1%" for a relative increase, "1%" for the output error."""
+    if in_percent(cal):
+        return f"+{100 * cal.tolerance:g}%" if cal.increase_of else f"{100 * cal.tolerance:g}%"
+    return f"{cal.tolerance:g}"
+
+
+def metric_change(cal: "CalibrationReport", value: float | None) -> str:
+    """A measured metric in the user's units with its dense baseline and the tolerance, the same words in every
+    format: "held-out perplexity 153.77 -> 155.17 (+0.91%, tolerance +1%)" for a perplexity judged by its relative
+    increase, "held-out accuracy 0.9 -> 0.88 (tolerance -0.05)" for a metric where higher is better, "relative output
+    error 0.009937 (tolerance 0.01)" otherwise.
+
+    >>> from auditor.calresults import CalibrationReport as C
+    >>> metric_change(C("c", "0.25", "", 1, 1, "perplexity increase", False, 0.01, 153.77, increase_of="perplexity"),
+    ...               0.009112)
+    'held-out perplexity 153.77 -> 155.17 (+0.911%, tolerance +1%)'
+    """
+    if value is None or not math.isfinite(value):
+        return f"{cal.metric}: not measured"
+    label = cal.metric
+    if cal.increase_of and cal.reference > 0:
+        what = cal.increase_of
+        return (f"held-out {what} {cal.reference:.2f} -> {cal.reference * (1 + value):.2f} "
+                f"({unit(cal, value)}, tolerance {tolerance_words(cal)})")
+    if cal.higher_is_better:
+        return f"held-out {label} {cal.reference:.4g} -> {value:.4g} (tolerance -{cal.tolerance:g})"
+    return f"{label} {unit(cal, value)} (tolerance {tolerance_words(cal)})"
+
+
+def checked_change(cal: "CalibrationReport", pc: "PlanCheck") -> str:
+    """:func:`metric_change` of the plan check: its measured value with the dense baseline of the rows it was measured
+    on (the verification rows when the held-out rows were split)."""
+    return metric_change(_on_verified_rows(cal, pc.verification), pc.measured)
+
+
+def _on_verified_rows(cal: "CalibrationReport", v: "Verification | None") -> "CalibrationReport":
+    """``cal`` with the dense baseline of the verification rows, where they were measured and give one."""
+    if v is None or v.reference is None or not math.isfinite(v.reference):
+        return cal
+    from dataclasses import replace
+
+    return replace(cal, reference=v.reference)
+
+
+def verification_words(cal: "CalibrationReport", v: "Verification") -> str:
+    """The verified number in the user's units with its interval and what it says of the tolerance: "held-out
+    perplexity 153.77 -> 154.97 (+0.78%, tolerance +1%); 90% interval +0.70% to +0.88% over 83 verification rows:
+    within the tolerance" for a perplexity, else :meth:`Verification.words` ("relative output error 0.009656 (90%
+    interval 0.009491 to 0.009816 over 128 verification rows): within the tolerance 0.01")."""
+    label = cal.metric
+    if in_percent(cal) and not cal.increase_of:  # the output error, in percent like every other number of it
+        ci = (f"{100 * v.confidence:g}% interval {unit(cal, v.low)} to {unit(cal, v.high)} over {v.rows:,} "
+              "verification rows" if v.low is not None and v.high is not None
+              else f"on {v.rows:,} verification rows, no interval")
+        return f"{label} {unit(cal, v.value)} ({ci}): {v.judged} {tolerance_words(cal)}"
+    if not (cal.increase_of and cal.reference > 0):
+        return v.words(cal.tolerance, label)
+    judged = v.judged
+    cal = _on_verified_rows(cal, v)  # the dense baseline of the rows it was measured on
+    if v.low is None or v.high is None:
+        return f"{metric_change(cal, v.value)} on {v.rows:,} verification rows, no interval: {judged}"
+    return (f"{metric_change(cal, v.value)}; {100 * v.confidence:g}% interval {unit(cal, v.low)} to "
+            f"{unit(cal, v.high)} over {v.rows:,} verification rows: {judged}")
+
+
+def exit_code(audit: "AuditResult", fail_on: FailOn | str | None = None) -> ExitCode:
+    """``ExitCode.FINDINGS`` when a finding is at or above ``fail_on`` (default: the audit's settings), or with
+    ``unmeasured`` when the plan was not measured or a warning or error was found; else OK.
+
+    >>> from auditor.results import AuditResult, Finding, Settings, TraceMethod
+    >>> a = AuditResult("m", "x", TraceMethod.WALK, [], None, 10, [], False, Settings(),
+    ...           findings=[Finding("LR003", "narrow", Severity.WARNING, "narrow")])
+    >>> exit_code(a), exit_code(a, FailOn.WARNING), exit_code(a, "never")
+    (<ExitCode.OK: 0>, <ExitCode.FINDINGS: 1>, <ExitCode.OK: 0>)
+    """
+    level = FailOn(fail_on) if fail_on is not None else audit.settings.fail_on
+    if level is FailOn.NEVER:
+        return ExitCode.OK
+    if level is FailOn.UNMEASURED:
+        return ExitCode.FINDINGS if status(audit) is not Status.PASS else ExitCode.OK
+    floor = Severity.ERROR if level is FailOn.ERROR else Severity.WARNING
+    return ExitCode.FINDINGS if audit.counts.at_least(floor) else ExitCode.OK
+
+
+def quiet_lines(audit: "AuditResult") -> str:
+    """What ``-q`` keeps of a failing run (as ruff's ``-q`` keeps its diagnostics): the verdict line, then one line
+    per warning or error finding (code, severity, layers, message, fix), names from the model made visible.
+
+    >>> from auditor.results import AuditResult, Finding, Settings, TraceMethod
+    >>> a = AuditResult("m", "x", TraceMethod.WALK, [], None, 10, [], False, Settings(),
+    ...           findings=[Finding("LR003", "narrow", Severity.WARNING, "too narrow", ["fc1"], fix="Keep it")])
+    >>> print(quiet_lines(a), end="")
+    REVIEW: 1 warning(s)
+    LR003 warning fc1: too narrow. Keep it.
+    """
+    from ..errors import visible
+
+    lines = [verdict_line(audit)]
+    for f in sorted(audit.findings, key=lambda f: f.sort_key()):
+        if f.severity.order > Severity.WARNING.order:
+            continue
+        where = ", ".join(f.layers[:3]) + (f" and {len(f.layers) - 3} more" if len(f.layers) > 3 else "")
+        text = f"{f.code} {f.severity}{' ' + where if where else ''}: {f.message.rstrip('.')}."
+        lines.append(visible(text + (f" {f.fix.rstrip('.')}." if f.fix else "")))
+    return "\n".join(lines) + "\n"
+
+
+def input_errors(audit: "AuditResult") -> list["Finding"]:
+    """Findings that the command line reports as bad input (exit 2, no report): each rule decides for its own."""
+    from ..rules import RULES
+
+    return [f for f in audit.findings if f.code in RULES and RULES[f.code].input_error(f)]
