@@ -59,7 +59,6 @@ MAX_MODULES = 15  # modules a package directory holds directly (the top level in
 # package directory -> why it holds more for now; an entry no longer needed fails too, so the table only shrinks
 CROWDED = {
     "rules/builtin": "one module per rule (lrNNN.py), named on the map as one family",
-    "calibration": "split into data/, statistics/, measure/, tiers/ on its own branch (issue 36)",
 }
 
 
