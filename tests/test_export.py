@@ -197,8 +197,8 @@ def test_cli_recover_and_export_end_to_end(cli_inproc, tmp_path):
     out = tmp_path / "out"
     r = cli_inproc("factorize", "sample_models/digits.py:mlp", "--plan", plan, "--calibration",
                    tmp_path / "cal.safetensors", "--no-split", "--recover", "6", "--recover-lr", "1e-3", "--export", "pt2",
-                   "-o", out, "--no-cache")
-    assert r.returncode == 0, r.stderr
+                   "-o", out, "--no-cache", "--allow-miss")
+    assert r.returncode == 0, r.stderr  # rank 8 misses the default tolerance: --allow-miss writes it, exit 0
     meta = json.loads((out / "plan.json").read_text())
     rec = meta["recovery"]
     assert rec["steps"] == rec["done"] == 6 and rec["lr"] == 1e-3 and rec["trainable"] == "factors"
