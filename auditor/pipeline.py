@@ -453,6 +453,9 @@ def audit_source(spec: str, *, plan: Any = None, options: AuditOptions | None = 
             data = replace(data, tokenizer=tokenizer_home(loaded.source))
             opts = replace(opts, calibration_data=data)
         check_text_sources([data.source, data.holdout], data.tokenizer, data.max_bytes)  # bad text fails first
+        from .speed.estimate import refuse_if_short
+
+        refuse_if_short(loaded, opts)  # one line, exit 2, when the estimated peak exceeds the memory available
     result = audit(loaded.model, loaded.example_inputs, plan=plan, options=opts)
     if loaded.notes:  # what the loader decided (structure only, inputs made from the config, partial weights)
         result = replace(result, notes=[*loaded.notes, *result.notes])

@@ -54,6 +54,8 @@ def _parser() -> argparse.ArgumentParser:
     )
     add_shared(p, "model")
     _common_flags(p)
+    p.add_argument("--estimate", action="store_true", help="predict the audit's wall time per stage, peak memory and "
+                   "disk from the shapes, the calibration and a few seconds of measurement; run nothing else")
     _input_flags(p.add_argument_group("inputs"))
     _plan_flags(p.add_argument_group("plan"))
     _output_flags(p.add_argument_group("output"))
@@ -383,7 +385,7 @@ def _dispatch(argv: list[str], written: list[Path]) -> int:
         from ..progress import command_run
 
         with command_run():  # off a terminal, each phase is named as it starts once the run is 30 s old
-            return run(args, written)
+            return estimate(args) if args.estimate else run(args, written)
     except AuditError as exc:
         captured = getattr(exc, "captured", "")
         if args.verbose and captured:
@@ -664,6 +666,18 @@ def _formats(args: argparse.Namespace) -> list[str]:
     if getattr(args, "width", None) is not None and args.width < 0:
         raise AuditError(f"--width {args.width} is negative", "Pass 0 for a wide table, or a line length of 60 or more")
     return formats
+
+
+def estimate(args: argparse.Namespace) -> int:
+    """--estimate: what the audit would cost (auditor/speed/estimate.py), the table (or ``{"estimate": ...}`` with
+    --format json) on stdout; the flags checked as for the audit, then no audit runs and no file is written."""
+    from .. import pipeline  # noqa: F401  (imported as the audit's run imports it: the process's base memory)
+    from ..speed.estimate import estimate_source, render
+
+    formats = tuple(_formats(args))
+    options, load_options = options_from(args)
+    sys.stdout.write(render(estimate_source(args.model, options, load_options, formats), formats))
+    return ExitCode.OK
 
 
 def run(args: argparse.Namespace, written: list[Path] | None = None) -> int:

@@ -1,0 +1,596 @@
+"""``--estimate``: what the default audit will cost, predicted before it runs (docs/performance.md, "Estimate").
+
+Three steps, each testable alone:
+
+- :func:`shapes_of` reads the model's weights as shapes (every weight of two or more dimensions as out x in, the
+  repeated blocks, the parameters whose products a forward pays for); :func:`workload_of` the calibration's rows,
+  tokens per row and rows per batch, and the options that change the cost;
+- :func:`measure` takes a few seconds on this machine: one repeated block's forward and backward at the real batch
+  shape (and the activations it keeps for the backward), one whitened decomposition of the costliest layer's shape
+  (``calibration.whiten.decompose``), one Gram's eigenvalues (the spectra's path) and one float64 product (the Gram
+  sums' rate), each capped to take seconds and scaled by FLOPs;
+- :func:`predict` is arithmetic only (no clock): each stage of the default calibrated audit as passes over the rows
+  times a forward's cost, decompositions counted per layer and scaled by their FLOPs (m n min(m, n)) from the
+  measured one, and each stage's peak host memory from what docs/calibration.md ("What is alive at once") says is
+  alive in it.
+
+:func:`refuse_if_short` is the check a calibrated audit makes before it starts: one line (an ``AuditError``, exit 2)
+when the predicted peak exceeds the memory available.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import resource
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any, Callable
+
+import numpy as np
+import torch
+from torch import nn
+
+from ..errors import AuditError
+
+# Constants of the model, each from the calibration code it stands for (docs/calibration.md):
+GRADIENT_POSITIONS = 4096  # calibration.stage.GRADIENT_POSITIONS: positions the gradient pass reads at most
+GRADIENT_PASSES = 2.0  # the gradient pass: forward, then each checkpointed block's forward again with its backward
+LABEL_SAMPLES = 2  # fisher.py: two sampled labels per position, one backward each
+SEARCH_PLANS = 8  # tier 3's plans measured (8 to 13 on the sample models), the 2 backstops besides
+BACKSTOPS = 2  # calibration.stage.VERIFY_BACKSTOPS
+FULL_PLANS = 3  # of those, the plans near the tolerance that read every search row (staged.py); the rest read the head
+HEAD_ROWS = 16  # staged.py: the first stage's rows
+TRACE_FORWARDS = 2.0  # the trace: symbolic tracing and shape propagation, about two forwards of the example input
+# the reports: a page with a chart per layer (html, pdf) costs per layer; measured on the sample models under load
+REPORT_SECONDS = {"pdf": 1.0, "html": 1.0}  # each, plus REPORT_LAYER_SECONDS per layer; other formats: the default
+REPORT_LAYER_SECONDS = {"pdf": 1.2, "html": 1.2}
+DEFAULT_REPORT_SECONDS = 0.3
+CHART_RSS = 200 * 2**20  # the plotting library and its figures, alive while an html or pdf report renders
+REPORT_BYTES = {"pdf": 400_000, "html": 600_000}  # measured on the sample models' reports; else 20 kB + per layer
+STAGES = ("load", "trace", "spectra", "statistics", "gradients", "tier 3", "verification", "plan check", "reports")
+
+
+@dataclass(frozen=True)
+class Shapes:
+    """The model as shapes. ``layers``: (out, in) of every weight of two or more dimensions outside the embeddings;
+    ``block_layers``: those of one repeated block; ``flop_params``: the parameters a forward multiplies by each
+    token (every such weight), ``block_flop_params`` one block's; ``embedding_params`` the lookup tables'."""
+
+    weight_bytes: int
+    layers: tuple[tuple[int, int], ...]
+    block_layers: tuple[tuple[int, int], ...] = ()
+    blocks: int = 0
+    flop_params: int = 0
+    block_flop_params: int = 0
+    embedding_params: int = 0
+    element_bytes: int = 4
+
+
+@dataclass(frozen=True)
+class Workload:
+    """The calibration and the options, as counts."""
+
+    fit_rows: int
+    holdout_rows: int
+    tokens: int  # positions per row (1 for a row of features)
+    batch_rows: int  # rows per forward call
+    outputs: int  # width of the model's output per position (a vocabulary for a language model)
+    token_inputs: bool = False  # token ids in: a language model's metric (per-row sums, no dense outputs kept)
+    formats: tuple[str, ...] = ("text",)
+    threads: int = 1
+    split: bool = True
+    calibrated: bool = True
+    device: str | None = None
+    offload: bool = False
+
+
+@dataclass(frozen=True)
+class Measurements:
+    """What :func:`measure` timed here (seconds) and counted (bytes); tests inject them."""
+
+    base_rss: int  # the process before the model: interpreter, torch, numpy
+    load_seconds: float
+    block_forward: float  # one repeated block's forward at (batch_rows, tokens); the whole model without blocks
+    block_backward: float
+    block_saved_bytes: int  # the tensors that forward keeps for its backward
+    hidden_bytes: int  # one batch's hidden state between blocks
+    decompose_seconds: float  # one whitened decomposition at decompose_shape
+    decompose_shape: tuple[int, int]
+    eig_seconds: float  # the eigenvalues of one Gram of eig_width (the spectra's path: values of W^T W)
+    eig_width: int
+    gemm_flops: float  # float64 multiply-adds x 2 per second (X^T X sums)
+    seconds: float = 0.0  # what measuring took
+
+
+@dataclass(frozen=True)
+class Stage:
+    name: str
+    seconds: float
+    peak_bytes: int
+    note: str = ""
+
+
+@dataclass(frozen=True)
+class Estimate:
+    stages: tuple[Stage, ...]
+    peak_rss_bytes: int
+    peak_device_bytes: int | None
+    disk_bytes: int
+    measure_seconds: float = 0.0
+    available_bytes: int | None = None
+    basis: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def wall_seconds(self) -> float:
+        return sum(s.seconds for s in self.stages)
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"wall_seconds": round(self.wall_seconds, 3), "peak_rss_bytes": self.peak_rss_bytes,
+                "peak_device_bytes": self.peak_device_bytes, "disk_bytes": self.disk_bytes,
+                "measure_seconds": round(self.measure_seconds, 3), "available_bytes": self.available_bytes,
+                "stages": [{"stage": s.name, "wall_seconds": round(s.seconds, 3), "peak_rss_bytes": s.peak_bytes,
+                            "note": s.note} for s in self.stages],
+                "basis": self.basis}
+
+
+# ---- the arithmetic ------------------------------------------------------------------------------------------------
+def _batches(rows: int, per: int) -> int:
+    return math.ceil(rows / max(1, per)) if rows > 0 else 0
+
+
+def _cube(shape: tuple[int, int]) -> float:
+    m, n = shape
+    return float(m) * n * min(m, n)
+
+
+def forward_seconds(sh: Shapes, me: Measurements, backward: bool = False) -> float:
+    """One batch through the whole model: the block's time times the blocks, and the weights outside them by their
+    share of the multiplied parameters (without blocks the measurement was the whole model)."""
+    t = me.block_backward if backward else me.block_forward
+    if sh.blocks == 0 or sh.block_flop_params == 0:
+        return t
+    outside = max(0, sh.flop_params - sh.blocks * sh.block_flop_params)
+    return t * (sh.blocks + outside / sh.block_flop_params)
+
+
+def _whiten_cost(shape: tuple[int, int]) -> float:
+    """A whitened decomposition's FLOPs up to a constant: the input's Cholesky factor (n^3) and the SVD of F S."""
+    return _cube(shape) + float(shape[1]) ** 3
+
+
+def decompositions_seconds(sh: Shapes, me: Measurements) -> float:
+    """Every layer's whitened decomposition, each scaled from the measured one by its FLOPs."""
+    unit = me.decompose_seconds / max(1.0, _whiten_cost(me.decompose_shape))
+    return sum(unit * _whiten_cost(s) for s in sh.layers)
+
+
+def spectra_seconds(sh: Shapes, me: Measurements) -> float:
+    """Every weight's singular values as spectra/backend.py computes them: the float64 Gram of its short side
+    (m n min(m, n) multiply-adds) and that Gram's eigenvalues (scaled from the measured one by min(m, n)^3)."""
+    unit = me.eig_seconds / max(1.0, float(me.eig_width) ** 3)
+    return sum(2.0 * _cube(s) / me.gemm_flops + unit * float(min(s)) ** 3 for s in sh.layers)
+
+
+def _rows(wl: Workload) -> dict[str, int]:
+    """Rows each calibrated stage forwards: the search and verification halves of the held-out rows, the gradient
+    pass's share of the fit rows, tier 3's rows (the dense head once per row read, the plans' stages)."""
+    held = wl.holdout_rows or wl.fit_rows
+    search = held // 2 if wl.split and held >= 2 else held
+    verify = held - search if wl.split and held >= 2 else held
+    grad = min(wl.fit_rows, math.ceil(GRADIENT_POSITIONS / max(1, wl.tokens)))
+    head = min(HEAD_ROWS, search)
+    plans = SEARCH_PLANS + BACKSTOPS
+    full = min(FULL_PLANS, plans)
+    tier3 = search + (plans - full) * head + full * search
+    return {"search": search, "verify": verify, "gradient": grad, "tier3": tier3, "plans": plans}
+
+
+def stage_seconds(sh: Shapes, wl: Workload, me: Measurements) -> dict[str, float]:
+    fwd, bwd = forward_seconds(sh, me), forward_seconds(sh, me, backward=True)
+    out = {"load": me.load_seconds, "trace": TRACE_FORWARDS * fwd, "spectra": spectra_seconds(sh, me),
+           "reports": sum(REPORT_SECONDS.get(f, DEFAULT_REPORT_SECONDS) + REPORT_LAYER_SECONDS.get(f, 0.0)
+                          * len(sh.layers) for f in wl.formats)}
+    if not wl.calibrated:
+        return out
+    r, b = _rows(wl), wl.batch_rows
+    decomp = decompositions_seconds(sh, me)
+    grams = sum(2.0 * wl.fit_rows * wl.tokens * n * n for _, n in sh.layers) / me.gemm_flops
+    factors = sum(2.0 * _cube(s) for s in sh.layers) / me.gemm_flops  # one plan's A, B from kept decompositions
+    out["statistics"] = _batches(wl.fit_rows, b) * fwd + grams + decomp
+    out["gradients"] = _batches(r["gradient"], b) * (GRADIENT_PASSES * fwd + LABEL_SAMPLES * bwd) + decomp
+    out["tier 3"] = r["tier3"] / b * fwd + r["plans"] * factors
+    out["verification"] = 2 * _batches(r["verify"], b) * fwd + factors
+    out["plan check"] = factors
+    return out
+
+
+def _block_grams(sh: Shapes) -> int:
+    layers = sh.block_layers or sh.layers
+    return sum(8 * n * n for _, n in layers) + 2 * 8 * max((n * n for _, n in layers), default=0)
+
+
+def _plan_factors(sh: Shapes) -> int:
+    """One plan's factors: every layer's A and B at about half its rank (float32)."""
+    return sum(4 * (m + n) * (min(m, n) // 2) for m, n in sh.layers)
+
+
+def stage_extra(sh: Shapes, wl: Workload, me: Measurements) -> dict[str, int]:
+    """Bytes each stage holds beyond the process, the weights and what the stages before it left (docs/calibration.md,
+    "What is alive at once")."""
+    big = max(sh.layers, key=lambda s: s[0] * s[1], default=(0, 0))
+    logits = wl.batch_rows * wl.tokens * wl.outputs * 4
+    charts = CHART_RSS if set(wl.formats) & set(REPORT_LAYER_SECONDS) else 0
+    out = {"load": 0, "trace": me.block_saved_bytes, "spectra": 2 * 8 * big[0] * big[1], "reports": charts}
+    if not wl.calibrated:
+        return out
+    threads = max(1, wl.threads)
+    whiten = threads * 2 * 8 * big[0] * big[1]
+    hidden = 2 * _batches(wl.fit_rows, wl.batch_rows) * me.hidden_bytes
+    out["statistics"] = hidden + me.block_saved_bytes + _block_grams(sh) + whiten
+    moments = sum(8 * min(m, n) ** 2 for m, n in (sh.block_layers or sh.layers))
+    widths = sum(m for m, _ in sh.layers)
+    out["gradients"] = (3 * logits + max(1, sh.blocks) * me.hidden_bytes + me.block_saved_bytes + moments
+                        + wl.batch_rows * wl.tokens * widths * 4 + 2 * 8 * big[0] * big[1])
+    dense = 0 if wl.token_inputs else wl.holdout_rows * wl.tokens * wl.outputs * 4
+    plan = _plan_factors(sh) + dense + 2 * logits + me.block_saved_bytes
+    out["tier 3"] = plan + _block_grams(sh)
+    out["verification"] = plan
+    out["plan check"] = plan
+    return out
+
+
+def disk_bytes(sh: Shapes, wl: Workload) -> int:
+    """The statistics' Grams spilled (every layer's input, float64), the decompositions and the gradient moments
+    spilled, and the reports."""
+    layers = len(sh.layers)
+    reports = sum(REPORT_BYTES.get(f, 20_000 + 2_000 * layers) for f in wl.formats)
+    if not wl.calibrated:
+        return reports + sum(8 * min(s) for s in sh.layers)
+    grams = sum(8 * n * n for _, n in sh.layers)
+    kept = sum(8 * (m * min(m, n) + n * n) for m, n in sh.layers)  # a truncator: its basis and whitening
+    moments = sum(8 * min(m, n) ** 2 for m, n in sh.layers)
+    return grams + kept + moments + reports
+
+
+def device_bytes(sh: Shapes, wl: Workload, me: Measurements) -> int | None:
+    """On --device: the weights there (one block and the rest with --offload), one batch's block activations, the
+    fit batches' hidden states and one block's Grams (float64)."""
+    if wl.device in (None, "cpu") or not wl.calibrated:
+        return None
+    weights = sh.weight_bytes
+    if wl.offload and sh.blocks:
+        weights -= (sh.blocks - 1) * sh.block_flop_params * sh.element_bytes
+    hidden = 2 * _batches(wl.fit_rows, wl.batch_rows) * me.hidden_bytes
+    return weights + me.block_saved_bytes + hidden + _block_grams(sh)
+
+
+def predict(sh: Shapes, wl: Workload, me: Measurements, available: int | None = None) -> Estimate:
+    """The estimate from the shapes, the workload and the measurements: arithmetic only."""
+    seconds, extra = stage_seconds(sh, wl, me), stage_extra(sh, wl, me)
+    stages, held = [], me.base_rss + sh.weight_bytes
+    for name in STAGES:
+        if name not in seconds:
+            continue
+        stages.append(Stage(name, seconds[name], held + extra[name]))
+    peak = max(s.peak_bytes for s in stages)
+    basis = {"measurements": asdict(me), "rows": _rows(wl) if wl.calibrated else {},
+             "shapes": {"layers": len(sh.layers), "blocks": sh.blocks, "weight_bytes": sh.weight_bytes}}
+    return Estimate(tuple(stages), peak, device_bytes(sh, wl, me), disk_bytes(sh, wl), me.seconds, available, basis)
+
+
+# ---- the memory check ----------------------------------------------------------------------------------------------
+def short_of_memory(est: Estimate, available: int | None) -> str | None:
+    """The one line a calibrated audit stops with when its predicted peak exceeds ``available``; None when it fits
+    (or the memory available is unknown)."""
+    if available is None or est.peak_rss_bytes <= available:
+        return None
+    worst = max(est.stages, key=lambda s: s.peak_bytes)
+    return (f"the audit is estimated to peak at {_mib(est.peak_rss_bytes)} of host memory (in its {worst.name} "
+            f"stage) but {_mib(available)} is available")
+
+
+FIX = ("Read fewer rows (--calibration-max-rows N), keep the blocks off the host with --device cuda --offload, free "
+       "memory, or run on a larger machine or a cluster (--scheduler ADDR); --estimate prints each stage's cost")
+
+
+def _mib(n: float) -> str:
+    return f"{n / 2**20:,.0f} MiB"
+
+
+# ---- shapes, workload and measurements from a real model ----------------------------------------------------------
+def _repeated(model: nn.Module) -> nn.ModuleList | None:
+    """The longest ModuleList of two or more children of one class (calibration.stream.find_blocks, by modules)."""
+    best: nn.ModuleList | None = None
+    for mod in model.modules():
+        if isinstance(mod, nn.ModuleList) and len(mod) >= 2 and len({type(c) for c in mod}) == 1:
+            if best is None or len(mod) > len(best):
+                best = mod
+    return best
+
+
+def _matrices(module: nn.Module) -> tuple[list[tuple[int, int]], int]:
+    """(out, in) of every weight of two or more dimensions outside embeddings, and the embeddings' parameters."""
+    shapes, embedding, seen = [], 0, set()
+    for mod in module.modules():
+        for p in mod.parameters(recurse=False):
+            if id(p) in seen or p.dim() < 2:
+                continue
+            seen.add(id(p))
+            if isinstance(mod, nn.Embedding):
+                embedding += p.numel()
+            else:
+                shapes.append((int(p.shape[0]), int(p.numel() // p.shape[0])))
+    return shapes, embedding
+
+
+def shapes_of(model: nn.Module) -> Shapes:
+    from ..sources.hf import model_bytes
+
+    layers, embedding = _matrices(model)
+    blocks = _repeated(model)
+    block_layers = _matrices(blocks[0])[0] if blocks is not None else []
+    elem = next((p.element_size() for p in model.parameters()), 4)
+    return Shapes(model_bytes(model), tuple(layers), tuple(block_layers), len(blocks) if blocks is not None else 0,
+                  sum(m * n for m, n in layers), sum(m * n for m, n in block_layers), embedding, elem)
+
+
+def _batch_shape(batch: Any) -> tuple[int, int, bool]:
+    """(rows, positions per row, token ids) of a calibration batch."""
+    ts = batch.tensors()
+    t = ts[0][1] if ts else torch.zeros(1)
+    rows = int(t.shape[0]) if t.dim() else 1
+    tokens = int(t.shape[1]) if t.dim() == 2 and not t.is_floating_point() else 1
+    return rows, tokens, not t.is_floating_point()
+
+
+def workload_of(cal: Any, options: Any, outputs: int, formats: tuple[str, ...]) -> Workload:
+    first = (cal.fit or cal.holdout)[0]
+    rows, tokens, ids = _batch_shape(first)
+    return Workload(cal.fit_rows, cal.holdout_rows, tokens, rows, outputs, ids, formats, torch.get_num_threads(),
+                    bool(options.tiers.split), True, options.statistics.device, bool(options.statistics.offload))
+
+
+def _rss() -> int:
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+class _Stop(Exception):
+    pass
+
+
+def _first_tensor(out: Any) -> torch.Tensor:
+    if isinstance(out, torch.Tensor):
+        return out
+    if hasattr(out, "logits") and isinstance(out.logits, torch.Tensor):
+        return out.logits
+    items = out.values() if isinstance(out, dict) else out if isinstance(out, (tuple, list)) else ()
+    for v in items:
+        if isinstance(v, torch.Tensor) and v.is_floating_point():
+            return v
+    raise AuditError(f"the model's output ({type(out).__name__}) holds no floating tensor to time a backward through",
+                     "Estimate a model whose forward returns a tensor, a tuple of tensors or logits")
+
+
+def _block_call(model: nn.Module, block: nn.Module | None, batch: Any) -> tuple[Callable[..., Any], tuple, dict]:
+    """What one measured call runs: the first repeated block on the hidden state the batch gives it (the forward
+    stopped there), or the whole model on the batch when there are no blocks."""
+    if block is None:
+        return model, tuple(batch.args), dict(batch.kwargs)
+    caught: list[tuple[tuple, dict]] = []
+
+    def catch(_m: nn.Module, args: tuple, kwargs: dict) -> None:
+        caught.append((args, kwargs))
+        raise _Stop
+
+    h = block.register_forward_pre_hook(catch, with_kwargs=True)
+    try:
+        with torch.no_grad():
+            model(*batch.args, **batch.kwargs)
+    except _Stop:
+        pass
+    finally:
+        h.remove()
+    if not caught:
+        return model, tuple(batch.args), dict(batch.kwargs)
+    args, kwargs = caught[0]
+    args = tuple(a.detach().requires_grad_(True) if isinstance(a, torch.Tensor) and a.is_floating_point() else a
+                 for a in args)
+    return block, args, kwargs
+
+
+def _time_call(fn: Callable[..., Any], args: tuple, kwargs: dict, params: set[int],
+               clock: Callable[[], float]) -> tuple[float, float, int, int]:
+    """(forward seconds, backward seconds, bytes saved for the backward (weights not counted), output bytes)."""
+    saved = [0]
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        if t.data_ptr() not in params:
+            saved[0] += t.numel() * t.element_size()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        t0 = clock()
+        y = _first_tensor(fn(*args, **kwargs))
+        t1 = clock()
+    if y.requires_grad:
+        y.float().square().mean().backward()
+    t2 = clock()
+    return t1 - t0, t2 - t1, saved[0], y.numel() * y.element_size()
+
+
+def _decompose_shape(sh: Shapes, limit: int = 1024) -> tuple[int, int]:
+    """The layer whose decomposition costs most, halved until it takes a few seconds at most here."""
+    m, n = max(sh.layers, key=_whiten_cost, default=(64, 64))
+    while _whiten_cost((m, n)) > 2 * float(limit) ** 3:
+        m, n = max(1, m // 2), max(1, n // 2)
+    return m, n
+
+
+def _time_linalg(sh: Shapes, clock: Callable[[], float]) -> tuple[float, tuple[int, int], float, int, float]:
+    """(seconds of one whitened decomposition and its shape, seconds of one Gram's eigenvalues and its width,
+    float64 FLOP/s of a product), each on random matrices of the model's largest shapes, capped to take seconds."""
+    from scipy.linalg import eigh
+
+    from ..calibration.statistics.whiten import decompose
+
+    m, n = _decompose_shape(sh)
+    rng = np.random.default_rng(0)
+    f = rng.standard_normal((m, n))
+    x = rng.standard_normal((2 * n, n))
+    decompose(f[:8, :8].copy(), np.eye(8))  # BLAS threads started, LAPACK's modules imported: not in the timing
+    gemm, eig = [], []
+    k = min(n, max((min(s) for s in sh.layers), default=n))
+    for _ in range(2):  # the quicker of two: a busy machine's pauses are not the work's cost
+        t0 = clock()
+        gram = x.T @ x
+        t1 = clock()
+        eigh(gram[:k, :k], eigvals_only=True, driver="evd", check_finite=False)
+        gemm.append(t1 - t0)
+        eig.append(clock() - t1)
+    t2 = clock()
+    decompose(f, gram)
+    return clock() - t2, (m, n), min(eig), k, 2.0 * 2 * n * n * n / max(min(gemm), 1e-9)
+
+
+def measure(model: nn.Module, batch: Any, sh: Shapes, base_rss: int, load_seconds: float,
+            clock: Callable[[], float] = time.perf_counter, linalg: bool = True) -> Measurements:
+    """The few seconds of measurement the estimate scales: one block forward and backward at the batch's shape,
+    one whitened decomposition, one SVD and one float64 product (``linalg=False``: not those three, for a memory
+    estimate only)."""
+    from ..calibration.data.inputs import eval_mode
+
+    start = clock()
+    block = _repeated(model)
+    if batch is None:  # no inputs known (a factory without --input-shape): no forward to time, the audit runs none
+        dec, shape, eig, k, flops = _time_linalg(sh, clock) if linalg else (0.0, (1, 1), 0.0, 1, 1e12)
+        return Measurements(base_rss, load_seconds, 0.0, 0.0, 0, 0, dec, shape, eig, k, flops, clock() - start)
+    with eval_mode(model):
+        fn, args, kwargs = _block_call(model, block[0] if block is not None else None, batch)
+        params = {p.data_ptr() for p in model.parameters()}
+        fwd, bwd, saved, out_bytes = _time_call(fn, args, kwargs, params, clock)
+    for p in model.parameters():
+        p.grad = None
+    hidden = next((a.numel() * a.element_size() for a in args if isinstance(a, torch.Tensor)), out_bytes)
+    dec, shape, eig, k, flops = _time_linalg(sh, clock) if linalg else (0.0, (1, 1), 0.0, 1, 1e12)
+    return Measurements(base_rss, load_seconds, fwd, bwd, saved, hidden if block is not None else out_bytes,
+                        dec, shape, eig, k, flops, clock() - start)
+
+
+# ---- the entry points ----------------------------------------------------------------------------------------------
+def _as_batch(inputs: Any) -> Any:
+    from ..calibration.data.inputs import Batch
+
+    if isinstance(inputs, dict):
+        return Batch((), dict(inputs))
+    if isinstance(inputs, (tuple, list)):
+        return Batch(tuple(inputs), {})
+    return Batch((inputs,), {})
+
+
+def _calibration(model: nn.Module, source: str, options: Any) -> Any:
+    """The calibration as the audit's session reads it (calibration.session.CalibrationSession.from_options)."""
+    from ..calibration.data.inputs import load_calibration
+    from ..calibration.data.text import tokenizer_home
+
+    data = options.calibration_data
+    tokenizer = data.tokenizer if data.tokenizer is not None else tokenizer_home(source)
+    return load_calibration(data.source, model, data.holdout, tokenizer=tokenizer, length=data.length,
+                            max_rows=data.max_rows, max_bytes=data.max_bytes)
+
+
+def _outputs(model: nn.Module, sh: Shapes) -> int:
+    config = getattr(model, "config", None)
+    vocab = getattr(config, "vocab_size", None)
+    return int(vocab) if isinstance(vocab, int) else (sh.layers[-1][0] if sh.layers else 1)
+
+
+def estimate_loaded(loaded: Any, options: Any, formats: tuple[str, ...], load_seconds: float = 0.0,
+                    base_rss: int | None = None, clock: Callable[[], float] = time.perf_counter,
+                    linalg: bool = True) -> Estimate:
+    """The estimate of the audit ``options`` ask for on a loaded source (``sources.Loaded``)."""
+    from ..sources.hf import available_memory
+
+    model = loaded.model
+    if not isinstance(model, nn.Module):
+        raise AuditError("--estimate needs the model's code: a weights-only checkpoint cannot run the forward it times",
+                         "Estimate a factory (file.py:fn) or a Hugging Face directory")
+    sh = shapes_of(model)
+    if options.calibration_data.source is not None:
+        cal = _calibration(model, loaded.source, options)
+        wl, batch = workload_of(cal, options, _outputs(model, sh), formats), (cal.fit or cal.holdout)[0]
+    else:
+        batch = _as_batch(loaded.example_inputs) if loaded.example_inputs is not None else None
+        rows, tokens, ids = _batch_shape(batch) if batch is not None else (1, 1, False)
+        wl = Workload(0, 0, tokens, rows, _outputs(model, sh), ids, formats, torch.get_num_threads(), calibrated=False)
+    me = measure(model, batch, sh, _rss() if base_rss is None else base_rss, load_seconds, clock, linalg)
+    return predict(sh, wl, me, available_memory())
+
+
+def estimate_source(spec: str, options: Any, load: Any, formats: tuple[str, ...],
+                    clock: Callable[[], float] = time.perf_counter) -> Estimate:
+    """``lowrank-audit MODEL --estimate``: the model loaded (timed: the load stage is measured, not predicted), the
+    calibration read, a few seconds measured, the rest predicted. Runs no stage of the audit."""
+    from ..sources import load_source
+
+    base = _rss()
+    t0 = clock()
+    shapes = [tuple(s) for s in load.input_shape] if load.input_shape else None
+    loaded = load_source(spec, input_shape=shapes, input_ids=load.input_ids, weights=load.weights,
+                         structure_only=load.structure_only, partial=load.partial, auto_inputs=load.auto_inputs)
+    seconds = clock() - t0
+    if isinstance(loaded.model, nn.Module):  # what loading imported (transformers, a tokenizer) stays too
+        from ..sources.hf import model_bytes
+
+        base = max(base, _rss() - model_bytes(loaded.model))
+    return estimate_loaded(loaded, options, formats, seconds, base, clock)
+
+
+def refuse_if_short(loaded: Any, options: Any, formats: tuple[str, ...] = ("text",),
+                    available: int | None = None) -> Estimate | None:
+    """Before a calibrated audit: an ``AuditError`` (one line, exit 2) when its estimated peak exceeds the memory
+    available (``available``, default MemAvailable and the cgroup's limit). None without calibration or code."""
+    from ..sources.hf import available_memory
+
+    if options.calibration_data.source is None or not isinstance(loaded.model, nn.Module):
+        return None
+    try:
+        with torch.random.fork_rng(devices=[]):  # the audit's random draws stay those it made before
+            est = estimate_loaded(loaded, options, formats, linalg=False)  # memory only: no decomposition timed
+    except Exception:  # noqa: BLE001 - a forward the estimate cannot time is the audit's to report, not the check's
+        return None
+    problem = short_of_memory(est, available if available is not None else available_memory())
+    if problem is not None:
+        raise AuditError(problem, FIX)
+    return est
+
+
+# ---- output --------------------------------------------------------------------------------------------------------
+def _seconds(s: float) -> str:
+    return f"{s:.1f} s" if s < 120 else f"{s / 60:.1f} min"
+
+
+def render_table(est: Estimate) -> str:
+    rows = [("stage", "wall", "peak RSS")] + [(s.name, _seconds(s.seconds), _mib(s.peak_bytes)) for s in est.stages]
+    rows.append(("total", _seconds(est.wall_seconds), _mib(est.peak_rss_bytes)))
+    widths = [max(len(r[i]) for r in rows) for i in range(3)]
+    lines = [f"{r[0]:<{widths[0]}}  {r[1]:>{widths[1]}}  {r[2]:>{widths[2]}}" for r in rows]
+    lines.insert(1, "-" * len(lines[0]))
+    device = "" if est.peak_device_bytes is None else f"; peak device memory {_mib(est.peak_device_bytes)}"
+    available = "" if est.available_bytes is None else f" of {_mib(est.available_bytes)} available"
+    return "\n".join([f"estimate (measured {est.measure_seconds:.1f} s here, the rest predicted; docs/performance.md)",
+                      *lines, f"peak host memory {_mib(est.peak_rss_bytes)}{available}{device}; "
+                      f"disk {_mib(est.disk_bytes)} (caches, spilled statistics, reports)", ""])
+
+
+def render(est: Estimate, formats: tuple[str, ...]) -> str:
+    """``--format json``: ``{"estimate": ...}``; otherwise the table."""
+    import json
+
+    if "json" in formats:
+        return json.dumps({"estimate": est.as_dict()}, indent=2) + "\n"
+    return render_table(est)

@@ -1,0 +1,169 @@
+"""``--estimate`` (auditor/speed/estimate.py): the model's arithmetic with injected measurements (no clock), the JSON
+keys, the refusal of a calibrated audit whose estimated peak exceeds the memory available, and that --estimate runs no
+audit."""
+
+import json
+
+import pytest
+import torch
+
+from auditor.errors import AuditError
+from auditor.speed import estimate as est
+
+BLOCK = ((8, 4), (4, 8))
+SHAPES = est.Shapes(weight_bytes=1000, layers=BLOCK + BLOCK + ((10, 4),), block_layers=BLOCK, blocks=2,
+                    flop_params=168, block_flop_params=64)
+WORK = est.Workload(fit_rows=24, holdout_rows=8, tokens=16, batch_rows=4, outputs=10, token_inputs=True,
+                    formats=("text", "json"), threads=1)
+MEASURED = est.Measurements(base_rss=100, load_seconds=1.0, block_forward=0.5, block_backward=1.0,
+                            block_saved_bytes=1000, hidden_bytes=256, decompose_seconds=2.0, decompose_shape=(8, 4),
+                            eig_seconds=0.8, eig_width=2, gemm_flops=1e3, seconds=3.0)
+
+
+def test_forward_is_the_block_times_the_blocks_and_the_rest_by_its_parameters():
+    # 2 blocks of 64 multiplied parameters and a head of 40: 2 + 40/64 blocks' worth
+    assert est.forward_seconds(SHAPES, MEASURED) == pytest.approx(0.5 * 2.625)
+    assert est.forward_seconds(SHAPES, MEASURED, backward=True) == pytest.approx(2.625)
+
+
+def test_stage_seconds_exact():
+    s = est.stage_seconds(SHAPES, WORK, MEASURED)
+    decomp = 2.0 / 192 * (192 + 640 + 192 + 640 + 224)  # whitened cost m n min(m,n) + n^3, scaled from (8, 4)
+    grams = 2 * 24 * 16 * (16 + 64 + 16 + 64 + 16) / 1e3  # X^T X over every fit token, per layer
+    factors = 2 * (128 + 128 + 128 + 128 + 160) / 1e3
+    fwd = 1.3125
+    assert s == pytest.approx({
+        "load": 1.0, "trace": 2 * fwd, "reports": 0.6,
+        "spectra": 2 * (4 * 128 + 160) / 1e3 + 0.8 / 2**3 * 5 * 4**3,  # the Grams, then their eigenvalues
+        "statistics": 6 * fwd + grams + decomp,  # 24 fit rows in batches of 4
+        "gradients": 6 * (2 * fwd + 2 * 2.625) + decomp,  # every fit row (4096 positions / 16 > 24)
+        "tier 3": (4 + 7 * 4 + 3 * 4) / 4 * fwd + 10 * factors,  # search half: 4 rows; 10 plans, 3 on every row
+        "verification": 2 * 1 * fwd + factors, "plan check": factors})
+    assert s["statistics"] == pytest.approx(162.70966666)
+
+
+def test_peak_disk_and_device_exact():
+    e = est.predict(SHAPES, WORK, MEASURED, available=5)
+    by = {st.name: st.peak_bytes for st in e.stages}
+    assert [st.name for st in e.stages] == list(est.STAGES)
+    assert by["statistics"] == 1100 + 2 * 6 * 256 + 1000 + (8 * 16 + 8 * 64 + 2 * 8 * 64) + 2 * 8 * 40
+    assert by["gradients"] == 1100 + 3 * 2560 + 2 * 256 + 1000 + 256 + 4 * 16 * 34 * 4 + 640 == 19892
+    assert e.peak_rss_bytes == 19892
+    assert e.disk_bytes == 2 * (20000 + 2000 * 5) + 8 * 176 + 2496 + 640
+    assert e.peak_device_bytes is None
+    on = est.predict(SHAPES, est.Workload(**{**WORK.__dict__, "device": "cuda", "offload": True}), MEASURED)
+    assert on.peak_device_bytes == (1000 - 64 * 4) + 1000 + 2 * 6 * 256 + 1664
+    assert e.wall_seconds == pytest.approx(sum(est.stage_seconds(SHAPES, WORK, MEASURED).values()))
+
+
+def test_uncalibrated_has_no_calibration_stages():
+    e = est.predict(SHAPES, est.Workload(0, 0, 16, 1, 10, calibrated=False), MEASURED)
+    assert [s.name for s in e.stages] == ["load", "trace", "spectra", "reports"]
+
+
+def test_short_of_memory_line_and_fix():
+    e = est.predict(SHAPES, WORK, MEASURED)
+    assert est.short_of_memory(e, 19892) is None and est.short_of_memory(e, None) is None
+    line = est.short_of_memory(e, 19891)
+    assert "gradients" in line and "available" in line
+    assert "--calibration-max-rows" in est.FIX and "--offload" in est.FIX and "--scheduler" in est.FIX
+
+
+MODELS = '''
+import torch
+from torch import nn
+
+class Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.up, self.down = nn.Linear(16, 32), nn.Linear(32, 16)
+    def forward(self, x):
+        return x + self.down(torch.relu(self.up(x)))
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.blocks = nn.ModuleList([Block(), Block()])
+        self.head = nn.Linear(16, 4)
+    def forward(self, x):
+        for b in self.blocks:
+            x = b(x)
+        return self.head(x)
+
+def net():
+    torch.manual_seed(0)
+    return Net()
+'''
+
+
+@pytest.fixture
+def small(tmp_path):
+    from safetensors.torch import save_file
+
+    (tmp_path / "m.py").write_text(MODELS)
+    save_file({"x": torch.randn(64, 16, generator=torch.Generator().manual_seed(0))}, str(tmp_path / "cal.safetensors"))
+    return tmp_path
+
+
+def test_shapes_of_a_model_with_blocks():
+    import importlib.util
+    import sys
+    import types
+
+    mod = types.ModuleType("estimate_models")
+    exec(MODELS, mod.__dict__)
+    sh = est.shapes_of(mod.net())
+    assert sh.blocks == 2 and sh.block_layers == ((32, 16), (16, 32))
+    assert sh.layers == ((32, 16), (16, 32), (32, 16), (16, 32), (4, 16))
+    assert sh.flop_params == 4 * 512 + 64 and sh.block_flop_params == 1024
+
+
+def test_estimate_json_keys_and_no_audit(cli_inproc, small, monkeypatch):
+    import auditor.pipeline
+
+    def no_audit(*a, **k):
+        raise AssertionError("--estimate ran the audit")
+
+    monkeypatch.setattr(auditor.pipeline, "audit_source", no_audit)
+    monkeypatch.setattr(auditor.pipeline, "audit", no_audit)
+    res = cli_inproc(f"{small}/m.py:net", "--calibration", f"{small}/cal.safetensors", "--estimate", "--format",
+                     "json", "-o", str(small / "out"))
+    assert res.returncode == 0, res.stderr
+    e = json.loads(res.stdout)["estimate"]
+    assert {"wall_seconds", "peak_rss_bytes", "peak_device_bytes", "disk_bytes", "stages"} <= set(e)
+    assert [s["stage"] for s in e["stages"]] == list(est.STAGES)
+    assert e["wall_seconds"] == pytest.approx(sum(s["wall_seconds"] for s in e["stages"]), abs=0.01)
+    assert e["peak_rss_bytes"] == max(s["peak_rss_bytes"] for s in e["stages"])
+    assert e["basis"]["rows"]["search"] == 8  # 64 rows: 48 fit, 16 held out, cut in two
+    assert not (small / "out").exists()  # nothing written
+    for shape in ((), ("--input-shape", "2,16")):  # without inputs nothing is timed but the decompositions
+        table = cli_inproc(f"{small}/m.py:net", "--estimate", *shape)
+        assert table.returncode == 0 and "stage" in table.stdout and "reports" in table.stdout, table.stderr
+        assert "\nstatistics " not in table.stdout and "\ngradients " not in table.stdout  # no calibrated stage
+
+
+def test_calibrated_audit_refuses_when_short_of_memory(cli_inproc, small, monkeypatch):
+    import auditor.sources.hf
+
+    monkeypatch.setattr(auditor.sources.hf, "available_memory", lambda: 50 * 2**20)
+    res = cli_inproc(f"{small}/m.py:net", "--calibration", f"{small}/cal.safetensors", "-o", str(small / "out"))
+    assert res.returncode == 2, res.stderr
+    lines = [l for l in res.stderr.splitlines() if l.strip()]
+    assert len(lines) == 1 and "estimated to peak at" in lines[0] and "50 MiB is available" in lines[0]
+    assert "--calibration-max-rows" in lines[0] and "Traceback" not in res.stderr
+    assert not (small / "out").exists()
+
+
+def test_the_check_never_blocks_an_audit_it_cannot_measure(small, monkeypatch):
+    """A forward the estimate cannot time (here: it raises) is not refused by the check; the audit reports it."""
+    from types import SimpleNamespace
+
+    from auditor.options import AuditOptions
+
+    def broken(*a, **k):
+        raise RuntimeError("cannot time this forward")
+
+    monkeypatch.setattr(est, "estimate_loaded", broken)
+    loaded = SimpleNamespace(model=torch.nn.Linear(2, 2), example_inputs=None, source="x")
+    assert est.refuse_if_short(loaded, AuditOptions(calibration="x.safetensors"), available=1) is None
+    assert est.refuse_if_short(loaded, AuditOptions(), available=1) is None  # no calibration: no check
