@@ -125,3 +125,200 @@ def test_lr015_calls_a_plan_measured_on_nothing_unmeasured(blow, cli_inproc):
            "whether it holds the tolerance 0.01 is unknown" in lr015[0]
     assert "missing" not in lr015[0] and "nan" not in lr015[0]
     assert "not measured all at once" in r.stdout.splitlines()[0]
+
+
+# ---- 4. a cache folder that cannot be used ----------------------------------------------------------------------
+
+SMALL = '''
+import torch
+from torch import nn
+
+
+def model():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(48, 64), nn.ReLU(), nn.Linear(64, 4)), (torch.zeros(1, 48),)
+
+
+def cal():
+    return [torch.randn(16, 48, generator=torch.Generator().manual_seed(s)) for s in range(8)]
+'''
+
+CACHE_WARNING = "cannot be used ({why}): running without a cache (give --cache-dir a folder you can write, or --no-cache)"
+
+
+@pytest.fixture(scope="module")
+def small(tmp_path_factory) -> Path:
+    d = tmp_path_factory.mktemp("small")
+    (d / "m.py").write_text(SMALL)
+    return d / "m.py"
+
+
+def _deny_under(monkeypatch, prefix: Path) -> None:
+    """What a user who is not root meets under a folder of mode 0555 or 0700 that is not theirs: every call on a
+    path below ``prefix`` fails with EACCES (root passes such modes, so they are simulated)."""
+    import errno
+    import os
+
+    def deny(fn):
+        def wrapped(p, *a, **k):
+            if isinstance(p, (str, bytes, os.PathLike)) and os.path.abspath(os.fsdecode(p)).startswith(str(prefix)):
+                raise PermissionError(errno.EACCES, "Permission denied", os.fsdecode(p))
+            return fn(p, *a, **k)
+        return wrapped
+
+    for name in ("stat", "lstat", "open", "mkdir", "scandir", "listdir", "access", "replace", "unlink"):
+        monkeypatch.setattr(os, name, deny(getattr(os, name)))
+
+
+def _one_warning(err: str, why: str) -> None:
+    lines = [x for x in err.splitlines() if "cache" in x]
+    assert len(lines) == 1 and lines[0].startswith("warning: the cache folder ") and \
+        lines[0].endswith(CACHE_WARNING.format(why=why)), err
+    assert "Traceback" not in err and "internal error" not in err
+
+
+@pytest.mark.parametrize("below", ["", "c", "c/d"])
+@pytest.mark.parametrize("extra", [[], ["--calibration", "{m}:cal"]])
+def test_a_cache_folder_that_cannot_be_searched_runs_uncached_with_one_warning(small, cli_inproc, tmp_path,
+                                                                                monkeypatch, below, extra):
+    """--cache-dir at or under a folder the user may not search: ``PermissionError`` from ``Path.exists``, exit 3."""
+    denied = tmp_path / "denied"
+    _deny_under(monkeypatch, denied)
+    r = cli_inproc(f"{small}:model", "-q", "--cache-dir", denied / below if below else denied,
+                   *[x.format(m=small) for x in extra])
+    assert r.returncode == 0, r.stderr
+    _one_warning(r.stderr, "Permission denied")
+
+
+@pytest.mark.parametrize("extra", [[], ["--calibration", "{m}:cal"], ["--measure-speed"]])
+def test_a_cache_folder_under_a_file_runs_uncached_with_one_warning(small, cli_inproc, tmp_path, extra):
+    """The spectra, the calibration statistics and the speed cache each under a regular file. (Silent and exit 0
+    on main at 225cdcf: it did not fail there; the warning line is new.)"""
+    (tmp_path / "file").write_text("x")
+    r = cli_inproc(f"{small}:model", "-q", "--cache-dir", tmp_path / "file" / "cache",
+                   *[x.format(m=small) for x in extra])
+    assert r.returncode == 0, r.stderr
+    _one_warning(r.stderr, "Not a directory")
+    assert (tmp_path / "file").read_text() == "x"
+
+
+def test_a_cache_dir_that_is_a_file_is_one_line_exit_2(small, cli_inproc, tmp_path):
+    (tmp_path / "file").write_text("x")
+    r = cli_inproc(f"{small}:model", "--cache-dir", tmp_path / "file")
+    assert r.returncode == 2 and r.stderr.strip().splitlines() == [
+        f"error: --cache-dir {tmp_path / 'file'}: not a folder. Give a folder for the caches (made when missing)."]
+
+
+def test_factorize_with_a_default_cache_it_cannot_search(small, cli_inproc, tmp_path, monkeypatch):
+    """factorize has no --cache-dir: $LOWRANK_AUDITOR_CACHE under a folder it may not search."""
+    denied = tmp_path / "denied"
+    monkeypatch.setenv("LOWRANK_AUDITOR_CACHE", str(denied / "c"))
+    (tmp_path / "plan.toml").write_text('[ranks]\n"0" = 8\n')
+    _deny_under(monkeypatch, denied)
+    r = cli_inproc("factorize", f"{small}:model", "--plan", tmp_path / "plan.toml", "--calibration", f"{small}:cal",
+                   "-o", tmp_path / "out")
+    assert r.returncode in (0, 1), r.stderr
+    _one_warning(r.stderr, "Permission denied")
+    assert (tmp_path / "out" / "plan.json").is_file()
+
+
+@pytest.fixture
+def read_only_fs(tmp_path):
+    """A read-only tmpfs (root only): what root meets where mode bits do not stop it."""
+    import os
+    import subprocess
+
+    d = tmp_path / "ro"
+    d.mkdir()
+    if os.geteuid() != 0 or subprocess.run(["mount", "-t", "tmpfs", "-o", "ro,size=64k", "tmpfs", str(d)],
+                                           capture_output=True).returncode != 0:
+        pytest.skip("mounting a read-only tmpfs needs root")
+    yield d
+    subprocess.run(["umount", str(d)], check=True)
+
+
+@pytest.mark.parametrize("below", ["", "c"])
+def test_a_cache_on_a_read_only_filesystem_runs_uncached_with_one_warning(small, cli_inproc, read_only_fs, below):
+    """(Silent on main at 225cdcf: every write failed quietly; it did not fail there.)"""
+    r = cli_inproc(f"{small}:model", "-q", "--calibration", f"{small}:cal", "--cache-dir",
+                   read_only_fs / below if below else read_only_fs)
+    assert r.returncode == 0, r.stderr
+    _one_warning(r.stderr, "Read-only file system" if below else "not writable")
+
+
+def test_a_user_who_is_not_root_with_a_0555_cache_folder(small, tmp_path):
+    """The real thing where the interpreter can be run as ``nobody`` (``setpriv``); skipped elsewhere."""
+    import os
+    import shutil
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parents[1]
+    drop = ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups"]
+    if os.geteuid() != 0 or shutil.which("setpriv") is None or subprocess.run(
+            [*drop, sys.executable, "-c", "import auditor"], capture_output=True,
+            env={**os.environ, "PYTHONPATH": str(root)}).returncode != 0:
+        pytest.skip("cannot run this interpreter as nobody")
+    import tempfile
+
+    home = Path(tempfile.mkdtemp(prefix="edges2-", dir="/tmp"))  # pytest's own folder is 0700: nobody can't enter
+    home.chmod(0o755)
+    shutil.copy(small, home / "m.py")
+    (home / "m.py").chmod(0o644)
+    small = home / "m.py"
+    ro = home / "ro"
+    ro.mkdir(mode=0o555)
+    ro.chmod(0o555)
+    env = {**os.environ, "PYTHONPATH": str(root), "HOME": str(home), "OMP_NUM_THREADS": "1"}
+    for cache in (ro, ro / "c"):
+        r = subprocess.run([*drop, sys.executable, "-m", "auditor", f"{small}:model", "-q", "--cache-dir", str(cache)],
+                           capture_output=True, text=True, env=env, cwd=home)
+        assert r.returncode == 0, r.stderr
+        _one_warning(r.stderr, "Permission denied" if cache != ro else "not writable")
+    ro.chmod(0o755)
+    shutil.rmtree(home)
+
+
+# ---- 3. a config bomb -------------------------------------------------------------------------------------------
+
+LIMITED = """
+import resource, runpy, sys
+lim = int(sys.argv[1]) << 20
+resource.setrlimit(resource.RLIMIT_AS, (lim, lim))
+sys.argv = ["lowrank-audit", *sys.argv[2:]]
+runpy.run_module("auditor", run_name="__main__")
+"""
+
+
+@pytest.mark.parametrize("weights", [True, False])
+def test_a_config_bomb_is_refused_before_anything_is_allocated_under_a_memory_limit(tmp_path, weights):
+    """A config asking for 2.6 billion parameters (10.1 GiB) beside the sample Llama's weights (or without them,
+    with --calibration), audited under RLIMIT_AS 5000 MiB (well below the machine's memory, so the estimate against
+    MemAvailable let it through): the build began and failed on an allocation. Now one line, exit 2."""
+    import os
+    import shutil
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parents[1]
+    src = root / "sample_models" / "llama"
+    d = tmp_path / "bomb"
+    d.mkdir()
+    for f in ("tokenizer.json", "tokenizer_config.json", "calib.txt", *(["model.safetensors"] if weights else [])):
+        shutil.copy(src / f, d / f)
+    config = json.loads((src / "config.json").read_text())
+    config.update(hidden_size=4096, intermediate_size=14336, num_hidden_layers=12, num_attention_heads=32,
+                  num_key_value_heads=8, head_dim=128)
+    (d / "config.json").write_text(json.dumps(config))
+    (tmp_path / "limited.py").write_text(LIMITED)
+    r = subprocess.run([sys.executable, str(tmp_path / "limited.py"), "5000", str(d), "-q", "--no-cache",
+                        "--calibration", str(d / "calib.txt")], capture_output=True, text=True, timeout=600,
+                       env={**os.environ, "PYTHONPATH": str(root), "OMP_NUM_THREADS": "1"}, cwd=tmp_path)
+    assert r.returncode == 2, r.stderr
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1, r.stderr
+    if weights:
+        assert lines[0].startswith("error: building LlamaForCausalLM from ") and \
+            "needs about 10.1 GiB of memory (2,634,125,312 parameters as float32), but only " in lines[0]
+    else:  # never built: the structure is read on the meta device, and calibration needs real weights
+        assert lines[0].startswith("error: calibration needs real weights")
