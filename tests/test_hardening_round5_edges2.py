@@ -336,6 +336,26 @@ runpy.run_module("auditor", run_name="__main__")
 """
 
 
+WIDER = '''
+import torch
+from torch import nn
+
+
+def model():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(48, 64), nn.ReLU(), nn.Linear(64, 48), nn.ReLU(), nn.Linear(48, 4)), \\
+        (torch.zeros(1, 48),)
+'''
+
+
+@pytest.fixture(scope="module")
+def wider(tmp_path_factory) -> Path:
+    """Factorized with both exports about 96 KiB: model.pt2 35 KB, model.onnx 25 KB, model.safetensors 18 KB."""
+    d = tmp_path_factory.mktemp("wider")
+    (d / "m.py").write_text(WIDER)
+    return d / "m.py"
+
+
 def _run(tmp_path: Path, *args: str, fsize: int | None = None):
     import os
     import subprocess
@@ -369,37 +389,37 @@ def _only_error(err: str, start: str) -> None:
 
 
 @pytest.mark.parametrize("free_kib", [30, 60, 90])
-def test_factorize_export_onto_a_nearly_full_disk_is_one_line_and_leaves_nothing(small, small_fs, tmp_path, free_kib):
+def test_factorize_export_onto_a_nearly_full_disk_is_one_line_and_leaves_nothing(wider, small_fs, tmp_path, free_kib):
     """The model needs about 96 KiB with both exports: torch's zip writer threw a C++ error on ENOSPC, the message
     blamed the exporter ("not the disk") and its destructor aborted the process at exit (134, 16 lines)."""
     (small_fs / "filler").write_bytes(bytes((200 - free_kib) << 10))
     (tmp_path / "plan.toml").write_text('[ranks]\n"0" = 8\n')
-    r = _run(tmp_path, "factorize", f"{small}:model", "--plan", str(tmp_path / "plan.toml"), "--export", "pt2,onnx",
+    r = _run(tmp_path, "factorize", f"{wider}:model", "--plan", str(tmp_path / "plan.toml"), "--export", "pt2,onnx",
              "-o", str(small_fs / "out"))
     assert r.returncode == 2, r.stderr
     _only_error(r.stderr, f"error: cannot write {small_fs / 'out'}: No space left on device; nothing was written.")
     assert sorted(p.name for p in small_fs.iterdir()) == ["filler"]
 
 
-def test_factorize_export_under_a_file_size_limit_is_one_line_and_leaves_nothing(small, tmp_path):
+def test_factorize_export_under_a_file_size_limit_is_one_line_and_leaves_nothing(wider, tmp_path):
     (tmp_path / "plan.toml").write_text('[ranks]\n"0" = 8\n')
-    r = _run(tmp_path, "factorize", f"{small}:model", "--plan", str(tmp_path / "plan.toml"), "--export", "pt2,onnx",
+    r = _run(tmp_path, "factorize", f"{wider}:model", "--plan", str(tmp_path / "plan.toml"), "--export", "pt2,onnx",
              "-o", str(tmp_path / "out"), fsize=20000)
     assert r.returncode == 2, r.stderr
     _only_error(r.stderr, f"error: cannot write {tmp_path / 'out'}: File too large; nothing was written.")
     assert not (tmp_path / "out").exists()
 
 
-def test_reports_under_a_file_size_limit_say_one_line(small, tmp_path):
+def test_reports_under_a_file_size_limit_say_one_line(wider, tmp_path):
     """(One line already on main at 225cdcf for the reports: it did not fail there.)"""
-    r = _run(tmp_path, f"{small}:model", "--no-cache", "--format", "json,md,html,text", "-o", str(tmp_path / "rep"),
+    r = _run(tmp_path, f"{wider}:model", "--no-cache", "--format", "json,md,html,text", "-o", str(tmp_path / "rep"),
              fsize=20000)
     assert r.returncode == 2, r.stderr
     _only_error(r.stderr, "error: cannot write ")
     assert "File too large" in r.stderr and not (tmp_path / "rep").exists()
 
 
-def test_a_simulated_enospc_from_the_program_writer_is_one_line(small, cli_inproc, tmp_path, monkeypatch):
+def test_a_simulated_enospc_from_the_program_writer_is_one_line(wider, cli_inproc, tmp_path, monkeypatch):
     """Without root: the program's bytes meet ENOSPC as they are written."""
     import errno
 
@@ -413,7 +433,7 @@ def test_a_simulated_enospc_from_the_program_writer_is_one_line(small, cli_inpro
 
     monkeypatch.setattr(export, "_save_program", full)
     (tmp_path / "plan.toml").write_text('[ranks]\n"0" = 8\n')
-    r = cli_inproc("factorize", f"{small}:model", "--plan", tmp_path / "plan.toml", "--export", "pt2",
+    r = cli_inproc("factorize", f"{wider}:model", "--plan", tmp_path / "plan.toml", "--export", "pt2",
                    "-o", tmp_path / "out")
     assert r.returncode == 2, r.stderr
     _only_error(r.stderr, f"error: cannot write {tmp_path / 'out'}: No space left on device; nothing was written.")
