@@ -2,7 +2,8 @@
 to infinity misses the tolerance (exit 1, not an ``OverflowError``), a plan measured on nothing is called unmeasured
 (LR015), a full disk or a file-size limit leaves no half-written output folder, a config asking for an enormous model
 is refused before anything is allocated, and a cache folder that cannot be written is no internal error. Each case
-failed on main at 225cdcf unless its docstring says otherwise."""
+failed on main at 225cdcf (25 of 27) unless its docstring says otherwise: the two that passed there are controls (a
+--cache-dir that is a file, a config without weights)."""
 
 from __future__ import annotations
 
@@ -192,8 +193,8 @@ def test_a_cache_folder_that_cannot_be_searched_runs_uncached_with_one_warning(s
 
 @pytest.mark.parametrize("extra", [[], ["--calibration", "{m}:cal"], ["--measure-speed"]])
 def test_a_cache_folder_under_a_file_runs_uncached_with_one_warning(small, cli_inproc, tmp_path, extra):
-    """The spectra, the calibration statistics and the speed cache each under a regular file. (Silent and exit 0
-    on main at 225cdcf: it did not fail there; the warning line is new.)"""
+    """The spectra, the calibration statistics and the speed cache each under a regular file. (Exit 0 on main at
+    225cdcf, uncached in silence: it fails there only for the warning line, which is new.)"""
     (tmp_path / "file").write_text("x")
     r = cli_inproc(f"{small}:model", "-q", "--cache-dir", tmp_path / "file" / "cache",
                    *[x.format(m=small) for x in extra])
@@ -239,7 +240,7 @@ def read_only_fs(tmp_path):
 
 @pytest.mark.parametrize("below", ["", "c"])
 def test_a_cache_on_a_read_only_filesystem_runs_uncached_with_one_warning(small, cli_inproc, read_only_fs, below):
-    """(Silent on main at 225cdcf: every write failed quietly; it did not fail there.)"""
+    """(Exit 0 on main at 225cdcf, every write failing in silence: it fails there only for the new warning line.)"""
     r = cli_inproc(f"{small}:model", "-q", "--calibration", f"{small}:cal", "--cache-dir",
                    read_only_fs / below if below else read_only_fs)
     assert r.returncode == 0, r.stderr
@@ -411,7 +412,7 @@ def test_factorize_export_under_a_file_size_limit_is_one_line_and_leaves_nothing
 
 
 def test_reports_under_a_file_size_limit_say_one_line(wider, tmp_path):
-    """(One line already on main at 225cdcf for the reports: it did not fail there.)"""
+    """Two lines on main at 225cdcf: matplotlib's "Could not save font_manager cache" before the error."""
     r = _run(tmp_path, f"{wider}:model", "--no-cache", "--format", "json,md,html,text", "-o", str(tmp_path / "rep"),
              fsize=20000)
     assert r.returncode == 2, r.stderr
@@ -420,7 +421,8 @@ def test_reports_under_a_file_size_limit_say_one_line(wider, tmp_path):
 
 
 def test_a_simulated_enospc_from_the_program_writer_is_one_line(wider, cli_inproc, tmp_path, monkeypatch):
-    """Without root: the program's bytes meet ENOSPC as they are written."""
+    """Without root: the program's bytes meet ENOSPC as they are written. (At 225cdcf there was no such writer to
+    patch: torch wrote the file itself; the tmpfs cases above are the ones that failed there.)"""
     import errno
 
     import auditor.export as export
