@@ -30,6 +30,11 @@ def configure_matplotlib() -> str | None:
     None. Otherwise returns the folder in use: ``<cache_root()>/matplotlib``, or a fresh temporary folder where
     that cannot be written.
     """
+    import logging
+
+    fonts = logging.getLogger("matplotlib.font_manager")
+    if fonts.level == logging.NOTSET:  # "Could not save font_manager cache" (a full disk, a file-size limit) is
+        fonts.setLevel(logging.ERROR)  # no second line beside the error that says so: the fonts still work
     if os.environ.get("MPLCONFIGDIR"):
         return os.environ["MPLCONFIGDIR"]
     if "matplotlib" in sys.modules:

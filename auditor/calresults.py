@@ -8,6 +8,7 @@ it lives on the object but is not part of the report (:meth:`CalibrationReport.t
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field, fields, is_dataclass
 from typing import Any
 
@@ -143,7 +144,8 @@ class Verification:
         ci = (f" ({100 * self.confidence:g}% interval {self.low:.4g} to {self.high:.4g} over {self.rows:,} "
               f"verification rows)" if self.low is not None and self.high is not None
               else f" (on {self.rows:,} verification rows, no interval)")
-        return f"{metric + ' ' if metric else ''}{self.value:.4g}{ci}: {self.judged} {tolerance:g}"
+        value = f"{self.value:.4g}" if not math.isinf(self.value) else "-infinite" if self.value < 0 else "infinite"
+        return f"{metric + ' ' if metric else ''}{value}{ci}: {self.judged} {tolerance:g}"
 
     @property
     def judged(self) -> str:

@@ -293,9 +293,18 @@ def nearest_pyproject(start: Path | None = None) -> Path | None:
     """The pyproject.toml the settings come from: the nearest at or above ``start`` (default: the working folder)."""
     here = (start or Path.cwd()).resolve()
     for folder in [here, *here.parents]:
-        if (folder / "pyproject.toml").is_file():
+        if _is_file(folder / "pyproject.toml"):
             return folder / "pyproject.toml"
     return None
+
+
+def _is_file(path: Path) -> bool:
+    """``path.is_file()``, False where a folder on the way may not be searched (EACCES: a working folder inside
+    another user's folder): a pyproject.toml the user cannot read is not the one their settings come from."""
+    try:
+        return path.is_file()
+    except OSError:
+        return False
 
 
 def from_pyproject(start: Path | None = None) -> dict[str, Any]:
@@ -303,7 +312,7 @@ def from_pyproject(start: Path | None = None) -> dict[str, Any]:
     here = (start or Path.cwd()).resolve()
     for folder in [here, *here.parents]:
         candidate = folder / "pyproject.toml"
-        if candidate.is_file():
+        if _is_file(candidate):
             try:
                 data = tomllib.loads(candidate.read_text(encoding="utf-8"))
             except (OSError, ValueError, RecursionError, tomllib.TOMLDecodeError) as exc:

@@ -301,7 +301,7 @@ def export(model: nn.Module, example: Any, directory: str | Path, formats: tuple
             with torch.no_grad():
                 ref = target(*args, **kwargs)
         prog, dynamic, why = _export_program(target, args, kwargs)
-        torch.export.save(prog, str(out / PT2))
+        _save_program(prog, out / PT2)
         checks = _checks(torch.export.load(str(out / PT2)).module(), target, args, kwargs, dynamic)
         worst = max(c["relative_error"] for c in checks if "relative_error" in c)
         if not worst <= TOLERANCE or "refused" in checks[0]:
@@ -389,6 +389,18 @@ def _first_rows(args: tuple, kwargs: dict, n: int) -> tuple[tuple, dict]:
     return tuple(cut(a) for a in args), {k: cut(v) for k, v in kwargs.items()}
 
 
+def _save_program(prog: Any, path: Path) -> None:
+    """``torch.export.save`` into memory, then the bytes to ``path`` by Python: a full disk or a file-size limit is
+    an ``OSError`` (one line), where torch's own zip writer threw a C++ error whose destructor aborted the process
+    at exit (exit 134)."""
+    import io
+
+    buf = io.BytesIO()
+    torch.export.save(prog, buf)
+    with open(path, "wb") as f:
+        f.write(buf.getbuffer())
+
+
 def _onnx(prog: Any, args: tuple, kwargs: dict, ref: Any, out: Path, dynamic: bool) -> dict[str, Any]:
     """The ONNX file translated from the exported program itself (so the batch stays dynamic where the program's is),
     checked with onnxruntime on the example and, with a dynamic batch, on fewer rows."""
@@ -403,6 +415,8 @@ def _onnx(prog: Any, args: tuple, kwargs: dict, ref: Any, out: Path, dynamic: bo
         import onnx
 
         onnx.checker.check_model(str(path))
+    except OSError:  # the disk, not the exporter: the output folder says so in one line
+        raise
     except Exception as exc:  # noqa: BLE001 - an op ONNX cannot express, or a failing exporter
         raise AuditError(f"the ONNX export failed: {first_line(exc)}", "Use --export pt2") from None
     entry: dict[str, Any] = {"file": ONNX, "sha256": _sha256(path), "bytes": path.stat().st_size,

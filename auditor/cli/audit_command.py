@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Sequence
 
 from .._env import own_process
-from .argparser import UsageError, _Parser
+from .argparser import UsageError, _Parser, cache_usable
 from .shared_flags import add_shared
 from ..config import FailOn
 from ..errors import AuditError, ExitCode, escape, first_line
@@ -465,11 +465,12 @@ def options_from(args: argparse.Namespace) -> tuple["AuditOptions", "LoadOptions
         "min_share": args.min_share, "energy_floor": args.energy_floor, "select": args.select,
         "ignore": args.ignore, "fail_on": args.fail_on,
     }.items() if v is not None}
+    cache_dir = _cache_dir(args.cache_dir)
     audit_options = AuditOptions(
         settings=settings, overrides=overrides, overrides_origin="the command line", plan_may_relax=plan_may_relax,
         tracer=Tracer(args.tracer),
-        spectra_backend=SpectraBackend(args.spectra_backend), spectra=not args.no_spectra, cache=not args.no_cache,
-        cache_dir=_cache_dir(args.cache_dir), jobs=args.jobs,
+        spectra_backend=SpectraBackend(args.spectra_backend), spectra=not args.no_spectra,
+        cache=not args.no_cache and cache_usable(cache_dir), cache_dir=cache_dir, jobs=args.jobs,
         progress={"always": True, "never": False}.get(_progress_when(args), "auto"),
         scheduler=args.scheduler, path_map=path_map, **calibration_options(args), **speed_options(args),
     )
@@ -515,9 +516,14 @@ def _cache_dir(given: str | None) -> Path | None:
     if not given:
         return None
     path = Path(given)
-    if path.exists() and not path.is_dir():
+    try:
+        is_file = path.exists() and not path.is_dir()
+    except OSError:  # EACCES on a folder above it: cache_usable() warns and the run goes on uncached
+        return path
+    if is_file:
         raise AuditError(f"--cache-dir {given}: not a folder", "Give a folder for the caches (made when missing)")
     return path
+
 
 
 def _confidence(level: float) -> float:

@@ -151,12 +151,14 @@ def _options(args: argparse.Namespace, loaded: Any, plan: Any) -> Any:
     without --calibration is refused, naming the flags given."""
     from ..calibration.data.text import tokenizer_home
     from ..config import repo_settings
+    from .argparser import cache_usable
     from ..options import AuditOptions
     from ..rules import RULES
 
     settings, plan_may_relax = repo_settings(RULES.settings())  # the repository's settings, as for the audit
     cal = args.calibration is not None
-    options = AuditOptions(name=loaded.name, source=loaded.source, cache=not args.no_cache, progress=False,
+    options = AuditOptions(name=loaded.name, source=loaded.source, progress=False,
+                           cache=not args.no_cache and cache_usable(None),
                            settings=settings, plan_may_relax=plan_may_relax,
                            calibration=args.calibration,
                            holdout=args.holdout if args.holdout is not None else 0.25,

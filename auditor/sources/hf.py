@@ -89,8 +89,8 @@ def _config_objects(config: Any) -> list[Any]:
 
 
 def available_memory() -> int | None:
-    """Bytes this process may still allocate: the least of MemAvailable and the cgroup's limit less its usage
-    (the OOM killer acts on the cgroup); None where neither can be read."""
+    """Bytes this process may still allocate: the least of MemAvailable, the cgroup's limit less its usage (the OOM
+    killer acts on the cgroup) and the address space RLIMIT_AS leaves; None where none can be read."""
     values: list[int] = []
     with contextlib.suppress(OSError, ValueError, IndexError):
         for line in Path("/proc/meminfo").read_text().splitlines():
@@ -103,7 +103,24 @@ def available_memory() -> int | None:
             limit = Path(limit_file).read_text().strip()
             if limit != "max" and int(limit) < 1 << 60:
                 values.append(max(0, int(limit) - int(Path(usage_file).read_text().strip())))
+    values += _address_space_left()
     return min(values) if values else None
+
+
+def _address_space_left() -> list[int]:
+    """What RLIMIT_AS (``ulimit -v``, a job's memory cap) still lets this process map, as a one-item list; empty
+    where there is no such limit or it cannot be read."""
+    import resource
+
+    with contextlib.suppress(OSError, ValueError, IndexError, AttributeError):
+        soft = resource.getrlimit(resource.RLIMIT_AS)[0]
+        if soft == resource.RLIM_INFINITY or soft < 0:
+            return []
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmSize:"):
+                return [max(0, soft - int(line.split()[1]) * 1024)]
+        return [soft]
+    return []
 
 
 def model_bytes(model: nn.Module) -> int:

@@ -174,6 +174,8 @@ def metric_change(cal: "CalibrationReport", value: float | None) -> str:
     ...               0.009112)
     'held-out perplexity 153.77 -> 155.17 (+0.911%, tolerance +1%)'
     """
+    if value is not None and math.isinf(value):  # a plan that breaks the model: measured, and infinitely bad
+        return _infinite(cal, value)
     if value is None or not math.isfinite(value):
         return f"{cal.metric}: not measured"
     label = cal.metric
@@ -184,6 +186,16 @@ def metric_change(cal: "CalibrationReport", value: float | None) -> str:
     if cal.higher_is_better:
         return f"held-out {label} {cal.reference:.4g} -> {value:.4g} (tolerance -{cal.tolerance:g})"
     return f"{label} {unit(cal, value)} (tolerance {tolerance_words(cal)})"
+
+
+def _infinite(cal: "CalibrationReport", value: float) -> str:
+    """An infinite measurement in words: "held-out perplexity 32.29 -> infinite (perplexity infinite, tolerance
+    +1%)" (the loss overflowed a float), "relative output error infinite (tolerance 1%)" otherwise."""
+    sign = "-" if value < 0 else ""
+    if cal.increase_of and cal.reference > 0:
+        return (f"held-out {cal.increase_of} {cal.reference:.2f} -> {sign}infinite ({cal.increase_of} {sign}infinite, "
+                f"tolerance {tolerance_words(cal)})")
+    return f"{cal.metric} {sign}infinite (tolerance {tolerance_words(cal)})"
 
 
 def checked_change(cal: "CalibrationReport", pc: "PlanCheck") -> str:

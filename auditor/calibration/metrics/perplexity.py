@@ -20,6 +20,20 @@ if TYPE_CHECKING:
     from ..data.inputs import Batch
 
 
+_EXP_MAX = 709.0  # math.exp overflows a float beyond about 709.78
+
+
+def _exp(x: float) -> float:
+    """``exp(x)``, infinite rather than an ``OverflowError`` where a loss is too large for a float (a plan that
+    breaks the model); NaN stays NaN."""
+    return math.inf if x > _EXP_MAX else math.exp(x)
+
+
+def _expm1(x: float) -> float:
+    """``exp(x) - 1`` with :func:`_exp`'s overflow to infinity."""
+    return math.inf if x > _EXP_MAX else math.expm1(x)
+
+
 def _dense_value(value: float, kind: "Perplexity") -> float:
     """The dense model's held-out perplexity, refused in one line where it is not a positive finite number."""
     if not (math.isfinite(value) and value > 0):
@@ -49,7 +63,7 @@ class _Scorer(Scorer):
                 count += int(tgt.numel())
         if count == 0:
             raise AuditError(*self.kind.nothing_scored)
-        return math.exp(nll / count) if nll / count < 700 else math.inf
+        return _exp(nll / count)
 
     def measure(self, model: nn.Module) -> Measurement:
         ppl = self.perplexity(model)
@@ -64,7 +78,7 @@ class _Rows(RowScorer):
         self.batches, self.kind = batches, kind
         self._ref_nll, self._cnt = self._nll(dense)
         nll, cnt = self._ref_nll, self._cnt
-        self.reference = self.baseline = (_dense_value(math.exp(nll.sum() / cnt.sum()), kind) if cnt.sum() > 0
+        self.reference = self.baseline = (_dense_value(_exp(float(nll.sum() / cnt.sum())), kind) if cnt.sum() > 0
                                           else math.nan)
 
     def _nll(self, model: nn.Module) -> tuple[np.ndarray, np.ndarray]:
@@ -89,14 +103,14 @@ class _Rows(RowScorer):
     def absolute(self, sums: tuple[np.ndarray, ...]) -> float | None:
         nll, _, cnt = sums
         c = float(cnt.sum())
-        return math.exp(float(nll.sum()) / c) if c > 0 else None
+        return _exp(float(nll.sum()) / c) if c > 0 else None
 
     def value(self, sums: tuple[np.ndarray, ...], idx: "slice | np.ndarray" = slice(None)) -> float:
         nll, ref, cnt = sums
         c = float(cnt[idx].sum())
         if c <= 0:
             return math.nan
-        return math.expm1((float(nll[idx].sum()) - float(ref[idx].sum())) / c)
+        return _expm1((float(nll[idx].sum()) - float(ref[idx].sum())) / c)
 
 
 class Perplexity(MetricKind):

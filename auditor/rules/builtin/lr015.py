@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 from ...results import Severity
 from ..context import Context
 from ..registry import Emit, Scope, rule
@@ -51,7 +53,16 @@ def lr015(ctx: Context, emit: Emit) -> None:
         f"on the verification rows ({100 * v.confidence:g}% interval {v.low:.4g} to {v.high:.4g}), "
         + ("straddling" if v.straddles else "missing") if v.low is not None and v.high is not None
         else "on the verification rows, missing")
-    emit(f"the {what} factorized all at once measures {cal.metric} {pc.measured:.4g} {where} the tolerance "
+    if math.isnan(pc.measured):  # measured on nothing: no number to miss the tolerance by
+        emit(f"the {what} factorized all at once is unmeasured: its {cal.metric} on the held-out rows is not a "
+             f"number, so whether it holds the tolerance {cal.tolerance:g} is unknown ({pc.layers} layers, "
+             f"{pc.removed:,} parameters removed){held}", [], "Check the metric and the held-out data (rows the "
+             "metric can score), then measure the plan again", measured=None, tolerance=cal.tolerance,
+             planned_layers=pc.layers, removed=pc.removed)
+        return
+    number = f"{pc.measured:.4g}" if math.isfinite(pc.measured) else (
+        f"infinite ({cal.increase_of or cal.metric} infinite)" if pc.measured > 0 else "-infinite")
+    emit(f"the {what} factorized all at once measures {cal.metric} {number} {where} the tolerance "
          f"{cal.tolerance:g} ({pc.layers} layers, {pc.removed:,} parameters removed){held}",
          [], "Use the plan that holds (--emit-plan writes it), or raise the ranks of the layers with the largest "
          "single-layer errors", measured=pc.measured, tolerance=cal.tolerance, planned_layers=pc.layers,

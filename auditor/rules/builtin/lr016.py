@@ -43,6 +43,6 @@ def lr016(ctx: Context, emit: Emit) -> None:
              + ", ".join(pc.left_out[:5]) + (f" and {len(pc.left_out) - 5} more" if len(pc.left_out) > 5 else "")
              + ")", list(pc.left_out), "Plan layers that factorize rewrites, or measure the plan yourself",
              left_out=list(pc.left_out))
-    elif not math.isfinite(pc.measured):
+    elif math.isnan(pc.measured):  # an infinite one is a measurement: LR015 says the plan misses by it
         emit(f"the plan's all-at-once measurement is not a number ({pc.measured})", [],
              "Check the metric and the held-out data", measured=pc.measured)
