@@ -425,7 +425,7 @@ def test_a_simulated_enospc_from_the_program_writer_is_one_line(wider, cli_inpro
     patch: torch wrote the file itself; the tmpfs cases above are the ones that failed there.)"""
     import errno
 
-    import auditor.export as export
+    import auditor.artifacts.export as export
 
     real = export._save_program
 
