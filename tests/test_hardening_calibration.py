@@ -349,13 +349,27 @@ def test_caps_need_calibration(cli_inproc, src):
 
 
 def test_the_grams_memory_is_estimated_before_allocating(cli_inproc, src, monkeypatch):
+    """The CLI's pre-flight estimate refuses first, naming the stage and the Gram that dominates it; the library's
+    own check (an audit called without that estimate) refuses before any Gram is allocated too."""
+    import auditor.sources.hf as hf
     import auditor.spectra.backend as backend
 
+    monkeypatch.setattr(hf, "available_memory", lambda: 16 << 30)
     monkeypatch.setattr(backend, "available_memory", lambda: 16 << 30)
-    one_line(cli_inproc(f"{src}:wide", "-q", "--no-spectra", "--calibration", f"{src}:wide_cal", "--holdout", "0",
-                        "--no-cache"), 2,
-             "calibration statistics need about 223.5 GiB of memory (a float64 Gram n x n per layer input; the "
-             "largest: layer 0 (100,000 x 100,000)), and 16.0 GiB is available")
+    line = one_line(cli_inproc(f"{src}:wide", "-q", "--no-spectra", "--calibration", f"{src}:wide_cal", "--holdout",
+                               "0", "--no-cache"), 2,
+                    "of host memory (in its statistics stage: float64 input Grams n x n, the largest 100,000 x "
+                    "100,000) but 16,384 MiB is available")
+    assert "--estimate prints each stage's cost" in line
+    from auditor.calibration.session import _check_memory
+    from auditor.sources import load_source
+    from auditor.structure.layers import ParamTable, collect_layers
+
+    model = load_source(f"{src}:wide").model
+    with pytest.raises(AuditError) as e:
+        _check_memory(list(collect_layers(model, ParamTable.of(model)).values()), model)
+    assert ("calibration statistics need about 223.5 GiB of memory (a float64 Gram n x n per layer input; the "
+            "largest: layer 0 (100,000 x 100,000)), and 16.0 GiB is available") in str(e.value)
 
 
 def test_statistics_memory_counts_every_layer():

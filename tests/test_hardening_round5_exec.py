@@ -213,28 +213,29 @@ def _weights_config(entries) -> dict:
     return json.loads(next(b for n, b in entries if n.endswith("model_weights_config.json")))
 
 
+# torch.export.save into memory names the archive's one top-level folder "archive"
 ARCHIVES = {
     # a malicious sample-input archive before the honest one of the same name (Python's zipfile reads the last)
     "duplicate sample inputs": (lambda e: _before("data/sample_inputs/model.pt", (
-        "model/data/sample_inputs/model.pt", _evil_sample()))(e), "twice"),
-    "duplicate weight file": (_before("data/weights/weight_0", ("model/data/weights/weight_0", b"\0" * 8)), "twice"),
+        "archive/data/sample_inputs/model.pt", _evil_sample()))(e), "twice"),
+    "duplicate weight file": (_before("data/weights/weight_0", ("archive/data/weights/weight_0", b"\0" * 8)), "twice"),
     "duplicate config": (_before("data/weights/model_weights_config.json", (
-        "model/data/weights/model_weights_config.json", json.dumps({"config": {"0.0.weight": {
+        "archive/data/weights/model_weights_config.json", json.dumps({"config": {"0.0.weight": {
             "path_name": "weight_0", "use_pickle": True}}}).encode())), "twice"),
-    "case-varied twin of a weight": (_append(("model/data/weights/WEIGHT_0", EVIL)), "twice"),
-    "upper-case .PKL weight": (_append(("model/data/weights/weight_9.PKL", EVIL)), "pickled weight"),
-    "mixed-case .Pickle constant": (_append(("model/data/constants/c.Pickle", EVIL)), "pickled weight"),
-    "upper-case .PT weight": (_append(("model/data/weights/w.PT", EVIL)), "pickled weight"),
+    "case-varied twin of a weight": (_append(("archive/data/weights/WEIGHT_0", EVIL)), "twice"),
+    "upper-case .PKL weight": (_append(("archive/data/weights/weight_9.PKL", EVIL)), "pickled weight"),
+    "mixed-case .Pickle constant": (_append(("archive/data/constants/c.Pickle", EVIL)), "pickled weight"),
+    "upper-case .PT weight": (_append(("archive/data/weights/w.PT", EVIL)), "pickled weight"),
     "constants config under a case-varied name": (_append((
-        "model/data/constants/model_constants_config.JSON",
+        "archive/data/constants/model_constants_config.JSON",
         json.dumps({"config": {"c": {"path_name": "tensor_0", "use_pickle": True}}}).encode())), "twice"),
     "constants config renamed in another case": (_rename("model_constants_config.json", "model_constants_config.JSON"),
                                                  "does not write"),
     "weights config under a case-varied name": (_rename("model_weights_config.json", "Model_Weights_Config.json"),
                                                 "does not write"),
-    "weight file no config names": (_append(("model/data/weights/weight_99", EVIL)), "no payload config names"),
-    "unexpected member first": (lambda e: [("model/extra/evil.py", b"import os"), *e], "does not write"),
-    "unexpected member last": (_append(("model/extra/evil.py", b"import os")), "does not write"),
+    "weight file no config names": (_append(("archive/data/weights/weight_99", EVIL)), "no payload config names"),
+    "unexpected member first": (lambda e: [("archive/extra/evil.py", b"import os"), *e], "does not write"),
+    "unexpected member last": (_append(("archive/extra/evil.py", b"import os")), "does not write"),
     "upper-case sample inputs": (_rename("data/sample_inputs/model.pt", "data/sample_inputs/MODEL.PT"),
                                  "does not write"),
     "case-varied pickle in the sample inputs": (_sample_with(lambda e: [("archive/DATA.PKL", EVIL), *e]), "twice"),
@@ -245,12 +246,12 @@ ARCHIVES = {
                                               "twice"),
     "config key given twice": (lambda e: [(n, b.replace(b'{"0.0.weight": {', b'{"0.0.weight": {"use_pickle": true}, '
                                                         b'"0.0.weight": {', 1)) for n, b in e], "unreadable"),
-    "a second root differing in case": (_append(("MODEL/data/weights/weight_0", EVIL)), "twice"),
-    "a second program name in another case": (_append(("model/models/MODEL.json", b"{}")), "twice"),
-    "a path through ..": (_append(("model/data/weights/../weights/weight_7", EVIL)), "does not write"),
-    "a backslash path": (_append(("model/data\\weights\\weight_0.pkl", EVIL)), "does not write"),
-    "a folder entry under the weights": (_append(("model/data/weights/evil/", b"")), "does not write"),
-    "a weight file name with a suffix": (_append(("model/data/weights/weight_0.pt", EVIL)), "pickled weight"),
+    "a second root differing in case": (_append(("ARCHIVE/data/weights/weight_0", EVIL)), "twice"),
+    "a second program name in another case": (_append(("archive/models/MODEL.json", b"{}")), "twice"),
+    "a path through ..": (_append(("archive/data/weights/../weights/weight_7", EVIL)), "does not write"),
+    "a backslash path": (_append(("archive/data\\weights\\weight_0.pkl", EVIL)), "does not write"),
+    "a folder entry under the weights": (_append(("archive/data/weights/evil/", b"")), "does not write"),
+    "a weight file name with a suffix": (_append(("archive/data/weights/weight_0.pt", EVIL)), "pickled weight"),
     "config path name in another case": (lambda e: [(n, b.replace(b'"weight_0"', b'"Weight_0"')) for n, b in e],
                                          "stored as a pickle"),
     "config use_pickle not a boolean false": (lambda e: [(n, b.replace(b'"use_pickle": false', b'"use_pickle": 0', 1))

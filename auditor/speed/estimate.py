@@ -272,11 +272,19 @@ def predict(sh: Shapes, wl: Workload, me: Measurements, available: int | None = 
     for name in STAGES:
         if name not in seconds:
             continue
-        stages.append(Stage(name, seconds[name], held + extra[name]))
+        stages.append(Stage(name, seconds[name], held + extra[name], _note(name, sh)))
     peak = max(s.peak_bytes for s in stages)
     basis = {"measurements": asdict(me), "rows": _rows(wl) if wl.calibrated else {},
              "shapes": {"layers": len(sh.layers), "blocks": sh.blocks, "weight_bytes": sh.weight_bytes}}
     return Estimate(tuple(stages), peak, device_bytes(sh, wl, me), disk_bytes(sh, wl), me.seconds, available, basis)
+
+
+def _note(stage: str, sh: Shapes) -> str:
+    """What dominates a stage's memory, in words (the statistics: float64 Grams n x n, one per layer input)."""
+    if stage != "statistics" or not sh.layers:
+        return ""
+    n = max(n for _, n in sh.layers)
+    return f"float64 input Grams n x n, the largest {n:,} x {n:,}"
 
 
 # ---- the memory check ----------------------------------------------------------------------------------------------
@@ -286,8 +294,9 @@ def short_of_memory(est: Estimate, available: int | None) -> str | None:
     if available is None or est.peak_rss_bytes <= available:
         return None
     worst = max(est.stages, key=lambda s: s.peak_bytes)
+    note = f": {worst.note}" if worst.note else ""
     return (f"the audit is estimated to peak at {_mib(est.peak_rss_bytes)} of host memory (in its {worst.name} "
-            f"stage) but {_mib(available)} is available")
+            f"stage{note}) but {_mib(available)} is available")
 
 
 FIX = ("Read fewer rows (--calibration-max-rows N), keep the blocks off the host with --device cuda --offload, free "
