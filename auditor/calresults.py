@@ -378,9 +378,27 @@ class CalibrationReport:
         if b is None or not b.chosen_after_recovery or b.recovery is None:
             return ""
         rec = b.recovered
-        after = f" ({self.metric} {rec.metric:.4g})" if rec is not None else ""
-        return (f"holds after a {b.recovery.steps}-step recovery fine-tune{after}; before it: {b.metric:.4g}, "
-                f"{'holds' if b.ok else 'misses'} {self.tolerance:g}")
+        after = f" ({self.metric} {self.value_text(rec.metric)})" if rec is not None else ""
+        return (f"holds after a {b.recovery.steps}-step recovery fine-tune{after}; before it: "
+                f"{self.value_text(b.metric)}, {'holds' if b.ok else 'misses'} {self.tolerance_text()}")
+
+    def value_text(self, v: float | None) -> str:
+        """One measured value in the metric's one unit, as every format writes it: a fraction the reports show as a
+        percentage (``display == "percent"``) with three significant digits, signed for a relative increase
+        ("+0.878%", "0.968%"); any other metric with 4 significant digits; ``–`` for None or NaN."""
+        if v is None or not math.isfinite(v):
+            return "\u2013"
+        if self.display != "percent":
+            return f"{v:.4g}"
+        x = 100 * v
+        digits = max(0, 2 - math.floor(math.log10(abs(x)))) if x != 0 else 0
+        return ("+" if self.increase_of and v > 0 else "") + f"{x:.{digits}f}%"
+
+    def tolerance_text(self) -> str:
+        """The tolerance in the metric's unit: "+1%" for a relative increase, "1%" for the output error, else as is."""
+        if self.display != "percent":
+            return f"{self.tolerance:g}"
+        return f"+{100 * self.tolerance:g}%" if self.increase_of else f"{100 * self.tolerance:g}%"
 
     def layer(self, name: str) -> LayerCalibration | None:
         return self.layers.get(name)

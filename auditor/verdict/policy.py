@@ -132,35 +132,22 @@ def in_percent(cal: "CalibrationReport") -> bool:
     return cal.display == "percent"  # the metric kind's display form, carried by the report
 
 
-def _pct3(x: float) -> str:
-    """100 x with three significant digits and no exponent: 0.878, 1.02, 42.3, 1065."""
-    v = 100 * x
-    digits = max(0, 2 - math.floor(math.log10(abs(v)))) if v != 0 and math.isfinite(v) else 0
-    return f"{v:.{digits}f}"
-
-
 def unit(cal: "CalibrationReport", v: float | None) -> str:
     """One measured value of the metric in its one unit, the same in every format: a relative increase as a signed
     percentage ("+0.878%"), the relative output error as a percentage ("0.968%"), three significant digits; any
-    other metric as 4 significant digits; ``–`` for None or NaN.
+    other metric as 4 significant digits; ``–`` for None or NaN (:meth:`CalibrationReport.value_text`).
 
     >>> from auditor.calresults import CalibrationReport as C
     >>> c = C("c", "0.25", "", 1, 1, "relative output error", False, 0.01, 0.0)
     >>> [unit(c, x) for x in (0.009936, 0.0106, 0.4229, 10.65, 0.0)]
     ['0.994%', '1.06%', '42.3%', '1065%', '0%']
     """
-    if v is None or not math.isfinite(v):
-        return "\u2013"
-    if not in_percent(cal):
-        return f"{v:.4g}"
-    return ("+" if cal.increase_of and v > 0 else "") + _pct3(v) + "%"
+    return cal.value_text(v)
 
 
 def tolerance_words(cal: "CalibrationReport") -> str:
     """The tolerance in the metric's unit: "+1%" for a relative increase, "1%" for the output error."""
-    if in_percent(cal):
-        return f"+{100 * cal.tolerance:g}%" if cal.increase_of else f"{100 * cal.tolerance:g}%"
-    return f"{cal.tolerance:g}"
+    return cal.tolerance_text()
 
 
 def metric_change(cal: "CalibrationReport", value: float | None) -> str:
