@@ -281,6 +281,15 @@ def _write(out: Path, args: argparse.Namespace, made: _Made, formats: tuple[str,
     return exported
 
 
+def _value(cr: Any, x: float | None) -> str:
+    """A measured value in the metric's one unit (as the reports write it); an infinite one in words."""
+    import math
+
+    if x is not None and math.isinf(x):
+        return "infinite (the factorized model breaks)"
+    return cr.value_text(x)
+
+
 def _say(out: Path, made: _Made, result: Any, exported: list[str]) -> None:
     """What was written, on stderr: the parameters before and after, the plan check, the files."""
     from ..surgery import count_params
@@ -293,17 +302,17 @@ def _say(out: Path, made: _Made, result: Any, exported: list[str]) -> None:
     cr = result.calibration
     pc = cr.plan_check if cr is not None else None
     if pc is not None:
-        pred = f"predicted {pc.predicted:.4g} (layer-level), " if pc.predicted is not None else ""
+        pred = f"predicted {_value(cr, pc.predicted)} (layer-level), " if pc.predicted is not None else ""
         v = pc.verification
         why = _unverified(v)
         if why is not None:
-            print(f"{cr.metric} on the held-out part: {pred}measured {v.value:.4g}: UNVERIFIED, {why}",
+            print(f"{cr.metric} on the held-out part: {pred}measured {_value(cr, v.value)}: UNVERIFIED, {why}",
                   file=sys.stderr)
         elif v is not None:
             print(f"{cr.metric} on the held-out part: {pred}measured " + v.words(cr.tolerance), file=sys.stderr)
         else:
-            print(f"{cr.metric} on the held-out part: {pred}measured {pc.measured:.4g} "
-                  f"({'holds' if pc.ok else 'misses'} the tolerance {cr.tolerance:g})", file=sys.stderr)
+            print(f"{cr.metric} on the held-out part: {pred}measured {_value(cr, pc.measured)} "
+                  f"({'holds' if pc.ok else 'misses'} the tolerance {cr.tolerance_text()})", file=sys.stderr)
     print(f"wrote {escape(str(out / 'model.safetensors'))} and {escape(str(out / 'plan.json'))}; a recovery "
           "fine-tune follows (load with auditor.folder.load_factorized(model, DIR))", file=sys.stderr)
     if exported:
