@@ -38,6 +38,7 @@ test: setup system-deps
 
 docs: setup
 	$(VENV)/bin/lowrank-audit rules --markdown > docs/rules.md
+	$(PY) -c "from auditor.render.parts.registries import registries_markdown as m; print(m(), end='')" > docs/registries.md
 
 clean:
 	rm -rf $(VENV) $(REPORTS)
