@@ -156,18 +156,16 @@ def evil(tmp_path_factory) -> Path:
 def test_names_cannot_forge_lines_in_the_table_the_txt_report_or_github_annotations(evil, cli_inproc):
     """The speed section and the plan's ranks by group printed names raw: "PASS: all good" and a workflow
     command ``::error::FORGED`` on lines of their own in ``--format text,github``, BEL/CR/ESC/U+202E raw."""
-    out = evil / "reports"
+    out = evil / "reports"  # one timed run: the table and the annotations on stdout, the reports in files
     r = cli_inproc(evil / "evil.py:model", "--input-shape", "1,64", "--plan", evil / "plan.toml", "--measure-speed",
-                   "--format", "text,github", "--fail-on", "never")
+                   "--format", "text,github,md,json", "-o", out, "--fail-on", "never")
     assert r.returncode == 0, r.stderr
     assert "h.0.fc\\nPASS: all good" in r.stdout and "ranks: h.*.fc\\nPASS: all good ×3: 8" in r.stdout
+    assert "::" in r.stdout  # the annotations are there, each on its own line
     assert _forged(r.stdout) == [] and _forged(r.stderr) == []
-    r = cli_inproc(evil / "evil.py:model", "--input-shape", "1,64", "--plan", evil / "plan.toml", "--measure-speed",
-                   "--format", "text,md,json", "-o", out, "--fail-on", "never", "-q")
-    assert r.returncode == 0, r.stderr
     txt, md = (next(out.glob(f"*{s}")).read_text() for s in (".txt", ".md"))
     assert _forged(txt) == [] and _forged(md) == []
-    assert "`h.0.fc\\nPASS: all good`" in md
+    assert "`h.*.fc\\nPASS: all good` ×3" in md  # (the speed table names h.0.fc only where timings were accepted)
     data = json.loads(next(out.glob("*.json")).read_text())
     assert "h.0.fc\nPASS: all good" in {l["name"] for l in data["layers"]}  # JSON keeps the name as it is
 
