@@ -205,3 +205,25 @@ def test_quiet_keeps_a_failing_runs_verdict(cli_inproc):
     assert ok.returncode == 0 and ok.stdout == res.stdout  # exit 0 under the default --fail-on, the same verdict
     doc = cli_inproc("sample_models/digits.py:mlp", "--fail-on", "unmeasured", "-q", "--format", "json")
     assert doc.returncode == 1 and json.loads(doc.stdout)  # stdout carries the JSON alone
+
+
+def test_a_folder_it_may_not_search_is_one_line_and_exit_2(cli_inproc, tmp_path, monkeypatch):
+    """A model file in a folder this user may not search (mode 0700 of another user; root ignores modes, so the
+    EACCES is raised where the file is looked at): one line naming it, exit 2, not an internal error (exit 3)."""
+    import errno
+    import pathlib
+
+    locked = tmp_path / "locked"
+    real = pathlib.Path.stat
+
+    def stat(self, *a, **k):
+        if str(self).startswith(str(locked)):
+            raise PermissionError(errno.EACCES, "Permission denied", str(self))
+        return real(self, *a, **k)
+
+    monkeypatch.setattr(pathlib.Path, "stat", stat)
+    r = cli_inproc(f"{locked}/m.py:model", "-q")
+    assert r.returncode == 2, r.stderr
+    lines = [l for l in r.stderr.splitlines() if l.strip()]
+    assert len(lines) == 1 and lines[0].startswith(f"error: permission denied: {locked}/m.py"), r.stderr
+    assert "internal error" not in r.stderr

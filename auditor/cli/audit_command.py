@@ -284,6 +284,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         silence(sys.stdout)
         silence(sys.stderr)
         return 128 + 13  # the shell's status for a process ended by SIGPIPE (git log | head under pipefail)
+    except PermissionError as exc:  # a folder it may not search, a file it may not read or write: the input's
+        where = escape(str(exc.filename)) if exc.filename else "a file it needs"
+        print(f"error: permission denied: {where} (lowrank-audit runs as this user). Make it readable (and its "
+              "folders searchable), or point at a copy you can read", file=sys.stderr)
+        return ExitCode.BAD_INPUT
     except BaseException as exc:  # noqa: BLE001 - a bug: one line and its own exit code, not a traceback and 1
         return internal_error(exc, verbose)
     finally:
