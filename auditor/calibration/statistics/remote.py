@@ -1,0 +1,165 @@
+"""Tier 1's whitened decompositions as Dask tasks (``--scheduler``, docs/cluster.md).
+
+One task per distinct layer input: the Gram once (q, k and v reading one input share one task) and the weights of
+the layers that read it, as stored (a float32 weight travels as float32; the worker makes the float64 function
+matrix exactly as the local path does). The task runs :func:`~auditor.calibration.statistics.whiten.whitened_spectrum`
+on one BLAS thread, as :func:`~auditor.calibration.statistics.whiten.whitened_spectra` does here, so a worker on
+the same NumPy and LAPACK returns the same bits. Results are the spectra (plain lists of floats), never a factor.
+
+Decisions:
+
+- **Task inputs, not ``client.scatter``.** The Gram and the weights are the task's own arguments: the scheduler
+  keeps them until the task's result is gathered, so when a worker dies mid-task the scheduler runs the task again
+  elsewhere (scattered data would die with the worker that held it, and its dependents with it). Each array crosses
+  from this process once, whatever the number of layers reading it.
+- **Memory here bounded by one block.** The statistics pass hands each block's layers over as the block completes
+  and waits for their spectra before the next block's forward (:meth:`ClusterSpectra.spectra`); statistics read back
+  from the cache go in chunks of at most :data:`CHUNK_BYTES` (or one task, if larger). Only one chunk's tasks and
+  their spectra are alive at once, here and on the scheduler.
+- **Failures.** :class:`~auditor.spectra.dask_executor.DaskExecutor`'s: a lost worker's task is rerun by the
+  scheduler (``distributed.scheduler.allowed-failures``), a task that keeps failing is one line naming the layer.
+"""
+
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Callable, Sequence
+
+import numpy as np
+import torch
+
+from .stats import LayerInput, replace_gram
+from .whiten import WhitenedSpectrum, whitened_spectrum
+
+if TYPE_CHECKING:
+    from ...results import Layer
+    from .stats import InputStatistics
+
+CHUNK_BYTES = 256 << 20  # the task bytes submitted at once when the statistics are read back (not block by block)
+
+
+@dataclass(frozen=True)
+class InputTask:
+    """The decompositions of every layer reading one input: its Gram (sent once), each layer's weight as stored and
+    its statistics' fields (``LayerInput`` without the Gram), the ranks' alignment and the error target."""
+
+    layer: str  # the first layer's name: the executor names the task, and a failure, by it
+    gram: np.ndarray
+    layers: tuple["Layer", ...]
+    weights: tuple[torch.Tensor, ...]
+    inputs: tuple[LayerInput, ...]  # gram=None: the task's Gram is theirs
+    align: int
+    target: float
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of arrays the task carries: the Gram and the weights."""
+        return int(self.gram.nbytes) + sum(w.numel() * w.element_size() for w in self.weights)
+
+
+def spectra_task(task: InputTask) -> list[WhitenedSpectrum]:
+    """Work function: the whitened spectrum of each of the task's layers, on one BLAS thread (as the local path)."""
+    from threadpoolctl import threadpool_limits
+
+    with threadpool_limits(limits=1, user_api="blas"):
+        return [whitened_spectrum(layer, w, replace_gram(inp, task.gram), task.align, task.target)
+                for layer, w, inp in zip(task.layers, task.weights, task.inputs)]
+
+
+def _own(w: torch.Tensor) -> torch.Tensor:
+    """The weight on the CPU in its own storage: a view of a larger tensor would pickle the whole of it."""
+    w = w.detach().cpu()
+    if w.untyped_storage().nbytes() > w.numel() * w.element_size() or not w.is_contiguous():
+        w = w.clone(memory_format=torch.contiguous_format)
+    return w
+
+
+def _gram_key(stats: "InputStatistics", name: str, inp: LayerInput) -> object:
+    """What identifies a layer's Gram: its file in a GramStore (one per distinct Gram), else the array itself."""
+    meta = getattr(stats.layers, "meta", None)
+    return meta[name]["file"] if isinstance(meta, dict) and name in meta else id(inp.gram)
+
+
+def input_tasks(layers: Sequence["Layer"], weights: dict[str, torch.Tensor], stats: "InputStatistics",
+                align: int, target: float) -> list[InputTask]:
+    """One :class:`InputTask` per distinct Gram among ``layers`` (those with statistics), in the layers' order."""
+    groups: dict[object, list[tuple["Layer", LayerInput]]] = {}
+    for layer in layers:
+        if layer.name in stats.layers:
+            inp = stats.layers[layer.name]
+            groups.setdefault(_gram_key(stats, layer.name, inp), []).append((layer, inp))
+    tasks = []
+    for members in groups.values():
+        gram = np.ascontiguousarray(members[0][1].gram)
+        tasks.append(InputTask(members[0][0].name, gram, tuple(l for l, _ in members),
+                               tuple(_own(weights[l.param]) for l, _ in members),
+                               tuple(replace_gram(i, None) for _, i in members), align, target))  # type: ignore[arg-type]
+    return tasks
+
+
+def chunks(tasks: list[InputTask], limit: int = CHUNK_BYTES) -> list[list[InputTask]]:
+    """``tasks`` cut, in order, into runs of at most ``limit`` bytes (a larger task alone)."""
+    out: list[list[InputTask]] = []
+    size = 0
+    for t in tasks:
+        if not out or size + t.nbytes > limit:
+            out.append([])
+            size = 0
+        out[-1].append(t)
+        size += t.nbytes
+    return out
+
+
+class ClusterSpectra:
+    """Tier 1's decompositions on the Dask cluster ``scheduler`` (an address or a ``distributed.Client``): one
+    executor for the whole pass (:meth:`close` it, or use as a context manager). ``tasks`` and ``bytes_sent`` count
+    what was submitted; ``where`` says which cluster."""
+
+    def __init__(self, scheduler: Any, path_map: Sequence[tuple[str, str]] = ()) -> None:
+        from ...spectra.dask_executor import executor_for
+
+        self.executor = executor_for(scheduler, path_map)
+        self.tasks = 0
+        self.bytes_sent = 0
+        self.largest = 0
+
+    @property
+    def where(self) -> str:
+        return self.executor.where
+
+    def spectra(self, layers: Sequence["Layer"], weights: dict[str, torch.Tensor], stats: "InputStatistics",
+                align: int = 8, target: float = 0.01, progress: Callable[[int, int], None] | None = None,
+                chunk_bytes: int = CHUNK_BYTES) -> dict[str, WhitenedSpectrum]:
+        """What :func:`~auditor.calibration.statistics.whiten.whitened_spectra` returns for these layers, each
+        distinct input one task on the cluster, submitted ``chunk_bytes`` at a time and gathered before the next
+        chunk is read. ``progress(done, total)`` counts layers, in the order their tasks finish."""
+        names = [l.name for l in layers if l.name in stats.layers]
+        got: dict[str, WhitenedSpectrum] = {}
+        tasks = input_tasks(layers, weights, stats, align, target)
+        for part in chunks(tasks, chunk_bytes):
+            for spec in self._run(part):
+                got[spec.layer] = spec
+                if progress is not None:
+                    progress(len(got), len(names))
+        return {n: got[n] for n in names}
+
+    def _run(self, part: list[InputTask]) -> list[WhitenedSpectrum]:
+        self.tasks += len(part)
+        self.bytes_sent += sum(t.nbytes for t in part)
+        self.largest = max([self.largest, *(t.nbytes for t in part)])
+        out: list[WhitenedSpectrum] = []
+        with warnings.catch_warnings():  # the arrays are the tasks' inputs on purpose (see the module's notes)
+            warnings.filterwarnings("ignore", message=".*[Ll]arge graph.*")
+            for _i, specs in self.executor.run(spectra_task, part, [t.nbytes for t in part]):
+                out.extend(specs)
+        return out
+
+    def close(self) -> None:
+        self.executor.close()
+
+    def __enter__(self) -> "ClusterSpectra":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
