@@ -8,6 +8,7 @@ import json
 from dataclasses import asdict
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from torch import nn
@@ -16,7 +17,7 @@ pytest.importorskip("distributed", reason="the Dask tests need `distributed` (pi
 
 from _cluster import kill_worker_mid_task  # noqa: E402
 from auditor.calibration import load_calibration, tier1  # noqa: E402
-from auditor.calibration.statistics.remote import ClusterSpectra, chunks, input_tasks  # noqa: E402
+from auditor.calibration.statistics.remote import ClusterDecompositions, chunks, input_tasks  # noqa: E402
 from auditor.calibration.statistics.stats import by_name  # noqa: E402
 from auditor.structure.layers import ParamTable, collect_layers  # noqa: E402
 from test_cluster import cluster  # noqa: E402,F401 - the fixture: one 2-worker LocalCluster
@@ -63,7 +64,7 @@ def test_tier1_on_the_cluster_equals_local_bit_for_bit_one_task_per_input(cluste
     assert tasks[2].nbytes == D * D * 8 + 3 * D * D * 4
     assert tasks[4].nbytes == D * D * 8 + 4 * D * D * 4  # fc reads d, writes 4d
     assert tasks[0].nbytes == VOCAB * 8 + VOCAB * D * 4  # an embedding: its lookup counts, not a Gram
-    with ClusterSpectra(lc.scheduler_address) as cs:
+    with ClusterDecompositions(lc.scheduler_address) as cs:
         again = cs.spectra(list(layers.values()), weights, stats, 8, 0.01)
         assert (cs.tasks, cs.bytes_sent) == (len(tasks), sum(t.nbytes for t in tasks))
         assert cs.where == f"dask {lc.scheduler_address} (2 workers)"
@@ -82,20 +83,49 @@ def test_chunks_bound_what_is_in_flight_and_give_the_same_spectra(cluster, gpt, 
     assert [len(p) for p in parts] == [3, 1, 1, 1, 2, 1, 1, 1]
     assert [t for p in parts for t in p] == tasks  # in order, each once
     seen: list[int] = []
-    orig = ClusterSpectra._run
+    orig = ClusterDecompositions._run
 
-    def run(self: ClusterSpectra, part: list) -> list:
+    def run(self: ClusterDecompositions, fn, part: list) -> list:
         seen.append(len(part))
-        return orig(self, part)
+        return orig(self, fn, part)
 
-    monkeypatch.setattr(ClusterSpectra, "_run", run)
+    monkeypatch.setattr(ClusterDecompositions, "_run", run)
     done: list[tuple[int, int]] = []
-    with ClusterSpectra(client) as cs:
+    with ClusterDecompositions(client) as cs:
         got = cs.spectra(list(layers.values()), weights, stats, 8, 0.01, progress=lambda d, t: done.append((d, t)),
                          chunk_bytes=1)
     assert seen == [1] * len(tasks)  # one task at a time: nothing else alive here or on the scheduler
     assert done == [(i, len(local)) for i in range(1, len(local) + 1)]  # layers counted as their tasks finish
     _same(got, local)
+
+
+def test_tier3_decompositions_on_the_cluster_equal_local_and_go_to_the_store(cluster, gpt):
+    from threadpoolctl import threadpool_limits
+
+    from auditor.calibration.statistics.whiten import Truncator, TruncatorStore
+
+    lc, client = cluster
+    model, layers, stats, _ = gpt
+    table = ParamTable.of(model)
+    weights = {l.param: table.tensor(l.param) for l in layers.values()}
+    one = Truncator(layers["blocks.0.out"], weights[layers["blocks.0.out"].param], None)
+    store = TruncatorStore(budget=2 * (one.f.nbytes + one.u[0].nbytes))  # one or two in memory, the rest on disk
+    done: list[int] = []
+    with ClusterDecompositions(client) as cs:
+        cs.truncators(list(layers.values()), weights, stats, store, progress=lambda d, t: done.append(t))
+        assert cs.tasks == 4 * LAYERS + 3  # the same tasks as tier 1's: one per distinct input
+    assert store.spilled > 0 and len(done) == len(layers) == 6 * LAYERS + 3
+    for name, layer in layers.items():
+        with threadpool_limits(limits=1, user_api="blas"):  # as a worker computes, and the local tier 3 in tests
+            local = Truncator(layer, weights[layer.param], stats.layers[name])
+        got = store.get(name)
+        assert got is not None and len(got.u) == len(local.u)
+        assert all(np.array_equal(a, b) for a, b in zip(got.u, local.u)), name  # bit for bit
+        assert np.array_equal(got.f, local.f)
+        r = min(8, *got.f.shape[1:])
+        assert all(np.array_equal(a, b) for a, b in zip(got.factors(r), local.factors(r)))
+        assert torch.equal(got.weight(r), local.weight(r))
+    store.close()
 
 
 class Wide(nn.Module):
@@ -144,7 +174,7 @@ def test_cli_audit_runs_tier1_on_the_cluster_and_gives_the_local_json(cluster, c
     assert "tier1" not in env_l
     for r in remote:
         assert r["meta"].pop("environment")["tier1"] == f"dask {lc.scheduler_address} (2 workers)"
-        r["calibration"].pop("seconds")
+        assert "tier3 decompositions" in r["calibration"].pop("seconds")  # tier 3's factors came from there too
     local["calibration"].pop("seconds")
     assert remote[1]["calibration"]["statistics_cached"] and not remote[0]["calibration"]["statistics_cached"]
     for r in remote:

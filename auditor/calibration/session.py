@@ -25,7 +25,7 @@ import hashlib
 import os
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable, Iterator
+from typing import TYPE_CHECKING, Callable, Iterator, MutableMapping
 
 from torch import nn
 
@@ -39,7 +39,7 @@ from .statistics.stats import InputStatistics, by_name, input_statistics
 
 if TYPE_CHECKING:
     from .measure.metric import UserMetric
-    from .statistics.whiten import WhitenedSpectrum
+    from .statistics.whiten import Truncator, WhitenedSpectrum
     from ..options import AuditOptions, TierOptions
     from .measure.metric import PlanMeasurer
     from .measure.staged import StagedEvaluator
@@ -511,21 +511,38 @@ class CalibrationSession:
         audit's Dask cluster, else "" (here)."""
         return self._held.tier1_where
 
+    def cluster_truncators(self, layers: list[Layer], store: "MutableMapping[str, Truncator]",
+                           progress: "Callable[[int, int], None] | None" = None) -> None:
+        """On the audit's Dask cluster (:attr:`on_cluster`): the decompositions tier 3, the plan check and
+        ``factorize`` cut factors from (each of ``layers``' :class:`~auditor.calibration.statistics.whiten.Truncator`
+        under the statistics) made there, one task per distinct input, put into ``store`` chunk by chunk."""
+        from .statistics.remote import ClusterDecompositions
+
+        assert self.options is not None and self.options.cluster.scheduler is not None, "not on a cluster"
+        table = {n: p for n, p in self.model.named_parameters(remove_duplicate=False)}
+        with ClusterDecompositions(self.options.cluster.scheduler, self.options.cluster.path_map) as cluster:
+            cluster.truncators(layers, table, self.stats, store, progress)
+
+    @property
+    def on_cluster(self) -> bool:
+        """The audit gave a Dask scheduler (``--scheduler``): tier 1's and tier 3's decompositions run there."""
+        return self.options is not None and self.options.cluster.scheduler is not None
+
     @contextlib.contextmanager
     def decomposer(self) -> "Iterator[Callable[..., dict[str, WhitenedSpectrum]]]":
         """What computes tier 1's whitened spectra, called as ``whitened_spectra(layers, weights, stats, align,
         target, progress=...)``: with the audit's ``--scheduler`` one Dask task per distinct layer input
-        (:class:`~auditor.calibration.statistics.remote.ClusterSpectra`, its client open while the block runs), else
+        (:class:`~auditor.calibration.statistics.remote.ClusterDecompositions`, its client open while the block runs), else
         :func:`~auditor.calibration.statistics.whiten.whitened_spectra` here."""
-        scheduler = self.options.cluster.scheduler if self.options is not None else None
-        if scheduler is None:
+        if not self.on_cluster:
             from .statistics.whiten import whitened_spectra
 
             yield whitened_spectra
             return
-        from .statistics.remote import ClusterSpectra
+        from .statistics.remote import ClusterDecompositions
 
-        with ClusterSpectra(scheduler, self.options.cluster.path_map) as cluster:  # type: ignore[union-attr]
+        assert self.options is not None
+        with ClusterDecompositions(self.options.cluster.scheduler, self.options.cluster.path_map) as cluster:
             yield cluster.spectra
             self._held.tier1_where = cluster.where  # asked while the client is open
 

@@ -13,7 +13,7 @@ Decisions:
   elsewhere (scattered data would die with the worker that held it, and its dependents with it). Each array crosses
   from this process once, whatever the number of layers reading it.
 - **Memory here bounded by one block.** The statistics pass hands each block's layers over as the block completes
-  and waits for their spectra before the next block's forward (:meth:`ClusterSpectra.spectra`); statistics read back
+  and waits for their spectra before the next block's forward (:meth:`ClusterDecompositions.spectra`); statistics read back
   from the cache go in chunks of at most :data:`CHUNK_BYTES` (or one task, if larger). Only one chunk's tasks and
   their spectra are alive at once, here and on the scheduler.
 - **Failures.** :class:`~auditor.spectra.dask_executor.DaskExecutor`'s: a lost worker's task is rerun by the
@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import warnings
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable, Sequence
+from typing import TYPE_CHECKING, Any, Callable, MutableMapping, Sequence
 
 import numpy as np
 import torch
@@ -35,6 +35,7 @@ from .whiten import WhitenedSpectrum, whitened_spectrum
 if TYPE_CHECKING:
     from ...results import Layer
     from .stats import InputStatistics
+    from .whiten import Truncator
 
 CHUNK_BYTES = 256 << 20  # the task bytes submitted at once when the statistics are read back (not block by block)
 
@@ -64,6 +65,18 @@ def spectra_task(task: InputTask) -> list[WhitenedSpectrum]:
 
     with threadpool_limits(limits=1, user_api="blas"):
         return [whitened_spectrum(layer, w, replace_gram(inp, task.gram), task.align, task.target)
+                for layer, w, inp in zip(task.layers, task.weights, task.inputs)]
+
+
+def truncator_task(task: InputTask) -> list[tuple[str, list[np.ndarray]]]:
+    """Work function: each of the task's layers' :class:`~auditor.calibration.statistics.whiten.Truncator`
+    decompositions (U per group: what tier 3 and ``factorize`` cut factors from at any rank), on one BLAS thread."""
+    from threadpoolctl import threadpool_limits
+
+    from .whiten import Truncator
+
+    with threadpool_limits(limits=1, user_api="blas"):
+        return [(layer.name, Truncator(layer, w, replace_gram(inp, task.gram)).u)
                 for layer, w, inp in zip(task.layers, task.weights, task.inputs)]
 
 
@@ -111,7 +124,7 @@ def chunks(tasks: list[InputTask], limit: int = CHUNK_BYTES) -> list[list[InputT
     return out
 
 
-class ClusterSpectra:
+class ClusterDecompositions:
     """Tier 1's decompositions on the Dask cluster ``scheduler`` (an address or a ``distributed.Client``): one
     executor for the whole pass (:meth:`close` it, or use as a context manager). ``tasks`` and ``bytes_sent`` count
     what was submitted; ``where`` says which cluster."""
@@ -138,27 +151,45 @@ class ClusterSpectra:
         got: dict[str, WhitenedSpectrum] = {}
         tasks = input_tasks(layers, weights, stats, align, target)
         for part in chunks(tasks, chunk_bytes):
-            for spec in self._run(part):
+            for spec in self._run(spectra_task, part):
                 got[spec.layer] = spec
                 if progress is not None:
                     progress(len(got), len(names))
         return {n: got[n] for n in names}
 
-    def _run(self, part: list[InputTask]) -> list[WhitenedSpectrum]:
+    def truncators(self, layers: Sequence["Layer"], weights: dict[str, torch.Tensor], stats: "InputStatistics",
+                   store: "MutableMapping[str, Truncator]", progress: Callable[[int, int], None] | None = None,
+                   chunk_bytes: int = CHUNK_BYTES) -> None:
+        """Each of ``layers``' (those with statistics) :class:`~auditor.calibration.statistics.whiten.Truncator`,
+        its decomposition made on the cluster, put into ``store`` (a
+        :class:`~auditor.calibration.statistics.whiten.TruncatorStore` keeps a budget in memory and spills the
+        rest) one chunk at a time, so this process holds one chunk's U beyond what the store keeps."""
+        from .whiten import Truncator
+
+        named = {l.name: l for l in layers if l.name in stats.layers}
+        done = 0
+        for part in chunks(input_tasks(list(named.values()), weights, stats, 8, 0.01), chunk_bytes):
+            for name, u in self._run(truncator_task, part):
+                store[name] = Truncator.from_parts(named[name], weights[named[name].param], u)
+                done += 1
+                if progress is not None:
+                    progress(done, len(named))
+
+    def _run(self, fn: Callable[[InputTask], list[Any]], part: list[InputTask]) -> list[Any]:
         self.tasks += len(part)
         self.bytes_sent += sum(t.nbytes for t in part)
         self.largest = max([self.largest, *(t.nbytes for t in part)])
-        out: list[WhitenedSpectrum] = []
+        out: list[Any] = []
         with warnings.catch_warnings():  # the arrays are the tasks' inputs on purpose (see the module's notes)
             warnings.filterwarnings("ignore", message=".*[Ll]arge graph.*")
-            for _i, specs in self.executor.run(spectra_task, part, [t.nbytes for t in part]):
-                out.extend(specs)
+            for _i, got in self.executor.run(fn, part, [t.nbytes for t in part]):
+                out.extend(got)
         return out
 
     def close(self) -> None:
         self.executor.close()
 
-    def __enter__(self) -> "ClusterSpectra":
+    def __enter__(self) -> "ClusterDecompositions":
         return self
 
     def __exit__(self, *exc: object) -> None:

@@ -22,14 +22,14 @@ def tier1(model: nn.Module, layers: dict[str, Layer] | list[Layer], calibration:
     every layer that has them, keyed by ``Layer.name``. Layers without statistics are in ``stats.missing``: they keep
     the weight-energy rank. ``scheduler`` (a Dask scheduler address or a ``distributed.Client``): the
     decompositions run there, one task per distinct layer input
-    (:class:`~auditor.calibration.statistics.remote.ClusterSpectra`), the same spectra bit for bit."""
+    (:class:`~auditor.calibration.statistics.remote.ClusterDecompositions`), the same spectra bit for bit."""
     if stats is None:
         stats = CalibrationSession.of(calibration, model, layers=layers).statistics(layers)
     table = ParamTable.of(model)
     weights = {layer.param: table.tensor(layer.param) for layer in by_name(layers).values()}
     if scheduler is None:
         return stats, whitened_spectra(layers, weights, stats, align, target, jobs)
-    from ..statistics.remote import ClusterSpectra
+    from ..statistics.remote import ClusterDecompositions
 
-    with ClusterSpectra(scheduler) as cluster:
+    with ClusterDecompositions(scheduler) as cluster:
         return stats, cluster.spectra(list(by_name(layers).values()), weights, stats, align, target)
