@@ -45,16 +45,31 @@ def model_and_calibration(width: int, depth: int, rows: int, folder: Path):
     return model, path
 
 
+def timed(owner: object, name: str, counts: dict[str, float]) -> None:
+    """``owner.name`` replaced by a wrapper adding its seconds to ``counts["decompose_s"]``: the decompositions'
+    share of tier 1 (the rest is the statistics' forward pass, the same in both modes)."""
+    fn = getattr(owner, name)
+
+    def wrapper(*a: object, **kw: object) -> object:
+        t = time.perf_counter()
+        try:
+            return fn(*a, **kw)
+        finally:
+            counts["decompose_s"] = round(counts.get("decompose_s", 0) + time.perf_counter() - t, 2)
+
+    setattr(owner, name, wrapper)
+
+
 def child(args: argparse.Namespace) -> None:
     """One run of tier 1 in this process; prints one JSON line and pickles the spectra to ``args.out``."""
     from auditor.calibration.session import CalibrationSession
-    from auditor.calibration.statistics import remote
+    from auditor.calibration.statistics import remote, whiten
     from auditor.options import AuditOptions
     from auditor.structure.layers import ParamTable, collect_layers
     sys.path.insert(0, str(ROOT / "benchmarks"))
     from _util import rss_mb
 
-    counts: dict[str, int] = {}
+    counts: dict[str, float] = {}
     close = remote.ClusterDecompositions.close
 
     def counted(self: remote.ClusterDecompositions) -> None:
@@ -64,6 +79,8 @@ def child(args: argparse.Namespace) -> None:
         close(self)
 
     remote.ClusterDecompositions.close = counted  # type: ignore[method-assign]
+    timed(whiten, "whitened_spectra", counts)
+    timed(remote.ClusterDecompositions, "spectra", counts)
     model, path = model_and_calibration(args.width, args.depth, args.rows, Path(args.folder))
     layers = collect_layers(model, ParamTable.of(model))
     options = AuditOptions(calibration=str(path), cache=False, scheduler=args.scheduler)

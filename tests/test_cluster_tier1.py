@@ -17,7 +17,7 @@ pytest.importorskip("distributed", reason="the Dask tests need `distributed` (pi
 
 from _cluster import kill_worker_mid_task  # noqa: E402
 from auditor.calibration import load_calibration, tier1  # noqa: E402
-from auditor.calibration.statistics.remote import ClusterDecompositions, chunks, input_tasks  # noqa: E402
+from auditor.calibration.statistics.remote import ClusterDecompositions, input_tasks, parts  # noqa: E402
 from auditor.calibration.statistics.stats import by_name  # noqa: E402
 from auditor.structure.layers import ParamTable, collect_layers  # noqa: E402
 from test_cluster import cluster  # noqa: E402,F401 - the fixture: one 2-worker LocalCluster
@@ -71,17 +71,16 @@ def test_tier1_on_the_cluster_equals_local_bit_for_bit_one_task_per_input(cluste
     _same(again, local)
 
 
-def test_chunks_bound_what_is_in_flight_and_give_the_same_spectra(cluster, gpt, monkeypatch):
+def test_one_block_at_a_time_bounds_what_is_in_flight_and_gives_the_same_spectra(cluster, gpt, monkeypatch):
     lc, client = cluster
     model, layers, stats, local = gpt
     table = ParamTable.of(model)
     weights = {l.param: table.tensor(l.param) for l in layers.values()}
-    tasks = input_tasks(list(layers.values()), weights, stats, 8, 0.01)
-    sizes = [t.nbytes for t in tasks]
-    parts = chunks(tasks, sizes[2] + sizes[3])
-    # tok 8,000 B + pos 3,200 + q/k/v 46,080 fit in 73,728; proj 27,648 + fc 55,296 do not; out (331,776) alone
-    assert [len(p) for p in parts] == [3, 1, 1, 1, 2, 1, 1, 1]
-    assert [t for p in parts for t in p] == tasks  # in order, each once
+    cut = parts(model, list(layers.values()))
+    assert [[l.name for l in p] for p in cut] == [
+        ["tok"], ["pos"], *([f"blocks.{b}.{n}" for n in ("q", "k", "v", "proj", "fc", "out")] for b in range(LAYERS)),
+        ["head"]]
+    assert parts(None, list(layers.values())) == [list(layers.values())]  # no model: all at once
     seen: list[int] = []
     orig = ClusterDecompositions._run
 
@@ -91,10 +90,10 @@ def test_chunks_bound_what_is_in_flight_and_give_the_same_spectra(cluster, gpt, 
 
     monkeypatch.setattr(ClusterDecompositions, "_run", run)
     done: list[tuple[int, int]] = []
-    with ClusterDecompositions(client) as cs:
-        got = cs.spectra(list(layers.values()), weights, stats, 8, 0.01, progress=lambda d, t: done.append((d, t)),
-                         chunk_bytes=1)
-    assert seen == [1] * len(tasks)  # one task at a time: nothing else alive here or on the scheduler
+    with ClusterDecompositions(client, model=model) as cs:
+        got = cs.spectra(list(layers.values()), weights, stats, 8, 0.01, progress=lambda d, t: done.append((d, t)))
+    # tasks in flight at once: an embedding's, then a block's four (q/k/v share one), then the head's
+    assert seen == [1, 1, *[4] * LAYERS, 1]
     assert done == [(i, len(local)) for i in range(1, len(local) + 1)]  # layers counted as their tasks finish
     _same(got, local)
 
@@ -111,7 +110,7 @@ def test_tier3_decompositions_on_the_cluster_equal_local_and_go_to_the_store(clu
     one = Truncator(layers["blocks.0.out"], weights[layers["blocks.0.out"].param], None)
     store = TruncatorStore(budget=2 * (one.f.nbytes + one.u[0].nbytes))  # one or two in memory, the rest on disk
     done: list[int] = []
-    with ClusterDecompositions(client) as cs:
+    with ClusterDecompositions(client, model=model) as cs:
         cs.truncators(list(layers.values()), weights, stats, store, progress=lambda d, t: done.append(t))
         assert cs.tasks == 4 * LAYERS + 3  # the same tasks as tier 1's: one per distinct input
     assert store.spilled > 0 and len(done) == len(layers) == 6 * LAYERS + 3
@@ -167,7 +166,7 @@ def test_cli_audit_runs_tier1_on_the_cluster_and_gives_the_local_json(cluster, c
     lc, _ = cluster
     local = _cli_json(cli_inproc, tmp_path / "local", "--calibration", calib_file, "--no-cache")
     # with a cache: the first run's decompositions go block by block with the statistics, the second reads the
-    # statistics back from the cache and sends the decompositions in chunks
+    # statistics back from the cache and sends the decompositions one block at a time
     remote = [_cli_json(cli_inproc, tmp_path / f"remote{i}", "--calibration", calib_file, "--cache-dir",
                         tmp_path / "cache", "--scheduler", lc.scheduler_address) for i in (1, 2)]
     env_l = local["meta"].pop("environment")

@@ -515,12 +515,13 @@ class CalibrationSession:
                            progress: "Callable[[int, int], None] | None" = None) -> None:
         """On the audit's Dask cluster (:attr:`on_cluster`): the decompositions tier 3, the plan check and
         ``factorize`` cut factors from (each of ``layers``' :class:`~auditor.calibration.statistics.whiten.Truncator`
-        under the statistics) made there, one task per distinct input, put into ``store`` chunk by chunk."""
+        under the statistics) made there, one task per distinct input, put into ``store`` one block at a time."""
         from .statistics.remote import ClusterDecompositions
 
         assert self.options is not None and self.options.cluster.scheduler is not None, "not on a cluster"
         table = {n: p for n, p in self.model.named_parameters(remove_duplicate=False)}
-        with ClusterDecompositions(self.options.cluster.scheduler, self.options.cluster.path_map) as cluster:
+        with ClusterDecompositions(self.options.cluster.scheduler, self.options.cluster.path_map,
+                                   self.model) as cluster:
             cluster.truncators(layers, table, self.stats, store, progress)
 
     @property
@@ -542,7 +543,8 @@ class CalibrationSession:
         from .statistics.remote import ClusterDecompositions
 
         assert self.options is not None
-        with ClusterDecompositions(self.options.cluster.scheduler, self.options.cluster.path_map) as cluster:
+        with ClusterDecompositions(self.options.cluster.scheduler, self.options.cluster.path_map,
+                                   self.model) as cluster:  # one block, or one layer outside them, at a time
             yield cluster.spectra
             self._held.tier1_where = cluster.where  # asked while the client is open
 

@@ -13,9 +13,11 @@ Decisions:
   elsewhere (scattered data would die with the worker that held it, and its dependents with it). Each array crosses
   from this process once, whatever the number of layers reading it.
 - **Memory here bounded by one block.** The statistics pass hands each block's layers over as the block completes
-  and waits for their spectra before the next block's forward (:meth:`ClusterDecompositions.spectra`); statistics read back
-  from the cache go in chunks of at most :data:`CHUNK_BYTES` (or one task, if larger). Only one chunk's tasks and
-  their spectra are alive at once, here and on the scheduler.
+  and waits for their spectra before the next block's forward (the session's ``decomposer``); statistics read back
+  from the cache, and tier 3's decompositions, go one part at a time (:func:`parts`: a repeated block's layers, or
+  one layer outside the blocks, as :func:`~auditor.calibration.statistics.whiten.part_bytes` counts). Only one
+  part's task inputs and results are alive at once, here and on the scheduler. The price: at most one part's tasks
+  run at once (4 for a Llama block: q/k/v, o, gate/up, down), whatever the number of workers.
 - **Failures.** :class:`~auditor.spectra.dask_executor.DaskExecutor`'s: a lost worker's task is rerun by the
   scheduler (``distributed.scheduler.allowed-failures``), a task that keeps failing is one line naming the layer.
 """
@@ -36,9 +38,6 @@ if TYPE_CHECKING:
     from ...results import Layer
     from .stats import InputStatistics
     from .whiten import Truncator
-
-CHUNK_BYTES = 256 << 20  # the task bytes submitted at once when the statistics are read back (not block by block)
-
 
 @dataclass(frozen=True)
 class InputTask:
@@ -111,17 +110,18 @@ def input_tasks(layers: Sequence["Layer"], weights: dict[str, torch.Tensor], sta
     return tasks
 
 
-def chunks(tasks: list[InputTask], limit: int = CHUNK_BYTES) -> list[list[InputTask]]:
-    """``tasks`` cut, in order, into runs of at most ``limit`` bytes (a larger task alone)."""
-    out: list[list[InputTask]] = []
-    size = 0
-    for t in tasks:
-        if not out or size + t.nbytes > limit:
-            out.append([])
-            size = 0
-        out[-1].append(t)
-        size += t.nbytes
-    return out
+def parts(model: "torch.nn.Module | None", layers: Sequence["Layer"]) -> list[list["Layer"]]:
+    """``layers`` cut into what is sent at once: each repeated block's layers together, each layer outside the blocks
+    alone (:func:`~auditor.calibration.statistics.stream.find_blocks`), in the order of their first layer; all of
+    them together without ``model`` or without repeated blocks."""
+    from .stream import find_blocks
+
+    found = find_blocks(model, list(layers)) if model is not None and layers else None
+    if found is None:
+        return [list(layers)] if layers else []
+    order = {l.name: i for i, l in enumerate(layers)}
+    out = [ls for ls in found.layers if ls] + [[l] for l in found.outside]
+    return sorted(out, key=lambda ls: min(order[l.name] for l in ls))
 
 
 class ClusterDecompositions:
@@ -129,10 +129,12 @@ class ClusterDecompositions:
     executor for the whole pass (:meth:`close` it, or use as a context manager). ``tasks`` and ``bytes_sent`` count
     what was submitted; ``where`` says which cluster."""
 
-    def __init__(self, scheduler: Any, path_map: Sequence[tuple[str, str]] = ()) -> None:
+    def __init__(self, scheduler: Any, path_map: Sequence[tuple[str, str]] = (),
+                 model: "torch.nn.Module | None" = None) -> None:
         from ...spectra.dask_executor import executor_for
 
         self.executor = executor_for(scheduler, path_map)
+        self.model = model  # what the layers are cut into parts by (:func:`parts`); None: all at once
         self.tasks = 0
         self.bytes_sent = 0
         self.largest = 0
@@ -142,34 +144,32 @@ class ClusterDecompositions:
         return self.executor.where
 
     def spectra(self, layers: Sequence["Layer"], weights: dict[str, torch.Tensor], stats: "InputStatistics",
-                align: int = 8, target: float = 0.01, progress: Callable[[int, int], None] | None = None,
-                chunk_bytes: int = CHUNK_BYTES) -> dict[str, WhitenedSpectrum]:
+                align: int = 8, target: float = 0.01,
+                progress: Callable[[int, int], None] | None = None) -> dict[str, WhitenedSpectrum]:
         """What :func:`~auditor.calibration.statistics.whiten.whitened_spectra` returns for these layers, each
-        distinct input one task on the cluster, submitted ``chunk_bytes`` at a time and gathered before the next
-        chunk is read. ``progress(done, total)`` counts layers, in the order their tasks finish."""
+        distinct input one task on the cluster, one part (:func:`parts`) submitted and gathered at a time.
+        ``progress(done, total)`` counts layers, in the order their tasks finish."""
         names = [l.name for l in layers if l.name in stats.layers]
         got: dict[str, WhitenedSpectrum] = {}
-        tasks = input_tasks(layers, weights, stats, align, target)
-        for part in chunks(tasks, chunk_bytes):
-            for spec in self._run(spectra_task, part):
+        for part in parts(self.model, [l for l in layers if l.name in stats.layers]):
+            for spec in self._run(spectra_task, input_tasks(part, weights, stats, align, target)):
                 got[spec.layer] = spec
                 if progress is not None:
                     progress(len(got), len(names))
         return {n: got[n] for n in names}
 
     def truncators(self, layers: Sequence["Layer"], weights: dict[str, torch.Tensor], stats: "InputStatistics",
-                   store: "MutableMapping[str, Truncator]", progress: Callable[[int, int], None] | None = None,
-                   chunk_bytes: int = CHUNK_BYTES) -> None:
+                   store: "MutableMapping[str, Truncator]", progress: Callable[[int, int], None] | None = None) -> None:
         """Each of ``layers``' (those with statistics) :class:`~auditor.calibration.statistics.whiten.Truncator`,
         its decomposition made on the cluster, put into ``store`` (a
         :class:`~auditor.calibration.statistics.whiten.TruncatorStore` keeps a budget in memory and spills the
-        rest) one chunk at a time, so this process holds one chunk's U beyond what the store keeps."""
+        rest) one part (:func:`parts`) at a time, so this process holds one part's U beyond what the store keeps."""
         from .whiten import Truncator
 
         named = {l.name: l for l in layers if l.name in stats.layers}
         done = 0
-        for part in chunks(input_tasks(list(named.values()), weights, stats, 8, 0.01), chunk_bytes):
-            for name, u in self._run(truncator_task, part):
+        for part in parts(self.model, list(named.values())):
+            for name, u in self._run(truncator_task, input_tasks(part, weights, stats, 8, 0.01)):
                 store[name] = Truncator.from_parts(named[name], weights[named[name].param], u)
                 done += 1
                 if progress is not None:

@@ -31,5 +31,5 @@ def tier1(model: nn.Module, layers: dict[str, Layer] | list[Layer], calibration:
         return stats, whitened_spectra(layers, weights, stats, align, target, jobs)
     from ..statistics.remote import ClusterDecompositions
 
-    with ClusterDecompositions(scheduler) as cluster:
+    with ClusterDecompositions(scheduler, model=model) as cluster:  # one block (or outside layer) at a time
         return stats, cluster.spectra(list(by_name(layers).values()), weights, stats, align, target)
