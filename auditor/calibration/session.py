@@ -533,8 +533,8 @@ class CalibrationSession:
     def decomposer(self) -> "Iterator[Callable[..., dict[str, WhitenedSpectrum]]]":
         """What computes tier 1's whitened spectra, called as ``whitened_spectra(layers, weights, stats, align,
         target, progress=...)``: with the audit's ``--scheduler`` one Dask task per distinct layer input
-        (:class:`~auditor.calibration.statistics.remote.ClusterDecompositions`, its client open while the block runs), else
-        :func:`~auditor.calibration.statistics.whiten.whitened_spectra` here."""
+        (:class:`~auditor.calibration.statistics.remote.ClusterDecompositions`, its client open while the block
+        runs), else :func:`~auditor.calibration.statistics.whiten.whitened_spectra` here."""
         if not self.on_cluster:
             from .statistics.whiten import whitened_spectra
 

@@ -104,9 +104,9 @@ def input_tasks(layers: Sequence["Layer"], weights: dict[str, torch.Tensor], sta
     tasks = []
     for members in groups.values():
         gram = np.ascontiguousarray(members[0][1].gram)
+        fields = tuple(replace_gram(i, None) for _, i in members)  # type: ignore[arg-type]
         tasks.append(InputTask(members[0][0].name, gram, tuple(l for l, _ in members),
-                               tuple(_own(weights[l.param]) for l, _ in members),
-                               tuple(replace_gram(i, None) for _, i in members), align, target))  # type: ignore[arg-type]
+                               tuple(_own(weights[l.param]) for l, _ in members), fields, align, target))
     return tasks
 
 
