@@ -127,6 +127,37 @@ def test_tier3_decompositions_on_the_cluster_equal_local_and_go_to_the_store(clu
     store.close()
 
 
+def test_factorize_with_a_session_on_the_cluster_gives_the_local_weights(cluster, gpt, monkeypatch):
+    from threadpoolctl import threadpool_limits
+
+    from auditor.calibration import CalibrationSession
+    from auditor.calibration.apply import factorize
+    from auditor.options import AuditOptions
+
+    lc, client = cluster
+    model, layers, stats, _ = gpt
+    plan = {"blocks.0.fc": 16, "blocks.1.q": 8, "blocks.1.k": 8, "head": 16}
+    cal = load_calibration({"idx": torch.zeros(8, CONTEXT, dtype=torch.int64)}, model, holdout=0.25, batch_size=4)
+    remote = CalibrationSession(model, cal, layers=layers, stats=stats,
+                                options=AuditOptions(scheduler=client, cache=False))
+    assert remote.on_cluster
+    sent: list[list[str]] = []
+    orig = ClusterDecompositions._run
+
+    def run(self: ClusterDecompositions, fn, part: list) -> list:
+        sent.append([l.name for t in part for l in t.layers])
+        return orig(self, fn, part)
+
+    monkeypatch.setattr(ClusterDecompositions, "_run", run)
+    got = factorize(model, plan, remote)
+    assert sent == [["blocks.0.fc"], ["blocks.1.q", "blocks.1.k"], ["head"]]  # the plan's layers, block by block
+    with threadpool_limits(limits=1, user_api="blas"):  # as the workers decompose
+        want = factorize(model, plan, CalibrationSession(model, cal, layers=layers, stats=stats))
+    a, b = got.state_dict(), want.state_dict()
+    assert list(a) == list(b) and all(torch.equal(a[k], b[k]) for k in a)  # bit for bit
+    assert any(k.startswith("blocks.1.q.") and k != "blocks.1.q.weight" for k in a)  # q was factorized
+
+
 class Wide(nn.Module):
     """Four 768-wide layers: each decomposition takes a good part of a second on one thread (a task to kill)."""
 

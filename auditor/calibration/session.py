@@ -512,17 +512,19 @@ class CalibrationSession:
         return self._held.tier1_where
 
     def cluster_truncators(self, layers: list[Layer], store: "MutableMapping[str, Truncator]",
-                           progress: "Callable[[int, int], None] | None" = None) -> None:
+                           progress: "Callable[[int, int], None] | None" = None,
+                           stats: InputStatistics | None = None) -> None:
         """On the audit's Dask cluster (:attr:`on_cluster`): the decompositions tier 3, the plan check and
         ``factorize`` cut factors from (each of ``layers``' :class:`~auditor.calibration.statistics.whiten.Truncator`
-        under the statistics) made there, one task per distinct input, put into ``store`` one block at a time."""
+        under the statistics: the session's, or ``stats``) made there, one task per distinct input, put into
+        ``store`` one block at a time."""
         from .statistics.remote import ClusterDecompositions
 
         assert self.options is not None and self.options.cluster.scheduler is not None, "not on a cluster"
         table = {n: p for n, p in self.model.named_parameters(remove_duplicate=False)}
         with ClusterDecompositions(self.options.cluster.scheduler, self.options.cluster.path_map,
                                    self.model) as cluster:
-            cluster.truncators(layers, table, self.stats, store, progress)
+            cluster.truncators(layers, table, stats if stats is not None else self.stats, store, progress)
 
     @property
     def on_cluster(self) -> bool:
