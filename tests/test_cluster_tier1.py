@@ -71,7 +71,7 @@ def test_tier1_on_the_cluster_equals_local_bit_for_bit_one_task_per_input(cluste
     _same(again, local)
 
 
-def test_one_block_at_a_time_bounds_what_is_in_flight_and_gives_the_same_spectra(cluster, gpt, monkeypatch):
+def test_rounds_of_blocks_bound_what_is_in_flight_and_give_the_same_spectra(cluster, gpt, monkeypatch):
     lc, client = cluster
     model, layers, stats, local = gpt
     table = ParamTable.of(model)
@@ -92,8 +92,9 @@ def test_one_block_at_a_time_bounds_what_is_in_flight_and_gives_the_same_spectra
     done: list[tuple[int, int]] = []
     with ClusterDecompositions(client, model=model) as cs:
         got = cs.spectra(list(layers.values()), weights, stats, 8, 0.01, progress=lambda d, t: done.append((d, t)))
-    # tasks in flight at once: an embedding's, then a block's four (q/k/v share one), then the head's
-    assert seen == [1, 1, *[4] * LAYERS, 1]
+    # tasks in flight at once, a round giving each of the 2 workers one: the two embeddings', then a block's four
+    # (q/k/v share one), then the head's (the last)
+    assert seen == [2, *[4] * LAYERS, 1]
     assert done == [(i, len(local)) for i in range(1, len(local) + 1)]  # layers counted as their tasks finish
     _same(got, local)
 
@@ -150,7 +151,8 @@ def test_factorize_with_a_session_on_the_cluster_gives_the_local_weights(cluster
 
     monkeypatch.setattr(ClusterDecompositions, "_run", run)
     got = factorize(model, plan, remote)
-    assert sent == [["blocks.0.fc"], ["blocks.1.q", "blocks.1.k"], ["head"]]  # the plan's layers, block by block
+    # the plan's layers block by block, a round giving each of the 2 workers a task (q and k: one input, one task)
+    assert sent == [["blocks.0.fc", "blocks.1.q", "blocks.1.k"], ["head"]]
     with threadpool_limits(limits=1, user_api="blas"):  # as the workers decompose
         want = factorize(model, plan, CalibrationSession(model, cal, layers=layers, stats=stats))
     a, b = got.state_dict(), want.state_dict()

@@ -14,10 +14,12 @@ Decisions:
   from this process once, whatever the number of layers reading it.
 - **Memory here bounded by one block.** The statistics pass hands each block's layers over as the block completes
   and waits for their spectra before the next block's forward (the session's ``decomposer``); statistics read back
-  from the cache, and tier 3's decompositions, go one part at a time (:func:`parts`: a repeated block's layers, or
-  one layer outside the blocks, as :func:`~auditor.calibration.statistics.whiten.part_bytes` counts). Only one
-  part's task inputs and results are alive at once, here and on the scheduler. The price: at most one part's tasks
-  run at once (4 for a Llama block: q/k/v, o, gate/up, down), whatever the number of workers.
+  from the cache, and tier 3's decompositions, go one round at a time: consecutive parts (:func:`parts`: a
+  repeated block's layers, or one layer outside the blocks, as
+  :func:`~auditor.calibration.statistics.whiten.part_bytes` counts) until every worker has a task. Only one
+  round's task inputs and results are alive at once, here and on the scheduler: a block's on a cluster of up to 4
+  workers (a Llama block is 4 tasks), more blocks on a wider one, never a number that grows with the depth. In the
+  statistics pass at most one block's tasks run at once, whatever the number of workers.
 - **Failures.** :class:`~auditor.spectra.dask_executor.DaskExecutor`'s: a lost worker's task is rerun by the
   scheduler (``distributed.scheduler.allowed-failures``), a task that keeps failing is one line naming the layer.
 """
@@ -26,7 +28,7 @@ from __future__ import annotations
 
 import warnings
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable, MutableMapping, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Iterator, MutableMapping, Sequence
 
 import numpy as np
 import torch
@@ -147,12 +149,12 @@ class ClusterDecompositions:
                 align: int = 8, target: float = 0.01,
                 progress: Callable[[int, int], None] | None = None) -> dict[str, WhitenedSpectrum]:
         """What :func:`~auditor.calibration.statistics.whiten.whitened_spectra` returns for these layers, each
-        distinct input one task on the cluster, one part (:func:`parts`) submitted and gathered at a time.
+        distinct input one task on the cluster, one round (:meth:`_rounds`) submitted and gathered at a time.
         ``progress(done, total)`` counts layers, in the order their tasks finish."""
         names = [l.name for l in layers if l.name in stats.layers]
         got: dict[str, WhitenedSpectrum] = {}
-        for part in parts(self.model, [l for l in layers if l.name in stats.layers]):
-            for spec in self._run(spectra_task, input_tasks(part, weights, stats, align, target)):
+        for batch in self._rounds([l for l in layers if l.name in stats.layers], weights, stats, align, target):
+            for spec in self._run(spectra_task, batch):
                 got[spec.layer] = spec
                 if progress is not None:
                     progress(len(got), len(names))
@@ -163,17 +165,32 @@ class ClusterDecompositions:
         """Each of ``layers``' (those with statistics) :class:`~auditor.calibration.statistics.whiten.Truncator`,
         its decomposition made on the cluster, put into ``store`` (a
         :class:`~auditor.calibration.statistics.whiten.TruncatorStore` keeps a budget in memory and spills the
-        rest) one part (:func:`parts`) at a time, so this process holds one part's U beyond what the store keeps."""
+        rest) one round (:meth:`_rounds`) at a time, so this process holds one round's U beyond what the store
+        keeps."""
         from .whiten import Truncator
 
         named = {l.name: l for l in layers if l.name in stats.layers}
         done = 0
-        for part in parts(self.model, list(named.values())):
-            for name, u in self._run(truncator_task, input_tasks(part, weights, stats, 8, 0.01)):
+        for batch in self._rounds(list(named.values()), weights, stats, 8, 0.01):
+            for name, u in self._run(truncator_task, batch):
                 store[name] = Truncator.from_parts(named[name], weights[named[name].param], u)
                 done += 1
                 if progress is not None:
                     progress(done, len(named))
+
+    def _rounds(self, layers: list["Layer"], weights: dict[str, torch.Tensor], stats: "InputStatistics",
+                align: int, target: float) -> Iterator[list[InputTask]]:
+        """The tasks of ``layers``, one round at a time: consecutive parts (:func:`parts`) until every worker has a
+        task (a Llama block's 4 tasks are one round on up to 4 workers; the embedding's and the first block's join
+        on 5 or more), so what is in flight grows with the cluster's width, never with the model's depth."""
+        batch: list[InputTask] = []
+        for part in parts(self.model, layers):
+            batch += input_tasks(part, weights, stats, align, target)
+            if len(batch) >= self.executor.workers:
+                yield batch
+                batch = []
+        if batch:
+            yield batch
 
     def _run(self, fn: Callable[[InputTask], list[Any]], part: list[InputTask]) -> list[Any]:
         self.tasks += len(part)
