@@ -55,10 +55,25 @@ def factorize(model: nn.Module, plan: dict[str, int], calibration: object = None
     """A deep copy of ``model`` with each planned layer (``{layer name: rank}``) replaced by two; ``model`` is left
     untouched. ``calibration``: None (plain SVD), a ``CalibrationSession`` (its statistics, read once), a
     ``Calibration`` (input statistics are gathered on ``model``, in eval mode), or ``InputStatistics``.
-    ``init=False`` builds the structure only (for ``load_factorized``). ``reuse``: see :func:`truncation`.
+    ``init=False`` builds the structure only (for ``load_factorized``). ``reuse``: see :func:`truncation`; without
+    it, a session on a Dask cluster (``AuditOptions(scheduler=...)``) has the decompositions made there.
     ``share``: the copy holds ``model``'s own parameters and buffers (:func:`auditor.surgery.replace_layers`)."""
     if not init:
         return apply_plan(model, plan, layers=layers, share=share)
     resolved = checked_plan(model, plan, layers)  # before any statistics are gathered: a complex layer would crash them
     stats = statistics(calibration, model, [l for l, _ in resolved.values()])
+    if reuse is None and isinstance(calibration, CalibrationSession) and calibration.on_cluster:
+        reuse = _on_cluster(model, calibration, [l for l, _ in resolved.values()], stats)
     return replace_layers(model, resolved, truncation(stats, reuse), share=share)
+
+
+def _on_cluster(model: nn.Module, session: CalibrationSession, planned: list[Layer],
+                stats: InputStatistics | None) -> "MutableMapping[str, Truncator]":
+    """The planned layers' decompositions made on the session's Dask cluster, one block at a time, into a
+    :class:`~auditor.calibration.statistics.whiten.TruncatorStore` holding one part of the model in memory (the rest
+    on disk until its layer is replaced)."""
+    from .statistics.whiten import TruncatorStore, part_bytes
+
+    store = TruncatorStore(part_bytes(model, planned))
+    session.cluster_truncators(planned, store, stats=stats)
+    return store

@@ -25,7 +25,7 @@ import hashlib
 import os
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable, Iterator
+from typing import TYPE_CHECKING, Callable, Iterator, MutableMapping
 
 from torch import nn
 
@@ -39,7 +39,7 @@ from .statistics.stats import InputStatistics, by_name, input_statistics
 
 if TYPE_CHECKING:
     from .measure.metric import UserMetric
-    from .statistics.whiten import WhitenedSpectrum
+    from .statistics.whiten import Truncator, WhitenedSpectrum
     from ..options import AuditOptions, TierOptions
     from .measure.metric import PlanMeasurer
     from .measure.staged import StagedEvaluator
@@ -357,6 +357,7 @@ class Held:
     stats: InputStatistics | None = None
     cached: bool = False
     spectra: "dict[tuple[int, float], dict[str, WhitenedSpectrum]]" = field(default_factory=dict)
+    tier1_where: str = ""  # the Dask cluster tier 1's decompositions ran on; empty: here
     search: list[Batch] | None = None
     verify: list[Batch] | None = None
 
@@ -462,18 +463,17 @@ class CalibrationSession:
             return self._stats
         got: "dict[str, WhitenedSpectrum]" = {}
         on_block = None
-        if spectra is not None and layers is None:
-            from .statistics.whiten import whitened_spectra
+        decompose = self.decomposer() if spectra is not None and layers is None else contextlib.nullcontext()
+        with decompose as spectra_of, self.measuring():
+            if spectra_of is not None:
+                table = {n: p for n, p in self.model.named_parameters(remove_duplicate=False)}
 
-            table = {n: p for n, p in self.model.named_parameters(remove_duplicate=False)}
+                def on_block(_i: int, st: InputStatistics) -> None:
+                    got.update(spectra_of([want[k] for k in st.layers if k in want], table, st, *spectra))
 
-            def on_block(_i: int, st: InputStatistics) -> None:
-                got.update(whitened_spectra([want[k] for k in st.layers if k in want], table, st, *spectra))
-
-        with self.measuring():
             if self.options is not None:
-                stats, cached = _statistics(self.model, list(want.values()), self.calibration, self.options, progress,
-                                            on_block=on_block)
+                stats, cached = _statistics(self.model, list(want.values()), self.calibration, self.options,
+                                            progress, on_block=on_block)
             else:
                 stats, cached = input_statistics(self.model, want, self.calibration,
                                                  progress=progress.update if progress is not None else None), False
@@ -490,13 +490,13 @@ class CalibrationSession:
         """Tier 1's whitened spectra of the session's layers, keyed by ``Layer.name`` in the layers' order: those
         computed with the statistics (``statistics(spectra=(align, target))``), else from the statistics, each
         layer's Gram read when its spectrum is computed."""
-        from .statistics.whiten import whitened_spectra
-
         held = self._held.spectra
         if (align, target) not in held:
             table = {n: p for n, p in self.model.named_parameters(remove_duplicate=False)}
-            held[(align, target)] = whitened_spectra(list(self.layers.values()), table, self.stats, align, target,
-                                                     progress=progress)
+            stats = self.stats
+            with self.decomposer() as spectra_of:
+                held[(align, target)] = spectra_of(list(self.layers.values()), table, stats, align, target,
+                                                   progress=progress)
         elif progress is not None:
             progress(len(held[(align, target)]), len(held[(align, target)]))
         return held[(align, target)]
@@ -504,6 +504,51 @@ class CalibrationSession:
     @property
     def stats(self) -> InputStatistics:
         return self.statistics()
+
+    @property
+    def tier1_where(self) -> str:
+        """Where tier 1's whitened decompositions ran: "dask tcp://HOST:PORT (N workers)" once they ran on the
+        audit's Dask cluster, else "" (here)."""
+        return self._held.tier1_where
+
+    def cluster_truncators(self, layers: list[Layer], store: "MutableMapping[str, Truncator]",
+                           progress: "Callable[[int, int], None] | None" = None,
+                           stats: InputStatistics | None = None) -> None:
+        """On the audit's Dask cluster (:attr:`on_cluster`): the decompositions tier 3, the plan check and
+        ``factorize`` cut factors from (each of ``layers``' :class:`~auditor.calibration.statistics.whiten.Truncator`
+        under the statistics: the session's, or ``stats``) made there, one task per distinct input, put into
+        ``store`` one block at a time."""
+        from .statistics.remote import ClusterDecompositions
+
+        assert self.options is not None and self.options.cluster.scheduler is not None, "not on a cluster"
+        table = {n: p for n, p in self.model.named_parameters(remove_duplicate=False)}
+        with ClusterDecompositions(self.options.cluster.scheduler, self.options.cluster.path_map,
+                                   self.model) as cluster:
+            cluster.truncators(layers, table, stats if stats is not None else self.stats, store, progress)
+
+    @property
+    def on_cluster(self) -> bool:
+        """The audit gave a Dask scheduler (``--scheduler``): tier 1's and tier 3's decompositions run there."""
+        return self.options is not None and self.options.cluster.scheduler is not None
+
+    @contextlib.contextmanager
+    def decomposer(self) -> "Iterator[Callable[..., dict[str, WhitenedSpectrum]]]":
+        """What computes tier 1's whitened spectra, called as ``whitened_spectra(layers, weights, stats, align,
+        target, progress=...)``: with the audit's ``--scheduler`` one Dask task per distinct layer input
+        (:class:`~auditor.calibration.statistics.remote.ClusterDecompositions`, its client open while the block
+        runs), else :func:`~auditor.calibration.statistics.whiten.whitened_spectra` here."""
+        if not self.on_cluster:
+            from .statistics.whiten import whitened_spectra
+
+            yield whitened_spectra
+            return
+        from .statistics.remote import ClusterDecompositions
+
+        assert self.options is not None
+        with ClusterDecompositions(self.options.cluster.scheduler, self.options.cluster.path_map,
+                                   self.model) as cluster:  # one block, or one layer outside them, at a time
+            yield cluster.spectra
+            self._held.tier1_where = cluster.where  # asked while the client is open
 
     @property
     def search_calibration(self) -> Calibration:

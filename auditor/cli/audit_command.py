@@ -179,8 +179,8 @@ def _spectra_flags(g: "argparse._ArgumentGroup") -> None:
     g.add_argument("-j", "--jobs", type=int, metavar="N",
                    help="layers computed side by side, each with its share of the cores (default: cores, at most 4)")
     g.add_argument("--scheduler", metavar="ADDR", default=os.environ.get("LOWRANK_AUDITOR_SCHEDULER") or None,
-                   help="compute spectra and --measure-floor sweeps on a Dask cluster, e.g. tcp://host:8786 "
-                        "(default $LOWRANK_AUDITOR_SCHEDULER)")
+                   help="compute spectra, the calibration's decompositions and --measure-floor sweeps on a Dask "
+                        "cluster, e.g. tcp://host:8786 (default $LOWRANK_AUDITOR_SCHEDULER)")
     g.add_argument("--path-map", action="append", default=[], metavar="CLIENT_PREFIX=WORKER_PREFIX",
                    help="the checkpoint's path prefix here and on the Dask workers, which may be an fsspec URL "
                         "such as s3://bucket/dir (repeatable)")

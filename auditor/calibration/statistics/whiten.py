@@ -207,6 +207,17 @@ class Truncator:
                 gram = inp.gram if inp.diagonal else inp.gram[g]
                 self.u.append(decompose(self.f[g], gram, inp.diagonal, damp).u)
 
+    @classmethod
+    def from_parts(cls, layer: Layer, weight: torch.Tensor, u: list[np.ndarray]) -> "Truncator":
+        """The truncator of ``layer`` with its decompositions' ``u`` (one per group) computed elsewhere (a Dask
+        worker: :mod:`~auditor.calibration.statistics.remote`); F is made here from ``weight`` as ``__init__`` does."""
+        trunc = cls.__new__(cls)
+        trunc.layer = layer
+        trunc.shape, trunc.dtype, trunc.device = tuple(weight.shape), weight.dtype, weight.device
+        trunc.f = function_matrices(layer, weight)
+        trunc.u = list(u)
+        return trunc
+
     def factors(self, rank: int) -> tuple[np.ndarray, np.ndarray]:
         """(groups, out, r) and (groups, r, in), float64, F ~ A B, each column/row pair balanced to equal norms."""
         g_, m, n = self.f.shape

@@ -225,6 +225,11 @@ def search(model: "nn.Module", session: CalibrationSession, tier1: Tier1, scope:
     # decompositions in memory (a block's, or the largest outside layer's), the rest on disk
     reuse = TruncatorStore(part_bytes(model, scope.sensitive))
     t = time.perf_counter()
+    if session.on_cluster:  # --scheduler: the decompositions made there, one task per distinct input
+        with progress.phase("tier 3 decompositions", total=len(scope.sensitive)):
+            session.cluster_truncators(scope.sensitive, reuse, progress.update)
+        seconds["tier3 decompositions"] = time.perf_counter() - t
+    t = time.perf_counter()
     with progress.phase("tier 3 plan search", unit="plan"):
         budget = plan_for_budget(model, list(session.layers.values()), session, curves, budget=tiers.budget,
                                  fixed=scope.fixed, progress=progress.update, reuse=reuse,
