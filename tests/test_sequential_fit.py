@@ -1,0 +1,128 @@
+"""The sequential, output-anchored fit (auditor/calibration/statistics/sequential.py) against direct least squares."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+from auditor.calibration.data.inputs import Batch
+from auditor.calibration.statistics.sequential import fitted_map, fitted_truncator, sequential_truncators
+from auditor.calibration.statistics.stats import input_statistics
+from auditor.calibration.statistics.whiten import DAMP, Truncator
+from auditor.surgery import checked_plan
+
+
+def _lam(xh: np.ndarray, damp: float) -> float:
+    return damp * float(np.mean(np.sum(xh * xh, axis=0)))
+
+
+def _ridge(x: np.ndarray, xh: np.ndarray, w: np.ndarray, damp: float) -> np.ndarray:
+    """argmin_M ||X W^T - X^ M^T||^2 + lambda ||M - W||^2 by a least-squares solve of the stacked system."""
+    s = np.sqrt(_lam(xh, damp))
+    a = np.vstack([xh, s * np.eye(xh.shape[1])])
+    y = np.vstack([x @ w.T, s * w.T])
+    return np.linalg.lstsq(a, y, rcond=None)[0].T
+
+
+def _reduced_rank(x: np.ndarray, xh: np.ndarray, w: np.ndarray, r: int, damp: float) -> np.ndarray:
+    """The rank-r minimiser of the same objective: reduced-rank regression on the stacked system (the fitted values'
+    top-r right singular vectors)."""
+    s = np.sqrt(_lam(xh, damp))
+    a = np.vstack([xh, s * np.eye(xh.shape[1])])
+    mt = np.linalg.lstsq(a, np.vstack([x @ w.T, s * w.T]), rcond=None)[0]
+    v = np.linalg.svd(a @ mt, full_matrices=False)[2][:r].T
+    return (mt @ v @ v.T).T
+
+
+def _data(seed: int = 0) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    g = np.random.default_rng(seed)
+    x = g.standard_normal((60, 7)) @ g.standard_normal((7, 7))
+    xh = x + 0.3 * g.standard_normal(x.shape)
+    return x, xh, g.standard_normal((5, 7))
+
+
+@pytest.mark.parametrize("damp", [0.0, 1e-3, DAMP])
+def test_fitted_map_is_the_least_squares_solution(damp: float) -> None:
+    x, xh, w = _data()
+    got, lam = fitted_map(w, x.T @ xh, xh.T @ xh, damp) if damp else fitted_map(w, x.T @ xh, xh.T @ xh, 0.0)
+    np.testing.assert_allclose(got, _ridge(x, xh, w, damp), rtol=1e-9, atol=1e-11)
+    assert lam == pytest.approx(_lam(xh, damp) if damp else 0.0)
+
+
+def test_fitted_map_is_the_weight_when_the_inputs_do_not_move() -> None:
+    x, _, w = _data(1)
+    got, _ = fitted_map(w, x.T @ x, x.T @ x, 1e-3)
+    np.testing.assert_allclose(got, w, rtol=0, atol=1e-12)
+
+
+@pytest.mark.parametrize("r", [1, 2, 4])
+def test_rank_r_fit_is_reduced_rank_regression(r: int) -> None:
+    x, xh, w = _data(2)
+    lin = nn.Linear(7, 5, bias=False).double()
+    layer = checked_plan(nn.Sequential(lin), {"0": r})["0"][0]
+    trunc = fitted_truncator(layer, torch.from_numpy(w), (x.T @ xh)[None], (xh.T @ xh)[None], 1e-3)
+    got = trunc.weight(r).numpy()
+    np.testing.assert_allclose(got, _reduced_rank(x, xh, w, r, 1e-3), rtol=1e-8, atol=1e-10)
+    a, b = trunc.factors(r)
+    np.testing.assert_allclose(a[0] @ b[0], got, rtol=1e-9, atol=1e-11)
+
+
+class _Net(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        g = torch.Generator().manual_seed(0)
+        self.a = nn.Linear(6, 8).double()
+        self.b = nn.Linear(6, 8).double()  # reads the same input as a: one stage with it
+        self.c = nn.Linear(8, 5).double()
+        for p in self.parameters():
+            with torch.no_grad():
+                p.copy_(torch.randn(p.shape, generator=g, dtype=torch.float64))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.c(torch.tanh(self.a(x)) + torch.relu(self.b(x)))
+
+
+def _batches() -> list[Batch]:
+    g = torch.Generator().manual_seed(1)
+    return [Batch((torch.randn(4, 10, 6, generator=g, dtype=torch.float64),), {}) for _ in range(3)]
+
+
+def test_sequential_fit_against_a_direct_solution() -> None:
+    model, fit = _Net(), _batches()
+    plan = checked_plan(model, {"a": 2, "b": 3, "c": 2})
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    got = sequential_truncators(model, plan, fit)
+    assert all(torch.equal(v, model.state_dict()[k]) for k, v in before.items())  # the weights are back
+    stats = input_statistics(model, [l for l, _ in plan.values()], fit)
+    for name in ("a", "b"):  # the first stage reads the dense inputs: the independent fit, to rounding
+        ind = Truncator(plan[name][0], getattr(model, name).weight, stats.layers[name])
+        np.testing.assert_allclose(got[name].weight(plan[name][1]).numpy(), ind.weight(plan[name][1]).numpy(),
+                                   rtol=1e-9, atol=1e-11)
+    xs = torch.cat([b.args[0] for b in fit]).reshape(-1, 6)
+    with torch.no_grad():
+        x = (torch.tanh(model.a(xs)) + torch.relu(model.b(xs))).numpy()
+        wa, wb = got["a"].weight(2), got["b"].weight(3)
+        xh = (torch.tanh(xs @ wa.T + model.a.bias) + torch.relu(xs @ wb.T + model.b.bias)).numpy()
+    w = model.c.weight.detach().numpy()
+    np.testing.assert_allclose(got["c"].f[0], _ridge(x, xh, w, DAMP), rtol=1e-8, atol=1e-10)
+    np.testing.assert_allclose(got["c"].weight(2).numpy(), _reduced_rank(x, xh, w, 2, DAMP), rtol=1e-7, atol=1e-9)
+
+
+def test_sequential_fit_keeps_outputs_closer_than_the_independent_one() -> None:
+    model, fit = _Net(), _batches()
+    plan = checked_plan(model, {"a": 2, "b": 2, "c": 2})
+    seq = sequential_truncators(model, plan, fit)
+    stats = input_statistics(model, [l for l, _ in plan.values()], fit)
+    ind = {n: Truncator(l, getattr(model, n).weight, stats.layers[n]) for n, (l, _) in plan.items()}
+    xs = torch.cat([b.args[0] for b in fit])
+    with torch.no_grad():
+        y = model(xs)
+
+        def err(t: dict[str, Truncator]) -> float:
+            wa, wb, wc = (t[n].weight(plan[n][1]) for n in "abc")
+            h = torch.tanh(xs @ wa.T + model.a.bias) + torch.relu(xs @ wb.T + model.b.bias)
+            return float(torch.linalg.norm(h @ wc.T + model.c.bias - y) / torch.linalg.norm(y))
+
+        assert err(seq) < err(ind)
