@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from auditor.calibration.data.inputs import Batch
-from auditor.calibration.statistics.sequential import fitted_map, fitted_truncator, sequential_truncators
+from auditor.calibration.statistics.sequential import RIDGE, fitted_map, fitted_truncator, sequential_truncators
 from auditor.calibration.statistics.stats import input_statistics
 from auditor.calibration.statistics.whiten import DAMP, Truncator
 from auditor.surgery import checked_plan
@@ -26,14 +26,13 @@ def _ridge(x: np.ndarray, xh: np.ndarray, w: np.ndarray, damp: float) -> np.ndar
     return np.linalg.lstsq(a, y, rcond=None)[0].T
 
 
-def _reduced_rank(x: np.ndarray, xh: np.ndarray, w: np.ndarray, r: int, damp: float) -> np.ndarray:
-    """The rank-r minimiser of the same objective: reduced-rank regression on the stacked system (the fitted values'
-    top-r right singular vectors)."""
+def _truncated(xh: np.ndarray, wstar: np.ndarray, r: int, damp: float) -> np.ndarray:
+    """The rank-r map closest to W* on the shifted inputs (damped as the whitening damps): reduced-rank regression
+    of the stacked system's fitted values (their top-r right singular vectors)."""
     s = np.sqrt(_lam(xh, damp))
     a = np.vstack([xh, s * np.eye(xh.shape[1])])
-    mt = np.linalg.lstsq(a, np.vstack([x @ w.T, s * w.T]), rcond=None)[0]
-    v = np.linalg.svd(a @ mt, full_matrices=False)[2][:r].T
-    return (mt @ v @ v.T).T
+    v = np.linalg.svd(a @ wstar.T, full_matrices=False)[2][:r].T
+    return (wstar.T @ v @ v.T).T
 
 
 def _data(seed: int = 0) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -43,12 +42,14 @@ def _data(seed: int = 0) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     return x, xh, g.standard_normal((5, 7))
 
 
-@pytest.mark.parametrize("damp", [0.0, 1e-3, DAMP])
-def test_fitted_map_is_the_least_squares_solution(damp: float) -> None:
+@pytest.mark.parametrize("ridge", [0.0, 1e-3, RIDGE])
+def test_fitted_map_is_the_least_squares_solution(ridge: float) -> None:
     x, xh, w = _data()
-    got, lam = fitted_map(w, x.T @ xh, xh.T @ xh, damp) if damp else fitted_map(w, x.T @ xh, xh.T @ xh, 0.0)
-    np.testing.assert_allclose(got, _ridge(x, xh, w, damp), rtol=1e-9, atol=1e-11)
-    assert lam == pytest.approx(_lam(xh, damp) if damp else 0.0)
+    got, lam = fitted_map(w, x.T @ xh, xh.T @ xh, ridge)
+    np.testing.assert_allclose(got, _ridge(x, xh, w, ridge), rtol=1e-9, atol=1e-11)
+    assert lam == pytest.approx(_lam(xh, ridge))
+    if ridge == 0.0:  # the plain least-squares solution
+        np.testing.assert_allclose(got, np.linalg.lstsq(xh, x @ w.T, rcond=None)[0].T, rtol=1e-9, atol=1e-11)
 
 
 def test_fitted_map_is_the_weight_when_the_inputs_do_not_move() -> None:
@@ -62,9 +63,10 @@ def test_rank_r_fit_is_reduced_rank_regression(r: int) -> None:
     x, xh, w = _data(2)
     lin = nn.Linear(7, 5, bias=False).double()
     layer = checked_plan(nn.Sequential(lin), {"0": r})["0"][0]
-    trunc = fitted_truncator(layer, torch.from_numpy(w), (x.T @ xh)[None], (xh.T @ xh)[None], 1e-3)
+    trunc = fitted_truncator(layer, torch.from_numpy(w), (x.T @ xh)[None], (xh.T @ xh)[None], 1e-3, 1e-2)
     got = trunc.weight(r).numpy()
-    np.testing.assert_allclose(got, _reduced_rank(x, xh, w, r, 1e-3), rtol=1e-8, atol=1e-10)
+    np.testing.assert_allclose(trunc.f[0], _ridge(x, xh, w, 1e-2), rtol=1e-9, atol=1e-11)
+    np.testing.assert_allclose(got, _truncated(xh, _ridge(x, xh, w, 1e-2), r, 1e-3), rtol=1e-8, atol=1e-10)
     a, b = trunc.factors(r)
     np.testing.assert_allclose(a[0] @ b[0], got, rtol=1e-9, atol=1e-11)
 
@@ -106,8 +108,9 @@ def test_sequential_fit_against_a_direct_solution() -> None:
         wa, wb = got["a"].weight(2), got["b"].weight(3)
         xh = (torch.tanh(xs @ wa.T + model.a.bias) + torch.relu(xs @ wb.T + model.b.bias)).numpy()
     w = model.c.weight.detach().numpy()
-    np.testing.assert_allclose(got["c"].f[0], _ridge(x, xh, w, DAMP), rtol=1e-8, atol=1e-10)
-    np.testing.assert_allclose(got["c"].weight(2).numpy(), _reduced_rank(x, xh, w, 2, DAMP), rtol=1e-7, atol=1e-9)
+    wstar = _ridge(x, xh, w, RIDGE)
+    np.testing.assert_allclose(got["c"].f[0], wstar, rtol=1e-8, atol=1e-10)
+    np.testing.assert_allclose(got["c"].weight(2).numpy(), _truncated(xh, wstar, 2, DAMP), rtol=1e-7, atol=1e-9)
 
 
 def test_sequential_fit_keeps_outputs_closer_than_the_independent_one() -> None:

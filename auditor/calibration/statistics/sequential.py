@@ -3,14 +3,17 @@
 The independent fit (:class:`.whiten.Truncator`) truncates each layer under the dense model's inputs X. In the
 factorized model a layer reads X^, what the factorized layers before it produce. Here the planned layers are fitted
 in the order the model calls them: each one on the inputs X^ that the layers fitted before it give, anchored to the
-dense layer's outputs on the dense inputs, X W^T. Per group, with C = X^T X^ (the cross term), G = X^^T X^ and the
-damping lambda = DAMP * mean(diag G) of the whitening:
+dense layer's outputs on the dense inputs, X W^T. Per group, with C = X^T X^ (the cross term), G = X^^T X^ and
+mu = RIDGE * mean(diag G):
 
-    W* = W (C + lambda I) (G + lambda I)^-1
+    W* = W (C + mu I) (G + mu I)^-1
 
-minimises ||X W^T - X^ M^T||^2 + lambda ||M - W||^2 (ridge toward the dense weight, so it is W exactly when X^ = X),
-and the rank-r fit is the whitened truncation of W* under G (S S^T = G + lambda I): the rank-r minimiser of the same
-objective, since it equals ||(M - W*) S||^2 plus a constant. With X^ = X both reduce to the independent fit.
+minimises ||X W^T - X^ M^T||^2 + mu ||M - W||^2: a least-squares refit, pulled toward the dense weight (so it is W
+exactly when X^ = X). The rank-r fit is then the whitened truncation of W* under G (S S^T = G + lambda I, lambda the
+whitening's own damping, DAMP * mean(diag G)): the rank-r map closest to W* on the shifted inputs. With X^ = X both
+steps reduce to the independent fit. Why the pull (RIDGE = 1e-2, not the whitening's 1e-6): the refit estimates a
+full in x in map from the fit rows, and with few rows per input dimension (the digits MLP: 1,000 rows for 512 inputs)
+it fits their noise; measured in docs/calibration.md ("The sequential fit").
 
 Stages: the planned layers in call order, those reading one input tensor (q, k, v) fitted together. Each stage is
 one pass over the fit rows, running every batch twice (the dense weights, then the weights fitted so far put in
@@ -38,12 +41,15 @@ from .stats import LayerInput, _batch_mask, _real_rows
 from .whiten import DAMP, Truncator
 
 
-def fitted_map(f: np.ndarray, cross: np.ndarray, gram: np.ndarray, damp: float = DAMP) -> tuple[np.ndarray, float]:
-    """W* = F (C + lambda I)(G + lambda I)^-1 for one group (F out x in, C = X^T X^, G = X^^T X^, both in x in), and
-    lambda = ``damp`` * mean(diag G) (``damp`` where that is 0), the damping of :func:`.whiten.decompose`."""
+RIDGE = 1e-2  # mu = RIDGE * mean(diag G): the refit's pull toward the dense weight
+
+
+def fitted_map(f: np.ndarray, cross: np.ndarray, gram: np.ndarray, ridge: float = RIDGE) -> tuple[np.ndarray, float]:
+    """W* = F (C + mu I)(G + mu I)^-1 for one group (F out x in, C = X^T X^, G = X^^T X^, both in x in), and
+    mu = ``ridge`` * mean(diag G) (``ridge`` where that is 0)."""
     n = gram.shape[0]
     scale = float(np.mean(np.diagonal(gram))) if n else 0.0
-    lam = damp * scale if scale > 0 else damp
+    lam = ridge * scale if scale > 0 else ridge
     eye = np.eye(n)
     g = (gram + gram.T) / 2 + lam * eye
     rhs = (cross.T + lam * eye) @ f.T  # (G + lambda I) W*^T = (C^T + lambda I) W^T
@@ -51,13 +57,13 @@ def fitted_map(f: np.ndarray, cross: np.ndarray, gram: np.ndarray, damp: float =
 
 
 def fitted_truncator(layer: Layer, weight: torch.Tensor, cross: np.ndarray, gram: np.ndarray,
-                     damp: float = DAMP) -> Truncator:
-    """The truncator of ``layer`` fitted on shifted inputs: W* (:func:`fitted_map`) per group, decomposed under the
-    shifted inputs' Gram. ``cross`` and ``gram``: (groups, n, n) float64."""
+                     damp: float = DAMP, ridge: float = RIDGE) -> Truncator:
+    """The truncator of ``layer`` fitted on shifted inputs: W* (:func:`fitted_map`, ``ridge``) per group, decomposed
+    under the shifted inputs' Gram (damped by ``damp``). ``cross`` and ``gram``: (groups, n, n) float64."""
     from .whiten import function_matrices
 
     f = function_matrices(layer, weight)
-    fstar = np.stack([fitted_map(f[g], cross[g], gram[g], damp)[0] for g in range(f.shape[0])])
+    fstar = np.stack([fitted_map(f[g], cross[g], gram[g], ridge)[0] for g in range(f.shape[0])])
     rows = LayerInput(layer.name, str(layer.kind), gram, 0, gram.shape[-1], gram.shape[0])
     return Truncator.of_function(layer, weight, fstar, rows, damp)
 
@@ -234,14 +240,16 @@ def _stage_sums(model: nn.Module, stage: list[Layer], fit: list[Batch], fitted: 
     return sums
 
 
-def _stage_truncators(model: nn.Module, stage: list[Layer], sums: _Sums, damp: float) -> dict[str, Truncator]:
+def _stage_truncators(model: nn.Module, stage: list[Layer], sums: _Sums, damp: float,
+                      ridge: float) -> dict[str, Truncator]:
     """The stage's truncators from its sums: the fitted map where the rows were read, the independent fit on the
     counts of a lookup, the plain SVD where the calibration never reached the layer."""
     out: dict[str, Truncator] = {}
     for layer in stage:
         weight = _param(model, layer)
         if layer.name in sums.gram:
-            out[layer.name] = fitted_truncator(layer, weight, sums.cross[layer.name], sums.gram[layer.name], damp)
+            out[layer.name] = fitted_truncator(layer, weight, sums.cross[layer.name], sums.gram[layer.name], damp,
+                                               ridge)
         elif layer.name in sums.counts:
             c = sums.counts[layer.name]
             inp = LayerInput(layer.name, str(layer.kind), c, int(c.sum()), c.shape[0], diagonal=True)
@@ -252,7 +260,7 @@ def _stage_truncators(model: nn.Module, stage: list[Layer], sums: _Sums, damp: f
 
 
 def sequential_truncators(model: nn.Module, plan: dict[str, tuple[Layer, int]],
-                          batches: Calibration | list[Batch], damp: float = DAMP,
+                          batches: Calibration | list[Batch], damp: float = DAMP, ridge: float = RIDGE,
                           progress: Callable[[int, int], None] | None = None) -> dict[str, Truncator]:
     """The planned layers' truncators fitted sequentially (the module docstring): ``plan`` is Layer.name -> (layer,
     rank) (:func:`auditor.surgery.checked_plan`), ``batches`` the fit rows. Each truncator is for this plan only: a
@@ -268,7 +276,7 @@ def sequential_truncators(model: nn.Module, plan: dict[str, tuple[Layer, int]],
         stages = _call_order(model, list(layers.values()), fit[0])
         for i, stage in enumerate(stages):
             sums = _stage_sums(model, stage, fit, fitted, layers)
-            for name, trunc in _stage_truncators(model, stage, sums, damp).items():
+            for name, trunc in _stage_truncators(model, stage, sums, damp, ridge).items():
                 out[name] = trunc
                 fitted[name] = trunc.weight(plan[name][1])
             del sums
@@ -277,4 +285,4 @@ def sequential_truncators(model: nn.Module, plan: dict[str, tuple[Layer, int]],
     return {name: out[name] for name in plan}
 
 
-__all__ = ["fitted_map", "fitted_truncator", "sequential_truncators"]
+__all__ = ["RIDGE", "fitted_map", "fitted_truncator", "sequential_truncators"]
