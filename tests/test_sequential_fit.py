@@ -129,3 +129,56 @@ def test_sequential_fit_keeps_outputs_closer_than_the_independent_one() -> None:
             return float(torch.linalg.norm(h @ wc.T + model.c.bias - y) / torch.linalg.norm(y))
 
         assert err(seq) < err(ind)
+
+
+class _Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.q = nn.Linear(6, 6).double()
+        self.k = nn.Linear(6, 6).double()
+        self.up = nn.Linear(6, 12).double()
+        self.down = nn.Linear(12, 6).double()
+
+    def forward(self, x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+        x = x + torch.tanh(self.q(x)) * self.k(x) * scale
+        return x + self.down(torch.relu(self.up(x)))
+
+
+class _Stack(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(3)
+        self.inp = nn.Linear(6, 6).double()
+        self.blocks = nn.ModuleList(_Block() for _ in range(3))
+        self.head = nn.Linear(6, 4).double()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.inp(x)
+        scale = torch.ones(1, dtype=x.dtype)
+        for blk in self.blocks:
+            x = blk(x, scale)
+        return self.head(x)
+
+
+def test_block_by_block_is_the_whole_model_fit(monkeypatch) -> None:
+    """The stages of repeated blocks run one block per pass (inputs to the next block carried, dense and fitted); the
+    factors are those of whole-model passes, to rounding, and the stages are the call order's (q and k together)."""
+    from auditor.calibration.statistics import sequential as seq
+
+    model = _Stack()
+    fit = _batches()
+    plan = checked_plan(model, {n: 3 for n in ("inp", "blocks.0.q", "blocks.0.k", "blocks.0.down", "blocks.1.up",
+                                               "blocks.2.q", "blocks.2.down", "head")})
+    seen: list[int] = []
+    runs: list[int] = []
+    real = seq._block_runs
+    monkeypatch.setattr(seq, "_block_runs", lambda *a: runs.append(1) or real(*a))
+    block = seq.sequential_truncators(model, plan, fit, progress=lambda i, n: seen.append(n))
+    assert seen[-1] == 7 and len(runs) == 5  # q and k of block 0 read one input: one stage; inp and head outside
+    runs.clear()
+    monkeypatch.setattr(seq, "find_blocks", lambda *a: None)
+    whole = seq.sequential_truncators(model, plan, fit)
+    assert runs == []
+    for name, (_, r) in plan.items():
+        np.testing.assert_allclose(block[name].weight(r).numpy(), whole[name].weight(r).numpy(), rtol=1e-9,
+                                   atol=1e-11)

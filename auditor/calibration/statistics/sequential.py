@@ -18,8 +18,12 @@ it fits their noise; measured in docs/calibration.md ("The sequential fit").
 Stages: the planned layers in call order, those reading one input tensor (q, k, v) fitted together. Each stage is
 one pass over the fit rows, running every batch twice (the dense weights, then the weights fitted so far put in
 place of the dense ones: a rank-r weight computes what its two factors compute), with hooks that read each layer's
-rows as the statistics do (the kinds' own feeds) and add the float64 sums C and G. Only one stage's sums and one
-batch's rows are alive at once; the model's weights are put back afterwards. Embeddings (lookup counts) read ids,
+rows as the statistics do (the kinds' own feeds) and add the float64 sums C and G. In a model of repeated blocks
+(:func:`.stream.find_blocks`, run one after another as :mod:`.stream` checks) a stage inside block k runs block k
+alone, on the dense model's inputs to it and on the fitted model's, both kept per batch and carried to block k + 1
+once its stages are done (GPTQ's sequential mode); the stages before and after the blocks (embeddings, the output
+head), and every stage of a model without such blocks, run the whole model. Alive at once: one stage's sums, one
+batch's rows, and with blocks the two kept inputs of each batch; the model's weights are put back afterwards. Embeddings (lookup counts) read ids,
 which no factorized layer changes: they get the independent fit on their counts. A planned layer the calibration
 never reaches gets the plain SVD, as in the independent fit.
 """
@@ -36,8 +40,9 @@ from torch import nn
 
 from ... import kinds
 from ...results import Layer
-from ..data.inputs import Batch, Calibration, eval_mode, run
+from ..data.inputs import Batch, Calibration, eval_mode, model_device, run
 from .stats import LayerInput, _batch_mask, _real_rows
+from .stream import Blocks, _check_sequential, _first_inputs, _hidden, _NotSequential, _with_hidden, find_blocks
 from .whiten import DAMP, Truncator
 
 
@@ -216,23 +221,22 @@ def _call_order(model: nn.Module, layers: list[Layer], batch: Batch) -> list[lis
     return stages + [[l] for l in layers if l.name not in seen]
 
 
-def _stage_sums(model: nn.Module, stage: list[Layer], fit: list[Batch], fitted: dict[str, torch.Tensor],
-                layers: dict[str, Layer]) -> _Sums:
-    """One pass over ``fit``: each batch through the dense model, then through the model with the ``fitted``
-    weights, the stage's rows of both added into its sums."""
+Runs = list[tuple["torch.Tensor | None", Callable[[], object], Callable[[], object]]]  # per batch: mask, dense, fitted
+
+
+def _stage_sums(model: nn.Module, stage: list[Layer], runs: Runs) -> _Sums:
+    """One pass over the batches: each run dense, then with the weights fitted so far, the stage's rows of both
+    added into its sums."""
     sums = _Sums()
     with _row_hooks(model, stage) as feeds:
-        for b in fit:
-            feeds.current[0] = _batch_mask(b)
-            run(model, b)
+        for mask, dense_run, fitted_run in runs:
+            feeds.current[0] = mask
+            dense_run()
             dense = {name: r.take() for name, r in feeds.feeds.items()}
-            with _weights(model, layers, fitted):
-                run(model, b)
+            fitted_run()
             for name, r in feeds.feeds.items():
                 xh = r.take()
-                if r.diagonal:
-                    continue
-                if dense[name] is not None and xh is not None:
+                if not r.diagonal and dense[name] is not None and xh is not None:
                     sums.add(name, dense[name], xh)
         for name, r in feeds.feeds.items():
             if r.diagonal and r.counts is not None:
@@ -259,6 +263,105 @@ def _stage_truncators(model: nn.Module, stage: list[Layer], sums: _Sums, damp: f
     return out
 
 
+@dataclass
+class _Fitter:
+    """The fit so far: each stage's truncators (``out``) and the weights they put in place (``fitted``)."""
+
+    model: nn.Module
+    plan: dict[str, tuple[Layer, int]]
+    damp: float
+    ridge: float
+    out: dict[str, Truncator] = field(default_factory=dict)
+    fitted: dict[str, torch.Tensor] = field(default_factory=dict)
+
+    @property
+    def layers(self) -> dict[str, Layer]:
+        return {name: layer for name, (layer, _) in self.plan.items()}
+
+    def stage(self, stage: list[Layer], runs: Runs) -> None:
+        sums = _stage_sums(self.model, stage, runs)
+        for name, trunc in _stage_truncators(self.model, stage, sums, self.damp, self.ridge).items():
+            self.out[name] = trunc
+            self.fitted[name] = trunc.weight(self.plan[name][1])
+
+    def swapped(self, fn: Callable[[], object]) -> Callable[[], object]:
+        """``fn`` run with the weights fitted so far in place of the dense ones."""
+        def call() -> object:
+            with _weights(self.model, self.layers, self.fitted):
+                return fn()
+        return call
+
+    def whole(self, fit: list[Batch]) -> Runs:
+        """Each batch through the whole model."""
+        return [(_batch_mask(b), lambda b=b: run(self.model, b), self.swapped(lambda b=b: run(self.model, b)))
+                for b in fit]
+
+
+def _by_block(stages: list[list[Layer]], found: Blocks) -> list[int | None] | None:
+    """Each stage's block (None outside the blocks), or None unless the stages run as the blocks do: the layers
+    before the blocks, then the blocks' in block order, then those after."""
+    where = {l.name: i for i, ls in enumerate(found.layers) for l in ls}
+    out: list[int | None] = []
+    for stage in stages:
+        blocks = {where.get(l.name) for l in stage}
+        if len(blocks) != 1:
+            return None
+        out.append(blocks.pop())
+    inside = [b for b in out if b is not None]
+    first = out.index(inside[0]) if inside else len(out)
+    last = len(out) - out[::-1].index(inside[-1]) if inside else len(out)
+    if inside != sorted(inside) or any(b is None for b in out[first:last]):
+        return None
+    return out
+
+
+def _block_runs(fitter: _Fitter, blk: nn.Module, kept: list[list[tuple[tuple[object, ...], dict[str, object]]]],
+                masks: list[object]) -> Runs:
+    """Each batch through one block: on the dense model's inputs to it (``kept[0]``), and with the weights fitted so
+    far on the fitted model's (``kept[1]``)."""
+    return [(masks[j], lambda d=d: blk(*d[0], **d[1]), fitter.swapped(lambda f=f: blk(*f[0], **f[1])))
+            for j, (d, f) in enumerate(zip(kept[0], kept[1]))]
+
+
+def _advance(fitter: _Fitter, blk: nn.Module, kept: list[list[tuple[tuple[object, ...], dict[str, object]]]]) -> None:
+    """Both models' inputs to the next block: this block's outputs, dense and with the fitted weights."""
+    for j, (d, f) in enumerate(zip(kept[0], kept[1])):
+        kept[0][j] = _with_hidden(d[0], d[1], _hidden(blk(*d[0], **d[1])))
+        kept[1][j] = _with_hidden(f[0], f[1], _hidden(fitter.swapped(lambda f=f: blk(*f[0], **f[1]))()))
+
+
+def _blockwise(fitter: _Fitter, stages: list[list[Layer]], fit: list[Batch], progress: Callable[[], None]) -> int:
+    """The stages fitted block by block (GPTQ-style: each stage runs one block twice per batch, not the whole
+    model), those before and after the blocks on the whole model. Returns how many stages were fitted: fewer than
+    all when the model's blocks cannot be run one after another (the rest then go through the whole model)."""
+    model = fitter.model
+    found = find_blocks(model, list(fitter.layers.values()))
+    order = _by_block(stages, found) if found is not None else None
+    if found is None or order is None or all(b is None for b in order):
+        return 0
+    blocks, first = list(found.blocks), order.index(next(b for b in order if b is not None))
+    for stage in stages[:first]:
+        fitter.stage(stage, fitter.whole(fit))
+        progress()
+    dev = model_device(model)
+    try:
+        kept = [_first_inputs(model, blocks[0], fit, dev), fitter.swapped(
+            lambda: _first_inputs(model, blocks[0], fit, dev))()]
+        _check_sequential(model, blocks, fit[0].to(dev), kept[0][0], blocks[0](*kept[0][0][0], **kept[0][0][1]))
+    except _NotSequential:
+        return first
+    masks = [_batch_mask(b) for b in fit]
+    done = first
+    for i, blk in enumerate(blocks):
+        while done < len(stages) and order[done] == i:
+            fitter.stage(stages[done], _block_runs(fitter, blk, kept, masks))
+            done += 1
+            progress()
+        if done < len(stages):
+            _advance(fitter, blk, kept)
+    return done
+
+
 def sequential_truncators(model: nn.Module, plan: dict[str, tuple[Layer, int]],
                           batches: Calibration | list[Batch], damp: float = DAMP, ridge: float = RIDGE,
                           progress: Callable[[int, int], None] | None = None) -> dict[str, Truncator]:
@@ -267,22 +370,23 @@ def sequential_truncators(model: nn.Module, plan: dict[str, tuple[Layer, int]],
     layer's W* depends on the ranks of the layers before it. Use them as ``reuse`` of
     :func:`auditor.calibration.apply.factorize`. ``model``'s weights are unchanged afterwards."""
     fit = batches.fit if isinstance(batches, Calibration) else list(batches)
-    layers = {name: layer for name, (layer, _) in plan.items()}
-    out: dict[str, Truncator] = {}
+    fitter = _Fitter(model, plan, damp, ridge)
     if not fit:
-        return {name: Truncator(layer, _param(model, layer), None, damp) for name, layer in layers.items()}
-    fitted: dict[str, torch.Tensor] = {}
+        return {name: Truncator(layer, _param(model, layer), None, damp) for name, layer in fitter.layers.items()}
     with eval_mode(model), torch.no_grad():
-        stages = _call_order(model, list(layers.values()), fit[0])
-        for i, stage in enumerate(stages):
-            sums = _stage_sums(model, stage, fit, fitted, layers)
-            for name, trunc in _stage_truncators(model, stage, sums, damp, ridge).items():
-                out[name] = trunc
-                fitted[name] = trunc.weight(plan[name][1])
-            del sums
+        stages = _call_order(model, list(fitter.layers.values()), fit[0])
+        count = [0]
+
+        def step() -> None:
+            count[0] += 1
             if progress is not None:
-                progress(i + 1, len(stages))
-    return {name: out[name] for name in plan}
+                progress(count[0], len(stages))
+
+        done = _blockwise(fitter, stages, fit, step) if len(stages) > 1 else 0
+        for stage in stages[done:]:
+            fitter.stage(stage, fitter.whole(fit))
+            step()
+    return {name: fitter.out[name] for name in plan}
 
 
 __all__ = ["RIDGE", "fitted_map", "fitted_truncator", "sequential_truncators"]
