@@ -71,6 +71,23 @@ def test_rank_r_fit_is_reduced_rank_regression(r: int) -> None:
     np.testing.assert_allclose(a[0] @ b[0], got, rtol=1e-9, atol=1e-11)
 
 
+def test_second_factor_is_already_its_closed_form_refit() -> None:
+    """With the first factor A fixed, the B that minimises the fit's objective (||X W^T - X^ B^T A^T||^2 + mu ||A B -
+    W||^2, solved here as one least-squares problem in vec(B^T)) is the B the fit gives: refitting it changes nothing."""
+    x, xh, w = _data(4)
+    r, ridge = 3, 1e-2
+    lin = nn.Linear(7, 5, bias=False).double()
+    layer = checked_plan(nn.Sequential(lin), {"0": r})["0"][0]
+    a, b = fitted_truncator(layer, torch.from_numpy(w), (x.T @ xh)[None], (xh.T @ xh)[None], DAMP, ridge).factors(r)
+    a, b = a[0], b[0]
+    mu = _lam(xh, ridge)
+    n = xh.shape[1]
+    design = np.vstack([np.kron(a, xh), np.sqrt(mu) * np.kron(a, np.eye(n))])  # vec(X^ B^T A^T), vec(B^T A^T)
+    target = np.concatenate([(x @ w.T).T.ravel(), np.sqrt(mu) * w.ravel()])
+    refit = np.linalg.lstsq(design, target, rcond=None)[0].reshape(r, n)  # vec(B^T) column by column: B's rows
+    np.testing.assert_allclose(refit, b, rtol=1e-8, atol=1e-10)
+
+
 class _Net(nn.Module):
     def __init__(self) -> None:
         super().__init__()
