@@ -199,3 +199,20 @@ def test_block_by_block_is_the_whole_model_fit(monkeypatch) -> None:
     for name, (_, r) in plan.items():
         np.testing.assert_allclose(block[name].weight(r).numpy(), whole[name].weight(r).numpy(), rtol=1e-9,
                                    atol=1e-11)
+
+
+def test_grouped_convolutions_are_fitted_per_group() -> None:
+    """A grouped convolution's rows are its unfolded patches per group (the kinds' own hooks): the first layer's fit
+    is the independent one, the second's W* is W per group where nothing before it changed (rank = full)."""
+    torch.manual_seed(5)
+    model = nn.Sequential(nn.Conv2d(4, 8, 3, padding=1, groups=2), nn.ReLU(), nn.Conv2d(8, 6, 3, groups=2)).double()
+    fit = [Batch((torch.randn(3, 4, 7, 7, dtype=torch.float64),), {}) for _ in range(2)]
+    plan = checked_plan(model, {"0": 3, "2": 2})
+    got = sequential_truncators(model, plan, fit)
+    stats = input_statistics(model, [l for l, _ in plan.values()], fit)
+    ind = Truncator(plan["0"][0], model[0].weight, stats.layers["0"])
+    assert got["0"].f.shape == (2, 4, 18) and got["2"].f.shape == (2, 3, 36)
+    np.testing.assert_allclose(got["0"].weight(3).numpy(), ind.weight(3).numpy(), rtol=1e-9, atol=1e-11)
+    full = sequential_truncators(model, checked_plan(model, {"0": 4, "2": 2}), fit)  # rank 4 = full for layer 0
+    np.testing.assert_allclose(full["2"].f, Truncator(plan["2"][0], model[2].weight, None).f, rtol=1e-8, atol=1e-9)
+    assert not np.allclose(got["2"].f, full["2"].f, atol=1e-3)

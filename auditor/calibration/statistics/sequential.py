@@ -74,16 +74,23 @@ def fitted_truncator(layer: Layer, weight: torch.Tensor, cross: np.ndarray, gram
 
 
 class _Rows:
-    """One layer's rows for the current batch (what the kinds' hooks feed), kept until the stage adds them."""
+    """One layer's rows for the current batch (what the kinds' hooks feed), kept until the stage adds them. Layers
+    fed one tensor (q, k and v) get one float64 copy of it (``seen``, by the tensor's storage, shape and version)."""
 
-    def __init__(self, n: int, groups: int = 1, diagonal: bool = False) -> None:
+    def __init__(self, n: int, groups: int = 1, diagonal: bool = False,
+                 seen: dict[tuple[object, ...], tuple[torch.Tensor, torch.Tensor]] | None = None) -> None:
         self.n, self.groups, self.diagonal = n, groups, diagonal
         self.x: list[torch.Tensor] = []
         self.counts: np.ndarray | None = None
+        self.seen = seen if seen is not None else {}
 
     def add_rows(self, x: torch.Tensor, keep: torch.Tensor | None = None) -> None:
-        x = _real_rows(x, keep)
-        self.x.append(x.detach().reshape(-1, self.groups, self.n).to(torch.float64))
+        key = (x.data_ptr(), tuple(x.shape), tuple(x.stride()), x._version, self.groups, self.n)
+        hit = self.seen.get(key)
+        if hit is None:  # the entry holds the tensor itself, so no other tensor can take its memory meanwhile
+            rows = _real_rows(x, keep).detach().reshape(-1, self.groups, self.n).to(torch.float64)
+            hit = self.seen[key] = (x, rows)
+        self.x.append(hit[1])
 
     def add_counts(self, ids: torch.Tensor, keep: torch.Tensor | None = None) -> None:
         if keep is not None and ids.dim() == keep.dim() and ids.shape[0] == 1 and ids.shape[1:] == keep.shape[1:]:
@@ -93,7 +100,7 @@ class _Rows:
         self.counts = c if self.counts is None else self.counts + c
 
     def take(self) -> torch.Tensor | None:
-        x = torch.cat(self.x) if self.x else None
+        x = (self.x[0] if len(self.x) == 1 else torch.cat(self.x)) if self.x else None
         self.x = []
         return x
 
@@ -103,12 +110,13 @@ class _RowFeeds:
 
     def __init__(self) -> None:
         self.feeds: dict[str, _Rows] = {}
+        self.seen: dict[tuple[object, ...], tuple[torch.Tensor, torch.Tensor]] = {}  # one run's inputs, as float64
         self.handles: list[object] = []
         self.current: list[torch.Tensor | None] = [None]
         self.missing_: dict[str, str] = {}
 
     def rows(self, layer: Layer, n: int, groups: int = 1, shared: bool = False) -> _Rows:
-        return self.feeds.setdefault(layer.name, _Rows(n, groups))
+        return self.feeds.setdefault(layer.name, _Rows(n, groups, seen=self.seen))
 
     def counts(self, layer: Layer, n: int) -> _Rows:
         return self.feeds.setdefault(layer.name, _Rows(n, diagonal=True))
@@ -175,12 +183,12 @@ class _Sums:
     counts: dict[str, np.ndarray] = field(default_factory=dict)
     rows: dict[str, int] = field(default_factory=dict)
 
-    def add(self, name: str, x: torch.Tensor, xh: torch.Tensor) -> None:
+    def add(self, name: str, x: torch.Tensor, xh: torch.Tensor, done: dict[tuple[int, int], np.ndarray]) -> None:
+        """Add one batch's rows; ``done``: this batch's products by the tensors' identity (q, k, v: once)."""
         if x.shape != xh.shape:
             raise ValueError(f"{name}: the dense and the factorized model gave it {tuple(x.shape)} and "
                              f"{tuple(xh.shape)} rows")
-        c = torch.einsum("rgi,rgj->gij", x, xh).numpy()
-        g = torch.einsum("rgi,rgj->gij", xh, xh).numpy()
+        c, g = _product(x, xh, done), _product(xh, xh, done)
         self.cross[name] = self.cross[name] + c if name in self.cross else c
         self.gram[name] = self.gram[name] + g if name in self.gram else g
         self.rows[name] = self.rows.get(name, 0) + x.shape[0]
@@ -221,6 +229,15 @@ def _call_order(model: nn.Module, layers: list[Layer], batch: Batch) -> list[lis
     return stages + [[l] for l in layers if l.name not in seen]
 
 
+def _product(a: torch.Tensor, b: torch.Tensor, done: dict[tuple[int, int], np.ndarray]) -> np.ndarray:
+    """a^T b per group, (groups, n, n) float64, computed once per pair of tensors in ``done``."""
+    key = (id(a), id(b))
+    if key not in done:
+        done[key] = (a[:, 0].T @ b[:, 0])[None].numpy() if a.shape[1] == 1 else \
+            torch.einsum("rgi,rgj->gij", a, b).numpy()
+    return done[key]
+
+
 Runs = list[tuple["torch.Tensor | None", Callable[[], object], Callable[[], object]]]  # per batch: mask, dense, fitted
 
 
@@ -233,11 +250,15 @@ def _stage_sums(model: nn.Module, stage: list[Layer], runs: Runs) -> _Sums:
             feeds.current[0] = mask
             dense_run()
             dense = {name: r.take() for name, r in feeds.feeds.items()}
+            feeds.seen.clear()
             fitted_run()
+            done: dict[tuple[int, int], np.ndarray] = {}
             for name, r in feeds.feeds.items():
                 xh = r.take()
                 if not r.diagonal and dense[name] is not None and xh is not None:
-                    sums.add(name, dense[name], xh)
+                    sums.add(name, dense[name], xh, done)
+            feeds.seen.clear()
+            del dense, done
         for name, r in feeds.feeds.items():
             if r.diagonal and r.counts is not None:
                 sums.counts[name] = r.counts / 2  # each batch counted by both runs: the same ids
