@@ -190,8 +190,14 @@ def test_block_by_block_is_the_whole_model_fit(monkeypatch) -> None:
     runs: list[int] = []
     real = seq._block_runs
     monkeypatch.setattr(seq, "_block_runs", lambda *a: runs.append(1) or real(*a))
+    heads: list[int] = []
+    hook = model.head.register_forward_hook(lambda *a: heads.append(1))
     block = seq.sequential_truncators(model, plan, fit, progress=lambda i, n: seen.append(n))
+    hook.remove()
     assert seen[-1] == 7 and len(runs) == 5  # q and k of block 0 read one input: one stage; inp and head outside
+    # the head runs for the call order, the blocks' check and its own stage (3 batches, twice): inp's stage stops
+    # each run once inp has run
+    assert len(heads) == 1 + 1 + 6
     runs.clear()
     monkeypatch.setattr(seq, "find_blocks", lambda *a: None)
     whole = seq.sequential_truncators(model, plan, fit)

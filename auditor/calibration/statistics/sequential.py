@@ -194,10 +194,12 @@ class _Sums:
         self.rows[name] = self.rows.get(name, 0) + x.shape[0]
 
 
-def _call_order(model: nn.Module, layers: list[Layer], batch: Batch) -> list[list[Layer]]:
+def _call_order(model: nn.Module, layers: list[Layer], batch: Batch) -> tuple[list[list[Layer]], bool]:
     """The planned layers in the order the model first reads them on ``batch``, those reading one input tensor (by
-    storage, shape and strides) together: the stages. Layers never called come last, each alone."""
+    storage, shape and strides) together: the stages (layers never called come last, each alone); and whether every
+    planned module was called exactly once (then a stage's run may stop once its layers have run)."""
     seen: dict[str, tuple[int, tuple[object, ...]]] = {}
+    calls: dict[str, int] = {}
     alive: list[object] = []  # the inputs held until the pass ends, so no other tensor reuses their memory
 
     def note(name: str) -> Callable[..., None]:
@@ -205,6 +207,7 @@ def _call_order(model: nn.Module, layers: list[Layer], batch: Batch) -> list[lis
             x = args[0] if args else None
             key = (x.data_ptr(), tuple(x.shape), tuple(x.stride())) if isinstance(x, torch.Tensor) else (name,)
             seen.setdefault(name, (len(seen), key))
+            calls[name] = calls.get(name, 0) + 1
             alive.append(x)
         return hook
 
@@ -226,7 +229,7 @@ def _call_order(model: nn.Module, layers: list[Layer], batch: Batch) -> list[lis
         else:
             stages.append([layer])
         last = key
-    return stages + [[l] for l in layers if l.name not in seen]
+    return stages + [[l] for l in layers if l.name not in seen], all(calls.get(l.name) == 1 for l in layers)
 
 
 def _product(a: torch.Tensor, b: torch.Tensor, done: dict[tuple[int, int], np.ndarray]) -> np.ndarray:
@@ -241,17 +244,49 @@ def _product(a: torch.Tensor, b: torch.Tensor, done: dict[tuple[int, int], np.nd
 Runs = list[tuple["torch.Tensor | None", Callable[[], object], Callable[[], object]]]  # per batch: mask, dense, fitted
 
 
-def _stage_sums(model: nn.Module, stage: list[Layer], runs: Runs) -> _Sums:
+class _StageRead(Exception):
+    """Raised once every layer of a stage has run: the rest of the forward is not needed."""
+
+
+@contextlib.contextmanager
+def _stop_after(model: nn.Module, stage: list[Layer], stop: bool) -> Iterator[Callable[[Callable[[], object]], None]]:
+    """A runner that calls a run and, with ``stop``, ends it (:class:`_StageRead`) once the stage's modules have
+    all run, by forward hooks removed afterwards."""
+    mods = {id(m): m for m in (model.get_submodule(kinds.for_kind(l.kind).module_path(l)[0]) for l in stage)}
+    ran: set[int] = set()
+
+    def after(mod: nn.Module, _a: object, _o: object) -> None:
+        ran.add(id(mod))
+        if len(ran) == len(mods):
+            raise _StageRead
+
+    handles = [m.register_forward_hook(after) for m in mods.values()] if stop else []
+
+    def call(fn: Callable[[], object]) -> None:
+        ran.clear()
+        try:
+            fn()
+        except _StageRead:
+            pass
+
+    try:
+        yield call
+    finally:
+        for h in handles:
+            h.remove()
+
+
+def _stage_sums(model: nn.Module, stage: list[Layer], runs: Runs, stop: bool = False) -> _Sums:
     """One pass over the batches: each run dense, then with the weights fitted so far, the stage's rows of both
-    added into its sums."""
+    added into its sums. ``stop``: each run ends once the stage's layers have run."""
     sums = _Sums()
-    with _row_hooks(model, stage) as feeds:
+    with _row_hooks(model, stage) as feeds, _stop_after(model, stage, stop) as call:
         for mask, dense_run, fitted_run in runs:
             feeds.current[0] = mask
-            dense_run()
+            call(dense_run)
             dense = {name: r.take() for name, r in feeds.feeds.items()}
             feeds.seen.clear()
-            fitted_run()
+            call(fitted_run)
             done: dict[tuple[int, int], np.ndarray] = {}
             for name, r in feeds.feeds.items():
                 xh = r.take()
@@ -294,13 +329,14 @@ class _Fitter:
     ridge: float
     out: dict[str, Truncator] = field(default_factory=dict)
     fitted: dict[str, torch.Tensor] = field(default_factory=dict)
+    stop: bool = False  # a stage's runs stop once its layers have run (each planned module is called once)
 
     @property
     def layers(self) -> dict[str, Layer]:
         return {name: layer for name, (layer, _) in self.plan.items()}
 
     def stage(self, stage: list[Layer], runs: Runs) -> None:
-        sums = _stage_sums(self.model, stage, runs)
+        sums = _stage_sums(self.model, stage, runs, self.stop)
         for name, trunc in _stage_truncators(self.model, stage, sums, self.damp, self.ridge).items():
             self.out[name] = trunc
             self.fitted[name] = trunc.weight(self.plan[name][1])
@@ -395,7 +431,7 @@ def sequential_truncators(model: nn.Module, plan: dict[str, tuple[Layer, int]],
     if not fit:
         return {name: Truncator(layer, _param(model, layer), None, damp) for name, layer in fitter.layers.items()}
     with eval_mode(model), torch.no_grad():
-        stages = _call_order(model, list(fitter.layers.values()), fit[0])
+        stages, fitter.stop = _call_order(model, list(fitter.layers.values()), fit[0])
         count = [0]
 
         def step() -> None:
