@@ -97,6 +97,6 @@ def sequential(calibration: object, model: nn.Module, resolved: dict[str, tuple[
     if isinstance(calibration, CalibrationSession):
         calibration = calibration.calibration
     if not isinstance(calibration, Calibration):
-        raise AuditError(f"the sequential fit needs the calibration rows, not a {type(calibration).__name__}",
+        raise AuditError(f"the sequential fit needs the calibration rows; {type(calibration).__name__} holds none",
                          "Pass a CalibrationSession or a Calibration (load_calibration), or fit='independent'")
     return sequential_truncators(model, resolved, calibration)
