@@ -222,3 +222,11 @@ def test_grouped_convolutions_are_fitted_per_group() -> None:
     full = sequential_truncators(model, checked_plan(model, {"0": 4, "2": 2}), fit)  # rank 4 = full for layer 0
     np.testing.assert_allclose(full["2"].f, Truncator(plan["2"][0], model[2].weight, None).f, rtol=1e-8, atol=1e-9)
     assert not np.allclose(got["2"].f, full["2"].f, atol=1e-3)
+
+
+def test_the_command_lines_fits_are_the_librarys() -> None:
+    """--fit's choices are written out in the command (its --help imports no torch): the same words as apply.Fit."""
+    from auditor.calibration.apply import Fit
+    from auditor.cli import factorize_command
+
+    assert set(factorize_command.FITS) == {f.value for f in Fit} and factorize_command.DEFAULT_FIT in factorize_command.FITS
