@@ -27,7 +27,7 @@ from .. import kinds, lrmath
 from ..calresults import CalibrationReport, LayerCalibration, PlanCheck, Verification, subsample
 from ..errors import AuditError
 from ..results import Layer, Suggestion, Verdict
-from .data.inputs import Calibration
+from .data.inputs import Calibration, eval_mode
 from .measure.metric import Measurement, Metric
 from .session import STATS_KINDS, CalibrationSession, _statistics, cache_path, metric_of, statistics_memory
 from .statistics.stats import InputStatistics
@@ -347,7 +347,7 @@ def check_factorized(report: CalibrationReport, session: CalibrationSession, mod
     if pc is None or pc.layers == 0:
         return report
     removed = count_params(model) - count_params(new)
-    with session.measuring():
+    with session.measuring(), eval_mode(new):  # a copy made outside measuring() has the model's own modes
         if session.verifier is None:
             m = session.evaluator.measure(new)
             check = replace(pc, measured=m.value, ok=m.ok, top1=m.top1, removed=removed, verification=None)
