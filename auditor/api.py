@@ -289,7 +289,7 @@ def _is_rank_table(plan: Any) -> bool:
 
 
 @scoped
-def factorize(model: "nn.Module", plan: Any, calibration: Any = None) -> "nn.Module":
+def factorize(model: "nn.Module", plan: Any, calibration: Any = None, *, fit: str = "independent") -> "nn.Module":
     """A deep copy of ``model`` with each planned layer replaced by two (``model`` is left untouched).
 
     ``plan``: ``{layer name: rank}``, or anything :func:`audit` accepts as a plan (a TOML/JSON path, a
@@ -298,7 +298,9 @@ def factorize(model: "nn.Module", plan: Any, calibration: Any = None) -> "nn.Mod
     the plain SVD of each weight), a ``CalibrationSession`` (an audit's: its statistics are reused), a
     ``Calibration``, ``InputStatistics``, or any source
     :func:`auditor.calibration.load_calibration` reads (a path, a dict of tensors; its default 25% held out): the
-    factors then come from the whitened truncation on the calibration part.
+    factors then come from the whitened truncation on the calibration part. ``fit="sequential"``: each layer's
+    factors fitted on the inputs the factorized layers before it produce (needs calibration rows, not statistics;
+    what ``lowrank-audit factorize`` does by default; docs/calibration.md, "The sequential fit").
 
     >>> import auditor, torch
     >>> m = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU(), torch.nn.Linear(8, 4))
@@ -331,4 +333,4 @@ def factorize(model: "nn.Module", plan: Any, calibration: Any = None) -> "nn.Mod
 
         if not isinstance(calibration, InputStatistics):  # data becomes a session; a session is used as it is
             calibration = CalibrationSession.of(calibration, model)
-    return apply_plan(model, ranks, calibration)
+    return apply_plan(model, ranks, calibration, fit=fit)

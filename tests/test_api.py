@@ -96,6 +96,32 @@ def test_factorize_with_calibration_data_matches_the_statistics_route():
     assert not torch.equal(plain["2.0.weight"], want["2.0.weight"])  # the whitened factors differ from the SVD's
 
 
+def test_factorize_fit_sequential(tmp_path):
+    """fit="sequential": the library's sequential truncators on the calibration's fit rows; statistics alone (no rows)
+    and an unknown fit are one line each."""
+    from auditor.calibration import input_statistics, load_calibration
+    from auditor.calibration.apply import sequential
+    from auditor.factorize import resolve_plan
+
+    model = _model()
+    data = {"input": torch.randn(64, 16, generator=torch.Generator().manual_seed(1))}
+    cal = load_calibration(data, model)
+    plan = {"0": 4, "2": 3}
+    seq = sequential(cal, model, resolve_plan(model, plan))
+    got = auditor.factorize(model, plan, calibration=cal, fit="sequential")
+    a, b = seq["2"].factors(3)
+    assert torch.equal(got.state_dict()["2.1.weight"], torch.from_numpy(a[0]).float())
+    ind = auditor.factorize(model, plan, calibration=cal).state_dict()
+    assert torch.equal(got.state_dict()["0.0.weight"], ind["0.0.weight"]) or \
+        torch.allclose(got.state_dict()["0.0.weight"], ind["0.0.weight"], atol=1e-6)  # the first layer: same inputs
+    assert not torch.allclose(got.state_dict()["2.0.weight"], ind["2.0.weight"], atol=1e-4)
+    stats = input_statistics(model, [l for l, _ in resolve_plan(model, plan).values()], cal)
+    with pytest.raises(AuditError, match="the sequential fit needs the calibration rows; InputStatistics holds none"):
+        auditor.factorize(model, plan, calibration=stats, fit="sequential")
+    with pytest.raises(AuditError, match="fit 'greedy' is not a way to fit the factors"):
+        auditor.factorize(model, plan, calibration=cal, fit="greedy")
+
+
 def test_factorize_refuses_bad_input_with_one_line(tmp_path):
     model = _model()
     with pytest.raises(AuditError, match=r"plan file .*missing\.toml does not exist"):

@@ -247,7 +247,7 @@ def test_factorize_writes_and_loads_back(cli_inproc, calib, tmp_path, digits_mlp
     plan = {"fc1": 24, "fc2": 16}
     out = tmp_path / "fact"
     r = cli_inproc("factorize", MODEL, "--plan", _plan(tmp_path, plan), "--calibration", calib, "-o", out,
-                   "--no-cache")
+                   "--no-cache", "--fit", "independent")  # the default, sequential: the next test
     assert r.returncode == 0, r.stderr
     assert "recovery fine-tune follows" in r.stderr and "measured" in r.stderr
     meta = json.loads((out / "plan.json").read_text())
@@ -270,6 +270,35 @@ def test_factorize_writes_and_loads_back(cli_inproc, calib, tmp_path, digits_mlp
     r = cli_inproc("factorize", MODEL, "--plan", tmp_path / "plan.toml", "-o", out, "--force", "--no-cache")
     assert r.returncode == 0, r.stderr
     assert json.loads((out / "plan.json").read_text())["init"] == "svd"
+
+
+def test_factorize_fit_sequential_and_independent(cli_inproc, calib, tmp_path, digits_mlp):
+    """--fit: the written model is the library's fit of that name on the same fit rows, plan.json says which, and its
+    "measured" is that model's (the plan check measured again on the verification rows when the fit is sequential)."""
+    model = digits_mlp[0]
+    plan = {"fc1": 24, "fc2": 16}
+    cal = load_calibration(calib, model, 0.25)
+    x = cal.fit[0].kwargs["x"]
+    ev = auditor.calibration.Evaluator(model, _split(cal)[1])  # the verification rows
+    values = {}
+    for fit in ("sequential", "independent"):
+        out = tmp_path / fit
+        r = cli_inproc("factorize", MODEL, "--plan", _plan(tmp_path, plan), "--calibration", calib, "-o", out,
+                       "--no-cache", "--fit", fit)
+        assert r.returncode == 0, r.stderr
+        assert f"whitened initialisation, {fit} fit" in r.stderr
+        meta = json.loads((out / "plan.json").read_text())
+        assert meta["fit"] == fit and meta["init"] == "whitened"
+        want = factorize(model, plan, cal, fit=fit)
+        with torch.no_grad():
+            assert torch.equal(load_factorized(model, out)(x), want(x))
+        assert meta["measured"]["value"] == pytest.approx(ev.measure(want).value, rel=1e-9)
+        values[fit] = meta["measured"]["value"]
+    assert values["sequential"] != values["independent"]
+    r = cli_inproc("factorize", MODEL, "--plan", tmp_path / "plan.toml", "-o", tmp_path / "none", "--fit",
+                   "sequential")
+    assert r.returncode == 2 and r.stderr.count("\n") == 1 and "--fit needs --calibration" in r.stderr
+    assert not (tmp_path / "none").exists()
 
 
 def _write(path: Path, tensors: dict[str, torch.Tensor]) -> Path:

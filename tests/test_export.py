@@ -211,6 +211,7 @@ def test_cli_recover_and_export_end_to_end(cli_inproc, tmp_path):
     w = load_file(str(out / "model.safetensors"))
     assert torch.equal(prog.state_dict["fc1.0.weight"], w["fc1.0.weight"])
     assert "Recovery: 6 distillation steps" in (out / "README.md").read_text()
+    assert meta["fit"] == "sequential" and "whitened (sequential fit) initialisation" in (out / "README.md").read_text()
 
 
 @pytest.fixture(scope="module")

@@ -83,7 +83,7 @@ def test_emitted_plan_holds_when_factorized(cli_inproc, calib, tmp_path, tier):
     assert "spectral energy" not in plan.splitlines()[1] and "all at once" in plan
     # factorize applies it; its own measurement on the held-out rows is the audit's
     f = cli_inproc("factorize", MODEL, "--plan", tmp_path / "plan.toml", "--calibration", calib, "--no-cache",
-                   "-o", tmp_path / "fact")
+                   "-o", tmp_path / "fact", "--fit", "independent")  # the fit the audit's plan check measured
     assert f.returncode == 0, f.stderr
     meta = json.loads((tmp_path / "fact" / "plan.json").read_text())
     assert meta["plan"] == suggested

@@ -539,7 +539,7 @@ def readme(directory: str | Path, meta: dict[str, Any]) -> Path:
     text = f"""# A factorized model
 
 `{meta.get('source') or 'the model'}` with {len(plan)} layer(s) replaced by two low-rank factors{removed},
-{meta.get('init', 'svd')} initialisation. Made by lowrank-auditor; loading it needs only torch
+{meta.get('init', 'svd')}{f" ({meta['fit']} fit)" if meta.get('fit') else ''} initialisation. Made by lowrank-auditor; loading it needs only torch
 ({e['torch']} wrote it; `torch.export` programs load in that version or later).
 {rec_line}
 ## Load it with plain torch

@@ -27,7 +27,7 @@ from .. import kinds, lrmath
 from ..calresults import CalibrationReport, LayerCalibration, PlanCheck, Verification, subsample
 from ..errors import AuditError
 from ..results import Layer, Suggestion, Verdict
-from .data.inputs import Calibration
+from .data.inputs import Calibration, eval_mode
 from .measure.metric import Measurement, Metric
 from .session import STATS_KINDS, CalibrationSession, _statistics, cache_path, metric_of, statistics_memory
 from .statistics.stats import InputStatistics
@@ -334,6 +334,28 @@ def _measured_plan(cal: Calibrated, model: nn.Module, plan: dict[str, int],
     if suggested:
         m.top1 = b.top1
     return m, removed, verification
+
+
+def check_factorized(report: CalibrationReport, session: CalibrationSession, model: nn.Module,
+                     new: nn.Module) -> CalibrationReport:
+    """The plan check again, on ``new``: the plan factorized otherwise than the check factorized it (the sequential
+    fit of ``lowrank-audit factorize``), measured as the check measures (on the verification rows with the interval
+    in a split session, else on the held-out rows), so the number written beside a model is that model's."""
+    from ..surgery import count_params
+
+    pc = report.plan_check
+    if pc is None or pc.layers == 0:
+        return report
+    removed = count_params(model) - count_params(new)
+    with session.measuring(), eval_mode(new):  # a copy made outside measuring() has the model's own modes
+        if session.verifier is None:
+            m = session.evaluator.measure(new)
+            check = replace(pc, measured=m.value, ok=m.ok, top1=m.top1, removed=removed, verification=None)
+        else:
+            v = replace(session.verifier.measure(new),
+                        search_rows=sum(x.rows for x in session.search_calibration.holdout))
+            check = replace(pc, measured=v.value, ok=v.ok, top1=None, removed=removed, verification=v)
+    return replace(report, plan_check=check)
 
 
 def _predicted(cal: Calibrated, plan: dict[str, int]) -> tuple[float | None, str]:

@@ -23,6 +23,9 @@ from typing import Any, Sequence
 
 from ..errors import AuditError, ExitCode, escape
 
+FITS = ("sequential", "independent")  # calibration/apply.py's Fit, written out: --help imports no torch
+DEFAULT_FIT = "sequential"  # measured in docs/calibration.md ("The sequential fit")
+
 
 def _parser() -> argparse.ArgumentParser:
     from .argparser import _Parser
@@ -40,6 +43,10 @@ def _parser() -> argparse.ArgumentParser:
                         "(default: exit 1, the model still written)")
     add_shared(p, "calibration", "holdout", "calibration-length", "metric", "tolerance", "weights", "input-shape",
                "input-ids", "no-cache", "compute-dtype", "no-split", "confidence")
+    p.add_argument("--fit", choices=FITS, default=None,
+                   help="with --calibration, how the factors are fitted: sequential (default: each layer on the "
+                        "inputs the factorized layers before it produce, anchored to the dense outputs) or "
+                        "independent (each layer alone on the dense model's inputs)")
     p.add_argument("--measure-speed", action="store_true",
                    help="time the dense and the factorized model end to end (and with --export the .pt2 in torch, "
                         "the ONNX in onnxruntime), each in a fresh process, at the example inputs on the CPU; peak "
@@ -171,7 +178,7 @@ def _options(args: argparse.Namespace, loaded: Any, plan: Any) -> Any:
     given = [flag for flag, value in (("--holdout", args.holdout), ("--metric", args.metric),
                                       ("--tolerance", args.tolerance), ("--calibration-length", args.calibration_length),
                                       ("--compute-dtype", args.compute_dtype), ("--no-split", args.no_split or None),
-                                      ("--confidence", args.confidence)) if value is not None]
+                                      ("--confidence", args.confidence), ("--fit", args.fit)) if value is not None]
     if not cal and given:
         raise AuditError(f"{', '.join(given)} {'needs' if len(given) == 1 else 'need'} --calibration",
                          "Pass --calibration FILE")
@@ -237,6 +244,7 @@ class _Made:
     new: Any  # the factorized module
     session: Any  # the audit's calibration session, or None
     extra: dict[str, Any]  # plan.json's entries beside the plan
+    result: Any  # the audit's result, its plan check measured on ``new``
 
     @property
     def calibration(self) -> Any:
@@ -252,12 +260,21 @@ def _make(args: argparse.Namespace, loaded: Any, result: Any, session: Any, reco
 
     model = loaded.model
     plan = _reviewed_plan(args, result, loaded.name)
-    new = factorize(model, plan, session)
+    fit = (args.fit or DEFAULT_FIT) if session is not None else None
+    new = factorize(model, plan, session, fit=fit or "independent")
     extra: dict[str, Any] = {"init": "whitened" if session is not None else "svd", "params_before": count_params(model)}
+    if fit is not None:
+        extra["fit"] = fit
+    if fit == "sequential" and result.calibration is not None:  # the check measured the independent fit's model
+        from dataclasses import replace
+
+        from ..calibration.stage import check_factorized
+
+        result = replace(result, calibration=check_factorized(result.calibration, session, model, new))
     measured = _measured(result)
     if measured is not None:
         extra["measured"] = measured
-    made = _Made(loaded, model, plan, new, session, extra)
+    made = _Made(loaded, model, plan, new, session, extra, result)
     if recovery is not None:
         extra["recovery"] = cli_recover(recovery, new, model, session if session is not None else made.calibration,
                                         session.metric if session is not None else None)
@@ -298,7 +315,8 @@ def _say(out: Path, made: _Made, result: Any, exported: list[str]) -> None:
     change = (f"{100 * (before - after) / before:.1f}% removed" if after <= before else
               f"{100 * (after - before) / before:.1f}% more, ranks at or above break-even")
     print(f"factorized {len(made.plan)} layers of {escape(made.loaded.name)}: {before:,} -> {after:,} parameters "
-          f"({change}), {made.extra['init']} initialisation", file=sys.stderr)
+          f"({change}), {made.extra['init']} initialisation"
+          f"{', ' + made.extra['fit'] + ' fit' if 'fit' in made.extra else ''}", file=sys.stderr)
     cr = result.calibration
     pc = cr.plan_check if cr is not None else None
     if pc is not None:
@@ -338,6 +356,7 @@ def run(args: argparse.Namespace) -> int:
     check_targets(model, list(plan_obj.ranks))  # complex, quantized, unsupported or tied: before any calibration
     result, session = audit_session(model, loaded.example_inputs, plan=plan_obj, options=options)
     made = _make(args, loaded, result, session, recovery)
+    result = made.result
     exported = _write(out, args, made, formats)
     _say(out, made, result, exported)
     if getattr(args, "measure_speed", False):

@@ -218,6 +218,19 @@ class Truncator:
         trunc.u = list(u)
         return trunc
 
+    @classmethod
+    def of_function(cls, layer: Layer, weight: torch.Tensor, f: np.ndarray, inp: LayerInput,
+                    damp: float = DAMP) -> "Truncator":
+        """A truncator of the map ``f`` (groups, out, in) in place of the layer's own, whitened under ``inp``: the
+        sequential fit's W* (:mod:`.sequential`); ``weight`` gives the stored layout, dtype and device."""
+        trunc = cls.__new__(cls)
+        trunc.layer = layer
+        trunc.shape, trunc.dtype, trunc.device = tuple(weight.shape), weight.dtype, weight.device
+        trunc.f = f
+        grams = [inp.gram] * f.shape[0] if inp.diagonal else list(inp.gram)
+        trunc.u = [decompose(f[g], grams[g], inp.diagonal, damp).u for g in range(f.shape[0])]
+        return trunc
+
     def factors(self, rank: int) -> tuple[np.ndarray, np.ndarray]:
         """(groups, out, r) and (groups, r, in), float64, F ~ A B, each column/row pair balanced to equal norms."""
         g_, m, n = self.f.shape

@@ -1,0 +1,449 @@
+"""Factors fitted to the model they will live in: the sequential, output-anchored fit.
+
+The independent fit (:class:`.whiten.Truncator`) truncates each layer under the dense model's inputs X. In the
+factorized model a layer reads X^, what the factorized layers before it produce. Here the planned layers are fitted
+in the order the model calls them: each one on the inputs X^ that the layers fitted before it give, anchored to the
+dense layer's outputs on the dense inputs, X W^T. Per group, with C = X^T X^ (the cross term), G = X^^T X^ and
+mu = RIDGE * mean(diag G):
+
+    W* = W (C + mu I) (G + mu I)^-1
+
+minimises ||X W^T - X^ M^T||^2 + mu ||M - W||^2: a least-squares refit, pulled toward the dense weight (so it is W
+exactly when X^ = X). The rank-r fit is then the whitened truncation of W* under G (S S^T = G + lambda I, lambda the
+whitening's own damping, DAMP * mean(diag G)): the rank-r map closest to W* on the shifted inputs. With X^ = X both
+steps reduce to the independent fit. Why the pull (RIDGE = 1e-2, not the whitening's 1e-6): the refit estimates a
+full in x in map from the fit rows, and with few rows per input dimension (the digits MLP: 1,000 rows for 512 inputs)
+it fits their noise; measured in docs/calibration.md ("The sequential fit").
+
+Stages: the planned layers in call order, those reading one input tensor (q, k, v) fitted together. Each stage is
+one pass over the fit rows, running every batch twice (the dense weights, then the weights fitted so far put in
+place of the dense ones: a rank-r weight computes what its two factors compute), with hooks that read each layer's
+rows as the statistics do (the kinds' own feeds) and add the float64 sums C and G. In a model of repeated blocks
+(:func:`.stream.find_blocks`, run one after another as :mod:`.stream` checks) a stage inside block k runs block k
+alone, on the dense model's inputs to it and on the fitted model's, both kept per batch and carried to block k + 1
+once its stages are done (GPTQ's sequential mode); the stages before and after the blocks (embeddings, the output
+head), and every stage of a model without such blocks, run the whole model. Alive at once: one stage's sums, one
+batch's rows, and with blocks the two kept inputs of each batch; the model's weights are put back afterwards. Embeddings (lookup counts) read ids,
+which no factorized layer changes: they get the independent fit on their counts. A planned layer the calibration
+never reaches gets the plain SVD, as in the independent fit.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass, field
+from typing import Callable, Iterator
+
+import numpy as np
+import torch
+from torch import nn
+
+from ... import kinds
+from ...results import Layer
+from ..data.inputs import Batch, Calibration, eval_mode, model_device, run
+from .stats import LayerInput, _batch_mask, _real_rows
+from .stream import Blocks, _check_sequential, _first_inputs, _hidden, _NotSequential, _with_hidden, find_blocks
+from .whiten import DAMP, Truncator
+
+
+RIDGE = 1e-2  # mu = RIDGE * mean(diag G): the refit's pull toward the dense weight
+
+
+def fitted_map(f: np.ndarray, cross: np.ndarray, gram: np.ndarray, ridge: float = RIDGE) -> tuple[np.ndarray, float]:
+    """W* = F (C + mu I)(G + mu I)^-1 for one group (F out x in, C = X^T X^, G = X^^T X^, both in x in), and
+    mu = ``ridge`` * mean(diag G) (``ridge`` where that is 0)."""
+    n = gram.shape[0]
+    scale = float(np.mean(np.diagonal(gram))) if n else 0.0
+    lam = ridge * scale if scale > 0 else ridge
+    eye = np.eye(n)
+    g = (gram + gram.T) / 2 + lam * eye
+    rhs = (cross.T + lam * eye) @ f.T  # (G + lambda I) W*^T = (C^T + lambda I) W^T
+    return np.linalg.solve(g, rhs).T, lam
+
+
+def fitted_truncator(layer: Layer, weight: torch.Tensor, cross: np.ndarray, gram: np.ndarray,
+                     damp: float = DAMP, ridge: float = RIDGE) -> Truncator:
+    """The truncator of ``layer`` fitted on shifted inputs: W* (:func:`fitted_map`, ``ridge``) per group, decomposed
+    under the shifted inputs' Gram (damped by ``damp``). ``cross`` and ``gram``: (groups, n, n) float64."""
+    from .whiten import function_matrices
+
+    f = function_matrices(layer, weight)
+    fstar = np.stack([fitted_map(f[g], cross[g], gram[g], ridge)[0] for g in range(f.shape[0])])
+    rows = LayerInput(layer.name, str(layer.kind), gram, 0, gram.shape[-1], gram.shape[0])
+    return Truncator.of_function(layer, weight, fstar, rows, damp)
+
+
+class _Rows:
+    """One layer's rows for the current batch (what the kinds' hooks feed), kept until the stage adds them. Layers
+    fed one tensor (q, k and v) get one float64 copy of it (``seen``, by the tensor's storage, shape and version)."""
+
+    def __init__(self, n: int, groups: int = 1, diagonal: bool = False,
+                 seen: dict[tuple[object, ...], tuple[torch.Tensor, torch.Tensor]] | None = None) -> None:
+        self.n, self.groups, self.diagonal = n, groups, diagonal
+        self.x: list[torch.Tensor] = []
+        self.counts: np.ndarray | None = None
+        self.seen = seen if seen is not None else {}
+
+    def add_rows(self, x: torch.Tensor, keep: torch.Tensor | None = None) -> None:
+        key = (x.data_ptr(), tuple(x.shape), tuple(x.stride()), x._version, self.groups, self.n)
+        hit = self.seen.get(key)
+        if hit is None:  # the entry holds the tensor itself, so no other tensor can take its memory meanwhile
+            rows = _real_rows(x, keep).detach().reshape(-1, self.groups, self.n).to(torch.float64)
+            hit = self.seen[key] = (x, rows)
+        self.x.append(hit[1])
+
+    def add_counts(self, ids: torch.Tensor, keep: torch.Tensor | None = None) -> None:
+        if keep is not None and ids.dim() == keep.dim() and ids.shape[0] == 1 and ids.shape[1:] == keep.shape[1:]:
+            ids = ids.expand(keep.shape)
+        ids = _real_rows(ids, keep, 0)
+        c = torch.bincount(ids.detach().reshape(-1).long(), minlength=self.n).to(torch.float64)[: self.n].numpy()
+        self.counts = c if self.counts is None else self.counts + c
+
+    def take(self) -> torch.Tensor | None:
+        x = (self.x[0] if len(self.x) == 1 else torch.cat(self.x)) if self.x else None
+        self.x = []
+        return x
+
+
+class _RowFeeds:
+    """The :class:`auditor.kinds.Feeds` of a stage: the kinds attach their usual hooks, which fill :class:`_Rows`."""
+
+    def __init__(self) -> None:
+        self.feeds: dict[str, _Rows] = {}
+        self.seen: dict[tuple[object, ...], tuple[torch.Tensor, torch.Tensor]] = {}  # one run's inputs, as float64
+        self.handles: list[object] = []
+        self.current: list[torch.Tensor | None] = [None]
+        self.missing_: dict[str, str] = {}
+
+    def rows(self, layer: Layer, n: int, groups: int = 1, shared: bool = False) -> _Rows:
+        return self.feeds.setdefault(layer.name, _Rows(n, groups, seen=self.seen))
+
+    def counts(self, layer: Layer, n: int) -> _Rows:
+        return self.feeds.setdefault(layer.name, _Rows(n, diagonal=True))
+
+    def mask(self) -> torch.Tensor | None:
+        return self.current[0]
+
+    def hook(self, mod: nn.Module, fn: Callable[..., None], with_kwargs: bool = False) -> None:
+        self.handles.append(mod.register_forward_pre_hook(fn, with_kwargs=with_kwargs))
+
+    def missing(self, layer: Layer, reason: str) -> None:
+        self.missing_[layer.name] = reason
+
+    def remove(self) -> None:
+        for h in self.handles:
+            h.remove()  # type: ignore[attr-defined]
+        self.handles.clear()
+
+
+@contextlib.contextmanager
+def _row_hooks(model: nn.Module, layers: list[Layer]) -> Iterator[_RowFeeds]:
+    """The kinds' input hooks of ``layers`` on ``model``, feeding :class:`_Rows`; removed afterwards."""
+    feeds = _RowFeeds()
+    try:
+        groups: dict[str, tuple[object, nn.Module, list[Layer]]] = {}
+        for layer in layers:
+            kind = kinds.for_kind(layer.kind)
+            path, _ = kind.module_path(layer)
+            mod = model.get_submodule(path)
+            groups.setdefault(f"{kind.kind}:{path}", (kind, mod, []))[2].append(layer)
+        for key, (kind, mod, group) in groups.items():
+            kind.statistics(key.partition(":")[2], mod, group, feeds)  # type: ignore[attr-defined]
+        yield feeds
+    finally:
+        feeds.remove()
+
+
+def _param(model: nn.Module, layer: Layer) -> torch.Tensor:
+    path, attr = kinds.for_kind(layer.kind).module_path(layer)
+    return getattr(model.get_submodule(path), attr)
+
+
+@contextlib.contextmanager
+def _weights(model: nn.Module, layers: dict[str, Layer], weights: dict[str, torch.Tensor]) -> Iterator[None]:
+    """``model`` with the weights ``weights`` (layer name -> stored tensor) in place of its own while the block runs."""
+    saved = []
+    try:
+        for name, w in weights.items():
+            p = _param(model, layers[name])
+            saved.append((p, p.data))
+            p.data = w
+        yield
+    finally:
+        for p, d in saved:
+            p.data = d
+
+
+@dataclass
+class _Sums:
+    """One stage's float64 sums per layer: C = X^T X^, G = X^^T X^ (groups, n, n); counts for lookups."""
+
+    cross: dict[str, np.ndarray] = field(default_factory=dict)
+    gram: dict[str, np.ndarray] = field(default_factory=dict)
+    counts: dict[str, np.ndarray] = field(default_factory=dict)
+    rows: dict[str, int] = field(default_factory=dict)
+
+    def add(self, name: str, x: torch.Tensor, xh: torch.Tensor, done: dict[tuple[int, int], np.ndarray]) -> None:
+        """Add one batch's rows; ``done``: this batch's products by the tensors' identity (q, k, v: once)."""
+        if x.shape != xh.shape:
+            raise ValueError(f"{name}: the dense and the factorized model gave it {tuple(x.shape)} and "
+                             f"{tuple(xh.shape)} rows")
+        c, g = _product(x, xh, done), _product(xh, xh, done)
+        self.cross[name] = self.cross[name] + c if name in self.cross else c
+        self.gram[name] = self.gram[name] + g if name in self.gram else g
+        self.rows[name] = self.rows.get(name, 0) + x.shape[0]
+
+
+def _call_order(model: nn.Module, layers: list[Layer], batch: Batch) -> tuple[list[list[Layer]], bool]:
+    """The planned layers in the order the model first reads them on ``batch``, those reading one input tensor (by
+    storage, shape and strides) together: the stages (layers never called come last, each alone); and whether every
+    planned module was called exactly once (then a stage's run may stop once its layers have run)."""
+    seen: dict[str, tuple[int, tuple[object, ...]]] = {}
+    calls: dict[str, int] = {}
+    alive: list[object] = []  # the inputs held until the pass ends, so no other tensor reuses their memory
+
+    def note(name: str) -> Callable[..., None]:
+        def hook(_m: nn.Module, args: tuple[object, ...]) -> None:
+            x = args[0] if args else None
+            key = (x.data_ptr(), tuple(x.shape), tuple(x.stride())) if isinstance(x, torch.Tensor) else (name,)
+            seen.setdefault(name, (len(seen), key))
+            calls[name] = calls.get(name, 0) + 1
+            alive.append(x)
+        return hook
+
+    handles = []
+    for layer in layers:
+        path, _ = kinds.for_kind(layer.kind).module_path(layer)
+        handles.append(model.get_submodule(path).register_forward_pre_hook(note(layer.name)))
+    try:
+        run(model, batch)
+    finally:
+        for h in handles:
+            h.remove()
+    stages: list[list[Layer]] = []
+    last: tuple[object, ...] | None = None
+    for layer in sorted((l for l in layers if l.name in seen), key=lambda l: seen[l.name][0]):
+        key = seen[layer.name][1]
+        if stages and key == last:
+            stages[-1].append(layer)
+        else:
+            stages.append([layer])
+        last = key
+    return stages + [[l] for l in layers if l.name not in seen], all(calls.get(l.name) == 1 for l in layers)
+
+
+def _product(a: torch.Tensor, b: torch.Tensor, done: dict[tuple[int, int], np.ndarray]) -> np.ndarray:
+    """a^T b per group, (groups, n, n) float64, computed once per pair of tensors in ``done``."""
+    key = (id(a), id(b))
+    if key not in done:
+        done[key] = (a[:, 0].T @ b[:, 0])[None].numpy() if a.shape[1] == 1 else \
+            torch.einsum("rgi,rgj->gij", a, b).numpy()
+    return done[key]
+
+
+Runs = list[tuple["torch.Tensor | None", Callable[[], object], Callable[[], object]]]  # per batch: mask, dense, fitted
+
+
+class _StageRead(Exception):
+    """Raised once every layer of a stage has run: the rest of the forward is not needed."""
+
+
+@contextlib.contextmanager
+def _stop_after(model: nn.Module, stage: list[Layer], stop: bool) -> Iterator[Callable[[Callable[[], object]], None]]:
+    """A runner that calls a run and, with ``stop``, ends it (:class:`_StageRead`) once the stage's modules have
+    all run, by forward hooks removed afterwards."""
+    mods = {id(m): m for m in (model.get_submodule(kinds.for_kind(l.kind).module_path(l)[0]) for l in stage)}
+    ran: set[int] = set()
+
+    def after(mod: nn.Module, _a: object, _o: object) -> None:
+        ran.add(id(mod))
+        if len(ran) == len(mods):
+            raise _StageRead
+
+    handles = [m.register_forward_hook(after) for m in mods.values()] if stop else []
+
+    def call(fn: Callable[[], object]) -> None:
+        ran.clear()
+        try:
+            fn()
+        except _StageRead:
+            pass
+
+    try:
+        yield call
+    finally:
+        for h in handles:
+            h.remove()
+
+
+def _stage_sums(model: nn.Module, stage: list[Layer], runs: Runs, stop: bool = False) -> _Sums:
+    """One pass over the batches: each run dense, then with the weights fitted so far, the stage's rows of both
+    added into its sums. ``stop``: each run ends once the stage's layers have run."""
+    sums = _Sums()
+    with _row_hooks(model, stage) as feeds, _stop_after(model, stage, stop) as call:
+        for mask, dense_run, fitted_run in runs:
+            feeds.current[0] = mask
+            call(dense_run)
+            dense = {name: r.take() for name, r in feeds.feeds.items()}
+            feeds.seen.clear()
+            call(fitted_run)
+            done: dict[tuple[int, int], np.ndarray] = {}
+            for name, r in feeds.feeds.items():
+                xh = r.take()
+                if not r.diagonal and dense[name] is not None and xh is not None:
+                    sums.add(name, dense[name], xh, done)
+            feeds.seen.clear()
+            del dense, done
+        for name, r in feeds.feeds.items():
+            if r.diagonal and r.counts is not None:
+                sums.counts[name] = r.counts / 2  # each batch counted by both runs: the same ids
+    return sums
+
+
+def _stage_truncators(model: nn.Module, stage: list[Layer], sums: _Sums, damp: float,
+                      ridge: float) -> dict[str, Truncator]:
+    """The stage's truncators from its sums: the fitted map where the rows were read, the independent fit on the
+    counts of a lookup, the plain SVD where the calibration never reached the layer."""
+    out: dict[str, Truncator] = {}
+    for layer in stage:
+        weight = _param(model, layer)
+        if layer.name in sums.gram:
+            out[layer.name] = fitted_truncator(layer, weight, sums.cross[layer.name], sums.gram[layer.name], damp,
+                                               ridge)
+        elif layer.name in sums.counts:
+            c = sums.counts[layer.name]
+            inp = LayerInput(layer.name, str(layer.kind), c, int(c.sum()), c.shape[0], diagonal=True)
+            out[layer.name] = Truncator(layer, weight, inp, damp)
+        else:
+            out[layer.name] = Truncator(layer, weight, None, damp)
+    return out
+
+
+@dataclass
+class _Fitter:
+    """The fit so far: each stage's truncators (``out``) and the weights they put in place (``fitted``)."""
+
+    model: nn.Module
+    plan: dict[str, tuple[Layer, int]]
+    damp: float
+    ridge: float
+    out: dict[str, Truncator] = field(default_factory=dict)
+    fitted: dict[str, torch.Tensor] = field(default_factory=dict)
+    stop: bool = False  # a stage's runs stop once its layers have run (each planned module is called once)
+
+    @property
+    def layers(self) -> dict[str, Layer]:
+        return {name: layer for name, (layer, _) in self.plan.items()}
+
+    def stage(self, stage: list[Layer], runs: Runs) -> None:
+        sums = _stage_sums(self.model, stage, runs, self.stop)
+        for name, trunc in _stage_truncators(self.model, stage, sums, self.damp, self.ridge).items():
+            self.out[name] = trunc
+            self.fitted[name] = trunc.weight(self.plan[name][1])
+
+    def swapped(self, fn: Callable[[], object]) -> Callable[[], object]:
+        """``fn`` run with the weights fitted so far in place of the dense ones."""
+        def call() -> object:
+            with _weights(self.model, self.layers, self.fitted):
+                return fn()
+        return call
+
+    def whole(self, fit: list[Batch]) -> Runs:
+        """Each batch through the whole model."""
+        return [(_batch_mask(b), lambda b=b: run(self.model, b), self.swapped(lambda b=b: run(self.model, b)))
+                for b in fit]
+
+
+def _by_block(stages: list[list[Layer]], found: Blocks) -> list[int | None] | None:
+    """Each stage's block (None outside the blocks), or None unless the stages run as the blocks do: the layers
+    before the blocks, then the blocks' in block order, then those after."""
+    where = {l.name: i for i, ls in enumerate(found.layers) for l in ls}
+    out: list[int | None] = []
+    for stage in stages:
+        blocks = {where.get(l.name) for l in stage}
+        if len(blocks) != 1:
+            return None
+        out.append(blocks.pop())
+    inside = [b for b in out if b is not None]
+    first = out.index(inside[0]) if inside else len(out)
+    last = len(out) - out[::-1].index(inside[-1]) if inside else len(out)
+    if inside != sorted(inside) or any(b is None for b in out[first:last]):
+        return None
+    return out
+
+
+def _block_runs(fitter: _Fitter, blk: nn.Module, kept: list[list[tuple[tuple[object, ...], dict[str, object]]]],
+                masks: list[object]) -> Runs:
+    """Each batch through one block: on the dense model's inputs to it (``kept[0]``), and with the weights fitted so
+    far on the fitted model's (``kept[1]``)."""
+    return [(masks[j], lambda d=d: blk(*d[0], **d[1]), fitter.swapped(lambda f=f: blk(*f[0], **f[1])))
+            for j, (d, f) in enumerate(zip(kept[0], kept[1]))]
+
+
+def _advance(fitter: _Fitter, blk: nn.Module, kept: list[list[tuple[tuple[object, ...], dict[str, object]]]]) -> None:
+    """Both models' inputs to the next block: this block's outputs, dense and with the fitted weights."""
+    for j, (d, f) in enumerate(zip(kept[0], kept[1])):
+        kept[0][j] = _with_hidden(d[0], d[1], _hidden(blk(*d[0], **d[1])))
+        kept[1][j] = _with_hidden(f[0], f[1], _hidden(fitter.swapped(lambda f=f: blk(*f[0], **f[1]))()))
+
+
+def _blockwise(fitter: _Fitter, stages: list[list[Layer]], fit: list[Batch], progress: Callable[[], None]) -> int:
+    """The stages fitted block by block (GPTQ-style: each stage runs one block twice per batch, not the whole
+    model), those before and after the blocks on the whole model. Returns how many stages were fitted: fewer than
+    all when the model's blocks cannot be run one after another (the rest then go through the whole model)."""
+    model = fitter.model
+    found = find_blocks(model, list(fitter.layers.values()))
+    order = _by_block(stages, found) if found is not None else None
+    if found is None or order is None or all(b is None for b in order):
+        return 0
+    blocks, first = list(found.blocks), order.index(next(b for b in order if b is not None))
+    for stage in stages[:first]:
+        fitter.stage(stage, fitter.whole(fit))
+        progress()
+    dev = model_device(model)
+    try:
+        kept = [_first_inputs(model, blocks[0], fit, dev), fitter.swapped(
+            lambda: _first_inputs(model, blocks[0], fit, dev))()]
+        _check_sequential(model, blocks, fit[0].to(dev), kept[0][0], blocks[0](*kept[0][0][0], **kept[0][0][1]))
+    except _NotSequential:
+        return first
+    masks = [_batch_mask(b) for b in fit]
+    done = first
+    for i, blk in enumerate(blocks):
+        while done < len(stages) and order[done] == i:
+            fitter.stage(stages[done], _block_runs(fitter, blk, kept, masks))
+            done += 1
+            progress()
+        if done < len(stages):
+            _advance(fitter, blk, kept)
+    return done
+
+
+def sequential_truncators(model: nn.Module, plan: dict[str, tuple[Layer, int]],
+                          batches: Calibration | list[Batch], damp: float = DAMP, ridge: float = RIDGE,
+                          progress: Callable[[int, int], None] | None = None) -> dict[str, Truncator]:
+    """The planned layers' truncators fitted sequentially (the module docstring): ``plan`` is Layer.name -> (layer,
+    rank) (:func:`auditor.surgery.checked_plan`), ``batches`` the fit rows. Each truncator is for this plan only: a
+    layer's W* depends on the ranks of the layers before it. Use them as ``reuse`` of
+    :func:`auditor.calibration.apply.factorize`. ``model``'s weights are unchanged afterwards."""
+    fit = batches.fit if isinstance(batches, Calibration) else list(batches)
+    fitter = _Fitter(model, plan, damp, ridge)
+    if not fit:
+        return {name: Truncator(layer, _param(model, layer), None, damp) for name, layer in fitter.layers.items()}
+    with eval_mode(model), torch.no_grad():
+        stages, fitter.stop = _call_order(model, list(fitter.layers.values()), fit[0])
+        count = [0]
+
+        def step() -> None:
+            count[0] += 1
+            if progress is not None:
+                progress(count[0], len(stages))
+
+        done = _blockwise(fitter, stages, fit, step) if len(stages) > 1 else 0
+        for stage in stages[done:]:
+            fitter.stage(stage, fitter.whole(fit))
+            step()
+    return {name: fitter.out[name] for name in plan}
+
+
+__all__ = ["RIDGE", "fitted_map", "fitted_truncator", "sequential_truncators"]

@@ -1,0 +1,232 @@
+"""The sequential, output-anchored fit (auditor/calibration/statistics/sequential.py) against direct least squares."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+from auditor.calibration.data.inputs import Batch
+from auditor.calibration.statistics.sequential import RIDGE, fitted_map, fitted_truncator, sequential_truncators
+from auditor.calibration.statistics.stats import input_statistics
+from auditor.calibration.statistics.whiten import DAMP, Truncator
+from auditor.surgery import checked_plan
+
+
+def _lam(xh: np.ndarray, damp: float) -> float:
+    return damp * float(np.mean(np.sum(xh * xh, axis=0)))
+
+
+def _ridge(x: np.ndarray, xh: np.ndarray, w: np.ndarray, damp: float) -> np.ndarray:
+    """argmin_M ||X W^T - X^ M^T||^2 + lambda ||M - W||^2 by a least-squares solve of the stacked system."""
+    s = np.sqrt(_lam(xh, damp))
+    a = np.vstack([xh, s * np.eye(xh.shape[1])])
+    y = np.vstack([x @ w.T, s * w.T])
+    return np.linalg.lstsq(a, y, rcond=None)[0].T
+
+
+def _truncated(xh: np.ndarray, wstar: np.ndarray, r: int, damp: float) -> np.ndarray:
+    """The rank-r map closest to W* on the shifted inputs (damped as the whitening damps): reduced-rank regression
+    of the stacked system's fitted values (their top-r right singular vectors)."""
+    s = np.sqrt(_lam(xh, damp))
+    a = np.vstack([xh, s * np.eye(xh.shape[1])])
+    v = np.linalg.svd(a @ wstar.T, full_matrices=False)[2][:r].T
+    return (wstar.T @ v @ v.T).T
+
+
+def _data(seed: int = 0) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    g = np.random.default_rng(seed)
+    x = g.standard_normal((60, 7)) @ g.standard_normal((7, 7))
+    xh = x + 0.3 * g.standard_normal(x.shape)
+    return x, xh, g.standard_normal((5, 7))
+
+
+@pytest.mark.parametrize("ridge", [0.0, 1e-3, RIDGE])
+def test_fitted_map_is_the_least_squares_solution(ridge: float) -> None:
+    x, xh, w = _data()
+    got, lam = fitted_map(w, x.T @ xh, xh.T @ xh, ridge)
+    np.testing.assert_allclose(got, _ridge(x, xh, w, ridge), rtol=1e-9, atol=1e-11)
+    assert lam == pytest.approx(_lam(xh, ridge))
+    if ridge == 0.0:  # the plain least-squares solution
+        np.testing.assert_allclose(got, np.linalg.lstsq(xh, x @ w.T, rcond=None)[0].T, rtol=1e-9, atol=1e-11)
+
+
+def test_fitted_map_is_the_weight_when_the_inputs_do_not_move() -> None:
+    x, _, w = _data(1)
+    got, _ = fitted_map(w, x.T @ x, x.T @ x, 1e-3)
+    np.testing.assert_allclose(got, w, rtol=0, atol=1e-12)
+
+
+@pytest.mark.parametrize("r", [1, 2, 4])
+def test_rank_r_fit_is_reduced_rank_regression(r: int) -> None:
+    x, xh, w = _data(2)
+    lin = nn.Linear(7, 5, bias=False).double()
+    layer = checked_plan(nn.Sequential(lin), {"0": r})["0"][0]
+    trunc = fitted_truncator(layer, torch.from_numpy(w), (x.T @ xh)[None], (xh.T @ xh)[None], 1e-3, 1e-2)
+    got = trunc.weight(r).numpy()
+    np.testing.assert_allclose(trunc.f[0], _ridge(x, xh, w, 1e-2), rtol=1e-9, atol=1e-11)
+    np.testing.assert_allclose(got, _truncated(xh, _ridge(x, xh, w, 1e-2), r, 1e-3), rtol=1e-8, atol=1e-10)
+    a, b = trunc.factors(r)
+    np.testing.assert_allclose(a[0] @ b[0], got, rtol=1e-9, atol=1e-11)
+
+
+def test_second_factor_is_already_its_closed_form_refit() -> None:
+    """With the first factor A fixed, the B that minimises the fit's objective (||X W^T - X^ B^T A^T||^2 + mu ||A B -
+    W||^2, solved here as one least-squares problem in vec(B^T)) is the B the fit gives: refitting it changes nothing."""
+    x, xh, w = _data(4)
+    r, ridge = 3, 1e-2
+    lin = nn.Linear(7, 5, bias=False).double()
+    layer = checked_plan(nn.Sequential(lin), {"0": r})["0"][0]
+    a, b = fitted_truncator(layer, torch.from_numpy(w), (x.T @ xh)[None], (xh.T @ xh)[None], DAMP, ridge).factors(r)
+    a, b = a[0], b[0]
+    mu = _lam(xh, ridge)
+    n = xh.shape[1]
+    design = np.vstack([np.kron(a, xh), np.sqrt(mu) * np.kron(a, np.eye(n))])  # vec(X^ B^T A^T), vec(B^T A^T)
+    target = np.concatenate([(x @ w.T).T.ravel(), np.sqrt(mu) * w.ravel()])
+    refit = np.linalg.lstsq(design, target, rcond=None)[0].reshape(r, n)  # vec(B^T) column by column: B's rows
+    np.testing.assert_allclose(refit, b, rtol=1e-8, atol=1e-10)
+
+
+class _Net(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        g = torch.Generator().manual_seed(0)
+        self.a = nn.Linear(6, 8).double()
+        self.b = nn.Linear(6, 8).double()  # reads the same input as a: one stage with it
+        self.c = nn.Linear(8, 5).double()
+        for p in self.parameters():
+            with torch.no_grad():
+                p.copy_(torch.randn(p.shape, generator=g, dtype=torch.float64))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.c(torch.tanh(self.a(x)) + torch.relu(self.b(x)))
+
+
+def _batches() -> list[Batch]:
+    g = torch.Generator().manual_seed(1)
+    return [Batch((torch.randn(4, 10, 6, generator=g, dtype=torch.float64),), {}) for _ in range(3)]
+
+
+def test_sequential_fit_against_a_direct_solution() -> None:
+    model, fit = _Net(), _batches()
+    plan = checked_plan(model, {"a": 2, "b": 3, "c": 2})
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    got = sequential_truncators(model, plan, fit)
+    assert all(torch.equal(v, model.state_dict()[k]) for k, v in before.items())  # the weights are back
+    stats = input_statistics(model, [l for l, _ in plan.values()], fit)
+    for name in ("a", "b"):  # the first stage reads the dense inputs: the independent fit, to rounding
+        ind = Truncator(plan[name][0], getattr(model, name).weight, stats.layers[name])
+        np.testing.assert_allclose(got[name].weight(plan[name][1]).numpy(), ind.weight(plan[name][1]).numpy(),
+                                   rtol=1e-9, atol=1e-11)
+    xs = torch.cat([b.args[0] for b in fit]).reshape(-1, 6)
+    with torch.no_grad():
+        x = (torch.tanh(model.a(xs)) + torch.relu(model.b(xs))).numpy()
+        wa, wb = got["a"].weight(2), got["b"].weight(3)
+        xh = (torch.tanh(xs @ wa.T + model.a.bias) + torch.relu(xs @ wb.T + model.b.bias)).numpy()
+    w = model.c.weight.detach().numpy()
+    wstar = _ridge(x, xh, w, RIDGE)
+    np.testing.assert_allclose(got["c"].f[0], wstar, rtol=1e-8, atol=1e-10)
+    np.testing.assert_allclose(got["c"].weight(2).numpy(), _truncated(xh, wstar, 2, DAMP), rtol=1e-7, atol=1e-9)
+
+
+def test_sequential_fit_keeps_outputs_closer_than_the_independent_one() -> None:
+    model, fit = _Net(), _batches()
+    plan = checked_plan(model, {"a": 2, "b": 2, "c": 2})
+    seq = sequential_truncators(model, plan, fit)
+    stats = input_statistics(model, [l for l, _ in plan.values()], fit)
+    ind = {n: Truncator(l, getattr(model, n).weight, stats.layers[n]) for n, (l, _) in plan.items()}
+    xs = torch.cat([b.args[0] for b in fit])
+    with torch.no_grad():
+        y = model(xs)
+
+        def err(t: dict[str, Truncator]) -> float:
+            wa, wb, wc = (t[n].weight(plan[n][1]) for n in "abc")
+            h = torch.tanh(xs @ wa.T + model.a.bias) + torch.relu(xs @ wb.T + model.b.bias)
+            return float(torch.linalg.norm(h @ wc.T + model.c.bias - y) / torch.linalg.norm(y))
+
+        assert err(seq) < err(ind)
+
+
+class _Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.q = nn.Linear(6, 6).double()
+        self.k = nn.Linear(6, 6).double()
+        self.up = nn.Linear(6, 12).double()
+        self.down = nn.Linear(12, 6).double()
+
+    def forward(self, x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+        x = x + torch.tanh(self.q(x)) * self.k(x) * scale
+        return x + self.down(torch.relu(self.up(x)))
+
+
+class _Stack(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(3)
+        self.inp = nn.Linear(6, 6).double()
+        self.blocks = nn.ModuleList(_Block() for _ in range(3))
+        self.head = nn.Linear(6, 4).double()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.inp(x)
+        scale = torch.ones(1, dtype=x.dtype)
+        for blk in self.blocks:
+            x = blk(x, scale)
+        return self.head(x)
+
+
+def test_block_by_block_is_the_whole_model_fit(monkeypatch) -> None:
+    """The stages of repeated blocks run one block per pass (inputs to the next block carried, dense and fitted); the
+    factors are those of whole-model passes, to rounding, and the stages are the call order's (q and k together)."""
+    from auditor.calibration.statistics import sequential as seq
+
+    model = _Stack()
+    fit = _batches()
+    plan = checked_plan(model, {n: 3 for n in ("inp", "blocks.0.q", "blocks.0.k", "blocks.0.down", "blocks.1.up",
+                                               "blocks.2.q", "blocks.2.down", "head")})
+    seen: list[int] = []
+    runs: list[int] = []
+    real = seq._block_runs
+    monkeypatch.setattr(seq, "_block_runs", lambda *a: runs.append(1) or real(*a))
+    heads: list[int] = []
+    hook = model.head.register_forward_hook(lambda *a: heads.append(1))
+    block = seq.sequential_truncators(model, plan, fit, progress=lambda i, n: seen.append(n))
+    hook.remove()
+    assert seen[-1] == 7 and len(runs) == 5  # q and k of block 0 read one input: one stage; inp and head outside
+    # the head runs for the call order, the blocks' check and its own stage (3 batches, twice): inp's stage stops
+    # each run once inp has run
+    assert len(heads) == 1 + 1 + 6
+    runs.clear()
+    monkeypatch.setattr(seq, "find_blocks", lambda *a: None)
+    whole = seq.sequential_truncators(model, plan, fit)
+    assert runs == []
+    for name, (_, r) in plan.items():
+        np.testing.assert_allclose(block[name].weight(r).numpy(), whole[name].weight(r).numpy(), rtol=1e-9,
+                                   atol=1e-11)
+
+
+def test_grouped_convolutions_are_fitted_per_group() -> None:
+    """A grouped convolution's rows are its unfolded patches per group (the kinds' own hooks): the first layer's fit
+    is the independent one, the second's W* is W per group where nothing before it changed (rank = full)."""
+    torch.manual_seed(5)
+    model = nn.Sequential(nn.Conv2d(4, 8, 3, padding=1, groups=2), nn.ReLU(), nn.Conv2d(8, 6, 3, groups=2)).double()
+    fit = [Batch((torch.randn(3, 4, 7, 7, dtype=torch.float64),), {}) for _ in range(2)]
+    plan = checked_plan(model, {"0": 3, "2": 2})
+    got = sequential_truncators(model, plan, fit)
+    stats = input_statistics(model, [l for l, _ in plan.values()], fit)
+    ind = Truncator(plan["0"][0], model[0].weight, stats.layers["0"])
+    assert got["0"].f.shape == (2, 4, 18) and got["2"].f.shape == (2, 3, 36)
+    np.testing.assert_allclose(got["0"].weight(3).numpy(), ind.weight(3).numpy(), rtol=1e-9, atol=1e-11)
+    full = sequential_truncators(model, checked_plan(model, {"0": 4, "2": 2}), fit)  # rank 4 = full for layer 0
+    np.testing.assert_allclose(full["2"].f, Truncator(plan["2"][0], model[2].weight, None).f, rtol=1e-8, atol=1e-9)
+    assert not np.allclose(got["2"].f, full["2"].f, atol=1e-3)
+
+
+def test_the_command_lines_fits_are_the_librarys() -> None:
+    """--fit's choices are written out in the command (its --help imports no torch): the same words as apply.Fit."""
+    from auditor.calibration.apply import Fit
+    from auditor.cli import factorize_command
+
+    assert set(factorize_command.FITS) == {f.value for f in Fit} and factorize_command.DEFAULT_FIT in factorize_command.FITS
