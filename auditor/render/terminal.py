@@ -249,6 +249,7 @@ def _plan_columns(cal: Any) -> list[Column]:
         Column("layers", "layers", ">", lambda i, r: str(r.layers)),
         Column("metric", "on search rows", ">", lambda i, r: r.metric),
         Column("verified", calibration.verified_head(cal), "<", lambda i, r: r.verified),
+        Column("uniform", calibration.UNIFORM_HEAD, ">", lambda i, r: r.uniform),
         Column("status", "what happened", "<", lambda i, r: r.status, name=True),
     ]
 

@@ -95,9 +95,9 @@ def uniform_plan(layers: list[Layer], target: int) -> UniformPlan:
 
 
 def planned_layers(layers: list[Layer], fixed: dict[str, int], plans: Sequence[dict[str, int]] = ()) -> list[Layer]:
-    """The layers the uniform truncation cuts: the planned ones of the kinds the measured ``plans`` factorize (the
-    Linears of a transformer whose plans cut only Linears, not its embeddings: SVD-LLM's set), not those every plan
-    fixes; every planned one when no plan factorizes anything."""
+    """The layers the uniform truncation cuts: the planned ones of the kinds ``plans`` factorize (the chosen plan's:
+    the Linears of a transformer whose plan cuts only Linears, not its embeddings, SVD-LLM's set), not those every
+    plan fixes; every planned one when no plan factorizes anything."""
     named = {l.name: l for l in layers}
     kinds = {named[k].kind for p in plans for k in p if k in named and k not in fixed}
     return [l for l in layers if l.name not in fixed and (not kinds or l.kind in kinds)]
@@ -114,7 +114,7 @@ def measure_uniform(model: "nn.Module", session: "CalibrationSession", layers: l
     fixed, total = budget.fixed, budget.params_before
     named = {l.name: l for l in layers}
     fixed_saved = removed_by([named[k] for k in fixed if k in named], {k: r for k, r in fixed.items() if k in named})
-    cut = planned_layers(layers, fixed, [q.plan for q in [*budget.frontier, *budget.tries]])
+    cut = planned_layers(layers, fixed, [budget.plan] if budget.plan else [q.plan for q in budget.frontier])
     u = uniform_plan(cut, p.removed - fixed_saved)
     ranks = {**u.ranks, **fixed}
     removed = u.removed + fixed_saved
