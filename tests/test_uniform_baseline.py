@@ -59,13 +59,14 @@ def test_the_layers_cut_are_the_planned_kinds_of_the_chosen_plan_without_the_fix
 
 @pytest.fixture(scope="module")
 def digits_audit():
-    """The trained digits MLP, calibrated on 600 digits (half held out: 75 search rows, 75 verification rows)."""
+    """The trained digits MLP, calibrated on all 1,797 digits (1,348 for statistics: every layer's input spanned;
+    449 held out: 224 search rows, 225 verification rows)."""
     from digits import mlp
     from sklearn.datasets import load_digits
 
     torch.set_num_threads(1)
     model, inputs = mlp()
-    x = torch.tensor(load_digits().data[:600], dtype=torch.float32) / 16.0
+    x = torch.tensor(load_digits().data, dtype=torch.float32) / 16.0
     return auditor.audit(model, inputs, options=auditor.AuditOptions(
         calibration={"x": x}, cache=False, progress=False, tolerance=0.05))
 
@@ -75,10 +76,12 @@ def test_the_baseline_sits_beside_the_chosen_plan_at_its_share_on_its_rows(digit
     b = cal.budget
     u = b.uniform
     assert b.plan and u is not None and u.verification is not None and b.verification is not None
-    assert u.ranks == {**ranks_at(planned_layers(_planned(digits_audit), {}, [b.plan]), u.kept)}
+    cut = [l for l in digits_audit.layers if l.name in u.ranks and l.name not in b.fixed]
+    assert [l.name for l in cut] == ["fc2", "fc3", "fc1"] and not b.fixed  # the head is too small to plan
+    assert u.ranks == ranks_at(cut, u.kept)
     assert u.removed == removed_by(digits_audit.layers, u.ranks)
     assert u.removed_fraction == u.removed / digits_audit.total_params
-    every = _every_uniform_removal(planned_layers(_planned(digits_audit), {}, [b.plan]))
+    every = _every_uniform_removal(cut)
     assert abs(u.removed - b.removed) == min(abs(r - b.removed) for r in every)
     assert u.verification.rows == b.verification.rows and u.verification.search_rows == b.verification.search_rows
     chosen = next(p for p in b.frontier if p.plan == b.plan)
@@ -93,11 +96,6 @@ def test_the_baseline_sits_beside_the_chosen_plan_at_its_share_on_its_rows(digit
     assert cal.evaluations >= b.evaluations + len(measured) + 1  # one measurement a plan, one more on verification
 
 
-def _planned(audit) -> list[Layer]:
-    cal = audit.calibration
-    return [l for l in audit.layers if l.name in cal.layers and l.kind is Kind.LINEAR]
-
-
 def test_the_digits_numbers_at_the_reports_precision(digits_audit):
     """The trained digits MLP on one CPU thread: the plan and uniform truncation at its share, as the reports write
     them (three significant digits), and the exact removals."""
@@ -110,7 +108,7 @@ def test_the_digits_numbers_at_the_reports_precision(digits_audit):
                                            f"truncation {got[4]}")
 
 
-EXPECTED_DIGITS = (0, 0, "", "", "")  # pinned below, from one run on CPU with one thread
+EXPECTED_DIGITS = (402_432, 402_240, "5.6%", "2.09%", "43.6%")  # on CPU, one thread
 
 
 def test_every_format_shows_the_baseline(digits_audit):
@@ -122,7 +120,12 @@ def test_every_format_shows_the_baseline(digits_audit):
     html = digits_audit._render("html")
     for out in (text, md, html):
         assert words in out and calview.UNIFORM_HEAD in out
-    assert 'gid="uniform"' in html or "uniform truncation (SVD-LLM)" in html
+    chart = calview.view(digits_audit).frontier_chart
+    assert [round(x, 6) for x, _, _ in chart.uniform] == [round(p.uniform.removed_fraction, 6)
+                                                        for p in cal.budget.frontier if p.uniform is not None]
+    from auditor.render.parts.layer_charts import frontier_chart
+
+    assert 'id="uniform' in frontier_chart(chart) and "uniform truncation (SVD-LLM)" in frontier_chart(chart)
     assert words in digits_audit._repr_html_()
     data = json.loads(digits_audit.to_json())
     assert data["calibration"]["budget"]["uniform"]["removed"] == cal.budget.uniform.removed
