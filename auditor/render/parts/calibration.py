@@ -305,10 +305,10 @@ def baseline_line(cal: "CalibrationReport", value: Callable[[float | None], str]
     u = cal.budget.uniform
     ratio = damage_ratio(cal)
     times = f"; the plan's {cal.metric} is {ratio:.2f}x uniform's" if ratio is not None else ""
-    return (f"Against the baseline, {baseline_words(cal, value)} (SVD-LLM's uniform whitened truncation: every "
-            f"planned layer of the plan's kinds at {100 * u.kept:.1f}% of its break-even rank m*n/(m+n), "
-            f"{u.layers} layers, {u.removed:,} parameters removed ({pct(u.removed_fraction)}), factors from the same "
-            f"statistics, measured all at once on the same {pair[2]} with the same metric){times}.")
+    return (f"Against the baseline, on the same {pair[2]}: {baseline_words(cal, value)} (SVD-LLM's uniform whitened "
+            f"truncation: every planned layer of the plan's kinds at {100 * u.kept:.1f}% of its break-even rank "
+            f"m*n/(m+n), {u.layers} layers, {u.removed:,} parameters removed ({pct(u.removed_fraction)}), factors "
+            f"from the same statistics, measured all at once with the same metric){times}.")
 
 
 def budget_lines(cal: "CalibrationReport") -> list[str]:
