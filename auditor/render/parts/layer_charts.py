@@ -523,7 +523,8 @@ def _frontier_fig(c: FrontierChart) -> Any:
         ax.axvline(100 * c.chosen, label=None if "suggested" in status else "suggested plan", **STYLE["suggested"])
     ax.set_xlabel("parameters removed (% of the model)")
     ax.set_ylabel(c.label)
-    ax.legend(fontsize=7, frameon=False)
+    # below the axes, never over the curves or the suggested plan's line (four or more entries filled the corner)
+    ax.legend(fontsize=7, frameon=False, loc="upper center", bbox_to_anchor=(0.5, -0.2), ncol=3)
     return fig
 
 
