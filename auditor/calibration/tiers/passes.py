@@ -367,6 +367,6 @@ def verify(model: "nn.Module", session: CalibrationSession, budget: BudgetResult
                    else min(budget.smallest_failing, budget.removed))
 
 
-__all__ = ["Baselined", "Floored", "Recovered", "Scope", "Searched", "Span", "Tier1", "VERIFY_BACKSTOPS", "VERIFY_TRIES",
-           "Verified", "baselined", "curves_for", "floors", "recovered", "scope_of", "search", "sensitivity", "sweepable", "tier1",
-           "verified", "verify"]
+__all__ = ["Baselined", "Floored", "Recovered", "Scope", "Searched", "Span", "Tier1", "VERIFY_BACKSTOPS",
+           "VERIFY_TRIES", "Verified", "baselined", "curves_for", "floors", "recovered", "scope_of", "search",
+           "sensitivity", "sweepable", "tier1", "verified", "verify"]

@@ -106,8 +106,9 @@ def planned_layers(layers: list[Layer], fixed: dict[str, int], plans: Sequence[d
 def measure_uniform(model: "nn.Module", session: "CalibrationSession", layers: list[Layer], p: FrontierPlan,
                     budget: BudgetResult, reuse: "TruncatorStore | None", verify: bool = False) -> UniformBaseline:
     """Uniform whitened truncation of :func:`planned_layers` removing as close to ``p.removed`` as integer ranks
-    allow (``budget.fixed`` layers at their ranks, as in ``p``), measured all at once on ``p``'s search rows, and with ``verify`` on the verification
-    rows too. The model is measured in eval mode (the caller's ``session.measuring()``)."""
+    allow (``budget.fixed`` layers at their ranks, as in ``p``), measured all at once on ``p``'s search rows, and
+    with ``verify`` on the verification rows too. The model is measured in eval mode (the caller's
+    ``session.measuring()``)."""
     from ..apply import factorize
     from ..measure.staged import StagedEvaluator
 
