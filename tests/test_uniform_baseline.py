@@ -138,3 +138,19 @@ def test_every_format_shows_the_baseline(digits_audit):
     data["calibration"]["budget"]["uniform"]["kept"] = 1.5
     with pytest.raises(jsonschema.ValidationError):
         jsonschema.validate(data, schema)
+
+
+@pytest.mark.parametrize("width", [80, 100])
+def test_a_terminal_shortens_the_baseline_column_and_cuts_nothing(digits_audit, width):
+    from auditor.render import terminal
+    from auditor.render.base import RenderContext
+
+    out = terminal.render(digits_audit, RenderContext(width=width))
+    lines = out.splitlines()
+    head = next(i for i, l in enumerate(lines) if l.startswith("removed "))
+    rows = lines[head:head + 1 + len(digits_audit.calibration.budget.plans)]
+    assert all(len(l) <= width and "\u2026" not in l for l in rows)
+    cal = digits_audit.calibration
+    chosen = next(l for l in rows if "SUGGESTED" in l)
+    assert chosen.split()[-2] == unit(cal, cal.budget.uniform.metric)  # the value alone, beside the status
+    assert "uniform: SVD-LLM's uniform whitened truncation" in " ".join(x.strip() for x in lines[:head])

@@ -463,6 +463,7 @@ class FrontierRow:
     recovered_holds: str = ""  # "holds" | "fails" after it
     cost: str = ""  # "200 steps, 1,600 rows (102,400 tokens), 12.3 s"
     uniform: str = "\u2013"  # uniform truncation at the same share, same rows: "+2.77% at 20.0%" ("–": not measured)
+    uniform_value: str = "\u2013"  # its value alone ("+2.77%"), for a table short of room
 
 
 def measured_plans(cal: "CalibrationReport") -> list[Any]:
@@ -499,7 +500,8 @@ def frontier_rows(cal: "CalibrationReport") -> list[FrontierRow]:
         out.append(FrontierRow(f"{p.removed:,}", pct(p.removed_fraction), p.layers, unit(cal, p.metric),
                                pct(p.top1) if p.top1 is not None else "\u2013", STATUS_WORDS.get(status, status),
                                status == "suggested", verified_cell(cal, p.verification), *extra,
-                               uniform=uniform_cell(cal, p.uniform)))
+                               uniform=uniform_cell(cal, p.uniform),
+                               uniform_value=unit(cal, p.uniform.metric) if p.uniform is not None else "\u2013"))
     return out
 
 
@@ -539,8 +541,11 @@ def frontier_title(cal: "CalibrationReport") -> str:
     v = b.verification if b is not None else None
     rows = (f"on the {v.search_rows:,} search rows, then on the {v.rows:,} verification rows for the plans "
             "verified" if v is not None and v.search_rows else "on the held-out rows")
+    uniform = ("; uniform: SVD-LLM's uniform whitened truncation beside each frontier plan, at its share removed "
+               "(as close as integer ranks allow) and on its rows" if any(p.uniform is not None for p in plans)
+               else "")
     return (f"Every plan the search measured ({len(plans)}), fewest parameters removed first: {cal.metric}"
-            f"{' in percent' if in_percent(cal) else ''} {rows}")
+            f"{' in percent' if in_percent(cal) else ''} {rows}{uniform}")
 
 
 def frontier_series(cal: "CalibrationReport") -> dict[str, list[tuple[float, float, bool]]]:
