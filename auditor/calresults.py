@@ -155,6 +155,25 @@ class Verification:
 
 
 @dataclass
+class UniformBaseline:
+    """SVD-LLM's uniform whitened truncation beside a plan: every planned layer kept at one share ``kept`` of its
+    break-even rank m*n/(m+n) (rank round(kept * m*n/(m+n)), at least 1; a layer whose rank would save nothing left
+    dense), the share chosen so that it removes as close to the plan's parameters as integer ranks allow, its factors
+    the whitened truncation of the same statistics, measured all at once on the plan's rows with the plan's metric
+    (``rows``: the search rows read; ``verification``: on the verification rows, beside the plan's own)."""
+
+    kept: float  # the share of each layer's break-even rank kept
+    layers: int  # layers factorized (the plan's fixed layers included, at their fixed ranks)
+    removed: int
+    removed_fraction: float
+    metric: float
+    ok: bool
+    rows: int = 0  # the search rows it was measured on (the plan's); 0: the held-out rows of an unsplit session
+    verification: "Verification | None" = None
+    ranks: dict[str, int] = working(factory=dict)  # the uniform plan's ranks
+
+
+@dataclass
 class FrontierPlan:
     """A plan measured all at once: parameters removed against the model-level metric (before any fine-tune), and
     with ``--recover`` the same plan measured again after the recovery fine-tune (``recovered``)."""
@@ -173,6 +192,7 @@ class FrontierPlan:
     status: str = ""  # what happened to it (:data:`PLAN_STATUSES`), set once the search and verification are done
     verification: "Verification | None" = None  # the plan on the verification rows, where it was verified
     backstop: bool = working(False)  # measured below the plan found as the verification's fallback
+    uniform: UniformBaseline | None = None  # uniform whitened truncation removing the same share, same rows
 
 
 PLAN_STATUSES = {
@@ -228,6 +248,7 @@ class BudgetResult:
     tries: list[FrontierPlan] = working(factory=list)  # every distinct plan measured, in order
     seconds: float = working(0.0)
     plans: list[FrontierPlan] = field(default_factory=list)  # every distinct plan measured, by size, with its status
+    uniform: UniformBaseline | None = None  # beside the chosen plan: uniform truncation at its share, its rows
 
     def settled(self) -> "BudgetResult":
         """This result with ``plans`` (every distinct plan the search measured, fewest parameters removed first, a
@@ -242,9 +263,11 @@ class BudgetResult:
         for p in [*self.tries, *self.frontier]:
             q = seen.get(key(p)) or p
             seen[key(p)] = replace(q, recovered=front[key(p)].recovered if key(p) in front else q.recovered,
-                                   verification=q.verification or p.verification, backstop=q.backstop or p.backstop)
+                                   verification=q.verification or p.verification, backstop=q.backstop or p.backstop,
+                                   uniform=front[key(p)].uniform if key(p) in front else q.uniform or p.uniform)
         marked = {k: replace(p, status=plan_status(p, self.plan),
-                             verification=p.verification or (self.verification if p.plan == self.plan else None))
+                             verification=p.verification or (self.verification if p.plan == self.plan else None),
+                             uniform=p.uniform or (self.uniform if p.plan == self.plan else None))
                   for k, p in seen.items()}
         return replace(self, plans=sorted(marked.values(), key=lambda p: (p.removed, -p.ok)),
                        frontier=[marked[key(p)] for p in self.frontier])

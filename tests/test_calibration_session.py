@@ -177,7 +177,7 @@ def test_tiers_return_the_report_types_and_share_one_session(monkeypatch, calib,
     assert "tries" not in d["budget"] and "plan" not in d["budget"]["frontier"][0]
     assert "start_rank" not in d["layers"]["fc1"]["floor"] and "layer" not in d["layers"]["fc1"]["floor"]
     assert list(d["budget"]["frontier"][0]) == ["removed", "removed_fraction", "metric", "ok", "layers", "top1",
-                                                "status", "verification"]
+                                                "status", "verification", "uniform"]
     assert report_dict(f)["points"] == f.points
 
 

@@ -150,3 +150,19 @@ def test_a_plan_reads_stages_until_its_interval_leaves_the_tolerance():
         m = staged.measure(near)
         assert staged.last_rows == rows and staged.full == (rows == 128) and m.ok
         assert m.value == pytest.approx(_on(dense, batches[:rows // 8], 0.01, near).value, rel=1e-9)
+
+
+@pytest.mark.parametrize("rows", [16, 32, 64])
+def test_measure_rows_reads_exactly_a_plans_stages_whatever_its_interval_says(rows):
+    """The uniform baseline beside a plan reads the rows the plan read: ``measure_rows`` stops at that stage's end
+    (a model far from the tolerance included, which ``measure`` would decide on the head) and gives what the
+    Evaluator gives on those rows."""
+    dense, batches = _net(), _batches()
+    far = _noisy(dense, 1.0)
+    staged = StagedEvaluator(dense, batches, Metric(tolerance=0.01))
+    assert stage_ends(64) == [16, 32, 64]
+    m = staged.measure_rows(far, rows)
+    ref = _on(dense, batches[:rows // 8], 0.01, far)
+    assert staged.last_rows == staged.rows_read == rows and staged.full == 0 and staged.evaluations == 1
+    assert m.value == pytest.approx(ref.value, rel=1e-9) and m.top1 == pytest.approx(ref.top1, rel=1e-12)
+    assert not staged.measure(far).ok and staged.last_rows == 16  # measure decides it on the head alone

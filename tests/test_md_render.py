@@ -159,7 +159,9 @@ def test_char_transformer_with_calibration(cli_inproc, tmp_path):
     assert (6, n_rows) in facts["tables"] and (6, n_plan) in facts["tables"]
     plans = cal["budget"]["plans"]  # every plan the search measured is a row, what happened to it said
     assert len(plans) == cal["budget"]["evaluations"] and f"Every plan the search measured ({len(plans)})" in md
-    assert (7, len(plans)) in tables(md) and "| **SUGGESTED** |" in md
+    assert (8, len(plans)) in tables(md) and "| **SUGGESTED** |" in md  # 8 columns: uniform truncation beside
+    u = cal["budget"]["uniform"]
+    assert f"{100 * u['metric']:.3g}% at {100 * u['removed_fraction']:.1f}% | **SUGGESTED** |" in md
     assert "tolerance 1%" in md and "0.01" not in md.replace("0.01%", "")
 
 

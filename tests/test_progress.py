@@ -191,7 +191,10 @@ def test_a_calibrated_audit_reports_every_calibration_phase(digits_calibration, 
     assert sorted(swept) == ["fc1", "fc2", "fc3"]
     sweep_evals = sum(len(cr.layers[n].floor.points) for n in swept)
     plans = cr.budget.evaluations
-    verified = cr.evaluations - sweep_evals - plans  # plans verified on rows the search never read
+    u = cr.budget.uniform  # the uniform baseline: one measurement a plan beside it, one more on the verification
+    uniform = sum(p.uniform is not None for p in cr.budget.plans) + int(u is not None and u.verification is not None)
+    assert uniform >= 2
+    verified = cr.evaluations - sweep_evals - plans - uniform  # plans verified on rows the search never read
     assert sweep_evals > 3 and plans >= 2 and 1 <= verified <= 6 and cr.budget.verification is not None
 
     assert _last(lines, "calibration data").endswith("s")

@@ -3,7 +3,7 @@
 
     calibrate          nn.Module, [Layer], Settings, AuditOptions  -> Calibrated (report + what later steps reuse)
                        (the passes of :mod:`~auditor.calibration.tiers.passes`, composed: tier1, scope_of, floors,
-                       sensitivity, search, recovered, verified; each returns a frozen result)
+                       sensitivity, search, recovered, verified, baselined; each returns a frozen result)
     suggest_with       [Layer], {layer: Suggestion}, report, Settings -> {layer: Suggestion} (data-aware ranks)
     check_plan         Calibrated, nn.Module, Audit               -> CalibrationReport with .plan_check
 
@@ -122,7 +122,8 @@ def calibrate(model: nn.Module, layers: list[Layer], settings: "Settings", optio
         searched = passes.search(model, session, t1, scope, sens, tiers, settings, progress)
         recovered = passes.recovered(model, session, searched.budget, options.recovery, progress)
         verified = passes.verified(model, session, recovered.budget, searched.reuse, progress)
-        report = _report(session, options, Tiers(t1, floored, sens, searched, recovered, verified))
+        based = passes.baselined(model, session, verified.budget, scope, searched.reuse, progress)
+        report = _report(session, options, Tiers(t1, floored, sens, searched, recovered, verified, based))
         return Calibrated(report, session, t1.spectra, floored.where if floored is not None else "",
                           sens.gradients if isinstance(sens, Gradients) else None, searched.reuse)
     finally:
@@ -148,21 +149,24 @@ class Tiers:
     searched: passes.Searched
     recovered: passes.Recovered
     verified: passes.Verified
+    baselined: passes.Baselined
 
     @property
     def seconds(self) -> dict[str, float]:
         """Every pass's wall time, in their order."""
         out: dict[str, float] = {}
-        for part in (self.tier1, self.floored, self.sensitivity, self.searched, self.recovered, self.verified):
+        for part in (self.tier1, self.floored, self.sensitivity, self.searched, self.recovered, self.verified,
+                     self.baselined):
             out.update(part.seconds if part is not None else {})
         return out
 
     @property
     def evaluations(self) -> int:
         """The model-level evaluations of tiers 2 and 3 (the floors, the probes, the rounding floor, the search, the
-        verification)."""
+        verification, the uniform baseline)."""
         floors = self.floored.floors.evaluations if self.floored is not None else 0
-        return floors + self.sensitivity.evaluations + self.searched.evaluations + self.verified.evaluations
+        return (floors + self.sensitivity.evaluations + self.searched.evaluations + self.verified.evaluations
+                + self.baselined.evaluations)
 
 
 def _rows(tiers: Tiers) -> dict[str, LayerCalibration]:
@@ -192,7 +196,7 @@ def _report(session: CalibrationSession, options: "AuditOptions", tiers: Tiers) 
         reference=tiers.searched.budget.reference, layers=_rows(tiers), missing=dict(stats.missing),
         warnings=list(dict.fromkeys([*cal.warnings, *tiers.verified.warnings, *stats.warnings])),
         synthetic=any(SYNTHETIC_MARK in w for w in cal.warnings), measured_floors=measured,
-        budget=tiers.verified.budget.settled(), suggestions_from="measured floors" if measured else "calibration",
+        budget=tiers.baselined.budget.settled(), suggestions_from="measured floors" if measured else "calibration",
         statistics_cached=tiers.tier1.cached, seconds=tiers.seconds, evaluations=tiers.evaluations,
         rounding_floor=tiers.searched.rounding, compute_dtype=options.statistics.compute_dtype,
         tier1_target=tiers.tier1.target, increase_of=metric.spec.increase_of,

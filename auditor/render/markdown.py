@@ -222,6 +222,9 @@ def _cal_search(cal: "CalibrationReport", cv: "CalibrationView") -> list[str]:
     else:
         lines.append(f"- Search ({ask}, over the {CURVES.get(b.source, b.source)} curves): {b.evaluations} plans measured all at once"
                      + (f"; {md_text(larger_words(cal))}" if b.smallest_failing is not None else ""))
+    line = calibration.baseline_line(cal)
+    if line:
+        lines.append(f"- {md_text(line)}")
     if b.exhausted:
         lines.append(f"- ⚠️ The search stopped at its cap of {b.evaluations} measurements before the boundary "
                      "was bracketed: a larger plan may hold")
@@ -293,7 +296,7 @@ def _cal_frontier(cv: "CalibrationView", room: Room) -> Section | None:
     if b is None or not cv.frontier:
         return None
     head = ["parameters removed", "share", "layers", md_text(middle(cal.metric, 40)) + " (search rows)", "top-1",
-            md_text(calibration.verified_head(cal)), "what happened"]
+            md_text(calibration.verified_head(cal)), calibration.UNIFORM_HEAD, "what happened"]
     rc = b.recovery
     if rc is not None:
         head += [f"after {rc.steps} steps", "after recovery", "recovery cost"]
@@ -308,13 +311,13 @@ def _cal_frontier(cv: "CalibrationView", room: Room) -> Section | None:
             more = (f" {r.recovered} | {r.recovered_holds} | {md_text(r.cost)} |" if p.recovered is not None
                     else " \u2013 | \u2013 | \u2013 |")
         frows.append(f"| {r.removed} | {percent(p.removed_fraction)} | {r.layers} | {r.metric} | "
-                     f"{percent(p.top1)} | {md_text(r.verified)} | {status} |{more}")
+                     f"{percent(p.top1)} | {md_text(r.verified)} | {r.uniform} | {status} |{more}")
     intro = calibration.frontier_title(cal)
     if rc is not None:
         intro += (f", and again after {rc.steps} steps of recovery fine-tune (distillation on the fit rows, "
                   "measured on the held-out rows)")
     s = Section("", [intro + ":", "", "| " + " | ".join(head) + " |",
-                     "|---:|---:|---:|---:|---:|---|---|" + ("---:|---|---|" if rc is not None else "")], frows,
+                     "|---:|---:|---:|---:|---:|---|---:|---|" + ("---:|---|---|" if rc is not None else "")], frows,
                 noun="frontier plans", title="Frontier")
     return fold_if(s, room, f"Frontier: {len(frows):,} plans measured all at once", columns=len(head))
 

@@ -248,12 +248,15 @@ def _plan_columns(cal: Any) -> list[Column]:
         Column("share", "share", ">", lambda i, r: r.share),
         Column("layers", "layers", ">", lambda i, r: str(r.layers)),
         Column("metric", "on search rows", ">", lambda i, r: r.metric),
-        Column("verified", calibration.verified_head(cal), "<", lambda i, r: r.verified),
+        Column("verified", calibration.verified_head(cal), "<", lambda i, r: r.verified,
+               short=("verified", lambda i, r: r.verified)),
+        Column("uniform", calibration.UNIFORM_HEAD, ">", lambda i, r: r.uniform,
+               short=("uniform", lambda i, r: r.uniform_value)),
         Column("status", "what happened", "<", lambda i, r: r.status, name=True),
     ]
 
 
-PLAN_STEPS = [("drop", "layers"), ("drop", "share")]
+PLAN_STEPS = [("drop", "layers"), ("drop", "share"), ("short", "uniform"), ("short", "verified")]
 
 
 def _opt(v: Any) -> str:

@@ -16,6 +16,7 @@ on every verification row with the audit's interval (``tiers.passes.verify``), w
 from __future__ import annotations
 
 import math
+from typing import Callable
 
 import numpy as np
 from torch import nn
@@ -139,19 +140,31 @@ class StagedEvaluator:
 
     def measure(self, model: nn.Module) -> Measurement:
         self.evaluations += 1
+        sums, top, i = self._read(model, lambda s: not self._decided(s))
+        self.full += i == self.stages and self.stages > 1
+        return self._measurement(sums, top)
+
+    def measure_rows(self, model: nn.Module, rows: int) -> Measurement:
+        """``model`` on the first ``rows`` search rows, whatever its interval says: the stages a plan measured
+        before read (``rows`` a stage's end, :func:`stage_ends`), so a baseline beside it reads exactly its rows."""
+        self.evaluations += 1
+        sums, top, _ = self._read(model, lambda s: len(s[-1]) < rows)
+        return self._measurement(sums, top)
+
+    def _read(self, model: nn.Module, more: Callable[[tuple[np.ndarray, ...]], bool],
+              ) -> tuple[tuple[np.ndarray, ...], tuple[np.ndarray, np.ndarray] | None, int]:
+        """(per-row sums, top-1 counts, stages read): the head, then the next stage while ``more(sums so far)``."""
         sums = self.head._sums(model)
         top = self.head.last_top1
         i = 1
-        while i < self.stages and not self._decided(sums):
+        while i < self.stages and more(sums):
             part = self.stage(i)
-            more = part._sums(model)
-            sums = tuple(np.concatenate([a, b]) for a, b in zip(sums, more))
+            sums = tuple(np.concatenate([a, b]) for a, b in zip(sums, part._sums(model)))
             if top is not None and part.last_top1 is not None:
                 top = (np.concatenate([top[0], part.last_top1[0]]), np.concatenate([top[1], part.last_top1[1]]))
             i += 1
-        self.full += i == self.stages and self.stages > 1
         self.last_rows = len(sums[-1])
-        return self._measurement(sums, top)
+        return sums, top, i
 
     @property
     def rows_read(self) -> int:

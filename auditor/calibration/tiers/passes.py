@@ -8,6 +8,7 @@ before it and its own option group, and returns a frozen result; none changes wh
     search       model, session, Tier1, Scope, Sensitivity, TierOptions    -> Searched (tier 3: plan, rounding floor)
     recovered    model, session, BudgetResult, RecoveryOptions             -> Recovered (--recover)
     verified     model, session, BudgetResult, TruncatorStore              -> Verified (the held-out verification)
+    baselined    model, session, BudgetResult, Scope, TruncatorStore       -> Baselined (uniform truncation beside)
 
 :func:`auditor.calibration.stage.calibrate` composes them and builds the report's rows once from their results.
 """
@@ -292,6 +293,30 @@ def verified(model: "nn.Module", session: CalibrationSession, budget: BudgetResu
     return Verified(budget, ver.evaluations, seconds, warnings)
 
 
+@dataclass(frozen=True)
+class Baselined:
+    """Tier 3's result with the uniform whitened truncation (SVD-LLM) measured beside the chosen plan and each
+    frontier plan, the measurements that took and their time."""
+
+    budget: BudgetResult
+    evaluations: int = 0
+    seconds: dict[str, float] = field(default_factory=dict)
+
+
+def baselined(model: "nn.Module", session: CalibrationSession, budget: BudgetResult, scope: Scope,
+              reuse: TruncatorStore, progress: "Progress") -> Baselined:
+    """The baseline in every report: uniform whitened truncation of the planned layers at each measured plan's share
+    removed, all at once on its rows (:mod:`~auditor.calibration.tiers.uniform`)."""
+    from .uniform import with_baselines
+
+    if not any(p.plan for p in [*budget.frontier, *budget.tries]):
+        return Baselined(budget)
+    t = time.perf_counter()
+    with progress.phase("uniform baseline", unit="plan"):
+        out, n = with_baselines(model, session, budget, scope.sensitive, reuse)
+    return Baselined(out, n, {"baseline": time.perf_counter() - t})
+
+
 def _candidates(budget: BudgetResult) -> list[FrontierPlan]:
     """The plans that held on the search rows within the budget, largest first, each once, the chosen one among
     them."""
@@ -347,6 +372,6 @@ def verify(model: "nn.Module", session: CalibrationSession, budget: BudgetResult
                    else min(budget.smallest_failing, budget.removed))
 
 
-__all__ = ["Floored", "Recovered", "Scope", "Searched", "Span", "Tier1", "VERIFY_BACKSTOPS", "VERIFY_TRIES",
-           "Verified", "curves_for", "floors", "recovered", "scope_of", "search", "sensitivity", "sweepable", "tier1",
-           "verified", "verify"]
+__all__ = ["Baselined", "Floored", "Recovered", "Scope", "Searched", "Span", "Tier1", "VERIFY_BACKSTOPS",
+           "VERIFY_TRIES", "Verified", "baselined", "curves_for", "floors", "recovered", "scope_of", "search",
+           "sensitivity", "sweepable", "tier1", "verified", "verify"]

@@ -264,6 +264,53 @@ def measured_error(cal: "CalibrationReport | None", layer: str, rank: int) -> Me
     return MeasuredError(float(e), r == rank, 1)
 
 
+def baseline_pair(cal: "CalibrationReport") -> tuple[float, float, str] | None:
+    """(the chosen plan's value, uniform truncation's, the rows both were measured on): on the verification rows
+    where both were verified there, else on the search rows; None without a baseline."""
+    b = cal.budget
+    u = b.uniform if b is not None else None
+    if u is None:
+        return None
+    if u.verification is not None and b.verification is not None:
+        return b.verification.value, u.verification.value, f"{u.verification.rows:,} verification rows"
+    return b.metric, u.metric, f"{u.rows:,} search rows" if u.rows else "held-out rows"
+
+
+def baseline_words(cal: "CalibrationReport", value: Callable[[float | None], str] | None = None) -> str:
+    """The plan beside uniform truncation at its share removed, in the report's units: "at 20.1% removed: +1.39%;
+    uniform truncation +2.77%"; empty without a baseline."""
+    pair = baseline_pair(cal)
+    if pair is None:
+        return ""
+    v = value or (lambda x: unit(cal, x))
+    return f"at {pct(cal.budget.removed_fraction)} removed: {v(pair[0])}; uniform truncation {v(pair[1])}"
+
+
+def damage_ratio(cal: "CalibrationReport") -> float | None:
+    """The plan's value over uniform truncation's where both are a damage that is zero on the dense model (an
+    error, an increase) and uniform's is positive; None otherwise (a user metric, a plan that improved)."""
+    pair = baseline_pair(cal)
+    if pair is None or cal.higher_is_better or not in_percent(cal):
+        return None
+    plan, uni, _ = pair
+    return plan / uni if uni > 0 and plan >= 0 and math.isfinite(plan) and math.isfinite(uni) else None
+
+
+def baseline_line(cal: "CalibrationReport", value: Callable[[float | None], str] | None = None) -> str | None:
+    """The chosen plan against SVD-LLM's uniform whitened truncation at the same share removed, in one sentence;
+    None without a baseline (no plan, or nothing calibrated)."""
+    pair = baseline_pair(cal)
+    if pair is None:
+        return None
+    u = cal.budget.uniform
+    ratio = damage_ratio(cal)
+    times = f"; the plan's {cal.metric} is {ratio:.2f}x uniform's" if ratio is not None else ""
+    return (f"Against the baseline, on the same {pair[2]}: {baseline_words(cal, value)} (SVD-LLM's uniform whitened "
+            f"truncation: every planned layer of the plan's kinds at {100 * u.kept:.1f}% of its break-even rank "
+            f"m*n/(m+n), {u.layers} layers, {u.removed:,} parameters removed ({pct(u.removed_fraction)}), factors "
+            f"from the same statistics, measured all at once with the same metric){times}.")
+
+
 def budget_lines(cal: "CalibrationReport") -> list[str]:
     b = cal.budget
     if b is None:
@@ -289,6 +336,9 @@ def budget_lines(cal: "CalibrationReport") -> list[str]:
                f"layers, {b.removed:,} parameters removed ({pct(b.removed_fraction)}); {metric_change(cal, b.metric)} "
                f"measured all at once{rows}{top1}: {'holds' if b.ok else 'MISSES'} the tolerance"
                + (f"; {larger_words(cal)}." if b.smallest_failing is not None else ".")]
+    line = baseline_line(cal)
+    if line:
+        out.append(line)
     if b.exhausted:
         out.append(f"The search stopped at its cap of {b.evaluations} measurements before the boundary was "
                    "bracketed: a larger plan may hold.")
@@ -376,7 +426,15 @@ def check_card(audit: "AuditResult") -> CheckCard | None:
                       if cal.reference > 0 or cal.higher_is_better
                       else f"{cal.metric} on {_card_rows(cal, pc)}")
                      + f", {pc.layers} layers at once: "
-                     f"{'holds' if pc.ok else 'misses the tolerance'}{top1}", "ok" if pc.ok else "bad")
+                     f"{'holds' if pc.ok else 'misses the tolerance'}{top1}{_card_baseline(cal, pc)}",
+                     "ok" if pc.ok else "bad")
+
+
+def _card_baseline(cal: "CalibrationReport", pc: Any) -> str:
+    """"; at 57.2% removed: 0.968%; uniform truncation 8.46%" when the card's plan is the suggested one."""
+    b = cal.budget
+    words = baseline_words(cal)
+    return f"; {words}" if words and b is not None and pc.removed == b.removed and b.plan else ""
 
 
 def _card_rows(cal: "CalibrationReport", pc: Any) -> str:
@@ -404,6 +462,8 @@ class FrontierRow:
     recovered: str = ""  # the metric after the recovery fine-tune ("" without --recover)
     recovered_holds: str = ""  # "holds" | "fails" after it
     cost: str = ""  # "200 steps, 1,600 rows (102,400 tokens), 12.3 s"
+    uniform: str = "\u2013"  # uniform truncation at the same share, same rows: "+2.77% at 20.0%" ("–": not measured)
+    uniform_value: str = "\u2013"  # its value alone ("+2.77%"), for a table short of room
 
 
 def measured_plans(cal: "CalibrationReport") -> list[Any]:
@@ -439,8 +499,21 @@ def frontier_rows(cal: "CalibrationReport") -> list[FrontierRow]:
                  if rec is not None else ("\u2013" if b.recovery is not None else "", "", ""))
         out.append(FrontierRow(f"{p.removed:,}", pct(p.removed_fraction), p.layers, unit(cal, p.metric),
                                pct(p.top1) if p.top1 is not None else "\u2013", STATUS_WORDS.get(status, status),
-                               status == "suggested", verified_cell(cal, p.verification), *extra))
+                               status == "suggested", verified_cell(cal, p.verification), *extra,
+                               uniform=uniform_cell(cal, p.uniform),
+                               uniform_value=unit(cal, p.uniform.metric) if p.uniform is not None else "\u2013"))
     return out
+
+
+def uniform_cell(cal: "CalibrationReport", u: Any) -> str:
+    """Uniform truncation beside a plan as a table cell: its value on the plan's search rows and its share removed
+    ("+2.77% at 20.0%"); "–" where it was not measured (plans off the frontier, the dense model)."""
+    if u is None:
+        return "\u2013"
+    return f"{unit(cal, u.metric)} at {pct(u.removed_fraction)}"
+
+
+UNIFORM_HEAD = "uniform truncation, same rows"  # the frontier tables' column title
 
 
 def verified_cell(cal: "CalibrationReport", v: Any) -> str:
@@ -468,22 +541,28 @@ def frontier_title(cal: "CalibrationReport") -> str:
     v = b.verification if b is not None else None
     rows = (f"on the {v.search_rows:,} search rows, then on the {v.rows:,} verification rows for the plans "
             "verified" if v is not None and v.search_rows else "on the held-out rows")
+    uniform = ("; uniform: SVD-LLM's uniform whitened truncation beside each frontier plan, at its share removed "
+               "(as close as integer ranks allow) and on its rows" if any(p.uniform is not None for p in plans)
+               else "")
     return (f"Every plan the search measured ({len(plans)}), fewest parameters removed first: {cal.metric}"
-            f"{' in percent' if in_percent(cal) else ''} {rows}")
+            f"{' in percent' if in_percent(cal) else ''} {rows}{uniform}")
 
 
 def frontier_series(cal: "CalibrationReport") -> dict[str, list[tuple[float, float, bool]]]:
-    """The frontier chart's data: ``before`` (each plan measured all at once) and, with --recover, ``after`` (the
-    same plans after the recovery fine-tune), as (share removed, metric, holds), finite values only."""
+    """The frontier chart's data: ``before`` (each plan measured all at once), ``uniform`` (uniform whitened
+    truncation beside each frontier plan, on its rows) and, with --recover, ``after`` (the same plans after the
+    recovery fine-tune), as (share removed, metric, holds), finite values only."""
     b = cal.budget
     if b is None:
-        return {"before": [], "after": []}
+        return {"before": [], "after": [], "uniform": []}
     k = 100.0 if in_percent(cal) else 1.0  # the chart's axis in the metric's unit
     plans = measured_plans(cal)
     before = [(p.removed_fraction, k * p.metric, p.ok) for p in plans if math.isfinite(p.metric)]
     after = [(p.removed_fraction, k * p.recovered.metric, p.recovered.ok) for p in plans
              if p.recovered is not None and math.isfinite(p.recovered.metric)]
-    return {"before": before, "after": after}
+    uniform = [(p.uniform.removed_fraction, k * p.uniform.metric, p.uniform.ok) for p in plans
+               if p.uniform is not None and math.isfinite(p.uniform.metric)]
+    return {"before": before, "after": after, "uniform": uniform}
 
 
 def md_value(cal: "CalibrationReport", v: float | None) -> str:
@@ -522,7 +601,7 @@ def frontier_data(cal: "CalibrationReport") -> "FrontierChart | None":
     status = [_status(b, p) for p in measured_plans(cal) if math.isfinite(p.metric)]
     return FrontierChart(series["before"], limit, label, not cal.higher_is_better,
                          b.removed_fraction if b.plan else None, series["after"],
-                         b.recovery.steps if b.recovery is not None else 0, status)
+                         b.recovery.steps if b.recovery is not None else 0, status, series["uniform"])
 
 
 def floor_legend(metric: str) -> list[tuple[str, str]]:
@@ -577,6 +656,7 @@ class CalibrationView:
     frontier: list[FrontierRow]
     recovery: str  # what the recovered curve cost ("" without --recover)
     recovery_note: str  # what the plan chosen after recovery needs ("" unless --choose-after-recovery chose it)
+    uniform: str  # "at 20.1% removed: +1.39%; uniform truncation +2.77%" ("" without the uniform baseline)
     recovered_steps: int | None
     frontier_chart: "FrontierChart | None"
     floor_charts: "list[FloorChart]"
@@ -597,5 +677,6 @@ def view(audit: "AuditResult") -> CalibrationView | None:
         rows=group_rows(rows(cal, plan=plan)),
         md_rows=group_rows(rows(cal, lambda v: md_value(cal, v), times="", plan=plan)),
         frontier=frontier_rows(cal), recovery=recovery_cost(cal), recovery_note=cal.recovery_note(),
+        uniform=baseline_words(cal),
         recovered_steps=b.recovery.steps if b is not None and b.recovery is not None else None,
         frontier_chart=frontier_data(cal), floor_charts=floor_data(audit))

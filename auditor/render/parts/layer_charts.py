@@ -461,7 +461,8 @@ def legend_chart(entries: Sequence[tuple[str, str]]) -> str | None:
 @dataclass(frozen=True)
 class FrontierChart:
     """The frontier chart's data: ``before`` (each plan measured all at once) and, with --recover, ``after`` (the
-    same plans after ``steps`` recovery steps), as (share removed, metric, holds); the ``limit`` the metric is judged
+    same plans after ``steps`` recovery steps), ``uniform`` (uniform whitened truncation at the frontier plans' shares,
+    on their rows), as (share removed, metric, holds); the ``limit`` the metric is judged
     against, the metric's ``label``, ``errors`` (lower is better: a log axis where the values span decades) and the
     ``chosen`` plan's share removed."""
 
@@ -473,6 +474,7 @@ class FrontierChart:
     after: Sequence[tuple[float, float, bool]] = ()
     steps: int = 0
     status: Sequence[str] = ()  # per ``before`` point, what happened to it (``auditor.calresults.PLAN_STATUSES``)
+    uniform: Sequence[tuple[float, float, bool]] = ()  # uniform whitened truncation beside the frontier plans
 
 
 def _plain(v: float, _: Any) -> str:
@@ -489,11 +491,16 @@ def _frontier_fig(c: FrontierChart) -> Any:
     xs = [100 * p[0] for p in points]
     ys = [p[1] for p in points]
     ax.plot(xs, ys, color=PALETTE[0], marker="o", markersize=4, linewidth=1.4,
-            label="before recovery" if after else None)
+            label="the plans, before recovery" if after else "the plans" if c.uniform else None)
     if after:  # the same plans after the recovery fine-tune (--recover)
         ax.plot([100 * p[0] for p in after], [p[1] for p in after], color=PALETTE[3], marker="s", markersize=4,
                 linewidth=1.2, linestyle="--", label=f"after {c.steps} recovery steps")
         ys = ys + [p[1] for p in after]
+    if c.uniform:  # the baseline: SVD-LLM's uniform whitened truncation at the same shares
+        uni = sorted(c.uniform)
+        ax.plot([100 * p[0] for p in uni], [p[1] for p in uni], color="#555555", marker="D", markersize=3.5,
+                linewidth=1.2, linestyle=(0, (3, 1.5)), gid="uniform", label="uniform truncation (SVD-LLM)")
+        ys = ys + [p[1] for p in uni]
     status = list(c.status) or ["" for _ in points]
     for x, y, ok, st in zip(xs, ys, [p[2] for p in points], status):
         if not ok:
@@ -516,7 +523,8 @@ def _frontier_fig(c: FrontierChart) -> Any:
         ax.axvline(100 * c.chosen, label=None if "suggested" in status else "suggested plan", **STYLE["suggested"])
     ax.set_xlabel("parameters removed (% of the model)")
     ax.set_ylabel(c.label)
-    ax.legend(fontsize=7, frameon=False)
+    # below the axes, never over the curves or the suggested plan's line (four or more entries filled the corner)
+    ax.legend(fontsize=7, frameon=False, loc="upper center", bbox_to_anchor=(0.5, -0.2), ncol=3)
     return fig
 
 
