@@ -15,16 +15,17 @@ batches at once (a user metric ``fn(model, batches)``) gets its value on the ver
 from __future__ import annotations
 
 import math
-from dataclasses import replace
-from typing import TYPE_CHECKING
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING, Callable
 
 import numpy as np
 import torch
 from torch import nn
 
-from ...calresults import Verification
+from ...calresults import UnseenInterval, Verification
 from ..data.inputs import Batch, Calibration, model_device
 from .metric import Evaluator, Metric
+from .resample import block_draws, block_length, document_draws, percentile_interval, row_draws
 
 if TYPE_CHECKING:
     from ..metrics.base import RowScorer
@@ -68,6 +69,34 @@ def split_rows(batches: list[Batch], share: float = SEARCH_SHARE) -> tuple[list[
     return search, verify
 
 
+@dataclass(frozen=True)
+class Documents:
+    """Which rows belong together: one document id per row, and what a document is ("files", "documents")."""
+
+    ids: np.ndarray
+    unit: str = "documents"
+
+    @property
+    def count(self) -> int:
+        return len(np.unique(self.ids))
+
+
+def unseen_interval(value_of: "Callable[[np.ndarray], float]", n: int, value: float, confidence: float,
+                    documents: Documents | None, row_unit: str = "rows") -> UnseenInterval:
+    """The interval for a document the tool never read, from ``value_of(rows)`` (the metric on a draw's rows): whole
+    documents resampled where ``documents`` name two or more, else blocks of :func:`~.resample.block_length` rows
+    chosen from the per-row values (each row's metric alone); ``row_unit``: what a row is ("windows", "rows")."""
+    if documents is not None and documents.count >= 2:
+        draws = document_draws(documents.ids, RESAMPLES, SEED)
+        kind, groups, unit, block = "documents", documents.count, documents.unit, 0
+    else:
+        block = block_length(np.array([value_of(np.array([i])) for i in range(n)]))
+        draws = block_draws(n, block, RESAMPLES, SEED)
+        kind, groups, unit = "blocks", -(-n // block), row_unit
+    low, high = percentile_interval(np.array([value_of(d) for d in draws]), confidence, value)
+    return UnseenInterval(low, high, kind, groups, unit, block)
+
+
 def with_holdout(cal: Calibration, batches: list[Batch]) -> Calibration:
     """``cal`` measuring on ``batches`` (the same fit rows, digest and warnings list)."""
     return replace(cal, holdout=batches, warnings=cal.warnings)
@@ -77,13 +106,17 @@ class Verifier:
     """Measures models on the verification rows, row by row, against the dense model's per-row sums."""
 
     def __init__(self, dense: nn.Module, batches: list[Batch], metric: Metric, confidence: float = 0.9,
-                 share: "Verifier | None" = None) -> None:
+                 share: "Verifier | None" = None, documents: Documents | None = None, row_unit: str = "rows") -> None:
         """``share``: another verifier of the same dense model whose dense state (the KL's frozen copy) this one
-        reuses instead of copying the model again."""
+        reuses instead of copying the model again. ``documents``: which verification rows belong together (one id
+        per row, and what the documents are): whole documents are resampled for the unseen interval; None: blocks
+        of rows are (``row_unit``: what a row is, "windows" or "rows")."""
         if not 0 < confidence < 1:
             raise ValueError(f"confidence must be in (0, 1), not {confidence!r}")
         self.metric = metric
         self.confidence = confidence
+        self.documents = documents
+        self.row_unit = row_unit
         device = model_device(dense)
         self.batches = [b.to(device) for b in batches]
         self.rows = sum(b.rows for b in self.batches)
@@ -131,19 +164,19 @@ class Verifier:
         value = self._value(sums)
         self.rows = n = len(sums[-1])  # the outputs' rows (windows, examples): what is resampled
         lo = hi = None
+        unseen = None
         if n >= 2 and math.isfinite(value):  # an infinite or undefined value has no interval
-            rng = np.random.default_rng(SEED)
-            draws = rng.integers(0, n, size=(RESAMPLES, n))
-            vals = np.array([self._value(sums, d) for d in draws])
-            a = (1 - self.confidence) / 2
-            lo, hi = (float(x) for x in np.quantile(vals, [a, 1 - a]))
-            lo, hi = min(lo, value), max(hi, value)
-        ok = hi <= tol if hi is not None else value <= tol  # one row: no interval (a warning says so)
-        straddles = hi is not None and lo <= tol < hi
-        needed = (self._needed(None if hi is None else (hi - lo) / 2, value if straddles else None)
+            vals = np.array([self._value(sums, d) for d in row_draws(n, RESAMPLES, SEED)])
+            lo, hi = percentile_interval(vals, self.confidence, value)
+            unseen = unseen_interval(lambda idx: self._value(sums, idx), n, value, self.confidence, self.documents,
+                                     self.row_unit)
+        jlo, jhi = (unseen.low, unseen.high) if unseen is not None else (lo, hi)  # judged on the wider question
+        ok = jhi <= tol if jhi is not None else value <= tol  # one row: no interval (a warning says so)
+        straddles = jhi is not None and jlo <= tol < jhi
+        needed = (self._needed(None if jhi is None else (jhi - jlo) / 2, value if straddles else None)
                   if math.isfinite(value) else None)
         return Verification(value, lo, hi, self.confidence, self.rows, ok, straddles, needed,
-                            reference=self._rows.baseline)
+                            reference=self._rows.baseline, unseen=unseen)
 
     def _needed(self, half: float | None, straddling: float | None = None) -> int | None:
         """Verification rows that would resolve the tolerance, when these do not (None when they do, or nothing
@@ -160,4 +193,5 @@ class Verifier:
         return max(MIN_ROWS, int(math.ceil(self.rows * (half / want) ** 2))) if half > 0 else MIN_ROWS
 
 
-__all__ = ["MIN_ROWS", "RESAMPLES", "SEARCH_SHARE", "Verifier", "split_rows", "with_holdout"]
+__all__ = ["Documents", "MIN_ROWS", "RESAMPLES", "SEARCH_SHARE", "Verifier", "split_rows", "unseen_interval",
+           "with_holdout"]
