@@ -514,7 +514,8 @@ class CalibrationSession:
         from .measure.verify import split_rows, with_holdout
 
         if self._held.search is None:
-            self._held.search, self._held.verify = split_rows(self.calibration.holdout)
+            self._held.search, self._held.verify = split_rows(self.calibration.holdout,
+                                                              documents=self.calibration.held_documents)
         return with_holdout(self.calibration, self._held.search)
 
     @property
@@ -551,11 +552,13 @@ class CalibrationSession:
         if not self.split:
             return None
         if self._verifier is None:
-            from .measure.verify import Verifier
+            from .measure.verify import Verifier, verification_documents
 
             self.search_calibration  # noqa: B018 - cuts the rows once
+            docs = verification_documents(self.calibration, self._held.search, self._held.verify)
             with self.measuring():
-                self._verifier = Verifier(self.model, self._held.verify, self.metric, self.confidence)
+                self._verifier = Verifier(self.model, self._held.verify, self.metric, self.confidence,
+                                          documents=docs)
         return self._verifier
 
 

@@ -20,8 +20,6 @@ search and verification parts; the verification resamples whole documents (:mod:
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import torch
 
 from ...errors import AuditError
@@ -98,16 +96,4 @@ def split_text(text: str, separator: str, where: str) -> list[str]:
     return pieces
 
 
-def text_files(directory: Path) -> list[Path]:
-    """The text files in ``directory`` (not recursing), in name order; one-line errors for none and for one."""
-    from .text import is_text_file
-
-    files = sorted(p for p in directory.iterdir() if p.is_file() and not p.name.startswith(".") and is_text_file(p))
-    if len(files) < 2:
-        raise AuditError(f"calibration directory {directory} holds {'one text file' if files else 'no text files'}, "
-                         "and a directory of text files is read as one document per file",
-                         "Give a directory of two or more text files, or the one file itself")
-    return files
-
-
-__all__ = ["DOCUMENT_KEY", "document_cut", "pop_documents", "runs", "split_text", "text_files"]
+__all__ = ["DOCUMENT_KEY", "document_cut", "pop_documents", "runs", "split_text"]

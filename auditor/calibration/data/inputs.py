@@ -382,7 +382,7 @@ class Reading:
 
 def load_calibration(source: object, model: nn.Module | None = None, holdout: object = 0.25,
                      batch_size: int = 32, check_forward: bool = True, *, tokenizer: str | Path | None = None,
-                     length: int | None = None, separator: str | None = None, **caps: int | None) -> Calibration:
+                     length: int | None = None, **caps: "int | str | None") -> Calibration:
     """Load calibration batches and split off the held-out part.
 
     ``source``: a path (``.safetensors``, ``.pt``/``.pth``/``.bin``), ``file.py:fn`` or ``module:fn``, a dict of
@@ -392,17 +392,17 @@ def load_calibration(source: object, model: nn.Module | None = None, holdout: ob
     its forward and the first batch (and the first of each other shape) is run once, so inputs that do not fit fail
     here with one line (an ``AuditError``) naming the batch. ``caps``: ``max_rows`` and ``max_bytes`` cap what is
     read (a file's size, a text file's size, the tensors a function yields; None: no cap; default
-    :data:`MAX_ROWS`, :data:`MAX_BYTES`).
+    :data:`MAX_ROWS`, :data:`MAX_BYTES`); ``separator`` (among them): a text file's document separator.
     A text file (:func:`auditor.calibration.data.text.is_text_file`) is tokenized with the tokenizer in the directory
     ``tokenizer`` into windows of ``length`` tokens (default: the model's positions, at most 512); the digest then
     covers the tokenizer's files too. Which rows are one document (:mod:`~auditor.calibration.data.documents`: a
     directory of text files, a text cut at ``separator``, a ``document`` tensor) is kept for the held-out rows, and
     the held-out share is cut on a document boundary.
     """
-    unknown = sorted(set(caps) - {"max_rows", "max_bytes"})
+    unknown = sorted(set(caps) - {"max_rows", "max_bytes", "separator"})
     if unknown:
         raise TypeError(f"load_calibration() got an unexpected keyword argument {unknown[0]!r}")
-    reading = Reading(batch_size, check_forward, tokenizer, length, **caps, separator=separator)
+    reading = Reading(batch_size, check_forward, tokenizer, length, **caps)  # type: ignore[arg-type]
     cal = _load(source, model, holdout, reading)
     check_batches(cal, model, probe=check_forward)
     return cal

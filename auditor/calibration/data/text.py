@@ -24,7 +24,7 @@ from torch import nn
 
 from ...errors import AuditError, first_line
 from ...options import CALIBRATION_MAX_BYTES as MAX_BYTES
-from .documents import runs, split_text, text_files  # a text file larger than this is refused (unless raised)
+from .documents import runs, split_text  # a text file larger than this is refused (unless raised)
 
 TEXT_SUFFIXES = (".txt", ".text", ".md", ".rst", ".py")
 TENSOR_SUFFIXES = (".safetensors", ".pt", ".pth", ".bin")
@@ -74,6 +74,16 @@ def is_text_file(path: Path) -> bool:
     except (OSError, UnicodeDecodeError):
         return False
     return b"\0" not in head
+
+
+def text_files(directory: Path) -> list[Path]:
+    """The text files in ``directory`` (not recursing), in name order; one-line errors for none and for one."""
+    files = sorted(p for p in directory.iterdir() if p.is_file() and not p.name.startswith(".") and is_text_file(p))
+    if len(files) < 2:
+        raise AuditError(f"calibration directory {directory} holds {'one text file' if files else 'no text files'}, "
+                         "and a directory of text files is read as one document per file",
+                         "Give a directory of two or more text files, or the one file itself")
+    return files
 
 
 def is_text_source(source: object) -> bool:
@@ -259,6 +269,27 @@ def _texts(path: Path, max_bytes: int | None, separator: str | None) -> tuple[li
     return split_text(text, separator, str(path)), "documents"
 
 
+def _chunks(tok: Any, texts: list[str], chunk: int, max_rows: int | None, what: str,
+            window: int) -> tuple[list[int], list[int], int, int]:
+    """Each text's ids cut into chunks of ``chunk`` on its own: (the chunks' ids, each chunk's text, tokens in all,
+    tokens left over); one line when they pass ``max_rows`` chunks (found without tokenizing the rest)."""
+    bodies: list[int] = []
+    docs: list[int] = []
+    tokens = left = 0
+    for d, text in enumerate(texts):
+        ids = token_ids(tok, text, None if max_rows is None else (max_rows + 1 - len(docs)) * chunk)
+        if max_rows is not None and len(docs) + len(ids) // chunk > max_rows:
+            raise AuditError(f"{what} gives more than {max_rows:,} windows of {window} tokens, the cap (tokenizing "
+                             "stopped there)", "Give a smaller sample of the text, or raise the cap with "
+                             f"--calibration-max-rows {2 * max_rows}")
+        n = len(ids) // chunk
+        bodies += ids[:n * chunk]
+        docs += [d] * n
+        tokens += len(ids)
+        left += len(ids) - n * chunk
+    return bodies, docs, tokens, left
+
+
 def text_inputs(path: Path, tokenizer: str | Path | None, model: nn.Module | None, length: int | None = None,
                 attention_mask: bool = True, max_bytes: int | None = None,
                 max_rows: int | None = None, separator: str | None = None) -> TextInputs:
@@ -278,19 +309,7 @@ def text_inputs(path: Path, tokenizer: str | Path | None, model: nn.Module | Non
     if chunk < 1:
         raise AuditError(f"a calibration window of {window} tokens leaves no room for text beside the tokenizer's "
                          f"{len(before) + len(after)} special tokens", "Give a longer --calibration-length")
-    bodies, docs, tokens, left = [], [], 0, 0
-    for d, text in enumerate(texts):
-        need = None if max_rows is None else (max_rows + 1 - len(docs)) * chunk
-        ids = token_ids(tok, text, need)
-        if max_rows is not None and len(docs) + len(ids) // chunk > max_rows:
-            raise AuditError(f"calibration text {path} gives more than {max_rows:,} windows of {window} tokens, the "
-                             "cap (tokenizing stopped there)", "Give a smaller sample of the text, or raise the cap "
-                             f"with --calibration-max-rows {2 * max_rows}")
-        n = len(ids) // chunk
-        bodies += ids[:n * chunk]
-        docs += [d] * n
-        tokens += len(ids)
-        left += len(ids) - n * chunk
+    bodies, docs, tokens, left = _chunks(tok, texts, chunk, max_rows, f"calibration text {path}", window)
     count = len(docs)
     specials = f" ({chunk} text tokens and {len(before) + len(after)} special)" if before or after else ""
     if count == 0:

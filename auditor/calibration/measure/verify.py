@@ -23,6 +23,7 @@ import torch
 from torch import nn
 
 from ...calresults import UnseenInterval, Verification
+from ..data.documents import document_cut
 from ..data.inputs import Batch, Calibration, model_device
 from .metric import Evaluator, Metric
 from .resample import block_draws, block_length, document_draws, percentile_interval, row_draws
@@ -46,13 +47,17 @@ def _slice(b: Batch, lo: int, hi: int) -> Batch:
     return Batch(tuple(cut(a) for a in b.args), {k: cut(v) for k, v in b.kwargs.items()})
 
 
-def split_rows(batches: list[Batch], share: float = SEARCH_SHARE) -> tuple[list[Batch], list[Batch]]:
+def split_rows(batches: list[Batch], share: float = SEARCH_SHARE,
+               documents: "tuple[int, ...] | None" = None) -> tuple[list[Batch], list[Batch]]:
     """(search, verification) batches: the first ``share`` of the rows and the rest, cut inside a batch where the
-    line falls there. Fewer than two rows: both parts are every row (nothing to split; the report says so)."""
+    line falls there (on the nearest document boundary where ``documents`` says each row's). Fewer than two rows:
+    both parts are every row (nothing to split; the report says so)."""
     total = sum(b.rows for b in batches)
     if total < 2:
         return list(batches), list(batches)
     cut = min(total - 1, max(1, int(round(total * share))))
+    if documents is not None and len(documents) == total and len(set(documents)) >= 2:
+        cut = document_cut(list(documents), 1 - share)
     search: list[Batch] = []
     verify: list[Batch] = []
     seen = 0
@@ -71,30 +76,52 @@ def split_rows(batches: list[Batch], share: float = SEARCH_SHARE) -> tuple[list[
 
 @dataclass(frozen=True)
 class Documents:
-    """Which rows belong together: one document id per row, and what a document is ("files", "documents")."""
+    """Which rows belong together: one document id per row (None: the calibration does not say), what a document
+    is ("files", "documents") and what a row is ("windows", "rows")."""
 
-    ids: np.ndarray
+    ids: np.ndarray | None = None
     unit: str = "documents"
+    row_unit: str = "rows"
 
     @property
     def count(self) -> int:
-        return len(np.unique(self.ids))
+        return 0 if self.ids is None else len(np.unique(self.ids))
 
 
 def unseen_interval(value_of: "Callable[[np.ndarray], float]", n: int, value: float, confidence: float,
-                    documents: Documents | None, row_unit: str = "rows") -> UnseenInterval:
+                    documents: Documents | None) -> UnseenInterval:
     """The interval for a document the tool never read, from ``value_of(rows)`` (the metric on a draw's rows): whole
     documents resampled where ``documents`` name two or more, else blocks of :func:`~.resample.block_length` rows
-    chosen from the per-row values (each row's metric alone); ``row_unit``: what a row is ("windows", "rows")."""
+    chosen from the per-row values (each row's metric alone)."""
     if documents is not None and documents.count >= 2:
         draws = document_draws(documents.ids, RESAMPLES, SEED)
         kind, groups, unit, block = "documents", documents.count, documents.unit, 0
     else:
         block = block_length(np.array([value_of(np.array([i])) for i in range(n)]))
         draws = block_draws(n, block, RESAMPLES, SEED)
-        kind, groups, unit = "blocks", -(-n // block), row_unit
+        kind, groups, unit = "blocks", -(-n // block), documents.row_unit if documents is not None else "rows"
     low, high = percentile_interval(np.array([value_of(d) for d in draws]), confidence, value)
     return UnseenInterval(low, high, kind, groups, unit, block)
+
+
+def verification_documents(cal: Calibration, search: list[Batch], verify: list[Batch]) -> Documents:
+    """The verification rows' documents: the held-out rows' after the search part's, where the calibration says,
+    and what a row is (:func:`row_unit`)."""
+    held = cal.held_documents
+    unit = row_unit(verify)
+    if held is None:
+        return Documents(None, cal.document_unit, unit)
+    ids = np.array(held[sum(b.rows for b in search):])
+    return Documents(ids - (ids.min() if len(ids) else 0), cal.document_unit, unit)
+
+
+def row_unit(batches: list[Batch]) -> str:
+    """What a row is: "windows" where the first input is token ids (an integer tensor of rows x positions), else
+    "rows"."""
+    ts = batches[0].tensors() if batches else []
+    t = ts[0][1] if ts else None
+    token_ids = t is not None and t.dim() == 2 and not t.dtype.is_floating_point and t.dtype != torch.bool
+    return "windows" if token_ids else "rows"
 
 
 def with_holdout(cal: Calibration, batches: list[Batch]) -> Calibration:
@@ -106,17 +133,18 @@ class Verifier:
     """Measures models on the verification rows, row by row, against the dense model's per-row sums."""
 
     def __init__(self, dense: nn.Module, batches: list[Batch], metric: Metric, confidence: float = 0.9,
-                 share: "Verifier | None" = None, documents: Documents | None = None, row_unit: str = "rows") -> None:
+                 share: "Verifier | None" = None, documents: Documents | None = None, unseen: bool = True) -> None:
         """``share``: another verifier of the same dense model whose dense state (the KL's frozen copy) this one
         reuses instead of copying the model again. ``documents``: which verification rows belong together (one id
-        per row, and what the documents are): whole documents are resampled for the unseen interval; None: blocks
-        of rows are (``row_unit``: what a row is, "windows" or "rows")."""
+        per row, and what the documents and rows are): whole documents are resampled for the unseen interval where
+        it names two or more, else blocks of rows; ``unseen`` False: no unseen interval (the
+        staged search's verifiers, which judge the search rows' own mean)."""
         if not 0 < confidence < 1:
             raise ValueError(f"confidence must be in (0, 1), not {confidence!r}")
         self.metric = metric
         self.confidence = confidence
         self.documents = documents
-        self.row_unit = row_unit
+        self.unseen = unseen
         device = model_device(dense)
         self.batches = [b.to(device) for b in batches]
         self.rows = sum(b.rows for b in self.batches)
@@ -168,8 +196,7 @@ class Verifier:
         if n >= 2 and math.isfinite(value):  # an infinite or undefined value has no interval
             vals = np.array([self._value(sums, d) for d in row_draws(n, RESAMPLES, SEED)])
             lo, hi = percentile_interval(vals, self.confidence, value)
-            unseen = unseen_interval(lambda idx: self._value(sums, idx), n, value, self.confidence, self.documents,
-                                     self.row_unit)
+            unseen = None if not self.unseen else unseen_interval(lambda idx: self._value(sums, idx), n, value, self.confidence, self.documents)
         jlo, jhi = (unseen.low, unseen.high) if unseen is not None else (lo, hi)  # judged on the wider question
         ok = jhi <= tol if jhi is not None else value <= tol  # one row: no interval (a warning says so)
         straddles = jhi is not None and jlo <= tol < jhi
@@ -193,5 +220,5 @@ class Verifier:
         return max(MIN_ROWS, int(math.ceil(self.rows * (half / want) ** 2))) if half > 0 else MIN_ROWS
 
 
-__all__ = ["Documents", "MIN_ROWS", "RESAMPLES", "SEARCH_SHARE", "Verifier", "split_rows", "unseen_interval",
-           "with_holdout"]
+__all__ = ["Documents", "MIN_ROWS", "RESAMPLES", "SEARCH_SHARE", "Verifier", "row_unit", "split_rows",
+           "unseen_interval", "verification_documents", "with_holdout"]
