@@ -25,7 +25,10 @@ def working(default: Any = None, factory: Any = None) -> Any:
 def report_dict(obj: Any) -> Any:
     """``dataclasses.asdict`` without the ``WORKING`` fields (tuples stay tuples, as there)."""
     if is_dataclass(obj) and not isinstance(obj, type):
-        return {f.name: report_dict(getattr(obj, f.name)) for f in fields(obj) if f.metadata.get("report", True)}
+        out = {f.name: report_dict(getattr(obj, f.name)) for f in fields(obj) if f.metadata.get("report", True)}
+        if isinstance(obj, UnseenInterval):  # which interval it is, in the report's words
+            out["label"] = obj.label
+        return out
     if isinstance(obj, dict):
         return {k: report_dict(v) for k, v in obj.items()}
     if isinstance(obj, (list, tuple)) and not hasattr(obj, "_fields"):

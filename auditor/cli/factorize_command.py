@@ -221,6 +221,8 @@ def _measured(result: Any) -> dict[str, Any] | None:
     v = pc.verification
     if v is not None:  # measured on the verification rows, with its interval over them
         out.update(rows=v.rows, interval=[v.low, v.high], confidence=v.confidence, straddles=v.straddles)
+        if v.unseen is not None:  # the interval for a document the tool never read, which the holding is judged on
+            out.update(unseen_interval=[v.unseen.low, v.unseen.high], unseen=v.unseen.label)
         why = _unverified(v)
         if why is not None:
             out.update(holds=None, unverified=why)
