@@ -420,7 +420,7 @@ class CalibrationSession:
         """The audit's session: the calibration ``options`` name (read once), its metric and the audit's layers."""
         data = options.calibration_data
         cal = load_calibration(data.source, model, data.holdout, tokenizer=data.tokenizer, length=data.length,
-                               max_rows=data.max_rows, max_bytes=data.max_bytes)
+                               max_rows=data.max_rows, max_bytes=data.max_bytes, separator=data.separator)
         map_large_arrays()  # the freed arrays of each block handed back, so the peak does not grow with the depth
         metric = metric_of(options.tiers, model, cal)
         # a user metric fn(model, batches) may line its own labels up with every held-out row: never cut

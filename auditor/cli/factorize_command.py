@@ -38,7 +38,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--allow-miss", action="store_true",
                    help="exit 0 when the factorized model, measured on the held-out rows, misses the tolerance "
                         "(default: exit 1, the model still written)")
-    add_shared(p, "calibration", "holdout", "calibration-length", "metric", "tolerance", "weights", "input-shape",
+    add_shared(p, "calibration", "holdout", "calibration-length", "document-separator", "metric", "tolerance", "weights", "input-shape",
                "input-ids", "no-cache", "compute-dtype", "no-split", "confidence")
     p.add_argument("--measure-speed", action="store_true",
                    help="time the dense and the factorized model end to end (and with --export the .pt2 in torch, "
@@ -152,6 +152,7 @@ def _options(args: argparse.Namespace, loaded: Any, plan: Any) -> Any:
     from ..calibration.data.text import tokenizer_home
     from ..config import repo_settings
     from .argparser import cache_usable
+    from .shared_flags import unescape
     from ..options import AuditOptions
     from ..rules import RULES
 
@@ -165,11 +166,13 @@ def _options(args: argparse.Namespace, loaded: Any, plan: Any) -> Any:
                            metric=args.metric if cal else None, tolerance=args.tolerance,
                            tokenizer=tokenizer_home(loaded.source) if cal else None,
                            calibration_length=args.calibration_length,
+                           document_separator=unescape(args.document_separator),
                            compute_dtype=_compute_dtype(args, plan) if cal else None,
                            split=not args.no_split,
                            **({"confidence": _level(args.confidence)} if args.confidence is not None else {}))
     given = [flag for flag, value in (("--holdout", args.holdout), ("--metric", args.metric),
                                       ("--tolerance", args.tolerance), ("--calibration-length", args.calibration_length),
+                                      ("--document-separator", args.document_separator),
                                       ("--compute-dtype", args.compute_dtype), ("--no-split", args.no_split or None),
                                       ("--confidence", args.confidence)) if value is not None]
     if not cal and given:
