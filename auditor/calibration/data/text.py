@@ -107,7 +107,7 @@ def check_text_sources(sources: list[object], tokenizer: str | Path | None,
         if is_text_source(source):
             path = Path(source)
             what, flag = ("calibration", "--calibration") if i == 0 else ("held-out", "--holdout")
-            problem = describe_missing(path)
+            problem = None if path.is_dir() else describe_missing(path)
             if problem:
                 raise AuditError(f"{what} file {path} {problem}", f"Check the path given to {flag}")
             if tokenizer is None:

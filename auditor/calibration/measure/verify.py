@@ -90,17 +90,23 @@ class Documents:
 
 def unseen_interval(value_of: "Callable[[np.ndarray], float]", n: int, value: float, confidence: float,
                     documents: Documents | None) -> UnseenInterval:
-    """The interval for a document the tool never read, from ``value_of(rows)`` (the metric on a draw's rows): whole
-    documents resampled where ``documents`` name two or more, else blocks of :func:`~.resample.block_length` rows
-    chosen from the per-row values (each row's metric alone)."""
+    """The interval for text the tool never read, as much of it as the verification rows, from ``value_of(rows)``
+    (the metric on a draw's rows): whole documents resampled where ``documents`` name two or more, else blocks of
+    :func:`~.resample.block_length` rows chosen from the per-row values (each row's metric alone).
+
+    A prediction interval, not one for the mean: two independent sets of draws, and the interval is ``value`` plus
+    the central ``confidence`` share of their differences (the new text's value differs from the measured one by
+    the sampling error of both, which the difference of two draws carries; an interval for the mean alone covers
+    the value on other documents about as often as the row interval did: docs/calibration.md)."""
     if documents is not None and documents.count >= 2:
-        draws = document_draws(documents.ids, RESAMPLES, SEED)
+        a, b = (document_draws(documents.ids, RESAMPLES, SEED + k) for k in (0, 1))
         kind, groups, unit, block = "documents", documents.count, documents.unit, 0
     else:
         block = block_length(np.array([value_of(np.array([i])) for i in range(n)]))
-        draws = block_draws(n, block, RESAMPLES, SEED)
+        a, b = (block_draws(n, block, RESAMPLES, SEED + k) for k in (0, 1))
         kind, groups, unit = "blocks", -(-n // block), documents.row_unit if documents is not None else "rows"
-    low, high = percentile_interval(np.array([value_of(d) for d in draws]), confidence, value)
+    shifts = np.array([value_of(x) - value_of(y) for x, y in zip(a, b)])
+    low, high = percentile_interval(value + shifts, confidence, value)
     return UnseenInterval(low, high, kind, groups, unit, block)
 
 
