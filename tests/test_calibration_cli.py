@@ -128,8 +128,12 @@ def test_tier1_ranks_and_suggestions_are_the_librarys(cli_inproc, calib, tmp_pat
     assert v["low"] <= pc["measured"] <= v["high"] <= got["tolerance"] and v["ok"] and not v["straddles"]
     assert d["verdict"].startswith("REVIEW: 2 warning(s)")  # LR014 on fc2 and fc3: 300 rows for 512 inputs
     pc3 = lambda x: f"{100 * x:.3g}%"  # one unit: a percentage, three significant digits
+    u = v["unseen"]  # no documents named: blocks of rows, their length from the data
+    assert (u["kind"], u["label"]) == ("blocks", f"block bootstrap, blocks of {u['block']} rows")
+    assert u["low"] <= pc["measured"] <= u["high"] <= got["tolerance"]
     assert d["verdict"].endswith(f"measured all at once: relative output error {pc3(pc['measured'])} (90% interval "
-                                 f"{pc3(v['low'])} to {pc3(v['high'])} over 50 verification rows): within the "
+                                 f"{pc3(v['low'])} to {pc3(v['high'])} over 50 verification rows; for an unseen "
+                                 f"document {pc3(u['low'])} to {pc3(u['high'])} ({u['label']})): within the "
                                  "tolerance 1%")
     # without tier 2 the prediction sums the tier-1 layer-output errors in quadrature
     assert pc["basis"] == "tier-1 layer-output errors"

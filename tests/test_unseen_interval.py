@@ -239,7 +239,7 @@ def test_a_directory_of_text_files_is_one_document_per_file(tmp_path):
     ids = _expected(tok, texts, 32)
     assert cal.documents == tuple(ids) and cal.document_unit == "files"
     assert cal.fit_rows == document_cut(ids, 0.25)
-    assert f"in 6 files" in cal.tokenized and "each document's last tokens" in cal.tokenized
+    assert f"in 6 files" in cal.tokenized and "tokens at the documents' ends left out" in cal.tokenized
     # each window is the file's own tokens: the first window of file 2 starts with its first tokens
     first = ids.index(2)
     rows = torch.cat([b.args[0] for b in cal.fit + cal.holdout])  # no model: the one input, positional

@@ -556,6 +556,11 @@ class CalibrationSession:
 
             self.search_calibration  # noqa: B018 - cuts the rows once
             docs = verification_documents(self.calibration, self._held.search, self._held.verify)
+            if docs.ids is not None and docs.count < 2:  # said, and blocks of rows resampled instead
+                self.calibration.warnings.append(
+                    f"the verification rows hold {docs.count} of the calibration's {docs.unit}, too few to resample "
+                    "whole ones: the interval for an unseen document resamples blocks of rows instead; hold out "
+                    "more documents (a larger --holdout, or a --holdout source of four or more)")
             with self.measuring():
                 self._verifier = Verifier(self.model, self._held.verify, self.metric, self.confidence,
                                           documents=docs)

@@ -93,7 +93,9 @@ def is_text_source(source: object) -> bool:
     path = Path(source)
     if ":" in path.name and not path.exists():
         return False  # file.py:fn / module:fn
-    return path.is_dir() or is_text_file(path)  # a directory: one document per text file (data/documents.py)
+    if path.is_dir():  # a directory of text files: one document per file (data/documents.py)
+        return any(p.is_file() and is_text_file(p) for p in path.iterdir())
+    return is_text_file(path)
 
 
 def check_text_sources(sources: list[object], tokenizer: str | Path | None,
@@ -334,7 +336,7 @@ def text_inputs(path: Path, tokenizer: str | Path | None, model: nn.Module | Non
     whole = len(set(docs))
     kept = f" in {whole} {unit}" + (f" ({len(texts) - whole} shorter than a window left out)"
                                     if whole < len(texts) else "") if unit else ""
-    cut = ("each document's last tokens" if unit else "the last") + f" {left} tokens left out"
+    cut = f"{left} tokens at the documents' ends left out" if unit else f"the last {left} tokens left out"
     description = (f"tokenized by {type(tok).__name__} from {tokenizer}: {tokens:,} tokens, {count} windows of "
                    f"{window}{specials}{kept}" + (f", {cut}" if left else ""))
     return TextInputs(tensors, identity, description, tokens, window, (len(before), len(after)),
