@@ -148,7 +148,9 @@ def test_a_plan_straddling_the_tolerance_is_said_to_and_rows_needed_named():
     tol = (v0.low + v0.high) / 2  # a tolerance inside the interval
     v = Verifier(model, [Batch(args=(x,))], Metric(tolerance=tol)).measure(new)
     assert v.straddles and not v.ok and "straddles the tolerance" in v.words(tol)
-    half = (v.high - v.low) / 2
+    u = v.unseen  # the interval judged: for an unseen document (blocks of rows: the rows name no documents)
+    assert u.kind == "blocks" and u.low <= v.low <= v.high <= u.high
+    half = (u.high - u.low) / 2
     want = min(0.25 * tol, abs(v.value - tol))  # the interval must shrink past the value's distance to the line
     assert v.rows_needed == math.ceil(12 * (half / want) ** 2) > 12
 
