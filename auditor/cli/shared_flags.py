@@ -75,7 +75,7 @@ FLAGS: dict[str, tuple[tuple[str, ...], dict[str, Any]]] = {
 
 
 def unescape(text: str | None) -> str | None:
-    """A separator typed on the command line with its escapes read: \\n, \\t, \\r, \\\\.
+    r"""A separator typed on the command line with its escapes read: \n, \t, \r, \\.
 
     >>> unescape(r"\n\n--\t\\")
     '\n\n--\t\\'
