@@ -25,7 +25,10 @@ def working(default: Any = None, factory: Any = None) -> Any:
 def report_dict(obj: Any) -> Any:
     """``dataclasses.asdict`` without the ``WORKING`` fields (tuples stay tuples, as there)."""
     if is_dataclass(obj) and not isinstance(obj, type):
-        return {f.name: report_dict(getattr(obj, f.name)) for f in fields(obj) if f.metadata.get("report", True)}
+        out = {f.name: report_dict(getattr(obj, f.name)) for f in fields(obj) if f.metadata.get("report", True)}
+        if isinstance(obj, UnseenInterval):  # which interval it is, in the report's words
+            out["label"] = obj.label
+        return out
     if isinstance(obj, dict):
         return {k: report_dict(v) for k, v in obj.items()}
     if isinstance(obj, (list, tuple)) and not hasattr(obj, "_fields"):
@@ -120,13 +123,42 @@ class RecoverySetup:
                 f"--recover-trainable {self.trainable} --recover-objective {self.objective}")
 
 
+@dataclass(frozen=True)
+class UnseenInterval:
+    """The interval for a document the tool never read: whole documents resampled (``kind`` "documents": the
+    calibration said which rows belong together) or contiguous blocks of ``block`` rows (``kind`` "blocks": it did
+    not), at the verification's confidence. ``groups``: the documents, or the blocks of one draw; ``unit``: what the
+    documents are ("files", "documents") or the rows are ("windows", "rows")."""
+
+    low: float
+    high: float
+    kind: str  # "documents" | "blocks"
+    groups: int
+    unit: str
+    block: int = 0  # rows per block (blocks only)
+
+    @property
+    def label(self) -> str:
+        """Which interval it is: "documents: 12 files" or "block bootstrap, blocks of 8 windows".
+
+        >>> UnseenInterval(0.1, 0.2, "documents", 12, "files").label
+        'documents: 12 files'
+        >>> UnseenInterval(0.1, 0.2, "blocks", 21, "windows", 8).label
+        'block bootstrap, blocks of 8 windows'
+        """
+        if self.kind == "documents":
+            return f"documents: {self.groups:,} {self.unit}"
+        return f"block bootstrap, blocks of {self.block:,} {self.unit}"
+
+
 @dataclass
 class Verification:
     """A plan measured on the verification rows (held out, never read by the search): the value and its bootstrap
-    interval over rows at ``confidence`` (None: a user metric, or one row). ``ok``: the interval's upper end is within
-    the tolerance; ``straddles``: the interval holds the tolerance inside it (neither a pass nor a miss);
-    ``rows_needed``: verification rows that would resolve the tolerance (half-width a quarter of it), None when
-    these do."""
+    interval over rows at ``confidence`` (None: a user metric, or one row), and beside it ``unseen``, the interval for
+    a document the tool never read (whole documents or blocks of rows resampled). ``ok``: the upper end of the
+    unseen interval (the row interval's where there is none) is within the tolerance; ``straddles``: that interval
+    holds the tolerance inside it (neither a pass nor a miss); ``rows_needed``: verification rows that would resolve
+    the tolerance (half-width a quarter of it), None when these do."""
 
     value: float
     low: float | None
@@ -138,11 +170,14 @@ class Verification:
     rows_needed: int | None = None
     search_rows: int = 0  # the held-out rows the search measured on
     reference: float | None = None  # the dense model's perplexity on the verification rows (perplexity metrics)
+    unseen: UnseenInterval | None = None  # the interval for a document the tool never read
 
     def words(self, tolerance: float, metric: str = "") -> str:
         """"<metric> V (90% interval L to H over N verification rows): within/straddles/misses the tolerance T"."""
+        u = self.unseen
+        unseen = f"; for an unseen document {u.low:.4g} to {u.high:.4g}, {u.label}" if u is not None else ""
         ci = (f" ({100 * self.confidence:g}% interval {self.low:.4g} to {self.high:.4g} over {self.rows:,} "
-              f"verification rows)" if self.low is not None and self.high is not None
+              f"verification rows{unseen})" if self.low is not None and self.high is not None
               else f" (on {self.rows:,} verification rows, no interval)")
         value = f"{self.value:.4g}" if not math.isinf(self.value) else "-infinite" if self.value < 0 else "infinite"
         return f"{metric + ' ' if metric else ''}{value}{ci}: {self.judged} {tolerance:g}"

@@ -57,6 +57,7 @@ class CalibrationData:
     tokenizer: "str | os.PathLike[str] | None" = None  # the tokenizer's directory for a text file
     max_rows: int | None = CALIBRATION_MAX_ROWS  # read at most this many rows (None: no cap)
     max_bytes: int | None = CALIBRATION_MAX_BYTES  # read at most this many bytes (None: no cap)
+    separator: str | None = None  # a text file's document separator: each piece one document (documents.py)
 
     def check_limits(self) -> None:
         """The caps on rows and bytes, each a positive whole number or None."""
@@ -210,7 +211,8 @@ class SpeedOptions:
 FLAT: dict[str, tuple[str, str]] = {
     **{name: ("calibration_data", f) for name, f in [
         ("calibration", "source"), ("holdout", "holdout"), ("calibration_length", "length"), ("tokenizer", "tokenizer"),
-        ("calibration_max_rows", "max_rows"), ("calibration_max_bytes", "max_bytes")]},
+        ("calibration_max_rows", "max_rows"), ("calibration_max_bytes", "max_bytes"),
+        ("document_separator", "separator")]},
     **{name: ("tiers", name) for name in ("metric", "tolerance", "measure_floor", "budget", "probe_sensitivity",
                                           "probe", "confidence", "split")},
     **{name: ("statistics", name) for name in ("device", "offload", "compute_dtype")},
@@ -397,6 +399,7 @@ class OptionFields(TypedDict, total=False):
     tokenizer: "str | os.PathLike[str] | None"
     calibration_max_rows: int | None
     calibration_max_bytes: int | None
+    document_separator: str | None
     device: str | None
     offload: bool
     compute_dtype: str | None

@@ -128,9 +128,15 @@ def test_tier1_ranks_and_suggestions_are_the_librarys(cli_inproc, calib, tmp_pat
     assert v["low"] <= pc["measured"] <= v["high"] <= got["tolerance"] and v["ok"] and not v["straddles"]
     assert d["verdict"].startswith("REVIEW: 2 warning(s)")  # LR014 on fc2 and fc3: 300 rows for 512 inputs
     pc3 = lambda x: f"{100 * x:.3g}%"  # one unit: a percentage, three significant digits
-    assert d["verdict"].endswith(f"measured all at once: relative output error {pc3(pc['measured'])} (90% interval "
-                                 f"{pc3(v['low'])} to {pc3(v['high'])} over 50 verification rows): within the "
-                                 "tolerance 1%")
+    u = v["unseen"]  # no documents named: blocks of rows, their length from the data
+    assert (u["kind"], u["label"]) == ("blocks", f"block bootstrap, blocks of {u['block']} rows")
+    assert u["low"] <= pc["measured"] <= u["high"] <= got["tolerance"]
+    head, _, unseen = d["verdict"].partition("; for an unseen document ")
+    assert head.endswith(f"measured all at once: relative output error {pc3(pc['measured'])} (90% interval "
+                         f"{pc3(v['low'])} to {pc3(v['high'])} over 50 verification rows")
+    low, high = unseen.split(f" ({u['label']})): within the tolerance 1%")[0].split(" to ")
+    assert float(low.rstrip("%")) == pytest.approx(100 * u["low"], rel=5e-3)
+    assert float(high.rstrip("%")) == pytest.approx(100 * u["high"], rel=5e-3)
     # without tier 2 the prediction sums the tier-1 layer-output errors in quadrature
     assert pc["basis"] == "tier-1 layer-output errors"
     assert pc["predicted"] == pytest.approx(math.sqrt(sum(spectra[k].error_at(r) ** 2 for k, r in plan.items())),

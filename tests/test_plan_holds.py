@@ -115,7 +115,8 @@ def test_a_plan_that_misses_the_tolerance_is_an_error_in_every_format(cli_inproc
     pct = lambda x: f"{100 * x:.3g}%"  # the relative output error in its one unit, three significant digits
     assert v["json"].startswith("FAIL: 1 error(s)") and v["json"].endswith(
         f"relative output error {pct(pc['measured'])} ({100 * iv['confidence']:g}% interval {pct(iv['low'])} to "
-        f"{pct(iv['high'])} over {iv['rows']} verification rows): misses the tolerance 1%")
+        f"{pct(iv['high'])} over {iv['rows']} verification rows; for an unseen document {pct(iv['unseen']['low'])} "
+        f"to {pct(iv['unseen']['high'])} ({iv['unseen']['label']})): misses the tolerance 1%")
     _same_verdict(v, ok=False)
 
 

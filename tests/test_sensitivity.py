@@ -133,7 +133,24 @@ def test_verification_value_and_bootstrap_interval_by_hand(kind):
     vals = np.array([value(d) for d in draws])
     lo, hi = np.quantile(vals, [0.05, 0.95])
     assert v.low == pytest.approx(min(lo, v.value), rel=1e-6) and v.high == pytest.approx(max(hi, v.value), rel=1e-6)
-    assert v.ok is (v.high <= 0.05) and v.straddles is (v.low <= 0.05 < v.high)
+    # beside it the interval for an unseen document: no documents named, so blocks of rows, the length the first lag
+    # where the per-row values' autocorrelation falls below 2 / sqrt(40), at least ceil(40^(1/3)) = 4, at most 10
+    per_row = np.array([value(np.array([i])) for i in range(40)])
+    d = per_row - per_row.mean()
+    acf = [float(d[:-k] @ d[k:] / (d @ d)) for k in range(1, 10)]
+    lag = next((k for k, r in enumerate(acf, 1) if abs(r) < 2 / math.sqrt(40)), 10)
+    block = min(10, max(lag, 4))
+    u = v.unseen
+    assert (u.kind, u.block, u.groups, u.unit) == ("blocks", block, math.ceil(40 / block), "rows")  # none named
+
+    def blocks(seed):
+        starts = np.random.default_rng(seed).integers(0, 40 - block + 1, size=(RESAMPLES, math.ceil(40 / block)))
+        return [np.concatenate([np.arange(s, s + block) for s in row])[:40] for row in starts]
+
+    shifts = np.array([value(x) - value(y) for x, y in zip(blocks(0), blocks(1))])
+    ulo, uhi = np.quantile(v.value + shifts, [0.05, 0.95])
+    assert u.low == pytest.approx(min(ulo, v.value), rel=1e-6) and u.high == pytest.approx(max(uhi, v.value), rel=1e-6)
+    assert v.ok is (u.high <= 0.05) and v.straddles is (u.low <= 0.05 < u.high)  # judged on the unseen interval
 
 
 def test_a_plan_straddling_the_tolerance_is_said_to_and_rows_needed_named():
@@ -148,7 +165,9 @@ def test_a_plan_straddling_the_tolerance_is_said_to_and_rows_needed_named():
     tol = (v0.low + v0.high) / 2  # a tolerance inside the interval
     v = Verifier(model, [Batch(args=(x,))], Metric(tolerance=tol)).measure(new)
     assert v.straddles and not v.ok and "straddles the tolerance" in v.words(tol)
-    half = (v.high - v.low) / 2
+    u = v.unseen  # the interval judged: for an unseen document (blocks of rows: the rows name no documents)
+    assert u.kind == "blocks" and u.low <= v.low <= v.high <= u.high
+    half = (u.high - u.low) / 2
     want = min(0.25 * tol, abs(v.value - tol))  # the interval must shrink past the value's distance to the line
     assert v.rows_needed == math.ceil(12 * (half / want) ** 2) > 12
 

@@ -421,7 +421,7 @@ class CalibrationSession:
         """The audit's session: the calibration ``options`` name (read once), its metric and the audit's layers."""
         data = options.calibration_data
         cal = load_calibration(data.source, model, data.holdout, tokenizer=data.tokenizer, length=data.length,
-                               max_rows=data.max_rows, max_bytes=data.max_bytes)
+                               max_rows=data.max_rows, max_bytes=data.max_bytes, separator=data.separator)
         map_large_arrays()  # the freed arrays of each block handed back, so the peak does not grow with the depth
         metric = metric_of(options.tiers, model, cal)
         # a user metric fn(model, batches) may line its own labels up with every held-out row: never cut
@@ -559,7 +559,8 @@ class CalibrationSession:
         from .measure.verify import split_rows, with_holdout
 
         if self._held.search is None:
-            self._held.search, self._held.verify = split_rows(self.calibration.holdout)
+            self._held.search, self._held.verify = split_rows(self.calibration.holdout,
+                                                              documents=self.calibration.held_documents)
         return with_holdout(self.calibration, self._held.search)
 
     @property
@@ -596,11 +597,18 @@ class CalibrationSession:
         if not self.split:
             return None
         if self._verifier is None:
-            from .measure.verify import Verifier
+            from .measure.verify import Verifier, verification_documents
 
             self.search_calibration  # noqa: B018 - cuts the rows once
+            docs = verification_documents(self.calibration, self._held.search, self._held.verify)
+            if docs.ids is not None and docs.count < 2:  # said, and blocks of rows resampled instead
+                self.calibration.warnings.append(
+                    f"the verification rows hold {docs.count} of the calibration's {docs.unit}, too few to resample "
+                    "whole ones: the interval for an unseen document resamples blocks of rows instead; hold out "
+                    "more documents (a larger --holdout, or a --holdout source of four or more)")
             with self.measuring():
-                self._verifier = Verifier(self.model, self._held.verify, self.metric, self.confidence)
+                self._verifier = Verifier(self.model, self._held.verify, self.metric, self.confidence,
+                                          documents=docs)
         return self._verifier
 
 

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Sequence
 
 from .._env import own_process
 from .argparser import UsageError, _Parser, cache_usable
-from .shared_flags import add_shared
+from .shared_flags import add_shared, unescape
 from ..config import FailOn
 from ..errors import AuditError, ExitCode, escape, first_line
 from ..options import SpectraBackend, Tracer
@@ -113,7 +113,7 @@ def _threshold_flags(g: "argparse._ArgumentGroup") -> None:
 
 def _calibration_flags(g: "argparse._ArgumentGroup") -> None:
     """The calibration data, how much of it is read, the metric and its tolerance."""
-    add_shared(g, "calibration", "calibration-length")
+    add_shared(g, "calibration", "calibration-length", "document-separator")
     g.add_argument("--calibration-max-rows", type=int, metavar="N",
                    help="read at most this many calibration rows (examples, windows; default 100000): more is "
                         "refused, so an endless generator stops")
@@ -548,6 +548,7 @@ def calibration_options(args: argparse.Namespace) -> dict:
                                 ("--no-probe", args.no_probe or None), ("--probe", args.probe or None),
                                 ("--confidence", args.confidence), ("--no-split", args.no_split or None),
                                 ("--calibration-length", args.calibration_length),
+                                ("--document-separator", args.document_separator),
                                 ("--calibration-max-rows", args.calibration_max_rows),
                                 ("--calibration-max-bytes", args.calibration_max_bytes),
                                 ("--device", None if _speed_asked(args) else args.device),
@@ -562,6 +563,8 @@ def calibration_options(args: argparse.Namespace) -> dict:
     return {"calibration": args.calibration, "holdout": args.holdout if args.holdout is not None else 0.25,
             "metric": args.metric, "tolerance": args.tolerance, "measure_floor": args.measure_floor,
             "budget": args.budget, "calibration_length": args.calibration_length,
+            **({"document_separator": unescape(args.document_separator)} if args.document_separator is not None
+               else {}),
             **({"probe_sensitivity": False} if args.no_probe else {}), **({"probe": True} if args.probe else {}),
             **({"confidence": _confidence(args.confidence)} if args.confidence is not None else {}),
             **({"split": False} if args.no_split else {}),

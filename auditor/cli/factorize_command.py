@@ -41,7 +41,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--allow-miss", action="store_true",
                    help="exit 0 when the factorized model, measured on the held-out rows, misses the tolerance "
                         "(default: exit 1, the model still written)")
-    add_shared(p, "calibration", "holdout", "calibration-length", "metric", "tolerance", "weights", "input-shape",
+    add_shared(p, "calibration", "holdout", "calibration-length", "document-separator", "metric", "tolerance", "weights", "input-shape",
                "input-ids", "no-cache", "compute-dtype", "no-split", "confidence")
     p.add_argument("--fit", choices=FITS, default=None,
                    help="with --calibration, how the factors are fitted: sequential (default: each layer on the "
@@ -159,6 +159,7 @@ def _options(args: argparse.Namespace, loaded: Any, plan: Any) -> Any:
     from ..calibration.data.text import tokenizer_home
     from ..config import repo_settings
     from .argparser import cache_usable
+    from .shared_flags import unescape
     from ..options import AuditOptions
     from ..rules import RULES
 
@@ -172,11 +173,13 @@ def _options(args: argparse.Namespace, loaded: Any, plan: Any) -> Any:
                            metric=args.metric if cal else None, tolerance=args.tolerance,
                            tokenizer=tokenizer_home(loaded.source) if cal else None,
                            calibration_length=args.calibration_length,
+                           document_separator=unescape(args.document_separator),
                            compute_dtype=_compute_dtype(args, plan) if cal else None,
                            split=not args.no_split,
                            **({"confidence": _level(args.confidence)} if args.confidence is not None else {}))
     given = [flag for flag, value in (("--holdout", args.holdout), ("--metric", args.metric),
                                       ("--tolerance", args.tolerance), ("--calibration-length", args.calibration_length),
+                                      ("--document-separator", args.document_separator),
                                       ("--compute-dtype", args.compute_dtype), ("--no-split", args.no_split or None),
                                       ("--confidence", args.confidence), ("--fit", args.fit)) if value is not None]
     if not cal and given:
@@ -228,6 +231,8 @@ def _measured(result: Any) -> dict[str, Any] | None:
     v = pc.verification
     if v is not None:  # measured on the verification rows, with its interval over them
         out.update(rows=v.rows, interval=[v.low, v.high], confidence=v.confidence, straddles=v.straddles)
+        if v.unseen is not None:  # the interval for a document the tool never read, which the holding is judged on
+            out.update(unseen_interval=[v.unseen.low, v.unseen.high], unseen=v.unseen.label)
         why = _unverified(v)
         if why is not None:
             out.update(holds=None, unverified=why)

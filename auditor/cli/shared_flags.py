@@ -47,6 +47,11 @@ FLAGS: dict[str, tuple[tuple[str, ...], dict[str, Any]]] = {
     "calibration-length": (("--calibration-length",), {
         "type": int, "metavar": "N",
         "help": "tokens per window of a text calibration file (default: the model's positions, at most 512)"}),
+    "document-separator": (("--document-separator",), {
+        "metavar": "TEXT",
+        "help": "the text between documents in a text calibration file (\\n, \\t, \\r and \\\\ are read as escapes, "
+                "e.g. '\\n\\n\\n'): each piece is one document, held out and resampled whole by the verification; "
+                "a directory of text files is one document per file without it"}),
     "holdout": (("--holdout",), {"metavar": "SHARE|FILE", "help": "share of the rows held out to measure (default "
                                                                   "0.25), or a second file held out whole"}),
     "metric": (("--metric",), {"metavar": "NAME|module:fn", "help": METRIC_HELP}),
@@ -67,6 +72,26 @@ FLAGS: dict[str, tuple[tuple[str, ...], dict[str, Any]]] = {
     "no-cache": (("--no-cache",), {"action": "store_true",
                                    "help": "do not read or write the caches"}),
 }
+
+
+def unescape(text: str | None) -> str | None:
+    r"""A separator typed on the command line with its escapes read: \n, \t, \r, \\.
+
+    >>> unescape(r"\n\n--\t\\")
+    '\n\n--\t\\'
+    """
+    if text is None:
+        return None
+    out, i = [], 0
+    table = {"n": "\n", "t": "\t", "r": "\r", "\\": "\\"}
+    while i < len(text):
+        if text[i] == "\\" and i + 1 < len(text) and text[i + 1] in table:
+            out.append(table[text[i + 1]])
+            i += 2
+        else:
+            out.append(text[i])
+            i += 1
+    return "".join(out)
 
 
 def add_shared(group: Any, *names: str, **changed: dict[str, Any]) -> None:

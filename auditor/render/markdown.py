@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from ..verdict.policy import verdict_head
+from ..verdict.policy import unseen_words, verdict_head
 from ..results import Severity
 from .parts import calibration, speed
 from .base import RenderContext, Stdout
@@ -255,7 +255,8 @@ def _cal_check(cal: "CalibrationReport") -> list[str]:
     v = pc.verification if pc is not None else None
     if v is not None:
         ci = (f" ({100 * v.confidence:g}% interval {md_value(cal, v.low)} to {md_value(cal, v.high)} over {v.rows:,} "
-              "verification rows the search never read)" if v.low is not None and v.high is not None
+              f"verification rows the search never read{unseen_words(cal, v, md_value)})"
+              if v.low is not None and v.high is not None
               else f" (on {v.rows:,} verification rows, no interval)")
         judged = "within" if v.ok else "straddles" if v.straddles else "misses"
         lines.append(f"- Verification: {md_text(cal.metric)} {md_value(cal, v.value)}{ci}: {judged} the tolerance "

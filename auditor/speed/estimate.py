@@ -509,7 +509,7 @@ def _calibration(model: nn.Module, source: str, options: Any) -> Any:
     data = options.calibration_data
     tokenizer = data.tokenizer if data.tokenizer is not None else tokenizer_home(source)
     return load_calibration(data.source, model, data.holdout, tokenizer=tokenizer, length=data.length,
-                            max_rows=data.max_rows, max_bytes=data.max_bytes)
+                            max_rows=data.max_rows, max_bytes=data.max_bytes, separator=data.separator)
 
 
 def _outputs(model: nn.Module, sh: Shapes) -> int:

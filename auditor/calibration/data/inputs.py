@@ -24,6 +24,7 @@ from torch import nn
 
 from ...errors import AuditError, describe_missing, first_line, size_text
 from ...options import CALIBRATION_MAX_BYTES, CALIBRATION_MAX_ROWS
+from .documents import document_cut, pop_documents, runs
 from .text import _vocab, is_text_source, text_inputs
 
 
@@ -61,6 +62,8 @@ class Calibration:
     digest: str = ""  # sha256 of the names, shapes, dtypes and bytes of every tensor: a cache key
     warnings: list[str] = field(default_factory=list)
     tokenized: str = ""  # for a text file: the tokenizer, token count and windows (text.TextInputs.description)
+    documents: tuple[int, ...] | None = None  # each row's document (fit rows, then held out), where the source says
+    document_unit: str = "documents"  # what a document is: "files" (a directory's) or "documents"
 
     @property
     def fit_rows(self) -> int:
@@ -69,6 +72,13 @@ class Calibration:
     @property
     def holdout_rows(self) -> int:
         return sum(b.rows for b in self.holdout)
+
+    @property
+    def held_documents(self) -> tuple[int, ...] | None:
+        """Each held-out row's document (numbered from 0), where the source says; None otherwise."""
+        if self.documents is None or not self.holdout_rows:
+            return None
+        return tuple(runs(list(self.documents[len(self.documents) - self.holdout_rows:])))
 
     @property
     def measure(self) -> list[Batch]:
@@ -179,7 +189,7 @@ def _forward_names(model: nn.Module | None) -> tuple[set[str], bool]:
 
 def _batches_from_tensors(named: dict[str, torch.Tensor], model: nn.Module | None, batch_size: int,
                           where: str, holdout: float, max_rows: int | None = MAX_ROWS,
-                          unit: str = "rows") -> tuple[list[Batch], list[Batch]]:
+                          unit: str = "rows", documents: list[int] | None = None) -> tuple[list[Batch], list[Batch]]:
     if not named:
         raise AuditError(f"calibration file {where} holds no tensors", "Save at least one input tensor")
     sizes = {k: (int(v.shape[0]) if v.dim() > 0 else None) for k, v in named.items()}
@@ -207,8 +217,10 @@ def _batches_from_tensors(named: dict[str, torch.Tensor], model: nn.Module | Non
         raise AuditError(f"calibration input(s) {', '.join(unknown)} in {where} are not keyword inputs of "
                          f"{type(model).__name__}.forward (it takes {', '.join(sorted(names)) or 'none'})",
                          "Rename the tensors after the forward's arguments, or save a single positional input")
-    # the held-out rows are the last ones, cut before batching so the split is exact in rows
+    # the held-out rows are the last ones, cut before batching so the split is exact in rows (whole documents)
     cut = rows - (min(rows - 1, max(1, round(holdout * rows))) if holdout > 0 and rows > 1 else 0)
+    if documents is not None:
+        cut = document_cut(documents, holdout)
 
     def batches(lo: int, hi: int) -> list[Batch]:
         out = []
@@ -365,11 +377,12 @@ class Reading:
     length: int | None = None
     max_rows: int | None = MAX_ROWS
     max_bytes: int | None = MAX_BYTES
+    separator: str | None = None  # a text file's document separator (documents.py)
 
 
 def load_calibration(source: object, model: nn.Module | None = None, holdout: object = 0.25,
                      batch_size: int = 32, check_forward: bool = True, *, tokenizer: str | Path | None = None,
-                     length: int | None = None, **caps: int | None) -> Calibration:
+                     length: int | None = None, **caps: "int | str | None") -> Calibration:
     """Load calibration batches and split off the held-out part.
 
     ``source``: a path (``.safetensors``, ``.pt``/``.pth``/``.bin``), ``file.py:fn`` or ``module:fn``, a dict of
@@ -379,15 +392,17 @@ def load_calibration(source: object, model: nn.Module | None = None, holdout: ob
     its forward and the first batch (and the first of each other shape) is run once, so inputs that do not fit fail
     here with one line (an ``AuditError``) naming the batch. ``caps``: ``max_rows`` and ``max_bytes`` cap what is
     read (a file's size, a text file's size, the tensors a function yields; None: no cap; default
-    :data:`MAX_ROWS`, :data:`MAX_BYTES`).
+    :data:`MAX_ROWS`, :data:`MAX_BYTES`); ``separator`` (among them): a text file's document separator.
     A text file (:func:`auditor.calibration.data.text.is_text_file`) is tokenized with the tokenizer in the directory
     ``tokenizer`` into windows of ``length`` tokens (default: the model's positions, at most 512); the digest then
-    covers the tokenizer's files too.
+    covers the tokenizer's files too. Which rows are one document (:mod:`~auditor.calibration.data.documents`: a
+    directory of text files, a text cut at ``separator``, a ``document`` tensor) is kept for the held-out rows, and
+    the held-out share is cut on a document boundary.
     """
-    unknown = sorted(set(caps) - {"max_rows", "max_bytes"})
+    unknown = sorted(set(caps) - {"max_rows", "max_bytes", "separator"})
     if unknown:
         raise TypeError(f"load_calibration() got an unexpected keyword argument {unknown[0]!r}")
-    reading = Reading(batch_size, check_forward, tokenizer, length, **caps)
+    reading = Reading(batch_size, check_forward, tokenizer, length, **caps)  # type: ignore[arg-type]
     cal = _load(source, model, holdout, reading)
     check_batches(cal, model, probe=check_forward)
     return cal
@@ -410,7 +425,7 @@ def _load(source: object, model: nn.Module | None, holdout: object, reading: Rea
     if not 0 <= holdout < 1:
         raise AuditError(f"held-out share {holdout} is not in [0, 1)", "Give e.g. --holdout 0.25")
     where = str(source) if isinstance(source, (str, Path)) else "<batches>"
-    batches, split, text_in = _read_source(source, model, holdout, reading, where)
+    batches, split, text_in, docs = _read_source(source, model, holdout, reading, where)
     if split is not None:
         batches = split[0] + split[1]
     if not batches:
@@ -421,6 +436,10 @@ def _load(source: object, model: nn.Module | None, holdout: object, reading: Rea
     if text_in is not None:  # the same ids from another tokenizer are another calibration
         cal.digest = hashlib.sha256(f"{cal.digest};tokenizer:{text_in.tokenizer_digest}".encode()).hexdigest()
         cal.tokenized = text_in.description
+    if docs is not None:  # the held-out rows' documents; another grouping is another calibration
+        ids, cal.document_unit = docs
+        cal.documents = tuple(ids)
+        cal.digest = hashlib.sha256(f"{cal.digest};documents:{ids}".encode()).hexdigest()
     if model is not None and reading.check_forward:
         try:
             run(model, fit[0])
@@ -450,40 +469,53 @@ def _load_pair(source: object, holdout: object, model: nn.Module | None, reading
                           if c.tokenized)
     return Calibration(fit.fit, held.fit, f"{fit.source} (held out: {held.source})",
                        hashlib.sha256((fit.digest + held.digest).encode()).hexdigest(),
-                       fit.warnings + [w for w in held.warnings if w not in fit.warnings], tokenized)
+                       fit.warnings + [w for w in held.warnings if w not in fit.warnings], tokenized,
+                       None if held.documents is None else (-1,) * fit.fit_rows + held.documents,
+                       held.document_unit)
 
 
 Split = tuple[list[Batch], list[Batch]]
 
 
+Docs = tuple[list[int], str]  # each row's document (run numbers) and what a document is
+
+
 def _read_source(source: object, model: nn.Module | None, holdout: float, reading: Reading,
-                 where: str) -> tuple[list[Batch], Split | None, object]:
-    """(batches, their (fit, held-out) split where the reader cuts rows itself, the text inputs of a text file)."""
+                 where: str) -> tuple[list[Batch], Split | None, object, Docs | None]:
+    """(batches, their (fit, held-out) split where the reader cuts rows itself, the text inputs of a text file,
+    each row's document where the source says)."""
     r = reading
     if is_text_source(source):
         text_in = _text(Path(source), model, holdout, reading, where)
-        split = _batches_from_tensors(text_in.tensors, model, r.batch_size, where, holdout, r.max_rows, "windows")
-        return [], split, text_in
-    if r.length is not None:
-        raise AuditError(f"a calibration window length applies to a text file; {where} is not one",
-                         "Drop --calibration-length, or give a text file")
+        docs = list(text_in.documents) if text_in.documents is not None else None
+        split = _batches_from_tensors(text_in.tensors, model, r.batch_size, where, holdout, r.max_rows, "windows",
+                                      docs)
+        return [], split, text_in, (docs, text_in.unit) if docs is not None else None
+    if r.length is not None or r.separator is not None:
+        flag = "--calibration-length" if r.length is not None else "--document-separator"
+        what = "window length" if r.length is not None else "document separator"
+        raise AuditError(f"a calibration {what} applies to a text file; {where} is not one",
+                         f"Drop {flag}, or give a text file")
     if isinstance(source, (str, Path)):
         text = str(source)
         path = Path(text)
         if ":" in path.name and not path.exists():
-            return _read_batches(_called(text), text, r.max_rows, r.max_bytes, user=text), None, None
+            return _read_batches(_called(text), text, r.max_rows, r.max_bytes, user=text), None, None, None
         named = _read_file(path, r.max_bytes)
-        return [], _batches_from_tensors(named, model, r.batch_size, text, holdout, r.max_rows), None
-    if isinstance(source, dict):
-        return [], _batches_from_tensors(dict(source), model, r.batch_size, where, holdout, r.max_rows), None
-    return _read_batches(source, where, r.max_rows, r.max_bytes), None, None
+    elif isinstance(source, dict):
+        named, text = dict(source), where
+    else:
+        return _read_batches(source, where, r.max_rows, r.max_bytes), None, None, None
+    docs = pop_documents(named, text)
+    split = _batches_from_tensors(named, model, r.batch_size, text, holdout, r.max_rows, documents=docs)
+    return [], split, None, (docs, "documents") if docs is not None else None
 
 
 def _text(path: Path, model: nn.Module | None, holdout: float, reading: Reading, where: str) -> object:
     """A text file tokenized into windows (:func:`~auditor.calibration.data.text.text_inputs`)."""
     names, _ = _forward_names(model)
     text_in = text_inputs(path, reading.tokenizer, model, reading.length, attention_mask="attention_mask" in names,
-                          max_bytes=reading.max_bytes, max_rows=reading.max_rows)
+                          max_bytes=reading.max_bytes, max_rows=reading.max_rows, separator=reading.separator)
     windows = int(text_in.tensors["input_ids"].shape[0])
     if holdout > 0 and windows < 2:
         raise AuditError(f"calibration text {where} gives one window of {text_in.window} tokens, so nothing can "

@@ -23,7 +23,8 @@ import torch
 from torch import nn
 
 from ...errors import AuditError, first_line
-from ...options import CALIBRATION_MAX_BYTES as MAX_BYTES  # a text file larger than this is refused (unless raised)
+from ...options import CALIBRATION_MAX_BYTES as MAX_BYTES
+from .documents import runs, split_text  # a text file larger than this is refused (unless raised)
 
 TEXT_SUFFIXES = (".txt", ".text", ".md", ".rst", ".py")
 TENSOR_SUFFIXES = (".safetensors", ".pt", ".pth", ".bin")
@@ -48,6 +49,8 @@ class TextInputs:
     tokens: int  # text tokens the file gave (no special tokens)
     window: int  # tokens per window, special tokens included
     specials: tuple[int, int] = (0, 0)  # special tokens before and after each window's text
+    documents: tuple[int, ...] | None = None  # each window's document (a directory's files, separated pieces)
+    unit: str = "documents"  # what a document is: "files" for a directory's, else "documents"
 
     def text_ids(self) -> torch.Tensor:
         """The windows' text tokens, without the special ones (what the synthetic-input check looks at: the same
@@ -73,6 +76,16 @@ def is_text_file(path: Path) -> bool:
     return b"\0" not in head
 
 
+def text_files(directory: Path) -> list[Path]:
+    """The text files in ``directory`` (not recursing), in name order; one-line errors for none and for one."""
+    files = sorted(p for p in directory.iterdir() if p.is_file() and not p.name.startswith(".") and is_text_file(p))
+    if len(files) < 2:
+        raise AuditError(f"calibration directory {directory} holds {'one text file' if files else 'no text files'}, "
+                         "and a directory of text files is read as one document per file",
+                         "Give a directory of two or more text files, or the one file itself")
+    return files
+
+
 def is_text_source(source: object) -> bool:
     """Whether a calibration source (a path, ``file.py:fn``, tensors, batches) is a text file."""
     if not isinstance(source, (str, Path)):
@@ -80,6 +93,8 @@ def is_text_source(source: object) -> bool:
     path = Path(source)
     if ":" in path.name and not path.exists():
         return False  # file.py:fn / module:fn
+    if path.is_dir():  # a directory of text files: one document per file (data/documents.py)
+        return any(p.is_file() and is_text_file(p) for p in path.iterdir())
     return is_text_file(path)
 
 
@@ -94,13 +109,14 @@ def check_text_sources(sources: list[object], tokenizer: str | Path | None,
         if is_text_source(source):
             path = Path(source)
             what, flag = ("calibration", "--calibration") if i == 0 else ("held-out", "--holdout")
-            problem = describe_missing(path)
+            problem = None if path.is_dir() else describe_missing(path)
             if problem:
                 raise AuditError(f"{what} file {path} {problem}", f"Check the path given to {flag}")
             if tokenizer is None:
                 raise AuditError(f"calibration file {path} is text, and the audited model has no tokenizer to turn "
                                  "it into token ids", NO_TOKENIZER_FIX)
-            read_text(path, max_bytes)
+            for f in (text_files(path) if path.is_dir() else [path]):
+                read_text(f, max_bytes)
             if not tokenizer_files(Path(tokenizer)):
                 load_tokenizer(Path(tokenizer))  # raises: no tokenizer files
 
@@ -244,16 +260,50 @@ def token_ids(tok: Any, text: str, need: int | None = None) -> list[int]:
     return ids
 
 
+def _texts(path: Path, max_bytes: int | None, separator: str | None) -> tuple[list[str], str]:
+    """The documents a text source holds, and what they are: a directory's files, a file's pieces between
+    ``separator``s, or the file whole (one text, unit "")."""
+    if path.is_dir():
+        return [read_text(f, max_bytes) for f in text_files(path)], "files"
+    text = read_text(path, max_bytes)
+    if separator is None:
+        return [text], ""
+    return split_text(text, separator, str(path)), "documents"
+
+
+def _chunks(tok: Any, texts: list[str], chunk: int, max_rows: int | None, what: str,
+            window: int) -> tuple[list[int], list[int], int, int]:
+    """Each text's ids cut into chunks of ``chunk`` on its own: (the chunks' ids, each chunk's text, tokens in all,
+    tokens left over); one line when they pass ``max_rows`` chunks (found without tokenizing the rest)."""
+    bodies: list[int] = []
+    docs: list[int] = []
+    tokens = left = 0
+    for d, text in enumerate(texts):
+        ids = token_ids(tok, text, None if max_rows is None else (max_rows + 1 - len(docs)) * chunk)
+        if max_rows is not None and len(docs) + len(ids) // chunk > max_rows:
+            raise AuditError(f"{what} gives more than {max_rows:,} windows of {window} tokens, the cap (tokenizing "
+                             "stopped there)", "Give a smaller sample of the text, or raise the cap with "
+                             f"--calibration-max-rows {2 * max_rows}")
+        n = len(ids) // chunk
+        bodies += ids[:n * chunk]
+        docs += [d] * n
+        tokens += len(ids)
+        left += len(ids) - n * chunk
+    return bodies, docs, tokens, left
+
+
 def text_inputs(path: Path, tokenizer: str | Path | None, model: nn.Module | None, length: int | None = None,
                 attention_mask: bool = True, max_bytes: int | None = None,
-                max_rows: int | None = None) -> TextInputs:
+                max_rows: int | None = None, separator: str | None = None) -> TextInputs:
     """A text file tokenized with the tokenizer in the directory ``tokenizer`` and cut into windows: ``input_ids``
     (windows x length, int64), with ``attention_mask`` (ones) when ``attention_mask``. One-line
     :class:`AuditError` for: no tokenizer, a file that is not UTF-8, an empty or whitespace-only text, a tokenizer
     that does not load, a text shorter than one window, and one giving more than ``max_rows`` windows (found
-    without tokenizing the rest: :func:`token_ids`)."""
+    without tokenizing the rest: :func:`token_ids`). A directory of text files, or a file cut at ``separator``,
+    is several documents (:mod:`~auditor.calibration.data.documents`): each is windowed on its own, a document
+    shorter than one window left out, and ``documents`` says each window's."""
     check_text_sources([path], tokenizer, max_bytes)
-    text = read_text(path, max_bytes)
+    texts, unit = _texts(path, max_bytes, separator)
     tok, identity = load_tokenizer(Path(tokenizer))
     window = window_length(model, tok, length)
     before, after = _specials(tok)
@@ -261,17 +311,17 @@ def text_inputs(path: Path, tokenizer: str | Path | None, model: nn.Module | Non
     if chunk < 1:
         raise AuditError(f"a calibration window of {window} tokens leaves no room for text beside the tokenizer's "
                          f"{len(before) + len(after)} special tokens", "Give a longer --calibration-length")
-    ids = token_ids(tok, text, None if max_rows is None else (max_rows + 1) * chunk)
-    if max_rows is not None and len(ids) // chunk > max_rows:
-        raise AuditError(f"calibration text {path} gives more than {max_rows:,} windows of {window} tokens, the cap "
-                         "(tokenizing stopped there)", "Give a smaller sample of the text, or raise the cap with "
-                         f"--calibration-max-rows {2 * max_rows}")
-    count = len(ids) // chunk
+    bodies, docs, tokens, left = _chunks(tok, texts, chunk, max_rows, f"calibration text {path}", window)
+    count = len(docs)
     specials = f" ({chunk} text tokens and {len(before) + len(after)} special)" if before or after else ""
     if count == 0:
-        raise AuditError(f"calibration text {path} gives {len(ids)} tokens, fewer than one window of {window}"
+        raise AuditError(f"calibration text {path} gives {tokens} tokens, fewer than one window of {window}"
                          f"{specials}", "Give a longer text, or a shorter window with --calibration-length N")
-    body = torch.tensor(ids[:count * chunk], dtype=torch.long).reshape(count, chunk)
+    if unit and len(set(docs)) < 2:
+        raise AuditError(f"calibration text {path} gives whole windows of {window} tokens in one of its "
+                         f"{len(texts)} {unit} only, so none can be held out whole",
+                         "Give longer documents, or a shorter window with --calibration-length N")
+    body = torch.tensor(bodies, dtype=torch.long).reshape(count, chunk)
     parts = [torch.tensor(before, dtype=torch.long).expand(count, -1), body,
              torch.tensor(after, dtype=torch.long).expand(count, -1)]
     input_ids = torch.cat(parts, dim=1).contiguous()
@@ -283,7 +333,11 @@ def text_inputs(path: Path, tokenizer: str | Path | None, model: nn.Module | Non
     tensors = {"input_ids": input_ids}
     if attention_mask:
         tensors["attention_mask"] = torch.ones_like(input_ids)
-    left = len(ids) - count * chunk
-    description = (f"tokenized by {type(tok).__name__} from {tokenizer}: {len(ids):,} tokens, {count} windows of "
-                   f"{window}{specials}" + (f", the last {left} tokens left out" if left else ""))
-    return TextInputs(tensors, identity, description, len(ids), window, (len(before), len(after)))
+    whole = len(set(docs))
+    kept = f" in {whole} {unit}" + (f" ({len(texts) - whole} shorter than a window left out)"
+                                    if whole < len(texts) else "") if unit else ""
+    cut = f"{left} tokens at the documents' ends left out" if unit else f"the last {left} tokens left out"
+    description = (f"tokenized by {type(tok).__name__} from {tokenizer}: {tokens:,} tokens, {count} windows of "
+                   f"{window}{specials}{kept}" + (f", {cut}" if left else ""))
+    return TextInputs(tensors, identity, description, tokens, window, (len(before), len(after)),
+                      tuple(runs(docs)) if unit else None, unit or "documents")

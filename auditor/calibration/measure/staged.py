@@ -90,7 +90,7 @@ class StagedEvaluator:
         self._parts = _stages(batches, self.rows) or [[]]
         head = self._parts[0]
         try:
-            self.head = Verifier(dense, head, metric, STAGE_CONFIDENCE)
+            self.head = Verifier(dense, head, metric, STAGE_CONFIDENCE, unseen=False)
         except AuditError:
             raise
         except Exception:  # noqa: BLE001 - a batch the forward refuses: one line naming it (check_repeats's)
@@ -111,7 +111,7 @@ class StagedEvaluator:
             return self.head
         if self._later[i - 1] is None:
             self._later[i - 1] = Verifier(self.dense, self._parts[i], self.metric, STAGE_CONFIDENCE,
-                                          share=self.head)
+                                          share=self.head, unseen=False)
         return self._later[i - 1]  # type: ignore[return-value]
 
     @property

@@ -285,8 +285,10 @@ def verified(model: "nn.Module", session: CalibrationSession, budget: BudgetResu
     v = budget.verification
     warnings: tuple[str, ...] = ()
     if v is not None and v.rows_needed is not None:
-        what = (f"a {100 * v.confidence:g}% interval {v.low:.4g} to {v.high:.4g}" if v.low is not None
-                else "no interval")
+        u = v.unseen
+        what = (f"a {100 * v.confidence:g}% interval {u.low:.4g} to {u.high:.4g} for an unseen document ({u.label})"
+                if u is not None else f"a {100 * v.confidence:g}% interval {v.low:.4g} to {v.high:.4g}"
+                if v.low is not None else "no interval")
         warnings = (f"the {v.rows:,} verification rows (held out, never searched) give {what} against the "
                     f"tolerance {session.metric.tolerance:g}: too few to resolve it; about {v.rows_needed:,} "
                     f"verification rows (about {2 * v.rows_needed:,} held out) would",)

@@ -10,7 +10,7 @@ import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable
 
-from ...verdict.policy import checked_change, in_percent, metric_change, tolerance_words, unit
+from ...verdict.policy import checked_change, in_percent, metric_change, tolerance_words, unit, unseen_words
 from .md_fit import percent
 from .view import pct
 
@@ -107,8 +107,8 @@ def plan_line(cal: "CalibrationReport") -> str | None:
     left = f"; not measured: {', '.join(pc.left_out)}" if pc.left_out else ""
     v = pc.verification
     if v is not None:
-        ci = (f" ({100 * v.confidence:g}% interval {unit(cal, v.low)} to {unit(cal, v.high)})" if v.low is not None
-              and v.high is not None else " (no interval)")
+        ci = (f" ({100 * v.confidence:g}% interval {unit(cal, v.low)} to {unit(cal, v.high)}{unseen_words(cal, v)})"
+              if v.low is not None and v.high is not None else " (no interval)")
         judged = "holds" if v.ok else "STRADDLES" if v.straddles else "MISSES"
         return (f"Plan applied all at once ({pc.layers} layers, {pc.removed:,} parameters removed): {cal.metric} "
                 f"{pred}measured {unit(cal, pc.measured)} on {v.rows:,} verification rows the search never read{ci}"
@@ -360,7 +360,7 @@ def verified_words(cal: "CalibrationReport", v: Any) -> str:
         return "\u2013"
     ci = (f"{100 * v.confidence:g}% interval {unit(cal, v.low)} to {unit(cal, v.high)}, "
           if v.low is not None and v.high is not None else "no interval, ")
-    return f"{unit(cal, v.value)} ({ci}{v.rows:,} verification rows)"
+    return f"{unit(cal, v.value)} ({ci}{v.rows:,} verification rows{unseen_words(cal, v)})"
 
 
 def larger_words(cal: "CalibrationReport") -> str:

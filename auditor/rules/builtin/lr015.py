@@ -49,8 +49,10 @@ def lr015(ctx: Context, emit: Emit) -> None:
     held = (f"; the largest plan that held removed {100 * b.removed_fraction:.1f}% of the parameters at "
             f"{b.metric:.4g}" if b is not None and b.ok and b.plan else "; no plan measured held it")
     v = pc.verification
+    u = v.unseen if v is not None else None  # the interval the plan is judged on, where drawn
+    unseen = f"; for an unseen document {u.low:.4g} to {u.high:.4g}, {u.label}" if u is not None else ""
     where = "on the held-out rows, missing" if v is None else (
-        f"on the verification rows ({100 * v.confidence:g}% interval {v.low:.4g} to {v.high:.4g}), "
+        f"on the verification rows ({100 * v.confidence:g}% interval {v.low:.4g} to {v.high:.4g}{unseen}), "
         + ("straddling" if v.straddles else "missing") if v.low is not None and v.high is not None
         else "on the verification rows, missing")
     if math.isnan(pc.measured):  # measured on nothing: no number to miss the tolerance by
