@@ -152,7 +152,8 @@ def test_the_audit_and_factorize_take_their_common_flags_from_one_definition():
 
     audit, factorize = actions(audit_command._parser()), actions(factorize_command._parser())
     shared = [name.replace("-", "_") for name in FLAGS]
-    assert len(shared) == 15 and "document_separator" in shared and [d for d in shared if audit[d] != factorize[d]] == []
+    assert len(shared) == 15 and "document_separator" in shared
+    assert [d for d in shared if audit[d] != factorize[d]] == []
     names = [n for k in metrics.kinds() for n in metrics.for_kind(k).names]
     assert names and all(n in audit["metric"][1] for n in names)
     assert all(metrics.for_kind(k).units in audit["tolerance"][1] for k in metrics.kinds() if metrics.for_kind(k).units)
