@@ -72,6 +72,17 @@ def test_audit_with_calibration_leaves_torch_random_state_and_allocator_as_found
     assert not [c for c in libc.calls if c[0] == "mallopt"]  # the host's mmap threshold untouched
 
 
+def test_the_command_line_called_from_a_host_leaves_its_allocator_alone(libc, calib, cli_inproc, tmp_path):
+    """``auditor.cli.main(argv)`` called from Python (a notebook, this test run) is a library call: the process is
+    not the tool's own, so no mmap threshold is set (it stayed set for the rest of a host's life, 2.5x this suite's
+    time); ``lowrank-audit`` itself (``main()``, no argv) owns its process."""
+    import auditor._env as env
+
+    r = cli_inproc("sample_models/digits.py:mlp", "-q", "--no-spectra", "--calibration", calib, "--no-cache")
+    assert r.returncode in (0, 1), r.stderr
+    assert not env.owns_process() and not [c for c in libc.calls if c[0] == "mallopt"]
+
+
 def test_audit_source_of_a_factory_leaves_the_seed(libc):
     torch.manual_seed(77)
     state = torch.get_rng_state().clone()

@@ -258,6 +258,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     code is one of :class:`ExitCode` (or 130 on Ctrl-C): an unexpected exception, a bug of the tool, is one line and
     exit 3 (``--verbose`` adds the traceback), never 1, which CI reads as findings."""
     as_program = argv is None  # the process's own entry point: it ends when this returns
+    if as_program:  # the process is the tool's own: process-wide tuning allowed (not when main(argv) is called from a
+        own_process()  # host: a notebook, a test run, whose allocator must stay as it was)
     argv = list(sys.argv[1:] if argv is None else argv)
     _reserve_standard_streams()
     verbose = any(a in ("-v", "--verbose") for a in argv)  # known before parsing: a crash anywhere shows it
@@ -373,7 +375,6 @@ def internal_error(exc: BaseException, verbose: bool) -> int:
 
 
 def _dispatch(argv: list[str], written: list[Path]) -> int:
-    own_process()  # the command line's process is the tool's own: process-wide tuning allowed (a library's is not)
     if argv and argv[0] == "rules":
         return _rules_main(argv[1:])
     if argv and argv[0] == "check-plan":
