@@ -72,3 +72,18 @@ def _sigint_as_python_sets_it():
     signal.signal(signal.SIGINT, signal.default_int_handler)
     yield
     signal.signal(signal.SIGINT, before if before is not None else signal.default_int_handler)
+
+
+@pytest.fixture
+def one_thread():
+    """torch on one intra-op thread for the test, as ``OMP_NUM_THREADS=1`` would run it: a timing test of the timer's
+    own logic (fake clocks, refusals, retries) counts its measurements without the one-thread cross-check that a
+    multi-threaded process adds (CI runs torch with every core)."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)

@@ -132,4 +132,11 @@ def test_large_arrays_are_mapped_where_glibc_is_the_allocator():
     from auditor.calibration.session import map_large_arrays
 
     glibc = platform.system() == "Linux" and platform.libc_ver()[0] == "glibc" and ctypes.util.find_library("c")
-    assert map_large_arrays() is bool(glibc)
+    assert map_large_arrays() is False  # this process is a host (the test run), not the tool's own: left alone
+    code = ("from auditor._env import own_process; own_process(); "
+            "from auditor.calibration.session import map_large_arrays; print(map_large_arrays())")
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == str(bool(glibc))  # in the tool's own process, set wherever glibc is the allocator

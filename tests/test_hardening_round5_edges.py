@@ -209,7 +209,7 @@ def test_latency_shape_that_fits_is_timed(cli_inproc, speed_src, tmp_path):
     assert [(r["input_shape"], r["at"]) for r in rows] == [([1, 4096], "traced"), ([64, 4096], "latency-shape")]
 
 
-def test_a_forward_writing_to_descriptor_1_is_timed(cli_inproc, speed_src, tmp_path):
+def test_a_forward_writing_to_descriptor_1_is_timed(cli_inproc, speed_src, tmp_path, one_thread):
     """The whole-model timing's worker answers on its own descriptor: what the forward writes to 1 is not a reply."""
     plan = str(Path(speed_src).parent / "a.toml")
     res = cli_inproc(f"{speed_src}:loud", "--plan", plan, "--measure-speed", "-q", "--no-spectra", "--format",

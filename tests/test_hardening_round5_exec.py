@@ -335,7 +335,7 @@ def test_without_a_stall_two_threads_pass_the_cross_check(two_threads, tmp_path)
     assert len(list(tmp_path.glob("*.json"))) == 2
 
 
-def test_a_load_that_comes_midway_is_not_repeatable(tmp_path, monkeypatch):
+def test_a_load_that_comes_midway_is_not_repeatable(tmp_path, monkeypatch, one_thread):
     """Blocks whose second half took twice the first (a load that came midway), in each attempt: refused after
     the third attempt, nothing cached; blocks that hold steady after a cold first block pass."""
     from auditor.speed import layer_timing
@@ -387,7 +387,7 @@ def test_a_stalled_layer_disagreeing_with_its_same_shape_twin_is_refused_with_it
     assert cached and all(m.startswith(repr(model[4])) for m in cached)
 
 
-def test_a_layers_cached_dense_time_is_the_one_its_row_reported(tmp_path):
+def test_a_layers_cached_dense_time_is_the_one_its_row_reported(tmp_path, one_thread):
     """A clock whose launch cost grows a little with every block: the bisection's probes time the dense layer
     again (a little slower each time); the cache keeps the row's dense time, not the last probe's."""
     class Drift(CostClock):
