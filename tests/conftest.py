@@ -79,11 +79,7 @@ def one_thread():
     """torch on one intra-op thread for the test, as ``OMP_NUM_THREADS=1`` would run it: a timing test of the timer's
     own logic (fake clocks, refusals, retries) counts its measurements without the one-thread cross-check that a
     multi-threaded process adds (CI runs torch with every core)."""
-    import torch
+    from auditor.speed.layer_timing import one_thread as pinned
 
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
+    with pinned():
         yield
-    finally:
-        torch.set_num_threads(threads)
