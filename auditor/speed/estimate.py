@@ -413,8 +413,9 @@ def _block_call(model: nn.Module, block: nn.Module | None, batch: Any) -> tuple[
 
 
 def _time_call(fn: Callable[..., Any], args: tuple, kwargs: dict, params: set[int],
-               clock: Callable[[], float]) -> tuple[float, float, int, int]:
-    """(forward seconds, backward seconds, bytes saved for the backward (weights not counted), output bytes)."""
+               clock: Callable[[], float], backward: bool = True) -> tuple[float, float, int, int]:
+    """(forward seconds, backward seconds, bytes saved for the backward (weights not counted), output bytes);
+    ``backward`` False: the backward is not run (0 seconds), for a memory estimate."""
     saved = [0]
 
     def pack(t: torch.Tensor) -> torch.Tensor:
@@ -426,7 +427,7 @@ def _time_call(fn: Callable[..., Any], args: tuple, kwargs: dict, params: set[in
         t0 = clock()
         y = _first_tensor(fn(*args, **kwargs))
         t1 = clock()
-    if y.requires_grad:
+    if y.requires_grad and backward:
         y.float().square().mean().backward()
     t2 = clock()
     return t1 - t0, t2 - t1, saved[0], y.numel() * y.element_size()
@@ -469,8 +470,8 @@ def _time_linalg(sh: Shapes, clock: Callable[[], float]) -> tuple[float, tuple[i
 def measure(model: nn.Module, batch: Any, sh: Shapes, base_rss: int, load_seconds: float,
             clock: Callable[[], float] = time.perf_counter, linalg: bool = True) -> Measurements:
     """The few seconds of measurement the estimate scales: one block forward and backward at the batch's shape,
-    one whitened decomposition, one SVD and one float64 product (``linalg=False``: not those three, for a memory
-    estimate only)."""
+    one whitened decomposition, one SVD and one float64 product (``linalg=False``: not those three and not the
+    backward, for a memory estimate only)."""
     from ..calibration.data.inputs import eval_mode
 
     start = clock()
@@ -481,7 +482,7 @@ def measure(model: nn.Module, batch: Any, sh: Shapes, base_rss: int, load_second
     with eval_mode(model):
         fn, args, kwargs = _block_call(model, block[0] if block is not None else None, batch)
         params = {p.data_ptr() for p in model.parameters()}
-        fwd, bwd, saved, out_bytes = _time_call(fn, args, kwargs, params, clock)
+        fwd, bwd, saved, out_bytes = _time_call(fn, args, kwargs, params, clock, backward=linalg)
     for p in model.parameters():
         p.grad = None
     hidden = next((a.numel() * a.element_size() for a in args if isinstance(a, torch.Tensor)), out_bytes)
@@ -501,15 +502,17 @@ def _as_batch(inputs: Any) -> Any:
     return Batch((inputs,), {})
 
 
-def _calibration(model: nn.Module, source: str, options: Any) -> Any:
-    """The calibration as the audit's session reads it (calibration.session.CalibrationSession.from_options)."""
+def _calibration(model: nn.Module, source: str, options: Any, check_forward: bool = True) -> Any:
+    """The calibration as the audit's session reads it (calibration.session.CalibrationSession.from_options);
+    ``check_forward`` False: its first batches are not run through the model (the audit's own read runs them)."""
     from ..calibration.data.inputs import load_calibration
     from ..calibration.data.text import tokenizer_home
 
     data = options.calibration_data
     tokenizer = data.tokenizer if data.tokenizer is not None else tokenizer_home(source)
-    return load_calibration(data.source, model, data.holdout, tokenizer=tokenizer, length=data.length,
-                            max_rows=data.max_rows, max_bytes=data.max_bytes, separator=data.separator)
+    return load_calibration(data.source, model, data.holdout, check_forward=check_forward, tokenizer=tokenizer,
+                            length=data.length, max_rows=data.max_rows, max_bytes=data.max_bytes,
+                            separator=data.separator)
 
 
 def _outputs(model: nn.Module, sh: Shapes) -> int:
@@ -530,7 +533,7 @@ def estimate_loaded(loaded: Any, options: Any, formats: tuple[str, ...], load_se
                          "Estimate a factory (file.py:fn) or a Hugging Face directory")
     sh = shapes_of(model)
     if options.calibration_data.source is not None:
-        cal = _calibration(model, loaded.source, options)
+        cal = _calibration(model, loaded.source, options, check_forward=linalg)  # memory only: the audit checks
         wl, batch = workload_of(cal, options, _outputs(model, sh), formats), (cal.fit or cal.holdout)[0]
     else:
         batch = _as_batch(loaded.example_inputs) if loaded.example_inputs is not None else None
