@@ -5,6 +5,8 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 TORCH  ?= torch==2.13.0
 REPORTS ?= reports
+# pytest-xdist processes for `make test`, one torch thread each (tests/conftest.py); a test file runs in one of them
+TEST_WORKERS ?= 2
 
 .PHONY: setup demo test system-deps docs clean bench
 
@@ -34,7 +36,7 @@ demo: setup
 	@echo "reports written to $(REPORTS)/ (open $(REPORTS)/lowrank-audit.html or .pdf), $(REPORTS)/chargpt/ and $(REPORTS)/llama/"
 
 test: setup system-deps
-	$(PY) -m pytest
+	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile
 
 docs: setup
 	$(VENV)/bin/lowrank-audit rules --markdown > docs/rules.md

@@ -1,7 +1,10 @@
 """The width-1024 Llama shapes of ``benchmarks/llm_calibration.py`` as command-line sources, for measuring
 ``--estimate`` against a real run (docs/performance.md): ``benchmarks/estimate_shapes.py:llama_d2`` (and ``_d4``,
 ``_d8``), random init (cost only), vocabulary 8,000, and ``python benchmarks/estimate_shapes.py OUT.safetensors``
-writes their calibration file: 24 windows of 128 random token ids."""
+writes their calibration file: 24 windows of 128 random token ids. ``benchmarks/estimate_shapes.py:tinyllama``: the
+TinyLlama-1.1B shape (hidden 2048, 22 layers, GQA 32/4, intermediate 5632, vocabulary 32,000) in bfloat16, random
+init; ``python benchmarks/estimate_shapes.py OUT.safetensors --tinyllama`` writes its calibration: 64 windows of
+256 random token ids (read with ``--compute-dtype float32``)."""
 
 from __future__ import annotations
 
@@ -22,6 +25,28 @@ def _llama(layers: int) -> torch.nn.Module:
     return transformers.LlamaForCausalLM(cfg).eval()
 
 
+def tinyllama() -> torch.nn.Module:
+    import transformers
+
+    cfg = transformers.LlamaConfig(hidden_size=2048, intermediate_size=5632, num_hidden_layers=22,
+                                   num_attention_heads=32, num_key_value_heads=4, vocab_size=32000,
+                                   max_position_embeddings=2048, torch_dtype="bfloat16")
+    torch.manual_seed(0)
+    with _default_dtype(torch.bfloat16):
+        return transformers.LlamaForCausalLM(cfg).eval()
+
+
+class _default_dtype:
+    def __init__(self, dtype: torch.dtype) -> None:
+        self.dtype, self.before = dtype, torch.get_default_dtype()
+
+    def __enter__(self) -> None:
+        torch.set_default_dtype(self.dtype)
+
+    def __exit__(self, *exc: object) -> None:
+        torch.set_default_dtype(self.before)
+
+
 def llama_d2() -> torch.nn.Module:
     return _llama(2)
 
@@ -38,4 +63,5 @@ if __name__ == "__main__":
     from safetensors.torch import save_file
 
     g = torch.Generator().manual_seed(1)
-    save_file({"input_ids": torch.randint(0, VOCAB, (WINDOWS, TOKENS), generator=g)}, sys.argv[1])
+    vocab, rows, tokens = (32000, 64, 256) if "--tinyllama" in sys.argv else (VOCAB, WINDOWS, TOKENS)
+    save_file({"input_ids": torch.randint(0, vocab, (rows, tokens), generator=g)}, sys.argv[1])

@@ -12,6 +12,9 @@ sys.path.insert(0, str(ROOT / "sample_models"))  # the sample models' module, `d
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+if os.environ.get("PYTEST_XDIST_WORKER"):  # `make test`'s workers share the cores: one torch thread each, and
+    os.environ["OMP_NUM_THREADS"] = "1"  # the command lines they start inherit it (before torch is imported)
+    os.environ["MKL_NUM_THREADS"] = "1"
 
 
 @pytest.fixture(autouse=True)
