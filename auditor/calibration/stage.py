@@ -15,6 +15,7 @@ for the plan check and for ``lowrank-audit factorize``.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import time
 from dataclasses import dataclass, replace
@@ -28,6 +29,8 @@ from ..calresults import CalibrationReport, LayerCalibration, PlanCheck, Verific
 from ..errors import AuditError
 from ..results import Layer, Suggestion, Verdict
 from .data.inputs import Calibration, eval_mode
+from .data.precision import computing_in
+from .statistics.stream import compute_dtype_for
 from .measure.metric import Measurement, Metric
 from .session import STATS_KINDS, CalibrationSession, _statistics, cache_path, metric_of, statistics_memory
 from .statistics.stats import InputStatistics
@@ -36,8 +39,8 @@ from .tiers import passes
 from .tiers.fisher import GradientSensitivity
 from .tiers.sensitivity import Gradients, Sensitivity
 
-__all__ = ["Calibrated", "STATS_KINDS", "_statistics", "cache_path", "calibrate", "check_plan", "metric_of",
-           "statistics_memory", "suggest_with"]
+__all__ = ["Calibrated", "STATS_KINDS", "_statistics", "cache_path", "calibrate", "check_plan", "computing",
+           "metric_of", "session_dtype", "statistics_memory", "suggest_with"]
 
 if TYPE_CHECKING:
     from ..config import Settings
@@ -113,21 +116,33 @@ def calibrate(model: nn.Module, layers: list[Layer], settings: "Settings", optio
     was_training = model.training
     model.eval()
     try:
-        t = time.perf_counter()
-        session = _open_session(model, layers, options, progress)
-        t1 = passes.tier1(model, session, settings.align, progress, since=t)
-        scope = passes.scope_of(layers, t1, settings, suggestions or {})
-        floored = passes.floors(model, session, t1, scope, tiers, options.cluster, progress, options.progress)
-        sens = passes.sensitivity(model, session, t1, scope, floored, tiers, progress)
-        searched = passes.search(model, session, t1, scope, sens, tiers, settings, progress)
-        recovered = passes.recovered(model, session, searched.budget, options.recovery, progress)
-        verified = passes.verified(model, session, recovered.budget, searched.reuse, progress)
-        based = passes.baselined(model, session, verified.budget, scope, searched.reuse, progress)
-        report = _report(session, options, Tiers(t1, floored, sens, searched, recovered, verified, based))
-        return Calibrated(report, session, t1.spectra, floored.where if floored is not None else "",
-                          sens.gradients if isinstance(sens, Gradients) else None, searched.reuse)
+        with computing(model, options.statistics.compute_dtype):
+            t = time.perf_counter()
+            session = _open_session(model, layers, options, progress)
+            t1 = passes.tier1(model, session, settings.align, progress, since=t)
+            scope = passes.scope_of(layers, t1, settings, suggestions or {})
+            floored = passes.floors(model, session, t1, scope, tiers, options.cluster, progress, options.progress)
+            sens = passes.sensitivity(model, session, t1, scope, floored, tiers, progress)
+            searched = passes.search(model, session, t1, scope, sens, tiers, settings, progress)
+            recovered = passes.recovered(model, session, searched.budget, options.recovery, progress)
+            verified = passes.verified(model, session, recovered.budget, searched.reuse, progress)
+            based = passes.baselined(model, session, verified.budget, scope, searched.reuse, progress)
+            report = _report(session, options, Tiers(t1, floored, sens, searched, recovered, verified, based))
+            return Calibrated(report, session, t1.spectra, floored.where if floored is not None else "",
+                              sens.gradients if isinstance(sens, Gradients) else None, searched.reuse)
     finally:
         model.train(was_training)
+
+
+def computing(model: nn.Module, compute_dtype: "str | None") -> "contextlib.AbstractContextManager[bool]":
+    """Every forward the calibration runs in ``compute_dtype`` (``--compute-dtype float32``: a bf16/fp16 model's
+    weights cast a module at a time while it runs, :func:`~auditor.calibration.data.precision.computing_in`)."""
+    return computing_in(model, compute_dtype_for(compute_dtype))
+
+
+def session_dtype(session: CalibrationSession) -> "str | None":
+    """The compute dtype the session's audit measured in (None: the model's own)."""
+    return session.options.statistics.compute_dtype if session.options is not None else None
 
 
 def _open_session(model: nn.Module, layers: list[Layer], options: "AuditOptions",
@@ -289,7 +304,8 @@ def check_plan(cal: Calibrated, model: nn.Module, audit: "AuditResult") -> Calib
     if cal.session.model is not model:
         raise AuditError("the plan check was given another model than the one calibrated",
                          "Check the plan on the audited model")
-    m, removed, verification = _measured_plan(cal, model, plan)
+    with computing(model, session_dtype(cal.session)):
+        m, removed, verification = _measured_plan(cal, model, plan)
     predicted, basis = _predicted(cal, plan)
     check = PlanCheck(len(plan), left, predicted, m.value, m.ok, m.top1, removed, basis, verification)
     b = report.budget
@@ -351,7 +367,8 @@ def check_factorized(report: CalibrationReport, session: CalibrationSession, mod
     if pc is None or pc.layers == 0:
         return report
     removed = count_params(model) - count_params(new)
-    with session.measuring(), eval_mode(new):  # a copy made outside measuring() has the model's own modes
+    # eval_mode: a copy made outside measuring() has the model's own modes
+    with session.measuring(), eval_mode(new), computing(model, session_dtype(session)):
         if session.verifier is None:
             m = session.evaluator.measure(new)
             check = replace(pc, measured=m.value, ok=m.ok, top1=m.top1, removed=removed, verification=None)

@@ -266,7 +266,10 @@ def _make(args: argparse.Namespace, loaded: Any, result: Any, session: Any, reco
     model = loaded.model
     plan = _reviewed_plan(args, result, loaded.name)
     fit = (args.fit or DEFAULT_FIT) if session is not None else None
-    new = factorize(model, plan, session, fit=fit or "independent")
+    from ..calibration.stage import computing, session_dtype
+
+    with computing(model, session_dtype(session) if session is not None else None):  # as the audit measured
+        new = factorize(model, plan, session, fit=fit or "independent")
     extra: dict[str, Any] = {"init": "whitened" if session is not None else "svd", "params_before": count_params(model)}
     if fit is not None:
         extra["fit"] = fit

@@ -58,9 +58,9 @@ FLAGS: dict[str, tuple[tuple[str, ...], dict[str, Any]]] = {
     "tolerance": (("--tolerance",), {"type": float, "metavar": "X", "help": TOLERANCE_HELP.replace("%", "%%")}),
     "compute-dtype": (("--compute-dtype",), {
         "choices": ["model", "float32"],
-        "help": "the dtype calibration statistics are read in: model (its own, the default) or float32 (bf16/fp16 "
-                "weights upcast one block at a time: on a CPU without bf16 matrix units bf16 is hundreds of times "
-                "slower). factorize defaults to the plan's compute_dtype: give what the audit used, so the factors "
+        "help": "the dtype the calibrated audit computes in: model (its own, the default) or float32 (bf16/fp16 "
+                "weights upcast while they run, the statistics one block at a time, every other forward a module at "
+                "a time: on a CPU without bf16 matrix units bf16 is hundreds of times slower). factorize defaults to the plan's compute_dtype: give what the audit used, so the factors "
                 "are the ones it measured"}),
     "confidence": (("--confidence",), {
         "type": float, "metavar": "LEVEL",

@@ -468,21 +468,33 @@ def _time_linalg(sh: Shapes, clock: Callable[[], float]) -> tuple[float, tuple[i
 
 
 def measure(model: nn.Module, batch: Any, sh: Shapes, base_rss: int, load_seconds: float,
-            clock: Callable[[], float] = time.perf_counter, linalg: bool = True) -> Measurements:
+            clock: Callable[[], float] = time.perf_counter, linalg: bool = True,
+            compute_dtype: str | None = None) -> Measurements:
     """The few seconds of measurement the estimate scales: one block forward and backward at the batch's shape,
     one whitened decomposition, one SVD and one float64 product (``linalg=False``: not those three and not the
-    backward, for a memory estimate only)."""
+    backward, for a memory estimate only). ``compute_dtype`` (``float32``): the block runs as the audit will run it,
+    a bf16/fp16 model's weights cast while they run (``--compute-dtype``)."""
     from ..calibration.data.inputs import eval_mode
+    from ..calibration.data.precision import computing_in
+    from ..calibration.statistics.stream import compute_dtype_for
 
     start = clock()
     block = _repeated(model)
     if batch is None:  # no inputs known (a factory without --input-shape): no forward to time, the audit runs none
         dec, shape, eig, k, flops = _time_linalg(sh, clock) if linalg else (0.0, (1, 1), 0.0, 1, 1e12)
         return Measurements(base_rss, load_seconds, 0.0, 0.0, 0, 0, dec, shape, eig, k, flops, clock() - start)
-    with eval_mode(model):
-        fn, args, kwargs = _block_call(model, block[0] if block is not None else None, batch)
-        params = {p.data_ptr() for p in model.parameters()}
-        fwd, bwd, saved, out_bytes = _time_call(fn, args, kwargs, params, clock, backward=linalg)
+    try:
+        with eval_mode(model), computing_in(model, compute_dtype_for(compute_dtype)):
+            fn, args, kwargs = _block_call(model, block[0] if block is not None else None, batch)
+            params = {p.data_ptr() for p in model.parameters()}
+            fwd, bwd, saved, out_bytes = _time_call(fn, args, kwargs, params, clock, backward=linalg)
+    except (AuditError, torch.OutOfMemoryError):
+        raise
+    except Exception as exc:  # noqa: BLE001 - inputs the forward refuses, said in one line as the audit says it
+        from ..errors import first_line
+
+        raise AuditError(f"the inputs do not fit {type(model).__name__}.forward: {first_line(exc)}",
+                         "Give inputs shaped like the model's example inputs") from None
     for p in model.parameters():
         p.grad = None
     hidden = next((a.numel() * a.element_size() for a in args if isinstance(a, torch.Tensor)), out_bytes)
@@ -502,15 +514,16 @@ def _as_batch(inputs: Any) -> Any:
     return Batch((inputs,), {})
 
 
-def _calibration(model: nn.Module, source: str, options: Any, check_forward: bool = True) -> Any:
-    """The calibration as the audit's session reads it (calibration.session.CalibrationSession.from_options);
-    ``check_forward`` False: its first batches are not run through the model (the audit's own read runs them)."""
+def _calibration(model: nn.Module, source: str, options: Any) -> Any:
+    """The calibration as the audit's session reads it (calibration.session.CalibrationSession.from_options), without
+    running its first batches through the model (the audit's own read does; a forward of every block is not a few
+    seconds: the measured block's call refuses inputs that do not fit)."""
     from ..calibration.data.inputs import load_calibration
     from ..calibration.data.text import tokenizer_home
 
     data = options.calibration_data
     tokenizer = data.tokenizer if data.tokenizer is not None else tokenizer_home(source)
-    return load_calibration(data.source, model, data.holdout, check_forward=check_forward, tokenizer=tokenizer,
+    return load_calibration(data.source, model, data.holdout, check_forward=False, tokenizer=tokenizer,
                             length=data.length, max_rows=data.max_rows, max_bytes=data.max_bytes,
                             separator=data.separator)
 
@@ -533,13 +546,14 @@ def estimate_loaded(loaded: Any, options: Any, formats: tuple[str, ...], load_se
                          "Estimate a factory (file.py:fn) or a Hugging Face directory")
     sh = shapes_of(model)
     if options.calibration_data.source is not None:
-        cal = _calibration(model, loaded.source, options, check_forward=linalg)  # memory only: the audit checks
+        cal = _calibration(model, loaded.source, options)
         wl, batch = workload_of(cal, options, _outputs(model, sh), formats), (cal.fit or cal.holdout)[0]
     else:
         batch = _as_batch(loaded.example_inputs) if loaded.example_inputs is not None else None
         rows, tokens, ids = _batch_shape(batch) if batch is not None else (1, 1, False)
         wl = Workload(0, 0, tokens, rows, _outputs(model, sh), ids, formats, torch.get_num_threads(), calibrated=False)
-    me = measure(model, batch, sh, _rss() if base_rss is None else base_rss, load_seconds, clock, linalg)
+    me = measure(model, batch, sh, _rss() if base_rss is None else base_rss, load_seconds, clock, linalg,
+                 options.statistics.compute_dtype if options.calibration_data.source is not None else None)
     return predict(sh, wl, me, available_memory())
 
 
