@@ -35,6 +35,7 @@ from typing import Any, Iterable, Mapping, Sequence
 from .. import lrmath
 from ..errors import AuditError
 from ..options import TIE_AUTO
+from .groups import natural_key
 from ..results import Layer, Spectrum, Suggestion, TieGroup, Verdict
 
 __all__ = ["KNOWN", "broken_words", "label_of", "resolve_ties", "tie_suggestions", "violations"]
@@ -91,7 +92,7 @@ def _groups(layers: Sequence[Layer], patterns: Sequence[str], strict: bool) -> l
                 return None
             raise AuditError(f"--tie {text}: {problem[0]}", problem[1])
         out.append(TieGroup(label_of(patterns), block, tuple(found[p][0] for p in patterns)))
-    return out
+    return sorted(out, key=lambda g: natural_key(g.block))
 
 
 def _block_problem(block: str, found: Mapping[str, list[str]], patterns: Sequence[str],
@@ -119,7 +120,7 @@ def _block_problem(block: str, found: Mapping[str, list[str]], patterns: Sequenc
 
 def resolve_ties(layers: Sequence[Layer], specs: Iterable[Sequence[str]]) -> tuple[TieGroup, ...]:
     """The tie groups of ``specs`` (from :func:`auditor.options.tie_specs`) over ``layers``, in the order given,
-    each tie's blocks in model order; ``TIE_AUTO`` adds :data:`KNOWN`'s ties that resolve whole. Bad input is one
+    each tie's blocks in natural order (h.2 before h.10); ``TIE_AUTO`` adds :data:`KNOWN`'s ties that resolve whole. Bad input is one
     AuditError line: a pattern that matches no layer, a block holding only some members or one pattern's two layers,
     members of different kinds, a layer in two groups."""
     out: list[TieGroup] = []
@@ -137,8 +138,7 @@ def resolve_ties(layers: Sequence[Layer], specs: Iterable[Sequence[str]]) -> tup
                                  f"{twice[1].label} ({', '.join(twice[1].members)}): a layer takes one rank",
                                  "Put each layer in one --tie group (join the groups into one to tie them all)")
             out.append(g)
-    order = {l.name: i for i, l in enumerate(layers)}
-    return tuple(sorted(out, key=lambda g: min(order[m] for m in g.members)))
+    return tuple(out)
 
 
 def _owner(group: TieGroup, groups: Sequence[TieGroup]) -> tuple[str, TieGroup] | None:
@@ -186,29 +186,31 @@ def tie_suggestions(layers: Sequence[Layer], spectra: Mapping[str, Spectrum], su
     for g in groups:
         sgs = [suggestions.get(m) for m in g.members]
         ranks = [s.rank for s in sgs if s is not None and s.verdict is Verdict.FACTORIZE and s.rank]
-        tie = f"tied with {', '.join(g.members)} (--tie {g.label})"
+        short = {m: m[len(g.block) + 1:] if g.block else m for m in g.members}
         if len(ranks) < len(g.members):
-            dense = [m for m, s in zip(g.members, sgs) if s is None or s.verdict is not Verdict.FACTORIZE]
+            dense = [short[m] for m, s in zip(g.members, sgs) if s is None or s.verdict is not Verdict.FACTORIZE]
             for m, s in zip(g.members, sgs):
                 if s is not None:
-                    out[m] = _dense(s, f"keep dense: {tie}, and {', '.join(dense)} is not factorized")
+                    out[m] = _dense(s, f"tied (--tie {g.label}), and {', '.join(dense)} "
+                                       f"{'is' if len(dense) == 1 else 'are'} not factorized")
             continue
         r = max(ranks)
         worthless = [m for m in g.members if not (lrmath.saves(named[m].m, named[m].n, r) and r <= named[m].max_rank)]
         for m, s in zip(g.members, sgs):
             assert s is not None
             if worthless:
-                out[m] = _dense(s, f"keep dense: {tie}, and their common rank {r} saves nothing in "
-                                   f"{', '.join(worthless)}")
+                out[m] = _dense(s, f"tied (--tie {g.label}): the group's rank {r} saves nothing in "
+                                   f"{', '.join(short[w] for w in worthless)}")
             elif s.rank != r:
                 layer, spec = named[m], spectra.get(m)
                 kept = spec.energy_at(r) if spec is not None and spec.sigma is not None else None
-                out[m] = replace(s, rank=r, reason=f"rank {r}, {tie}; alone: {s.reason}", params_after=layer.params_at(r),
-                                 macs_after=layer.macs_at(r), compression=layer.compression(r), energy_at_rank=kept,
+                out[m] = replace(s, rank=r, reason=f"rank {r}, tied (--tie {g.label}); alone: {s.reason}",
+                                 params_after=layer.params_at(r), macs_after=layer.macs_at(r),
+                                 compression=layer.compression(r), energy_at_rank=kept,
                                  error_bound=lrmath.relative_error(kept) if kept is not None else None)
     return out
 
 
 def _dense(s: Suggestion, reason: str) -> Suggestion:
-    return replace(s, verdict=Verdict.KEEP_DENSE, rank=None, reason=f"{reason} ({s.reason})", energy_at_rank=None,
+    return replace(s, verdict=Verdict.KEEP_DENSE, rank=None, reason=f"{reason}; alone: {s.reason}", energy_at_rank=None,
                    error_bound=None, params_after=None, macs_after=None, compression=None)

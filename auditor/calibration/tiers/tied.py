@@ -9,7 +9,7 @@ rank at all (narrow, not planned, every rank at or above its break-even or below
 dense whole, and said.
 
 :func:`tie_cost` states what the constraint costs: the most the curves remove at the chosen plan's predicted cost
-(the Lagrangian allocation bisected on its price, :func:`removal_within`) with the ties and without them, one tie
+(on the Lagrangian hull of the options, :func:`removal_within`) with the ties and without them, one tie
 added at a time so that each tie's part is measured against the ties before it and the parts add up. It measures
 nothing: the search already runs on these predicted costs, so it is one more allocation per tie.
 
@@ -54,17 +54,21 @@ def tie_curves(curves: Curves, groups: Sequence[TieGroup]) -> tuple[Curves, list
     return Curves(options, curves.source, curves.linear, tied), dense
 
 
-def removal_within(curves: Curves, cap: float) -> int:
-    """The most parameters the Lagrangian allocation over ``curves`` removes at a summed predicted cost of at most
-    ``cap`` (bisection on the price per parameter; the allocation's cost never falls as the price rises)."""
+def removal_within(curves: Curves, cap: float) -> float:
+    """The most parameters the options remove at a summed predicted cost of ``cap``, on the Lagrangian hull: the
+    allocation's price per parameter bisected to the point where its cost passes ``cap``, and the removal read off
+    the hull segment there (linear between the allocations just below and just above: the continuous relaxation).
+    That relaxation never removes more under a constraint: a tie's options are a subset of its members' (one rank
+    for all), so its hull lies within theirs, and a tie's cost is never negative, as a comparison of two integer
+    allocations at their own discrete steps could be."""
     opts = curves.options
     if not opts or cap < 0:
-        return 0
+        return 0.0
     lo, hi = 0.0, 1e-12
     while _pick(opts, hi)[2] <= cap and hi < 1e30:
         lo, hi = hi, hi * 10
     if hi >= 1e30:
-        return _pick(opts, lo)[1]
+        return float(_pick(opts, lo)[1])
     for _ in range(200):
         mid = math.sqrt(lo * hi) if lo > 0 else hi / 2
         if _pick(opts, mid)[2] <= cap:
@@ -73,7 +77,11 @@ def removal_within(curves: Curves, cap: float) -> int:
             hi = mid
         if hi - lo <= 1e-12 * hi:
             break
-    return _pick(opts, lo)[1]
+    _, saved_lo, cost_lo = _pick(opts, lo)
+    _, saved_hi, cost_hi = _pick(opts, hi)
+    if cost_hi <= cost_lo:
+        return float(saved_lo)
+    return saved_lo + (saved_hi - saved_lo) * (cap - cost_lo) / (cost_hi - cost_lo)
 
 
 def tie_cost(untied: Curves, groups: Sequence[TieGroup], cap: float, params: int) -> TieCost:
@@ -89,4 +97,4 @@ def tie_cost(untied: Curves, groups: Sequence[TieGroup], cap: float, params: int
         now = removal_within(tied, cap)
         each[labels[i]] = (before - now) / params if params else 0.0
         before = now
-    return TieCost(before, first, params, len(groups), each, [f"{g.label} in {g.block}" for g in dense])
+    return TieCost(round(before), round(first), params, len(groups), each, [f"{g.label} in {g.block}" for g in dense])
