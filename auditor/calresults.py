@@ -269,8 +269,9 @@ class TieCost:
 
     @property
     def cost(self) -> float:
-        """The share of the model's parameters the ties cost in removal (0.008: 0.8 points)."""
-        return (self.untied - self.removed) / self.params if self.params else 0.0
+        """The share of the model's parameters the ties cost in removal (0.008: 0.8 points): the parts' sum, which is
+        (untied - removed) / params before those two are rounded to whole parameters."""
+        return sum(self.each.values())
 
     def words(self) -> str:
         """"ties cost 0.80 points of removal (q_proj/k_proj/v_proj: 0.50, gate_proj/up_proj: 0.30)"."""

@@ -62,7 +62,7 @@ def _split(name: str, pattern: str) -> str | None:
     """The block of ``name`` when ``pattern`` matches its last parts (as many as the pattern has), else None."""
     k = pattern.count(".") + 1
     parts = name.split(".")
-    if len(parts) <= k or not fnmatch.fnmatchcase(".".join(parts[-k:]), pattern):
+    if len(parts) < k or not fnmatch.fnmatchcase(".".join(parts[-k:]), pattern):
         return None
     return ".".join(parts[:-k])
 

@@ -1,0 +1,225 @@
+"""--tie: layers whose ranks must be equal (q/k/v of one attention, gate/up of one MLP), on the shipped sample Llama
+(grouped-query attention: q 128 x 128, k and v 64 x 128; SwiGLU gate/up 344 x 128): the groups resolved per block,
+each bad tie one line and exit 2, the search's plan and the emitted plan at one rank per group, the factorized
+model's shapes, what the ties cost in removal in every format, LR021 and factorize's refusal of a broken tie."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import pytest
+import torch
+
+import auditor
+from auditor.calibration.tiers.budget import Curves, Option, allocate
+from auditor.calibration.tiers.tied import removal_within, tie_cost, tie_curves
+from auditor.errors import AuditError
+from auditor.options import AuditOptions, tie_specs
+from auditor.planning.ties import resolve_ties, violations
+from auditor.results import Kind, Layer, TieGroup
+
+pytest.importorskip("transformers")
+
+LLAMA = Path(__file__).resolve().parents[1] / "sample_models" / "llama"
+QKV = ("q_proj", "k_proj", "v_proj")
+GATE_UP = ("gate_proj", "up_proj")
+
+
+def _bad(res, line: str) -> None:
+    assert res.returncode == 2, res.stderr
+    lines = [l for l in res.stderr.splitlines() if l.strip()]
+    assert lines == [line], res.stderr
+
+
+# ---- the groups ---------------------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def structure():
+    return auditor.audit_source(str(LLAMA), options=AuditOptions(spectra=False, cache=False, progress=False))
+
+
+def test_auto_ties_q_k_v_and_gate_up_in_every_block(structure):
+    ties = resolve_ties(structure.layers, tie_specs("auto"))
+    assert [(g.label, g.block) for g in ties] == [
+        *(("q_proj/k_proj/v_proj", f"model.layers.{i}.self_attn") for i in range(4)),
+        *(("gate_proj/up_proj", f"model.layers.{i}.mlp") for i in range(4))]
+    assert ties[0].members == tuple(f"model.layers.0.self_attn.{p}" for p in QKV)
+    assert {(structure.layer(m).m, structure.layer(m).n) for m in ties[0].members} == {(128, 128), (64, 128)}
+
+
+def test_patterns_match_a_names_last_parts_and_the_rest_is_the_block(structure):
+    ties = resolve_ties(structure.layers, tie_specs("self_attn.q_proj,self_attn.k_proj"))
+    assert [g.block for g in ties] == [f"model.layers.{i}" for i in range(4)]
+    assert ties[2].members == ("model.layers.2.self_attn.q_proj", "model.layers.2.self_attn.k_proj")
+
+
+@pytest.mark.parametrize("ties, line", [
+    (("q_proj,k_prj",), "error: --tie q_proj,k_prj: pattern 'k_prj' matches no layer. Closest layer names: k_proj, "
+                        "v_proj, q_proj."),
+    (("q_proj,k_proj", "k_proj,v_proj"),
+     "error: --tie k_proj,v_proj: layer model.layers.0.self_attn.k_proj is already in the tie q_proj/k_proj "
+     "(model.layers.0.self_attn.q_proj, model.layers.0.self_attn.k_proj): a layer takes one rank. Put each layer in "
+     "one --tie group (join the groups into one to tie them all)."),
+    (("q_proj",), "error: --tie q_proj is a group of one: a tie makes two or more layers share one rank. Name every "
+                  "member, e.g. --tie q_proj,k_proj,v_proj (or --tie auto for the known defaults)."),
+    (("lm_head,model.embed_tokens",),
+     "error: --tie lm_head,model.embed_tokens: members of different kinds in block (the model): lm_head (linear), "
+     "model.embed_tokens (embedding). Tie layers of one kind (a fused kernel concatenates one kind of product)."),
+    (("q_proj,gate_proj",),
+     "error: --tie q_proj,gate_proj: in block model.layers.0.self_attn only model.layers.0.self_attn.q_proj matches; "
+     "'gate_proj' matches none there. Tie layers that every block holds, or narrow the patterns to the blocks that "
+     "hold them all."),
+    (("*_proj,lm_head",),
+     "error: --tie *_proj,lm_head: pattern '*_proj' matches 3 layers in block model.layers.0.mlp "
+     "(model.layers.0.mlp.down_proj, model.layers.0.mlp.gate_proj, model.layers.0.mlp.up_proj). Give patterns that "
+     "select one layer per block."),
+    (("q_proj,,v_proj",), "error: --tie q_proj,,v_proj holds an empty layer pattern. Separate patterns with single "
+                          "commas, e.g. --tie q_proj,k_proj,v_proj."),
+])
+def test_a_bad_tie_is_one_line_and_exit_2(cli_inproc, tmp_path, ties, line):
+    args = [a for t in ties for a in ("--tie", t)]
+    _bad(cli_inproc(LLAMA, "--no-spectra", *args, "-o", tmp_path / "out", "--format", "json"), line)
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_plans_ties_are_read_and_checked(tmp_path):
+    p = tmp_path / "plan.toml"
+    p.write_text('ties = ["q_proj"]\n[ranks]\n"lm_head" = 8\n')
+    with pytest.raises(AuditError, match=r"^plan .*plan.toml: ties: q_proj is a group of one"):
+        auditor.planning.plan.Plan.load(p)
+    p.write_text('ties = "q_proj,k_proj"\n[ranks]\n"lm_head" = 8\n')
+    with pytest.raises(AuditError, match=r"'ties' is text \('q_proj,k_proj'\), not a list of tie groups"):
+        auditor.planning.plan.Plan.load(p)
+    p.write_text('ties = ["q_proj,k_proj", ["gate_proj", "up_proj"]]\n[ranks]\n"lm_head" = 8\n')
+    assert auditor.planning.plan.Plan.load(p).ties == (("q_proj", "k_proj"), GATE_UP)
+
+
+# ---- the search on one group ----------------------------------------------------------------------------------------
+def _lin(name: str, m: int, n: int) -> Layer:
+    return Layer(name, name + ".weight", Kind.LINEAR, "Linear", (m, n), m, n)
+
+
+def test_a_group_is_one_option_list_at_the_ranks_every_member_offers_and_never_split():
+    c = Curves({"q": [Option(8, 100, 1.0), Option(16, 50, 0.2), Option(24, 10, 0.1)],
+                "k": [Option(8, 40, 0.5), Option(16, 20, 0.3)], "o": [Option(8, 70, 0.6)]}, "tier1")
+    t, dense = tie_curves(c, [TieGroup("q/k", "b", ("q", "k"))])
+    assert t.options["q\x00k"] == [Option(8, 140, 1.5), Option(16, 70, 0.5)] and dense == []
+    for target in range(0, 211, 10):
+        plan = allocate(t, target)[0]
+        assert plan.get("q") == plan.get("k")
+    # a member without an option keeps the whole group dense, said
+    t2, dense2 = tie_curves(c, [TieGroup("q/x", "b", ("q", "x"))])
+    assert "q" not in t2.options and [g.label for g in dense2] == ["q/x"]
+
+
+def test_the_ties_cost_is_read_off_the_hull_and_never_negative():
+    c = Curves({"q": [Option(8, 100, 1.0), Option(16, 50, 0.2)], "k": [Option(8, 40, 0.1), Option(16, 20, 0.05)]},
+               "tier1")
+    # untied at cost 0.3: k at 8 (40 for 0.1) and q at 16 (50 for 0.2): 90; tied: rank 16 (70 for 0.25), then a
+    # fifth of the way to rank 8 (140 for 1.1): 70 + 70 * 0.05 / 0.85
+    assert removal_within(c, 0.3) == pytest.approx(90.0)
+    cost = tie_cost(c, [TieGroup("q/k", "b", ("q", "k"))], 0.3, 1000)
+    assert (cost.untied, cost.removed) == (90, 74)
+    assert cost.each == {"q/k": pytest.approx((90 - (70 + 70 * 0.05 / 0.85)) / 1000)}
+    assert cost.words() == ("ties cost 1.59 points of removal (q/k: 1.59), against the same search without them "
+                            "at the plan's predicted cost")
+
+
+# ---- the sample Llama, calibrated, --tie auto -----------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def tied_run(tmp_path_factory):
+    from auditor.cli import main
+
+    out = tmp_path_factory.mktemp("tied")
+    code = main([str(LLAMA), "--calibration", str(LLAMA / "calib.txt"), "--holdout", str(LLAMA / "holdout.txt"),
+                 "--tie", "auto", "--no-cache", "--format", "text,json,md,html", "-o", str(out / "report"),
+                 "--emit-plan", str(out / "plan.toml")])
+    assert code == 0
+    return out, json.loads((out / "report" / "lowrank-audit.json").read_text())
+
+
+def test_the_searched_plan_gives_each_group_one_rank(tied_run):
+    out, d = tied_run
+    plan = d["calibration"]["budget"]["plan"]
+    ties = [TieGroup(t["tie"], t["block"], tuple(t["members"])) for t in d["ties"]]
+    assert len(ties) == 8 and violations(plan, ties) == []
+    assert plan == PLAN
+    assert not [f for f in d["findings"] if f["code"] == "LR021"]
+
+
+def test_the_emitted_plan_carries_the_ties_and_reviews_clean(tied_run):
+    out, _ = tied_run
+    text = (out / "plan.toml").read_text()
+    assert 'ties = ["q_proj,k_proj,v_proj", "gate_proj,up_proj"]' in text
+    plan = auditor.planning.plan.Plan.load(out / "plan.toml")
+    assert plan.ties == (QKV, GATE_UP)
+
+
+def test_what_the_ties_cost_is_in_every_format(tied_run):
+    out, d = tied_run
+    t = d["calibration"]["budget"]["ties"]
+    assert (t["removed"], t["untied"], t["groups"], t["dense"]) == (COST["removed"], COST["untied"], 8, [])
+    assert t["each"] == {k: pytest.approx(v, abs=1e-6) for k, v in COST["each"].items()}
+    assert t["cost"] == pytest.approx(sum(t["each"].values()), abs=1e-12) and all(v >= 0 for v in t["each"].values())
+    words = t["words"]
+    assert words == COST["words"]
+    for name in ("lowrank-audit.txt", "lowrank-audit.md", "lowrank-audit.html"):
+        flat = " ".join((out / "report" / name).read_text().split())
+        assert words in flat, name
+
+
+def _shapes(folder: Path) -> dict[str, list[int]]:
+    from safetensors import safe_open
+
+    with safe_open(str(folder / "model.safetensors"), "pt") as f:
+        return {k: list(f.get_slice(k).get_shape()) for k in f.keys()}
+
+
+def test_factorize_writes_one_rank_per_group_whatever_the_widths(tied_run, cli_inproc, tmp_path):
+    """q (128 wide) and k, v (64 wide) at one rank 24: one first-factor height for the stacked [A_q; A_k; A_v]."""
+    p = tmp_path / "qkv.toml"
+    p.write_text('ties = ["q_proj,k_proj,v_proj", "gate_proj,up_proj"]\nfinetune = "1 epoch"\n[ranks]\n'
+                 '"model.layers.*.self_attn.[qkv]_proj" = 24\n"model.layers.*.mlp.gate_proj" = 48\n'
+                 '"model.layers.*.mlp.up_proj" = 48\n')
+    res = cli_inproc("factorize", LLAMA, "--plan", p, "-o", tmp_path / "out")
+    assert res.returncode == 0, res.stderr
+    shapes = _shapes(tmp_path / "out")
+    for i in range(4):
+        a = f"model.layers.{i}.self_attn"
+        assert [shapes[f"{a}.{x}.0.weight"] for x in QKV] == [[24, 128]] * 3
+        assert [shapes[f"{a}.{x}.1.weight"] for x in QKV] == [[128, 24], [64, 24], [64, 24]]
+        assert [shapes[f"model.layers.{i}.mlp.{x}.0.weight"] for x in GATE_UP] == [[48, 128]] * 2
+
+
+def test_a_plan_that_breaks_a_tie_is_lr021_and_factorize_refuses_it(cli_inproc, tmp_path):
+    p = tmp_path / "broken.toml"
+    p.write_text('ties = ["gate_proj,up_proj"]\nfinetune = "1 epoch"\n[ranks]\n"model.layers.*.mlp.gate_proj" = 48\n'
+                 '"model.layers.1.mlp.up_proj" = 40\n')
+    res = cli_inproc(LLAMA, "--plan", p, "--format", "json", "--no-cache")
+    assert res.returncode == 1
+    found = [f for f in json.loads(res.stdout)["findings"] if f["code"] == "LR021"]
+    assert [(f["layers"], f["evidence"]["ranks"]) for f in found] == [
+        ([f"model.layers.{i}.mlp.gate_proj", f"model.layers.{i}.mlp.up_proj"],
+         {f"model.layers.{i}.mlp.gate_proj": 48, f"model.layers.{i}.mlp.up_proj": 40 if i == 1 else 0})
+        for i in range(4)]
+    res = cli_inproc("factorize", LLAMA, "--plan", p, "-o", tmp_path / "out")
+    _bad(res, f"error: LR021 plan {p} breaks the tie gate_proj/up_proj in model.layers.0.mlp: "
+              "model.layers.0.mlp.gate_proj at rank 48, model.layers.0.mlp.up_proj dense (and 3 more groups). Give "
+              "every member of a tie group one rank (or keep them all dense), or drop the tie (--tie, the plan's "
+              "ties); factorize writes no model that breaks a tie.")
+    assert not (tmp_path / "out").exists()
+    # --tie on the command line ties a plan that names no ties
+    q = tmp_path / "untied.toml"
+    q.write_text('finetune = "1 epoch"\n[ranks]\n"model.layers.0.self_attn.q_proj" = 24\n')
+    res = cli_inproc("factorize", LLAMA, "--plan", q, "--tie", "q_proj,k_proj,v_proj", "-o", tmp_path / "out2")
+    assert res.returncode == 2 and "LR021 plan" in res.stderr and "breaks the tie q_proj/k_proj/v_proj" in res.stderr
+
+
+def test_without_tie_nothing_changes(structure):
+    assert structure.ties == () and "ties" not in auditor.audit_source(
+        str(LLAMA), options=AuditOptions(spectra=False, cache=False, progress=False)).to_dict()
+
+
+PLAN: dict[str, int] = {}
+COST: dict = {}
