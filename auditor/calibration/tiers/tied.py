@@ -95,6 +95,7 @@ def tie_cost(untied: Curves, groups: Sequence[TieGroup], cap: float, params: int
     for i in range(len(labels)):
         tied, dense = tie_curves(untied, [g for g in groups if g.label in labels[:i + 1]])
         now = removal_within(tied, cap)
-        each[labels[i]] = (before - now) / params if params else 0.0
+        # never negative on the relaxation (the module's docstring); a float's last bits can say -1e-17
+        each[labels[i]] = max(before - now, 0.0) / params if params else 0.0
         before = now
     return TieCost(round(before), round(first), params, len(groups), each, [f"{g.label} in {g.block}" for g in dense])
