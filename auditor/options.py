@@ -441,7 +441,7 @@ class OptionFields(TypedDict, total=False):
     probe: bool
     confidence: float
     split: bool
-    ties: Any
+    ties: "str | Iterable[str | Iterable[str]]"
     calibration_length: int | None
     tokenizer: "str | os.PathLike[str] | None"
     calibration_max_rows: int | None

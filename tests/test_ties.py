@@ -5,12 +5,11 @@ model's shapes, what the ties cost in removal in every format, LR021 and factori
 
 from __future__ import annotations
 
+import html
 import json
-import re
 from pathlib import Path
 
 import pytest
-import torch
 
 import auditor
 from auditor.calibration.tiers.budget import Curves, Option, allocate
@@ -18,7 +17,8 @@ from auditor.calibration.tiers.tied import removal_within, tie_cost, tie_curves
 from auditor.errors import AuditError
 from auditor.options import AuditOptions, tie_specs
 from auditor.planning.ties import resolve_ties, violations
-from auditor.results import Kind, Layer, TieGroup
+from auditor.render.parts.safe import md_text
+from auditor.results import TieGroup
 
 pytest.importorskip("transformers")
 
@@ -96,10 +96,6 @@ def test_a_plans_ties_are_read_and_checked(tmp_path):
 
 
 # ---- the search on one group ----------------------------------------------------------------------------------------
-def _lin(name: str, m: int, n: int) -> Layer:
-    return Layer(name, name + ".weight", Kind.LINEAR, "Linear", (m, n), m, n)
-
-
 def test_a_group_is_one_option_list_at_the_ranks_every_member_offers_and_never_split():
     c = Curves({"q": [Option(8, 100, 1.0), Option(16, 50, 0.2), Option(24, 10, 0.1)],
                 "k": [Option(8, 40, 0.5), Option(16, 20, 0.3)], "o": [Option(8, 70, 0.6)]}, "tier1")
@@ -164,9 +160,12 @@ def test_what_the_ties_cost_is_in_every_format(tied_run):
     assert t["cost"] == pytest.approx(sum(t["each"].values()), abs=1e-12) and all(v >= 0 for v in t["each"].values())
     words = t["words"]
     assert words == COST["words"]
-    for name in ("lowrank-audit.txt", "lowrank-audit.md", "lowrank-audit.html"):
-        flat = " ".join((out / "report" / name).read_text().split())
-        assert words in flat, name
+    line = (f"Tie groups (--tie, 8 groups, each at one rank): {words} (104,530 -> 99,328 parameters the curves "
+            "remove at that cost).")
+    for name, form in (("txt", line), ("md", md_text(line)), ("html", line)):
+        text = (out / "report" / f"lowrank-audit.{name}").read_text()
+        flat = " ".join((html.unescape(text) if name == "html" else text).split())
+        assert form in flat, name
 
 
 def _shapes(folder: Path) -> dict[str, list[int]]:
@@ -216,13 +215,25 @@ def test_a_plan_that_breaks_a_tie_is_lr021_and_factorize_refuses_it(cli_inproc, 
     assert res.returncode == 2 and "LR021 plan" in res.stderr and "breaks the tie q_proj/k_proj/v_proj" in res.stderr
 
 
+def test_the_library_factorize_refuses_a_plan_that_breaks_its_ties(tmp_path):
+    import transformers
+
+    p = tmp_path / "broken.toml"
+    p.write_text('ties = ["q_proj,k_proj,v_proj"]\n[ranks]\n"model.layers.0.self_attn.[qk]_proj" = 24\n')
+    model = transformers.LlamaForCausalLM.from_pretrained(str(LLAMA))
+    with pytest.raises(AuditError, match=r"^LR021 the plan breaks the tie q_proj/k_proj/v_proj in "
+                                         r"model\.layers\.0\.self_attn: .*k_proj at rank 24, .*v_proj dense\."):
+        auditor.factorize(model, p)
+
+
 def test_without_tie_nothing_changes(structure):
     assert structure.ties == () and "ties" not in auditor.audit_source(
         str(LLAMA), options=AuditOptions(spectra=False, cache=False, progress=False)).to_dict()
 
 
 # the search over the gradient-predicted curves at the default tolerance (perplexity +1%): q/k/v dense in every block
-# (k and v stop at rank 40, below their break-even 42.7; the group's ranks are those), gate/up at one rank in three
+# (k and v, 64 x 128, offer ranks up to 32 at the 1.1x compression floor: the group's ranks are those), gate/up at
+# one rank in three blocks
 PLAN = {"model.layers.1.self_attn.o_proj": 48, "model.layers.2.self_attn.o_proj": 40,
         "model.layers.3.self_attn.o_proj": 40, "model.layers.1.mlp.gate_proj": 56, "model.layers.1.mlp.up_proj": 56,
         "model.layers.2.mlp.gate_proj": 64, "model.layers.2.mlp.up_proj": 64, "model.layers.3.mlp.gate_proj": 72,

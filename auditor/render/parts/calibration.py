@@ -317,9 +317,8 @@ def ties_line(cal: "CalibrationReport") -> str | None:
     t = b.ties if b is not None else None
     if t is None:
         return None
-    w = t.words()
-    return (f"Tie groups (--tie, {t.groups} group{'s' if t.groups != 1 else ''}, each at one rank): {w[0].upper()}"
-            f"{w[1:]} ({t.untied:,} -> {t.removed:,} parameters the curves remove at that cost).")
+    return (f"Tie groups (--tie, {t.groups} group{'s' if t.groups != 1 else ''}, each at one rank): {t.words()} "
+            f"({t.untied:,} -> {t.removed:,} parameters the curves remove at that cost).")
 
 
 def budget_lines(cal: "CalibrationReport") -> list[str]:
