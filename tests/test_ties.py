@@ -125,13 +125,16 @@ def test_the_ties_cost_is_read_off_the_hull_and_never_negative():
 # ---- the sample Llama, calibrated, --tie auto -----------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def tied_run(tmp_path_factory):
-    from auditor.cli import main
-
+    """The README's calibrated audit of the sample Llama with ties="auto" (--tie auto), every format written."""
     out = tmp_path_factory.mktemp("tied")
-    code = main([str(LLAMA), "--calibration", str(LLAMA / "calib.txt"), "--holdout", str(LLAMA / "holdout.txt"),
-                 "--tie", "auto", "--no-cache", "--format", "text,json,md,html", "-o", str(out / "report"),
-                 "--emit-plan", str(out / "plan.toml")])
-    assert code == 0
+    a = auditor.audit_source(str(LLAMA), options=AuditOptions(
+        calibration=str(LLAMA / "calib.txt"), holdout=str(LLAMA / "holdout.txt"), ties="auto", cache=False,
+        progress=False))
+    (out / "report").mkdir()
+    for name, text in (("json", a.to_json()), ("txt", a.to_text()), ("md", a.to_markdown()), ("html", a.to_html()),
+                       ("notebook.html", a._repr_html_())):
+        (out / "report" / f"lowrank-audit.{name}").write_text(text)
+    a.emit_plan(out / "plan.toml")
     return out, json.loads((out / "report" / "lowrank-audit.json").read_text())
 
 
@@ -162,9 +165,9 @@ def test_what_the_ties_cost_is_in_every_format(tied_run):
     assert words == COST["words"]
     line = (f"Tie groups (--tie, 8 groups, each at one rank): {words} (104,530 -> 99,328 parameters the curves "
             "remove at that cost).")
-    for name, form in (("txt", line), ("md", md_text(line)), ("html", line)):
+    for name, form in (("txt", line), ("md", md_text(line)), ("html", line), ("notebook.html", words)):
         text = (out / "report" / f"lowrank-audit.{name}").read_text()
-        flat = " ".join((html.unescape(text) if name == "html" else text).split())
+        flat = " ".join((html.unescape(text) if name.endswith("html") else text).split())
         assert form in flat, name
 
 
