@@ -83,6 +83,12 @@ def test_a_bad_tie_is_one_line_and_exit_2(cli_inproc, tmp_path, ties, line):
     assert not (tmp_path / "out").exists()
 
 
+def test_auto_on_a_model_of_no_known_family_is_a_note_not_an_error(digits_mlp):
+    a = auditor.audit(digits_mlp, spectra=False, ties="auto", cache=False, progress=False)
+    assert a.ties == () and ("--tie auto: no tie group of a family the tool knows (q/k/v, gate/up; auditor/planning/"
+                             "ties.py) is in this model; ranks are chosen per layer") in a.notes
+
+
 def test_a_plans_ties_are_read_and_checked(tmp_path):
     p = tmp_path / "plan.toml"
     p.write_text('ties = ["q_proj"]\n[ranks]\n"lm_head" = 8\n')
