@@ -84,7 +84,7 @@ def test_a_bad_tie_is_one_line_and_exit_2(cli_inproc, tmp_path, ties, line):
 
 
 def test_auto_on_a_model_of_no_known_family_is_a_note_not_an_error(digits_mlp):
-    a = auditor.audit(digits_mlp, spectra=False, ties="auto", cache=False, progress=False)
+    a = auditor.audit(digits_mlp[0], spectra=False, ties="auto", cache=False, progress=False)
     assert a.ties == () and ("--tie auto: no tie group of a family the tool knows (q/k/v, gate/up; auditor/planning/"
                              "ties.py) is in this model; ranks are chosen per layer") in a.notes
 
