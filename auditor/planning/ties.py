@@ -19,8 +19,8 @@ Pure functions over names and plain data: no torch.
 >>> from auditor.results import Kind, Layer
 >>> def lin(name, m, n): return Layer(name, name + ".weight", Kind.LINEAR, "Linear", (m, n), m, n)
 >>> layers = [lin(f"h.{i}.attn.{p}", 64 if p == "q" else 16, 64) for i in range(2) for p in "qkvo"]
->>> [(g.label, g.block, g.members) for g in resolve_ties(layers, [("q", "k", "v")])]
-[('q/k/v', 'h.0.attn', ('h.0.attn.q', 'h.0.attn.k', 'h.0.attn.v')), ('q/k/v', 'h.1.attn', ('h.1.attn.q', 'h.1.attn.k', 'h.1.attn.v'))]
+>>> [(g.label, g.block, g.members) for g in resolve_ties(layers, [("q", "k", "v")])][1]
+('q/k/v', 'h.1.attn', ('h.1.attn.q', 'h.1.attn.k', 'h.1.attn.v'))
 >>> violations({"h.0.attn.q": 8, "h.0.attn.k": 8, "h.0.attn.v": 4}, resolve_ties(layers, [("q", "k", "v")]))[0][1]
 {'h.0.attn.q': 8, 'h.0.attn.k': 8, 'h.0.attn.v': 4}
 """
@@ -120,8 +120,8 @@ def _block_problem(block: str, found: Mapping[str, list[str]], patterns: Sequenc
 
 def resolve_ties(layers: Sequence[Layer], specs: Iterable[Sequence[str]]) -> tuple[TieGroup, ...]:
     """The tie groups of ``specs`` (from :func:`auditor.options.tie_specs`) over ``layers``, in the order given,
-    each tie's blocks in natural order (h.2 before h.10); ``TIE_AUTO`` adds :data:`KNOWN`'s ties that resolve whole. Bad input is one
-    AuditError line: a pattern that matches no layer, a block holding only some members or one pattern's two layers,
+    each tie's blocks in natural order (h.2 before h.10); ``TIE_AUTO`` adds :data:`KNOWN`'s ties that resolve
+    whole. Bad input is one AuditError line: a pattern that matches no layer, a block holding only some members or one pattern's two layers,
     members of different kinds, a layer in two groups."""
     out: list[TieGroup] = []
     for spec in specs:

@@ -2,10 +2,11 @@
 before it and its own option group, and returns a frozen result; none changes what an earlier pass made::
 
     tier1        model, session, align, Progress                           -> Tier1 (spectra, spans, the target)
-    scope_of     [Layer], Tier1, Settings, {layer: Suggestion}             -> Scope (swept, planned, fixed layers)
+    scope_of     [Layer], Tier1, Settings, {layer: Suggestion}, ties       -> Scope (swept, planned, fixed layers, ties)
     floors       model, session, Tier1, Scope, TierOptions, ClusterOptions -> Floored | None (tier 2)
     sensitivity  model, session, Tier1, Scope, Floored, TierOptions        -> Sensitivity (one of sensitivity.py's)
-    search       model, session, Tier1, Scope, Sensitivity, TierOptions    -> Searched (tier 3: plan, rounding floor)
+    search       model, session, Tier1, Scope, Sensitivity, TierOptions    -> Searched (tier 3: plan, rounding floor;
+                                                                              --tie: each group one option list)
     recovered    model, session, BudgetResult, RecoveryOptions             -> Recovered (--recover)
     verified     model, session, BudgetResult, TruncatorStore              -> Verified (the held-out verification)
     baselined    model, session, BudgetResult, Scope, TruncatorStore       -> Baselined (uniform truncation beside)
