@@ -5,6 +5,7 @@ model's shapes, what the ties cost in removal in every format, LR021 and factori
 
 from __future__ import annotations
 
+import fnmatch
 import html
 import json
 from pathlib import Path
@@ -159,6 +160,8 @@ def test_the_emitted_plan_carries_the_ties_and_reviews_clean(tied_run):
     assert 'ties = ["q_proj,k_proj,v_proj", "gate_proj,up_proj"]' in text
     plan = auditor.planning.plan.Plan.load(out / "plan.toml")
     assert plan.ties == (QKV, GATE_UP)
+    ranks = {n: r for p, r in plan.ranks.items() for n in _all_names(out) if fnmatch.fnmatchcase(n, p)}
+    assert ranks == PLAN  # the emitted lines read back to the searched plan: each group at one rank
 
 
 def test_what_the_ties_cost_is_in_every_format(tied_run):
@@ -175,6 +178,10 @@ def test_what_the_ties_cost_is_in_every_format(tied_run):
         text = (out / "report" / f"lowrank-audit.{name}").read_text()
         flat = " ".join((html.unescape(text) if name.endswith("html") else text).split())
         assert form in flat, name
+
+
+def _all_names(out: Path) -> list[str]:
+    return [l["name"] for l in json.loads((out / "report" / "lowrank-audit.json").read_text())["layers"]]
 
 
 def _shapes(folder: Path) -> dict[str, list[int]]:
