@@ -394,6 +394,10 @@ def audit_session(model: Any, inputs: Any = None, *, plan: Any = None,
 
         suggestions = tie_suggestions(st.layers, spectra.by_layer, suggestions, ties)
     calibrated, suggestions = calibrate(model, st, spectra, suggestions, settings, opts, progress)
+    if ties and calibrated is not None:
+        from .planning.ties import keep_ties
+
+        suggestions = keep_ties(suggestions, ties)
     result = AuditResult(
         model_name=st.model_name, source=st.source, trace_method=st.trace_method, trace_failures=st.trace_failures,
         inputs=st.inputs, total_params=st.total_params, layers=st.layers, macs_known=st.macs_known,

@@ -102,6 +102,21 @@ def test_a_plans_ties_are_read_and_checked(tmp_path):
     assert auditor.planning.plan.Plan.load(p).ties == (("q_proj", "k_proj"), GATE_UP)
 
 
+def test_final_suggestions_that_would_break_a_tie_keep_the_group_dense():
+    from auditor.planning.ties import keep_ties
+    from auditor.results import Suggestion, Verdict
+
+    g = TieGroup("q/k", "b", ("b.q", "b.k"))
+    sgs = {"b.q": Suggestion("b.q", Verdict.FACTORIZE, 16, "calibrated"),
+           "b.k": Suggestion("b.k", Verdict.FACTORIZE, 8, "data-free"),
+           "c": Suggestion("c", Verdict.FACTORIZE, 4, "alone")}
+    out = keep_ties(sgs, [g])
+    assert [(k, s.verdict, s.rank) for k, s in out.items()] == [
+        ("b.q", Verdict.KEEP_DENSE, None), ("b.k", Verdict.KEEP_DENSE, None), ("c", Verdict.FACTORIZE, 4)]
+    assert out["b.k"].reason == "tied (--tie q/k), and the members' ranks differ (b.q 16, b.k 8); alone: data-free"
+    assert keep_ties({**sgs, "b.k": Suggestion("b.k", Verdict.FACTORIZE, 16, "x")}, [g])["b.q"].rank == 16
+
+
 # ---- the search on one group ----------------------------------------------------------------------------------------
 def test_a_group_is_one_option_list_at_the_ranks_every_member_offers_and_never_split():
     c = Curves({"q": [Option(8, 100, 1.0), Option(16, 50, 0.2), Option(24, 10, 0.1)],

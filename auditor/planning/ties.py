@@ -38,7 +38,7 @@ from ..options import TIE_AUTO
 from .groups import natural_key
 from ..results import Layer, Spectrum, Suggestion, TieGroup, Verdict
 
-__all__ = ["KNOWN", "broken_words", "label_of", "resolve_ties", "tie_suggestions", "violations"]
+__all__ = ["KNOWN", "broken_words", "keep_ties", "label_of", "resolve_ties", "tie_suggestions", "violations"]
 
 # The tie groups --tie auto offers, by family: what fused kernels fuse (vLLM's packed_modules_mapping: qkv_proj,
 # gate_up_proj) and the encoders' separate projections. Fused already, needing none: GPT-2's c_attn, Phi-3's
@@ -208,6 +208,20 @@ def tie_suggestions(layers: Sequence[Layer], spectra: Mapping[str, Spectrum], su
                                  params_after=layer.params_at(r), macs_after=layer.macs_at(r),
                                  compression=layer.compression(r), energy_at_rank=kept,
                                  error_bound=lrmath.relative_error(kept) if kept is not None else None)
+    return out
+
+
+def keep_ties(suggestions: Mapping[str, Suggestion], groups: Sequence[TieGroup]) -> dict[str, Suggestion]:
+    """The final suggestions with every group they would break kept dense whole (a safety net: the search and
+    :func:`tie_suggestions` keep ties; a member the calibration ranks while another keeps its data-free rank, which
+    only a tie over layers of different inputs can give, would break one)."""
+    out = dict(suggestions)
+    ranks = {k: s.rank for k, s in suggestions.items() if s.verdict is Verdict.FACTORIZE and s.rank}
+    for g, got in violations(ranks, groups):
+        shown = ", ".join(f"{m} {r or 'dense'}" for m, r in got.items())
+        for m in g.members:
+            if m in out:
+                out[m] = _dense(out[m], f"tied (--tie {g.label}), and the members' ranks differ ({shown})")
     return out
 
 
