@@ -327,6 +327,12 @@ def factorize(model: "nn.Module", plan: Any, calibration: Any = None, *, fit: st
         ranks = {it.layer: it.rank for it in result.review.items} if result.review is not None else {}
         if not ranks:
             raise AuditError(f"the plan factorizes no layer of {result.model_name}", "Check the plan's patterns")
+        from .planning.ties import broken_words, violations
+
+        broken = violations(ranks, result.ties)  # the plan's own ties (LR021), as lowrank-audit factorize refuses
+        if broken:
+            what, fix = broken_words(broken)
+            raise AuditError(f"LR021 the plan {what}", fix)
     if calibration is not None:
         from .calibration.session import CalibrationSession
         from .calibration.statistics.stats import InputStatistics

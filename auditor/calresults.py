@@ -254,6 +254,40 @@ def plan_status(p: FrontierPlan, chosen: dict[str, int]) -> str:
 
 
 @dataclass
+class TieCost:
+    """What the tie groups (``--tie``) cost the plan in removal, on the search's predicted costs: the most the curves
+    remove at the chosen plan's predicted cost with every tie (``removed``) and with none (``untied``), and each
+    tie's part (``each``: tie -> share of the model's parameters, each measured against the ties before it, so the
+    parts add up to the whole); ``dense``: the groups kept dense whole, as no rank saves in every member."""
+
+    removed: int  # parameters the tied curves remove at the plan's predicted cost (the fixed layers' aside)
+    untied: int  # the same without the ties
+    params: int  # the model's parameters
+    groups: int  # tie groups (one per block and tie)
+    each: dict[str, float] = field(default_factory=dict)  # tie ("q_proj/k_proj/v_proj") -> share of the model
+    dense: list[str] = field(default_factory=list)  # "q_proj/k_proj/v_proj in model.layers.0.self_attn"
+
+    @property
+    def cost(self) -> float:
+        """The share of the model's parameters the ties cost in removal (0.008: 0.8 points): the parts' sum, which is
+        (untied - removed) / params before those two are rounded to whole parameters."""
+        return sum(self.each.values())
+
+    def words(self) -> str:
+        """"ties cost 0.80 points of removal (q_proj/k_proj/v_proj: 0.50, gate_proj/up_proj: 0.30)"."""
+        parts = ", ".join(f"{k}: {100 * v:.2f}" for k, v in self.each.items())
+        dense = (f"; {len(self.dense)} group{'s' if len(self.dense) != 1 else ''} kept dense whole (no rank saves "
+                 f"in every member: {', '.join(self.dense[:3])}{', ...' if len(self.dense) > 3 else ''})"
+                 if self.dense else "")
+        return (f"ties cost {100 * self.cost:.2f} points of removal ({parts}), against the same search without "
+                f"them at the plan's predicted cost{dense}")
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"removed": self.removed, "untied": self.untied, "groups": self.groups, "cost": self.cost,
+                "each": dict(self.each), "dense": list(self.dense), "words": self.words()}
+
+
+@dataclass
 class BudgetResult:
     """Tier 3: the plan chosen over the curves and checked all at once, and the frontier around it."""
 
@@ -284,6 +318,7 @@ class BudgetResult:
     seconds: float = working(0.0)
     plans: list[FrontierPlan] = field(default_factory=list)  # every distinct plan measured, by size, with its status
     uniform: UniformBaseline | None = None  # beside the chosen plan: uniform truncation at its share, its rows
+    ties: TieCost | None = None  # --tie: the removal the ties cost (None: no tie)
 
     def settled(self) -> "BudgetResult":
         """This result with ``plans`` (every distinct plan the search measured, fewest parameters removed first, a
@@ -472,6 +507,11 @@ class CalibrationReport:
         if d.get("sensitivity_fallback") is None:  # the gradients reached every planned layer (or none were read)
             d.pop("sensitivity_fallback", None)
         b = d.get("budget")
+        if b is not None and self.budget is not None:  # without --tie the report is as it was
+            if self.budget.ties is None:
+                b.pop("ties", None)
+            else:
+                b["ties"] = self.budget.ties.to_dict()
         if b is not None and b.get("recovery") is None:  # without --recover the report is as it was
             b.pop("recovery", None)
             b.pop("chosen_after_recovery", None)

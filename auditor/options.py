@@ -75,6 +75,49 @@ class CalibrationData:
                              "Give e.g. calibration_length=128 (on the command line --calibration-length 128)")
 
 
+TIE_AUTO = ("auto",)  # --tie auto: the tie groups of the families the tool knows (auditor/planning/ties.py)
+
+
+def tie_specs(value: Any) -> tuple[tuple[str, ...], ...]:
+    """``--tie`` / ``ties=`` as tie groups: a group is "q_proj,k_proj,v_proj" or a sequence of patterns; "auto"
+    (:data:`TIE_AUTO`) offers the defaults. A group of one, an empty pattern or a pattern twice in a group is one
+    AuditError line.
+
+    >>> tie_specs("q_proj,k_proj,v_proj"), tie_specs(["auto", ("gate_proj", "up_proj")])
+    ((('q_proj', 'k_proj', 'v_proj'),), (('auto',), ('gate_proj', 'up_proj')))
+    >>> tie_specs("q_proj")  # doctest: +ELLIPSIS
+    Traceback (most recent call last):
+    ...
+    auditor.errors.AuditError: --tie q_proj is a group of one: a tie makes two or more layers share one rank. ...
+    """
+    if value is None or value == ():
+        return ()
+    items = [value] if isinstance(value, str) else list(value)  # a string is one group; else each item one
+    out: list[tuple[str, ...]] = []
+    for item in items:
+        parts = tuple(p.strip() for p in item.split(",")) if isinstance(item, str) else tuple(map(str, item))
+        text = ",".join(parts)
+        if parts == TIE_AUTO:
+            out.append(TIE_AUTO)
+            continue
+        if any(not p for p in parts):
+            raise AuditError(f"--tie {text} holds an empty layer pattern",
+                             "Separate patterns with single commas, e.g. --tie q_proj,k_proj,v_proj")
+        if "auto" in parts:
+            raise AuditError(f"--tie {text} mixes auto with layer patterns",
+                             "Give --tie auto alone, and other groups as separate --tie flags")
+        if len(parts) < 2:
+            raise AuditError(f"--tie {text} is a group of one: a tie makes two or more layers share one rank",
+                             "Name every member, e.g. --tie q_proj,k_proj,v_proj (or --tie auto for the known "
+                             "defaults)")
+        twice = sorted({p for p in parts if parts.count(p) > 1})
+        if twice:
+            raise AuditError(f"--tie {text} names {', '.join(twice)} twice", "Name each member once")
+        if parts not in out:
+            out.append(parts)
+    return tuple(out)
+
+
 @dataclass(frozen=True)
 class TierOptions:
     """What a calibrated audit measures: the metric and its tolerance, tiers 2 and 3, the verification split."""
@@ -87,6 +130,8 @@ class TierOptions:
     probe: bool = False  # that sensitivity from truncation probes (each layer measured alone at two ranks), not gradients
     confidence: float = 0.9  # the verification interval's level (bootstrap over held-out rows the search never read)
     split: bool = True  # held-out rows cut into search and verification parts (False: every row for both, no interval)
+    ties: tuple[tuple[str, ...], ...] = ()  # --tie: groups of layer patterns whose ranks must be equal within each
+    #                                         block (("q_proj", "k_proj", "v_proj"), ...); TIE_AUTO: the known defaults
 
     def check(self) -> None:
         """The confidence level, the budget and the tolerance, each checked before any work."""
@@ -214,7 +259,7 @@ FLAT: dict[str, tuple[str, str]] = {
         ("calibration_max_rows", "max_rows"), ("calibration_max_bytes", "max_bytes"),
         ("document_separator", "separator")]},
     **{name: ("tiers", name) for name in ("metric", "tolerance", "measure_floor", "budget", "probe_sensitivity",
-                                          "probe", "confidence", "split")},
+                                          "probe", "confidence", "split", "ties")},
     **{name: ("statistics", name) for name in ("device", "offload", "compute_dtype")},
     **{f"recover_{f}": ("recovery", f) for f in ("steps", "lr", "trainable", "objective", "seed")},
     "choose_after_recovery": ("recovery", "choose_after"),
@@ -309,6 +354,7 @@ class AuditOptions:
             object.__setattr__(self, "cache_dir", Path(self.cache_dir))
         if self.settings is None:
             object.__setattr__(self, "settings", Settings())
+        self._update("tiers", ties=tie_specs(self.tiers.ties))
         self.tiers.check()
         self.calibration_data.check_limits()
         self.statistics.check()
@@ -395,6 +441,7 @@ class OptionFields(TypedDict, total=False):
     probe: bool
     confidence: float
     split: bool
+    ties: "str | Iterable[str | Iterable[str]]"
     calibration_length: int | None
     tokenizer: "str | os.PathLike[str] | None"
     calibration_max_rows: int | None

@@ -34,7 +34,7 @@ from ._version import __version__
 from .config import Settings, check_plan_relaxes, validate
 from .errors import AuditError
 from .options import AuditOptions, LoadOptions, Tracer
-from .results import AuditResult, GraphNode, Layer, LayerGraph, Spectrum, Suggestion, TraceMethod
+from .results import AuditResult, GraphNode, Layer, LayerGraph, Spectrum, Suggestion, TieGroup, TraceMethod
 
 if TYPE_CHECKING:
     import networkx as nx
@@ -276,6 +276,22 @@ def compute_spectra(layers: list[Layer], loaders: dict[str, Loader], settings: S
     return Spectra(by_layer, dict(vars(stats)), where=where)
 
 
+def tie_groups(st: Structure, options: AuditOptions, plan: "Plan | None",
+               ) -> tuple[AuditOptions, tuple[TieGroup, ...]]:
+    """The tie groups (``--tie``, else the plan's ``ties``) over the audit's layers, and the options with the ties
+    the calibration honours; one AuditError line for a tie that does not resolve."""
+    from .planning.ties import resolve_ties
+
+    specs = options.tiers.ties or (plan.ties if plan is not None else ())
+    if not specs:
+        return options, ()
+    ties = resolve_ties(st.layers, specs)
+    if not ties:
+        st.notes.append("--tie auto: no tie group of a family the tool knows (q/k/v, gate/up; auditor/planning/"
+                        "ties.py) is in this model; ranks are chosen per layer")
+    return replace(options, tiers=replace(options.tiers, ties=specs)), ties
+
+
 def suggest_ranks(layers: list[Layer], spectra: dict[str, Spectrum], settings: Settings) -> dict[str, Suggestion]:
     from .planning.suggest import suggest
 
@@ -370,9 +386,18 @@ def audit_session(model: Any, inputs: Any = None, *, plan: Any = None,
         st = weights_structure(model, opts)
     else:
         st = module_structure(model, inputs, opts, progress)
+    opts, ties = tie_groups(st, opts, plan_obj)  # bad ties are refused before any spectrum is computed
     spectra = compute_spectra(st.layers, st.loaders, settings, opts, progress)
-    calibrated, suggestions = calibrate(model, st, spectra, suggest_ranks(st.layers, spectra.by_layer, settings),
-                                        settings, opts, progress)
+    suggestions = suggest_ranks(st.layers, spectra.by_layer, settings)
+    if ties:
+        from .planning.ties import tie_suggestions
+
+        suggestions = tie_suggestions(st.layers, spectra.by_layer, suggestions, ties)
+    calibrated, suggestions = calibrate(model, st, spectra, suggestions, settings, opts, progress)
+    if ties and calibrated is not None:
+        from .planning.ties import keep_ties
+
+        suggestions = keep_ties(suggestions, ties)
     result = AuditResult(
         model_name=st.model_name, source=st.source, trace_method=st.trace_method, trace_failures=st.trace_failures,
         inputs=st.inputs, total_params=st.total_params, layers=st.layers, macs_known=st.macs_known,
@@ -383,7 +408,7 @@ def audit_session(model: Any, inputs: Any = None, *, plan: Any = None,
                      **({"tier1": calibrated.session.tier1_where} if calibrated and calibrated.session.tier1_where
                         else {})},
         spectra_stats=spectra.stats, trace_log=st.log,
-        calibration=calibrated.report if calibrated is not None else None,
+        calibration=calibrated.report if calibrated is not None else None, ties=ties,
     )
     result = review(result, plan_obj)
     if calibrated is not None:

@@ -490,6 +490,20 @@ class LayerTotals:
 
 
 @dataclass(frozen=True)
+class TieGroup:
+    """Layers whose ranks must be equal (``--tie``): one block's members of one tie, so that a fused kernel can run
+    them as one (q/k/v of one attention: [A_q; A_k; A_v] stacked over the shared input). ``label`` names the tie by
+    its patterns ("q_proj/k_proj/v_proj"), ``block`` is the members' common parent."""
+
+    label: str
+    block: str
+    members: tuple[str, ...]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"tie": self.label, "block": self.block, "members": list(self.members)}
+
+
+@dataclass(frozen=True)
 class AuditResult(LayerTotals):
     """The result of an audit as plain data, complete when :func:`auditor.pipeline.audit` returns it
     (:func:`auditor.audit` returns it as :class:`auditor.api.Audit`, with the output methods); its totals are
@@ -523,6 +537,7 @@ class AuditResult(LayerTotals):
     trace_log: str = field(default="", repr=False, compare=False)  # torch's logging while tracing (--verbose)
     calibration: "CalibrationReport | None" = None  # measured rank floors (auditor.calresults); None without data
     speed: "SpeedReport | None" = None  # measured latency and memory (auditor.speed); None unless asked
+    ties: tuple[TieGroup, ...] = ()  # --tie: the groups whose ranks must be equal (auditor/planning/ties.py)
 
     # ---- lookups and derived numbers -------------------------------------------------------------------------
     @cached_property

@@ -26,7 +26,7 @@ GIVEN = {
     "recover_lr": 1e-3, "recover_trainable": "all", "recover_objective": "mse", "recover_seed": 3,
     "choose_after_recovery": True, "scheduler": "tcp://h:8786", "path_map": (("/a", "/b"),),
     "origin": ("m.py:f", None), "measure_speed": True, "latency_shape": (2, 8), "budget_latency": 0.2,
-    "speed_clock": None,
+    "speed_clock": None, "ties": (("q_proj", "k_proj"),),
 }
 
 

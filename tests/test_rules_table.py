@@ -140,6 +140,22 @@ class Case:
 
 
 FT = {"finetune": "1 epoch"}
+
+
+class QKV(nn.Module):
+    """One attention's projections reading one input: q 64 x 64, k and v 32 x 64 (grouped-query widths)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.q, self.k, self.v = nn.Linear(64, 64), nn.Linear(64, 32), nn.Linear(64, 32)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.cat([self.q(x), self.k(x), self.v(x)], -1)
+
+
+def qkv() -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(QKV())
 LR015_MEASURED = 0.26230816941727564  # measured once; rel 1e-6 is far above any BLAS difference
 # bf16 rounding noise: the factors' basis (LAPACK's, thread count and CPU kernels) moves it by ~1%; the tolerances
 # below put it at 0.26, 0.69 and 1.29 of theirs, far from the thresholds 0.5 and 1
@@ -230,6 +246,17 @@ CASES: dict[str, Case] = {
                                              dense_s=pytest.approx(312.144e-3), device="cpu",
                                              threads=torch.get_num_threads(), input_shape=[1, 512], at="traced",
                                              time_break_even=200))]),
+    # --tie q,k,v on one block "0": k and v at rank 4 beside q at 8 break it; q dense beside k, v at 8 too
+    "LR021-fires": Case("LR021", qkv, torch.zeros(1, 64), plan={"ranks": {"0.q": 8, "0.k": 4, "0.v": 4}, **FT},
+                        options=dict(ties=("q,k,v",)),
+                        expect=[(["0.q", "0.k", "0.v"], dict(tie="q/k/v", block="0",
+                                                             ranks={"0.q": 8, "0.k": 4, "0.v": 4}))]),
+    "LR021-fires-dense-member": Case("LR021", qkv, torch.zeros(1, 64), plan={"ranks": {"0.[kv]": 8}, "ties": ["q,k,v"],
+                                                                             **FT},
+                                     expect=[(["0.q", "0.k", "0.v"], dict(tie="q/k/v", block="0",
+                                                                          ranks={"0.q": 0, "0.k": 8, "0.v": 8}))]),
+    "LR021-passes": Case("LR021", qkv, torch.zeros(1, 64), plan={"ranks": {"0.*": 8}, **FT},
+                         options=dict(ties=("q,k,v",))),
     "LR020-passes": Case("LR020", lambda: nn.Sequential(nn.Linear(512, 512)), torch.zeros(1, 512),
                          plan={"ranks": {"0": 192}, **FT},
                          options=dict(measure_speed=True, speed_clock=CostClock(1e-6, 50e-3))),

@@ -27,7 +27,7 @@ from torch import nn
 from .. import kinds, lrmath
 from ..calresults import CalibrationReport, LayerCalibration, PlanCheck, Verification, subsample
 from ..errors import AuditError
-from ..results import Layer, Suggestion, Verdict
+from ..results import Layer, Suggestion, TieGroup, Verdict
 from .data.inputs import Calibration, eval_mode
 from .data.precision import computing_in
 from .statistics.stream import compute_dtype_for
@@ -120,7 +120,7 @@ def calibrate(model: nn.Module, layers: list[Layer], settings: "Settings", optio
             t = time.perf_counter()
             session = _open_session(model, layers, options, progress)
             t1 = passes.tier1(model, session, settings.align, progress, since=t)
-            scope = passes.scope_of(layers, t1, settings, suggestions or {})
+            scope = passes.scope_of(layers, t1, settings, suggestions or {}, _ties(layers, options))
             floored = passes.floors(model, session, t1, scope, tiers, options.cluster, progress, options.progress)
             sens = passes.sensitivity(model, session, t1, scope, floored, tiers, progress)
             searched = passes.search(model, session, t1, scope, sens, tiers, settings, progress)
@@ -143,6 +143,16 @@ def computing(model: nn.Module, compute_dtype: "str | None") -> "contextlib.Abst
 def session_dtype(session: CalibrationSession) -> "str | None":
     """The compute dtype the session's audit measured in (None: the model's own)."""
     return session.options.statistics.compute_dtype if session.options is not None else None
+
+
+def _ties(layers: list[Layer], options: "AuditOptions") -> tuple[TieGroup, ...]:
+    """The tie groups of ``options.tiers.ties`` over the layers (the pipeline resolved them once already, so they
+    resolve here without error)."""
+    if not options.tiers.ties:
+        return ()
+    from ..planning.ties import resolve_ties
+
+    return resolve_ties(layers, options.tiers.ties)
 
 
 def _open_session(model: nn.Module, layers: list[Layer], options: "AuditOptions",
@@ -211,7 +221,8 @@ def _report(session: CalibrationSession, options: "AuditOptions", tiers: Tiers) 
         reference=tiers.searched.budget.reference, layers=_rows(tiers), missing=dict(stats.missing),
         warnings=list(dict.fromkeys([*cal.warnings, *tiers.verified.warnings, *stats.warnings])),
         synthetic=any(SYNTHETIC_MARK in w for w in cal.warnings), measured_floors=measured,
-        budget=tiers.baselined.budget.settled(), suggestions_from="measured floors" if measured else "calibration",
+        budget=tiers.searched.tie_costed(tiers.baselined.budget).settled(),
+        suggestions_from="measured floors" if measured else "calibration",
         statistics_cached=tiers.tier1.cached, seconds=tiers.seconds, evaluations=tiers.evaluations,
         rounding_floor=tiers.searched.rounding, compute_dtype=options.statistics.compute_dtype,
         tier1_target=tiers.tier1.target, increase_of=metric.spec.increase_of,

@@ -82,7 +82,7 @@ def _input_flags(g: "argparse._ArgumentGroup") -> None:
 
 def _plan_flags(g: "argparse._ArgumentGroup") -> None:
     """The plan under review and the suggested plan's file."""
-    add_shared(g, "plan")
+    add_shared(g, "plan", "tie")
     g.add_argument("--emit-plan", metavar="FILE", help="write the suggested plan as an editable TOML file")
 
 
@@ -478,7 +478,8 @@ def options_from(args: argparse.Namespace) -> tuple["AuditOptions", "LoadOptions
         spectra_backend=SpectraBackend(args.spectra_backend), spectra=not args.no_spectra,
         cache=not args.no_cache and cache_usable(cache_dir), cache_dir=cache_dir, jobs=args.jobs,
         progress={"always": True, "never": False}.get(_progress_when(args), "auto"),
-        scheduler=args.scheduler, path_map=path_map, **calibration_options(args), **speed_options(args),
+        scheduler=args.scheduler, path_map=path_map, ties=tuple(args.tie or ()), **calibration_options(args),
+        **speed_options(args),
     )
     load_options = LoadOptions(
         input_shape=tuple(parse_shape(s, "--input-shape") for s in args.input_shape) if args.input_shape else None,

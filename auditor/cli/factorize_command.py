@@ -32,7 +32,7 @@ def _parser() -> argparse.ArgumentParser:
     from .shared_flags import add_shared
 
     p = _Parser(prog="lowrank-audit factorize", description_from=_description)
-    add_shared(p, "model", "plan", plan={"required": True})
+    add_shared(p, "model", "plan", "tie", plan={"required": True})
     p.add_argument("-o", "--output-dir", required=True, metavar="DIR", help="where to write the factorized model")
     p.add_argument("--force", action="store_true",
                    help="replace DIR when it holds a previous output of lowrank-audit factorize (and nothing else)")
@@ -175,7 +175,7 @@ def _options(args: argparse.Namespace, loaded: Any, plan: Any) -> Any:
                            calibration_length=args.calibration_length,
                            document_separator=unescape(args.document_separator),
                            compute_dtype=_compute_dtype(args, plan) if cal else None,
-                           split=not args.no_split,
+                           split=not args.no_split, ties=tuple(args.tie or ()),
                            **({"confidence": _level(args.confidence)} if args.confidence is not None else {}))
     given = [flag for flag, value in (("--holdout", args.holdout), ("--metric", args.metric),
                                       ("--tolerance", args.tolerance), ("--calibration-length", args.calibration_length),
@@ -207,7 +207,19 @@ def _reviewed_plan(args: argparse.Namespace, result: Any, name: str) -> dict[str
         raise AuditError(f"plan {args.plan} factorizes no layer of {name}", "Check the plan's patterns")
     if not args.allow_no_saving:
         _no_saving(result, plan)
+    _ties_kept(args, result, plan)
     return plan
+
+
+def _ties_kept(args: argparse.Namespace, result: Any, plan: dict[str, int]) -> None:
+    """A plan that breaks a tie (``--tie``, else the plan's ``ties``) is refused, whatever the rules selected: the
+    fused kernel the ties are for could not run the written model (LR021 in the audit's report)."""
+    from ..planning.ties import broken_words, violations
+
+    broken = violations(plan, result.ties)
+    if broken:
+        what, fix = broken_words(broken)
+        raise AuditError(f"LR021 plan {args.plan} {what}", f"{fix}; factorize writes no model that breaks a tie")
 
 
 def _unverified(v: Any) -> str | None:

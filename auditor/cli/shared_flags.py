@@ -38,6 +38,13 @@ FLAGS: dict[str, tuple[tuple[str, ...], dict[str, Any]]] = {
                                    "also accepted with a config.json"}),
     "plan": (("--plan",), {"metavar": "FILE", "help": "a compression plan (TOML or JSON): the audit reviews it, "
                                                       "factorize applies it after the same review"}),
+    "tie": (("--tie",), {
+        "action": "append", "metavar": "GROUP",
+        "help": "layers whose ranks must be equal, so that fused kernels can run the factorized model: "
+                "comma-separated layer-name patterns matched within each block, e.g. --tie q_proj,k_proj,v_proj "
+                "--tie gate_proj,up_proj (repeat for several groups), or --tie auto for the known families' groups (q/k/v and gate/up of "
+                "Llama, Mistral, Qwen; BERT's query/key/value; T5's). The audit's search gives each group one rank; "
+                "a plan that breaks a tie is LR021, which factorize refuses (default: the plan's own ties)"}),
     "calibration": (("--calibration",), {
         "metavar": "FILE|module:fn",
         "help": "inputs to measure with: a safetensors/.pt file of tensors named after the forward's inputs, batched "

@@ -39,6 +39,7 @@ class Plan:
     thresholds: dict[str, Any] = field(default_factory=dict)
     source: str = "plan"
     compute_dtype: str | None = None  # the dtype the audit read statistics in ("float32"); factorize reads them so
+    ties: tuple[tuple[str, ...], ...] = ()  # groups of layer patterns whose ranks must be equal (planning/ties.py)
 
     @classmethod
     def coerce(cls, value: Any) -> "Plan":
@@ -90,11 +91,11 @@ class Plan:
         if not isinstance(data, dict):
             raise AuditError(f"plan {source} is {_what(data)}, not a table of ranks",
                              'A plan has a [ranks] table such as "fc1" = 64 (docs/plan.md)')
-        unknown = set(map(str, data)) - {"ranks", "finetune", "thresholds", "compute_dtype"}
+        unknown = set(map(str, data)) - {"ranks", "finetune", "thresholds", "compute_dtype", "ties"}
         if unknown:
             shown = ", ".join(repr(k) for k in sorted(unknown)[:5]) + (", ..." if len(unknown) > 5 else "")
             raise AuditError(f"plan {source} has unknown key(s) {shown}",
-                             "A plan has [ranks], finetune and [thresholds] only (docs/plan.md)")
+                             "A plan has [ranks], finetune, [thresholds], compute_dtype and ties only (docs/plan.md)")
         ranks = data.get("ranks", {})
         if not isinstance(ranks, dict):
             raise AuditError(f"plan {source}: 'ranks' is {_what(ranks)}, not a table of pattern = rank",
@@ -116,7 +117,8 @@ class Plan:
         if compute is not None and compute not in ("model", "float32"):
             raise AuditError(f"plan {source}: 'compute_dtype' is {_what(compute)}, not \"model\" or \"float32\"",
                              'e.g. compute_dtype = "float32" (the dtype its statistics were read in)')
-        return cls(dict(ranks), ft, dict(thresholds), source, None if compute in (None, "model") else compute)
+        return cls(dict(ranks), ft, dict(thresholds), source, None if compute in (None, "model") else compute,
+                   _ties(data.get("ties", []), source))
 
     @property
     def has_finetune(self) -> bool:
@@ -124,6 +126,20 @@ class Plan:
             return False
         text = self.finetune.strip().lower()
         return text not in ("", "0", "none", "no", "false", "0 steps", "0 epochs")
+
+
+def _ties(value: Any, source: str) -> tuple[tuple[str, ...], ...]:
+    """A plan's ``ties``: a list of groups, each "q_proj,k_proj,v_proj" or a list of patterns (``--tie``'s forms)."""
+    from ..options import tie_specs
+
+    if not isinstance(value, list) or not all(isinstance(g, str) or (isinstance(g, list) and all(
+            isinstance(p, str) for p in g)) for g in value):
+        raise AuditError(f"plan {source}: 'ties' is {_what(value)}, not a list of tie groups",
+                         'e.g. ties = ["q_proj,k_proj,v_proj", "gate_proj,up_proj"]')
+    try:
+        return tie_specs(value)
+    except AuditError as exc:
+        raise AuditError(f"plan {source}: ties: {exc.what.removeprefix('--tie ')}", exc.fix) from None
 
 
 def _what(value: Any) -> str:
@@ -410,6 +426,9 @@ def emit_toml(audit: "AuditResult", header: list[str] | None = None) -> str:
     if compute:  # factorize reads the statistics (its whitened initialisation) in the dtype these ranks came from
         doc.add("compute_dtype", compute)
         _note(doc["compute_dtype"], "the dtype calibration statistics were read in; factorize reads them so too")
+    if audit.ties:  # the ranks were chosen with these groups equal; the review of the edited plan checks them (LR021)
+        doc.add("ties", list(dict.fromkeys(g.label.replace("/", ",") for g in audit.ties)))
+        _note(doc["ties"], "layers whose ranks must be equal in each block (--tie), for fused kernels")
     doc.add(tomlkit.nl())
     table = tomlkit.table()
     ranks, tied, unwritable = _emitted_ranks(audit)

@@ -165,7 +165,7 @@ def _calibration(audit: "Audit", charts: bool) -> dict[str, Any]:
         "frontier": data_uri(front) if front else None, "frontier_rows": cv.frontier,
         "metric": cal.metric, "in_percent": calibration.in_percent(cal),
         "frontier_title": calibration.frontier_title(cal), "verified_head": calibration.verified_head(cal),
-        "uniform_head": calibration.UNIFORM_HEAD, "uniform_words": cv.uniform,
+        "uniform_head": calibration.UNIFORM_HEAD, "uniform_words": cv.uniform, "ties_words": cv.ties,
         "layer_charts": floors, "floor_legend": data_uri(legend) if legend else "",
     }}
 

@@ -63,6 +63,7 @@ def to_dict(audit: "AuditResult", with_sigma: bool = False) -> dict[str, Any]:
         # older reports are unchanged: the block only when the audit has calibration
         **({"calibration": audit.calibration.to_dict()} if audit.calibration is not None else {}),
         **({"speed": audit.speed.to_dict()} if audit.speed is not None else {}),  # only when measured
+        **({"ties": [g.to_dict() for g in audit.ties]} if audit.ties else {}),  # only with --tie
     }
 
 

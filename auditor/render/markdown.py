@@ -225,6 +225,9 @@ def _cal_search(cal: "CalibrationReport", cv: "CalibrationView") -> list[str]:
     line = calibration.baseline_line(cal)
     if line:
         lines.append(f"- {md_text(line)}")
+    line = calibration.ties_line(cal)
+    if line:
+        lines.append(f"- {md_text(line)}")
     if b.exhausted:
         lines.append(f"- ⚠️ The search stopped at its cap of {b.evaluations} measurements before the boundary "
                      "was bracketed: a larger plan may hold")

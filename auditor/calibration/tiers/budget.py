@@ -54,6 +54,12 @@ class Curves:
     source: str
     linear: bool = False  # costs in the metric's own units, adding up as they are (gradient curves of a likelihood
     #                       metric: nats of cross-entropy); else squared values that add up in quadrature
+    tied: dict[str, tuple[str, ...]] = field(default_factory=dict)  # an option key standing for a tie group (--tie,
+    #                       tiers/tied.py) -> its members, which every plan gives the key's one rank
+
+    def members(self, key: str) -> tuple[str, ...]:
+        """The layers an option key plans: the key itself, or a tie group's members."""
+        return self.tied.get(key, (key,))
 
 
 def curves_from_floors(floors: Floors, layers: dict[str, Layer] | list[Layer],
@@ -178,8 +184,15 @@ def _pick(options: dict[str, list[Option]], mu: float) -> tuple[dict[str, int], 
 
 def allocate(curves: Curves, target_saved: float) -> tuple[dict[str, int], int, float]:
     """The Lagrangian plan removing at least ``target_saved`` parameters at the least summed cost (or the most that
-    the options can remove): (plan, saved, predicted cost)."""
-    opts = curves.options
+    the options can remove): (plan, saved, predicted cost). A tie group's key stands for its members, each at the
+    group's rank."""
+    plan, saved, cost = _allocate(curves.options, target_saved)
+    if curves.tied:
+        plan = {m: r for k, r in plan.items() for m in curves.members(k)}
+    return plan, saved, cost
+
+
+def _allocate(opts: dict[str, list[Option]], target_saved: float) -> tuple[dict[str, int], int, float]:
     if target_saved <= 0:
         return _pick(opts, 0.0)
     hi = 1e-12
@@ -272,9 +285,9 @@ def plan_for_budget(model: nn.Module, layers: dict[str, Layer] | list[Layer],
     named = by_name(layers)
     fixed = _fixed_of(s.fixed, named)
     options = {k: v for k, v in curves.options.items()
-               if k in named and named[k].kind in SUPPORTED and k not in fixed}
-    curves = Curves(options, curves.source, curves.linear)
-    planned = {k: named[k] for k in [*options, *fixed] if k in named}
+               if all(m in named and named[m].kind in SUPPORTED and m not in fixed for m in curves.members(k))}
+    curves = Curves(options, curves.source, curves.linear, {k: v for k, v in curves.tied.items() if k in options})
+    planned = {m: named[m] for k in [*options, *fixed] for m in curves.members(k) if m in named}
     session = CalibrationSession.of(calibration, model, metric=s.metric, tolerance=s.tolerance, layers=planned,
                                     stats=s.stats)  # a metric given keeps its kind (perplexity, kl, ...)
     with session.measuring():  # every module's own mode is restored afterwards

@@ -2,10 +2,11 @@
 before it and its own option group, and returns a frozen result; none changes what an earlier pass made::
 
     tier1        model, session, align, Progress                           -> Tier1 (spectra, spans, the target)
-    scope_of     [Layer], Tier1, Settings, {layer: Suggestion}             -> Scope (swept, planned, fixed layers)
+    scope_of     [Layer], Tier1, Settings, {layer: Suggestion}, ties       -> Scope (swept, planned, fixed layers, ties)
     floors       model, session, Tier1, Scope, TierOptions, ClusterOptions -> Floored | None (tier 2)
     sensitivity  model, session, Tier1, Scope, Floored, TierOptions        -> Sensitivity (one of sensitivity.py's)
-    search       model, session, Tier1, Scope, Sensitivity, TierOptions    -> Searched (tier 3: plan, rounding floor)
+    search       model, session, Tier1, Scope, Sensitivity, TierOptions    -> Searched (tier 3: plan, rounding floor;
+                                                                              --tie: each group one option list)
     recovered    model, session, BudgetResult, RecoveryOptions             -> Recovered (--recover)
     verified     model, session, BudgetResult, TruncatorStore              -> Verified (the held-out verification)
     baselined    model, session, BudgetResult, Scope, TruncatorStore       -> Baselined (uniform truncation beside)
@@ -20,7 +21,7 @@ from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
 from ...calresults import BudgetResult, FrontierPlan, RoundingFloor, Verification
-from ...results import Layer, Suggestion, Verdict
+from ...results import Layer, Suggestion, TieGroup, Verdict
 from ..session import CalibrationSession
 from ..statistics.stats import LayerInput
 from ..statistics.whiten import TruncatorStore, WhitenedSpectrum
@@ -97,6 +98,7 @@ class Scope:
     planned: list[Layer]
     fixed: dict[str, int]
     sensitive: list[Layer]  # the layers a sensitivity is measured for: the planned ones and the fixed ones
+    ties: tuple[TieGroup, ...] = ()  # --tie: groups whose members every plan gives one rank
 
 
 def sweepable(layer: Layer, settings: "Settings") -> bool:
@@ -107,9 +109,12 @@ def sweepable(layer: Layer, settings: "Settings") -> bool:
             and lrmath.max_useful_rank(layer.m, layer.n) >= 1)
 
 
-def scope_of(layers: list[Layer], tier1: Tier1, settings: "Settings", suggestions: dict[str, Suggestion]) -> Scope:
+def scope_of(layers: list[Layer], tier1: Tier1, settings: "Settings", suggestions: dict[str, Suggestion],
+             ties: tuple[TieGroup, ...] = ()) -> Scope:
     """The swept, planned and fixed layers. Fixed: factorized by the weight-energy suggestion, rewritable by
-    ``factorize``, but not ranked by calibration (no statistics, or inputs it did not span)."""
+    ``factorize``, but not ranked by calibration (no statistics, or inputs it did not span). A tie group (``ties``)
+    is fixed whole or not at all: a member fixed beside members the search plans is left dense (the search then
+    keeps the whole group dense: a member without options)."""
     from ...kinds.registry import SUPPORTED
 
     swept = [l for l in layers if l.name in tier1.spectra and sweepable(l, settings) and tier1.spans[l.name].spans]
@@ -124,7 +129,11 @@ def scope_of(layers: list[Layer], tier1: Tier1, settings: "Settings", suggestion
         span = tier1.spans.get(layer.name)
         if span is None or not span.spans:
             fixed[layer.name] = sg.rank
-    return Scope(swept, planned, fixed, [*planned, *(l for l in layers if l.name in fixed)])
+    for g in ties:
+        if any(m in fixed for m in g.members) and not all(m in fixed for m in g.members):
+            for m in g.members:
+                fixed.pop(m, None)
+    return Scope(swept, planned, fixed, [*planned, *(l for l in layers if l.name in fixed)], ties)
 
 
 @dataclass(frozen=True)
@@ -195,6 +204,17 @@ class Searched:
     reuse: TruncatorStore
     evaluations: int
     seconds: dict[str, float]
+    untied: Curves | None = None  # --tie: the curves before the ties, what the ties' cost is stated against
+    ties: tuple[TieGroup, ...] = ()
+
+    def tie_costed(self, budget: BudgetResult) -> BudgetResult:
+        """``budget`` with what the ties cost in removal at its plan's predicted cost (:func:`.tied.tie_cost`);
+        as it is without ties."""
+        if self.untied is None or not self.ties:
+            return budget
+        from .tied import tie_cost
+
+        return replace(budget, ties=tie_cost(self.untied, self.ties, budget.predicted_cost, budget.params_before))
 
 
 def curves_for(sensitivity: Sensitivity, tier1: Tier1, scope: Scope, settings: "Settings") -> Curves:
@@ -220,7 +240,12 @@ def search(model: "nn.Module", session: CalibrationSession, tier1: Tier1, scope:
     if rounding is not None:
         seconds["rounding"] = time.perf_counter() - t
     t = time.perf_counter()
-    curves = curves_for(sensitivity, tier1, scope, settings)
+    untied = curves_for(sensitivity, tier1, scope, settings)
+    curves = untied
+    if scope.ties:  # each tie group one option list: the allocation never splits it
+        from .tied import tie_curves
+
+        curves = tie_curves(untied, scope.ties)[0]
     tier3 = time.perf_counter() - t
     # each layer decomposed once for the search, the verification and the plan check; one part of the model's
     # decompositions in memory (a block's, or the largest outside layer's), the rest on disk
@@ -236,7 +261,8 @@ def search(model: "nn.Module", session: CalibrationSession, tier1: Tier1, scope:
                                  fixed=scope.fixed, progress=progress.update, reuse=reuse,
                                  backstops=VERIFY_BACKSTOPS if session.verifier is not None else 0)
     seconds["tier3"] = tier3 + time.perf_counter() - t
-    return Searched(budget, rounding, reuse, budget.evaluations + int(rounding is not None), seconds)
+    return Searched(budget, rounding, reuse, budget.evaluations + int(rounding is not None), seconds,
+                    untied if scope.ties else None, scope.ties)
 
 
 @dataclass(frozen=True)

@@ -311,6 +311,16 @@ def baseline_line(cal: "CalibrationReport", value: Callable[[float | None], str]
             f"from the same statistics, measured all at once with the same metric){times}.")
 
 
+def ties_line(cal: "CalibrationReport") -> str | None:
+    """What the tie groups (--tie) cost in removal, in one sentence; None without ties."""
+    b = cal.budget
+    t = b.ties if b is not None else None
+    if t is None:
+        return None
+    return (f"Tie groups (--tie, {t.groups} group{'s' if t.groups != 1 else ''}, each at one rank): {t.words()} "
+            f"({t.untied:,} -> {t.removed:,} parameters the curves remove at that cost).")
+
+
 def budget_lines(cal: "CalibrationReport") -> list[str]:
     b = cal.budget
     if b is None:
@@ -337,6 +347,9 @@ def budget_lines(cal: "CalibrationReport") -> list[str]:
                f"measured all at once{rows}{top1}: {'holds' if b.ok else 'MISSES'} the tolerance"
                + (f"; {larger_words(cal)}." if b.smallest_failing is not None else ".")]
     line = baseline_line(cal)
+    if line:
+        out.append(line)
+    line = ties_line(cal)
     if line:
         out.append(line)
     if b.exhausted:
@@ -657,6 +670,7 @@ class CalibrationView:
     recovery: str  # what the recovered curve cost ("" without --recover)
     recovery_note: str  # what the plan chosen after recovery needs ("" unless --choose-after-recovery chose it)
     uniform: str  # "at 20.1% removed: +1.39%; uniform truncation +2.77%" ("" without the uniform baseline)
+    ties: str  # "ties cost 0.80 points of removal (q_proj/k_proj/v_proj: 0.50, ...)" ("" without --tie)
     recovered_steps: int | None
     frontier_chart: "FrontierChart | None"
     floor_charts: "list[FloorChart]"
@@ -677,6 +691,6 @@ def view(audit: "AuditResult") -> CalibrationView | None:
         rows=group_rows(rows(cal, plan=plan)),
         md_rows=group_rows(rows(cal, lambda v: md_value(cal, v), times="", plan=plan)),
         frontier=frontier_rows(cal), recovery=recovery_cost(cal), recovery_note=cal.recovery_note(),
-        uniform=baseline_words(cal),
+        uniform=baseline_words(cal), ties=b.ties.words() if b is not None and b.ties is not None else "",
         recovered_steps=b.recovery.steps if b is not None and b.recovery is not None else None,
         frontier_chart=frontier_data(cal), floor_charts=floor_data(audit))
