@@ -167,3 +167,37 @@ def test_the_check_never_blocks_an_audit_it_cannot_measure(small, monkeypatch):
     loaded = SimpleNamespace(model=torch.nn.Linear(2, 2), example_inputs=None, source="x")
     assert est.refuse_if_short(loaded, AuditOptions(calibration="x.safetensors"), available=1) is None
     assert est.refuse_if_short(loaded, AuditOptions(), available=1) is None  # no calibration: no check
+
+
+def test_a_config_without_weights_is_estimated_from_two_blocks_built_on_the_cpu(cli_inproc, tmp_path):
+    """A Hugging Face directory with only a config (built on the meta device) is timed on two of its blocks built
+    from the config; the weights' bytes are the whole model's (16 blocks, bf16), the trace runs the example input
+    (64 positions), not a calibration batch (32 x 48), and inputs that do not fit are one line, exit 2."""
+    from safetensors.torch import save_file
+
+    cfg = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 64, "intermediate_size": 128,
+           "num_hidden_layers": 16, "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 97,
+           "max_position_embeddings": 128, "torch_dtype": "bfloat16", "tie_word_embeddings": False}
+    (tmp_path / "llama").mkdir()
+    (tmp_path / "llama" / "config.json").write_text(json.dumps(cfg))
+    save_file({"input_ids": torch.randint(0, 97, (64, 48), generator=torch.Generator().manual_seed(0))},
+              str(tmp_path / "cal.safetensors"))
+    res = cli_inproc(str(tmp_path / "llama"), "--calibration", str(tmp_path / "cal.safetensors"), "--compute-dtype",
+                     "float32", "--input-ids", "1,64", "--estimate", "--format", "json")
+    assert res.returncode == 0, res.stderr
+    e = json.loads(res.stdout)["estimate"]
+    assert e["basis"]["measured_on"] == "2 of 16 blocks built from the config (no weights: the load not measured)"
+    params = 2 * 97 * 64 + 16 * (2 * 64 * 64 + 2 * 64 * 32 + 3 * 64 * 128 + 2 * 64) + 64
+    assert e["basis"]["shapes"]["weight_bytes"] == 2 * params + 2 * 8 * 4  # and the two rotary float32 buffers
+    me = e["basis"]["measurements"]
+    forward = me["block_forward"] * (16 + 97 * 64 / (2 * 64 * 64 + 2 * 64 * 32 + 3 * 64 * 128))  # + the head
+    trace = next(s["wall_seconds"] for s in e["stages"] if s["stage"] == "trace")
+    assert trace == pytest.approx(2 * forward * 64 / (32 * 48), abs=2e-3)
+
+
+def test_estimate_inputs_that_do_not_fit_are_one_line(cli_inproc):
+    res = cli_inproc("sample_models/digits.py:mlp", "--calibration", "sample_models/chargpt_calib.safetensors",
+                     "--estimate")
+    assert res.returncode == 2 and res.stderr.count("\n") == 1, res.stderr
+    assert res.stderr.startswith("error: the inputs do not fit DigitsMLP.forward: RuntimeError: mat1 and mat2 must "
+                                 "have the same dtype")

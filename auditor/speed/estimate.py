@@ -24,7 +24,7 @@ import math
 import os
 import resource
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any, Callable
 
 import numpy as np
@@ -83,6 +83,7 @@ class Workload:
     calibrated: bool = True
     device: str | None = None
     offload: bool = False
+    example_share: float = 1.0  # the trace's example input's positions over a measured batch's
 
 
 @dataclass(frozen=True)
@@ -188,7 +189,8 @@ def _rows(wl: Workload) -> dict[str, int]:
 
 def stage_seconds(sh: Shapes, wl: Workload, me: Measurements) -> dict[str, float]:
     fwd, bwd = forward_seconds(sh, me), forward_seconds(sh, me, backward=True)
-    out = {"load": me.load_seconds, "trace": TRACE_FORWARDS * fwd, "spectra": spectra_seconds(sh, me),
+    out = {"load": me.load_seconds, "trace": TRACE_FORWARDS * fwd * wl.example_share,
+           "spectra": spectra_seconds(sh, me),
            "reports": sum(REPORT_SECONDS.get(f, DEFAULT_REPORT_SECONDS) + REPORT_LAYER_SECONDS.get(f, 0.0)
                           * len(sh.layers) for f in wl.formats)}
     if not wl.calibrated:
@@ -528,6 +530,11 @@ def _calibration(model: nn.Module, source: str, options: Any) -> Any:
                             separator=data.separator)
 
 
+def _positions(batch: Any) -> int:
+    rows, tokens, _ = _batch_shape(batch)
+    return max(1, rows * tokens)
+
+
 def _outputs(model: nn.Module, sh: Shapes) -> int:
     config = getattr(model, "config", None)
     vocab = getattr(config, "vocab_size", None)
@@ -545,16 +552,45 @@ def estimate_loaded(loaded: Any, options: Any, formats: tuple[str, ...], load_se
         raise AuditError("--estimate needs the model's code: a weights-only checkpoint cannot run the forward it times",
                          "Estimate a factory (file.py:fn) or a Hugging Face directory")
     sh = shapes_of(model)
+    timed, built = _measurable(model)
     if options.calibration_data.source is not None:
         cal = _calibration(model, loaded.source, options)
         wl, batch = workload_of(cal, options, _outputs(model, sh), formats), (cal.fit or cal.holdout)[0]
+        if loaded.example_inputs is not None:  # the trace runs the example input, not a calibration batch
+            wl = replace(wl, example_share=min(1.0, _positions(_as_batch(loaded.example_inputs)) / _positions(batch)))
     else:
         batch = _as_batch(loaded.example_inputs) if loaded.example_inputs is not None else None
         rows, tokens, ids = _batch_shape(batch) if batch is not None else (1, 1, False)
         wl = Workload(0, 0, tokens, rows, _outputs(model, sh), ids, formats, torch.get_num_threads(), calibrated=False)
-    me = measure(model, batch, sh, _rss() if base_rss is None else base_rss, load_seconds, clock, linalg,
+    me = measure(timed, batch, sh, _rss() if base_rss is None else base_rss, load_seconds, clock, linalg,
                  options.statistics.compute_dtype if options.calibration_data.source is not None else None)
-    return predict(sh, wl, me, available_memory())
+    est = predict(sh, wl, me, available_memory())
+    if built:
+        est = replace(est, basis={**est.basis, "measured_on": built})
+    return est
+
+
+def _measurable(model: nn.Module) -> tuple[nn.Module, str]:
+    """(the model to time, how it was had): the model itself; for a Hugging Face config built on the meta device (a
+    directory with no weights), the same architecture with two of its repeated blocks built on the CPU in its dtype,
+    random values (the timing needs the shapes; the whole model's shapes come from the meta one)."""
+    if not any(p.device.type == "meta" for p in model.parameters()):
+        return model, ""
+    import copy
+
+    config = getattr(model, "config", None)
+    if config is None or not isinstance(getattr(config, "num_hidden_layers", None), int) \
+            or not hasattr(type(model), "_from_config"):
+        raise AuditError("--estimate cannot time a model on the meta device that is not a Hugging Face config",
+                         "Give the weights, or a Hugging Face directory whose config.json names the architecture")
+    small = copy.deepcopy(config)
+    small.num_hidden_layers = 2
+    if isinstance(getattr(small, "layer_types", None), list):
+        small.layer_types = small.layer_types[:2]
+    dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
+    torch.manual_seed(0)
+    return type(model)._from_config(small, torch_dtype=dtype).eval(), (
+        f"2 of {config.num_hidden_layers} blocks built from the config (no weights: the load not measured)")
 
 
 def estimate_source(spec: str, options: Any, load: Any, formats: tuple[str, ...],
