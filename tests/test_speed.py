@@ -242,7 +242,10 @@ def test_cli_measure_speed_times_the_whole_model_in_fresh_processes(cli, tmp_pat
     assert sp["model"]["dense"]["params"] == d["totals"]["params"]
     assert sp["model"]["factorized"]["params"] == d["totals"]["params"] - rv["params_before"] + rv["params_after"]
     assert sp["model"]["dense"]["memory"] in ("rss", "rss-process-peak") and sp["model"]["dense"]["peak_bytes"] > 0
-    assert sorted(s["layer"] for s in sp["layers"]) == sorted(i["layer"] for i in rv["items"])
+    timed, planned = {s["layer"] for s in sp["layers"]}, {i["layer"] for i in rv["items"]}
+    assert timed and timed <= planned
+    # a layer whose times a busy machine made unrepeatable is refused and said so, never reported
+    assert all(any(n.startswith("Not timed:") and layer in n for n in sp["notes"]) for layer in planned - timed)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
