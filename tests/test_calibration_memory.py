@@ -60,6 +60,113 @@ def test_gradient_pass_by_block_equals_the_whole_graph_bit_for_bit(monkeypatch, 
     assert not whole.second.files  # no blocks: no budget, nothing on disk
 
 
+class _Twice(nn.Module):
+    """A module called twice in one forward (``mix``), a tall layer (``wide``, its gradient carried through F)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.emb = nn.Embedding(16, 8)
+        self.mix = nn.Linear(8, 8)
+        self.wide = nn.Linear(8, 24)
+        self.head = nn.Linear(24, 16)
+
+    def forward(self, input_ids):
+        h = self.emb(input_ids)
+        h = torch.tanh(self.mix(h))
+        h = self.mix(h) + h
+        return self.head(torch.relu(self.wide(h)))
+
+
+def _all_at_once(model, layers, cal, metric, samples=fisher.SAMPLES, seed=0):
+    """The pass before issue 37: every hooked output's gradient edge kept, every gradient of a backward returned
+    together by one ``torch.autograd.grad`` over the edges, added in call order; nothing checkpointed."""
+    from torch.autograd.graph import get_gradient_edge
+
+    from auditor.calibration.measure.metric import _row_mask, main_output
+
+    acc = fisher._Accumulator(by_name(layers), dict(model.named_parameters(remove_duplicate=False)))
+    got = []
+
+    def hook(path):
+        def fn(mod, args, out):
+            out = out if out.requires_grad else out.detach().requires_grad_(True)
+            got.append((path, get_gradient_edge(out)))
+            return out
+        return fn
+
+    modules = acc.hook_paths(dict(model.named_modules(remove_duplicate=False)))
+    handles = [m.register_forward_hook(hook(p)) for p, m in modules.items()]
+    p = fisher._Pass(metric.spec.gradient == "likelihood", metric.spec.logprobs, samples,
+                     torch.Generator().manual_seed(seed), torch.device("cpu"))
+    try:
+        with torch.enable_grad():
+            for b in cal.fit:
+                got.clear()
+                y = main_output(model(*b.args, **b.kwargs))
+                keep = _row_mask(b)
+                for k, loss in enumerate(fisher._losses(y, b, keep, p)):
+                    grads = torch.autograd.grad(loss(), [e for _, e in got], retain_graph=k < samples - 1,
+                                                allow_unused=True)
+                    for (path, _), g in zip(got, grads):
+                        if g is not None:
+                            acc.put(acc.terms(path, g, keep))
+    finally:
+        for h in handles:
+            h.remove()
+    return acc
+
+
+@pytest.mark.parametrize("kind", ["perplexity", "output"])
+def test_gradients_added_as_each_node_runs_equal_all_at_once_bit_for_bit(kind):
+    model, cal, layers = _setup(3)
+    now = output_gradients(model, layers, cal, Metric(kind=kind))  # checkpointed blocks, taps
+    before = _all_at_once(model, layers, cal, Metric(kind=kind))
+    assert set(now.second) == set(before.second) and len(now.second) == 3 * 7 + 2
+    assert all(np.array_equal(now.second[k], before.second[k]) for k in before.second)
+    assert now.count == before.count and now.passes == 2 * len(cal.fit)
+
+
+def test_a_module_called_twice_adds_its_calls_in_call_order():
+    model = _Twice().eval()
+    g = torch.Generator().manual_seed(1)
+    cal = load_calibration({"input_ids": torch.randint(0, 16, (12, 6), generator=g)}, model, holdout=0.25,
+                           batch_size=3)
+    layers = by_name(collect_layers(model, ParamTable.of(model)))
+    now = output_gradients(model, layers, cal, Metric(kind="output"))
+    before = _all_at_once(model, layers, cal, Metric(kind="output"))
+    assert {"mix", "wide", "head"} <= set(now.second) and set(now.second) == set(before.second)
+    assert all(np.array_equal(now.second[k], before.second[k]) for k in before.second)
+    assert now.count["mix"] == 2 * now.count["head"] == 2 * 2 * 9 * 6  # two calls, two samples, 9 fit rows of 6
+
+
+def test_one_output_gradient_is_alive_at_a_time(monkeypatch):
+    """Counted, not timed: whenever an output gradient is added up, how many distinct buffers the gradients added
+    before it in the same backward still hold. All at once: every one (3 blocks x 7 layers + the head and the
+    embeddings, held until the backward ends); added as each node runs: at most one (the residual stream's
+    gradient, which autograd adds the blocks' branches into in place; each layer's own is freed once its node
+    has passed it on)."""
+    import weakref
+
+    model, cal, layers = _setup(3)
+    seen, held = [], []
+    real = fisher._Accumulator.terms
+
+    def counted(self, path, g, keep):
+        if len(seen) == 3 * 7 + 2:  # a new backward
+            seen.clear()
+        held.append(len({r().data_ptr() for r in seen if r() is not None}))
+        seen.append(weakref.ref(g))
+        return real(self, path, g, keep)
+
+    monkeypatch.setattr(fisher._Accumulator, "terms", counted)
+    output_gradients(model, layers, cal, Metric(kind="perplexity"))
+    assert len(held) == 2 * len(cal.fit) * (3 * 7 + 2) and max(held) == 1
+    held.clear()
+    _all_at_once(model, layers, cal, Metric(kind="perplexity"))
+    assert max(held) == 3 * 7 + 1  # the pass before: the last one added finds every other held
+
+
 def test_second_moments_in_memory_are_one_part_of_the_model():
     """Counted: at depth 2 and 6 the moments held in memory are at most the largest part's (one block's layers, or
     one layer outside the blocks), and the rest are on disk."""
