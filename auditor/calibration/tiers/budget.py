@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Callable, TypedDict
 from torch import nn
 
 from ... import lrmath
+from ..._env import trim_heap
 from ...calresults import BudgetResult, FrontierPlan
 from ...kinds.registry import SUPPORTED
 from ...surgery import count_params
@@ -337,6 +338,7 @@ class _Plans:
     def _measured(self, plan: dict[str, int], saved: int, cost: float, target: float) -> FrontierPlan:
         ev = self.ev
         m = ev.measure(factorize(self.model, plan, self.stats, reuse=self.reuse, share=True)) if plan else ev.measure(self.model)
+        trim_heap()  # the plan's factors and what building them freed, handed back before the next plan
         return FrontierPlan(saved, saved / self.total if self.total else 0.0, m.value, m.ok, len(plan), m.top1,
                             target=int(target), plan=plan, predicted_cost=cost, rows=ev.rows_read)
 

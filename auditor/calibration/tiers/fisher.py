@@ -42,6 +42,7 @@ import torch
 from torch import nn
 
 from ... import kinds, lrmath
+from ..._env import trim_heap
 from ...errors import AuditError, first_line
 from ...results import Layer
 from ..data.inputs import Batch, Calibration, eval_mode, model_device
@@ -110,7 +111,9 @@ def output_gradients(model: nn.Module, layers: dict[str, Layer] | list[Layer], c
     try:
         with eval_mode(model), torch.enable_grad(), _checkpointed(found):
             for i, b0 in enumerate(batches):
-                if not _one_batch(model, b0.to(pass_.device), i, cap, acc, pass_):
+                done = _one_batch(model, b0.to(pass_.device), i, cap, acc, pass_)
+                trim_heap()  # the batch's freed activations, gradients and terms handed back
+                if not done:
                     break
                 if progress is not None:
                     progress(i + 1, len(batches))
@@ -378,8 +381,9 @@ def _part_bytes(found: "Blocks | None", layers: list[Layer]) -> int | None:
 
 class Moments(MutableMapping):
     """Per layer a float64 matrix summed batch by batch, at most ``budget`` bytes of them in memory (None: all); the
-    others in ``.npy`` files in a temporary directory, read, added to and written back. The sums are the same either
-    way (the same float64 additions in the same order); what is alive at once is one part of the model's."""
+    others in ``.npy`` files in a temporary directory, added to in place in a memory map of the file (no copy in the
+    heap). The sums are the same either way (the same float64 additions in the same order); what is alive at once
+    is one part of the model's."""
 
     def __init__(self, budget: int | None = None) -> None:
         self.budget = budget
@@ -392,10 +396,16 @@ class Moments(MutableMapping):
         """``s`` added to ``name``'s sum (its first term when there is none)."""
         if name in self.mem:
             self.mem[name] += s
-        elif name in self.files:
-            a = np.load(self.files[name], allow_pickle=False)
-            a += s
-            save_spilled(self.files[name], a, "the output gradients' second moments")
+        elif name in self.files:  # added in place in a map of its file: no copy of it in the heap
+            try:
+                a = np.load(self.files[name], mmap_mode="r+", allow_pickle=False)
+                a += s
+                a.flush()
+            except OSError as exc:
+                raise AuditError(f"cannot write the output gradients' second moments to {self._dir.name}: "
+                                 f"{exc.strerror or exc}",
+                                 "Free disk space there, or set TMPDIR to a directory with room") from None
+            del a
         else:
             self[name] = s
 
@@ -552,6 +562,7 @@ def gradient_sensitivity(model: nn.Module, layers: dict[str, Layer] | list[Layer
         if name not in grads.second or inp is None or inp.groups != 1:
             continue
         c = gradient_costs(layer, params[layer.param], inp, grads)
+        trim_heap()  # its eigendecomposition's arrays handed back before the next layer's
         costs[name] = c.tolist()
         spec = spectra.get(name)
         if spec is not None:

@@ -19,6 +19,7 @@ import time
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
+from ..._env import trim_heap
 from ...calresults import BudgetResult, FrontierPlan, RoundingFloor, Verification
 from ...results import Layer, Suggestion, Verdict
 from ..session import CalibrationSession
@@ -359,6 +360,7 @@ def verify(model: "nn.Module", session: CalibrationSession, budget: BudgetResult
     with session.measuring():
         for p in _candidates(budget)[:VERIFY_TRIES]:
             v = ver.measure(factorize(model, p.plan, stats, reuse=reuse, share=True))
+            trim_heap()  # the plan's factors handed back before the next
             chosen = p
             p.verification = v = replace(v, search_rows=search_rows)  # every plan verified says so in the report
             if v.ok:

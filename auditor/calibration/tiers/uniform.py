@@ -20,6 +20,7 @@ from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Sequence
 
 from ... import lrmath
+from ..._env import trim_heap
 from ...calresults import BudgetResult, FrontierPlan, UniformBaseline
 from ...results import Layer
 
@@ -145,6 +146,7 @@ def with_baselines(model: "nn.Module", session: "CalibrationSession", budget: Bu
                 continue
             verify = key == chosen and budget.verification is not None
             done[key] = measure_uniform(model, session, layers, p, budget, reuse, verify)
+            trim_heap()  # the plan's factors handed back before the next
             count += 1 + int(done[key].verification is not None)
     frontier = [replace(p, uniform=done.get(tuple(sorted(p.plan.items())))) for p in budget.frontier]
     tries = [replace(p, uniform=done.get(tuple(sorted(p.plan.items())))) for p in budget.tries]
