@@ -180,6 +180,20 @@ def test_second_moments_in_memory_are_one_part_of_the_model():
         assert len(g.second.files) >= (depth - 1) * 7  # every block but (at most) one on disk
 
 
+def test_freed_heap_is_handed_back_after_each_fit_batch(monkeypatch):
+    """glibc's malloc_trim (no allocator setting changed) after every fit batch and every layer's gradient costs."""
+    from auditor.calibration.statistics.whiten import whitened_spectra
+    from auditor.calibration.tiers.fisher import gradient_sensitivity
+
+    model, cal, layers = _setup(2)
+    calls = []
+    monkeypatch.setattr(fisher, "trim_heap", lambda: calls.append(1))
+    stats = input_statistics(model, list(layers.values()), cal)
+    spectra = whitened_spectra(layers, dict(model.named_parameters()), stats)
+    sens = gradient_sensitivity(model, layers, cal, Metric(kind="perplexity"), stats, spectra)
+    assert len(calls) == len(cal.fit) + len(sens.costs) - len(sens.scaled)
+
+
 def test_moments_on_disk_add_up_as_in_memory():
     rng = np.random.default_rng(0)
     terms = [(f"l{i % 3}", rng.standard_normal((5, 5))) for i in range(9)]
@@ -208,6 +222,8 @@ def test_truncator_store_reads_back_what_it_spilled(monkeypatch):
     for n, t in truncs.items():
         back = store.get(n)
         assert all(np.array_equal(a, b) for a, b in zip(back.factors(8), t.factors(8)))
+    back = store.get(names[1])  # read back mapped, read-only: no copy in the heap left behind
+    assert isinstance(back.f, np.memmap) and not back.f.flags.writeable and isinstance(back.u[0], np.memmap)
     assert store.get("missing") is None
     # the audit's budget: the largest part (a block's layers together, or one layer outside the blocks)
     want = max(sum(truncator_bytes(layers[k]) for k in layers if k.startswith(f"model.layers.{i}."))
