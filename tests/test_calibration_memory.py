@@ -248,6 +248,42 @@ def test_a_plan_measured_on_a_copy_sharing_the_weights_is_the_same_model():
     assert not any(p.data_ptr() in kept for p in own.parameters())
 
 
+def test_a_plan_measured_with_its_blocks_factors_mapped_is_the_same_model():
+    """measured_copy: the same outputs as factorize's copy, the same parameter count; between forwards none of the
+    blocks' factors is in memory, and while a block runs only its own are (counted, not timed)."""
+    from auditor.calibration.apply import measured_copy
+    from auditor.surgery import count_params
+
+    model, cal, layers = _setup(3)
+    stats = input_statistics(model, list(layers.values()), cal)
+    plan = {"model.layers.0.mlp.up_proj": 8, "model.layers.1.self_attn.o_proj": 8, "model.layers.2.mlp.down_proj": 16,
+            "model.layers.2.self_attn.q_proj": 8, "lm_head": 16}
+    reuse = TruncatorStore(0)  # every decomposition spilled and read back, as the audit's beyond one part
+    own, mapped = factorize(model, plan, stats, share=True), measured_copy(model, plan, stats, reuse)
+    x = cal.measure[0].kwargs["input_ids"]
+    kept = {p.untyped_storage().data_ptr() for p in model.parameters()}
+
+    def resident(m):  # bytes of the copy's own parameters that are not one number expanded
+        return sum(p.numel() * p.element_size() for p in m.parameters()
+                   if p.untyped_storage().data_ptr() not in kept and p.stride() != (0,) * p.dim())
+
+    def factor_bytes(names):
+        return sum(4 * plan[k] * (layers[k].m + layers[k].n) for k in names)
+
+    head = factor_bytes(["lm_head"])
+    running = []
+    for blk in mapped.model.layers:  # after the hook that maps the block's factors
+        blk.register_forward_pre_hook(lambda mod, a: running.append(resident(mapped) - head))
+    with torch.no_grad():
+        assert torch.equal(own(input_ids=x).logits, mapped(input_ids=x).logits)
+        assert torch.equal(own(input_ids=x).logits, mapped(input_ids=x).logits)  # mapped again: the same
+    assert count_params(mapped) == count_params(own) < count_params(model)
+    assert resident(mapped) == head  # between forwards: only the head's factors (outside the blocks) in memory
+    each = [factor_bytes([k for k in plan if k.startswith(f"model.layers.{i}.")]) for i in range(3)]
+    assert running == each * 2 and resident(own) == head + sum(each)  # while block i runs: its own alone
+    reuse.close()
+
+
 def test_large_arrays_are_mapped_where_glibc_is_the_allocator():
     import ctypes.util
     import platform
