@@ -159,7 +159,7 @@ class _MappedFactors:
             try:
                 with open(path, "ab") as fh:
                     fh.write(b"\0" * (at - self.size.get(i, 0)))
-                    fh.write(raw.tobytes())
+                    fh.write(memoryview(raw))  # the tensor's own bytes, no copy
             except OSError as exc:
                 raise AuditError(f"cannot write a plan's factors to {self.dir.name}: {exc.strerror or exc}",
                                  "Free disk space there, or set TMPDIR to a directory with room") from None
