@@ -281,6 +281,10 @@ def test_a_plan_measured_with_its_blocks_factors_mapped_is_the_same_model():
     assert resident(mapped) == head  # between forwards: only the head's factors (outside the blocks) in memory
     each = [factor_bytes([k for k in plan if k.startswith(f"model.layers.{i}.")]) for i in range(3)]
     assert running == each * 2 and resident(own) == head + sum(each)  # while block i runs: its own alone
+    real = mapped.model.layers[1].forward  # a block run without its hooks: refused, never NaN or zeros measured
+    mapped.model.layers[1] = type("Bare", (nn.Module,), {"forward": lambda self, *a, **k: real(*a, **k)})()
+    with torch.no_grad(), pytest.raises(RuntimeError, match=r"blocks \[1\] of the factorized copy ran without"):
+        mapped(input_ids=x)
     reuse.close()
 
 

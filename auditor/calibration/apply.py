@@ -124,8 +124,10 @@ def sequential(calibration: object, model: nn.Module, resolved: dict[str, tuple[
 class _MappedFactors:
     """A factorized copy's new factors in its repeated blocks, kept in one file per block and mapped (copy on
     write, never written) only while their block runs: the factors alive at once are one block's, not the plan's.
-    Each parameter is a placeholder of its shape between runs (one number, expanded), so counting the copy's
-    parameters still counts them. The files go with the copy (removed when it is garbage-collected)."""
+    Each parameter is a placeholder of its shape between runs (one NaN, expanded: a forward that read it would give
+    NaN, never a plausible value), so counting the copy's parameters still counts them, and a forward of the copy
+    in which a block holding factors ran without its hooks (called other than through ``__call__``) raises. The
+    files go with the copy (removed when it is garbage-collected)."""
 
     ALIGN = 64  # bytes: each parameter's offset in its block's file
 
@@ -140,6 +142,7 @@ class _MappedFactors:
         self.kept = {p.untyped_storage().data_ptr() for p in model.parameters()}
         self.params: dict[int, list[tuple[nn.Parameter, int, int, torch.dtype, tuple[int, ...]]]] = {}
         self.size: dict[int, int] = {}
+        self.seen: set[int] = set()  # the blocks mapped during the copy's forward running now
 
     def block_of(self, path: str) -> int | None:
         prefix = f"{self.blocks.path}." if self.blocks.path else ""
@@ -173,6 +176,7 @@ class _MappedFactors:
 
         if i not in self.params:
             return
+        self.seen.add(i)
         buf = torch.from_numpy(np.memmap(os.path.join(self.dir.name, f"b{i}.bin"), dtype=np.uint8, mode="c"))
         for p, at, n, dtype, shape in self.params[i]:
             p.data = buf[at:at + n].view(dtype).view(shape)
@@ -188,12 +192,21 @@ class _MappedFactors:
         for i in self.params:
             blocks[i].register_forward_pre_hook(lambda mod, args, i=i: self.map(i))
             blocks[i].register_forward_hook(lambda mod, args, out, i=i: self.unmap(i))
+        new.register_forward_pre_hook(lambda mod, args: self.seen.clear())
+        new.register_forward_hook(lambda mod, args, out: self.check())
         weakref.finalize(new, self.dir.cleanup)
+
+    def check(self) -> None:
+        """After a forward of the copy: every block holding factors was mapped while it ran."""
+        missed = sorted(set(self.params) - self.seen)
+        if missed:
+            raise RuntimeError(f"blocks {missed} of the factorized copy ran without their factors mapped (a block "
+                               "called other than through __call__); measure the plan with factorize(share=True)")
 
 
 def _placeholder(p: torch.Tensor) -> torch.Tensor:
-    """One number of ``p``'s dtype expanded to its shape: its shape and count, one element's memory."""
-    return torch.zeros(1, dtype=p.dtype).expand(p.shape)
+    """One NaN of ``p``'s dtype expanded to its shape: its shape and count, one element's memory."""
+    return torch.full((1,), float("nan"), dtype=p.dtype).expand(p.shape)
 
 
 def measured_copy(model: nn.Module, plan: dict[str, int], stats: InputStatistics | None,
@@ -215,7 +228,7 @@ def measured_copy(model: nn.Module, plan: dict[str, int], stats: InputStatistics
     def built(name: str, replacement: nn.Module) -> None:
         layer = resolved[name][0]
         i = mapped.block_of(kinds.for_kind(layer.kind).module_path(layer)[0])
-        if i is not None:
+        if i is not None and not layer.aliases:  # a module reached by several paths stays in memory
             mapped.put(i, replacement)
 
     new = replace_layers(model, resolved, truncation(stats, reuse), share=True, built=built)
