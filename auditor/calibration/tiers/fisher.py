@@ -90,9 +90,10 @@ def _function_view(layer: Layer, weight: torch.Tensor) -> torch.Tensor:
 def output_gradients(model: nn.Module, layers: dict[str, Layer] | list[Layer], calibration: Calibration,
                      metric: Metric, samples: int = SAMPLES, seed: int = 0,
                      progress: Callable[[int, int], None] | None = None) -> OutputGradients:
-    """One forward and ``samples`` backward passes per fit batch, gradient hooks on every supported layer's output
-    (rows with ``attention_mask`` 0 left out, as in the statistics). The model runs where it is, in eval mode; no
-    parameter's ``requires_grad`` or ``.grad`` is touched (the graph starts at the hooked outputs). Where the model
+    """One forward and ``samples`` backward passes per fit batch, every supported layer's output through a tap
+    (:class:`_Tap`) that adds its gradient up as the backward reaches it (rows with ``attention_mask`` 0 left out,
+    as in the statistics), so one output gradient is alive at a time. The model runs where it is, in eval mode; no
+    parameter's ``requires_grad`` or ``.grad`` is touched (the graph starts at the taps). Where the model
     has repeated blocks (:func:`~auditor.calibration.statistics.stream.find_blocks`) each block runs checkpointed
     (``torch.utils.checkpoint``, non-reentrant): the backward recomputes one block's activations at a time, so the
     activations alive at once are the blocks' inputs and one block's, not every block's."""
