@@ -133,6 +133,29 @@ def owns_process() -> bool:
     return _OWNS_PROCESS
 
 
+_LIBC: Any = None
+
+
+def trim_heap() -> None:
+    """Hand the memory the allocator keeps after it is freed back to the system: glibc's ``malloc_trim(0)``, every
+    arena's free pages (nothing elsewhere). It changes no setting of the allocator (unlike ``mallopt``), so a
+    library call may do it: the calibrated audit does after each fit batch of the gradient pass and each plan it
+    measures, whose freed arrays of a few MiB (of every size: moments, decompositions, factors at each rank) would
+    otherwise stay in the heap and the resident size grow with the depth."""
+    global _LIBC
+    if _LIBC is None:
+        import ctypes
+        import ctypes.util
+
+        try:
+            _LIBC = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+            _LIBC.malloc_trim  # noqa: B018 - glibc only
+        except (OSError, AttributeError):
+            _LIBC = False
+    if _LIBC:
+        _LIBC.malloc_trim(0)
+
+
 @contextlib.contextmanager
 def host_scope() -> Iterator[None]:
     """Leave torch's process-wide state as it was found: the CPU random state (with it :func:`torch.initial_seed`),

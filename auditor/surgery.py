@@ -188,11 +188,12 @@ def _factors_of(source: FactorSource, name: str, layer: Layer, weight: torch.Ten
 
 
 def replace_layers(model: nn.Module, resolved: Resolved, factors: FactorSource = None, *,
-                   share: bool = False) -> nn.Module:
+                   share: bool = False, built: Callable[[str, nn.Module], None] | None = None) -> nn.Module:
     """A deep copy of ``model`` with each layer of a checked plan (:func:`checked_plan`) replaced by its kind's two
     modules, holding the factors ``factors`` gives (see the module docstring); ``model`` is left untouched.
     ``share``: the copy holds ``model``'s own parameters and buffers (only the new factors are allocated): for
-    measuring a plan, never for a model that is trained or changed."""
+    measuring a plan, never for a model that is trained or changed. ``built(layer name, replacement)`` is called
+    as each replacement is in place, before the next layer's factors are made."""
     new = copy.deepcopy(model, {id(t): t for t in (*model.parameters(), *model.buffers())} if share else None)
     for name, (layer, r) in resolved.items():
         path, attr = kinds.for_kind(layer.kind).module_path(layer)
@@ -203,6 +204,8 @@ def replace_layers(model: nn.Module, resolved: Resolved, factors: FactorSource =
         replacement.train(old.training)
         for p in _paths_of(new, old):  # a module reached by several paths is replaced at each
             _set(new, p, replacement)
+        if built is not None:
+            built(name, replacement)
     return new
 
 

@@ -60,6 +60,113 @@ def test_gradient_pass_by_block_equals_the_whole_graph_bit_for_bit(monkeypatch, 
     assert not whole.second.files  # no blocks: no budget, nothing on disk
 
 
+class _Twice(nn.Module):
+    """A module called twice in one forward (``mix``), a tall layer (``wide``, its gradient carried through F)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.emb = nn.Embedding(16, 8)
+        self.mix = nn.Linear(8, 8)
+        self.wide = nn.Linear(8, 24)
+        self.head = nn.Linear(24, 16)
+
+    def forward(self, input_ids):
+        h = self.emb(input_ids)
+        h = torch.tanh(self.mix(h))
+        h = self.mix(h) + h
+        return self.head(torch.relu(self.wide(h)))
+
+
+def _all_at_once(model, layers, cal, metric, samples=fisher.SAMPLES, seed=0):
+    """The pass before issue 37: every hooked output's gradient edge kept, every gradient of a backward returned
+    together by one ``torch.autograd.grad`` over the edges, added in call order; nothing checkpointed."""
+    from torch.autograd.graph import get_gradient_edge
+
+    from auditor.calibration.measure.metric import _row_mask, main_output
+
+    acc = fisher._Accumulator(by_name(layers), dict(model.named_parameters(remove_duplicate=False)))
+    got = []
+
+    def hook(path):
+        def fn(mod, args, out):
+            out = out if out.requires_grad else out.detach().requires_grad_(True)
+            got.append((path, get_gradient_edge(out)))
+            return out
+        return fn
+
+    modules = acc.hook_paths(dict(model.named_modules(remove_duplicate=False)))
+    handles = [m.register_forward_hook(hook(p)) for p, m in modules.items()]
+    p = fisher._Pass(metric.spec.gradient == "likelihood", metric.spec.logprobs, samples,
+                     torch.Generator().manual_seed(seed), torch.device("cpu"))
+    try:
+        with torch.enable_grad():
+            for b in cal.fit:
+                got.clear()
+                y = main_output(model(*b.args, **b.kwargs))
+                keep = _row_mask(b)
+                for k, loss in enumerate(fisher._losses(y, b, keep, p)):
+                    grads = torch.autograd.grad(loss(), [e for _, e in got], retain_graph=k < samples - 1,
+                                                allow_unused=True)
+                    for (path, _), g in zip(got, grads):
+                        if g is not None:
+                            acc.put(acc.terms(path, g, keep))
+    finally:
+        for h in handles:
+            h.remove()
+    return acc
+
+
+@pytest.mark.parametrize("kind", ["perplexity", "output"])
+def test_gradients_added_as_each_node_runs_equal_all_at_once_bit_for_bit(kind):
+    model, cal, layers = _setup(3)
+    now = output_gradients(model, layers, cal, Metric(kind=kind))  # checkpointed blocks, taps
+    before = _all_at_once(model, layers, cal, Metric(kind=kind))
+    assert set(now.second) == set(before.second) and len(now.second) == 3 * 7 + 2
+    assert all(np.array_equal(now.second[k], before.second[k]) for k in before.second)
+    assert now.count == before.count and now.passes == 2 * len(cal.fit)
+
+
+def test_a_module_called_twice_adds_its_calls_in_call_order():
+    model = _Twice().eval()
+    g = torch.Generator().manual_seed(1)
+    cal = load_calibration({"input_ids": torch.randint(0, 16, (12, 6), generator=g)}, model, holdout=0.25,
+                           batch_size=3)
+    layers = by_name(collect_layers(model, ParamTable.of(model)))
+    now = output_gradients(model, layers, cal, Metric(kind="output"))
+    before = _all_at_once(model, layers, cal, Metric(kind="output"))
+    assert {"mix", "wide", "head"} <= set(now.second) and set(now.second) == set(before.second)
+    assert all(np.array_equal(now.second[k], before.second[k]) for k in before.second)
+    assert now.count["mix"] == 2 * now.count["head"] == 2 * 2 * 9 * 6  # two calls, two samples, 9 fit rows of 6
+
+
+def test_one_output_gradient_is_alive_at_a_time(monkeypatch):
+    """Counted, not timed: whenever an output gradient is added up, how many distinct buffers the gradients added
+    before it in the same backward still hold. All at once: every one (3 blocks x 7 layers + the head and the
+    embeddings, held until the backward ends); added as each node runs: at most one (the residual stream's
+    gradient, which autograd adds the blocks' branches into in place; each layer's own is freed once its node
+    has passed it on)."""
+    import weakref
+
+    model, cal, layers = _setup(3)
+    seen, held = [], []
+    real = fisher._Accumulator.terms
+
+    def counted(self, path, g, keep):
+        if len(seen) == 3 * 7 + 2:  # a new backward
+            seen.clear()
+        held.append(len({r().data_ptr() for r in seen if r() is not None}))
+        seen.append(weakref.ref(g))
+        return real(self, path, g, keep)
+
+    monkeypatch.setattr(fisher._Accumulator, "terms", counted)
+    output_gradients(model, layers, cal, Metric(kind="perplexity"))
+    assert len(held) == 2 * len(cal.fit) * (3 * 7 + 2) and max(held) == 1
+    held.clear()
+    _all_at_once(model, layers, cal, Metric(kind="perplexity"))
+    assert max(held) == 3 * 7 + 1  # the pass before: the last one added finds every other held
+
+
 def test_second_moments_in_memory_are_one_part_of_the_model():
     """Counted: at depth 2 and 6 the moments held in memory are at most the largest part's (one block's layers, or
     one layer outside the blocks), and the rest are on disk."""
@@ -71,6 +178,20 @@ def test_second_moments_in_memory_are_one_part_of_the_model():
         assert g.second.budget == max(block, outside)
         assert g.second.bytes <= g.second.budget
         assert len(g.second.files) >= (depth - 1) * 7  # every block but (at most) one on disk
+
+
+def test_freed_heap_is_handed_back_after_each_fit_batch(monkeypatch):
+    """glibc's malloc_trim (no allocator setting changed) after every fit batch and every layer's gradient costs."""
+    from auditor.calibration.statistics.whiten import whitened_spectra
+    from auditor.calibration.tiers.fisher import gradient_sensitivity
+
+    model, cal, layers = _setup(2)
+    calls = []
+    monkeypatch.setattr(fisher, "trim_heap", lambda: calls.append(1))
+    stats = input_statistics(model, list(layers.values()), cal)
+    spectra = whitened_spectra(layers, dict(model.named_parameters()), stats)
+    sens = gradient_sensitivity(model, layers, cal, Metric(kind="perplexity"), stats, spectra)
+    assert len(calls) == len(cal.fit) + len(sens.costs) - len(sens.scaled)
 
 
 def test_moments_on_disk_add_up_as_in_memory():
@@ -101,6 +222,8 @@ def test_truncator_store_reads_back_what_it_spilled(monkeypatch):
     for n, t in truncs.items():
         back = store.get(n)
         assert all(np.array_equal(a, b) for a, b in zip(back.factors(8), t.factors(8)))
+    back = store.get(names[1])  # read back mapped, read-only: no copy in the heap left behind
+    assert isinstance(back.f, np.memmap) and not back.f.flags.writeable and isinstance(back.u[0], np.memmap)
     assert store.get("missing") is None
     # the audit's budget: the largest part (a block's layers together, or one layer outside the blocks)
     want = max(sum(truncator_bytes(layers[k]) for k in layers if k.startswith(f"model.layers.{i}."))
@@ -123,6 +246,46 @@ def test_a_plan_measured_on_a_copy_sharing_the_weights_is_the_same_model():
     new = [p for p in shared.parameters() if p.data_ptr() not in kept]
     assert sum(p.numel() for p in new) == sum(r * (layers[k].m + layers[k].n) for k, r in plan.items())
     assert not any(p.data_ptr() in kept for p in own.parameters())
+
+
+def test_a_plan_measured_with_its_blocks_factors_mapped_is_the_same_model():
+    """measured_copy: the same outputs as factorize's copy, the same parameter count; between forwards none of the
+    blocks' factors is in memory, and while a block runs only its own are (counted, not timed)."""
+    from auditor.calibration.apply import measured_copy
+    from auditor.surgery import count_params
+
+    model, cal, layers = _setup(3)
+    stats = input_statistics(model, list(layers.values()), cal)
+    plan = {"model.layers.0.mlp.up_proj": 8, "model.layers.1.self_attn.o_proj": 8, "model.layers.2.mlp.down_proj": 16,
+            "model.layers.2.self_attn.q_proj": 8, "lm_head": 16}
+    reuse = TruncatorStore(0)  # every decomposition spilled and read back, as the audit's beyond one part
+    own, mapped = factorize(model, plan, stats, share=True), measured_copy(model, plan, stats, reuse)
+    x = cal.measure[0].kwargs["input_ids"]
+    kept = {p.untyped_storage().data_ptr() for p in model.parameters()}
+
+    def resident(m):  # bytes of the copy's own parameters that are not one number expanded
+        return sum(p.numel() * p.element_size() for p in m.parameters()
+                   if p.untyped_storage().data_ptr() not in kept and p.stride() != (0,) * p.dim())
+
+    def factor_bytes(names):
+        return sum(4 * plan[k] * (layers[k].m + layers[k].n) for k in names)
+
+    head = factor_bytes(["lm_head"])
+    running = []
+    for blk in mapped.model.layers:  # after the hook that maps the block's factors
+        blk.register_forward_pre_hook(lambda mod, a: running.append(resident(mapped) - head))
+    with torch.no_grad():
+        assert torch.equal(own(input_ids=x).logits, mapped(input_ids=x).logits)
+        assert torch.equal(own(input_ids=x).logits, mapped(input_ids=x).logits)  # mapped again: the same
+    assert count_params(mapped) == count_params(own) < count_params(model)
+    assert resident(mapped) == head  # between forwards: only the head's factors (outside the blocks) in memory
+    each = [factor_bytes([k for k in plan if k.startswith(f"model.layers.{i}.")]) for i in range(3)]
+    assert running == each * 2 and resident(own) == head + sum(each)  # while block i runs: its own alone
+    real = mapped.model.layers[1].forward  # a block run without its hooks: refused, never NaN or zeros measured
+    mapped.model.layers[1] = type("Bare", (nn.Module,), {"forward": lambda self, *a, **k: real(*a, **k)})()
+    with torch.no_grad(), pytest.raises(RuntimeError, match=r"blocks \[1\] of the factorized copy ran without"):
+        mapped(input_ids=x)
+    reuse.close()
 
 
 def test_large_arrays_are_mapped_where_glibc_is_the_allocator():

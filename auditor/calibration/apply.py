@@ -7,12 +7,15 @@ to the dense outputs (:mod:`auditor.calibration.statistics.sequential`)."""
 
 from __future__ import annotations
 
+import os
+import weakref
 from enum import Enum
 from typing import TYPE_CHECKING, MutableMapping
 
 import torch
 from torch import nn
 
+from .. import kinds
 from ..errors import AuditError
 from ..results import Layer
 from ..surgery import Factors, Truncation, apply_plan, checked_plan, replace_layers
@@ -22,6 +25,7 @@ from .statistics.stats import InputStatistics
 from .statistics.whiten import Truncator
 
 if TYPE_CHECKING:
+    from .statistics.stream import Blocks
     from .statistics.whiten import Truncator
 
 
@@ -115,3 +119,118 @@ def sequential(calibration: object, model: nn.Module, resolved: dict[str, tuple[
         raise AuditError(f"the sequential fit needs the calibration rows; {type(calibration).__name__} holds none",
                          "Pass a CalibrationSession or a Calibration (load_calibration), or fit='independent'")
     return sequential_truncators(model, resolved, calibration)
+
+
+class _MappedFactors:
+    """A factorized copy's new factors in its repeated blocks, kept in one file per block and mapped (copy on
+    write, never written) only while their block runs: the factors alive at once are one block's, not the plan's.
+    Each parameter is a placeholder of its shape between runs (one NaN, expanded: a forward that read it would give
+    NaN, never a plausible value), so counting the copy's parameters still counts them, and a forward of the copy
+    in which a block holding factors ran without its hooks (called other than through ``__call__``) raises. The
+    files go with the copy (removed when it is garbage-collected)."""
+
+    ALIGN = 64  # bytes: each parameter's offset in its block's file
+
+    def __init__(self, model: nn.Module, blocks: "Blocks") -> None:
+        import tempfile
+
+        from .._env import scratch_prefix, sweep_scratch
+
+        sweep_scratch()  # a killed run's folders first
+        self.dir = tempfile.TemporaryDirectory(prefix=scratch_prefix("factors"))
+        self.blocks = blocks
+        self.kept = {p.untyped_storage().data_ptr() for p in model.parameters()}
+        self.params: dict[int, list[tuple[nn.Parameter, int, int, torch.dtype, tuple[int, ...]]]] = {}
+        self.size: dict[int, int] = {}
+        self.seen: set[int] = set()  # the blocks mapped during the copy's forward running now
+
+    def block_of(self, path: str) -> int | None:
+        prefix = f"{self.blocks.path}." if self.blocks.path else ""
+        head = path[len(prefix):].partition(".")[0] if path.startswith(prefix) else ""
+        return int(head) if head.isdigit() and int(head) < len(self.blocks.blocks) else None
+
+    def put(self, i: int, replacement: nn.Module) -> None:
+        """The new parameters of ``replacement`` (in block ``i``) appended to the block's file, then placeholders."""
+        from ..errors import AuditError
+
+        path = os.path.join(self.dir.name, f"b{i}.bin")
+        for p in replacement.parameters():
+            if p.untyped_storage().data_ptr() in self.kept or p.device.type != "cpu":
+                continue
+            at = -(-self.size.get(i, 0) // self.ALIGN) * self.ALIGN
+            raw = p.detach().contiguous().reshape(-1).view(torch.uint8).numpy()
+            try:
+                with open(path, "ab") as fh:
+                    fh.write(b"\0" * (at - self.size.get(i, 0)))
+                    fh.write(memoryview(raw))  # the tensor's own bytes, no copy
+            except OSError as exc:
+                raise AuditError(f"cannot write a plan's factors to {self.dir.name}: {exc.strerror or exc}",
+                                 "Free disk space there, or set TMPDIR to a directory with room") from None
+            self.size[i] = at + raw.nbytes
+            self.params.setdefault(i, []).append((p, at, raw.nbytes, p.dtype, tuple(p.shape)))
+            p.data = _placeholder(p)
+
+    def map(self, i: int) -> None:
+        """Block ``i``'s parameters read from a map of its file."""
+        import numpy as np
+
+        if i not in self.params:
+            return
+        self.seen.add(i)
+        buf = torch.from_numpy(np.memmap(os.path.join(self.dir.name, f"b{i}.bin"), dtype=np.uint8, mode="c"))
+        for p, at, n, dtype, shape in self.params[i]:
+            p.data = buf[at:at + n].view(dtype).view(shape)
+
+    def unmap(self, i: int) -> None:
+        """Block ``i``'s parameters back to placeholders (the map closes with the last view of it)."""
+        for p, *_ in self.params.get(i, []):
+            p.data = _placeholder(p)
+
+    def attach(self, new: nn.Module) -> None:
+        """Hooks on the copy's blocks that map each block's factors while it runs; the files removed with it."""
+        blocks = new.get_submodule(self.blocks.path) if self.blocks.path else new
+        for i in self.params:
+            blocks[i].register_forward_pre_hook(lambda mod, args, i=i: self.map(i))
+            blocks[i].register_forward_hook(lambda mod, args, out, i=i: self.unmap(i))
+        new.register_forward_pre_hook(lambda mod, args: self.seen.clear())
+        new.register_forward_hook(lambda mod, args, out: self.check())
+        weakref.finalize(new, self.dir.cleanup)
+
+    def check(self) -> None:
+        """After a forward of the copy: every block holding factors was mapped while it ran."""
+        missed = sorted(set(self.params) - self.seen)
+        if missed:
+            raise RuntimeError(f"blocks {missed} of the factorized copy ran without their factors mapped (a block "
+                               "called other than through __call__); measure the plan with factorize(share=True)")
+
+
+def _placeholder(p: torch.Tensor) -> torch.Tensor:
+    """One NaN of ``p``'s dtype expanded to its shape: its shape and count, one element's memory."""
+    return torch.full((1,), float("nan"), dtype=p.dtype).expand(p.shape)
+
+
+def measured_copy(model: nn.Module, plan: dict[str, int], stats: InputStatistics | None,
+                  reuse: "MutableMapping[str, Truncator] | None") -> nn.Module:
+    """``factorize(model, plan, stats, reuse=reuse, share=True)`` for measuring a plan, with the factors of the
+    layers in the model's repeated blocks kept on disk as each is made and mapped only while their block runs
+    (:class:`_MappedFactors`): what a plan's factors hold in memory at once is one block's (and the layers' outside
+    the blocks), whatever the depth. The same model: the same factors, the same values in the forward. On a
+    model without repeated blocks, or not on the CPU, it is ``factorize``'s copy."""
+    from .data.inputs import model_device
+    from .statistics.stream import find_blocks
+
+    resolved = checked_plan(model, plan)
+    found = find_blocks(model, [l for l, _ in resolved.values()]) if resolved else None
+    if found is None or model_device(model).type != "cpu":
+        return factorize(model, plan, stats, reuse=reuse, share=True)
+    mapped = _MappedFactors(model, found)
+
+    def built(name: str, replacement: nn.Module) -> None:
+        layer = resolved[name][0]
+        i = mapped.block_of(kinds.for_kind(layer.kind).module_path(layer)[0])
+        if i is not None and not layer.aliases:  # a module reached by several paths stays in memory
+            mapped.put(i, replacement)
+
+    new = replace_layers(model, resolved, truncation(stats, reuse), share=True, built=built)
+    mapped.attach(new)
+    return new

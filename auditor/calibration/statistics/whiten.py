@@ -291,8 +291,9 @@ class TruncatorStore(dict):
     """The per-layer truncators (:class:`Truncator`) kept across the plans tier 3 measures (``factorize``'s
     ``reuse``), with at most ``budget`` bytes of them in memory (None: :func:`default_reuse_bytes`). What does not
     fit is, with ``spill`` (the audit's store), written to a temporary directory (F and each U as ``.npy``) and read
-    back when a plan asks for it, so the decompositions alive at once do not grow with the depth; without ``spill``
-    (a library search's default) it is not kept, and computed again for the next plan that needs it (the same
+    back (memory-mapped, read-only: no copy in the heap) when a plan asks for it, so the decompositions alive at
+    once do not grow with the depth; without ``spill`` (a library search's default) it is not kept, and computed
+    again for the next plan that needs it (the same
     factors: the same arrays in, the same LAPACK calls). A layer is decomposed once per store entry; a decomposition
     read back is the same arrays, bit for bit. ``bytes``: those in memory; ``spilled``: how many went to disk;
     ``refused``: how many were not kept."""
@@ -341,8 +342,8 @@ class TruncatorStore(dict):
         base = os.path.join(self._dir.name, f"t{list(self._disk).index(key)}")
         trunc = Truncator.__new__(Truncator)
         trunc.layer, trunc.shape, trunc.dtype, trunc.device = layer, shape, dtype, device
-        trunc.f = np.load(f"{base}.f.npy", allow_pickle=False)
-        trunc.u = [np.load(f"{base}.u{g}.npy", allow_pickle=False) for g in range(groups)]
+        trunc.f = np.load(f"{base}.f.npy", mmap_mode="r", allow_pickle=False)  # maps: no heap copy to keep
+        trunc.u = [np.load(f"{base}.u{g}.npy", mmap_mode="r", allow_pickle=False) for g in range(groups)]
         return trunc
 
     def close(self) -> None:

@@ -19,10 +19,11 @@ from typing import TYPE_CHECKING, Callable, TypedDict
 from torch import nn
 
 from ... import lrmath
+from ..._env import trim_heap
 from ...calresults import BudgetResult, FrontierPlan
 from ...kinds.registry import SUPPORTED
 from ...surgery import count_params
-from ..apply import factorize
+from ..apply import factorize, measured_copy
 from ...results import Layer
 from .. import metrics
 from ..data.inputs import Calibration
@@ -349,7 +350,8 @@ class _Plans:
 
     def _measured(self, plan: dict[str, int], saved: int, cost: float, target: float) -> FrontierPlan:
         ev = self.ev
-        m = ev.measure(factorize(self.model, plan, self.stats, reuse=self.reuse, share=True)) if plan else ev.measure(self.model)
+        m = ev.measure(measured_copy(self.model, plan, self.stats, self.reuse)) if plan else ev.measure(self.model)
+        trim_heap()  # the plan's factors and what building them freed, handed back before the next plan
         return FrontierPlan(saved, saved / self.total if self.total else 0.0, m.value, m.ok, len(plan), m.top1,
                             target=int(target), plan=plan, predicted_cost=cost, rows=ev.rows_read)
 

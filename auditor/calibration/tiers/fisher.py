@@ -40,9 +40,9 @@ from typing import TYPE_CHECKING, Callable, Iterator, TypedDict
 import numpy as np
 import torch
 from torch import nn
-from torch.autograd.graph import get_gradient_edge
 
 from ... import kinds, lrmath
+from ..._env import trim_heap
 from ...errors import AuditError, first_line
 from ...results import Layer
 from ..data.inputs import Batch, Calibration, eval_mode, model_device
@@ -90,9 +90,10 @@ def _function_view(layer: Layer, weight: torch.Tensor) -> torch.Tensor:
 def output_gradients(model: nn.Module, layers: dict[str, Layer] | list[Layer], calibration: Calibration,
                      metric: Metric, samples: int = SAMPLES, seed: int = 0,
                      progress: Callable[[int, int], None] | None = None) -> OutputGradients:
-    """One forward and ``samples`` backward passes per fit batch, gradient hooks on every supported layer's output
-    (rows with ``attention_mask`` 0 left out, as in the statistics). The model runs where it is, in eval mode; no
-    parameter's ``requires_grad`` or ``.grad`` is touched (the graph starts at the hooked outputs). Where the model
+    """One forward and ``samples`` backward passes per fit batch, every supported layer's output through a tap
+    (:class:`_Tap`) that adds its gradient up as the backward reaches it (rows with ``attention_mask`` 0 left out,
+    as in the statistics), so one output gradient is alive at a time. The model runs where it is, in eval mode; no
+    parameter's ``requires_grad`` or ``.grad`` is touched (the graph starts at the taps). Where the model
     has repeated blocks (:func:`~auditor.calibration.statistics.stream.find_blocks`) each block runs checkpointed
     (``torch.utils.checkpoint``, non-reentrant): the backward recomputes one block's activations at a time, so the
     activations alive at once are the blocks' inputs and one block's, not every block's."""
@@ -101,16 +102,19 @@ def output_gradients(model: nn.Module, layers: dict[str, Layer] | list[Layer], c
     t0 = time.perf_counter()
     named = by_name(layers)
     acc = _Accumulator(named, dict(model.named_parameters(remove_duplicate=False)))
-    cap = _Capture(model, acc.hook_paths(dict(model.named_modules(remove_duplicate=False))))
+    device = model_device(model)
+    cap = _Capture(model, acc.hook_paths(dict(model.named_modules(remove_duplicate=False))), device)
     found = _blocks(model, [named[n] for n in acc.carried])
     acc.second.budget = _part_bytes(found, [named[n] for n in acc.carried])
     pass_ = _Pass(metric.spec.gradient == "likelihood", metric.spec.logprobs, samples,
-                  torch.Generator().manual_seed(seed), model_device(model))
+                  torch.Generator().manual_seed(seed), device)
     batches = calibration.fit
     try:
         with eval_mode(model), torch.enable_grad(), _checkpointed(found):
             for i, b0 in enumerate(batches):
-                if not _one_batch(model, b0.to(pass_.device), i, cap, acc, pass_):
+                done = _one_batch(model, b0.to(pass_.device), i, cap, acc, pass_)
+                trim_heap()  # the batch's freed activations, gradients and terms handed back
+                if not done:
                     break
                 if progress is not None:
                     progress(i + 1, len(batches))
@@ -174,8 +178,10 @@ class _Accumulator:
                         for ns in self.hooked.values() for n in ns}
         return {p: modules[p] for p in self.hooked}
 
-    def add(self, path: str, g: torch.Tensor, keep: torch.Tensor | None) -> None:
-        """One output gradient of the module at ``path`` added to its layers' second moments."""
+    def terms(self, path: str, g: torch.Tensor, keep: torch.Tensor | None) -> list[tuple[str, np.ndarray, int]]:
+        """One output gradient of the module at ``path`` as its layers' terms: (layer, g^T g in float64 (carried
+        through F where out > in), positions), the rows with ``attention_mask`` 0 left out."""
+        out: list[tuple[str, np.ndarray, int]] = []
         for name in self.hooked[path]:
             layer = self.named[name]
             gg = g.detach()
@@ -184,8 +190,14 @@ class _Accumulator:
             gg = gg.reshape(-1, gg.shape[-1]).float()
             if self.carried[name]:
                 gg = gg @ _function_view(layer, self.params[layer.param].detach()).float()
-            self.second.add(name, (gg.T @ gg).double().cpu().numpy())
-            self.count[name] = self.count.get(name, 0) + int(gg.shape[0])
+            out.append((name, (gg.T @ gg).double().cpu().numpy(), int(gg.shape[0])))
+        return out
+
+    def put(self, terms: list[tuple[str, np.ndarray, int]]) -> None:
+        """Terms (:meth:`terms`) added to their layers' second moments and position counts."""
+        for name, s, rows in terms:
+            self.second.add(name, s)
+            self.count[name] = self.count.get(name, 0) + rows
 
     def close(self) -> None:
         """Every hooked layer without statistics is unreachable, with the reason; when the pass was ``lost`` (no
@@ -198,40 +210,91 @@ class _Accumulator:
                 self.unreachable[name] = self.lost or NOT_REACHED
 
 
-class _Capture:
-    """Forward hooks keeping, for every hooked module's floating-point output of the forward being recorded, its
-    gradient edge (the output's place in the graph, not its values: the output itself is freed when the forward is
-    done with it). An output that needs no gradient is replaced by a leaf that does, so the graph starts there.
-    While ``recording`` is off (a checkpointed block recomputed in the backward) the hooks build the same graph
-    and keep nothing."""
+class _Tap(torch.autograd.Function):
+    """The identity on a hooked module's output whose backward hands the output's gradient (every use of it
+    summed, as autograd gives a node) to ``cap`` as it runs and passes it on unchanged. It also takes the pass's
+    ``dummy`` leaf, so that one ``torch.autograd.grad(loss, [dummy])`` runs every tap and keeps no gradient."""
 
-    def __init__(self, model: nn.Module, modules: dict[str, nn.Module]) -> None:
-        self.captured: list[tuple[str, object]] = []
+    @staticmethod
+    def forward(ctx: object, out: torch.Tensor, dummy: torch.Tensor, cap: "_Capture | None",
+                index: int) -> torch.Tensor:
+        ctx.cap, ctx.index = cap, index  # type: ignore[attr-defined]
+        return out.detach()  # an alias, not a view: the user's forward may change it in place
+
+    @staticmethod
+    def backward(ctx: object, g: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:
+        cap = ctx.cap  # type: ignore[attr-defined]
+        if cap is not None and cap.sink is not None:
+            cap.sink(ctx.index, g)  # type: ignore[attr-defined]
+        return g, None, None, None
+
+
+class _Capture:
+    """Forward hooks routing every hooked module's floating-point output through a :class:`_Tap`: the forward being
+    recorded names each call (``calls``: the module's path, in call order) and the backward hands each output's
+    gradient to ``sink(call, gradient)`` as its node runs, so one output gradient is alive at a time (not one per
+    hooked layer until the backward ends). The outputs themselves are freed when the forward is done with them. An
+    output that needs no gradient gets one through the tap (its ``dummy`` leaf), so the graph starts there. While
+    ``recording`` is off (a checkpointed block recomputed in the backward) the hooks build the same graph, with taps
+    that hand nothing on."""
+
+    def __init__(self, model: nn.Module, modules: dict[str, nn.Module], device: torch.device) -> None:
+        self.calls: list[str] = []
         self.recording = True
+        self.sink: Callable[[int, torch.Tensor], None] | None = None
+        self.dummy = torch.zeros((), device=device, requires_grad=True)
         self.handles = [m.register_forward_hook(self._hook(p)) for p, m in modules.items()]
 
     def _hook(self, path: str) -> Callable[..., object]:
         def fn(mod: nn.Module, args: object, out: object) -> object:
             if not isinstance(out, torch.Tensor) or not out.is_floating_point():
                 return None
-            if not out.requires_grad:
-                out = out.detach().requires_grad_(True)
-            if self.recording:
-                self.captured.append((path, get_gradient_edge(out)))
-            return out
+            if not self.recording:
+                return _Tap.apply(out, self.dummy, None, -1)
+            self.calls.append(path)
+            return _Tap.apply(out, self.dummy, self, len(self.calls) - 1)
         return fn
 
     def remove(self) -> None:
         for h in self.handles:
             h.remove()
-        self.captured.clear()
+        self.calls.clear()
+
+
+class _Sink:
+    """One backward pass's gradients as the taps hand them on: each added to its layers' moments at once, except
+    those of a module called more than once in the forward, whose terms are held (the terms, not the gradients)
+    and added in call order when the backward is done: the same float64 additions in the same order as the
+    gradients of every call returned together and added in call order."""
+
+    def __init__(self, acc: _Accumulator, calls: list[str], keep: torch.Tensor | None) -> None:
+        self.acc, self.calls, self.keep = acc, calls, keep
+        seen: dict[str, int] = {}
+        for path in calls:
+            seen[path] = seen.get(path, 0) + 1
+        self.repeated = {p for p, n in seen.items() if n > 1}
+        self.held: dict[int, list[tuple[str, np.ndarray, int]]] = {}
+
+    def __call__(self, call: int, g: torch.Tensor) -> None:
+        path = self.calls[call]
+        terms = self.acc.terms(path, g, self.keep)
+        if path in self.repeated:
+            self.held[call] = terms
+        else:
+            self.acc.put(terms)
+
+    def close(self) -> None:
+        """The held terms added, in call order."""
+        for call in sorted(self.held):
+            self.acc.put(self.held.pop(call))
 
 
 def _one_batch(model: nn.Module, b: Batch, i: int, cap: _Capture, acc: _Accumulator, p: _Pass) -> bool:
-    """One fit batch: the forward, then ``samples`` backward passes whose output gradients are added up. False when
-    nothing hooked needs a gradient (nothing more to gather), or when no backward can run (``acc.lost`` says why:
-    the loss needs no gradient, or autograd failed going back through the user's forward)."""
-    cap.captured.clear()
+    """One fit batch: the forward, then ``samples`` backward passes whose output gradients are added up as each
+    tap's node runs. False when nothing hooked needs a gradient (nothing more to gather), or when no backward can
+    run (``acc.lost`` says why: the loss needs no gradient, or autograd failed going back through the user's
+    forward)."""
+    cap.calls.clear()
     cap.recording = True
     try:
         y = main_output(model(*b.args, **b.kwargs))
@@ -243,28 +306,34 @@ def _one_batch(model: nn.Module, b: Batch, i: int, cap: _Capture, acc: _Accumula
     cap.recording = False
     keep = _row_mask(b)
     losses = _losses(y, b, keep, p)
-    got = list(cap.captured)
-    if not got:
+    if not cap.calls:
         return False
     for k, loss in enumerate(losses):
         value = loss()
         if not value.requires_grad:  # nothing the model computed reaches the metric through autograd
             acc.lost = NO_GRAD_OUTPUT
             return False
-        try:
-            grads = torch.autograd.grad(value, [t for _, t in got], retain_graph=k < p.samples - 1,
-                                        allow_unused=True)
-        except torch.OutOfMemoryError:
-            raise
-        except RuntimeError as exc:  # the user's forward built a graph autograd cannot go back through
-            acc.lost = f"the backward pass failed: {first_line(exc)}"
+        if not _backward(value, cap, _Sink(acc, list(cap.calls), keep), k < p.samples - 1, acc):
             return False
         p.passes += 1
-        for (path, _), g in zip(got, grads):
-            if g is not None:
-                acc.add(path, g, keep)
-    del got[:]
-    cap.captured.clear()
+    cap.calls.clear()
+    return True
+
+
+def _backward(value: torch.Tensor, cap: _Capture, sink: _Sink, retain: bool, acc: _Accumulator) -> bool:
+    """One backward from ``value`` through every tap, each gradient handed to ``sink`` as its node runs; False
+    (``acc.lost`` says why) when autograd fails going back through the user's forward."""
+    cap.sink = sink
+    try:
+        torch.autograd.grad(value, [cap.dummy], retain_graph=retain, allow_unused=True)
+    except (AuditError, torch.OutOfMemoryError):
+        raise
+    except RuntimeError as exc:  # the user's forward built a graph autograd cannot go back through
+        acc.lost = f"the backward pass failed: {first_line(exc)}"
+        return False
+    finally:
+        cap.sink = None
+    sink.close()
     return True
 
 
@@ -313,8 +382,9 @@ def _part_bytes(found: "Blocks | None", layers: list[Layer]) -> int | None:
 
 class Moments(MutableMapping):
     """Per layer a float64 matrix summed batch by batch, at most ``budget`` bytes of them in memory (None: all); the
-    others in ``.npy`` files in a temporary directory, read, added to and written back. The sums are the same either
-    way (the same float64 additions in the same order); what is alive at once is one part of the model's."""
+    others in ``.npy`` files in a temporary directory, added to in place in a memory map of the file (no copy in the
+    heap). The sums are the same either way (the same float64 additions in the same order); what is alive at once
+    is one part of the model's."""
 
     def __init__(self, budget: int | None = None) -> None:
         self.budget = budget
@@ -327,10 +397,16 @@ class Moments(MutableMapping):
         """``s`` added to ``name``'s sum (its first term when there is none)."""
         if name in self.mem:
             self.mem[name] += s
-        elif name in self.files:
-            a = np.load(self.files[name], allow_pickle=False)
-            a += s
-            save_spilled(self.files[name], a, "the output gradients' second moments")
+        elif name in self.files:  # added in place in a map of its file: no copy of it in the heap
+            try:
+                a = np.load(self.files[name], mmap_mode="r+", allow_pickle=False)
+                a += s
+                a.flush()
+            except OSError as exc:
+                raise AuditError(f"cannot write the output gradients' second moments to {self._dir.name}: "
+                                 f"{exc.strerror or exc}",
+                                 "Free disk space there, or set TMPDIR to a directory with room") from None
+            del a
         else:
             self[name] = s
 
@@ -487,6 +563,7 @@ def gradient_sensitivity(model: nn.Module, layers: dict[str, Layer] | list[Layer
         if name not in grads.second or inp is None or inp.groups != 1:
             continue
         c = gradient_costs(layer, params[layer.param], inp, grads)
+        trim_heap()  # its eigendecomposition's arrays handed back before the next layer's
         costs[name] = c.tolist()
         spec = spectra.get(name)
         if spec is not None:

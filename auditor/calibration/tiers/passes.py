@@ -20,6 +20,7 @@ import time
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
+from ..._env import trim_heap
 from ...calresults import BudgetResult, FrontierPlan, RoundingFloor, Verification
 from ...results import Layer, Suggestion, TieGroup, Verdict
 from ..session import CalibrationSession
@@ -368,7 +369,7 @@ def verify(model: "nn.Module", session: CalibrationSession, budget: BudgetResult
     rows whose verification interval ends within the tolerance (at most ``VERIFY_TRIES`` verified, largest first;
     the smallest verified stands, said to miss or straddle, when none does). The dense model is never verified: it
     is the reference."""
-    from ..apply import factorize
+    from ..apply import measured_copy
 
     ver = session.verifier
     assert ver is not None
@@ -377,14 +378,15 @@ def verify(model: "nn.Module", session: CalibrationSession, budget: BudgetResult
     if budget.chosen_after_recovery or not budget.plan:
         if budget.plan:
             with session.measuring():
-                v = ver.measure(factorize(model, budget.plan, stats, reuse=reuse, share=True))
+                v = ver.measure(measured_copy(model, budget.plan, stats, reuse))
             return replace(budget, verification=replace(v, search_rows=search_rows))
         return budget
     chosen: FrontierPlan | None = None
     v: Verification | None = None
     with session.measuring():
         for p in _candidates(budget)[:VERIFY_TRIES]:
-            v = ver.measure(factorize(model, p.plan, stats, reuse=reuse, share=True))
+            v = ver.measure(measured_copy(model, p.plan, stats, reuse))
+            trim_heap()  # the plan's factors handed back before the next
             chosen = p
             p.verification = v = replace(v, search_rows=search_rows)  # every plan verified says so in the report
             if v.ok:

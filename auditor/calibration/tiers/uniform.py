@@ -20,6 +20,7 @@ from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Sequence
 
 from ... import lrmath
+from ..._env import trim_heap
 from ...calresults import BudgetResult, FrontierPlan, UniformBaseline
 from ...results import Layer
 
@@ -109,7 +110,7 @@ def measure_uniform(model: "nn.Module", session: "CalibrationSession", layers: l
     allow (``budget.fixed`` layers at their ranks, as in ``p``), measured all at once on ``p``'s search rows, and
     with ``verify`` on the verification rows too. The model is measured in eval mode (the caller's
     ``session.measuring()``)."""
-    from ..apply import factorize
+    from ..apply import measured_copy
     from ..measure.staged import StagedEvaluator
 
     fixed, total = budget.fixed, budget.params_before
@@ -119,7 +120,7 @@ def measure_uniform(model: "nn.Module", session: "CalibrationSession", layers: l
     u = uniform_plan(cut, p.removed - fixed_saved)
     ranks = {**u.ranks, **fixed}
     removed = u.removed + fixed_saved
-    new = factorize(model, ranks, session.stats, reuse=reuse, share=True)
+    new = measured_copy(model, ranks, session.stats, reuse)
     ev = session.search_evaluator
     m = ev.measure_rows(new, p.rows) if isinstance(ev, StagedEvaluator) and p.rows else ev.measure(new)
     rows = ev.rows_read if isinstance(ev, StagedEvaluator) else 0
@@ -145,6 +146,7 @@ def with_baselines(model: "nn.Module", session: "CalibrationSession", budget: Bu
                 continue
             verify = key == chosen and budget.verification is not None
             done[key] = measure_uniform(model, session, layers, p, budget, reuse, verify)
+            trim_heap()  # the plan's factors handed back before the next
             count += 1 + int(done[key].verification is not None)
     frontier = [replace(p, uniform=done.get(tuple(sorted(p.plan.items())))) for p in budget.frontier]
     tries = [replace(p, uniform=done.get(tuple(sorted(p.plan.items())))) for p in budget.tries]
