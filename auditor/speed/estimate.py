@@ -231,9 +231,9 @@ def stage_extra(sh: Shapes, wl: Workload, me: Measurements) -> dict[str, int]:
     hidden = 2 * _batches(wl.fit_rows, wl.batch_rows) * me.hidden_bytes
     out["statistics"] = hidden + me.block_saved_bytes + _block_grams(sh) + whiten
     moments = sum(8 * min(m, n) ** 2 for m, n in (sh.block_layers or sh.layers))
-    widths = sum(m for m, _ in sh.layers)
-    out["gradients"] = (3 * logits + max(1, sh.blocks) * me.hidden_bytes + me.block_saved_bytes + moments
-                        + wl.batch_rows * wl.tokens * widths * 4 + 2 * 8 * big[0] * big[1])
+    widest = max((m for m, _ in sh.layers), default=0)  # one output gradient alive at a time (fisher.py's taps):
+    out["gradients"] = (3 * logits + max(1, sh.blocks) * me.hidden_bytes + me.block_saved_bytes + moments  # it,
+                        + 3 * wl.batch_rows * wl.tokens * widest * 4 + 2 * 8 * big[0] * big[1])  # its rows, its cast
     dense = 0 if wl.token_inputs else wl.holdout_rows * wl.tokens * wl.outputs * 4
     plan = _plan_factors(sh) + dense + 2 * logits + me.block_saved_bytes
     out["tier 3"] = plan + _block_grams(sh)
