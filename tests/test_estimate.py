@@ -50,6 +50,9 @@ def test_peak_disk_and_device_exact():
     # one output gradient at a time, the widest (10): it, its kept rows and its float copy
     assert by["gradients"] == 1100 + 3 * 2560 + 2 * 256 + 1000 + 256 + 3 * 4 * 16 * 10 * 4 + 640 == 18868
     assert e.peak_rss_bytes == 18868
+    # tier 3 and the verification: one block's factors at a time (192 bytes); the plan check: every layer's (496)
+    assert (by["tier 3"], by["verification"], by["plan check"]) == (1100 + 5120 + 1000 + 192 + 1664,
+                                                                     1100 + 5120 + 1000 + 192, 1100 + 5120 + 1000 + 496)
     assert e.disk_bytes == 2 * (20000 + 2000 * 5) + 8 * 176 + 2496 + 640
     assert e.peak_device_bytes is None
     on = est.predict(SHAPES, est.Workload(**{**WORK.__dict__, "device": "cuda", "offload": True}), MEASURED)

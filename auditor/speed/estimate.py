@@ -235,10 +235,11 @@ def stage_extra(sh: Shapes, wl: Workload, me: Measurements) -> dict[str, int]:
     out["gradients"] = (3 * logits + max(1, sh.blocks) * me.hidden_bytes + me.block_saved_bytes + moments  # it,
                         + 3 * wl.batch_rows * wl.tokens * widest * 4 + 2 * 8 * big[0] * big[1])  # its rows, its cast
     dense = 0 if wl.token_inputs else wl.holdout_rows * wl.tokens * wl.outputs * 4
-    plan = _plan_factors(sh) + dense + 2 * logits + me.block_saved_bytes
-    out["tier 3"] = plan + _block_grams(sh)
-    out["verification"] = plan
-    out["plan check"] = plan
+    plan = dense + 2 * logits + me.block_saved_bytes
+    block = _plan_factors(replace(sh, layers=sh.block_layers)) if sh.block_layers else _plan_factors(sh)
+    out["tier 3"] = plan + block + _block_grams(sh)  # apply.measured_copy: one block's factors mapped at a time
+    out["verification"] = plan + block
+    out["plan check"] = plan + _plan_factors(sh)  # the plan check's copy holds every factor
     return out
 
 
