@@ -152,7 +152,7 @@ def test_the_audit_and_factorize_take_their_common_flags_from_one_definition():
 
     audit, factorize = actions(audit_command._parser()), actions(factorize_command._parser())
     shared = [name.replace("-", "_") for name in FLAGS]
-    assert len(shared) == 15 and "document_separator" in shared
+    assert len(shared) == 16 and "document_separator" in shared and "tie" in shared
     assert [d for d in shared if audit[d] != factorize[d]] == []
     names = [n for k in metrics.kinds() for n in metrics.for_kind(k).names]
     assert names and all(n in audit["metric"][1] for n in names)

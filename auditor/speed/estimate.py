@@ -616,11 +616,14 @@ def estimate_source(spec: str, options: Any, load: Any, formats: tuple[str, ...]
 def refuse_if_short(loaded: Any, options: Any, formats: tuple[str, ...] = ("text",),
                     available: int | None = None) -> Estimate | None:
     """Before a calibrated audit: an ``AuditError`` (one line, exit 2) when its estimated peak exceeds the memory
-    available (``available``, default MemAvailable and the cgroup's limit). None without calibration or code."""
+    available (``available``, default MemAvailable and the cgroup's limit). None without calibration, code or
+    weights."""
     from ..sources.hf import available_memory
 
     if options.calibration_data.source is None or not isinstance(loaded.model, nn.Module):
         return None
+    if any(p.device.type == "meta" for p in loaded.model.parameters()):  # no weights: the audit says calibration
+        return None  # needs them, which no memory changes
     try:
         with torch.random.fork_rng(devices=[]):  # the audit's random draws stay those it made before
             est = estimate_loaded(loaded, options, formats, linalg=False)  # memory only: no decomposition timed
