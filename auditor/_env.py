@@ -142,6 +142,13 @@ def trim_heap() -> None:
     library call may do it: the calibrated audit does after each fit batch of the gradient pass and each plan it
     measures, whose freed arrays of a few MiB (of every size: moments, decompositions, factors at each rank) would
     otherwise stay in the heap and the resident size grow with the depth."""
+    c = libc()
+    if c:
+        c.malloc_trim(0)
+
+
+def libc() -> Any:
+    """glibc, loaded once (``ctypes.CDLL``); False on another C library (no ``malloc_trim``)."""
     global _LIBC
     if _LIBC is None:
         import ctypes
@@ -152,8 +159,7 @@ def trim_heap() -> None:
             _LIBC.malloc_trim  # noqa: B018 - glibc only
         except (OSError, AttributeError):
             _LIBC = False
-    if _LIBC:
-        _LIBC.malloc_trim(0)
+    return _LIBC
 
 
 @contextlib.contextmanager

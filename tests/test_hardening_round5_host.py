@@ -14,7 +14,6 @@ import torch
 
 import auditor
 import auditor._env as env_mod
-import auditor.calibration.session as session_mod
 
 ROWS = 400
 MODEL = "sample_models/digits.py:mlp"
@@ -50,7 +49,7 @@ class _Libc:
 @pytest.fixture
 def libc(monkeypatch):
     fake = _Libc()
-    monkeypatch.setattr(session_mod, "_LIBC", fake)
+    monkeypatch.setattr(env_mod, "_LIBC", fake)
     monkeypatch.setattr(env_mod, "_OWNS_PROCESS", False, raising=False)  # a library host, whatever an in-process CLI test did
     return fake
 

@@ -29,8 +29,9 @@ from typing import TYPE_CHECKING, Callable, Iterator, MutableMapping
 
 from torch import nn
 
-from ..errors import AuditError
 from .. import kinds
+from .._env import trim_heap
+from ..errors import AuditError
 from ..results import Layer
 from .data.hashing import code_hash, weights_hash
 from .data.inputs import Batch, Calibration, eval_mode, load_calibration
@@ -117,26 +118,6 @@ def statistics_memory(layers: list[Layer], model: nn.Module | None = None) -> tu
     return max(sum(p) for p in parts) + 2 * big[0], big[1]
 
 
-_LIBC: "ctypes.CDLL | bool | None" = None
-
-
-def _trim() -> None:
-    """Hand the freed heap back to the system (glibc's ``malloc_trim``; nothing elsewhere): the freed Grams of a
-    block would otherwise stay in the process's heap, and its resident size grow with the depth."""
-    import ctypes
-    import ctypes.util
-
-    global _LIBC
-    if _LIBC is None:
-        try:
-            _LIBC = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-            _LIBC.malloc_trim  # noqa: B018 - glibc only
-        except (OSError, AttributeError):
-            _LIBC = False
-    if _LIBC:
-        _LIBC.malloc_trim(0)
-
-
 MMAP_THRESHOLD = 1 << 20  # bytes: arrays this large or larger are mapped, and unmapped when freed
 
 
@@ -150,14 +131,15 @@ def map_large_arrays() -> bool:
     good (setting the documented 128 KiB back would leave every later 128 KiB allocation mapped, slower than the
     default). So it is done only in the tool's own process (the command line, :func:`auditor._env.own_process`);
     a library call (``auditor.audit`` in a notebook) leaves the host's allocator alone and returns False."""
-    from .._env import owns_process
+    from .._env import libc, owns_process
 
     if not owns_process():
         return False
-    _trim()  # loads libc
-    if not _LIBC:
+    c = libc()
+    if not c:
         return False
-    return bool(_LIBC.mallopt(-3, MMAP_THRESHOLD))  # M_MMAP_THRESHOLD
+    c.malloc_trim(0)
+    return bool(c.mallopt(-3, MMAP_THRESHOLD))  # M_MMAP_THRESHOLD
 
 
 def _statistics(model: nn.Module, layers: list[Layer], cal: Calibration, options: "AuditOptions",
@@ -262,7 +244,7 @@ def _stream_into(store: "GramStore", model: nn.Module, layers: list[Layer], cal:
             raise AuditError(f"cannot write the input statistics to {store.dir}: {exc.strerror or exc}",
                              "Free disk space there, or give --cache-dir a directory with room (without a cache: "
                              "set TMPDIR)") from None
-        _trim()
+        trim_heap()
 
     try:
         from .statistics.stream import stream_statistics  # block by block with repeated blocks, else one pass
