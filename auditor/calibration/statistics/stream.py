@@ -33,6 +33,7 @@ from torch import nn
 from ...errors import AuditError
 from ...results import Layer
 from ..data.inputs import Batch, Calibration, eval_mode, model_device
+from ..data.precision import HALF
 from .stats import InputStatistics, StatisticsHooks, _batch_mask, _module_path, by_name, input_statistics
 
 if TYPE_CHECKING:
@@ -167,9 +168,6 @@ def _move(model: nn.Module, device: torch.device, skip: nn.Module | None = None)
         for k, b in mod._buffers.items():
             if b is not None and b.device != device:
                 mod._buffers[k] = b.to(device)
-
-
-HALF = (torch.bfloat16, torch.float16)
 
 
 class _Precision:
