@@ -303,3 +303,37 @@ def test_large_arrays_are_mapped_where_glibc_is_the_allocator():
 
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == str(bool(glibc))  # in the tool's own process, set wherever glibc is the allocator
+
+
+def test_the_plan_check_measures_the_reviewed_plan_with_one_blocks_factors_mapped(monkeypatch, tmp_path):
+    """The plan check builds its copy with measured_copy too (the 7B audit's peak was its copy of every factor):
+    the reviewed plan, which no search would choose (ranks 7 and 5), is measured on a copy whose blocks' factors
+    are mapped while each block runs; the number it reports is that copy's."""
+    from safetensors.torch import save_file
+
+    import auditor
+    from auditor.calibration import apply
+
+    model = _llama(3)
+    ids = torch.randint(0, 64, (24, 10), generator=torch.Generator().manual_seed(1))
+    save_file({"input_ids": ids}, str(tmp_path / "calib.safetensors"))
+    plan = {"model.layers.0.mlp.up_proj": 7, "model.layers.2.self_attn.o_proj": 5}
+    copies, mapped = [], []
+    real_copy, real_map = apply.measured_copy, apply._MappedFactors.map
+
+    def copy(model, ranks, *args):
+        copies.append(dict(ranks))
+        return real_copy(model, ranks, *args)
+
+    def map_block(self, i):
+        mapped.append((copies[-1] if copies else None, i))  # tier 3's copies are made by its own import
+        real_map(self, i)
+
+    monkeypatch.setattr(apply, "measured_copy", copy)
+    monkeypatch.setattr(apply._MappedFactors, "map", map_block)
+    a = auditor.audit(model, ids[:1], plan={"ranks": plan}, calibration=str(tmp_path / "calib.safetensors"),
+                      cache=False, progress=False)
+    check = a.calibration.plan_check
+    assert check is not None and check.layers == 2 and check.measured == check.measured  # measured, not NaN
+    assert copies[-1] == plan  # the last copy made is the plan check's
+    assert sorted({i for p, i in mapped if p == plan}) == [0, 2]  # its factors mapped block by block

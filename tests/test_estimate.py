@@ -35,6 +35,7 @@ def test_stage_seconds_exact():
     assert s == pytest.approx({
         "load": 1.0, "trace": 2 * fwd, "reports": 0.6,
         "spectra": 2 * (4 * 128 + 160) / 1e3 + 0.8 / 2**3 * 5 * 4**3,  # the Grams, then their eigenvalues
+        "calibration data": fwd,  # the read runs the first batch once
         "statistics": 6 * fwd + grams + decomp,  # 24 fit rows in batches of 4
         "gradients": 6 * (2 * fwd + 2 * 2.625) + decomp,  # every fit row (4096 positions / 16 > 24)
         "tier 3": (4 + 7 * 4 + 3 * 4) / 4 * fwd + 10 * factors,  # search half: 4 rows; 10 plans, 3 on every row
@@ -50,9 +51,10 @@ def test_peak_disk_and_device_exact():
     # one output gradient at a time, the widest (10): it, its kept rows and its float copy
     assert by["gradients"] == 1100 + 3 * 2560 + 2 * 256 + 1000 + 256 + 3 * 4 * 16 * 10 * 4 + 640 == 18868
     assert e.peak_rss_bytes == 18868
-    # tier 3 and the verification: one block's factors at a time (192 bytes); the plan check: every layer's (496)
-    assert (by["tier 3"], by["verification"], by["plan check"]) == (1100 + 5120 + 1000 + 192 + 1664,
-                                                                     1100 + 5120 + 1000 + 192, 1100 + 5120 + 1000 + 496)
+    # tier 3, the verification and the plan check: one block's factors at a time (192 bytes) and the head's, outside
+    # the blocks (112), not every layer's (496)
+    assert (by["tier 3"], by["verification"], by["plan check"]) == (1100 + 5120 + 1000 + 304 + 1664,
+                                                                     1100 + 5120 + 1000 + 304, 1100 + 5120 + 1000 + 304)
     assert e.disk_bytes == 2 * (20000 + 2000 * 5) + 8 * 176 + 2496 + 640
     assert e.peak_device_bytes is None
     on = est.predict(SHAPES, est.Workload(**{**WORK.__dict__, "device": "cuda", "offload": True}), MEASURED)
@@ -139,6 +141,8 @@ def test_estimate_json_keys_and_no_audit(cli_inproc, small, monkeypatch):
     assert e["wall_seconds"] == pytest.approx(sum(s["wall_seconds"] for s in e["stages"]), abs=0.01)
     assert e["peak_rss_bytes"] == max(s["peak_rss_bytes"] for s in e["stages"])
     assert e["basis"]["rows"]["search"] == 8  # 64 rows: 48 fit, 16 held out, cut in two
+    by = {s["stage"]: s["wall_seconds"] for s in e["stages"]}
+    assert by["trace"] == 0 < by["calibration data"]  # no example input: the trace runs no forward; the read one
     assert not (small / "out").exists()  # nothing written
     for shape in ((), ("--input-shape", "2,16")):  # without inputs nothing is timed but the decompositions
         table = cli_inproc(f"{small}/m.py:net", "--estimate", *shape)

@@ -92,11 +92,11 @@ def factorize(model: nn.Module, plan: dict[str, int], calibration: object = None
         return replace_layers(model, resolved, truncation(None, sequential(calibration, model, resolved)), share=share)
     stats = statistics(calibration, model, [l for l, _ in resolved.values()])
     if reuse is None and isinstance(calibration, CalibrationSession) and calibration.on_cluster:
-        reuse = _on_cluster(model, calibration, [l for l, _ in resolved.values()], stats)
+        reuse = cluster_truncators(model, calibration, [l for l, _ in resolved.values()], stats)
     return replace_layers(model, resolved, truncation(stats, reuse), share=share)
 
 
-def _on_cluster(model: nn.Module, session: CalibrationSession, planned: list[Layer],
+def cluster_truncators(model: nn.Module, session: CalibrationSession, planned: list[Layer],
                 stats: InputStatistics | None) -> "MutableMapping[str, Truncator]":
     """The planned layers' decompositions made on the session's Dask cluster, one block at a time, into a
     :class:`~auditor.calibration.statistics.whiten.TruncatorStore` holding one part of the model in memory (the rest

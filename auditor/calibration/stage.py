@@ -346,8 +346,8 @@ def _measured_plan(cal: Calibrated, model: nn.Module, plan: dict[str, int],
     """(the plan's measurement, parameters removed, its verification or None): on the verification rows with the
     interval in a split session (the suggested plan's verification and removal reused: neither factorized nor
     measured again), else on the held-out rows."""
-    from ..surgery import count_params
-    from .apply import factorize
+    from ..surgery import checked_plan, count_params
+    from .apply import cluster_truncators, measured_copy, statistics
 
     session, b = cal.session, cal.report.budget
     suggested = b is not None and b.plan == plan
@@ -355,7 +355,11 @@ def _measured_plan(cal: Calibrated, model: nn.Module, plan: dict[str, int],
         verification, removed = b.verification, b.removed
     else:
         with session.measuring():
-            new = factorize(model, plan, session, reuse=cal.reuse, share=True)
+            planned = [l for l, _ in checked_plan(model, plan).values()]
+            stats, reuse = statistics(session, model, planned), cal.reuse
+            if reuse is None and session.on_cluster:  # the decompositions made on the cluster, as factorize would
+                reuse = cluster_truncators(model, session, planned, stats)
+            new = measured_copy(model, plan, stats, reuse)  # one block's factors alive at once
             removed = count_params(model) - count_params(new)
             if session.verifier is None:
                 return session.evaluator.measure(new), removed, None

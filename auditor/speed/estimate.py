@@ -48,7 +48,7 @@ REPORT_LAYER_SECONDS = {"pdf": 1.2, "html": 1.2}
 DEFAULT_REPORT_SECONDS = 0.3
 CHART_RSS = 200 * 2**20  # the plotting library and its figures, alive while an html or pdf report renders
 REPORT_BYTES = {"pdf": 400_000, "html": 600_000}  # measured on the sample models' reports; else 20 kB + per layer
-STAGES = ("load", "trace", "spectra", "statistics", "gradients", "tier 3", "verification", "plan check", "reports")
+STAGES = ("load", "trace", "spectra", "calibration data", "statistics", "gradients", "tier 3", "verification", "plan check", "reports")
 
 
 @dataclass(frozen=True)
@@ -196,6 +196,7 @@ def stage_seconds(sh: Shapes, wl: Workload, me: Measurements) -> dict[str, float
     if not wl.calibrated:
         return out
     r, b = _rows(wl), wl.batch_rows
+    out["calibration data"] = fwd  # the read runs the first batch once (inputs that do not fit fail there)
     decomp = decompositions_seconds(sh, me)
     grams = sum(2.0 * wl.fit_rows * wl.tokens * n * n for _, n in sh.layers) / me.gemm_flops
     factors = sum(2.0 * _cube(s) for s in sh.layers) / me.gemm_flops  # one plan's A, B from kept decompositions
@@ -217,6 +218,15 @@ def _plan_factors(sh: Shapes) -> int:
     return sum(4 * (m + n) * (min(m, n) // 2) for m, n in sh.layers)
 
 
+def _mapped_factors(sh: Shapes) -> int:
+    """A plan's factors alive at once in ``apply.measured_copy``'s copy: one repeated block's and those of the layers
+    outside the blocks (kept in memory)."""
+    if not sh.block_layers:
+        return _plan_factors(sh)
+    one = _plan_factors(replace(sh, layers=sh.block_layers))
+    return max(one, _plan_factors(sh) - (max(1, sh.blocks) - 1) * one)
+
+
 def stage_extra(sh: Shapes, wl: Workload, me: Measurements) -> dict[str, int]:
     """Bytes each stage holds beyond the process, the weights and what the stages before it left (docs/calibration.md,
     "What is alive at once")."""
@@ -226,6 +236,7 @@ def stage_extra(sh: Shapes, wl: Workload, me: Measurements) -> dict[str, int]:
     out = {"load": 0, "trace": me.block_saved_bytes, "spectra": 2 * 8 * big[0] * big[1], "reports": charts}
     if not wl.calibrated:
         return out
+    out["calibration data"] = me.block_saved_bytes
     threads = max(1, wl.threads)
     whiten = threads * 2 * 8 * big[0] * big[1]
     hidden = 2 * _batches(wl.fit_rows, wl.batch_rows) * me.hidden_bytes
@@ -236,10 +247,9 @@ def stage_extra(sh: Shapes, wl: Workload, me: Measurements) -> dict[str, int]:
                         + 3 * wl.batch_rows * wl.tokens * widest * 4 + 2 * 8 * big[0] * big[1])  # its rows, its cast
     dense = 0 if wl.token_inputs else wl.holdout_rows * wl.tokens * wl.outputs * 4
     plan = dense + 2 * logits + me.block_saved_bytes
-    block = _plan_factors(replace(sh, layers=sh.block_layers)) if sh.block_layers else _plan_factors(sh)
-    out["tier 3"] = plan + block + _block_grams(sh)  # apply.measured_copy: one block's factors mapped at a time
-    out["verification"] = plan + block
-    out["plan check"] = plan + _plan_factors(sh)  # the plan check's copy holds every factor
+    block = _mapped_factors(sh)  # apply.measured_copy: one block's factors mapped at a time
+    out["tier 3"] = plan + block + _block_grams(sh)
+    out["verification"] = out["plan check"] = plan + block
     return out
 
 
@@ -557,8 +567,10 @@ def estimate_loaded(loaded: Any, options: Any, formats: tuple[str, ...], load_se
     if options.calibration_data.source is not None:
         cal = _calibration(model, loaded.source, options)
         wl, batch = workload_of(cal, options, _outputs(model, sh), formats), (cal.fit or cal.holdout)[0]
-        if loaded.example_inputs is not None:  # the trace runs the example input, not a calibration batch
-            wl = replace(wl, example_share=min(1.0, _positions(_as_batch(loaded.example_inputs)) / _positions(batch)))
+        # the trace runs the example input, not a calibration batch; without one it runs no forward
+        share = (0.0 if loaded.example_inputs is None
+                 else min(1.0, _positions(_as_batch(loaded.example_inputs)) / _positions(batch)))
+        wl = replace(wl, example_share=share)
     else:
         batch = _as_batch(loaded.example_inputs) if loaded.example_inputs is not None else None
         rows, tokens, ids = _batch_shape(batch) if batch is not None else (1, 1, False)
