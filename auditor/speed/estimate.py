@@ -504,10 +504,9 @@ def measure(model: nn.Module, batch: Any, sh: Shapes, base_rss: int, load_second
     except (AuditError, torch.OutOfMemoryError):
         raise
     except Exception as exc:  # noqa: BLE001 - inputs the forward refuses, said in one line as the audit says it
-        from ..errors import first_line
+        from ..calibration.data.inputs import misfit
 
-        raise AuditError(f"the inputs do not fit {type(model).__name__}.forward: {first_line(exc)}",
-                         "Give inputs shaped like the model's example inputs") from None
+        raise misfit("the inputs", model, exc) from None
     for p in model.parameters():
         p.grad = None
     hidden = next((a.numel() * a.element_size() for a in args if isinstance(a, torch.Tensor)), out_bytes)

@@ -380,6 +380,13 @@ class Reading:
     separator: str | None = None  # a text file's document separator (documents.py)
 
 
+def misfit(what: str, model: nn.Module, exc: BaseException) -> AuditError:
+    """One line for inputs ``model``'s forward refuses: ``{what} do not fit Model.forward: {the error's first
+    line}`` (the calibration's read and ``--estimate`` say it alike)."""
+    return AuditError(f"{what} do not fit {type(model).__name__}.forward: {first_line(exc)}",
+                      "Give inputs shaped like the model's example inputs")
+
+
 def load_calibration(source: object, model: nn.Module | None = None, holdout: object = 0.25,
                      batch_size: int = 32, check_forward: bool = True, *, tokenizer: str | Path | None = None,
                      length: int | None = None, **caps: "int | str | None") -> Calibration:
@@ -444,8 +451,7 @@ def _load(source: object, model: nn.Module | None, holdout: object, reading: Rea
         try:
             run(model, fit[0])
         except Exception as exc:  # noqa: BLE001 - the inputs do not fit the forward
-            raise AuditError(f"calibration inputs from {where} do not fit {type(model).__name__}.forward: "
-                             f"{first_line(exc)}", "Give inputs shaped like the model's example inputs") from None
+            raise misfit(f"calibration inputs from {where}", model, exc) from None
     warn = synthetic_warning(batches if text_in is None else [Batch((), {"input_ids": text_in.text_ids()})], model)
     if warn:
         cal.warnings.append(warn)
