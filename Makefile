@@ -36,7 +36,7 @@ demo: setup
 	@echo "reports written to $(REPORTS)/ (open $(REPORTS)/lowrank-audit.html or .pdf), $(REPORTS)/chargpt/ and $(REPORTS)/llama/"
 
 test: setup system-deps
-	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile
+	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
 
 docs: setup
 	$(VENV)/bin/lowrank-audit rules --markdown > docs/rules.md

@@ -17,6 +17,20 @@ if os.environ.get("PYTEST_XDIST_WORKER"):  # `make test`'s workers share the cor
     os.environ["MKL_NUM_THREADS"] = "1"
 
 
+# `make test` hands out whole files (--dist loadfile) in collection order (--no-loadscope-reorder): these files, the
+# longest serially (their module fixtures are whole calibrated audits; measured with --durations), go first, so the
+# two workers share them and finish together instead of one starting a long file while the other has none left.
+LONGEST_FIRST = ("tests/test_report_consistency.py", "tests/corpus/test_corpus.py", "tests/test_ties.py",
+                 "tests/test_plan_holds.py", "tests/test_md_render.py", "tests/test_report_pdf_bounds.py",
+                 "tests/test_checkpoints.py", "tests/test_speed.py", "tests/test_hardening_round5_edges2.py",
+                 "tests/test_hardening_round5_exec.py", "tests/test_integrations.py")
+
+
+def pytest_collection_modifyitems(config, items):
+    first = {name: i for i, name in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: first.get(item.nodeid.partition("::")[0], len(first)))  # stable: the rest as found
+
+
 @pytest.fixture(autouse=True)
 def _isolated_cache(tmp_path_factory, monkeypatch):
     monkeypatch.setenv("LOWRANK_AUDITOR_CACHE", str(tmp_path_factory.getbasetemp() / "spectra-cache"))
