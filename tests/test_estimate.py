@@ -142,7 +142,9 @@ def test_estimate_json_keys_and_no_audit(cli_inproc, small, monkeypatch):
     assert e["peak_rss_bytes"] == max(s["peak_rss_bytes"] for s in e["stages"])
     assert e["basis"]["rows"]["search"] == 8  # 64 rows: 48 fit, 16 held out, cut in two
     by = {s["stage"]: s["wall_seconds"] for s in e["stages"]}
-    assert by["trace"] == 0 < by["calibration data"]  # no example input: the trace runs no forward; the read one
+    me = e["basis"]["measurements"]
+    assert me["block_forward"] > 0  # the read runs the first batch once: two blocks and the head (64 of 1,024 params)
+    assert by["trace"] == 0 and by["calibration data"] == pytest.approx(me["block_forward"] * (2 + 64 / 1024), abs=1e-3)
     assert not (small / "out").exists()  # nothing written
     for shape in ((), ("--input-shape", "2,16")):  # without inputs nothing is timed but the decompositions
         table = cli_inproc(f"{small}/m.py:net", "--estimate", *shape)
