@@ -475,9 +475,12 @@ def _time_linalg(sh: Shapes, clock: Callable[[], float]) -> tuple[float, tuple[i
         eigh(gram[:k, :k], eigvals_only=True, driver="evd", check_finite=False)
         gemm.append(t1 - t0)
         eig.append(clock() - t1)
-    t2 = clock()
-    decompose(f, gram)
-    return clock() - t2, (m, n), min(eig), k, 2.0 * 2 * n * n * n / max(min(gemm), 1e-9)
+    dec = []
+    for _ in range(2):  # the quicker of two here too: one timing of a fraction of a second is noise at 1.1B (3.4x)
+        t2 = clock()
+        decompose(f, gram)
+        dec.append(clock() - t2)
+    return min(dec), (m, n), min(eig), k, 2.0 * 2 * n * n * n / max(min(gemm), 1e-9)
 
 
 def measure(model: nn.Module, batch: Any, sh: Shapes, base_rss: int, load_seconds: float,
