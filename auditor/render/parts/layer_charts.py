@@ -141,7 +141,8 @@ def _decade(v: float, _pos: Any = None) -> str:
 
 def _log_rank_axis(ax: Any, k: int, *marks: float | None) -> None:
     """Log-scaled rank axis from 1 to k, widened to show any mark beyond k (a planned rank above min(m, n)); ticks at
-    1, 2 and 5 of each decade up to two decades, 1 and 3 up to three, then decades only (labels never crowd)."""
+    1, 2 and 5 of each decade up to two decades, 1 and 3 up to three, then decades only (labels never crowd). Minor
+    tick marks only where the labelled ticks are decades or 1 and 3 (with 1, 2 and 5 they add nothing to read)."""
     from matplotlib import ticker
 
     ax.set_xscale("log")
@@ -151,17 +152,20 @@ def _log_rank_axis(ax: Any, k: int, *marks: float | None) -> None:
     subs = (1.0, 2.0, 5.0) if span <= 2.1 else (1.0, 3.0) if span <= 3.1 else (1.0,)
     ax.xaxis.set_major_locator(ticker.LogLocator(base=10, subs=subs))
     ax.xaxis.set_major_formatter(ticker.FuncFormatter(_fmt))
+    if len(subs) > 2:
+        ax.xaxis.set_minor_locator(ticker.NullLocator())
     ax.xaxis.set_minor_formatter(ticker.NullFormatter())
 
 
 def _log_y(ax: Any) -> None:
-    """A log y axis with plain decade labels (see :func:`_decade`)."""
+    """A log y axis with plain decade labels (see :func:`_decade`), no minor tick marks (unlabelled, eight a decade:
+    they crowded the axis and were half of a layer page's drawing time)."""
     from matplotlib import ticker
 
     ax.set_yscale("log")
     ax.yaxis.set_major_locator(ticker.LogLocator(base=10, numticks=10))
     ax.yaxis.set_major_formatter(ticker.FuncFormatter(_decade))
-    ax.yaxis.set_minor_formatter(ticker.NullFormatter())
+    ax.yaxis.set_minor_locator(ticker.NullLocator())
 
 
 def _share_fig(labels: Sequence[str], params: Sequence[int], total: int, counts: Sequence[int] | None,
@@ -248,7 +252,7 @@ def _energy_axis(ax: Any, lo: float) -> None:
     ax.invert_yaxis()  # E grows upwards, as on a linear energy axis
     ax.yaxis.set_major_locator(ticker.LogLocator(base=10, numticks=12))
     ax.yaxis.set_major_formatter(ticker.FuncFormatter(_energy_label))
-    ax.yaxis.set_minor_formatter(ticker.NullFormatter())
+    ax.yaxis.set_minor_locator(ticker.NullLocator())  # as on _log_y: unlabelled marks between 0.9 and 0.99 misled
     ax.set_ylabel("energy kept E(r)\n(log scale of 1 − E)")
 
 
