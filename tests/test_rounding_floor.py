@@ -90,3 +90,34 @@ def test_a_float32_model_gets_no_floor(digits_mlp, rows):
     assert not any("rounding" in t for t in _calibration(a, charts=False)["calibration"]["budget"])
     assert "rounding" not in json.dumps(cal.to_dict())
     assert not [f for f in a.findings if f.code in ("LR017", "LR018")]
+
+
+def test_a_model_of_blocks_is_floored_a_block_at_a_time_from_the_decompositions_tier_3_reads(tmp_path):
+    """The sample Llama in bfloat16 (four repeated blocks): the floor measured with one block's full-rank factors
+    mapped at a time equals the whole factorized copy's measurement exactly, and leaves every layer's decomposition
+    in the store the search then reads (a 1.1B audit decomposed each layer twice, once here and once in tier 3)."""
+    pytest.importorskip("transformers")
+    from pathlib import Path
+
+    import transformers
+
+    from auditor.calibration.session import CalibrationSession
+    from auditor.calibration.statistics.whiten import TruncatorStore
+    from auditor.calibration.tiers.rounding import rounding_floor
+
+    llama = Path(__file__).resolve().parents[1] / "sample_models" / "llama"
+    model = transformers.LlamaForCausalLM.from_pretrained(str(llama), torch_dtype=torch.bfloat16).eval()
+    text = (llama / "calib.txt").read_text(encoding="utf-8")[:4000]  # a few kilobytes: 16 windows of 64 tokens
+    (tmp_path / "calib.txt").write_text(text[:text.rfind("\n") + 1], encoding="utf-8")
+    cal = load_calibration(str(tmp_path / "calib.txt"), model, 0.5, tokenizer=str(llama), length=64)
+    a = auditor.audit(model, (cal.fit[0].kwargs["input_ids"][:1],), spectra=False, cache=False, progress=False)
+    layers = [l for l in a.layers if l.name.startswith("model.layers.")]
+    assert len(layers) == 28
+    session = CalibrationSession(model, cal, layers=layers)
+    store = TruncatorStore(0)  # nothing kept in memory: every decomposition spilled and read back
+    f = rounding_floor(model, layers, session, store)
+    assert f is not None and f.layers == 28 and f.dtype == "bfloat16"
+    assert len(store) + store.spilled == 28  # each layer decomposed once, for the floor and the search alike
+    with session.measuring():
+        whole = session.evaluator.measure(factorize(model, f.ranks, session))
+    assert f.metric == whole.value and f.metric > 0

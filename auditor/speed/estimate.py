@@ -48,7 +48,8 @@ REPORT_LAYER_SECONDS = {"pdf": 1.2, "html": 1.2}
 DEFAULT_REPORT_SECONDS = 0.3
 CHART_RSS = 200 * 2**20  # the plotting library and its figures, alive while an html or pdf report renders
 REPORT_BYTES = {"pdf": 400_000, "html": 600_000}  # measured on the sample models' reports; else 20 kB + per layer
-STAGES = ("load", "trace", "spectra", "calibration data", "statistics", "gradients", "tier 3", "verification", "plan check", "reports")
+STAGES = ("load", "trace", "spectra", "calibration data", "statistics", "gradients", "rounding floor", "tier 3",
+          "verification", "plan check", "reports")
 
 
 @dataclass(frozen=True)
@@ -202,7 +203,15 @@ def stage_seconds(sh: Shapes, wl: Workload, me: Measurements) -> dict[str, float
     factors = sum(2.0 * _cube(s) for s in sh.layers) / me.gemm_flops  # one plan's A, B from kept decompositions
     out["statistics"] = _batches(wl.fit_rows, b) * fwd + grams + decomp
     out["gradients"] = _batches(r["gradient"], b) * (GRADIENT_PASSES * fwd + LABEL_SAMPLES * bwd) + decomp
-    out["tier 3"] = r["tier3"] / b * fwd + r["plans"] * factors
+    # tier 3's decompositions (one per layer, kept for the search, the verification and the plan check) are made by
+    # the rounding floor of a bf16 / fp16 model (every layer at full rank, its dense reference and one measurement on
+    # the search rows), else by the search's first plans
+    tier3_decomp = decomp
+    if sh.element_bytes == 2:
+        full = sum(2.0 * _cube(s) for s in sh.layers) / me.gemm_flops
+        out["rounding floor"] = decomp + full + 2 * _batches(r["search"], b) * fwd
+        tier3_decomp = 0.0
+    out["tier 3"] = r["tier3"] / b * fwd + r["plans"] * factors + tier3_decomp
     out["verification"] = 2 * _batches(r["verify"], b) * fwd + factors
     out["plan check"] = factors
     return out
@@ -250,6 +259,8 @@ def stage_extra(sh: Shapes, wl: Workload, me: Measurements) -> dict[str, int]:
     block = _mapped_factors(sh)  # apply.measured_copy: one block's factors mapped at a time
     out["tier 3"] = plan + block + _block_grams(sh)
     out["verification"] = out["plan check"] = plan + block
+    if sh.element_bytes == 2:  # every layer at full rank: twice a half-rank plan's factors, one block's at a time
+        out["rounding floor"] = plan + 2 * block + _block_grams(sh)
     return out
 
 

@@ -233,13 +233,24 @@ def search(model: "nn.Module", session: CalibrationSession, tier1: Tier1, scope:
     over the sensitivity's curves, judged against the tolerance as given (the floor is part of every plan's cost)."""
     from ..statistics.whiten import part_bytes
     from .budget import plan_for_budget
-    from .rounding import rounding_floor
+    from .rounding import low_precision, rounding_floor
 
     seconds: dict[str, float] = {}
+    # each layer decomposed once for the rounding floor, the search, the verification and the plan check; one part
+    # of the model's decompositions in memory (a block's, or the largest outside layer's), the rest on disk
+    reuse = TruncatorStore(part_bytes(model, scope.sensitive))
     t = time.perf_counter()
-    rounding = rounding_floor(model, scope.sensitive, session)
-    if rounding is not None:
+    if session.on_cluster:  # --scheduler: the decompositions made there, one task per distinct input
+        with progress.phase("tier 3 decompositions", total=len(scope.sensitive)):
+            session.cluster_truncators(scope.sensitive, reuse, progress.update)
+        seconds["tier3 decompositions"] = time.perf_counter() - t
+    t = time.perf_counter()
+    if low_precision(model, scope.sensitive):
+        with progress.phase("rounding floor"):
+            rounding = rounding_floor(model, scope.sensitive, session, reuse)
         seconds["rounding"] = time.perf_counter() - t
+    else:
+        rounding = None
     t = time.perf_counter()
     untied = curves_for(sensitivity, tier1, scope, settings)
     curves = untied
@@ -248,14 +259,6 @@ def search(model: "nn.Module", session: CalibrationSession, tier1: Tier1, scope:
 
         curves = tie_curves(untied, scope.ties)[0]
     tier3 = time.perf_counter() - t
-    # each layer decomposed once for the search, the verification and the plan check; one part of the model's
-    # decompositions in memory (a block's, or the largest outside layer's), the rest on disk
-    reuse = TruncatorStore(part_bytes(model, scope.sensitive))
-    t = time.perf_counter()
-    if session.on_cluster:  # --scheduler: the decompositions made there, one task per distinct input
-        with progress.phase("tier 3 decompositions", total=len(scope.sensitive)):
-            session.cluster_truncators(scope.sensitive, reuse, progress.update)
-        seconds["tier3 decompositions"] = time.perf_counter() - t
     t = time.perf_counter()
     with progress.phase("tier 3 plan search", unit="plan"):
         budget = plan_for_budget(model, list(session.layers.values()), session, curves, budget=tiers.budget,

@@ -7,7 +7,10 @@ top of what its truncation costs, so it is a floor under every plan's metric: in
 tolerance before a single direction is dropped (issue 22 measured 0.0070 of 0.01 factorizing every MLP).
 
 Measured once per audit, through the audit's one session and its evaluator, for models whose planned layers hold
-bfloat16 or float16 weights; for float32 / float64 models it is not measured (their rounding is a million times
+bfloat16 or float16 weights, from the decompositions tier 3 then reuses (each layer decomposed once for both) and
+with one block's factors in memory at a time (:func:`~auditor.calibration.apply.measured_copy`): at full rank the
+factors outweigh the weights (2 m n against m n for a square layer), so a whole factorized copy would be the
+largest thing the audit ever held; for float32 / float64 models it is not measured (their rounding is a million times
 smaller) and the report is unchanged. The tier-3 search judges plans against the tolerance as given: the floor is
 part of every plan's cost, not subtracted from it (LR017 / LR018 say when it takes too much of the tolerance).
 """
@@ -20,9 +23,12 @@ from ...calresults import RoundingFloor
 from ...results import Layer
 
 if TYPE_CHECKING:
+    from collections.abc import MutableMapping
+
     from torch import nn
 
     from ..session import CalibrationSession
+    from ..statistics.whiten import Truncator
 
 LOW_PRECISION = ("bfloat16", "float16")
 
@@ -42,11 +48,13 @@ def low_precision(model: "nn.Module", layers: list[Layer]) -> str:
     return seen.most_common(1)[0][0] if seen else ""
 
 
-def rounding_floor(model: "nn.Module", layers: list[Layer], session: "CalibrationSession") -> RoundingFloor | None:
+def rounding_floor(model: "nn.Module", layers: list[Layer], session: "CalibrationSession",
+                   reuse: "MutableMapping[str, Truncator] | None" = None) -> RoundingFloor | None:
     """The metric with every one of ``layers`` factorized at full rank (whitened factors from the session's
     statistics, in the model's dtype), measured by the session's evaluator on the held-out rows; None when the
-    layers hold no bfloat16 / float16 weights, or there are none."""
-    from ..apply import factorize
+    layers hold no bfloat16 / float16 weights, or there are none. ``reuse``: the decompositions kept for tier 3
+    (each layer's made here once, and read there)."""
+    from ..apply import measured_copy
 
     dtype = low_precision(model, layers)
     if not dtype or not layers:
@@ -54,8 +62,7 @@ def rounding_floor(model: "nn.Module", layers: list[Layer], session: "Calibratio
     plan = {l.name: l.max_rank for l in layers}
     with session.measuring():
         ev = session.evaluator
-        new = factorize(model, plan, session, layers={l.name: l for l in layers})
-        m = ev.measure(new)
+        m = ev.measure(measured_copy(model, plan, session.statistics(layers), reuse))
     metric = session.metric
     used = metric.used(m.value, ev.reference)
     return RoundingFloor(dtype=dtype, layers=len(plan), metric=m.value, used=used, tolerance=metric.tolerance,
