@@ -200,16 +200,16 @@ def stage_seconds(sh: Shapes, wl: Workload, me: Measurements) -> dict[str, float
     out["calibration data"] = fwd  # the read runs the first batch once (inputs that do not fit fail there)
     decomp = decompositions_seconds(sh, me)
     grams = sum(2.0 * wl.fit_rows * wl.tokens * n * n for _, n in sh.layers) / me.gemm_flops
-    factors = sum(2.0 * _cube(s) for s in sh.layers) / me.gemm_flops  # one plan's A, B from kept decompositions
+    # one plan's A, B from kept decompositions (U_r^T F for every layer: m n r at r = min(m, n), the full-rank bound)
+    factors = sum(2.0 * _cube(s) for s in sh.layers) / me.gemm_flops
     out["statistics"] = _batches(wl.fit_rows, b) * fwd + grams + decomp
     out["gradients"] = _batches(r["gradient"], b) * (GRADIENT_PASSES * fwd + LABEL_SAMPLES * bwd) + decomp
     # tier 3's decompositions (one per layer, kept for the search, the verification and the plan check) are made by
     # the rounding floor of a bf16 / fp16 model (every layer at full rank, its dense reference and one measurement on
     # the search rows), else by the search's first plans
     tier3_decomp = decomp
-    if sh.element_bytes == 2:
-        full = sum(2.0 * _cube(s) for s in sh.layers) / me.gemm_flops
-        out["rounding floor"] = decomp + full + 2 * _batches(r["search"], b) * fwd
+    if sh.element_bytes == 2:  # its one plan: every layer at full rank, what `factors` already counts
+        out["rounding floor"] = decomp + factors + 2 * _batches(r["search"], b) * fwd
         tier3_decomp = 0.0
     out["tier 3"] = r["tier3"] / b * fwd + r["plans"] * factors + tier3_decomp
     out["verification"] = 2 * _batches(r["verify"], b) * fwd + factors
