@@ -1,0 +1,196 @@
+"""Quality per parameter removed, on text the tool never read: the audit's plans against SVD-LLM's uniform whitened
+truncation at the same share removed, and the default plan against uniform at the same perplexity (issue 38).
+
+    python sample_models/train_llama.py --shape wide --out /tmp/wide    # the held-back 2.4M Llama (~13 min)
+    PYTHONPATH=. python benchmarks/quality.py /tmp/wide [--shares 0.1 0.2 0.3] [--threads 2]
+
+The model (a Hugging Face Llama directory that ``train_llama.py`` wrote) trained on the top-level standard-library
+sources but every 8th file. Those held-out files, in name order, are cut in two: the first ones up to 300,000
+characters are the calibration (a directory, one document per file, which the tool splits into fit, search and
+verification rows on file boundaries); the files after them, and the subpackage sources (``*/*.py``, never trained
+on nor read), are the unseen text: 96 windows of the model's 128 positions spread over it.
+
+1. Fixed share removed (the field's framing): for each share, ``--budget SHARE --tolerance 0.05``; its plan written
+   with ``auditor.factorize`` (the sequential fit, as ``lowrank-audit factorize --calibration`` writes it, and the
+   independent fit), and uniform whitened truncation of the decoder blocks' Linears (one kept share of every layer's
+   break-even rank, bisected to the same parameters removed; the independent whitened fit, SVD-LLM's) on the same fit
+   rows. Printed: the perplexity increase of each on the unseen windows and the plan's against uniform's.
+2. The default audit (tolerance +1%): its share removed, its verification and unseen intervals, its unseen
+   perplexity increase, its wall time against its tier-1 wall; and uniform truncation's share removed at the same
+   unseen perplexity (the kept share bisected), with the ratio of the two removals.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+import sysconfig
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+import auditor  # noqa: E402
+from auditor.calibration import load_calibration  # noqa: E402
+from auditor.structure.layers import ParamTable, collect_layers  # noqa: E402
+from auditor.surgery import count_params  # noqa: E402
+
+CALIB_CHARS = 300_000
+UNSEEN_WINDOWS = 96
+
+
+def texts() -> tuple[list[tuple[str, str]], str]:
+    """(the calibration files: name, text) and the unseen text."""
+    stdlib = Path(sysconfig.get_paths()["stdlib"])
+    held = [f for i, f in enumerate(sorted(stdlib.glob("*.py"))) if i % 8 == 0]
+    calib, n = [], 0
+    for f in held:
+        if n >= CALIB_CHARS:
+            break
+        t = f.read_text(encoding="utf-8", errors="replace")
+        calib.append((f.name + ".txt", t))
+        n += len(t)
+    rest = [f.read_text(encoding="utf-8", errors="replace") for f in held[len(calib):]]
+    for f in sorted(stdlib.glob("*/*.py")):
+        if "site-packages" in f.parts or "test" in f.parts[-2]:
+            continue
+        rest.append(f.read_text(encoding="utf-8", errors="replace"))
+        if sum(map(len, rest)) >= 600_000:
+            break
+    return calib, "".join(rest)
+
+
+def unseen_windows(model_dir: Path, text: str, length: int) -> torch.Tensor:
+    from tokenizers import Tokenizer
+
+    ids = torch.tensor(Tokenizer.from_file(str(model_dir / "tokenizer.json")).encode(text).ids)
+    starts = torch.linspace(0, len(ids) - length, UNSEEN_WINDOWS).long()
+    return torch.stack([ids[s:s + length] for s in starts.tolist()])
+
+
+@torch.no_grad()
+def perplexity(model: torch.nn.Module, seqs: torch.Tensor) -> float:
+    nll, count = 0.0, 0
+    for chunk in seqs.split(16):
+        logits = model(input_ids=chunk).logits[:, :-1].float()
+        nll += float(torch.nn.functional.cross_entropy(logits.flatten(0, 1), chunk[:, 1:].flatten(), reduction="sum"))
+        count += chunk[:, 1:].numel()
+    return math.exp(nll / count)
+
+
+class Uniform:
+    """SVD-LLM's allocation: every decoder-block Linear at one kept share of its break-even rank (a layer that would
+    save nothing stays dense)."""
+
+    def __init__(self, model: torch.nn.Module):
+        self.layers = [l for l in collect_layers(model, ParamTable.of(model)).values()
+                       if ".layers." in l.name and l.kind == "linear"]
+        self.total = count_params(model)
+
+    def plan(self, kept: float) -> dict[str, int]:
+        out = {}
+        for l in self.layers:
+            r = max(1, math.floor(kept * l.m * l.n / (l.m + l.n)))
+            if r * (l.m + l.n) < l.m * l.n:
+                out[l.name] = r
+        return out
+
+    def removed(self, kept: float) -> float:
+        by = {l.name: l for l in self.layers}
+        return sum(by[n].m * by[n].n - r * (by[n].m + by[n].n) for n, r in self.plan(kept).items()) / self.total
+
+    def at_share(self, target: float) -> dict[str, int]:
+        lo, hi = 0.0, 1.0
+        for _ in range(40):
+            mid = (lo + hi) / 2
+            lo, hi = (mid, hi) if self.removed(mid) > target else (lo, mid)
+        return self.plan(lo if abs(self.removed(lo) - target) <= abs(self.removed(hi) - target) else hi)
+
+
+def audit(model_dir: Path, calib_dir: Path, **opts) -> tuple:
+    options = auditor.AuditOptions(calibration=str(calib_dir), tokenizer=str(model_dir), cache=False, progress=False,
+                                   **opts)
+    t = time.perf_counter()
+    a = auditor.audit_source(str(model_dir), options=options)
+    return a, time.perf_counter() - t
+
+
+def removed_by(model: torch.nn.Module, plan: dict[str, int]) -> float:
+    by = {l.name: l for l in collect_layers(model, ParamTable.of(model)).values()}
+    return sum(by[n].m * by[n].n - r * (by[n].m + by[n].n) for n, r in plan.items()) / count_params(model)
+
+
+def fixed_shares(model, model_dir, calib_dir, fit, unseen, dense, shares) -> None:
+    uni = Uniform(model)
+    print("share | plan (sequential fit) | plan (independent) | uniform (independent) | plan / uniform | audit s")
+    for share in shares:
+        a, wall = audit(model_dir, calib_dir, budget=share, tolerance=0.05)
+        plan = dict(a.calibration.budget.plan)
+        got = removed_by(model, plan)
+        row = {}
+        for label, ranks, how in (("seq", plan, "sequential"), ("ind", plan, "independent"),
+                                  ("uni", uni.at_share(got), "independent")):
+            row[label] = perplexity(auditor.factorize(model, ranks, calibration=fit, fit=how), unseen) / dense - 1
+        print(f"{100 * got:.1f}% (uniform {100 * removed_by(model, uni.at_share(got)):.1f}%) | "
+              f"{100 * row['seq']:+.2f}% | {100 * row['ind']:+.2f}% | {100 * row['uni']:+.2f}% | "
+              f"{row['seq'] / row['uni']:.2f}x ({row['ind'] / row['uni']:.2f}x independent) | {wall:.0f}", flush=True)
+
+
+def default_plan(model, model_dir, calib_dir, fit, unseen, dense) -> None:
+    a, wall = audit(model_dir, calib_dir)
+    c = a.calibration
+    b = c.budget
+    t1 = wall - sum(v for k, v in c.seconds.items() if k != "tier1")
+    plan = dict(b.plan)
+    got = removed_by(model, plan)
+    inc = perplexity(auditor.factorize(model, plan, calibration=fit, fit="sequential"), unseen) / dense - 1
+    v = b.verification
+    print(f"default plan: {100 * got:.1f}% removed ({len(plan)} layers); verification {v.words(c.tolerance, c.metric)}")
+    print(f"  on unseen text (sequential fit): {100 * inc:+.3f}%; audit {wall:.0f} s = {wall / t1:.2f}x its tier-1 "
+          f"wall ({t1:.0f} s)")
+    uni = Uniform(model)
+    lo, hi = 0.0, 1.0  # the kept share at which uniform's unseen perplexity increase equals the plan's
+    for _ in range(14):
+        mid = (lo + hi) / 2
+        u = perplexity(auditor.factorize(model, uni.plan(mid), calibration=fit, fit="independent"), unseen) / dense - 1
+        lo, hi = (lo, mid) if u <= inc else (mid, hi)
+    share = uni.removed(hi)
+    print(f"  uniform truncation at the same unseen perplexity: kept {hi:.3f} of break-even, {100 * share:.2f}% "
+          f"removed; the plan removes {got / share if share else math.inf:.1f}x as much")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("model", type=Path, help="the Llama directory train_llama.py --shape wide wrote")
+    ap.add_argument("--shares", type=float, nargs="*", default=[0.1, 0.2, 0.3])
+    ap.add_argument("--no-default", action="store_true", help="skip the default audit")
+    ap.add_argument("--threads", type=int, default=2)
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(args.model)).eval()
+    calib, rest = texts()
+    with tempfile.TemporaryDirectory() as tmp:
+        calib_dir = Path(tmp)
+        for name, t in calib:
+            (calib_dir / name).write_text(t, encoding="utf-8")
+        fit = load_calibration(str(calib_dir), model, tokenizer=str(args.model))
+        unseen = unseen_windows(args.model, rest, model.config.max_position_embeddings)
+        dense = perplexity(model, unseen)
+        print(f"{count_params(model):,} parameters; calibration {len(calib)} files "
+              f"({sum(len(t) for _, t in calib):,} characters); unseen {len(unseen)} windows, dense perplexity "
+              f"{dense:.3f}", flush=True)
+        if args.shares:
+            fixed_shares(model, args.model, calib_dir, fit, unseen, dense, args.shares)
+        if not args.no_default:
+            default_plan(model, args.model, calib_dir, fit, unseen, dense)
+
+
+if __name__ == "__main__":
+    main()
