@@ -298,9 +298,12 @@ def factorize(model: "nn.Module", plan: Any, calibration: Any = None, *, fit: st
     the plain SVD of each weight), a ``CalibrationSession`` (an audit's: its statistics are reused), a
     ``Calibration``, ``InputStatistics``, or any source
     :func:`auditor.calibration.load_calibration` reads (a path, a dict of tensors; its default 25% held out): the
-    factors then come from the whitened truncation on the calibration part. ``fit="sequential"``: each layer's
-    factors fitted on the inputs the factorized layers before it produce (needs calibration rows, not statistics;
-    what ``lowrank-audit factorize`` does by default; docs/calibration.md, "The sequential fit").
+    factors then come from the whitened truncation on the calibration part. ``fit="loss-aware"``: each layer
+    truncated in the metric the audit's loss gradient puts on its outputs and inputs (what the audit measures; one
+    gradient pass, or an audit session's own; docs/calibration.md, "Loss-aware truncation"). ``fit="sequential"``:
+    each layer's factors fitted on the inputs the factorized layers before it produce, truncated loss-aware where
+    the metric has a gradient (needs calibration rows, not statistics; what ``lowrank-audit factorize`` does by
+    default; docs/calibration.md, "The sequential fit").
 
     >>> import auditor, torch
     >>> m = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU(), torch.nn.Linear(8, 4))
@@ -337,6 +340,19 @@ def factorize(model: "nn.Module", plan: Any, calibration: Any = None, *, fit: st
         from .calibration.session import CalibrationSession
         from .calibration.statistics.stats import InputStatistics
 
-        if not isinstance(calibration, InputStatistics):  # data becomes a session; a session is used as it is
-            calibration = CalibrationSession.of(calibration, model)
+        if not isinstance(calibration, (InputStatistics, CalibrationSession)):  # data: a session with the metric
+            from .calibration.data.inputs import Calibration, load_calibration  # the audit would pick for it
+            from .calibration.session import metric_of
+            from .options import TierOptions
+
+            cal = calibration if isinstance(calibration, Calibration) else load_calibration(calibration, model, 0.25)
+            calibration = CalibrationSession.of(cal, model, metric=metric_of(TierOptions(), model, cal))
+        if fit in ("loss-aware", "sequential") and isinstance(calibration, CalibrationSession):
+            from .calibration.tiers.sensitivity import loss_metric
+            from .surgery import checked_plan
+
+            if loss_metric(calibration, model, [l for l, _ in checked_plan(model, ranks).values()]) is None and \
+                    fit == "loss-aware":
+                raise AuditError("fit='loss-aware' needs a metric with a gradient (the built-in ones)",
+                                 "Use fit='sequential' or fit='independent'")
     return apply_plan(model, ranks, calibration, fit=fit)

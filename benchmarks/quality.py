@@ -11,10 +11,11 @@ verification rows on file boundaries); the files after them, and the subpackage 
 on nor read), are the unseen text: 96 windows of the model's 128 positions spread over it.
 
 1. Fixed share removed (the field's framing): for each share, ``--budget SHARE --tolerance 0.05``; its plan written
-   with ``auditor.factorize`` (the sequential fit, as ``lowrank-audit factorize --calibration`` writes it, and the
-   independent fit), and uniform whitened truncation of the decoder blocks' Linears (one kept share of every layer's
+   with ``auditor.factorize`` (the loss-aware fit the audit measured, the sequential fit ``lowrank-audit factorize
+   --calibration`` writes by default, and the independent fit), and uniform whitened truncation of the decoder blocks' Linears (one kept share of every layer's
    break-even rank, bisected to the same parameters removed; the independent whitened fit, SVD-LLM's) on the same fit
-   rows. Printed: the perplexity increase of each on the unseen windows and the plan's against uniform's.
+   rows. Printed: the perplexity increase of each on the unseen windows and the plan's against uniform's, and the
+   audit's verification intervals against the value on unseen text.
 2. The default audit (tolerance +1%): its share removed, its verification and unseen intervals, its unseen
    perplexity increase, its wall time against its tier-1 wall; and uniform truncation's share removed at the same
    unseen perplexity (the kept share bisected), with the ratio of the two removals.
@@ -127,18 +128,32 @@ def removed_by(model: torch.nn.Module, plan: dict[str, int]) -> float:
 
 def fixed_shares(model, model_dir, calib_dir, fit, unseen, dense, shares) -> None:
     uni = Uniform(model)
-    print("share | plan (sequential fit) | plan (independent) | uniform (independent) | plan / uniform | audit s")
+    print("share | plan: loss-aware, sequential, independent fit | uniform (independent) | plan / uniform | audit s")
     for share in shares:
         a, wall = audit(model_dir, calib_dir, budget=share, tolerance=0.05)
         plan = dict(a.calibration.budget.plan)
         got = removed_by(model, plan)
         row = {}
-        for label, ranks, how in (("seq", plan, "sequential"), ("ind", plan, "independent"),
-                                  ("uni", uni.at_share(got), "independent")):
+        for label, ranks, how in (("la", plan, "loss-aware"), ("seq", plan, "sequential"),
+                                  ("ind", plan, "independent"), ("uni", uni.at_share(got), "independent")):
             row[label] = perplexity(auditor.factorize(model, ranks, calibration=fit, fit=how), unseen) / dense - 1
         print(f"{100 * got:.1f}% (uniform {100 * removed_by(model, uni.at_share(got)):.1f}%) | "
-              f"{100 * row['seq']:+.2f}% | {100 * row['ind']:+.2f}% | {100 * row['uni']:+.2f}% | "
-              f"{row['seq'] / row['uni']:.2f}x ({row['ind'] / row['uni']:.2f}x independent) | {wall:.0f}", flush=True)
+              f"{100 * row['la']:+.2f}%, {100 * row['seq']:+.2f}%, {100 * row['ind']:+.2f}% | "
+              f"{100 * row['uni']:+.2f}% | {row['la'] / row['uni']:.2f}x ({row['seq'] / row['uni']:.2f}x, "
+              f"{row['ind'] / row['uni']:.2f}x) | {wall:.0f}", flush=True)
+        print(f"    {reach(a.calibration.budget.verification, row['la'])}", flush=True)
+
+
+def reach(v, value: float) -> str:
+    """The audit's intervals against the value measured on unseen text (the model the audit measured)."""
+    if v is None or v.low is None:
+        return "no verification interval"
+    u = v.unseen
+    rows = f"rows [{100 * v.low:+.3f}%, {100 * v.high:+.3f}%]"
+    doc = f"unseen-document ({u.label}) [{100 * u.low:+.3f}%, {100 * u.high:+.3f}%]" if u is not None else "none"
+    top = u.high if u is not None else v.high
+    return (f"verified {100 * v.value:+.3f}%, {rows}, {doc}; on unseen text {100 * value:+.3f}%: "
+            f"{'within' if value <= top else 'BEYOND'} the upper end the plan is judged by")
 
 
 def default_plan(model, model_dir, calib_dir, fit, unseen, dense) -> None:
@@ -148,11 +163,12 @@ def default_plan(model, model_dir, calib_dir, fit, unseen, dense) -> None:
     t1 = wall - sum(v for k, v in c.seconds.items() if k != "tier1")
     plan = dict(b.plan)
     got = removed_by(model, plan)
-    inc = perplexity(auditor.factorize(model, plan, calibration=fit, fit="sequential"), unseen) / dense - 1
+    inc = perplexity(auditor.factorize(model, plan, calibration=fit, fit="loss-aware"), unseen) / dense - 1
+    seq = perplexity(auditor.factorize(model, plan, calibration=fit, fit="sequential"), unseen) / dense - 1
     v = b.verification
-    print(f"default plan: {100 * got:.1f}% removed ({len(plan)} layers); verification {v.words(c.tolerance, c.metric)}")
-    print(f"  on unseen text (sequential fit): {100 * inc:+.3f}%; audit {wall:.0f} s = {wall / t1:.2f}x its tier-1 "
-          f"wall ({t1:.0f} s)")
+    print(f"default plan: {100 * got:.1f}% removed ({len(plan)} layers); {reach(v, inc)}")
+    print(f"  on unseen text: {100 * inc:+.3f}% as measured (loss-aware), {100 * seq:+.3f}% sequential; audit "
+          f"{wall:.0f} s = {wall / t1:.2f}x its tier-1 wall ({t1:.0f} s)")
     uni = Uniform(model)
     lo, hi = 0.0, 1.0  # the kept share at which uniform's unseen perplexity increase equals the plan's
     for _ in range(14):

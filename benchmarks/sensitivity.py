@@ -154,7 +154,7 @@ def on_unseen(a, opts: dict, model, unseen, metric) -> None:
     c = a.calibration
     b = c.budget
     fit = load_calibration(opts["calibration"], model, opts["holdout"], tokenizer=opts.get("tokenizer"))
-    new = auditor.factorize(model, dict(b.plan), calibration=fit)
+    new = auditor.factorize(model, dict(b.plan), calibration=fit, fit="loss-aware")  # what the audit measured
     m = Evaluator(model, unseen, Metric(kind=metric.kind, tolerance=c.tolerance)).measure(new)
     rows = sum(x.rows for x in unseen.holdout)
     v = b.verification

@@ -103,15 +103,21 @@ def test_factorize_fit_sequential(tmp_path):
     from auditor.calibration.apply import sequential
     from auditor.factorize import resolve_plan
 
+    from auditor.calibration import CalibrationSession, Metric
+    from auditor.calibration.tiers.sensitivity import loss_metric
+
     model = _model()
     data = {"input": torch.randn(64, 16, generator=torch.Generator().manual_seed(1))}
     cal = load_calibration(data, model)
     plan = {"0": 4, "2": 3}
-    seq = sequential(cal, model, resolve_plan(model, plan))
+    session = CalibrationSession.of(cal, model, metric=Metric())  # what the library picks for a model like this
+    assert loss_metric(session, model, [l for l, _ in resolve_plan(model, plan).values()]) is not None
+    seq = sequential(session, model, resolve_plan(model, plan))  # truncated loss-aware: the pass's moments
+    assert seq["2"].w is not None or seq["2"].z is not None
     got = auditor.factorize(model, plan, calibration=cal, fit="sequential")
     a, b = seq["2"].factors(3)
     assert torch.equal(got.state_dict()["2.1.weight"], torch.from_numpy(a[0]).float())
-    ind = auditor.factorize(model, plan, calibration=cal).state_dict()
+    ind = auditor.factorize(model, plan, calibration=cal, fit="loss-aware").state_dict()
     assert torch.equal(got.state_dict()["0.0.weight"], ind["0.0.weight"]) or \
         torch.allclose(got.state_dict()["0.0.weight"], ind["0.0.weight"], atol=1e-6)  # the first layer: same inputs
     assert not torch.allclose(got.state_dict()["2.0.weight"], ind["2.0.weight"], atol=1e-4)

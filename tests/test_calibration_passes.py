@@ -101,6 +101,9 @@ def test_one_truncator_store_spills_or_drops_what_does_not_fit():
             self.f = np.zeros((1, 4, 4))
             self.u = [np.zeros((4, 4))]
 
+        def parts(self) -> dict[str, list[np.ndarray]]:
+            return {"u": self.u}
+
     dropped = TruncatorStore(300, spill=False)
     dropped["a"], dropped["b"] = T(), T()
     assert list(dropped) == ["a"] and dropped.bytes == 256 and dropped.refused == 1 and dropped.spilled == 0

@@ -100,7 +100,7 @@ def test_cli_factorize_reuses_the_audits_statistics_and_records_the_exported_mod
     verifiers = _count_evaluators(monkeypatch, Verifier)
     out = tmp_path / "fact"
     r = cli_inproc("factorize", MODEL, "--plan", plan, "--calibration", calib, "-o", out,
-                   "--fit", "independent")  # the fit the audit's plan check measured
+                   "--fit", "loss-aware")  # the fit the audit's plan check measured (its gradient pass's)
     assert r.returncode == 0, r.stderr
     assert stats_calls[0] == 0  # read from the cache the audit wrote, once, and used for the factors too
     # the dense reference of each held-out row once: tier 3's search rows (their head, and their tail for the

@@ -206,7 +206,8 @@ def test_cli_audit_runs_tier1_on_the_cluster_and_gives_the_local_json(cluster, c
     assert "tier1" not in env_l
     for r in remote:
         assert r["meta"].pop("environment")["tier1"] == f"dask {lc.scheduler_address} (2 workers)"
-        assert "tier3 decompositions" in r["calibration"].pop("seconds")  # tier 3's factors came from there too
+        # tier 3 cuts from the gradient pass's loss-aware truncations, made here: nothing left to decompose there
+        assert "tier3 decompositions" not in r["calibration"].pop("seconds")
     local["calibration"].pop("seconds")
     assert remote[1]["calibration"]["statistics_cached"] and not remote[0]["calibration"]["statistics_cached"]
     for r in remote:

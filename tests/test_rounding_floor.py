@@ -29,14 +29,15 @@ def _cast(model: torch.nn.Module, dtype: torch.dtype) -> torch.nn.Module:
 
 def _hand(model: torch.nn.Module, x: torch.Tensor, ranks: dict[str, int], threads: int | None = 1) -> float:
     """The relative output error on the held-out quarter's search half (the rows the audit searches on) with
-    ``ranks`` factorized (statistics from the fit rows)."""
+    ``ranks`` factorized as the audit factorizes them (loss-aware: one gradient pass on the fit rows, seeded as the
+    audit's; statistics from the fit rows)."""
     from threadpoolctl import threadpool_limits
 
     from auditor.calibration.measure.verify import split_rows
 
     cal = load_calibration(x, model, holdout=0.25)
     with threadpool_limits(limits=threads, user_api="blas"):  # the calibration stage decomposes on one thread
-        new = factorize(model, ranks, cal)
+        new = auditor.factorize(model, ranks, calibration=cal, fit="loss-aware")
     err2 = ref2 = 0.0
     rows = 0
     with torch.no_grad():

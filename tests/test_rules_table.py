@@ -156,10 +156,10 @@ class QKV(nn.Module):
 def qkv() -> nn.Sequential:
     torch.manual_seed(0)
     return nn.Sequential(QKV())
-LR015_MEASURED = 0.26230816941727564  # measured once; rel 1e-6 is far above any BLAS difference
+LR015_MEASURED = 0.27130476699401457  # measured once; rel 1e-6 is far above any BLAS difference
 # bf16 rounding noise: the factors' basis (LAPACK's, thread count and CPU kernels) moves it by ~1%; the tolerances
-# below put it at 0.26, 0.69 and 1.29 of theirs, far from the thresholds 0.5 and 1
-BF16_FLOOR = 0.00517370131033798
+# below put it at 0.27, 0.73 and 1.37 of theirs, far from the thresholds 0.5 and 1
+BF16_FLOOR = 0.005464785312402417
 BF16_EVIDENCE = dict(dtype="bfloat16", floor=pytest.approx(BF16_FLOOR, rel=0.05),
                      used=pytest.approx(BF16_FLOOR, rel=0.05), factorized=2)
 CASES: dict[str, Case] = {
@@ -228,12 +228,12 @@ CASES: dict[str, Case] = {
     "LR018-fires": Case("LR018", bf16_mlp, options=bf16_rows(0.004),
                         expect=[([], dict(BF16_EVIDENCE, tolerance=0.004))]),
     "LR018-passes": Case("LR018", bf16_mlp, options=bf16_rows(0.0075)),
-    # the digits MLP: the plan removing 407,040 parameters misses 0.0625 before 40 recovery steps, holds after them
+    # the digits MLP: the plan removing 407,040 parameters misses 0.0565 before 40 recovery steps, holds after them
     # (tests/test_recovery_frontier.py)
     "LR019-fires": Case("LR019", lambda: digits_mlp(), spectra=True, options=dict(
-        calibration={"x": digits_rows()}, budget=0.95, tolerance=0.0625, recover_steps=40, recover_objective="mse",
-        choose_after_recovery=True, split=False), expect=[([], dict(removed=407040, before=pytest.approx(0.063236, abs=1e-5),
-                                                       after=pytest.approx(0.061555, abs=1e-5), tolerance=0.0625,
+        calibration={"x": digits_rows()}, budget=0.95, tolerance=0.0565, recover_steps=40, recover_objective="mse",
+        choose_after_recovery=True, split=False), expect=[([], dict(removed=407040, before=pytest.approx(0.057919, abs=1e-5),
+                                                       after=pytest.approx(0.055598, abs=1e-5), tolerance=0.0565,
                                                        steps=40))]),
     "LR019-passes": Case("LR019", rank12, options=dict(calibration=rows(200), budget=0.5)),
     # a 512x512 layer at batch 1 timed on a cost clock (tests/_speedclock.py, 1 us per MAC and 50 ms per call, so a

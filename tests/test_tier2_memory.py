@@ -198,6 +198,9 @@ def test_tier3_keeps_decompositions_within_a_budget_with_the_same_plans(llama):
             self.f = np.zeros((1, HIDDEN, HIDDEN))
             self.u = [np.zeros((HIDDEN, HIDDEN))]
 
+        def parts(self) -> dict:
+            return {"u": self.u}
+
     kept["x"] = T()
     kept["y"] = T()
     assert list(kept) == ["x"] and kept.bytes == 2 * HIDDEN * HIDDEN * 8 and kept.refused == 1

@@ -35,6 +35,7 @@ class Fit(str, Enum):
 
     INDEPENDENT = "independent"
     SEQUENTIAL = "sequential"
+    LOSS_AWARE = "loss-aware"
 
 
 def fit_of(fit: "Fit | str") -> Fit:
@@ -90,6 +91,13 @@ def factorize(model: nn.Module, plan: dict[str, int], calibration: object = None
     resolved = checked_plan(model, plan, layers)  # before any statistics are gathered: a complex layer would crash them
     if fit_of(fit) is Fit.SEQUENTIAL and calibration is not None:
         return replace_layers(model, resolved, truncation(None, sequential(calibration, model, resolved)), share=share)
+    if fit_of(fit) is Fit.LOSS_AWARE and calibration is not None:
+        kept = calibration.loss_metric if isinstance(calibration, CalibrationSession) else None
+        if kept is None:
+            raise AuditError("the loss-aware fit needs the gradient pass's truncations, which this calibration does "
+                             "not hold", "Use auditor.factorize (it runs the pass), pass the audit's session, or "
+                             "fit='independent'")
+        reuse = kept.store
     stats = statistics(calibration, model, [l for l, _ in resolved.values()])
     if reuse is None and isinstance(calibration, CalibrationSession) and calibration.on_cluster:
         reuse = cluster_truncators(model, calibration, [l for l, _ in resolved.values()], stats)
@@ -110,15 +118,19 @@ def cluster_truncators(model: nn.Module, session: CalibrationSession, planned: l
 
 def sequential(calibration: object, model: nn.Module, resolved: dict[str, tuple[Layer, int]]) -> dict[str, Truncator]:
     """The sequential fit's truncators of a checked plan on the fit rows of ``calibration`` (a session or a
-    ``Calibration``; input statistics alone hold no rows to fit on)."""
+    ``Calibration``; input statistics alone hold no rows to fit on), loss-aware where a session holds the gradient
+    pass's moments (:attr:`CalibrationSession.loss_metric`)."""
     from .statistics.sequential import sequential_truncators
 
+    moments = None
     if isinstance(calibration, CalibrationSession):
+        kept = calibration.loss_metric
+        moments = kept.moments if kept is not None else None
         calibration = calibration.calibration
     if not isinstance(calibration, Calibration):
         raise AuditError(f"the sequential fit needs the calibration rows; {type(calibration).__name__} holds none",
                          "Pass a CalibrationSession or a Calibration (load_calibration), or fit='independent'")
-    return sequential_truncators(model, resolved, calibration)
+    return sequential_truncators(model, resolved, calibration, moments=moments)
 
 
 class _MappedFactors:

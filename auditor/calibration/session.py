@@ -46,6 +46,7 @@ if TYPE_CHECKING:
     from .measure.staged import StagedEvaluator
     from .measure.verify import Verifier
     from .statistics.stats import GramStore
+    from .statistics.whiten import LossMetric
     from ..progress import Progress
 
 
@@ -369,6 +370,9 @@ class CalibrationSession:
         self._verifier: "Verifier | None" = None  # built on first use (verifier)
         self.split = split
         self.confidence = confidence
+        # the gradient pass's loss-aware truncations and output-gradient moments with this metric (the audit's, or
+        # tiers.fisher.loss_metric's), which factorize's loss-aware and sequential fits read; None until one ran
+        self.loss_metric: "LossMetric | None" = None
 
     @property
     def _stats(self) -> InputStatistics | None:

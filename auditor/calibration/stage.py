@@ -126,7 +126,7 @@ def calibrate(model: nn.Module, layers: list[Layer], settings: "Settings", optio
             searched = passes.search(model, session, t1, scope, sens, tiers, settings, progress)
             recovered = passes.recovered(model, session, searched.budget, options.recovery, progress)
             verified = passes.verified(model, session, recovered.budget, searched.reuse, progress)
-            based = passes.baselined(model, session, verified.budget, scope, searched.reuse, progress)
+            based = passes.baselined(model, session, verified.budget, scope, searched.baseline_reuse, progress)
             report = _report(session, options, Tiers(t1, floored, sens, searched, recovered, verified, based))
             return Calibrated(report, session, t1.spectra, floored.where if floored is not None else "",
                               sens.gradients if isinstance(sens, Gradients) else None, searched.reuse)

@@ -23,7 +23,7 @@ from typing import Any, Sequence
 
 from ..errors import AuditError, ExitCode, escape
 
-FITS = ("sequential", "independent")  # calibration/apply.py's Fit, written out: --help imports no torch
+FITS = ("sequential", "loss-aware", "independent")  # calibration/apply.py's Fit, written out: --help imports no torch
 DEFAULT_FIT = "sequential"  # measured in docs/calibration.md ("The sequential fit")
 
 
@@ -45,8 +45,9 @@ def _parser() -> argparse.ArgumentParser:
                "input-ids", "no-cache", "compute-dtype", "no-split", "confidence")
     p.add_argument("--fit", choices=FITS, default=None,
                    help="with --calibration, how the factors are fitted: sequential (default: each layer on the "
-                        "inputs the factorized layers before it produce, anchored to the dense outputs) or "
-                        "independent (each layer alone on the dense model's inputs)")
+                        "inputs the factorized layers before it produce, anchored to the dense outputs, truncated "
+                        "in the metric's gradient metric), loss-aware (each layer alone, truncated in that metric: "
+                        "what the audit measures) or independent (each layer alone, inputs whitened: SVD-LLM)")
     p.add_argument("--measure-speed", action="store_true",
                    help="time the dense and the factorized model end to end (and with --export the .pt2 in torch, "
                         "the ONNX in onnxruntime), each in a fresh process, at the example inputs on the CPU; peak "
@@ -280,12 +281,21 @@ def _make(args: argparse.Namespace, loaded: Any, result: Any, session: Any, reco
     fit = (args.fit or DEFAULT_FIT) if session is not None else None
     from ..calibration.stage import computing, session_dtype
 
+    measured_fit = "loss-aware" if session is not None and session.loss_metric is not None else "independent"
     with computing(model, session_dtype(session) if session is not None else None):  # as the audit measured
+        if fit in ("loss-aware", "sequential"):  # the audit's gradient pass, or one now (None: no gradient)
+            from ..calibration.tiers.sensitivity import loss_metric
+            from ..surgery import checked_plan
+
+            if loss_metric(session, model, [l for l, _ in checked_plan(model, plan).values()]) is None and \
+                    fit == "loss-aware":
+                raise AuditError(f"--fit loss-aware needs a metric with a gradient; the metric {session.metric.label!r} has none",
+                                 "Use --fit sequential or --fit independent with a user metric")
         new = factorize(model, plan, session, fit=fit or "independent")
     extra: dict[str, Any] = {"init": "whitened" if session is not None else "svd", "params_before": count_params(model)}
     if fit is not None:
         extra["fit"] = fit
-    if fit == "sequential" and result.calibration is not None:  # the check measured the independent fit's model
+    if fit is not None and fit != measured_fit and result.calibration is not None:  # the check measured another fit
         from dataclasses import replace
 
         from ..calibration.stage import check_factorized

@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass, field
-from typing import Callable, Iterator
+from typing import Callable, Iterator, Mapping
 
 import numpy as np
 import torch
@@ -300,14 +300,42 @@ def _stage_sums(model: nn.Module, stage: list[Layer], runs: Runs, stop: bool = F
     return sums
 
 
-def _stage_truncators(model: nn.Module, stage: list[Layer], sums: _Sums, damp: float,
-                      ridge: float) -> dict[str, Truncator]:
-    """The stage's truncators from its sums: the fitted map where the rows were read, the independent fit on the
-    counts of a lookup, the plain SVD where the calibration never reached the layer."""
+def weighted_truncator(layer: Layer, weight: torch.Tensor, cross: np.ndarray, gram: np.ndarray,
+                       moment: tuple[np.ndarray, bool, int], damp: float = DAMP, ridge: float = RIDGE) -> Truncator | None:
+    """The fitted map W* = F T (T = (C + mu I)(G + mu I)^-1) truncated loss-aware under the shifted inputs' Gram
+    (:func:`~auditor.calibration.tiers.fisher.weighted_bases`): in the metric the output-gradient moment G puts on
+    the outputs; a moment carried to input space (H = F^T G F) becomes W*'s own, T^T H T. One group only; None where
+    the moment is zero."""
+    from .whiten import weighted_bases
+    from .whiten import function_matrices
+
+    f = function_matrices(layer, weight)[0]
+    fstar, lam = fitted_map(f, cross[0], gram[0], ridge)
+    h, carried, samples = moment
+    if carried:
+        eye = np.eye(gram.shape[-1])
+        t = np.linalg.solve((gram[0] + gram[0].T) / 2 + lam * eye, cross[0].T + lam * eye).T
+        h = t.T @ h @ t
+    cut = weighted_bases(fstar, gram[0], False, h, carried, damp, samples)
+    return None if cut is None else Truncator.from_bases(layer, weight, fstar[None], cut[1])
+
+
+def _stage_truncators(model: nn.Module, stage: list[Layer], sums: _Sums, damp: float, ridge: float,
+                      moments: "Mapping[str, tuple[np.ndarray, bool, int]] | None" = None) -> dict[str, Truncator]:
+    """The stage's truncators from its sums: the fitted map where the rows were read (loss-aware where ``moments``
+    has the layer's output-gradient moment), the independent fit on the counts of a lookup, the plain SVD where the
+    calibration never reached the layer."""
     out: dict[str, Truncator] = {}
     for layer in stage:
         weight = _param(model, layer)
-        if layer.name in sums.gram:
+        cut = None
+        if layer.name in sums.gram and moments is not None and layer.name in moments and \
+                sums.gram[layer.name].shape[0] == 1:
+            cut = weighted_truncator(layer, weight, sums.cross[layer.name], sums.gram[layer.name],
+                                     moments[layer.name], damp, ridge)
+        if cut is not None:
+            out[layer.name] = cut
+        elif layer.name in sums.gram:
             out[layer.name] = fitted_truncator(layer, weight, sums.cross[layer.name], sums.gram[layer.name], damp,
                                                ridge)
         elif layer.name in sums.counts:
@@ -327,6 +355,7 @@ class _Fitter:
     plan: dict[str, tuple[Layer, int]]
     damp: float
     ridge: float
+    moments: "Mapping[str, tuple[np.ndarray, bool, int]] | None" = None
     out: dict[str, Truncator] = field(default_factory=dict)
     fitted: dict[str, torch.Tensor] = field(default_factory=dict)
     stop: bool = False  # a stage's runs stop once its layers have run (each planned module is called once)
@@ -337,7 +366,7 @@ class _Fitter:
 
     def stage(self, stage: list[Layer], runs: Runs) -> None:
         sums = _stage_sums(self.model, stage, runs, self.stop)
-        for name, trunc in _stage_truncators(self.model, stage, sums, self.damp, self.ridge).items():
+        for name, trunc in _stage_truncators(self.model, stage, sums, self.damp, self.ridge, self.moments).items():
             self.out[name] = trunc
             self.fitted[name] = trunc.weight(self.plan[name][1])
 
@@ -421,13 +450,16 @@ def _blockwise(fitter: _Fitter, stages: list[list[Layer]], fit: list[Batch], pro
 
 def sequential_truncators(model: nn.Module, plan: dict[str, tuple[Layer, int]],
                           batches: Calibration | list[Batch], damp: float = DAMP, ridge: float = RIDGE,
-                          progress: Callable[[int, int], None] | None = None) -> dict[str, Truncator]:
+                          progress: Callable[[int, int], None] | None = None,
+                          moments: "Mapping[str, tuple[np.ndarray, bool, int]] | None" = None) -> dict[str, Truncator]:
     """The planned layers' truncators fitted sequentially (the module docstring): ``plan`` is Layer.name -> (layer,
     rank) (:func:`auditor.surgery.checked_plan`), ``batches`` the fit rows. Each truncator is for this plan only: a
     layer's W* depends on the ranks of the layers before it. Use them as ``reuse`` of
-    :func:`auditor.calibration.apply.factorize`. ``model``'s weights are unchanged afterwards."""
+    :func:`auditor.calibration.apply.factorize`. ``model``'s weights are unchanged afterwards. ``moments``: per
+    layer the mean output-gradient moment and whether it is carried (``fisher.MeanMoments``): those layers' W*
+    truncated loss-aware (:func:`weighted_truncator`)."""
     fit = batches.fit if isinstance(batches, Calibration) else list(batches)
-    fitter = _Fitter(model, plan, damp, ridge)
+    fitter = _Fitter(model, plan, damp, ridge, moments)
     if not fit:
         return {name: Truncator(layer, _param(model, layer), None, damp) for name, layer in fitter.layers.items()}
     with eval_mode(model), torch.no_grad():
@@ -446,4 +478,4 @@ def sequential_truncators(model: nn.Module, plan: dict[str, tuple[Layer, int]],
     return {name: fitter.out[name] for name in plan}
 
 
-__all__ = ["RIDGE", "fitted_map", "fitted_truncator", "sequential_truncators"]
+__all__ = ["RIDGE", "fitted_map", "fitted_truncator", "sequential_truncators", "weighted_truncator"]

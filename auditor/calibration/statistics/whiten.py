@@ -23,7 +23,7 @@ import os
 import tempfile
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING, Callable, Mapping, MutableMapping
 
 import numpy as np
 import torch
@@ -193,7 +193,16 @@ def whitened_spectrum(layer: Layer, weight: torch.Tensor, inp: LayerInput, align
 
 
 class Truncator:
-    """One layer's truncations at any rank from one decomposition: whitened under ``inp``, plain SVD without."""
+    """One layer's truncations at any rank from one decomposition: whitened under ``inp``, plain SVD without.
+
+    Per group, the rank-r factors are A = U_r, B = U_r^T F (``u``: orthonormal, the whitened truncation). A
+    loss-aware truncator (:meth:`from_bases`; the gradient pass makes them, :func:`.fisher.loss_aware`) keeps
+    either ``w`` beside ``u`` (A = U_r, B = W_r^T F: an oblique projection on the output side) or, with ``u``
+    empty, ``z`` and ``y`` (A = F Z_r, B = Y_r^T: an oblique projection on the input side)."""
+
+    w: "list[np.ndarray] | None" = None
+    z: "list[np.ndarray] | None" = None
+    y: "list[np.ndarray] | None" = None
 
     def __init__(self, layer: Layer, weight: torch.Tensor, inp: LayerInput | None, damp: float = DAMP) -> None:
         self.layer = layer
@@ -219,6 +228,31 @@ class Truncator:
         return trunc
 
     @classmethod
+    def from_bases(cls, layer: Layer, weight: torch.Tensor, f: np.ndarray, bases: dict[str, list[np.ndarray]]) -> "Truncator":
+        """A truncator of the map ``f`` (groups, out, in) from its per-group bases: ``{"u": ..., "w": ...}`` (left
+        form) or ``{"z": ..., "y": ...}`` (right form), columns in the order they are kept."""
+        trunc = cls.__new__(cls)
+        trunc.layer = layer
+        trunc.shape, trunc.dtype, trunc.device = tuple(weight.shape), weight.dtype, weight.device
+        trunc.f = f
+        trunc.u = list(bases.get("u", []))
+        for key in ("w", "z", "y"):
+            if key in bases:
+                setattr(trunc, key, list(bases[key]))
+        return trunc
+
+    def parts(self) -> dict[str, list[np.ndarray]]:
+        """The per-group bases by name (``u``, and ``w`` or ``z`` and ``y`` where loss-aware)."""
+        return {k: v for k, v in (("u", self.u), ("w", self.w), ("z", self.z), ("y", self.y)) if v}
+
+    def _pair(self, g: int, rank: int) -> tuple[np.ndarray, np.ndarray]:
+        """Group ``g``'s unbalanced factors at ``rank``."""
+        if self.z is not None and self.y is not None:
+            return self.f[g] @ self.z[g][:, :rank], np.ascontiguousarray(self.y[g][:, :rank].T)
+        ur = self.u[g][:, :rank]
+        return ur, (self.w[g][:, :rank] if self.w is not None else ur).T @ self.f[g]
+
+    @classmethod
     def of_function(cls, layer: Layer, weight: torch.Tensor, f: np.ndarray, inp: LayerInput,
                     damp: float = DAMP) -> "Truncator":
         """A truncator of the map ``f`` (groups, out, in) in place of the layer's own, whitened under ``inp``: the
@@ -239,17 +273,19 @@ class Truncator:
         a = np.empty((g_, m, rank))
         b = np.empty((g_, rank, n))
         for g in range(g_):
-            ur = self.u[g][:, :rank]
-            br = ur.T @ self.f[g]
-            s = np.sqrt(np.linalg.norm(br, axis=1))
-            s[s == 0] = 1.0
-            a[g] = ur * s[None, :]
+            ar, br = self._pair(g, rank)
+            s = np.linalg.norm(br, axis=1)
+            if self.w is not None or self.z is not None:  # A's columns are not unit vectors: both to one norm
+                s = s / np.maximum(np.linalg.norm(ar, axis=0), 1e-300)
+            s = np.sqrt(s)
+            s[(s == 0) | ~np.isfinite(s)] = 1.0
+            a[g] = ar * s[None, :]
             b[g] = br / s[:, None]
         return a, b
 
     def weight(self, rank: int) -> torch.Tensor:
         """The dense weight (stored layout, dtype and device) of the rank-``rank`` truncation."""
-        f = np.stack([self.u[g][:, :rank] @ (self.u[g][:, :rank].T @ self.f[g]) for g in range(self.f.shape[0])])
+        f = np.stack([np.matmul(*self._pair(g, rank)) for g in range(self.f.shape[0])])
         t = torch.from_numpy(f)
         w = kinds.for_kind(self.layer.kind).stored(self.layer, t)
         return w.reshape(self.shape).to(dtype=self.dtype, device=self.device)
@@ -306,10 +342,10 @@ class TruncatorStore(dict):
         self.spilled = 0
         self.refused = 0
         self._dir: tempfile.TemporaryDirectory[str] | None = None
-        self._disk: dict[str, tuple[Layer, tuple[int, ...], torch.dtype, torch.device, int]] = {}
+        self._disk: dict[str, tuple[Layer, tuple[int, ...], torch.dtype, torch.device, dict[str, int]]] = {}
 
     def __setitem__(self, key: str, trunc: Truncator) -> None:
-        n = int(trunc.f.nbytes) + sum(int(u.nbytes) for u in trunc.u)
+        n = int(trunc.f.nbytes) + sum(int(a.nbytes) for v in trunc.parts().values() for a in v)
         if key in self or key in self._disk:
             return
         if self.bytes + n <= self.budget:
@@ -327,10 +363,17 @@ class TruncatorStore(dict):
             self._dir = tempfile.TemporaryDirectory(prefix=scratch_prefix("truncators"))
         base = os.path.join(self._dir.name, f"t{len(self._disk)}")
         save_spilled(f"{base}.f.npy", trunc.f, "tier 3's decompositions")
-        for g, u in enumerate(trunc.u):
-            save_spilled(f"{base}.u{g}.npy", u, "tier 3's decompositions")
-        self._disk[key] = (trunc.layer, trunc.shape, trunc.dtype, trunc.device, len(trunc.u))
+        parts = trunc.parts()
+        for name, arrays in parts.items():
+            for g, a in enumerate(arrays):
+                save_spilled(f"{base}.{name}{g}.npy", a, "tier 3's decompositions")
+        self._disk[key] = (trunc.layer, trunc.shape, trunc.dtype, trunc.device,
+                           {name: len(arrays) for name, arrays in parts.items()})
         self.spilled += 1
+
+    def holds(self, key: str) -> bool:
+        """Whether ``key``'s truncator is kept, in memory or on disk."""
+        return key in self or key in self._disk
 
     def get(self, key: str, default: Truncator | None = None) -> Truncator | None:  # type: ignore[override]
         if key in self:
@@ -343,7 +386,10 @@ class TruncatorStore(dict):
         trunc = Truncator.__new__(Truncator)
         trunc.layer, trunc.shape, trunc.dtype, trunc.device = layer, shape, dtype, device
         trunc.f = np.load(f"{base}.f.npy", mmap_mode="r", allow_pickle=False)  # maps: no heap copy to keep
-        trunc.u = [np.load(f"{base}.u{g}.npy", mmap_mode="r", allow_pickle=False) for g in range(groups)]
+        trunc.u = []
+        for name, n in groups.items():
+            setattr(trunc, name, [np.load(f"{base}.{name}{g}.npy", mmap_mode="r", allow_pickle=False)
+                                  for g in range(n)])
         return trunc
 
     def close(self) -> None:
@@ -406,3 +452,59 @@ def whitened_spectra(layers: dict[str, Layer] | list[Layer], weights: dict[str, 
                 if progress is not None:
                     progress(len(done), len(todo))
     return {spec.layer: spec for spec in done}
+
+
+GRADIENT_DAMP = 1e-2  # G + (GRADIENT_DAMP + out / samples) * mean(diag G) I: the output-gradient moment shrunk toward
+#                      its mean (a few thousand position-samples estimate an out x out moment: directions they never
+#                      moved are not free to drop, and the fewer the samples per dimension the less the estimate is
+#                      trusted: a single layer's exact G is I, which 300 samples of a 128-wide output miss badly)
+
+
+def weighted_bases(f: np.ndarray, gram: np.ndarray, diagonal: bool, h: np.ndarray, carried: bool,
+                   damp: float = DAMP, samples: int = 0) -> tuple[np.ndarray, dict[str, list[np.ndarray]]] | None:
+    """(the squared singular values, descending; the truncator's bases) of F (out x in) truncated in the KFAC metric:
+    with L L^T = G + delta I (``h`` = G, out x out; delta = (``GRADIENT_DAMP`` + out / ``samples``) * mean(diag G),
+    ``samples`` the position-samples G is a mean over, 0: not counted) and S S^T the input
+    Gram damped as the whitening is (``damp``), F_r = L^-T [L^T F S]_r S^-1, the rank-r map with the least
+    trace(G (F - F_r) X^T X (F - F_r)^T): truncated in the metric the loss puts on the layer's outputs as well as its
+    inputs (SVD-LLM whitens the inputs only; LEMS's KFAC-SVD). The left form: A = L^-T U'_r, B = U'_r^T L^T F.
+    ``carried`` (out > in): ``h`` is H = F^T G F (in x in) and the same F_r = F S V_r V_r^T S^-1, V the eigenvectors
+    of S^T (H + delta F^T F) S (delta the same share of trace(H) / trace(F^T F)): A = F Z_r, B = Y_r^T. None where
+    the moment is zero or not finite."""
+    h = (h + h.T) / 2
+    m, n = f.shape
+    shrink = GRADIENT_DAMP + (m / samples if samples > 0 else 0.0)
+    if not np.all(np.isfinite(h)):  # a gradient that overflowed: the whitened truncation, as without one
+        return None
+    if not carried:  # an oblique projection on the output side
+        scale = float(np.trace(h)) / m if m else 0.0
+        if not scale > 0 or not math.isfinite(scale):
+            return None
+        low = np.linalg.cholesky(h + shrink * scale * np.eye(m))
+        basis = decompose(low.T @ f, gram, diagonal, damp)
+        assert basis.u is not None
+        return basis.sigma2, {"u": [np.linalg.solve(low.T, basis.u)], "w": [low @ basis.u]}
+    ff = f.T @ f  # an oblique projection on the input side
+    scale = float(np.trace(h)) / float(np.trace(ff)) if np.trace(ff) > 0 else 0.0
+    if not scale > 0 or not math.isfinite(scale):
+        return None
+    g = np.diag(gram) if diagonal else gram
+    diag = np.diagonal(g)
+    lam = damp * float(np.mean(diag)) if diag.size and np.mean(diag) > 0 else damp
+    s = np.linalg.cholesky(g + lam * np.eye(n))
+    kk = s.T @ (h + shrink * scale * ff) @ s
+    vals, v = np.linalg.eigh((kk + kk.T) / 2)
+    order = np.argsort(vals)[::-1]
+    v = v[:, order]
+    return np.clip(vals[order], 0.0, None), {"z": [s @ v], "y": [np.linalg.solve(s.T, v)]}
+
+
+@dataclass
+class LossMetric:
+    """What the gradient pass leaves ``factorize``: each reached layer's loss-aware truncator (``store``), the mean
+    output-gradient moments (``moments``: layer -> (moment, carried to input space, position-samples), read lazily) and the layers the
+    pass covered."""
+
+    store: "MutableMapping[str, Truncator]"
+    moments: "Mapping[str, tuple[np.ndarray, bool, int]]"
+    layers: frozenset[str]

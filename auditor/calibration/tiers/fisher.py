@@ -33,7 +33,7 @@ import contextlib
 import math
 import os
 import time
-from collections.abc import MutableMapping
+from collections.abc import Mapping, MutableMapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Callable, Iterator, TypedDict
 
@@ -48,7 +48,8 @@ from ...results import Layer
 from ..data.inputs import Batch, Calibration, eval_mode, model_device
 from ..measure.metric import Metric, _row_mask, main_output
 from ..statistics.stats import InputStatistics, LayerInput, _module_path, by_name
-from ..statistics.whiten import DAMP, WhitenedSpectrum, function_matrices, save_spilled
+from ..statistics.whiten import (DAMP, LossMetric, Truncator, WhitenedSpectrum, function_matrices, save_spilled,
+                                 weighted_bases)
 
 if TYPE_CHECKING:
     from typing_extensions import Unpack
@@ -509,6 +510,43 @@ def gradient_costs(layer: Layer, weight: torch.Tensor, inp: LayerInput, grads: O
     return grads.scale * tail
 
 
+def loss_aware(layer: Layer, weight: torch.Tensor, inp: LayerInput, grads: OutputGradients,
+               damp: float = DAMP) -> tuple[np.ndarray, Truncator] | None:
+    """(cost[r] for r = 0..k, the truncator) of the layer's loss-aware truncation: the rank-r map F_r minimising
+    the KFAC cost trace(G (F - F_r) S (F - F_r)^T) itself, not only its input-whitened part (G the output-gradient
+    moment, S the input statistics: :func:`~auditor.calibration.statistics.whiten.weighted_bases`). cost[r] = c * (the dropped squared singular values).
+    None where the layer's gradient moment is zero (no gradient reached it)."""
+    f = function_matrices(layer, weight)[0]
+    h = grads.second[layer.name] / max(grads.count[layer.name], 1)
+    gram = inp.gram if inp.diagonal else inp.gram[0]
+    cut = weighted_bases(f, gram, inp.diagonal, h, grads.carried[layer.name], damp, grads.count[layer.name])
+    if cut is None:
+        return None
+    sigma2, bases = cut
+    tail = np.concatenate([np.cumsum(sigma2[::-1])[::-1], [0.0]])
+    return grads.scale * tail, Truncator.from_bases(layer, weight, f[None], bases)
+
+
+class MeanMoments(Mapping):
+    """Per layer (the output-gradient moment as a mean over positions, whether it is carried to input space, the
+    position-samples it is a mean over), read
+    from the pass's :class:`Moments` when asked (one part in memory, the rest on disk, as the pass left them): what
+    the sequential fit truncates in (:func:`~auditor.calibration.statistics.sequential.sequential_truncators`)."""
+
+    def __init__(self, grads: OutputGradients) -> None:
+        self.grads = grads
+
+    def __getitem__(self, name: str) -> tuple[np.ndarray, bool, int]:
+        g = self.grads
+        return g.second[name] / max(g.count[name], 1), g.carried[name], g.count[name]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.grads.second)
+
+    def __len__(self) -> int:
+        return len(self.grads.second)
+
+
 @dataclass
 class GradientSensitivity:
     """Per layer the predicted cost at every rank (``costs[name][r]``), how it was had, and what it cost."""
@@ -520,6 +558,16 @@ class GradientSensitivity:
     seconds: float
     skipped: dict[str, str]
     unreachable: dict[str, str] = field(default_factory=dict)  # layers of a kind hooked that no gradient reached
+    moments: "MeanMoments | None" = field(default=None, repr=False)  # with ``store``: the mean output-gradient
+    #                       moments, for the sequential fit
+    store: "MutableMapping[str, Truncator] | None" = field(default=None, repr=False)  # the loss-aware truncations
+
+    def loss_metric(self, layers: list[Layer]) -> LossMetric | None:
+        """What the pass leaves ``factorize`` (its loss-aware truncations and moments over ``layers``), or None when
+        it kept none (run without a store)."""
+        if self.store is None or self.moments is None:
+            return None
+        return LossMetric(self.store, self.moments, frozenset(l.name for l in layers))
 
     def predicted(self, plan: dict[str, int]) -> float:
         """A plan's summed predicted cost over the layers this knows (the others: nothing)."""
@@ -534,6 +582,7 @@ class GradientSettings:
     samples: int = SAMPLES
     seed: int = 0
     progress: Callable[[int, int], None] | None = None
+    store: "MutableMapping[str, Truncator] | None" = None  # given: the loss-aware truncations go here, costed as cut
 
 
 class GradientFields(TypedDict, total=False):
@@ -542,6 +591,7 @@ class GradientFields(TypedDict, total=False):
     samples: int
     seed: int
     progress: Callable[[int, int], None] | None
+    store: "MutableMapping[str, Truncator] | None"
 
 
 def gradient_sensitivity(model: nn.Module, layers: dict[str, Layer] | list[Layer], calibration: Calibration,
@@ -549,8 +599,10 @@ def gradient_sensitivity(model: nn.Module, layers: dict[str, Layer] | list[Layer
                          **fields: Unpack[GradientFields]) -> GradientSensitivity:
     """Every layer's predicted cost curve from one backward pass per sample (:func:`output_gradients`) and its input
     statistics; layers without gradients (other kinds, and the ``unreachable`` ones no gradient reached, which the
-    audit's stage probes instead) get tier 1's squared error times the median ratio.
-    The settings as keywords (:class:`GradientFields`: ``samples``, ``seed``, ``progress``)."""
+    audit's stage probes instead) get tier 1's squared error times the median ratio. With ``store`` each layer with
+    a gradient is truncated loss-aware (:func:`loss_aware`), its truncator put in ``store`` and its costs those of
+    that truncation; without, the costs are the input-whitened truncation's (:func:`gradient_costs`).
+    The settings as keywords (:class:`GradientFields`: ``samples``, ``seed``, ``progress``, ``store``)."""
     o = GradientSettings(**fields)
     named = by_name(layers)
     grads = output_gradients(model, named, calibration, metric, o.samples, o.seed, o.progress)
@@ -562,7 +614,11 @@ def gradient_sensitivity(model: nn.Module, layers: dict[str, Layer] | list[Layer
         inp = stats.layers.get(name)
         if name not in grads.second or inp is None or inp.groups != 1:
             continue
-        c = gradient_costs(layer, params[layer.param], inp, grads)
+        cut = loss_aware(layer, params[layer.param], inp, grads) if o.store is not None else None
+        if cut is not None:
+            c, o.store[name] = cut
+        else:
+            c = gradient_costs(layer, params[layer.param], inp, grads)
         trim_heap()  # its eigendecomposition's arrays handed back before the next layer's
         costs[name] = c.tolist()
         spec = spectra.get(name)
@@ -581,7 +637,8 @@ def gradient_sensitivity(model: nn.Module, layers: dict[str, Layer] | list[Layer
                 scaled[name] = ratio
     skipped = {k: v for k, v in grads.skipped.items() if k not in costs}
     return GradientSensitivity(costs, grads.linear, scaled, grads.passes,
-                               grads.seconds + time.perf_counter() - t, skipped, dict(grads.unreachable))
+                               grads.seconds + time.perf_counter() - t, skipped, dict(grads.unreachable),
+                               MeanMoments(grads) if o.store is not None else None, o.store)
 
 
 def predicted_value(cost: float, linear: bool) -> float:
@@ -589,6 +646,5 @@ def predicted_value(cost: float, linear: bool) -> float:
     return cost if linear else math.sqrt(max(cost, 0.0))
 
 
-__all__ = ["GRADIENT_KINDS", "GradientSensitivity", "GradientSettings", "Moments", "OutputGradients", "gradient_costs",
-           "gradient_sensitivity",
-           "output_gradients", "predicted_value"]
+__all__ = ["GRADIENT_KINDS", "GradientSensitivity", "GradientSettings", "Moments", "OutputGradients",
+           "gradient_costs", "gradient_sensitivity", "loss_aware", "MeanMoments", "output_gradients", "predicted_value"]

@@ -27,7 +27,7 @@ from ..session import CalibrationSession
 from ..statistics.stats import LayerInput
 from ..statistics.whiten import TruncatorStore, WhitenedSpectrum
 from .budget import Curves
-from .sensitivity import Measured, Sensitivity, Tier1Curves, gradients, probed
+from .sensitivity import Gradients, Measured, Sensitivity, Tier1Curves, gradients, probed
 from .sweep import Floors
 
 if TYPE_CHECKING:
@@ -207,6 +207,13 @@ class Searched:
     seconds: dict[str, float]
     untied: Curves | None = None  # --tie: the curves before the ties, what the ties' cost is stated against
     ties: tuple[TieGroup, ...] = ()
+    loss_aware: bool = False  # some of ``reuse`` are the gradient pass's loss-aware truncations, not SVD-LLM's
+
+    @property
+    def baseline_reuse(self) -> TruncatorStore | None:
+        """What the uniform baseline may cut from: ``reuse`` when it holds SVD-LLM's (input-whitened) truncations,
+        else None (the baseline decomposes its layers itself)."""
+        return None if self.loss_aware else self.reuse
 
     def tie_costed(self, budget: BudgetResult) -> BudgetResult:
         """``budget`` with what the ties cost in removal at its plan's predicted cost (:func:`.tied.tie_cost`);
@@ -237,12 +244,15 @@ def search(model: "nn.Module", session: CalibrationSession, tier1: Tier1, scope:
 
     seconds: dict[str, float] = {}
     # each layer decomposed once for the rounding floor, the search, the verification and the plan check; one part
-    # of the model's decompositions in memory (a block's, or the largest outside layer's), the rest on disk
-    reuse = TruncatorStore(part_bytes(model, scope.sensitive))
+    # of the model's decompositions in memory (a block's, or the largest outside layer's), the rest on disk; the
+    # gradient pass's loss-aware truncations where it made them
+    given = sensitivity.reuse if isinstance(sensitivity, Gradients) else None
+    reuse = given if given is not None else TruncatorStore(part_bytes(model, scope.sensitive))
     t = time.perf_counter()
-    if session.on_cluster:  # --scheduler: the decompositions made there, one task per distinct input
-        with progress.phase("tier 3 decompositions", total=len(scope.sensitive)):
-            session.cluster_truncators(scope.sensitive, reuse, progress.update)
+    todo = [l for l in scope.sensitive if not reuse.holds(l.name)]
+    if session.on_cluster and todo:  # --scheduler: the decompositions made there, one task per distinct input
+        with progress.phase("tier 3 decompositions", total=len(todo)):
+            session.cluster_truncators(todo, reuse, progress.update)
         seconds["tier3 decompositions"] = time.perf_counter() - t
     t = time.perf_counter()
     if low_precision(model, scope.sensitive):
@@ -266,7 +276,8 @@ def search(model: "nn.Module", session: CalibrationSession, tier1: Tier1, scope:
                                  backstops=VERIFY_BACKSTOPS if session.verifier is not None else 0)
     seconds["tier3"] = tier3 + time.perf_counter() - t
     return Searched(budget, rounding, reuse, budget.evaluations + int(rounding is not None), seconds,
-                    untied if scope.ties else None, scope.ties)
+                    untied if scope.ties else None, scope.ties, loss_aware=given is not None and len(todo) < len(
+                        scope.sensitive))
 
 
 @dataclass(frozen=True)
@@ -336,13 +347,17 @@ class Baselined:
 
 
 def baselined(model: "nn.Module", session: CalibrationSession, budget: BudgetResult, scope: Scope,
-              reuse: TruncatorStore, progress: "Progress") -> Baselined:
+              reuse: TruncatorStore | None, progress: "Progress") -> Baselined:
     """The baseline in every report: uniform whitened truncation of the planned layers at each measured plan's share
-    removed, all at once on its rows (:mod:`~auditor.calibration.tiers.uniform`)."""
+    removed, all at once on its rows (:mod:`~auditor.calibration.tiers.uniform`). ``reuse``: SVD-LLM's
+    input-whitened truncations where the search's are (None: a store of its own, the layers decomposed here)."""
+    from ..statistics.whiten import part_bytes
     from .uniform import with_baselines
 
     if not any(p.plan for p in [*budget.frontier, *budget.tries]):
         return Baselined(budget)
+    if reuse is None:
+        reuse = TruncatorStore(part_bytes(model, scope.sensitive))
     t = time.perf_counter()
     with progress.phase("uniform baseline", unit="plan"):
         out, n = with_baselines(model, session, budget, scope.sensitive, reuse)

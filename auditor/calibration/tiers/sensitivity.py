@@ -31,7 +31,7 @@ if TYPE_CHECKING:
 
     from ...progress import Progress
     from ..session import CalibrationSession
-    from ..statistics.whiten import WhitenedSpectrum
+    from ..statistics.whiten import LossMetric, Truncator, TruncatorStore, WhitenedSpectrum
 
 
 class Sensitivity(Protocol):
@@ -119,6 +119,7 @@ class Gradients:
     evaluations: int = 0  # the probes of the layers no gradient reached
     probed: Floors | None = None
     fallback: SensitivityFallback | None = None
+    reuse: "TruncatorStore | None" = None  # the loss-aware truncations the costs are of (tier 3 cuts from them)
 
     def curves(self, planned: list[Layer], spectra: "dict[str, WhitenedSpectrum]", align: int) -> Curves:
         return curves_from_gradients(self.gradients, planned, align)
@@ -151,19 +152,44 @@ def gradients(model: "nn.Module", session: "CalibrationSession", planned: list[L
     """The output-gradient sensitivity of ``layers`` (the planned and fixed ones: one backward pass per sample over
     the gradient rows, :func:`gradient_rows`), its costs scaled to the statistics' rows; the ``planned`` layers no
     gradient reached fall back (:func:`_fallback`)."""
+    from ..statistics.whiten import TruncatorStore, part_bytes
+
     cal, share = gradient_rows(session.calibration)
+    # each reached layer's loss-aware truncation (one part of the model's in memory, the rest on disk): what its
+    # costs are of, and what tier 3, the verification and the plan check cut factors from
+    store = TruncatorStore(part_bytes(model, layers))
     t = time.perf_counter()
     with progress.phase("sensitivity gradients", total=len(cal.fit), unit="batch"):
         with session.measuring():
             g = gradient_sensitivity(model, layers, cal, session.metric, session.stats, spectra,
-                                     progress=progress.update)
+                                     progress=progress.update, store=store)
     seconds = {"gradients": time.perf_counter() - t}
     if share < 1.0:  # the pass's scale is over its own rows; the statistics sum every fit row
         g = replace(g, costs={k: [share * c for c in v] for k, v in g.costs.items()},
                     scaled={k: share * r for k, r in g.scaled.items()})
+    session.loss_metric = g.loss_metric(layers)  # factorize's loss-aware and sequential fits read them
     if not any(l.name in g.unreachable for l in planned):
-        return Gradients(g, seconds)
-    return _fallback(model, session, g, seconds, planned, spectra, (align, target), progress)
+        return Gradients(g, seconds, reuse=store)
+    out = _fallback(model, session, g, seconds, planned, spectra, (align, target), progress)
+    return replace(out, reuse=store) if isinstance(out, Gradients) else out
+
+
+def loss_metric(session: "CalibrationSession", model: nn.Module, planned: list[Layer]) -> "LossMetric | None":
+    """The session's loss-aware truncations and output-gradient moments for ``planned`` (what ``factorize``'s
+    loss-aware and sequential fits read): the audit's gradient pass's where it covered them, else one gradient pass
+    here over the session's gradient rows with its metric, kept on the session. None for a metric without a gradient
+    (a user metric)."""
+    kept = session.loss_metric
+    if kept is not None and all(l.name in kept.layers for l in planned):
+        return kept
+    if not session.metric.spec.gradient:
+        return None
+    store: "dict[str, Truncator]" = {}
+    with session.measuring():
+        g = gradient_sensitivity(model, planned, gradient_rows(session.calibration)[0], session.metric,
+                                 session.statistics(planned), {}, store=store)
+    session.loss_metric = g.loss_metric(planned)
+    return session.loss_metric
 
 
 def _fallback(model: "nn.Module", session: "CalibrationSession", g: GradientSensitivity, seconds: dict[str, float],
