@@ -282,6 +282,30 @@ def audit_source(spec: str, *, plan: Any = None, options: AuditOptions | None = 
     return Audit.of(pipeline.audit_source(spec, plan=plan, options=options, load=load))
 
 
+def _factorize_session(model: "nn.Module", ranks: dict[str, int], calibration: Any, fit: str) -> Any:
+    """``calibration`` as ``factorize`` uses it: data becomes a session with the metric the audit would pick, and the
+    loss-aware and sequential fits get the gradient pass's truncations and moments (one pass here unless kept)."""
+    from .calibration.session import CalibrationSession
+    from .calibration.statistics.stats import InputStatistics
+
+    if not isinstance(calibration, (InputStatistics, CalibrationSession)):  # data: a session with the metric
+        from .calibration.data.inputs import Calibration, load_calibration  # the audit would pick for it
+        from .calibration.session import metric_of
+        from .options import TierOptions
+
+        cal = calibration if isinstance(calibration, Calibration) else load_calibration(calibration, model, 0.25)
+        calibration = CalibrationSession.of(cal, model, metric=metric_of(TierOptions(), model, cal))
+    if fit in ("loss-aware", "sequential") and isinstance(calibration, CalibrationSession):
+        from .calibration.tiers.sensitivity import loss_metric
+        from .surgery import checked_plan
+
+        if loss_metric(calibration, model, [l for l, _ in checked_plan(model, ranks).values()]) is None and \
+                fit == "loss-aware":
+            raise AuditError("fit='loss-aware' needs a metric with a gradient (the built-in ones)",
+                             "Use fit='sequential' or fit='independent'")
+    return calibration
+
+
 def _is_rank_table(plan: Any) -> bool:
     """``{layer or tensor name: rank}`` (what :func:`auditor.calibration.apply.factorize` takes), not a plan file's table
     (which has ``ranks`` and may have ``finetune`` and ``thresholds``)."""
@@ -337,22 +361,5 @@ def factorize(model: "nn.Module", plan: Any, calibration: Any = None, *, fit: st
             what, fix = broken_words(broken)
             raise AuditError(f"LR021 the plan {what}", fix)
     if calibration is not None:
-        from .calibration.session import CalibrationSession
-        from .calibration.statistics.stats import InputStatistics
-
-        if not isinstance(calibration, (InputStatistics, CalibrationSession)):  # data: a session with the metric
-            from .calibration.data.inputs import Calibration, load_calibration  # the audit would pick for it
-            from .calibration.session import metric_of
-            from .options import TierOptions
-
-            cal = calibration if isinstance(calibration, Calibration) else load_calibration(calibration, model, 0.25)
-            calibration = CalibrationSession.of(cal, model, metric=metric_of(TierOptions(), model, cal))
-        if fit in ("loss-aware", "sequential") and isinstance(calibration, CalibrationSession):
-            from .calibration.tiers.sensitivity import loss_metric
-            from .surgery import checked_plan
-
-            if loss_metric(calibration, model, [l for l, _ in checked_plan(model, ranks).values()]) is None and \
-                    fit == "loss-aware":
-                raise AuditError("fit='loss-aware' needs a metric with a gradient (the built-in ones)",
-                                 "Use fit='sequential' or fit='independent'")
+        calibration = _factorize_session(model, ranks, calibration, fit)
     return apply_plan(model, ranks, calibration, fit=fit)

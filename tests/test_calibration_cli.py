@@ -295,7 +295,7 @@ def test_factorize_fit_sequential_and_independent(cli_inproc, calib, tmp_path, d
         assert f"whitened initialisation, {fit} fit" in r.stderr
         meta = json.loads((out / "plan.json").read_text())
         assert meta["fit"] == fit and meta["init"] == "whitened"
-        want = factorize(model, plan, cal, fit=fit)
+        want = auditor.factorize(model, plan, calibration=cal, fit=fit)  # sequential: loss-aware, as the CLI
         with torch.no_grad():
             assert torch.equal(load_factorized(model, out)(x), want(x))
         assert meta["measured"]["value"] == pytest.approx(ev.measure(want).value, rel=1e-9)

@@ -146,7 +146,7 @@ def test_char_transformer_with_calibration(cli_inproc, tmp_path):
     saved = d["plan_review"]["params_saved"]
     assert md.count(f"{saved:,}") == 2  # the card, and the frontier row of the suggested plan
     sign = "≤" if pc["ok"] else ">"
-    value = f"{100 * pc['measured']:.3g}%"  # one unit: a percentage, three significant digits
+    value = f"{100 * pc['measured']:#.3g}%"  # one unit: a percentage, three significant digits
     v = pc["verification"]
     assert f"- **Measured all at once**: {'✅' if pc['ok'] else '🛑'} **{value} {sign} 1%**: relative output error " \
            f"on {v['rows']:,} verification rows (of {cal['holdout_rows']:,} held out, never read by the search), " \
@@ -161,7 +161,7 @@ def test_char_transformer_with_calibration(cli_inproc, tmp_path):
     assert len(plans) == cal["budget"]["evaluations"] and f"Every plan the search measured ({len(plans)})" in md
     assert (8, len(plans)) in tables(md) and "| **SUGGESTED** |" in md  # 8 columns: uniform truncation beside
     u = cal["budget"]["uniform"]
-    assert f"{100 * u['metric']:.3g}% at {100 * u['removed_fraction']:.1f}% | **SUGGESTED** |" in md
+    assert f"{100 * u['metric']:#.3g}% at {100 * u['removed_fraction']:.1f}% | **SUGGESTED** |" in md
     assert "tolerance 1%" in md and "0.01" not in md.replace("0.01%", "")
 
 
