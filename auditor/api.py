@@ -295,14 +295,11 @@ def _factorize_session(model: "nn.Module", ranks: dict[str, int], calibration: A
 
         cal = calibration if isinstance(calibration, Calibration) else load_calibration(calibration, model, 0.25)
         calibration = CalibrationSession.of(cal, model, metric=metric_of(TierOptions(), model, cal))
-    if fit in ("loss-aware", "sequential") and isinstance(calibration, CalibrationSession):
-        from .calibration.tiers.sensitivity import loss_metric
+    if isinstance(calibration, CalibrationSession):
+        from .calibration.tiers.sensitivity import loss_metric_for
         from .surgery import checked_plan
 
-        if loss_metric(calibration, model, [l for l, _ in checked_plan(model, ranks).values()]) is None and \
-                fit == "loss-aware":
-            raise AuditError("fit='loss-aware' needs a metric with a gradient (the built-in ones)",
-                             "Use fit='sequential' or fit='independent'")
+        loss_metric_for(calibration, model, [l for l, _ in checked_plan(model, ranks).values()], fit)
     return calibration
 
 

@@ -244,3 +244,24 @@ def test_the_audit_refuses_a_lower_is_better_user_metric(calib, digits_mlp):
     with pytest.raises(auditor.errors.AuditError, match="declared lower-is-better"):
         auditor.audit(model, torch.zeros(1, 64), calibration=calib, cache=False, progress=False,
                       metric=Metric(_loss_against(model), higher_is_better=False))
+
+
+def test_a_user_metric_refuses_the_loss_aware_fit_and_fits_sequentially_without_a_gradient(calib, digits_mlp):
+    """factorize's loss-aware fit reads the metric's gradient moments: a user metric has none, so that fit is refused
+    in one line (the library's spelling), while the sequential fit truncates W* whitened and still writes a model."""
+    from auditor.calibration.session import CalibrationSession
+
+    model = digits_mlp[0]
+    cal = load_calibration(calib, model, 0.25)
+    session = CalibrationSession.of(cal, model, metric=Metric(_loss_against(model), tolerance=0.1,
+                                                              higher_is_better=False))
+    plan = {"fc1": 16}
+    with pytest.raises(auditor.errors.AuditError) as err:
+        auditor.factorize(model, plan, calibration=session, fit="loss-aware")
+    assert err.value.what == (f"fit='loss-aware' needs a metric with a gradient; the metric "
+                              f"{session.metric.label!r} has none")
+    assert err.value.fix == "Use fit='sequential' or fit='independent' with a user metric"
+    seq = auditor.factorize(model, plan, calibration=session, fit="sequential")
+    assert session.loss_metric is None
+    dense = sum(p.numel() for p in model.parameters())
+    assert sum(p.numel() for p in seq.parameters()) == dense - 512 * 64 + 16 * (512 + 64)

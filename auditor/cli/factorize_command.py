@@ -283,14 +283,12 @@ def _make(args: argparse.Namespace, loaded: Any, result: Any, session: Any, reco
 
     measured_fit = "loss-aware" if session is not None and session.loss_metric is not None else "independent"
     with computing(model, session_dtype(session) if session is not None else None):  # as the audit measured
-        if fit in ("loss-aware", "sequential"):  # the audit's gradient pass, or one now (None: no gradient)
-            from ..calibration.tiers.sensitivity import loss_metric
+        if session is not None:  # the audit's gradient pass, or one now (None: no gradient)
+            from ..calibration.tiers.sensitivity import loss_metric_for
             from ..surgery import checked_plan
 
-            if loss_metric(session, model, [l for l, _ in checked_plan(model, plan).values()]) is None and \
-                    fit == "loss-aware":
-                raise AuditError(f"--fit loss-aware needs a metric with a gradient; the metric {session.metric.label!r} has none",
-                                 "Use --fit sequential or --fit independent with a user metric")
+            loss_metric_for(session, model, [l for l, _ in checked_plan(model, plan).values()], fit,
+                            ("--fit loss-aware", "--fit sequential or --fit independent"))
         new = factorize(model, plan, session, fit=fit or "independent")
     extra: dict[str, Any] = {"init": "whitened" if session is not None else "svd", "params_before": count_params(model)}
     if fit is not None:

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Protocol
 
 from ...calresults import SensitivityFallback
+from ...errors import AuditError
 from ...results import Layer
 from ..data.inputs import Batch, Calibration
 from .budget import Curves, curves_from_floors, curves_from_gradients, curves_from_spectra
@@ -190,6 +191,21 @@ def loss_metric(session: "CalibrationSession", model: nn.Module, planned: list[L
                                  session.statistics(planned), {}, store=store)
     session.loss_metric = g.loss_metric(planned)
     return session.loss_metric
+
+
+def loss_metric_for(session: "CalibrationSession", model: nn.Module, planned: list[Layer], fit: str,
+                    spelled: tuple[str, str] = ("fit='loss-aware'", "fit='sequential' or fit='independent'"),
+                    ) -> "LossMetric | None":
+    """:func:`loss_metric` for a ``fit`` of ``factorize`` (the library's and the command's one check): the loss-aware
+    and sequential fits read it; ``fit="loss-aware"`` with a metric without a gradient is refused in one line
+    (``spelled``: how the caller names the fit and its alternatives). None for the other fits, or no gradient."""
+    if fit not in ("loss-aware", "sequential"):
+        return None
+    found = loss_metric(session, model, planned)
+    if found is None and fit == "loss-aware":
+        raise AuditError(f"{spelled[0]} needs a metric with a gradient; the metric {session.metric.label!r} has none",
+                         f"Use {spelled[1]} with a user metric")
+    return found
 
 
 def _fallback(model: "nn.Module", session: "CalibrationSession", g: GradientSensitivity, seconds: dict[str, float],
