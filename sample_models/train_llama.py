@@ -143,12 +143,12 @@ def lr_at(step: int) -> float:
 
 
 def train(model: nn.Module, data: torch.Tensor, val: torch.Tensor, steps: int,
-          checkpoints: Path | None = None) -> tuple[float, float]:
+          checkpoints: Path | None = None, seed: int = 0) -> tuple[float, float]:
     decay = [p for p in model.parameters() if p.dim() > 1]
     other = [p for p in model.parameters() if p.dim() <= 1]
     opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": other, "weight_decay": 0.0}],
                             lr=PEAK_LR, betas=(0.9, 0.95))
-    g = torch.Generator().manual_seed(1)
+    g = torch.Generator().manual_seed(1 + seed)
     n = CONTEXT + 1
     start = time.perf_counter()
     for step in range(steps):
@@ -193,11 +193,14 @@ def main() -> None:
     parser.add_argument("--checkpoints", type=Path, help=f"also write the bfloat16 weights every {EVAL_EVERY} steps here")
     parser.add_argument("--shape", choices=sorted(SHAPES), default="sample",
                         help="sample (as shipped) or wide (the 2.4M model benchmarks/quality.py measures)")
+    parser.add_argument("--seed", type=int, default=0,
+                        help="initialisation and batch-order seed (default 0, as shipped); another seed trains another "
+                             "realization of the same shape, for checking that a measured result is not one model's")
     args = parser.parse_args()
-    save(*fit(args.steps, args.checkpoints, args.shape), args.out, args.steps, args.shape)
+    save(*fit(args.steps, args.checkpoints, args.shape, args.seed), args.out, args.steps, args.shape)
 
 
-def fit(steps: int, checkpoints: Path | None = None, shape: str = "sample"):
+def fit(steps: int, checkpoints: Path | None = None, shape: str = "sample", seed: int = 0):
     """The tokenizer, the trained model, the texts to ship and the training's summary."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -212,10 +215,10 @@ def fit(steps: int, checkpoints: Path | None = None, shape: str = "sample"):
           f"({len(held_files)} files: {', '.join(n for i, (n, _) in enumerate(files) if i % 8 == 0)[:60]}...)")
 
     cfg = config(shape)
-    torch.manual_seed(0)
+    torch.manual_seed(seed)
     model = LlamaForCausalLM(LlamaConfig(**cfg)).float()
     val = windows(held, 128, CONTEXT + 1)
-    last, seconds = train(model, data, val, steps, checkpoints)
+    last, seconds = train(model, data, val, steps, checkpoints, seed)
     texts = {"calib.txt": cut(calib_files, TEXT_BYTES), "holdout.txt": cut(held_files, TEXT_BYTES)}
     return tok, model, val, texts, (last, seconds)
 
