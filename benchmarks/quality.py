@@ -45,8 +45,9 @@ CALIB_CHARS = 300_000
 UNSEEN_WINDOWS = 96
 
 
-def texts() -> tuple[list[tuple[str, str]], str]:
-    """(the calibration files: name, text) and the unseen text."""
+def texts() -> tuple[list[tuple[str, str]], str, str]:
+    """(the calibration files: name, text), the unseen text and a second unseen text (the subpackage sources after
+    the first's, a check that a ratio is not one text's)."""
     stdlib = Path(sysconfig.get_paths()["stdlib"])
     held = [f for i, f in enumerate(sorted(stdlib.glob("*.py"))) if i % 8 == 0]
     calib, n = [], 0
@@ -57,13 +58,15 @@ def texts() -> tuple[list[tuple[str, str]], str]:
         calib.append((f.name + ".txt", t))
         n += len(t)
     rest = [f.read_text(encoding="utf-8", errors="replace") for f in held[len(calib):]]
-    for f in sorted(stdlib.glob("*/*.py")):
-        if "site-packages" in f.parts or "test" in f.parts[-2]:
-            continue
+    subs = [f for f in sorted(stdlib.glob("*/*.py")) if "site-packages" not in f.parts and "test" not in f.parts[-2]]
+    used = 0
+    for f in subs:
         rest.append(f.read_text(encoding="utf-8", errors="replace"))
+        used += 1
         if sum(map(len, rest)) >= 600_000:
             break
-    return calib, "".join(rest)
+    second = "".join(f.read_text(encoding="utf-8", errors="replace") for f in subs[used:used + 60])[:600_000]
+    return calib, "".join(rest), second
 
 
 def unseen_windows(model_dir: Path, text: str, length: int) -> torch.Tensor:
@@ -127,20 +130,25 @@ def removed_by(model: torch.nn.Module, plan: dict[str, int]) -> float:
 
 
 def fixed_shares(model, model_dir, calib_dir, fit, unseen, dense, shares) -> None:
+    """``unseen`` and ``dense``: (windows, dense perplexity) of each unseen text; the first is the one judged."""
     uni = Uniform(model)
-    print("share | plan: loss-aware, sequential, independent fit | uniform (independent) | plan / uniform | audit s")
+    print("share | plan: loss-aware, sequential, independent fit | uniform (independent) | plan / uniform | audit s"
+          " | plan / uniform on the second unseen text")
     for share in shares:
         a, wall = audit(model_dir, calib_dir, budget=share, tolerance=0.05)
         plan = dict(a.calibration.budget.plan)
         got = removed_by(model, plan)
-        row = {}
+        row, two = {}, {}
         for label, ranks, how in (("la", plan, "loss-aware"), ("seq", plan, "sequential"),
                                   ("ind", plan, "independent"), ("uni", uni.at_share(got), "independent")):
-            row[label] = perplexity(auditor.factorize(model, ranks, calibration=fit, fit=how), unseen) / dense - 1
+            made = auditor.factorize(model, ranks, calibration=fit, fit=how)
+            row[label], two[label] = (perplexity(made, w) / d - 1 for w, d in zip(unseen, dense))
         print(f"{100 * got:.1f}% (uniform {100 * removed_by(model, uni.at_share(got)):.1f}%) | "
               f"{100 * row['la']:+.2f}%, {100 * row['seq']:+.2f}%, {100 * row['ind']:+.2f}% | "
               f"{100 * row['uni']:+.2f}% | {row['la'] / row['uni']:.2f}x ({row['seq'] / row['uni']:.2f}x, "
-              f"{row['ind'] / row['uni']:.2f}x) | {wall:.0f}", flush=True)
+              f"{row['ind'] / row['uni']:.2f}x) | {wall:.0f} | {two['la'] / two['uni']:.2f}x "
+              f"({two['seq'] / two['uni']:.2f}x, {two['ind'] / two['uni']:.2f}x; uniform {100 * two['uni']:+.2f}%)",
+              flush=True)
         print(f"    {reach(a.calibration.budget.verification, row['la'])}", flush=True)
 
 
@@ -170,6 +178,11 @@ def default_plan(model, model_dir, calib_dir, fit, unseen, dense) -> None:
     print(f"  on unseen text: {100 * inc:+.3f}% as measured (loss-aware), {100 * seq:+.3f}% sequential; audit "
           f"{wall:.0f} s = {wall / t1:.2f}x its tier-1 wall ({t1:.0f} s)")
     uni = Uniform(model)
+    least = perplexity(auditor.factorize(model, uni.plan(1.0), calibration=fit, fit="independent"), unseen) / dense - 1
+    if least > inc:  # every layer at its break-even rank saves almost nothing and already measures worse
+        print(f"  uniform truncation cannot reach that unseen perplexity at any share: at the break-even ranks "
+              f"({100 * uni.removed(1.0):.2f}% removed) it measures {100 * least:+.3f}%")
+        return
     lo, hi = 0.0, 1.0  # the kept share at which uniform's unseen perplexity increase equals the plan's
     for _ in range(14):
         mid = (lo + hi) / 2
@@ -191,19 +204,20 @@ def main() -> None:
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(str(args.model)).eval()
-    calib, rest = texts()
+    calib, rest, second = texts()
     with tempfile.TemporaryDirectory() as tmp:
         calib_dir = Path(tmp)
         for name, t in calib:
             (calib_dir / name).write_text(t, encoding="utf-8")
         fit = load_calibration(str(calib_dir), model, tokenizer=str(args.model))
         unseen = unseen_windows(args.model, rest, model.config.max_position_embeddings)
-        dense = perplexity(model, unseen)
+        other = unseen_windows(args.model, second, model.config.max_position_embeddings)
+        dense, dense2 = perplexity(model, unseen), perplexity(model, other)
         print(f"{count_params(model):,} parameters; calibration {len(calib)} files "
               f"({sum(len(t) for _, t in calib):,} characters); unseen {len(unseen)} windows, dense perplexity "
-              f"{dense:.3f}", flush=True)
+              f"{dense:.3f} (second unseen text: {len(other)} windows, {dense2:.3f})", flush=True)
         if args.shares:
-            fixed_shares(model, args.model, calib_dir, fit, unseen, dense, args.shares)
+            fixed_shares(model, args.model, calib_dir, fit, (unseen, other), (dense, dense2), args.shares)
         if not args.no_default:
             default_plan(model, args.model, calib_dir, fit, unseen, dense)
 
