@@ -8,7 +8,8 @@ import torch
 from torch import nn
 
 from auditor.calibration.data.inputs import Batch
-from auditor.calibration.statistics.sequential import RIDGE, fitted_map, fitted_truncator, sequential_truncators
+from auditor.calibration.statistics.sequential import (PULL_ROWS, RIDGE, fitted_map, fitted_truncator, pull,
+                                                       sequential_truncators)
 from auditor.calibration.statistics.stats import input_statistics
 from auditor.calibration.statistics.whiten import DAMP, Truncator
 from auditor.surgery import checked_plan
@@ -50,6 +51,15 @@ def test_fitted_map_is_the_least_squares_solution(ridge: float) -> None:
     assert lam == pytest.approx(_lam(xh, ridge))
     if ridge == 0.0:  # the plain least-squares solution
         np.testing.assert_allclose(got, np.linalg.lstsq(xh, x @ w.T, rcond=None)[0].T, rtol=1e-9, atol=1e-11)
+
+
+def test_the_pull_shrinks_as_inputs_over_rows_past_two_rows_per_input() -> None:
+    assert PULL_ROWS == 2
+    assert pull(RIDGE, 512, 1_000) == RIDGE  # the digits MLP's second layer: under 2 rows per input, the whole pull
+    assert pull(RIDGE, 784, 1_000) == RIDGE
+    assert pull(RIDGE, 500, 1_000) == RIDGE  # exactly 2 rows per input
+    assert pull(RIDGE, 192, 60_000) == pytest.approx(RIDGE * 2 * 192 / 60_000, rel=1e-15)  # 6.4e-5
+    assert pull(RIDGE, 6, 0) == RIDGE  # nothing counted: the whole pull
 
 
 def test_fitted_map_is_the_weight_when_the_inputs_do_not_move() -> None:
@@ -125,7 +135,8 @@ def test_sequential_fit_against_a_direct_solution() -> None:
         wa, wb = got["a"].weight(2), got["b"].weight(3)
         xh = (torch.tanh(xs @ wa.T + model.a.bias) + torch.relu(xs @ wb.T + model.b.bias)).numpy()
     w = model.c.weight.detach().numpy()
-    wstar = _ridge(x, xh, w, RIDGE)
+    assert xh.shape == (120, 8)  # 15 rows per input: the pull is RIDGE * 2 * 8 / 120
+    wstar = _ridge(x, xh, w, RIDGE * 2 * 8 / 120)
     np.testing.assert_allclose(got["c"].f[0], wstar, rtol=1e-8, atol=1e-10)
     np.testing.assert_allclose(got["c"].weight(2).numpy(), _truncated(xh, wstar, 2, DAMP), rtol=1e-7, atol=1e-9)
 

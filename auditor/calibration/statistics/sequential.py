@@ -4,7 +4,7 @@ The independent fit (:class:`.whiten.Truncator`) truncates each layer under the 
 factorized model a layer reads X^, what the factorized layers before it produce. Here the planned layers are fitted
 in the order the model calls them: each one on the inputs X^ that the layers fitted before it give, anchored to the
 dense layer's outputs on the dense inputs, X W^T. Per group, with C = X^T X^ (the cross term), G = X^^T X^ and
-mu = RIDGE * mean(diag G):
+mu = p * mean(diag G), p = :func:`pull` (RIDGE up to PULL_ROWS rows per input, then shrinking as n / rows):
 
     W* = W (C + mu I) (G + mu I)^-1
 
@@ -13,7 +13,9 @@ exactly when X^ = X). The rank-r fit is then the whitened truncation of W* under
 whitening's own damping, DAMP * mean(diag G)): the rank-r map closest to W* on the shifted inputs. With X^ = X both
 steps reduce to the independent fit. Why the pull (RIDGE = 1e-2, not the whitening's 1e-6): the refit estimates a
 full in x in map from the fit rows, and with few rows per input dimension (the digits MLP: 1,000 rows for 512 inputs)
-it fits their noise; measured in docs/calibration.md ("The sequential fit").
+it fits their noise; with many (a language model's tens of thousands of tokens for 192 inputs) the same pull holds
+the refit back, so it shrinks as n / rows past PULL_ROWS rows per input; measured in docs/calibration.md ("The
+sequential fit").
 
 Stages: the planned layers in call order, those reading one input tensor (q, k, v) fitted together. Each stage is
 one pass over the fit rows, running every batch twice (the dense weights, then the weights fitted so far put in
@@ -46,7 +48,18 @@ from .stream import Blocks, _check_sequential, _first_inputs, _hidden, _NotSeque
 from .whiten import DAMP, Truncator
 
 
-RIDGE = 1e-2  # mu = RIDGE * mean(diag G): the refit's pull toward the dense weight
+RIDGE = 1e-2  # mu = RIDGE * mean(diag G): the refit's pull toward the dense weight, at PULL_ROWS rows per input or fewer
+PULL_ROWS = 2  # rows per input dimension up to which the whole RIDGE pulls; beyond, the pull shrinks as n / rows
+
+
+def pull(ridge: float, n: int, rows: int) -> float:
+    """The refit's pull for a layer of ``n`` inputs fitted on ``rows`` rows: ``ridge`` while there are at most
+    ``PULL_ROWS`` rows per input, then ``ridge * PULL_ROWS * n / rows``: a least-squares refit's noise goes as n / rows,
+    and a pull sized for the digits MLP's 1,000 rows of 512 inputs held the refit back on a language model's 60,000
+    rows of 192 (docs/calibration.md, "The sequential fit")."""
+    if rows <= 0 or PULL_ROWS * n >= rows:
+        return ridge
+    return ridge * PULL_ROWS * n / rows
 
 
 def fitted_map(f: np.ndarray, cross: np.ndarray, gram: np.ndarray, ridge: float = RIDGE) -> tuple[np.ndarray, float]:
@@ -329,15 +342,17 @@ def _stage_truncators(model: nn.Module, stage: list[Layer], sums: _Sums, damp: f
     for layer in stage:
         weight = _param(model, layer)
         cut = None
+        if layer.name in sums.gram:
+            ridge_l = pull(ridge, sums.gram[layer.name].shape[-1], sums.rows.get(layer.name, 0))
         if layer.name in sums.gram and moments is not None and layer.name in moments and \
                 sums.gram[layer.name].shape[0] == 1:
             cut = weighted_truncator(layer, weight, sums.cross[layer.name], sums.gram[layer.name],
-                                     moments[layer.name], damp, ridge)
+                                     moments[layer.name], damp, ridge_l)
         if cut is not None:
             out[layer.name] = cut
         elif layer.name in sums.gram:
             out[layer.name] = fitted_truncator(layer, weight, sums.cross[layer.name], sums.gram[layer.name], damp,
-                                               ridge)
+                                               ridge_l)
         elif layer.name in sums.counts:
             c = sums.counts[layer.name]
             inp = LayerInput(layer.name, str(layer.kind), c, int(c.sum()), c.shape[0], diagonal=True)
@@ -478,4 +493,4 @@ def sequential_truncators(model: nn.Module, plan: dict[str, tuple[Layer, int]],
     return {name: fitter.out[name] for name in plan}
 
 
-__all__ = ["RIDGE", "fitted_map", "fitted_truncator", "sequential_truncators", "weighted_truncator"]
+__all__ = ["PULL_ROWS", "RIDGE", "fitted_map", "fitted_truncator", "pull", "sequential_truncators", "weighted_truncator"]
