@@ -310,7 +310,8 @@ def _is_rank_table(plan: Any) -> bool:
 
 
 @scoped
-def factorize(model: "nn.Module", plan: Any, calibration: Any = None, *, fit: str = "independent") -> "nn.Module":
+def factorize(model: "nn.Module", plan: Any, calibration: Any = None, *, fit: str = "independent",
+              refit_dense: bool = False) -> "nn.Module":
     """A deep copy of ``model`` with each planned layer replaced by two (``model`` is left untouched).
 
     ``plan``: ``{layer name: rank}``, or anything :func:`audit` accepts as a plan (a TOML/JSON path, a
@@ -324,7 +325,9 @@ def factorize(model: "nn.Module", plan: Any, calibration: Any = None, *, fit: st
     gradient pass, or an audit session's own; docs/calibration.md, "Loss-aware truncation"). ``fit="sequential"``:
     each layer's factors fitted on the inputs the factorized layers before it produce, truncated loss-aware where
     the metric has a gradient (needs calibration rows, not statistics; what ``lowrank-audit factorize`` does by
-    default; docs/calibration.md, "The sequential fit").
+    default; docs/calibration.md, "The sequential fit"). ``refit_dense=True`` (sequential fit only): the Linear layers
+    the plan keeps dense are refitted at full rank on the inputs the factorized layers give them, anchored to their
+    dense outputs (their weights change, their shapes and the parameter count do not).
 
     >>> import auditor, torch
     >>> m = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU(), torch.nn.Linear(8, 4))
@@ -359,4 +362,4 @@ def factorize(model: "nn.Module", plan: Any, calibration: Any = None, *, fit: st
             raise AuditError(f"LR021 the plan {what}", fix)
     if calibration is not None:
         calibration = _factorize_session(model, ranks, calibration, fit)
-    return apply_plan(model, ranks, calibration, fit=fit)
+    return apply_plan(model, ranks, calibration, fit=fit, refit_dense=refit_dense)

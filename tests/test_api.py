@@ -112,7 +112,7 @@ def test_factorize_fit_sequential(tmp_path):
     plan = {"0": 4, "2": 3}
     session = CalibrationSession.of(cal, model, metric=Metric())  # what the library picks for a model like this
     assert loss_metric(session, model, [l for l, _ in resolve_plan(model, plan).values()]) is not None
-    seq = sequential(session, model, resolve_plan(model, plan))  # truncated loss-aware: the pass's moments
+    seq = sequential(session, model, resolve_plan(model, plan)).truncators  # loss-aware: the pass's moments
     assert seq["2"].w is not None or seq["2"].z is not None
     got = auditor.factorize(model, plan, calibration=cal, fit="sequential")
     a, b = seq["2"].factors(3)

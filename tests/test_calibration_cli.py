@@ -307,6 +307,39 @@ def test_factorize_fit_sequential_and_independent(cli_inproc, calib, tmp_path, d
     assert not (tmp_path / "none").exists()
 
 
+def test_factorize_refit_dense(cli_inproc, calib, tmp_path, digits_mlp):
+    """--refit-dense: the layers the plan keeps dense refitted on the inputs the factorized layers give them (the library's
+    refit_dense=True, output for output), plan.json names it, the factors and the parameter count are the plain
+    sequential fit's; refused in one line without the sequential fit, nothing written."""
+    model = digits_mlp[0]
+    plan = {"fc1": 24, "fc2": 16}
+    cal = load_calibration(calib, model, 0.25)
+    x = cal.fit[0].kwargs["x"]
+    out = tmp_path / "refit"
+    r = cli_inproc("factorize", MODEL, "--plan", _plan(tmp_path, plan), "--calibration", calib, "-o", out,
+                   "--no-cache", "--refit-dense")
+    assert r.returncode == 0, r.stderr
+    meta = json.loads((out / "plan.json").read_text())
+    assert meta["fit"] == "sequential" and meta["refit_dense"] == ["fc3.weight", "head.weight"]
+    from auditor.artifacts.export import _refit_line  # what an exported folder's README says of them
+
+    assert _refit_line(meta).startswith("2 weight(s) the plan keeps dense were refitted") and _refit_line({}) == ""
+    want = auditor.factorize(model, plan, calibration=cal, fit="sequential", refit_dense=True)
+    plain = auditor.factorize(model, plan, calibration=cal, fit="sequential")
+    with torch.no_grad():
+        assert torch.equal(load_factorized(model, out)(x), want(x))
+    assert want.fc3.weight.is_contiguous() and want.head.weight.is_contiguous()
+    assert sum(p.numel() for p in want.parameters()) == sum(p.numel() for p in plain.parameters())
+    assert torch.equal(want.fc2[0].weight, plain.fc2[0].weight) and torch.equal(want.fc3.bias, model.fc3.bias)
+    assert not torch.equal(want.fc3.weight, model.fc3.weight) and torch.equal(plain.fc3.weight, model.fc3.weight)
+    for extra, words in ((["--calibration", calib, "--fit", "independent"], "(got --fit independent)"),
+                         ([], "(got no --calibration)")):
+        r = cli_inproc("factorize", MODEL, "--plan", tmp_path / "plan.toml", "-o", tmp_path / "none", *extra,
+                       "--refit-dense")
+        assert r.returncode == 2 and r.stderr.count("\n") == 1 and words in r.stderr, r.stderr
+        assert not (tmp_path / "none").exists()
+
+
 def _write(path: Path, tensors: dict[str, torch.Tensor]) -> Path:
     from safetensors.torch import save_file
 

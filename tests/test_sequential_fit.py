@@ -141,6 +141,28 @@ def test_sequential_fit_against_a_direct_solution() -> None:
     np.testing.assert_allclose(got["c"].weight(2).numpy(), _truncated(xh, wstar, 2, DAMP), rtol=1e-7, atol=1e-9)
 
 
+def test_refit_dense_layers_against_a_direct_solution() -> None:
+    """refit: a dense layer reading moved inputs is W* itself (not truncated), pulled as the fitted layers are; one
+    reading the dense inputs is left alone; the planned layers' truncators are the plain sequential fit's."""
+    from auditor.calibration.statistics.sequential import sequential_fit
+
+    model, fit = _Net(), _batches()
+    plan = checked_plan(model, {"a": 2})
+    dense = {name: layer for name, (layer, _) in checked_plan(model, {"b": 3, "c": 2}).items()}
+    done = sequential_fit(model, plan, fit, refit=dense)
+    assert set(done.refitted) == {"c"}  # b reads the model's input, which nothing factorized moves
+    np.testing.assert_array_equal(done.truncators["a"].weight(2).numpy(),
+                                  sequential_truncators(model, plan, fit)["a"].weight(2).numpy())
+    xs = torch.cat([b.args[0] for b in fit]).reshape(-1, 6)
+    with torch.no_grad():
+        x = (torch.tanh(model.a(xs)) + torch.relu(model.b(xs))).numpy()
+        xh = (torch.tanh(xs @ done.truncators["a"].weight(2).T + model.a.bias) + torch.relu(model.b(xs))).numpy()
+    w = model.c.weight.detach().numpy()
+    wstar = _ridge(x, xh, w, RIDGE * 2 * 8 / 120)
+    np.testing.assert_allclose(done.refitted["c"].numpy(), wstar, rtol=1e-8, atol=1e-10)
+    assert np.linalg.norm(x @ w.T - xh @ wstar.T) < 0.9 * np.linalg.norm(x @ w.T - xh @ w.T)
+
+
 def test_sequential_fit_keeps_outputs_closer_than_the_independent_one() -> None:
     model, fit = _Net(), _batches()
     plan = checked_plan(model, {"a": 2, "b": 2, "c": 2})

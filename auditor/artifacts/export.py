@@ -528,6 +528,15 @@ def _onnx_section(meta: dict[str, Any]) -> str:
             "```\n")
 
 
+def _refit_line(meta: dict[str, Any]) -> str:
+    """The README's line on the dense layers the sequential fit refitted (``--refit-dense``), or nothing."""
+    refit = meta.get("refit_dense")
+    if not refit:
+        return ""
+    return (f"{len(refit)} weight(s) the plan keeps dense were refitted (`--refit-dense`) on the inputs the factorized "
+            f"layers give them: their shapes are the original's, their values are not (plan.json lists them).\n")
+
+
 def readme(directory: str | Path, meta: dict[str, Any]) -> Path:
     """Write README.md: what the files are and how to load them with plain torch."""
     e = meta["export"]["pt2"]
@@ -541,7 +550,7 @@ def readme(directory: str | Path, meta: dict[str, Any]) -> Path:
 `{meta.get('source') or 'the model'}` with {len(plan)} layer(s) replaced by two low-rank factors{removed},
 {meta.get('init', 'svd')}{f" ({meta['fit']} fit)" if meta.get('fit') else ''} initialisation. Made by lowrank-auditor; loading it needs only torch
 ({e['torch']} wrote it; `torch.export` programs load in that version or later).
-{rec_line}
+{_refit_line(meta)}{rec_line}
 ## Load it with plain torch
 
 ```python

@@ -25,6 +25,7 @@ from .statistics.stats import InputStatistics
 from .statistics.whiten import Truncator
 
 if TYPE_CHECKING:
+    from .statistics.sequential import SequentialFit
     from .statistics.stream import Blocks
     from .statistics.whiten import Truncator
 
@@ -76,7 +77,7 @@ def statistics(calibration: object, model: nn.Module, planned: list[Layer]) -> I
 
 def factorize(model: nn.Module, plan: dict[str, int], calibration: object = None, *, init: bool = True,
               layers: dict[str, Layer] | None = None, reuse: "MutableMapping[str, Truncator] | None" = None,
-              share: bool = False, fit: "Fit | str" = Fit.INDEPENDENT) -> nn.Module:
+              share: bool = False, fit: "Fit | str" = Fit.INDEPENDENT, refit_dense: bool = False) -> nn.Module:
     """A deep copy of ``model`` with each planned layer (``{layer name: rank}``) replaced by two; ``model`` is left
     untouched. ``calibration``: None (plain SVD), a ``CalibrationSession`` (its statistics, read once), a
     ``Calibration`` (input statistics are gathered on ``model``, in eval mode), or ``InputStatistics``.
@@ -85,12 +86,20 @@ def factorize(model: nn.Module, plan: dict[str, int], calibration: object = None
     ``share``: the copy holds ``model``'s own parameters and buffers (:func:`auditor.surgery.replace_layers`).
     ``fit``: ``"independent"`` (each layer whitened under the dense inputs) or ``"sequential"`` (each layer fitted on
     the inputs the factorized layers before it produce; needs a session or a ``Calibration``; ``reuse`` is not read:
-    the factors hold for this plan only, and are fitted here)."""
+    the factors hold for this plan only, and are fitted here). ``refit_dense`` (sequential fit only): the layers the
+    plan keeps dense (:func:`dense_layers`) are refitted at full rank on the inputs the factorized layers give them,
+    anchored to their dense outputs, so they absorb part of the error passed on (their weights change, their shapes
+    do not; docs/calibration.md, "The sequential fit")."""
     if not init:
         return apply_plan(model, plan, layers=layers, share=share)
     resolved = checked_plan(model, plan, layers)  # before any statistics are gathered: a complex layer would crash them
+    if refit_dense and (fit_of(fit) is not Fit.SEQUENTIAL or calibration is None):
+        raise AuditError("refitting the dense layers needs the sequential fit on calibration rows",
+                         "Pass fit='sequential' with a calibration (lowrank-audit factorize --fit sequential)")
     if fit_of(fit) is Fit.SEQUENTIAL and calibration is not None:
-        return replace_layers(model, resolved, truncation(None, sequential(calibration, model, resolved)), share=share)
+        done = sequential(calibration, model, resolved, dense_layers(model, resolved) if refit_dense else None)
+        new = replace_layers(model, resolved, truncation(None, done.truncators), share=share)
+        return with_weights(new, done.refitted, dense_layers(model, resolved)) if done.refitted else new
     if fit_of(fit) is Fit.LOSS_AWARE and calibration is not None:
         kept = calibration.loss_metric if isinstance(calibration, CalibrationSession) else None
         if kept is None:
@@ -116,11 +125,34 @@ def cluster_truncators(model: nn.Module, session: CalibrationSession, planned: l
     return store
 
 
-def sequential(calibration: object, model: nn.Module, resolved: dict[str, tuple[Layer, int]]) -> dict[str, Truncator]:
-    """The sequential fit's truncators of a checked plan on the fit rows of ``calibration`` (a session or a
-    ``Calibration``; input statistics alone hold no rows to fit on), loss-aware where a session holds the gradient
-    pass's moments (:attr:`CalibrationSession.loss_metric`)."""
-    from .statistics.sequential import sequential_truncators
+def dense_layers(model: nn.Module, resolved: dict[str, tuple[Layer, int]]) -> dict[str, Layer]:
+    """The layers a checked plan keeps dense that the sequential fit can refit: Linear and transformers' Conv1D
+    layers outside the plan whose weight no other layer shares (a tied head is left as it is)."""
+    from ..results import Kind
+    from ..structure.layers import ParamTable, collect_layers
+
+    planned = {layer.name for layer, _ in resolved.values()}
+    return {l.name: l for l in collect_layers(model, ParamTable.of(model)).values()
+            if l.kind in (Kind.LINEAR, Kind.CONV1D_HF) and l.name not in planned and not l.aliases}
+
+
+def with_weights(model: nn.Module, weights: dict[str, torch.Tensor], layers: dict[str, Layer]) -> nn.Module:
+    """``model`` (a copy ``factorize`` made) with each of ``layers`` named in ``weights`` holding that weight as a
+    new parameter: the original model's parameter is never written, even in a copy that shares it."""
+    for name, w in weights.items():
+        path, attr = kinds.for_kind(layers[name].kind).module_path(layers[name])
+        mod = model.get_submodule(path)
+        old = getattr(mod, attr)
+        setattr(mod, attr, nn.Parameter(w, requires_grad=old.requires_grad))
+    return model
+
+
+def sequential(calibration: object, model: nn.Module, resolved: dict[str, tuple[Layer, int]],
+               refit: dict[str, Layer] | None = None) -> "SequentialFit":
+    """The sequential fit of a checked plan on the fit rows of ``calibration`` (a session or a ``Calibration``;
+    input statistics alone hold no rows to fit on), loss-aware where a session holds the gradient pass's moments
+    (:attr:`CalibrationSession.loss_metric`): its truncators, and with ``refit`` those dense layers' new weights."""
+    from .statistics.sequential import sequential_fit
 
     moments = None
     if isinstance(calibration, CalibrationSession):
@@ -130,7 +162,7 @@ def sequential(calibration: object, model: nn.Module, resolved: dict[str, tuple[
     if not isinstance(calibration, Calibration):
         raise AuditError(f"the sequential fit needs the calibration rows; {type(calibration).__name__} holds none",
                          "Pass a CalibrationSession or a Calibration (load_calibration), or fit='independent'")
-    return sequential_truncators(model, resolved, calibration, moments=moments)
+    return sequential_fit(model, resolved, calibration, moments=moments, refit=refit)
 
 
 class _MappedFactors:

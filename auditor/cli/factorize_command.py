@@ -48,6 +48,10 @@ def _parser() -> argparse.ArgumentParser:
                         "inputs the factorized layers before it produce, anchored to the dense outputs, truncated "
                         "in the metric's gradient metric), loss-aware (each layer alone, truncated in that metric: "
                         "what the audit measures) or independent (each layer alone, inputs whitened: SVD-LLM)")
+    p.add_argument("--refit-dense", action="store_true",
+                   help="with the sequential fit, also refit the Linear layers the plan keeps dense, at full rank, on "
+                        "the inputs the factorized layers give them, anchored to their dense outputs: their weights "
+                        "change (not their shapes) to absorb part of the error passed on (plan.json lists them)")
     p.add_argument("--measure-speed", action="store_true",
                    help="time the dense and the factorized model end to end (and with --export the .pt2 in torch, "
                         "the ONNX in onnxruntime), each in a fresh process, at the example inputs on the CPU; peak "
@@ -186,6 +190,10 @@ def _options(args: argparse.Namespace, loaded: Any, plan: Any) -> Any:
     if not cal and given:
         raise AuditError(f"{', '.join(given)} {'needs' if len(given) == 1 else 'need'} --calibration",
                          "Pass --calibration FILE")
+    if args.refit_dense and (not cal or (args.fit or DEFAULT_FIT) != "sequential"):
+        raise AuditError("--refit-dense refits the dense layers in the sequential fit, which needs --calibration and "
+                         f"--fit sequential (got {'no --calibration' if not cal else '--fit ' + str(args.fit)})",
+                         "Pass --calibration FILE and drop --fit or give --fit sequential")
     if args.no_split and args.confidence is not None:  # the level is the verification's, and --no-split has none
         raise AuditError(f"--confidence {args.confidence:g} means nothing with --no-split (no rows are kept apart "
                          "to verify on, so no interval is drawn)", "Drop one of --confidence and --no-split")
@@ -289,10 +297,12 @@ def _make(args: argparse.Namespace, loaded: Any, result: Any, session: Any, reco
 
             loss_metric_for(session, model, [l for l, _ in checked_plan(model, plan).values()], fit,
                             ("--fit loss-aware", "--fit sequential or --fit independent"))
-        new = factorize(model, plan, session, fit=fit or "independent")
+        new = factorize(model, plan, session, fit=fit or "independent", refit_dense=args.refit_dense)
     extra: dict[str, Any] = {"init": "whitened" if session is not None else "svd", "params_before": count_params(model)}
     if fit is not None:
         extra["fit"] = fit
+    if args.refit_dense:
+        extra["refit_dense"] = _refitted(model, new)
     if fit is not None and fit != measured_fit and result.calibration is not None:  # the check measured another fit
         from dataclasses import replace
 
@@ -307,6 +317,16 @@ def _make(args: argparse.Namespace, loaded: Any, result: Any, session: Any, reco
         extra["recovery"] = cli_recover(recovery, new, model, session if session is not None else made.calibration,
                                         session.metric if session is not None else None)
     return made
+
+
+def _refitted(model: Any, new: Any) -> list[str]:
+    """The dense layers the sequential fit refitted: parameters the factorized copy holds under the same name and
+    shape as the model, with other values (sorted)."""
+    import torch
+
+    old = dict(model.named_parameters())
+    return sorted(name for name, p in new.named_parameters()
+                  if name in old and p.shape == old[name].shape and not torch.equal(p.detach(), old[name].detach()))
 
 
 def _write(out: Path, args: argparse.Namespace, made: _Made, formats: tuple[str, ...]) -> list[str]:

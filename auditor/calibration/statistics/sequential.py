@@ -86,6 +86,21 @@ def fitted_truncator(layer: Layer, weight: torch.Tensor, cross: np.ndarray, gram
     return Truncator.of_function(layer, weight, fstar, rows, damp)
 
 
+def refit_weight(layer: Layer, weight: torch.Tensor, cross: np.ndarray, gram: np.ndarray,
+                 ridge: float) -> torch.Tensor | None:
+    """A layer the plan keeps dense, refitted at full rank on the shifted inputs: W* (:func:`fitted_map`, pull
+    ``ridge``) per group, in the weight's stored layout, dtype and device. None where its inputs did not move (the
+    sums of the dense and the shifted rows are the same: W* would be W)."""
+    from .whiten import function_matrices
+
+    if np.array_equal(cross, gram):
+        return None
+    f = function_matrices(layer, weight)
+    fstar = np.stack([fitted_map(f[g], cross[g], gram[g], ridge)[0] for g in range(f.shape[0])])
+    w = kinds.for_kind(layer.kind).stored(layer, torch.from_numpy(fstar))
+    return w.reshape(weight.shape).to(dtype=weight.dtype, device=weight.device).contiguous()  # a parameter's layout
+
+
 class _Rows:
     """One layer's rows for the current batch (what the kinds' hooks feed), kept until the stage adds them. Layers
     fed one tensor (q, k and v) get one float64 copy of it (``seen``, by the tensor's storage, shape and version)."""
@@ -371,19 +386,29 @@ class _Fitter:
     damp: float
     ridge: float
     moments: "Mapping[str, tuple[np.ndarray, bool, int]] | None" = None
+    refit: dict[str, Layer] = field(default_factory=dict)  # layers kept dense, refitted at full rank
     out: dict[str, Truncator] = field(default_factory=dict)
     fitted: dict[str, torch.Tensor] = field(default_factory=dict)
+    refitted: dict[str, torch.Tensor] = field(default_factory=dict)
     stop: bool = False  # a stage's runs stop once its layers have run (each planned module is called once)
 
     @property
     def layers(self) -> dict[str, Layer]:
-        return {name: layer for name, (layer, _) in self.plan.items()}
+        return {**{name: layer for name, (layer, _) in self.plan.items()}, **self.refit}
 
     def stage(self, stage: list[Layer], runs: Runs) -> None:
         sums = _stage_sums(self.model, stage, runs, self.stop)
-        for name, trunc in _stage_truncators(self.model, stage, sums, self.damp, self.ridge, self.moments).items():
+        planned = [l for l in stage if l.name in self.plan]
+        for name, trunc in _stage_truncators(self.model, planned, sums, self.damp, self.ridge, self.moments).items():
             self.out[name] = trunc
             self.fitted[name] = trunc.weight(self.plan[name][1])
+        for layer in stage:
+            if layer.name in self.refit and layer.name in sums.gram:
+                g = sums.gram[layer.name]
+                w = refit_weight(layer, _param(self.model, layer), sums.cross[layer.name], g,
+                                 pull(self.ridge, g.shape[-1], sums.rows.get(layer.name, 0)))
+                if w is not None:
+                    self.fitted[layer.name] = self.refitted[layer.name] = w
 
     def swapped(self, fn: Callable[[], object]) -> Callable[[], object]:
         """``fn`` run with the weights fitted so far in place of the dense ones."""
@@ -463,6 +488,16 @@ def _blockwise(fitter: _Fitter, stages: list[list[Layer]], fit: list[Batch], pro
     return done
 
 
+@dataclass(frozen=True)
+class SequentialFit:
+    """What the sequential fit made: each planned layer's truncator, and each refitted dense layer's new weight
+    (layer name -> the weight in its stored layout; a layer whose inputs did not move, or that no row reached, has
+    none)."""
+
+    truncators: dict[str, Truncator]
+    refitted: dict[str, torch.Tensor]
+
+
 def sequential_truncators(model: nn.Module, plan: dict[str, tuple[Layer, int]],
                           batches: Calibration | list[Batch], damp: float = DAMP, ridge: float = RIDGE,
                           progress: Callable[[int, int], None] | None = None,
@@ -473,10 +508,23 @@ def sequential_truncators(model: nn.Module, plan: dict[str, tuple[Layer, int]],
     :func:`auditor.calibration.apply.factorize`. ``model``'s weights are unchanged afterwards. ``moments``: per
     layer the mean output-gradient moment and whether it is carried (``fisher.MeanMoments``): those layers' W*
     truncated loss-aware (:func:`weighted_truncator`)."""
+    return sequential_fit(model, plan, batches, damp, ridge, progress, moments).truncators
+
+
+def sequential_fit(model: nn.Module, plan: dict[str, tuple[Layer, int]], batches: Calibration | list[Batch],
+                   damp: float = DAMP, ridge: float = RIDGE, progress: Callable[[int, int], None] | None = None,
+                   moments: "Mapping[str, tuple[np.ndarray, bool, int]] | None" = None,
+                   refit: dict[str, Layer] | None = None) -> SequentialFit:
+    """:func:`sequential_truncators`, and with ``refit`` (Layer.name -> layer: layers the plan keeps dense) each of
+    those refitted at full rank where the fit reaches it with moved inputs: W* of the module docstring, not truncated,
+    put in place for the layers after it as a fitted layer's weight is. A dense layer then absorbs part of the error
+    the factorized layers before it pass on, at no parameter cost (as GPTQ's sequential mode updates the weights
+    it has not yet quantized)."""
     fit = batches.fit if isinstance(batches, Calibration) else list(batches)
-    fitter = _Fitter(model, plan, damp, ridge, moments)
+    fitter = _Fitter(model, plan, damp, ridge, moments, dict(refit or {}))
     if not fit:
-        return {name: Truncator(layer, _param(model, layer), None, damp) for name, layer in fitter.layers.items()}
+        return SequentialFit({name: Truncator(layer, _param(model, layer), None, damp)
+                              for name, (layer, _) in plan.items()}, {})
     with eval_mode(model), torch.no_grad():
         stages, fitter.stop = _call_order(model, list(fitter.layers.values()), fit[0])
         count = [0]
@@ -490,7 +538,8 @@ def sequential_truncators(model: nn.Module, plan: dict[str, tuple[Layer, int]],
         for stage in stages[done:]:
             fitter.stage(stage, fitter.whole(fit))
             step()
-    return {name: fitter.out[name] for name in plan}
+    return SequentialFit({name: fitter.out[name] for name in plan}, dict(fitter.refitted))
 
 
-__all__ = ["PULL_ROWS", "RIDGE", "fitted_map", "fitted_truncator", "pull", "sequential_truncators", "weighted_truncator"]
+__all__ = ["PULL_ROWS", "RIDGE", "SequentialFit", "fitted_map", "fitted_truncator", "pull", "refit_weight",
+           "sequential_fit", "sequential_truncators", "weighted_truncator"]
