@@ -15,7 +15,8 @@ on nor read), are the unseen text: 96 windows of the model's 128 positions sprea
    --calibration`` writes by default, and the independent fit), and uniform whitened truncation of the decoder blocks' Linears (one kept share of every layer's
    break-even rank, bisected to the same parameters removed; the independent whitened fit, SVD-LLM's) on the same fit
    rows. Printed: the perplexity increase of each on the unseen windows and the plan's against uniform's, and the
-   audit's verification intervals against the value on unseen text.
+   audit's verification intervals against the value on unseen text; and the sequential fit with ``refit_dense``
+   (the layers the plan keeps dense refitted on their shifted inputs) against uniform on both texts.
 2. The default audit (tolerance +1%): its share removed, its verification and unseen intervals, its unseen
    perplexity increase, its wall time against its tier-1 wall; and uniform truncation's share removed at the same
    unseen perplexity (the kept share bisected), with the ratio of the two removals.
@@ -133,22 +134,23 @@ def fixed_shares(model, model_dir, calib_dir, fit, unseen, dense, shares) -> Non
     """``unseen`` and ``dense``: (windows, dense perplexity) of each unseen text; the first is the one judged."""
     uni = Uniform(model)
     print("share | plan: loss-aware, sequential, independent fit | uniform (independent) | plan / uniform | audit s"
-          " | plan / uniform on the second unseen text")
+          " | plan / uniform on the second unseen text | sequential with --refit-dense / uniform, on both texts")
     for share in shares:
         a, wall = audit(model_dir, calib_dir, budget=share, tolerance=0.05)
         plan = dict(a.calibration.budget.plan)
         got = removed_by(model, plan)
         row, two = {}, {}
-        for label, ranks, how in (("la", plan, "loss-aware"), ("seq", plan, "sequential"),
+        for label, ranks, how in (("la", plan, "loss-aware"), ("seq", plan, "sequential"), ("ref", plan, "refit"),
                                   ("ind", plan, "independent"), ("uni", uni.at_share(got), "independent")):
-            made = auditor.factorize(model, ranks, calibration=fit, fit=how)
+            made = auditor.factorize(model, ranks, calibration=fit, fit="sequential" if how == "refit" else how,
+                                     refit_dense=how == "refit")
             row[label], two[label] = (perplexity(made, w) / d - 1 for w, d in zip(unseen, dense))
         print(f"{100 * got:.1f}% (uniform {100 * removed_by(model, uni.at_share(got)):.1f}%) | "
               f"{100 * row['la']:+.2f}%, {100 * row['seq']:+.2f}%, {100 * row['ind']:+.2f}% | "
               f"{100 * row['uni']:+.2f}% | {row['la'] / row['uni']:.2f}x ({row['seq'] / row['uni']:.2f}x, "
               f"{row['ind'] / row['uni']:.2f}x) | {wall:.0f} | {two['la'] / two['uni']:.2f}x "
-              f"({two['seq'] / two['uni']:.2f}x, {two['ind'] / two['uni']:.2f}x; uniform {100 * two['uni']:+.2f}%)",
-              flush=True)
+              f"({two['seq'] / two['uni']:.2f}x, {two['ind'] / two['uni']:.2f}x; uniform {100 * two['uni']:+.2f}%) | "
+              f"{100 * row['ref']:+.2f}%: {row['ref'] / row['uni']:.2f}x, {two['ref'] / two['uni']:.2f}x", flush=True)
         print(f"    {reach(a.calibration.budget.verification, row['la'])}", flush=True)
 
 
