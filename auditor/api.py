@@ -337,8 +337,9 @@ def factorize(model: "nn.Module", plan: Any, calibration: Any = None, *, fit: st
     """
     from torch import nn
 
-    from .calibration.apply import factorize as apply_plan
+    from .calibration.apply import Fit, check_refit, factorize as apply_plan
 
+    check_refit(refit_dense, fit, calibration)  # before a gradient pass or a review is paid for
     if not isinstance(model, nn.Module):
         raise AuditError(f"factorize() needs the model as an nn.Module, got {type(model).__name__}",
                          "Load the model's code (a factory or a Hugging Face directory), not only its weights")
@@ -362,4 +363,4 @@ def factorize(model: "nn.Module", plan: Any, calibration: Any = None, *, fit: st
             raise AuditError(f"LR021 the plan {what}", fix)
     if calibration is not None:
         calibration = _factorize_session(model, ranks, calibration, fit)
-    return apply_plan(model, ranks, calibration, fit=fit, refit_dense=refit_dense)
+    return apply_plan(model, ranks, calibration, fit=Fit.SEQUENTIAL_REFIT if refit_dense else fit)

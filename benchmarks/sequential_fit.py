@@ -99,7 +99,7 @@ def run(name: str) -> None:
         row = []
         for fit in ("independent", "sequential", "sequential, refit dense"):
             t = time.perf_counter()
-            new = factorize(model, plan, cal, fit=fit.partition(",")[0], refit_dense=fit.endswith("refit dense"))
+            new = factorize(model, plan, cal, fit=fit)  # "sequential, refit dense": Fit.SEQUENTIAL_REFIT
             took = time.perf_counter() - t
             row.append((fit, score(new), took))
         removed = 1 - count_params(new) / count_params(model)

@@ -126,6 +126,14 @@ def test_factorize_fit_sequential(tmp_path):
         auditor.factorize(model, plan, calibration=stats, fit="sequential")
     with pytest.raises(AuditError, match="fit 'greedy' is not a way to fit the factors"):
         auditor.factorize(model, plan, calibration=cal, fit="greedy")
+    for fit, calibration in (("independent", cal), ("loss-aware", cal), ("sequential", None)):
+        with pytest.raises(AuditError, match="refitting the dense layers needs the sequential fit on calibration rows"):
+            auditor.factorize(model, plan, calibration=calibration, fit=fit, refit_dense=True)
+    same = auditor.factorize(model, plan, calibration=cal, fit="sequential", refit_dense=True)  # no layer kept dense
+    assert all(torch.equal(v, got.state_dict()[k]) for k, v in same.state_dict().items())
+    only = auditor.factorize(model, {"0": 4}, calibration=cal, fit="sequential", refit_dense=True)
+    assert not torch.equal(only.state_dict()["2.weight"], model.state_dict()["2.weight"])  # it reads moved inputs
+    assert torch.equal(model.state_dict()["0.weight"], torch.eye(16))  # the model is never written
 
 
 def test_factorize_refuses_bad_input_with_one_line(tmp_path):

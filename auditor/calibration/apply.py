@@ -37,6 +37,7 @@ class Fit(str, Enum):
     INDEPENDENT = "independent"
     SEQUENTIAL = "sequential"
     LOSS_AWARE = "loss-aware"
+    SEQUENTIAL_REFIT = "sequential, refit dense"  # the sequential fit refitting the layers the plan keeps dense
 
 
 def fit_of(fit: "Fit | str") -> Fit:
@@ -45,7 +46,7 @@ def fit_of(fit: "Fit | str") -> Fit:
         return Fit(fit)
     except ValueError:
         raise AuditError(f"fit {fit!r} is not a way to fit the factors",
-                         f"Give one of {', '.join(f.value for f in Fit)}") from None
+                         f"Give one of {', '.join(repr(f.value) for f in Fit)}") from None
 
 
 def truncation(stats: InputStatistics | None = None, reuse: "MutableMapping[str, Truncator] | None" = None) -> Truncation:
@@ -77,7 +78,7 @@ def statistics(calibration: object, model: nn.Module, planned: list[Layer]) -> I
 
 def factorize(model: nn.Module, plan: dict[str, int], calibration: object = None, *, init: bool = True,
               layers: dict[str, Layer] | None = None, reuse: "MutableMapping[str, Truncator] | None" = None,
-              share: bool = False, fit: "Fit | str" = Fit.INDEPENDENT, refit_dense: bool = False) -> nn.Module:
+              share: bool = False, fit: "Fit | str" = Fit.INDEPENDENT) -> nn.Module:
     """A deep copy of ``model`` with each planned layer (``{layer name: rank}``) replaced by two; ``model`` is left
     untouched. ``calibration``: None (plain SVD), a ``CalibrationSession`` (its statistics, read once), a
     ``Calibration`` (input statistics are gathered on ``model``, in eval mode), or ``InputStatistics``.
@@ -86,18 +87,17 @@ def factorize(model: nn.Module, plan: dict[str, int], calibration: object = None
     ``share``: the copy holds ``model``'s own parameters and buffers (:func:`auditor.surgery.replace_layers`).
     ``fit``: ``"independent"`` (each layer whitened under the dense inputs) or ``"sequential"`` (each layer fitted on
     the inputs the factorized layers before it produce; needs a session or a ``Calibration``; ``reuse`` is not read:
-    the factors hold for this plan only, and are fitted here). ``refit_dense`` (sequential fit only): the layers the
-    plan keeps dense (:func:`dense_layers`) are refitted at full rank on the inputs the factorized layers give them,
-    anchored to their dense outputs, so they absorb part of the error passed on (their weights change, their shapes
-    do not; docs/calibration.md, "The sequential fit")."""
+    the factors hold for this plan only, and are fitted here); ``"sequential, refit dense"`` (``Fit.SEQUENTIAL_REFIT``,
+    what ``refit_dense=True`` of :func:`auditor.factorize` asks): the same, and the layers the plan keeps dense
+    (:func:`dense_layers`) refitted at full rank on the inputs the factorized layers give them, anchored to their
+    dense outputs, so they absorb part of the error passed on (their weights change, their shapes do not;
+    docs/calibration.md, "The sequential fit")."""
     if not init:
         return apply_plan(model, plan, layers=layers, share=share)
     resolved = checked_plan(model, plan, layers)  # before any statistics are gathered: a complex layer would crash them
-    if refit_dense and (fit_of(fit) is not Fit.SEQUENTIAL or calibration is None):
-        raise AuditError("refitting the dense layers needs the sequential fit on calibration rows",
-                         "Pass fit='sequential' with a calibration (lowrank-audit factorize --fit sequential)")
-    if fit_of(fit) is Fit.SEQUENTIAL and calibration is not None:
-        done = sequential(calibration, model, resolved, dense_layers(model, resolved) if refit_dense else None)
+    if fit_of(fit) in (Fit.SEQUENTIAL, Fit.SEQUENTIAL_REFIT) and calibration is not None:
+        refit = fit_of(fit) is Fit.SEQUENTIAL_REFIT
+        done = sequential(calibration, model, resolved, dense_layers(model, resolved) if refit else None)
         new = replace_layers(model, resolved, truncation(None, done.truncators), share=share)
         return with_weights(new, done.refitted, dense_layers(model, resolved)) if done.refitted else new
     if fit_of(fit) is Fit.LOSS_AWARE and calibration is not None:
@@ -123,6 +123,13 @@ def cluster_truncators(model: nn.Module, session: CalibrationSession, planned: l
     store = TruncatorStore(part_bytes(model, planned))
     session.cluster_truncators(planned, store, stats=stats)
     return store
+
+
+def check_refit(refit_dense: bool, fit: "Fit | str", calibration: object) -> None:
+    """``refit_dense`` only with the sequential fit on calibration: else one line."""
+    if refit_dense and (fit_of(fit) is not Fit.SEQUENTIAL or calibration is None):
+        raise AuditError("refitting the dense layers needs the sequential fit on calibration rows",
+                         "Pass fit='sequential' with a calibration (lowrank-audit factorize --fit sequential)")
 
 
 def dense_layers(model: nn.Module, resolved: dict[str, tuple[Layer, int]]) -> dict[str, Layer]:

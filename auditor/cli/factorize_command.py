@@ -297,7 +297,7 @@ def _make(args: argparse.Namespace, loaded: Any, result: Any, session: Any, reco
 
             loss_metric_for(session, model, [l for l, _ in checked_plan(model, plan).values()], fit,
                             ("--fit loss-aware", "--fit sequential or --fit independent"))
-        new = factorize(model, plan, session, fit=fit or "independent", refit_dense=args.refit_dense)
+        new = factorize(model, plan, session, fit="sequential, refit dense" if args.refit_dense else fit or "independent")
     extra: dict[str, Any] = {"init": "whitened" if session is not None else "svd", "params_before": count_params(model)}
     if fit is not None:
         extra["fit"] = fit
