@@ -319,6 +319,7 @@ def test_factorize_refit_dense(cli_inproc, calib, tmp_path, digits_mlp):
     r = cli_inproc("factorize", MODEL, "--plan", _plan(tmp_path, plan), "--calibration", calib, "-o", out,
                    "--no-cache", "--refit-dense")
     assert r.returncode == 0, r.stderr
+    assert "whitened initialisation, sequential fit, 2 dense weights refitted\n" in r.stderr
     meta = json.loads((out / "plan.json").read_text())
     assert meta["fit"] == "sequential" and meta["refit_dense"] == ["fc3.weight", "head.weight"]
     from auditor.artifacts.export import _refit_line  # what an exported folder's README says of them

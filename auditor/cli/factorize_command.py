@@ -355,6 +355,13 @@ def _value(cr: Any, x: float | None) -> str:
     return cr.value_text(x)
 
 
+def _refit_words(refit: list[str] | None) -> str:
+    """", 4 dense weights refitted" for --refit-dense (plan.json names them), or nothing."""
+    if refit is None:
+        return ""
+    return f", {len(refit)} dense weight{'s' if len(refit) != 1 else ''} refitted"
+
+
 def _say(out: Path, made: _Made, result: Any, exported: list[str]) -> None:
     """What was written, on stderr: the parameters before and after, the plan check, the files."""
     from ..surgery import count_params
@@ -364,7 +371,8 @@ def _say(out: Path, made: _Made, result: Any, exported: list[str]) -> None:
               f"{100 * (after - before) / before:.1f}% more, ranks at or above break-even")
     print(f"factorized {len(made.plan)} layers of {escape(made.loaded.name)}: {before:,} -> {after:,} parameters "
           f"({change}), {made.extra['init']} initialisation"
-          f"{', ' + made.extra['fit'] + ' fit' if 'fit' in made.extra else ''}", file=sys.stderr)
+          f"{', ' + made.extra['fit'] + ' fit' if 'fit' in made.extra else ''}"
+          f"{_refit_words(made.extra.get('refit_dense'))}", file=sys.stderr)
     cr = result.calibration
     pc = cr.plan_check if cr is not None else None
     if pc is not None:
