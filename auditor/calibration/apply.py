@@ -96,10 +96,10 @@ def factorize(model: nn.Module, plan: dict[str, int], calibration: object = None
         return apply_plan(model, plan, layers=layers, share=share)
     resolved = checked_plan(model, plan, layers)  # before any statistics are gathered: a complex layer would crash them
     if fit_of(fit) in (Fit.SEQUENTIAL, Fit.SEQUENTIAL_REFIT) and calibration is not None:
-        refit = fit_of(fit) is Fit.SEQUENTIAL_REFIT
-        done = sequential(calibration, model, resolved, dense_layers(model, resolved) if refit else None)
+        dense = dense_layers(model, resolved) if fit_of(fit) is Fit.SEQUENTIAL_REFIT else None
+        done = sequential(calibration, model, resolved, dense)
         new = replace_layers(model, resolved, truncation(None, done.truncators), share=share)
-        return with_weights(new, done.refitted, dense_layers(model, resolved)) if done.refitted else new
+        return with_weights(new, done.refitted, dense) if dense else new
     if fit_of(fit) is Fit.LOSS_AWARE and calibration is not None:
         kept = calibration.loss_metric if isinstance(calibration, CalibrationSession) else None
         if kept is None:

@@ -357,8 +357,8 @@ def _stage_truncators(model: nn.Module, stage: list[Layer], sums: _Sums, damp: f
     for layer in stage:
         weight = _param(model, layer)
         cut = None
-        if layer.name in sums.gram:
-            ridge_l = pull(ridge, sums.gram[layer.name].shape[-1], sums.rows.get(layer.name, 0))
+        gram = sums.gram.get(layer.name)
+        ridge_l = pull(ridge, gram.shape[-1], sums.rows.get(layer.name, 0)) if gram is not None else ridge
         if layer.name in sums.gram and moments is not None and layer.name in moments and \
                 sums.gram[layer.name].shape[0] == 1:
             cut = weighted_truncator(layer, weight, sums.cross[layer.name], sums.gram[layer.name],
