@@ -134,6 +134,8 @@ def test_factorize_fit_sequential(tmp_path):
     only = auditor.factorize(model, {"0": 4}, calibration=cal, fit="sequential", refit_dense=True)
     assert not torch.equal(only.state_dict()["2.weight"], model.state_dict()["2.weight"])  # it reads moved inputs
     assert torch.equal(model.state_dict()["0.weight"], torch.eye(16))  # the model is never written
+    spelled = auditor.factorize(model, {"0": 4}, calibration=cal, fit="sequential, refit dense")  # apply.Fit's value
+    assert all(torch.equal(v, only.state_dict()[k]) for k, v in spelled.state_dict().items())  # loss-aware as well
 
 
 def test_factorize_refuses_bad_input_with_one_line(tmp_path):

@@ -127,7 +127,7 @@ def cluster_truncators(model: nn.Module, session: CalibrationSession, planned: l
 
 def check_refit(refit_dense: bool, fit: "Fit | str", calibration: object) -> None:
     """``refit_dense`` only with the sequential fit on calibration: else one line."""
-    if refit_dense and (fit_of(fit) is not Fit.SEQUENTIAL or calibration is None):
+    if refit_dense and (fit_of(fit) not in (Fit.SEQUENTIAL, Fit.SEQUENTIAL_REFIT) or calibration is None):
         raise AuditError("refitting the dense layers needs the sequential fit on calibration rows",
                          "Pass fit='sequential' with a calibration (lowrank-audit factorize --fit sequential)")
 
