@@ -280,7 +280,7 @@ class _Made:
 def _make(args: argparse.Namespace, loaded: Any, result: Any, session: Any, recovery: Any) -> _Made:
     """Factorize with the audit's session (the batches it read, the statistics it measured the plan with, its dense
     reference), then recover when asked."""
-    from ..calibration.apply import factorize
+    from ..calibration.apply import Fit, factorize
     from .recovery_flags import cli_recover
     from ..surgery import count_params
 
@@ -297,7 +297,7 @@ def _make(args: argparse.Namespace, loaded: Any, result: Any, session: Any, reco
 
             loss_metric_for(session, model, [l for l, _ in checked_plan(model, plan).values()], fit,
                             ("--fit loss-aware", "--fit sequential or --fit independent"))
-        new = factorize(model, plan, session, fit="sequential, refit dense" if args.refit_dense else fit or "independent")
+        new = factorize(model, plan, session, fit=Fit.SEQUENTIAL_REFIT if args.refit_dense else fit or "independent")
     extra: dict[str, Any] = {"init": "whitened" if session is not None else "svd", "params_before": count_params(model)}
     if fit is not None:
         extra["fit"] = fit

@@ -221,6 +221,11 @@ class _Sums:
         self.gram[name] = self.gram[name] + g if name in self.gram else g
         self.rows[name] = self.rows.get(name, 0) + x.shape[0]
 
+    def pull(self, name: str, ridge: float) -> float:
+        """The refit's pull for ``name``: :func:`pull` at its input width and the rows summed (``ridge`` where no Gram)."""
+        gram = self.gram.get(name)
+        return pull(ridge, gram.shape[-1], self.rows.get(name, 0)) if gram is not None else ridge
+
 
 def _call_order(model: nn.Module, layers: list[Layer], batch: Batch) -> tuple[list[list[Layer]], bool]:
     """The planned layers in the order the model first reads them on ``batch``, those reading one input tensor (by
@@ -357,8 +362,7 @@ def _stage_truncators(model: nn.Module, stage: list[Layer], sums: _Sums, damp: f
     for layer in stage:
         weight = _param(model, layer)
         cut = None
-        gram = sums.gram.get(layer.name)
-        ridge_l = pull(ridge, gram.shape[-1], sums.rows.get(layer.name, 0)) if gram is not None else ridge
+        ridge_l = sums.pull(layer.name, ridge)
         if layer.name in sums.gram and moments is not None and layer.name in moments and \
                 sums.gram[layer.name].shape[0] == 1:
             cut = weighted_truncator(layer, weight, sums.cross[layer.name], sums.gram[layer.name],
@@ -404,9 +408,8 @@ class _Fitter:
             self.fitted[name] = trunc.weight(self.plan[name][1])
         for layer in stage:
             if layer.name in self.refit and layer.name in sums.gram:
-                g = sums.gram[layer.name]
-                w = refit_weight(layer, _param(self.model, layer), sums.cross[layer.name], g,
-                                 pull(self.ridge, g.shape[-1], sums.rows.get(layer.name, 0)))
+                w = refit_weight(layer, _param(self.model, layer), sums.cross[layer.name], sums.gram[layer.name],
+                                 sums.pull(layer.name, self.ridge))
                 if w is not None:
                     self.fitted[layer.name] = self.refitted[layer.name] = w
 
