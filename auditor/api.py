@@ -311,7 +311,7 @@ def _is_rank_table(plan: Any) -> bool:
 
 @scoped
 def factorize(model: "nn.Module", plan: Any, calibration: Any = None, *, fit: str = "independent",
-              refit_dense: bool = False) -> "nn.Module":
+              refit_dense: bool = False, refine: bool = True) -> "nn.Module":
     """A deep copy of ``model`` with each planned layer replaced by two (``model`` is left untouched).
 
     ``plan``: ``{layer name: rank}``, or anything :func:`audit` accepts as a plan (a TOML/JSON path, a
@@ -327,7 +327,9 @@ def factorize(model: "nn.Module", plan: Any, calibration: Any = None, *, fit: st
     the metric has a gradient (needs calibration rows, not statistics; what ``lowrank-audit factorize`` does by
     default; docs/calibration.md, "The sequential fit"). ``refit_dense=True`` (sequential fit only): the Linear layers
     the plan keeps dense are refitted at full rank on the inputs the factorized layers give them, anchored to their
-    dense outputs (their weights change, their shapes and the parameter count do not).
+    dense outputs (their weights change, their shapes and the parameter count do not). ``refine=False`` (sequential
+    fit only): the closed-form factors, without the block refinement that trains each repeated block's factors
+    together on the block's output (docs/calibration.md, "Block refinement").
 
     >>> import auditor, torch
     >>> m = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU(), torch.nn.Linear(8, 4))
@@ -337,7 +339,7 @@ def factorize(model: "nn.Module", plan: Any, calibration: Any = None, *, fit: st
     """
     from torch import nn
 
-    from .calibration.apply import Fit, check_refit, factorize as apply_plan
+    from .calibration.apply import Fit, check_refit, factorize as apply_plan, fit_of
 
     check_refit(refit_dense, fit, calibration)  # before a gradient pass or a review is paid for
     if not isinstance(model, nn.Module):
@@ -363,4 +365,6 @@ def factorize(model: "nn.Module", plan: Any, calibration: Any = None, *, fit: st
             raise AuditError(f"LR021 the plan {what}", fix)
     if calibration is not None:
         calibration = _factorize_session(model, ranks, calibration, fit)
-    return apply_plan(model, ranks, calibration, fit=Fit.SEQUENTIAL_REFIT if refit_dense else fit)
+    if fit_of(fit).sequential:
+        fit = Fit.of_sequential(refit_dense or fit_of(fit).refits, refine and fit_of(fit).refines)
+    return apply_plan(model, ranks, calibration, fit=fit)

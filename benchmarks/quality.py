@@ -45,6 +45,8 @@ from auditor.surgery import count_params  # noqa: E402
 CALIB_CHARS = 300_000
 UNSEEN_WINDOWS = 96
 
+FITS = ("loss-aware", "sequential", "independent")  # auditor.factorize's fits; "refit" and "closed": sequential
+
 
 def texts() -> tuple[list[tuple[str, str]], str, str]:
     """(the calibration files: name, text), the unseen text and a second unseen text (the subpackage sources after
@@ -134,23 +136,26 @@ def fixed_shares(model, model_dir, calib_dir, fit, unseen, dense, shares) -> Non
     """``unseen`` and ``dense``: (windows, dense perplexity) of each unseen text; the first is the one judged."""
     uni = Uniform(model)
     print("share | plan: loss-aware, sequential, independent fit | uniform (independent) | plan / uniform | audit s"
-          " | plan / uniform on the second unseen text | sequential with --refit-dense / uniform, on both texts")
+          " | plan / uniform on the second unseen text | sequential with --refit-dense / uniform, on both texts"
+          " | sequential without the block refinement (--no-refine) / uniform, on both texts")
     for share in shares:
         a, wall = audit(model_dir, calib_dir, budget=share, tolerance=0.05)
         plan = dict(a.calibration.budget.plan)
         got = removed_by(model, plan)
         row, two = {}, {}
         for label, ranks, how in (("la", plan, "loss-aware"), ("seq", plan, "sequential"), ("ref", plan, "refit"),
-                                  ("ind", plan, "independent"), ("uni", uni.at_share(got), "independent")):
-            made = auditor.factorize(model, ranks, calibration=fit, fit="sequential" if how == "refit" else how,
-                                     refit_dense=how == "refit")
+                                  ("cf", plan, "closed"), ("ind", plan, "independent"),
+                                  ("uni", uni.at_share(got), "independent")):
+            made = auditor.factorize(model, ranks, calibration=fit, fit=how if how in FITS else "sequential",
+                                     refit_dense=how == "refit", refine=how != "closed")
             row[label], two[label] = (perplexity(made, w) / d - 1 for w, d in zip(unseen, dense))
         print(f"{100 * got:.1f}% (uniform {100 * removed_by(model, uni.at_share(got)):.1f}%) | "
               f"{100 * row['la']:+.2f}%, {100 * row['seq']:+.2f}%, {100 * row['ind']:+.2f}% | "
               f"{100 * row['uni']:+.2f}% | {row['la'] / row['uni']:.2f}x ({row['seq'] / row['uni']:.2f}x, "
               f"{row['ind'] / row['uni']:.2f}x) | {wall:.0f} | {two['la'] / two['uni']:.2f}x "
               f"({two['seq'] / two['uni']:.2f}x, {two['ind'] / two['uni']:.2f}x; uniform {100 * two['uni']:+.2f}%) | "
-              f"{100 * row['ref']:+.2f}%: {row['ref'] / row['uni']:.2f}x, {two['ref'] / two['uni']:.2f}x", flush=True)
+              f"{100 * row['ref']:+.2f}%: {row['ref'] / row['uni']:.2f}x, {two['ref'] / two['uni']:.2f}x | "
+              f"{100 * row['cf']:+.2f}%: {row['cf'] / row['uni']:.2f}x, {two['cf'] / two['uni']:.2f}x", flush=True)
         print(f"    {reach(a.calibration.budget.verification, row['la'])}", flush=True)
 
 
@@ -175,9 +180,12 @@ def default_plan(model, model_dir, calib_dir, fit, unseen, dense) -> None:
     got = removed_by(model, plan)
     inc = perplexity(auditor.factorize(model, plan, calibration=fit, fit="loss-aware"), unseen) / dense - 1
     seq = perplexity(auditor.factorize(model, plan, calibration=fit, fit="sequential"), unseen) / dense - 1
+    closed = perplexity(auditor.factorize(model, plan, calibration=fit, fit="sequential", refine=False),
+                        unseen) / dense - 1
     v = b.verification
     print(f"default plan: {100 * got:.1f}% removed ({len(plan)} layers); {reach(v, inc)}")
-    print(f"  on unseen text: {100 * inc:+.3f}% as measured (loss-aware), {100 * seq:+.3f}% sequential; audit "
+    print(f"  on unseen text: {100 * inc:+.3f}% as measured (loss-aware), {100 * seq:+.3f}% sequential "
+          f"({100 * closed:+.3f}% without the block refinement); audit "
           f"{wall:.0f} s = {wall / t1:.2f}x its tier-1 wall ({t1:.0f} s)")
     uni = Uniform(model)
     least = perplexity(auditor.factorize(model, uni.plan(1.0), calibration=fit, fit="independent"), unseen) / dense - 1

@@ -341,6 +341,39 @@ def test_factorize_refit_dense(cli_inproc, calib, tmp_path, digits_mlp):
         assert not (tmp_path / "none").exists()
 
 
+def test_factorize_no_refine(cli_inproc, calib, tmp_path, digits_mlp):
+    """--no-refine: the sequential fit's closed form, the library's refine=False; plan.json says whether the block
+    refinement was on (the digits MLP has no repeated blocks, so both models are the same, bit for bit); refused in
+    one line without the sequential fit, nothing written."""
+    model = digits_mlp[0]
+    plan = {"fc1": 24, "fc2": 16}
+    cal = load_calibration(calib, model, 0.25)
+    x = cal.fit[0].kwargs["x"]
+    made = {}
+    for flag in ([], ["--no-refine"]):
+        out = tmp_path / f"o{len(flag)}"
+        r = cli_inproc("factorize", MODEL, "--plan", _plan(tmp_path, plan), "--calibration", calib, "-o", out,
+                       "--no-cache", *flag)
+        assert r.returncode == 0, r.stderr
+        meta = json.loads((out / "plan.json").read_text())
+        assert meta["fit"] == "sequential" and meta["block_refinement"] is not bool(flag)
+        assert ("sequential fit (closed form: --no-refine)" in r.stderr) is bool(flag)
+        from auditor.artifacts.export import _fit_words  # what an exported folder's README says of the fit
+
+        assert _fit_words(meta) == (" (sequential fit, closed form)" if flag else " (sequential fit)")
+        made[bool(flag)] = load_factorized(model, out)
+    closed = auditor.factorize(model, plan, calibration=cal, fit="sequential", refine=False)
+    with torch.no_grad():
+        assert torch.equal(made[True](x), closed(x)) and torch.equal(made[False](x), closed(x))
+    for extra, words in ((["--calibration", calib, "--fit", "loss-aware"], "(got --fit loss-aware)"),
+                         ([], "(got no --calibration)")):
+        r = cli_inproc("factorize", MODEL, "--plan", tmp_path / "plan.toml", "-o", tmp_path / "none", *extra,
+                       "--no-refine")
+        assert r.returncode == 2 and r.stderr.count("\n") == 1 and words in r.stderr, r.stderr
+        assert "--no-refine turns off the sequential fit's block refinement" in r.stderr
+        assert not (tmp_path / "none").exists()
+
+
 def _write(path: Path, tensors: dict[str, torch.Tensor]) -> Path:
     from safetensors.torch import save_file
 

@@ -212,7 +212,8 @@ class _Stack(nn.Module):
 
 def test_block_by_block_is_the_whole_model_fit(monkeypatch) -> None:
     """The stages of repeated blocks run one block per pass (inputs to the next block carried, dense and fitted); the
-    factors are those of whole-model passes, to rounding, and the stages are the call order's (q and k together)."""
+    closed-form factors are those of whole-model passes, to rounding, and the stages are the call order's (q and k
+    together). The block refinement, which only block by block runs, is off here (refine=0)."""
     from auditor.calibration.statistics import sequential as seq
 
     model = _Stack()
@@ -225,7 +226,7 @@ def test_block_by_block_is_the_whole_model_fit(monkeypatch) -> None:
     monkeypatch.setattr(seq, "_block_runs", lambda *a: runs.append(1) or real(*a))
     heads: list[int] = []
     hook = model.head.register_forward_hook(lambda *a: heads.append(1))
-    block = seq.sequential_truncators(model, plan, fit, progress=lambda i, n: seen.append(n))
+    block = seq.sequential_truncators(model, plan, fit, progress=lambda i, n: seen.append(n), refine=0)
     hook.remove()
     assert seen[-1] == 7 and len(runs) == 5  # q and k of block 0 read one input: one stage; inp and head outside
     # the head runs for the call order, the blocks' check and its own stage (3 batches, twice): inp's stage stops
@@ -233,7 +234,7 @@ def test_block_by_block_is_the_whole_model_fit(monkeypatch) -> None:
     assert len(heads) == 1 + 1 + 6
     runs.clear()
     monkeypatch.setattr(seq, "find_blocks", lambda *a: None)
-    whole = seq.sequential_truncators(model, plan, fit)
+    whole = seq.sequential_truncators(model, plan, fit, refine=0)
     assert runs == []
     for name, (_, r) in plan.items():
         np.testing.assert_allclose(block[name].weight(r).numpy(), whole[name].weight(r).numpy(), rtol=1e-9,
@@ -262,5 +263,10 @@ def test_the_command_lines_fits_are_the_librarys() -> None:
     from auditor.calibration.apply import Fit
     from auditor.cli import factorize_command
 
-    assert set(factorize_command.FITS) == {f.value for f in Fit if f is not Fit.SEQUENTIAL_REFIT}  # --refit-dense
+    # the sequential fit's variants are its flags (--refit-dense, --no-refine)
+    assert set(factorize_command.FITS) == {f.value for f in Fit if not f.sequential} | {"sequential"}
+    assert {Fit.of_sequential(refit, refine) for refit in (False, True) for refine in (False, True)} == \
+        {f for f in Fit if f.sequential}
+    assert Fit.of_sequential() is Fit.SEQUENTIAL and Fit.of_sequential(True) is Fit.SEQUENTIAL_REFIT
+    assert [f.refines for f in Fit] == [False, True, False, True, False, False]
     assert factorize_command.DEFAULT_FIT in factorize_command.FITS

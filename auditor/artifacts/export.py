@@ -528,6 +528,13 @@ def _onnx_section(meta: dict[str, Any]) -> str:
             "```\n")
 
 
+def _fit_words(meta: dict[str, Any]) -> str:
+    """" (sequential fit)", " (sequential fit, closed form)" where the block refinement was off, or nothing."""
+    if not meta.get("fit"):
+        return ""
+    return f" ({meta['fit']} fit{', closed form' if meta.get('block_refinement') is False else ''})"
+
+
 def _refit_line(meta: dict[str, Any]) -> str:
     """The README's line on the dense layers the sequential fit refitted (``--refit-dense``), or nothing."""
     refit = meta.get("refit_dense")
@@ -548,7 +555,7 @@ def readme(directory: str | Path, meta: dict[str, Any]) -> Path:
     text = f"""# A factorized model
 
 `{meta.get('source') or 'the model'}` with {len(plan)} layer(s) replaced by two low-rank factors{removed},
-{meta.get('init', 'svd')}{f" ({meta['fit']} fit)" if meta.get('fit') else ''} initialisation. Made by lowrank-auditor; loading it needs only torch
+{meta.get('init', 'svd')}{_fit_words(meta)} initialisation. Made by lowrank-auditor; loading it needs only torch
 ({e['torch']} wrote it; `torch.export` programs load in that version or later).
 {_refit_line(meta)}{rec_line}
 ## Load it with plain torch

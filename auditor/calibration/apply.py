@@ -38,6 +38,27 @@ class Fit(str, Enum):
     SEQUENTIAL = "sequential"
     LOSS_AWARE = "loss-aware"
     SEQUENTIAL_REFIT = "sequential, refit dense"  # the sequential fit refitting the layers the plan keeps dense
+    SEQUENTIAL_CLOSED = "sequential, closed form"  # the sequential fit without the block refinement
+    SEQUENTIAL_REFIT_CLOSED = "sequential, refit dense, closed form"
+
+    @property
+    def sequential(self) -> bool:
+        return self.value.startswith("sequential")
+
+    @property
+    def refits(self) -> bool:
+        """Whether the layers the plan keeps dense are refitted (``refit_dense``)."""
+        return "refit dense" in self.value
+
+    @property
+    def refines(self) -> bool:
+        """Whether each repeated block's factors are trained together on its output (:mod:`.statistics.refine`)."""
+        return self.sequential and "closed form" not in self.value
+
+    @classmethod
+    def of_sequential(cls, refit_dense: bool = False, refine: bool = True) -> "Fit":
+        """The sequential fit with or without the dense refit and the block refinement."""
+        return cls("sequential" + (", refit dense" if refit_dense else "") + ("" if refine else ", closed form"))
 
 
 def fit_of(fit: "Fit | str") -> Fit:
@@ -91,13 +112,15 @@ def factorize(model: nn.Module, plan: dict[str, int], calibration: object = None
     what ``refit_dense=True`` of :func:`auditor.factorize` asks): the same, and the layers the plan keeps dense
     (:func:`dense_layers`) refitted at full rank on the inputs the factorized layers give them, anchored to their
     dense outputs, so they absorb part of the error passed on (their weights change, their shapes do not;
-    docs/calibration.md, "The sequential fit")."""
+    docs/calibration.md, "The sequential fit"). The sequential fits train each repeated block's factors together on
+    the block's output once the block is fitted (:mod:`.statistics.refine`), but ``"sequential, closed form"`` and
+    ``"sequential, refit dense, closed form"`` (:meth:`Fit.of_sequential`), which keep the closed-form factors."""
     if not init:
         return apply_plan(model, plan, layers=layers, share=share)
     resolved = checked_plan(model, plan, layers)  # before any statistics are gathered: a complex layer would crash them
-    if fit_of(fit) in (Fit.SEQUENTIAL, Fit.SEQUENTIAL_REFIT) and calibration is not None:
-        dense = dense_layers(model, resolved) if fit_of(fit) is Fit.SEQUENTIAL_REFIT else None
-        done = sequential(calibration, model, resolved, dense)
+    if fit_of(fit).sequential and calibration is not None:
+        dense = dense_layers(model, resolved) if fit_of(fit).refits else None
+        done = sequential(calibration, model, resolved, dense, fit_of(fit).refines)
         new = replace_layers(model, resolved, truncation(None, done.truncators), share=share)
         return with_weights(new, done.refitted, dense) if dense else new
     if fit_of(fit) is Fit.LOSS_AWARE and calibration is not None:
@@ -127,7 +150,7 @@ def cluster_truncators(model: nn.Module, session: CalibrationSession, planned: l
 
 def check_refit(refit_dense: bool, fit: "Fit | str", calibration: object) -> None:
     """``refit_dense`` only with the sequential fit on calibration: else one line."""
-    if refit_dense and (fit_of(fit) not in (Fit.SEQUENTIAL, Fit.SEQUENTIAL_REFIT) or calibration is None):
+    if refit_dense and (not fit_of(fit).sequential or calibration is None):
         raise AuditError("refitting the dense layers needs the sequential fit on calibration rows",
                          "Pass fit='sequential' with a calibration (lowrank-audit factorize --fit sequential)")
 
@@ -155,10 +178,12 @@ def with_weights(model: nn.Module, weights: dict[str, torch.Tensor], layers: dic
 
 
 def sequential(calibration: object, model: nn.Module, resolved: dict[str, tuple[Layer, int]],
-               refit: dict[str, Layer] | None = None) -> "SequentialFit":
+               refit: dict[str, Layer] | None = None, refine: bool = True) -> "SequentialFit":
     """The sequential fit of a checked plan on the fit rows of ``calibration`` (a session or a ``Calibration``;
     input statistics alone hold no rows to fit on), loss-aware where a session holds the gradient pass's moments
-    (:attr:`CalibrationSession.loss_metric`): its truncators, and with ``refit`` those dense layers' new weights."""
+    (:attr:`CalibrationSession.loss_metric`): its truncators, and with ``refit`` those dense layers' new weights;
+    ``refine``: with the block refinement (:mod:`.statistics.refine`)."""
+    from .statistics.refine import EPOCHS
     from .statistics.sequential import sequential_fit
 
     moments = None
@@ -169,7 +194,7 @@ def sequential(calibration: object, model: nn.Module, resolved: dict[str, tuple[
     if not isinstance(calibration, Calibration):
         raise AuditError(f"the sequential fit needs the calibration rows; {type(calibration).__name__} holds none",
                          "Pass a CalibrationSession or a Calibration (load_calibration), or fit='independent'")
-    return sequential_fit(model, resolved, calibration, moments=moments, refit=refit)
+    return sequential_fit(model, resolved, calibration, moments=moments, refit=refit, refine=EPOCHS if refine else 0)
 
 
 class _MappedFactors:

@@ -52,6 +52,10 @@ def _parser() -> argparse.ArgumentParser:
                    help="with the sequential fit, also refit the Linear layers the plan keeps dense, at full rank, on "
                         "the inputs the factorized layers give them, anchored to their dense outputs: their weights "
                         "change (not their shapes) to absorb part of the error passed on (plan.json lists them)")
+    p.add_argument("--no-refine", action="store_true",
+                   help="with the sequential fit, keep each layer's closed-form factors: no block refinement (by "
+                        "default each repeated block's factors are then trained together on the block's output, "
+                        "with early stopping on held-back fit rows; docs/calibration.md)")
     p.add_argument("--measure-speed", action="store_true",
                    help="time the dense and the factorized model end to end (and with --export the .pt2 in torch, "
                         "the ONNX in onnxruntime), each in a fresh process, at the example inputs on the CPU; peak "
@@ -194,6 +198,10 @@ def _options(args: argparse.Namespace, loaded: Any, plan: Any) -> Any:
         raise AuditError("--refit-dense refits the dense layers in the sequential fit, which needs --calibration and "
                          f"--fit sequential (got {'no --calibration' if not cal else '--fit ' + str(args.fit)})",
                          "Pass --calibration FILE and drop --fit or give --fit sequential")
+    if args.no_refine and (not cal or (args.fit or DEFAULT_FIT) != "sequential"):
+        raise AuditError("--no-refine turns off the sequential fit's block refinement, which needs --calibration and "
+                         f"--fit sequential (got {'no --calibration' if not cal else '--fit ' + str(args.fit)})",
+                         "Drop --no-refine, or pass --calibration FILE and drop --fit or give --fit sequential")
     if args.no_split and args.confidence is not None:  # the level is the verification's, and --no-split has none
         raise AuditError(f"--confidence {args.confidence:g} means nothing with --no-split (no rows are kept apart "
                          "to verify on, so no interval is drawn)", "Drop one of --confidence and --no-split")
@@ -297,12 +305,15 @@ def _make(args: argparse.Namespace, loaded: Any, result: Any, session: Any, reco
 
             loss_metric_for(session, model, [l for l, _ in checked_plan(model, plan).values()], fit,
                             ("--fit loss-aware", "--fit sequential or --fit independent"))
-        new = factorize(model, plan, session, fit=Fit.SEQUENTIAL_REFIT if args.refit_dense else fit or "independent")
+        new = factorize(model, plan, session, fit=Fit.of_sequential(args.refit_dense, not args.no_refine)
+                        if fit == "sequential" else fit or "independent")
     extra: dict[str, Any] = {"init": "whitened" if session is not None else "svd", "params_before": count_params(model)}
     if fit is not None:
         extra["fit"] = fit
     if args.refit_dense:
         extra["refit_dense"] = _refitted(model, new)
+    if fit == "sequential":
+        extra["block_refinement"] = not args.no_refine
     if fit is not None and fit != measured_fit and result.calibration is not None:  # the check measured another fit
         from dataclasses import replace
 
@@ -372,6 +383,7 @@ def _say(out: Path, made: _Made, result: Any, exported: list[str]) -> None:
     print(f"factorized {len(made.plan)} layers of {escape(made.loaded.name)}: {before:,} -> {after:,} parameters "
           f"({change}), {made.extra['init']} initialisation"
           f"{', ' + made.extra['fit'] + ' fit' if 'fit' in made.extra else ''}"
+          f"{' (closed form: --no-refine)' if made.extra.get('block_refinement') is False else ''}"
           f"{_refit_words(made.extra.get('refit_dense'))}", file=sys.stderr)
     cr = result.calibration
     pc = cr.plan_check if cr is not None else None

@@ -45,6 +45,7 @@ from ...results import Layer
 from ..data.inputs import Batch, Calibration, eval_mode, model_device, run
 from .stats import LayerInput, _batch_mask, _real_rows
 from .stream import Blocks, _check_sequential, _first_inputs, _hidden, _NotSequential, _with_hidden, find_blocks
+from .refine import EPOCHS, Refined, refine_block
 from .whiten import DAMP, Truncator
 
 
@@ -394,6 +395,8 @@ class _Fitter:
     out: dict[str, Truncator] = field(default_factory=dict)
     fitted: dict[str, torch.Tensor] = field(default_factory=dict)
     refitted: dict[str, torch.Tensor] = field(default_factory=dict)
+    epochs: int = EPOCHS  # the block refinement's most epochs (0: none)
+    refined: list[str] = field(default_factory=list)
     stop: bool = False  # a stage's runs stop once its layers have run (each planned module is called once)
 
     @property
@@ -412,6 +415,23 @@ class _Fitter:
                                  sums.pull(layer.name, self.ridge))
                 if w is not None:
                     self.fitted[layer.name] = self.refitted[layer.name] = w
+
+    def refine(self, blk: nn.Module, prefix: str, stage_layers: list[Layer], inputs: list[tuple[tuple[object, ...],
+               dict[str, object]]], targets: list[torch.Tensor], masks: list[torch.Tensor | None]) -> None:
+        """The planned layers of block ``blk`` (its parameters' names start with ``prefix`` in the model) trained
+        together on its output (:func:`.refine.refine_block`), with every weight fitted so far in place."""
+        planned = []
+        for layer in stage_layers:
+            path, attr = kinds.for_kind(layer.kind).module_path(layer)
+            if layer.name in self.plan and isinstance(self.out.get(layer.name), Truncator) and path.startswith(prefix):
+                planned.append((layer, f"{path[len(prefix):]}.{attr}", self.out[layer.name].factors(
+                    self.plan[layer.name][1])))
+        with _weights(self.model, self.layers, self.fitted):
+            done = refine_block(blk, planned, inputs, targets, masks, _hidden, self.epochs)
+        for name, refined in done.items():
+            self.out[name] = refined  # type: ignore[assignment]
+            self.fitted[name] = refined.weight(self.plan[name][1])
+            self.refined.append(name)
 
     def swapped(self, fn: Callable[[], object]) -> Callable[[], object]:
         """``fn`` run with the weights fitted so far in place of the dense ones."""
@@ -452,10 +472,12 @@ def _block_runs(fitter: _Fitter, blk: nn.Module, kept: list[list[tuple[tuple[obj
             for j, (d, f) in enumerate(zip(kept[0], kept[1]))]
 
 
-def _advance(fitter: _Fitter, blk: nn.Module, kept: list[list[tuple[tuple[object, ...], dict[str, object]]]]) -> None:
-    """Both models' inputs to the next block: this block's outputs, dense and with the fitted weights."""
+def _advance(fitter: _Fitter, blk: nn.Module, kept: list[list[tuple[tuple[object, ...], dict[str, object]]]],
+             dense: list[torch.Tensor]) -> None:
+    """Both models' inputs to the next block: this block's outputs, ``dense`` (the dense model's, computed by the
+    caller) and with the fitted weights."""
     for j, (d, f) in enumerate(zip(kept[0], kept[1])):
-        kept[0][j] = _with_hidden(d[0], d[1], _hidden(blk(*d[0], **d[1])))
+        kept[0][j] = _with_hidden(d[0], d[1], dense[j])
         kept[1][j] = _with_hidden(f[0], f[1], _hidden(fitter.swapped(lambda f=f: blk(*f[0], **f[1]))()))
 
 
@@ -482,12 +504,19 @@ def _blockwise(fitter: _Fitter, stages: list[list[Layer]], fit: list[Batch], pro
     masks = [_batch_mask(b) for b in fit]
     done = first
     for i, blk in enumerate(blocks):
+        mine: list[Layer] = []
         while done < len(stages) and order[done] == i:
             fitter.stage(stages[done], _block_runs(fitter, blk, kept, masks))
+            mine += stages[done]
             done += 1
             progress()
-        if done < len(stages):
-            _advance(fitter, blk, kept)
+        refine = fitter.epochs > 0 and any(l.name in fitter.plan for l in mine)
+        if done < len(stages) or refine:
+            dense = [_hidden(blk(*d[0], **d[1])) for d in kept[0]]
+            if refine:
+                fitter.refine(blk, f"{found.path}.{i}." if found.path else f"{i}.", mine, kept[1], dense, masks)
+            if done < len(stages):
+                _advance(fitter, blk, kept, dense)
     return done
 
 
@@ -497,36 +526,39 @@ class SequentialFit:
     (layer name -> the weight in its stored layout; a layer whose inputs did not move, or that no row reached, has
     none)."""
 
-    truncators: dict[str, Truncator]
+    truncators: dict[str, Truncator | Refined]
     refitted: dict[str, torch.Tensor]
+    refined: tuple[str, ...] = ()  # the planned layers whose factors the block refinement trained
 
 
 def sequential_truncators(model: nn.Module, plan: dict[str, tuple[Layer, int]],
-                          batches: Calibration | list[Batch], damp: float = DAMP, ridge: float = RIDGE,
+                          batches: Calibration | list[Batch], ridge: float = RIDGE,
                           progress: Callable[[int, int], None] | None = None,
-                          moments: "Mapping[str, tuple[np.ndarray, bool, int]] | None" = None) -> dict[str, Truncator]:
+                          moments: "Mapping[str, tuple[np.ndarray, bool, int]] | None" = None,
+                          refine: int = EPOCHS) -> "dict[str, Truncator | Refined]":
     """The planned layers' truncators fitted sequentially (the module docstring): ``plan`` is Layer.name -> (layer,
     rank) (:func:`auditor.surgery.checked_plan`), ``batches`` the fit rows. Each truncator is for this plan only: a
     layer's W* depends on the ranks of the layers before it. Use them as ``reuse`` of
     :func:`auditor.calibration.apply.factorize`. ``model``'s weights are unchanged afterwards. ``moments``: per
     layer the mean output-gradient moment and whether it is carried (``fisher.MeanMoments``): those layers' W*
-    truncated loss-aware (:func:`weighted_truncator`)."""
-    return sequential_fit(model, plan, batches, damp, ridge, progress, moments).truncators
+    truncated loss-aware (:func:`weighted_truncator`). ``refine``: see :func:`sequential_fit`."""
+    return sequential_fit(model, plan, batches, ridge, progress, moments, refine=refine).truncators
 
 
 def sequential_fit(model: nn.Module, plan: dict[str, tuple[Layer, int]], batches: Calibration | list[Batch],
-                   damp: float = DAMP, ridge: float = RIDGE, progress: Callable[[int, int], None] | None = None,
+                   ridge: float = RIDGE, progress: Callable[[int, int], None] | None = None,
                    moments: "Mapping[str, tuple[np.ndarray, bool, int]] | None" = None,
-                   refit: dict[str, Layer] | None = None) -> SequentialFit:
+                   refit: dict[str, Layer] | None = None, refine: int = EPOCHS) -> SequentialFit:
     """:func:`sequential_truncators`, and with ``refit`` (Layer.name -> layer: layers the plan keeps dense) each of
     those refitted at full rank where the fit reaches it with moved inputs: W* of the module docstring, not truncated,
     put in place for the layers after it as a fitted layer's weight is. A dense layer then absorbs part of the error
     the factorized layers before it pass on, at no parameter cost (as GPTQ's sequential mode updates the weights
-    it has not yet quantized)."""
+    it has not yet quantized). ``refine``: the block refinement's most epochs (:mod:`.refine`; 0: the closed form
+    only); it runs where the fit goes block by block, each block's factors trained once its stages are fitted."""
     fit = batches.fit if isinstance(batches, Calibration) else list(batches)
-    fitter = _Fitter(model, plan, damp, ridge, moments, dict(refit or {}))
+    fitter = _Fitter(model, plan, DAMP, ridge, moments, dict(refit or {}), epochs=refine)
     if not fit:
-        return SequentialFit({name: Truncator(layer, _param(model, layer), None, damp)
+        return SequentialFit({name: Truncator(layer, _param(model, layer), None, DAMP)
                               for name, (layer, _) in plan.items()}, {})
     with eval_mode(model), torch.no_grad():
         stages, fitter.stop = _call_order(model, list(fitter.layers.values()), fit[0])
@@ -541,7 +573,7 @@ def sequential_fit(model: nn.Module, plan: dict[str, tuple[Layer, int]], batches
         for stage in stages[done:]:
             fitter.stage(stage, fitter.whole(fit))
             step()
-    return SequentialFit({name: fitter.out[name] for name in plan}, dict(fitter.refitted))
+    return SequentialFit({name: fitter.out[name] for name in plan}, dict(fitter.refitted), tuple(fitter.refined))
 
 
 __all__ = ["PULL_ROWS", "RIDGE", "SequentialFit", "fitted_map", "fitted_truncator", "pull", "refit_weight",

@@ -199,7 +199,7 @@ def loss_metric_for(session: "CalibrationSession", model: nn.Module, planned: li
     """:func:`loss_metric` for a ``fit`` of ``factorize`` (the library's and the command's one check): the loss-aware
     and sequential fits read it; ``fit="loss-aware"`` with a metric without a gradient is refused in one line
     (``spelled``: how the caller names the fit and its alternatives). None for the other fits, or no gradient."""
-    if fit not in ("loss-aware", "sequential", "sequential, refit dense"):  # apply.Fit's values that read it
+    if fit != "loss-aware" and not (fit or "").startswith("sequential"):  # apply.Fit's values that read it
         return None
     found = loss_metric(session, model, planned)
     if found is None and fit == "loss-aware":

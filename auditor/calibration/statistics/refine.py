@@ -1,0 +1,135 @@
+"""Block refinement: one block's factors trained together on the block's output, after the sequential fit.
+
+The sequential fit (:mod:`.sequential`) gives each planned layer the rank-r map closest to the dense layer's
+outputs, one layer at a time. A block's layers then still pass their errors on to each other (the attention's
+q, k and v through the softmax, gate and up through the SwiGLU product), and no single layer's fit sees that. Here,
+once a block's stages are fitted, its planned layers' factors (A, B per layer, from their truncators) are trained
+together with Adam to bring the block's output on the factorized model's inputs to it back to the dense block's
+output on the dense inputs (the same anchor as the layers' own fit), as AA-SVD's block refinement and BRECQ's block
+reconstruction do. Only the factors train: the ranks, the other weights and the parameter count stay as they are.
+
+Early stopping guards against fitting the calibration rows' noise: one fit batch in CHECK (the last ones) is held
+out of the training, the block's error on it is measured after each epoch, training ends at the first epoch that
+does not lower it, and the factors of the best epoch are kept; where no epoch beats the closed form (or there is a
+single fit batch, so nothing can be held out) the closed-form factors stay, bit for bit. Each factor's step is
+LR times its root mean square (Adam's steps are in the parameters' units), so the same setting holds for any scale
+of weights. Alive at once: the block's factors in float32 with Adam's two moments, one batch's autograd graph
+through the block, and the dense block's outputs on every fit batch (the targets, one copy of what the sequential
+fit already keeps per batch). Measured in docs/calibration.md ("Block refinement").
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import numpy as np
+import torch
+from torch import nn
+from torch.func import functional_call
+
+from ... import kinds
+from ...results import Layer
+
+EPOCHS = 8  # the most passes over a block's training batches
+LR = 5e-3  # each factor's Adam step, relative to its root mean square
+CHECK = 8  # one fit batch in CHECK (at least one) is held out of the training to stop it
+
+Inputs = list[tuple[tuple[object, ...], dict[str, object]]]  # per batch: a block's positional and keyword inputs
+
+
+@dataclass(frozen=True)
+class Refined:
+    """A layer's factors as the block refinement left them, at the one rank they were trained at: ``factors`` and
+    ``weight`` as a :class:`~.whiten.Truncator`'s."""
+
+    layer: Layer
+    a: np.ndarray  # (groups, out, r), float64
+    b: np.ndarray  # (groups, r, in), float64
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    device: torch.device
+
+    def factors(self, rank: int) -> tuple[np.ndarray, np.ndarray]:
+        if rank != self.a.shape[-1]:
+            raise ValueError(f"{self.layer.name} was refined at rank {self.a.shape[-1]}, not {rank}")
+        return self.a, self.b
+
+    def weight(self, rank: int) -> torch.Tensor:
+        a, b = self.factors(rank)
+        w = kinds.for_kind(self.layer.kind).stored(self.layer, torch.from_numpy(a @ b))
+        return w.reshape(self.shape).to(dtype=self.dtype, device=self.device)
+
+
+@dataclass
+class _Factors:
+    """One planned layer's trainable factors and where its weight sits in the block."""
+
+    layer: Layer
+    name: str  # the weight's name inside the block (functional_call's key)
+    a: torch.Tensor
+    b: torch.Tensor
+    like: torch.Tensor  # the weight in place now: shape, dtype
+
+    def weight(self) -> torch.Tensor:
+        w = kinds.for_kind(self.layer.kind).stored(self.layer, self.a @ self.b)
+        return w.reshape(self.like.shape).to(self.like.dtype)
+
+    def refined(self) -> Refined:
+        return Refined(self.layer, self.a.detach().double().cpu().numpy(), self.b.detach().double().cpu().numpy(),
+                       tuple(self.like.shape), self.like.dtype, self.like.device)
+
+
+def _factor(layer: Layer, name: str, like: torch.Tensor, ab: tuple[np.ndarray, np.ndarray]) -> _Factors:
+    dtype = torch.float64 if like.dtype == torch.float64 else torch.float32  # float32 master factors for 16-bit weights
+    a, b = (torch.from_numpy(x).to(device=like.device, dtype=dtype).requires_grad_(True) for x in ab)
+    return _Factors(layer, name, a, b, like)
+
+
+def _block_error(blk: nn.Module, factors: list[_Factors], frozen: dict[str, torch.Tensor],
+                 inputs: tuple[tuple[object, ...], dict[str, object]], target: torch.Tensor,
+                 mask: torch.Tensor | None, hidden: Callable[[object], torch.Tensor]) -> torch.Tensor:
+    """The mean squared error of the block's output with ``factors`` in place, at the real positions."""
+    weights = {**frozen, **{f.name: f.weight() for f in factors}}
+    out = hidden(functional_call(blk, weights, inputs[0], inputs[1]))
+    d = (out.float() - target.float()) ** 2
+    return d[mask].mean() if mask is not None and mask.shape == d.shape[: mask.dim()] else d.mean()
+
+
+def refine_block(blk: nn.Module, planned: list[tuple[Layer, str, tuple[np.ndarray, np.ndarray]]], inputs: Inputs,
+                 targets: list[torch.Tensor], masks: list[torch.Tensor | None],
+                 hidden: Callable[[object], torch.Tensor], epochs: int = EPOCHS, lr: float = LR) -> dict[str, Refined]:
+    """The planned layers of ``blk`` (layer, its weight's name in ``blk``, its closed-form factors) trained together
+    on the block's output (the module docstring): per batch ``inputs`` (the factorized model's inputs to the block),
+    ``targets`` (the dense block's outputs on the dense inputs) and ``masks`` (real positions). Returns the layers'
+    refined factors, or nothing where the check batches' error does not fall below the closed form's. The block's
+    own parameters are read, never written or given gradients (the weights in place now are those it runs with)."""
+    held = max(1, len(inputs) // CHECK)
+    if epochs < 1 or not planned or len(inputs) < 2:
+        return {}
+    params = dict(blk.named_parameters())
+    frozen = {k: p.detach() for k, p in params.items()}
+    factors = [_factor(layer, name, params[name], ab) for layer, name, ab in planned]
+    train, check = range(len(inputs) - held), range(len(inputs) - held, len(inputs))
+    trained = [t for f in factors for t in (f.a, f.b)]
+    opt = torch.optim.Adam([{"params": [t], "lr": lr * float(t.detach().pow(2).mean().sqrt())} for t in trained])
+
+    def error() -> float:
+        with torch.no_grad():
+            return sum(float(_block_error(blk, factors, frozen, inputs[j], targets[j], masks[j], hidden)) for j in check)
+
+    best, kept = error(), None
+    with torch.enable_grad():
+        for _ in range(epochs):
+            for j in train:
+                opt.zero_grad(set_to_none=True)
+                _block_error(blk, factors, frozen, inputs[j], targets[j], masks[j], hidden).backward()
+                opt.step()
+            now = error()
+            if not now < best:
+                break
+            best, kept = now, [f.refined() for f in factors]
+    return {r.layer.name: r for r in kept} if kept is not None else {}
+
+
+__all__ = ["CHECK", "EPOCHS", "LR", "Refined", "refine_block"]

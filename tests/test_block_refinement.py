@@ -1,0 +1,151 @@
+"""The block refinement (auditor/calibration/statistics/refine.py): a block's factors trained together on its output."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+from auditor.calibration import load_calibration
+from auditor.calibration.statistics import refine as rf
+from auditor.calibration.statistics.sequential import sequential_fit
+from auditor.calibration.statistics.whiten import Truncator
+from auditor.surgery import checked_plan
+
+
+class _Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.q = nn.Linear(8, 8).double()
+        self.k = nn.Linear(8, 8).double()
+        self.up = nn.Linear(8, 16).double()
+        self.down = nn.Linear(16, 8).double()
+
+    def forward(self, x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+        x = x + torch.tanh(self.q(x)) * self.k(x) * scale
+        return x + self.down(torch.relu(self.up(x)))
+
+
+def _inputs(batches: int, seed: int = 1) -> list[tuple[tuple[object, ...], dict[str, object]]]:
+    g = torch.Generator().manual_seed(seed)
+    one = torch.ones(1, dtype=torch.float64)
+    return [((torch.randn(6, 10, 8, generator=g, dtype=torch.float64), one), {}) for _ in range(batches)]
+
+
+def _planned(blk: _Block, rank: int = 3) -> list[tuple[object, str, tuple[np.ndarray, np.ndarray]]]:
+    plan = checked_plan(blk, {n: rank for n in ("q", "k", "up", "down")})
+    return [(layer, f"{name}.weight", Truncator(layer, getattr(blk, name).weight, None).factors(r))
+            for name, (layer, r) in plan.items()]
+
+
+def _error(blk: _Block, weights: dict[str, torch.Tensor], inputs, targets) -> float:
+    """The block's squared error summed over ``inputs`` with ``weights`` (name -> weight) in place."""
+    with torch.no_grad():
+        return sum(float(((torch.func.functional_call(blk, weights, a, k) - t) ** 2).mean())
+                   for (a, k), t in zip(inputs, targets))
+
+
+def test_the_refined_factors_lower_the_blocks_error_on_the_batches_held_out_of_training() -> None:
+    torch.manual_seed(0)
+    blk = _Block()
+    inputs = _inputs(8)
+    with torch.no_grad():
+        targets = [blk(*a, **k) for a, k in inputs]
+    planned = _planned(blk)
+    before = {k: v.clone() for k, v in blk.state_dict().items()}
+    got = rf.refine_block(blk, planned, inputs, targets, [None] * 8, lambda o: o)
+    assert sorted(got) == ["down", "k", "q", "up"]
+    assert all(torch.equal(v, blk.state_dict()[k]) for k, v in before.items())  # the block is read, not written
+    assert all(p.grad is None for p in blk.parameters())
+    closed = {f"{layer.name}.weight": Truncator(layer, getattr(blk, layer.name).weight, None).weight(3)
+              for layer, _, _ in planned}
+    refined = {f"{n}.weight": got[n].weight(3) for n in got}
+    for layer, _, (a, b) in planned:  # the rank and the shapes are kept
+        assert got[layer.name].a.shape == a.shape and got[layer.name].b.shape == b.shape
+        assert np.linalg.matrix_rank(got[layer.name].a[0] @ got[layer.name].b[0]) == 3
+    held = slice(7, 8)  # CHECK = 8: the last of 8 batches is held out of the training
+    assert rf.CHECK == 8
+    assert _error(blk, refined, inputs[held], targets[held]) < 0.9 * _error(blk, closed, inputs[held], targets[held])
+
+
+def test_no_epoch_better_than_the_closed_form_keeps_the_closed_form() -> None:
+    """A step so large the first epoch diverges: the check batch's error rises, nothing is returned, and the fit
+    keeps the closed-form factors bit for bit. One batch (nothing to hold out) or no epoch: nothing either."""
+    torch.manual_seed(0)
+    blk = _Block()
+    inputs = _inputs(4)
+    with torch.no_grad():
+        targets = [blk(*a, **k) for a, k in inputs]
+    assert rf.refine_block(blk, _planned(blk), inputs, targets, [None] * 4, lambda o: o, lr=1e3) == {}
+    assert rf.refine_block(blk, _planned(blk), inputs[:1], targets[:1], [None], lambda o: o) == {}
+    assert rf.refine_block(blk, _planned(blk), inputs, targets, [None] * 4, lambda o: o, epochs=0) == {}
+    assert rf.refine_block(blk, _planned(blk), inputs, targets, [None] * 4, lambda o: o) != {}
+
+
+def test_padding_is_not_fitted() -> None:
+    """The error is taken at the real positions only: where a batch's padded positions hold garbage targets, the
+    refinement with the mask equals the refinement of targets that are right there."""
+    torch.manual_seed(0)
+    blk = _Block()
+    inputs = _inputs(4)
+    with torch.no_grad():
+        targets = [blk(*a, **k) for a, k in inputs]
+    masks = [torch.ones(6, 10, dtype=torch.bool) for _ in inputs]
+    for m in masks:
+        m[:, 7:] = False
+    spoiled = [t.clone() for t in targets]
+    for t in spoiled:
+        t[:, 7:] = 1e3
+    clean = rf.refine_block(blk, _planned(blk), inputs, targets, masks, lambda o: o)
+    masked = rf.refine_block(blk, _planned(blk), inputs, spoiled, masks, lambda o: o)
+    assert clean.keys() == masked.keys() and clean
+    for n in clean:
+        np.testing.assert_array_equal(clean[n].a, masked[n].a)
+
+
+LLAMA = Path(__file__).resolve().parents[1] / "sample_models" / "llama"
+
+
+def _windows(tokenizer, name: str, n: int, length: int = 128) -> torch.Tensor:
+    ids = tokenizer.encode((LLAMA / name).read_text(encoding="utf-8"), add_special_tokens=False)
+    return torch.tensor(ids[: n * length]).view(n, length)
+
+
+def test_the_sequential_fit_refines_the_blocks_layers_on_a_trained_llama() -> None:
+    """The shipped sample Llama (trained weights), its attention q/o and MLP Linears of all four blocks at rank 24:
+    the sequential fit refines all planned layers of each block whose check batch it improves, or none of them
+    (measured: blocks 1-3; the first, whose inputs no factorized layer changed, kept its closed form), leaves the
+    model untouched, and on text it never read (the model's holdout.txt) the refined model's perplexity increase is
+    lower than the closed form's (+83.1% and +67.2% when measured; asserted: at least a tenth lower)."""
+    transformers = pytest.importorskip("transformers")
+    tokenizer = transformers.AutoTokenizer.from_pretrained(str(LLAMA))
+    model = transformers.LlamaForCausalLM.from_pretrained(str(LLAMA), dtype=torch.float32).eval()
+    cal = load_calibration({"input_ids": _windows(tokenizer, "calib.txt", 64)}, model, holdout=0.0, batch_size=8)
+    names = [f"model.layers.{i}.{p}" for i in range(4) for p in ("self_attn.q_proj", "self_attn.o_proj",
+                                                                   "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")]
+    plan = checked_plan(model, {n: 24 for n in names})
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    refined, closed = sequential_fit(model, plan, cal), sequential_fit(model, plan, cal, refine=0)
+    assert all(torch.equal(v, model.state_dict()[k]) for k, v in before.items())
+    blocks = {n.split(".")[2] for n in refined.refined}  # whole blocks are refined, two at least
+    assert len(blocks) >= 2 and set(refined.refined) == {n for n in names if n.split(".")[2] in blocks}
+    assert closed.refined == () and all(isinstance(closed.truncators[n], Truncator) for n in names)
+    for n in names[:5]:  # block 0 reads the dense inputs: where it is not refined, the closed form bit for bit
+        if n not in refined.refined:
+            assert torch.equal(refined.truncators[n].weight(24), closed.truncators[n].weight(24))
+    held = _windows(tokenizer, "holdout.txt", 32)
+
+    def perplexity(fitted=None) -> float:
+        weights = {f"{n}.weight": fitted.truncators[n].weight(24) for n in names} if fitted is not None else {}
+        with torch.no_grad():
+            logits = torch.func.functional_call(model, weights, (held,)).logits.double()
+        logp = torch.log_softmax(logits[:, :-1], -1)
+        return math.exp(-float(logp.gather(2, held[:, 1:, None]).mean()))
+
+    dense = perplexity()
+    up_refined, up_closed = perplexity(refined) / dense - 1, perplexity(closed) / dense - 1
+    assert 0.5 < up_closed < 1.2 and up_refined < 0.9 * up_closed
