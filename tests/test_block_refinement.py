@@ -149,3 +149,27 @@ def test_the_sequential_fit_refines_the_blocks_layers_on_a_trained_llama() -> No
     dense = perplexity()
     up_refined, up_closed = perplexity(refined) / dense - 1, perplexity(closed) / dense - 1
     assert 0.5 < up_closed < 1.2 and up_refined < 0.9 * up_closed
+
+
+def test_a_positional_cache_is_not_kept_so_gpt2_blocks_refine() -> None:
+    """GPT-2's blocks take their key/value cache positionally. Kept with the block's inputs, it grew each time the
+    block ran again on them (every stage of the sequential fit, every batch of the block-by-block statistics), and
+    the refinement's second step backpropagated into the first step's keys and values ("backward through the graph
+    a second time"). The kept inputs hold None in its place; the fit refines GPT-2's blocks (Conv1D layers, stored
+    transposed) and leaves the model untouched."""
+    transformers = pytest.importorskip("transformers")
+    from auditor.calibration.statistics.stream import _first_inputs, _is_cache
+
+    torch.manual_seed(0)
+    model = transformers.GPT2LMHeadModel(transformers.GPT2Config(n_layer=2, n_embd=64, n_head=4, vocab_size=300,
+                                                                 n_positions=64)).eval()
+    ids = torch.randint(0, 300, (16, 32), generator=torch.Generator().manual_seed(0))
+    cal = load_calibration({"input_ids": ids}, model, holdout=0.0, batch_size=2)
+    with torch.no_grad():
+        kept = _first_inputs(model, model.transformer.h[0], cal.fit, torch.device("cpu"))
+    assert len(kept) == 8 and not any(_is_cache(a) for args, kw in kept for a in (*args, *kw.values()))
+    names = ("transformer.h.0.attn.c_attn", "transformer.h.0.mlp.c_fc", "transformer.h.1.mlp.c_proj")
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    done = sequential_fit(model, checked_plan(model, {n: 8 for n in names}), cal)
+    assert set(done.refined) <= set(names) and done.refined
+    assert all(torch.equal(v, model.state_dict()[k]) for k, v in before.items())

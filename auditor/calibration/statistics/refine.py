@@ -1,21 +1,22 @@
 """Block refinement: one block's factors trained together on the block's output, after the sequential fit.
 
 The sequential fit (:mod:`.sequential`) gives each planned layer the rank-r map closest to the dense layer's
-outputs, one layer at a time. A block's layers then still pass their errors on to each other (the attention's
-q, k and v through the softmax, gate and up through the SwiGLU product), and no single layer's fit sees that. Here,
-once a block's stages are fitted, its planned layers' factors (A, B per layer, from their truncators) are trained
+outputs, one layer at a time. A block's layers then still pass their errors on to each other (the attention's q, k
+and v through the softmax, gate and up through the SwiGLU product), and no single layer's fit sees that. Here, once
+a block's stages are fitted, its planned layers' factors (A, B per layer, from their truncators) are trained
 together with Adam to bring the block's output on the factorized model's inputs to it back to the dense block's
 output on the dense inputs (the same anchor as the layers' own fit), as AA-SVD's block refinement and BRECQ's block
 reconstruction do. Only the factors train: the ranks, the other weights and the parameter count stay as they are.
 
 Early stopping guards against fitting the calibration rows' noise: one fit batch in CHECK (the last ones) is held
 out of the training, the block's error on it is measured after each epoch, training ends at the first epoch that
-does not lower it, and the factors of the best epoch are kept; where no epoch beats the closed form (or there is a
-single fit batch, so nothing can be held out) the closed-form factors stay, bit for bit. Each factor's step is
-LR times its root mean square (Adam's steps are in the parameters' units), so the same setting holds for any scale
-of weights. Alive at once: the block's factors in float32 with Adam's two moments, one batch's autograd graph
-through the block, and the dense block's outputs on every fit batch (the targets, one copy of what the sequential
-fit already keeps per batch). Measured in docs/calibration.md ("Block refinement").
+does not lower it, and the factors of the last epoch that did are kept; where no epoch beats the closed form (or
+there is a single fit batch, so nothing can be held out) the closed-form factors stay, bit for bit. Each factor's
+step is LR times its root mean square (Adam's steps are in the parameters' units), so the same setting holds for any
+scale of weights. Alive at once: the block's factors (float32 master copies, float64 for a float64 model) with
+Adam's two moments, one batch's autograd graph through the block, and the dense block's outputs on every fit batch
+(the targets, one copy of what the sequential fit already keeps per batch). Measured in docs/calibration.md ("Block
+refinement").
 """
 
 from __future__ import annotations
@@ -116,7 +117,8 @@ def refine_block(blk: nn.Module, planned: list[tuple[Layer, str, tuple[np.ndarra
 
     def error() -> float:
         with torch.no_grad():
-            return sum(float(_block_error(blk, factors, frozen, inputs[j], targets[j], masks[j], hidden)) for j in check)
+            return sum(float(_block_error(blk, factors, frozen, inputs[j], targets[j], masks[j], hidden))
+                       for j in check)
 
     best, kept = error(), None
     with torch.enable_grad():

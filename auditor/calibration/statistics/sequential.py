@@ -28,6 +28,10 @@ head), and every stage of a model without such blocks, run the whole model. Aliv
 batch's rows, and with blocks the two kept inputs of each batch; the model's weights are put back afterwards. Embeddings (lookup counts) read ids,
 which no factorized layer changes: they get the independent fit on their counts. A planned layer the calibration
 never reaches gets the plain SVD, as in the independent fit.
+
+Block by block, once a block's stages are fitted its planned layers' factors are trained together on the block's
+output (:mod:`.refine`, ``refine`` epochs at most; 0: the closed form only), and the refined block's outputs are what
+the next block reads.
 """
 
 from __future__ import annotations
@@ -43,9 +47,9 @@ from torch import nn
 from ... import kinds
 from ...results import Layer
 from ..data.inputs import Batch, Calibration, eval_mode, model_device, run
+from .refine import EPOCHS, Refined, refine_block
 from .stats import LayerInput, _batch_mask, _real_rows
 from .stream import Blocks, _check_sequential, _first_inputs, _hidden, _NotSequential, _with_hidden, find_blocks
-from .refine import EPOCHS, Refined, refine_block
 from .whiten import DAMP, Truncator
 
 

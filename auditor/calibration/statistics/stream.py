@@ -7,8 +7,8 @@ replace its inputs as the next block's. The layers outside the blocks (embedding
 in one last pass in which every block returns the last block's output instead of running. What is alive at once: the
 weights (with ``offload``, one block's on the device), the kept inputs of one block (one hidden-state tensor per batch
 plus the keyword inputs the blocks share: mask, rotary cos/sin), and one block's statistics (one more when
-``on_block`` keeps them). Caches the blocks would fill (``past_key_value(s)``, ``layer_past``, ``cache``, any ``Cache``) are
-not passed.
+``on_block`` keeps them). Caches the blocks would fill (``past_key_value(s)``, ``layer_past``, ``cache``, any ``Cache``,
+by keyword or, as GPT-2's blocks take theirs, positionally) are not passed.
 
 A model has repeated blocks when some ``nn.ModuleList`` of at least two children of one class holds more than half of
 the layers read; the longest such list is used. Models without one, or whose blocks are not called one after another
@@ -119,6 +119,12 @@ class _Stop(Exception):
 
 class _NotSequential(Exception):
     pass
+
+
+def _keep_args(args: tuple[object, ...]) -> tuple[object, ...]:
+    """Positional inputs without a cache object (GPT-2's blocks take theirs positionally): a kept cache would grow
+    each time the block runs again on the kept inputs, and hold what a gradient pass through it computed."""
+    return tuple(None if _is_cache(a) else a for a in args)
 
 
 def _keep(kwargs: dict[str, object]) -> dict[str, object]:
@@ -380,7 +386,7 @@ def _first_inputs(model: nn.Module, first: nn.Module, fit: list[Batch],
     kept: list[tuple[tuple[object, ...], dict[str, object]]] = []
 
     def catch(_m: nn.Module, args: tuple[object, ...], kwargs: dict[str, object]) -> None:
-        kept.append((args, _keep(kwargs)))
+        kept.append((_keep_args(args), _keep(kwargs)))
         raise _Stop
 
     h = first.register_forward_pre_hook(catch, with_kwargs=True)
@@ -496,7 +502,7 @@ def _check_sequential(model: nn.Module, blocks: list[nn.Module], batch: Batch,
     def through(i: int) -> Callable[..., object]:
         def fwd(*args: object, **kwargs: object) -> object:
             calls.append(i)
-            kwargs = _keep(kwargs)
+            args, kwargs = _keep_args(args), _keep(kwargs)
             if args and isinstance(args[0], torch.Tensor):
                 h, rest, rest0 = args[0], args[1:], args0[1:]
                 kw, kw0_ = kwargs, kw0

@@ -456,13 +456,13 @@ def _checkpointed(found: "Blocks | None") -> Iterator[None]:
     the block is recomputed)."""
     from torch.utils.checkpoint import checkpoint
 
-    from ..statistics.stream import _keep, patched_forwards
+    from ..statistics.stream import _keep, _keep_args, patched_forwards
 
     def wrap(_i: int, blk: nn.Module) -> Callable[..., object]:
         fwd = blk.forward
 
         def run(*args: object, **kwargs: object) -> object:
-            return checkpoint(fwd, *args, use_reentrant=False, **_keep(kwargs))
+            return checkpoint(fwd, *_keep_args(args), use_reentrant=False, **_keep(kwargs))
         return run
 
     with patched_forwards(list(found.blocks) if found is not None else [], wrap):
