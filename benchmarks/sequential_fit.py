@@ -3,8 +3,9 @@
 For each sample model and each share of the parameters removed (10/20/30%), one plan: every factorizable layer of
 the repeated blocks (the char transformer) or every layer but the 10-way head (the digits models) kept at one share
 of its break-even rank, the share found by bisection (SVD-LLM's uniform allocation). That plan factorized with the
-independent whitened fit, with the sequential fit, and with the sequential fit refitting the layers the plan keeps
-dense (``refit_dense``: the output head), all on the same fit rows, and measured on rows none of them read:
+independent whitened fit, with the sequential fit (its block refinement on, then off: the closed form), and with the
+sequential fit refitting the layers the plan keeps dense (``refit_dense``: the output head), all on the same fit
+rows, and measured on rows none of them read:
 the char transformer's held-out perplexity (chargpt_holdout.safetensors), the digits models' relative output error
 and top-1 accuracy on the digits after the first 1,000.
 
@@ -97,9 +98,9 @@ def run(name: str) -> None:
     for share in SHARES:
         plan = uniform_plan(model, names, share)
         row = []
-        for fit in ("independent", "sequential", "sequential, refit dense"):
+        for fit in ("independent", "sequential", "sequential, closed form", "sequential, refit dense"):
             t = time.perf_counter()
-            new = factorize(model, plan, cal, fit=fit)  # "sequential, refit dense": Fit.SEQUENTIAL_REFIT
+            new = factorize(model, plan, cal, fit=fit)  # apply.Fit's values: closed form = --no-refine
             took = time.perf_counter() - t
             row.append((fit, score(new), took))
         removed = 1 - count_params(new) / count_params(model)
