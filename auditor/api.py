@@ -365,6 +365,7 @@ def factorize(model: "nn.Module", plan: Any, calibration: Any = None, *, fit: st
             raise AuditError(f"LR021 the plan {what}", fix)
     if calibration is not None:
         calibration = _factorize_session(model, ranks, calibration, fit)
-    if fit_of(fit).sequential:
-        fit = Fit.of_sequential(refit_dense or fit_of(fit).refits, refine and fit_of(fit).refines)
-    return apply_plan(model, ranks, calibration, fit=fit)
+    chosen = fit_of(fit)
+    if chosen.sequential:
+        chosen = Fit.of_sequential(refit_dense or chosen.refits, refine and chosen.refines)
+    return apply_plan(model, ranks, calibration, fit=chosen)

@@ -194,14 +194,14 @@ def _options(args: argparse.Namespace, loaded: Any, plan: Any) -> Any:
     if not cal and given:
         raise AuditError(f"{', '.join(given)} {'needs' if len(given) == 1 else 'need'} --calibration",
                          "Pass --calibration FILE")
-    if args.refit_dense and (not cal or (args.fit or DEFAULT_FIT) != "sequential"):
-        raise AuditError("--refit-dense refits the dense layers in the sequential fit, which needs --calibration and "
-                         f"--fit sequential (got {'no --calibration' if not cal else '--fit ' + str(args.fit)})",
-                         "Pass --calibration FILE and drop --fit or give --fit sequential")
-    if args.no_refine and (not cal or (args.fit or DEFAULT_FIT) != "sequential"):
-        raise AuditError("--no-refine turns off the sequential fit's block refinement, which needs --calibration and "
-                         f"--fit sequential (got {'no --calibration' if not cal else '--fit ' + str(args.fit)})",
-                         "Drop --no-refine, or pass --calibration FILE and drop --fit or give --fit sequential")
+    needs = "--calibration FILE and drop --fit or give --fit sequential"
+    for flag, on, what, fix in (  # the sequential fit's two flags
+            ("--refit-dense", args.refit_dense, "refits the dense layers in the sequential fit", f"Pass {needs}"),
+            ("--no-refine", args.no_refine, "turns off the sequential fit's block refinement",
+             f"Drop --no-refine, or pass {needs}")):
+        if on and (not cal or (args.fit or DEFAULT_FIT) != "sequential"):
+            raise AuditError(f"{flag} {what}, which needs --calibration and --fit sequential (got "
+                             f"{'no --calibration' if not cal else '--fit ' + str(args.fit)})", fix)
     if args.no_split and args.confidence is not None:  # the level is the verification's, and --no-split has none
         raise AuditError(f"--confidence {args.confidence:g} means nothing with --no-split (no rows are kept apart "
                          "to verify on, so no interval is drawn)", "Drop one of --confidence and --no-split")

@@ -29,8 +29,8 @@ import torch
 from torch import nn
 from torch.func import functional_call
 
-from ... import kinds
 from ...results import Layer
+from .whiten import stored_weight
 
 EPOCHS = 8  # the most passes over a block's training batches
 LR = 5e-3  # each factor's Adam step, relative to its root mean square
@@ -58,8 +58,7 @@ class Refined:
 
     def weight(self, rank: int) -> torch.Tensor:
         a, b = self.factors(rank)
-        w = kinds.for_kind(self.layer.kind).stored(self.layer, torch.from_numpy(a @ b))
-        return w.reshape(self.shape).to(dtype=self.dtype, device=self.device)
+        return stored_weight(self.layer, torch.from_numpy(a @ b), self.shape, self.dtype, self.device)
 
 
 @dataclass
@@ -73,8 +72,7 @@ class _Factors:
     like: torch.Tensor  # the weight in place now: shape, dtype
 
     def weight(self) -> torch.Tensor:
-        w = kinds.for_kind(self.layer.kind).stored(self.layer, self.a @ self.b)
-        return w.reshape(self.like.shape).to(self.like.dtype)
+        return stored_weight(self.layer, self.a @ self.b, tuple(self.like.shape), self.like.dtype, self.like.device)
 
     def refined(self) -> Refined:
         return Refined(self.layer, self.a.detach().double().cpu().numpy(), self.b.detach().double().cpu().numpy(),

@@ -96,14 +96,14 @@ def refit_weight(layer: Layer, weight: torch.Tensor, cross: np.ndarray, gram: np
     """A layer the plan keeps dense, refitted at full rank on the shifted inputs: W* (:func:`fitted_map`, pull
     ``ridge``) per group, in the weight's stored layout, dtype and device. None where its inputs did not move (the
     sums of the dense and the shifted rows are the same: W* would be W)."""
-    from .whiten import function_matrices
+    from .whiten import function_matrices, stored_weight
 
     if np.array_equal(cross, gram):
         return None
     f = function_matrices(layer, weight)
     fstar = np.stack([fitted_map(f[g], cross[g], gram[g], ridge)[0] for g in range(f.shape[0])])
-    w = kinds.for_kind(layer.kind).stored(layer, torch.from_numpy(fstar))
-    return w.reshape(weight.shape).to(dtype=weight.dtype, device=weight.device).contiguous()  # a parameter's layout
+    w = stored_weight(layer, torch.from_numpy(fstar), tuple(weight.shape), weight.dtype, weight.device)
+    return w.contiguous()  # a parameter's layout
 
 
 class _Rows:
@@ -400,7 +400,6 @@ class _Fitter:
     fitted: dict[str, torch.Tensor] = field(default_factory=dict)
     refitted: dict[str, torch.Tensor] = field(default_factory=dict)
     epochs: int = EPOCHS  # the block refinement's most epochs (0: none)
-    refined: list[str] = field(default_factory=list)
     stop: bool = False  # a stage's runs stop once its layers have run (each planned module is called once)
 
     @property
@@ -435,7 +434,6 @@ class _Fitter:
         for name, refined in done.items():
             self.out[name] = refined  # type: ignore[assignment]
             self.fitted[name] = refined.weight(self.plan[name][1])
-            self.refined.append(name)
 
     def swapped(self, fn: Callable[[], object]) -> Callable[[], object]:
         """``fn`` run with the weights fitted so far in place of the dense ones."""
@@ -577,7 +575,8 @@ def sequential_fit(model: nn.Module, plan: dict[str, tuple[Layer, int]], batches
         for stage in stages[done:]:
             fitter.stage(stage, fitter.whole(fit))
             step()
-    return SequentialFit({name: fitter.out[name] for name in plan}, dict(fitter.refitted), tuple(fitter.refined))
+    out = {name: fitter.out[name] for name in plan}
+    return SequentialFit(out, dict(fitter.refitted), tuple(n for n, t in out.items() if isinstance(t, Refined)))
 
 
 __all__ = ["PULL_ROWS", "RIDGE", "SequentialFit", "fitted_map", "fitted_truncator", "pull", "refit_weight",

@@ -39,6 +39,13 @@ DAMP = 1e-6  # lambda = DAMP * mean(diag G): enough for a Cholesky of a singular
 ERROR_TARGETS = (0.01, 0.02, 0.05, 0.10)
 
 
+def stored_weight(layer: Layer, f: torch.Tensor, shape: tuple[int, ...], dtype: torch.dtype,
+                  device: torch.device) -> torch.Tensor:
+    """Function matrices ``f`` (groups, out, in) as ``layer``'s weight: its kind's stored layout, reshaped to
+    ``shape``, in ``dtype`` on ``device`` (differentiable, for the block refinement's factors)."""
+    return kinds.for_kind(layer.kind).stored(layer, f).reshape(shape).to(dtype=dtype, device=device)
+
+
 def function_matrices(layer: Layer, weight: torch.Tensor) -> np.ndarray:
     """The layer's map as (groups, out, in) float64: y = F x for each group."""
     w = weight.detach().to(torch.float64).cpu()
@@ -286,9 +293,7 @@ class Truncator:
     def weight(self, rank: int) -> torch.Tensor:
         """The dense weight (stored layout, dtype and device) of the rank-``rank`` truncation."""
         f = np.stack([np.matmul(*self._pair(g, rank)) for g in range(self.f.shape[0])])
-        t = torch.from_numpy(f)
-        w = kinds.for_kind(self.layer.kind).stored(self.layer, t)
-        return w.reshape(self.shape).to(dtype=self.dtype, device=self.device)
+        return stored_weight(self.layer, torch.from_numpy(f), self.shape, self.dtype, self.device)
 
 
 def truncator_bytes(layer: Layer) -> int:
