@@ -108,3 +108,118 @@ def test_one_truncator_store_spills_or_drops_what_does_not_fit():
     dropped["a"], dropped["b"] = T(), T()
     assert list(dropped) == ["a"] and dropped.bytes == 256 and dropped.refused == 1 and dropped.spilled == 0
     assert dropped.get("b") is None
+
+
+# ---- every pass leaves the session and the results before it as they were (torch.fx's ``ensures``) -------------
+
+
+def _fingerprint(obj: object, depth: int = 0, seen: set[int] | None = None) -> object:
+    """What a value holds, deeply: dataclasses, dicts, lists and tuples walked; arrays and tensors by their bytes;
+    other objects by identity and their own attributes. Two fingerprints differ when anything reachable changed."""
+    import hashlib
+
+    seen = set() if seen is None else seen
+    from auditor.calibration.references import References
+
+    if obj is None or isinstance(obj, (bool, int, float, str, bytes)):
+        return obj
+    if isinstance(obj, References):  # its measurers count what they measured and cache: which ones, not their state
+        return ("references", id(obj.search), id(obj.verifier), id(obj.whole), obj.search_rows, obj.notes)
+    if isinstance(obj, np.ndarray):
+        return ("array", obj.shape, str(obj.dtype), hashlib.sha1(np.ascontiguousarray(obj).tobytes()).hexdigest())
+    if isinstance(obj, torch.Tensor):
+        return ("tensor", id(obj), tuple(obj.shape), str(obj.dtype), obj._version)
+    if isinstance(obj, nn.Module) or callable(obj) or depth > 12 or id(obj) in seen:
+        return ("object", id(obj))
+    seen.add(id(obj))
+    if isinstance(obj, dict):
+        return ("dict", id(obj), tuple((k, _fingerprint(v, depth + 1, seen)) for k, v in obj.items()))
+    if isinstance(obj, (list, tuple, set, frozenset)):
+        items = sorted(obj, key=repr) if isinstance(obj, (set, frozenset)) else obj
+        return (type(obj).__name__, id(obj), tuple(_fingerprint(v, depth + 1, seen) for v in items))
+    state = vars(obj) if hasattr(obj, "__dict__") else {}
+    return (type(obj).__name__, id(obj), tuple((k, _fingerprint(v, depth + 1, seen)) for k, v in state.items()))
+
+
+def _ensures(ctx, upstream: tuple, run):
+    """``run()`` (one pass) leaves ``ctx.session`` (its attributes, the statistics it shares, its calibration's
+    warnings) and every result in ``upstream`` as they were; returns the pass's result."""
+    session = ctx.session
+    before = (_fingerprint(vars(session)), _fingerprint(vars(session._held)), list(session.calibration.warnings),
+              [_fingerprint(u) for u in upstream])
+    out = run()
+    after = (_fingerprint(vars(session)), _fingerprint(vars(session._held)), list(session.calibration.warnings),
+             [_fingerprint(u) for u in upstream])
+    for what, b, a in zip(("the session", "the session's shared statistics", "the calibration's warnings",
+                           "an earlier pass's result"), before, after):
+        assert a == b, f"the pass changed {what}"
+    return out
+
+
+@pytest.fixture(scope="module")
+def digits_audit(tmp_path_factory):
+    """The digits MLP, its digits calibration (every image; a quarter held out) and the audit's options at a 30%
+    budget, for the passes to run on."""
+    from safetensors.torch import save_file
+    from sklearn.datasets import load_digits
+
+    from auditor import pipeline
+    from auditor.sources import load_source
+
+    x = torch.tensor(load_digits().data, dtype=torch.float32) / 16.0
+    path = tmp_path_factory.mktemp("calib") / "digits.safetensors"
+    save_file({"x": x.contiguous()}, str(path))
+    loaded = load_source("sample_models/digits.py:mlp")
+    model = loaded.model.eval()
+    options = AuditOptions(calibration=str(path), budget=0.3, progress=False, cache=False)
+    plain = pipeline.audit(model, options=AuditOptions(progress=False, cache=False))  # the layers, their shares
+    return model, plain.layers, options, plain.settings
+
+
+def test_every_pass_leaves_the_session_and_the_results_before_it_as_they_were(digits_audit):
+    from auditor.calibration.stage import _open_session
+    from auditor.calibration.tiers import passes
+    from auditor.progress import Progress
+
+    model, layers, options, settings = digits_audit
+    progress = Progress(enabled=False)
+    ctx = passes.PassContext(model, _open_session(model, layers, options, progress), progress)
+    tiers = options.tiers
+    t1 = passes.tier1(ctx, settings.align)  # fills the statistics: the session's cache of its inputs
+    refs = _ensures(ctx, (t1,), lambda: passes.references(ctx))
+    scope = _ensures(ctx, (t1, refs), lambda: passes.scope_of(layers, t1, settings, {}))
+    assert sorted(l.name for l in scope.planned) == ["fc1", "fc2", "fc3"]
+    floored = _ensures(ctx, (t1, refs, scope),
+                       lambda: passes.floors(ctx, refs, t1, scope, tiers, options.cluster, False))
+    sens = _ensures(ctx, (t1, refs, scope), lambda: passes.sensitivity(ctx, refs, t1, scope, floored, tiers))
+    assert type(sens).__name__ == "Gradients" and sens.loss_metric is not None, (type(sens), scope.planned)
+    searched = _ensures(ctx, (t1, refs, scope, sens),
+                        lambda: passes.search(ctx, refs, t1, scope, sens, tiers, settings))
+    assert searched.budget.plan and refs.verifier is not None
+    recovered = _ensures(ctx, (t1, refs, scope, sens, searched),
+                         lambda: passes.recovered(ctx, refs, searched, sens, options.recovery))
+    verified = _ensures(ctx, (t1, refs, scope, sens, searched, recovered),
+                        lambda: passes.verified(ctx, refs, recovered.budget, searched.reuse))
+    assert verified.budget.verification is not None and verified.evaluations >= 1
+    assert all(p.verification is None for p in searched.budget.tries)  # the search's tries as they were
+    based = _ensures(ctx, (t1, refs, scope, sens, searched, recovered, verified),
+                     lambda: passes.baselined(ctx, refs, verified.budget, scope, searched.baseline_reuse))
+    assert based.budget.uniform is not None and verified.budget.uniform is None
+
+    def writes_the_session():  # what the passes once did (the loss metric, the verifier's warnings)
+        ctx.session.calibration.warnings.append("a pass's finding")
+        return None
+
+    with pytest.raises(AssertionError, match="the pass changed the session"):
+        _ensures(ctx, (t1,), writes_the_session)
+    ctx.session.calibration.warnings.pop()
+    with pytest.raises(AttributeError, match="holds inputs only; 'loss_metric' is the sensitivity pass's"):
+        ctx.session.loss_metric = sens.loss_metric
+    with pytest.raises(AttributeError, match="'verifier' is the references pass's"):
+        ctx.session.verifier  # noqa: B018
+
+    def edits_a_result():
+        searched.budget.tries[0].verification = verified.budget.verification
+
+    with pytest.raises(AssertionError, match="an earlier pass's result"):
+        _ensures(ctx, (searched,), edits_a_result)

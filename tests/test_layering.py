@@ -48,6 +48,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [(name.removeprefix("auditor.") or "
     "auditor.calibration.tiers",  # tier 1, floors, sensitivity, rounding, the plan search
     "auditor.calibration.recovery",  # the recovery fine-tune of a frontier plan
     "auditor.calibration.apply",  # factorize with the data's factors
+    "auditor.calibration.references",  # the dense model measured once: the evaluators and the verifier
     "auditor.calibration.session",  # what every tier measures with
     "auditor.calibration.measure",  # the metric, its evaluators, the verification interval
     "auditor.calibration.metrics",  # one module per metric kind and their registry

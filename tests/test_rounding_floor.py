@@ -102,6 +102,7 @@ def test_a_model_of_blocks_is_floored_a_block_at_a_time_from_the_decompositions_
 
     import transformers
 
+    from auditor.calibration.references import evaluator_of
     from auditor.calibration.session import CalibrationSession
     from auditor.calibration.statistics.whiten import TruncatorStore
     from auditor.calibration.tiers.rounding import rounding_floor
@@ -116,9 +117,10 @@ def test_a_model_of_blocks_is_floored_a_block_at_a_time_from_the_decompositions_
     assert len(layers) == 28
     session = CalibrationSession(model, cal, layers=layers)
     store = TruncatorStore(0)  # nothing kept in memory: every decomposition spilled and read back
-    f = rounding_floor(model, layers, session, store)
+    ev = evaluator_of(session)
+    f = rounding_floor(model, layers, session, store, ev)
     assert f is not None and f.layers == 28 and f.dtype == "bfloat16"
     assert len(store) + store.spilled == 28  # each layer decomposed once, for the floor and the search alike
     with session.measuring():
-        whole = session.evaluator.measure(factorize(model, f.ranks, session))
+        whole = ev.measure(factorize(model, f.ranks, session))
     assert f.metric == whole.value and f.metric > 0

@@ -43,6 +43,7 @@ from ..errors import AuditError
 from ..options import DEFAULT_LR, OBJECTIVES, TRAINABLE, RecoveryOptions, positive_finite, positive_int
 from .data.inputs import Batch, Calibration, model_device
 from .measure.metric import Evaluator, Metric, main_output
+from .references import evaluator_of
 from .session import CalibrationSession
 
 CACHE_BYTES = 256 << 20  # dense outputs on the fit rows are kept in memory up to this size, else recomputed
@@ -311,12 +312,12 @@ class _Measure:
         return RecoveryPoint(step, m.value, m.ok, m.top1, total / sum(b.rows for b in held), self.fit_loss())
 
 
-def _measure(factorized: nn.Module, dense: nn.Module, calibration: Calibration, session: CalibrationSession | None,
-             metric: Metric | None, objective: str) -> _Measure:
+def _measure(factorized: nn.Module, dense: nn.Module, calibration: Calibration, ev: Evaluator,
+             objective: str) -> _Measure:
     """The batches and targets on the model's device; ``objective`` "auto" becomes "kl" for logits, else "mse". The
-    factorized model's output must have the dense model's shape."""
+    factorized model's output must have the dense model's shape. ``ev``: the dense reference the held-out metric is
+    measured against."""
     fit = [b.to(model_device(factorized)) for b in calibration.fit]
-    ev = session.evaluator if session is not None else Evaluator(dense, calibration, metric)
     targets = _Targets(dense, fit)
     held_targets = _Targets(dense, ev.batches)
     with torch.no_grad():
@@ -515,11 +516,12 @@ def _run(run: _Measure, dense: nn.Module, params: list[nn.Parameter], settings: 
 @scoped  # the seed it sets is the run's: the host's torch random state is left as found
 def recover(factorized: nn.Module, dense: nn.Module, calibration: "Calibration | CalibrationSession",
             settings: RecoverySettings | None = None, *, metric: Metric | None = None,
-            progress: Progress | None = None, **keywords: object) -> Recovery:
+            progress: Progress | None = None, evaluator: Evaluator | None = None, **keywords: object) -> Recovery:
     """Distil ``factorized`` toward ``dense`` for ``settings.steps`` steps on the calibration's fit batches (in place)
     and measure the held-out metric before, every ``eval_every`` steps, at the steps in ``eval_at`` and after; see
     the module docstring. The settings come as a :class:`RecoverySettings` or as its fields' keywords
-    (``recover(f, d, cal, steps=200, lr=1e-4)``)."""
+    (``recover(f, d, cal, steps=200, lr=1e-4)``). ``evaluator``: the dense reference to measure against (an audit's
+    references'; None: one measured here, on a session's search rows or the calibration's held-out rows)."""
     if settings is None:
         if "steps" not in keywords:
             raise AuditError("recover() needs the number of steps", "Give steps=200, say")
@@ -531,7 +533,9 @@ def recover(factorized: nn.Module, dense: nn.Module, calibration: "Calibration |
     calibration, session = _calibration_of(calibration, dense, metric)
     factors = _factors_of(factorized, dense)
     settings.check_eval_at()
-    run = _measure(factorized, dense, calibration, session, metric, settings.objective)
+    if evaluator is None:
+        evaluator = evaluator_of(session) if session is not None else Evaluator(dense, calibration, metric)
+    run = _measure(factorized, dense, calibration, evaluator, settings.objective)
     params = _trained_params(factorized, factors, settings.trainable)
     state, opt = _run(run, dense, params, settings, progress)
     return _result(run, settings, params, state, opt)

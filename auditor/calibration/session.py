@@ -8,9 +8,13 @@ A :class:`CalibrationSession` owns, for one model:
 - the :class:`~auditor.calibration.statistics.stats.InputStatistics` of its layers, computed once, lazily, on first use (read
   from and written to the on-disk cache when the session has the audit's options: ``<cache dir>/calibration/<key>.npz``,
   keyed by everything that determines them: :func:`statistics_key`);
-- the :class:`~auditor.calibration.measure.metric.Metric`, and ONE :class:`~auditor.calibration.measure.metric.Evaluator` on the
-  held-out batches, built on first use: the dense reference (the dense model's outputs, or its perplexity, or its
-  user-metric value) is computed once and every later measurement compares against it.
+- the :class:`~auditor.calibration.measure.metric.Metric`, the held-out rows' split into a search part and a
+  verification part (``split``, cut once) and the verification interval's ``confidence``.
+
+It holds inputs, and the statistics derived from them (a cache of the inputs: the same inputs give the same
+statistics). What the passes measure is theirs: the dense model's references are the ``references`` pass's
+(:func:`~auditor.calibration.references.references_of`), the gradient pass's loss metric is the sensitivity pass's
+result; they travel by argument, and nothing a pass learns is written here.
 
 Tier 1 (:func:`~auditor.calibration.tiers.tier1.tier1`), tier 2 (:func:`~auditor.calibration.tiers.sweep.measure_floors`),
 tier 3 (:func:`~auditor.calibration.tiers.budget.plan_for_budget`), the plan check (``stage.check_plan``),
@@ -35,18 +39,14 @@ from ..errors import AuditError
 from ..results import Layer
 from .data.hashing import code_hash, weights_hash
 from .data.inputs import Batch, Calibration, eval_mode, load_calibration
-from .measure.metric import Evaluator, Metric, load_metric
+from .measure.metric import Metric, load_metric
 from .statistics.stats import InputStatistics, by_name, input_statistics
 
 if TYPE_CHECKING:
     from .measure.metric import UserMetric
     from .statistics.whiten import Truncator, WhitenedSpectrum
     from ..options import AuditOptions, TierOptions
-    from .measure.metric import PlanMeasurer
-    from .measure.staged import StagedEvaluator
-    from .measure.verify import Verifier
     from .statistics.stats import GramStore
-    from .statistics.whiten import LossMetric
     from ..progress import Progress
 
 
@@ -345,8 +345,26 @@ class Held:
     verify: list[Batch] | None = None
 
 
+class _Produced:
+    """A name the session once held but a pass now produces: asked for, one line saying whose result holds it."""
+
+    def __init__(self, owner: str) -> None:
+        self.owner = owner
+
+    def __set_name__(self, cls: type, name: str) -> None:
+        self.name = name
+
+    def __get__(self, obj: object, cls: type | None = None) -> "_Produced":
+        if obj is None:
+            return self
+        raise AttributeError(f"a calibration session holds inputs only; {self.name!r} is {self.owner}")
+
+    def __set__(self, obj: object, value: object) -> None:
+        raise AttributeError(f"a calibration session holds inputs only; {self.name!r} is {self.owner}, by argument")
+
+
 class CalibrationSession:
-    """The model, its calibration batches, their input statistics, the metric and one evaluator, for one audit.
+    """The model, its calibration batches, their input statistics and the metric, for one audit.
 
     ``layers``: the layers the statistics are read for (the audit's, in its order); ``options``: the audit's
     options (the statistics' cache: without them nothing is cached); ``stats``: statistics already at hand (a
@@ -365,14 +383,17 @@ class CalibrationSession:
         self.layers: dict[str, Layer] = by_name(layers) if layers is not None else {}
         self.options = options
         self._held = Held(stats)  # shared with with_metric's sessions
-        self._evaluator: Evaluator | None = None
-        self._staged: "StagedEvaluator | None" = None  # built on first use (search_evaluator)
-        self._verifier: "Verifier | None" = None  # built on first use (verifier)
         self.split = split
         self.confidence = confidence
-        # the gradient pass's loss-aware truncations and output-gradient moments with this metric (the audit's, or
-        # tiers.fisher.loss_metric's), which factorize's loss-aware and sequential fits read; None until one ran
-        self.loss_metric: "LossMetric | None" = None
+        if split:  # the held-out rows cut once, as the session opens: its inputs
+            from .measure.verify import split_rows
+
+            self._held.search, self._held.verify = split_rows(calibration.holdout, documents=calibration.held_documents)
+
+    evaluator = _Produced("the references pass's (references_of(session).evaluator)")
+    search_evaluator = _Produced("the references pass's (references_of(session).search)")
+    verifier = _Produced("the references pass's (references_of(session).verifier)")
+    loss_metric = _Produced("the sensitivity pass's (Gradients.loss_metric; Calibrated.loss_metric after an audit)")
 
     @property
     def _stats(self) -> InputStatistics | None:
@@ -542,60 +563,16 @@ class CalibrationSession:
         (:mod:`~auditor.calibration.measure.verify`), else every held-out row."""
         if not self.split:
             return self.calibration
-        from .measure.verify import split_rows, with_holdout
+        from .measure.verify import with_holdout
 
-        if self._held.search is None:
-            self._held.search, self._held.verify = split_rows(self.calibration.holdout,
-                                                              documents=self.calibration.held_documents)
-        return with_holdout(self.calibration, self._held.search)
+        return with_holdout(self.calibration, self.held_out_parts[0])
 
     @property
-    def evaluator(self) -> Evaluator:
-        """The one evaluator on the held-out batches (their search part when ``split``): the dense reference is
-        measured (and the forward checked to repeat) on first use, with the model in eval mode."""
-        if self._evaluator is None:
-            with self.measuring():
-                self._evaluator = Evaluator(self.model, self.search_calibration, self.metric)
-            warnings = self.calibration.warnings
-            warnings += [w for w in self._evaluator.warnings if w not in warnings]
-        return self._evaluator
-
-    @property
-    def search_evaluator(self) -> "PlanMeasurer":
-        """What tier 3 measures plans with: for a built-in metric a
-        :class:`~auditor.calibration.measure.staged.StagedEvaluator` on the search rows (a subsample first, every search row
-        only for plans near the tolerance; the dense per-row sums once) when the session is ``split`` (the audit's:
-        the suggested plan is then verified on every verification row), else :attr:`evaluator` (every search row for
-        every plan: a user metric, ``--no-split``, the library's sessions)."""
-        if not self.metric.spec.verified_by_rows or not self.split:
-            return self.evaluator
-        if self._staged is None:
-            from .measure.staged import StagedEvaluator
-
-            with self.measuring():
-                self._staged = StagedEvaluator(self.model, self.search_calibration.holdout, self.metric)
-        return self._staged
-
-    @property
-    def verifier(self) -> "Verifier | None":
-        """The verifier on the held-out rows' verification part (``split`` sessions only; None otherwise): every
-        row measured, with a bootstrap interval over rows at ``confidence``."""
-        if not self.split:
-            return None
-        if self._verifier is None:
-            from .measure.verify import Verifier, verification_documents
-
-            self.search_calibration  # noqa: B018 - cuts the rows once
-            docs = verification_documents(self.calibration, self._held.search, self._held.verify)
-            if docs.ids is not None and docs.count < 2:  # said, and blocks of rows resampled instead
-                self.calibration.warnings.append(
-                    f"the verification rows hold {docs.count} of the calibration's {docs.unit}, too few to resample "
-                    "whole ones: the interval for an unseen document resamples blocks of rows instead; hold out "
-                    "more documents (a larger --holdout, or a --holdout source of four or more)")
-            with self.measuring():
-                self._verifier = Verifier(self.model, self._held.verify, self.metric, self.confidence,
-                                          documents=docs)
-        return self._verifier
+    def held_out_parts(self) -> tuple[list[Batch], list[Batch]]:
+        """The held-out rows' search part and verification part (``split`` sessions: cut when the session opens, by
+        document where the calibration has them; :mod:`~auditor.calibration.measure.verify`)."""
+        assert self.split and self._held.search is not None and self._held.verify is not None, "not a split session"
+        return self._held.search, self._held.verify
 
 
 __all__ = ["CalibrationSession", "as_metric", "cache_path", "metric_of", "statistics_key", "statistics_memory"]

@@ -35,6 +35,7 @@ from .measure.metric import Measurement, Metric
 from .session import STATS_KINDS, CalibrationSession, _statistics, cache_path, metric_of, statistics_memory
 from .statistics.stats import InputStatistics
 from .statistics.whiten import TruncatorStore, WhitenedSpectrum
+from .references import References
 from .tiers import passes
 from .tiers.fisher import GradientSensitivity
 from .tiers.sensitivity import Gradients, Sensitivity
@@ -47,20 +48,24 @@ if TYPE_CHECKING:
     from ..options import AuditOptions
     from ..progress import Progress
     from ..results import AuditResult, Spectrum
+    from .statistics.whiten import LossMetric
 
 SYNTHETIC_MARK = "looks like token ids drawn uniformly at random"
 
 
 @dataclass(frozen=True)
 class Calibrated:
-    """The report, the session the plan check (and the CLI's factorize) measure with, and the tier-1 spectra."""
+    """The report, the session the plan check (and the CLI's factorize) measure with, its references (the dense
+    model measured), the tier-1 spectra, and what the passes learned that factorize and the plan check read."""
 
     report: CalibrationReport
     session: CalibrationSession
+    references: References
     spectra: dict[str, WhitenedSpectrum]
     sweep: str = ""  # where tier 2 ran: "local", "dask tcp://HOST:PORT (N workers)"; empty without tier 2
     gradients: "GradientSensitivity | None" = None  # the gradient sensitivity tier 3 searched over, if any
     reuse: "TruncatorStore | None" = None  # tier 3's decompositions, reused by the plan check
+    loss_metric: "LossMetric | None" = None  # the gradient pass's loss-aware truncations and moments (factorize)
 
     @property
     def calibration(self) -> Calibration:
@@ -118,18 +123,21 @@ def calibrate(model: nn.Module, layers: list[Layer], settings: "Settings", optio
     try:
         with computing(model, options.statistics.compute_dtype):
             t = time.perf_counter()
-            session = _open_session(model, layers, options, progress)
-            t1 = passes.tier1(model, session, settings.align, progress, since=t)
+            ctx = passes.PassContext(model, _open_session(model, layers, options, progress), progress)
+            t1 = passes.tier1(ctx, settings.align, since=t)
+            refs = passes.references(ctx)
             scope = passes.scope_of(layers, t1, settings, suggestions or {}, _ties(layers, options))
-            floored = passes.floors(model, session, t1, scope, tiers, options.cluster, progress, options.progress)
-            sens = passes.sensitivity(model, session, t1, scope, floored, tiers, progress)
-            searched = passes.search(model, session, t1, scope, sens, tiers, settings, progress)
-            recovered = passes.recovered(model, session, searched.budget, options.recovery, progress)
-            verified = passes.verified(model, session, recovered.budget, searched.reuse, progress)
-            based = passes.baselined(model, session, verified.budget, scope, searched.baseline_reuse, progress)
-            report = _report(session, options, Tiers(t1, floored, sens, searched, recovered, verified, based))
-            return Calibrated(report, session, t1.spectra, floored.where if floored is not None else "",
-                              sens.gradients if isinstance(sens, Gradients) else None, searched.reuse)
+            floored = passes.floors(ctx, refs, t1, scope, tiers, options.cluster, options.progress)
+            sens = passes.sensitivity(ctx, refs, t1, scope, floored, tiers)
+            searched = passes.search(ctx, refs, t1, scope, sens, tiers, settings)
+            recovered = passes.recovered(ctx, refs, searched, sens, options.recovery)
+            verified = passes.verified(ctx, refs, recovered.budget, searched.reuse)
+            based = passes.baselined(ctx, refs, verified.budget, scope, searched.baseline_reuse)
+            tiers_run = Tiers(t1, refs, floored, sens, searched, recovered, verified, based)
+            return Calibrated(_report(ctx.session, options, tiers_run), ctx.session, refs, t1.spectra,
+                              floored.where if floored is not None else "",
+                              sens.gradients if isinstance(sens, Gradients) else None, searched.reuse,
+                              sens.loss_metric)
     finally:
         model.train(was_training)
 
@@ -169,6 +177,7 @@ class Tiers:
     """What the passes returned, in their order: what the report is built from."""
 
     tier1: passes.Tier1
+    references: References
     floored: passes.Floored | None
     sensitivity: Sensitivity
     searched: passes.Searched
@@ -180,8 +189,8 @@ class Tiers:
     def seconds(self) -> dict[str, float]:
         """Every pass's wall time, in their order."""
         out: dict[str, float] = {}
-        for part in (self.tier1, self.floored, self.sensitivity, self.searched, self.recovered, self.verified,
-                     self.baselined):
+        for part in (self.tier1, self.references, self.floored, self.sensitivity, self.searched, self.recovered,
+                     self.verified, self.baselined):
             out.update(part.seconds if part is not None else {})
         return out
 
@@ -219,7 +228,8 @@ def _report(session: CalibrationSession, options: "AuditOptions", tiers: Tiers) 
         holdout=str(data.holdout), digest=cal.digest, fit_rows=cal.fit_rows, holdout_rows=cal.holdout_rows,
         metric=metric.label, higher_is_better=metric.higher_is_better, tolerance=metric.tolerance,
         reference=tiers.searched.budget.reference, layers=_rows(tiers), missing=dict(stats.missing),
-        warnings=list(dict.fromkeys([*cal.warnings, *tiers.verified.warnings, *stats.warnings])),
+        warnings=list(dict.fromkeys([*cal.warnings, *tiers.references.warnings, *tiers.verified.warnings,
+                                     *stats.warnings])),
         synthetic=any(SYNTHETIC_MARK in w for w in cal.warnings), measured_floors=measured,
         budget=tiers.searched.tie_costed(tiers.baselined.budget).settled(),
         suggestions_from="measured floors" if measured else "calibration",
@@ -320,8 +330,8 @@ def check_plan(cal: Calibrated, model: nn.Module, audit: "AuditResult") -> Calib
     predicted, basis = _predicted(cal, plan)
     check = PlanCheck(len(plan), left, predicted, m.value, m.ok, m.top1, removed, basis, verification)
     b = report.budget
-    reference = (b.reference if cal.session.verifier is not None and b is not None  # the search rows' reference,
-                 else cal.session.evaluator.reference)  # measured once by tier 3
+    reference = (b.reference if cal.references.verifier is not None and b is not None  # the search rows' reference,
+                 else cal.references.evaluator.reference)  # measured once by tier 3
     return replace(report, plan_check=check, reference=reference)
 
 
@@ -349,9 +359,9 @@ def _measured_plan(cal: Calibrated, model: nn.Module, plan: dict[str, int],
     from ..surgery import checked_plan, count_params
     from .apply import cluster_truncators, measured_copy, statistics
 
-    session, b = cal.session, cal.report.budget
+    session, refs, b = cal.session, cal.references, cal.report.budget
     suggested = b is not None and b.plan == plan
-    if suggested and session.verifier is not None and b.verification is not None:  # measured: nothing to factorize
+    if suggested and refs.verifier is not None and b.verification is not None:  # measured: nothing to factorize
         verification, removed = b.verification, b.removed
     else:
         with session.measuring():
@@ -361,17 +371,16 @@ def _measured_plan(cal: Calibrated, model: nn.Module, plan: dict[str, int],
                 reuse = cluster_truncators(model, session, planned, stats)
             new = measured_copy(model, plan, stats, reuse)  # one block's factors alive at once
             removed = count_params(model) - count_params(new)
-            if session.verifier is None:
-                return session.evaluator.measure(new), removed, None
-            verification = replace(session.verifier.measure(new),
-                                   search_rows=sum(x.rows for x in session.search_calibration.holdout))
+            if refs.verifier is None:
+                return refs.evaluator.measure(new), removed, None
+            verification = replace(refs.verifier.measure(new), search_rows=refs.search_rows)
     m = Measurement(verification.value, verification.ok)
     if suggested:
         m.top1 = b.top1
     return m, removed, verification
 
 
-def check_factorized(report: CalibrationReport, session: CalibrationSession, model: nn.Module,
+def check_factorized(report: CalibrationReport, cal: Calibrated, model: nn.Module,
                      new: nn.Module) -> CalibrationReport:
     """The plan check again, on ``new``: the plan factorized otherwise than the check factorized it (the sequential
     fit of ``lowrank-audit factorize``), measured as the check measures (on the verification rows with the interval
@@ -382,14 +391,14 @@ def check_factorized(report: CalibrationReport, session: CalibrationSession, mod
     if pc is None or pc.layers == 0:
         return report
     removed = count_params(model) - count_params(new)
+    session, refs = cal.session, cal.references
     # eval_mode: a copy made outside measuring() has the model's own modes
     with session.measuring(), eval_mode(new), computing(model, session_dtype(session)):
-        if session.verifier is None:
-            m = session.evaluator.measure(new)
+        if refs.verifier is None:
+            m = refs.evaluator.measure(new)
             check = replace(pc, measured=m.value, ok=m.ok, top1=m.top1, removed=removed, verification=None)
         else:
-            v = replace(session.verifier.measure(new),
-                        search_rows=sum(x.rows for x in session.search_calibration.holdout))
+            v = replace(refs.verifier.measure(new), search_rows=refs.search_rows)
             check = replace(pc, measured=v.value, ok=v.ok, top1=None, removed=removed, verification=v)
     return replace(report, plan_check=check)
 

@@ -28,6 +28,7 @@ from ...results import Layer
 from .. import metrics
 from ..data.inputs import Calibration
 from ..measure.metric import Metric, PlanMeasurer
+from ..references import search_measurer
 from ..session import CalibrationSession
 from ..statistics.stats import InputStatistics, by_name
 from .sweep import Floors
@@ -37,6 +38,8 @@ if TYPE_CHECKING:
     from typing_extensions import Unpack
 
     from ...options import RecoveryOptions
+    from ..measure.metric import Evaluator
+    from ..statistics.whiten import LossMetric
     from .fisher import GradientSensitivity
 
 
@@ -265,6 +268,7 @@ class SearchSettings:
     reuse_bytes: int | None = None
     reuse: TruncatorStore | None = None
     backstops: int = 0  # plans measured below the one found, a point of the model apart: fallbacks for a verification
+    measurer: "PlanMeasurer | None" = None  # what measures each plan (the audit's references'); None: one here
 
 
 class SearchFields(TypedDict, total=False):
@@ -281,6 +285,7 @@ class SearchFields(TypedDict, total=False):
     reuse_bytes: int | None
     reuse: TruncatorStore | None
     backstops: int
+    measurer: "PlanMeasurer | None"
 
 
 def plan_for_budget(model: nn.Module, layers: dict[str, Layer] | list[Layer],
@@ -323,8 +328,8 @@ def plan_for_budget(model: nn.Module, layers: dict[str, Layer] | list[Layer],
                                     stats=s.stats)  # a metric given keeps its kind (perplexity, kl, ...)
     with session.measuring():  # every module's own mode is restored afterwards
         stats = session.statistics(planned)
-        return _search(model, session.search_evaluator, curves, named, stats, session.metric,
-                       replace(s, fixed=fixed), t0)
+        measurer = s.measurer if s.measurer is not None else search_measurer(session)
+        return _search(model, curves, named, stats, session.metric, replace(s, fixed=fixed, measurer=measurer), t0)
 
 
 def _fixed_of(fixed: dict[str, int] | None, named: dict[str, Layer]) -> dict[str, int]:
@@ -461,9 +466,12 @@ class _Aim:
         return min(max(x, ok_at + margin), fail_at - margin)
 
 
-def _search(model: nn.Module, ev: PlanMeasurer, curves: Curves, named: dict[str, Layer], stats: InputStatistics,
-            metric: Metric, s: SearchSettings, t0: float) -> BudgetResult:
-    """One tier-3 search: the bracket found and narrowed, fallbacks below the plan found, the frontier around it."""
+def _search(model: nn.Module, curves: Curves, named: dict[str, Layer], stats: InputStatistics, metric: Metric,
+            s: SearchSettings, t0: float) -> BudgetResult:
+    """One tier-3 search (``s.measurer`` measures each plan): the bracket found and narrowed, fallbacks below the
+    plan found, the frontier around it."""
+    ev = s.measurer
+    assert ev is not None
     fixed = dict(s.fixed or {})
     fixed_saved = sum(named[k].params - named[k].params_at(r) for k, r in fixed.items())
     total = count_params(model)
@@ -595,8 +603,8 @@ def _result(plans: _Plans, aim: _Aim, best: FrontierPlan, points: dict[tuple[tup
 
 
 def recover_frontier(model: nn.Module, session: CalibrationSession, result: BudgetResult,
-                     recovery: "RecoveryOptions", progress: Callable[[int, int], None] | None = None,
-                     ) -> BudgetResult:
+                     recovery: "RecoveryOptions", progress: Callable[[int, int], None] | None = None, *,
+                     reference: "Evaluator | None" = None, kept: "LossMetric | None" = None) -> BudgetResult:
     """Every frontier plan of ``result`` measured again after the same recovery fine-tune
     (:func:`auditor.calibration.recovery.recover`: distillation toward ``model`` on the session's fit batches, the held-out ones
     only measured, with the session's evaluator), each from the whitened factors it was measured at; the plan's
@@ -607,12 +615,18 @@ def recover_frontier(model: nn.Module, session: CalibrationSession, result: Budg
     ``choose_after`` the suggestion becomes the largest plan (within the budget) whose recovered metric holds the
     tolerance, when it removes more than the plan chosen before recovery (which holds without a fine-tune);
     ``chosen_after_recovery`` then marks it, and ``metric``/``ok`` stay its measurement before the fine-tune.
-    ``progress(plans recovered, plans)`` after each. The model is measured in eval mode; its mode is restored."""
+    ``progress(plans recovered, plans)`` after each. The model is measured in eval mode; its mode is restored.
+    ``reference``: the dense reference the recovered plans are measured against (the audit's references' evaluator;
+    None: one here); ``kept``: the gradient pass's loss metric, whose loss-aware factors the plans were measured at
+    (None: the whitened ones)."""
     from ...calresults import RecoverySetup
+    from ..references import evaluator_of
+
     s = recovery
     t0 = time.perf_counter()
     frontier = _recovery_frontier(result)
-    out, used = _recover_each(model, session, frontier, s, progress)
+    ev = reference if reference is not None else evaluator_of(session)
+    out, used = _recover_each(model, (session, ev, kept), frontier, s, progress)
     setup = RecoverySetup(s.steps, float(s.lr), s.trainable, used, s.seed, s.choose_after,
                           time.perf_counter() - t0)
     new_result = replace(result, frontier=out, recovery=setup)
@@ -637,14 +651,16 @@ def _recovery_frontier(result: BudgetResult) -> list[FrontierPlan]:
     return sorted(points.values(), key=lambda p: p.removed)
 
 
-def _recover_each(model: nn.Module, session: CalibrationSession, frontier: list[FrontierPlan],
-                  s: "RecoveryOptions", progress: Callable[[int, int], None] | None,
+def _recover_each(model: nn.Module, measured: "tuple[CalibrationSession, Evaluator, LossMetric | None]",
+                  frontier: list[FrontierPlan], s: "RecoveryOptions", progress: Callable[[int, int], None] | None,
                   ) -> tuple[list[FrontierPlan], str]:
     """Each plan (the dense model aside) factorized, fine-tuned and measured again; and the objective the runs
-    used ("auto" resolved to "kl" or "mse", so that the emitted command repeats that recovery, not another)."""
+    used ("auto" resolved to "kl" or "mse", so that the emitted command repeats that recovery, not another).
+    ``measured``: the session, its dense reference and the loss metric the plans were measured at."""
     from ...calresults import FrontierRecovery
     from ..recovery import recover
 
+    session, ev, kept = measured
     todo = [p for p in frontier if p.plan]
     out: list[FrontierPlan] = []
     done, used = 0, s.objective
@@ -654,10 +670,10 @@ def _recover_each(model: nn.Module, session: CalibrationSession, frontier: list[
                 out.append(p)
                 continue
             t = time.perf_counter()
-            kept = session.loss_metric  # the loss-aware factors the plan was measured at, where the search had them
+            # the loss-aware factors the plan was measured at, where the search had them
             new = factorize(model, p.plan, session, reuse=kept.store if kept is not None else None)
             r = recover(new, model, session, steps=s.steps, lr=s.lr, trainable=s.trainable, objective=s.objective,
-                        seed=s.seed, metric=session.metric)
+                        seed=s.seed, metric=session.metric, evaluator=ev)
             del new
             used = r.objective
             if r.stopped is not None and r.stopped.startswith("interrupted"):

@@ -1,17 +1,29 @@
-"""The calibration stage's passes. Each takes the model, the session it measures with, the results of the passes
-before it and its own option group, and returns a frozen result; none changes what an earlier pass made::
+"""The calibration stage's passes. Each takes the pass context (the model, the session of inputs it measures with,
+the progress), the results of the passes before it and its own option group, and returns a frozen result; none
+changes the session or what an earlier pass made (tests/test_calibration_passes.py checks every one)::
 
-    tier1        model, session, align, Progress                           -> Tier1 (spectra, spans, the target)
-    scope_of     [Layer], Tier1, Settings, {layer: Suggestion}, ties       -> Scope (swept, planned, fixed layers, ties)
-    floors       model, session, Tier1, Scope, TierOptions, ClusterOptions -> Floored | None (tier 2)
-    sensitivity  model, session, Tier1, Scope, Floored, TierOptions        -> Sensitivity (one of sensitivity.py's)
-    search       model, session, Tier1, Scope, Sensitivity, TierOptions    -> Searched (tier 3: plan, rounding floor;
-                                                                              --tie: each group one option list)
-    recovered    model, session, BudgetResult, RecoveryOptions             -> Recovered (--recover)
-    verified     model, session, BudgetResult, TruncatorStore              -> Verified (the held-out verification)
-    baselined    model, session, BudgetResult, Scope, TruncatorStore       -> Baselined (uniform truncation beside)
+    tier1        PassContext, align                                       -> Tier1 (spectra, spans, the target)
+    references   PassContext                                              -> References (the dense model measured:
+                                                                             the search's measurer, the verifier)
+    scope_of     [Layer], Tier1, Settings, {layer: Suggestion}, ties      -> Scope (swept, planned, fixed layers, ties)
+    floors       PassContext, References, Tier1, Scope, TierOptions,
+                 ClusterOptions                                           -> Floored | None (tier 2)
+    sensitivity  PassContext, References, Tier1, Scope, Floored,
+                 TierOptions                                              -> Sensitivity (one of sensitivity.py's;
+                                                                             its ``loss_metric``: the gradient pass's)
+    search       PassContext, References, Tier1, Scope, Sensitivity,
+                 TierOptions, Settings                                    -> Searched (tier 3: plan, rounding floor;
+                                                                             --tie: each group one option list)
+    recovered    PassContext, References, Searched, Sensitivity,
+                 RecoveryOptions                                          -> Recovered (--recover)
+    verified     PassContext, References, BudgetResult, TruncatorStore   -> Verified (the held-out verification)
+    baselined    PassContext, References, BudgetResult, Scope,
+                 TruncatorStore                                           -> Baselined (uniform truncation beside)
 
-:func:`auditor.calibration.stage.calibrate` composes them and builds the report's rows once from their results.
+What one pass learns and a later one needs travels in its result, by argument: the dense references
+(:class:`~auditor.calibration.references.References`), the decompositions' store (``Searched.reuse``), the gradient
+pass's loss metric (``Sensitivity.loss_metric``). :func:`auditor.calibration.stage.calibrate` composes them and
+builds the report's rows once from their results.
 """
 
 from __future__ import annotations
@@ -23,6 +35,7 @@ from typing import TYPE_CHECKING
 from ..._env import trim_heap
 from ...calresults import BudgetResult, FrontierPlan, RoundingFloor, Verification
 from ...results import Layer, Suggestion, TieGroup, Verdict
+from ..references import References, references_of
 from ..session import CalibrationSession
 from ..statistics.stats import LayerInput
 from ..statistics.whiten import TruncatorStore, WhitenedSpectrum
@@ -74,12 +87,24 @@ def _span(inp: LayerInput) -> Span:
     return Span(inp.rows, inp.width, int(inp.rows), inp.rows >= inp.width)
 
 
-def tier1(model: "nn.Module", session: CalibrationSession, align: int, progress: "Progress",
-          since: float | None = None) -> Tier1:
+@dataclass(frozen=True)
+class PassContext:
+    """What every pass runs in: the model, the session of inputs it measures with (its batches, statistics, metric,
+    split), and the progress its phases are drawn on."""
+
+    model: "nn.Module"
+    session: CalibrationSession
+    progress: "Progress"
+
+    def __post_init__(self) -> None:
+        assert self.session.model is self.model, "the session belongs to another model"
+
+
+def tier1(ctx: PassContext, align: int, since: float | None = None) -> Tier1:
     """The input statistics (block by block, tier 1 with them) and every layer's whitened spectrum; ``since``: when
     the stage's clock for tier 1 started (the session's opening counts)."""
     t = time.perf_counter() if since is None else since
-    assert session.model is model
+    session, progress = ctx.session, ctx.progress
     target = session.metric.tier1_target
     with progress.phase("statistics", total=len(session.calibration.fit), unit="batch"):  # tier 1 block by block
         stats = session.statistics(progress=progress, spectra=(align, target))
@@ -88,6 +113,14 @@ def tier1(model: "nn.Module", session: CalibrationSession, align: int, progress:
         spectra = session.spectra(align, target, progress=progress.update)
     spans = {name: _span(stats.layers[name]) for name in spectra}
     return Tier1(spectra, spans, align, target, cached, {"tier1": time.perf_counter() - t})
+
+
+def references(ctx: PassContext) -> References:
+    """The dense model measured once on the held-out rows: the search's measurer, the verifier (split sessions) and
+    the plain evaluator (:mod:`~auditor.calibration.references`)."""
+    t = time.perf_counter()
+    refs = references_of(ctx.session)
+    return replace(refs, seconds={"references": time.perf_counter() - t})
 
 
 @dataclass(frozen=True)
@@ -146,19 +179,20 @@ class Floored:
     seconds: dict[str, float]
 
 
-def floors(model: "nn.Module", session: CalibrationSession, tier1: Tier1, scope: Scope, tiers: "TierOptions",
-           cluster: "ClusterOptions", progress: "Progress", drawn: bool | str | None = None) -> Floored | None:
+def floors(ctx: PassContext, refs: References, tier1: Tier1, scope: Scope, tiers: "TierOptions",
+           cluster: "ClusterOptions", drawn: bool | str | None = None) -> Floored | None:
     """Tier 2 (``--measure-floor``): each swept layer's measured floor, here or on a Dask cluster (one task per
     layer, the workers' own sessions, its own progress bar as ``drawn`` asks: the audit's ``progress`` option);
     None without ``--measure-floor`` or a layer to sweep."""
-    align = tier1.align
+    align, progress = tier1.align, ctx.progress
     if not tiers.measure_floor or not scope.swept:
         return None
     t = time.perf_counter()
     if cluster.scheduler is not None:  # one Dask task per layer (auditor/calibration/tiers/cluster.py)
         from .cluster import measure_floors_on_cluster
 
-        found, where = measure_floors_on_cluster(model, scope.swept, session, align, tier1.spectra, cluster, drawn)
+        found, where = measure_floors_on_cluster(ctx.model, scope.swept, ctx.session, align, tier1.spectra, cluster,
+                                                 drawn)
     else:
         from .sweep import measure_floors
 
@@ -166,29 +200,29 @@ def floors(model: "nn.Module", session: CalibrationSession, tier1: Tier1, scope:
             progress.update(done, total, note=f"{evaluations} evaluation{'s' if evaluations != 1 else ''}")
 
         with progress.phase("tier 2 floors", total=len(scope.swept)):
-            found = measure_floors(model, scope.swept, session, align=align, spectra=tier1.spectra, steps=steps)
+            found = measure_floors(ctx.model, scope.swept, ctx.session, align=align, spectra=tier1.spectra,
+                                   steps=steps, evaluator=refs.evaluator)
         where = "local"
     return Floored(found, where, {"tier2": time.perf_counter() - t})
 
 
-def sensitivity(model: "nn.Module", session: CalibrationSession, tier1: Tier1, scope: Scope,
-                floored: Floored | None, tiers: "TierOptions", progress: "Progress") -> Sensitivity:
+def sensitivity(ctx: PassContext, refs: References, tier1: Tier1, scope: Scope, floored: Floored | None,
+                tiers: "TierOptions") -> Sensitivity:
     """The stage's sensitivity pass: tier 2's floors when measured; else, for the planned layers, the gradients (the
     default) or the probes (``--probe``); tier 1's curves for a user metric (no gradient, not zero on the dense
     model) or with ``--no-probe``."""
     if floored is not None:
         return Measured(floored.floors)
-    spec = session.metric.spec
+    spec = ctx.session.metric.spec
     if not tiers.probe_sensitivity or not scope.planned:
         return Tier1Curves()
     if tiers.probe:
         if not spec.zero_on_dense:
             return Tier1Curves()
-        return probed(model, session, scope.planned, tier1.spectra, tier1.align, tier1.target, progress)
+        return probed(ctx, refs, scope.planned, tier1.spectra, (tier1.align, tier1.target))
     if not spec.gradient:
         return Tier1Curves()
-    return gradients(model, session, scope.planned, scope.sensitive, tier1.spectra, tier1.align, tier1.target,
-                     progress)
+    return gradients(ctx, refs, scope, tier1.spectra, (tier1.align, tier1.target))
 
 
 VERIFY_TRIES = 6  # plans verified at most, from the largest that held on the search rows down
@@ -234,14 +268,15 @@ def curves_for(sensitivity: Sensitivity, tier1: Tier1, scope: Scope, settings: "
                    for k, v in curves.options.items() if k in named}, curves.source, curves.linear)
 
 
-def search(model: "nn.Module", session: CalibrationSession, tier1: Tier1, scope: Scope, sensitivity: Sensitivity,
-           tiers: "TierOptions", settings: "Settings", progress: "Progress") -> Searched:
+def search(ctx: PassContext, refs: References, tier1: Tier1, scope: Scope, sensitivity: Sensitivity,
+           tiers: "TierOptions", settings: "Settings") -> Searched:
     """The rounding floor (what every plannable layer at full rank measures: rounding alone), then the plan search
     over the sensitivity's curves, judged against the tolerance as given (the floor is part of every plan's cost)."""
     from ..statistics.whiten import part_bytes
     from .budget import plan_for_budget
     from .rounding import low_precision, rounding_floor
 
+    model, session, progress = ctx.model, ctx.session, ctx.progress
     seconds: dict[str, float] = {}
     # each layer decomposed once for the rounding floor, the search, the verification and the plan check; one part
     # of the model's decompositions in memory (a block's, or the largest outside layer's), the rest on disk; the
@@ -257,7 +292,7 @@ def search(model: "nn.Module", session: CalibrationSession, tier1: Tier1, scope:
     t = time.perf_counter()
     if low_precision(model, scope.sensitive):
         with progress.phase("rounding floor"):
-            rounding = rounding_floor(model, scope.sensitive, session, reuse)
+            rounding = rounding_floor(model, scope.sensitive, session, reuse, refs.evaluator)
         seconds["rounding"] = time.perf_counter() - t
     else:
         rounding = None
@@ -272,8 +307,8 @@ def search(model: "nn.Module", session: CalibrationSession, tier1: Tier1, scope:
     t = time.perf_counter()
     with progress.phase("tier 3 plan search", unit="plan"):
         budget = plan_for_budget(model, list(session.layers.values()), session, curves, budget=tiers.budget,
-                                 fixed=scope.fixed, progress=progress.update, reuse=reuse,
-                                 backstops=VERIFY_BACKSTOPS if session.verifier is not None else 0)
+                                 fixed=scope.fixed, progress=progress.update, reuse=reuse, measurer=refs.search,
+                                 backstops=VERIFY_BACKSTOPS if refs.verifier is not None else 0)
     seconds["tier3"] = tier3 + time.perf_counter() - t
     return Searched(budget, rounding, reuse, budget.evaluations + int(rounding is not None), seconds,
                     untied if scope.ties else None, scope.ties, loss_aware=given is not None and len(todo) < len(
@@ -288,17 +323,19 @@ class Recovered:
     seconds: dict[str, float] = field(default_factory=dict)
 
 
-def recovered(model: "nn.Module", session: CalibrationSession, budget: BudgetResult, recovery: "RecoveryOptions",
-              progress: "Progress") -> Recovered:
-    """``--recover``: every frontier plan measured again after the recovery fine-tune."""
+def recovered(ctx: PassContext, refs: References, searched: Searched, sensitivity: Sensitivity,
+              recovery: "RecoveryOptions") -> Recovered:
+    """``--recover``: every frontier plan measured again after the recovery fine-tune, each from the factors it was
+    measured at (the gradient pass's loss-aware ones, where the search had them)."""
     if recovery.steps is None:
-        return Recovered(budget)
+        return Recovered(searched.budget)
     from .budget import recover_frontier
 
     t = time.perf_counter()
-    with progress.phase("tier 3 recovery", unit="plan"):
-        out = recover_frontier(model, session, budget, recovery,
-                               progress=lambda done, total: progress.update(done, total))
+    with ctx.progress.phase("tier 3 recovery", unit="plan"):
+        out = recover_frontier(ctx.model, ctx.session, searched.budget, recovery,
+                               progress=lambda done, total: ctx.progress.update(done, total),
+                               reference=refs.evaluator, kept=sensitivity.loss_metric)
     return Recovered(out, {"recovery": time.perf_counter() - t})
 
 
@@ -313,15 +350,15 @@ class Verified:
     warnings: tuple[str, ...] = ()
 
 
-def verified(model: "nn.Module", session: CalibrationSession, budget: BudgetResult, reuse: TruncatorStore,
-             progress: "Progress") -> Verified:
+def verified(ctx: PassContext, refs: References, budget: BudgetResult, reuse: TruncatorStore) -> Verified:
     """The verification (split sessions only): the plan chosen by its interval on the verification rows."""
-    ver = session.verifier
+    ver = refs.verifier
     if ver is None:
         return Verified(budget)
     t = time.perf_counter()
-    with progress.phase("verification", unit="plan"):
-        budget = verify(model, session, budget, reuse)
+    before = ver.evaluations
+    with ctx.progress.phase("verification", unit="plan"):
+        budget = verify(ctx.model, ctx.session, budget, refs, reuse)
     seconds = {"verification": time.perf_counter() - t}
     v = budget.verification
     warnings: tuple[str, ...] = ()
@@ -331,9 +368,9 @@ def verified(model: "nn.Module", session: CalibrationSession, budget: BudgetResu
                 if u is not None else f"a {100 * v.confidence:g}% interval {v.low:.4g} to {v.high:.4g}"
                 if v.low is not None else "no interval")
         warnings = (f"the {v.rows:,} verification rows (held out, never searched) give {what} against the "
-                    f"tolerance {session.metric.tolerance:g}: too few to resolve it; about {v.rows_needed:,} "
+                    f"tolerance {ctx.session.metric.tolerance:g}: too few to resolve it; about {v.rows_needed:,} "
                     f"verification rows (about {2 * v.rows_needed:,} held out) would",)
-    return Verified(budget, ver.evaluations, seconds, warnings)
+    return Verified(budget, ver.evaluations - before, seconds, warnings)
 
 
 @dataclass(frozen=True)
@@ -346,8 +383,8 @@ class Baselined:
     seconds: dict[str, float] = field(default_factory=dict)
 
 
-def baselined(model: "nn.Module", session: CalibrationSession, budget: BudgetResult, scope: Scope,
-              reuse: TruncatorStore | None, progress: "Progress") -> Baselined:
+def baselined(ctx: PassContext, refs: References, budget: BudgetResult, scope: Scope,
+              reuse: TruncatorStore | None) -> Baselined:
     """The baseline in every report: uniform whitened truncation of the planned layers at each measured plan's share
     removed, all at once on its rows (:mod:`~auditor.calibration.tiers.uniform`). ``reuse``: SVD-LLM's
     input-whitened truncations where the search's are (None: a store of its own, the layers decomposed here)."""
@@ -357,10 +394,10 @@ def baselined(model: "nn.Module", session: CalibrationSession, budget: BudgetRes
     if not any(p.plan for p in [*budget.frontier, *budget.tries]):
         return Baselined(budget)
     if reuse is None:
-        reuse = TruncatorStore(part_bytes(model, scope.sensitive))
+        reuse = TruncatorStore(part_bytes(ctx.model, scope.sensitive))
     t = time.perf_counter()
-    with progress.phase("uniform baseline", unit="plan"):
-        out, n = with_baselines(model, session, budget, scope.sensitive, reuse)
+    with ctx.progress.phase("uniform baseline", unit="plan"):
+        out, n = with_baselines(ctx, refs, budget, scope.sensitive, reuse)
     return Baselined(out, n, {"baseline": time.perf_counter() - t})
 
 
@@ -381,45 +418,48 @@ def _candidates(budget: BudgetResult) -> list[FrontierPlan]:
     return held
 
 
-def verify(model: "nn.Module", session: CalibrationSession, budget: BudgetResult,
+def verify(model: "nn.Module", session: CalibrationSession, budget: BudgetResult, refs: References,
            reuse: TruncatorStore | None = None) -> BudgetResult:
     """Tier 3's plan verified on the held-out rows the search never read: the largest plan that held on the search
     rows whose verification interval ends within the tolerance (at most ``VERIFY_TRIES`` verified, largest first;
     the smallest verified stands, said to miss or straddle, when none does). The dense model is never verified: it
-    is the reference."""
+    is the reference. ``budget`` is left as it was: the result is a new one, its tries with their verifications."""
     from ..apply import measured_copy
 
-    ver = session.verifier
+    ver = refs.verifier
     assert ver is not None
     stats = session.stats
-    search_rows = sum(b.rows for b in session.search_calibration.holdout)
     if budget.chosen_after_recovery or not budget.plan:
         if budget.plan:
             with session.measuring():
                 v = ver.measure(measured_copy(model, budget.plan, stats, reuse))
-            return replace(budget, verification=replace(v, search_rows=search_rows))
+            return replace(budget, verification=replace(v, search_rows=refs.search_rows))
         return budget
     chosen: FrontierPlan | None = None
     v: Verification | None = None
+    done: dict[int, Verification] = {}  # id of a try -> its verification
     with session.measuring():
         for p in _candidates(budget)[:VERIFY_TRIES]:
             v = ver.measure(measured_copy(model, p.plan, stats, reuse))
             trim_heap()  # the plan's factors handed back before the next
             chosen = p
-            p.verification = v = replace(v, search_rows=search_rows)  # every plan verified says so in the report
+            done[id(p)] = v = replace(v, search_rows=refs.search_rows)  # every plan verified says so in the report
             if v.ok:
                 break
     assert chosen is not None and v is not None
+    # a try the frontier holds too (the same plan object) shows its verification there as well
+    tries, frontier = ([replace(p, verification=done[id(p)]) if id(p) in done else p for p in plans]
+                       for plans in (budget.tries, budget.frontier))
     if chosen.plan == budget.plan:
-        return replace(budget, verification=v)
+        return replace(budget, tries=tries, frontier=frontier, verification=v)
     total = budget.params_before
-    return replace(budget, plan=dict(chosen.plan), removed=chosen.removed, removed_fraction=chosen.removed_fraction,
-                   metric=chosen.metric, ok=chosen.ok, top1=chosen.top1, params_after=total - chosen.removed,
-                   predicted_cost=chosen.predicted_cost, verification=v,
+    return replace(budget, tries=tries, frontier=frontier, plan=dict(chosen.plan), removed=chosen.removed,
+                   removed_fraction=chosen.removed_fraction, metric=chosen.metric, ok=chosen.ok, top1=chosen.top1,
+                   params_after=total - chosen.removed, predicted_cost=chosen.predicted_cost, verification=v,
                    smallest_failing=budget.removed if budget.smallest_failing is None
                    else min(budget.smallest_failing, budget.removed))
 
 
-__all__ = ["Baselined", "Floored", "Recovered", "Scope", "Searched", "Span", "Tier1", "VERIFY_BACKSTOPS",
+__all__ = ["Baselined", "Floored", "PassContext", "Recovered", "References", "Scope", "Searched", "Span", "Tier1", "VERIFY_BACKSTOPS",
            "VERIFY_TRIES", "Verified", "baselined", "curves_for", "floors", "recovered", "scope_of", "search",
-           "sensitivity", "sweepable", "tier1", "verified", "verify"]
+           "references", "sensitivity", "sweepable", "tier1", "verified", "verify"]

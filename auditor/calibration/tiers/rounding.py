@@ -27,6 +27,7 @@ if TYPE_CHECKING:
 
     from torch import nn
 
+    from ..measure.metric import Evaluator
     from ..session import CalibrationSession
     from ..statistics.whiten import Truncator
 
@@ -49,19 +50,21 @@ def low_precision(model: "nn.Module", layers: list[Layer]) -> str:
 
 
 def rounding_floor(model: "nn.Module", layers: list[Layer], session: "CalibrationSession",
-                   reuse: "MutableMapping[str, Truncator] | None" = None) -> RoundingFloor | None:
+                   reuse: "MutableMapping[str, Truncator] | None" = None,
+                   evaluator: "Evaluator | None" = None) -> RoundingFloor | None:
     """The metric with every one of ``layers`` factorized at full rank (whitened factors from the session's
-    statistics, in the model's dtype), measured by the session's evaluator on the held-out rows; None when the
-    layers hold no bfloat16 / float16 weights, or there are none. ``reuse``: the decompositions kept for tier 3
-    (each layer's made here once, and read there)."""
+    statistics, in the model's dtype), measured on the held-out rows by ``evaluator`` (the audit's references';
+    None: one measured here); None when the layers hold no bfloat16 / float16 weights, or there are none.
+    ``reuse``: the decompositions kept for tier 3 (each layer's made here once, and read there)."""
     from ..apply import measured_copy
+    from ..references import evaluator_of
 
     dtype = low_precision(model, layers)
     if not dtype or not layers:
         return None
     plan = {l.name: l.max_rank for l in layers}
     with session.measuring():
-        ev = session.evaluator
+        ev = evaluator if evaluator is not None else evaluator_of(session)
         m = ev.measure(measured_copy(model, plan, session.statistics(layers), reuse))
     metric = session.metric
     used = metric.used(m.value, ev.reference)

@@ -30,8 +30,9 @@ from .sweep import Floors, probe_sensitivity
 if TYPE_CHECKING:
     from torch import nn
 
-    from ...progress import Progress
+    from ..references import References
     from ..session import CalibrationSession
+    from .passes import PassContext, Scope
     from ..statistics.whiten import LossMetric, Truncator, TruncatorStore, WhitenedSpectrum
 
 
@@ -41,6 +42,7 @@ class Sensitivity(Protocol):
     evaluations: int  # model-level evaluations it took (the probes'; tier 2's count with its floors)
     seconds: dict[str, float]  # its phases' wall time ("gradients", "probes"), none when nothing was measured
     fallback: SensitivityFallback | None  # the planned layers the output gradients did not reach, and what costed them
+    loss_metric: "LossMetric | None"  # the gradient pass's loss-aware truncations and moments, where it ran
 
     def curves(self, planned: list[Layer], spectra: "dict[str, WhitenedSpectrum]", align: int) -> Curves:
         """Tier 3's options for ``planned``, every rank a multiple of ``align`` (or a measured one)."""
@@ -59,6 +61,7 @@ class Tier1Curves:
     evaluations: int = 0
     seconds: dict[str, float] = field(default_factory=dict)
     fallback: SensitivityFallback | None = None  # the gradients reached no layer, and probes cannot be read
+    loss_metric: "LossMetric | None" = None  # the gradient pass's, when it ran before a fallback
 
     def curves(self, planned: list[Layer], spectra: "dict[str, WhitenedSpectrum]", align: int) -> Curves:
         return curves_from_spectra({l.name: spectra[l.name] for l in planned}, planned, align)
@@ -78,6 +81,7 @@ class Measured:
     evaluations: int = 0  # counted with the floors (the stage's Floored)
     seconds: dict[str, float] = field(default_factory=dict)
     fallback: SensitivityFallback | None = None
+    loss_metric: "LossMetric | None" = None  # the gradient pass's, when it ran before a fallback
 
     def curves(self, planned: list[Layer], spectra: "dict[str, WhitenedSpectrum]", align: int) -> Curves:
         return curves_from_floors(self.floors, planned, spectra)
@@ -97,6 +101,7 @@ class Probed:
     evaluations: int
     seconds: dict[str, float]
     fallback: SensitivityFallback | None = None  # probed because the output gradients reached no planned layer
+    loss_metric: "LossMetric | None" = None  # the gradient pass's, when it ran before a fallback
 
     def curves(self, planned: list[Layer], spectra: "dict[str, WhitenedSpectrum]", align: int) -> Curves:
         return curves_from_floors(self.floors, planned, spectra, source="probed")
@@ -121,6 +126,7 @@ class Gradients:
     probed: Floors | None = None
     fallback: SensitivityFallback | None = None
     reuse: "TruncatorStore | None" = None  # the loss-aware truncations the costs are of (tier 3 cuts from them)
+    loss_metric: "LossMetric | None" = None  # its loss-aware truncations and moments (factorize reads them)
 
     def curves(self, planned: list[Layer], spectra: "dict[str, WhitenedSpectrum]", align: int) -> Curves:
         return curves_from_gradients(self.gradients, planned, align)
@@ -136,25 +142,32 @@ class Gradients:
         return [(r, predicted_value(c[r], self.gradients.linear)) for r in ranks if r < len(c)]
 
 
-def probed(model: "nn.Module", session: "CalibrationSession", planned: list[Layer],
-           spectra: "dict[str, WhitenedSpectrum]", align: int, target: float, progress: "Progress") -> Probed:
-    """``--probe``: each planned layer truncated alone at two ranks and measured (two evaluations a layer)."""
+def probed(ctx: "PassContext", refs: "References", planned: list[Layer], spectra: "dict[str, WhitenedSpectrum]",
+           aim: tuple[int, float]) -> Probed:
+    """``--probe``: each planned layer truncated alone at two ranks (``aim``: tier 1's align and target) and
+    measured against the references' evaluator (two evaluations a layer)."""
+    progress = ctx.progress
+
     def steps(done: int, total: int, n: int) -> None:
         progress.update(done, total, note=f"{n} evaluation{'s' if n != 1 else ''}")
 
     t = time.perf_counter()
     with progress.phase("sensitivity probes", total=len(planned)):
-        floors = probe_sensitivity(model, planned, session, spectra, align, target, steps=steps)
+        floors = probe_sensitivity(ctx.model, planned, ctx.session, spectra, *aim, steps=steps,
+                                   evaluator=refs.evaluator)
     return Probed(floors, floors.evaluations, {"probes": time.perf_counter() - t})
 
 
-def gradients(model: "nn.Module", session: "CalibrationSession", planned: list[Layer], layers: list[Layer],
-              spectra: "dict[str, WhitenedSpectrum]", align: int, target: float, progress: "Progress") -> Sensitivity:
-    """The output-gradient sensitivity of ``layers`` (the planned and fixed ones: one backward pass per sample over
-    the gradient rows, :func:`gradient_rows`), its costs scaled to the statistics' rows; the ``planned`` layers no
-    gradient reached fall back (:func:`_fallback`)."""
+def gradients(ctx: "PassContext", refs: "References", scope: "Scope", spectra: "dict[str, WhitenedSpectrum]",
+              aim: tuple[int, float]) -> Sensitivity:
+    """The output-gradient sensitivity of the scope's sensitive layers (the planned and fixed ones: one backward
+    pass per sample over the gradient rows, :func:`gradient_rows`), its costs scaled to the statistics' rows; the
+    planned layers no gradient reached fall back (:func:`_fallback`). Its ``loss_metric``: the loss-aware
+    truncations and moments factorize's loss-aware and sequential fits read."""
     from ..statistics.whiten import TruncatorStore, part_bytes
 
+    model, session, progress = ctx.model, ctx.session, ctx.progress
+    planned, layers = scope.planned, scope.sensitive
     cal, share = gradient_rows(session.calibration)
     # each reached layer's loss-aware truncation (one part of the model's in memory, the rest on disk): what its
     # costs are of, and what tier 3, the verification and the plan check cut factors from
@@ -168,11 +181,12 @@ def gradients(model: "nn.Module", session: "CalibrationSession", planned: list[L
     if share < 1.0:  # the pass's scale is over its own rows; the statistics sum every fit row
         g = replace(g, costs={k: [share * c for c in v] for k, v in g.costs.items()},
                     scaled={k: share * r for k, r in g.scaled.items()})
-    session.loss_metric = g.loss_metric(layers)  # factorize's loss-aware and sequential fits read them
+    kept = g.loss_metric(layers)  # factorize's loss-aware and sequential fits read them
     if not any(l.name in g.unreachable for l in planned):
-        return Gradients(g, seconds, reuse=store)
-    out = _fallback(model, session, g, seconds, planned, spectra, (align, target), progress)
-    return replace(out, reuse=store) if isinstance(out, Gradients) else out
+        return Gradients(g, seconds, reuse=store, loss_metric=kept)
+    out = _fallback(ctx, refs, g, seconds, planned, spectra, aim)
+    return replace(out, reuse=store, loss_metric=kept) if isinstance(out, Gradients) else replace(
+        out, loss_metric=kept)
 
 
 def loss_metric(session: "CalibrationSession", model: nn.Module, planned: list[Layer]) -> "LossMetric | None":
@@ -208,9 +222,8 @@ def loss_metric_for(session: "CalibrationSession", model: nn.Module, planned: li
     return found
 
 
-def _fallback(model: "nn.Module", session: "CalibrationSession", g: GradientSensitivity, seconds: dict[str, float],
-              planned: list[Layer], spectra: "dict[str, WhitenedSpectrum]", aim: tuple[int, float],
-              progress: "Progress") -> Sensitivity:
+def _fallback(ctx: "PassContext", refs: "References", g: GradientSensitivity, seconds: dict[str, float],
+              planned: list[Layer], spectra: "dict[str, WhitenedSpectrum]", aim: tuple[int, float]) -> Sensitivity:
     """The planned layers no output gradient reached (``g.unreachable``: a forward that detaches, runs under
     ``torch.no_grad()``, goes through numpy or returns integers): costed by truncation probes (on those layers only)
     where the metric allows them, else by tier-1 costs (scaled by the reached layers' median ratio, where some were
@@ -218,7 +231,7 @@ def _fallback(model: "nn.Module", session: "CalibrationSession", g: GradientSens
     lost = [l for l in planned if l.name in g.unreachable]
     reasons = list(dict.fromkeys(g.unreachable[l.name] for l in lost))
     reached = [l for l in planned if l.name in g.costs and l.name not in g.scaled and l.name not in g.unreachable]
-    can_probe = session.metric.spec.zero_on_dense
+    can_probe = ctx.session.metric.spec.zero_on_dense
     method = ("truncation probes (each layer truncated alone and measured, as --probe)" if can_probe
               else "tier-1 costs scaled by the median gradient ratio of the layers reached" if reached
               else "tier-1 costs")
@@ -226,11 +239,11 @@ def _fallback(model: "nn.Module", session: "CalibrationSession", g: GradientSens
     if not reached:
         if not can_probe:
             return Tier1Curves(seconds=seconds, fallback=fb)
-        p = probed(model, session, planned, spectra, *aim, progress)
+        p = probed(ctx, refs, planned, spectra, aim)
         return replace(p, seconds={**seconds, **p.seconds}, fallback=fb)
     if not can_probe:
         return Gradients(g, seconds, fallback=fb)
-    p = probed(model, session, lost, spectra, *aim, progress)
+    p = probed(ctx, refs, lost, spectra, aim)
     return Gradients(_probed_costs(g, p.floors, lost, spectra), {**seconds, **p.seconds}, p.evaluations, p.floors,
                      fb)
 

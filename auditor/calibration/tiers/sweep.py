@@ -37,6 +37,7 @@ from ...calresults import LayerFloor
 from ...results import Layer
 from ..data.inputs import Calibration, eval_mode
 from ..measure.metric import Evaluator, Metric
+from ..references import evaluator_of
 from ..session import CalibrationSession
 from ..statistics.stats import InputStatistics, by_name
 from ..statistics.whiten import Truncator, WhitenedSpectrum
@@ -437,6 +438,7 @@ class SweepSettings:
     search: str = "bisect"
     prefix_cache: bool = True
     prefix_cache_bytes: int | None = None
+    evaluator: "Evaluator | None" = None  # the dense reference to measure against (the audit's); None: one here
 
 
 class SweepFields(TypedDict, total=False):
@@ -450,6 +452,7 @@ class SweepFields(TypedDict, total=False):
     search: str
     prefix_cache: bool
     prefix_cache_bytes: int | None
+    evaluator: "Evaluator | None"
 
 
 class _Evaluations:
@@ -554,7 +557,8 @@ class Sweeper:
         self.stats = session.statistics(self.layers)
         self.work = model  # swept in place: one layer's weight at a time, restored after each evaluation
         self.spectra = o.spectra or {}
-        self.evaluator = session.evaluator  # measures the swept model against the dense model's reference
+        # measures the swept model against the dense model's reference (the audit's references', or one here)
+        self.evaluator = o.evaluator if o.evaluator is not None else evaluator_of(session)
         self.params = dict(self.work.named_parameters(remove_duplicate=False))
         self.cache = None
         if o.prefix_cache:
@@ -653,14 +657,16 @@ def probe_ranks(layer: Layer, spec: WhitenedSpectrum | None, align: int, target:
 def probe_sensitivity(model: nn.Module, layers: dict[str, Layer] | list[Layer],
                       calibration: Calibration | CalibrationSession, spectra: dict[str, WhitenedSpectrum],
                       align: int = 8, target: float = 0.01,
-                      steps: Callable[[int, int, int], None] | None = None) -> Floors:
+                      steps: Callable[[int, int, int], None] | None = None,
+                      evaluator: "Evaluator | None" = None) -> Floors:
     """Each layer truncated alone at its :func:`probe_ranks` and measured on the held-out batches (at most two
     evaluations a layer): ``Floors`` whose points, not floors, are what counts (``search`` "probe"). A layer's
     tier-1 layer-output error times its measured gain is its model-level cost in tier 3
     (:func:`~auditor.calibration.tiers.budget.curves_from_floors`): a layer whose errors the rest of the model hides
-    costs less than one whose errors reach the output. ``model`` is not modified."""
+    costs less than one whose errors reach the output. ``model`` is not modified. ``evaluator``: the dense reference
+    to measure against (the audit's references'; None: one measured here)."""
     t0 = time.perf_counter()
-    sweeper = Sweeper(model, layers, calibration, align=align, spectra=spectra)
+    sweeper = Sweeper(model, layers, calibration, align=align, spectra=spectra, evaluator=evaluator)
     base = sweeper.evaluations
     out: dict[str, Floor] = {}
     if steps is not None:

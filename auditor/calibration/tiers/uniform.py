@@ -27,8 +27,9 @@ from ...results import Layer
 if TYPE_CHECKING:
     from torch import nn
 
-    from ..session import CalibrationSession
+    from ..references import References
     from ..statistics.whiten import TruncatorStore
+    from .passes import PassContext
 
 STEPS = 64  # bisection steps on the kept share: the bracket closes to below a float's resolution near 1
 
@@ -104,12 +105,12 @@ def planned_layers(layers: list[Layer], fixed: dict[str, int], plans: Sequence[d
     return [l for l in layers if l.name not in fixed and (not kinds or l.kind in kinds)]
 
 
-def measure_uniform(model: "nn.Module", session: "CalibrationSession", layers: list[Layer], p: FrontierPlan,
+def measure_uniform(ctx: "PassContext", refs: "References", layers: list[Layer], p: FrontierPlan,
                     budget: BudgetResult, reuse: "TruncatorStore | None", verify: bool = False) -> UniformBaseline:
     """Uniform whitened truncation of :func:`planned_layers` removing as close to ``p.removed`` as integer ranks
     allow (``budget.fixed`` layers at their ranks, as in ``p``), measured all at once on ``p``'s search rows, and
     with ``verify`` on the verification rows too. The model is measured in eval mode (the caller's
-    ``session.measuring()``)."""
+    ``session.measuring()``), against the references' search measurer and verifier."""
     from ..apply import measured_copy
     from ..measure.staged import StagedEvaluator
 
@@ -120,32 +121,31 @@ def measure_uniform(model: "nn.Module", session: "CalibrationSession", layers: l
     u = uniform_plan(cut, p.removed - fixed_saved)
     ranks = {**u.ranks, **fixed}
     removed = u.removed + fixed_saved
-    new = measured_copy(model, ranks, session.stats, reuse)
-    ev = session.search_evaluator
+    new = measured_copy(ctx.model, ranks, ctx.session.stats, reuse)
+    ev = refs.search
     m = ev.measure_rows(new, p.rows) if isinstance(ev, StagedEvaluator) and p.rows else ev.measure(new)
     rows = ev.rows_read if isinstance(ev, StagedEvaluator) else 0
     v = None
-    if verify and session.verifier is not None:
-        search_rows = sum(b.rows for b in session.search_calibration.holdout)
-        v = replace(session.verifier.measure(new), search_rows=search_rows)
+    if verify and refs.verifier is not None:
+        v = replace(refs.verifier.measure(new), search_rows=refs.search_rows)
     return UniformBaseline(u.kept, len(ranks), removed, removed / total if total else 0.0, m.value, m.ok, rows, v,
                            ranks=ranks)
 
 
-def with_baselines(model: "nn.Module", session: "CalibrationSession", budget: BudgetResult, layers: list[Layer],
+def with_baselines(ctx: "PassContext", refs: "References", budget: BudgetResult, layers: list[Layer],
                    reuse: "TruncatorStore | None") -> tuple[BudgetResult, int]:
     """``budget`` with the uniform baseline beside each frontier plan that removes something and beside the chosen
     plan (on its verification rows too, where it was verified); and the measurements that took."""
     done: dict[tuple[tuple[str, int], ...], UniformBaseline] = {}
     count = 0
     chosen = tuple(sorted(budget.plan.items()))
-    with session.measuring():
+    with ctx.session.measuring():
         for p in [*budget.frontier, *(q for q in budget.tries if q.plan == budget.plan)]:
             key = tuple(sorted(p.plan.items()))
             if not p.plan or key in done:
                 continue
             verify = key == chosen and budget.verification is not None
-            done[key] = measure_uniform(model, session, layers, p, budget, reuse, verify)
+            done[key] = measure_uniform(ctx, refs, layers, p, budget, reuse, verify)
             trim_heap()  # the plan's factors handed back before the next
             count += 1 + int(done[key].verification is not None)
     frontier = [replace(p, uniform=done.get(tuple(sorted(p.plan.items())))) for p in budget.frontier]
