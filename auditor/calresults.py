@@ -545,8 +545,8 @@ class CalibrationReport:
     tier1_target: float = working(0.01)  # the layer-output error tier 1 ranked for (the metric's rule)
     increase_of: str = working("")  # the metric is the relative increase of this dense value ("perplexity")
     # what the metric says of itself (calibration.metrics.base.MetricKind.limit / display), read through facts:
-    limit: float | None = working(None)  # the value at which it stops holding (the tolerance line)
-    display: str = working("")  # "percent" (a fraction against the tolerance) | "number" (its units, beside dense)
+    limit: float | None = None  # the value at which it stops holding (the tolerance line)
+    display: str = ""  # "percent" (a fraction against the tolerance) | "number" (its units, beside dense)
 
     def __post_init__(self) -> None:
         if self.limit is None or not self.display:  # a report made by hand: the rule of the built-in kinds

@@ -223,10 +223,13 @@ def test_a_higher_is_better_metric_holds_down_to_the_dense_value_less_the_tolera
     assert (acc.shortfall(0.5), acc.shortfall(1.0)) == (0.25, -0.25)
 
 
-def test_a_percentage_is_never_higher_is_better_and_the_report_carries_its_facts():
+def test_a_percentage_is_never_higher_is_better_and_the_report_carries_its_facts_into_the_json():
     from auditor.calresults import CalibrationReport, MetricFacts
 
     with pytest.raises(ValueError, match="written as a percentage .* is lower-is-better"):
         MetricFacts("accuracy", True, 0.01, 0.9, 0.89, "percent")
     made = CalibrationReport("c", "0.25", "", 1, 1, "accuracy", True, 0.125, 0.875)
     assert made.facts == MetricFacts("accuracy", True, 0.125, 0.875, 0.75, "number")
+    d = made.to_dict()
+    assert (d["limit"], d["display"]) == (0.75, "number")
+    assert list(d).index("limit") > list(d).index("reference")  # written after the fields it is built from
