@@ -417,6 +417,103 @@ class SensitivityFallback:
                 "costs.")
 
 
+@dataclass(frozen=True)
+class MetricFacts:
+    """The facts of the report's metric that the renderers and the verdict read, in one place, built from what the
+    metric kind says of itself (``MetricKind.limit`` / ``display``, carried by the report): whether a value holds,
+    how a value, a change from the dense model and the tolerance read, and which side of the tolerance line fails.
+    :attr:`CalibrationReport.facts` builds it; no renderer asks the metric's direction itself.
+
+    >>> f = MetricFacts("perplexity increase", False, 0.01, 153.77, 0.01, "percent", "perplexity")
+    >>> f.holds(0.009112), f.words(0.009112), f.change(0.009112)
+    (True, '+0.911%', 'held-out perplexity 153.77 -> 155.17 (+0.911%, tolerance +1%)')
+    """
+
+    label: str  # the metric's label
+    higher_is_better: bool
+    tolerance: float
+    reference: float  # the dense model's value (0 for a metric that is zero on it)
+    limit: float  # the value at which it stops holding (the tolerance line)
+    display: str  # "percent" (a fraction written as a percentage) | "number" (its own units)
+    increase_of: str = ""  # the metric is the relative increase of this dense value ("perplexity")
+
+    def __post_init__(self) -> None:
+        if self.display == "percent" and self.higher_is_better:
+            raise ValueError("a metric written as a percentage (an error, an increase) is lower-is-better")
+
+    @property
+    def fails_above(self) -> bool:
+        """Values above :attr:`limit` miss it: lower is better (an error, an increase, a divergence), a damage the
+        charts may draw on a log axis; False: higher is better, and values below it miss."""
+        return not self.higher_is_better
+
+    @property
+    def from_dense(self) -> bool:
+        """A value reads as a change from the dense model's own value, shown beside it (a metric where higher is
+        better, or a positive dense value such as a perplexity), not as a distance that is zero on the dense model."""
+        return self.higher_is_better or self.reference > 0
+
+    def holds(self, value: float) -> bool:
+        """``value`` stays within the tolerance: on :attr:`limit` or its holding side (NaN never holds)."""
+        return value >= self.limit if self.higher_is_better else value <= self.limit
+
+    def shortfall(self, value: float) -> float:
+        """How far ``value`` lies on the failing side of :attr:`limit` (positive: it misses; larger: worse)."""
+        return self.limit - value if self.higher_is_better else value - self.limit
+
+    def words(self, v: float | None) -> str:
+        """One measured value in the metric's one unit, as every format writes it: a fraction the reports show as a
+        percentage (``display == "percent"``) with three significant digits, signed for a relative increase
+        ("+0.878%", "0.968%"); any other metric with 4 significant digits; ``–`` for None or NaN."""
+        if v is None or not math.isfinite(v):
+            return "\u2013"
+        if self.display != "percent":
+            return f"{v:.4g}"
+        x = 100 * v
+        digits = max(0, 2 - math.floor(math.log10(abs(x)))) if x != 0 else 0
+        return ("+" if self.increase_of and v > 0 else "") + f"{x:.{digits}f}%"
+
+    def tolerance_words(self) -> str:
+        """The tolerance in the metric's unit: "+1%" for a relative increase, "1%" for the output error, else as is."""
+        if self.display != "percent":
+            return f"{self.tolerance:g}"
+        return f"+{100 * self.tolerance:g}%" if self.increase_of else f"{100 * self.tolerance:g}%"
+
+    def change(self, value: float | None) -> str:
+        """A measured value with the dense value and the tolerance, the same words in every format: "held-out
+        perplexity 153.77 -> 155.17 (+0.911%, tolerance +1%)" for a relative increase, "held-out accuracy 0.9 ->
+        0.88 (tolerance -0.05)" where higher is better, "relative output error 0.994% (tolerance 1%)" otherwise."""
+        if value is not None and math.isinf(value):  # a plan that breaks the model: measured, and infinitely bad
+            return self._infinite(value)
+        if value is None or not math.isfinite(value):
+            return f"{self.label}: not measured"
+        if self.increase_of and self.reference > 0:
+            return (f"held-out {self.increase_of} {self.reference:.2f} -> {self.reference * (1 + value):.2f} "
+                    f"({self.words(value)}, tolerance {self.tolerance_words()})")
+        if self.higher_is_better:
+            return f"held-out {self.label} {self.reference:.4g} -> {value:.4g} (tolerance -{self.tolerance:g})"
+        return f"{self.label} {self.words(value)} (tolerance {self.tolerance_words()})"
+
+    def _infinite(self, value: float) -> str:
+        """An infinite measurement in words: "held-out perplexity 32.29 -> infinite (perplexity infinite, tolerance
+        +1%)" (the loss overflowed a float), "relative output error infinite (tolerance 1%)" otherwise."""
+        sign = "-" if value < 0 else ""
+        if self.increase_of and self.reference > 0:
+            return (f"held-out {self.increase_of} {self.reference:.2f} -> {sign}infinite ({self.increase_of} "
+                    f"{sign}infinite, tolerance {self.tolerance_words()})")
+        return f"{self.label} {sign}infinite (tolerance {self.tolerance_words()})"
+
+    def judged(self, value: float, ok: bool, tolerance: bool = True) -> str:
+        """A measured value against what judges it, as the plan cards write it: "0.58% \u2264 1%" (">" where ``ok``
+        is False) for a value held under the limit; "0.88 (dense 0.9, tolerance 0.05)" beside the dense value where
+        higher is better (``tolerance`` False leaves the tolerance out there)."""
+        if self.fails_above:
+            sign = "\u2264" if ok else ">"
+            return f"{self.words(value)} {sign} {self.tolerance_words()}"
+        tol = f", tolerance {self.tolerance_words()}" if tolerance else ""
+        return f"{self.words(value)} (dense {self.words(self.reference)}{tol})"
+
+
 @dataclass
 class CalibrationReport:
     """What calibration data measured: tier 1 always, tier 2 with --measure-floor, tier 3 with --budget."""
@@ -447,9 +544,9 @@ class CalibrationReport:
     sensitivity_fallback: SensitivityFallback | None = None  # planned layers gradients missed; JSON: only when set
     tier1_target: float = working(0.01)  # the layer-output error tier 1 ranked for (the metric's rule)
     increase_of: str = working("")  # the metric is the relative increase of this dense value ("perplexity")
-    # what the metric says of itself (calibration.metrics.base.MetricKind.limit / display), for the renderers:
-    limit: float | None = working(None)  # the value at which it stops holding (the tolerance line)
-    display: str = working("")  # "percent" (a fraction against the tolerance) | "number" (its units, beside dense)
+    # what the metric says of itself (calibration.metrics.base.MetricKind.limit / display), read through facts:
+    limit: float | None = None  # the value at which it stops holding (the tolerance line)
+    display: str = ""  # "percent" (a fraction against the tolerance) | "number" (its units, beside dense)
 
     def __post_init__(self) -> None:
         if self.limit is None or not self.display:  # a report made by hand: the rule of the built-in kinds
@@ -459,10 +556,12 @@ class CalibrationReport:
             self.display = self.display or (
                 "percent" if not higher and (self.increase_of or "error" in self.metric) else "number")
 
-    def shortfall(self, value: float) -> float:
-        """How far ``value`` lies on the failing side of :attr:`limit` (positive: it misses; larger: worse)."""
+    @property
+    def facts(self) -> MetricFacts:
+        """The metric's facts (:class:`MetricFacts`): what the renderers and the verdict ask of it."""
         assert self.limit is not None
-        return self.limit - value if self.higher_is_better else value - self.limit
+        return MetricFacts(self.metric, self.higher_is_better, self.tolerance, self.reference, self.limit,
+                           self.display, self.increase_of)
 
     def recovery_note(self) -> str:
         """How the suggested plan holds when ``--choose-after-recovery`` chose it on the recovered curve: "holds
@@ -476,22 +575,12 @@ class CalibrationReport:
                 f"{self.value_text(b.metric)}, {'holds' if b.ok else 'misses'} {self.tolerance_text()}")
 
     def value_text(self, v: float | None) -> str:
-        """One measured value in the metric's one unit, as every format writes it: a fraction the reports show as a
-        percentage (``display == "percent"``) with three significant digits, signed for a relative increase
-        ("+0.878%", "0.968%"); any other metric with 4 significant digits; ``–`` for None or NaN."""
-        if v is None or not math.isfinite(v):
-            return "\u2013"
-        if self.display != "percent":
-            return f"{v:.4g}"
-        x = 100 * v
-        digits = max(0, 2 - math.floor(math.log10(abs(x)))) if x != 0 else 0
-        return ("+" if self.increase_of and v > 0 else "") + f"{x:.{digits}f}%"
+        """One measured value in the metric's one unit (:meth:`MetricFacts.words`)."""
+        return self.facts.words(v)
 
     def tolerance_text(self) -> str:
-        """The tolerance in the metric's unit: "+1%" for a relative increase, "1%" for the output error, else as is."""
-        if self.display != "percent":
-            return f"{self.tolerance:g}"
-        return f"+{100 * self.tolerance:g}%" if self.increase_of else f"{100 * self.tolerance:g}%"
+        """The tolerance in the metric's unit (:meth:`MetricFacts.tolerance_words`)."""
+        return self.facts.tolerance_words()
 
     def layer(self, name: str) -> LayerCalibration | None:
         return self.layers.get(name)

@@ -447,6 +447,7 @@ def test_a_user_metric_in_its_own_units(cli_inproc, calib, tmp_path, digits_mlp)
 
     assert (c["metric"], c["higher_is_better"], c["tolerance"]) == ("accuracy", True, 0.02)
     assert c["reference"] == acc(model)
+    assert (c["limit"], c["display"]) == (c["reference"] - 0.02, "number")  # the tolerance line, in its units
     plan = {k: s["rank"] for k, s in d["suggestions"].items() if s["rank"] is not None}
     cal = load_calibration(calib, model, 0.25)
     got = acc(factorize(model, plan, input_statistics(model, _layers(model), cal)))

@@ -168,5 +168,68 @@ def test_each_metric_says_its_limit_and_display_form_and_a_hand_made_report_foll
     assert (user.limit(2.0, 0.5, True), user.display(True)) == (1.5, "number")
     assert (user.limit(2.0, 0.5, False), user.display(False)) == (2.5, "number")  # the dense value moved the wrong way
     made = CalibrationReport("c", "0.25", "", 1, 1, "accuracy", True, 0.05, 0.9)
-    assert (made.limit, made.display, made.shortfall(0.8), made.shortfall(0.9)) == (
+    assert (made.limit, made.display, made.facts.shortfall(0.8), made.facts.shortfall(0.9)) == (
         pytest.approx(0.85), "number", pytest.approx(0.05), pytest.approx(-0.05))
+
+
+# ---- the metric's facts: what the reports ask of a value, in one place --------------------------------------------
+
+
+def _facts(kind: str, label: str, higher: bool, tolerance: float, reference: float):
+    """The facts a report carries for a metric of ``kind``, from what the kind says of itself (as the stage does)."""
+    from auditor.calresults import MetricFacts
+
+    k = metrics.for_kind(kind)
+    return MetricFacts(label, higher, tolerance, reference, k.limit(reference, tolerance, higher), k.display(higher),
+                       k.increase_of)
+
+
+def test_a_lower_is_better_metric_holds_at_most_its_tolerance_and_reads_in_percent():
+    out = _facts("output", "relative output error", False, 0.01, 0.0)
+    assert (out.limit, out.display, out.fails_above, out.from_dense) == (0.01, "percent", True, False)
+    assert [out.holds(x) for x in (0.0099, 0.01, 0.0101, float("nan"))] == [True, True, False, False]
+    assert [out.words(x) for x in (0.009936, 0.0106, 0.4229, 0.0, None, float("inf"))] == [
+        "0.994%", "1.06%", "42.3%", "0%", "\u2013", "\u2013"]
+    assert out.tolerance_words() == "1%"
+    assert out.change(0.009937) == "relative output error 0.994% (tolerance 1%)"
+    assert out.change(float("inf")) == "relative output error infinite (tolerance 1%)"
+    assert out.change(None) == "relative output error: not measured"
+    assert (out.judged(0.0058, True), out.judged(0.0201, False)) == ("0.580% \u2264 1%", "2.01% > 1%")
+    assert out.judged(0.0058, True, tolerance=False) == "0.580% \u2264 1%"  # a limit's tolerance is always said
+    half = _facts("output", "relative output error", False, 0.25, 0.0)
+    assert (half.shortfall(0.5), half.shortfall(0.125)) == (0.25, -0.125)  # positive: misses by that much
+
+
+def test_a_relative_increase_reads_signed_beside_the_dense_value():
+    ppl = _facts("perplexity", "perplexity increase", False, 0.01, 153.77)
+    assert (ppl.limit, ppl.display, ppl.fails_above, ppl.from_dense) == (0.01, "percent", True, True)
+    assert [ppl.holds(x) for x in (-0.002, 0.009112, 0.0125)] == [True, True, False]
+    assert [ppl.words(x) for x in (0.009112, -0.002, 0.0)] == ["+0.911%", "-0.200%", "0%"]
+    assert ppl.tolerance_words() == "+1%"
+    assert ppl.change(0.009112) == "held-out perplexity 153.77 -> 155.17 (+0.911%, tolerance +1%)"
+    assert ppl.change(float("inf")) == "held-out perplexity 153.77 -> infinite (perplexity infinite, tolerance +1%)"
+    assert ppl.judged(0.0125, False) == "+1.25% > +1%"
+
+
+def test_a_higher_is_better_metric_holds_down_to_the_dense_value_less_the_tolerance():
+    acc = _facts("user", "accuracy", True, 0.125, 0.875)
+    assert (acc.limit, acc.display, acc.fails_above, acc.from_dense) == (0.75, "number", False, True)
+    assert [acc.holds(x) for x in (0.9, 0.75, 0.7, float("nan"))] == [True, True, False, False]
+    assert [acc.words(x) for x in (0.8765432, 0.75, None)] == ["0.8765", "0.75", "\u2013"]
+    assert acc.tolerance_words() == "0.125"
+    assert acc.change(0.8) == "held-out accuracy 0.875 -> 0.8 (tolerance -0.125)"
+    assert acc.judged(0.8, True) == "0.8 (dense 0.875, tolerance 0.125)"
+    assert acc.judged(0.8, True, tolerance=False) == "0.8 (dense 0.875)"
+    assert (acc.shortfall(0.5), acc.shortfall(1.0)) == (0.25, -0.25)
+
+
+def test_a_percentage_is_never_higher_is_better_and_the_report_carries_its_facts_into_the_json():
+    from auditor.calresults import CalibrationReport, MetricFacts
+
+    with pytest.raises(ValueError, match="written as a percentage .* is lower-is-better"):
+        MetricFacts("accuracy", True, 0.01, 0.9, 0.89, "percent")
+    made = CalibrationReport("c", "0.25", "", 1, 1, "accuracy", True, 0.125, 0.875)
+    assert made.facts == MetricFacts("accuracy", True, 0.125, 0.875, 0.75, "number")
+    d = made.to_dict()
+    assert (d["limit"], d["display"]) == (0.75, "number")
+    assert list(d).index("limit") > list(d).index("reference")  # written after the fields it is built from

@@ -54,3 +54,13 @@ def test_the_command_line_names_no_format():
 
     named = [f for f in REPORTERS if re.search(rf"""(==|!=|in \(|\[)\s*["']{f}["']""", cli)]
     assert named == []  # where a format goes, it asks the table (Reporter.stdout), whatever the formats are
+
+
+def test_no_renderer_and_no_verdict_asks_the_metric_direction():
+    """What the reports and the verdict need of the metric's direction (which values hold, how a value and a change
+    read, which side of the tolerance line fails) they ask ``CalibrationReport.facts`` (auditor.calresults.MetricFacts,
+    built from the metric kind's answers); the metric kinds' own direction is read through ``MetricKind.better``."""
+    hits = [f"{p.relative_to(RENDER.parent).as_posix()}:{i}" for root in (RENDER, RENDER.parent / "verdict")
+            for p in sorted(root.rglob("*.py"))
+            for i, line in enumerate(p.read_text(encoding="utf-8").splitlines(), 1) if "higher_is_better" in line]
+    assert hits == []

@@ -473,9 +473,9 @@ def test_measured_floor_charts_for_every_measured_layer(stack_audit):
     lcs = {n: SimpleNamespace(curve=[(r, 0.5 / r) for r in (1, 2, 4, 8, 16, 24)],
                               floor=SimpleNamespace(floor=16, points=[(8, 0.02), (16, 0.008), (24, 0.004)]))
            for n in names}
-    cal = SimpleNamespace(reference=0.0, tolerance=0.01, higher_is_better=False, limit=0.01,
-                          metric="relative output error",
-                          layers=lcs, measured_points=lambda: {n: lc.floor.points for n, lc in lcs.items()})
+    from auditor.calresults import CalibrationReport
+
+    cal = CalibrationReport("c", "0.25", "", 1, 1, "relative output error", False, 0.01, 0.0, layers=lcs)
     charts = calibration.floor_data(SimpleNamespace(calibration=cal, layers=a.layers, layer=a.layer))
     assert [c.name for c in charts] == names  # every layer with points, largest first
     assert all(floor_chart(c).startswith("<?xml") for c in charts)  # each one drawn

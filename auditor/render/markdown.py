@@ -158,7 +158,7 @@ def _plan(audit: "AuditResult", room: Room) -> Section | None:
             ranks = f"{p.rank:,} | {_num(p.suggested)}" if given else f"{p.rank:,}"
             errs = [q.measured_error for q in ps]
             if cal and all(errs):  # a group's members measured apart: the largest of their errors
-                judge = audit.calibration.shortfall  # type: ignore[union-attr]
+                judge = audit.calibration.facts.shortfall  # type: ignore[union-attr]
                 worst = max(range(len(ps)), key=lambda i: judge(errs[i].value) if errs[i].tier == 2 else errs[i].value)
                 kept = md_text(("" if len(set(q.measured for q in ps)) == 1 else "up to ") + ps[worst].measured)
             else:

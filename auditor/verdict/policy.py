@@ -121,7 +121,7 @@ def plan_check_clause(audit: "AuditResult") -> str:
     if pc is None or pc.layers == 0 or pc.measured != pc.measured:
         return "; not measured all at once"
     v = pc.verification
-    if v is not None and not cal.higher_is_better:
+    if v is not None and cal.facts.fails_above:  # its interval, read against the limit it stays under
         return "; measured all at once: " + verification_words(cal, v)
     return f"; measured all at once: {metric_change(cal, pc.measured)}: {'holds' if pc.ok else 'MISSES'}"
 
@@ -135,54 +135,33 @@ def in_percent(cal: "CalibrationReport") -> bool:
 def unit(cal: "CalibrationReport", v: float | None) -> str:
     """One measured value of the metric in its one unit, the same in every format: a relative increase as a signed
     percentage ("+0.878%"), the relative output error as a percentage ("0.968%"), three significant digits; any
-    other metric as 4 significant digits; ``–`` for None or NaN (:meth:`CalibrationReport.value_text`).
+    other metric as 4 significant digits; ``–`` for None or NaN (:meth:`auditor.calresults.MetricFacts.words`).
 
     >>> from auditor.calresults import CalibrationReport as C
     >>> c = C("c", "0.25", "", 1, 1, "relative output error", False, 0.01, 0.0)
     >>> [unit(c, x) for x in (0.009936, 0.0106, 0.4229, 10.65, 0.0)]
     ['0.994%', '1.06%', '42.3%', '1065%', '0%']
     """
-    return cal.value_text(v)
+    return cal.facts.words(v)
 
 
 def tolerance_words(cal: "CalibrationReport") -> str:
     """The tolerance in the metric's unit: "+1%" for a relative increase, "1%" for the output error."""
-    return cal.tolerance_text()
+    return cal.facts.tolerance_words()
 
 
 def metric_change(cal: "CalibrationReport", value: float | None) -> str:
     """A measured metric in the user's units with its dense baseline and the tolerance, the same words in every
-    format: "held-out perplexity 153.77 -> 155.17 (+0.91%, tolerance +1%)" for a perplexity judged by its relative
-    increase, "held-out accuracy 0.9 -> 0.88 (tolerance -0.05)" for a metric where higher is better, "relative output
-    error 0.009937 (tolerance 0.01)" otherwise.
+    format (:meth:`auditor.calresults.MetricFacts.change`): "held-out perplexity 153.77 -> 155.17 (+0.91%, tolerance
+    +1%)" for a perplexity judged by its relative increase, "held-out accuracy 0.9 -> 0.88 (tolerance -0.05)" for a
+    metric where higher is better, "relative output error 0.009937 (tolerance 0.01)" otherwise.
 
     >>> from auditor.calresults import CalibrationReport as C
     >>> metric_change(C("c", "0.25", "", 1, 1, "perplexity increase", False, 0.01, 153.77, increase_of="perplexity"),
     ...               0.009112)
     'held-out perplexity 153.77 -> 155.17 (+0.911%, tolerance +1%)'
     """
-    if value is not None and math.isinf(value):  # a plan that breaks the model: measured, and infinitely bad
-        return _infinite(cal, value)
-    if value is None or not math.isfinite(value):
-        return f"{cal.metric}: not measured"
-    label = cal.metric
-    if cal.increase_of and cal.reference > 0:
-        what = cal.increase_of
-        return (f"held-out {what} {cal.reference:.2f} -> {cal.reference * (1 + value):.2f} "
-                f"({unit(cal, value)}, tolerance {tolerance_words(cal)})")
-    if cal.higher_is_better:
-        return f"held-out {label} {cal.reference:.4g} -> {value:.4g} (tolerance -{cal.tolerance:g})"
-    return f"{label} {unit(cal, value)} (tolerance {tolerance_words(cal)})"
-
-
-def _infinite(cal: "CalibrationReport", value: float) -> str:
-    """An infinite measurement in words: "held-out perplexity 32.29 -> infinite (perplexity infinite, tolerance
-    +1%)" (the loss overflowed a float), "relative output error infinite (tolerance 1%)" otherwise."""
-    sign = "-" if value < 0 else ""
-    if cal.increase_of and cal.reference > 0:
-        return (f"held-out {cal.increase_of} {cal.reference:.2f} -> {sign}infinite ({cal.increase_of} {sign}infinite, "
-                f"tolerance {tolerance_words(cal)})")
-    return f"{cal.metric} {sign}infinite (tolerance {tolerance_words(cal)})"
+    return cal.facts.change(value)
 
 
 def checked_change(cal: "CalibrationReport", pc: "PlanCheck") -> str:

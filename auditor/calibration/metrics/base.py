@@ -146,6 +146,13 @@ class MetricKind:
                              "declared otherwise")
         return declared
 
+    def better(self) -> str:
+        """Which way is better, in words: "higher" or "lower", or "declared by the metric (higher by default)" where
+        the kind leaves the direction to each configured metric."""
+        if self.higher_is_better is None:
+            return "declared by the metric (higher by default)"
+        return "higher" if self.higher_is_better else "lower"
+
     def holds(self, value: float, reference: float, tolerance: float, higher: bool) -> bool:
         """Within the tolerance, in the metric's direction."""
         if self.zero_on_dense:

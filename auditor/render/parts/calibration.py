@@ -240,7 +240,7 @@ class MeasuredError:
 
     def text(self, cal: "CalibrationReport") -> str:
         """"0.41% (tier 2, layer alone)", "≤ 0.80% (tier 1, layer output)"."""
-        v = _g(self.value) if self.tier == 2 and cal.higher_is_better else percent(self.value)
+        v = percent(self.value) if self.tier == 1 or cal.facts.fails_above else cal.facts.words(self.value)
         what = "tier 2, layer alone" if self.tier == 2 else "tier 1, layer output"
         bound = "" if self.exact else "\u2264 "
         return f"{bound}{v} ({what})"
@@ -290,7 +290,7 @@ def damage_ratio(cal: "CalibrationReport") -> float | None:
     """The plan's value over uniform truncation's where both are a damage that is zero on the dense model (an
     error, an increase) and uniform's is positive; None otherwise (a user metric, a plan that improved)."""
     pair = baseline_pair(cal)
-    if pair is None or cal.higher_is_better or not in_percent(cal):
+    if pair is None or not in_percent(cal):  # an error or an increase (never higher-is-better)
         return None
     plan, uni, _ = pair
     return plan / uni if uni > 0 and plan >= 0 and math.isfinite(plan) and math.isfinite(uni) else None
@@ -432,11 +432,9 @@ def check_card(audit: "AuditResult") -> CheckCard | None:
     f = cal.rounding_floor
     if f is not None:
         top1 += f"; {f.dtype} rounding alone: {_g(f.used)} of the tolerance {f.tolerance:g}"
-    sign = "\u2264" if pc.ok else ">"
-    return CheckCard(f"{md_value(cal, pc.measured)} {sign} {md_tolerance(cal)}" if not cal.higher_is_better
-                     else f"{_g(pc.measured)} (dense {_g(cal.reference)})",
+    return CheckCard(cal.facts.judged(pc.measured, pc.ok, tolerance=False),
                      (f"{checked_change(cal, pc)}; {_card_rows(cal, pc)}"  # with its baseline
-                      if cal.reference > 0 or cal.higher_is_better
+                      if cal.facts.from_dense
                       else f"{cal.metric} on {_card_rows(cal, pc)}")
                      + f", {pc.layers} layers at once: "
                      f"{'holds' if pc.ok else 'misses the tolerance'}{top1}{_card_baseline(cal, pc)}",
@@ -593,10 +591,7 @@ def md_card_value(audit: "AuditResult", card: CheckCard) -> str:
     cal, pc = audit.calibration, audit.calibration.plan_check if audit.calibration is not None else None
     if cal is None or pc is None or card.status == "unknown":
         return card.value
-    if cal.higher_is_better:
-        return f"{md_value(cal, pc.measured)} (dense {md_value(cal, cal.reference)}, tolerance {md_tolerance(cal)})"
-    sign = "\u2264" if pc.ok else ">"
-    return f"{md_value(cal, pc.measured)} {sign} {md_tolerance(cal)}"
+    return cal.facts.judged(pc.measured, pc.ok)
 
 
 def frontier_data(cal: "CalibrationReport") -> "FrontierChart | None":
@@ -612,7 +607,7 @@ def frontier_data(cal: "CalibrationReport") -> "FrontierChart | None":
     limit = k * cal.limit  # the kind's tolerance line (k is 1 unless written as a percentage)
     label = short_label(cal.metric, 30) + (" (%)" if k != 1.0 else "")
     status = [_status(b, p) for p in measured_plans(cal) if math.isfinite(p.metric)]
-    return FrontierChart(series["before"], limit, label, not cal.higher_is_better,
+    return FrontierChart(series["before"], limit, label, cal.facts.fails_above,
                          b.removed_fraction if b.plan else None, series["after"],
                          b.recovery.steps if b.recovery is not None else 0, status, series["uniform"])
 
@@ -645,7 +640,7 @@ def floor_data(audit: "AuditResult", top: int | None = None) -> "list[FloorChart
     for name, pts in items[:top]:
         layer = audit.layer(name)
         lc = cal.layers[name]
-        out.append(FloorChart(name, pts, lc.curve, limit, cal.metric, not cal.higher_is_better, layer.break_even,
+        out.append(FloorChart(name, pts, lc.curve, limit, cal.metric, cal.facts.fails_above, layer.break_even,
                               lc.floor.floor if lc.floor is not None else None, (layer.m, layer.n)))
     return out
 
@@ -687,7 +682,7 @@ def view(audit: "AuditResult") -> CalibrationView | None:
         cal=cal, summary=summary(cal), basis=basis(cal), plan=plan_line(cal), budget=budget_lines(cal),
         rounding=rounding_line(cal),
         fallback=cal.sensitivity_fallback.line() if cal.sensitivity_fallback is not None else None,
-        md_rounding=rounding_line(cal, lambda x: md_value(cal, x) if not cal.higher_is_better else _g(x)),
+        md_rounding=rounding_line(cal, cal.facts.words),
         rows=group_rows(rows(cal, plan=plan)),
         md_rows=group_rows(rows(cal, lambda v: md_value(cal, v), times="", plan=plan)),
         frontier=frontier_rows(cal), recovery=recovery_cost(cal), recovery_note=cal.recovery_note(),

@@ -32,17 +32,12 @@ def layer_table() -> list[str]:
 
 
 def _direction(m: MetricKind) -> str:
-    if m.zero_on_dense:
-        return "lower (zero on the dense model)"
-    if m.higher_is_better is None:
-        return "declared by the metric (higher by default)"
-    return "higher" if m.higher_is_better else "lower"
+    return "lower (zero on the dense model)" if m.zero_on_dense else m.better()
 
 
 def _display(m: MetricKind) -> str:
-    if m.higher_is_better is None:
-        return "its own units"
-    return "percent" if m.display(bool(m.higher_is_better)) == "percent" else "its own units"
+    """How a metric of the kind is written when it declares no direction of its own (the kind's, if it has one)."""
+    return "percent" if m.display(m.direction(None)) == "percent" else "its own units"
 
 
 def metric_table() -> list[str]:
