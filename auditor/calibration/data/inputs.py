@@ -187,9 +187,12 @@ def _forward_names(model: nn.Module | None) -> tuple[set[str], bool]:
     return names, any(p.kind == p.VAR_KEYWORD for p in sig.parameters.values())
 
 
-def _batches_from_tensors(named: dict[str, torch.Tensor], model: nn.Module | None, batch_size: int,
-                          where: str, holdout: float, max_rows: int | None = MAX_ROWS,
-                          unit: str = "rows", documents: list[int] | None = None) -> tuple[list[Batch], list[Batch]]:
+def _batches_from_tensors(named: dict[str, torch.Tensor], model: nn.Module | None, reading: Reading, where: str,
+                          holdout: float, unit: str = "rows",
+                          documents: list[int] | None = None) -> tuple[list[Batch], list[Batch]]:
+    """Tensors batched along dim 0 in ``reading.batch_size`` rows, (fit, held out): the held-out share cut off the
+    end (on a document boundary with ``documents``); at most ``reading.max_rows`` ``unit``."""
+    batch_size, max_rows = reading.batch_size, reading.max_rows
     if not named:
         raise AuditError(f"calibration file {where} holds no tensors", "Save at least one input tensor")
     sizes = {k: (int(v.shape[0]) if v.dim() > 0 else None) for k, v in named.items()}
@@ -497,8 +500,7 @@ def _read_source(source: object, model: nn.Module | None, holdout: float, readin
     if is_text_source(source):
         text_in = _text(Path(source), model, holdout, reading, where)
         docs = list(text_in.documents) if text_in.documents is not None else None
-        split = _batches_from_tensors(text_in.tensors, model, r.batch_size, where, holdout, r.max_rows, "windows",
-                                      docs)
+        split = _batches_from_tensors(text_in.tensors, model, r, where, holdout, "windows", docs)
         return [], split, text_in, (docs, text_in.unit) if docs is not None else None
     if r.length is not None or r.separator is not None:
         flag = "--calibration-length" if r.length is not None else "--document-separator"
@@ -516,7 +518,7 @@ def _read_source(source: object, model: nn.Module | None, holdout: float, readin
     else:
         return _read_batches(source, where, r.max_rows, r.max_bytes), None, None, None
     docs = pop_documents(named, text)
-    split = _batches_from_tensors(named, model, r.batch_size, text, holdout, r.max_rows, documents=docs)
+    split = _batches_from_tensors(named, model, r, text, holdout, documents=docs)
     return [], split, None, (docs, "documents") if docs is not None else None
 
 
