@@ -11,7 +11,7 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import MISSING, dataclass, fields, replace
 from enum import Enum
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from .errors import AuditError
 
@@ -38,6 +38,23 @@ class FailOn(StrEnum):
 
 
 _NAME = re.compile(r"^[a-z][a-z0-9_]*$")
+
+
+class Bounds(NamedTuple):
+    """A numeric setting's range: (low, high, low inclusive, high inclusive)."""
+
+    low: float
+    high: float
+    low_inclusive: bool = True
+    high_inclusive: bool = True
+
+    def holds(self, value: float) -> bool:
+        """``value`` is a finite number inside the range (NaN and infinities never are)."""
+        lo, hi = self.low, self.high
+        return math.isfinite(value) and (lo <= value if self.low_inclusive else lo < value) and (
+            value <= hi if self.high_inclusive else value < hi)
+
+
 _TAIL = ("select", "ignore", "fail_on")  # listed after the rules' settings in reports (as_dict)
 
 
@@ -81,15 +98,14 @@ class Setting:
         if numeric:
             if not math.isfinite(self.default):
                 raise ValueError(f"setting {self.name!r}: the default {self.default!r} is not a finite number")
-            lo, hi, lo_in, hi_in = self.bounds
-            if not _in_range(self.default, lo, hi, lo_in, hi_in):
+            if not self.bounds.holds(self.default):
                 raise ValueError(f"setting {self.name!r}: the default {self.default!r} is outside its range")
 
     @property
-    def bounds(self) -> tuple[float, float, bool, bool]:
+    def bounds(self) -> Bounds:
         """(low, high, low inclusive, high inclusive); an open end is +-2**40 (the global settings' cap)."""
-        return (-(2.0**40) if self.low is None else self.low, 2.0**40 if self.high is None else self.high,
-                self.low_inclusive, self.high_inclusive)
+        return Bounds(-(2.0**40) if self.low is None else self.low, 2.0**40 if self.high is None else self.high,
+                      self.low_inclusive, self.high_inclusive)
 
     @property
     def range_text(self) -> str:
@@ -108,9 +124,7 @@ class Setting:
     def check(self, value: Any, origin: str = "") -> None:
         """An AuditError naming the setting and an example when a number is missing or out of its range."""
         if isinstance(self.default, (int, float)) and not isinstance(self.default, bool):
-            lo, hi, lo_in, hi_in = self.bounds
-            _range_error(self.name, value, origin, lo, hi, lo_in, hi_in,
-                         self.default if self.example is None else self.example)
+            _range_error(self.name, value, origin, self.bounds, self.default if self.example is None else self.example)
 
     def coerce(self, value: Any, origin: str, typed: bool = False) -> Any:
         """The value read from a config file, a plan or the command line, checked; AuditError when bad. ``typed``:
@@ -400,24 +414,20 @@ def check_plan_relaxes(before: "Settings", after: "Settings", plan: str,
 
 # (low, high, low inclusive, high inclusive) per numeric global setting; NaN and infinities never pass. The rules'
 # thresholds (energy_floor, ...) are declared with their ranges in their rule's module (auditor/rules/).
-_RANGES: dict[str, tuple[float, float, bool, bool]] = {
-    "target_energy": (0.0, 1.0, False, True),
-    "align": (1, 2.0**40, True, True), "min_share": (0.0, 1.0, True, True),
-    "min_break_even": (0.0, 2.0**40, True, True),
-    "min_compression": (0.0, 2.0**40, False, True),
+_RANGES: dict[str, Bounds] = {
+    "target_energy": Bounds(0.0, 1.0, False, True),
+    "align": Bounds(1, 2.0**40, True, True), "min_share": Bounds(0.0, 1.0, True, True),
+    "min_break_even": Bounds(0.0, 2.0**40, True, True),
+    "min_compression": Bounds(0.0, 2.0**40, False, True),
 }
 _EXAMPLES = {"target_energy": 0.95, "align": 8, "min_share": 0.0025, "min_break_even": 16,
              "min_compression": 1.1, "energy_targets": "0.9,0.95,0.99"}
 
 
-def _in_range(value: float, lo: float, hi: float, lo_in: bool, hi_in: bool) -> bool:
-    return math.isfinite(value) and (lo <= value if lo_in else lo < value) and (value <= hi if hi_in else value < hi)
-
-
-def _range_error(name: str, v: Any, origin: str, lo: float, hi: float, lo_in: bool, hi_in: bool,
-                 example: Any) -> None:
-    """Raise an AuditError when ``v`` is not a number in the range (NaN and infinities never are)."""
-    if isinstance(v, bool) or not isinstance(v, (int, float)) or not _in_range(v, lo, hi, lo_in, hi_in):
+def _range_error(name: str, v: Any, origin: str, bounds: Bounds, example: Any) -> None:
+    """Raise an AuditError when ``v`` is not a number in ``bounds`` (NaN and infinities never are)."""
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not bounds.holds(v):
+        lo, hi, lo_in, hi_in = bounds
         where = f" in {origin}" if origin else ""
         if hi <= 1 or (lo > -(2.0**40) and hi < 2.0**40):
             span = f"out of range {'[' if lo_in else '('}{lo:g}, {hi:g}{']' if hi_in else ')'}"
@@ -434,11 +444,11 @@ def _check_range(name: str, v: Any, origin: str = "") -> None:
         if not v:
             raise AuditError(f"energy_targets{where} is empty", "Give at least one, e.g. 0.9,0.95,0.99")
         for t in v:
-            if not _in_range(t, 0.0, 1.0, False, True):
+            if not Bounds(0.0, 1.0, False, True).holds(t):
                 raise AuditError(f"energy target {t}{where} is out of range",
                                  "Energy targets are fractions in (0, 1], e.g. 0.95")
     elif name in _RANGES:
-        _range_error(name, v, origin, *_RANGES[name], _EXAMPLES[name])
+        _range_error(name, v, origin, _RANGES[name], _EXAMPLES[name])
 
 
 def validate(s: Settings, declared: Iterable[Setting] = ()) -> Settings:

@@ -83,7 +83,8 @@ def _all_at_once(model, layers, cal, metric, samples=fisher.SAMPLES, seed=0):
     together by one ``torch.autograd.grad`` over the edges, added in call order; nothing checkpointed."""
     from torch.autograd.graph import get_gradient_edge
 
-    from auditor.calibration.measure.metric import _row_mask, main_output
+    from auditor.calibration.measure.metric import main_output
+    from auditor.calibration.metrics.common import row_mask
 
     acc = fisher._Accumulator(by_name(layers), dict(model.named_parameters(remove_duplicate=False)))
     got = []
@@ -104,7 +105,7 @@ def _all_at_once(model, layers, cal, metric, samples=fisher.SAMPLES, seed=0):
             for b in cal.fit:
                 got.clear()
                 y = main_output(model(*b.args, **b.kwargs))
-                keep = _row_mask(b)
+                keep = row_mask(b)
                 for k, loss in enumerate(fisher._losses(y, b, keep, p)):
                     grads = torch.autograd.grad(loss(), [e for _, e in got], retain_graph=k < samples - 1,
                                                 allow_unused=True)

@@ -27,6 +27,7 @@ from auditor.export import check_archive, load_program
 from auditor.speed.layer_timing import TimeCache, Timer, Unrepeatable, time_layers
 from auditor.speed.model import Blocks, check_runs, measure_subprocesses, worker_env, worker_path
 from auditor.speed.timing import Timing, refusal
+from auditor.structure.trace import ExampleInputs
 
 from _factories import write_low_rank_mlp
 from _speedclock import CostClock
@@ -376,7 +377,7 @@ def test_a_stalled_layer_disagreeing_with_its_same_shape_twin_is_refused_with_it
     layer_timing.capture_inputs, saved = capture, layer_timing.capture_inputs
     try:
         timer = Timer(cache=TimeCache(tmp_path), clock=clock, min_time=0.01, cache_fake_times=True)
-        rows, bes, notes = time_layers(model, (x,), {}, planned, timer, align=8)
+        rows, bes, notes = time_layers(model, ExampleInputs((x,)), planned, timer, align=8)
     finally:
         layer_timing.capture_inputs = saved
     assert [r.layer for r in rows] == ["4"]
@@ -399,7 +400,7 @@ def test_a_layers_cached_dense_time_is_the_one_its_row_reported(tmp_path, one_th
     x = torch.zeros(1, 256)
     a = auditor.audit(model, x, spectra=False, cache=False)
     timer = Timer(cache=TimeCache(tmp_path), clock=Drift(), min_time=0.01, cache_fake_times=True)
-    rows, bes, _ = time_layers(model, (x,), {}, [(a.layer("0"), 8)], timer, align=8)
+    rows, bes, _ = time_layers(model, ExampleInputs((x,)), [(a.layer("0"), 8)], timer, align=8)
     assert len(bes[0].paired) >= 3 and bes[0].paired[-1].median != rows[0].dense.median
     [key] = [k for k in timer.keys([(model[0], repr(model[0]))], x)]
     assert timer.cache.get(key) == rows[0].dense

@@ -4,7 +4,9 @@ cannot be factorized (LSTM gates, MultiheadAttention's in_proj) are neither sugg
 
 from __future__ import annotations
 
+import ast
 import math
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -190,3 +192,75 @@ def test_transposed_convolution_is_audited_but_never_suggested():
     assert (spec.m, spec.n) == (64, 576) and a.spectra["1"].sigma[0][0] > 0
     with pytest.raises(Exception, match="transposed convolution"):
         fz(model, {"1": 8})
+
+
+# ---- every isinstance test of a torch layer class is kinds' ---------------------------------------------------------
+ALLOWED_CLASSES = ("Module", "Parameter")  # is it a model at all, is it a parameter; nn.parameter.* too
+
+
+def _nn_class(node: ast.expr) -> str | None:
+    """``nn.X`` / ``torch.nn.X`` (any attribute chain under ``nn``) as its dotted name after ``nn``; None else."""
+    chain: list[str] = []
+    while isinstance(node, ast.Attribute):
+        chain.insert(0, node.attr)
+        node = node.value
+    if not isinstance(node, ast.Name):
+        return None
+    chain.insert(0, node.id)
+    for root in (["nn"], ["torch", "nn"]):
+        if chain[:len(root)] == root and len(chain) > len(root):
+            return ".".join(chain[len(root):])
+    return None
+
+
+def layer_class_tests(source: str, where: str) -> list[str]:
+    """``where:line: text`` for each ``isinstance``/``issubclass`` call whose class argument (or an element of its
+    tuple) is an ``nn.X`` / ``torch.nn.X`` other than ``nn.Module``, ``nn.Parameter`` and ``nn.parameter.*``."""
+    out = []
+    for node in ast.walk(ast.parse(source)):
+        if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Name)
+                and node.func.id in ("isinstance", "issubclass") and len(node.args) == 2):
+            continue
+        cls = node.args[1]
+        for c in cls.elts if isinstance(cls, ast.Tuple) else [cls]:
+            name = _nn_class(c)
+            if name is not None and name not in ALLOWED_CLASSES and not name.startswith("parameter."):
+                out.append(f"{where}:{node.lineno}: {node.func.id}(..., nn.{name})")
+    return out
+
+
+def test_the_layer_class_check_finds_nn_classes_and_lets_models_and_parameters_pass():
+    src = ("import torch\nfrom torch import nn\n"
+           "a = isinstance(m, nn.Linear)\n"
+           "b = isinstance(m, (nn.ModuleList, torch.nn.Sequential))\n"
+           "c = issubclass(t, nn.modules.conv._ConvNd)\n"
+           "d = isinstance(m, nn.Module) or isinstance(p, (nn.Parameter, nn.parameter.UninitializedParameter))\n"
+           "e = isinstance(x, torch.Tensor) or isinstance(m, Linear)\n")
+    assert layer_class_tests(src, "x.py") == ["x.py:3: isinstance(..., nn.Linear)",
+                                              "x.py:4: isinstance(..., nn.ModuleList)",
+                                              "x.py:4: isinstance(..., nn.Sequential)",
+                                              "x.py:5: issubclass(..., nn.modules.conv._ConvNd)"]
+
+
+def test_only_the_kinds_test_for_torch_layer_classes():
+    """What a torch layer class is (an embedding's size, a list of blocks, a factorized pair) is asked of
+    ``auditor.kinds`` (``embedding_sizes``, ``is_block_list``, ``holds_blocks``, ``is_factor_pair``); no module
+    outside ``auditor/kinds/`` tests for one itself."""
+    pkg = Path(auditor.__file__).resolve().parent
+    found = [hit for p in sorted(pkg.rglob("*.py")) if "kinds" not in p.relative_to(pkg).parts[:1]
+             for hit in layer_class_tests(p.read_text(encoding="utf-8"), p.relative_to(pkg.parent).as_posix())]
+    assert found == [], "ask auditor.kinds instead:\n" + "\n".join(found)
+
+
+def test_the_kinds_answer_the_layer_class_questions():
+    model = nn.Sequential(nn.Embedding(11, 4), nn.ModuleList([nn.Linear(4, 4), nn.Linear(4, 4)]),
+                          nn.EmbeddingBag(7, 4), nn.ModuleList([nn.Linear(4, 4), nn.ReLU()]))
+    assert kinds.embedding_sizes(model) == [11, 7] and kinds.embedding_sizes(nn.Linear(2, 2)) == []
+    assert [kinds.is_block_list(m) for m in model] == [False, True, False, False]
+    assert not kinds.is_block_list(nn.ModuleList([nn.Linear(2, 2)])) and not kinds.is_block_list(nn.Sequential())
+    assert kinds.holds_blocks(model) and kinds.holds_blocks(model[1]) and not kinds.holds_blocks(model[0])
+    dense = nn.Linear(4, 4)
+    pair = factorize(nn.Sequential(dense), {"0": 2})[0]
+    assert kinds.is_factor_pair(pair, dense) and not kinds.is_factor_pair(pair, None)
+    assert not kinds.is_factor_pair(pair, pair) and not kinds.is_factor_pair(dense, dense)
+    assert not kinds.is_factor_pair(nn.Sequential(nn.Linear(4, 2), nn.ReLU()), dense)

@@ -14,7 +14,8 @@ from torch import nn
 
 from auditor.calibration import load_calibration
 from auditor.calibration.data.inputs import Batch
-from auditor.calibration.measure.metric import NO_LABELS, Evaluator, Metric, _masked_targets, is_causal_lm, is_masked_lm
+from auditor.calibration.measure.metric import NO_LABELS, Evaluator, Metric, is_causal_lm, is_masked_lm
+from auditor.calibration.metrics.common import masked_targets
 from auditor.calibration.session import metric_of
 from auditor.errors import AuditError
 
@@ -121,7 +122,7 @@ def test_the_masked_positions_are_the_labels(mlm):
         Evaluator(model, load_calibration(none, model, holdout=none, batch_size=8), Metric(kind="masked"))
     bad = Batch((), dict(held, labels=held["labels"][:, :4]))  # (the loader's forward refuses it first for BERT)
     with pytest.raises(AuditError, match="labels shaped like input_ids"):
-        _masked_targets(bad)
+        masked_targets(bad)
 
 
 def test_a_masked_lm_gets_the_masked_metric_by_default(mlm):

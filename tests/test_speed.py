@@ -16,6 +16,7 @@ from auditor.speed.layer_timing import TimeCache, Timer, bisect_break_even, rank
 from auditor.speedresults import LayerSpeed, ModelRun, SpeedReport, seconds
 from auditor.speed.speed_stage import candidates, latency_plan
 from auditor.speed.timing import MIN_BLOCK_S, Timing, measure, measure_many
+from auditor.structure.trace import ExampleInputs
 
 from _speedclock import CostClock
 
@@ -103,8 +104,8 @@ def test_time_layers_shares_one_measurement_between_identical_layers_and_times_t
     model = nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 64))
     a = auditor.audit(model, torch.zeros(2, 64), spectra=False, cache=False)
     planned = [(a.layer("0"), 8), (a.layer("2"), 8)]
-    rows, bes, notes = time_layers(model, (torch.zeros(2, 64),), {}, planned, Timer(clock=CostClock(), min_time=0.01),
-                                   align=8, latency_shape=(4, 3))
+    rows, bes, notes = time_layers(model, ExampleInputs((torch.zeros(2, 64),)), planned,
+                                   Timer(clock=CostClock(), min_time=0.01), align=8, latency_shape=(4, 3))
     assert [(r.layer, r.at, r.input_shape) for r in rows] == [
         ("0", "traced", (2, 64)), ("0", "latency-shape", (4, 3, 64)),
         ("2", "traced", (2, 64)), ("2", "latency-shape", (4, 3, 64))]

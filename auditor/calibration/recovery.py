@@ -38,6 +38,7 @@ from typing import Callable, Sequence
 import torch
 from torch import nn
 
+from .. import kinds
 from .._env import scoped
 from ..errors import AuditError
 from ..options import DEFAULT_LR, OBJECTIVES, TRAINABLE, RecoveryOptions, positive_finite, positive_int
@@ -122,10 +123,7 @@ def factor_modules(factorized: nn.Module, dense: nn.Module) -> dict[str, nn.Sequ
     dense_mods = dict(dense.named_modules())
     out: dict[str, nn.Sequential] = {}
     for path, mod in factorized.named_modules():
-        old = dense_mods.get(path)
-        if (path and isinstance(mod, nn.Sequential) and len(mod) == 2 and old is not None
-                and not isinstance(old, nn.Sequential) and isinstance(getattr(old, "weight", None), torch.Tensor)
-                and all(isinstance(getattr(m, "weight", None), nn.Parameter) for m in mod)):
+        if path and kinds.is_factor_pair(mod, dense_mods.get(path)):
             out[path] = mod
     return out
 

@@ -81,3 +81,9 @@ class EmbeddingKind(StoredTransposed, LayerKind):
 
 
 KIND = EmbeddingKind()
+
+
+def embedding_sizes(model: nn.Module) -> list[int]:
+    """The ``num_embeddings`` of every ``nn.Embedding`` and ``nn.EmbeddingBag`` of ``model``, in module order (the
+    vocabulary a model's token ids must stay below is the largest)."""
+    return [m.num_embeddings for m in model.modules() if isinstance(m, (nn.Embedding, nn.EmbeddingBag))]

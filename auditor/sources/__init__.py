@@ -19,7 +19,7 @@ from pathlib import Path
 
 from ..errors import AuditError
 from .checkpoint import Loaded, WeightsOnly, apply_weights, open_checkpoint
-from .factory import _factory, _inputs, _zoo, float_dtype
+from .factory import float_dtype, load_factory, load_zoo, made_inputs
 
 __all__ = ["Loaded", "WeightsOnly", "SOURCE_HELP", "load_source", "parse_shape"]
 
@@ -89,9 +89,9 @@ def load_source(
     path = Path(spec)
     if spec.startswith(("torchvision:", "timm:")):
         lib, name = spec.split(":", 1)
-        model = _zoo(lib, name)
+        model = load_zoo(lib, name)
         notes = apply_weights(model, open_checkpoint(weights, flag=True), partial) if weights else []
-        return Loaded(model, _inputs(input_shape, input_ids, float_dtype(model)), name, spec, notes)
+        return Loaded(model, made_inputs(input_shape, input_ids, float_dtype(model)), name, spec, notes)
     if weights:
         _check_weights_target(spec, path)
     if path.is_dir():
@@ -114,7 +114,7 @@ def load_source(
     if checkpoint is not None:
         return checkpoint
     if ":" in spec:
-        return _factory(spec, input_shape, input_ids, weights, partial)
+        return load_factory(spec, input_shape, input_ids, weights, partial)
     raise _unknown(spec, path)
 
 

@@ -1,7 +1,7 @@
 """Sources built by the user's code: a ``file.py:factory`` or ``package.module:factory`` callable, and the
 torchvision and timm model registries (random init). The user's code runs with its prints sent to stderr
 (:func:`stdout_to_stderr`), and any exception or ``sys.exit`` of it becomes one :class:`AuditError` line
-(:func:`_run_user_code`); calibration's own user callables (batches, metrics) run through the same two."""
+(:func:`run_user_code`); calibration's own user callables (batches, metrics) run through the same two."""
 
 from __future__ import annotations
 
@@ -48,7 +48,7 @@ def stdout_to_stderr() -> Iterator[None]:
             os.close(saved)
 
 
-def _run_user_code(fn: Callable[[], Any], doing: str, failed: str, fix: str, exit_fix: str = "") -> Any:
+def run_user_code(fn: Callable[[], Any], doing: str, failed: str, fix: str, exit_fix: str = "") -> Any:
     """Call the user's code with stdout kept clean; any exception, ``sys.exit`` or other ``BaseException`` ends in
     an :class:`AuditError` (exit 2), except Ctrl-C, which still interrupts."""
     try:
@@ -137,7 +137,7 @@ def import_user_module(target: str, what: str = "file") -> ModuleType:
         sys.path.insert(0, str(file.parent.resolve()))
         sys.modules[mod_name] = module  # as an import would: @dataclass and pickling look the module up by name
         try:
-            _run_user_code(lambda: loader.exec_module(module), f"importing {target}", "failed:",
+            run_user_code(lambda: loader.exec_module(module), f"importing {target}", "failed:",
                            "Fix the error in that file", guard)
         except BaseException:
             sys.modules.pop(mod_name, None)
@@ -145,12 +145,14 @@ def import_user_module(target: str, what: str = "file") -> ModuleType:
         finally:
             sys.path.pop(0)
     else:
-        module = _run_user_code(lambda: importlib.import_module(target), f"importing module {target}", "failed:",
+        module = run_user_code(lambda: importlib.import_module(target), f"importing module {target}", "failed:",
                                 "Check the module path and that its package is installed", guard)
     return module
 
 
-def _factory(spec: str, input_shape: Any, input_ids: Any, weights: str | None, partial: bool) -> Loaded:
+def load_factory(spec: str, input_shape: Any, input_ids: Any, weights: str | None, partial: bool) -> Loaded:
+    """A ``file.py:factory`` or ``package.module:factory`` source: the user's callable run (stdout kept clean), its
+    model (or ``(model, example_inputs)``) taken, ``weights`` applied, and inputs made from the shape flags if given."""
     target, _, attr = spec.rpartition(":")
     if not target.strip():
         raise AuditError(f"{spec!r} names no file or module before the colon", "Use file.py:factory_function")
@@ -162,7 +164,7 @@ def _factory(spec: str, input_shape: Any, input_ids: Any, weights: str | None, p
         raise AuditError(f"{target} has no factory named {attr!r}", _factory_hint(module, attr))
     if not callable(fn):
         raise AuditError(f"{target}:{attr} is not callable", "Name a function that returns an nn.Module")
-    out = _run_user_code(fn, f"factory {attr}()", "raised", "Fix the factory so it builds the model",
+    out = run_user_code(fn, f"factory {attr}()", "raised", "Fix the factory so it builds the model",
                          "Return the model from the factory instead of exiting")
     example = None
     if isinstance(out, tuple) and len(out) == 2 and isinstance(out[0], nn.Module):
@@ -171,7 +173,7 @@ def _factory(spec: str, input_shape: Any, input_ids: Any, weights: str | None, p
         raise AuditError(f"factory {attr}() returned {type(out).__name__}, not a torch.nn.Module",
                          "Return an nn.Module, or (module, example_inputs)")
     notes = apply_weights(out, open_checkpoint(weights, flag=True), partial) if weights else []
-    inputs = _inputs(input_shape, input_ids, float_dtype(out)) if (input_shape or input_ids) else example
+    inputs = made_inputs(input_shape, input_ids, float_dtype(out)) if (input_shape or input_ids) else example
     return Loaded(out, inputs, type(out).__name__, spec, notes)
 
 
@@ -194,7 +196,7 @@ def _factory_hint(module: Any, attr: str, most: int = 10) -> str:
     return (f"Did you mean {', '.join(close)}? " if close else "") + there
 
 
-def _inputs(input_shape: Any, input_ids: Any, dtype: torch.dtype = torch.float32) -> Any:
+def made_inputs(input_shape: Any, input_ids: Any, dtype: torch.dtype = torch.float32) -> Any:
     """Example inputs for a factory or zoo model: random floats of each shape (in ``dtype``), or token ids below
     1000."""
     gen = torch.Generator().manual_seed(0)
@@ -205,7 +207,8 @@ def _inputs(input_shape: Any, input_ids: Any, dtype: torch.dtype = torch.float32
     return None
 
 
-def _zoo(lib: str, name: str) -> nn.Module:
+def load_zoo(lib: str, name: str) -> nn.Module:
+    """A ``torchvision:NAME`` or ``timm:NAME`` model with a reproducible random init (never pretrained weights)."""
     torch.manual_seed(0)  # reproducible random init
     try:
         if lib == "torchvision":

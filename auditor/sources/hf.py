@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -178,7 +179,7 @@ def load_hf(config_file: Path, folder: Path | None, input_shape: Any, input_ids:
             notes += apply_weights(model, ckpt, partial, prefix=getattr(model, "base_model_prefix", "") or "",
                                    ignore_missing=getattr(model, "_keys_to_ignore_on_load_missing", None) or (),
                                    ignore_unexpected=getattr(model, "_keys_to_ignore_on_load_unexpected", None) or ())
-        inputs = _inputs(model, meta, config, name, input_shape, input_ids, notes, auto_inputs)
+        inputs = _inputs(model, meta, config, name, _Asked(input_shape, input_ids, auto_inputs), notes)
     return Loaded(model, inputs, name, str(folder or config_file), notes)
 
 
@@ -254,11 +255,22 @@ def _image_shape(config: Any) -> tuple[int, ...]:
     return (1, int(getattr(vision, "num_channels", None) or 3), int(h), int(w))
 
 
-def _inputs(model: nn.Module, meta: nn.Module, config: Any, name: str, input_shape: Any, input_ids: Any,
-            notes: list[str], auto: bool = True) -> dict[str, torch.Tensor] | None:
+@dataclass(frozen=True)
+class _Asked:
+    """The inputs the caller asked for: float shapes (--input-shape), a token ids' shape (--input-ids), and whether
+    to make them from the config when neither is given."""
+
+    shapes: Any = None
+    ids: Any = None
+    auto: bool = True
+
+
+def _inputs(model: nn.Module, meta: nn.Module, config: Any, name: str, asked: _Asked,
+            notes: list[str]) -> dict[str, torch.Tensor] | None:
     """Keyword inputs for the model's main input (``model.main_input_name``). Without any given, token ids (text)
     or pixel values (vision) of a typical size are made from the config and checked on the meta model first; on
     the meta device nothing is allocated."""
+    input_shape, input_ids = asked.shapes, asked.ids
     main = getattr(model, "main_input_name", "input_ids") or "input_ids"
     on_meta = any(p.device.type == "meta" for p in model.parameters())
     device = torch.device("meta" if on_meta else "cpu")
@@ -285,7 +297,7 @@ def _inputs(model: nn.Module, meta: nn.Module, config: Any, name: str, input_sha
             raise AuditError(f"a sequence of {input_ids[1]} tokens is longer than the {positions} positions {name} has",
                              f"Pass --input-ids {input_ids[0]},{min(positions, DEFAULT_SEQUENCE)}")
         return _token_inputs(config, tuple(input_ids), vocab or 1000, device)
-    if not auto:
+    if not asked.auto:
         return None
     # nothing given: make the main input from the config, so MACs and the data-flow graph come by default
     made: dict[str, torch.Tensor] | None = None

@@ -17,9 +17,9 @@ import math
 import os
 import platform
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import TYPE_CHECKING, Any, Callable, Iterator
 
 import torch
 from torch import nn
@@ -28,6 +28,9 @@ from .. import kinds
 from ..results import Kind, Layer
 from ..speedresults import LayerSpeed, TimeBreakEven, seconds
 from .timing import MIN_BLOCKS, WARMUP_CALLS, Clock, Timing, agree, measure_blocks, refusal, same_verdict
+
+if TYPE_CHECKING:
+    from ..structure.trace import ExampleInputs
 
 ATTEMPTS = 3  # a timing that is not repeatable is measured again, at most this many times in all
 GRID_POINTS = 32  # the break-even grid has about this many ranks: five or six measurements by bisection
@@ -362,9 +365,10 @@ def bisect_break_even(grid: list[int], faster: Callable[[int], bool]) -> tuple[i
 
 
 def time_break_even(layer: Layer, mod: nn.Module, x: torch.Tensor, timer: Timer, align: int, at: str,
-                    dense: Timing | None = None, points: int = GRID_POINTS) -> TimeBreakEven:
+                    points: int = GRID_POINTS) -> TimeBreakEven:
     """Bisect a rank grid for the last rank whose factorized module is faster than the dense one; each probe is
-    timed side by side with the dense module, so both see the same load. :class:`Unrepeatable` when a probe is."""
+    timed side by side with the dense module, so both see the same load. :class:`Unrepeatable` when a probe is.
+    Its ``dense`` time is the first probe's (a caller that timed the layer's row puts that one in its place)."""
     what = repr(mod)
     grid, step = rank_grid(layer.m, layer.n, align, points)
     probes: list[tuple[int, Timing]] = []
@@ -379,14 +383,15 @@ def time_break_even(layer: Layer, mod: nn.Module, x: torch.Tensor, timer: Timer,
 
     rank, _ = bisect_break_even(grid, faster)
     return TimeBreakEven(str(layer.kind), layer.m, layer.n, tuple(x.shape), at, rank, step, layer.break_even,
-                         rank is not None and rank == grid[-1], dense or first[0], tuple(probes), (layer.name,),
+                         rank is not None and rank == grid[-1], first[0], tuple(probes), (layer.name,),
                          tuple(first))
 
 
-def time_layers(model: nn.Module, args: tuple, kwargs: dict, planned: list[tuple[Layer, int]], timer: Timer,
+def time_layers(model: nn.Module, example: ExampleInputs, planned: list[tuple[Layer, int]], timer: Timer,
                 align: int, latency_shape: tuple[int, ...] | None = None,
                 break_even: bool = True) -> tuple[list[LayerSpeed], list[TimeBreakEven], list[str]]:
-    """Each planned (layer, rank) timed dense and factorized at the traced input (and at ``latency_shape``), and
+    """Each planned (layer, rank) timed dense and factorized at the traced input (``example``, the model's example
+    inputs: :class:`~auditor.structure.trace.ExampleInputs`) and at ``latency_shape``, and
     the time break-even rank of each distinct (module, input shape); notes name the layers that could not be timed,
     or whose timing was not repeatable (:func:`agreeing_twins`: layers of one shape must agree too). Identical
     modules at identical inputs share one break-even."""
@@ -396,7 +401,8 @@ def time_layers(model: nn.Module, args: tuple, kwargs: dict, planned: list[tuple
     if skipped:
         notes.append(f"Not timed (not a single-input module): {', '.join(skipped)}.")
     paths = {l.name: kinds.for_kind(l.kind).module_path(l)[0] for l, _ in planned if mods[l.name] is not None}
-    inputs = capture_inputs(model, args, kwargs, {paths[n]: mods[n] for n in paths})  # type: ignore[misc]
+    wanted = {paths[n]: mods[n] for n in paths}  # type: ignore[misc]
+    inputs = capture_inputs(model, example.args, example.kwargs, wanted)
     if latency_shape is not None:
         check_latency_memory([(l, inputs[paths[l.name]]) for l, _ in planned if inputs.get(paths.get(l.name, ""))
                               is not None], latency_shape)
@@ -414,12 +420,13 @@ def time_layers(model: nn.Module, args: tuple, kwargs: dict, planned: list[tuple
         if latency_shape is not None:
             shapes.append(("latency-shape", reshape_input(x, layer.kind, latency_shape)))
         for at, xi in shapes:
-            row = _row(layer, mod, rank, at, xi, timer, notes)
+            timed = _Timed(layer, mod, at, xi)
+            row = _row(timed, rank, timer, notes)
             if row is None:
                 continue
             rows.append(row)
             if break_even:
-                _share_break_even(found, layer, mod, xi, timer, align, row, notes)
+                _share_break_even(found, timed, timer, align, row, notes)
     kept = agreeing_twins(rows, {l.name: (l, mods[l.name]) for l, _ in planned}, inputs, paths, latency_shape,
                           timer, notes)
     refused = {(r.layer, r.at) for r in rows} - {(r.layer, r.at) for r in kept}  # their break-even is suspect too
@@ -432,10 +439,21 @@ def _pair(layer: Layer, mod: nn.Module, rank: int) -> list[tuple[nn.Module, str]
     return [(copy.deepcopy(mod), what), (factorized_module(layer, mod, rank), f"{what} rank {rank}")]
 
 
-def _row(layer: Layer, mod: nn.Module, rank: int, at: str, x: torch.Tensor, timer: Timer, notes: list[str],
-         fresh: bool = False) -> LayerSpeed | None:
+@dataclass(frozen=True)
+class _Timed:
+    """What one row times: a planned layer, its module, and the input it is timed at (``at``: "traced" or
+    "latency-shape")."""
+
+    layer: Layer
+    mod: nn.Module
+    at: str
+    x: torch.Tensor
+
+
+def _row(timed: _Timed, rank: int, timer: Timer, notes: list[str], fresh: bool = False) -> LayerSpeed | None:
     """One layer's row (dense and factorized side by side), or None with a note when it is not repeatable. A time
     this run cached for a twin layer is not reused: each row is its own measurement, so twins can be compared."""
+    layer, mod, at, x = timed.layer, timed.mod, timed.at, timed.x
     timer.tag = (layer.name, at)
     try:
         (dense, fact), cached = timer.times(_pair(layer, mod, rank), x, fresh=fresh, own=True)
@@ -446,15 +464,16 @@ def _row(layer: Layer, mod: nn.Module, rank: int, at: str, x: torch.Tensor, time
     return LayerSpeed(layer.name, str(layer.kind), layer.m, layer.n, rank, tuple(x.shape), at, dense, fact, cached)
 
 
-def _share_break_even(found: dict[tuple, TimeBreakEven | None], layer: Layer, mod: nn.Module, x: torch.Tensor,
-                      timer: Timer, align: int, row: LayerSpeed, notes: list[str]) -> None:
-    """The time break-even of this (module, input shape), measured once and shared by identical layers."""
-    at, dense = row.at, row.dense
+def _share_break_even(found: dict[tuple, TimeBreakEven | None], timed: _Timed, timer: Timer, align: int,
+                      row: LayerSpeed, notes: list[str]) -> None:
+    """The time break-even of this (module, input shape), measured once and shared by identical layers; its dense
+    time is the one ``row`` reported."""
+    layer, mod, x, at = timed.layer, timed.mod, timed.x, timed.at
     key = (repr(mod), tuple(x.shape), str(x.dtype), at)
     if key not in found:
         timer.tag = (layer.name, at)
         try:
-            found[key] = time_break_even(layer, mod, x, timer, align, at, dense=dense)
+            found[key] = replace(time_break_even(layer, mod, x, timer, align, at), dense=row.dense)
         except Unrepeatable as exc:
             found[key] = None
             notes.append(f"Time break-even of {layer.name} ({at}) not found: {exc}.")
@@ -482,7 +501,8 @@ def agreeing_twins(rows: list[LayerSpeed], mods: dict[str, tuple[Layer, nn.Modul
             inputs[paths[rows[i].layer]], mods[rows[i].layer][0].kind, latency_shape or ()) for i in idx}
         for i in idx:
             layer, mod = mods[rows[i].layer]
-            row = _row(layer, mod, rows[i].rank, rows[i].at, xs[i], timer, notes, fresh=True)  # type: ignore[arg-type]
+            timed = _Timed(layer, mod, rows[i].at, xs[i])  # type: ignore[arg-type]
+            row = _row(timed, rows[i].rank, timer, notes, fresh=True)
             if row is None:
                 refused.add(i)
             else:

@@ -155,7 +155,7 @@ def measure_speed(model: Any, inputs: Any, audit: "AuditResult", options: "Audit
     items = [(audit.layer(it.layer), it.rank) for it in (audit.review.items if audit.review else [])]
     timer = Timer(device=device, cache=TimeCache(cache_folder(options)), clock=options.speed.clock)
     lead = tuple(options.speed.latency_shape) if options.speed.latency_shape else None
-    rows, break_even, notes = time_layers(model, ex.args, ex.kwargs, items, timer, audit.settings.align, lead)
+    rows, break_even, notes = time_layers(model, ex, items, timer, audit.settings.align, lead)
     noisy = [s for s in rows for t in (s.dense, s.factorized) if t.iqr > 0.5 * t.median]
     if noisy:
         notes.append(f"{len({s.layer for s in noisy})} timed layer(s) spread by more than half their median "

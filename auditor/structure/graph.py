@@ -30,7 +30,7 @@ import torch
 from torch import nn
 
 from .. import kinds
-from .layers import Cost, ParamTable, Shape, _join, layer_for_graph_param, spec_for
+from .layers import Cost, ParamTable, Shape, join_path, layer_for_graph_param, spec_for
 from ..results import Layer, Use
 from .trace import Method, TraceResult
 
@@ -368,7 +368,7 @@ class _Collector:
         """Record one call of a leaf module as a use of each weight it owns; True if it owns any."""
         costs = module_costs(mod, ins, out)
         for c in costs:
-            canon = self.table.canonical.get(_join(path, c.param))
+            canon = self.table.canonical.get(join_path(path, c.param))
             if canon:
                 self.add(canon, path, c.op, c.macs, c.lookups)
         return bool(costs)

@@ -116,7 +116,7 @@ class ParamTable:
 
     def _adopt(self, path: str, mod: nn.Module, local: str, spec: LayerSpec) -> None:
         """Record a weight the module owns that is not itself a parameter: effective or packed."""
-        full = _join(path, local)
+        full = join_path(path, local)
         if full in self.canonical:
             return
         stored = _stored_params(mod, local)
@@ -124,7 +124,7 @@ class ParamTable:
             value = _effective(mod, local)
             if value is None:
                 return
-            canon = [self.canonical[_join(path, s)] for s in stored if _join(path, s) in self.canonical]
+            canon = [self.canonical[join_path(path, s)] for s in stored if join_path(path, s) in self.canonical]
             self.computed[full] = value
             self.stored_as[full] = canon
             for c in canon:
@@ -191,7 +191,7 @@ def check_tree(model: nn.Module) -> None:
         for name, child in children:
             if child is None:
                 continue
-            cpath = _join(path, name)
+            cpath = join_path(path, name)
             if id(child) in on_path:
                 raise AuditError(
                     f"module {cpath!r} ({type(child).__name__}) is registered inside itself: the module tree has "
@@ -212,7 +212,7 @@ def _stored_params(mod: nn.Module, local: str) -> list[str] | None:
     """Local names of the parameters a computed weight is made from, or None if the weight is not computed."""
     if parametrize.is_parametrized(mod, local):
         prefix = f"parametrizations.{local}"
-        return [_join(prefix, n) for n, _ in mod.parametrizations[local].named_parameters()]
+        return [join_path(prefix, n) for n, _ in mod.parametrizations[local].named_parameters()]
     for hook in mod._forward_pre_hooks.values():
         if isinstance(hook, WeightNorm) and hook.name == local:
             return [f"{local}_g", f"{local}_v"]
@@ -267,7 +267,8 @@ def _source(mod: nn.Module) -> str:
     return _class_source(_orig_class(mod))
 
 
-def _join(prefix: str, name: str) -> str:
+def join_path(prefix: str, name: str) -> str:
+    """A dotted module or parameter path: ``name`` under ``prefix`` (``name`` itself at the top)."""
     return f"{prefix}.{name}" if prefix else name
 
 
@@ -294,7 +295,7 @@ def module_weights(path: str, mod: nn.Module, table: ParamTable) -> list[tuple[s
         return []
     out = []
     for local in spec.weights(mod):
-        canon = table.canonical.get(_join(path, local))
+        canon = table.canonical.get(join_path(path, local))
         if canon is None:
             continue  # not a parameter, nor a weight the table adopted (a buffer, say)
         t = table.tensor(canon)
@@ -320,7 +321,7 @@ def collect_layers(model: nn.Module, table: ParamTable) -> dict[str, Layer]:
             if canon in table.computed:
                 stored = ", ".join(table.stored_as[canon]) or "no parameters"
                 view = f"{view}; the effective weight, stored as {stored}"
-            name = table.site(path) if pname == "weight" else _join(path, pname)
+            name = table.site(path) if pname == "weight" else join_path(path, pname)
             layers[canon] = Layer(
                 name=name,
                 param=canon,
@@ -363,4 +364,4 @@ def matrix_view(layer: Layer, t: torch.Tensor) -> torch.Tensor:
 
 
 __all__ = ["Cost", "LayerSpec", "MatrixView", "ParamTable", "Shape", "collect_layers", "hf_conv1d_type",
-           "is_user_leaf", "matrix_view", "module_weights", "register_layer_spec", "spec_for", "spec_types"]
+           "is_user_leaf", "join_path", "matrix_view", "module_weights", "register_layer_spec", "spec_for", "spec_types"]

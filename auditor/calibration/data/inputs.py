@@ -25,7 +25,7 @@ from torch import nn
 from ...errors import AuditError, describe_missing, first_line, size_text
 from ...options import CALIBRATION_MAX_BYTES, CALIBRATION_MAX_ROWS
 from .documents import document_cut, pop_documents, runs
-from .text import _vocab, is_text_source, text_inputs
+from .text import is_text_source, model_vocab, text_inputs
 
 
 @dataclass
@@ -187,9 +187,12 @@ def _forward_names(model: nn.Module | None) -> tuple[set[str], bool]:
     return names, any(p.kind == p.VAR_KEYWORD for p in sig.parameters.values())
 
 
-def _batches_from_tensors(named: dict[str, torch.Tensor], model: nn.Module | None, batch_size: int,
-                          where: str, holdout: float, max_rows: int | None = MAX_ROWS,
-                          unit: str = "rows", documents: list[int] | None = None) -> tuple[list[Batch], list[Batch]]:
+def _batches_from_tensors(named: dict[str, torch.Tensor], model: nn.Module | None, reading: Reading, where: str,
+                          holdout: float, unit: str = "rows",
+                          documents: list[int] | None = None) -> tuple[list[Batch], list[Batch]]:
+    """Tensors batched along dim 0 in ``reading.batch_size`` rows, (fit, held out): the held-out share cut off the
+    end (on a document boundary with ``documents``); at most ``reading.max_rows`` ``unit``."""
+    batch_size, max_rows = reading.batch_size, reading.max_rows
     if not named:
         raise AuditError(f"calibration file {where} holds no tensors", "Save at least one input tensor")
     sizes = {k: (int(v.shape[0]) if v.dim() > 0 else None) for k, v in named.items()}
@@ -248,7 +251,10 @@ def _as_batch(item: object, i: int, where: str) -> Batch:
                      "Yield tensors, tuples of positional inputs, or dicts of keyword inputs")
 
 
-def _import_fn(spec: str) -> object:
+def import_function(spec: str) -> object:
+    """The callable ``file.py:fn`` or ``module:fn`` names (the user's file imported with its prints kept off stdout);
+    a name that is missing or not callable is one :class:`AuditError` line. Read by --calibration-data functions and
+    by --metric (measure/metric.py)."""
     from ...sources.factory import import_user_module
 
     target, _, attr = spec.rpartition(":")
@@ -315,7 +321,7 @@ def token_statistics(ids: torch.Tensor, vocab: int) -> dict[str, float]:
 
 def synthetic_warning(batches: list[Batch], model: nn.Module | None) -> str | None:
     """A warning when the integer inputs look like token ids drawn uniformly at random."""
-    vocab = _vocab(model)
+    vocab = model_vocab(model)
     for name, t in (batches[0].tensors() if batches else []):
         if t.is_floating_point() or t.dtype == torch.bool or "mask" in name or "type" in name:
             continue
@@ -336,7 +342,7 @@ def _read_batches(items: Iterable[object], where: str, max_rows: int | None, max
                   user: str = "") -> list[Batch]:
     """The batches an iterable yields, read until it ends or a cap is passed (an endless generator stops there with
     one line). ``user``: the ``file.py:fn`` whose generator this is; its exceptions and exits become one line."""
-    from ...sources.factory import _run_user_code
+    from ...sources.factory import run_user_code
 
     out: list[Batch] = []
     rows = size = 0
@@ -358,7 +364,7 @@ def _read_batches(items: Iterable[object], where: str, max_rows: int | None, max
                                  f"cap with --calibration-max-bytes {-(-2 * max_bytes // (1 << 30))}G")
 
     if user:
-        _run_user_code(read, f"calibration function {user}()", "raised", "Fix the function that yields batches",
+        run_user_code(read, f"calibration function {user}()", "raised", "Fix the function that yields batches",
                        "Return (or yield) the batches instead of exiting")
     else:
         read()
@@ -494,8 +500,7 @@ def _read_source(source: object, model: nn.Module | None, holdout: float, readin
     if is_text_source(source):
         text_in = _text(Path(source), model, holdout, reading, where)
         docs = list(text_in.documents) if text_in.documents is not None else None
-        split = _batches_from_tensors(text_in.tensors, model, r.batch_size, where, holdout, r.max_rows, "windows",
-                                      docs)
+        split = _batches_from_tensors(text_in.tensors, model, r, where, holdout, "windows", docs)
         return [], split, text_in, (docs, text_in.unit) if docs is not None else None
     if r.length is not None or r.separator is not None:
         flag = "--calibration-length" if r.length is not None else "--document-separator"
@@ -513,7 +518,7 @@ def _read_source(source: object, model: nn.Module | None, holdout: float, readin
     else:
         return _read_batches(source, where, r.max_rows, r.max_bytes), None, None, None
     docs = pop_documents(named, text)
-    split = _batches_from_tensors(named, model, r.batch_size, text, holdout, r.max_rows, documents=docs)
+    split = _batches_from_tensors(named, model, r, text, holdout, documents=docs)
     return [], split, None, (docs, "documents") if docs is not None else None
 
 
@@ -532,10 +537,10 @@ def _text(path: Path, model: nn.Module | None, holdout: float, reading: Reading,
 
 def _called(text: str) -> Iterable[object]:
     """What the calibration function ``file.py:fn`` / ``module:fn`` returns: an iterable of batches."""
-    from ...sources.factory import _run_user_code
+    from ...sources.factory import run_user_code
 
-    fn = _import_fn(text)
-    items = _run_user_code(fn, f"calibration function {text}()", "raised", "Fix the function that yields batches",
+    fn = import_function(text)
+    items = run_user_code(fn, f"calibration function {text}()", "raised", "Fix the function that yields batches",
                            "Return (or yield) the batches instead of exiting")
     if not isinstance(items, Iterable) or isinstance(items, (str, bytes, torch.Tensor, dict)):
         raise AuditError(f"{text}() returned {type(items).__name__}, not batches",
@@ -629,7 +634,7 @@ def check_batches(cal: Calibration, model: nn.Module | None = None, probe: bool 
     if not labelled:
         return
     where = cal.source
-    vocab = _vocab(model)
+    vocab = model_vocab(model)
     hf = getattr(model, "config", None) is not None
     for label, b in labelled:
         _check_structure(label, b, labelled[0][1], where)

@@ -22,6 +22,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from ... import kinds
 from ...errors import AuditError, first_line
 from ...options import CALIBRATION_MAX_BYTES as MAX_BYTES
 from .documents import runs, split_text  # a text file larger than this is refused (unless raised)
@@ -232,13 +233,11 @@ def window_length(model: nn.Module | None, tok: Any, length: int | None) -> int:
     return min(known or MAX_WINDOW, MAX_WINDOW)
 
 
-def _vocab(model: nn.Module | None) -> int | None:
+def model_vocab(model: nn.Module | None) -> int | None:
     """The model's vocabulary: its largest embedding table's rows (None without a model or an embedding); read by
-    the text windows and by the token checks of every calibration source (inputs.py)."""
-    if model is None:
-        return None
-    sizes = [m.num_embeddings for m in model.modules() if isinstance(m, (nn.Embedding, nn.EmbeddingBag))]
-    return max(sizes) if sizes else None
+    the text windows, by the token checks of every calibration source (inputs.py) and by the causal-LM test
+    (measure/metric.py)."""
+    return None if model is None else max(kinds.embedding_sizes(model), default=None)
 
 
 PIECE = 1 << 20  # characters tokenized at once: a 20 MB single-line text is not tokenized whole
@@ -325,7 +324,7 @@ def text_inputs(path: Path, tokenizer: str | Path | None, model: nn.Module | Non
     parts = [torch.tensor(before, dtype=torch.long).expand(count, -1), body,
              torch.tensor(after, dtype=torch.long).expand(count, -1)]
     input_ids = torch.cat(parts, dim=1).contiguous()
-    vocab = _vocab(model)
+    vocab = model_vocab(model)
     top = int(input_ids.max())
     if vocab is not None and top >= vocab:
         raise AuditError(f"the tokenizer in {tokenizer} gives token id {top}, but the model's largest embedding has "

@@ -20,10 +20,10 @@ from torch import nn
 
 from ...errors import AuditError, first_line
 from .. import metrics
-from ..data.inputs import Batch, Calibration, _import_fn, model_device
+from ..data.inputs import Batch, Calibration, import_function, model_device
+from ..data.text import model_vocab
 from ..metrics.base import Measurement, MetricKind, Scorer
-from ..metrics.common import (_check_targets, _masked_logprobs, _masked_targets, _next_token_logprobs, _row_mask,
-                             _targets, main_output)
+from ..metrics.common import main_output
 from ..metrics.masked import NO_LABELS
 
 UserMetric = Callable[[nn.Module, list[object]], float]
@@ -35,7 +35,7 @@ def load_metric(spec: str) -> UserMetric:
     if ":" not in spec:
         raise AuditError(f"--metric {spec!r} is neither a metric name nor a function",
                          f"Use --metric {', '.join(metrics.names())}, or file.py:fn / module:fn")
-    return _import_fn(spec)
+    return import_function(spec)
 
 
 @dataclass
@@ -115,7 +115,7 @@ def is_causal_lm(model: nn.Module, batch: "Batch | None" = None) -> bool:
     ids = batch.kwargs.get("input_ids")
     if not isinstance(ids, torch.Tensor) or ids.dim() != 2 or ids.is_floating_point():
         return False
-    vocab = max((m.num_embeddings for m in model.modules() if isinstance(m, nn.Embedding)), default=None)
+    vocab = model_vocab(model)
     if vocab is None:
         return False
     try:
@@ -240,6 +240,4 @@ def _forward(model: nn.Module, b: Batch, i: int) -> object:
                          "Give every batch the inputs and width the model takes") from None
 
 __all__ = ["DEFAULT_TOLERANCE", "DETERMINISM", "Evaluator", "Measurement", "Metric", "NO_LABELS", "UserMetric",
-           "check_repeats",
-           "_check_targets", "_masked_logprobs", "_masked_targets", "_next_token_logprobs", "_row_mask", "_targets",
-           "is_causal_lm", "is_masked_lm", "load_metric", "main_output"]
+           "check_repeats", "is_causal_lm", "is_masked_lm", "load_metric", "main_output"]

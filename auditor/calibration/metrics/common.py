@@ -31,7 +31,7 @@ def main_output(out: object) -> torch.Tensor:
                      "Give --metric module:fn that scores the model")
 
 
-def _row_mask(b: Batch) -> torch.Tensor | None:
+def row_mask(b: Batch) -> torch.Tensor | None:
     """The real positions of a batch: ``attention_mask`` != 0 when it is 2-D (batch, positions); None when there is
     no such mask or it keeps every position."""
     m = b.kwargs.get("attention_mask")
@@ -44,13 +44,13 @@ def _row_mask(b: Batch) -> torch.Tensor | None:
 def real_rows(y: torch.Tensor, b: Batch) -> torch.Tensor:
     """The output at the real positions only (rows with ``attention_mask`` 0 left out) when it is (batch,
     positions, features) under the mask; the whole output otherwise."""
-    keep = _row_mask(b)
+    keep = row_mask(b)
     if keep is None or y.dim() != 3 or tuple(y.shape[:2]) != tuple(keep.shape):
         return y
     return y[keep]
 
 
-def _targets(b: Batch) -> tuple[torch.Tensor, torch.Tensor]:
+def next_token_targets(b: Batch) -> tuple[torch.Tensor, torch.Tensor]:
     """(next-token targets, which of them count) of a batch: the ids (or ``labels``) shifted by one, counted where
     the target is real and not -100, and the position predicting it real too."""
     ids = b.kwargs.get("labels")
@@ -69,9 +69,9 @@ def _targets(b: Batch) -> tuple[torch.Tensor, torch.Tensor]:
     return tgt.clamp_min(0), keep
 
 
-def _next_token_logprobs(y: torch.Tensor, b: Batch) -> tuple[torch.Tensor, torch.Tensor]:
+def next_token_logprobs(y: torch.Tensor, b: Batch) -> tuple[torch.Tensor, torch.Tensor]:
     """Float32 log-probabilities at the counted positions (rows, vocab) and their targets (rows,)."""
-    tgt, keep = _targets(b)
+    tgt, keep = next_token_targets(b)
     if y.dim() != 3 or y.shape[:2] != (tgt.shape[0], tgt.shape[1] + 1):
         raise AuditError(f"a next-token metric needs logits (batch, positions, vocab) for the input ids "
                          f"{tuple(tgt.shape[0:1]) + (tgt.shape[1] + 1,)}; the model returned {tuple(y.shape)}",
@@ -80,7 +80,7 @@ def _next_token_logprobs(y: torch.Tensor, b: Batch) -> tuple[torch.Tensor, torch
     return torch.log_softmax(logits.float(), dim=-1), tgt[keep]
 
 
-def _check_targets(b: Batch, width: int, what: str, i: int | None = None) -> None:
+def check_targets(b: Batch, width: int, what: str, i: int | None = None) -> None:
     """The ids (or ``labels``) a token metric scores must index the model's ``width`` logits
     (:func:`~auditor.calibration.data.inputs.token_value_problem`, the loader's own validator): one line naming the value
     and where, else."""
@@ -106,7 +106,7 @@ def _check_targets(b: Batch, width: int, what: str, i: int | None = None) -> Non
                          "output-error")
 
 
-def _masked_targets(b: Batch) -> tuple[torch.Tensor, torch.Tensor, bool]:
+def masked_targets(b: Batch) -> tuple[torch.Tensor, torch.Tensor, bool]:
     """(targets, which of them count, whether they came from ``labels``) of a masked-LM batch: ``labels`` where
     they are not -100, else every input id; positions with ``attention_mask`` 0 never count."""
     ids = b.kwargs.get("input_ids")
@@ -129,9 +129,9 @@ def _masked_targets(b: Batch) -> tuple[torch.Tensor, torch.Tensor, bool]:
     return tgt.clamp_min(0), keep, given
 
 
-def _masked_logprobs(y: torch.Tensor, b: Batch) -> tuple[torch.Tensor, torch.Tensor]:
+def masked_logprobs(y: torch.Tensor, b: Batch) -> tuple[torch.Tensor, torch.Tensor]:
     """Float32 log-probabilities at the masked positions (rows, vocab) and their targets (rows,)."""
-    tgt, keep, _ = _masked_targets(b)
+    tgt, keep, _ = masked_targets(b)
     if y.dim() != 3 or tuple(y.shape[:2]) != tuple(tgt.shape):
         raise AuditError(f"a masked-token metric needs logits (batch, positions, vocab) for the input ids "
                          f"{tuple(tgt.shape)}; the model returned {tuple(y.shape)}",
@@ -142,7 +142,7 @@ def _masked_logprobs(y: torch.Tensor, b: Batch) -> tuple[torch.Tensor, torch.Ten
 def per_row(y: torch.Tensor, b: Batch, fn: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
     """Per-row sums of fn(y) over every dimension but the first, positions with ``attention_mask`` 0 left out."""
     v = fn(y)
-    keep = _row_mask(b)
+    keep = row_mask(b)
     if keep is not None and v.dim() >= 2 and tuple(v.shape[:2]) == tuple(keep.shape):
         v = v * keep.reshape(*keep.shape, *([1] * (v.dim() - 2))).to(v.dtype)
     return v.reshape(v.shape[0], -1).sum(1)

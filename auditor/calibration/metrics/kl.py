@@ -13,7 +13,7 @@ from torch import nn
 
 from ...errors import AuditError
 from .base import Evaluating, Measurement, MetricKind, RowScorer, Scorer
-from .common import _next_token_logprobs, _targets, main_output
+from .common import next_token_logprobs, next_token_targets, main_output
 
 if TYPE_CHECKING:
     from ..data.inputs import Batch
@@ -40,8 +40,8 @@ class _Scorer(Scorer):
         count = agree = 0
         with torch.no_grad():
             for i, b in enumerate(self.ev.batches):
-                p, _ = _next_token_logprobs(main_output(self.ev.forward(self._dense, b, i)), b)
-                q, _ = _next_token_logprobs(main_output(self.ev.forward(model, b, i)), b)
+                p, _ = next_token_logprobs(main_output(self.ev.forward(self._dense, b, i)), b)
+                q, _ = next_token_logprobs(main_output(self.ev.forward(model, b, i)), b)
                 kl = (p.exp() * (p - q)).sum(-1)
                 total += float(kl.double().sum())
                 count += int(kl.numel())
@@ -62,7 +62,7 @@ class _Rows(RowScorer):
     def sums(self, model: nn.Module) -> tuple[np.ndarray, ...]:
         kl, cnt, agree = [], [], []
         for b in self.batches:
-            tgt, keep = _targets(b)
+            tgt, keep = next_token_targets(b)
             p = torch.log_softmax(main_output(self._dense(*b.args, **b.kwargs))[:, :-1].float(), -1)
             q = torch.log_softmax(main_output(model(*b.args, **b.kwargs))[:, :-1].float(), -1)
             k = (p.exp() * (p - q)).sum(-1).double()
@@ -93,7 +93,7 @@ class KL(MetricKind):
         return _Rows(dense, batches, like)
 
     def logprobs(self, y: torch.Tensor, b: Batch) -> tuple[torch.Tensor, torch.Tensor]:
-        return _next_token_logprobs(y, b)
+        return next_token_logprobs(y, b)
 
 
 KIND = KL()

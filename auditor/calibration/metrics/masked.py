@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from .common import _masked_logprobs, _masked_targets
+from .common import masked_logprobs, masked_targets
 from .perplexity import Perplexity
 
 if TYPE_CHECKING:
@@ -35,16 +35,16 @@ class MaskedPerplexity(Perplexity):
                       "Give labels with the original id at the masked positions")
 
     def logprobs(self, y: torch.Tensor, b: Batch) -> tuple[torch.Tensor, torch.Tensor]:
-        return _masked_logprobs(y, b)
+        return masked_logprobs(y, b)
 
     def row_targets(self, y: torch.Tensor, b: Batch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(logits, targets, which count) per row: the masked positions themselves."""
-        tgt, keep, _ = _masked_targets(b)
+        tgt, keep, _ = masked_targets(b)
         return y, tgt, keep
 
     def warnings_for(self, batches: list[Batch]) -> list[str]:
         """The labels-less warning when no held-out batch carries labels."""
-        return [NO_LABELS] if batches and not any(_masked_targets(b)[2] for b in batches) else []
+        return [NO_LABELS] if batches and not any(masked_targets(b)[2] for b in batches) else []
 
 
 KIND = MaskedPerplexity()

@@ -14,7 +14,7 @@ from torch import nn
 
 from ...errors import AuditError
 from .base import Evaluating, Measurement, MetricKind, RowScorer, Scorer
-from .common import _check_targets, _next_token_logprobs, _targets, main_output
+from .common import check_targets, next_token_logprobs, next_token_targets, main_output
 
 if TYPE_CHECKING:
     from ..data.inputs import Batch
@@ -57,7 +57,7 @@ class _Scorer(Scorer):
             for i, b in enumerate(self.ev.batches):
                 y = main_output(self.ev.forward(model, b, i))
                 if isinstance(y, torch.Tensor) and y.dim() == 3:
-                    _check_targets(b, y.shape[-1], self.kind.scored, i)
+                    check_targets(b, y.shape[-1], self.kind.scored, i)
                 logp, tgt = self.kind.logprobs(y, b)
                 nll -= float(logp.gather(1, tgt[:, None]).double().sum())
                 count += int(tgt.numel())
@@ -85,7 +85,7 @@ class _Rows(RowScorer):
         nll, cnt = [], []
         for i, b in enumerate(self.batches):
             y = main_output(model(*b.args, **b.kwargs))
-            _check_targets(b, y.shape[-1], self.kind.scored, i)
+            check_targets(b, y.shape[-1], self.kind.scored, i)
             logits, tgt, keep = self.kind.row_targets(y, b)
             logp = torch.log_softmax(logits.float(), dim=-1)
             tok = -logp.gather(-1, tgt.unsqueeze(-1)).squeeze(-1).double()
@@ -133,11 +133,11 @@ class Perplexity(MetricKind):
         return _Rows(dense, batches, self)
 
     def logprobs(self, y: torch.Tensor, b: Batch) -> tuple[torch.Tensor, torch.Tensor]:
-        return _next_token_logprobs(y, b)
+        return next_token_logprobs(y, b)
 
     def row_targets(self, y: torch.Tensor, b: Batch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(logits, targets, which count) per row: the next token of each position."""
-        tgt, keep = _targets(b)
+        tgt, keep = next_token_targets(b)
         return y[:, :-1], tgt, keep
 
     def warnings_for(self, batches: list[Batch]) -> list[str]:

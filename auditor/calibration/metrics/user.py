@@ -151,7 +151,7 @@ class _Scorer(Scorer):
         return v
 
     def _run(self, model: nn.Module) -> object:
-        from ...sources.factory import _run_user_code
+        from ...sources.factory import run_user_code
 
         metric, where = self.ev.metric, [""]
 
@@ -164,7 +164,7 @@ class _Scorer(Scorer):
                 raise
 
         try:
-            return _run_user_code(call, f"metric {metric.label}", "raised", "Fix the metric function",
+            return run_user_code(call, f"metric {metric.label}", "raised", "Fix the metric function",
                                   "Return a float from the metric instead of exiting")
         except AuditError as exc:
             if where[0]:

@@ -48,8 +48,8 @@ from ... import kinds
 from ...results import Layer
 from ..data.inputs import Batch, Calibration, eval_mode, model_device, run
 from .refine import EPOCHS, Refined, refine_block
-from .stats import LayerInput, _batch_mask, _real_rows
-from .stream import Blocks, _check_sequential, _first_inputs, _hidden, _NotSequential, _with_hidden, find_blocks
+from .stats import LayerInput, batch_mask, kept_rows
+from .stream import Blocks, NotSequential, _first_inputs, check_sequential, find_blocks, hidden_state, with_hidden
 from .whiten import DAMP, Truncator
 
 
@@ -121,14 +121,14 @@ class _Rows:
         key = (x.data_ptr(), tuple(x.shape), tuple(x.stride()), x._version, self.groups, self.n)
         hit = self.seen.get(key)
         if hit is None:  # the entry holds the tensor itself, so no other tensor can take its memory meanwhile
-            rows = _real_rows(x, keep).detach().reshape(-1, self.groups, self.n).to(torch.float64)
+            rows = kept_rows(x, keep).detach().reshape(-1, self.groups, self.n).to(torch.float64)
             hit = self.seen[key] = (x, rows)
         self.x.append(hit[1])
 
     def add_counts(self, ids: torch.Tensor, keep: torch.Tensor | None = None) -> None:
         if keep is not None and ids.dim() == keep.dim() and ids.shape[0] == 1 and ids.shape[1:] == keep.shape[1:]:
             ids = ids.expand(keep.shape)
-        ids = _real_rows(ids, keep, 0)
+        ids = kept_rows(ids, keep, 0)
         c = torch.bincount(ids.detach().reshape(-1).long(), minlength=self.n).to(torch.float64)[: self.n].numpy()
         self.counts = c if self.counts is None else self.counts + c
 
@@ -430,7 +430,7 @@ class _Fitter:
                 planned.append((layer, f"{path[len(prefix):]}.{attr}", self.out[layer.name].factors(
                     self.plan[layer.name][1])))
         with _weights(self.model, self.layers, self.fitted):
-            done = refine_block(blk, planned, inputs, targets, masks, _hidden, self.epochs)
+            done = refine_block(blk, planned, inputs, targets, masks, hidden_state, self.epochs)
         for name, refined in done.items():
             self.out[name] = refined  # type: ignore[assignment]
             self.fitted[name] = refined.weight(self.plan[name][1])
@@ -444,7 +444,7 @@ class _Fitter:
 
     def whole(self, fit: list[Batch]) -> Runs:
         """Each batch through the whole model."""
-        return [(_batch_mask(b), lambda b=b: run(self.model, b), self.swapped(lambda b=b: run(self.model, b)))
+        return [(batch_mask(b), lambda b=b: run(self.model, b), self.swapped(lambda b=b: run(self.model, b)))
                 for b in fit]
 
 
@@ -479,8 +479,8 @@ def _advance(fitter: _Fitter, blk: nn.Module, kept: list[list[tuple[tuple[object
     """Both models' inputs to the next block: this block's outputs, ``dense`` (the dense model's, computed by the
     caller) and with the fitted weights."""
     for j, (d, f) in enumerate(zip(kept[0], kept[1])):
-        kept[0][j] = _with_hidden(d[0], d[1], dense[j])
-        kept[1][j] = _with_hidden(f[0], f[1], _hidden(fitter.swapped(lambda f=f: blk(*f[0], **f[1]))()))
+        kept[0][j] = with_hidden(d[0], d[1], dense[j])
+        kept[1][j] = with_hidden(f[0], f[1], hidden_state(fitter.swapped(lambda f=f: blk(*f[0], **f[1]))()))
 
 
 def _blockwise(fitter: _Fitter, stages: list[list[Layer]], fit: list[Batch], progress: Callable[[], None]) -> int:
@@ -500,10 +500,10 @@ def _blockwise(fitter: _Fitter, stages: list[list[Layer]], fit: list[Batch], pro
     try:
         kept = [_first_inputs(model, blocks[0], fit, dev), fitter.swapped(
             lambda: _first_inputs(model, blocks[0], fit, dev))()]
-        _check_sequential(model, blocks, fit[0].to(dev), kept[0][0], blocks[0](*kept[0][0][0], **kept[0][0][1]))
-    except _NotSequential:
+        check_sequential(model, blocks, fit[0].to(dev), kept[0][0], blocks[0](*kept[0][0][0], **kept[0][0][1]))
+    except NotSequential:
         return first
-    masks = [_batch_mask(b) for b in fit]
+    masks = [batch_mask(b) for b in fit]
     done = first
     for i, blk in enumerate(blocks):
         mine: list[Layer] = []
@@ -514,7 +514,7 @@ def _blockwise(fitter: _Fitter, stages: list[list[Layer]], fit: list[Batch], pro
             progress()
         refine = fitter.epochs > 0 and any(l.name in fitter.plan for l in mine)
         if done < len(stages) or refine:
-            dense = [_hidden(blk(*d[0], **d[1])) for d in kept[0]]
+            dense = [hidden_state(blk(*d[0], **d[1])) for d in kept[0]]
             if refine:
                 fitter.refine(blk, f"{found.path}.{i}." if found.path else f"{i}.", mine, kept[1], dense, masks)
             if done < len(stages):

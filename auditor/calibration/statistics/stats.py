@@ -365,7 +365,7 @@ def by_name(layers: dict[str, Layer] | list[Layer]) -> dict[str, Layer]:
     return {layer.name: layer for layer in (layers.values() if isinstance(layers, dict) else layers)}
 
 
-def _module_path(layer: Layer) -> tuple[str, str]:
+def module_path(layer: Layer) -> tuple[str, str]:
     """(owning module path, parameter attribute name)."""
     return kinds.for_kind(layer.kind).module_path(layer)
 
@@ -476,7 +476,7 @@ class _Acc:
         key = (x.data_ptr(), tuple(x.shape), tuple(x.stride()), x._version, x.dtype, self.groups, self.n)
         hit = self.shared.get(key) if self.shared is not None else None
         src = x
-        x = _real_rows(x, keep)
+        x = kept_rows(x, keep)
         if hit is None:
             x = x.detach().reshape(-1, self.groups, self.n).to(self.batch_dtype)
             g = torch.einsum("rgi,rgj->gij", x, x) if self.groups > 1 else (x[:, 0].T @ x[:, 0])[None]
@@ -497,7 +497,7 @@ class _Acc:
     def add_counts(self, ids: torch.Tensor, keep: torch.Tensor | None = None) -> None:
         if keep is not None and ids.dim() == keep.dim() and ids.shape[0] == 1 and ids.shape[1:] == keep.shape[1:]:
             ids = ids.expand(keep.shape)  # positions looked up once for the batch (1, T): once per real token
-        ids = _real_rows(ids, keep, 0)  # a pad looked up at a masked position is no lookup of the text
+        ids = kept_rows(ids, keep, 0)  # a pad looked up at a masked position is no lookup of the text
         c = torch.bincount(ids.detach().reshape(-1).long(), minlength=self.n).to(torch.float64)[: self.n]
         self._take(c)
         self.rows += ids.numel()
@@ -512,7 +512,7 @@ class _Acc:
                           self.groups, self.diagonal, self.approximate)
 
 
-def _real_rows(x: torch.Tensor, keep: torch.Tensor | None, features: int = 1) -> torch.Tensor:
+def kept_rows(x: torch.Tensor, keep: torch.Tensor | None, features: int = 1) -> torch.Tensor:
     """``x`` at the real positions only, when it is (batch, positions, ``features`` more dimensions) with ``keep``
     (batch, positions) its leading dimensions; else as is (a layer whose rows are not the batch's positions, as a
     pooled (batch, width) input)."""
@@ -521,7 +521,7 @@ def _real_rows(x: torch.Tensor, keep: torch.Tensor | None, features: int = 1) ->
     return x[keep.to(x.device)]
 
 
-def _batch_mask(b: Batch) -> torch.Tensor | None:
+def batch_mask(b: Batch) -> torch.Tensor | None:
     """The real positions of a batch: ``attention_mask`` != 0 when it is 2-D (batch, positions); None when there is
     none or it keeps every position (then nothing is selected, and the sums are bit for bit those without it)."""
     m = b.kwargs.get("attention_mask")
@@ -654,7 +654,7 @@ def input_statistics(model: nn.Module, layers: dict[str, Layer] | list[Layer], b
     try:
         with eval_mode(model):  # dropout off, batch norm on its running statistics; the caller's modes come back
             for i, b in enumerate(fit):
-                with hooks.batch(_batch_mask(b), i):
+                with hooks.batch(batch_mask(b), i):
                     run(model, b)
                 if progress is not None:
                     progress(i + 1, len(fit))
@@ -663,4 +663,5 @@ def input_statistics(model: nn.Module, layers: dict[str, Layer] | list[Layer], b
     return hooks.close(len(fit), digest)
 
 
-__all__ = ["GramStore", "InputStatistics", "LayerInput", "StatisticsHooks", "by_name", "conv_patches", "input_statistics"]
+__all__ = ["GramStore", "InputStatistics", "LayerInput", "StatisticsHooks", "batch_mask", "by_name", "conv_patches",
+           "input_statistics", "kept_rows", "module_path"]

@@ -30,11 +30,12 @@ from typing import TYPE_CHECKING, Callable, Iterator, TypedDict
 import torch
 from torch import nn
 
+from ... import kinds
 from ...errors import AuditError
 from ...results import Layer
 from ..data.inputs import Batch, Calibration, eval_mode, model_device
 from ..data.precision import HALF
-from .stats import InputStatistics, StatisticsHooks, _batch_mask, _module_path, by_name, input_statistics
+from .stats import InputStatistics, StatisticsHooks, batch_mask, by_name, input_statistics, module_path
 
 if TYPE_CHECKING:
     from typing_extensions import Unpack
@@ -63,12 +64,12 @@ def find_blocks(model: nn.Module, layers: dict[str, Layer] | list[Layer]) -> Blo
     named = list(by_name(layers).values())
     best: tuple[tuple[int, int], str, nn.ModuleList, list[list[Layer]]] | None = None
     for path, mod in model.named_modules():
-        if not isinstance(mod, nn.ModuleList) or len(mod) < 2 or len({type(c) for c in mod}) != 1:
+        if not kinds.is_block_list(mod):
             continue
         prefix = f"{path}." if path else ""
         per: list[list[Layer]] = [[] for _ in mod]
         for layer in named:
-            p = _module_path(layer)[0]
+            p = module_path(layer)[0]
             if p.startswith(prefix):
                 head = p[len(prefix):].partition(".")[0]
                 if head.isdigit() and int(head) < len(mod):
@@ -117,17 +118,19 @@ class _Stop(Exception):
     pass
 
 
-class _NotSequential(Exception):
-    pass
+class NotSequential(Exception):
+    """The blocks do not run one after another on one hidden state (:func:`check_sequential`): the model is streamed
+    whole instead."""
 
 
-def _keep_args(args: tuple[object, ...]) -> tuple[object, ...]:
+def kept_args(args: tuple[object, ...]) -> tuple[object, ...]:
     """Positional inputs without a cache object (GPT-2's blocks take theirs positionally): a kept cache would grow
     each time the block runs again on the kept inputs, and hold what a gradient pass through it computed."""
     return tuple(None if _is_cache(a) else a for a in args)
 
 
-def _keep(kwargs: dict[str, object]) -> dict[str, object]:
+def kept_kwargs(kwargs: dict[str, object]) -> dict[str, object]:
+    """Keyword inputs without a cache object and with ``use_cache`` off (as :func:`kept_args`)."""
     out = dict(kwargs)
     for k, v in out.items():
         if k in CACHE_KWARGS or _is_cache(v):
@@ -137,15 +140,17 @@ def _keep(kwargs: dict[str, object]) -> dict[str, object]:
     return out
 
 
-def _hidden(out: object) -> torch.Tensor:
+def hidden_state(out: object) -> torch.Tensor:
+    """A block's hidden output: the output itself, or the tensor a tuple starts with; else :class:`NotSequential`."""
     if isinstance(out, torch.Tensor):
         return out
     if isinstance(out, (tuple, list)) and out and isinstance(out[0], torch.Tensor):
         return out[0]
-    raise _NotSequential("a block returned neither a tensor nor a tuple starting with one")
+    raise NotSequential("a block returned neither a tensor nor a tuple starting with one")
 
 
-def _with_hidden(args: tuple[object, ...], kwargs: dict[str, object], h: torch.Tensor) -> tuple[tuple[object, ...], dict]:
+def with_hidden(args: tuple[object, ...], kwargs: dict[str, object], h: torch.Tensor) -> tuple[tuple[object, ...], dict]:
+    """A block's kept inputs with ``h`` as the hidden input: the first positional tensor, else ``hidden_states``."""
     if args and isinstance(args[0], torch.Tensor):
         return (h, *args[1:]), kwargs
     return args, {**kwargs, "hidden_states": h}
@@ -297,7 +302,7 @@ def stream_statistics(model: nn.Module, layers: dict[str, Layer] | list[Layer], 
         if found is not None:
             try:
                 return _stream(model, found, fit, run)
-            except _NotSequential:
+            except NotSequential:
                 pass
         return _one_pass(model, layers, fit, run, moved)
     finally:
@@ -349,7 +354,7 @@ def _stream(model: nn.Module, found: Blocks, fit: list[Batch], run: _Run) -> Inp
     """Block by block: the first block's inputs caught, checked to run one block after another, then each block's
     statistics, then the outside layers' in one last pass."""
     blocks = list(found.blocks)
-    masks = [_batch_mask(b) for b in fit]
+    masks = [batch_mask(b) for b in fit]
     result = InputStatistics(batches=len(fit), digest=run.digest)
     with eval_mode(model), torch.no_grad():
         kept = _first_inputs(model, blocks[0], fit, run.dev)
@@ -360,7 +365,7 @@ def _stream(model: nn.Module, found: Blocks, fit: list[Batch], run: _Run) -> Inp
             run.off_device(blocks[0])
         # the blocks must run one after another, each on the last one's hidden state and the same other inputs:
         # checked on the first batch with every block passing its input through
-        _check_sequential(model, blocks, fit[0].to(run.dev), kept[0], shape)
+        check_sequential(model, blocks, fit[0].to(run.dev), kept[0], shape)
         del shape
         finals: list[object] = []
         for i, blk in enumerate(blocks):
@@ -386,7 +391,7 @@ def _first_inputs(model: nn.Module, first: nn.Module, fit: list[Batch],
     kept: list[tuple[tuple[object, ...], dict[str, object]]] = []
 
     def catch(_m: nn.Module, args: tuple[object, ...], kwargs: dict[str, object]) -> None:
-        kept.append((_keep_args(args), _keep(kwargs)))
+        kept.append((kept_args(args), kept_kwargs(kwargs)))
         raise _Stop
 
     h = first.register_forward_pre_hook(catch, with_kwargs=True)
@@ -399,11 +404,11 @@ def _first_inputs(model: nn.Module, first: nn.Module, fit: list[Batch],
             except _Stop:
                 pass
             if len(kept) != n + 1:
-                raise _NotSequential("a batch did not reach the first block")
+                raise NotSequential("a batch did not reach the first block")
     finally:
         h.remove()
     if not kept:
-        raise _NotSequential("no batches")
+        raise NotSequential("no batches")
     return kept
 
 
@@ -420,7 +425,7 @@ def _block_statistics(model: nn.Module, blk: nn.Module, layers: list[Layer],
                 out = blk(*args, **kwargs)
             if finals is not None:
                 finals.append(out)
-            kept[j] = _with_hidden(args, kwargs, _hidden(out))
+            kept[j] = with_hidden(args, kwargs, hidden_state(out))
             del out
     finally:
         hooks.remove()
@@ -489,10 +494,10 @@ def _unchanged(h: object, probe: torch.Tensor, values: torch.Tensor) -> bool:
     return h.shape == values.shape and h.dtype == values.dtype and bool(torch.equal(h, values.to(h.device)))
 
 
-def _check_sequential(model: nn.Module, blocks: list[nn.Module], batch: Batch,
-                      first: tuple[tuple[object, ...], dict[str, object]], shape: object) -> None:
+def check_sequential(model: nn.Module, blocks: list[nn.Module], batch: Batch,
+                     first: tuple[tuple[object, ...], dict[str, object]], shape: object) -> None:
     """Run ``batch`` with every block passing its hidden input through (in the output structure ``shape``), and
-    raise :class:`_NotSequential` unless each block is called once, in order, with the first block's other inputs."""
+    raise :class:`NotSequential` unless each block is called once, in order, with the first block's other inputs."""
     calls: list[int] = []
     problem: list[str] = []
     sent: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # block i's probe output, and a copy of its values
@@ -502,7 +507,7 @@ def _check_sequential(model: nn.Module, blocks: list[nn.Module], batch: Batch,
     def through(i: int) -> Callable[..., object]:
         def fwd(*args: object, **kwargs: object) -> object:
             calls.append(i)
-            args, kwargs = _keep_args(args), _keep(kwargs)
+            args, kwargs = kept_args(args), kept_kwargs(kwargs)
             if args and isinstance(args[0], torch.Tensor):
                 h, rest, rest0 = args[0], args[1:], args0[1:]
                 kw, kw0_ = kwargs, kw0
@@ -529,9 +534,9 @@ def _check_sequential(model: nn.Module, blocks: list[nn.Module], batch: Batch,
         with patched_forwards(blocks, lambda i, blk: through(i)):
             model(*batch.args, **batch.kwargs)
     except Exception as exc:  # noqa: BLE001 - a model that does not take pass-through blocks is run in one pass
-        raise _NotSequential(str(exc)) from None
+        raise NotSequential(str(exc)) from None
     if calls != list(range(len(blocks))) or problem:
-        raise _NotSequential(problem[0] if problem else f"blocks called in the order {calls}")
+        raise NotSequential(problem[0] if problem else f"blocks called in the order {calls}")
 
 
 def _merge(result: InputStatistics, st: InputStatistics, on_block: Callable[[int, InputStatistics], None] | None,
@@ -544,4 +549,5 @@ def _merge(result: InputStatistics, st: InputStatistics, on_block: Callable[[int
     result.warnings.extend(w for w in st.warnings if w not in result.warnings)
 
 
-__all__ = ["Blocks", "StreamOptions", "find_blocks", "resolve_device", "stream_statistics"]
+__all__ = ["Blocks", "NotSequential", "StreamOptions", "check_sequential", "find_blocks", "hidden_state", "kept_args",
+           "kept_kwargs", "resolve_device", "stream_statistics", "with_hidden"]

@@ -167,7 +167,9 @@ def curves_from_gradients(sensitivity: "GradientSensitivity", layers: dict[str, 
     return Curves(out, "gradient", sensitivity.linear)
 
 
-def _pick(options: dict[str, list[Option]], mu: float) -> tuple[dict[str, int], int, float]:
+def pick_at(options: dict[str, list[Option]], mu: float) -> tuple[dict[str, int], int, float]:
+    """The plan at the multiplier ``mu``: for each layer the option of least ``cost - mu * saved`` below keeping it
+    dense (0); (plan, parameters saved, summed cost). The budget search and the tied-group search bisect on ``mu``."""
     plan: dict[str, int] = {}
     saved = 0
     cost = 0.0
@@ -198,23 +200,23 @@ def allocate(curves: Curves, target_saved: float) -> tuple[dict[str, int], int, 
 
 def _allocate(opts: dict[str, list[Option]], target_saved: float) -> tuple[dict[str, int], int, float]:
     if target_saved <= 0:
-        return _pick(opts, 0.0)
+        return pick_at(opts, 0.0)
     hi = 1e-12
-    while _pick(opts, hi)[1] < target_saved and hi < 1e30:
+    while pick_at(opts, hi)[1] < target_saved and hi < 1e30:
         hi *= 10
     if hi >= 1e30:
-        return _pick(opts, hi)
+        return pick_at(opts, hi)
     lo = 0.0
     for _ in range(200):
         mid = (lo + hi) / 2 if lo == 0 else math.sqrt(lo * hi)
-        if _pick(opts, mid)[1] >= target_saved:
+        if pick_at(opts, mid)[1] >= target_saved:
             hi = mid
         else:
             lo = mid
         if hi - lo <= 1e-12 * hi:
             break
-    over = _pick(opts, hi)
-    filled = _fill(opts, _pick(opts, lo), over[0], target_saved)
+    over = pick_at(opts, hi)
+    filled = _fill(opts, pick_at(opts, lo), over[0], target_saved)
     return filled if filled is not None and filled[2] < over[2] else over
 
 

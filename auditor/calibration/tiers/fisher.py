@@ -46,8 +46,9 @@ from ..._env import trim_heap
 from ...errors import AuditError, first_line
 from ...results import Layer
 from ..data.inputs import Batch, Calibration, eval_mode, model_device
-from ..measure.metric import Metric, _row_mask, main_output
-from ..statistics.stats import InputStatistics, LayerInput, _module_path, by_name
+from ..measure.metric import Metric, main_output
+from ..metrics.common import row_mask
+from ..statistics.stats import InputStatistics, LayerInput, by_name, module_path
 from ..statistics.whiten import (DAMP, LossMetric, Truncator, WhitenedSpectrum, function_matrices, save_spilled,
                                  weighted_bases)
 
@@ -170,7 +171,7 @@ class _Accumulator:
             if layer.kind not in GRADIENT_KINDS or layer.param not in self.params:
                 self.skipped[name] = f"no output gradient for {layer.kind} layers"
                 continue
-            path = _module_path(layer)[0]
+            path = module_path(layer)[0]
             if path not in modules:
                 self.skipped[name] = "its module is not found"
                 continue
@@ -305,7 +306,7 @@ def _one_batch(model: nn.Module, b: Batch, i: int, cap: _Capture, acc: _Accumula
         raise AuditError(f"the forward failed on fit batch {i} while reading output gradients: "
                          f"{first_line(exc)}", "Give every batch the inputs the model takes") from None
     cap.recording = False
-    keep = _row_mask(b)
+    keep = row_mask(b)
     losses = _losses(y, b, keep, p)
     if not cap.calls:
         return False
@@ -456,13 +457,13 @@ def _checkpointed(found: "Blocks | None") -> Iterator[None]:
     the block is recomputed)."""
     from torch.utils.checkpoint import checkpoint
 
-    from ..statistics.stream import _keep, _keep_args, patched_forwards
+    from ..statistics.stream import kept_args, kept_kwargs, patched_forwards
 
     def wrap(_i: int, blk: nn.Module) -> Callable[..., object]:
         fwd = blk.forward
 
         def run(*args: object, **kwargs: object) -> object:
-            return checkpoint(fwd, *_keep_args(args), use_reentrant=False, **_keep(kwargs))
+            return checkpoint(fwd, *kept_args(args), use_reentrant=False, **kept_kwargs(kwargs))
         return run
 
     with patched_forwards(list(found.blocks) if found is not None else [], wrap):

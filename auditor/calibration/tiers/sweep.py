@@ -39,7 +39,7 @@ from ..data.inputs import Calibration, eval_mode
 from ..measure.metric import Evaluator, Metric
 from ..references import evaluator_of
 from ..session import CalibrationSession
-from ..statistics.stats import InputStatistics, by_name
+from ..statistics.stats import InputStatistics, by_name, module_path
 from ..statistics.whiten import Truncator, WhitenedSpectrum
 
 if TYPE_CHECKING:
@@ -85,7 +85,7 @@ def block_of(model: nn.Module, path: str) -> str:
     best = chain[1] if len(chain) > 1 else ""
     for i in range(1, len(chain)):
         parent = model.get_submodule(chain[i - 1])
-        if isinstance(parent, (nn.ModuleList, nn.Sequential)):
+        if kinds.holds_blocks(parent):
             best = chain[i]
     return best
 
@@ -569,9 +569,7 @@ class Sweeper:
 
     def _owners_and_uses(self) -> tuple[dict[str, str], dict[str, set[str]]]:
         """Each layer's owning module path, and every module path holding its weight (a tied weight has several)."""
-        from ..statistics.stats import _module_path
-
-        owners = {name: _module_path(layer)[0] for name, layer in self.layers.items()}
+        owners = {name: module_path(layer)[0] for name, layer in self.layers.items()}
         holders: dict[int, set[str]] = {}  # id of a parameter -> every module path holding it directly
         for path, mod in self.work.named_modules(remove_duplicate=False):
             for p in mod.parameters(recurse=False):

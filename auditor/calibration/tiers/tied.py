@@ -30,7 +30,7 @@ from typing import Sequence
 
 from ...calresults import TieCost
 from ...results import TieGroup
-from .budget import Curves, Option, _pick
+from .budget import Curves, Option, pick_at
 
 __all__ = ["removal_within", "tie_cost", "tie_curves"]
 
@@ -65,20 +65,20 @@ def removal_within(curves: Curves, cap: float) -> float:
     if not opts or cap < 0:
         return 0.0
     lo, hi = 0.0, 1e-12
-    while _pick(opts, hi)[2] <= cap and hi < 1e30:
+    while pick_at(opts, hi)[2] <= cap and hi < 1e30:
         lo, hi = hi, hi * 10
     if hi >= 1e30:
-        return float(_pick(opts, lo)[1])
+        return float(pick_at(opts, lo)[1])
     for _ in range(200):
         mid = math.sqrt(lo * hi) if lo > 0 else hi / 2
-        if _pick(opts, mid)[2] <= cap:
+        if pick_at(opts, mid)[2] <= cap:
             lo = mid
         else:
             hi = mid
         if hi - lo <= 1e-12 * hi:
             break
-    _, saved_lo, cost_lo = _pick(opts, lo)
-    _, saved_hi, cost_hi = _pick(opts, hi)
+    _, saved_lo, cost_lo = pick_at(opts, lo)
+    _, saved_hi, cost_hi = pick_at(opts, hi)
     if cost_hi <= cost_lo:
         return float(saved_lo)
     return saved_lo + (saved_hi - saved_lo) * (cap - cost_lo) / (cost_hi - cost_lo)
