@@ -31,16 +31,17 @@ import numpy as np
 import torch
 from torch import nn
 
+from ..calibration.measure.staged import MIN_HEAD  # the first stage's rows: a plan far from the tolerance reads these
+from ..calibration.tiers.fisher import SAMPLES  # sampled label sets (or projections) per fit batch, one backward each
+from ..calibration.tiers.passes import VERIFY_BACKSTOPS  # plans the search measures below the one it found
+from ..calibration.tiers.sensitivity import GRADIENT_POSITIONS  # positions the gradient pass reads at most
 from ..errors import AuditError
 
-# Constants of the model, each from the calibration code it stands for (docs/calibration.md):
-GRADIENT_POSITIONS = 4096  # calibration.stage.GRADIENT_POSITIONS: positions the gradient pass reads at most
+# The calibration's own constants are imported above from the code that uses them (tests/test_estimate.py fails on a
+# copy); what follows is the cost model's own, measured or counted on the sample models (docs/performance.md):
 GRADIENT_PASSES = 2.0  # the gradient pass: forward, then each checkpointed block's forward again with its backward
-LABEL_SAMPLES = 2  # fisher.py: two sampled labels per position, one backward each
-SEARCH_PLANS = 8  # tier 3's plans measured (8 to 13 on the sample models), the 2 backstops besides
-BACKSTOPS = 2  # calibration.stage.VERIFY_BACKSTOPS
-FULL_PLANS = 3  # of those, the plans near the tolerance that read every search row (staged.py); the rest read the head
-HEAD_ROWS = 16  # staged.py: the first stage's rows
+SEARCH_PLANS = 8  # tier 3's plans measured (8 to 13 on the sample models), the VERIFY_BACKSTOPS besides
+FULL_PLANS = 3  # of those, the plans near the tolerance that read every search row (staged.py); the rest MIN_HEAD
 TRACE_FORWARDS = 2.0  # the trace: symbolic tracing and shape propagation, about two forwards of the example input
 # the reports: a page with a chart per layer (html, pdf) costs per layer; measured on the sample models under load
 REPORT_SECONDS = {"pdf": 1.0, "html": 1.0}  # each, plus REPORT_LAYER_SECONDS per layer; other formats: the default
@@ -181,8 +182,8 @@ def _rows(wl: Workload) -> dict[str, int]:
     search = held // 2 if wl.split and held >= 2 else held
     verify = held - search if wl.split and held >= 2 else held
     grad = min(wl.fit_rows, math.ceil(GRADIENT_POSITIONS / max(1, wl.tokens)))
-    head = min(HEAD_ROWS, search)
-    plans = SEARCH_PLANS + BACKSTOPS
+    head = min(MIN_HEAD, search)
+    plans = SEARCH_PLANS + VERIFY_BACKSTOPS
     full = min(FULL_PLANS, plans)
     tier3 = search + (plans - full) * head + full * search
     return {"search": search, "verify": verify, "gradient": grad, "tier3": tier3, "plans": plans}
@@ -203,7 +204,7 @@ def stage_seconds(sh: Shapes, wl: Workload, me: Measurements) -> dict[str, float
     # one plan's A, B from kept decompositions (U_r^T F for every layer: m n r at r = min(m, n), the full-rank bound)
     factors = sum(2.0 * _cube(s) for s in sh.layers) / me.gemm_flops
     out["statistics"] = _batches(wl.fit_rows, b) * fwd + grams + decomp
-    out["gradients"] = _batches(r["gradient"], b) * (GRADIENT_PASSES * fwd + LABEL_SAMPLES * bwd) + decomp
+    out["gradients"] = _batches(r["gradient"], b) * (GRADIENT_PASSES * fwd + SAMPLES * bwd) + decomp
     # tier 3's decompositions (one per layer, kept for the search, the verification and the plan check) are made by
     # the rounding floor of a bf16 / fp16 model (every layer at full rank, its dense reference and one measurement on
     # the search rows), else by the search's first plans
