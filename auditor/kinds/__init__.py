@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from . import conv, embedding, hf_conv1d, linear, matmul, mha, registry, rnn
 from .base import Cost, Feed, Feeds, LayerKind, LayerSpec, MatrixView, Shape, fill
+from .embedding import embedding_sizes
 from .registry import (for_kind, for_module, for_type, guess, is_known, is_user_leaf, kinds, register,
                        rewritable_labels, spec_for_type, spec_types, unregister)
 
@@ -21,6 +22,6 @@ for _k in (matmul.TENSOR, matmul.MATMUL, linear.KIND, hf_conv1d.KIND, conv.KIND,
     register(_k, builtin=True)
 registry.when_imported(hf_conv1d._register)
 
-__all__ = ["Cost", "Feed", "Feeds", "LayerKind", "LayerSpec", "MatrixView", "Shape", "fill", "for_kind",
-           "for_module", "for_type", "guess", "is_known", "is_user_leaf", "kinds", "register", "rewritable_labels",
-           "spec_for_type", "spec_types", "unregister"]
+__all__ = ["Cost", "Feed", "Feeds", "LayerKind", "LayerSpec", "MatrixView", "Shape", "embedding_sizes", "fill",
+           "for_kind", "for_module", "for_type", "guess", "is_known", "is_user_leaf", "kinds", "register",
+           "rewritable_labels", "spec_for_type", "spec_types", "unregister"]

@@ -81,3 +81,8 @@ class EmbeddingKind(StoredTransposed, LayerKind):
 
 
 KIND = EmbeddingKind()
+
+
+def embedding_sizes(model: nn.Module) -> list[int]:
+    """``num_embeddings`` of every ``nn.Embedding`` and ``nn.EmbeddingBag`` of ``model``, in module order."""
+    return [m.num_embeddings for m in model.modules() if isinstance(m, (nn.Embedding, nn.EmbeddingBag))]

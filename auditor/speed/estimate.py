@@ -7,8 +7,8 @@ Three steps, each testable alone:
   tokens per row and rows per batch, and the options that change the cost;
 - :func:`measure` takes a few seconds on this machine: one repeated block's forward and backward at the real batch
   shape (and the activations it keeps for the backward), one whitened decomposition of the costliest layer's shape
-  (``calibration.whiten.decompose``), one Gram's eigenvalues (the spectra's path) and one float64 product (the Gram
-  sums' rate), each capped to take seconds and scaled by FLOPs;
+  (``calibration.statistics.whiten.decompose``), one Gram's eigenvalues (the spectra's path) and one float64
+  product (the Gram sums' rate), each capped to take seconds and scaled by FLOPs;
 - :func:`predict` is arithmetic only (no clock): each stage of the default calibrated audit as passes over the rows
   times a forward's cost, decompositions counted per layer and scaled by their FLOPs (m n min(m, n)) from the
   measured one, and each stage's peak host memory from what docs/calibration.md ("What is alive at once") says is
@@ -334,24 +334,31 @@ def _mib(n: float) -> str:
 
 # ---- shapes, workload and measurements from a real model ----------------------------------------------------------
 def _repeated(model: nn.Module) -> nn.ModuleList | None:
-    """The longest ModuleList of two or more children of one class (calibration.stream.find_blocks, by modules)."""
-    best: nn.ModuleList | None = None
-    for mod in model.modules():
-        if isinstance(mod, nn.ModuleList) and len(mod) >= 2 and len({type(c) for c in mod}) == 1:
-            if best is None or len(mod) > len(best):
-                best = mod
-    return best
+    """The repeated blocks as the calibration finds them: ``calibration.statistics.stream.find_blocks`` over the
+    layers its statistics read (``calibration.session.STATS_KINDS``, from the module walk); None without."""
+    from ..calibration.session import STATS_KINDS
+    from ..calibration.statistics.stream import find_blocks
+    from ..structure.layers import ParamTable, collect_layers
+
+    layers = [l for l in collect_layers(model, ParamTable.of(model)).values() if l.kind in STATS_KINDS]
+    found = find_blocks(model, layers) if layers else None
+    return found.blocks if found is not None else None
 
 
 def _matrices(module: nn.Module) -> tuple[list[tuple[int, int]], int]:
     """(out, in) of every weight of two or more dimensions outside embeddings, and the embeddings' parameters."""
+    from ..kinds import for_module
+    from ..results import Kind
+
     shapes, embedding, seen = [], 0, set()
     for mod in module.modules():
+        kind = for_module(mod)  # the kinds' registry says which modules are lookup tables (kinds/embedding.py)
+        is_table = kind is not None and kind.kind == Kind.EMBEDDING
         for p in mod.parameters(recurse=False):
             if id(p) in seen or p.dim() < 2:
                 continue
             seen.add(id(p))
-            if isinstance(mod, nn.Embedding):
+            if is_table:
                 embedding += p.numel()
             else:
                 shapes.append((int(p.shape[0]), int(p.numel() // p.shape[0])))
@@ -393,45 +400,20 @@ def _rss() -> int:
         return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
-class _Stop(Exception):
-    pass
-
-
-def _first_tensor(out: Any) -> torch.Tensor:
-    if isinstance(out, torch.Tensor):
-        return out
-    if hasattr(out, "logits") and isinstance(out.logits, torch.Tensor):
-        return out.logits
-    items = out.values() if isinstance(out, dict) else out if isinstance(out, (tuple, list)) else ()
-    for v in items:
-        if isinstance(v, torch.Tensor) and v.is_floating_point():
-            return v
-    raise AuditError(f"the model's output ({type(out).__name__}) holds no floating tensor to time a backward through",
-                     "Estimate a model whose forward returns a tensor, a tuple of tensors or logits")
-
-
 def _block_call(model: nn.Module, block: nn.Module | None, batch: Any) -> tuple[Callable[..., Any], tuple, dict]:
-    """What one measured call runs: the first repeated block on the hidden state the batch gives it (the forward
-    stopped there), or the whole model on the batch when there are no blocks."""
+    """What one measured call runs: the first repeated block on the inputs the batch gives it, caught as the
+    calibration catches them (``calibration.statistics.stream.first_inputs``: the forward stopped there, caches not
+    passed), or the whole model on the batch when there are no blocks or the batch does not reach the first."""
+    from ..calibration.data.inputs import model_device
+    from ..calibration.statistics.stream import _NotSequential, first_inputs
+
     if block is None:
         return model, tuple(batch.args), dict(batch.kwargs)
-    caught: list[tuple[tuple, dict]] = []
-
-    def catch(_m: nn.Module, args: tuple, kwargs: dict) -> None:
-        caught.append((args, kwargs))
-        raise _Stop
-
-    h = block.register_forward_pre_hook(catch, with_kwargs=True)
     try:
         with torch.no_grad():
-            model(*batch.args, **batch.kwargs)
-    except _Stop:
-        pass
-    finally:
-        h.remove()
-    if not caught:
+            args, kwargs = first_inputs(model, block, [batch], model_device(model))[0]
+    except _NotSequential:
         return model, tuple(batch.args), dict(batch.kwargs)
-    args, kwargs = caught[0]
     args = tuple(a.detach().requires_grad_(True) if isinstance(a, torch.Tensor) and a.is_floating_point() else a
                  for a in args)
     return block, args, kwargs
@@ -448,9 +430,11 @@ def _time_call(fn: Callable[..., Any], args: tuple, kwargs: dict, params: set[in
             saved[0] += t.numel() * t.element_size()
         return t
 
+    from ..calibration.metrics import main_output
+
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         t0 = clock()
-        y = _first_tensor(fn(*args, **kwargs))
+        y = main_output(fn(*args, **kwargs))
         t1 = clock()
     if y.requires_grad and backward:
         y.float().square().mean().backward()
@@ -470,8 +454,8 @@ def _time_linalg(sh: Shapes, clock: Callable[[], float]) -> tuple[float, tuple[i
     """(seconds of one whitened decomposition and its shape, seconds of one Gram's eigenvalues and its width,
     float64 FLOP/s of a product), each on random matrices of the model's largest shapes, capped to take seconds."""
     from scipy.linalg import eigh
-    from threadpoolctl import threadpool_limits
 
+    from ..calibration.stage import one_blas_thread
     from ..calibration.statistics.whiten import decompose
 
     m, n = _decompose_shape(sh)
@@ -488,12 +472,17 @@ def _time_linalg(sh: Shapes, clock: Callable[[], float]) -> tuple[float, tuple[i
         eigh(gram[:k, :k], eigvals_only=True, driver="evd", check_finite=False)
         gemm.append(t1 - t0)
         eig.append(clock() - t1)
-    dec = []
-    with threadpool_limits(limits=1, user_api="blas"):  # as the calibration runs them (stage.one_blas_thread)
+
+    @one_blas_thread  # as the calibration runs them
+    def decompositions() -> list[float]:
+        dec = []
         for _ in range(2):  # the quicker of two here too: one timing of a fraction of a second is noise at 1.1B
             t2 = clock()
             decompose(f, gram)
             dec.append(clock() - t2)
+        return dec
+
+    dec = decompositions()
     return min(dec), (m, n), min(eig), k, 2.0 * 2 * n * n * n / max(min(gemm), 1e-9)
 
 

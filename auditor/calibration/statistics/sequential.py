@@ -49,7 +49,7 @@ from ...results import Layer
 from ..data.inputs import Batch, Calibration, eval_mode, model_device, run
 from .refine import EPOCHS, Refined, refine_block
 from .stats import LayerInput, _batch_mask, _real_rows
-from .stream import Blocks, _check_sequential, _first_inputs, _hidden, _NotSequential, _with_hidden, find_blocks
+from .stream import Blocks, _check_sequential, _hidden, _NotSequential, _with_hidden, find_blocks, first_inputs
 from .whiten import DAMP, Truncator
 
 
@@ -498,8 +498,8 @@ def _blockwise(fitter: _Fitter, stages: list[list[Layer]], fit: list[Batch], pro
         progress()
     dev = model_device(model)
     try:
-        kept = [_first_inputs(model, blocks[0], fit, dev), fitter.swapped(
-            lambda: _first_inputs(model, blocks[0], fit, dev))()]
+        kept = [first_inputs(model, blocks[0], fit, dev), fitter.swapped(
+            lambda: first_inputs(model, blocks[0], fit, dev))()]
         _check_sequential(model, blocks, fit[0].to(dev), kept[0][0], blocks[0](*kept[0][0][0], **kept[0][0][1]))
     except _NotSequential:
         return first
