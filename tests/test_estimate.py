@@ -228,7 +228,7 @@ def test_the_linear_algebra_is_timed_at_the_quicker_of_two_runs():
                   0.0, 1.0, 3.0, 3.0, 4.5, 7.0,  # product, eigenvalues: (1, 2) then (1.5, 2.5)
                   7.0, 17.0, 17.0, 19.0,  # decompositions: 10 s, then 2 s
                   20.0])
-    me = est.measure(torch.nn.Linear(4, 8), None, SHAPES, 100, 0.0, clock=lambda: next(ticks))
+    me = est.measure(torch.nn.Linear(4, 8), None, SHAPES, est.Process(100, 0.0), clock=lambda: next(ticks))
     assert (me.decompose_seconds, me.eig_seconds, me.seconds) == (2.0, 2.0, 20.0)
     assert me.decompose_shape == (4, 8)  # the costliest whitening: 4 x 8 x 4 + 8^3
     assert me.gemm_flops == pytest.approx(2.0 * 2 * 8**3 / 1.0)  # X^T X of (16, 8) in the quicker 1 s

@@ -486,9 +486,17 @@ def _time_linalg(sh: Shapes, clock: Callable[[], float]) -> tuple[float, tuple[i
     return min(dec), (m, n), min(eig), k, 2.0 * 2 * n * n * n / max(min(gemm), 1e-9)
 
 
-def measure(model: nn.Module, batch: Any, sh: Shapes, base_rss: int, load_seconds: float,
-            clock: Callable[[], float] = time.perf_counter, linalg: bool = True,
-            compute_dtype: str | None = None) -> Measurements:
+@dataclass(frozen=True)
+class Process:
+    """What was measured before :func:`measure`, carried into its :class:`Measurements`: the process's RSS without
+    the model (``base_rss``) and the seconds the load took."""
+
+    base_rss: int
+    load_seconds: float = 0.0
+
+
+def measure(model: nn.Module, batch: Any, sh: Shapes, before: Process, clock: Callable[[], float] = time.perf_counter,
+            linalg: bool = True, compute_dtype: str | None = None) -> Measurements:
     """The few seconds of measurement the estimate scales: one block forward and backward at the batch's shape,
     one whitened decomposition, one SVD and one float64 product (``linalg=False``: not those three and not the
     backward, for a memory estimate only). ``compute_dtype`` (``float32``): the block runs as the audit will run it,
@@ -501,7 +509,8 @@ def measure(model: nn.Module, batch: Any, sh: Shapes, base_rss: int, load_second
     block = _repeated(model)
     if batch is None:  # no inputs known (a factory without --input-shape): no forward to time, the audit runs none
         dec, shape, eig, k, flops = _time_linalg(sh, clock) if linalg else (0.0, (1, 1), 0.0, 1, 1e12)
-        return Measurements(base_rss, load_seconds, 0.0, 0.0, 0, 0, dec, shape, eig, k, flops, clock() - start)
+        return Measurements(before.base_rss, before.load_seconds, 0.0, 0.0, 0, 0, dec, shape, eig, k, flops,
+                            clock() - start)
     try:
         with eval_mode(model), computing_in(model, compute_dtype_for(compute_dtype)):
             fn, args, kwargs = _block_call(model, block[0] if block is not None else None, batch)
@@ -517,8 +526,8 @@ def measure(model: nn.Module, batch: Any, sh: Shapes, base_rss: int, load_second
         p.grad = None
     hidden = next((a.numel() * a.element_size() for a in args if isinstance(a, torch.Tensor)), out_bytes)
     dec, shape, eig, k, flops = _time_linalg(sh, clock) if linalg else (0.0, (1, 1), 0.0, 1, 1e12)
-    return Measurements(base_rss, load_seconds, fwd, bwd, saved, hidden if block is not None else out_bytes,
-                        dec, shape, eig, k, flops, clock() - start)
+    return Measurements(before.base_rss, before.load_seconds, fwd, bwd, saved,
+                        hidden if block is not None else out_bytes, dec, shape, eig, k, flops, clock() - start)
 
 
 # ---- the entry points ----------------------------------------------------------------------------------------------
@@ -580,7 +589,7 @@ def estimate_loaded(loaded: Any, options: Any, formats: tuple[str, ...], load_se
         batch = _as_batch(loaded.example_inputs) if loaded.example_inputs is not None else None
         rows, tokens, ids = _batch_shape(batch) if batch is not None else (1, 1, False)
         wl = Workload(0, 0, tokens, rows, _outputs(model, sh), ids, formats, torch.get_num_threads(), calibrated=False)
-    me = measure(timed, batch, sh, _rss() if base_rss is None else base_rss, load_seconds, clock, linalg,
+    me = measure(timed, batch, sh, Process(_rss() if base_rss is None else base_rss, load_seconds), clock, linalg,
                  options.statistics.compute_dtype if options.calibration_data.source is not None else None)
     est = predict(sh, wl, me, available_memory())
     if built:
