@@ -31,7 +31,8 @@ import numpy as np
 import torch
 from torch import nn
 
-from ..calibration.measure.staged import MIN_HEAD  # the first stage's rows: a plan far from the tolerance reads these
+from ..calibration.measure.staged import stage_ends  # the first stage's rows: what a plan far from the tolerance reads
+from ..calibration.measure.verify import search_rows  # the held-out rows' search part
 from ..calibration.tiers.fisher import SAMPLES  # sampled label sets (or projections) per fit batch, one backward each
 from ..calibration.tiers.passes import VERIFY_BACKSTOPS  # plans the search measures below the one it found
 from ..calibration.tiers.sensitivity import GRADIENT_POSITIONS  # positions the gradient pass reads at most
@@ -41,7 +42,7 @@ from ..errors import AuditError
 # copy); what follows is the cost model's own, measured or counted on the sample models (docs/performance.md):
 GRADIENT_PASSES = 2.0  # the gradient pass: forward, then each checkpointed block's forward again with its backward
 SEARCH_PLANS = 8  # tier 3's plans measured (8 to 13 on the sample models), the VERIFY_BACKSTOPS besides
-FULL_PLANS = 3  # of those, the plans near the tolerance that read every search row (staged.py); the rest MIN_HEAD
+FULL_PLANS = 3  # of those, the plans near the tolerance that read every search row (staged.py); the rest its head
 TRACE_FORWARDS = 2.0  # the trace: symbolic tracing and shape propagation, about two forwards of the example input
 # the reports: a page with a chart per layer (html, pdf) costs per layer; measured on the sample models under load
 REPORT_SECONDS = {"pdf": 1.0, "html": 1.0}  # each, plus REPORT_LAYER_SECONDS per layer; other formats: the default
@@ -179,10 +180,10 @@ def _rows(wl: Workload) -> dict[str, int]:
     """Rows each calibrated stage forwards: the search and verification halves of the held-out rows, the gradient
     pass's share of the fit rows, tier 3's rows (the dense head once per row read, the plans' stages)."""
     held = wl.holdout_rows or wl.fit_rows
-    search = held // 2 if wl.split and held >= 2 else held
+    search = search_rows(held) if wl.split else held
     verify = held - search if wl.split and held >= 2 else held
     grad = min(wl.fit_rows, math.ceil(GRADIENT_POSITIONS / max(1, wl.tokens)))
-    head = min(MIN_HEAD, search)
+    head = stage_ends(search)[0]
     plans = SEARCH_PLANS + VERIFY_BACKSTOPS
     full = min(FULL_PLANS, plans)
     tier3 = search + (plans - full) * head + full * search
