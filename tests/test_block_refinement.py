@@ -158,7 +158,7 @@ def test_a_positional_cache_is_not_kept_so_gpt2_blocks_refine() -> None:
     a second time"). The kept inputs hold None in its place; the fit refines GPT-2's blocks (Conv1D layers, stored
     transposed) and leaves the model untouched."""
     transformers = pytest.importorskip("transformers")
-    from auditor.calibration.statistics.stream import _first_inputs, _is_cache
+    from auditor.calibration.statistics.stream import _is_cache, first_inputs
 
     torch.manual_seed(0)
     model = transformers.GPT2LMHeadModel(transformers.GPT2Config(n_layer=2, n_embd=64, n_head=4, vocab_size=300,
@@ -166,7 +166,7 @@ def test_a_positional_cache_is_not_kept_so_gpt2_blocks_refine() -> None:
     ids = torch.randint(0, 300, (16, 32), generator=torch.Generator().manual_seed(0))
     cal = load_calibration({"input_ids": ids}, model, holdout=0.0, batch_size=2)
     with torch.no_grad():
-        kept = _first_inputs(model, model.transformer.h[0], cal.fit, torch.device("cpu"))
+        kept = first_inputs(model, model.transformer.h[0], cal.fit, torch.device("cpu"))
     assert len(kept) == 8 and not any(_is_cache(a) for args, kw in kept for a in (*args, *kw.values()))
     names = ("transformer.h.0.attn.c_attn", "transformer.h.0.mlp.c_fc", "transformer.h.1.mlp.c_proj")
     before = {k: v.clone() for k, v in model.state_dict().items()}

@@ -228,7 +228,71 @@ def test_the_linear_algebra_is_timed_at_the_quicker_of_two_runs():
                   0.0, 1.0, 3.0, 3.0, 4.5, 7.0,  # product, eigenvalues: (1, 2) then (1.5, 2.5)
                   7.0, 17.0, 17.0, 19.0,  # decompositions: 10 s, then 2 s
                   20.0])
-    me = est.measure(torch.nn.Linear(4, 8), None, SHAPES, 100, 0.0, clock=lambda: next(ticks))
+    me = est.measure(torch.nn.Linear(4, 8), None, SHAPES, est.Process(100, 0.0), clock=lambda: next(ticks))
     assert (me.decompose_seconds, me.eig_seconds, me.seconds) == (2.0, 2.0, 20.0)
     assert me.decompose_shape == (4, 8)  # the costliest whitening: 4 x 8 x 4 + 8^3
     assert me.gemm_flops == pytest.approx(2.0 * 2 * 8**3 / 1.0)  # X^T X of (16, 8) in the quicker 1 s
+
+
+def _module_constants(tree) -> set[str]:
+    """The UPPER_CASE names a module assigns at its top level."""
+    import ast
+
+    names = set()
+    for node in tree.body:
+        targets = node.targets if isinstance(node, ast.Assign) else [node.target] if isinstance(
+            node, ast.AnnAssign) else []
+        for t in targets:
+            for n in ast.walk(t):
+                if isinstance(n, ast.Name) and n.id.isupper():
+                    names.add(n.id)
+    return names
+
+
+def test_the_estimate_defines_none_of_the_calibrations_constants():
+    """A constant of the calibration (the gradient pass's positions, the backstops, the stages' rows, ...) copied into
+    the estimate drifts from the code it stands for: each is imported from its owner, never assigned here."""
+    import ast
+    from pathlib import Path
+
+    import auditor.calibration
+
+    root = Path(auditor.calibration.__file__).parent
+    owners: dict[str, list[str]] = {}
+    for path in sorted(root.rglob("*.py")):
+        for name in _module_constants(ast.parse(path.read_text())):
+            owners.setdefault(name, []).append(str(path.relative_to(root.parent)))
+    assert {"GRADIENT_POSITIONS", "VERIFY_BACKSTOPS", "MIN_HEAD", "SAMPLES", "SEARCH_SHARE"} <= set(owners)
+    mine = _module_constants(ast.parse(Path(est.__file__).read_text()))
+    copied = {n: owners[n] for n in sorted(mine & set(owners))}
+    assert not copied, f"auditor/speed/estimate.py redefines the calibration's constants: import them from {copied}"
+    # and what it reads is the calibration's own object
+    from auditor.calibration.tiers import fisher, passes, sensitivity
+
+    assert (est.GRADIENT_POSITIONS, est.SAMPLES, est.VERIFY_BACKSTOPS) == (
+        sensitivity.GRADIENT_POSITIONS, fisher.SAMPLES, passes.VERIFY_BACKSTOPS)
+
+
+@pytest.mark.parametrize("held", [2, 7, 16, 33, 48, 64])
+def test_the_estimates_rows_are_those_the_calibration_reads(held):
+    """The rows the cost model counts are those the stages read: the gradient pass's share of the fit rows
+    (``sensitivity.gradient_rows``), the held-out rows' search and verification parts (``verify.split_rows``), and the
+    rows a plan far from the tolerance reads (the staged evaluator's first stage)."""
+    from auditor.calibration.data.inputs import Batch, Calibration
+    from auditor.calibration.measure.staged import _stages
+    from auditor.calibration.measure.verify import split_rows
+    from auditor.calibration.tiers.sensitivity import gradient_rows
+
+    def batches(rows: int, per: int = 8) -> list:
+        ids = torch.randint(0, 50, (rows, 128), generator=torch.Generator().manual_seed(rows))
+        return [Batch((), {"input_ids": ids[i:i + per]}) for i in range(0, rows, per)]
+
+    cal = Calibration(batches(64), batches(held))  # 8,192 fit positions: the gradient pass reads half of each batch
+    wl = est.Workload(cal.fit_rows, cal.holdout_rows, 128, 8, 50, token_inputs=True)
+    rows = est._rows(wl)
+    assert rows["gradient"] == gradient_rows(cal)[0].fit_rows == 32
+    search, verify = split_rows(cal.holdout)
+    assert (rows["search"], rows["verify"]) == (sum(b.rows for b in search), sum(b.rows for b in verify))
+    head = sum(b.rows for b in _stages(search, rows["search"])[0])
+    full = est.FULL_PLANS
+    assert rows["tier3"] == rows["search"] + (rows["plans"] - full) * head + full * rows["search"]

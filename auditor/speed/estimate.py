@@ -7,8 +7,8 @@ Three steps, each testable alone:
   tokens per row and rows per batch, and the options that change the cost;
 - :func:`measure` takes a few seconds on this machine: one repeated block's forward and backward at the real batch
   shape (and the activations it keeps for the backward), one whitened decomposition of the costliest layer's shape
-  (``calibration.whiten.decompose``), one Gram's eigenvalues (the spectra's path) and one float64 product (the Gram
-  sums' rate), each capped to take seconds and scaled by FLOPs;
+  (``calibration.statistics.whiten.decompose``), one Gram's eigenvalues (the spectra's path) and one float64
+  product (the Gram sums' rate), each capped to take seconds and scaled by FLOPs;
 - :func:`predict` is arithmetic only (no clock): each stage of the default calibrated audit as passes over the rows
   times a forward's cost, decompositions counted per layer and scaled by their FLOPs (m n min(m, n)) from the
   measured one, and each stage's peak host memory from what docs/calibration.md ("What is alive at once") says is
@@ -31,16 +31,18 @@ import numpy as np
 import torch
 from torch import nn
 
+from ..calibration.measure.staged import stage_ends  # the first stage's rows: what a plan far from the tolerance reads
+from ..calibration.measure.verify import search_rows  # the held-out rows' search part
+from ..calibration.tiers.fisher import SAMPLES  # sampled label sets (or projections) per fit batch, one backward each
+from ..calibration.tiers.passes import VERIFY_BACKSTOPS  # plans the search measures below the one it found
+from ..calibration.tiers.sensitivity import GRADIENT_POSITIONS  # positions the gradient pass reads at most
 from ..errors import AuditError
 
-# Constants of the model, each from the calibration code it stands for (docs/calibration.md):
-GRADIENT_POSITIONS = 4096  # calibration.stage.GRADIENT_POSITIONS: positions the gradient pass reads at most
+# The calibration's own constants are imported above from the code that uses them (tests/test_estimate.py fails on a
+# copy); what follows is the cost model's own, measured or counted on the sample models (docs/performance.md):
 GRADIENT_PASSES = 2.0  # the gradient pass: forward, then each checkpointed block's forward again with its backward
-LABEL_SAMPLES = 2  # fisher.py: two sampled labels per position, one backward each
-SEARCH_PLANS = 8  # tier 3's plans measured (8 to 13 on the sample models), the 2 backstops besides
-BACKSTOPS = 2  # calibration.stage.VERIFY_BACKSTOPS
-FULL_PLANS = 3  # of those, the plans near the tolerance that read every search row (staged.py); the rest read the head
-HEAD_ROWS = 16  # staged.py: the first stage's rows
+SEARCH_PLANS = 8  # tier 3's plans measured (8 to 13 on the sample models), the VERIFY_BACKSTOPS besides
+FULL_PLANS = 3  # of those, the plans near the tolerance that read every search row (staged.py); the rest its head
 TRACE_FORWARDS = 2.0  # the trace: symbolic tracing and shape propagation, about two forwards of the example input
 # the reports: a page with a chart per layer (html, pdf) costs per layer; measured on the sample models under load
 REPORT_SECONDS = {"pdf": 1.0, "html": 1.0}  # each, plus REPORT_LAYER_SECONDS per layer; other formats: the default
@@ -178,11 +180,11 @@ def _rows(wl: Workload) -> dict[str, int]:
     """Rows each calibrated stage forwards: the search and verification halves of the held-out rows, the gradient
     pass's share of the fit rows, tier 3's rows (the dense head once per row read, the plans' stages)."""
     held = wl.holdout_rows or wl.fit_rows
-    search = held // 2 if wl.split and held >= 2 else held
+    search = search_rows(held) if wl.split else held
     verify = held - search if wl.split and held >= 2 else held
     grad = min(wl.fit_rows, math.ceil(GRADIENT_POSITIONS / max(1, wl.tokens)))
-    head = min(HEAD_ROWS, search)
-    plans = SEARCH_PLANS + BACKSTOPS
+    head = stage_ends(search)[0]
+    plans = SEARCH_PLANS + VERIFY_BACKSTOPS
     full = min(FULL_PLANS, plans)
     tier3 = search + (plans - full) * head + full * search
     return {"search": search, "verify": verify, "gradient": grad, "tier3": tier3, "plans": plans}
@@ -203,7 +205,7 @@ def stage_seconds(sh: Shapes, wl: Workload, me: Measurements) -> dict[str, float
     # one plan's A, B from kept decompositions (U_r^T F for every layer: m n r at r = min(m, n), the full-rank bound)
     factors = sum(2.0 * _cube(s) for s in sh.layers) / me.gemm_flops
     out["statistics"] = _batches(wl.fit_rows, b) * fwd + grams + decomp
-    out["gradients"] = _batches(r["gradient"], b) * (GRADIENT_PASSES * fwd + LABEL_SAMPLES * bwd) + decomp
+    out["gradients"] = _batches(r["gradient"], b) * (GRADIENT_PASSES * fwd + SAMPLES * bwd) + decomp
     # tier 3's decompositions (one per layer, kept for the search, the verification and the plan check) are made by
     # the rounding floor of a bf16 / fp16 model (every layer at full rank, its dense reference and one measurement on
     # the search rows), else by the search's first plans
@@ -333,24 +335,31 @@ def _mib(n: float) -> str:
 
 # ---- shapes, workload and measurements from a real model ----------------------------------------------------------
 def _repeated(model: nn.Module) -> nn.ModuleList | None:
-    """The longest ModuleList of two or more children of one class (calibration.stream.find_blocks, by modules)."""
-    best: nn.ModuleList | None = None
-    for mod in model.modules():
-        if isinstance(mod, nn.ModuleList) and len(mod) >= 2 and len({type(c) for c in mod}) == 1:
-            if best is None or len(mod) > len(best):
-                best = mod
-    return best
+    """The repeated blocks as the calibration finds them: ``calibration.statistics.stream.find_blocks`` over the
+    layers its statistics read (``calibration.session.STATS_KINDS``, from the module walk); None without."""
+    from ..calibration.session import STATS_KINDS
+    from ..calibration.statistics.stream import find_blocks
+    from ..structure.layers import ParamTable, collect_layers
+
+    layers = [l for l in collect_layers(model, ParamTable.of(model)).values() if l.kind in STATS_KINDS]
+    found = find_blocks(model, layers) if layers else None
+    return found.blocks if found is not None else None
 
 
 def _matrices(module: nn.Module) -> tuple[list[tuple[int, int]], int]:
     """(out, in) of every weight of two or more dimensions outside embeddings, and the embeddings' parameters."""
+    from ..kinds import for_module
+    from ..results import Kind
+
     shapes, embedding, seen = [], 0, set()
     for mod in module.modules():
+        kind = for_module(mod)  # the kinds' registry says which modules are lookup tables (kinds/embedding.py)
+        is_table = kind is not None and kind.kind == Kind.EMBEDDING
         for p in mod.parameters(recurse=False):
             if id(p) in seen or p.dim() < 2:
                 continue
             seen.add(id(p))
-            if isinstance(mod, nn.Embedding):
+            if is_table:
                 embedding += p.numel()
             else:
                 shapes.append((int(p.shape[0]), int(p.numel() // p.shape[0])))
@@ -392,45 +401,20 @@ def _rss() -> int:
         return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
-class _Stop(Exception):
-    pass
-
-
-def _first_tensor(out: Any) -> torch.Tensor:
-    if isinstance(out, torch.Tensor):
-        return out
-    if hasattr(out, "logits") and isinstance(out.logits, torch.Tensor):
-        return out.logits
-    items = out.values() if isinstance(out, dict) else out if isinstance(out, (tuple, list)) else ()
-    for v in items:
-        if isinstance(v, torch.Tensor) and v.is_floating_point():
-            return v
-    raise AuditError(f"the model's output ({type(out).__name__}) holds no floating tensor to time a backward through",
-                     "Estimate a model whose forward returns a tensor, a tuple of tensors or logits")
-
-
 def _block_call(model: nn.Module, block: nn.Module | None, batch: Any) -> tuple[Callable[..., Any], tuple, dict]:
-    """What one measured call runs: the first repeated block on the hidden state the batch gives it (the forward
-    stopped there), or the whole model on the batch when there are no blocks."""
+    """What one measured call runs: the first repeated block on the inputs the batch gives it, caught as the
+    calibration catches them (``calibration.statistics.stream.first_inputs``: the forward stopped there, caches not
+    passed), or the whole model on the batch when there are no blocks or the batch does not reach the first."""
+    from ..calibration.data.inputs import model_device
+    from ..calibration.statistics.stream import NotSequential, first_inputs
+
     if block is None:
         return model, tuple(batch.args), dict(batch.kwargs)
-    caught: list[tuple[tuple, dict]] = []
-
-    def catch(_m: nn.Module, args: tuple, kwargs: dict) -> None:
-        caught.append((args, kwargs))
-        raise _Stop
-
-    h = block.register_forward_pre_hook(catch, with_kwargs=True)
     try:
         with torch.no_grad():
-            model(*batch.args, **batch.kwargs)
-    except _Stop:
-        pass
-    finally:
-        h.remove()
-    if not caught:
+            args, kwargs = first_inputs(model, block, [batch], model_device(model))[0]
+    except NotSequential:
         return model, tuple(batch.args), dict(batch.kwargs)
-    args, kwargs = caught[0]
     args = tuple(a.detach().requires_grad_(True) if isinstance(a, torch.Tensor) and a.is_floating_point() else a
                  for a in args)
     return block, args, kwargs
@@ -447,9 +431,11 @@ def _time_call(fn: Callable[..., Any], args: tuple, kwargs: dict, params: set[in
             saved[0] += t.numel() * t.element_size()
         return t
 
+    from ..calibration.metrics import main_output
+
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         t0 = clock()
-        y = _first_tensor(fn(*args, **kwargs))
+        y = main_output(fn(*args, **kwargs))
         t1 = clock()
     if y.requires_grad and backward:
         y.float().square().mean().backward()
@@ -469,8 +455,8 @@ def _time_linalg(sh: Shapes, clock: Callable[[], float]) -> tuple[float, tuple[i
     """(seconds of one whitened decomposition and its shape, seconds of one Gram's eigenvalues and its width,
     float64 FLOP/s of a product), each on random matrices of the model's largest shapes, capped to take seconds."""
     from scipy.linalg import eigh
-    from threadpoolctl import threadpool_limits
 
+    from ..calibration.stage import one_blas_thread
     from ..calibration.statistics.whiten import decompose
 
     m, n = _decompose_shape(sh)
@@ -487,18 +473,31 @@ def _time_linalg(sh: Shapes, clock: Callable[[], float]) -> tuple[float, tuple[i
         eigh(gram[:k, :k], eigvals_only=True, driver="evd", check_finite=False)
         gemm.append(t1 - t0)
         eig.append(clock() - t1)
-    dec = []
-    with threadpool_limits(limits=1, user_api="blas"):  # as the calibration runs them (stage.one_blas_thread)
+
+    @one_blas_thread  # as the calibration runs them
+    def decompositions() -> list[float]:
+        dec = []
         for _ in range(2):  # the quicker of two here too: one timing of a fraction of a second is noise at 1.1B
             t2 = clock()
             decompose(f, gram)
             dec.append(clock() - t2)
+        return dec
+
+    dec = decompositions()
     return min(dec), (m, n), min(eig), k, 2.0 * 2 * n * n * n / max(min(gemm), 1e-9)
 
 
-def measure(model: nn.Module, batch: Any, sh: Shapes, base_rss: int, load_seconds: float,
-            clock: Callable[[], float] = time.perf_counter, linalg: bool = True,
-            compute_dtype: str | None = None) -> Measurements:
+@dataclass(frozen=True)
+class Process:
+    """What was measured before :func:`measure`, carried into its :class:`Measurements`: the process's RSS without
+    the model (``base_rss``) and the seconds the load took."""
+
+    base_rss: int
+    load_seconds: float = 0.0
+
+
+def measure(model: nn.Module, batch: Any, sh: Shapes, before: Process, clock: Callable[[], float] = time.perf_counter,
+            linalg: bool = True, compute_dtype: str | None = None) -> Measurements:
     """The few seconds of measurement the estimate scales: one block forward and backward at the batch's shape,
     one whitened decomposition, one SVD and one float64 product (``linalg=False``: not those three and not the
     backward, for a memory estimate only). ``compute_dtype`` (``float32``): the block runs as the audit will run it,
@@ -511,7 +510,8 @@ def measure(model: nn.Module, batch: Any, sh: Shapes, base_rss: int, load_second
     block = _repeated(model)
     if batch is None:  # no inputs known (a factory without --input-shape): no forward to time, the audit runs none
         dec, shape, eig, k, flops = _time_linalg(sh, clock) if linalg else (0.0, (1, 1), 0.0, 1, 1e12)
-        return Measurements(base_rss, load_seconds, 0.0, 0.0, 0, 0, dec, shape, eig, k, flops, clock() - start)
+        return Measurements(before.base_rss, before.load_seconds, 0.0, 0.0, 0, 0, dec, shape, eig, k, flops,
+                            clock() - start)
     try:
         with eval_mode(model), computing_in(model, compute_dtype_for(compute_dtype)):
             fn, args, kwargs = _block_call(model, block[0] if block is not None else None, batch)
@@ -527,8 +527,8 @@ def measure(model: nn.Module, batch: Any, sh: Shapes, base_rss: int, load_second
         p.grad = None
     hidden = next((a.numel() * a.element_size() for a in args if isinstance(a, torch.Tensor)), out_bytes)
     dec, shape, eig, k, flops = _time_linalg(sh, clock) if linalg else (0.0, (1, 1), 0.0, 1, 1e12)
-    return Measurements(base_rss, load_seconds, fwd, bwd, saved, hidden if block is not None else out_bytes,
-                        dec, shape, eig, k, flops, clock() - start)
+    return Measurements(before.base_rss, before.load_seconds, fwd, bwd, saved,
+                        hidden if block is not None else out_bytes, dec, shape, eig, k, flops, clock() - start)
 
 
 # ---- the entry points ----------------------------------------------------------------------------------------------
@@ -590,7 +590,7 @@ def estimate_loaded(loaded: Any, options: Any, formats: tuple[str, ...], load_se
         batch = _as_batch(loaded.example_inputs) if loaded.example_inputs is not None else None
         rows, tokens, ids = _batch_shape(batch) if batch is not None else (1, 1, False)
         wl = Workload(0, 0, tokens, rows, _outputs(model, sh), ids, formats, torch.get_num_threads(), calibrated=False)
-    me = measure(timed, batch, sh, _rss() if base_rss is None else base_rss, load_seconds, clock, linalg,
+    me = measure(timed, batch, sh, Process(_rss() if base_rss is None else base_rss, load_seconds), clock, linalg,
                  options.statistics.compute_dtype if options.calibration_data.source is not None else None)
     est = predict(sh, wl, me, available_memory())
     if built:

@@ -47,6 +47,12 @@ def _slice(b: Batch, lo: int, hi: int) -> Batch:
     return Batch(tuple(cut(a) for a in b.args), {k: cut(v) for k, v in b.kwargs.items()})
 
 
+def search_rows(total: int, share: float = SEARCH_SHARE) -> int:
+    """Of ``total`` held-out rows, how many :func:`split_rows` gives the search (without documents to cut on):
+    ``share`` of them, rounded, at least one and leaving one; every row when there are fewer than two."""
+    return total if total < 2 else min(total - 1, max(1, int(round(total * share))))
+
+
 def split_rows(batches: list[Batch], share: float = SEARCH_SHARE,
                documents: "tuple[int, ...] | None" = None) -> tuple[list[Batch], list[Batch]]:
     """(search, verification) batches: the first ``share`` of the rows and the rest, cut inside a batch where the
@@ -55,7 +61,7 @@ def split_rows(batches: list[Batch], share: float = SEARCH_SHARE,
     total = sum(b.rows for b in batches)
     if total < 2:
         return list(batches), list(batches)
-    cut = min(total - 1, max(1, int(round(total * share))))
+    cut = search_rows(total, share)
     if documents is not None and len(documents) == total and len(set(documents)) >= 2:
         cut = document_cut(list(documents), 1 - share)
     search: list[Batch] = []
@@ -226,5 +232,5 @@ class Verifier:
         return max(MIN_ROWS, int(math.ceil(self.rows * (half / want) ** 2))) if half > 0 else MIN_ROWS
 
 
-__all__ = ["Documents", "MIN_ROWS", "RESAMPLES", "SEARCH_SHARE", "Verifier", "row_unit", "split_rows",
+__all__ = ["Documents", "MIN_ROWS", "RESAMPLES", "SEARCH_SHARE", "Verifier", "row_unit", "search_rows", "split_rows",
            "unseen_interval", "verification_documents", "with_holdout"]

@@ -49,7 +49,7 @@ from ...results import Layer
 from ..data.inputs import Batch, Calibration, eval_mode, model_device, run
 from .refine import EPOCHS, Refined, refine_block
 from .stats import LayerInput, batch_mask, kept_rows
-from .stream import Blocks, NotSequential, _first_inputs, check_sequential, find_blocks, hidden_state, with_hidden
+from .stream import Blocks, NotSequential, check_sequential, find_blocks, first_inputs, hidden_state, with_hidden
 from .whiten import DAMP, Truncator
 
 
@@ -498,8 +498,8 @@ def _blockwise(fitter: _Fitter, stages: list[list[Layer]], fit: list[Batch], pro
         progress()
     dev = model_device(model)
     try:
-        kept = [_first_inputs(model, blocks[0], fit, dev), fitter.swapped(
-            lambda: _first_inputs(model, blocks[0], fit, dev))()]
+        kept = [first_inputs(model, blocks[0], fit, dev), fitter.swapped(
+            lambda: first_inputs(model, blocks[0], fit, dev))()]
         check_sequential(model, blocks, fit[0].to(dev), kept[0][0], blocks[0](*kept[0][0][0], **kept[0][0][1]))
     except NotSequential:
         return first

@@ -357,7 +357,7 @@ def _stream(model: nn.Module, found: Blocks, fit: list[Batch], run: _Run) -> Inp
     masks = [batch_mask(b) for b in fit]
     result = InputStatistics(batches=len(fit), digest=run.digest)
     with eval_mode(model), torch.no_grad():
-        kept = _first_inputs(model, blocks[0], fit, run.dev)
+        kept = first_inputs(model, blocks[0], fit, run.dev)
         run.on_device(blocks[0])
         try:
             shape = blocks[0](*kept[0][0], **kept[0][1])
@@ -385,7 +385,7 @@ def _stream(model: nn.Module, found: Blocks, fit: list[Batch], run: _Run) -> Inp
     return result
 
 
-def _first_inputs(model: nn.Module, first: nn.Module, fit: list[Batch],
+def first_inputs(model: nn.Module, first: nn.Module, fit: list[Batch],
                   dev: torch.device) -> list[tuple[tuple[object, ...], dict[str, object]]]:
     """Each batch's inputs to the first block (positional, keyword), the forward stopped there."""
     kept: list[tuple[tuple[object, ...], dict[str, object]]] = []
@@ -549,5 +549,5 @@ def _merge(result: InputStatistics, st: InputStatistics, on_block: Callable[[int
     result.warnings.extend(w for w in st.warnings if w not in result.warnings)
 
 
-__all__ = ["Blocks", "NotSequential", "StreamOptions", "check_sequential", "find_blocks", "hidden_state", "kept_args",
-           "kept_kwargs", "resolve_device", "stream_statistics", "with_hidden"]
+__all__ = ["Blocks", "NotSequential", "StreamOptions", "check_sequential", "find_blocks", "first_inputs", "hidden_state",
+           "kept_args", "kept_kwargs", "resolve_device", "stream_statistics", "with_hidden"]
