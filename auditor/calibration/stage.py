@@ -34,7 +34,7 @@ from .statistics.stream import compute_dtype_for
 from .measure.metric import Measurement, Metric
 from .session import STATS_KINDS, CalibrationSession, _statistics, cache_path, metric_of, statistics_memory
 from .statistics.stats import InputStatistics
-from .statistics.whiten import TruncatorStore, WhitenedSpectrum
+from .statistics.whiten import LossMetric, TruncatorStore, WhitenedSpectrum
 from .tiers import passes
 from .tiers.fisher import GradientSensitivity
 from .tiers.sensitivity import Gradients, Sensitivity
@@ -61,6 +61,7 @@ class Calibrated:
     sweep: str = ""  # where tier 2 ran: "local", "dask tcp://HOST:PORT (N workers)"; empty without tier 2
     gradients: "GradientSensitivity | None" = None  # the gradient sensitivity tier 3 searched over, if any
     reuse: "TruncatorStore | None" = None  # tier 3's decompositions, reused by the plan check
+    loss_metric: "LossMetric | None" = None  # the gradient pass's truncations and moments, factorize's fits read
 
     @property
     def calibration(self) -> Calibration:
@@ -129,7 +130,8 @@ def calibrate(model: nn.Module, layers: list[Layer], settings: "Settings", optio
             based = passes.baselined(model, session, verified.budget, scope, searched.baseline_reuse, progress)
             report = _report(session, options, Tiers(t1, floored, sens, searched, recovered, verified, based))
             return Calibrated(report, session, t1.spectra, floored.where if floored is not None else "",
-                              sens.gradients if isinstance(sens, Gradients) else None, searched.reuse)
+                              sens.gradients if isinstance(sens, Gradients) else None, searched.reuse,
+                              session.loss_metric)
     finally:
         model.train(was_training)
 
