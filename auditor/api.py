@@ -26,7 +26,9 @@ if TYPE_CHECKING:
 
     from .verdict.baseline import BaselineSource
     from .planning.groups import Group
+    from .calibration.apply import Fit
     from .options import OptionFields
+    from .pipeline import FitCalibration, PlanGiven
 
 __all__ = ["Audit", "AuditOutputs", "audit", "audit_source", "factorize"]
 
@@ -282,54 +284,30 @@ def audit_source(spec: str, *, plan: Any = None, options: AuditOptions | None = 
     return Audit.of(pipeline.audit_source(spec, plan=plan, options=options, load=load))
 
 
-def _factorize_session(model: "nn.Module", ranks: dict[str, int], calibration: Any, fit: str) -> Any:
-    """``calibration`` as ``factorize`` uses it: data becomes a session with the metric the audit would pick, and the
-    loss-aware and sequential fits get the gradient pass's truncations and moments (one pass here unless kept)."""
-    from .calibration.session import CalibrationSession
-    from .calibration.statistics.stats import InputStatistics
-
-    if not isinstance(calibration, (InputStatistics, CalibrationSession)):  # data: a session with the metric
-        from .calibration.data.inputs import Calibration, load_calibration  # the audit would pick for it
-        from .calibration.session import metric_of
-        from .options import TierOptions
-
-        cal = calibration if isinstance(calibration, Calibration) else load_calibration(calibration, model, 0.25)
-        calibration = CalibrationSession.of(cal, model, metric=metric_of(TierOptions(), model, cal))
-    if isinstance(calibration, CalibrationSession):
-        from .calibration.tiers.sensitivity import loss_metric_for
-        from .surgery import checked_plan
-
-        loss_metric_for(calibration, model, [l for l, _ in checked_plan(model, ranks).values()], fit)
-    return calibration
-
-
-def _is_rank_table(plan: Any) -> bool:
-    """``{layer or tensor name: rank}`` (what :func:`auditor.calibration.apply.factorize` takes), not a plan file's table
-    (which has ``ranks`` and may have ``finetune`` and ``thresholds``)."""
-    return isinstance(plan, dict) and "ranks" not in plan
-
-
 @scoped
-def factorize(model: "nn.Module", plan: Any, calibration: Any = None, *, fit: str = "independent",
-              refit_dense: bool = False, refine: bool = True) -> "nn.Module":
+def factorize(model: "nn.Module", plan: "PlanGiven", calibration: "FitCalibration | None" = None, *,
+              fit: "Fit | str" = "independent", refit_dense: bool = False, refine: bool = True) -> "nn.Module":
     """A deep copy of ``model`` with each planned layer replaced by two (``model`` is left untouched).
 
     ``plan``: ``{layer name: rank}``, or anything :func:`audit` accepts as a plan (a TOML/JSON path, a
     :class:`auditor.planning.plan.Plan`, a plan table with ``ranks``), whose patterns and specs (``"0.5be"``,
     ``"energy:0.95"``) are reviewed against the model as the audit reviews them. ``calibration``: None (factors from
-    the plain SVD of each weight), a ``CalibrationSession`` (an audit's: its statistics are reused), a
-    ``Calibration``, ``InputStatistics``, or any source
-    :func:`auditor.calibration.load_calibration` reads (a path, a dict of tensors; its default 25% held out): the
-    factors then come from the whitened truncation on the calibration part. ``fit="loss-aware"``: each layer
-    truncated in the metric the audit's loss gradient puts on its outputs and inputs (what the audit measures; one
-    gradient pass, or an audit session's own; docs/calibration.md, "Loss-aware truncation"). ``fit="sequential"``:
-    each layer's factors fitted on the inputs the factorized layers before it produce, truncated loss-aware where
-    the metric has a gradient (needs calibration rows, not statistics; what ``lowrank-audit factorize`` does by
-    default; docs/calibration.md, "The sequential fit"). ``refit_dense=True`` (sequential fit only): the Linear layers
-    the plan keeps dense are refitted at full rank on the inputs the factorized layers give them, anchored to their
-    dense outputs (their weights change, their shapes and the parameter count do not). ``refine=False`` (sequential
-    fit only): the closed-form factors, without the block refinement that trains each repeated block's factors
-    together on the block's output (docs/calibration.md, "Block refinement").
+    the plain SVD of each weight), an audit's :class:`auditor.calibration.stage.Calibrated` (its session's
+    statistics and its gradient pass's loss metric are reused), a ``CalibrationSession`` (its statistics are
+    reused), a ``Calibration``, ``InputStatistics``, or any source :func:`auditor.calibration.load_calibration`
+    reads (a path, a dict of tensors; its default 25% held out): the factors then come from the whitened truncation
+    on the calibration part. ``fit``: a label below or a :class:`auditor.calibration.apply.Fit`.
+    ``fit="loss-aware"``: each layer truncated in the metric the audit's loss gradient puts on its outputs and
+    inputs (what the audit measures; one gradient pass, or the one an audit's ``Calibrated`` keeps;
+    docs/calibration.md, "Loss-aware truncation"). ``fit="sequential"``: each layer's factors fitted on the inputs
+    the factorized layers before it produce, truncated loss-aware where the metric has a gradient (needs calibration
+    rows, not statistics; what ``lowrank-audit factorize`` does by default; docs/calibration.md, "The sequential
+    fit"). ``refit_dense=True`` (sequential fit only): the Linear layers the plan keeps dense are refitted at full
+    rank on the inputs the factorized layers give them, anchored to their dense outputs (their weights change, their
+    shapes and the parameter count do not). ``refine=False`` (sequential fit only): the closed-form factors, without
+    the block refinement that trains each repeated block's factors together on the block's output
+    (docs/calibration.md, "Block refinement"). The review, the refusals and the fit are
+    :func:`auditor.pipeline.factorize_plan`'s, which ``lowrank-audit factorize`` runs too.
 
     >>> import auditor, torch
     >>> m = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU(), torch.nn.Linear(8, 4))
@@ -337,35 +315,6 @@ def factorize(model: "nn.Module", plan: Any, calibration: Any = None, *, fit: st
     >>> sum(p.numel() for p in new.parameters()), sum(p.numel() for p in m.parameters())
     (76, 108)
     """
-    from torch import nn
+    from . import pipeline
 
-    from .calibration.apply import Fit, check_refit, factorize as apply_plan, fit_of
-
-    check_refit(refit_dense, fit, calibration)  # before a gradient pass or a review is paid for
-    if not isinstance(model, nn.Module):
-        raise AuditError(f"factorize() needs the model as an nn.Module, got {type(model).__name__}",
-                         "Load the model's code (a factory or a Hugging Face directory), not only its weights")
-    if _is_rank_table(plan):
-        ranks = dict(plan)
-    else:
-        from . import pipeline
-        from .verdict.policy import input_errors
-
-        result = pipeline.audit(model, plan=plan, options=AuditOptions(progress=False))
-        for f in input_errors(result):
-            raise AuditError(f"{f.code} {f.message}", f.fix)
-        ranks = {it.layer: it.rank for it in result.review.items} if result.review is not None else {}
-        if not ranks:
-            raise AuditError(f"the plan factorizes no layer of {result.model_name}", "Check the plan's patterns")
-        from .planning.ties import broken_words, violations
-
-        broken = violations(ranks, result.ties)  # the plan's own ties (LR021), as lowrank-audit factorize refuses
-        if broken:
-            what, fix = broken_words(broken)
-            raise AuditError(f"LR021 the plan {what}", fix)
-    if calibration is not None:
-        calibration = _factorize_session(model, ranks, calibration, fit)
-    chosen = fit_of(fit)
-    if chosen.sequential:
-        chosen = Fit.of_sequential(refit_dense or chosen.refits, refine and chosen.refines)
-    return apply_plan(model, ranks, calibration, fit=chosen)
+    return pipeline.factorize_plan(model, plan, calibration, fit=fit, refit_dense=refit_dense, refine=refine).model

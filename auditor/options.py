@@ -407,12 +407,16 @@ for _name in FLAT:
 
 
 class OptionFields(TypedDict, total=False):
-    """The fields of :class:`AuditOptions` and the flat names of its groups' fields, as keyword shortcuts of
-    :func:`auditor.audit`."""
+    """The fields of :class:`AuditOptions` and the flat names of its groups' fields (:data:`FLAT`), as keyword
+    shortcuts of :func:`auditor.audit`, for type checkers (a TypedDict cannot be derived from the dataclasses where
+    a checker reads it). The dataclasses are the source: :meth:`AuditOptions.__init__` checks the keywords against
+    their fields at run time, and tests/test_options.py holds these names and types equal to theirs (wider only
+    where ``__post_init__`` converts what it is given: ``tracer``, ``spectra_backend``, ``ties``)."""
 
     settings: Settings
     overrides: Mapping[str, Any]
     overrides_origin: str
+    plan_may_relax: bool
     name: str | None
     source: str
     spectra: bool

@@ -10,12 +10,14 @@ made. The stages, with their input and output types::
     (module_structure / weights_structure combine the above into a Structure)
     compute_spectra [Layer], loaders, Settings, AuditOptions       -> Spectra ({layer: Spectrum}, stats)
     suggest_ranks   [Layer], {layer: Spectrum}, Settings           -> {layer: Suggestion}
-    calibrate       nn.Module, Structure, AuditOptions             -> CalibrationReport, data-aware suggestions
+    calibrate       nn.Module, Structure, AuditOptions             -> Calibrated | None, data-aware suggestions
     review          Audit, Plan | None                             -> Audit with .review
     check           Audit, Plan | None                             -> Audit with .findings
 
-:func:`audit` runs them in that order. Only this module, :mod:`auditor.cli` and ``auditor/__init__`` import the
-pipeline; the stages below it (sources/, structure/, spectra/, suggest, plan, rules/, calibration/) never import it.
+:func:`audit` runs them in that order. :func:`factorize_plan` applies a reviewed plan with the data's factors: the
+one orchestration of ``auditor.factorize`` and ``lowrank-audit factorize``. Only this module, :mod:`auditor.cli` and
+``auditor/__init__`` import the pipeline; the stages below it (sources/, structure/, spectra/, suggest, plan,
+rules/, calibration/) never import it.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ import platform
 import re
 import sys
 from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any, Callable, Mapping, Union
 
 import torch
 from torch import nn
@@ -37,10 +39,13 @@ from .options import AuditOptions, LoadOptions, Tracer
 from .results import AuditResult, GraphNode, Layer, LayerGraph, Spectrum, Suggestion, TieGroup, TraceMethod
 
 if TYPE_CHECKING:
+    import os
+
     import networkx as nx
 
-    from .calibration.session import CalibrationSession
-
+    from .calibration.apply import CalibrationGiven, Fit, Spelling
+    from .calibration.stage import Calibrated
+    from .calibration.statistics.whiten import LossMetric
     from .structure.layers import ParamTable
     from .sources import Loaded, WeightsOnly
     from .planning.plan import Plan
@@ -48,8 +53,14 @@ if TYPE_CHECKING:
 
     from typing_extensions import Unpack
 
-    from .options import OptionFields
+    from .options import CalibrationInput, OptionFields
     from .progress import Progress
+
+    PlanGiven = Union[AuditResult, Plan, str, "os.PathLike[str]", Mapping[str, Any]]
+    """A plan ``factorize`` applies: an audit's result (its review), ``{layer: rank}``, or what :func:`audit` takes."""
+    FitCalibration = Union[Calibrated, CalibrationGiven, CalibrationInput]
+    """What ``factorize`` fits the factors on: an audit's :class:`Calibrated` (its session and loss metric), a session,
+    the rows, input statistics, or data :func:`auditor.calibration.load_calibration` reads (25% held out)."""
 
 Loader = Callable[[], torch.Tensor]
 
@@ -299,7 +310,8 @@ def suggest_ranks(layers: list[Layer], spectra: dict[str, Spectrum], settings: S
 
 
 def calibrate(model: Any, st: Structure, spectra: Spectra, suggestions: dict[str, Suggestion], settings: Settings,
-              options: AuditOptions, progress: "Progress | None" = None) -> tuple[Any, dict[str, Suggestion]]:
+              options: AuditOptions, progress: "Progress | None" = None,
+              ) -> "tuple[Calibrated | None, dict[str, Suggestion]]":
     """The calibration stage (``auditor/calibration/stage.py``): tiers 1-3 as plain data, and the suggestions with
     the data-aware rank. (None, suggestions) without calibration data. ``progress`` draws each of its phases
     (default: none drawn)."""
@@ -368,10 +380,11 @@ def audit(model: Any, inputs: Any = None, *, plan: Any = None, options: AuditOpt
 
 
 def audit_session(model: Any, inputs: Any = None, *, plan: Any = None,
-                  options: AuditOptions | None = None) -> "tuple[AuditResult, CalibrationSession | None]":
-    """:func:`audit`, and the calibration session it measured with (None without calibration data): the model, the
-    batches, the input statistics and the evaluator with its dense reference, for a caller that goes on to
-    factorize or recover with them (``lowrank-audit factorize``) instead of reading and measuring all again."""
+                  options: AuditOptions | None = None) -> "tuple[AuditResult, Calibrated | None]":
+    """:func:`audit`, and what its calibration stage measured with (None without calibration data): the session
+    (the model, the batches, the input statistics and the evaluator with its dense reference) and the gradient
+    pass's loss metric, for a caller that goes on to factorize or recover with them (``lowrank-audit factorize``)
+    instead of reading and measuring all again."""
     from .sources import WeightsOnly
     from .planning.plan import Plan
 
@@ -418,7 +431,7 @@ def audit_session(model: Any, inputs: Any = None, *, plan: Any = None,
             result = replace(result, calibration=check_plan(calibrated, model, result))
     if opts.speed.measure:
         result = measure_speed(model, inputs, result, opts, progress)
-    return check(result, plan_obj), calibrated.session if calibrated is not None else None
+    return check(result, plan_obj), calibrated
 
 
 def measure_speed(model: Any, inputs: Any, audit: AuditResult, options: AuditOptions,
@@ -461,6 +474,110 @@ def render_reports(result: AuditResult, formats: list[str], context: Any,
             out[fmt] = REPORTERS[fmt].render(result, context)
             progress.update(len(out), len(formats))
     return out
+
+
+@dataclass(frozen=True)
+class Factorized:
+    """What :func:`factorize_plan` made: the reviewed plan's ranks (``{layer name: rank}``) and the factorized copy."""
+
+    ranks: dict[str, int]
+    model: nn.Module
+
+
+def factorize_plan(model: nn.Module, plan: "PlanGiven", calibration: "FitCalibration | None" = None, *,
+                   fit: "Fit | str" = "independent", refit_dense: bool = False, refine: bool = True,
+                   spelled: "Spelling | None" = None) -> Factorized:
+    """The one orchestration of ``auditor.factorize`` and ``lowrank-audit factorize``: the fit's flags checked
+    (before any review or gradient pass is paid for), the plan reviewed (:func:`reviewed_ranks`), the calibration
+    resolved (data becomes a session with the metric the audit would pick; an audit's :class:`Calibrated` gives its
+    session and its gradient pass's loss metric), the loss-aware and sequential fits' loss metric (the kept one where
+    it covers the plan, else one gradient pass), then the plan applied (:func:`auditor.calibration.apply.factorize`)
+    in the dtype the session measured in. ``spelled``: how the caller names its options in a refusal (default: the
+    library's keywords, :data:`auditor.calibration.apply.LIBRARY`)."""
+    from .calibration.apply import LIBRARY, factorize, fit_of
+    from .calibration.session import CalibrationSession
+    from .calibration.stage import computing, session_dtype
+    from .calibration.tiers.sensitivity import loss_metric_for
+    from .surgery import checked_plan
+
+    spelled = spelled or LIBRARY
+    chosen = fit_of(fit).with_flags(refit_dense, refine, calibration is not None, spelled)
+    if not isinstance(model, nn.Module):
+        raise AuditError(f"factorize() needs the model as an nn.Module, got {type(model).__name__}",
+                         "Load the model's code (a factory or a Hugging Face directory), not only its weights")
+    ranks = reviewed_ranks(model, plan, spelled)
+    given, kept = _fit_calibration(model, calibration)
+    session = given if isinstance(given, CalibrationSession) else None
+    with computing(model, session_dtype(session) if session is not None else None):  # as the audit measured
+        loss_metric = None if session is None else loss_metric_for(
+            session, model, [l for l, _ in checked_plan(model, ranks).values()], chosen, spelled, kept)
+        return Factorized(ranks, factorize(model, ranks, given, fit=chosen, loss_metric=loss_metric))
+
+
+def reviewed_ranks(model: nn.Module, plan: "PlanGiven", spelled: "Spelling") -> dict[str, int]:
+    """The ranks of ``plan``: ``{layer name: rank}`` as given, else the audit's review of it (an audit's result, or
+    one run here without calibration), refused in one line (named as ``spelled.plan``) when the review found bad
+    input, the plan names no layer, a rank is at or above break-even (LR001; only where ``spelled.no_saving`` names
+    the flag that allows it) or the plan breaks a tie (LR021: the fused kernel the ties are for could not run it)."""
+    from .planning.ties import broken_words, violations
+    from .verdict.policy import input_errors
+
+    if isinstance(plan, Mapping) and "ranks" not in plan and not isinstance(plan, AuditResult):
+        return dict(plan)  # {layer or tensor name: rank}, not a plan file's table
+    result = plan if isinstance(plan, AuditResult) else audit(model, plan=plan, options=AuditOptions(progress=False))
+    for f in input_errors(result):
+        raise AuditError(f"{f.code} {f.message}", f.fix)
+    ranks = {it.layer: it.rank for it in result.review.items} if result.review is not None else {}
+    if not ranks and not result.layers:
+        raise AuditError(f"{spelled.plan} factorizes no layer of {result.model_name}: the model has no weight matrix "
+                         "factorize can rewrite", "Nothing to factorize: use the model as it is")
+    if not ranks:
+        raise AuditError(f"{spelled.plan} factorizes no layer of {result.model_name}", "Check the plan's patterns")
+    if spelled.no_saving is not None:
+        _no_saving(result, ranks, spelled.no_saving)
+    broken = violations(ranks, result.ties)
+    if broken:
+        what, fix = broken_words(broken)
+        raise AuditError(f"LR021 {spelled.plan} {what}", f"{fix}; factorize writes no model that breaks a tie")
+    return ranks
+
+
+def _no_saving(result: AuditResult, plan: dict[str, int], flag: str) -> None:
+    """Refuse, as LR001 flags them, planned ranks at or above break-even: the factorized layer would grow (``flag``
+    writes them anyway)."""
+    import math
+
+    from .lrmath import saves
+
+    for name, r in plan.items():
+        layer = result.layer(name)
+        if not saves(layer.m, layer.n, r):
+            be = layer.break_even
+            raise AuditError(
+                f"rank {r} for {name} ({layer.m}x{layer.n}) is at or above its break-even rank {be:.1f} (LR001): the "
+                f"factors store {layer.params_at(r):,} weights instead of {layer.params:,}",
+                f"Use a rank below {be:.1f} (e.g. {max(1, math.floor(be / 4))}), leave {name} out of the plan, or "
+                f"pass {flag} to write it anyway")
+
+
+def _fit_calibration(model: nn.Module, calibration: "FitCalibration | None",
+                     ) -> "tuple[CalibrationGiven | None, LossMetric | None]":
+    """(what the factors are fitted on, the loss metric kept with it): an audit's :class:`Calibrated` gives its
+    session and its gradient pass's loss metric; a session, the rows or statistics are used as given; data is read
+    (:func:`auditor.calibration.load_calibration`, 25% held out) into a session with the metric the audit would
+    pick for it."""
+    from .calibration.data.inputs import Calibration, load_calibration
+    from .calibration.session import CalibrationSession, metric_of
+    from .calibration.stage import Calibrated
+    from .calibration.statistics.stats import InputStatistics
+    from .options import TierOptions
+
+    if calibration is None or isinstance(calibration, (CalibrationSession, InputStatistics)):
+        return calibration, None
+    if isinstance(calibration, Calibrated):
+        return calibration.session, calibration.loss_metric
+    cal = calibration if isinstance(calibration, Calibration) else load_calibration(calibration, model, 0.25)
+    return CalibrationSession.of(cal, model, metric=metric_of(TierOptions(), model, cal)), None
 
 
 def audit_source(spec: str, *, plan: Any = None, options: AuditOptions | None = None,

@@ -8,7 +8,7 @@ modules, on the digits MLP, the sample char transformer and the sample Llama; th
 Independent means: the dense layer is a fresh ``nn.Linear`` (or ``nn.Embedding``) of the layer's shape and the
 factorized one a hand-built ``nn.Sequential`` of two, both timed by ``torch.utils.benchmark.Timer.timeit`` in blocks
 of at least 0.5 ms that alternate dense and factorized (a shared machine's slow spells fall on both); the whole model
-is the dense model and ``auditor.factorize.factorize``'s output, timed in this process the same way (the tool times
+is the dense model and ``auditor.surgery.apply_plan``'s output, timed in this process the same way (the tool times
 it in a fresh process). Agreement is the tool's ratio over the benchmark's: the goal is 0.8-1.25 (within 25%). The
 last column is ``blocked_autorange``'s ratio, for reference: its longer blocks take in more preemptions on a busy
 machine.
@@ -84,7 +84,7 @@ def independent_pair(row, device: str):
 
 def run_model(name: str, spec: str, device: str) -> list[tuple]:
     import torch
-    from auditor.factorize import factorize
+    from auditor.surgery import apply_plan
     from auditor.options import AuditOptions, LoadOptions
     from auditor.pipeline import audit_source, load_model
     from auditor.structure.trace import ExampleInputs
@@ -117,7 +117,7 @@ def run_model(name: str, spec: str, device: str) -> list[tuple]:
         args = tuple(v.to(device) for v in ex.args)
         kwargs = {k: v.to(device) for k, v in ex.kwargs.items()}
         plan = {it.layer: it.rank for it in a.review.items}
-        fmodel = factorize(model, plan, init=False).to(device).eval()
+        fmodel = apply_plan(model, plan).to(device).eval()
         d, f = bench([lambda: model(*args, **kwargs), lambda: fmodel(*args, **kwargs)], device)
         ad, af = autorange([lambda: model(*args, **kwargs), lambda: fmodel(*args, **kwargs)])
     m = sp.model

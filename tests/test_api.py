@@ -111,8 +111,9 @@ def test_factorize_fit_sequential(tmp_path):
     cal = load_calibration(data, model)
     plan = {"0": 4, "2": 3}
     session = CalibrationSession.of(cal, model, metric=Metric())  # what the library picks for a model like this
-    assert loss_metric(session, model, [l for l, _ in resolve_plan(model, plan).values()]) is not None
-    seq = sequential(session, model, resolve_plan(model, plan)).truncators  # loss-aware: the pass's moments
+    kept = loss_metric(session, model, [l for l, _ in resolve_plan(model, plan).values()])
+    assert kept is not None  # returned, not written on the session: the caller passes it on
+    seq = sequential(session, model, resolve_plan(model, plan), loss_metric=kept).truncators  # the pass's moments
     assert seq["2"].w is not None or seq["2"].z is not None
     got = auditor.factorize(model, plan, calibration=cal, fit="sequential")
     a, b = seq["2"].factors(3)
@@ -127,7 +128,8 @@ def test_factorize_fit_sequential(tmp_path):
     with pytest.raises(AuditError, match="fit 'greedy' is not a way to fit the factors"):
         auditor.factorize(model, plan, calibration=cal, fit="greedy")
     for fit, calibration in (("independent", cal), ("loss-aware", cal), ("sequential", None)):
-        with pytest.raises(AuditError, match="refitting the dense layers needs the sequential fit on calibration rows"):
+        with pytest.raises(AuditError, match=r"refit_dense=True refits the dense layers in the sequential fit, which "
+                                             r"needs a calibration and fit='sequential' \(got "):
             auditor.factorize(model, plan, calibration=calibration, fit=fit, refit_dense=True)
     same = auditor.factorize(model, plan, calibration=cal, fit="sequential", refit_dense=True)  # no layer kept dense
     assert all(torch.equal(v, got.state_dict()[k]) for k, v in same.state_dict().items())

@@ -262,6 +262,9 @@ def test_a_user_metric_refuses_the_loss_aware_fit_and_fits_sequentially_without_
                               f"{session.metric.label!r} has none")
     assert err.value.fix == "Use fit='sequential' or fit='independent' with a user metric"
     seq = auditor.factorize(model, plan, calibration=session, fit="sequential")
-    assert session.loss_metric is None
+    from auditor.calibration.tiers.sensitivity import loss_metric
+    from auditor.surgery import checked_plan
+
+    assert loss_metric(session, model, [l for l, _ in checked_plan(model, plan).values()]) is None  # no gradient
     dense = sum(p.numel() for p in model.parameters())
     assert sum(p.numel() for p in seq.parameters()) == dense - 512 * 64 + 16 * (512 + 64)

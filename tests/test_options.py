@@ -75,6 +75,29 @@ def test_no_option_is_typed_any():
     assert [t for t in typed if t[2] == "Any" or "| Any" in t[2] or "Any |" in t[2]] == []
 
 
+# keywords whose TypedDict type is wider than the field's: AuditOptions.__post_init__ converts what it is given
+WIDER = {"tracer": "Tracer | str", "spectra_backend": "SpectraBackend | str",
+         "ties": "'str | Iterable[str | Iterable[str]]'"}
+
+
+def test_the_keyword_shortcuts_typed_dict_is_the_options_fields():
+    """``OptionFields`` (what type checkers read for ``auditor.audit(model, **shortcuts)``) names every field of
+    AuditOptions and every flat name, with the field's type (wider only where the options convert the value)."""
+    from auditor.options import OptionFields
+
+    def text(t: object) -> str:
+        return getattr(t, "__forward_arg__", None) or str(t)
+
+    want = {f.name: str(f.type) for f in dataclasses.fields(AuditOptions)}
+    want.update({name: str({f.name: f.type for f in dataclasses.fields(GROUPS[group])}[attr])
+                 for name, (group, attr) in FLAT.items()})
+    typed = {name: text(t) for name, t in OptionFields.__annotations__.items()}
+    assert sorted(typed) == sorted(want)
+    assert {n: t for n, t in typed.items() if t != want[n]} == WIDER
+    with pytest.raises(TypeError, match="unknown audit option"):  # the run-time check reads the dataclasses' fields
+        AuditOptions(**{"plan_may_relaxx": True})
+
+
 def test_the_audit_reads_the_groups_not_the_flat_names(recwarn):
     """A calibrated, budgeted, speed-measured audit reads no option by its flat name, calibration included: each
     stage and tier reads its group."""

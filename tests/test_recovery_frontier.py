@@ -65,8 +65,8 @@ def evidence(one_thread):
                            split=False)  # the documented recovery table: searched and checked on all 200 rows
     with pytest.MonkeyPatch.context() as m:
         m.setattr(budget, "factorize", hooked)
-        audit, session = audit_session(model, _x()[:16], options=options)
-    return model, audit, session, calls
+        audit, calibrated = audit_session(model, _x()[:16], options=options)
+    return model, audit, calibrated.session, calls
 
 
 def test_each_frontier_plan_is_recovered_on_fit_rows_and_measured_on_heldout_rows(evidence):

@@ -260,13 +260,27 @@ def test_grouped_convolutions_are_fitted_per_group() -> None:
 
 def test_the_command_lines_fits_are_the_librarys() -> None:
     """--fit's choices are written out in the command (its --help imports no torch): the same words as apply.Fit."""
-    from auditor.calibration.apply import Fit
+    from auditor.calibration.apply import ALL_FITS, METHODS, Fit
+    from auditor.errors import AuditError
+
     from auditor.cli import factorize_command
 
     # the sequential fit's variants are its flags (--refit-dense, --no-refine)
-    assert set(factorize_command.FITS) == {f.value for f in Fit if not f.sequential} | {"sequential"}
+    assert set(factorize_command.FITS) == set(METHODS) == \
+        {f.label for f in ALL_FITS if not f.sequential} | {"sequential"}
     assert {Fit.of_sequential(refit, refine) for refit in (False, True) for refine in (False, True)} == \
-        {f for f in Fit if f.sequential}
-    assert Fit.of_sequential() is Fit.SEQUENTIAL and Fit.of_sequential(True) is Fit.SEQUENTIAL_REFIT
-    assert [f.refines for f in Fit] == [False, True, False, True, False, False]
+        {f for f in ALL_FITS if f.sequential}
+    assert Fit.of_sequential() == Fit.SEQUENTIAL and Fit.of_sequential(True) == Fit.SEQUENTIAL_REFIT
+    assert [f.refines for f in ALL_FITS] == [False, True, False, True, False, False]
+    assert [f.label for f in ALL_FITS] == ["independent", "sequential", "loss-aware", "sequential, refit dense",
+                                           "sequential, closed form", "sequential, refit dense, closed form"]
+    assert all(Fit.parse(f.label) == f for f in ALL_FITS)  # every label users wrote still reads
+    assert Fit.parse("sequential, refit dense, closed form") == Fit("sequential", refit_dense=True, refine=False)
+    with pytest.raises(AuditError, match=r"^refit_dense=True refits the dense layers in the sequential fit, which "
+                                         r"needs a calibration and fit='sequential' \(got fit='loss-aware'\)"):
+        Fit("loss-aware", refit_dense=True)
+    with pytest.raises(AuditError, match=r"^refine=False turns off the sequential fit's block refinement"):
+        Fit("independent", refine=False)
+    with pytest.raises(AuditError, match="fit 'greedy' is not a way to fit the factors"):
+        Fit("greedy")  # type: ignore[arg-type]
     assert factorize_command.DEFAULT_FIT in factorize_command.FITS

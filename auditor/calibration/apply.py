@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import os
 import weakref
-from enum import Enum
-from typing import TYPE_CHECKING, MutableMapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, ClassVar, Literal, MutableMapping, Union
 
 import torch
 from torch import nn
@@ -18,7 +18,7 @@ from torch import nn
 from .. import kinds
 from ..errors import AuditError
 from ..results import Layer
-from ..surgery import Factors, Truncation, apply_plan, checked_plan, replace_layers
+from ..surgery import Factors, Truncation, checked_plan, replace_layers
 from .data.inputs import Calibration
 from .session import CalibrationSession
 from .statistics.stats import InputStatistics
@@ -26,48 +26,140 @@ from .statistics.whiten import Truncator
 
 if TYPE_CHECKING:
     from .statistics.sequential import SequentialFit
+    from .statistics.whiten import LossMetric
     from .statistics.stream import Blocks
     from .statistics.whiten import Truncator
 
 
-class Fit(str, Enum):
-    """How the factors are fitted with calibration: each layer alone on the dense model's inputs, or in call order on
-    the inputs the factorized layers before it produce (the sequential, output-anchored fit)."""
+CalibrationGiven = Union[Calibration, CalibrationSession, InputStatistics]
+"""What the factors may be fitted on: the rows (a ``Calibration``), a session over them, or input statistics alone."""
+FitMethod = Literal["independent", "loss-aware", "sequential"]
+METHODS: tuple[FitMethod, ...] = ("independent", "sequential", "loss-aware")
 
-    INDEPENDENT = "independent"
-    SEQUENTIAL = "sequential"
-    LOSS_AWARE = "loss-aware"
-    SEQUENTIAL_REFIT = "sequential, refit dense"  # the sequential fit refitting the layers the plan keeps dense
-    SEQUENTIAL_CLOSED = "sequential, closed form"  # the sequential fit without the block refinement
-    SEQUENTIAL_REFIT_CLOSED = "sequential, refit dense, closed form"
+
+@dataclass(frozen=True)
+class Spelling:
+    """How a caller names the fit's choices and flags in its one-line refusals: the library's keywords
+    (:data:`LIBRARY`) or the command's flags (``lowrank-audit factorize``). ``fit`` is a format with the fit's name."""
+
+    fit: str = "fit={!r}"
+    calibration: str = "a calibration"  # what the refit and refine flags need beside the sequential fit
+    no_calibration: str = "no calibration"
+    give_calibration: str = "a calibration"
+    to_sequential: str = "fit='sequential'"
+    refit: str = "refit_dense=True"
+    no_refine: str = "refine=False"
+    plan: str = "the plan"  # the plan as the review's refusals name it
+    no_saving: str | None = None  # the flag that writes a rank at or above break-even; None: never refused
+
+    def fit_named(self, name: str) -> str:
+        return self.fit.format(name)
+
+    def gradient(self) -> tuple[str, str]:
+        """(the loss-aware fit, the fits that need no gradient), as a refusal of a metric without one names them."""
+        return (self.fit_named("loss-aware"),
+                f"{self.fit_named('sequential')} or {self.fit_named('independent')}")
+
+
+LIBRARY = Spelling()
+
+
+def check_fit(method: str, refit_dense: bool, refine: bool, calibrated: bool, spelled: Spelling = LIBRARY) -> None:
+    """The sequential fit's two flags (``refit_dense``, ``refine=False``) need the sequential fit on calibration: else
+    one line, in the caller's words (``spelled``); ``calibrated``: whether calibration is given."""
+    needs = f"{spelled.give_calibration} and {spelled.to_sequential}"
+    for flag, on, what, fix in ((spelled.refit, refit_dense, "refits the dense layers in the sequential fit",
+                                 f"Pass {needs}"),
+                                (spelled.no_refine, not refine, "turns off the sequential fit's block refinement",
+                                 f"Drop {spelled.no_refine}, or pass {needs}")):
+        if on and (not calibrated or method != "sequential"):
+            got = spelled.no_calibration if not calibrated else spelled.fit_named(method)
+            raise AuditError(f"{flag} {what}, which needs {spelled.calibration} and {spelled.fit_named('sequential')} "
+                             f"(got {got})", fix)
+
+
+@dataclass(frozen=True)
+class Fit:
+    """How the factors are fitted with calibration: each layer alone on the dense model's inputs (``independent``,
+    or ``loss-aware``: truncated in the metric's gradient metric), or in call order on the inputs the factorized
+    layers before it produce (``sequential``, output-anchored), then with ``refit_dense`` the layers the plan keeps
+    dense refitted, and with ``refine`` each repeated block's factors trained together (:mod:`.statistics.refine`).
+    :attr:`label` is the fit in words (``"sequential, refit dense"``); :meth:`parse` reads it back."""
+
+    method: FitMethod = "independent"
+    refit_dense: bool = False
+    refine: bool = True
+
+    INDEPENDENT: ClassVar["Fit"]
+    SEQUENTIAL: ClassVar["Fit"]
+    LOSS_AWARE: ClassVar["Fit"]
+    SEQUENTIAL_REFIT: ClassVar["Fit"]  # the sequential fit refitting the layers the plan keeps dense
+    SEQUENTIAL_CLOSED: ClassVar["Fit"]  # the sequential fit without the block refinement
+    SEQUENTIAL_REFIT_CLOSED: ClassVar["Fit"]
+
+    def __post_init__(self) -> None:
+        if self.method not in METHODS:
+            raise _unknown(self.method)
+        check_fit(self.method, self.refit_dense, self.refine, True)
+
+    @property
+    def label(self) -> str:
+        """The fit in words, as plan.json, reports and ``fit=`` spell it: ``"independent"``, ``"loss-aware"``,
+        ``"sequential"``, ``"sequential, refit dense"``, ``"sequential, closed form"``,
+        ``"sequential, refit dense, closed form"``."""
+        return self.method + (", refit dense" if self.refit_dense else "") + ("" if self.refine else ", closed form")
 
     @property
     def sequential(self) -> bool:
-        return self.value.startswith("sequential")
+        return self.method == "sequential"
 
     @property
     def refits(self) -> bool:
         """Whether the layers the plan keeps dense are refitted (``refit_dense``)."""
-        return "refit dense" in self.value
+        return self.refit_dense
 
     @property
     def refines(self) -> bool:
         """Whether each repeated block's factors are trained together on its output (:mod:`.statistics.refine`)."""
-        return self.sequential and "closed form" not in self.value
+        return self.sequential and self.refine
 
     @classmethod
     def of_sequential(cls, refit_dense: bool = False, refine: bool = True) -> "Fit":
         """The sequential fit with or without the dense refit and the block refinement."""
-        return cls("sequential" + (", refit dense" if refit_dense else "") + ("" if refine else ", closed form"))
+        return cls("sequential", refit_dense, refine)
+
+    @classmethod
+    def parse(cls, text: str) -> "Fit":
+        """The fit a label names (:attr:`label`), or one line naming the choices."""
+        for fit in ALL_FITS:
+            if fit.label == text:
+                return fit
+        raise _unknown(text)
+
+    def with_flags(self, refit_dense: bool = False, refine: bool = True, calibrated: bool = True,
+                   spelled: Spelling = LIBRARY) -> "Fit":
+        """This fit with the flags given beside it (``refit_dense=True`` adds the refit, ``refine=False`` drops the
+        refinement), refused in one line in the caller's words where a flag needs the sequential fit on calibration
+        (:func:`check_fit`)."""
+        check_fit(self.method, refit_dense, refine, calibrated, spelled)
+        return Fit(self.method, self.refit_dense or refit_dense, self.refine and refine)
+
+
+Fit.INDEPENDENT, Fit.SEQUENTIAL, Fit.LOSS_AWARE = Fit("independent"), Fit("sequential"), Fit("loss-aware")
+Fit.SEQUENTIAL_REFIT, Fit.SEQUENTIAL_CLOSED = Fit("sequential", True), Fit("sequential", refine=False)
+Fit.SEQUENTIAL_REFIT_CLOSED = Fit("sequential", True, False)
+ALL_FITS = (Fit.INDEPENDENT, Fit.SEQUENTIAL, Fit.LOSS_AWARE, Fit.SEQUENTIAL_REFIT, Fit.SEQUENTIAL_CLOSED,
+            Fit.SEQUENTIAL_REFIT_CLOSED)  # every fit, in the order a refusal names them
+
+
+def _unknown(fit: object) -> AuditError:
+    return AuditError(f"fit {fit!r} is not a way to fit the factors",
+                      f"Give one of {', '.join(repr(f.label) for f in ALL_FITS)}")
 
 
 def fit_of(fit: "Fit | str") -> Fit:
-    """``fit`` as a :class:`Fit`, or one line naming the choices."""
-    try:
-        return Fit(fit)
-    except ValueError:
-        raise AuditError(f"fit {fit!r} is not a way to fit the factors",
-                         f"Give one of {', '.join(repr(f.value) for f in Fit)}") from None
+    """``fit`` as a :class:`Fit` (a label read by :meth:`Fit.parse`), or one line naming the choices."""
+    return fit if isinstance(fit, Fit) else Fit.parse(fit)
 
 
 def truncation(stats: InputStatistics | None = None, reuse: "MutableMapping[str, Truncator] | None" = None) -> Truncation:
@@ -86,7 +178,8 @@ def truncation(stats: InputStatistics | None = None, reuse: "MutableMapping[str,
     return factors
 
 
-def statistics(calibration: object, model: nn.Module, planned: list[Layer]) -> InputStatistics | None:
+def statistics(calibration: "CalibrationGiven | None", model: nn.Module,
+               planned: list[Layer]) -> InputStatistics | None:
     """The input statistics of the planned layers: ``InputStatistics`` as given, a session's (read once, when they
     cover the plan), or gathered on ``model`` (in eval mode) from a ``Calibration``; None without calibration."""
     if calibration is None or isinstance(calibration, InputStatistics):
@@ -97,39 +190,41 @@ def statistics(calibration: object, model: nn.Module, planned: list[Layer]) -> I
                      "Pass a CalibrationSession, a Calibration (load_calibration) or InputStatistics")
 
 
-def factorize(model: nn.Module, plan: dict[str, int], calibration: object = None, *, init: bool = True,
-              layers: dict[str, Layer] | None = None, reuse: "MutableMapping[str, Truncator] | None" = None,
-              share: bool = False, fit: "Fit | str" = Fit.INDEPENDENT) -> nn.Module:
+def factorize(model: nn.Module, plan: dict[str, int],
+              calibration: "CalibrationGiven | None" = None, *,
+              reuse: "MutableMapping[str, Truncator] | None" = None, share: bool = False,
+              fit: "Fit | str" = Fit.INDEPENDENT, loss_metric: "LossMetric | None" = None) -> nn.Module:
     """A deep copy of ``model`` with each planned layer (``{layer name: rank}``) replaced by two; ``model`` is left
     untouched. ``calibration``: None (plain SVD), a ``CalibrationSession`` (its statistics, read once), a
-    ``Calibration`` (input statistics are gathered on ``model``, in eval mode), or ``InputStatistics``.
-    ``init=False`` builds the structure only (for ``load_factorized``). ``reuse``: see :func:`truncation`; without
-    it, a session on a Dask cluster (``AuditOptions(scheduler=...)``) has the decompositions made there.
-    ``share``: the copy holds ``model``'s own parameters and buffers (:func:`auditor.surgery.replace_layers`).
-    ``fit``: ``"independent"`` (each layer whitened under the dense inputs) or ``"sequential"`` (each layer fitted on
-    the inputs the factorized layers before it produce; needs a session or a ``Calibration``; ``reuse`` is not read:
-    the factors hold for this plan only, and are fitted here); ``"sequential, refit dense"`` (``Fit.SEQUENTIAL_REFIT``,
-    what ``refit_dense=True`` of :func:`auditor.factorize` asks): the same, and the layers the plan keeps dense
-    (:func:`dense_layers`) refitted at full rank on the inputs the factorized layers give them, anchored to their
-    dense outputs, so they absorb part of the error passed on (their weights change, their shapes do not;
-    docs/calibration.md, "The sequential fit"). The sequential fits train each repeated block's factors together on
-    the block's output once the block is fitted (:mod:`.statistics.refine`), but ``"sequential, closed form"`` and
-    ``"sequential, refit dense, closed form"`` (:meth:`Fit.of_sequential`), which keep the closed-form factors."""
-    if not init:
-        return apply_plan(model, plan, layers=layers, share=share)
-    resolved = checked_plan(model, plan, layers)  # before any statistics are gathered: a complex layer would crash them
-    if fit_of(fit).sequential and calibration is not None:
-        dense = dense_layers(model, resolved) if fit_of(fit).refits else None
-        done = sequential(calibration, model, resolved, dense, fit_of(fit).refines)
+    ``Calibration`` (input statistics are gathered on ``model``, in eval mode), or ``InputStatistics``. The structure
+    alone, without factors (for ``load_factorized``), is :func:`auditor.surgery.apply_plan`. ``reuse``: see
+    :func:`truncation`; without it, a session on a Dask cluster (``AuditOptions(scheduler=...)``) has the
+    decompositions made there. ``share``: the copy holds ``model``'s own parameters and buffers
+    (:func:`auditor.surgery.replace_layers`). ``fit`` (a :class:`Fit` or its label): ``"independent"`` (each layer
+    whitened under the dense inputs), ``"loss-aware"`` (each layer's truncation from ``loss_metric``, the gradient
+    pass's: :func:`auditor.calibration.tiers.sensitivity.loss_metric`) or ``"sequential"`` (each layer fitted on the
+    inputs the factorized layers before it produce, loss-aware with ``loss_metric``'s moments; needs a session or a
+    ``Calibration``; ``reuse`` is not read: the factors hold for this plan only, and are fitted here);
+    ``Fit.SEQUENTIAL_REFIT`` (``"sequential, refit dense"``, what ``refit_dense=True`` of :func:`auditor.factorize`
+    asks): the same, and the layers the plan keeps dense (:func:`dense_layers`) refitted at full rank on the inputs
+    the factorized layers give them, anchored to their dense outputs, so they absorb part of the error passed on
+    (their weights change, their shapes do not; docs/calibration.md, "The sequential fit"). The sequential fits
+    train each repeated block's factors together on the block's output once the block is fitted
+    (:mod:`.statistics.refine`), but ``Fit.SEQUENTIAL_CLOSED`` and ``Fit.SEQUENTIAL_REFIT_CLOSED`` (``refine=False``),
+    which keep the closed-form factors."""
+    chosen = fit_of(fit)
+    resolved = checked_plan(model, plan)  # before any statistics are gathered: a complex layer would crash them
+    if chosen.sequential and calibration is not None:
+        dense = dense_layers(model, resolved) if chosen.refits else None
+        done = sequential(calibration, model, resolved, dense, chosen.refines, loss_metric=loss_metric)
         new = replace_layers(model, resolved, truncation(None, done.truncators), share=share)
         return with_weights(new, done.refitted, dense) if dense else new
-    if fit_of(fit) is Fit.LOSS_AWARE and calibration is not None:
-        kept = calibration.loss_metric if isinstance(calibration, CalibrationSession) else None
-        if kept is None:
+    if chosen.method == "loss-aware" and calibration is not None:
+        if loss_metric is None:
             raise AuditError("the loss-aware fit needs the gradient pass's truncations, which this calibration does "
                              "not hold", "Use auditor.factorize (it runs the pass), pass the audit's session, or "
                              "fit='independent'")
-        reuse = kept.store
+        reuse = loss_metric.store
     stats = statistics(calibration, model, [l for l, _ in resolved.values()])
     if reuse is None and isinstance(calibration, CalibrationSession) and calibration.on_cluster:
         reuse = cluster_truncators(model, calibration, [l for l, _ in resolved.values()], stats)
@@ -146,13 +241,6 @@ def cluster_truncators(model: nn.Module, session: CalibrationSession, planned: l
     store = TruncatorStore(part_bytes(model, planned))
     session.cluster_truncators(planned, store, stats=stats)
     return store
-
-
-def check_refit(refit_dense: bool, fit: "Fit | str", calibration: object) -> None:
-    """``refit_dense`` only with the sequential fit on calibration: else one line."""
-    if refit_dense and (not fit_of(fit).sequential or calibration is None):
-        raise AuditError("refitting the dense layers needs the sequential fit on calibration rows",
-                         "Pass fit='sequential' with a calibration (lowrank-audit factorize --fit sequential)")
 
 
 def dense_layers(model: nn.Module, resolved: dict[str, tuple[Layer, int]]) -> dict[str, Layer]:
@@ -177,23 +265,22 @@ def with_weights(model: nn.Module, weights: dict[str, torch.Tensor], layers: dic
     return model
 
 
-def sequential(calibration: object, model: nn.Module, resolved: dict[str, tuple[Layer, int]],
-               refit: dict[str, Layer] | None = None, refine: bool = True) -> "SequentialFit":
+def sequential(calibration: "CalibrationGiven", model: nn.Module,
+               resolved: dict[str, tuple[Layer, int]], refit: dict[str, Layer] | None = None, refine: bool = True, *,
+               loss_metric: "LossMetric | None" = None) -> "SequentialFit":
     """The sequential fit of a checked plan on the fit rows of ``calibration`` (a session or a ``Calibration``;
-    input statistics alone hold no rows to fit on), loss-aware where a session holds the gradient pass's moments
-    (:attr:`CalibrationSession.loss_metric`): its truncators, and with ``refit`` those dense layers' new weights;
-    ``refine``: with the block refinement (:mod:`.statistics.refine`)."""
+    input statistics alone hold no rows to fit on), loss-aware with ``loss_metric``'s output-gradient moments (the
+    gradient pass's: :func:`auditor.calibration.tiers.sensitivity.loss_metric`): its truncators, and with ``refit``
+    those dense layers' new weights; ``refine``: with the block refinement (:mod:`.statistics.refine`)."""
     from .statistics.refine import EPOCHS
     from .statistics.sequential import sequential_fit
 
-    moments = None
     if isinstance(calibration, CalibrationSession):
-        kept = calibration.loss_metric
-        moments = kept.moments if kept is not None else None
         calibration = calibration.calibration
     if not isinstance(calibration, Calibration):
         raise AuditError(f"the sequential fit needs the calibration rows; {type(calibration).__name__} holds none",
                          "Pass a CalibrationSession or a Calibration (load_calibration), or fit='independent'")
+    moments = loss_metric.moments if loss_metric is not None else None
     return sequential_fit(model, resolved, calibration, moments=moments, refit=refit, refine=EPOCHS if refine else 0)
 
 

@@ -34,7 +34,7 @@ from .statistics.stream import compute_dtype_for
 from .measure.metric import Measurement, Metric
 from .session import STATS_KINDS, CalibrationSession, _statistics, cache_path, metric_of, statistics_memory
 from .statistics.stats import InputStatistics
-from .statistics.whiten import TruncatorStore, WhitenedSpectrum
+from .statistics.whiten import LossMetric, TruncatorStore, WhitenedSpectrum
 from .references import References
 from .tiers import passes
 from .tiers.fisher import GradientSensitivity
@@ -48,7 +48,6 @@ if TYPE_CHECKING:
     from ..options import AuditOptions
     from ..progress import Progress
     from ..results import AuditResult, Spectrum
-    from .statistics.whiten import LossMetric
 
 SYNTHETIC_MARK = "looks like token ids drawn uniformly at random"
 

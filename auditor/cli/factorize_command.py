@@ -19,9 +19,13 @@ import argparse
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Sequence
+from typing import TYPE_CHECKING, Any, Sequence
 
 from ..errors import AuditError, ExitCode, escape
+
+if TYPE_CHECKING:
+    from ..calibration.apply import Spelling
+    from ..calibration.stage import Calibrated
 
 FITS = ("sequential", "loss-aware", "independent")  # calibration/apply.py's Fit, written out: --help imports no torch
 DEFAULT_FIT = "sequential"  # measured in docs/calibration.md ("The sequential fit")
@@ -102,23 +106,6 @@ def _check_dir(out: Path, args: argparse.Namespace) -> None:
                         tool="lowrank-audit factorize")
 
 
-def _no_saving(result: Any, plan: dict[str, int]) -> None:
-    """Refuse, as LR001 flags them, planned ranks at or above break-even: the factorized layer would grow."""
-    import math
-
-    from ..lrmath import saves
-
-    for name, r in plan.items():
-        layer = result.layer(name)
-        if not saves(layer.m, layer.n, r):
-            be = layer.break_even
-            raise AuditError(
-                f"rank {r} for {name} ({layer.m}x{layer.n}) is at or above its break-even rank {be:.1f} (LR001): the "
-                f"factors store {layer.params_at(r):,} weights instead of {layer.params:,}",
-                f"Use a rank below {be:.1f} (e.g. {max(1, math.floor(be / 4))}), leave {name} out of the plan, or "
-                "pass --allow-no-saving to write it anyway")
-
-
 def _compute_dtype(args: argparse.Namespace, plan: Any) -> str | None:
     """The dtype statistics are read in: ``--compute-dtype``, else the plan's ``compute_dtype`` (what the audit that
     emitted it used), else the model's own (None). A flag that contradicts the plan is refused: the factors would
@@ -194,49 +181,23 @@ def _options(args: argparse.Namespace, loaded: Any, plan: Any) -> Any:
     if not cal and given:
         raise AuditError(f"{', '.join(given)} {'needs' if len(given) == 1 else 'need'} --calibration",
                          "Pass --calibration FILE")
-    needs = "--calibration FILE and drop --fit or give --fit sequential"
-    for flag, on, what, fix in (  # the sequential fit's two flags
-            ("--refit-dense", args.refit_dense, "refits the dense layers in the sequential fit", f"Pass {needs}"),
-            ("--no-refine", args.no_refine, "turns off the sequential fit's block refinement",
-             f"Drop --no-refine, or pass {needs}")):
-        if on and (not cal or (args.fit or DEFAULT_FIT) != "sequential"):
-            raise AuditError(f"{flag} {what}, which needs --calibration and --fit sequential (got "
-                             f"{'no --calibration' if not cal else '--fit ' + str(args.fit)})", fix)
+    from ..calibration.apply import check_fit
+
+    check_fit(args.fit or DEFAULT_FIT, args.refit_dense, not args.no_refine, cal, _spelled(args))
     if args.no_split and args.confidence is not None:  # the level is the verification's, and --no-split has none
         raise AuditError(f"--confidence {args.confidence:g} means nothing with --no-split (no rows are kept apart "
                          "to verify on, so no interval is drawn)", "Drop one of --confidence and --no-split")
     return options
 
 
-def _reviewed_plan(args: argparse.Namespace, result: Any, name: str) -> dict[str, int]:
-    """The reviewed plan's ranks (layer -> rank), refused when the review found bad input or the plan names no
-    layer, and (unless --allow-no-saving) when a rank is at or above break-even."""
-    from ..verdict.policy import input_errors
+def _spelled(args: argparse.Namespace) -> "Spelling":
+    """How this command names the fit's options and the plan in a refusal (the library names its keywords)."""
+    from ..calibration.apply import Spelling
 
-    for f in input_errors(result):
-        raise AuditError(f"{f.code} {f.message}", f.fix)
-    rv = result.review
-    plan = {it.layer: it.rank for it in rv.items} if rv is not None else {}
-    if not plan and not result.layers:
-        raise AuditError(f"plan {args.plan} factorizes no layer of {name}: the model has no weight matrix "
-                         "factorize can rewrite", "Nothing to factorize: use the model as it is")
-    if not plan:
-        raise AuditError(f"plan {args.plan} factorizes no layer of {name}", "Check the plan's patterns")
-    if not args.allow_no_saving:
-        _no_saving(result, plan)
-    _ties_kept(args, result, plan)
-    return plan
-
-
-def _ties_kept(args: argparse.Namespace, result: Any, plan: dict[str, int]) -> None:
-    """A plan that breaks a tie (``--tie``, else the plan's ``ties``) is refused, whatever the rules selected: the
-    fused kernel the ties are for could not run the written model (LR021 in the audit's report)."""
-    from ..planning.ties import broken_words, violations
-
-    broken = violations(plan, result.ties)
-    if broken:
-        what, fix = broken_words(broken)
-        raise AuditError(f"LR021 plan {args.plan} {what}", f"{fix}; factorize writes no model that breaks a tie")
+    return Spelling(fit="--fit {}", calibration="--calibration", no_calibration="no --calibration",
+                    give_calibration="--calibration FILE", to_sequential="drop --fit or give --fit sequential",
+                    refit="--refit-dense", no_refine="--no-refine", plan=f"plan {args.plan}",
+                    no_saving=None if args.allow_no_saving else "--allow-no-saving")
 
 
 def _unverified(v: Any) -> str | None:
@@ -285,28 +246,22 @@ class _Made:
         return self.session.calibration if self.session is not None else None
 
 
-def _make(args: argparse.Namespace, loaded: Any, result: Any, session: Any, recovery: Any) -> _Made:
-    """Factorize with the audit's session (the batches it read, the statistics it measured the plan with, its dense
-    reference), then recover when asked."""
-    from ..calibration.apply import Fit, factorize
+def _make(args: argparse.Namespace, loaded: Any, result: Any, calibrated: "Calibrated | None",
+          recovery: Any) -> _Made:
+    """Factorize with what the audit measured (the batches it read, the statistics it measured the plan with, its
+    dense reference, its gradient pass's loss metric): :func:`auditor.pipeline.factorize_plan`, as the library does;
+    then recover when asked."""
+    from ..pipeline import factorize_plan
     from .recovery_flags import cli_recover
     from ..surgery import count_params
 
     model = loaded.model
-    plan = _reviewed_plan(args, result, loaded.name)
+    session = calibrated.session if calibrated is not None else None
     fit = (args.fit or DEFAULT_FIT) if session is not None else None
-    from ..calibration.stage import computing, session_dtype
-
-    measured_fit = "loss-aware" if session is not None and session.loss_metric is not None else "independent"
-    with computing(model, session_dtype(session) if session is not None else None):  # as the audit measured
-        if session is not None:  # the audit's gradient pass, or one now (None: no gradient)
-            from ..calibration.tiers.sensitivity import loss_metric_for
-            from ..surgery import checked_plan
-
-            loss_metric_for(session, model, [l for l, _ in checked_plan(model, plan).values()], fit,
-                            ("--fit loss-aware", "--fit sequential or --fit independent"))
-        new = factorize(model, plan, session, fit=Fit.of_sequential(args.refit_dense, not args.no_refine)
-                        if fit == "sequential" else fit or "independent")
+    measured_fit = "loss-aware" if calibrated is not None and calibrated.loss_metric is not None else "independent"
+    made_plan = factorize_plan(model, result, calibrated, fit=fit or "independent", refit_dense=args.refit_dense,
+                               refine=not args.no_refine, spelled=_spelled(args))
+    plan, new = made_plan.ranks, made_plan.model
     extra: dict[str, Any] = {"init": "whitened" if session is not None else "svd", "params_before": count_params(model)}
     if fit is not None:
         extra["fit"] = fit
@@ -319,7 +274,7 @@ def _make(args: argparse.Namespace, loaded: Any, result: Any, session: Any, reco
 
         from ..calibration.stage import check_factorized
 
-        result = replace(result, calibration=check_factorized(result.calibration, session, model, new))
+        result = replace(result, calibration=check_factorized(result.calibration, calibrated, model, new))
     measured = _measured(result)
     if measured is not None:
         extra["measured"] = measured
@@ -422,8 +377,8 @@ def run(args: argparse.Namespace) -> int:
     loaded, model = _load(args)
     options = _options(args, loaded, plan_obj)
     check_targets(model, list(plan_obj.ranks))  # complex, quantized, unsupported or tied: before any calibration
-    result, session = audit_session(model, loaded.example_inputs, plan=plan_obj, options=options)
-    made = _make(args, loaded, result, session, recovery)
+    result, calibrated = audit_session(model, loaded.example_inputs, plan=plan_obj, options=options)
+    made = _make(args, loaded, result, calibrated, recovery)
     result = made.result
     exported = _write(out, args, made, formats)
     _say(out, made, result, exported)

@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Protocol
 from ...calresults import SensitivityFallback
 from ...errors import AuditError
 from ...results import Layer
+from ..apply import LIBRARY
 from ..data.inputs import Batch, Calibration
 from .budget import Curves, curves_from_floors, curves_from_gradients, curves_from_spectra
 from .fisher import GradientSensitivity, gradient_sensitivity, predicted_value
@@ -30,6 +31,7 @@ from .sweep import Floors, probe_sensitivity
 if TYPE_CHECKING:
     from torch import nn
 
+    from ..apply import Fit, Spelling
     from ..references import References
     from ..session import CalibrationSession
     from .passes import PassContext, Scope
@@ -189,12 +191,13 @@ def gradients(ctx: "PassContext", refs: "References", scope: "Scope", spectra: "
         out, loss_metric=kept)
 
 
-def loss_metric(session: "CalibrationSession", model: nn.Module, planned: list[Layer]) -> "LossMetric | None":
-    """The session's loss-aware truncations and output-gradient moments for ``planned`` (what ``factorize``'s
-    loss-aware and sequential fits read): the audit's gradient pass's where it covered them, else one gradient pass
-    here over the session's gradient rows with its metric, kept on the session. None for a metric without a gradient
-    (a user metric)."""
-    kept = session.loss_metric
+def loss_metric(session: "CalibrationSession", model: nn.Module, planned: list[Layer],
+                kept: "LossMetric | None" = None) -> "LossMetric | None":
+    """The loss-aware truncations and output-gradient moments for ``planned`` (what ``factorize``'s loss-aware and
+    sequential fits read): ``kept`` (the audit's gradient pass's, :attr:`auditor.calibration.stage.Calibrated.
+    loss_metric`) where it covers them, else one gradient pass here over the session's gradient rows with its
+    metric. None for a metric without a gradient (a user metric). The session is not written: the caller keeps what
+    this returns."""
     if kept is not None and all(l.name in kept.layers for l in planned):
         return kept
     if not session.metric.spec.gradient:
@@ -203,22 +206,22 @@ def loss_metric(session: "CalibrationSession", model: nn.Module, planned: list[L
     with session.measuring():
         g = gradient_sensitivity(model, planned, gradient_rows(session.calibration)[0], session.metric,
                                  session.statistics(planned), {}, store=store)
-    session.loss_metric = g.loss_metric(planned)
-    return session.loss_metric
+    return g.loss_metric(planned)
 
 
-def loss_metric_for(session: "CalibrationSession", model: nn.Module, planned: list[Layer], fit: str,
-                    spelled: tuple[str, str] = ("fit='loss-aware'", "fit='sequential' or fit='independent'"),
-                    ) -> "LossMetric | None":
+def loss_metric_for(session: "CalibrationSession", model: nn.Module, planned: list[Layer], fit: "Fit",
+                    spelled: "Spelling" = LIBRARY, kept: "LossMetric | None" = None) -> "LossMetric | None":
     """:func:`loss_metric` for a ``fit`` of ``factorize`` (the library's and the command's one check): the loss-aware
-    and sequential fits read it; ``fit="loss-aware"`` with a metric without a gradient is refused in one line
-    (``spelled``: how the caller names the fit and its alternatives). None for the other fits, or no gradient."""
-    if fit != "loss-aware" and not (fit or "").startswith("sequential"):  # apply.Fit's values that read it
+    and sequential fits read it; the loss-aware fit with a metric without a gradient is refused in one line
+    (``spelled``: how the caller names the fit and its alternatives). None for the independent fit, or no
+    gradient."""
+    if fit.method == "independent":
         return None
-    found = loss_metric(session, model, planned)
-    if found is None and fit == "loss-aware":
-        raise AuditError(f"{spelled[0]} needs a metric with a gradient; the metric {session.metric.label!r} has none",
-                         f"Use {spelled[1]} with a user metric")
+    found = loss_metric(session, model, planned, kept)
+    if found is None and fit.method == "loss-aware":
+        named, others = spelled.gradient()
+        raise AuditError(f"{named} needs a metric with a gradient; the metric {session.metric.label!r} has none",
+                         f"Use {others} with a user metric")
     return found
 
 
