@@ -148,6 +148,8 @@ def test_the_cli_factorize_entry_alone_exits_2(capsys):
 
 
 def test_tiers_return_the_report_types_and_share_one_session(monkeypatch, calib, digits_mlp):
+    from auditor.calibration.references import references_of
+
     model = digits_mlp[0]
     layers = _layers(model)
     cal = load_calibration(calib, model, 0.25)
@@ -156,8 +158,9 @@ def test_tiers_return_the_report_types_and_share_one_session(monkeypatch, calib,
     evaluators = _count_evaluators(monkeypatch)
     stats, spectra = tier1(model, layers, session)
     assert stats is session.stats
-    floors = measure_floors(model, layers, session, align=8, spectra=spectra)
-    bp = plan_for_budget(model, layers, session, curves_from_spectra(spectra, layers, 8))
+    refs = references_of(session)  # the dense model measured once, for every tier (the session holds inputs only)
+    floors = measure_floors(model, layers, session, align=8, spectra=spectra, evaluator=refs.evaluator)
+    bp = plan_for_budget(model, layers, session, curves_from_spectra(spectra, layers, 8), measurer=refs.search)
     new = factorize(model, bp.plan, session)
     assert stats_calls[0] == 1 and evaluators[0] == 1
     f = floors.floors["fc1"]

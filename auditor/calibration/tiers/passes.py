@@ -40,6 +40,7 @@ from ..session import CalibrationSession
 from ..statistics.stats import LayerInput
 from ..statistics.whiten import TruncatorStore, WhitenedSpectrum
 from .budget import Curves
+from .context import PassContext, Scope
 from .sensitivity import Gradients, Measured, Sensitivity, Tier1Curves, gradients, probed
 from .sweep import Floors
 
@@ -87,19 +88,6 @@ def _span(inp: LayerInput) -> Span:
     return Span(inp.rows, inp.width, int(inp.rows), inp.rows >= inp.width)
 
 
-@dataclass(frozen=True)
-class PassContext:
-    """What every pass runs in: the model, the session of inputs it measures with (its batches, statistics, metric,
-    split), and the progress its phases are drawn on."""
-
-    model: "nn.Module"
-    session: CalibrationSession
-    progress: "Progress"
-
-    def __post_init__(self) -> None:
-        assert self.session.model is self.model, "the session belongs to another model"
-
-
 def tier1(ctx: PassContext, align: int, since: float | None = None) -> Tier1:
     """The input statistics (block by block, tier 1 with them) and every layer's whitened spectrum; ``since``: when
     the stage's clock for tier 1 started (the session's opening counts)."""
@@ -121,18 +109,6 @@ def references(ctx: PassContext) -> References:
     t = time.perf_counter()
     refs = references_of(ctx.session)
     return replace(refs, seconds={"references": time.perf_counter() - t})
-
-
-@dataclass(frozen=True)
-class Scope:
-    """The layers tiers 2 and 3 consider (``swept``: with a spectrum, not narrow, inputs spanned), those tier 3 plans
-    (swept, untied, rewritable by factorize) and those every plan fixes at their data-free rank."""
-
-    swept: list[Layer]
-    planned: list[Layer]
-    fixed: dict[str, int]
-    sensitive: list[Layer]  # the layers a sensitivity is measured for: the planned ones and the fixed ones
-    ties: tuple[TieGroup, ...] = ()  # --tie: groups whose members every plan gives one rank
 
 
 def sweepable(layer: Layer, settings: "Settings") -> bool:
