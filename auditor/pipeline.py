@@ -418,7 +418,8 @@ def audit_session(model: Any, inputs: Any = None, *, plan: Any = None,
         unsupported_ops=st.unsupported, notes=st.notes, graph=st.graph,
         environment={**environment(), **({"spectra": spectra.where} if opts.spectra else {}),
                      **({"sweep": calibrated.sweep} if calibrated is not None and calibrated.sweep else {}),
-                     **({"tier1": calibrated.session.tier1_where} if calibrated and calibrated.session.tier1_where
+                     **({"tier1": calibrated.session.decompositions.where}
+                        if calibrated and calibrated.session.decompositions.where
                         else {})},
         spectra_stats=spectra.stats, trace_log=st.log,
         calibration=calibrated.report if calibrated is not None else None, ties=ties,

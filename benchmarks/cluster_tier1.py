@@ -94,7 +94,7 @@ def child(args: argparse.Namespace) -> None:
     with open(args.out, "wb") as fh:
         pickle.dump(spectra, fh)
     print(json.dumps({"wall_s": round(wall, 2), "rss_before_mib": round(before), "peak_rss_mib": round(peak),
-                      "layers": len(spectra), "where": session.tier1_where or "local", **counts}))
+                      "layers": len(spectra), "where": session.decompositions.where or "local", **counts}))
 
 
 def free_port() -> int:

@@ -141,7 +141,7 @@ def test_factorize_with_a_session_on_the_cluster_gives_the_local_weights(cluster
     cal = load_calibration({"idx": torch.zeros(8, CONTEXT, dtype=torch.int64)}, model, holdout=0.25, batch_size=4)
     remote = CalibrationSession(model, cal, layers=layers, stats=stats,
                                 options=AuditOptions(scheduler=client, cache=False))
-    assert remote.on_cluster
+    assert remote.decompositions.on_cluster
     sent: list[list[str]] = []
     orig = ClusterDecompositions._run
 

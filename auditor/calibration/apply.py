@@ -226,20 +226,20 @@ def factorize(model: nn.Module, plan: dict[str, int],
                              "fit='independent'")
         reuse = loss_metric.store
     stats = statistics(calibration, model, [l for l, _ in resolved.values()])
-    if reuse is None and isinstance(calibration, CalibrationSession) and calibration.on_cluster:
+    if reuse is None and isinstance(calibration, CalibrationSession) and calibration.decompositions.on_cluster:
         reuse = cluster_truncators(model, calibration, [l for l, _ in resolved.values()], stats)
     return replace_layers(model, resolved, truncation(stats, reuse), share=share)
 
 
 def cluster_truncators(model: nn.Module, session: CalibrationSession, planned: list[Layer],
-                stats: InputStatistics | None) -> "MutableMapping[str, Truncator]":
+                       stats: InputStatistics) -> "MutableMapping[str, Truncator]":
     """The planned layers' decompositions made on the session's Dask cluster, one block at a time, into a
     :class:`~auditor.calibration.statistics.whiten.TruncatorStore` holding one part of the model in memory (the rest
     on disk until its layer is replaced)."""
     from .statistics.whiten import TruncatorStore, part_bytes
 
     store = TruncatorStore(part_bytes(model, planned))
-    session.cluster_truncators(planned, store, stats=stats)
+    session.decompositions.truncators(planned, stats, store)
     return store
 
 

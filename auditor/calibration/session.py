@@ -29,7 +29,7 @@ import hashlib
 import os
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable, Iterator, MutableMapping
+from typing import TYPE_CHECKING, Callable, Iterator
 
 from torch import nn
 
@@ -40,11 +40,12 @@ from ..results import Layer
 from .data.hashing import code_hash, weights_hash
 from .data.inputs import Batch, Calibration, eval_mode, load_calibration
 from .measure.metric import Metric, load_metric
+from .statistics.placement import Decompositions
 from .statistics.stats import InputStatistics, by_name, input_statistics
 
 if TYPE_CHECKING:
     from .measure.metric import UserMetric
-    from .statistics.whiten import Truncator, WhitenedSpectrum
+    from .statistics.whiten import WhitenedSpectrum
     from ..options import AuditOptions, TierOptions
     from .statistics.stats import GramStore
     from ..progress import Progress
@@ -340,7 +341,6 @@ class Held:
     stats: InputStatistics | None = None
     cached: bool = False
     spectra: "dict[tuple[int, float], dict[str, WhitenedSpectrum]]" = field(default_factory=dict)
-    tier1_where: str = ""  # the Dask cluster tier 1's decompositions ran on; empty: here
     search: list[Batch] | None = None
     verify: list[Batch] | None = None
 
@@ -361,6 +361,33 @@ class _Produced:
 
     def __set__(self, obj: object, value: object) -> None:
         raise AttributeError(f"a calibration session holds inputs only; {self.name!r} is {self.owner}, by argument")
+
+
+def _read(session: "CalibrationSession", want: dict[str, Layer], progress: "Progress | None",
+          spectra: tuple[int, float] | None) -> "tuple[InputStatistics, bool, dict[str, WhitenedSpectrum]]":
+    """``want``'s input statistics read (through the cache with the session's options), whether they came from the
+    cache, and with ``spectra=(align, target)`` tier 1's whitened spectra made block by block as each block's
+    statistics complete (before its Grams leave memory): :meth:`CalibrationSession.statistics`."""
+    got: "dict[str, WhitenedSpectrum]" = {}
+    on_block = None
+    model = session.model
+    with (session.decompositions.spectra() if spectra else contextlib.nullcontext()) as spectra_of, \
+            session.measuring():
+        if spectra_of is not None:
+            table = {n: p for n, p in model.named_parameters(remove_duplicate=False)}
+
+            def on_block(_i: int, st: InputStatistics) -> None:
+                got.update(spectra_of([want[k] for k in st.layers if k in want], table, st, *spectra))
+
+        if session.options is not None:
+            stats, cached = _statistics(model, list(want.values()), session.calibration, session.options, progress,
+                                        on_block=on_block)
+        else:
+            stats, cached = input_statistics(model, want, session.calibration,
+                                             progress=progress.update if progress is not None else None), False
+            if on_block is not None:
+                on_block(-1, stats)
+    return stats, cached, got
 
 
 class CalibrationSession:
@@ -385,6 +412,8 @@ class CalibrationSession:
         self._held = Held(stats)  # shared with with_metric's sessions
         self.split = split
         self.confidence = confidence
+        cluster = options.cluster if options is not None else None
+        self.decompositions = Decompositions(model, *((cluster.scheduler, cluster.path_map) if cluster else ()))
         if split:  # the held-out rows cut once, as the session opens: its inputs
             from .measure.verify import split_rows
 
@@ -443,7 +472,7 @@ class CalibrationSession:
             return self
         other = CalibrationSession(self.model, self.calibration, metric, layers=self.layers, options=self.options,
                                    split=self.split, confidence=self.confidence)
-        other._held = self._held
+        other._held, other.decompositions = self._held, self.decompositions
         return other
 
     @contextlib.contextmanager
@@ -468,24 +497,7 @@ class CalibrationSession:
         want = by_name(layers) if layers is not None else self.layers
         if self._stats is not None and (layers is None or self.covers(want)):
             return self._stats
-        got: "dict[str, WhitenedSpectrum]" = {}
-        on_block = None
-        decompose = self.decomposer() if spectra is not None and layers is None else contextlib.nullcontext()
-        with decompose as spectra_of, self.measuring():
-            if spectra_of is not None:
-                table = {n: p for n, p in self.model.named_parameters(remove_duplicate=False)}
-
-                def on_block(_i: int, st: InputStatistics) -> None:
-                    got.update(spectra_of([want[k] for k in st.layers if k in want], table, st, *spectra))
-
-            if self.options is not None:
-                stats, cached = _statistics(self.model, list(want.values()), self.calibration, self.options,
-                                            progress, on_block=on_block)
-            else:
-                stats, cached = input_statistics(self.model, want, self.calibration,
-                                                 progress=progress.update if progress is not None else None), False
-                if on_block is not None:
-                    on_block(-1, stats)
+        stats, cached, got = _read(self, want, progress, spectra if layers is None else None)
         if self._stats is None:
             self._held.stats, self._held.cached = stats, cached
             if got:
@@ -501,7 +513,7 @@ class CalibrationSession:
         if (align, target) not in held:
             table = {n: p for n, p in self.model.named_parameters(remove_duplicate=False)}
             stats = self.stats
-            with self.decomposer() as spectra_of:
+            with self.decompositions.spectra() as spectra_of:
                 held[(align, target)] = spectra_of(list(self.layers.values()), table, stats, align, target,
                                                    progress=progress)
         elif progress is not None:
@@ -511,51 +523,6 @@ class CalibrationSession:
     @property
     def stats(self) -> InputStatistics:
         return self.statistics()
-
-    @property
-    def tier1_where(self) -> str:
-        """Where tier 1's whitened decompositions ran: "dask tcp://HOST:PORT (N workers)" once they ran on the
-        audit's Dask cluster, else "" (here)."""
-        return self._held.tier1_where
-
-    def cluster_truncators(self, layers: list[Layer], store: "MutableMapping[str, Truncator]",
-                           progress: "Callable[[int, int], None] | None" = None,
-                           stats: InputStatistics | None = None) -> None:
-        """On the audit's Dask cluster (:attr:`on_cluster`): the decompositions tier 3, the plan check and
-        ``factorize`` cut factors from (each of ``layers``' :class:`~auditor.calibration.statistics.whiten.Truncator`
-        under the statistics: the session's, or ``stats``) made there, one task per distinct input, put into
-        ``store`` one block at a time."""
-        from .statistics.remote import ClusterDecompositions
-
-        assert self.options is not None and self.options.cluster.scheduler is not None, "not on a cluster"
-        table = {n: p for n, p in self.model.named_parameters(remove_duplicate=False)}
-        with ClusterDecompositions(self.options.cluster.scheduler, self.options.cluster.path_map,
-                                   self.model) as cluster:
-            cluster.truncators(layers, table, stats if stats is not None else self.stats, store, progress)
-
-    @property
-    def on_cluster(self) -> bool:
-        """The audit gave a Dask scheduler (``--scheduler``): tier 1's and tier 3's decompositions run there."""
-        return self.options is not None and self.options.cluster.scheduler is not None
-
-    @contextlib.contextmanager
-    def decomposer(self) -> "Iterator[Callable[..., dict[str, WhitenedSpectrum]]]":
-        """What computes tier 1's whitened spectra, called as ``whitened_spectra(layers, weights, stats, align,
-        target, progress=...)``: with the audit's ``--scheduler`` one Dask task per distinct layer input
-        (:class:`~auditor.calibration.statistics.remote.ClusterDecompositions`, its client open while the block
-        runs), else :func:`~auditor.calibration.statistics.whiten.whitened_spectra` here."""
-        if not self.on_cluster:
-            from .statistics.whiten import whitened_spectra
-
-            yield whitened_spectra
-            return
-        from .statistics.remote import ClusterDecompositions
-
-        assert self.options is not None
-        with ClusterDecompositions(self.options.cluster.scheduler, self.options.cluster.path_map,
-                                   self.model) as cluster:  # one block, or one layer outside them, at a time
-            yield cluster.spectra
-            self._held.tier1_where = cluster.where  # asked while the client is open
 
     @property
     def search_calibration(self) -> Calibration:

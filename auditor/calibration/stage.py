@@ -366,7 +366,7 @@ def _measured_plan(cal: Calibrated, model: nn.Module, plan: dict[str, int],
         with session.measuring():
             planned = [l for l, _ in checked_plan(model, plan).values()]
             stats, reuse = statistics(session, model, planned), cal.reuse
-            if reuse is None and session.on_cluster:  # the decompositions made on the cluster, as factorize would
+            if reuse is None and session.decompositions.on_cluster:  # the decompositions made on the cluster, as factorize would
                 reuse = cluster_truncators(model, session, planned, stats)
             new = measured_copy(model, plan, stats, reuse)  # one block's factors alive at once
             removed = count_params(model) - count_params(new)

@@ -25,6 +25,7 @@ from .parts.view import (finding_groups, human, layer_table, pct, share_pct, ski
 
 if TYPE_CHECKING:
     from ..results import AuditResult
+    from .parts.view import LayerTable
 
 
 def template_dir() -> Path:
@@ -211,7 +212,7 @@ def context(audit: "AuditResult", ctx: RenderContext = RenderContext(), pdf: boo
     skipped = skipped_rows(audit)
     sgroups = skipped_groups(audit, skipped)
     fgroups = finding_groups(audit, _why)
-    cut = _pdf_cuts(table.rows, groups, plans, skipped, fgroups, table.columns, table.planned, len(sgroups)) if pdf else {}
+    cut = _pdf_cuts(table, groups, plans, skipped, fgroups, len(sgroups)) if pdf else {}
     return {
         "a": audit,
         "verdict": verdict_line(audit),
@@ -256,9 +257,10 @@ def context(audit: "AuditResult", ctx: RenderContext = RenderContext(), pdf: boo
     }
 
 
-def _pdf_cuts(rows: list[Any], groups: list[Any], plans: list[Any], skipped: list[Any], fgroups: list[Any],
-              columns: list[Any], planned: bool, skipped_groups: int) -> dict[str, Any]:
+def _pdf_cuts(table: "LayerTable", groups: list[Any], plans: list[Any], skipped: list[Any], fgroups: list[Any],
+              skipped_groups: int) -> dict[str, Any]:
     """What the PDF leaves out, so that it can say so: rows past each cap, and how many names it shortens."""
+    rows, columns, planned = table.rows, table.columns, table.planned
     names = [r.name for r in rows] + [s.name for s in skipped]
     return {
         "table_rows": groups[:PDF_TABLE_CAP], "table_left": max(0, len(groups) - PDF_TABLE_CAP),

@@ -13,7 +13,8 @@ Decisions:
   elsewhere (scattered data would die with the worker that held it, and its dependents with it). Each array crosses
   from this process once, whatever the number of layers reading it.
 - **Memory here bounded by one block.** The statistics pass hands each block's layers over as the block completes
-  and waits for their spectra before the next block's forward (the session's ``decomposer``); statistics read back
+  and waits for their spectra before the next block's forward (the session's
+  :class:`~auditor.calibration.statistics.placement.Decompositions`); statistics read back
   from the cache, and tier 3's decompositions, go one round at a time: consecutive parts (:func:`parts`: a
   repeated block's layers, or one layer outside the blocks, as
   :func:`~auditor.calibration.statistics.whiten.part_bytes` counts) until every worker has a task. Only one

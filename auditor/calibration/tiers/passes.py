@@ -261,9 +261,9 @@ def search(ctx: PassContext, refs: References, tier1: Tier1, scope: Scope, sensi
     reuse = given if given is not None else TruncatorStore(part_bytes(model, scope.sensitive))
     t = time.perf_counter()
     todo = [l for l in scope.sensitive if not reuse.holds(l.name)]
-    if session.on_cluster and todo:  # --scheduler: the decompositions made there, one task per distinct input
+    if session.decompositions.on_cluster and todo:  # --scheduler: the decompositions made there, one task per distinct input
         with progress.phase("tier 3 decompositions", total=len(todo)):
-            session.cluster_truncators(todo, reuse, progress.update)
+            session.decompositions.truncators(todo, session.stats, reuse, progress.update)
         seconds["tier3 decompositions"] = time.perf_counter() - t
     t = time.perf_counter()
     if low_precision(model, scope.sensitive):

@@ -155,7 +155,7 @@ def probed(ctx: "PassContext", refs: "References", planned: list[Layer], spectra
 
     t = time.perf_counter()
     with progress.phase("sensitivity probes", total=len(planned)):
-        floors = probe_sensitivity(ctx.model, planned, ctx.session, spectra, *aim, steps=steps,
+        floors = probe_sensitivity(ctx.model, planned, ctx.session, spectra, aim, steps=steps,
                                    evaluator=refs.evaluator)
     return Probed(floors, floors.evaluations, {"probes": time.perf_counter() - t})
 

@@ -654,16 +654,17 @@ def probe_ranks(layer: Layer, spec: WhitenedSpectrum | None, align: int, target:
 
 def probe_sensitivity(model: nn.Module, layers: dict[str, Layer] | list[Layer],
                       calibration: Calibration | CalibrationSession, spectra: dict[str, WhitenedSpectrum],
-                      align: int = 8, target: float = 0.01,
-                      steps: Callable[[int, int, int], None] | None = None,
+                      aim: tuple[int, float] = (8, 0.01), steps: Callable[[int, int, int], None] | None = None,
                       evaluator: "Evaluator | None" = None) -> Floors:
     """Each layer truncated alone at its :func:`probe_ranks` and measured on the held-out batches (at most two
     evaluations a layer): ``Floors`` whose points, not floors, are what counts (``search`` "probe"). A layer's
     tier-1 layer-output error times its measured gain is its model-level cost in tier 3
     (:func:`~auditor.calibration.tiers.budget.curves_from_floors`): a layer whose errors the rest of the model hides
-    costs less than one whose errors reach the output. ``model`` is not modified. ``evaluator``: the dense reference
-    to measure against (the audit's references'; None: one measured here)."""
+    costs less than one whose errors reach the output. ``aim``: the rank grid's ``(align, target)``. ``model`` is not
+    modified. ``evaluator``: the dense reference to measure against (the audit's references'; None: one measured
+    here)."""
     t0 = time.perf_counter()
+    align, target = aim
     sweeper = Sweeper(model, layers, calibration, align=align, spectra=spectra, evaluator=evaluator)
     base = sweeper.evaluations
     out: dict[str, Floor] = {}

@@ -17,7 +17,7 @@ from ..statistics.whiten import WhitenedSpectrum, whitened_spectra
 
 def tier1(model: nn.Module, layers: dict[str, Layer] | list[Layer], calibration: Calibration | CalibrationSession,
           align: int = 8, target: float = 0.01, stats: InputStatistics | None = None,
-          jobs: int | None = None, scheduler: Any = None) -> tuple[InputStatistics, dict[str, WhitenedSpectrum]]:
+          scheduler: Any = None) -> tuple[InputStatistics, dict[str, WhitenedSpectrum]]:
     """Input statistics (the session's, or ``stats`` when given, e.g. from a cache) and the whitened spectrum of
     every layer that has them, keyed by ``Layer.name``. Layers without statistics are in ``stats.missing``: they keep
     the weight-energy rank. ``scheduler`` (a Dask scheduler address or a ``distributed.Client``): the
@@ -28,7 +28,7 @@ def tier1(model: nn.Module, layers: dict[str, Layer] | list[Layer], calibration:
     table = ParamTable.of(model)
     weights = {layer.param: table.tensor(layer.param) for layer in by_name(layers).values()}
     if scheduler is None:
-        return stats, whitened_spectra(layers, weights, stats, align, target, jobs)
+        return stats, whitened_spectra(layers, weights, stats, align, target)
     from ..statistics.remote import ClusterDecompositions
 
     with ClusterDecompositions(scheduler, model=model) as cluster:  # one block (or outside layer) at a time
