@@ -115,3 +115,27 @@ def test_the_audit_reads_the_groups_not_the_flat_names(recwarn):
     assert a.calibration is not None and a.speed is not None
     flat = [w for w in recwarn if issubclass(w.category, DeprecationWarning) and "AuditOptions." in str(w.message)]
     assert [f"{w.filename}:{w.lineno} {w.message}" for w in flat] == []
+
+
+@pytest.mark.parametrize("home, settings, fields", [
+    ("auditor.calibration.statistics.stream", "StreamOptions", "StreamFields"),
+    ("auditor.calibration.tiers.fisher", "GradientSettings", "GradientFields"),
+    ("auditor.calibration.tiers.sweep", "SweepSettings", "SweepFields"),
+    ("auditor.calibration.tiers.budget", "SearchSettings", "SearchFields"),
+])
+def test_each_keywords_typed_dict_is_its_settings_class(home, settings, fields):
+    """The ``**fields: Unpack[...]`` keywords of a tier's function name every field of its settings class, with the
+    field's type, and nothing else: a field added to one and not the other fails here."""
+    import importlib
+    import typing
+
+    mod = importlib.import_module(home)
+    cls, typed = getattr(mod, settings), getattr(mod, fields)
+
+    def spelled(t: object) -> str:  # a string annotation and the evaluated one compare as the same words
+        return (getattr(t, "__forward_arg__", None) or (t if isinstance(t, str) else typing._type_repr(t))).replace(
+            "typing.", "").replace("'", "")
+
+    want = {f.name: spelled(f.type) for f in dataclasses.fields(cls)}
+    got = {name: spelled(t) for name, t in typed.__annotations__.items()}
+    assert got == want
