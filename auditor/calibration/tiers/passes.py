@@ -40,7 +40,7 @@ from ..session import CalibrationSession
 from ..statistics.stats import LayerInput
 from ..statistics.whiten import TruncatorStore, WhitenedSpectrum
 from .budget import Curves
-from .context import PassContext, Scope
+from .pass_context import PassContext, Scope
 from .sensitivity import Gradients, Measured, Sensitivity, Tier1Curves, gradients, probed
 from .sweep import Floors
 

@@ -34,7 +34,7 @@ if TYPE_CHECKING:
     from ..apply import Fit, Spelling
     from ..references import References
     from ..session import CalibrationSession
-    from .context import PassContext, Scope
+    from .pass_context import PassContext, Scope
     from ..statistics.whiten import LossMetric, Truncator, TruncatorStore, WhitenedSpectrum
 
 

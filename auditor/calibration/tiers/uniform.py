@@ -29,7 +29,7 @@ if TYPE_CHECKING:
 
     from ..references import References
     from ..statistics.whiten import TruncatorStore
-    from .context import PassContext
+    from .pass_context import PassContext
 
 STEPS = 64  # bisection steps on the kept share: the bracket closes to below a float's resolution near 1
 
