@@ -1,0 +1,199 @@
+"""The pooled-embedding cosine distance of a sentence encoder: on a tiny random BERT saved in the
+sentence-transformers layout (modules.json, 1_Pooling/config.json, 2_Normalize) with a right-padded held-out batch,
+1 - cosine of the mean / CLS / max pooled embedding equals a hand computation (each row run alone, without its
+pads), padding changes nothing, the directory gets the metric by default with its pooling, and a pooling config it
+cannot read is one line, exit 2."""
+
+from __future__ import annotations
+
+import copy
+import json
+import math
+from pathlib import Path
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+from auditor.calibration import load_calibration
+from auditor.calibration.measure.metric import Evaluator, Metric
+from auditor.calibration.session import metric_of
+from auditor.errors import AuditError
+from auditor.sources.sentence import sentence_pooling
+
+transformers = pytest.importorskip("transformers")
+
+VOCAB, PAD, POSITIONS = 60, 0, 16
+LENGTHS = [8, 5, 2]  # real tokens per held-out row
+
+
+def _bert(seed: int = 0) -> nn.Module:
+    torch.manual_seed(seed)
+    cfg = transformers.BertConfig(vocab_size=VOCAB, hidden_size=16, num_hidden_layers=2, num_attention_heads=2,
+                                  intermediate_size=32, max_position_embeddings=POSITIONS, pad_token_id=PAD,
+                                  initializer_range=0.3, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
+                                  architectures=["BertModel"], attn_implementation="eager")
+    return transformers.BertModel(cfg).eval()
+
+
+def _held(width: int = 8, pad_with: int = PAD, seed: int = 2) -> dict[str, torch.Tensor]:
+    """Right-padded rows of LENGTHS real tokens; the pads hold ``pad_with`` (-1: random ids)."""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(2, VOCAB, (len(LENGTHS), POSITIONS), generator=g)[:, :width]  # the same real tokens
+    mask = torch.zeros_like(ids)
+    for r, n in enumerate(LENGTHS):
+        mask[r, :n] = 1
+    if pad_with >= 0:
+        ids = torch.where(mask.bool(), ids, torch.full_like(ids, pad_with))
+    return {"input_ids": ids, "attention_mask": mask}
+
+
+def _fit() -> dict[str, torch.Tensor]:
+    ids = torch.randint(2, VOCAB, (8, 8), generator=torch.Generator().manual_seed(1))
+    return {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
+
+
+def _perturbed(model: nn.Module) -> nn.Module:
+    other = copy.deepcopy(model)
+    with torch.no_grad():
+        w = other.encoder.layer[1].intermediate.dense.weight
+        w.add_(0.4 * torch.randn(w.shape, generator=torch.Generator().manual_seed(5)))
+    return other
+
+
+def _hand(model: nn.Module, other: nn.Module, held: dict[str, torch.Tensor], mode: str) -> float:
+    """Mean over the rows of 1 - cosine of the pooled embeddings, each row run alone on its real tokens only."""
+    total = 0.0
+    for r, n in enumerate(LENGTHS):
+        ids = held["input_ids"][r:r + 1, :n]
+        with torch.no_grad():
+            a, b = (m(input_ids=ids).last_hidden_state[0].double() for m in (model, other))
+        pa, pb = ({"mean": h.mean(0), "cls": h[0], "max": h.amax(0)}[mode] for h in (a, b))
+        total += 1.0 - float(torch.nn.functional.cosine_similarity(pa, pb, dim=0))
+    return total / len(LENGTHS)
+
+
+@pytest.fixture(scope="module")
+def bert():
+    model = _bert()
+    held = _held()
+    return model, load_calibration(_fit(), model, holdout=held, batch_size=8), held
+
+
+@pytest.mark.parametrize("mode", ["mean", "cls", "max"])
+def test_pooled_cosine_equals_a_hand_computation(bert, mode):
+    model, cal, held = bert
+    other = _perturbed(model)
+    want = _hand(model, other, held, mode)
+    assert 1e-3 < want < 0.5
+    metric = Metric(kind="pooled", pooling=(mode,), tolerance=0.01)
+    ev = Evaluator(model, cal, metric)
+    m = ev.measure(other)
+    assert m.value == pytest.approx(want, rel=1e-5) and m.ok == (want <= 0.01)
+    assert ev.reference == 0.0 and ev.measure(model).value == pytest.approx(0.0, abs=1e-12)
+    rows = metric.spec.row_scorer(model, cal.holdout)  # the verification's per-row sums: the same value
+    sums = rows.sums(other)
+    assert rows.value(sums) == pytest.approx(want, rel=1e-5)
+    d, counted = sums
+    assert list(counted) == [1.0, 1.0, 1.0] and float(d.sum()) / 3 == pytest.approx(want, rel=1e-5)
+    assert rows.value(sums, np.array([0, 2])) == pytest.approx((d[0] + d[2]) / 2, rel=1e-12)
+    assert (metric.label, metric.higher_is_better) == (f"pooled-embedding cosine distance ({mode} pooling)", False)
+
+
+def test_padding_changes_nothing(bert):
+    """Other ids at the pads, and more pad columns, give the same value (the pads are masked out of attention and
+    out of mean and max pooling)."""
+    model, _, held = bert
+    other = _perturbed(model)
+    for mode in ("mean", "max", "cls"):
+        values = []
+        for h in (held, _held(pad_with=-1), _held(width=12, pad_with=-1)):
+            cal = load_calibration(_fit(), model, holdout=h, batch_size=8)
+            values.append(Evaluator(model, cal, Metric(kind="pooled", pooling=(mode,))).measure(other).value)
+        assert values[1] == pytest.approx(values[0], rel=1e-5) and values[2] == pytest.approx(values[0], rel=1e-5)
+
+
+def _save(folder: Path, pooling: object = "mean", modules: object = None) -> Path:
+    """The model in the sentence-transformers layout: the transformer at the root, 1_Pooling, 2_Normalize."""
+    _bert().save_pretrained(folder)
+    (folder / "1_Pooling").mkdir(exist_ok=True)
+    (folder / "2_Normalize").mkdir(exist_ok=True)
+    listed = modules if modules is not None else [
+        {"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
+        {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"},
+        {"idx": 2, "name": "2", "path": "2_Normalize", "type": "sentence_transformers.models.Normalize"}]
+    (folder / "modules.json").write_text(json.dumps(listed))
+    if isinstance(pooling, str) and pooling in ("mean", "cls", "max"):
+        config = {"word_embedding_dimension": 16, "pooling_mode_cls_token": pooling == "cls",
+                  "pooling_mode_mean_tokens": pooling == "mean", "pooling_mode_max_tokens": pooling == "max",
+                  "pooling_mode_mean_sqrt_len_tokens": False, "pooling_mode_weightedmean_tokens": False,
+                  "pooling_mode_lasttoken": False, "include_prompt": True}
+        (folder / "1_Pooling" / "config.json").write_text(json.dumps(config))
+    else:
+        (folder / "1_Pooling" / "config.json").write_text(pooling if isinstance(pooling, str) else json.dumps(pooling))
+    return folder
+
+
+@pytest.mark.parametrize("mode", ["mean", "cls", "max"])
+def test_a_sentence_transformers_directory_gets_the_pooled_metric_by_default(tmp_path, bert, mode):
+    model, cal, _ = bert
+    folder = _save(tmp_path / "st", mode)
+    default = SimpleNamespace(metric=None, tolerance=None)
+    assert sentence_pooling(folder) == (mode,)
+    assert metric_of(default, model, cal, str(folder)) == Metric(kind="pooled", pooling=(mode,))
+    assert metric_of(default, model, cal, str(folder / "config.json")).pooling == (mode,)
+    named = metric_of(SimpleNamespace(metric="pooled-cosine", tolerance=0.02), model, cal, str(folder))
+    assert named == Metric(kind="pooled", pooling=(mode,), tolerance=0.02)
+    assert metric_of(SimpleNamespace(metric="output-error", tolerance=None), model, cal, str(folder)).kind == "output"
+    plain = tmp_path / "plain"  # the same model without the sentence-transformers files: the output error
+    _bert().save_pretrained(plain)
+    assert sentence_pooling(plain) is None and metric_of(default, model, cal, str(plain)) == Metric(kind="output")
+    assert metric_of(SimpleNamespace(metric="pooled", tolerance=None), model, cal, str(plain)).pooling == ()
+    assert Metric(kind="pooled").spec.modes == ("mean",)  # no pooling given: mean
+
+
+def test_several_modes_concatenate_and_bad_pooling_is_refused(tmp_path):
+    folder = _save(tmp_path / "st", {"pooling_mode_mean_tokens": True, "pooling_mode_cls_token": True})
+    assert sentence_pooling(folder) == ("cls", "mean")
+    assert Metric(kind="pooled", pooling=("mean", "cls")).spec.modes == ("cls", "mean")
+    with pytest.raises(ValueError, match="'sqrt' is not one the pooled-cosine metric pools"):
+        Metric(kind="pooled", pooling=("sqrt",))
+    with pytest.raises(ValueError, match="pools nothing"):
+        Metric(kind="output", pooling=("mean",))
+
+
+BAD = {
+    "not-json": ("{pooling_mode_mean_tokens: true", "cannot read the sentence-transformers pooling config"),
+    "unknown-mode": ({"pooling_mode_median_tokens": True}, "sets pooling_mode_median_tokens, an unknown pooling mode"),
+    "unsupported-mode": ({"pooling_mode_lasttoken": True},
+                         "sets pooling_mode_lasttoken, a pooling mode the pooled-cosine metric does not pool"),
+    "not-a-bool": ({"pooling_mode_mean_tokens": "yes"}, "pooling_mode_mean_tokens in the sentence-transformers "
+                                                        "pooling config"),
+    "no-mode": ({"pooling_mode_mean_tokens": False}, "sets no pooling mode"),
+    "outside": ("mean", "puts the Pooling module at '../elsewhere', outside"),
+    "modules": ("mean", "is not a list of modules"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD))
+def test_a_bad_pooling_config_is_one_line_exit_2(cli_inproc, tmp_path, case):
+    from safetensors.torch import save_file
+
+    pooling, words = BAD[case]
+    modules = ([{"path": "../elsewhere", "type": "sentence_transformers.models.Pooling"}] if case == "outside" else
+               {"0": "Transformer"} if case == "modules" else None)
+    folder = _save(tmp_path / "st", pooling, modules)
+    with pytest.raises(AuditError, match=words.replace("(", r"\(").replace(".", r"\.")):
+        sentence_pooling(folder)
+    calib = tmp_path / "calib.safetensors"
+    save_file({**_fit(), "attention_mask": torch.ones(8, 8, dtype=torch.long)}, str(calib))
+    out = tmp_path / "out"
+    r = cli_inproc(folder, "--calibration", calib, "--format", "json", "-o", out, "-q", "--no-cache")
+    assert r.returncode == 2, r.stderr
+    assert r.stderr.count("\n") == 1 and r.stderr.startswith("error: ") and words in r.stderr, r.stderr
+    assert not out.exists() or not any(out.iterdir())
+    ok = cli_inproc(folder, "--calibration", calib, "--metric", "output-error", "--format", "json", "-o", out, "-q",
+                    "--no-cache", "--no-probe")  # another metric named: the pooling is never read
+    assert ok.returncode == 0, ok.stderr
