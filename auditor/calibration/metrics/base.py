@@ -119,6 +119,7 @@ class MetricKind:
     takes_function: bool = False  # configured with the user's ``fn(model, batches)``
     layer_error_units: bool = False  # tier 1's layer-output errors predict it in its own units
     gradient: str = ""  # the output-gradient sensitivity it takes: "likelihood", "output", "embedding", or "" (none)
+    predicted_words: str = "model errors"  # its gradient-predicted single-layer costs, in the reports' words
     pools: bool = False  # reads a sentence encoder's pooling (``Metric.pooling``: sentence-transformers' modes)
     verified_by_rows: bool = False  # a row scorer: the held-out rows cut into search and verification parts, the
     # interval's upper end judged against the tolerance (so only for a zero_on_dense metric)

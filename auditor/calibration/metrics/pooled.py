@@ -153,6 +153,7 @@ class PooledCosine(MetricKind):
     label = "pooled-embedding cosine distance"
     units = "1 - the mean cosine of the pooled embeddings"
     gradient = "embedding"
+    predicted_words = "cosine distances"
     verified_by_rows = True
     pools = True
     modes: tuple[str, ...] = DEFAULT_POOLING
