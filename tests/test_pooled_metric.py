@@ -30,10 +30,10 @@ VOCAB, PAD, POSITIONS = 60, 0, 16
 LENGTHS = [8, 5, 2]  # real tokens per held-out row
 
 
-def _bert(seed: int = 0) -> nn.Module:
+def _bert(seed: int = 0, width: int = 16) -> nn.Module:
     torch.manual_seed(seed)
-    cfg = transformers.BertConfig(vocab_size=VOCAB, hidden_size=16, num_hidden_layers=2, num_attention_heads=2,
-                                  intermediate_size=32, max_position_embeddings=POSITIONS, pad_token_id=PAD,
+    cfg = transformers.BertConfig(vocab_size=VOCAB, hidden_size=width, num_hidden_layers=2, num_attention_heads=2,
+                                  intermediate_size=2 * width, max_position_embeddings=POSITIONS, pad_token_id=PAD,
                                   initializer_range=0.3, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
                                   architectures=["BertModel"], attn_implementation="eager")
     return transformers.BertModel(cfg).eval()
@@ -116,9 +116,9 @@ def test_padding_changes_nothing(bert):
         assert values[1] == pytest.approx(values[0], rel=1e-5) and values[2] == pytest.approx(values[0], rel=1e-5)
 
 
-def _save(folder: Path, pooling: object = "mean", modules: object = None) -> Path:
+def _save(folder: Path, pooling: object = "mean", modules: object = None, width: int = 16) -> Path:
     """The model in the sentence-transformers layout: the transformer at the root, 1_Pooling, 2_Normalize."""
-    _bert().save_pretrained(folder)
+    _bert(width=width).save_pretrained(folder)
     (folder / "1_Pooling").mkdir(exist_ok=True)
     (folder / "2_Normalize").mkdir(exist_ok=True)
     listed = modules if modules is not None else [
@@ -245,3 +245,36 @@ def test_the_embedding_gradient_predicts_the_distance_in_its_own_units(mode):
             other.encoder.layer[1].output.dense.weight.copy_(_whitened_cut(w, stats.layers[name].gram[0], r))
         measured = ev.measure(other).value
         assert 0.5 < measured / cost[r] < 2.0, (r, measured, cost[r])  # here 0.67 .. 1.57
+
+
+def test_a_calibrated_audit_of_a_sentence_encoder_speaks_in_the_pooled_metric(cli_inproc, tmp_path):
+    """End to end on the directory: by default and with --metric pooled-cosine --budget 0.2 the audit measures,
+    verifies and reports the pooled cosine distance with the directory's pooling."""
+    from safetensors.torch import save_file
+
+    folder = _save(tmp_path / "st", "cls", width=64)  # layers of 64: some below break-even ranks to cut
+    g = torch.Generator().manual_seed(11)
+    ids = torch.randint(2, VOCAB, (64, 12), generator=g)
+    mask = (torch.arange(12)[None] < torch.randint(4, 13, (64, 1), generator=g)).long()
+    calib = tmp_path / "calib.safetensors"
+    save_file({"input_ids": ids * mask, "attention_mask": mask}, str(calib))
+    label = "pooled-embedding cosine distance (cls pooling)"
+    for extra in ([], ["--metric", "pooled-cosine", "--budget", "0.2"]):
+        out = tmp_path / f"out{len(extra)}"
+        r = cli_inproc(folder, "--calibration", calib, *extra, "--format", "text,json", "-o", out, "-q", "--no-cache")
+        assert r.returncode == 0, r.stderr
+        c = json.loads((out / "lowrank-audit.json").read_text())["calibration"]
+        assert (c["metric"], c["higher_is_better"], c["tolerance"], c["reference"]) == (label, False, 0.01, 0.0)
+        assert (c["limit"], c["display"]) == (0.01, "number")
+        pc = c["plan_check"]
+        v = pc["verification"]
+        assert pc["ok"] and v["low"] <= pc["measured"] == v["value"] <= v["high"] <= 0.01
+        assert pc["basis"].startswith("gradient-predicted single-layer cosine distances (output-gradient second")
+        text = " ".join((out / "lowrank-audit.txt").read_text().split())
+        assert f"metric {label}, tolerance 0.01" in text
+        assert f"{label} {c['budget']['metric']:.4g} (tolerance 0.01) measured all at once on the" in text
+        assert (f"predicted {pc['predicted']:.4g} (the gradient-predicted single-layer cosine distances" in text and
+                f"measured {pc['measured']:.4g} on {v['rows']} verification rows the search never read" in text)
+        assert "holds the tolerance 0.01" in text
+    assert c["budget"]["budget"] == 0.2 and 0 < c["budget"]["removed_fraction"] <= 0.2
+    assert "Plan that holds (at most 20% removed, over gradient-predicted curves" in text
