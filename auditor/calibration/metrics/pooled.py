@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import copy
 import math
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable
 
 import numpy as np
 import torch
@@ -111,7 +111,7 @@ class _Rows(RowScorer):
     """Per row: 1 - cosine to the dense embedding, and whether the row counts."""
 
     def __init__(self, dense: nn.Module, batches: list[Batch], modes: tuple[str, ...],
-                 forward: "object | None" = None) -> None:
+                 forward: "Callable[[nn.Module, Batch, int], object] | None" = None) -> None:
         self.batches, self.modes = batches, modes
         self._forward = forward or (lambda model, b, i: model(*b.args, **b.kwargs))
         self._ref = [_finite(unit_embeddings(self._forward(dense, b, i), b, modes).detach(), i) for i, b in
