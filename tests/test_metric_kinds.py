@@ -151,7 +151,7 @@ def test_the_registry_refuses_a_metric_it_could_not_judge():
     with pytest.raises(TypeError, match="register needs a MetricKind"):
         metrics.register(object())  # type: ignore[arg-type]
     assert "rows_against_dense" not in metrics.kinds() and metrics.for_name("rows_against_dense") is None
-    with pytest.raises(ValueError, match="metric kind must be one of output, perplexity, kl, masked, user"):
+    with pytest.raises(ValueError, match="metric kind must be one of output, perplexity, kl, masked, pooled, user"):
         Metric(kind="rows_against_dense")
 
 

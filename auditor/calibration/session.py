@@ -299,24 +299,36 @@ def _clear(entry: Path) -> None:
         os.unlink(entry)
 
 
-def metric_of(tiers: "TierOptions", model: nn.Module | None = None, cal: Calibration | None = None) -> Metric:
+def metric_of(tiers: "TierOptions", model: nn.Module | None = None, cal: Calibration | None = None,
+              source: "str | os.PathLike[str] | None" = None) -> Metric:
     """The metric ``tiers.metric`` names: "perplexity", "kl", "masked-perplexity" (alias "masked-ce", "mlm"),
-    "output-error", ``file.py:fn`` / ``module:fn``, a function, or a ``Metric``; None follows the model: perplexity
-    for a causal LM (:func:`is_causal_lm`, probed on the first held-out batch of ``cal``), the masked-token
-    perplexity for a masked LM (:func:`is_masked_lm`), the relative output error otherwise."""
+    "pooled-cosine", "output-error", ``file.py:fn`` / ``module:fn``, a function, or a ``Metric``; None follows the
+    model: the pooled-embedding cosine distance for a sentence encoder saved in the sentence-transformers layout at
+    ``source`` (its Hugging Face directory, :func:`~auditor.sources.sentence.sentence_pooling`), perplexity for a
+    causal LM (:func:`is_causal_lm`, probed on the first held-out batch of ``cal``), the masked-token perplexity for a
+    masked LM (:func:`is_masked_lm`), the relative output error otherwise. A metric that pools takes the directory's
+    pooling (mean without one)."""
+    from ..sources.sentence import sentence_pooling
+    from .data.text import tokenizer_home
     from .measure.metric import is_causal_lm, is_masked_lm
-    from .metrics import for_name
+    from .metrics import for_kind, for_name
+    from .metrics.pooled import KIND as POOLED
 
     fn = tiers.metric
+    named = for_name(fn) if isinstance(fn, str) else None
+    pools = fn is None or named is not None and for_kind(named).pools  # read the directory only where it is asked
+    pooling = sentence_pooling(tokenizer_home(source)) if pools and source is not None else None
     if isinstance(fn, Metric):
         m = fn
+    elif fn is None and pooling is not None:
+        m = Metric(kind=POOLED.kind, pooling=pooling)
     elif fn is None:
         batch = cal.measure[0] if cal is not None and cal.measure else None
         causal = model is not None and is_causal_lm(model, batch)
         m = Metric(kind="perplexity" if causal else "masked" if model is not None and is_masked_lm(model)
                    else "output")
-    elif isinstance(fn, str) and for_name(fn) is not None:
-        m = Metric(kind=for_name(fn))
+    elif named is not None:
+        m = Metric(kind=named, pooling=pooling or ())
     elif isinstance(fn, str):
         m = Metric(fn=load_metric(fn), name=fn.rpartition(":")[2])
     else:
@@ -459,7 +471,7 @@ class CalibrationSession:
         cal = load_calibration(data.source, model, data.holdout, tokenizer=data.tokenizer, length=data.length,
                                max_rows=data.max_rows, max_bytes=data.max_bytes, separator=data.separator)
         map_large_arrays()  # the freed arrays of each block handed back, so the peak does not grow with the depth
-        metric = metric_of(options.tiers, model, cal)
+        metric = metric_of(options.tiers, model, cal, options.source)
         # a user metric fn(model, batches) may line its own labels up with every held-out row: never cut
         split = bool(cal.holdout) and metric.spec.verified_by_rows and bool(options.tiers.split)
         return cls(model, cal, metric, layers=layers, options=options, split=split,

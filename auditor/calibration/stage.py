@@ -412,10 +412,10 @@ def _predicted(cal: Calibrated, plan: dict[str, int]) -> tuple[float | None, str
         fb = report.sensitivity_fallback
         probed = (" and truncation probes where no gradient reached" if fb is not None and set(fb.layers) & set(plan)
                   else "")
+        words = cal.metric.spec.predicted_words
         return predicted_value(grads.predicted(plan), grads.linear), (
-            f"gradient-predicted single-layer cross-entropy increases (output-gradient second moments{probed}), "
-            "which add up" if grads.linear else
-            f"gradient-predicted single-layer model errors (output-gradient second moments{probed})")
+            f"gradient-predicted single-layer {words} (output-gradient second moments{probed}), which add up"
+            if grads.linear else f"gradient-predicted single-layer {words} (output-gradient second moments{probed})")
     if not (cal.metric.output_error and all(k in cal.spectra for k in plan)):
         return None, ""
     from .tiers.budget import single_layer_error

@@ -15,15 +15,17 @@ from __future__ import annotations
 
 from typing import Any
 
+METRIC_DEFAULT = ("pooled-cosine for a sentence-transformers directory, with its pooling; perplexity for a causal LM, "
+                  "masked-perplexity for a masked LM, else output-error")
 METRIC_HELP = ("output-error (alias output): the relative output error, lower is better; perplexity (alias ppl): the "
                "perplexity increase, lower is better; kl: the next-token KL, lower is better; masked-ce (alias "
-               "masked-perplexity, mlm): the masked-token perplexity increase, lower is better; or fn(model, batches) "
-               "-> float, higher is better (default: perplexity for a causal LM, masked-perplexity for a masked LM, "
-               "else output-error)")
+               "masked-perplexity, mlm): the masked-token perplexity increase, lower is better; pooled-cosine (alias "
+               "pooled, sentence-cosine): the pooled-embedding cosine distance, lower is better; or fn(model, "
+               f"batches) -> float, higher is better (default: {METRIC_DEFAULT})")
 TOLERANCE_HELP = ("allowed loss in the metric's units (default 0.01), e.g. 0.02: output-error: a share of the dense "
                   "output's norm; perplexity: a relative increase of the held-out perplexity; kl: nats per real "
-                  "token; masked-ce: a relative increase of the held-out masked-token perplexity; user: the "
-                  "function's own")
+                  "token; masked-ce: a relative increase of the held-out masked-token perplexity; pooled-cosine: 1 - "
+                  "the mean cosine of the pooled embeddings; user: the function's own")
 
 # flag -> (option strings, add_argument keywords)
 FLAGS: dict[str, tuple[tuple[str, ...], dict[str, Any]]] = {
@@ -117,7 +119,7 @@ def metric_help() -> str:
     built_in = [metrics.for_kind(k) for k in metrics.kinds() if not metrics.for_kind(k).takes_function]
     listed = "; ".join(f"{k.names[0]}{' (alias ' + ', '.join(k.names[1:]) + ')' if k.names[1:] else ''}: the "
                        f"{k.label}, {'higher' if k.higher_is_better else 'lower'} is better" for k in built_in)
-    return f"{listed}; or fn(model, batches) -> float, higher is better (default: perplexity for a causal LM, masked-perplexity for a masked LM, else output-error)"
+    return f"{listed}; or fn(model, batches) -> float, higher is better (default: {METRIC_DEFAULT})"
 
 
 def tolerance_help() -> str:

@@ -4,7 +4,8 @@ A :class:`Metric` is what the user configured: a kind (a module of :mod:`auditor
 what is measured, which way is better and how a value is judged), a tolerance, and for a user metric its function
 and declared direction. The kinds built in: ``output`` (the relative output error, the default for models that are
 not language models), ``perplexity`` (its relative increase, the default for a causal LM), ``masked`` (the
-masked-token perplexity's relative increase, the default for a masked LM), ``kl`` (next-token KL) and ``user``
+masked-token perplexity's relative increase, the default for a masked LM), ``kl`` (next-token KL), ``pooled`` (1 -
+the cosine of a sentence encoder's pooled embedding, the default for a sentence-transformers directory) and ``user``
 (``fn(model, batches) -> float``, higher-is-better unless declared otherwise). An :class:`Evaluator` measures models
 with one on the held-out batches, against the dense model's reference.
 """
@@ -52,19 +53,22 @@ class Metric:
     name: str = ""
     kind: str = ""
     higher_is_better: bool | None = None  # None: the kind's own (a user metric: True)
+    pooling: tuple[str, ...] = ()  # a kind that pools (pooled-cosine): sentence-transformers' modes (empty: mean)
 
     def __post_init__(self) -> None:
         if not self.kind:
             self.kind = "user" if self.fn is not None else "output"
-        spec = metrics.for_kind(self.kind)
+        self.pooling = (self.pooling,) if isinstance(self.pooling, str) else tuple(self.pooling)
+        spec = self.spec
         if spec.takes_function != (self.fn is not None):
             raise ValueError(f"a {self.kind!r} metric {'needs' if spec.takes_function else 'takes no'} function")
         self.higher_is_better = spec.direction(self.higher_is_better)
 
     @property
     def spec(self) -> MetricKind:
-        """The kind's module object: everything about this kind of metric."""
-        return metrics.for_kind(self.kind)
+        """The kind's module object: everything about this kind of metric (bound to ``pooling`` for a kind that
+        pools)."""
+        return metrics.for_kind(self.kind).bound(self.pooling)
 
     @property
     def output_error(self) -> bool:

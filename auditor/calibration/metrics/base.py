@@ -118,7 +118,9 @@ class MetricKind:
     zero_on_dense: bool = True
     takes_function: bool = False  # configured with the user's ``fn(model, batches)``
     layer_error_units: bool = False  # tier 1's layer-output errors predict it in its own units
-    gradient: str = ""  # the output-gradient sensitivity it takes: "likelihood", "output", or "" (none)
+    gradient: str = ""  # the output-gradient sensitivity it takes: "likelihood", "output", "embedding", or "" (none)
+    predicted_words: str = "model errors"  # its gradient-predicted single-layer costs, in the reports' words
+    pools: bool = False  # reads a sentence encoder's pooling (``Metric.pooling``: sentence-transformers' modes)
     verified_by_rows: bool = False  # a row scorer: the held-out rows cut into search and verification parts, the
     # interval's upper end judged against the tolerance (so only for a zero_on_dense metric)
 
@@ -128,6 +130,19 @@ class MetricKind:
     def row_scorer(self, dense: nn.Module, batches: list[Batch], like: RowScorer | None = None) -> RowScorer:
         """Per-row sums on ``batches``; ``like``: a scorer of the same dense model whose dense state it may share."""
         raise NotImplementedError(f"metric kind {self.kind!r} is not summed row by row")
+
+    def bound(self, pooling: tuple[str, ...]) -> "MetricKind":
+        """This kind as a configured metric uses it: with ``pooling`` (``Metric.pooling``) for a kind that ``pools``;
+        a kind that does not takes none (ValueError)."""
+        if pooling:
+            raise ValueError(f"the {self.kind!r} metric pools nothing; pooling {tuple(pooling)!r} is for a metric that "
+                             "pools (pooled-cosine)")
+        return self
+
+    def embedding(self, out: object, b: Batch) -> torch.Tensor:
+        """(rows, features) unit-length row embeddings of a model's output and its batch, a zero row for a row that
+        does not count: ``gradient == "embedding"`` kinds (their cost is the mean of ||de||^2 / 2 per row)."""
+        raise NotImplementedError(f"metric kind {self.kind!r} has no row embedding")
 
     def logprobs(self, y: torch.Tensor, b: Batch) -> tuple[torch.Tensor, torch.Tensor]:
         """(log-probabilities at the scored positions, targets): ``gradient == "likelihood"`` kinds."""

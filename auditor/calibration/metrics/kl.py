@@ -84,6 +84,7 @@ class KL(MetricKind):
     label = "next-token KL"
     units = "nats per real token"
     gradient = "likelihood"
+    predicted_words = "cross-entropy increases"
     verified_by_rows = True
 
     def scorer(self, ev: Evaluating, dense: nn.Module) -> Scorer:

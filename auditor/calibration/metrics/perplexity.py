@@ -119,6 +119,7 @@ class Perplexity(MetricKind):
     label = "perplexity increase"
     units = "a relative increase of the held-out perplexity"
     gradient = "likelihood"
+    predicted_words = "cross-entropy increases"
     verified_by_rows = True
     increase_of = "perplexity"
     what = "perplexity"  # the dense value, in the refusal of a non-finite one

@@ -12,7 +12,10 @@ where ``g`` is the gradient at the layer's output of
 - a likelihood metric (perplexity, masked perplexity, KL): the negative log-likelihood of labels sampled from the
   model's own next-token (or masked-token) distribution (so that E[g g^T] is the Fisher information), with
   ``c = 1 / (2 N)`` for N scored positions: the cost is the increase of the mean cross-entropy in nats, which is the
-  KL and, to first order, the relative perplexity increase.
+  KL and, to first order, the relative perplexity increase;
+- a row-embedding metric (the pooled cosine distance): a random projection ``<w, E>`` of the metric's unit row
+  embeddings (``MetricKind.embedding``), with ``c = 1 / (2 N)`` for N counted rows: the cost is the mean of
+  ||dE_row||^2 / 2, the mean 1 - cosine to second order, which adds up across layers as it is (``linear``).
 
 The truncation tier 3 applies at rank r keeps F_r = U_r U_r^T F (U the left singular vectors of the whitened F S,
 :mod:`~auditor.calibration.statistics.whiten`), so D = (I - U_r U_r^T) F and, in the basis that diagonalises F S S^T F^T,
@@ -108,8 +111,9 @@ def output_gradients(model: nn.Module, layers: dict[str, Layer] | list[Layer], c
     cap = _Capture(model, acc.hook_paths(dict(model.named_modules(remove_duplicate=False))), device)
     found = _blocks(model, [named[n] for n in acc.carried])
     acc.second.budget = _part_bytes(found, [named[n] for n in acc.carried])
-    pass_ = _Pass(metric.spec.gradient == "likelihood", metric.spec.logprobs, samples,
-                  torch.Generator().manual_seed(seed), device)
+    spec = metric.spec
+    pass_ = _Pass(spec.gradient == "likelihood", spec.logprobs, samples, torch.Generator().manual_seed(seed), device,
+                  embedding=spec.embedding if spec.gradient == "embedding" else None)
     batches = calibration.fit
     try:
         with eval_mode(model), torch.enable_grad(), _checkpointed(found):
@@ -125,9 +129,10 @@ def output_gradients(model: nn.Module, layers: dict[str, Layer] | list[Layer], c
     acc.close()
     if acc.lost:
         pass_.norm2 = pass_.scored = 0
-    scale = ((1.0 / (2.0 * pass_.scored) if pass_.scored else 0.0) if pass_.likelihood
+    linear = pass_.likelihood or pass_.embedding is not None
+    scale = ((1.0 / (2.0 * pass_.scored) if pass_.scored else 0.0) if linear
              else (1.0 / pass_.norm2 if pass_.norm2 > 0 else 0.0))
-    return OutputGradients(acc.second, acc.count, acc.carried, scale, pass_.likelihood, pass_.passes,
+    return OutputGradients(acc.second, acc.count, acc.carried, scale, linear, pass_.passes,
                            time.perf_counter() - t0, acc.skipped, acc.unreachable)
 
 
@@ -138,8 +143,9 @@ NOT_REACHED = "no gradient reached its output (the forward detaches it or runs i
 
 @dataclass
 class _Pass:
-    """The pass's settings and running totals: a likelihood metric (labels sampled from the model) or the output
-    error (random projections); the dense output's squared norm or the positions scored; backward passes run."""
+    """The pass's settings and running totals: a likelihood metric (labels sampled from the model), the output
+    error (random projections of the output) or a row-embedding metric (random projections of the metric's unit row
+    embeddings, ``embedding``); the dense output's squared norm or the positions (rows) scored; backward passes run."""
 
     likelihood: bool
     logprobs: Callable[..., object] | None  # the metric's (log-probabilities, labels) of an output and its batch
@@ -149,6 +155,7 @@ class _Pass:
     norm2: float = 0.0
     scored: int = 0
     passes: int = 0
+    embedding: Callable[..., torch.Tensor] | None = None  # the metric's unit row embeddings of an output and its batch
 
 
 class _Accumulator:
@@ -299,7 +306,8 @@ def _one_batch(model: nn.Module, b: Batch, i: int, cap: _Capture, acc: _Accumula
     cap.calls.clear()
     cap.recording = True
     try:
-        y = main_output(model(*b.args, **b.kwargs))
+        out = model(*b.args, **b.kwargs)
+        y = main_output(out) if p.embedding is None else p.embedding(out, b)
     except AuditError:
         raise
     except Exception as exc:  # noqa: BLE001 - a batch the forward refuses, said in one line
@@ -341,7 +349,8 @@ def _backward(value: torch.Tensor, cap: _Capture, sink: _Sink, retain: bool, acc
 
 def _losses(y: torch.Tensor, b: Batch, keep: torch.Tensor | None, p: _Pass) -> list[Callable[[], torch.Tensor]]:
     """The ``samples`` losses to differentiate, each drawn when called (in order, from the pass's generator): the
-    negative log-likelihood of labels sampled from the model, or a random projection of the (masked) output."""
+    negative log-likelihood of labels sampled from the model, or a random projection of the (masked) output or of
+    the metric's row embeddings."""
     if p.likelihood:
         logp, _ = p.logprobs(y, b)
         p.scored += int(logp.shape[0])
@@ -352,8 +361,12 @@ def _losses(y: torch.Tensor, b: Batch, keep: torch.Tensor | None, p: _Pass) -> l
             return -logp.gather(1, pick).sum()
 
         return [nll] * p.samples
-    yy = y if keep is None or y.dim() != 3 or tuple(y.shape[:2]) != tuple(keep.shape) else y * keep[..., None]
-    p.norm2 += float(yy.detach().double().pow(2).sum())
+    if p.embedding is not None:  # unit rows (zero where a row does not count): 1 - cos = ||de||^2 / 2 a row
+        yy = y
+        p.scored += int((y.detach().abs().sum(-1) > 0).sum())
+    else:
+        yy = y if keep is None or y.dim() != 3 or tuple(y.shape[:2]) != tuple(keep.shape) else y * keep[..., None]
+        p.norm2 += float(yy.detach().double().pow(2).sum())
 
     def projection() -> torch.Tensor:
         w = torch.randn(yy.shape, generator=p.gen, dtype=torch.float32).to(device=p.device, dtype=yy.dtype)
