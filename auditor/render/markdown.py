@@ -218,7 +218,10 @@ def _cal_search(cal: "CalibrationReport", cv: "CalibrationView") -> list[str]:
         lines.append(f"- Search ({ask}): no layer of the model can be factorized, so nothing can be removed")
     elif not b.plan:
         lines.append(f"- Search ({ask}): none of the {b.evaluations} plans measured all at once holds the "
-                     "tolerance, so every calibrated layer stays dense")
+                     "tolerance, so the suggested plan is empty and every layer stays dense")
+        looser = calibration.looser_line(cal)
+        if looser:
+            lines.append(f"- {md_text(looser)}")
     else:
         lines.append(f"- Search ({ask}, over the {CURVES.get(b.source, b.source)} curves): {b.evaluations} plans measured all at once"
                      + (f"; {md_text(larger_words(cal))}" if b.smallest_failing is not None else ""))
