@@ -155,3 +155,41 @@ def test_when_no_plan_holds_the_suggestion_is_empty_and_the_looser_tolerances_ar
     plan = (tmp_path / "plan.toml").read_text()
     assert "[ranks]\n\n" in plan and "Nothing can be removed within the tolerance 0.0001%" in plan
     assert "within 2% 72.4% removed" in plan
+
+
+def test_when_no_plan_verified_holds_the_suggestion_is_the_empty_plan(monkeypatch):
+    """Plans that held on the search rows but whose verification misses or straddles the tolerance are never
+    suggested: the verification falls back to the empty plan, each plan it verified keeps its verification, and the
+    smallest of them is the smallest that failed."""
+    import contextlib
+    from types import SimpleNamespace
+
+    from auditor.calibration import apply
+    from auditor.calibration.tiers import passes
+    from auditor.calresults import BudgetResult, FrontierPlan, Verification
+
+    monkeypatch.setattr(apply, "measured_copy", lambda model, plan, stats, reuse: plan)  # the plan is the "model"
+    values = {8: 0.013, 16: 0.011}  # layer a's rank -> the verified value: 0.013 misses, 0.011 straddles 0.01
+
+    class Verifier:
+        evaluations = 0
+
+        def measure(self, plan):
+            v = values[plan["a"]]
+            return Verification(v, v - 0.002, v + 0.002, 0.9, 100, False, v - 0.002 <= 0.01 < v + 0.002)
+
+    refs = SimpleNamespace(verifier=Verifier(), search_rows=100)
+    session = SimpleNamespace(stats=None, measuring=contextlib.nullcontext,
+                              metric=SimpleNamespace(spec=SimpleNamespace(zero_on_dense=True)))
+    tries = [FrontierPlan(600, 0.6, 0.009, True, 1, plan={"a": 8}, target=600),
+             FrontierPlan(400, 0.4, 0.007, True, 1, plan={"a": 16}, target=400),
+             FrontierPlan(800, 0.8, 0.02, False, 1, plan={"a": 4}, target=800)]
+    budget = BudgetResult({"a": 8}, "gradient", None, 600, 0.6, 0.009, True, None, frontier=[tries[0]],
+                          smallest_failing=800, params_before=1000, params_after=400, tolerance=0.01, tries=tries)
+    out = passes.verify(None, session, budget, refs)
+    assert (out.plan, out.removed, out.removed_fraction, out.metric, out.ok) == ({}, 0, 0.0, 0.0, True)
+    assert (out.params_after, out.verification, out.smallest_failing) == (1000, None, 400)
+    assert [p.verification.value if p.verification else None for p in out.tries] == [0.013, 0.011, None]
+    assert budget.plan == {"a": 8} and budget.tries[0].verification is None  # the search's result as it was
+    settled = out.settled()
+    assert [p.status for p in settled.plans] == ["failed verification", "failed verification", "failed"]

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from ..verdict.policy import unseen_words, verdict_head
+from ..verdict.policy import empty_plan_words, unseen_words, verdict_head
 from ..results import Severity
 from .parts import calibration, speed
 from .base import RenderContext, Stdout
@@ -64,7 +64,7 @@ def _plan_card(audit: "AuditResult") -> list[str]:
     elif not spectra_computed(audit):
         out.append("- **Plan**: none. Spectra were not computed, so no rank is suggested")
     elif rv is not None:
-        out.append("- **Plan**: none; no layer is worth factorizing at the target energy" if rv.suggested
+        out.append(f"- **Plan**: none; {md_text(empty_plan_words(audit))}" if rv.suggested
                    else "- **Plan**: it factorizes nothing")
     return out
 

@@ -122,6 +122,19 @@ def nothing_holds(audit: "AuditResult") -> bool:
     return b is not None and not b.plan and not b.nothing_to_plan and (r is None or r.suggested)
 
 
+def empty_plan_words(audit: "AuditResult") -> str:
+    """Why the suggested plan factorizes nothing, as every format's plan section says it: no plan measured held
+    the tolerance, no layer can be factorized, or (data-free) none is worth it at the target energy."""
+    cal = audit.calibration
+    if nothing_holds(audit):
+        assert cal is not None
+        return (f"nothing can be removed within the tolerance {tolerance_words(cal)}: no plan measured all at once "
+                "holds it")
+    if cal is not None and cal.budget is not None and cal.budget.nothing_to_plan:
+        return "no layer of the model can be factorized"
+    return "no layer is worth factorizing at the target energy"
+
+
 def nothing_clause(audit: "AuditResult") -> str:
     """"; nothing can be removed within the tolerance 1%: no plan measured all at once holds it, so the suggested
     plan is empty" where :func:`nothing_holds`; else empty."""

@@ -321,7 +321,8 @@ def verified(ctx: PassContext, refs: References, budget: BudgetResult, reuse: Tr
     with ctx.progress.phase("verification", unit="plan"):
         budget = verify(ctx.model, ctx.session, budget, refs, reuse)
     seconds = {"verification": time.perf_counter() - t}
-    v = budget.verification
+    v = budget.verification or next((p.verification for p in sorted(budget.tries, key=lambda p: p.removed)
+                                     if p.verification is not None), None)  # none held: the smallest verified
     warnings: tuple[str, ...] = ()
     if v is not None and v.rows_needed is not None:
         u = v.unseen
