@@ -74,7 +74,7 @@ class LayerCalibration:
     approximate: str = ""  # why the error is an estimate for this layer; empty when exact
     floor: LayerFloor | None = None
     seen: int | None = None  # input directions the calibration saw: ids looked up (embeddings), rank of X^T X
-    spans: bool = True  # the calibration saw every input direction (seen == width); else data-free ranks stand
+    spans: bool = True  # the calibration saw every input direction (seen == width); else in no plan: kept dense
     probes: list[tuple[int, float]] = field(default_factory=list)  # (rank, metric) measured alone: tier 3's gains
     predicted: list[tuple[int, float]] = field(default_factory=list)  # (rank, metric) alone, predicted from gradients
 
@@ -319,7 +319,7 @@ class BudgetResult:
     frontier: list[FrontierPlan] = field(default_factory=list)
     evaluations: int = 0  # distinct plans factorized and measured by the search
     exhausted: bool = False  # the search hit its measurement cap before the bracket closed
-    fixed: dict[str, int] = field(default_factory=dict)  # layers in every plan at their data-free rank
+    fixed: dict[str, int] = field(default_factory=dict)  # plan_for_budget(fixed=): in every plan; an audit fixes none
     smallest_failing: int | None = None  # parameters removed by the smallest measured plan above it that failed
     recovery: RecoverySetup | None = None  # --recover: every frontier plan measured again after the fine-tune
     chosen_after_recovery: bool = False  # the plan holds only after that fine-tune (metric/ok: before it)

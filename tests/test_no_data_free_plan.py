@@ -117,8 +117,8 @@ def digits_calib(tmp_path_factory) -> Path:
     return path
 
 
-NOTHING = ("nothing can be removed within the tolerance 0.0001%: no plan measured all at once holds it, so the "
-           "suggested plan is empty")
+EMPTY = "nothing can be removed within the tolerance 0.0001%: no plan measured all at once holds it"
+NOTHING = f"{EMPTY}, so the suggested plan is empty"  # the verdict's sentence
 
 
 def test_when_no_plan_holds_the_suggestion_is_empty_and_the_looser_tolerances_are_shown(cli_inproc, digits_calib,
@@ -127,8 +127,9 @@ def test_when_no_plan_holds_the_suggestion_is_empty_and_the_looser_tolerances_ar
     from bs4 import BeautifulSoup
 
     r = cli_inproc(DIGITS, "--calibration", digits_calib, "--tolerance", "0.000001", "--no-cache", "--format",
-                   "text,json,md,html,pdf", "-o", tmp_path, "--emit-plan", tmp_path / "plan.toml")
-    assert r.returncode == 0, r.stderr  # the tool's own (empty) suggestion is no failure
+                   "text,json,md,html,pdf", "-o", tmp_path, "--emit-plan", tmp_path / "plan.toml",
+                   "--fail-on", "unmeasured")
+    assert r.returncode == 0, r.stderr  # the tool's own (empty) suggestion is no failure, at the strictest --fail-on
     d = json.loads((tmp_path / "lowrank-audit.json").read_text())
     assert d["status"] == "pass" and d["verdict"] == f"PASS: no errors or warnings; {NOTHING}"
     b = d["calibration"]["budget"]
@@ -145,13 +146,17 @@ def test_when_no_plan_holds_the_suggestion_is_empty_and_the_looser_tolerances_ar
     assert 0.02 < byplan[407_040] <= 0.05  # so 2% buys the smaller plan only
     text = " ".join(r.stdout.split())
     md = (tmp_path / "lowrank-audit.md").read_text()
-    html = BeautifulSoup((tmp_path / "lowrank-audit.html").read_text(), "html.parser").get_text(" ", strip=True)
+    html = " ".join(BeautifulSoup((tmp_path / "lowrank-audit.html").read_text(), "html.parser").get_text(
+        " ", strip=True).split())
     pdf = " ".join(" ".join(p.extract_text() for p in pypdf.PdfReader(
         io.BytesIO((tmp_path / "lowrank-audit.pdf").read_bytes())).pages).split())
     looser = "within 2%, 72.4% of the parameters removed (311,296, 2 layers;"
-    for fmt, body in (("text", text), ("md", md), ("html", " ".join(html.split())), ("pdf", pdf)):
+    for fmt, body in (("text", text), ("md", md), ("html", html), ("pdf", pdf)):
         assert NOTHING in body, fmt
         assert looser in body and "within 5%, 94.7% of the parameters removed (407,040, 3 layers;" in body, fmt
+    # the plan section says why it is empty (not "no layer is worth factorizing at the target energy")
+    assert f"- **Plan**: none; {EMPTY}" in md and f"No layer is factorized: {EMPTY}." in html and \
+        f"No layer is factorized: {EMPTY}." in pdf and f"\n{EMPTY}\n" in r.stdout
     plan = (tmp_path / "plan.toml").read_text()
     assert "[ranks]\n\n" in plan and "Nothing can be removed within the tolerance 0.0001%" in plan
     assert "within 2% 72.4% removed" in plan
@@ -193,3 +198,30 @@ def test_when_no_plan_verified_holds_the_suggestion_is_the_empty_plan(monkeypatc
     assert budget.plan == {"a": 8} and budget.tries[0].verification is None  # the search's result as it was
     settled = out.settled()
     assert [p.status for p in settled.plans] == ["failed verification", "failed verification", "failed"]
+
+
+def test_looser_tolerances_read_the_measured_plans_in_the_metrics_own_units():
+    """Each looser tolerance takes the largest measured plan (within the budget) whose value, and verified value
+    where verified, holds it: a relative increase at the same shares, a higher-is-better metric below its dense
+    value by the looser tolerance."""
+    from auditor.calresults import BudgetResult, FrontierPlan, MetricFacts, Verification, looser_plans
+
+    def plan(removed: int, value: float, verified: float | None = None) -> FrontierPlan:
+        v = Verification(verified, verified - 0.001, verified + 0.001, 0.9, 80, False, False) if verified else None
+        return FrontierPlan(removed, removed / 1000, value, False, 2, plan={"a": removed}, verification=v)
+
+    tries = [plan(100, 0.015, 0.019), plan(200, 0.018, 0.021), plan(300, 0.04), plan(500, 0.2), plan(900, 0.01)]
+    budget = BudgetResult({}, "gradient", 0.6, 0, 0.0, 0.0, True, None, params_before=1000, tries=tries)
+    increase = MetricFacts("perplexity increase", False, 0.01, 40.0, 0.01, "percent", "perplexity")
+    got = [(lp.tolerance, lp.removed, lp.metric, lp.verification.value if lp.verification else None)
+           for lp in looser_plans(budget, increase)]
+    # 2%: the 200 plan's verified value misses it (2.1%), so the 100 plan; 10%: not 500 (20%), not 900 (past 60%)
+    assert got == [(0.02, 100, 0.015, 0.019), (0.05, 300, 0.04, None), (0.1, 300, 0.04, None)]
+    # a tolerance of 5% leaves only 10% looser; an accuracy (higher is better, dense 0.9) reads the drop from it
+    acc = MetricFacts("held-out accuracy", True, 0.05, 0.9, 0.85, "number")
+    values = [plan(100, 0.86), plan(200, 0.84), plan(400, 0.79), plan(500, 0.81)]
+    budget = BudgetResult({}, "gradient", None, 0, 0.0, 0.9, True, None, params_before=1000, tries=values)
+    assert [(lp.tolerance, lp.removed, lp.metric) for lp in looser_plans(budget, acc)] == [(0.1, 500, 0.81)]
+    assert acc.loosened(0.1).limit == pytest.approx(0.8) and increase.loosened(0.05).limit == pytest.approx(0.05)
+    nothing = BudgetResult({}, "gradient", None, 0, 0.0, 0.0, True, None, params_before=1000, tries=[plan(10, 0.5)])
+    assert [(lp.removed, lp.metric) for lp in looser_plans(nothing, increase)] == [(0, None)] * 3
