@@ -271,7 +271,8 @@ def suggest_with(layers: list[Layer], spectra: dict[str, "Spectrum"], suggestion
             what = ("rows looked up" if kinds.for_kind(layer.kind).lookup_counts
                     else "calibration rows for its input width")
             out[layer.name] = _dense(old, f"calibration did not span its inputs ({lc.seen:,} of {lc.width:,} {what}): "
-                                          "kept dense, as no plan measured it (a data-free rank would be a guess)")
+                                          "kept dense, as no plan measured it (a data-free rank would be a guess; "
+                                          f"data-free: {old.reason})")
             continue
         evidence = _evidence(lc, report)
         if layer.kind not in SUPPORTED or layer.aliases:
