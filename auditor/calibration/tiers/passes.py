@@ -385,7 +385,8 @@ def verify(model: "nn.Module", session: CalibrationSession, budget: BudgetResult
     """Tier 3's plan verified on the held-out rows the search never read: the largest plan that held on the search
     rows whose verification interval ends within the tolerance (at most ``VERIFY_TRIES`` verified, largest first;
     the empty plan when none does: a plan that misses or straddles is never suggested). The dense model is never
-    verified: it is the reference. ``budget`` is left as it was: the result is a new one, its tries with their verifications."""
+    verified: it is the reference. ``budget`` is left as it was: the result is a new one, its tries with their
+    verifications."""
     from ..apply import measured_copy
 
     ver = refs.verifier

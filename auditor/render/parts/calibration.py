@@ -365,8 +365,8 @@ def budget_lines(cal: "CalibrationReport") -> list[str]:
 def looser_line(cal: "CalibrationReport") -> str:
     """What looser tolerances buy when no plan held, read from the plans the search measured (none measured again),
     in one sentence: "Looser tolerances, from the 9 plans measured: within 2%, 12.3% of the parameters removed
-    (41,216, 3 layers; 1.85% measured all at once, verified 1.90% (90% interval ...)); within 5%, ...; within 10%, no plan measured holds it."; empty where
-    the report has none (a plan held, or the tolerance is at least 10%)."""
+    (41,216, 3 layers; 1.85% measured all at once, verified 1.90% (90% interval ...)); within 5%, ...; within 10%,
+    no plan measured holds it."; empty where the report has none (a plan held, or the tolerance is at least 10%)."""
     b = cal.budget
     if b is None or not b.looser:
         return ""
