@@ -22,7 +22,8 @@ from torch import nn
 
 
 class Lookup(nn.Module):
-    """A 1,024-id embedding of rank 4 (its data-free 95%-energy rank 8 saves 7.5x) before a two-layer MLP."""
+    """A 1,024-id embedding of rank 4 (its data-free 95%-energy rank 8 saves 7.5x) before a two-layer MLP, and a
+    rank-4 layer the forward never calls (no statistics)."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -30,8 +31,10 @@ class Lookup(nn.Module):
         self.emb = nn.Embedding(1024, 64)
         self.fc1 = nn.Linear(64, 256)
         self.fc2 = nn.Linear(256, 64)
+        self.spare = nn.Linear(256, 256)
         with torch.no_grad():
             self.emb.weight.copy_(torch.randn(1024, 4, generator=g) @ torch.randn(4, 64, generator=g) / 2)
+            self.spare.weight.copy_(torch.randn(256, 4, generator=g) @ torch.randn(4, 256, generator=g))
             for fc in (self.fc1, self.fc2):
                 fc.weight.copy_(torch.randn(fc.weight.shape, generator=g) / fc.in_features ** 0.5)
                 fc.bias.zero_()
@@ -100,6 +103,13 @@ def test_an_embedding_the_calibration_covers_is_searched_like_any_layer(lookup):
     _measured_only(a)
     assert a.calibration.budget.plan["emb"] == 8  # the search's rank, measured all at once with the others
     assert a.suggestions["emb"].reason.startswith("rank 8 in the plan that holds all at once")
+    # a layer with no statistics is no data-free guess in the plan either
+    free = _audit(spec).suggestions["spare"]
+    assert (free.verdict, free.rank) == (Verdict.FACTORIZE, 8) and a.calibration.missing == {
+        "spare": "never called on the calibration inputs"}
+    s = a.suggestions["spare"]
+    assert (s.verdict, s.reason) == (Verdict.KEEP_DENSE, "keep dense: never called on the calibration inputs, so no "
+                                                         "plan measured it")
 
 
 DIGITS = "sample_models/digits.py:mlp"
