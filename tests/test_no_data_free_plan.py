@@ -208,6 +208,10 @@ def test_when_no_plan_verified_holds_the_suggestion_is_the_empty_plan(monkeypatc
     assert budget.plan == {"a": 8} and budget.tries[0].verification is None  # the search's result as it was
     settled = out.settled()
     assert [p.status for p in settled.plans] == ["failed verification", "failed verification", "failed"]
+    from auditor.render.parts.calibration import missed_words
+
+    assert missed_words(settled) == ("every plan measured missed the tolerance (2 held on the search rows and failed "
+                                     "verification)")
 
 
 def test_looser_tolerances_read_the_measured_plans_in_the_metrics_own_units():

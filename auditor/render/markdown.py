@@ -217,8 +217,8 @@ def _cal_search(cal: "CalibrationReport", cv: "CalibrationView") -> list[str]:
     if b.nothing_to_plan:
         lines.append(f"- Search ({ask}): no layer of the model can be factorized, so nothing can be removed")
     elif not b.plan:
-        lines.append(f"- Search ({ask}): none of the {b.evaluations} plans measured all at once holds the "
-                     "tolerance, so the suggested plan is empty and every layer stays dense")
+        lines.append(f"- Search ({ask}, {b.evaluations} plans measured all at once): {calibration.missed_words(b)}, "
+                     "so the suggested plan is empty and every layer stays dense")
         looser = calibration.looser_line(cal)
         if looser:
             lines.append(f"- {md_text(looser)}")

@@ -332,8 +332,8 @@ def budget_lines(cal: "CalibrationReport") -> list[str]:
     if b.nothing_to_plan:
         out = [f"Plan ({ask}): none needed; no layer of the model can be factorized, so nothing can be removed."]
     elif not b.plan:
-        out = [f"Plan that holds ({ask}, over {over} curves, {b.evaluations} plans measured): none; every plan "
-               "measured missed the tolerance, so the suggested plan is empty and keeps every layer dense."]
+        out = [f"Plan that holds ({ask}, over {over} curves, {b.evaluations} plans measured): none; {missed_words(b)}, "
+               "so the suggested plan is empty and keeps every layer dense."]
         out += [line for line in [looser_line(cal)] if line]
     elif note:
         out = [f"Plan chosen after recovery ({ask}, over {over} curves, --choose-after-recovery): {len(b.plan)} "
@@ -360,6 +360,14 @@ def budget_lines(cal: "CalibrationReport") -> list[str]:
     if line:
         out.append(line)
     return out
+
+
+def missed_words(b: Any) -> str:
+    """How every plan measured missed: "every plan measured missed the tolerance", and where some held on the search
+    rows, that their verification did not."""
+    failed = sum(1 for p in b.plans if p.status == "failed verification")
+    return ("every plan measured missed the tolerance" if not failed else
+            f"every plan measured missed the tolerance ({failed} held on the search rows and failed verification)")
 
 
 def looser_line(cal: "CalibrationReport") -> str:
