@@ -151,6 +151,10 @@ def test_when_no_plan_holds_the_suggestion_is_empty_and_the_looser_tolerances_ar
     assert [round(x["removed_fraction"], 12) for x in b["looser"]] == [round(311_296 / 429_834, 12),
                                                                       round(407_040 / 429_834, 12)] + \
         [round(407_040 / 429_834, 12)]
+    jsonschema = pytest.importorskip("jsonschema")
+    schema = json.loads((Path(__file__).resolve().parents[1] / "docs" / "schema.json").read_text())
+    jsonschema.validate(d, schema)
+    assert "looser" in schema["properties"]["calibration"]["properties"]["budget"]["properties"]
     byplan = {p["removed"]: p["metric"] for p in b["plans"]}
     assert [x["metric"] for x in b["looser"]] == [byplan[311_296], byplan[407_040], byplan[407_040]]
     assert 0.02 < byplan[407_040] <= 0.05  # so 2% buys the smaller plan only
