@@ -74,7 +74,7 @@ class LayerCalibration:
     approximate: str = ""  # why the error is an estimate for this layer; empty when exact
     floor: LayerFloor | None = None
     seen: int | None = None  # input directions the calibration saw: ids looked up (embeddings), rank of X^T X
-    spans: bool = True  # the calibration saw every input direction (seen == width); else data-free ranks stand
+    spans: bool = True  # the calibration saw every input direction (seen == width); else in no plan: kept dense
     probes: list[tuple[int, float]] = field(default_factory=list)  # (rank, metric) measured alone: tier 3's gains
     predicted: list[tuple[int, float]] = field(default_factory=list)  # (rank, metric) alone, predicted from gradients
 
@@ -287,6 +287,23 @@ class TieCost:
                 "each": dict(self.each), "dense": list(self.dense), "words": self.words()}
 
 
+LOOSER_TOLERANCES = (0.02, 0.05, 0.10)  # what an empty suggestion shows: the plans measured that hold these
+
+
+@dataclass
+class LooserPlan:
+    """What a looser tolerance buys, read from the plans the search measured (nothing measured again): the largest
+    plan whose measured value (and verified value, where verified) holds ``tolerance``, with its share removed and
+    its values; ``removed`` 0 and ``metric`` None where no plan measured holds it."""
+
+    tolerance: float  # in the metric's units (a relative increase: the same share)
+    removed: int
+    removed_fraction: float
+    metric: float | None  # on the search rows
+    layers: int = 0
+    verification: "Verification | None" = None  # its interval on the verification rows, where verified
+
+
 @dataclass
 class BudgetResult:
     """Tier 3: the plan chosen over the curves and checked all at once, and the frontier around it."""
@@ -302,7 +319,7 @@ class BudgetResult:
     frontier: list[FrontierPlan] = field(default_factory=list)
     evaluations: int = 0  # distinct plans factorized and measured by the search
     exhausted: bool = False  # the search hit its measurement cap before the bracket closed
-    fixed: dict[str, int] = field(default_factory=dict)  # layers in every plan at their data-free rank
+    fixed: dict[str, int] = field(default_factory=dict)  # plan_for_budget(fixed=): in every plan; an audit fixes none
     smallest_failing: int | None = None  # parameters removed by the smallest measured plan above it that failed
     recovery: RecoverySetup | None = None  # --recover: every frontier plan measured again after the fine-tune
     chosen_after_recovery: bool = False  # the plan holds only after that fine-tune (metric/ok: before it)
@@ -319,6 +336,7 @@ class BudgetResult:
     plans: list[FrontierPlan] = field(default_factory=list)  # every distinct plan measured, by size, with its status
     uniform: UniformBaseline | None = None  # beside the chosen plan: uniform truncation at its share, its rows
     ties: TieCost | None = None  # --tie: the removal the ties cost (None: no tie)
+    looser: list[LooserPlan] = field(default_factory=list)  # no plan holds: what looser tolerances buy, measured
 
     def settled(self) -> "BudgetResult":
         """This result with ``plans`` (every distinct plan the search measured, fewest parameters removed first, a
@@ -456,6 +474,14 @@ class MetricFacts:
     def holds(self, value: float) -> bool:
         """``value`` stays within the tolerance: on :attr:`limit` or its holding side (NaN never holds)."""
         return value >= self.limit if self.higher_is_better else value <= self.limit
+
+    def loosened(self, tolerance: float) -> "MetricFacts":
+        """These facts at a looser ``tolerance``: the limit moved by the difference, on its failing side."""
+        from dataclasses import replace
+
+        step = tolerance - self.tolerance
+        return replace(self, tolerance=tolerance,
+                       limit=self.limit - step if self.higher_is_better else self.limit + step)
 
     def shortfall(self, value: float) -> float:
         """How far ``value`` lies on the failing side of :attr:`limit` (positive: it misses; larger: worse)."""
@@ -601,6 +627,8 @@ class CalibrationReport:
                 b.pop("ties", None)
             else:
                 b["ties"] = self.budget.ties.to_dict()
+            if not self.budget.looser:  # a plan holds: the report is as it was
+                b.pop("looser", None)
         if b is not None and b.get("recovery") is None:  # without --recover the report is as it was
             b.pop("recovery", None)
             b.pop("chosen_after_recovery", None)
@@ -611,6 +639,22 @@ class CalibrationReport:
             if v["floor"] is not None:
                 v["floor"]["points"] = [list(p) for p in v["floor"]["points"]]
         return d
+
+
+def looser_plans(budget: BudgetResult, facts: MetricFacts) -> list[LooserPlan]:
+    """For each of :data:`LOOSER_TOLERANCES` looser than ``facts``' tolerance, the largest plan the search measured
+    (within its budget) whose value on the search rows, and on the verification rows where verified, holds it."""
+    limit = budget.budget * budget.params_before if budget.budget is not None else float("inf")
+    measured = [p for p in [*budget.plans, *budget.tries, *budget.frontier] if p.plan and p.removed <= limit]
+    out = []
+    for t in (t for t in LOOSER_TOLERANCES if t > facts.tolerance):
+        at = facts.loosened(t)
+        held = [p for p in measured if at.holds(p.metric)
+                and (p.verification is None or at.holds(p.verification.value))]
+        best = max(held, key=lambda p: (p.removed, p.verification is not None), default=None)
+        out.append(LooserPlan(t, 0, 0.0, None) if best is None else
+                   LooserPlan(t, best.removed, best.removed_fraction, best.metric, best.layers, best.verification))
+    return out
 
 
 def subsample(error: list[float], points: int = CURVE_POINTS) -> list[tuple[int, float]]:

@@ -322,7 +322,7 @@ def calibrate(model: Any, st: Structure, spectra: Spectra, suggestions: dict[str
                          "Audit a factory (file.py:fn) or a Hugging Face directory to use --calibration")
     from .calibration.stage import calibrate as run_tiers, suggest_with
 
-    calibrated = run_tiers(model, st.layers, settings, options, suggestions, progress=progress)
+    calibrated = run_tiers(model, st.layers, settings, options, progress=progress)
     return calibrated, suggest_with(st.layers, spectra.by_layer, suggestions, calibrated.report, settings)
 
 

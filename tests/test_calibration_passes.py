@@ -187,7 +187,7 @@ def test_every_pass_leaves_the_session_and_the_results_before_it_as_they_were(di
     tiers = options.tiers
     t1 = passes.tier1(ctx, settings.align)  # fills the statistics: the session's cache of its inputs
     refs = _ensures(ctx, (t1,), lambda: passes.references(ctx))
-    scope = _ensures(ctx, (t1, refs), lambda: passes.scope_of(layers, t1, settings, {}))
+    scope = _ensures(ctx, (t1, refs), lambda: passes.scope_of(layers, t1, settings))
     assert sorted(l.name for l in scope.planned) == ["fc1", "fc2", "fc3"]
     floored = _ensures(ctx, (t1, refs, scope),
                        lambda: passes.floors(ctx, refs, t1, scope, tiers, options.cluster, False))

@@ -1,7 +1,7 @@
 """The verdict follows the measurement: with calibration the suggested (and emitted) plan is the largest plan that
 holds the tolerance all at once, `factorize` of the emitted plan measures within it on the held-out rows, a plan that
 misses it is an error (LR015, exit 1) in every format, and calibration that does not reach a layer's inputs (short
-windows and a position table) leaves that layer at its data-free suggestion."""
+windows and a position table) keeps that layer dense (no rank on a data-free guess)."""
 
 from __future__ import annotations
 
@@ -122,8 +122,8 @@ def test_a_plan_that_misses_the_tolerance_is_an_error_in_every_format(cli_inproc
 
 
 def test_short_calibration_leaves_the_position_table_data_free(tmp_path):
-    """16-character windows reach 16 of the char transformer's 128 positions: `pos` keeps its data-free
-    suggestion (keep dense) instead of a data-aware rank 16, and its reason says why."""
+    """16-character windows reach 16 of the char transformer's 128 positions: `pos` is kept dense (as the data-free
+    suggestion keeps it) instead of a data-aware rank 16, and its reason says why."""
     import auditor
     from safetensors.torch import load_file, save_file
 

@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Callable, TypeVar
 from torch import nn
 
 from .. import kinds, lrmath
-from ..calresults import CalibrationReport, LayerCalibration, PlanCheck, Verification, subsample
+from ..calresults import CalibrationReport, LayerCalibration, PlanCheck, Verification, looser_plans, subsample
 from ..errors import AuditError
 from ..results import Layer, Suggestion, TieGroup, Verdict
 from .data.inputs import Calibration, eval_mode
@@ -100,11 +100,11 @@ def one_blas_thread(fn: F) -> F:
 
 @one_blas_thread
 def calibrate(model: nn.Module, layers: list[Layer], settings: "Settings", options: "AuditOptions",
-              suggestions: dict[str, Suggestion] | None = None, progress: "Progress | None" = None) -> Calibrated:
+              progress: "Progress | None" = None) -> Calibrated:
     """Tier 1 on every layer; tier 2 (``options.tiers.measure_floor``) on the layers that are not narrow and whose
     inputs the calibration spans; tier 3 always: the largest plan over the measured (or tier-1) curves that holds the
-    tolerance all at once (``options.tiers.budget``: at most that share removed). ``suggestions`` (the data-free
-    ones) give the ranks of the layers calibration cannot rank, which every plan measured then includes. Bad
+    tolerance all at once (``options.tiers.budget``: at most that share removed). A layer calibration cannot rank
+    (no statistics, inputs it did not span) is in no plan measured: the suggestions keep it dense. Bad
     calibration data raises :class:`AuditError` with one line. ``progress`` (default: none drawn) gets one phase per
     pass: calibration data, statistics (per batch), tier 1 (per layer), tier 2 (per layer, evaluations so far; a
     cluster sweep draws its own), the sensitivity, tier 3 (plans measured so far), the verification. The passes
@@ -125,7 +125,7 @@ def calibrate(model: nn.Module, layers: list[Layer], settings: "Settings", optio
             ctx = passes.PassContext(model, _open_session(model, layers, options, progress), progress)
             t1 = passes.tier1(ctx, settings.align, since=t)
             refs = passes.references(ctx)
-            scope = passes.scope_of(layers, t1, settings, suggestions or {}, _ties(layers, options))
+            scope = passes.scope_of(layers, t1, settings, _ties(layers, options))
             floored = passes.floors(ctx, refs, t1, scope, tiers, options.cluster, options.progress)
             sens = passes.sensitivity(ctx, refs, t1, scope, floored, tiers)
             searched = passes.search(ctx, refs, t1, scope, sens, tiers, settings)
@@ -222,7 +222,7 @@ def _report(session: CalibrationSession, options: "AuditOptions", tiers: Tiers) 
     cal, stats = session.calibration, session.stats
     measured = tiers.floored is not None
     source = str(data.source) if isinstance(data.source, (str, Path)) else cal.source
-    return CalibrationReport(
+    report = CalibrationReport(
         source=source + (f" ({cal.tokenized})" if cal.tokenized else ""),
         holdout=str(data.holdout), digest=cal.digest, fit_rows=cal.fit_rows, holdout_rows=cal.holdout_rows,
         metric=metric.label, higher_is_better=metric.higher_is_better, tolerance=metric.tolerance,
@@ -238,14 +238,19 @@ def _report(session: CalibrationSession, options: "AuditOptions", tiers: Tiers) 
         sensitivity_fallback=tiers.sensitivity.fallback,
         limit=metric.spec.limit(tiers.searched.budget.reference, metric.tolerance, metric.higher_is_better),
         display=metric.spec.display(metric.higher_is_better))
+    b = report.budget
+    if b is None or b.plan or b.nothing_to_plan:
+        return report
+    return replace(report, budget=replace(b, looser=looser_plans(b, report.facts)))  # what looser tolerances buy
 
 
 def suggest_with(layers: list[Layer], spectra: dict[str, "Spectrum"], suggestions: dict[str, Suggestion],
                  report: CalibrationReport, settings: "Settings") -> dict[str, Suggestion]:
     """The suggestions as the plan that holds the tolerance all at once (tier 3, ``report.budget``): its layers at
     its ranks, every other calibrated layer dense. Per-layer floors and tier-1 ranks are evidence in the reasons,
-    never the plan. Where calibration did not rank a layer (no statistics, inputs it did not span) the data-free
-    suggestion stays; the plan was measured with it. Layers ``factorize`` cannot rewrite are kept dense."""
+    never the plan. Where calibration did not rank a layer (no statistics, inputs it did not span: an embedding with
+    ids the calibration never looks up) it is kept dense: nothing in a calibrated plan is on a data-free guess. Layers
+    ``factorize`` cannot rewrite are kept dense."""
     from ..kinds.registry import SUPPORTED
 
     out = dict(suggestions)
@@ -254,15 +259,20 @@ def suggest_with(layers: list[Layer], spectra: dict[str, "Spectrum"], suggestion
     for layer in layers:
         lc = report.layers.get(layer.name)
         old = suggestions.get(layer.name)
-        if lc is None or old is None or old.verdict in (Verdict.SKIP_NARROW, Verdict.SKIPPED) \
+        if old is None or old.verdict in (Verdict.SKIP_NARROW, Verdict.SKIPPED) \
                 or not passes.sweepable(layer, settings):
+            continue
+        if lc is None:  # no statistics: no plan measured it, so it is not planned on a data-free guess
+            if old.verdict is Verdict.FACTORIZE:
+                why = report.missing.get(layer.name, "calibration read no statistics for it")
+                out[layer.name] = _dense(old, f"keep dense: {why}, so no plan measured it")
             continue
         if not lc.spans:
             what = ("rows looked up" if kinds.for_kind(layer.kind).lookup_counts
                     else "calibration rows for its input width")
-            note = (f"calibration did not span its inputs ({lc.seen:,} of {lc.width:,} {what}): the data-free "
-                    "suggestion stands")
-            out[layer.name] = replace(old, reason=f"{note}; {old.reason}")
+            out[layer.name] = _dense(old, f"calibration did not span its inputs ({lc.seen:,} of {lc.width:,} {what}): "
+                                          "kept dense, as no plan measured it (a data-free rank would be a guess; "
+                                          f"data-free: {old.reason})")
             continue
         evidence = _evidence(lc, report)
         if layer.kind not in SUPPORTED or layer.aliases:

@@ -376,6 +376,13 @@ def plan_basis(audit: "AuditResult") -> list[str]:
     measured = (f"Measured all at once on {cal.holdout_rows:,} held-out rows: {_comment(cal.metric)} "
                 f"{pc.measured:.4g} against the tolerance {cal.tolerance:g} ({'holds' if pc.ok else 'MISSES'})."
                 if pc is not None and pc.layers else "Not measured all at once: no planned layer.")
+    if not b.plan and not b.nothing_to_plan:
+        held = ", ".join(f"within {cal.facts.loosened(lp.tolerance).tolerance_words()} "
+                         + (f"{100 * lp.removed_fraction:.1f}% removed ({cal.value_text(lp.metric)})"
+                            if lp.metric is not None else "none") for lp in b.looser)
+        measured = (f"Nothing can be removed within the tolerance {cal.tolerance_text()}: none of the plans measured "
+                    "holds it, so this plan is empty." + (f" Looser tolerances, the largest plan measured: {held}."
+                                                          if held else ""))
     if pc is not None and pc.layers and pc.verification is not None:
         v = pc.verification
         measured = (f"Measured all at once on {v.rows:,} verification rows the search never read (it searched "

@@ -213,8 +213,7 @@ def tie_suggestions(layers: Sequence[Layer], spectra: Mapping[str, Spectrum], su
 
 def keep_ties(suggestions: Mapping[str, Suggestion], groups: Sequence[TieGroup]) -> dict[str, Suggestion]:
     """The final suggestions with every group they would break kept dense whole (a safety net: the search and
-    :func:`tie_suggestions` keep ties; a member the calibration ranks while another keeps its data-free rank, which
-    only a tie over layers of different inputs can give, would break one)."""
+    :func:`tie_suggestions` keep ties)."""
     out = dict(suggestions)
     ranks = {k: s.rank for k, s in suggestions.items() if s.verdict is Verdict.FACTORIZE and s.rank}
     for g, got in violations(ranks, groups):

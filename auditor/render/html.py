@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from ..verdict.policy import status, verdict_line
+from ..verdict.policy import empty_plan_words, status, verdict_line
 from .parts import calibration, speed
 from .base import RenderContext, Stdout
 from .parts.layer_charts import short_label
@@ -237,6 +237,7 @@ def context(audit: "AuditResult", ctx: RenderContext = RenderContext(), pdf: boo
         "settings": settings,
         "holding80": audit.layers_holding(0.8),
         "plan_suggested": audit.review is None or audit.review.suggested,
+        "plan_empty": empty_plan_words(audit),
         "check_card": calibration.check_card(audit),
         "plan_note": calibration.suggested_plan_note(audit),
         "spectra_computed": spectra_computed(audit),

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from ..verdict.policy import unseen_words, verdict_head
+from ..verdict.policy import empty_plan_words, unseen_words, verdict_head
 from ..results import Severity
 from .parts import calibration, speed
 from .base import RenderContext, Stdout
@@ -64,7 +64,7 @@ def _plan_card(audit: "AuditResult") -> list[str]:
     elif not spectra_computed(audit):
         out.append("- **Plan**: none. Spectra were not computed, so no rank is suggested")
     elif rv is not None:
-        out.append("- **Plan**: none; no layer is worth factorizing at the target energy" if rv.suggested
+        out.append(f"- **Plan**: none; {md_text(empty_plan_words(audit))}" if rv.suggested
                    else "- **Plan**: it factorizes nothing")
     return out
 
@@ -217,8 +217,11 @@ def _cal_search(cal: "CalibrationReport", cv: "CalibrationView") -> list[str]:
     if b.nothing_to_plan:
         lines.append(f"- Search ({ask}): no layer of the model can be factorized, so nothing can be removed")
     elif not b.plan:
-        lines.append(f"- Search ({ask}): none of the {b.evaluations} plans measured all at once holds the "
-                     "tolerance, so every calibrated layer stays dense")
+        lines.append(f"- Search ({ask}, {b.evaluations} plans measured all at once): {calibration.missed_words(b)}, "
+                     "so the suggested plan is empty and every layer stays dense")
+        looser = calibration.looser_line(cal)
+        if looser:
+            lines.append(f"- {md_text(looser)}")
     else:
         lines.append(f"- Search ({ask}, over the {CURVES.get(b.source, b.source)} curves): {b.evaluations} plans measured all at once"
                      + (f"; {md_text(larger_words(cal))}" if b.smallest_failing is not None else ""))

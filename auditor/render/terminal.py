@@ -16,7 +16,7 @@ import textwrap
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable
 
-from ..verdict.policy import verdict_line
+from ..verdict.policy import empty_plan_words, verdict_line
 from .parts import calibration, speed
 from .base import RenderContext, Stdout
 from .parts.pages import GroupRow, group_rows, plan_rows, rank_changes
@@ -379,7 +379,7 @@ def _plan(audit: "AuditResult", w: _Lines, groups: list[GroupRow]) -> None:
         if rv.suggested and audit.calibration is None:  # a calibrated audit says it in its own section
             w.say(calibration.suggested_plan_note(audit), "  ")
     elif rv is not None:
-        w.say("no layer is worth factorizing at the target energy" if rv.suggested else "the plan factorizes nothing")
+        w.say(empty_plan_words(audit) if rv.suggested else "the plan factorizes nothing")
 
 
 def calibration_lines(cv: "CalibrationView") -> list[str]:

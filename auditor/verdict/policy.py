@@ -94,7 +94,12 @@ def verdict_line(audit: "AuditResult") -> str:
 
 def verdict_head(audit: "AuditResult") -> str:
     """The verdict's first part, PASS / REVIEW / FAIL with the counts (the Markdown puts the saving and the
-    measurement in its plan card instead)."""
+    measurement in its plan card instead), and where no plan held, that nothing can be removed
+    (:func:`nothing_clause`)."""
+    return _head(audit) + nothing_clause(audit)
+
+
+def _head(audit: "AuditResult") -> str:
     c = audit.counts
     if c.error:
         return f"FAIL: {c.error} error(s), {c.warning} warning(s)"
@@ -107,6 +112,38 @@ def verdict_head(audit: "AuditResult") -> str:
     if missed(audit):
         return "REVIEW: no errors or warnings shown, but the plan measured all at once misses the tolerance"
     return "PASS: no errors or warnings"
+
+
+def nothing_holds(audit: "AuditResult") -> bool:
+    """The audit suggests (no plan of the user's) and no plan that factorizes a layer held the tolerance, so the
+    suggested plan is empty: an answer, not a failure."""
+    cal, r = audit.calibration, audit.review
+    b = cal.budget if cal is not None else None
+    return b is not None and not b.plan and not b.nothing_to_plan and (r is None or r.suggested)
+
+
+def empty_plan_words(audit: "AuditResult") -> str:
+    """Why the suggested plan factorizes nothing, as every format's plan section says it: no plan measured held
+    the tolerance, no layer can be factorized, or (data-free) none is worth it at the target energy."""
+    cal = audit.calibration
+    if nothing_holds(audit):
+        assert cal is not None
+        return (f"nothing can be removed within the tolerance {tolerance_words(cal)}: no plan measured all at once "
+                "holds it")
+    if cal is not None and cal.budget is not None and cal.budget.nothing_to_plan:
+        return "no layer of the model can be factorized"
+    return "no layer is worth factorizing at the target energy"
+
+
+def nothing_clause(audit: "AuditResult") -> str:
+    """"; nothing can be removed within the tolerance 1%: no plan measured all at once holds it, so the suggested
+    plan is empty" where :func:`nothing_holds`; else empty."""
+    if not nothing_holds(audit):
+        return ""
+    cal = audit.calibration
+    assert cal is not None
+    return (f"; nothing can be removed within the tolerance {tolerance_words(cal)}: no plan measured all at once "
+            "holds it, so the suggested plan is empty")
 
 
 def plan_check_clause(audit: "AuditResult") -> str:

@@ -30,13 +30,13 @@ class PassContext:
 
 @dataclass(frozen=True)
 class Scope:
-    """The layers tiers 2 and 3 consider (``swept``: with a spectrum, not narrow, inputs spanned), those tier 3 plans
-    (swept, untied, rewritable by factorize) and those every plan fixes at their data-free rank."""
+    """The layers tiers 2 and 3 consider (``swept``: with a spectrum, not narrow, inputs spanned) and those tier 3 plans
+    (swept, untied, rewritable by factorize). Nothing else is in any plan the search measures: a layer calibration
+    cannot rank stays dense in the suggested plan."""
 
     swept: list[Layer]
     planned: list[Layer]
-    fixed: dict[str, int]
-    sensitive: list[Layer]  # the layers a sensitivity is measured for: the planned ones and the fixed ones
+    sensitive: list[Layer]  # the layers a sensitivity is measured for: the planned ones
     ties: tuple[TieGroup, ...] = ()  # --tie: groups whose members every plan gives one rank
 
 

@@ -5,7 +5,7 @@ changes the session or what an earlier pass made (tests/test_calibration_passes.
     tier1        PassContext, align                                       -> Tier1 (spectra, spans, the target)
     references   PassContext                                              -> References (the dense model measured:
                                                                              the search's measurer, the verifier)
-    scope_of     [Layer], Tier1, Settings, {layer: Suggestion}, ties      -> Scope (swept, planned, fixed layers, ties)
+    scope_of     [Layer], Tier1, Settings, ties                           -> Scope (swept, planned layers, ties)
     floors       PassContext, References, Tier1, Scope, TierOptions,
                  ClusterOptions                                           -> Floored | None (tier 2)
     sensitivity  PassContext, References, Tier1, Scope, Floored,
@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING
 
 from ..._env import trim_heap
 from ...calresults import BudgetResult, FrontierPlan, RoundingFloor, Verification
-from ...results import Layer, Suggestion, TieGroup, Verdict
+from ...results import Layer, TieGroup
 from ..references import References, references_of
 from ..session import CalibrationSession
 from ..statistics.stats import LayerInput
@@ -119,31 +119,16 @@ def sweepable(layer: Layer, settings: "Settings") -> bool:
             and lrmath.max_useful_rank(layer.m, layer.n) >= 1)
 
 
-def scope_of(layers: list[Layer], tier1: Tier1, settings: "Settings", suggestions: dict[str, Suggestion],
-             ties: tuple[TieGroup, ...] = ()) -> Scope:
-    """The swept, planned and fixed layers. Fixed: factorized by the weight-energy suggestion, rewritable by
-    ``factorize``, but not ranked by calibration (no statistics, or inputs it did not span). A tie group (``ties``)
-    is fixed whole or not at all: a member fixed beside members the search plans is left dense (the search then
-    keeps the whole group dense: a member without options)."""
+def scope_of(layers: list[Layer], tier1: Tier1, settings: "Settings", ties: tuple[TieGroup, ...] = ()) -> Scope:
+    """The swept and planned layers. A layer calibration cannot rank (no statistics, or inputs it did not span: an
+    embedding with ids the calibration never looks up, fewer rows than the input width; the condition of LR014) is
+    in neither: no plan the search measures factorizes it, so the suggested plan keeps it dense rather than put it in
+    at a data-free rank (a user's ``--plan`` may still name it, and LR014 says so)."""
     from ...kinds.registry import SUPPORTED
 
     swept = [l for l in layers if l.name in tier1.spectra and sweepable(l, settings) and tier1.spans[l.name].spans]
     planned = [l for l in swept if not l.aliases and l.kind in SUPPORTED]
-    names = {l.name for l in planned}
-    fixed: dict[str, int] = {}
-    for layer in layers:
-        sg = suggestions.get(layer.name)
-        if (layer.name in names or sg is None or sg.verdict is not Verdict.FACTORIZE or sg.rank is None
-                or layer.aliases or layer.kind not in SUPPORTED):
-            continue
-        span = tier1.spans.get(layer.name)
-        if span is None or not span.spans:
-            fixed[layer.name] = sg.rank
-    for g in ties:
-        if any(m in fixed for m in g.members) and not all(m in fixed for m in g.members):
-            for m in g.members:
-                fixed.pop(m, None)
-    return Scope(swept, planned, fixed, [*planned, *(l for l in layers if l.name in fixed)], ties)
+    return Scope(swept, planned, list(planned), ties)
 
 
 @dataclass(frozen=True)
@@ -283,7 +268,7 @@ def search(ctx: PassContext, refs: References, tier1: Tier1, scope: Scope, sensi
     t = time.perf_counter()
     with progress.phase("tier 3 plan search", unit="plan"):
         budget = plan_for_budget(model, list(session.layers.values()), session, curves, budget=tiers.budget,
-                                 fixed=scope.fixed, progress=progress.update, reuse=reuse, measurer=refs.search,
+                                 progress=progress.update, reuse=reuse, measurer=refs.search,
                                  backstops=VERIFY_BACKSTOPS if refs.verifier is not None else 0)
     seconds["tier3"] = tier3 + time.perf_counter() - t
     return Searched(budget, rounding, reuse, budget.evaluations + int(rounding is not None), seconds,
@@ -336,7 +321,8 @@ def verified(ctx: PassContext, refs: References, budget: BudgetResult, reuse: Tr
     with ctx.progress.phase("verification", unit="plan"):
         budget = verify(ctx.model, ctx.session, budget, refs, reuse)
     seconds = {"verification": time.perf_counter() - t}
-    v = budget.verification
+    v = budget.verification or next((p.verification for p in sorted(budget.tries, key=lambda p: p.removed)
+                                     if p.verification is not None), None)  # none held: the smallest verified
     warnings: tuple[str, ...] = ()
     if v is not None and v.rows_needed is not None:
         u = v.unseen
@@ -398,8 +384,9 @@ def verify(model: "nn.Module", session: CalibrationSession, budget: BudgetResult
            reuse: TruncatorStore | None = None) -> BudgetResult:
     """Tier 3's plan verified on the held-out rows the search never read: the largest plan that held on the search
     rows whose verification interval ends within the tolerance (at most ``VERIFY_TRIES`` verified, largest first;
-    the smallest verified stands, said to miss or straddle, when none does). The dense model is never verified: it
-    is the reference. ``budget`` is left as it was: the result is a new one, its tries with their verifications."""
+    the empty plan when none does: a plan that misses or straddles is never suggested). The dense model is never
+    verified: it is the reference. ``budget`` is left as it was: the result is a new one, its tries with their
+    verifications."""
     from ..apply import measured_copy
 
     ver = refs.verifier
@@ -426,6 +413,8 @@ def verify(model: "nn.Module", session: CalibrationSession, budget: BudgetResult
     # a try the frontier holds too (the same plan object) shows its verification there as well
     tries, frontier = ([replace(p, verification=done[id(p)]) if id(p) in done else p for p in plans]
                        for plans in (budget.tries, budget.frontier))
+    if not v.ok:  # no plan verified holds: the suggestion is the dense model, never a plan that fails
+        return _dense_plan(session, replace(budget, tries=tries, frontier=frontier), chosen.removed)
     if chosen.plan == budget.plan:
         return replace(budget, tries=tries, frontier=frontier, verification=v)
     total = budget.params_before
@@ -434,6 +423,15 @@ def verify(model: "nn.Module", session: CalibrationSession, budget: BudgetResult
                    params_after=total - chosen.removed, predicted_cost=chosen.predicted_cost, verification=v,
                    smallest_failing=budget.removed if budget.smallest_failing is None
                    else min(budget.smallest_failing, budget.removed))
+
+
+def _dense_plan(session: CalibrationSession, budget: BudgetResult, failing: int) -> BudgetResult:
+    """``budget`` with the empty plan chosen (the dense model: its own value, nothing removed), ``failing`` the
+    smallest plan verified that failed."""
+    dense = 0.0 if session.metric.spec.zero_on_dense else budget.reference
+    low = failing if budget.smallest_failing is None else min(budget.smallest_failing, failing)
+    return replace(budget, plan={}, removed=0, removed_fraction=0.0, metric=dense, ok=True, top1=None,
+                   params_after=budget.params_before, predicted_cost=0.0, verification=None, smallest_failing=low)
 
 
 __all__ = ["Baselined", "Floored", "PassContext", "Recovered", "References", "Scope", "Searched", "Span", "Tier1", "VERIFY_BACKSTOPS",

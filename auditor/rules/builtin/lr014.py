@@ -24,10 +24,10 @@ def lr014(ctx: Context, emit: Emit) -> None:
     With fewer rows than input width the layer's input statistics X^T X are singular: the auditor damps them, but
     the whitened spectrum then describes the few rows it saw, not the model's inputs. A data-aware rank there is
     blind to the rest: 16-character windows on the sample char transformer gave its 128-row position table rank
-    16, which on 128-character inputs gave 0.144 output error. Such layers keep their data-free suggestion and
-    are left out of the measured floors. Random token ids make the study
-    meaningless: a masked LM scored 6% accuracy on such inputs against 89% on real text, so every floor measured on
-    them is wrong.
+    16, which on 128-character inputs gave 0.144 output error. A calibrated suggestion keeps such layers dense (no
+    plan the search measures includes them), and they are left out of the measured floors. Random token ids make
+    the study meaningless: a masked LM scored 6% accuracy on such inputs against 89% on real text, so every floor
+    measured on them is wrong.
 
     ## Example
     ```
