@@ -152,6 +152,29 @@ ALL_FITS = (Fit.INDEPENDENT, Fit.SEQUENTIAL, Fit.LOSS_AWARE, Fit.SEQUENTIAL_REFI
             Fit.SEQUENTIAL_REFIT_CLOSED)  # every fit, in the order a refusal names them
 
 
+DEFAULT_FIT = Fit.SEQUENTIAL
+"""The fit ``auditor.factorize`` and ``lowrank-audit factorize`` use with calibration when none is named, and the
+one the audit's number for a plan is measured with (docs/calibration.md, "The sequential fit": it pays on every model
+measured). Where the calibration holds no rows to fit on (input statistics alone) :func:`default_fit` falls back."""
+
+
+FITTED_WITH = "lowrank_fit"
+"""The attribute ``auditor.factorize`` sets on the copy it returns: the label of the fit its factors came from
+(:attr:`Fit.label`; ``"svd"`` without calibration): where the default fell back, the fallback is named there."""
+
+
+def default_fit(calibration: object, loss_metric: "LossMetric | None" = None) -> Fit:
+    """The fit a caller that names none gets: :data:`DEFAULT_FIT` where ``calibration`` holds rows to fit on (a
+    session, a ``Calibration``, an audit's ``Calibrated`` or data to read: anything but ``InputStatistics`` and
+    None; the sequential fit runs on any model, block by block where its repeated blocks stream
+    (:func:`.statistics.stream.find_blocks`), else the whole model per stage), else the loss-aware fit where a loss
+    metric (a metric with a gradient) is given, else the independent whitened one (input statistics alone; without
+    calibration the factors are the plain SVD's whatever the fit)."""
+    if calibration is not None and not isinstance(calibration, InputStatistics):
+        return DEFAULT_FIT
+    return Fit.LOSS_AWARE if loss_metric is not None and calibration is not None else Fit.INDEPENDENT
+
+
 def _unknown(fit: object) -> AuditError:
     return AuditError(f"fit {fit!r} is not a way to fit the factors",
                       f"Give one of {', '.join(repr(f.label) for f in ALL_FITS)}")

@@ -28,7 +28,7 @@ if TYPE_CHECKING:
     from ..calibration.stage import Calibrated
 
 FITS = ("sequential", "loss-aware", "independent")  # calibration/apply.py's Fit, written out: --help imports no torch
-DEFAULT_FIT = "sequential"  # measured in docs/calibration.md ("The sequential fit")
+# the default fit is calibration/apply.py's DEFAULT_FIT (the library's too), read where the command runs
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -181,9 +181,9 @@ def _options(args: argparse.Namespace, loaded: Any, plan: Any) -> Any:
     if not cal and given:
         raise AuditError(f"{', '.join(given)} {'needs' if len(given) == 1 else 'need'} --calibration",
                          "Pass --calibration FILE")
-    from ..calibration.apply import check_fit
+    from ..calibration.apply import DEFAULT_FIT, check_fit
 
-    check_fit(args.fit or DEFAULT_FIT, args.refit_dense, not args.no_refine, cal, _spelled(args))
+    check_fit(args.fit or DEFAULT_FIT.method, args.refit_dense, not args.no_refine, cal, _spelled(args))
     if args.no_split and args.confidence is not None:  # the level is the verification's, and --no-split has none
         raise AuditError(f"--confidence {args.confidence:g} means nothing with --no-split (no rows are kept apart "
                          "to verify on, so no interval is drawn)", "Drop one of --confidence and --no-split")
@@ -257,11 +257,11 @@ def _make(args: argparse.Namespace, loaded: Any, result: Any, calibrated: "Calib
 
     model = loaded.model
     session = calibrated.session if calibrated is not None else None
-    fit = (args.fit or DEFAULT_FIT) if session is not None else None
     measured_fit = "loss-aware" if calibrated is not None and calibrated.loss_metric is not None else "independent"
-    made_plan = factorize_plan(model, result, calibrated, fit=fit or "independent", refit_dense=args.refit_dense,
-                               refine=not args.no_refine, spelled=_spelled(args))
+    made_plan = factorize_plan(model, result, calibrated, fit=args.fit, refit_dense=args.refit_dense,
+                               refine=not args.no_refine, spelled=_spelled(args))  # args.fit None: the default fit
     plan, new = made_plan.ranks, made_plan.model
+    fit = made_plan.fit.method if session is not None else None
     extra: dict[str, Any] = {"init": "whitened" if session is not None else "svd", "params_before": count_params(model)}
     if fit is not None:
         extra["fit"] = fit
