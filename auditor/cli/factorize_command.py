@@ -217,7 +217,7 @@ def _measured(result: Any) -> dict[str, Any] | None:
     if pc is None:
         return None
     out = {"metric": cr.metric, "value": pc.measured, "holds": pc.ok, "tolerance": cr.tolerance,
-           "predicted": pc.predicted, "top1": pc.top1, "calibration_digest": cr.digest}
+           "predicted": pc.predicted, "top1": pc.top1, "calibration_digest": cr.digest, "fit": pc.fit}
     v = pc.verification
     if v is not None:  # measured on the verification rows, with its interval over them
         out.update(rows=v.rows, interval=[v.low, v.high], confidence=v.confidence, straddles=v.straddles)
@@ -227,6 +227,12 @@ def _measured(result: Any) -> dict[str, Any] | None:
         if why is not None:
             out.update(holds=None, unverified=why)
     return out
+
+
+def _not_the_audits(audited: Any, fit: str) -> str:
+    """Why the audit's number for the plan is not this model's: it measured the model the default fit writes."""
+    return (f"the audit measured this plan fitted {audited.fit} ({audited.measured:.4g}); that number does not apply "
+            f"to this model, fitted {fit}: measured again on it")
 
 
 @dataclass
@@ -257,7 +263,6 @@ def _make(args: argparse.Namespace, loaded: Any, result: Any, calibrated: "Calib
 
     model = loaded.model
     session = calibrated.session if calibrated is not None else None
-    measured_fit = "loss-aware" if calibrated is not None and calibrated.loss_metric is not None else "independent"
     made_plan = factorize_plan(model, result, calibrated, fit=args.fit, refit_dense=args.refit_dense,
                                refine=not args.no_refine, spelled=_spelled(args))  # args.fit None: the default fit
     plan, new = made_plan.ranks, made_plan.model
@@ -269,15 +274,21 @@ def _make(args: argparse.Namespace, loaded: Any, result: Any, calibrated: "Calib
         extra["refit_dense"] = _refitted(model, new)
     if fit == "sequential":
         extra["block_refinement"] = not args.no_refine
-    if fit is not None and fit != measured_fit and result.calibration is not None:  # the check measured another fit
+    audited = result.calibration.plan_check if result.calibration is not None else None
+    if fit is not None and audited is not None and audited.layers and audited.fit != made_plan.fit.label:
         from dataclasses import replace
 
         from ..calibration.stage import check_factorized
 
-        result = replace(result, calibration=check_factorized(result.calibration, calibrated, model, new))
+        # the audit's number is of the default fit's model: this one is measured again, and plan.json says so
+        result = replace(result, calibration=check_factorized(result.calibration, calibrated, model, new,
+                                                              made_plan.fit.label))
     measured = _measured(result)
     if measured is not None:
         extra["measured"] = measured
+        if audited is not None and audited.fit != measured["fit"]:
+            measured["audit"] = {"fit": audited.fit, "value": audited.measured, "applies": False,
+                                 "note": _not_the_audits(audited, made_plan.fit.label)}
     made = _Made(loaded, model, plan, new, session, extra, result)
     if recovery is not None:
         extra["recovery"] = cli_recover(recovery, new, model, session if session is not None else made.calibration,
@@ -342,6 +353,9 @@ def _say(out: Path, made: _Made, result: Any, exported: list[str]) -> None:
           f"{_refit_words(made.extra.get('refit_dense'))}", file=sys.stderr)
     cr = result.calibration
     pc = cr.plan_check if cr is not None else None
+    audit = (made.extra.get("measured") or {}).get("audit")
+    if audit is not None:
+        print(f"note: {audit['note']}", file=sys.stderr)
     if pc is not None:
         pred = f"predicted {_value(cr, pc.predicted)} (layer-level), " if pc.predicted is not None else ""
         v = pc.verification
