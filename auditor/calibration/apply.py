@@ -303,8 +303,13 @@ def sequential(calibration: "CalibrationGiven", model: nn.Module,
     if not isinstance(calibration, Calibration):
         raise AuditError(f"the sequential fit needs the calibration rows; {type(calibration).__name__} holds none",
                          "Pass a CalibrationSession or a Calibration (load_calibration), or fit='independent'")
+    from threadpoolctl import threadpool_limits
+
     moments = loss_metric.moments if loss_metric is not None else None
-    return sequential_fit(model, resolved, calibration, moments=moments, refit=refit, refine=EPOCHS if refine else 0)
+    with threadpool_limits(limits=1, user_api="blas"):  # NumPy's BLAS on one thread, as the audit's stage runs it:
+        # the audit's plan check and factorize then fit the same factors to the bit
+        return sequential_fit(model, resolved, calibration, moments=moments, refit=refit,
+                              refine=EPOCHS if refine else 0)
 
 
 class _MappedFactors:
@@ -420,3 +425,17 @@ def measured_copy(model: nn.Module, plan: dict[str, int], stats: InputStatistics
     new = replace_layers(model, resolved, truncation(stats, reuse), share=True, built=built)
     mapped.attach(new)
     return new
+
+
+def fitted_copy(model: nn.Module, plan: dict[str, int], calibration: "CalibrationGiven", fit: Fit,
+                loss_metric: "LossMetric | None" = None) -> nn.Module:
+    """``factorize(model, plan, calibration, fit=fit, loss_metric=loss_metric, share=True)`` for measuring the plan as
+    ``factorize`` writes it: the sequential fit's factors (without the dense refit) put in a :func:`measured_copy`,
+    so that what the copy holds in memory at once is one block's factors, as for the search's copies (the fit itself
+    keeps the planned layers' fitted weights while it runs: :mod:`.statistics.sequential`); other fits as
+    ``factorize`` makes them, shared."""
+    if fit.sequential and not fit.refits and not isinstance(calibration, InputStatistics):
+        done = sequential(calibration, model, checked_plan(model, plan), None, fit.refines, loss_metric=loss_metric)
+        return measured_copy(model, plan, None, done.truncators)
+    return factorize(model, plan, calibration, fit=fit, loss_metric=loss_metric, share=True)
+

@@ -397,7 +397,7 @@ def fitted_measurement(model: "nn.Module", session: CalibrationSession, refs: Re
     the plan check measures: on the verification rows with the interval in a split session (a
     :class:`Verification`, whose ``fit`` names the fit), else on the held-out rows (a ``Measurement``); the fit's
     label (:attr:`~auditor.calibration.apply.Fit.label`); the parameters the plan removes."""
-    from ..apply import default_fit, factorize
+    from ..apply import default_fit, fitted_copy
     from ..data.inputs import eval_mode
     from ...surgery import checked_plan, count_params
     from .sensitivity import loss_metric_for
@@ -406,7 +406,7 @@ def fitted_measurement(model: "nn.Module", session: CalibrationSession, refs: Re
     with session.measuring():
         planned = [l for l, _ in checked_plan(model, plan).values()]
         moments = loss_metric_for(session, model, planned, fit, kept=loss_metric)
-        new = factorize(model, plan, session, fit=fit, loss_metric=moments, share=True)
+        new = fitted_copy(model, plan, session, fit, moments)  # one block's factors alive at once
         removed = count_params(model) - count_params(new)
         with eval_mode(new):
             if refs.verifier is None:
