@@ -34,7 +34,7 @@ from .statistics.stream import compute_dtype_for
 from .measure.metric import Measurement, Metric
 from .session import STATS_KINDS, CalibrationSession, _statistics, cache_path, metric_of, statistics_memory
 from .statistics.stats import InputStatistics
-from .statistics.whiten import LossMetric, TruncatorStore, WhitenedSpectrum
+from .statistics.whiten import LossMetric, WhitenedSpectrum
 from .references import References
 from .tiers import passes
 from .tiers.fisher import GradientSensitivity
@@ -63,7 +63,6 @@ class Calibrated:
     spectra: dict[str, WhitenedSpectrum]
     sweep: str = ""  # where tier 2 ran: "local", "dask tcp://HOST:PORT (N workers)"; empty without tier 2
     gradients: "GradientSensitivity | None" = None  # the gradient sensitivity tier 3 searched over, if any
-    reuse: "TruncatorStore | None" = None  # tier 3's decompositions, reused by the plan check
     loss_metric: "LossMetric | None" = None  # the gradient pass's loss-aware truncations and moments (factorize)
 
     @property
@@ -135,8 +134,8 @@ def calibrate(model: nn.Module, layers: list[Layer], settings: "Settings", optio
             tiers_run = Tiers(t1, refs, floored, sens, searched, recovered, verified, based)
             return Calibrated(_report(ctx.session, options, tiers_run), ctx.session, refs, t1.spectra,
                               floored.where if floored is not None else "",
-                              sens.gradients if isinstance(sens, Gradients) else None, searched.reuse,
-                              sens.loss_metric)
+                              sens.gradients if isinstance(sens, Gradients) else None,
+                              loss_metric=sens.loss_metric)
     finally:
         model.train(was_training)
 

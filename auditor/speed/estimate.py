@@ -207,7 +207,7 @@ def stage_seconds(sh: Shapes, wl: Workload, me: Measurements) -> dict[str, float
     factors = sum(2.0 * _cube(s) for s in sh.layers) / me.gemm_flops
     out["statistics"] = _batches(wl.fit_rows, b) * fwd + grams + decomp
     out["gradients"] = _batches(r["gradient"], b) * (GRADIENT_PASSES * fwd + SAMPLES * bwd) + decomp
-    # tier 3's decompositions (one per layer, kept for the search, the verification and the plan check) are made by
+    # tier 3's decompositions (one per layer, kept for the search and the verification's candidates) are made by
     # the rounding floor of a bf16 / fp16 model (every layer at full rank, its dense reference and one measurement on
     # the search rows), else by the search's first plans
     tier3_decomp = decomp

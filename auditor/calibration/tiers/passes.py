@@ -259,7 +259,7 @@ def search(ctx: PassContext, refs: References, tier1: Tier1, scope: Scope, sensi
 
     model, session, progress = ctx.model, ctx.session, ctx.progress
     seconds: dict[str, float] = {}
-    # each layer decomposed once for the rounding floor, the search, the verification and the plan check; one part
+    # each layer decomposed once for the rounding floor, the search and the verification's candidates; one part
     # of the model's decompositions in memory (a block's, or the largest outside layer's), the rest on disk; the
     # gradient pass's loss-aware truncations where it made them
     given = sensitivity.reuse if isinstance(sensitivity, Gradients) else None
