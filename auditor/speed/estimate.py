@@ -322,10 +322,13 @@ def predict(sh: Shapes, wl: Workload, me: Measurements, available: int | None = 
 
 
 def _note(stage: str, sh: Shapes) -> str:
-    """What dominates a stage's memory, in words (the statistics: float64 Grams n x n, one per layer input)."""
-    if stage != "statistics" or not sh.layers:
+    """What dominates a stage's memory, in words (the statistics: float64 Grams n x n, one per layer input; the
+    verification and the plan check: the default fit's float64 Grams C and G and each planned layer's whitening)."""
+    if stage not in ("statistics", "verification", "plan check") or not sh.layers:
         return ""
     n = max(n for _, n in sh.layers)
+    if stage != "statistics":
+        return f"the sequential fit's float64 Grams and whitenings n x n, the largest {n:,} x {n:,}"
     return f"float64 input Grams n x n, the largest {n:,} x {n:,}"
 
 
