@@ -286,7 +286,7 @@ def audit_source(spec: str, *, plan: Any = None, options: AuditOptions | None = 
 
 @scoped
 def factorize(model: "nn.Module", plan: "PlanGiven", calibration: "FitCalibration | None" = None, *,
-              fit: "Fit | str" = "independent", refit_dense: bool = False, refine: bool = True) -> "nn.Module":
+              fit: "Fit | str | None" = None, refit_dense: bool = False, refine: bool = True) -> "nn.Module":
     """A deep copy of ``model`` with each planned layer replaced by two (``model`` is left untouched).
 
     ``plan``: ``{layer name: rank}``, or anything :func:`audit` accepts as a plan (a TOML/JSON path, a
@@ -295,16 +295,20 @@ def factorize(model: "nn.Module", plan: "PlanGiven", calibration: "FitCalibratio
     the plain SVD of each weight), an audit's :class:`auditor.calibration.stage.Calibrated` (its session's
     statistics and its gradient pass's loss metric are reused), a ``CalibrationSession`` (its statistics are
     reused), a ``Calibration``, ``InputStatistics``, or any source :func:`auditor.calibration.load_calibration`
-    reads (a path, a dict of tensors; its default 25% held out): the factors then come from the whitened truncation
-    on the calibration part. ``fit``: a label below or a :class:`auditor.calibration.apply.Fit`.
+    reads (a path, a dict of tensors; its default 25% held out): the factors then come from the calibration part,
+    fitted as ``fit`` says. ``fit``: a label below or a :class:`auditor.calibration.apply.Fit`; None (the
+    default): the fit ``lowrank-audit factorize`` uses by default and the audit measures its plan with
+    (:data:`auditor.calibration.apply.DEFAULT_FIT`, the sequential fit), falling back where the calibration holds no
+    rows (``InputStatistics``) to the independent fit (:func:`auditor.calibration.apply.default_fit`); the copy's
+    ``lowrank_fit`` attribute names the fit used (``"svd"`` without calibration). ``fit="independent"``: each
+    layer whitened alone under the dense model's inputs (SVD-LLM).
     ``fit="loss-aware"``: each layer truncated in the metric the audit's loss gradient puts on its outputs and
     inputs (what the audit measures; one gradient pass, or the one an audit's ``Calibrated`` keeps;
     docs/calibration.md, "Loss-aware truncation"). ``fit="sequential"``: each layer's factors fitted on the inputs
     the factorized layers before it produce, truncated loss-aware where the metric has a gradient (needs calibration
-    rows, not statistics; what ``lowrank-audit factorize`` does by default; docs/calibration.md, "The sequential
-    fit"). ``refit_dense=True`` (sequential fit only): the Linear layers the plan keeps dense are refitted at full
-    rank on the inputs the factorized layers give them, anchored to their dense outputs (their weights change, their
-    shapes and the parameter count do not). ``refine=False`` (sequential fit only): the closed-form factors, without
+    rows, not statistics; the default; docs/calibration.md, "The sequential fit"). ``refit_dense=True`` (sequential
+    fit only): the Linear layers the plan keeps dense are refitted at full rank on the inputs the factorized layers
+    give them, anchored to their dense outputs (their weights change, their shapes and the parameter count do not). ``refine=False`` (sequential fit only): the closed-form factors, without
     the block refinement that trains each repeated block's factors together on the block's output
     (docs/calibration.md, "Block refinement"). The review, the refusals and the fit are
     :func:`auditor.pipeline.factorize_plan`'s, which ``lowrank-audit factorize`` runs too.

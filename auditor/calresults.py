@@ -171,6 +171,7 @@ class Verification:
     search_rows: int = 0  # the held-out rows the search measured on
     reference: float | None = None  # the dense model's perplexity on the verification rows (perplexity metrics)
     unseen: UnseenInterval | None = None  # the interval for a document the tool never read
+    fit: str = ""  # how the measured model's factors were fitted (apply.Fit.label); "": the search's truncation
 
     def words(self, tolerance: float, metric: str = "") -> str:
         """"<metric> V (90% interval L to H over N verification rows): within/straddles/misses the tolerance T"."""
@@ -379,7 +380,8 @@ class BudgetResult:
 
 @dataclass
 class PlanCheck:
-    """The reviewed plan (or the suggested ranks) applied all at once with whitened initialisation and measured."""
+    """The reviewed plan (or the suggested ranks) applied all at once, fitted as ``factorize`` fits it by default
+    (``fit``), and measured."""
 
     layers: int  # planned layers that were factorized
     left_out: list[str]  # planned layers factorize() cannot rewrite (RNN, attention in-projections, tied weights)
@@ -390,6 +392,7 @@ class PlanCheck:
     removed: int = 0  # parameters removed by the factorized layers
     basis: str = ""  # what the e_l are: tier-1 layer-output errors, or single-layer model errors (tier 2)
     verification: Verification | None = None  # measured on the verification rows, with its interval
+    fit: str = ""  # the fit of the model measured (apply.Fit.label): the one factorize writes with default flags
 
 
 @dataclass

@@ -483,26 +483,35 @@ class Factorized:
 
     ranks: dict[str, int]
     model: nn.Module
+    fit: "Fit"  # the fit the factors came from (the default's fallback named; without calibration: the SVD's)
+    calibrated: bool = True  # whether calibration was given (False: the plain SVD, whatever ``fit`` says)
+
+    @property
+    def fit_label(self) -> str:
+        """The fit in words, as plan.json writes it: :attr:`Fit.label`, or ``"svd"`` without calibration."""
+        return self.fit.label if self.calibrated else "svd"
 
 
 def factorize_plan(model: nn.Module, plan: "PlanGiven", calibration: "FitCalibration | None" = None, *,
-                   fit: "Fit | str" = "independent", refit_dense: bool = False, refine: bool = True,
+                   fit: "Fit | str | None" = None, refit_dense: bool = False, refine: bool = True,
                    spelled: "Spelling | None" = None) -> Factorized:
-    """The one orchestration of ``auditor.factorize`` and ``lowrank-audit factorize``: the fit's flags checked
-    (before any review or gradient pass is paid for), the plan reviewed (:func:`reviewed_ranks`), the calibration
+    """The one orchestration of ``auditor.factorize`` and ``lowrank-audit factorize``: the fit resolved (``fit``
+    None: :func:`auditor.calibration.apply.default_fit`, the sequential fit wherever the calibration holds rows) and
+    its flags checked (before any review or gradient pass is paid for), the plan reviewed (:func:`reviewed_ranks`), the calibration
     resolved (data becomes a session with the metric the audit would pick; an audit's :class:`Calibrated` gives its
     session and its gradient pass's loss metric), the loss-aware and sequential fits' loss metric (the kept one where
     it covers the plan, else one gradient pass), then the plan applied (:func:`auditor.calibration.apply.factorize`)
     in the dtype the session measured in. ``spelled``: how the caller names its options in a refusal (default: the
     library's keywords, :data:`auditor.calibration.apply.LIBRARY`)."""
-    from .calibration.apply import LIBRARY, factorize, fit_of
+    from .calibration.apply import FITTED_WITH, LIBRARY, default_fit, factorize, fit_of
     from .calibration.session import CalibrationSession
     from .calibration.stage import computing, session_dtype
     from .calibration.tiers.sensitivity import loss_metric_for
     from .surgery import checked_plan
 
     spelled = spelled or LIBRARY
-    chosen = fit_of(fit).with_flags(refit_dense, refine, calibration is not None, spelled)
+    chosen = (default_fit(calibration) if fit is None else fit_of(fit)).with_flags(
+        refit_dense, refine, calibration is not None, spelled)
     if not isinstance(model, nn.Module):
         raise AuditError(f"factorize() needs the model as an nn.Module, got {type(model).__name__}",
                          "Load the model's code (a factory or a Hugging Face directory), not only its weights")
@@ -512,7 +521,10 @@ def factorize_plan(model: nn.Module, plan: "PlanGiven", calibration: "FitCalibra
     with computing(model, session_dtype(session) if session is not None else None):  # as the audit measured
         loss_metric = None if session is None else loss_metric_for(
             session, model, [l for l, _ in checked_plan(model, ranks).values()], chosen, spelled, kept)
-        return Factorized(ranks, factorize(model, ranks, given, fit=chosen, loss_metric=loss_metric))
+        made = Factorized(ranks, factorize(model, ranks, given, fit=chosen, loss_metric=loss_metric), chosen,
+                          given is not None)
+    setattr(made.model, FITTED_WITH, made.fit_label)
+    return made
 
 
 def reviewed_ranks(model: nn.Module, plan: "PlanGiven", spelled: "Spelling") -> dict[str, int]:

@@ -23,7 +23,8 @@ if os.environ.get("PYTEST_XDIST_WORKER"):  # `make test`'s workers share the cor
 LONGEST_FIRST = ("tests/test_report_consistency.py", "tests/corpus/test_corpus.py", "tests/test_ties.py",
                  "tests/test_plan_holds.py", "tests/test_md_render.py", "tests/test_report_pdf_bounds.py",
                  "tests/test_checkpoints.py", "tests/test_speed.py", "tests/test_hardening_round5_edges2.py",
-                 "tests/test_hardening_round5_exec.py", "tests/test_integrations.py")
+                 "tests/test_hardening_round5_exec.py", "tests/test_integrations.py",
+                 "tests/test_sequential_fit.py")  # the char transformer's factorize, command and library
 
 
 def pytest_collection_modifyitems(config, items):

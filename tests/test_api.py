@@ -90,8 +90,10 @@ def test_factorize_with_calibration_data_matches_the_statistics_route():
     cal = load_calibration(data, model)
     want = factorize(model, {"2": 3}, input_statistics(model, [resolve_plan(model, {"2": 3})["2"][0]], cal)).state_dict()
     for given in (data, cal):
-        got = auditor.factorize(model, {"2": 3}, calibration=given).state_dict()
+        got = auditor.factorize(model, {"2": 3}, calibration=given, fit="independent").state_dict()
         assert list(got) == list(want) and all(torch.equal(got[k], want[k]) for k in want)
+    default = auditor.factorize(model, {"2": 3}, calibration=cal)  # the default fit: the command's, named
+    assert default.lowrank_fit == "sequential" and not torch.equal(default.state_dict()["2.0.weight"], want["2.0.weight"])
     plain = auditor.factorize(model, {"2": 3}).state_dict()
     assert not torch.equal(plain["2.0.weight"], want["2.0.weight"])  # the whitened factors differ from the SVD's
 

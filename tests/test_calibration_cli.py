@@ -111,9 +111,10 @@ def test_tier1_ranks_and_suggestions_are_the_librarys(cli_inproc, calib, tmp_pat
     assert bp.smallest_failing is not None and any(not t.ok and t.removed > bp.removed for t in bp.tries)
     assert not got["measured_floors"] and got["budget"]["budget"] is None and not got["statistics_cached"]
     assert got["budget"]["source"] == "tier1" and all(not lc["probes"] for lc in got["layers"].values())
-    pc = got["plan_check"]  # the suggested plan, factorized all at once and measured on the verification rows
-    ev = auditor.calibration.Evaluator(model, verify)
-    want = ev.measure(factorize(model, plan, stats))
+    pc = got["plan_check"]  # the suggested plan, factorized all at once as auditor.factorize writes it by default
+    ev = auditor.calibration.Evaluator(model, verify)  # and measured on the verification rows
+    want = ev.measure(auditor.factorize(model, plan, calibration=cal))
+    assert pc["fit"] == "sequential" and ev.measure(factorize(model, plan, stats)).value > want.value  # the search's
     assert pc["layers"] == len(plan) and pc["measured"] == pytest.approx(want.value, rel=1e-9)
     assert pc["ok"] is want.ok is True and pc["removed"] == sum(
         l.params - l.params_at(r) for l, r in resolve_plan(model, plan).values())

@@ -308,8 +308,9 @@ def test_large_arrays_are_mapped_where_glibc_is_the_allocator():
 
 def test_the_plan_check_measures_the_reviewed_plan_with_one_blocks_factors_mapped(monkeypatch, tmp_path):
     """The plan check builds its copy with measured_copy too (the 7B audit's peak was its copy of every factor):
-    the reviewed plan, which no search would choose (ranks 7 and 5), is measured on a copy whose blocks' factors
-    are mapped while each block runs; the number it reports is that copy's."""
+    the reviewed plan, which no search would choose (ranks 7 and 5), fitted as factorize writes it by default (the
+    sequential fit), is measured on a copy whose blocks' factors are mapped while each block runs; the number it
+    reports is that copy's."""
     from safetensors.torch import save_file
 
     import auditor
@@ -336,5 +337,5 @@ def test_the_plan_check_measures_the_reviewed_plan_with_one_blocks_factors_mappe
                       cache=False, progress=False)
     check = a.calibration.plan_check
     assert check is not None and check.layers == 2 and check.measured == check.measured  # measured, not NaN
-    assert copies[-1] == plan  # the last copy made is the plan check's
+    assert copies[-1] == plan and check.fit == "sequential"  # the last copy made is the plan check's
     assert sorted({i for p, i in mapped if p == plan}) == [0, 2]  # its factors mapped block by block

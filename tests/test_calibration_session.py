@@ -99,15 +99,14 @@ def test_cli_factorize_reuses_the_audits_statistics_and_records_the_exported_mod
     evaluators = _count_evaluators(monkeypatch)
     verifiers = _count_evaluators(monkeypatch, Verifier)
     out = tmp_path / "fact"
-    r = cli_inproc("factorize", MODEL, "--plan", plan, "--calibration", calib, "-o", out,
-                   "--fit", "loss-aware")  # the fit the audit's plan check measured (its gradient pass's)
-    assert r.returncode == 0, r.stderr
+    r = cli_inproc("factorize", MODEL, "--plan", plan, "--calibration", calib, "-o", out)  # the default fit: the
+    assert r.returncode == 0, r.stderr  # one the audit's plan check measured
     assert stats_calls[0] == 0  # read from the cache the audit wrote, once, and used for the factors too
     # the dense reference of each held-out row once: tier 3's search rows (their head, and their tail for the
     # plans near the tolerance: auditor/calibration/measure/staged.py) and the verification rows the plan check reads
     assert evaluators[0] == 0 and verifiers[0] == 3
     meta = json.loads((out / "plan.json").read_text())
-    assert meta["init"] == "whitened"
+    assert meta["init"] == "whitened" and meta["fit"] == "sequential" == meta["measured"]["fit"]
     back = load_factorized(model, out)
     cal = load_calibration(calib, model, 0.25)
     from auditor.calibration.measure.verify import split_rows, with_holdout

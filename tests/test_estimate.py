@@ -40,7 +40,10 @@ def test_stage_seconds_exact():
         "gradients": 6 * (2 * fwd + 2 * 2.625) + decomp,  # every fit row (4096 positions / 16 > 24)
         # search half: 4 rows; 10 plans, 3 on every row; each layer decomposed once, kept across the plans
         "tier 3": (4 + 7 * 4 + 3 * 4) / 4 * fwd + 10 * factors + decomp,
-        "verification": 2 * 1 * fwd + factors, "plan check": factors})
+        # the chosen plan's default (sequential) fit: 2 runs per stage (at most one a layer of the block's 2) and
+        # fit batch, C and G per layer, each W* truncated, the refinement's 8 epochs forward and backward per batch
+        "verification": 2 * 1 * fwd + factors + (2 * 2 * 6 * fwd + 2 * grams + decomp + 8 * 6 * (fwd + 2.625)),
+        "plan check": factors})
     assert s["statistics"] == pytest.approx(162.70966666)
     # bfloat16 weights: the rounding floor (every layer at full rank, the dense reference and one measurement on the
     # 4 search rows) makes tier 3's decompositions before the search
@@ -60,9 +63,12 @@ def test_peak_disk_and_device_exact():
     assert by["gradients"] == 1100 + 3 * 2560 + 2 * 256 + 1000 + 256 + 3 * 4 * 16 * 10 * 4 + 640 == 18868
     assert e.peak_rss_bytes == 18868
     # tier 3, the verification and the plan check: one block's factors at a time (192 bytes) and the head's, outside
-    # the blocks (112), not every layer's (496)
+    # the blocks (112), not every layer's (496); the last two fit the plan as factorize does: every fitted weight
+    # (float32), every truncator (float64), three kept hidden states per fit batch and one block's Grams
+    fit = 4 * (4 * 32 + 40) + 8 * (2 * (8 * 4 + 16) + 2 * (4 * 4 + 64) + (10 * 4 + 16)) + 3 * 6 * 256 + 1664
     assert (by["tier 3"], by["verification"], by["plan check"]) == (1100 + 5120 + 1000 + 304 + 1664,
-                                                                     1100 + 5120 + 1000 + 304, 1100 + 5120 + 1000 + 304)
+                                                                     1100 + 5120 + 1000 + 304 + fit,
+                                                                     1100 + 5120 + 1000 + 304 + fit)
     assert e.disk_bytes == 2 * (20000 + 2000 * 5) + 8 * 176 + 2496 + 640
     assert e.peak_device_bytes is None
     on = est.predict(SHAPES, est.Workload(**{**WORK.__dict__, "device": "cuda", "offload": True}), MEASURED)

@@ -358,8 +358,9 @@ def test_the_grams_memory_is_estimated_before_allocating(cli_inproc, src, monkey
     monkeypatch.setattr(backend, "available_memory", lambda: 16 << 30)
     line = one_line(cli_inproc(f"{src}:wide", "-q", "--no-spectra", "--calibration", f"{src}:wide_cal", "--holdout",
                                "0", "--no-cache"), 2,
-                    "of host memory (in its statistics stage: float64 input Grams n x n, the largest 100,000 x "
-                    "100,000) but 16,384 MiB is available")
+                    "of host memory (in its verification stage: the sequential fit's float64 Grams and whitenings "
+                    "n x n, the largest 100,000 x 100,000) but 16,384 MiB is available")  # the plan fitted as
+    #                  factorize writes it (the number the audit states) holds two Grams and a whitening per input
     assert "--estimate prints each stage's cost" in line
     from auditor.calibration.session import _check_memory
     from auditor.sources import load_source

@@ -123,12 +123,12 @@ def test_the_registered_metric_gets_tier1_targets_floors_the_plan_search_the_pla
         if f.cliff_rank is not None:
             assert f.cliff_metric < 0.98
     name, f = next(iter(floors.items()))
-    alone = auditor.factorize(model, {name: f.floor}, calib)
+    alone = auditor.factorize(model, {name: f.floor}, calib, fit="independent")  # what tiers 2 and 3 measure
     assert f.metric_at_floor == pytest.approx(_agreement(alone, model, held), abs=1.5 / len(held))
     # tier 3: the plan searched holds, measured all at once on the held-out rows
     b = cal.budget
     assert b is not None and b.plan and b.ok and b.metric >= 0.98 and b.removed > 0
-    searched = auditor.factorize(model, b.plan, calib)
+    searched = auditor.factorize(model, b.plan, calib, fit="independent")
     assert b.metric == pytest.approx(_agreement(searched, model, held), abs=1.5 / len(held))
     # the plan check: the reviewed plan at once, judged against the dense value
     pc = cal.plan_check

@@ -81,14 +81,25 @@ def test_emitted_plan_holds_when_factorized(cli_inproc, calib, tmp_path, tier):
     # the emitted plan is the plan that holds, and says how its ranks were chosen
     plan = (tmp_path / "plan.toml").read_text()
     assert "spectral energy" not in plan.splitlines()[1] and "all at once" in plan
-    # factorize applies it; its own measurement on the held-out rows is the audit's
+    # the audit's number is the model factorize writes with default flags (the sequential fit), named
+    assert pc["fit"] == pc["verification"]["fit"] == "sequential"
     f = cli_inproc("factorize", MODEL, "--plan", tmp_path / "plan.toml", "--calibration", calib, "--no-cache",
-                   "-o", tmp_path / "fact", "--fit", "loss-aware" if tier == "tier1" else "independent")  # the fit
-    #                  the audit's plan check measured: the gradient pass's truncations, or (tier 2) the whitened ones
+                   "-o", tmp_path / "fact")
     assert f.returncode == 0, f.stderr
     meta = json.loads((tmp_path / "fact" / "plan.json").read_text())
-    assert meta["plan"] == suggested
+    assert meta["plan"] == suggested and meta["fit"] == "sequential" and "audit" not in meta["measured"]
     assert meta["measured"]["holds"] and meta["measured"]["value"] == pytest.approx(pc["measured"], rel=1e-9)
+    assert meta["measured"]["fit"] == "sequential" and "does not apply" not in f.stderr
+    if tier == "tier1":  # another fit: measured again on the written model, and the audit's number said not to apply
+        g = cli_inproc("factorize", MODEL, "--plan", tmp_path / "plan.toml", "--calibration", calib, "--no-cache",
+                       "-o", tmp_path / "other", "--fit", "independent")
+        other = json.loads((tmp_path / "other" / "plan.json").read_text())["measured"]
+        assert other["fit"] == "independent" and other["value"] != pc["measured"]
+        assert other["audit"] == {"fit": "sequential", "value": pc["measured"], "applies": False,
+                                  "note": f"the audit measured this plan fitted sequential ({pc['measured']:.4g}); "
+                                          "that number does not apply to this model, fitted independent: measured "
+                                          "again on it"}
+        assert f"note: {other['audit']['note']}" in g.stderr
     # every format says the same verdict, and it names the all-at-once measurement
     v = _verdicts(out, r.stdout)
     assert v["json"].startswith("PASS") and "measured all at once" in v["json"]

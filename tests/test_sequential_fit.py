@@ -283,4 +283,41 @@ def test_the_command_lines_fits_are_the_librarys() -> None:
         Fit("independent", refine=False)
     with pytest.raises(AuditError, match="fit 'greedy' is not a way to fit the factors"):
         Fit("greedy")  # type: ignore[arg-type]
-    assert factorize_command.DEFAULT_FIT in factorize_command.FITS
+    from auditor.calibration.apply import DEFAULT_FIT
+
+    assert DEFAULT_FIT.method in factorize_command.FITS and not hasattr(factorize_command, "DEFAULT_FIT")  # one constant
+
+
+def test_the_library_default_writes_what_the_command_writes(cli_inproc, tmp_path) -> None:
+    """One fit: ``auditor.factorize(model, plan, calibration=...)`` with default flags fits as ``lowrank-audit
+    factorize`` does by default (apply.DEFAULT_FIT, the sequential fit with block refinement) on the char
+    transformer, and says so; input statistics alone (no rows to fit on) fall back to the independent fit, named."""
+    import json
+
+    from safetensors.torch import load_file
+
+    import auditor
+    from auditor.calibration import input_statistics, load_calibration
+    from auditor.calibration.apply import DEFAULT_FIT, Fit, default_fit
+    from chargpt import chargpt
+
+    calib, held = "sample_models/chargpt_calib.safetensors", "sample_models/chargpt_holdout.safetensors"
+    plan = tmp_path / "plan.toml"
+    plan.write_text('[ranks]\n"blocks.*.fc" = 48\n"blocks.*.out" = 48\n"blocks.*.q" = 32\n"blocks.*.k" = 32\n',
+                    encoding="utf-8")
+    r = cli_inproc("factorize", "sample_models/chargpt.py:chargpt", "--plan", plan, "--calibration", calib,
+                   "--holdout", held, "--no-cache", "--allow-miss", "-o", tmp_path / "fact")
+    assert r.returncode == 0, r.stderr
+    meta = json.loads((tmp_path / "fact" / "plan.json").read_text())
+    assert meta["fit"] == DEFAULT_FIT.method == "sequential" and meta["block_refinement"] is True
+    model = chargpt()[0]
+    new = auditor.factorize(model, meta["plan"], calibration=load_calibration(calib, model, holdout=held))
+    assert new.lowrank_fit == DEFAULT_FIT.label == "sequential"
+    written, got = load_file(str(tmp_path / "fact" / "model.safetensors")), new.state_dict()
+    assert sorted(written) == sorted(got)
+    assert all(torch.allclose(written[k], got[k], rtol=1e-4, atol=1e-6) for k in written)
+    stats = input_statistics(model, [l for l, _ in checked_plan(model, {"blocks.0.fc": 48}).values()],
+                             load_calibration(calib, model, holdout=held))
+    assert default_fit(stats) == Fit.INDEPENDENT and default_fit(None) == Fit.INDEPENDENT
+    assert auditor.factorize(model, {"blocks.0.fc": 48}, calibration=stats).lowrank_fit == "independent"
+    assert auditor.factorize(model, {"blocks.0.fc": 48}).lowrank_fit == "svd"

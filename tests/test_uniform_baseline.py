@@ -108,7 +108,9 @@ def test_the_digits_numbers_at_the_reports_precision(digits_audit):
                                            f"truncation {got[4]}")
 
 
-EXPECTED_DIGITS = (402_432, 402_240, "5.6%", "1.59%", "43.6%")  # on CPU, one thread
+# on CPU, one thread; the plan's verification is the model factorize writes by default (the sequential fit): 1.40%
+# (it was 1.59% measured with the search's truncation before the audit stated the default fit's number)
+EXPECTED_DIGITS = (402_432, 402_240, "5.6%", "1.40%", "43.6%")
 
 
 def test_every_format_shows_the_baseline(digits_audit):

@@ -152,6 +152,29 @@ ALL_FITS = (Fit.INDEPENDENT, Fit.SEQUENTIAL, Fit.LOSS_AWARE, Fit.SEQUENTIAL_REFI
             Fit.SEQUENTIAL_REFIT_CLOSED)  # every fit, in the order a refusal names them
 
 
+DEFAULT_FIT = Fit.SEQUENTIAL
+"""The fit ``auditor.factorize`` and ``lowrank-audit factorize`` use with calibration when none is named, and the
+one the audit's number for a plan is measured with (docs/calibration.md, "The sequential fit": it pays on every model
+measured). Where the calibration holds no rows to fit on (input statistics alone) :func:`default_fit` falls back."""
+
+
+FITTED_WITH = "lowrank_fit"
+"""The attribute ``auditor.factorize`` sets on the copy it returns: the label of the fit its factors came from
+(:attr:`Fit.label`; ``"svd"`` without calibration): where the default fell back, the fallback is named there."""
+
+
+def default_fit(calibration: object, loss_metric: "LossMetric | None" = None) -> Fit:
+    """The fit a caller that names none gets: :data:`DEFAULT_FIT` where ``calibration`` holds rows to fit on (a
+    session, a ``Calibration``, an audit's ``Calibrated`` or data to read: anything but ``InputStatistics`` and
+    None; the sequential fit runs on any model, block by block where its repeated blocks stream
+    (:func:`.statistics.stream.find_blocks`), else the whole model per stage), else the loss-aware fit where a loss
+    metric (a metric with a gradient) is given, else the independent whitened one (input statistics alone; without
+    calibration the factors are the plain SVD's whatever the fit)."""
+    if calibration is not None and not isinstance(calibration, InputStatistics):
+        return DEFAULT_FIT
+    return Fit.LOSS_AWARE if loss_metric is not None and calibration is not None else Fit.INDEPENDENT
+
+
 def _unknown(fit: object) -> AuditError:
     return AuditError(f"fit {fit!r} is not a way to fit the factors",
                       f"Give one of {', '.join(repr(f.label) for f in ALL_FITS)}")
@@ -280,8 +303,13 @@ def sequential(calibration: "CalibrationGiven", model: nn.Module,
     if not isinstance(calibration, Calibration):
         raise AuditError(f"the sequential fit needs the calibration rows; {type(calibration).__name__} holds none",
                          "Pass a CalibrationSession or a Calibration (load_calibration), or fit='independent'")
+    from threadpoolctl import threadpool_limits
+
     moments = loss_metric.moments if loss_metric is not None else None
-    return sequential_fit(model, resolved, calibration, moments=moments, refit=refit, refine=EPOCHS if refine else 0)
+    with threadpool_limits(limits=1, user_api="blas"):  # NumPy's BLAS on one thread, as the audit's stage runs it:
+        # the audit's plan check and factorize then fit the same factors to the bit
+        return sequential_fit(model, resolved, calibration, moments=moments, refit=refit,
+                              refine=EPOCHS if refine else 0)
 
 
 class _MappedFactors:
@@ -397,3 +425,17 @@ def measured_copy(model: nn.Module, plan: dict[str, int], stats: InputStatistics
     new = replace_layers(model, resolved, truncation(stats, reuse), share=True, built=built)
     mapped.attach(new)
     return new
+
+
+def fitted_copy(model: nn.Module, plan: dict[str, int], calibration: "CalibrationGiven", fit: Fit,
+                loss_metric: "LossMetric | None" = None) -> nn.Module:
+    """``factorize(model, plan, calibration, fit=fit, loss_metric=loss_metric, share=True)`` for measuring the plan as
+    ``factorize`` writes it: the sequential fit's factors (without the dense refit) put in a :func:`measured_copy`,
+    so that what the copy holds in memory at once is one block's factors, as for the search's copies (the fit itself
+    keeps the planned layers' fitted weights while it runs: :mod:`.statistics.sequential`); other fits as
+    ``factorize`` makes them, shared."""
+    if fit.sequential and not fit.refits and not isinstance(calibration, InputStatistics):
+        done = sequential(calibration, model, checked_plan(model, plan), None, fit.refines, loss_metric=loss_metric)
+        return measured_copy(model, plan, None, done.truncators)
+    return factorize(model, plan, calibration, fit=fit, loss_metric=loss_metric, share=True)
+

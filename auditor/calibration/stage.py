@@ -34,7 +34,7 @@ from .statistics.stream import compute_dtype_for
 from .measure.metric import Measurement, Metric
 from .session import STATS_KINDS, CalibrationSession, _statistics, cache_path, metric_of, statistics_memory
 from .statistics.stats import InputStatistics
-from .statistics.whiten import LossMetric, TruncatorStore, WhitenedSpectrum
+from .statistics.whiten import LossMetric, WhitenedSpectrum
 from .references import References
 from .tiers import passes
 from .tiers.fisher import GradientSensitivity
@@ -63,7 +63,6 @@ class Calibrated:
     spectra: dict[str, WhitenedSpectrum]
     sweep: str = ""  # where tier 2 ran: "local", "dask tcp://HOST:PORT (N workers)"; empty without tier 2
     gradients: "GradientSensitivity | None" = None  # the gradient sensitivity tier 3 searched over, if any
-    reuse: "TruncatorStore | None" = None  # tier 3's decompositions, reused by the plan check
     loss_metric: "LossMetric | None" = None  # the gradient pass's loss-aware truncations and moments (factorize)
 
     @property
@@ -130,13 +129,13 @@ def calibrate(model: nn.Module, layers: list[Layer], settings: "Settings", optio
             sens = passes.sensitivity(ctx, refs, t1, scope, floored, tiers)
             searched = passes.search(ctx, refs, t1, scope, sens, tiers, settings)
             recovered = passes.recovered(ctx, refs, searched, sens, options.recovery)
-            verified = passes.verified(ctx, refs, recovered.budget, searched.reuse)
+            verified = passes.verified(ctx, refs, recovered.budget, searched.reuse, sens.loss_metric)
             based = passes.baselined(ctx, refs, verified.budget, scope, searched.baseline_reuse)
             tiers_run = Tiers(t1, refs, floored, sens, searched, recovered, verified, based)
             return Calibrated(_report(ctx.session, options, tiers_run), ctx.session, refs, t1.spectra,
                               floored.where if floored is not None else "",
-                              sens.gradients if isinstance(sens, Gradients) else None, searched.reuse,
-                              sens.loss_metric)
+                              sens.gradients if isinstance(sens, Gradients) else None,
+                              loss_metric=sens.loss_metric)
     finally:
         model.train(was_training)
 
@@ -322,7 +321,8 @@ def _evidence(lc: LayerCalibration, report: CalibrationReport) -> str:
 
 @one_blas_thread
 def check_plan(cal: Calibrated, model: nn.Module, audit: "AuditResult") -> CalibrationReport:
-    """The reviewed plan (or the suggested ranks) factorized all at once with whitened initialisation and measured on
+    """The reviewed plan (or the suggested ranks) factorized all at once as ``factorize`` writes it with default flags
+    (:func:`~auditor.calibration.apply.default_fit`: the sequential fit; ``PlanCheck.fit`` names it) and measured on
     the held-out part: the model-level metric beside the tier-1 prediction sqrt(sum e_l^2)."""
     rv = audit.review
     report = cal.report
@@ -335,9 +335,9 @@ def check_plan(cal: Calibrated, model: nn.Module, audit: "AuditResult") -> Calib
         raise AuditError("the plan check was given another model than the one calibrated",
                          "Check the plan on the audited model")
     with computing(model, session_dtype(cal.session)):
-        m, removed, verification = _measured_plan(cal, model, plan)
+        m, removed, verification, fit = _measured_plan(cal, model, plan)
     predicted, basis = _predicted(cal, plan)
-    check = PlanCheck(len(plan), left, predicted, m.value, m.ok, m.top1, removed, basis, verification)
+    check = PlanCheck(len(plan), left, predicted, m.value, m.ok, m.top1, removed, basis, verification, fit)
     b = report.budget
     reference = (b.reference if cal.references.verifier is not None and b is not None  # the search rows' reference,
                  else cal.references.evaluator.reference)  # measured once by tier 3
@@ -361,39 +361,32 @@ def _reviewed_plan(audit: "AuditResult") -> tuple[dict[str, int], list[str]]:
 
 
 def _measured_plan(cal: Calibrated, model: nn.Module, plan: dict[str, int],
-                   ) -> tuple[Measurement, int, Verification | None]:
-    """(the plan's measurement, parameters removed, its verification or None): on the verification rows with the
-    interval in a split session (the suggested plan's verification and removal reused: neither factorized nor
-    measured again), else on the held-out rows."""
-    from ..surgery import checked_plan, count_params
-    from .apply import cluster_truncators, measured_copy, statistics
-
-    session, refs, b = cal.session, cal.references, cal.report.budget
+                   ) -> tuple[Measurement, int, Verification | None, str]:
+    """(the plan's measurement, parameters removed, its verification or None, the fit measured): the plan fitted as
+    ``factorize`` fits it by default (:func:`~.tiers.passes.fitted_measurement`), on the verification rows with the
+    interval in a split session (the suggested plan's verification and removal reused: the verification pass
+    measured it so already), else on the held-out rows."""
+    refs, b = cal.references, cal.report.budget
     suggested = b is not None and b.plan == plan
-    if suggested and refs.verifier is not None and b.verification is not None:  # measured: nothing to factorize
-        verification, removed = b.verification, b.removed
+    if suggested and refs.verifier is not None and b.verification is not None and b.verification.fit:
+        verification, removed = b.verification, b.removed  # measured on the written fit: nothing to factorize
     else:
-        with session.measuring():
-            planned = [l for l, _ in checked_plan(model, plan).values()]
-            stats, reuse = statistics(session, model, planned), cal.reuse
-            if reuse is None and session.decompositions.on_cluster:  # the decompositions made on the cluster, as factorize would
-                reuse = cluster_truncators(model, session, planned, stats)
-            new = measured_copy(model, plan, stats, reuse)  # one block's factors alive at once
-            removed = count_params(model) - count_params(new)
-            if refs.verifier is None:
-                return refs.evaluator.measure(new), removed, None
-            verification = replace(refs.verifier.measure(new), search_rows=refs.search_rows)
+        got, fit, removed = passes.fitted_measurement(model, cal.session, refs, plan, cal.loss_metric)
+        if refs.verifier is None:
+            return got, removed, None, fit  # type: ignore[return-value]
+        verification = got  # type: ignore[assignment]
     m = Measurement(verification.value, verification.ok)
     if suggested:
         m.top1 = b.top1
-    return m, removed, verification
+    return m, removed, verification, verification.fit
 
 
 def check_factorized(report: CalibrationReport, cal: Calibrated, model: nn.Module,
-                     new: nn.Module) -> CalibrationReport:
-    """The plan check again, on ``new``: the plan factorized otherwise than the check factorized it (the sequential
-    fit of ``lowrank-audit factorize``), measured as the check measures (on the verification rows with the interval
-    in a split session, else on the held-out rows), so the number written beside a model is that model's."""
+                     new: nn.Module, fit: str = "") -> CalibrationReport:
+    """The plan check again, on ``new``: the plan factorized otherwise than the check factorized it (``fit``, the
+    label of ``new``'s fit: ``lowrank-audit factorize --fit`` other than the default), measured as the check measures
+    (on the verification rows with the interval in a split session, else on the held-out rows), so the number
+    written beside a model is that model's, naming its fit."""
     from ..surgery import count_params
 
     pc = report.plan_check
@@ -405,10 +398,10 @@ def check_factorized(report: CalibrationReport, cal: Calibrated, model: nn.Modul
     with session.measuring(), eval_mode(new), computing(model, session_dtype(session)):
         if refs.verifier is None:
             m = refs.evaluator.measure(new)
-            check = replace(pc, measured=m.value, ok=m.ok, top1=m.top1, removed=removed, verification=None)
+            check = replace(pc, measured=m.value, ok=m.ok, top1=m.top1, removed=removed, verification=None, fit=fit)
         else:
-            v = replace(refs.verifier.measure(new), search_rows=refs.search_rows)
-            check = replace(pc, measured=v.value, ok=v.ok, top1=None, removed=removed, verification=v)
+            v = replace(refs.verifier.measure(new), search_rows=refs.search_rows, fit=fit)
+            check = replace(pc, measured=v.value, ok=v.ok, top1=None, removed=removed, verification=v, fit=fit)
     return replace(report, plan_check=check)
 
 

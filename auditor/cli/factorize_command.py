@@ -28,7 +28,7 @@ if TYPE_CHECKING:
     from ..calibration.stage import Calibrated
 
 FITS = ("sequential", "loss-aware", "independent")  # calibration/apply.py's Fit, written out: --help imports no torch
-DEFAULT_FIT = "sequential"  # measured in docs/calibration.md ("The sequential fit")
+# the default fit is calibration/apply.py's DEFAULT_FIT (the library's too), read where the command runs
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -181,9 +181,9 @@ def _options(args: argparse.Namespace, loaded: Any, plan: Any) -> Any:
     if not cal and given:
         raise AuditError(f"{', '.join(given)} {'needs' if len(given) == 1 else 'need'} --calibration",
                          "Pass --calibration FILE")
-    from ..calibration.apply import check_fit
+    from ..calibration.apply import DEFAULT_FIT, check_fit
 
-    check_fit(args.fit or DEFAULT_FIT, args.refit_dense, not args.no_refine, cal, _spelled(args))
+    check_fit(args.fit or DEFAULT_FIT.method, args.refit_dense, not args.no_refine, cal, _spelled(args))
     if args.no_split and args.confidence is not None:  # the level is the verification's, and --no-split has none
         raise AuditError(f"--confidence {args.confidence:g} means nothing with --no-split (no rows are kept apart "
                          "to verify on, so no interval is drawn)", "Drop one of --confidence and --no-split")
@@ -217,7 +217,7 @@ def _measured(result: Any) -> dict[str, Any] | None:
     if pc is None:
         return None
     out = {"metric": cr.metric, "value": pc.measured, "holds": pc.ok, "tolerance": cr.tolerance,
-           "predicted": pc.predicted, "top1": pc.top1, "calibration_digest": cr.digest}
+           "predicted": pc.predicted, "top1": pc.top1, "calibration_digest": cr.digest, "fit": pc.fit}
     v = pc.verification
     if v is not None:  # measured on the verification rows, with its interval over them
         out.update(rows=v.rows, interval=[v.low, v.high], confidence=v.confidence, straddles=v.straddles)
@@ -227,6 +227,12 @@ def _measured(result: Any) -> dict[str, Any] | None:
         if why is not None:
             out.update(holds=None, unverified=why)
     return out
+
+
+def _not_the_audits(audited: Any, fit: str) -> str:
+    """Why the audit's number for the plan is not this model's: it measured the model the default fit writes."""
+    return (f"the audit measured this plan fitted {audited.fit} ({audited.measured:.4g}); that number does not apply "
+            f"to this model, fitted {fit}: measured again on it")
 
 
 @dataclass
@@ -257,11 +263,10 @@ def _make(args: argparse.Namespace, loaded: Any, result: Any, calibrated: "Calib
 
     model = loaded.model
     session = calibrated.session if calibrated is not None else None
-    fit = (args.fit or DEFAULT_FIT) if session is not None else None
-    measured_fit = "loss-aware" if calibrated is not None and calibrated.loss_metric is not None else "independent"
-    made_plan = factorize_plan(model, result, calibrated, fit=fit or "independent", refit_dense=args.refit_dense,
-                               refine=not args.no_refine, spelled=_spelled(args))
+    made_plan = factorize_plan(model, result, calibrated, fit=args.fit, refit_dense=args.refit_dense,
+                               refine=not args.no_refine, spelled=_spelled(args))  # args.fit None: the default fit
     plan, new = made_plan.ranks, made_plan.model
+    fit = made_plan.fit.method if session is not None else None
     extra: dict[str, Any] = {"init": "whitened" if session is not None else "svd", "params_before": count_params(model)}
     if fit is not None:
         extra["fit"] = fit
@@ -269,15 +274,21 @@ def _make(args: argparse.Namespace, loaded: Any, result: Any, calibrated: "Calib
         extra["refit_dense"] = _refitted(model, new)
     if fit == "sequential":
         extra["block_refinement"] = not args.no_refine
-    if fit is not None and fit != measured_fit and result.calibration is not None:  # the check measured another fit
+    audited = result.calibration.plan_check if result.calibration is not None else None
+    if fit is not None and audited is not None and audited.layers and audited.fit != made_plan.fit.label:
         from dataclasses import replace
 
         from ..calibration.stage import check_factorized
 
-        result = replace(result, calibration=check_factorized(result.calibration, calibrated, model, new))
+        # the audit's number is of the default fit's model: this one is measured again, and plan.json says so
+        result = replace(result, calibration=check_factorized(result.calibration, calibrated, model, new,
+                                                              made_plan.fit.label))
     measured = _measured(result)
     if measured is not None:
         extra["measured"] = measured
+        if audited is not None and audited.fit != measured["fit"]:
+            measured["audit"] = {"fit": audited.fit, "value": audited.measured, "applies": False,
+                                 "note": _not_the_audits(audited, made_plan.fit.label)}
     made = _Made(loaded, model, plan, new, session, extra, result)
     if recovery is not None:
         extra["recovery"] = cli_recover(recovery, new, model, session if session is not None else made.calibration,
@@ -342,6 +353,9 @@ def _say(out: Path, made: _Made, result: Any, exported: list[str]) -> None:
           f"{_refit_words(made.extra.get('refit_dense'))}", file=sys.stderr)
     cr = result.calibration
     pc = cr.plan_check if cr is not None else None
+    audit = (made.extra.get("measured") or {}).get("audit")
+    if audit is not None:
+        print(f"note: {audit['note']}", file=sys.stderr)
     if pc is not None:
         pred = f"predicted {_value(cr, pc.predicted)} (layer-level), " if pc.predicted is not None else ""
         v = pc.verification

@@ -387,6 +387,8 @@ def plan_basis(audit: "AuditResult") -> list[str]:
         v = pc.verification
         measured = (f"Measured all at once on {v.rows:,} verification rows the search never read (it searched "
                     f"{v.search_rows:,}): {_comment(v.words(cal.tolerance, cal.metric))}.")
+    if pc is not None and pc.layers and pc.fit:
+        measured += f" The factors fitted {pc.fit}, as lowrank-audit factorize writes them by default."
     import textwrap
 
     text = (f"Ranks: the largest plan{cap} that holds the tolerance all at once, searched over the {curves} curves "

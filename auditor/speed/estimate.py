@@ -36,6 +36,7 @@ from ..calibration.measure.verify import search_rows  # the held-out rows' searc
 from ..calibration.tiers.fisher import SAMPLES  # sampled label sets (or projections) per fit batch, one backward each
 from ..calibration.tiers.passes import VERIFY_BACKSTOPS  # plans the search measures below the one it found
 from ..calibration.tiers.sensitivity import GRADIENT_POSITIONS  # positions the gradient pass reads at most
+from ..calibration.statistics.refine import EPOCHS  # the block refinement's most epochs (the default fit's)
 from ..errors import AuditError
 
 # The calibration's own constants are imported above from the code that uses them (tests/test_estimate.py fails on a
@@ -206,7 +207,7 @@ def stage_seconds(sh: Shapes, wl: Workload, me: Measurements) -> dict[str, float
     factors = sum(2.0 * _cube(s) for s in sh.layers) / me.gemm_flops
     out["statistics"] = _batches(wl.fit_rows, b) * fwd + grams + decomp
     out["gradients"] = _batches(r["gradient"], b) * (GRADIENT_PASSES * fwd + SAMPLES * bwd) + decomp
-    # tier 3's decompositions (one per layer, kept for the search, the verification and the plan check) are made by
+    # tier 3's decompositions (one per layer, kept for the search and the verification's candidates) are made by
     # the rounding floor of a bf16 / fp16 model (every layer at full rank, its dense reference and one measurement on
     # the search rows), else by the search's first plans
     tier3_decomp = decomp
@@ -214,7 +215,13 @@ def stage_seconds(sh: Shapes, wl: Workload, me: Measurements) -> dict[str, float
         out["rounding floor"] = decomp + factors + 2 * _batches(r["search"], b) * fwd
         tier3_decomp = 0.0
     out["tier 3"] = r["tier3"] / b * fwd + r["plans"] * factors + tier3_decomp
-    out["verification"] = 2 * _batches(r["verify"], b) * fwd + factors
+    # the chosen plan fitted as factorize writes it (the sequential fit): two runs of a block (or of the model) per
+    # stage and fit batch, at most one stage per layer, C and G per layer, each W* truncated, and the refinement's
+    # epochs (forward and backward) where the model has repeated blocks
+    fit_b = _batches(wl.fit_rows, b)
+    fit = (2 * len(sh.block_layers or sh.layers) * fit_b * fwd + 2 * grams + decomp
+           + (EPOCHS * fit_b * (fwd + bwd) if sh.block_layers else 0.0))
+    out["verification"] = 2 * _batches(r["verify"], b) * fwd + factors + fit
     out["plan check"] = factors
     return out
 
@@ -236,6 +243,15 @@ def _mapped_factors(sh: Shapes) -> int:
         return _plan_factors(sh)
     one = _plan_factors(replace(sh, layers=sh.block_layers))
     return max(one, _plan_factors(sh) - (max(1, sh.blocks) - 1) * one)
+
+
+def _fit_bytes(sh: Shapes, wl: Workload, me: Measurements) -> int:
+    """The sequential fit's own (the verification's and the plan check's default fit): every planned layer's fitted
+    weight (float32) and truncator (float64 basis and whitening), the dense and fitted inputs to the block and the
+    dense block's outputs per fit batch, one block's Grams."""
+    weights = sum(4 * m * n for m, n in sh.layers)
+    kept = sum(8 * (m * min(m, n) + n * n) for m, n in sh.layers)
+    return weights + kept + 3 * _batches(wl.fit_rows, wl.batch_rows) * me.hidden_bytes + _block_grams(sh)
 
 
 def stage_extra(sh: Shapes, wl: Workload, me: Measurements) -> dict[str, int]:
@@ -260,7 +276,7 @@ def stage_extra(sh: Shapes, wl: Workload, me: Measurements) -> dict[str, int]:
     plan = dense + 2 * logits + me.block_saved_bytes
     block = _mapped_factors(sh)  # apply.measured_copy: one block's factors mapped at a time
     out["tier 3"] = plan + block + _block_grams(sh)
-    out["verification"] = out["plan check"] = plan + block
+    out["verification"] = out["plan check"] = plan + block + _fit_bytes(sh, wl, me)  # a reviewed plan: a fit too
     if sh.element_bytes == 2:  # every layer at full rank: twice a half-rank plan's factors, one block's at a time
         out["rounding floor"] = plan + 2 * block + _block_grams(sh)
     return out
@@ -306,10 +322,13 @@ def predict(sh: Shapes, wl: Workload, me: Measurements, available: int | None = 
 
 
 def _note(stage: str, sh: Shapes) -> str:
-    """What dominates a stage's memory, in words (the statistics: float64 Grams n x n, one per layer input)."""
-    if stage != "statistics" or not sh.layers:
+    """What dominates a stage's memory, in words (the statistics: float64 Grams n x n, one per layer input; the
+    verification and the plan check: the default fit's float64 Grams C and G and each planned layer's whitening)."""
+    if stage not in ("statistics", "verification", "plan check") or not sh.layers:
         return ""
     n = max(n for _, n in sh.layers)
+    if stage != "statistics":
+        return f"the sequential fit's float64 Grams and whitenings n x n, the largest {n:,} x {n:,}"
     return f"float64 input Grams n x n, the largest {n:,} x {n:,}"
 
 

@@ -57,9 +57,9 @@ class Decompositions:
 
     def truncators(self, layers: "list[Layer]", stats: "InputStatistics", store: "MutableMapping[str, Truncator]",
                    progress: "Callable[[int, int], None] | None" = None) -> None:
-        """On the cluster: the decompositions tier 3, the plan check and ``factorize`` cut factors from (each of
-        ``layers``' :class:`~auditor.calibration.statistics.whiten.Truncator` under ``stats``) made there, one task
-        per distinct input, put into ``store`` one block at a time."""
+        """On the cluster: the decompositions tier 3, the verification's candidates and ``factorize`` cut factors
+        from (each of ``layers``' :class:`~auditor.calibration.statistics.whiten.Truncator` under ``stats``) made
+        there, one task per distinct input, put into ``store`` one block at a time."""
         assert self.on_cluster, "not on a cluster"
         table = {n: p for n, p in self.model.named_parameters(remove_duplicate=False)}
         with self._cluster() as cluster:

@@ -16,7 +16,10 @@ changes the session or what an earlier pass made (tests/test_calibration_passes.
                                                                              --tie: each group one option list)
     recovered    PassContext, References, Searched, Sensitivity,
                  RecoveryOptions                                          -> Recovered (--recover)
-    verified     PassContext, References, BudgetResult, TruncatorStore   -> Verified (the held-out verification)
+    verified     PassContext, References, BudgetResult, TruncatorStore,
+                 LossMetric                                               -> Verified (the held-out verification; the
+                                                                             chosen plan's number measured on the
+                                                                             model factorize writes by default)
     baselined    PassContext, References, BudgetResult, Scope,
                  TruncatorStore                                           -> Baselined (uniform truncation beside)
 
@@ -50,6 +53,8 @@ if TYPE_CHECKING:
     from ...config import Settings
     from ...options import ClusterOptions, RecoveryOptions, TierOptions
     from ...progress import Progress
+    from ..measure.metric import Measurement
+    from ..statistics.whiten import LossMetric
 
 
 @dataclass(frozen=True)
@@ -239,7 +244,7 @@ def search(ctx: PassContext, refs: References, tier1: Tier1, scope: Scope, sensi
 
     model, session, progress = ctx.model, ctx.session, ctx.progress
     seconds: dict[str, float] = {}
-    # each layer decomposed once for the rounding floor, the search, the verification and the plan check; one part
+    # each layer decomposed once for the rounding floor, the search and the verification's candidates; one part
     # of the model's decompositions in memory (a block's, or the largest outside layer's), the rest on disk; the
     # gradient pass's loss-aware truncations where it made them
     given = sensitivity.reuse if isinstance(sensitivity, Gradients) else None
@@ -311,8 +316,12 @@ class Verified:
     warnings: tuple[str, ...] = ()
 
 
-def verified(ctx: PassContext, refs: References, budget: BudgetResult, reuse: TruncatorStore) -> Verified:
-    """The verification (split sessions only): the plan chosen by its interval on the verification rows."""
+def verified(ctx: PassContext, refs: References, budget: BudgetResult, reuse: TruncatorStore,
+             loss_metric: "LossMetric | None" = None) -> Verified:
+    """The verification (split sessions only): the plan chosen by its interval on the verification rows (each
+    candidate measured with the search's truncation), then the chosen plan measured again on the model
+    ``factorize`` writes with default flags (:func:`fitted_measurement`; ``loss_metric``: the gradient pass's): the
+    number the audit states for it, naming its fit."""
     ver = refs.verifier
     if ver is None:
         return Verified(budget)
@@ -320,6 +329,9 @@ def verified(ctx: PassContext, refs: References, budget: BudgetResult, reuse: Tr
     before = ver.evaluations
     with ctx.progress.phase("verification", unit="plan"):
         budget = verify(ctx.model, ctx.session, budget, refs, reuse)
+        if budget.plan and budget.verification is not None:
+            fitted, _, _ = fitted_measurement(ctx.model, ctx.session, refs, budget.plan, loss_metric)
+            budget = replace(budget, verification=fitted)
     seconds = {"verification": time.perf_counter() - t}
     v = budget.verification or next((p.verification for p in sorted(budget.tries, key=lambda p: p.removed)
                                      if p.verification is not None), None)  # none held: the smallest verified
@@ -361,6 +373,34 @@ def baselined(ctx: PassContext, refs: References, budget: BudgetResult, scope: S
     with ctx.progress.phase("uniform baseline", unit="plan"):
         out, n = with_baselines(ctx, refs, budget, scope.sensitive, reuse)
     return Baselined(out, n, {"baseline": time.perf_counter() - t})
+
+
+def fitted_measurement(model: "nn.Module", session: CalibrationSession, refs: References, plan: dict[str, int],
+                       loss_metric: "LossMetric | None") -> "tuple[Verification | Measurement, str, int]":
+    """``plan`` factorized as ``factorize`` fits it with default flags (:func:`~auditor.calibration.apply.default_fit`:
+    the sequential fit with block refinement, loss-aware with the gradient pass's moments where the metric has a
+    gradient, as :func:`~.sensitivity.loss_metric_for` gives ``factorize`` the kept ``loss_metric``) and measured as
+    the plan check measures: on the verification rows with the interval in a split session (a
+    :class:`Verification`, whose ``fit`` names the fit), else on the held-out rows (a ``Measurement``); the fit's
+    label (:attr:`~auditor.calibration.apply.Fit.label`); the parameters the plan removes."""
+    from ..apply import default_fit, fitted_copy
+    from ..data.inputs import eval_mode
+    from ...surgery import checked_plan, count_params
+    from .sensitivity import loss_metric_for
+
+    fit = default_fit(session, loss_metric)
+    with session.measuring():
+        planned = [l for l, _ in checked_plan(model, plan).values()]
+        moments = loss_metric_for(session, model, planned, fit, kept=loss_metric)
+        new = fitted_copy(model, plan, session, fit, moments)  # one block's factors alive at once
+        removed = count_params(model) - count_params(new)
+        with eval_mode(new):
+            if refs.verifier is None:
+                return refs.evaluator.measure(new), fit.label, removed
+            v = refs.verifier.measure(new)
+    del new
+    trim_heap()
+    return replace(v, search_rows=refs.search_rows, fit=fit.label), fit.label, removed
 
 
 def _candidates(budget: BudgetResult) -> list[FrontierPlan]:
@@ -435,5 +475,5 @@ def _dense_plan(session: CalibrationSession, budget: BudgetResult, failing: int)
 
 
 __all__ = ["Baselined", "Floored", "PassContext", "Recovered", "References", "Scope", "Searched", "Span", "Tier1", "VERIFY_BACKSTOPS",
-           "VERIFY_TRIES", "Verified", "baselined", "curves_for", "floors", "recovered", "scope_of", "search",
+           "VERIFY_TRIES", "Verified", "baselined", "curves_for", "fitted_measurement", "floors", "recovered", "scope_of", "search",
            "references", "sensitivity", "sweepable", "tier1", "verified", "verify"]

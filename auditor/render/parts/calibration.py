@@ -105,15 +105,16 @@ def plan_line(cal: "CalibrationReport") -> str | None:
     pred = f"predicted {unit(cal, pc.predicted)} (the {basis} {summed}), " if pc.predicted is not None else ""
     top1 = f", top-1 agreement {pct(pc.top1)}" if pc.top1 is not None else ""
     left = f"; not measured: {', '.join(pc.left_out)}" if pc.left_out else ""
+    fitted = f", the factors fitted {pc.fit}" if pc.fit else ""  # as factorize fits them by default
     v = pc.verification
     if v is not None:
         ci = (f" ({100 * v.confidence:g}% interval {unit(cal, v.low)} to {unit(cal, v.high)}{unseen_words(cal, v)})"
               if v.low is not None and v.high is not None else " (no interval)")
         judged = "holds" if v.ok else "STRADDLES" if v.straddles else "MISSES"
-        return (f"Plan applied all at once ({pc.layers} layers, {pc.removed:,} parameters removed): {cal.metric} "
+        return (f"Plan applied all at once ({pc.layers} layers, {pc.removed:,} parameters removed{fitted}): {cal.metric} "
                 f"{pred}measured {unit(cal, pc.measured)} on {v.rows:,} verification rows the search never read{ci}"
                 f"{top1}: {judged} the tolerance {tolerance_words(cal)}{left}.")
-    return (f"Plan applied all at once ({pc.layers} layers, {pc.removed:,} parameters removed): {cal.metric} "
+    return (f"Plan applied all at once ({pc.layers} layers, {pc.removed:,} parameters removed{fitted}): {cal.metric} "
             f"{pred}measured {unit(cal, pc.measured)}{top1}: {'holds' if pc.ok else 'MISSES'} the tolerance "
             f"{tolerance_words(cal)}; {checked_change(cal, pc)}{left}.")
 
