@@ -223,3 +223,44 @@ def test_every_pass_leaves_the_session_and_the_results_before_it_as_they_were(di
 
     with pytest.raises(AssertionError, match="an earlier pass's result"):
         _ensures(ctx, (searched,), edits_a_result)
+
+
+def test_a_chosen_plan_whose_written_model_fails_gives_way_to_a_smaller_one(digits_audit, monkeypatch):
+    """The verification's number is the model ``factorize`` writes (the default fit's). Where that model misses the
+    tolerance although the search's truncation held, the next smaller plan that held is fitted and measured, and the
+    suggestion is the first whose written model holds; when none does, the empty plan."""
+    from dataclasses import replace
+
+    from auditor.calibration.stage import _open_session
+    from auditor.calibration.tiers import passes
+    from auditor.progress import Progress
+
+    model, layers, options, settings = digits_audit
+    progress = Progress(enabled=False)
+    ctx = passes.PassContext(model, _open_session(model, layers, options, progress), progress)
+    t1 = passes.tier1(ctx, settings.align)
+    refs = passes.references(ctx)
+    scope = passes.scope_of(layers, t1, settings)
+    sens = passes.sensitivity(ctx, refs, t1, scope, None, options.tiers)
+    searched = passes.search(ctx, refs, t1, scope, sens, options.tiers, settings)
+    first = passes.verified(ctx, refs, searched.budget, searched.reuse, sens.loss_metric).budget
+    assert first.plan and first.verification.ok and first.verification.fit == "sequential"
+    real, fitted = passes.fitted_measurement, []
+
+    def failing_above(limit):
+        def measure(model, session, refs, plan, loss_metric):
+            v, label, removed = real(model, session, refs, plan, loss_metric)
+            fitted.append(removed)
+            return (replace(v, ok=False) if removed > limit else v), label, removed
+        return measure
+
+    monkeypatch.setattr(passes, "fitted_measurement", failing_above(first.removed - 1))
+    smaller = passes.verified(ctx, refs, searched.budget, searched.reuse, sens.loss_metric).budget
+    held = sorted({p.removed for p in searched.budget.tries if p.ok and p.plan and p.removed < first.removed})
+    assert fitted[0] == first.removed and smaller.removed == held[-1] == fitted[1], (fitted, held)
+    assert smaller.verification.ok and smaller.smallest_failing <= first.removed and smaller.plan != first.plan
+    fitted.clear()
+    monkeypatch.setattr(passes, "fitted_measurement", failing_above(-1))
+    none = passes.verified(ctx, refs, searched.budget, searched.reuse, sens.loss_metric).budget
+    assert none.plan == {} and none.removed == 0 and none.verification is None
+    assert fitted == sorted(fitted, reverse=True) and 1 <= len(fitted) <= passes.VERIFY_TRIES

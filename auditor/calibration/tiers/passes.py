@@ -330,8 +330,7 @@ def verified(ctx: PassContext, refs: References, budget: BudgetResult, reuse: Tr
     with ctx.progress.phase("verification", unit="plan"):
         budget = verify(ctx.model, ctx.session, budget, refs, reuse)
         if budget.plan and budget.verification is not None:
-            fitted, _, _ = fitted_measurement(ctx.model, ctx.session, refs, budget.plan, loss_metric)
-            budget = replace(budget, verification=fitted)
+            budget = _fitted(ctx, refs, budget, loss_metric)
     seconds = {"verification": time.perf_counter() - t}
     v = budget.verification or next((p.verification for p in sorted(budget.tries, key=lambda p: p.removed)
                                      if p.verification is not None), None)  # none held: the smallest verified
@@ -403,6 +402,25 @@ def fitted_measurement(model: "nn.Module", session: CalibrationSession, refs: Re
     return replace(v, search_rows=refs.search_rows, fit=fit.label), fit.label, removed
 
 
+def _fitted(ctx: PassContext, refs: References, budget: BudgetResult,
+            loss_metric: "LossMetric | None") -> BudgetResult:
+    """The chosen plan measured as ``factorize`` writes it (:func:`fitted_measurement`): its number is the audit's.
+    Where that model misses the tolerance although the search's truncation held, the next smaller plan that held on
+    the search rows is fitted and measured (at most ``VERIFY_TRIES`` in all), and the first that holds is the
+    suggestion; none holding, the empty plan: the plan suggested is never one whose written model fails."""
+    if budget.chosen_after_recovery:  # the recovered plan: its own verification, fitted as factorize writes it
+        fitted, _, _ = fitted_measurement(ctx.model, ctx.session, refs, budget.plan, loss_metric)
+        return replace(budget, verification=fitted)
+    failing: int | None = None
+    for p in [p for p in _candidates(budget) if p.removed <= budget.removed][:VERIFY_TRIES]:
+        fitted, _, _ = fitted_measurement(ctx.model, ctx.session, refs, p.plan, loss_metric)
+        trim_heap()
+        if fitted.ok:
+            return _chosen(budget, p, fitted, budget.tries, budget.frontier)
+        failing = p.removed if failing is None else min(failing, p.removed)
+    return _dense_plan(ctx.session, budget, budget.removed if failing is None else failing)
+
+
 def _candidates(budget: BudgetResult) -> list[FrontierPlan]:
     """The plans that held on the search rows within the budget, largest first, each once, the chosen one among
     them."""
@@ -455,6 +473,13 @@ def verify(model: "nn.Module", session: CalibrationSession, budget: BudgetResult
                        for plans in (budget.tries, budget.frontier))
     if not v.ok:  # no plan verified holds: the suggestion is the dense model, never a plan that fails
         return _dense_plan(session, replace(budget, tries=tries, frontier=frontier), chosen.removed)
+    return _chosen(budget, chosen, v, tries, frontier)
+
+
+def _chosen(budget: BudgetResult, chosen: FrontierPlan, v: Verification, tries: list[FrontierPlan],
+            frontier: list[FrontierPlan]) -> BudgetResult:
+    """``budget`` with ``chosen`` as its plan and ``v`` its verification (the search's plan, when larger, the
+    smallest failing)."""
     if chosen.plan == budget.plan:
         return replace(budget, tries=tries, frontier=frontier, verification=v)
     total = budget.params_before
