@@ -320,8 +320,14 @@ def judge(kind: str, dense, model, data: dict) -> dict:
 
 
 # ---------------------------------------------------------------------------------------------------- the tool
-def tool(args: list[str], log: Path) -> tuple[int, float]:
-    """``lowrank-audit ARGS`` in a child process (this checkout first on the path); its output to ``log``."""
+def tool(args: list[str], log: Path, reuse: bool = False) -> tuple[int, float]:
+    """``lowrank-audit ARGS`` in a child process (this checkout first on the path); its output to ``log``. With
+    ``reuse`` (``--keep`` and the outputs there) the earlier run's exit status and time, read from ``log``."""
+    if reuse and log.exists():
+        last = log.read_text().splitlines()[-1]
+        m = re.match(r"# exit (-?\d+) in ([0-9.]+) s", last)
+        if m:
+            return int(m.group(1)), float(m.group(2))
     env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
     t = time.perf_counter()
     with open(log, "w") as fh:
@@ -329,7 +335,37 @@ def tool(args: list[str], log: Path) -> tuple[int, float]:
         fh.flush()
         r = subprocess.run([sys.executable, "-m", "auditor", *args], stdout=fh, stderr=subprocess.STDOUT, env=env,
                            cwd=str(ROOT))
-    return r.returncode, time.perf_counter() - t
+    secs = time.perf_counter() - t
+    with open(log, "a") as fh:
+        fh.write(f"# exit {r.returncode} in {secs:.1f} s\n")
+    return r.returncode, secs
+
+
+def uniform_ranks(rep: dict, uni: dict) -> dict[str, int]:
+    """The ranks of the audit's uniform baseline (``auditor/calibration/tiers/uniform.py``, ``ranks_at``): every
+    layer of the kinds the chosen plan factorizes, not fixed, at ``kept`` of its break-even rank (half up, at least
+    1), left dense where that saves nothing; checked against the parameters the report says it removes."""
+    import math
+
+    from auditor import lrmath
+
+    budget = rep["calibration"]["budget"]
+    layers = {l["name"]: l for l in rep["layers"]}
+    fixed = budget.get("fixed") or {}
+    kinds = {layers[k]["kind"] for k in (budget.get("plan") or {}) if k in layers and k not in fixed}
+    ranks: dict[str, int] = {}
+    for name, l in layers.items():
+        if name in fixed or (kinds and l["kind"] not in kinds):
+            continue
+        r = max(1, math.floor(uni["kept"] * l["break_even"] + 0.5))
+        if lrmath.saves(l["m"], l["n"], r):
+            ranks[name] = r
+    ranks.update(fixed)
+    removed = sum(layers[k]["params"] - r * (layers[k]["m"] + layers[k]["n"]) * layers[k].get("groups", 1)
+                  for k, r in ranks.items())
+    if removed != uni.get("removed"):
+        print(f"  note: uniform ranks rebuilt remove {removed:,}, the report says {uni.get('removed')}")
+    return ranks
 
 
 def report_json(outdir: Path) -> dict:
@@ -377,6 +413,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--unseen-rows", type=int, default=None, help="unseen rows (default 64 and 128)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--jobs", "-j", type=int, default=2)
+    ap.add_argument("--keep", action="store_true",
+                    help="keep the work folder and reuse the audits already there (their reports and plans); "
+                         "factorize and the judging run again")
     a = ap.parse_args(argv)
 
     import torch
@@ -395,9 +434,9 @@ def main(argv: list[str] | None = None) -> int:
             continue
         d = model_dir(name, unzipped, a.cache)
         work = out_root / name
-        if work.exists():
+        if work.exists() and not a.keep:
             shutil.rmtree(work)
-        work.mkdir(parents=True)
+        work.mkdir(parents=True, exist_ok=True)
         import transformers
 
         a.calib_rows = calib_rows or (128 if name == "iglm" else 256)
@@ -437,9 +476,10 @@ def main(argv: list[str] | None = None) -> int:
             kind = "masked"
         params = sum(p.numel() for p in dense.parameters())
         calib = str(work / "calib.safetensors")
-        common = ["--calibration", calib, "-j", str(a.jobs), "--no-cache"]
+        common = ["--calibration", calib, "--no-cache"]
 
-        rc, secs = tool([str(d), *common, "--format", "json,text", "-o", str(work / "default")], work / "default.log")
+        rc, secs = tool([str(d), *common, "-j", str(a.jobs), "--format", "json,text", "-o", str(work / "default")],
+                        work / "default.log", a.keep and (work / "default" / "lowrank-audit.json").exists())
         print(f"{name}: default audit exit {rc} in {secs:.0f} s: {tail(work / 'default.log', 2)}")
         results.append({"model": name, "params": params, "run": "default audit", "exit": rc, "seconds": secs})
 
@@ -448,8 +488,9 @@ def main(argv: list[str] | None = None) -> int:
         for b in budgets:
             tag = f"b{int(round(b * 100))}"
             plan = work / f"plan_{tag}.toml"
-            rc, secs = tool([str(d), *common, "--budget", str(b), "--emit-plan", str(plan), "--format", "json,text",
-                             "-o", str(work / f"audit_{tag}")], work / f"audit_{tag}.log")
+            rc, secs = tool([str(d), *common, "-j", str(a.jobs), "--budget", str(b), "--emit-plan", str(plan),
+                             "--format", "json,text", "-o", str(work / f"audit_{tag}")], work / f"audit_{tag}.log",
+                            a.keep and plan.exists() and (work / f"audit_{tag}" / "lowrank-audit.json").exists())
             row = {"model": name, "params": params, "run": f"--budget {b}", "exit": rc, "seconds": secs}
             print(f"{name}: --budget {b} audit exit {rc} in {secs:.0f} s: {tail(work / f'audit_{tag}.log', 2)}")
             try:
@@ -458,20 +499,30 @@ def main(argv: list[str] | None = None) -> int:
                 row["error"] = str(exc)
                 results.append(row)
                 continue
-            budget = find_key(rep, "budget") if isinstance(find_key(rep, "budget"), dict) else None
-            uni = (budget or {}).get("uniform") or {}
-            row["audit"] = {k: (budget or {}).get(k) for k in ("removed", "removed_share", "value", "ok")}
-            row["audit_uniform"] = {k: uni.get(k) for k in ("kept", "removed", "removed_share", "value", "ok")}
+            budget = (rep.get("calibration") or {}).get("budget") or {}
+            uni = budget.get("uniform") or {}
+            ver, uver = budget.get("verification") or {}, uni.get("verification") or {}
+            row["audit"] = {"removed_share": budget.get("removed_fraction"), "search": budget.get("metric"),
+                            "verified": ver.get("value"), "interval": [ver.get("low"), ver.get("high")],
+                            "rows": ver.get("rows"), "ok": budget.get("ok")}
+            row["audit_uniform"] = {"kept": uni.get("kept"), "removed_share": uni.get("removed_fraction"),
+                                    "search": uni.get("metric"), "verified": uver.get("value"),
+                                    "interval": [uver.get("low"), uver.get("high")]}
             results.append(row)
             variants = []
             if plan.exists():
                 variants.append(("plan", plan, []))
-            if uni.get("ranks"):
+            ranks = uniform_ranks(rep, uni) if uni.get("kept") is not None else {}
+            if ranks:
                 uplan = work / f"uniform_{tag}.toml"
-                uplan.write_text("[ranks]\n" + "".join(f'"{k}" = {v}\n' for k, v in uni["ranks"].items()))
+                uplan.write_text("# uniform whitened truncation (SVD-LLM) at the audit's baseline share: "
+                                 f"kept {uni['kept']:.6f} of every layer's break-even rank\n[ranks]\n"
+                                 + "".join(f'"{k}" = {v}\n' for k, v in ranks.items()))
                 variants.append(("uniform", uplan, ["--fit", "independent"]))
             for label, pfile, extra in variants:
                 o = work / f"fact_{label}_{tag}"
+                if o.exists():
+                    shutil.rmtree(o)
                 rc, secs = tool(["factorize", str(d), "--plan", str(pfile), *common, *extra, "--allow-miss",
                                  "-o", str(o)], work / f"fact_{label}_{tag}.log")
                 r2 = {"model": name, "params": params, "run": f"factorize {label} {b}", "exit": rc,
