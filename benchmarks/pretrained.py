@@ -537,9 +537,10 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"{name}: factorize {label} {b}: exit {rc} in {secs:.0f} s "
                       f"{json.dumps({k: r2.get(k) for k in ('removed_share', 'unseen', 'error') if k in r2})}")
                 results.append(r2)
-    (out_root / "results.json").parent.mkdir(parents=True, exist_ok=True)
-    (out_root / "results.json").write_text(json.dumps(results, indent=1, default=str))
-    print(f"\nwall time {time.perf_counter() - t_all:.0f} s; results in {out_root / 'results.json'}")
+    saved = out_root / f"results_{'_'.join(names)}.json"
+    saved.parent.mkdir(parents=True, exist_ok=True)
+    saved.write_text(json.dumps(results, indent=1, default=str))
+    print(f"\nwall time {time.perf_counter() - t_all:.0f} s; results in {saved}")
     print(f"{'model':6} {'run':24} {'exit':>4} {'s':>5} {'removed':>8} {'unseen ppl +':>12} {'1-cos':>8}")
     for r in results:
         u = r.get("unseen", {})
