@@ -59,6 +59,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(ROOT))  # this checkout's auditor (load_factorized, lrmath), as the child processes get
 
 PACKAGES = {"iglm": "iglm==0.1.0", "rxnfp": "rxnfp==0.1.0"}
 
@@ -137,13 +138,13 @@ def sampled(model, rows: int, seed: int, cache: Path, torch):
     if f.exists():
         t = load_file(str(f))
         return t["input_ids"], t["attention_mask"]
-    ids, mask = _iglm_sample(model, rows, seed, 64, None, torch)
+    ids, mask = _iglm_sample(model, rows, seed, 64, torch)
     f.parent.mkdir(parents=True, exist_ok=True)
     save_file({"input_ids": ids, "attention_mask": mask}, str(f))
     return ids, mask
 
 
-def _iglm_sample(model, rows, seed, batch, vocab, torch):
+def _iglm_sample(model, rows, seed, batch, torch):
     """``rows`` distinct sequences sampled from IgLM (temperature 1, the tags and [PAD]/[UNK]/[CLS]/[MASK] never
     sampled after the prompt, stop at [SEP], at most 150 tokens): (input_ids, attention_mask) padded with [PAD]."""
     tokens = IGLM_VOCAB
@@ -373,23 +374,6 @@ def report_json(outdir: Path) -> dict:
     if not files:
         raise FileNotFoundError(f"no JSON report in {outdir}")
     return json.loads(files[0].read_text())
-
-
-def find_key(obj, key):
-    """The first value of ``key`` anywhere in a nested JSON object (depth first)."""
-    if isinstance(obj, dict):
-        if key in obj:
-            return obj[key]
-        for v in obj.values():
-            got = find_key(v, key)
-            if got is not None:
-                return got
-    elif isinstance(obj, list):
-        for v in obj:
-            got = find_key(v, key)
-            if got is not None:
-                return got
-    return None
 
 
 def fmt(x, spec: str) -> str:
