@@ -81,6 +81,8 @@ def test_emitted_plan_holds_when_factorized(cli_inproc, calib, tmp_path, tier):
     # the emitted plan is the plan that holds, and says how its ranks were chosen
     plan = (tmp_path / "plan.toml").read_text()
     assert "spectral energy" not in plan.splitlines()[1] and "all at once" in plan
+    if tier == "budget":  # it removes at least the budget's share (50.x%): the budget is a target, not a cap
+        assert "for a budget of 50% of the parameters removed" in plan and "at most" not in plan
     # the audit's number is the model factorize writes with default flags (the sequential fit), named
     assert pc["fit"] == pc["verification"]["fit"] == "sequential"
     f = cli_inproc("factorize", MODEL, "--plan", tmp_path / "plan.toml", "--calibration", calib, "--no-cache",

@@ -371,7 +371,7 @@ def plan_basis(audit: "AuditResult") -> list[str]:
     if b is None:
         return [f"Ranks keep >= {100 * s.target_energy:g}% spectral energy, rounded up to a multiple of {s.align}."]
     curves = "measured-floor" if cal.measured_floors else "tier-1 (whitened)"
-    cap = f" removing at most {100 * b.budget:g}% of the parameters" if b.budget is not None else ""
+    cap = f" for a budget of {100 * b.budget:g}% of the parameters removed" if b.budget is not None else ""
     pc = cal.plan_check
     measured = (f"Measured all at once on {cal.holdout_rows:,} held-out rows: {_comment(cal.metric)} "
                 f"{pc.measured:.4g} against the tolerance {cal.tolerance:g} ({'holds' if pc.ok else 'MISSES'})."
