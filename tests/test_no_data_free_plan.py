@@ -170,7 +170,7 @@ def test_when_no_plan_holds_the_suggestion_is_empty_and_the_looser_tolerances_ar
         assert looser in body and "within 5%, 94.7% of the parameters removed (407,040, 3 layers;" in body, fmt
     # the plan section says why it is empty (not "no layer is worth factorizing at the target energy")
     assert f"- **Plan**: none; {EMPTY}" in md and f"No layer is factorized: {EMPTY}." in html and \
-        f"No layer is factorized: {EMPTY}." in pdf and f"\n{EMPTY}\n" in r.stdout
+        f"No layer is factorized: {EMPTY}." in pdf and EMPTY in text  # the terminal wraps at its width
     plan = (tmp_path / "plan.toml").read_text()
     assert "[ranks]\n\n" in plan and "Nothing can be removed within the tolerance 0.0001%" in plan
     assert "within 2% 72.4% removed" in plan

@@ -696,7 +696,7 @@ def model():
                                                                        {"input": torch.zeros(4096, 48)})),
         "--calibration-max-bytes", "100K"], 2, "more than the 100.0 KiB calibration data is capped at"))
     add(Case("gram-of-a-200000-wide-input", CI, h19("wide_cal", "--holdout", "0", "--no-spectra", model="wide"), 2,
-             "float64 input Grams n x n, the largest 200,000 x 200,000", child=True, timeout=120))
+             "float64 Grams and whitenings n x n, the largest 200,000 x 200,000", child=True, timeout=120))
     add(Case("one-row-calibration-with-holdout", CI, lambda d: [
         _mlp(d), "-q", "--no-cache", "--calibration", str(_safetensors(d / "c.safetensors",
                                                                        {"input": torch.zeros(1, 48)}))], 2,
