@@ -415,8 +415,10 @@ def _fitted(ctx: PassContext, refs: References, budget: BudgetResult,
     for p in [p for p in _candidates(budget) if p.removed <= budget.removed][:VERIFY_TRIES]:
         fitted, _, _ = fitted_measurement(ctx.model, ctx.session, refs, p.plan, loss_metric)
         trim_heap()
-        if fitted.ok:
-            return _chosen(budget, p, fitted, budget.tries, budget.frontier)
+        if fitted.ok:  # the plan's row in every table shows the number stated for it: the written model's
+            tries, frontier = ([replace(q, verification=fitted) if q.plan == p.plan else q for q in plans]
+                               for plans in (budget.tries, budget.frontier))
+            return _chosen(budget, p, fitted, tries, frontier)
         failing = p.removed if failing is None else min(failing, p.removed)
     return _dense_plan(ctx.session, budget, budget.removed if failing is None else failing)
 
