@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 from torch import nn
@@ -221,3 +223,16 @@ def test_a_shared_copy_holds_the_models_own_tensors_and_the_same_outputs(digits_
     assert shared.fc2[0].weight is not model.fc2.weight
     with torch.no_grad():
         assert torch.equal(shared(x), copied(x))
+
+
+def test_a_saved_library_model_names_its_fit_in_plan_json(tmp_path, digits_mlp):
+    """``auditor.factorize``'s copy carries the fit it was made with; ``save_factorized`` writes it into plan.json as
+    ``lowrank-audit factorize`` does (the default fit with calibration, "svd" without)."""
+    import auditor
+
+    model = digits_mlp[0]
+    cal = load_calibration({"x": _digits(200)}, model, holdout=0.25)
+    for calibration, fit in ((cal, "sequential"), (None, "svd")):
+        new = auditor.factorize(model, {"fc2": 32}, calibration=calibration)
+        out = save_factorized(new, {"fc2": 32}, tmp_path / fit, source="digits.py:mlp")
+        assert json.loads((out / "plan.json").read_text())["fit"] == getattr(new, "lowrank_fit") == fit

@@ -22,6 +22,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..calibration.apply import FITTED_WITH
 from ..errors import AuditError, first_line, no_duplicate_keys
 from .outputs import TMP_PREFIX, kind_of, strict_json
 from ..surgery import apply_plan, count_params
@@ -52,6 +53,9 @@ def write_factorized(factorized: nn.Module, plan: dict[str, int], folder: Path, 
     meta = {"format": FORMAT, "format_version": FORMAT_VERSION, "source": source,
             "plan": {k: int(v) for k, v in plan.items()}, "params": count_params(factorized),
             "note": "a recovery fine-tune follows factorization"}
+    fitted = getattr(factorized, FITTED_WITH, None)  # auditor.factorize's copy names its fit, as the command's does
+    if isinstance(fitted, str):
+        meta["fit"] = fitted
     meta.update(extra or {})
     marker = {"tool": TOOL, "version": __version__, "format": FORMAT, "files": [MODEL_FILE, PLAN_FILE]}
     save_model(factorized, str(folder / MODEL_FILE))
