@@ -396,12 +396,11 @@ def check_factorized(report: CalibrationReport, cal: Calibrated, model: nn.Modul
     session, refs = cal.session, cal.references
     # eval_mode: a copy made outside measuring() has the model's own modes
     with session.measuring(), eval_mode(new), computing(model, session_dtype(session)):
-        if refs.verifier is None:
-            m = refs.evaluator.measure(new)
-            check = replace(pc, measured=m.value, ok=m.ok, top1=m.top1, removed=removed, verification=None, fit=fit)
-        else:
-            v = replace(refs.verifier.measure(new), search_rows=refs.search_rows, fit=fit)
-            check = replace(pc, measured=v.value, ok=v.ok, top1=None, removed=removed, verification=v, fit=fit)
+        got = passes.written_measurement(refs, new, fit)
+    if refs.verifier is None:
+        check = replace(pc, measured=got.value, ok=got.ok, top1=got.top1, removed=removed, verification=None, fit=fit)
+    else:
+        check = replace(pc, measured=got.value, ok=got.ok, top1=None, removed=removed, verification=got, fit=fit)
     return replace(report, plan_check=check)
 
 

@@ -394,12 +394,19 @@ def fitted_measurement(model: "nn.Module", session: CalibrationSession, refs: Re
         new = fitted_copy(model, plan, session, fit, moments)  # one block's factors alive at once
         removed = count_params(model) - count_params(new)
         with eval_mode(new):
-            if refs.verifier is None:
-                return refs.evaluator.measure(new), fit.label, removed
-            v = refs.verifier.measure(new)
+            got = written_measurement(refs, new, fit.label)
     del new
     trim_heap()
-    return replace(v, search_rows=refs.search_rows, fit=fit.label), fit.label, removed
+    return got, fit.label, removed
+
+
+def written_measurement(refs: References, new: "nn.Module", fit: str) -> "Verification | Measurement":
+    """``new`` (a written model, ``fit`` the label of its fit) measured as the plan check measures: on the
+    verification rows with the interval in a split session (a :class:`Verification` naming the fit and the search
+    rows), else on every search row (a ``Measurement``). The caller puts ``new`` in eval mode."""
+    if refs.verifier is None:
+        return refs.evaluator.measure(new)
+    return replace(refs.verifier.measure(new), search_rows=refs.search_rows, fit=fit)
 
 
 def _fitted(ctx: PassContext, refs: References, budget: BudgetResult,
@@ -503,4 +510,4 @@ def _dense_plan(session: CalibrationSession, budget: BudgetResult, failing: int)
 
 __all__ = ["Baselined", "Floored", "PassContext", "Recovered", "References", "Scope", "Searched", "Span", "Tier1", "VERIFY_BACKSTOPS",
            "VERIFY_TRIES", "Verified", "baselined", "curves_for", "fitted_measurement", "floors", "recovered", "scope_of", "search",
-           "references", "sensitivity", "sweepable", "tier1", "verified", "verify"]
+           "references", "sensitivity", "sweepable", "tier1", "verified", "verify", "written_measurement"]
