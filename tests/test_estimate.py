@@ -59,16 +59,18 @@ def test_peak_disk_and_device_exact():
     by = {st.name: st.peak_bytes for st in e.stages}
     assert [st.name for st in e.stages] == [n for n in est.STAGES if n != "rounding floor"]  # float32: no floor
     assert by["statistics"] == 1100 + 2 * 6 * 256 + 1000 + (8 * 16 + 8 * 64 + 2 * 8 * 64) + 2 * 8 * 40
-    # one output gradient at a time, the widest (10): it, its kept rows and its float copy
-    assert by["gradients"] == 1100 + 3 * 2560 + 2 * 256 + 1000 + 256 + 3 * 4 * 16 * 10 * 4 + 640 == 18868
-    assert e.peak_rss_bytes == 18868
+    # the output's logits (2560) and their gradient, three copies of one chunk of them (the whole batch here:
+    # metrics/chunks.py); one output gradient at a time, the widest (10): it, its kept rows and its float copy
+    assert by["gradients"] == 1100 + 2 * 2560 + 3 * 2560 + 2 * 256 + 1000 + 256 + 3 * 4 * 16 * 10 * 4 + 640 == 23988
+    assert e.peak_rss_bytes == 23988
     # tier 3, the verification and the plan check: one block's factors at a time (192 bytes) and the head's, outside
     # the blocks (112), not every layer's (496); the last two fit the plan as factorize does: every fitted weight
     # (float32), every truncator (float64), three kept hidden states per fit batch and one block's Grams
     fit = 4 * (4 * 32 + 40) + 8 * (2 * (8 * 4 + 16) + 2 * (4 * 4 + 64) + (10 * 4 + 16)) + 3 * 6 * 256 + 1664
-    assert (by["tier 3"], by["verification"], by["plan check"]) == (1100 + 5120 + 1000 + 304 + 1664,
-                                                                     1100 + 5120 + 1000 + 304 + fit,
-                                                                     1100 + 5120 + 1000 + 304 + fit)
+    plan = 2560 + 3 * 2560  # the output's logits, three copies of one chunk of them
+    assert (by["tier 3"], by["verification"], by["plan check"]) == (1100 + plan + 1000 + 304 + 1664,
+                                                                     1100 + plan + 1000 + 304 + fit,
+                                                                     1100 + plan + 1000 + 304 + fit)
     assert e.disk_bytes == 2 * (20000 + 2000 * 5) + 8 * 176 + 2496 + 640
     assert e.peak_device_bytes is None
     on = est.predict(SHAPES, est.Workload(**{**WORK.__dict__, "device": "cuda", "offload": True}), MEASURED)
@@ -83,8 +85,8 @@ def test_uncalibrated_has_no_calibration_stages():
 
 def test_short_of_memory_line_and_fix():
     e = est.predict(SHAPES, WORK, MEASURED)
-    assert est.short_of_memory(e, 18868) is None and est.short_of_memory(e, None) is None
-    line = est.short_of_memory(e, 18867)
+    assert est.short_of_memory(e, 23988) is None and est.short_of_memory(e, None) is None
+    line = est.short_of_memory(e, 23987)
     assert "gradients" in line and "available" in line
     assert "--calibration-max-rows" in est.FIX and "--offload" in est.FIX and "--scheduler" in est.FIX
 
@@ -268,7 +270,7 @@ def test_the_estimate_defines_none_of_the_calibrations_constants():
     for path in sorted(root.rglob("*.py")):
         for name in _module_constants(ast.parse(path.read_text())):
             owners.setdefault(name, []).append(str(path.relative_to(root.parent)))
-    assert {"GRADIENT_POSITIONS", "VERIFY_BACKSTOPS", "MIN_HEAD", "SAMPLES", "SEARCH_SHARE"} <= set(owners)
+    assert {"GRADIENT_POSITIONS", "VERIFY_BACKSTOPS", "MIN_HEAD", "SAMPLES", "SEARCH_SHARE", "CHUNK_VALUES"} <= set(owners)
     mine = _module_constants(ast.parse(Path(est.__file__).read_text()))
     copied = {n: owners[n] for n in sorted(mine & set(owners))}
     assert not copied, f"auditor/speed/estimate.py redefines the calibration's constants: import them from {copied}"

@@ -33,6 +33,7 @@ from torch import nn
 
 from ..calibration.measure.staged import stage_ends  # the first stage's rows: what a plan far from the tolerance reads
 from ..calibration.measure.verify import search_rows  # the held-out rows' search part
+from ..calibration.metrics.chunks import CHUNK_VALUES  # logits read at once where log-probabilities are taken
 from ..calibration.tiers.fisher import SAMPLES  # sampled label sets (or projections) per fit batch, one backward each
 from ..calibration.tiers.passes import VERIFY_BACKSTOPS  # plans the search measures below the one it found
 from ..calibration.tiers.sensitivity import GRADIENT_POSITIONS  # positions the gradient pass reads at most
@@ -88,6 +89,7 @@ class Workload:
     device: str | None = None
     offload: bool = False
     example_share: float = 1.0  # the trace's example input's positions over a measured batch's
+    compared: int = 1  # a batch's outputs alive at once while a plan is measured (2 for KL: the dense one too)
 
 
 @dataclass(frozen=True)
@@ -259,6 +261,7 @@ def stage_extra(sh: Shapes, wl: Workload, me: Measurements) -> dict[str, int]:
     "What is alive at once")."""
     big = max(sh.layers, key=lambda s: s[0] * s[1], default=(0, 0))
     logits = wl.batch_rows * wl.tokens * wl.outputs * 4
+    chunk = 3 * min(logits, 4 * CHUNK_VALUES)  # metrics/chunks.py: one chunk gathered, normalised, read (float32)
     charts = CHART_RSS if set(wl.formats) & set(REPORT_LAYER_SECONDS) else 0
     out = {"load": 0, "trace": me.block_saved_bytes, "spectra": 2 * 8 * big[0] * big[1], "reports": charts}
     if not wl.calibrated:
@@ -270,10 +273,11 @@ def stage_extra(sh: Shapes, wl: Workload, me: Measurements) -> dict[str, int]:
     out["statistics"] = hidden + me.block_saved_bytes + _block_grams(sh) + whiten
     moments = sum(8 * min(m, n) ** 2 for m, n in (sh.block_layers or sh.layers))
     widest = max((m for m, _ in sh.layers), default=0)  # one output gradient alive at a time (fisher.py's taps):
-    out["gradients"] = (3 * logits + max(1, sh.blocks) * me.hidden_bytes + me.block_saved_bytes + moments  # it,
+    out["gradients"] = (2 * logits + chunk  # the output, its gradient (written a chunk at a time), one chunk's copies
+                        + max(1, sh.blocks) * me.hidden_bytes + me.block_saved_bytes + moments  # it,
                         + 3 * wl.batch_rows * wl.tokens * widest * 4 + 2 * 8 * big[0] * big[1])  # its rows, its cast
     dense = 0 if wl.token_inputs else wl.holdout_rows * wl.tokens * wl.outputs * 4
-    plan = dense + 2 * logits + me.block_saved_bytes
+    plan = dense + wl.compared * logits + chunk + me.block_saved_bytes
     block = _mapped_factors(sh)  # apply.measured_copy: one block's factors mapped at a time
     out["tier 3"] = plan + block + _block_grams(sh)
     out["verification"] = out["plan check"] = plan + block + _fit_bytes(sh, wl, me)  # a reviewed plan: a fit too
@@ -408,8 +412,10 @@ def _batch_shape(batch: Any) -> tuple[int, int, bool]:
 def workload_of(cal: Any, options: Any, outputs: int, formats: tuple[str, ...]) -> Workload:
     first = (cal.fit or cal.holdout)[0]
     rows, tokens, ids = _batch_shape(first)
+    kl = isinstance(options.tiers.metric, str) and options.tiers.metric.strip().lower() == "kl"
     return Workload(cal.fit_rows, cal.holdout_rows, tokens, rows, outputs, ids, formats, torch.get_num_threads(),
-                    bool(options.tiers.split), True, options.statistics.device, bool(options.statistics.offload))
+                    bool(options.tiers.split), True, options.statistics.device, bool(options.statistics.offload),
+                    compared=2 if kl else 1)
 
 
 def _rss() -> int:

@@ -18,6 +18,7 @@ if TYPE_CHECKING:
     import torch
 
     from ..data.inputs import Batch
+    from .chunks import Scored
 
 TIER1_TARGET = 0.01  # the layer-output error tier 1 ranks for when the metric is not in those units
 
@@ -144,8 +145,9 @@ class MetricKind:
         does not count: ``gradient == "embedding"`` kinds (their cost is the mean of ||de||^2 / 2 per row)."""
         raise NotImplementedError(f"metric kind {self.kind!r} has no row embedding")
 
-    def logprobs(self, y: torch.Tensor, b: Batch) -> tuple[torch.Tensor, torch.Tensor]:
-        """(log-probabilities at the scored positions, targets): ``gradient == "likelihood"`` kinds."""
+    def scored(self, y: torch.Tensor, b: Batch) -> Scored:
+        """The scored positions of ``y`` and their targets, read a chunk at a time: ``gradient == "likelihood"``
+        kinds."""
         raise NotImplementedError(f"metric kind {self.kind!r} scores no likelihood")
 
     def direction(self, declared: bool | None) -> bool:

@@ -10,6 +10,7 @@ import torch
 from ...errors import AuditError
 from ..data.inputs import IGNORE_INDEX as IGNORE
 from ..data.inputs import Batch
+from .chunks import Scored
 
 
 def main_output(out: object) -> torch.Tensor:
@@ -69,15 +70,15 @@ def next_token_targets(b: Batch) -> tuple[torch.Tensor, torch.Tensor]:
     return tgt.clamp_min(0), keep
 
 
-def next_token_logprobs(y: torch.Tensor, b: Batch) -> tuple[torch.Tensor, torch.Tensor]:
-    """Float32 log-probabilities at the counted positions (rows, vocab) and their targets (rows,)."""
+def next_token_scored(y: torch.Tensor, b: Batch) -> Scored:
+    """The counted positions of ``y`` (each predicting the next token) and their targets, read a chunk at a time
+    (:class:`~.chunks.Scored`)."""
     tgt, keep = next_token_targets(b)
     if y.dim() != 3 or y.shape[:2] != (tgt.shape[0], tgt.shape[1] + 1):
         raise AuditError(f"a next-token metric needs logits (batch, positions, vocab) for the input ids "
                          f"{tuple(tgt.shape[0:1]) + (tgt.shape[1] + 1,)}; the model returned {tuple(y.shape)}",
                          "Use --metric output-error, or a user metric, for this model")
-    logits = y[:, :-1][keep]
-    return torch.log_softmax(logits.float(), dim=-1), tgt[keep]
+    return Scored.of(y, keep, tgt)  # keep is (rows, positions - 1): the last position predicts nothing
 
 
 def check_targets(b: Batch, width: int, what: str, i: int | None = None) -> None:
@@ -129,14 +130,14 @@ def masked_targets(b: Batch) -> tuple[torch.Tensor, torch.Tensor, bool]:
     return tgt.clamp_min(0), keep, given
 
 
-def masked_logprobs(y: torch.Tensor, b: Batch) -> tuple[torch.Tensor, torch.Tensor]:
-    """Float32 log-probabilities at the masked positions (rows, vocab) and their targets (rows,)."""
+def masked_scored(y: torch.Tensor, b: Batch) -> Scored:
+    """The masked positions of ``y`` and their targets, read a chunk at a time (:class:`~.chunks.Scored`)."""
     tgt, keep, _ = masked_targets(b)
     if y.dim() != 3 or tuple(y.shape[:2]) != tuple(tgt.shape):
         raise AuditError(f"a masked-token metric needs logits (batch, positions, vocab) for the input ids "
                          f"{tuple(tgt.shape)}; the model returned {tuple(y.shape)}",
                          "Use --metric output-error, or a user metric, for this model")
-    return torch.log_softmax(y[keep].float(), dim=-1), tgt[keep]
+    return Scored.of(y, keep, tgt)
 
 
 def per_row(y: torch.Tensor, b: Batch, fn: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:

@@ -13,7 +13,8 @@ from torch import nn
 
 from ...errors import AuditError
 from .base import Evaluating, Measurement, MetricKind, RowScorer, Scorer
-from .common import next_token_logprobs, next_token_targets, main_output
+from .chunks import Scored, kl_terms
+from .common import next_token_scored, next_token_targets, main_output
 
 if TYPE_CHECKING:
     from ..data.inputs import Batch
@@ -40,12 +41,12 @@ class _Scorer(Scorer):
         count = agree = 0
         with torch.no_grad():
             for i, b in enumerate(self.ev.batches):
-                p, _ = next_token_logprobs(main_output(self.ev.forward(self._dense, b, i)), b)
-                q, _ = next_token_logprobs(main_output(self.ev.forward(model, b, i)), b)
-                kl = (p.exp() * (p - q)).sum(-1)
+                p = next_token_scored(main_output(self.ev.forward(self._dense, b, i)), b)
+                q = next_token_scored(main_output(self.ev.forward(model, b, i)), b)
+                kl, same = kl_terms(p, q)
                 total += float(kl.double().sum())
                 count += int(kl.numel())
-                agree += int((p.argmax(-1) == q.argmax(-1)).sum())
+                agree += int(same.sum())
         if count == 0:
             raise AuditError("the held-out batches hold no next-token position to score (every target masked or "
                              "padding)", "Give held-out text of at least two real tokens per row")
@@ -63,12 +64,16 @@ class _Rows(RowScorer):
         kl, cnt, agree = [], [], []
         for b in self.batches:
             tgt, keep = next_token_targets(b)
-            p = torch.log_softmax(main_output(self._dense(*b.args, **b.kwargs))[:, :-1].float(), -1)
-            q = torch.log_softmax(main_output(model(*b.args, **b.kwargs))[:, :-1].float(), -1)
-            k = (p.exp() * (p - q)).sum(-1).double()
-            kl.append((k * keep).sum(1).cpu().numpy())
+            p = Scored.of(main_output(self._dense(*b.args, **b.kwargs)), keep, tgt)
+            q = Scored.of(main_output(model(*b.args, **b.kwargs)), keep, tgt)
+            k, same = kl_terms(p, q)
+            row_k = torch.zeros(keep.shape, dtype=torch.float64, device=keep.device)
+            row_k[keep] = k.double()  # the positions not counted: 0
+            row_a = torch.zeros(keep.shape, dtype=torch.float64, device=keep.device)
+            row_a[keep] = same.double()
+            kl.append(row_k.sum(1).cpu().numpy())
             cnt.append(keep.sum(1).double().cpu().numpy())
-            agree.append(((p.argmax(-1) == q.argmax(-1)).double() * keep).sum(1).cpu().numpy())
+            agree.append(row_a.sum(1).cpu().numpy())
         self.last_top1 = np.concatenate(agree), np.concatenate(cnt)
         return np.concatenate(kl), np.concatenate(cnt)
 
@@ -93,8 +98,8 @@ class KL(MetricKind):
     def row_scorer(self, dense: nn.Module, batches: list[Batch], like: RowScorer | None = None) -> RowScorer:
         return _Rows(dense, batches, like)
 
-    def logprobs(self, y: torch.Tensor, b: Batch) -> tuple[torch.Tensor, torch.Tensor]:
-        return next_token_logprobs(y, b)
+    def scored(self, y: torch.Tensor, b: Batch) -> Scored:
+        return next_token_scored(y, b)
 
 
 KIND = KL()

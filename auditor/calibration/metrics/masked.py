@@ -12,7 +12,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from .common import masked_logprobs, masked_targets
+from .chunks import Scored
+from .common import masked_scored, masked_targets
 from .perplexity import Perplexity
 
 if TYPE_CHECKING:
@@ -34,8 +35,8 @@ class MaskedPerplexity(Perplexity):
     nothing_scored = ("the held-out batches hold no masked position to score (every label -100 or padding)",
                       "Give labels with the original id at the masked positions")
 
-    def logprobs(self, y: torch.Tensor, b: Batch) -> tuple[torch.Tensor, torch.Tensor]:
-        return masked_logprobs(y, b)
+    def scored(self, y: torch.Tensor, b: Batch) -> Scored:
+        return masked_scored(y, b)
 
     def row_targets(self, y: torch.Tensor, b: Batch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(logits, targets, which count) per row: the masked positions themselves."""

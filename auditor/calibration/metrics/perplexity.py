@@ -14,7 +14,8 @@ from torch import nn
 
 from ...errors import AuditError
 from .base import Evaluating, Measurement, MetricKind, RowScorer, Scorer
-from .common import check_targets, next_token_logprobs, next_token_targets, main_output
+from .chunks import Scored
+from .common import check_targets, next_token_scored, next_token_targets, main_output
 
 if TYPE_CHECKING:
     from ..data.inputs import Batch
@@ -58,9 +59,9 @@ class _Scorer(Scorer):
                 y = main_output(self.ev.forward(model, b, i))
                 if isinstance(y, torch.Tensor) and y.dim() == 3:
                     check_targets(b, y.shape[-1], self.kind.scored, i)
-                logp, tgt = self.kind.logprobs(y, b)
-                nll -= float(logp.gather(1, tgt[:, None]).double().sum())
-                count += int(tgt.numel())
+                sc = self.kind.scored(y, b)
+                nll -= float(sc.picked().double().sum())
+                count += len(sc)
         if count == 0:
             raise AuditError(*self.kind.nothing_scored)
         return _exp(nll / count)
@@ -87,9 +88,9 @@ class _Rows(RowScorer):
             y = main_output(model(*b.args, **b.kwargs))
             check_targets(b, y.shape[-1], self.kind.scored, i)
             logits, tgt, keep = self.kind.row_targets(y, b)
-            logp = torch.log_softmax(logits.float(), dim=-1)
-            tok = -logp.gather(-1, tgt.unsqueeze(-1)).squeeze(-1).double()
-            nll.append((tok * keep).sum(1).cpu().numpy())
+            tok = torch.zeros(keep.shape, dtype=torch.float64, device=keep.device)
+            tok[keep] = -Scored.of(logits, keep, tgt).picked().double()  # the positions not counted: 0
+            nll.append(tok.sum(1).cpu().numpy())
             cnt.append(keep.sum(1).double().cpu().numpy())
         return np.concatenate(nll), np.concatenate(cnt)
 
@@ -133,8 +134,8 @@ class Perplexity(MetricKind):
     def row_scorer(self, dense: nn.Module, batches: list[Batch], like: RowScorer | None = None) -> RowScorer:
         return _Rows(dense, batches, self)
 
-    def logprobs(self, y: torch.Tensor, b: Batch) -> tuple[torch.Tensor, torch.Tensor]:
-        return next_token_logprobs(y, b)
+    def scored(self, y: torch.Tensor, b: Batch) -> Scored:
+        return next_token_scored(y, b)
 
     def row_targets(self, y: torch.Tensor, b: Batch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(logits, targets, which count) per row: the next token of each position."""

@@ -58,6 +58,7 @@ from ..statistics.whiten import (DAMP, LossMetric, Truncator, WhitenedSpectrum, 
 if TYPE_CHECKING:
     from typing_extensions import Unpack
 
+    from ..metrics.chunks import Scored
     from ..statistics.stream import Blocks
 
 GRADIENT_KINDS = kinds.registry.KindSet(lambda k: k.gradient_sensitivity, "read by the gradient pass")  # live view
@@ -112,7 +113,7 @@ def output_gradients(model: nn.Module, layers: dict[str, Layer] | list[Layer], c
     found = _blocks(model, [named[n] for n in acc.carried])
     acc.second.budget = _part_bytes(found, [named[n] for n in acc.carried])
     spec = metric.spec
-    pass_ = _Pass(spec.gradient == "likelihood", spec.logprobs, samples, torch.Generator().manual_seed(seed), device,
+    pass_ = _Pass(spec.gradient == "likelihood", spec.scored, samples, torch.Generator().manual_seed(seed), device,
                   embedding=spec.embedding if spec.gradient == "embedding" else None)
     batches = calibration.fit
     try:
@@ -148,7 +149,7 @@ class _Pass:
     embeddings, ``embedding``); the dense output's squared norm or the positions (rows) scored; backward passes run."""
 
     likelihood: bool
-    logprobs: Callable[..., object] | None  # the metric's (log-probabilities, labels) of an output and its batch
+    scored_of: Callable[..., Scored] | None  # the metric's scored positions of an output and its batch (chunked)
     samples: int
     gen: torch.Generator
     device: torch.device
@@ -352,13 +353,11 @@ def _losses(y: torch.Tensor, b: Batch, keep: torch.Tensor | None, p: _Pass) -> l
     negative log-likelihood of labels sampled from the model, or a random projection of the (masked) output or of
     the metric's row embeddings."""
     if p.likelihood:
-        logp, _ = p.logprobs(y, b)
-        p.scored += int(logp.shape[0])
-        probs = logp.detach().exp().cpu()
+        sc = p.scored_of(y, b)  # read a chunk of positions at a time: no full-vocabulary copy but the output's own
+        p.scored += len(sc)
 
         def nll() -> torch.Tensor:
-            pick = torch.multinomial(probs, 1, generator=p.gen).to(p.device)
-            return -logp.gather(1, pick).sum()
+            return sc.nll(sc.sample(p.gen).to(p.device))
 
         return [nll] * p.samples
     if p.embedding is not None:  # unit rows (zero where a row does not count): 1 - cos = ||de||^2 / 2 a row

@@ -1,0 +1,90 @@
+"""Log-probabilities a chunk of positions at a time (auditor/calibration/metrics/chunks.py) give the whole-batch
+computation's numbers bit for bit: the picked log-probabilities, the sampled labels, the NLL's gradient in the
+logits, the KL terms; and no chunk holds more than CHUNK_VALUES logits."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from auditor.calibration.metrics import chunks
+from auditor.calibration.metrics.chunks import Scored, kl_terms
+
+V = 50
+
+
+@pytest.fixture(autouse=True)
+def small_chunks(monkeypatch):
+    monkeypatch.setattr(chunks, "CHUNK_VALUES", 3 * V + 7)  # 3 positions a chunk: several chunks, a short last one
+
+
+def _batch(dtype: torch.dtype, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    y = (3 * torch.randn(3, 7, V, generator=g)).to(dtype)
+    keep = torch.rand(3, 6, generator=g) > 0.3
+    tgt = torch.randint(0, V, (3, 6), generator=g)
+    return y, keep, tgt
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+def test_picked_and_sampled_equal_the_whole_batch(dtype):
+    y, keep, tgt = _batch(dtype)
+    sc = Scored.of(y, keep, tgt)
+    whole = torch.log_softmax(y[:, :-1][keep].float(), dim=-1)
+    assert len(sc) == int(keep.sum()) == 13 and len(list(sc.spans())) == 5
+    assert torch.equal(sc.picked(), whole.gather(1, tgt[keep][:, None])[:, 0])
+    g1, g2 = torch.Generator().manual_seed(5), torch.Generator().manual_seed(5)
+    for _ in range(3):  # successive draws from one generator, as the gradient pass makes them
+        assert torch.equal(sc.sample(g1), torch.multinomial(whole.exp(), 1, generator=g2)[:, 0])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_nll_gradient_equals_autograd_through_log_softmax(dtype):
+    y, keep, tgt = _batch(dtype, 1)
+    labels = tgt[keep]
+    a = y.clone().requires_grad_(True)
+    b = y.clone().requires_grad_(True)
+    loss = Scored.of(a, keep, tgt).nll(labels)
+    whole = torch.log_softmax(b[:, :-1][keep].float(), dim=-1)
+    ref = -whole.gather(1, labels[:, None]).sum()
+    (ga,) = torch.autograd.grad(loss, [a])
+    (gb,) = torch.autograd.grad(ref, [b])
+    assert ga.dtype == dtype and torch.equal(ga, gb)
+    assert float(loss.detach()) == pytest.approx(float(ref.detach()), rel=1e-6)
+    assert ga[:, -1].abs().sum() == 0  # the last position predicts nothing: no gradient
+
+
+def test_kl_terms_equal_the_whole_batch():
+    y, keep, tgt = _batch(torch.float32, 2)
+    z = y + 0.5 * torch.randn(y.shape, generator=torch.Generator().manual_seed(3))
+    k, same = kl_terms(Scored.of(y, keep, tgt), Scored.of(z, keep, tgt))
+    p = torch.log_softmax(y[:, :-1][keep], -1)
+    q = torch.log_softmax(z[:, :-1][keep], -1)
+    assert torch.equal(k, (p.exp() * (p - q)).sum(-1))
+    assert torch.equal(same, p.argmax(-1) == q.argmax(-1))
+    assert 0 < int(same.sum()) < len(same)
+
+
+def test_no_chunk_holds_more_than_chunk_values():
+    y, keep, tgt = _batch(torch.float32)
+    seen = []
+    real = Scored.chunk_logits
+
+    def spy(self, s):
+        out = real(self, s)
+        seen.append(out.numel())
+        return out
+
+    sc = Scored.of(y, keep, tgt)
+    Scored.chunk_logits = spy  # type: ignore[method-assign]
+    try:
+        sc.picked()
+    finally:
+        Scored.chunk_logits = real  # type: ignore[method-assign]
+    assert max(seen) <= chunks.CHUNK_VALUES and sum(seen) == 13 * V
+
+
+def test_nothing_scored():
+    y, keep, tgt = _batch(torch.float32)
+    sc = Scored.of(y, torch.zeros_like(keep), tgt)
+    assert len(sc) == 0 and sc.picked().shape == (0,) and sc.sample(torch.Generator()).shape == (0,)
