@@ -88,3 +88,31 @@ def test_nothing_scored():
     y, keep, tgt = _batch(torch.float32)
     sc = Scored.of(y, torch.zeros_like(keep), tgt)
     assert len(sc) == 0 and sc.picked().shape == (0,) and sc.sample(torch.Generator()).shape == (0,)
+
+
+transformers = pytest.importorskip("transformers")
+
+
+def _lm(vocab: int = 96):
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(vocab_size=vocab, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                   num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=16)
+    return transformers.LlamaForCausalLM(cfg).eval()
+
+
+def test_batches_cut_to_the_logits_budget(monkeypatch):
+    """A batch whose float32 logits would pass LOGITS_BUDGET is cut into batches of fewer rows: the same rows in
+    the same order, the same digest; under the budget nothing is cut."""
+    from auditor.calibration import load_calibration
+    from auditor.calibration.data import inputs
+
+    model = _lm()
+    ids = torch.randint(0, 96, (20, 16), generator=torch.Generator().manual_seed(2))
+    whole = load_calibration({"input_ids": ids}, model, holdout=0.25, batch_size=8)
+    assert [b.rows for b in whole.fit] == [8, 7] and [b.rows for b in whole.holdout] == [5]
+    monkeypatch.setattr(inputs, "LOGITS_BUDGET", 3 * 16 * 96 * 4 + 5)  # three rows of 16 positions x 96 logits
+    cut = load_calibration({"input_ids": ids}, model, holdout=0.25, batch_size=8)
+    assert [b.rows for b in cut.fit] == [3, 3, 2, 3, 3, 1] and [b.rows for b in cut.holdout] == [3, 2]
+    assert cut.digest == whole.digest
+    for a, b in ((cut.fit, whole.fit), (cut.holdout, whole.holdout)):
+        assert torch.equal(torch.cat([x.kwargs["input_ids"] for x in a]), torch.cat([x.kwargs["input_ids"] for x in b]))

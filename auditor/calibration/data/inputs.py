@@ -51,6 +51,15 @@ class Batch:
         ts = self.tensors()
         return int(ts[0][1].shape[0]) if ts and ts[0][1].dim() > 0 else 1
 
+    def cut(self, lo: int, hi: int) -> "Batch":
+        """Rows ``lo:hi`` of every tensor batched along dim 0 (its first dimension ``rows``); the rest as it is."""
+        n = self.rows
+
+        def part(x: object) -> object:
+            return x[lo:hi] if isinstance(x, torch.Tensor) and x.dim() > 0 and x.shape[0] == n else x
+
+        return Batch(tuple(part(a) for a in self.args), {k: part(v) for k, v in self.kwargs.items()})
+
 
 @dataclass
 class Calibration:
@@ -114,6 +123,7 @@ def eval_mode(model: nn.Module) -> Iterator[nn.Module]:
 
 MAX_ROWS = CALIBRATION_MAX_ROWS  # calibration rows (examples, windows) read at most, unless the caller raises it
 MAX_BYTES = CALIBRATION_MAX_BYTES  # bytes of calibration data (a file, the tensors a function yields) read at most
+LOGITS_BUDGET = 1 << 29  # float32 bytes of a batch's output (a language model's logits) that sets its rows at most
 MAX_SHAPE_PROBES = 8  # later batches of a new shape run through the forward once each, at most this many
 
 
@@ -445,6 +455,8 @@ def _load(source: object, model: nn.Module | None, holdout: object, reading: Rea
         raise AuditError(f"calibration source {where} yielded no batches", "Give at least one batch of inputs")
     _check_finite(batches, where)
     fit, held = split if split is not None else _split(batches, holdout)
+    if model is not None and reading.check_forward:
+        fit, held = _bounded(model, fit), _bounded(model, held, fit)
     cal = Calibration(fit, held, where, _digest(batches))
     if text_in is not None:  # the same ids from another tokenizer are another calibration
         cal.digest = hashlib.sha256(f"{cal.digest};tokenizer:{text_in.tokenizer_digest}".encode()).hexdigest()
@@ -462,6 +474,29 @@ def _load(source: object, model: nn.Module | None, holdout: object, reading: Rea
     if warn:
         cal.warnings.append(warn)
     return cal
+
+
+def _bounded(model: nn.Module, batches: list[Batch], like: list[Batch] | None = None) -> list[Batch]:
+    """``batches`` cut into batches of fewer rows where one row's output (a language model's logits: positions x
+    vocabulary, float32) times the rows would pass :data:`LOGITS_BUDGET`: every forward of the audit then holds at
+    most that much output, and a backward its gradient (a 49,152-token vocabulary at 512 positions is 100 MB a row,
+    32 rows 3.2 GB). The rows, their order and the digest stay; a model whose output is not (rows, positions,
+    features) is left as it is. The size is read from a forward of one row of the first batch (of ``like``'s when
+    given: the held-out batches are cut as the fit ones)."""
+    first = (like or batches or [None])[0]
+    if first is None or max((b.rows for b in batches), default=1) <= 1:
+        return batches
+    try:
+        out = run(model, first.cut(0, 1))
+    except Exception:  # noqa: BLE001 - the check of the whole first batch below says what does not fit
+        return batches
+    y = getattr(out, "logits", out)
+    y = next((t for t in y if isinstance(t, torch.Tensor)), None) if isinstance(y, (tuple, list)) else y
+    if not isinstance(y, torch.Tensor) or y.dim() != 3 or not y.is_floating_point():
+        return batches
+    rows = max(1, LOGITS_BUDGET // max(1, int(y.shape[1]) * int(y.shape[2]) * 4))
+    return [b.cut(i, min(i + rows, b.rows)) for b in batches for i in range(0, b.rows, rows)] \
+        if any(b.rows > rows for b in batches) else batches
 
 
 def _load_pair(source: object, holdout: object, model: nn.Module | None, reading: Reading) -> Calibration:

@@ -39,12 +39,7 @@ RESOLVE = 0.25  # an interval resolves the tolerance when its half-width is at m
 
 
 def _slice(b: Batch, lo: int, hi: int) -> Batch:
-    n = b.rows
-
-    def cut(x: object) -> object:
-        return x[lo:hi] if isinstance(x, torch.Tensor) and x.dim() > 0 and x.shape[0] == n else x
-
-    return Batch(tuple(cut(a) for a in b.args), {k: cut(v) for k, v in b.kwargs.items()})
+    return b.cut(lo, hi)
 
 
 def search_rows(total: int, share: float = SEARCH_SHARE) -> int:
