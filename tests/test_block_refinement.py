@@ -13,7 +13,7 @@ from torch import nn
 from auditor.calibration import load_calibration
 from auditor.calibration.statistics import refine as rf
 from auditor.calibration.statistics.sequential import sequential_fit
-from auditor.calibration.statistics.whiten import Truncator
+from auditor.calibration.statistics.whiten import Pinned, Truncator
 from auditor.surgery import checked_plan
 
 
@@ -133,7 +133,7 @@ def test_the_sequential_fit_refines_the_blocks_layers_on_a_trained_llama() -> No
     assert all(torch.equal(v, model.state_dict()[k]) for k, v in before.items())
     blocks = {n.split(".")[2] for n in refined.refined}  # whole blocks are refined, two at least
     assert len(blocks) >= 2 and set(refined.refined) == {n for n in names if n.split(".")[2] in blocks}
-    assert closed.refined == () and all(isinstance(closed.truncators[n], Truncator) for n in names)
+    assert closed.refined == () and all(isinstance(closed.truncators[n], Pinned) for n in names)
     for n in names[:5]:  # block 0 reads the dense inputs: where it is not refined, the closed form bit for bit
         if n not in refined.refined:
             assert torch.equal(refined.truncators[n].weight(24), closed.truncators[n].weight(24))

@@ -64,9 +64,10 @@ def test_peak_disk_and_device_exact():
     assert by["gradients"] == 1100 + 2 * 2560 + 3 * 2560 + 2 * 256 + 1000 + 256 + 3 * 4 * 16 * 10 * 4 + 640 == 23988
     assert e.peak_rss_bytes == 23988
     # tier 3, the verification and the plan check: one block's factors at a time (192 bytes) and the head's, outside
-    # the blocks (112), not every layer's (496); the last two fit the plan as factorize does: every fitted weight
-    # (float32), every truncator (float64), three kept hidden states per fit batch and one block's Grams
-    fit = 4 * (4 * 32 + 40) + 8 * (2 * (8 * 4 + 16) + 2 * (4 * 4 + 64) + (10 * 4 + 16)) + 3 * 6 * 256 + 1664
+    # the blocks (112), not every layer's (496); the last two fit the plan as factorize does: one block's fitted
+    # weights (float32) and truncators (float64) and the head's (the finished blocks' on disk), three kept hidden
+    # states per fit batch and one block's Grams
+    fit = (4 * (32 + 32) + 8 * ((8 * 4 + 16) + (4 * 4 + 64))) + (4 * 40 + 8 * (10 * 4 + 16)) + 3 * 6 * 256 + 1664
     plan = 2560 + 3 * 2560  # the output's logits, three copies of one chunk of them
     assert (by["tier 3"], by["verification"], by["plan check"]) == (1100 + plan + 1000 + 304 + 1664,
                                                                      1100 + plan + 1000 + 304 + fit,

@@ -118,10 +118,14 @@ def _batches() -> list[Batch]:
     return [Batch((torch.randn(4, 10, 6, generator=g, dtype=torch.float64),), {}) for _ in range(3)]
 
 
-def test_sequential_fit_against_a_direct_solution() -> None:
+def test_sequential_fit_against_a_direct_solution(monkeypatch) -> None:
     model, fit = _Net(), _batches()
     plan = checked_plan(model, {"a": 2, "b": 3, "c": 2})
     before = {k: v.clone() for k, v in model.state_dict().items()}
+    maps = {}  # each layer's W*, read from its truncator before the fit keeps only its rank's factors
+    real = Truncator.pinned
+    monkeypatch.setattr(Truncator, "pinned", lambda self, r: maps.setdefault(self.layer.name, self.f) is None or
+                        real(self, r))
     got = sequential_truncators(model, plan, fit)
     assert all(torch.equal(v, model.state_dict()[k]) for k, v in before.items())  # the weights are back
     stats = input_statistics(model, [l for l, _ in plan.values()], fit)
@@ -137,7 +141,7 @@ def test_sequential_fit_against_a_direct_solution() -> None:
     w = model.c.weight.detach().numpy()
     assert xh.shape == (120, 8)  # 15 rows per input: the pull is RIDGE * 2 * 8 / 120
     wstar = _ridge(x, xh, w, RIDGE * 2 * 8 / 120)
-    np.testing.assert_allclose(got["c"].f[0], wstar, rtol=1e-8, atol=1e-10)
+    np.testing.assert_allclose(maps["c"][0], wstar, rtol=1e-8, atol=1e-10)
     np.testing.assert_allclose(got["c"].weight(2).numpy(), _truncated(xh, wstar, 2, DAMP), rtol=1e-7, atol=1e-9)
 
 
@@ -241,21 +245,27 @@ def test_block_by_block_is_the_whole_model_fit(monkeypatch) -> None:
                                    atol=1e-11)
 
 
-def test_grouped_convolutions_are_fitted_per_group() -> None:
+def test_grouped_convolutions_are_fitted_per_group(monkeypatch) -> None:
     """A grouped convolution's rows are its unfolded patches per group (the kinds' own hooks): the first layer's fit
     is the independent one, the second's W* is W per group where nothing before it changed (rank = full)."""
     torch.manual_seed(5)
     model = nn.Sequential(nn.Conv2d(4, 8, 3, padding=1, groups=2), nn.ReLU(), nn.Conv2d(8, 6, 3, groups=2)).double()
     fit = [Batch((torch.randn(3, 4, 7, 7, dtype=torch.float64),), {}) for _ in range(2)]
     plan = checked_plan(model, {"0": 3, "2": 2})
+    maps: dict = {}  # each layer's W*, read from its truncator before the fit keeps only its rank's factors
+    real = Truncator.pinned
+    monkeypatch.setattr(Truncator, "pinned", lambda self, r: maps.setdefault(self.layer.name, []).append(self.f)
+                        or real(self, r))
     got = sequential_truncators(model, plan, fit)
+    got = {n: (t, maps[n][-1]) for n, t in got.items()}
     stats = input_statistics(model, [l for l, _ in plan.values()], fit)
     ind = Truncator(plan["0"][0], model[0].weight, stats.layers["0"])
-    assert got["0"].f.shape == (2, 4, 18) and got["2"].f.shape == (2, 3, 36)
-    np.testing.assert_allclose(got["0"].weight(3).numpy(), ind.weight(3).numpy(), rtol=1e-9, atol=1e-11)
-    full = sequential_truncators(model, checked_plan(model, {"0": 4, "2": 2}), fit)  # rank 4 = full for layer 0
-    np.testing.assert_allclose(full["2"].f, Truncator(plan["2"][0], model[2].weight, None).f, rtol=1e-8, atol=1e-9)
-    assert not np.allclose(got["2"].f, full["2"].f, atol=1e-3)
+    assert got["0"][1].shape == (2, 4, 18) and got["2"][1].shape == (2, 3, 36)
+    np.testing.assert_allclose(got["0"][0].weight(3).numpy(), ind.weight(3).numpy(), rtol=1e-9, atol=1e-11)
+    sequential_truncators(model, checked_plan(model, {"0": 4, "2": 2}), fit)  # rank 4 = full for layer 0
+    full = maps["2"][-1]
+    np.testing.assert_allclose(full, Truncator(plan["2"][0], model[2].weight, None).f, rtol=1e-8, atol=1e-9)
+    assert not np.allclose(got["2"][1], full, atol=1e-3)
 
 
 def test_the_command_lines_fits_are_the_librarys() -> None:
@@ -321,3 +331,66 @@ def test_the_library_default_writes_what_the_command_writes(cli_inproc, tmp_path
     assert default_fit(stats) == Fit.INDEPENDENT and default_fit(None) == Fit.INDEPENDENT
     assert auditor.factorize(model, {"blocks.0.fc": 48}, calibration=stats).lowrank_fit == "independent"
     assert auditor.factorize(model, {"blocks.0.fc": 48}).lowrank_fit == "svd"
+
+
+def test_a_pinned_truncation_is_the_truncators_at_its_rank_bit_for_bit() -> None:
+    """Truncator.pinned(r) keeps only rank r's factors: factors(r) and weight(r) are the truncator's own numbers,
+    whitened, grouped and loss-aware (both of its forms); another rank is refused; spilled, the same again."""
+    import tempfile
+
+    from auditor.calibration.statistics.whiten import Pinned
+
+    torch.manual_seed(3)
+    model, conv = nn.Sequential(nn.Linear(12, 9)).double(), nn.Sequential(nn.Conv2d(4, 6, 3, groups=2)).double()
+    fit = [Batch((torch.randn(40, 12, dtype=torch.float64),), {})]
+    plan = checked_plan(model, {"0": 4})
+    stats = input_statistics(model, [plan["0"][0]], fit)
+    layer, w = plan["0"][0], model[0].weight
+    g = np.random.default_rng(0)
+    f = np.asarray(w.detach().numpy())[None]
+    truncs = [Truncator(layer, w, stats.layers["0"]), Truncator(layer, w, None),
+              Truncator.from_bases(layer, w, f, {"u": [np.linalg.qr(g.standard_normal((9, 9)))[0]],
+                                                 "w": [g.standard_normal((9, 9))]}),
+              Truncator.from_bases(layer, w, f, {"z": [g.standard_normal((12, 9))], "y": [g.standard_normal((12, 9))]}),
+              Truncator(checked_plan(conv, {"0": 2})["0"][0], conv[0].weight, None)]
+    with tempfile.TemporaryDirectory() as d:
+        for i, t in enumerate(truncs):
+            r = 2 if i == 4 else 4
+            for p in (t.pinned(r), t.pinned(r).spilled(f"{d}/{i}")):
+                assert isinstance(p, Pinned) and p.nbytes < sum(a.nbytes for v in t.parts().values() for a in v) + t.f.nbytes
+                for x, y in zip(p.factors(r), t.factors(r)):
+                    assert np.array_equal(x, y)
+                assert torch.equal(p.weight(r), t.weight(r))
+            with pytest.raises(ValueError, match="fitted at rank"):
+                t.pinned(r).factors(r - 1)
+
+
+def test_finished_blocks_are_spilled_and_read_back_the_same(monkeypatch) -> None:
+    """Block by block, a finished block's factors (and fitted weights) leave the heap for memory-mapped files: the
+    fit's result is the same bit for bit as with everything kept in memory."""
+    transformers = pytest.importorskip("transformers")
+    from auditor.calibration import load_calibration
+    from auditor.calibration.statistics import sequential as seq
+    from auditor.structure.layers import ParamTable, collect_layers
+
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=3,
+                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32)
+    model = transformers.LlamaForCausalLM(cfg).eval()
+    cal = load_calibration({"input_ids": torch.randint(0, 64, (48, 12), generator=torch.Generator().manual_seed(1))},
+                           model, holdout=0.25, batch_size=4)
+    names = [n for n in collect_layers(model, ParamTable.of(model)) if ".layers." in n]
+    plan = checked_plan(model, {n: 4 for n in names})
+    names = list(plan)
+    assert len(names) == 21
+    spilled = seq.sequential_fit(model, plan, cal, refine=2)
+    mapped = [n for n, t in spilled.truncators.items()
+              if all(isinstance(a.base if a.base is not None else a, np.memmap) or isinstance(a, np.memmap)
+                     for a in (t.pairs[0] if hasattr(t, "pairs") else (t.a, t.b)))]
+    assert sorted(mapped) == sorted(names) and spilled.scratch is not None  # every block finished, every layer out
+    monkeypatch.setattr(seq._Fitter, "spill", lambda self, layers: None)
+    kept = seq.sequential_fit(model, plan, cal, refine=2)
+    assert kept.refined == spilled.refined and len(kept.refined) > 0
+    for n in names:
+        for x, y in zip(spilled.truncators[n].factors(4), kept.truncators[n].factors(4)):
+            assert np.array_equal(x, y)

@@ -31,6 +31,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from ..calibration.data.inputs import bounded_rows  # rows a batch of a large vocabulary's logits is cut to
 from ..calibration.measure.staged import stage_ends  # the first stage's rows: what a plan far from the tolerance reads
 from ..calibration.measure.verify import search_rows  # the held-out rows' search part
 from ..calibration.metrics.chunks import CHUNK_VALUES  # logits read at once where log-probabilities are taken
@@ -248,12 +249,18 @@ def _mapped_factors(sh: Shapes) -> int:
 
 
 def _fit_bytes(sh: Shapes, wl: Workload, me: Measurements) -> int:
-    """The sequential fit's own (the verification's and the plan check's default fit): every planned layer's fitted
-    weight (float32) and truncator (float64 basis and whitening), the dense and fitted inputs to the block and the
-    dense block's outputs per fit batch, one block's Grams."""
-    weights = sum(4 * m * n for m, n in sh.layers)
-    kept = sum(8 * (m * min(m, n) + n * n) for m, n in sh.layers)
-    return weights + kept + 3 * _batches(wl.fit_rows, wl.batch_rows) * me.hidden_bytes + _block_grams(sh)
+    """The sequential fit's own (the verification's and the plan check's default fit): one repeated block's planned
+    layers at a time, each with its fitted weight (float32) and decomposition (float64; a finished block's factors
+    and fitted weights go to memory-mapped files, statistics/sequential.py), and those of the layers outside the
+    blocks; the dense and fitted inputs to the block and the dense block's outputs per fit batch, one block's Grams."""
+    def own(layers: tuple[tuple[int, int], ...]) -> int:
+        return sum(4 * m * n + 8 * (m * min(m, n) + n * n) for m, n in layers)
+
+    held = own(sh.layers)
+    if sh.block_layers:
+        one = own(sh.block_layers)
+        held = one + max(0, held - max(1, sh.blocks) * one)
+    return held + 3 * _batches(wl.fit_rows, wl.batch_rows) * me.hidden_bytes + _block_grams(sh)
 
 
 def stage_extra(sh: Shapes, wl: Workload, me: Measurements) -> dict[str, int]:
@@ -412,6 +419,8 @@ def _batch_shape(batch: Any) -> tuple[int, int, bool]:
 def workload_of(cal: Any, options: Any, outputs: int, formats: tuple[str, ...]) -> Workload:
     first = (cal.fit or cal.holdout)[0]
     rows, tokens, ids = _batch_shape(first)
+    if ids and tokens > 1:  # a language model's batches, cut at load where their logits pass the budget
+        rows = min(rows, bounded_rows(tokens, outputs))
     kl = isinstance(options.tiers.metric, str) and options.tiers.metric.strip().lower() == "kl"
     return Workload(cal.fit_rows, cal.holdout_rows, tokens, rows, outputs, ids, formats, torch.get_num_threads(),
                     bool(options.tiers.split), True, options.statistics.device, bool(options.statistics.offload),
@@ -607,6 +616,7 @@ def estimate_loaded(loaded: Any, options: Any, formats: tuple[str, ...], load_se
     if options.calibration_data.source is not None:
         cal = _calibration(model, loaded.source, options)
         wl, batch = workload_of(cal, options, _outputs(model, sh), formats), (cal.fit or cal.holdout)[0]
+        batch = batch.cut(0, wl.batch_rows) if wl.batch_rows < batch.rows else batch  # timed as the load cuts it
         # the trace runs the example input, not a calibration batch; without one it runs no forward
         share = (0.0 if loaded.example_inputs is None
                  else min(1.0, _positions(_as_batch(loaded.example_inputs)) / _positions(batch)))

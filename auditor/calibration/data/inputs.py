@@ -476,6 +476,12 @@ def _load(source: object, model: nn.Module | None, holdout: object, reading: Rea
     return cal
 
 
+def bounded_rows(positions: int, width: int) -> int:
+    """Rows a batch holds at most when each row's output is ``positions`` x ``width`` float32 values:
+    :data:`LOGITS_BUDGET` of them, at least one (``--estimate`` counts the batches the load will cut)."""
+    return max(1, LOGITS_BUDGET // max(1, positions * width * 4))
+
+
 def _bounded(model: nn.Module, batches: list[Batch], like: list[Batch] | None = None) -> list[Batch]:
     """``batches`` cut into batches of fewer rows where one row's output (a language model's logits: positions x
     vocabulary, float32) times the rows would pass :data:`LOGITS_BUDGET`: every forward of the audit then holds at
@@ -494,7 +500,7 @@ def _bounded(model: nn.Module, batches: list[Batch], like: list[Batch] | None = 
     y = next((t for t in y if isinstance(t, torch.Tensor)), None) if isinstance(y, (tuple, list)) else y
     if not isinstance(y, torch.Tensor) or y.dim() != 3 or not y.is_floating_point():
         return batches
-    rows = max(1, LOGITS_BUDGET // max(1, int(y.shape[1]) * int(y.shape[2]) * 4))
+    rows = bounded_rows(int(y.shape[1]), int(y.shape[2]))
     return [b.cut(i, min(i + rows, b.rows)) for b in batches for i in range(0, b.rows, rows)] \
         if any(b.rows > rows for b in batches) else batches
 

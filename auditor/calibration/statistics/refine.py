@@ -30,7 +30,7 @@ from torch import nn
 from torch.func import functional_call
 
 from ...results import Layer
-from .whiten import stored_weight
+from .whiten import spill_array, stored_weight
 
 EPOCHS = 8  # the most passes over a block's training batches
 LR = 5e-3  # each factor's Adam step, relative to its root mean square
@@ -59,6 +59,11 @@ class Refined:
     def weight(self, rank: int) -> torch.Tensor:
         a, b = self.factors(rank)
         return stored_weight(self.layer, torch.from_numpy(a @ b), self.shape, self.dtype, self.device)
+
+    def spilled(self, base: str) -> "Refined":
+        """The same, its factors written to ``base``.a.npy / .b.npy and read back memory-mapped."""
+        return Refined(self.layer, spill_array(f"{base}.a.npy", self.a), spill_array(f"{base}.b.npy", self.b),
+                       self.shape, self.dtype, self.device)
 
 
 @dataclass

@@ -37,6 +37,8 @@ the next block reads.
 from __future__ import annotations
 
 import contextlib
+import os
+import tempfile
 from dataclasses import dataclass, field
 from typing import Callable, Iterator, Mapping
 
@@ -50,9 +52,11 @@ from ..data.inputs import Batch, Calibration, eval_mode, model_device, run
 from .refine import EPOCHS, Refined, refine_block
 from .stats import LayerInput, batch_mask, kept_rows
 from .stream import Blocks, NotSequential, check_sequential, find_blocks, first_inputs, hidden_state, with_hidden
-from .whiten import DAMP, Truncator
+from .whiten import DAMP, Pinned, Truncator, spill_array
 
 
+_VIEWS = {torch.float32: torch.float32, torch.float64: torch.float64, torch.float16: torch.int16,
+          torch.bfloat16: torch.int16}  # a weight's bits as numpy holds them (bfloat16 through int16)
 RIDGE = 1e-2  # mu = RIDGE * mean(diag G): the refit's pull toward the dense weight, at PULL_ROWS rows per input or fewer
 PULL_ROWS = 2  # rows per input dimension up to which the whole RIDGE pulls; beyond, the pull shrinks as n / rows
 
@@ -396,10 +400,11 @@ class _Fitter:
     ridge: float
     moments: "Mapping[str, tuple[np.ndarray, bool, int]] | None" = None
     refit: dict[str, Layer] = field(default_factory=dict)  # layers kept dense, refitted at full rank
-    out: dict[str, Truncator] = field(default_factory=dict)
+    out: dict[str, Pinned | Refined] = field(default_factory=dict)  # each planned layer's factors at its rank
     fitted: dict[str, torch.Tensor] = field(default_factory=dict)
     refitted: dict[str, torch.Tensor] = field(default_factory=dict)
     epochs: int = EPOCHS  # the block refinement's most epochs (0: none)
+    scratch: "tempfile.TemporaryDirectory[str] | None" = None  # finished blocks' factors and weights (:meth:`spill`)
     stop: bool = False  # a stage's runs stop once its layers have run (each planned module is called once)
 
     @property
@@ -410,7 +415,7 @@ class _Fitter:
         sums = _stage_sums(self.model, stage, runs, self.stop)
         planned = [l for l in stage if l.name in self.plan]
         for name, trunc in _stage_truncators(self.model, planned, sums, self.damp, self.ridge, self.moments).items():
-            self.out[name] = trunc
+            self.out[name] = trunc.pinned(self.plan[name][1])  # the decomposition dropped: its rank's factors kept
             self.fitted[name] = trunc.weight(self.plan[name][1])
         for layer in stage:
             if layer.name in self.refit and layer.name in sums.gram:
@@ -426,7 +431,7 @@ class _Fitter:
         planned = []
         for layer in stage_layers:
             path, attr = kinds.for_kind(layer.kind).module_path(layer)
-            if layer.name in self.plan and isinstance(self.out.get(layer.name), Truncator) and path.startswith(prefix):
+            if layer.name in self.out and not isinstance(self.out[layer.name], Refined) and path.startswith(prefix):
                 planned.append((layer, f"{path[len(prefix):]}.{attr}", self.out[layer.name].factors(
                     self.plan[layer.name][1])))
         with _weights(self.model, self.layers, self.fitted):
@@ -434,6 +439,26 @@ class _Fitter:
         for name, refined in done.items():
             self.out[name] = refined  # type: ignore[assignment]
             self.fitted[name] = refined.weight(self.plan[name][1])
+
+    def spill(self, layers: list[Layer]) -> None:
+        """A finished block's planned layers: their factors and fitted weights written to a temporary directory and
+        read back memory-mapped, so what the fit holds in its heap is one block's, not every planned layer's (a
+        weight on a device, or not contiguous, stays where it is)."""
+        from ..._env import scratch_prefix, sweep_scratch
+
+        for layer in layers:
+            if layer.name not in self.plan or layer.name not in self.out:
+                continue
+            if self.scratch is None:
+                sweep_scratch()  # a killed run's folders first
+                self.scratch = tempfile.TemporaryDirectory(prefix=scratch_prefix("sequential"))
+            base = os.path.join(self.scratch.name, f"l{len(os.listdir(self.scratch.name))}")
+            self.out[layer.name] = self.out[layer.name].spilled(base)
+            w = self.fitted.get(layer.name)
+            if w is not None and w.device.type == "cpu" and w.is_contiguous() and w.dtype in _VIEWS:
+                bits = w.view(_VIEWS[w.dtype]).numpy() if _VIEWS[w.dtype] != w.dtype else w.numpy()
+                mapped = torch.from_numpy(spill_array(f"{base}.w.npy", bits))
+                self.fitted[layer.name] = mapped.view(w.dtype) if mapped.dtype != w.dtype else mapped
 
     def swapped(self, fn: Callable[[], object]) -> Callable[[], object]:
         """``fn`` run with the weights fitted so far in place of the dense ones."""
@@ -519,6 +544,7 @@ def _blockwise(fitter: _Fitter, stages: list[list[Layer]], fit: list[Batch], pro
                 fitter.refine(blk, f"{found.path}.{i}." if found.path else f"{i}.", mine, kept[1], dense, masks)
             if done < len(stages):
                 _advance(fitter, blk, kept, dense)
+        fitter.spill(mine)  # the block is done: its factors and fitted weights out of the heap
     return done
 
 
@@ -528,16 +554,17 @@ class SequentialFit:
     (layer name -> the weight in its stored layout; a layer whose inputs did not move, or that no row reached, has
     none)."""
 
-    truncators: dict[str, Truncator | Refined]
+    truncators: dict[str, Truncator | Pinned | Refined]
     refitted: dict[str, torch.Tensor]
     refined: tuple[str, ...] = ()  # the planned layers whose factors the block refinement trained
+    scratch: "tempfile.TemporaryDirectory[str] | None" = field(default=None, repr=False, compare=False)  # spilled
 
 
 def sequential_truncators(model: nn.Module, plan: dict[str, tuple[Layer, int]],
                           batches: Calibration | list[Batch], ridge: float = RIDGE,
                           progress: Callable[[int, int], None] | None = None,
                           moments: "Mapping[str, tuple[np.ndarray, bool, int]] | None" = None,
-                          refine: int = EPOCHS) -> "dict[str, Truncator | Refined]":
+                          refine: int = EPOCHS) -> "dict[str, Truncator | Pinned | Refined]":
     """The planned layers' truncators fitted sequentially (the module docstring): ``plan`` is Layer.name -> (layer,
     rank) (:func:`auditor.surgery.checked_plan`), ``batches`` the fit rows. Each truncator is for this plan only: a
     layer's W* depends on the ranks of the layers before it. Use them as ``reuse`` of
@@ -576,7 +603,8 @@ def sequential_fit(model: nn.Module, plan: dict[str, tuple[Layer, int]], batches
             fitter.stage(stage, fitter.whole(fit))
             step()
     out = {name: fitter.out[name] for name in plan}
-    return SequentialFit(out, dict(fitter.refitted), tuple(n for n, t in out.items() if isinstance(t, Refined)))
+    return SequentialFit(out, dict(fitter.refitted), tuple(n for n, t in out.items() if isinstance(t, Refined)),
+                         fitter.scratch)
 
 
 __all__ = ["PULL_ROWS", "RIDGE", "SequentialFit", "fitted_map", "fitted_truncator", "pull", "refit_weight",

@@ -277,23 +277,81 @@ class Truncator:
         g_, m, n = self.f.shape
         if rank < 1 or rank > min(m, n):
             raise ValueError(f"rank {rank} outside 1..{min(m, n)} for {self.layer.name}")
-        a = np.empty((g_, m, rank))
-        b = np.empty((g_, rank, n))
-        for g in range(g_):
-            ar, br = self._pair(g, rank)
-            s = np.linalg.norm(br, axis=1)
-            if self.w is not None or self.z is not None:  # A's columns are not unit vectors: both to one norm
-                s = s / np.maximum(np.linalg.norm(ar, axis=0), 1e-300)
-            s = np.sqrt(s)
-            s[(s == 0) | ~np.isfinite(s)] = 1.0
-            a[g] = ar * s[None, :]
-            b[g] = br / s[:, None]
-        return a, b
+        return _balanced([self._pair(g, rank) for g in range(g_)], self.w is not None or self.z is not None)
+
+    def pinned(self, rank: int) -> "Pinned":
+        """This truncation at ``rank`` alone (:class:`Pinned`): its factors and weight there, the same numbers, without
+        the decomposition (F and the bases: 8 (out + in) x min(out, in) bytes a group, not 8 r (out + in))."""
+        g_, m, n = self.f.shape
+        if rank < 1 or rank > min(m, n):
+            raise ValueError(f"rank {rank} outside 1..{min(m, n)} for {self.layer.name}")
+        pairs = [tuple(np.ascontiguousarray(x) for x in self._pair(g, rank)) for g in range(g_)]
+        return Pinned(self.layer, rank, pairs, self.w is not None or self.z is not None,  # type: ignore[arg-type]
+                      self.shape, self.dtype, self.device)
 
     def weight(self, rank: int) -> torch.Tensor:
         """The dense weight (stored layout, dtype and device) of the rank-``rank`` truncation."""
         f = np.stack([np.matmul(*self._pair(g, rank)) for g in range(self.f.shape[0])])
         return stored_weight(self.layer, torch.from_numpy(f), self.shape, self.dtype, self.device)
+
+
+def _balanced(pairs: list[tuple[np.ndarray, np.ndarray]], both: bool) -> tuple[np.ndarray, np.ndarray]:
+    """(groups, out, r) and (groups, r, in) from each group's unbalanced (A, B): each column/row pair scaled to equal
+    norms (``both``: A's columns are not unit vectors, both scaled to one norm)."""
+    g_, (m, rank), n = len(pairs), pairs[0][0].shape, pairs[0][1].shape[1]
+    a = np.empty((g_, m, rank))
+    b = np.empty((g_, rank, n))
+    for g, (ar, br) in enumerate(pairs):
+        s = np.linalg.norm(br, axis=1)
+        if both:
+            s = s / np.maximum(np.linalg.norm(ar, axis=0), 1e-300)
+        s = np.sqrt(s)
+        s[(s == 0) | ~np.isfinite(s)] = 1.0
+        a[g] = ar * s[None, :]
+        b[g] = br / s[:, None]
+    return a, b
+
+
+class Pinned:
+    """A :class:`Truncator` at one rank (:meth:`Truncator.pinned`): each group's unbalanced factors there, so
+    ``factors`` and ``weight`` at that rank give the truncator's numbers bit for bit, and nothing else is kept.
+    :meth:`spilled` writes them to a file and reads them back memory-mapped."""
+
+    def __init__(self, layer: Layer, rank: int, pairs: list[tuple[np.ndarray, np.ndarray]], both: bool,
+                 shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> None:
+        self.layer, self.rank, self.pairs, self.both = layer, rank, pairs, both
+        self.shape, self.dtype, self.device = shape, dtype, device
+
+    def _check(self, rank: int) -> None:
+        if rank != self.rank:
+            raise ValueError(f"{self.layer.name} was fitted at rank {self.rank}, not {rank}")
+
+    def factors(self, rank: int) -> tuple[np.ndarray, np.ndarray]:
+        self._check(rank)
+        return _balanced(self.pairs, self.both)
+
+    def weight(self, rank: int) -> torch.Tensor:
+        self._check(rank)
+        f = np.stack([np.matmul(ar, br) for ar, br in self.pairs])
+        return stored_weight(self.layer, torch.from_numpy(f), self.shape, self.dtype, self.device)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(int(a.nbytes) + int(b.nbytes) for a, b in self.pairs)
+
+    def spilled(self, base: str) -> "Pinned":
+        """The same, its arrays written to ``base``.a{g}.npy / .b{g}.npy and read back memory-mapped."""
+        pairs = []
+        for g, (a, b) in enumerate(self.pairs):
+            pairs.append((spill_array(f"{base}.a{g}.npy", a), spill_array(f"{base}.b{g}.npy", b)))
+        return Pinned(self.layer, self.rank, pairs, self.both, self.shape, self.dtype, self.device)
+
+
+def spill_array(path: str, a: np.ndarray, what: str = "the sequential fit's factors") -> np.ndarray:
+    """``a`` written to ``path`` and read back memory-mapped (copy-on-write, never written: torch takes it without a
+    read-only warning): the same values, out of the heap."""
+    save_spilled(path, a, what)
+    return np.load(path, mmap_mode="c")
 
 
 def truncator_bytes(layer: Layer) -> int:
