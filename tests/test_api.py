@@ -116,7 +116,7 @@ def test_factorize_fit_sequential(tmp_path):
     kept = loss_metric(session, model, [l for l, _ in resolve_plan(model, plan).values()])
     assert kept is not None  # returned, not written on the session: the caller passes it on
     seq = sequential(session, model, resolve_plan(model, plan), loss_metric=kept).truncators  # the pass's moments
-    assert seq["2"].w is not None or seq["2"].z is not None
+    assert seq["2"].both  # a loss-aware truncation's factors (w or z beside its bases), pinned at the plan's rank
     got = auditor.factorize(model, plan, calibration=cal, fit="sequential")
     a, b = seq["2"].factors(3)
     assert torch.equal(got.state_dict()["2.1.weight"], torch.from_numpy(a[0]).float())

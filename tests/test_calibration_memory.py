@@ -339,3 +339,19 @@ def test_the_plan_check_measures_the_reviewed_plan_with_one_blocks_factors_mappe
     assert check is not None and check.layers == 2 and check.measured == check.measured  # measured, not NaN
     assert copies[-1] == plan and check.fit == "sequential"  # the last copy made is the plan check's
     assert sorted({i for p, i in mapped if p == plan}) == [0, 2]  # its factors mapped block by block
+
+
+def test_a_wide_heads_gradient_is_carried_back_a_chunk_of_rows_at_a_time(monkeypatch):
+    """A carried output gradient (out > in) larger than CARRY_VALUES is gathered, cast and carried back through F a
+    chunk of rows at a time: the head's second moment as the whole gradient at once gives it."""
+    model, cal, layers = _setup(2)
+    whole = output_gradients(model, layers, cal, Metric(kind="perplexity"))
+    calls = []
+    real = fisher._carried_in_chunks
+    monkeypatch.setattr(fisher, "_carried_in_chunks", lambda *a: calls.append(1) or real(*a))
+    monkeypatch.setattr(fisher, "CARRY_VALUES", 3 * 64)  # three rows of the 64-wide head's gradient a chunk
+    chunked = output_gradients(model, layers, cal, Metric(kind="perplexity"))
+    assert calls and set(chunked.second) == set(whole.second) and chunked.count == whole.count
+    for k in whole.second:  # float32 GEMMs of other row counts: equal to float32 rounding of the matrix's scale
+        a, b = chunked.second[k], whole.second[k]
+        assert np.linalg.norm(a - b) <= 1e-6 * np.linalg.norm(b), k

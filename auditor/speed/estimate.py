@@ -35,6 +35,7 @@ from ..calibration.data.inputs import bounded_rows  # rows a batch of a large vo
 from ..calibration.measure.staged import stage_ends  # the first stage's rows: what a plan far from the tolerance reads
 from ..calibration.measure.verify import search_rows  # the held-out rows' search part
 from ..calibration.metrics.chunks import CHUNK_VALUES  # logits read at once where log-probabilities are taken
+from ..calibration.tiers.fisher import CARRY_VALUES  # a wide head's output gradient carried back in chunks past it
 from ..calibration.tiers.fisher import SAMPLES  # sampled label sets (or projections) per fit batch, one backward each
 from ..calibration.tiers.passes import VERIFY_BACKSTOPS  # plans the search measures below the one it found
 from ..calibration.tiers.sensitivity import GRADIENT_POSITIONS  # positions the gradient pass reads at most
@@ -263,6 +264,12 @@ def _fit_bytes(sh: Shapes, wl: Workload, me: Measurements) -> int:
     return held + 3 * _batches(wl.fit_rows, wl.batch_rows) * me.hidden_bytes + _block_grams(sh)
 
 
+def _tap_bytes(values: int) -> int:
+    """The widest output gradient a tap holds (fisher.py): it, its kept rows and their float32 cast; one larger than
+    CARRY_VALUES is gathered and cast a chunk of rows at a time (two chunk-sized copies beside it)."""
+    return 4 * values + (2 * CARRY_VALUES if values > CARRY_VALUES else 2 * 4 * values)
+
+
 def stage_extra(sh: Shapes, wl: Workload, me: Measurements) -> dict[str, int]:
     """Bytes each stage holds beyond the process, the weights and what the stages before it left (docs/calibration.md,
     "What is alive at once")."""
@@ -282,7 +289,7 @@ def stage_extra(sh: Shapes, wl: Workload, me: Measurements) -> dict[str, int]:
     widest = max((m for m, _ in sh.layers), default=0)  # one output gradient alive at a time (fisher.py's taps):
     out["gradients"] = (2 * logits + chunk  # the output, its gradient (written a chunk at a time), one chunk's copies
                         + max(1, sh.blocks) * me.hidden_bytes + me.block_saved_bytes + moments  # it,
-                        + 3 * wl.batch_rows * wl.tokens * widest * 4 + 2 * 8 * big[0] * big[1])  # its rows, its cast
+                        + _tap_bytes(wl.batch_rows * wl.tokens * widest) + 2 * 8 * big[0] * big[1])
     dense = 0 if wl.token_inputs else wl.holdout_rows * wl.tokens * wl.outputs * 4
     plan = dense + wl.compared * logits + chunk + me.block_saved_bytes
     block = _mapped_factors(sh)  # apply.measured_copy: one block's factors mapped at a time

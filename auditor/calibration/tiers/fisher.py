@@ -93,6 +93,28 @@ def _function_view(layer: Layer, weight: torch.Tensor) -> torch.Tensor:
     return kinds.for_kind(layer.kind).function_view(layer, weight)
 
 
+CARRY_VALUES = 1 << 24  # an output gradient larger than this (a wide head's) is carried back a chunk of rows at a time
+
+
+def _carried_in_chunks(g: torch.Tensor, keep: torch.Tensor | None, f: torch.Tensor) -> torch.Tensor:
+    """g's real rows (``keep``) carried back through F (out x in), float32 (rows, in), the rows gathered and cast a
+    chunk at a time: never a second copy of a wide head's output gradient (rows x vocabulary)."""
+    if keep is not None and g.dim() == 3 and tuple(g.shape[:2]) == tuple(keep.shape):
+        where = keep.nonzero(as_tuple=True)
+        n = int(where[0].shape[0])
+        pick = lambda s: g[tuple(w[s] for w in where)]  # noqa: E731 - the chunk's rows
+    else:
+        flat = g.reshape(-1, g.shape[-1])
+        n = int(flat.shape[0])
+        pick = lambda s: flat[s]  # noqa: E731
+    out = torch.empty(n, f.shape[1], dtype=torch.float32, device=g.device)
+    step = max(1, CARRY_VALUES // (4 * max(1, int(g.shape[-1]))))
+    for i in range(0, n, step):
+        s = slice(i, min(i + step, n))
+        out[s] = pick(s).float() @ f
+    return out
+
+
 def output_gradients(model: nn.Module, layers: dict[str, Layer] | list[Layer], calibration: Calibration,
                      metric: Metric, samples: int = SAMPLES, seed: int = 0,
                      progress: Callable[[int, int], None] | None = None) -> OutputGradients:
@@ -195,6 +217,10 @@ class _Accumulator:
         for name in self.hooked[path]:
             layer = self.named[name]
             gg = g.detach()
+            if self.carried[name] and gg.numel() > CARRY_VALUES:  # a wide head's: its rows a chunk at a time
+                gg = _carried_in_chunks(gg, keep, _function_view(layer, self.params[layer.param].detach()).float())
+                out.append((name, (gg.T @ gg).double().cpu().numpy(), int(gg.shape[0])))
+                continue
             if keep is not None and gg.dim() == 3 and tuple(gg.shape[:2]) == tuple(keep.shape):
                 gg = gg[keep]
             gg = gg.reshape(-1, gg.shape[-1]).float()
