@@ -455,8 +455,9 @@ def _load(source: object, model: nn.Module | None, holdout: object, reading: Rea
         raise AuditError(f"calibration source {where} yielded no batches", "Give at least one batch of inputs")
     _check_finite(batches, where)
     fit, held = split if split is not None else _split(batches, holdout)
-    if model is not None and reading.check_forward:
-        fit, held = _bounded(model, fit), _bounded(model, held, fit)
+    if model is not None and reading.check_forward and (fit or held):
+        cap = _row_cap(model, (fit or held)[0])
+        fit, held = _cut_to(fit, cap), _cut_to(held, cap)
     cal = Calibration(fit, held, where, _digest(batches))
     if text_in is not None:  # the same ids from another tokenizer are another calibration
         cal.digest = hashlib.sha256(f"{cal.digest};tokenizer:{text_in.tokenizer_digest}".encode()).hexdigest()
@@ -482,27 +483,30 @@ def bounded_rows(positions: int, width: int) -> int:
     return max(1, LOGITS_BUDGET // max(1, positions * width * 4))
 
 
-def _bounded(model: nn.Module, batches: list[Batch], like: list[Batch] | None = None) -> list[Batch]:
-    """``batches`` cut into batches of fewer rows where one row's output (a language model's logits: positions x
-    vocabulary, float32) times the rows would pass :data:`LOGITS_BUDGET`: every forward of the audit then holds at
-    most that much output, and a backward its gradient (a 49,152-token vocabulary at 512 positions is 100 MB a row,
-    32 rows 3.2 GB). The rows, their order and the digest stay; a model whose output is not (rows, positions,
-    features) is left as it is. The size is read from a forward of one row of the first batch (of ``like``'s when
-    given: the held-out batches are cut as the fit ones)."""
-    first = (like or batches or [None])[0]
-    if first is None or max((b.rows for b in batches), default=1) <= 1:
-        return batches
+def _row_cap(model: nn.Module, first: Batch) -> int | None:
+    """The rows a batch holds at most (:func:`bounded_rows`) where one row's output (a language model's logits:
+    positions x vocabulary, float32) times the rows would pass :data:`LOGITS_BUDGET`: every forward of the audit then
+    holds at most that much output, and a backward its gradient (a 49,152-token vocabulary at 512 positions is 100 MB
+    a row, 32 rows 3.2 GB). Read from a forward of ``first``'s first row; None where the output is not (rows,
+    positions, features) or that forward fails (the check of the whole first batch then says what does not fit)."""
+    if first.rows <= 1:
+        return None
     try:
         out = run(model, first.cut(0, 1))
-    except Exception:  # noqa: BLE001 - the check of the whole first batch below says what does not fit
-        return batches
+    except Exception:  # noqa: BLE001 - the check of the whole first batch says what does not fit
+        return None
     y = getattr(out, "logits", out)
     y = next((t for t in y if isinstance(t, torch.Tensor)), None) if isinstance(y, (tuple, list)) else y
     if not isinstance(y, torch.Tensor) or y.dim() != 3 or not y.is_floating_point():
+        return None
+    return bounded_rows(int(y.shape[1]), int(y.shape[2]))
+
+
+def _cut_to(batches: list[Batch], rows: int | None) -> list[Batch]:
+    """``batches`` cut into batches of at most ``rows`` rows: the same rows in the same order (the digest stays)."""
+    if rows is None or all(b.rows <= rows for b in batches):
         return batches
-    rows = bounded_rows(int(y.shape[1]), int(y.shape[2]))
-    return [b.cut(i, min(i + rows, b.rows)) for b in batches for i in range(0, b.rows, rows)] \
-        if any(b.rows > rows for b in batches) else batches
+    return [b.cut(i, min(i + rows, b.rows)) for b in batches for i in range(0, b.rows, rows)]
 
 
 def _load_pair(source: object, holdout: object, model: nn.Module | None, reading: Reading) -> Calibration:
