@@ -116,3 +116,70 @@ def test_batches_cut_to_the_logits_budget(monkeypatch):
     assert cut.digest == whole.digest
     for a, b in ((cut.fit, whole.fit), (cut.holdout, whole.holdout)):
         assert torch.equal(torch.cat([x.kwargs["input_ids"] for x in a]), torch.cat([x.kwargs["input_ids"] for x in b]))
+
+
+class _Scaled(torch.nn.Module):
+    """A model with an input that is not batched (a (rows,) vector of scales whose length happens to be the rows)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lm = _lm()
+
+    def forward(self, input_ids, scale):
+        return self.lm(input_ids=input_ids).logits * scale.mean()
+
+
+class _SeqFirst(torch.nn.Module):
+    """A sequence-first model: its output is (positions, rows, vocabulary); dim 0 of its input is positions."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.emb = torch.nn.Embedding(96, 16)
+        self.mix = torch.nn.TransformerEncoderLayer(16, 2, 32, dropout=0.0)
+        self.head = torch.nn.Linear(16, 96)
+
+    def forward(self, input_ids):
+        return self.head(self.mix(self.emb(input_ids)))
+
+
+def test_nothing_is_cut_where_rows_are_not_independent_or_not_all_batched(monkeypatch):
+    """The cut needs every tensor batched along dim 0 and rows whose outputs do not depend on each other: an unbatched
+    input whose length equals the rows, a sequence-first model and a model left in training mode (the probe runs in
+    eval mode and writes nothing) are left whole."""
+    from auditor.calibration import load_calibration
+    from auditor.calibration.data import inputs
+
+    monkeypatch.setattr(inputs, "LOGITS_BUDGET", 3 * 16 * 96 * 4 + 5)
+    ids = torch.randint(0, 96, (8, 16), generator=torch.Generator().manual_seed(2))
+    scaled = load_calibration([{"input_ids": ids, "scale": torch.arange(1.0, 9.0)}], _Scaled(), holdout=0.0)
+    assert [b.rows for b in scaled.fit] == [8]
+    seq = load_calibration({"input_ids": ids.T.contiguous()}, _SeqFirst().eval(), holdout=0.0, batch_size=16)
+    assert [b.rows for b in seq.fit] == [16]  # 16 positions first: not rows
+    bn = torch.nn.Sequential(torch.nn.Embedding(96, 16), torch.nn.BatchNorm1d(16), torch.nn.Linear(16, 96))
+    before = bn[1].num_batches_tracked.clone()
+    mean = bn[1].running_mean.clone()
+    load_calibration({"input_ids": ids}, bn.train(), holdout=0.0, batch_size=8)  # the probes and the load's check
+    assert torch.equal(bn[1].num_batches_tracked, before) and torch.equal(bn[1].running_mean, mean) and bn.training
+
+
+def test_row_scorers_refuse_logits_of_another_length():
+    """The per-row perplexity and KL scorers check the logits against the ids as the whole-batch scorers do: a model
+    whose output has one more position is one line, not a silently misaligned score."""
+    from auditor.calibration.data.inputs import Batch
+    from auditor.calibration.metrics import kl, perplexity
+    from auditor.errors import AuditError
+
+    class Longer(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lm = _lm()
+
+        def forward(self, input_ids):
+            y = self.lm(input_ids=input_ids).logits
+            return torch.cat([y, y[:, -1:]], dim=1)
+
+    b = [Batch((), {"input_ids": torch.randint(0, 96, (3, 10), generator=torch.Generator().manual_seed(4))})]
+    for kind in (perplexity.KIND, kl.KIND):
+        with pytest.raises(AuditError, match="needs logits"):
+            kind.row_scorer(Longer(), b).sums(Longer())

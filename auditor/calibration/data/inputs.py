@@ -102,9 +102,10 @@ def model_device(model: nn.Module) -> torch.device:
 
 
 def run(model: nn.Module, batch: Batch) -> object:
-    """The model's output for one batch, moved to the model's device, without gradients."""
+    """The model's output for one batch, moved to the model's device, without gradients, in eval mode (a model left
+    in training mode is not written to: its batch norms' running statistics stay as they were)."""
     b = batch.to(model_device(model))
-    with torch.no_grad():
+    with torch.no_grad(), eval_mode(model):
         return model(*b.args, **b.kwargs)
 
 
@@ -487,19 +488,35 @@ def _row_cap(model: nn.Module, first: Batch) -> int | None:
     """The rows a batch holds at most (:func:`bounded_rows`) where one row's output (a language model's logits:
     positions x vocabulary, float32) times the rows would pass :data:`LOGITS_BUDGET`: every forward of the audit then
     holds at most that much output, and a backward its gradient (a 49,152-token vocabulary at 512 positions is 100 MB
-    a row, 32 rows 3.2 GB). Read from a forward of ``first``'s first row; None where the output is not (rows,
-    positions, features) or that forward fails (the check of the whole first batch then says what does not fit)."""
-    if first.rows <= 1:
+    a row, 32 rows 3.2 GB). None (nothing cut) unless cutting is safe and needed: every tensor of ``first`` is
+    batched along dim 0, its output is (rows, positions, features) in floats, and rows are independent (the second
+    row's output the same run alone as beside the first: not a sequence-first model, whose dim 0 is positions);
+    read from forwards of its first two rows in eval mode. A forward that fails leaves the batches as they are (the
+    check of the whole first batch then says what does not fit)."""
+    rows = first.rows
+    ts = first.tensors()
+    if rows <= 2 or not ts or any(t.dim() == 0 or int(t.shape[0]) != rows for _, t in ts):
         return None
     try:
-        out = run(model, first.cut(0, 1))
+        pair, alone = _output(run(model, first.cut(0, 2))), _output(run(model, first.cut(1, 2)))
     except Exception:  # noqa: BLE001 - the check of the whole first batch says what does not fit
         return None
-    y = getattr(out, "logits", out)
-    y = next((t for t in y if isinstance(t, torch.Tensor)), None) if isinstance(y, (tuple, list)) else y
-    if not isinstance(y, torch.Tensor) or y.dim() != 3 or not y.is_floating_point():
+    if not all(isinstance(y, torch.Tensor) and y.dim() == 3 and y.is_floating_point() for y in (pair, alone)):
         return None
-    return bounded_rows(int(y.shape[1]), int(y.shape[2]))
+    assert isinstance(pair, torch.Tensor) and isinstance(alone, torch.Tensor)
+    if tuple(pair.shape) != (2, *alone.shape[1:]) or alone.shape[0] != 1:
+        return None
+    cap = bounded_rows(int(alone.shape[1]), int(alone.shape[2]))
+    gap = float((pair[1:].float() - alone.float()).norm())  # a batched row differs by rounding alone (bf16: ~4e-3)
+    if cap >= rows or not gap <= 1e-2 * float(alone.float().norm()):
+        return None
+    return cap
+
+
+def _output(out: object) -> object:
+    """The tensor a forward's output compares (its ``logits``, or the first tensor of a tuple)."""
+    y = getattr(out, "logits", out)
+    return next((t for t in y if isinstance(t, torch.Tensor)), None) if isinstance(y, (tuple, list)) else y
 
 
 def _cut_to(batches: list[Batch], rows: int | None) -> list[Batch]:

@@ -63,9 +63,9 @@ class _Rows(RowScorer):
     def sums(self, model: nn.Module) -> tuple[np.ndarray, ...]:
         kl, cnt, agree = [], [], []
         for b in self.batches:
-            tgt, keep = next_token_targets(b)
-            p = Scored.of(main_output(self._dense(*b.args, **b.kwargs)), keep, tgt)
-            q = Scored.of(main_output(model(*b.args, **b.kwargs)), keep, tgt)
+            _, keep = next_token_targets(b)
+            p = next_token_scored(main_output(self._dense(*b.args, **b.kwargs)), b)  # its shape checked
+            q = next_token_scored(main_output(model(*b.args, **b.kwargs)), b)
             k, same = kl_terms(p, q)
             row_k = torch.zeros(keep.shape, dtype=torch.float64, device=keep.device)
             row_k[keep] = k.double()  # the positions not counted: 0

@@ -87,9 +87,9 @@ class _Rows(RowScorer):
         for i, b in enumerate(self.batches):
             y = main_output(model(*b.args, **b.kwargs))
             check_targets(b, y.shape[-1], self.kind.scored, i)
-            logits, tgt, keep = self.kind.row_targets(y, b)
+            _, _, keep = self.kind.row_targets(y, b)
             tok = torch.zeros(keep.shape, dtype=torch.float64, device=keep.device)
-            tok[keep] = -Scored.of(logits, keep, tgt).picked().double()  # the positions not counted: 0
+            tok[keep] = -self.kind.scored(y, b).picked().double()  # checked against the ids; not counted: 0
             nll.append(tok.sum(1).cpu().numpy())
             cnt.append(keep.sum(1).double().cpu().numpy())
         return np.concatenate(nll), np.concatenate(cnt)
