@@ -183,3 +183,20 @@ def test_row_scorers_refuse_logits_of_another_length():
     for kind in (perplexity.KIND, kl.KIND):
         with pytest.raises(AuditError, match="needs logits"):
             kind.row_scorer(Longer(), b).sums(Longer())
+
+
+def test_the_repeat_check_compares_a_chunk_at_a_time(monkeypatch):
+    """The dense model's determinism check compares two runs' outputs in float64 a chunk at a time: the same
+    relative gap as over the whole output (NaN with NaN and the same infinity equal), another shape infinite."""
+    from auditor.calibration.measure import metric
+
+    monkeypatch.setattr(metric, "REPEAT_CHUNK", 7)
+    x = torch.randn(3, 5, 4, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
+    x[0, 0, 0], x[1, 1, 1] = float("nan"), float("inf")
+    y = x.clone()
+    assert metric._repeat_gap(x, y) == 0.0
+    y[2, 4, 3] += 0.5
+    scale = float(torch.where(torch.isfinite(x.double()), x.double().abs(), torch.zeros(1, dtype=torch.float64)).max())
+    gap = abs(float(y[2, 4, 3].double()) - float(x[2, 4, 3].double())) / scale
+    assert metric._repeat_gap(x, y) == pytest.approx(gap, rel=1e-12) and gap > 0
+    assert metric._repeat_gap(x, y[:2]) == float("inf")

@@ -204,6 +204,24 @@ class Evaluator:
 
 
 
+REPEAT_CHUNK = 1 << 22  # values compared at once (float64): a large vocabulary's logits are never copied whole
+
+
+def _repeat_gap(first: torch.Tensor, again: torch.Tensor) -> float:
+    """The largest difference of two runs' outputs relative to the first's largest finite value (NaN where both are
+    NaN, and the same infinity, count as equal; another shape: infinite), compared in float64 a chunk at a time."""
+    if first.shape != again.shape:
+        return math.inf
+    xs, ys = first.reshape(-1), again.reshape(-1)
+    worst = scale = 0.0
+    for i in range(0, xs.numel(), REPEAT_CHUNK):
+        x, y = xs[i:i + REPEAT_CHUNK].double(), ys[i:i + REPEAT_CHUNK].double()
+        same = (torch.isnan(x) & torch.isnan(y)) | (x == y)  # the same infinity: equal
+        worst = max(worst, float(torch.where(same, torch.zeros_like(x), (x - y).abs()).max()))
+        scale = max(scale, float(torch.where(torch.isfinite(x), x.abs(), torch.zeros_like(x)).max()))
+    return worst / scale if scale > 0 else worst
+
+
 def check_repeats(dense: nn.Module, b: Batch, first: torch.Tensor | None = None, user_fn: bool = False) -> None:
     """Refuse a dense model whose forward does not repeat: two runs on held-out batch ``b`` (``first``: the dense
     output already computed on it) within ``DETERMINISM`` relative. ``user_fn``: a user metric scores the model, so
@@ -217,15 +235,7 @@ def check_repeats(dense: nn.Module, b: Batch, first: torch.Tensor | None = None,
             if user_fn:
                 return  # the model returns no tensor: the user's metric scores it, as it will every time
             raise
-    if first.shape != again.shape:
-        diff = math.inf
-    else:
-        x, y = first.double(), again.double()
-        both_nan = torch.isnan(x) & torch.isnan(y)
-        d = torch.where(both_nan | (x == y), torch.zeros_like(x), (x - y).abs())  # the same infinity: equal
-        scale = float(torch.where(torch.isfinite(x), x.abs(), torch.zeros_like(x)).max()) if x.numel() else 0.0
-        worst = float(d.max()) if d.numel() else 0.0
-        diff = worst / scale if scale > 0 else worst
+    diff = _repeat_gap(first, again)
     if not diff <= DETERMINISM:
         mode = "it is in training mode (dropout on)" if dense.training or any(
             m.training for m in dense.modules()) else "noise in the forward, or a nondeterministic kernel"
