@@ -69,7 +69,7 @@ def child(args: argparse.Namespace) -> None:
     else:
         with torch.no_grad():
             b = cal.holdout[0]
-            sc = KIND.scored(model(**b.kwargs).logits, b)
+            sc = KIND.scored_positions(model(**b.kwargs).logits, b)
             digest = float(sc.picked().double().sum())
     wall = time.perf_counter() - t0
     peak = _status("VmHWM")

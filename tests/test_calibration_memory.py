@@ -98,7 +98,7 @@ def _all_at_once(model, layers, cal, metric, samples=fisher.SAMPLES, seed=0):
 
     modules = acc.hook_paths(dict(model.named_modules(remove_duplicate=False)))
     handles = [m.register_forward_hook(hook(p)) for p, m in modules.items()]
-    p = fisher._Pass(metric.spec.gradient == "likelihood", metric.spec.scored, samples,
+    p = fisher._Pass(metric.spec.gradient == "likelihood", metric.spec.scored_positions, samples,
                      torch.Generator().manual_seed(seed), torch.device("cpu"))
     try:
         with torch.enable_grad():

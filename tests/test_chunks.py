@@ -200,3 +200,25 @@ def test_the_repeat_check_compares_a_chunk_at_a_time(monkeypatch):
     gap = abs(float(y[2, 4, 3].double()) - float(x[2, 4, 3].double())) / scale
     assert metric._repeat_gap(x, y) == pytest.approx(gap, rel=1e-12) and gap > 0
     assert metric._repeat_gap(x, y[:2]) == float("inf")
+
+
+def test_the_refusal_of_ids_beyond_the_logits_names_the_tokens_scored():
+    """The kinds' ``scored`` words (next-token, masked-token) stay words beside their ``scored_positions`` method:
+    ids beyond the logits are refused in one line naming which tokens the metric scores."""
+    from auditor.calibration.data.inputs import Batch
+    from auditor.calibration.metrics import masked, perplexity
+    from auditor.errors import AuditError
+
+    class WideIn(torch.nn.Module):  # looks up 200 ids, scores 96
+        def __init__(self) -> None:
+            super().__init__()
+            self.emb, self.head = torch.nn.Embedding(200, 16), torch.nn.Linear(16, 96)
+
+        def forward(self, input_ids):
+            return self.head(self.emb(input_ids))
+
+    wide_in = WideIn()
+    b = [Batch((), {"input_ids": torch.full((2, 6), 150)})]
+    for kind, words in ((perplexity.KIND, "the next-token metric"), (masked.KIND, "the masked-token metric")):
+        with pytest.raises(AuditError, match=f"{words} scores them against the model's 96 logits"):
+            kind.row_scorer(wide_in, b)

@@ -145,7 +145,7 @@ class MetricKind:
         does not count: ``gradient == "embedding"`` kinds (their cost is the mean of ||de||^2 / 2 per row)."""
         raise NotImplementedError(f"metric kind {self.kind!r} has no row embedding")
 
-    def scored(self, y: torch.Tensor, b: Batch) -> Scored:
+    def scored_positions(self, y: torch.Tensor, b: Batch) -> Scored:
         """The scored positions of ``y`` and their targets, read a chunk at a time: ``gradient == "likelihood"``
         kinds."""
         raise NotImplementedError(f"metric kind {self.kind!r} scores no likelihood")

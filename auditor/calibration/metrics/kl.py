@@ -98,7 +98,7 @@ class KL(MetricKind):
     def row_scorer(self, dense: nn.Module, batches: list[Batch], like: RowScorer | None = None) -> RowScorer:
         return _Rows(dense, batches, like)
 
-    def scored(self, y: torch.Tensor, b: Batch) -> Scored:
+    def scored_positions(self, y: torch.Tensor, b: Batch) -> Scored:
         return next_token_scored(y, b)
 
 

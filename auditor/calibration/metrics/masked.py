@@ -35,7 +35,7 @@ class MaskedPerplexity(Perplexity):
     nothing_scored = ("the held-out batches hold no masked position to score (every label -100 or padding)",
                       "Give labels with the original id at the masked positions")
 
-    def scored(self, y: torch.Tensor, b: Batch) -> Scored:
+    def scored_positions(self, y: torch.Tensor, b: Batch) -> Scored:
         return masked_scored(y, b)
 
     def row_targets(self, y: torch.Tensor, b: Batch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

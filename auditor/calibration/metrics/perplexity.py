@@ -59,7 +59,7 @@ class _Scorer(Scorer):
                 y = main_output(self.ev.forward(model, b, i))
                 if isinstance(y, torch.Tensor) and y.dim() == 3:
                     check_targets(b, y.shape[-1], self.kind.scored, i)
-                sc = self.kind.scored(y, b)
+                sc = self.kind.scored_positions(y, b)
                 nll -= float(sc.picked().double().sum())
                 count += len(sc)
         if count == 0:
@@ -89,7 +89,7 @@ class _Rows(RowScorer):
             check_targets(b, y.shape[-1], self.kind.scored, i)
             _, _, keep = self.kind.row_targets(y, b)
             tok = torch.zeros(keep.shape, dtype=torch.float64, device=keep.device)
-            tok[keep] = -self.kind.scored(y, b).picked().double()  # checked against the ids; not counted: 0
+            tok[keep] = -self.kind.scored_positions(y, b).picked().double()  # checked against the ids; not counted: 0
             nll.append(tok.sum(1).cpu().numpy())
             cnt.append(keep.sum(1).double().cpu().numpy())
         return np.concatenate(nll), np.concatenate(cnt)
@@ -134,7 +134,7 @@ class Perplexity(MetricKind):
     def row_scorer(self, dense: nn.Module, batches: list[Batch], like: RowScorer | None = None) -> RowScorer:
         return _Rows(dense, batches, self)
 
-    def scored(self, y: torch.Tensor, b: Batch) -> Scored:
+    def scored_positions(self, y: torch.Tensor, b: Batch) -> Scored:
         return next_token_scored(y, b)
 
     def row_targets(self, y: torch.Tensor, b: Batch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

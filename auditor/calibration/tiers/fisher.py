@@ -135,7 +135,7 @@ def output_gradients(model: nn.Module, layers: dict[str, Layer] | list[Layer], c
     found = _blocks(model, [named[n] for n in acc.carried])
     acc.second.budget = _part_bytes(found, [named[n] for n in acc.carried])
     spec = metric.spec
-    pass_ = _Pass(spec.gradient == "likelihood", spec.scored, samples, torch.Generator().manual_seed(seed), device,
+    pass_ = _Pass(spec.gradient == "likelihood", spec.scored_positions, samples, torch.Generator().manual_seed(seed), device,
                   embedding=spec.embedding if spec.gradient == "embedding" else None)
     batches = calibration.fit
     try:
