@@ -74,6 +74,19 @@ def digits_mlp():
 
 
 @pytest.fixture(scope="session")
+def digits_images(tmp_path_factory) -> Path:
+    """Every digits image (1,797 rows of 64 pixels in [0, 1]) as a calibration file, written once per session."""
+    import torch
+    from safetensors.torch import save_file
+    from sklearn.datasets import load_digits
+
+    x = torch.tensor(load_digits().data, dtype=torch.float32) / 16.0
+    path = tmp_path_factory.mktemp("calib") / "digits.safetensors"
+    save_file({"x": x.contiguous()}, str(path))
+    return path
+
+
+@pytest.fixture(scope="session")
 def digits_cnn():
     from digits import cnn
 

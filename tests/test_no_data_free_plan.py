@@ -115,28 +115,16 @@ def test_an_embedding_the_calibration_covers_is_searched_like_any_layer(lookup):
 DIGITS = "sample_models/digits.py:mlp"
 
 
-@pytest.fixture(scope="module")
-def digits_calib(tmp_path_factory) -> Path:
-    """Every digits image: 1,348 rows for statistics, 449 held out."""
-    from safetensors.torch import save_file
-    from sklearn.datasets import load_digits
-
-    x = torch.tensor(load_digits().data, dtype=torch.float32) / 16.0
-    path = tmp_path_factory.mktemp("calib") / "digits.safetensors"
-    save_file({"x": x.contiguous()}, str(path))
-    return path
-
-
 EMPTY = "nothing can be removed within the tolerance 0.0001%: no plan measured all at once holds it"
 NOTHING = f"{EMPTY}, so the suggested plan is empty"  # the verdict's sentence
 
 
-def test_when_no_plan_holds_the_suggestion_is_empty_and_the_looser_tolerances_are_shown(cli_inproc, digits_calib,
+def test_when_no_plan_holds_the_suggestion_is_empty_and_the_looser_tolerances_are_shown(cli_inproc, digits_images,
                                                                                          tmp_path):
     pypdf = pytest.importorskip("pypdf")
     from bs4 import BeautifulSoup
 
-    r = cli_inproc(DIGITS, "--calibration", digits_calib, "--tolerance", "0.000001", "--no-cache", "--format",
+    r = cli_inproc(DIGITS, "--calibration", digits_images, "--tolerance", "0.000001", "--no-cache", "--format",
                    "text,json,md,html,pdf", "-o", tmp_path, "--emit-plan", tmp_path / "plan.toml",
                    "--fail-on", "unmeasured")
     assert r.returncode == 0, r.stderr  # the tool's own (empty) suggestion is no failure, at the strictest --fail-on

@@ -10,22 +10,9 @@ import json
 from pathlib import Path
 
 import pytest
-import torch
 
 MODEL = "sample_models/digits.py:mlp"
 FORMATS = ("text", "md", "json", "html", "pdf")
-
-
-@pytest.fixture(scope="module")
-def calib(tmp_path_factory) -> Path:
-    """Every digits image: 1,347 rows for statistics (more than fc2's 512 inputs), 450 held out."""
-    from safetensors.torch import save_file
-    from sklearn.datasets import load_digits
-
-    x = torch.tensor(load_digits().data, dtype=torch.float32) / 16.0
-    path = tmp_path_factory.mktemp("calib") / "digits.safetensors"
-    save_file({"x": x.contiguous()}, str(path))
-    return path
 
 
 def _verdicts(out: Path, stdout: str) -> dict[str, str]:
@@ -60,11 +47,11 @@ def _same_verdict(v: dict[str, str], ok: bool) -> None:
 
 
 @pytest.mark.parametrize("tier", ["tier1", "floors", "budget"])
-def test_emitted_plan_holds_when_factorized(cli_inproc, calib, tmp_path, tier):
+def test_emitted_plan_holds_when_factorized(cli_inproc, digits_images, tmp_path, tier):
     extra = {"tier1": [], "floors": ["--measure-floor"], "budget": ["--measure-floor", "--budget", "0.5"]}[tier]
     out = tmp_path / "report"
-    r = cli_inproc(MODEL, "--calibration", calib, *extra, "--no-cache", "--format", ",".join(FORMATS), "-o", out,
-                   "--emit-plan", tmp_path / "plan.toml")
+    r = cli_inproc(MODEL, "--calibration", digits_images, *extra, "--no-cache", "--format", ",".join(FORMATS),
+                   "-o", out, "--emit-plan", tmp_path / "plan.toml")
     assert r.returncode == 0, r.stderr
     d = json.loads((out / "lowrank-audit.json").read_text())
     cal = d["calibration"]
@@ -85,16 +72,16 @@ def test_emitted_plan_holds_when_factorized(cli_inproc, calib, tmp_path, tier):
         assert "for a budget of 50% of the parameters removed" in plan and "at most" not in plan
     # the audit's number is the model factorize writes with default flags (the sequential fit), named
     assert pc["fit"] == pc["verification"]["fit"] == "sequential"
-    f = cli_inproc("factorize", MODEL, "--plan", tmp_path / "plan.toml", "--calibration", calib, "--no-cache",
-                   "-o", tmp_path / "fact")
+    f = cli_inproc("factorize", MODEL, "--plan", tmp_path / "plan.toml", "--calibration", digits_images,
+                   "--no-cache", "-o", tmp_path / "fact")
     assert f.returncode == 0, f.stderr
     meta = json.loads((tmp_path / "fact" / "plan.json").read_text())
     assert meta["plan"] == suggested and meta["fit"] == "sequential" and "audit" not in meta["measured"]
     assert meta["measured"]["holds"] and meta["measured"]["value"] == pytest.approx(pc["measured"], rel=1e-9)
     assert meta["measured"]["fit"] == "sequential" and "does not apply" not in f.stderr
     if tier == "tier1":  # another fit: measured again on the written model, and the audit's number said not to apply
-        g = cli_inproc("factorize", MODEL, "--plan", tmp_path / "plan.toml", "--calibration", calib, "--no-cache",
-                       "-o", tmp_path / "other", "--fit", "independent")
+        g = cli_inproc("factorize", MODEL, "--plan", tmp_path / "plan.toml", "--calibration", digits_images,
+                       "--no-cache", "-o", tmp_path / "other", "--fit", "independent")
         other = json.loads((tmp_path / "other" / "plan.json").read_text())["measured"]
         assert other["fit"] == "independent" and other["value"] != pc["measured"]
         assert other["audit"] == {"fit": "sequential", "value": pc["measured"], "applies": False,
@@ -108,11 +95,12 @@ def test_emitted_plan_holds_when_factorized(cli_inproc, calib, tmp_path, tier):
     _same_verdict(v, ok=True)
 
 
-def test_a_plan_that_misses_the_tolerance_is_an_error_in_every_format(cli_inproc, calib, tmp_path):
+def test_a_plan_that_misses_the_tolerance_is_an_error_in_every_format(cli_inproc, digits_images, tmp_path):
     p = tmp_path / "plan.toml"
     p.write_text('finetune = "1 epoch"\n[ranks]\nfc1 = 8\nfc2 = 8\nfc3 = 8\n')
     out = tmp_path / "report"
-    r = cli_inproc(MODEL, "--calibration", calib, "--plan", p, "--no-cache", "--format", ",".join(FORMATS), "-o", out)
+    r = cli_inproc(MODEL, "--calibration", digits_images, "--plan", p, "--no-cache", "--format", ",".join(FORMATS),
+                   "-o", out)
     assert r.returncode == 1, r.stderr
     d = json.loads((out / "lowrank-audit.json").read_text())
     pc = d["calibration"]["plan_check"]
