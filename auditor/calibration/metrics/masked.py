@@ -38,10 +38,9 @@ class MaskedPerplexity(Perplexity):
     def scored_positions(self, y: torch.Tensor, b: Batch) -> Scored:
         return masked_scored(y, b)
 
-    def row_targets(self, y: torch.Tensor, b: Batch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(logits, targets, which count) per row: the masked positions themselves."""
-        tgt, keep, _ = masked_targets(b)
-        return y, tgt, keep
+    def counted(self, b: Batch) -> torch.Tensor:
+        """Which positions count, per row (rows, positions): the masked ones."""
+        return masked_targets(b)[1]
 
     def warnings_for(self, batches: list[Batch]) -> list[str]:
         """The labels-less warning when no held-out batch carries labels."""

@@ -87,7 +87,7 @@ class _Rows(RowScorer):
         for i, b in enumerate(self.batches):
             y = main_output(model(*b.args, **b.kwargs))
             check_targets(b, y.shape[-1], self.kind.scored, i)
-            _, _, keep = self.kind.row_targets(y, b)
+            keep = self.kind.counted(b)
             tok = torch.zeros(keep.shape, dtype=torch.float64, device=keep.device)
             tok[keep] = -self.kind.scored_positions(y, b).picked().double()  # checked against the ids; not counted: 0
             nll.append(tok.sum(1).cpu().numpy())
@@ -137,10 +137,9 @@ class Perplexity(MetricKind):
     def scored_positions(self, y: torch.Tensor, b: Batch) -> Scored:
         return next_token_scored(y, b)
 
-    def row_targets(self, y: torch.Tensor, b: Batch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(logits, targets, which count) per row: the next token of each position."""
-        tgt, keep = next_token_targets(b)
-        return y[:, :-1], tgt, keep
+    def counted(self, b: Batch) -> torch.Tensor:
+        """Which positions count, per row (rows, positions - 1): those predicting a next token that counts."""
+        return next_token_targets(b)[1]
 
     def warnings_for(self, batches: list[Batch]) -> list[str]:
         return []

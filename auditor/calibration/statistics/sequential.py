@@ -452,13 +452,12 @@ class _Fitter:
             if self.scratch is None:
                 sweep_scratch()  # a killed run's folders first
                 self.scratch = tempfile.TemporaryDirectory(prefix=scratch_prefix("sequential"))
-            base = os.path.join(self.scratch.name, f"l{len(os.listdir(self.scratch.name))}")
+            base = os.path.join(self.scratch.name, f"l{list(self.plan).index(layer.name)}")
             self.out[layer.name] = self.out[layer.name].spilled(base)
             w = self.fitted.get(layer.name)
             if w is not None and w.device.type == "cpu" and w.is_contiguous() and w.dtype in _VIEWS:
-                bits = w.view(_VIEWS[w.dtype]).numpy() if _VIEWS[w.dtype] != w.dtype else w.numpy()
-                mapped = torch.from_numpy(spill_array(f"{base}.w.npy", bits))
-                self.fitted[layer.name] = mapped.view(w.dtype) if mapped.dtype != w.dtype else mapped
+                bits = spill_array(f"{base}.w.npy", w.view(_VIEWS[w.dtype]).numpy())
+                self.fitted[layer.name] = torch.from_numpy(bits).view(w.dtype)
 
     def swapped(self, fn: Callable[[], object]) -> Callable[[], object]:
         """``fn`` run with the weights fitted so far in place of the dense ones."""

@@ -99,19 +99,16 @@ CARRY_VALUES = 1 << 24  # an output gradient larger than this (a wide head's) is
 def _carried_in_chunks(g: torch.Tensor, keep: torch.Tensor | None, f: torch.Tensor) -> torch.Tensor:
     """g's real rows (``keep``) carried back through F (out x in), float32 (rows, in), the rows gathered and cast a
     chunk at a time: never a second copy of a wide head's output gradient (rows x vocabulary)."""
-    if keep is not None and g.dim() == 3 and tuple(g.shape[:2]) == tuple(keep.shape):
-        where = keep.nonzero(as_tuple=True)
-        n = int(where[0].shape[0])
-        pick = lambda s: g[tuple(w[s] for w in where)]  # noqa: E731 - the chunk's rows
-    else:
-        flat = g.reshape(-1, g.shape[-1])
-        n = int(flat.shape[0])
-        pick = lambda s: flat[s]  # noqa: E731
+    if keep is None or g.dim() != 3 or tuple(g.shape[:2]) != tuple(keep.shape):  # every row counts
+        g = g.reshape(-1, g.shape[-1])
+        keep = torch.ones(g.shape[0], dtype=torch.bool, device=g.device)
+    where = keep.nonzero(as_tuple=True)
+    n = int(where[0].shape[0])
     out = torch.empty(n, f.shape[1], dtype=torch.float32, device=g.device)
     step = max(1, CARRY_VALUES // (4 * max(1, int(g.shape[-1]))))
     for i in range(0, n, step):
         s = slice(i, min(i + step, n))
-        out[s] = pick(s).float() @ f
+        out[s] = g[tuple(w[s] for w in where)].float() @ f
     return out
 
 
@@ -135,8 +132,8 @@ def output_gradients(model: nn.Module, layers: dict[str, Layer] | list[Layer], c
     found = _blocks(model, [named[n] for n in acc.carried])
     acc.second.budget = _part_bytes(found, [named[n] for n in acc.carried])
     spec = metric.spec
-    pass_ = _Pass(spec.gradient == "likelihood", spec.scored_positions, samples, torch.Generator().manual_seed(seed), device,
-                  embedding=spec.embedding if spec.gradient == "embedding" else None)
+    pass_ = _Pass(spec.gradient == "likelihood", spec.scored_positions, samples, torch.Generator().manual_seed(seed),
+                  device, embedding=spec.embedding if spec.gradient == "embedding" else None)
     batches = calibration.fit
     try:
         with eval_mode(model), torch.enable_grad(), _checkpointed(found):
@@ -219,13 +216,12 @@ class _Accumulator:
             gg = g.detach()
             if self.carried[name] and gg.numel() > CARRY_VALUES:  # a wide head's: its rows a chunk at a time
                 gg = _carried_in_chunks(gg, keep, _function_view(layer, self.params[layer.param].detach()).float())
-                out.append((name, (gg.T @ gg).double().cpu().numpy(), int(gg.shape[0])))
-                continue
-            if keep is not None and gg.dim() == 3 and tuple(gg.shape[:2]) == tuple(keep.shape):
-                gg = gg[keep]
-            gg = gg.reshape(-1, gg.shape[-1]).float()
-            if self.carried[name]:
-                gg = gg @ _function_view(layer, self.params[layer.param].detach()).float()
+            else:
+                if keep is not None and gg.dim() == 3 and tuple(gg.shape[:2]) == tuple(keep.shape):
+                    gg = gg[keep]
+                gg = gg.reshape(-1, gg.shape[-1]).float()
+                if self.carried[name]:
+                    gg = gg @ _function_view(layer, self.params[layer.param].detach()).float()
             out.append((name, (gg.T @ gg).double().cpu().numpy(), int(gg.shape[0])))
         return out
 
