@@ -36,8 +36,12 @@ class Scope:
 
     swept: list[Layer]
     planned: list[Layer]
-    sensitive: list[Layer]  # the layers a sensitivity is measured for: the planned ones
     ties: tuple[TieGroup, ...] = ()  # --tie: groups whose members every plan gives one rank
+
+    @property
+    def sensitive(self) -> list[Layer]:
+        """The layers a sensitivity is measured for, decomposed and cut by the search: the planned ones."""
+        return self.planned
 
 
 __all__ = ["PassContext", "Scope"]

@@ -133,7 +133,7 @@ def scope_of(layers: list[Layer], tier1: Tier1, settings: "Settings", ties: tupl
 
     swept = [l for l in layers if l.name in tier1.spectra and sweepable(l, settings) and tier1.spans[l.name].spans]
     planned = [l for l in swept if not l.aliases and l.kind in SUPPORTED]
-    return Scope(swept, planned, list(planned), ties)
+    return Scope(swept, planned, ties)
 
 
 @dataclass(frozen=True)
