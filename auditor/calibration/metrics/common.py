@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from typing import Callable
 
+import numpy as np
 import torch
 
 from ...errors import AuditError
@@ -138,6 +139,14 @@ def masked_scored(y: torch.Tensor, b: Batch) -> Scored:
                          f"{tuple(tgt.shape)}; the model returned {tuple(y.shape)}",
                          "Use --metric output-error, or a user metric, for this model")
     return Scored.of(y, keep, tgt)
+
+
+def kept_row_sums(values: torch.Tensor, keep: torch.Tensor) -> np.ndarray:
+    """Per row (``keep``: rows x positions) the float64 sum of ``values``, one per kept position in row-major order
+    (a :class:`~.chunks.Scored`'s), the positions not kept adding 0."""
+    full = torch.zeros(keep.shape, dtype=torch.float64, device=keep.device)
+    full[keep] = values.double()
+    return full.sum(1).cpu().numpy()
 
 
 def per_row(y: torch.Tensor, b: Batch, fn: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:

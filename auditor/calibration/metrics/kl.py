@@ -14,7 +14,7 @@ from torch import nn
 from ...errors import AuditError
 from .base import Evaluating, Measurement, MetricKind, RowScorer, Scorer
 from .chunks import Scored, kl_terms
-from .common import next_token_scored, next_token_targets, main_output
+from .common import kept_row_sums, next_token_scored, next_token_targets, main_output
 
 if TYPE_CHECKING:
     from ..data.inputs import Batch
@@ -67,13 +67,9 @@ class _Rows(RowScorer):
             p = next_token_scored(main_output(self._dense(*b.args, **b.kwargs)), b)  # its shape checked
             q = next_token_scored(main_output(model(*b.args, **b.kwargs)), b)
             k, same = kl_terms(p, q)
-            row_k = torch.zeros(keep.shape, dtype=torch.float64, device=keep.device)
-            row_k[keep] = k.double()  # the positions not counted: 0
-            row_a = torch.zeros(keep.shape, dtype=torch.float64, device=keep.device)
-            row_a[keep] = same.double()
-            kl.append(row_k.sum(1).cpu().numpy())
+            kl.append(kept_row_sums(k, keep))
             cnt.append(keep.sum(1).double().cpu().numpy())
-            agree.append(row_a.sum(1).cpu().numpy())
+            agree.append(kept_row_sums(same, keep))
         self.last_top1 = np.concatenate(agree), np.concatenate(cnt)
         return np.concatenate(kl), np.concatenate(cnt)
 

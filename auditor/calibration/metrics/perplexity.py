@@ -15,7 +15,7 @@ from torch import nn
 from ...errors import AuditError
 from .base import Evaluating, Measurement, MetricKind, RowScorer, Scorer
 from .chunks import Scored
-from .common import check_targets, next_token_scored, next_token_targets, main_output
+from .common import check_targets, kept_row_sums, next_token_scored, next_token_targets, main_output
 
 if TYPE_CHECKING:
     from ..data.inputs import Batch
@@ -88,9 +88,7 @@ class _Rows(RowScorer):
             y = main_output(model(*b.args, **b.kwargs))
             check_targets(b, y.shape[-1], self.kind.scored, i)
             keep = self.kind.counted(b)
-            tok = torch.zeros(keep.shape, dtype=torch.float64, device=keep.device)
-            tok[keep] = -self.kind.scored_positions(y, b).picked().double()  # checked against the ids; not counted: 0
-            nll.append(tok.sum(1).cpu().numpy())
+            nll.append(kept_row_sums(-self.kind.scored_positions(y, b).picked(), keep))  # its shape checked
             cnt.append(keep.sum(1).double().cpu().numpy())
         return np.concatenate(nll), np.concatenate(cnt)
 
