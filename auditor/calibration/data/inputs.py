@@ -101,6 +101,25 @@ def model_device(model: nn.Module) -> torch.device:
     return torch.device("cpu")
 
 
+def main_output(out: object) -> torch.Tensor:
+    """The tensor a metric compares: the output itself, ``.logits``, or the first tensor of a tuple or dict."""
+    if isinstance(out, torch.Tensor):
+        return out
+    logits = getattr(out, "logits", None)
+    if isinstance(logits, torch.Tensor):
+        return logits
+    if isinstance(out, dict):
+        if isinstance(out.get("logits"), torch.Tensor):
+            return out["logits"]
+        out = list(out.values())
+    if isinstance(out, (tuple, list)):
+        for o in out:
+            if isinstance(o, torch.Tensor):
+                return o
+    raise AuditError(f"the model returned {type(out).__name__}, with no tensor to compare",
+                     "Give --metric module:fn that scores the model")
+
+
 def run(model: nn.Module, batch: Batch) -> object:
     """The model's output for one batch, moved to the model's device, without gradients, in eval mode (a model left
     in training mode is not written to: its batch norms' running statistics stay as they were)."""
@@ -498,12 +517,11 @@ def _row_cap(model: nn.Module, first: Batch) -> int | None:
     if rows <= 2 or not ts or any(t.dim() == 0 or int(t.shape[0]) != rows for _, t in ts):
         return None
     try:
-        pair, alone = _output(run(model, first.cut(0, 2))), _output(run(model, first.cut(1, 2)))
-    except Exception:  # noqa: BLE001 - the check of the whole first batch says what does not fit
+        pair, alone = main_output(run(model, first.cut(0, 2))), main_output(run(model, first.cut(1, 2)))
+    except Exception:  # noqa: BLE001 - the check of the whole first batch (or the metric) says what does not fit
         return None
-    if not all(isinstance(y, torch.Tensor) and y.dim() == 3 and y.is_floating_point() for y in (pair, alone)):
+    if not all(y.dim() == 3 and y.is_floating_point() for y in (pair, alone)):
         return None
-    assert isinstance(pair, torch.Tensor) and isinstance(alone, torch.Tensor)
     if tuple(pair.shape) != (2, *alone.shape[1:]) or alone.shape[0] != 1:
         return None
     cap = bounded_rows(int(alone.shape[1]), int(alone.shape[2]))
@@ -511,12 +529,6 @@ def _row_cap(model: nn.Module, first: Batch) -> int | None:
     if cap >= rows or not gap <= 1e-2 * float(alone.float().norm()):
         return None
     return cap
-
-
-def _output(out: object) -> object:
-    """The tensor a forward's output compares (its ``logits``, or the first tensor of a tuple)."""
-    y = getattr(out, "logits", out)
-    return next((t for t in y if isinstance(t, torch.Tensor)), None) if isinstance(y, (tuple, list)) else y
 
 
 def _cut_to(batches: list[Batch], rows: int | None) -> list[Batch]:

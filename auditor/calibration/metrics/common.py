@@ -11,26 +11,8 @@ import torch
 from ...errors import AuditError
 from ..data.inputs import IGNORE_INDEX as IGNORE
 from ..data.inputs import Batch
+from ..data.inputs import main_output as main_output  # the tensor a metric compares (its home: the load reads it too)
 from .chunks import Scored
-
-
-def main_output(out: object) -> torch.Tensor:
-    """The tensor a metric compares: the output itself, ``.logits``, or the first tensor of a tuple or dict."""
-    if isinstance(out, torch.Tensor):
-        return out
-    logits = getattr(out, "logits", None)
-    if isinstance(logits, torch.Tensor):
-        return logits
-    if isinstance(out, dict):
-        if isinstance(out.get("logits"), torch.Tensor):
-            return out["logits"]
-        out = list(out.values())
-    if isinstance(out, (tuple, list)):
-        for o in out:
-            if isinstance(o, torch.Tensor):
-                return o
-    raise AuditError(f"the model returned {type(out).__name__}, with no tensor to compare",
-                     "Give --metric module:fn that scores the model")
 
 
 def row_mask(b: Batch) -> torch.Tensor | None:
