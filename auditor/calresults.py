@@ -438,6 +438,74 @@ class SensitivityFallback:
                 "costs.")
 
 
+@dataclass
+class BitsPlan:
+    """One byte plan (``--budget-bytes``) measured all at once: its family (``joint``, ``bits``, ``rank``, or a uniform
+    baseline: ``uniform int8``, ``uniform int4``, ``uniform truncation``), the size it was planned for and the bytes it
+    takes (the whole model's parameters), each layer's choice (``keep``, ``int4 g128 sym``, ``int3 g128 sym + rank
+    16``, ``rank 48``), the summed predicted cost, and the measured value with its interval on the verification
+    rows (``verification``; None in an unsplit session, where ``value`` is the held-out rows'). ``reachable``
+    False: no choice of this family fits the size (nothing measured)."""
+
+    family: str
+    size: int
+    nbytes: int = 0
+    reachable: bool = True
+    value: float | None = None
+    ok: bool = False
+    predicted: float = 0.0
+    verification: "Verification | None" = None
+    choices: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def counts(self) -> dict[str, int]:
+        """How many layers take each kind of choice: {"keep": 3, "int4": 10, "int4 + rank": 2, "rank": 5}."""
+        out: dict[str, int] = {}
+        for label in self.choices.values():
+            head = label.split(" g")[0] if not label.startswith("rank") else "rank"
+            key = head + (" + rank" if "+" in label else "")
+            out[key] = out.get(key, 0) + 1
+        return out
+
+
+@dataclass
+class BitsReport:
+    """Rank or bits under a byte budget: the layers it could rewrite and the bytes of everything else, how the
+    options' costs were weighted, the sizes measured (the user's budget first, then uniform int4's and int8's), the
+    three families' plans at each size and the uniform baselines, and one sentence saying which family wins at the
+    budget."""
+
+    budget: int  # bytes, the whole model's parameters
+    dense_bytes: int
+    rest_bytes: int  # every parameter no byte plan rewrites, in its dtype
+    layers: int
+    weights: int  # the weights of the layers it can rewrite
+    weighted: str
+    sizes: list[int] = field(default_factory=list)
+    plans: list[BitsPlan] = field(default_factory=list)
+    baselines: list[BitsPlan] = field(default_factory=list)
+    verdict: str = ""
+    seconds: float = 0.0
+
+    def at(self, size: int) -> list[BitsPlan]:
+        """The three families' plans at ``size``."""
+        return [p for p in self.plans if p.size == size]
+
+    def sentence(self, facts: "MetricFacts") -> str:
+        """Which family does least harm at the user's budget, by its measured value, in one sentence."""
+        here = [p for p in self.at(self.budget) if p.reachable and p.value is not None]
+        if not here:
+            return (f"Nothing fits {self.budget:,} bytes: the parameters no byte plan rewrites take "
+                    f"{self.rest_bytes:,}.")
+        best = (max if facts.higher_is_better else min)(here, key=lambda p: p.value)  # type: ignore[arg-type]
+        words = {"joint": "rank and bits together", "bits": "quantization alone", "rank": "low rank alone"}
+        others = "; ".join(f"{words[p.family]} {facts.words(p.value)}" for p in here if p is not best)
+        unreached = [words[p.family] for p in self.at(self.budget) if not p.reachable]
+        tail = f"; {' and '.join(unreached)} cannot reach that size" if unreached else ""
+        return (f"At {self.budget:,} bytes {words[best.family]} does least harm: {facts.label} "
+                f"{facts.words(best.value)} ({others}){tail}.")
+
+
 @dataclass(frozen=True)
 class MetricFacts:
     """The facts of the report's metric that the renderers and the verdict read, in one place, built from what the
@@ -576,6 +644,7 @@ class CalibrationReport:
     # what the metric says of itself (calibration.metrics.base.MetricKind.limit / display), read through facts:
     limit: float | None = None  # the value at which it stops holding (the tolerance line)
     display: str = ""  # "percent" (a fraction against the tolerance) | "number" (its units, beside dense)
+    bits: BitsReport | None = None  # rank or bits under a byte budget (--budget-bytes); JSON: only when set
 
     def __post_init__(self) -> None:
         if self.limit is None or not self.display:  # a report made by hand: the rule of the built-in kinds
@@ -624,6 +693,8 @@ class CalibrationReport:
             d.pop("rounding_floor", None)
         if d.get("sensitivity_fallback") is None:  # the gradients reached every planned layer (or none were read)
             d.pop("sensitivity_fallback", None)
+        if d.get("bits") is None:  # no byte plan asked for: the report is as it was
+            d.pop("bits", None)
         b = d.get("budget")
         if b is not None and self.budget is not None:  # without --tie the report is as it was
             if self.budget.ties is None:

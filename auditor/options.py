@@ -120,7 +120,8 @@ def tie_specs(value: Any) -> tuple[tuple[str, ...], ...]:
 
 @dataclass(frozen=True)
 class TierOptions:
-    """What a calibrated audit measures: the metric and its tolerance, tiers 2 and 3, the verification split."""
+    """What a calibrated audit measures: the metric and its tolerance, tiers 2 and 3, the verification split, and
+    rank or bits under a byte budget."""
 
     metric: MetricSpec | None = None  # None: the model's default (perplexity for a causal LM, else output error)
     tolerance: float | None = None  # in the metric's units (default 0.01 relative output error)
@@ -132,6 +133,8 @@ class TierOptions:
     split: bool = True  # held-out rows cut into search and verification parts (False: every row for both, no interval)
     ties: tuple[tuple[str, ...], ...] = ()  # --tie: groups of layer patterns whose ranks must be equal within each
     #                                         block (("q_proj", "k_proj", "v_proj"), ...); TIE_AUTO: the known defaults
+    budget_bytes: int | None = None  # rank or bits: the model's parameters in at most this many bytes
+    bits_per_weight: float | None = None  # rank or bits: this many bits per weight of the layers it can rewrite
 
     def check(self) -> None:
         """The confidence level, the budget and the tolerance, each checked before any work."""
@@ -140,6 +143,7 @@ class TierOptions:
             raise AuditError(f"confidence {confidence!r} is not a level in (0, 1)", "Give e.g. confidence=0.9")
         if budget is not None and not 0 < budget < 1:
             raise AuditError(f"budget {budget} is not a fraction in (0, 1)", "Give e.g. budget=0.3")
+        self._check_bytes()
         if tolerance is not None:
             if isinstance(tolerance, bool) or not isinstance(tolerance, (int, float)):
                 raise AuditError(f"tolerance {tolerance!r} is not a number", "Give e.g. tolerance=0.01")
@@ -148,6 +152,24 @@ class TierOptions:
                                  "Give a finite tolerance of 0 or more, e.g. --tolerance 0.01")
             if tolerance < 0:
                 raise AuditError(f"tolerance {tolerance} is negative", "Give a tolerance of 0 or more")
+
+    @property
+    def bytes_planned(self) -> bool:
+        """A byte plan was asked for (--budget-bytes or --bits-per-weight)."""
+        return self.budget_bytes is not None or self.bits_per_weight is not None
+
+    def _check_bytes(self) -> None:
+        """--budget-bytes a positive integer, --bits-per-weight a number in (0, 32], not both."""
+        b, bpw = self.budget_bytes, self.bits_per_weight
+        if b is not None and bpw is not None:
+            raise AuditError("--budget-bytes and --bits-per-weight both set the byte budget",
+                             "Give one of them")
+        if b is not None and (isinstance(b, bool) or not isinstance(b, int) or b <= 0):
+            raise AuditError(f"budget_bytes {b!r} is not a positive number of bytes", "Give e.g. --budget-bytes 800MB")
+        if bpw is not None and (isinstance(bpw, bool) or not isinstance(bpw, (int, float)) or not math.isfinite(bpw)
+                                or not 0 < bpw <= 32):
+            raise AuditError(f"bits_per_weight {bpw!r} is not a number of bits in (0, 32]",
+                             "Give e.g. --bits-per-weight 4.5")
 
 
 @dataclass(frozen=True)
@@ -259,7 +281,8 @@ FLAT: dict[str, tuple[str, str]] = {
         ("calibration_max_rows", "max_rows"), ("calibration_max_bytes", "max_bytes"),
         ("document_separator", "separator")]},
     **{name: ("tiers", name) for name in ("metric", "tolerance", "measure_floor", "budget", "probe_sensitivity",
-                                          "probe", "confidence", "split", "ties")},
+                                          "probe", "confidence", "split", "ties", "budget_bytes",
+                                          "bits_per_weight")},
     **{name: ("statistics", name) for name in ("device", "offload", "compute_dtype")},
     **{f"recover_{f}": ("recovery", f) for f in ("steps", "lr", "trainable", "objective", "seed")},
     "choose_after_recovery": ("recovery", "choose_after"),
@@ -441,6 +464,8 @@ class OptionFields(TypedDict, total=False):
     tolerance: float | None
     measure_floor: bool
     budget: float | None
+    budget_bytes: int | None
+    bits_per_weight: float | None
     probe_sensitivity: bool
     probe: bool
     confidence: float

@@ -205,6 +205,13 @@ def test_every_pass_leaves_the_session_and_the_results_before_it_as_they_were(di
     based = _ensures(ctx, (t1, refs, scope, sens, searched, recovered, verified),
                      lambda: passes.baselined(ctx, refs, verified.budget, scope, searched.baseline_reuse))
     assert based.budget.uniform is not None and verified.budget.uniform is None
+    weights = {k: v.clone() for k, v in model.state_dict().items()}
+    byte_tiers = dataclasses.replace(tiers, bits_per_weight=4.5)
+    byte_plan = _ensures(ctx, (t1, refs, scope, sens, searched, recovered, verified, based),
+                         lambda: passes.bits(ctx, refs, scope, sens.loss_metric, byte_tiers))
+    assert byte_plan.report is not None and byte_plan.evaluations == len(byte_plan.report.plans) + 3
+    assert all(torch.equal(v, weights[k]) for k, v in model.state_dict().items())  # swapped back, never written
+    assert passes.bits(ctx, refs, scope, sens.loss_metric, tiers).report is None  # none asked for
 
     def writes_the_session():  # what the passes once did (the loss metric, the verifier's warnings)
         ctx.session.calibration.warnings.append("a pass's finding")

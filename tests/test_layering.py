@@ -57,6 +57,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [(name.removeprefix("auditor.") or "
     "auditor.surgery",  # plan application: a layer replaced by its factors, given or from a truncation callable
     "auditor.planning",  # plans read and reviewed, suggested ranks, layer groups
     "auditor.spectra",
+    "auditor.quantize",  # round-to-nearest integer codes with their bytes, the multiple-choice knapsack
     "auditor.structure",  # trace, op costs and the layer graph, the module walk, definition sites
     "auditor.sources",  # source strings -> models: factories, Hugging Face, checkpoints, tensor refs
     "auditor.kinds",  # one module per layer kind and their registry

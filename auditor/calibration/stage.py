@@ -131,7 +131,8 @@ def calibrate(model: nn.Module, layers: list[Layer], settings: "Settings", optio
             recovered = passes.recovered(ctx, refs, searched, sens, options.recovery)
             verified = passes.verified(ctx, refs, recovered.budget, searched.reuse, sens.loss_metric)
             based = passes.baselined(ctx, refs, verified.budget, scope, searched.baseline_reuse)
-            tiers_run = Tiers(t1, refs, floored, sens, searched, recovered, verified, based)
+            byte_plan = passes.bits(ctx, refs, scope, sens.loss_metric, tiers)
+            tiers_run = Tiers(t1, refs, floored, sens, searched, recovered, verified, based, byte_plan)
             return Calibrated(_report(ctx.session, options, tiers_run), ctx.session, refs, t1.spectra,
                               floored.where if floored is not None else "",
                               sens.gradients if isinstance(sens, Gradients) else None,
@@ -182,13 +183,14 @@ class Tiers:
     recovered: passes.Recovered
     verified: passes.Verified
     baselined: passes.Baselined
+    bits: passes.Bits = passes.Bits()
 
     @property
     def seconds(self) -> dict[str, float]:
         """Every pass's wall time, in their order."""
         out: dict[str, float] = {}
         for part in (self.tier1, self.references, self.floored, self.sensitivity, self.searched, self.recovered,
-                     self.verified, self.baselined):
+                     self.verified, self.baselined, self.bits):
             out.update(part.seconds if part is not None else {})
         return out
 
@@ -198,7 +200,7 @@ class Tiers:
         verification, the uniform baseline)."""
         floors = self.floored.floors.evaluations if self.floored is not None else 0
         return (floors + self.sensitivity.evaluations + self.searched.evaluations + self.verified.evaluations
-                + self.baselined.evaluations)
+                + self.baselined.evaluations + self.bits.evaluations)
 
 
 def _rows(tiers: Tiers) -> dict[str, LayerCalibration]:
@@ -237,6 +239,8 @@ def _report(session: CalibrationSession, options: "AuditOptions", tiers: Tiers) 
         sensitivity_fallback=tiers.sensitivity.fallback,
         limit=metric.spec.limit(tiers.searched.budget.reference, metric.tolerance, metric.higher_is_better),
         display=metric.spec.display(metric.higher_is_better))
+    if tiers.bits.report is not None:  # its verdict in the metric's own words
+        report = replace(report, bits=replace(tiers.bits.report, verdict=tiers.bits.report.sentence(report.facts)))
     b = report.budget
     if b is None or b.plan or b.nothing_to_plan:
         return report

@@ -136,6 +136,14 @@ def _tier_flags(g: "argparse._ArgumentGroup") -> None:
     add_shared(g, "confidence", "no-split")
     g.add_argument("--budget", type=float, metavar="FRACTION",
                    help="tier 3: a plan removing this share of the parameters, checked all at once")
+    g.add_argument("--budget-bytes", metavar="SIZE",
+                   help="rank or bits: plan every rewritable weight as kept, int8/int4/int3 (group 128), int4/int3 "
+                        "with a low-rank correction, or low-rank factors, so that the model's parameters take at "
+                        "most SIZE bytes (e.g. 800M, 1.5G: binary units); measured beside quantization alone, low "
+                        "rank alone and uniform int4/int8 and truncation")
+    g.add_argument("--bits-per-weight", type=float, metavar="X",
+                   help="rank or bits as --budget-bytes, the budget being X bits per weight of the layers it can "
+                        "rewrite (the other parameters as they are)")
     from .recovery_flags import add_cli_arguments as recover_arguments
 
     recover_arguments(g, audit=True)
@@ -547,6 +555,7 @@ def calibration_options(args: argparse.Namespace) -> dict:
     if args.calibration is None:
         given = [f for f, v in (("--holdout", args.holdout), ("--metric", args.metric), ("--tolerance", args.tolerance),
                                 ("--measure-floor", args.measure_floor or None), ("--budget", args.budget),
+                                ("--budget-bytes", args.budget_bytes), ("--bits-per-weight", args.bits_per_weight),
                                 ("--no-probe", args.no_probe or None), ("--probe", args.probe or None),
                                 ("--confidence", args.confidence), ("--no-split", args.no_split or None),
                                 ("--calibration-length", args.calibration_length),
@@ -565,6 +574,9 @@ def calibration_options(args: argparse.Namespace) -> dict:
     return {"calibration": args.calibration, "holdout": args.holdout if args.holdout is not None else 0.25,
             "metric": args.metric, "tolerance": args.tolerance, "measure_floor": args.measure_floor,
             "budget": args.budget, "calibration_length": args.calibration_length,
+            **({"budget_bytes": parse_size(args.budget_bytes, "--budget-bytes")} if args.budget_bytes is not None
+               else {}),
+            **({"bits_per_weight": args.bits_per_weight} if args.bits_per_weight is not None else {}),
             **({"document_separator": unescape(args.document_separator)} if args.document_separator is not None
                else {}),
             **({"probe_sensitivity": False} if args.no_probe else {}), **({"probe": True} if args.probe else {}),

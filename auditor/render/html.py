@@ -146,6 +146,7 @@ def _page_legend(pages: list[Any]) -> str:
 def _calibration(audit: "Audit", charts: bool) -> dict[str, Any]:
     """The template's ``calibration`` variable (``templates/_calibration.html``) from the calibration's view model,
     its charts drawn here: None without calibration."""
+    from .parts import bits
     from .parts.layer_charts import data_uri, floor_chart, frontier_chart, legend_chart
 
     cv = calibration.view(audit)
@@ -168,6 +169,7 @@ def _calibration(audit: "Audit", charts: bool) -> dict[str, Any]:
         "frontier_title": calibration.frontier_title(cal), "verified_head": calibration.verified_head(cal),
         "uniform_head": calibration.UNIFORM_HEAD, "uniform_words": cv.uniform, "ties_words": cv.ties,
         "layer_charts": floors, "floor_legend": data_uri(legend) if legend else "",
+        "bits_intro": bits.intro(cal), "bits_rows": bits.rows(cal),
     }}
 
 

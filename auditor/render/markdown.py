@@ -329,6 +329,21 @@ def _cal_frontier(cv: "CalibrationView", room: Room) -> Section | None:
     return fold_if(s, room, f"Frontier: {len(frows):,} plans measured all at once", columns=len(head))
 
 
+def _cal_bits(cv: "CalibrationView", room: Room) -> Section | None:
+    """Rank or bits (--budget-bytes): the prose and the plans measured, open while short."""
+    from .parts import bits
+
+    intro = bits.intro(cv.cal)
+    if intro is None:
+        return None
+    brows = [f"| {r.size} | {r.plan} | {r.nbytes} | {r.bits} | {md_text(r.value)} | {md_text(r.interval)} | "
+             f"{r.holds} | {md_text(r.choices)} |" for r in bits.rows(cv.cal)]
+    s = Section("#### Rank or bits", [md_text(intro), "", "| " + " | ".join(bits.HEADERS) + " |",
+                                      "|---:|---|---:|---:|---:|---|---|---|"], brows,
+                noun="byte plans", title="Rank or bits")
+    return fold_if(s, room, f"Rank or bits: {len(brows):,} plans measured all at once", columns=len(bits.HEADERS))
+
+
 def _cal_layers(cv: "CalibrationView") -> Section | None:
     """The per-layer table (folded): the plan's rank, then the evidence; repeated blocks one row each, a column no
     row has a value in left out."""
@@ -375,7 +390,7 @@ def _calibration(audit: "AuditResult", room: Room) -> list[Section]:
     if warnings:
         out.append(Section("", [], warnings, noun="calibration warnings", title="Calibration warnings",
                            fold=f"{len(warnings):,} calibration warning{'s' if len(warnings) > 1 else ''}"))
-    for s in (_cal_frontier(cv, room), _cal_layers(cv)):
+    for s in (_cal_frontier(cv, room), _cal_bits(cv, room), _cal_layers(cv)):
         if s is not None:
             out.append(s)
     missing = cv.cal.missing

@@ -409,6 +409,7 @@ def _calibration(audit: "AuditResult", w: _Lines) -> None:
     if cv.frontier:
         w.say(calibration.frontier_title(cv.cal) + ":", "  ")
         w.out += fit(_plan_columns(cv.cal), cv.frontier, w.table_width, PLAN_STEPS, name_floor=9).lines(cv.frontier)
+    _bits(cv, w)
     if cv.rows:
         w.say("Per layer: plan = the plan's rank (measured all at once, \"dense\": the plan keeps the layer); "
               "evidence, not the plan: r@1%, r@5%, tier-1 = the tier-1 ranks for 1%, 5% and the tolerance, floor = "
@@ -417,6 +418,31 @@ def _calibration(audit: "AuditResult", w: _Lines) -> None:
         cols = [c for c in _cal_columns() if c.key not in empty]
         steps = [st for st in CAL_STEPS if st[1] not in empty]
         w.out += fit(cols, cv.rows, w.table_width, steps, name_floor=12).lines(cv.rows)
+
+
+def _bits(cv: "CalibrationView", w: _Lines) -> None:
+    """Rank or bits (--budget-bytes): the prose, then the plans measured at each size and the baselines, in
+    aligned columns, each plan's choices below it."""
+    from .parts import bits
+
+    intro = bits.intro(cv.cal)
+    if intro is None:
+        return
+    w.say(term(intro), "  ")
+    rows = bits.rows(cv.cal)
+    table = [bits.HEADERS[1:-1]] + [(r.plan, r.nbytes, r.bits, r.value, r.interval, r.holds) for r in rows]
+    widths = [max(len(row[i]) for row in table) for i in range(len(table[0]))]
+    line = lambda row: "  ".join(c.ljust(wd) for c, wd in zip(row, widths)).rstrip()  # noqa: E731
+    w.say("    " + term(line(table[0])), "    ")
+    size = None
+    for r, row in zip(rows, table[1:]):
+        head = bits.size_words(cv.cal, r.size) if not r.plan.startswith("uniform") else "baselines"
+        if head != size:
+            w.say("  " + head + ":", "    ")
+            size = head
+        w.say("    " + term(line(row)), "      ")
+        if r.choices:
+            w.say("      " + term(r.choices), "      ")
 
 
 def _findings(audit: "AuditResult", w: _Lines) -> None:

@@ -22,6 +22,9 @@ changes the session or what an earlier pass made (tests/test_calibration_passes.
                                                                              model factorize writes by default)
     baselined    PassContext, References, BudgetResult, Scope,
                  TruncatorStore                                           -> Baselined (uniform truncation beside)
+    bits         PassContext, References, Scope, LossMetric,
+                 TierOptions                                              -> Bits (rank or bits under a byte budget:
+                                                                             --budget-bytes, --bits-per-weight)
 
 What one pass learns and a later one needs travels in its result, by argument: the dense references
 (:class:`~auditor.calibration.references.References`), the decompositions' store (``Searched.reuse``), the gradient
@@ -36,7 +39,7 @@ from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
 from ..._env import trim_heap
-from ...calresults import BudgetResult, FrontierPlan, RoundingFloor, Verification
+from ...calresults import BitsReport, BudgetResult, FrontierPlan, RoundingFloor, Verification
 from ...results import Layer, TieGroup
 from ..references import References, references_of
 from ..session import CalibrationSession
@@ -372,6 +375,29 @@ def baselined(ctx: PassContext, refs: References, budget: BudgetResult, scope: S
     with ctx.progress.phase("uniform baseline", unit="plan"):
         out, n = with_baselines(ctx, refs, budget, scope.sensitive, reuse)
     return Baselined(out, n, {"baseline": time.perf_counter() - t})
+
+
+@dataclass(frozen=True)
+class Bits:
+    """Rank or bits under a byte budget (:mod:`.bits`): the three families' plans and the uniform baselines, each
+    measured all at once; None where no byte plan was asked for or no layer can be rewritten."""
+
+    report: "BitsReport | None" = None
+    evaluations: int = 0
+    seconds: dict[str, float] = field(default_factory=dict)
+
+
+def bits(ctx: PassContext, refs: References, scope: Scope, loss_metric: "LossMetric | None",
+         tiers: "TierOptions") -> Bits:
+    """The byte plan where ``tiers`` asks for one (``budget_bytes`` or ``bits_per_weight``)."""
+    from .bits import rank_or_bits
+
+    if not tiers.bytes_planned:
+        return Bits()
+    t = time.perf_counter()
+    out = rank_or_bits(ctx, refs, scope, loss_metric, tiers.budget_bytes, tiers.bits_per_weight)
+    n = sum(p.reachable for p in [*out.plans, *out.baselines]) if out is not None else 0
+    return Bits(out, n, {"rank or bits": time.perf_counter() - t})
 
 
 def fitted_measurement(model: "nn.Module", session: CalibrationSession, refs: References, plan: dict[str, int],

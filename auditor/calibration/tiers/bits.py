@@ -1,0 +1,363 @@
+"""Rank or bits: every rewritable weight kept, quantized, quantized with a low-rank correction of its error, or
+factorized, chosen jointly under a byte budget (``--budget-bytes``, ``--bits-per-weight``).
+
+Each layer's options (:class:`LayerBits`), for a Linear (or transformers' Conv1D) F (out x in) of the plan's scope:
+
+- ``keep``: F as it is, ``out * in`` weights in the model's dtype;
+- ``int8``, ``int4``, ``int3`` (groups of 128 inputs, symmetric; ``int4``/``int3`` also asymmetric): round to
+  nearest (:mod:`auditor.quantize.codes`), codes, float16 scales and zero points counted to the byte;
+- ``int4`` / ``int3`` plus a rank-k correction of their error E = F - Q(F) (k in 8, 16, 32, 64), fitted as the
+  factors are: the best rank-k C in the metric below (C = L^-T [L^T E S]_k S^-1), its two factors in the model's dtype;
+- ``rank r`` (r at 1/20 ... 19/20 of the break-even rank): the loss-aware truncation, r (out + in) weights.
+
+Every option's cost is the same model-level quadratic form the gradient pass ranks ranks with
+(:mod:`.fisher`): ``trace(G D X^T X D^T)`` for the change D = F - F', G the layer's output-gradient moment (shrunk
+as the loss-aware truncation shrinks it), X^T X its input Gram (damped as the whitening is). Where the moment is
+carried to input space (out > in) or there is none, G is its mean diagonal times I (``isotropic``). Costs of
+different layers add (the metric's units up to one constant), so the plan is a multiple-choice knapsack
+(:func:`auditor.quantize.knapsack.choose`) on them; the plan is then measured all at once, on the verification rows
+with their interval, as every plan is. Three families at the same sizes: ``bits`` (keep or quantize), ``rank``
+(keep or factorize), ``joint`` (every option); beside them uniform int8 and int4 round to nearest and uniform
+whitened truncation (SVD-LLM) at the budget.
+
+What is simulated: a plan is measured with each weight replaced by its dequantized (plus correction) or
+factor-product value in the model's dtype, which is what ``load_factorized`` rebuilds from the written codes.
+Alive at once: the options' costs (a few floats per layer); one layer's decompositions while its options are
+costed or its replacement built; one plan's replacement weights while it is measured. Each built plan redoes the
+chosen options' decompositions (a plan measured costs about one decomposition per layer again).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Iterator
+
+import numpy as np
+import torch
+
+from ... import kinds
+from ...calresults import BitsPlan, BitsReport
+from ...quantize.codes import QuantSpec, quantize
+from ...quantize.knapsack import Choice, choose
+from ...results import Kind, Layer
+from ..statistics.whiten import DAMP, GRADIENT_DAMP, function_matrices, stored_weight
+
+if TYPE_CHECKING:
+    from torch import nn
+
+    from ..references import References
+    from ..statistics.stats import LayerInput
+    from ..statistics.whiten import LossMetric
+    from .pass_context import PassContext, Scope
+
+QUANT = ("int8", "int4", "int4 g128 asym", "int3", "int3 g128 asym")  # the round-to-nearest options
+CORRECTED = ("int4", "int3")  # quantized with a low-rank correction of their error
+CORRECTION_RANKS = (8, 16, 32, 64)
+RANK_STEPS = 20  # rank options at k / RANK_STEPS of the break-even rank, k = 1 .. RANK_STEPS - 1
+KINDS = (Kind.LINEAR, Kind.CONV1D_HF)
+
+
+@dataclass(frozen=True)
+class Recipe:
+    """How one option rewrites F: quantized with ``spec`` (or not), plus a rank-``rank`` part (the correction of the
+    quantization error, or the factors alone); ``whitened``: the rank part in the input metric alone (SVD-LLM)."""
+
+    spec: str = ""
+    rank: int = 0
+    whitened: bool = False
+
+    @property
+    def label(self) -> str:
+        if not self.spec:
+            return f"rank {self.rank}" if self.rank else "keep"
+        return self.spec + (f" + rank {self.rank}" if self.rank else "")
+
+
+class _Metric:
+    """The quadratic form of one layer: M = L^T D S (L L^T = G, or G = ``scale`` I where ``low`` is None; S S^T the
+    damped input Gram), cost(D) = ||M||_F^2."""
+
+    def __init__(self, gram: np.ndarray, low: np.ndarray | None, scale: float) -> None:
+        lam = DAMP * float(np.mean(np.diagonal(gram))) if gram.size and np.mean(np.diagonal(gram)) > 0 else DAMP
+        self.s = np.linalg.cholesky(gram + lam * np.eye(gram.shape[0]))
+        self.low, self.scale = low, scale
+
+    def forward(self, d: np.ndarray) -> np.ndarray:
+        left = self.low.T @ d if self.low is not None else math.sqrt(self.scale) * d
+        return left @ self.s
+
+    def back(self, m: np.ndarray) -> np.ndarray:
+        """D with forward(D) = m."""
+        left = np.linalg.solve(self.low.T, m) if self.low is not None else m / math.sqrt(self.scale)
+        return np.linalg.solve(self.s.T, left.T).T
+
+    def cost(self, d: np.ndarray) -> float:
+        return float(np.sum(self.forward(d) ** 2))
+
+    def truncated(self, f: np.ndarray, rank: int) -> tuple[np.ndarray, np.ndarray]:
+        """(the best rank-``rank`` part of ``f`` in this metric, the squared singular values of forward(f))."""
+        u, sig, vt = np.linalg.svd(self.forward(f), full_matrices=False)
+        return self.back((u[:, :rank] * sig[:rank]) @ vt[:rank]), sig ** 2
+
+
+def output_metric(f: np.ndarray, gram: np.ndarray, moment: "tuple[np.ndarray, bool, int] | None") -> _Metric:
+    """The layer's metric: the output-gradient moment G shrunk as :func:`~..statistics.whiten.weighted_bases`
+    shrinks it where it is out x out; G = (trace(F^T G F) / trace(F^T F)) I where it is carried (out > in); I without
+    a moment."""
+    if moment is None:
+        return _Metric(gram, None, 1.0)
+    h, carried, samples = moment
+    h = (h + h.T) / 2
+    m = f.shape[0]
+    if not np.all(np.isfinite(h)):
+        return _Metric(gram, None, 1.0)
+    if carried:
+        ff = float(np.sum(f * f))
+        scale = float(np.trace(h)) / ff if ff > 0 else 0.0
+        return _Metric(gram, None, scale if scale > 0 and math.isfinite(scale) else 1.0)
+    mean = float(np.trace(h)) / m if m else 0.0
+    if not mean > 0 or not math.isfinite(mean):
+        return _Metric(gram, None, 1.0)
+    shrink = GRADIENT_DAMP + (m / samples if samples > 0 else 0.0)
+    return _Metric(gram, np.linalg.cholesky(h + shrink * mean * np.eye(m)), 1.0)
+
+
+class LayerBits:
+    """One layer's options, each with its bytes and its cost (:class:`~auditor.quantize.knapsack.Choice`), and the
+    replacement weight of any of them. It holds references (the model's weight, the statistics, the moment), never
+    a copy: its float64 matrices are made while an option is costed or built and let go after."""
+
+    def __init__(self, layer: Layer, weight: torch.Tensor, inp: "LayerInput",
+                 moment: "tuple[np.ndarray, bool, int] | None") -> None:
+        self.layer, self.weight_ref, self.inp, self.moment = layer, weight, inp, moment
+        self.recipes: dict[str, Recipe] = {"keep": Recipe()}
+
+    @property
+    def out_in(self) -> tuple[int, int]:
+        return kinds.for_kind(self.layer.kind).function_shape(self.layer)
+
+    @property
+    def dense_bytes(self) -> int:
+        return self.weight_ref.numel() * self.weight_ref.element_size()
+
+    def rank_bytes(self, rank: int) -> int:
+        return rank * sum(self.out_in) * self.weight_ref.element_size()
+
+    def _f(self) -> np.ndarray:
+        return function_matrices(self.layer, self.weight_ref)[0]
+
+    def choices(self) -> list[Choice]:
+        """Every option with its bytes and cost."""
+        f = self._f()
+        metric = output_metric(f, self.inp.gram[0], self.moment)
+        out, n = [Choice("keep", self.dense_bytes, 0.0)], min(f.shape)
+        be = self.layer.break_even
+        tail = _tails(metric.truncated(f, 0)[1])
+        for r in sorted({max(1, math.floor(k * be / RANK_STEPS)) for k in range(1, RANK_STEPS)}):
+            if r < n and self.rank_bytes(r) < self.dense_bytes:
+                out.append(self._put(Recipe(rank=r), self.rank_bytes(r), float(tail[r])))
+        for label in QUANT:
+            spec = QuantSpec.parse(label)
+            err = f - quantize(torch.from_numpy(f), spec).dequantize(torch.float64).numpy()
+            base = spec.nbytes(*f.shape)
+            out.append(self._put(Recipe(spec.label), base, metric.cost(err)))
+            if label not in CORRECTED:
+                continue
+            etail = _tails(metric.truncated(err, 0)[1])
+            for k in CORRECTION_RANKS:
+                if k < n // 2 and base + self.rank_bytes(k) < self.dense_bytes:
+                    out.append(self._put(Recipe(spec.label, k), base + self.rank_bytes(k), float(etail[k])))
+        return out
+
+    def _put(self, recipe: Recipe, nbytes: int, cost: float) -> Choice:
+        self.recipes[recipe.label] = recipe
+        return Choice(recipe.label, nbytes, cost)
+
+    def function(self, recipe: Recipe) -> np.ndarray:
+        """The replacement F' of ``recipe`` (float64)."""
+        f = self._f()
+        metric = (_Metric(self.inp.gram[0], None, 1.0) if recipe.whitened
+                  else output_metric(f, self.inp.gram[0], self.moment))
+        if not recipe.spec:
+            return metric.truncated(f, recipe.rank)[0] if recipe.rank else f
+        deq = quantize(torch.from_numpy(f), QuantSpec.parse(recipe.spec)).dequantize(torch.float64).numpy()
+        if recipe.rank:
+            deq = deq + metric.truncated(f - deq, recipe.rank)[0]
+        return deq
+
+    def weight(self, recipe: Recipe) -> torch.Tensor:
+        """The replacement weight in the stored layout and dtype."""
+        w = self.weight_ref
+        return stored_weight(self.layer, torch.from_numpy(self.function(recipe))[None], tuple(w.shape), w.dtype,
+                             w.device)
+
+
+def _tails(sig2: np.ndarray) -> np.ndarray:
+    """tails[r] = sum of sig2[r:] (the cost of keeping the first r directions), tails[len] = 0."""
+    return np.concatenate([np.cumsum(sig2[::-1])[::-1], [0.0]])
+
+
+def bits_layers(layers: list[Layer]) -> list[Layer]:
+    """The layers a byte plan rewrites: the scope's Linears and Conv1Ds (one group)."""
+    return [l for l in layers if l.kind in KINDS and l.groups == 1]
+
+
+def _weight(model: "nn.Module", layer: Layer) -> torch.Tensor:
+    path, attr = kinds.for_kind(layer.kind).module_path(layer)
+    return getattr(model.get_submodule(path), attr)
+
+
+@contextlib.contextmanager
+def swapped(model: "nn.Module", weights: dict[str, torch.Tensor], layers: dict[str, Layer]) -> Iterator[None]:
+    """``model`` with the named layers' weights holding ``weights`` while the block runs, restored after (the
+    parameters' storage is swapped, never written)."""
+    old: dict[str, torch.Tensor] = {}
+    try:
+        for name, w in weights.items():
+            p = _weight(model, layers[name])
+            old[name] = p.data
+            p.data = w
+        yield
+    finally:
+        for name, data in old.items():
+            _weight(model, layers[name]).data = data
+
+
+@dataclass
+class Costed:
+    """The byte plan's inputs: each rewritable layer's options, and the bytes of everything else."""
+
+    layers: dict[str, LayerBits]
+    options: dict[str, list[Choice]]
+    rest_bytes: int  # every other parameter, in its dtype (tied tensors once)
+    weighted: str  # how the costs are weighted: "output gradients" or "input statistics"
+    seconds: float = 0.0
+
+    @property
+    def dense_bytes(self) -> int:
+        return self.rest_bytes + sum(l.dense_bytes for l in self.layers.values())
+
+    def uniform(self, label: str) -> dict[str, Choice]:
+        """Every layer at the option ``label`` (kept where it has none)."""
+        return {k: next((c for c in v if c.label == label), v[0]) for k, v in self.options.items()}
+
+    def family(self, which: str) -> dict[str, list[Choice]]:
+        """The options of one family: ``bits`` (keep or quantize), ``rank`` (keep or factorize), ``joint``."""
+        return {k: [c for c in v if family_of(c.label) in ("keep", which) or which == "joint"]
+                for k, v in self.options.items()}
+
+
+def family_of(label: str) -> str:
+    """"keep", "rank" (factors alone), "bits" (quantized alone) or "joint" (quantized with a correction)."""
+    return "keep" if label == "keep" else "rank" if label.startswith("rank ") else "joint" if "+" in label else "bits"
+
+
+def costed(ctx: "PassContext", layers: list[Layer], loss_metric: "LossMetric | None") -> Costed:
+    """Every rewritable planned layer with input statistics costed at every option."""
+    t = time.perf_counter()
+    stats = ctx.session.stats
+    model = ctx.model
+    out: dict[str, LayerBits] = {}
+    options: dict[str, list[Choice]] = {}
+    with ctx.progress.phase("rank or bits: options", unit="layer"):
+        usable = [l for l in bits_layers(layers) if l.name in stats and not l.aliases]
+        for i, layer in enumerate(usable):
+            moment = (loss_metric.moments[layer.name] if loss_metric is not None and layer.name in loss_metric.layers
+                      else None)
+            lb = LayerBits(layer, _weight(model, layer).detach(), stats.layers[layer.name], moment)
+            options[layer.name] = lb.choices()
+            out[layer.name] = lb
+            ctx.progress.update(i + 1, len(usable))
+    seen: set[int] = set()
+    total = 0
+    for p in model.parameters():
+        if id(p) not in seen:
+            seen.add(id(p))
+            total += p.numel() * p.element_size()
+    rest = total - sum(l.dense_bytes for l in out.values())
+    weighted = "output gradients" if loss_metric is not None else "input statistics"
+    return Costed(out, options, rest, weighted, time.perf_counter() - t)
+
+
+def _model_bytes(plan: dict[str, Choice], c: Costed) -> int:
+    return c.rest_bytes + sum(ch.nbytes for ch in plan.values())
+
+
+def _measure(ctx: "PassContext", refs: "References", c: Costed, family: str, size: int,
+             plan: dict[str, Choice] | None, recipes: dict[str, Recipe] | None = None) -> BitsPlan:
+    """``plan`` built and measured all at once: on the verification rows with their interval in a split session,
+    else on the held-out rows."""
+    if plan is None:
+        return BitsPlan(family, size, reachable=False)
+    recipes = recipes or {k: c.layers[k].recipes[ch.label] for k, ch in plan.items()}
+    named = {k: c.layers[k].layer for k in plan}
+    weights = {k: c.layers[k].weight(r) for k, r in recipes.items() if r.label != "keep"}
+    with ctx.session.measuring(), swapped(ctx.model, weights, named):
+        if refs.verifier is not None:
+            v = refs.verifier.measure(ctx.model)
+            value, ok = v.value, v.ok
+        else:
+            m = refs.evaluator.measure(ctx.model)
+            v, value, ok = None, m.value, m.ok
+    del weights
+    return BitsPlan(family, size, _model_bytes(plan, c), True, value, ok, sum(ch.cost for ch in plan.values()), v,
+                    {k: r.label for k, r in recipes.items()})
+
+
+def _uniform_truncation(c: Costed, size: int) -> tuple[dict[str, Choice], dict[str, Recipe]] | None:
+    """SVD-LLM at ``size``: every layer at one share of its break-even rank (input-whitened), the largest share
+    whose bytes fit (bisected); a layer whose rank saves nothing stays dense. None when even rank 1 does not fit."""
+    def at(kept: float) -> tuple[dict[str, Choice], dict[str, Recipe]]:
+        plan, recipes = {}, {}
+        for k, lb in c.layers.items():
+            r = max(1, math.floor(kept * lb.layer.break_even + 0.5))
+            if lb.rank_bytes(r) < lb.dense_bytes:
+                plan[k], recipes[k] = Choice(f"rank {r}", lb.rank_bytes(r), 0.0), Recipe(rank=r, whitened=True)
+            else:
+                plan[k], recipes[k] = Choice("keep", lb.dense_bytes, 0.0), Recipe()
+        return plan, recipes
+
+    if _model_bytes(at(0.0)[0], c) > size:
+        return None
+    lo, hi = 0.0, 1.0
+    for _ in range(40):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if _model_bytes(at(mid)[0], c) <= size else (lo, mid)
+    return at(lo)
+
+
+def rank_or_bits(ctx: "PassContext", refs: "References", scope: "Scope", loss_metric: "LossMetric | None",
+                 budget_bytes: int | None, bits_per_weight: float | None = None) -> BitsReport | None:
+    """The byte plan at ``budget_bytes`` (the whole model's parameters; or, with ``bits_per_weight``, the other
+    parameters as they are and that many bits per weight of the rewritable layers) and at the sizes of uniform int4 and int8:
+    the three families each chosen by :func:`~auditor.quantize.knapsack.choose` and measured all at once, beside
+    uniform int8 / int4 round to nearest and uniform whitened truncation at the budget. None when no layer can be
+    rewritten."""
+    t = time.perf_counter()
+    c = costed(ctx, scope.planned, loss_metric)
+    if not c.layers:
+        return None
+    weights = sum(lb.weight_ref.numel() for lb in c.layers.values())
+    budget = budget_bytes if budget_bytes is not None else c.rest_bytes + math.floor(
+        (bits_per_weight or 0.0) * weights / 8)
+    uniform = {lab: c.uniform(lab) for lab in ("int8 g128 sym", "int4 g128 sym")}
+    sizes = list(dict.fromkeys([budget, *(_model_bytes(p, c) for p in reversed(list(uniform.values())))]))
+    plans: list[BitsPlan] = []
+    with ctx.progress.phase("rank or bits: plans", unit="plan"):
+        total = 3 * len(sizes) + 3
+        for size in sizes:
+            for fam in ("joint", "bits", "rank"):
+                picked = choose(c.family(fam), size - c.rest_bytes)
+                plans.append(_measure(ctx, refs, c, fam, size, picked))
+                ctx.progress.update(len(plans), total)
+        base = [_measure(ctx, refs, c, "uniform " + lab.split()[0], _model_bytes(p, c), p)
+                for lab, p in uniform.items()]
+        svd = _uniform_truncation(c, budget)
+        base.append(_measure(ctx, refs, c, "uniform truncation", budget, *(svd or (None, None))))
+        ctx.progress.update(total, total)
+    return BitsReport(budget, c.dense_bytes, c.rest_bytes, len(c.layers), weights, c.weighted, sizes, plans, base,
+                      seconds=time.perf_counter() - t)  # its verdict is written with the report's metric facts
+
