@@ -486,6 +486,9 @@ class BitsReport:
     baselines: list[BitsPlan] = field(default_factory=list)
     verdict: str = ""
     seconds: float = 0.0
+    written: str = ""  # --write-bits: the folder the joint plan at the budget was written into
+    file_bytes: int = 0  # its model.safetensors' size (the plan's bytes and the safetensors header)
+    header_bytes: int = 0  # of which the header
 
     def at(self, size: int) -> list[BitsPlan]:
         """The three families' plans at ``size``."""
@@ -498,8 +501,11 @@ class BitsReport:
             return (f"Nothing fits {self.budget:,} bytes: the parameters no byte plan rewrites take "
                     f"{self.rest_bytes:,}.")
         best = (max if facts.higher_is_better else min)(here, key=lambda p: p.value)  # type: ignore[arg-type]
+        same = [p for p in here if p.family == "bits" and p.choices == best.choices and p is not best]
+        best = same[0] if same else best  # a joint plan that took no rank is the bits-only plan: said so
         words = {"joint": "rank and bits together", "bits": "quantization alone", "rank": "low rank alone"}
-        others = "; ".join(f"{words[p.family]} {facts.words(p.value)}" for p in here if p is not best)
+        others = "; ".join(f"{words[p.family]} {facts.words(p.value)}" + (" (the same plan: it took no rank)" if
+                           p.choices == best.choices else "") for p in here if p is not best)
         unreached = [words[p.family] for p in self.at(self.budget) if not p.reachable]
         tail = f"; {' and '.join(unreached)} cannot reach that size" if unreached else ""
         return (f"At {self.budget:,} bytes {words[best.family]} does least harm: {facts.label} "

@@ -135,6 +135,7 @@ class TierOptions:
     #                                         block (("q_proj", "k_proj", "v_proj"), ...); TIE_AUTO: the known defaults
     budget_bytes: int | None = None  # rank or bits: the model's parameters in at most this many bytes
     bits_per_weight: float | None = None  # rank or bits: this many bits per weight of the layers it can rewrite
+    write_bits: str | None = None  # rank or bits: write the joint plan at the budget into this new folder
 
     def check(self) -> None:
         """The confidence level, the budget and the tolerance, each checked before any work."""
@@ -161,6 +162,13 @@ class TierOptions:
     def _check_bytes(self) -> None:
         """--budget-bytes a positive integer, --bits-per-weight a number in (0, 32], not both."""
         b, bpw = self.budget_bytes, self.bits_per_weight
+        if self.write_bits is not None and b is None and bpw is None:
+            raise AuditError("--write-bits writes the byte plan, and none was asked for",
+                             "Pass --budget-bytes SIZE or --bits-per-weight X as well")
+        out = self.write_bits
+        if out is not None and os.path.lexists(out) and (not os.path.isdir(out) or os.path.islink(out)
+                                                         or os.listdir(out)):
+            raise AuditError(f"--write-bits {out} exists and is not an empty folder", "Give a new folder")
         if b is not None and bpw is not None:
             raise AuditError("--budget-bytes and --bits-per-weight both set the byte budget",
                              "Give one of them")
@@ -282,7 +290,7 @@ FLAT: dict[str, tuple[str, str]] = {
         ("document_separator", "separator")]},
     **{name: ("tiers", name) for name in ("metric", "tolerance", "measure_floor", "budget", "probe_sensitivity",
                                           "probe", "confidence", "split", "ties", "budget_bytes",
-                                          "bits_per_weight")},
+                                          "bits_per_weight", "write_bits")},
     **{name: ("statistics", name) for name in ("device", "offload", "compute_dtype")},
     **{f"recover_{f}": ("recovery", f) for f in ("steps", "lr", "trainable", "objective", "seed")},
     "choose_after_recovery": ("recovery", "choose_after"),
@@ -466,6 +474,7 @@ class OptionFields(TypedDict, total=False):
     budget: float | None
     budget_bytes: int | None
     bits_per_weight: float | None
+    write_bits: "str | os.PathLike[str] | None"
     probe_sensitivity: bool
     probe: bool
     confidence: float

@@ -100,3 +100,86 @@ def test_families_keep_their_options():
     labels = {fam: [ch.label for ch in c.family(fam)["a"]] for fam in ("bits", "rank", "joint")}
     assert labels == {"bits": ["keep", "int4 g128 sym"], "rank": ["keep", "rank 2"],
                       "joint": ["keep", "rank 2", "int4 g128 sym", "int4 g128 sym + rank 8"]}
+
+
+@pytest.fixture(scope="module")
+def tiny_lm_bits(tmp_path_factory):
+    """A tiny Llama audited with a byte budget, its joint plan written (--write-bits)."""
+    transformers = pytest.importorskip("transformers")
+    from auditor import AuditOptions, pipeline
+    from auditor.calibration.stage import _open_session
+    from auditor.calibration.tiers import passes
+    from auditor.progress import Progress
+
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(vocab_size=64, hidden_size=48, intermediate_size=96, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32)
+    model = transformers.LlamaForCausalLM(cfg).eval()
+    ids = torch.randint(0, 64, (64, 16), generator=torch.Generator().manual_seed(1))
+    out = tmp_path_factory.mktemp("bits") / "plan"
+    options = AuditOptions(calibration={"input_ids": ids}, cache=False, progress=False, bits_per_weight=5.0,
+                           write_bits=str(out))
+    plain = pipeline.audit(model, options=AuditOptions(progress=False, cache=False))
+    progress = Progress(enabled=False)
+    ctx = passes.PassContext(model, _open_session(model, plain.layers, options, progress), progress)
+    t1 = passes.tier1(ctx, plain.settings.align)
+    refs = passes.references(ctx)
+    scope = passes.scope_of(plain.layers, t1, plain.settings)
+    sens = passes.sensitivity(ctx, refs, t1, scope, None, options.tiers)
+    report = passes.bits(ctx, refs, scope, sens.loss_metric, options.tiers).report
+    return model, ctx, scope, sens, report, out, ids
+
+
+def test_byte_plans_fit_their_sizes_and_the_joint_plan_predicts_no_worse(tiny_lm_bits):
+    model, ctx, scope, sens, report, out, ids = tiny_lm_bits
+    assert report is not None and report.layers == 15 and report.weighted == "output gradients"
+    int4 = next(p for p in report.baselines if p.family == "uniform int4")
+    assert report.sizes == [report.budget, int4.size, next(p for p in report.baselines if p.family == "uniform int8").size]
+    assert report.budget == report.rest_bytes + math.floor(5.0 * report.weights / 8)
+    for size in report.sizes:
+        fam = {p.family: p for p in report.at(size)}
+        assert set(fam) == {"joint", "bits", "rank"}
+        assert all(p.nbytes <= size for p in fam.values() if p.reachable)
+        assert fam["joint"].predicted <= min(fam["bits"].predicted, fam["rank"].predicted) + 1e-12
+    assert int4.nbytes == report.rest_bytes + sum(QuantSpec(4).nbytes(*_out_in(model, k)) for k in int4.choices)
+
+
+def _out_in(model, name):
+    w = model.get_submodule(name).weight
+    return tuple(w.shape)
+
+
+def test_the_written_plan_loads_as_the_model_the_audit_measured(tiny_lm_bits):
+    from safetensors import safe_open
+
+    from auditor.quantize.written import load_byte_plan
+
+    model, ctx, scope, sens, report, out, ids = tiny_lm_bits
+    joint = next(p for p in report.at(report.budget) if p.family == "joint")
+    assert report.written == str(out) and (out / "plan.json").is_file()
+    with safe_open(str(out / "model.safetensors"), "pt") as fh:
+        payload = sum(fh.get_tensor(k).numel() * fh.get_tensor(k).element_size() for k in fh.keys())
+    assert payload == joint.nbytes  # every byte the plan predicted, and no other
+    assert report.file_bytes == payload + report.header_bytes == (out / "model.safetensors").stat().st_size
+    loaded = load_byte_plan(model, out)
+    from auditor.calibration.tiers.bits import costed
+
+    c = costed(ctx, scope.planned, sens.loss_metric)
+    for name, label in joint.choices.items():
+        got = loaded.get_submodule(name).weight
+        assert torch.equal(got, c.layers[name].weight(c.layers[name].recipes[label])), name
+    kept = [n for n, lab in joint.choices.items() if lab == "keep"]
+    assert all(torch.equal(loaded.get_submodule(n).weight, model.get_submodule(n).weight) for n in kept)
+    assert any(lab != "keep" for lab in joint.choices.values())
+
+
+def test_a_byte_plan_refuses_a_folder_that_holds_something(tmp_path):
+    from auditor import AuditError, AuditOptions
+
+    (tmp_path / "x").write_text("keep me")
+    with pytest.raises(AuditError, match="exists and is not an empty folder"):
+        AuditOptions(calibration="c.txt", budget_bytes=1000, write_bits=str(tmp_path))
+    with pytest.raises(AuditError, match="none was asked for"):
+        AuditOptions(calibration="c.txt", write_bits=str(tmp_path / "new"))
+    with pytest.raises(AuditError, match="both set the byte budget"):
+        AuditOptions(calibration="c.txt", budget_bytes=1000, bits_per_weight=4.0)

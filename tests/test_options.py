@@ -21,7 +21,7 @@ GIVEN = {
     "calibration": "c.safetensors", "holdout": 0.5, "calibration_length": 64, "tokenizer": "tok",
     "calibration_max_rows": 10, "calibration_max_bytes": 1000, "document_separator": "\n\n", "metric": "kl",
     "tolerance": 0.02,
-    "measure_floor": True, "budget": 0.3, "budget_bytes": 10**6, "bits_per_weight": None,
+    "measure_floor": True, "budget": 0.3, "budget_bytes": 10**6, "bits_per_weight": None, "write_bits": "out",
     "probe_sensitivity": False, "probe": True, "confidence": 0.8,
     "split": False, "device": "cpu", "offload": True, "compute_dtype": "float32", "recover_steps": 7,
     "recover_lr": 1e-3, "recover_trainable": "all", "recover_objective": "mse", "recover_seed": 3,

@@ -144,6 +144,10 @@ def _tier_flags(g: "argparse._ArgumentGroup") -> None:
     g.add_argument("--bits-per-weight", type=float, metavar="X",
                    help="rank or bits as --budget-bytes, the budget being X bits per weight of the layers it can "
                         "rewrite (the other parameters as they are)")
+    g.add_argument("--write-bits", metavar="DIR",
+                   help="write the rank-or-bits joint plan at the budget into DIR (a new folder): integer codes, "
+                        "scales and factors in model.safetensors, each layer's choice in plan.json; load it with "
+                        "auditor.quantize.written.load_byte_plan")
     from .recovery_flags import add_cli_arguments as recover_arguments
 
     recover_arguments(g, audit=True)
@@ -556,6 +560,7 @@ def calibration_options(args: argparse.Namespace) -> dict:
         given = [f for f, v in (("--holdout", args.holdout), ("--metric", args.metric), ("--tolerance", args.tolerance),
                                 ("--measure-floor", args.measure_floor or None), ("--budget", args.budget),
                                 ("--budget-bytes", args.budget_bytes), ("--bits-per-weight", args.bits_per_weight),
+                                ("--write-bits", args.write_bits),
                                 ("--no-probe", args.no_probe or None), ("--probe", args.probe or None),
                                 ("--confidence", args.confidence), ("--no-split", args.no_split or None),
                                 ("--calibration-length", args.calibration_length),
@@ -577,6 +582,7 @@ def calibration_options(args: argparse.Namespace) -> dict:
             **({"budget_bytes": parse_size(args.budget_bytes, "--budget-bytes")} if args.budget_bytes is not None
                else {}),
             **({"bits_per_weight": args.bits_per_weight} if args.bits_per_weight is not None else {}),
+            **({"write_bits": args.write_bits} if args.write_bits is not None else {}),
             **({"document_separator": unescape(args.document_separator)} if args.document_separator is not None
                else {}),
             **({"probe_sensitivity": False} if args.no_probe else {}), **({"probe": True} if args.probe else {}),

@@ -339,7 +339,7 @@ def _cal_bits(cv: "CalibrationView", room: Room) -> Section | None:
     brows = [f"| {r.size} | {r.plan} | {r.nbytes} | {r.bits} | {md_text(r.value)} | {md_text(r.interval)} | "
              f"{r.holds} | {md_text(r.choices)} |" for r in bits.rows(cv.cal)]
     s = Section("#### Rank or bits", [md_text(intro), "", "| " + " | ".join(bits.HEADERS) + " |",
-                                      "|---:|---|---:|---:|---:|---|---|---|"], brows,
+                                      "|---|---|---:|---:|---:|---|---|---|"], brows,
                 noun="byte plans", title="Rank or bits")
     return fold_if(s, room, f"Rank or bits: {len(brows):,} plans measured all at once", columns=len(bits.HEADERS))
 

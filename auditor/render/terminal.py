@@ -428,6 +428,7 @@ def _bits(cv: "CalibrationView", w: _Lines) -> None:
     intro = bits.intro(cv.cal)
     if intro is None:
         return
+    w.out.append("")
     w.say(term(intro), "  ")
     rows = bits.rows(cv.cal)
     table = [bits.HEADERS[1:-1]] + [(r.plan, r.nbytes, r.bits, r.value, r.interval, r.holds) for r in rows]
@@ -436,10 +437,9 @@ def _bits(cv: "CalibrationView", w: _Lines) -> None:
     w.say("    " + term(line(table[0])), "    ")
     size = None
     for r, row in zip(rows, table[1:]):
-        head = bits.size_words(cv.cal, r.size) if not r.plan.startswith("uniform") else "baselines"
-        if head != size:
-            w.say("  " + head + ":", "    ")
-            size = head
+        if r.size != size:
+            w.say("  " + r.size + ":", "    ")
+            size = r.size
         w.say("    " + term(line(row)), "      ")
         if r.choices:
             w.say("      " + term(r.choices), "      ")

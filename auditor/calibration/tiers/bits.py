@@ -42,8 +42,9 @@ from ... import kinds
 from ...calresults import BitsPlan, BitsReport
 from ...quantize.codes import QuantSpec, quantize
 from ...quantize.knapsack import Choice, choose
+from ...quantize.written import Parts
 from ...results import Kind, Layer
-from ..statistics.whiten import DAMP, GRADIENT_DAMP, function_matrices, stored_weight
+from ..statistics.whiten import DAMP, GRADIENT_DAMP, function_matrices
 
 if TYPE_CHECKING:
     from torch import nn
@@ -99,8 +100,17 @@ class _Metric:
 
     def truncated(self, f: np.ndarray, rank: int) -> tuple[np.ndarray, np.ndarray]:
         """(the best rank-``rank`` part of ``f`` in this metric, the squared singular values of forward(f))."""
+        a, b, sig2 = self.factors(f, rank)
+        return a @ b, sig2
+
+    def factors(self, f: np.ndarray, rank: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(A, B) with A B the best rank-``rank`` part of ``f`` in this metric (A = L^-T U_r Sigma_r, B = V_r^T
+        S^-1), and the squared singular values of forward(f)."""
         u, sig, vt = np.linalg.svd(self.forward(f), full_matrices=False)
-        return self.back((u[:, :rank] * sig[:rank]) @ vt[:rank]), sig ** 2
+        left = u[:, :rank] * sig[:rank]
+        a = np.linalg.solve(self.low.T, left) if self.low is not None else left / math.sqrt(self.scale)
+        b = np.linalg.solve(self.s.T, vt[:rank].T).T
+        return a, b, sig ** 2
 
 
 def output_metric(f: np.ndarray, gram: np.ndarray, moment: "tuple[np.ndarray, bool, int] | None") -> _Metric:
@@ -176,23 +186,26 @@ class LayerBits:
         self.recipes[recipe.label] = recipe
         return Choice(recipe.label, nbytes, cost)
 
-    def function(self, recipe: Recipe) -> np.ndarray:
-        """The replacement F' of ``recipe`` (float64)."""
-        f = self._f()
+    def parts(self, recipe: Recipe) -> Parts:
+        """``recipe``'s stored parts (codes, scales, zero points, factors in the model's dtype); their
+        :meth:`~auditor.quantize.written.Parts.weight` is the replacement the audit measures and the file holds."""
+        w, f = self.weight_ref, self._f()
         metric = (_Metric(self.inp.gram[0], None, 1.0) if recipe.whitened
                   else output_metric(f, self.inp.gram[0], self.moment))
-        if not recipe.spec:
-            return metric.truncated(f, recipe.rank)[0] if recipe.rank else f
-        deq = quantize(torch.from_numpy(f), QuantSpec.parse(recipe.spec)).dequantize(torch.float64).numpy()
+        q = quantize(torch.from_numpy(f), QuantSpec.parse(recipe.spec)) if recipe.spec else None
+        a = b = None
         if recipe.rank:
-            deq = deq + metric.truncated(f - deq, recipe.rank)[0]
-        return deq
+            rest = f - q.dequantize(torch.float64).numpy() if q is not None else f
+            fa, fb, _ = metric.factors(rest, recipe.rank)
+            a, b = torch.from_numpy(fa).to(w.dtype), torch.from_numpy(fb).to(w.dtype)
+        transposed = self.layer.kind == Kind.CONV1D_HF
+        return Parts(self.layer.param, recipe.label, (f.shape[0], f.shape[1]), transposed, w.dtype, q, a, b)
 
     def weight(self, recipe: Recipe) -> torch.Tensor:
-        """The replacement weight in the stored layout and dtype."""
-        w = self.weight_ref
-        return stored_weight(self.layer, torch.from_numpy(self.function(recipe))[None], tuple(w.shape), w.dtype,
-                             w.device)
+        """The replacement weight in the stored layout and dtype (the written file's, bit for bit)."""
+        if recipe.label == "keep":
+            return self.weight_ref.detach().clone()
+        return self.parts(recipe).weight().to(self.weight_ref.device)
 
 
 def _tails(sig2: np.ndarray) -> np.ndarray:
@@ -330,7 +343,8 @@ def _uniform_truncation(c: Costed, size: int) -> tuple[dict[str, Choice], dict[s
 
 
 def rank_or_bits(ctx: "PassContext", refs: "References", scope: "Scope", loss_metric: "LossMetric | None",
-                 budget_bytes: int | None, bits_per_weight: float | None = None) -> BitsReport | None:
+                 budget_bytes: int | None, bits_per_weight: float | None = None,
+                 write_to: str | None = None) -> BitsReport | None:
     """The byte plan at ``budget_bytes`` (the whole model's parameters; or, with ``bits_per_weight``, the other
     parameters as they are and that many bits per weight of the rewritable layers) and at the sizes of uniform int4 and int8:
     the three families each chosen by :func:`~auditor.quantize.knapsack.choose` and measured all at once, beside
@@ -358,6 +372,24 @@ def rank_or_bits(ctx: "PassContext", refs: "References", scope: "Scope", loss_me
         svd = _uniform_truncation(c, budget)
         base.append(_measure(ctx, refs, c, "uniform truncation", budget, *(svd or (None, None))))
         ctx.progress.update(total, total)
-    return BitsReport(budget, c.dense_bytes, c.rest_bytes, len(c.layers), weights, c.weighted, sizes, plans, base,
-                      seconds=time.perf_counter() - t)  # its verdict is written with the report's metric facts
+    report = BitsReport(budget, c.dense_bytes, c.rest_bytes, len(c.layers), weights, c.weighted, sizes, plans, base)
+    joint = next(p for p in plans if p.size == budget and p.family == "joint")
+    if write_to is not None and joint.reachable:
+        report.written = str(write_to)
+        report.file_bytes, report.header_bytes = write(ctx.model, c, joint, write_to)
+    report.seconds = time.perf_counter() - t
+    return report  # its verdict is written with the report's metric facts
+
+
+def write(model: "nn.Module", c: Costed, plan: BitsPlan, directory: str) -> tuple[int, int]:
+    """``plan`` written into ``directory`` (:func:`~auditor.quantize.written.write_byte_plan`): the kept layers as
+    they are, the others as their parts; returns the file's bytes and its header's."""
+    from ...quantize.written import MODEL_FILE, write_byte_plan
+
+    parts = {k: c.layers[k].parts(c.layers[k].recipes[label]) for k, label in plan.choices.items() if label != "keep"}
+    planned = {c.layers[k].layer.param for k in parts}
+    dense = {k: v for k, v in model.state_dict().items() if k not in planned}
+    size = write_byte_plan(directory, dense, parts, {"predicted_bytes": plan.nbytes, "choices": plan.choices})
+    with open(f"{directory}/{MODEL_FILE}", "rb") as fh:
+        return size, 8 + int.from_bytes(fh.read(8), "little")
 

@@ -395,7 +395,8 @@ def bits(ctx: PassContext, refs: References, scope: Scope, loss_metric: "LossMet
     if not tiers.bytes_planned:
         return Bits()
     t = time.perf_counter()
-    out = rank_or_bits(ctx, refs, scope, loss_metric, tiers.budget_bytes, tiers.bits_per_weight)
+    out = rank_or_bits(ctx, refs, scope, loss_metric, tiers.budget_bytes, tiers.bits_per_weight,
+                       str(tiers.write_bits) if tiers.write_bits is not None else None)
     n = sum(p.reachable for p in [*out.plans, *out.baselines]) if out is not None else 0
     return Bits(out, n, {"rank or bits": time.perf_counter() - t})
 

@@ -14,7 +14,7 @@ FAMILY_WORDS = {"joint": "rank + bits", "bits": "bits only", "rank": "rank only"
 
 @dataclass(frozen=True)
 class BitsRow:
-    size: str  # the size planned for
+    size: str  # the size planned for, in words: "at 1.53 MiB, the budget", "baselines"
     plan: str  # the family ("rank + bits", "bits only", "rank only", "uniform int4", ...)
     nbytes: str  # the bytes it takes (the whole model's parameters)
     bits: str  # bits per weight of the layers it can rewrite
@@ -39,14 +39,14 @@ def _bytes(n: int) -> str:
 def _row(b: "BitsReport", p: "BitsPlan", cal: "CalibrationReport") -> BitsRow:
     plan = FAMILY_WORDS.get(p.family, p.family)
     if not p.reachable:
-        return BitsRow(_bytes(p.size), plan, "–", "–", "cannot reach this size", "", "", "")
+        return BitsRow(_group(cal, p), plan, "–", "–", "cannot reach this size", "", "", "")
     bits = 8 * (p.nbytes - b.rest_bytes) / b.weights if b.weights else 0.0
     v = p.verification
     u = v.unseen if v is not None else None
     low, high = (u.low, u.high) if u is not None else (v.low, v.high) if v is not None else (None, None)
     interval = f"{cal.value_text(low)} to {cal.value_text(high)}" if low is not None and high is not None else ""
     choices = ", ".join(f"{k} x{n}" for k, n in sorted(p.counts.items(), key=lambda kv: -kv[1]))
-    return BitsRow(_bytes(p.size), plan, _bytes(p.nbytes), f"{bits:.2f}", cal.value_text(p.value), interval,
+    return BitsRow(_group(cal, p), plan, _bytes(p.nbytes), f"{bits:.2f}", cal.value_text(p.value), interval,
                    "holds" if p.ok else "misses", choices)
 
 
@@ -72,14 +72,18 @@ def intro(cal: "CalibrationReport") -> str | None:
             f"it does not rewrite ({_bytes(b.rest_bytes)}) as they are. {b.verdict}")
 
 
-HEADERS = ("size", "plan", "bytes", "bits/weight", "measured", "interval (unseen document)", "", "choices")
+HEADERS = ("planned for", "plan", "bytes", "bits/weight", "measured", "interval (unseen document)", "judged",
+           "choices")
 
 
-def size_words(cal: "CalibrationReport", size: str) -> str:
-    """What a size is: "1.53 MiB, the budget" or "1.49 MiB, uniform int4's size"."""
+def _group(cal: "CalibrationReport", p: "BitsPlan") -> str:
+    """What a plan's size is: "at 1.53 MiB, the budget", "at 1.49 MiB, uniform int4's size"; "baselines"."""
     b = cal.bits
     assert b is not None
-    for p in b.baselines:
-        if _bytes(p.size) == size and p.family.startswith("uniform int"):
-            return f"at {size}, {p.family}'s size" + (" and the budget" if _bytes(b.budget) == size else "")
+    if p in b.baselines:
+        return "baselines"
+    size = _bytes(p.size)
+    for q in b.baselines:
+        if q.size == p.size and q.family.startswith("uniform int"):
+            return f"at {size}, {q.family}'s size" + (" and the budget" if b.budget == p.size else "")
     return f"at {size}, the budget"
