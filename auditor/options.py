@@ -474,7 +474,7 @@ class OptionFields(TypedDict, total=False):
     budget: float | None
     budget_bytes: int | None
     bits_per_weight: float | None
-    write_bits: "str | os.PathLike[str] | None"
+    write_bits: str | None
     probe_sensitivity: bool
     probe: bool
     confidence: float
