@@ -54,10 +54,24 @@ def test_stage_seconds_exact():
         k: v for k, v in s.items() if k != "tier 3"}
 
 
+def test_the_byte_plan_is_a_stage_of_its_own_when_asked():
+    """--budget-bytes: every layer's options (a rank SVD and two corrections) and the plans that factorize
+    (BYTE_DECOMPOSITIONS decompositions of every layer) and twelve plans measured on the verification rows; its
+    peak holds one plan's replacement weights (every rewritten layer in the model's dtype) and two float64 copies of
+    the largest."""
+    wl = est.Workload(**{**WORK.__dict__, "byte_plan": True})
+    s, plain = est.stage_seconds(SHAPES, wl, MEASURED), est.stage_seconds(SHAPES, WORK, MEASURED)
+    decomp = 2.0 / 192 * (192 + 640 + 192 + 640 + 224)
+    assert s["rank or bits"] == pytest.approx(7 * decomp + 12 * 1 * 1.3125)  # 4 verification rows: one batch
+    assert {k: v for k, v in s.items() if k != "rank or bits"} == plain
+    by = {st.name: st.peak_bytes for st in est.predict(SHAPES, wl, MEASURED).stages}
+    assert by["rank or bits"] == 1100 + (2560 + 3 * 2560) + 1000 + 4 * (2 * (32 + 32) + 40) + 2 * 8 * 40
+
+
 def test_peak_disk_and_device_exact():
     e = est.predict(SHAPES, WORK, MEASURED, available=5)
     by = {st.name: st.peak_bytes for st in e.stages}
-    assert [st.name for st in e.stages] == [n for n in est.STAGES if n != "rounding floor"]  # float32: no floor
+    assert [st.name for st in e.stages] == [n for n in est.STAGES if n not in ("rounding floor", "rank or bits")]
     assert by["statistics"] == 1100 + 2 * 6 * 256 + 1000 + (8 * 16 + 8 * 64 + 2 * 8 * 64) + 2 * 8 * 40
     # the output's logits (2560) and their gradient, three copies of one chunk of them (the whole batch here:
     # metrics/chunks.py); one output gradient at a time, the widest (10): it, its kept rows and its float copy
@@ -154,7 +168,7 @@ def test_estimate_json_keys_and_no_audit(cli_inproc, small, monkeypatch):
     assert res.returncode == 0, res.stderr
     e = json.loads(res.stdout)["estimate"]
     assert {"wall_seconds", "peak_rss_bytes", "peak_device_bytes", "disk_bytes", "stages"} <= set(e)
-    assert [s["stage"] for s in e["stages"]] == [n for n in est.STAGES if n != "rounding floor"]
+    assert [s["stage"] for s in e["stages"]] == [n for n in est.STAGES if n not in ("rounding floor", "rank or bits")]
     assert e["wall_seconds"] == pytest.approx(sum(s["wall_seconds"] for s in e["stages"]), abs=0.01)
     assert e["peak_rss_bytes"] == max(s["peak_rss_bytes"] for s in e["stages"])
     assert e["basis"]["rows"]["search"] == 8  # 64 rows: 48 fit, 16 held out, cut in two

@@ -55,7 +55,10 @@ DEFAULT_REPORT_SECONDS = 0.3
 CHART_RSS = 200 * 2**20  # the plotting library and its figures, alive while an html or pdf report renders
 REPORT_BYTES = {"pdf": 400_000, "html": 600_000}  # measured on the sample models' reports; else 20 kB + per layer
 STAGES = ("load", "trace", "spectra", "calibration data", "statistics", "gradients", "rounding floor", "tier 3",
-          "verification", "plan check", "reports")
+          "verification", "rank or bits", "plan check", "reports")
+BYTE_PLANS = 12  # rank or bits: three families at three sizes and three uniform baselines, each measured once
+BYTE_DECOMPOSITIONS = 7  # every layer's options (its rank SVD and two corrections'), then the plans that factorize:
+#                          rank only at three sizes and uniform truncation (at most one decomposition per layer each)
 
 
 @dataclass(frozen=True)
@@ -92,6 +95,7 @@ class Workload:
     offload: bool = False
     example_share: float = 1.0  # the trace's example input's positions over a measured batch's
     compared: int = 1  # a batch's outputs alive at once while a plan is measured (2 for KL: the dense one too)
+    byte_plan: bool = False  # --budget-bytes / --bits-per-weight: the rank-or-bits pass runs
 
 
 @dataclass(frozen=True)
@@ -227,6 +231,9 @@ def stage_seconds(sh: Shapes, wl: Workload, me: Measurements) -> dict[str, float
            + (EPOCHS * fit_b * (fwd + bwd) if sh.block_layers else 0.0))
     out["verification"] = 2 * _batches(r["verify"], b) * fwd + factors + fit
     out["plan check"] = factors
+    if wl.byte_plan:
+        plans = _batches(r["verify"] if wl.split else r["search"], b) * fwd
+        out["rank or bits"] = BYTE_DECOMPOSITIONS * decomp + BYTE_PLANS * plans
     return out
 
 
@@ -297,6 +304,8 @@ def stage_extra(sh: Shapes, wl: Workload, me: Measurements) -> dict[str, int]:
     out["verification"] = out["plan check"] = plan + block + _fit_bytes(sh, wl, me)  # a reviewed plan: a fit too
     if sh.element_bytes == 2:  # every layer at full rank: twice a half-rank plan's factors, one block's at a time
         out["rounding floor"] = plan + 2 * block + _block_grams(sh)
+    if wl.byte_plan:  # one plan's replacement weights (every rewritten layer's, in the model's dtype) while measured
+        out["rank or bits"] = plan + sum(m * n for m, n in sh.layers) * sh.element_bytes + 2 * 8 * big[0] * big[1]
     return out
 
 
@@ -431,7 +440,7 @@ def workload_of(cal: Any, options: Any, outputs: int, formats: tuple[str, ...]) 
     kl = isinstance(options.tiers.metric, str) and options.tiers.metric.strip().lower() == "kl"
     return Workload(cal.fit_rows, cal.holdout_rows, tokens, rows, outputs, ids, formats, torch.get_num_threads(),
                     bool(options.tiers.split), True, options.statistics.device, bool(options.statistics.offload),
-                    compared=2 if kl else 1)
+                    compared=2 if kl else 1, byte_plan=options.tiers.bytes_planned)
 
 
 def _rss() -> int:
