@@ -168,6 +168,10 @@ def test_the_written_plan_loads_as_the_model_the_audit_measured(tiny_lm_bits):
     for name, label in joint.choices.items():
         got = loaded.get_submodule(name).weight
         assert torch.equal(got, c.layers[name].weight(c.layers[name].recipes[label])), name
+    from auditor.factorize import load_factorized
+
+    again = load_factorized(model, out)  # the documented loader knows a byte plan's folder
+    assert all(torch.equal(a, b) for a, b in zip(again.state_dict().values(), loaded.state_dict().values()))
     kept = [n for n, lab in joint.choices.items() if lab == "keep"]
     assert all(torch.equal(loaded.get_submodule(n).weight, model.get_submodule(n).weight) for n in kept)
     assert any(lab != "keep" for lab in joint.choices.values())

@@ -245,12 +245,31 @@ def _check_weights(path: Path, tensors: dict[str, torch.Tensor], new: nn.Module,
             raise AuditError(f"{path}: {name} holds NaN or infinite values", "Save the factorized model again")
 
 
+def _byte_plan(directory: str | Path) -> bool:
+    """``directory``'s plan.json is a byte plan's (:mod:`auditor.quantize.written`)."""
+    from ..quantize.written import FORMAT as BYTE_FORMAT
+
+    path = Path(directory) / PLAN_FILE
+    try:
+        if not stat.S_ISREG(os.lstat(path).st_mode) or os.path.getsize(path) > MAX_PLAN_BYTES:
+            return False
+        with open(path, encoding="utf-8") as fh:
+            data = json.load(fh)
+    except (OSError, ValueError, RecursionError):
+        return False
+    return isinstance(data, dict) and data.get("format") == BYTE_FORMAT
+
+
 def load_factorized(model: nn.Module, directory: str | Path) -> nn.Module:
     """Rebuild the factorized module from the original ``model`` (left untouched) and the plan in ``directory``,
-    then load its weights. Everything is checked first (:func:`read_meta`, then the tensors' names, shapes, dtypes
+    then load its weights (a byte plan that ``--write-bits`` wrote: :func:`auditor.quantize.written.load_byte_plan`). Everything is checked first (:func:`read_meta`, then the tensors' names, shapes, dtypes
     and values); a mismatch is an AuditError, never a silent cast or a partial load."""
     from safetensors.torch import load_file
 
+    if _byte_plan(directory):  # --write-bits wrote it: integer codes, scales and factors
+        from ..quantize.written import load_byte_plan
+
+        return load_byte_plan(model, directory)
     plan = read_plan(directory)
     path = Path(directory) / PLAN_FILE
     try:
