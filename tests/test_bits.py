@@ -187,3 +187,20 @@ def test_a_byte_plan_refuses_a_folder_that_holds_something(tmp_path):
         AuditOptions(calibration="c.txt", write_bits=str(tmp_path / "new"))
     with pytest.raises(AuditError, match="both set the byte budget"):
         AuditOptions(calibration="c.txt", budget_bytes=1000, bits_per_weight=4.0)
+
+
+def test_the_report_json_holds_the_byte_plans_and_validates(tiny_lm_bits):
+    import json
+    from pathlib import Path
+
+    from auditor.calresults import CalibrationReport, report_dict
+
+    jsonschema = pytest.importorskip("jsonschema")
+    report = tiny_lm_bits[4]
+    schema = json.loads((Path(__file__).resolve().parents[1] / "docs" / "schema.json").read_text())
+    bits_schema = schema["properties"]["calibration"]["properties"]["bits"]
+    d = json.loads(json.dumps(report_dict(report)))
+    jsonschema.validate(d, bits_schema)
+    assert [p["family"] for p in d["baselines"]] == ["uniform int8", "uniform int4", "uniform truncation"]
+    bare = CalibrationReport("s", "0.25", "d", 1, 1, "perplexity", False, 0.01, 1.0)
+    assert "bits" not in bare.to_dict()  # no byte plan asked for: the report as it was
