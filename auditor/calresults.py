@@ -468,6 +468,18 @@ class BitsPlan:
         return out
 
 
+def choices_family(choices: dict[str, str]) -> str:
+    """What a byte plan's choices are: "keep" (nothing rewritten), "bits" (quantized only), "rank" (factorized
+    only) or "joint" (a correction, or both kinds).
+
+    >>> choices_family({"a": "keep", "b": "int4 g128 sym"}), choices_family({"a": "rank 8", "b": "int8 g128 sym"})
+    ('bits', 'joint')
+    """
+    kinds = {"keep" if v == "keep" else "rank" if v.startswith("rank ") else "joint" if "+" in v else "bits"
+             for v in choices.values()} - {"keep"}
+    return "keep" if not kinds else kinds.pop() if len(kinds) == 1 else "joint"
+
+
 @dataclass
 class BitsReport:
     """Rank or bits under a byte budget: the layers it could rewrite and the bytes of everything else, how the
@@ -477,7 +489,7 @@ class BitsReport:
 
     budget: int  # bytes, the whole model's parameters
     dense_bytes: int
-    rest_bytes: int  # every parameter no byte plan rewrites, in its dtype
+    rest_bytes: int  # every tensor no byte plan rewrites (parameters, persistent buffers), in its dtype
     layers: int
     weights: int  # the weights of the layers it can rewrite
     weighted: str
@@ -486,6 +498,7 @@ class BitsReport:
     baselines: list[BitsPlan] = field(default_factory=list)
     verdict: str = ""
     seconds: float = 0.0
+    smallest: int = 0  # the fewest bytes any plan takes (every rewritable layer at its smallest option)
     written: str = ""  # --write-bits: the folder the joint plan at the budget was written into
     file_bytes: int = 0  # its model.safetensors' size (the plan's bytes and the safetensors header)
     header_bytes: int = 0  # of which the header
@@ -495,21 +508,25 @@ class BitsReport:
         return [p for p in self.plans if p.size == size]
 
     def sentence(self, facts: "MetricFacts") -> str:
-        """Which family does least harm at the user's budget, by its measured value, in one sentence."""
+        """Which family does least harm at the user's budget, by its measured value, in one sentence: the family
+        its choices belong to (a joint plan that took no rank is quantization alone), the others beside."""
         here = [p for p in self.at(self.budget) if p.reachable and p.value is not None]
         if not here:
-            return (f"Nothing fits {self.budget:,} bytes: the parameters no byte plan rewrites take "
-                    f"{self.rest_bytes:,}.")
+            return (f"Nothing fits {self.budget:,} bytes: the smallest plan takes {self.smallest:,} (the tensors no "
+                    f"byte plan rewrites take {self.rest_bytes:,}).")
         best = (max if facts.higher_is_better else min)(here, key=lambda p: p.value)  # type: ignore[arg-type]
-        same = [p for p in here if p.family == "bits" and p.choices == best.choices and p is not best]
-        best = same[0] if same else best  # a joint plan that took no rank is the bits-only plan: said so
+        kind = choices_family(best.choices)
+        if kind == "keep":
+            return f"At {self.budget:,} bytes nothing needs rewriting: the dense model fits."
         words = {"joint": "rank and bits together", "bits": "quantization alone", "rank": "low rank alone"}
-        others = "; ".join(f"{words[p.family]} {facts.words(p.value)}" + (" (the same plan: it took no rank)" if
-                           p.choices == best.choices else "") for p in here if p is not best)
+        others = "; ".join(f"{words[p.family]} {facts.words(p.value)}" for p in here
+                           if p.choices != best.choices)
+        same = [words[p.family] for p in here if p.choices == best.choices and p.family != kind]
         unreached = [words[p.family] for p in self.at(self.budget) if not p.reachable]
-        tail = f"; {' and '.join(unreached)} cannot reach that size" if unreached else ""
-        return (f"At {self.budget:,} bytes {words[best.family]} does least harm: {facts.label} "
-                f"{facts.words(best.value)} ({others}){tail}.")
+        tail = (f" ({' and '.join(same)} chose the same plan)" if same else "") + (f"; {others}" if others else "")
+        tail += f"; {' and '.join(unreached)} cannot reach that size" if unreached else ""
+        return f"At {self.budget:,} bytes {words[kind]} does least harm: {facts.label} {facts.words(best.value)}{tail}."
+
 
 
 @dataclass(frozen=True)

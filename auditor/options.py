@@ -160,15 +160,9 @@ class TierOptions:
         return self.budget_bytes is not None or self.bits_per_weight is not None
 
     def _check_bytes(self) -> None:
-        """--budget-bytes a positive integer, --bits-per-weight a number in (0, 32], not both."""
+        """--budget-bytes a positive integer, --bits-per-weight a number in (0, 32], not both; --write-bits with one
+        of them, a new or empty folder that can be made."""
         b, bpw = self.budget_bytes, self.bits_per_weight
-        if self.write_bits is not None and b is None and bpw is None:
-            raise AuditError("--write-bits writes the byte plan, and none was asked for",
-                             "Pass --budget-bytes SIZE or --bits-per-weight X as well")
-        out = self.write_bits
-        if out is not None and os.path.lexists(out) and (not os.path.isdir(out) or os.path.islink(out)
-                                                         or os.listdir(out)):
-            raise AuditError(f"--write-bits {out} exists and is not an empty folder", "Give a new folder")
         if b is not None and bpw is not None:
             raise AuditError("--budget-bytes and --bits-per-weight both set the byte budget",
                              "Give one of them")
@@ -178,6 +172,25 @@ class TierOptions:
                                 or not 0 < bpw <= 32):
             raise AuditError(f"bits_per_weight {bpw!r} is not a number of bits in (0, 32]",
                              "Give e.g. --bits-per-weight 4.5")
+        if self.write_bits is not None and b is None and bpw is None:
+            raise AuditError("--write-bits writes the byte plan, and none was asked for",
+                             "Pass --budget-bytes SIZE or --bits-per-weight X as well")
+        if self.write_bits is not None:
+            self._check_folder(str(self.write_bits))
+
+    @staticmethod
+    def _check_folder(out: str) -> None:
+        """--write-bits: a new or empty folder that can be made (checked before the audit runs)."""
+        if not out.strip():
+            raise AuditError("--write-bits is empty", "Give a new folder, e.g. --write-bits q4/")
+        if os.path.lexists(out) and (not os.path.isdir(out) or os.path.islink(out) or os.listdir(out)):
+            raise AuditError(f"--write-bits {out} exists and is not an empty folder", "Give a new folder")
+        parent = os.path.dirname(os.path.abspath(out))
+        while not os.path.lexists(parent):
+            parent = os.path.dirname(parent)
+        if not os.path.isdir(parent) or not os.access(parent, os.W_OK):
+            raise AuditError(f"--write-bits {out} cannot be made: {parent} is not a folder you can write to",
+                             "Give a new folder under one you can write to")
 
 
 @dataclass(frozen=True)

@@ -115,6 +115,7 @@ def tiny_lm_bits(tmp_path_factory):
     cfg = transformers.LlamaConfig(vocab_size=64, hidden_size=48, intermediate_size=96, num_hidden_layers=2,
                                    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32)
     model = transformers.LlamaForCausalLM(cfg).eval()
+    model.register_buffer("kept_buffer", torch.arange(100.0))  # a persistent buffer: saved, counted, loaded
     ids = torch.randint(0, 64, (64, 16), generator=torch.Generator().manual_seed(1))
     out = tmp_path_factory.mktemp("bits") / "plan"
     options = AuditOptions(calibration={"input_ids": ids}, cache=False, progress=False, bits_per_weight=5.0,
@@ -204,3 +205,105 @@ def test_the_report_json_holds_the_byte_plans_and_validates(tiny_lm_bits):
     assert [p["family"] for p in d["baselines"]] == ["uniform int8", "uniform int4", "uniform truncation"]
     bare = CalibrationReport("s", "0.25", "d", 1, 1, "perplexity", False, 0.01, 1.0)
     assert "bits" not in bare.to_dict()  # no byte plan asked for: the report as it was
+
+
+def _tampered(src, dst, edit_plan=None, edit_tensors=None):
+    import json
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(src, dst)
+    plan = json.loads((dst / "plan.json").read_text())
+    tensors = load_file(str(dst / "model.safetensors"))
+    if edit_plan:
+        edit_plan(plan)
+    if edit_tensors:
+        edit_tensors(tensors)
+    (dst / "plan.json").write_text(json.dumps(plan))
+    save_file(tensors, str(dst / "model.safetensors"))
+    return dst
+
+
+def _first(plan, want):
+    return next(k for k, m in plan["layers"].items() if want(m))
+
+
+@pytest.mark.parametrize("case, match", [
+    ("drop factor", "needs"), ("spec emptied", "neither quantized nor factorized"), ("factor dtype", "factors"), ("factor added", "needs"),
+    ("layers a list", "not objects"), ("aliases a list", "not objects"), ("entry a string", "not an object"),
+    ("shape short", "shape"), ("codes cut", "packed bytes"), ("extra tensor", "does not use"),
+    ("version", "format version"), ("garbage file", "no readable byte plan")])
+def test_a_tampered_byte_plan_is_refused_in_one_line(tiny_lm_bits, tmp_path, case, match):
+    from auditor import AuditError
+    from auditor.quantize.written import load_byte_plan
+
+    model, out = tiny_lm_bits[0], tiny_lm_bits[5]
+    import json
+    plan = json.loads((out / "plan.json").read_text())
+    ranked = next((k for k, m in plan["layers"].items() if m["rank"]), None)
+    quant = next((k for k, m in plan["layers"].items() if m["spec"] and not m["rank"]), None)
+    assert ranked is not None and quant is not None, plan["layers"]
+    edits = {
+        "drop factor": (None, lambda t: t.pop(f"{ranked}.a")),
+        "spec emptied": (lambda p: p["layers"][quant].update(spec=""), None),
+        "factor dtype": (None, lambda t: t.update({f"{ranked}.a": t[f"{ranked}.a"].double()})),
+        "factor added": (None, lambda t: t.update({f"{quant}.a": torch.zeros(2, 2)})),
+        "layers a list": (lambda p: p.update(layers=[]), None),
+        "aliases a list": (lambda p: p.update(aliases=[]), None),
+        "entry a string": (lambda p: p["layers"].update({quant: "int4"}), None),
+        "shape short": (lambda p: p["layers"][quant].update(shape=[48]), None),
+        "codes cut": (None, lambda t: t.update({f"{quant}.codes": t[f"{quant}.codes"][:-1].clone()})),
+        "extra tensor": (None, lambda t: t.update({"stray": torch.zeros(3)})),
+        "version": (lambda p: p.update(format_version=99), None),
+    }
+    if case == "garbage file":
+        import shutil
+        dst = tmp_path / "t"
+        shutil.copytree(out, dst)
+        (dst / "model.safetensors").write_bytes(b"\x00" * 40)
+    else:
+        dst = _tampered(out, tmp_path / "t", *edits[case])
+    with pytest.raises(AuditError, match=match):
+        load_byte_plan(model, dst)
+
+
+def _plan(family, value, choices, size=100, reachable=True):
+    from auditor.calresults import BitsPlan
+
+    return BitsPlan(family, size, size, reachable, value, True, 0.0, None, choices)
+
+
+@pytest.mark.parametrize("plans, words", [
+    ((("joint", 0.01, {"a": "keep"}), ("bits", 0.01, {"a": "keep"}), ("rank", 0.01, {"a": "keep"})),
+     "nothing needs rewriting"),
+    ((("joint", 0.02, {"a": "rank 4"}), ("bits", 0.05, {"a": "int4 g128 sym"}), ("rank", 0.02, {"a": "rank 4"})),
+     "At 100 bytes low rank alone does least harm: perplexity +2.00% (rank and bits together chose the same plan); "
+     "quantization alone +5.00%."),
+    ((("joint", 0.01, {"a": "int4 g128 sym + rank 8"}), ("bits", 0.05, {"a": "int4 g128 sym"}),
+      ("rank", 0.5, {"a": "rank 4"})), "rank and bits together does least harm"),
+])
+def test_the_verdict_names_the_family_of_the_plan_that_won(plans, words):
+    from auditor.calresults import BitsReport, MetricFacts
+
+    report = BitsReport(100, 200, 10, 1, 50, "output gradients", [100], [_plan(*p) for p in plans], smallest=20)
+    facts = MetricFacts("perplexity", False, 0.01, 10.0, 0.01, "percent", "perplexity")
+    assert words in report.sentence(facts)
+    empty = BitsReport(15, 200, 10, 1, 50, "output gradients", [15], [_plan("joint", None, {}, 15, False)],
+                       smallest=20)
+    assert empty.sentence(facts) == ("Nothing fits 15 bytes: the smallest plan takes 20 (the tensors no byte plan "
+                                     "rewrites take 10).")
+
+
+def test_writing_a_plan_no_budget_can_reach_is_refused(tiny_lm_bits, tmp_path):
+    from auditor import AuditError
+    from auditor.calibration.tiers.passes import bits as bits_pass
+    from auditor.options import TierOptions
+
+    model, ctx, scope, sens, report = tiny_lm_bits[:5]
+    refs = bits_pass.__globals__["references"](ctx)
+    tiers = TierOptions(budget_bytes=report.smallest - 1, write_bits=str(tmp_path / "never"))
+    with pytest.raises(AuditError, match=f"the smallest takes {report.smallest:,}"):
+        bits_pass(ctx, refs, scope, sens.loss_metric, tiers)
+    assert not (tmp_path / "never").exists()
+    assert report.rest_bytes < report.smallest < report.budget

@@ -643,6 +643,9 @@ def _destinations(args: argparse.Namespace, formats: list[str]) -> dict[str, Pat
     out_dir = Path(args.output_dir) if args.output_dir else None
     if out_dir is not None:
         check_folder(out_dir, "-o")
+        bits = getattr(args, "write_bits", None)
+        if bits and os.path.abspath(bits) == os.path.abspath(out_dir):
+            raise AuditError(f"--write-bits {bits} is the reports' folder -o", "Write the byte plan into its own folder")
         if os.path.islink(out_dir):  # followed, but never silently (the GitHub Action refuses one outright)
             print(f"note: -o {escape(str(out_dir))} is a symbolic link: the reports go to "
                   f"{escape(str(out_dir.resolve()))}", file=sys.stderr)

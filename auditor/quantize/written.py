@@ -74,8 +74,8 @@ class Parts:
                 "rank": int(self.a.shape[1]) if self.a is not None else 0}
 
 
-def _unique(dense: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
-    """One name per shared storage (tied tensors), and the other names -> the stored one."""
+def unique_tensors(dense: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """One name per shared storage (tied tensors), and the other names -> the kept one (no copies made)."""
     seen: dict[tuple[int, tuple[int, ...]], str] = {}
     kept, aliases = {}, {}
     for name, t in dense.items():
@@ -84,7 +84,7 @@ def _unique(dense: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], di
             aliases[name] = seen[key]
             continue
         seen[key] = name
-        kept[name] = t.detach().contiguous().clone()
+        kept[name] = t.detach()
     return kept, aliases
 
 
@@ -99,8 +99,9 @@ def write_byte_plan(directory: str | Path, dense: dict[str, torch.Tensor], parts
         raise AuditError(f"{out} exists and is not an empty folder; refusing to write the byte plan into it",
                          "Give a new folder")
     out.mkdir(parents=True, exist_ok=True)
-    kept, aliases = _unique(dense)
-    tensors = {**kept, **{k: v for p in parts.values() for k, v in p.tensors().items()}}
+    kept, aliases = unique_tensors(dense)
+    tensors = {**{k: v.contiguous().clone() for k, v in kept.items()},
+               **{k: v for p in parts.values() for k, v in p.tensors().items()}}
     save_file(tensors, str(out / MODEL_FILE))
     plan = {"format": FORMAT, "format_version": FORMAT_VERSION, "aliases": aliases,
             "layers": {p.param: p.meta() for p in parts.values()}, **meta}
@@ -108,45 +109,99 @@ def write_byte_plan(directory: str | Path, dense: dict[str, torch.Tensor], parts
     return os.path.getsize(out / MODEL_FILE)
 
 
-def _parts(name: str, m: dict[str, Any], tensors: dict[str, torch.Tensor], dtype: torch.dtype) -> Parts:
-    shape = (int(m["shape"][0]), int(m["shape"][1]))
+def _meta_of(name: str, m: Any) -> tuple[tuple[int, int], bool, str, int, str]:
+    """(shape, transposed, spec, rank, label) of one layer's plan.json entry, each checked; ValueError says what."""
+    if not isinstance(m, dict):
+        raise ValueError(f"the entry of {name[:80]!r} is not an object")
+    shape, spec, rank, label = m.get("shape"), m.get("spec"), m.get("rank"), m.get("label")
+    if (not isinstance(shape, list) or len(shape) != 2
+            or not all(isinstance(x, int) and not isinstance(x, bool) and x > 0 for x in shape)):
+        raise ValueError(f"the shape of {name[:80]!r} is not two positive integers")
+    if not isinstance(spec, str) or not isinstance(rank, int) or isinstance(rank, bool) or rank < 0:
+        raise ValueError(f"the spec or rank of {name[:80]!r} is not a format and a rank")
+    if not spec and not rank:
+        raise ValueError(f"{name[:80]!r} is neither quantized nor factorized")
+    want = (QuantSpec.parse(spec).label if spec else "") + (" + " if spec and rank else "") + \
+        (f"rank {rank}" if rank else "")
+    if label != want or not isinstance(m.get("transposed"), bool):
+        raise ValueError(f"the label of {name[:80]!r} ({str(label)[:40]!r}) is not its spec and rank ({want!r})")
+    return (shape[0], shape[1]), m["transposed"], spec, rank, want
+
+
+def _parts(name: str, m: Any, tensors: dict[str, torch.Tensor], dtype: torch.dtype) -> Parts:
+    """One layer's parts from the file, every tensor it needs present, none it does not, each of its shape and
+    dtype (``Quantized`` checks the codes' grid)."""
+    shape, transposed, spec, rank, label = _meta_of(name, m)
+    q_spec = QuantSpec.parse(spec) if spec else None
+    need = ({"codes", "scales"} | ({"zeros"} if q_spec is not None and not q_spec.symmetric else set())
+            if q_spec is not None else set()) | ({"a", "b"} if rank else set())
+    have = {k for k in SUFFIXES if f"{name}.{k}" in tensors}
+    if have != need:
+        raise ValueError(f"{name[:80]!r} is {label} and needs {sorted(need)}, the file holds {sorted(have)}")
     q = None
-    if m["spec"]:
-        q = Quantized.from_packed(QuantSpec.parse(m["spec"]), shape,
-                                  {k: tensors[f"{name}.{k}"] for k in ("codes", "scales", "zeros")
-                                   if f"{name}.{k}" in tensors})
+    if q_spec is not None:
+        out, cols = shape
+        sizes = {"codes": -(-out * cols * q_spec.bits // 8), "zeros": -(-out * q_spec.groups(cols) * q_spec.bits // 8)}
+        for k in ("codes", "zeros"):
+            t = tensors.get(f"{name}.{k}")
+            if t is not None and (t.dtype != torch.uint8 or tuple(t.shape) != (sizes[k],)):
+                raise ValueError(f"{name}.{k} is not {sizes[k]:,} packed bytes")
+        q = Quantized.from_packed(q_spec, shape, {k: tensors[f"{name}.{k}"] for k in need - {"a", "b"}})
     a, b = tensors.get(f"{name}.a"), tensors.get(f"{name}.b")
-    return Parts(name, m["label"], shape, bool(m["transposed"]), dtype, q, a, b)
+    if rank and (a is None or b is None or tuple(a.shape) != (shape[0], rank) or tuple(b.shape) != (rank, shape[1])
+                 or a.dtype != dtype or b.dtype != dtype):
+        raise ValueError(f"the factors of {name[:80]!r} are not {shape[0]} x {rank} and {rank} x {shape[1]} "
+                         f"{str(dtype).removeprefix('torch.')}")
+    return Parts(name, label, shape, transposed, dtype, q, a, b)
+
+
+def _read(d: Path, fix: str) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+    """plan.json (checked: this format and version, its layers and aliases objects) and the file's tensors."""
+    from safetensors.torch import load_file
+
+    try:
+        plan = json.loads((d / PLAN_FILE).read_text(encoding="utf-8"))
+        tensors = load_file(str(d / MODEL_FILE))
+    except Exception as exc:  # noqa: BLE001 - unreadable JSON, a missing file, safetensors' own error
+        raise AuditError(f"{d} holds no readable byte plan: {str(exc).splitlines()[0][:200] if str(exc) else exc!r}",
+                         fix) from None
+    if not isinstance(plan, dict) or plan.get("format") != FORMAT:
+        raise AuditError(f"{d / PLAN_FILE} is not a byte plan lowrank-audit wrote", fix)
+    if plan.get("format_version") != FORMAT_VERSION:
+        raise AuditError(f"{d / PLAN_FILE} is format version {str(plan.get('format_version'))[:20]}, this "
+                         f"lowrank-audit reads {FORMAT_VERSION}", "Write it again with this version")
+    if not isinstance(plan.get("layers"), dict) or not isinstance(plan.get("aliases", {}), dict):
+        raise AuditError(f"{d / PLAN_FILE}: its layers and aliases are not objects", fix)
+    return plan, tensors
 
 
 def load_byte_plan(model: "nn.Module", directory: str | Path) -> "nn.Module":
     """A copy of ``model`` (left untouched) holding the byte plan in ``directory``: every rewritten weight rebuilt
-    by :meth:`Parts.weight` (dequantized), every other tensor loaded as written. A file that does not fit the model
-    (names, shapes, dtypes) is an AuditError, never a partial load."""
-    from safetensors.torch import load_file
-
+    by :meth:`Parts.weight` (dequantized), every other tensor loaded as written. A folder that does not fit the model
+    (names, shapes, dtypes, a tensor missing or left over) is an AuditError, never a partial or silent load."""
     d = Path(directory)
     fix = "Point to a folder lowrank-audit wrote with --write-bits for this model"
-    try:
-        plan = json.loads((d / PLAN_FILE).read_text(encoding="utf-8"))
-        tensors = load_file(str(d / MODEL_FILE))
-    except (OSError, ValueError) as exc:
-        raise AuditError(f"{d} holds no readable byte plan: {exc}", fix) from None
-    if not isinstance(plan, dict) or plan.get("format") != FORMAT:
-        raise AuditError(f"{d / PLAN_FILE} is not a byte plan lowrank-audit wrote", fix)
-    new = copy.deepcopy(model)
-    state = new.state_dict()
-    layers, aliases = plan.get("layers", {}), plan.get("aliases", {})
+    plan, tensors = _read(d, fix)
+    state = model.state_dict()
+    layers, aliases = plan["layers"], plan.get("aliases", {})
     values: dict[str, torch.Tensor] = {}
     try:
         for name, m in layers.items():
+            if name not in state:
+                raise ValueError(f"the model has no {name[:80]!r}")
             values[name] = _parts(name, m, tensors, state[name].dtype).weight()
-    except (KeyError, ValueError) as exc:
-        raise AuditError(f"{d / MODEL_FILE} does not hold the byte plan's layers ({exc})", fix) from None
+    except (KeyError, ValueError, RuntimeError) as exc:
+        raise AuditError(f"{d / MODEL_FILE} does not hold the byte plan's layers: {exc}", fix) from None
+    used = {f"{n}.{k}" for n in layers for k in SUFFIXES}
     for name in state:
         if name not in values:
-            values[name] = tensors.get(aliases.get(name, name))  # type: ignore[assignment]
+            values[name] = tensors.get(aliases.get(name, name) if isinstance(aliases.get(name, name), str) else name)
+            used.add(aliases.get(name, name) if isinstance(aliases.get(name, name), str) else name)
+    extra = sorted(set(tensors) - used)
+    if extra:
+        raise AuditError(f"{d / MODEL_FILE} holds tensors the plan does not use: {', '.join(extra[:3])[:200]}", fix)
     _check(d / MODEL_FILE, state, values, fix)
+    new = copy.deepcopy(model)
     with torch.no_grad():
         new.load_state_dict(values, strict=True)
     return new
@@ -156,12 +211,12 @@ def _check(path: Path, state: dict[str, torch.Tensor], values: dict[str, torch.T
     for name, want in state.items():
         got = values.get(name)
         if got is None:
-            raise AuditError(f"{path} lacks {name}", fix)
+            raise AuditError(f"{path} lacks {name[:120]}", fix)
         if tuple(got.shape) != tuple(want.shape) or got.dtype != want.dtype:
-            raise AuditError(f"{path}: {name} is {tuple(got.shape)} {got.dtype}, the model's {tuple(want.shape)} "
-                             f"{want.dtype}", fix)
+            raise AuditError(f"{path}: {name[:120]} is {tuple(got.shape)} {got.dtype}, the model's "
+                             f"{tuple(want.shape)} {want.dtype}", fix)
         if got.is_floating_point() and not bool(torch.isfinite(got).all()):
-            raise AuditError(f"{path}: {name} holds NaN or infinite values", fix)
+            raise AuditError(f"{path}: {name[:120]} holds NaN or infinite values", fix)
 
 
-__all__ = ["FORMAT", "Parts", "load_byte_plan", "write_byte_plan"]
+__all__ = ["FORMAT", "Parts", "load_byte_plan", "unique_tensors", "write_byte_plan"]

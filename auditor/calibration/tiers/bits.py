@@ -39,6 +39,7 @@ import numpy as np
 import torch
 
 from ... import kinds
+from ...errors import AuditError
 from ...calresults import BitsPlan, BitsReport
 from ...quantize.codes import QuantSpec, quantize
 from ...quantize.knapsack import Choice, choose
@@ -245,13 +246,18 @@ class Costed:
 
     layers: dict[str, LayerBits]
     options: dict[str, list[Choice]]
-    rest_bytes: int  # every other parameter, in its dtype (tied tensors once)
+    rest_bytes: int  # every other tensor the model saves (parameters, persistent buffers), tied tensors once
     weighted: str  # how the costs are weighted: "output gradients" or "input statistics"
     seconds: float = 0.0
 
     @property
     def dense_bytes(self) -> int:
         return self.rest_bytes + sum(l.dense_bytes for l in self.layers.values())
+
+    @property
+    def smallest(self) -> int:
+        """The fewest bytes any plan takes: every layer at its smallest option."""
+        return self.rest_bytes + sum(min(c.nbytes for c in v) for v in self.options.values())
 
     def uniform(self, label: str) -> dict[str, Choice]:
         """Every layer at the option ``label`` (kept where it has none)."""
@@ -284,12 +290,9 @@ def costed(ctx: "PassContext", layers: list[Layer], loss_metric: "LossMetric | N
             options[layer.name] = lb.choices()
             out[layer.name] = lb
             ctx.progress.update(i + 1, len(usable))
-    seen: set[int] = set()
-    total = 0
-    for p in model.parameters():
-        if id(p) not in seen:
-            seen.add(id(p))
-            total += p.numel() * p.element_size()
+    from ...quantize.written import unique_tensors
+
+    total = sum(t.numel() * t.element_size() for t in unique_tensors(model.state_dict())[0].values())
     rest = total - sum(l.dense_bytes for l in out.values())
     weighted = "output gradients" if loss_metric is not None else "input statistics"
     return Costed(out, options, rest, weighted, time.perf_counter() - t)
@@ -372,9 +375,14 @@ def rank_or_bits(ctx: "PassContext", refs: "References", scope: "Scope", loss_me
         svd = _uniform_truncation(c, budget)
         base.append(_measure(ctx, refs, c, "uniform truncation", budget, *(svd or (None, None))))
         ctx.progress.update(total, total)
-    report = BitsReport(budget, c.dense_bytes, c.rest_bytes, len(c.layers), weights, c.weighted, sizes, plans, base)
+    report = BitsReport(budget, c.dense_bytes, c.rest_bytes, len(c.layers), weights, c.weighted, sizes, plans, base,
+                        smallest=c.smallest)
     joint = next(p for p in plans if p.size == budget and p.family == "joint")
-    if write_to is not None and joint.reachable:
+    if write_to is not None and not joint.reachable:
+        raise AuditError(f"--write-bits: no byte plan fits {budget:,} bytes; the smallest takes {c.smallest:,} "
+                         f"(every rewritable layer at its smallest option, the rest as it is)",
+                         f"Give --budget-bytes {c.smallest:,} or more")
+    if write_to is not None:
         report.written = str(write_to)
         report.file_bytes, report.header_bytes = write(ctx.model, c, joint, write_to)
     report.seconds = time.perf_counter() - t

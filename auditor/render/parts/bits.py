@@ -68,8 +68,17 @@ def intro(cal: "CalibrationReport") -> str | None:
     return (f"Rank or bits at {_bytes(b.budget)} ({b.budget:,} bytes; dense {_bytes(b.dense_bytes)}): {b.layers} "
             f"layers ({b.weights:,} weights) each kept, quantized (int8, int4, int3; groups of 128, float16 scales "
             f"counted), quantized with a rank-8 to 64 correction of its error, or factorized, chosen jointly on "
-            f"costs weighted by the {b.weighted}; each plan measured all at once {rows_words}, the parameters "
-            f"it does not rewrite ({_bytes(b.rest_bytes)}) as they are. {b.verdict}")
+            f"costs weighted by the {b.weighted}; each plan measured all at once {rows_words}, the tensors "
+            f"it does not rewrite ({_bytes(b.rest_bytes)}) as they are. {b.verdict}{_written(b)}")
+
+
+def _written(b: "BitsReport") -> str:
+    """" Written to q4/: model.safetensors of 1,610,000 bytes (the plan's 1,600,000 and a header of 10,000).""""
+    if not b.written:
+        return ""
+    joint = next(p for p in b.at(b.budget) if p.family == "joint")
+    return (f" The joint plan is written to {b.written}: model.safetensors of {b.file_bytes:,} bytes (the plan's "
+            f"{joint.nbytes:,} and a header of {b.header_bytes:,}).")
 
 
 HEADERS = ("planned for", "plan", "bytes", "bits/weight", "measured", "interval (unseen document)", "judged",
