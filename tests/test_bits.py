@@ -307,3 +307,32 @@ def test_writing_a_plan_no_budget_can_reach_is_refused(tiny_lm_bits, tmp_path):
         bits_pass(ctx, refs, scope, sens.loss_metric, tiers)
     assert not (tmp_path / "never").exists()
     assert report.rest_bytes < report.smallest < report.budget
+
+
+def test_an_audit_with_a_byte_budget_reports_the_three_families_in_every_format(tmp_path):
+    """The library path end to end: auditor.audit with bits_per_weight, the section in text, Markdown and HTML,
+    the rows grouped by size with the baselines last, and the JSON's verdict the text's."""
+    transformers = pytest.importorskip("transformers")
+    import auditor
+
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(vocab_size=64, hidden_size=48, intermediate_size=96, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32)
+    model = transformers.LlamaForCausalLM(cfg).eval()
+    ids = torch.randint(0, 64, (64, 16), generator=torch.Generator().manual_seed(1))
+    a = auditor.audit(model, {"input_ids": ids[:2]}, options=auditor.AuditOptions(
+        calibration={"input_ids": ids}, cache=False, progress=False, bits_per_weight=4.5))
+    b = a.calibration.bits
+    assert b is not None and b.verdict.startswith(f"At {b.budget:,} bytes ")
+    text, md, html = a.to_text(width=120), a.to_markdown(), a.to_html()
+    assert "Rank or bits at" in text and b.verdict in text.replace("\n  ", " ")
+    assert text.index("at ") < text.index("  baselines:") and "uniform truncation" in text
+    assert "#### Rank or bits" in md and "| planned for | plan | bytes |" in md
+    assert 'id="bits-table"' in html and "uniform int4" in html
+    assert json_bits(a)["verdict"] == b.verdict
+
+
+def json_bits(a):
+    import json
+
+    return json.loads(a.to_json())["calibration"]["bits"]

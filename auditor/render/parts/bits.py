@@ -73,7 +73,7 @@ def intro(cal: "CalibrationReport") -> str | None:
 
 
 def _written(b: "BitsReport") -> str:
-    """" Written to q4/: model.safetensors of 1,610,000 bytes (the plan's 1,600,000 and a header of 10,000).""""
+    """The sentence saying where the joint plan was written, its file's bytes and its header's; empty if not."""
     if not b.written:
         return ""
     joint = next(p for p in b.at(b.budget) if p.family == "joint")
