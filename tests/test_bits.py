@@ -336,3 +336,20 @@ def json_bits(a):
     import json
 
     return json.loads(a.to_json())["calibration"]["bits"]
+
+
+def test_the_rank_plans_size_is_one_of_the_sizes_measured(tiny_lm_bits):
+    from auditor.calibration.tiers import passes
+    from auditor.calresults import BudgetResult
+
+    model, ctx, scope, sens, report = tiny_lm_bits[:5]
+    c = bits.costed(ctx, scope.planned, sens.loss_metric)
+    plan = {"model.layers.0.mlp.up_proj": 8, "model.embed_tokens": 4}  # 96x48 and the 64x48 table, float32
+    want = c.dense_bytes - 4 * ((96 * 48 - 8 * 144) + (64 * 48 - 4 * 112))
+    assert bits.rank_plan_bytes(ctx, c, plan) == want and bits.rank_plan_bytes(ctx, c, {}) is None
+    refs = passes.references(ctx)
+    budget = BudgetResult(plan, "gradient", 0.2, 1, 0.1, 0.0, True, [])
+    from auditor.options import TierOptions
+
+    out = passes.bits(ctx, refs, scope, sens.loss_metric, TierOptions(budget_bytes=report.budget), budget).report
+    assert out.sizes[:2] == [report.budget, want] and len(out.plans) == 3 * len(out.sizes)

@@ -131,7 +131,7 @@ def calibrate(model: nn.Module, layers: list[Layer], settings: "Settings", optio
             recovered = passes.recovered(ctx, refs, searched, sens, options.recovery)
             verified = passes.verified(ctx, refs, recovered.budget, searched.reuse, sens.loss_metric)
             based = passes.baselined(ctx, refs, verified.budget, scope, searched.baseline_reuse)
-            byte_plan = passes.bits(ctx, refs, scope, sens.loss_metric, tiers)
+            byte_plan = passes.bits(ctx, refs, scope, sens.loss_metric, tiers, based.budget)
             tiers_run = Tiers(t1, refs, floored, sens, searched, recovered, verified, based, byte_plan)
             return Calibrated(_report(ctx.session, options, tiers_run), ctx.session, refs, t1.spectra,
                               floored.where if floored is not None else "",

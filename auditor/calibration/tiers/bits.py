@@ -345,9 +345,21 @@ def _uniform_truncation(c: Costed, size: int) -> tuple[dict[str, Choice], dict[s
     return at(lo)
 
 
+def rank_plan_bytes(ctx: "PassContext", c: Costed, plan: dict[str, int]) -> int | None:
+    """The bytes the model takes with the audit's rank plan (each planned weight as its two factors in its dtype);
+    None for an empty plan."""
+    removed = 0
+    for name, r in plan.items():
+        layer = ctx.session.layers.get(name)
+        if layer is None:
+            return None
+        removed += (layer.params - layer.params_at(r)) * _weight(ctx.model, layer).element_size()
+    return c.dense_bytes - removed if removed > 0 else None
+
+
 def rank_or_bits(ctx: "PassContext", refs: "References", scope: "Scope", loss_metric: "LossMetric | None",
                  budget_bytes: int | None, bits_per_weight: float | None = None,
-                 write_to: str | None = None) -> BitsReport | None:
+                 write_to: str | None = None, rank_plan: dict[str, int] | None = None) -> BitsReport | None:
     """The byte plan at ``budget_bytes`` (the whole model's parameters; or, with ``bits_per_weight``, the other
     parameters as they are and that many bits per weight of the rewritable layers) and at the sizes of uniform int4 and int8:
     the three families each chosen by :func:`~auditor.quantize.knapsack.choose` and measured all at once, beside
@@ -361,7 +373,9 @@ def rank_or_bits(ctx: "PassContext", refs: "References", scope: "Scope", loss_me
     budget = budget_bytes if budget_bytes is not None else c.rest_bytes + math.floor(
         (bits_per_weight or 0.0) * weights / 8)
     uniform = {lab: c.uniform(lab) for lab in ("int8 g128 sym", "int4 g128 sym")}
-    sizes = list(dict.fromkeys([budget, *(_model_bytes(p, c) for p in reversed(list(uniform.values())))]))
+    at_plan = rank_plan_bytes(ctx, c, rank_plan or {})
+    sizes = list(dict.fromkeys([budget, *([at_plan] if at_plan is not None else []),
+                                *(_model_bytes(p, c) for p in reversed(list(uniform.values())))]))
     plans: list[BitsPlan] = []
     with ctx.progress.phase("rank or bits: plans", unit="plan"):
         total = 3 * len(sizes) + 3

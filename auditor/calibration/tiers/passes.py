@@ -23,7 +23,7 @@ changes the session or what an earlier pass made (tests/test_calibration_passes.
     baselined    PassContext, References, BudgetResult, Scope,
                  TruncatorStore                                           -> Baselined (uniform truncation beside)
     bits         PassContext, References, Scope, LossMetric,
-                 TierOptions                                              -> Bits (rank or bits under a byte budget:
+                 TierOptions, BudgetResult                                -> Bits (rank or bits under a byte budget:
                                                                              --budget-bytes, --bits-per-weight)
 
 What one pass learns and a later one needs travels in its result, by argument: the dense references
@@ -388,15 +388,17 @@ class Bits:
 
 
 def bits(ctx: PassContext, refs: References, scope: Scope, loss_metric: "LossMetric | None",
-         tiers: "TierOptions") -> Bits:
-    """The byte plan where ``tiers`` asks for one (``budget_bytes`` or ``bits_per_weight``)."""
+         tiers: "TierOptions", budget: BudgetResult | None = None) -> Bits:
+    """The byte plan where ``tiers`` asks for one (``budget_bytes`` or ``bits_per_weight``); ``budget``: the rank
+    plan the audit chose, whose size is one of those measured."""
     from .bits import rank_or_bits
 
     if not tiers.bytes_planned:
         return Bits()
     t = time.perf_counter()
     out = rank_or_bits(ctx, refs, scope, loss_metric, tiers.budget_bytes, tiers.bits_per_weight,
-                       str(tiers.write_bits) if tiers.write_bits is not None else None)
+                       str(tiers.write_bits) if tiers.write_bits is not None else None,
+                       budget.plan if budget is not None else None)
     n = sum(p.reachable for p in [*out.plans, *out.baselines]) if out is not None else 0
     return Bits(out, n, {"rank or bits": time.perf_counter() - t})
 

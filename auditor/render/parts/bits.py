@@ -92,6 +92,8 @@ def _group(cal: "CalibrationReport", p: "BitsPlan") -> str:
     if p in b.baselines:
         return "baselines"
     size = _bytes(p.size)
+    if p.size not in (b.budget, *(q.size for q in b.baselines if q.family.startswith("uniform int"))):
+        return f"at {size}, the audit's rank plan's size"
     for q in b.baselines:
         if q.size == p.size and q.family.startswith("uniform int"):
             return f"at {size}, {q.family}'s size" + (" and the budget" if b.budget == p.size else "")
