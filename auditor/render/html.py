@@ -146,7 +146,7 @@ def _page_legend(pages: list[Any]) -> str:
 def _calibration(audit: "Audit", charts: bool) -> dict[str, Any]:
     """The template's ``calibration`` variable (``templates/_calibration.html``) from the calibration's view model,
     its charts drawn here: None without calibration."""
-    from .parts import bits
+    from .parts import rank_or_bits as bits
     from .parts.layer_charts import data_uri, floor_chart, frontier_chart, legend_chart
 
     cv = calibration.view(audit)

@@ -331,7 +331,7 @@ def _cal_frontier(cv: "CalibrationView", room: Room) -> Section | None:
 
 def _cal_bits(cv: "CalibrationView", room: Room) -> Section | None:
     """Rank or bits (--budget-bytes): the prose and the plans measured, open while short."""
-    from .parts import bits
+    from .parts import rank_or_bits as bits
 
     intro = bits.intro(cv.cal)
     if intro is None:

@@ -423,7 +423,7 @@ def _calibration(audit: "AuditResult", w: _Lines) -> None:
 def _bits(cv: "CalibrationView", w: _Lines) -> None:
     """Rank or bits (--budget-bytes): the prose, then the plans measured at each size and the baselines, in
     aligned columns, each plan's choices below it."""
-    from .parts import bits
+    from .parts import rank_or_bits as bits
 
     intro = bits.intro(cv.cal)
     if intro is None:
