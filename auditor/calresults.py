@@ -499,6 +499,7 @@ class BitsReport:
     verdict: str = ""
     seconds: float = 0.0
     smallest: int = 0  # the fewest bytes any plan takes (every rewritable layer at its smallest option)
+    rank_plan_size: int | None = None  # the bytes the audit's rank plan takes (one of ``sizes``); None: no plan
     written: str = ""  # --write-bits: the folder the joint plan at the budget was written into
     file_bytes: int = 0  # its model.safetensors' size (the plan's bytes and the safetensors header)
     header_bytes: int = 0  # of which the header

@@ -123,6 +123,12 @@ def bf16_mlp() -> nn.Sequential:
     return nn.Sequential(nn.Linear(64, 128), nn.ReLU(), nn.Linear(128, 128)).to(torch.bfloat16)
 
 
+def mlp_64_128() -> nn.Sequential:
+    """A full-rank float32 MLP: 128 x 64 and 128 x 128 (99,328 bytes with biases)."""
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(64, 128), nn.ReLU(), nn.Linear(128, 128))
+
+
 def bf16_rows(tolerance: float) -> dict[str, Any]:
     return dict(calibration={"x": rows(200)["x"].bfloat16()}, tolerance=tolerance)
 
@@ -257,6 +263,16 @@ CASES: dict[str, Case] = {
                                                                           ranks={"0.q": 0, "0.k": 8, "0.v": 8}))]),
     "LR021-passes": Case("LR021", qkv, torch.zeros(1, 64), plan={"ranks": {"0.*": 8}, **FT},
                          options=dict(ties=("q,k,v",))),
+    # a full-rank MLP at 30% removed: the rank plan's 66,560 bytes hold int8 for the 128 x 128 and the rest dense,
+    # which measures 100x less output error than the plan's rank 32
+    "LR022-fires": Case("LR022", mlp_64_128, options=dict(calibration=rows(200), budget=0.3, tolerance=0.5,
+                                                          bits_per_weight=8),
+                        expect=[([], dict(size=66560, rank=pytest.approx(0.453656, rel=1e-4),
+                                          bits=pytest.approx(0.0040663, rel=1e-3), bits_bytes=50432,
+                                          choices={"int8": 1, "keep": 1}))]),
+    # rank 12 of 64: rank 16 is exact, so no quantization at that size does less harm
+    "LR022-passes": Case("LR022", rank12, options=dict(calibration=rows(200), budget=0.3, tolerance=0.5,
+                                                       bits_per_weight=8)),
     "LR020-passes": Case("LR020", lambda: nn.Sequential(nn.Linear(512, 512)), torch.zeros(1, 512),
                          plan={"ranks": {"0": 192}, **FT},
                          options=dict(measure_speed=True, speed_clock=CostClock(1e-6, 50e-3))),

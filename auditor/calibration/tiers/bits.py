@@ -390,7 +390,7 @@ def rank_or_bits(ctx: "PassContext", refs: "References", scope: "Scope", loss_me
         base.append(_measure(ctx, refs, c, "uniform truncation", budget, *(svd or (None, None))))
         ctx.progress.update(total, total)
     report = BitsReport(budget, c.dense_bytes, c.rest_bytes, len(c.layers), weights, c.weighted, sizes, plans, base,
-                        smallest=c.smallest)
+                        smallest=c.smallest, rank_plan_size=at_plan)
     joint = next(p for p in plans if p.size == budget and p.family == "joint")
     if write_to is not None and not joint.reachable:
         raise AuditError(f"--write-bits: no byte plan fits {budget:,} bytes; the smallest takes {c.smallest:,} "
