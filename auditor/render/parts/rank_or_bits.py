@@ -86,15 +86,13 @@ HEADERS = ("planned for", "plan", "bytes", "bits/weight", "measured", "interval 
 
 
 def _group(cal: "CalibrationReport", p: "BitsPlan") -> str:
-    """What a plan's size is: "at 1.53 MiB, the budget", "at 1.49 MiB, uniform int4's size"; "baselines"."""
+    """What a plan's size is: "at 2,627,696 bytes (2.51 MiB), the budget", "... uniform int4's size"; "baselines"
+    (exact bytes: two sizes a few bytes apart are not written alike)."""
     b = cal.bits
     assert b is not None
     if p in b.baselines:
         return "baselines"
-    size = _bytes(p.size)
-    if p.size not in (b.budget, *(q.size for q in b.baselines if q.family.startswith("uniform int"))):
-        return f"at {size}, the audit's rank plan's size"
-    for q in b.baselines:
-        if q.size == p.size and q.family.startswith("uniform int"):
-            return f"at {size}, {q.family}'s size" + (" and the budget" if b.budget == p.size else "")
-    return f"at {size}, the budget"
+    named = [("the budget", b.budget), ("the audit's rank plan's size", b.rank_plan_size),
+             *((f"{q.family}'s size", q.size) for q in b.baselines if q.family.startswith("uniform int"))]
+    what = [w for w, size in named if size == p.size]
+    return f"at {p.size:,} bytes ({_bytes(p.size)}), {' and '.join(what) or 'a size measured'}"
