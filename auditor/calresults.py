@@ -462,7 +462,8 @@ class BitsPlan:
         """How many layers take each kind of choice: {"keep": 3, "int4": 10, "int4 + rank": 2, "rank": 5}."""
         out: dict[str, int] = {}
         for label in self.choices.values():
-            head = label.split(" g")[0] if not label.startswith("rank") else "rank"
+            head = label.split(" g")[0] if not label.startswith("rank") else \
+                "rank int8" if label.endswith(" int8") else "rank"
             key = head + (" + rank" if "+" in label else "")
             out[key] = out.get(key, 0) + 1
         return out

@@ -52,7 +52,7 @@ def row(label: str, c: bits.Costed, plan, recipes, model, unseen, dense, ref: fl
     inc = unseen_increase(model, c, recipes, unseen, dense)
     counts: dict[str, int] = {}
     for r in recipes.values():
-        key = bits.family_of(r.label) if r.label.startswith("rank") or r.label == "keep" else r.label
+        key = (("rank int8" if r.int8_factors else "rank") if r.label.startswith("rank") else r.label)
         counts[key] = counts.get(key, 0) + 1
     ratio = f"{inc / ref:.2f}x uniform int4" if ref else ""
     print(f"  {label:<20} {nbytes:>10,} B  {8 * (nbytes - c.rest_bytes) / weights:5.2f} bits/weight  "

@@ -68,6 +68,8 @@ def test_bytes_are_counted_to_the_byte():
                                                                           for r in ranks)
     assert all(v < by["keep"] for k, v in by.items() if k != "keep")  # no option stores more than the layer
     assert by["int4 g128 sym + rank 8"] == by["int4 g128 sym"] + 8 * 190 * 4
+    # int8 factors: codes of A (40 x r, one group per row) and B (r x 150, two groups per row), float16 scales
+    assert all(by[f"rank {r} int8"] == 40 * r + 40 * 2 + r * 150 + r * 2 * 2 for r in ranks)
 
 
 def test_a_correction_lowers_the_cost_with_its_rank_and_the_metric_shapes_it():
@@ -230,7 +232,8 @@ def _first(plan, want):
 
 
 @pytest.mark.parametrize("case, match", [
-    ("drop factor", "needs"), ("spec emptied", "neither quantized nor factorized"), ("factor dtype", "factors"), ("factor added", "needs"),
+    ("drop factor", "needs"), ("spec emptied", "neither quantized nor factorized"), ("factor dtype", "factors|scales"),
+    ("factor added", "needs"),
     ("layers a list", "not objects"), ("aliases a list", "not objects"), ("entry a string", "not an object"),
     ("shape short", "shape"), ("codes cut", "packed bytes"), ("extra tensor", "does not use"),
     ("version", "format version"), ("garbage file", "no readable byte plan")])
@@ -244,10 +247,11 @@ def test_a_tampered_byte_plan_is_refused_in_one_line(tiny_lm_bits, tmp_path, cas
     ranked = next((k for k, m in plan["layers"].items() if m["rank"]), None)
     quant = next((k for k, m in plan["layers"].items() if m["spec"] and not m["rank"]), None)
     assert ranked is not None and quant is not None, plan["layers"]
+    fkey = f"{ranked}.a" if not plan["layers"][ranked]["factors"] else f"{ranked}.a.scales"  # float or int8 factors
     edits = {
-        "drop factor": (None, lambda t: t.pop(f"{ranked}.a")),
+        "drop factor": (None, lambda t: t.pop(fkey)),
         "spec emptied": (lambda p: p["layers"][quant].update(spec=""), None),
-        "factor dtype": (None, lambda t: t.update({f"{ranked}.a": t[f"{ranked}.a"].double()})),
+        "factor dtype": (None, lambda t: t.update({fkey: t[fkey].double()})),
         "factor added": (None, lambda t: t.update({f"{quant}.a": torch.zeros(2, 2)})),
         "layers a list": (lambda p: p.update(layers=[]), None),
         "aliases a list": (lambda p: p.update(aliases=[]), None),
@@ -353,3 +357,22 @@ def test_the_rank_plans_size_is_one_of_the_sizes_measured(tiny_lm_bits):
 
     out = passes.bits(ctx, refs, scope, sens.loss_metric, TierOptions(budget_bytes=report.budget), budget).report
     assert out.sizes[:2] == [report.budget, want] and len(out.plans) == 3 * len(out.sizes)
+
+
+@pytest.mark.parametrize("recipe", [bits.Recipe(rank=6, int8_factors=True), bits.Recipe("int3 g128 sym", 8),
+                                    bits.Recipe(rank=6), bits.Recipe("int4 g128 asym")])
+def test_each_kind_of_choice_writes_and_loads_as_it_measured(tmp_path, recipe):
+    from auditor.quantize.written import load_byte_plan, write_byte_plan
+
+    lb, f, _ = _case(m=40, n=150, carried=None)
+    model = torch.nn.Sequential(torch.nn.Linear(150, 40))
+    with torch.no_grad():
+        model[0].weight.copy_(lb.weight_ref)
+    lb.layer = Layer("0", "0.weight", Kind.LINEAR, "Linear", (40, 150), 40, 150)
+    lb.choices()
+    parts = lb.parts(recipe)
+    size = write_byte_plan(tmp_path / "p", {"0.bias": model[0].bias}, {"0": parts}, {})
+    loaded = load_byte_plan(model, tmp_path / "p")
+    assert torch.equal(loaded[0].weight, lb.weight(recipe)) and torch.equal(loaded[0].bias, model[0].bias)
+    nbytes = {c.label: c.nbytes for c in lb.choices()}[recipe.label]
+    assert parts.nbytes == nbytes and size > nbytes + 40 * 4

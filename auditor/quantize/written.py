@@ -3,7 +3,8 @@ tensor of the model as it is, in one safetensors file beside a plan.json naming 
 
 Per rewritten weight ``P`` (its function matrix F, out x in; ``transposed``: stored as F^T, transformers' Conv1D):
 ``P.codes`` and ``P.zeros`` (uint8, ``bits`` bits each, packed), ``P.scales`` (float16), ``P.a`` (out x r) and
-``P.b`` (r x in) in the model's dtype. The weight is rebuilt as
+``P.b`` (r x in) in the model's dtype, or as int8 codes (``P.a.codes``, ``P.a.scales``, ``P.b.codes``,
+``P.b.scales``: a factor-only choice "rank r int8"). The weight is rebuilt as
 
     W = (dequantize(codes, scales, zeros) + a @ b)   computed in float32, then cast to the model's dtype
 
@@ -33,12 +34,16 @@ FORMAT = "lowrank-auditor byte plan"
 FORMAT_VERSION = 1
 MODEL_FILE = "model.safetensors"
 PLAN_FILE = "plan.json"
-SUFFIXES = ("codes", "scales", "zeros", "a", "b")
+SUFFIXES = ("codes", "scales", "zeros", "a", "b", "a.codes", "a.scales", "b.codes", "b.scales")
+
+
+FACTOR_SPEC = QuantSpec(8)  # factors stored as integers: int8, groups of 128 along each factor's inputs, symmetric
 
 
 @dataclass
 class Parts:
-    """One rewritten weight: its choice's label, its function shape, layout and dtype, its codes and factors."""
+    """One rewritten weight: its choice's label, its function shape, layout and dtype, its codes and factors (in
+    the model's dtype, ``a`` and ``b``; or as int8 codes, ``qa`` and ``qb``)."""
 
     param: str
     label: str
@@ -48,30 +53,52 @@ class Parts:
     quantized: Quantized | None = None
     a: torch.Tensor | None = None
     b: torch.Tensor | None = None
+    qa: Quantized | None = None
+    qb: Quantized | None = None
 
     def tensors(self) -> dict[str, torch.Tensor]:
         """The stored tensors, named ``<param>.<part>``."""
         out = {f"{self.param}.{k}": v for k, v in (self.quantized.packed() if self.quantized else {}).items()}
         if self.a is not None and self.b is not None:
             out[f"{self.param}.a"], out[f"{self.param}.b"] = self.a.contiguous(), self.b.contiguous()
+        for side, q in (("a", self.qa), ("b", self.qb)):
+            if q is not None:
+                out.update({f"{self.param}.{side}.{k}": v for k, v in q.packed().items()})
         return out
 
     @property
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.tensors().values())
 
+    @property
+    def rank(self) -> int:
+        return int(self.a.shape[1]) if self.a is not None else self.qa.shape[1] if self.qa is not None else 0
+
     def weight(self) -> torch.Tensor:
         """The weight in its stored layout and dtype (see the module docstring)."""
         f = self.quantized.dequantize(torch.float32) if self.quantized is not None else torch.zeros(self.shape)
         if self.a is not None and self.b is not None:
             f = f + self.a.float() @ self.b.float()
+        if self.qa is not None and self.qb is not None:
+            f = f + self.qa.dequantize(torch.float32) @ self.qb.dequantize(torch.float32)
         return (f.T if self.transposed else f).to(self.dtype).contiguous()
 
     def meta(self) -> dict[str, Any]:
         return {"label": self.label, "shape": list(self.shape), "transposed": self.transposed,
                 "dtype": str(self.dtype).removeprefix("torch."),
                 "spec": self.quantized.spec.label if self.quantized is not None else "",
-                "rank": int(self.a.shape[1]) if self.a is not None else 0}
+                "rank": self.rank, "factors": FACTOR_SPEC.label if self.qa is not None else ""}
+
+
+def label_of(spec: str, rank: int, factors: str = "") -> str:
+    """A choice's label: "keep", "int4 g128 sym", "int3 g128 asym + rank 16", "rank 48", "rank 48 int8".
+
+    >>> label_of("", 48, "int8 g128 sym"), label_of("int4", 16)
+    ('rank 48 int8', 'int4 g128 sym + rank 16')
+    """
+    quant = QuantSpec.parse(spec).label if spec else ""
+    ranked = f"rank {rank}" + (f" {factors.split()[0]}" if factors else "") if rank else ""
+    return " + ".join(x for x in (quant, ranked) if x) or "keep"
 
 
 def unique_tensors(dense: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
@@ -109,44 +136,58 @@ def write_byte_plan(directory: str | Path, dense: dict[str, torch.Tensor], parts
     return os.path.getsize(out / MODEL_FILE)
 
 
-def _meta_of(name: str, m: Any) -> tuple[tuple[int, int], bool, str, int, str]:
-    """(shape, transposed, spec, rank, label) of one layer's plan.json entry, each checked; ValueError says what."""
+def _meta_of(name: str, m: Any) -> tuple[tuple[int, int], bool, str, int, str, str]:
+    """(shape, transposed, spec, rank, factors, label) of one layer's plan.json entry, each checked; ValueError says
+    what."""
     if not isinstance(m, dict):
         raise ValueError(f"the entry of {name[:80]!r} is not an object")
-    shape, spec, rank, label = m.get("shape"), m.get("spec"), m.get("rank"), m.get("label")
+    shape, spec, rank, label, factors = m.get("shape"), m.get("spec"), m.get("rank"), m.get("label"), m.get("factors")
     if (not isinstance(shape, list) or len(shape) != 2
             or not all(isinstance(x, int) and not isinstance(x, bool) and x > 0 for x in shape)):
         raise ValueError(f"the shape of {name[:80]!r} is not two positive integers")
     if not isinstance(spec, str) or not isinstance(rank, int) or isinstance(rank, bool) or rank < 0:
         raise ValueError(f"the spec or rank of {name[:80]!r} is not a format and a rank")
+    if factors not in ("", FACTOR_SPEC.label) or (factors and (spec or not rank)):
+        raise ValueError(f"the factors of {name[:80]!r} are {str(factors)[:40]!r}, not {FACTOR_SPEC.label!r} "
+                         "on a rank alone or nothing")
     if not spec and not rank:
         raise ValueError(f"{name[:80]!r} is neither quantized nor factorized")
-    want = (QuantSpec.parse(spec).label if spec else "") + (" + " if spec and rank else "") + \
-        (f"rank {rank}" if rank else "")
+    want = label_of(spec, rank, factors)
     if label != want or not isinstance(m.get("transposed"), bool):
         raise ValueError(f"the label of {name[:80]!r} ({str(label)[:40]!r}) is not its spec and rank ({want!r})")
-    return (shape[0], shape[1]), m["transposed"], spec, rank, want
+    return (shape[0], shape[1]), m["transposed"], spec, rank, factors, want
+
+
+def _packed(name: str, part: str, spec: QuantSpec, shape: tuple[int, int], tensors: dict[str, torch.Tensor],
+            ) -> Quantized:
+    """One quantized matrix of the file (``part``: "" for the weight's codes, "a." / "b." for a factor's), its
+    packed codes and zero points checked to the byte (``Quantized`` checks the scales' grid)."""
+    out, cols = shape
+    sizes = {"codes": -(-out * cols * spec.bits // 8), "zeros": -(-out * spec.groups(cols) * spec.bits // 8)}
+    for k in ("codes", "zeros"):
+        t = tensors.get(f"{name}.{part}{k}")
+        if t is not None and (t.dtype != torch.uint8 or tuple(t.shape) != (sizes[k],)):
+            raise ValueError(f"{name}.{part}{k} is not {sizes[k]:,} packed bytes")
+    keys = ("codes", "scales") if spec.symmetric else ("codes", "scales", "zeros")
+    return Quantized.from_packed(spec, shape, {k: tensors[f"{name}.{part}{k}"] for k in keys})
 
 
 def _parts(name: str, m: Any, tensors: dict[str, torch.Tensor], dtype: torch.dtype) -> Parts:
     """One layer's parts from the file, every tensor it needs present, none it does not, each of its shape and
-    dtype (``Quantized`` checks the codes' grid)."""
-    shape, transposed, spec, rank, label = _meta_of(name, m)
+    dtype."""
+    shape, transposed, spec, rank, factors, label = _meta_of(name, m)
     q_spec = QuantSpec.parse(spec) if spec else None
     need = ({"codes", "scales"} | ({"zeros"} if q_spec is not None and not q_spec.symmetric else set())
-            if q_spec is not None else set()) | ({"a", "b"} if rank else set())
+            if q_spec is not None else set())
+    need |= ({"a.codes", "a.scales", "b.codes", "b.scales"} if factors else {"a", "b"}) if rank else set()
     have = {k for k in SUFFIXES if f"{name}.{k}" in tensors}
     if have != need:
         raise ValueError(f"{name[:80]!r} is {label} and needs {sorted(need)}, the file holds {sorted(have)}")
-    q = None
-    if q_spec is not None:
-        out, cols = shape
-        sizes = {"codes": -(-out * cols * q_spec.bits // 8), "zeros": -(-out * q_spec.groups(cols) * q_spec.bits // 8)}
-        for k in ("codes", "zeros"):
-            t = tensors.get(f"{name}.{k}")
-            if t is not None and (t.dtype != torch.uint8 or tuple(t.shape) != (sizes[k],)):
-                raise ValueError(f"{name}.{k} is not {sizes[k]:,} packed bytes")
-        q = Quantized.from_packed(q_spec, shape, {k: tensors[f"{name}.{k}"] for k in need - {"a", "b"}})
+    q = _packed(name, "", q_spec, shape, tensors) if q_spec is not None else None
+    if factors:
+        qa = _packed(name, "a.", FACTOR_SPEC, (shape[0], rank), tensors)
+        qb = _packed(name, "b.", FACTOR_SPEC, (rank, shape[1]), tensors)
+        return Parts(name, label, shape, transposed, dtype, q, qa=qa, qb=qb)
     a, b = tensors.get(f"{name}.a"), tensors.get(f"{name}.b")
     if rank and (a is None or b is None or tuple(a.shape) != (shape[0], rank) or tuple(b.shape) != (rank, shape[1])
                  or a.dtype != dtype or b.dtype != dtype):
@@ -219,4 +260,4 @@ def _check(path: Path, state: dict[str, torch.Tensor], values: dict[str, torch.T
             raise AuditError(f"{path}: {name[:120]} holds NaN or infinite values", fix)
 
 
-__all__ = ["FORMAT", "Parts", "load_byte_plan", "unique_tensors", "write_byte_plan"]
+__all__ = ["FACTOR_SPEC", "FORMAT", "Parts", "label_of", "load_byte_plan", "unique_tensors", "write_byte_plan"]

@@ -43,7 +43,7 @@ from ...errors import AuditError
 from ...calresults import BitsPlan, BitsReport
 from ...quantize.codes import QuantSpec, quantize
 from ...quantize.knapsack import Choice, choose
-from ...quantize.written import Parts
+from ...quantize.written import FACTOR_SPEC, Parts, label_of
 from ...results import Kind, Layer
 from ..statistics.whiten import DAMP, GRADIENT_DAMP, function_matrices
 
@@ -70,12 +70,11 @@ class Recipe:
     spec: str = ""
     rank: int = 0
     whitened: bool = False
+    int8_factors: bool = False  # the factors stored as int8 codes (a factor-only choice)
 
     @property
     def label(self) -> str:
-        if not self.spec:
-            return f"rank {self.rank}" if self.rank else "keep"
-        return self.spec + (f" + rank {self.rank}" if self.rank else "")
+        return label_of(self.spec, self.rank, FACTOR_SPEC.label if self.int8_factors else "")
 
 
 class _Metric:
@@ -167,9 +166,11 @@ class LayerBits:
         out, n = [Choice("keep", self.dense_bytes, 0.0)], min(f.shape)
         be = self.layer.break_even
         tail = _tails(metric.truncated(f, 0)[1])
-        for r in sorted({max(1, math.floor(k * be / RANK_STEPS)) for k in range(1, RANK_STEPS)}):
-            if r < n and self.rank_bytes(r) < self.dense_bytes:
+        ranks = [r for r in sorted({max(1, math.floor(k * be / RANK_STEPS)) for k in range(1, RANK_STEPS)}) if r < n]
+        for r in ranks:
+            if self.rank_bytes(r) < self.dense_bytes:
                 out.append(self._put(Recipe(rank=r), self.rank_bytes(r), float(tail[r])))
+        out += self._int8_factor_choices(f, metric, ranks)
         for label in QUANT:
             spec = QuantSpec.parse(label)
             err = f - quantize(torch.from_numpy(f), spec).dequantize(torch.float64).numpy()
@@ -181,6 +182,27 @@ class LayerBits:
             for k in CORRECTION_RANKS:
                 if k < n // 2 and base + self.rank_bytes(k) < self.dense_bytes:
                     out.append(self._put(Recipe(spec.label, k), base + self.rank_bytes(k), float(etail[k])))
+        return out
+
+    def _int8_factor_choices(self, f: np.ndarray, metric: _Metric, ranks: list[int]) -> list[Choice]:
+        """``rank r int8`` at each of ``ranks`` whose int8 factors take fewer bytes than the layer: the truncation's
+        factors quantized, costed exactly as L^T F S - (L^T Q(A)) (Q(B) S) (one decomposition for every rank)."""
+        out: list[Choice] = []
+        m, n = f.shape
+        top = max(ranks, default=0)
+        if not top:
+            return out
+        a, b, _ = metric.factors(f, top)
+        base = metric.forward(f)
+        for r in ranks:
+            nbytes = FACTOR_SPEC.nbytes(m, r) + FACTOR_SPEC.nbytes(r, n)
+            if nbytes >= self.dense_bytes:
+                continue
+            qa, qb = (quantize(torch.from_numpy(np.ascontiguousarray(x)), FACTOR_SPEC).dequantize(torch.float64).numpy()
+                      for x in (a[:, :r], b[:r]))
+            left = metric.low.T @ qa if metric.low is not None else math.sqrt(metric.scale) * qa
+            cost = float(np.sum((base - left @ (qb @ metric.s)) ** 2))
+            out.append(self._put(Recipe(rank=r, int8_factors=True), nbytes, cost))
         return out
 
     def _put(self, recipe: Recipe, nbytes: int, cost: float) -> Choice:
@@ -195,11 +217,15 @@ class LayerBits:
                   else output_metric(f, self.inp.gram[0], self.moment))
         q = quantize(torch.from_numpy(f), QuantSpec.parse(recipe.spec)) if recipe.spec else None
         a = b = None
+        transposed = self.layer.kind == Kind.CONV1D_HF
         if recipe.rank:
             rest = f - q.dequantize(torch.float64).numpy() if q is not None else f
             fa, fb, _ = metric.factors(rest, recipe.rank)
+            if recipe.int8_factors:
+                qa, qb = (quantize(torch.from_numpy(np.ascontiguousarray(x)), FACTOR_SPEC) for x in (fa, fb))
+                return Parts(self.layer.param, recipe.label, (f.shape[0], f.shape[1]), transposed, w.dtype, q,
+                             qa=qa, qb=qb)
             a, b = torch.from_numpy(fa).to(w.dtype), torch.from_numpy(fb).to(w.dtype)
-        transposed = self.layer.kind == Kind.CONV1D_HF
         return Parts(self.layer.param, recipe.label, (f.shape[0], f.shape[1]), transposed, w.dtype, q, a, b)
 
     def weight(self, recipe: Recipe) -> torch.Tensor:
