@@ -456,6 +456,7 @@ class BitsPlan:
     predicted: float = 0.0
     verification: "Verification | None" = None
     choices: dict[str, str] = field(default_factory=dict)
+    rho: float = 1.0  # the joint plan's: how much its factorizations' costs were scaled (see tiers/bits.ratio)
 
     @property
     def counts(self) -> dict[str, int]:
@@ -501,7 +502,8 @@ class BitsReport:
     seconds: float = 0.0
     smallest: int = 0  # the fewest bytes any plan takes (every rewritable layer at its smallest option)
     rank_plan_size: int | None = None  # the bytes the audit's rank plan takes (one of ``sizes``); None: no plan
-    written: str = ""  # --write-bits: the folder the joint plan at the budget was written into
+    written: str = ""  # --write-bits: the folder the plan at the budget that measured least harm was written into
+    written_family: str = ""  # which family's plan that was (joint, bits or rank)
     file_bytes: int = 0  # its model.safetensors' size (the plan's bytes and the safetensors header)
     header_bytes: int = 0  # of which the header
 

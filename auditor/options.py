@@ -135,7 +135,7 @@ class TierOptions:
     #                                         block (("q_proj", "k_proj", "v_proj"), ...); TIE_AUTO: the known defaults
     budget_bytes: int | None = None  # rank or bits: the model's parameters in at most this many bytes
     bits_per_weight: float | None = None  # rank or bits: this many bits per weight of the layers it can rewrite
-    write_bits: str | None = None  # rank or bits: write the joint plan at the budget into this new folder
+    write_bits: str | None = None  # rank or bits: write the plan that measured least harm at the budget here
 
     def check(self) -> None:
         """The confidence level, the budget and the tolerance, each checked before any work."""

@@ -8,7 +8,8 @@ of 20% of the parameters removed, judged by the perplexity increase on unseen te
 The calibration and the unseen windows are ``benchmarks/quality.py``'s (the held-out standard-library files the
 model never trained on; the audit splits the calibration into fit, search and verification rows). The passes run
 as the audit runs them (tier 1, the references, the scope, the gradient pass), then each family's plan is chosen
-by the knapsack on the same costs the audit uses and written into the model (dequantized codes plus corrections,
+by the knapsack on the same costs the audit uses (the joint plan's recalibrated by the bits-only and rank-only plans
+measured on the verification rows, as the audit does) and written into the model (dequantized codes plus corrections,
 factor products) to measure it on the unseen windows. Printed per size: each plan's bytes, bits per weight of the
 rewritten layers, its unseen perplexity increase and its ratio to uniform int4's, and the layers' choices.
 """
@@ -65,7 +66,10 @@ def main() -> None:
     ap.add_argument("model", type=Path)
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--costs", choices=["isotropic", "output"], default="output",
+                    help="judge the options with G itself (the default, the audit's) or its mean diagonal")
     args = ap.parse_args()
+    bits.ISOTROPIC_COSTS = args.costs == "isotropic"
     torch.set_num_threads(args.threads)
     from transformers import AutoModelForCausalLM
 
@@ -97,8 +101,14 @@ def main() -> None:
             print(f"at {size:,} bytes ({words}):", flush=True)
             ref = row("uniform int4", c, int4, {k: bits.Recipe(ch.label) for k, ch in int4.items()}, model,
                       unseen, dense, None)
+            picked = {fam: choose(c.family(fam), size - c.rest_bytes) for fam in ("bits", "rank")}
+            # as the audit chooses the joint plan: its factorizations' costs recalibrated by what the two
+            # single-family plans measured on the verification rows
+            rho = bits.ratio(*(bits._measure(ctx, refs, c, fam, size, picked[fam]) for fam in ("rank", "bits")))
+            picked["joint"] = choose(c.recalibrated(rho), size - c.rest_bytes)
+            print(f"  (the joint plan's factorization costs scaled by {rho:.2f})")
             for fam in ("joint", "bits", "rank"):
-                plan = choose(c.family(fam), size - c.rest_bytes)
+                plan = picked[fam]
                 recipes = {k: c.layers[k].recipes[ch.label] for k, ch in plan.items()} if plan else {}
                 row(fam, c, plan, recipes, model, unseen, dense, ref)
             svd = bits._uniform_truncation(c, size)

@@ -157,8 +157,9 @@ def test_non_finite_weights_raise(bad: float) -> None:
 def test_scales_float16_cannot_hold_raise() -> None:
     with pytest.raises(ValueError, match="cannot be stored with float16 scales"):
         quantize(torch.tensor([[1e6, 0.0]]), QuantSpec(4))
-    with pytest.raises(ValueError, match="cannot be stored with float16 scales"):
-        quantize(torch.tensor([[1e-9, 0.0]]), QuantSpec(4))
+    tiny = quantize(torch.tensor([[1e-9, 0.0, 2e-9, -1e-9], [1.0, 0.5, 0.0, -1.0]]), QuantSpec(4, group=4))
+    assert tiny.scales[0, 0] == 0 and torch.equal(tiny.dequantize()[0], torch.zeros(4))  # below float16: zeros
+    assert tiny.dequantize()[1].tolist() == pytest.approx([1.0, 4 / 7, 0.0, -1.0], abs=1e-3)
     with pytest.raises(ValueError, match="2-D floating-point"):
         quantize(torch.ones(4, dtype=torch.float32), QuantSpec(4))
 

@@ -145,9 +145,9 @@ def _tier_flags(g: "argparse._ArgumentGroup") -> None:
                    help="rank or bits as --budget-bytes, the budget being X bits per weight of the layers it can "
                         "rewrite (the other parameters as they are)")
     g.add_argument("--write-bits", metavar="DIR",
-                   help="write the rank-or-bits joint plan at the budget into DIR (a new folder): integer codes, "
-                        "scales and factors in model.safetensors, each layer's choice in plan.json; load it with "
-                        "auditor.quantize.written.load_byte_plan")
+                   help="write the rank-or-bits plan that measured least harm at the budget into DIR (a new "
+                        "folder): integer codes, scales and factors in model.safetensors, each layer's choice in "
+                        "plan.json; load it with auditor.quantize.written.load_byte_plan")
     from .recovery_flags import add_cli_arguments as recover_arguments
 
     recover_arguments(g, audit=True)

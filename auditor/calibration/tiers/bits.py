@@ -58,6 +58,7 @@ if TYPE_CHECKING:
 QUANT = ("int8", "int4", "int4 g128 asym", "int3", "int3 g128 asym")  # the round-to-nearest options
 CORRECTED = ("int4", "int3")  # quantized with a low-rank correction of their error
 CORRECTION_RANKS = (8, 16, 32, 64)
+ISOTROPIC_COSTS = False  # True: options judged with G's mean diagonal instead of G (benchmarks/rank_or_bits.py --costs)
 RANK_STEPS = 20  # rank options at k / RANK_STEPS of the break-even rank, k = 1 .. RANK_STEPS - 1
 KINDS = (Kind.LINEAR, Kind.CONV1D_HF)
 
@@ -97,6 +98,25 @@ class _Metric:
 
     def cost(self, d: np.ndarray) -> float:
         return float(np.sum(self.forward(d) ** 2))
+
+    def isotropic(self) -> "_Metric":
+        """The same input metric with G replaced by its mean diagonal times I (what the options are judged in)."""
+        if self.low is None:
+            return self
+        out = _Metric.__new__(_Metric)
+        out.s, out.low, out.scale = self.s, None, float(np.sum(self.low ** 2)) / self.low.shape[0]
+        return out
+
+    def tails(self, f: np.ndarray, judge: "_Metric") -> np.ndarray:
+        """tails[r]: the cost in ``judge`` of this metric's best rank-r part of ``f`` (r = 0 .. min(m, n)):
+        sum over i > r of sigma_i^2 times u_i's weight, ||L^-T u_i||^2 scale' in an isotropic judge (1 in this
+        metric itself)."""
+        u, sig, _ = np.linalg.svd(self.forward(f), full_matrices=False)
+        w = np.ones_like(sig)
+        if judge is not self:
+            left = np.linalg.solve(self.low.T, u) if self.low is not None else u / math.sqrt(self.scale)
+            w = judge.scale * np.sum(left ** 2, axis=0)
+        return _tails(sig ** 2 * w)
 
     def truncated(self, f: np.ndarray, rank: int) -> tuple[np.ndarray, np.ndarray]:
         """(the best rank-``rank`` part of ``f`` in this metric, the squared singular values of forward(f))."""
@@ -163,28 +183,29 @@ class LayerBits:
         """Every option with its bytes and cost."""
         f = self._f()
         metric = output_metric(f, self.inp.gram[0], self.moment)
+        judge = metric.isotropic() if ISOTROPIC_COSTS else metric
         out, n = [Choice("keep", self.dense_bytes, 0.0)], min(f.shape)
         be = self.layer.break_even
-        tail = _tails(metric.truncated(f, 0)[1])
+        tail = metric.tails(f, judge)
         ranks = [r for r in sorted({max(1, math.floor(k * be / RANK_STEPS)) for k in range(1, RANK_STEPS)}) if r < n]
         for r in ranks:
             if self.rank_bytes(r) < self.dense_bytes:
                 out.append(self._put(Recipe(rank=r), self.rank_bytes(r), float(tail[r])))
-        out += self._int8_factor_choices(f, metric, ranks)
+        out += self._int8_factor_choices(f, metric, judge, ranks)
         for label in QUANT:
             spec = QuantSpec.parse(label)
             err = f - quantize(torch.from_numpy(f), spec).dequantize(torch.float64).numpy()
             base = spec.nbytes(*f.shape)
-            out.append(self._put(Recipe(spec.label), base, metric.cost(err)))
+            out.append(self._put(Recipe(spec.label), base, judge.cost(err)))
             if label not in CORRECTED:
                 continue
-            etail = _tails(metric.truncated(err, 0)[1])
+            etail = metric.tails(err, judge)
             for k in CORRECTION_RANKS:
                 if k < n // 2 and base + self.rank_bytes(k) < self.dense_bytes:
                     out.append(self._put(Recipe(spec.label, k), base + self.rank_bytes(k), float(etail[k])))
         return out
 
-    def _int8_factor_choices(self, f: np.ndarray, metric: _Metric, ranks: list[int]) -> list[Choice]:
+    def _int8_factor_choices(self, f: np.ndarray, metric: _Metric, judge: _Metric, ranks: list[int]) -> list[Choice]:
         """``rank r int8`` at each of ``ranks`` whose int8 factors take fewer bytes than the layer: the truncation's
         factors quantized, costed exactly as L^T F S - (L^T Q(A)) (Q(B) S) (one decomposition for every rank)."""
         out: list[Choice] = []
@@ -193,15 +214,15 @@ class LayerBits:
         if not top:
             return out
         a, b, _ = metric.factors(f, top)
-        base = metric.forward(f)
+        base = judge.forward(f)
         for r in ranks:
             nbytes = FACTOR_SPEC.nbytes(m, r) + FACTOR_SPEC.nbytes(r, n)
             if nbytes >= self.dense_bytes:
                 continue
             qa, qb = (quantize(torch.from_numpy(np.ascontiguousarray(x)), FACTOR_SPEC).dequantize(torch.float64).numpy()
                       for x in (a[:, :r], b[:r]))
-            left = metric.low.T @ qa if metric.low is not None else math.sqrt(metric.scale) * qa
-            cost = float(np.sum((base - left @ (qb @ metric.s)) ** 2))
+            left = judge.low.T @ qa if judge.low is not None else math.sqrt(judge.scale) * qa
+            cost = float(np.sum((base - left @ (qb @ judge.s)) ** 2))
             out.append(self._put(Recipe(rank=r, int8_factors=True), nbytes, cost))
         return out
 
@@ -289,10 +310,34 @@ class Costed:
         """Every layer at the option ``label`` (kept where it has none)."""
         return {k: next((c for c in v if c.label == label), v[0]) for k, v in self.options.items()}
 
+    def recalibrated(self, rho: float) -> dict[str, list[Choice]]:
+        """Every option, a factorization's cost scaled by ``rho`` (:func:`ratio`) and a correction's gain (what it
+        takes off its quantization's cost) divided by it: the joint plan's options after the two single-family plans
+        were measured."""
+        out: dict[str, list[Choice]] = {}
+        for k, v in self.options.items():
+            quant = {c.label: c.cost for c in v if family_of(c.label) == "bits"}
+            out[k] = [Choice(c.label, c.nbytes, c.cost * rho if family_of(c.label) == "rank" else
+                             quant[c.label.split(" + ")[0]] - (quant[c.label.split(" + ")[0]] - c.cost) / rho
+                             if family_of(c.label) == "joint" else c.cost) for c in v]
+        return out
+
     def family(self, which: str) -> dict[str, list[Choice]]:
         """The options of one family: ``bits`` (keep or quantize), ``rank`` (keep or factorize), ``joint``."""
         return {k: [c for c in v if family_of(c.label) in ("keep", which) or which == "joint"]
                 for k, v in self.options.items()}
+
+
+def ratio(rank: BitsPlan, quant: BitsPlan) -> float:
+    """How much more the rank-only plan measured per unit of predicted cost than the bits-only plan at the same
+    size (at least 1; 1 where either measured nothing above zero): a factorization's predicted cost is fitted to the
+    calibration statistics it is judged by, so it can promise more than it keeps on rows it never read."""
+    if not (rank.reachable and quant.reachable and rank.value is not None and quant.value is not None):
+        return 1.0
+    if not (rank.value > 0 and quant.value > 0 and rank.predicted > 0 and quant.predicted > 0):
+        return 1.0
+    rho = (rank.value / rank.predicted) / (quant.value / quant.predicted)
+    return rho if math.isfinite(rho) and rho > 1.0 else 1.0
 
 
 def family_of(label: str) -> str:
@@ -406,10 +451,13 @@ def rank_or_bits(ctx: "PassContext", refs: "References", scope: "Scope", loss_me
     with ctx.progress.phase("rank or bits: plans", unit="plan"):
         total = 3 * len(sizes) + 3
         for size in sizes:
-            for fam in ("joint", "bits", "rank"):
-                picked = choose(c.family(fam), size - c.rest_bytes)
-                plans.append(_measure(ctx, refs, c, fam, size, picked))
-                ctx.progress.update(len(plans), total)
+            one = {fam: _measure(ctx, refs, c, fam, size, choose(c.family(fam), size - c.rest_bytes))
+                   for fam in ("bits", "rank")}
+            rho = ratio(one["rank"], one["bits"])
+            joint = _measure(ctx, refs, c, "joint", size, choose(c.recalibrated(rho), size - c.rest_bytes))
+            joint.rho = rho
+            plans += [joint, one["bits"], one["rank"]]
+            ctx.progress.update(len(plans), total)
         base = [_measure(ctx, refs, c, "uniform " + lab.split()[0], _model_bytes(p, c), p)
                 for lab, p in uniform.items()]
         svd = _uniform_truncation(c, budget)
@@ -417,14 +465,15 @@ def rank_or_bits(ctx: "PassContext", refs: "References", scope: "Scope", loss_me
         ctx.progress.update(total, total)
     report = BitsReport(budget, c.dense_bytes, c.rest_bytes, len(c.layers), weights, c.weighted, sizes, plans, base,
                         smallest=c.smallest, rank_plan_size=at_plan)
-    joint = next(p for p in plans if p.size == budget and p.family == "joint")
-    if write_to is not None and not joint.reachable:
+    here = [p for p in plans if p.size == budget and p.reachable and p.value is not None and math.isfinite(p.value)]
+    if write_to is not None and not here:
         raise AuditError(f"--write-bits: no byte plan fits {budget:,} bytes; the smallest takes {c.smallest:,} "
                          f"(every rewritable layer at its smallest option, the rest as it is)",
                          f"Give --budget-bytes {c.smallest:,} or more")
-    if write_to is not None:
-        report.written = str(write_to)
-        report.file_bytes, report.header_bytes = write(ctx.model, c, joint, write_to)
+    if write_to is not None:  # the knapsack proposes, the measurement disposes: the plan that measured least harm
+        best = (max if ctx.session.metric.higher_is_better else min)(here, key=lambda p: p.value)  # type: ignore
+        report.written, report.written_family = str(write_to), best.family
+        report.file_bytes, report.header_bytes = write(ctx.model, c, best, write_to)
     report.seconds = time.perf_counter() - t
     return report  # its verdict is written with the report's metric facts
 

@@ -73,12 +73,13 @@ def intro(cal: "CalibrationReport") -> str | None:
 
 
 def _written(b: "BitsReport") -> str:
-    """The sentence saying where the joint plan was written, its file's bytes and its header's; empty if not."""
+    """The sentence saying which plan was written where, its file's bytes and its header's; empty if not."""
     if not b.written:
         return ""
-    joint = next(p for p in b.at(b.budget) if p.family == "joint")
-    return (f" The joint plan is written to {b.written}: model.safetensors of {b.file_bytes:,} bytes (the plan's "
-            f"{joint.nbytes:,} and a header of {b.header_bytes:,}).")
+    plan = next(p for p in b.at(b.budget) if p.family == b.written_family)
+    return (f" The {FAMILY_WORDS[plan.family]} plan, which measured least harm at the budget, is written to "
+            f"{b.written}: model.safetensors of {b.file_bytes:,} bytes (the plan's {plan.nbytes:,} and a header of "
+            f"{b.header_bytes:,}).")
 
 
 HEADERS = ("planned for", "plan", "bytes", "bits/weight", "measured", "interval (unseen document)", "judged",

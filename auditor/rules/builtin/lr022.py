@@ -28,8 +28,8 @@ def lr022(ctx: Context, emit: Emit) -> None:
     ```
 
     ## Do instead
-    Quantize (the report's bits-only plan at that size, or the joint plan: `--write-bits DIR` writes it), or factorize
-    only where the report's joint plan keeps a rank; a rank plan remains worth it for latency, which bytes do not
+    Quantize (the report's bits-only or joint plan at that size; `--write-bits DIR` writes the one that measured
+    least harm at the budget), or factorize only where the report's joint plan keeps a rank; a rank plan remains worth it for latency, which bytes do not
     measure (`--measure-speed`).
     """
     cal = ctx.audit.calibration
@@ -46,6 +46,6 @@ def lr022(ctx: Context, emit: Emit) -> None:
     emit(f"at the rank plan's {bits.rank_plan_size:,} bytes, quantization alone measures {cal.metric} "
          f"{cal.value_text(quant.value)} against the rank plan's {cal.value_text(rank_value)} on the same "
          f"verification rows: the rank plan is dominated", [],
-         "Quantize instead (the report's bits-only or joint plan at that size: --write-bits DIR writes the joint "
-         "one), or keep the rank plan only for latency", size=bits.rank_plan_size, rank=rank_value,
+         "Quantize instead (the report's bits-only or joint plan at that size; --write-bits DIR writes the one "
+         "that measured least harm at the budget), or keep the rank plan only for latency", size=bits.rank_plan_size, rank=rank_value,
          bits=quant.value, bits_bytes=quant.nbytes, choices=quant.counts)
