@@ -56,9 +56,11 @@ CHART_RSS = 200 * 2**20  # the plotting library and its figures, alive while an 
 REPORT_BYTES = {"pdf": 400_000, "html": 600_000}  # measured on the sample models' reports; else 20 kB + per layer
 STAGES = ("load", "trace", "spectra", "calibration data", "statistics", "gradients", "rounding floor", "tier 3",
           "verification", "rank or bits", "plan check", "reports")
-BYTE_PLANS = 12  # rank or bits: three families at three sizes and three uniform baselines, each measured once
-BYTE_DECOMPOSITIONS = 7  # every layer's options (its rank SVD and two corrections'), then the plans that factorize:
-#                          rank only at three sizes and uniform truncation (at most one decomposition per layer each)
+BYTE_PLANS = 15  # rank or bits: three families at up to four sizes (the budget, the rank plan's, uniform int4's and
+#                 int8's) and three uniform baselines, each measured once
+BYTE_DECOMPOSITIONS = 9  # every layer's options (its rank SVD and two corrections'), then the plans that factorize:
+#                          rank only at four sizes, uniform truncation, and the joint plans' few factorized layers
+#                          (about one layer in ten on the trained Llama: counted as one decomposition of every layer)
 
 
 @dataclass(frozen=True)

@@ -107,11 +107,15 @@ class _Metric:
         out.s, out.low, out.scale = self.s, None, float(np.sum(self.low ** 2)) / self.low.shape[0]
         return out
 
-    def tails(self, f: np.ndarray, judge: "_Metric") -> np.ndarray:
-        """tails[r]: the cost in ``judge`` of this metric's best rank-r part of ``f`` (r = 0 .. min(m, n)):
-        sum over i > r of sigma_i^2 times u_i's weight, ||L^-T u_i||^2 scale' in an isotropic judge (1 in this
-        metric itself)."""
-        u, sig, _ = np.linalg.svd(self.forward(f), full_matrices=False)
+    def svd(self, f: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """U, sigma, V^T of forward(f): every rank's truncation in this metric from one decomposition."""
+        return np.linalg.svd(self.forward(f), full_matrices=False)
+
+    def tails(self, svd: tuple[np.ndarray, np.ndarray, np.ndarray], judge: "_Metric") -> np.ndarray:
+        """tails[r]: the cost in ``judge`` of this metric's best rank-r part (``svd``: :meth:`svd` of F; r = 0 ..
+        min(m, n)): sum over i > r of sigma_i^2 times u_i's weight, ||L^-T u_i||^2 scale' in an isotropic judge (1
+        in this metric itself)."""
+        u, sig, _ = svd
         w = np.ones_like(sig)
         if judge is not self:
             left = np.linalg.solve(self.low.T, u) if self.low is not None else u / math.sqrt(self.scale)
@@ -120,13 +124,14 @@ class _Metric:
 
     def truncated(self, f: np.ndarray, rank: int) -> tuple[np.ndarray, np.ndarray]:
         """(the best rank-``rank`` part of ``f`` in this metric, the squared singular values of forward(f))."""
-        a, b, sig2 = self.factors(f, rank)
+        a, b, sig2 = self.factors(self.svd(f), rank)
         return a @ b, sig2
 
-    def factors(self, f: np.ndarray, rank: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """(A, B) with A B the best rank-``rank`` part of ``f`` in this metric (A = L^-T U_r Sigma_r, B = V_r^T
-        S^-1), and the squared singular values of forward(f)."""
-        u, sig, vt = np.linalg.svd(self.forward(f), full_matrices=False)
+    def factors(self, svd: tuple[np.ndarray, np.ndarray, np.ndarray], rank: int,
+                ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(A, B) with A B the best rank-``rank`` part in this metric (A = L^-T U_r Sigma_r, B = V_r^T S^-1;
+        ``svd``: :meth:`svd` of F), and the squared singular values."""
+        u, sig, vt = svd
         left = u[:, :rank] * sig[:rank]
         a = np.linalg.solve(self.low.T, left) if self.low is not None else left / math.sqrt(self.scale)
         b = np.linalg.solve(self.s.T, vt[:rank].T).T
@@ -186,12 +191,13 @@ class LayerBits:
         judge = metric.isotropic() if ISOTROPIC_COSTS else metric
         out, n = [Choice("keep", self.dense_bytes, 0.0)], min(f.shape)
         be = self.layer.break_even
-        tail = metric.tails(f, judge)
+        decomposed = metric.svd(f)
+        tail = metric.tails(decomposed, judge)
         ranks = [r for r in sorted({max(1, math.floor(k * be / RANK_STEPS)) for k in range(1, RANK_STEPS)}) if r < n]
         for r in ranks:
             if self.rank_bytes(r) < self.dense_bytes:
                 out.append(self._put(Recipe(rank=r), self.rank_bytes(r), float(tail[r])))
-        out += self._int8_factor_choices(f, metric, judge, ranks)
+        out += self._int8_factor_choices(f, metric, judge, ranks, decomposed)
         for label in QUANT:
             spec = QuantSpec.parse(label)
             err = f - quantize(torch.from_numpy(f), spec).dequantize(torch.float64).numpy()
@@ -199,13 +205,14 @@ class LayerBits:
             out.append(self._put(Recipe(spec.label), base, judge.cost(err)))
             if label not in CORRECTED:
                 continue
-            etail = metric.tails(err, judge)
+            etail = metric.tails(metric.svd(err), judge)
             for k in CORRECTION_RANKS:
                 if k < n // 2 and base + self.rank_bytes(k) < self.dense_bytes:
                     out.append(self._put(Recipe(spec.label, k), base + self.rank_bytes(k), float(etail[k])))
         return out
 
-    def _int8_factor_choices(self, f: np.ndarray, metric: _Metric, judge: _Metric, ranks: list[int]) -> list[Choice]:
+    def _int8_factor_choices(self, f: np.ndarray, metric: _Metric, judge: _Metric, ranks: list[int],
+                             decomposed: tuple[np.ndarray, np.ndarray, np.ndarray]) -> list[Choice]:
         """``rank r int8`` at each of ``ranks`` whose int8 factors take fewer bytes than the layer: the truncation's
         factors quantized, costed exactly as L^T F S - (L^T Q(A)) (Q(B) S) (one decomposition for every rank)."""
         out: list[Choice] = []
@@ -213,7 +220,7 @@ class LayerBits:
         top = max(ranks, default=0)
         if not top:
             return out
-        a, b, _ = metric.factors(f, top)
+        a, b, _ = metric.factors(decomposed, top)
         base = judge.forward(f)
         for r in ranks:
             nbytes = FACTOR_SPEC.nbytes(m, r) + FACTOR_SPEC.nbytes(r, n)
@@ -241,7 +248,7 @@ class LayerBits:
         transposed = self.layer.kind == Kind.CONV1D_HF
         if recipe.rank:
             rest = f - q.dequantize(torch.float64).numpy() if q is not None else f
-            fa, fb, _ = metric.factors(rest, recipe.rank)
+            fa, fb, _ = metric.factors(metric.svd(rest), recipe.rank)
             if recipe.int8_factors:
                 qa, qb = (quantize(torch.from_numpy(np.ascontiguousarray(x)), FACTOR_SPEC) for x in (fa, fb))
                 return Parts(self.layer.param, recipe.label, (f.shape[0], f.shape[1]), transposed, w.dtype, q,
