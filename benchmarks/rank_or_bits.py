@@ -31,9 +31,8 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 from quality import perplexity, texts, unseen_windows  # noqa: E402
 
 from auditor import AuditOptions, pipeline  # noqa: E402
-from auditor.calibration.stage import _open_session  # noqa: E402
-from auditor.calibration.tiers import bits, passes  # noqa: E402
-from auditor.progress import Progress  # noqa: E402
+from auditor.calibration.stage import through_sensitivity  # noqa: E402
+from auditor.calibration.tiers import bits  # noqa: E402
 from auditor.quantize.knapsack import choose  # noqa: E402
 
 
@@ -83,12 +82,7 @@ def main() -> None:
         t0 = time.perf_counter()
         options = AuditOptions(calibration=tmp, tokenizer=str(args.model), cache=False, progress=False)
         plain = pipeline.audit(model, options=AuditOptions(progress=False, cache=False))
-        progress = Progress(enabled=False)
-        ctx = passes.PassContext(model, _open_session(model, plain.layers, options, progress), progress)
-        t1 = passes.tier1(ctx, plain.settings.align)
-        refs = passes.references(ctx)
-        scope = passes.scope_of(plain.layers, t1, plain.settings)
-        sens = passes.sensitivity(ctx, refs, t1, scope, None, options.tiers)
+        ctx, refs, scope, sens = through_sensitivity(model, plain.layers, plain.settings, options)
         c = bits.costed(ctx, scope.planned, sens.loss_metric)
         print(f"{args.model} in {args.dtype}: dense unseen perplexity {dense:.3f} on {len(unseen)} windows; "
               f"{len(c.layers)} layers costed ({c.weighted}) in {time.perf_counter() - t0:.0f} s", flush=True)

@@ -110,31 +110,30 @@ def test_families_keep_their_options():
                       "joint": ["keep", "rank 2", "int4 g128 sym", "int4 g128 sym + rank 8"]}
 
 
-@pytest.fixture(scope="module")
-def tiny_lm_bits(tmp_path_factory):
-    """A tiny Llama audited with a byte budget, its best measured plan written (--write-bits)."""
+def _tiny_llama():
+    """A random-init 2-layer Llama (hidden 48, 15 rewritable Linears with the head) and 64 rows of 16 random ids."""
     transformers = pytest.importorskip("transformers")
-    from auditor import AuditOptions, pipeline
-    from auditor.calibration.stage import _open_session
-    from auditor.calibration.tiers import passes
-    from auditor.progress import Progress
-
     torch.manual_seed(0)
     cfg = transformers.LlamaConfig(vocab_size=64, hidden_size=48, intermediate_size=96, num_hidden_layers=2,
                                    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32)
-    model = transformers.LlamaForCausalLM(cfg).eval()
+    return (transformers.LlamaForCausalLM(cfg).eval(),
+            torch.randint(0, 64, (64, 16), generator=torch.Generator().manual_seed(1)))
+
+
+@pytest.fixture(scope="module")
+def tiny_lm_bits(tmp_path_factory):
+    """A tiny Llama audited with a byte budget, its best measured plan written (--write-bits)."""
+    from auditor import AuditOptions, pipeline
+    from auditor.calibration.stage import through_sensitivity
+    from auditor.calibration.tiers import passes
+
+    model, ids = _tiny_llama()
     model.register_buffer("kept_buffer", torch.arange(100.0))  # a persistent buffer: saved, counted, loaded
-    ids = torch.randint(0, 64, (64, 16), generator=torch.Generator().manual_seed(1))
     out = tmp_path_factory.mktemp("bits") / "plan"
     options = AuditOptions(calibration={"input_ids": ids}, cache=False, progress=False, bits_per_weight=5.0,
                            write_bits=str(out))
     plain = pipeline.audit(model, options=AuditOptions(progress=False, cache=False))
-    progress = Progress(enabled=False)
-    ctx = passes.PassContext(model, _open_session(model, plain.layers, options, progress), progress)
-    t1 = passes.tier1(ctx, plain.settings.align)
-    refs = passes.references(ctx)
-    scope = passes.scope_of(plain.layers, t1, plain.settings)
-    sens = passes.sensitivity(ctx, refs, t1, scope, None, options.tiers)
+    ctx, refs, scope, sens = through_sensitivity(model, plain.layers, plain.settings, options)
     report = passes.bits(ctx, refs, scope, sens.loss_metric, options.tiers).report
     return model, ctx, scope, sens, report, out, ids
 
@@ -324,14 +323,9 @@ def test_writing_a_plan_no_budget_can_reach_is_refused(tiny_lm_bits, tmp_path):
 def test_an_audit_with_a_byte_budget_reports_the_three_families_in_every_format(tmp_path):
     """The library path end to end: auditor.audit with bits_per_weight, the section in text, Markdown and HTML,
     the rows grouped by size with the baselines last, and the JSON's verdict the text's."""
-    transformers = pytest.importorskip("transformers")
     import auditor
 
-    torch.manual_seed(0)
-    cfg = transformers.LlamaConfig(vocab_size=64, hidden_size=48, intermediate_size=96, num_hidden_layers=2,
-                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32)
-    model = transformers.LlamaForCausalLM(cfg).eval()
-    ids = torch.randint(0, 64, (64, 16), generator=torch.Generator().manual_seed(1))
+    model, ids = _tiny_llama()
     a = auditor.audit(model, {"input_ids": ids[:2]}, options=auditor.AuditOptions(
         calibration={"input_ids": ids}, cache=False, progress=False, bits_per_weight=4.5))
     b = a.calibration.bits

@@ -141,6 +141,20 @@ def calibrate(model: nn.Module, layers: list[Layer], settings: "Settings", optio
         model.train(was_training)
 
 
+def through_sensitivity(model: nn.Module, layers: list[Layer], settings: "Settings", options: "AuditOptions",
+                        ) -> "tuple[passes.PassContext, References, passes.Scope, Sensitivity]":
+    """The passes up to the sensitivity, run as :func:`calibrate` runs them (tier 1, the references, the scope, the
+    gradient pass; no tier 2): what a pass after them (the byte plan) is run on by benchmarks and tests."""
+    from ..progress import Progress
+
+    progress = Progress(enabled=False)
+    ctx = passes.PassContext(model, _open_session(model, layers, options, progress), progress)
+    t1 = passes.tier1(ctx, settings.align)
+    refs = passes.references(ctx)
+    scope = passes.scope_of(layers, t1, settings, _ties(layers, options))
+    return ctx, refs, scope, passes.sensitivity(ctx, refs, t1, scope, None, options.tiers)
+
+
 def computing(model: nn.Module, compute_dtype: "str | None") -> "contextlib.AbstractContextManager[bool]":
     """Every forward the calibration runs in ``compute_dtype`` (``--compute-dtype float32``: a bf16/fp16 model's
     weights cast a module at a time while it runs, :func:`~auditor.calibration.data.precision.computing_in`)."""
