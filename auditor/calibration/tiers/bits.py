@@ -8,23 +8,26 @@ Each layer's options (:class:`LayerBits`), for a Linear (or transformers' Conv1D
   nearest (:mod:`auditor.quantize.codes`), codes, float16 scales and zero points counted to the byte;
 - ``int4`` / ``int3`` plus a rank-k correction of their error E = F - Q(F) (k in 8, 16, 32, 64), fitted as the
   factors are: the best rank-k C in the metric below (C = L^-T [L^T E S]_k S^-1), its two factors in the model's dtype;
-- ``rank r`` (r at 1/20 ... 19/20 of the break-even rank): the loss-aware truncation, r (out + in) weights.
+- ``rank r`` (r at 1/20 ... 19/20 of the break-even rank): the loss-aware truncation, r (out + in) weights; and
+  ``rank r int8``: the same factors stored as int8 codes.
 
 Every option's cost is the same model-level quadratic form the gradient pass ranks ranks with
 (:mod:`.fisher`): ``trace(G D X^T X D^T)`` for the change D = F - F', G the layer's output-gradient moment (shrunk
 as the loss-aware truncation shrinks it), X^T X its input Gram (damped as the whitening is). Where the moment is
 carried to input space (out > in) or there is none, G is its mean diagonal times I (``isotropic``). Costs of
-different layers add (the metric's units up to one constant), so the plan is a multiple-choice knapsack
-(:func:`auditor.quantize.knapsack.choose`) on them; the plan is then measured all at once, on the verification rows
-with their interval, as every plan is. Three families at the same sizes: ``bits`` (keep or quantize), ``rank``
-(keep or factorize), ``joint`` (every option); beside them uniform int8 and int4 round to nearest and uniform
-whitened truncation (SVD-LLM) at the budget.
+different layers add (the metric's units up to one constant), so a plan is a multiple-choice knapsack
+(:func:`auditor.quantize.knapsack.choose`) on them, measured all at once, on the verification rows with their
+interval, as every plan is. Three families at each size (the budget, the audit's rank plan's, uniform int4's and
+int8's): ``bits`` (keep or quantize) and ``rank`` (keep or factorize) first, then ``joint`` (every option) on costs
+recalibrated by what those two measured (:func:`ratio`: a factorization's predicted cost is fitted to the statistics
+that judge it and promises more than it keeps); beside them uniform int8 and int4 round to nearest and uniform
+whitened truncation (SVD-LLM) at the budget. ``--write-bits`` writes the plan that measured least harm at the budget.
 
-What is simulated: a plan is measured with each weight replaced by its dequantized (plus correction) or
-factor-product value in the model's dtype, which is what ``load_factorized`` rebuilds from the written codes.
-Alive at once: the options' costs (a few floats per layer); one layer's decompositions while its options are
-costed or its replacement built; one plan's replacement weights while it is measured. Each built plan redoes the
-chosen options' decompositions (a plan measured costs about one decomposition per layer again).
+What is simulated: a plan is measured with each weight replaced by :meth:`auditor.quantize.written.Parts.weight`
+(codes dequantized with their scales, plus the factors' product, in float32, cast to the model's dtype), the
+function ``load_byte_plan`` rebuilds the written file with. Alive at once: the options' costs (a few floats per
+option and layer); one layer's decompositions while its options are costed or its replacement built; one plan's
+replacement weights while it is measured. Each built plan redoes the chosen factorizations' decompositions.
 """
 
 from __future__ import annotations
@@ -32,7 +35,7 @@ from __future__ import annotations
 import contextlib
 import math
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Iterator
 
 import numpy as np
