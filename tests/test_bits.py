@@ -317,6 +317,8 @@ def test_writing_a_plan_no_budget_can_reach_is_refused(tiny_lm_bits, tmp_path):
     with pytest.raises(AuditError, match=f"the smallest takes {report.smallest:,}"):
         bits_pass(ctx, refs, scope, sens.loss_metric, tiers)
     assert not (tmp_path / "never").exists()
+    with pytest.raises(AuditError, match=f"--budget-bytes: no byte plan fits {report.smallest - 1:,} bytes"):
+        bits_pass(ctx, refs, scope, sens.loss_metric, TierOptions(budget_bytes=report.smallest - 1))
     assert report.rest_bytes < report.smallest < report.budget
 
 
@@ -387,6 +389,8 @@ def test_the_joint_plans_costs_are_recalibrated_by_what_the_single_family_plans_
     assert bits.ratio(rank, quant) == pytest.approx(3.0)  # 0.03 per unit of cost against 0.01
     assert bits.ratio(quant, rank) == 1.0  # never a discount
     assert bits.ratio(BitsPlan("rank", 10, 10, True, -0.001, True, 2.0), quant) == 1.0  # noise below zero
+    noise = BitsPlan("rank", 10, 10, True, 3e-7, True, 4e-13)  # an exact low-rank plan: float32 rounding measured
+    assert bits.ratio(noise, quant, floor=1e-4) == 1.0 and bits.ratio(noise, quant) > 1e6
     c = bits.Costed({}, {"a": [bits.Choice("keep", 10, 0.0), bits.Choice("rank 2", 4, 1.0),
                                bits.Choice("int4 g128 sym", 3, 2.0), bits.Choice("int4 g128 sym + rank 8", 5, 0.5)]},
                     0, "input statistics")

@@ -338,13 +338,15 @@ class Costed:
                 for k, v in self.options.items()}
 
 
-def ratio(rank: BitsPlan, quant: BitsPlan) -> float:
+def ratio(rank: BitsPlan, quant: BitsPlan, floor: float = 0.0) -> float:
     """How much more the rank-only plan measured per unit of predicted cost than the bits-only plan at the same
-    size (at least 1; 1 where either measured nothing above zero): a factorization's predicted cost is fitted to the
-    calibration statistics it is judged by, so it can promise more than it keeps on rows it never read."""
+    size (at least 1; 1 where either measured no more than ``floor``, noise: the caller's hundredth of the
+    tolerance): a factorization's predicted cost is fitted to the calibration statistics it is judged by, so it can
+    promise more than it keeps on rows it never read. For a metric whose value is its harm (lower is better, zero
+    on the dense model); the caller gives 1 otherwise."""
     if not (rank.reachable and quant.reachable and rank.value is not None and quant.value is not None):
         return 1.0
-    if not (rank.value > 0 and quant.value > 0 and rank.predicted > 0 and quant.predicted > 0):
+    if not (rank.value > floor and quant.value > floor and rank.predicted > 0 and quant.predicted > 0):
         return 1.0
     rho = (rank.value / rank.predicted) / (quant.value / quant.predicted)
     return rho if math.isfinite(rho) and rho > 1.0 else 1.0
@@ -453,6 +455,11 @@ def rank_or_bits(ctx: "PassContext", refs: "References", scope: "Scope", loss_me
     weights = sum(lb.weight_ref.numel() for lb in c.layers.values())
     budget = budget_bytes if budget_bytes is not None else c.rest_bytes + math.floor(
         (bits_per_weight or 0.0) * weights / 8)
+    if budget < c.smallest:  # asked for what no plan can give: said before anything is measured
+        flag = "--budget-bytes" if budget_bytes is not None else f"--bits-per-weight {bits_per_weight:g}"
+        raise AuditError(f"{flag}: no byte plan fits {budget:,} bytes; the smallest takes {c.smallest:,} (every "
+                         "rewritable layer at its smallest option, the rest as it is)",
+                         f"Give --budget-bytes {c.smallest:,} or more")
     uniform = {lab: c.uniform(lab) for lab in ("int8 g128 sym", "int4 g128 sym")}
     at_plan = rank_plan_bytes(ctx, c, rank_plan or {})
     sizes = list(dict.fromkeys([budget, *([at_plan] if at_plan is not None else []),
@@ -463,7 +470,8 @@ def rank_or_bits(ctx: "PassContext", refs: "References", scope: "Scope", loss_me
         for size in sizes:
             one = {fam: _measure(ctx, refs, c, fam, size, choose(c.family(fam), size - c.rest_bytes))
                    for fam in ("bits", "rank")}
-            rho = ratio(one["rank"], one["bits"])
+            metric = ctx.session.metric
+            rho = ratio(one["rank"], one["bits"], metric.tolerance / 100) if not metric.higher_is_better else 1.0
             joint = _measure(ctx, refs, c, "joint", size, choose(c.recalibrated(rho), size - c.rest_bytes))
             joint.rho = rho
             plans += [joint, one["bits"], one["rank"]]
@@ -477,12 +485,11 @@ def rank_or_bits(ctx: "PassContext", refs: "References", scope: "Scope", loss_me
                         smallest=c.smallest, rank_plan_size=at_plan)
     here = [p for p in plans if p.size == budget and p.reachable and p.value is not None and math.isfinite(p.value)]
     if write_to is not None and not here:
-        raise AuditError(f"--write-bits: no byte plan fits {budget:,} bytes; the smallest takes {c.smallest:,} "
-                         f"(every rewritable layer at its smallest option, the rest as it is)",
-                         f"Give --budget-bytes {c.smallest:,} or more")
+        raise AuditError(f"--write-bits: no byte plan at {budget:,} bytes measured a finite value; nothing to write",
+                         "Check the calibration data and the model's outputs (the report's plans are measured)")
     if write_to is not None:  # the knapsack proposes, the measurement disposes: the plan that measured least harm
         best = (max if ctx.session.metric.higher_is_better else min)(here, key=lambda p: p.value)  # type: ignore
-        report.written, report.written_family = str(write_to), best.family
+        report.written, report.written_family = str(write_to), best.family  # its choices' words: the renderer
         report.file_bytes, report.header_bytes = write(ctx.model, c, best, write_to)
     report.seconds = time.perf_counter() - t
     return report  # its verdict is written with the report's metric facts

@@ -76,8 +76,12 @@ def _written(b: "BitsReport") -> str:
     """The sentence saying which plan was written where, its file's bytes and its header's; empty if not."""
     if not b.written:
         return ""
+    from ...calresults import choices_family
+
     plan = next(p for p in b.at(b.budget) if p.family == b.written_family)
-    return (f" The {FAMILY_WORDS[plan.family]} plan, which measured least harm at the budget, is written to "
+    kind = {"bits": "quantized", "rank": "factorized", "joint": "quantized and factorized",
+            "keep": "dense"}[choices_family(plan.choices)]
+    return (f" The plan that measured least harm at the budget ({kind}) is written to "
             f"{b.written}: model.safetensors of {b.file_bytes:,} bytes (the plan's {plan.nbytes:,} and a header of "
             f"{b.header_bytes:,}).")
 
