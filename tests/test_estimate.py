@@ -54,6 +54,18 @@ def test_stage_seconds_exact():
         k: v for k, v in s.items() if k != "tier 3"}
 
 
+def test_the_gradient_pass_counts_its_sampling_and_its_moments_where_measured():
+    """A likelihood metric samples labels over the vocabulary at every gradient position SAMPLES times (per logit:
+    logit_seconds), and every sample's output gradients go into each layer's moment (2 min(m, n)^2 float32
+    multiply-adds per position, and 2 m n more where out > in, carried back)."""
+    me = est.Measurements(**{**MEASURED.__dict__, "logit_seconds": 1e-6, "gemm32_flops": 1e4})
+    s, plain = est.stage_seconds(SHAPES, WORK, me), est.stage_seconds(SHAPES, WORK, MEASURED)
+    positions = 24 * 16  # every fit row (4096 positions / 16 > 24), 16 tokens each
+    per = 2 * 5 * 4 ** 2 + 2 * (8 * 4 + 8 * 4 + 10 * 4)  # every layer's min side is 4; three have out > in
+    assert s["gradients"] - plain["gradients"] == pytest.approx(2 * positions * 10 * 1e-6 + 2 * positions * per / 1e4)
+    assert {k: v for k, v in s.items() if k != "gradients"} == {k: v for k, v in plain.items() if k != "gradients"}
+
+
 def test_the_byte_plan_is_a_stage_of_its_own_when_asked():
     """--budget-bytes: every layer's options (a rank SVD and two corrections) and the plans that factorize
     (BYTE_DECOMPOSITIONS decompositions of every layer) and fifteen plans measured on the verification rows; its

@@ -116,6 +116,9 @@ class Measurements:
     eig_width: int
     gemm_flops: float  # float64 multiply-adds x 2 per second (X^T X sums)
     seconds: float = 0.0  # what measuring took
+    logit_seconds: float = 0.0  # the gradient pass's work per logit and sampled label set: a label drawn from the
+    #                             softmax, its negative log-likelihood and that loss's backward (metrics/chunks.py)
+    gemm32_flops: float = 0.0  # float32 multiply-adds x 2 per second (the gradient pass's moments g^T g); 0: unmeasured
 
 
 @dataclass(frozen=True)
@@ -217,6 +220,11 @@ def stage_seconds(sh: Shapes, wl: Workload, me: Measurements) -> dict[str, float
     factors = sum(2.0 * _cube(s) for s in sh.layers) / me.gemm_flops
     out["statistics"] = _batches(wl.fit_rows, b) * fwd + grams + decomp
     out["gradients"] = _batches(r["gradient"], b) * (GRADIENT_PASSES * fwd + SAMPLES * bwd) + decomp
+    if wl.token_inputs:  # a likelihood metric: labels sampled over the vocabulary at every position, SAMPLES times
+        out["gradients"] += SAMPLES * r["gradient"] * wl.tokens * wl.outputs * me.logit_seconds
+    if me.gemm32_flops > 0:  # each sample's output gradients into every layer's moment (carried back where out > in)
+        per = sum(2.0 * min(m, n) ** 2 + (2.0 * m * n if m > n else 0.0) for m, n in sh.layers)
+        out["gradients"] += SAMPLES * r["gradient"] * wl.tokens * per / me.gemm32_flops
     # tier 3's decompositions (one per layer, kept for the search and the verification's candidates) are made by
     # the rounding floor of a bf16 / fp16 model (every layer at full rank, its dense reference and one measurement on
     # the search rows), else by the search's first plans
@@ -548,8 +556,39 @@ class Process:
     load_seconds: float = 0.0
 
 
+def time_logits(outputs: int, clock: Callable[[], float] = time.perf_counter) -> float:
+    """Seconds per logit of one sampled label set in the gradient pass (metrics/chunks.py's ``Scored``: a label drawn
+    from each position's softmax, the negative log-likelihood of the draws, its backward), timed on one chunk of
+    random float32 logits ``outputs`` wide (the quicker of two)."""
+    from ..calibration.metrics.chunks import Scored, chunk_rows
+
+    rows = chunk_rows(max(2, outputs))
+    logits = torch.randn(rows, max(2, outputs), generator=torch.Generator().manual_seed(0), requires_grad=True)
+    keep = torch.ones(rows, dtype=torch.bool)
+    took = []
+    for _ in range(2):
+        t0 = clock()
+        sc = Scored.of(logits, keep, torch.zeros(rows, dtype=torch.long))
+        sc.nll(sc.sample(torch.Generator().manual_seed(1))).backward()
+        took.append(clock() - t0)
+        logits.grad = None
+    return min(took) / logits.numel()
+
+
+def time_gemm32(clock: Callable[[], float] = time.perf_counter) -> float:
+    """Float32 multiply-adds x 2 per second of a g^T g product (2,048 x 512 rows by columns, the quicker of two), at
+    torch's thread count, as the gradient pass accumulates its moments."""
+    g = torch.randn(2048, 512, generator=torch.Generator().manual_seed(0))
+    took = []
+    for _ in range(2):
+        t0 = clock()
+        g.T @ g
+        took.append(clock() - t0)
+    return 2.0 * 2048 * 512 * 512 / max(min(took), 1e-9)
+
+
 def measure(model: nn.Module, batch: Any, sh: Shapes, before: Process, clock: Callable[[], float] = time.perf_counter,
-            linalg: bool = True, compute_dtype: str | None = None) -> Measurements:
+            linalg: bool = True, compute_dtype: str | None = None, outputs: int = 0) -> Measurements:
     """The few seconds of measurement the estimate scales: one block forward and backward at the batch's shape,
     one whitened decomposition, one SVD and one float64 product (``linalg=False``: not those three and not the
     backward, for a memory estimate only). ``compute_dtype`` (``float32``): the block runs as the audit will run it,
@@ -579,8 +618,11 @@ def measure(model: nn.Module, batch: Any, sh: Shapes, before: Process, clock: Ca
         p.grad = None
     hidden = next((a.numel() * a.element_size() for a in args if isinstance(a, torch.Tensor)), out_bytes)
     dec, shape, eig, k, flops = _time_linalg(sh, clock) if linalg else (0.0, (1, 1), 0.0, 1, 1e12)
+    logit = time_logits(outputs, clock) if linalg and outputs > 1 else 0.0
+    flops32 = time_gemm32(clock) if linalg else 0.0
     return Measurements(before.base_rss, before.load_seconds, fwd, bwd, saved,
-                        hidden if block is not None else out_bytes, dec, shape, eig, k, flops, clock() - start)
+                        hidden if block is not None else out_bytes, dec, shape, eig, k, flops, clock() - start, logit,
+                        flops32)
 
 
 # ---- the entry points ----------------------------------------------------------------------------------------------
@@ -644,7 +686,8 @@ def estimate_loaded(loaded: Any, options: Any, formats: tuple[str, ...], load_se
         rows, tokens, ids = _batch_shape(batch) if batch is not None else (1, 1, False)
         wl = Workload(0, 0, tokens, rows, _outputs(model, sh), ids, formats, torch.get_num_threads(), calibrated=False)
     me = measure(timed, batch, sh, Process(_rss() if base_rss is None else base_rss, load_seconds), clock, linalg,
-                 options.statistics.compute_dtype if options.calibration_data.source is not None else None)
+                 options.statistics.compute_dtype if options.calibration_data.source is not None else None,
+                 wl.outputs if wl.token_inputs and wl.calibrated else 0)
     est = predict(sh, wl, me, available_memory())
     if built:
         est = replace(est, basis={**est.basis, "measured_on": built})
