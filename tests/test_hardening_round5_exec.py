@@ -104,11 +104,14 @@ def _isolated_cli(*args: str, cwd: Path) -> subprocess.CompletedProcess:
 def test_cli_measure_speed_from_a_folder_with_planted_modules_runs_none_of_them(tmp_path):
     marker = _plant(tmp_path)
     write_low_rank_mlp(tmp_path, widths=(48, 64, 48, 4), rank=3)
-    r = _isolated_cli("m.py:model", "--measure-speed", "--format", "json", "-q", "--no-cache", cwd=tmp_path)
-    assert r.returncode == 0, r.stderr
-    assert not marker.exists()
-    d = json.loads(r.stdout)
-    sp = d["speed"]
+    for _ in range(3):  # a busy machine's two repeats more than 25% apart are refused as not repeatable: again
+        r = _isolated_cli("m.py:model", "--measure-speed", "--format", "json", "-q", "--no-cache", cwd=tmp_path)
+        assert r.returncode == 0, r.stderr
+        assert not marker.exists()
+        d = json.loads(r.stdout)
+        sp = d["speed"]
+        if sp["model"] is not None:
+            break
     assert sp["model"]["where"] == "subprocess" and sp["model"]["dense"]["params"] == d["totals"]["params"] == (
         48 * 64 + 64 + 64 * 48 + 48 + 48 * 4 + 4)
 

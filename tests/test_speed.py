@@ -285,11 +285,15 @@ def test_cli_factorize_export_measure_speed_times_the_pt2_program_too(cli, tmp_p
     src = write_low_rank_mlp(tmp_path, widths=(48, 64, 48, 4), rank=3)
     plan = tmp_path / "plan.toml"
     plan.write_text('finetune = "none"\n[ranks]\n"0" = 8\n')
-    r = cli("factorize", src, "--plan", plan, "-o", tmp_path / "out", "--export", "pt2", "--measure-speed",
-            env={"OMP_NUM_THREADS": "1"})
-    assert r.returncode == 0, r.stderr
-    lines = r.stderr.splitlines()
-    start = lines.index("speed on cpu (1 thread), median ±half the IQR per forward, peak RSS:")
+    head = "speed on cpu (1 thread), median ±half the IQR per forward, peak RSS:"
+    for attempt in range(3):  # a busy machine's two repeats more than 25% apart are refused as not repeatable: again
+        r = cli("factorize", src, "--plan", plan, "-o", tmp_path / f"out{attempt}", "--export", "pt2",
+                "--measure-speed", env={"OMP_NUM_THREADS": "1"})
+        assert r.returncode == 0, r.stderr
+        lines = r.stderr.splitlines()
+        if head in lines or "not repeatable" not in r.stderr:
+            break
+    start = lines.index(head)
     assert [l.split(":")[0].strip() for l in lines[start + 1:start + 4]] == ["dense", "factorized",
                                                                           "model.pt2 (torch)"]
     assert "x time 1.00" in lines[start + 1] and "MiB" in lines[start + 3]
