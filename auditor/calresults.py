@@ -470,6 +470,16 @@ class BitsPlan:
         return out
 
 
+def label_family(label: str) -> str:
+    """One choice's family: "keep", "rank" (factors alone), "bits" (quantized alone) or "joint" (quantized with a
+    correction).
+
+    >>> [label_family(x) for x in ("keep", "rank 8 int8", "int4 g128 sym", "int3 g128 sym + rank 16")]
+    ['keep', 'rank', 'bits', 'joint']
+    """
+    return "keep" if label == "keep" else "rank" if label.startswith("rank ") else "joint" if "+" in label else "bits"
+
+
 def choices_family(choices: dict[str, str]) -> str:
     """What a byte plan's choices are: "keep" (nothing rewritten), "bits" (quantized only), "rank" (factorized
     only) or "joint" (a correction, or both kinds).
@@ -477,8 +487,7 @@ def choices_family(choices: dict[str, str]) -> str:
     >>> choices_family({"a": "keep", "b": "int4 g128 sym"}), choices_family({"a": "rank 8", "b": "int8 g128 sym"})
     ('bits', 'joint')
     """
-    kinds = {"keep" if v == "keep" else "rank" if v.startswith("rank ") else "joint" if "+" in v else "bits"
-             for v in choices.values()} - {"keep"}
+    kinds = {label_family(v) for v in choices.values()} - {"keep"}
     return "keep" if not kinds else kinds.pop() if len(kinds) == 1 else "joint"
 
 

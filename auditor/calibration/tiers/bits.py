@@ -43,7 +43,7 @@ import torch
 
 from ... import kinds
 from ...errors import AuditError
-from ...calresults import BitsPlan, BitsReport
+from ...calresults import BitsPlan, BitsReport, label_family
 from ...quantize.codes import QuantSpec, quantize
 from ...quantize.knapsack import Choice, choose
 from ...quantize.written import FACTOR_SPEC, Parts, label_of
@@ -326,15 +326,15 @@ class Costed:
         were measured."""
         out: dict[str, list[Choice]] = {}
         for k, v in self.options.items():
-            quant = {c.label: c.cost for c in v if family_of(c.label) == "bits"}
-            out[k] = [Choice(c.label, c.nbytes, c.cost * rho if family_of(c.label) == "rank" else
+            quant = {c.label: c.cost for c in v if label_family(c.label) == "bits"}
+            out[k] = [Choice(c.label, c.nbytes, c.cost * rho if label_family(c.label) == "rank" else
                              quant[c.label.split(" + ")[0]] - (quant[c.label.split(" + ")[0]] - c.cost) / rho
-                             if family_of(c.label) == "joint" else c.cost) for c in v]
+                             if label_family(c.label) == "joint" else c.cost) for c in v]
         return out
 
     def family(self, which: str) -> dict[str, list[Choice]]:
         """The options of one family: ``bits`` (keep or quantize), ``rank`` (keep or factorize), ``joint``."""
-        return {k: [c for c in v if family_of(c.label) in ("keep", which) or which == "joint"]
+        return {k: [c for c in v if label_family(c.label) in ("keep", which) or which == "joint"]
                 for k, v in self.options.items()}
 
 
@@ -350,11 +350,6 @@ def ratio(rank: BitsPlan, quant: BitsPlan, floor: float = 0.0) -> float:
         return 1.0
     rho = (rank.value / rank.predicted) / (quant.value / quant.predicted)
     return rho if math.isfinite(rho) and rho > 1.0 else 1.0
-
-
-def family_of(label: str) -> str:
-    """"keep", "rank" (factors alone), "bits" (quantized alone) or "joint" (quantized with a correction)."""
-    return "keep" if label == "keep" else "rank" if label.startswith("rank ") else "joint" if "+" in label else "bits"
 
 
 def costed(ctx: "PassContext", layers: list[Layer], loss_metric: "LossMetric | None") -> Costed:
@@ -409,14 +404,15 @@ def _measure(ctx: "PassContext", refs: "References", c: Costed, family: str, siz
 def _uniform_truncation(c: Costed, size: int) -> tuple[dict[str, Choice], dict[str, Recipe]] | None:
     """SVD-LLM at ``size``: every layer at one share of its break-even rank (input-whitened), the largest share
     whose bytes fit (bisected); a layer whose rank saves nothing stays dense. None when even rank 1 does not fit."""
+    from .uniform import ranks_at
+
     def at(kept: float) -> tuple[dict[str, Choice], dict[str, Recipe]]:
+        ranks = ranks_at([lb.layer for lb in c.layers.values()], kept)  # the uniform baseline's own ranks
         plan, recipes = {}, {}
         for k, lb in c.layers.items():
-            r = max(1, math.floor(kept * lb.layer.break_even + 0.5))
-            if lb.rank_bytes(r) < lb.dense_bytes:
-                plan[k], recipes[k] = Choice(f"rank {r}", lb.rank_bytes(r), 0.0), Recipe(rank=r, whitened=True)
-            else:
-                plan[k], recipes[k] = Choice("keep", lb.dense_bytes, 0.0), Recipe()
+            r = ranks.get(k)
+            plan[k] = Choice(f"rank {r}", lb.rank_bytes(r), 0.0) if r else Choice("keep", lb.dense_bytes, 0.0)
+            recipes[k] = Recipe(rank=r, whitened=True) if r else Recipe()
         return plan, recipes
 
     if _model_bytes(at(0.0)[0], c) > size:
