@@ -120,9 +120,13 @@ def test_cli_factorize_measure_speed_from_a_folder_with_a_planted_json_runs_none
     marker = _plant(tmp_path)
     write_low_rank_mlp(tmp_path, widths=(8, 6, 4), rank=2)
     (tmp_path / "plan.toml").write_text('finetune = "none"\n[ranks]\n"0" = 2\n')
-    r = _isolated_cli("factorize", "m.py:model", "--plan", "plan.toml", "-o", "out", "--measure-speed", cwd=tmp_path)
-    assert r.returncode == 0, r.stderr
-    assert not marker.exists()
+    for attempt in range(3):  # a busy machine's repeats more than 25% apart are refused as not repeatable: again
+        r = _isolated_cli("factorize", "m.py:model", "--plan", "plan.toml", "-o", f"out{attempt}", "--measure-speed",
+                          cwd=tmp_path)
+        assert r.returncode == 0, r.stderr
+        assert not marker.exists()
+        if "not repeatable" not in r.stderr:
+            break
     assert "speed on cpu (1 thread)" in r.stderr and "speed not measured" not in r.stderr
 
 
