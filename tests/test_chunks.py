@@ -222,3 +222,24 @@ def test_the_refusal_of_ids_beyond_the_logits_names_the_tokens_scored():
     for kind, words in ((perplexity.KIND, "the next-token metric"), (masked.KIND, "the masked-token metric")):
         with pytest.raises(AuditError, match=f"{words} scores them against the model's 96 logits"):
             kind.row_scorer(wide_in, b)
+
+
+def test_the_first_rows_stand_for_the_first_batch_where_rows_are_independent():
+    """The read runs the first batch's first two rows together and its second alone; where those show the rows
+    independent (a language model) the whole first batch is not run again (a 7B model's batch is minutes of CPU);
+    where they cannot (a sequence-first model, an unbatched input) the whole first batch runs, as before."""
+    from auditor.calibration import load_calibration
+
+    def rows_run(model: torch.nn.Module, **batch: torch.Tensor) -> list[int]:
+        seen: list[int] = []
+        hook = model.register_forward_pre_hook(lambda m, a, k: seen.append(int(k["input_ids"].shape[0])),
+                                               with_kwargs=True)
+        try:
+            load_calibration([batch], model, holdout=0.0)
+        finally:
+            hook.remove()
+        return seen
+
+    ids = torch.randint(0, 96, (8, 16), generator=torch.Generator().manual_seed(2))
+    assert rows_run(_lm(), input_ids=ids) == [2, 1]
+    assert rows_run(_Scaled(), input_ids=ids, scale=torch.arange(1.0, 9.0)) == [2, 1, 8]

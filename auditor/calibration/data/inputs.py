@@ -475,8 +475,9 @@ def _load(source: object, model: nn.Module | None, holdout: object, reading: Rea
         raise AuditError(f"calibration source {where} yielded no batches", "Give at least one batch of inputs")
     _check_finite(batches, where)
     fit, held = split if split is not None else _split(batches, holdout)
+    probed = False  # the first batch's forward stood for by its first rows' (independent rows)
     if model is not None and reading.check_forward and (fit or held):
-        cap = _row_cap(model, (fit or held)[0])
+        cap, probed = _probe_rows(model, (fit or held)[0])
         fit, held = _cut_to(fit, cap), _cut_to(held, cap)
     cal = Calibration(fit, held, where, _digest(batches))
     if text_in is not None:  # the same ids from another tokenizer are another calibration
@@ -486,9 +487,9 @@ def _load(source: object, model: nn.Module | None, holdout: object, reading: Rea
         ids, cal.document_unit = docs
         cal.documents = tuple(ids)
         cal.digest = hashlib.sha256(f"{cal.digest};documents:{ids}".encode()).hexdigest()
-    if model is not None and reading.check_forward:
+    if model is not None and reading.check_forward and not probed:
         try:
-            run(model, fit[0])
+            run(model, (fit or held)[0])
         except Exception as exc:  # noqa: BLE001 - the inputs do not fit the forward
             raise misfit(f"calibration inputs from {where}", model, exc) from None
     warn = synthetic_warning(batches if text_in is None else [Batch((), {"input_ids": text_in.text_ids()})], model)
@@ -503,32 +504,36 @@ def bounded_rows(positions: int, width: int) -> int:
     return max(1, LOGITS_BUDGET // max(1, positions * width * 4))
 
 
-def _row_cap(model: nn.Module, first: Batch) -> int | None:
-    """The rows a batch holds at most (:func:`bounded_rows`) where one row's output (a language model's logits:
-    positions x vocabulary, float32) times the rows would pass :data:`LOGITS_BUDGET`: every forward of the audit then
-    holds at most that much output, and a backward its gradient (a 49,152-token vocabulary at 512 positions is 100 MB
-    a row, 32 rows 3.2 GB). None (nothing cut) unless cutting is safe and needed: every tensor of ``first`` is
-    batched along dim 0, its output is (rows, positions, features) in floats, and rows are independent (the second
-    row's output the same run alone as beside the first: not a sequence-first model, whose dim 0 is positions);
-    read from forwards of its first two rows in eval mode. A forward that fails leaves the batches as they are (the
-    check of the whole first batch then says what does not fit)."""
+def _probe_rows(model: nn.Module, first: Batch) -> tuple[int | None, bool]:
+    """(the rows a batch holds at most, or None; whether the probes stand for the first batch's forward), read from
+    forwards of ``first``'s first two rows together and its second row alone, in eval mode.
+
+    The cap (:func:`bounded_rows`) applies where one row's output (a language model's logits: positions x
+    vocabulary, float32) times the rows would pass :data:`LOGITS_BUDGET`: every forward of the audit then holds at
+    most that much output, and a backward its gradient (a 49,152-token vocabulary at 512 positions is 100 MB a row, 32
+    rows 3.2 GB). None (nothing cut) unless cutting is safe and needed. Both need every tensor of ``first`` batched
+    along dim 0, its output (rows, positions, features) in floats, and rows independent (the second row's output the
+    same run alone as beside the first: not a sequence-first model, whose dim 0 is positions): then the other rows,
+    of the same shapes and with their ids and masks checked (:func:`check_batches`), run as these did, and the whole
+    first batch is not run once more (a 7B model's batch of 32 x 256 positions is 19 minutes of CPU). A forward that
+    fails, or rows not shown independent, leave the batches as they are and the whole first batch to be run."""
     rows = first.rows
     ts = first.tensors()
     if rows <= 2 or not ts or any(t.dim() == 0 or int(t.shape[0]) != rows for _, t in ts):
-        return None
+        return None, False
     try:
         pair, alone = main_output(run(model, first.cut(0, 2))), main_output(run(model, first.cut(1, 2)))
-    except Exception:  # noqa: BLE001 - the check of the whole first batch (or the metric) says what does not fit
-        return None
+    except Exception:  # noqa: BLE001 - the run of the whole first batch (or the metric) says what does not fit
+        return None, False
     if not all(y.dim() == 3 and y.is_floating_point() for y in (pair, alone)):
-        return None
+        return None, False
     if tuple(pair.shape) != (2, *alone.shape[1:]) or alone.shape[0] != 1:
-        return None
-    cap = bounded_rows(int(alone.shape[1]), int(alone.shape[2]))
+        return None, False
     gap = float((pair[1:].float() - alone.float()).norm())  # a batched row differs by rounding alone (bf16: ~4e-3)
-    if cap >= rows or not gap <= 1e-2 * float(alone.float().norm()):
-        return None
-    return cap
+    if not gap <= 1e-2 * float(alone.float().norm()):
+        return None, False
+    cap = bounded_rows(int(alone.shape[1]), int(alone.shape[2]))
+    return (cap if cap < rows else None), True
 
 
 def _cut_to(batches: list[Batch], rows: int | None) -> list[Batch]:
