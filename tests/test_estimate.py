@@ -35,23 +35,45 @@ def test_stage_seconds_exact():
     assert s == pytest.approx({
         "load": 1.0, "trace": 2 * fwd, "reports": 0.6,
         "spectra": 2 * (4 * 128 + 160) / 1e3 + 0.8 / 2**3 * 5 * 4**3,  # the Grams, then their eigenvalues
-        "calibration data": fwd,  # the read runs the first batch once
+        "calibration data": 3 / 4 * fwd,  # the first batch's first two rows together, its second alone
         "statistics": 6 * fwd + grams + decomp,  # 24 fit rows in batches of 4
         "gradients": 6 * (2 * fwd + 2 * 2.625) + decomp,  # every fit row (4096 positions / 16 > 24)
-        # search half: 4 rows; 10 plans, 3 on every row; each layer decomposed once, kept across the plans
-        "tier 3": (4 + 7 * 4 + 3 * 4) / 4 * fwd + 10 * factors + decomp,
+        # search half: 4 rows; 10 plans, 3 on every row; each layer's decomposition the gradient pass's (kept)
+        "tier 3": (4 + 7 * 4 + 3 * 4) / 4 * fwd + 10 * factors,
         # the chosen plan's default (sequential) fit: 2 runs per stage (at most one a layer of the block's 2) and
-        # fit batch, C and G per layer, each W* truncated, the refinement's 8 epochs forward and backward per batch
-        "verification": 2 * 1 * fwd + factors + (2 * 2 * 6 * fwd + 2 * grams + decomp + 8 * 6 * (fwd + 2.625)),
+        # fit batch, C and G per layer, each W* truncated; the refinement's 8 epochs forward and backward over 5 of
+        # the 6 fit batches, the sixth held back and run forward before the first epoch and after each
+        "verification": 2 * 1 * fwd + factors + (2 * 2 * 6 * fwd + 2 * grams + decomp
+                                                 + 8 * 5 * (fwd + 2.625) + 9 * fwd),
         "plan check": factors})
     assert s["statistics"] == pytest.approx(162.70966666)
-    # bfloat16 weights: the rounding floor (every layer at full rank, the dense reference and one measurement on the
-    # 4 search rows) makes tier 3's decompositions before the search
-    low = est.stage_seconds(est.Shapes(**{**SHAPES.__dict__, "element_bytes": 2}), WORK, MEASURED)
-    assert low["rounding floor"] == pytest.approx(decomp + factors + 2 * 1 * fwd)
-    assert low["tier 3"] == pytest.approx(s["tier 3"] - decomp)
-    assert {k: v for k, v in low.items() if k not in ("rounding floor", "tier 3")} == {
-        k: v for k, v in s.items() if k != "tier 3"}
+    # bfloat16 weights: the rounding floor (every layer at full rank from the gradient pass's decompositions, the
+    # dense reference and one measurement on the 4 search rows)
+    bf16 = est.Shapes(**{**SHAPES.__dict__, "element_bytes": 2})
+    low = est.stage_seconds(bf16, WORK, MEASURED)
+    assert low["rounding floor"] == pytest.approx(factors + 2 * 1 * fwd)
+    assert {k: v for k, v in low.items() if k != "rounding floor"} == s
+    # --probe: no loss-aware store; the floor (bf16) or the search's first plans decompose every layer once
+    probes = est.Workload(**{**WORK.__dict__, "sensitivity": "probes"})
+    p, plow = est.stage_seconds(SHAPES, probes, MEASURED), est.stage_seconds(bf16, probes, MEASURED)
+    assert p["gradients"] == pytest.approx(2 * 5 * 1 * fwd)  # 5 layers at two ranks, one batch of search rows
+    assert p["tier 3"] == pytest.approx(s["tier 3"] + decomp)
+    assert plow["rounding floor"] == pytest.approx(decomp + factors + 2 * fwd) and plow["tier 3"] == s["tier 3"]
+    assert est.stage_seconds(SHAPES, est.Workload(**{**WORK.__dict__, "sensitivity": ""}), MEASURED)[
+        "gradients"] == 0.0
+
+
+def test_the_refinement_at_its_most_epochs():
+    """Every fit batch but the last one in CHECK trained forward and backward EPOCHS times; the held-back ones run
+    forward EPOCHS + 1 times; a partial last batch counts its rows; one fit batch refines nothing."""
+    def at(fit_rows: int, batch_rows: int) -> float:
+        return est.refinement_seconds(est.Workload(**{**WORK.__dict__, "fit_rows": fit_rows,
+                                                      "batch_rows": batch_rows}), 1.0, 2.0)
+
+    assert at(48, 32) == pytest.approx((8 * 32 * 3.0 + 9 * 16 * 1.0) / 32)  # the 7B calibration: 32 + 16 rows
+    assert at(24, 4) == pytest.approx(8 * 5 * 3.0 + 9 * 1.0)
+    assert at(64, 4) == pytest.approx((8 * 56 * 3.0 + 9 * 8 * 1.0) / 4)  # 16 batches: the last 2 held back
+    assert at(4, 4) == 0.0 and at(0, 4) == 0.0
 
 
 def test_the_gradient_pass_counts_its_sampling_and_its_moments_where_measured():

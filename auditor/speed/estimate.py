@@ -39,7 +39,7 @@ from ..calibration.tiers.fisher import CARRY_VALUES  # a wide head's output grad
 from ..calibration.tiers.fisher import SAMPLES  # sampled label sets (or projections) per fit batch, one backward each
 from ..calibration.tiers.passes import VERIFY_BACKSTOPS  # plans the search measures below the one it found
 from ..calibration.tiers.sensitivity import GRADIENT_POSITIONS  # positions the gradient pass reads at most
-from ..calibration.statistics.refine import EPOCHS  # the block refinement's most epochs (the default fit's)
+from ..calibration.statistics.refine import CHECK, EPOCHS  # the block refinement's most epochs, its held-back share
 from ..errors import AuditError
 
 # The calibration's own constants are imported above from the code that uses them (tests/test_estimate.py fails on a
@@ -98,6 +98,7 @@ class Workload:
     example_share: float = 1.0  # the trace's example input's positions over a measured batch's
     compared: int = 1  # a batch's outputs alive at once while a plan is measured (2 for KL: the dense one too)
     byte_plan: bool = False  # --budget-bytes / --bits-per-weight: the rank-or-bits pass runs
+    sensitivity: str = "gradients"  # tier 3's sensitivity: "gradients" (the default), "probes" (--probe), "" (none)
 
 
 @dataclass(frozen=True)
@@ -204,6 +205,40 @@ def _rows(wl: Workload) -> dict[str, int]:
     return {"search": search, "verify": verify, "gradient": grad, "tier3": tier3, "plans": plans}
 
 
+def refinement_seconds(wl: Workload, fwd: float, bwd: float) -> float:
+    """The block refinement at its most epochs (statistics/refine.py), summed over the blocks: the fit batches but
+    the last one in ``CHECK`` trained (forward and backward) every epoch, the held-back ones run forward once before
+    the first epoch and after each (nothing refined with one fit batch). ``fwd``/``bwd``: a full batch through every
+    block. Training stops at the first epoch that does not lower the held-back error: this is the most it costs."""
+    b = max(1, wl.batch_rows)
+    sizes = [min(b, wl.fit_rows - i) for i in range(0, max(0, wl.fit_rows), b)]
+    if len(sizes) < 2:
+        return 0.0
+    held = sum(sizes[len(sizes) - max(1, len(sizes) // CHECK):])
+    trained = wl.fit_rows - held
+    return (EPOCHS * trained * (fwd + bwd) + (EPOCHS + 1) * held * fwd) / b
+
+
+def _sensitivity_seconds(sh: Shapes, wl: Workload, me: Measurements, r: dict[str, int], fwd: float, bwd: float,
+                         decomp: float) -> float:
+    """Tier 3's sensitivity. The gradient pass: the gradient rows forward twice (checkpointed blocks) and backward
+    once per label sample, its loss-aware decompositions, a language model's labels sampled over the vocabulary and
+    each sample's output gradients into every layer's moment. ``--probe``: every planned layer truncated alone at two
+    ranks and measured on the search rows. None without a sensitivity."""
+    b = wl.batch_rows
+    if wl.sensitivity == "probes":
+        return 2 * len(sh.layers) * _batches(r["search"], b) * fwd
+    if wl.sensitivity != "gradients":
+        return 0.0
+    out = _batches(r["gradient"], b) * (GRADIENT_PASSES * fwd + SAMPLES * bwd) + decomp
+    if wl.token_inputs:  # a likelihood metric: labels sampled over the vocabulary at every position, SAMPLES times
+        out += SAMPLES * r["gradient"] * wl.tokens * wl.outputs * me.logit_seconds
+    if me.gemm32_flops > 0:  # each sample's output gradients into every layer's moment (carried back where out > in)
+        per = sum(2.0 * min(m, n) ** 2 + (2.0 * m * n if m > n else 0.0) for m, n in sh.layers)
+        out += SAMPLES * r["gradient"] * wl.tokens * per / me.gemm32_flops
+    return out
+
+
 def stage_seconds(sh: Shapes, wl: Workload, me: Measurements) -> dict[str, float]:
     fwd, bwd = forward_seconds(sh, me), forward_seconds(sh, me, backward=True)
     out = {"load": me.load_seconds, "trace": TRACE_FORWARDS * fwd * wl.example_share,
@@ -213,32 +248,30 @@ def stage_seconds(sh: Shapes, wl: Workload, me: Measurements) -> dict[str, float
     if not wl.calibrated:
         return out
     r, b = _rows(wl), wl.batch_rows
-    out["calibration data"] = fwd  # the read runs the first batch once (inputs that do not fit fail there)
+    # the read runs the first batch once (inputs that do not fit fail there); a language model's first two rows
+    # together and its second alone stand for it (rows shown independent: calibration.data.inputs._probe_rows)
+    out["calibration data"] = fwd * (min(1.0, 3.0 / b) if wl.token_inputs and b > 2 else 1.0)
     decomp = decompositions_seconds(sh, me)
     grams = sum(2.0 * wl.fit_rows * wl.tokens * n * n for _, n in sh.layers) / me.gemm_flops
     # one plan's A, B from kept decompositions (U_r^T F for every layer: m n r at r = min(m, n), the full-rank bound)
     factors = sum(2.0 * _cube(s) for s in sh.layers) / me.gemm_flops
     out["statistics"] = _batches(wl.fit_rows, b) * fwd + grams + decomp
-    out["gradients"] = _batches(r["gradient"], b) * (GRADIENT_PASSES * fwd + SAMPLES * bwd) + decomp
-    if wl.token_inputs:  # a likelihood metric: labels sampled over the vocabulary at every position, SAMPLES times
-        out["gradients"] += SAMPLES * r["gradient"] * wl.tokens * wl.outputs * me.logit_seconds
-    if me.gemm32_flops > 0:  # each sample's output gradients into every layer's moment (carried back where out > in)
-        per = sum(2.0 * min(m, n) ** 2 + (2.0 * m * n if m > n else 0.0) for m, n in sh.layers)
-        out["gradients"] += SAMPLES * r["gradient"] * wl.tokens * per / me.gemm32_flops
-    # tier 3's decompositions (one per layer, kept for the search and the verification's candidates) are made by
-    # the rounding floor of a bf16 / fp16 model (every layer at full rank, its dense reference and one measurement on
-    # the search rows), else by the search's first plans
-    tier3_decomp = decomp
+    out["gradients"] = _sensitivity_seconds(sh, wl, me, r, fwd, bwd, decomp)
+    # tier 3's decompositions (one per layer, kept for the search and the verification's candidates): the gradient
+    # pass's loss-aware truncations where it ran (the store tier 3 cuts from); else made by the rounding floor of a
+    # bf16 / fp16 model (every layer at full rank, its dense reference and one measurement on the search rows), else
+    # by the search's first plans
+    tier3_decomp = 0.0 if wl.sensitivity == "gradients" else decomp
     if sh.element_bytes == 2:  # its one plan: every layer at full rank, what `factors` already counts
-        out["rounding floor"] = decomp + factors + 2 * _batches(r["search"], b) * fwd
+        out["rounding floor"] = tier3_decomp + factors + 2 * _batches(r["search"], b) * fwd
         tier3_decomp = 0.0
     out["tier 3"] = r["tier3"] / b * fwd + r["plans"] * factors + tier3_decomp
     # the chosen plan fitted as factorize writes it (the sequential fit): two runs of a block (or of the model) per
-    # stage and fit batch, at most one stage per layer, C and G per layer, each W* truncated, and the refinement's
-    # epochs (forward and backward) where the model has repeated blocks
+    # stage and fit batch, at most one stage per layer, C and G per layer, each W* truncated, and the block
+    # refinement where the model has repeated blocks
     fit_b = _batches(wl.fit_rows, b)
     fit = (2 * len(sh.block_layers or sh.layers) * fit_b * fwd + 2 * grams + decomp
-           + (EPOCHS * fit_b * (fwd + bwd) if sh.block_layers else 0.0))
+           + (refinement_seconds(wl, fwd, bwd) if sh.block_layers else 0.0))
     out["verification"] = 2 * _batches(r["verify"], b) * fwd + factors + fit
     out["plan check"] = factors
     if wl.byte_plan:
@@ -450,7 +483,15 @@ def workload_of(cal: Any, options: Any, outputs: int, formats: tuple[str, ...]) 
     kl = isinstance(options.tiers.metric, str) and options.tiers.metric.strip().lower() == "kl"
     return Workload(cal.fit_rows, cal.holdout_rows, tokens, rows, outputs, ids, formats, torch.get_num_threads(),
                     bool(options.tiers.split), True, options.statistics.device, bool(options.statistics.offload),
-                    compared=2 if kl else 1, byte_plan=options.tiers.bytes_planned)
+                    compared=2 if kl else 1, byte_plan=options.tiers.bytes_planned,
+                    sensitivity=_sensitivity(options.tiers))
+
+
+def _sensitivity(tiers: Any) -> str:
+    """Tier 3's sensitivity as the options ask for it: the gradient pass, ``--probe``'s probes, or none."""
+    if not tiers.probe_sensitivity:
+        return ""
+    return "probes" if tiers.probe else "gradients"
 
 
 def _rss() -> int:
