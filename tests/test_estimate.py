@@ -40,10 +40,11 @@ def test_stage_seconds_exact():
         "gradients": 6 * (2 * fwd + 2 * 2.625) + decomp,  # every fit row (4096 positions / 16 > 24)
         # search half: 4 rows; 10 plans, 3 on every row; each layer's decomposition the gradient pass's (kept)
         "tier 3": (4 + 7 * 4 + 3 * 4) / 4 * fwd + 10 * factors,
-        # the chosen plan's default (sequential) fit: 2 runs per stage (at most one a layer of the block's 2) and
-        # fit batch, C and G per layer, each W* truncated; the refinement's 8 epochs forward and backward over 5 of
-        # the 6 fit batches, the sixth held back and run forward before the first epoch and after each
-        "verification": 2 * 1 * fwd + factors + (2 * 2 * 6 * fwd + 2 * grams + decomp
+        # the chosen plan's default (sequential) fit: per fit batch 2 runs of each stage (at most one a layer of
+        # the block's 2, each stopping after its layer: half the block, then all of it), the block twice more, the
+        # head's stage 2 whole runs; C and G per layer, each W* truncated; the refinement's 8 epochs forward and
+        # backward over 5 of the 6 fit batches, the sixth held back and run forward before the first epoch and after each
+        "verification": 2 * 1 * fwd + factors + ((5 * 128 / 168 + 2) * 6 * fwd + 2 * grams + decomp
                                                  + 8 * 5 * (fwd + 2.625) + 9 * fwd),
         "plan check": factors})
     assert s["statistics"] == pytest.approx(162.70966666)
@@ -61,6 +62,21 @@ def test_stage_seconds_exact():
     assert plow["rounding floor"] == pytest.approx(decomp + factors + 2 * fwd) and plow["tier 3"] == s["tier 3"]
     assert est.stage_seconds(SHAPES, est.Workload(**{**WORK.__dict__, "sensitivity": ""}), MEASURED)[
         "gradients"] == 0.0
+
+
+def test_the_sequential_fit_runs_each_stage_to_its_last_layer():
+    """A Llama-7B block (q, k, v, o 4096 x 4096, gate and up 11,008 x 4096, down 4096 x 11,008): each layer a stage
+    whose two runs stop after it, the block twice more; the head a stage of two whole runs; a model without blocks
+    runs each stage on the whole model, stopping likewise."""
+    sq, wide = 4096 * 4096, 11008 * 4096
+    block = ((4096, 4096),) * 4 + ((11008, 4096),) * 2 + ((4096, 11008),)
+    cum = [sq, 2 * sq, 3 * sq, 4 * sq, 4 * sq + wide, 4 * sq + 2 * wide, 4 * sq + 3 * wide]
+    share = sum(c / cum[-1] for c in cum)
+    assert share == pytest.approx(3.1606, abs=1e-4)  # against 7 runs of the whole block
+    head = 32000 * 4096
+    llama = est.Shapes(0, block * 32 + ((32000, 4096),), block, 32, 32 * cum[-1] + head, cum[-1])
+    assert est.fit_runs(llama) == pytest.approx((2 * share + 2) * 32 * cum[-1] / (32 * cum[-1] + head) + 2)
+    assert est.fit_runs(est.Shapes(0, block)) == pytest.approx(2 * share)
 
 
 def test_the_refinement_at_its_most_epochs():

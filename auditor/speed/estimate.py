@@ -205,6 +205,27 @@ def _rows(wl: Workload) -> dict[str, int]:
     return {"search": search, "verify": verify, "gradient": grad, "tier3": tier3, "plans": plans}
 
 
+def fit_runs(sh: Shapes) -> float:
+    """The sequential fit's runs per fit batch, in forwards of the whole model (statistics/sequential.py). Each layer
+    of a repeated block a stage at most (q, k and v, reading one input, are one: this is the bound), each stage's two
+    runs of the block (dense, fitted) stopping once its layers have run, so costing the block's multiplied parameters
+    up to its last layer (the layers in the order the block registers them: a transformer block's call order); then
+    the block twice more (the dense outputs the refinement aims at and the next block reads, the fitted ones); each
+    layer outside the blocks (an output head) a stage of two whole-model runs. Without repeated blocks every stage is
+    two runs of the whole model, stopping likewise."""
+    layers = sh.block_layers or sh.layers
+    total = float(sum(m * n for m, n in layers)) or 1.0
+    cum, share = 0, 0.0
+    for m, n in layers:
+        cum += m * n
+        share += cum / total
+    if not sh.block_layers:
+        return 2 * share
+    inside = sh.blocks * sh.block_flop_params / max(1, sh.flop_params)  # the blocks' share of a forward
+    outside = max(0, len(sh.layers) - sh.blocks * len(sh.block_layers))
+    return (2 * share + 2) * inside + 2 * outside
+
+
 def refinement_seconds(wl: Workload, fwd: float, bwd: float) -> float:
     """The block refinement at its most epochs (statistics/refine.py), summed over the blocks: the fit batches but
     the last one in ``CHECK`` trained (forward and backward) every epoch, the held-back ones run forward once before
@@ -269,9 +290,8 @@ def stage_seconds(sh: Shapes, wl: Workload, me: Measurements) -> dict[str, float
     # the chosen plan fitted as factorize writes it (the sequential fit): two runs of a block (or of the model) per
     # stage and fit batch, at most one stage per layer, C and G per layer, each W* truncated, and the block
     # refinement where the model has repeated blocks
-    fit_b = _batches(wl.fit_rows, b)
-    fit = (2 * len(sh.block_layers or sh.layers) * fit_b * fwd + 2 * grams + decomp
-           + (refinement_seconds(wl, fwd, bwd) if sh.block_layers else 0.0))
+    fit = fit_runs(sh) * _batches(wl.fit_rows, b) * fwd + 2 * grams + decomp \
+        + (refinement_seconds(wl, fwd, bwd) if sh.block_layers else 0.0)
     out["verification"] = 2 * _batches(r["verify"], b) * fwd + factors + fit
     out["plan check"] = factors
     if wl.byte_plan:
