@@ -104,6 +104,16 @@ def test_the_gradient_pass_counts_its_sampling_and_its_moments_where_measured():
     assert {k: v for k, v in s.items() if k != "gradients"} == {k: v for k, v in plain.items() if k != "gradients"}
 
 
+def test_the_gradient_pass_backward_carries_to_the_inputs_alone_where_measured():
+    """The gradient pass's backward computes no weight's gradient (its taps are the graph's ends): where the block's
+    backward to its inputs alone was measured (block_carry) the pass counts it; the refinement, whose factors make
+    every planned weight's gradient, counts the whole backward."""
+    me = est.Measurements(**{**MEASURED.__dict__, "block_carry": 0.25})
+    s, plain = est.stage_seconds(SHAPES, WORK, me), est.stage_seconds(SHAPES, WORK, MEASURED)
+    assert plain["gradients"] - s["gradients"] == pytest.approx(6 * 2 * (1.0 - 0.25) * 2.625)
+    assert {k: v for k, v in s.items() if k != "gradients"} == {k: v for k, v in plain.items() if k != "gradients"}
+
+
 def test_the_byte_plan_is_a_stage_of_its_own_when_asked():
     """--budget-bytes: every layer's options (a rank SVD and two corrections) and the plans that factorize
     (BYTE_DECOMPOSITIONS decompositions of every layer) and fifteen plans measured on the verification rows; its
@@ -225,6 +235,7 @@ def test_estimate_json_keys_and_no_audit(cli_inproc, small, monkeypatch):
     by = {s["stage"]: s["wall_seconds"] for s in e["stages"]}
     me = e["basis"]["measurements"]
     assert me["block_forward"] > 0  # the read runs the first batch once: two blocks and the head (64 of 1,024 params)
+    assert me["block_carry"] > 0 and me["block_backward"] > 0  # the backward to the inputs alone, and the whole
     assert by["trace"] == 0 and by["calibration data"] == pytest.approx(me["block_forward"] * (2 + 64 / 1024), abs=1e-3)
     assert not (small / "out").exists()  # nothing written
     for shape in ((), ("--input-shape", "2,16")):  # without inputs nothing is timed but the decompositions

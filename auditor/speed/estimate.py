@@ -120,6 +120,8 @@ class Measurements:
     logit_seconds: float = 0.0  # the gradient pass's work per logit and sampled label set: a label drawn from the
     #                             softmax, its negative log-likelihood and that loss's backward (metrics/chunks.py)
     gemm32_flops: float = 0.0  # float32 multiply-adds x 2 per second (the gradient pass's moments g^T g); 0: unmeasured
+    block_carry: float = 0.0  # the block's backward to its inputs alone (no weight gradients: the gradient pass's);
+    #                           0: unmeasured (the whole backward counted)
 
 
 @dataclass(frozen=True)
@@ -163,10 +165,14 @@ def _cube(shape: tuple[int, int]) -> float:
     return float(m) * n * min(m, n)
 
 
-def forward_seconds(sh: Shapes, me: Measurements, backward: bool = False) -> float:
+def forward_seconds(sh: Shapes, me: Measurements, backward: bool = False, carry: bool = False) -> float:
     """One batch through the whole model: the block's time times the blocks, and the weights outside them by their
-    share of the multiplied parameters (without blocks the measurement was the whole model)."""
-    t = me.block_backward if backward else me.block_forward
+    share of the multiplied parameters (without blocks the measurement was the whole model). ``backward``: the
+    backward with every weight's gradient (the refinement's, whose factors make each planned weight's); with
+    ``carry`` the backward to the inputs alone where it was measured (the gradient pass's)."""
+    t = me.block_forward
+    if backward:
+        t = me.block_carry if carry and me.block_carry > 0 else me.block_backward
     if sh.blocks == 0 or sh.block_flop_params == 0:
         return t
     outside = max(0, sh.flop_params - sh.blocks * sh.block_flop_params)
@@ -251,7 +257,8 @@ def _sensitivity_seconds(sh: Shapes, wl: Workload, me: Measurements, r: dict[str
         return 2 * len(sh.layers) * _batches(r["search"], b) * fwd
     if wl.sensitivity != "gradients":
         return 0.0
-    out = _batches(r["gradient"], b) * (GRADIENT_PASSES * fwd + SAMPLES * bwd) + decomp
+    carry = forward_seconds(sh, me, backward=True, carry=True)  # activations' gradients only: the taps
+    out = _batches(r["gradient"], b) * (GRADIENT_PASSES * fwd + SAMPLES * carry) + decomp
     if wl.token_inputs:  # a likelihood metric: labels sampled over the vocabulary at every position, SAMPLES times
         out += SAMPLES * r["gradient"] * wl.tokens * wl.outputs * me.logit_seconds
     if me.gemm32_flops > 0:  # each sample's output gradients into every layer's moment (carried back where out > in)
@@ -542,9 +549,10 @@ def _block_call(model: nn.Module, block: nn.Module | None, batch: Any) -> tuple[
 
 
 def _time_call(fn: Callable[..., Any], args: tuple, kwargs: dict, params: set[int],
-               clock: Callable[[], float], backward: bool = True) -> tuple[float, float, int, int]:
-    """(forward seconds, backward seconds, bytes saved for the backward (weights not counted), output bytes);
-    ``backward`` False: the backward is not run (0 seconds), for a memory estimate."""
+               clock: Callable[[], float], backward: bool = True) -> tuple[float, float, int, int, float]:
+    """(forward seconds, backward seconds, bytes saved for the backward (weights not counted), output bytes, seconds
+    of the backward to the float inputs alone (0 where there are none)); ``backward`` False: the backward is not run
+    (0 seconds), for a memory estimate."""
     saved = [0]
 
     def pack(t: torch.Tensor) -> torch.Tensor:
@@ -558,10 +566,17 @@ def _time_call(fn: Callable[..., Any], args: tuple, kwargs: dict, params: set[in
         t0 = clock()
         y = main_output(fn(*args, **kwargs))
         t1 = clock()
+    carried = 0.0  # the backward to the block's inputs alone, as the gradient pass runs it (no weight gradients)
     if y.requires_grad and backward:
-        y.float().square().mean().backward()
+        loss = y.float().square().mean()
+        leaves = [a for a in args if isinstance(a, torch.Tensor) and a.requires_grad]
+        if leaves:
+            torch.autograd.grad(loss, leaves, retain_graph=True)
+            carried = clock() - t1
+        t1 = clock()
+        loss.backward()
     t2 = clock()
-    return t1 - t0, t2 - t1, saved[0], y.numel() * y.element_size()
+    return t1 - t0, t2 - t1, saved[0], y.numel() * y.element_size(), carried
 
 
 def _decompose_shape(sh: Shapes, limit: int = 1024) -> tuple[int, int]:
@@ -668,7 +683,7 @@ def measure(model: nn.Module, batch: Any, sh: Shapes, before: Process, clock: Ca
         with eval_mode(model), computing_in(model, compute_dtype_for(compute_dtype)):
             fn, args, kwargs = _block_call(model, block[0] if block is not None else None, batch)
             params = {p.data_ptr() for p in model.parameters()}
-            fwd, bwd, saved, out_bytes = _time_call(fn, args, kwargs, params, clock, backward=linalg)
+            fwd, bwd, saved, out_bytes, carried = _time_call(fn, args, kwargs, params, clock, backward=linalg)
     except (AuditError, torch.OutOfMemoryError):
         raise
     except Exception as exc:  # noqa: BLE001 - inputs the forward refuses, said in one line as the audit says it
@@ -683,7 +698,7 @@ def measure(model: nn.Module, batch: Any, sh: Shapes, before: Process, clock: Ca
     flops32 = time_gemm32(clock) if linalg else 0.0
     return Measurements(before.base_rss, before.load_seconds, fwd, bwd, saved,
                         hidden if block is not None else out_bytes, dec, shape, eig, k, flops, clock() - start, logit,
-                        flops32)
+                        flops32, carried)
 
 
 # ---- the entry points ----------------------------------------------------------------------------------------------
