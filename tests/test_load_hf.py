@@ -89,15 +89,24 @@ def test_memory_is_estimated_before_building(tmp_path, monkeypatch):
     monkeypatch.setattr(hf, "available_memory", lambda: 1 << 20)
     built = []
     real_build = hf._build
-    monkeypatch.setattr(hf, "_build", lambda *a, meta: built.append(meta) or real_build(*a, meta=meta))
+    monkeypatch.setattr(hf, "_build", lambda *a, meta, **k: built.append(meta) or real_build(*a, meta=meta, **k))
     with pytest.raises(AuditError) as exc:
         load_source(str(tmp_path))
     assert built == [True]  # only the meta build ran
+    # safetensors: the weights are the file's pages, so the build needs the buffers and one chunk
+    need = (sum(t.numel() * t.element_size() for t in model.buffers()) + hf.CHUNK_BYTES) / (1 << 30)
+    assert exc.value.what.endswith(f"needs about {need:.1f} GiB of memory (its buffers and one chunk of tensors; "
+                                   "the weights are mapped from the checkpoint), but only 0.0 GiB is available")
+    assert "--structure-only" in exc.value.fix
+    # a torch state dict is copied into the model: its parameters count
+    torch.save(model.state_dict(), tmp_path / "pytorch_model.bin")
+    (tmp_path / "model.safetensors").unlink()
+    with pytest.raises(AuditError) as exc:
+        load_source(str(tmp_path))
     params = sum(p.numel() for p in model.parameters())
     need = (sum(t.numel() for t in [*model.parameters(), *model.buffers()]) * 4 + hf.CHUNK_BYTES) / (1 << 30)
     assert exc.value.what.endswith(f"needs about {need:.1f} GiB of memory ({params:,} parameters as float32), "
                                    "but only 0.0 GiB is available")
-    assert "--structure-only" in exc.value.fix
     assert load_source(str(tmp_path), structure_only=True).model.embeddings.word_embeddings.weight.is_meta
 
 
@@ -257,3 +266,86 @@ def test_deeply_nested_config_is_one_error_or_loads(tmp_path):
             assert "cannot read the Hugging Face config" in exc.what and depth >= 990
         else:
             assert depth < 5000
+
+
+def _tied_llama(folder, dtype=torch.float32, **kw):
+    cfg = T.LlamaConfig(vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                        tie_word_embeddings=True, architectures=["LlamaForCausalLM"], **kw)
+    torch.manual_seed(1)
+    model = T.LlamaForCausalLM(cfg).to(dtype).eval()
+    model.save_pretrained(folder)
+    return model
+
+
+def test_safetensors_weights_are_the_files_pages_ties_kept(tmp_path):
+    """A checkpoint of safetensors that covers every parameter is not copied: each parameter is the file's own pages
+    (a private map: a write stays in the process), tied names share one tensor, buffers a constructor computes
+    (rotary frequencies) are real, and the model computes what the saved one does, bit for bit."""
+    from auditor.sources.checkpoint import mapped_bytes
+
+    model = _tied_llama(tmp_path)
+    loaded = load_source(str(tmp_path)).model.eval()
+    params = list(loaded.parameters())
+    assert mapped_bytes(loaded) == sum(p.numel() * p.element_size() for p in params) > 0
+    assert loaded.lm_head.weight is loaded.model.embed_tokens.weight
+    assert all(b.device.type == "cpu" for b in loaded.buffers()) and all(p.device.type == "cpu" for p in params)
+    ids = torch.randint(0, 96, (2, 16), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        assert torch.equal(model(ids).logits, loaded(ids).logits)
+        loaded.model.norm.weight.add_(1.0)  # copied on write: the file keeps its bytes
+    again = load_source(str(tmp_path)).model.eval()
+    assert torch.equal(again.model.norm.weight, model.model.norm.weight)
+
+
+def test_a_dtype_the_model_does_not_hold_is_cast_and_not_mapped(tmp_path):
+    """float32 tensors for a bfloat16 config are cast into the model's dtype (a copy each), as before."""
+    from auditor.sources.checkpoint import mapped_bytes
+
+    model = _tied_llama(tmp_path)
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    cfg["torch_dtype"] = cfg["dtype"] = "bfloat16"
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    loaded = load_source(str(tmp_path)).model
+    dtypes = {p.dtype for p in loaded.parameters()}
+    if dtypes == {torch.bfloat16}:  # the config's dtype honoured by the build
+        assert mapped_bytes(loaded) == 0
+        assert torch.equal(loaded.model.norm.weight, model.model.norm.weight.to(torch.bfloat16))
+    else:
+        assert dtypes == {torch.float32} and mapped_bytes(loaded) > 0
+
+
+LOAD_RSS = """
+import sys
+sys.path.insert(0, {root!r})
+def anon():
+    for line in open("/proc/self/status"):
+        if line.startswith("RssAnon:"):
+            return int(line.split()[1]) * 1024
+from auditor.sources import load_source
+import torch, transformers
+transformers.LlamaForCausalLM  # the library imported before the count
+before = anon()
+model = load_source({folder!r}).model
+print(anon() - before, sum(p.numel() * p.element_size() for p in model.parameters()))
+"""
+
+
+def test_loading_a_safetensors_model_takes_no_anonymous_memory_for_its_weights(tmp_path):
+    """The load of a model of 67 MB of float32 weights grows the process's anonymous memory by far less than them
+    (it grew by at least the weights when they were copied into a built model)."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    cfg = T.LlamaConfig(vocab_size=4096, hidden_size=512, intermediate_size=1536, num_hidden_layers=4,
+                        num_attention_heads=8, num_key_value_heads=8, max_position_embeddings=64,
+                        architectures=["LlamaForCausalLM"])
+    torch.manual_seed(0)
+    T.LlamaForCausalLM(cfg).save_pretrained(tmp_path)
+    root = str(Path(__file__).resolve().parents[1])
+    out = subprocess.run([sys.executable, "-c", LOAD_RSS.format(root=root, folder=str(tmp_path))],
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    grown, weights = (int(x) for x in out.stdout.split()[-2:])
+    assert weights > 60e6 and grown < 0.25 * weights, (grown, weights)

@@ -7,15 +7,17 @@ build on this module; it imports neither."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
 import pickle
 import re
+import weakref
 import zipfile
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import numpy as np
 import torch
@@ -51,6 +53,7 @@ class Checkpoint:
     where: str
     names: list[str]
     get: Callable[[str], torch.Tensor]
+    mapped: bool = False  # ``get`` returns the file's own pages (safetensors: private memory maps), never a copy
 
     @classmethod
     def of_dict(cls, where: str, state: dict[str, torch.Tensor]) -> "Checkpoint":
@@ -71,13 +74,13 @@ def open_checkpoint(location: str | Path, flag: bool = False) -> Checkpoint | No
     if p.is_file():
         if p.suffix == ".safetensors" or p.name.endswith(".safetensors.index.json"):
             w = WeightsOnly.open(p)
-            return Checkpoint(str(p), list(w.index), w.tensor)
+            return Checkpoint(str(p), list(w.index), w.tensor, mapped=True)
         if p.name.endswith(".bin.index.json"):
             return Checkpoint.of_dict(str(p), _bin_shards(p))
         return Checkpoint.of_dict(str(p), safe_torch_load(p))
     if (p / "model.safetensors.index.json").is_file() or list(p.glob("*.safetensors")):
         w = WeightsOnly.open(p)
-        return Checkpoint(str(p), list(w.index), w.tensor)
+        return Checkpoint(str(p), list(w.index), w.tensor, mapped=True)
     if (p / "pytorch_model.bin.index.json").is_file():
         return Checkpoint.of_dict(str(p), _bin_shards(p / "pytorch_model.bin.index.json"))
     if (p / "pytorch_model.bin").is_file():
@@ -155,11 +158,15 @@ def apply_weights(model: nn.Module, ckpt: Checkpoint | None, partial: bool = Fal
 
 
 def _copy_tensors(model: nn.Module, ckpt: Checkpoint, prefix: str) -> tuple[set[str], set[str]]:
-    """Copy the checkpoint into ``model`` a chunk of :data:`CHUNK_BYTES` at a time; returns the model's names no
-    chunk covered and the checkpoint's names the model lacks. A shape or dtype torch cannot copy is an error."""
+    """Copy the checkpoint into ``model`` a chunk of :data:`CHUNK_BYTES` at a time, and put a checkpoint tensor in
+    place of each parameter that is on the meta device (:func:`parameters_on_meta`: no copy; every name tied to it
+    too); returns the model's names nothing covered and the checkpoint's names the model lacks. A shape or dtype
+    torch cannot copy is an error."""
     where = ckpt.where
     own = {k: tuple(v.shape) for k, v in model.state_dict().items()}
     rename = _best_rename(ckpt.names, set(own), prefix)
+    ties = _tie_groups(model)
+    placed: set[str] = set()
     missing: set[str] | None = None
     unexpected: set[str] = set()
     chunk: dict[str, torch.Tensor] = {}
@@ -186,13 +193,82 @@ def _copy_tensors(model: nn.Module, ckpt: Checkpoint, prefix: str) -> tuple[set[
         if tuple(t.shape) != own[key]:
             raise AuditError(f"tensor {name} in {where} has shape {tuple(t.shape)} but the model has "
                              f"{own[key]}", "Use the config.json or factory that belongs to these weights")
+        if key in ties:
+            placed |= _place(model, ties[key], t, ckpt.mapped)
+            continue
         chunk[key] = t
         size += t.numel() * t.element_size()
         if size >= CHUNK_BYTES:
             flush()
     if chunk or missing is None:
         flush()
-    return missing or set(), unexpected
+    return (missing or set()) - placed, unexpected
+
+
+# parameters that are a checkpoint file's own pages, by id (an entry leaves with its parameter)
+MAPPED: "weakref.WeakValueDictionary[int, torch.Tensor]" = weakref.WeakValueDictionary()
+
+
+def mapped_bytes(model: nn.Module) -> int:
+    """Bytes of ``model``'s parameters that are pages of a checkpoint file (memory-mapped, private: read from the
+    file as they are touched, dropped by the kernel under pressure and read again; never anonymous memory)."""
+    return sum(p.numel() * p.element_size() for p in model.parameters() if MAPPED.get(id(p)) is p)
+
+
+@contextlib.contextmanager
+def parameters_on_meta() -> Iterator[None]:
+    """Every ``nn.Parameter`` a module registers while this runs is put on the meta device, so building a model
+    allocates and initialises no weights (a 7B model's 13 GB of random values took minutes); buffers stay where they
+    are made (a rotary embedding's ``inv_freq`` is computed by its constructor, not loaded). The checkpoint's tensors
+    then take the parameters' places (:func:`apply_weights`)."""
+    register = nn.Module.register_parameter
+
+    def on_meta(module: nn.Module, name: str, param: nn.Parameter | None) -> None:
+        register(module, name, param)
+        p = module._parameters.get(name)
+        if p is not None and type(p) is nn.Parameter and p.device.type != "meta":
+            moved = nn.Parameter(p.to("meta"), requires_grad=p.requires_grad)
+            moved.__dict__.update(p.__dict__)
+            module._parameters[name] = moved
+
+    nn.Module.register_parameter = on_meta  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        nn.Module.register_parameter = register  # type: ignore[method-assign]
+
+
+def covers(model: nn.Module, ckpt: Checkpoint, prefix: str) -> bool:
+    """Whether every parameter of ``model`` (under one of its tied names) is among the checkpoint's tensors."""
+    names = dict(model.named_parameters(remove_duplicate=False))
+    rename = _best_rename(ckpt.names, set(names), prefix)
+    present = {rename(n) for n in ckpt.names}
+    return all(any(n in present for n in group) for group in _tie_groups(model).values())
+
+
+def _tie_groups(model: nn.Module) -> dict[str, tuple[str, ...]]:
+    """Each name of a parameter on the meta device -> every name of that parameter (tied weights share one)."""
+    groups: dict[int, list[str]] = {}
+    for n, p in model.named_parameters(remove_duplicate=False):
+        if p.device.type == "meta":
+            groups.setdefault(id(p), []).append(n)
+    return {n: tuple(g) for g in groups.values() for n in g}
+
+
+def _place(model: nn.Module, names: tuple[str, ...], t: torch.Tensor, mapped: bool) -> set[str]:
+    """``t`` as the parameter under every one of ``names`` (one tensor: ties kept), cast where the model's dtype
+    differs (a copy then); returns the names placed."""
+    first = model.get_parameter(names[0])
+    if first.device.type != "meta":  # placed already under another of its names
+        return set(names)
+    data = t.detach() if t.dtype == first.dtype else t.detach().to(first.dtype)
+    param = nn.Parameter(data, requires_grad=first.requires_grad)
+    if mapped and data.data_ptr() == t.data_ptr():
+        MAPPED[id(param)] = param
+    for n in names:
+        path, _, attr = n.rpartition(".")
+        setattr(model.get_submodule(path) if path else model, attr, param)
+    return set(names)
 
 
 def _missing_notes(model: nn.Module, where: str, lost: set[str], partial: bool) -> list[str]:

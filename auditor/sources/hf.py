@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from ..errors import AuditError, first_line
-from .checkpoint import CHUNK_BYTES, Loaded, apply_weights, open_checkpoint
+from .checkpoint import CHUNK_BYTES, Loaded, apply_weights, covers, open_checkpoint, parameters_on_meta
 from .factory import float_dtype
 
 OFFLINE_VARS = ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE")
@@ -165,18 +165,23 @@ def load_hf(config_file: Path, folder: Path | None, input_shape: Any, input_ids:
                              "(parameter counts, shapes and MACs; no spectra). Give the checkpoint directory, or "
                              "the config with --weights FILE, to audit the weights.")
         else:
-            need = model_bytes(meta) + CHUNK_BYTES
+            prefix = getattr(meta, "base_model_prefix", "") or ""
+            mapped = ckpt.mapped and covers(meta, ckpt, prefix)  # the weights stay the file's pages: no copy
+            buffers = sum(b.numel() * b.element_size() for b in meta.buffers())
+            need = CHUNK_BYTES + (buffers if mapped else model_bytes(meta))
             have = available_memory()
             if have is not None and need > have:
                 params = sum(p.numel() for p in meta.parameters())
                 dtypes = sorted({str(p.dtype).replace("torch.", "") for p in meta.parameters()})
+                what = ("its buffers and one chunk of tensors; the weights are mapped from the checkpoint" if mapped
+                        else f"{params:,} parameters as {'/'.join(dtypes)}")
                 raise AuditError(
                     f"building {name} from {config_file} to load its weights needs about {_gib(need)} of memory "
-                    f"({params:,} parameters as {'/'.join(dtypes)}), but only {_gib(have)} is available",
+                    f"({what}), but only {_gib(have)} is available",
                     "Audit the weights alone (point at the .safetensors file or files: nothing is built), or pass "
                     "--structure-only for counts and shapes")
-            model = _build(transformers, cls, config, config_file, meta=False)
-            notes += apply_weights(model, ckpt, partial, prefix=getattr(model, "base_model_prefix", "") or "",
+            model = _build(transformers, cls, config, config_file, meta=False, mapped=mapped)
+            notes += apply_weights(model, ckpt, partial, prefix=prefix,
                                    ignore_missing=getattr(model, "_keys_to_ignore_on_load_missing", None) or (),
                                    ignore_unexpected=getattr(model, "_keys_to_ignore_on_load_unexpected", None) or ())
         inputs = _inputs(model, meta, config, name, _Asked(input_shape, input_ids, auto_inputs), notes)
@@ -219,10 +224,12 @@ def _read_config(transformers: Any, config_file: Path, notes: list[str]) -> tupl
     return config, archs[0] if archs else str(raw["model_type"])
 
 
-def _build(transformers: Any, cls: Any, config: Any, config_file: Path, meta: bool) -> nn.Module:
+def _build(transformers: Any, cls: Any, config: Any, config_file: Path, meta: bool, mapped: bool = False) -> nn.Module:
+    """The model ``config`` describes: on the meta device (``meta``), with its parameters alone there for the
+    checkpoint's tensors to take their places (``mapped``: :func:`.checkpoint.parameters_on_meta`), or on the CPU."""
     torch.manual_seed(0)  # the same initial values every run, for any tensor a partial checkpoint leaves out
     try:
-        with torch.device("meta") if meta else contextlib.nullcontext():
+        with torch.device("meta") if meta else parameters_on_meta() if mapped else contextlib.nullcontext():
             return cls._from_config(config) if cls is not None else transformers.AutoModel.from_config(config)
     except Exception as exc:  # noqa: BLE001
         raise AuditError(f"cannot build a model from {config_file}: {first_line(exc)}",
