@@ -163,6 +163,14 @@ def test_short_of_memory_line_and_fix():
     assert est.short_of_memory(e, 23988) is None and est.short_of_memory(e, None) is None
     line = est.short_of_memory(e, 23987)
     assert "gradients" in line and "available" in line
+    # weights mapped from the checkpoint are paged from disk: the check counts what must be held
+    mapped = est.predict(est.Shapes(**{**SHAPES.__dict__, "mapped_bytes": 600}), WORK, MEASURED)
+    assert mapped.peak_rss_bytes == e.peak_rss_bytes and mapped.needed_bytes == e.peak_rss_bytes - 600
+    assert est.short_of_memory(mapped, 23988 - 600) is None
+    assert est.short_of_memory(mapped, 23987 - 600).startswith(
+        "the audit is estimated to peak at 0 MiB of host memory (in its gradients stage, the 0 MiB of weights mapped "
+        "from the checkpoint not counted)")
+    assert "(0 MiB of it the weights, mapped from the checkpoint" in est.render_table(mapped)
     assert "--calibration-max-rows" in est.FIX and "--offload" in est.FIX and "--scheduler" in est.FIX
 
 
@@ -291,6 +299,8 @@ def test_a_config_without_weights_is_estimated_from_two_blocks_built_on_the_cpu(
     assert e["basis"]["measured_on"] == "2 of 16 blocks built from the config (no weights: the load not measured)"
     params = 2 * 97 * 64 + 16 * (2 * 64 * 64 + 2 * 64 * 32 + 3 * 64 * 128 + 2 * 64) + 64
     assert e["basis"]["shapes"]["weight_bytes"] == 2 * params + 2 * 8 * 4  # and the two rotary float32 buffers
+    assert e["mapped_bytes"] == 2 * params  # the checkpoint it would read: safetensors, mapped, not copied
+    assert e["needed_bytes"] == e["peak_rss_bytes"] - 2 * params
     me = e["basis"]["measurements"]
     forward = me["block_forward"] * (16 + 97 * 64 / (2 * 64 * 64 + 2 * 64 * 32 + 3 * 64 * 128))  # + the head
     trace = next(s["wall_seconds"] for s in e["stages"] if s["stage"] == "trace")

@@ -288,6 +288,9 @@ def test_safetensors_weights_are_the_files_pages_ties_kept(tmp_path):
     loaded = load_source(str(tmp_path)).model.eval()
     params = list(loaded.parameters())
     assert mapped_bytes(loaded) == sum(p.numel() * p.element_size() for p in params) > 0
+    from auditor.speed.estimate import shapes_of
+
+    assert shapes_of(loaded).mapped_bytes == mapped_bytes(loaded)  # the estimate's check does not count them
     assert loaded.lm_head.weight is loaded.model.embed_tokens.weight
     assert all(b.device.type == "cpu" for b in loaded.buffers()) and all(p.device.type == "cpu" for p in params)
     ids = torch.randint(0, 96, (2, 16), generator=torch.Generator().manual_seed(3))

@@ -77,6 +77,7 @@ class Shapes:
     block_flop_params: int = 0
     embedding_params: int = 0
     element_bytes: int = 4
+    mapped_bytes: int = 0  # of weight_bytes, the checkpoint file's own pages (sources/checkpoint.py: never copied)
 
 
 @dataclass(frozen=True)
@@ -141,13 +142,21 @@ class Estimate:
     measure_seconds: float = 0.0
     available_bytes: int | None = None
     basis: dict[str, Any] = field(default_factory=dict)
+    mapped_bytes: int = 0  # of every stage's peak, the weights mapped from the checkpoint (paged, not held)
 
     @property
     def wall_seconds(self) -> float:
         return sum(s.seconds for s in self.stages)
 
+    @property
+    def needed_bytes(self) -> int:
+        """The peak less the mapped weights: the memory the audit must hold (the kernel pages the weights from the
+        checkpoint as they are read, and drops them under pressure)."""
+        return self.peak_rss_bytes - self.mapped_bytes
+
     def as_dict(self) -> dict[str, Any]:
         return {"wall_seconds": round(self.wall_seconds, 3), "peak_rss_bytes": self.peak_rss_bytes,
+                "mapped_bytes": self.mapped_bytes, "needed_bytes": self.needed_bytes,
                 "peak_device_bytes": self.peak_device_bytes, "disk_bytes": self.disk_bytes,
                 "measure_seconds": round(self.measure_seconds, 3), "available_bytes": self.available_bytes,
                 "stages": [{"stage": s.name, "wall_seconds": round(s.seconds, 3), "peak_rss_bytes": s.peak_bytes,
@@ -415,7 +424,8 @@ def predict(sh: Shapes, wl: Workload, me: Measurements, available: int | None = 
     peak = max(s.peak_bytes for s in stages)
     basis = {"measurements": asdict(me), "rows": _rows(wl) if wl.calibrated else {},
              "shapes": {"layers": len(sh.layers), "blocks": sh.blocks, "weight_bytes": sh.weight_bytes}}
-    return Estimate(tuple(stages), peak, device_bytes(sh, wl, me), disk_bytes(sh, wl), me.seconds, available, basis)
+    return Estimate(tuple(stages), peak, device_bytes(sh, wl, me), disk_bytes(sh, wl), me.seconds, available, basis,
+                    min(sh.mapped_bytes, sh.weight_bytes))
 
 
 def _note(stage: str, sh: Shapes) -> str:
@@ -433,12 +443,13 @@ def _note(stage: str, sh: Shapes) -> str:
 def short_of_memory(est: Estimate, available: int | None) -> str | None:
     """The one line a calibrated audit stops with when its predicted peak exceeds ``available``; None when it fits
     (or the memory available is unknown)."""
-    if available is None or est.peak_rss_bytes <= available:
+    if available is None or est.needed_bytes <= available:
         return None
     worst = max(est.stages, key=lambda s: s.peak_bytes)
     note = f": {worst.note}" if worst.note else ""
-    return (f"the audit is estimated to peak at {_mib(est.peak_rss_bytes)} of host memory (in its {worst.name} "
-            f"stage{note}) but {_mib(available)} is available")
+    mapped = f", the {_mib(est.mapped_bytes)} of weights mapped from the checkpoint not counted" if est.mapped_bytes else ""
+    return (f"the audit is estimated to peak at {_mib(est.needed_bytes)} of host memory (in its {worst.name} "
+            f"stage{note}{mapped}) but {_mib(available)} is available")
 
 
 FIX = ("Read fewer rows (--calibration-max-rows N), keep the blocks off the host with --device cuda --offload, free "
@@ -488,9 +499,12 @@ def shapes_of(model: nn.Module) -> Shapes:
     layers, embedding = _matrices(model)
     blocks = _repeated(model)
     block_layers = _matrices(blocks[0])[0] if blocks is not None else []
+    from ..sources.checkpoint import mapped_bytes
+
     elem = next((p.element_size() for p in model.parameters()), 4)
     return Shapes(model_bytes(model), tuple(layers), tuple(block_layers), len(blocks) if blocks is not None else 0,
-                  sum(m * n for m, n in layers), sum(m * n for m, n in block_layers), embedding, elem)
+                  sum(m * n for m, n in layers), sum(m * n for m, n in block_layers), embedding, elem,
+                  mapped_bytes(model))
 
 
 def _batch_shape(batch: Any) -> tuple[int, int, bool]:
@@ -749,6 +763,8 @@ def estimate_loaded(loaded: Any, options: Any, formats: tuple[str, ...], load_se
                          "Estimate a factory (file.py:fn) or a Hugging Face directory")
     sh = shapes_of(model)
     timed, built = _measurable(model)
+    if built:  # a config alone: its checkpoint would be safetensors in the config's dtype, mapped as the load maps them
+        sh = replace(sh, mapped_bytes=sum(p.numel() * p.element_size() for p in model.parameters()))
     if options.calibration_data.source is not None:
         cal = _calibration(model, loaded.source, options)
         wl, batch = workload_of(cal, options, _outputs(model, sh), formats), (cal.fit or cal.holdout)[0]
@@ -847,8 +863,10 @@ def render_table(est: Estimate) -> str:
     lines.insert(1, "-" * len(lines[0]))
     device = "" if est.peak_device_bytes is None else f"; peak device memory {_mib(est.peak_device_bytes)}"
     available = "" if est.available_bytes is None else f" of {_mib(est.available_bytes)} available"
+    mapped = (f" ({_mib(est.mapped_bytes)} of it the weights, mapped from the checkpoint: paged from disk as read, "
+              f"so {_mib(est.needed_bytes)} must be held)" if est.mapped_bytes else "")
     return "\n".join([f"estimate (measured {est.measure_seconds:.1f} s here, the rest predicted; docs/performance.md)",
-                      *lines, f"peak host memory {_mib(est.peak_rss_bytes)}{available}{device}; "
+                      *lines, f"peak host memory {_mib(est.peak_rss_bytes)}{mapped}{available}{device}; "
                       f"disk {_mib(est.disk_bytes)} (caches, spilled statistics, reports)", ""])
 
 
