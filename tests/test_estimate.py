@@ -92,6 +92,20 @@ def test_the_refinement_at_its_most_epochs():
     assert at(4, 4) == 0.0 and at(0, 4) == 0.0
 
 
+def test_the_least_wall_stops_every_refinement_after_its_first_epoch():
+    """The wall's floor: every block's refinement stopped after one epoch (5 training batches forward and backward,
+    the held-back one forward twice) instead of all 8; said under the table and in the JSON."""
+    e = est.predict(SHAPES, WORK, MEASURED)
+    fwd, bwd = 1.3125, 2.625
+    assert e.slack_seconds == pytest.approx((8 * 5 * (fwd + bwd) + 9 * fwd) - (5 * (fwd + bwd) + 2 * fwd))
+    assert e.as_dict()["least_wall_seconds"] == pytest.approx(e.wall_seconds - e.slack_seconds, abs=1e-3)
+    table = est.render_table(e)
+    assert "  at least        11.0 min" in table and "stopped after one epoch" in table
+    assert max(len(line) for line in table.splitlines()) <= 120
+    plain = est.predict(est.Shapes(**{**SHAPES.__dict__, "block_layers": ()}), WORK, MEASURED)
+    assert plain.slack_seconds == 0 and "at least" not in est.render_table(plain)
+
+
 def test_the_gradient_pass_counts_its_sampling_and_its_moments_where_measured():
     """A likelihood metric samples labels over the vocabulary at every gradient position SAMPLES times (per logit:
     logit_seconds), and every sample's output gradients go into each layer's moment (2 min(m, n)^2 float32

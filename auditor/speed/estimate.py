@@ -143,6 +143,7 @@ class Estimate:
     available_bytes: int | None = None
     basis: dict[str, Any] = field(default_factory=dict)
     mapped_bytes: int = 0  # of every stage's peak, the weights mapped from the checkpoint (paged, not held)
+    slack_seconds: float = 0.0  # of the wall, what the block refinement saves if every block stops at its first epoch
 
     @property
     def wall_seconds(self) -> float:
@@ -155,7 +156,9 @@ class Estimate:
         return self.peak_rss_bytes - self.mapped_bytes
 
     def as_dict(self) -> dict[str, Any]:
-        return {"wall_seconds": round(self.wall_seconds, 3), "peak_rss_bytes": self.peak_rss_bytes,
+        return {"wall_seconds": round(self.wall_seconds, 3),
+                "least_wall_seconds": round(self.wall_seconds - self.slack_seconds, 3),
+                "peak_rss_bytes": self.peak_rss_bytes,
                 "mapped_bytes": self.mapped_bytes, "needed_bytes": self.needed_bytes,
                 "peak_device_bytes": self.peak_device_bytes, "disk_bytes": self.disk_bytes,
                 "measure_seconds": round(self.measure_seconds, 3), "available_bytes": self.available_bytes,
@@ -241,7 +244,7 @@ def fit_runs(sh: Shapes) -> float:
     return (2 * share + 2) * inside + 2 * outside
 
 
-def refinement_seconds(wl: Workload, fwd: float, bwd: float) -> float:
+def refinement_seconds(wl: Workload, fwd: float, bwd: float, epochs: int = EPOCHS) -> float:
     """The block refinement at its most epochs (statistics/refine.py), summed over the blocks: the fit batches but
     the last one in ``CHECK`` trained (forward and backward) every epoch, the held-back ones run forward once before
     the first epoch and after each (nothing refined with one fit batch). ``fwd``/``bwd``: a full batch through every
@@ -252,7 +255,17 @@ def refinement_seconds(wl: Workload, fwd: float, bwd: float) -> float:
         return 0.0
     held = sum(sizes[len(sizes) - max(1, len(sizes) // CHECK):])
     trained = wl.fit_rows - held
-    return (EPOCHS * trained * (fwd + bwd) + (EPOCHS + 1) * held * fwd) / b
+    return (epochs * trained * (fwd + bwd) + (epochs + 1) * held * fwd) / b
+
+
+def refinement_slack(sh: Shapes, wl: Workload, me: Measurements) -> float:
+    """Seconds the block refinement saves when every block stops after its first epoch (a block whose first epoch
+    does not lower its held-back error, as on a model of random weights) against all ``EPOCHS`` (a trained model's
+    blocks kept improving to the last: docs/calibration.md): how far below the estimate a run may come."""
+    if not (wl.calibrated and sh.block_layers):
+        return 0.0
+    fwd, bwd = forward_seconds(sh, me), forward_seconds(sh, me, backward=True)
+    return refinement_seconds(wl, fwd, bwd) - refinement_seconds(wl, fwd, bwd, 1)
 
 
 def _sensitivity_seconds(sh: Shapes, wl: Workload, me: Measurements, r: dict[str, int], fwd: float, bwd: float,
@@ -425,7 +438,7 @@ def predict(sh: Shapes, wl: Workload, me: Measurements, available: int | None = 
     basis = {"measurements": asdict(me), "rows": _rows(wl) if wl.calibrated else {},
              "shapes": {"layers": len(sh.layers), "blocks": sh.blocks, "weight_bytes": sh.weight_bytes}}
     return Estimate(tuple(stages), peak, device_bytes(sh, wl, me), disk_bytes(sh, wl), me.seconds, available, basis,
-                    min(sh.mapped_bytes, sh.weight_bytes))
+                    min(sh.mapped_bytes, sh.weight_bytes), refinement_slack(sh, wl, me))
 
 
 def _note(stage: str, sh: Shapes) -> str:
@@ -858,16 +871,20 @@ def _seconds(s: float) -> str:
 def render_table(est: Estimate) -> str:
     rows = [("stage", "wall", "peak RSS")] + [(s.name, _seconds(s.seconds), _mib(s.peak_bytes)) for s in est.stages]
     rows.append(("total", _seconds(est.wall_seconds), _mib(est.peak_rss_bytes)))
+    if est.slack_seconds > 0:
+        rows.append(("  at least", _seconds(est.wall_seconds - est.slack_seconds), ""))
     widths = [max(len(r[i]) for r in rows) for i in range(3)]
     lines = [f"{r[0]:<{widths[0]}}  {r[1]:>{widths[1]}}  {r[2]:>{widths[2]}}" for r in rows]
     lines.insert(1, "-" * len(lines[0]))
     device = "" if est.peak_device_bytes is None else f"; peak device memory {_mib(est.peak_device_bytes)}"
     available = "" if est.available_bytes is None else f" of {_mib(est.available_bytes)} available"
+    least = ([f"at least: each block's refinement stopped after one epoch (the total: all {EPOCHS}, as a trained "
+              "model's blocks ran them)"] if est.slack_seconds > 0 else [])
     mapped = (f" ({_mib(est.mapped_bytes)} of it the weights, mapped from the checkpoint: paged from disk as read, "
               f"so {_mib(est.needed_bytes)} must be held)" if est.mapped_bytes else "")
     return "\n".join([f"estimate (measured {est.measure_seconds:.1f} s here, the rest predicted; docs/performance.md)",
                       *lines, f"peak host memory {_mib(est.peak_rss_bytes)}{mapped}{available}{device}; "
-                      f"disk {_mib(est.disk_bytes)} (caches, spilled statistics, reports)", ""])
+                      f"disk {_mib(est.disk_bytes)} (caches, spilled statistics, reports)", *least, ""])
 
 
 def render(est: Estimate, formats: tuple[str, ...]) -> str:
