@@ -184,7 +184,8 @@ def test_short_of_memory_line_and_fix():
     assert est.short_of_memory(mapped, 23987 - 600).startswith(
         "the audit is estimated to peak at 0 MiB of host memory (in its gradients stage, the 0 MiB of weights mapped "
         "from the checkpoint not counted)")
-    assert "(0 MiB of it the weights, mapped from the checkpoint" in est.render_table(mapped)
+    assert "  of it 0 MiB the weights, mapped from the checkpoint (paged from disk as read): 0 MiB must be held" \
+        in est.render_table(mapped)
     assert "--calibration-max-rows" in est.FIX and "--offload" in est.FIX and "--scheduler" in est.FIX
 
 

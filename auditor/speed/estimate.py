@@ -880,11 +880,11 @@ def render_table(est: Estimate) -> str:
     available = "" if est.available_bytes is None else f" of {_mib(est.available_bytes)} available"
     least = ([f"at least: each block's refinement stopped after one epoch (the total: all {EPOCHS}, as a trained "
               "model's blocks ran them)"] if est.slack_seconds > 0 else [])
-    mapped = (f" ({_mib(est.mapped_bytes)} of it the weights, mapped from the checkpoint: paged from disk as read, "
-              f"so {_mib(est.needed_bytes)} must be held)" if est.mapped_bytes else "")
+    mapped = ([f"  of it {_mib(est.mapped_bytes)} the weights, mapped from the checkpoint (paged from disk as read): "
+               f"{_mib(est.needed_bytes)} must be held"] if est.mapped_bytes else [])
     return "\n".join([f"estimate (measured {est.measure_seconds:.1f} s here, the rest predicted; docs/performance.md)",
-                      *lines, f"peak host memory {_mib(est.peak_rss_bytes)}{mapped}{available}{device}; "
-                      f"disk {_mib(est.disk_bytes)} (caches, spilled statistics, reports)", *least, ""])
+                      *lines, f"peak host memory {_mib(est.peak_rss_bytes)}{available}{device}; "
+                      f"disk {_mib(est.disk_bytes)} (caches, spilled statistics, reports)", *mapped, *least, ""])
 
 
 def render(est: Estimate, formats: tuple[str, ...]) -> str:
