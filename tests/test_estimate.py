@@ -79,12 +79,50 @@ def test_the_sequential_fit_runs_each_stage_to_its_last_layer():
     assert est.fit_runs(est.Shapes(0, block)) == pytest.approx(2 * share)
 
 
+def test_the_measured_stages_and_forwards_recording_gradients_are_used_where_measured():
+    """Measured stage shares replace the per-layer bound in the sequential fit; a forward recording for a backward
+    (grad_forward) is the gradient pass's and the refinement's training steps', the plain forward everything else's."""
+    assert est.fit_runs(SHAPES, (0.25, 1.0)) == pytest.approx((2 * 1.25 + 2) * 128 / 168 + 2)
+    me = est.Measurements(**{**MEASURED.__dict__, "grad_forward": 0.75, "stage_shares": (0.25, 1.0)})
+    s, plain = est.stage_seconds(SHAPES, WORK, me), est.stage_seconds(SHAPES, WORK, MEASURED)
+    fwd, gfwd = 1.3125, 0.75 * 2.625
+    assert s["gradients"] - plain["gradients"] == pytest.approx(6 * 2 * (gfwd - fwd))
+    fit_gap = ((2 * 1.25 + 2) - (2 * 1.5 + 2)) * 128 / 168 * 6 * fwd  # the stages: 0.25 + 1 of the block, not 0.5 + 1
+    assert s["verification"] - plain["verification"] == pytest.approx(fit_gap + 8 * 5 * (gfwd - fwd))
+    assert {k: v for k, v in s.items() if k not in ("gradients", "verification")} == {
+        k: v for k, v in plain.items() if k not in ("gradients", "verification")}
+
+
+def test_a_llama_blocks_stages_are_watched_as_the_fit_forms_them():
+    """q, k and v read one tensor, gate and up another: four stages, each ending at its last layer's share of the
+    block's multiplied parameters; a module called twice gives none (the fit's runs do not stop then)."""
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.LlamaConfig(vocab_size=64, hidden_size=64, intermediate_size=192, num_hidden_layers=1,
+                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32)
+    model = transformers.LlamaForCausalLM(cfg).eval()
+    block = model.model.layers[0]
+    seen = []
+    block.register_forward_pre_hook(lambda m, a, k: seen.append((a, k)), with_kwargs=True)
+    model(torch.randint(0, 64, (2, 8)))
+    args, kwargs = seen[0]
+    with torch.no_grad(), est._StageWatch(block) as watch:
+        block(*args, **kwargs)
+    q, kv, o, up = 64 * 64, 32 * 64, 64 * 64, 192 * 64
+    total = q + 2 * kv + o + 3 * up
+    assert watch.shares() == pytest.approx(((q + 2 * kv) / total, (q + 2 * kv + o) / total,
+                                           (total - up) / total, 1.0))
+    twice = torch.nn.Sequential(torch.nn.Linear(4, 4))
+    with est._StageWatch(twice) as watch:
+        twice(twice(torch.zeros(1, 4)))
+    assert watch.shares() == ()
+
+
 def test_the_refinement_at_its_most_epochs():
     """Every fit batch but the last one in CHECK trained forward and backward EPOCHS times; the held-back ones run
     forward EPOCHS + 1 times; a partial last batch counts its rows; one fit batch refines nothing."""
     def at(fit_rows: int, batch_rows: int) -> float:
         return est.refinement_seconds(est.Workload(**{**WORK.__dict__, "fit_rows": fit_rows,
-                                                      "batch_rows": batch_rows}), 1.0, 2.0)
+                                                      "batch_rows": batch_rows}), 1.0, 3.0)
 
     assert at(48, 32) == pytest.approx((8 * 32 * 3.0 + 9 * 16 * 1.0) / 32)  # the 7B calibration: 32 + 16 rows
     assert at(24, 4) == pytest.approx(8 * 5 * 3.0 + 9 * 1.0)

@@ -20,6 +20,7 @@ when the predicted peak exceeds the memory available.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import resource
@@ -123,6 +124,10 @@ class Measurements:
     gemm32_flops: float = 0.0  # float32 multiply-adds x 2 per second (the gradient pass's moments g^T g); 0: unmeasured
     block_carry: float = 0.0  # the block's backward to its inputs alone (no weight gradients: the gradient pass's);
     #                           0: unmeasured (the whole backward counted)
+    grad_forward: float = 0.0  # the block's forward recording for a backward (the gradient pass's, the refinement's
+    #                            training steps); 0: unmeasured (block_forward, timed without gradients, counted)
+    stage_shares: tuple[float, ...] = ()  # the sequential fit's stages in the block: the share of its multiplied
+    #                                       parameters each stage's runs reach (); (): unmeasured (each layer a stage)
 
 
 @dataclass(frozen=True)
@@ -177,12 +182,14 @@ def _cube(shape: tuple[int, int]) -> float:
     return float(m) * n * min(m, n)
 
 
-def forward_seconds(sh: Shapes, me: Measurements, backward: bool = False, carry: bool = False) -> float:
+def forward_seconds(sh: Shapes, me: Measurements, backward: bool = False, carry: bool = False,
+                    grad: bool = False) -> float:
     """One batch through the whole model: the block's time times the blocks, and the weights outside them by their
-    share of the multiplied parameters (without blocks the measurement was the whole model). ``backward``: the
-    backward with every weight's gradient (the refinement's, whose factors make each planned weight's); with
-    ``carry`` the backward to the inputs alone where it was measured (the gradient pass's)."""
-    t = me.block_forward
+    share of the multiplied parameters (without blocks the measurement was the whole model). The forward without
+    gradients, or with ``grad`` recording for a backward where that was measured; ``backward``: the backward with
+    every weight's gradient (the refinement's, whose factors make each planned weight's); with ``carry`` the backward
+    to the inputs alone where it was measured (the gradient pass's)."""
+    t = me.grad_forward if grad and me.grad_forward > 0 else me.block_forward
     if backward:
         t = me.block_carry if carry and me.block_carry > 0 else me.block_backward
     if sh.blocks == 0 or sh.block_flop_params == 0:
@@ -223,20 +230,24 @@ def _rows(wl: Workload) -> dict[str, int]:
     return {"search": search, "verify": verify, "gradient": grad, "tier3": tier3, "plans": plans}
 
 
-def fit_runs(sh: Shapes) -> float:
-    """The sequential fit's runs per fit batch, in forwards of the whole model (statistics/sequential.py). Each layer
-    of a repeated block a stage at most (q, k and v, reading one input, are one: this is the bound), each stage's two
-    runs of the block (dense, fitted) stopping once its layers have run, so costing the block's multiplied parameters
-    up to its last layer (the layers in the order the block registers them: a transformer block's call order); then
-    the block twice more (the dense outputs the refinement aims at and the next block reads, the fitted ones); each
-    layer outside the blocks (an output head) a stage of two whole-model runs. Without repeated blocks every stage is
-    two runs of the whole model, stopping likewise."""
-    layers = sh.block_layers or sh.layers
-    total = float(sum(m * n for m, n in layers)) or 1.0
-    cum, share = 0, 0.0
-    for m, n in layers:
-        cum += m * n
-        share += cum / total
+def fit_runs(sh: Shapes, shares: tuple[float, ...] = ()) -> float:
+    """The sequential fit's runs per fit batch, in forwards of the whole model (statistics/sequential.py). Each stage
+    of a repeated block runs the block twice (dense, fitted), stopping once the stage's layers have run, so costing
+    the block's multiplied parameters up to its last layer: ``shares`` as measured (a Llama block's four stages reach
+    0.16, 0.25, 0.75 and 1 of it), else each layer a stage (the layers in the order the block registers them: a
+    transformer block's call order; the bound, as layers reading one input are one stage); then the block twice more
+    (the dense outputs the refinement aims at and the next block reads, the fitted ones); each layer outside the
+    blocks (an output head) a stage of two whole-model runs. Without repeated blocks every stage is two runs of the
+    whole model, stopping likewise."""
+    if not shares:
+        layers = sh.block_layers or sh.layers
+        total = float(sum(m * n for m, n in layers)) or 1.0
+        cum, ends = 0, []
+        for m, n in layers:
+            cum += m * n
+            ends.append(cum / total)
+        shares = tuple(ends)
+    share = sum(shares)
     if not sh.block_layers:
         return 2 * share
     inside = sh.blocks * sh.block_flop_params / max(1, sh.flop_params)  # the blocks' share of a forward
@@ -244,28 +255,33 @@ def fit_runs(sh: Shapes) -> float:
     return (2 * share + 2) * inside + 2 * outside
 
 
-def refinement_seconds(wl: Workload, fwd: float, bwd: float, epochs: int = EPOCHS) -> float:
+def refinement_seconds(wl: Workload, check: float, step: float, epochs: int = EPOCHS) -> float:
     """The block refinement at its most epochs (statistics/refine.py), summed over the blocks: the fit batches but
-    the last one in ``CHECK`` trained (forward and backward) every epoch, the held-back ones run forward once before
-    the first epoch and after each (nothing refined with one fit batch). ``fwd``/``bwd``: a full batch through every
-    block. Training stops at the first epoch that does not lower the held-back error: this is the most it costs."""
+    the last one in ``CHECK`` trained every epoch (``step``: a full batch's forward recording for the backward, and
+    the backward, through every block), the held-back ones run forward (``check``) once before the first epoch and
+    after each (nothing refined with one fit batch). Training stops at the first epoch that does not lower the
+    held-back error: this is the most it costs."""
     b = max(1, wl.batch_rows)
     sizes = [min(b, wl.fit_rows - i) for i in range(0, max(0, wl.fit_rows), b)]
     if len(sizes) < 2:
         return 0.0
     held = sum(sizes[len(sizes) - max(1, len(sizes) // CHECK):])
     trained = wl.fit_rows - held
-    return (epochs * trained * (fwd + bwd) + (epochs + 1) * held * fwd) / b
+    return (epochs * trained * step + (epochs + 1) * held * check) / b
+
+
+def _refinement(sh: Shapes, wl: Workload, me: Measurements, epochs: int = EPOCHS) -> float:
+    if not (wl.calibrated and sh.block_layers):
+        return 0.0
+    step = forward_seconds(sh, me, grad=True) + forward_seconds(sh, me, backward=True)
+    return refinement_seconds(wl, forward_seconds(sh, me), step, epochs)
 
 
 def refinement_slack(sh: Shapes, wl: Workload, me: Measurements) -> float:
     """Seconds the block refinement saves when every block stops after its first epoch (a block whose first epoch
     does not lower its held-back error, as on a model of random weights) against all ``EPOCHS`` (a trained model's
     blocks kept improving to the last: docs/calibration.md): how far below the estimate a run may come."""
-    if not (wl.calibrated and sh.block_layers):
-        return 0.0
-    fwd, bwd = forward_seconds(sh, me), forward_seconds(sh, me, backward=True)
-    return refinement_seconds(wl, fwd, bwd) - refinement_seconds(wl, fwd, bwd, 1)
+    return _refinement(sh, wl, me) - _refinement(sh, wl, me, 1)
 
 
 def _sensitivity_seconds(sh: Shapes, wl: Workload, me: Measurements, r: dict[str, int], fwd: float, bwd: float,
@@ -280,7 +296,8 @@ def _sensitivity_seconds(sh: Shapes, wl: Workload, me: Measurements, r: dict[str
     if wl.sensitivity != "gradients":
         return 0.0
     carry = forward_seconds(sh, me, backward=True, carry=True)  # activations' gradients only: the taps
-    out = _batches(r["gradient"], b) * (GRADIENT_PASSES * fwd + SAMPLES * carry) + decomp
+    grad = forward_seconds(sh, me, grad=True)  # recording for the backward
+    out = _batches(r["gradient"], b) * (GRADIENT_PASSES * grad + SAMPLES * carry) + decomp
     if wl.token_inputs:  # a likelihood metric: labels sampled over the vocabulary at every position, SAMPLES times
         out += SAMPLES * r["gradient"] * wl.tokens * wl.outputs * me.logit_seconds
     if me.gemm32_flops > 0:  # each sample's output gradients into every layer's moment (carried back where out > in)
@@ -319,8 +336,7 @@ def stage_seconds(sh: Shapes, wl: Workload, me: Measurements) -> dict[str, float
     # the chosen plan fitted as factorize writes it (the sequential fit): two runs of a block (or of the model) per
     # stage and fit batch, at most one stage per layer, C and G per layer, each W* truncated, and the block
     # refinement where the model has repeated blocks
-    fit = fit_runs(sh) * _batches(wl.fit_rows, b) * fwd + 2 * grams + decomp \
-        + (refinement_seconds(wl, fwd, bwd) if sh.block_layers else 0.0)
+    fit = fit_runs(sh, me.stage_shares) * _batches(wl.fit_rows, b) * fwd + 2 * grams + decomp + _refinement(sh, wl, me)
     out["verification"] = 2 * _batches(r["verify"], b) * fwd + factors + fit
     out["plan check"] = factors
     if wl.byte_plan:
@@ -575,11 +591,91 @@ def _block_call(model: nn.Module, block: nn.Module | None, batch: Any) -> tuple[
     return block, args, kwargs
 
 
+class _StageWatch:
+    """The sequential fit's stages in a measured forward, as ``statistics/sequential.py``'s ``_call_order`` forms
+    them: the weighted modules in the order they are called, those reading one input tensor together (a Llama block's
+    q, k and v; gate and up). ``shares()``: each stage as the share of the forward's multiplied parameters up to its
+    last module, where the fit's runs stop; empty where a module is called twice (the fit's runs do not stop then)."""
+
+    def __init__(self, module: nn.Module) -> None:
+        from ..kinds import for_module
+        from ..results import Kind
+
+        self.sizes: dict[int, int] = {}
+        self.modules: list[nn.Module] = []
+        for mod in module.modules():
+            kind = for_module(mod)
+            if kind is not None and kind.kind == Kind.EMBEDDING:
+                continue
+            n = sum(p.numel() for p in mod.parameters(recurse=False) if p.dim() >= 2)
+            if n:
+                self.sizes[id(mod)] = n
+                self.modules.append(mod)
+        self.calls: list[tuple[int, tuple[object, ...]]] = []
+        self.alive: list[object] = []  # the inputs held until the forward ends, so no other tensor reuses their memory
+        self.handles: list[Any] = []
+
+    def __enter__(self) -> "_StageWatch":
+        self.handles = [m.register_forward_pre_hook(self._note) for m in self.modules]
+        return self
+
+    def _note(self, mod: nn.Module, args: tuple[object, ...]) -> None:
+        x = args[0] if args else None
+        key = (x.data_ptr(), tuple(x.shape), tuple(x.stride())) if isinstance(x, torch.Tensor) else (id(mod),)
+        self.calls.append((id(mod), key))
+        self.alive.append(x)
+
+    def __exit__(self, *exc: object) -> None:
+        for h in self.handles:
+            h.remove()
+        self.alive.clear()
+
+    def shares(self) -> tuple[float, ...]:
+        ids = [i for i, _ in self.calls]
+        if not ids or len(set(ids)) != len(ids):
+            return ()
+        total = float(sum(self.sizes[i] for i in ids))
+        ends: list[float] = []
+        cum, last = 0, None
+        for i, key in self.calls:
+            cum += self.sizes[i]
+            if ends and key == last:
+                ends[-1] = cum / total
+            else:
+                ends.append(cum / total)
+            last = key
+        return tuple(ends)
+
+
+@dataclass(frozen=True)
+class _Timed:
+    forward: float  # without gradients, as the statistics, the plans and the fit run it (the quicker of two if short)
+    grad_forward: float  # recording for a backward, as the gradient pass and the refinement run it
+    backward: float  # every gradient: the inputs' and each weight's
+    carry: float  # to the float inputs alone (0 where there are none)
+    saved: int  # bytes the forward keeps for its backward (weights not counted)
+    out_bytes: int
+    shares: tuple[float, ...]  # the sequential fit's stages (_StageWatch)
+
+
 def _time_call(fn: Callable[..., Any], args: tuple, kwargs: dict, params: set[int],
-               clock: Callable[[], float], backward: bool = True) -> tuple[float, float, int, int, float]:
-    """(forward seconds, backward seconds, bytes saved for the backward (weights not counted), output bytes, seconds
-    of the backward to the float inputs alone (0 where there are none)); ``backward`` False: the backward is not run
-    (0 seconds), for a memory estimate."""
+               clock: Callable[[], float], backward: bool = True) -> _Timed:
+    """The measured call's forwards (without gradients; recording them) and backwards; ``backward`` False: only what a
+    memory estimate needs (one forward of each kind, no backward: 0 seconds)."""
+    from ..calibration.metrics import main_output
+
+    watch = _StageWatch(fn) if isinstance(fn, nn.Module) else None
+    with torch.no_grad(), watch if watch is not None else contextlib.nullcontext():
+        t0 = clock()
+        y0 = main_output(fn(*args, **kwargs))
+        plain = clock() - t0
+    out_bytes = y0.numel() * y0.element_size()
+    del y0
+    if backward and plain < 2.0:  # a first call's warm-up (allocations, kernel choice) is not the work's cost
+        with torch.no_grad():
+            t0 = clock()
+            fn(*args, **kwargs)
+            plain = min(plain, clock() - t0)
     saved = [0]
 
     def pack(t: torch.Tensor) -> torch.Tensor:
@@ -587,23 +683,22 @@ def _time_call(fn: Callable[..., Any], args: tuple, kwargs: dict, params: set[in
             saved[0] += t.numel() * t.element_size()
         return t
 
-    from ..calibration.metrics import main_output
-
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         t0 = clock()
         y = main_output(fn(*args, **kwargs))
         t1 = clock()
-    carried = 0.0  # the backward to the block's inputs alone, as the gradient pass runs it (no weight gradients)
+    carried, full = 0.0, 0.0  # to the block's inputs alone, as the gradient pass runs it (no weight gradients)
     if y.requires_grad and backward:
         loss = y.float().square().mean()
         leaves = [a for a in args if isinstance(a, torch.Tensor) and a.requires_grad]
+        t2 = clock()
         if leaves:
             torch.autograd.grad(loss, leaves, retain_graph=True)
-            carried = clock() - t1
-        t1 = clock()
+            carried = clock() - t2
+        t2 = clock()
         loss.backward()
-    t2 = clock()
-    return t1 - t0, t2 - t1, saved[0], y.numel() * y.element_size(), carried
+        full = clock() - t2
+    return _Timed(plain, t1 - t0, full, carried, saved[0], out_bytes, watch.shares() if watch is not None else ())
 
 
 def _decompose_shape(sh: Shapes, limit: int = 1024) -> tuple[int, int]:
@@ -710,7 +805,7 @@ def measure(model: nn.Module, batch: Any, sh: Shapes, before: Process, clock: Ca
         with eval_mode(model), computing_in(model, compute_dtype_for(compute_dtype)):
             fn, args, kwargs = _block_call(model, block[0] if block is not None else None, batch)
             params = {p.data_ptr() for p in model.parameters()}
-            fwd, bwd, saved, out_bytes, carried = _time_call(fn, args, kwargs, params, clock, backward=linalg)
+            timed = _time_call(fn, args, kwargs, params, clock, backward=linalg)
     except (AuditError, torch.OutOfMemoryError):
         raise
     except Exception as exc:  # noqa: BLE001 - inputs the forward refuses, said in one line as the audit says it
@@ -719,13 +814,13 @@ def measure(model: nn.Module, batch: Any, sh: Shapes, before: Process, clock: Ca
         raise misfit("the inputs", model, exc) from None
     for p in model.parameters():
         p.grad = None
-    hidden = next((a.numel() * a.element_size() for a in args if isinstance(a, torch.Tensor)), out_bytes)
+    hidden = next((a.numel() * a.element_size() for a in args if isinstance(a, torch.Tensor)), timed.out_bytes)
     dec, shape, eig, k, flops = _time_linalg(sh, clock) if linalg else (0.0, (1, 1), 0.0, 1, 1e12)
     logit = time_logits(outputs, clock) if linalg and outputs > 1 else 0.0
     flops32 = time_gemm32(clock) if linalg else 0.0
-    return Measurements(before.base_rss, before.load_seconds, fwd, bwd, saved,
-                        hidden if block is not None else out_bytes, dec, shape, eig, k, flops, clock() - start, logit,
-                        flops32, carried)
+    return Measurements(before.base_rss, before.load_seconds, timed.forward, timed.backward, timed.saved,
+                        hidden if block is not None else timed.out_bytes, dec, shape, eig, k, flops, clock() - start,
+                        logit, flops32, timed.carry, timed.grad_forward, timed.shares)
 
 
 # ---- the entry points ----------------------------------------------------------------------------------------------
