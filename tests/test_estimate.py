@@ -46,6 +46,9 @@ def test_stage_seconds_exact():
         # backward over 5 of the 6 fit batches, the sixth held back and run forward before the first epoch and after each
         "verification": 2 * 1 * fwd + factors + ((5 * 128 / 168 + 2) * 6 * fwd + 2 * grams + decomp
                                                  + 8 * 5 * (fwd + 2.625) + 9 * fwd),
+        # SVD-LLM's uniform truncation beside each of the 10 plans on the 4 search rows, and the chosen plan's on the
+        # 4 verification rows; its own decompositions (the gradient pass's are loss-aware)
+        "uniform baseline": decomp + 10 * (factors + 1 * fwd) + 1 * fwd,
         "plan check": factors})
     assert s["statistics"] == pytest.approx(162.70966666)
     # bfloat16 weights: the rounding floor (every layer at full rank from the gradient pass's decompositions, the
@@ -59,6 +62,7 @@ def test_stage_seconds_exact():
     p, plow = est.stage_seconds(SHAPES, probes, MEASURED), est.stage_seconds(bf16, probes, MEASURED)
     assert p["gradients"] == pytest.approx(2 * 5 * 1 * fwd)  # 5 layers at two ranks, one batch of search rows
     assert p["tier 3"] == pytest.approx(s["tier 3"] + decomp)
+    assert p["uniform baseline"] == pytest.approx(s["uniform baseline"] - decomp)  # it cuts from tier 3's store
     assert plow["rounding floor"] == pytest.approx(decomp + factors + 2 * fwd) and plow["tier 3"] == s["tier 3"]
     assert est.stage_seconds(SHAPES, est.Workload(**{**WORK.__dict__, "sensitivity": ""}), MEASURED)[
         "gradients"] == 0.0
@@ -138,7 +142,7 @@ def test_the_least_wall_stops_every_refinement_after_its_first_epoch():
     assert e.slack_seconds == pytest.approx((8 * 5 * (fwd + bwd) + 9 * fwd) - (5 * (fwd + bwd) + 2 * fwd))
     assert e.as_dict()["least_wall_seconds"] == pytest.approx(e.wall_seconds - e.slack_seconds, abs=1e-3)
     table = est.render_table(e)
-    assert "  at least        11.0 min" in table and "stopped after one epoch" in table
+    assert "  at least        11.8 min" in table and "stopped after one epoch" in table
     assert max(len(line) for line in table.splitlines()) <= 120
     plain = est.predict(est.Shapes(**{**SHAPES.__dict__, "block_layers": ()}), WORK, MEASURED)
     assert plain.slack_seconds == 0 and "at least" not in est.render_table(plain)

@@ -56,7 +56,7 @@ DEFAULT_REPORT_SECONDS = 0.3
 CHART_RSS = 200 * 2**20  # the plotting library and its figures, alive while an html or pdf report renders
 REPORT_BYTES = {"pdf": 400_000, "html": 600_000}  # measured on the sample models' reports; else 20 kB + per layer
 STAGES = ("load", "trace", "spectra", "calibration data", "statistics", "gradients", "rounding floor", "tier 3",
-          "verification", "rank or bits", "plan check", "reports")
+          "verification", "uniform baseline", "rank or bits", "plan check", "reports")
 BYTE_PLANS = 15  # rank or bits: three families at up to four sizes (the budget, the rank plan's, uniform int4's and
 #                 int8's) and three uniform baselines, each measured once
 BYTE_DECOMPOSITIONS = 9  # every layer's options (its rank SVD and two corrections'), then the plans that factorize:
@@ -338,6 +338,12 @@ def stage_seconds(sh: Shapes, wl: Workload, me: Measurements) -> dict[str, float
     # refinement where the model has repeated blocks
     fit = fit_runs(sh, me.stage_shares) * _batches(wl.fit_rows, b) * fwd + 2 * grams + decomp + _refinement(sh, wl, me)
     out["verification"] = 2 * _batches(r["verify"], b) * fwd + factors + fit
+    # SVD-LLM's uniform truncation beside every measured plan (at most the search's plans) on its rows, and the chosen
+    # one's on the verification rows; its input-whitened decompositions its own where the gradient pass's are
+    # loss-aware (made once, kept across the plans)
+    own = decomp if wl.sensitivity == "gradients" else 0.0
+    out["uniform baseline"] = own + r["plans"] * (factors + _batches(r["search"], b) * fwd) \
+        + _batches(r["verify"], b) * fwd
     out["plan check"] = factors
     if wl.byte_plan:
         plans = _batches(r["verify"] if wl.split else r["search"], b) * fwd
@@ -410,6 +416,7 @@ def stage_extra(sh: Shapes, wl: Workload, me: Measurements) -> dict[str, int]:
     block = _mapped_factors(sh)  # apply.measured_copy: one block's factors mapped at a time
     out["tier 3"] = plan + block + _block_grams(sh)
     out["verification"] = out["plan check"] = plan + block + _fit_bytes(sh, wl, me)  # a reviewed plan: a fit too
+    out["uniform baseline"] = out["tier 3"]  # one plan's factors of one block at a time, the store's part
     if sh.element_bytes == 2:  # every layer at full rank: twice a half-rank plan's factors, one block's at a time
         out["rounding floor"] = plan + 2 * block + _block_grams(sh)
     if wl.byte_plan:  # one plan's replacement weights (every rewritten layer's, in the model's dtype) while measured
