@@ -394,3 +394,28 @@ def test_finished_blocks_are_spilled_and_read_back_the_same(monkeypatch) -> None
     for n in names:
         for x, y in zip(spilled.truncators[n].factors(4), kept.truncators[n].factors(4)):
             assert np.array_equal(x, y)
+
+
+def test_a_stage_after_the_blocks_runs_the_model_after_them_alone(monkeypatch) -> None:
+    """The head's stage reads the last block's outputs (dense and fitted) with every block passing them on, not the
+    blocks run again: 3 batches x 2 runs x 3 blocks fewer block forwards, the same factors bit for bit."""
+    from auditor.calibration.statistics import sequential as seq
+
+    model = _Stack()
+    fit = _batches()
+    plan = checked_plan(model, {n: 3 for n in ("blocks.0.q", "blocks.1.up", "blocks.2.down", "head")})
+    calls = [0]
+    real = _Block.forward
+
+    def counted(self, *a, **k):
+        calls[0] += 1
+        return real(self, *a, **k)
+
+    monkeypatch.setattr(_Block, "forward", counted)
+    tail = seq.sequential_truncators(model, plan, fit, refine=0)
+    with_tail, calls[0] = calls[0], 0
+    monkeypatch.setattr(seq, "_tail_runs", lambda *a: None)
+    whole = seq.sequential_truncators(model, plan, fit, refine=0)
+    assert calls[0] - with_tail == 3 * 2 * 3
+    for name, (_, r) in plan.items():
+        np.testing.assert_array_equal(tail[name].weight(r).numpy(), whole[name].weight(r).numpy())

@@ -237,8 +237,9 @@ def fit_runs(sh: Shapes, shares: tuple[float, ...] = ()) -> float:
     0.16, 0.25, 0.75 and 1 of it), else each layer a stage (the layers in the order the block registers them: a
     transformer block's call order; the bound, as layers reading one input are one stage); then the block twice more
     (the dense outputs the refinement aims at and the next block reads, the fitted ones); each layer outside the
-    blocks (an output head) a stage of two whole-model runs. Without repeated blocks every stage is two runs of the
-    whole model, stopping likewise."""
+    blocks a stage of two runs of the model outside them (an output head reads the last block's kept outputs, the
+    blocks passing them on; a layer before the blocks stops the run once it has run). Without repeated blocks every
+    stage is two runs of the whole model, stopping likewise."""
     if not shares:
         layers = sh.block_layers or sh.layers
         total = float(sum(m * n for m, n in layers)) or 1.0
@@ -252,7 +253,7 @@ def fit_runs(sh: Shapes, shares: tuple[float, ...] = ()) -> float:
         return 2 * share
     inside = sh.blocks * sh.block_flop_params / max(1, sh.flop_params)  # the blocks' share of a forward
     outside = max(0, len(sh.layers) - sh.blocks * len(sh.block_layers))
-    return (2 * share + 2) * inside + 2 * outside
+    return (2 * share + 2) * inside + 2 * outside * (1 - inside)
 
 
 def refinement_seconds(wl: Workload, check: float, step: float, epochs: int = EPOCHS) -> float:

@@ -23,8 +23,9 @@ place of the dense ones: a rank-r weight computes what its two factors compute),
 rows as the statistics do (the kinds' own feeds) and add the float64 sums C and G. In a model of repeated blocks
 (:func:`.stream.find_blocks`, run one after another as :mod:`.stream` checks) a stage inside block k runs block k
 alone, on the dense model's inputs to it and on the fitted model's, both kept per batch and carried to block k + 1
-once its stages are done (GPTQ's sequential mode); the stages before and after the blocks (embeddings, the output
-head), and every stage of a model without such blocks, run the whole model. Alive at once: one stage's sums, one
+once its stages are done (GPTQ's sequential mode); the stages before the blocks (embeddings), and every stage of a
+model without such blocks, run the whole model, and those after them (the output head) the model with every block
+returning the last block's kept output, dense or fitted (the blocks are not run again). Alive at once: one stage's sums, one
 batch's rows, and with blocks the two kept inputs of each batch; the model's weights are put back afterwards. Embeddings (lookup counts) read ids,
 which no factorized layer changes: they get the independent fit on their counts. A planned layer the calibration
 never reaches gets the plain SVD, as in the independent fit.
@@ -51,7 +52,8 @@ from ...results import Layer
 from ..data.inputs import Batch, Calibration, eval_mode, model_device, run
 from .refine import EPOCHS, Refined, refine_block
 from .stats import LayerInput, batch_mask, kept_rows
-from .stream import Blocks, NotSequential, check_sequential, find_blocks, first_inputs, hidden_state, with_hidden
+from .stream import (Blocks, NotSequential, check_sequential, find_blocks, first_inputs, hidden_state,
+                     patched_forwards, with_hidden)
 from .whiten import DAMP, Pinned, Truncator, spill_array
 
 
@@ -507,15 +509,36 @@ def _advance(fitter: _Fitter, blk: nn.Module, kept: list[list[tuple[tuple[object
         kept[1][j] = with_hidden(f[0], f[1], hidden_state(fitter.swapped(lambda f=f: blk(*f[0], **f[1]))()))
 
 
-def _blockwise(fitter: _Fitter, stages: list[list[Layer]], fit: list[Batch], progress: Callable[[], None]) -> int:
+def _tail_runs(fitter: _Fitter, blocks: list[nn.Module], kept: list[list[tuple[tuple[object, ...], dict[str, object]]]],
+               masks: list[object], fit: list[Batch], shape: object) -> Runs:
+    """Each batch through the model after its blocks: every block returns the last block's output for the batch
+    (the dense model's, then the fitted model's: ``kept``, the inputs the next block would read), in the blocks'
+    output structure ``shape``, as the statistics' pass over the outside layers runs (stream.py); so a stage after
+    the blocks (an output head) reads its inputs without the blocks run again (two whole-model runs a batch were
+    most of a 7B fit's head stage)."""
+    def tail(j: int, which: int) -> Callable[[], object]:
+        args, kwargs = kept[which][j]
+        h = args[0] if args and isinstance(args[0], torch.Tensor) else kwargs["hidden_states"]
+        out = h if isinstance(shape, torch.Tensor) else (h, *shape[1:])  # type: ignore[index]
+
+        def call() -> object:
+            with patched_forwards(blocks, lambda i, blk: lambda *_a, **_k: out):
+                return run(fitter.model, fit[j])
+        return call
+    return [(masks[j], tail(j, 0), fitter.swapped(tail(j, 1))) for j in range(len(fit))]
+
+
+def _blockwise(fitter: _Fitter, stages: list[list[Layer]], fit: list[Batch],
+               progress: Callable[[], None]) -> tuple[int, Runs | None]:
     """The stages fitted block by block (GPTQ-style: each stage runs one block twice per batch, not the whole
-    model), those before and after the blocks on the whole model. Returns how many stages were fitted: fewer than
-    all when the model's blocks cannot be run one after another (the rest then go through the whole model)."""
+    model), those before the blocks on the whole model. Returns how many stages were fitted, fewer than all when
+    the model's blocks cannot be run one after another (the rest then go through the whole model) or stages follow
+    the blocks; and for those the runs of the model after its blocks (:func:`_tail_runs`), None if there are none."""
     model = fitter.model
     found = find_blocks(model, list(fitter.layers.values()))
     order = _by_block(stages, found) if found is not None else None
     if found is None or order is None or all(b is None for b in order):
-        return 0
+        return 0, None
     blocks, first = list(found.blocks), order.index(next(b for b in order if b is not None))
     for stage in stages[:first]:
         fitter.stage(stage, fitter.whole(fit))
@@ -524,9 +547,10 @@ def _blockwise(fitter: _Fitter, stages: list[list[Layer]], fit: list[Batch], pro
     try:
         kept = [first_inputs(model, blocks[0], fit, dev), fitter.swapped(
             lambda: first_inputs(model, blocks[0], fit, dev))()]
-        check_sequential(model, blocks, fit[0].to(dev), kept[0][0], blocks[0](*kept[0][0][0], **kept[0][0][1]))
+        shape = blocks[0](*kept[0][0][0], **kept[0][0][1])
+        check_sequential(model, blocks, fit[0].to(dev), kept[0][0], shape)
     except NotSequential:
-        return first
+        return first, None
     masks = [batch_mask(b) for b in fit]
     done = first
     for i, blk in enumerate(blocks):
@@ -544,7 +568,7 @@ def _blockwise(fitter: _Fitter, stages: list[list[Layer]], fit: list[Batch], pro
             if done < len(stages):
                 _advance(fitter, blk, kept, dense)
         fitter.spill(mine)  # the block is done: its factors and fitted weights out of the heap
-    return done
+    return done, (_tail_runs(fitter, blocks, kept, masks, fit, shape) if done < len(stages) else None)
 
 
 @dataclass(frozen=True)
@@ -597,9 +621,9 @@ def sequential_fit(model: nn.Module, plan: dict[str, tuple[Layer, int]], batches
             if progress is not None:
                 progress(count[0], len(stages))
 
-        done = _blockwise(fitter, stages, fit, step) if len(stages) > 1 else 0
+        done, tail = _blockwise(fitter, stages, fit, step) if len(stages) > 1 else (0, None)
         for stage in stages[done:]:
-            fitter.stage(stage, fitter.whole(fit))
+            fitter.stage(stage, tail if tail is not None else fitter.whole(fit))
             step()
     out = {name: fitter.out[name] for name in plan}
     return SequentialFit(out, dict(fitter.refitted), tuple(n for n, t in out.items() if isinstance(t, Refined)),
