@@ -98,6 +98,16 @@ def test_the_measured_stages_and_forwards_recording_gradients_are_used_where_mea
         k: v for k, v in plain.items() if k not in ("gradients", "verification")}
 
 
+def test_the_statistics_count_the_blocks_as_measured_with_their_grams():
+    """Where one block's forward with its statistics hooks was timed (stats_forward), the blocks' forwards and Grams
+    are that time per batch and block; the layers outside the blocks keep their Gram products."""
+    me = est.Measurements(**{**MEASURED.__dict__, "stats_forward": 2.0})
+    s, plain = est.stage_seconds(SHAPES, WORK, me), est.stage_seconds(SHAPES, WORK, MEASURED)
+    block_grams = 2 * 24 * 16 * (16 + 64) / 1e3  # one block's two layers over every fit token
+    assert s["statistics"] - plain["statistics"] == pytest.approx(2 * (6 * (2.0 - 0.5) - block_grams))
+    assert {k: v for k, v in s.items() if k != "statistics"} == {k: v for k, v in plain.items() if k != "statistics"}
+
+
 def test_a_llama_blocks_stages_are_watched_as_the_fit_forms_them():
     """q, k and v read one tensor, gate and up another: four stages, each ending at its last layer's share of the
     block's multiplied parameters; a module called twice gives none (the fit's runs do not stop then)."""
@@ -302,6 +312,7 @@ def test_estimate_json_keys_and_no_audit(cli_inproc, small, monkeypatch):
     me = e["basis"]["measurements"]
     assert me["block_forward"] > 0  # the read runs the first batch once: two blocks and the head (64 of 1,024 params)
     assert me["block_carry"] > 0 and me["block_backward"] > 0  # the backward to the inputs alone, and the whole
+    assert me["stats_forward"] > 0 and me["grad_forward"] > 0 and len(me["stage_shares"]) == 2  # two stages a block
     assert by["trace"] == 0 and by["calibration data"] == pytest.approx(me["block_forward"] * (2 + 64 / 1024), abs=1e-3)
     assert not (small / "out").exists()  # nothing written
     for shape in ((), ("--input-shape", "2,16")):  # without inputs nothing is timed but the decompositions

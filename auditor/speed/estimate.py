@@ -124,6 +124,8 @@ class Measurements:
     gemm32_flops: float = 0.0  # float32 multiply-adds x 2 per second (the gradient pass's moments g^T g); 0: unmeasured
     block_carry: float = 0.0  # the block's backward to its inputs alone (no weight gradients: the gradient pass's);
     #                           0: unmeasured (the whole backward counted)
+    stats_forward: float = 0.0  # the block's forward with its layers' input Grams added, as the statistics pass runs
+    #                             it (float64 rows and sums); 0: unmeasured (block_forward and the Grams' products)
     grad_forward: float = 0.0  # the block's forward recording for a backward (the gradient pass's, the refinement's
     #                            training steps); 0: unmeasured (block_forward, timed without gradients, counted)
     stage_shares: tuple[float, ...] = ()  # the sequential fit's stages in the block: the share of its multiplied
@@ -324,6 +326,10 @@ def stage_seconds(sh: Shapes, wl: Workload, me: Measurements) -> dict[str, float
     # one plan's A, B from kept decompositions (U_r^T F for every layer: m n r at r = min(m, n), the full-rank bound)
     factors = sum(2.0 * _cube(s) for s in sh.layers) / me.gemm_flops
     out["statistics"] = _batches(wl.fit_rows, b) * fwd + grams + decomp
+    if me.stats_forward > 0 and sh.block_layers:  # the blocks' forwards and Grams as measured together
+        block_grams = sum(2.0 * wl.fit_rows * wl.tokens * n * n for _, n in sh.block_layers) / me.gemm_flops
+        out["statistics"] += sh.blocks * (_batches(wl.fit_rows, b) * (me.stats_forward - me.block_forward)
+                                          - block_grams)
     out["gradients"] = _sensitivity_seconds(sh, wl, me, r, fwd, bwd, decomp)
     # tier 3's decompositions (one per layer, kept for the search and the verification's candidates): the gradient
     # pass's loss-aware truncations where it ran (the store tier 3 cuts from); else made by the rounding floor of a
@@ -709,6 +715,36 @@ def _time_call(fn: Callable[..., Any], args: tuple, kwargs: dict, params: set[in
     return _Timed(plain, t1 - t0, full, carried, saved[0], out_bytes, watch.shares() if watch is not None else ())
 
 
+def _time_statistics(model: nn.Module, blk: nn.Module, args: tuple, kwargs: dict, batch: Any,
+                     clock: Callable[[], float]) -> float:
+    """One block's forward with its layers' input Grams added as the statistics pass adds them
+    (``stats.StatisticsHooks``: each distinct input's rows in float64 and their product, masked positions left out),
+    the quicker of two when it takes under 2 s; 0 where the block holds no layer the statistics read."""
+    from .. import kinds
+    from ..calibration.data.inputs import model_device
+    from ..calibration.session import STATS_KINDS
+    from ..calibration.statistics.stats import StatisticsHooks, batch_mask
+    from ..calibration.statistics.stream import batch_dtype_for
+    from ..structure.layers import ParamTable, collect_layers
+
+    inside = {id(m) for m in blk.modules()}
+    layers = [l for l in collect_layers(model, ParamTable.of(model)).values() if l.kind in STATS_KINDS
+              and id(model.get_submodule(kinds.for_kind(l.kind).module_path(l)[0])) in inside]
+    if not layers:
+        return 0.0
+    hooks = StatisticsHooks(model, layers, batch_dtype_for(model_device(model)))
+    took: list[float] = []
+    try:
+        while len(took) < 2 and (not took or took[0] < 2.0):
+            with torch.no_grad(), hooks.batch(batch_mask(batch), 0):
+                t0 = clock()
+                blk(*args, **kwargs)
+                took.append(clock() - t0)
+    finally:
+        hooks.remove()
+    return min(took)
+
+
 def _decompose_shape(sh: Shapes, limit: int = 1024) -> tuple[int, int]:
     """The layer whose decomposition costs most, halved until it takes a few seconds at most here."""
     m, n = max(sh.layers, key=_whiten_cost, default=(64, 64))
@@ -814,6 +850,7 @@ def measure(model: nn.Module, batch: Any, sh: Shapes, before: Process, clock: Ca
             fn, args, kwargs = _block_call(model, block[0] if block is not None else None, batch)
             params = {p.data_ptr() for p in model.parameters()}
             timed = _time_call(fn, args, kwargs, params, clock, backward=linalg)
+            stats = _time_statistics(model, fn, args, kwargs, batch, clock) if linalg and block is not None else 0.0
     except (AuditError, torch.OutOfMemoryError):
         raise
     except Exception as exc:  # noqa: BLE001 - inputs the forward refuses, said in one line as the audit says it
@@ -828,7 +865,7 @@ def measure(model: nn.Module, batch: Any, sh: Shapes, before: Process, clock: Ca
     flops32 = time_gemm32(clock) if linalg else 0.0
     return Measurements(before.base_rss, before.load_seconds, timed.forward, timed.backward, timed.saved,
                         hidden if block is not None else timed.out_bytes, dec, shape, eig, k, flops, clock() - start,
-                        logit, flops32, timed.carry, timed.grad_forward, timed.shares)
+                        logit, flops32, timed.carry, stats, timed.grad_forward, timed.shares)
 
 
 # ---- the entry points ----------------------------------------------------------------------------------------------
