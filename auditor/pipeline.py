@@ -614,6 +614,9 @@ def audit_source(spec: str, *, plan: Any = None, options: AuditOptions | None = 
 
         refuse_if_short(loaded, opts)  # one line, exit 2, when the estimated peak exceeds the memory available
     result = audit(loaded.model, loaded.example_inputs, plan=plan, options=opts)
+    from .sources.checkpoint import check_mapped
+
+    check_mapped(loaded.model)  # weights read from their file throughout: it must not have changed meanwhile
     if loaded.notes:  # what the loader decided (structure only, inputs made from the config, partial weights)
         result = replace(result, notes=[*loaded.notes, *result.notes])
     return result

@@ -348,7 +348,7 @@ def test_the_check_never_blocks_an_audit_it_cannot_measure(small, monkeypatch):
     assert est.refuse_if_short(loaded, AuditOptions(), available=1) is None  # no calibration: no check
 
 
-def test_a_config_without_weights_is_estimated_from_two_blocks_built_on_the_cpu(cli_inproc, tmp_path):
+def test_a_config_without_weights_is_estimated_from_two_blocks_built_on_the_cpu(cli_inproc, tmp_path, monkeypatch):
     """A Hugging Face directory with only a config (built on the meta device) is timed on two of its blocks built
     from the config; the weights' bytes are the whole model's (16 blocks, bf16), the trace runs the example input
     (64 positions), not a calibration batch (32 x 48), and inputs that do not fit are one line, exit 2."""
@@ -361,6 +361,9 @@ def test_a_config_without_weights_is_estimated_from_two_blocks_built_on_the_cpu(
     (tmp_path / "llama" / "config.json").write_text(json.dumps(cfg))
     save_file({"input_ids": torch.randint(0, 97, (64, 48), generator=torch.Generator().manual_seed(0))},
               str(tmp_path / "cal.safetensors"))
+    import auditor.sources.checkpoint as ck
+
+    monkeypatch.setattr(ck, "MAP_MIN_BYTES", 0)  # as large a model's checkpoint would load: mapped
     res = cli_inproc(str(tmp_path / "llama"), "--calibration", str(tmp_path / "cal.safetensors"), "--compute-dtype",
                      "float32", "--input-ids", "1,64", "--estimate", "--format", "json")
     assert res.returncode == 0, res.stderr

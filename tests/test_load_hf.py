@@ -82,7 +82,7 @@ def test_task_checkpoint_audited_as_base_model_strips_the_prefix(tmp_path):
     assert "classifier.weight" in unused
 
 
-def test_memory_is_estimated_before_building(tmp_path, monkeypatch):
+def test_memory_is_estimated_before_building(tmp_path, monkeypatch, map_all):
     import auditor.sources.hf as hf
 
     model = save_bert(tmp_path)
@@ -278,7 +278,15 @@ def _tied_llama(folder, dtype=torch.float32, **kw):
     return model
 
 
-def test_safetensors_weights_are_the_files_pages_ties_kept(tmp_path):
+@pytest.fixture
+def map_all(monkeypatch):
+    """Every covering safetensors checkpoint mapped, whatever its size (the default maps from 1 GiB)."""
+    import auditor.sources.checkpoint as ck
+
+    monkeypatch.setattr(ck, "MAP_MIN_BYTES", 0)
+
+
+def test_safetensors_weights_are_the_files_pages_ties_kept(tmp_path, map_all):
     """A checkpoint of safetensors that covers every parameter is not copied: each parameter is the file's own pages
     (a private map: a write stays in the process), tied names share one tensor, buffers a constructor computes
     (rotary frequencies) are real, and the model computes what the saved one does, bit for bit."""
@@ -301,7 +309,29 @@ def test_safetensors_weights_are_the_files_pages_ties_kept(tmp_path):
     assert torch.equal(again.model.norm.weight, model.model.norm.weight)
 
 
-def test_a_dtype_the_model_does_not_hold_is_cast_and_not_mapped(tmp_path):
+def test_a_small_model_is_copied_and_a_checkpoint_written_during_the_audit_is_refused(tmp_path, monkeypatch):
+    """Under MAP_MIN_BYTES the weights are copied (nothing that writes the checkpoint later reaches them); mapped,
+    a checkpoint file written after the load fails the audit with one line (its pages are the weights)."""
+    import auditor.sources.checkpoint as ck
+
+    _tied_llama(tmp_path)
+    small = load_source(str(tmp_path)).model
+    assert ck.mapped_bytes(small) == 0
+    ck.check_mapped(small)  # nothing watched
+    monkeypatch.setattr(ck, "MAP_MIN_BYTES", 0)
+    model = load_source(str(tmp_path)).model
+    assert ck.mapped_bytes(model) > 0
+    ck.check_mapped(model)  # unchanged
+    st = os.stat(tmp_path / "model.safetensors")
+    os.utime(tmp_path / "model.safetensors", ns=(st.st_atime_ns, st.st_mtime_ns + 1_000_000_000))
+    with pytest.raises(AuditError) as exc:
+        ck.check_mapped(model)
+    assert exc.value.what == (f"the checkpoint file {tmp_path / 'model.safetensors'} changed while it was audited "
+                              "(its weights are read from the file as the audit runs), so the numbers may mix two "
+                              "versions of the weights")
+
+
+def test_a_dtype_the_model_does_not_hold_is_cast_and_not_mapped(tmp_path, map_all):
     """float32 tensors for a bfloat16 config are cast into the model's dtype (a copy each), as before."""
     from auditor.sources.checkpoint import mapped_bytes
 
@@ -326,6 +356,8 @@ def anon():
         if line.startswith("RssAnon:"):
             return int(line.split()[1]) * 1024
 from auditor.sources import load_source
+import auditor.sources.checkpoint
+auditor.sources.checkpoint.MAP_MIN_BYTES = 0  # this small model mapped as a large one is
 import torch, transformers
 transformers.LlamaForCausalLM  # the library imported before the count
 before = anon()

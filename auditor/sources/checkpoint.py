@@ -54,6 +54,7 @@ class Checkpoint:
     names: list[str]
     get: Callable[[str], torch.Tensor]
     mapped: bool = False  # ``get`` returns the file's own pages (safetensors: private memory maps), never a copy
+    files: tuple[str, ...] = ()  # the files ``get`` maps (safetensors), watched while their pages are the weights
 
     @classmethod
     def of_dict(cls, where: str, state: dict[str, torch.Tensor]) -> "Checkpoint":
@@ -74,13 +75,13 @@ def open_checkpoint(location: str | Path, flag: bool = False) -> Checkpoint | No
     if p.is_file():
         if p.suffix == ".safetensors" or p.name.endswith(".safetensors.index.json"):
             w = WeightsOnly.open(p)
-            return Checkpoint(str(p), list(w.index), w.tensor, mapped=True)
+            return Checkpoint(str(p), list(w.index), w.tensor, mapped=True, files=_files_of(w))
         if p.name.endswith(".bin.index.json"):
             return Checkpoint.of_dict(str(p), _bin_shards(p))
         return Checkpoint.of_dict(str(p), safe_torch_load(p))
     if (p / "model.safetensors.index.json").is_file() or list(p.glob("*.safetensors")):
         w = WeightsOnly.open(p)
-        return Checkpoint(str(p), list(w.index), w.tensor, mapped=True)
+        return Checkpoint(str(p), list(w.index), w.tensor, mapped=True, files=_files_of(w))
     if (p / "pytorch_model.bin.index.json").is_file():
         return Checkpoint.of_dict(str(p), _bin_shards(p / "pytorch_model.bin.index.json"))
     if (p / "pytorch_model.bin").is_file():
@@ -203,6 +204,41 @@ def _copy_tensors(model: nn.Module, ckpt: Checkpoint, prefix: str) -> tuple[set[
     if chunk or missing is None:
         flush()
     return (missing or set()) - placed, unexpected
+
+
+MAP_MIN_BYTES = 1 << 30  # weights at least this large are mapped, not copied (where memory matters; a smaller
+#                          model is copied, so nothing that later writes its checkpoint can reach its weights)
+_WATCHED: "weakref.WeakKeyDictionary[nn.Module, dict[str, tuple[int, int, int, int]]]" = weakref.WeakKeyDictionary()
+
+
+def _files_of(w: "WeightsOnly") -> tuple[str, ...]:
+    return tuple(sorted({str(f) for f, _, _ in w.index.values() if f is not None and str(f)}))
+
+
+def _identity(path: str) -> tuple[int, int, int, int]:
+    st = os.stat(path)
+    return st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns
+
+
+def watch_mapped(model: nn.Module, ckpt: Checkpoint) -> None:
+    """Remember the identity (device, inode, size, modification time) of the files ``model``'s weights are mapped
+    from, for :func:`check_mapped`."""
+    _WATCHED[model] = {f: _identity(f) for f in ckpt.files}
+
+
+def check_mapped(model: nn.Module) -> None:
+    """An :class:`AuditError` if a file ``model``'s weights are mapped from was written, replaced or removed since the
+    load: a mapped page shows the file as it is now, so the audit may have read two versions of the weights (a
+    truncated file would even stop the process when a page past its end is read)."""
+    for path, before in (_WATCHED.get(model) or {}).items():
+        try:
+            now = _identity(path)
+        except OSError:
+            now = None
+        if now != before:
+            raise AuditError(f"the checkpoint file {path} changed while it was audited (its weights are read from "
+                             "the file as the audit runs), so the numbers may mix two versions of the weights",
+                             "Audit it again while nothing writes to it, or audit a copy of the checkpoint")
 
 
 # parameters that are a checkpoint file's own pages, by id (an entry leaves with its parameter)

@@ -15,7 +15,9 @@ import torch
 from torch import nn
 
 from ..errors import AuditError, first_line
-from .checkpoint import CHUNK_BYTES, Loaded, apply_weights, covers, open_checkpoint, parameters_on_meta
+from . import checkpoint
+from .checkpoint import (CHUNK_BYTES, Loaded, apply_weights, covers, open_checkpoint, parameters_on_meta,
+                         watch_mapped)
 from .factory import float_dtype
 
 OFFLINE_VARS = ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE")
@@ -166,7 +168,8 @@ def load_hf(config_file: Path, folder: Path | None, input_shape: Any, input_ids:
                              "the config with --weights FILE, to audit the weights.")
         else:
             prefix = getattr(meta, "base_model_prefix", "") or ""
-            mapped = ckpt.mapped and covers(meta, ckpt, prefix)  # the weights stay the file's pages: no copy
+            mapped = (ckpt.mapped and model_bytes(meta) >= checkpoint.MAP_MIN_BYTES  # the file's pages: no copy
+                      and covers(meta, ckpt, prefix))
             buffers = sum(b.numel() * b.element_size() for b in meta.buffers())
             need = CHUNK_BYTES + (buffers if mapped else model_bytes(meta))
             have = available_memory()
@@ -184,6 +187,8 @@ def load_hf(config_file: Path, folder: Path | None, input_shape: Any, input_ids:
             notes += apply_weights(model, ckpt, partial, prefix=prefix,
                                    ignore_missing=getattr(model, "_keys_to_ignore_on_load_missing", None) or (),
                                    ignore_unexpected=getattr(model, "_keys_to_ignore_on_load_unexpected", None) or ())
+            if mapped:
+                watch_mapped(model, ckpt)
         inputs = _inputs(model, meta, config, name, _Asked(input_shape, input_ids, auto_inputs), notes)
     return Loaded(model, inputs, name, str(folder or config_file), notes)
 

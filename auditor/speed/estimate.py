@@ -908,6 +908,7 @@ def estimate_loaded(loaded: Any, options: Any, formats: tuple[str, ...], load_se
                     base_rss: int | None = None, clock: Callable[[], float] = time.perf_counter,
                     linalg: bool = True) -> Estimate:
     """The estimate of the audit ``options`` ask for on a loaded source (``sources.Loaded``)."""
+    from ..sources import checkpoint
     from ..sources.hf import available_memory
 
     model = loaded.model
@@ -916,8 +917,9 @@ def estimate_loaded(loaded: Any, options: Any, formats: tuple[str, ...], load_se
                          "Estimate a factory (file.py:fn) or a Hugging Face directory")
     sh = shapes_of(model)
     timed, built = _measurable(model)
-    if built:  # a config alone: its checkpoint would be safetensors in the config's dtype, mapped as the load maps them
-        sh = replace(sh, mapped_bytes=sum(p.numel() * p.element_size() for p in model.parameters()))
+    params = sum(p.numel() * p.element_size() for p in model.parameters())
+    if built and params >= checkpoint.MAP_MIN_BYTES:  # a config alone: its checkpoint would be safetensors in the
+        sh = replace(sh, mapped_bytes=params)         # config's dtype, mapped as the load maps a model this large
     if options.calibration_data.source is not None:
         cal = _calibration(model, loaded.source, options)
         wl, batch = workload_of(cal, options, _outputs(model, sh), formats), (cal.fit or cal.holdout)[0]
