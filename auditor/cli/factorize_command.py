@@ -316,8 +316,11 @@ def _write(out: Path, args: argparse.Namespace, made: _Made, formats: tuple[str,
     exported: list[str] = []
 
     def write(stage: Any) -> None:
+        from ..sources.checkpoint import check_mapped
+
         write_factorized(made.new, made.plan, stage, source=made.loaded.source, extra=made.extra)
         exported[:] = cli_write(stage, made.new, made.calibration, made.loaded.example_inputs, formats)
+        check_mapped(made.loaded.model)  # the weights read from their file throughout: unchanged, or nothing lands
 
     write_folder(out, write, recheck=lambda: _check_dir(out, args))
     return exported
