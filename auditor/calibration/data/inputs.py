@@ -515,8 +515,8 @@ def _probe_rows(model: nn.Module, first: Batch) -> tuple[int | None, bool]:
     along dim 0, its output (rows, positions, features) in floats, and rows independent (the second row's output the
     same run alone as beside the first: not a sequence-first model, whose dim 0 is positions): then the other rows,
     of the same shapes and with their ids and masks checked (:func:`check_batches`), run as these did, and the whole
-    first batch is not run once more (a 7B model's batch of 32 x 256 positions is 19 minutes of CPU). A forward that
-    fails, or rows not shown independent, leave the batches as they are and the whole first batch to be run."""
+    first batch is not run once more (a 7B model's batch of 16 x 256 positions is about 6 minutes of CPU). A forward
+    that fails, or rows not shown independent, leave the batches as they are and the whole first batch to be run."""
     rows = first.rows
     ts = first.tensors()
     if rows <= 2 or not ts or any(t.dim() == 0 or int(t.shape[0]) != rows for _, t in ts):
