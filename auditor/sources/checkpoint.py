@@ -230,6 +230,8 @@ def check_mapped(model: nn.Module) -> None:
     """An :class:`AuditError` if a file ``model``'s weights are mapped from was written, replaced or removed since the
     load: a mapped page shows the file as it is now, so the audit may have read two versions of the weights (a
     truncated file would even stop the process when a page past its end is read)."""
+    if not isinstance(model, nn.Module):  # weights only: read tensor by tensor, nothing mapped into a model
+        return
     for path, before in (_WATCHED.get(model) or {}).items():
         try:
             now = _identity(path)
