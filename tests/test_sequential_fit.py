@@ -233,9 +233,10 @@ def test_block_by_block_is_the_whole_model_fit(monkeypatch) -> None:
     block = seq.sequential_truncators(model, plan, fit, progress=lambda i, n: seen.append(n), refine=0)
     hook.remove()
     assert seen[-1] == 7 and len(runs) == 5  # q and k of block 0 read one input: one stage; inp and head outside
-    # the head runs for the call order, the blocks' check and its own stage (3 batches, twice): inp's stage stops
-    # each run once inp has run
-    assert len(heads) == 1 + 1 + 6
+    # the head runs for the call order, the blocks' check, the tail's check (batch 0 through the model after the
+    # blocks and through the whole model) and its own stage (3 batches, twice): inp's stage stops each run once inp
+    # has run
+    assert len(heads) == 1 + 1 + 2 + 6
     runs.clear()
     monkeypatch.setattr(seq, "find_blocks", lambda *a: None)
     whole = seq.sequential_truncators(model, plan, fit, refine=0)
@@ -398,7 +399,8 @@ def test_finished_blocks_are_spilled_and_read_back_the_same(monkeypatch) -> None
 
 def test_a_stage_after_the_blocks_runs_the_model_after_them_alone(monkeypatch) -> None:
     """The head's stage reads the last block's outputs (dense and fitted) with every block passing them on, not the
-    blocks run again: 3 batches x 2 runs x 3 blocks fewer block forwards, the same factors bit for bit."""
+    blocks run again: 3 batches x 2 runs x 3 blocks fewer block forwards but the 3 of the check that the tail is the
+    model (batch 0's output through it equal to the whole model's), the same factors bit for bit."""
     from auditor.calibration.statistics import sequential as seq
 
     model = _Stack()
@@ -416,6 +418,62 @@ def test_a_stage_after_the_blocks_runs_the_model_after_them_alone(monkeypatch) -
     with_tail, calls[0] = calls[0], 0
     monkeypatch.setattr(seq, "_tail_runs", lambda *a: None)
     whole = seq.sequential_truncators(model, plan, fit, refine=0)
-    assert calls[0] - with_tail == 3 * 2 * 3
+    assert calls[0] - with_tail == 3 * 2 * 3 - 3  # less the tail's check: batch 0 through the whole model once
     for name, (_, r) in plan.items():
         np.testing.assert_array_equal(tail[name].weight(r).numpy(), whole[name].weight(r).numpy())
+
+
+class _Mean(_Stack):
+    """The head reads the mean of every block's output, not the last block's alone."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.inp(x)
+        scale = torch.ones(1, dtype=x.dtype)
+        outs = []
+        for blk in self.blocks:
+            x = blk(x, scale)
+            outs.append(x)
+        return self.head(sum(outs) / len(outs))
+
+
+class _Gated(nn.Module):
+    """Each block returns (hidden, a gate of it); the head reads the last block's hidden state times its gate."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inner = _Block()
+
+    def forward(self, x: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        h = self.inner(x, scale)
+        return h, torch.sigmoid(h.mean(-1, keepdim=True))
+
+
+class _GatedStack(_Stack):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(4)
+        self.blocks = nn.ModuleList(_Gated() for _ in range(3))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.inp(x)
+        scale = torch.ones(1, dtype=x.dtype)
+        for blk in self.blocks:
+            x, g = blk(x, scale)
+        return self.head(x * g)
+
+
+@pytest.mark.parametrize("make", [_Mean, _GatedStack])
+def test_a_head_that_reads_more_than_the_last_hidden_state_runs_the_whole_model(make, monkeypatch) -> None:
+    """Where the model after the blocks reads more than the last block's hidden state (every block's output, or
+    what a block returns beside it), the tail is not the model: the head's stage runs the whole model and its factors
+    are the whole model's, bit for bit (the tail had fitted them on other inputs, exit 0)."""
+    from auditor.calibration.statistics import sequential as seq
+
+    model = make()
+    prefix = "blocks.{}.inner." if make is _GatedStack else "blocks.{}."
+    plan = checked_plan(model, {**{prefix.format(i) + "up": 3 for i in range(3)}, "head": 3})
+    got = seq.sequential_truncators(model, plan, _batches(), refine=0)
+    monkeypatch.setattr(seq, "_tail_runs", lambda *a: None)
+    whole = seq.sequential_truncators(model, plan, _batches(), refine=0)
+    for name, (_, r) in plan.items():
+        np.testing.assert_array_equal(got[name].weight(r).numpy(), whole[name].weight(r).numpy())

@@ -49,7 +49,7 @@ from torch import nn
 
 from ... import kinds
 from ...results import Layer
-from ..data.inputs import Batch, Calibration, eval_mode, model_device, run
+from ..data.inputs import Batch, Calibration, eval_mode, main_output, model_device, run
 from .refine import EPOCHS, Refined, refine_block
 from .stats import LayerInput, batch_mask, kept_rows
 from .stream import (Blocks, NotSequential, check_sequential, find_blocks, first_inputs, hidden_state,
@@ -510,12 +510,17 @@ def _advance(fitter: _Fitter, blk: nn.Module, kept: list[list[tuple[tuple[object
 
 
 def _tail_runs(fitter: _Fitter, blocks: list[nn.Module], kept: list[list[tuple[tuple[object, ...], dict[str, object]]]],
-               masks: list[object], fit: list[Batch], shape: object) -> Runs:
+               masks: list[object], fit: list[Batch], shape: object) -> Runs | None:
     """Each batch through the model after its blocks: every block returns the last block's output for the batch
-    (the dense model's, then the fitted model's: ``kept``, the inputs the next block would read), in the blocks'
-    output structure ``shape``, as the statistics' pass over the outside layers runs (stream.py); so a stage after
+    (the dense model's, then the fitted model's: ``kept``, the inputs the next block would read), so a stage after
     the blocks (an output head) reads its inputs without the blocks run again (two whole-model runs a batch were
-    most of a 7B fit's head stage)."""
+    most of a 7B fit's head stage). Only where that is the model: a block's output is its hidden state alone (a
+    tensor, or a tuple whose other entries are None), and the first batch's output from the tail equals the whole
+    model's bit for bit (a head that reads every block's output, or something a block returns beside its hidden
+    state, fails it); else None, and those stages run the whole model."""
+    if not (isinstance(shape, torch.Tensor) or (isinstance(shape, tuple) and all(x is None for x in shape[1:]))):
+        return None
+
     def tail(j: int, which: int) -> Callable[[], object]:
         args, kwargs = kept[which][j]
         h = args[0] if args and isinstance(args[0], torch.Tensor) else kwargs["hidden_states"]
@@ -525,7 +530,11 @@ def _tail_runs(fitter: _Fitter, blocks: list[nn.Module], kept: list[list[tuple[t
             with patched_forwards(blocks, lambda i, blk: lambda *_a, **_k: out):
                 return run(fitter.model, fit[j])
         return call
-    return [(masks[j], tail(j, 0), fitter.swapped(tail(j, 1))) for j in range(len(fit))]
+    try:
+        same = torch.equal(main_output(tail(0, 0)()), main_output(run(fitter.model, fit[0])))
+    except Exception:  # noqa: BLE001 - a model the tail cannot run: the whole model, as before
+        same = False
+    return [(masks[j], tail(j, 0), fitter.swapped(tail(j, 1))) for j in range(len(fit))] if same else None
 
 
 def _blockwise(fitter: _Fitter, stages: list[list[Layer]], fit: list[Batch],
