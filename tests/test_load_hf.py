@@ -319,7 +319,9 @@ def test_a_small_model_is_copied_and_a_checkpoint_written_during_the_audit_is_re
     assert ck.mapped_bytes(small) == 0
     ck.check_mapped(small)  # nothing watched
     monkeypatch.setattr(ck, "MAP_MIN_BYTES", 0)
-    model = load_source(str(tmp_path)).model
+    monkeypatch.chdir(tmp_path.parent)
+    model = load_source(tmp_path.name).model  # a relative path, then another working directory: the same file
+    monkeypatch.chdir("/")
     assert ck.mapped_bytes(model) > 0
     ck.check_mapped(model)  # unchanged
     st = os.stat(tmp_path / "model.safetensors")
@@ -331,21 +333,31 @@ def test_a_small_model_is_copied_and_a_checkpoint_written_during_the_audit_is_re
                               "versions of the weights")
 
 
-def test_a_dtype_the_model_does_not_hold_is_cast_and_not_mapped(tmp_path, map_all):
-    """float32 tensors for a bfloat16 config are cast into the model's dtype (a copy each), as before."""
+@pytest.mark.parametrize("saved,config", [(torch.float32, "bfloat16"), (torch.bfloat16, None)])
+def test_a_dtype_the_model_does_not_hold_is_copied_and_its_memory_counted(tmp_path, map_all, monkeypatch, saved,
+                                                                         config):
+    """Tensors in another dtype than the model is built in (float32 for a bfloat16 config; bfloat16 where the config
+    names none, built float32) are cast into it, a copy each, as before; the build's memory check counts the model's
+    weights then, not the buffers alone (a 7B model would have allocated 28 GB past the check)."""
+    import auditor.sources.hf as hf
     from auditor.sources.checkpoint import mapped_bytes
 
-    model = _tied_llama(tmp_path)
+    model = _tied_llama(tmp_path, dtype=saved)
     cfg = json.loads((tmp_path / "config.json").read_text())
-    cfg["torch_dtype"] = cfg["dtype"] = "bfloat16"
+    for key in ("torch_dtype", "dtype"):
+        cfg.pop(key, None)
+        if config is not None:
+            cfg[key] = config
     (tmp_path / "config.json").write_text(json.dumps(cfg))
     loaded = load_source(str(tmp_path)).model
-    dtypes = {p.dtype for p in loaded.parameters()}
-    if dtypes == {torch.bfloat16}:  # the config's dtype honoured by the build
-        assert mapped_bytes(loaded) == 0
-        assert torch.equal(loaded.model.norm.weight, model.model.norm.weight.to(torch.bfloat16))
-    else:
-        assert dtypes == {torch.float32} and mapped_bytes(loaded) > 0
+    built = {p.dtype for p in loaded.parameters()}
+    assert built != {saved} and mapped_bytes(loaded) == 0
+    (dtype,) = built
+    assert torch.equal(loaded.model.norm.weight, model.model.norm.weight.to(dtype))
+    monkeypatch.setattr(hf, "available_memory", lambda: hf.CHUNK_BYTES + 20_000)  # room for the buffers alone
+    with pytest.raises(AuditError) as exc:
+        load_source(str(tmp_path))
+    assert "parameters as" in exc.value.what
 
 
 LOAD_RSS = """

@@ -223,7 +223,7 @@ def _identity(path: str) -> tuple[int, int, int, int]:
 def watch_mapped(model: nn.Module, ckpt: Checkpoint) -> None:
     """Remember the identity (device, inode, size, modification time) of the files ``model``'s weights are mapped
     from, for :func:`check_mapped`."""
-    _WATCHED[model] = {f: _identity(f) for f in ckpt.files}
+    _WATCHED[model] = {os.path.abspath(f): _identity(f) for f in ckpt.files}  # a later chdir changes nothing
 
 
 def check_mapped(model: nn.Module) -> None:
@@ -277,11 +277,20 @@ def parameters_on_meta() -> Iterator[None]:
 
 
 def covers(model: nn.Module, ckpt: Checkpoint, prefix: str) -> bool:
-    """Whether every parameter of ``model`` (under one of its tied names) is among the checkpoint's tensors."""
+    """Whether every parameter of ``model`` (under one of its tied names) is among the checkpoint's tensors in the
+    model's dtype and shape, so that each can be the file's pages as they are (a tensor to cast would be a copy, and
+    the memory a build needs would be the model's). The tensors are opened (mapped), none of their pages read."""
     names = dict(model.named_parameters(remove_duplicate=False))
     rename = _best_rename(ckpt.names, set(names), prefix)
-    present = {rename(n) for n in ckpt.names}
-    return all(any(n in present for n in group) for group in _tie_groups(model).values())
+    present = {rename(n): n for n in ckpt.names}
+    for group in set(_tie_groups(model).values()):
+        found = next((n for n in group if n in present), None)
+        if found is None:
+            return False
+        t, p = ckpt.get(present[found]), names[found]
+        if t.dtype != p.dtype or tuple(t.shape) != tuple(p.shape):
+            return False
+    return True
 
 
 def _tie_groups(model: nn.Module) -> dict[str, tuple[str, ...]]:
