@@ -202,11 +202,17 @@ def test_latency_shape_that_fits_is_timed(cli_inproc, speed_src, tmp_path):
 
     assert latency_bytes(torch.zeros(1, 4096), L, (64,)) == 64 * 4096 * 4 + 2 * 64 * 256 * 4
     plan = str(Path(speed_src).parent / "0.toml")
-    res = cli_inproc(f"{speed_src}:wide", "--plan", plan, "--measure-speed", "--latency-shape", "64", "-q",
-                     "--no-spectra", "--format", "json", "-o", str(tmp_path / "out"))
-    assert res.returncode == 0, res.stderr
-    rows = json.loads((tmp_path / "out" / "lowrank-audit.json").read_text())["speed"]["layers"]
-    assert [(r["input_shape"], r["at"]) for r in rows] == [([1, 4096], "traced"), ([64, 4096], "latency-shape")]
+    want = [([1, 4096], "traced"), ([64, 4096], "latency-shape")]
+    for attempt in range(3):  # a busy machine's repeats more than 25% apart are refused as not repeatable: again
+        out = tmp_path / f"out{attempt}"
+        res = cli_inproc(f"{speed_src}:wide", "--plan", plan, "--measure-speed", "--latency-shape", "64", "-q",
+                         "--no-spectra", "--format", "json", "-o", str(out))
+        assert res.returncode == 0, res.stderr
+        report = json.loads((out / "lowrank-audit.json").read_text())["speed"]
+        rows = [(r["input_shape"], r["at"]) for r in report["layers"]]
+        if rows == want or "Not timed" not in json.dumps(report):  # refused on a busy machine: its note says so
+            break
+    assert rows == want
 
 
 def test_a_forward_writing_to_descriptor_1_is_timed(cli_inproc, speed_src, tmp_path, one_thread):
