@@ -98,6 +98,22 @@ def test_the_measured_stages_and_forwards_recording_gradients_are_used_where_mea
         k: v for k, v in plain.items() if k not in ("gradients", "verification")}
 
 
+def test_the_loss_aware_truncations_are_counted_as_measured():
+    """The gradient pass's decompositions, and the sequential fit's of W*, are loss-aware: where one was timed
+    (loss_seconds, at decompose_shape) each layer's is scaled from it by its FLOPs (out <= in: the whitened cost and
+    m^2 n + 2 m^3; out > in: m n^2 + 4 n^3), not the whitened decomposition's."""
+    me = est.Measurements(**{**MEASURED.__dict__, "loss_seconds": 3.0})
+    s, plain = est.stage_seconds(SHAPES, WORK, me), est.stage_seconds(SHAPES, WORK, MEASURED)
+    decomp = 2.0 / 192 * (192 + 640 + 192 + 640 + 224)
+    measured = 8 * 4 * 4 + 4 * 4 ** 3  # decompose_shape (8, 4) is out > in: m n^2 + 4 n^3
+    cost = {(8, 4): 8 * 16 + 4 * 64, (4, 8): 128 + 512 + 16 * 8 + 2 * 64, (10, 4): 10 * 16 + 4 * 64}
+    loss = 3.0 / measured * (2 * cost[(8, 4)] + 2 * cost[(4, 8)] + cost[(10, 4)])
+    assert s["gradients"] - plain["gradients"] == pytest.approx(loss - decomp)
+    assert s["verification"] - plain["verification"] == pytest.approx(loss - decomp)
+    assert {k: v for k, v in s.items() if k not in ("gradients", "verification")} == {
+        k: v for k, v in plain.items() if k not in ("gradients", "verification")}
+
+
 def test_the_statistics_count_the_blocks_as_measured_with_their_grams():
     """Where one block's forward with its statistics hooks was timed (stats_forward), the blocks' forwards and Grams
     are that time per batch and block; the layers outside the blocks keep their Gram products."""

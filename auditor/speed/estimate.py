@@ -128,6 +128,8 @@ class Measurements:
     #                             it (float64 rows and sums); 0: unmeasured (block_forward and the Grams' products)
     grad_forward: float = 0.0  # the block's forward recording for a backward (the gradient pass's, the refinement's
     #                            training steps); 0: unmeasured (block_forward, timed without gradients, counted)
+    loss_seconds: float = 0.0  # one loss-aware truncation (whiten.weighted_bases) at decompose_shape, on the BLAS
+    #                            threads as the gradient pass makes them one layer at a time; 0: unmeasured (whitened)
     stage_shares: tuple[float, ...] = ()  # the sequential fit's stages in the block: the share of its multiplied
     #                                       parameters each stage's runs reach (); (): unmeasured (each layer a stage)
 
@@ -209,6 +211,25 @@ def decompositions_seconds(sh: Shapes, me: Measurements) -> float:
     """Every layer's whitened decomposition, each scaled from the measured one by its FLOPs."""
     unit = me.decompose_seconds / max(1.0, _whiten_cost(me.decompose_shape))
     return sum(unit * _whiten_cost(s) for s in sh.layers)
+
+
+def _loss_cost(shape: tuple[int, int]) -> float:
+    """A loss-aware truncation's FLOPs up to a constant (whiten.weighted_bases): out <= in, the output moment's
+    Cholesky factor, L^T F, the whitened decomposition of that, and the bases back (m^2 n + 2 m^3 more); out > in, the
+    input side's F^T F, S^T (H + d F^T F) S, its eigenvectors and one solve (m n^2 + 4 n^3)."""
+    m, n = shape
+    if m <= n:
+        return _whiten_cost(shape) + float(m) * m * n + 2.0 * float(m) ** 3
+    return float(m) * n * n + 4.0 * float(n) ** 3
+
+
+def loss_decompositions_seconds(sh: Shapes, me: Measurements) -> float:
+    """Every layer's loss-aware truncation (the gradient pass's, and the sequential fit's of W* with its moments),
+    each scaled from the measured one by its FLOPs; the whitened decompositions' time where it was not measured."""
+    if me.loss_seconds <= 0:
+        return decompositions_seconds(sh, me)
+    unit = me.loss_seconds / max(1.0, _loss_cost(me.decompose_shape))
+    return sum(unit * _loss_cost(s) for s in sh.layers)
 
 
 def spectra_seconds(sh: Shapes, me: Measurements) -> float:
@@ -300,7 +321,7 @@ def _sensitivity_seconds(sh: Shapes, wl: Workload, me: Measurements, r: dict[str
         return 0.0
     carry = forward_seconds(sh, me, backward=True, carry=True)  # activations' gradients only: the taps
     grad = forward_seconds(sh, me, grad=True)  # recording for the backward
-    out = _batches(r["gradient"], b) * (GRADIENT_PASSES * grad + SAMPLES * carry) + decomp
+    out = _batches(r["gradient"], b) * (GRADIENT_PASSES * grad + SAMPLES * carry) + loss_decompositions_seconds(sh, me)
     if wl.token_inputs:  # a likelihood metric: labels sampled over the vocabulary at every position, SAMPLES times
         out += SAMPLES * r["gradient"] * wl.tokens * wl.outputs * me.logit_seconds
     if me.gemm32_flops > 0:  # each sample's output gradients into every layer's moment (carried back where out > in)
@@ -343,7 +364,8 @@ def stage_seconds(sh: Shapes, wl: Workload, me: Measurements) -> dict[str, float
     # the chosen plan fitted as factorize writes it (the sequential fit): two runs of a block (or of the model) per
     # stage and fit batch, at most one stage per layer, C and G per layer, each W* truncated, and the block
     # refinement where the model has repeated blocks
-    fit = fit_runs(sh, me.stage_shares) * _batches(wl.fit_rows, b) * fwd + 2 * grams + decomp + _refinement(sh, wl, me)
+    fitted = loss_decompositions_seconds(sh, me) if wl.sensitivity == "gradients" else decomp  # W* with its moments
+    fit = fit_runs(sh, me.stage_shares) * _batches(wl.fit_rows, b) * fwd + 2 * grams + fitted + _refinement(sh, wl, me)
     out["verification"] = 2 * _batches(r["verify"], b) * fwd + factors + fit
     # SVD-LLM's uniform truncation beside every measured plan (at most the search's plans) on its rows, and the chosen
     # one's on the verification rows; its input-whitened decompositions its own where the gradient pass's are
@@ -789,6 +811,28 @@ def _time_linalg(sh: Shapes, clock: Callable[[], float]) -> tuple[float, tuple[i
     return min(dec), (m, n), min(eig), k, 2.0 * 2 * n * n * n / max(min(gemm), 1e-9)
 
 
+def _time_loss_aware(shape: tuple[int, int], clock: Callable[[], float]) -> float:
+    """Seconds of one loss-aware truncation (whiten.weighted_bases) of a random ``shape`` map, its output moment
+    carried to the inputs where out > in as the gradient pass carries it; the quicker of two, on the BLAS threads the
+    pass uses."""
+    from ..calibration.statistics.whiten import weighted_bases
+
+    m, n = shape
+    rng = np.random.default_rng(1)
+    f = rng.standard_normal((m, n))
+    x = rng.standard_normal((2 * n, n))
+    gram = x.T @ x
+    side = n if m > n else m
+    y = rng.standard_normal((2 * side, side))
+    h = y.T @ y
+    took = []
+    for _ in range(2):
+        t0 = clock()
+        weighted_bases(f, gram, False, h, m > n)
+        took.append(clock() - t0)
+    return min(took)
+
+
 @dataclass(frozen=True)
 class Process:
     """What was measured before :func:`measure`, carried into its :class:`Measurements`: the process's RSS without
@@ -862,10 +906,11 @@ def measure(model: nn.Module, batch: Any, sh: Shapes, before: Process, clock: Ca
     hidden = next((a.numel() * a.element_size() for a in args if isinstance(a, torch.Tensor)), timed.out_bytes)
     dec, shape, eig, k, flops = _time_linalg(sh, clock) if linalg else (0.0, (1, 1), 0.0, 1, 1e12)
     logit = time_logits(outputs, clock) if linalg and outputs > 1 else 0.0
+    loss = _time_loss_aware(shape, clock) if linalg else 0.0
     flops32 = time_gemm32(clock) if linalg else 0.0
     return Measurements(before.base_rss, before.load_seconds, timed.forward, timed.backward, timed.saved,
                         hidden if block is not None else timed.out_bytes, dec, shape, eig, k, flops, clock() - start,
-                        logit, flops32, timed.carry, stats, timed.grad_forward, timed.shares)
+                        logit, flops32, timed.carry, stats, timed.grad_forward, loss, timed.shares)
 
 
 # ---- the entry points ----------------------------------------------------------------------------------------------
