@@ -26,7 +26,7 @@ import os
 import resource
 import time
 from dataclasses import asdict, dataclass, field, replace
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import numpy as np
 import torch
@@ -41,6 +41,7 @@ from ..calibration.tiers.fisher import SAMPLES  # sampled label sets (or project
 from ..calibration.tiers.passes import VERIFY_BACKSTOPS  # plans the search measures below the one it found
 from ..calibration.tiers.sensitivity import GRADIENT_POSITIONS  # positions the gradient pass reads at most
 from ..calibration.statistics.refine import CHECK, EPOCHS  # the block refinement's most epochs, its held-back share
+from ..calibration.statistics.sequential import input_key  # the fit's own test of "one input tensor"
 from ..errors import AuditError
 
 # The calibration's own constants are imported above from the code that uses them (tests/test_estimate.py fails on a
@@ -512,7 +513,8 @@ def short_of_memory(est: Estimate, available: int | None) -> str | None:
         return None
     worst = max(est.stages, key=lambda s: s.peak_bytes)
     note = f": {worst.note}" if worst.note else ""
-    mapped = f", the {_mib(est.mapped_bytes)} of weights mapped from the checkpoint not counted" if est.mapped_bytes else ""
+    mapped = (f", the {_mib(est.mapped_bytes)} of weights mapped from the checkpoint not counted" if est.mapped_bytes
+              else "")
     return (f"the audit is estimated to peak at {_mib(est.needed_bytes)} of host memory (in its {worst.name} "
             f"stage{note}{mapped}) but {_mib(available)} is available")
 
@@ -526,35 +528,47 @@ def _mib(n: float) -> str:
 
 
 # ---- shapes, workload and measurements from a real model ----------------------------------------------------------
-def _repeated(model: nn.Module) -> nn.ModuleList | None:
-    """The repeated blocks as the calibration finds them: ``calibration.statistics.stream.find_blocks`` over the
-    layers its statistics read (``calibration.session.STATS_KINDS``, from the module walk); None without."""
+def _stats_layers(model: nn.Module) -> list[Any]:
+    """The layers the calibration's statistics read (``calibration.session.STATS_KINDS``, from the module walk)."""
     from ..calibration.session import STATS_KINDS
-    from ..calibration.statistics.stream import find_blocks
     from ..structure.layers import ParamTable, collect_layers
 
-    layers = [l for l in collect_layers(model, ParamTable.of(model)).values() if l.kind in STATS_KINDS]
+    return [l for l in collect_layers(model, ParamTable.of(model)).values() if l.kind in STATS_KINDS]
+
+
+def _repeated(model: nn.Module, layers: list[Any] | None = None) -> nn.ModuleList | None:
+    """The repeated blocks as the calibration finds them: ``calibration.statistics.stream.find_blocks`` over the
+    layers its statistics read (``layers``, else :func:`_stats_layers`); None without."""
+    from ..calibration.statistics.stream import find_blocks
+
+    layers = _stats_layers(model) if layers is None else layers
     found = find_blocks(model, layers) if layers else None
     return found.blocks if found is not None else None
 
 
-def _matrices(module: nn.Module) -> tuple[list[tuple[int, int]], int]:
-    """(out, in) of every weight of two or more dimensions outside embeddings, and the embeddings' parameters."""
+def _weighted(module: nn.Module) -> Iterator[tuple[nn.Module, bool, list[torch.Tensor]]]:
+    """Each module of ``module`` with weights of two or more dimensions: whether it is a lookup table (the kinds'
+    registry says so: kinds/embedding.py), and those weights (a tensor a module before it holds already left out)."""
     from ..kinds import for_module
     from ..results import Kind
 
-    shapes, embedding, seen = [], 0, set()
+    seen: set[int] = set()
     for mod in module.modules():
-        kind = for_module(mod)  # the kinds' registry says which modules are lookup tables (kinds/embedding.py)
-        is_table = kind is not None and kind.kind == Kind.EMBEDDING
-        for p in mod.parameters(recurse=False):
-            if id(p) in seen or p.dim() < 2:
-                continue
-            seen.add(id(p))
-            if is_table:
-                embedding += p.numel()
-            else:
-                shapes.append((int(p.shape[0]), int(p.numel() // p.shape[0])))
+        own = [p for p in mod.parameters(recurse=False) if id(p) not in seen and p.dim() >= 2]
+        seen.update(id(p) for p in own)
+        if own:
+            kind = for_module(mod)
+            yield mod, kind is not None and kind.kind == Kind.EMBEDDING, own
+
+
+def _matrices(module: nn.Module) -> tuple[list[tuple[int, int]], int]:
+    """(out, in) of every weight of two or more dimensions outside embeddings, and the embeddings' parameters."""
+    shapes, embedding = [], 0
+    for _, is_table, own in _weighted(module):
+        if is_table:
+            embedding += sum(p.numel() for p in own)
+        else:
+            shapes += [(int(p.shape[0]), int(p.numel() // p.shape[0])) for p in own]
     return shapes, embedding
 
 
@@ -627,6 +641,17 @@ def _block_call(model: nn.Module, block: nn.Module | None, batch: Any) -> tuple[
     return block, args, kwargs
 
 
+def _quickest(run: Callable[[], object], clock: Callable[[], float], enough: float = math.inf) -> float:
+    """Seconds of ``run``, the quicker of two (a busy machine's pauses and a first call's warm-up are not the work's
+    cost); once only where the first took ``enough`` seconds or more (there the warm-up is noise)."""
+    took: list[float] = []
+    while len(took) < 2 and (not took or took[0] < enough):
+        t0 = clock()
+        run()
+        took.append(clock() - t0)
+    return min(took)
+
+
 class _StageWatch:
     """The sequential fit's stages in a measured forward, as ``statistics/sequential.py``'s ``_call_order`` forms
     them: the weighted modules in the order they are called, those reading one input tensor together (a Llama block's
@@ -634,19 +659,9 @@ class _StageWatch:
     last module, where the fit's runs stop; empty where a module is called twice (the fit's runs do not stop then)."""
 
     def __init__(self, module: nn.Module) -> None:
-        from ..kinds import for_module
-        from ..results import Kind
-
-        self.sizes: dict[int, int] = {}
-        self.modules: list[nn.Module] = []
-        for mod in module.modules():
-            kind = for_module(mod)
-            if kind is not None and kind.kind == Kind.EMBEDDING:
-                continue
-            n = sum(p.numel() for p in mod.parameters(recurse=False) if p.dim() >= 2)
-            if n:
-                self.sizes[id(mod)] = n
-                self.modules.append(mod)
+        weighted = [(mod, own) for mod, is_table, own in _weighted(module) if not is_table]
+        self.modules = [mod for mod, _ in weighted]
+        self.sizes = {id(mod): sum(p.numel() for p in own) for mod, own in weighted}
         self.calls: list[tuple[int, tuple[object, ...]]] = []
         self.alive: list[object] = []  # the inputs held until the forward ends, so no other tensor reuses their memory
         self.handles: list[Any] = []
@@ -657,8 +672,7 @@ class _StageWatch:
 
     def _note(self, mod: nn.Module, args: tuple[object, ...]) -> None:
         x = args[0] if args else None
-        key = (x.data_ptr(), tuple(x.shape), tuple(x.stride())) if isinstance(x, torch.Tensor) else (id(mod),)
-        self.calls.append((id(mod), key))
+        self.calls.append((id(mod), input_key(x, id(mod))))
         self.alive.append(x)
 
     def __exit__(self, *exc: object) -> None:
@@ -709,9 +723,7 @@ def _time_call(fn: Callable[..., Any], args: tuple, kwargs: dict, params: set[in
     del y0
     if backward and plain < 2.0:  # a first call's warm-up (allocations, kernel choice) is not the work's cost
         with torch.no_grad():
-            t0 = clock()
-            fn(*args, **kwargs)
-            plain = min(plain, clock() - t0)
+            plain = min(plain, _quickest(lambda: fn(*args, **kwargs), clock, enough=0.0))
     saved = [0]
 
     def pack(t: torch.Tensor) -> torch.Tensor:
@@ -737,34 +749,30 @@ def _time_call(fn: Callable[..., Any], args: tuple, kwargs: dict, params: set[in
     return _Timed(plain, t1 - t0, full, carried, saved[0], out_bytes, watch.shares() if watch is not None else ())
 
 
-def _time_statistics(model: nn.Module, blk: nn.Module, args: tuple, kwargs: dict, batch: Any,
-                     clock: Callable[[], float]) -> float:
+def _time_statistics(model: nn.Module, blk: nn.Module, stats_layers: list[Any], args: tuple, kwargs: dict,
+                     batch: Any, clock: Callable[[], float]) -> float:
     """One block's forward with its layers' input Grams added as the statistics pass adds them
     (``stats.StatisticsHooks``: each distinct input's rows in float64 and their product, masked positions left out),
-    the quicker of two when it takes under 2 s; 0 where the block holds no layer the statistics read."""
+    the quicker of two when it takes under 2 s; 0 where the block holds none of ``stats_layers`` (the layers the
+    statistics read)."""
     from .. import kinds
     from ..calibration.data.inputs import model_device
-    from ..calibration.session import STATS_KINDS
     from ..calibration.statistics.stats import StatisticsHooks, batch_mask
     from ..calibration.statistics.stream import batch_dtype_for
-    from ..structure.layers import ParamTable, collect_layers
 
     inside = {id(m) for m in blk.modules()}
-    layers = [l for l in collect_layers(model, ParamTable.of(model)).values() if l.kind in STATS_KINDS
-              and id(model.get_submodule(kinds.for_kind(l.kind).module_path(l)[0])) in inside]
+    layers = [l for l in stats_layers if id(model.get_submodule(kinds.for_kind(l.kind).module_path(l)[0])) in inside]
     if not layers:
         return 0.0
     hooks = StatisticsHooks(model, layers, batch_dtype_for(model_device(model)))
-    took: list[float] = []
+
+    def one() -> None:
+        with torch.no_grad(), hooks.batch(batch_mask(batch), 0):
+            blk(*args, **kwargs)
     try:
-        while len(took) < 2 and (not took or took[0] < 2.0):
-            with torch.no_grad(), hooks.batch(batch_mask(batch), 0):
-                t0 = clock()
-                blk(*args, **kwargs)
-                took.append(clock() - t0)
+        return _quickest(one, clock, enough=2.0)
     finally:
         hooks.remove()
-    return min(took)
 
 
 def _decompose_shape(sh: Shapes, limit: int = 1024) -> tuple[int, int]:
@@ -799,16 +807,10 @@ def _time_linalg(sh: Shapes, clock: Callable[[], float]) -> tuple[float, tuple[i
         eig.append(clock() - t1)
 
     @one_blas_thread  # as the calibration runs them
-    def decompositions() -> list[float]:
-        dec = []
-        for _ in range(2):  # the quicker of two here too: one timing of a fraction of a second is noise at 1.1B
-            t2 = clock()
-            decompose(f, gram)
-            dec.append(clock() - t2)
-        return dec
+    def decompositions() -> float:  # the quicker of two here too: one timing of a fraction of a second is noise
+        return _quickest(lambda: decompose(f, gram), clock)
 
-    dec = decompositions()
-    return min(dec), (m, n), min(eig), k, 2.0 * 2 * n * n * n / max(min(gemm), 1e-9)
+    return decompositions(), (m, n), min(eig), k, 2.0 * 2 * n * n * n / max(min(gemm), 1e-9)
 
 
 def _time_loss_aware(shape: tuple[int, int], clock: Callable[[], float]) -> float:
@@ -825,12 +827,7 @@ def _time_loss_aware(shape: tuple[int, int], clock: Callable[[], float]) -> floa
     side = n if m > n else m
     y = rng.standard_normal((2 * side, side))
     h = y.T @ y
-    took = []
-    for _ in range(2):
-        t0 = clock()
-        weighted_bases(f, gram, False, h, m > n)
-        took.append(clock() - t0)
-    return min(took)
+    return _quickest(lambda: weighted_bases(f, gram, False, h, m > n), clock)
 
 
 @dataclass(frozen=True)
@@ -851,26 +848,19 @@ def time_logits(outputs: int, clock: Callable[[], float] = time.perf_counter) ->
     rows = chunk_rows(max(2, outputs))
     logits = torch.randn(rows, max(2, outputs), generator=torch.Generator().manual_seed(0), requires_grad=True)
     keep = torch.ones(rows, dtype=torch.bool)
-    took = []
-    for _ in range(2):
-        t0 = clock()
+
+    def one() -> None:
         sc = Scored.of(logits, keep, torch.zeros(rows, dtype=torch.long))
         sc.nll(sc.sample(torch.Generator().manual_seed(1))).backward()
-        took.append(clock() - t0)
         logits.grad = None
-    return min(took) / logits.numel()
+    return _quickest(one, clock) / logits.numel()
 
 
 def time_gemm32(clock: Callable[[], float] = time.perf_counter) -> float:
     """Float32 multiply-adds x 2 per second of a g^T g product (2,048 x 512 rows by columns, the quicker of two), at
     torch's thread count, as the gradient pass accumulates its moments."""
     g = torch.randn(2048, 512, generator=torch.Generator().manual_seed(0))
-    took = []
-    for _ in range(2):
-        t0 = clock()
-        g.T @ g
-        took.append(clock() - t0)
-    return 2.0 * 2048 * 512 * 512 / max(min(took), 1e-9)
+    return 2.0 * 2048 * 512 * 512 / max(_quickest(lambda: g.T @ g, clock), 1e-9)
 
 
 def measure(model: nn.Module, batch: Any, sh: Shapes, before: Process, clock: Callable[[], float] = time.perf_counter,
@@ -884,7 +874,8 @@ def measure(model: nn.Module, batch: Any, sh: Shapes, before: Process, clock: Ca
     from ..calibration.statistics.stream import compute_dtype_for
 
     start = clock()
-    block = _repeated(model)
+    stats_layers = _stats_layers(model)
+    block = _repeated(model, stats_layers)
     if batch is None:  # no inputs known (a factory without --input-shape): no forward to time, the audit runs none
         dec, shape, eig, k, flops = _time_linalg(sh, clock) if linalg else (0.0, (1, 1), 0.0, 1, 1e12)
         return Measurements(before.base_rss, before.load_seconds, 0.0, 0.0, 0, 0, dec, shape, eig, k, flops,
@@ -894,7 +885,8 @@ def measure(model: nn.Module, batch: Any, sh: Shapes, before: Process, clock: Ca
             fn, args, kwargs = _block_call(model, block[0] if block is not None else None, batch)
             params = {p.data_ptr() for p in model.parameters()}
             timed = _time_call(fn, args, kwargs, params, clock, backward=linalg)
-            stats = _time_statistics(model, fn, args, kwargs, batch, clock) if linalg and block is not None else 0.0
+            stats = (_time_statistics(model, fn, stats_layers, args, kwargs, batch, clock)
+                     if linalg and block is not None else 0.0)
     except (AuditError, torch.OutOfMemoryError):
         raise
     except Exception as exc:  # noqa: BLE001 - inputs the forward refuses, said in one line as the audit says it
@@ -962,9 +954,9 @@ def estimate_loaded(loaded: Any, options: Any, formats: tuple[str, ...], load_se
                          "Estimate a factory (file.py:fn) or a Hugging Face directory")
     sh = shapes_of(model)
     timed, built = _measurable(model)
-    params = sum(p.numel() * p.element_size() for p in model.parameters())
-    if built and params >= checkpoint.MAP_MIN_BYTES:  # a config alone: its checkpoint would be safetensors in the
-        sh = replace(sh, mapped_bytes=params)         # config's dtype, mapped as the load maps a model this large
+    if built and sh.weight_bytes >= checkpoint.MAP_MIN_BYTES:  # a config alone: its checkpoint would be safetensors
+        # in the config's dtype, its parameters mapped as the load maps a model this large (sources/hf.py's test)
+        sh = replace(sh, mapped_bytes=sum(p.numel() * p.element_size() for p in model.parameters()))
     if options.calibration_data.source is not None:
         cal = _calibration(model, loaded.source, options)
         wl, batch = workload_of(cal, options, _outputs(model, sh), formats), (cal.fit or cal.holdout)[0]

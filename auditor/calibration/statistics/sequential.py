@@ -25,9 +25,9 @@ rows as the statistics do (the kinds' own feeds) and add the float64 sums C and 
 alone, on the dense model's inputs to it and on the fitted model's, both kept per batch and carried to block k + 1
 once its stages are done (GPTQ's sequential mode); the stages before the blocks (embeddings), and every stage of a
 model without such blocks, run the whole model, and those after them (the output head) the model with every block
-returning the last block's kept output, dense or fitted (the blocks are not run again). Alive at once: one stage's sums, one
-batch's rows, and with blocks the two kept inputs of each batch; the model's weights are put back afterwards. Embeddings (lookup counts) read ids,
-which no factorized layer changes: they get the independent fit on their counts. A planned layer the calibration
+returning the last block's kept output, dense or fitted (the blocks are not run again). Alive at once: one stage's
+sums, one batch's rows, and with blocks the two kept inputs of each batch; the model's weights are put back
+afterwards. Embeddings (lookup counts) read ids, which no factorized layer changes: they get the independent fit on their counts. A planned layer the calibration
 never reaches gets the plain SVD, as in the independent fit.
 
 Block by block, once a block's stages are fitted its planned layers' factors are trained together on the block's
@@ -238,6 +238,12 @@ class _Sums:
         return pull(ridge, gram.shape[-1], self.rows.get(name, 0)) if gram is not None else ridge
 
 
+def input_key(x: object, other: object) -> tuple[object, ...]:
+    """What tells one input tensor from another while a forward runs (its storage, shape and strides), so layers
+    reading the same one are one stage; ``(other,)`` for an input that is not a tensor."""
+    return (x.data_ptr(), tuple(x.shape), tuple(x.stride())) if isinstance(x, torch.Tensor) else (other,)
+
+
 def _call_order(model: nn.Module, layers: list[Layer], batch: Batch) -> tuple[list[list[Layer]], bool]:
     """The planned layers in the order the model first reads them on ``batch``, those reading one input tensor (by
     storage, shape and strides) together: the stages (layers never called come last, each alone); and whether every
@@ -249,8 +255,7 @@ def _call_order(model: nn.Module, layers: list[Layer], batch: Batch) -> tuple[li
     def note(name: str) -> Callable[..., None]:
         def hook(_m: nn.Module, args: tuple[object, ...]) -> None:
             x = args[0] if args else None
-            key = (x.data_ptr(), tuple(x.shape), tuple(x.stride())) if isinstance(x, torch.Tensor) else (name,)
-            seen.setdefault(name, (len(seen), key))
+            seen.setdefault(name, (len(seen), input_key(x, name)))
             calls[name] = calls.get(name, 0) + 1
             alive.append(x)
         return hook
@@ -639,5 +644,5 @@ def sequential_fit(model: nn.Module, plan: dict[str, tuple[Layer, int]], batches
                          fitter.scratch)
 
 
-__all__ = ["PULL_ROWS", "RIDGE", "SequentialFit", "fitted_map", "fitted_truncator", "pull", "refit_weight",
-           "sequential_fit", "sequential_truncators", "weighted_truncator"]
+__all__ = ["PULL_ROWS", "RIDGE", "SequentialFit", "fitted_map", "fitted_truncator", "input_key", "pull",
+           "refit_weight", "sequential_fit", "sequential_truncators", "weighted_truncator"]
