@@ -324,12 +324,19 @@ class Costed:
         """Every option, a factorization's cost scaled by ``rho`` (:func:`ratio`) and a correction's gain (what it
         takes off its quantization's cost) divided by it: the joint plan's options after the two single-family plans
         were measured."""
+        def recosted(c: Choice, quant: dict[str, float]) -> float:
+            family = label_family(c.label)
+            if family == "rank":
+                return c.cost * rho
+            if family == "joint":  # "int4 ... + rank r": its quantization's cost less the correction's gain / rho
+                alone = quant[c.label.split(" + ")[0]]
+                return alone - (alone - c.cost) / rho
+            return c.cost
+
         out: dict[str, list[Choice]] = {}
         for k, v in self.options.items():
             quant = {c.label: c.cost for c in v if label_family(c.label) == "bits"}
-            out[k] = [Choice(c.label, c.nbytes, c.cost * rho if label_family(c.label) == "rank" else
-                             quant[c.label.split(" + ")[0]] - (quant[c.label.split(" + ")[0]] - c.cost) / rho
-                             if label_family(c.label) == "joint" else c.cost) for c in v]
+            out[k] = [Choice(c.label, c.nbytes, recosted(c, quant)) for c in v]
         return out
 
     def family(self, which: str) -> dict[str, list[Choice]]:
