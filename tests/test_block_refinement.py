@@ -86,6 +86,33 @@ def test_no_epoch_better_than_the_closed_form_keeps_the_closed_form() -> None:
     assert rf.refine_block(blk, _planned(blk), inputs, targets, [None] * 4, lambda o: o) != {}
 
 
+def test_linears_train_factored_to_the_factors_their_product_in_place_gives() -> None:
+    """Each plain nn.Linear runs as (x B^T) A^T while its block is refined: the same map multiplied in another order,
+    so in float64 the refined factors equal those trained with the product A B as the weight to rounding; the block's
+    own modules are back in place afterwards, after an error too."""
+    torch.manual_seed(0)
+    blk = _Block()
+    inputs = _inputs(8)
+    with torch.no_grad():
+        targets = [blk(*a, **k) for a, k in inputs]
+    modules = dict(blk.named_children())
+    factored = rf.refine_block(blk, _planned(blk), inputs, targets, [None] * 8, lambda o: o)
+    assert dict(blk.named_children()) == modules
+    product = rf.refine_block(blk, _planned(blk), inputs, targets, [None] * 8, lambda o: o, factored=False)
+    assert sorted(factored) == sorted(product) == ["down", "k", "q", "up"]
+    for n in factored:
+        np.testing.assert_allclose(factored[n].a, product[n].a, rtol=1e-9, atol=1e-12)
+        np.testing.assert_allclose(factored[n].b, product[n].b, rtol=1e-9, atol=1e-12)
+
+    def broken(o: object) -> torch.Tensor:
+        assert type(blk.q).__name__ == "_LowRank"  # swapped while it runs
+        raise RuntimeError("hidden")
+
+    with pytest.raises(RuntimeError, match="hidden"):
+        rf.refine_block(blk, _planned(blk), inputs, targets, [None] * 8, broken)
+    assert dict(blk.named_children()) == modules and all(type(m) is nn.Linear for m in modules.values())
+
+
 def test_padding_is_not_fitted() -> None:
     """The error is taken at the real positions only: where a batch's padded positions hold garbage targets, the
     refinement with the mask equals the refinement of targets that are right there."""

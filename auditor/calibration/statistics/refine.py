@@ -17,17 +17,27 @@ scale of weights. Alive at once: the block's factors (float32 master copies, flo
 Adam's two moments, one batch's autograd graph through the block, and the dense block's outputs on every fit batch
 (the targets, one copy of what the sequential fit already keeps per batch). Measured in docs/calibration.md ("Block
 refinement").
+
+A planned ``nn.Linear`` trains in its factored form: while its block is refined, the module is swapped for one that
+computes ``(x B^T) A^T + bias`` (:class:`_LowRank`), r (m + n) multiply-adds a position instead of m n, and no m x n
+product A B formed, and differentiated, at each step (the Llama-2-7B block's training step on a batch of 16 x 256
+positions, its Linears at half their break-even ranks: 44.3 s with the products, 20.3 s factored, on 2 CPU cores;
+``benchmarks/refine_factored.py``). Each factor is rounded to the layer's stored dtype before it multiplies, as the
+written factors are. Other kinds (convolutions, grouped maps, a transposed ``Conv1D``) run with the product in place
+of their weight, as before; the original modules are back in place when the refinement ends, an error included.
 """
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Iterator
 
 import numpy as np
 import torch
 from torch import nn
 from torch.func import functional_call
+from torch.nn import functional as F
 
 from ...results import Layer
 from .whiten import spill_array, stored_weight
@@ -84,6 +94,56 @@ class _Factors:
                        tuple(self.like.shape), self.like.dtype, self.like.device)
 
 
+class _LowRank(nn.Module):
+    """A planned ``nn.Linear`` as its factors while its block is refined: ``x B^T A^T + bias``, each factor rounded to
+    the weight's stored dtype and computed in the input's (a half-precision model under ``--compute-dtype float32``
+    gets float32 inputs). The bias is read, never trained."""
+
+    def __init__(self, factors: _Factors, bias: torch.Tensor | None) -> None:
+        super().__init__()
+        self.factors = factors  # a plain attribute: its tensors are the optimizer's, not this module's parameters
+        self.fixed = bias
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        f, dt = self.factors, self.factors.like.dtype
+        a, b = f.a[0].to(dt), f.b[0].to(dt)
+        if x.dtype != dt and x.is_floating_point():
+            a, b = a.to(x.dtype), b.to(x.dtype)
+        bias = self.fixed.to(a.dtype) if self.fixed is not None else None
+        return F.linear(F.linear(x, b), a, bias)
+
+
+def _factorable(blk: nn.Module, f: _Factors) -> tuple[nn.Module, str, nn.Linear] | None:
+    """(parent, attribute, module) of a planned layer that runs factored: a plain ``nn.Linear`` whose weight is the
+    one map F (out x in) the factors approximate; None for every other kind."""
+    path, _, attr = f.name.rpartition(".")
+    mod = blk.get_submodule(path) if path else blk
+    if type(mod) is not nn.Linear or attr != "weight" or f.a.shape[0] != 1:
+        return None
+    if tuple(mod.weight.shape) != (f.a.shape[1], f.b.shape[2]):
+        return None
+    parent_path, _, child = path.rpartition(".")
+    return (blk.get_submodule(parent_path) if parent_path else blk), child, mod
+
+
+@contextlib.contextmanager
+def _factored(blk: nn.Module, factors: list[_Factors]) -> Iterator[None]:
+    """Every plain ``nn.Linear`` among ``factors`` swapped for its :class:`_LowRank` while the block is refined (its
+    weight is then gone from the block's parameters), and back afterwards, an error included."""
+    swapped: list[tuple[nn.Module, str, nn.Linear]] = []
+    try:
+        for f in factors:
+            found = _factorable(blk, f)
+            if found is not None:
+                parent, child, mod = found
+                setattr(parent, child, _LowRank(f, mod.bias.detach() if mod.bias is not None else None))
+                swapped.append(found)
+        yield
+    finally:
+        for parent, child, mod in reversed(swapped):
+            setattr(parent, child, mod)
+
+
 def _factor(layer: Layer, name: str, like: torch.Tensor, ab: tuple[np.ndarray, np.ndarray]) -> _Factors:
     dtype = torch.float64 if like.dtype == torch.float64 else torch.float32  # float32 master factors for 16-bit weights
     a, b = (torch.from_numpy(x).to(device=like.device, dtype=dtype).requires_grad_(True) for x in ab)
@@ -93,8 +153,9 @@ def _factor(layer: Layer, name: str, like: torch.Tensor, ab: tuple[np.ndarray, n
 def _block_error(blk: nn.Module, factors: list[_Factors], frozen: dict[str, torch.Tensor],
                  inputs: tuple[tuple[object, ...], dict[str, object]], target: torch.Tensor,
                  mask: torch.Tensor | None, hidden: Callable[[object], torch.Tensor]) -> torch.Tensor:
-    """The mean squared error of the block's output with ``factors`` in place, at the real positions."""
-    weights = {**frozen, **{f.name: f.weight() for f in factors}}
+    """The mean squared error of the block's output with ``factors`` in place (a swapped ``nn.Linear`` computes with
+    its own, :class:`_LowRank`; every other's product is its weight), at the real positions."""
+    weights = {**frozen, **{f.name: f.weight() for f in factors if f.name in frozen}}
     out = hidden(functional_call(blk, weights, inputs[0], inputs[1]))
     d = (out.float() - target.float()) ** 2
     return d[mask].mean() if mask is not None and mask.shape == d.shape[: mask.dim()] else d.mean()
@@ -102,18 +163,30 @@ def _block_error(blk: nn.Module, factors: list[_Factors], frozen: dict[str, torc
 
 def refine_block(blk: nn.Module, planned: list[tuple[Layer, str, tuple[np.ndarray, np.ndarray]]], inputs: Inputs,
                  targets: list[torch.Tensor], masks: list[torch.Tensor | None],
-                 hidden: Callable[[object], torch.Tensor], epochs: int = EPOCHS, lr: float = LR) -> dict[str, Refined]:
+                 hidden: Callable[[object], torch.Tensor], epochs: int = EPOCHS, lr: float = LR,
+                 factored: bool = True) -> dict[str, Refined]:
     """The planned layers of ``blk`` (layer, its weight's name in ``blk``, its closed-form factors) trained together
     on the block's output (the module docstring): per batch ``inputs`` (the factorized model's inputs to the block),
     ``targets`` (the dense block's outputs on the dense inputs) and ``masks`` (real positions). Returns the layers'
     refined factors, or nothing where the check batches' error does not fall below the closed form's. The block's
-    own parameters are read, never written or given gradients (the weights in place now are those it runs with)."""
-    held = max(1, len(inputs) // CHECK)
+    own parameters are read, never written or given gradients (the weights in place now are those it runs with).
+    ``factored=False``: every planned layer's product A B in place of its weight (the module docstring; a benchmark's
+    reference)."""
     if epochs < 1 or not planned or len(inputs) < 2:
         return {}
     params = dict(blk.named_parameters())
-    frozen = {k: p.detach() for k, p in params.items()}
     factors = [_factor(layer, name, params[name], ab) for layer, name, ab in planned]
+    with _factored(blk, factors if factored else []):
+        frozen = {k: p.detach() for k, p in blk.named_parameters()}
+        return _train(blk, factors, frozen, (inputs, targets, masks), hidden, epochs, lr)
+
+
+def _train(blk: nn.Module, factors: list[_Factors], frozen: dict[str, torch.Tensor],
+           data: tuple[Inputs, list[torch.Tensor], list[torch.Tensor | None]], hidden: Callable[[object], torch.Tensor],
+           epochs: int, lr: float) -> dict[str, Refined]:
+    """Adam over the factors' training batches, an epoch at a time, while the check batches' error falls."""
+    inputs, targets, masks = data
+    held = max(1, len(inputs) // CHECK)
     train, check = range(len(inputs) - held), range(len(inputs) - held, len(inputs))
     trained = [t for f in factors for t in (f.a, f.b)]
     opt = torch.optim.Adam([{"params": [t], "lr": lr * float(t.detach().pow(2).mean().sqrt())} for t in trained])
