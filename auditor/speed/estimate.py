@@ -345,8 +345,11 @@ def stage_seconds(sh: Shapes, wl: Workload, me: Measurements) -> dict[str, float
     out["calibration data"] = fwd * (min(1.0, 3.0 / b) if wl.token_inputs and b > 2 else 1.0)
     decomp = decompositions_seconds(sh, me)
     grams = sum(2.0 * wl.fit_rows * wl.tokens * n * n for _, n in sh.layers) / me.gemm_flops
-    # one plan's A, B from kept decompositions (U_r^T F for every layer: m n r at r = min(m, n), the full-rank bound)
+    # one plan's A, B from kept decompositions and their product (U_r^T F and A B for every layer: 2 m n r). The
+    # rounding floor's plan is every layer at full rank (r = min(m, n)); a searched, uniform or reviewed plan keeps
+    # each rank below break-even (r < m n / (m + n): the bound, about half the full rank of a square layer)
     factors = sum(2.0 * _cube(s) for s in sh.layers) / me.gemm_flops
+    planned = sum(2.0 * m * n * (m * n / (m + n)) for m, n in sh.layers) / me.gemm_flops
     out["statistics"] = _batches(wl.fit_rows, b) * fwd + grams + decomp
     if me.stats_forward > 0 and sh.block_layers:  # the blocks' forwards and Grams as measured together
         block_grams = sum(2.0 * wl.fit_rows * wl.tokens * n * n for _, n in sh.block_layers) / me.gemm_flops
@@ -361,20 +364,20 @@ def stage_seconds(sh: Shapes, wl: Workload, me: Measurements) -> dict[str, float
     if sh.element_bytes == 2:  # its one plan: every layer at full rank, what `factors` already counts
         out["rounding floor"] = tier3_decomp + factors + 2 * _batches(r["search"], b) * fwd
         tier3_decomp = 0.0
-    out["tier 3"] = r["tier3"] / b * fwd + r["plans"] * factors + tier3_decomp
+    out["tier 3"] = r["tier3"] / b * fwd + r["plans"] * planned + tier3_decomp
     # the chosen plan fitted as factorize writes it (the sequential fit): two runs of a block (or of the model) per
     # stage and fit batch, at most one stage per layer, C and G per layer, each W* truncated, and the block
     # refinement where the model has repeated blocks
     fitted = loss_decompositions_seconds(sh, me) if wl.sensitivity == "gradients" else decomp  # W* with its moments
     fit = fit_runs(sh, me.stage_shares) * _batches(wl.fit_rows, b) * fwd + 2 * grams + fitted + _refinement(sh, wl, me)
-    out["verification"] = 2 * _batches(r["verify"], b) * fwd + factors + fit
+    out["verification"] = 2 * _batches(r["verify"], b) * fwd + planned + fit
     # SVD-LLM's uniform truncation beside every measured plan (at most the search's plans) on its rows, and the chosen
     # one's on the verification rows; its input-whitened decompositions its own where the gradient pass's are
     # loss-aware (made once, kept across the plans)
     own = decomp if wl.sensitivity == "gradients" else 0.0
-    out["uniform baseline"] = own + r["plans"] * (factors + _batches(r["search"], b) * fwd) \
+    out["uniform baseline"] = own + r["plans"] * (planned + _batches(r["search"], b) * fwd) \
         + _batches(r["verify"], b) * fwd
-    out["plan check"] = factors
+    out["plan check"] = planned
     if wl.byte_plan:
         plans = _batches(r["verify"] if wl.split else r["search"], b) * fwd
         out["rank or bits"] = BYTE_DECOMPOSITIONS * decomp + BYTE_PLANS * plans
