@@ -164,3 +164,37 @@ def test_charts_are_deterministic_and_carry_no_date():
     assert lc.page_chart([], []) is None and lc.legend_chart([]) is None
     for name in HOSTILE:
         svg_texts(lc.energy_overview_chart(e, [name], 0.9))  # well-formed, no script
+
+
+def _tight(fig) -> str:
+    import io
+
+    buf = io.BytesIO()
+    fig.savefig(buf, format="svg", dpi=72, bbox_inches="tight", pad_inches=lc.PAD, metadata={"Date": None})
+    return buf.getvalue().decode("utf-8")
+
+
+def _size(svg: str) -> tuple[float, float]:
+    root = ET.fromstring(svg)
+    return float(root.get("width").removesuffix("pt")), float(root.get("height").removesuffix("pt"))
+
+
+def test_a_chart_is_cropped_to_the_box_bbox_inches_tight_gives_in_one_draw():
+    """A layer page's chart (everything inside its figure) is drawn once and cropped by its root's viewBox to the
+    size ``bbox_inches="tight"`` gives, its background under all of it; a chart with its legend outside the figure is
+    that tight output itself (drawn on the figure's canvas, the legend's lines would be cut)."""
+    import numpy as np
+
+    s = [np.linspace(1.0, 0.01, 96)]
+    e = [np.cumsum(s[0] ** 2) / np.sum(s[0] ** 2)]
+    args = (s, e, lc.Marks(48.0, 20, 24), lc.MeasuredPanel([[(8, 3.0), (16, 1.0), (32, 0.2)]], "ppl", 0.5))
+    with matplotlib.rc_context(lc._RC):
+        once, tight = lc._svg(lc._page_fig(*args)), _tight(lc._page_fig(*args))
+        assert once != tight and _size(once) == pytest.approx(_size(tight), abs=1e-3)
+        root = ET.fromstring(once)
+        box = [float(v) for v in root.get("viewBox").split()]
+        ground = next(el for el in root if el.tag.endswith("}rect"))
+        assert [float(ground.get(k)) for k in ("x", "y", "width", "height")] == pytest.approx(box)
+        assert box[2:] == pytest.approx(list(_size(once)))
+        outside = (e * 3, ["a", "b", "c"], 0.99)  # the overview's legend stands right of its figure
+        assert lc._svg(lc._overview_fig(*outside)) == _tight(lc._overview_fig(*outside))

@@ -23,6 +23,7 @@ from __future__ import annotations
 import base64
 import io
 import math
+import re
 from dataclasses import dataclass
 from typing import Any, Sequence
 
@@ -103,10 +104,50 @@ def _figure(w: float, h: float, ncols: int = 1, **kw: Any):  # type: ignore[no-u
     return fig, fig.subplots(1, ncols, **kw)
 
 
+PAD = 0.1  # inches of margin around a chart's tight box (matplotlib's pad_inches)
+_ROOT = re.compile(r'width="[0-9.]+pt" height="[0-9.]+pt" viewBox="[0-9. ]+"')
+
+
+def _legend_outside(fig: Any, renderer: Any) -> bool:
+    """Whether a legend of ``fig`` reaches outside the figure: the SVG backend cuts unfilled paths (a swatch's line)
+    at the canvas's edge. Text is written as text and never cut, so a tick or axis label below the figure is no
+    reason to lay the chart out again."""
+    w, h = renderer.width, renderer.height
+    for legend in [*fig.legends, *(ax.get_legend() for ax in fig.axes)]:
+        if legend is not None:
+            e = legend.get_window_extent(renderer)
+            if e.x0 < 0 or e.y0 < 0 or e.x1 > w or e.y1 > h:
+                return True
+    return False
+
+
 def _svg(fig: Any) -> str:
+    """The figure as SVG, cropped to its tight box plus :data:`PAD`, in one draw: the whole figure is written, then
+    its root's size and viewBox are set to the box (the box measured after that draw, by an SVG renderer at 72 dpi,
+    as ``bbox_inches="tight"`` measures it, without drawing the figure a second time: a layer page's chart in 0.21 s
+    against 0.28 s) and the figure's background laid under all of the box. A chart with a legend outside its figure
+    (beside or under the axes) is saved with ``bbox_inches="tight"`` as before (:func:`_legend_outside`)."""
+    from matplotlib.backends.backend_svg import RendererSVG
+
+    fig.set_dpi(72)
     buf = io.BytesIO()
-    fig.savefig(buf, format="svg", bbox_inches="tight", metadata={"Date": None})
-    return buf.getvalue().decode("utf-8")
+    fig.savefig(buf, format="svg", dpi=72, metadata={"Date": None})
+    text = buf.getvalue().decode("utf-8")
+    w_in, h_in = fig.get_size_inches()
+    renderer = RendererSVG(w_in * 72, h_in * 72, io.StringIO(), image_dpi=72)
+    box = fig.get_tightbbox(renderer=renderer)
+    if _legend_outside(fig, renderer):  # matplotlib cut the lines of its swatches from the drawing
+        buf = io.BytesIO()
+        fig.savefig(buf, format="svg", dpi=72, bbox_inches="tight", pad_inches=PAD, metadata={"Date": None})
+        return buf.getvalue().decode("utf-8")
+    x0, x1 = (box.x0 - PAD) * 72, (box.x1 + PAD) * 72
+    top, bottom = (h_in - box.y1 - PAD) * 72, (h_in - box.y0 + PAD) * 72
+    w, h = x1 - x0, bottom - top
+    root = f'width="{w:f}pt" height="{h:f}pt" viewBox="{x0:f} {top:f} {w:f} {h:f}"'
+    from matplotlib.colors import to_hex
+
+    ground = f'<rect x="{x0:f}" y="{top:f}" width="{w:f}" height="{h:f}" fill="{to_hex(fig.get_facecolor())}"/>'
+    return _ROOT.sub(root, text, count=1).replace('<g id="figure_1">', ground + '\n <g id="figure_1">', 1)
 
 
 def _render(build: Any, *args: Any, **kwargs: Any) -> str | None:
