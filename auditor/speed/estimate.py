@@ -133,6 +133,8 @@ class Measurements:
     #                            threads as the gradient pass makes them one layer at a time; 0: unmeasured (whitened)
     stage_shares: tuple[float, ...] = ()  # the sequential fit's stages in the block: the share of its multiplied
     #                                       parameters each stage's runs reach (); (): unmeasured (each layer a stage)
+    gemm1_flops: float = 0.0  # float64 multiply-adds x 2 per second on one BLAS thread (the decompositions' products);
+    #                           0: unmeasured (gemm_flops)
 
 
 @dataclass(frozen=True)
@@ -204,33 +206,46 @@ def forward_seconds(sh: Shapes, me: Measurements, backward: bool = False, carry:
 
 
 def _whiten_cost(shape: tuple[int, int]) -> float:
-    """A whitened decomposition's FLOPs up to a constant: the input's Cholesky factor (n^3) and the SVD of F S."""
-    return _cube(shape) + float(shape[1]) ** 3
-
-
-def decompositions_seconds(sh: Shapes, me: Measurements) -> float:
-    """Every layer's whitened decomposition, each scaled from the measured one by its FLOPs."""
-    unit = me.decompose_seconds / max(1.0, _whiten_cost(me.decompose_shape))
-    return sum(unit * _whiten_cost(s) for s in sh.layers)
+    """A whitened decomposition's products in multiply-adds, as whiten.decompose forms them: out <= in, F G, (F G)
+    F^T and the energies U^T M (m n^2 + m^2 n + m^3); out > in, F^T F, S^T (F^T F) S, S V, W^T A, (T G) T and
+    U = F W (2 m n^2 + 5 n^3). Its eigenvectors (of min(m, n) rows) are :func:`_eigen_seconds`'."""
+    m, n = float(shape[0]), float(shape[1])
+    return m * n * n + m * m * n + m ** 3 if m <= n else 2.0 * m * n * n + 5.0 * n ** 3
 
 
 def _loss_cost(shape: tuple[int, int]) -> float:
-    """A loss-aware truncation's FLOPs up to a constant (whiten.weighted_bases): out <= in, the output moment's
-    Cholesky factor, L^T F, the whitened decomposition of that, and the bases back (m^2 n + 2 m^3 more); out > in, the
-    input side's F^T F, S^T (H + d F^T F) S, its eigenvectors and one solve (m n^2 + 4 n^3)."""
-    m, n = shape
-    if m <= n:
-        return _whiten_cost(shape) + float(m) * m * n + 2.0 * float(m) ** 3
-    return float(m) * n * n + 4.0 * float(n) ** 3
+    """A loss-aware truncation's products in multiply-adds (whiten.weighted_bases): out <= in, the output moment's
+    Cholesky factor, L^T F, the whitened decomposition of that and the bases back (m n^2 + 2 m^2 n + 3 m^3); out >
+    in, F^T F, S^T (H + d F^T F) S, S V and one solve (m n^2 + 4 n^3). One eigendecomposition of min(m, n) rows."""
+    m, n = float(shape[0]), float(shape[1])
+    return m * n * n + 2.0 * m * m * n + 3.0 * m ** 3 if m <= n else m * n * n + 4.0 * n ** 3
+
+
+def _linalg_seconds(sh: Shapes, seconds: float, shape: tuple[int, int], cost: Callable[[tuple[int, int]], float],
+                    flops: float) -> float:
+    """Every layer's decomposition of one kind: its products at ``flops`` (FLOP/s, where it was measured) and its
+    eigendecomposition of min(m, n) rows, whose time a k^3 is what the one measured at ``shape`` (``seconds``) left
+    after its products. The eigenvectors are most of a square layer's decomposition (at 4,096 x 4,096 on one thread
+    here, 27.5 s of which about 6 s products): scaling the whole decomposition by its products, as this did before,
+    predicted a fifth of it."""
+    products = 2.0 * cost(shape) / flops
+    eigen = max(0.0, seconds - products) / max(1.0, float(min(shape)) ** 3)
+    return sum(2.0 * cost(s) / flops + eigen * float(min(s)) ** 3 for s in sh.layers)
+
+
+def decompositions_seconds(sh: Shapes, me: Measurements) -> float:
+    """Every layer's whitened decomposition, on one BLAS thread as the audit makes them (:func:`_linalg_seconds`)."""
+    return _linalg_seconds(sh, me.decompose_seconds, me.decompose_shape, _whiten_cost,
+                           me.gemm1_flops if me.gemm1_flops > 0 else me.gemm_flops)
 
 
 def loss_decompositions_seconds(sh: Shapes, me: Measurements) -> float:
-    """Every layer's loss-aware truncation (the gradient pass's, and the sequential fit's of W* with its moments),
-    each scaled from the measured one by its FLOPs; the whitened decompositions' time where it was not measured."""
+    """Every layer's loss-aware truncation (the gradient pass's, and the sequential fit's of W* with its moments), on
+    the BLAS threads the pass uses (:func:`_linalg_seconds`); the whitened decompositions' time where it was not
+    measured."""
     if me.loss_seconds <= 0:
         return decompositions_seconds(sh, me)
-    unit = me.loss_seconds / max(1.0, _loss_cost(me.decompose_shape))
-    return sum(unit * _loss_cost(s) for s in sh.layers)
+    return _linalg_seconds(sh, me.loss_seconds, me.decompose_shape, _loss_cost, me.gemm_flops)
 
 
 def spectra_seconds(sh: Shapes, me: Measurements) -> float:
@@ -350,7 +365,8 @@ def stage_seconds(sh: Shapes, wl: Workload, me: Measurements) -> dict[str, float
     # each rank below break-even (r < m n / (m + n): the bound, about half the full rank of a square layer)
     factors = sum(2.0 * _cube(s) for s in sh.layers) / me.gemm_flops
     planned = sum(2.0 * m * n * (m * n / (m + n)) for m, n in sh.layers) / me.gemm_flops
-    out["statistics"] = _batches(wl.fit_rows, b) * fwd + grams + decomp
+    # tier 1's decompositions run on every thread at once, each on one BLAS thread (whiten.whitened_spectra)
+    out["statistics"] = _batches(wl.fit_rows, b) * fwd + grams + decomp / max(1, min(wl.threads, len(sh.layers)))
     if me.stats_forward > 0 and sh.block_layers:  # the blocks' forwards and Grams as measured together
         block_grams = sum(2.0 * wl.fit_rows * wl.tokens * n * n for _, n in sh.block_layers) / me.gemm_flops
         out["statistics"] += sh.blocks * (_batches(wl.fit_rows, b) * (me.stats_forward - me.block_forward)
@@ -778,17 +794,21 @@ def _time_statistics(model: nn.Module, blk: nn.Module, stats_layers: list[Any], 
         hooks.remove()
 
 
-def _decompose_shape(sh: Shapes, limit: int = 1024) -> tuple[int, int]:
-    """The layer whose decomposition costs most, halved until it takes a few seconds at most here."""
-    m, n = max(sh.layers, key=_whiten_cost, default=(64, 64))
-    while _whiten_cost((m, n)) > 2 * float(limit) ** 3:
-        m, n = max(1, m // 2), max(1, n // 2)
-    return m, n
+GEMM_WIDTH = 512  # the float64 products' rate is timed on X^T X of (1,024 x 512): BLAS near its peak in milliseconds
 
 
-def _time_linalg(sh: Shapes, clock: Callable[[], float]) -> tuple[float, tuple[int, int], float, int, float]:
+def _decompose_shape(sh: Shapes, limit: int = 768) -> tuple[int, int]:
+    """A square map as wide as the model's widest short side, at most ``limit`` (a fraction of a second here): its
+    eigendecomposition, of that many rows, is a good part of the time measured (:func:`_linalg_seconds` scales that
+    part by k^3 and models each layer's products by its shape)."""
+    k = min(limit, max((min(s) for s in sh.layers), default=64))
+    return k, k
+
+
+def _time_linalg(sh: Shapes, clock: Callable[[], float]) -> tuple[float, tuple[int, int], float, int, float, float]:
     """(seconds of one whitened decomposition and its shape, seconds of one Gram's eigenvalues and its width,
-    float64 FLOP/s of a product), each on random matrices of the model's largest shapes, capped to take seconds."""
+    float64 FLOP/s of a product on every thread and on one), each on random matrices of the model's largest shapes,
+    capped to take seconds."""
     from scipy.linalg import eigh
 
     from ..calibration.stage import one_blas_thread
@@ -798,22 +818,27 @@ def _time_linalg(sh: Shapes, clock: Callable[[], float]) -> tuple[float, tuple[i
     rng = np.random.default_rng(0)
     f = rng.standard_normal((m, n))
     x = rng.standard_normal((2 * n, n))
-    decompose(f[:8, :8].copy(), np.eye(8))  # BLAS threads started, LAPACK's modules imported: not in the timing
+    p = rng.standard_normal((2 * GEMM_WIDTH, GEMM_WIDTH))  # the products' rate at a width BLAS runs near its peak
+    warm = f[:8, :8].copy()
+    decompose(warm, np.eye(warm.shape[1]))  # BLAS threads started, LAPACK's modules imported: not in the timing
+    gram = x.T @ x
     gemm, eig = [], []
-    k = min(n, max((min(s) for s in sh.layers), default=n))
     for _ in range(2):  # the quicker of two: a busy machine's pauses are not the work's cost
         t0 = clock()
-        gram = x.T @ x
+        p.T @ p
         t1 = clock()
-        eigh(gram[:k, :k], eigvals_only=True, driver="evd", check_finite=False)
+        eigh(gram, eigvals_only=True, driver="evd", check_finite=False)
         gemm.append(t1 - t0)
         eig.append(clock() - t1)
 
     @one_blas_thread  # as the calibration runs them
-    def decompositions() -> float:  # the quicker of two here too: one timing of a fraction of a second is noise
-        return _quickest(lambda: decompose(f, gram), clock)
+    def decompositions() -> tuple[float, float]:  # the quicker of two here too: one timing of a fraction of a second
+        #                                           is noise; and the product's rate on that one thread
+        return _quickest(lambda: decompose(f, gram), clock), _quickest(lambda: p.T @ p, clock)
 
-    return decompositions(), (m, n), min(eig), k, 2.0 * 2 * n * n * n / max(min(gemm), 1e-9)
+    dec, one = decompositions()
+    work = 2.0 * 2 * GEMM_WIDTH ** 3  # (2w x w)^T (2w x w): 2 w^3 multiply-adds
+    return dec, (m, n), min(eig), n, work / max(min(gemm), 1e-9), work / max(one, 1e-9)
 
 
 def _time_loss_aware(shape: tuple[int, int], clock: Callable[[], float]) -> float:
@@ -880,9 +905,9 @@ def measure(model: nn.Module, batch: Any, sh: Shapes, before: Process, clock: Ca
     stats_layers = _stats_layers(model)
     block = _repeated(model, stats_layers)
     if batch is None:  # no inputs known (a factory without --input-shape): no forward to time, the audit runs none
-        dec, shape, eig, k, flops = _time_linalg(sh, clock) if linalg else (0.0, (1, 1), 0.0, 1, 1e12)
+        dec, shape, eig, k, flops, one = _time_linalg(sh, clock) if linalg else (0.0, (1, 1), 0.0, 1, 1e12, 0.0)
         return Measurements(before.base_rss, before.load_seconds, 0.0, 0.0, 0, 0, dec, shape, eig, k, flops,
-                            clock() - start)
+                            clock() - start, gemm1_flops=one)
     try:
         with eval_mode(model), computing_in(model, compute_dtype_for(compute_dtype)):
             fn, args, kwargs = _block_call(model, block[0] if block is not None else None, batch)
@@ -899,13 +924,13 @@ def measure(model: nn.Module, batch: Any, sh: Shapes, before: Process, clock: Ca
     for p in model.parameters():
         p.grad = None
     hidden = next((a.numel() * a.element_size() for a in args if isinstance(a, torch.Tensor)), timed.out_bytes)
-    dec, shape, eig, k, flops = _time_linalg(sh, clock) if linalg else (0.0, (1, 1), 0.0, 1, 1e12)
+    dec, shape, eig, k, flops, one = _time_linalg(sh, clock) if linalg else (0.0, (1, 1), 0.0, 1, 1e12, 0.0)
     logit = time_logits(outputs, clock) if linalg and outputs > 1 else 0.0
     loss = _time_loss_aware(shape, clock) if linalg else 0.0
     flops32 = time_gemm32(clock) if linalg else 0.0
     return Measurements(before.base_rss, before.load_seconds, timed.forward, timed.backward, timed.saved,
                         hidden if block is not None else timed.out_bytes, dec, shape, eig, k, flops, clock() - start,
-                        logit, flops32, timed.carry, stats, timed.grad_forward, loss, timed.shares)
+                        logit, flops32, timed.carry, stats, timed.grad_forward, loss, timed.shares, one)
 
 
 # ---- the entry points ----------------------------------------------------------------------------------------------
