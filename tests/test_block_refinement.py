@@ -57,7 +57,7 @@ def test_the_refined_factors_lower_the_blocks_error_on_the_batches_held_out_of_t
         targets = [blk(*a, **k) for a, k in inputs]
     planned = _planned(blk)
     before = {k: v.clone() for k, v in blk.state_dict().items()}
-    got = rf.refine_block(blk, planned, inputs, targets, [None] * 8, lambda o: o)
+    got = rf.refine_block(blk, planned, rf.Batches(inputs, targets, [None] * 8), lambda o: o)
     assert sorted(got) == ["down", "k", "q", "up"]
     assert all(torch.equal(v, blk.state_dict()[k]) for k, v in before.items())  # the block is read, not written
     assert all(p.grad is None for p in blk.parameters())
@@ -80,10 +80,10 @@ def test_no_epoch_better_than_the_closed_form_keeps_the_closed_form() -> None:
     inputs = _inputs(4)
     with torch.no_grad():
         targets = [blk(*a, **k) for a, k in inputs]
-    assert rf.refine_block(blk, _planned(blk), inputs, targets, [None] * 4, lambda o: o, lr=1e3) == {}
-    assert rf.refine_block(blk, _planned(blk), inputs[:1], targets[:1], [None], lambda o: o) == {}
-    assert rf.refine_block(blk, _planned(blk), inputs, targets, [None] * 4, lambda o: o, epochs=0) == {}
-    assert rf.refine_block(blk, _planned(blk), inputs, targets, [None] * 4, lambda o: o) != {}
+    assert rf.refine_block(blk, _planned(blk), rf.Batches(inputs, targets, [None] * 4), lambda o: o, lr=1e3) == {}
+    assert rf.refine_block(blk, _planned(blk), rf.Batches(inputs[:1], targets[:1], [None]), lambda o: o) == {}
+    assert rf.refine_block(blk, _planned(blk), rf.Batches(inputs, targets, [None] * 4), lambda o: o, epochs=0) == {}
+    assert rf.refine_block(blk, _planned(blk), rf.Batches(inputs, targets, [None] * 4), lambda o: o) != {}
 
 
 def test_linears_train_factored_to_the_factors_their_product_in_place_gives() -> None:
@@ -96,9 +96,9 @@ def test_linears_train_factored_to_the_factors_their_product_in_place_gives() ->
     with torch.no_grad():
         targets = [blk(*a, **k) for a, k in inputs]
     modules = dict(blk.named_children())
-    factored = rf.refine_block(blk, _planned(blk), inputs, targets, [None] * 8, lambda o: o)
+    factored = rf.refine_block(blk, _planned(blk), rf.Batches(inputs, targets, [None] * 8), lambda o: o)
     assert dict(blk.named_children()) == modules
-    product = rf.refine_block(blk, _planned(blk), inputs, targets, [None] * 8, lambda o: o, factored=False)
+    product = rf.refine_block(blk, _planned(blk), rf.Batches(inputs, targets, [None] * 8), lambda o: o, factored=False)
     assert sorted(factored) == sorted(product) == ["down", "k", "q", "up"]
     for n in factored:
         np.testing.assert_allclose(factored[n].a, product[n].a, rtol=1e-9, atol=1e-12)
@@ -109,7 +109,7 @@ def test_linears_train_factored_to_the_factors_their_product_in_place_gives() ->
         raise RuntimeError("hidden")
 
     with pytest.raises(RuntimeError, match="hidden"):
-        rf.refine_block(blk, _planned(blk), inputs, targets, [None] * 8, broken)
+        rf.refine_block(blk, _planned(blk), rf.Batches(inputs, targets, [None] * 8), broken)
     assert dict(blk.named_children()) == modules and all(type(m) is nn.Linear for m in modules.values())
 
 
@@ -127,8 +127,8 @@ def test_padding_is_not_fitted() -> None:
     spoiled = [t.clone() for t in targets]
     for t in spoiled:
         t[:, 7:] = 1e3
-    clean = rf.refine_block(blk, _planned(blk), inputs, targets, masks, lambda o: o)
-    masked = rf.refine_block(blk, _planned(blk), inputs, spoiled, masks, lambda o: o)
+    clean = rf.refine_block(blk, _planned(blk), rf.Batches(inputs, targets, masks), lambda o: o)
+    masked = rf.refine_block(blk, _planned(blk), rf.Batches(inputs, spoiled, masks), lambda o: o)
     assert clean.keys() == masked.keys() and clean
     for n in clean:
         np.testing.assert_array_equal(clean[n].a, masked[n].a)

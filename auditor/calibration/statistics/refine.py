@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass
-from typing import Callable, Iterator
+from typing import Callable, Iterator, NamedTuple
 
 import numpy as np
 import torch
@@ -47,6 +47,15 @@ LR = 5e-3  # each factor's Adam step, relative to its root mean square
 CHECK = 8  # one fit batch in CHECK (at least one) is held out of the training to stop it
 
 Inputs = list[tuple[tuple[object, ...], dict[str, object]]]  # per batch: a block's positional and keyword inputs
+
+
+class Batches(NamedTuple):
+    """A block's fit batches, per batch: ``inputs`` (the factorized model's inputs to the block), ``targets`` (the
+    dense block's outputs on the dense inputs) and ``masks`` (real positions, or None for all)."""
+
+    inputs: Inputs
+    targets: list[torch.Tensor]
+    masks: list[torch.Tensor | None]
 
 
 @dataclass(frozen=True)
@@ -161,28 +170,26 @@ def _block_error(blk: nn.Module, factors: list[_Factors], frozen: dict[str, torc
     return d[mask].mean() if mask is not None and mask.shape == d.shape[: mask.dim()] else d.mean()
 
 
-def refine_block(blk: nn.Module, planned: list[tuple[Layer, str, tuple[np.ndarray, np.ndarray]]], inputs: Inputs,
-                 targets: list[torch.Tensor], masks: list[torch.Tensor | None],
+def refine_block(blk: nn.Module, planned: list[tuple[Layer, str, tuple[np.ndarray, np.ndarray]]], batches: Batches,
                  hidden: Callable[[object], torch.Tensor], epochs: int = EPOCHS, lr: float = LR,
                  factored: bool = True) -> dict[str, Refined]:
     """The planned layers of ``blk`` (layer, its weight's name in ``blk``, its closed-form factors) trained together
-    on the block's output (the module docstring): per batch ``inputs`` (the factorized model's inputs to the block),
-    ``targets`` (the dense block's outputs on the dense inputs) and ``masks`` (real positions). Returns the layers'
-    refined factors, or nothing where the check batches' error does not fall below the closed form's. The block's
-    own parameters are read, never written or given gradients (the weights in place now are those it runs with).
+    on the block's output (the module docstring) over ``batches``. Returns the layers' refined factors, or nothing
+    where the check batches' error does not fall below the closed form's. The block's own parameters are read, never
+    written or given gradients (the weights in place now are those it runs with).
     ``factored=False``: every planned layer's product A B in place of its weight (the module docstring; a benchmark's
     reference)."""
-    if epochs < 1 or not planned or len(inputs) < 2:
+    if epochs < 1 or not planned or len(batches.inputs) < 2:
         return {}
     params = dict(blk.named_parameters())
     factors = [_factor(layer, name, params[name], ab) for layer, name, ab in planned]
     with _factored(blk, factors if factored else []):
         frozen = {k: p.detach() for k, p in blk.named_parameters()}
-        return _train(blk, factors, frozen, (inputs, targets, masks), hidden, epochs, lr)
+        return _train(blk, factors, frozen, batches, hidden, epochs, lr)
 
 
 def _train(blk: nn.Module, factors: list[_Factors], frozen: dict[str, torch.Tensor],
-           data: tuple[Inputs, list[torch.Tensor], list[torch.Tensor | None]], hidden: Callable[[object], torch.Tensor],
+           data: Batches, hidden: Callable[[object], torch.Tensor],
            epochs: int, lr: float) -> dict[str, Refined]:
     """Adam over the factors' training batches, an epoch at a time, while the check batches' error falls."""
     inputs, targets, masks = data

@@ -50,7 +50,7 @@ from torch import nn
 from ... import kinds
 from ...results import Layer
 from ..data.inputs import Batch, Calibration, eval_mode, main_output, model_device, run
-from .refine import EPOCHS, Refined, refine_block
+from .refine import EPOCHS, Batches, Refined, refine_block
 from .stats import LayerInput, batch_mask, kept_rows
 from .stream import (Blocks, NotSequential, check_sequential, find_blocks, first_inputs, hidden_state,
                      patched_forwards, with_hidden)
@@ -442,7 +442,7 @@ class _Fitter:
                 planned.append((layer, f"{path[len(prefix):]}.{attr}", self.out[layer.name].factors(
                     self.plan[layer.name][1])))
         with _weights(self.model, self.layers, self.fitted):
-            done = refine_block(blk, planned, inputs, targets, masks, hidden_state, self.epochs)
+            done = refine_block(blk, planned, Batches(inputs, targets, masks), hidden_state, self.epochs)
         for name, refined in done.items():
             self.out[name] = refined  # type: ignore[assignment]
             self.fitted[name] = refined.weight(self.plan[name][1])
