@@ -271,3 +271,82 @@ def test_a_chosen_plan_whose_written_model_fails_gives_way_to_a_smaller_one(digi
     none = passes.verified(ctx, refs, searched.budget, searched.reuse, sens.loss_metric).budget
     assert none.plan == {} and none.removed == 0 and none.verification is None
     assert fitted == sorted(fitted, reverse=True) and 1 <= len(fitted) <= passes.VERIFY_TRIES
+
+
+def test_tier_1s_decompositions_are_the_ones_the_baseline_cuts(digits_audit, monkeypatch):
+    """Tier 1 keeps the whitened truncators of the layers a plan may cut (on disk, none in memory) as it makes their
+    spectra; with the gradient pass's loss-aware truncations in tier 3, the uniform baseline cuts tier 1's and
+    decomposes nothing itself, to the same numbers as a baseline that decomposes its own (both on one BLAS thread, as
+    the calibration runs)."""
+    from auditor.calibration.stage import one_blas_thread
+    from auditor.calibration.tiers import passes
+
+    model, layers, options, settings = digits_audit
+    runs = {}
+    for keep in (passes.plannable(layers, settings), frozenset()):
+        runs[bool(keep)] = one_blas_thread(_to_the_baseline)(model, layers, options, settings, keep, monkeypatch)
+    (t1, searched, based, made), (t0, _, own_based, own_made) = runs[True], runs[False]
+    assert sorted(passes.plannable(layers, settings)) == ["fc1", "fc2", "fc3"]
+    assert t0.kept is None and t1.kept is not None and t1.kept.bytes == 0 and t1.kept.spilled == 3
+    assert searched.loss_aware and searched.baseline_reuse is t1.kept
+    assert made == [] and sorted(own_made) == ["fc1", "fc2", "fc3"]
+    assert {k: s.error for k, s in t1.spectra.items()} == {k: s.error for k, s in t0.spectra.items()}
+    u, v = based.budget.uniform, own_based.budget.uniform
+    assert u is not None and v is not None and u.ranks == v.ranks
+    assert (u.metric, u.ok, u.removed) == (v.metric, v.ok, v.removed)
+
+
+def test_a_kept_truncator_is_the_one_the_layer_makes_bit_for_bit():
+    """``whitened_spectra(keep=...)``: the same spectra, and each kept truncator's factors those of a
+    :class:`Truncator` made from the same statistics, to the bit (one BLAS thread each, as the calibration runs),
+    for a wide map and a tall one (whose U tier 1 forms from F); a layer outside ``keep.names`` is not kept."""
+    from threadpoolctl import threadpool_limits
+
+    from auditor.calibration.statistics.stats import InputStatistics, LayerInput
+    from auditor.calibration.statistics.whiten import Keep, Truncator, whitened_spectra
+
+    g = torch.Generator().manual_seed(0)
+    shapes = {"wide": (6, 10), "tall": (12, 5), "other": (4, 4)}
+    layers = [Layer(k, k + ".weight", Kind.LINEAR, "Linear", s, *s) for k, s in shapes.items()]
+    weights = {l.param: torch.randn(*l.shape, generator=g, dtype=torch.float64) for l in layers}
+    inputs = {}
+    for l in layers:
+        x = torch.randn(40, l.n, generator=g, dtype=torch.float64).numpy()
+        inputs[l.name] = LayerInput(l.name, Kind.LINEAR, (x.T @ x)[None], rows=40, width=l.n)
+    stats = InputStatistics(layers=inputs)
+    store = TruncatorStore(0)
+    kept = whitened_spectra(layers, weights, stats, keep=Keep(store, frozenset({"wide", "tall"})))
+    plain = whitened_spectra(layers, weights, stats)
+    assert {k: (s.error, s.sigma) for k, s in kept.items()} == {k: (s.error, s.sigma) for k, s in plain.items()}
+    assert store.holds("wide") and store.holds("tall") and not store.holds("other") and store.spilled == 2
+    with threadpool_limits(limits=1, user_api="blas"):
+        for l in layers[:2]:
+            made = Truncator(l, weights[l.param], inputs[l.name])
+            for r in (1, 3, 5):
+                a, b = store.get(l.name).factors(r)
+                want_a, want_b = made.factors(r)
+                assert np.array_equal(a, want_a) and np.array_equal(b, want_b), (l.name, r)
+
+
+def _to_the_baseline(model, layers, options, settings, keep, monkeypatch):
+    """The passes up to the uniform baseline with tier 1 keeping ``keep``'s decompositions: tier 1, the search and
+    the baseline, and the layers the baseline decomposed itself."""
+    from auditor.calibration.stage import _open_session
+    from auditor.calibration.statistics import whiten
+    from auditor.calibration.tiers import passes
+    from auditor.progress import Progress
+
+    progress = Progress(enabled=False)
+    ctx = passes.PassContext(model, _open_session(model, layers, options, progress), progress)
+    t1 = passes.tier1(ctx, settings.align, keep=keep)
+    refs = passes.references(ctx)
+    scope = passes.scope_of(layers, t1, settings)
+    sens = passes.sensitivity(ctx, refs, t1, scope, None, options.tiers)
+    searched = passes.search(ctx, refs, t1, scope, sens, options.tiers, settings)
+    made = []
+    own = whiten.Truncator.__init__
+    monkeypatch.setattr(whiten.Truncator, "__init__", lambda self, layer, *a, **k: made.append(layer.name)
+                        or own(self, layer, *a, **k))
+    based = passes.baselined(ctx, refs, searched.budget, scope, searched.baseline_reuse)
+    monkeypatch.setattr(whiten.Truncator, "__init__", own)
+    return t1, searched, based, made

@@ -45,7 +45,7 @@ from .statistics.stats import InputStatistics, by_name, input_statistics
 
 if TYPE_CHECKING:
     from .measure.metric import UserMetric
-    from .statistics.whiten import WhitenedSpectrum
+    from .statistics.whiten import Keep, WhitenedSpectrum
     from ..options import AuditOptions, TierOptions
     from .statistics.stats import GramStore
     from ..progress import Progress
@@ -376,10 +376,12 @@ class _Produced:
 
 
 def _read(session: "CalibrationSession", want: dict[str, Layer], progress: "Progress | None",
-          spectra: tuple[int, float] | None) -> "tuple[InputStatistics, bool, dict[str, WhitenedSpectrum]]":
+          spectra: tuple[int, float] | None,
+          keep: "Keep | None") -> "tuple[InputStatistics, bool, dict[str, WhitenedSpectrum]]":
     """``want``'s input statistics read (through the cache with the session's options), whether they came from the
     cache, and with ``spectra=(align, target)`` tier 1's whitened spectra made block by block as each block's
-    statistics complete (before its Grams leave memory): :meth:`CalibrationSession.statistics`."""
+    statistics complete (before its Grams leave memory), ``keep``'s truncators with them:
+    :meth:`CalibrationSession.statistics`."""
     got: "dict[str, WhitenedSpectrum]" = {}
     on_block = None
     model = session.model
@@ -389,7 +391,7 @@ def _read(session: "CalibrationSession", want: dict[str, Layer], progress: "Prog
             table = {n: p for n, p in model.named_parameters(remove_duplicate=False)}
 
             def on_block(_i: int, st: InputStatistics) -> None:
-                got.update(spectra_of([want[k] for k in st.layers if k in want], table, st, *spectra))
+                got.update(spectra_of([want[k] for k in st.layers if k in want], table, st, *spectra, keep=keep))
 
         if session.options is not None:
             stats, cached = _statistics(model, list(want.values()), session.calibration, session.options, progress,
@@ -500,34 +502,34 @@ class CalibrationSession:
 
     def statistics(self, layers: dict[str, Layer] | list[Layer] | None = None,
                    progress: "Progress | None" = None,
-                   spectra: tuple[int, float] | None = None) -> InputStatistics:
+                   spectra: tuple[int, float] | None = None, keep: "Keep | None" = None) -> InputStatistics:
         """The input statistics: computed once (through the cache with the audit's options), then reused. Asked for
         ``layers`` the session's statistics do not cover (a caller's own set), they are read for those.
         ``spectra=(align, target)``: while the statistics are computed, tier 1's whitened spectra are computed too,
         block by block as each block's statistics complete (before its Grams leave memory), and kept for
-        :meth:`spectra`."""
+        :meth:`spectra`; ``keep``: the truncators of its layers kept as they are made (``whitened_spectra``)."""
         want = by_name(layers) if layers is not None else self.layers
         if self._stats is not None and (layers is None or self.covers(want)):
             return self._stats
-        stats, cached, got = _read(self, want, progress, spectra if layers is None else None)
+        stats, cached, got = _read(self, want, progress, spectra if layers is None else None, keep)
         if self._stats is None:
             self._held.stats, self._held.cached = stats, cached
             if got:
                 self._held.spectra[spectra] = {k: got[k] for k in want if k in got}
         return stats
 
-    def spectra(self, align: int = 8, target: float = 0.01,
-                progress: "Callable[[int, int], None] | None" = None) -> "dict[str, WhitenedSpectrum]":
+    def spectra(self, align: int = 8, target: float = 0.01, progress: "Callable[[int, int], None] | None" = None,
+                keep: "Keep | None" = None) -> "dict[str, WhitenedSpectrum]":
         """Tier 1's whitened spectra of the session's layers, keyed by ``Layer.name`` in the layers' order: those
         computed with the statistics (``statistics(spectra=(align, target))``), else from the statistics, each
-        layer's Gram read when its spectrum is computed."""
+        layer's Gram read when its spectrum is computed (``keep``'s truncators with them)."""
         held = self._held.spectra
         if (align, target) not in held:
             table = {n: p for n, p in self.model.named_parameters(remove_duplicate=False)}
             stats = self.stats
             with self.decompositions.spectra() as spectra_of:
                 held[(align, target)] = spectra_of(list(self.layers.values()), table, stats, align, target,
-                                                   progress=progress)
+                                                   progress=progress, keep=keep)
         elif progress is not None:
             progress(len(held[(align, target)]), len(held[(align, target)]))
         return held[(align, target)]

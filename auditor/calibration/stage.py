@@ -122,7 +122,7 @@ def calibrate(model: nn.Module, layers: list[Layer], settings: "Settings", optio
         with computing(model, options.statistics.compute_dtype):
             t = time.perf_counter()
             ctx = passes.PassContext(model, _open_session(model, layers, options, progress), progress)
-            t1 = passes.tier1(ctx, settings.align, since=t)
+            t1 = passes.tier1(ctx, settings.align, since=t, keep=passes.plannable(layers, settings))
             refs = passes.references(ctx)
             scope = passes.scope_of(layers, t1, settings, _ties(layers, options))
             floored = passes.floors(ctx, refs, t1, scope, tiers, options.cluster, options.progress)

@@ -365,22 +365,20 @@ def stage_seconds(sh: Shapes, wl: Workload, me: Measurements) -> dict[str, float
     # each rank below break-even (r < m n / (m + n): the bound, about half the full rank of a square layer)
     factors = sum(2.0 * _cube(s) for s in sh.layers) / me.gemm_flops
     planned = sum(2.0 * m * n * (m * n / (m + n)) for m, n in sh.layers) / me.gemm_flops
-    # tier 1's decompositions run on every thread at once, each on one BLAS thread (whiten.whitened_spectra)
+    # tier 1's decompositions run on every thread at once, each on one BLAS thread (whiten.whitened_spectra), and are
+    # kept (tier1.kept, on disk): the only input-whitened decomposition of each layer the audit makes
     out["statistics"] = _batches(wl.fit_rows, b) * fwd + grams + decomp / max(1, min(wl.threads, len(sh.layers)))
     if me.stats_forward > 0 and sh.block_layers:  # the blocks' forwards and Grams as measured together
         block_grams = sum(2.0 * wl.fit_rows * wl.tokens * n * n for _, n in sh.block_layers) / me.gemm_flops
         out["statistics"] += sh.blocks * (_batches(wl.fit_rows, b) * (me.stats_forward - me.block_forward)
                                           - block_grams)
     out["gradients"] = _sensitivity_seconds(sh, wl, me, r, fwd, bwd, decomp)
-    # tier 3's decompositions (one per layer, kept for the search and the verification's candidates): the gradient
-    # pass's loss-aware truncations where it ran (the store tier 3 cuts from); else made by the rounding floor of a
-    # bf16 / fp16 model (every layer at full rank, its dense reference and one measurement on the search rows), else
-    # by the search's first plans
-    tier3_decomp = 0.0 if wl.sensitivity == "gradients" else decomp
+    # tier 3 cuts its plans from the gradient pass's loss-aware truncations where it ran, else from tier 1's (the
+    # rounding floor of a bf16 / fp16 model too: every layer at full rank, its dense reference and one measurement
+    # on the search rows): nothing decomposed again
     if sh.element_bytes == 2:  # its one plan: every layer at full rank, what `factors` already counts
-        out["rounding floor"] = tier3_decomp + factors + 2 * _batches(r["search"], b) * fwd
-        tier3_decomp = 0.0
-    out["tier 3"] = r["tier3"] / b * fwd + r["plans"] * planned + tier3_decomp
+        out["rounding floor"] = factors + 2 * _batches(r["search"], b) * fwd
+    out["tier 3"] = r["tier3"] / b * fwd + r["plans"] * planned
     # the chosen plan fitted as factorize writes it (the sequential fit): two runs of a block (or of the model) per
     # stage and fit batch, at most one stage per layer, C and G per layer, each W* truncated, and the block
     # refinement where the model has repeated blocks
@@ -388,11 +386,8 @@ def stage_seconds(sh: Shapes, wl: Workload, me: Measurements) -> dict[str, float
     fit = fit_runs(sh, me.stage_shares) * _batches(wl.fit_rows, b) * fwd + 2 * grams + fitted + _refinement(sh, wl, me)
     out["verification"] = 2 * _batches(r["verify"], b) * fwd + planned + fit
     # SVD-LLM's uniform truncation beside every measured plan (at most the search's plans) on its rows, and the chosen
-    # one's on the verification rows; its input-whitened decompositions its own where the gradient pass's are
-    # loss-aware (made once, kept across the plans)
-    own = decomp if wl.sensitivity == "gradients" else 0.0
-    out["uniform baseline"] = own + r["plans"] * (planned + _batches(r["search"], b) * fwd) \
-        + _batches(r["verify"], b) * fwd
+    # one's on the verification rows, cut from tier 1's input-whitened decompositions
+    out["uniform baseline"] = r["plans"] * (planned + _batches(r["search"], b) * fwd) + _batches(r["verify"], b) * fwd
     out["plan check"] = planned
     if wl.byte_plan:
         plans = _batches(r["verify"] if wl.split else r["search"], b) * fwd
@@ -481,7 +476,9 @@ def disk_bytes(sh: Shapes, wl: Workload) -> int:
     if not wl.calibrated:
         return reports + sum(8 * min(s) for s in sh.layers)
     grams = sum(8 * n * n for _, n in sh.layers)
-    kept = sum(8 * (m * min(m, n) + n * n) for m, n in sh.layers)  # a truncator: its basis and whitening
+    kept = sum(8 * (m * n + m * min(m, n)) for m, n in sh.layers)  # tier 1's truncators: F and its basis U
+    if wl.sensitivity == "gradients":  # the loss-aware ones beside them: F, U and W (or F, Z and Y)
+        kept += sum(8 * (m * n + 2 * m * min(m, n)) for m, n in sh.layers)
     moments = sum(8 * min(m, n) ** 2 for m, n in sh.layers)
     return grams + kept + moments + reports
 

@@ -44,15 +44,19 @@ class Decompositions:
     @contextlib.contextmanager
     def spectra(self) -> "Iterator[Callable[..., dict[str, WhitenedSpectrum]]]":
         """What computes tier 1's whitened spectra, called as ``whitened_spectra(layers, weights, stats, align,
-        target, progress=...)``: on the cluster one task per distinct layer input (its client open while the block
-        runs), else :func:`~auditor.calibration.statistics.whiten.whitened_spectra` here."""
+        target, progress=..., keep=...)``: on the cluster one task per distinct layer input (its client open while
+        the block runs; ``keep`` ignored there: the decompositions stay on the workers, and tier 3 asks for them
+        with :meth:`truncators`), else :func:`~auditor.calibration.statistics.whiten.whitened_spectra` here."""
         if not self.on_cluster:
             from .whiten import whitened_spectra
 
             yield whitened_spectra
             return
         with self._cluster() as cluster:  # one block, or one layer outside them, at a time
-            yield cluster.spectra
+            def spectra(*args: Any, keep: Any = None, **kwargs: Any) -> "dict[str, WhitenedSpectrum]":
+                return cluster.spectra(*args, **kwargs)  # none kept here: tier 3's made there as before
+
+            yield spectra
             self.where = cluster.where  # asked while the client is open
 
     def truncators(self, layers: "list[Layer]", stats: "InputStatistics", store: "MutableMapping[str, Truncator]",

@@ -21,9 +21,10 @@ import contextlib
 import math
 import os
 import tempfile
+import threading
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Callable, Mapping, MutableMapping
+from typing import TYPE_CHECKING, Callable, Mapping, MutableMapping, NamedTuple
 
 import numpy as np
 import torch
@@ -165,7 +166,11 @@ def whitened_spectrum(layer: Layer, weight: torch.Tensor, inp: LayerInput, align
     """The whitened spectrum of ``layer`` under its input statistics, the error curve, the ranks for 1, 2, 5 and 10%
     layer-output error, and a suggested rank: the one for ``target`` rounded up to a multiple of ``align``, kept only
     below break-even ("keep dense" otherwise)."""
-    bases = whitened_bases(layer, weight, inp, damp, need_u=False)
+    return _spectrum(layer, whitened_bases(layer, weight, inp, damp, need_u=False), inp, align, target)
+
+
+def _spectrum(layer: Layer, bases: list[Basis], inp: LayerInput, align: int, target: float) -> WhitenedSpectrum:
+    """:func:`whitened_spectrum` from the layer's decompositions (``bases``, one per group)."""
     k = min(len(b.q) for b in bases)
     total = sum(b.total for b in bases)
     kept = np.zeros(k + 1)
@@ -406,8 +411,13 @@ class TruncatorStore(dict):
         self.refused = 0
         self._dir: tempfile.TemporaryDirectory[str] | None = None
         self._disk: dict[str, tuple[Layer, tuple[int, ...], torch.dtype, torch.device, dict[str, int]]] = {}
+        self._lock = threading.Lock()  # tier 1 puts its truncators in from its decompositions' threads
 
     def __setitem__(self, key: str, trunc: Truncator) -> None:
+        with self._lock:
+            self._put(key, trunc)
+
+    def _put(self, key: str, trunc: Truncator) -> None:
         n = int(trunc.f.nbytes) + sum(int(a.nbytes) for v in trunc.parts().values() for a in v)
         if key in self or key in self._disk:
             return
@@ -425,11 +435,11 @@ class TruncatorStore(dict):
             sweep_scratch()  # a killed run's folders first
             self._dir = tempfile.TemporaryDirectory(prefix=scratch_prefix("truncators"))
         base = os.path.join(self._dir.name, f"t{len(self._disk)}")
-        save_spilled(f"{base}.f.npy", trunc.f, "tier 3's decompositions")
+        save_spilled(f"{base}.f.npy", trunc.f, "the kept decompositions")
         parts = trunc.parts()
         for name, arrays in parts.items():
             for g, a in enumerate(arrays):
-                save_spilled(f"{base}.{name}{g}.npy", a, "tier 3's decompositions")
+                save_spilled(f"{base}.{name}{g}.npy", a, "the kept decompositions")
         self._disk[key] = (trunc.layer, trunc.shape, trunc.dtype, trunc.device,
                            {name: len(arrays) for name, arrays in parts.items()})
         self.spilled += 1
@@ -489,23 +499,36 @@ def truncated_weight(layer: Layer, weight: torch.Tensor, rank: int, inp: LayerIn
     return Truncator(layer, weight, inp, damp).weight(rank)
 
 
+class Keep(NamedTuple):
+    """Tier 1's decompositions kept for the passes after it (:func:`whitened_spectra`): the truncators of the layers
+    in ``names`` (their eigenvectors, which tier 1 makes anyway, and for a tall map U = F W) put into ``store``."""
+
+    store: "TruncatorStore"
+    names: frozenset[str]
+
+
 def whitened_spectra(layers: dict[str, Layer] | list[Layer], weights: dict[str, torch.Tensor],
                      stats: "InputStatistics", align: int = 8, target: float = 0.01,
                      jobs: int | None = None,
-                     progress: Callable[[int, int], None] | None = None) -> dict[str, WhitenedSpectrum]:
+                     progress: Callable[[int, int], None] | None = None,
+                     keep: Keep | None = None) -> dict[str, WhitenedSpectrum]:
     """The whitened spectrum of every layer in ``layers`` that has input statistics, keyed by ``Layer.name`` in
     the layers' order. ``weights``: parameter name -> tensor. The decompositions are many small eigh calls, so
     they run on ``jobs`` threads (default: the CPU count), each with one BLAS thread: NumPy's LAPACK releases the
     GIL, and one thread per core beats OpenBLAS threads spinning against each other. ``progress(done, total)`` is
-    called (on the calling thread) as each layer's spectrum comes back, in the layers' order."""
+    called (on the calling thread) as each layer's spectrum comes back, in the layers' order. ``keep``: the
+    truncators of its layers put into its store as they are made (the same arrays :class:`Truncator` makes: one
+    decomposition per layer for tier 1 and the passes that cut factors)."""
     from threadpoolctl import threadpool_limits
 
     from .stats import by_name
 
     todo = [(layer, stats.layers[layer.name]) for layer in by_name(layers).values() if layer.name in stats.layers]
     jobs = max(1, min(jobs or os.cpu_count() or 1, len(todo) or 1))
-    def one(t: tuple[Layer, object]) -> WhitenedSpectrum:
-        return whitened_spectrum(t[0], weights[t[0].param], t[1], align, target)
+    def one(t: tuple[Layer, LayerInput]) -> WhitenedSpectrum:
+        if keep is None or t[0].name not in keep.names or keep.store.holds(t[0].name):
+            return whitened_spectrum(t[0], weights[t[0].param], t[1], align, target)
+        return _kept_spectrum(t[0], weights[t[0].param], t[1], (align, target), keep.store)
 
     done: list[WhitenedSpectrum] = []
     with threadpool_limits(limits=1, user_api="blas"):
@@ -515,6 +538,16 @@ def whitened_spectra(layers: dict[str, Layer] | list[Layer], weights: dict[str, 
                 if progress is not None:
                     progress(len(done), len(todo))
     return {spec.layer: spec for spec in done}
+
+
+def _kept_spectrum(layer: Layer, weight: torch.Tensor, inp: LayerInput, ranked: tuple[int, float],
+                   store: "TruncatorStore") -> WhitenedSpectrum:
+    """:func:`whitened_spectrum` with the decomposition's U kept: the layer's :class:`Truncator` put into ``store``."""
+    f = function_matrices(layer, weight)
+    grams = [inp.gram] if inp.diagonal else list(inp.gram)
+    bases = [decompose(f[g], grams[g], inp.diagonal, DAMP) for g in range(f.shape[0])]
+    store[layer.name] = Truncator.from_bases(layer, weight, f, {"u": [b.u for b in bases]})
+    return _spectrum(layer, bases, inp, *ranked)
 
 
 GRADIENT_DAMP = 1e-2  # G + (GRADIENT_DAMP + out / samples) * mean(diag G) I: the output-gradient moment shrunk toward

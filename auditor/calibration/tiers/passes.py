@@ -2,7 +2,8 @@
 the progress), the results of the passes before it and its own option group, and returns a frozen result; none
 changes the session or what an earlier pass made (tests/test_calibration_passes.py checks every one)::
 
-    tier1        PassContext, align                                       -> Tier1 (spectra, spans, the target)
+    tier1        PassContext, align, keep                                 -> Tier1 (spectra, spans, the target, the
+                                                                             kept decompositions)
     references   PassContext                                              -> References (the dense model measured:
                                                                              the search's measurer, the verifier)
     scope_of     [Layer], Tier1, Settings, ties                           -> Scope (swept, planned layers, ties)
@@ -27,9 +28,9 @@ changes the session or what an earlier pass made (tests/test_calibration_passes.
                                                                              --budget-bytes, --bits-per-weight)
 
 What one pass learns and a later one needs travels in its result, by argument: the dense references
-(:class:`~auditor.calibration.references.References`), the decompositions' store (``Searched.reuse``), the gradient
-pass's loss metric (``Sensitivity.loss_metric``). :func:`auditor.calibration.stage.calibrate` composes them and
-builds the report's rows once from their results.
+(:class:`~auditor.calibration.references.References`), tier 1's kept decompositions (``Tier1.kept``), tier 3's
+store (``Searched.reuse``), the gradient pass's loss metric (``Sensitivity.loss_metric``).
+:func:`auditor.calibration.stage.calibrate` composes them and builds the report's rows once from their results.
 """
 
 from __future__ import annotations
@@ -81,6 +82,9 @@ class Tier1:
     target: float  # the layer-output error tier 1 ranked for (the metric's)
     cached: bool  # the statistics came from the cache
     seconds: dict[str, float]
+    kept: TruncatorStore | None = None  # the input-whitened truncators of the layers a plan may cut, made with the
+    #                                     spectra (one decomposition each): tier 3's where no gradient pass made its
+    #                                     own, the uniform baseline's where it did
 
 
 def _span(inp: LayerInput) -> Span:
@@ -96,19 +100,25 @@ def _span(inp: LayerInput) -> Span:
     return Span(inp.rows, inp.width, int(inp.rows), inp.rows >= inp.width)
 
 
-def tier1(ctx: PassContext, align: int, since: float | None = None) -> Tier1:
+def tier1(ctx: PassContext, align: int, since: float | None = None, keep: frozenset[str] = frozenset()) -> Tier1:
     """The input statistics (block by block, tier 1 with them) and every layer's whitened spectrum; ``since``: when
-    the stage's clock for tier 1 started (the session's opening counts)."""
+    the stage's clock for tier 1 started (the session's opening counts); ``keep``: the layers whose decompositions
+    are kept for the passes that cut factors (:func:`plannable`), in a store of their own on disk (``Tier1.kept``,
+    nothing of it in memory between the passes; None without ``keep``)."""
+    from ..statistics.whiten import Keep
+
     t = time.perf_counter() if since is None else since
     session, progress = ctx.session, ctx.progress
     target = session.metric.tier1_target
+    kept = TruncatorStore(0) if keep else None
+    held = Keep(kept, keep) if kept is not None else None
     with progress.phase("statistics", total=len(session.calibration.fit), unit="batch"):  # tier 1 block by block
-        stats = session.statistics(progress=progress, spectra=(align, target))
+        stats = session.statistics(progress=progress, spectra=(align, target), keep=held)
         cached = session.cached
     with progress.phase("tier 1 spectra", total=sum(1 for l in session.layers if l in stats.layers)):
-        spectra = session.spectra(align, target, progress=progress.update)
+        spectra = session.spectra(align, target, progress=progress.update, keep=held)
     spans = {name: _span(stats.layers[name]) for name in spectra}
-    return Tier1(spectra, spans, align, target, cached, {"tier1": time.perf_counter() - t})
+    return Tier1(spectra, spans, align, target, cached, {"tier1": time.perf_counter() - t}, kept)
 
 
 def references(ctx: PassContext) -> References:
@@ -127,16 +137,22 @@ def sweepable(layer: Layer, settings: "Settings") -> bool:
             and lrmath.max_useful_rank(layer.m, layer.n) >= 1)
 
 
+def plannable(layers: list[Layer], settings: "Settings") -> frozenset[str]:
+    """The layers a plan may cut as far as their shapes and kinds say (:func:`scope_of`'s planned ones before tier 1
+    knows their spans): those tier 1 keeps the decompositions of."""
+    from ...kinds.registry import SUPPORTED
+
+    return frozenset(l.name for l in layers if sweepable(l, settings) and not l.aliases and l.kind in SUPPORTED)
+
+
 def scope_of(layers: list[Layer], tier1: Tier1, settings: "Settings", ties: tuple[TieGroup, ...] = ()) -> Scope:
     """The swept and planned layers. A layer calibration cannot rank (no statistics, or inputs it did not span: an
     embedding with ids the calibration never looks up, fewer rows than the input width; the condition of LR014) is
     in neither: no plan the search measures factorizes it, so the suggested plan keeps it dense rather than put it in
     at a data-free rank (a user's ``--plan`` may still name it, and LR014 says so)."""
-    from ...kinds.registry import SUPPORTED
-
     swept = [l for l in layers if l.name in tier1.spectra and sweepable(l, settings) and tier1.spans[l.name].spans]
-    planned = [l for l in swept if not l.aliases and l.kind in SUPPORTED]
-    return Scope(swept, planned, ties)
+    names = plannable(swept, settings)
+    return Scope(swept, [l for l in swept if l.name in names], ties)
 
 
 @dataclass(frozen=True)
@@ -211,12 +227,13 @@ class Searched:
     untied: Curves | None = None  # --tie: the curves before the ties, what the ties' cost is stated against
     ties: tuple[TieGroup, ...] = ()
     loss_aware: bool = False  # some of ``reuse`` are the gradient pass's loss-aware truncations, not SVD-LLM's
+    whitened: TruncatorStore | None = None  # tier 1's input-whitened truncations (``Tier1.kept``)
 
     @property
     def baseline_reuse(self) -> TruncatorStore | None:
         """What the uniform baseline may cut from: ``reuse`` when it holds SVD-LLM's (input-whitened) truncations,
-        else None (the baseline decomposes its layers itself)."""
-        return None if self.loss_aware else self.reuse
+        else tier 1's (None where tier 1 kept none: the baseline decomposes its layers itself)."""
+        return self.whitened if self.loss_aware else self.reuse
 
     def tie_costed(self, budget: BudgetResult) -> BudgetResult:
         """``budget`` with what the ties cost in removal at its plan's predicted cost (:func:`.tied.tie_cost`);
@@ -251,7 +268,8 @@ def search(ctx: PassContext, refs: References, tier1: Tier1, scope: Scope, sensi
     # of the model's decompositions in memory (a block's, or the largest outside layer's), the rest on disk; the
     # gradient pass's loss-aware truncations where it made them
     given = sensitivity.reuse if isinstance(sensitivity, Gradients) else None
-    reuse = given if given is not None else TruncatorStore(part_bytes(model, scope.sensitive))
+    reuse = given if given is not None else tier1.kept if tier1.kept is not None else TruncatorStore(
+        part_bytes(model, scope.sensitive))
     t = time.perf_counter()
     todo = [l for l in scope.sensitive if not reuse.holds(l.name)]
     if session.decompositions.on_cluster and todo:  # --scheduler: the decompositions made there, one task per distinct input
@@ -281,7 +299,7 @@ def search(ctx: PassContext, refs: References, tier1: Tier1, scope: Scope, sensi
     seconds["tier3"] = tier3 + time.perf_counter() - t
     return Searched(budget, rounding, reuse, budget.evaluations + int(rounding is not None), seconds,
                     untied if scope.ties else None, scope.ties, loss_aware=given is not None and len(todo) < len(
-                        scope.sensitive))
+                        scope.sensitive), whitened=tier1.kept)
 
 
 @dataclass(frozen=True)
