@@ -6,6 +6,8 @@ one part's bytes."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 import torch
@@ -17,6 +19,7 @@ from auditor.calibration.tiers.fisher import Moments, output_gradients
 from auditor.calibration.measure.metric import Metric
 from auditor.calibration.statistics.stats import by_name, input_statistics
 from auditor.calibration.statistics.whiten import Truncator, TruncatorStore, part_bytes, truncator_bytes
+from auditor.errors import AuditError
 from auditor.factorize import factorize
 from auditor.structure.layers import ParamTable, collect_layers
 
@@ -223,9 +226,20 @@ def test_truncator_store_reads_back_what_it_spilled(monkeypatch):
     for n, t in truncs.items():
         back = store.get(n)
         assert all(np.array_equal(a, b) for a, b in zip(back.factors(8), t.factors(8)))
-    back = store.get(names[1])  # read back mapped, read-only: no copy in the heap left behind
-    assert isinstance(back.f, np.memmap) and not back.f.flags.writeable and isinstance(back.u[0], np.memmap)
+    back = store.get(names[1])  # its bases read back mapped, read-only: no copy in the heap left behind
+    assert isinstance(back.u[0], np.memmap) and not back.u[0].flags.writeable
+    # the layer's own map is not written (made again from its weight when read, the same bytes); a fitted map's is
+    assert not isinstance(back.f, np.memmap) and np.array_equal(back.f, truncs[names[1]].f)
+    assert sorted(p.name for p in Path(store._dir.name).iterdir()) == ["t0.u0.npy", "t1.u0.npy"]
+    fitted = Truncator.of_function(layers[names[1]], params[layers[names[1]].param], 0.5 * truncs[names[1]].f,
+                                   stats.layers[names[1]])
+    store["fitted"] = fitted
+    assert isinstance(store.get("fitted").f, np.memmap) and np.array_equal(store.get("fitted").f, fitted.f)
     assert store.get("missing") is None
+    with torch.no_grad():  # a weight written after its decomposition was kept: one line, never a wrong truncation
+        params[layers[names[2]].param][0, 0] += 1.0
+    with pytest.raises(AuditError, match=r"^the weight of lm_head changed while the audit ran"):
+        store.get(names[2])
     # the audit's budget: the largest part (a block's layers together, or one layer outside the blocks)
     want = max(sum(truncator_bytes(layers[k]) for k in layers if k.startswith(f"model.layers.{i}."))
                for i in range(2))

@@ -237,10 +237,10 @@ def test_peak_disk_and_device_exact():
     assert (by["tier 3"], by["verification"], by["plan check"]) == (1100 + plan + 1000 + 304 + 1664,
                                                                      1100 + plan + 1000 + 304 + fit,
                                                                      1100 + plan + 1000 + 304 + fit)
-    # the Grams, tier 1's truncators (F and U: 8 (m n + m min(m, n))), the gradient pass's (F, U, W: 8 (m n + 2 m
-    # min(m, n))) and the moments
-    tier1, loss = 8 * (2 * (64 + 48) + 80), 8 * (2 * (96 + 64) + 120)
-    assert e.disk_bytes == 2 * (20000 + 2000 * 5) + 8 * 176 + tier1 + loss + 640
+    # the Grams, the kept truncators' bases (tier 1's U and the gradient pass's U and W: 3 x 8 m min(m, n); no F,
+    # which is made again from the weight) and the moments
+    bases = 3 * 8 * (2 * (32 + 16) + 40)
+    assert e.disk_bytes == 2 * (20000 + 2000 * 5) + 8 * 176 + bases + 640
     assert e.peak_device_bytes is None
     on = est.predict(SHAPES, est.Workload(**{**WORK.__dict__, "device": "cuda", "offload": True}), MEASURED)
     assert on.peak_device_bytes == (1000 - 64 * 4) + 1000 + 2 * 6 * 256 + 1664
@@ -267,6 +267,30 @@ def test_short_of_memory_line_and_fix():
     assert "  of it 0 MiB the weights, mapped from the checkpoint (paged from disk as read): 0 MiB must be held" \
         in est.render_table(mapped)
     assert "--calibration-max-rows" in est.FIX and "--offload" in est.FIX and "--scheduler" in est.FIX
+
+
+def test_short_of_disk_line_and_the_check_before_the_audit(monkeypatch):
+    """What the audit writes (the spilled statistics, the kept bases, the moments, the reports) against the scratch
+    folder's free space: one line and the fix before it starts, none where it fits or the space is unknown."""
+    from types import SimpleNamespace
+
+    from auditor.options import AuditOptions
+
+    e = est.predict(SHAPES, WORK, MEASURED)
+    assert est.short_of_disk(e, e.disk_bytes, "/scratch") is None and est.short_of_disk(e, None, "/scratch") is None
+    assert est.short_of_disk(e, e.disk_bytes - 1, "/scratch") == (
+        "the audit is estimated to write 0 MiB to /scratch (spilled statistics and kept decompositions) but 0 MiB is "
+        "free there")
+    monkeypatch.setattr(est, "estimate_loaded", lambda *a, **k: e)
+    loaded = SimpleNamespace(model=torch.nn.Linear(2, 2), example_inputs=None, source="x")
+    options = AuditOptions(calibration="x.safetensors")
+    assert est.refuse_if_short(loaded, options, available=2**40, free_disk=e.disk_bytes) is e
+    with pytest.raises(AuditError) as refused:
+        est.refuse_if_short(loaded, options, available=2**40, free_disk=e.disk_bytes - 1)
+    assert str(refused.value).startswith("the audit is estimated to write 0 MiB to ") and "TMPDIR" in str(
+        refused.value)
+    with pytest.raises(AuditError, match="of host memory"):  # memory is checked first
+        est.refuse_if_short(loaded, options, available=1, free_disk=0)
 
 
 MODELS = '''

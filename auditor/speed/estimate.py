@@ -15,7 +15,7 @@ Three steps, each testable alone:
   alive in it.
 
 :func:`refuse_if_short` is the check a calibrated audit makes before it starts: one line (an ``AuditError``, exit 2)
-when the predicted peak exceeds the memory available.
+when the predicted peak exceeds the memory available, or what it writes the free space of its scratch folder.
 """
 
 from __future__ import annotations
@@ -476,9 +476,9 @@ def disk_bytes(sh: Shapes, wl: Workload) -> int:
     if not wl.calibrated:
         return reports + sum(8 * min(s) for s in sh.layers)
     grams = sum(8 * n * n for _, n in sh.layers)
-    kept = sum(8 * (m * n + m * min(m, n)) for m, n in sh.layers)  # tier 1's truncators: F and its basis U
-    if wl.sensitivity == "gradients":  # the loss-aware ones beside them: F, U and W (or F, Z and Y)
-        kept += sum(8 * (m * n + 2 * m * min(m, n)) for m, n in sh.layers)
+    # the kept truncators' bases (a layer's own F is not written: made again from its weight when read): tier 1's U,
+    # and beside them the gradient pass's U and W (or Z and Y)
+    kept = sum(8 * m * min(m, n) * (3 if wl.sensitivity == "gradients" else 1) for m, n in sh.layers)
     moments = sum(8 * min(m, n) ** 2 for m, n in sh.layers)
     return grams + kept + moments + reports
 
@@ -537,6 +537,34 @@ def short_of_memory(est: Estimate, available: int | None) -> str | None:
 
 FIX = ("Read fewer rows (--calibration-max-rows N), keep the blocks off the host with --device cuda --offload, free "
        "memory, or run on a larger machine or a cluster (--scheduler ADDR); --estimate prints each stage's cost")
+
+
+def short_of_disk(est: Estimate, free: int | None, where: str) -> str | None:
+    """The one line a calibrated audit stops with when what it is predicted to write (:func:`disk_bytes`: the spilled
+    statistics, the kept decompositions' bases, the gradient moments, the reports) exceeds ``free`` bytes in its
+    scratch folder ``where``; None when it fits (or the free space is unknown). A 7B audit writes hundreds of GB:
+    said before it starts, not when the disk fills hours in."""
+    if free is None or est.disk_bytes <= free:
+        return None
+    return (f"the audit is estimated to write {_mib(est.disk_bytes)} to {where} (spilled statistics and kept "
+            f"decompositions) but {_mib(free)} is free there")
+
+
+DISK_FIX = ("Set TMPDIR (and --cache-dir) to a folder on a disk with room, or free space there; --estimate prints "
+            "what the audit writes")
+
+
+def scratch_free() -> tuple[int | None, str]:
+    """The free bytes of the folder the audit's temporary files go to (``tempfile.gettempdir()``) and its path;
+    None where it cannot be read."""
+    import shutil
+    import tempfile
+
+    where = tempfile.gettempdir()
+    try:
+        return shutil.disk_usage(where).free, where
+    except OSError:
+        return None, where
 
 
 def _mib(n: float) -> str:
@@ -1046,10 +1074,10 @@ def estimate_source(spec: str, options: Any, load: Any, formats: tuple[str, ...]
 
 
 def refuse_if_short(loaded: Any, options: Any, formats: tuple[str, ...] = ("text",),
-                    available: int | None = None) -> Estimate | None:
+                    available: int | None = None, free_disk: int | None = None) -> Estimate | None:
     """Before a calibrated audit: an ``AuditError`` (one line, exit 2) when its estimated peak exceeds the memory
-    available (``available``, default MemAvailable and the cgroup's limit). None without calibration, code or
-    weights."""
+    available (``available``, default MemAvailable and the cgroup's limit), or what it writes the free space of its
+    scratch folder (``free_disk``, default :func:`scratch_free`'s). None without calibration, code or weights."""
     from ..sources.hf import available_memory
 
     if options.calibration_data.source is None or not isinstance(loaded.model, nn.Module):
@@ -1064,6 +1092,10 @@ def refuse_if_short(loaded: Any, options: Any, formats: tuple[str, ...] = ("text
     problem = short_of_memory(est, available if available is not None else available_memory())
     if problem is not None:
         raise AuditError(problem, FIX)
+    free, where = scratch_free()
+    problem = short_of_disk(est, free_disk if free_disk is not None else free, where)
+    if problem is not None:
+        raise AuditError(problem, DISK_FIX)
     return est
 
 

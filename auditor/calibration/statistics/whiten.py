@@ -215,11 +215,13 @@ class Truncator:
     w: "list[np.ndarray] | None" = None
     z: "list[np.ndarray] | None" = None
     y: "list[np.ndarray] | None" = None
+    source: "torch.Tensor | None" = None  # the weight F is the layer's map of (a store writes no F for it)
 
     def __init__(self, layer: Layer, weight: torch.Tensor, inp: LayerInput | None, damp: float = DAMP) -> None:
         self.layer = layer
         self.shape, self.dtype, self.device = tuple(weight.shape), weight.dtype, weight.device
         self.f = function_matrices(layer, weight)
+        self.source = weight
         self.u: list[np.ndarray] = []
         for g in range(self.f.shape[0]):
             if inp is None:
@@ -237,15 +239,19 @@ class Truncator:
         trunc.shape, trunc.dtype, trunc.device = tuple(weight.shape), weight.dtype, weight.device
         trunc.f = function_matrices(layer, weight)
         trunc.u = list(u)
+        trunc.source = weight
         return trunc
 
     @classmethod
-    def from_bases(cls, layer: Layer, weight: torch.Tensor, f: np.ndarray, bases: dict[str, list[np.ndarray]]) -> "Truncator":
+    def from_bases(cls, layer: Layer, weight: torch.Tensor, f: np.ndarray, bases: dict[str, list[np.ndarray]],
+                   own: bool = False) -> "Truncator":
         """A truncator of the map ``f`` (groups, out, in) from its per-group bases: ``{"u": ..., "w": ...}`` (left
-        form) or ``{"z": ..., "y": ...}`` (right form), columns in the order they are kept."""
+        form) or ``{"z": ..., "y": ...}`` (right form), columns in the order they are kept. ``own``: ``f`` is
+        ``function_matrices(layer, weight)``, the layer's own map (not a fitted W*)."""
         trunc = cls.__new__(cls)
         trunc.layer = layer
         trunc.shape, trunc.dtype, trunc.device = tuple(weight.shape), weight.dtype, weight.device
+        trunc.source = weight if own else None
         trunc.f = f
         trunc.u = list(bases.get("u", []))
         for key in ("w", "z", "y"):
@@ -391,11 +397,35 @@ def default_reuse_bytes() -> int:
     return REUSE_FALLBACK if avail is None else max(0, min(int(avail * REUSE_SHARE), REUSE_CAP))
 
 
+@dataclass(frozen=True)
+class _Spilled:
+    """What a :class:`TruncatorStore` keeps of a truncator written to disk: its layer and stored layout, how many
+    arrays of each basis, and for the layer's own map (``source``: the weight) no F file but F's digest."""
+
+    layer: Layer
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    device: torch.device
+    groups: dict[str, int]
+    source: "torch.Tensor | None"
+    digest: str
+
+
+def _digest(f: np.ndarray) -> str:
+    """BLAKE3 of an array's shape, dtype and bytes."""
+    from blake3 import blake3
+
+    h = blake3(f"|{f.shape}:{f.dtype.str}|".encode())
+    h.update(memoryview(np.ascontiguousarray(f)).cast("B"))
+    return h.hexdigest()
+
+
 class TruncatorStore(dict):
     """The per-layer truncators (:class:`Truncator`) kept across the plans tier 3 measures (``factorize``'s
     ``reuse``), with at most ``budget`` bytes of them in memory (None: :func:`default_reuse_bytes`). What does not
-    fit is, with ``spill`` (the audit's store), written to a temporary directory (F and each U as ``.npy``) and read
-    back (memory-mapped, read-only: no copy in the heap) when a plan asks for it, so the decompositions alive at
+    fit is, with ``spill`` (the audit's store), written to a temporary directory (each basis as ``.npy``, and F where
+    it is not the layer's own map: a layer's own F is made again from its weight when read, its digest checked) and
+    read back (memory-mapped, read-only: no copy in the heap) when a plan asks for it, so the decompositions alive at
     once do not grow with the depth; without ``spill`` (a library search's default) it is not kept, and computed
     again for the next plan that needs it (the same
     factors: the same arrays in, the same LAPACK calls). A layer is decomposed once per store entry; a decomposition
@@ -410,7 +440,7 @@ class TruncatorStore(dict):
         self.spilled = 0
         self.refused = 0
         self._dir: tempfile.TemporaryDirectory[str] | None = None
-        self._disk: dict[str, tuple[Layer, tuple[int, ...], torch.dtype, torch.device, dict[str, int]]] = {}
+        self._disk: dict[str, _Spilled] = {}
         self._lock = threading.Lock()  # tier 1 puts its truncators in from its decompositions' threads
 
     def __setitem__(self, key: str, trunc: Truncator) -> None:
@@ -435,13 +465,15 @@ class TruncatorStore(dict):
             sweep_scratch()  # a killed run's folders first
             self._dir = tempfile.TemporaryDirectory(prefix=scratch_prefix("truncators"))
         base = os.path.join(self._dir.name, f"t{len(self._disk)}")
-        save_spilled(f"{base}.f.npy", trunc.f, "the kept decompositions")
+        if trunc.source is None:  # a fitted W*: F itself written
+            save_spilled(f"{base}.f.npy", trunc.f, "the kept decompositions")
         parts = trunc.parts()
         for name, arrays in parts.items():
             for g, a in enumerate(arrays):
                 save_spilled(f"{base}.{name}{g}.npy", a, "the kept decompositions")
-        self._disk[key] = (trunc.layer, trunc.shape, trunc.dtype, trunc.device,
-                           {name: len(arrays) for name, arrays in parts.items()})
+        self._disk[key] = _Spilled(trunc.layer, trunc.shape, trunc.dtype, trunc.device,
+                                   {name: len(arrays) for name, arrays in parts.items()}, trunc.source,
+                                   _digest(trunc.f) if trunc.source is not None else "")
         self.spilled += 1
 
     def holds(self, key: str) -> bool:
@@ -453,14 +485,23 @@ class TruncatorStore(dict):
             return super().__getitem__(key)
         if key not in self._disk:
             return default
-        layer, shape, dtype, device, groups = self._disk[key]
+        kept = self._disk[key]
         assert self._dir is not None
         base = os.path.join(self._dir.name, f"t{list(self._disk).index(key)}")
         trunc = Truncator.__new__(Truncator)
-        trunc.layer, trunc.shape, trunc.dtype, trunc.device = layer, shape, dtype, device
-        trunc.f = np.load(f"{base}.f.npy", mmap_mode="r", allow_pickle=False)  # maps: no heap copy to keep
+        trunc.layer, trunc.shape, trunc.dtype, trunc.device = kept.layer, kept.shape, kept.dtype, kept.device
+        trunc.source = kept.source
+        if kept.source is None:
+            trunc.f = np.load(f"{base}.f.npy", mmap_mode="r", allow_pickle=False)  # maps: no heap copy to keep
+        else:  # the layer's map made again from its weight, which nothing in an audit writes: checked
+            trunc.f = function_matrices(kept.layer, kept.source)
+            if _digest(trunc.f) != kept.digest:
+                from ...errors import AuditError
+
+                raise AuditError(f"the weight of {kept.layer.name} changed while the audit ran (it no longer matches "
+                                 "its decomposition)", "Audit a copy of a checkpoint that something still writes")
         trunc.u = []
-        for name, n in groups.items():
+        for name, n in kept.groups.items():
             setattr(trunc, name, [np.load(f"{base}.{name}{g}.npy", mmap_mode="r", allow_pickle=False)
                                   for g in range(n)])
         return trunc
@@ -546,7 +587,7 @@ def _kept_spectrum(layer: Layer, weight: torch.Tensor, inp: LayerInput, ranked: 
     f = function_matrices(layer, weight)
     grams = [inp.gram] if inp.diagonal else list(inp.gram)
     bases = [decompose(f[g], grams[g], inp.diagonal, DAMP) for g in range(f.shape[0])]
-    store[layer.name] = Truncator.from_bases(layer, weight, f, {"u": [b.u for b in bases]})
+    store[layer.name] = Truncator.from_bases(layer, weight, f, {"u": [b.u for b in bases]}, own=True)
     return _spectrum(layer, bases, inp, *ranked)
 
 
