@@ -96,18 +96,14 @@ def test_an_evaluator_says_the_rows_it_read():
 
 
 def test_one_truncator_store_spills_or_drops_what_does_not_fit():
-    class T:  # a Truncator's arrays: F (1, 4, 4) and one U (4 x 4), float64
-        def __init__(self) -> None:
-            self.f = np.zeros((1, 4, 4))
-            self.u = [np.zeros((4, 4))]
+    from auditor.calibration.statistics.whiten import Truncator
 
-        def parts(self) -> dict[str, list[np.ndarray]]:
-            return {"u": self.u}
-
+    layer = Layer("x", "x.weight", Kind.LINEAR, "Linear", (4, 4), 4, 4)
+    t = Truncator(layer, torch.eye(4), None)  # kept as its cut: A_4 and B_4, 2 x 4 x 4 float64
     dropped = TruncatorStore(300, spill=False)
-    dropped["a"], dropped["b"] = T(), T()
+    dropped["a"], dropped["b"] = t, t
     assert list(dropped) == ["a"] and dropped.bytes == 256 and dropped.refused == 1 and dropped.spilled == 0
-    assert dropped.get("b") is None
+    assert dropped.get("b") is None and dropped.get("a").full is not None
 
 
 # ---- every pass leaves the session and the results before it as they were (torch.fx's ``ensures``) -------------
@@ -298,7 +294,8 @@ def test_tier_1s_decompositions_are_the_ones_the_baseline_cuts(digits_audit, mon
 
 def test_a_kept_truncator_is_the_one_the_layer_makes_bit_for_bit():
     """``whitened_spectra(keep=...)``: the same spectra, and each kept truncator's factors those of a
-    :class:`Truncator` made from the same statistics, to the bit (one BLAS thread each, as the calibration runs),
+    :class:`Truncator` made from the same statistics, as a store keeps it, to the bit (one BLAS thread each, as the
+    calibration runs),
     for a wide map and a tall one (whose U tier 1 forms from F); a layer outside ``keep.names`` is not kept."""
     from threadpoolctl import threadpool_limits
 
@@ -322,10 +319,11 @@ def test_a_kept_truncator_is_the_one_the_layer_makes_bit_for_bit():
     with threadpool_limits(limits=1, user_api="blas"):
         for l in layers[:2]:
             made = Truncator(l, weights[l.param], inputs[l.name])
-            for r in (1, 3, 5):
+            for r in (1, 3, 5):  # as the store keeps it (its cut) to the bit, and the direct U_r^T F to rounding
                 a, b = store.get(l.name).factors(r)
-                want_a, want_b = made.factors(r)
+                want_a, want_b = made.cut().factors(r)
                 assert np.array_equal(a, want_a) and np.array_equal(b, want_b), (l.name, r)
+                assert all(np.allclose(x, y, rtol=1e-12, atol=1e-15) for x, y in zip((a, b), made.factors(r)))
 
 
 def _to_the_baseline(model, layers, options, settings, keep, monkeypatch):

@@ -109,7 +109,7 @@ def test_tier3_decompositions_on_the_cluster_equal_local_and_go_to_the_store(clu
     table = ParamTable.of(model)
     weights = {l.param: table.tensor(l.param) for l in layers.values()}
     one = Truncator(layers["blocks.0.out"], weights[layers["blocks.0.out"].param], None)
-    store = TruncatorStore(budget=2 * (one.f.nbytes + one.u[0].nbytes))  # one or two in memory, the rest on disk
+    store = TruncatorStore(budget=2 * one.cut_bytes)  # one or two in memory, the rest on disk
     done: list[int] = []
     with ClusterDecompositions(client, model=model) as cs:
         cs.truncators(list(layers.values()), weights, stats, store, progress=lambda d, t: done.append(t))
@@ -118,13 +118,12 @@ def test_tier3_decompositions_on_the_cluster_equal_local_and_go_to_the_store(clu
     for name, layer in layers.items():
         with threadpool_limits(limits=1, user_api="blas"):  # as a worker computes, and the local tier 3 in tests
             local = Truncator(layer, weights[layer.param], stats.layers[name])
-        got = store.get(name)
-        assert got is not None and len(got.u) == len(local.u)
-        assert all(np.array_equal(a, b) for a, b in zip(got.u, local.u)), name  # bit for bit
-        assert np.array_equal(got.f, local.f)
-        r = min(8, *got.f.shape[1:])
-        assert all(np.array_equal(a, b) for a, b in zip(got.factors(r), local.factors(r)))
-        assert torch.equal(got.weight(r), local.weight(r))
+        got, cut = store.get(name), local.cut()  # the store keeps each as its factors at full rank (its cut)
+        assert got is not None and len(got.full) == len(cut.full)
+        assert all(np.array_equal(a, b) for p, q in zip(got.full, cut.full) for a, b in zip(p, q)), name  # to the bit
+        r = min(8, layer.m, layer.n)
+        assert all(np.array_equal(a, b) for a, b in zip(got.factors(r), cut.factors(r)))
+        assert torch.equal(got.weight(r), cut.weight(r))
     store.close()
 
 

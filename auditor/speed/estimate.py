@@ -360,34 +360,38 @@ def stage_seconds(sh: Shapes, wl: Workload, me: Measurements) -> dict[str, float
     out["calibration data"] = fwd * (min(1.0, 3.0 / b) if wl.token_inputs and b > 2 else 1.0)
     decomp = decompositions_seconds(sh, me)
     grams = sum(2.0 * wl.fit_rows * wl.tokens * n * n for _, n in sh.layers) / me.gemm_flops
-    # one plan's A, B from kept decompositions and their product (U_r^T F and A B for every layer: 2 m n r). The
-    # rounding floor's plan is every layer at full rank (r = min(m, n)); a searched, uniform or reviewed plan keeps
-    # each rank below break-even (r < m n / (m + n): the bound, about half the full rank of a square layer)
+    # a kept truncator is cut once as it is kept (whiten.Truncator.cut: U^T F, or F Z, at full rank, m n min(m, n)
+    # multiply-adds), and every plan measured from a store slices its factors from that (no product); a plan cut
+    # from a fresh decomposition (the reviewed plan's check) forms U_r^T F, at most the break-even bound
+    # r = m n / (m + n) (about half the full rank of a square layer)
     factors = sum(2.0 * _cube(s) for s in sh.layers) / me.gemm_flops
     planned = sum(2.0 * m * n * (m * n / (m + n)) for m, n in sh.layers) / me.gemm_flops
     # tier 1's decompositions run on every thread at once, each on one BLAS thread (whiten.whitened_spectra), and are
-    # kept (tier1.kept, on disk): the only input-whitened decomposition of each layer the audit makes
-    out["statistics"] = _batches(wl.fit_rows, b) * fwd + grams + decomp / max(1, min(wl.threads, len(sh.layers)))
+    # kept (tier1.kept, on disk, cut): the only input-whitened decomposition of each layer the audit makes
+    threads = max(1, min(wl.threads, len(sh.layers)))
+    one = me.gemm1_flops if me.gemm1_flops > 0 else me.gemm_flops
+    out["statistics"] = _batches(wl.fit_rows, b) * fwd + grams + (decomp + factors * me.gemm_flops / one) / threads
     if me.stats_forward > 0 and sh.block_layers:  # the blocks' forwards and Grams as measured together
         block_grams = sum(2.0 * wl.fit_rows * wl.tokens * n * n for _, n in sh.block_layers) / me.gemm_flops
         out["statistics"] += sh.blocks * (_batches(wl.fit_rows, b) * (me.stats_forward - me.block_forward)
                                           - block_grams)
-    out["gradients"] = _sensitivity_seconds(sh, wl, me, r, fwd, bwd, decomp)
-    # tier 3 cuts its plans from the gradient pass's loss-aware truncations where it ran, else from tier 1's (the
+    out["gradients"] = _sensitivity_seconds(sh, wl, me, r, fwd, bwd, decomp) + (
+        factors if wl.sensitivity == "gradients" else 0.0)  # its loss-aware truncations cut as they are kept
+    # tier 3 slices its plans from the gradient pass's loss-aware truncations where it ran, else from tier 1's (the
     # rounding floor of a bf16 / fp16 model too: every layer at full rank, its dense reference and one measurement
-    # on the search rows): nothing decomposed again
-    if sh.element_bytes == 2:  # its one plan: every layer at full rank, what `factors` already counts
-        out["rounding floor"] = factors + 2 * _batches(r["search"], b) * fwd
-    out["tier 3"] = r["tier3"] / b * fwd + r["plans"] * planned
+    # on the search rows): nothing decomposed or multiplied again
+    if sh.element_bytes == 2:
+        out["rounding floor"] = 2 * _batches(r["search"], b) * fwd
+    out["tier 3"] = r["tier3"] / b * fwd
     # the chosen plan fitted as factorize writes it (the sequential fit): two runs of a block (or of the model) per
     # stage and fit batch, at most one stage per layer, C and G per layer, each W* truncated, and the block
     # refinement where the model has repeated blocks
     fitted = loss_decompositions_seconds(sh, me) if wl.sensitivity == "gradients" else decomp  # W* with its moments
     fit = fit_runs(sh, me.stage_shares) * _batches(wl.fit_rows, b) * fwd + 2 * grams + fitted + _refinement(sh, wl, me)
-    out["verification"] = 2 * _batches(r["verify"], b) * fwd + planned + fit
+    out["verification"] = 2 * _batches(r["verify"], b) * fwd + fit
     # SVD-LLM's uniform truncation beside every measured plan (at most the search's plans) on its rows, and the chosen
-    # one's on the verification rows, cut from tier 1's input-whitened decompositions
-    out["uniform baseline"] = r["plans"] * (planned + _batches(r["search"], b) * fwd) + _batches(r["verify"], b) * fwd
+    # one's on the verification rows, sliced from tier 1's input-whitened decompositions
+    out["uniform baseline"] = r["plans"] * _batches(r["search"], b) * fwd + _batches(r["verify"], b) * fwd
     out["plan check"] = planned
     if wl.byte_plan:
         plans = _batches(r["verify"] if wl.split else r["search"], b) * fwd
@@ -476,9 +480,9 @@ def disk_bytes(sh: Shapes, wl: Workload) -> int:
     if not wl.calibrated:
         return reports + sum(8 * min(s) for s in sh.layers)
     grams = sum(8 * n * n for _, n in sh.layers)
-    # the kept truncators' bases (a layer's own F is not written: made again from its weight when read): tier 1's U,
-    # and beside them the gradient pass's U and W (or Z and Y)
-    kept = sum(8 * m * min(m, n) * (3 if wl.sensitivity == "gradients" else 1) for m, n in sh.layers)
+    # the kept truncators, cut (A_k and B_k, k = min(m, n): 8 k (m + n) bytes): tier 1's, and beside them the
+    # gradient pass's
+    kept = sum(8 * min(m, n) * (m + n) * (2 if wl.sensitivity == "gradients" else 1) for m, n in sh.layers)
     moments = sum(8 * min(m, n) ** 2 for m, n in sh.layers)
     return grams + kept + moments + reports
 

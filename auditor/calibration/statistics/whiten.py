@@ -210,18 +210,20 @@ class Truncator:
     Per group, the rank-r factors are A = U_r, B = U_r^T F (``u``: orthonormal, the whitened truncation). A
     loss-aware truncator (:meth:`from_bases`; the gradient pass makes them, :func:`.fisher.loss_aware`) keeps
     either ``w`` beside ``u`` (A = U_r, B = W_r^T F: an oblique projection on the output side) or, with ``u``
-    empty, ``z`` and ``y`` (A = F Z_r, B = Y_r^T: an oblique projection on the input side)."""
+    empty, ``z`` and ``y`` (A = F Z_r, B = Y_r^T: an oblique projection on the input side). A cut truncator
+    (:meth:`cut`: what a :class:`TruncatorStore` keeps) holds instead each group's factors at full rank, whose first
+    r columns and rows are the rank-r factors (``full``), and neither F nor the bases."""
 
     w: "list[np.ndarray] | None" = None
     z: "list[np.ndarray] | None" = None
     y: "list[np.ndarray] | None" = None
-    source: "torch.Tensor | None" = None  # the weight F is the layer's map of (a store writes no F for it)
+    full: "list[tuple[np.ndarray, np.ndarray]] | None" = None  # a cut one's per group (A_k^T, B_k), k = min(out, in)
+    oblique: bool = False  # a cut one's: its A's columns are not unit vectors (loss-aware)
 
     def __init__(self, layer: Layer, weight: torch.Tensor, inp: LayerInput | None, damp: float = DAMP) -> None:
         self.layer = layer
         self.shape, self.dtype, self.device = tuple(weight.shape), weight.dtype, weight.device
         self.f = function_matrices(layer, weight)
-        self.source = weight
         self.u: list[np.ndarray] = []
         for g in range(self.f.shape[0]):
             if inp is None:
@@ -239,19 +241,15 @@ class Truncator:
         trunc.shape, trunc.dtype, trunc.device = tuple(weight.shape), weight.dtype, weight.device
         trunc.f = function_matrices(layer, weight)
         trunc.u = list(u)
-        trunc.source = weight
         return trunc
 
     @classmethod
-    def from_bases(cls, layer: Layer, weight: torch.Tensor, f: np.ndarray, bases: dict[str, list[np.ndarray]],
-                   own: bool = False) -> "Truncator":
+    def from_bases(cls, layer: Layer, weight: torch.Tensor, f: np.ndarray, bases: dict[str, list[np.ndarray]]) -> "Truncator":
         """A truncator of the map ``f`` (groups, out, in) from its per-group bases: ``{"u": ..., "w": ...}`` (left
-        form) or ``{"z": ..., "y": ...}`` (right form), columns in the order they are kept. ``own``: ``f`` is
-        ``function_matrices(layer, weight)``, the layer's own map (not a fitted W*)."""
+        form) or ``{"z": ..., "y": ...}`` (right form), columns in the order they are kept."""
         trunc = cls.__new__(cls)
         trunc.layer = layer
         trunc.shape, trunc.dtype, trunc.device = tuple(weight.shape), weight.dtype, weight.device
-        trunc.source = weight if own else None
         trunc.f = f
         trunc.u = list(bases.get("u", []))
         for key in ("w", "z", "y"):
@@ -265,6 +263,9 @@ class Truncator:
 
     def _pair(self, g: int, rank: int) -> tuple[np.ndarray, np.ndarray]:
         """Group ``g``'s unbalanced factors at ``rank``."""
+        if self.full is not None:  # slices: A_k^T's first rows (contiguous, as B_k's), no product
+            at, b = self.full[g]
+            return at[:rank].T, b[:rank]
         if self.z is not None and self.y is not None:
             return self.f[g] @ self.z[g][:, :rank], np.ascontiguousarray(self.y[g][:, :rank].T)
         ur = self.u[g][:, :rank]
@@ -283,26 +284,57 @@ class Truncator:
         trunc.u = [decompose(f[g], grams[g], inp.diagonal, damp).u for g in range(f.shape[0])]
         return trunc
 
+    def _dims(self) -> tuple[int, int, int]:
+        """(groups, out, in) of the map."""
+        if self.full is not None:
+            return len(self.full), self.full[0][0].shape[1], self.full[0][1].shape[1]
+        return self.f.shape  # type: ignore[return-value]
+
+    def _oblique(self) -> bool:
+        return self.oblique if self.full is not None else self.w is not None or self.z is not None
+
+    def cut(self) -> "Truncator":
+        """The same truncations held as each group's factors at full rank k = min(out, in): A_k^T (k x out) and B_k
+        (k x in), whose first r rows give the rank-r pair, so that a plan's factors at any rank are slices instead
+        of the product U_r^T F (or F Z_r) of out x in x r multiply-adds each time a plan is measured (tier 3, the
+        baseline, the verification's candidates and the plan check cut each layer once per plan). Made once (one
+        product at rank k), never more bytes than F and the bases; B_k = U^T F's first r rows equal U_r^T F (to
+        rounding: the same dot products, summed in the same order by the BLAS here)."""
+        g_, m, n = self._dims()
+        k = min(m, n)
+        out = Truncator.__new__(Truncator)
+        out.layer, out.shape, out.dtype, out.device = self.layer, self.shape, self.dtype, self.device
+        out.u, out.oblique = [], self._oblique()
+        out.full = [(np.ascontiguousarray(a.T), np.ascontiguousarray(b)) for a, b in
+                    (self._pair(g, k) for g in range(g_))]
+        return out
+
+    @property
+    def cut_bytes(self) -> int:
+        """Bytes a :meth:`cut` of this truncator holds."""
+        g_, m, n = self._dims()
+        return 8 * g_ * min(m, n) * (m + n)
+
     def factors(self, rank: int) -> tuple[np.ndarray, np.ndarray]:
         """(groups, out, r) and (groups, r, in), float64, F ~ A B, each column/row pair balanced to equal norms."""
-        g_, m, n = self.f.shape
+        g_, m, n = self._dims()
         if rank < 1 or rank > min(m, n):
             raise ValueError(f"rank {rank} outside 1..{min(m, n)} for {self.layer.name}")
-        return _balanced([self._pair(g, rank) for g in range(g_)], self.w is not None or self.z is not None)
+        return _balanced([self._pair(g, rank) for g in range(g_)], self._oblique())
 
     def pinned(self, rank: int) -> "Pinned":
         """This truncation at ``rank`` alone (:class:`Pinned`): its factors and weight there, the same numbers, without
         the decomposition (F and the bases: 8 (out + in) x min(out, in) bytes a group, not 8 r (out + in))."""
-        g_, m, n = self.f.shape
+        g_, m, n = self._dims()
         if rank < 1 or rank > min(m, n):
             raise ValueError(f"rank {rank} outside 1..{min(m, n)} for {self.layer.name}")
         pairs = [tuple(np.ascontiguousarray(x) for x in self._pair(g, rank)) for g in range(g_)]
-        return Pinned(self.layer, rank, pairs, self.w is not None or self.z is not None,  # type: ignore[arg-type]
+        return Pinned(self.layer, rank, pairs, self._oblique(),  # type: ignore[arg-type]
                       self.shape, self.dtype, self.device)
 
     def weight(self, rank: int) -> torch.Tensor:
         """The dense weight (stored layout, dtype and device) of the rank-``rank`` truncation."""
-        f = np.stack([np.matmul(*self._pair(g, rank)) for g in range(self.f.shape[0])])
+        f = np.stack([np.matmul(*self._pair(g, rank)) for g in range(self._dims()[0])])
         return stored_weight(self.layer, torch.from_numpy(f), self.shape, self.dtype, self.device)
 
 
@@ -366,10 +398,11 @@ def spill_array(path: str, a: np.ndarray, what: str = "the sequential fit's fact
 
 
 def truncator_bytes(layer: Layer) -> int:
-    """Bytes of the float64 arrays a :class:`Truncator` of ``layer`` holds: F (groups x out x in) and each group's
-    U (out x min(out, in)). An estimate made before any is built, from the stored matrix (high for grouped maps)."""
+    """Bytes of the float64 arrays a store keeps of a :class:`Truncator` of ``layer`` (its :meth:`~Truncator.cut`:
+    A_k and B_k, k = min(out, in)). An estimate made before any is built, from the stored matrix (high for grouped
+    maps)."""
     out, inp = kinds.for_kind(layer.kind).function_shape(layer)
-    return 8 * out * (inp + min(out, inp))
+    return 8 * min(out, inp) * (out + inp)
 
 
 def save_spilled(path: str, a: np.ndarray, what: str) -> None:
@@ -397,40 +430,17 @@ def default_reuse_bytes() -> int:
     return REUSE_FALLBACK if avail is None else max(0, min(int(avail * REUSE_SHARE), REUSE_CAP))
 
 
-@dataclass(frozen=True)
-class _Spilled:
-    """What a :class:`TruncatorStore` keeps of a truncator written to disk: its layer and stored layout, how many
-    arrays of each basis, and for the layer's own map (``source``: the weight) no F file but F's digest."""
-
-    layer: Layer
-    shape: tuple[int, ...]
-    dtype: torch.dtype
-    device: torch.device
-    groups: dict[str, int]
-    source: "torch.Tensor | None"
-    digest: str
-
-
-def _digest(f: np.ndarray) -> str:
-    """BLAKE3 of an array's shape, dtype and bytes."""
-    from blake3 import blake3
-
-    h = blake3(f"|{f.shape}:{f.dtype.str}|".encode())
-    h.update(memoryview(np.ascontiguousarray(f)).cast("B"))
-    return h.hexdigest()
-
-
 class TruncatorStore(dict):
     """The per-layer truncators (:class:`Truncator`) kept across the plans tier 3 measures (``factorize``'s
-    ``reuse``), with at most ``budget`` bytes of them in memory (None: :func:`default_reuse_bytes`). What does not
-    fit is, with ``spill`` (the audit's store), written to a temporary directory (each basis as ``.npy``, and F where
-    it is not the layer's own map: a layer's own F is made again from its weight when read, its digest checked) and
-    read back (memory-mapped, read-only: no copy in the heap) when a plan asks for it, so the decompositions alive at
-    once do not grow with the depth; without ``spill`` (a library search's default) it is not kept, and computed
-    again for the next plan that needs it (the same
-    factors: the same arrays in, the same LAPACK calls). A layer is decomposed once per store entry; a decomposition
-    read back is the same arrays, bit for bit. ``bytes``: those in memory; ``spilled``: how many went to disk;
-    ``refused``: how many were not kept."""
+    ``reuse``), each as its :meth:`~Truncator.cut` (its factors at full rank: a plan's at any rank are slices), with
+    at most ``budget`` bytes of them in memory (None: :func:`default_reuse_bytes`). What does not fit is, with
+    ``spill`` (the audit's store), written to a temporary directory (each group's A_k^T and B_k as ``.npy``) and read
+    back (memory-mapped, read-only: no copy in the heap; a rank-r cut reads r rows of each) when a plan asks for it,
+    so the decompositions alive at once do not grow with the depth; without ``spill`` (a library search's default) it
+    is not kept, and computed again for the next plan that needs it (the same factors: the same arrays in, the same
+    LAPACK calls). A layer is decomposed once per store entry; a cut read back is the same arrays, bit for bit.
+    ``bytes``: those in memory; ``spilled``: how many went to disk; ``refused``: how many were not kept. Safe to
+    put into from several threads (tier 1's decompositions)."""
 
     def __init__(self, budget: int | None = None, spill: bool = True) -> None:
         super().__init__()
@@ -440,40 +450,36 @@ class TruncatorStore(dict):
         self.spilled = 0
         self.refused = 0
         self._dir: tempfile.TemporaryDirectory[str] | None = None
-        self._disk: dict[str, _Spilled] = {}
+        self._disk: dict[str, tuple[Layer, tuple[int, ...], torch.dtype, torch.device, int, bool]] = {}
         self._lock = threading.Lock()  # tier 1 puts its truncators in from its decompositions' threads
 
     def __setitem__(self, key: str, trunc: Truncator) -> None:
         with self._lock:
-            self._put(key, trunc)
+            if key in self or key in self._disk:
+                return
+            n = trunc.cut_bytes
+            if self.bytes + n > self.budget and not self.spill:
+                self.refused += 1
+                return
+            cut = trunc if trunc.full is not None else trunc.cut()
+            if self.bytes + n <= self.budget:
+                super().__setitem__(key, cut)
+                self.bytes += n
+            else:
+                self._write(key, cut)
 
-    def _put(self, key: str, trunc: Truncator) -> None:
-        n = int(trunc.f.nbytes) + sum(int(a.nbytes) for v in trunc.parts().values() for a in v)
-        if key in self or key in self._disk:
-            return
-        if self.bytes + n <= self.budget:
-            super().__setitem__(key, trunc)
-            self.bytes += n
-            return
-        if not self.spill:
-            self.refused += 1
-            return
-
+    def _write(self, key: str, cut: Truncator) -> None:
         from ..._env import scratch_prefix, sweep_scratch
 
         if self._dir is None:
             sweep_scratch()  # a killed run's folders first
             self._dir = tempfile.TemporaryDirectory(prefix=scratch_prefix("truncators"))
         base = os.path.join(self._dir.name, f"t{len(self._disk)}")
-        if trunc.source is None:  # a fitted W*: F itself written
-            save_spilled(f"{base}.f.npy", trunc.f, "the kept decompositions")
-        parts = trunc.parts()
-        for name, arrays in parts.items():
-            for g, a in enumerate(arrays):
-                save_spilled(f"{base}.{name}{g}.npy", a, "the kept decompositions")
-        self._disk[key] = _Spilled(trunc.layer, trunc.shape, trunc.dtype, trunc.device,
-                                   {name: len(arrays) for name, arrays in parts.items()}, trunc.source,
-                                   _digest(trunc.f) if trunc.source is not None else "")
+        assert cut.full is not None
+        for g, (at, b) in enumerate(cut.full):
+            save_spilled(f"{base}.at{g}.npy", at, "the kept decompositions")
+            save_spilled(f"{base}.b{g}.npy", b, "the kept decompositions")
+        self._disk[key] = (cut.layer, cut.shape, cut.dtype, cut.device, len(cut.full), cut.oblique)
         self.spilled += 1
 
     def holds(self, key: str) -> bool:
@@ -485,25 +491,14 @@ class TruncatorStore(dict):
             return super().__getitem__(key)
         if key not in self._disk:
             return default
-        kept = self._disk[key]
+        layer, shape, dtype, device, groups, oblique = self._disk[key]
         assert self._dir is not None
         base = os.path.join(self._dir.name, f"t{list(self._disk).index(key)}")
         trunc = Truncator.__new__(Truncator)
-        trunc.layer, trunc.shape, trunc.dtype, trunc.device = kept.layer, kept.shape, kept.dtype, kept.device
-        trunc.source = kept.source
-        if kept.source is None:
-            trunc.f = np.load(f"{base}.f.npy", mmap_mode="r", allow_pickle=False)  # maps: no heap copy to keep
-        else:  # the layer's map made again from its weight, which nothing in an audit writes: checked
-            trunc.f = function_matrices(kept.layer, kept.source)
-            if _digest(trunc.f) != kept.digest:
-                from ...errors import AuditError
-
-                raise AuditError(f"the weight of {kept.layer.name} changed while the audit ran (it no longer matches "
-                                 "its decomposition)", "Audit a copy of a checkpoint that something still writes")
-        trunc.u = []
-        for name, n in kept.groups.items():
-            setattr(trunc, name, [np.load(f"{base}.{name}{g}.npy", mmap_mode="r", allow_pickle=False)
-                                  for g in range(n)])
+        trunc.layer, trunc.shape, trunc.dtype, trunc.device = layer, shape, dtype, device
+        trunc.u, trunc.oblique = [], oblique
+        trunc.full = [(np.load(f"{base}.at{g}.npy", mmap_mode="r", allow_pickle=False),  # maps: no heap copy
+                       np.load(f"{base}.b{g}.npy", mmap_mode="r", allow_pickle=False)) for g in range(groups)]
         return trunc
 
     def close(self) -> None:
@@ -587,7 +582,7 @@ def _kept_spectrum(layer: Layer, weight: torch.Tensor, inp: LayerInput, ranked: 
     f = function_matrices(layer, weight)
     grams = [inp.gram] if inp.diagonal else list(inp.gram)
     bases = [decompose(f[g], grams[g], inp.diagonal, DAMP) for g in range(f.shape[0])]
-    store[layer.name] = Truncator.from_bases(layer, weight, f, {"u": [b.u for b in bases]}, own=True)
+    store[layer.name] = Truncator.from_bases(layer, weight, f, {"u": [b.u for b in bases]})
     return _spectrum(layer, bases, inp, *ranked)
 
 

@@ -559,7 +559,7 @@ def loss_aware(layer: Layer, weight: torch.Tensor, inp: LayerInput, grads: Outpu
         return None
     sigma2, bases = cut
     tail = np.concatenate([np.cumsum(sigma2[::-1])[::-1], [0.0]])
-    return grads.scale * tail, Truncator.from_bases(layer, weight, f[None], bases, own=True)
+    return grads.scale * tail, Truncator.from_bases(layer, weight, f[None], bases)
 
 
 class MeanMoments(Mapping):
