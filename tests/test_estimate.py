@@ -121,6 +121,11 @@ def test_the_loss_aware_truncations_are_counted_as_measured():
     assert s["verification"] - plain["verification"] == pytest.approx(loss - decomp)
     assert {k: v for k, v in s.items() if k not in ("gradients", "verification")} == {
         k: v for k, v in plain.items() if k not in ("gradients", "verification")}
+    # made on one BLAS thread, as the calibration runs: its products at one thread's rate where measured
+    one = est.Measurements(**{**me.__dict__, "gemm1_flops": 500.0})
+    eig_one = (3.0 - 2 * 384 / 500) / 4**3
+    assert est.loss_decompositions_seconds(SHAPES, one) == pytest.approx(
+        sum(k * (2 * cost[sh] / 500 + eig_one * 64) for sh, k in (((8, 4), 2), ((4, 8), 2), ((10, 4), 1))))
 
 
 def test_the_statistics_count_the_blocks_as_measured_with_their_grams():

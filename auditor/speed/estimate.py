@@ -241,11 +241,13 @@ def decompositions_seconds(sh: Shapes, me: Measurements) -> float:
 
 def loss_decompositions_seconds(sh: Shapes, me: Measurements) -> float:
     """Every layer's loss-aware truncation (the gradient pass's, and the sequential fit's of W* with its moments), on
-    the BLAS threads the pass uses (:func:`_linalg_seconds`); the whitened decompositions' time where it was not
-    measured."""
+    one BLAS thread as the calibration makes them, one layer at a time (:func:`_linalg_seconds`); the whitened
+    decompositions' time where it was not measured. (2026-12-07: timed and counted at every thread's rate, about
+    half the time on 2 cores.)"""
     if me.loss_seconds <= 0:
         return decompositions_seconds(sh, me)
-    return _linalg_seconds(sh, me.loss_seconds, me.decompose_shape, _loss_cost, me.gemm_flops)
+    return _linalg_seconds(sh, me.loss_seconds, me.decompose_shape, _loss_cost,
+                           me.gemm1_flops if me.gemm1_flops > 0 else me.gemm_flops)
 
 
 def spectra_seconds(sh: Shapes, me: Measurements) -> float:
@@ -872,8 +874,9 @@ def _time_linalg(sh: Shapes, clock: Callable[[], float]) -> tuple[float, tuple[i
 
 def _time_loss_aware(shape: tuple[int, int], clock: Callable[[], float]) -> float:
     """Seconds of one loss-aware truncation (whiten.weighted_bases) of a random ``shape`` map, its output moment
-    carried to the inputs where out > in as the gradient pass carries it; the quicker of two, on the BLAS threads the
-    pass uses."""
+    carried to the inputs where out > in as the gradient pass carries it; the quicker of two, on one BLAS thread as
+    the calibration (``stage.calibrate``, the gradient pass and the sequential fit in it) runs it."""
+    from ..calibration.stage import one_blas_thread
     from ..calibration.statistics.whiten import weighted_bases
 
     m, n = shape
@@ -884,7 +887,7 @@ def _time_loss_aware(shape: tuple[int, int], clock: Callable[[], float]) -> floa
     side = n if m > n else m
     y = rng.standard_normal((2 * side, side))
     h = y.T @ y
-    return _quickest(lambda: weighted_bases(f, gram, False, h, m > n), clock)
+    return one_blas_thread(_quickest)(lambda: weighted_bases(f, gram, False, h, m > n), clock)
 
 
 @dataclass(frozen=True)
