@@ -534,10 +534,12 @@ def test_decompositions_are_their_products_on_one_thread_and_an_eigendecompositi
     slow = est.Measurements(**{**one.__dict__, "decompose_seconds": 2.304 + 6.4})  # 0.1 s a k^3 of eigenvectors
     assert est.decompositions_seconds(SHAPES, slow) == pytest.approx(est.decompositions_seconds(SHAPES, one)
                                                                      + 5 * 0.1 * 4**3)
-    # tier 1's run on every thread at once (one BLAS thread each), each cut as it is kept (m n min(m, n) at the one
-    # thread's rate): the statistics count them divided by the threads
+    # tier 1's and the gradient pass's run on every thread at once (one BLAS thread each), each cut as it is kept
+    # (m n min(m, n) at the one thread's rate): the statistics and the gradients count them divided by the threads
     two = est.Workload(**{**WORK.__dict__, "threads": 2})
     s1, s2 = est.stage_seconds(SHAPES, WORK, one), est.stage_seconds(SHAPES, two, one)
     cuts = 2 * (4 * 128 + 160) / 500
     assert s1["statistics"] - s2["statistics"] == pytest.approx((est.decompositions_seconds(SHAPES, one) + cuts) / 2)
-    assert {k: v for k, v in s1.items() if k != "statistics"} == {k: v for k, v in s2.items() if k != "statistics"}
+    assert s1["gradients"] - s2["gradients"] == pytest.approx((est.loss_decompositions_seconds(SHAPES, one) + cuts) / 2)
+    assert {k: v for k, v in s1.items() if k not in ("statistics", "gradients")} == {
+        k: v for k, v in s2.items() if k not in ("statistics", "gradients")}

@@ -339,7 +339,10 @@ def _sensitivity_seconds(sh: Shapes, wl: Workload, me: Measurements, r: dict[str
         return 0.0
     carry = forward_seconds(sh, me, backward=True, carry=True)  # activations' gradients only: the taps
     grad = forward_seconds(sh, me, grad=True)  # recording for the backward
-    out = _batches(r["gradient"], b) * (GRADIENT_PASSES * grad + SAMPLES * carry) + loss_decompositions_seconds(sh, me)
+    # the loss-aware truncations on every thread at once, each on one BLAS thread (fisher._layer_costs)
+    threads = max(1, min(wl.threads, len(sh.layers)))
+    out = _batches(r["gradient"], b) * (GRADIENT_PASSES * grad + SAMPLES * carry) + loss_decompositions_seconds(
+        sh, me) / threads
     if wl.token_inputs:  # a likelihood metric: labels sampled over the vocabulary at every position, SAMPLES times
         out += SAMPLES * r["gradient"] * wl.tokens * wl.outputs * me.logit_seconds
     if me.gemm32_flops > 0:  # each sample's output gradients into every layer's moment (carried back where out > in)
@@ -377,8 +380,8 @@ def stage_seconds(sh: Shapes, wl: Workload, me: Measurements) -> dict[str, float
         block_grams = sum(2.0 * wl.fit_rows * wl.tokens * n * n for _, n in sh.block_layers) / me.gemm_flops
         out["statistics"] += sh.blocks * (_batches(wl.fit_rows, b) * (me.stats_forward - me.block_forward)
                                           - block_grams)
-    out["gradients"] = _sensitivity_seconds(sh, wl, me, r, fwd, bwd, decomp) + (
-        factors if wl.sensitivity == "gradients" else 0.0)  # its loss-aware truncations cut as they are kept
+    out["gradients"] = _sensitivity_seconds(sh, wl, me, r, fwd, bwd, decomp) + (  # its truncations cut as kept,
+        factors * me.gemm_flops / one / threads if wl.sensitivity == "gradients" else 0.0)  # on the same threads
     # tier 3 slices its plans from the gradient pass's loss-aware truncations where it ran, else from tier 1's (the
     # rounding floor of a bf16 / fp16 model too: every layer at full rank, its dense reference and one measurement
     # on the search rows): nothing decomposed or multiplied again

@@ -642,19 +642,9 @@ def gradient_sensitivity(model: nn.Module, layers: dict[str, Layer] | list[Layer
     named = by_name(layers)
     grads = output_gradients(model, named, calibration, metric, o.samples, o.seed, o.progress)
     t = time.perf_counter()
-    params = dict(model.named_parameters(remove_duplicate=False))
     costs: dict[str, list[float]] = {}
     ratios: list[float] = []
-    for name, layer in named.items():
-        inp = stats.layers.get(name)
-        if name not in grads.second or inp is None or inp.groups != 1:
-            continue
-        cut = loss_aware(layer, params[layer.param], inp, grads) if o.store is not None else None
-        if cut is not None:
-            c, o.store[name] = cut
-        else:
-            c = gradient_costs(layer, params[layer.param], inp, grads)
-        trim_heap()  # its eigendecomposition's arrays handed back before the next layer's
+    for name, c in _layer_costs(model, named, stats, grads, o.store):
         costs[name] = c.tolist()
         spec = spectra.get(name)
         if spec is not None:
@@ -674,6 +664,41 @@ def gradient_sensitivity(model: nn.Module, layers: dict[str, Layer] | list[Layer
     return GradientSensitivity(costs, grads.linear, scaled, grads.passes,
                                grads.seconds + time.perf_counter() - t, skipped, dict(grads.unreachable),
                                MeanMoments(grads) if o.store is not None else None, o.store)
+
+
+def _layer_costs(model: nn.Module, named: dict[str, Layer], stats: InputStatistics, grads: OutputGradients,
+                 store: "MutableMapping[str, Truncator] | None") -> Iterator[tuple[str, np.ndarray]]:
+    """(name, cost curve) of every layer with a gradient and statistics, in the layers' order: its loss-aware
+    truncation's (put into ``store``) with a store, else the input-whitened one's (:func:`gradient_costs`). The
+    decompositions run on every core at once, each on one BLAS thread (as tier 1's: ``whiten.whitened_spectra``;
+    one BLAS thread is what the calibration runs them on, so each is the same arrays as made alone), and are taken
+    in the layers' order; each truncator is put into the store (which takes them from several threads) by the
+    thread that made it, so no more than one layer's decomposition per thread is alive at once."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from threadpoolctl import threadpool_limits
+
+    params = dict(model.named_parameters(remove_duplicate=False))
+    todo = [(name, layer) for name, layer in named.items() if name in grads.second and name in stats.layers]
+
+    def one(t: tuple[str, Layer]) -> np.ndarray | None:
+        name, layer = t
+        inp = stats.layers[name]  # read here: a spilled Gram is mapped and checked as its layer is cut
+        if inp.groups != 1:
+            return None
+        cut = loss_aware(layer, params[layer.param], inp, grads) if store is not None else None
+        if cut is None:
+            return gradient_costs(layer, params[layer.param], inp, grads)
+        assert store is not None
+        store[name] = cut[1]
+        return cut[0]
+
+    jobs = max(1, min(os.cpu_count() or 1, len(todo)))
+    with threadpool_limits(limits=1, user_api="blas"), ThreadPoolExecutor(jobs) as pool:
+        for (name, _), c in zip(todo, pool.map(one, todo)):
+            trim_heap()  # its eigendecomposition's arrays handed back
+            if c is not None:
+                yield name, c
 
 
 def predicted_value(cost: float, linear: bool) -> float:
