@@ -371,30 +371,41 @@ def weighted_truncator(layer: Layer, weight: torch.Tensor, cross: np.ndarray, gr
 
 def _stage_truncators(model: nn.Module, stage: list[Layer], sums: _Sums, damp: float, ridge: float,
                       moments: "Mapping[str, tuple[np.ndarray, bool, int]] | None" = None) -> dict[str, Truncator]:
-    """The stage's truncators from its sums: the fitted map where the rows were read (loss-aware where ``moments``
-    has the layer's output-gradient moment), the independent fit on the counts of a lookup, the plain SVD where the
-    calibration never reached the layer."""
-    out: dict[str, Truncator] = {}
-    for layer in stage:
-        weight = _param(model, layer)
-        cut = None
-        ridge_l = sums.pull(layer.name, ridge)
-        if layer.name in sums.gram and moments is not None and layer.name in moments and \
-                sums.gram[layer.name].shape[0] == 1:
-            cut = weighted_truncator(layer, weight, sums.cross[layer.name], sums.gram[layer.name],
-                                     moments[layer.name], damp, ridge_l)
+    """The stage's truncators from its sums (:func:`_truncator`), its layers on every core at once, each on one BLAS
+    thread (the calibration's one thread: the same arrays as made one after the other), in the stage's order."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from threadpoolctl import threadpool_limits
+
+    def one(layer: Layer) -> Truncator:
+        return _truncator(model, layer, sums, (damp, ridge), moments)
+
+    jobs = max(1, min(os.cpu_count() or 1, len(stage)))
+    with threadpool_limits(limits=1, user_api="blas"), ThreadPoolExecutor(jobs) as pool:
+        return dict(zip([l.name for l in stage], pool.map(one, stage)))
+
+
+def _truncator(model: nn.Module, layer: Layer, sums: _Sums, damping: tuple[float, float],
+               moments: "Mapping[str, tuple[np.ndarray, bool, int]] | None") -> Truncator:
+    """One layer's truncator from its stage's sums: the fitted map where the rows were read (loss-aware where
+    ``moments`` has the layer's output-gradient moment), the independent fit on the counts of a lookup, the plain SVD
+    where the calibration never reached the layer. ``damping``: (damp, ridge)."""
+    damp, ridge = damping
+    weight = _param(model, layer)
+    ridge_l = sums.pull(layer.name, ridge)
+    if layer.name in sums.gram and moments is not None and layer.name in moments and \
+            sums.gram[layer.name].shape[0] == 1:
+        cut = weighted_truncator(layer, weight, sums.cross[layer.name], sums.gram[layer.name],
+                                 moments[layer.name], damp, ridge_l)
         if cut is not None:
-            out[layer.name] = cut
-        elif layer.name in sums.gram:
-            out[layer.name] = fitted_truncator(layer, weight, sums.cross[layer.name], sums.gram[layer.name], damp,
-                                               ridge_l)
-        elif layer.name in sums.counts:
-            c = sums.counts[layer.name]
-            inp = LayerInput(layer.name, str(layer.kind), c, int(c.sum()), c.shape[0], diagonal=True)
-            out[layer.name] = Truncator(layer, weight, inp, damp)
-        else:
-            out[layer.name] = Truncator(layer, weight, None, damp)
-    return out
+            return cut
+    if layer.name in sums.gram:
+        return fitted_truncator(layer, weight, sums.cross[layer.name], sums.gram[layer.name], damp, ridge_l)
+    if layer.name in sums.counts:
+        c = sums.counts[layer.name]
+        inp = LayerInput(layer.name, str(layer.kind), c, int(c.sum()), c.shape[0], diagonal=True)
+        return Truncator(layer, weight, inp, damp)
+    return Truncator(layer, weight, None, damp)
 
 
 @dataclass
