@@ -348,3 +348,32 @@ def _to_the_baseline(model, layers, options, settings, keep, monkeypatch):
     based = passes.baselined(ctx, refs, searched.budget, scope, searched.baseline_reuse)
     monkeypatch.setattr(whiten.Truncator, "__init__", own)
     return t1, searched, based, made
+
+
+def test_the_gradient_passs_decompositions_on_several_threads_are_those_made_one_after_another(digits_audit,
+                                                                                                monkeypatch):
+    """The loss-aware truncations run one layer per core (fisher._layer_costs), each put into the store by its
+    thread: the costs, their order and every kept cut are those of one thread making them in turn, to the bit."""
+    import os
+
+    from auditor.calibration.stage import _open_session, one_blas_thread
+    from auditor.calibration.tiers import passes
+    from auditor.progress import Progress
+
+    model, layers, options, settings = digits_audit
+    progress = Progress(enabled=False)
+    ctx = passes.PassContext(model, _open_session(model, layers, options, progress), progress)
+    t1 = passes.tier1(ctx, settings.align)
+    refs = passes.references(ctx)
+    scope = passes.scope_of(layers, t1, settings)
+    runs = []
+    for cores in (1, 3):
+        monkeypatch.setattr(os, "cpu_count", lambda cores=cores: cores)
+        sens = one_blas_thread(passes.sensitivity)(ctx, refs, t1, scope, None, options.tiers)
+        runs.append(sens)
+    one, many = runs
+    assert list(one.gradients.costs.items()) == list(many.gradients.costs.items())
+    assert all(one.reuse.holds(n) and many.reuse.holds(n) for n in ("fc1", "fc2", "fc3"))
+    for name in ("fc1", "fc2", "fc3"):
+        a, b = one.reuse.get(name), many.reuse.get(name)
+        assert all(np.array_equal(x, y) for p, q in zip(a.full, b.full) for x, y in zip(p, q)), name
