@@ -234,16 +234,10 @@ def test_a_chosen_plan_whose_written_model_fails_gives_way_to_a_smaller_one(digi
     suggestion is the first whose written model holds; when none does, the empty plan."""
     from dataclasses import replace
 
-    from auditor.calibration.stage import _open_session
     from auditor.calibration.tiers import passes
-    from auditor.progress import Progress
 
     model, layers, options, settings = digits_audit
-    progress = Progress(enabled=False)
-    ctx = passes.PassContext(model, _open_session(model, layers, options, progress), progress)
-    t1 = passes.tier1(ctx, settings.align)
-    refs = passes.references(ctx)
-    scope = passes.scope_of(layers, t1, settings)
+    ctx, t1, refs, scope = _to_the_scope(digits_audit)
     sens = passes.sensitivity(ctx, refs, t1, scope, None, options.tiers)
     searched = passes.search(ctx, refs, t1, scope, sens, options.tiers, settings)
     first = passes.verified(ctx, refs, searched.budget, searched.reuse, sens.loss_metric).budget
@@ -326,19 +320,28 @@ def test_a_kept_truncator_is_the_one_the_layer_makes_bit_for_bit():
                 assert all(np.allclose(x, y, rtol=1e-12, atol=1e-15) for x, y in zip((a, b), made.factors(r)))
 
 
-def _to_the_baseline(model, layers, options, settings, keep, monkeypatch):
-    """The passes up to the uniform baseline with tier 1 keeping ``keep``'s decompositions: tier 1, the search and
-    the baseline, and the layers the baseline decomposed itself."""
+def _to_the_scope(digits_audit, keep: frozenset[str] = frozenset()):
+    """The passes up to the scope on the digits MLP (tier 1 keeping ``keep``'s decompositions): the pass context,
+    tier 1, the references and the scope."""
     from auditor.calibration.stage import _open_session
-    from auditor.calibration.statistics import whiten
     from auditor.calibration.tiers import passes
     from auditor.progress import Progress
 
+    model, layers, options, settings = digits_audit
     progress = Progress(enabled=False)
     ctx = passes.PassContext(model, _open_session(model, layers, options, progress), progress)
     t1 = passes.tier1(ctx, settings.align, keep=keep)
     refs = passes.references(ctx)
-    scope = passes.scope_of(layers, t1, settings)
+    return ctx, t1, refs, passes.scope_of(layers, t1, settings)
+
+
+def _to_the_baseline(model, layers, options, settings, keep, monkeypatch):
+    """The passes up to the uniform baseline with tier 1 keeping ``keep``'s decompositions: tier 1, the search and
+    the baseline, and the layers the baseline decomposed itself."""
+    from auditor.calibration.statistics import whiten
+    from auditor.calibration.tiers import passes
+
+    ctx, t1, refs, scope = _to_the_scope((model, layers, options, settings), keep)
     sens = passes.sensitivity(ctx, refs, t1, scope, None, options.tiers)
     searched = passes.search(ctx, refs, t1, scope, sens, options.tiers, settings)
     made = []
@@ -356,16 +359,11 @@ def test_the_gradient_passs_decompositions_on_several_threads_are_those_made_one
     thread: the costs, their order and every kept cut are those of one thread making them in turn, to the bit."""
     import os
 
-    from auditor.calibration.stage import _open_session, one_blas_thread
+    from auditor.calibration.stage import one_blas_thread
     from auditor.calibration.tiers import passes
-    from auditor.progress import Progress
 
-    model, layers, options, settings = digits_audit
-    progress = Progress(enabled=False)
-    ctx = passes.PassContext(model, _open_session(model, layers, options, progress), progress)
-    t1 = passes.tier1(ctx, settings.align)
-    refs = passes.references(ctx)
-    scope = passes.scope_of(layers, t1, settings)
+    options = digits_audit[2]
+    ctx, t1, refs, scope = _to_the_scope(digits_audit)
     runs = []
     for cores in (1, 3):
         monkeypatch.setattr(os, "cpu_count", lambda cores=cores: cores)
