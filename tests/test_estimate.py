@@ -287,9 +287,12 @@ def test_short_of_disk_line_and_the_check_before_the_audit(monkeypatch):
     assert est.short_of_disk(e, e.disk_bytes - 1, "/scratch") == (
         "the audit is estimated to write 0 MiB to /scratch (spilled statistics and kept decompositions) but 0 MiB is "
         "free there")
+    # with the cache on the Grams go beside its entry, not to the scratch folder: not counted there
+    assert e.gram_bytes == 8 * (3 * 4**2 + 2 * 8**2) and est.short_of_disk(e, e.disk_bytes - e.gram_bytes, "/s") \
+        and est.short_of_disk(e, e.disk_bytes - e.gram_bytes, "/s", cached=True) is None
     monkeypatch.setattr(est, "estimate_loaded", lambda *a, **k: e)
     loaded = SimpleNamespace(model=torch.nn.Linear(2, 2), example_inputs=None, source="x")
-    options = AuditOptions(calibration="x.safetensors")
+    options = AuditOptions(calibration="x.safetensors", cache=False)
     assert est.refuse_if_short(loaded, options, available=2**40, free_disk=e.disk_bytes) is e
     with pytest.raises(AuditError) as refused:
         est.refuse_if_short(loaded, options, available=2**40, free_disk=e.disk_bytes - 1)

@@ -194,7 +194,8 @@ def truncation(stats: InputStatistics | None = None, reuse: "MutableMapping[str,
         trunc = reuse.get(name) if reuse is not None else None
         if trunc is None:
             trunc = Truncator(layer, weight, stats.layers.get(name) if stats is not None else None)
-            if reuse is not None:
+            if reuse is not None:  # as a store keeps it (its cut): the same factors whether it keeps this one or not
+                trunc = trunc.cut()
                 reuse[name] = trunc
         return trunc.factors(rank)
 

@@ -156,6 +156,7 @@ class Estimate:
     basis: dict[str, Any] = field(default_factory=dict)
     mapped_bytes: int = 0  # of every stage's peak, the weights mapped from the checkpoint (paged, not held)
     slack_seconds: float = 0.0  # of the wall, what the block refinement saves if every block stops at its first epoch
+    gram_bytes: int = 0  # of the disk, the statistics' Grams (beside the cache entry when the cache is on)
 
     @property
     def wall_seconds(self) -> float:
@@ -477,6 +478,11 @@ def stage_extra(sh: Shapes, wl: Workload, me: Measurements) -> dict[str, int]:
     return out
 
 
+def gram_bytes(sh: Shapes, wl: Workload) -> int:
+    """The statistics' Grams spilled: every layer's input, float64 (none without calibration)."""
+    return sum(8 * n * n for _, n in sh.layers) if wl.calibrated else 0
+
+
 def disk_bytes(sh: Shapes, wl: Workload) -> int:
     """The statistics' Grams spilled (every layer's input, float64), the decompositions and the gradient moments
     spilled, and the reports."""
@@ -484,7 +490,7 @@ def disk_bytes(sh: Shapes, wl: Workload) -> int:
     reports = sum(REPORT_BYTES.get(f, 20_000 + 2_000 * layers) for f in wl.formats)
     if not wl.calibrated:
         return reports + sum(8 * min(s) for s in sh.layers)
-    grams = sum(8 * n * n for _, n in sh.layers)
+    grams = gram_bytes(sh, wl)
     # the kept truncators, cut (A_k and B_k, k = min(m, n): 8 k (m + n) bytes): tier 1's, and beside them the
     # gradient pass's
     kept = sum(8 * min(m, n) * (m + n) * (2 if wl.sensitivity == "gradients" else 1) for m, n in sh.layers)
@@ -516,7 +522,7 @@ def predict(sh: Shapes, wl: Workload, me: Measurements, available: int | None = 
     basis = {"measurements": asdict(me), "rows": _rows(wl) if wl.calibrated else {},
              "shapes": {"layers": len(sh.layers), "blocks": sh.blocks, "weight_bytes": sh.weight_bytes}}
     return Estimate(tuple(stages), peak, device_bytes(sh, wl, me), disk_bytes(sh, wl), me.seconds, available, basis,
-                    min(sh.mapped_bytes, sh.weight_bytes), refinement_slack(sh, wl, me))
+                    min(sh.mapped_bytes, sh.weight_bytes), refinement_slack(sh, wl, me), gram_bytes(sh, wl))
 
 
 def _note(stage: str, sh: Shapes) -> str:
@@ -548,14 +554,16 @@ FIX = ("Read fewer rows (--calibration-max-rows N), keep the blocks off the host
        "memory, or run on a larger machine or a cluster (--scheduler ADDR); --estimate prints each stage's cost")
 
 
-def short_of_disk(est: Estimate, free: int | None, where: str) -> str | None:
-    """The one line a calibrated audit stops with when what it is predicted to write (:func:`disk_bytes`: the spilled
-    statistics, the kept decompositions' bases, the gradient moments, the reports) exceeds ``free`` bytes in its
-    scratch folder ``where``; None when it fits (or the free space is unknown). A 7B audit writes hundreds of GB:
-    said before it starts, not when the disk fills hours in."""
-    if free is None or est.disk_bytes <= free:
+def short_of_disk(est: Estimate, free: int | None, where: str, cached: bool = False) -> str | None:
+    """The one line a calibrated audit stops with when what it is predicted to write to its scratch folder ``where``
+    (:func:`disk_bytes`: the spilled statistics, the kept decompositions, the gradient moments, the reports; with
+    ``cached``, the cache on, the Grams go beside the cache entry instead and are not counted here) exceeds ``free``
+    bytes there; None when it fits (or the free space is unknown). A 7B audit writes hundreds of GB: said before it
+    starts, not when the disk fills hours in."""
+    need = est.disk_bytes - (est.gram_bytes if cached else 0)
+    if free is None or need <= free:
         return None
-    return (f"the audit is estimated to write {_mib(est.disk_bytes)} to {where} (spilled statistics and kept "
+    return (f"the audit is estimated to write {_mib(need)} to {where} (spilled statistics and kept "
             f"decompositions) but {_mib(free)} is free there")
 
 
@@ -1103,7 +1111,7 @@ def refuse_if_short(loaded: Any, options: Any, formats: tuple[str, ...] = ("text
     if problem is not None:
         raise AuditError(problem, FIX)
     free, where = scratch_free()
-    problem = short_of_disk(est, free_disk if free_disk is not None else free, where)
+    problem = short_of_disk(est, free_disk if free_disk is not None else free, where, bool(options.cache))
     if problem is not None:
         raise AuditError(problem, DISK_FIX)
     return est

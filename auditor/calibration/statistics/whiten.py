@@ -450,37 +450,50 @@ class TruncatorStore(dict):
         self.spilled = 0
         self.refused = 0
         self._dir: tempfile.TemporaryDirectory[str] | None = None
-        self._disk: dict[str, tuple[Layer, tuple[int, ...], torch.dtype, torch.device, int, bool]] = {}
-        self._lock = threading.Lock()  # tier 1 puts its truncators in from its decompositions' threads
+        self._disk: dict[str, tuple[Layer, tuple[int, ...], torch.dtype, torch.device, int, bool, int]] = {}
+        self._lock = threading.Lock()  # tier 1 and the gradient pass put truncators in from their threads
+        self._taken: set[str] = set()  # keys being cut or written now
+        self._slots = 0
 
     def __setitem__(self, key: str, trunc: Truncator) -> None:
+        """``trunc`` kept under ``key`` (as its cut), unless a truncator is kept there already. The cut and the writes
+        run on the calling thread outside the lock: threads putting truncators in cut and write them at once."""
+        n = trunc.cut_bytes
         with self._lock:
-            if key in self or key in self._disk:
+            if key in self or key in self._disk or key in self._taken:
                 return
-            n = trunc.cut_bytes
             if self.bytes + n > self.budget and not self.spill:
                 self.refused += 1
                 return
+            self._taken.add(key)
+        try:
             cut = trunc if trunc.full is not None else trunc.cut()
-            if self.bytes + n <= self.budget:
-                super().__setitem__(key, cut)
-                self.bytes += n
-            else:
-                self._write(key, cut)
+            with self._lock:
+                if self.bytes + n <= self.budget:
+                    super().__setitem__(key, cut)
+                    self.bytes += n
+                    return
+                slot, self._slots = self._slots, self._slots + 1
+                base = os.path.join(self._folder(), f"t{slot}")
+            assert cut.full is not None
+            for g, (at, b) in enumerate(cut.full):
+                save_spilled(f"{base}.at{g}.npy", at, "the kept decompositions")
+                save_spilled(f"{base}.b{g}.npy", b, "the kept decompositions")
+            with self._lock:
+                self._disk[key] = (cut.layer, cut.shape, cut.dtype, cut.device, len(cut.full), cut.oblique, slot)
+                self.spilled += 1
+        finally:
+            with self._lock:
+                self._taken.discard(key)
 
-    def _write(self, key: str, cut: Truncator) -> None:
+    def _folder(self) -> str:
+        """The store's temporary folder, made on first use."""
         from ..._env import scratch_prefix, sweep_scratch
 
         if self._dir is None:
             sweep_scratch()  # a killed run's folders first
             self._dir = tempfile.TemporaryDirectory(prefix=scratch_prefix("truncators"))
-        base = os.path.join(self._dir.name, f"t{len(self._disk)}")
-        assert cut.full is not None
-        for g, (at, b) in enumerate(cut.full):
-            save_spilled(f"{base}.at{g}.npy", at, "the kept decompositions")
-            save_spilled(f"{base}.b{g}.npy", b, "the kept decompositions")
-        self._disk[key] = (cut.layer, cut.shape, cut.dtype, cut.device, len(cut.full), cut.oblique)
-        self.spilled += 1
+        return self._dir.name
 
     def holds(self, key: str) -> bool:
         """Whether ``key``'s truncator is kept, in memory or on disk."""
@@ -491,9 +504,9 @@ class TruncatorStore(dict):
             return super().__getitem__(key)
         if key not in self._disk:
             return default
-        layer, shape, dtype, device, groups, oblique = self._disk[key]
+        layer, shape, dtype, device, groups, oblique, slot = self._disk[key]
         assert self._dir is not None
-        base = os.path.join(self._dir.name, f"t{list(self._disk).index(key)}")
+        base = os.path.join(self._dir.name, f"t{slot}")
         trunc = Truncator.__new__(Truncator)
         trunc.layer, trunc.shape, trunc.dtype, trunc.device = layer, shape, dtype, device
         trunc.u, trunc.oblique = [], oblique

@@ -690,7 +690,7 @@ def _layer_costs(model: nn.Module, named: dict[str, Layer], stats: InputStatisti
         if cut is None:
             return gradient_costs(layer, params[layer.param], inp, grads)
         assert store is not None
-        store[name] = cut[1]
+        store[name] = cut[1].cut()  # cut here, on this thread, whatever mapping the store is (the same factors)
         return cut[0]
 
     jobs = max(1, min(os.cpu_count() or 1, len(todo)))

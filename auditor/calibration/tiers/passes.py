@@ -104,13 +104,14 @@ def tier1(ctx: PassContext, align: int, since: float | None = None, keep: frozen
     """The input statistics (block by block, tier 1 with them) and every layer's whitened spectrum; ``since``: when
     the stage's clock for tier 1 started (the session's opening counts); ``keep``: the layers whose decompositions
     are kept for the passes that cut factors (:func:`plannable`), in a store of their own on disk (``Tier1.kept``,
-    nothing of it in memory between the passes; None without ``keep``)."""
+    nothing of it in memory between the passes; None without ``keep``, and on a Dask cluster, whose tier 1 keeps
+    none: tier 3 asks the cluster)."""
     from ..statistics.whiten import Keep
 
     t = time.perf_counter() if since is None else since
     session, progress = ctx.session, ctx.progress
     target = session.metric.tier1_target
-    kept = TruncatorStore(0) if keep else None
+    kept = TruncatorStore(0) if keep and not session.decompositions.on_cluster else None  # a cluster keeps its own
     held = Keep(kept, keep) if kept is not None else None
     with progress.phase("statistics", total=len(session.calibration.fit), unit="batch"):  # tier 1 block by block
         stats = session.statistics(progress=progress, spectra=(align, target), keep=held)
