@@ -191,17 +191,12 @@ def test_tier3_keeps_decompositions_within_a_budget_with_the_same_plans(llama):
     assert a.evaluations > 1 and _same(model, before)
     kept = TruncatorStore(3 * HIDDEN * HIDDEN * 8, spill=False)  # what does not fit is dropped
 
-    class T:  # a Truncator's arrays: F (1, 32, 32) and one U (32 x 32), float64
-        def __init__(self) -> None:
-            import numpy as np
+    from auditor.calibration.statistics.whiten import Truncator
+    from auditor.results import Kind, Layer
 
-            self.f = np.zeros((1, HIDDEN, HIDDEN))
-            self.u = [np.zeros((HIDDEN, HIDDEN))]
-
-        def parts(self) -> dict:
-            return {"u": self.u}
-
-    kept["x"] = T()
-    kept["y"] = T()
+    square = Layer("x", "x.weight", Kind.LINEAR, "Linear", (HIDDEN, HIDDEN), HIDDEN, HIDDEN)
+    t = Truncator(square, torch.eye(HIDDEN), None)  # kept as its cut: A_k and B_k, 2 x 32 x 32 float64
+    kept["x"] = t
+    kept["y"] = t
     assert list(kept) == ["x"] and kept.bytes == 2 * HIDDEN * HIDDEN * 8 and kept.refused == 1
     assert TruncatorStore(0, spill=False).budget == 0
