@@ -375,3 +375,27 @@ def test_the_gradient_passs_decompositions_on_several_threads_are_those_made_one
     for name in ("fc1", "fc2", "fc3"):
         a, b = one.reuse.get(name), many.reuse.get(name)
         assert all(np.array_equal(x, y) for p, q in zip(a.full, b.full) for x, y in zip(p, q)), name
+
+
+def test_tier_1_on_a_cluster_keeps_no_store_and_tier_3_keeps_its_own_part_in_memory(digits_audit, monkeypatch):
+    """On a Dask cluster tier 1's decompositions stay on the workers (``keep`` is ignored there): tier 1 then keeps
+    no store at all, so tier 3 makes its own with one part's decompositions in memory, not an empty store of tier 1's
+    that would send every truncation to disk."""
+    import contextlib
+
+    from auditor.calibration.statistics import placement
+    from auditor.calibration.statistics.whiten import whitened_spectra
+    from auditor.calibration.tiers import passes
+
+    @contextlib.contextmanager
+    def here(self):  # the cluster's spectra, made here: what matters is that keep is not honoured there
+        yield lambda *a, keep=None, **k: whitened_spectra(*a, **k)
+
+    monkeypatch.setattr(placement.Decompositions, "on_cluster", property(lambda self: True))
+    monkeypatch.setattr(placement.Decompositions, "spectra", here)
+    model, layers, options, settings = digits_audit
+    ctx, t1, refs, scope = _to_the_scope(digits_audit, passes.plannable(layers, settings))
+    assert t1.kept is None and t1.spectra
+    monkeypatch.undo()  # here again: the same passes keep tier 1's three
+    _, local, _, _ = _to_the_scope(digits_audit, passes.plannable(layers, settings))
+    assert local.kept is not None and local.kept.spilled == 3
