@@ -341,15 +341,19 @@ def _sensitivity_seconds(sh: Shapes, wl: Workload, me: Measurements, r: dict[str
     carry = forward_seconds(sh, me, backward=True, carry=True)  # activations' gradients only: the taps
     grad = forward_seconds(sh, me, grad=True)  # recording for the backward
     # the loss-aware truncations on every thread at once, each on one BLAS thread (fisher._layer_costs)
-    threads = max(1, min(wl.threads, len(sh.layers)))
     out = _batches(r["gradient"], b) * (GRADIENT_PASSES * grad + SAMPLES * carry) + loss_decompositions_seconds(
-        sh, me) / threads
+        sh, me) / _cores(sh, wl)
     if wl.token_inputs:  # a likelihood metric: labels sampled over the vocabulary at every position, SAMPLES times
         out += SAMPLES * r["gradient"] * wl.tokens * wl.outputs * me.logit_seconds
     if me.gemm32_flops > 0:  # each sample's output gradients into every layer's moment (carried back where out > in)
         per = sum(2.0 * min(m, n) ** 2 + (2.0 * m * n if m > n else 0.0) for m, n in sh.layers)
         out += SAMPLES * r["gradient"] * wl.tokens * per / me.gemm32_flops
     return out
+
+
+def _cores(sh: Shapes, wl: Workload) -> int:
+    """The threads the decompositions run on at once (one BLAS thread each: whiten.on_every_core)."""
+    return max(1, min(wl.threads, len(sh.layers)))
 
 
 def stage_seconds(sh: Shapes, wl: Workload, me: Measurements) -> dict[str, float]:
@@ -372,17 +376,17 @@ def stage_seconds(sh: Shapes, wl: Workload, me: Measurements) -> dict[str, float
     # r = m n / (m + n) (about half the full rank of a square layer)
     factors = sum(2.0 * _cube(s) for s in sh.layers) / me.gemm_flops
     planned = sum(2.0 * m * n * (m * n / (m + n)) for m, n in sh.layers) / me.gemm_flops
-    # tier 1's decompositions run on every thread at once, each on one BLAS thread (whiten.whitened_spectra), and are
-    # kept (tier1.kept, on disk, cut): the only input-whitened decomposition of each layer the audit makes
-    threads = max(1, min(wl.threads, len(sh.layers)))
-    one = me.gemm1_flops if me.gemm1_flops > 0 else me.gemm_flops
-    out["statistics"] = _batches(wl.fit_rows, b) * fwd + grams + (decomp + factors * me.gemm_flops / one) / threads
+    # tier 1's decompositions run on every thread at once, each on one BLAS thread (whiten.on_every_core), and are
+    # kept (tier1.kept, on disk, cut): the only input-whitened decomposition of each layer the audit makes; each
+    # store's cuts are made on those threads as they are put in
+    cuts = factors * me.gemm_flops / (me.gemm1_flops if me.gemm1_flops > 0 else me.gemm_flops)
+    out["statistics"] = _batches(wl.fit_rows, b) * fwd + grams + (decomp + cuts) / _cores(sh, wl)
     if me.stats_forward > 0 and sh.block_layers:  # the blocks' forwards and Grams as measured together
         block_grams = sum(2.0 * wl.fit_rows * wl.tokens * n * n for _, n in sh.block_layers) / me.gemm_flops
         out["statistics"] += sh.blocks * (_batches(wl.fit_rows, b) * (me.stats_forward - me.block_forward)
                                           - block_grams)
-    out["gradients"] = _sensitivity_seconds(sh, wl, me, r, fwd, bwd, decomp) + (  # its truncations cut as kept,
-        factors * me.gemm_flops / one / threads if wl.sensitivity == "gradients" else 0.0)  # on the same threads
+    out["gradients"] = _sensitivity_seconds(sh, wl, me, r, fwd, bwd, decomp) + (
+        cuts / _cores(sh, wl) if wl.sensitivity == "gradients" else 0.0)
     # tier 3 slices its plans from the gradient pass's loss-aware truncations where it ran, else from tier 1's (the
     # rounding floor of a bf16 / fp16 model too: every layer at full rank, its dense reference and one measurement
     # on the search rows): nothing decomposed or multiplied again

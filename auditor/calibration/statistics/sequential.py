@@ -372,17 +372,13 @@ def weighted_truncator(layer: Layer, weight: torch.Tensor, cross: np.ndarray, gr
 def _stage_truncators(model: nn.Module, stage: list[Layer], sums: _Sums, damp: float, ridge: float,
                       moments: "Mapping[str, tuple[np.ndarray, bool, int]] | None" = None) -> dict[str, Truncator]:
     """The stage's truncators from its sums (:func:`_truncator`), its layers on every core at once, each on one BLAS
-    thread (the calibration's one thread: the same arrays as made one after the other), in the stage's order."""
-    from concurrent.futures import ThreadPoolExecutor
-
-    from threadpoolctl import threadpool_limits
+    thread (``whiten.on_every_core``: the same arrays as made one after the other), in the stage's order."""
+    from .whiten import on_every_core
 
     def one(layer: Layer) -> Truncator:
         return _truncator(model, layer, sums, (damp, ridge), moments)
 
-    jobs = max(1, min(os.cpu_count() or 1, len(stage)))
-    with threadpool_limits(limits=1, user_api="blas"), ThreadPoolExecutor(jobs) as pool:
-        return dict(zip([l.name for l in stage], pool.map(one, stage)))
+    return dict(zip([l.name for l in stage], on_every_core(one, stage)))
 
 
 def _truncator(model: nn.Module, layer: Layer, sums: _Sums, damping: tuple[float, float],

@@ -17,14 +17,13 @@ shorter one (out <= in), sigma_i^2 and u_i come from F (G + lambda I) F^T, which
 
 from __future__ import annotations
 
-import contextlib
 import math
 import os
 import tempfile
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Callable, Mapping, MutableMapping, NamedTuple
+from typing import TYPE_CHECKING, Callable, Iterator, Mapping, MutableMapping, NamedTuple, Sequence, TypeVar
 
 import numpy as np
 import torch
@@ -32,6 +31,9 @@ import torch
 from ... import kinds, lrmath
 from ...results import Layer
 from .stats import LayerInput
+
+_T = TypeVar("_T")
+_R = TypeVar("_R")
 
 if TYPE_CHECKING:
     from .stats import InputStatistics
@@ -298,8 +300,8 @@ class Truncator:
         (k x in), whose first r rows give the rank-r pair, so that a plan's factors at any rank are slices instead
         of the product U_r^T F (or F Z_r) of out x in x r multiply-adds each time a plan is measured (tier 3, the
         baseline, the verification's candidates and the plan check cut each layer once per plan). Made once (one
-        product at rank k), never more bytes than F and the bases; B_k = U^T F's first r rows equal U_r^T F (to
-        rounding: the same dot products, summed in the same order by the BLAS here)."""
+        product at rank k), never more bytes than F and the bases; B_k = U^T F's first r rows equal U_r^T F to
+        rounding (the same dot products; the BLAS may sum a smaller product in another order)."""
         g_, m, n = self._dims()
         k = min(m, n)
         out = Truncator.__new__(Truncator)
@@ -568,34 +570,46 @@ def whitened_spectra(layers: dict[str, Layer] | list[Layer], weights: dict[str, 
     called (on the calling thread) as each layer's spectrum comes back, in the layers' order. ``keep``: the
     truncators of its layers put into its store as they are made (the same arrays :class:`Truncator` makes: one
     decomposition per layer for tier 1 and the passes that cut factors)."""
-    from threadpoolctl import threadpool_limits
-
     from .stats import by_name
 
     todo = [(layer, stats.layers[layer.name]) for layer in by_name(layers).values() if layer.name in stats.layers]
-    jobs = max(1, min(jobs or os.cpu_count() or 1, len(todo) or 1))
+
     def one(t: tuple[Layer, LayerInput]) -> WhitenedSpectrum:
         if keep is None or t[0].name not in keep.names or keep.store.holds(t[0].name):
             return whitened_spectrum(t[0], weights[t[0].param], t[1], align, target)
         return _kept_spectrum(t[0], weights[t[0].param], t[1], (align, target), keep.store)
 
     done: list[WhitenedSpectrum] = []
-    with threadpool_limits(limits=1, user_api="blas"):
-        with (ThreadPoolExecutor(jobs) if jobs > 1 else contextlib.nullcontext()) as pool:
-            for spec in (pool.map(one, todo) if pool is not None else map(one, todo)):
-                done.append(spec)
-                if progress is not None:
-                    progress(len(done), len(todo))
+    for spec in on_every_core(one, todo, jobs):
+        done.append(spec)
+        if progress is not None:
+            progress(len(done), len(todo))
     return {spec.layer: spec for spec in done}
+
+
+def on_every_core(fn: "Callable[[_T], _R]", items: "Sequence[_T]", jobs: int | None = None) -> "Iterator[_R]":
+    """``fn`` of each of ``items``, on ``jobs`` threads at once (default: the CPU count), each with one BLAS thread,
+    yielded in the items' order (the caller's loop runs on its own thread, under the same one-BLAS-thread limit).
+    The decompositions are many eigh calls: NumPy's LAPACK releases the GIL, one thread per core beats OpenBLAS
+    threads spinning against each other, and one BLAS thread is what the calibration runs them on, so each result is
+    the same arrays as made alone (tier 1's spectra, the gradient pass's loss-aware truncations, a fit stage's)."""
+    from threadpoolctl import threadpool_limits
+
+    jobs = max(1, min(jobs or os.cpu_count() or 1, len(items) or 1))
+    with threadpool_limits(limits=1, user_api="blas"):
+        if jobs == 1:
+            yield from map(fn, items)
+            return
+        with ThreadPoolExecutor(jobs) as pool:
+            yield from pool.map(fn, items)
 
 
 def _kept_spectrum(layer: Layer, weight: torch.Tensor, inp: LayerInput, ranked: tuple[int, float],
                    store: "TruncatorStore") -> WhitenedSpectrum:
-    """:func:`whitened_spectrum` with the decomposition's U kept: the layer's :class:`Truncator` put into ``store``."""
-    f = function_matrices(layer, weight)
-    grams = [inp.gram] if inp.diagonal else list(inp.gram)
-    bases = [decompose(f[g], grams[g], inp.diagonal, DAMP) for g in range(f.shape[0])]
-    store[layer.name] = Truncator.from_bases(layer, weight, f, {"u": [b.u for b in bases]})
+    """:func:`whitened_spectrum` with the decomposition's U kept: the layer's :class:`Truncator` put into ``store``
+    (F made again from the weight: a copy, against the decomposition's products)."""
+    bases = whitened_bases(layer, weight, inp, DAMP)
+    store[layer.name] = Truncator.from_parts(layer, weight, [b.u for b in bases])
     return _spectrum(layer, bases, inp, *ranked)
 
 

@@ -670,13 +670,10 @@ def _layer_costs(model: nn.Module, named: dict[str, Layer], stats: InputStatisti
                  store: "MutableMapping[str, Truncator] | None") -> Iterator[tuple[str, np.ndarray]]:
     """(name, cost curve) of every layer with a gradient and statistics, in the layers' order: its loss-aware
     truncation's (put into ``store``) with a store, else the input-whitened one's (:func:`gradient_costs`). The
-    decompositions run on every core at once, each on one BLAS thread (as tier 1's: ``whiten.whitened_spectra``;
-    one BLAS thread is what the calibration runs them on, so each is the same arrays as made alone), and are taken
-    in the layers' order; each truncator is put into the store (which takes them from several threads) by the
+    decompositions run on every core at once, each on one BLAS thread (``whiten.on_every_core``, as tier 1's), and
+    are taken in the layers' order; each truncator is put into the store (which takes them from several threads) by the
     thread that made it, so no more than one layer's decomposition per thread is alive at once."""
-    from concurrent.futures import ThreadPoolExecutor
-
-    from threadpoolctl import threadpool_limits
+    from ..statistics.whiten import on_every_core
 
     params = dict(model.named_parameters(remove_duplicate=False))
     todo = [(name, layer) for name, layer in named.items() if name in grads.second and name in stats.layers]
@@ -693,12 +690,10 @@ def _layer_costs(model: nn.Module, named: dict[str, Layer], stats: InputStatisti
         store[name] = cut[1].cut()  # cut here, on this thread, whatever mapping the store is (the same factors)
         return cut[0]
 
-    jobs = max(1, min(os.cpu_count() or 1, len(todo)))
-    with threadpool_limits(limits=1, user_api="blas"), ThreadPoolExecutor(jobs) as pool:
-        for (name, _), c in zip(todo, pool.map(one, todo)):
-            trim_heap()  # its eigendecomposition's arrays handed back
-            if c is not None:
-                yield name, c
+    for (name, _), c in zip(todo, on_every_core(one, todo)):
+        trim_heap()  # its eigendecomposition's arrays handed back
+        if c is not None:
+            yield name, c
 
 
 def predicted_value(cost: float, linear: bool) -> float:
