@@ -47,11 +47,12 @@ def test_stage_seconds_exact():
         "gradients": 6 * (2 * fwd + 2 * 2.625) + decomp + factors,
         # search half: 4 rows; 10 plans, 3 on every row; each plan's factors sliced from the gradient pass's cuts
         "tier 3": (4 + 7 * 4 + 3 * 4) / 4 * fwd,
-        # the chosen plan's default (sequential) fit: per fit batch 2 runs of each stage (at most one a layer of
-        # the block's 2, each stopping after its layer: half the block, then all of it), the block twice more, the
-        # head's stage 2 whole runs; C and G per layer, each W* truncated; the refinement's 8 epochs forward and
-        # backward over 5 of the 6 fit batches, the sixth held back and run forward before the first epoch and after each
-        "verification": 2 * 1 * fwd + ((5 * 128 / 168 + 2 * 40 / 168) * 6 * fwd + 2 * grams + decomp
+        # the chosen plan's default (sequential) fit: per fit batch one dense run of the block reading every stage's
+        # rows, a fitted run of each stage (at most one a layer of the block's 2, each stopping after its layer: half
+        # the block, then all of it), the fitted block once more, the head's stage 2 whole runs; C and G per layer,
+        # each W* truncated; the refinement's 8 epochs forward and backward over 5 of the 6 fit batches, the sixth
+        # held back and run forward before the first epoch and after each
+        "verification": 2 * 1 * fwd + ((3.5 * 128 / 168 + 2 * 40 / 168) * 6 * fwd + 2 * grams + decomp
                                                  + 8 * 5 * (fwd + 2.625) + 9 * fwd),
         # SVD-LLM's uniform truncation beside each of the 10 plans on the 4 search rows, and the chosen plan's on the
         # 4 verification rows, sliced from tier 1's cuts (nothing decomposed or multiplied again)
@@ -75,9 +76,9 @@ def test_stage_seconds_exact():
 
 
 def test_the_sequential_fit_runs_each_stage_to_its_last_layer():
-    """A Llama-7B block (q, k, v, o 4096 x 4096, gate and up 11,008 x 4096, down 4096 x 11,008): each layer a stage
-    whose two runs stop after it, the block twice more; the head a stage of two whole runs; a model without blocks
-    runs each stage on the whole model, stopping likewise."""
+    """A Llama-7B block (q, k, v, o 4096 x 4096, gate and up 11,008 x 4096, down 4096 x 11,008): one dense run, each
+    layer a stage whose fitted run stops after it, the fitted block once more; the head a stage of two whole runs; a
+    model without blocks runs each stage on the whole model twice, stopping likewise."""
     sq, wide = 4096 * 4096, 11008 * 4096
     block = ((4096, 4096),) * 4 + ((11008, 4096),) * 2 + ((4096, 11008),)
     cum = [sq, 2 * sq, 3 * sq, 4 * sq, 4 * sq + wide, 4 * sq + 2 * wide, 4 * sq + 3 * wide]
@@ -86,19 +87,19 @@ def test_the_sequential_fit_runs_each_stage_to_its_last_layer():
     head = 32000 * 4096
     llama = est.Shapes(0, block * 32 + ((32000, 4096),), block, 32, 32 * cum[-1] + head, cum[-1])
     inside = 32 * cum[-1] / (32 * cum[-1] + head)
-    assert est.fit_runs(llama) == pytest.approx((2 * share + 2) * inside + 2 * (1 - inside))  # the head: the tail
+    assert est.fit_runs(llama) == pytest.approx((share + 2) * inside + 2 * (1 - inside))  # the head: the tail
     assert est.fit_runs(est.Shapes(0, block)) == pytest.approx(2 * share)
 
 
 def test_the_measured_stages_and_forwards_recording_gradients_are_used_where_measured():
     """Measured stage shares replace the per-layer bound in the sequential fit; a forward recording for a backward
     (grad_forward) is the gradient pass's and the refinement's training steps', the plain forward everything else's."""
-    assert est.fit_runs(SHAPES, (0.25, 1.0)) == pytest.approx((2 * 1.25 + 2) * 128 / 168 + 2 * 40 / 168)
+    assert est.fit_runs(SHAPES, (0.25, 1.0)) == pytest.approx((1.25 + 2) * 128 / 168 + 2 * 40 / 168)
     me = est.Measurements(**{**MEASURED.__dict__, "grad_forward": 0.75, "stage_shares": (0.25, 1.0)})
     s, plain = est.stage_seconds(SHAPES, WORK, me), est.stage_seconds(SHAPES, WORK, MEASURED)
     fwd, gfwd = 1.3125, 0.75 * 2.625
     assert s["gradients"] - plain["gradients"] == pytest.approx(6 * 2 * (gfwd - fwd))
-    fit_gap = ((2 * 1.25 + 2) - (2 * 1.5 + 2)) * 128 / 168 * 6 * fwd  # the stages: 0.25 + 1 of the block, not 0.5 + 1
+    fit_gap = ((1.25 + 2) - (1.5 + 2)) * 128 / 168 * 6 * fwd  # the stages: 0.25 + 1 of the block, not 0.5 + 1
     assert s["verification"] - plain["verification"] == pytest.approx(fit_gap + 8 * 5 * (gfwd - fwd))
     assert {k: v for k, v in s.items() if k not in ("gradients", "verification")} == {
         k: v for k, v in plain.items() if k not in ("gradients", "verification")}
@@ -156,10 +157,30 @@ def test_a_llama_blocks_stages_are_watched_as_the_fit_forms_them():
     total = q + 2 * kv + o + 3 * up
     assert watch.shares() == pytest.approx(((q + 2 * kv) / total, (q + 2 * kv + o) / total,
                                            (total - up) / total, 1.0))
+    assert watch.counts() == (3, 1, 2, 1)  # q, k, v; o; gate, up; down
     twice = torch.nn.Sequential(torch.nn.Linear(4, 4))
     with est._StageWatch(twice) as watch:
         twice(twice(torch.zeros(1, 4)))
-    assert watch.shares() == ()
+    assert watch.shares() == () and watch.counts() == ()
+
+
+def test_a_stages_truncations_are_counted_on_every_core_at_once():
+    """The sequential fit truncates a stage's layers on every core at once, each layer to the first thread free, the
+    stages one after another: a Llama block's q, k, v on 2 cores take two of their times, gate and up one."""
+    times = [1.0, 1.0, 1.0, 2.0, 3.0, 3.0, 4.0]
+    assert est.staged_seconds(times, (3, 1, 2, 1), 2) == 2.0 + 2.0 + 3.0 + 4.0
+    assert est.staged_seconds(times, (3, 1, 2, 1), 4) == 1.0 + 2.0 + 3.0 + 4.0
+    assert est.staged_seconds(times, (3, 1, 2, 1), 1) == sum(times)
+    assert est.staged_seconds(times, (3, 1, 2), 2) == sum(times)  # counts that miss a layer: each layer a stage
+    assert est.staged_seconds([3.0, 1.0, 1.0], (3,), 2) == 3.0  # the first thread busy, the second takes both
+    # the toy block's two layers, one stage, on two threads: the longer of the two, each block
+    two = est.Workload(**{**WORK.__dict__, "threads": 2})
+    me = est.Measurements(**{**MEASURED.__dict__, "stage_shares": (1.0,), "stage_layers": (2,)})
+    eig = (2.0 - 2 * 576 / 1e3) / 4**3  # as in test_stage_seconds_exact
+    first, second = 2 * 576 / 1e3 + eig * 64, 2 * 448 / 1e3 + eig * 64
+    head = 2 * 640 / 1e3 + eig * 64
+    assert est.fit_decompositions_seconds(SHAPES, two, me, False) == pytest.approx(2 * max(first, second) + head)
+    assert est.fit_decompositions_seconds(SHAPES, WORK, me, False) == pytest.approx(2 * (first + second) + head)
 
 
 def test_the_refinement_at_its_most_epochs():
@@ -183,7 +204,7 @@ def test_the_least_wall_stops_every_refinement_after_its_first_epoch():
     assert e.slack_seconds == pytest.approx((8 * 5 * (fwd + bwd) + 9 * fwd) - (5 * (fwd + bwd) + 2 * fwd))
     assert e.as_dict()["least_wall_seconds"] == pytest.approx(e.wall_seconds - e.slack_seconds, abs=1e-3)
     table = est.render_table(e)
-    assert "  at least        10.3 min" in table and "stopped after one epoch" in table
+    assert "  at least        10.2 min" in table and "stopped after one epoch" in table
     assert max(len(line) for line in table.splitlines()) <= 120
     plain = est.predict(est.Shapes(**{**SHAPES.__dict__, "block_layers": ()}), WORK, MEASURED)
     assert plain.slack_seconds == 0 and "at least" not in est.render_table(plain)
@@ -234,16 +255,22 @@ def test_peak_disk_and_device_exact():
     # the output's logits (2560) and their gradient, three copies of one chunk of them (the whole batch here:
     # metrics/chunks.py); one output gradient at a time, the widest (10): it, its kept rows and its float copy
     assert by["gradients"] == 1100 + 2 * 2560 + 3 * 2560 + 2 * 256 + 1000 + 256 + 3 * 4 * 16 * 10 * 4 + 640 == 23988
-    assert e.peak_rss_bytes == 23988
     # tier 3, the verification and the plan check: one block's factors at a time (192 bytes) and the head's, outside
     # the blocks (112), not every layer's (496); the last two fit the plan as factorize does: one block's fitted
     # weights (float32) and truncators (float64) and the head's (the finished blocks' on disk), three kept hidden
-    # states per fit batch and one block's Grams
-    fit = (4 * (32 + 32) + 8 * ((8 * 4 + 16) + (4 * 4 + 64))) + (4 * 40 + 8 * (10 * 4 + 16)) + 3 * 6 * 256 + 1664
+    # states per fit batch, one block's Grams, and the dense rows its stages read on every fit batch (each layer a
+    # stage, unmeasured: inputs 4 and 8 wide, the hidden state's 256 bytes 4 wide)
+    fit = (4 * (32 + 32) + 8 * ((8 * 4 + 16) + (4 * 4 + 64))) + (4 * 40 + 8 * (10 * 4 + 16)) + 3 * 6 * 256 + 1664 \
+        + 6 * 256 * (4 + 8) // 4
     plan = 2560 + 3 * 2560  # the output's logits, three copies of one chunk of them
     assert (by["tier 3"], by["verification"], by["plan check"]) == (1100 + plan + 1000 + 304 + 1664,
                                                                      1100 + plan + 1000 + 304 + fit,
                                                                      1100 + plan + 1000 + 304 + fit)
+    assert e.peak_rss_bytes == by["verification"] == 25412
+    # measured stages: q, k, v one stage reading one input (here: both layers, one 4-wide input)
+    one = est.predict(SHAPES, WORK, est.Measurements(**{**MEASURED.__dict__, "stage_shares": (1.0,),
+                                                        "stage_layers": (2,)}))
+    assert {st.name: st.peak_bytes for st in one.stages}["verification"] == by["verification"] - 6 * 256 * 8 // 4
     # the Grams, the kept truncators cut (tier 1's and the gradient pass's: 2 x 8 min(m, n) (m + n)) and the moments
     cuts = 2 * 8 * (4 * 4 * 12 + 4 * 14)
     assert e.disk_bytes == 2 * (20000 + 2000 * 5) + 8 * 176 + cuts + 640
@@ -260,16 +287,17 @@ def test_uncalibrated_has_no_calibration_stages():
 
 def test_short_of_memory_line_and_fix():
     e = est.predict(SHAPES, WORK, MEASURED)
-    assert est.short_of_memory(e, 23988) is None and est.short_of_memory(e, None) is None
-    line = est.short_of_memory(e, 23987)
-    assert "gradients" in line and "available" in line
+    assert est.short_of_memory(e, 25412) is None and est.short_of_memory(e, None) is None
+    line = est.short_of_memory(e, 25411)
+    assert "verification" in line and "available" in line
     # weights mapped from the checkpoint are paged from disk: the check counts what must be held
     mapped = est.predict(est.Shapes(**{**SHAPES.__dict__, "mapped_bytes": 600}), WORK, MEASURED)
     assert mapped.peak_rss_bytes == e.peak_rss_bytes and mapped.needed_bytes == e.peak_rss_bytes - 600
-    assert est.short_of_memory(mapped, 23988 - 600) is None
-    assert est.short_of_memory(mapped, 23987 - 600).startswith(
-        "the audit is estimated to peak at 0 MiB of host memory (in its gradients stage, the 0 MiB of weights mapped "
-        "from the checkpoint not counted)")
+    assert est.short_of_memory(mapped, 25412 - 600) is None
+    assert est.short_of_memory(mapped, 25411 - 600).startswith(
+        "the audit is estimated to peak at 0 MiB of host memory (in its verification stage: the sequential fit's "
+        "float64 Grams and whitenings n x n, the largest 8 x 8, the 0 MiB of weights mapped from the checkpoint not "
+        "counted)")
     assert "  of it 0 MiB the weights, mapped from the checkpoint (paged from disk as read): 0 MiB must be held" \
         in est.render_table(mapped)
     assert "--calibration-max-rows" in est.FIX and "--offload" in est.FIX and "--scheduler" in est.FIX

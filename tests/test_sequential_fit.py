@@ -423,6 +423,36 @@ def test_a_stage_after_the_blocks_runs_the_model_after_them_alone(monkeypatch) -
         np.testing.assert_array_equal(tail[name].weight(r).numpy(), whole[name].weight(r).numpy())
 
 
+def test_each_block_runs_dense_once_for_all_its_stages(monkeypatch) -> None:
+    """A block's stages read their dense rows from one dense run of the block per batch (which also gives the
+    block's dense output), not a dense run per stage (q and k together; up; down) and one more for the output
+    (every block's but the last's, whose output nothing reads with refine=0): the same factors bit for bit."""
+    from auditor.calibration.statistics import sequential as seq
+
+    model = _Stack()
+    fit = _batches()
+    plan = checked_plan(model, {n: 3 for b in range(3) for n in (f"blocks.{b}.q", f"blocks.{b}.k",
+                                                                 f"blocks.{b}.up", f"blocks.{b}.down")})
+    calls = [0]
+    real = _Block.forward
+
+    def counted(self, *a, **k):
+        calls[0] += 1
+        return real(self, *a, **k)
+
+    monkeypatch.setattr(_Block, "forward", counted)
+    once = seq.sequential_truncators(model, plan, fit, refine=0)
+    with_once, calls[0] = calls[0], 0
+    monkeypatch.setattr(seq, "_dense_rows", lambda *a: None)
+    per_stage = seq.sequential_truncators(model, plan, fit, refine=0)
+    # before: 3 dense stage runs a batch and the dense output run (but in the last block, which needs no output);
+    # now one dense run a batch
+    assert calls[0] - with_once == 3 * (3 + 1 - 1) * 2 + 3 * (3 - 1)
+    for name, (_, r) in plan.items():
+        for x, y in zip(once[name].factors(r), per_stage[name].factors(r)):
+            np.testing.assert_array_equal(x, y)
+
+
 class _Mean(_Stack):
     """The head reads the mean of every block's output, not the last block's alone."""
 

@@ -135,6 +135,8 @@ class Measurements:
     #                                       parameters each stage's runs reach (); (): unmeasured (each layer a stage)
     gemm1_flops: float = 0.0  # float64 multiply-adds x 2 per second on one BLAS thread (the decompositions' products);
     #                           0: unmeasured (gemm_flops)
+    stage_layers: tuple[int, ...] = ()  # the weighted modules of each of stage_shares' stages, in call order (a
+    #                                     Llama block's 3, 1, 2, 1); (): unmeasured (each layer a stage)
 
 
 @dataclass(frozen=True)
@@ -229,15 +231,24 @@ def _linalg_seconds(sh: Shapes, seconds: float, shape: tuple[int, int], cost: Ca
     after its products. The eigenvectors are most of a square layer's decomposition (at 4,096 x 4,096 on one thread
     here, 27.5 s of which about 6 s products): scaling the whole decomposition by its products, as this did before,
     predicted a fifth of it."""
+    return sum(_linalg_each(seconds, shape, cost, flops, sh.layers))
+
+
+def _linalg_each(seconds: float, shape: tuple[int, int], cost: Callable[[tuple[int, int]], float], flops: float,
+                 layers: tuple[tuple[int, int], ...]) -> list[float]:
+    """:func:`_linalg_seconds`'s time for each of ``layers``."""
     products = 2.0 * cost(shape) / flops
     eigen = max(0.0, seconds - products) / max(1.0, float(min(shape)) ** 3)
-    return sum(2.0 * cost(s) / flops + eigen * float(min(s)) ** 3 for s in sh.layers)
+    return [2.0 * cost(s) / flops + eigen * float(min(s)) ** 3 for s in layers]
+
+
+def _one_thread(me: Measurements) -> float:
+    return me.gemm1_flops if me.gemm1_flops > 0 else me.gemm_flops
 
 
 def decompositions_seconds(sh: Shapes, me: Measurements) -> float:
     """Every layer's whitened decomposition, on one BLAS thread as the audit makes them (:func:`_linalg_seconds`)."""
-    return _linalg_seconds(sh, me.decompose_seconds, me.decompose_shape, _whiten_cost,
-                           me.gemm1_flops if me.gemm1_flops > 0 else me.gemm_flops)
+    return _linalg_seconds(sh, me.decompose_seconds, me.decompose_shape, _whiten_cost, _one_thread(me))
 
 
 def loss_decompositions_seconds(sh: Shapes, me: Measurements) -> float:
@@ -245,10 +256,42 @@ def loss_decompositions_seconds(sh: Shapes, me: Measurements) -> float:
     one BLAS thread as the calibration makes them, one layer at a time (:func:`_linalg_seconds`); the whitened
     decompositions' time where it was not measured. (2026-12-07: timed and counted at every thread's rate, about
     half the time on 2 cores.)"""
-    if me.loss_seconds <= 0:
-        return decompositions_seconds(sh, me)
-    return _linalg_seconds(sh, me.loss_seconds, me.decompose_shape, _loss_cost,
-                           me.gemm1_flops if me.gemm1_flops > 0 else me.gemm_flops)
+    return sum(_fit_each(me, True)(sh.layers))
+
+
+def _fit_each(me: Measurements, loss_aware: bool) -> Callable[[tuple[tuple[int, int], ...]], list[float]]:
+    """Each layer's truncation on one BLAS thread: loss-aware (with the output-gradient moments; the whitened
+    decomposition's time where that was not measured), or whitened."""
+    if loss_aware and me.loss_seconds > 0:
+        return lambda layers: _linalg_each(me.loss_seconds, me.decompose_shape, _loss_cost, _one_thread(me), layers)
+    return lambda layers: _linalg_each(me.decompose_seconds, me.decompose_shape, _whiten_cost, _one_thread(me), layers)
+
+
+def staged_seconds(times: list[float], counts: tuple[int, ...], cores: int) -> float:
+    """Layers truncated a stage at a time, a stage's on ``cores`` threads at once (whiten.on_every_core: each
+    layer, in order, to the first thread free), the stages one after another (each reads the inputs the one before
+    it fitted): the sum of the stages' spans. Each layer a stage where ``counts`` do not cover ``times``."""
+    if sum(counts) != len(times):
+        counts = (1,) * len(times)
+    total, i = 0.0, 0
+    for c in counts:
+        free = [0.0] * max(1, min(cores, c))
+        for t in times[i:i + c]:
+            free[free.index(min(free))] += t
+        total, i = total + max(free), i + c
+    return total
+
+
+def fit_decompositions_seconds(sh: Shapes, wl: Workload, me: Measurements, loss_aware: bool) -> float:
+    """The sequential fit's truncations of W* (statistics/sequential.py: a stage's at once, _stage_truncators): a
+    repeated block's by its measured stages (:func:`staged_seconds`), every block alike; the layers outside the
+    blocks one after another."""
+    each = _fit_each(me, loss_aware)
+    if not sh.block_layers:
+        return sum(each(sh.layers))
+    block = each(sh.block_layers)
+    outside = sum(each(sh.layers)) - sh.blocks * sum(block)
+    return sh.blocks * staged_seconds(block, me.stage_layers, _cores(sh, wl)) + max(0.0, outside)
 
 
 def spectra_seconds(sh: Shapes, me: Measurements) -> float:
@@ -273,15 +316,16 @@ def _rows(wl: Workload) -> dict[str, int]:
 
 
 def fit_runs(sh: Shapes, shares: tuple[float, ...] = ()) -> float:
-    """The sequential fit's runs per fit batch, in forwards of the whole model (statistics/sequential.py). Each stage
-    of a repeated block runs the block twice (dense, fitted), stopping once the stage's layers have run, so costing
-    the block's multiplied parameters up to its last layer: ``shares`` as measured (a Llama block's four stages reach
-    0.16, 0.25, 0.75 and 1 of it), else each layer a stage (the layers in the order the block registers them: a
-    transformer block's call order; the bound, as layers reading one input are one stage); then the block twice more
-    (the dense outputs the refinement aims at and the next block reads, the fitted ones); each layer outside the
-    blocks a stage of two runs of the model outside them (an output head reads the last block's kept outputs, the
-    blocks passing them on; a layer before the blocks stops the run once it has run). Without repeated blocks every
-    stage is two runs of the whole model, stopping likewise."""
+    """The sequential fit's runs per fit batch, in forwards of the whole model (statistics/sequential.py). A repeated
+    block runs dense once, reading every stage's dense rows and its output (the refinement's aim, the next block's
+    input); each of its stages then runs the block with the weights fitted so far, stopping once the stage's layers
+    have run, so costing the block's multiplied parameters up to its last layer: ``shares`` as measured (a Llama
+    block's four stages reach 0.25, 0.33, 0.78 and 1 of it), else each layer a stage (the layers in the order the
+    block registers them: a transformer block's call order; the bound, as layers reading one input are one stage);
+    then the fitted block once more (the next block's input); each layer outside the blocks a stage of two runs of
+    the model outside them (an output head reads the last block's kept outputs, the blocks passing them on; a layer
+    before the blocks stops the run once it has run). Without repeated blocks every stage is two runs of the whole
+    model, stopping likewise. (2026-12-07: each stage ran the dense block too, 2 x shares + 2 runs.)"""
     if not shares:
         layers = sh.block_layers or sh.layers
         total = float(sum(m * n for m, n in layers)) or 1.0
@@ -295,7 +339,7 @@ def fit_runs(sh: Shapes, shares: tuple[float, ...] = ()) -> float:
         return 2 * share
     inside = sh.blocks * sh.block_flop_params / max(1, sh.flop_params)  # the blocks' share of a forward
     outside = max(0, len(sh.layers) - sh.blocks * len(sh.block_layers))
-    return (2 * share + 2) * inside + 2 * outside * (1 - inside)
+    return (share + 2) * inside + 2 * outside * (1 - inside)
 
 
 def refinement_seconds(wl: Workload, check: float, step: float, epochs: int = EPOCHS) -> float:
@@ -396,7 +440,7 @@ def stage_seconds(sh: Shapes, wl: Workload, me: Measurements) -> dict[str, float
     # the chosen plan fitted as factorize writes it (the sequential fit): two runs of a block (or of the model) per
     # stage and fit batch, at most one stage per layer, C and G per layer, each W* truncated, and the block
     # refinement where the model has repeated blocks
-    fitted = loss_decompositions_seconds(sh, me) if wl.sensitivity == "gradients" else decomp  # W* with its moments
+    fitted = fit_decompositions_seconds(sh, wl, me, wl.sensitivity == "gradients")  # W* (with its moments)
     fit = fit_runs(sh, me.stage_shares) * _batches(wl.fit_rows, b) * fwd + 2 * grams + fitted + _refinement(sh, wl, me)
     out["verification"] = 2 * _batches(r["verify"], b) * fwd + fit
     # SVD-LLM's uniform truncation beside every measured plan (at most the search's plans) on its rows, and the chosen
@@ -432,7 +476,8 @@ def _fit_bytes(sh: Shapes, wl: Workload, me: Measurements) -> int:
     """The sequential fit's own (the verification's and the plan check's default fit): one repeated block's planned
     layers at a time, each with its fitted weight (float32) and decomposition (float64; a finished block's factors
     and fitted weights go to memory-mapped files, statistics/sequential.py), and those of the layers outside the
-    blocks; the dense and fitted inputs to the block and the dense block's outputs per fit batch, one block's Grams."""
+    blocks; the dense and fitted inputs to the block and the dense block's outputs per fit batch, one block's Grams,
+    and the dense rows its stages read (:func:`_dense_row_bytes`)."""
     def own(layers: tuple[tuple[int, int], ...]) -> int:
         return sum(4 * m * n + 8 * (m * min(m, n) + n * n) for m, n in layers)
 
@@ -440,7 +485,23 @@ def _fit_bytes(sh: Shapes, wl: Workload, me: Measurements) -> int:
     if sh.block_layers:
         one = own(sh.block_layers)
         held = one + max(0, held - max(1, sh.blocks) * one)
-    return held + 3 * _batches(wl.fit_rows, wl.batch_rows) * me.hidden_bytes + _block_grams(sh)
+    return (held + 3 * _batches(wl.fit_rows, wl.batch_rows) * me.hidden_bytes + _block_grams(sh)
+            + _dense_row_bytes(sh, wl, me))
+
+
+def _dense_row_bytes(sh: Shapes, wl: Workload, me: Measurements) -> int:
+    """The dense rows a repeated block's stages read, every fit batch's at once (statistics/sequential.py:
+    _dense_rows): one input a stage, of its first layer's width (each layer one where the stages were not measured),
+    in the hidden state's dtype: the hidden state's bytes scaled by those widths over its own (what the block's first
+    layer reads)."""
+    layers = sh.block_layers
+    if not layers:
+        return 0
+    counts = me.stage_layers if sum(me.stage_layers) == len(layers) else (1,) * len(layers)
+    widths, i = 0, 0
+    for c in counts:
+        widths, i = widths + layers[i][1], i + c
+    return int(_batches(wl.fit_rows, wl.batch_rows) * me.hidden_bytes * widths / max(1, layers[0][1]))
 
 
 def _tap_bytes(values: int) -> int:
@@ -746,20 +807,27 @@ class _StageWatch:
         self.alive.clear()
 
     def shares(self) -> tuple[float, ...]:
+        return tuple(end for end, _ in self._stages())
+
+    def counts(self) -> tuple[int, ...]:
+        """Each stage's modules (the layers the fit decomposes together)."""
+        return tuple(count for _, count in self._stages())
+
+    def _stages(self) -> list[tuple[float, int]]:
         ids = [i for i, _ in self.calls]
         if not ids or len(set(ids)) != len(ids):
-            return ()
+            return []
         total = float(sum(self.sizes[i] for i in ids))
-        ends: list[float] = []
+        out: list[tuple[float, int]] = []
         cum, last = 0, None
         for i, key in self.calls:
             cum += self.sizes[i]
-            if ends and key == last:
-                ends[-1] = cum / total
+            if out and key == last:
+                out[-1] = (cum / total, out[-1][1] + 1)
             else:
-                ends.append(cum / total)
+                out.append((cum / total, 1))
             last = key
-        return tuple(ends)
+        return out
 
 
 @dataclass(frozen=True)
@@ -771,6 +839,7 @@ class _Timed:
     saved: int  # bytes the forward keeps for its backward (weights not counted)
     out_bytes: int
     shares: tuple[float, ...]  # the sequential fit's stages (_StageWatch)
+    counts: tuple[int, ...] = ()  # their modules
 
 
 def _time_call(fn: Callable[..., Any], args: tuple, kwargs: dict, params: set[int],
@@ -811,7 +880,8 @@ def _time_call(fn: Callable[..., Any], args: tuple, kwargs: dict, params: set[in
         t2 = clock()
         loss.backward()
         full = clock() - t2
-    return _Timed(plain, t1 - t0, full, carried, saved[0], out_bytes, watch.shares() if watch is not None else ())
+    return _Timed(plain, t1 - t0, full, carried, saved[0], out_bytes, watch.shares() if watch is not None else (),
+                  watch.counts() if watch is not None else ())
 
 
 def _time_statistics(model: nn.Module, blk: nn.Module, stats_layers: list[Any], args: tuple, kwargs: dict,
@@ -977,7 +1047,8 @@ def measure(model: nn.Module, batch: Any, sh: Shapes, before: Process, clock: Ca
     flops32 = time_gemm32(clock) if linalg else 0.0
     return Measurements(before.base_rss, before.load_seconds, timed.forward, timed.backward, timed.saved,
                         hidden if block is not None else timed.out_bytes, dec, shape, eig, k, flops, clock() - start,
-                        logit, flops32, timed.carry, stats, timed.grad_forward, loss, timed.shares, one)
+                        logit, flops32, timed.carry, stats, timed.grad_forward, loss, timed.shares, one,
+                        timed.counts)
 
 
 # ---- the entry points ----------------------------------------------------------------------------------------------

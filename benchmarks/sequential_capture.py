@@ -1,0 +1,102 @@
+"""The sequential fit's dense runs: every stage's dense input rows read in one run of each block per batch (what
+statistics/sequential.py does), against a dense run of the block per stage, stopped after the stage's layers (what
+it did before), side by side in one run.
+
+    PYTHONPATH=. python benchmarks/sequential_capture.py [--hidden 1024 --intermediate 2816 --heads 16 --kv 4]
+                                                         [--depth 4] [--rows 48 --tokens 128] [--refine 0]
+
+A random-init Llama of that shape (vocabulary 8,000; cost only), ``rows`` windows of ``tokens`` random ids (a
+quarter held out, batches of 16), every Linear of its blocks planned at half its break-even rank; the fit on the
+threads torch has. Each side runs in its own process (its high-water mark RSS reset once the model and calibration
+are loaded); printed: each side's wall and peak above the RSS then, and the ratios. The two sides' factors must be
+equal, bit for bit (checked through a digest). ``--refine 0`` leaves out the block refinement, which both sides run
+alike.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _status(key: str) -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(key + ":"):
+            return int(line.split()[1]) * 1024
+    return 0
+
+
+def child(a: argparse.Namespace, once: bool) -> None:
+    sys.path.insert(0, str(ROOT))
+    import torch
+    import transformers
+
+    from auditor.calibration import load_calibration
+    from auditor.calibration.statistics import sequential as seq
+    from auditor.structure.layers import ParamTable, collect_layers
+    from auditor.surgery import checked_plan
+
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(vocab_size=8000, hidden_size=a.hidden, intermediate_size=a.intermediate,
+                                   num_hidden_layers=a.depth, num_attention_heads=a.heads,
+                                   num_key_value_heads=a.kv, max_position_embeddings=max(2048, a.tokens))
+    model = transformers.LlamaForCausalLM(cfg).eval()
+    ids = torch.randint(0, 8000, (a.rows, a.tokens), generator=torch.Generator().manual_seed(1))
+    cal = load_calibration({"input_ids": ids}, model, holdout=0.25, batch_size=16)
+    table = ParamTable.of(model)
+    ranks = {name: max(1, int(l.shape[0] * l.shape[1] / (l.shape[0] + l.shape[1]) / 2))
+             for name, l in collect_layers(model, table).items() if ".layers." in name}
+    plan = checked_plan(model, ranks)
+    if not once:  # as before: each stage runs the dense block again, stopped after its layers
+        seq._dense_rows = lambda *args, **kwargs: None  # type: ignore[assignment]
+    Path("/proc/self/clear_refs").write_text("5")
+    base = _status("VmRSS")
+    t0 = time.perf_counter()
+    done = seq.sequential_fit(model, plan, cal, refine=a.refine)
+    wall = time.perf_counter() - t0
+    peak = _status("VmHWM")
+    h = hashlib.sha256()
+    for name in sorted(done.truncators):
+        for x in done.truncators[name].factors(plan[name][1]):
+            h.update(x.tobytes())
+    print(json.dumps({"peak": peak - base, "wall": wall, "digest": h.hexdigest()}))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--hidden", type=int, default=1024)
+    ap.add_argument("--intermediate", type=int, default=2816)
+    ap.add_argument("--heads", type=int, default=16)
+    ap.add_argument("--kv", type=int, default=4)
+    ap.add_argument("--depth", type=int, default=4)
+    ap.add_argument("--rows", type=int, default=48)
+    ap.add_argument("--tokens", type=int, default=128)
+    ap.add_argument("--refine", type=int, default=0)
+    ap.add_argument("--child", type=int, default=None, help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.child is not None:
+        return child(args, bool(args.child))
+    got = []
+    for once in (1, 0):
+        cmd = [sys.executable, __file__, *sys.argv[1:], "--child", str(once)]
+        out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout.strip().splitlines()[-1]
+        got.append(json.loads(out))
+    new, old = got
+    assert new["digest"] == old["digest"], "the factors differ between the two sides"
+    print(f"hidden {args.hidden}, depth {args.depth}, {args.rows} x {args.tokens} positions, refine {args.refine}")
+    print(f"{'':<34}{'wall':>9}{'peak RSS':>12}")
+    print(f"{'one dense run a block (now)':<34}{new['wall']:>8.1f}s{new['peak'] / 2**20:>8,.0f} MiB")
+    print(f"{'a dense run a stage (before)':<34}{old['wall']:>8.1f}s{old['peak'] / 2**20:>8,.0f} MiB")
+    print(f"{'now / before':<34}{new['wall'] / old['wall']:>8.2f}x{new['peak'] / max(1, old['peak']):>11.2f}x"
+          "  (equal factors checked)")
+
+
+if __name__ == "__main__":
+    main()
