@@ -50,10 +50,11 @@ def test_stage_seconds_exact():
         # the chosen plan's default (sequential) fit: per fit batch one dense run of the block reading every stage's
         # rows, a fitted run of each stage (at most one a layer of the block's 2, each stopping after its layer: half
         # the block, then all of it), the fitted block once more, the head's stage 2 whole runs; C and G per layer,
-        # each W* truncated; the refinement's 8 epochs forward and backward over 5 of the 6 fit batches, the sixth
-        # held back and run forward before the first epoch and after each
+        # each W* truncated; each of the 2 blocks' refinement (not the head's: nothing outside the blocks is refined):
+        # 8 epochs of the block's forward and backward (0.5 + 1 s) over 5 of the 6 fit batches, the sixth held back
+        # and run forward before the first epoch and after each
         "verification": 2 * 1 * fwd + ((3.5 * 128 / 168 + 2 * 40 / 168) * 6 * fwd + 2 * grams + decomp
-                                                 + 8 * 5 * (fwd + 2.625) + 9 * fwd),
+                                                 + 2 * (8 * 5 * (0.5 + 1.0) + 9 * 0.5)),
         # SVD-LLM's uniform truncation beside each of the 10 plans on the 4 search rows, and the chosen plan's on the
         # 4 verification rows, sliced from tier 1's cuts (nothing decomposed or multiplied again)
         "uniform baseline": 10 * 1 * fwd + 1 * fwd,
@@ -100,7 +101,7 @@ def test_the_measured_stages_and_forwards_recording_gradients_are_used_where_mea
     fwd, gfwd = 1.3125, 0.75 * 2.625
     assert s["gradients"] - plain["gradients"] == pytest.approx(6 * 2 * (gfwd - fwd))
     fit_gap = ((1.25 + 2) - (1.5 + 2)) * 128 / 168 * 6 * fwd  # the stages: 0.25 + 1 of the block, not 0.5 + 1
-    assert s["verification"] - plain["verification"] == pytest.approx(fit_gap + 8 * 5 * (gfwd - fwd))
+    assert s["verification"] - plain["verification"] == pytest.approx(fit_gap + 2 * 8 * 5 * (0.75 - 0.5))
     assert {k: v for k, v in s.items() if k not in ("gradients", "verification")} == {
         k: v for k, v in plain.items() if k not in ("gradients", "verification")}
 
@@ -196,15 +197,54 @@ def test_the_refinement_at_its_most_epochs():
     assert at(4, 4) == 0.0 and at(0, 4) == 0.0
 
 
+def test_the_refinement_counts_the_factored_step_measured_at_the_budgets_ranks():
+    """With a budget the refinement's step is the block's factored training step measured at the ranks the budget
+    leaves (refine.step_seconds), every block's; the share kept is what the budget's parameters leave of the blocks'
+    multiplied weights, 1 without a budget (the dense block counted: the bound)."""
+    me = est.Measurements(**{**MEASURED.__dict__, "refine_step": 0.25})
+    s, plain = est.stage_seconds(SHAPES, WORK, me), est.stage_seconds(SHAPES, WORK, MEASURED)
+    assert plain["verification"] - s["verification"] == pytest.approx(2 * 8 * 5 * (1.5 - 0.25))
+    assert {k: v for k, v in s.items() if k != "verification"} == {
+        k: v for k, v in plain.items() if k != "verification"}
+    assert est.kept_share(SHAPES, 200, 0.2) == pytest.approx(1 - 0.2 * 200 / 128)  # 2 blocks of 64
+    assert est.kept_share(SHAPES, 200, None) == 1.0 and est.kept_share(SHAPES, 200, 0.9) == 0.05
+    assert est.kept_share(est.Shapes(**{**SHAPES.__dict__, "block_layers": ()}), 200, 0.2) == 1.0
+
+
+def test_the_factored_step_is_timed_on_the_block_and_puts_its_modules_back():
+    """refine.step_seconds times a real training step on a Llama block with its Linears factored (the quicker of
+    two), and leaves the block's modules and weights as they were."""
+    transformers = pytest.importorskip("transformers")
+    from auditor.calibration.statistics.refine import step_seconds
+    from auditor.calibration.statistics.stream import hidden_state
+
+    cfg = transformers.LlamaConfig(vocab_size=64, hidden_size=64, intermediate_size=192, num_hidden_layers=1,
+                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32)
+    model = transformers.LlamaForCausalLM(cfg).eval()
+    block = model.model.layers[0]
+    seen = []
+    block.register_forward_pre_hook(lambda m, a, k: seen.append((a, k)), with_kwargs=True)
+    with torch.no_grad():
+        model(torch.randint(0, 64, (2, 8)), use_cache=False)
+    before = {k: v.clone() for k, v in block.state_dict().items()}
+    kinds = [type(m) for m in block.modules()]
+    ticks = iter(range(1000))
+    took = step_seconds(block, seen[0], 0.5, hidden_state, lambda: float(next(ticks)))
+    assert took == 1.0  # each timed step: one tick of the fake clock between its two reads
+    assert [type(m) for m in block.modules()] == kinds
+    assert all(torch.equal(v, block.state_dict()[k]) for k, v in before.items())
+    assert all(p.grad is None for p in block.parameters())
+
+
 def test_the_least_wall_stops_every_refinement_after_its_first_epoch():
     """The wall's floor: every block's refinement stopped after one epoch (5 training batches forward and backward,
     the held-back one forward twice) instead of all 8; said under the table and in the JSON."""
     e = est.predict(SHAPES, WORK, MEASURED)
-    fwd, bwd = 1.3125, 2.625
-    assert e.slack_seconds == pytest.approx((8 * 5 * (fwd + bwd) + 9 * fwd) - (5 * (fwd + bwd) + 2 * fwd))
+    fwd, bwd = 0.5, 1.0  # each of the 2 blocks'
+    assert e.slack_seconds == pytest.approx(2 * ((8 * 5 * (fwd + bwd) + 9 * fwd) - (5 * (fwd + bwd) + 2 * fwd)))
     assert e.as_dict()["least_wall_seconds"] == pytest.approx(e.wall_seconds - e.slack_seconds, abs=1e-3)
     table = est.render_table(e)
-    assert "  at least        10.2 min" in table and "stopped after one epoch" in table
+    assert "  at least        10.1 min" in table and "stopped after one epoch" in table
     assert max(len(line) for line in table.splitlines()) <= 120
     plain = est.predict(est.Shapes(**{**SHAPES.__dict__, "block_layers": ()}), WORK, MEASURED)
     assert plain.slack_seconds == 0 and "at least" not in est.render_table(plain)

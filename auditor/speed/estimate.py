@@ -137,6 +137,8 @@ class Measurements:
     #                           0: unmeasured (gemm_flops)
     stage_layers: tuple[int, ...] = ()  # the weighted modules of each of stage_shares' stages, in call order (a
     #                                     Llama block's 3, 1, 2, 1); (): unmeasured (each layer a stage)
+    refine_step: float = 0.0  # one block's refinement training step, its Linears factored at the ranks the budget
+    #                           leaves (refine.step_seconds); 0: unmeasured (the dense block's, recording, backward)
 
 
 @dataclass(frozen=True)
@@ -358,10 +360,15 @@ def refinement_seconds(wl: Workload, check: float, step: float, epochs: int = EP
 
 
 def _refinement(sh: Shapes, wl: Workload, me: Measurements, epochs: int = EPOCHS) -> float:
+    """The refinement of every repeated block (nothing outside them is refined): each step the block's factored
+    training step where it was measured at the budget's ranks, else the dense block's forward recording for a
+    backward and its backward (the bound: a plan's factors multiply fewer weights); each check the dense block's
+    forward (the bound likewise). (2026-12-07: the whole model's forward and backward were counted, the head too.)"""
     if not (wl.calibrated and sh.block_layers):
         return 0.0
-    step = forward_seconds(sh, me, grad=True) + forward_seconds(sh, me, backward=True)
-    return refinement_seconds(wl, forward_seconds(sh, me), step, epochs)
+    step = me.refine_step if me.refine_step > 0 else (
+        (me.grad_forward if me.grad_forward > 0 else me.block_forward) + me.block_backward)
+    return max(1, sh.blocks) * refinement_seconds(wl, me.block_forward, step, epochs)
 
 
 def refinement_slack(sh: Shapes, wl: Workload, me: Measurements) -> float:
@@ -1009,14 +1016,17 @@ def time_gemm32(clock: Callable[[], float] = time.perf_counter) -> float:
 
 
 def measure(model: nn.Module, batch: Any, sh: Shapes, before: Process, clock: Callable[[], float] = time.perf_counter,
-            linalg: bool = True, compute_dtype: str | None = None, outputs: int = 0) -> Measurements:
+            linalg: bool = True, compute_dtype: str | None = None, outputs: int = 0, keep: float = 1.0
+            ) -> Measurements:
     """The few seconds of measurement the estimate scales: one block forward and backward at the batch's shape,
     one whitened decomposition, one SVD and one float64 product (``linalg=False``: not those three and not the
     backward, for a memory estimate only). ``compute_dtype`` (``float32``): the block runs as the audit will run it,
-    a bf16/fp16 model's weights cast while they run (``--compute-dtype``)."""
+    a bf16/fp16 model's weights cast while they run (``--compute-dtype``). ``keep`` < 1 (a budget): the block
+    refinement's training step too, its Linears factored at the ranks that keep that share of their weights."""
     from ..calibration.data.inputs import eval_mode
     from ..calibration.data.precision import computing_in
-    from ..calibration.statistics.stream import compute_dtype_for
+    from ..calibration.statistics.refine import step_seconds
+    from ..calibration.statistics.stream import compute_dtype_for, hidden_state
 
     start = clock()
     stats_layers = _stats_layers(model)
@@ -1032,6 +1042,8 @@ def measure(model: nn.Module, batch: Any, sh: Shapes, before: Process, clock: Ca
             timed = _time_call(fn, args, kwargs, params, clock, backward=linalg)
             stats = (_time_statistics(model, fn, stats_layers, args, kwargs, batch, clock)
                      if linalg and block is not None else 0.0)
+            step = (step_seconds(fn, (args, kwargs), keep, hidden_state, clock)
+                    if linalg and block is not None and fn is not model and keep < 1 else 0.0)
     except (AuditError, torch.OutOfMemoryError):
         raise
     except Exception as exc:  # noqa: BLE001 - inputs the forward refuses, said in one line as the audit says it
@@ -1048,7 +1060,17 @@ def measure(model: nn.Module, batch: Any, sh: Shapes, before: Process, clock: Ca
     return Measurements(before.base_rss, before.load_seconds, timed.forward, timed.backward, timed.saved,
                         hidden if block is not None else timed.out_bytes, dec, shape, eig, k, flops, clock() - start,
                         logit, flops32, timed.carry, stats, timed.grad_forward, loss, timed.shares, one,
-                        timed.counts)
+                        timed.counts, step)
+
+
+def kept_share(sh: Shapes, params: int, budget: float | None) -> float:
+    """The share of the repeated blocks' multiplied weights a plan at ``budget`` keeps, the parameters it removes
+    (``budget`` of the model's ``params``) all taken from the blocks (the widest layers, where a plan takes them);
+    1 without a budget (the tolerance decides the plan: the estimate counts the dense block, the bound) or without
+    blocks; at least 5%."""
+    if budget is None or not sh.block_layers or sh.blocks * sh.block_flop_params <= 0:
+        return 1.0
+    return max(0.05, 1.0 - budget * params / (sh.blocks * sh.block_flop_params))
 
 
 # ---- the entry points ----------------------------------------------------------------------------------------------
@@ -1115,9 +1137,11 @@ def estimate_loaded(loaded: Any, options: Any, formats: tuple[str, ...], load_se
         batch = _as_batch(loaded.example_inputs) if loaded.example_inputs is not None else None
         rows, tokens, ids = _batch_shape(batch) if batch is not None else (1, 1, False)
         wl = Workload(0, 0, tokens, rows, _outputs(model, sh), ids, formats, torch.get_num_threads(), calibrated=False)
+    calibrated = options.calibration_data.source is not None
+    keep = kept_share(sh, sum(p.numel() for p in model.parameters()), options.tiers.budget if calibrated else None)
     me = measure(timed, batch, sh, Process(_rss() if base_rss is None else base_rss, load_seconds), clock, linalg,
-                 options.statistics.compute_dtype if options.calibration_data.source is not None else None,
-                 wl.outputs if wl.token_inputs and wl.calibrated else 0)
+                 options.statistics.compute_dtype if calibrated else None,
+                 wl.outputs if wl.token_inputs and wl.calibrated else 0, keep)
     est = predict(sh, wl, me, available_memory())
     if built:
         est = replace(est, basis={**est.basis, "measured_on": built})

@@ -217,4 +217,44 @@ def _train(blk: nn.Module, factors: list[_Factors], frozen: dict[str, torch.Tens
     return {r.layer.name: r for r in kept} if kept is not None else {}
 
 
-__all__ = ["CHECK", "EPOCHS", "LR", "Refined", "refine_block"]
+def step_seconds(blk: nn.Module, inputs: tuple[tuple[object, ...], dict[str, object]], keep: float,
+                 hidden: Callable[[object], torch.Tensor], clock: Callable[[], float], repeats: int = 2) -> float:
+    """One training step of the refinement on ``blk`` as :func:`refine_block` runs it, timed: every plain
+    ``nn.Linear`` of the block factored at the rank that keeps ``keep`` of its weights (r = keep m n / (m + n), random
+    factors: the time does not depend on their values), the factored forward recording for the backward, the error
+    against a target of the output's shape, the backward to the factors and Adam's step; the quicker of ``repeats``
+    (the first call warms up). What ``--estimate`` counts for each of the refinement's steps when the budget says how
+    much a plan keeps."""
+    from ...results import Kind
+
+    params = dict(blk.named_parameters())
+    g = torch.Generator().manual_seed(0)
+    factors = []
+    for name, mod in blk.named_modules():
+        if type(mod) is not nn.Linear:
+            continue
+        m, n = mod.weight.shape
+        r = max(1, min(min(m, n), round(keep * m * n / (m + n))))
+        dt = torch.float64 if mod.weight.dtype == torch.float64 else torch.float32
+        ab = [torch.randn(1, *shape, generator=g, dtype=dt) / shape[-1] ** 0.5 for shape in ((m, r), (r, n))]
+        layer = Layer(name, f"{name}.weight", Kind.LINEAR, "Linear", (m, n), m, n)
+        factors.append(_Factors(layer, f"{name}.weight" if name else "weight", *(
+            x.to(mod.weight.device).requires_grad_(True) for x in ab), params[f"{name}.weight" if name else "weight"]))
+    opt = torch.optim.Adam([t for f in factors for t in (f.a, f.b)], lr=1e-6)
+    cut = lambda x: x.detach() if isinstance(x, torch.Tensor) else x  # noqa: E731 - the inputs' own graph left out
+    inputs = (tuple(cut(a) for a in inputs[0]), {k: cut(v) for k, v in inputs[1].items()})
+    took = []
+    with _factored(blk, factors), torch.enable_grad():
+        frozen = {k: p.detach() for k, p in blk.named_parameters()}
+        with torch.no_grad():
+            target = hidden(blk(*inputs[0], **inputs[1])).detach()
+        for _ in range(max(1, repeats)):
+            t0 = clock()
+            opt.zero_grad(set_to_none=True)
+            _block_error(blk, factors, frozen, inputs, target, None, hidden).backward()
+            opt.step()
+            took.append(clock() - t0)
+    return min(took)
+
+
+__all__ = ["CHECK", "EPOCHS", "LR", "Refined", "refine_block", "step_seconds"]
