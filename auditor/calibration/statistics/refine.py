@@ -218,12 +218,12 @@ def _train(blk: nn.Module, factors: list[_Factors], frozen: dict[str, torch.Tens
 
 
 def step_seconds(blk: nn.Module, inputs: tuple[tuple[object, ...], dict[str, object]], keep: float,
-                 hidden: Callable[[object], torch.Tensor], clock: Callable[[], float], repeats: int = 2) -> float:
+                 hidden: Callable[[object], torch.Tensor], clock: Callable[[], float], enough: float = 2.0) -> float:
     """One training step of the refinement on ``blk`` as :func:`refine_block` runs it, timed: every plain
     ``nn.Linear`` of the block factored at the rank that keeps ``keep`` of its weights (r = keep m n / (m + n), random
     factors: the time does not depend on their values), the factored forward recording for the backward, the error
-    against a target of the output's shape, the backward to the factors and Adam's step; the quicker of ``repeats``
-    (the first call warms up). What ``--estimate`` counts for each of the refinement's steps when the budget says how
+    against a target of the output's shape, the backward to the factors and Adam's step; the quicker of two (the
+    first call warms up), once where it took ``enough`` seconds or more (a 7B block's step: about 27 s on 2 cores). What ``--estimate`` counts for each of the refinement's steps when the budget says how
     much a plan keeps."""
     from ...results import Kind
 
@@ -248,7 +248,7 @@ def step_seconds(blk: nn.Module, inputs: tuple[tuple[object, ...], dict[str, obj
         frozen = {k: p.detach() for k, p in blk.named_parameters()}
         with torch.no_grad():
             target = hidden(blk(*inputs[0], **inputs[1])).detach()
-        for _ in range(max(1, repeats)):
+        while len(took) < 2 and (not took or took[0] < enough):
             t0 = clock()
             opt.zero_grad(set_to_none=True)
             _block_error(blk, factors, frozen, inputs, target, None, hidden).backward()
