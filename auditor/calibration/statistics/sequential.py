@@ -593,8 +593,8 @@ def _tail_runs(fitter: _Fitter, blocks: list[nn.Module], kept: list[list[tuple[t
 
 def _blockwise(fitter: _Fitter, stages: list[list[Layer]], fit: list[Batch],
                progress: Callable[[], None]) -> tuple[int, Runs | None]:
-    """The stages fitted block by block (GPTQ-style: each stage runs one block twice per batch, not the whole
-    model), those before the blocks on the whole model. Returns how many stages were fitted, fewer than all when
+    """The stages fitted block by block (GPTQ-style: each stage runs one block per batch with the weights fitted so
+    far, after one dense run of the block per batch for all its stages, not the whole model), those before the blocks on the whole model. Returns how many stages were fitted, fewer than all when
     the model's blocks cannot be run one after another (the rest then go through the whole model) or stages follow
     the blocks; and for those the runs of the model after its blocks (:func:`_tail_runs`), None if there are none."""
     model = fitter.model
