@@ -991,6 +991,18 @@ class Process:
     load_seconds: float = 0.0
 
 
+@dataclass(frozen=True)
+class Asked:
+    """What the audit will run, as :func:`measure` times it: ``compute_dtype`` (``float32``: a bf16/fp16 model's
+    weights cast while they run, ``--compute-dtype``), ``outputs`` (a language model's vocabulary: the gradient pass's
+    labels sampled over it; 0: none) and ``keep`` (< 1 with a budget: the share of the blocks' weights a plan keeps,
+    at which the refinement's factored step is timed)."""
+
+    compute_dtype: str | None = None
+    outputs: int = 0
+    keep: float = 1.0
+
+
 def time_logits(outputs: int, clock: Callable[[], float] = time.perf_counter) -> float:
     """Seconds per logit of one sampled label set in the gradient pass (metrics/chunks.py's ``Scored``: a label drawn
     from each position's softmax, the negative log-likelihood of the draws, its backward), timed on one chunk of
@@ -1016,13 +1028,11 @@ def time_gemm32(clock: Callable[[], float] = time.perf_counter) -> float:
 
 
 def measure(model: nn.Module, batch: Any, sh: Shapes, before: Process, clock: Callable[[], float] = time.perf_counter,
-            linalg: bool = True, compute_dtype: str | None = None, outputs: int = 0, keep: float = 1.0
-            ) -> Measurements:
+            linalg: bool = True, asked: Asked = Asked()) -> Measurements:
     """The few seconds of measurement the estimate scales: one block forward and backward at the batch's shape,
     one whitened decomposition, one SVD and one float64 product (``linalg=False``: not those three and not the
-    backward, for a memory estimate only). ``compute_dtype`` (``float32``): the block runs as the audit will run it,
-    a bf16/fp16 model's weights cast while they run (``--compute-dtype``). ``keep`` < 1 (a budget): the block
-    refinement's training step too, its Linears factored at the ranks that keep that share of their weights."""
+    backward, for a memory estimate only), as ``asked`` (:class:`Asked`): the block in the audit's compute dtype,
+    and with a budget the block refinement's training step, its Linears factored at the ranks the budget leaves."""
     from ..calibration.data.inputs import eval_mode
     from ..calibration.data.precision import computing_in
     from ..calibration.statistics.refine import step_seconds
@@ -1036,14 +1046,14 @@ def measure(model: nn.Module, batch: Any, sh: Shapes, before: Process, clock: Ca
         return Measurements(before.base_rss, before.load_seconds, 0.0, 0.0, 0, 0, dec, shape, eig, k, flops,
                             clock() - start, gemm1_flops=one)
     try:
-        with eval_mode(model), computing_in(model, compute_dtype_for(compute_dtype)):
+        with eval_mode(model), computing_in(model, compute_dtype_for(asked.compute_dtype)):
             fn, args, kwargs = _block_call(model, block[0] if block is not None else None, batch)
             params = {p.data_ptr() for p in model.parameters()}
             timed = _time_call(fn, args, kwargs, params, clock, backward=linalg)
             stats = (_time_statistics(model, fn, stats_layers, args, kwargs, batch, clock)
                      if linalg and block is not None else 0.0)
-            step = (step_seconds(fn, (args, kwargs), keep, hidden_state, clock)
-                    if linalg and block is not None and fn is not model and keep < 1 else 0.0)
+            step = (step_seconds(fn, (args, kwargs), asked.keep, hidden_state, clock)
+                    if linalg and block is not None and fn is not model and asked.keep < 1 else 0.0)
     except (AuditError, torch.OutOfMemoryError):
         raise
     except Exception as exc:  # noqa: BLE001 - inputs the forward refuses, said in one line as the audit says it
@@ -1054,7 +1064,7 @@ def measure(model: nn.Module, batch: Any, sh: Shapes, before: Process, clock: Ca
         p.grad = None
     hidden = next((a.numel() * a.element_size() for a in args if isinstance(a, torch.Tensor)), timed.out_bytes)
     dec, shape, eig, k, flops, one = _time_linalg(sh, clock) if linalg else (0.0, (1, 1), 0.0, 1, 1e12, 0.0)
-    logit = time_logits(outputs, clock) if linalg and outputs > 1 else 0.0
+    logit = time_logits(asked.outputs, clock) if linalg and asked.outputs > 1 else 0.0
     loss = _time_loss_aware(shape, clock) if linalg else 0.0
     flops32 = time_gemm32(clock) if linalg else 0.0
     return Measurements(before.base_rss, before.load_seconds, timed.forward, timed.backward, timed.saved,
@@ -1139,9 +1149,10 @@ def estimate_loaded(loaded: Any, options: Any, formats: tuple[str, ...], load_se
         wl = Workload(0, 0, tokens, rows, _outputs(model, sh), ids, formats, torch.get_num_threads(), calibrated=False)
     calibrated = options.calibration_data.source is not None
     keep = kept_share(sh, sum(p.numel() for p in model.parameters()), options.tiers.budget if calibrated else None)
+    asked = Asked(options.statistics.compute_dtype if calibrated else None,
+                  wl.outputs if wl.token_inputs and wl.calibrated else 0, keep)
     me = measure(timed, batch, sh, Process(_rss() if base_rss is None else base_rss, load_seconds), clock, linalg,
-                 options.statistics.compute_dtype if calibrated else None,
-                 wl.outputs if wl.token_inputs and wl.calibrated else 0, keep)
+                 asked)
     est = predict(sh, wl, me, available_memory())
     if built:
         est = replace(est, basis={**est.basis, "measured_on": built})
