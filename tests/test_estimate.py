@@ -419,6 +419,23 @@ def test_shapes_of_a_model_with_blocks():
     assert sh.flop_params == 4 * 512 + 64 and sh.block_flop_params == 1024
 
 
+def test_a_head_tied_to_the_embedding_is_multiplied_though_counted_once():
+    """A language model whose output head is its input embedding: the table is a lookup (not a layer), but the head
+    multiplies it by every position, so the forward's multiplied parameters count it (and a forward outside the
+    blocks scales by it); untied, the head is a layer of its own."""
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.LlamaConfig(vocab_size=256, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32,
+                                   tie_word_embeddings=True)
+    tied = est.shapes_of(transformers.LlamaForCausalLM(cfg))
+    block = 32 * 32 * 2 + 16 * 32 * 2 + 48 * 32 * 3  # q, o; k, v (2 of 4 heads); gate, up, down
+    assert tied.block_flop_params == block and tied.embedding_params == 256 * 32
+    assert tied.flop_params == 2 * block + 256 * 32 and (256, 32) not in tied.layers
+    cfg.tie_word_embeddings = False
+    untied = est.shapes_of(transformers.LlamaForCausalLM(cfg))
+    assert untied.flop_params == tied.flop_params and untied.layers[-1] == (256, 32)
+
+
 def test_estimate_json_keys_and_no_audit(cli_inproc, small, monkeypatch):
     import auditor.pipeline
 
