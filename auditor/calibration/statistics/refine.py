@@ -220,30 +220,16 @@ def _train(blk: nn.Module, factors: list[_Factors], frozen: dict[str, torch.Tens
 def step_seconds(blk: nn.Module, inputs: tuple[tuple[object, ...], dict[str, object]], keep: float,
                  hidden: Callable[[object], torch.Tensor], clock: Callable[[], float], enough: float = 2.0) -> float:
     """One training step of the refinement on ``blk`` as :func:`refine_block` runs it, timed: every plain
-    ``nn.Linear`` of the block factored at the rank that keeps ``keep`` of its weights (r = keep m n / (m + n), random
-    factors: the time does not depend on their values), the factored forward recording for the backward, the error
-    against a target of the output's shape, the backward to the factors and Adam's step; the quicker of two (the
-    first call warms up), once where it took ``enough`` seconds or more (a 7B block's step: about 27 s on 2 cores). What ``--estimate`` counts for each of the refinement's steps when the budget says how
-    much a plan keeps."""
-    from ...results import Kind
-
-    params = dict(blk.named_parameters())
-    g = torch.Generator().manual_seed(0)
-    factors = []
-    for name, mod in blk.named_modules():
-        if type(mod) is not nn.Linear:
-            continue
-        m, n = mod.weight.shape
-        r = max(1, min(min(m, n), round(keep * m * n / (m + n))))
-        dt = torch.float64 if mod.weight.dtype == torch.float64 else torch.float32
-        ab = [torch.randn(1, *shape, generator=g, dtype=dt) / shape[-1] ** 0.5 for shape in ((m, r), (r, n))]
-        layer = Layer(name, f"{name}.weight", Kind.LINEAR, "Linear", (m, n), m, n)
-        factors.append(_Factors(layer, f"{name}.weight" if name else "weight", *(
-            x.to(mod.weight.device).requires_grad_(True) for x in ab), params[f"{name}.weight" if name else "weight"]))
+    ``nn.Linear`` of the block factored at the rank that keeps ``keep`` of its weights (:func:`_random_factors`), the
+    factored forward recording for the backward, the error against a target of the output's shape, the backward to
+    the factors and Adam's step; the quicker of two (the first call warms up), once where it took ``enough`` seconds
+    or more (a 7B block's step: about 27 s on 2 cores). What ``--estimate`` counts for each of the refinement's steps
+    when the budget says how much a plan keeps."""
+    factors = _random_factors(blk, keep)
     opt = torch.optim.Adam([t for f in factors for t in (f.a, f.b)], lr=1e-6)
     cut = lambda x: x.detach() if isinstance(x, torch.Tensor) else x  # noqa: E731 - the inputs' own graph left out
     inputs = (tuple(cut(a) for a in inputs[0]), {k: cut(v) for k, v in inputs[1].items()})
-    took = []
+    took: list[float] = []
     with _factored(blk, factors), torch.enable_grad():
         frozen = {k: p.detach() for k, p in blk.named_parameters()}
         with torch.no_grad():
@@ -255,6 +241,27 @@ def step_seconds(blk: nn.Module, inputs: tuple[tuple[object, ...], dict[str, obj
             opt.step()
             took.append(clock() - t0)
     return min(took)
+
+
+def _random_factors(blk: nn.Module, keep: float) -> list[_Factors]:
+    """Factors for every plain ``nn.Linear`` of ``blk`` at r = keep m n / (m + n) (what keeps ``keep`` of its
+    weights), random values (a step's time does not depend on them), float32 masters as :func:`_factor` makes."""
+    from ...results import Kind
+
+    params = dict(blk.named_parameters())
+    g = torch.Generator().manual_seed(0)
+    out = []
+    for name, mod in blk.named_modules():
+        if type(mod) is not nn.Linear:
+            continue
+        m, n = mod.weight.shape
+        r = max(1, min(m, n, round(keep * m * n / (m + n))))
+        dt = torch.float64 if mod.weight.dtype == torch.float64 else torch.float32
+        a, b = (torch.randn(1, *shape, generator=g, dtype=dt).div(shape[-1] ** 0.5).to(mod.weight.device)
+                .requires_grad_(True) for shape in ((m, r), (r, n)))
+        weight = f"{name}.weight" if name else "weight"
+        out.append(_Factors(Layer(name, weight, Kind.LINEAR, "Linear", (m, n), m, n), weight, a, b, params[weight]))
+    return out
 
 
 __all__ = ["CHECK", "EPOCHS", "LR", "Refined", "refine_block", "step_seconds"]
