@@ -419,6 +419,27 @@ def test_shapes_of_a_model_with_blocks():
     assert sh.flop_params == 4 * 512 + 64 and sh.block_flop_params == 1024
 
 
+def test_the_gradient_rows_are_those_the_gradient_pass_reads():
+    """The gradient pass reads each fit batch's first rows, the same share of each rounded up, joined into batches
+    (tiers/sensitivity.gradient_rows): the estimate counts the rows and batches that gives, here 15 rows in 4 batches
+    of a 135M shape's 36 fit rows of 512 positions in batches of 5 (GRADIENT_POSITIONS / 512 would be 8 in 2)."""
+    transformers = pytest.importorskip("transformers")
+    from auditor.calibration import load_calibration
+    from auditor.calibration.tiers.sensitivity import gradient_rows
+
+    cfg = transformers.LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                   num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=512)
+    model = transformers.LlamaForCausalLM(cfg).eval()
+    ids = torch.randint(0, 64, (48, 512), generator=torch.Generator().manual_seed(0))
+    cal = load_calibration({"input_ids": ids}, model, holdout=0.25, batch_size=5)
+    picked, _ = gradient_rows(cal)
+    wl = est.Workload(**{**WORK.__dict__, "fit_rows": cal.fit_rows, "tokens": 512, "batch_rows": 5})
+    assert (cal.fit_rows, est.gradient_rows(wl)) == (36, (15, 4))
+    assert est.gradient_rows(wl) == (sum(b.rows for b in picked.fit), len(picked.fit))
+    assert est.gradient_rows(est.Workload(**{**wl.__dict__, "tokens": 64})) == (36, 8)  # 2,304 positions: every row
+    assert est.gradient_rows(est.Workload(**{**wl.__dict__, "token_inputs": False, "tokens": 1})) == (36, 8)
+
+
 def test_a_head_tied_to_the_embedding_is_multiplied_though_counted_once():
     """A language model whose output head is its input embedding: the table is a lookup (not a layer), but the head
     multiplies it by every position, so the forward's multiplied parameters count it (and a forward outside the

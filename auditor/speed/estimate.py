@@ -310,12 +310,36 @@ def _rows(wl: Workload) -> dict[str, int]:
     held = wl.holdout_rows or wl.fit_rows
     search = search_rows(held) if wl.split else held
     verify = held - search if wl.split and held >= 2 else held
-    grad = min(wl.fit_rows, math.ceil(GRADIENT_POSITIONS / max(1, wl.tokens)))
+    grad, grad_batches = gradient_rows(wl)
     head = stage_ends(search)[0]
     plans = SEARCH_PLANS + VERIFY_BACKSTOPS
     full = min(FULL_PLANS, plans)
     tier3 = search + (plans - full) * head + full * search
-    return {"search": search, "verify": verify, "gradient": grad, "tier3": tier3, "plans": plans}
+    return {"search": search, "verify": verify, "gradient": grad, "gradient batches": grad_batches, "tier3": tier3,
+            "plans": plans}
+
+
+def gradient_rows(wl: Workload) -> tuple[int, int]:
+    """(rows, batches) the gradient pass reads, as tiers/sensitivity.gradient_rows picks them from a language model's
+    fit batches: where those hold more than GRADIENT_POSITIONS positions, each batch's first rows, the same share of
+    each rounded up (at least one), then joined into batches of at most ``batch_rows`` rows; every fit row where they
+    hold no more. (2026-12-07: counted as GRADIENT_POSITIONS / tokens rows; the rounding up of each batch's share
+    read 15 rows in 4 batches where 8 in 2 were counted on the 135M shape.) Other inputs: that many rows, batched."""
+    b = max(1, wl.batch_rows)
+    if not wl.token_inputs:
+        rows = min(wl.fit_rows, math.ceil(GRADIENT_POSITIONS / max(1, wl.tokens)))
+        return rows, _batches(rows, b)
+    sizes = [min(b, wl.fit_rows - i) for i in range(0, max(0, wl.fit_rows), b)]
+    if wl.fit_rows * wl.tokens <= GRADIENT_POSITIONS:
+        return wl.fit_rows, len(sizes)
+    share = GRADIENT_POSITIONS / (wl.fit_rows * wl.tokens)
+    parts = [min(n, max(1, math.ceil(share * n))) for n in sizes]
+    batches, held = 0, 0
+    for p in parts:  # sensitivity._joined: a batch closed when the next part would pass batch_rows rows
+        if held and held + p > b:
+            batches, held = batches + 1, 0
+        held += p
+    return sum(parts), batches + (1 if held else 0)
 
 
 def fit_runs(sh: Shapes, shares: tuple[float, ...] = ()) -> float:
@@ -393,7 +417,7 @@ def _sensitivity_seconds(sh: Shapes, wl: Workload, me: Measurements, r: dict[str
     carry = forward_seconds(sh, me, backward=True, carry=True)  # activations' gradients only: the taps
     grad = forward_seconds(sh, me, grad=True)  # recording for the backward
     # the loss-aware truncations on every thread at once, each on one BLAS thread (fisher._layer_costs)
-    out = _batches(r["gradient"], b) * (GRADIENT_PASSES * grad + SAMPLES * carry) + loss_decompositions_seconds(
+    out = r["gradient batches"] * (GRADIENT_PASSES * grad + SAMPLES * carry) + loss_decompositions_seconds(
         sh, me) / _cores(sh, wl)
     if wl.token_inputs:  # a likelihood metric: labels sampled over the vocabulary at every position, SAMPLES times
         out += SAMPLES * r["gradient"] * wl.tokens * wl.outputs * me.logit_seconds
