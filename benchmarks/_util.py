@@ -66,6 +66,16 @@ class PeakSampler:
         return self.peak - self.base
 
 
+def proc_status(key: str) -> int:
+    """A byte count of this process's /proc/self/status (``VmRSS``, ``VmHWM``); 0 where there is none."""
+    from pathlib import Path
+
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(key + ":"):
+            return int(line.split()[1]) * 1024
+    return 0
+
+
 def peak_rss_mb() -> float:
     kb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return kb / 1024 if sys.platform != "darwin" else kb / 1024 / 1024

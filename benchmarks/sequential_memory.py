@@ -24,13 +24,8 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-
-
-def _status(key: str) -> int:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith(key + ":"):
-            return int(line.split()[1]) * 1024
-    return 0
+sys.path.insert(0, str(ROOT / "benchmarks"))
+from _util import proc_status as _status  # noqa: E402
 
 
 def child(depth: int, refine: int, spill: bool) -> None:

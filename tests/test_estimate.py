@@ -140,9 +140,9 @@ def test_the_statistics_count_the_blocks_as_measured_with_their_grams():
     assert {k: v for k, v in s.items() if k != "statistics"} == {k: v for k, v in plain.items() if k != "statistics"}
 
 
-def test_a_llama_blocks_stages_are_watched_as_the_fit_forms_them():
-    """q, k and v read one tensor, gate and up another: four stages, each ending at its last layer's share of the
-    block's multiplied parameters; a module called twice gives none (the fit's runs do not stop then)."""
+def _llama_block() -> tuple[torch.nn.Module, tuple[tuple, dict]]:
+    """A one-block Llama's block (width 64, GQA 4/2, intermediate 192) and the inputs its model's forward gave it
+    (no cache, no graph)."""
     transformers = pytest.importorskip("transformers")
     cfg = transformers.LlamaConfig(vocab_size=64, hidden_size=64, intermediate_size=192, num_hidden_layers=1,
                                    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32)
@@ -150,8 +150,15 @@ def test_a_llama_blocks_stages_are_watched_as_the_fit_forms_them():
     block = model.model.layers[0]
     seen = []
     block.register_forward_pre_hook(lambda m, a, k: seen.append((a, k)), with_kwargs=True)
-    model(torch.randint(0, 64, (2, 8)))
-    args, kwargs = seen[0]
+    with torch.no_grad():
+        model(torch.randint(0, 64, (2, 8)), use_cache=False)
+    return block, seen[0]
+
+
+def test_a_llama_blocks_stages_are_watched_as_the_fit_forms_them():
+    """q, k and v read one tensor, gate and up another: four stages, each ending at its last layer's share of the
+    block's multiplied parameters; a module called twice gives none (the fit's runs do not stop then)."""
+    block, (args, kwargs) = _llama_block()
     with torch.no_grad(), est._StageWatch(block) as watch:
         block(*args, **kwargs)
     q, kv, o, up = 64 * 64, 32 * 64, 64 * 64, 192 * 64
@@ -214,22 +221,14 @@ def test_the_refinement_counts_the_factored_step_measured_at_the_budgets_ranks()
 def test_the_factored_step_is_timed_on_the_block_and_puts_its_modules_back():
     """refine.step_seconds times a real training step on a Llama block with its Linears factored (the quicker of
     two), and leaves the block's modules and weights as they were."""
-    transformers = pytest.importorskip("transformers")
     from auditor.calibration.statistics.refine import step_seconds
     from auditor.calibration.statistics.stream import hidden_state
 
-    cfg = transformers.LlamaConfig(vocab_size=64, hidden_size=64, intermediate_size=192, num_hidden_layers=1,
-                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32)
-    model = transformers.LlamaForCausalLM(cfg).eval()
-    block = model.model.layers[0]
-    seen = []
-    block.register_forward_pre_hook(lambda m, a, k: seen.append((a, k)), with_kwargs=True)
-    with torch.no_grad():
-        model(torch.randint(0, 64, (2, 8)), use_cache=False)
+    block, inputs = _llama_block()
     before = {k: v.clone() for k, v in block.state_dict().items()}
     kinds = [type(m) for m in block.modules()]
     ticks = iter(range(1000))
-    took = step_seconds(block, seen[0], 0.5, hidden_state, lambda: float(next(ticks)))
+    took = step_seconds(block, inputs, 0.5, hidden_state, lambda: float(next(ticks)))
     assert took == 1.0  # each timed step: one tick of the fake clock between its two reads
     assert [type(m) for m in block.modules()] == kinds
     assert all(torch.equal(v, block.state_dict()[k]) for k, v in before.items())

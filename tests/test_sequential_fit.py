@@ -397,6 +397,19 @@ def test_finished_blocks_are_spilled_and_read_back_the_same(monkeypatch) -> None
             assert np.array_equal(x, y)
 
 
+def _count_block_calls(monkeypatch) -> list[int]:
+    """Every _Block forward counted in the list's one entry (the test may reset it)."""
+    calls = [0]
+    real = _Block.forward
+
+    def counted(self, *a, **k):
+        calls[0] += 1
+        return real(self, *a, **k)
+
+    monkeypatch.setattr(_Block, "forward", counted)
+    return calls
+
+
 def test_a_stage_after_the_blocks_runs_the_model_after_them_alone(monkeypatch) -> None:
     """The head's stage reads the last block's outputs (dense and fitted) with every block passing them on, not the
     blocks run again: 3 batches x 2 runs x 3 blocks fewer block forwards but the 3 of the check that the tail is the
@@ -406,14 +419,7 @@ def test_a_stage_after_the_blocks_runs_the_model_after_them_alone(monkeypatch) -
     model = _Stack()
     fit = _batches()
     plan = checked_plan(model, {n: 3 for n in ("blocks.0.q", "blocks.1.up", "blocks.2.down", "head")})
-    calls = [0]
-    real = _Block.forward
-
-    def counted(self, *a, **k):
-        calls[0] += 1
-        return real(self, *a, **k)
-
-    monkeypatch.setattr(_Block, "forward", counted)
+    calls = _count_block_calls(monkeypatch)
     tail = seq.sequential_truncators(model, plan, fit, refine=0)
     with_tail, calls[0] = calls[0], 0
     monkeypatch.setattr(seq, "_tail_runs", lambda *a: None)
@@ -433,14 +439,7 @@ def test_each_block_runs_dense_once_for_all_its_stages(monkeypatch) -> None:
     fit = _batches()
     plan = checked_plan(model, {n: 3 for b in range(3) for n in (f"blocks.{b}.q", f"blocks.{b}.k",
                                                                  f"blocks.{b}.up", f"blocks.{b}.down")})
-    calls = [0]
-    real = _Block.forward
-
-    def counted(self, *a, **k):
-        calls[0] += 1
-        return real(self, *a, **k)
-
-    monkeypatch.setattr(_Block, "forward", counted)
+    calls = _count_block_calls(monkeypatch)
     once = seq.sequential_truncators(model, plan, fit, refine=0)
     with_once, calls[0] = calls[0], 0
     monkeypatch.setattr(seq, "_dense_rows", lambda *a: None)
