@@ -452,6 +452,39 @@ def test_each_block_runs_dense_once_for_all_its_stages(monkeypatch) -> None:
             np.testing.assert_array_equal(x, y)
 
 
+class _Positioned(_Block):
+    """A block that adds a position table's rows (an embedding fed lookup counts, inside the block)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.pos = nn.Embedding(16, 6).double()
+
+    def forward(self, x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+        return super().forward(x + self.pos(torch.arange(x.shape[-2])), scale)
+
+
+def test_a_block_with_a_lookup_table_runs_dense_per_stage(monkeypatch) -> None:
+    """A planned embedding inside a block is fed lookup counts, which both runs of a stage count: the block's stages
+    then run dense each (no dense rows read at once), the factors those of that path bit for bit."""
+    from auditor.calibration.statistics import sequential as seq
+
+    model = _Stack()
+    torch.manual_seed(4)
+    model.blocks = nn.ModuleList(_Positioned() for _ in range(3))
+    fit = _batches()
+    plan = checked_plan(model, {n: 3 for b in range(3) for n in (f"blocks.{b}.pos", f"blocks.{b}.q",
+                                                                 f"blocks.{b}.down")})
+    real, got = seq._dense_rows, []
+    monkeypatch.setattr(seq, "_dense_rows", lambda *a: got.append(real(*a)) or got[-1])
+    mixed = seq.sequential_truncators(model, plan, fit, refine=0)
+    assert got == [None, None, None]
+    monkeypatch.setattr(seq, "_dense_rows", lambda *a: None)
+    per_stage = seq.sequential_truncators(model, plan, fit, refine=0)
+    for name, (_, r) in plan.items():
+        for x, y in zip(mixed[name].factors(r), per_stage[name].factors(r)):
+            np.testing.assert_array_equal(x, y)
+
+
 class _Mean(_Stack):
     """The head reads the mean of every block's output, not the last block's alone."""
 

@@ -380,11 +380,11 @@ def _dense_rows(model: nn.Module, layers: list[Layer], blk: nn.Module,
     rows: list[dict[str, torch.Tensor | None]] = []
     outs: list[torch.Tensor] = []
     with _row_hooks(model, layers, raw=True) as feeds:
+        if any(r.diagonal for r in feeds.feeds.values()):  # the kinds made their feeds as they hooked
+            return None
         for j, (args, kwargs) in enumerate(inputs):
             feeds.current[0] = masks[j]  # type: ignore[assignment]
             outs.append(hidden_state(blk(*args, **kwargs)))
-            if any(r.diagonal for r in feeds.feeds.values()):
-                return None
             rows.append({name: r.take() for name, r in feeds.feeds.items()})
             feeds.seen.clear()
     return rows, outs
