@@ -485,6 +485,33 @@ def test_a_block_with_a_lookup_table_runs_dense_per_stage(monkeypatch) -> None:
             np.testing.assert_array_equal(x, y)
 
 
+def test_padded_bf16_rows_give_the_same_factors_read_once_or_per_stage(monkeypatch) -> None:
+    """A bfloat16 Llama on padded rows (attention_mask zeros at the ends, left out of every sum): the dense rows read
+    once a block, in bfloat16, give the factors the per-stage dense runs give, bit for bit, refinement included."""
+    transformers = pytest.importorskip("transformers")
+    from auditor.calibration import load_calibration
+    from auditor.calibration.statistics import sequential as seq
+    from auditor.structure.layers import ParamTable, collect_layers
+
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32)
+    model = transformers.LlamaForCausalLM(cfg).eval().to(torch.bfloat16)
+    ids = torch.randint(0, 64, (32, 12), generator=torch.Generator().manual_seed(1))
+    mask = torch.ones_like(ids)
+    mask[::3, 8:] = 0  # every third row padded after 8 positions
+    cal = load_calibration({"input_ids": ids, "attention_mask": mask}, model, holdout=0.25, batch_size=4)
+    names = [n for n in collect_layers(model, ParamTable.of(model)) if ".layers." in n]
+    plan = checked_plan(model, {n: 4 for n in names})
+    once = seq.sequential_fit(model, plan, cal, refine=2)
+    monkeypatch.setattr(seq, "_dense_rows", lambda *a: None)
+    per_stage = seq.sequential_fit(model, plan, cal, refine=2)
+    assert once.refined == per_stage.refined
+    for n in plan:
+        for x, y in zip(once.truncators[n].factors(4), per_stage.truncators[n].factors(4)):
+            assert np.array_equal(x, y)
+
+
 class _Mean(_Stack):
     """The head reads the mean of every block's output, not the last block's alone."""
 
