@@ -456,6 +456,27 @@ def test_a_head_tied_to_the_embedding_is_multiplied_though_counted_once():
     assert untied.flop_params == tied.flop_params and untied.layers[-1] == (256, 32)
 
 
+def test_the_statistics_pass_is_timed_only_where_a_blocks_grams_fit_the_memory():
+    """Timing the statistics pass accumulates one block's float64 Grams (a Llama-2-70B block's, with the two copies
+    of the widest, 23 GB: the estimate was killed for memory on a 24 GiB host): where they pass STATS_ROOM of the
+    memory available it is not timed (stats_forward 0: counted from the block's forward and the Grams' products)."""
+    import types
+
+    from auditor.calibration.data.inputs import Batch
+
+    mod = types.ModuleType("estimate_models")
+    exec(MODELS, mod.__dict__)
+    model = mod.net()
+    sh = est.shapes_of(model)
+    grams = 8 * (16 * 16 + 32 * 32) + 2 * 8 * 32 * 32  # up's and down's inputs, and two copies of the wider
+    assert est.stats_timed(sh, None) and est.stats_timed(sh, 2 * grams) and not est.stats_timed(sh, 2 * grams - 1)
+    batch = Batch((torch.randn(4, 16),), {})
+    timed = est.measure(model, batch, sh, est.Process(100), asked=est.Asked(room=2 * grams))
+    skipped = est.measure(model, batch, sh, est.Process(100), asked=est.Asked(room=2 * grams - 1))
+    assert timed.stats_forward > 0 and skipped.stats_forward == 0 and skipped.block_forward > 0
+    assert est.stage_seconds(sh, WORK, skipped)["statistics"] > 0  # counted from the forward and the products
+
+
 def test_estimate_json_keys_and_no_audit(cli_inproc, small, monkeypatch):
     import auditor.pipeline
 

@@ -1039,12 +1039,25 @@ class Process:
 class Asked:
     """What the audit will run, as :func:`measure` times it: ``compute_dtype`` (``float32``: a bf16/fp16 model's
     weights cast while they run, ``--compute-dtype``), ``outputs`` (a language model's vocabulary: the gradient pass's
-    labels sampled over it; 0: none) and ``keep`` (< 1 with a budget: the share of the blocks' weights a plan keeps,
-    at which the refinement's factored step is timed)."""
+    labels sampled over it; 0: none), ``keep`` (< 1 with a budget: the share of the blocks' weights a plan keeps,
+    at which the refinement's factored step is timed) and ``room`` (the memory available, :func:`stats_timed`)."""
 
     compute_dtype: str | None = None
     outputs: int = 0
     keep: float = 1.0
+    room: int | None = None  # bytes of memory available (None: unknown): the statistics' timing runs only where one
+    #                          block's Grams fit in STATS_ROOM of it
+
+
+STATS_ROOM = 0.5  # the share of the memory available one block's Grams may take for the statistics pass to be timed
+#                   (a Llama-2-70B block's are about 23 GB with the two copies of its 28,672-wide one: timing them
+#                   killed the estimate for memory on a 24 GiB host); beyond it the pass is counted from the block's
+#                   forward and the Grams' products (stats_forward 0)
+
+
+def stats_timed(sh: Shapes, room: int | None) -> bool:
+    """Whether the statistics pass's block is timed: its Grams (``_block_grams``) fit in STATS_ROOM of ``room``."""
+    return room is None or _block_grams(sh) <= STATS_ROOM * room
 
 
 def time_logits(outputs: int, clock: Callable[[], float] = time.perf_counter) -> float:
@@ -1095,7 +1108,7 @@ def measure(model: nn.Module, batch: Any, sh: Shapes, before: Process, clock: Ca
             params = {p.data_ptr() for p in model.parameters()}
             timed = _time_call(fn, args, kwargs, params, clock, backward=linalg)
             stats = (_time_statistics(model, fn, stats_layers, args, kwargs, batch, clock)
-                     if linalg and block is not None else 0.0)
+                     if linalg and block is not None and stats_timed(sh, asked.room) else 0.0)
             step = (step_seconds(fn, (args, kwargs), asked.keep, hidden_state, clock)
                     if linalg and block is not None and fn is not model and asked.keep < 1 else 0.0)
     except (AuditError, torch.OutOfMemoryError):
@@ -1194,7 +1207,7 @@ def estimate_loaded(loaded: Any, options: Any, formats: tuple[str, ...], load_se
     calibrated = options.calibration_data.source is not None
     keep = kept_share(sh, sum(p.numel() for p in model.parameters()), options.tiers.budget if calibrated else None)
     asked = Asked(options.statistics.compute_dtype if calibrated else None,
-                  wl.outputs if wl.token_inputs and wl.calibrated else 0, keep)
+                  wl.outputs if wl.token_inputs and wl.calibrated else 0, keep, available_memory())
     me = measure(timed, batch, sh, Process(_rss() if base_rss is None else base_rss, load_seconds), clock, linalg,
                  asked)
     est = predict(sh, wl, me, available_memory())
