@@ -202,13 +202,18 @@ def forward_seconds(sh: Shapes, me: Measurements, backward: bool = False, carry:
     gradients, or with ``grad`` recording for a backward where that was measured; ``backward``: the backward with
     every weight's gradient (the refinement's, whose factors make each planned weight's); with ``carry`` the backward
     to the inputs alone where it was measured (the gradient pass's)."""
-    t = me.grad_forward if grad and me.grad_forward > 0 else me.block_forward
-    if backward:
-        t = me.block_carry if carry and me.block_carry > 0 else me.block_backward
+    t = _block_seconds(me, backward, carry, grad)
     if sh.blocks == 0 or sh.block_flop_params == 0:
         return t
     outside = max(0, sh.flop_params - sh.blocks * sh.block_flop_params)
     return t * (sh.blocks + outside / sh.block_flop_params)
+
+
+def _block_seconds(me: Measurements, backward: bool = False, carry: bool = False, grad: bool = False) -> float:
+    """One repeated block's measured time (the whole model's without blocks), as :func:`forward_seconds` reads it."""
+    if backward:
+        return me.block_carry if carry and me.block_carry > 0 else me.block_backward
+    return me.grad_forward if grad and me.grad_forward > 0 else me.block_forward
 
 
 def _whiten_cost(shape: tuple[int, int]) -> float:
@@ -274,15 +279,18 @@ def staged_seconds(times: list[float], counts: tuple[int, ...], cores: int) -> f
     """Layers truncated a stage at a time, a stage's on ``cores`` threads at once (whiten.on_every_core: each
     layer, in order, to the first thread free), the stages one after another (each reads the inputs the one before
     it fitted): the sum of the stages' spans. Each layer a stage where ``counts`` do not cover ``times``."""
-    if sum(counts) != len(times):
-        counts = (1,) * len(times)
     total, i = 0.0, 0
-    for c in counts:
+    for c in _stage_counts(counts, len(times)):
         free = [0.0] * max(1, min(cores, c))
         for t in times[i:i + c]:
             free[free.index(min(free))] += t
         total, i = total + max(free), i + c
     return total
+
+
+def _stage_counts(counts: tuple[int, ...], layers: int) -> tuple[int, ...]:
+    """The measured stages' sizes where they cover the ``layers`` a block holds; else each layer a stage."""
+    return counts if sum(counts) == layers else (1,) * layers
 
 
 def fit_decompositions_seconds(sh: Shapes, wl: Workload, me: Measurements, loss_aware: bool) -> float:
@@ -391,8 +399,7 @@ def _refinement(sh: Shapes, wl: Workload, me: Measurements, epochs: int = EPOCHS
     forward (the bound likewise). (2026-12-07: the whole model's forward and backward were counted, the head too.)"""
     if not (wl.calibrated and sh.block_layers):
         return 0.0
-    step = me.refine_step if me.refine_step > 0 else (
-        (me.grad_forward if me.grad_forward > 0 else me.block_forward) + me.block_backward)
+    step = me.refine_step if me.refine_step > 0 else _block_seconds(me, grad=True) + _block_seconds(me, backward=True)
     return max(1, sh.blocks) * refinement_seconds(wl, me.block_forward, step, epochs)
 
 
@@ -455,7 +462,7 @@ def stage_seconds(sh: Shapes, wl: Workload, me: Measurements) -> dict[str, float
     # tier 1's decompositions run on every thread at once, each on one BLAS thread (whiten.on_every_core), and are
     # kept (tier1.kept, on disk, cut): the only input-whitened decomposition of each layer the audit makes; each
     # store's cuts are made on those threads as they are put in
-    cuts = factors * me.gemm_flops / (me.gemm1_flops if me.gemm1_flops > 0 else me.gemm_flops)
+    cuts = factors * me.gemm_flops / _one_thread(me)
     out["statistics"] = _batches(wl.fit_rows, b) * fwd + grams + (decomp + cuts) / _cores(sh, wl)
     if me.stats_forward > 0 and sh.block_layers:  # the blocks' forwards and Grams as measured together
         block_grams = sum(2.0 * wl.fit_rows * wl.tokens * n * n for _, n in sh.block_layers) / me.gemm_flops
@@ -529,9 +536,8 @@ def _dense_row_bytes(sh: Shapes, wl: Workload, me: Measurements) -> int:
     layers = sh.block_layers
     if not layers:
         return 0
-    counts = me.stage_layers if sum(me.stage_layers) == len(layers) else (1,) * len(layers)
     widths, i = 0, 0
-    for c in counts:
+    for c in _stage_counts(me.stage_layers, len(layers)):
         widths, i = widths + layers[i][1], i + c
     return int(_batches(wl.fit_rows, wl.batch_rows) * me.hidden_bytes * widths / max(1, layers[0][1]))
 
@@ -707,32 +713,33 @@ def _repeated(model: nn.Module, layers: list[Any] | None = None) -> nn.ModuleLis
 def _weighted(module: nn.Module) -> Iterator[tuple[nn.Module, bool, list[torch.Tensor]]]:
     """Each module of ``module`` with weights of two or more dimensions: whether it is a lookup table (the kinds'
     registry says so: kinds/embedding.py), and those weights (a tensor a module before it holds already left out)."""
-    from ..kinds import for_module
-    from ..results import Kind
-
     seen: set[int] = set()
     for mod in module.modules():
         own = [p for p in mod.parameters(recurse=False) if id(p) not in seen and p.dim() >= 2]
         seen.update(id(p) for p in own)
         if own:
-            kind = for_module(mod)
-            yield mod, kind is not None and kind.kind == Kind.EMBEDDING, own
+            yield mod, _is_table(mod), own
+
+
+def _is_table(mod: nn.Module) -> bool:
+    """Whether the kinds' registry calls ``mod`` a lookup table (kinds/embedding.py)."""
+    from ..kinds import for_module
+    from ..results import Kind
+
+    kind = for_module(mod)
+    return kind is not None and kind.kind == Kind.EMBEDDING
 
 
 def _tied_products(module: nn.Module) -> int:
     """Parameters of weights a module multiplies that a module before it holds (an output head tied to the input
     embedding): counted once among the parameters, as the embedding's, but multiplied by every position (a 135M
     model's 49,152 x 576 head is eight of its blocks' products: its forwards were counted 27% short)."""
-    from ..kinds import for_module
-    from ..results import Kind
-
     seen: set[int] = set()
     out = 0
     for mod in module.modules():
         for p in mod.parameters(recurse=False):
-            if p.dim() >= 2 and id(p) in seen:
-                kind = for_module(mod)
-                out += 0 if kind is not None and kind.kind == Kind.EMBEDDING else p.numel()
+            if p.dim() >= 2 and id(p) in seen and not _is_table(mod):
+                out += p.numel()
             seen.add(id(p))
     return out
 
@@ -1204,13 +1211,13 @@ def estimate_loaded(loaded: Any, options: Any, formats: tuple[str, ...], load_se
         batch = _as_batch(loaded.example_inputs) if loaded.example_inputs is not None else None
         rows, tokens, ids = _batch_shape(batch) if batch is not None else (1, 1, False)
         wl = Workload(0, 0, tokens, rows, _outputs(model, sh), ids, formats, torch.get_num_threads(), calibrated=False)
-    calibrated = options.calibration_data.source is not None
-    keep = kept_share(sh, sum(p.numel() for p in model.parameters()), options.tiers.budget if calibrated else None)
-    asked = Asked(options.statistics.compute_dtype if calibrated else None,
-                  wl.outputs if wl.token_inputs and wl.calibrated else 0, keep, available_memory())
+    room = available_memory()
+    keep = kept_share(sh, sum(p.numel() for p in model.parameters()), options.tiers.budget if wl.calibrated else None)
+    asked = Asked(options.statistics.compute_dtype if wl.calibrated else None,
+                  wl.outputs if wl.token_inputs and wl.calibrated else 0, keep, room)
     me = measure(timed, batch, sh, Process(_rss() if base_rss is None else base_rss, load_seconds), clock, linalg,
                  asked)
-    est = predict(sh, wl, me, available_memory())
+    est = predict(sh, wl, me, room)
     if built:
         est = replace(est, basis={**est.basis, "measured_on": built})
     return est

@@ -29,8 +29,9 @@ returning the last block's kept output, dense or fitted (the blocks are not run 
 are one per batch for all its stages (:func:`_dense_rows`: every stage's dense rows read at once, in the run's dtype,
 with the block's dense output), so only the fitted runs are made per stage. Alive at once: one stage's sums, one
 batch's float64 rows, and with blocks the two kept inputs of each batch and the block's dense rows of every fit
-batch (each taken out once its stage has summed it); the model's weights are put back afterwards. Embeddings (lookup counts) read ids, which no factorized layer changes: they get the independent fit on their counts. A planned layer the calibration
-never reaches gets the plain SVD, as in the independent fit.
+batch (each taken out once its stage has summed it); the model's weights are put back afterwards. Embeddings (lookup
+counts) read ids, which no factorized layer changes: they get the independent fit on their counts. A planned layer
+the calibration never reaches gets the plain SVD, as in the independent fit.
 
 Block by block, once a block's stages are fitted its planned layers' factors are trained together on the block's
 output (:mod:`.refine`, ``refine`` epochs at most; 0: the closed form only), and the refined block's outputs are what
@@ -154,7 +155,7 @@ class _RowFeeds:
     def __init__(self, raw: bool = False) -> None:
         self.raw = raw  # rows kept in the run's dtype (:func:`_dense_rows`), not float64
         self.feeds: dict[str, _Rows] = {}
-        self.seen: dict[tuple[object, ...], tuple[torch.Tensor, torch.Tensor]] = {}  # one run's inputs, as float64
+        self.seen: dict[tuple[object, ...], tuple[torch.Tensor, torch.Tensor]] = {}  # one run's inputs' rows
         self.handles: list[object] = []
         self.current: list[torch.Tensor | None] = [None]
         self.missing_: dict[str, str] = {}
@@ -594,9 +595,10 @@ def _tail_runs(fitter: _Fitter, blocks: list[nn.Module], kept: list[list[tuple[t
 def _blockwise(fitter: _Fitter, stages: list[list[Layer]], fit: list[Batch],
                progress: Callable[[], None]) -> tuple[int, Runs | None]:
     """The stages fitted block by block (GPTQ-style: each stage runs one block per batch with the weights fitted so
-    far, after one dense run of the block per batch for all its stages, not the whole model), those before the blocks on the whole model. Returns how many stages were fitted, fewer than all when
-    the model's blocks cannot be run one after another (the rest then go through the whole model) or stages follow
-    the blocks; and for those the runs of the model after its blocks (:func:`_tail_runs`), None if there are none."""
+    far, after one dense run of the block per batch for all its stages, not the whole model), those before the
+    blocks on the whole model. Returns how many stages were fitted, fewer than all when the model's blocks cannot be
+    run one after another (the rest then go through the whole model) or stages follow the blocks; and for those the
+    runs of the model after its blocks (:func:`_tail_runs`), None if there are none."""
     model = fitter.model
     found = find_blocks(model, list(fitter.layers.values()))
     order = _by_block(stages, found) if found is not None else None

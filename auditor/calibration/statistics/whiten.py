@@ -246,7 +246,8 @@ class Truncator:
         return trunc
 
     @classmethod
-    def from_bases(cls, layer: Layer, weight: torch.Tensor, f: np.ndarray, bases: dict[str, list[np.ndarray]]) -> "Truncator":
+    def from_bases(cls, layer: Layer, weight: torch.Tensor, f: np.ndarray,
+                   bases: dict[str, list[np.ndarray]]) -> "Truncator":
         """A truncator of the map ``f`` (groups, out, in) from its per-group bases: ``{"u": ..., "w": ...}`` (left
         form) or ``{"z": ..., "y": ...}`` (right form), columns in the order they are kept."""
         trunc = cls.__new__(cls)
