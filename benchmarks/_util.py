@@ -76,6 +76,29 @@ def proc_status(key: str) -> int:
     return 0
 
 
+def timed_fit(model: object, plan: dict, cal: object, refine: int) -> dict:
+    """statistics/sequential.py's fit of ``plan`` on ``cal``, timed in this process: its wall, its peak RSS above the
+    RSS before it (the high-water mark reset then, Linux's /proc/self/clear_refs) and a SHA-256 of every planned
+    layer's factors (two runs' factors compared bit for bit through it)."""
+    import hashlib
+    import time
+    from pathlib import Path
+
+    from auditor.calibration.statistics import sequential as seq
+
+    Path("/proc/self/clear_refs").write_text("5")
+    base = proc_status("VmRSS")
+    t0 = time.perf_counter()
+    done = seq.sequential_fit(model, plan, cal, refine=refine)
+    wall = time.perf_counter() - t0
+    peak = proc_status("VmHWM")
+    h = hashlib.sha256()
+    for name in sorted(done.truncators):
+        for a in done.truncators[name].factors(plan[name][1]):
+            h.update(a.tobytes())
+    return {"peak": peak - base, "wall": wall, "digest": h.hexdigest()}
+
+
 def peak_rss_mb() -> float:
     kb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return kb / 1024 if sys.platform != "darwin" else kb / 1024 / 1024

@@ -16,16 +16,14 @@ alike.
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
-from _util import proc_status as _status  # noqa: E402
+from _util import timed_fit  # noqa: E402
 
 
 def child(a: argparse.Namespace, once: bool) -> None:
@@ -51,17 +49,7 @@ def child(a: argparse.Namespace, once: bool) -> None:
     plan = checked_plan(model, ranks)
     if not once:  # as before: each stage runs the dense block again, stopped after its layers
         seq._dense_rows = lambda *args, **kwargs: None  # type: ignore[assignment]
-    Path("/proc/self/clear_refs").write_text("5")
-    base = _status("VmRSS")
-    t0 = time.perf_counter()
-    done = seq.sequential_fit(model, plan, cal, refine=a.refine)
-    wall = time.perf_counter() - t0
-    peak = _status("VmHWM")
-    h = hashlib.sha256()
-    for name in sorted(done.truncators):
-        for x in done.truncators[name].factors(plan[name][1]):
-            h.update(x.tobytes())
-    print(json.dumps({"peak": peak - base, "wall": wall, "digest": h.hexdigest()}))
+    print(json.dumps(timed_fit(model, plan, cal, a.refine)))
 
 
 def main() -> None:

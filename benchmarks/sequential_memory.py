@@ -16,16 +16,14 @@ through a digest, bit for bit).
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
-from _util import proc_status as _status  # noqa: E402
+from _util import timed_fit  # noqa: E402
 
 
 def child(depth: int, refine: int, spill: bool) -> None:
@@ -56,17 +54,7 @@ def child(depth: int, refine: int, spill: bool) -> None:
         seq._Fitter.spill = lambda self, layers: None  # type: ignore[method-assign]
         seq.Truncator.pinned = lambda self, rank: self  # type: ignore[method-assign]
     weights = sum(p.numel() * p.element_size() for p in model.parameters())
-    Path("/proc/self/clear_refs").write_text("5")
-    base = _status("VmRSS")
-    t0 = time.perf_counter()
-    done = seq.sequential_fit(model, plan, cal, refine=refine)
-    wall = time.perf_counter() - t0
-    peak = _status("VmHWM")
-    h = hashlib.sha256()
-    for name in sorted(done.truncators):
-        for a in done.truncators[name].factors(plan[name][1]):
-            h.update(a.tobytes())
-    print(json.dumps({"weights": weights, "peak": peak - base, "wall": wall, "digest": h.hexdigest()}))
+    print(json.dumps({"weights": weights, **timed_fit(model, plan, cal, refine)}))
 
 
 def main() -> None:
