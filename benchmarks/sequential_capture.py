@@ -1,9 +1,12 @@
-"""The sequential fit's dense runs: every stage's dense input rows read in one run of each block per batch (what
-statistics/sequential.py does), against a dense run of the block per stage, stopped after the stage's layers (what
-it did before), side by side in one run.
+"""The sequential fit's runs, side by side in one run. ``--compare dense`` (the default): every stage's dense input
+rows read in one run of each block per batch (what statistics/sequential.py does), against a dense run of the block
+per stage, stopped after the stage's layers (what it did before). ``--compare stop``: each stage's fitted runs end as
+the stage's last layer is reached, its other Linears computing zeros (what it does), against runs that end once the
+stage's layers have all run (what it did before).
 
     PYTHONPATH=. python benchmarks/sequential_capture.py [--hidden 1024 --intermediate 2816 --heads 16 --kv 4]
                                                          [--depth 4] [--rows 48 --tokens 128] [--refine 0]
+                                                         [--compare dense|stop]
 
 A random-init Llama of that shape (vocabulary 8,000; cost only), ``rows`` windows of ``tokens`` random ids (a
 quarter held out, batches of 16), every Linear of its blocks planned at half its break-even rank; the fit on the
@@ -47,9 +50,43 @@ def child(a: argparse.Namespace, once: bool) -> None:
     ranks = {name: max(1, int(l.shape[0] * l.shape[1] / (l.shape[0] + l.shape[1]) / 2))
              for name, l in collect_layers(model, table).items() if ".layers." in name}
     plan = checked_plan(model, ranks)
-    if not once:  # as before: each stage runs the dense block again, stopped after its layers
+    if not once and a.compare == "dense":  # as before: each stage runs the dense block again, stopped after its layers
         seq._dense_rows = lambda *args, **kwargs: None  # type: ignore[assignment]
+    if not once and a.compare == "stop":  # as before: each stage's runs end once its layers have run
+        seq._stop_after = _stop_after_layers
     print(json.dumps(timed_fit(model, plan, cal, a.refine)))
+
+
+def _stop_after_layers(model, stage, stop):  # the runner statistics/sequential.py had before 2026-12-07's change
+    import contextlib
+
+    from auditor import kinds
+    from auditor.calibration.statistics import sequential as seq
+
+    mods = {id(m): m for m in (model.get_submodule(kinds.for_kind(l.kind).module_path(l)[0]) for l in stage)}
+    ran: set[int] = set()
+
+    def after(mod, _a, _o):
+        ran.add(id(mod))
+        if len(ran) == len(mods):
+            raise seq._StageRead
+
+    @contextlib.contextmanager
+    def runner():
+        handles = [m.register_forward_hook(after) for m in mods.values()] if stop else []
+
+        def call(fn):
+            ran.clear()
+            try:
+                fn()
+            except seq._StageRead:
+                pass
+        try:
+            yield call
+        finally:
+            for h in handles:
+                h.remove()
+    return runner()
 
 
 def main() -> None:
@@ -62,6 +99,7 @@ def main() -> None:
     ap.add_argument("--rows", type=int, default=48)
     ap.add_argument("--tokens", type=int, default=128)
     ap.add_argument("--refine", type=int, default=0)
+    ap.add_argument("--compare", choices=("dense", "stop"), default="dense")
     ap.add_argument("--child", type=int, default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child is not None:
@@ -75,8 +113,10 @@ def main() -> None:
     assert new["digest"] == old["digest"], "the factors differ between the two sides"
     print(f"hidden {args.hidden}, depth {args.depth}, {args.rows} x {args.tokens} positions, refine {args.refine}")
     print(f"{'':<34}{'wall':>9}{'peak RSS':>12}")
-    print(f"{'one dense run a block (now)':<34}{new['wall']:>8.1f}s{new['peak'] / 2**20:>8,.0f} MiB")
-    print(f"{'a dense run a stage (before)':<34}{old['wall']:>8.1f}s{old['peak'] / 2**20:>8,.0f} MiB")
+    now, before = (("one dense run a block (now)", "a dense run a stage (before)") if args.compare == "dense" else
+                   ("stage runs end at its last layer", "stage runs end after its layers"))
+    print(f"{now:<34}{new['wall']:>8.1f}s{new['peak'] / 2**20:>8,.0f} MiB")
+    print(f"{before:<34}{old['wall']:>8.1f}s{old['peak'] / 2**20:>8,.0f} MiB")
     print(f"{'now / before':<34}{new['wall'] / old['wall']:>8.2f}x{new['peak'] / max(1, old['peak']):>11.2f}x"
           "  (equal factors checked)")
 

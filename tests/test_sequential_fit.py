@@ -233,10 +233,10 @@ def test_block_by_block_is_the_whole_model_fit(monkeypatch) -> None:
     block = seq.sequential_truncators(model, plan, fit, progress=lambda i, n: seen.append(n), refine=0)
     hook.remove()
     assert seen[-1] == 7 and len(runs) == 5  # q and k of block 0 read one input: one stage; inp and head outside
-    # the head runs for the call order, the blocks' check, the tail's check (batch 0 through the model after the
-    # blocks and through the whole model) and its own stage (3 batches, twice): inp's stage stops each run once inp
-    # has run
-    assert len(heads) == 1 + 1 + 2 + 6
+    # the head runs for the call order, the blocks' check and the tail's check (batch 0 through the model after the
+    # blocks and through the whole model); its own stage's runs (3 batches, twice) stop as it is reached, its rows
+    # read, and inp's stage stops each run before inp runs
+    assert len(heads) == 1 + 1 + 2
     runs.clear()
     monkeypatch.setattr(seq, "find_blocks", lambda *a: None)
     whole = seq.sequential_truncators(model, plan, fit, refine=0)
@@ -450,6 +450,39 @@ def test_each_block_runs_dense_once_for_all_its_stages(monkeypatch) -> None:
     for name, (_, r) in plan.items():
         for x, y in zip(once[name].factors(r), per_stage[name].factors(r)):
             np.testing.assert_array_equal(x, y)
+
+
+def test_a_stage_run_stops_as_its_last_layer_is_reached(monkeypatch) -> None:
+    """Each stage's fitted runs end as the stage's last layer is about to run, its rows read (q and k's stage before
+    k, up's before up, down's before down), and q computes zeros of its shape meanwhile: no row of the stage reads
+    it. The factors are those of runs through the whole block, bit for bit."""
+    from auditor.calibration.statistics import sequential as seq
+
+    model = _Stack()
+    fit = _batches()
+    plan = checked_plan(model, {n: 3 for b in range(3) for n in (f"blocks.{b}.q", f"blocks.{b}.k",
+                                                                 f"blocks.{b}.up", f"blocks.{b}.down")})
+    outs: list[tuple[str, bool]] = []
+    hooks = [getattr(blk, n).register_forward_hook(lambda m, a, o, n=n: outs.append((n, bool((o == 0).all()))))
+             for blk in model.blocks for n in ("q", "k", "up", "down")]
+    stopped = seq.sequential_truncators(model, plan, fit, refine=0)
+    ran_stopped, outs[:] = list(outs), []
+    real = seq._call_order
+    monkeypatch.setattr(seq, "_call_order", lambda *a: (real(*a)[0], False))  # the runs never stop
+    whole = seq.sequential_truncators(model, plan, fit, refine=0)
+    for h in hooks:
+        h.remove()
+    for name, (_, r) in plan.items():
+        for x, y in zip(stopped[name].factors(r), whole[name].factors(r)):
+            np.testing.assert_array_equal(x, y)
+    assert [n for n, zero in outs if zero] == []
+    assert [n for n, zero in ran_stopped if zero] == ["q"] * 3 * 3  # q and k's stage: 3 blocks x 3 batches
+    calls = lambda ran, name: sum(n == name for n, _ in ran)  # noqa: E731
+    # down ran to the end of every stage's runs (3 stages x 3 batches x 3 blocks); now in none; k in up's and
+    # down's, not its own; up in down's alone
+    assert calls(outs, "down") - calls(ran_stopped, "down") == 27
+    assert calls(outs, "k") - calls(ran_stopped, "k") == 9
+    assert calls(outs, "up") - calls(ran_stopped, "up") == 18
 
 
 class _Positioned(_Block):

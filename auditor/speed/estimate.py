@@ -353,14 +353,16 @@ def gradient_rows(wl: Workload) -> tuple[int, int]:
 def fit_runs(sh: Shapes, shares: tuple[float, ...] = ()) -> float:
     """The sequential fit's runs per fit batch, in forwards of the whole model (statistics/sequential.py). A repeated
     block runs dense once, reading every stage's dense rows and its output (the refinement's aim, the next block's
-    input); each of its stages then runs the block with the weights fitted so far, stopping once the stage's layers
-    have run, so costing the block's multiplied parameters up to its last layer: ``shares`` as measured (a Llama
-    block's four stages reach 0.25, 0.33, 0.78 and 1 of it), else each layer a stage (the layers in the order the
-    block registers them: a transformer block's call order; the bound, as layers reading one input are one stage);
-    then the fitted block once more (the next block's input); each layer outside the blocks a stage of two runs of
-    the model outside them (an output head reads the last block's kept outputs, the blocks passing them on; a layer
-    before the blocks stops the run once it has run). Without repeated blocks every stage is two runs of the whole
-    model, stopping likewise. (2026-12-07: each stage ran the dense block too, 2 x shares + 2 runs.)"""
+    input); each of its stages then runs the block with the weights fitted so far, ending as the stage's last layer
+    is reached, so costing the block's multiplied parameters before its first layer: the previous stage's end in
+    ``shares`` as measured (a Llama block's four stages reach 0.25, 0.33, 0.78 and 1 of it, so its stages' runs
+    cost 0, 0.25, 0.33 and 0.78), else each layer a stage (the layers in the order the block registers them: a
+    transformer block's call order; the bound, as layers reading one input are one stage); then the fitted block
+    once more (the next block's input); each layer outside the blocks a stage of two runs of the model outside them
+    (an output head reads the last block's kept outputs, the blocks passing them on; a layer before the blocks ends
+    the run as it is reached). Without repeated blocks every stage is two runs of the whole model, ending likewise.
+    (2026-12-07: each stage ran the dense block too, 2 x shares + 2 runs; then each stage's run went on to its last
+    layer, shares + 2.)"""
     if not shares:
         layers = sh.block_layers or sh.layers
         total = float(sum(m * n for m, n in layers)) or 1.0
@@ -369,7 +371,7 @@ def fit_runs(sh: Shapes, shares: tuple[float, ...] = ()) -> float:
             cum += m * n
             ends.append(cum / total)
         shares = tuple(ends)
-    share = sum(shares)
+    share = sum(shares[:-1])  # each stage's run ends where the stage starts: the previous stage's end
     if not sh.block_layers:
         return 2 * share
     inside = sh.blocks * sh.block_flop_params / max(1, sh.flop_params)  # the blocks' share of a forward
