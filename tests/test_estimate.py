@@ -43,6 +43,8 @@ def test_stage_seconds_exact():
         "calibration data": 3 / 4 * fwd,  # the first batch's first two rows together, its second alone
         # 24 fit rows in batches of 4; every layer's decomposition, kept, cut at full rank (one thread's rate unmeasured)
         "statistics": 6 * fwd + grams + decomp + factors,
+        # the dense model on the 4 search and 4 verification rows, and the search's first stage (its 4 rows) again
+        "references": (4 + 4 + 4) / 4 * fwd,
         # every fit row (4096 positions / 16 > 24); its loss-aware truncations, kept, cut at full rank
         "gradients": 6 * (2 * fwd + 2 * 2.625) + decomp + factors,
         # search half: 4 rows; 10 plans, 3 on every row; each plan's factors sliced from the gradient pass's cuts
@@ -55,9 +57,10 @@ def test_stage_seconds_exact():
         # and run forward before the first epoch and after each
         "verification": 2 * 1 * fwd + ((2.5 * 128 / 168 + 2 * 40 / 168) * 6 * fwd + 2 * grams + decomp
                                                  + 2 * (8 * 5 * (0.5 + 1.0) + 9 * 0.5)),
-        # SVD-LLM's uniform truncation beside each of the 10 plans on the 4 search rows, and the chosen plan's on the
-        # 4 verification rows, sliced from tier 1's cuts (nothing decomposed or multiplied again)
-        "uniform baseline": 10 * 1 * fwd + 1 * fwd,
+        # SVD-LLM's uniform truncation beside each of the 5 frontier plans (of the 10) on the rows each read (every
+        # one of the 4 search rows: the head's 4 too), and the chosen plan's on the 4 verification rows, sliced from
+        # tier 1's cuts (nothing decomposed or multiplied again)
+        "uniform baseline": (5 * 4 + 4) / 4 * fwd,
         "plan check": planned})
     assert s["statistics"] == pytest.approx(154.003)
     # bfloat16 weights: the rounding floor (every layer at full rank, sliced from the gradient pass's cuts, the
@@ -90,6 +93,22 @@ def test_the_sequential_fit_runs_each_stage_to_its_first_layer():
     inside = 32 * cum[-1] / (32 * cum[-1] + head)
     assert est.fit_runs(llama) == pytest.approx((share + 2) * inside + 2 * (1 - inside))  # the head: the tail
     assert est.fit_runs(est.Shapes(0, block)) == pytest.approx(2 * share)
+
+
+def test_layers_reading_one_input_share_one_gram():
+    """A block whose first two layers read one input (measured: stages of 2 and 1 layers) has two Grams a fit pass,
+    not three: the statistics pass and the fit compute one for q, k and v; the layers outside the blocks one each."""
+    block = ((8, 4), (8, 4), (4, 8))
+    sh = est.Shapes(1000, block + block + ((10, 4),), block, 2, 216, 96)
+    me = est.Measurements(**{**MEASURED.__dict__, "stage_layers": (2, 1), "stage_shares": (2 / 3, 1.0)})
+    assert est.gram_flops(sh, 10, me) == 2 * 10 * (2 * (16 + 64) + 16)
+    assert est.gram_flops(sh, 10, me, blocks_only=True) == 2 * 10 * (16 + 64)
+    assert est.gram_flops(sh, 10, MEASURED) == 2 * 10 * (2 * (16 + 16 + 64) + 16)  # unmeasured: one a layer
+    staged, each = est.stage_seconds(sh, WORK, me), est.stage_seconds(
+        sh, WORK, est.Measurements(**{**me.__dict__, "stage_layers": (1, 1, 1)}))
+    saved = 2 * 24 * 16 * 2 * 16 / 1e3  # a Gram of width 4 in each of 2 blocks, over the 24 x 16 fit positions
+    assert each["statistics"] - staged["statistics"] == pytest.approx(saved)
+    assert each["verification"] - staged["verification"] == pytest.approx(2 * saved, rel=1e-3)  # C and G
 
 
 def test_the_measured_stages_and_forwards_recording_gradients_are_used_where_measured():
@@ -243,7 +262,7 @@ def test_the_least_wall_stops_every_refinement_after_its_first_epoch():
     assert e.slack_seconds == pytest.approx(2 * ((8 * 5 * (fwd + bwd) + 9 * fwd) - (5 * (fwd + bwd) + 2 * fwd)))
     assert e.as_dict()["least_wall_seconds"] == pytest.approx(e.wall_seconds - e.slack_seconds, abs=1e-3)
     table = est.render_table(e)
-    assert "  at least        10.0 min" in table and "stopped after one epoch" in table
+    assert "  at least         9.9 min" in table and "stopped after one epoch" in table
     assert max(len(line) for line in table.splitlines()) <= 120
     plain = est.predict(est.Shapes(**{**SHAPES.__dict__, "block_layers": ()}), WORK, MEASURED)
     assert plain.slack_seconds == 0 and "at least" not in est.render_table(plain)

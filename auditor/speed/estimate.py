@@ -36,6 +36,7 @@ from ..calibration.data.inputs import bounded_rows  # rows a batch of a large vo
 from ..calibration.measure.staged import stage_ends  # the first stage's rows: what a plan far from the tolerance reads
 from ..calibration.measure.verify import search_rows  # the held-out rows' search part
 from ..calibration.metrics.chunks import CHUNK_VALUES  # logits read at once where log-probabilities are taken
+from ..calibration.tiers.budget import FRONTIER  # plans around the found one, a uniform baseline beside each
 from ..calibration.tiers.fisher import CARRY_VALUES  # a wide head's output gradient carried back in chunks past it
 from ..calibration.tiers.fisher import SAMPLES  # sampled label sets (or projections) per fit batch, one backward each
 from ..calibration.tiers.passes import VERIFY_BACKSTOPS  # plans the search measures below the one it found
@@ -56,8 +57,8 @@ REPORT_LAYER_SECONDS = {"pdf": 1.2, "html": 1.2}
 DEFAULT_REPORT_SECONDS = 0.3
 CHART_RSS = 200 * 2**20  # the plotting library and its figures, alive while an html or pdf report renders
 REPORT_BYTES = {"pdf": 400_000, "html": 600_000}  # measured on the sample models' reports; else 20 kB + per layer
-STAGES = ("load", "trace", "spectra", "calibration data", "statistics", "gradients", "rounding floor", "tier 3",
-          "verification", "uniform baseline", "rank or bits", "plan check", "reports")
+STAGES = ("load", "trace", "spectra", "calibration data", "statistics", "references", "gradients", "rounding floor",
+          "tier 3", "verification", "uniform baseline", "rank or bits", "plan check", "reports")
 BYTE_PLANS = 15  # rank or bits: three families at up to four sizes (the budget, the rank plan's, uniform int4's and
 #                 int8's) and three uniform baselines, each measured once
 BYTE_DECOMPOSITIONS = 9  # every layer's options (its rank SVD and two corrections'), then the plans that factorize:
@@ -314,7 +315,9 @@ def spectra_seconds(sh: Shapes, me: Measurements) -> float:
 
 def _rows(wl: Workload) -> dict[str, int]:
     """Rows each calibrated stage forwards: the search and verification halves of the held-out rows, the gradient
-    pass's share of the fit rows, tier 3's rows (the dense head once per row read, the plans' stages)."""
+    pass's share of the fit rows, tier 3's rows (the dense head once per row read, the plans' stages), the uniform
+    baseline's (beside each of the ``FRONTIER`` plans on the rows it read: every search row for those near the
+    tolerance, its first stage's for the rest; 2026-12-07: beside every plan of the search, on every search row)."""
     held = wl.holdout_rows or wl.fit_rows
     search = search_rows(held) if wl.split else held
     verify = held - search if wl.split and held >= 2 else held
@@ -323,8 +326,10 @@ def _rows(wl: Workload) -> dict[str, int]:
     plans = SEARCH_PLANS + VERIFY_BACKSTOPS
     full = min(FULL_PLANS, plans)
     tier3 = search + (plans - full) * head + full * search
+    frontier = min(FRONTIER, plans)
+    baseline = min(full, frontier) * search + (frontier - min(full, frontier)) * head
     return {"search": search, "verify": verify, "gradient": grad, "gradient batches": grad_batches, "tier3": tier3,
-            "plans": plans}
+            "plans": plans, "baseline": baseline}
 
 
 def gradient_rows(wl: Workload) -> tuple[int, int]:
@@ -420,7 +425,7 @@ def _sensitivity_seconds(sh: Shapes, wl: Workload, me: Measurements, r: dict[str
     ranks and measured on the search rows. None without a sensitivity."""
     b = wl.batch_rows
     if wl.sensitivity == "probes":
-        return 2 * len(sh.layers) * _batches(r["search"], b) * fwd
+        return 2 * len(sh.layers) * r["search"] / b * fwd
     if wl.sensitivity != "gradients":
         return 0.0
     carry = forward_seconds(sh, me, backward=True, carry=True)  # activations' gradients only: the taps
@@ -454,7 +459,7 @@ def stage_seconds(sh: Shapes, wl: Workload, me: Measurements) -> dict[str, float
     # together and its second alone stand for it (rows shown independent: calibration.data.inputs._probe_rows)
     out["calibration data"] = fwd * (min(1.0, 3.0 / b) if wl.token_inputs and b > 2 else 1.0)
     decomp = decompositions_seconds(sh, me)
-    grams = sum(2.0 * wl.fit_rows * wl.tokens * n * n for _, n in sh.layers) / me.gemm_flops
+    grams = gram_flops(sh, wl.fit_rows * wl.tokens, me) / me.gemm_flops
     # a kept truncator is cut once as it is kept (whiten.Truncator.cut: U^T F, or F Z, at full rank, m n min(m, n)
     # multiply-adds), and every plan measured from a store slices its factors from that (no product); a plan cut
     # from a fresh decomposition (the reviewed plan's check) forms U_r^T F, at most the break-even bound
@@ -467,29 +472,35 @@ def stage_seconds(sh: Shapes, wl: Workload, me: Measurements) -> dict[str, float
     cuts = factors * me.gemm_flops / _one_thread(me)
     out["statistics"] = _batches(wl.fit_rows, b) * fwd + grams + (decomp + cuts) / _cores(sh, wl)
     if me.stats_forward > 0 and sh.block_layers:  # the blocks' forwards and Grams as measured together
-        block_grams = sum(2.0 * wl.fit_rows * wl.tokens * n * n for _, n in sh.block_layers) / me.gemm_flops
+        block_grams = gram_flops(sh, wl.fit_rows * wl.tokens, me, blocks_only=True) / me.gemm_flops
         out["statistics"] += sh.blocks * (_batches(wl.fit_rows, b) * (me.stats_forward - me.block_forward)
                                           - block_grams)
+    # the dense model measured once on every held-out row (the search's per-row sums, the verifier's), and its
+    # first search batch once more (the forward checked to repeat); 2026-12-07: not counted (19 s of the 135M
+    # shape's 8.3 min)
+    held, again = ((r["search"] + r["verify"], stage_ends(r["search"])[0]) if wl.split
+                   else (r["search"], min(b, r["search"])))
+    out["references"] = (held + again) / b * fwd
     out["gradients"] = _sensitivity_seconds(sh, wl, me, r, fwd, bwd, decomp) + (
         cuts / _cores(sh, wl) if wl.sensitivity == "gradients" else 0.0)
     # tier 3 slices its plans from the gradient pass's loss-aware truncations where it ran, else from tier 1's (the
     # rounding floor of a bf16 / fp16 model too: every layer at full rank, its dense reference and one measurement
     # on the search rows): nothing decomposed or multiplied again
     if sh.element_bytes == 2:
-        out["rounding floor"] = 2 * _batches(r["search"], b) * fwd
+        out["rounding floor"] = 2 * r["search"] / b * fwd
     out["tier 3"] = r["tier3"] / b * fwd
     # the chosen plan fitted as factorize writes it (the sequential fit): two runs of a block (or of the model) per
     # stage and fit batch, at most one stage per layer, C and G per layer, each W* truncated, and the block
     # refinement where the model has repeated blocks
     fitted = fit_decompositions_seconds(sh, wl, me, wl.sensitivity == "gradients")  # W* (with its moments)
     fit = fit_runs(sh, me.stage_shares) * _batches(wl.fit_rows, b) * fwd + 2 * grams + fitted + _refinement(sh, wl, me)
-    out["verification"] = 2 * _batches(r["verify"], b) * fwd + fit
-    # SVD-LLM's uniform truncation beside every measured plan (at most the search's plans) on its rows, and the chosen
-    # one's on the verification rows, sliced from tier 1's input-whitened decompositions
-    out["uniform baseline"] = r["plans"] * _batches(r["search"], b) * fwd + _batches(r["verify"], b) * fwd
+    out["verification"] = 2 * r["verify"] / b * fwd + fit
+    # SVD-LLM's uniform truncation beside every frontier plan on the rows that plan read, and the chosen one's on the
+    # verification rows, sliced from tier 1's input-whitened decompositions
+    out["uniform baseline"] = (r["baseline"] + r["verify"]) / b * fwd
     out["plan check"] = planned
     if wl.byte_plan:
-        plans = _batches(r["verify"] if wl.split else r["search"], b) * fwd
+        plans = (r["verify"] if wl.split else r["search"]) / b * fwd
         out["rank or bits"] = BYTE_DECOMPOSITIONS * decomp + BYTE_PLANS * plans
     return out
 
@@ -530,18 +541,38 @@ def _fit_bytes(sh: Shapes, wl: Workload, me: Measurements) -> int:
             + _dense_row_bytes(sh, wl, me))
 
 
+def _stage_widths(sh: Shapes, me: Measurements) -> list[int]:
+    """The input width of each of a repeated block's stages: its first layer's, as a stage's layers read one input
+    (each layer a stage where the stages were not measured)."""
+    out, i = [], 0
+    for c in _stage_counts(me.stage_layers, len(sh.block_layers)):
+        out, i = out + [sh.block_layers[i][1]], i + c
+    return out
+
+
+def gram_flops(sh: Shapes, rows: int, me: Measurements, blocks_only: bool = False) -> float:
+    """Multiply-adds of one X^T X over ``rows`` positions of each input the layers read: a repeated block's one a
+    stage (the statistics pass and the sequential fit compute one Gram for the layers reading one input: q, k and v;
+    gate and up), the layers outside the blocks one each; ``blocks_only``: one block's. (2026-12-07: one a layer was
+    counted, q, k and v three.)"""
+    staged = sum(float(n) * n for n in _stage_widths(sh, me)) if sh.block_layers else 0.0
+    if blocks_only:
+        return 2.0 * rows * staged
+    every = sum(float(n) * n for _, n in sh.layers)
+    if sh.block_layers:
+        every += sh.blocks * (staged - sum(float(n) * n for _, n in sh.block_layers))
+    return 2.0 * rows * max(0.0, every)
+
+
 def _dense_row_bytes(sh: Shapes, wl: Workload, me: Measurements) -> int:
     """The dense rows a repeated block's stages read, every fit batch's at once (statistics/sequential.py:
     _dense_rows): one input a stage, of its first layer's width (each layer one where the stages were not measured),
     in the hidden state's dtype: the hidden state's bytes scaled by those widths over its own (what the block's first
     layer reads)."""
-    layers = sh.block_layers
-    if not layers:
+    if not sh.block_layers:
         return 0
-    widths, i = 0, 0
-    for c in _stage_counts(me.stage_layers, len(layers)):
-        widths, i = widths + layers[i][1], i + c
-    return int(_batches(wl.fit_rows, wl.batch_rows) * me.hidden_bytes * widths / max(1, layers[0][1]))
+    widths = sum(_stage_widths(sh, me))
+    return int(_batches(wl.fit_rows, wl.batch_rows) * me.hidden_bytes * widths / max(1, sh.block_layers[0][1]))
 
 
 def _tap_bytes(values: int) -> int:
@@ -572,6 +603,7 @@ def stage_extra(sh: Shapes, wl: Workload, me: Measurements) -> dict[str, int]:
                         + _tap_bytes(wl.batch_rows * wl.tokens * widest) + 2 * 8 * big[0] * big[1])
     dense = 0 if wl.token_inputs else wl.holdout_rows * wl.tokens * wl.outputs * 4
     plan = dense + wl.compared * logits + chunk + me.block_saved_bytes
+    out["references"] = dense + logits + chunk + me.block_saved_bytes  # the dense model's batch and its log-probs
     block = _mapped_factors(sh)  # apply.measured_copy: one block's factors mapped at a time
     out["tier 3"] = plan + block + _block_grams(sh)
     out["verification"] = out["plan check"] = plan + block + _fit_bytes(sh, wl, me)  # a reviewed plan: a fit too

@@ -249,6 +249,7 @@ def _fill(opts: dict[str, list[Option]], under: tuple[dict[str, int], int, float
 
 
 RESOLUTION = 0.005  # of the model's parameters: the search stops narrowing when its bracket's plans are this close
+FRONTIER = 5  # plans measured around the one found, itself included (_frontier; the uniform baseline beside each)
 GUIDED_STEPS = 2  # bracketing steps aimed by the scaled prediction before falling back to doubling or halving
 FrontierPoint = FrontierPlan  # one plan measured all at once: the report's type (auditor/calresults.py)
 BudgetPlan = BudgetResult  # tier 3's result: the report's type, returned as it is
@@ -263,7 +264,7 @@ class SearchSettings:
     tolerance: float | None = None
     metric: Metric | Callable[..., float] | None = None
     stats: InputStatistics | None = None
-    frontier: int = 5
+    frontier: int = FRONTIER
     max_tries: int = 64
     fixed: dict[str, int] | None = None
     progress: Callable[[int], None] | None = None
