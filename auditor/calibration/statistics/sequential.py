@@ -305,9 +305,12 @@ class _StageRead(Exception):
     """Raised once every layer of a stage has read its input: the rest of the forward is not needed."""
 
 
-def _zeros_out(mod: nn.Linear) -> Callable[[torch.Tensor], torch.Tensor]:
+def _zeros_out(mod: nn.Linear) -> Callable[..., torch.Tensor]:
     """A stand-in forward for a stage's ``nn.Linear`` whose output no row of the stage reads: zeros of its shape."""
-    return lambda x: x.new_zeros((*x.shape[:-1], mod.out_features))
+    def forward(*args: torch.Tensor, **kwargs: torch.Tensor) -> torch.Tensor:
+        x = args[0] if args else kwargs["input"]
+        return x.new_zeros((*x.shape[:-1], mod.out_features))
+    return forward
 
 
 @contextlib.contextmanager
