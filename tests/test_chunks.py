@@ -202,6 +202,24 @@ def test_the_repeat_check_compares_a_chunk_at_a_time(monkeypatch):
     assert metric._repeat_gap(x, y[:2]) == float("inf")
 
 
+def test_equal_runs_are_no_gap_without_a_float64_copy(monkeypatch):
+    """Two runs equal element for element in their own dtype (a deterministic forward's) are a gap of 0 in one pass:
+    no chunk is made float64; runs that differ (or hold a NaN, which equals nothing) are compared in float64."""
+    from auditor.calibration.measure import metric
+
+    made: list[int] = []
+    real = torch.Tensor.double
+    monkeypatch.setattr(torch.Tensor, "double", lambda t: made.append(t.numel()) or real(t))
+    x = torch.randn(4, 6, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
+    assert metric._repeat_gap(x, x.clone()) == 0.0 and made == []
+    y = x.clone()
+    y[3, 5] += 1.0
+    assert metric._repeat_gap(x, y) > 0 and made
+    made.clear()
+    x[0, 0] = float("nan")
+    assert metric._repeat_gap(x, x.clone()) == 0.0 and made  # NaN with NaN: equal, found the slow way
+
+
 def test_the_refusal_of_ids_beyond_the_logits_names_the_tokens_scored():
     """The kinds' ``scored`` words (next-token, masked-token) stay words beside their ``scored_positions`` method:
     ids beyond the logits are refused in one line naming which tokens the metric scores."""

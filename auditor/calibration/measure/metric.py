@@ -209,9 +209,13 @@ REPEAT_CHUNK = 1 << 22  # values compared at once (float64): a large vocabulary'
 
 def _repeat_gap(first: torch.Tensor, again: torch.Tensor) -> float:
     """The largest difference of two runs' outputs relative to the first's largest finite value (NaN where both are
-    NaN, and the same infinity, count as equal; another shape: infinite), compared in float64 a chunk at a time."""
+    NaN, and the same infinity, count as equal; another shape: infinite), compared in float64 a chunk at a time; 0
+    at once where the two are equal element for element in their own dtype, as a deterministic forward's are (one
+    pass, no float64 copy: the 135M shape's 5 x 512 x 49,152 logits took 8 s in float64 chunks)."""
     if first.shape != again.shape:
         return math.inf
+    if first.dtype == again.dtype and torch.equal(first, again):
+        return 0.0
     xs, ys = first.reshape(-1), again.reshape(-1)
     worst = scale = 0.0
     for i in range(0, xs.numel(), REPEAT_CHUNK):
