@@ -166,3 +166,24 @@ def test_measure_rows_reads_exactly_a_plans_stages_whatever_its_interval_says(ro
     assert staged.last_rows == staged.rows_read == rows and staged.full == 0 and staged.evaluations == 1
     assert m.value == pytest.approx(ref.value, rel=1e-9) and m.top1 == pytest.approx(ref.top1, rel=1e-12)
     assert not staged.measure(far).ok and staged.last_rows == 16  # measure decides it on the head alone
+
+
+def test_the_references_evaluator_runs_no_second_repeat_check():
+    """Beside a staged search, which ran the dense repeat check on the first search rows, the references' evaluator
+    on every search row runs the dense model once a row, not batch 0 once more; built alone (``evaluator_of``) it
+    runs the check itself."""
+    from auditor.calibration.references import evaluator_of, references_of
+    from auditor.calibration.session import CalibrationSession
+
+    dense = _net()
+    session = CalibrationSession(dense, Calibration(_batches(16), _batches()), Metric(tolerance=0.01), split=True)
+    calls: list[int] = []
+    dense.register_forward_hook(lambda mod, inp, out: calls.append(inp[0].shape[0]))
+    refs = references_of(session)
+    assert refs.search.repeats_checked
+    before = sum(calls)
+    assert refs.evaluator.rows_read == refs.search_rows
+    assert sum(calls) - before == refs.search_rows  # the dense reference, once a row
+    calls.clear()
+    evaluator_of(session)
+    assert sum(calls) == refs.search_rows + 8  # and batch 0 again: the forward must repeat

@@ -64,10 +64,12 @@ def test_stage_seconds_exact():
         "plan check": planned})
     assert s["statistics"] == pytest.approx(154.003)
     # bfloat16 weights: the rounding floor (every layer at full rank, sliced from the gradient pass's cuts, the
-    # dense reference and one measurement on the 4 search rows)
+    # dense reference and one measurement on the 4 search rows, of the copy factored at full rank: each of the 5
+    # layers 16 multiply-adds more a position, k (m + n) - m n, on the forward's 168)
     bf16 = est.Shapes(**{**SHAPES.__dict__, "element_bytes": 2})
     low = est.stage_seconds(bf16, WORK, MEASURED)
-    assert low["rounding floor"] == pytest.approx(2 * 1 * fwd)
+    assert est.full_rank_ratio(SHAPES) == pytest.approx(1 + 80 / 168)
+    assert low["rounding floor"] == pytest.approx(1 * fwd + 1 * fwd * (1 + 80 / 168))
     assert {k: v for k, v in low.items() if k != "rounding floor"} == s
     # --probe: no loss-aware store; the floor (bf16), the search and the baseline cut from tier 1's decompositions
     probes = est.Workload(**{**WORK.__dict__, "sensitivity": "probes"})

@@ -11,7 +11,8 @@ session, the measurers the tiers, the verification, the uniform baseline and the
   sessions only; None otherwise);
 - ``evaluator``: every search row against the dense reference (the rounding floor, tier 2's floors, the recovery and
   the plan check of an unsplit session read it). Where ``search`` is that evaluator it is measured with the others;
-  beside a staged search it is measured when first read, once (its dense forward is otherwise not paid for).
+  beside a staged search it is measured when first read, once (its dense forward is otherwise not paid for), and
+  without a second repeat check: the staged search ran it on the first search rows.
 
 The result is frozen: no measurement changes which measurers there are, and the session is never written. What
 measuring the dense model found (a forward that does not repeat, too few verification documents) is in
@@ -58,17 +59,19 @@ class References:
         return tuple(dict.fromkeys([*built, *self.notes]))
 
 
-def evaluator_of(session: "CalibrationSession") -> Evaluator:
+def evaluator_of(session: "CalibrationSession", repeats_checked: bool = False) -> Evaluator:
     """An evaluator on the session's search rows (every held-out row when unsplit): the dense reference measured and
-    the forward checked to repeat, in eval mode. The audit's is its references' :attr:`References.evaluator`; a
-    library call without them measures its own."""
+    the forward checked to repeat (unless ``repeats_checked``: the staged search checked it on the first of these
+    rows), in eval mode. The audit's is its references' :attr:`References.evaluator`; a library call without them
+    measures its own."""
     with session.measuring():
-        return Evaluator(session.model, session.search_calibration, session.metric)
+        return Evaluator(session.model, session.search_calibration, session.metric, repeats_checked)
 
 
-def _whole(session: "CalibrationSession") -> Callable[[], Evaluator]:
-    """:func:`evaluator_of` on first call, kept."""
-    return functools.lru_cache(maxsize=1)(functools.partial(evaluator_of, session))
+def _whole(session: "CalibrationSession", repeats_checked: bool = False) -> Callable[[], Evaluator]:
+    """:func:`evaluator_of` on first call, kept (2026-12-07: beside a staged search it ran the repeat check again,
+    one more dense forward of the first batch: about 5 min of a 7B audit)."""
+    return functools.lru_cache(maxsize=1)(functools.partial(evaluator_of, session, repeats_checked))
 
 
 def _verifier(session: "CalibrationSession") -> "tuple[Verifier | None, tuple[str, ...]]":
@@ -107,6 +110,8 @@ def references_of(session: "CalibrationSession") -> References:
     verifier, notes = _verifier(session)
     whole = _whole(session)
     search = search_measurer(session, whole)
+    if getattr(search, "repeats_checked", False):  # a staged search ran the dense repeat check on the first rows
+        whole = _whole(session, repeats_checked=True)
     rows = sum(b.rows for b in session.search_calibration.holdout)
     return References(search, verifier, rows, notes, whole)
 

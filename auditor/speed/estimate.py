@@ -486,8 +486,8 @@ def stage_seconds(sh: Shapes, wl: Workload, me: Measurements) -> dict[str, float
     # tier 3 slices its plans from the gradient pass's loss-aware truncations where it ran, else from tier 1's (the
     # rounding floor of a bf16 / fp16 model too: every layer at full rank, its dense reference and one measurement
     # on the search rows): nothing decomposed or multiplied again
-    if sh.element_bytes == 2:
-        out["rounding floor"] = 2 * r["search"] / b * fwd
+    if sh.element_bytes == 2:  # the dense reference, then the copy at full rank: factored, r (m + n) a layer
+        out["rounding floor"] = r["search"] / b * fwd * (1 + full_rank_ratio(sh))
     out["tier 3"] = r["tier3"] / b * fwd
     # the chosen plan fitted as factorize writes it (the sequential fit): two runs of a block (or of the model) per
     # stage and fit batch, at most one stage per layer, C and G per layer, each W* truncated, and the block
@@ -539,6 +539,13 @@ def _fit_bytes(sh: Shapes, wl: Workload, me: Measurements) -> int:
         held = one + max(0, held - max(1, sh.blocks) * one)
     return (held + 3 * _batches(wl.fit_rows, wl.batch_rows) * me.hidden_bytes + _block_grams(sh)
             + _dense_row_bytes(sh, wl, me))
+
+
+def full_rank_ratio(sh: Shapes) -> float:
+    """A forward of the model with every layer factored at full rank (the rounding floor's copy: k = min(m, n), k (m +
+    n) multiply-adds a position where m n were) over the dense forward's: at least 1 (2 for square layers)."""
+    extra = sum(max(0, (m + n) * min(m, n) - m * n) for m, n in sh.layers)
+    return 1.0 + extra / max(1, sh.flop_params)
 
 
 def _stage_widths(sh: Shapes, me: Measurements) -> list[int]:

@@ -157,11 +157,13 @@ class Evaluator:
     """Scores models on the calibration's held-out batches against the dense model's reference.
 
     On construction the dense model is checked once: its forward must repeat (two runs on the first held-out batch
-    within ``DETERMINISM`` relative: dropout left on, or noise, would make every measured floor meaningless), and the
-    metric's own checks run (a user metric must fall when the model is cut down). What they warn about is in
+    within ``DETERMINISM`` relative: dropout left on, or noise, would make every measured floor meaningless; skipped
+    with ``repeats_checked``, where the caller checked it on the first of these rows), and the metric's own checks
+    run (a user metric must fall when the model is cut down). What they warn about is in
     ``warnings``, for the caller to put on its calibration."""
 
-    def __init__(self, dense: nn.Module, calibration: Calibration, metric: Metric | None = None) -> None:
+    def __init__(self, dense: nn.Module, calibration: Calibration, metric: Metric | None = None,
+                 repeats_checked: bool = False) -> None:
         self.metric = metric or Metric()
         if not calibration.holdout:
             raise AuditError(f"the calibration from {calibration.source} holds nothing out (--holdout 0): the "
@@ -174,7 +176,8 @@ class Evaluator:
         self.scorer: Scorer = self.metric.spec.scorer(self, dense)
         self.reference = self.scorer.reference
         self.warnings = list(self.scorer.warnings)
-        self._check_repeats(dense)
+        if not repeats_checked:  # else the caller ran the check on these rows' dense model already
+            self._check_repeats(dense)
         self.warnings += [w for w in self.scorer.check(dense, calibration.digest) if w not in self.warnings]
 
     def forward(self, model: nn.Module, b: Batch, i: int) -> object:

@@ -99,6 +99,7 @@ class StagedEvaluator:
             raise
         if head:  # dropout left on, or noise: refused before any plan is measured (the output: its first run kept)
             check_repeats(dense, head[0], self.head.rows_scorer.first_output)
+        self.repeats_checked = bool(head)  # on the first search rows: the references' evaluator need not again
         self._later: list[Verifier | None] = [None] * (len(self._parts) - 1)
         self.evaluations = 0
         self.full = 0
