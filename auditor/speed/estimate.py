@@ -489,9 +489,8 @@ def stage_seconds(sh: Shapes, wl: Workload, me: Measurements) -> dict[str, float
     if sh.element_bytes == 2:  # the dense reference, then the copy at full rank: factored, r (m + n) a layer
         out["rounding floor"] = r["search"] / b * fwd * (1 + full_rank_ratio(sh))
     out["tier 3"] = r["tier3"] / b * fwd
-    # the chosen plan fitted as factorize writes it (the sequential fit): two runs of a block (or of the model) per
-    # stage and fit batch, at most one stage per layer, C and G per layer, each W* truncated, and the block
-    # refinement where the model has repeated blocks
+    # the chosen plan fitted as factorize writes it (the sequential fit): its runs per fit batch (fit_runs), C and G
+    # per stage input (gram_flops), each W* truncated, and the block refinement where the model has repeated blocks
     fitted = fit_decompositions_seconds(sh, wl, me, wl.sensitivity == "gradients")  # W* (with its moments)
     fit = fit_runs(sh, me.stage_shares) * _batches(wl.fit_rows, b) * fwd + 2 * grams + fitted + _refinement(sh, wl, me)
     out["verification"] = 2 * r["verify"] / b * fwd + fit
@@ -553,7 +552,8 @@ def _stage_widths(sh: Shapes, me: Measurements) -> list[int]:
     (each layer a stage where the stages were not measured)."""
     out, i = [], 0
     for c in _stage_counts(me.stage_layers, len(sh.block_layers)):
-        out, i = out + [sh.block_layers[i][1]], i + c
+        out.append(sh.block_layers[i][1])
+        i += c
     return out
 
 
