@@ -218,10 +218,14 @@ def test_latency_shape_that_fits_is_timed(cli_inproc, speed_src, tmp_path):
 def test_a_forward_writing_to_descriptor_1_is_timed(cli_inproc, speed_src, tmp_path, one_thread):
     """The whole-model timing's worker answers on its own descriptor: what the forward writes to 1 is not a reply."""
     plan = str(Path(speed_src).parent / "a.toml")
-    res = cli_inproc(f"{speed_src}:loud", "--plan", plan, "--measure-speed", "-q", "--no-spectra", "--format",
-                     "json", "-o", str(tmp_path / "out"))
-    assert res.returncode == 0, res.stderr
-    speed = json.loads((tmp_path / "out" / "lowrank-audit.json").read_text())["speed"]
+    for attempt in range(3):  # a busy machine's repeats more than 25% apart are refused as not repeatable: again
+        out = tmp_path / f"out{attempt}"
+        res = cli_inproc(f"{speed_src}:loud", "--plan", plan, "--measure-speed", "-q", "--no-spectra", "--format",
+                         "json", "-o", str(out))
+        assert res.returncode == 0, res.stderr
+        speed = json.loads((out / "lowrank-audit.json").read_text())["speed"]
+        if not any("not repeatable" in n for n in speed["notes"]):
+            break
     assert speed["model"] is not None and not any("not timed" in n for n in speed["notes"]), speed["notes"]
     m = speed["model"]
     assert m["where"] == "subprocess" and m["dense"]["median_s"] > 0 and m["factorized"]["median_s"] > 0
