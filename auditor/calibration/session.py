@@ -44,6 +44,8 @@ from .statistics.placement import Decompositions
 from .statistics.stats import InputStatistics, by_name, input_statistics
 
 if TYPE_CHECKING:
+    import torch
+
     from .measure.metric import UserMetric
     from .statistics.whiten import Keep, WhitenedSpectrum
     from ..options import AuditOptions, TierOptions
@@ -404,6 +406,25 @@ def _read(session: "CalibrationSession", want: dict[str, Layer], progress: "Prog
     return stats, cached, got
 
 
+def _placement(model: nn.Module, options: "AuditOptions | None") -> Decompositions:
+    """Where the session's decompositions run: the audit's cluster (``--scheduler``), its device, or here."""
+    cluster = options.cluster if options is not None else None
+    return Decompositions(model, *((cluster.scheduler, cluster.path_map) if cluster else ()),
+                          device=_accelerator(options))
+
+
+def _accelerator(options: "AuditOptions | None") -> "torch.device | None":
+    """The device the audit's statistics run on where it is an accelerator (tier 1's decompositions are made there:
+    statistics/ondevice.py); None for the CPU, which keeps NumPy's float64 LAPACK."""
+    spec = options.statistics.device if options is not None else None
+    if spec is None:
+        return None
+    from .statistics.stream import resolve_device
+
+    device = resolve_device(spec)
+    return None if device.type == "cpu" else device
+
+
 class CalibrationSession:
     """The model, its calibration batches, their input statistics and the metric, for one audit.
 
@@ -426,8 +447,7 @@ class CalibrationSession:
         self._held = Held(stats)  # shared with with_metric's sessions
         self.split = split
         self.confidence = confidence
-        cluster = options.cluster if options is not None else None
-        self.decompositions = Decompositions(model, *((cluster.scheduler, cluster.path_map) if cluster else ()))
+        self.decompositions = _placement(model, options)
         if split:  # the held-out rows cut once, as the session opens: its inputs
             from .measure.verify import split_rows
 

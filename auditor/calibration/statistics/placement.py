@@ -1,8 +1,10 @@
-"""Where the whitened decompositions run: here, or on the audit's Dask cluster (``--scheduler``, docs/cluster.md).
+"""Where the whitened decompositions run: here, on the audit's device, or on its Dask cluster (``--scheduler``,
+docs/cluster.md).
 
 A :class:`Decompositions` is what a session's statistics pass (tier 1's spectra, block by block), tier 3, the plan
 check and ``factorize`` ask to make decompositions. Here it is :func:`~auditor.calibration.statistics.whiten.
-whitened_spectra`; on a cluster, one Dask task per distinct layer input
+whitened_spectra` on the host's LAPACK; with an accelerator (``--device cuda``) the same function with each layer
+decomposed there (:mod:`.ondevice`); on a cluster, one Dask task per distinct layer input
 (:class:`~auditor.calibration.statistics.remote.ClusterDecompositions`). ``where`` says which cluster tier 1's ran on,
 once they did (empty: here).
 """
@@ -14,6 +16,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Iterator, MutableMapping, Sequence
 
 if TYPE_CHECKING:
+    import torch
     from torch import nn
 
     from ...results import Layer
@@ -24,12 +27,13 @@ if TYPE_CHECKING:
 @dataclass
 class Decompositions:
     """Where one model's decompositions run (module docstring): ``scheduler`` (an address or a ``distributed.Client``;
-    None: here) with its ``path_map``."""
+    None: here) with its ``path_map``; ``device``: tier 1's made there with torch (None: NumPy on the host)."""
 
     model: "nn.Module"
     scheduler: Any = None
     path_map: Sequence[tuple[str, str]] = ()
     where: str = ""  # the Dask cluster tier 1's decompositions ran on; empty: here
+    device: "torch.device | None" = None  # an accelerator the audit runs on (--device cuda); None: the host's LAPACK
 
     @property
     def on_cluster(self) -> bool:
@@ -50,7 +54,13 @@ class Decompositions:
         if not self.on_cluster:
             from .whiten import whitened_spectra
 
-            yield whitened_spectra
+            if self.device is None:
+                yield whitened_spectra
+                return
+            from .ondevice import on
+
+            decomposer = on(self.device)
+            yield lambda *args, **kwargs: whitened_spectra(*args, decomposer=decomposer, **kwargs)
             return
         with self._cluster() as cluster:  # one block, or one layer outside them, at a time
             def spectra(*args: Any, keep: Any = None, **kwargs: Any) -> "dict[str, WhitenedSpectrum]":

@@ -124,6 +124,11 @@ def decompose(f: np.ndarray, gram: np.ndarray, diagonal: bool = False, damp: flo
     return Basis(u, sigma2, np.clip(q, 0.0, None), total, lam)
 
 
+# what makes one group's decomposition, called as decompose(f, gram, diagonal, damp, need_u): decompose here, or
+# ondevice.on(device)'s on an accelerator (--device cuda)
+Decomposer = Callable[..., Basis]
+
+
 @dataclass
 class WhitenedSpectrum:
     """A layer's whitened spectrum and its layer-output error curve (plain numbers only)."""
@@ -157,18 +162,20 @@ class WhitenedSpectrum:
 
 
 def whitened_bases(layer: Layer, weight: torch.Tensor, inp: LayerInput, damp: float = DAMP,
-                   need_u: bool = True) -> list[Basis]:
+                   need_u: bool = True, decomposer: Decomposer | None = None) -> list[Basis]:
     f = function_matrices(layer, weight)
     grams = [inp.gram] if inp.diagonal else list(inp.gram)
-    return [decompose(f[g], grams[g], inp.diagonal, damp, need_u) for g in range(f.shape[0])]
+    one = decomposer or decompose
+    return [one(f[g], grams[g], inp.diagonal, damp, need_u) for g in range(f.shape[0])]
 
 
 def whitened_spectrum(layer: Layer, weight: torch.Tensor, inp: LayerInput, align: int = 8,
-                      target: float = 0.01, damp: float = DAMP) -> WhitenedSpectrum:
+                      target: float = 0.01, damp: float = DAMP,
+                      decomposer: Decomposer | None = None) -> WhitenedSpectrum:
     """The whitened spectrum of ``layer`` under its input statistics, the error curve, the ranks for 1, 2, 5 and 10%
     layer-output error, and a suggested rank: the one for ``target`` rounded up to a multiple of ``align``, kept only
-    below break-even ("keep dense" otherwise)."""
-    return _spectrum(layer, whitened_bases(layer, weight, inp, damp, need_u=False), inp, align, target)
+    below break-even ("keep dense" otherwise). ``decomposer``: what decomposes (default :func:`decompose`)."""
+    return _spectrum(layer, whitened_bases(layer, weight, inp, damp, False, decomposer), inp, align, target)
 
 
 def _spectrum(layer: Layer, bases: list[Basis], inp: LayerInput, align: int, target: float) -> WhitenedSpectrum:
@@ -561,27 +568,27 @@ class Keep(NamedTuple):
 
 def whitened_spectra(layers: dict[str, Layer] | list[Layer], weights: dict[str, torch.Tensor],
                      stats: "InputStatistics", align: int = 8, target: float = 0.01,
-                     jobs: int | None = None,
                      progress: Callable[[int, int], None] | None = None,
-                     keep: Keep | None = None) -> dict[str, WhitenedSpectrum]:
+                     keep: Keep | None = None, decomposer: Decomposer | None = None) -> dict[str, WhitenedSpectrum]:
     """The whitened spectrum of every layer in ``layers`` that has input statistics, keyed by ``Layer.name`` in
     the layers' order. ``weights``: parameter name -> tensor. The decompositions are many small eigh calls, so
-    they run on ``jobs`` threads (default: the CPU count), each with one BLAS thread: NumPy's LAPACK releases the
-    GIL, and one thread per core beats OpenBLAS threads spinning against each other. ``progress(done, total)`` is
+    they run on a thread per core, each with one BLAS thread: NumPy's LAPACK releases the GIL, and one thread per
+    core beats OpenBLAS threads spinning against each other. ``progress(done, total)`` is
     called (on the calling thread) as each layer's spectrum comes back, in the layers' order. ``keep``: the
     truncators of its layers put into its store as they are made (the same arrays :class:`Truncator` makes: one
-    decomposition per layer for tier 1 and the passes that cut factors)."""
+    decomposition per layer for tier 1 and the passes that cut factors). ``decomposer``: what decomposes each layer
+    (default :func:`decompose` here; :func:`.ondevice.on`'s on a device, one layer at a time)."""
     from .stats import by_name
 
     todo = [(layer, stats.layers[layer.name]) for layer in by_name(layers).values() if layer.name in stats.layers]
 
     def one(t: tuple[Layer, LayerInput]) -> WhitenedSpectrum:
         if keep is None or t[0].name not in keep.names or keep.store.holds(t[0].name):
-            return whitened_spectrum(t[0], weights[t[0].param], t[1], align, target)
-        return _kept_spectrum(t[0], weights[t[0].param], t[1], (align, target), keep.store)
+            return whitened_spectrum(t[0], weights[t[0].param], t[1], align, target, decomposer=decomposer)
+        return _kept_spectrum(t[0], weights[t[0].param], t[1], (align, target), keep.store, decomposer)
 
     done: list[WhitenedSpectrum] = []
-    for spec in on_every_core(one, todo, jobs):
+    for spec in on_every_core(one, todo, 1 if decomposer is not None else None):
         done.append(spec)
         if progress is not None:
             progress(len(done), len(todo))
@@ -606,10 +613,10 @@ def on_every_core(fn: "Callable[[_T], _R]", items: "Sequence[_T]", jobs: int | N
 
 
 def _kept_spectrum(layer: Layer, weight: torch.Tensor, inp: LayerInput, ranked: tuple[int, float],
-                   store: "TruncatorStore") -> WhitenedSpectrum:
+                   store: "TruncatorStore", decomposer: Decomposer | None = None) -> WhitenedSpectrum:
     """:func:`whitened_spectrum` with the decomposition's U kept: the layer's :class:`Truncator` put into ``store``
     (F made again from the weight: a copy, against the decomposition's products)."""
-    bases = whitened_bases(layer, weight, inp, DAMP)
+    bases = whitened_bases(layer, weight, inp, DAMP, decomposer=decomposer)
     store[layer.name] = Truncator.from_parts(layer, weight, [b.u for b in bases])
     return _spectrum(layer, bases, inp, *ranked)
 

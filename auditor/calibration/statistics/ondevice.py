@@ -1,0 +1,133 @@
+"""Whitened decompositions on an accelerator: :func:`~.whiten.decompose`'s numbers, made with torch on a device.
+
+With ``--device cuda`` tier 1's decompositions (the spectra, and the truncators tier 3, the rounding floor and the
+uniform baseline cut their factors from) run where the statistics were read, one layer at a time, instead of on the
+host's LAPACK; the same products in the same order as :func:`~.whiten.decompose`, in float64 by default, so the
+spectra, the error curves and the ranks are the CPU path's to float64 rounding (tests/test_ondevice.py).
+
+Float32 eigenvectors were measured and are not the default (``EIGH``). With every product, the energies q_i, the
+total ||F X^T||^2 and each sigma_i^2 kept in float64, and the float32 eigenvectors made orthonormal in float64 (a
+QR, which keeps each leading set of them spanning the same space) with their sigma_i^2 taken as float64 Rayleigh
+quotients, every number shown is still exact for the basis the truncation uses; but that basis is not the best one
+where the error curve is read. A whitened spectrum spans six decades and more of sigma^2, and float32 resolves an
+eigenvector only to about eps32 sigma_1^2 / gap: the directions at a 0.5% layer-output error (sigma_i^2 about 1e-6
+of sigma_1^2 on the char transformer) come out mixed. On the trained char transformer with its calibration
+(2026-12-07) every layer's ranks for 1, 2, 5 and 10% error and its suggested rank were the same as float64's, but
+the layer-output errors came out up to 4.6e-5 larger where the error is 0.5% or more (0.9% of it; 1.9e-4 anywhere
+on the curve), the digits MLP's and CNN's up to 6e-6 and 2.4e-5: outside what the reports print. An H100's float64
+(67 TFLOPS) makes the decompositions a small part of the audit anyway. ``eigh=torch.float32`` keeps the measured
+route for that comparison.
+
+Alive at once on the device per layer: F, G (in x in, float64) and the products of the CPU path (out x in once, two
+k x k); the bases come back to the host as NumPy float64, as :class:`~.whiten.Basis` holds them.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from .whiten import CHUNK, DAMP, Basis, Decomposer
+
+EIGH = torch.float64  # the eigensolver's precision on a device (the module docstring: float32 measured, not kept)
+
+
+def _eigh(a: torch.Tensor, eigh: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """Eigenvalues and eigenvectors (columns) of the symmetric float64 ``a``, largest first. ``eigh`` float32: the
+    vectors solved in float32, made orthonormal in float64 and ordered by their float64 Rayleigh quotients, which
+    stand for the eigenvalues; a float32 solve that fails or is not finite is made in float64 instead."""
+    v32 = None
+    if eigh != torch.float64:
+        try:
+            v32 = torch.linalg.eigh(a.to(eigh))[1]
+        except RuntimeError:  # torch.linalg.LinAlgError: the float32 solver did not converge
+            v32 = None
+        if v32 is not None and not bool(torch.isfinite(v32).all()):
+            v32 = None
+    if v32 is None:
+        vals, v = torch.linalg.eigh(a)
+        order = torch.argsort(vals, descending=True, stable=True)
+        return vals[order], v[:, order]
+    v, _ = torch.linalg.qr(v32.flip(-1).to(a.dtype))  # largest first; the QR keeps each leading span
+    ritz = ((v.T @ a) * v.T).sum(dim=1)
+    order = torch.argsort(ritz, descending=True, stable=True)
+    return ritz[order], v[:, order]
+
+
+def _short_side(f: torch.Tensor, gram: torch.Tensor, diagonal: bool, lam: float,
+                eigh: torch.dtype) -> tuple[torch.Tensor, ...]:
+    """out <= in: M = F G F^T (undamped) and the eigenvectors of M + lam F F^T, as whiten.decompose forms them."""
+    m, n = f.shape
+    if diagonal:
+        mm = torch.zeros((m, m), dtype=f.dtype, device=f.device)
+        ff = torch.zeros((m, m), dtype=f.dtype, device=f.device)
+        for c in range(0, n, CHUNK):
+            fc = f[:, c:c + CHUNK]
+            mm += (fc * gram[None, c:c + CHUNK]) @ fc.T
+            ff += fc @ fc.T
+    else:
+        mm = (f @ gram) @ f.T
+        ff = f @ f.T
+    mm = (mm + mm.T) / 2
+    sigma2, u = _eigh(mm + lam * ff, eigh)
+    q = ((u.T @ mm) * u.T).sum(dim=1)
+    return u, sigma2, q, torch.trace(mm)
+
+
+def _long_side(f: torch.Tensor, g: torch.Tensor, lam: float, need_u: bool,
+               eigh: torch.dtype) -> tuple[torch.Tensor | None, ...]:
+    """out > in: the eigenvectors V of S^T (F^T F) S and U = F S V / sigma, zero where F S does not reach; float32
+    vectors' U made orthonormal by a QR in V's order (its leading columns span what F S V's leading ones span)."""
+    n = g.shape[0]
+    s = torch.linalg.cholesky(g + lam * torch.eye(n, dtype=g.dtype, device=g.device))
+    a = f.T @ f
+    a = (a + a.T) / 2
+    kk = s.T @ a @ s
+    sigma2, v = _eigh((kk + kk.T) / 2, eigh)
+    sig = sigma2.clamp(min=0).sqrt()
+    keep = sig > sig[0] * 1e-13 if sig.numel() and float(sig[0]) > 0 else torch.zeros_like(sig, dtype=torch.bool)
+    w = torch.zeros((n, n), dtype=g.dtype, device=g.device)
+    w[:, keep] = (s @ v[:, keep]) / sig[keep]
+    t = w.T @ a  # u^T F, k x n
+    u = f @ w if need_u or eigh != torch.float64 else None
+    if eigh != torch.float64:
+        u, _ = torch.linalg.qr(u)
+        u[:, ~keep] = 0  # directions F never reaches carry no energy, as on the CPU
+        t = u.T @ f
+    q = ((t @ g) * t).sum(dim=1)
+    return (u if need_u else None), sigma2, q, (g * a).sum()
+
+
+def decompose_on(f: np.ndarray, gram: np.ndarray, diagonal: bool = False, damp: float = DAMP,
+                 need_u: bool = True, *, device: torch.device, eigh: torch.dtype = EIGH) -> Basis:
+    """:func:`~.whiten.decompose` of one group's F (out x in) under G (in x in, or its diagonal) on ``device``, its
+    eigenvectors solved in ``eigh`` (the module docstring)."""
+    m, n = f.shape
+    ft = torch.from_numpy(np.ascontiguousarray(f)).to(device=device, dtype=torch.float64)
+    gt = torch.from_numpy(np.ascontiguousarray(gram)).to(device=device, dtype=torch.float64)
+    diag = gt if diagonal else torch.diagonal(gt)
+    scale = float(diag.mean()) if diag.numel() else 0.0
+    lam = damp * scale if scale > 0 else damp
+    if diagonal and m > n:  # a tall map over one-hot inputs: the dense route, as on the CPU
+        gt, diagonal = torch.diag(gt), False
+    if m <= n:
+        u, sigma2, q, total = _short_side(ft, gt, diagonal, lam, eigh)
+        u = u if need_u else None
+    else:
+        u, sigma2, q, total = _long_side(ft, gt, lam, need_u, eigh)
+    host = (lambda t: t.detach().cpu().numpy())  # noqa: E731
+    return Basis(host(u) if u is not None else None, np.clip(host(sigma2), 0.0, None), np.clip(host(q), 0.0, None),
+                 float(total), lam)
+
+
+def on(device: torch.device, eigh: torch.dtype = EIGH) -> Decomposer:
+    """:func:`decompose_on` on ``device``, called as :func:`~.whiten.decompose` is (what
+    :func:`~.whiten.whitened_spectra` takes as its ``decomposer``)."""
+    def decompose(f: np.ndarray, gram: np.ndarray, diagonal: bool = False, damp: float = DAMP,
+                  need_u: bool = True) -> Basis:
+        return decompose_on(f, gram, diagonal, damp, need_u, device=device, eigh=eigh)
+
+    return decompose
+
+
+__all__ = ["EIGH", "decompose_on", "on"]
