@@ -76,10 +76,11 @@ def proc_status(key: str) -> int:
     return 0
 
 
-def timed_fit(model: object, plan: dict, cal: object, refine: int) -> dict:
+def timed_fit(model: object, plan: dict, cal: object, refine: int, products: str | None = None) -> dict:
     """statistics/sequential.py's fit of ``plan`` on ``cal``, timed in this process: its wall, its peak RSS above the
     RSS before it (the high-water mark reset then, Linux's /proc/self/clear_refs) and a SHA-256 of every planned
-    layer's factors (two runs' factors compared bit for bit through it)."""
+    layer's factors (two runs' factors compared bit for bit through it); ``products``: each layer's A B written
+    there too (an ``.npz``; two runs equal to rounding compared through them)."""
     import hashlib
     import time
     from pathlib import Path
@@ -96,6 +97,11 @@ def timed_fit(model: object, plan: dict, cal: object, refine: int) -> dict:
     for name in sorted(done.truncators):
         for a in done.truncators[name].factors(plan[name][1]):
             h.update(a.tobytes())
+    if products is not None:
+        import numpy as np
+
+        np.savez(products, **{name: np.matmul(*done.truncators[name].factors(plan[name][1])).astype(np.float32)
+                              for name in done.truncators})
     return {"peak": peak - base, "wall": wall, "digest": h.hexdigest()}
 
 

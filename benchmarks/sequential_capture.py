@@ -2,11 +2,15 @@
 rows read in one run of each block per batch (what statistics/sequential.py does), against a dense run of the block
 per stage, stopped after the stage's layers (what it did before). ``--compare stop``: each stage's fitted runs end as
 the stage's last layer is reached, its other Linears computing zeros (what it does), against runs that end once the
-stage's layers have all run (what it did before).
+stage's layers have all run (what it did before). ``--compare memory``: a stage's C and G summed in place, one pair
+for the layers reading one input, and W* solved by a Cholesky factor made in place (what it does), against a new sum
+per layer each batch with both products alive and an LU solve of (G + G^T) / 2 + mu I formed through an identity
+(what it did before); a wide ``--intermediate`` shows it (8192: each of the down projection's n x n arrays is
+512 MiB). Its two sides' factors are equal to rounding, not bit for bit: each layer's A B is compared.
 
     PYTHONPATH=. python benchmarks/sequential_capture.py [--hidden 1024 --intermediate 2816 --heads 16 --kv 4]
                                                          [--depth 4] [--rows 48 --tokens 128] [--refine 0]
-                                                         [--compare dense|stop]
+                                                         [--compare dense|stop|memory]
 
 A random-init Llama of that shape (vocabulary 8,000; cost only), ``rows`` windows of ``tokens`` random ids (a
 quarter held out, batches of 16), every Linear of its blocks planned at half its break-even rank; the fit on the
@@ -20,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -54,7 +59,40 @@ def child(a: argparse.Namespace, once: bool) -> None:
         seq._dense_rows = lambda *args, **kwargs: None  # type: ignore[assignment]
     if not once and a.compare == "stop":  # as before: each stage's runs end once its layers have run
         seq._stop_after = _stop_after_layers
-    print(json.dumps(timed_fit(model, plan, cal, a.refine)))
+    if not once and a.compare == "memory":  # as before: a new sum per layer each batch, LU through an identity
+        seq._Sums.add = _add_per_layer
+        seq.fitted_map = _fitted_map_lu
+    products = f"/tmp/sequential_capture_{os.getpid()}.npz" if a.compare == "memory" else None
+    print(json.dumps({**timed_fit(model, plan, cal, a.refine, products), "products": products}))
+
+
+def _fitted_map_lu(f, cross, gram, ridge):  # statistics/sequential.py's fitted_map before 2026-12-07's change
+    import numpy as np
+
+    n = gram.shape[0]
+    scale = float(np.mean(np.diagonal(gram))) if n else 0.0
+    lam = ridge * scale if scale > 0 else ridge
+    eye = np.eye(n)
+    g = (gram + gram.T) / 2 + lam * eye
+    rhs = (cross.T + lam * eye) @ f.T
+    return np.linalg.solve(g, rhs).T, lam
+
+
+def _add_per_layer(self, pairs):  # statistics/sequential.py's _Sums.add before 2026-12-07's change
+    from auditor.calibration.statistics import sequential as seq
+
+    done = {}
+
+    def product(a, b):
+        if (id(a), id(b)) not in done:
+            done[(id(a), id(b))] = seq._product(a, b)
+        return done[(id(a), id(b))]
+
+    for name, (x, xh) in pairs.items():
+        c, g = product(x, xh), product(xh, xh)
+        self.cross[name] = self.cross[name] + c if name in self.cross else c
+        self.gram[name] = self.gram[name] + g if name in self.gram else g
+        self.rows[name] = self.rows.get(name, 0) + x.shape[0]
 
 
 def _stop_after_layers(model, stage, stop):  # the runner statistics/sequential.py had before 2026-12-07's change
@@ -99,7 +137,7 @@ def main() -> None:
     ap.add_argument("--rows", type=int, default=48)
     ap.add_argument("--tokens", type=int, default=128)
     ap.add_argument("--refine", type=int, default=0)
-    ap.add_argument("--compare", choices=("dense", "stop"), default="dense")
+    ap.add_argument("--compare", choices=("dense", "stop", "memory"), default="dense")
     ap.add_argument("--child", type=int, default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child is not None:
@@ -110,15 +148,25 @@ def main() -> None:
         out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout.strip().splitlines()[-1]
         got.append(json.loads(out))
     new, old = got
-    assert new["digest"] == old["digest"], "the factors differ between the two sides"
+    if args.compare == "memory":
+        import numpy as np
+
+        a, b = np.load(new["products"]), np.load(old["products"])
+        worst = max(float(np.abs(a[k] - b[k]).max() / np.abs(b[k]).max()) for k in b.files)
+        assert set(a.files) == set(b.files) and worst < 1e-4, f"the factors differ beyond rounding: {worst:.2g}"
+        print(f"each layer's A B equal to {worst:.1g} of its largest entry")
+        os.remove(new["products"]), os.remove(old["products"])
+    else:
+        assert new["digest"] == old["digest"], "the factors differ between the two sides"
     print(f"hidden {args.hidden}, depth {args.depth}, {args.rows} x {args.tokens} positions, refine {args.refine}")
     print(f"{'':<34}{'wall':>9}{'peak RSS':>12}")
-    now, before = (("one dense run a block (now)", "a dense run a stage (before)") if args.compare == "dense" else
-                   ("stage runs end at its last layer", "stage runs end after its layers"))
+    now, before = {"dense": ("one dense run a block (now)", "a dense run a stage (before)"),
+                   "stop": ("stage runs end at its last layer", "stage runs end after its layers"),
+                   "memory": ("sums and solve in place", "a sum a layer, LU via an identity")}[args.compare]
     print(f"{now:<34}{new['wall']:>8.1f}s{new['peak'] / 2**20:>8,.0f} MiB")
     print(f"{before:<34}{old['wall']:>8.1f}s{old['peak'] / 2**20:>8,.0f} MiB")
     print(f"{'now / before':<34}{new['wall'] / old['wall']:>8.2f}x{new['peak'] / max(1, old['peak']):>11.2f}x"
-          "  (equal factors checked)")
+          + ("" if args.compare == "memory" else "  (equal factors checked)"))
 
 
 if __name__ == "__main__":

@@ -106,6 +106,10 @@ def test_layers_reading_one_input_share_one_gram():
     assert est.gram_flops(sh, 10, me) == 2 * 10 * (2 * (16 + 64) + 16)
     assert est.gram_flops(sh, 10, me, blocks_only=True) == 2 * 10 * (16 + 64)
     assert est.gram_flops(sh, 10, MEASURED) == 2 * 10 * (2 * (16 + 16 + 64) + 16)  # unmeasured: one a layer
+    # held likewise: a block's Grams one an input (and two copies of the largest), the fit's sums one stage's
+    assert est._block_grams(sh, me) == 8 * (16 + 64) + 2 * 8 * 64
+    assert est._block_grams(sh, MEASURED) == est._block_grams(sh) == 8 * (16 + 16 + 64) + 2 * 8 * 64
+    assert est._fit_sums(sh) == 3 * 8 * 64  # C, G and the product being added, at the widest input
     staged, each = est.stage_seconds(sh, WORK, me), est.stage_seconds(
         sh, WORK, est.Measurements(**{**me.__dict__, "stage_layers": (1, 1, 1)}))
     saved = 2 * 24 * 16 * 2 * 16 / 1e3  # a Gram of width 4 in each of 2 blocks, over the 24 x 16 fit positions
@@ -318,15 +322,16 @@ def test_peak_disk_and_device_exact():
     # tier 3, the verification and the plan check: one block's factors at a time (192 bytes) and the head's, outside
     # the blocks (112), not every layer's (496); the last two fit the plan as factorize does: one block's fitted
     # weights (float32) and truncators (float64) and the head's (the finished blocks' on disk), three kept hidden
-    # states per fit batch, one block's Grams, and the dense rows its stages read on every fit batch (each layer a
-    # stage, unmeasured: inputs 4 and 8 wide, the hidden state's 256 bytes 4 wide)
-    fit = (4 * (32 + 32) + 8 * ((8 * 4 + 16) + (4 * 4 + 64))) + (4 * 40 + 8 * (10 * 4 + 16)) + 3 * 6 * 256 + 1664 \
-        + 6 * 256 * (4 + 8) // 4
+    # states per fit batch, one stage's C and G and the product being added at the widest input (8), and the dense
+    # rows its stages read on every fit batch (each layer a stage, unmeasured: inputs 4 and 8 wide, the hidden
+    # state's 256 bytes 4 wide)
+    fit = (4 * (32 + 32) + 8 * ((8 * 4 + 16) + (4 * 4 + 64))) + (4 * 40 + 8 * (10 * 4 + 16)) + 3 * 6 * 256 \
+        + 3 * 8 * 64 + 6 * 256 * (4 + 8) // 4
     plan = 2560 + 3 * 2560  # the output's logits, three copies of one chunk of them
     assert (by["tier 3"], by["verification"], by["plan check"]) == (1100 + plan + 1000 + 304 + 1664,
                                                                      1100 + plan + 1000 + 304 + fit,
                                                                      1100 + plan + 1000 + 304 + fit)
-    assert e.peak_rss_bytes == by["verification"] == 25412
+    assert e.peak_rss_bytes == by["verification"] == 25284
     # measured stages: q, k, v one stage reading one input (here: both layers, one 4-wide input)
     one = est.predict(SHAPES, WORK, est.Measurements(**{**MEASURED.__dict__, "stage_shares": (1.0,),
                                                         "stage_layers": (2,)}))
@@ -347,14 +352,14 @@ def test_uncalibrated_has_no_calibration_stages():
 
 def test_short_of_memory_line_and_fix():
     e = est.predict(SHAPES, WORK, MEASURED)
-    assert est.short_of_memory(e, 25412) is None and est.short_of_memory(e, None) is None
-    line = est.short_of_memory(e, 25411)
+    assert est.short_of_memory(e, 25284) is None and est.short_of_memory(e, None) is None
+    line = est.short_of_memory(e, 25283)
     assert "verification" in line and "available" in line
     # weights mapped from the checkpoint are paged from disk: the check counts what must be held
     mapped = est.predict(est.Shapes(**{**SHAPES.__dict__, "mapped_bytes": 600}), WORK, MEASURED)
     assert mapped.peak_rss_bytes == e.peak_rss_bytes and mapped.needed_bytes == e.peak_rss_bytes - 600
-    assert est.short_of_memory(mapped, 25412 - 600) is None
-    assert est.short_of_memory(mapped, 25411 - 600).startswith(
+    assert est.short_of_memory(mapped, 25284 - 600) is None
+    assert est.short_of_memory(mapped, 25283 - 600).startswith(
         "the audit is estimated to peak at 0 MiB of host memory (in its verification stage: the sequential fit's "
         "float64 Grams and whitenings n x n, the largest 8 x 8, the 0 MiB of weights mapped from the checkpoint not "
         "counted)")

@@ -599,3 +599,70 @@ def test_a_head_that_reads_more_than_the_last_hidden_state_runs_the_whole_model(
     whole = seq.sequential_truncators(model, plan, _batches(), refine=0)
     for name, (_, r) in plan.items():
         np.testing.assert_array_equal(got[name].weight(r).numpy(), whole[name].weight(r).numpy())
+
+
+def test_layers_reading_one_input_share_one_sum_added_in_place() -> None:
+    from auditor.calibration.statistics.sequential import _Sums
+
+    g = torch.Generator().manual_seed(3)
+    batches = [(torch.randn(20, 1, 6, generator=g, dtype=torch.float64),
+                torch.randn(20, 1, 6, generator=g, dtype=torch.float64)) for _ in range(3)]
+    want_c = sum((x[:, 0].T @ xh[:, 0]).numpy() for x, xh in batches)
+    want_g = sum((xh[:, 0].T @ xh[:, 0]).numpy() for _, xh in batches)
+    sums = _Sums()
+    for x, xh in batches:  # q, k and v read one pair of tensors each batch
+        sums.add({"q": (x, xh), "k": (x, xh), "v": (x, xh)})
+    assert sums.cross["q"] is sums.cross["k"] is sums.cross["v"]  # one C and one G between them
+    assert sums.gram["q"] is sums.gram["v"] and sums.gram["q"] is not sums.cross["q"]
+    np.testing.assert_array_equal(sums.cross["k"][0], want_c)  # added once a batch, the same sums bit for bit
+    np.testing.assert_array_equal(sums.gram["k"][0], want_g)
+    assert sums.rows == {"q": 60, "k": 60, "v": 60}
+    # a layer that stops sharing its input gets a sum of its own; the others keep theirs
+    split = _Sums()
+    (x0, xh0), (x1, xh1) = batches[:2]
+    split.add({"q": (x0, xh0), "k": (x0, xh0)})
+    split.add({"q": (x1, xh1), "k": (x1, xh0)})
+    np.testing.assert_array_equal(split.cross["q"][0], (x0[:, 0].T @ xh0[:, 0] + x1[:, 0].T @ xh1[:, 0]).numpy())
+    np.testing.assert_array_equal(split.cross["k"][0], (x0[:, 0].T @ xh0[:, 0] + x1[:, 0].T @ xh0[:, 0]).numpy())
+    np.testing.assert_array_equal(split.gram["k"][0], (xh0[:, 0].T @ xh0[:, 0] * 2).numpy())
+    same = _Sums()  # the dense and the fitted rows one tensor: C and G still two sums
+    for x, _ in batches:
+        same.add({"w": (x, x)})
+    assert same.cross["w"] is not same.gram["w"]
+    np.testing.assert_array_equal(same.cross["w"], same.gram["w"])
+
+
+def test_the_ridged_solve_is_a_cholesky_solve_in_place_and_lu_where_not_positive_definite() -> None:
+    from auditor.calibration.statistics.sequential import ridge_solve
+
+    x, xh, w = _data(5)
+    g, lam = xh.T @ xh, 0.3
+    rhs = np.asfortranarray(w.T.copy())
+    want = np.linalg.solve((g + g.T) / 2 + lam * np.eye(7), w.T)
+    before = g.copy()
+    np.testing.assert_allclose(ridge_solve(g, lam, rhs), want, rtol=1e-10, atol=1e-12)
+    np.testing.assert_array_equal(g, before)  # the Gram itself is read, never written
+    indefinite = -g  # G + lambda I not positive definite: solved by LU, as before
+    np.testing.assert_allclose(ridge_solve(indefinite, lam, np.asfortranarray(w.T.copy())),
+                               np.linalg.solve(-g + lam * np.eye(7), w.T), rtol=1e-9, atol=1e-11)
+
+
+def test_a_tall_layers_moment_is_carried_through_the_solved_map() -> None:
+    from auditor.calibration.statistics.sequential import weighted_truncator
+    from auditor.calibration.statistics.whiten import weighted_bases
+    from auditor.results import Kind, Layer
+
+    g = np.random.default_rng(7)
+    x = g.standard_normal((80, 4)) @ g.standard_normal((4, 4))
+    xh = x + 0.2 * g.standard_normal(x.shape)
+    f = g.standard_normal((9, 4))  # out > in: the moment is carried to input space, H = F^T G F
+    layer = Layer("fc", "fc.weight", Kind.LINEAR, "Linear", (9, 4), 9, 4)
+    cross, gram = (x.T @ xh)[None], (xh.T @ xh)[None]
+    h = f.T @ np.diag(g.random(9) + 0.5) @ f
+    got = weighted_truncator(layer, torch.from_numpy(f), cross, gram, (h, True, 500))
+    fstar, lam = fitted_map(f, cross[0], gram[0], RIDGE)
+    t = np.linalg.solve((gram[0] + gram[0].T) / 2 + lam * np.eye(4), cross[0].T + lam * np.eye(4)).T
+    _, bases = weighted_bases(fstar, gram[0], False, t.T @ h @ t, True, DAMP, 500)
+    for r in (1, 2, 3):
+        np.testing.assert_allclose(got.weight(r).numpy(), (fstar @ bases["z"][0][:, :r] @ bases["y"][0][:, :r].T),
+                                   rtol=1e-8, atol=1e-10)

@@ -504,9 +504,23 @@ def stage_seconds(sh: Shapes, wl: Workload, me: Measurements) -> dict[str, float
     return out
 
 
-def _block_grams(sh: Shapes) -> int:
+def _block_grams(sh: Shapes, me: Measurements | None = None) -> int:
+    """One block's float64 Grams (every layer's without blocks) and two copies of the largest: one Gram an input,
+    as the statistics pass shares one between the layers reading one input (q, k and v; gate and up), where the
+    measured stages say which those are (``me``); one a layer otherwise (2026-12-07: always one a layer)."""
     layers = sh.block_layers or sh.layers
-    return sum(8 * n * n for _, n in layers) + 2 * 8 * max((n * n for _, n in layers), default=0)
+    widest = 2 * 8 * max((n * n for _, n in layers), default=0)
+    if me is not None and sh.block_layers:
+        return sum(8 * n * n for n in _stage_widths(sh, me)) + widest
+    return sum(8 * n * n for _, n in layers) + widest
+
+
+def _fit_sums(sh: Shapes) -> int:
+    """The sequential fit's sums alive at once (statistics/sequential.py, ``_Sums``): one stage's C and G at a time,
+    one pair for the layers reading one input, and the n x n product being added, float64, at the widest input any
+    layer reads. (2026-12-07: a block's Grams were counted here, and the fit held a C and a G per layer of a stage
+    and both products and a new sum while adding: five 11,008-wide arrays at the 7B shape's down projection.)"""
+    return 3 * 8 * max((n * n for _, n in sh.layers), default=0)
 
 
 def _plan_factors(sh: Shapes) -> int:
@@ -527,8 +541,8 @@ def _fit_bytes(sh: Shapes, wl: Workload, me: Measurements) -> int:
     """The sequential fit's own (the verification's and the plan check's default fit): one repeated block's planned
     layers at a time, each with its fitted weight (float32) and decomposition (float64; a finished block's factors
     and fitted weights go to memory-mapped files, statistics/sequential.py), and those of the layers outside the
-    blocks; the dense and fitted inputs to the block and the dense block's outputs per fit batch, one block's Grams,
-    and the dense rows its stages read (:func:`_dense_row_bytes`)."""
+    blocks; the dense and fitted inputs to the block and the dense block's outputs per fit batch, one stage's sums
+    (:func:`_fit_sums`), and the dense rows its stages read (:func:`_dense_row_bytes`)."""
     def own(layers: tuple[tuple[int, int], ...]) -> int:
         return sum(4 * m * n + 8 * (m * min(m, n) + n * n) for m, n in layers)
 
@@ -536,7 +550,7 @@ def _fit_bytes(sh: Shapes, wl: Workload, me: Measurements) -> int:
     if sh.block_layers:
         one = own(sh.block_layers)
         held = one + max(0, held - max(1, sh.blocks) * one)
-    return (held + 3 * _batches(wl.fit_rows, wl.batch_rows) * me.hidden_bytes + _block_grams(sh)
+    return (held + 3 * _batches(wl.fit_rows, wl.batch_rows) * me.hidden_bytes + _fit_sums(sh)
             + _dense_row_bytes(sh, wl, me))
 
 
@@ -602,7 +616,7 @@ def stage_extra(sh: Shapes, wl: Workload, me: Measurements) -> dict[str, int]:
     threads = max(1, wl.threads)
     whiten = threads * 2 * 8 * big[0] * big[1]
     hidden = 2 * _batches(wl.fit_rows, wl.batch_rows) * me.hidden_bytes
-    out["statistics"] = hidden + me.block_saved_bytes + _block_grams(sh) + whiten
+    out["statistics"] = hidden + me.block_saved_bytes + _block_grams(sh, me) + whiten
     moments = sum(8 * min(m, n) ** 2 for m, n in (sh.block_layers or sh.layers))
     widest = max((m for m, _ in sh.layers), default=0)  # one output gradient alive at a time (fisher.py's taps):
     out["gradients"] = (2 * logits + chunk  # the output, its gradient (written a chunk at a time), one chunk's copies
@@ -612,11 +626,11 @@ def stage_extra(sh: Shapes, wl: Workload, me: Measurements) -> dict[str, int]:
     plan = dense + wl.compared * logits + chunk + me.block_saved_bytes
     out["references"] = dense + logits + chunk + me.block_saved_bytes  # the dense model's batch and its log-probs
     block = _mapped_factors(sh)  # apply.measured_copy: one block's factors mapped at a time
-    out["tier 3"] = plan + block + _block_grams(sh)
+    out["tier 3"] = plan + block + _block_grams(sh, me)
     out["verification"] = out["plan check"] = plan + block + _fit_bytes(sh, wl, me)  # a reviewed plan: a fit too
     out["uniform baseline"] = out["tier 3"]  # one plan's factors of one block at a time, the store's part
     if sh.element_bytes == 2:  # every layer at full rank: twice a half-rank plan's factors, one block's at a time
-        out["rounding floor"] = plan + 2 * block + _block_grams(sh)
+        out["rounding floor"] = plan + 2 * block + _block_grams(sh, me)
     if wl.byte_plan:  # one plan's replacement weights (every rewritten layer's, in the model's dtype) while measured
         out["rank or bits"] = plan + sum(m * n for m, n in sh.layers) * sh.element_bytes + 2 * 8 * big[0] * big[1]
     return out
@@ -651,7 +665,7 @@ def device_bytes(sh: Shapes, wl: Workload, me: Measurements) -> int | None:
     if wl.offload and sh.blocks:
         weights -= (sh.blocks - 1) * sh.block_flop_params * sh.element_bytes
     hidden = 2 * _batches(wl.fit_rows, wl.batch_rows) * me.hidden_bytes
-    return weights + me.block_saved_bytes + hidden + _block_grams(sh)
+    return weights + me.block_saved_bytes + hidden + _block_grams(sh, me)
 
 
 def predict(sh: Shapes, wl: Workload, me: Measurements, available: int | None = None) -> Estimate:
