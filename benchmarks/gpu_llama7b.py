@@ -8,8 +8,11 @@
 11008, vocabulary 32000), random weights in float16 (cost only, never quality), built on the meta device and
 materialized on the device (or, with --offload, on the CPU). Tier 1 = ``stream_statistics`` (block by block, each
 batch's X^T X in float32 added into a float64 sum on the device) with every block's whitened spectra computed in the
-callback and its Grams dropped. Prints the time of statistics and spectra, peak GPU memory
-(``torch.cuda.max_memory_allocated``) and peak RSS.
+callback and its Grams dropped: on the device, as the audit makes them there (statistics/ondevice.py, float64), or
+with ``--host-spectra`` on the CPU's NumPy as before. The first block's spectra are made both ways once
+(``--check-block``, -1 for none): their times side by side and the largest difference of their error curves, which
+must be float64 rounding, and their ranks, which must be equal. Prints the time of statistics and spectra, peak GPU
+memory (``torch.cuda.max_memory_allocated``) and peak RSS.
 """
 
 from __future__ import annotations
@@ -31,12 +34,15 @@ def main() -> None:
     ap.add_argument("--windows", type=int, default=None, help="default 128 (8 with --tiny)")
     ap.add_argument("--tokens", type=int, default=None, help="default 2048 (128 with --tiny)")
     ap.add_argument("--batch", type=int, default=8, help="windows per batch (default 8)")
+    ap.add_argument("--host-spectra", action="store_true", help="the spectra on the CPU's NumPy (as before)")
+    ap.add_argument("--check-block", type=int, default=0, help="this block's spectra made both ways (-1: none)")
     a = ap.parse_args()
 
     import torch
     import transformers
 
     from auditor.calibration.data.inputs import Batch
+    from auditor.calibration.statistics.ondevice import on
     from auditor.calibration.statistics.stream import resolve_device, stream_statistics
     from auditor.calibration.statistics.whiten import whitened_spectra
     from auditor.errors import AuditError
@@ -80,19 +86,29 @@ def main() -> None:
         torch.cuda.reset_peak_memory_stats(dev)
     spectra = 0
     t_spec = 0.0
+    where = None if a.host_spectra or dev.type == "cpu" and not a.tiny else on(dev)
 
     def on_block(i, st):
         nonlocal spectra, t_spec
         t = time.perf_counter()
-        spectra += len(whitened_spectra(layers, table, st))
+        got = whitened_spectra(layers, table, st, decomposer=where)
         t_spec += time.perf_counter() - t
+        spectra += len(got)
+        if i == a.check_block and where is not None:
+            t_here = time.perf_counter()
+            here = whitened_spectra(layers, table, st)
+            t_here = time.perf_counter() - t_here
+            diff = max((max(abs(x - y) for x, y in zip(got[k].error, here[k].error)) for k in here), default=0.0)
+            same = all(got[k].ranks_for == here[k].ranks_for for k in here)
+            print(f"  block {i}'s spectra: {time.perf_counter() - t - t_here:.1f} s on {dev}, {t_here:.1f} s on the "
+                  f"CPU; error curves equal to {diff:.1e}, ranks {'equal' if same else 'DIFFERENT'}", flush=True)
         print(f"  block {i}: {len(st.layers)} layers, {time.perf_counter() - t1:.1f} s so far", flush=True)
 
     t1 = time.perf_counter()
     stream_statistics(model, layers, batches, device=dev, offload=a.offload, keep=False, on_block=on_block)
     total = time.perf_counter() - t1
     print(f"tier 1: {windows} x {tokens} tokens, {spectra} whitened spectra of {len(layers)} layers in {total:.1f} s "
-          f"(statistics {total - t_spec:.1f} s, spectra {t_spec:.1f} s on the CPU)")
+          f"(statistics {total - t_spec:.1f} s, spectra {t_spec:.1f} s on {'the CPU' if where is None else dev})")
     if dev.type == "cuda":
         print(f"peak GPU memory {torch.cuda.max_memory_allocated(dev) / 2**30:.2f} GiB")
     print(f"peak RSS {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20:.2f} GiB")

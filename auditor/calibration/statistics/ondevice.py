@@ -1,9 +1,10 @@
 """Whitened decompositions on an accelerator: :func:`~.whiten.decompose`'s numbers, made with torch on a device.
 
 With ``--device cuda`` tier 1's decompositions (the spectra, and the truncators tier 3, the rounding floor and the
-uniform baseline cut their factors from) run where the statistics were read, one layer at a time, instead of on the
-host's LAPACK; the same products in the same order as :func:`~.whiten.decompose`, in float64 by default, so the
-spectra, the error curves and the ranks are the CPU path's to float64 rounding (tests/test_ondevice.py).
+uniform baseline cut their factors from) run where the statistics were read, two layers at a time
+(``whiten.DEVICE_JOBS``), instead of on the host's LAPACK; the same products in the same order as
+:func:`~.whiten.decompose`, in float64 by default, so the spectra, the error curves and the ranks are the CPU path's
+to float64 rounding (tests/test_ondevice.py).
 
 Float32 eigenvectors were measured and are not the default (``EIGH``). With every product, the energies q_i, the
 total ||F X^T||^2 and each sigma_i^2 kept in float64, and the float32 eigenvectors made orthonormal in float64 (a
@@ -18,8 +19,9 @@ on the curve), the digits MLP's and CNN's up to 6e-6 and 2.4e-5: outside what th
 (67 TFLOPS) makes the decompositions a small part of the audit anyway. ``eigh=torch.float32`` keeps the measured
 route for that comparison.
 
-Alive at once on the device per layer: F, G (in x in, float64) and the products of the CPU path (out x in once, two
-k x k); the bases come back to the host as NumPy float64, as :class:`~.whiten.Basis` holds them.
+Alive at once on the device per layer being decomposed: F, G (in x in, float64) and the products of the CPU path
+(out x in once, two k x k); the bases come back to the host as NumPy float64, as :class:`~.whiten.Basis` holds them,
+where the kept truncators are cut.
 """
 
 from __future__ import annotations

@@ -127,6 +127,7 @@ def decompose(f: np.ndarray, gram: np.ndarray, diagonal: bool = False, damp: flo
 # what makes one group's decomposition, called as decompose(f, gram, diagonal, damp, need_u): decompose here, or
 # ondevice.on(device)'s on an accelerator (--device cuda)
 Decomposer = Callable[..., Basis]
+DEVICE_JOBS = 2  # layers decomposed at once on a device (each holds its F, G and products there: 4-5 GB at 11,008)
 
 
 @dataclass
@@ -577,7 +578,8 @@ def whitened_spectra(layers: dict[str, Layer] | list[Layer], weights: dict[str, 
     called (on the calling thread) as each layer's spectrum comes back, in the layers' order. ``keep``: the
     truncators of its layers put into its store as they are made (the same arrays :class:`Truncator` makes: one
     decomposition per layer for tier 1 and the passes that cut factors). ``decomposer``: what decomposes each layer
-    (default :func:`decompose` here; :func:`.ondevice.on`'s on a device, one layer at a time)."""
+    (default :func:`decompose` here; :func:`.ondevice.on`'s on a device, ``DEVICE_JOBS`` layers at a time: one
+    thread's host work, F made and the kept truncator cut, beside the other's on the device)."""
     from .stats import by_name
 
     todo = [(layer, stats.layers[layer.name]) for layer in by_name(layers).values() if layer.name in stats.layers]
@@ -588,7 +590,7 @@ def whitened_spectra(layers: dict[str, Layer] | list[Layer], weights: dict[str, 
         return _kept_spectrum(t[0], weights[t[0].param], t[1], (align, target), keep.store, decomposer)
 
     done: list[WhitenedSpectrum] = []
-    for spec in on_every_core(one, todo, 1 if decomposer is not None else None):
+    for spec in on_every_core(one, todo, DEVICE_JOBS if decomposer is not None else None):
         done.append(spec)
         if progress is not None:
             progress(len(done), len(todo))
