@@ -135,3 +135,27 @@ def test_the_spectra_on_cuda_are_the_cpus(chargpt_tier1):
     for k, spec in ref.items():
         assert got[k].ranks_for == spec.ranks_for, k
         np.testing.assert_allclose(got[k].error, spec.error, rtol=0, atol=1e-6, err_msg=k)
+
+
+@pytest.mark.parametrize("name", ["wide", "tall", "emb"])
+def test_the_loss_aware_truncation_on_a_device_is_the_hosts(name):
+    """The gradient pass's loss-aware truncation (fisher.loss_aware) made by ondevice.weighted: the same costs and
+    the same weights at every rank as NumPy's, in both forms (out <= in: G on the output side; out > in: carried
+    to input space; an embedding's one-hot inputs)."""
+    from test_loss_aware import _case
+
+    from auditor.calibration.statistics.ondevice import weighted
+    from auditor.calibration.tiers.fisher import loss_aware
+
+    layer, w, inp, f, _g, grads = _case(name)
+    cost, here = loss_aware(layer, w, inp, grads)
+    dev_cost, there = loss_aware(layer, w, inp, grads, bases=weighted(CPU))
+    np.testing.assert_allclose(dev_cost, cost, rtol=1e-9, atol=1e-12 * cost[0])
+    for r in (1, min(f.shape) // 2, min(f.shape)):  # the rank-r maps, float64 (the factors' own scaling aside)
+        np.testing.assert_allclose(np.matmul(*there.factors(r)), np.matmul(*here.factors(r)), rtol=0,
+                                   atol=1e-9 * float(np.abs(f).max()))
+
+
+def test_the_session_makes_loss_aware_truncations_where_it_decomposes():
+    assert Decompositions(torch.nn.Linear(2, 2)).weighted() is None  # NumPy here
+    assert Decompositions(torch.nn.Linear(2, 2), device=CPU).weighted() is not None

@@ -26,10 +26,13 @@ where the kept truncators are cut.
 
 from __future__ import annotations
 
+import math
+from typing import Callable
+
 import numpy as np
 import torch
 
-from .whiten import CHUNK, DAMP, Basis, Decomposer
+from .whiten import CHUNK, DAMP, GRADIENT_DAMP, Basis, Decomposer
 
 EIGH = torch.float64  # the eigensolver's precision on a device (the module docstring: float32 measured, not kept)
 
@@ -122,6 +125,44 @@ def decompose_on(f: np.ndarray, gram: np.ndarray, diagonal: bool = False, damp: 
                  float(total), lam)
 
 
+def weighted_on(f: np.ndarray, gram: np.ndarray, diagonal: bool, h: np.ndarray, carried: bool,
+                damp: float = DAMP, samples: int = 0, *,
+                device: torch.device) -> tuple[np.ndarray, dict[str, list[np.ndarray]]] | None:
+    """:func:`~.whiten.weighted_bases` (the gradient pass's loss-aware truncation) made on ``device``: its products,
+    Cholesky factors, solves and eigendecomposition in float64 there, the whitened decomposition of L^T F by
+    :func:`decompose_on`; the same numbers as the host's to float64 rounding (tests/test_ondevice.py)."""
+    h = (h + h.T) / 2
+    m, n = f.shape
+    shrink = GRADIENT_DAMP + (m / samples if samples > 0 else 0.0)
+    if not np.all(np.isfinite(h)):  # a gradient that overflowed: the whitened truncation, as without one
+        return None
+    put = (lambda a: torch.from_numpy(np.ascontiguousarray(a)).to(device=device, dtype=torch.float64))  # noqa: E731
+    host = (lambda t: t.detach().cpu().numpy())  # noqa: E731
+    if not carried:  # an oblique projection on the output side
+        scale = float(np.trace(h)) / m if m else 0.0
+        if not scale > 0 or not math.isfinite(scale):
+            return None
+        low = torch.linalg.cholesky(put(h) + shrink * scale * torch.eye(m, dtype=torch.float64, device=device))
+        basis = decompose_on(host(low.T @ put(f)), gram, diagonal, damp, device=device)
+        u = put(basis.u)
+        return basis.sigma2, {"u": [host(torch.linalg.solve(low.T, u))], "w": [host(low @ u)]}
+    ft = put(f)
+    ff = ft.T @ ft  # an oblique projection on the input side
+    scale = float(torch.trace(put(h))) / float(torch.trace(ff)) if float(torch.trace(ff)) > 0 else 0.0
+    if not scale > 0 or not math.isfinite(scale):
+        return None
+    g = put(np.diag(gram) if diagonal else gram)
+    diag = torch.diagonal(g)
+    lam = damp * float(diag.mean()) if diag.numel() and float(diag.mean()) > 0 else damp
+    s = torch.linalg.cholesky(g + lam * torch.eye(n, dtype=torch.float64, device=device))
+    kk = s.T @ (put(h) + shrink * scale * ff) @ s
+    vals, v = torch.linalg.eigh((kk + kk.T) / 2)
+    order = torch.argsort(vals, descending=True, stable=True)
+    v = v[:, order]
+    return (np.clip(host(vals[order]), 0.0, None),
+            {"z": [host(s @ v)], "y": [host(torch.linalg.solve(s.T, v))]})
+
+
 def on(device: torch.device, eigh: torch.dtype = EIGH) -> Decomposer:
     """:func:`decompose_on` on ``device``, called as :func:`~.whiten.decompose` is (what
     :func:`~.whiten.whitened_spectra` takes as its ``decomposer``)."""
@@ -132,4 +173,13 @@ def on(device: torch.device, eigh: torch.dtype = EIGH) -> Decomposer:
     return decompose
 
 
-__all__ = ["EIGH", "decompose_on", "on"]
+def weighted(device: torch.device) -> "Callable[..., tuple[np.ndarray, dict[str, list[np.ndarray]]] | None]":
+    """:func:`weighted_on` on ``device``, called as :func:`~.whiten.weighted_bases` is."""
+    def bases(f: np.ndarray, gram: np.ndarray, diagonal: bool, h: np.ndarray, carried: bool, damp: float = DAMP,
+              samples: int = 0) -> tuple[np.ndarray, dict[str, list[np.ndarray]]] | None:
+        return weighted_on(f, gram, diagonal, h, carried, damp, samples, device=device)
+
+    return bases
+
+
+__all__ = ["EIGH", "decompose_on", "on", "weighted", "weighted_on"]

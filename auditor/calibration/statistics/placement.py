@@ -69,6 +69,15 @@ class Decompositions:
             yield spectra
             self.where = cluster.where  # asked while the client is open
 
+    def weighted(self) -> "Callable[..., Any] | None":
+        """What makes the gradient pass's loss-aware truncations: on the audit's device (``ondevice.weighted``), or
+        None for NumPy's here (a cluster's audit makes them here too)."""
+        if self.device is None:
+            return None
+        from .ondevice import weighted
+
+        return weighted(self.device)
+
     def truncators(self, layers: "list[Layer]", stats: "InputStatistics", store: "MutableMapping[str, Truncator]",
                    progress: "Callable[[int, int], None] | None" = None) -> None:
         """On the cluster: the decompositions tier 3, the verification's candidates and ``factorize`` cut factors

@@ -38,7 +38,7 @@ import os
 import time
 from collections.abc import Mapping, MutableMapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Callable, Iterator, TypedDict
+from typing import TYPE_CHECKING, Any, Callable, Iterator, TypedDict
 
 import numpy as np
 import torch
@@ -546,15 +546,18 @@ def gradient_costs(layer: Layer, weight: torch.Tensor, inp: LayerInput, grads: O
 
 
 def loss_aware(layer: Layer, weight: torch.Tensor, inp: LayerInput, grads: OutputGradients,
-               damp: float = DAMP) -> tuple[np.ndarray, Truncator] | None:
+               damp: float = DAMP, bases: "Callable[..., Any] | None" = None) -> tuple[np.ndarray, Truncator] | None:
     """(cost[r] for r = 0..k, the truncator) of the layer's loss-aware truncation: the rank-r map F_r minimising
     the KFAC cost trace(G (F - F_r) S (F - F_r)^T) itself, not only its input-whitened part (G the output-gradient
     moment, S the input statistics: :func:`~auditor.calibration.statistics.whiten.weighted_bases`). cost[r] = c * (the dropped squared singular values).
-    None where the layer's gradient moment is zero (no gradient reached it)."""
+    None where the layer's gradient moment is zero (no gradient reached it). ``bases``: what makes the truncation
+    (default :func:`~auditor.calibration.statistics.whiten.weighted_bases` here; ``ondevice.weighted``'s on a
+    device)."""
     f = function_matrices(layer, weight)[0]
     h = grads.second[layer.name] / max(grads.count[layer.name], 1)
     gram = inp.gram if inp.diagonal else inp.gram[0]
-    cut = weighted_bases(f, gram, inp.diagonal, h, grads.carried[layer.name], damp, grads.count[layer.name])
+    cut = (bases or weighted_bases)(f, gram, inp.diagonal, h, grads.carried[layer.name], damp,
+                                    grads.count[layer.name])
     if cut is None:
         return None
     sigma2, bases = cut
@@ -618,6 +621,7 @@ class GradientSettings:
     seed: int = 0
     progress: Callable[[int, int], None] | None = None
     store: "MutableMapping[str, Truncator] | None" = None  # given: the loss-aware truncations go here, costed as cut
+    bases: "Callable[..., Any] | None" = None  # what makes them (loss_aware's ``bases``): None, NumPy here
 
 
 class GradientFields(TypedDict, total=False):
@@ -627,6 +631,7 @@ class GradientFields(TypedDict, total=False):
     seed: int
     progress: Callable[[int, int], None] | None
     store: "MutableMapping[str, Truncator] | None"
+    bases: "Callable[..., Any] | None"
 
 
 def gradient_sensitivity(model: nn.Module, layers: dict[str, Layer] | list[Layer], calibration: Calibration,
@@ -637,14 +642,14 @@ def gradient_sensitivity(model: nn.Module, layers: dict[str, Layer] | list[Layer
     audit's stage probes instead) get tier 1's squared error times the median ratio. With ``store`` each layer with
     a gradient is truncated loss-aware (:func:`loss_aware`), its truncator put in ``store`` and its costs those of
     that truncation; without, the costs are the input-whitened truncation's (:func:`gradient_costs`).
-    The settings as keywords (:class:`GradientFields`: ``samples``, ``seed``, ``progress``, ``store``)."""
+    The settings as keywords (:class:`GradientFields`: ``samples``, ``seed``, ``progress``, ``store``, ``bases``)."""
     o = GradientSettings(**fields)
     named = by_name(layers)
     grads = output_gradients(model, named, calibration, metric, o.samples, o.seed, o.progress)
     t = time.perf_counter()
     costs: dict[str, list[float]] = {}
     ratios: list[float] = []
-    for name, c in _layer_costs(model, named, stats, grads, o.store):
+    for name, c in _layer_costs(model, named, stats, grads, o.store, o.bases):
         costs[name] = c.tolist()
         spec = spectra.get(name)
         if spec is not None:
@@ -667,7 +672,8 @@ def gradient_sensitivity(model: nn.Module, layers: dict[str, Layer] | list[Layer
 
 
 def _layer_costs(model: nn.Module, named: dict[str, Layer], stats: InputStatistics, grads: OutputGradients,
-                 store: "MutableMapping[str, Truncator] | None") -> Iterator[tuple[str, np.ndarray]]:
+                 store: "MutableMapping[str, Truncator] | None",
+                 bases: "Callable[..., Any] | None" = None) -> Iterator[tuple[str, np.ndarray]]:
     """(name, cost curve) of every layer with a gradient and statistics, in the layers' order: its loss-aware
     truncation's (put into ``store``) with a store, else the input-whitened one's (:func:`gradient_costs`). The
     decompositions run on every core at once, each on one BLAS thread (``whiten.on_every_core``, as tier 1's), and
@@ -683,7 +689,7 @@ def _layer_costs(model: nn.Module, named: dict[str, Layer], stats: InputStatisti
         inp = stats.layers[name]  # read here: a spilled Gram is mapped and checked as its layer is cut
         if inp.groups != 1:
             return None
-        cut = loss_aware(layer, params[layer.param], inp, grads) if store is not None else None
+        cut = loss_aware(layer, params[layer.param], inp, grads, bases=bases) if store is not None else None
         if cut is None:
             return gradient_costs(layer, params[layer.param], inp, grads)
         assert store is not None

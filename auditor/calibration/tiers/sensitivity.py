@@ -178,7 +178,7 @@ def gradients(ctx: "PassContext", refs: "References", scope: "Scope", spectra: "
     with progress.phase("sensitivity gradients", total=len(cal.fit), unit="batch"):
         with session.measuring():
             g = gradient_sensitivity(model, layers, cal, session.metric, session.stats, spectra,
-                                     progress=progress.update, store=store)
+                                     progress=progress.update, store=store, bases=session.decompositions.weighted())
     seconds = {"gradients": time.perf_counter() - t}
     if share < 1.0:  # the pass's scale is over its own rows; the statistics sum every fit row
         g = replace(g, costs={k: [share * c for c in v] for k, v in g.costs.items()},
@@ -205,7 +205,7 @@ def loss_metric(session: "CalibrationSession", model: nn.Module, planned: list[L
     store: "dict[str, Truncator]" = {}
     with session.measuring():
         g = gradient_sensitivity(model, planned, gradient_rows(session.calibration)[0], session.metric,
-                                 session.statistics(planned), {}, store=store)
+                                 session.statistics(planned), {}, store=store, bases=session.decompositions.weighted())
     return g.loss_metric(planned)
 
 
