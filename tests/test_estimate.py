@@ -698,3 +698,42 @@ def test_decompositions_are_their_products_on_one_thread_and_an_eigendecompositi
     assert s1["gradients"] - s2["gradients"] == pytest.approx((est.loss_decompositions_seconds(SHAPES, one) + cuts) / 2)
     assert {k: v for k, v in s1.items() if k not in ("statistics", "gradients")} == {
         k: v for k, v in s2.items() if k not in ("statistics", "gradients")}
+
+
+def test_decompositions_timed_on_a_device_are_counted_there():
+    """--device cuda: tier 1's and the gradient pass's decompositions are made on the device (statistics/ondevice.py),
+    one after another there, so the statistics and the gradients count the device's timings, not the host threads'."""
+    gradients = est.Workload(**{**WORK.__dict__, "sensitivity": "gradients"})
+    host = est.stage_seconds(SHAPES, gradients, MEASURED)
+    on = est.Measurements(**{**MEASURED.__dict__, "device_linalg": (0.1, 0.2, 1e5)})
+    dev = est.stage_seconds(SHAPES, gradients, on)
+    whiten, loss = est.device_decompositions(SHAPES, on)
+    # each scaled as the host's are: the products at the device's rate, the eigenvectors by k^3 from the one timed
+    assert whiten == pytest.approx(est._linalg_seconds(SHAPES, 0.1, (8, 4), est._whiten_cost, 1e5))
+    assert loss == pytest.approx(est._linalg_seconds(SHAPES, 0.2, (8, 4), est._loss_cost, 1e5))
+    assert host["statistics"] - dev["statistics"] == pytest.approx(est.decompositions_seconds(SHAPES, MEASURED) - whiten)
+    assert host["gradients"] - dev["gradients"] == pytest.approx(
+        est.loss_decompositions_seconds(SHAPES, MEASURED) - loss)
+    assert est.device_decompositions(SHAPES, MEASURED) is None
+    assert "timed and counted on the device" in est.render_table(est.predict(SHAPES, gradients, on))
+    assert "on the device" not in est.render_table(est.predict(SHAPES, gradients, MEASURED))
+    took = est.time_device_linalg(torch.device("cpu"), (24, 16))  # the timing itself, the CPU standing in
+    assert all(t > 0 for t in took)
+
+
+def test_the_estimate_times_the_decompositions_on_the_audits_device(cli_inproc, small, monkeypatch):
+    """--estimate with --device naming an accelerator times tier 1's and the gradient pass's decompositions there
+    and says so (here the CPU stands in for the device); one this machine lacks is counted on the host, said."""
+    table = cli_inproc(f"{small}/m.py:net", "--calibration", f"{small}/cal.safetensors", "--estimate")
+    assert table.returncode == 0 and "on the device" not in table.stdout, table.stderr
+    monkeypatch.setattr(est, "_accelerator", lambda spec: torch.device("cpu"))
+    res = cli_inproc(f"{small}/m.py:net", "--calibration", f"{small}/cal.safetensors", "--estimate", "--format",
+                     "json")
+    assert res.returncode == 0, res.stderr
+    whiten, loss, flops = json.loads(res.stdout)["estimate"]["basis"]["measurements"]["device_linalg"]
+    assert whiten > 0 and loss > 0 and flops > 0
+    table = cli_inproc(f"{small}/m.py:net", "--calibration", f"{small}/cal.safetensors", "--estimate")
+    assert "decompositions timed and counted on the device" in table.stdout
+    if not torch.cuda.is_available():
+        monkeypatch.undo()
+        assert est._accelerator("cuda") is None and est._accelerator("cpu") is None and est._accelerator(None) is None

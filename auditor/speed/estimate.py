@@ -141,6 +141,9 @@ class Measurements:
     #                                     Llama block's 3, 1, 2, 1); (): unmeasured (each layer a stage)
     refine_step: float = 0.0  # one block's refinement training step, its Linears factored at the ranks the budget
     #                           leaves (refine.step_seconds); 0: unmeasured (the dense block's, recording, backward)
+    device_linalg: tuple[float, float, float] = (0.0, 0.0, 0.0)  # on an accelerator (--device cuda): one whitened
+    #   decomposition and one loss-aware truncation at decompose_shape made there (statistics/ondevice.py), and its
+    #   float64 FLOP/s; zeros: none (every decomposition on the host's threads)
 
 
 @dataclass(frozen=True)
@@ -258,6 +261,17 @@ def _one_thread(me: Measurements) -> float:
 def decompositions_seconds(sh: Shapes, me: Measurements) -> float:
     """Every layer's whitened decomposition, on one BLAS thread as the audit makes them (:func:`_linalg_seconds`)."""
     return _linalg_seconds(sh, me.decompose_seconds, me.decompose_shape, _whiten_cost, _one_thread(me))
+
+
+def device_decompositions(sh: Shapes, me: Measurements) -> tuple[float, float] | None:
+    """(every layer's whitened decomposition, every layer's loss-aware truncation) on the device, one after another
+    (its layers overlap only with the host's work: whiten.DEVICE_JOBS), scaled from the ones timed there as the
+    host's are (:func:`_linalg_seconds`); None where none was timed on a device."""
+    whiten, loss, flops = me.device_linalg
+    if flops <= 0:
+        return None
+    return (_linalg_seconds(sh, whiten, me.decompose_shape, _whiten_cost, flops),
+            _linalg_seconds(sh, loss, me.decompose_shape, _loss_cost, flops))
 
 
 def loss_decompositions_seconds(sh: Shapes, me: Measurements) -> float:
@@ -431,8 +445,9 @@ def _sensitivity_seconds(sh: Shapes, wl: Workload, me: Measurements, r: dict[str
     carry = forward_seconds(sh, me, backward=True, carry=True)  # activations' gradients only: the taps
     grad = forward_seconds(sh, me, grad=True)  # recording for the backward
     # the loss-aware truncations on every thread at once, each on one BLAS thread (fisher._layer_costs)
-    out = r["gradient batches"] * (GRADIENT_PASSES * grad + SAMPLES * carry) + loss_decompositions_seconds(
-        sh, me) / _cores(sh, wl)
+    there = device_decompositions(sh, me)
+    out = r["gradient batches"] * (GRADIENT_PASSES * grad + SAMPLES * carry) + (
+        loss_decompositions_seconds(sh, me) / _cores(sh, wl) if there is None else there[1])
     if wl.token_inputs:  # a likelihood metric: labels sampled over the vocabulary at every position, SAMPLES times
         out += SAMPLES * r["gradient"] * wl.tokens * wl.outputs * me.logit_seconds
     if me.gemm32_flops > 0:  # each sample's output gradients into every layer's moment (carried back where out > in)
@@ -470,7 +485,9 @@ def stage_seconds(sh: Shapes, wl: Workload, me: Measurements) -> dict[str, float
     # kept (tier1.kept, on disk, cut): the only input-whitened decomposition of each layer the audit makes; each
     # store's cuts are made on those threads as they are put in
     cuts = factors * me.gemm_flops / _one_thread(me)
-    out["statistics"] = _batches(wl.fit_rows, b) * fwd + grams + (decomp + cuts) / _cores(sh, wl)
+    there = device_decompositions(sh, me)  # --device cuda: tier 1's and the gradient pass's made there
+    out["statistics"] = _batches(wl.fit_rows, b) * fwd + grams + (
+        (decomp + cuts) / _cores(sh, wl) if there is None else there[0] + cuts / _cores(sh, wl))
     if me.stats_forward > 0 and sh.block_layers:  # the blocks' forwards and Grams as measured together
         block_grams = gram_flops(sh, wl.fit_rows * wl.tokens, me, blocks_only=True) / me.gemm_flops
         out["statistics"] += sh.blocks * (_batches(wl.fit_rows, b) * (me.stats_forward - me.block_forward)
@@ -1109,6 +1126,7 @@ class Asked:
     keep: float = 1.0
     room: int | None = None  # bytes of memory available (None: unknown): the statistics' timing runs only where one
     #                          block's Grams fit in STATS_ROOM of it
+    device: torch.device | None = None  # an accelerator the decompositions run on (--device cuda): timed there too
 
 
 STATS_ROOM = 0.5  # the share of the memory available one block's Grams may take for the statistics pass to be timed
@@ -1186,10 +1204,46 @@ def measure(model: nn.Module, batch: Any, sh: Shapes, before: Process, clock: Ca
     logit = time_logits(asked.outputs, clock) if linalg and asked.outputs > 1 else 0.0
     loss = _time_loss_aware(shape, clock) if linalg else 0.0
     flops32 = time_gemm32(clock) if linalg else 0.0
+    there = time_device_linalg(asked.device, shape, clock) if linalg and asked.device else (0.0, 0.0, 0.0)
     return Measurements(before.base_rss, before.load_seconds, timed.forward, timed.backward, timed.saved,
                         hidden if block is not None else timed.out_bytes, dec, shape, eig, k, flops, clock() - start,
                         logit, flops32, timed.carry, stats, timed.grad_forward, loss, timed.shares, one,
-                        timed.counts, step)
+                        timed.counts, step, there)
+
+
+def _accelerator(spec: str | None) -> torch.device | None:
+    """The device ``--device`` names where it is an accelerator here (the decompositions run there); None for the
+    CPU, and for one this machine does not have: the estimate then counts every stage on this host, and says so."""
+    from ..calibration.statistics.stream import resolve_device
+
+    try:
+        dev = resolve_device(spec) if spec else None
+    except AuditError:
+        return None
+    return dev if dev is not None and dev.type != "cpu" else None
+
+
+def time_device_linalg(dev: torch.device, shape: tuple[int, int],
+                       clock: Callable[[], float] = time.perf_counter) -> tuple[float, float, float]:
+    """(one whitened decomposition, one loss-aware truncation, float64 FLOP/s of a product) on ``dev``, as the audit
+    makes them there (statistics/ondevice.py), on random matrices of ``shape``, the quicker of two each (the first
+    run warms the device's libraries)."""
+    from ..calibration.statistics.ondevice import decompose_on, weighted_on
+
+    sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
+    m, n = shape
+    rng = np.random.default_rng(0)
+    f, x = rng.standard_normal((m, n)), rng.standard_normal((2 * n, n))
+    gram, h = x.T @ x, np.eye(m) + 0.1
+    p = torch.randn(2 * GEMM_WIDTH, GEMM_WIDTH, dtype=torch.float64, device=dev)
+
+    def timed(run: Callable[[], object]) -> float:
+        return _quickest(lambda: (run(), sync()), clock)
+
+    whiten = timed(lambda: decompose_on(f, gram, device=dev))
+    loss = timed(lambda: weighted_on(f, gram, False, h, False, device=dev))
+    work = 2.0 * 2 * GEMM_WIDTH ** 3
+    return whiten, loss, work / max(timed(lambda: p.T @ p), 1e-9)
 
 
 def kept_share(sh: Shapes, params: int, budget: float | None) -> float:
@@ -1268,11 +1322,15 @@ def estimate_loaded(loaded: Any, options: Any, formats: tuple[str, ...], load_se
         wl = Workload(0, 0, tokens, rows, _outputs(model, sh), ids, formats, torch.get_num_threads(), calibrated=False)
     room = available_memory()
     keep = kept_share(sh, sum(p.numel() for p in model.parameters()), options.tiers.budget if wl.calibrated else None)
+    acc = _accelerator(wl.device) if wl.calibrated else None
     asked = Asked(options.statistics.compute_dtype if wl.calibrated else None,
-                  wl.outputs if wl.token_inputs and wl.calibrated else 0, keep, room)
+                  wl.outputs if wl.token_inputs and wl.calibrated else 0, keep, room, acc)
     me = measure(timed, batch, sh, Process(_rss() if base_rss is None else base_rss, load_seconds), clock, linalg,
                  asked)
     est = predict(sh, wl, me, room)
+    if wl.calibrated and wl.device not in (None, "cpu", "auto") and acc is None:
+        est = replace(est, basis={**est.basis, "device": f"{wl.device} is not on this machine: every stage "
+                                                          "counted on this host"})
     if built:
         est = replace(est, basis={**est.basis, "measured_on": built})
     return est
@@ -1365,6 +1423,11 @@ def render_table(est: Estimate) -> str:
               "model's blocks ran them)"] if est.slack_seconds > 0 else [])
     mapped = ([f"  of it {_mib(est.mapped_bytes)} the weights, mapped from the checkpoint (paged from disk as read): "
                f"{_mib(est.needed_bytes)} must be held"] if est.mapped_bytes else [])
+    if est.basis.get("measurements", {}).get("device_linalg", (0, 0, 0))[2] > 0:
+        mapped.append("tier 1's and the gradient pass's decompositions timed and counted on the device; the forwards, "
+                      "tier 3, the fit and the refinement on this host's threads")
+    if est.basis.get("device"):
+        mapped.append(str(est.basis["device"]))
     return "\n".join([f"estimate (measured {est.measure_seconds:.1f} s here, the rest predicted; docs/performance.md)",
                       *lines, f"peak host memory {_mib(est.peak_rss_bytes)}{available}{device}; "
                       f"disk {_mib(est.disk_bytes)} (caches, spilled statistics, reports)", *mapped, *least, ""])
