@@ -1,5 +1,7 @@
 """The prepared device check (docs/performance.md), for a machine with a GPU, in one run of a few minutes:
 
+0. the sample Llama's default calibrated audit with ``--device cuda`` end to end (text report): what runs there as
+   built, and its wall beside the same audit on this host's CPU;
 1. tier 1 of the Llama-2-7B shape on the device (``benchmarks/gpu_llama7b.py``: the statistics and every block's
    whitened decompositions there, as the audit makes them with ``--device cuda``; the first block's spectra made on
    the CPU too and compared), ``--windows`` windows of 2,048 random ids;
@@ -58,7 +60,11 @@ def main() -> None:
         cal = Path(tmp) / "cal.safetensors"
         subprocess.run([sys.executable, str(ROOT / "benchmarks/estimate_shapes.py"), str(cal), "--tinyllama"],
                        check=True, cwd=ROOT)
+        llama = [sys.executable, "-m", "auditor", "sample_models/llama", "--calibration", "sample_models/llama/calib.txt",
+                 "--holdout", "sample_models/llama/holdout.txt", "--fail-on", "never", "--format", "text", "-o"]
         steps = [
+            ("the sample Llama's audit, --device cuda", [*llama, str(Path(tmp) / "cuda"), "--device", "cuda"]),
+            ("the sample Llama's audit, --device cpu", [*llama, str(Path(tmp) / "cpu"), "--device", "cpu"]),
             ("tier 1 of the 7B shape on the device", [sys.executable, "benchmarks/gpu_llama7b.py", "--windows",
                                                       str(a.windows)]),
             ("--estimate --device cuda, the 7B shape", [sys.executable, "-m", "auditor", str(config), "--calibration",
