@@ -9,10 +9,10 @@
    of docs/performance.md's 7B estimate (64 windows of 256 random ids, ``--compute-dtype float32``): the block's
    forward and backward timed on this host, tier 1's and the gradient pass's decompositions timed on the device.
 
-    python benchmarks/gpu_check.py [--windows 32] [--timeout 280]
+    python benchmarks/gpu_check.py [--windows 32] [--scale 1.0]
 
-Each step runs in its own process under ``--timeout`` seconds; the outputs' tails are printed, and what timed out
-says so. Without a GPU it says so in one line and exits 2 (``benchmarks/gpu_llama7b.py --tiny`` checks the first step
+Each step runs in its own process under its own limit (100, 100, 200 and 180 seconds, times ``--scale``: 580 s in
+all, inside one device call's 600); the outputs' tails are printed, and what timed out says so. Without a GPU it says so in one line and exits 2 (``benchmarks/gpu_llama7b.py --tiny`` checks the first step
 on the CPU).
 """
 
@@ -44,7 +44,7 @@ def _run(cmd: list[str], timeout: float) -> tuple[float, str]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--windows", type=int, default=32, help="tier 1's windows of 2,048 ids (default 32)")
-    ap.add_argument("--timeout", type=float, default=280.0, help="seconds each step may take (default 280)")
+    ap.add_argument("--scale", type=float, default=1.0, help="each step's time limit times this (default 1)")
     a = ap.parse_args()
     import torch
     import transformers
@@ -63,16 +63,16 @@ def main() -> None:
         llama = [sys.executable, "-m", "auditor", "sample_models/llama", "--calibration", "sample_models/llama/calib.txt",
                  "--holdout", "sample_models/llama/holdout.txt", "--fail-on", "never", "--format", "text", "-o"]
         steps = [
-            ("the sample Llama's audit, --device cuda", [*llama, str(Path(tmp) / "cuda"), "--device", "cuda"]),
-            ("the sample Llama's audit, --device cpu", [*llama, str(Path(tmp) / "cpu"), "--device", "cpu"]),
-            ("tier 1 of the 7B shape on the device", [sys.executable, "benchmarks/gpu_llama7b.py", "--windows",
-                                                      str(a.windows)]),
-            ("--estimate --device cuda, the 7B shape", [sys.executable, "-m", "auditor", str(config), "--calibration",
-                                                        str(cal), "--compute-dtype", "float32", "--no-cache",
-                                                        "--estimate", "--device", "cuda"]),
+            ("the sample Llama's audit, --device cuda", 100, [*llama, str(Path(tmp) / "cuda"), "--device", "cuda"]),
+            ("the sample Llama's audit, --device cpu", 100, [*llama, str(Path(tmp) / "cpu"), "--device", "cpu"]),
+            ("tier 1 of the 7B shape on the device", 200, [sys.executable, "benchmarks/gpu_llama7b.py", "--windows",
+                                                           str(a.windows)]),
+            ("--estimate --device cuda, the 7B shape", 180, [sys.executable, "-m", "auditor", str(config),
+                                                             "--calibration", str(cal), "--compute-dtype", "float32",
+                                                             "--no-cache", "--estimate", "--device", "cuda"]),
         ]
-        for title, cmd in steps:
-            took, out = _run(cmd, a.timeout)
+        for title, limit, cmd in steps:
+            took, out = _run(cmd, limit * a.scale)
             print(f"\n== {title} ({took:.1f} s)\n" + "\n".join(out.strip().splitlines()[-30:]), flush=True)
 
 
