@@ -36,6 +36,10 @@ def test_stage_seconds_exact():
     grams = 2 * 24 * 16 * (16 + 64 + 16 + 64 + 16) / 1e3  # X^T X over every fit token, per layer
     factors = 2 * (128 + 128 + 128 + 128 + 160) / 1e3  # full rank: m n min(m, n) a layer (the rounding floor's plan)
     planned = 2 * (4 * 32 * 32 / 12 + 40 * 40 / 14) / 1e3  # at the break-even bound: m n (m n / (m + n))
+    # W*'s solve a layer: F C (m n^2), the Cholesky factor (n^3 / 6) and two triangular solves (n^2 m); a tall
+    # layer's loss-aware fit also solves T (n^3 / 6 + n^3) and carries its moment (2 n^3)
+    carried = 64 / 6 + 64 + 128
+    solves = 2 * (2 * (128 + 64 / 6 + 128 + carried) + 2 * (256 + 512 / 6 + 256) + (160 + 64 / 6 + 160 + carried)) / 1e3
     fwd = 1.3125
     assert s == pytest.approx({
         "load": 1.0, "trace": 2 * fwd, "reports": 0.6,
@@ -55,7 +59,7 @@ def test_stage_seconds_exact():
         # each W* truncated; each of the 2 blocks' refinement (not the head's: nothing outside the blocks is refined):
         # 8 epochs of the block's forward and backward (0.5 + 1 s) over 5 of the 6 fit batches, the sixth held back
         # and run forward before the first epoch and after each
-        "verification": 2 * 1 * fwd + ((2.5 * 128 / 168 + 2 * 40 / 168) * 6 * fwd + 2 * grams + decomp
+        "verification": 2 * 1 * fwd + ((2.5 * 128 / 168 + 2 * 40 / 168) * 6 * fwd + 2 * grams + decomp + solves
                                                  + 2 * (8 * 5 * (0.5 + 1.0) + 9 * 0.5)),
         # SVD-LLM's uniform truncation beside each of the 5 frontier plans (of the 10) on the rows each read (every
         # one of the 4 search rows: the head's 4 too), and the chosen plan's on the 4 verification rows, sliced from
@@ -210,8 +214,8 @@ def test_a_stages_truncations_are_counted_on_every_core_at_once():
     two = est.Workload(**{**WORK.__dict__, "threads": 2})
     me = est.Measurements(**{**MEASURED.__dict__, "stage_shares": (1.0,), "stage_layers": (2,)})
     eig = (2.0 - 2 * 576 / 1e3) / 4**3  # as in test_stage_seconds_exact
-    first, second = 2 * 576 / 1e3 + eig * 64, 2 * 448 / 1e3 + eig * 64
-    head = 2 * 640 / 1e3 + eig * 64
+    first, second = 2 * (576 + 128 + 64 / 6 + 128) / 1e3 + eig * 64, 2 * (448 + 256 + 512 / 6 + 256) / 1e3 + eig * 64
+    head = 2 * (640 + 160 + 64 / 6 + 160) / 1e3 + eig * 64  # each with W*'s solve (not carried: not loss-aware)
     assert est.fit_decompositions_seconds(SHAPES, two, me, False) == pytest.approx(2 * max(first, second) + head)
     assert est.fit_decompositions_seconds(SHAPES, WORK, me, False) == pytest.approx(2 * (first + second) + head)
 
@@ -268,7 +272,7 @@ def test_the_least_wall_stops_every_refinement_after_its_first_epoch():
     assert e.slack_seconds == pytest.approx(2 * ((8 * 5 * (fwd + bwd) + 9 * fwd) - (5 * (fwd + bwd) + 2 * fwd)))
     assert e.as_dict()["least_wall_seconds"] == pytest.approx(e.wall_seconds - e.slack_seconds, abs=1e-3)
     table = est.render_table(e)
-    assert "  at least         9.9 min" in table and "stopped after one epoch" in table
+    assert "  at least        10.0 min" in table and "stopped after one epoch" in table
     assert max(len(line) for line in table.splitlines()) <= 120
     plain = est.predict(est.Shapes(**{**SHAPES.__dict__, "block_layers": ()}), WORK, MEASURED)
     assert plain.slack_seconds == 0 and "at least" not in est.render_table(plain)

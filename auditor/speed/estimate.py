@@ -308,11 +308,25 @@ def _stage_counts(counts: tuple[int, ...], layers: int) -> tuple[int, ...]:
     return counts if sum(counts) == layers else (1,) * layers
 
 
+def _solve_cost(shape: tuple[int, int], carried: bool) -> float:
+    """W*'s solve in multiply-adds (statistics/sequential.py: fitted_map, ridge_solve): F C (m n^2), the Cholesky
+    factor of G + mu I (n^3 / 6) and its two triangular solves (n^2 m); a tall layer's loss-aware fit also solves T
+    (n^3 / 6 + n^3) and carries its moment, T^T H T (2 n^3). (2026-12-07: not counted; at the 7B shape about
+    1.5 h of one thread's products.)"""
+    m, n = float(shape[0]), float(shape[1])
+    return m * n * n + n ** 3 / 6 + n * n * m + ((n ** 3 / 6 + n ** 3 + 2 * n ** 3) if carried else 0.0)
+
+
 def fit_decompositions_seconds(sh: Shapes, wl: Workload, me: Measurements, loss_aware: bool) -> float:
-    """The sequential fit's truncations of W* (statistics/sequential.py: a stage's at once, _stage_truncators): a
-    repeated block's by its measured stages (:func:`staged_seconds`), every block alike; the layers outside the
-    blocks one after another."""
-    each = _fit_each(me, loss_aware)
+    """The sequential fit's solves and truncations of W* (statistics/sequential.py: a stage's at once,
+    _stage_truncators): a repeated block's by its measured stages (:func:`staged_seconds`), every block alike; the
+    layers outside the blocks one after another."""
+    truncate = _fit_each(me, loss_aware)
+
+    def each(layers: tuple[tuple[int, int], ...]) -> list[float]:
+        return [t + 2.0 * _solve_cost(s, loss_aware and s[0] > s[1]) / _one_thread(me)
+                for t, s in zip(truncate(layers), layers)]
+
     if not sh.block_layers:
         return sum(each(sh.layers))
     block = each(sh.block_layers)
