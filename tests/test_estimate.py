@@ -719,7 +719,8 @@ def test_decompositions_timed_on_a_device_are_counted_there():
     assert host["gradients"] - dev["gradients"] == pytest.approx(
         est.loss_decompositions_seconds(SHAPES, MEASURED) - loss)
     assert est.device_decompositions(SHAPES, MEASURED) is None
-    assert "timed and counted on the device" in est.render_table(est.predict(SHAPES, gradients, on))
+    shown = est.render_table(est.predict(SHAPES, gradients, on))
+    assert "timed and counted on the device" in shown and max(len(line) for line in shown.splitlines()) <= 120
     assert "on the device" not in est.render_table(est.predict(SHAPES, gradients, MEASURED))
     took = est.time_device_linalg(torch.device("cpu"), (24, 16))  # the timing itself, the CPU standing in
     assert all(t > 0 for t in took)
@@ -738,6 +739,7 @@ def test_the_estimate_times_the_decompositions_on_the_audits_device(cli_inproc, 
     assert whiten > 0 and loss > 0 and flops > 0
     table = cli_inproc(f"{small}/m.py:net", "--calibration", f"{small}/cal.safetensors", "--estimate")
     assert "decompositions timed and counted on the device" in table.stdout
+    assert max(len(line) for line in table.stdout.splitlines()) <= 120
     if not torch.cuda.is_available():
         monkeypatch.undo()
         assert est._accelerator("cuda") is None and est._accelerator("cpu") is None and est._accelerator(None) is None

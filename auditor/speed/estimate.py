@@ -1438,8 +1438,8 @@ def render_table(est: Estimate) -> str:
     mapped = ([f"  of it {_mib(est.mapped_bytes)} the weights, mapped from the checkpoint (paged from disk as read): "
                f"{_mib(est.needed_bytes)} must be held"] if est.mapped_bytes else [])
     if est.basis.get("measurements", {}).get("device_linalg", (0, 0, 0))[2] > 0:
-        mapped.append("tier 1's and the gradient pass's decompositions timed and counted on the device; the forwards, "
-                      "tier 3, the fit and the refinement on this host's threads")
+        mapped += ["tier 1's and the gradient pass's decompositions timed and counted on the device;",
+                   "  the forwards, tier 3, the fit and the refinement on this host"]
     if est.basis.get("device"):
         mapped.append(str(est.basis["device"]))
     return "\n".join([f"estimate (measured {est.measure_seconds:.1f} s here, the rest predicted; docs/performance.md)",

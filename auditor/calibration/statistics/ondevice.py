@@ -32,7 +32,7 @@ from typing import Callable
 import numpy as np
 import torch
 
-from .whiten import CHUNK, DAMP, GRADIENT_DAMP, Basis, Decomposer
+from .whiten import DAMP, GRADIENT_DAMP, Basis, Decomposer, short_side_products
 
 EIGH = torch.float64  # the eigensolver's precision on a device (the module docstring: float32 measured, not kept)
 
@@ -62,17 +62,7 @@ def _eigh(a: torch.Tensor, eigh: torch.dtype) -> tuple[torch.Tensor, torch.Tenso
 def _short_side(f: torch.Tensor, gram: torch.Tensor, diagonal: bool, lam: float,
                 eigh: torch.dtype) -> tuple[torch.Tensor, ...]:
     """out <= in: M = F G F^T (undamped) and the eigenvectors of M + lam F F^T, as whiten.decompose forms them."""
-    m, n = f.shape
-    if diagonal:
-        mm = torch.zeros((m, m), dtype=f.dtype, device=f.device)
-        ff = torch.zeros((m, m), dtype=f.dtype, device=f.device)
-        for c in range(0, n, CHUNK):
-            fc = f[:, c:c + CHUNK]
-            mm += (fc * gram[None, c:c + CHUNK]) @ fc.T
-            ff += fc @ fc.T
-    else:
-        mm = (f @ gram) @ f.T
-        ff = f @ f.T
+    mm, ff = short_side_products(f, gram, diagonal)
     mm = (mm + mm.T) / 2
     sigma2, u = _eigh(mm + lam * ff, eigh)
     q = ((u.T @ mm) * u.T).sum(dim=1)
