@@ -95,13 +95,17 @@ def ridge_solve(gram: np.ndarray, lam: float, rhs: np.ndarray) -> np.ndarray:
     same symmetric matrix in the column-major order LAPACK takes, so it is not copied); LU where it is not positive
     definite, a non-finite G included. (2026-12-07: LU on (G + G^T) / 2 + lambda I formed through an identity, four
     n x n arrays beside G and C at once: 3.9 GB at the 7B shape's down projection, the fit's largest.)"""
-    from scipy.linalg import LinAlgError, solve
+    import warnings
+
+    from scipy.linalg import LinAlgError, LinAlgWarning, solve
 
     g = gram + gram.T
     g *= 0.5
     g.flat[:: g.shape[0] + 1] += lam
     try:
-        return solve(g.T, rhs, assume_a="pos", overwrite_a=True, check_finite=False)
+        with warnings.catch_warnings():  # a non-finite G's "ill-conditioned" note: it gives NaN, as LU did
+            warnings.simplefilter("ignore", LinAlgWarning)
+            return solve(g.T, rhs, assume_a="pos", overwrite_a=True, check_finite=False)
     except (LinAlgError, ValueError):
         g = (gram + gram.T) / 2
         g.flat[:: g.shape[0] + 1] += lam
