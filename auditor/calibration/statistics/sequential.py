@@ -95,17 +95,13 @@ def ridge_solve(gram: np.ndarray, lam: float, rhs: np.ndarray) -> np.ndarray:
     same symmetric matrix in the column-major order LAPACK takes, so it is not copied); LU where it is not positive
     definite, a non-finite G included. (2026-12-07: LU on (G + G^T) / 2 + lambda I formed through an identity, four
     n x n arrays beside G and C at once: 3.9 GB at the 7B shape's down projection, the fit's largest.)"""
-    import warnings
-
-    from scipy.linalg import LinAlgError, LinAlgWarning, solve
+    from scipy.linalg import LinAlgError, cho_factor, cho_solve
 
     g = gram + gram.T
     g *= 0.5
     g.flat[:: g.shape[0] + 1] += lam
-    try:
-        with warnings.catch_warnings():  # a non-finite G's "ill-conditioned" note: it gives NaN, as LU did
-            warnings.simplefilter("ignore", LinAlgWarning)
-            return solve(g.T, rhs, assume_a="pos", overwrite_a=True, check_finite=False)
+    try:  # (no condition estimate: a non-finite G gives NaN, as LU did)
+        return cho_solve(cho_factor(g.T, overwrite_a=True, check_finite=False), rhs, check_finite=False)
     except (LinAlgError, ValueError):
         g = (gram + gram.T) / 2
         g.flat[:: g.shape[0] + 1] += lam
