@@ -120,11 +120,14 @@ def test_the_session_decomposes_on_its_device_and_float32_vectors_lose_error(cha
 
 
 def test_a_session_on_the_cpu_keeps_numpys_path():
-    from auditor.calibration.session import _accelerator
+    from auditor.calibration.session import _placement
     from auditor.options import AuditOptions, StatisticsOptions
 
-    assert _accelerator(None) is None
-    assert _accelerator(AuditOptions(statistics=StatisticsOptions(device="cpu"))) is None
+    model = torch.nn.Linear(2, 2)
+    assert _placement(model, None).device is None
+    assert _placement(model, AuditOptions(statistics=StatisticsOptions(device="cpu"))).device is None
+    assert _placement(model, AuditOptions(statistics=StatisticsOptions(device="auto"))).device == (
+        torch.device("cuda") if torch.cuda.is_available() else None)
     assert Decompositions(torch.nn.Linear(2, 2)).device is None
 
 

@@ -44,8 +44,6 @@ from .statistics.placement import Decompositions
 from .statistics.stats import InputStatistics, by_name, input_statistics
 
 if TYPE_CHECKING:
-    import torch
-
     from .measure.metric import UserMetric
     from .statistics.whiten import Keep, WhitenedSpectrum
     from ..options import AuditOptions, TierOptions
@@ -409,20 +407,11 @@ def _read(session: "CalibrationSession", want: dict[str, Layer], progress: "Prog
 def _placement(model: nn.Module, options: "AuditOptions | None") -> Decompositions:
     """Where the session's decompositions run: the audit's cluster (``--scheduler``), its device, or here."""
     cluster = options.cluster if options is not None else None
+    from .statistics.stream import accelerator
+
+    # tier 1's decompositions on the statistics' device where it is an accelerator; NumPy's LAPACK for the CPU
     return Decompositions(model, *((cluster.scheduler, cluster.path_map) if cluster else ()),
-                          device=_accelerator(options))
-
-
-def _accelerator(options: "AuditOptions | None") -> "torch.device | None":
-    """The device the audit's statistics run on where it is an accelerator (tier 1's decompositions are made there:
-    statistics/ondevice.py); None for the CPU, which keeps NumPy's float64 LAPACK."""
-    spec = options.statistics.device if options is not None else None
-    if spec is None:
-        return None
-    from .statistics.stream import resolve_device
-
-    device = resolve_device(spec)
-    return None if device.type == "cpu" else device
+                          device=accelerator(options.statistics.device if options is not None else None))
 
 
 class CalibrationSession:

@@ -37,6 +37,15 @@ from .whiten import DAMP, GRADIENT_DAMP, Basis, Decomposer, short_side_products
 EIGH = torch.float64  # the eigensolver's precision on a device (the module docstring: float32 measured, not kept)
 
 
+def _put(a: np.ndarray, device: torch.device) -> torch.Tensor:
+    """A host array on ``device`` as float64."""
+    return torch.from_numpy(np.ascontiguousarray(a)).to(device=device, dtype=torch.float64)
+
+
+def _host(t: torch.Tensor) -> np.ndarray:
+    return t.detach().cpu().numpy()
+
+
 def _eigh(a: torch.Tensor, eigh: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     """Eigenvalues and eigenvectors (columns) of the symmetric float64 ``a``, largest first. ``eigh`` float32: the
     vectors solved in float32, made orthonormal in float64 and ordered by their float64 Rayleigh quotients, which
@@ -98,8 +107,7 @@ def decompose_on(f: np.ndarray, gram: np.ndarray, diagonal: bool = False, damp: 
     """:func:`~.whiten.decompose` of one group's F (out x in) under G (in x in, or its diagonal) on ``device``, its
     eigenvectors solved in ``eigh`` (the module docstring)."""
     m, n = f.shape
-    ft = torch.from_numpy(np.ascontiguousarray(f)).to(device=device, dtype=torch.float64)
-    gt = torch.from_numpy(np.ascontiguousarray(gram)).to(device=device, dtype=torch.float64)
+    ft, gt = _put(f, device), _put(gram, device)
     diag = gt if diagonal else torch.diagonal(gt)
     scale = float(diag.mean()) if diag.numel() else 0.0
     lam = damp * scale if scale > 0 else damp
@@ -110,9 +118,8 @@ def decompose_on(f: np.ndarray, gram: np.ndarray, diagonal: bool = False, damp: 
         u = u if need_u else None
     else:
         u, sigma2, q, total = _long_side(ft, gt, lam, need_u, eigh)
-    host = (lambda t: t.detach().cpu().numpy())  # noqa: E731
-    return Basis(host(u) if u is not None else None, np.clip(host(sigma2), 0.0, None), np.clip(host(q), 0.0, None),
-                 float(total), lam)
+    return Basis(_host(u) if u is not None else None, np.clip(_host(sigma2), 0.0, None),
+                 np.clip(_host(q), 0.0, None), float(total), lam)
 
 
 def weighted_on(f: np.ndarray, gram: np.ndarray, diagonal: bool, h: np.ndarray, carried: bool,
@@ -126,31 +133,30 @@ def weighted_on(f: np.ndarray, gram: np.ndarray, diagonal: bool, h: np.ndarray, 
     shrink = GRADIENT_DAMP + (m / samples if samples > 0 else 0.0)
     if not np.all(np.isfinite(h)):  # a gradient that overflowed: the whitened truncation, as without one
         return None
-    put = (lambda a: torch.from_numpy(np.ascontiguousarray(a)).to(device=device, dtype=torch.float64))  # noqa: E731
-    host = (lambda t: t.detach().cpu().numpy())  # noqa: E731
+    ht, ft = _put(h, device), _put(f, device)
     if not carried:  # an oblique projection on the output side
         scale = float(np.trace(h)) / m if m else 0.0
         if not scale > 0 or not math.isfinite(scale):
             return None
-        low = torch.linalg.cholesky(put(h) + shrink * scale * torch.eye(m, dtype=torch.float64, device=device))
-        basis = decompose_on(host(low.T @ put(f)), gram, diagonal, damp, device=device)
-        u = put(basis.u)
-        return basis.sigma2, {"u": [host(torch.linalg.solve(low.T, u))], "w": [host(low @ u)]}
-    ft = put(f)
+        low = torch.linalg.cholesky(ht + shrink * scale * torch.eye(m, dtype=torch.float64, device=device))
+        basis = decompose_on(_host(low.T @ ft), gram, diagonal, damp, device=device)
+        u = _put(basis.u, device)
+        return basis.sigma2, {"u": [_host(torch.linalg.solve(low.T, u))], "w": [_host(low @ u)]}
     ff = ft.T @ ft  # an oblique projection on the input side
-    scale = float(torch.trace(put(h))) / float(torch.trace(ff)) if float(torch.trace(ff)) > 0 else 0.0
+    reach = float(torch.trace(ff))
+    scale = float(torch.trace(ht)) / reach if reach > 0 else 0.0
     if not scale > 0 or not math.isfinite(scale):
         return None
-    g = put(np.diag(gram) if diagonal else gram)
+    g = _put(np.diag(gram) if diagonal else gram, device)
     diag = torch.diagonal(g)
     lam = damp * float(diag.mean()) if diag.numel() and float(diag.mean()) > 0 else damp
     s = torch.linalg.cholesky(g + lam * torch.eye(n, dtype=torch.float64, device=device))
-    kk = s.T @ (put(h) + shrink * scale * ff) @ s
+    kk = s.T @ (ht + shrink * scale * ff) @ s
     vals, v = torch.linalg.eigh((kk + kk.T) / 2)
     order = torch.argsort(vals, descending=True, stable=True)
     v = v[:, order]
-    return (np.clip(host(vals[order]), 0.0, None),
-            {"z": [host(s @ v)], "y": [host(torch.linalg.solve(s.T, v))]})
+    return (np.clip(_host(vals[order]), 0.0, None),
+            {"z": [_host(s @ v)], "y": [_host(torch.linalg.solve(s.T, v))]})
 
 
 def on(device: torch.device, eigh: torch.dtype = EIGH) -> Decomposer:

@@ -12,6 +12,7 @@ once they did (empty: here).
 from __future__ import annotations
 
 import contextlib
+import functools
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Iterator, MutableMapping, Sequence
 
@@ -59,8 +60,7 @@ class Decompositions:
                 return
             from .ondevice import on
 
-            decomposer = on(self.device)
-            yield lambda *args, **kwargs: whitened_spectra(*args, decomposer=decomposer, **kwargs)
+            yield functools.partial(whitened_spectra, decomposer=on(self.device))
             return
         with self._cluster() as cluster:  # one block, or one layer outside them, at a time
             def spectra(*args: Any, keep: Any = None, **kwargs: Any) -> "dict[str, WhitenedSpectrum]":

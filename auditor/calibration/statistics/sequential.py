@@ -330,9 +330,8 @@ def _add_into(held: dict[str, np.ndarray], names: list[str], p: np.ndarray) -> N
     between them); names holding one array that no other name holds add into it in place, once; an array another
     name holds too gets a new sum for these names (the same numbers: a + p either way)."""
     fresh = [n for n in names if n not in held]
-    if fresh:
-        for n in fresh:
-            held[n] = p
+    for n in fresh:
+        held[n] = p
     by_array: dict[int, list[str]] = {}
     for n in names:
         if n not in fresh:

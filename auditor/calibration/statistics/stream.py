@@ -109,6 +109,13 @@ def resolve_device(spec: str | torch.device | None) -> torch.device:
     return torch.device(text)
 
 
+def accelerator(spec: str | torch.device | None) -> torch.device | None:
+    """The device ``spec`` names (:func:`resolve_device`, which raises for one this machine lacks) where it is an
+    accelerator, where the decompositions run too (statistics/ondevice.py); None for the CPU and for no spec."""
+    device = resolve_device(spec) if spec is not None else None
+    return device if device is not None and device.type != "cpu" else None
+
+
 def batch_dtype_for(device: torch.device) -> torch.dtype:
     """Each batch's X^T X in float32 on a GPU (added into a float64 sum), float64 on the CPU."""
     return torch.float32 if device.type == "cuda" else torch.float64
