@@ -61,6 +61,19 @@ def test_the_worker_waits_passively_on_explicit_threads():
     assert (env["OMP_WAIT_POLICY"], env["OMP_NUM_THREADS"], env["MKL_NUM_THREADS"]) == ("PASSIVE", "3", "3")
 
 
+def _dense_timed(source: str, options):
+    """The dense model measured in the worker; a busy machine's two repeats more than 25% apart are refused as not
+    repeatable (a RuntimeError saying so): measured again, three tries in all."""
+    for attempt in range(3):
+        try:
+            [dense] = measure_subprocesses(source, options, [{}], "cpu", 1,
+                                           blocks=Blocks(timeout=120, min_time=0.05, min_blocks=8))
+            return dense
+        except RuntimeError as e:
+            if "not repeatable" not in str(e) or attempt == 2:
+                raise
+
+
 @pytest.mark.parametrize("planted", ["torch.py", "sitecustomize.py", "typing.py", "auditor/speed/__init__.py",
                                      "dataclasses.py"])
 def test_the_worker_imports_no_planted_module_of_the_working_folder(tmp_path, monkeypatch, planted):
@@ -75,8 +88,7 @@ def test_the_worker_imports_no_planted_module_of_the_working_folder(tmp_path, mo
     write_low_rank_mlp(tmp_path / "src", widths=(8, 6, 4), rank=2) if (tmp_path / "src").mkdir() is None else None
     monkeypatch.chdir(tmp_path)
     monkeypatch.setattr(sys, "path", ["", *sys.path])
-    [dense] = measure_subprocesses("src/m.py:model", LoadOptions(), [{}], "cpu", 1,
-                                   blocks=Blocks(timeout=120, min_time=0.05, min_blocks=8))
+    dense = _dense_timed("src/m.py:model", LoadOptions())
     assert not marker.exists() and dense.params == 8 * 6 + 6 + 6 * 4 + 4
 
 
@@ -88,8 +100,7 @@ def test_the_worker_imports_nothing_from_the_working_folder(tmp_path, monkeypatc
     marker = _plant(tmp_path)
     write_low_rank_mlp(tmp_path, widths=(8, 6, 4), rank=2)
     monkeypatch.chdir(tmp_path)
-    [dense] = measure_subprocesses("m.py:model", LoadOptions(), [{}], "cpu", 1,
-                                   blocks=Blocks(timeout=120, min_time=0.05, min_blocks=8))
+    dense = _dense_timed("m.py:model", LoadOptions())
     assert not marker.exists()
     assert dense.params == 8 * 6 + 6 + 6 * 4 + 4 and dense.timing.median > 0
 

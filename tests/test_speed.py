@@ -235,10 +235,13 @@ def test_cli_measure_speed_times_the_whole_model_in_fresh_processes(cli, tmp_pat
     from _factories import write_low_rank_mlp
 
     src = write_low_rank_mlp(tmp_path, widths=(48, 64, 48, 4), rank=3)
-    r = cli(src, "--measure-speed", "--format", "json", "-q", env={"OMP_NUM_THREADS": "1"})
-    assert r.returncode == 0, r.stderr
-    d = json.loads(r.stdout)
-    sp, rv = d["speed"], d["plan_review"]
+    for _ in range(3):  # a busy machine's two repeats more than 25% apart are refused as not repeatable: again
+        r = cli(src, "--measure-speed", "--format", "json", "-q", env={"OMP_NUM_THREADS": "1"})
+        assert r.returncode == 0, r.stderr
+        d = json.loads(r.stdout)
+        sp, rv = d["speed"], d["plan_review"]
+        if sp["model"] is not None:
+            break
     assert sp["threads"] == 1 and sp["model"]["where"] == "subprocess"
     assert sp["model"]["dense"]["params"] == d["totals"]["params"]
     assert sp["model"]["factorized"]["params"] == d["totals"]["params"] - rv["params_before"] + rv["params_after"]
