@@ -6,11 +6,14 @@ stage's layers have all run (what it did before). ``--compare memory``: a stage'
 for the layers reading one input, and W* solved by a Cholesky factor made in place (what it does), against a new sum
 per layer each batch with both products alive and an LU solve of (G + G^T) / 2 + mu I formed through an identity
 (what it did before); a wide ``--intermediate`` shows it (8192: each of the down projection's n x n arrays is
-512 MiB). Its two sides' factors are equal to rounding, not bit for bit: each layer's A B is compared.
+512 MiB). ``--compare threads``: a stage of fewer layers than cores truncated on its share of the BLAS threads (what
+it does: a Llama block's o_proj and down_proj alone on every core), against one BLAS thread a layer always (what it
+did before). These two comparisons' sides have factors equal to rounding, not bit for bit: each layer's A B is
+compared.
 
     PYTHONPATH=. python benchmarks/sequential_capture.py [--hidden 1024 --intermediate 2816 --heads 16 --kv 4]
                                                          [--depth 4] [--rows 48 --tokens 128] [--refine 0]
-                                                         [--compare dense|stop|memory]
+                                                         [--compare dense|stop|memory|threads]
 
 A random-init Llama of that shape (vocabulary 8,000; cost only), ``rows`` windows of ``tokens`` random ids (a
 quarter held out, batches of 16), every Linear of its blocks planned at half its break-even rank; the fit on the
@@ -62,7 +65,12 @@ def child(a: argparse.Namespace, once: bool) -> None:
     if not once and a.compare == "memory":  # as before: a new sum per layer each batch, LU through an identity
         seq._Sums.add = _add_per_layer
         seq.fitted_map = _fitted_map_lu
-    products = f"/tmp/sequential_capture_{os.getpid()}.npz" if a.compare == "memory" else None
+    if not once and a.compare == "threads":  # as before: one BLAS thread a layer, however few the stage's layers
+        from auditor.calibration.statistics import whiten
+
+        real = whiten.on_every_core
+        whiten.on_every_core = lambda fn, items, jobs=None, share=False: real(fn, items, jobs)
+    products = f"/tmp/sequential_capture_{os.getpid()}.npz" if a.compare in ("memory", "threads") else None
     print(json.dumps({**timed_fit(model, plan, cal, a.refine, products), "products": products}))
 
 
@@ -137,7 +145,7 @@ def main() -> None:
     ap.add_argument("--rows", type=int, default=48)
     ap.add_argument("--tokens", type=int, default=128)
     ap.add_argument("--refine", type=int, default=0)
-    ap.add_argument("--compare", choices=("dense", "stop", "memory"), default="dense")
+    ap.add_argument("--compare", choices=("dense", "stop", "memory", "threads"), default="dense")
     ap.add_argument("--child", type=int, default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child is not None:
@@ -148,7 +156,7 @@ def main() -> None:
         out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout.strip().splitlines()[-1]
         got.append(json.loads(out))
     new, old = got
-    if args.compare == "memory":
+    if args.compare in ("memory", "threads"):
         import numpy as np
 
         a, b = np.load(new["products"]), np.load(old["products"])
@@ -162,11 +170,12 @@ def main() -> None:
     print(f"{'':<34}{'wall':>9}{'peak RSS':>12}")
     now, before = {"dense": ("one dense run a block (now)", "a dense run a stage (before)"),
                    "stop": ("stage runs end at its last layer", "stage runs end after its layers"),
-                   "memory": ("sums and solve in place", "a sum a layer, LU via an identity")}[args.compare]
+                   "memory": ("sums and solve in place", "a sum a layer, LU via an identity"),
+                   "threads": ("a lone layer on every core", "one BLAS thread a layer")}[args.compare]
     print(f"{now:<34}{new['wall']:>8.1f}s{new['peak'] / 2**20:>8,.0f} MiB")
     print(f"{before:<34}{old['wall']:>8.1f}s{old['peak'] / 2**20:>8,.0f} MiB")
     print(f"{'now / before':<34}{new['wall'] / old['wall']:>8.2f}x{new['peak'] / max(1, old['peak']):>11.2f}x"
-          + ("" if args.compare == "memory" else "  (equal factors checked)"))
+          + ("" if args.compare in ("memory", "threads") else "  (equal factors checked)"))
 
 
 if __name__ == "__main__":

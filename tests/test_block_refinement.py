@@ -200,3 +200,58 @@ def test_a_positional_cache_is_not_kept_so_gpt2_blocks_refine() -> None:
     done = sequential_fit(model, checked_plan(model, {n: 8 for n in names}), cal)
     assert set(done.refined) <= set(names) and done.refined
     assert all(torch.equal(v, model.state_dict()[k]) for k, v in before.items())
+
+
+def _gpt2_fit_case():
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    model = transformers.GPT2LMHeadModel(transformers.GPT2Config(n_layer=2, n_embd=64, n_head=4, vocab_size=300,
+                                                                 n_positions=64)).eval()
+    ids = torch.randint(0, 300, (16, 32), generator=torch.Generator().manual_seed(0))
+    cal = load_calibration({"input_ids": ids}, model, holdout=0.0, batch_size=2)
+    names = ("transformer.h.0.attn.c_attn", "transformer.h.0.mlp.c_fc", "transformer.h.1.mlp.c_proj")
+    return model, cal, checked_plan(model, {n: 8 for n in names})
+
+
+def test_a_refinement_on_a_named_device_moves_each_batch_there_and_leaves_the_model_where_it_is(monkeypatch):
+    """``Refinement(device=...)``: each batch's inputs, target and mask go through ``on_device`` to the device the
+    factors train on, one batch at a time; the block's weights are read there as copies (the model itself never
+    moved). On the CPU, named, the factors are the unnamed run's bit for bit."""
+    model, cal, plan = _gpt2_fit_case()
+    plain = sequential_fit(model, plan, cal)
+    moved: list[torch.device] = []
+    real = rf.on_device
+
+    def spy(obj, device):
+        moved.append(device)
+        return real(obj, device)
+
+    monkeypatch.setattr(rf, "on_device", spy)
+    named = sequential_fit(model, plan, cal, refine=rf.Refinement(rf.EPOCHS, torch.device("cpu")))
+    assert moved and set(moved) == {torch.device("cpu")} and named.refined == plain.refined and plain.refined
+    for n in plan:
+        assert all(np.array_equal(x, y) for x, y in zip(named.truncators[n].factors(8), plain.truncators[n].factors(8)))
+    assert all(p.device.type == "cpu" for p in model.parameters())
+
+
+def test_on_device_moves_every_tensor_in_nested_inputs_and_keeps_the_rest():
+    from collections import namedtuple
+
+    Pair = namedtuple("Pair", "cos sin")
+    t = torch.ones(2)
+    got = rf.on_device(((t, Pair(t, t)), {"mask": [t, None], "flag": True, "name": "x"}), torch.device("meta"))
+    (a, pair), kw = got
+    assert a.device.type == "meta" and isinstance(pair, Pair) and pair.sin.device.type == "meta"
+    assert kw["mask"][0].device.type == "meta" and kw["mask"][1] is None and kw["flag"] is True and kw["name"] == "x"
+    assert rf.on_device(t, torch.device("cpu")) is t  # where it is already: the same tensor, no copy
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_the_refinement_trains_on_cuda_and_returns_host_factors():
+    model, cal, plan = _gpt2_fit_case()
+    done = sequential_fit(model, plan, cal, refine=rf.Refinement(rf.EPOCHS, torch.device("cuda")))
+    assert done.refined and all(p.device.type == "cpu" for p in model.parameters())
+    for n in done.refined:
+        a, b = done.truncators[n].factors(8)
+        assert isinstance(a, np.ndarray) and np.isfinite(a).all() and np.isfinite(b).all()
+        assert done.truncators[n].weight(8).device.type == "cpu"

@@ -210,6 +210,11 @@ def test_a_stages_truncations_are_counted_on_every_core_at_once():
     assert est.staged_seconds(times, (3, 1, 2, 1), 1) == sum(times)
     assert est.staged_seconds(times, (3, 1, 2), 2) == sum(times)  # counts that miss a layer: each layer a stage
     assert est.staged_seconds([3.0, 1.0, 1.0], (3,), 2) == 3.0  # the first thread busy, the second takes both
+    # a stage of fewer layers than cores: each layer on its share of the threads, at the measured speed-up of all
+    # the cores (1.6 here) interpolated linearly from one thread (4 cores, 2 layers: 2 threads each, 1.2x)
+    assert est.staged_seconds(times, (3, 1, 2, 1), 2, 1.6) == pytest.approx(2.0 + 2.0 / 1.6 + 3.0 + 4.0 / 1.6)
+    assert est.staged_seconds(times, (3, 1, 2, 1), 4, 1.6) == pytest.approx(1.0 + 2.0 / 1.6 + 3.0 / 1.2 + 4.0 / 1.6)
+    assert est.staged_seconds(times, (3, 1, 2, 1), 1, 1.6) == sum(times)
     # the toy block's two layers, one stage, on two threads: the longer of the two, each block
     two = est.Workload(**{**WORK.__dict__, "threads": 2})
     me = est.Measurements(**{**MEASURED.__dict__, "stage_shares": (1.0,), "stage_layers": (2,)})
@@ -242,6 +247,10 @@ def test_the_refinement_counts_the_factored_step_measured_at_the_budgets_ranks()
     assert plain["verification"] - s["verification"] == pytest.approx(2 * 8 * 5 * (1.5 - 0.25))
     assert {k: v for k, v in s.items() if k != "verification"} == {
         k: v for k, v in plain.items() if k != "verification"}
+    # timed on a device (the refinement trains there): each check a third of that step, not the host's forward
+    there = est.Measurements(**{**me.__dict__, "device_linalg": (0.5, 0.5, 1e12)})
+    assert est.refinement_slack(SHAPES, WORK, there) == pytest.approx(2 * 7 * (5 * 0.25 + 0.25 / 3))
+    assert est.refinement_slack(SHAPES, WORK, me) == pytest.approx(2 * 7 * (5 * 0.25 + 0.5))
     assert est.kept_share(SHAPES, 200, 0.2) == pytest.approx(1 - 0.2 * 200 / 128)  # 2 blocks of 64
     assert est.kept_share(SHAPES, 200, None) == 1.0 and est.kept_share(SHAPES, 200, 0.9) == 0.05
     assert est.kept_share(est.Shapes(**{**SHAPES.__dict__, "block_layers": ()}), 200, 0.2) == 1.0
@@ -262,6 +271,9 @@ def test_the_factored_step_is_timed_on_the_block_and_puts_its_modules_back():
     assert [type(m) for m in block.modules()] == kinds
     assert all(torch.equal(v, block.state_dict()[k]) for k, v in before.items())
     assert all(p.grad is None for p in block.parameters())
+    # on a named device (here the CPU, named): the same step, the block's weights and the inputs copied there
+    assert step_seconds(block, inputs, 0.5, hidden_state, lambda: float(next(ticks)), device=torch.device("cpu")) == 1.0
+    assert all(torch.equal(v, block.state_dict()[k]) for k, v in before.items())
 
 
 def test_the_least_wall_stops_every_refinement_after_its_first_epoch():
@@ -700,8 +712,11 @@ def test_decompositions_are_their_products_on_one_thread_and_an_eigendecompositi
     cuts = 2 * (4 * 128 + 160) / 500
     assert s1["statistics"] - s2["statistics"] == pytest.approx((est.decompositions_seconds(SHAPES, one) + cuts) / 2)
     assert s1["gradients"] - s2["gradients"] == pytest.approx((est.loss_decompositions_seconds(SHAPES, one) + cuts) / 2)
-    assert {k: v for k, v in s1.items() if k not in ("statistics", "gradients")} == {
-        k: v for k, v in s2.items() if k not in ("statistics", "gradients")}
+    # the fit's truncations of W*: each layer a stage here, alone on both threads at the measured speed-up (2x)
+    fit1, fit2 = (est.fit_decompositions_seconds(SHAPES, w, one, True) for w in (WORK, two))
+    assert fit2 == pytest.approx(fit1 / 2) and s1["verification"] - s2["verification"] == pytest.approx(fit1 - fit2)
+    assert {k: v for k, v in s1.items() if k not in ("statistics", "gradients", "verification")} == {
+        k: v for k, v in s2.items() if k not in ("statistics", "gradients", "verification")}
 
 
 def test_decompositions_timed_on_a_device_are_counted_there():

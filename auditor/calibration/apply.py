@@ -296,11 +296,12 @@ def sequential(calibration: "CalibrationGiven", model: nn.Module,
     input statistics alone hold no rows to fit on), loss-aware with ``loss_metric``'s output-gradient moments (the
     gradient pass's: :func:`auditor.calibration.tiers.sensitivity.loss_metric`): its truncators, and with ``refit``
     those dense layers' new weights; ``refine``: with the block refinement (:mod:`.statistics.refine`)."""
-    from .statistics.refine import EPOCHS
+    from .statistics.refine import EPOCHS, Refinement
     from .statistics.sequential import sequential_fit
 
+    device = None  # the audit's accelerator (--device cuda): the blocks' refinement trains there
     if isinstance(calibration, CalibrationSession):
-        calibration = calibration.calibration
+        calibration, device = calibration.calibration, calibration.decompositions.device
     if not isinstance(calibration, Calibration):
         raise AuditError(f"the sequential fit needs the calibration rows; {type(calibration).__name__} holds none",
                          "Pass a CalibrationSession or a Calibration (load_calibration), or fit='independent'")
@@ -310,7 +311,7 @@ def sequential(calibration: "CalibrationGiven", model: nn.Module,
     with threadpool_limits(limits=1, user_api="blas"):  # NumPy's BLAS on one thread, as the audit's stage runs it:
         # the audit's plan check and factorize then fit the same factors to the bit
         return sequential_fit(model, resolved, calibration, moments=moments, refit=refit,
-                              refine=EPOCHS if refine else 0)
+                              refine=Refinement(EPOCHS if refine else 0, device))
 
 
 class _MappedFactors:

@@ -140,7 +140,8 @@ class Measurements:
     stage_layers: tuple[int, ...] = ()  # the weighted modules of each of stage_shares' stages, in call order (a
     #                                     Llama block's 3, 1, 2, 1); (): unmeasured (each layer a stage)
     refine_step: float = 0.0  # one block's refinement training step, its Linears factored at the ranks the budget
-    #                           leaves (refine.step_seconds); 0: unmeasured (the dense block's, recording, backward)
+    #                           leaves (refine.step_seconds), on the device where one was named (the refinement
+    #                           trains there); 0: unmeasured (the dense block's, recording, backward)
     device_linalg: tuple[float, float, float] = (0.0, 0.0, 0.0)  # on an accelerator (--device cuda): one whitened
     #   decomposition and one loss-aware truncation at decompose_shape made there (statistics/ondevice.py), and its
     #   float64 FLOP/s; zeros: none (every decomposition on the host's threads)
@@ -290,15 +291,21 @@ def _fit_each(me: Measurements, loss_aware: bool) -> Callable[[tuple[tuple[int, 
     return lambda layers: _linalg_each(me.decompose_seconds, me.decompose_shape, _whiten_cost, _one_thread(me), layers)
 
 
-def staged_seconds(times: list[float], counts: tuple[int, ...], cores: int) -> float:
+def staged_seconds(times: list[float], counts: tuple[int, ...], cores: int, scale: float = 1.0) -> float:
     """Layers truncated a stage at a time, a stage's on ``cores`` threads at once (whiten.on_every_core: each
     layer, in order, to the first thread free), the stages one after another (each reads the inputs the one before
-    it fitted): the sum of the stages' spans. Each layer a stage where ``counts`` do not cover ``times``."""
+    it fitted): the sum of the stages' spans. A stage of fewer layers than cores gives each layer its share of the
+    BLAS threads: its time (``times`` are one thread's) divided by the speed-up of that many threads, interpolated
+    linearly up to ``scale``, the measured rate of all ``cores`` threads over one's. Each layer a stage where
+    ``counts`` do not cover ``times``. (2026-12-07: a stage of one layer on one thread: 2 of a Llama block's 4.)"""
     total, i = 0.0, 0
     for c in _stage_counts(counts, len(times)):
-        free = [0.0] * max(1, min(cores, c))
+        jobs = max(1, min(cores, c))
+        share = cores // jobs
+        speedup = 1.0 + (max(1.0, scale) - 1.0) * (share - 1) / (cores - 1) if cores > 1 else 1.0
+        free = [0.0] * jobs
         for t in times[i:i + c]:
-            free[free.index(min(free))] += t
+            free[free.index(min(free))] += t / speedup
         total, i = total + max(free), i + c
     return total
 
@@ -320,18 +327,20 @@ def _solve_cost(shape: tuple[int, int], carried: bool) -> float:
 def fit_decompositions_seconds(sh: Shapes, wl: Workload, me: Measurements, loss_aware: bool) -> float:
     """The sequential fit's solves and truncations of W* (statistics/sequential.py: a stage's at once,
     _stage_truncators): a repeated block's by its measured stages (:func:`staged_seconds`), every block alike; the
-    layers outside the blocks one after another."""
+    layers outside the blocks (each layer of a model without blocks) one after another, each on every core."""
     truncate = _fit_each(me, loss_aware)
 
     def each(layers: tuple[tuple[int, int], ...]) -> list[float]:
         return [t + 2.0 * _solve_cost(s, loss_aware and s[0] > s[1]) / _one_thread(me)
                 for t, s in zip(truncate(layers), layers)]
 
+    cores, scale = _cores(sh, wl), me.gemm_flops / _one_thread(me)
     if not sh.block_layers:
-        return sum(each(sh.layers))
+        return staged_seconds(each(sh.layers), (), cores, scale)
     block = each(sh.block_layers)
     outside = sum(each(sh.layers)) - sh.blocks * sum(block)
-    return sh.blocks * staged_seconds(block, me.stage_layers, _cores(sh, wl)) + max(0.0, outside)
+    alone = staged_seconds([1.0], (1,), cores, scale)  # a one-thread second of a layer alone, on every core
+    return sh.blocks * staged_seconds(block, me.stage_layers, cores, scale) + max(0.0, outside) * alone
 
 
 def spectra_seconds(sh: Shapes, me: Measurements) -> float:
@@ -429,13 +438,18 @@ def refinement_seconds(wl: Workload, check: float, step: float, epochs: int = EP
 
 def _refinement(sh: Shapes, wl: Workload, me: Measurements, epochs: int = EPOCHS) -> float:
     """The refinement of every repeated block (nothing outside them is refined): each step the block's factored
-    training step where it was measured at the budget's ranks, else the dense block's forward recording for a
-    backward and its backward (the bound: a plan's factors multiply fewer weights); each check the dense block's
-    forward (the bound likewise). (2026-12-07: the whole model's forward and backward were counted, the head too.)"""
+    training step where it was measured (at the budget's ranks; on the audit's device, where the refinement trains,
+    at the break-even ranks without a budget), else the dense block's forward recording for a backward and its
+    backward (the bound: a plan's factors multiply fewer weights); each check the dense block's forward (the bound
+    likewise), or a third of the device's step. (2026-12-07: the whole model's forward and backward were counted,
+    the head too.)"""
     if not (wl.calibrated and sh.block_layers):
         return 0.0
     step = me.refine_step if me.refine_step > 0 else _block_seconds(me, grad=True) + _block_seconds(me, backward=True)
-    return max(1, sh.blocks) * refinement_seconds(wl, me.block_forward, step, epochs)
+    # on a device (the step timed there) a check's forward is counted as a third of the step, its forward and
+    # backward; on the host the dense block's forward as measured
+    check = step / 3 if me.refine_step > 0 and me.device_linalg[2] > 0 else me.block_forward
+    return max(1, sh.blocks) * refinement_seconds(wl, check, step, epochs)
 
 
 def refinement_slack(sh: Shapes, wl: Workload, me: Measurements) -> float:
@@ -1203,8 +1217,9 @@ def measure(model: nn.Module, batch: Any, sh: Shapes, before: Process, clock: Ca
             timed = _time_call(fn, args, kwargs, params, clock, backward=linalg)
             stats = (_time_statistics(model, fn, stats_layers, args, kwargs, batch, clock)
                      if linalg and block is not None and stats_timed(sh, asked.room) else 0.0)
-            step = (step_seconds(fn, (args, kwargs), asked.keep, hidden_state, clock)
-                    if linalg and block is not None and fn is not model and asked.keep < 1 else 0.0)
+            step = (step_seconds(fn, (args, kwargs), asked.keep, hidden_state, clock, device=asked.device)
+                    if linalg and block is not None and fn is not model and (asked.keep < 1 or asked.device)
+                    else 0.0)
     except (AuditError, torch.OutOfMemoryError):
         raise
     except Exception as exc:  # noqa: BLE001 - inputs the forward refuses, said in one line as the audit says it

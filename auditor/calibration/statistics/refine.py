@@ -25,6 +25,12 @@ positions, its Linears at half their break-even ranks: 44.3 s with the products,
 ``benchmarks/refine_factored.py``). Each factor is rounded to the layer's stored dtype before it multiplies, as the
 written factors are. Other kinds (convolutions, grouped maps, a transposed ``Conv1D``) run with the product in place
 of their weight, as before; the original modules are back in place when the refinement ends, an error included.
+
+On a device (``--device cuda``: :class:`Refinement`'s ``device``) the block trains there while the model stays
+where it is: the block's weights and buffers are copied there once for the block (passed to ``functional_call``,
+the module itself never moved), the factors, Adam's moments and the autograd graph live there, and each batch's
+inputs, target and mask go there as that batch is used (one batch at a time, not the block's fit rows at once). The
+refined factors come back to the host as float64, as on the CPU.
 """
 
 from __future__ import annotations
@@ -47,6 +53,15 @@ LR = 5e-3  # each factor's Adam step, relative to its root mean square
 CHECK = 8  # one fit batch in CHECK (at least one) is held out of the training to stop it
 
 Inputs = list[tuple[tuple[object, ...], dict[str, object]]]  # per batch: a block's positional and keyword inputs
+
+
+@dataclass(frozen=True)
+class Refinement:
+    """How the sequential fit refines its blocks: ``epochs`` at most (0: the closed form only) and the ``device`` a
+    block trains on (None: where its weights are)."""
+
+    epochs: int = EPOCHS
+    device: torch.device | None = None
 
 
 class Batches(NamedTuple):
@@ -95,8 +110,8 @@ class _Factors:
     b: torch.Tensor
     like: torch.Tensor  # the weight in place now: shape, dtype
 
-    def weight(self) -> torch.Tensor:
-        return stored_weight(self.layer, self.a @ self.b, tuple(self.like.shape), self.like.dtype, self.like.device)
+    def weight(self) -> torch.Tensor:  # where the factors train (a device's copy of the block runs with it)
+        return stored_weight(self.layer, self.a @ self.b, tuple(self.like.shape), self.like.dtype, self.a.device)
 
     def refined(self) -> Refined:
         return Refined(self.layer, self.a.detach().double().cpu().numpy(), self.b.detach().double().cpu().numpy(),
@@ -138,14 +153,16 @@ def _factorable(blk: nn.Module, f: _Factors) -> tuple[nn.Module, str, nn.Linear]
 @contextlib.contextmanager
 def _factored(blk: nn.Module, factors: list[_Factors]) -> Iterator[None]:
     """Every plain ``nn.Linear`` among ``factors`` swapped for its :class:`_LowRank` while the block is refined (its
-    weight is then gone from the block's parameters), and back afterwards, an error included."""
+    weight is then gone from the block's parameters; its bias read where the factors are), and back afterwards, an
+    error included."""
     swapped: list[tuple[nn.Module, str, nn.Linear]] = []
     try:
         for f in factors:
             found = _factorable(blk, f)
             if found is not None:
                 parent, child, mod = found
-                setattr(parent, child, _LowRank(f, mod.bias.detach() if mod.bias is not None else None))
+                bias = mod.bias.detach().to(f.a.device) if mod.bias is not None else None
+                setattr(parent, child, _LowRank(f, bias))
                 swapped.append(found)
         yield
     finally:
@@ -153,9 +170,11 @@ def _factored(blk: nn.Module, factors: list[_Factors]) -> Iterator[None]:
             setattr(parent, child, mod)
 
 
-def _factor(layer: Layer, name: str, like: torch.Tensor, ab: tuple[np.ndarray, np.ndarray]) -> _Factors:
+def _factor(layer: Layer, name: str, like: torch.Tensor, ab: tuple[np.ndarray, np.ndarray],
+            device: torch.device | None = None) -> _Factors:
+    """A layer's trainable factors on ``device`` (None: its weight's)."""
     dtype = torch.float64 if like.dtype == torch.float64 else torch.float32  # float32 master factors for 16-bit weights
-    a, b = (torch.from_numpy(x).to(device=like.device, dtype=dtype).requires_grad_(True) for x in ab)
+    a, b = (torch.from_numpy(x).to(device=device or like.device, dtype=dtype).requires_grad_(True) for x in ab)
     return _Factors(layer, name, a, b, like)
 
 
@@ -172,20 +191,36 @@ def _block_error(blk: nn.Module, factors: list[_Factors], frozen: dict[str, torc
 
 def refine_block(blk: nn.Module, planned: list[tuple[Layer, str, tuple[np.ndarray, np.ndarray]]], batches: Batches,
                  hidden: Callable[[object], torch.Tensor], epochs: int = EPOCHS, lr: float = LR,
-                 factored: bool = True) -> dict[str, Refined]:
+                 factored: bool = True, device: torch.device | None = None) -> dict[str, Refined]:
     """The planned layers of ``blk`` (layer, its weight's name in ``blk``, its closed-form factors) trained together
-    on the block's output (the module docstring) over ``batches``. Returns the layers' refined factors, or nothing
-    where the check batches' error does not fall below the closed form's. The block's own parameters are read, never
-    written or given gradients (the weights in place now are those it runs with).
-    ``factored=False``: every planned layer's product A B in place of its weight (the module docstring; a benchmark's
-    reference)."""
+    on the block's output (the module docstring) over ``batches``, on ``device`` (None: where the block's weights
+    are). Returns the layers' refined factors, or nothing where the check batches' error does not fall below the
+    closed form's. The block's own parameters are read, never written, moved or given gradients (the weights in place
+    now are those it runs with). ``factored=False``: every planned layer's product A B in place of its weight (the
+    module docstring; a benchmark's reference)."""
     if epochs < 1 or not planned or len(batches.inputs) < 2:
         return {}
     params = dict(blk.named_parameters())
-    factors = [_factor(layer, name, params[name], ab) for layer, name, ab in planned]
+    factors = [_factor(layer, name, params[name], ab, device) for layer, name, ab in planned]
     with _factored(blk, factors if factored else []):
-        frozen = {k: p.detach() for k, p in blk.named_parameters()}
+        frozen = {k: t.detach().to(factors[0].a.device)
+                  for k, t in [*blk.named_parameters(), *blk.named_buffers()]}
         return _train(blk, factors, frozen, batches, hidden, epochs, lr)
+
+
+def on_device(obj: object, device: torch.device) -> object:
+    """``obj`` with every tensor in it (through tuples, lists and dicts) on ``device``: a batch's block inputs, its
+    target or its mask, as the refinement uses them; the same tensors where they are there already."""
+    if isinstance(obj, torch.Tensor):
+        return obj.to(device)
+    if isinstance(obj, tuple):
+        items = [on_device(o, device) for o in obj]
+        return type(obj)(*items) if hasattr(obj, "_fields") else tuple(items)
+    if isinstance(obj, list):
+        return [on_device(o, device) for o in obj]
+    if isinstance(obj, dict):
+        return {k: on_device(v, device) for k, v in obj.items()}
+    return obj
 
 
 def _train(blk: nn.Module, factors: list[_Factors], frozen: dict[str, torch.Tensor],
@@ -198,17 +233,22 @@ def _train(blk: nn.Module, factors: list[_Factors], frozen: dict[str, torch.Tens
     trained = [t for f in factors for t in (f.a, f.b)]
     opt = torch.optim.Adam([{"params": [t], "lr": lr * float(t.detach().pow(2).mean().sqrt())} for t in trained])
 
+    dev = trained[0].device
+
+    def loss(j: int) -> torch.Tensor:  # batch j's error, its tensors where the factors train
+        there = on_device((inputs[j], targets[j], masks[j]), dev)
+        return _block_error(blk, factors, frozen, *there, hidden)  # type: ignore[misc]
+
     def error() -> float:
         with torch.no_grad():
-            return sum(float(_block_error(blk, factors, frozen, inputs[j], targets[j], masks[j], hidden))
-                       for j in check)
+            return sum(float(loss(j)) for j in check)
 
     best, kept = error(), None
     with torch.enable_grad():
         for _ in range(epochs):
             for j in train:
                 opt.zero_grad(set_to_none=True)
-                _block_error(blk, factors, frozen, inputs[j], targets[j], masks[j], hidden).backward()
+                loss(j).backward()
                 opt.step()
             now = error()
             if not now < best:
@@ -218,34 +258,43 @@ def _train(blk: nn.Module, factors: list[_Factors], frozen: dict[str, torch.Tens
 
 
 def step_seconds(blk: nn.Module, inputs: tuple[tuple[object, ...], dict[str, object]], keep: float,
-                 hidden: Callable[[object], torch.Tensor], clock: Callable[[], float], enough: float = 2.0) -> float:
+                 hidden: Callable[[object], torch.Tensor], clock: Callable[[], float], enough: float = 2.0,
+                 device: torch.device | None = None) -> float:
     """One training step of the refinement on ``blk`` as :func:`refine_block` runs it, timed: every plain
     ``nn.Linear`` of the block factored at the rank that keeps ``keep`` of its weights (:func:`_random_factors`), the
     factored forward recording for the backward, the error against a target of the output's shape, the backward to
     the factors and Adam's step; the quicker of two (the first call warms up), once where it took ``enough`` seconds
-    or more (a 7B block's step: about 27 s on 2 cores). What ``--estimate`` counts for each of the refinement's steps
-    when the budget says how much a plan keeps."""
-    factors = _random_factors(blk, keep)
+    or more (a 7B block's step: about 27 s on 2 cores). On ``device`` (None: where the block's weights are) as the
+    refinement trains there: the block's weights and the inputs copied there, the device synchronized before the
+    clock is read. What ``--estimate`` counts for each of the refinement's steps."""
+    factors = _random_factors(blk, keep, device)
+    dev = factors[0].a.device if factors else device
+    sync = (lambda: torch.cuda.synchronize(dev)) if dev is not None and dev.type == "cuda" else (lambda: None)
     opt = torch.optim.Adam([t for f in factors for t in (f.a, f.b)], lr=1e-6)
     cut = lambda x: x.detach() if isinstance(x, torch.Tensor) else x  # noqa: E731 - the inputs' own graph left out
     inputs = (tuple(cut(a) for a in inputs[0]), {k: cut(v) for k, v in inputs[1].items()})
+    inputs = on_device(inputs, dev) if dev is not None else inputs  # type: ignore[assignment]
     took: list[float] = []
     with _factored(blk, factors), torch.enable_grad():
-        frozen = {k: p.detach() for k, p in blk.named_parameters()}
+        frozen = {k: t.detach().to(dev) if dev is not None else t.detach()
+                  for k, t in [*blk.named_parameters(), *blk.named_buffers()]}
         with torch.no_grad():
-            target = hidden(blk(*inputs[0], **inputs[1])).detach()
+            target = hidden(functional_call(blk, frozen, inputs[0], inputs[1])).detach()
         while len(took) < 2 and (not took or took[0] < enough):
+            sync()
             t0 = clock()
             opt.zero_grad(set_to_none=True)
             _block_error(blk, factors, frozen, inputs, target, None, hidden).backward()
             opt.step()
+            sync()
             took.append(clock() - t0)
     return min(took)
 
 
-def _random_factors(blk: nn.Module, keep: float) -> list[_Factors]:
+def _random_factors(blk: nn.Module, keep: float, device: torch.device | None = None) -> list[_Factors]:
     """Factors for every plain ``nn.Linear`` of ``blk`` at r = keep m n / (m + n) (what keeps ``keep`` of its
-    weights), random values (a step's time does not depend on them), float32 masters as :func:`_factor` makes."""
+    weights), random values (a step's time does not depend on them), float32 masters as :func:`_factor` makes, on
+    ``device`` (None: the weight's)."""
     from ...results import Kind
 
     params = dict(blk.named_parameters())
@@ -257,11 +306,11 @@ def _random_factors(blk: nn.Module, keep: float) -> list[_Factors]:
         m, n = mod.weight.shape
         r = max(1, min(m, n, round(keep * m * n / (m + n))))
         dt = torch.float64 if mod.weight.dtype == torch.float64 else torch.float32
-        a, b = (torch.randn(1, *shape, generator=g, dtype=dt).div(shape[-1] ** 0.5).to(mod.weight.device)
+        a, b = (torch.randn(1, *shape, generator=g, dtype=dt).div(shape[-1] ** 0.5).to(device or mod.weight.device)
                 .requires_grad_(True) for shape in ((m, r), (r, n)))
         weight = f"{name}.weight" if name else "weight"
         out.append(_Factors(Layer(name, weight, Kind.LINEAR, "Linear", (m, n), m, n), weight, a, b, params[weight]))
     return out
 
 
-__all__ = ["CHECK", "EPOCHS", "LR", "Refined", "refine_block", "step_seconds"]
+__all__ = ["CHECK", "EPOCHS", "LR", "Refined", "Refinement", "on_device", "refine_block", "step_seconds"]

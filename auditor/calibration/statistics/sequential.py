@@ -55,7 +55,7 @@ from torch import nn
 from ... import kinds
 from ...results import Layer
 from ..data.inputs import Batch, Calibration, eval_mode, main_output, model_device, run
-from .refine import EPOCHS, Batches, Refined, refine_block
+from .refine import EPOCHS, Batches, Refined, Refinement, refine_block
 from .stats import LayerInput, batch_mask, kept_rows
 from .stream import (Blocks, NotSequential, check_sequential, find_blocks, first_inputs, hidden_state,
                      patched_forwards, with_hidden)
@@ -485,13 +485,14 @@ def weighted_truncator(layer: Layer, weight: torch.Tensor, cross: np.ndarray, gr
 def _stage_truncators(model: nn.Module, stage: list[Layer], sums: _Sums, damp: float, ridge: float,
                       moments: "Mapping[str, tuple[np.ndarray, bool, int]] | None" = None) -> dict[str, Truncator]:
     """The stage's truncators from its sums (:func:`_truncator`), its layers on every core at once, each on one BLAS
-    thread (``whiten.on_every_core``: the same arrays as made one after the other), in the stage's order."""
+    thread, or on its share of the cores' where the stage has fewer layers than cores (``whiten.on_every_core``), in
+    the stage's order."""
     from .whiten import on_every_core
 
     def one(layer: Layer) -> Truncator:
         return _truncator(model, layer, sums, (damp, ridge), moments)
 
-    return dict(zip([l.name for l in stage], on_every_core(one, stage)))
+    return dict(zip([l.name for l in stage], on_every_core(one, stage, share=True)))
 
 
 def _truncator(model: nn.Module, layer: Layer, sums: _Sums, damping: tuple[float, float],
@@ -531,6 +532,7 @@ class _Fitter:
     fitted: dict[str, torch.Tensor] = field(default_factory=dict)
     refitted: dict[str, torch.Tensor] = field(default_factory=dict)
     epochs: int = EPOCHS  # the block refinement's most epochs (0: none)
+    device: torch.device | None = None  # where a block's refinement trains (None: where its weights are)
     scratch: "tempfile.TemporaryDirectory[str] | None" = None  # finished blocks' factors and weights (:meth:`spill`)
     stop: bool = False  # a stage's runs stop as its last layer is reached (each planned module is called once)
 
@@ -563,7 +565,8 @@ class _Fitter:
                 planned.append((layer, f"{path[len(prefix):]}.{attr}", self.out[layer.name].factors(
                     self.plan[layer.name][1])))
         with _weights(self.model, self.layers, self.fitted):
-            done = refine_block(blk, planned, Batches(inputs, targets, masks), hidden_state, self.epochs)
+            done = refine_block(blk, planned, Batches(inputs, targets, masks), hidden_state, self.epochs,
+                                device=self.device)
         for name, refined in done.items():
             self.out[name] = refined  # type: ignore[assignment]
             self.fitted[name] = refined.weight(self.plan[name][1])
@@ -739,15 +742,17 @@ def sequential_truncators(model: nn.Module, plan: dict[str, tuple[Layer, int]],
 def sequential_fit(model: nn.Module, plan: dict[str, tuple[Layer, int]], batches: Calibration | list[Batch],
                    ridge: float = RIDGE, progress: Callable[[int, int], None] | None = None,
                    moments: "Mapping[str, tuple[np.ndarray, bool, int]] | None" = None,
-                   refit: dict[str, Layer] | None = None, refine: int = EPOCHS) -> SequentialFit:
+                   refit: dict[str, Layer] | None = None, refine: "int | Refinement" = EPOCHS) -> SequentialFit:
     """:func:`sequential_truncators`, and with ``refit`` (Layer.name -> layer: layers the plan keeps dense) each of
     those refitted at full rank where the fit reaches it with moved inputs: W* of the module docstring, not truncated,
     put in place for the layers after it as a fitted layer's weight is. A dense layer then absorbs part of the error
     the factorized layers before it pass on, at no parameter cost (as GPTQ's sequential mode updates the weights
     it has not yet quantized). ``refine``: the block refinement's most epochs (:mod:`.refine`; 0: the closed form
-    only); it runs where the fit goes block by block, each block's factors trained once its stages are fitted."""
+    only), or a :class:`.refine.Refinement` (its epochs and the device a block trains on); it runs where the fit goes
+    block by block, each block's factors trained once its stages are fitted."""
     fit = batches.fit if isinstance(batches, Calibration) else list(batches)
-    fitter = _Fitter(model, plan, DAMP, ridge, moments, dict(refit or {}), epochs=refine)
+    how = refine if isinstance(refine, Refinement) else Refinement(refine)
+    fitter = _Fitter(model, plan, DAMP, ridge, moments, dict(refit or {}), epochs=how.epochs, device=how.device)
     if not fit:
         return SequentialFit({name: Truncator(layer, _param(model, layer), None, DAMP)
                               for name, (layer, _) in plan.items()}, {})
