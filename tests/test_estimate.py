@@ -616,17 +616,21 @@ def test_estimate_inputs_that_do_not_fit_are_one_line(cli_inproc):
 
 
 def test_the_linear_algebra_is_timed_at_the_quicker_of_two_runs():
-    """A busy machine's pause in one run is not the work's cost: each of the product, the eigenvalues and the
-    whitened decomposition counts its quicker run (one decomposition timed once read 3.4x slow at 1.1B)."""
+    """A busy machine's pause in one run is not the work's cost: each of the whitened decomposition, the product on
+    one thread and the eigenvalues (on one thread, as each spectra thread makes them) counts its quicker run (one
+    decomposition timed once read 3.4x slow at 1.1B), and the product on every thread, a millisecond's work, the
+    quickest of GEMM_REPEATS."""
+    assert est.GEMM_REPEATS == 5
     ticks = iter([0.0,  # measuring starts
-                  0.0, 1.0, 3.0, 3.0, 4.5, 7.0,  # product, eigenvalues: (1, 2) then (1.5, 2.5)
+                  0.0, 1.5, 2.0, 3.0, 3.0, 5.0, 5.0, 6.5, 6.5, 7.0,  # the product on every thread: 1.5, 1, 2, 1.5, 0.5
                   7.0, 17.0, 17.0, 19.0,  # decompositions: 10 s, then 2 s
                   19.0, 23.0, 23.0, 25.0,  # the product on one thread: 4 s, then 2 s
-                  26.0])
+                  25.0, 28.0, 28.0, 30.5,  # eigenvalues: 3 s, then 2.5 s
+                  31.0])
     me = est.measure(torch.nn.Linear(4, 8), None, SHAPES, est.Process(100, 0.0), clock=lambda: next(ticks))
-    assert (me.decompose_seconds, me.eig_seconds, me.seconds) == (2.0, 2.0, 26.0)
+    assert (me.decompose_seconds, me.eig_seconds, me.seconds) == (2.0, 2.5, 31.0)
     assert me.decompose_shape == (4, 4)  # square, as wide as the widest short side (capped at 768)
-    assert me.gemm_flops == pytest.approx(2.0 * 2 * 512**3 / 1.0)  # X^T X of (1024, 512) in the quicker 1 s
+    assert me.gemm_flops == pytest.approx(2.0 * 2 * 512**3 / 0.5)  # X^T X of (1024, 512) in the quickest 0.5 s
     assert me.gemm1_flops == pytest.approx(2.0 * 2 * 512**3 / 2.0)  # on one thread, the quicker 2 s
 
 
@@ -715,8 +719,27 @@ def test_decompositions_are_their_products_on_one_thread_and_an_eigendecompositi
     # the fit's truncations of W*: each layer a stage here, alone on both threads at the measured speed-up (2x)
     fit1, fit2 = (est.fit_decompositions_seconds(SHAPES, w, one, True) for w in (WORK, two))
     assert fit2 == pytest.approx(fit1 / 2) and s1["verification"] - s2["verification"] == pytest.approx(fit1 - fit2)
-    assert {k: v for k, v in s1.items() if k not in ("statistics", "gradients", "verification")} == {
-        k: v for k, v in s2.items() if k not in ("statistics", "gradients", "verification")}
+    assert s2["spectra"] == pytest.approx(est.spectra_seconds(SHAPES, one, 2))  # two spectra threads
+    assert {k: v for k, v in s1.items() if k not in ("statistics", "gradients", "verification", "spectra")} == {
+        k: v for k, v in s2.items() if k not in ("statistics", "gradients", "verification", "spectra")}
+
+
+def test_the_spectra_run_largest_first_on_their_threads_at_one_threads_rate():
+    """spectra/executor.py's ThreadExecutor: min(4, cores) threads, the layers largest first, each to the first
+    thread free, each on cores // threads BLAS threads: a layer's Gram at the one thread's product rate and its
+    eigenvalues scaled by k^3 from the one timed on one thread. 2.1x the measured wall when counted one after another
+    at every thread's rate (the 7B-wide depth-2 shape: 150 s against 71 s)."""
+    me = est.Measurements(**{**MEASURED.__dict__, "gemm1_flops": 500.0, "eig_seconds": 0.8, "eig_width": 2})
+    unit = 0.8 / 2**3
+    block = [2 * 128 / 500 + unit * 64, 2 * 128 / 500 + unit * 64]  # (8, 4) and (4, 8): m n min(m, n) = 128
+    head = 2 * 160 / 500 + unit * 64  # (10, 4)
+    times = sorted(block + block + [head], reverse=True)
+    assert est.spectra_seconds(SHAPES, me, 1) == pytest.approx(sum(times))
+    # the head (7.04 s) first, then the four block layers (6.912 s each), each to the thread free first
+    assert est.spectra_seconds(SHAPES, me, 2) == pytest.approx(max(times[0] + times[3], times[1] + times[2] + times[4]))
+    # 8 cores: 4 threads of 2 BLAS threads each, at the measured 2x of all 8 over one interpolated: 1 + 1/7
+    four = max(times[0], times[1] + times[4], times[2], times[3])
+    assert est.spectra_seconds(SHAPES, me, 8) == pytest.approx(four / (1 + 1 / 7))
 
 
 def test_decompositions_timed_on_a_device_are_counted_there():
