@@ -344,14 +344,30 @@ def test_peak_disk_and_device_exact():
     fit = (4 * (32 + 32) + 8 * ((8 * 4 + 16) + (4 * 4 + 64))) + (4 * 40 + 8 * (10 * 4 + 16)) + 3 * 6 * 256 \
         + 3 * 8 * 64 + 6 * 256 * (4 + 8) // 4
     plan = 2560 + 3 * 2560  # the output's logits, three copies of one chunk of them
+    # the refinement: the fit's own without its sums and dense rows, one batch's graph (the saved 1000) and one
+    # block's factors at half rank four times over (float32 masters, gradients, two moments: 4 x 192)
+    refine = fit - 3 * 8 * 64 - 6 * 256 * (4 + 8) // 4 + 1000 + 4 * 192
+    # one after another, so the largest: here the fit's stages (its sums and dense rows), none of the three added
+    assert fit > plan + 1000 + 304 > refine
     assert (by["tier 3"], by["verification"], by["plan check"]) == (1100 + plan + 1000 + 304 + 1664,
-                                                                     1100 + plan + 1000 + 304 + fit,
-                                                                     1100 + plan + 1000 + 304 + fit)
-    assert e.peak_rss_bytes == by["verification"] == 25284
-    # measured stages: q, k, v one stage reading one input (here: both layers, one 4-wide input)
-    one = est.predict(SHAPES, WORK, est.Measurements(**{**MEASURED.__dict__, "stage_shares": (1.0,),
-                                                        "stage_layers": (2,)}))
-    assert {st.name: st.peak_bytes for st in one.stages}["verification"] == by["verification"] - 6 * 256 * 8 // 4
+                                                                     1100 + fit, 1100 + fit)
+    assert e.peak_rss_bytes == by["gradients"] == 23988
+    # wider hidden states (2560 bytes): their dense rows by the measured stages (q, k, v one stage reading one input;
+    # here both layers, one 4-wide input) or each layer a stage
+    wide = est.Measurements(**{**MEASURED.__dict__, "hidden_bytes": 2560})
+    each = {st.name: st.peak_bytes for st in est.predict(SHAPES, WORK, wide).stages}["verification"]
+    assert each == 1100 + fit + 3 * 6 * (2560 - 256) + 6 * (2560 - 256) * (4 + 8) // 4
+    one = est.predict(SHAPES, WORK, est.Measurements(**{**wide.__dict__, "stage_shares": (1.0,), "stage_layers": (2,)}))
+    assert {st.name: st.peak_bytes for st in one.stages}["verification"] == each - 6 * 2560 * 8 // 4
+    # a vocabulary of 100: the fitted plan's measurement holds the most (its logits, three copies of a chunk)
+    vocab = est.Workload(**{**WORK.__dict__, "outputs": 100})
+    got = {st.name: st.peak_bytes for st in est.predict(SHAPES, vocab, MEASURED).stages}["verification"]
+    assert got == 1100 + 4 * 25600 + 1000 + 304
+    # a block's graph larger than the fit's sums and rows, one output: the refinement holds the most
+    big = est.Measurements(**{**MEASURED.__dict__, "block_saved_bytes": 20000})
+    narrow = est.Workload(**{**WORK.__dict__, "outputs": 1})
+    got = {st.name: st.peak_bytes for st in est.predict(SHAPES, narrow, big).stages}["verification"]
+    assert got == 1100 + fit - 3 * 8 * 64 - 6 * 256 * (4 + 8) // 4 + 20000 + 4 * 192
     # the Grams, the kept truncators cut (tier 1's and the gradient pass's: 2 x 8 min(m, n) (m + n)) and the moments
     cuts = 2 * 8 * (4 * 4 * 12 + 4 * 14)
     assert e.disk_bytes == 2 * (20000 + 2000 * 5) + 8 * 176 + cuts + 640
@@ -367,15 +383,18 @@ def test_uncalibrated_has_no_calibration_stages():
 
 
 def test_short_of_memory_line_and_fix():
-    e = est.predict(SHAPES, WORK, MEASURED)
-    assert est.short_of_memory(e, 25284) is None and est.short_of_memory(e, None) is None
-    line = est.short_of_memory(e, 25283)
+    wide = est.Measurements(**{**MEASURED.__dict__, "hidden_bytes": 2560})  # the verification's fit the peak
+    e = est.predict(SHAPES, WORK, wide)
+    peak = e.peak_rss_bytes
+    assert peak == {st.name: st.peak_bytes for st in e.stages}["verification"]
+    assert est.short_of_memory(e, peak) is None and est.short_of_memory(e, None) is None
+    line = est.short_of_memory(e, peak - 1)
     assert "verification" in line and "available" in line
     # weights mapped from the checkpoint are paged from disk: the check counts what must be held
-    mapped = est.predict(est.Shapes(**{**SHAPES.__dict__, "mapped_bytes": 600}), WORK, MEASURED)
+    mapped = est.predict(est.Shapes(**{**SHAPES.__dict__, "mapped_bytes": 600}), WORK, wide)
     assert mapped.peak_rss_bytes == e.peak_rss_bytes and mapped.needed_bytes == e.peak_rss_bytes - 600
-    assert est.short_of_memory(mapped, 25284 - 600) is None
-    assert est.short_of_memory(mapped, 25283 - 600).startswith(
+    assert est.short_of_memory(mapped, peak - 600) is None
+    assert est.short_of_memory(mapped, peak - 1 - 600).startswith(
         "the audit is estimated to peak at 0 MiB of host memory (in its verification stage: the sequential fit's "
         "float64 Grams and whitenings n x n, the largest 8 x 8, the 0 MiB of weights mapped from the checkpoint not "
         "counted)")
