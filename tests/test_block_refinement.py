@@ -178,31 +178,8 @@ def test_the_sequential_fit_refines_the_blocks_layers_on_a_trained_llama() -> No
     assert 0.5 < up_closed < 1.2 and up_refined < 0.9 * up_closed
 
 
-def test_a_positional_cache_is_not_kept_so_gpt2_blocks_refine() -> None:
-    """GPT-2's blocks take their key/value cache positionally. Kept with the block's inputs, it grew each time the
-    block ran again on them (every stage of the sequential fit, every batch of the block-by-block statistics), and
-    the refinement's second step backpropagated into the first step's keys and values ("backward through the graph
-    a second time"). The kept inputs hold None in its place; the fit refines GPT-2's blocks (Conv1D layers, stored
-    transposed) and leaves the model untouched."""
-    transformers = pytest.importorskip("transformers")
-    from auditor.calibration.statistics.stream import _is_cache, first_inputs
-
-    torch.manual_seed(0)
-    model = transformers.GPT2LMHeadModel(transformers.GPT2Config(n_layer=2, n_embd=64, n_head=4, vocab_size=300,
-                                                                 n_positions=64)).eval()
-    ids = torch.randint(0, 300, (16, 32), generator=torch.Generator().manual_seed(0))
-    cal = load_calibration({"input_ids": ids}, model, holdout=0.0, batch_size=2)
-    with torch.no_grad():
-        kept = first_inputs(model, model.transformer.h[0], cal.fit, torch.device("cpu"))
-    assert len(kept) == 8 and not any(_is_cache(a) for args, kw in kept for a in (*args, *kw.values()))
-    names = ("transformer.h.0.attn.c_attn", "transformer.h.0.mlp.c_fc", "transformer.h.1.mlp.c_proj")
-    before = {k: v.clone() for k, v in model.state_dict().items()}
-    done = sequential_fit(model, checked_plan(model, {n: 8 for n in names}), cal)
-    assert set(done.refined) <= set(names) and done.refined
-    assert all(torch.equal(v, model.state_dict()[k]) for k, v in before.items())
-
-
 def _gpt2_fit_case():
+    """A 2-block GPT-2 (Conv1D layers, stored transposed), 16 windows of 32 random ids, three layers planned at 8."""
     transformers = pytest.importorskip("transformers")
     torch.manual_seed(0)
     model = transformers.GPT2LMHeadModel(transformers.GPT2Config(n_layer=2, n_embd=64, n_head=4, vocab_size=300,
@@ -211,6 +188,24 @@ def _gpt2_fit_case():
     cal = load_calibration({"input_ids": ids}, model, holdout=0.0, batch_size=2)
     names = ("transformer.h.0.attn.c_attn", "transformer.h.0.mlp.c_fc", "transformer.h.1.mlp.c_proj")
     return model, cal, checked_plan(model, {n: 8 for n in names})
+
+
+def test_a_positional_cache_is_not_kept_so_gpt2_blocks_refine() -> None:
+    """GPT-2's blocks take their key/value cache positionally. Kept with the block's inputs, it grew each time the
+    block ran again on them (every stage of the sequential fit, every batch of the block-by-block statistics), and
+    the refinement's second step backpropagated into the first step's keys and values ("backward through the graph
+    a second time"). The kept inputs hold None in its place; the fit refines GPT-2's blocks (Conv1D layers, stored
+    transposed) and leaves the model untouched."""
+    from auditor.calibration.statistics.stream import _is_cache, first_inputs
+
+    model, cal, plan = _gpt2_fit_case()
+    with torch.no_grad():
+        kept = first_inputs(model, model.transformer.h[0], cal.fit, torch.device("cpu"))
+    assert len(kept) == 8 and not any(_is_cache(a) for args, kw in kept for a in (*args, *kw.values()))
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    done = sequential_fit(model, plan, cal)
+    assert set(done.refined) <= set(plan) and done.refined
+    assert all(torch.equal(v, model.state_dict()[k]) for k, v in before.items())
 
 
 def test_a_refinement_on_a_named_device_moves_each_batch_there_and_leaves_the_model_where_it_is(monkeypatch):
