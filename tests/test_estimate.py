@@ -728,12 +728,17 @@ def test_decompositions_are_their_products_on_one_thread_and_an_eigendecompositi
     slow = est.Measurements(**{**one.__dict__, "decompose_seconds": 2.304 + 6.4})  # 0.1 s a k^3 of eigenvectors
     assert est.decompositions_seconds(SHAPES, slow) == pytest.approx(est.decompositions_seconds(SHAPES, one)
                                                                      + 5 * 0.1 * 4**3)
-    # tier 1's and the gradient pass's run on every thread at once (one BLAS thread each), each cut as it is kept
-    # (m n min(m, n) at the one thread's rate): the statistics and the gradients count them divided by the threads
+    # each decomposition cut as it is kept (m n min(m, n) at the one thread's rate). Tier 1's are made block by block
+    # as each block's statistics are read, on every thread at once (one BLAS thread each), then the head's alone:
+    # a block's (8, 4) and (4, 8) side by side (2.304 + 0.512 and 1.792 + 0.512 s), the head's (2.56 + 0.64 s) on
+    # one thread. The gradient pass's all at once, divided by the threads.
     two = est.Workload(**{**WORK.__dict__, "threads": 2})
     s1, s2 = est.stage_seconds(SHAPES, WORK, one), est.stage_seconds(SHAPES, two, one)
     cuts = 2 * (4 * 128 + 160) / 500
-    assert s1["statistics"] - s2["statistics"] == pytest.approx((est.decompositions_seconds(SHAPES, one) + cuts) / 2)
+    assert est.tier1_seconds(SHAPES, one, 1) == pytest.approx(est.decompositions_seconds(SHAPES, one) + cuts)
+    assert est.tier1_seconds(SHAPES, one, 2) == pytest.approx(2 * (2.304 + 0.512) + 2.56 + 0.64)
+    assert s1["statistics"] - s2["statistics"] == pytest.approx(
+        est.tier1_seconds(SHAPES, one, 1) - est.tier1_seconds(SHAPES, one, 2))
     assert s1["gradients"] - s2["gradients"] == pytest.approx((est.loss_decompositions_seconds(SHAPES, one) + cuts) / 2)
     # the fit's truncations of W*: each layer a stage here, alone on both threads at the measured speed-up (2x)
     fit1, fit2 = (est.fit_decompositions_seconds(SHAPES, w, one, True) for w in (WORK, two))

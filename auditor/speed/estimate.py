@@ -25,6 +25,7 @@ import math
 import os
 import resource
 import time
+from collections import Counter
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any, Callable, Iterator
 
@@ -276,6 +277,27 @@ def device_decompositions(sh: Shapes, me: Measurements) -> tuple[float, float] |
             _linalg_seconds(sh, loss, me.decompose_shape, _loss_cost, flops))
 
 
+def tier1_seconds(sh: Shapes, me: Measurements, cores: int) -> float:
+    """Tier 1's decompositions as the statistics pass makes them on the host (calibration/session.py): each block's
+    layers once the block's statistics are read, on every core at once (one BLAS thread a layer, each layer to the
+    first thread free), the next block's forwards waiting; then the layers outside the blocks, likewise. Each
+    layer's decomposition (:func:`decompositions_seconds`) and its kept truncator's cut (m n min(m, n) multiply-adds
+    at one thread's rate). (2026-12-07: the whole audit's divided by the cores; the 7B-wide depth-2 audit's
+    statistics then ran 1.35x their estimate: a block's seven layers do not fill two cores evenly, and its output
+    head, 32,000 x 4,096 and alone at the end, runs on one.)"""
+    def per(layers: "list[tuple[int, int]] | tuple[tuple[int, int], ...]") -> list[float]:
+        made = _linalg_each(me.decompose_seconds, me.decompose_shape, _whiten_cost, _one_thread(me), tuple(layers))
+        return [t + 2.0 * _cube(s) / _one_thread(me) for t, s in zip(made, layers)]
+
+    if not sh.block_layers:
+        return staged_seconds(per(sh.layers), (len(sh.layers),), cores)
+    rest = Counter(sh.layers)
+    rest.subtract({s: c * sh.blocks for s, c in Counter(sh.block_layers).items()})
+    outside = [s for s, c in rest.items() for _ in range(max(0, c))]
+    return (sh.blocks * staged_seconds(per(sh.block_layers), (len(sh.block_layers),), cores)
+            + staged_seconds(per(outside), (len(outside),), cores))
+
+
 def loss_decompositions_seconds(sh: Shapes, me: Measurements) -> float:
     """Every layer's loss-aware truncation (the gradient pass's, and the sequential fit's of W* with its moments), on
     one BLAS thread as the calibration makes them, one layer at a time (:func:`_linalg_seconds`); the whitened
@@ -525,13 +547,13 @@ def stage_seconds(sh: Shapes, wl: Workload, me: Measurements) -> dict[str, float
     # r = m n / (m + n) (about half the full rank of a square layer)
     factors = sum(2.0 * _cube(s) for s in sh.layers) / me.gemm_flops
     planned = sum(2.0 * m * n * (m * n / (m + n)) for m, n in sh.layers) / me.gemm_flops
-    # tier 1's decompositions run on every thread at once, each on one BLAS thread (whiten.on_every_core), and are
-    # kept (tier1.kept, on disk, cut): the only input-whitened decomposition of each layer the audit makes; each
-    # store's cuts are made on those threads as they are put in
+    # tier 1's decompositions run block by block on every thread at once, each on one BLAS thread (tier1_seconds),
+    # and are kept (tier1.kept, on disk, cut): the only input-whitened decomposition of each layer the audit makes;
+    # each store's cuts are made on those threads as they are put in
     cuts = factors * me.gemm_flops / _one_thread(me)
     there = device_decompositions(sh, me)  # --device cuda: tier 1's and the gradient pass's made there
     out["statistics"] = _batches(wl.fit_rows, b) * fwd + grams + (
-        (decomp + cuts) / _cores(sh, wl) if there is None else there[0] + cuts / _cores(sh, wl))
+        tier1_seconds(sh, me, _cores(sh, wl)) if there is None else there[0] + cuts / _cores(sh, wl))
     if me.stats_forward > 0 and sh.block_layers:  # the blocks' forwards and Grams as measured together
         block_grams = gram_flops(sh, wl.fit_rows * wl.tokens, me, blocks_only=True) / me.gemm_flops
         out["statistics"] += sh.blocks * (_batches(wl.fit_rows, b) * (me.stats_forward - me.block_forward)
