@@ -27,7 +27,7 @@ import resource
 import time
 from collections import Counter
 from dataclasses import asdict, dataclass, field, replace
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterable, Iterator
 
 import numpy as np
 import torch
@@ -314,6 +314,20 @@ def _fit_each(me: Measurements, loss_aware: bool) -> Callable[[tuple[tuple[int, 
     return lambda layers: _linalg_each(me.decompose_seconds, me.decompose_shape, _whiten_cost, _one_thread(me), layers)
 
 
+def _speedup(threads: int, cores: int, scale: float) -> float:
+    """``threads`` BLAS threads' speed-up over one, interpolated linearly from 1 (one thread) to ``scale`` (the
+    measured rate of all ``cores`` threads over one's)."""
+    return 1.0 + (max(1.0, scale) - 1.0) * (threads - 1) / (cores - 1) if cores > 1 else 1.0
+
+
+def _span(times: "Iterable[float]", threads: int) -> float:
+    """``times`` taken in order, each to the first of ``threads`` free: the busiest thread's total."""
+    free = [0.0] * max(1, threads)
+    for t in times:
+        free[free.index(min(free))] += t
+    return max(free)
+
+
 def staged_seconds(times: list[float], counts: tuple[int, ...], cores: int, scale: float = 1.0) -> float:
     """Layers truncated a stage at a time, a stage's on ``cores`` threads at once (whiten.on_every_core: each
     layer, in order, to the first thread free), the stages one after another (each reads the inputs the one before
@@ -324,12 +338,8 @@ def staged_seconds(times: list[float], counts: tuple[int, ...], cores: int, scal
     total, i = 0.0, 0
     for c in _stage_counts(counts, len(times)):
         jobs = max(1, min(cores, c))
-        share = cores // jobs
-        speedup = 1.0 + (max(1.0, scale) - 1.0) * (share - 1) / (cores - 1) if cores > 1 else 1.0
-        free = [0.0] * jobs
-        for t in times[i:i + c]:
-            free[free.index(min(free))] += t / speedup
-        total, i = total + max(free), i + c
+        speedup = _speedup(cores // jobs, cores, scale)
+        total, i = total + _span((t / speedup for t in times[i:i + c]), jobs), i + c
     return total
 
 
@@ -362,8 +372,8 @@ def fit_decompositions_seconds(sh: Shapes, wl: Workload, me: Measurements, loss_
         return staged_seconds(each(sh.layers), (), cores, scale)
     block = each(sh.block_layers)
     outside = sum(each(sh.layers)) - sh.blocks * sum(block)
-    alone = staged_seconds([1.0], (1,), cores, scale)  # a one-thread second of a layer alone, on every core
-    return sh.blocks * staged_seconds(block, me.stage_layers, cores, scale) + max(0.0, outside) * alone
+    return (sh.blocks * staged_seconds(block, me.stage_layers, cores, scale)
+            + max(0.0, outside) / _speedup(cores, cores, scale))  # each alone, on every core
 
 
 SPECTRA_WORKERS = 4  # spectra/executor.py's ThreadExecutor: min(4, the CPU count) threads without -j
@@ -379,13 +389,8 @@ def spectra_seconds(sh: Shapes, me: Measurements, cores: int = 1) -> float:
     unit = me.eig_seconds / max(1.0, float(me.eig_width) ** 3)
     per = sorted((2.0 * _cube(s) / _one_thread(me) + unit * float(min(s)) ** 3 for s in sh.layers), reverse=True)
     workers = max(1, min(SPECTRA_WORKERS, cores, len(per)))
-    free = [0.0] * workers
-    for t in per:
-        free[free.index(min(free))] += t
-    blas = cores // workers  # spectra/executor.py: each thread's BLAS (all of them for a single thread)
-    scale = max(1.0, me.gemm_flops / _one_thread(me))
-    speedup = 1.0 + (scale - 1.0) * (blas - 1) / (cores - 1) if cores > 1 else 1.0
-    return max(free, default=0.0) / speedup
+    # spectra/executor.py: each thread's BLAS, cores // workers threads (all of them for a single thread)
+    return _span(per, workers) / _speedup(cores // workers, cores, me.gemm_flops / _one_thread(me))
 
 
 def _rows(wl: Workload) -> dict[str, int]:

@@ -203,9 +203,14 @@ def refine_block(blk: nn.Module, planned: list[tuple[Layer, str, tuple[np.ndarra
     params = dict(blk.named_parameters())
     factors = [_factor(layer, name, params[name], ab, device) for layer, name, ab in planned]
     with _factored(blk, factors if factored else []):
-        frozen = {k: t.detach().to(factors[0].a.device)
-                  for k, t in [*blk.named_parameters(), *blk.named_buffers()]}
-        return _train(blk, factors, frozen, batches, hidden, epochs, lr)
+        return _train(blk, factors, _frozen(blk, factors[0].a.device), batches, hidden, epochs, lr)
+
+
+def _frozen(blk: nn.Module, device: torch.device | None) -> dict[str, torch.Tensor]:
+    """The block's parameters (its factored Linears' weights swapped out) and buffers, detached, as
+    ``functional_call`` reads them: on ``device`` (copied there once for the block), or where they are (None)."""
+    return {k: t.detach() if device is None else t.detach().to(device)
+            for k, t in [*blk.named_parameters(), *blk.named_buffers()]}
 
 
 def on_device(obj: object, device: torch.device) -> object:
@@ -276,8 +281,7 @@ def step_seconds(blk: nn.Module, inputs: tuple[tuple[object, ...], dict[str, obj
     inputs = on_device(inputs, dev) if dev is not None else inputs  # type: ignore[assignment]
     took: list[float] = []
     with _factored(blk, factors), torch.enable_grad():
-        frozen = {k: t.detach().to(dev) if dev is not None else t.detach()
-                  for k, t in [*blk.named_parameters(), *blk.named_buffers()]}
+        frozen = _frozen(blk, dev)
         with torch.no_grad():
             target = hidden(functional_call(blk, frozen, inputs[0], inputs[1])).detach()
         while len(took) < 2 and (not took or took[0] < enough):
