@@ -9,11 +9,15 @@ per layer each batch with both products alive and an LU solve of (G + G^T) / 2 +
 512 MiB). ``--compare threads``: a stage of fewer layers than cores truncated on its share of the BLAS threads (what
 it does: a Llama block's o_proj and down_proj alone on every core), against one BLAS thread a layer always (what it
 did before). These two comparisons' sides have factors equal to rounding, not bit for bit: each layer's A B is
-compared.
+compared. ``--compare refine``: while a block refines, its planned layers' closed-form factors wait on disk and
+their fitted weights are not held, and the best epoch's factors are copied in place (what it does), against all of
+them held beside the training with a float64 copy of the best epoch's made each better epoch (what it did before);
+printed: each side's peak during the refinements alone (the high-water mark reset as each block's begins), with the
+whole fit's wall.
 
     PYTHONPATH=. python benchmarks/sequential_capture.py [--hidden 1024 --intermediate 2816 --heads 16 --kv 4]
                                                          [--depth 4] [--rows 48 --tokens 128] [--refine 0]
-                                                         [--compare dense|stop|memory|threads]
+                                                         [--compare dense|stop|memory|threads|refine]
 
 A random-init Llama of that shape (vocabulary 8,000; cost only), ``rows`` windows of ``tokens`` random ids (a
 quarter held out, batches of 16), every Linear of its blocks planned at half its break-even rank; the fit on the
@@ -70,8 +74,86 @@ def child(a: argparse.Namespace, once: bool) -> None:
 
         real = whiten.on_every_core
         whiten.on_every_core = lambda fn, items, jobs=None, share=False: real(fn, items, jobs)
+    if not once and a.compare == "refine":  # as before: closed forms and fitted weights held, float64 best copies
+        from auditor.calibration.statistics import refine as rf
+
+        seq._Fitter.refine = _refine_held
+        rf._train = _train_float64_copies
+    peaks = _refine_peaks(seq) if a.compare == "refine" else []
     products = f"/tmp/sequential_capture_{os.getpid()}.npz" if a.compare in ("memory", "threads") else None
-    print(json.dumps({**timed_fit(model, plan, cal, a.refine, products), "products": products}))
+    got = timed_fit(model, plan, cal, a.refine, products)
+    if a.compare == "refine":
+        got["peak"] = max(peaks, default=0)
+    print(json.dumps({**got, "products": products}))
+
+
+def _refine_peaks(seq):
+    """Each block refinement's peak RSS above the RSS as it began (the high-water mark reset then), recorded."""
+    from _util import proc_status
+
+    peaks = []
+    real = seq._Fitter.refine
+
+    def refine(self, *args, **kwargs):
+        Path("/proc/self/clear_refs").write_text("5")
+        base = proc_status("VmRSS")
+        try:
+            return real(self, *args, **kwargs)
+        finally:
+            peaks.append(proc_status("VmHWM") - base)
+    seq._Fitter.refine = refine
+    return peaks
+
+
+def _refine_held(self, blk, prefix, stage_layers, inputs, targets, masks):  # sequential._Fitter.refine before 12-08
+    from auditor import kinds
+    from auditor.calibration.statistics import sequential as seq
+
+    planned = []
+    for layer in stage_layers:
+        path, attr = kinds.for_kind(layer.kind).module_path(layer)
+        if layer.name in self.out and not isinstance(self.out[layer.name], seq.Refined) and path.startswith(prefix):
+            planned.append((layer, f"{path[len(prefix):]}.{attr}", self.out[layer.name].factors(
+                self.plan[layer.name][1])))
+    with seq._weights(self.model, self.layers, self.fitted):
+        done = seq.refine_block(blk, planned, seq.Batches(inputs, targets, masks), seq.hidden_state, self.epochs,
+                                device=self.device)
+    for name, refined in done.items():
+        self.out[name] = refined
+        self.fitted[name] = refined.weight(self.plan[name][1])
+
+
+def _train_float64_copies(blk, factors, frozen, data, hidden, epochs, lr):  # refine._train before 2026-12-08
+    import torch
+
+    from auditor.calibration.statistics import refine as rf
+
+    inputs, targets, masks = data
+    held = max(1, len(inputs) // rf.CHECK)
+    train, check = range(len(inputs) - held), range(len(inputs) - held, len(inputs))
+    trained = [t for f in factors for t in (f.a, f.b)]
+    opt = torch.optim.Adam([{"params": [t], "lr": lr * float(t.detach().pow(2).mean().sqrt())} for t in trained])
+    dev = trained[0].device
+
+    def loss(j):
+        there = rf.on_device((inputs[j], targets[j], masks[j]), dev)
+        return rf._block_error(blk, factors, frozen, *there, hidden)
+
+    def error():
+        with torch.no_grad():
+            return sum(float(loss(j)) for j in check)
+    best, kept = error(), None
+    with torch.enable_grad():
+        for _ in range(epochs):
+            for j in train:
+                opt.zero_grad(set_to_none=True)
+                loss(j).backward()
+                opt.step()
+            now = error()
+            if not now < best:
+                break
+            best, kept = now, [f.refined() for f in factors]
+    return {r.layer.name: r for r in kept} if kept is not None else {}
 
 
 def _fitted_map_lu(f, cross, gram, ridge):  # statistics/sequential.py's fitted_map before 2026-12-07's change
@@ -145,9 +227,11 @@ def main() -> None:
     ap.add_argument("--rows", type=int, default=48)
     ap.add_argument("--tokens", type=int, default=128)
     ap.add_argument("--refine", type=int, default=0)
-    ap.add_argument("--compare", choices=("dense", "stop", "memory", "threads"), default="dense")
+    ap.add_argument("--compare", choices=("dense", "stop", "memory", "threads", "refine"), default="dense")
     ap.add_argument("--child", type=int, default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
+    if args.compare == "refine" and args.refine < 1:
+        ap.error("--compare refine compares the block refinement: give --refine 1 or more")
     if args.child is not None:
         return child(args, bool(args.child))
     got = []
@@ -171,7 +255,8 @@ def main() -> None:
     now, before = {"dense": ("one dense run a block (now)", "a dense run a stage (before)"),
                    "stop": ("stage runs end at its last layer", "stage runs end after its layers"),
                    "memory": ("sums and solve in place", "a sum a layer, LU via an identity"),
-                   "threads": ("a lone layer on every core", "one BLAS thread a layer")}[args.compare]
+                   "threads": ("a lone layer on every core", "one BLAS thread a layer"),
+                   "refine": ("closed forms on disk while refining", "closed forms held (peak: refining)")}[args.compare]
     print(f"{now:<34}{new['wall']:>8.1f}s{new['peak'] / 2**20:>8,.0f} MiB")
     print(f"{before:<34}{old['wall']:>8.1f}s{old['peak'] / 2**20:>8,.0f} MiB")
     print(f"{'now / before':<34}{new['wall'] / old['wall']:>8.2f}x{new['peak'] / max(1, old['peak']):>11.2f}x"

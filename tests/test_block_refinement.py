@@ -229,6 +229,40 @@ def test_a_refinement_on_a_named_device_moves_each_batch_there_and_leaves_the_mo
     assert all(p.device.type == "cpu" for p in model.parameters())
 
 
+def test_while_a_block_refines_its_closed_forms_wait_on_disk_and_its_fitted_weights_are_not_held(monkeypatch):
+    """Once a planned layer's master factors are made, its closed-form factors are written to the fit's scratch
+    folder (memory-mapped) and its fitted weight is dropped until the refinement ends. A refinement that keeps no
+    epoch then leaves every factor and fitted weight the fit without refinement gives, bit for bit: made again from
+    the spilled closed forms, block 1 is fitted on the same inputs."""
+    from auditor.calibration.statistics import sequential as seq
+
+    model, cal, plan = _gpt2_fit_case()
+    closed = seq.sequential_fit(model, plan, cal, refine=0)
+    fitters, seen = [], []
+    real_refine, real_block = seq._Fitter.refine, seq.refine_block
+
+    def capture(self, *args, **kwargs):
+        fitters.append(self)
+        return real_refine(self, *args, **kwargs)
+
+    def kept_none(blk, planned, *args, **kwargs):
+        items = list(planned)  # every layer's masters would be made by now
+        f = fitters[-1]
+        seen.append({layer.name: (f.out[layer.name].on_disk, layer.name in f.fitted) for layer, _, _ in items})
+        real_block(blk, iter(items), *args, **kwargs)  # trained, then nothing kept
+        return {}
+
+    monkeypatch.setattr(seq._Fitter, "refine", capture)
+    monkeypatch.setattr(seq, "refine_block", kept_none)
+    got = seq.sequential_fit(model, plan, cal)
+    assert seen == [{"transformer.h.0.attn.c_attn": (True, False), "transformer.h.0.mlp.c_fc": (True, False)},
+                    {"transformer.h.1.mlp.c_proj": (True, False)}]
+    assert not got.refined and set(got.truncators) == set(plan)
+    for n in plan:
+        assert all(np.array_equal(x, y) for x, y in zip(got.truncators[n].factors(8), closed.truncators[n].factors(8)))
+        assert torch.equal(got.truncators[n].weight(8), closed.truncators[n].weight(8))
+
+
 def test_on_device_moves_every_tensor_in_nested_inputs_and_keeps_the_rest():
     from collections import namedtuple
 

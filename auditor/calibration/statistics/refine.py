@@ -37,7 +37,7 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass
-from typing import Callable, Iterator, NamedTuple
+from typing import Callable, Iterable, Iterator, NamedTuple
 
 import numpy as np
 import torch
@@ -94,6 +94,11 @@ class Refined:
         a, b = self.factors(rank)
         return stored_weight(self.layer, torch.from_numpy(a @ b), self.shape, self.dtype, self.device)
 
+    @property
+    def on_disk(self) -> bool:
+        """Whether the factors are :meth:`spilled` (memory-mapped files)."""
+        return isinstance(self.a, np.memmap) and isinstance(self.b, np.memmap)
+
     def spilled(self, base: str) -> "Refined":
         """The same, its factors written to ``base``.a.npy / .b.npy and read back memory-mapped."""
         return Refined(self.layer, spill_array(f"{base}.a.npy", self.a), spill_array(f"{base}.b.npy", self.b),
@@ -113,8 +118,11 @@ class _Factors:
     def weight(self) -> torch.Tensor:  # where the factors train (a device's copy of the block runs with it)
         return stored_weight(self.layer, self.a @ self.b, tuple(self.like.shape), self.like.dtype, self.a.device)
 
-    def refined(self) -> Refined:
-        return Refined(self.layer, self.a.detach().double().cpu().numpy(), self.b.detach().double().cpu().numpy(),
+    def refined(self, a: torch.Tensor | None = None, b: torch.Tensor | None = None) -> Refined:
+        """The factors now, or ``a`` and ``b`` (a snapshot of them: :func:`_train`'s best epoch), as float64 on the
+        host (exact: the masters are float32 or float64)."""
+        a, b = (self.a if a is None else a), (self.b if b is None else b)
+        return Refined(self.layer, a.detach().double().cpu().numpy(), b.detach().double().cpu().numpy(),
                        tuple(self.like.shape), self.like.dtype, self.like.device)
 
 
@@ -189,19 +197,23 @@ def _block_error(blk: nn.Module, factors: list[_Factors], frozen: dict[str, torc
     return d[mask].mean() if mask is not None and mask.shape == d.shape[: mask.dim()] else d.mean()
 
 
-def refine_block(blk: nn.Module, planned: list[tuple[Layer, str, tuple[np.ndarray, np.ndarray]]], batches: Batches,
-                 hidden: Callable[[object], torch.Tensor], epochs: int = EPOCHS, lr: float = LR,
+def refine_block(blk: nn.Module, planned: Iterable[tuple[Layer, str, tuple[np.ndarray, np.ndarray]]],
+                 batches: Batches, hidden: Callable[[object], torch.Tensor], epochs: int = EPOCHS, lr: float = LR,
                  factored: bool = True, device: torch.device | None = None) -> dict[str, Refined]:
     """The planned layers of ``blk`` (layer, its weight's name in ``blk``, its closed-form factors) trained together
     on the block's output (the module docstring) over ``batches``, on ``device`` (None: where the block's weights
     are). Returns the layers' refined factors, or nothing where the check batches' error does not fall below the
     closed form's. The block's own parameters are read, never written, moved or given gradients (the weights in place
-    now are those it runs with). ``factored=False``: every planned layer's product A B in place of its weight (the
-    module docstring; a benchmark's reference)."""
-    if epochs < 1 or not planned or len(batches.inputs) < 2:
+    now are those it runs with). ``planned`` is read once, one layer at a time, each layer's master factors made
+    before the next is asked for (a generator's closed-form factors need not be alive together: the sequential fit's
+    are read from its fit and freed one by one). ``factored=False``: every planned layer's product A B in place of
+    its weight (the module docstring; a benchmark's reference)."""
+    if epochs < 1 or len(batches.inputs) < 2:
         return {}
     params = dict(blk.named_parameters())
     factors = [_factor(layer, name, params[name], ab, device) for layer, name, ab in planned]
+    if not factors:
+        return {}
     with _factored(blk, factors if factored else []):
         return _train(blk, factors, _frozen(blk, factors[0].a.device), batches, hidden, epochs, lr)
 
@@ -248,6 +260,8 @@ def _train(blk: nn.Module, factors: list[_Factors], frozen: dict[str, torch.Tens
         with torch.no_grad():
             return sum(float(loss(j)) for j in check)
 
+    # the best epoch's factors copied in place into one snapshot in the masters' dtype, where they train (2026-12-08:
+    # a float64 host copy of every factor made each better epoch, two alive while the next was made)
     best, kept = error(), None
     with torch.enable_grad():
         for _ in range(epochs):
@@ -258,8 +272,16 @@ def _train(blk: nn.Module, factors: list[_Factors], frozen: dict[str, torch.Tens
             now = error()
             if not now < best:
                 break
-            best, kept = now, [f.refined() for f in factors]
-    return {r.layer.name: r for r in kept} if kept is not None else {}
+            best, kept = now, kept if kept is not None else [torch.empty_like(t) for t in trained]
+            with torch.no_grad():
+                for snap, t in zip(kept, trained):
+                    snap.copy_(t)
+    if kept is None:
+        return {}
+    for t in trained:  # the gradients and Adam's moments freed before the host copies are made
+        t.grad = None
+    del opt
+    return {f.layer.name: f.refined(kept[2 * i], kept[2 * i + 1]) for i, f in enumerate(factors)}
 
 
 def step_seconds(blk: nn.Module, inputs: tuple[tuple[object, ...], dict[str, object]], keep: float,

@@ -557,37 +557,60 @@ class _Fitter:
     def refine(self, blk: nn.Module, prefix: str, stage_layers: list[Layer], inputs: list[tuple[tuple[object, ...],
                dict[str, object]]], targets: list[torch.Tensor], masks: list[torch.Tensor | None]) -> None:
         """The planned layers of block ``blk`` (its parameters' names start with ``prefix`` in the model) trained
-        together on its output (:func:`.refine.refine_block`), with every weight fitted so far in place."""
+        together on its output (:func:`.refine.refine_block`), with every other weight fitted so far in place. While
+        it trains, each planned layer's closed-form factors wait on disk, written as its master factors are made
+        (:meth:`_spill_out`), and its fitted weight is not held (the refinement computes with the factors): made
+        again from the factors it keeps, refined or not, bit for bit (2026-12-08: both held, with a second float64
+        copy of every factor, beside the refinement's factors four times over)."""
         planned = []
         for layer in stage_layers:
             path, attr = kinds.for_kind(layer.kind).module_path(layer)
             if layer.name in self.out and not isinstance(self.out[layer.name], Refined) and path.startswith(prefix):
-                planned.append((layer, f"{path[len(prefix):]}.{attr}", self.out[layer.name].factors(
-                    self.plan[layer.name][1])))
+                planned.append((layer, f"{path[len(prefix):]}.{attr}"))
+                self.fitted.pop(layer.name, None)
+
+        def closed_forms() -> Iterator[tuple[Layer, str, tuple[np.ndarray, np.ndarray]]]:
+            for layer, name in planned:
+                yield layer, name, self.out[layer.name].factors(self.plan[layer.name][1])
+                self._spill_out(layer)  # asked for the next: this layer's masters are made
+
         with _weights(self.model, self.layers, self.fitted):
-            done = refine_block(blk, planned, Batches(inputs, targets, masks), hidden_state, self.epochs,
+            done = refine_block(blk, closed_forms(), Batches(inputs, targets, masks), hidden_state, self.epochs,
                                 device=self.device)
-        for name, refined in done.items():
-            self.out[name] = refined  # type: ignore[assignment]
-            self.fitted[name] = refined.weight(self.plan[name][1])
+        for layer, _ in planned:
+            kept = done.get(layer.name)
+            if kept is not None:
+                self.out[layer.name] = kept
+            self.fitted[layer.name] = self.out[layer.name].weight(self.plan[layer.name][1])
+            if kept is None and self.out[layer.name].on_disk:  # the closed form read from disk: its pages let go
+                self.out[layer.name] = self.out[layer.name].remapped()  # type: ignore[union-attr]
+
+    def _base(self, layer: Layer) -> str:
+        """Where ``layer``'s spilled arrays go: a file name's stem in the fit's temporary directory (made once)."""
+        from ..._env import scratch_prefix, sweep_scratch
+
+        if self.scratch is None:
+            sweep_scratch()  # a killed run's folders first
+            self.scratch = tempfile.TemporaryDirectory(prefix=scratch_prefix("sequential"))
+        return os.path.join(self.scratch.name, f"l{list(self.plan).index(layer.name)}")
+
+    def _spill_out(self, layer: Layer) -> None:
+        """``layer``'s factors written to the fit's temporary directory and read back memory-mapped, once."""
+        held = self.out.get(layer.name)
+        if held is not None and not held.on_disk:
+            self.out[layer.name] = held.spilled(self._base(layer))
 
     def spill(self, layers: list[Layer]) -> None:
         """A finished block's planned layers: their factors and fitted weights written to a temporary directory and
         read back memory-mapped, so what the fit holds in its heap is one block's, not every planned layer's (a
         weight on a device, or not contiguous, stays where it is)."""
-        from ..._env import scratch_prefix, sweep_scratch
-
         for layer in layers:
             if layer.name not in self.plan or layer.name not in self.out:
                 continue
-            if self.scratch is None:
-                sweep_scratch()  # a killed run's folders first
-                self.scratch = tempfile.TemporaryDirectory(prefix=scratch_prefix("sequential"))
-            base = os.path.join(self.scratch.name, f"l{list(self.plan).index(layer.name)}")
-            self.out[layer.name] = self.out[layer.name].spilled(base)
+            self._spill_out(layer)
             w = self.fitted.get(layer.name)
             if w is not None and w.device.type == "cpu" and w.is_contiguous() and w.dtype in _VIEWS:
-                bits = spill_array(f"{base}.w.npy", w.view(_VIEWS[w.dtype]).numpy())
+                bits = spill_array(f"{self._base(layer)}.w.npy", w.view(_VIEWS[w.dtype]).numpy())
                 self.fitted[layer.name] = torch.from_numpy(bits).view(w.dtype)
 
     def swapped(self, fn: Callable[[], object]) -> Callable[[], object]:

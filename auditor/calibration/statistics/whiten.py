@@ -398,6 +398,17 @@ class Pinned:
     def nbytes(self) -> int:
         return sum(int(a.nbytes) + int(b.nbytes) for a, b in self.pairs)
 
+    @property
+    def on_disk(self) -> bool:
+        """Whether the factors are :meth:`spilled` (memory-mapped files)."""
+        return all(isinstance(x, np.memmap) for pair in self.pairs for x in pair)
+
+    def remapped(self) -> "Pinned":
+        """The same, its spilled files mapped afresh: the pages a read brought into the process's resident memory are
+        not held by the new mapping (they are the old one's, unmapped once it is dropped)."""
+        pairs = [(np.load(a.filename, mmap_mode="c"), np.load(b.filename, mmap_mode="c")) for a, b in self.pairs]
+        return Pinned(self.layer, self.rank, pairs, self.both, self.shape, self.dtype, self.device)
+
     def spilled(self, base: str) -> "Pinned":
         """The same, its arrays written to ``base``.a{g}.npy / .b{g}.npy and read back memory-mapped."""
         pairs = []
