@@ -258,6 +258,12 @@ def test_while_a_block_refines_its_closed_forms_wait_on_disk_and_its_fitted_weig
     assert seen == [{"transformer.h.0.attn.c_attn": (True, False), "transformer.h.0.mlp.c_fc": (True, False)},
                     {"transformer.h.1.mlp.c_proj": (True, False)}]
     assert not got.refined and set(got.truncators) == set(plan)
+    # refined, the closed forms' files are removed: the scratch folder holds each layer's factors once
+    monkeypatch.setattr(seq, "refine_block", real_block)
+    refined = seq.sequential_fit(model, plan, cal)
+    assert refined.refined and refined.scratch is not None
+    names = sorted(p.name for p in Path(refined.scratch.name).iterdir())
+    assert len([n for n in names if ".a" in n and n.endswith(".npy")]) == len(plan), names
     for n in plan:
         assert all(np.array_equal(x, y) for x, y in zip(got.truncators[n].factors(8), closed.truncators[n].factors(8)))
         assert torch.equal(got.truncators[n].weight(8), closed.truncators[n].weight(8))

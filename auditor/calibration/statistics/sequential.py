@@ -580,6 +580,7 @@ class _Fitter:
         for layer, _ in planned:
             kept = done.get(layer.name)
             if kept is not None:
+                _remove_spilled(self.out[layer.name])  # the closed form's files: the refined factors replace it
                 self.out[layer.name] = kept
             self.fitted[layer.name] = self.out[layer.name].weight(self.plan[layer.name][1])
             if kept is None and self.out[layer.name].on_disk:  # the closed form read from disk: its pages let go
@@ -624,6 +625,16 @@ class _Fitter:
         """Each batch through the whole model."""
         return [(batch_mask(b), lambda b=b: run(self.model, b), self.swapped(lambda b=b: run(self.model, b)))
                 for b in fit]
+
+
+def _remove_spilled(held: "Pinned | Refined") -> None:
+    """The files of spilled factors that nothing will read again removed (a mapping of them stays valid until it is
+    dropped), so a block's refined factors do not leave its closed forms' beside them on disk until the fit ends."""
+    if held.on_disk:
+        for pair in held.pairs if isinstance(held, Pinned) else [(held.a, held.b)]:
+            for x in pair:
+                with contextlib.suppress(OSError):
+                    os.remove(x.filename)
 
 
 def _by_block(stages: list[list[Layer]], found: Blocks) -> list[int | None] | None:
