@@ -10,10 +10,10 @@ per layer each batch with both products alive and an LU solve of (G + G^T) / 2 +
 it does: a Llama block's o_proj and down_proj alone on every core), against one BLAS thread a layer always (what it
 did before). These two comparisons' sides have factors equal to rounding, not bit for bit: each layer's A B is
 compared. ``--compare refine``: while a block refines, its planned layers' closed-form factors wait on disk and
-their fitted weights are not held, and the best epoch's factors are copied in place (what it does), against all of
-them held beside the training with a float64 copy of the best epoch's made each better epoch (what it did before);
-printed: each side's peak during the refinements alone (the high-water mark reset as each block's begins), with the
-whole fit's wall.
+their fitted weights are not held (what it does), against both held beside the training, with a second float64
+copy of the factors (what it did before); printed: each side's peak during the refinements alone (the high-water
+mark reset as each block's begins), with the whole fit's wall. (The best epoch's copy, float64 on the host before,
+is not part of it: a random-init block keeps no epoch.)
 
     PYTHONPATH=. python benchmarks/sequential_capture.py [--hidden 1024 --intermediate 2816 --heads 16 --kv 4]
                                                          [--depth 4] [--rows 48 --tokens 128] [--refine 0]
@@ -74,11 +74,8 @@ def child(a: argparse.Namespace, once: bool) -> None:
 
         real = whiten.on_every_core
         whiten.on_every_core = lambda fn, items, jobs=None, share=False: real(fn, items, jobs)
-    if not once and a.compare == "refine":  # as before: closed forms and fitted weights held, float64 best copies
-        from auditor.calibration.statistics import refine as rf
-
+    if not once and a.compare == "refine":  # as before: the closed forms and the fitted weights held
         seq._Fitter.refine = _refine_held
-        rf._train = _train_float64_copies
     peaks = _refine_peaks(seq) if a.compare == "refine" else []
     products = f"/tmp/sequential_capture_{os.getpid()}.npz" if a.compare in ("memory", "threads") else None
     got = timed_fit(model, plan, cal, a.refine, products)
@@ -121,100 +118,6 @@ def _refine_held(self, blk, prefix, stage_layers, inputs, targets, masks):  # se
     for name, refined in done.items():
         self.out[name] = refined
         self.fitted[name] = refined.weight(self.plan[name][1])
-
-
-def _train_float64_copies(blk, factors, frozen, data, hidden, epochs, lr):  # refine._train before 2026-12-08
-    import torch
-
-    from auditor.calibration.statistics import refine as rf
-
-    inputs, targets, masks = data
-    held = max(1, len(inputs) // rf.CHECK)
-    train, check = range(len(inputs) - held), range(len(inputs) - held, len(inputs))
-    trained = [t for f in factors for t in (f.a, f.b)]
-    opt = torch.optim.Adam([{"params": [t], "lr": lr * float(t.detach().pow(2).mean().sqrt())} for t in trained])
-    dev = trained[0].device
-
-    def loss(j):
-        there = rf.on_device((inputs[j], targets[j], masks[j]), dev)
-        return rf._block_error(blk, factors, frozen, *there, hidden)
-
-    def error():
-        with torch.no_grad():
-            return sum(float(loss(j)) for j in check)
-    best, kept = error(), None
-    with torch.enable_grad():
-        for _ in range(epochs):
-            for j in train:
-                opt.zero_grad(set_to_none=True)
-                loss(j).backward()
-                opt.step()
-            now = error()
-            if not now < best:
-                break
-            best, kept = now, [f.refined() for f in factors]
-    return {r.layer.name: r for r in kept} if kept is not None else {}
-
-
-def _fitted_map_lu(f, cross, gram, ridge):  # statistics/sequential.py's fitted_map before 2026-12-07's change
-    import numpy as np
-
-    n = gram.shape[0]
-    scale = float(np.mean(np.diagonal(gram))) if n else 0.0
-    lam = ridge * scale if scale > 0 else ridge
-    eye = np.eye(n)
-    g = (gram + gram.T) / 2 + lam * eye
-    rhs = (cross.T + lam * eye) @ f.T
-    return np.linalg.solve(g, rhs).T, lam
-
-
-def _add_per_layer(self, pairs):  # statistics/sequential.py's _Sums.add before 2026-12-07's change
-    from auditor.calibration.statistics import sequential as seq
-
-    done = {}
-
-    def product(a, b):
-        if (id(a), id(b)) not in done:
-            done[(id(a), id(b))] = seq._product(a, b)
-        return done[(id(a), id(b))]
-
-    for name, (x, xh) in pairs.items():
-        c, g = product(x, xh), product(xh, xh)
-        self.cross[name] = self.cross[name] + c if name in self.cross else c
-        self.gram[name] = self.gram[name] + g if name in self.gram else g
-        self.rows[name] = self.rows.get(name, 0) + x.shape[0]
-
-
-def _stop_after_layers(model, stage, stop):  # the runner statistics/sequential.py had before 2026-12-07's change
-    import contextlib
-
-    from auditor import kinds
-    from auditor.calibration.statistics import sequential as seq
-
-    mods = {id(m): m for m in (model.get_submodule(kinds.for_kind(l.kind).module_path(l)[0]) for l in stage)}
-    ran: set[int] = set()
-
-    def after(mod, _a, _o):
-        ran.add(id(mod))
-        if len(ran) == len(mods):
-            raise seq._StageRead
-
-    @contextlib.contextmanager
-    def runner():
-        handles = [m.register_forward_hook(after) for m in mods.values()] if stop else []
-
-        def call(fn):
-            ran.clear()
-            try:
-                fn()
-            except seq._StageRead:
-                pass
-        try:
-            yield call
-        finally:
-            for h in handles:
-                h.remove()
-    return runner()
 
 
 def main() -> None:
