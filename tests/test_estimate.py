@@ -336,18 +336,17 @@ def test_peak_disk_and_device_exact():
     # metrics/chunks.py); one output gradient at a time, the widest (10): it, its kept rows and its float copy
     assert by["gradients"] == 1100 + 2 * 2560 + 3 * 2560 + 2 * 256 + 1000 + 256 + 3 * 4 * 16 * 10 * 4 + 640 == 23988
     # tier 3, the verification and the plan check: one block's factors at a time (192 bytes) and the head's, outside
-    # the blocks (112), not every layer's (496); the last two fit the plan as factorize does: one block's layers'
-    # fitted weights (float32) and factors at half their break-even ranks (float64), 8 m n bytes a layer, with one
-    # stage's decompositions (each layer a stage, unmeasured; one thread: the larger layer's, 8 (4 x 4 + 8 x 8)),
-    # or after the blocks the head's (the finished blocks' on disk), the larger; three kept hidden states per fit
-    # batch, one stage's C and G and the product being added at the widest input (8), and the dense rows its stages
-    # read on every fit batch (inputs 4 and 8 wide, the hidden state's 256 bytes 4 wide)
-    fit = max(8 * (32 + 32) + 8 * (4 * 4 + 64), 8 * 40 + 8 * (10 * 4 + 16)) + 3 * 6 * 256 \
+    # the blocks (112), not every layer's (496); the last two fit the plan as factorize does: one block's fitted
+    # weights (float32) and truncators (float64) and the head's (the finished blocks' on disk), three kept hidden
+    # states per fit batch, one stage's C and G and the product being added at the widest input (8), and the dense
+    # rows its stages read on every fit batch (each layer a stage, unmeasured: inputs 4 and 8 wide, the hidden
+    # state's 256 bytes 4 wide)
+    fit = (4 * (32 + 32) + 8 * ((8 * 4 + 16) + (4 * 4 + 64))) + (4 * 40 + 8 * (10 * 4 + 16)) + 3 * 6 * 256 \
         + 3 * 8 * 64 + 6 * 256 * (4 + 8) // 4
     plan = 2560 + 3 * 2560  # the output's logits, three copies of one chunk of them
-    # the refinement: the block's inputs and targets per fit batch (3 x 6 hidden states), one batch's graph (the
-    # saved 1000) and one block's factors at half rank five times over (masters, gradients, two moments, the best)
-    refine = 3 * 6 * 256 + 1000 + 5 * 192
+    # the refinement: the fit's own without its sums and dense rows, one batch's graph (the saved 1000) and one
+    # block's factors at half rank four times over (float32 masters, gradients, two moments: 4 x 192)
+    refine = fit - 3 * 8 * 64 - 6 * 256 * (4 + 8) // 4 + 1000 + 4 * 192
     # one after another, so the largest: here the fit's stages (its sums and dense rows), none of the three added
     assert fit > plan + 1000 + 304 > refine
     assert (by["tier 3"], by["verification"], by["plan check"]) == (1100 + plan + 1000 + 304 + 1664,
@@ -364,12 +363,11 @@ def test_peak_disk_and_device_exact():
     vocab = est.Workload(**{**WORK.__dict__, "outputs": 100})
     got = {st.name: st.peak_bytes for st in est.predict(SHAPES, vocab, MEASURED).stages}["verification"]
     assert got == 1100 + 4 * 25600 + 1000 + 304
-    # a block's graph larger than the fit's sums and rows, one output: the refinement holds the most: the block's
-    # inputs and targets per fit batch (3 x 6 hidden states), the graph, and the block's factors five times
+    # a block's graph larger than the fit's sums and rows, one output: the refinement holds the most
     big = est.Measurements(**{**MEASURED.__dict__, "block_saved_bytes": 20000})
     narrow = est.Workload(**{**WORK.__dict__, "outputs": 1})
     got = {st.name: st.peak_bytes for st in est.predict(SHAPES, narrow, big).stages}["verification"]
-    assert got == 1100 + 3 * 6 * 256 + 20000 + 5 * 192
+    assert got == 1100 + fit - 3 * 8 * 64 - 6 * 256 * (4 + 8) // 4 + 20000 + 4 * 192
     # the Grams, the kept truncators cut (tier 1's and the gradient pass's: 2 x 8 min(m, n) (m + n)) and the moments
     cuts = 2 * 8 * (4 * 4 * 12 + 4 * 14)
     assert e.disk_bytes == 2 * (20000 + 2000 * 5) + 8 * 176 + cuts + 640
@@ -807,15 +805,3 @@ def test_the_estimate_times_the_decompositions_on_the_audits_device(cli_inproc, 
     if not torch.cuda.is_available():
         monkeypatch.undo()
         assert est._accelerator("cuda") is None and est._accelerator("cpu") is None and est._accelerator(None) is None
-
-
-def test_the_fits_memory_counts_one_stages_decompositions_at_a_time_one_a_thread():
-    """The sequential fit drops each decomposition once its rank's factors are taken: alive at once are one stage's,
-    at most one a thread (8 (m min(m, n) + n^2) bytes a layer: 384 for 8 x 4, 640 for 4 x 8), beside every layer of
-    the block's factors and fitted weight (8 m n a layer)."""
-    two = est.Workload(**{**WORK.__dict__, "threads": 2})
-    one_stage = est.Measurements(**{**MEASURED.__dict__, "stage_shares": (1.0,), "stage_layers": (2,)})
-    assert est._fit_bytes(SHAPES, two, MEASURED) == est._fit_bytes(SHAPES, WORK, MEASURED)  # a stage a layer
-    assert est._fit_bytes(SHAPES, two, one_stage) - est._fit_bytes(SHAPES, WORK, one_stage) == 384
-    deep = est.Shapes(**{**SHAPES.__dict__, "layers": BLOCK * 8 + ((10, 4),), "blocks": 8})
-    assert est._fit_bytes(deep, WORK, MEASURED) == est._fit_bytes(SHAPES, WORK, MEASURED)  # one block at a time
