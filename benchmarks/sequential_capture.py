@@ -120,6 +120,67 @@ def _refine_held(self, blk, prefix, stage_layers, inputs, targets, masks):  # se
         self.fitted[name] = refined.weight(self.plan[name][1])
 
 
+def _fitted_map_lu(f, cross, gram, ridge):  # statistics/sequential.py's fitted_map before 2026-12-07's change
+    import numpy as np
+
+    n = gram.shape[0]
+    scale = float(np.mean(np.diagonal(gram))) if n else 0.0
+    lam = ridge * scale if scale > 0 else ridge
+    eye = np.eye(n)
+    g = (gram + gram.T) / 2 + lam * eye
+    rhs = (cross.T + lam * eye) @ f.T
+    return np.linalg.solve(g, rhs).T, lam
+
+
+def _add_per_layer(self, pairs):  # statistics/sequential.py's _Sums.add before 2026-12-07's change
+    from auditor.calibration.statistics import sequential as seq
+
+    done = {}
+
+    def product(a, b):
+        if (id(a), id(b)) not in done:
+            done[(id(a), id(b))] = seq._product(a, b)
+        return done[(id(a), id(b))]
+
+    for name, (x, xh) in pairs.items():
+        c, g = product(x, xh), product(xh, xh)
+        self.cross[name] = self.cross[name] + c if name in self.cross else c
+        self.gram[name] = self.gram[name] + g if name in self.gram else g
+        self.rows[name] = self.rows.get(name, 0) + x.shape[0]
+
+
+def _stop_after_layers(model, stage, stop):  # the runner statistics/sequential.py had before 2026-12-07's change
+    import contextlib
+
+    from auditor import kinds
+    from auditor.calibration.statistics import sequential as seq
+
+    mods = {id(m): m for m in (model.get_submodule(kinds.for_kind(l.kind).module_path(l)[0]) for l in stage)}
+    ran: set[int] = set()
+
+    def after(mod, _a, _o):
+        ran.add(id(mod))
+        if len(ran) == len(mods):
+            raise seq._StageRead
+
+    @contextlib.contextmanager
+    def runner():
+        handles = [m.register_forward_hook(after) for m in mods.values()] if stop else []
+
+        def call(fn):
+            ran.clear()
+            try:
+                fn()
+            except seq._StageRead:
+                pass
+        try:
+            yield call
+        finally:
+            for h in handles:
+                h.remove()
+    return runner()
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--hidden", type=int, default=1024)
