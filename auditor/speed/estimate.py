@@ -732,7 +732,7 @@ def stage_extra(sh: Shapes, wl: Workload, me: Measurements) -> dict[str, int]:
     out["tier 3"] = plan + block + _block_grams(sh, me)
     # the verification fits the plan (one block's stages, then its refinement), then measures the fitted plan: the
     # three one after another, so the largest of them (a reviewed plan's check: a fit too). 2026-12-07: the three
-    # added, 15,288 MiB estimated where a 7B-wide depth-2 audit measured 12,321 (now 12,4xx)
+    # added, 15,288 MiB estimated where a 7B-wide depth-2 audit measured 12,321 (now 12,422 against 12,412)
     out["verification"] = out["plan check"] = max(plan + block, _fit_bytes(sh, wl, me), _refine_bytes(sh, wl, me))
     out["uniform baseline"] = out["tier 3"]  # one plan's factors of one block at a time, the store's part
     if sh.element_bytes == 2:  # every layer at full rank: twice a half-rank plan's factors, one block's at a time

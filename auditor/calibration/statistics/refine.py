@@ -118,10 +118,9 @@ class _Factors:
     def weight(self) -> torch.Tensor:  # where the factors train (a device's copy of the block runs with it)
         return stored_weight(self.layer, self.a @ self.b, tuple(self.like.shape), self.like.dtype, self.a.device)
 
-    def refined(self, a: torch.Tensor | None = None, b: torch.Tensor | None = None) -> Refined:
-        """The factors now, or ``a`` and ``b`` (a snapshot of them: :func:`_train`'s best epoch), as float64 on the
-        host (exact: the masters are float32 or float64)."""
-        a, b = (self.a if a is None else a), (self.b if b is None else b)
+    def refined(self, a: torch.Tensor, b: torch.Tensor) -> Refined:
+        """``a`` and ``b``, a snapshot of the factors (:func:`_train`'s best epoch), as float64 on the host (exact:
+        the masters are float32 or float64)."""
         return Refined(self.layer, a.detach().double().cpu().numpy(), b.detach().double().cpu().numpy(),
                        tuple(self.like.shape), self.like.dtype, self.like.device)
 
@@ -272,16 +271,18 @@ def _train(blk: nn.Module, factors: list[_Factors], frozen: dict[str, torch.Tens
             now = error()
             if not now < best:
                 break
-            best, kept = now, kept if kept is not None else [torch.empty_like(t) for t in trained]
+            best = now
+            kept = kept if kept is not None else [(torch.empty_like(f.a), torch.empty_like(f.b)) for f in factors]
             with torch.no_grad():
-                for snap, t in zip(kept, trained):
-                    snap.copy_(t)
+                for (a, b), f in zip(kept, factors):
+                    a.copy_(f.a)
+                    b.copy_(f.b)
     if kept is None:
         return {}
     for t in trained:  # the gradients and Adam's moments freed before the host copies are made
         t.grad = None
     del opt
-    return {f.layer.name: f.refined(kept[2 * i], kept[2 * i + 1]) for i, f in enumerate(factors)}
+    return {f.layer.name: f.refined(a, b) for (a, b), f in zip(kept, factors)}
 
 
 def step_seconds(blk: nn.Module, inputs: tuple[tuple[object, ...], dict[str, object]], keep: float,

@@ -578,13 +578,15 @@ class _Fitter:
             done = refine_block(blk, closed_forms(), Batches(inputs, targets, masks), hidden_state, self.epochs,
                                 device=self.device)
         for layer, _ in planned:
-            kept = done.get(layer.name)
-            if kept is not None:
-                _remove_spilled(self.out[layer.name])  # the closed form's files: the refined factors replace it
-                self.out[layer.name] = kept
-            self.fitted[layer.name] = self.out[layer.name].weight(self.plan[layer.name][1])
-            if kept is None and self.out[layer.name].on_disk:  # the closed form read from disk: its pages let go
-                self.out[layer.name] = self.out[layer.name].remapped()  # type: ignore[union-attr]
+            closed, kept = self.out[layer.name], done.get(layer.name)
+            assert isinstance(closed, Pinned)  # a planned layer is one not refined yet
+            rank = self.plan[layer.name][1]
+            if kept is not None:  # the refined factors replace the closed form, and its files
+                closed.remove_files()
+                self.out[layer.name], self.fitted[layer.name] = kept, kept.weight(rank)
+            else:  # the closed form, read from disk where it waited there: mapped afresh, its read pages let go
+                self.fitted[layer.name] = closed.weight(rank)
+                self.out[layer.name] = closed.remapped() if closed.on_disk else closed
 
     def _base(self, layer: Layer) -> str:
         """Where ``layer``'s spilled arrays go: a file name's stem in the fit's temporary directory (made once)."""
@@ -625,16 +627,6 @@ class _Fitter:
         """Each batch through the whole model."""
         return [(batch_mask(b), lambda b=b: run(self.model, b), self.swapped(lambda b=b: run(self.model, b)))
                 for b in fit]
-
-
-def _remove_spilled(held: "Pinned | Refined") -> None:
-    """The files of spilled factors that nothing will read again removed (a mapping of them stays valid until it is
-    dropped), so a block's refined factors do not leave its closed forms' beside them on disk until the fit ends."""
-    if held.on_disk:
-        for pair in held.pairs if isinstance(held, Pinned) else [(held.a, held.b)]:
-            for x in pair:
-                with contextlib.suppress(OSError):
-                    os.remove(x.filename)
 
 
 def _by_block(stages: list[list[Layer]], found: Blocks) -> list[int | None] | None:

@@ -17,6 +17,7 @@ shorter one (out <= in), sigma_i^2 and u_i come from F (G + lambda I) F^T, which
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import tempfile
@@ -402,6 +403,15 @@ class Pinned:
     def on_disk(self) -> bool:
         """Whether the factors are :meth:`spilled` (memory-mapped files)."""
         return all(isinstance(x, np.memmap) for pair in self.pairs for x in pair)
+
+    def remove_files(self) -> None:
+        """The spilled files removed, where nothing will read them again (a mapping of them stays valid until it is
+        dropped); nothing for factors in memory."""
+        if self.on_disk:
+            for pair in self.pairs:
+                for x in pair:
+                    with contextlib.suppress(OSError):
+                        os.remove(x.filename)
 
     def remapped(self) -> "Pinned":
         """The same, its spilled files mapped afresh: the pages a read brought into the process's resident memory are
